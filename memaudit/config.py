@@ -1,0 +1,346 @@
+"""Typed, validated run configuration. YAML is only the file format.
+
+Each section is a frozen, keyword-only pydantic model that rejects unknown keys,
+so a typo is an error naming the key instead of a silently ignored setting.
+
+>>> cfg = load_config(None, overrides=["train.lr=3e-4", "model.preset=small"])
+>>> cfg.train.lr, cfg.model.preset
+(0.0003, 'small')
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from memaudit.errors import ConfigError
+
+Backend = Literal["parallel", "federated"]
+OwnerKind = Literal["user", "spread"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------- data
+class SynthConfig(_Section):
+    """The embedded synthetic corpus used when `data.path` is not set."""
+
+    users: int = Field(64, ge=2)
+    docs_per_user: int = Field(8, ge=1)
+    seed: int = 0
+
+
+class CanaryConfig(_Section):
+    """Secret Sharer canaries (Carlini et al. 2019): a template with a random secret."""
+
+    repetitions: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    owners: list[OwnerKind] = Field(default_factory=lambda: ["user", "spread"])
+    per_setting: int = Field(1, ge=0, description="canaries per (repetition, owner kind)")
+    template: str = "my account pin is {secret}"
+    secret_length: int = Field(6, ge=1, le=32, description="digits in the secret")
+    references: int | None = Field(
+        None, ge=0, description="never-inserted references; default: as many as inserted"
+    )
+
+    @field_validator("repetitions")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(r < 1 for r in v):
+            raise ValueError("every repetition count must be >= 1")
+        return v
+
+    @field_validator("template")
+    @classmethod
+    def _has_slot(cls, v: str) -> str:
+        if v.count("{secret}") != 1:
+            raise ValueError("the template must contain '{secret}' exactly once")
+        return v
+
+
+class DataConfig(_Section):
+    path: str | None = Field(None, description="JSONL/CSV/Parquet/text file, directory or dataset name")
+    text_field: str = "text"
+    user_field: str = "user"
+    split_name: str = "train"
+    synth: SynthConfig = SynthConfig()
+    canaries: CanaryConfig = CanaryConfig()
+    audit_canaries: int = Field(0, ge=0)
+    heldout_users: float = Field(0.2, gt=0, lt=1, description="fraction of users never trained on")
+    holdout_fraction: float = Field(
+        0.2, gt=0, lt=1, description="IID fraction of training users' documents held out"
+    )
+    seq_len: int = Field(128, ge=8)
+    tokenizer: str | None = Field(None, description="HF tokenizer directory; default: train a BPE")
+    tokenizer_corpus: str | None = Field(
+        None, description="public text file for the tokenizer; default: held-out users' documents"
+    )
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- model
+class ModelConfig(_Section):
+    preset: Literal["tiny", "small", "125m", "350m", "1b", "8b"] = "tiny"
+    init_seed: int = 0
+    name_or_path: str | None = Field(
+        None, description="start from a Hugging Face model directory or hub name instead of a preset"
+    )
+
+
+# ----------------------------------------------------------------------------- train
+class GoldfishConfig(_Section):
+    """Goldfish loss (Hans et al. 2024): drop ~1/k of target tokens, chosen by a hash of h ids."""
+
+    enabled: bool = False
+    k: int = Field(4, description="drop one in k tokens; k >= 2")
+    h: int = Field(13, ge=1, description="context width of the hash")
+
+    @field_validator("k")
+    @classmethod
+    def _k(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError("goldfish k must be >= 2 (k=1 would drop every token); use k=4")
+        return v
+
+
+class TrainConfig(_Section):
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(16, ge=1, description="sequences per step (expected size under DP)")
+    micro_batch_size: int | None = Field(None, ge=1, description="gradient accumulation chunk")
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = Field(1.0, gt=0, description="global-norm clipping (non-private)")
+    seed: int = 0
+    eval_every: int = Field(50, ge=1)
+    eval_batches: int = Field(4, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    activation_checkpointing: bool | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    goldfish: GoldfishConfig = GoldfishConfig()
+
+
+# ----------------------------------------------------------------------------- privacy
+class AdaptiveClipConfig(_Section):
+    """Adaptive clipping (Andrew et al. 2021), federated backend."""
+
+    enabled: bool = False
+    target_quantile: float = Field(0.5, gt=0, lt=1)
+    lr: float = Field(0.2, gt=0)
+    initial_clip: float = Field(0.1, gt=0)
+    count_noise: float | None = Field(None, ge=0, description="default: cohort / 20")
+
+
+class SecAggConfig(_Section):
+    """Secure aggregation (Bonawitz et al. 2017; SecAgg+ of Bell et al. 2020)."""
+
+    enabled: bool = False
+    threshold: float = Field(0.6, gt=0, le=1, description="t as a fraction of the cohort")
+    neighbours: Literal["full", "sparse", "auto"] = "auto"
+    bits: int = Field(20, ge=4, le=30, description="quantisation bits per coordinate")
+    dropout: float = Field(0.0, ge=0, lt=1, description="simulated client dropout rate")
+
+
+class PrivacyConfig(_Section):
+    noise_multiplier: float | None = Field(None, description="sigma; privacy is off unless set")
+    clip: float = Field(1.0, description="L2 clip norm C; 'inf' disables clipping")
+    target_epsilon: float | None = Field(None, gt=0, description="calibrate sigma to this epsilon")
+    delta: float | None = Field(None, description="default: largest power of ten <= 1/(10 N)")
+    accountant: Literal["rdp", "pld", "both"] = "both"
+    seed: int | None = Field(None, description="noise seed for tests; default: OS entropy")
+    mechanism: Literal["central", "distributed"] = "central"
+    adaptive_clipping: AdaptiveClipConfig = AdaptiveClipConfig()
+    secure_aggregation: SecAggConfig = SecAggConfig()
+
+    @field_validator("noise_multiplier")
+    @classmethod
+    def _sigma(cls, v: float | None) -> float | None:
+        if v is not None and (v < 0 or math.isnan(v)):
+            raise ValueError(f"noise multiplier must be >= 0, got {v}")
+        return v
+
+    @field_validator("clip")
+    @classmethod
+    def _clip(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"clip norm must be > 0 (or 'inf' for no clipping), got {v}")
+        return v
+
+    @field_validator("delta")
+    @classmethod
+    def _delta(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v < 1:
+            raise ValueError(f"delta must be in (0, 1), got {v}")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.noise_multiplier is not None or self.target_epsilon is not None
+
+
+# ----------------------------------------------------------------------------- backends
+class ParallelConfig(_Section):
+    """4D grid: data x (x, y, z) tensor parallelism (AxoNN). World size = product."""
+
+    data: int = Field(1, ge=1)
+    x: int = Field(1, ge=1)
+    y: int = Field(1, ge=1)
+    z: int = Field(1, ge=1)
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    overlap: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.x * self.y * self.z
+
+
+class FederatedConfig(_Section):
+    rounds: int = Field(50, ge=1)
+    cohort: int = Field(8, ge=1, description="expected (Poisson) or exact (fixed) cohort size")
+    sampling: Literal["poisson", "fixed"] = "poisson"
+    algorithm: Literal["fedavg", "fedsgd"] = "fedavg"
+    local_steps: int = Field(4, description="client optimizer steps per round")
+    local_batch_size: int = Field(4, ge=1)
+    client_optimizer: Literal["sgd", "adam"] = "sgd"
+    client_lr: float = Field(0.1, gt=0)
+    server_optimizer: Literal["fedavg", "fedadam", "sgd"] = "fedadam"
+    server_lr: float = Field(3e-3, gt=0)
+    mesh_clients: int | None = Field(None, ge=1, description="devices on the clients mesh axis")
+    eval_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(10, ge=1)
+
+    @field_validator("local_steps")
+    @classmethod
+    def _local(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"local_steps must be >= 1, got {v}")
+        return v
+
+
+class Config(_Section):
+    backend: Backend = "parallel"
+    output_dir: str | None = None
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    federated: FederatedConfig = FederatedConfig()
+
+    @model_validator(mode="after")
+    def _cross(self) -> Config:
+        if self.backend == "federated" and self.train.goldfish.enabled:
+            raise ValueError(
+                "train.goldfish is a centralized-only mitigation; set train.goldfish.enabled=false "
+                "or backend=parallel"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------- loading
+def _format_error(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"]) or "<root>"
+    if e["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{key}'; check the spelling (see configs/tiny.yaml)"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{source}: invalid value for '{key}': {msg}"
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override '{dotted}': '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value), the value parsed as a YAML scalar or list."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key=value, e.g. train.lr=3e-4")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_raw(path: str | os.PathLike | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' not found; pass a YAML file such as configs/tiny.yaml")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file '{p}' is not valid YAML{where}; fix the syntax") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping of sections, not {type(raw).__name__}")
+    return raw
+
+
+def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def load_config(
+    path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Load YAML (or defaults when `path` is None), apply `key=value` overrides, validate."""
+    raw = load_raw(path)
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw, source=str(path) if path is not None else "config")
+
+
+def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """A new config with dotted-key overrides applied and re-validated."""
+    raw = cfg.model_dump(mode="json")
+    for key, value in overrides.items():
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw)
+
+
+def dump_config(cfg: Config) -> dict[str, Any]:
+    """JSON-ready resolved config (inf written as the string 'inf')."""
+    return _json_safe(cfg.model_dump(mode="python"))
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isinf(obj):
+        return "inf" if obj > 0 else "-inf"
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    return obj

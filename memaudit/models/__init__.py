@@ -1,0 +1,1 @@
+"""Model presets (Llama family), the Flax Llama, and HF <-> Flax weight mapping."""
