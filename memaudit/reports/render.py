@@ -1,0 +1,83 @@
+"""Render report.json to a self-contained report.html (inline SVG) and report.md.
+
+Both are rendered from the report dict alone. All text that came from training data is
+escaped: jinja2 autoescaping in HTML, entity escaping in Markdown.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from memaudit.reports.findings import METRICS
+from memaudit.reports.plots import all_plots
+
+_TEMPLATES = Path(__file__).parent / "templates"
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if math.isinf(v):
+            return "inf"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def cell(c: dict[str, Any] | None) -> str:
+    if not c or c.get("value") is None:
+        return "n/a"
+    s = fmt(c["value"])
+    if c.get("ci_low") is not None and c.get("ci_high") is not None:
+        s += f" [{fmt(c['ci_low'])}, {fmt(c['ci_high'])}]"
+    return s
+
+
+def md(text: Any) -> str:
+    """Escape text for Markdown: no raw HTML, no table breaks, no code spans."""
+    s = html.escape(str(text), quote=True)
+    return s.replace("|", "&#124;").replace("`", "&#96;").replace("\n", " ").replace("*", "&#42;").replace("_", "&#95;").replace("[", "&#91;").replace("]", "&#93;")
+
+
+def _env(autoescape: bool) -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(_TEMPLATES),
+        autoescape=autoescape,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=False,
+        lstrip_blocks=False,
+    )
+    env.globals.update(fmt=fmt, cell=cell, md=md)
+    return env
+
+
+def _labels() -> list[tuple[str, str]]:
+    short = {
+        "exposure_top": "exposure, top reps (bits)",
+        "extraction_exact": "exact extraction",
+        "canary_completion": "canary completion",
+        "mia_auc": "MIA AUC",
+        "user_mia_auc": "user-inference AUC",
+        "pii_extraction": "PII extraction",
+        "audit_epsilon": "audit epsilon LB",
+    }
+    return [(k, short[k]) for k in METRICS]
+
+
+def render_html(report: dict[str, Any]) -> str:
+    return _env(True).get_template("report.html.j2").render(
+        r=report, plots=all_plots(report), metric_labels=_labels()
+    )
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    return _env(False).get_template("report.md.j2").render(r=report, metric_labels=_labels())
