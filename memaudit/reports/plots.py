@@ -22,7 +22,12 @@ def _svg(fig) -> str:
     plt.close(fig)
     text = buf.getvalue()
     start = text.find("<svg")
-    return text[start:] if start >= 0 else text
+    text = text[start:] if start >= 0 else text
+    # drop the RDF metadata block: it only names namespaces, but keep the page free of URLs
+    a, b = text.find("<metadata>"), text.find("</metadata>")
+    if a >= 0 and b > a:
+        text = text[:a] + text[b + len("</metadata>"):]
+    return text
 
 
 def _eps_x(eps: float | None, finite: list[float]) -> float:

@@ -1,0 +1,267 @@
+"""Build report.json from run directories: manifest, ledger, metrics and probes.
+
+The report reads only what earlier stages wrote (run.json, privacy.json, metrics.jsonl,
+probes.json). Every epsilon is recomputed from the ledger's events.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from memaudit import __version__
+from memaudit.errors import MemauditError
+from memaudit.io import read_json, read_jsonl
+from memaudit.reports import findings as findings_mod
+from memaudit.reports.probes_adapter import summarize_probes
+from memaudit.rundir import RunDir
+
+SCHEMA = "memaudit.report/1"
+
+
+def find_runs(paths: list[str | os.PathLike]) -> list[RunDir]:
+    """Run directories among `paths` (each a run, or a folder holding runs, e.g. a sweep)."""
+    runs: list[RunDir] = []
+    for p in paths:
+        p = Path(p)
+        if not p.exists():
+            raise MemauditError(f"'{p}' does not exist; pass run directories written by `memaudit train`")
+        rd = RunDir(p)
+        if rd.is_run():
+            runs.append(rd)
+            continue
+        found = sorted({m.parent for m in p.rglob("run.json")})
+        runs.extend(RunDir(f) for f in found)
+    if not runs:
+        raise MemauditError(
+            f"no runs found under {', '.join(str(p) for p in paths)}; pass directories written by "
+            "`memaudit train` or `memaudit sweep`"
+        )
+    return runs
+
+
+def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
+    if not rd.privacy_path.is_file():
+        return {"epsilon": math.inf, "unit": None, "delta": None, "per_user": None, "noise_multiplier": None}
+    raw = read_json(rd.privacy_path)
+    eps = None
+    try:  # recompute from the serialised events
+        from memaudit.privacy.ledger import PrivacyLedger
+
+        ledger = PrivacyLedger.from_json(raw)
+        eps = ledger.epsilon("pld") if raw.get("epsilon", {}).get("pld") is not None else ledger.epsilon("rdp")
+    except Exception:  # noqa: BLE001 - fall back to the stored value, flagged
+        stored = raw.get("epsilon", {})
+        eps = stored.get("pld") if stored.get("pld") is not None else stored.get("rdp")
+    if eps is None:
+        eps = math.inf
+    return {
+        "epsilon": float(eps),
+        "unit": raw.get("unit"),
+        "delta": raw.get("delta"),
+        "per_user": raw.get("per_user"),
+        "noise_multiplier": raw.get("noise_multiplier"),
+        "accounting": raw.get("accountant_note") or raw.get("adjacency"),
+    }
+
+
+def _mechanism(backend: str, cfg: dict[str, Any], priv: dict[str, Any]) -> str:
+    p = cfg.get("privacy", {})
+    on = p.get("noise_multiplier") is not None or p.get("target_epsilon") is not None
+    if not on:
+        return "none"
+    if backend == "parallel":
+        return "DP-SGD"
+    name = "distributed DP" if p.get("mechanism") == "distributed" else "DP-FedAvg"
+    if p.get("secure_aggregation", {}).get("enabled"):
+        name += " + SecAgg"
+    if p.get("adaptive_clipping", {}).get("enabled"):
+        name += " (adaptive clip)"
+    return name
+
+
+def _per_user_text(priv: dict[str, Any]) -> str:
+    if priv["unit"] is None or math.isinf(priv["epsilon"]):
+        return "no guarantee"
+    if priv["unit"] == "user":
+        return f"epsilon = {priv['epsilon']:.3g} per user"
+    pu = priv.get("per_user") or {}
+    k = pu.get("max_sequences_per_user")
+    if pu.get("vacuous"):
+        return f"vacuous for a user with {k} sequences"
+    if pu.get("epsilon") is not None:
+        return f"epsilon = {pu['epsilon']:.3g} for a user with {k} sequences"
+    return "per sequence only"
+
+
+def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
+    m = rd.read_manifest()
+    cfg = m.get("config", {})
+    if not rd.probes_path.is_file():
+        raise MemauditError(
+            f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
+        )
+    probes = read_json(rd.probes_path)
+    priv = _ledger_epsilon(rd)
+    backend = m.get("backend", cfg.get("backend", "parallel"))
+    mech = _mechanism(backend, cfg, priv)
+    res = m.get("result", {})
+    metrics = read_jsonl(rd.metrics_path)
+    noise_rows = [
+        {"round": r.get("round"), "survivors": r.get("survivors"), "effective_noise": r.get("effective_noise")}
+        for r in metrics
+        if r.get("survivors") is not None and r.get("cohort") is not None and r.get("survivors") < r.get("cohort")
+    ]
+    summary = summarize_probes(probes, show_secrets=show_secrets)
+    desc = mech if mech == "none" else (
+        f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}, "
+        f"epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
+        + (f" ({priv['accounting']})" if priv.get("accounting") else "")
+    )
+    return {
+        "id": rd.path.name,
+        "path": str(rd.path),
+        "backend": backend,
+        "status": rd.status(),
+        "seed": cfg.get("train", {}).get("seed"),
+        "audit": bool(cfg.get("data", {}).get("audit_canaries", 0)),
+        "model": {"preset": cfg.get("model", {}).get("preset"), "params": res.get("params")},
+        "data": {
+            "fingerprint": (m.get("data_fingerprint") or "")[:12],
+            "users": res.get("train_users"),
+            "sequences": res.get("train_sequences"),
+        },
+        "privacy": {
+            "mechanism": mech,
+            "description": desc,
+            "epsilon": priv["epsilon"],
+            "target_epsilon": cfg.get("privacy", {}).get("target_epsilon"),
+            "noise_multiplier": priv["noise_multiplier"],
+            "delta": priv["delta"],
+            "unit": priv["unit"],
+            "per_user": priv["per_user"],
+            "per_user_text": _per_user_text(priv),
+        },
+        "mitigation": {"goldfish": bool(cfg.get("train", {}).get("goldfish", {}).get("enabled"))},
+        "utility": {
+            "holdout_loss": res.get("final_holdout_loss"),
+            "holdout_perplexity": res.get("final_holdout_perplexity"),
+        },
+        "noise_per_round": noise_rows,
+        "leakage": summary["leakage"],
+        "probes_summary": summary["plots"],
+        "probe_rows": summary["rows"],
+        "samples": summary["samples"],
+    }
+
+
+# ----------------------------------------------------------------------------- comparisons
+def _nominal(run: dict[str, Any]) -> float:
+    t = run["privacy"].get("target_epsilon")
+    if run["privacy"]["mechanism"] == "none":
+        return math.inf
+    return float(t) if t is not None else round(run["privacy"]["epsilon"], 2)
+
+
+def _pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Combine one metric over seeds: mean, with a half-width that adds within-run and between-seed spread."""
+    cells = [c for c in cells if c and c.get("value") is not None]
+    if not cells:
+        return None
+    vals = [c["value"] for c in cells]
+    mean = statistics.fmean(vals)
+    halves = [
+        (c.get("ci_high", c["value"]) - c.get("ci_low", c["value"])) / 2 for c in cells
+    ]
+    within = statistics.fmean(halves)
+    between = 1.96 * statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0
+    half = math.sqrt(within**2 + between**2)
+    return {"value": mean, "ci_low": mean - half, "ci_high": mean + half, "n_seeds": len(vals)}
+
+
+def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        if r["audit"]:
+            continue
+        g[(r["backend"], _nominal(r), r["mitigation"]["goldfish"])].append(r)
+    return g
+
+
+def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    groups = _groups(runs)
+    metrics = list(findings_mod.METRICS)
+    matched = []
+    for eps in sorted({k[1] for k in groups}):
+        a, b = groups.get(("parallel", eps, False)), groups.get(("federated", eps, False))
+        if not a or not b:
+            continue
+        cells = {}
+        for key in metrics:
+            pa = _pool([r["leakage"].get(key) for r in a])
+            pf = _pool([r["leakage"].get(key) for r in b])
+            if pa and pf:
+                v = findings_mod.compare(pf, pa)
+                verdict = {"less": "federated leaks less", "more": "federated leaks more", "same": "within intervals"}[v]
+                cells[key] = {"parallel": pa, "federated": pf, "verdict": verdict}
+        matched.append({"epsilon": eps, "metrics": cells})
+    effects = []
+    for (backend, eps, gf), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        label = "centralized" if backend == "parallel" else "federated"
+        base = None
+        if gf:
+            base, name = groups.get((backend, eps, False)), "Goldfish loss"
+            label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
+        elif not math.isinf(eps):
+            base, name = groups.get((backend, math.inf, False)), f"DP at epsilon = {eps:g}"
+        if not base:
+            continue
+        cells = {}
+        for key in metrics:
+            t = _pool([r["leakage"].get(key) for r in rs])
+            b0 = _pool([r["leakage"].get(key) for r in base])
+            if t and b0:
+                cells[key] = {"treated": t, "baseline": b0}
+        effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps, "metrics": cells})
+    curves = []
+    lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
+    by_label: dict[str, list] = defaultdict(list)
+    for (backend, eps, gf), rs in groups.items():
+        lbl = ("centralized" if backend == "parallel" else "federated") + (" + Goldfish" if gf else "")
+        ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
+        leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
+        if not ppl:
+            continue
+        by_label[lbl].append({
+            "epsilon": eps,
+            "perplexity": {"mean": statistics.fmean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0},
+            "leakage": {"mean": statistics.fmean(leak) if leak else float("nan"),
+                        "std": statistics.stdev(leak) if len(leak) > 1 else 0.0},
+            "n_seeds": len(rs),
+        })
+    for lbl, pts in sorted(by_label.items()):
+        curves.append({"label": lbl, "points": pts, "leakage_label": findings_mod.METRICS[lead][0] if lead else "leakage"})
+    return {"matched": matched, "effects": effects, "curves": curves}
+
+
+def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False) -> dict[str, Any]:
+    rds = find_runs(paths)
+    missing = [str(rd.path) for rd in rds if not rd.probes_path.is_file()]
+    if missing:
+        raise MemauditError(
+            f"{len(missing)} run(s) have no probes.json ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}); run `memaudit probe RUN_DIR` on each first"
+        )
+    runs = [run_entry(rd, show_secrets=show_secrets) for rd in rds]
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "memaudit_version": __version__,
+        "runs": runs,
+        "comparisons": comparisons(runs),
+    }
+    report["findings"] = findings_mod.generate(report)
+    return report

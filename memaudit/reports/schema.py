@@ -1,0 +1,82 @@
+"""JSON Schema of report.json (draft 2020-12). HTML and Markdown render from a valid report alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+
+_NUM = {"type": ["number", "null"]}
+_CELL = {
+    "type": ["object", "null"],
+    "required": ["value"],
+    "properties": {"value": _NUM, "ci_low": _NUM, "ci_high": _NUM},
+}
+
+REPORT_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "memaudit report",
+    "type": "object",
+    "required": ["schema", "memaudit_version", "runs", "comparisons", "findings"],
+    "properties": {
+        "schema": {"const": "memaudit.report/1"},
+        "memaudit_version": {"type": "string"},
+        "runs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "backend", "privacy", "utility", "leakage", "probe_rows", "model",
+                             "data", "mitigation", "noise_per_round", "samples", "probes_summary"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "backend": {"enum": ["parallel", "federated"]},
+                    "privacy": {
+                        "type": "object",
+                        "required": ["mechanism", "epsilon", "unit", "per_user_text", "description"],
+                        "properties": {
+                            "epsilon": {"type": ["number", "string"]},
+                            "unit": {"enum": ["example", "user", None]},
+                        },
+                    },
+                    "utility": {"type": "object", "properties": {"holdout_perplexity": _NUM, "holdout_loss": _NUM}},
+                    "leakage": {"type": "object", "additionalProperties": _CELL},
+                    "probe_rows": {
+                        "type": "array",
+                        "items": {"type": "object", "required": ["probe", "metric", "value"]},
+                    },
+                    "samples": {"type": "array", "items": {"type": "string"}},
+                    "noise_per_round": {"type": "array"},
+                },
+            },
+        },
+        "comparisons": {
+            "type": "object",
+            "required": ["matched", "effects", "curves"],
+            "properties": {
+                "matched": {"type": "array"},
+                "effects": {"type": "array"},
+                "curves": {"type": "array"},
+            },
+        },
+        "findings": {
+            "type": "object",
+            "required": ["sentences", "caveats"],
+            "properties": {
+                "sentences": {
+                    "type": "array",
+                    "items": {"type": "object", "required": ["text", "verdict", "metric"]},
+                },
+                "caveats": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+    },
+}
+
+
+def validate_report(report: dict[str, Any]) -> None:
+    """Raise ValueError naming the first schema violation."""
+    try:
+        jsonschema.validate(report, REPORT_SCHEMA)
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "<root>"
+        raise ValueError(f"report.json does not match its schema at '{where}': {e.message}") from None

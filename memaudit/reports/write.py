@@ -1,0 +1,62 @@
+"""Write report.json, report.html and report.md into a report directory, atomically."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from memaudit.io import atomic_write_text
+from memaudit.reports.render import render_html, render_markdown
+from memaudit.reports.schema import validate_report
+
+
+def _json_safe(o: Any) -> Any:
+    if isinstance(o, float) and (math.isinf(o) or math.isnan(o)):
+        return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
+    if isinstance(o, dict):
+        return {k: _json_safe(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_json_safe(v) for v in o]
+    return o
+
+
+def _json_restore(o: Any) -> Any:
+    if o == "inf":
+        return math.inf
+    if o == "-inf":
+        return -math.inf
+    if isinstance(o, dict):
+        return {k: _json_restore(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_json_restore(v) for v in o]
+    return o
+
+
+def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out '{out}' exists and is not a directory; choose another path")
+    safe = _json_safe(report)
+    validate_report(safe)
+    paths = {"json": out / "report.json", "html": out / "report.html", "md": out / "report.md"}
+    atomic_write_text(paths["json"], json.dumps(safe, indent=2) + "\n")
+    restored = _json_restore(safe)  # render from exactly what report.json holds
+    atomic_write_text(paths["html"], render_html(restored))
+    atomic_write_text(paths["md"], render_markdown(restored))
+    return paths
+
+
+def load_report(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    validate_report(raw)
+    return _json_restore(raw)
+
+
+def rerender(report_json: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Re-render HTML and Markdown from report.json alone."""
+    report = load_report(report_json)
+    return write_report(report, out_dir or Path(report_json).parent)

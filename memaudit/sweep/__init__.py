@@ -1,0 +1,1 @@
+"""`memaudit sweep`: train, probe and report over a grid of backends, privacy levels and seeds."""

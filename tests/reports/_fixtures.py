@@ -1,0 +1,33 @@
+"""Hand-built report inputs for report tests (no training needed)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def cell(v: float, half: float) -> dict[str, float]:
+    return {"value": v, "ci_low": v - half, "ci_high": v + half}
+
+
+def run(rid: str, backend: str, eps: float, *, mia: dict, goldfish: bool = False, unit: str | None = None,
+        samples: list[str] | None = None) -> dict[str, Any]:
+    dp = not math.isinf(eps)
+    return {
+        "id": rid, "path": f"/runs/{rid}", "backend": backend, "status": "complete", "seed": 0, "audit": False,
+        "model": {"preset": "tiny", "params": 1787008},
+        "data": {"fingerprint": "abc123", "users": 51, "sequences": 400},
+        "privacy": {
+            "mechanism": ("DP-SGD" if backend == "parallel" else "DP-FedAvg") if dp else "none",
+            "description": "test", "epsilon": eps, "target_epsilon": eps if dp else None,
+            "noise_multiplier": 1.0 if dp else None, "delta": 1e-5 if dp else None,
+            "unit": unit if dp else None, "per_user": None, "per_user_text": "n/a",
+        },
+        "mitigation": {"goldfish": goldfish},
+        "utility": {"holdout_loss": 3.0, "holdout_perplexity": 20.0},
+        "noise_per_round": [],
+        "leakage": {"mia_auc": mia},
+        "probes_summary": {"membership_roc": {"fpr": [0.0, 0.01, 0.1, 1.0], "tpr": [0.0, 0.05, 0.3, 1.0], "auc": mia["value"]}},
+        "probe_rows": [{"probe": "membership", "metric": "loss AUC", **mia}],
+        "samples": samples or [],
+    }

@@ -1,0 +1,51 @@
+import json
+
+from memaudit.reports import findings
+from memaudit.reports.build import SCHEMA, comparisons
+from memaudit.reports.schema import validate_report
+from memaudit.reports.write import load_report, rerender, write_report
+from tests.reports._fixtures import cell, run
+
+XSS = ['<script>alert(1)</script>', '"><img src=x onerror=alert(1)>']
+
+
+def make_report():
+    runs = [
+        run("par-eps4", "parallel", 4.0, mia=cell(0.8, 0.02), unit="example", samples=XSS),
+        run("fed-eps4", "federated", 4.0, mia=cell(0.55, 0.02), unit="user"),
+        run("par-inf", "parallel", float("inf"), mia=cell(0.95, 0.02)),
+    ]
+    rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
+    rep["findings"] = findings.generate(rep)
+    return rep
+
+
+def test_written_report_validates_and_escapes(tmp_path):
+    paths = write_report(make_report(), tmp_path)
+    raw = json.loads(paths["json"].read_text())
+    validate_report(raw)
+    html = paths["html"].read_text()
+    md = paths["md"].read_text()
+    for bad in XSS:
+        assert bad not in html and bad not in md
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "<svg" in html and "http://" not in html.replace("http://www.w3.org", "")
+    assert "federated leaks less than centralized" in md
+
+
+def test_rerender_from_json_alone(tmp_path):
+    paths = write_report(make_report(), tmp_path / "a")
+    html1 = paths["html"].read_text()
+    other = rerender(paths["json"], tmp_path / "b")
+    assert other["html"].read_text() == html1
+    assert other["md"].read_text() == paths["md"].read_text()
+    assert load_report(paths["json"])["runs"][2]["privacy"]["epsilon"] == float("inf")
+
+
+def test_schema_rejects_broken_report():
+    rep = json.loads(json.dumps(make_report(), default=str))
+    del rep["runs"][0]["leakage"]
+    import pytest
+
+    with pytest.raises(ValueError, match="schema"):
+        validate_report(rep)
