@@ -35,6 +35,12 @@ class SynthConfig(_Section):
     users: int = Field(64, ge=2)
     docs_per_user: int = Field(8, ge=1)
     seed: int = 0
+    repeat_every: int = Field(
+        4, ge=0, description="every k-th user also repeats a signature message (0: never)"
+    )
+    repeat_counts: list[int] = Field(
+        default_factory=lambda: [2, 4, 8], description="copies of a repeated signature message"
+    )
 
 
 class CanaryConfig(_Section):
@@ -47,6 +53,9 @@ class CanaryConfig(_Section):
     secret_length: int = Field(6, ge=1, le=32, description="digits in the secret")
     references: int | None = Field(
         None, ge=0, description="never-inserted references; default: as many as inserted"
+    )
+    audit_secret_length: int = Field(
+        12, ge=4, le=64, description="digits in an audit canary's secret (long, so unique)"
     )
 
     @field_validator("repetitions")
@@ -68,6 +77,12 @@ class DataConfig(_Section):
     path: str | None = Field(None, description="JSONL/CSV/Parquet/text file, directory or dataset name")
     text_field: str = "text"
     user_field: str = "user"
+    text_unit: Literal["line", "file"] = Field(
+        "line", description="plain text files: one document per line or per file"
+    )
+    pseudo_users: int | None = Field(
+        None, ge=2, description="users assigned to documents without a user field; default: N/8"
+    )
     split_name: str = "train"
     synth: SynthConfig = SynthConfig()
     canaries: CanaryConfig = CanaryConfig()

@@ -1,13 +1,118 @@
-"""`memaudit epsilon`."""
+"""`memaudit epsilon`: ε of a DP-SGD plan, or the noise multiplier for a target ε.
+
+    memaudit epsilon --sampling-rate 0.04 --noise-multiplier 1.5 --steps 2250 --delta 1e-5
+    memaudit epsilon --sampling-rate 0.04 --target-epsilon 8 --steps 2250 --delta 1e-5
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Annotated, Any
+
 import typer
 
-from memaudit.errors import NotImplementedYet
+from memaudit.errors import MemauditError
+
+HELP = ("Privacy budget of DP-SGD: epsilon for (sampling rate, noise multiplier, steps, delta), "
+        "or with --target-epsilon the noise multiplier that reaches it.")
+
+
+def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
+            dataset_size: int | None, target_epsilon: float | None, accountant: str,
+            clip: float | None, group_size: int | None) -> dict[str, Any]:
+    """The numbers `memaudit epsilon` prints (library code: no printing here)."""
+    from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, dpsgd_event, epsilon, group_epsilon
+    from memaudit.privacy.calibrate import calibrate_noise
+
+    if accountant not in ("rdp", "pld", "both"):
+        raise MemauditError(f"--accountant '{accountant}' is not known; use rdp, pld or both")
+    if clip is not None and not clip > 0:
+        raise MemauditError(f"--clip must be > 0, got {clip}")
+    if dataset_size is not None and dataset_size < 1:
+        raise MemauditError(f"--dataset-size must be >= 1, got {dataset_size}")
+    if group_size is not None and group_size < 1:
+        raise MemauditError(f"--group-size must be >= 1, got {group_size}")
+    if delta is None:
+        if dataset_size is None:
+            raise MemauditError("pass --delta (e.g. 1e-5) or --dataset-size N (delta = 1/(10 N) rounded down)")
+        delta = default_delta(dataset_size)
+    check_delta(delta)
+    if (sigma is None) == (target_epsilon is None):
+        raise MemauditError("pass exactly one of --noise-multiplier and --target-epsilon")
+    check_dpsgd(q, 0.0 if sigma is None else sigma, steps)
+    accountants = ["rdp", "pld"] if accountant == "both" else [accountant]
+    out: dict[str, Any] = {"sampling_rate": q, "steps": steps, "delta": delta}
+    if target_epsilon is not None:
+        first = accountants[-1]  # the tightest accountant asked for sets sigma
+        sigma = calibrate_noise(target_epsilon, q=q, steps=steps, delta=delta, accountant=first)
+        out["target_epsilon"] = target_epsilon
+        out["calibrated_with"] = first
+    out["noise_multiplier"] = sigma
+    event = dpsgd_event(q, sigma, steps)
+    out["epsilon"] = {a: epsilon(event, delta, a) for a in accountants}
+    if clip is not None:
+        out["clip"] = clip
+        out["noise_std_sum"] = sigma * clip
+        if dataset_size is not None:
+            out["expected_batch_size"] = q * dataset_size
+            out["noise_std_mean"] = sigma * clip / (q * dataset_size)
+    if group_size is not None:
+        best = min(out["epsilon"].values())
+        out["group"] = group_epsilon(best, delta, group_size)
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "inf" if math.isinf(v) else f"{v:.6g}"
+    return str(v)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("epsilon", help="(not yet available) epsilon", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _cmd() -> None:
-        raise NotImplementedYet("`memaudit epsilon` is not available in this release yet")
+    @app.command("epsilon", help=HELP)
+    def _cmd(
+        sampling_rate: Annotated[float, typer.Option("--sampling-rate", "-q",
+            help="Poisson sampling rate q in (0, 1] (expected batch size / data set size).")],
+        steps: Annotated[int, typer.Option("--steps", "-T", help="Number of DP-SGD steps.")],
+        noise_multiplier: Annotated[float | None, typer.Option("--noise-multiplier", "-s",
+            help="Noise multiplier sigma >= 0 (noise std / clip norm).")] = None,
+        target_epsilon: Annotated[float | None, typer.Option("--target-epsilon",
+            help="Find the noise multiplier that reaches this epsilon instead.")] = None,
+        delta: Annotated[float | None, typer.Option("--delta",
+            help="Target delta in (0, 1); default from --dataset-size.")] = None,
+        dataset_size: Annotated[int | None, typer.Option("--dataset-size",
+            help="Number of training sequences N (default delta: largest power of ten <= 1/(10 N)).")] = None,
+        clip: Annotated[float | None, typer.Option("--clip",
+            help="Clip norm C > 0, to report the noise standard deviation.")] = None,
+        group_size: Annotated[int | None, typer.Option("--group-size",
+            help="Also report the group-privacy bound for a user with this many sequences.")] = None,
+        accountant: Annotated[str, typer.Option("--accountant",
+            help="rdp, pld or both.")] = "both",
+        fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
+    ) -> None:
+        if fmt not in ("table", "json"):
+            raise MemauditError(f"--format '{fmt}' is not known; use table or json")
+        res = compute(q=sampling_rate, sigma=noise_multiplier, steps=steps, delta=delta,
+                      dataset_size=dataset_size, target_epsilon=target_epsilon,
+                      accountant=accountant, clip=clip, group_size=group_size)
+        from memaudit.commands._common import print_json, stdout
+
+        if fmt == "json":
+            print_json(res)
+            return
+        from rich.table import Table
+
+        table = Table(title="DP-SGD privacy budget", show_header=True)
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        for key, val in res.items():
+            if key == "epsilon":
+                for acc, e in val.items():
+                    table.add_row(f"epsilon ({acc})", _fmt(e))
+            elif key == "group":
+                table.add_row(f"group of {val['k']}: epsilon", _fmt(val["epsilon"]))
+                table.add_row(f"group of {val['k']}: delta", _fmt(val["delta"]))
+                table.add_row(f"group of {val['k']}: vacuous", str(val["vacuous"]))
+            else:
+                table.add_row(key.replace("_", " "), _fmt(val))
+        stdout.print(table)

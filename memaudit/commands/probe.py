@@ -1,13 +1,129 @@
-"""`memaudit probe`."""
+"""`memaudit probe TARGET`: measure memorization of a run or any Hugging Face causal LM."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from memaudit.errors import NotImplementedYet
+from memaudit.commands._common import console, print_json, progress, stdout
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("probe", help="(not yet available) probe", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _cmd() -> None:
-        raise NotImplementedYet("`memaudit probe` is not available in this release yet")
+    @app.command("probe", help="Probe a trained run (or any HF causal LM) for memorization; writes probes.json.")
+    def _cmd(
+        target: Annotated[str, typer.Argument(help="Run directory, or a Hugging Face model directory.")],
+        probes: Annotated[str, typer.Option(help="Comma-separated: exposure,extraction,membership,"
+                                            "user_inference,pii,audit.")] = "exposure,extraction,membership,user_inference,pii,audit",
+        out: Annotated[str | None, typer.Option(help="Where probes.json goes (default: the run directory; "
+                                                "required for a model directory).")] = None,
+        members: Annotated[str | None, typer.Option(help="Member documents (.jsonl with 'text', or .txt).")] = None,
+        nonmembers: Annotated[str | None, typer.Option(help="Non-member documents (.jsonl or .txt).")] = None,
+        canaries: Annotated[str | None, typer.Option(help="A canaries.json (template, alphabet, secrets).")] = None,
+        reference: Annotated[str | None, typer.Option(help="Reference HF model directory for calibration.")] = None,
+        device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
+        dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+        batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 32,
+        seed: Annotated[int, typer.Option(help="Seed for bootstrap, sampling and candidates.")] = 0,
+        bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples per confidence interval.")] = 1000,
+        show_secrets: Annotated[bool, typer.Option("--show-secrets", help="Print canary secrets (off: ids only).")] = False,
+        fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
+    ) -> None:
+        from memaudit.io import atomic_write_json
+        from memaudit.probes.runner import ProbeSettings, parse_probes
+        from memaudit.probes.targets import resolve_target
+
+        if fmt not in ("table", "json"):
+            raise ValueError(f"--format '{fmt}' is not one of table, json")
+        if batch_size < 1 or bootstrap < 10:
+            raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
+        names = parse_probes(probes)
+        t = resolve_target(target, members=members, nonmembers=nonmembers, canaries=canaries, out=out)
+        from memaudit.probes.runner import run_probes
+        from memaudit.probes.scoring import resolve_device
+
+        settings = ProbeSettings(probes=names, device=resolve_device(device), dtype=dtype, batch_size=batch_size,
+                                 reference=reference, seed=seed, n_boot=bootstrap)
+        with progress() as bar:
+            tasks: dict[str, int] = {}
+
+            def report(done: int, total: int, info: dict) -> None:
+                stage = info.get("stage", "probe")
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total, info="")
+                bar.update(tasks[stage], completed=done, total=total)
+
+            result = run_probes(t, settings, progress=report)
+        atomic_write_json(t.out, result.document)
+        if fmt == "json":
+            print_json(result.document)
+        else:
+            render_table(result, show_secrets=show_secrets)
+            console.print(f"probes.json written to {t.out}")
+
+
+def _fmt(stat: dict | None) -> str:
+    if not stat or stat.get("value") is None:
+        return "-"
+    return f"{stat['value']:.3f} [{stat['ci_low']:.3f}, {stat['ci_high']:.3f}]"
+
+
+def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
+    """(probe, measure, value) rows of the headline numbers of a probes.json document."""
+    rows = []
+    for name, res in doc["probes"].items():
+        s = res["summary"]
+        if "skipped" in s:
+            rows.append((name, "skipped", s["skipped"]))
+            continue
+        if name == "exposure":
+            rows.append((name, f"max (log2|R|, {s['method']})", f"{s['max_exposure']:.2f}"))
+            rows.append((name, "references (null)", _fmt(s["references"])))
+            for rep, g in s["by_repetitions"].items():
+                rows.append((name, f"inserted x{rep}", _fmt(g["all"])))
+        elif name == "extraction":
+            for k, g in s.get("discoverable", {}).items():
+                rows.append((name, f"exact k={k}", _fmt(g["exact"])))
+                rows.append((name, f"approx lev k={k}", _fmt(g["approx_levenshtein"])))
+                rows.append((name, f"approx bleu k={k}", _fmt(g["approx_bleu"])))
+            if "canaries" in s:
+                rows.append((name, "canary greedy completion", _fmt(s["canaries"]["greedy"])))
+            for metric, g in s.get("non_discoverable", {}).items():
+                if isinstance(g, dict):
+                    rows.append((name, f"unprompted top-{s['non_discoverable']['top_n']} by {metric}",
+                                 f"{g['memorised_in_top']} memorised"))
+        elif name in ("membership", "user_inference"):
+            attacks = s.items() if name == "membership" else [(s["statistic"], s)]
+            for attack, a in attacks:
+                rows.append((name, f"{attack} AUC", _fmt(a["auc"])))
+                for f, v in a["tpr_at_fpr"].items():
+                    rows.append((name, f"{attack} TPR@{f}", _fmt(v)))
+        elif name == "pii":
+            for group, g in s.items():
+                rows.append((name, f"{group} extraction ({g['items']})", _fmt(g["extraction"])))
+                rows.append((name, f"{group} inference top-1", _fmt(g["inference_top1"])))
+        elif name == "audit":
+            rows.append((name, f"ε lower bound (r={s['r']}, v={s['v']}, m={s['m']})", f"{s['eps_lower_bound']:.3f}"))
+            rows.append((name, "ceiling logit(p^(1/r))", f"{s['ceiling']:.3f}"))
+            rows.append((name, "ledger ε", "-" if s["ledger_eps"] is None else f"{s['ledger_eps']:.3f}"))
+    return rows
+
+
+def render_table(result, *, show_secrets: bool) -> None:
+    from rich.table import Table
+
+    table = Table(title="memaudit probe")
+    for col in ("probe", "measure", "value [95% CI]"):
+        table.add_column(col)
+    for row in summary_rows(result.document):
+        table.add_row(*row)
+    stdout.print(table)
+    if show_secrets and result.secrets:
+        exp = {r["id"]: r for r in result.document["probes"].get("exposure", {}).get("scores", [])}
+        st = Table(title="canary secrets (--show-secrets)")
+        for col in ("id", "secret", "exposure"):
+            st.add_column(col)
+        for cid, secret in result.secrets.items():
+            e = exp.get(cid.split(":")[0], {}).get("exposure")
+            st.add_row(cid, secret, "-" if e is None else f"{e:.2f}")
+        stdout.print(st)

@@ -1,13 +1,42 @@
-"""`memaudit report`."""
+"""`memaudit report RUN_DIR... --out REPORT_DIR`: one HTML/Markdown/JSON report over runs."""
 
 from __future__ import annotations
 
-import typer
+from pathlib import Path
+from typing import Annotated
 
-from memaudit.errors import NotImplementedYet
+import typer
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("report", help="(not yet available) report", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _cmd() -> None:
-        raise NotImplementedYet("`memaudit report` is not available in this release yet")
+    @app.command("report", help="Write report.html, report.md and report.json comparing runs.")
+    def report(
+        runs: Annotated[list[Path], typer.Argument(help="Run directories, or folders holding runs (a sweep).")],
+        out: Annotated[Path, typer.Option("--out", help="Report directory to write.")] = Path("report"),
+        show_secrets: Annotated[
+            bool, typer.Option("--show-secrets", help="Include canary secrets in the report.")
+        ] = False,
+        fmt: Annotated[str, typer.Option("--format", help="table | json: what to print.")] = "table",
+        rerender: Annotated[
+            bool, typer.Option("--rerender", help="Treat RUNS[0] as a report.json and re-render it.")
+        ] = False,
+    ) -> None:
+        from memaudit.commands._common import console, print_json
+        from memaudit.reports.build import build_report
+        from memaudit.reports.write import rerender as do_rerender
+        from memaudit.reports.write import write_report
+
+        if fmt not in ("table", "json"):
+            raise ValueError(f"--format '{fmt}' is not one of table, json")
+        if rerender:
+            paths = do_rerender(runs[0], out)
+            console.print(f"re-rendered {paths['html']} and {paths['md']}")
+            return
+        rep = build_report(list(runs), show_secrets=show_secrets)
+        paths = write_report(rep, out)
+        if fmt == "json":
+            print_json({"report": {k: str(v) for k, v in paths.items()}, "findings": rep["findings"]})
+            return
+        for s in rep["findings"]["sentences"]:
+            console.print(f"- {s['text']}", markup=False, highlight=False)
+        console.print(f"wrote {paths['html']}, {paths['md']}, {paths['json']}", markup=False)

@@ -1,13 +1,182 @@
-"""`memaudit train`."""
+"""`memaudit train CONFIG [--out RUN_DIR] [--set key=value ...] [--backend ...] [--resume RUN_DIR]`."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
 
-from memaudit.errors import NotImplementedYet
+from memaudit.errors import ConfigError, MemauditError
+
+HELP = ("Train a model into a run directory (centralized PyTorch or federated JAX), or resume an "
+        "interrupted run with --resume.")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("train", help="(not yet available) train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _cmd() -> None:
-        raise NotImplementedYet("`memaudit train` is not available in this release yet")
+    @app.command("train", help=HELP)
+    def _cmd(
+        config: Annotated[Path | None, typer.Argument(help="YAML config, e.g. configs/tiny.yaml.")] = None,
+        out: Annotated[Path | None, typer.Option(
+            "--out", help="Run directory to write (default: output_dir of the config, else runs/<config name>).")] = None,
+        set_: Annotated[list[str] | None, typer.Option(
+            "--set", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")] = None,
+        backend: Annotated[str | None, typer.Option(
+            "--backend", help="parallel (PyTorch, one or many processes) or federated (JAX).")] = None,
+        resume: Annotated[Path | None, typer.Option(
+            "--resume", help="Continue the interrupted run in this directory from its last checkpoint.")] = None,
+        overwrite: Annotated[bool, typer.Option(
+            "--overwrite", help="Replace a run that already exists in the output directory.")] = False,
+    ) -> None:
+        overrides = list(set_ or [])
+        if backend is not None:
+            if backend not in ("parallel", "federated"):
+                raise ConfigError(f"--backend '{backend}' is not known; use parallel or federated")
+            overrides.append(f"backend={backend}")
+        if resume is not None:
+            if out is not None or overwrite:
+                raise MemauditError("--resume continues the run in place; drop --out/--overwrite")
+            cfg, run = _open_resume(resume, config, overrides)
+        else:
+            if config is None:
+                raise ConfigError("pass a CONFIG file (e.g. configs/tiny.yaml) or --resume RUN_DIR")
+            cfg, run = _open_new(config, out, overrides, overwrite)
+        result = _run_with_progress(cfg, run, resume=resume is not None)
+        typer.echo(summary_line(cfg, run.path, result))
+
+
+def _open_new(config: Path, out: Path | None, overrides: list[str], overwrite: bool):
+    from memaudit.config import load_config
+    from memaudit.rundir import prepare_new_run
+
+    cfg = load_config(config, overrides)
+    target = out or (Path(cfg.output_dir) if cfg.output_dir else Path("runs") / config.stem)
+    return cfg, prepare_new_run(target, overwrite=overwrite)
+
+
+def _open_resume(path: Path, config: Path | None, overrides: list[str]):
+    """The run's own config; a CONFIG or --set given with --resume must agree with it."""
+    from memaudit.config import config_from_dict, dump_config, load_config, with_overrides
+    from memaudit.rundir import open_for_resume
+
+    run = open_for_resume(path)
+    manifest = run.read_manifest()
+    stored = manifest.get("config")
+    if not isinstance(stored, dict):
+        raise MemauditError(f"'{run.manifest_path}' holds no config; start a new run instead")
+    cfg = config_from_dict(stored, source=str(run.manifest_path))
+    if config is not None or overrides:
+        given = load_config(config, overrides) if config is not None else with_overrides(
+            cfg, dict(_split(o) for o in overrides))
+        key = _first_difference(dump_config(given), dump_config(cfg), skip={"output_dir"})
+        if key is not None:
+            raise ConfigError(f"'{key}' differs from the config of run '{run.path}'; resume uses "
+                              "the run's own config, so drop CONFIG/--set or start a new run")
+    status = run.status()
+    if status == "complete":
+        raise MemauditError(f"run '{run.path}' is already complete; nothing to resume "
+                            "(start a new run with --out)")
+    return cfg, run
+
+
+def _split(item: str) -> tuple[str, Any]:
+    from memaudit.config import parse_override
+
+    return parse_override(item)
+
+
+def _first_difference(a: Any, b: Any, *, skip: set[str], prefix: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k in skip:
+                continue
+            d = _first_difference(a.get(k), b.get(k), skip=set(), prefix=f"{prefix}{k}.")
+            if d is not None:
+                return d
+        return None
+    return None if a == b else prefix.rstrip(".")
+
+
+def dispatch(cfg, run, *, resume: bool, progress=None) -> dict[str, Any]:
+    """Pick the trainer: federated (JAX), multi-process parallel grid, or single process."""
+    if cfg.backend == "federated":
+        fn = _lazy("memaudit.federated.trainer", "train_federated", "the federated backend")
+    elif cfg.parallel.world_size > 1:
+        # The data x tensor-parallel backend starts its own processes (torch.distributed).
+        fn = _lazy("memaudit.parallel.launch", "launch_training", "the multi-process parallel backend")
+    else:
+        from memaudit.train.trainer import train_centralized as fn
+    return fn(cfg, run, resume=resume, progress=progress)
+
+
+def _lazy(module: str, name: str, what: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        if e.name is not None and not module.startswith(e.name) and e.name != module:
+            raise
+        raise MemauditError(f"{what} is not available in this installation ({module}.{name} is "
+                            "missing); use backend=parallel with a 1x1x1x1 grid") from None
+    except AttributeError:
+        raise MemauditError(f"{what} is not available in this installation ({module}.{name} is "
+                            "missing); use backend=parallel with a 1x1x1x1 grid") from None
+
+
+def _run_with_progress(cfg, run, *, resume: bool) -> dict[str, Any]:
+    from memaudit.commands._common import console, progress
+
+    bar = progress()
+    task = bar.add_task("train", total=None, info="")
+
+    def on_progress(done: int, total: int, info: dict[str, Any]) -> None:
+        phase = info.get("phase")
+        desc = "data" if phase == "data" else "train"
+        bar.update(task, completed=done, total=total, description=desc, info=_info_text(info))
+
+    try:
+        with bar:
+            try:
+                return dispatch(cfg, run, resume=resume, progress=on_progress)
+            except BaseException:
+                bar.update(task, visible=False)  # the error line is the only output
+                raise
+    except KeyboardInterrupt:
+        console.print(f"interrupted; continue with: memaudit train --resume {run.path}")
+        raise
+
+
+def _info_text(info: dict[str, Any]) -> str:
+    parts = []
+    for key, label in (("loss", "loss"), ("holdout_loss", "holdout"), ("lr", "lr")):
+        v = info.get(key)
+        if isinstance(v, float) and math.isfinite(v):
+            parts.append(f"{label} {v:.3g}")
+    return " ".join(parts)
+
+
+def summary_line(cfg, path: Path, result: dict[str, Any]) -> str:
+    """One line: what was trained, the holdout loss before -> after, where it is. No text, no secrets."""
+    units = "rounds" if cfg.backend == "federated" else "steps"
+    steps = result.get("steps", result.get("rounds"))
+    init, final = result.get("initial_holdout_loss"), result.get("final_holdout_loss")
+    ppl = result.get("final_holdout_perplexity")
+    loss = f"holdout loss {init:.3f} -> {final:.3f}" if _num(init) and _num(final) else (
+        f"holdout loss {final:.3f}" if _num(final) else "holdout loss n/a")
+    if _num(ppl):
+        loss += f" (perplexity {ppl:.1f})"
+    eps = ""
+    priv = result.get("privacy") or {}
+    rdp = (priv.get("epsilon") or {}).get("rdp") if isinstance(priv.get("epsilon"), dict) else None
+    if _num(rdp):
+        eps = f", epsilon {rdp:.2f} (delta {priv.get('delta'):.0e})"
+    secs = result.get("train_seconds")
+    took = f" in {secs:.0f}s" if _num(secs) else ""
+    return (f"trained {cfg.model.preset} ({cfg.backend}) for {steps} {units}{took}: {loss}{eps}; "
+            f"run: {path}")
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v)

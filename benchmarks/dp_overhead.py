@@ -1,0 +1,162 @@
+"""DP-SGD step cost against the non-private step, side by side, on the same LlamaForCausalLM.
+
+Variants (one optimizer step each: forward, backward, optimizer):
+  nonprivate   plain token-mean loss, loss.backward(), SGD step
+  dp_ghost     memaudit DPSGD, ghost norms + book-keeping (one backward pass)
+  dp_vmap      memaudit DPSGD, torch.func vmap(grad) reference
+  opacus_hooks Opacus 1.6 make_private(grad_sample_mode="hooks")      (if opacus is installed)
+  opacus_ghost Opacus 1.6 make_private(grad_sample_mode="ghost")      (if opacus is installed)
+
+Opacus is a benchmark extra (`pip install opacus==1.6.0`), never a runtime dependency.
+Prints one JSON object: per preset, the median seconds per step over --repeats and the
+ratio to the non-private step.
+
+    python benchmarks/dp_overhead.py --presets tiny small --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+
+import torch
+
+from memaudit.models.presets import build_model
+from memaudit.train.dpsgd import DPSGD
+from memaudit.train.losses import causal_lm_loss
+
+
+def _batch(vocab: int, batch: int, seq: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    attn = torch.ones_like(ids)
+    return ids, attn, attn.bool()
+
+
+def _nonprivate(model, ids, attn, lmask):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        causal_lm_loss(logits, ids, lmask).backward()
+        opt.step()
+    return step
+
+
+def _memaudit(mode):
+    def make(model, ids, attn, lmask):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        dp = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=ids.shape[0],
+                   seed=0, mode=mode)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            dp.step_gradients(ids, attn, lmask)
+            opt.step()
+        return step
+    return make
+
+
+def _opacus(grad_sample_mode):
+    def make(model, ids, attn, lmask):
+        from opacus import PrivacyEngine
+        from torch.utils.data import DataLoader, TensorDataset
+
+        loader = DataLoader(TensorDataset(ids), batch_size=ids.shape[0])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        crit = torch.nn.CrossEntropyLoss()
+        engine = PrivacyEngine()
+        kw = {"criterion": crit} if grad_sample_mode == "ghost" else {}
+        out = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                  noise_multiplier=1.0, max_grad_norm=1.0,
+                                  grad_sample_mode=grad_sample_mode, poisson_sampling=False, **kw)
+        pmodel, popt = out[0], out[1]
+        pcrit = out[2] if grad_sample_mode == "ghost" else crit
+        b, length = ids.shape
+
+        def step():
+            popt.zero_grad(set_to_none=True)
+            logits = pmodel(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            pred = logits[:, :-1].reshape(-1, logits.shape[-1])
+            tgt = ids[:, 1:].reshape(-1)
+            if grad_sample_mode == "ghost":
+                loss = pcrit(pred, tgt, shape=(b, length - 1))
+            else:
+                loss = crit(pred, tgt)
+            loss.backward()
+            popt.step()
+        return step
+    return make
+
+
+VARIANTS = {
+    "nonprivate": _nonprivate,
+    "dp_ghost": _memaudit("ghost"),
+    "dp_vmap": _memaudit("vmap"),
+    "opacus_hooks": _opacus("hooks"),
+    "opacus_ghost": _opacus("ghost"),
+}
+
+
+def _time(step, repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(presets, variants, *, batch: int, seq: int, repeats: int, warmup: int) -> dict:
+    try:
+        import opacus
+        opacus_version = opacus.__version__
+    except ImportError:
+        opacus_version = None
+    result = {"batch": batch, "seq_len": seq, "repeats": repeats, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "opacus": opacus_version, "presets": {}}
+    for preset in presets:
+        rows = {}
+        for name in variants:
+            if name.startswith("opacus") and opacus_version is None:
+                rows[name] = {"skipped": "opacus not installed (pip install opacus==1.6.0)"}
+                continue
+            model = build_model(preset, seed=0)
+            ids, attn, lmask = _batch(model.config.vocab_size, batch, seq)
+            try:
+                times = _time(VARIANTS[name](model, ids, attn, lmask), repeats, warmup)
+                rows[name] = {"median_s": statistics.median(times), "times_s": times}
+            except Exception as e:  # a variant that cannot run is reported, not fatal
+                rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                              "where": traceback.format_exc().splitlines()[-3][:200]}
+        base = rows.get("nonprivate", {}).get("median_s")
+        for r in rows.values():
+            if base and "median_s" in r:
+                r["x_nonprivate"] = round(r["median_s"] / base, 3)
+        result["presets"][preset] = rows
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    args = ap.parse_args()
+    print(json.dumps(run(args.presets, args.variants, batch=args.batch, seq=args.seq,
+                         repeats=args.repeats, warmup=args.warmup), indent=2))
+
+
+if __name__ == "__main__":
+    main()

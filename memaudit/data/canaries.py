@@ -1,0 +1,193 @@
+"""Secret Sharer canaries and one-run audit canaries.
+
+Inserted canaries: the template with a random digit secret, for every (repetition r,
+owner kind) of the schedule `per_setting` of them. Owner "user": r copies in one training
+user's data (owners cycle through a seeded permutation of the training users); owner
+"spread": one copy in each of r distinct training users. References: never-inserted
+canaries from the same secret space (as many as inserted unless `references` is set);
+exposure ranks an inserted secret among them. All secrets are distinct.
+
+Audit canaries (`data.audit_canaries = m`): m canaries with long random secrets, each the
+only document of its own new user `audit-0000`, ..., included in training with
+probability 1/2; the inclusion bits feed the one-run epsilon audit.
+
+Secrets live only in canaries.json and documents.jsonl; refer to a canary by its id.
+
+References:
+    Carlini et al., "The Secret Sharer: Evaluating and Testing Unintended Memorization in
+    Neural Networks", USENIX Security 2019.
+    Steinke, Nasr, Jagielski, "Privacy Auditing with One (1) Training Run", NeurIPS 2023.
+
+>>> from memaudit.config import CanaryConfig
+>>> cs = make_canaries(CanaryConfig(repetitions=[1, 2], owners=["user"]), ["a", "b"], 0, seed=0)
+>>> [(c.id, c.repetitions, c.users) for c in cs.inserted], len(cs.references)
+([('c0', 1, ('b',)), ('c1', 2, ('a', 'a'))], 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memaudit.config import CanaryConfig
+from memaudit.data.documents import Document
+from memaudit.errors import DataError
+
+ALPHABET = "0123456789"
+
+
+@dataclass(frozen=True)
+class Canary:
+    """An inserted canary. `users` lists the owner of each copy (r entries)."""
+
+    id: str
+    secret: str
+    text: str
+    repetitions: int
+    owner_kind: str
+    users: tuple[str, ...]
+
+    @property
+    def prefix(self) -> str:
+        """The text before the secret (what an extraction attack prompts with)."""
+        return self.text[: self.text.index(self.secret)]
+
+
+@dataclass(frozen=True)
+class ReferenceCanary:
+    id: str
+    secret: str
+    text: str
+
+
+@dataclass(frozen=True)
+class AuditCanary:
+    id: str
+    secret: str
+    text: str
+    user: str
+    included: bool
+
+
+@dataclass(frozen=True)
+class CanarySet:
+    """The content of canaries.json."""
+
+    template: str
+    secret_length: int
+    alphabet: str = ALPHABET
+    inserted: tuple[Canary, ...] = ()
+    references: tuple[ReferenceCanary, ...] = ()
+    audit: tuple[AuditCanary, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "template": self.template,
+            "secret_length": self.secret_length,
+            "alphabet": self.alphabet,
+            "inserted": [
+                {"id": c.id, "secret": c.secret, "text": c.text, "repetitions": c.repetitions,
+                 "owner_kind": c.owner_kind, "users": list(c.users)}
+                for c in self.inserted
+            ],
+            "references": [{"id": c.id, "secret": c.secret, "text": c.text} for c in self.references],
+            "audit": [
+                {"id": c.id, "secret": c.secret, "text": c.text, "user": c.user, "included": c.included}
+                for c in self.audit
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> CanarySet:
+        return cls(
+            template=obj["template"],
+            secret_length=int(obj["secret_length"]),
+            alphabet=obj.get("alphabet", ALPHABET),
+            inserted=tuple(
+                Canary(c["id"], c["secret"], c["text"], int(c["repetitions"]), c["owner_kind"],
+                       tuple(c["users"]))
+                for c in obj["inserted"]
+            ),
+            references=tuple(ReferenceCanary(c["id"], c["secret"], c["text"]) for c in obj["references"]),
+            audit=tuple(
+                AuditCanary(c["id"], c["secret"], c["text"], c["user"], bool(c["included"]))
+                for c in obj.get("audit", [])
+            ),
+        )
+
+    def all_secrets(self) -> list[str]:
+        return [c.secret for c in (*self.inserted, *self.references, *self.audit)]
+
+
+def _secrets(rng: np.random.Generator, n: int, length: int, taken: set[str]) -> list[str]:
+    space = len(ALPHABET) ** length
+    if n + len(taken) > space // 2:
+        raise DataError(
+            f"{n} canary secrets of {length} digits are too many for the secret space; raise "
+            "data.canaries.secret_length"
+        )
+    out: list[str] = []
+    while len(out) < n:
+        s = "".join(ALPHABET[i] for i in rng.integers(0, len(ALPHABET), size=length))
+        if s not in taken:
+            taken.add(s)
+            out.append(s)
+    return out
+
+
+def make_canaries(
+    cfg: CanaryConfig, train_users: list[str], audit_canaries: int, *, seed: int
+) -> CanarySet:
+    """Draw the canaries, their owners and (for audit canaries) their inclusion bits."""
+    rng = np.random.default_rng([seed, 3])
+    settings = [(r, o) for r in cfg.repetitions for o in cfg.owners for _ in range(cfg.per_setting)]
+    too_many = [r for r, o in settings if o == "spread" and r > len(train_users)]
+    if too_many:
+        raise DataError(
+            f"a 'spread' canary with {max(too_many)} repetitions needs {max(too_many)} training "
+            f"users but there are {len(train_users)}; lower data.canaries.repetitions, drop "
+            "'spread' from data.canaries.owners, or add users"
+        )
+    taken: set[str] = set()
+    n_ref = len(settings) if cfg.references is None else cfg.references
+    secrets = _secrets(rng, len(settings) + n_ref, cfg.secret_length, taken)
+    order = [train_users[i] for i in rng.permutation(len(train_users))]
+    inserted, k_user = [], 0
+    for i, (r, kind) in enumerate(settings):
+        if kind == "user":
+            users = (order[k_user % len(order)],) * r
+            k_user += 1
+        else:
+            users = tuple(train_users[j] for j in sorted(rng.choice(len(train_users), r, replace=False)))
+        s = secrets[i]
+        inserted.append(Canary(f"c{i}", s, cfg.template.format(secret=s), r, kind, users))
+    refs = [
+        ReferenceCanary(f"r{j}", s, cfg.template.format(secret=s))
+        for j, s in enumerate(secrets[len(settings):])
+    ]
+    audit_secrets = _secrets(rng, audit_canaries, cfg.audit_secret_length, taken)
+    bits = rng.random(audit_canaries) < 0.5
+    audit = [
+        AuditCanary(f"a{j}", s, cfg.template.format(secret=s), f"audit-{j:04d}", bool(b))
+        for j, (s, b) in enumerate(zip(audit_secrets, bits, strict=True))
+    ]
+    return CanarySet(cfg.template, cfg.secret_length, ALPHABET, tuple(inserted), tuple(refs), tuple(audit))
+
+
+def canary_documents(canaries: CanarySet) -> list[Document]:
+    """Documents for every inserted copy (role member) and every audit canary.
+
+    Ids: `c3#0`, `c3#1`, ... for the copies of canary c3; `a0` for audit canary a0 (role
+    member when included, else audit_out).
+    """
+    docs = []
+    for c in canaries.inserted:
+        for k, u in enumerate(c.users):
+            docs.append(Document(id=f"{c.id}#{k}", user=u, text=c.text, kind="canary",
+                                 canary_id=c.id, repeats=c.repetitions, role="member"))
+    for a in canaries.audit:
+        docs.append(Document(id=a.id, user=a.user, text=a.text, kind="audit_canary", canary_id=a.id,
+                             repeats=1, role="member" if a.included else "audit_out"))
+    return docs

@@ -1,0 +1,298 @@
+"""FedSGD and FedAvg as federated programs, generic over ``loss_fn(params, batch)``.
+
+``loss_fn(params, batch) -> (per_example_loss, aux)`` with ``per_example_loss`` of shape
+(batch,) and ``batch`` one client's examples (leaves (batch, ...)). A cohort's data is a
+`ClientData` (leaves (clients, max_examples, ...) and an example mask); clients with fewer
+real examples, and absent cohort slots, are handled by the mask and by weights.
+
+A FedAvg round has three phases, so a host-side aggregator (secure aggregation) fits between:
+
+1. ``client_phase`` (jitted federated program): broadcast the server params, ``local_steps``
+   client-optimizer steps on each client's own data, return clients-placed model deltas,
+   aggregation weights (examples per client, or 1 per present client) and metrics;
+2. ``aggregator.aggregate`` (jitted unless ``jittable=False``): the server update (mean delta);
+3. ``server_update`` (jitted): the server optimizer takes ``-update`` as pseudo-gradient
+   (FedAvg: SGD with lr 1; FedAdam: Adam, Reddi et al. 2021).
+
+FedSGD is ``jax.grad`` of the federated (weighted) mean loss, followed by a server step; its
+gradient's jaxpr communicates only through the federated primitives (federated AD).
+
+References:
+    McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from Decentralized
+    Data" (FedSGD, FedAvg). Reddi et al. 2021, "Adaptive Federated Optimization" (FedAdam).
+    Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
+from memaudit.federated.cohorts import ClientData
+from memaudit.federated.primitives import (
+    federated_broadcast,
+    federated_map,
+    federated_sum,
+    federated_weighted_mean,
+)
+from memaudit.federated.program import federated_program
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, Any]]
+Weighting = Literal["examples", "uniform"]
+
+
+class ServerState(NamedTuple):
+    params: PyTree
+    opt_state: Any
+    agg_state: Any
+    round: jax.Array  # int32 scalar
+
+
+class ClientOutput(NamedTuple):
+    deltas: PyTree  # clients-placed: leaves (clients, *param.shape)
+    weights: jax.Array  # (clients,), 0 for absent clients
+    metrics: dict[str, jax.Array]
+
+
+class FederatedAlgorithm(NamedTuple):
+    """``init(params) -> ServerState``; ``round(state, data, key) -> (state, metrics)``."""
+
+    init: Callable[[PyTree], ServerState]
+    round: Callable[[ServerState, ClientData, jax.Array], tuple[ServerState, dict[str, float]]]
+
+
+def make_client_optimizer(name: str, lr: float) -> optax.GradientTransformation:
+    """Client optimizer by config name: ``"sgd"`` or ``"adam"``."""
+    if name == "sgd":
+        return optax.sgd(lr)
+    if name == "adam":
+        return optax.adam(lr)
+    raise ValueError(f"client optimizer must be 'sgd' or 'adam', got {name!r}")
+
+
+def make_server_optimizer(name: str, lr: float) -> optax.GradientTransformation:
+    """Server optimizer by config name: ``"fedavg"``/``"sgd"`` (SGD; FedAvg proper is lr 1)
+    or ``"fedadam"`` (Adam with beta2 0.99 and adaptivity eps 1e-3, Reddi et al. 2021)."""
+    if name in ("fedavg", "sgd"):
+        return optax.sgd(lr)
+    if name == "fedadam":
+        return optax.adam(lr, b1=0.9, b2=0.99, eps=1e-3)
+    raise ValueError(f"server optimizer must be 'fedavg', 'fedadam' or 'sgd', got {name!r}")
+
+
+def masked_mean_loss(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array):
+    """Mean per-example loss over the real examples of one batch (0 when there are none)."""
+    per_example, _ = loss_fn(params, batch)  # (batch,)
+    mask = mask.astype(per_example.dtype)
+    return jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def sample_local_batch(key, examples: PyTree, mask: jax.Array, batch_size: int):
+    """A batch of ``min(batch_size, max_examples)`` distinct real examples of one client.
+
+    Real examples are drawn without replacement; when the client has fewer real examples than
+    the batch, all of them are taken and the rest of the batch is masked out.
+    """
+    size = min(batch_size, mask.shape[0])
+    scores = jnp.where(mask > 0, jax.random.uniform(key, mask.shape), 2.0)
+    idx = jnp.argsort(scores)[:size]  # real examples first, in random order
+    return jax.tree.map(lambda x: x[idx], examples), mask[idx]
+
+
+def _weights(num_examples: jax.Array, weighting: Weighting) -> jax.Array:
+    if weighting == "examples":
+        return num_examples
+    if weighting == "uniform":
+        return (num_examples > 0).astype(num_examples.dtype)
+    raise ValueError(f"weighting must be 'examples' or 'uniform', got {weighting!r}")
+
+
+def _client_keys(key, n: int) -> jax.Array:
+    key = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    return jax.random.split(key, n)  # (n, 2) uint32: padding-friendly raw keys
+
+
+def make_client_phase(
+    loss_fn: LossFn,
+    client_optimizer: optax.GradientTransformation,
+    *,
+    local_steps: int,
+    batch_size: int,
+    weighting: Weighting = "examples",
+    mesh: Any = None,
+) -> Callable[[PyTree, ClientData, jax.Array], ClientOutput]:
+    """FedAvg phase 1 (not jitted; `fedavg` jits it): ``(params, data, key) -> ClientOutput``."""
+    if not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be >= 1, got {local_steps!r}; set federated.local_steps")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+    def client_update(params, examples, mask, key):
+        def step(carry, k):
+            p, opt_state = carry
+            batch, bmask = sample_local_batch(k, examples, mask, batch_size)
+            loss, grads = jax.value_and_grad(masked_mean_loss, argnums=1)(loss_fn, p, batch, bmask)
+            updates, opt_state = client_optimizer.update(grads, opt_state, p)
+            return (optax.apply_updates(p, updates), opt_state), loss
+
+        init = (params, client_optimizer.init(params))
+        (local, _), losses = jax.lax.scan(step, init, jax.random.split(key, local_steps))
+        delta = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), local, params)
+        return delta, jnp.mean(losses), optax.tree.norm(delta)
+
+    def client_phase(params, data: ClientData, key) -> ClientOutput:
+        n = data.mask.shape[0]
+
+        @federated_program(clients=n, mesh=mesh, placed=(1, 2), placed_out=(0, 1))
+        def program(params, data, keys):
+            deltas, losses, norms = federated_map(
+                client_update, federated_broadcast(params), data.examples, data.mask, keys
+            )
+            num = federated_map(jnp.sum, data.mask)  # (clients,) real examples
+            present = (num > 0).astype(jnp.float32)
+            metrics = {
+                "loss": federated_weighted_mean(losses, present),
+                "delta_norm": federated_weighted_mean(norms, present),
+                "cohort": federated_sum(present),
+                "examples": federated_sum(num),
+            }
+            return deltas, _weights(num, weighting), metrics
+
+        return ClientOutput(*program(params, data, _client_keys(key, n)))
+
+    return client_phase
+
+
+def make_server_update(server_optimizer: optax.GradientTransformation):
+    """FedAvg phase 3: ``(state, AggregateResult) -> (state, metrics)``; ``-update`` is the
+    pseudo-gradient of the server optimizer."""
+
+    def server_update(state: ServerState, agg: AggregateResult):
+        pseudo_grad = jax.tree.map(jnp.negative, agg.update)
+        updates, opt_state = server_optimizer.update(pseudo_grad, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = ServerState(params, opt_state, agg.state, state.round + 1)
+        return new, {"update_norm": optax.tree.norm(agg.update)}
+
+    return server_update
+
+
+def _mesh_scope(mesh: Any):
+    return jax.set_mesh(mesh) if isinstance(mesh, jax.sharding.Mesh) else contextlib.nullcontext()
+
+
+def _host_metrics(*dicts) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        out.update({k: float(v) for k, v in jax.device_get(d).items()})
+    return out
+
+
+def fedavg(
+    loss_fn: LossFn,
+    *,
+    client_optimizer: optax.GradientTransformation,
+    server_optimizer: optax.GradientTransformation,
+    local_steps: int,
+    batch_size: int,
+    aggregator: Aggregator | None = None,
+    weighting: Weighting = "examples",
+    mesh: Any = None,
+) -> FederatedAlgorithm:
+    """Federated averaging with a client and a server optimizer (FedAvg, FedAdam, ...).
+
+    Args:
+        loss_fn: ``(params, batch) -> (per_example_loss (batch,), aux)``.
+        client_optimizer: optax transformation each client runs for ``local_steps`` steps.
+        server_optimizer: applied to ``-mean_delta`` (``optax.sgd(1.0)``: FedAvg).
+        local_steps: client steps per round (>= 1).
+        batch_size: local batch size; clients with fewer examples use all they have.
+        aggregator: turns deltas into the update; default `mean_aggregator`.
+        weighting: aggregation weights, ``"examples"`` (FedAvg) or ``"uniform"`` (user-level).
+        mesh: optional mesh with a ``clients`` axis.
+    """
+    aggregator = aggregator or mean_aggregator(mesh)
+    client_phase = jax.jit(
+        make_client_phase(
+            loss_fn, client_optimizer, local_steps=local_steps, batch_size=batch_size,
+            weighting=weighting, mesh=mesh,
+        )
+    )
+    aggregate = jax.jit(aggregator.aggregate) if aggregator.jittable else aggregator.aggregate
+    server_update = jax.jit(make_server_update(server_optimizer))
+
+    def init(params) -> ServerState:
+        return ServerState(
+            params, server_optimizer.init(params), aggregator.init(params), jnp.zeros((), jnp.int32)
+        )
+
+    def round_(state: ServerState, data: ClientData, key):
+        client_key, agg_key = jax.random.split(key)
+        with _mesh_scope(mesh):
+            out = client_phase(state.params, data, client_key)
+            agg = aggregate(out.deltas, out.weights, state.agg_state, agg_key)
+            state, server_metrics = server_update(state, agg)
+        return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
+
+    return FederatedAlgorithm(init, round_)
+
+
+def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: Any = None):
+    """``(params, data) -> scalar``: the (example- or client-) weighted mean of the clients'
+    mean losses over all their real examples, as a federated program."""
+
+    def loss(params, data: ClientData):
+        @federated_program(clients=data.mask.shape[0], mesh=mesh, placed=(1,))
+        def program(params, data):
+            losses = federated_map(
+                lambda p, ex, m: masked_mean_loss(loss_fn, p, ex, m),
+                federated_broadcast(params), data.examples, data.mask,
+            )
+            num = federated_map(jnp.sum, data.mask)
+            return federated_weighted_mean(losses, _weights(num, weighting))
+
+        return program(params, data)
+
+    return loss
+
+
+def fedsgd(
+    loss_fn: LossFn,
+    *,
+    server_optimizer: optax.GradientTransformation,
+    weighting: Weighting = "examples",
+    mesh: Any = None,
+) -> FederatedAlgorithm:
+    """FedSGD: ``jax.grad`` of the federated mean loss, then one server optimizer step."""
+    objective = federated_loss(loss_fn, weighting=weighting, mesh=mesh)
+
+    @jax.jit
+    def step(state: ServerState, data: ClientData):
+        loss, grads = jax.value_and_grad(objective)(state.params, data)
+        updates, opt_state = server_optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss,
+            "cohort": jnp.sum(data.mask.sum(axis=1) > 0).astype(jnp.float32),
+            "examples": jnp.sum(data.mask),
+            "update_norm": optax.tree.norm(grads),
+        }
+        return ServerState(params, opt_state, state.agg_state, state.round + 1), metrics
+
+    def init(params) -> ServerState:
+        return ServerState(params, server_optimizer.init(params), None, jnp.zeros((), jnp.int32))
+
+    def round_(state: ServerState, data: ClientData, key):
+        del key
+        with _mesh_scope(mesh):
+            state, metrics = step(state, data)
+        return state, _host_metrics(metrics)
+
+    return FederatedAlgorithm(init, round_)

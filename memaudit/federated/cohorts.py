@@ -1,0 +1,138 @@
+"""Cohort sampling and packing of the sampled clients' data into fixed-shape arrays.
+
+A round samples a cohort from the population of training users: Poisson sampling (each user
+independently with probability ``cohort / population``, the sampling DP-FedAvg's accounting
+assumes) or a fixed-size sample without replacement. Sampling is a pure function of
+(seed, round), so a resumed run samples the same cohorts.
+
+The cohort's data is packed as `ClientData`: every leaf (capacity, max_examples, ...) plus an
+example mask; absent cohort slots and padded examples have mask 0 and so weight 0. Capacities
+are rounded up (`cohort_capacity`) so Poisson rounds of varying size reuse a few compiled
+programs.
+
+References:
+    McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models" (Poisson
+    user sampling for DP-FedAvg).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+SamplingMode = Literal["poisson", "fixed"]
+
+
+class ClientData(NamedTuple):
+    """A cohort's data: ``examples`` leaves (clients, max_examples, ...), ``mask`` (clients,
+    max_examples) float32 with 1 for a real example."""
+
+    examples: Any
+    mask: Any
+
+    @property
+    def num_examples(self) -> Any:
+        """Real examples per client, shape (clients,)."""
+        return self.mask.sum(axis=1)
+
+
+def _seed_words(key_or_seed: Any) -> list[int]:
+    if isinstance(key_or_seed, (int, np.integer)):
+        if key_or_seed < 0:
+            raise ValueError(f"seed must be >= 0, got {key_or_seed}")
+        return [int(key_or_seed)]
+    import jax  # a PRNG key: use its raw bits
+
+    arr = key_or_seed
+    if jax.dtypes.issubdtype(getattr(arr, "dtype", None), jax.dtypes.prng_key):
+        arr = jax.random.key_data(arr)
+    return [int(w) for w in np.asarray(arr, dtype=np.uint32).ravel()]
+
+
+def sample_cohort(
+    key_or_seed: Any,
+    population: int,
+    cohort: int,
+    mode: SamplingMode = "poisson",
+    round: int = 0,
+) -> np.ndarray:
+    """Sample the client indices of one round, sorted, deterministic in (seed, round).
+
+    Args:
+        key_or_seed: an int seed or a JAX PRNG key.
+        population: number of clients to sample from.
+        cohort: expected cohort size (Poisson: rate cohort/population) or exact size (fixed).
+        mode: ``"poisson"`` (default) or ``"fixed"``.
+        round: round number; each round draws independently.
+
+    Returns:
+        int64 array of distinct client indices in [0, population), sorted.
+
+    >>> sample_cohort(0, 10, 3, mode="fixed", round=1).shape
+    (3,)
+    """
+    if not isinstance(population, (int, np.integer)) or population < 1:
+        raise ValueError(f"population must be a positive int, got {population!r}")
+    if not isinstance(cohort, (int, np.integer)) or cohort < 1:
+        raise ValueError(f"cohort must be a positive int, got {cohort!r}; set federated.cohort >= 1")
+    if cohort > population:
+        raise ValueError(
+            f"cohort {cohort} is larger than the population of {population} clients; set "
+            f"federated.cohort <= {population}"
+        )
+    if round < 0:
+        raise ValueError(f"round must be >= 0, got {round}")
+    rng = np.random.default_rng(np.random.SeedSequence([*_seed_words(key_or_seed), int(round)]))
+    if mode == "poisson":
+        return np.flatnonzero(rng.random(population) < cohort / population).astype(np.int64)
+    if mode == "fixed":
+        return np.sort(rng.choice(population, size=cohort, replace=False)).astype(np.int64)
+    raise ValueError(f"sampling mode must be 'poisson' or 'fixed', got {mode!r}")
+
+
+def cohort_capacity(size: int, multiple: int = 1) -> int:
+    """Clients dim to compile for: the next power of two >= size, rounded up to ``multiple``.
+
+    >>> cohort_capacity(5), cohort_capacity(5, multiple=4), cohort_capacity(0)
+    (8, 8, 1)
+    """
+    cap = 1 << max(0, int(size) - 1).bit_length()
+    return -(-cap // multiple) * multiple
+
+
+def pack_clients(
+    per_client: Sequence[Any], *, capacity: int | None = None, max_examples: int | None = None
+) -> ClientData:
+    """Stack clients' example pytrees (leaves (k_i, ...)) into a padded `ClientData`.
+
+    Args:
+        per_client: one pytree per present client; leaves share trailing shapes.
+        capacity: clients dim (>= len(per_client)); extra slots are absent (mask 0).
+        max_examples: examples dim (>= every k_i); defaults to max k_i (at least 1).
+    """
+    import jax
+
+    if not per_client:
+        raise ValueError("pack_clients needs at least one client; sample a non-empty cohort")
+    counts = [int(np.shape(jax.tree.leaves(c)[0])[0]) for c in per_client]
+    capacity = len(per_client) if capacity is None else capacity
+    max_examples = max(max(counts), 1) if max_examples is None else max_examples
+    if capacity < len(per_client):
+        raise ValueError(f"capacity {capacity} < cohort of {len(per_client)} clients")
+    if max(counts) > max_examples:
+        raise ValueError(f"a client has {max(counts)} examples > max_examples={max_examples}")
+
+    def stack(*leaves):
+        first = np.asarray(leaves[0])
+        out = np.zeros((capacity, max_examples) + first.shape[1:], first.dtype)
+        for i, leaf in enumerate(leaves):
+            out[i, : len(leaf)] = leaf
+        return out
+
+    examples = jax.tree.map(stack, *per_client)
+    mask = np.zeros((capacity, max_examples), np.float32)
+    for i, k in enumerate(counts):
+        mask[i, :k] = 1.0
+    return ClientData(examples, mask)

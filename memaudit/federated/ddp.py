@@ -1,0 +1,318 @@
+"""Distributed DP with the distributed discrete Gaussian (DDGauss) mechanism.
+
+Client side, per round: clip the flattened delta to L2 norm c, scale by 1/γ,
+rotate with a randomized Hadamard transform (pad to D = 2^k), round to integers
+with conditional randomized rounding (retry until the L2 norm is at most Δ₂),
+add discrete Gaussian noise N_Z(0, σ_local²) with σ_local² = (z c / γ)² / n_expected,
+and reduce modulo M = 2^bits. The integer vectors are summed with secure
+aggregation (mod 2^32, then mod M). Server side: map the sum to [-M/2, M/2),
+un-rotate, multiply by γ and divide by the expected cohort size.
+
+Accounting (Kairouz, Liu, Steinke 2021, Prop. 14): the sum of m discrete
+Gaussians of variance σ² releases, per round, RDP
+ε(α) = min{ α/2 Δ₂²/(mσ²) + τD,  α/2 (Δ₂²/(mσ²) + 2Δ₁τ/(√m σ) + τ²D),  α/2 (Δ₂/(√m σ) + τ√D)² }
+with τ = 10 Σ_{k=1}^{m-1} exp(-2π²σ² k/(k+1)). m is the number of clients that
+survived, so dropouts show up as lost noise. Sampling amplification is not
+applied (the per-round curve holds for any cohort), which is conservative.
+
+References:
+    Kairouz, Liu, Steinke, "The Distributed Discrete Gaussian Mechanism for
+    Federated Learning with Secure Aggregation", ICML 2021.
+    Canonne, Kamath, Steinke, "The Discrete Gaussian for Differential Privacy",
+    NeurIPS 2020.
+
+>>> x = np.arange(5.0)
+>>> np.allclose(unrotate(rotate(x, seed=3), seed=3, dim=5), x)
+True
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
+from memaudit.federated.secagg.aggregator import _rng, flatten_clients, stochastic_round
+from memaudit.federated.secagg.protocol import Dropouts, run_round
+
+# ----------------------------------------------------------------------------- rotation
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """Orthonormal fast Walsh-Hadamard transform over the last dim (a power of 2); H H = I."""
+    x = np.array(x, dtype=np.float64, copy=True)
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"Hadamard transform needs a power-of-two length, got {d}")
+    lead = x.shape[:-1]
+    h = 1
+    while h < d:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = np.stack([a + b, a - b], axis=-2).reshape(*lead, d)
+        h *= 2
+    return x / math.sqrt(d)
+
+
+def padded_dim(d: int) -> int:
+    return 1 << max(0, (d - 1).bit_length())
+
+
+def _signs(seed: int, D: int) -> np.ndarray:
+    return np.random.default_rng([7, seed]).choice(np.array([-1.0, 1.0]), size=D)
+
+
+def rotate(x: np.ndarray, *, seed: int) -> np.ndarray:
+    """H D x over the last dim, zero-padded to a power of two (D: random signs from ``seed``)."""
+    d = x.shape[-1]
+    D = padded_dim(d)
+    pad = np.zeros((*x.shape[:-1], D))
+    pad[..., :d] = x
+    return hadamard(pad * _signs(seed, D))
+
+
+def unrotate(y: np.ndarray, *, seed: int, dim: int) -> np.ndarray:
+    """Inverse of :func:`rotate`: D H y, truncated to the first ``dim`` coordinates."""
+    return (hadamard(y) * _signs(seed, y.shape[-1]))[..., :dim]
+
+
+# ----------------------------------------------------------------------------- rounding
+
+
+def rounded_l2_bound(l2: float, dim: int, beta: float) -> float:
+    """Δ₂: norm bound after conditional randomized rounding (KLS 2021, Thm. 1 / eq. 8)."""
+    bound1 = l2 + math.sqrt(dim)
+    if beta == 0:
+        return bound1
+    bound2 = math.sqrt(l2 ** 2 + dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (l2 + math.sqrt(dim) / 2))
+    return min(bound1, bound2)
+
+
+def conditional_round(x: np.ndarray, bound: float, rng: np.random.Generator, max_tries: int = 1000) -> np.ndarray:
+    """Stochastic rounding of a (D,) vector, repeated until its L2 norm is <= ``bound``."""
+    for _ in range(max_tries):
+        r = stochastic_round(x, rng)
+        if float(np.dot(r, r)) <= bound * bound:
+            return r
+    raise RuntimeError(f"conditional rounding did not meet the norm bound {bound:.3g} in {max_tries} "
+                       "tries; increase beta")
+
+
+# ----------------------------------------------------------------------------- discrete Gaussian
+
+
+def discrete_gaussian_pmf(support: np.ndarray, sigma: float, tail: int | None = None) -> np.ndarray:
+    """Exact pmf of N_Z(0, σ²) at ``support`` (normaliser summed to ±(tail) with tail >> σ)."""
+    tail = tail or int(50 * sigma + 50)
+    ks = np.arange(-tail, tail + 1, dtype=np.float64)
+    z = np.exp(-ks ** 2 / (2 * sigma ** 2)).sum()
+    return np.exp(-np.asarray(support, np.float64) ** 2 / (2 * sigma ** 2)) / z
+
+
+def sample_discrete_gaussian(sigma: float, size: int | tuple, rng: np.random.Generator) -> np.ndarray:
+    """Vectorised CKS 2020 Algorithm 3: discrete Laplace proposals with rejection (float64 exp).
+
+    Proposal Y ~ Lap_Z(t), t = floor(σ)+1 (difference of two geometrics), accepted with
+    probability exp(-(|Y| - σ²/t)² / (2σ²)).
+    """
+    if sigma == 0:
+        return np.zeros(size, dtype=np.int64)
+    if not sigma > 0:
+        raise ValueError(f"discrete Gaussian sigma must be >= 0, got {sigma}")
+    shape = (size,) if isinstance(size, int) else tuple(size)
+    n = int(np.prod(shape))
+    out = np.empty(n, dtype=np.int64)
+    t = math.floor(sigma) + 1
+    p = -math.expm1(-1.0 / t)  # success probability of the geometric
+    filled = 0
+    while filled < n:
+        m = int((n - filled) * 1.6) + 16  # acceptance >= ~0.6 for sigma >= 0.5
+        y = (rng.geometric(p, m) - rng.geometric(p, m)).astype(np.int64)
+        acc = rng.random(m) < np.exp(-((np.abs(y) - sigma ** 2 / t) ** 2) / (2 * sigma ** 2))
+        y = y[acc][: n - filled]
+        out[filled:filled + len(y)] = y
+        filled += len(y)
+    return out.reshape(shape)
+
+
+def _bernoulli_exp(gamma: Fraction, rng: random.Random) -> bool:
+    """Exact Bernoulli(exp(-γ)) for rational γ >= 0 (CKS 2020, Algorithm 1)."""
+    if gamma > 1:
+        for _ in range(math.floor(gamma)):
+            if not _bernoulli_exp(Fraction(1), rng):
+                return False
+        return _bernoulli_exp(gamma - math.floor(gamma), rng)
+    k = 1
+    while True:
+        if rng.randrange(gamma.denominator * k) >= gamma.numerator:  # Bernoulli(γ/k) failed
+            break
+        k += 1
+    return k % 2 == 1
+
+
+def sample_discrete_gaussian_exact(sigma2: Fraction, rng: random.Random) -> int:
+    """One exact draw of N_Z(0, σ²) for rational σ² (CKS 2020, Algorithms 1-3), integer arithmetic only."""
+    sigma2 = Fraction(sigma2)
+    t = math.isqrt(math.floor(sigma2)) + 1
+    while True:
+        # discrete Laplace with scale t (Algorithm 2, s = 1)
+        while True:
+            u = rng.randrange(t)
+            if not _bernoulli_exp(Fraction(u, t), rng):
+                continue
+            v = 0
+            while _bernoulli_exp(Fraction(1), rng):
+                v += 1
+            y = u + t * v
+            b = rng.randrange(2)
+            if b == 1 and y == 0:
+                continue
+            y = -y if b else y
+            break
+        gamma = (abs(y) - sigma2 / t) ** 2 / (2 * sigma2)
+        if _bernoulli_exp(gamma, rng):
+            return y
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def ddg_tau(local_std: float, n: int) -> float:
+    """τ = 10 Σ_{k=1}^{n-1} exp(-2π²σ² k/(k+1)) (KLS 2021, Thm. 1)."""
+    return 10.0 * sum(math.exp(-2 * math.pi ** 2 * local_std ** 2 * k / (k + 1)) for k in range(1, n))
+
+
+def ddg_rdp(orders: Sequence[float], *, l2: float, l1: float, local_std: float, n: int, dim: int) -> np.ndarray:
+    """Per-round RDP of the sum of n discrete Gaussians N_Z(0, σ²) on a query with L2/L1
+    sensitivities l2/l1 in dimension dim (KLS 2021, Prop. 14). n = 0 or σ = 0: infinite."""
+    a = np.asarray(orders, dtype=np.float64)
+    if n < 1 or local_std == 0:
+        return np.full(a.shape, np.inf)
+    if local_std < 0.5:
+        raise ValueError(f"discrete Gaussian local std {local_std:.3g} < 0.5 is outside the bound's range; "
+                         "raise the noise multiplier or the bits")
+    tau = ddg_tau(local_std, n)
+    s2 = l2 / (math.sqrt(n) * local_std)
+    s1 = l1 / (math.sqrt(n) * local_std)
+    t1 = a / 2 * s2 ** 2 + tau * dim
+    t2 = a / 2 * (s2 ** 2 + 2 * s1 * tau + tau ** 2 * dim)
+    t3 = a / 2 * (s2 + math.sqrt(dim) * tau) ** 2
+    return np.minimum(np.minimum(t1, t2), t3)
+
+
+# ----------------------------------------------------------------------------- aggregator
+
+
+class DDPState(NamedTuple):
+    base: Any
+    round: int
+
+
+class DDPParams(NamedTuple):
+    """The public per-round parameters, in scaled integer units."""
+
+    gamma: float
+    dim: int          # D, padded dimension
+    l2: float         # Δ₂
+    l1: float         # Δ₁
+    local_std: float  # σ of each client's discrete Gaussian
+
+
+def ddp_params(*, clip: float, noise_multiplier: float, expected_cohort: float, cohort: int, dim: int,
+               bits: int, beta: float, k_stddevs: float) -> DDPParams:
+    """Choose γ so that k standard deviations of a coordinate of the sum fit in [-M/2, M/2)."""
+    D = padded_dim(dim)
+    M = 2 ** bits
+    room = (M / (2 * k_stddevs)) ** 2 - cohort / 4
+    if room <= 0:
+        raise ValueError(f"bits={bits} too few for a cohort of {cohort}; raise privacy.secure_aggregation.bits")
+    signal = cohort * clip ** 2 / D + (noise_multiplier * clip) ** 2
+    gamma = math.sqrt(signal / room)
+    l2 = rounded_l2_bound(clip / gamma, D, beta)
+    local_std = noise_multiplier * clip / gamma / math.sqrt(expected_cohort)
+    return DDPParams(gamma, D, l2, min(math.sqrt(D) * l2, l2 ** 2), local_std)
+
+
+def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multiplier: float,
+                   expected_cohort: float, bits: int = 20, beta: float = math.exp(-0.5),
+                   k_stddevs: float = 4.0, secure: bool = True, threshold: float = 0.6,
+                   neighbours: str = "full", dropout_rate: float = 0.0, seed: int | None = None) -> Aggregator:
+    """Distributed discrete Gaussian mechanism over secure aggregation (``jittable=False``).
+
+    Args:
+        base: applied to the decoded estimate (sum / expected cohort) as one pseudo-client.
+        clip: L2 clip norm c of each client's delta.
+        noise_multiplier: z; the noise of all expected clients together has std z c
+            (before rounding), as in central DP-FedAvg.
+        expected_cohort: the fixed denominator and the number of noise shares.
+        bits: modulus M = 2^bits of the secure sum (<= 32).
+        beta: conditional rounding parameter β of KLS 2021.
+        k_stddevs: headroom of the modulus in standard deviations of a summed coordinate.
+        secure: run the SecAgg protocol (else a plain modular sum, same result, for speed).
+        threshold, neighbours, dropout_rate, seed: as in ``secure_aggregation``.
+
+    Returns:
+        An :class:`Aggregator` with metrics ``survivors``, ``cohort``, ``effective_noise``
+        (z of the noise that survivors actually added), ``noise_std`` (on the averaged
+        update), and ``ddp_gamma``, ``ddp_dim``, ``ddp_l2``, ``ddp_l1``, ``ddp_local_std``
+        for :func:`memaudit.privacy.federated.ddp_round_event`.
+    """
+    base = mean_aggregator() if base is None else base
+    if not 2 <= bits <= 32:
+        raise ValueError(f"bits must be in 2..32, got {bits}")
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"distributed DP needs a finite clip norm > 0, got {clip}")
+
+    def init(params):
+        return DDPState(base.init(params), 0)
+
+    def aggregate(deltas, weights, state, key):
+        present = np.flatnonzero(np.asarray(weights) > 0)
+        rows, unflatten = flatten_clients(deltas)
+        rows = rows[present]
+        n, d = rows.shape
+        p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort,
+                       cohort=n, dim=d, bits=bits, beta=beta, k_stddevs=k_stddevs)
+        rng = _rng(key, seed, state.round)
+        rot_seed = int(rng.integers(2**31))  # public randomness shared with the clients
+        norms = np.linalg.norm(rows, axis=1, keepdims=True)
+        scaled = rows * np.minimum(1.0, clip / np.maximum(norms, 1e-300)) / p.gamma
+        rotated = rotate(scaled, seed=rot_seed)  # (n, D)
+        M = 2 ** bits
+        enc = np.empty((n, p.dim), dtype=np.uint32)
+        for i in range(n):
+            z = conditional_round(rotated[i], p.l2, rng) + sample_discrete_gaussian(p.local_std, p.dim, rng)
+            enc[i] = np.mod(z, M).astype(np.uint32)
+        dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
+        if secure:
+            res = run_round(enc, round_id=state.round, neighbours=neighbours, threshold=threshold,
+                            graph_seed=int(rng.integers(2**31)), dropouts=Dropouts(before_masked=dropped))
+            total, m = res.total, len(res.survivors)
+        else:
+            keep = [i for i in range(n) if i not in dropped]
+            total, m = enc[keep].sum(axis=0, dtype=np.uint32), len(keep)
+        v = (total.astype(np.int64) % M)
+        v = np.where(v >= M // 2, v - M, v).astype(np.float64)
+        estimate = unrotate(v, seed=rot_seed, dim=d) * p.gamma / expected_cohort
+        pseudo = jax.tree.map(lambda x: x[None], unflatten(estimate))
+        out = base.aggregate(pseudo, jnp.ones((1,), jnp.float32), state.base, key)
+        metrics = dict(out.metrics)
+        eff = math.sqrt(m) * p.local_std * p.gamma / clip
+        metrics.update(survivors=jnp.float32(m), aggregated_clients=jnp.float32(m), cohort=jnp.float32(n),
+                       effective_noise=eff, noise_std=eff * clip / expected_cohort, clip=clip,
+                       ddp_gamma=p.gamma, ddp_dim=p.dim, ddp_l2=p.l2, ddp_l1=p.l1, ddp_local_std=p.local_std)
+        return AggregateResult(out.update, DDPState(out.state, state.round + 1), metrics)
+
+    return Aggregator(init=init, aggregate=aggregate, jittable=False)
+
+
+__all__ = ["DDPParams", "conditional_round", "ddg_rdp", "ddg_tau", "ddp_params", "discrete_gaussian_pmf",
+           "distributed_dp", "hadamard", "padded_dim", "rotate", "rounded_l2_bound",
+           "sample_discrete_gaussian", "sample_discrete_gaussian_exact", "unrotate"]

@@ -1,0 +1,251 @@
+"""Federated primitives as JAX primitives, closed under differentiation.
+
+``federated_broadcast``, ``federated_sum`` and ``federated_mean`` are
+``jax.extend.core.Primitive`` s with abstract evaluation, an MLIR lowering, batching rules,
+linear JVPs and transposes that bind the primitives themselves:
+
+    transpose(broadcast) = sum,   transpose(sum) = broadcast,   transpose(mean) = broadcast / n
+
+so ``jax.grad`` / ``jax.jacfwd`` of a federated program is again a federated program whose
+only communication is these three primitives (federated AD). ``federated_map`` is ``vmap``
+over the clients dim; ``federated_weighted_mean`` is built from map and sum.
+
+Every primitive carries static params ``n`` (real clients), ``n_pad`` (clients dim as laid
+out, see `memaudit.federated.sharding.padded_clients`), ``axis`` and ``mesh``. Rows at or beyond
+``n`` are padding: aggregations mask them, broadcast fills them, and they never reach a result.
+
+References:
+    Rush, Charles, Garrett, Ingerman, Sharma, Sreenivasan, 2024, "FAX: Scalable and
+    Differentiable Federated Primitives in JAX" (arXiv:2403.07128), section 3 (federated AD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from memaudit.federated import sharding as shd
+from memaudit.federated.program import ProgramContext, current_context
+
+federated_broadcast_p = Primitive("federated_broadcast")
+federated_sum_p = Primitive("federated_sum")
+federated_mean_p = Primitive("federated_mean")
+PRIMITIVES = (federated_broadcast_p, federated_sum_p, federated_mean_p)
+PRIMITIVE_NAMES = frozenset(p.name for p in PRIMITIVES)
+
+_LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+
+
+# ---------------------------------------------------------------- implementations (jnp)
+
+
+def _broadcast_impl(x, *, n, n_pad, axis, mesh):
+    y = jnp.broadcast_to(x, (n_pad,) + x.shape)  # (n_pad, *x.shape)
+    return shd.constrain_leading(y, mesh, axis)
+
+
+def _masked(x, n):
+    if x.shape[0] == n:
+        return x
+    keep = (jnp.arange(x.shape[0]) < n).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+def _sum_impl(x, *, n, n_pad, axis, mesh):
+    del n_pad, axis, mesh
+    acc = jnp.float32 if x.dtype in _LOW_PRECISION else None
+    return jnp.sum(_masked(x, n), axis=0, dtype=acc).astype(x.dtype)  # (*x.shape[1:])
+
+
+def _mean_impl(x, *, n, n_pad, axis, mesh):
+    del n_pad, axis, mesh
+    acc = jnp.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    total = jnp.sum(_masked(x, n), axis=0, dtype=acc)
+    return (total / n).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- abstract evaluation
+
+
+def _aval(shape, x, sharding):
+    if sharding is None:
+        return jax.core.ShapedArray(shape, x.dtype, weak_type=x.weak_type)
+    return jax.core.ShapedArray(shape, x.dtype, weak_type=x.weak_type, sharding=sharding)
+
+
+def _x_spec(x) -> tuple:
+    spec = tuple(getattr(getattr(x, "sharding", None), "spec", ()) or ())
+    return spec + (None,) * (len(x.shape) - len(spec))
+
+
+def _broadcast_abstract(x, *, n, n_pad, axis, mesh):
+    sharding = None
+    if shd.is_explicit(mesh, axis):
+        spec = jax.sharding.PartitionSpec(axis, *_x_spec(x))
+        sharding = jax.sharding.NamedSharding(shd.abstract(mesh), spec)
+    return _aval((n_pad,) + tuple(x.shape), x, sharding)
+
+
+def _reduce_abstract(x, *, n, n_pad, axis, mesh):
+    if not x.shape or x.shape[0] != n_pad:
+        raise ValueError(
+            f"a clients-placed value needs leading size {n_pad}, got shape {tuple(x.shape)}"
+        )
+    sharding = None
+    if shd.is_explicit(mesh, axis):
+        spec = jax.sharding.PartitionSpec(*_x_spec(x)[1:])
+        sharding = jax.sharding.NamedSharding(shd.abstract(mesh), spec)
+    return _aval(tuple(x.shape[1:]), x, sharding)
+
+
+# ---------------------------------------------------------------- transposes (federated AD)
+
+
+def _broadcast_transpose(ct, x, **params):
+    assert ad.is_undefined_primal(x)
+    return [federated_sum_p.bind(ct, **params)]
+
+
+def _sum_transpose(ct, x, **params):
+    assert ad.is_undefined_primal(x)
+    return [federated_broadcast_p.bind(ct, **params)]
+
+
+def _mean_transpose(ct, x, **params):
+    assert ad.is_undefined_primal(x)
+    return [federated_broadcast_p.bind(ct, **params) / jnp.asarray(params["n"], ct.dtype)]
+
+
+# ---------------------------------------------------------------- batching (jax.vmap)
+
+
+def _broadcast_batch(args, dims, **params):
+    (x,), (d,) = args, dims
+    # the clients dim is inserted in front, so the batch dim moves down by one
+    return federated_broadcast_p.bind(x, **params), d + 1
+
+
+def _reduce_batch(prim):
+    def rule(args, dims, **params):
+        (x,), (d,) = args, dims
+        # put the batch dim right behind the clients dim: (n_pad, batch, ...)
+        x = jnp.moveaxis(x, d, 1)
+        return prim.bind(x, **params), 0
+
+    return rule
+
+
+for _p, _impl, _abs, _tr in (
+    (federated_broadcast_p, _broadcast_impl, _broadcast_abstract, _broadcast_transpose),
+    (federated_sum_p, _sum_impl, _reduce_abstract, _sum_transpose),
+    (federated_mean_p, _mean_impl, _reduce_abstract, _mean_transpose),
+):
+    _p.def_impl(_impl)
+    _p.def_abstract_eval(_abs)
+    mlir.register_lowering(_p, mlir.lower_fun(_impl, multiple_results=False))
+    ad.deflinear2(_p, _tr)  # JVP: the primitive on the tangent; zero cotangents stay Zero
+batching.primitive_batchers[federated_broadcast_p] = _broadcast_batch
+batching.primitive_batchers[federated_sum_p] = _reduce_batch(federated_sum_p)
+batching.primitive_batchers[federated_mean_p] = _reduce_batch(federated_mean_p)
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def _params(ctx: ProgramContext) -> dict[str, Any]:
+    return {"n": ctx.n, "n_pad": ctx.n_pad, "axis": ctx.axis, "mesh": ctx.mesh}
+
+
+def _check_placed(x, ctx: ProgramContext, what: str) -> None:
+    shape = jnp.shape(x)
+    if not shape or shape[0] != ctx.n_pad:
+        raise ValueError(
+            f"{what} got shape {tuple(shape)}; a clients-placed value needs leading size "
+            f"{ctx.n_pad} (clients={ctx.n}); pass one row per client"
+        )
+
+
+def federated_broadcast(tree: Any) -> Any:
+    """Server -> clients: every leaf x becomes a clients-placed (n, *x.shape) value.
+
+    With a ``clients`` mesh axis the clients dim is sharded over it and the other dims keep
+    the input's sharding.
+    """
+    params = _params(current_context("federated_broadcast"))
+    return jax.tree.map(lambda x: federated_broadcast_p.bind(jnp.asarray(x), **params), tree)
+
+
+def federated_sum(tree: Any) -> Any:
+    """Clients -> server: sum over the clients dim of every leaf (padding excluded)."""
+    ctx = current_context("federated_sum")
+    params = _params(ctx)
+
+    def one(x):
+        x = jnp.asarray(x)
+        _check_placed(x, ctx, "federated_sum")
+        return federated_sum_p.bind(x, **params)
+
+    return jax.tree.map(one, tree)
+
+
+def federated_mean(tree: Any) -> Any:
+    """Clients -> server: mean over the n real clients; keeps the input dtype (bf16 -> bf16)."""
+    ctx = current_context("federated_mean")
+    params = _params(ctx)
+
+    def one(x):
+        x = jnp.asarray(x)
+        _check_placed(x, ctx, "federated_mean")
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            raise ValueError(
+                f"federated_mean needs a floating dtype, got {x.dtype}; cast with "
+                ".astype(jnp.float32) or use federated_sum"
+            )
+        return federated_mean_p.bind(x, **params)
+
+    return jax.tree.map(one, tree)
+
+
+def federated_map(fn: Callable, *args: Any) -> Any:
+    """Apply ``fn`` on every client: ``vmap`` over the leading clients dim of all arguments.
+
+    Inputs and outputs are pinned to the ``clients`` mesh axis (``spmd_axis_name``), so
+    per-client work runs where the client's data lives. Pass server values through
+    `federated_broadcast` first, so their derivatives stay federated.
+    """
+    ctx = current_context("federated_map")
+    for i, a in enumerate(args):
+        for leaf in jax.tree.leaves(a):
+            _check_placed(leaf, ctx, f"federated_map argument {i}")
+    args = shd.shard_clients_tree(args, ctx.mesh)
+    out = jax.vmap(fn, spmd_axis_name=ctx.axis)(*args)
+    return shd.shard_clients_tree(out, ctx.mesh)
+
+
+def federated_weighted_mean(values: Any, weights: jax.Array) -> Any:
+    """Clients -> server: sum_i w_i v_i / sum_i w_i for every leaf; 0 when all weights are 0.
+
+    ``weights`` is clients-placed, shape (n,). The result keeps each leaf's dtype; the
+    division happens in at least float32.
+    """
+    ctx = current_context("federated_weighted_mean")
+    weights = jnp.asarray(weights)
+    _check_placed(weights, ctx, "federated_weighted_mean weights")
+    if weights.ndim != 1:
+        raise ValueError(f"weights must have shape ({ctx.n},), got {weights.shape}")
+    total = federated_sum(weights)
+    safe = jnp.where(total > 0, total, jnp.ones((), total.dtype))
+
+    def one(v):
+        v = jnp.asarray(v)
+        acc = jnp.promote_types(v.dtype, jnp.float32)
+        scaled = federated_map(lambda vi, wi: vi.astype(acc) * wi.astype(acc), v, weights)
+        mean = federated_sum(scaled) / safe.astype(acc)
+        return jnp.where(total > 0, mean, jnp.zeros((), acc)).astype(v.dtype)
+
+    return jax.tree.map(one, values)

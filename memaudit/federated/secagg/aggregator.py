@@ -1,0 +1,151 @@
+"""Secure aggregation as an aggregator wrapper (host-side, ``jittable=False``).
+
+Per round: each present client clips its flattened delta to L2 norm ``clip``,
+quantises it with stochastic rounding to a signed integer grid whose scale is
+chosen so the sum of n clipped values cannot wrap modulo 2^32, and takes part in
+one protocol round (:func:`run_round`). Simulated dropouts happen before the
+masked input is sent. The server decodes the survivors' sum, and the ``base``
+aggregator is applied to the survivors' mean as a single pseudo-client of
+weight 1 (for ``mean_aggregator()`` this is the mean over survivors).
+
+If too few clients survive, :class:`SecAggAbort` propagates: the trainer must not
+apply any update that round.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memaudit.federated.aggregators import AggregateResult, Aggregator
+from memaudit.federated.secagg.graph import sparse_degree
+from memaudit.federated.secagg.protocol import Dropouts, run_round
+
+PyTree = Any
+AUTO_SPARSE_FROM = 32  # "auto" uses SecAgg+ from this cohort size on
+
+
+class SecAggState(NamedTuple):
+    base: Any
+    round: int
+
+
+def quantisation_scale(clip: float, bits: int, n: int) -> tuple[float, int]:
+    """Scale s and effective bits b so that |q| <= 2^(b-1) - 1 and n 2^(b-1) <= 2^31."""
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"secure aggregation needs a finite clip norm > 0, got {clip}; set privacy.clip")
+    b = min(int(bits), 32 - max(0, math.ceil(math.log2(max(n, 1)))))
+    if b < 2:
+        raise ValueError(f"cohort of {n} clients leaves no room for quantisation in 32 bits")
+    return (2 ** (b - 1) - 1) / clip, b
+
+
+def stochastic_round(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Unbiased rounding to integers: floor(x) + Bernoulli(frac(x)), as int64."""
+    f = np.floor(x)
+    return (f + (rng.random(x.shape) < (x - f))).astype(np.int64)
+
+
+def flatten_clients(deltas: PyTree) -> tuple[np.ndarray, Any]:
+    """(n, d) float64 rows and a function mapping a (d,) vector back to one delta pytree."""
+    leaves, tdef = jax.tree.flatten(deltas)
+    arrs = [np.asarray(x, dtype=np.float64) for x in leaves]
+    n = arrs[0].shape[0]
+    rows = np.concatenate([a.reshape(n, -1) for a in arrs], axis=1)
+    shapes = [(a.shape[1:], np.asarray(x).dtype) for a, x in zip(arrs, leaves, strict=True)]
+
+    def unflatten(v: np.ndarray) -> PyTree:
+        out, o = [], 0
+        for shape, dtype in shapes:
+            size = int(np.prod(shape))
+            out.append(jnp.asarray(v[o:o + size].reshape(shape), dtype=dtype))
+            o += size
+        return jax.tree.unflatten(tdef, out)
+
+    return rows, unflatten
+
+
+def encode(rows: np.ndarray, clip: float, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """Clip each row to L2 norm ``clip``, quantise, and write it as uint32 (two's complement)."""
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    rows = rows * np.minimum(1.0, clip / np.maximum(norms, 1e-300))
+    return stochastic_round(rows * scale, rng).astype(np.uint32)  # int64 -> uint32 wraps mod 2^32
+
+
+def decode(total: np.ndarray, scale: float) -> np.ndarray:
+    """uint32 sum -> float sum (the sum fits in int32 by the choice of scale)."""
+    return total.view(np.int32).astype(np.float64) / scale
+
+
+def _rng(key: jax.Array, seed: int | None, salt: int) -> np.random.Generator:
+    data = np.asarray(jax.random.key_data(key)).ravel().tolist() if key is not None else []
+    return np.random.default_rng([salt, 0 if seed is None else seed + 1, *map(int, data)])
+
+
+def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
+                       neighbours: str = "full", bits: int = 20, dropout_rate: float = 0.0,
+                       seed: int | None = None, degree: int | None = None) -> Aggregator:
+    """Wrap ``base`` so that the server only sees the survivors' securely aggregated sum.
+
+    Args:
+        base: applied to the decoded survivors' mean as one pseudo-client of weight 1.
+        clip: L2 bound of each client's delta before quantisation (sets the integer range).
+            Under DP-FedAvg, use a value >= the DP clip norm.
+        threshold: Shamir threshold as a fraction of each client's holders (neighbours + self).
+        neighbours: "full" (SecAgg), "sparse" (SecAgg+), or "auto" (sparse from 32 clients).
+        bits: quantisation bits per coordinate (reduced automatically so n values cannot wrap).
+        dropout_rate: simulated probability that a client drops before sending its masked input.
+        seed: seed of the simulation's randomness (rounding, dropouts, SecAgg+ graph).
+        degree: SecAgg+ degree (default O(log n), see :func:`sparse_degree`).
+
+    Returns:
+        An :class:`Aggregator` (``jittable=False``) with metrics ``survivors``, ``cohort``,
+        ``secagg_bits``, ``secagg_degree``, ``secagg_bytes_up``, ``secagg_bytes_down``.
+
+    Raises (from ``aggregate``):
+        SecAggAbort: fewer survivors than the threshold; apply no update this round.
+    """
+    if neighbours not in ("full", "sparse", "auto"):
+        raise ValueError(f"neighbours must be 'full', 'sparse' or 'auto', got {neighbours!r}")
+    if not 0 <= dropout_rate < 1:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    quantisation_scale(clip, bits, 1)  # validate early
+
+    def init(params):
+        return SecAggState(base.init(params), 0)
+
+    def aggregate(deltas, weights, state, key):
+        w = np.asarray(weights)
+        present = np.flatnonzero(w > 0)
+        rows, unflatten = flatten_clients(deltas)
+        n = len(present)
+        if n == 0:
+            raise ValueError("secure aggregation round with no present clients; check the cohort")
+        kind = neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
+        scale, b = quantisation_scale(clip, bits, n)
+        rng = _rng(key, seed, state.round)
+        q = encode(rows[present], clip, scale, rng)
+        dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
+        graph_seed = int(rng.integers(2**31))
+        result = run_round(q, round_id=state.round, neighbours=kind, threshold=threshold,
+                           graph_seed=graph_seed, degree=degree,
+                           dropouts=Dropouts(before_masked=dropped))
+        m = len(result.survivors)
+        mean = decode(result.total, scale) / m
+        pseudo = jax.tree.map(lambda x: x[None], unflatten(mean))
+        res = base.aggregate(pseudo, jnp.ones((1,), jnp.float32), state.base, key)
+        metrics = dict(res.metrics)
+        metrics.update(survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
+                       cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
+                       secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down)
+        return AggregateResult(res.update, SecAggState(res.state, state.round + 1), metrics)
+
+    return Aggregator(init=init, aggregate=aggregate, jittable=False)
+
+
+__all__ = ["SecAggState", "decode", "encode", "quantisation_scale", "secure_aggregation",
+           "sparse_degree", "stochastic_round"]

@@ -1,0 +1,187 @@
+"""Secure-aggregation client (Bonawitz et al. 2017; SecAgg+ of Bell et al. 2020).
+
+A client holds two fresh X25519 key pairs per round: (c_sk, c_pk) to encrypt
+Shamir shares to other clients, (s_sk, s_pk) to agree pairwise mask seeds. It
+masks its quantised update y = x + PRG(b) + sum_{j>i} PRG(s_ij) - sum_{j<i} PRG(s_ij)
+(mod 2^32) over its neighbours j that survived share distribution, and in the
+unmasking round reveals, for each client i whose shares it holds, the share of
+b_i if i's masked input arrived, else the share of s_sk_i, never both.
+
+References:
+    Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving
+    Machine Learning", CCS 2017. Bell et al., "Secure Single-Server Aggregation
+    with (Poly)Logarithmic Overhead", CCS 2020.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from memaudit.federated.secagg import prg, shamir
+from memaudit.federated.secagg.messages import (
+    SERVER,
+    AuthenticationError,
+    Header,
+    MessageError,
+    MsgType,
+    ReplayError,
+    Writer,
+    parse,
+)
+
+_RAW = (serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+SHARE_Y_BYTES = 66  # 521-bit field elements
+KIND_SEED, KIND_KEY = 0, 1
+
+
+def kdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+def pub_bytes(pk: X25519PublicKey) -> bytes:
+    return pk.public_bytes(*_RAW)
+
+
+def priv_bytes(sk: X25519PrivateKey) -> bytes:
+    return sk.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                            serialization.NoEncryption())
+
+
+def mask_seed(s_sk: X25519PrivateKey, peer_s_pk: bytes, round_id: int) -> bytes:
+    """Pairwise mask seed s_ij = HKDF(X25519(s_sk_i, s_pk_j)); symmetric in i and j."""
+    shared = s_sk.exchange(X25519PublicKey.from_public_bytes(peer_s_pk))
+    return kdf(shared, b"memaudit-secagg-mask" + struct.pack(">Q", round_id))
+
+
+def share_ad(round_id: int, sender: int, recipient: int) -> bytes:
+    return b"memaudit-secagg-share" + struct.pack(">QII", round_id, sender, recipient)
+
+
+class Client:
+    """One client's side of a round. Methods consume and return wire messages (bytes)."""
+
+    def __init__(self, cid: int, *, round_id: int) -> None:
+        self.cid = cid
+        self.round_id = round_id
+        self._c_sk = X25519PrivateKey.generate()
+        self._s_sk = X25519PrivateKey.generate()
+        self._b = os.urandom(prg.SEED_BYTES)  # self-mask seed
+        self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._held: dict[int, bytes] = {}
+        self._enc_keys: dict[int, bytes] = {}  # sender -> decrypted share plaintext
+        self._u2: frozenset[int] = frozenset()
+        self._stage = 0
+
+    def _header(self, typ: MsgType) -> Header:
+        return Header(typ, self.round_id, self.cid, SERVER)
+
+    def _advance(self, stage: int) -> None:
+        """Check the protocol step; the step only counts once its message was accepted."""
+        if self._stage != stage:
+            raise ReplayError(f"client {self.cid}: protocol step {stage} out of order (at {self._stage})")
+
+    def _enc_key(self, peer: int) -> bytes:
+        """AEAD key shared with ``peer``: HKDF(X25519(c_sk_self, c_pk_peer)), cached per round."""
+        if peer not in self._enc_keys:
+            shared = self._c_sk.exchange(X25519PublicKey.from_public_bytes(self._keys[peer][0]))
+            self._enc_keys[peer] = kdf(shared, b"memaudit-secagg-enc")
+        return self._enc_keys[peer]
+
+    def advertise(self) -> bytes:
+        """Round 0: send (c_pk, s_pk)."""
+        self._advance(0)
+        w = Writer().blob(pub_bytes(self._c_sk.public_key())).blob(pub_bytes(self._s_sk.public_key()))
+        self._stage = 1
+        return w.finish(self._header(MsgType.ADVERTISE))
+
+    def share_keys(self, keys_msg: bytes) -> bytes:
+        """Round 1: from the neighbours' keys and threshold, send encrypted shares of b and s_sk."""
+        self._advance(1)
+        _, r = parse(keys_msg, expect=MsgType.KEYS, round_id=self.round_id, recipient=self.cid)
+        threshold = r.u32()
+        for _ in range(r.u32()):
+            j, c_pk, s_pk = r.u32(), r.blob(), r.blob()
+            if len(c_pk) != 32 or len(s_pk) != 32:
+                raise MessageError("public keys must be 32 bytes")
+            self._keys[j] = (c_pk, s_pk)
+        r.done()
+        own = (pub_bytes(self._c_sk.public_key()), pub_bytes(self._s_sk.public_key()))
+        if self._keys.get(self.cid, own) != own:
+            raise AuthenticationError(f"client {self.cid}: server echoed a different key for this client")
+        self._keys[self.cid] = own
+        holders = sorted(self._keys)
+        if not 1 <= threshold <= len(holders):
+            raise MessageError(f"threshold {threshold} impossible with {len(holders)} holders")
+        xs = [j + 1 for j in holders]
+        b_sh = shamir.split_bytes(self._b, threshold=threshold, n=len(holders), xs=xs)
+        k_sh = shamir.split_bytes(priv_bytes(self._s_sk), threshold=threshold, n=len(holders), xs=xs)
+        w = Writer().u32(len(holders))
+        for j, (x, yb), (_, yk) in zip(holders, b_sh, k_sh, strict=True):
+            plain = struct.pack(">III", self.cid, j, x) + yb.to_bytes(SHARE_Y_BYTES, "big") \
+                + yk.to_bytes(SHARE_Y_BYTES, "big")
+            key = self._enc_key(j)
+            nonce = os.urandom(12)
+            ct = ChaCha20Poly1305(key).encrypt(nonce, plain, share_ad(self.round_id, self.cid, j))
+            w.u32(j).blob(nonce + ct)
+        self._stage = 2
+        return w.finish(self._header(MsgType.SHARES))
+
+    def masked_input(self, forward_msg: bytes, x: np.ndarray) -> bytes:
+        """Round 2: store the shares addressed to us and send the masked update (uint32, mod 2^32)."""
+        self._advance(2)
+        _, r = parse(forward_msg, expect=MsgType.FORWARD, round_id=self.round_id, recipient=self.cid)
+        self._u2 = frozenset(r.ids())
+        for _ in range(r.u32()):
+            sender, blob = r.u32(), r.blob()
+            if sender not in self._keys or sender in self._held:
+                raise ReplayError(f"client {self.cid}: unexpected or duplicate share from {sender}")
+            key = self._enc_key(sender)
+            try:
+                plain = ChaCha20Poly1305(key).decrypt(blob[:12], blob[12:],
+                                                      share_ad(self.round_id, sender, self.cid))
+            except InvalidTag as e:
+                raise AuthenticationError(f"client {self.cid}: share from {sender} failed AEAD "
+                                          "verification (tampered or misrouted)") from e
+            s, rcpt, _x = struct.unpack(">III", plain[:12])
+            if (s, rcpt) != (sender, self.cid):
+                raise AuthenticationError("share header does not match its envelope")
+            self._held[sender] = plain
+        r.done()
+        if self.cid not in self._u2:
+            raise ReplayError(f"client {self.cid} is not in the share-distribution survivors")
+        y = np.array(x, dtype=np.uint32, copy=True)
+        prg.add_mask(y, self._b, +1)
+        for j in self._keys:
+            if j != self.cid and j in self._u2:
+                prg.add_mask(y, mask_seed(self._s_sk, self._keys[j][1], self.round_id),
+                             +1 if j > self.cid else -1)
+        self._stage = 3
+        return Writer().array(y).finish(self._header(MsgType.MASKED))
+
+    def unmask(self, request_msg: bytes) -> bytes:
+        """Round 3: reveal b-shares of survivors U3 and key-shares of U2 \\ U3."""
+        self._advance(3)
+        _, r = parse(request_msg, expect=MsgType.UNMASK_REQUEST, round_id=self.round_id,
+                     recipient=self.cid)
+        u3 = frozenset(r.ids())
+        r.done()
+        if not u3 <= self._u2 or self.cid not in u3:
+            raise ReplayError("unmask request names clients outside the survivors")
+        w = Writer().u32(len(self._held))
+        for sender, plain in sorted(self._held.items()):
+            x = struct.unpack(">I", plain[8:12])[0]
+            if sender in u3:
+                kind, y = KIND_SEED, plain[12:12 + SHARE_Y_BYTES]
+            else:
+                kind, y = KIND_KEY, plain[12 + SHARE_Y_BYTES:]
+            w.u32(sender).u32(kind).u32(x).blob(y)
+        self._stage = 4
+        return w.finish(self._header(MsgType.UNMASK))

@@ -1,0 +1,162 @@
+"""Secure-aggregation server.
+
+The server routes messages and accumulates masked vectors into one running sum
+as they arrive; it never stores a client's masked vector, let alone an unmasked
+one. After the unmasking round it reconstructs the self-mask seeds b_i of the
+survivors and the mask keys s_sk_i of clients that dropped after sharing, and
+removes those masks from the sum, leaving sum_{i in U3} x_i (mod 2^32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from memaudit.federated.secagg import prg, shamir
+from memaudit.federated.secagg.client import KIND_KEY, KIND_SEED, mask_seed
+from memaudit.federated.secagg.messages import (
+    SERVER,
+    Header,
+    MessageError,
+    MsgType,
+    ReplayError,
+    SecAggAbort,
+    Writer,
+    parse,
+)
+
+
+def thresholds(neigh: Sequence[frozenset[int]], fraction: float) -> list[int]:
+    """Per-client Shamir threshold: ceil(fraction * |holders|), holders = neighbours + self."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"threshold fraction must be in (0, 1], got {fraction}")
+    return [max(1, math.ceil(fraction * (len(s) + 1) - 1e-9)) for s in neigh]
+
+
+class Server:
+    """Server side of one round, for clients 0..n-1 with the given neighbour sets."""
+
+    def __init__(self, *, round_id: int, neighbours: Sequence[frozenset[int]], threshold: Sequence[int],
+                 dim: int) -> None:
+        self.round_id = round_id
+        self.n = len(neighbours)
+        self.neigh = list(neighbours)
+        self.t = list(threshold)
+        self.dim = dim
+        self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._shares: dict[int, dict[int, bytes]] = {}  # sender -> recipient -> ciphertext
+        self._sum = np.zeros(dim, dtype=np.uint32)
+        self.u3: set[int] = set()
+        self._revealed: dict[int, dict[int, list]] = {KIND_SEED: {}, KIND_KEY: {}}
+        self._unmasked_from: set[int] = set()
+
+    # -- helpers
+    def _recv(self, msg: bytes, typ: MsgType, seen: Sequence[int] | set[int], allowed) -> tuple[Header, object]:
+        h, r = parse(msg, expect=typ, round_id=self.round_id, recipient=SERVER)
+        if h.sender not in allowed:
+            raise ReplayError(f"{typ.name} from client {h.sender}, which is not expected at this step")
+        if h.sender in seen:
+            raise ReplayError(f"duplicate {typ.name} from client {h.sender} (replay)")
+        return h, r
+
+    def _out(self, typ: MsgType, cid: int, w: Writer) -> bytes:
+        return w.finish(Header(typ, self.round_id, SERVER, cid))
+
+    def _abort_if_short(self, alive: set[int], what: str) -> None:
+        for i in alive:
+            have = len((self.neigh[i] | {i}) & alive)
+            if have < self.t[i]:
+                raise SecAggAbort(f"secure aggregation aborted at {what}: client {i} has {have} live "
+                                  f"holders, threshold {self.t[i]}; lower the dropout rate or threshold")
+
+    # -- round 0
+    def receive_advertise(self, msg: bytes) -> None:
+        h, r = self._recv(msg, MsgType.ADVERTISE, self._keys, range(self.n))
+        c_pk, s_pk = r.blob(), r.blob()
+        r.done()
+        if len(c_pk) != 32 or len(s_pk) != 32 or c_pk == s_pk:
+            raise MessageError("ADVERTISE must carry two distinct 32-byte X25519 keys")
+        self._keys[h.sender] = (c_pk, s_pk)
+
+    def keys_for(self, cid: int) -> bytes:
+        u1 = set(self._keys)
+        self._abort_if_short(u1, "key advertisement")
+        peers = sorted((self.neigh[cid] | {cid}) & u1)
+        w = Writer().u32(self.t[cid]).u32(len(peers))
+        for j in peers:
+            w.u32(j).blob(self._keys[j][0]).blob(self._keys[j][1])
+        return self._out(MsgType.KEYS, cid, w)
+
+    # -- round 1
+    def receive_shares(self, msg: bytes) -> None:
+        h, r = self._recv(msg, MsgType.SHARES, self._shares, self._keys)
+        out = {}
+        for _ in range(r.u32()):
+            j, ct = r.u32(), r.blob()
+            if j not in (self.neigh[h.sender] | {h.sender}) or j in out:
+                raise MessageError(f"client {h.sender} sent a share to non-neighbour or twice to {j}")
+            out[j] = ct
+        r.done()
+        self._shares[h.sender] = out
+
+    def forward_for(self, cid: int) -> bytes:
+        u2 = set(self._shares)
+        self._abort_if_short(u2, "share distribution")
+        w = Writer().ids(u2)
+        inbox = [(i, s[cid]) for i, s in sorted(self._shares.items()) if cid in s]
+        w.u32(len(inbox))
+        for i, ct in inbox:
+            w.u32(i).blob(ct)
+        return self._out(MsgType.FORWARD, cid, w)
+
+    # -- round 2
+    def receive_masked(self, msg: bytes) -> None:
+        h, r = self._recv(msg, MsgType.MASKED, self.u3, self._shares)
+        y = r.array(self.dim)
+        r.done()
+        np.add(self._sum, y, out=self._sum)  # only the running sum is kept
+        self.u3.add(h.sender)
+
+    def unmask_request_for(self, cid: int) -> bytes:
+        self._abort_if_short(set(self.u3), "masked input collection")
+        return self._out(MsgType.UNMASK_REQUEST, cid, Writer().ids(self.u3))
+
+    # -- round 3
+    def receive_unmask(self, msg: bytes) -> None:
+        h, r = self._recv(msg, MsgType.UNMASK, self._unmasked_from, self.u3)
+        entries = []
+        for _ in range(r.u32()):
+            owner, kind, x, y = r.u32(), r.u32(), r.u32(), r.blob()
+            want = KIND_SEED if owner in self.u3 else KIND_KEY
+            if kind != want or owner not in self._shares:
+                raise MessageError(f"client {h.sender} revealed the wrong kind of share for {owner}")
+            entries.append((owner, kind, (x, int.from_bytes(y, "big"))))
+        r.done()
+        self._unmasked_from.add(h.sender)
+        for owner, kind, share in entries:
+            self._revealed[kind].setdefault(owner, []).append(share)
+
+    def finalize(self) -> np.ndarray:
+        """Remove all masks and return sum_{i in U3} x_i mod 2^32."""
+        u2, u3 = set(self._shares), self.u3
+        total = self._sum.copy()
+        for i in sorted(u3):
+            total_seed = self._reconstruct(i, KIND_SEED, 32)
+            prg.add_mask(total, total_seed, -1)
+        for i in sorted(u2 - u3):
+            s_sk = X25519PrivateKey.from_private_bytes(self._reconstruct(i, KIND_KEY, 32))
+            for j in sorted(self.neigh[i] & u3):
+                # j added +PRG(s_ji) if i > j, else -PRG(s_ji); undo it
+                prg.add_mask(total, mask_seed(s_sk, self._keys[j][1], self.round_id), -1 if i > j else +1)
+        return total
+
+    def _reconstruct(self, owner: int, kind: int, length: int) -> bytes:
+        shares = self._revealed[kind].get(owner, [])
+        if len(shares) < self.t[owner]:
+            what = "self-mask seed" if kind == KIND_SEED else "mask key"
+            raise SecAggAbort(f"secure aggregation aborted: only {len(shares)} shares of client {owner}'s "
+                              f"{what}, threshold {self.t[owner]}; lower the dropout rate or threshold")
+        return shamir.reconstruct_bytes(shares[: self.t[owner]], length)

@@ -1,0 +1,499 @@
+"""The federated trainer behind `memaudit train CONFIG --backend federated`.
+
+`train_federated(cfg, run)` prepares the data, makes every training user a client (its packed
+training sequences are its local data), starts from the same seeded weights as the centralized
+backend (`memaudit.models.presets.init_state_dict`, converted to the Flax Llama), and runs
+`federated.rounds` rounds of FedAvg (local client-optimizer steps, a server optimizer on the
+mean delta: FedAvg / FedAdam / SGD) or FedSGD from `memaudit.federated.algorithms`. Each round
+samples a cohort (Poisson by default, or fixed size) as a pure function of (seed, round),
+weights clients by their number of sequences, and shards the clients over a `clients` mesh
+axis when there is more than one device. It writes metrics.jsonl (one line per round),
+resumable state/ (msgpack), the privacy ledger for DP runs, and a Hugging Face checkpoint
+with the tokenizer in model/.
+
+Exact resume: the cohort, the local batches and the noise of round r are functions of
+(seed, r) and the server state alone, so a killed-and-resumed run ends with the same weights.
+
+References:
+    McMahan et al. 2017 (FedAvg), Reddi et al. 2021 (FedAdam), McMahan et al. 2018 (DP-FedAvg),
+    Rush et al. 2024 (FAX).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from memaudit.config import Config
+from memaudit.errors import MemauditError
+from memaudit.io import append_jsonl, atomic_write_json, truncate_jsonl
+from memaudit.rundir import RunDir
+
+ProgressFn = Callable[[int, int, dict[str, Any]], None]
+
+
+def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
+                    progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Train `cfg` federated into `run`; returns the result summary written to run.json.
+
+    Args:
+        cfg: the resolved config (`cfg.federated` holds rounds, cohort, sampling, local steps,
+            client/server optimizers, mesh_clients).
+        run: the run directory, already checked by `prepare_new_run` / `open_for_resume`.
+        resume: continue from the last checkpoint in state/.
+        progress: called as progress(done_rounds, total_rounds, info) after every round.
+
+    Returns:
+        {"steps" (= rounds), "rounds", "final_holdout_loss", "final_holdout_perplexity",
+         "initial_holdout_loss", "initial_holdout_perplexity", "final_train_loss", ...}
+    """
+    from memaudit.federated.distributed import maybe_initialize
+
+    maybe_initialize()
+    return FederatedTrainer(cfg, run, progress=progress).fit(resume=resume)
+
+
+def check_population(cfg: Config, population: int) -> None:
+    """One-line errors for a cohort the data cannot supply."""
+    f = cfg.federated
+    if population < 2:
+        raise MemauditError(
+            f"the training data has {population} user(s) with sequences; federated training needs at "
+            "least 2 clients: add users (data.synth.users) or lower data.heldout_users")
+    if f.cohort > population:
+        raise MemauditError(
+            f"federated.cohort={f.cohort} is larger than the population of {population} training "
+            f"users; set federated.cohort <= {population} or add users")
+    if f.local_steps < 1:
+        raise MemauditError(f"federated.local_steps={f.local_steps} must be >= 1")
+
+
+def build_mesh(mesh_clients: int | None) -> Any:
+    """A 1-D `clients` mesh over `mesh_clients` devices (default: all); None on one device."""
+    import jax
+
+    devices = jax.devices()
+    k = len(devices) if mesh_clients is None else mesh_clients
+    if k > len(devices):
+        raise MemauditError(f"federated.mesh_clients={k} exceeds the {len(devices)} visible devices; "
+                            f"set it to at most {len(devices)}")
+    if k <= 1:
+        return None
+    return jax.make_mesh((k,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices[:k])
+
+
+def make_loss_fn(model: Any) -> Callable:
+    """`loss_fn(params, batch) -> (per-sequence mean token loss (b,), token counts)` for algorithms."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(params, batch):
+        ids, am = batch["input_ids"], batch["attention_mask"]
+        logits = model.apply({"params": params}, ids, am)  # (b, L, V)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]  # (b, L-1)
+        m = (am[:, 1:] > 0).astype(jnp.float32)
+        count = jnp.sum(m, axis=1)
+        return jnp.sum(nll * m, axis=1) / jnp.maximum(count, 1.0), count
+
+    return loss_fn
+
+
+class FederatedTrainer:
+    """One federated training run; `is_writer` is process 0 (the only one that writes files)."""
+
+    def __init__(self, cfg: Config, run: RunDir, *, progress: ProgressFn | None = None) -> None:
+        import jax
+
+        self.cfg, self.run, self.progress = cfg, run, progress
+        self.fcfg = cfg.federated
+        self.is_writer = jax.process_index() == 0
+        self.private = cfg.privacy.enabled
+        self.ledger: Any = None
+        self.initial_holdout = (math.nan, math.nan)
+
+    # ------------------------------------------------------------------ set-up
+    def prepare(self, resume: bool) -> None:
+        from memaudit.data import load_prepared, prepare_data
+        from memaudit.federated.data import build_client_data
+        from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params
+        from memaudit.models.presets import get_preset
+
+        if self.cfg.model.name_or_path is not None:
+            raise MemauditError("model.name_or_path is not supported by the federated backend yet; "
+                                "use a model.preset")
+        self.vocab = get_preset(self.cfg.model.preset).vocab_size
+        if self.is_writer:
+            self.prepared = prepare_data(self.cfg.data, self.run, vocab_size=self.vocab)
+        self._barrier("data")
+        if not self.is_writer:
+            self.prepared = load_prepared(self.run)
+        if resume and self.is_writer:
+            want = self.run.read_manifest().get("data_fingerprint")
+            if want is not None and want != self.prepared.fingerprint:
+                raise MemauditError(f"the prepared data of '{self.run.path}' changed since the run "
+                                    "started; start a new run instead of --resume")
+        tok_size = int(self.prepared.meta.get("tokenizer_size", 0))
+        if tok_size > self.vocab:
+            raise MemauditError(f"the tokenizer has {tok_size} tokens but the model vocabulary only "
+                                f"{self.vocab}; use a smaller tokenizer or a larger model.preset")
+        self.clients = build_client_data(self.prepared.train)
+        check_population(self.cfg, self.clients.num_users)
+        self.mesh = build_mesh(self.fcfg.mesh_clients)
+        self.model = FlaxLlama(FlaxLlamaConfig.from_preset(self.cfg.model.preset, vocab_size=self.vocab))
+        self.params0 = init_params(self.model.cfg, preset=self.cfg.model.preset, seed=self.cfg.model.init_seed)
+        self.algorithm = self.build_algorithm()
+        self._eval = self._build_eval()
+
+    def _barrier(self, name: str) -> None:
+        import jax
+
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"memaudit-{name}")
+
+    def build_aggregator(self) -> Any:
+        """The aggregation stack: mean, wrapped by DP-FedAvg / secure aggregation when configured."""
+        from memaudit.federated.aggregators import mean_aggregator
+
+        p = self.cfg.privacy
+        base = mean_aggregator(self.mesh)
+        if p.secure_aggregation.enabled:
+            base = _secure_aggregation(base, self.cfg)
+        if not self.private:
+            return base
+        if p.mechanism == "distributed":
+            return _distributed_dp(base, self.cfg)
+        return self._dp_fedavg(base)
+
+    def _dp_fedavg(self, base: Any) -> Any:
+        from memaudit.federated.dp import dp_fedavg
+        from memaudit.privacy.accounting import default_delta
+        from memaudit.privacy.ledger import PrivacyLedger
+
+        p, f = self.cfg.privacy, self.fcfg
+        population = self.clients.num_users
+        self.sampling_rate = f.cohort / population
+        self.delta = p.delta if p.delta is not None else default_delta(population)
+        sigma = p.noise_multiplier
+        if sigma is None:
+            from memaudit.privacy.calibrate import calibrate_noise
+
+            acc = "rdp" if p.accountant == "both" else p.accountant
+            sigma = calibrate_noise(p.target_epsilon, q=self.sampling_rate, steps=f.rounds,
+                                    delta=self.delta, accountant=acc)
+        self.noise_multiplier = float(sigma)
+        self.ledger = PrivacyLedger(unit="user", delta=self.delta)
+        return dp_fedavg(base, clip=p.clip, noise_multiplier=self.noise_multiplier,
+                         expected_cohort=float(f.cohort), adaptive=p.adaptive_clipping)
+
+    def build_algorithm(self) -> Any:
+        from memaudit.federated import algorithms as alg
+
+        f = self.fcfg
+        loss_fn = make_loss_fn(self.model)
+        server_opt = alg.make_server_optimizer(f.server_optimizer, self._server_lr())
+        weighting = "uniform" if self.private else "examples"
+        if f.algorithm == "fedsgd":
+            if self.private or self.cfg.privacy.secure_aggregation.enabled:
+                raise MemauditError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
+                                    "federated.algorithm=fedavg (e.g. with local_steps=1)")
+            return alg.fedsgd(loss_fn, server_optimizer=server_opt, weighting=weighting, mesh=self.mesh)
+        return alg.fedavg(
+            loss_fn, client_optimizer=alg.make_client_optimizer(f.client_optimizer, f.client_lr),
+            server_optimizer=server_opt, local_steps=f.local_steps, batch_size=f.local_batch_size,
+            aggregator=self.build_aggregator(), weighting=weighting, mesh=self.mesh,
+        )
+
+    def _server_lr(self) -> float:
+        # FedAvg proper applies the mean delta as is (server SGD with lr 1, McMahan et al. 2017).
+        return 1.0 if self.fcfg.server_optimizer == "fedavg" else self.fcfg.server_lr
+
+    # ------------------------------------------------------------------ rounds
+    def cohort(self, r: int) -> np.ndarray:
+        from memaudit.federated.cohorts import sample_cohort
+
+        f = self.fcfg
+        return sample_cohort(self.cfg.train.seed, self.clients.num_users, f.cohort, f.sampling, round=r)
+
+    def round_data(self, cohort: np.ndarray) -> Any:
+        """The cohort's sequences as a padded `cohorts.ClientData` placed on the mesh."""
+        from memaudit.federated.cohorts import ClientData, cohort_capacity
+        from memaudit.federated.sharding import clients_axis_size
+
+        k = clients_axis_size(self.mesh)
+        cap = cohort_capacity(max(len(cohort), 1), multiple=k)
+        c = self.clients
+        s_max, length = c.input_ids.shape[1:]
+        ids = np.zeros((cap, s_max, length), np.int32)
+        am = np.zeros((cap, s_max, length), np.int32)
+        mask = np.zeros((cap, s_max), np.float32)
+        ids[: len(cohort)] = c.input_ids[cohort]
+        am[: len(cohort)] = c.attention_mask[cohort]
+        mask[: len(cohort)] = c.example_mask[cohort]
+        return ClientData({"input_ids": self._place(ids), "attention_mask": self._place(am)},
+                          self._place(mask))
+
+    def _place(self, x: np.ndarray, replicated: bool = False) -> Any:
+        """Host array -> device array sharded over the clients axis (a global array across hosts)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if self.mesh is None:
+            return jnp.asarray(x)
+        spec = PartitionSpec() if replicated else PartitionSpec("clients")
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec), lambda idx: x[idx])
+
+    def run_round(self, state: Any, r: int, key: Any) -> tuple[Any, dict[str, Any]]:
+        import jax
+
+        t0 = time.perf_counter()
+        cohort = self.cohort(r)
+        rec: dict[str, Any] = {"round": r + 1, "cohort": len(cohort)}
+        if len(cohort) == 0 and not self.private:
+            # An empty Poisson cohort sends nothing; FedAdam's momentum must not move the model.
+            state = state._replace(round=state.round + 1)
+            rec.update(loss=None, update_norm=0.0, tokens_per_s=0.0)
+            return state, rec
+        data = self.round_data(cohort)
+        state, m = self.algorithm.round(state, data, jax.random.fold_in(key, r))
+        jax.block_until_ready(state.params)
+        dt = time.perf_counter() - t0
+        tokens = self._round_tokens(cohort)
+        rec.update(loss=m.pop("loss", math.nan), update_norm=m.pop("update_norm", math.nan),
+                   tokens_per_s=tokens / dt if dt > 0 else 0.0, round_seconds=dt)
+        rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
+        if self.ledger is not None:
+            self.ledger.record_steps(self.sampling_rate, self.noise_multiplier, 1)
+        return state, rec
+
+    def _round_tokens(self, cohort: np.ndarray) -> int:
+        """Token positions the clients processed this round (local batches x steps, or all data)."""
+        f = self.fcfg
+        L = self.clients.seq_len
+        if f.algorithm == "fedsgd":
+            return int(self.clients.num_examples[cohort].sum()) * L
+        per = np.minimum(self.clients.num_examples[cohort], f.local_batch_size)
+        return int(per.sum()) * f.local_steps * L
+
+    # ------------------------------------------------------------------ evaluation
+    def _build_eval(self) -> Callable:
+        import jax
+        import jax.numpy as jnp
+
+        from memaudit.models.flax_llama import causal_lm_loss
+
+        model = self.model
+
+        @jax.jit
+        def loss_sum(params, ids, am):
+            logits = model.apply({"params": params}, ids, am)
+            return causal_lm_loss(logits, ids, am)
+
+        def evaluate(host_params) -> tuple[float, float]:
+            h = self.prepared.holdout
+            b = self.cfg.train.batch_size
+            n = min(len(h), b * self.cfg.train.eval_batches)
+            if n == 0:
+                return math.nan, math.nan
+            total, count = 0.0, 0.0
+            for s in range(0, n, b):
+                ids = np.zeros((b, h.seq_len), np.int32)
+                am = np.zeros((b, h.seq_len), np.int32)
+                k = min(b, n - s)
+                ids[:k], am[:k] = h.input_ids[s:s + k], h.attention_mask[s:s + k]
+                ls, c = loss_sum(host_params, jnp.asarray(ids), jnp.asarray(am))
+                total, count = total + float(ls), count + float(c)
+            if count == 0:
+                return math.nan, math.nan
+            loss = total / count
+            return loss, math.exp(min(loss, 700.0))
+
+        return evaluate
+
+    # ------------------------------------------------------------------ checkpoints
+    def host(self, tree: Any) -> Any:
+        """Server-side pytree -> numpy on this host (gathers global arrays across processes)."""
+        import jax
+
+        def one(x):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                if x.is_fully_replicated:
+                    return np.asarray(x.addressable_data(0))
+                from jax.experimental import multihost_utils
+
+                return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            return np.asarray(x)
+
+        return jax.tree.map(one, tree)
+
+    def save_checkpoint(self, state: Any, key_data: np.ndarray) -> None:
+        from memaudit.federated import run as fr
+
+        host = self.host(state)
+        if not self.is_writer:
+            return
+        r = int(host.round)
+        scalars = {"round": r, "metrics_count": r, "key": key_data.tolist(),
+                   "initial_holdout_loss": self.initial_holdout[0],
+                   "initial_holdout_perplexity": self.initial_holdout[1]}
+        files = {"privacy.json": self.ledger.to_json()} if self.ledger is not None else None
+        fr.save_state(self.run, host, scalars, files)
+        self.write_ledger()
+
+    def restore_checkpoint(self, template: Any) -> tuple[Any, np.ndarray]:
+        from memaudit.federated import run as fr
+        from memaudit.train import checkpoint as ckpt
+
+        state, scalars = fr.load_state(self.run, self.host(template))
+        if self.ledger is not None:
+            saved = ckpt.read_state_file(self.run, "privacy.json")
+            if saved is not None:
+                from memaudit.privacy.ledger import PrivacyLedger
+
+                self.ledger = PrivacyLedger.from_json(saved)
+        self.initial_holdout = (scalars["initial_holdout_loss"], scalars["initial_holdout_perplexity"])
+        return state, np.asarray(scalars["key"], dtype=np.uint32)
+
+    def write_ledger(self) -> None:
+        if self.ledger is not None and self.is_writer:
+            atomic_write_json(self.run.privacy_path, self.ledger.to_json())
+
+    # ------------------------------------------------------------------ driver
+    def _base_key(self) -> np.ndarray:
+        """Raw key data of the run's base key: train.seed, or the privacy seed / OS entropy under DP."""
+        import jax
+
+        p = self.cfg.privacy
+        if self.private:
+            seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
+        else:
+            seed = self.cfg.train.seed
+        return np.asarray(jax.random.key_data(jax.random.key(seed)), dtype=np.uint32)
+
+    def _to_device(self, tree: Any) -> Any:
+        import jax
+
+        return jax.tree.map(lambda x: self._place(np.asarray(x), replicated=True), tree)
+
+    def _notify(self, done: int, info: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress(done, self.fcfg.rounds, info)
+
+    def _train(self, resume: bool) -> dict[str, Any]:
+        import jax
+
+        t0 = time.perf_counter()
+        self.prepare(resume)
+        if self.is_writer:
+            self.run.update_manifest(data_fingerprint=self.prepared.fingerprint)
+        state = self.algorithm.init(self._to_device(self.params0))
+        if resume and fr_has_state(self.run):
+            host_state, key_data = self.restore_checkpoint(state)
+            state = self._to_device(host_state)
+        else:
+            key_data = self._base_key()
+            self.initial_holdout = self._eval(self.params0)
+        start = int(self.host(state.round))
+        if self.is_writer:
+            truncate_jsonl(self.run.metrics_path, start)
+        key = jax.random.wrap_key_data(key_data)
+        total, last = self.fcfg.rounds, {}
+        self._notify(start, {"phase": "training"})
+        for r in range(start, total):
+            state, rec = self.run_round(state, r, key)
+            done = r + 1
+            if done % self.fcfg.eval_every == 0 or done == total:
+                rec["holdout_loss"], rec["holdout_perplexity"] = self._eval(self.host(state.params))
+            if self.is_writer:
+                append_jsonl(self.run.metrics_path, rec)
+            if done % self.fcfg.checkpoint_every == 0 and done < total:
+                self.save_checkpoint(state, key_data)
+            self._notify(done, rec)
+            last = rec
+        params = self.host(state.params)
+        final = ((last["holdout_loss"], last["holdout_perplexity"]) if "holdout_loss" in last
+                 else self._eval(params))
+        if self.is_writer:
+            from memaudit.federated import run as fr
+
+            fr.export_model(self.run, params, preset=self.cfg.model.preset, vocab_size=self.vocab,
+                            tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
+        self.write_ledger()
+        result = {
+            "steps": total, "rounds": total,
+            "final_holdout_loss": final[0], "final_holdout_perplexity": final[1],
+            "initial_holdout_loss": self.initial_holdout[0],
+            "initial_holdout_perplexity": self.initial_holdout[1],
+            "final_train_loss": last.get("loss"),
+            "clients": self.clients.num_users, "train_sequences": len(self.prepared.train),
+            "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+            "devices": len(jax.devices()), "processes": jax.process_count(),
+            "mesh_clients": 1 if self.mesh is None else int(self.mesh.devices.size),
+            "train_seconds": time.perf_counter() - t0,
+            "resumed_from_round": start if resume else None,
+        }
+        if self.ledger is not None:
+            result["privacy"] = {"noise_multiplier": self.noise_multiplier, "sampling_rate": self.sampling_rate,
+                                 "delta": self.delta, "unit": "user",
+                                 "epsilon": self.ledger.to_json().get("epsilon")}
+        return result
+
+    def fit(self, *, resume: bool = False) -> dict[str, Any]:
+        """Run (or resume) under the run lock, keeping run.json's status truthful."""
+        from memaudit.federated import run as fr
+        from memaudit.train.trainer import one_line_error, sigterm_as_interrupt
+
+        lock = self.run.locked() if self.is_writer else contextlib.nullcontext()
+        with lock, sigterm_as_interrupt():
+            if self.is_writer:
+                fr.open_manifest(self.run, self.cfg, resume=resume)
+            try:
+                result = self._train(resume)
+            except KeyboardInterrupt:
+                if self.is_writer:
+                    fr.close_manifest(self.run, "interrupted")
+                raise
+            except BaseException as e:
+                if self.is_writer:
+                    fr.close_manifest(self.run, "failed", error=one_line_error(e))
+                raise
+            if self.is_writer:
+                fr.close_manifest(self.run, "complete", result=result, error=None)
+        return result
+
+
+def fr_has_state(run: RunDir) -> bool:
+    from memaudit.federated import run as fr
+
+    return fr.has_state(run)
+
+
+def _secure_aggregation(base: Any, cfg: Config) -> Any:
+    """Dispatch point for secure aggregation (issue 6 provides the wrapper)."""
+    try:
+        from memaudit.federated.secagg.aggregator import secure_aggregation
+    except ImportError:
+        raise MemauditError("privacy.secure_aggregation is not available in this build; set "
+                            "privacy.secure_aggregation.enabled=false") from None
+    return secure_aggregation(base, cfg.privacy.secure_aggregation)
+
+
+def _distributed_dp(base: Any, cfg: Config) -> Any:
+    """Dispatch point for distributed DP (issue 6 provides the wrapper)."""
+    try:
+        from memaudit.federated.ddp import distributed_dp
+    except ImportError:
+        raise MemauditError("privacy.mechanism=distributed is not available in this build; use "
+                            "privacy.mechanism=central") from None
+    return distributed_dp(base, cfg)

@@ -1,0 +1,222 @@
+"""A Llama causal LM in Flax (linen) whose parameters map one-to-one onto Hugging Face names.
+
+RMSNorm, rotary position embeddings (HF's `rotate_half` convention: the head dim is split
+into two halves, not interleaved pairs), a SwiGLU MLP and grouped-query attention with a
+causal mask combined with a key padding mask. The parameter tree mirrors
+`LlamaForCausalLM.state_dict()`: `model.layers.0.self_attn.q_proj.weight` lives at
+`params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]` (transposed: Flax
+kernels are (in, out), torch Linear weights are (out, in)); embeddings are `embedding`,
+norm scales keep the name `weight`. `memaudit.models.convert` moves weights both ways.
+
+References:
+    Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models".
+    Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding".
+    Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models".
+
+>>> import jax, jax.numpy as jnp
+>>> cfg = FlaxLlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+...                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+>>> model = FlaxLlama(cfg)
+>>> params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+>>> model.apply({"params": params}, jnp.zeros((2, 4), jnp.int32)).shape
+(2, 4, 32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlaxLlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    dtype: Any = jnp.float32  # compute dtype; parameters stay float32
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_preset(cls, name: str, *, vocab_size: int | None = None, dtype: Any = jnp.float32) -> FlaxLlamaConfig:
+        from memaudit.models.presets import get_preset
+
+        p = dataclasses.asdict(get_preset(name))
+        if vocab_size is not None:
+            p["vocab_size"] = vocab_size
+        return cls(**p, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (w * x32.astype(self.dtype)).astype(self.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables (batch, seq, head_dim) for integer positions (batch, seq), as HF builds them."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # (batch, seq, head_dim/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # x: (batch, seq, heads, head_dim); cos/sin: (batch, seq, head_dim)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
+    return nn.Dense(
+        features, use_bias=False, name=name, dtype=dtype, param_dtype=jnp.float32,
+        kernel_init=nn.initializers.normal(0.02),
+    )
+
+
+class Attention(nn.Module):
+    cfg: FlaxLlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
+        c = self.cfg
+        b, s, _ = x.shape
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = _dense(nh * hd, "q_proj", c.dtype)(x).reshape(b, s, nh, hd)
+        k = _dense(nkv * hd, "k_proj", c.dtype)(x).reshape(b, s, nkv, hd)
+        v = _dense(nkv * hd, "v_proj", c.dtype)(x).reshape(b, s, nkv, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # grouped-query attention: query head h reads key/value head h // (nh // nkv)
+        q = q.reshape(b, s, nkv, nh // nkv, hd)  # (batch, seq, kv_heads, group, head_dim)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
+        scores = scores + bias[:, None, None, :, :]  # bias: (batch, q_seq, k_seq)
+        probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, nh * hd)
+        return _dense(c.hidden_size, "o_proj", c.dtype)(out)
+
+
+class MLP(nn.Module):
+    cfg: FlaxLlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.cfg
+        gate = _dense(c.intermediate_size, "gate_proj", c.dtype)(x)
+        up = _dense(c.intermediate_size, "up_proj", c.dtype)(x)
+        return _dense(c.hidden_size, "down_proj", c.dtype)(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    cfg: FlaxLlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
+        c = self.cfg
+        h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x)
+        x = x + Attention(c, name="self_attn")(h, cos, sin, bias)
+        h = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
+        return x + MLP(c, name="mlp")(h)
+
+
+class Layers(nn.Module):
+    """Container so that layer i lives at `layers/<i>`, as in HF's `model.layers.<i>`."""
+
+    cfg: FlaxLlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
+        for i in range(self.cfg.num_hidden_layers):
+            x = DecoderLayer(self.cfg, name=str(i))(x, cos, sin, bias)
+        return x
+
+
+class LlamaModel(nn.Module):
+    cfg: FlaxLlamaConfig
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None,
+                 position_ids: jax.Array | None) -> tuple[jax.Array, nn.Embed]:
+        c = self.cfg
+        b, s = input_ids.shape
+        embed = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens", dtype=c.dtype,
+                         param_dtype=jnp.float32, embedding_init=nn.initializers.normal(0.02))
+        x = embed(input_ids)  # (batch, seq, hidden)
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(s), (b, s))
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta)
+        allowed = jnp.tril(jnp.ones((s, s), dtype=bool))[None]  # (1, q, k)
+        if attention_mask is not None:
+            allowed = allowed & (attention_mask[:, None, :] > 0)  # padded keys are never read
+        bias = jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        x = Layers(c, name="layers")(x, cos, sin, bias)
+        return RMSNorm(c.rms_norm_eps, c.dtype, name="norm")(x), embed
+
+
+class FlaxLlama(nn.Module):
+    """`LlamaForCausalLM` in Flax: `apply({"params": p}, input_ids, attention_mask)` -> logits (fp32)."""
+
+    cfg: FlaxLlamaConfig
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                 position_ids: jax.Array | None = None) -> jax.Array:
+        h, embed = LlamaModel(self.cfg, name="model")(input_ids, attention_mask, position_ids)
+        if self.cfg.tie_word_embeddings:
+            logits = embed.attend(h)
+        else:
+            logits = _dense(self.cfg.vocab_size, "lm_head", self.cfg.dtype)(h)
+        return logits.astype(jnp.float32)  # (batch, seq, vocab)
+
+
+def causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mask: jax.Array,
+                   example_weight: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross entropy and the number of predicted tokens.
+
+    Position t predicts token t+1 where both are real (attention_mask 1), the same targets as
+    HF's `labels=input_ids` with -100 on padding. `example_weight` (batch,) scales or masks out
+    whole sequences (padding examples get 0). Returns (sum of losses, token count), so callers
+    can form token means across batches and clients.
+    """
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    tgt = input_ids[:, 1:]
+    nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]  # (batch, seq-1)
+    m = attention_mask[:, 1:] > 0  # as HF labels with -100 on padding
+    w = m.astype(jnp.float32)
+    if example_weight is not None:
+        w = w * example_weight[:, None].astype(jnp.float32)
+    return jnp.sum(nll * w), jnp.sum(w)
+
+
+def init_params(cfg: FlaxLlamaConfig, *, preset: str | None = None, seed: int = 0) -> dict:
+    """Initial parameters: the shared seeded HF initialisation when `preset` is given."""
+    if preset is not None:
+        from memaudit.models.convert import hf_to_flax
+        from memaudit.models.presets import init_state_dict
+
+        return hf_to_flax(init_state_dict(preset, vocab_size=cfg.vocab_size, seed=seed))
+    model = FlaxLlama(cfg)
+    return model.init(jax.random.key(seed), jnp.zeros((1, 2), jnp.int32))["params"]

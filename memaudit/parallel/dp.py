@@ -1,0 +1,86 @@
+"""DP-SGD under tensor parallelism.
+
+Per-example squared gradient norms are gathered per local shard during backward (ghost
+norms, `memaudit.parallel.ghost`) and summed over x and y, so every rank sees each of its
+examples' full-gradient norm; a second, reweighted backward gives the clipped sum; the
+Gaussian noise of each logical parameter is drawn full-size from a generator seeded by
+(seed, step, parameter index) and sliced like the parameter, so it is drawn once per logical
+parameter and is the same for any grid (including one process).
+
+References: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016; Li et al.,
+ghost clipping, ICLR 2022.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memaudit.parallel import ghost
+from memaudit.parallel.parallelize import ParallelLlama, sync_grads
+
+
+@dataclass(frozen=True)
+class DPStepStats:
+    per_example_norms: torch.Tensor  # (B_local,) this rank's examples, before clipping
+    clip_fraction: float  # over the global batch
+    noise_std: float  # of the summed gradient (sigma * clip)
+
+
+def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Full-gradient L2 norm of each local example's mean token loss, shape (B_local,)."""
+    for p in model.hf.parameters():
+        p.grad = None
+    with ghost.collect(input_ids.shape[0]) as acc:
+        model.per_example_losses(input_ids, loss_mask, attention_mask).sum().backward()
+    for axis in ("x", "y"):
+        model.comm.all_reduce(acc, axis)
+    for p in model.hf.parameters():
+        p.grad = None
+    return acc.clamp(min=0).sqrt()
+
+
+def noise_seed(seed: int, step: int, index: int) -> int:
+    """The generator seed of parameter `index` at `step` (a fixed integer mix, no hash())."""
+    return (int(seed) * 1_000_003 + int(step) * 10_007 + int(index)) % (2**62)
+
+
+def add_noise_(model: ParallelLlama, *, std: float, seed: int, step: int) -> None:
+    """Add N(0, std^2) to every logical gradient element, identically on every replica."""
+    for i, p in enumerate(model.hf.parameters()):
+        spec = p.shard_spec
+        gen = torch.Generator().manual_seed(noise_seed(seed, step, i))
+        noise = torch.randn(spec.full_shape, generator=gen, dtype=torch.float32) * std
+        p.grad.add_(spec.local(noise, model.comm).to(p.grad.dtype))
+
+
+def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
+                    clip: float, noise_multiplier: float, expected_batch: float, seed: int, step: int,
+                    attention_mask: torch.Tensor | None = None) -> DPStepStats:
+    """Leave in `.grad` the noised, clipped gradient sum over the global batch / expected_batch.
+
+    Args:
+      input_ids, loss_mask: this rank's batch shard (B_local, S).
+      clip: per-example L2 bound C (math.inf: no clipping).
+      noise_multiplier: sigma; the sum gets N(0, (sigma C)^2) per coordinate.
+      expected_batch: the divisor (the expected batch size under Poisson sampling).
+      seed, step: select the noise; the same on every rank.
+    """
+    norms = per_example_grad_norms(model, input_ids, loss_mask, attention_mask)
+    factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32)
+    clipped = (norms > clip).double().sum()
+    n = torch.tensor(float(norms.numel()), dtype=torch.float64)
+    stats = torch.stack([clipped, n])
+    for axis in ("z", "data"):
+        model.comm.all_reduce(stats, axis)
+    losses = model.per_example_losses(input_ids, loss_mask, attention_mask)
+    (losses * factor).sum().backward()
+    sync_grads(model)
+    std = noise_multiplier * clip if noise_multiplier > 0 else 0.0
+    if std > 0:
+        add_noise_(model, std=std, seed=seed, step=step)
+    for p in model.hf.parameters():
+        p.grad.div_(expected_batch)
+    return DPStepStats(norms, float(stats[0] / stats[1]), std)

@@ -1,0 +1,245 @@
+"""AxoNN's 3D tensor-parallel Linear and the vocabulary-parallel embedding and cross-entropy.
+
+For a weight W (out x in), a *normal* layer splits in-features over x and out-features over
+y; a *transposed* layer swaps the roles. z shards the remaining (out_l x in_l) block as a flat,
+zero-padded vector (FSDP-like). Forward: all-gather W over z, local matmul, all-reduce the
+partial outputs over the in-feature axis. Backward: all-gather W over z again (the full block
+is not kept), all-reduce the input gradient over the out-feature axis (optionally overlapped
+with the weight-gradient matmul), reduce-scatter the weight gradient over z.
+
+References:
+  Singh et al., "A 4D Hybrid Algorithm to Scale Parallel Training to Thousands of GPUs",
+  SC'24 (AxoNN), Algorithm 1. Shoeybi et al., "Megatron-LM", 2019 (vocab-parallel loss).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memaudit.parallel.comm import Comm, reduce_partial
+from memaudit.parallel import ghost
+
+
+# ----------------------------------------------------------------------------- sharding
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one logical parameter maps to this rank's local tensor.
+
+    `row`/`col` name the axis splitting dim 0 / dim 1 (or None); `z_flat` says the block is
+    flattened, padded and split over z. `replicated` lists the axes (of x, y, z) that hold
+    identical copies; gradients are summed over `sync_axes` after backward.
+    """
+
+    full_shape: tuple[int, ...]
+    row: str | None
+    col: str | None
+    z_flat: bool
+    replicated: tuple[str, ...]
+    sync_axes: tuple[str, ...]
+
+    def local(self, full: torch.Tensor, comm: Comm, *, pad: float = 0.0) -> torch.Tensor:
+        t = full
+        for dim, axis in ((0, self.row), (1, self.col)):
+            if axis is not None:
+                n, i = comm.size(axis), comm.index(axis)
+                k = t.shape[dim] // n
+                t = t.narrow(dim, i * k, k)
+        if not self.z_flat:
+            return t.contiguous()
+        return z_piece(t.reshape(-1), comm, pad=pad)
+
+
+def z_piece(flat: torch.Tensor, comm: Comm, *, pad: float = 0.0) -> torch.Tensor:
+    n = comm.size("z")
+    per = math.ceil(flat.numel() / n)
+    if per * n != flat.numel():
+        flat = torch.cat([flat, flat.new_full((per * n - flat.numel(),), pad)])
+    i = comm.index("z")
+    return flat[i * per:(i + 1) * per].clone()
+
+
+def _pad_to(flat: torch.Tensor, n: int) -> torch.Tensor:
+    extra = (-flat.numel()) % n
+    return flat if extra == 0 else torch.cat([flat, flat.new_zeros(extra)])
+
+
+def gather_block(shard: torch.Tensor, comm: Comm, shape: tuple[int, int]) -> torch.Tensor:
+    """All-gather a z-flat shard and view it as the (rows x cols) block."""
+    full = comm.all_gather(shard, "z")
+    return full[: shape[0] * shape[1]].view(shape)
+
+
+# ----------------------------------------------------------------------------- linear
+def _linear_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+    a, w_shard = ctx.saved_tensors
+    comm = ctx.comm
+    w = gather_block(w_shard, comm, ctx.shape)  # re-gathered: the full block is not kept
+    grad_a = g @ w  # (..., in_l) partial over out_axis
+    work = comm.all_reduce(grad_a, ctx.out_axis, async_op=ctx.overlap)
+    g2 = g.reshape(-1, g.shape[-1])
+    a2 = a.reshape(-1, a.shape[-1])
+    grad_w = g2.t() @ a2  # (out_l, in_l), overlapped with the all-reduce above
+    if ghost.active():
+        ghost.add_linear(a, g, scale=1.0)
+    grad_shard = comm.reduce_scatter(_pad_to(grad_w.reshape(-1), comm.size("z")), "z")
+    if work is not None and ctx.overlap:
+        work.wait()
+    return grad_a, grad_shard, None, None, None, None, None
+
+
+def _linear_forward(ctx: Any, a: torch.Tensor, w_shard: torch.Tensor, comm: Comm, in_axis: str,
+                    out_axis: str, shape: tuple[int, int], overlap: bool) -> torch.Tensor:
+    w = gather_block(w_shard, comm, shape)  # (out_l, in_l)
+    y = a @ w.t()  # (..., out_l), partial over in_axis
+    comm.all_reduce(y, in_axis)
+    ctx.save_for_backward(a, w_shard)
+    ctx.comm, ctx.in_axis, ctx.out_axis, ctx.shape, ctx.overlap = comm, in_axis, out_axis, shape, overlap
+    return y
+
+
+class TPLinearFn(torch.autograd.Function):
+    """y = all_reduce_in(a @ gather_z(W)^T); see the module docstring."""
+
+    forward = staticmethod(_linear_forward)
+    backward = staticmethod(_linear_backward)
+
+
+class _BiasFn(torch.autograd.Function):
+    """y + b with per-example bias-gradient norms for DP (b is replicated over `rep` copies)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, b: torch.Tensor, rep: int) -> torch.Tensor:
+        ctx.rep = rep
+        return y + b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        if ghost.active():
+            ghost.add_vector(g, scale=1.0 / ctx.rep)
+        return g, g.reshape(-1, g.shape[-1]).sum(0), None
+
+
+class TPLinear(nn.Module):
+    """3D tensor-parallel replacement for `nn.Linear(in_features, out_features)`.
+
+    Normal: input (..., in/x) split over x, output (..., out/y) split over y (replicated over
+    x). Transposed: input (..., in/y), output (..., out/x). `weight` is this rank's flat
+    z-shard of the (out_l x in_l) block; `bias` is the out-feature slice, replicated over the
+    in-feature axis and z.
+    """
+
+    def __init__(self, linear: nn.Linear, comm: Comm, *, transpose: bool = False, overlap: bool = True) -> None:
+        super().__init__()
+        self.comm, self.transpose, self.overlap = comm, transpose, overlap
+        self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
+        out_f, in_f = linear.weight.shape
+        for name, n, axis in (("out_features", out_f, self.out_axis), ("in_features", in_f, self.in_axis)):
+            if n % comm.size(axis):
+                raise ValueError(f"{name}={n} is not divisible by parallel.{axis}={comm.size(axis)}; "
+                                 f"choose parallel.{axis} dividing {n}")
+        self.in_features, self.out_features = in_f, out_f
+        self.shape = (out_f // comm.size(self.out_axis), in_f // comm.size(self.in_axis))
+        self.wspec = ShardSpec((out_f, in_f), self.out_axis, self.in_axis, True, (), ("data",))
+        self.weight = nn.Parameter(self.wspec.local(linear.weight.detach(), comm))
+        self.weight.shard_spec = self.wspec  # type: ignore[attr-defined]
+        if linear.bias is not None:
+            self.bspec = ShardSpec((out_f,), self.out_axis, None, False, (self.in_axis, "z"), ("z", "data"))
+            self.bias = nn.Parameter(self.bspec.local(linear.bias.detach(), comm))
+            self.bias.shard_spec = self.bspec  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        y = TPLinearFn.apply(a, self.weight, self.comm, self.in_axis, self.out_axis, self.shape, self.overlap)
+        if self.bias is not None:
+            y = _BiasFn.apply(y, self.bias, self.comm.size(self.in_axis))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}->{self.out_features}, local={self.shape}, transpose={self.transpose}"
+
+
+# ----------------------------------------------------------------------------- embedding
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, w_shard: torch.Tensor, comm: Comm, vstart: int,
+                shape: tuple[int, int]) -> torch.Tensor:
+        w = gather_block(w_shard, comm, shape)  # (V_l, H_l)
+        mask = (ids >= vstart) & (ids < vstart + shape[0])
+        local = torch.where(mask, ids - vstart, torch.zeros_like(ids))
+        out = w[local] * mask.unsqueeze(-1).to(w.dtype)  # (B, S, H_l), partial over y
+        ctx.save_for_backward(local, mask)
+        ctx.comm, ctx.shape, ctx.wdtype = comm, shape, w_shard.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        local, mask = ctx.saved_tensors
+        gm = g * mask.unsqueeze(-1).to(g.dtype)
+        grad_w = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
+        grad_w.index_add_(0, local.reshape(-1), gm.reshape(-1, g.shape[-1]))
+        if ghost.active():
+            ghost.add_embedding(local, mask, gm)
+        shard = ctx.comm.reduce_scatter(_pad_to(grad_w.reshape(-1), ctx.comm.size("z")), "z")
+        return None, shard, None, None, None
+
+
+class ParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over y and the hidden dim over x; output (B, S, H/x)."""
+
+    def __init__(self, emb: nn.Embedding, comm: Comm) -> None:
+        super().__init__()
+        v, h = emb.weight.shape
+        self.comm = comm
+        self.shape = (v // comm.size("y"), h // comm.size("x"))
+        self.vstart = comm.index("y") * self.shape[0]
+        self.spec = ShardSpec((v, h), "y", "x", True, (), ("data",))
+        self.weight = nn.Parameter(self.spec.local(emb.weight.detach(), comm))
+        self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = _EmbeddingFn.apply(ids, self.weight, self.comm, self.vstart, self.shape)
+        return reduce_partial(out, self.comm, "y")
+
+
+# ----------------------------------------------------------------------------- loss
+class _VocabParallelCE(torch.autograd.Function):
+    """Token cross-entropy from logits split over y: max, sum-exp and target logit all-reduced."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vstart: int, comm: Comm) -> torch.Tensor:
+        logits = logits.float()  # (N, V_l)
+        m = logits.max(-1).values
+        comm.all_reduce(m, "y", op=dist.ReduceOp.MAX)
+        e = torch.exp(logits - m.unsqueeze(-1))
+        s = e.sum(-1)
+        comm.all_reduce(s, "y")
+        in_range = (target >= vstart) & (target < vstart + logits.shape[-1])
+        local_t = torch.where(in_range, target - vstart, torch.zeros_like(target))
+        t_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * in_range.to(logits.dtype)
+        comm.all_reduce(t_logit, "y")
+        ctx.save_for_backward(e / s.unsqueeze(-1), local_t, in_range)
+        return torch.log(s) + m - t_logit  # (N,)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        p, local_t, in_range = ctx.saved_tensors
+        grad = p.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= in_range.to(grad.dtype)
+        return grad * g.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vstart: int,
+                                 comm: Comm) -> torch.Tensor:
+    """Per-token loss (N,) from local logits (N, V/y); targets are global ids."""
+    if comm.size("y") == 1:
+        return nn.functional.cross_entropy(logits.float(), target, reduction="none")
+    return _VocabParallelCE.apply(logits, target, vstart, comm)
+

@@ -1,0 +1,193 @@
+"""Apply the AxoNN layout to a `transformers` `LlamaForCausalLM` by module swaps.
+
+Residual stream (B/(data*z), S, H/x), replicated over y. q/k/v/gate/up are normal layers
+(heads and MLP columns split over y), o/down transposed (back to the x split), RMSNorm
+all-reduces its statistic over x, the embedding and LM head split the vocabulary over y and
+the hidden dim over x, and the loss is the vocabulary-parallel cross-entropy. HF attention
+reshapes with `-1` heads, so it runs unchanged on the local heads.
+
+References: Singh et al., AxoNN (SC'24); torchtitan's `parallelize_llama`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memaudit.parallel.comm import Comm
+from memaudit.parallel.dims import ParallelDims, ProcessGroups, build_groups
+from memaudit.parallel.layers import ParallelEmbedding, TPLinear, vocab_parallel_cross_entropy
+from memaudit.parallel.norm import ParallelRMSNorm
+
+_NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_TRANSPOSED = ("o_proj", "down_proj")
+
+
+class ParallelLlama(nn.Module):
+    """A parallelised `LlamaForCausalLM` (held as `.hf`) with a loss-returning forward.
+
+    `named_parameters()` of `.hf` keep the Hugging Face names; each tensor is this rank's
+    shard and carries a `shard_spec`.
+    """
+
+    def __init__(self, hf: nn.Module, comm: Comm) -> None:
+        super().__init__()
+        self.hf, self.comm = hf, comm
+        self.vstart = comm.index("y") * (hf.config.vocab_size // comm.size("y"))
+
+    @property
+    def pg(self) -> ProcessGroups:
+        return self.comm.pg
+
+    def shard_batch(self, t: torch.Tensor) -> torch.Tensor:
+        return self.pg.batch_shard(t)
+
+    def token_losses(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     ) -> torch.Tensor:
+        """Token losses (B_l, S-1) of this rank's batch shard (every target, unmasked)."""
+        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = self.hf.lm_head(hidden[:, :-1])  # (B_l, S-1, V/y)
+        b, s1, v = logits.shape
+        tok = vocab_parallel_cross_entropy(logits.reshape(-1, v), input_ids[:, 1:].reshape(-1),
+                                           vstart=self.vstart, comm=self.comm)
+        return tok.view(b, s1)
+
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to backpropagate, token-mean loss of the global batch for logging).
+
+        Inputs are this rank's shard. The backward loss is the local token sum divided by the
+        global target count, so summing gradients over z and data gives the global mean.
+        """
+        tok = self.token_losses(input_ids, attention_mask)
+        mask = loss_mask[:, 1:].to(tok.dtype)
+        stats = torch.stack([(tok.detach() * mask).sum(), mask.sum()]).double()
+        for axis in ("z", "data"):
+            self.comm.all_reduce(stats, axis)
+        count = stats[1].clamp(min=1.0)
+        loss = (tok * mask).sum() / count.to(tok.dtype)
+        return loss, (stats[0] / count).float()
+
+    def per_example_losses(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean token loss of each local example (B_l,), as `causal_lm_loss_per_example`."""
+        tok = self.token_losses(input_ids, attention_mask)
+        mask = loss_mask[:, 1:].to(tok.dtype)
+        return (tok * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+    def finish_grad_sync(self) -> None:
+        sync_grads(self)
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        load_full_state_dict(self, sd)
+
+    def full_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
+        return full_state_dict(self, grads=grads)
+
+
+def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups | None = None,
+                      overlap: bool = True) -> ParallelLlama:
+    """Swap the layers of a full `LlamaForCausalLM` for AxoNN's; every rank slices its shard.
+
+    Args:
+      model: a `LlamaForCausalLM` with the full weights (the same on every rank).
+      dims: the grid; checked against the world size and the model's dimensions.
+      pg: process groups from `build_groups(dims)` (built here when omitted; collective).
+      overlap: overlap the input-gradient all-reduce with the weight-gradient matmul.
+
+    Returns: a `ParallelLlama` (the HF module, modified in place, is `.hf`).
+    """
+    dims.check_model(model.config)
+    pg = pg if pg is not None else build_groups(dims)
+    if pg.dims != dims:
+        raise ValueError(f"process groups were built for {pg.dims}, not {dims}; pass matching dims")
+    comm = Comm(pg)
+    inner = model.model
+    for layer in inner.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in _NORMAL + _TRANSPOSED:
+                if hasattr(parent, name):
+                    lin = getattr(parent, name)
+                    setattr(parent, name, TPLinear(lin, comm, transpose=name in _TRANSPOSED, overlap=overlap))
+        layer.input_layernorm = ParallelRMSNorm(layer.input_layernorm, comm)
+        layer.post_attention_layernorm = ParallelRMSNorm(layer.post_attention_layernorm, comm)
+    inner.norm = ParallelRMSNorm(inner.norm, comm)
+    inner.embed_tokens = ParallelEmbedding(inner.embed_tokens, comm)
+    model.lm_head = TPLinear(model.lm_head, comm, transpose=False, overlap=overlap)
+    return ParallelLlama(model, comm)
+
+
+# ----------------------------------------------------------------------------- gradients
+def _flat_sync(params: list[nn.Parameter], comm: Comm, axis: str) -> None:
+    if comm.size(axis) == 1 or not params:
+        return
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one bucket per axis
+    comm.all_reduce(flat, axis)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+def sync_grads(model: ParallelLlama) -> None:
+    """Sum gradients over the batch axes each parameter is replicated on (z for replicated
+    parameters, whose z-sum is not done by a reduce-scatter, then data for all)."""
+    sync_param_grads(list(model.hf.parameters()), model.comm)
+
+
+def sync_param_grads(params: list[nn.Parameter], comm: Comm) -> None:
+    """`sync_grads` for any parameters carrying a `shard_spec` (one bucket per axis)."""
+    params = [p for p in params if p.grad is not None]
+    for axis in ("z", "data"):
+        _flat_sync([p for p in params if axis in p.shard_spec.sync_axes], comm, axis)
+
+
+# ----------------------------------------------------------------------------- state dicts
+def load_full_state_dict(model: ParallelLlama, sd: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's slice of every full (Hugging Face-named) tensor into its shard."""
+    params = dict(model.hf.named_parameters())
+    missing = sorted(set(params) - set(sd))
+    if missing:
+        raise ValueError(f"state dict lacks {missing[0]} (and {len(missing) - 1} more); pass a full "
+                         "Hugging Face LlamaForCausalLM state dict")
+    with torch.no_grad():
+        for name, p in params.items():
+            full = sd[name].to(p.dtype)
+            if tuple(full.shape) != p.shard_spec.full_shape:
+                raise ValueError(f"{name} has shape {tuple(full.shape)}, expected {p.shard_spec.full_shape}; "
+                                 "load a checkpoint of the same model preset")
+            p.copy_(p.shard_spec.local(full, model.comm))
+
+
+def full_state_dict(model: ParallelLlama, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Merge the shards into full Hugging Face-named tensors (on every rank; a collective).
+
+    `grads=True` merges the gradients instead. Each rank's flat-index map of its shard (the same slicing applied to `arange`) says where
+    its values go, so one all-gather over the world merges any layout.
+    """
+    out: dict[str, torch.Tensor] = {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for name, p in model.hf.named_parameters():
+        spec = p.shard_spec
+        numel = 1
+        for s in spec.full_shape:
+            numel *= s
+        idx = spec.local(torch.arange(numel, dtype=torch.float64).view(spec.full_shape), model.comm, pad=-1.0)
+        src = p.grad if grads else p
+        vals = (torch.zeros_like(p) if src is None else src).detach().reshape(-1).to(torch.float64)
+        pair = torch.stack([idx.reshape(-1), vals])  # (2, n_local)
+        if world > 1:
+            allp = torch.empty((world, *pair.shape), dtype=pair.dtype)
+            dist.all_gather_into_tensor(allp, pair)
+        else:
+            allp = pair.unsqueeze(0)
+        ids, v = allp[:, 0].reshape(-1), allp[:, 1].reshape(-1)
+        keep = ids >= 0
+        full = torch.zeros(numel, dtype=torch.float64)
+        full[ids[keep].long()] = v[keep]
+        out[name] = full.view(spec.full_shape).to(p.dtype)
+    return out

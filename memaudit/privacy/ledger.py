@@ -1,0 +1,291 @@
+"""The privacy ledger of a run: every noise-adding step as an event, ε recomputed from them.
+
+Events are `dp_accounting` DpEvents, or `RdpCurveEvent` (memaudit's own) for mechanisms that
+dp_accounting cannot describe, such as distributed DP, which carry their per-step RDP
+curve. Consecutive identical steps are coalesced into one `SelfComposedDpEvent` (or one
+`RdpCurveEvent` with a larger count), so a 10^4-step run is one line of JSON.
+
+The ledger counts *completed* steps. A run that resumes from a checkpoint taken at step s
+calls `truncate_steps(s)` before recording again, so steps that ran after the checkpoint but
+were lost in the crash are not counted twice.
+
+Saved as `RUN_DIR/privacy.json` (DEVELOPERS.md):
+`{"schema": 1, "unit", "delta", "events", "epsilon": {"rdp", "pld"}, "noise_multiplier",
+"sampling_rate", "steps", "per_user", "calibration"}`. The stored ε is informational; every
+reader recomputes it from the events (`PrivacyLedger.load(path).epsilon("rdp")`).
+
+>>> led = PrivacyLedger(unit="example", delta=1e-5)
+>>> led.record_steps(0.04, 1.5, 1000); led.record_steps(0.04, 1.5, 1250)
+>>> len(led.events), led.steps, round(led.epsilon("rdp"), 3)
+(1, 2250, 7.329)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import attr
+import numpy as np
+from dp_accounting import dp_event
+
+from memaudit.io import atomic_write_json, read_json
+from memaudit.privacy.accounting import (
+    RDP_ORDERS,
+    Accountant,
+    check_delta,
+    dpsgd_event,
+    epsilon as event_epsilon,
+    epsilon_from_rdp,
+    group_epsilon,
+    rdp_curve,
+)
+
+SCHEMA = 1
+Unit = Literal["example", "user"]
+_RDP_TYPE = "memaudit.RdpCurveEvent"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RdpCurveEvent:
+    """`count` repetitions of a mechanism given by its RDP curve ε(α) for one repetition.
+
+    For mechanisms outside dp_accounting (e.g. distributed DP with discrete noise). ε(α) at
+    an order not on the curve is bounded by the value at the next larger order (RDP is
+    non-decreasing in α).
+    """
+
+    orders: tuple[float, ...]
+    rdp: tuple[float, ...]
+    count: int = 1
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.orders) != len(self.rdp) or not self.orders:
+            raise ValueError("RdpCurveEvent needs as many rdp values as orders (at least one)")
+        if any(a <= 1 for a in self.orders):
+            raise ValueError(f"RDP orders must be > 1, got {min(self.orders)}")
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0, got {self.count}")
+
+    def at(self, orders: np.ndarray) -> np.ndarray:
+        """Total RDP (times count) at `orders`, upper-bounded from the curve."""
+        o = np.asarray(self.orders, dtype=np.float64)
+        r = np.asarray(self.rdp, dtype=np.float64)
+        idx = np.argsort(o)
+        o, r = o[idx], np.maximum.accumulate(r[idx])
+        pos = np.searchsorted(o, orders, side="left")
+        out = np.full(len(orders), np.inf)
+        ok = pos < len(o)
+        out[ok] = r[pos[ok]] * self.count
+        return out
+
+
+Event = dp_event.DpEvent | RdpCurveEvent
+
+
+# ----------------------------------------------------------------------------- serialisation
+def event_to_dict(event: Event) -> dict[str, Any]:
+    """A JSON-ready dict that `event_from_dict` turns back into an equal event."""
+    if isinstance(event, RdpCurveEvent):
+        return {"type": _RDP_TYPE, "orders": list(event.orders), "rdp": list(event.rdp),
+                "count": event.count, "label": event.label}
+    if not isinstance(event, dp_event.DpEvent):
+        raise TypeError(f"not a DpEvent: {type(event).__name__}")
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for key, value in attr.asdict(event, recurse=False).items():
+        if isinstance(value, dp_event.DpEvent):
+            value = event_to_dict(value)
+        elif isinstance(value, list | tuple):
+            value = [event_to_dict(v) if isinstance(v, dp_event.DpEvent) else v for v in value]
+        out[key] = value
+    return out
+
+
+def event_from_dict(obj: dict[str, Any]) -> Event:
+    kind = obj.get("type")
+    if kind == _RDP_TYPE:
+        return RdpCurveEvent(orders=tuple(obj["orders"]), rdp=tuple(obj["rdp"]),
+                             count=int(obj.get("count", 1)), label=obj.get("label", ""))
+    cls = getattr(dp_event, str(kind), None)
+    if not (isinstance(cls, type) and issubclass(cls, dp_event.DpEvent)):
+        raise ValueError(f"unknown privacy event type '{kind}' in the ledger; is the file corrupt?")
+    kwargs = {}
+    for key, value in obj.items():
+        if key == "type":
+            continue
+        if isinstance(value, dict) and "type" in value:
+            value = event_from_dict(value)
+        elif isinstance(value, list):
+            value = [event_from_dict(v) if isinstance(v, dict) and "type" in v else v for v in value]
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _steps_of(event: Event) -> int:
+    if isinstance(event, RdpCurveEvent):
+        return event.count
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return event.count * _steps_of(event.event)
+    return 1
+
+
+def _with_count(event: Event, count: int) -> Event:
+    if isinstance(event, RdpCurveEvent):
+        return RdpCurveEvent(orders=event.orders, rdp=event.rdp, count=count, label=event.label)
+    return dp_event.SelfComposedDpEvent(event.event, count)
+
+
+def _coalescable(event: Event) -> bool:
+    return isinstance(event, RdpCurveEvent) or (
+        isinstance(event, dp_event.SelfComposedDpEvent) and _steps_of(event.event) == 1
+    )
+
+
+# ----------------------------------------------------------------------------- ledger
+@dataclass
+class PrivacyLedger:
+    """Events of one run at one unit of privacy ("example" = one training sequence)."""
+
+    unit: Unit
+    delta: float
+    events: list[Event] = field(default_factory=list)
+    max_sequences_per_user: int | None = None
+    calibration: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.unit not in ("example", "user"):
+            raise ValueError(f"ledger unit must be 'example' or 'user', got {self.unit!r}")
+        check_delta(self.delta)
+
+    # -------------------------------------------------------------- recording
+    def record(self, event: Event) -> None:
+        """Append an event, merging it into the last one when both repeat the same step."""
+        if not isinstance(event, dp_event.DpEvent | RdpCurveEvent):
+            raise TypeError(f"not a privacy event: {type(event).__name__}")
+        if self.events and _coalescable(event) and _coalescable(self.events[-1]):
+            last = self.events[-1]
+            if type(last) is type(event) and _with_count(last, 1) == _with_count(event, 1):
+                self.events[-1] = _with_count(last, _steps_of(last) + _steps_of(event))
+                return
+        self.events.append(event)
+
+    def record_steps(self, q: float, sigma: float, steps: int = 1) -> None:
+        """Record `steps` DP-SGD steps with Poisson rate q and noise multiplier σ."""
+        if steps:
+            self.record(dpsgd_event(q, sigma, steps))
+
+    @property
+    def steps(self) -> int:
+        """Number of noise-adding steps (or rounds) recorded."""
+        return sum(_steps_of(e) for e in self.events)
+
+    def truncate_steps(self, steps: int) -> None:
+        """Keep only the first `steps` steps (resume from a checkpoint taken at that step)."""
+        if steps < 0 or steps > self.steps:
+            raise ValueError(f"cannot truncate a ledger of {self.steps} steps to {steps}")
+        kept, done = [], 0
+        for e in self.events:
+            n = _steps_of(e)
+            if done + n <= steps:
+                kept.append(e)
+                done += n
+            elif done < steps:
+                if not _coalescable(e):
+                    raise ValueError("cannot split a composite privacy event; resume at its end")
+                kept.append(_with_count(e, steps - done))
+                done = steps
+        self.events = kept
+
+    # -------------------------------------------------------------- epsilon
+    def epsilon(self, accountant: Accountant = "rdp") -> float:
+        """ε at the ledger's δ, recomputed from the events; 0 for an empty ledger.
+
+        PLD cannot interpret `RdpCurveEvent`s: for a ledger holding one, "pld" raises.
+        """
+        if not self.events:
+            return 0.0
+        custom = [e for e in self.events if isinstance(e, RdpCurveEvent)]
+        standard = [e for e in self.events if not isinstance(e, RdpCurveEvent)]
+        if not custom:
+            return event_epsilon(dp_event.ComposedDpEvent(standard), self.delta, accountant)
+        if accountant != "rdp":
+            raise ValueError("the ledger holds RDP-curve events; only accountant='rdp' applies")
+        orders = np.unique(np.concatenate([np.asarray(e.orders, float) for e in custom]))
+        total = sum(e.at(orders) for e in custom)
+        if standard:
+            total = total + rdp_curve(dp_event.ComposedDpEvent(standard), tuple(orders))
+        return epsilon_from_rdp(orders, total, self.delta)
+
+    def epsilons(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {"rdp": self.epsilon("rdp")}
+        has_custom = any(isinstance(e, RdpCurveEvent) for e in self.events)
+        out["pld"] = None if has_custom else self.epsilon("pld")
+        return out
+
+    def per_user(self, eps: float | None = None) -> dict[str, Any] | None:
+        """Group-privacy bound for the user with the most sequences (example-level ledgers)."""
+        if self.unit != "example" or self.max_sequences_per_user is None:
+            return None
+        if eps is None:
+            eps = min(v for v in self.epsilons().values() if v is not None)
+        return group_epsilon(eps, self.delta, self.max_sequences_per_user)
+
+    # -------------------------------------------------------------- (de)serialisation
+    def _last_dpsgd(self) -> tuple[float | None, float | None]:
+        for e in reversed(self.events):
+            if isinstance(e, dp_event.SelfComposedDpEvent) and isinstance(e.event, dp_event.PoissonSampledDpEvent):
+                inner = e.event
+                if isinstance(inner.event, dp_event.GaussianDpEvent):
+                    return inner.event.noise_multiplier, inner.sampling_probability
+        return None, None
+
+    def to_json(self, *, with_epsilon: bool = True) -> dict[str, Any]:
+        sigma, q = self._last_dpsgd()
+        eps = self.epsilons() if with_epsilon else {"rdp": None, "pld": None}
+        known = [v for v in eps.values() if v is not None]
+        return {
+            "schema": SCHEMA,
+            "unit": self.unit,
+            "delta": self.delta,
+            "events": [event_to_dict(e) for e in self.events],
+            "epsilon": eps,
+            "noise_multiplier": sigma,
+            "sampling_rate": q,
+            "steps": self.steps,
+            "max_sequences_per_user": self.max_sequences_per_user,
+            "per_user": self.per_user(min(known)) if known else None,
+            "calibration": self.calibration,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> PrivacyLedger:
+        if obj.get("schema") != SCHEMA:
+            raise ValueError(f"privacy ledger schema {obj.get('schema')!r} is not {SCHEMA}; "
+                             "re-run with this memaudit version")
+        return cls(
+            unit=obj["unit"],
+            delta=float(obj["delta"]),
+            events=[event_from_dict(e) for e in obj.get("events", [])],
+            max_sequences_per_user=obj.get("max_sequences_per_user"),
+            calibration=obj.get("calibration"),
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write privacy.json atomically (ε recomputed on the way)."""
+        atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PrivacyLedger:
+        try:
+            obj = read_json(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no privacy ledger at '{path}'; was the run trained with DP?") from None
+        return cls.from_json(obj)
+
+
+def no_privacy_json() -> dict[str, Any]:
+    """privacy.json content for a run trained without DP (ε = inf)."""
+    return {"schema": SCHEMA, "unit": None, "epsilon": {"rdp": math.inf, "pld": math.inf}}

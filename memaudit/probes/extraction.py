@@ -1,0 +1,194 @@
+"""Training-data extraction.
+
+Discoverable memorization (Carlini et al. 2023, "Quantifying Memorization"): prompt with the first
+k tokens of a member document, decode m tokens greedily, and compare with the true continuation:
+exact match, and approximate match by token-level normalised Levenshtein similarity >= 0.9 and by
+BLEU-4 >= 0.75 (reported separately), bucketed by how often the document was repeated in training.
+Canary completion: prompt with the canary template's prefix and check whether the secret follows.
+
+Non-discoverable extraction (Carlini et al. 2021, "Extracting Training Data from Large Language
+Models"): unprompted top-k samples, ranked by perplexity, by zlib ratio and (with a reference model)
+by the target/reference log-perplexity ratio; among the top-ranked samples, count those containing
+a training substring of >= 50 tokens (a hashed token n-gram index over the training ids).
+
+>>> levenshtein_similarity([1, 2, 3, 4], [1, 2, 4, 4])
+0.75
+>>> bleu4([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
+1.0
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import Counter
+
+import numpy as np
+
+from memaudit.probes.stats import rate_summary
+
+
+def levenshtein_similarity(a, b) -> float:
+    """1 - edit distance / max(len(a), len(b)) over tokens."""
+    a, b = list(a), list(b)
+    if not a and not b:
+        return 1.0
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, y in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y))
+        prev = cur
+    return 1.0 - prev[-1] / max(len(a), len(b))
+
+
+def bleu4(candidate, reference) -> float:
+    """Sentence BLEU-4 (Papineni et al. 2002): uniform weights, brevity penalty, no smoothing."""
+    c, r = list(candidate), list(reference)
+    if not c:
+        return 0.0
+    logs = 0.0
+    for n in range(1, 5):
+        cn = Counter(tuple(c[i : i + n]) for i in range(len(c) - n + 1))
+        rn = Counter(tuple(r[i : i + n]) for i in range(len(r) - n + 1))
+        total = sum(cn.values())
+        match = sum(min(v, rn[g]) for g, v in cn.items())
+        if total == 0 or match == 0:
+            return 0.0
+        logs += math.log(match / total) / 4
+    bp = 1.0 if len(c) > len(r) else math.exp(1 - len(r) / len(c))
+    return bp * math.exp(logs)
+
+
+def repeat_bucket(r: int) -> str:
+    """'1', '2-3', '4-7', '8-15', ... (powers of two)."""
+    if r <= 1:
+        return "1"
+    lo = 1 << (int(r).bit_length() - 1)
+    return f"{lo}-{2 * lo - 1}"
+
+
+def discoverable(model, codec, docs, *, ks=(32, 50), m: int = 50, batch_size: int = 32, n_boot: int = 1000,
+                 seed: int = 0, lev_threshold: float = 0.9, bleu_threshold: float = 0.75, progress=None) -> dict:
+    """Greedy continuation of each member document's k-token prefix, per k."""
+    from memaudit.probes.scoring import decode
+
+    encoded = [codec.encode(d.text) for d in docs]
+    summary, rows = {}, []
+    for k in ks:
+        n0 = len(codec.start)
+        keep = [i for i, ids in enumerate(encoded) if len(ids) >= n0 + k + m]
+        prompts = [encoded[i][: n0 + k] for i in keep]
+        targets = [encoded[i][n0 + k : n0 + k + m] for i in keep]
+        gen = decode(model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id, progress=progress)
+        per = []
+        for i, g, t in zip(keep, gen, targets, strict=True):
+            g = g.tolist()
+            lev, bl = levenshtein_similarity(g, t), bleu4(g, t)
+            per.append({"id": docs[i].id, "k": k, "repeats": docs[i].repeats, "exact": g == t,
+                        "levenshtein": lev, "bleu4": bl, "approx_levenshtein": lev >= lev_threshold,
+                        "approx_bleu": bl >= bleu_threshold})
+        rows += per
+        summary[str(k)] = _rates(per, n_boot, seed)
+        summary[str(k)]["skipped_short"] = len(docs) - len(keep)
+        buckets = sorted({repeat_bucket(r["repeats"]) for r in per}, key=lambda b: int(b.split("-")[0]))
+        summary[str(k)]["by_repeats"] = {
+            b: _rates([r for r in per if repeat_bucket(r["repeats"]) == b], n_boot, seed) for b in buckets}
+    return {"summary": summary, "scores": rows}
+
+
+def _rates(per, n_boot, seed) -> dict:
+    return {name: rate_summary(np.array([r[key] for r in per], dtype=float), n_boot=n_boot, seed=seed)
+            for name, key in (("exact", "exact"), ("approx_levenshtein", "approx_levenshtein"),
+                              ("approx_bleu", "approx_bleu"))}
+
+
+def canary_completion(model, codec, canaries: dict, *, samples: int = 8, top_k: int = 40, batch_size: int = 32,
+                      seed: int = 0, n_boot: int = 1000) -> tuple[dict, dict[str, str]]:
+    """Greedy and sampled completion of each inserted canary's secret from the template prefix.
+
+    Returns (result, completions): `completions` maps canary id to the greedy text and is meant
+    only for `--show-secrets`; it is never written to probes.json.
+    """
+    from memaudit.probes.scoring import decode
+
+    inserted = canaries.get("inserted", [])
+    prefix = canaries["template"].split("{secret}")[0]
+    prompt = codec.encode(prefix)
+    n_new = int(canaries["secret_length"]) + 2  # room for a split space token
+    greedy = decode(model, [prompt] * min(1, len(inserted)), n_new, pad_id=codec.pad_id)
+    greedy_text = codec.decode(greedy[0]).strip() if len(inserted) else ""
+    sampled = decode(model, [prompt] * samples, n_new, batch_size=batch_size, pad_id=codec.pad_id,
+                     top_k=top_k, seed=seed) if samples else np.zeros((0, n_new), dtype=np.int64)
+    sampled_text = [codec.decode(s).strip() for s in sampled]
+    rows, completions = [], {}
+    for c in inserted:
+        sec = c["secret"]
+        hit = greedy_text.startswith(sec)
+        rate = float(np.mean([t.startswith(sec) for t in sampled_text])) if samples else 0.0
+        rows.append({"id": c["id"], "repetitions": int(c.get("repetitions", 0)), "owner_kind": c.get("owner_kind"),
+                     "greedy": hit, "sampled_rate": rate})
+        if hit:
+            completions[c["id"]] = greedy_text
+    by_rep = {str(r): {"greedy": rate_summary(np.array([x["greedy"] for x in rows if x["repetitions"] == r], float),
+                                              n_boot=n_boot, seed=seed),
+                       "sampled": rate_summary(np.array([x["sampled_rate"] for x in rows if x["repetitions"] == r]),
+                                               n_boot=n_boot, seed=seed)}
+              for r in sorted({x["repetitions"] for x in rows})}
+    summary = {"greedy": rate_summary(np.array([x["greedy"] for x in rows], float), n_boot=n_boot, seed=seed),
+               "by_repetitions": by_rep, "samples": samples}
+    return {"summary": summary, "scores": rows}, completions
+
+
+class NgramIndex:
+    """Hashes of every n-token window of the training ids (64-bit polynomial rolling hash)."""
+
+    def __init__(self, seqs, n: int = 50) -> None:
+        self.n = n
+        self.pow = np.power(np.uint64(1_000_003), np.arange(n, dtype=np.uint64)[::-1])
+        parts = [self._hashes(np.asarray(s, dtype=np.uint64)) for s in seqs if len(s) >= n]
+        self.hashes = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.uint64)
+
+    def _hashes(self, ids: np.ndarray) -> np.ndarray:
+        win = np.lib.stride_tricks.sliding_window_view(ids + np.uint64(1), self.n)
+        with np.errstate(over="ignore"):
+            return (win * self.pow).sum(axis=1, dtype=np.uint64)
+
+    def contains_any(self, ids) -> bool:
+        ids = np.asarray(ids, dtype=np.uint64)
+        if len(ids) < self.n or not len(self.hashes):
+            return False
+        return bool(np.isin(self._hashes(ids), self.hashes, assume_unique=False).any())
+
+
+def non_discoverable(model, codec, train_seqs, *, n_samples: int = 256, length: int = 64, top_k: int = 40,
+                     top_n: int = 100, ngram: int = 50, batch_size: int = 32, seed: int = 0, reference=None,
+                     n_boot: int = 1000, progress=None) -> dict:
+    """Unprompted samples ranked three ways; memorised = contains a >= ngram-token training substring."""
+    from memaudit.probes.scoring import decode, token_logprobs
+
+    length = max(length, ngram)
+    start = codec.start_or_zero()
+    samples = decode(model, [start] * n_samples, length, batch_size=batch_size, pad_id=codec.pad_id,
+                     top_k=top_k, seed=seed, progress=progress)
+    seqs = [start + s.tolist() for s in samples]
+    logppl = np.array([-lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp])
+    texts = [codec.decode(s) for s in samples]
+    zbits = np.array([8 * max(1, len(zlib.compress(t.encode("utf-8")))) for t in texts])
+    metrics = {"perplexity": logppl, "zlib": logppl * len(samples[0]) / zbits}
+    if reference is not None:
+        ref_model, ref_codec = reference
+        ref_seqs = [ref_codec.encode(t) if len(ref_codec.encode(t)) > 1 else ref_codec.start_or_zero() * 2 for t in texts]
+        ref_lp = np.array([-lp.mean() for lp in token_logprobs(ref_model, ref_seqs, batch_size=batch_size).logp])
+        metrics["reference"] = logppl / np.maximum(ref_lp, 1e-6)
+    index = NgramIndex(train_seqs, ngram)
+    memorised = np.array([index.contains_any(s) for s in samples])
+    top_n = min(top_n, n_samples)
+    summary = {"n_samples": n_samples, "top_n": top_n, "ngram": ngram, "any_memorised": int(memorised.sum())}
+    for name, vals in metrics.items():
+        top = np.argsort(vals, kind="stable")[:top_n]  # lowest ratio = most suspicious
+        summary[name] = {"memorised_in_top": int(memorised[top].sum()),
+                         "rate": rate_summary(memorised[top].astype(float), n_boot=n_boot, seed=seed)}
+    rows = [{"sample": i, "memorised": bool(memorised[i]), **{k: float(v[i]) for k, v in metrics.items()}}
+            for i in range(n_samples)]
+    return {"summary": summary, "scores": rows}

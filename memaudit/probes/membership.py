@@ -1,0 +1,80 @@
+"""Membership inference on member vs holdout documents.
+
+Scores (higher = more likely a member), all from per-token log-probabilities:
+
+- loss (Yeom et al. 2018): mean log p(x_t | x_<t), i.e. minus the loss.
+- zlib (Carlini et al. 2021): total log-likelihood divided by the zlib-compressed length in bytes.
+- min_k (Shi et al. 2024, Min-K% Prob): mean of the k% lowest token log-probs (k = 20%).
+- min_k_pp (Zhang et al. 2024, Min-K%++): the same over z_t = (log p(x_t) - μ_t) / σ_t, with μ_t and
+  σ_t the mean and std of log p(v) for v drawn from the model's next-token distribution.
+- reference (Carlini et al. 2022 calibration): log-likelihood under the target minus under a
+  reference model (`--reference`).
+
+>>> import numpy as np
+>>> min_k(np.log(np.array([0.5, 0.1, 0.9, 0.2, 0.4])), 0.4)  # mean of the 2 lowest
+-1.956...
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from memaudit.probes.stats import attack_summary
+
+ATTACKS = ("loss", "zlib", "min_k", "min_k_pp", "reference")
+
+
+def _lowest_mean(x: np.ndarray, k: float) -> float:
+    n = max(1, int(len(x) * k))
+    return float(np.sort(x)[:n].mean())
+
+
+def min_k(logp: np.ndarray, k: float = 0.2) -> float:
+    """Min-K% Prob: mean of the int(k n) (at least one) lowest token log-probs."""
+    return _lowest_mean(np.asarray(logp), k)
+
+
+def min_k_pp(logp: np.ndarray, mu: np.ndarray, sigma: np.ndarray, k: float = 0.2) -> float:
+    """Min-K%++: Min-K% over the standardised log-probs (log p - μ) / σ."""
+    return _lowest_mean((np.asarray(logp) - mu) / sigma, k)
+
+
+def zlib_score(logp: np.ndarray, text: str) -> float:
+    return float(np.sum(logp) / max(1, len(zlib.compress(text.encode("utf-8")))))
+
+
+def doc_scores(model, codec, docs, *, batch_size: int, k: float = 0.2, max_tokens: int = 1024,
+               reference=None, progress=None) -> dict[str, np.ndarray]:
+    """Every attack's score per document (reference only when a (model, codec) pair is given)."""
+    from memaudit.probes.scoring import token_logprobs
+
+    seqs = [codec.encode(d.text)[:max_tokens] for d in docs]
+    ts = token_logprobs(model, seqs, batch_size=batch_size, with_stats=True, progress=progress)
+    out = {
+        "loss": np.array([lp.mean() for lp in ts.logp]),
+        "zlib": np.array([zlib_score(lp, d.text) for lp, d in zip(ts.logp, docs, strict=True)]),
+        "min_k": np.array([min_k(lp, k) for lp in ts.logp]),
+        "min_k_pp": np.array([min_k_pp(lp, m, s, k) for lp, m, s in zip(ts.logp, ts.mu, ts.sigma, strict=True)]),
+    }
+    if reference is not None:
+        ref_model, ref_codec = reference
+        rs = token_logprobs(ref_model, [ref_codec.encode(d.text)[:max_tokens] for d in docs],
+                            batch_size=batch_size)
+        out["reference"] = out["loss"] - np.array([lp.mean() for lp in rs.logp])
+    return out
+
+
+def run_membership(members, nonmembers, scores: dict[str, np.ndarray], *, n_boot: int, seed: int,
+                   fprs=(0.01, 0.001)) -> dict:
+    """AUC and TPR at low FPR per attack. `scores` holds per-doc arrays over members + nonmembers."""
+    n1 = len(members)
+    summary = {}
+    for name, s in scores.items():
+        summary[name] = attack_summary(s[:n1], s[n1:], fprs=fprs, n_boot=n_boot, seed=seed)
+    rows = []
+    for i, d in enumerate(list(members) + list(nonmembers)):
+        rows.append({"id": d.id, "member": i < n1, "repeats": d.repeats,
+                     **{name: float(s[i]) for name, s in scores.items()}})
+    return {"summary": summary, "scores": rows}

@@ -1,0 +1,147 @@
+"""PII leakage (Lukas et al. 2023): extraction and inference of personal data.
+
+Extraction: prompt with the text that preceded a PII item and decode greedily; count exact
+reproductions. Inference: fill the item's slot with the true value and with candidates of the same
+type (faker, plus other values of that type in the corpus), score each filled text, and check
+whether the true value ranks first. Training users' PII (member documents) is compared with
+held-out users' PII, which the model never saw. Corpora without PII annotations get spans from
+pattern detectors (emails, phone numbers, card numbers that pass the Luhn check).
+
+References:
+  Lukas, Salem, Sim, Tople, Wutschitz, Zanella-Béguelin. Analyzing Leakage of Personally
+  Identifiable Information in Language Models. IEEE S&P 2023.
+
+>>> luhn_ok("4539 1488 0343 6467"), luhn_ok("4539 1488 0343 6468")
+(True, False)
+>>> [(p["type"], p["start"]) for p in detect_pii("mail a.b@x.org or call +1 (555) 010-9999")]
+[('email', 5), ('phone', 23)]
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from memaudit.probes.stats import rate_summary
+
+EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}")
+CARD = re.compile(r"\b(?:\d[ -]?){12,18}\d\b")
+PHONE = re.compile(r"(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)|\d{2,4})[ .-]?\d{3}[ .-]?\d{3,4}\b")
+FAKER_METHODS = {"email": "email", "phone": "phone_number", "phone_number": "phone_number", "name": "name",
+                 "person": "name", "address": "address", "credit_card": "credit_card_number",
+                 "card": "credit_card_number", "ssn": "ssn", "date": "date", "iban": "iban", "city": "city"}
+
+
+def luhn_ok(number: str) -> bool:
+    digits = [int(c) for c in number if c.isdigit()]
+    if len(digits) < 13:
+        return False
+    total = 0
+    for i, d in enumerate(reversed(digits)):
+        if i % 2 == 1:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def detect_pii(text: str) -> list[dict]:
+    """Emails, Luhn-valid card numbers and phone numbers, as [{type, value, start}], by position."""
+    found, taken = [], []
+
+    def free(a: int, b: int) -> bool:
+        return all(b <= x or a >= y for x, y in taken)
+
+    for kind, pattern in (("email", EMAIL), ("card", CARD), ("phone", PHONE)):
+        for mt in pattern.finditer(text):
+            a, b = mt.span()
+            if kind == "card" and not luhn_ok(mt.group()):
+                continue
+            if free(a, b):
+                taken.append((a, b))
+                found.append({"type": kind, "value": mt.group(), "start": a})
+    return sorted(found, key=lambda p: p["start"])
+
+
+def pii_items(docs, *, detect_if_missing: bool = True) -> list[tuple[object, dict]]:
+    """(doc, item) pairs from annotations, or from the detectors for unannotated documents."""
+    out = []
+    for d in docs:
+        items = d.pii if d.pii is not None else (detect_pii(d.text) if detect_if_missing else [])
+        out += [(d, it) for it in items if d.text[it["start"] : it["start"] + len(it["value"])] == it["value"]]
+    return out
+
+
+def candidates(kind: str, true: str, pool: list[str], n: int, rng: np.random.Generator, fake) -> list[str]:
+    """n distinct candidates != true: faker values of the type, else other corpus values."""
+    out: list[str] = []
+    method = FAKER_METHODS.get(kind)
+    tries = 0
+    while method and len(out) < n and tries < 20 * n:
+        tries += 1
+        v = str(getattr(fake, method)()).replace("\n", ", ")
+        if v != true and v not in out:
+            out.append(v)
+    others = [v for v in dict.fromkeys(pool) if v != true and v not in out]
+    rng.shuffle(others)
+    return (out + others)[:n]
+
+
+def run_pii(model, codec, member_docs, heldout_docs, *, n_candidates: int = 9, context_tokens: int = 64,
+            suffix_chars: int = 32, max_items: int = 200, batch_size: int = 32, seed: int = 0,
+            n_boot: int = 1000) -> dict:
+    """Extraction and inference rates for training users' vs held-out users' PII."""
+    from faker import Faker
+
+    from memaudit.probes.scoring import decode, token_logprobs
+
+    fake = Faker()
+    fake.seed_instance(seed)
+    rng = np.random.default_rng(seed)
+    groups = {"training_users": pii_items(member_docs), "heldout_users": pii_items(heldout_docs)}
+    pools: dict[str, list[str]] = {}
+    for items in groups.values():
+        for _d, it in items:
+            pools.setdefault(it["type"], []).append(it["value"])
+    summary, rows = {}, []
+    for group, items in groups.items():
+        if len(items) > max_items:
+            items = [items[i] for i in np.sort(rng.choice(len(items), max_items, replace=False))]
+        prompts, n_new = [], []
+        for d, it in items:
+            prompts.append(codec.encode(d.text[: it["start"]].rstrip())[-context_tokens:] or codec.start_or_zero())
+            n_new.append(len(codec.plain(" " + it["value"])) + 1)
+        width = max(n_new, default=1)
+        gen = decode(model, prompts, width, batch_size=batch_size, pad_id=codec.pad_id) if prompts else []
+        extracted = [codec.decode(g).strip().startswith(it["value"].strip()) for g, (_d, it) in zip(gen, items, strict=True)]
+        seqs, starts, owner = [], [], []
+        for j, (d, it) in enumerate(items):
+            end = it["start"] + len(it["value"])
+            prefix, suffix = d.text[: it["start"]], d.text[end : end + suffix_chars]
+            cands = [it["value"]] + candidates(it["type"], it["value"], pools.get(it["type"], []), n_candidates, rng, fake)
+            for c in cands:
+                ids, n_prefix = codec.encode_split(prefix, c + suffix)
+                cut = max(0, n_prefix - context_tokens)
+                seqs.append(ids[cut:])
+                starts.append(max(1, n_prefix - cut))
+                owner.append(j)
+        lp = token_logprobs(model, seqs, batch_size=batch_size).logp if seqs else []
+        nll = np.array([-lp[i][starts[i] - 1 :].sum() for i in range(len(seqs))])
+        owner = np.array(owner, dtype=int)
+        ranks = []
+        for j in range(len(items)):
+            s = nll[owner == j]
+            ranks.append(int(1 + (s[1:] < s[0]).sum()))
+        for j, (d, it) in enumerate(items):
+            rows.append({"doc": d.id, "user": d.user, "group": group, "type": it["type"], "extracted": extracted[j],
+                         "rank": ranks[j], "candidates": int((owner == j).sum())})
+        summary[group] = {
+            "items": len(items),
+            "extraction": rate_summary(np.array(extracted, float), n_boot=n_boot, seed=seed),
+            "inference_top1": rate_summary(np.array([r == 1 for r in ranks], float), n_boot=n_boot, seed=seed),
+            "by_type": {t: {"items": sum(1 for _d, it in items if it["type"] == t),
+                            "extraction": float(np.mean([e for e, (_d, it) in zip(extracted, items, strict=True) if it["type"] == t])),
+                            "inference_top1": float(np.mean([r == 1 for r, (_d, it) in zip(ranks, items, strict=True) if it["type"] == t]))}
+                        for t in sorted({it["type"] for _d, it in items})},
+        }
+    return {"summary": summary, "scores": rows}

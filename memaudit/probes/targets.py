@@ -1,0 +1,196 @@
+"""Resolve what to probe: a memaudit run directory, or any Hugging Face causal LM directory with
+explicit --members / --nonmembers / --canaries files.
+
+Only the on-disk formats of the run directory are read (documents.jsonl, canaries.json,
+privacy.json, meta.json), so probing does not depend on the data or training code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memaudit.errors import DataError, MemauditError, RunDirError
+from memaudit.io import read_json
+from memaudit.rundir import RunDir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class Doc:
+    """One document as probed. `role`: member | holdout | heldout_user | nonmember."""
+
+    id: str
+    text: str
+    user: str | None = None
+    repeats: int = 1
+    pii: list[dict] | None = None
+    role: str = "member"
+
+
+@dataclass
+class Target:
+    kind: str  # "run" | "model"
+    path: Path
+    model_path: Path
+    tokenizer_path: Path
+    out: Path | None
+    members: list[Doc] = field(default_factory=list)
+    nonmembers: list[Doc] = field(default_factory=list)  # IID holdout docs of training users
+    heldout_user_docs: list[Doc] = field(default_factory=list)
+    canaries: dict | None = None
+    privacy: dict | None = None
+    eos_id: int | None = None
+
+
+class Codec:
+    """Text <-> ids with one leading start token (BOS, else EOS) when the tokenizer has one."""
+
+    def __init__(self, tokenizer, start_id: int | None = None) -> None:
+        self.tok = tokenizer
+        if start_id is None:
+            start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        self.start = [] if start_id is None else [int(start_id)]
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (start_id if start_id is not None else 0))
+
+    def plain(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        return self.start + self.plain(text)
+
+    def start_or_zero(self) -> list[int]:
+        return self.start or [0]
+
+    def encode_split(self, prefix: str, rest: str) -> tuple[list[int], int]:
+        """ids of prefix + rest tokenized together, and how many leading ids cover the prefix."""
+        if not getattr(self.tok, "is_fast", False):
+            p = self.encode(prefix)
+            return p + self.plain(rest), len(p)
+        enc = self.tok(prefix + rest, add_special_tokens=False, return_offsets_mapping=True)
+        cut = len(prefix)
+        n = sum(1 for (a, _b) in enc["offset_mapping"] if a < cut)
+        ids = self.start + list(enc["input_ids"])
+        n_prefix = len(self.start) + n
+        if n_prefix == 0:  # no start token and an empty prefix: score from the second token
+            n_prefix = 1
+        return ids, n_prefix
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in TOKENIZER_FILES)
+
+
+def read_docs(path: str | Path, role: str) -> list[Doc]:
+    """A .jsonl file ({"text", optional "id", "user", "repeats", "pii"} per line) or plain text
+    (one document per non-empty line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"documents file '{p}' not found; pass a .jsonl or .txt file")
+    docs = []
+    lines = p.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise DataError(f"'{p}' line {n + 1} is not JSON; write one object per line") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise DataError(f"'{p}' line {n + 1} has no string 'text' field")
+            docs.append(Doc(id=str(rec.get("id", f"{p.stem}:{n}")), text=rec["text"],
+                            user=None if rec.get("user") is None else str(rec["user"]),
+                            repeats=int(rec.get("repeats", 1) or 1), pii=rec.get("pii"), role=role))
+        else:
+            docs.append(Doc(id=f"{p.stem}:{n}", text=line, role=role))
+    if not docs:
+        raise DataError(f"documents file '{p}' is empty; it needs at least one document")
+    return docs
+
+
+def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
+    texts = {d.text for d in members}
+    both = [d.id for d in nonmembers if d.text in texts]
+    if both:
+        raise DataError(
+            f"member and non-member files share {len(both)} document(s) (e.g. non-member id "
+            f"'{both[0]}'); remove them from one of the files"
+        )
+
+
+def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
+    path = run.data_dir / "documents.jsonl"
+    if not path.is_file():
+        raise DataError(f"run '{run.path}' has no data/documents.jsonl; re-run `memaudit data` / training")
+    out: dict[str, list[Doc]] = {"member": [], "holdout": [], "heldout_user": []}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if r.get("kind", "doc") != "doc" or r.get("role") not in out:
+            continue  # canaries are probed from canaries.json
+        out[r["role"]].append(Doc(id=str(r["id"]), text=r["text"], user=None if r.get("user") is None
+                                  else str(r["user"]), repeats=int(r.get("repeats") or 1),
+                                  pii=r.get("pii"), role=r["role"]))
+    return out["member"], out["holdout"], out["heldout_user"]
+
+
+def resolve_target(target: str | Path, *, members: str | None = None, nonmembers: str | None = None,
+                   canaries: str | None = None, out: str | None = None) -> Target:
+    """A `Target` from a run directory or a HF model directory; refuses bad input in one line."""
+    p = Path(target)
+    run = RunDir(p)
+    if run.is_run():
+        model_dir = run.model_dir
+        if not (model_dir / "config.json").is_file():
+            raise RunDirError(f"run '{p}' has no trained model in model/; train it first")
+        tok_dir = model_dir if _has_tokenizer(model_dir) else run.data_dir / "tokenizer"
+        if not _has_tokenizer(tok_dir):
+            raise DataError(f"run '{p}' has no tokenizer in model/ or data/tokenizer/; re-run training")
+        t = Target(kind="run", path=p, model_path=model_dir, tokenizer_path=tok_dir,
+                   out=Path(out) if out else run.probes_path)
+        t.members, t.nonmembers, t.heldout_user_docs = _run_docs(run)
+        if run.canaries_path.is_file():
+            t.canaries = read_json(run.canaries_path)
+        if run.privacy_path.is_file():
+            t.privacy = read_json(run.privacy_path)
+        meta = run.data_dir / "meta.json"
+        if meta.is_file():
+            t.eos_id = read_json(meta).get("eos_id")
+    elif (p / "config.json").is_file():
+        if not _has_tokenizer(p):
+            raise DataError(f"model directory '{p}' has no tokenizer files; save the tokenizer next "
+                            "to the model (tokenizer.json)")
+        if out is None:
+            raise MemauditError(f"target '{p}' is a model directory; pass --out for probes.json")
+        t = Target(kind="model", path=p, model_path=p, tokenizer_path=p, out=Path(out))
+    else:
+        raise MemauditError(f"target '{p}' is neither a memaudit run (run.json) nor a Hugging Face "
+                            "model directory (config.json); pass one of those")
+    if members:
+        t.members = read_docs(members, "member")
+    if nonmembers:
+        t.nonmembers = read_docs(nonmembers, "holdout")
+    check_disjoint(t.members, t.nonmembers + t.heldout_user_docs)
+    if canaries:
+        cp = Path(canaries)
+        if not cp.is_file():
+            raise DataError(f"canaries file '{cp}' not found; pass a canaries.json")
+        try:
+            t.canaries = read_json(cp)
+        except ValueError:
+            raise DataError(f"canaries file '{cp}' is not JSON; pass a canaries.json") from None
+    return t

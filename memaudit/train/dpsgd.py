@@ -1,0 +1,151 @@
+"""DP-SGD (Abadi et al. 2016): clip each example's gradient, add Gaussian noise, average.
+
+For a Poisson-sampled batch S of one step,
+
+    ĝ = ( Σ_{i∈S} min(1, C/||∇ℓ_i||) ∇ℓ_i  +  N(0, σ²C² I) ) / E[|S|]
+
+is written into each parameter's `.grad`, and the trainer then calls `optimizer.step()`.
+The denominator is the expected batch size q·N, a constant, as the accounting assumes
+(dividing by the realised |S| would leak it). ℓ_i is example i's mean token loss.
+
+Per-example norms and the clipped sum come from `memaudit.train.ghost` (ghost norms and
+book-keeping: one forward and one backward pass per micro-batch), or from the `vmap`
+reference. Noise comes from a `torch.Generator` seeded from the OS's cryptographic entropy
+unless a seed is given (tests); its state is part of `state_dict()` for an exact resume.
+
+References:
+  Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
+  Li et al., ICLR 2022 (ghost clipping); Bu et al., ICML 2023 (book-keeping).
+
+>>> import torch
+>>> from memaudit.models.presets import build_model
+>>> model = build_model("tiny", vocab_size=64, seed=0)
+>>> dp = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+>>> ids = torch.randint(0, 64, (3, 12))
+>>> stats = dp.step_gradients(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+>>> stats["batch_size"], stats["noise_std"]
+(3, 0.25)
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from memaudit.train.ghost import ClippedGrads, GhostClipper, vmap_clipped_sum
+
+
+class DPSGD:
+    """Per-example clipping + Gaussian noise for one model; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        clip: float,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        seed: int | None,
+        mode: Literal["ghost", "vmap"] = "ghost",
+        micro_batch_size: int | None = None,
+    ) -> None:
+        if not clip > 0:
+            raise ValueError(f"clip norm must be > 0 (or inf for no clipping), got {clip}")
+        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise multiplier must be a finite number >= 0, got {noise_multiplier}")
+        if not expected_batch_size > 0:
+            raise ValueError(f"expected batch size must be > 0, got {expected_batch_size}")
+        if noise_multiplier > 0 and math.isinf(clip):
+            raise ValueError("noise needs a finite clip norm: set privacy.clip, or noise_multiplier=0")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")
+        if mode not in ("ghost", "vmap"):
+            raise ValueError(f"unknown DP-SGD mode '{mode}'; use 'ghost' or 'vmap'")
+        self.model = model
+        self.clip = float(clip)
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = float(expected_batch_size)
+        self.mode = mode
+        self.micro_batch_size = micro_batch_size
+        self._ghost = GhostClipper(model) if mode == "ghost" else None
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        device = self._params[0][1].device if self._params else torch.device("cpu")
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(int(seed) if seed is not None else secrets.randbits(63))
+
+    @property
+    def noise_std(self) -> float:
+        """Standard deviation of the noise in the averaged gradient, σC / E[|S|]."""
+        if self.noise_multiplier == 0:
+            return 0.0
+        return self.noise_multiplier * self.clip / self.expected_batch_size
+
+    def _clipped(self, ids, attn, lmask) -> ClippedGrads:
+        if self._ghost is not None:
+            return self._ghost.clipped_sum(ids, attn, lmask, self.clip)
+        return vmap_clipped_sum(self.model, ids, attn, lmask, self.clip)
+
+    def step_gradients(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        loss_mask: torch.Tensor | None,
+    ) -> dict[str, Any]:
+        """Write the privatised mean gradient of this batch into every parameter's `.grad`.
+
+        Args:
+          input_ids: (B, L) the Poisson-sampled batch; B may be 0 or exceed the micro batch.
+          attention_mask: (B, L), 1 = real token (None: all real).
+          loss_mask: (B, L) bool, True = the target at that position counts (None: the
+            attention mask). It is combined with the attention mask.
+
+        Returns:
+          {"loss": mean per-example loss (nan for an empty batch), "clip_fraction",
+          "batch_size", "noise_std"}.
+        """
+        b = int(input_ids.shape[0])
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        lmask = attention_mask.bool() if loss_mask is None else loss_mask.bool() & attention_mask.bool()
+        sums = {n: torch.zeros_like(p) for n, p in self._params}
+        loss_sum, clipped, chunk = 0.0, 0, self.micro_batch_size or max(b, 1)
+        for start in range(0, b, chunk):
+            sl = slice(start, start + chunk)
+            res = self._clipped(input_ids[sl], attention_mask[sl], lmask[sl])
+            for n, g in res.grads.items():
+                sums[n] += g
+            loss_sum += float(res.losses.sum())
+            if not math.isinf(self.clip):
+                clipped += int((res.norms > self.clip).sum())
+        std = self.noise_multiplier * self.clip
+        with torch.no_grad():
+            for n, p in self._params:
+                g = sums[n]
+                if std > 0:
+                    g += torch.normal(0.0, std, size=g.shape, generator=self.generator,
+                                      device=g.device, dtype=g.dtype)
+                g /= self.expected_batch_size
+                p.grad = g
+        return {
+            "loss": loss_sum / b if b else math.nan,
+            "clip_fraction": clipped / b if b else 0.0,
+            "batch_size": b,
+            "noise_std": self.noise_std,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The noise generator's state (and settings, checked on load)."""
+        return {"generator": self.generator.get_state(), "clip": self.clip,
+                "noise_multiplier": self.noise_multiplier,
+                "expected_batch_size": self.expected_batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("clip", "noise_multiplier", "expected_batch_size"):
+            if key in state and float(state[key]) != getattr(self, key):
+                raise ValueError(f"checkpoint has {key}={state[key]} but this run uses "
+                                 f"{getattr(self, key)}; resume with the original privacy settings")
+        self.generator.set_state(state["generator"].cpu())

@@ -1,0 +1,531 @@
+"""The centralized trainer: one process, PyTorch, Hugging Face Llama.
+
+`train_centralized(cfg, run)` prepares the data, builds the preset model, trains it with
+AdamW (linear warm-up, cosine decay, global-norm clipping, gradient accumulation; bf16
+autocast and activation checkpointing for the large presets on GPU) or with DP-SGD when
+`cfg.privacy.enabled`, writes `metrics.jsonl`, resumable checkpoints in `state/`, the
+privacy ledger, and the final Hugging Face model in `model/`.
+
+Exact resume: the batch of step t is a function of (train.seed, t) only, the learning
+rate is a function of t only, and a checkpoint holds the weights, the optimizer moments,
+the RNG and the DP noise-generator state; so on the CPU an interrupted-and-resumed run
+ends with weights bit-identical to an uninterrupted one.
+
+Extension point (the data x tensor-parallel backend): subclass `CentralizedTrainer` and
+override the seams marked "seam" below — `build_model` (parallelize after building),
+`local_rows` (this rank's share of a batch), `compute_gradients` / `clip_gradients`
+(collectives), `save_checkpoint` / `restore_checkpoint` / `export_model` (gather or shard),
+and set `is_writer = False` on every rank but one.
+
+References:
+    Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (AdamW), ICLR 2019.
+    Chen et al., "Training Deep Nets with Sublinear Memory Cost" (activation checkpointing), 2016.
+    Abadi et al., "Deep Learning with Differential Privacy" (DP-SGD), CCS 2016.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from memaudit.config import Config, dump_config
+from memaudit.errors import MemauditError
+from memaudit.io import append_jsonl, atomic_write_json, truncate_jsonl
+from memaudit.rundir import RunDir, new_manifest
+from memaudit.train import checkpoint as ckpt
+from memaudit.train.batches import EpochBatches
+from memaudit.train.evaluate import holdout_loss, is_right_padded, target_mask
+from memaudit.train.schedule import lr_at
+
+if TYPE_CHECKING:
+    import torch
+
+    from memaudit.data.packing import PackedSequences
+
+ProgressFn = Callable[[int, int, dict[str, Any]], None]
+BACKEND = "parallel"
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGTERM during training: handled like Ctrl-C (status "interrupted")."""
+
+
+@dataclass
+class Batch:
+    """One step's (local) batch on the training device."""
+
+    input_ids: torch.Tensor  # (B, L) int64
+    attention_mask: torch.Tensor  # (B, L) int64, 1 = real token
+    loss_mask: torch.Tensor  # (B, L) bool, True = counted target (never position 0)
+    right_padded: bool  # then the model runs without an attention mask
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def train_centralized(
+    cfg: Config, run: RunDir, *, resume: bool = False, progress: ProgressFn | None = None
+) -> dict[str, Any]:
+    """Train `cfg` into `run` (single process) and return the result summary.
+
+    Args:
+        cfg: the resolved config.
+        run: the run directory; the caller has checked it with `prepare_new_run` or
+            `open_for_resume`. A fresh run removes memaudit's artifacts of a previous run.
+        resume: continue from `run`'s last checkpoint (or from the start if it has none).
+        progress: called as progress(done_steps, total_steps, info) after every step.
+
+    Returns:
+        {"steps", "final_holdout_loss", "final_holdout_perplexity", "initial_holdout_loss",
+         "final_train_loss", "train_seconds", "parameters", "epsilon" (DP only), ...}
+    """
+    return CentralizedTrainer(cfg, run, progress=progress).fit(resume=resume)
+
+
+def one_line_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into `TrainingInterrupted` in the main thread for the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise TrainingInterrupted("terminated by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def deterministic(device: torch.device) -> Iterator[None]:
+    """Deterministic kernels on the CPU (exact resume); CUDA keeps its fast kernels."""
+    import torch
+
+    if device.type != "cpu":
+        yield
+        return
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+class CentralizedTrainer:
+    """Single-process trainer; the methods marked "seam" are what a distributed subclass overrides."""
+
+    is_writer = True  # writes run.json, run.lock, metrics.jsonl, state/, model/, privacy.json
+
+    def __init__(self, cfg: Config, run: RunDir, *, progress: ProgressFn | None = None) -> None:
+        from memaudit.models.presets import LARGE_PRESETS
+
+        self.cfg, self.run, self.progress = cfg, run, progress
+        self.tcfg = cfg.train
+        self.device = self.select_device()
+        large = cfg.model.preset in LARGE_PRESETS and cfg.model.name_or_path is None
+        self.autocast_dtype = self._autocast_dtype(large)
+        ac = self.tcfg.activation_checkpointing
+        self.activation_checkpointing = (self.device.type == "cuda" and large) if ac is None else ac
+        self.private = cfg.privacy.enabled
+        self.model: torch.nn.Module
+        self.optimizer: torch.optim.Optimizer
+        self.dp: Any = None
+        self.ledger: Any = None
+        self.noise_multiplier: float | None = None
+        self.initial_holdout: tuple[float, float] = (math.nan, math.nan)
+
+    # ------------------------------------------------------------------ configuration
+    def select_device(self) -> torch.device:  # seam: a rank picks its own GPU
+        import torch
+
+        want = self.cfg.train.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise MemauditError("train.device=cuda but no CUDA device is visible; use train.device=auto")
+        return torch.device("cuda" if want != "cpu" and torch.cuda.is_available() else "cpu")
+
+    def _autocast_dtype(self, large: bool) -> torch.dtype | None:
+        import torch
+
+        d = self.tcfg.dtype
+        if d == "bfloat16" or (d == "auto" and large and self.device.type == "cuda"):
+            return torch.bfloat16
+        return None
+
+    def model_vocab_size(self) -> int:
+        from memaudit.models.presets import get_preset
+
+        if self.cfg.model.name_or_path is not None:
+            from transformers import AutoConfig
+
+            return int(AutoConfig.from_pretrained(self.cfg.model.name_or_path).vocab_size)
+        return get_preset(self.cfg.model.preset).vocab_size
+
+    # ------------------------------------------------------------------ seams: model and optimizer
+    def build_model(self, vocab_size: int) -> torch.nn.Module:  # seam: parallelize_llama here
+        """The seeded fp32 model on `self.device`, with activation checkpointing if asked."""
+        from memaudit.models.presets import build_model
+
+        if self.cfg.model.name_or_path is not None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.cfg.model.name_or_path).float()
+        else:
+            model = build_model(self.cfg.model.preset, vocab_size=vocab_size, seed=self.cfg.model.init_seed)
+        model.config.use_cache = False
+        if self.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.to(self.device).train()
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        import torch
+
+        t = self.tcfg
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+        )
+
+    # ------------------------------------------------------------------ seams: batches
+    def step_rows(self, step: int) -> np.ndarray:
+        """Global row indices of step `step` (0-based): fixed-size, or Poisson under DP."""
+        return self.sampler.indices(step)
+
+    def local_rows(self, rows: np.ndarray) -> np.ndarray:  # seam: this data-parallel rank's share
+        return rows
+
+    def make_batch(self, rows: np.ndarray) -> Batch:
+        import torch
+
+        ids_np = self.train_set.input_ids[rows]
+        am_np = self.train_set.attention_mask[rows]
+        ids = torch.as_tensor(ids_np, dtype=torch.long, device=self.device)
+        am = torch.as_tensor(am_np, dtype=torch.long, device=self.device)
+        mask = target_mask(am)
+        gf = self.tcfg.goldfish
+        if gf.enabled:
+            from memaudit.train.goldfish import goldfish_mask
+
+            mask &= goldfish_mask(ids, k=gf.k, h=gf.h).to(mask.device)
+        return Batch(ids, am, mask, is_right_padded(am_np))
+
+    # ------------------------------------------------------------------ seams: one step
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        import torch
+
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def compute_gradients(self, batch: Batch) -> dict[str, float]:  # seam: collectives go here
+        """Forward/backward of the token-mean loss, accumulated over micro-batches into .grad."""
+        from memaudit.train.losses import causal_lm_loss
+
+        b = batch.input_ids.shape[0]
+        micro = self.tcfg.micro_batch_size or b
+        total_targets = int(batch.loss_mask[:, 1:].sum())
+        loss_sum = 0.0
+        for s in range(0, b, micro):
+            ids, lm = batch.input_ids[s : s + micro], batch.loss_mask[s : s + micro]
+            n = int(lm[:, 1:].sum())
+            if n == 0:
+                continue
+            am = None if batch.right_padded else batch.attention_mask[s : s + micro]
+            with self._autocast():
+                logits = self.model(input_ids=ids, attention_mask=am).logits  # (b, L, V)
+            loss = causal_lm_loss(logits, ids, lm)
+            if n != total_targets:  # weight by this chunk's share so the sum is the batch mean
+                loss = loss * (n / total_targets)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        return {"loss": loss_sum}
+
+    def clip_gradients(self) -> float:  # seam: the global norm spans every shard
+        """Global-norm clipping to train.grad_clip; returns the norm before clipping."""
+        import torch
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True))
+
+    def grad_norm(self) -> float:
+        import torch
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
+
+    def private_gradients(self, rows: np.ndarray) -> dict[str, float]:
+        """DP-SGD: noisy clipped mean gradient into .grad (no extra global clipping)."""
+        batch = self.make_batch(rows)
+        with self._autocast():
+            stats = self.dp.step_gradients(batch.input_ids, batch.attention_mask, batch.loss_mask)
+        return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) or hasattr(v, "item")}
+
+    def optimizer_step(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer update (0-based `step`); returns its metrics line."""
+        t0 = time.perf_counter()
+        lr = lr_at(step, lr=self.tcfg.lr, warmup_steps=self.tcfg.warmup_steps,
+                   total_steps=self.tcfg.steps, min_lr_ratio=self.tcfg.min_lr_ratio)
+        rows = self.local_rows(self.step_rows(step))
+        if self.private:
+            stats = self.private_gradients(rows)
+            gnorm = self.grad_norm()
+            self.ledger_step()
+        else:
+            stats = self.compute_gradients(self.make_batch(rows))
+            gnorm = self.clip_gradients()
+        self.optimizer_step(lr)
+        dt = time.perf_counter() - t0
+        positions = len(rows) * self.train_set.seq_len
+        rec = {"step": step + 1, "loss": stats.pop("loss", math.nan), "lr": lr,
+               "tokens_per_s": positions / dt if dt > 0 else 0.0, "grad_norm": gnorm,
+               "batch_size": len(rows)}
+        rec.update(stats)
+        return rec
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> tuple[float, float]:
+        h = self.holdout_set
+        return holdout_loss(
+            self.model, h.input_ids, h.attention_mask,
+            batch_size=self.tcfg.micro_batch_size or self.tcfg.batch_size,
+            max_batches=self.tcfg.eval_batches, device=self.device, autocast_dtype=self.autocast_dtype,
+        )
+
+    # ------------------------------------------------------------------ privacy
+    def setup_privacy(self) -> None:
+        from memaudit.privacy.accounting import default_delta
+        from memaudit.train.dpsgd import DPSGD
+        from memaudit.train.sampling import PoissonSampler
+
+        p, n = self.cfg.privacy, len(self.train_set)
+        q = self.tcfg.batch_size / n
+        if q > 1:
+            raise MemauditError(f"train.batch_size={self.tcfg.batch_size} exceeds the {n} training "
+                                "sequences; lower train.batch_size for DP-SGD")
+        delta = p.delta if p.delta is not None else default_delta(n)
+        sigma, self.calibration = p.noise_multiplier, None
+        if sigma is None:
+            from memaudit.privacy.calibrate import calibrate_noise
+
+            acc = "rdp" if p.accountant == "both" else p.accountant
+            sigma = calibrate_noise(p.target_epsilon, q=q, steps=self.tcfg.steps, delta=delta, accountant=acc)
+            self.calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
+                                "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
+        self.noise_multiplier, self.sampling_rate, self.delta = float(sigma), q, delta
+        self.sampler = PoissonSampler(n, q, seed=self.tcfg.seed)
+        self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=sigma,
+                        expected_batch_size=self.sampler.expected_batch_size, seed=p.seed,
+                        mode="ghost", micro_batch_size=self.tcfg.micro_batch_size)
+        self.ledger = self.new_ledger()
+
+    def new_ledger(self) -> Any:
+        from memaudit.privacy.ledger import PrivacyLedger
+
+        counts = np.bincount(self.train_set.user_index) if len(self.train_set) else np.zeros(1, int)
+        return PrivacyLedger(unit="example", delta=self.delta,
+                             max_sequences_per_user=int(counts.max()), calibration=self.calibration)
+
+    def ledger_step(self) -> None:
+        self.ledger.record_steps(self.sampling_rate, self.noise_multiplier, 1)
+
+    def ledger_json(self) -> dict[str, Any] | None:
+        return None if self.ledger is None else self.ledger.to_json()
+
+    def write_ledger(self) -> None:
+        if self.ledger is not None and self.is_writer:
+            atomic_write_json(self.run.privacy_path, self.ledger_json())
+
+    # ------------------------------------------------------------------ seams: checkpoints
+    def save_checkpoint(self, step: int) -> None:  # seam: sharded save
+        extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
+        files = {"privacy.json": self.ledger_json()} if self.ledger is not None else None
+        scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
+                   "initial_holdout_perplexity": self.initial_holdout[1],
+                   "noise_multiplier": self.noise_multiplier}
+        if self.is_writer:
+            ckpt.save_state(self.run, model=self.model, optimizer=self.optimizer, scalars=scalars,
+                            extra=extra, files=files)
+            self.write_ledger()
+
+    def restore_checkpoint(self) -> int:  # seam: sharded load
+        """Load state/ into the model, optimizer, RNG and DP state; return the step to start at."""
+        scalars, extra = ckpt.load_state(self.run, model=self.model, optimizer=self.optimizer,
+                                         device=self.device)
+        if self.dp is not None and "dp" in extra:
+            self.dp.load_state_dict(extra["dp"])
+        if self.ledger is not None:
+            saved = ckpt.read_state_file(self.run, "privacy.json")
+            if saved is not None:
+                from memaudit.privacy.ledger import PrivacyLedger
+
+                self.ledger = PrivacyLedger.from_json(saved)
+                self.ledger.truncate_steps(int(scalars["step"]))
+        self.initial_holdout = (scalars["initial_holdout_loss"], scalars["initial_holdout_perplexity"])
+        return int(scalars["step"])
+
+    def export_model(self) -> None:  # seam: gather a merged checkpoint on the writer
+        if not self.is_writer:
+            return
+        tok = self.prepared.tokenizer()
+        for attr in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            v = getattr(tok, attr, None)
+            if v is not None:
+                setattr(self.model.config, attr, v)
+                if getattr(self.model, "generation_config", None) is not None:
+                    setattr(self.model.generation_config, attr, v)
+        self.model.config.use_cache = True
+        ckpt.save_hf_model(self.model, self.run, tokenizer_dir=self.prepared.tokenizer_dir)
+        self.model.config.use_cache = False
+
+    # ------------------------------------------------------------------ driver
+    def prepare(self, resume: bool) -> None:
+        """Data, model, optimizer, sampler (and DP) for this run."""
+        from memaudit.data import prepare_data
+
+        vocab = self.model_vocab_size()
+        # prepare_data loads the run's data back when it was prepared from the same config
+        self.prepared = prepare_data(
+            self.cfg.data, self.run, vocab_size=vocab,
+            progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}),
+        )
+        want = self.run.read_manifest().get("data_fingerprint") if resume and self.is_writer else None
+        if want is not None and want != self.prepared.fingerprint:
+            raise MemauditError(f"the prepared data of '{self.run.path}' changed since the run started; "
+                                "start a new run instead of --resume")
+        self.train_set: PackedSequences = self.prepared.train
+        self.holdout_set: PackedSequences = self.prepared.holdout
+        tok_size = len(self.prepared.tokenizer())
+        if tok_size > vocab:
+            raise MemauditError(f"the tokenizer has {tok_size} tokens but the model vocabulary only "
+                                f"{vocab}; use a smaller tokenizer or a larger model.preset")
+        if len(self.train_set) == 0:
+            raise MemauditError("no training sequences after the split; add documents or users")
+        self.model = self.build_model(vocab)
+        self.optimizer = self.build_optimizer()
+        self.sampler = EpochBatches(len(self.train_set), self.tcfg.batch_size, self.tcfg.seed)
+        if self.private:
+            self.setup_privacy()
+
+    def _notify(self, done: int, info: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress(done, self.tcfg.steps, info)
+
+    def _loop(self, start: int) -> dict[str, Any]:
+        total = self.tcfg.steps
+        last: dict[str, Any] = {}
+        for step in range(start, total):
+            rec = self.train_step(step)
+            done = step + 1
+            if done % self.tcfg.eval_every == 0 or done == total:
+                rec["holdout_loss"], rec["holdout_perplexity"] = self.evaluate()
+            if self.is_writer:
+                append_jsonl(self.run.metrics_path, rec)
+            if done % self.tcfg.checkpoint_every == 0 and done < total:
+                self.save_checkpoint(done)
+            self._notify(done, rec)
+            last = rec
+        return last
+
+    def _train(self, resume: bool) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.prepare(resume)
+        if self.is_writer:
+            self.run.update_manifest(data_fingerprint=self.prepared.fingerprint)
+        start = 0
+        if resume and ckpt.has_state(self.run):
+            start = self.restore_checkpoint()
+        else:
+            self.initial_holdout = self.evaluate()
+        if self.is_writer:
+            truncate_jsonl(self.run.metrics_path, start)
+        self._notify(start, {"phase": "training"})
+        last = self._loop(start)
+        if "holdout_loss" in last:
+            final = (last["holdout_loss"], last["holdout_perplexity"])
+        else:  # resumed at the very end: nothing left to run
+            final = self.evaluate()
+        self.export_model()
+        self.write_ledger()
+        result = {
+            "steps": self.tcfg.steps,
+            "final_holdout_loss": final[0],
+            "final_holdout_perplexity": final[1],
+            "initial_holdout_loss": self.initial_holdout[0],
+            "initial_holdout_perplexity": self.initial_holdout[1],
+            "final_train_loss": last.get("loss"),
+            "train_sequences": len(self.train_set),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "device": self.device.type,
+            "train_seconds": time.perf_counter() - t0,
+            "resumed_from_step": start if resume else None,
+        }
+        if self.ledger is not None:
+            result["privacy"] = {"noise_multiplier": self.noise_multiplier, "sampling_rate": self.sampling_rate,
+                                 "delta": self.delta, "epsilon": self.ledger_json().get("epsilon")}
+        return result
+
+    def _open_manifest(self, resume: bool) -> None:
+        if resume:
+            m = self.run.read_manifest()
+            timings = dict(m.get("timings", {}))
+            timings["resumed"] = [*timings.get("resumed", []), time.time()]
+            self.run.update_manifest(status="running", timings=timings, error=None)
+            return
+        ckpt.reset_run_artifacts(self.run)
+        t = self.cfg.train
+        seeds = {"train": t.seed, "model_init": self.cfg.model.init_seed, "data": self.cfg.data.seed,
+                 "synth": self.cfg.data.synth.seed, "privacy_noise": self.cfg.privacy.seed}
+        m = new_manifest(config=dump_config(self.cfg), backend=BACKEND, seeds=seeds, data_fingerprint=None)
+        m["timings"]["started"] = time.time()
+        self.run.write_manifest(m)
+
+    def _close_manifest(self, status: str, **fields: Any) -> None:
+        m = self.run.read_manifest()
+        timings = dict(m.get("timings", {}))
+        timings["finished"] = time.time()
+        self.run.update_manifest(status=status, timings=timings, **fields)
+
+    def fit(self, *, resume: bool = False) -> dict[str, Any]:
+        """Run (or resume) training under the run lock; keep run.json's status truthful."""
+        lock = self.run.locked() if self.is_writer else contextlib.nullcontext()
+        with lock, sigterm_as_interrupt(), deterministic(self.device):
+            if self.is_writer:
+                self._open_manifest(resume)
+            try:
+                result = self._train(resume)
+            except KeyboardInterrupt:
+                if self.is_writer:
+                    self._close_manifest("interrupted")
+                raise
+            except BaseException as e:
+                if self.is_writer:
+                    self._close_manifest("failed", error=one_line_error(e))
+                raise
+            if self.is_writer:
+                self._close_manifest("complete", result=result, error=None)
+        return result

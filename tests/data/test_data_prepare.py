@@ -1,0 +1,150 @@
+"""prepare_data / load_prepared: the contract files, fingerprint, reuse, tamper check, index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from memaudit.cli import main
+from memaudit.config import DataConfig
+from memaudit.data import document_index, load_prepared, prepare_data, token_ids
+from memaudit.errors import DataError
+from memaudit.rundir import RunDir
+
+SMALL = DataConfig.model_validate({
+    "synth": {"users": 12, "docs_per_user": 3}, "audit_canaries": 4, "seq_len": 32,
+    "canaries": {"repetitions": [1, 2], "owners": ["user", "spread"]},
+})
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+
+
+def test_contract_files(prepared_run):
+    run, prepared, calls = prepared_run
+    assert sorted(p.name for p in run.data_dir.iterdir()) == [
+        "documents.jsonl", "heldout.safetensors", "holdout.safetensors", "meta.json", "tokenizer",
+        "train.safetensors"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (run.data_dir / "tokenizer").iterdir()}
+    line = json.loads((run.data_dir / "documents.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    assert set(line) == {"id", "user", "text", "pii", "kind", "canary_id", "repeats", "role"}
+    split = json.loads(run.split_path.read_text())
+    assert set(split) == {"seed", "heldout_users", "train_users", "member_docs", "holdout_docs",
+                          "heldout_user_docs"}
+    can = json.loads(run.canaries_path.read_text())
+    assert set(can) == {"template", "secret_length", "alphabet", "inserted", "references", "audit"}
+    assert set(can["inserted"][0]) == {"id", "secret", "text", "repetitions", "owner_kind", "users"}
+    assert set(can["audit"][0]) == {"id", "secret", "text", "user", "included"}
+    meta = json.loads((run.data_dir / "meta.json").read_text())
+    assert {"seq_len", "vocab_size", "eos_id", "pad_id", "users", "fingerprint"} <= set(meta)
+    assert meta["fingerprint"] == prepared.fingerprint and meta["digits_split"] is True
+    for name in ("train", "holdout", "heldout"):
+        arrays = load_file(str(run.data_dir / f"{name}.safetensors"))
+        assert arrays["input_ids"].dtype == np.int32 and arrays["attention_mask"].dtype == np.int8
+        assert arrays["user_index"].dtype == np.int32
+        assert meta["users"][name] == list(getattr(prepared, name).users)
+    assert calls[-1][0] == calls[-1][1] and [c[0] for c in calls] == sorted(c[0] for c in calls)
+    # kinds and roles: natural docs, canary copies, audit canaries
+    kinds = {(d.kind, d.role) for d in prepared.documents}
+    assert kinds == {("doc", "member"), ("doc", "holdout"), ("doc", "heldout_user"),
+                     ("canary", "member"), ("audit_canary", "member"), ("audit_canary", "audit_out")}
+    assert all(p.check(d.text) for d in prepared.documents for p in d.pii)
+    sig = [d for d in prepared.documents if d.repeats > 1 and d.kind == "doc"]
+    for d in prepared.documents:  # repeats = copies of the text with the same role (a loop oracle)
+        assert d.repeats == sum(x.text == d.text and x.role == d.role for x in prepared.documents)
+    assert any(d.role == "member" for d in sig)
+
+
+def test_load_prepared_roundtrip(prepared, reloaded):
+    assert reloaded.fingerprint == prepared.fingerprint
+    assert reloaded.documents == prepared.documents
+    assert reloaded.split == prepared.split and reloaded.canaries == prepared.canaries
+    for name in ("train", "holdout", "heldout"):
+        a, b = getattr(prepared, name), getattr(reloaded, name)
+        assert a.users == b.users
+        for k, v in a.arrays().items():
+            assert np.array_equal(v, b.arrays()[k]) and v.dtype == b.arrays()[k].dtype
+    assert reloaded.tokenizer().get_vocab() == prepared.tokenizer().get_vocab()
+
+
+def test_fingerprint_stable_reuse_and_tamper(tmp_path):
+    a = prepare_data(SMALL, RunDir(tmp_path / "a"), vocab_size=512)
+    b = prepare_data(SMALL, RunDir(tmp_path / "b"), vocab_size=512)
+    assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 64
+    c = prepare_data(SMALL.model_copy(update={"seed": 1}), RunDir(tmp_path / "c"), vocab_size=512)
+    assert c.fingerprint != a.fingerprint
+    # same config again: loaded, not rebuilt
+    mtime = (tmp_path / "a" / "data" / "train.safetensors").stat().st_mtime_ns
+    again = prepare_data(SMALL, RunDir(tmp_path / "a"), vocab_size=512)
+    assert again.fingerprint == a.fingerprint
+    assert (tmp_path / "a" / "data" / "train.safetensors").stat().st_mtime_ns == mtime
+    # a changed file no longer matches the fingerprint
+    path = tmp_path / "b" / "canaries.json"
+    path.write_text(path.read_text().replace('"included": true', '"included": false', 1))
+    with pytest.raises(DataError, match="fingerprint"):
+        load_prepared(RunDir(tmp_path / "b"))
+    with pytest.raises(DataError, match="no prepared data"):
+        load_prepared(RunDir(tmp_path / "nothing"))
+    # the tokenizer can be copied next to a saved model
+    a.copy_tokenizer(tmp_path / "model")
+    assert (tmp_path / "model" / "tokenizer.json").read_bytes() == (a.tokenizer_dir / "tokenizer.json").read_bytes()
+
+
+def test_document_index(prepared):
+    idx = document_index(prepared)
+    s = prepared.split
+    assert {d.id for d in idx.holdout} == set(s.holdout_docs)
+    assert {d.id for d in idx.heldout} == set(s.heldout_user_docs)
+    assert {d.id for d in idx.member} | {d.id for d in idx.canary_copies} | {
+        d.id for d in idx.audit if d.role == "member"} == set(s.member_docs)
+    assert all(d.kind == "doc" for d in (*idx.member, *idx.holdout, *idx.heldout))
+    assert len(idx.audit) == len(prepared.canaries.audit)
+    tok = prepared.tokenizer()
+    ids = idx.token_ids(idx.holdout[:3], eos=True)
+    assert ids == [[*tok.encode(d.text, add_special_tokens=False), prepared.eos_id] for d in idx.holdout[:3]]
+    assert token_ids(prepared, ["12"]) == [tok.encode("12", add_special_tokens=False)]
+    assert set(idx.by_user(idx.member)) == set(s.train_users)
+
+
+def test_cli_prepare_prints_no_secret(tmp_path, capsys):
+    out = tmp_path / "prep"
+    rc = main(["data", "prepare", TINY, "--out", str(out), "--set", "data.synth.users=12",
+               "--set", "data.canaries.repetitions=[1,2]", "--set", "data.audit_canaries=4",
+               "--set", "model.preset=tiny"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    prepared = load_prepared(RunDir(out))
+    printed = cap.out + cap.err
+    assert prepared.fingerprint[:12] in printed
+    assert not any(s in printed for s in prepared.canaries.all_secrets())
+    assert not any(d.text in printed for d in prepared.documents)
+    assert prepared.vocab_size == 4096
+
+
+def test_config_fields_reach_the_data(tmp_path):
+    from memaudit.config import load_config
+    from memaudit.data.tokenizer import train_tokenizer
+
+    public = tmp_path / "public.txt"
+    public.write_text("the quick brown fox jumps over the lazy dog\n" * 20 + "pack my box 42\n", encoding="utf-8")
+    cfg = load_config(TINY, [
+        "data.synth.users=12", "data.synth.docs_per_user=3", "data.synth.repeat_every=0",
+        "data.canaries.repetitions=[1,2]", "data.audit_canaries=3", "data.canaries.audit_secret_length=16",
+        "data.seq_len=32", f"data.tokenizer_corpus={public}",
+    ]).data
+    p = prepare_data(cfg, RunDir(tmp_path / "run"), vocab_size=300)
+    assert not [d for d in p.documents if d.kind == "doc" and d.repeats > 1]
+    assert all(len(a.secret) == 16 for a in p.canaries.audit)
+    again = train_tokenizer(public.read_text(encoding="utf-8").splitlines(), vocab_size=300)
+    assert p.tokenizer().get_vocab() == again.get_vocab()
+    # a user-supplied tokenizer directory is used as is
+    q = prepare_data(cfg.model_copy(update={"tokenizer": str(p.tokenizer_dir), "tokenizer_corpus": None}),
+                     RunDir(tmp_path / "run2"), vocab_size=300)
+    assert q.tokenizer().get_vocab() == again.get_vocab()
+    assert np.array_equal(q.train.input_ids, p.train.input_ids)
+    with pytest.raises(DataError, match="model's vocabulary is 280"):
+        prepare_data(cfg.model_copy(update={"tokenizer": str(p.tokenizer_dir)}),
+                     RunDir(tmp_path / "run3"), vocab_size=280)

@@ -1,0 +1,89 @@
+"""DP-FedAvg: limit case against FedAvg, clipping against a NumPy loop, noise std, composition."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memaudit.federated.aggregators import mean_aggregator
+from memaudit.federated.dp import clip_deltas, dp_fedavg
+from memaudit.federated.secagg.aggregator import secure_aggregation
+
+
+@pytest.fixture(scope="module")
+def deltas():
+    rng = np.random.default_rng(0)
+    return {"w": jnp.asarray(rng.normal(size=(6, 4, 3)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)}
+
+
+def test_no_privacy_equals_fedavg_unweighted_mean(deltas):
+    weights = jnp.array([1, 1, 0, 1, 0, 1.0])
+    agg = dp_fedavg(mean_aggregator(), clip=math.inf, noise_multiplier=0.0, expected_cohort=4)
+    res = jax.jit(agg.aggregate)(deltas, weights, agg.init(None), jax.random.key(0))
+    fedavg = mean_aggregator().aggregate(deltas, weights, None, None).update
+    for k in deltas:
+        np.testing.assert_allclose(res.update[k], fedavg[k], rtol=1e-5, atol=1e-6)
+    assert float(res.metrics["clip_fraction"]) == 0.0
+
+
+def test_clipping_and_fixed_denominator_against_numpy_loop(deltas):
+    weights = np.array([1, 1, 1, 0, 1, 1.0])
+    clip, expected = 2.0, 7.5
+    agg = jax.jit(dp_fedavg(mean_aggregator(), clip=clip, noise_multiplier=0.0, expected_cohort=expected).aggregate)
+    res = agg(deltas, jnp.asarray(weights), dp_fedavg(clip=clip, noise_multiplier=0.0, expected_cohort=expected).init(None),
+              jax.random.key(0))
+    want = {k: np.zeros(v.shape[1:]) for k, v in deltas.items()}
+    n_clipped = 0
+    for i in range(6):
+        if not weights[i]:
+            continue
+        norm = math.sqrt(sum(float(np.sum(np.asarray(v[i], np.float64) ** 2)) for v in deltas.values()))
+        f = min(1.0, clip / norm)
+        n_clipped += f < 1
+        for k in deltas:
+            want[k] += np.asarray(deltas[k][i], np.float64) * f
+    for k in deltas:
+        np.testing.assert_allclose(res.update[k], want[k] / expected, rtol=1e-5, atol=1e-6)
+    assert float(res.metrics["clip_fraction"]) == pytest.approx(n_clipped / 5)
+
+
+def test_clip_deltas_norms():
+    x = {"a": jnp.array([[3.0, 4.0], [0.3, 0.4]])}
+    clipped, norms = clip_deltas(x, jnp.float32(1.0))
+    np.testing.assert_allclose(norms, [5.0, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(clipped["a"], [[0.6, 0.8], [0.3, 0.4]], rtol=1e-6)
+
+
+def test_noise_std_matches_configuration():
+    # zero deltas: the update is pure noise with std z C / expected cohort per coordinate
+    z, clip, m = 1.3, 0.7, 10.0
+    agg = dp_fedavg(mean_aggregator(), clip=clip, noise_multiplier=z, expected_cohort=m)
+    zeros = {"w": jnp.zeros((4, 20000))}
+    res = jax.jit(agg.aggregate)(zeros, jnp.ones(4), agg.init(None), jax.random.key(3))
+    got = float(np.std(np.asarray(res.update["w"])))
+    want = z * clip / m
+    # 20000 draws: the std's relative standard error is 1/sqrt(2*20000) = 0.5%; allow 3%
+    assert got == pytest.approx(want, rel=0.03)
+    assert float(res.metrics["noise_std"]) == pytest.approx(want)
+    assert float(res.metrics["effective_noise"]) == pytest.approx(z)
+
+
+def test_dp_over_secure_aggregation_uses_survivors():
+    rng = np.random.default_rng(1)
+    d = {"w": jnp.asarray(rng.normal(size=(5, 8)) * 0.1, jnp.float32)}
+    sa = secure_aggregation(mean_aggregator(), clip=1.0, bits=24, seed=0)
+    agg = dp_fedavg(sa, clip=1.0, noise_multiplier=0.0, expected_cohort=5)
+    assert agg.jittable is False
+    res = agg.aggregate(d, jnp.ones(5), agg.init(None), jax.random.key(0))
+    np.testing.assert_allclose(res.update["w"], np.asarray(d["w"]).sum(0) / 5, atol=5 / 2**23)
+    assert float(res.metrics["survivors"]) == 5
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="expected_cohort"):
+        dp_fedavg(clip=1.0, noise_multiplier=1.0, expected_cohort=0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        dp_fedavg(clip=1.0, noise_multiplier=-1.0, expected_cohort=3)

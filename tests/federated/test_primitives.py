@@ -1,0 +1,287 @@
+"""Federated primitives: values, derivatives (forward and reverse), batching, AD closure."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memaudit.federated import (
+    PRIMITIVE_NAMES,
+    federated_broadcast,
+    federated_map,
+    federated_mean,
+    federated_program,
+    federated_sum,
+    federated_weighted_mean,
+)
+
+N, D = 100, 3
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(D,)).astype(np.float32)  # server-placed
+V = RNG.normal(size=(N, D)).astype(np.float32)  # clients-placed
+W = RNG.uniform(0.1, 2.0, size=(N,)).astype(np.float32)  # clients-placed weights
+CT_CLIENTS = RNG.normal(size=(N, D)).astype(np.float32)
+CT_SERVER = RNG.normal(size=(D,)).astype(np.float32)
+
+bcast = federated_program(federated_broadcast, clients=N)
+fsum = federated_program(federated_sum, clients=N)
+fmean = federated_program(federated_mean, clients=N)
+fwmean = federated_program(federated_weighted_mean, clients=N)
+
+
+def np_wmean(v, w):
+    return (w[:, None] * v).sum(0) / w.sum()
+
+
+def maybe_jit(f, jit):
+    return jax.jit(f) if jit else f
+
+
+@pytest.mark.parametrize("fn", [federated_broadcast, federated_sum, federated_mean])
+def test_outside_a_program_is_a_clear_error(fn):
+    with pytest.raises(RuntimeError, match="outside a federated program.*@federated_program"):
+        fn(jnp.ones((N, D)))
+
+
+def test_map_and_weighted_mean_outside_a_program():
+    with pytest.raises(RuntimeError, match="federated_map was called outside"):
+        federated_map(jnp.sin, jnp.ones((N, D)))
+    with pytest.raises(RuntimeError, match="federated_weighted_mean was called outside"):
+        federated_weighted_mean(jnp.ones((N, D)), jnp.ones(N))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_values(jit):
+    np.testing.assert_allclose(maybe_jit(bcast, jit)(X), np.tile(X, (N, 1)))
+    np.testing.assert_allclose(maybe_jit(fsum, jit)(V), V.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(maybe_jit(fmean, jit)(V), V.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(maybe_jit(fwmean, jit)(V, W), np_wmean(V, W), rtol=1e-5, atol=1e-6)
+    mapped = federated_program(lambda v: federated_map(lambda r: r * r.sum(), v), clients=N)
+    np.testing.assert_allclose(maybe_jit(mapped, jit)(V), V * V.sum(1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_reverse_mode(jit):
+    _, vjp = jax.vjp(maybe_jit(bcast, jit), X)
+    np.testing.assert_allclose(vjp(CT_CLIENTS)[0], CT_CLIENTS.sum(0), rtol=1e-5, atol=1e-5)
+    _, vjp = jax.vjp(maybe_jit(fsum, jit), V)
+    np.testing.assert_allclose(vjp(CT_SERVER)[0], np.tile(CT_SERVER, (N, 1)))
+    _, vjp = jax.vjp(maybe_jit(fmean, jit), V)
+    np.testing.assert_allclose(vjp(CT_SERVER)[0], np.tile(CT_SERVER, (N, 1)) / N, rtol=1e-6)
+    _, vjp = jax.vjp(maybe_jit(fwmean, jit), V, W)
+    dv, dw = vjp(CT_SERVER)
+    np.testing.assert_allclose(dv, np.outer(W, CT_SERVER) / W.sum(), rtol=1e-5, atol=1e-7)
+    # d/dw_i of sum_j w_j v_j / sum_j w_j = (v_i - mean) / sum w
+    expected_dw = (V - np_wmean(V, W)) @ CT_SERVER / W.sum()
+    np.testing.assert_allclose(dw, expected_dw, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_forward_mode(jit):
+    t_server, t_clients, t_w = CT_SERVER, CT_CLIENTS, RNG.normal(size=(N,)).astype(np.float32)
+    _, out = jax.jvp(maybe_jit(bcast, jit), (X,), (t_server,))
+    np.testing.assert_allclose(out, np.tile(t_server, (N, 1)))
+    _, out = jax.jvp(maybe_jit(fsum, jit), (V,), (t_clients,))
+    np.testing.assert_allclose(out, t_clients.sum(0), rtol=1e-5, atol=1e-5)
+    _, out = jax.jvp(maybe_jit(fmean, jit), (V,), (t_clients,))
+    np.testing.assert_allclose(out, t_clients.mean(0), rtol=1e-5, atol=1e-6)
+    _, out = jax.jvp(maybe_jit(fwmean, jit), (V, W), (t_clients, t_w))
+    expected = np_wmean(t_clients, W) + ((V - np_wmean(V, W)).T @ t_w) / W.sum()
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_second_order_and_jacfwd_of_a_program():
+    @federated_program(clients=N)
+    def f(x):  # mean_i sum(sin(x) * v_i) -> grad cos(x) * mean(v)
+        return jnp.sum(federated_mean(federated_map(lambda a, v: jnp.sin(a) * v,
+                                                    federated_broadcast(x), jnp.asarray(V))))
+
+    np.testing.assert_allclose(jax.grad(f)(X), np.cos(X) * V.mean(0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(jax.jacfwd(f)(X), np.cos(X) * V.mean(0), rtol=1e-4, atol=1e-6)
+    hess = jax.jit(jax.hessian(f))(X)
+    np.testing.assert_allclose(hess, np.diag(-np.sin(X) * V.mean(0)), rtol=1e-4, atol=1e-6)
+
+
+def test_symbolic_zero_cotangent():
+    @jax.jit
+    @federated_program(clients=N)
+    def two(x, v):  # two outputs; the caller uses only the first
+        return federated_mean(federated_broadcast(x) * v), federated_sum(v * 2.0)
+
+    gx, gv = jax.grad(lambda x, v: jnp.sum(two(x, v)[0]), argnums=(0, 1))(X, V)
+    np.testing.assert_allclose(gx, V.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gv, np.tile(X, (N, 1)) / N, rtol=1e-6)
+    # only the second output: the first output's cotangent is the symbolic zero
+    gx, gv = jax.grad(lambda x, v: jnp.sum(two(x, v)[1]), argnums=(0, 1))(X, V)
+    np.testing.assert_array_equal(gx, np.zeros(D))
+    np.testing.assert_allclose(gv, np.full((N, D), 2.0))
+
+
+def test_mean_keeps_dtype_and_refuses_integers():
+    vb = jnp.asarray(V, jnp.bfloat16)
+    out = fmean(vb)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), V.mean(0), atol=2e-2)
+    assert fsum(vb).dtype == jnp.bfloat16
+    assert fwmean(vb, W).dtype == jnp.bfloat16
+    assert bcast(jnp.asarray(X, jnp.bfloat16)).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="floating dtype"):
+        fmean(jnp.ones((N, D), jnp.int32))
+
+
+def test_vmap_over_a_program_with_the_batch_dim_anywhere():
+    @federated_program(clients=N)
+    def prog(x, v):  # x server (D,), v clients (N, D)
+        y = federated_map(lambda a, b: a * b, federated_broadcast(x), v)
+        return federated_mean(y), federated_sum(y), federated_weighted_mean(y, jnp.asarray(W))
+
+    xs = RNG.normal(size=(4, D)).astype(np.float32)
+    vs = RNG.normal(size=(4, N, D)).astype(np.float32)
+    y = xs[:, None, :] * vs  # (4, N, D)
+    want = (y.mean(1), y.sum(1), (W[None, :, None] * y).sum(1) / W.sum())
+    for x_axis, v_axis in [(0, 0), (1, 1), (0, 2)]:
+        got = jax.jit(jax.vmap(prog, in_axes=(x_axis, v_axis)))(
+            np.moveaxis(xs, 0, x_axis), np.moveaxis(vs, 0, v_axis)
+        )
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    # vmap of the derivative too (batching rules of the transposed primitives)
+    g = jax.vmap(jax.grad(lambda x, v: jnp.sum(prog(x, v)[0])))(xs, vs)
+    np.testing.assert_allclose(g, vs.mean(1), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------- AD closure
+
+
+def _eqns(jaxpr):
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        subs = [
+            getattr(s, "jaxpr", s)
+            for v in eqn.params.values()
+            for s in (v if isinstance(v, (tuple, list)) else (v,))
+            if isinstance(s, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))
+        ]
+        if subs:
+            for sub in subs:
+                yield from _eqns(sub)
+        else:
+            yield eqn
+
+
+def _clients_placed(var) -> bool:
+    shape = getattr(getattr(var, "aval", None), "shape", ())
+    return N in tuple(shape)  # under jacfwd/vmap the clients dim need not lead
+
+
+def communication_of(jaxpr) -> set[str]:
+    """Names of federated primitives; fails on any other eqn that moves data between placements
+    (a clients-placed input but no clients-placed output, or the other way round)."""
+    names = set()
+    for eqn in _eqns(jaxpr):
+        if eqn.primitive.name in PRIMITIVE_NAMES:
+            names.add(eqn.primitive.name)
+            continue
+        placed_in = any(_clients_placed(v) for v in eqn.invars)
+        placed_out = any(_clients_placed(v) for v in eqn.outvars)
+        assert placed_in == placed_out, f"non-federated communication: {eqn}"
+    return names
+
+
+def _spread(x):  # server (D,) -> clients (N, D), through the broadcast primitive
+    return bcast(x) * V
+
+
+CLOSURE_CASES = {
+    # name: (function, argument, communication expected in its grad)
+    "broadcast": (lambda x: jnp.sum(fmean(jnp.sin(bcast(x)) * V)), X, {"federated_sum"}),
+    "sum": (lambda v: jnp.sum(jnp.sin(fsum(v))), V, {"federated_broadcast"}),
+    "mean": (lambda v: jnp.sum(jnp.sin(fmean(v))), V, {"federated_broadcast"}),
+    "weighted_mean": (lambda v: jnp.sum(jnp.sin(fwmean(v, W))), V, {"federated_broadcast"}),
+}
+# jacfwd from a server-placed argument (a clients-placed one would build its basis locally)
+JACFWD_CASES = {
+    "broadcast": lambda x: jnp.sin(bcast(x)),
+    "sum": lambda x: jnp.sin(fsum(_spread(x))),
+    "mean": lambda x: jnp.sin(fmean(_spread(x))),
+    "weighted_mean": lambda x: jnp.sin(fwmean(_spread(x), W)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLOSURE_CASES))
+def test_ad_closure(case):
+    fn, arg, expected_in_grad = CLOSURE_CASES[case]
+    forward = communication_of(jax.make_jaxpr(fn)(arg))
+    assert forward  # the program itself communicates only through the primitives
+    comms = communication_of(jax.make_jaxpr(jax.grad(jax.jit(fn)))(arg))
+    assert expected_in_grad <= comms <= PRIMITIVE_NAMES, comms
+    fwd = JACFWD_CASES[case]
+    comms = communication_of(jax.make_jaxpr(jax.jacfwd(jax.jit(fwd)))(X))
+    assert communication_of(jax.make_jaxpr(fwd)(X)) <= comms <= PRIMITIVE_NAMES, comms
+
+
+def test_closure_check_catches_plain_jnp_communication():
+    with pytest.raises(AssertionError, match="non-federated communication"):
+        communication_of(jax.make_jaxpr(lambda v: jnp.sum(v, axis=0))(V))
+
+
+# ------------------------------------------------------------------- federated gradients vs NumPy
+
+
+def _losses():
+    def quad(theta, x, y):
+        return 0.5 * jnp.mean((x @ theta - y) ** 2)
+
+    def quad_grad(theta, x, y):
+        return x.T @ (x @ theta - y) / len(y)
+
+    def logistic(theta, x, y):
+        return jnp.mean(jnp.logaddexp(0.0, -y * (x @ theta)))
+
+    def logistic_grad(theta, x, y):
+        s = 1.0 / (1.0 + np.exp(y * (x @ theta)))
+        return -(x * (y * s)[:, None]).mean(0)
+
+    return {"quadratic": (quad, quad_grad), "logistic": (logistic, logistic_grad)}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("loss", ["quadratic", "logistic"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_grad_of_federated_mean_loss_matches_numpy_loop(seed, loss, weighted):
+    rng = np.random.default_rng(seed)
+    n, d, m = int(rng.integers(2, 40)), int(rng.integers(1, 8)), 5
+    x = rng.normal(size=(n, m, d))
+    y = rng.normal(size=(n, m)) if loss == "quadratic" else rng.choice([-1.0, 1.0], size=(n, m))
+    w = rng.uniform(0.0, 3.0, size=n)
+    theta = rng.normal(size=d)
+    fn, grad_np = _losses()[loss]
+
+    @federated_program(clients=n)
+    def objective(theta, x, y, w):
+        losses = federated_map(fn, federated_broadcast(theta), x, y)
+        return federated_weighted_mean(losses, w) if weighted else federated_mean(losses)
+
+    got = jax.grad(objective)(*(jnp.asarray(a, jnp.float32) for a in (theta, x, y, w)))
+    per_client = np.stack([grad_np(theta, x[i], y[i]) for i in range(n)])
+    want = (w[:, None] * per_client).sum(0) / w.sum() if weighted else per_client.mean(0)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+# ------------------------------------------------------------------- bad input
+
+
+def test_wrong_leading_size_is_one_clear_line():
+    prog = federated_program(lambda v: federated_sum(v), clients=N, placed=(0,))
+    with pytest.raises(ValueError) as err:
+        prog(jnp.ones((N - 1, D)))
+    msg = str(err.value)
+    assert "\n" not in msg and "argument 'v'" in msg and f"leading size {N}" in msg
+    unchecked = federated_program(lambda v: federated_mean(v), clients=N)
+    with pytest.raises(ValueError, match=f"needs leading size {N}"):
+        unchecked(jnp.ones((3, D)))
+    with pytest.raises(ValueError, match="clients must be a positive int"):
+        federated_program(lambda v: v, clients=0)(1.0)

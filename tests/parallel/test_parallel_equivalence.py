@@ -1,0 +1,44 @@
+"""Layer and model equivalence, clipping, DP-SGD (sigma=0) and payload bytes, on CPU gloo.
+
+One spawned process group per world size (2, 4, 8) runs every case of that size; the
+1x1x1x1 grid runs in this process without a process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel import _workers
+
+WORLDS = (2, 4, 8)
+_LAYER = [(w, n) for w in WORLDS for n in _workers.layer_case_names(w)]
+_MODEL = [(g, kind) for g in _workers.MODEL_GRIDS for kind in ("train", "clip", "dp", "payload")]
+
+
+def test_layer_cases_cover_the_issue_grid() -> None:
+    assert len(_LAYER) == 7 * 3 * 2 * 2
+
+
+@pytest.mark.parametrize(("world", "name"), _LAYER, ids=[n for _, n in _LAYER])
+def test_layer_equivalence(results, world: int, name: str) -> None:
+    err = results(world)[name]
+    assert err is None, err
+
+
+@pytest.fixture(scope="module")
+def serial_grid_results(serial_ref):
+    ref, _ = serial_ref
+    return _workers.model_cases((1, 1, 1, 1), ref)
+
+
+@pytest.mark.parametrize(("grid", "kind"), _MODEL, ids=[f"{k}-{''.join(map(str, g))}" for g, k in _MODEL])
+def test_model(results, serial_grid_results, grid: tuple[int, int, int, int], kind: str) -> None:
+    world = grid[0] * grid[1] * grid[2] * grid[3]
+    res = serial_grid_results if world == 1 else results(world)
+    err = res[f"{kind}-{''.join(map(str, grid))}"]
+    assert err is None, err
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_grid_of_wrong_size_is_one_clear_error(results, world: int) -> None:
+    assert results(world)["bad-world"] is None

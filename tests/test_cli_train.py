@@ -1,0 +1,178 @@
+"""`memaudit train` through the CLI in-process: end to end, and bad input (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from memaudit.cli import main
+from memaudit.io import read_json, read_jsonl
+from tests.conftest import REPO_ROOT, tiny_train_args
+
+TINY = str(REPO_ROOT / "configs" / "tiny.yaml")
+
+
+def _secrets(run: Path) -> list[str]:
+    c = read_json(run / "canaries.json")
+    out = [x["secret"] for key in ("inserted", "references", "audit") for x in c.get(key, [])]
+    assert out, "the run should hold canaries"
+    return out
+
+
+def test_end_to_end_synth_train_load_generate(tiny_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert tiny_run["rc"] == 0, tiny_run["stderr"][-2000:]
+    run = tiny_run["path"]
+    manifest = read_json(run / "run.json")
+    assert manifest["status"] == "complete" and manifest["backend"] == "parallel"
+    res = manifest["result"]
+    assert res["steps"] == 40
+    assert manifest["data_fingerprint"] and manifest["config"]["train"]["steps"] == 40
+    # the holdout loss fell clearly from the untrained model's
+    assert res["final_holdout_loss"] < res["initial_holdout_loss"] - 1.0
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 41))
+    evals = [m for m in metrics if "holdout_loss" in m]
+    assert [m["step"] for m in evals] == [20, 40] and evals[-1]["holdout_loss"] == res["final_holdout_loss"]
+    assert all({"loss", "lr", "tokens_per_s", "grad_norm"} <= set(m) for m in metrics)
+
+    tok = AutoTokenizer.from_pretrained(run / "model")
+    model = AutoModelForCausalLM.from_pretrained(run / "model")
+    ids = tok("hello my name is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert gen.shape[1] > ids.shape[1]
+    assert isinstance(tok.decode(gen[0]), str)
+
+    # no canary secret in the vocabulary, nor in anything printed
+    vocab = tok.get_vocab()
+    printed = tiny_run["stdout"] + tiny_run["stderr"]
+    for s in _secrets(run):
+        assert not any(s in t for t in vocab)
+        assert s not in printed
+    summary = tiny_run["stdout"].strip().splitlines()
+    assert len(summary) == 1 and summary[0].startswith("trained tiny (parallel) for 40 steps")
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _refused(capsys, args: list[str], *, needle: str) -> str:
+    rc = main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("memaudit: error:") and "Traceback" not in err
+    assert needle in err, err
+    return err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    _refused(capsys, ["train", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "r")], needle="not found")
+    assert not (tmp_path / "r").exists()
+
+
+def test_malformed_yaml(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("train: {steps: 3\nmodel: [\n")
+    _refused(capsys, ["train", str(cfg), "--out", str(tmp_path / "r")], needle="not valid YAML")
+    assert not (tmp_path / "r").exists()
+
+
+def test_unknown_key(tmp_path, capsys):
+    _refused(capsys, ["train", TINY, "--out", str(tmp_path / "r"), "--set", "train.learning_rate=1"],
+             needle="unknown key 'train.learning_rate'")
+    assert not (tmp_path / "r").exists()
+
+
+def test_negative_learning_rate(tmp_path, capsys):
+    _refused(capsys, ["train", TINY, "--out", str(tmp_path / "r"), "--set", "train.lr=-0.1"],
+             needle="train.lr")
+    assert not (tmp_path / "r").exists()
+
+
+def _bad_corpus(tmp_path, capsys, content: bytes, needle: str) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(content)
+    before = _snapshot(tmp_path)
+    out = tmp_path / "r"
+    _refused(capsys, ["train", TINY, "--out", str(out), *tiny_train_args(f"data.path={corpus}")],
+             needle=needle)
+    after = _snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before  # the corpus is untouched
+    assert read_json(out / "run.json")["status"] == "failed"  # the new run records why it stopped
+
+
+def test_empty_corpus(tmp_path, capsys):
+    _bad_corpus(tmp_path, capsys, b"", needle="corpus")
+
+
+def test_corpus_without_text_field(tmp_path, capsys):
+    rows = [json.dumps({"body": f"message {i}", "user": f"u{i % 4}"}) for i in range(40)]
+    _bad_corpus(tmp_path, capsys, ("\n".join(rows) + "\n").encode(), needle="text")
+
+
+def test_non_utf8_corpus(tmp_path, capsys):
+    _bad_corpus(tmp_path, capsys, b'{"text": "caf\xe9 \xff\xfe", "user": "a"}\n', needle="UTF-8")
+
+
+def test_completed_run_is_not_overwritten(tiny_run, tmp_path, capsys):
+    run = tiny_run["path"]
+    before = _snapshot(run)
+    _refused(capsys, ["train", TINY, "--out", str(run)], needle="--overwrite")
+    _refused(capsys, ["train", "--resume", str(run)], needle="already complete")
+    assert _snapshot(run) == before
+
+
+def test_overwrite_replaces_a_run(tmp_path, capsys):
+    out = tmp_path / "r"
+    args = ["train", TINY, "--out", str(out), *tiny_train_args("train.steps=2", "train.eval_every=1",
+                                                              "data.synth.users=12",
+                                                              "data.canaries.owners=[user]")]
+    assert main(args) == 0
+    (out / "probes.json").write_text("{}")  # a stale artifact of the old run
+    assert main([*args, "--overwrite"]) == 0
+    capsys.readouterr()
+    assert not (out / "probes.json").exists()
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_resume_on_a_directory_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("keep me")
+    before = _snapshot(tmp_path)
+    _refused(capsys, ["train", "--resume", str(tmp_path)], needle="not a memaudit run")
+    assert _snapshot(tmp_path) == before
+
+
+def test_resume_on_a_live_run(tmp_path, capsys):
+    run = tmp_path / "live"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"status": "running", "config": {}}))
+    import socket
+    import time
+
+    (run / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                              "heartbeat": time.time()}))
+    before = _snapshot(run)
+    _refused(capsys, ["train", "--resume", str(run)], needle="still alive")
+    _refused(capsys, ["train", TINY, "--out", str(run), "--overwrite"], needle="live process")
+    assert _snapshot(run) == before
+
+
+def test_missing_federated_or_parallel_backend_is_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "memaudit.parallel.launch", None)  # import fails like a missing module
+    err = _refused(capsys, ["train", TINY, "--out", str(tmp_path / "p"), "--set", "parallel.x=2"],
+                   needle="parallel backend is not available")
+    assert "launch_training" in err
+
+
+@pytest.mark.parametrize("args", [["train"], ["train", TINY, "--backend", "mpi"]])
+def test_usage_errors(args, capsys):
+    _refused(capsys, args, needle="")
