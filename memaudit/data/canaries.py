@@ -43,8 +43,8 @@ class Canary:
     """An inserted canary. `users` lists the owner of each copy (r entries)."""
 
     id: str
-    secret: str
-    text: str
+    secret: str = field(repr=False)  # never in a repr, log or message
+    text: str = field(repr=False)
     repetitions: int
     owner_kind: str
     users: tuple[str, ...]
@@ -58,15 +58,15 @@ class Canary:
 @dataclass(frozen=True)
 class ReferenceCanary:
     id: str
-    secret: str
-    text: str
+    secret: str = field(repr=False)  # never in a repr, log or message
+    text: str = field(repr=False)
 
 
 @dataclass(frozen=True)
 class AuditCanary:
     id: str
-    secret: str
-    text: str
+    secret: str = field(repr=False)  # never in a repr, log or message
+    text: str = field(repr=False)
     user: str
     included: bool
 

@@ -38,8 +38,8 @@ class Pii:
 class Document:
     id: str
     user: str
-    text: str
-    pii: tuple[Pii, ...] = ()
+    text: str = field(repr=False)  # raw text and PII stay out of reprs and messages
+    pii: tuple[Pii, ...] = field(default=(), repr=False)
     kind: Kind = "doc"
     canary_id: str | None = None
     repeats: int = 1

@@ -49,6 +49,11 @@ class PreparedData:
     fingerprint: str
     _tok: Any = field(default=None, repr=False, compare=False)
 
+    def __repr__(self) -> str:  # counts only: no text, no secrets
+        return (f"PreparedData(path={str(self.path)!r}, documents={len(self.documents)}, "
+                f"train={len(self.train)}, holdout={len(self.holdout)}, heldout={len(self.heldout)}, "
+                f"fingerprint={self.fingerprint[:12]!r})")
+
     @property
     def tokenizer_dir(self) -> Path:
         return self.path / "data" / "tokenizer"
@@ -86,8 +91,23 @@ class PreparedData:
 
 
 # ----------------------------------------------------------------------------- helpers
+def _source_stamp(*paths: str | None) -> list[list[Any]]:
+    """(name, size, mtime) of the local input files, so an edited corpus is prepared again."""
+    out = []
+    for path in paths:
+        if path is None:
+            continue
+        p = Path(path).expanduser()
+        files = sorted(p.rglob("*")) if p.is_dir() else [p]
+        out += [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    return out
+
+
 def config_hash(cfg: DataConfig, vocab_size: int) -> str:
-    raw = json.dumps({"data": cfg.model_dump(mode="json"), "vocab_size": vocab_size}, sort_keys=True)
+    """What the prepared data depends on: the data config, the vocabulary and the input files."""
+    raw = json.dumps({"data": cfg.model_dump(mode="json"), "vocab_size": vocab_size,
+                      "sources": _source_stamp(cfg.path, cfg.tokenizer, cfg.tokenizer_corpus)},
+                     sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
@@ -119,8 +139,26 @@ def _corpus(cfg: DataConfig, progress: Progress | None) -> list[Document]:
                        pseudo_users=cfg.pseudo_users)
 
 
+# Seed offset of the public synthetic corpus the default tokenizer learns from.
+PUBLIC_SEED_OFFSET = 7919
+
+
 def _tokenizer_texts(cfg: DataConfig, docs: list[Document]) -> list[str]:
+    """Non-private text for the tokenizer, never canaries or trained documents.
+
+    The synthetic default draws a separate public corpus of different people from the same
+    generator: learning merges from the held-out users' own text would turn *their* names and
+    addresses into single tokens the model never trained on, making held-out users look
+    unfamiliar and inflating user inference. Real corpora fall back to the held-out users'
+    documents unless `data.tokenizer_corpus` names a public text file (recommended).
+    """
     if cfg.tokenizer_corpus is None:
+        if cfg.path is None:
+            from memaudit.data.synth import synthesize
+
+            public = synthesize(max(32, cfg.synth.users), cfg.synth.docs_per_user,
+                                cfg.synth.seed + PUBLIC_SEED_OFFSET, repeat_every=0)
+            return [d.text for d in public]
         return [d.text for d in docs if d.role == "heldout_user"]
     p = Path(cfg.tokenizer_corpus)
     if not p.is_file():

@@ -106,6 +106,10 @@ def test_library_errors_are_data_errors(tmp_path):
     with pytest.raises(DataError, match="holds no"):
         (tmp_path / "empty_dir").mkdir()
         load_corpus(str(tmp_path / "empty_dir"))
+    (tmp_path / "blank_dir").mkdir()
+    (tmp_path / "blank_dir" / "a.txt").write_text("\n\n", encoding="utf-8")
+    with pytest.raises(DataError, match="is empty"):
+        load_corpus(str(tmp_path / "blank_dir"))
     f = tmp_path / "one_user.jsonl"
     f.write_text('{"text": "a", "user": "x"}\n{"text": "b", "user": "x"}\n', encoding="utf-8")
     from memaudit.data.splits import make_split

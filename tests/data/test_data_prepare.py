@@ -148,3 +148,34 @@ def test_config_fields_reach_the_data(tmp_path):
     with pytest.raises(DataError, match="model's vocabulary is 280"):
         prepare_data(cfg.model_copy(update={"tokenizer": str(p.tokenizer_dir)}),
                      RunDir(tmp_path / "run3"), vocab_size=280)
+
+
+def test_reprs_hold_no_text_or_secret(prepared):
+    shown = repr(prepared) + repr(prepared.canaries) + repr(prepared.documents[:50])
+    assert not any(s in shown for s in prepared.canaries.all_secrets())
+    assert not any(d.text in shown for d in prepared.documents[:50])
+    assert "c0" in repr(prepared.canaries.inserted[0]) and "u0000-d00" in repr(prepared.documents[0])
+
+
+def test_synth_cli_corpus_as_data_path_gives_the_same_data(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    assert main(["data", "synth", "--users", "12", "--docs-per-user", "3", "--out", str(corpus)]) == 0
+    built_in = prepare_data(SMALL, RunDir(tmp_path / "a"), vocab_size=512)
+    from_file = prepare_data(SMALL.model_copy(update={"path": str(corpus)}), RunDir(tmp_path / "b"), vocab_size=512)
+    assert from_file.documents == built_in.documents
+    # the built-in corpus's tokenizer learns from a separate public synthetic corpus
+    assert from_file.fingerprint != built_in.fingerprint
+    # an edited corpus file is prepared again, not loaded back
+    lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
+    corpus.write_text("".join(lines[:-3]), encoding="utf-8")
+    again = prepare_data(SMALL.model_copy(update={"path": str(corpus)}), RunDir(tmp_path / "b"), vocab_size=512)
+    assert len(again.documents) == len(from_file.documents) - 3
+    assert load_prepared(RunDir(tmp_path / "b")).fingerprint == again.fingerprint != from_file.fingerprint
+
+
+def test_default_tokenizer_does_not_learn_from_heldout_users(tmp_path):
+    """Changing which users are held out leaves the synthetic default's vocabulary unchanged."""
+    a = prepare_data(SMALL, RunDir(tmp_path / "a"), vocab_size=512)
+    b = prepare_data(SMALL.model_copy(update={"seed": SMALL.seed + 1}), RunDir(tmp_path / "b"), vocab_size=512)
+    assert a.split.heldout_users != b.split.heldout_users
+    assert a.tokenizer().get_vocab() == b.tokenizer().get_vocab()

@@ -47,13 +47,38 @@ def test_digits_one_token_each_and_round_trip(prepared):
     assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=False)
 
 
-def test_trained_only_on_heldout_users_text(prepared):
-    """An independent retrain on the held-out users' documents gives the same vocabulary."""
-    heldout = set(prepared.split.heldout_users)
-    texts = [d.text for d in prepared.documents if d.user in heldout]
-    assert all(d.kind == "doc" for d in prepared.documents if d.user in heldout)
-    again = train_tokenizer(texts, vocab_size=prepared.vocab_size)
+def test_trained_only_on_public_text(prepared):
+    """The synthetic default's tokenizer is an independent retrain on the public synthetic corpus
+    (different people, same generator): no training or held-out user's text is in it."""
+    from memaudit.data.prepare import PUBLIC_SEED_OFFSET
+    from memaudit.data.synth import synthesize
+    from tests.data.conftest import DEFAULT_CFG
+
+    s = DEFAULT_CFG.synth
+    public = synthesize(max(32, s.users), s.docs_per_user, s.seed + PUBLIC_SEED_OFFSET, repeat_every=0)
+    private = {d.text for d in prepared.documents}
+    assert not private & {d.text for d in public}
+    again = train_tokenizer([d.text for d in public], vocab_size=prepared.vocab_size)
     assert again.get_vocab() == prepared.tokenizer().get_vocab()
+
+
+def test_real_corpus_tokenizer_uses_heldout_users_text(tmp_path):
+    """With a corpus file and no tokenizer corpus, the held-out users' documents train it."""
+    import json
+
+    from memaudit.config import DataConfig
+    from memaudit.data import prepare_data
+    from memaudit.rundir import RunDir
+
+    rows = [{"user": f"p{i % 10}", "text": f"note {i} from person {i % 10} about topic {i * 7 % 13}"} for i in range(80)]
+    f = tmp_path / "c.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    cfg = DataConfig(path=str(f), canaries={"repetitions": [1, 2], "per_setting": 1}, seq_len=32)
+    prep = prepare_data(cfg, RunDir(tmp_path / "run"), vocab_size=300)
+    heldout = set(prep.split.heldout_users)
+    texts = [d.text for d in prep.documents if d.user in heldout]
+    assert all(d.kind == "doc" for d in prep.documents if d.user in heldout)
+    assert train_tokenizer(texts, vocab_size=300).get_vocab() == prep.tokenizer().get_vocab()
 
 
 def test_auto_tokenizer_loads_and_user_tokenizer_dir(prepared, tmp_path):
