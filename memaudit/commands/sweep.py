@@ -1,13 +1,89 @@
-"""`memaudit sweep`."""
+"""`memaudit sweep CONFIG --out SWEEP_DIR`: train, probe and report over a grid."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from memaudit.errors import NotImplementedYet
+
+def _floats(spec: str, what: str) -> list[float]:
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise ValueError(f"--{what} item '{item}' is not a number (use e.g. 1,4,16,inf)") from None
+    if not out:
+        raise ValueError(f"--{what} is empty; give a comma-separated list such as 1,4,inf")
+    return out
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("sweep", help="(not yet available) sweep", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _cmd() -> None:
-        raise NotImplementedYet("`memaudit sweep` is not available in this release yet")
+    @app.command("sweep", help="Train, probe and report over backends x privacy levels x seeds.")
+    def sweep(
+        config: Annotated[Path, typer.Argument(help="Sweep YAML, e.g. configs/quickstart.yaml.")],
+        out: Annotated[Path, typer.Option("--out", help="Sweep directory (runs/, report/, sweep.json).")] = Path("sweep"),
+        epsilons: Annotated[str | None, typer.Option(help="Target epsilons, e.g. 1,4,16,inf.")] = None,
+        noise_multipliers: Annotated[str | None, typer.Option(help="Noise multipliers instead, e.g. 0,0.5,1.")] = None,
+        backends: Annotated[str | None, typer.Option(help="parallel,federated")] = None,
+        seeds: Annotated[int | None, typer.Option(help="Number of seeds per grid point.")] = None,
+        goldfish: Annotated[str | None, typer.Option(help="Goldfish axis on the centralized side: off, on or off,on.")] = None,
+        set_: Annotated[list[str] | None, typer.Option("--set", help="Override a sweep key, e.g. base.train.steps=50.")] = None,
+        fmt: Annotated[str, typer.Option("--format", help="table | json")] = "table",
+    ) -> None:
+        from memaudit.commands._common import console, print_json
+        from memaudit.sweep.config import load_sweep_config
+
+        if fmt not in ("table", "json"):
+            raise ValueError(f"--format '{fmt}' is not one of table, json")
+        overrides = list(set_ or [])
+        if epsilons is not None:
+            overrides.append(f"grid.epsilons={_floats(epsilons, 'epsilons')}")
+            overrides.append("grid.noise_multipliers=null")
+        if noise_multipliers is not None:
+            overrides.append(f"grid.noise_multipliers={_floats(noise_multipliers, 'noise-multipliers')}")
+            overrides.append("grid.epsilons=null")
+        if backends is not None:
+            overrides.append(f"grid.backends=[{backends}]")
+        if seeds is not None:
+            overrides.append(f"grid.seeds={seeds}")
+        if goldfish is not None:
+            vals = [g.strip() for g in goldfish.split(",") if g.strip()]
+            bad = [g for g in vals if g not in ("on", "off")]
+            if bad or not vals:
+                raise ValueError(f"--goldfish '{goldfish}' must be off, on or off,on")
+            overrides.append(f"grid.goldfish=[{','.join('true' if g == 'on' else 'false' for g in vals)}]")
+        cfg = load_sweep_config(config, overrides)
+
+        from memaudit.commands._common import progress as make_progress
+        from memaudit.sweep.runner import run_sweep
+
+        bar = make_progress()
+        with bar:
+            overall = bar.add_task("sweep", total=None, info="")
+            current = bar.add_task("point", total=None, info="")
+
+            def on_progress(i: int, total: int, info: dict) -> None:
+                bar.update(overall, completed=i, total=total, info=str(info.get("point", "")))
+                if "done" in info:
+                    bar.update(current, completed=info["done"], total=info["total"],
+                               description=str(info.get("stage", info.get("phase", "train"))), info="")
+
+            summary = run_sweep(cfg, out, progress=on_progress)
+        if fmt == "json":
+            print_json(summary)
+            return
+        for o in summary["outcomes"]:
+            line = f"{o['name']}: {o['status']} ({o['action']}, {o['seconds']:.0f}s)"
+            if o["error"]:
+                line += f" - {o['error']}"
+            console.print(line, markup=False, highlight=False)
+        if summary["report"]:
+            console.print(f"report: {summary['report']['html']}", markup=False)
+        if summary["status"] != "complete":
+            raise typer.Exit(1)
