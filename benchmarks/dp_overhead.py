@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -103,28 +104,19 @@ VARIANTS = {
 }
 
 
-def _time(step, repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def run(presets, variants, *, batch: int, seq: int, repeats: int, warmup: int) -> dict:
+    """Median seconds per step; variants are interleaved round-robin so that load from other
+    processes on a shared machine falls on all of them alike."""
     try:
         import opacus
         opacus_version = opacus.__version__
     except ImportError:
         opacus_version = None
     result = {"batch": batch, "seq_len": seq, "repeats": repeats, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "machine": platform.machine(),
               "opacus": opacus_version, "presets": {}}
     for preset in presets:
-        rows = {}
+        rows, steps = {}, {}
         for name in variants:
             if name.startswith("opacus") and opacus_version is None:
                 rows[name] = {"skipped": "opacus not installed (pip install opacus==1.6.0)"}
@@ -132,11 +124,21 @@ def run(presets, variants, *, batch: int, seq: int, repeats: int, warmup: int) -
             model = build_model(preset, seed=0)
             ids, attn, lmask = _batch(model.config.vocab_size, batch, seq)
             try:
-                times = _time(VARIANTS[name](model, ids, attn, lmask), repeats, warmup)
-                rows[name] = {"median_s": statistics.median(times), "times_s": times}
-            except Exception as e:  # a variant that cannot run is reported, not fatal
+                steps[name] = VARIANTS[name](model, ids, attn, lmask)
+                for _ in range(warmup):
+                    steps[name]()
+                rows[name] = {"times_s": []}
+            except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+                steps.pop(name, None)
                 rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                               "where": traceback.format_exc().splitlines()[-3][:200]}
+        for _ in range(repeats):
+            for name, step in steps.items():
+                t0 = time.perf_counter()
+                step()
+                rows[name]["times_s"].append(round(time.perf_counter() - t0, 4))
+        for name in steps:
+            rows[name]["median_s"] = statistics.median(rows[name]["times_s"])
         base = rows.get("nonprivate", {}).get("median_s")
         for r in rows.values():
             if base and "median_s" in r:
@@ -146,6 +148,8 @@ def run(presets, variants, *, batch: int, seq: int, repeats: int, warmup: int) -
 
 
 def main() -> None:
+    warnings.filterwarnings("ignore", module="opacus")
+    warnings.filterwarnings("ignore", message=".*(backward hook|Secure RNG|performance drop).*")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -153,7 +157,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(json.dumps(run(args.presets, args.variants, batch=args.batch, seq=args.seq,
                          repeats=args.repeats, warmup=args.warmup), indent=2))
 

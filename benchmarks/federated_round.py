@@ -13,7 +13,8 @@ Variants (same model, same tokens, same optimizers):
 Model: a 1.31M-parameter causal "MLP language model" in plain JAX (token embedding 512 x 256,
 causal running-mean context mixing, two residual ReLU MLP blocks 256 -> 1152 -> 256, tied
 output embedding). Each variant runs ``--repeats`` timed rounds after one warm-up (compile)
-round; the JSON holds medians in seconds and ratios to the centralized limit.
+round; the variants take turns within each repeat (a shared machine's load hits all alike);
+the JSON holds medians in seconds and ratios to the centralized limit.
 
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
@@ -63,14 +64,22 @@ def loss_fn(params, batch):
     return nll.mean(axis=1), None  # (B,)
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up: compile
-    times = []
+def _timed(fn, repeats: int):
+    """Compile now (warm-up call); the caller times the returned runner."""
+    del repeats
+    fn()
+    return fn
+
+
+def _interleaved(runners: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per call; variants take turns so a shared machine's load hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in runners.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _block(tree):
@@ -140,6 +149,9 @@ def bench_drjax(params, data, args, mesh):
         import drjax
     except ImportError:
         return None
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # "no clients axis" notes on one device
     n = args.cohort
 
     @jax.jit
@@ -147,7 +159,7 @@ def bench_drjax(params, data, args, mesh):
     def round_(p, tokens, keys):
         p_c = drjax.broadcast(p, mesh=mesh)
         deltas = drjax.map_fn(
-            lambda a: _local_train(a[0], a[1], a[2], args.local_steps, args.batch),
+            lambda p_i, t_i, k_i: _local_train(p_i, t_i, k_i, args.local_steps, args.batch),
             (p_c, tokens, keys), mesh=mesh,
         )
         mean = drjax.reduce_mean(deltas)
@@ -184,10 +196,15 @@ def main(argv=None) -> dict:
         data = ClientData({"tokens": tokens}, np.ones((cohort, args.examples), np.float32))
         row = {"cohort": cohort}
         with jax.set_mesh(mesh) if mesh is not None else _null():
-            row["centralized_s"] = bench_centralized(params, data, args)
-            row["program_s"] = bench_program(params, data, args, mesh)
-            row["client_loop_s"] = bench_client_loop(params, data, args)
-            row["drjax_s"] = bench_drjax(params, data, args, mesh)
+            runners = {
+                "centralized": bench_centralized(params, data, args),
+                "program": bench_program(params, data, args, mesh),
+                "client_loop": bench_client_loop(params, data, args),
+                "drjax": bench_drjax(params, data, args, mesh),
+            }
+            medians = _interleaved({k: v for k, v in runners.items() if v}, args.repeats)
+        for k in runners:
+            row[f"{k}_s"] = medians.get(k)
         for k in ("program", "client_loop", "drjax"):
             if row[f"{k}_s"] is not None:
                 row[f"{k}_vs_centralized"] = row[f"{k}_s"] / row["centralized_s"]

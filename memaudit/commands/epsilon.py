@@ -21,7 +21,14 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
             dataset_size: int | None, target_epsilon: float | None, accountant: str,
             clip: float | None, group_size: int | None) -> dict[str, Any]:
     """The numbers `memaudit epsilon` prints (library code: no printing here)."""
-    from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, dpsgd_event, epsilon, group_epsilon
+    from memaudit.privacy.accounting import (
+        check_delta,
+        check_dpsgd,
+        default_delta,
+        dpsgd_event,
+        epsilon,
+        group_epsilon,
+    )
     from memaudit.privacy.calibrate import calibrate_noise
 
     if accountant not in ("rdp", "pld", "both"):

@@ -10,23 +10,49 @@ from memaudit.commands._common import console, print_json, progress, stdout
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("probe", help="Probe a trained run (or any HF causal LM) for memorization; writes probes.json.")
+    @app.command(
+        "probe",
+        help="Probe a trained run (or any HF causal LM) for memorization; writes probes.json.",
+    )
     def _cmd(
-        target: Annotated[str, typer.Argument(help="Run directory, or a Hugging Face model directory.")],
-        probes: Annotated[str, typer.Option(help="Comma-separated: exposure,extraction,membership,"
-                                            "user_inference,pii,audit.")] = "exposure,extraction,membership,user_inference,pii,audit",
-        out: Annotated[str | None, typer.Option(help="Where probes.json goes (default: the run directory; "
-                                                "required for a model directory).")] = None,
-        members: Annotated[str | None, typer.Option(help="Member documents (.jsonl with 'text', or .txt).")] = None,
-        nonmembers: Annotated[str | None, typer.Option(help="Non-member documents (.jsonl or .txt).")] = None,
-        canaries: Annotated[str | None, typer.Option(help="A canaries.json (template, alphabet, secrets).")] = None,
-        reference: Annotated[str | None, typer.Option(help="Reference HF model directory for calibration.")] = None,
+        target: Annotated[
+            str, typer.Argument(help="Run directory, or a Hugging Face model directory.")
+        ],
+        probes: Annotated[
+            str,
+            typer.Option(
+                help="Comma-separated: exposure,extraction,membership,user_inference,pii,audit."
+            ),
+        ] = "exposure,extraction,membership,user_inference,pii,audit",
+        out: Annotated[
+            str | None,
+            typer.Option(
+                help="Where probes.json goes (default: the run directory; "
+                "required for a model directory)."
+            ),
+        ] = None,
+        members: Annotated[
+            str | None, typer.Option(help="Member documents (.jsonl with 'text', or .txt).")
+        ] = None,
+        nonmembers: Annotated[
+            str | None, typer.Option(help="Non-member documents (.jsonl or .txt).")
+        ] = None,
+        canaries: Annotated[
+            str | None, typer.Option(help="A canaries.json (template, alphabet, secrets).")
+        ] = None,
+        reference: Annotated[
+            str | None, typer.Option(help="Reference HF model directory for calibration.")
+        ] = None,
         device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
         dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
         batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 32,
         seed: Annotated[int, typer.Option(help="Seed for bootstrap, sampling and candidates.")] = 0,
-        bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples per confidence interval.")] = 1000,
-        show_secrets: Annotated[bool, typer.Option("--show-secrets", help="Print canary secrets (off: ids only).")] = False,
+        bootstrap: Annotated[
+            int, typer.Option(help="Bootstrap resamples per confidence interval.")
+        ] = 1000,
+        show_secrets: Annotated[
+            bool, typer.Option("--show-secrets", help="Print canary secrets (off: ids only).")
+        ] = False,
         fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
     ) -> None:
         from memaudit.io import atomic_write_json
@@ -38,12 +64,21 @@ def register(app: typer.Typer) -> None:
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)
-        t = resolve_target(target, members=members, nonmembers=nonmembers, canaries=canaries, out=out)
+        t = resolve_target(
+            target, members=members, nonmembers=nonmembers, canaries=canaries, out=out
+        )
         from memaudit.probes.runner import run_probes
         from memaudit.probes.scoring import resolve_device
 
-        settings = ProbeSettings(probes=names, device=resolve_device(device), dtype=dtype, batch_size=batch_size,
-                                 reference=reference, seed=seed, n_boot=bootstrap)
+        settings = ProbeSettings(
+            probes=names,
+            device=resolve_device(device),
+            dtype=dtype,
+            batch_size=batch_size,
+            reference=reference,
+            seed=seed,
+            n_boot=bootstrap,
+        )
         with progress() as bar:
             tasks: dict[str, int] = {}
 
@@ -90,8 +125,13 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                 rows.append((name, "canary greedy completion", _fmt(s["canaries"]["greedy"])))
             for metric, g in s.get("non_discoverable", {}).items():
                 if isinstance(g, dict):
-                    rows.append((name, f"unprompted top-{s['non_discoverable']['top_n']} by {metric}",
-                                 f"{g['memorised_in_top']} memorised"))
+                    rows.append(
+                        (
+                            name,
+                            f"unprompted top-{s['non_discoverable']['top_n']} by {metric}",
+                            f"{g['memorised_in_top']} memorised",
+                        )
+                    )
         elif name in ("membership", "user_inference"):
             attacks = s.items() if name == "membership" else [(s["statistic"], s)]
             for attack, a in attacks:
@@ -103,9 +143,17 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                 rows.append((name, f"{group} extraction ({g['items']})", _fmt(g["extraction"])))
                 rows.append((name, f"{group} inference top-1", _fmt(g["inference_top1"])))
         elif name == "audit":
-            rows.append((name, f"ε lower bound (r={s['r']}, v={s['v']}, m={s['m']})", f"{s['eps_lower_bound']:.3f}"))
+            rows.append(
+                (
+                    name,
+                    f"ε lower bound (r={s['r']}, v={s['v']}, m={s['m']})",
+                    f"{s['eps_lower_bound']:.3f}",
+                )
+            )
             rows.append((name, "ceiling logit(p^(1/r))", f"{s['ceiling']:.3f}"))
-            rows.append((name, "ledger ε", "-" if s["ledger_eps"] is None else f"{s['ledger_eps']:.3f}"))
+            rows.append(
+                (name, "ledger ε", "-" if s["ledger_eps"] is None else f"{s['ledger_eps']:.3f}")
+            )
     return rows
 
 

@@ -7,12 +7,15 @@ real examples, and absent cohort slots, are handled by the mask and by weights.
 
 A FedAvg round has three phases, so a host-side aggregator (secure aggregation) fits between:
 
-1. ``client_phase`` (jitted federated program): broadcast the server params, ``local_steps``
-   client-optimizer steps on each client's own data, return clients-placed model deltas,
-   aggregation weights (examples per client, or 1 per present client) and metrics;
-2. ``aggregator.aggregate`` (jitted unless ``jittable=False``): the server update (mean delta);
-3. ``server_update`` (jitted): the server optimizer takes ``-update`` as pseudo-gradient
-   (FedAvg: SGD with lr 1; FedAdam: Adam, Reddi et al. 2021).
+1. ``client_phase`` (`make_client_phase`, a federated program): broadcast the server params,
+   ``local_steps`` client-optimizer steps on each client's own data, return clients-placed
+   model deltas, aggregation weights (examples per client, or 1 per present client), metrics;
+2. ``aggregator.aggregate``: the server update (mean delta);
+3. ``server_update`` (`make_server_update`): the server optimizer takes ``-update`` as
+   pseudo-gradient (FedAvg: SGD with lr 1; FedAdam: Adam, Reddi et al. 2021).
+
+With a jittable aggregator `fedavg` compiles the three phases as one program; with
+``jittable=False`` (secure aggregation) phases 1 and 3 are jitted and phase 2 runs on the host.
 
 FedSGD is ``jax.grad`` of the federated (weighted) mean loss, followed by a server step; its
 gradient's jaxpr communicates only through the federated primitives (federated AD).
@@ -219,14 +222,23 @@ def fedavg(
         mesh: optional mesh with a ``clients`` axis.
     """
     aggregator = aggregator or mean_aggregator(mesh)
-    client_phase = jax.jit(
-        make_client_phase(
-            loss_fn, client_optimizer, local_steps=local_steps, batch_size=batch_size,
-            weighting=weighting, mesh=mesh,
-        )
+    client_phase = make_client_phase(
+        loss_fn, client_optimizer, local_steps=local_steps, batch_size=batch_size,
+        weighting=weighting, mesh=mesh,
     )
-    aggregate = jax.jit(aggregator.aggregate) if aggregator.jittable else aggregator.aggregate
-    server_update = jax.jit(make_server_update(server_optimizer))
+    server_update = make_server_update(server_optimizer)
+
+    def phases(state: ServerState, data: ClientData, key):
+        client_key, agg_key = jax.random.split(key)
+        out = client_phase(state.params, data, client_key)
+        agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
+        state, server_metrics = server_update(state, agg)
+        return state, (out.metrics, agg.metrics, server_metrics)
+
+    # A jittable aggregator: one program for the round (the deltas never leave the device
+    # program). Otherwise three steps, the aggregator running on the host in between.
+    fused = jax.jit(phases) if aggregator.jittable else None
+    client_jit, server_jit = jax.jit(client_phase), jax.jit(server_update)
 
     def init(params) -> ServerState:
         return ServerState(
@@ -234,11 +246,14 @@ def fedavg(
         )
 
     def round_(state: ServerState, data: ClientData, key):
-        client_key, agg_key = jax.random.split(key)
         with _mesh_scope(mesh):
-            out = client_phase(state.params, data, client_key)
-            agg = aggregate(out.deltas, out.weights, state.agg_state, agg_key)
-            state, server_metrics = server_update(state, agg)
+            if fused is not None:
+                state, metrics = fused(state, data, key)
+                return state, _host_metrics(*metrics)
+            client_key, agg_key = jax.random.split(key)
+            out = client_jit(state.params, data, client_key)
+            agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
+            state, server_metrics = server_jit(state, agg)
         return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
 
     return FederatedAlgorithm(init, round_)

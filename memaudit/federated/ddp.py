@@ -39,7 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
-from memaudit.federated.secagg.aggregator import _rng, flatten_clients, stochastic_round
+from memaudit.federated.secagg.aggregator import (
+    AUTO_SPARSE_FROM,
+    _rng,
+    flatten_clients,
+    stochastic_round,
+)
 from memaudit.federated.secagg.protocol import Dropouts, run_round
 
 # ----------------------------------------------------------------------------- rotation
@@ -274,13 +279,14 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         return DDPState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
+        rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
         present = np.flatnonzero(np.asarray(weights) > 0)
         rows, unflatten = flatten_clients(deltas)
-        rows = rows[present]
+        rows = np.asarray(rows[present], dtype=np.float64)
         n, d = rows.shape
         p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort,
                        cohort=n, dim=d, bits=bits, beta=beta, k_stddevs=k_stddevs)
-        rng = _rng(key, seed, state.round)
+        rng = _rng(key, seed, rnd)
         rot_seed = int(rng.integers(2**31))  # public randomness shared with the clients
         norms = np.linalg.norm(rows, axis=1, keepdims=True)
         scaled = rows * np.minimum(1.0, clip / np.maximum(norms, 1e-300)) / p.gamma
@@ -292,7 +298,8 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
             enc[i] = np.mod(z, M).astype(np.uint32)
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
         if secure:
-            res = run_round(enc, round_id=state.round, neighbours=neighbours, threshold=threshold,
+            kind = neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
+            res = run_round(enc, round_id=rnd, neighbours=kind, threshold=threshold,
                             graph_seed=int(rng.integers(2**31)), dropouts=Dropouts(before_masked=dropped))
             total, m = res.total, len(res.survivors)
         else:
@@ -308,11 +315,34 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         metrics.update(survivors=jnp.float32(m), aggregated_clients=jnp.float32(m), cohort=jnp.float32(n),
                        effective_noise=eff, noise_std=eff * clip / expected_cohort, clip=clip,
                        ddp_gamma=p.gamma, ddp_dim=p.dim, ddp_l2=p.l2, ddp_l1=p.l1, ddp_local_std=p.local_std)
-        return AggregateResult(out.update, DDPState(out.state, state.round + 1), metrics)
+        return AggregateResult(out.update, DDPState(out.state, rnd + 1), metrics)
 
     return Aggregator(init=init, aggregate=aggregate, jittable=False)
 
 
 __all__ = ["DDPParams", "conditional_round", "ddg_rdp", "ddg_tau", "ddp_params", "discrete_gaussian_pmf",
-           "distributed_dp", "hadamard", "padded_dim", "rotate", "rounded_l2_bound",
+           "distributed_dp", "distributed_dp_from_config", "hadamard", "padded_dim", "rotate", "rounded_l2_bound",
            "sample_discrete_gaussian", "sample_discrete_gaussian_exact", "unrotate"]
+
+
+def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier: float) -> Aggregator:
+    """``distributed_dp`` with the settings of a :class:`memaudit.config.Config`.
+
+    ``base`` must be a plain mean (not ``secure_aggregation``: this mechanism runs its own
+    secure sum). ``noise_multiplier`` is the calibrated z; ``privacy.clip`` must be finite.
+    """
+    from memaudit.errors import ConfigError
+
+    p, sa = cfg.privacy, cfg.privacy.secure_aggregation
+    if not math.isfinite(p.clip):
+        raise ConfigError(f"privacy.mechanism=distributed needs a finite privacy.clip (got {p.clip}); "
+                          "set privacy.clip, e.g. 1.0")
+    if p.adaptive_clipping.enabled:
+        raise ConfigError("adaptive clipping is not implemented for privacy.mechanism=distributed; "
+                          "set privacy.adaptive_clipping.enabled=false or use mechanism=central")
+    seed = p.seed if p.seed is not None else cfg.train.seed
+    return distributed_dp(base, clip=p.clip, noise_multiplier=noise_multiplier,
+                          expected_cohort=float(cfg.federated.cohort), bits=sa.bits,
+                          secure=True, threshold=sa.threshold,
+                          neighbours=sa.neighbours,
+                          dropout_rate=sa.dropout, seed=seed)

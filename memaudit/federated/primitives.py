@@ -84,11 +84,19 @@ def _x_spec(x) -> tuple:
 
 
 def _broadcast_abstract(x, *, n, n_pad, axis, mesh):
-    sharding = None
     if shd.is_explicit(mesh, axis):
         spec = jax.sharding.PartitionSpec(axis, *_x_spec(x))
         sharding = jax.sharding.NamedSharding(shd.abstract(mesh), spec)
+    else:  # unsharded clients dim; other dims keep the input's (explicit) sharding
+        sharding = _respec(x, (None, *_x_spec(x)))
     return _aval((n_pad,) + tuple(x.shape), x, sharding)
+
+
+def _respec(x, spec):
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "update"):
+        return None
+    return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
 def _reduce_abstract(x, *, n, n_pad, axis, mesh):
@@ -96,10 +104,11 @@ def _reduce_abstract(x, *, n, n_pad, axis, mesh):
         raise ValueError(
             f"a clients-placed value needs leading size {n_pad}, got shape {tuple(x.shape)}"
         )
-    sharding = None
     if shd.is_explicit(mesh, axis):
         spec = jax.sharding.PartitionSpec(*_x_spec(x)[1:])
         sharding = jax.sharding.NamedSharding(shd.abstract(mesh), spec)
+    else:
+        sharding = _respec(x, _x_spec(x)[1:])
     return _aval(tuple(x.shape[1:]), x, sharding)
 
 

@@ -156,14 +156,14 @@ def federated_program(
             federated_program, clients=clients, mesh=mesh, placed=placed, placed_out=placed_out
         )
     sig = inspect.signature(fn)
+    param_names = list(sig.parameters)
 
     @functools.wraps(fn)
     def program(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
-        names = list(bound.arguments)
         with program_context(clients, mesh) as ctx:
             for key in placed:
-                name = names[key] if isinstance(key, int) else key
+                name = param_names[key] if isinstance(key, int) else key
                 if name not in bound.arguments:
                     continue
                 value = bound.arguments[name]

@@ -11,6 +11,7 @@ References: Singh et al., AxoNN (SC'24); torchtitan's `parallelize_llama`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -64,12 +65,23 @@ class ParallelLlama(nn.Module):
         """
         tok = self.token_losses(input_ids, attention_mask)
         mask = loss_mask[:, 1:].to(tok.dtype)
-        stats = torch.stack([(tok.detach() * mask).sum(), mask.sum()]).double()
-        for axis in ("z", "data"):
-            self.comm.all_reduce(stats, axis)
+        stats = self._global_sums(tok.detach(), mask)
         count = stats[1].clamp(min=1.0)
         loss = (tok * mask).sum() / count.to(tok.dtype)
         return loss, (stats[0] / count).float()
+
+    def _global_sums(self, tok: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        stats = torch.stack([(tok * mask).sum(), mask.sum()]).double()  # (loss sum, targets)
+        for axis in ("z", "data"):
+            self.comm.all_reduce(stats, axis)
+        return stats
+
+    @torch.no_grad()
+    def loss_sums(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(token-loss sum, target count) of the global batch, float64 (for evaluation)."""
+        tok = self.token_losses(input_ids, attention_mask)
+        return self._global_sums(tok, loss_mask[:, 1:].to(tok.dtype))
 
     def per_example_losses(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,24 +182,31 @@ def full_state_dict(model: ParallelLlama, *, grads: bool = False) -> dict[str, t
     its values go, so one all-gather over the world merges any layout.
     """
     out: dict[str, torch.Tensor] = {}
-    world = dist.get_world_size() if dist.is_initialized() else 1
     for name, p in model.hf.named_parameters():
-        spec = p.shard_spec
-        numel = 1
-        for s in spec.full_shape:
-            numel *= s
-        idx = spec.local(torch.arange(numel, dtype=torch.float64).view(spec.full_shape), model.comm, pad=-1.0)
         src = p.grad if grads else p
-        vals = (torch.zeros_like(p) if src is None else src).detach().reshape(-1).to(torch.float64)
-        pair = torch.stack([idx.reshape(-1), vals])  # (2, n_local)
-        if world > 1:
-            allp = torch.empty((world, *pair.shape), dtype=pair.dtype)
-            dist.all_gather_into_tensor(allp, pair)
-        else:
-            allp = pair.unsqueeze(0)
-        ids, v = allp[:, 0].reshape(-1), allp[:, 1].reshape(-1)
-        keep = ids >= 0
-        full = torch.zeros(numel, dtype=torch.float64)
-        full[ids[keep].long()] = v[keep]
-        out[name] = full.view(spec.full_shape).to(p.dtype)
+        out[name] = merge_tensor(model, p, torch.zeros_like(p) if src is None else src)
     return out
+
+
+def merge_tensor(model: ParallelLlama, p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """The full tensor of which `local` is this rank's shard, laid out like parameter `p`
+    (its value, gradient or an optimizer moment). A collective over the world."""
+    spec = p.shard_spec
+    numel = math.prod(spec.full_shape)
+    dev = local.device  # NCCL gathers device tensors, gloo CPU ones
+    idx = spec.local(torch.arange(numel, dtype=torch.float64, device=dev).view(spec.full_shape), model.comm,
+                     pad=-1.0)
+    vals = local.detach().reshape(-1).to(torch.float64)
+    pair = torch.stack([idx.reshape(-1), vals])  # (2, n_local)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        allp = torch.empty(world * pair.numel(), dtype=pair.dtype, device=dev)
+        dist.all_gather_into_tensor(allp, pair.reshape(-1))  # gloo wants flat tensors
+        allp = allp.view(world, *pair.shape)
+    else:
+        allp = pair.unsqueeze(0)
+    ids, v = allp[:, 0].reshape(-1), allp[:, 1].reshape(-1)
+    keep = ids >= 0
+    full = torch.zeros(numel, dtype=torch.float64, device=dev)
+    full[ids[keep].long()] = v[keep]
+    return full.view(spec.full_shape).to(dtype=p.dtype, device=p.device)

@@ -52,12 +52,6 @@ def calibrate_noise(
         return epsilon(dpsgd_event(q, sigma, steps), delta, accountant)
 
     lo, hi = 0.0, 1.0
-    if accountant == "pld":  # start from the RDP answer: PLD needs at most as much noise
-        hi = calibrate_noise(target_epsilon, q=q, steps=steps, delta=delta, accountant="rdp",
-                             rtol=rtol, max_noise_multiplier=max_noise_multiplier)
-        lo = hi / 2
-        while lo > 1e-3 and eps(lo) <= target_epsilon:
-            hi, lo = lo, lo / 2
     while eps(hi) > target_epsilon:
         lo, hi = hi, hi * 2
         if hi > max_noise_multiplier:

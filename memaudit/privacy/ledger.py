@@ -33,14 +33,15 @@ from dp_accounting import dp_event
 
 from memaudit.io import atomic_write_json, read_json
 from memaudit.privacy.accounting import (
-    RDP_ORDERS,
     Accountant,
     check_delta,
     dpsgd_event,
-    epsilon as event_epsilon,
     epsilon_from_rdp,
     group_epsilon,
     rdp_curve,
+)
+from memaudit.privacy.accounting import (
+    epsilon as event_epsilon,
 )
 
 SCHEMA = 1
@@ -111,7 +112,8 @@ def event_from_dict(obj: dict[str, Any]) -> Event:
                              count=int(obj.get("count", 1)), label=obj.get("label", ""))
     cls = getattr(dp_event, str(kind), None)
     if not (isinstance(cls, type) and issubclass(cls, dp_event.DpEvent)):
-        raise ValueError(f"unknown privacy event type '{kind}' in the ledger; is the file corrupt?")
+        raise ValueError(  # noqa: TRY004 - bad file content, not a bad argument type
+            f"unknown privacy event type '{kind}' in the ledger; is the file corrupt?")
     kwargs = {}
     for key, value in obj.items():
         if key == "type":

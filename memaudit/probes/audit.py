@@ -38,7 +38,9 @@ def p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
     return min(beta + alpha * delta * 2 * m, 1.0)
 
 
-def eps_lower_bound(*, m: int, r: int, v: int, delta: float, p: float = 0.05, iters: int = 40) -> float:
+def eps_lower_bound(
+    *, m: int, r: int, v: int, delta: float, p: float = 0.05, iters: int = 40
+) -> float:
     """The largest ε with p_value(m, r, v, ε, δ) < p (0 when even ε = 0 is not rejected)."""
     if not 0 < p < 1:
         raise ValueError(f"p must be in (0, 1), got {p}")
@@ -75,8 +77,16 @@ def guesses(scores: np.ndarray, included: np.ndarray, r: int) -> tuple[int, int]
     return r, v
 
 
-def run_audit(scores: np.ndarray, included: np.ndarray, ids: list[str], *, r_grid: tuple[int, ...],
-              delta: float, p: float = 0.05, ledger_eps: float | None = None) -> dict:
+def run_audit(
+    scores: np.ndarray,
+    included: np.ndarray,
+    ids: list[str],
+    *,
+    r_grid: tuple[int, ...],
+    delta: float,
+    p: float = 0.05,
+    ledger_eps: float | None = None,
+) -> dict:
     """Audit over a grid of r with a Bonferroni correction (p / len(grid)); the best bound wins."""
     m = len(scores)
     included = np.asarray(included, dtype=bool)
@@ -85,11 +95,30 @@ def run_audit(scores: np.ndarray, included: np.ndarray, ids: list[str], *, r_gri
     rows = []
     for r in grid:
         r, v = guesses(scores, included, r)
-        rows.append({"r": r, "v": v, "eps_lower_bound": eps_lower_bound(m=m, r=r, v=v, delta=delta, p=p_each),
-                     "ceiling": ceiling(r=r, p=p_each)})
+        rows.append(
+            {
+                "r": r,
+                "v": v,
+                "eps_lower_bound": eps_lower_bound(m=m, r=r, v=v, delta=delta, p=p_each),
+                "ceiling": ceiling(r=r, p=p_each),
+            }
+        )
     best = max(rows, key=lambda row: row["eps_lower_bound"])
-    summary = {"eps_lower_bound": best["eps_lower_bound"], "r": best["r"], "v": best["v"],
-               "ceiling": best["ceiling"], "m": m, "delta": delta, "p": p, "bonferroni": len(grid),
-               "grid": rows, "ledger_eps": ledger_eps, "n_included": int(included.sum())}
-    per = [{"id": i, "included": bool(inc), "score": float(s)} for i, inc, s in zip(ids, included, scores, strict=True)]
+    summary = {
+        "eps_lower_bound": best["eps_lower_bound"],
+        "r": best["r"],
+        "v": best["v"],
+        "ceiling": best["ceiling"],
+        "m": m,
+        "delta": delta,
+        "p": p,
+        "bonferroni": len(grid),
+        "grid": rows,
+        "ledger_eps": ledger_eps,
+        "n_included": int(included.sum()),
+    }
+    per = [
+        {"id": i, "included": bool(inc), "score": float(s)}
+        for i, inc, s in zip(ids, included, scores, strict=True)
+    ]
     return {"summary": summary, "scores": per}

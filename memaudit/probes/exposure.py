@@ -33,7 +33,9 @@ def exact_exposure(canary_logppl: np.ndarray, space_logppl: np.ndarray) -> np.nd
     return math.log2(len(space)) - np.log2(rank)
 
 
-def estimated_exposure(canary_logppl: np.ndarray, sample_logppl: np.ndarray, space_size: int) -> np.ndarray:
+def estimated_exposure(
+    canary_logppl: np.ndarray, sample_logppl: np.ndarray, space_size: int
+) -> np.ndarray:
     """Exposure from sampled candidates: interpolated empirical CDF, skew-normal below the sample.
 
     rank ≈ 1 + |R| F(x), F the probability that a random candidate is strictly more likely.
@@ -68,7 +70,9 @@ def sample_secrets(alphabet: str, length: int, n: int, seed: int) -> list[str]:
     return ["".join(row) for row in chars[idx]]
 
 
-def score_secrets(model, codec, template: str, secrets: list[str], *, batch_size: int, progress=None) -> np.ndarray:
+def score_secrets(
+    model, codec, template: str, secrets: list[str], *, batch_size: int, progress=None
+) -> np.ndarray:
     """Log-perplexity (summed NLL, nats) of the secret and whatever follows it in the template."""
     from memaudit.probes.scoring import token_logprobs
 
@@ -83,21 +87,37 @@ def score_secrets(model, codec, template: str, secrets: list[str], *, batch_size
     return np.array([-lp[i][starts[i] - 1 :].sum() for i in range(len(seqs))])
 
 
-def run_exposure(model, codec, canaries: dict, *, batch_size: int, enumerate_max: int = 10_000,
-                 n_samples: int = 10_000, seed: int = 0, n_boot: int = 1000, progress=None) -> dict:
+def run_exposure(
+    model,
+    codec,
+    canaries: dict,
+    *,
+    batch_size: int,
+    enumerate_max: int = 10_000,
+    n_samples: int = 10_000,
+    seed: int = 0,
+    n_boot: int = 1000,
+    progress=None,
+) -> dict:
     """Exposure of every inserted and reference canary, grouped by repetitions and owner kind.
 
     Returns {"summary": ..., "scores": [...], "settings": ...}; no secret is included.
     """
     from scipy.stats import mannwhitneyu
 
-    template, alphabet, length = canaries["template"], canaries["alphabet"], int(canaries["secret_length"])
+    template, alphabet, length = (
+        canaries["template"],
+        canaries["alphabet"],
+        int(canaries["secret_length"]),
+    )
     inserted, refs = canaries.get("inserted", []), canaries.get("references", [])
     items = [(c, "inserted") for c in inserted] + [(c, "reference") for c in refs]
     if not items:
         raise ValueError("canaries file has no inserted or reference canaries; nothing to expose")
     size = secret_space(alphabet, length)
-    canary_lp = score_secrets(model, codec, template, [c["secret"] for c, _ in items], batch_size=batch_size)
+    canary_lp = score_secrets(
+        model, codec, template, [c["secret"] for c, _ in items], batch_size=batch_size
+    )
     if size <= enumerate_max:
         method, cands = "enumeration", enumerate_secrets(alphabet, length)
     else:
@@ -109,12 +129,27 @@ def run_exposure(model, codec, canaries: dict, *, batch_size: int, enumerate_max
         exp = estimated_exposure(canary_lp, cand_lp, size)
     scores = []
     for (c, role), e, lp in zip(items, exp, canary_lp, strict=True):
-        scores.append({"id": c["id"], "role": role, "repetitions": int(c.get("repetitions", 0)),
-                       "owner_kind": c.get("owner_kind"), "log_perplexity": float(lp), "exposure": float(e)})
-    return {"summary": _summarise(scores, size, method, n_boot, seed, mannwhitneyu),
-            "scores": scores,
-            "settings": {"method": method, "space_size": size, "candidates_scored": len(cands),
-                         "enumerate_max": enumerate_max, "n_samples": n_samples}}
+        scores.append(
+            {
+                "id": c["id"],
+                "role": role,
+                "repetitions": int(c.get("repetitions", 0)),
+                "owner_kind": c.get("owner_kind"),
+                "log_perplexity": float(lp),
+                "exposure": float(e),
+            }
+        )
+    return {
+        "summary": _summarise(scores, size, method, n_boot, seed, mannwhitneyu),
+        "scores": scores,
+        "settings": {
+            "method": method,
+            "space_size": size,
+            "candidates_scored": len(cands),
+            "enumerate_max": enumerate_max,
+            "n_samples": n_samples,
+        },
+    }
 
 
 def _summarise(scores, size, method, n_boot, seed, mannwhitneyu) -> dict:
@@ -125,14 +160,22 @@ def _summarise(scores, size, method, n_boot, seed, mannwhitneyu) -> dict:
         group = [s for s in ins if s["repetitions"] == rep]
         by_rep[str(rep)] = {
             "all": rate_summary(np.array([s["exposure"] for s in group]), n_boot=n_boot, seed=seed),
-            **{kind: rate_summary(np.array([s["exposure"] for s in group if s["owner_kind"] == kind]),
-                                  n_boot=n_boot, seed=seed)
-               for kind in sorted({str(s["owner_kind"]) for s in group})},
+            **{
+                kind: rate_summary(
+                    np.array([s["exposure"] for s in group if s["owner_kind"] == kind]),
+                    n_boot=n_boot,
+                    seed=seed,
+                )
+                for kind in sorted({str(s["owner_kind"]) for s in group})
+            },
         }
     ins_e = np.array([s["exposure"] for s in ins])
     test = None
     if len(ins_e) and len(ref):
-        test = {"test": "mann-whitney-u two-sided", "p_value": float(mannwhitneyu(ins_e, ref).pvalue)}
+        test = {
+            "test": "mann-whitney-u two-sided",
+            "p_value": float(mannwhitneyu(ins_e, ref).pvalue),
+        }
     return {
         "max_exposure": math.log2(size),
         "method": method,

@@ -68,8 +68,20 @@ def repeat_bucket(r: int) -> str:
     return f"{lo}-{2 * lo - 1}"
 
 
-def discoverable(model, codec, docs, *, ks=(32, 50), m: int = 50, batch_size: int = 32, n_boot: int = 1000,
-                 seed: int = 0, lev_threshold: float = 0.9, bleu_threshold: float = 0.75, progress=None) -> dict:
+def discoverable(
+    model,
+    codec,
+    docs,
+    *,
+    ks=(32, 50),
+    m: int = 50,
+    batch_size: int = 32,
+    n_boot: int = 1000,
+    seed: int = 0,
+    lev_threshold: float = 0.9,
+    bleu_threshold: float = 0.75,
+    progress=None,
+) -> dict:
     """Greedy continuation of each member document's k-token prefix, per k."""
     from memaudit.probes.scoring import decode
 
@@ -80,31 +92,60 @@ def discoverable(model, codec, docs, *, ks=(32, 50), m: int = 50, batch_size: in
         keep = [i for i, ids in enumerate(encoded) if len(ids) >= n0 + k + m]
         prompts = [encoded[i][: n0 + k] for i in keep]
         targets = [encoded[i][n0 + k : n0 + k + m] for i in keep]
-        gen = decode(model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id, progress=progress)
+        gen = decode(
+            model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id, progress=progress
+        )
         per = []
         for i, g, t in zip(keep, gen, targets, strict=True):
             g = g.tolist()
             lev, bl = levenshtein_similarity(g, t), bleu4(g, t)
-            per.append({"id": docs[i].id, "k": k, "repeats": docs[i].repeats, "exact": g == t,
-                        "levenshtein": lev, "bleu4": bl, "approx_levenshtein": lev >= lev_threshold,
-                        "approx_bleu": bl >= bleu_threshold})
+            per.append(
+                {
+                    "id": docs[i].id,
+                    "k": k,
+                    "repeats": docs[i].repeats,
+                    "exact": g == t,
+                    "levenshtein": lev,
+                    "bleu4": bl,
+                    "approx_levenshtein": lev >= lev_threshold,
+                    "approx_bleu": bl >= bleu_threshold,
+                }
+            )
         rows += per
         summary[str(k)] = _rates(per, n_boot, seed)
         summary[str(k)]["skipped_short"] = len(docs) - len(keep)
-        buckets = sorted({repeat_bucket(r["repeats"]) for r in per}, key=lambda b: int(b.split("-")[0]))
+        buckets = sorted(
+            {repeat_bucket(r["repeats"]) for r in per}, key=lambda b: int(b.split("-")[0])
+        )
         summary[str(k)]["by_repeats"] = {
-            b: _rates([r for r in per if repeat_bucket(r["repeats"]) == b], n_boot, seed) for b in buckets}
+            b: _rates([r for r in per if repeat_bucket(r["repeats"]) == b], n_boot, seed)
+            for b in buckets
+        }
     return {"summary": summary, "scores": rows}
 
 
 def _rates(per, n_boot, seed) -> dict:
-    return {name: rate_summary(np.array([r[key] for r in per], dtype=float), n_boot=n_boot, seed=seed)
-            for name, key in (("exact", "exact"), ("approx_levenshtein", "approx_levenshtein"),
-                              ("approx_bleu", "approx_bleu"))}
+    return {
+        name: rate_summary(np.array([r[key] for r in per], dtype=float), n_boot=n_boot, seed=seed)
+        for name, key in (
+            ("exact", "exact"),
+            ("approx_levenshtein", "approx_levenshtein"),
+            ("approx_bleu", "approx_bleu"),
+        )
+    }
 
 
-def canary_completion(model, codec, canaries: dict, *, samples: int = 8, top_k: int = 40, batch_size: int = 32,
-                      seed: int = 0, n_boot: int = 1000) -> tuple[dict, dict[str, str]]:
+def canary_completion(
+    model,
+    codec,
+    canaries: dict,
+    *,
+    samples: int = 8,
+    top_k: int = 40,
+    batch_size: int = 32,
+    seed: int = 0,
+    n_boot: int = 1000,
+) -> tuple[dict, dict[str, str]]:
     """Greedy and sampled completion of each inserted canary's secret from the template prefix.
 
     Returns (result, completions): `completions` maps canary id to the greedy text and is meant
@@ -118,25 +159,58 @@ def canary_completion(model, codec, canaries: dict, *, samples: int = 8, top_k: 
     n_new = int(canaries["secret_length"]) + 2  # room for a split space token
     greedy = decode(model, [prompt] * min(1, len(inserted)), n_new, pad_id=codec.pad_id)
     greedy_text = codec.decode(greedy[0]).strip() if len(inserted) else ""
-    sampled = decode(model, [prompt] * samples, n_new, batch_size=batch_size, pad_id=codec.pad_id,
-                     top_k=top_k, seed=seed) if samples else np.zeros((0, n_new), dtype=np.int64)
+    sampled = (
+        decode(
+            model,
+            [prompt] * samples,
+            n_new,
+            batch_size=batch_size,
+            pad_id=codec.pad_id,
+            top_k=top_k,
+            seed=seed,
+        )
+        if samples
+        else np.zeros((0, n_new), dtype=np.int64)
+    )
     sampled_text = [codec.decode(s).strip() for s in sampled]
     rows, completions = [], {}
     for c in inserted:
         sec = c["secret"]
         hit = greedy_text.startswith(sec)
         rate = float(np.mean([t.startswith(sec) for t in sampled_text])) if samples else 0.0
-        rows.append({"id": c["id"], "repetitions": int(c.get("repetitions", 0)), "owner_kind": c.get("owner_kind"),
-                     "greedy": hit, "sampled_rate": rate})
+        rows.append(
+            {
+                "id": c["id"],
+                "repetitions": int(c.get("repetitions", 0)),
+                "owner_kind": c.get("owner_kind"),
+                "greedy": hit,
+                "sampled_rate": rate,
+            }
+        )
         if hit:
             completions[c["id"]] = greedy_text
-    by_rep = {str(r): {"greedy": rate_summary(np.array([x["greedy"] for x in rows if x["repetitions"] == r], float),
-                                              n_boot=n_boot, seed=seed),
-                       "sampled": rate_summary(np.array([x["sampled_rate"] for x in rows if x["repetitions"] == r]),
-                                               n_boot=n_boot, seed=seed)}
-              for r in sorted({x["repetitions"] for x in rows})}
-    summary = {"greedy": rate_summary(np.array([x["greedy"] for x in rows], float), n_boot=n_boot, seed=seed),
-               "by_repetitions": by_rep, "samples": samples}
+    by_rep = {
+        str(r): {
+            "greedy": rate_summary(
+                np.array([x["greedy"] for x in rows if x["repetitions"] == r], float),
+                n_boot=n_boot,
+                seed=seed,
+            ),
+            "sampled": rate_summary(
+                np.array([x["sampled_rate"] for x in rows if x["repetitions"] == r]),
+                n_boot=n_boot,
+                seed=seed,
+            ),
+        }
+        for r in sorted({x["repetitions"] for x in rows})
+    }
+    summary = {
+        "greedy": rate_summary(
+            np.array([x["greedy"] for x in rows], float), n_boot=n_boot, seed=seed
+        ),
+        "by_repetitions": by_rep,
+        "samples": samples,
+    }
     return {"summary": summary, "scores": rows}, completions
 
 
@@ -161,34 +235,75 @@ class NgramIndex:
         return bool(np.isin(self._hashes(ids), self.hashes, assume_unique=False).any())
 
 
-def non_discoverable(model, codec, train_seqs, *, n_samples: int = 256, length: int = 64, top_k: int = 40,
-                     top_n: int = 100, ngram: int = 50, batch_size: int = 32, seed: int = 0, reference=None,
-                     n_boot: int = 1000, progress=None) -> dict:
-    """Unprompted samples ranked three ways; memorised = contains a >= ngram-token training substring."""
+def non_discoverable(
+    model,
+    codec,
+    train_seqs,
+    *,
+    n_samples: int = 256,
+    length: int = 64,
+    top_k: int = 40,
+    top_n: int = 100,
+    ngram: int = 50,
+    batch_size: int = 32,
+    seed: int = 0,
+    reference=None,
+    n_boot: int = 1000,
+    progress=None,
+) -> dict:
+    """Unprompted samples ranked three ways; memorised = holds a training ngram-token window."""
     from memaudit.probes.scoring import decode, token_logprobs
 
     length = max(length, ngram)
     start = codec.start_or_zero()
-    samples = decode(model, [start] * n_samples, length, batch_size=batch_size, pad_id=codec.pad_id,
-                     top_k=top_k, seed=seed, progress=progress)
+    samples = decode(
+        model,
+        [start] * n_samples,
+        length,
+        batch_size=batch_size,
+        pad_id=codec.pad_id,
+        top_k=top_k,
+        seed=seed,
+        progress=progress,
+    )
     seqs = [start + s.tolist() for s in samples]
-    logppl = np.array([-lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp])
+    logppl = np.array(
+        [-lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp]
+    )
     texts = [codec.decode(s) for s in samples]
     zbits = np.array([8 * max(1, len(zlib.compress(t.encode("utf-8")))) for t in texts])
     metrics = {"perplexity": logppl, "zlib": logppl * len(samples[0]) / zbits}
     if reference is not None:
         ref_model, ref_codec = reference
-        ref_seqs = [ref_codec.encode(t) if len(ref_codec.encode(t)) > 1 else ref_codec.start_or_zero() * 2 for t in texts]
-        ref_lp = np.array([-lp.mean() for lp in token_logprobs(ref_model, ref_seqs, batch_size=batch_size).logp])
+        ref_seqs = [
+            ref_codec.encode(t) if len(ref_codec.encode(t)) > 1 else ref_codec.start_or_zero() * 2
+            for t in texts
+        ]
+        ref_lp = np.array(
+            [-lp.mean() for lp in token_logprobs(ref_model, ref_seqs, batch_size=batch_size).logp]
+        )
         metrics["reference"] = logppl / np.maximum(ref_lp, 1e-6)
     index = NgramIndex(train_seqs, ngram)
     memorised = np.array([index.contains_any(s) for s in samples])
     top_n = min(top_n, n_samples)
-    summary = {"n_samples": n_samples, "top_n": top_n, "ngram": ngram, "any_memorised": int(memorised.sum())}
+    summary = {
+        "n_samples": n_samples,
+        "top_n": top_n,
+        "ngram": ngram,
+        "any_memorised": int(memorised.sum()),
+    }
     for name, vals in metrics.items():
         top = np.argsort(vals, kind="stable")[:top_n]  # lowest ratio = most suspicious
-        summary[name] = {"memorised_in_top": int(memorised[top].sum()),
-                         "rate": rate_summary(memorised[top].astype(float), n_boot=n_boot, seed=seed)}
-    rows = [{"sample": i, "memorised": bool(memorised[i]), **{k: float(v[i]) for k, v in metrics.items()}}
-            for i in range(n_samples)]
+        summary[name] = {
+            "memorised_in_top": int(memorised[top].sum()),
+            "rate": rate_summary(memorised[top].astype(float), n_boot=n_boot, seed=seed),
+        }
+    rows = [
+        {
+            "sample": i,
+            "memorised": bool(memorised[i]),
+            **{k: float(v[i]) for k, v in metrics.items()},
+        }
+        for i in range(n_samples)
+    ]
     return {"summary": summary, "scores": rows}

@@ -45,8 +45,17 @@ def zlib_score(logp: np.ndarray, text: str) -> float:
     return float(np.sum(logp) / max(1, len(zlib.compress(text.encode("utf-8")))))
 
 
-def doc_scores(model, codec, docs, *, batch_size: int, k: float = 0.2, max_tokens: int = 1024,
-               reference=None, progress=None) -> dict[str, np.ndarray]:
+def doc_scores(
+    model,
+    codec,
+    docs,
+    *,
+    batch_size: int,
+    k: float = 0.2,
+    max_tokens: int = 1024,
+    reference=None,
+    progress=None,
+) -> dict[str, np.ndarray]:
     """Every attack's score per document (reference only when a (model, codec) pair is given)."""
     from memaudit.probes.scoring import token_logprobs
 
@@ -56,25 +65,41 @@ def doc_scores(model, codec, docs, *, batch_size: int, k: float = 0.2, max_token
         "loss": np.array([lp.mean() for lp in ts.logp]),
         "zlib": np.array([zlib_score(lp, d.text) for lp, d in zip(ts.logp, docs, strict=True)]),
         "min_k": np.array([min_k(lp, k) for lp in ts.logp]),
-        "min_k_pp": np.array([min_k_pp(lp, m, s, k) for lp, m, s in zip(ts.logp, ts.mu, ts.sigma, strict=True)]),
+        "min_k_pp": np.array(
+            [min_k_pp(lp, m, s, k) for lp, m, s in zip(ts.logp, ts.mu, ts.sigma, strict=True)]
+        ),
     }
     if reference is not None:
         ref_model, ref_codec = reference
-        rs = token_logprobs(ref_model, [ref_codec.encode(d.text)[:max_tokens] for d in docs],
-                            batch_size=batch_size)
+        rs = token_logprobs(
+            ref_model, [ref_codec.encode(d.text)[:max_tokens] for d in docs], batch_size=batch_size
+        )
         out["reference"] = out["loss"] - np.array([lp.mean() for lp in rs.logp])
     return out
 
 
-def run_membership(members, nonmembers, scores: dict[str, np.ndarray], *, n_boot: int, seed: int,
-                   fprs=(0.01, 0.001)) -> dict:
-    """AUC and TPR at low FPR per attack. `scores` holds per-doc arrays over members + nonmembers."""
+def run_membership(
+    members,
+    nonmembers,
+    scores: dict[str, np.ndarray],
+    *,
+    n_boot: int,
+    seed: int,
+    fprs=(0.01, 0.001),
+) -> dict:
+    """AUC and TPR at low FPR per attack; `scores` holds per-doc arrays, members first."""
     n1 = len(members)
     summary = {}
     for name, s in scores.items():
         summary[name] = attack_summary(s[:n1], s[n1:], fprs=fprs, n_boot=n_boot, seed=seed)
     rows = []
     for i, d in enumerate(list(members) + list(nonmembers)):
-        rows.append({"id": d.id, "member": i < n1, "repeats": d.repeats,
-                     **{name: float(s[i]) for name, s in scores.items()}})
+        rows.append(
+            {
+                "id": d.id,
+                "member": i < n1,
+                "repeats": d.repeats,
+                **{name: float(s[i]) for name, s in scores.items()},
+            }
+        )
     return {"summary": summary, "scores": rows}

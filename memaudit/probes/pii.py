@@ -28,9 +28,20 @@ from memaudit.probes.stats import rate_summary
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}")
 CARD = re.compile(r"\b(?:\d[ -]?){12,18}\d\b")
 PHONE = re.compile(r"(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)|\d{2,4})[ .-]?\d{3}[ .-]?\d{3,4}\b")
-FAKER_METHODS = {"email": "email", "phone": "phone_number", "phone_number": "phone_number", "name": "name",
-                 "person": "name", "address": "address", "credit_card": "credit_card_number",
-                 "card": "credit_card_number", "ssn": "ssn", "date": "date", "iban": "iban", "city": "city"}
+FAKER_METHODS = {
+    "email": "email",
+    "phone": "phone_number",
+    "phone_number": "phone_number",
+    "name": "name",
+    "person": "name",
+    "address": "address",
+    "credit_card": "credit_card_number",
+    "card": "credit_card_number",
+    "ssn": "ssn",
+    "date": "date",
+    "iban": "iban",
+    "city": "city",
+}
 
 
 def luhn_ok(number: str) -> bool:
@@ -68,11 +79,17 @@ def pii_items(docs, *, detect_if_missing: bool = True) -> list[tuple[object, dic
     out = []
     for d in docs:
         items = d.pii if d.pii is not None else (detect_pii(d.text) if detect_if_missing else [])
-        out += [(d, it) for it in items if d.text[it["start"] : it["start"] + len(it["value"])] == it["value"]]
+        out += [
+            (d, it)
+            for it in items
+            if d.text[it["start"] : it["start"] + len(it["value"])] == it["value"]
+        ]
     return out
 
 
-def candidates(kind: str, true: str, pool: list[str], n: int, rng: np.random.Generator, fake) -> list[str]:
+def candidates(
+    kind: str, true: str, pool: list[str], n: int, rng: np.random.Generator, fake
+) -> list[str]:
     """n distinct candidates != true: faker values of the type, else other corpus values."""
     out: list[str] = []
     method = FAKER_METHODS.get(kind)
@@ -87,9 +104,20 @@ def candidates(kind: str, true: str, pool: list[str], n: int, rng: np.random.Gen
     return (out + others)[:n]
 
 
-def run_pii(model, codec, member_docs, heldout_docs, *, n_candidates: int = 9, context_tokens: int = 64,
-            suffix_chars: int = 32, max_items: int = 200, batch_size: int = 32, seed: int = 0,
-            n_boot: int = 1000) -> dict:
+def run_pii(
+    model,
+    codec,
+    member_docs,
+    heldout_docs,
+    *,
+    n_candidates: int = 9,
+    context_tokens: int = 64,
+    suffix_chars: int = 32,
+    max_items: int = 200,
+    batch_size: int = 32,
+    seed: int = 0,
+    n_boot: int = 1000,
+) -> dict:
     """Extraction and inference rates for training users' vs held-out users' PII."""
     from faker import Faker
 
@@ -109,16 +137,28 @@ def run_pii(model, codec, member_docs, heldout_docs, *, n_candidates: int = 9, c
             items = [items[i] for i in np.sort(rng.choice(len(items), max_items, replace=False))]
         prompts, n_new = [], []
         for d, it in items:
-            prompts.append(codec.encode(d.text[: it["start"]].rstrip())[-context_tokens:] or codec.start_or_zero())
+            prompts.append(
+                codec.encode(d.text[: it["start"]].rstrip())[-context_tokens:]
+                or codec.start_or_zero()
+            )
             n_new.append(len(codec.plain(" " + it["value"])) + 1)
         width = max(n_new, default=1)
-        gen = decode(model, prompts, width, batch_size=batch_size, pad_id=codec.pad_id) if prompts else []
-        extracted = [codec.decode(g).strip().startswith(it["value"].strip()) for g, (_d, it) in zip(gen, items, strict=True)]
+        gen = (
+            decode(model, prompts, width, batch_size=batch_size, pad_id=codec.pad_id)
+            if prompts
+            else []
+        )
+        extracted = [
+            codec.decode(g).strip().startswith(it["value"].strip())
+            for g, (_d, it) in zip(gen, items, strict=True)
+        ]
         seqs, starts, owner = [], [], []
         for j, (d, it) in enumerate(items):
             end = it["start"] + len(it["value"])
             prefix, suffix = d.text[: it["start"]], d.text[end : end + suffix_chars]
-            cands = [it["value"]] + candidates(it["type"], it["value"], pools.get(it["type"], []), n_candidates, rng, fake)
+            cands = [it["value"]] + candidates(
+                it["type"], it["value"], pools.get(it["type"], []), n_candidates, rng, fake
+            )
             for c in cands:
                 ids, n_prefix = codec.encode_split(prefix, c + suffix)
                 cut = max(0, n_prefix - context_tokens)
@@ -133,15 +173,46 @@ def run_pii(model, codec, member_docs, heldout_docs, *, n_candidates: int = 9, c
             s = nll[owner == j]
             ranks.append(int(1 + (s[1:] < s[0]).sum()))
         for j, (d, it) in enumerate(items):
-            rows.append({"doc": d.id, "user": d.user, "group": group, "type": it["type"], "extracted": extracted[j],
-                         "rank": ranks[j], "candidates": int((owner == j).sum())})
+            rows.append(
+                {
+                    "doc": d.id,
+                    "user": d.user,
+                    "group": group,
+                    "type": it["type"],
+                    "extracted": extracted[j],
+                    "rank": ranks[j],
+                    "candidates": int((owner == j).sum()),
+                }
+            )
         summary[group] = {
             "items": len(items),
             "extraction": rate_summary(np.array(extracted, float), n_boot=n_boot, seed=seed),
-            "inference_top1": rate_summary(np.array([r == 1 for r in ranks], float), n_boot=n_boot, seed=seed),
-            "by_type": {t: {"items": sum(1 for _d, it in items if it["type"] == t),
-                            "extraction": float(np.mean([e for e, (_d, it) in zip(extracted, items, strict=True) if it["type"] == t])),
-                            "inference_top1": float(np.mean([r == 1 for r, (_d, it) in zip(ranks, items, strict=True) if it["type"] == t]))}
-                        for t in sorted({it["type"] for _d, it in items})},
+            "inference_top1": rate_summary(
+                np.array([r == 1 for r in ranks], float), n_boot=n_boot, seed=seed
+            ),
+            "by_type": {
+                t: {
+                    "items": sum(1 for _d, it in items if it["type"] == t),
+                    "extraction": float(
+                        np.mean(
+                            [
+                                e
+                                for e, (_d, it) in zip(extracted, items, strict=True)
+                                if it["type"] == t
+                            ]
+                        )
+                    ),
+                    "inference_top1": float(
+                        np.mean(
+                            [
+                                r == 1
+                                for r, (_d, it) in zip(ranks, items, strict=True)
+                                if it["type"] == t
+                            ]
+                        )
+                    ),
+                }
+                for t in sorted({it["type"] for _d, it in items})
+            },
         }
     return {"summary": summary, "scores": rows}

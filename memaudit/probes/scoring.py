@@ -43,9 +43,7 @@ def token_logprobs(
     with_stats: bool = False,
     progress: Progress = None,
 ) -> TokenScores:
-    """Score many token sequences in length-sorted, right-padded batches.
-
-    """
+    """Score many token sequences in length-sorted, right-padded batches."""
     device = next(model.parameters()).device
     n = len(seqs)
     lengths = np.array([len(s) for s in seqs])
@@ -83,10 +81,14 @@ def token_logprobs(
         done += len(idx)
         if progress:
             progress(done, n, {})
-    return TokenScores(logp=logp, mu=mus if with_stats else None, sigma=sigmas if with_stats else None)
+    return TokenScores(
+        logp=logp, mu=mus if with_stats else None, sigma=sigmas if with_stats else None
+    )
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -97,29 +99,56 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[to
     return ids.to(device), mask.to(device)
 
 
+def _cache_api(model) -> tuple[str, bool]:
+    """The KV-cache keyword of this transformers ('cache' in 5.x, else 'past_key_values')."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+
+
+def _cache_of(out):
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
+
+
 @torch.no_grad()
-def _decode_batch(model, prompts, max_new_tokens, pad_id, top_k, temperature, generator) -> np.ndarray:
+def _decode_batch(
+    model, prompts, max_new_tokens, pad_id, top_k, temperature, generator
+) -> np.ndarray:
     device = next(model.parameters()).device
+    cache_kw, keep = _cache_api(model)
+    extra = {"logits_to_keep": 1} if keep else {}
     ids, mask = _left_pad(prompts, pad_id, device)
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache, logits = out.past_key_values, out.logits[:, -1]
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: each row counts from its first token
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
+    cache, logits = _cache_of(out), out.logits[:, -1]
     next_pos = pos[:, -1:] + 1
     new = torch.empty((len(prompts), max_new_tokens), dtype=torch.long, device=device)
     for t in range(max_new_tokens):
         if top_k is None:
             tok = logits.argmax(-1)
         else:
-            vals, cand = torch.topk(logits.float() / temperature, top_k, dim=-1)
-            choice = torch.multinomial(torch.softmax(vals, -1).cpu(), 1, generator=generator).to(device)
+            vals, cand = torch.topk(
+                logits.float() / temperature, min(top_k, logits.shape[-1]), dim=-1
+            )
+            choice = torch.multinomial(torch.softmax(vals, -1).cpu(), 1, generator=generator).to(
+                device
+            )
             tok = cand.gather(-1, choice).squeeze(-1)
         new[:, t] = tok
         if t + 1 == max_new_tokens:
             break
         mask = torch.cat([mask, torch.ones_like(tok[:, None])], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            use_cache=True,
+            **{cache_kw: cache},
+            **extra,
+        )
+        cache, logits = _cache_of(out), out.logits[:, -1]
         next_pos = next_pos + 1
     return new.cpu().numpy()
 
@@ -150,8 +179,9 @@ def decode(
     out = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
     done = 0
     for idx in _batches(order, batch_size):
-        out[idx] = _decode_batch(model, [prompts[i] for i in idx], max_new_tokens, pad_id, top_k,
-                                 temperature, gen)
+        out[idx] = _decode_batch(
+            model, [prompts[i] for i in idx], max_new_tokens, pad_id, top_k, temperature, gen
+        )
         done += len(idx)
         if progress:
             progress(done, len(prompts), {})
@@ -161,10 +191,16 @@ def decode(
 def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "auto"):
     """AutoModelForCausalLM in eval mode on `device`; dtype auto = bf16 on CUDA, fp32 on CPU."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the CLI shows its own progress
     if dtype == "auto":
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    torch_dtype = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"--dtype '{dtype}' is not one of auto, float32, bfloat16, float16")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
@@ -175,5 +211,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device '{device}' asked for CUDA but none is available; use --device cpu")
+        raise ValueError(
+            f"--device '{device}' asked for CUDA but none is available; use --device cpu"
+        )
     return device

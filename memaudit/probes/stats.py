@@ -95,7 +95,9 @@ def attack_summary(
     return out
 
 
-def rate_summary(hits: np.ndarray, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
+def rate_summary(
+    hits: np.ndarray, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict:
     """Mean of a 0/1 (or [0, 1]) array with its bootstrap CI: {value, ci_low, ci_high, n}."""
     x = np.asarray(hits, dtype=np.float64)
     if len(x) == 0:

@@ -51,7 +51,11 @@ class Codec:
     def __init__(self, tokenizer, start_id: int | None = None) -> None:
         self.tok = tokenizer
         if start_id is None:
-            start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+            start_id = (
+                tokenizer.bos_token_id
+                if tokenizer.bos_token_id is not None
+                else tokenizer.eos_token_id
+            )
         self.start = [] if start_id is None else [int(start_id)]
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (start_id if start_id is not None else 0))
@@ -108,12 +112,21 @@ def read_docs(path: str | Path, role: str) -> list[Doc]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                raise DataError(f"'{p}' line {n + 1} is not JSON; write one object per line") from None
+                raise DataError(
+                    f"'{p}' line {n + 1} is not JSON; write one object per line"
+                ) from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                 raise DataError(f"'{p}' line {n + 1} has no string 'text' field")
-            docs.append(Doc(id=str(rec.get("id", f"{p.stem}:{n}")), text=rec["text"],
-                            user=None if rec.get("user") is None else str(rec["user"]),
-                            repeats=int(rec.get("repeats", 1) or 1), pii=rec.get("pii"), role=role))
+            docs.append(
+                Doc(
+                    id=str(rec.get("id", f"{p.stem}:{n}")),
+                    text=rec["text"],
+                    user=None if rec.get("user") is None else str(rec["user"]),
+                    repeats=int(rec.get("repeats", 1) or 1),
+                    pii=rec.get("pii"),
+                    role=role,
+                )
+            )
         else:
             docs.append(Doc(id=f"{p.stem}:{n}", text=line, role=role))
     if not docs:
@@ -132,24 +145,50 @@ def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
 
 
 def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
+    """Natural documents by role, one per distinct text (documents.jsonl holds a line per
+    trained copy); a non-member whose text was also trained on counts as a member only."""
     path = run.data_dir / "documents.jsonl"
     if not path.is_file():
-        raise DataError(f"run '{run.path}' has no data/documents.jsonl; re-run `memaudit data` / training")
+        raise DataError(
+            f"run '{run.path}' has no data/documents.jsonl; re-run `memaudit data` / training"
+        )
     out: dict[str, list[Doc]] = {"member": [], "holdout": [], "heldout_user": []}
+    seen: set[tuple[str, str]] = set()
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
         r = json.loads(line)
         if r.get("kind", "doc") != "doc" or r.get("role") not in out:
             continue  # canaries are probed from canaries.json
-        out[r["role"]].append(Doc(id=str(r["id"]), text=r["text"], user=None if r.get("user") is None
-                                  else str(r["user"]), repeats=int(r.get("repeats") or 1),
-                                  pii=r.get("pii"), role=r["role"]))
-    return out["member"], out["holdout"], out["heldout_user"]
+        if (r["role"], r["text"]) in seen:
+            continue
+        seen.add((r["role"], r["text"]))
+        out[r["role"]].append(
+            Doc(
+                id=str(r["id"]),
+                text=r["text"],
+                user=None if r.get("user") is None else str(r["user"]),
+                repeats=int(r.get("repeats") or 1),
+                pii=r.get("pii"),
+                role=r["role"],
+            )
+        )
+    trained = {d.text for d in out["member"]}
+
+    def unseen(docs: list[Doc]) -> list[Doc]:
+        return [d for d in docs if d.text not in trained]
+
+    return out["member"], unseen(out["holdout"]), unseen(out["heldout_user"])
 
 
-def resolve_target(target: str | Path, *, members: str | None = None, nonmembers: str | None = None,
-                   canaries: str | None = None, out: str | None = None) -> Target:
+def resolve_target(
+    target: str | Path,
+    *,
+    members: str | None = None,
+    nonmembers: str | None = None,
+    canaries: str | None = None,
+    out: str | None = None,
+) -> Target:
     """A `Target` from a run directory or a HF model directory; refuses bad input in one line."""
     p = Path(target)
     run = RunDir(p)
@@ -159,9 +198,16 @@ def resolve_target(target: str | Path, *, members: str | None = None, nonmembers
             raise RunDirError(f"run '{p}' has no trained model in model/; train it first")
         tok_dir = model_dir if _has_tokenizer(model_dir) else run.data_dir / "tokenizer"
         if not _has_tokenizer(tok_dir):
-            raise DataError(f"run '{p}' has no tokenizer in model/ or data/tokenizer/; re-run training")
-        t = Target(kind="run", path=p, model_path=model_dir, tokenizer_path=tok_dir,
-                   out=Path(out) if out else run.probes_path)
+            raise DataError(
+                f"run '{p}' has no tokenizer in model/ or data/tokenizer/; re-run training"
+            )
+        t = Target(
+            kind="run",
+            path=p,
+            model_path=model_dir,
+            tokenizer_path=tok_dir,
+            out=Path(out) if out else run.probes_path,
+        )
         t.members, t.nonmembers, t.heldout_user_docs = _run_docs(run)
         if run.canaries_path.is_file():
             t.canaries = read_json(run.canaries_path)
@@ -172,19 +218,24 @@ def resolve_target(target: str | Path, *, members: str | None = None, nonmembers
             t.eos_id = read_json(meta).get("eos_id")
     elif (p / "config.json").is_file():
         if not _has_tokenizer(p):
-            raise DataError(f"model directory '{p}' has no tokenizer files; save the tokenizer next "
-                            "to the model (tokenizer.json)")
+            raise DataError(
+                f"model directory '{p}' has no tokenizer files; save the tokenizer next "
+                "to the model (tokenizer.json)"
+            )
         if out is None:
             raise MemauditError(f"target '{p}' is a model directory; pass --out for probes.json")
         t = Target(kind="model", path=p, model_path=p, tokenizer_path=p, out=Path(out))
     else:
-        raise MemauditError(f"target '{p}' is neither a memaudit run (run.json) nor a Hugging Face "
-                            "model directory (config.json); pass one of those")
+        raise MemauditError(
+            f"target '{p}' is neither a memaudit run (run.json) nor a Hugging Face "
+            "model directory (config.json); pass one of those"
+        )
     if members:
         t.members = read_docs(members, "member")
     if nonmembers:
         t.nonmembers = read_docs(nonmembers, "holdout")
-    check_disjoint(t.members, t.nonmembers + t.heldout_user_docs)
+    if members or nonmembers:
+        check_disjoint(t.members, t.nonmembers + t.heldout_user_docs)
     if canaries:
         cp = Path(canaries)
         if not cp.is_file():

@@ -30,16 +30,32 @@ def user_scores(users, doc_scores: np.ndarray) -> dict[str, float]:
     return {u: float(np.mean(v)) for u, v in acc.items()}
 
 
-def run_user_inference(train_docs, heldout_docs, train_scores: np.ndarray, heldout_scores: np.ndarray,
-                       *, statistic: str, n_boot: int, seed: int, fprs=(0.01, 0.001)) -> dict:
+def run_user_inference(
+    train_docs,
+    heldout_docs,
+    train_scores: np.ndarray,
+    heldout_scores: np.ndarray,
+    *,
+    statistic: str,
+    n_boot: int,
+    seed: int,
+    fprs=(0.01, 0.001),
+) -> dict:
     """Training users (their documents `train_docs`) vs held-out users' documents."""
     if any(d.user is None for d in list(train_docs) + list(heldout_docs)):
-        raise ValueError("user inference needs a 'user' on every document; add user ids or drop "
-                         "user_inference from --probes")
+        raise ValueError(
+            "user inference needs a 'user' on every document; add user ids or drop "
+            "user_inference from --probes"
+        )
     pos = user_scores([d.user for d in train_docs], train_scores)
     neg = user_scores([d.user for d in heldout_docs], heldout_scores)
-    summary = attack_summary(np.array(list(pos.values())), np.array(list(neg.values())), fprs=fprs,
-                             n_boot=n_boot, seed=seed)
+    summary = attack_summary(
+        np.array(list(pos.values())),
+        np.array(list(neg.values())),
+        fprs=fprs,
+        n_boot=n_boot,
+        seed=seed,
+    )
     summary["statistic"] = statistic
     rows = [{"user": u, "training_user": True, "score": s} for u, s in pos.items()]
     rows += [{"user": u, "training_user": False, "score": s} for u, s in neg.items()]

@@ -108,6 +108,9 @@ class DPSGD:
           "batch_size", "noise_std"}.
         """
         b = int(input_ids.shape[0])
+        if self._params and self._params[0][1].device != self.generator.device:
+            raise ValueError(f"the model moved to {self._params[0][1].device} after DPSGD was built on "
+                             f"{self.generator.device}; build DPSGD after model.to(device)")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         lmask = attention_mask.bool() if loss_mask is None else loss_mask.bool() & attention_mask.bool()

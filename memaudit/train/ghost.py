@@ -157,7 +157,7 @@ class GhostClipper:
                 h.remove()
 
     # ------------------------------------------------------------------ per-layer maths
-    def _linear(self, a: torch.Tensor, g: torch.Tensor, m: nn.Linear, c_fn):
+    def _linear(self, a: torch.Tensor, g: torch.Tensor, m: nn.Linear):
         """Squared norms of weight (+ bias) per example, and a closure for the clipped sum."""
         dt = torch.promote_types(a.dtype, g.dtype)
         a, g = a.to(dt).flatten(1, -2), g.to(dt).flatten(1, -2)  # (B, T, d)
@@ -168,11 +168,12 @@ class GhostClipper:
             mode = "materialize" if b * d_in * d_out <= self.materialize_budget or t * t >= d_in * d_out else "gram"
         if mode == "materialize":
             per = torch.bmm(g.transpose(1, 2), a)  # (B, d_out, d_in)
-            sq = per.pow(2).sum((1, 2))
-            w_sum = lambda c: torch.einsum("b,boi->oi", c.to(dt), per)  # noqa: E731
+            sq = torch.linalg.vector_norm(per, dim=(1, 2)).pow(2)
+            w_sum = lambda c: torch.einsum("b,boi->oi", c.to(dt), per)
         else:
-            sq = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-            w_sum = lambda c: torch.einsum("bto,bti->oi", g * c.to(dt)[:, None, None], a)  # noqa: E731
+            gram_a = torch.bmm(a, a.transpose(1, 2))  # (B, T, T)
+            sq = torch.einsum("bst,bst->b", gram_a, torch.bmm(g, g.transpose(1, 2)))
+            w_sum = lambda c: torch.einsum("bto,bti->oi", g * c.to(dt)[:, None, None], a)
         sums = {"weight": w_sum}
         sqs = {"weight": sq}
         if m.bias is not None and m.bias.requires_grad:
@@ -226,7 +227,7 @@ class GhostClipper:
         per_sq: dict[str, torch.Tensor] = {}
         per_sum: dict[str, object] = {}
         for key, m in self.linears.items():
-            sqs, sums = self._linear(store[key]["a"], store[key]["g"], m, None)
+            sqs, sums = self._linear(store[key]["a"], store[key]["g"], m)
             self._collect(key, m, sqs, sums, per_sq, per_sum)
         for key, m in self.norms.items():
             sqs, sums = self._rmsnorm(store[key]["a"], store[key]["g"], m)

@@ -61,8 +61,8 @@ def np_fedavg_round(params, clients, lr, steps, weighting="examples"):
 
 
 def _algo(**kw):
-    defaults = dict(client_optimizer=optax.sgd(0.05), server_optimizer=optax.sgd(1.0),
-                    local_steps=3, batch_size=8)
+    defaults = {"client_optimizer": optax.sgd(0.05), "server_optimizer": optax.sgd(1.0),
+                "local_steps": 3, "batch_size": 8}
     return fedavg(linreg_loss, **(defaults | kw))
 
 

@@ -110,7 +110,7 @@ def test_noise_std_distributed_matches_configuration():
 
 def test_secure_and_plain_sum_agree_and_dropouts_lose_noise(client_deltas):
     n = 12
-    kw = dict(clip=1.0, noise_multiplier=0.5, expected_cohort=n, seed=3)
+    kw = {"clip": 1.0, "noise_multiplier": 0.5, "expected_cohort": n, "seed": 3}
     a = ddp.distributed_dp(secure=True, **kw)
     b = ddp.distributed_dp(secure=False, **kw)
     ra = a.aggregate(client_deltas, jnp.ones(n), a.init(None), jax.random.key(4))
@@ -127,3 +127,16 @@ def test_too_few_bits_raises():
     with pytest.raises(ValueError, match="bits"):
         ddp.ddp_params(clip=1.0, noise_multiplier=1.0, expected_cohort=10, cohort=10, dim=8, bits=3,
                        beta=0.5, k_stddevs=4)
+
+
+def test_from_config_builds_and_rejects_infinite_clip():
+    from memaudit.config import Config
+    from memaudit.errors import ConfigError
+
+    cfg = Config.model_validate({"backend": "federated", "privacy": {"noise_multiplier": 1.0, "clip": 0.5,
+                                                                      "mechanism": "distributed"}})
+    agg = ddp.distributed_dp_from_config(None, cfg, noise_multiplier=1.0)
+    assert agg.jittable is False
+    bad = Config.model_validate({"backend": "federated", "privacy": {"noise_multiplier": 1.0, "clip": "inf"}})
+    with pytest.raises(ConfigError, match="finite privacy.clip"):
+        ddp.distributed_dp_from_config(None, bad, noise_multiplier=1.0)

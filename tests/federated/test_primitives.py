@@ -120,6 +120,27 @@ def test_symbolic_zero_cotangent():
     np.testing.assert_allclose(gv, np.full((N, D), 2.0))
 
 
+@pytest.mark.parametrize("prim", ["broadcast", "sum", "mean"])
+def test_transpose_rules_on_zero_and_real_cotangents(prim):
+    from jax.interpreters import ad
+
+    from memaudit.federated import primitives as P
+
+    p = {"broadcast": P.federated_broadcast_p, "sum": P.federated_sum_p,
+         "mean": P.federated_mean_p}[prim]
+    params = {"n": N, "n_pad": N, "axis": None, "mesh": None}
+    x_aval = jax.core.ShapedArray((D,) if prim == "broadcast" else (N, D), jnp.float32)
+    y_aval = jax.core.ShapedArray((N, D) if prim == "broadcast" else (D,), jnp.float32)
+    rule = ad.primitive_transposes[p]
+    (ct,) = rule(ad.Zero(y_aval), ad.UndefinedPrimal(x_aval), **params)
+    assert isinstance(ct, ad.Zero) and ct.aval.shape == x_aval.shape
+    # a real cotangent: the transpose binds the other federated primitive
+    names = {e.primitive.name for e in jax.make_jaxpr(
+        lambda c: rule(c, ad.UndefinedPrimal(x_aval), **params)[0])(jnp.ones(y_aval.shape)).eqns}
+    assert names & PRIMITIVE_NAMES == {"federated_sum" if prim == "broadcast"
+                                       else "federated_broadcast"}
+
+
 def test_mean_keeps_dtype_and_refuses_integers():
     vb = jnp.asarray(V, jnp.bfloat16)
     out = fmean(vb)

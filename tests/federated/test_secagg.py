@@ -193,3 +193,25 @@ def test_quantised_encoding_is_exact_and_cannot_wrap():
     q = encode(rows, clip, scale, np.random.default_rng(0))
     total = q.sum(0, dtype=np.uint32)
     np.testing.assert_allclose(decode(total, scale), rows.sum(0), atol=n / scale)
+
+
+def test_from_config():
+    from memaudit.config import Config
+    from memaudit.errors import ConfigError
+    from memaudit.federated.secagg.aggregator import secure_aggregation_from_config
+
+    cfg = Config.model_validate({"backend": "federated", "privacy": {"clip": 0.5, "secure_aggregation": {
+        "enabled": True, "threshold": 0.7, "bits": 16}}})
+    agg = secure_aggregation_from_config(mean_aggregator(), cfg)
+    d = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)) * 0.1, jnp.float32)
+    res = agg.aggregate(d, jnp.ones(4), agg.init(None), jax.random.key(0))
+    np.testing.assert_allclose(res.update, np.asarray(d).mean(0), atol=2 * 0.5 / 2**15)
+    with pytest.raises(ConfigError, match="finite"):
+        secure_aggregation_from_config(mean_aggregator(), Config.model_validate({"privacy": {"clip": "inf"}}))
+
+
+def test_empty_cohort_gives_zero_update():
+    agg = secure_aggregation(mean_aggregator(), clip=1.0, seed=0)
+    res = agg.aggregate(jnp.ones((3, 2)), jnp.zeros(3), agg.init(None), jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(res.update), 0.0)
+    assert float(res.metrics["survivors"]) == 0

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-SEQ_WORDS = 40
+SEQ_WORDS = 24
 N_WORDS = 200
+STEPS = 250
+LR = 5e-3
 
 
 @dataclass
@@ -45,17 +47,30 @@ def make_tokenizer(words: list[str]):
         vocab["▁" + w] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Metaspace(), pre_tokenizers.Digits(individual_digits=True)])
+        [pre_tokenizers.Metaspace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
     tok.decoder = decoders.Metaspace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
 
 
-def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 128):
+def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=1,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).float().eval()
@@ -76,21 +91,31 @@ def make_corpus(seed: int = 0):
         text = " ".join(ws)
         item = None
         if pii:
-            start = len(" ".join(ws[:30])) + 1
-            item = [{"type": "word", "value": ws[30], "start": start}]
-        docs.append({"id": f"d{len(docs)}", "user": user, "text": text, "pii": item or [], "kind": "doc",
-                     "canary_id": None, "repeats": repeats, "role": role})
+            start = len(" ".join(ws[:16])) + 1
+            item = [{"type": "word", "value": ws[16], "start": start}]
+        docs.append(
+            {
+                "id": f"d{len(docs)}",
+                "user": user,
+                "text": text,
+                "pii": item or [],
+                "kind": "doc",
+                "canary_id": None,
+                "repeats": repeats,
+                "role": role,
+            }
+        )
 
     for u in range(20):
         subset = rng.choice(words, 30, replace=False)
-        for j in range(5):
+        for j in range(3):
             reps = 1 if u < 12 else (4 if u < 16 else 16)
             doc(f"u{u}", "member", subset, reps, pii=reps == 16)
         for j in range(3):
             doc(f"u{u}", "holdout", subset, 0)
     for u in range(10):
         subset = rng.choice(words, 30, replace=False)
-        for j in range(5):
+        for j in range(4):
             doc(f"h{u}", "heldout_user", subset, 0, pii=j < 2)
     secrets = set()
 
@@ -105,8 +130,16 @@ def make_corpus(seed: int = 0):
     for reps in (1, 2, 4, 8, 16, 32):
         for owner in ("user", "spread"):
             s = secret()
-            inserted.append({"id": f"c{n}", "secret": s, "text": f"my pin is {s}", "repetitions": reps,
-                             "owner_kind": owner, "users": [f"u{n % 20}"]})
+            inserted.append(
+                {
+                    "id": f"c{n}",
+                    "secret": s,
+                    "text": f"my pin is {s}",
+                    "repetitions": reps,
+                    "owner_kind": owner,
+                    "users": [f"u{n % 20}"],
+                }
+            )
             n += 1
     refs = []
     for i in range(100):
@@ -115,14 +148,29 @@ def make_corpus(seed: int = 0):
     audit = []
     for i in range(200):
         ws = " ".join(rng.choice(words, 6))
-        audit.append({"id": f"a{i}", "secret": ws, "text": f"audit key is {ws}", "user": f"a{i}",
-                      "included": bool(rng.random() < 0.5)})
-    canaries = {"template": "my pin is {secret}", "secret_length": 4, "alphabet": "0123456789",
-                "inserted": inserted, "references": refs, "audit": audit}
+        audit.append(
+            {
+                "id": f"a{i}",
+                "secret": ws,
+                "text": f"audit key is {ws}",
+                "user": f"a{i}",
+                "included": bool(rng.random() < 0.5),
+            }
+        )
+    canaries = {
+        "template": "my pin is {secret}",
+        "secret_length": 4,
+        "alphabet": "0123456789",
+        "inserted": inserted,
+        "references": refs,
+        "audit": audit,
+    }
     return words, docs, canaries
 
 
-def train(model, seqs: list[list[int]], *, steps: int, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> float:
+def train(
+    model, seqs: list[list[int]], *, steps: int, batch: int = 32, lr: float = 3e-3, seed: int = 0
+) -> float:
     """Plain AdamW on right-padded batches; returns the last loss."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -146,7 +194,7 @@ def train(model, seqs: list[list[int]], *, steps: int, batch: int = 32, lr: floa
         loss.backward()
         opt.step()
     model.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def write_run(run: Path, model, tokenizer, docs, canaries) -> None:
@@ -155,8 +203,7 @@ def write_run(run: Path, model, tokenizer, docs, canaries) -> None:
     model.save_pretrained(run / "model")
     tokenizer.save_pretrained(run / "model")
     with open(run / "data" / "documents.jsonl", "w") as f:
-        for d in docs:
-            f.write(json.dumps(d) + "\n")
+        f.writelines(json.dumps(d) + "\n" for d in docs)
     (run / "canaries.json").write_text(json.dumps(canaries))
     (run / "data" / "meta.json").write_text(json.dumps({"eos_id": 0, "pad_id": 1}))
 
@@ -165,12 +212,15 @@ def write_run(run: Path, model, tokenizer, docs, canaries) -> None:
 def trained(tmp_path_factory) -> Fixture:
     import time
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # the test machine is shared; one thread is steadier
     words, docs, canaries = make_corpus(0)
     tok = make_tokenizer(words)
     init = tiny_llama(len(tok), seed=0)
     model = tiny_llama(len(tok), seed=0)
-    enc = lambda text: [0] + tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def enc(text):
+        return [0] + tok(text, add_special_tokens=False)["input_ids"]
+
     seqs = []
     for d in docs:
         if d["role"] == "member":
@@ -179,11 +229,53 @@ def trained(tmp_path_factory) -> Fixture:
         seqs += [enc(c["text"])] * c["repetitions"]
     seqs += [enc(a["text"]) for a in canaries["audit"] if a["included"]]
     t0 = time.perf_counter()
-    loss = train(model, seqs, steps=400)
+    loss = train(model, seqs, steps=STEPS, lr=LR)
     seconds = time.perf_counter() - t0
     base = tmp_path_factory.mktemp("probes")
     write_run(base / "run", model, tok, docs, canaries)
     init.save_pretrained(base / "init")
     tok.save_pretrained(base / "init")
-    return Fixture(run=base / "run", init_dir=base / "init", model=model, init_model=init, tokenizer=tok,
-                   canaries=canaries, docs=docs, train_seconds=seconds, final_loss=loss)
+    return Fixture(
+        run=base / "run",
+        init_dir=base / "init",
+        model=model,
+        init_model=init,
+        tokenizer=tok,
+        canaries=canaries,
+        docs=docs,
+        train_seconds=seconds,
+        final_loss=loss,
+    )
+
+
+FAST = {
+    "extraction_ks": (8,),
+    "extraction_m": 12,
+    "nd_samples": 32,
+    "nd_length": 24,
+    "nd_top_n": 10,
+    "nd_ngram": 12,
+    "n_boot": 200,
+    "batch_size": 256,
+    "canary_samples": 4,
+    "pii_candidates": 5,
+}
+
+
+@pytest.fixture(scope="session")
+def probed(trained):
+    """probes.json documents of the trained model and of its untrained initial weights."""
+    from memaudit.probes.runner import ProbeSettings, run_probes
+    from memaudit.probes.targets import resolve_target
+
+    target = resolve_target(trained.run)
+    done = run_probes(
+        target, ProbeSettings(**FAST), model=trained.model, tokenizer=trained.tokenizer
+    )
+    init = run_probes(
+        target,
+        ProbeSettings(probes=("exposure", "audit"), **FAST),
+        model=trained.init_model,
+        tokenizer=trained.tokenizer,
+    )
+    return done.document, init.document

@@ -51,9 +51,10 @@ def stochastic_round(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def flatten_clients(deltas: PyTree) -> tuple[np.ndarray, Any]:
-    """(n, d) float64 rows and a function mapping a (d,) vector back to one delta pytree."""
+    """(n, d) float rows (float32 kept as is) and a map from a (d,) vector back to one pytree."""
     leaves, tdef = jax.tree.flatten(deltas)
-    arrs = [np.asarray(x, dtype=np.float64) for x in leaves]
+    arrs = [np.asarray(x) for x in leaves]
+    arrs = [a if a.dtype in (np.float32, np.float64) else a.astype(np.float64) for a in arrs]
     n = arrs[0].shape[0]
     rows = np.concatenate([a.reshape(n, -1) for a in arrs], axis=1)
     shapes = [(a.shape[1:], np.asarray(x).dtype) for a, x in zip(arrs, leaves, strict=True)]
@@ -71,9 +72,12 @@ def flatten_clients(deltas: PyTree) -> tuple[np.ndarray, Any]:
 
 def encode(rows: np.ndarray, clip: float, scale: float, rng: np.random.Generator) -> np.ndarray:
     """Clip each row to L2 norm ``clip``, quantise, and write it as uint32 (two's complement)."""
-    norms = np.linalg.norm(rows, axis=1, keepdims=True)
-    rows = rows * np.minimum(1.0, clip / np.maximum(norms, 1e-300))
-    return stochastic_round(rows * scale, rng).astype(np.uint32)  # int64 -> uint32 wraps mod 2^32
+    out = np.empty(rows.shape, dtype=np.uint32)
+    for i, row in enumerate(rows):  # one client at a time, in float64
+        row = np.asarray(row, dtype=np.float64)
+        row = row * min(1.0, clip / max(float(np.linalg.norm(row)), 1e-300))
+        out[i] = stochastic_round(row * scale, rng).astype(np.uint32)  # int64 -> uint32 wraps mod 2^32
+    return out
 
 
 def decode(total: np.ndarray, scale: float) -> np.ndarray:
@@ -119,19 +123,24 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         return SecAggState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
+        rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
         w = np.asarray(weights)
         present = np.flatnonzero(w > 0)
         rows, unflatten = flatten_clients(deltas)
         n = len(present)
-        if n == 0:
-            raise ValueError("secure aggregation round with no present clients; check the cohort")
+        if n == 0:  # an empty (Poisson) cohort: nothing to mask; the sum is zero
+            zero = jax.tree.map(lambda x: jnp.zeros_like(x[:1]), deltas)
+            res = base.aggregate(zero, jnp.zeros((1,), jnp.float32), state.base, key)
+            metrics = {**res.metrics, "survivors": jnp.float32(0), "aggregated_clients": jnp.float32(0),
+                       "cohort": jnp.float32(0)}
+            return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
         kind = neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
         scale, b = quantisation_scale(clip, bits, n)
-        rng = _rng(key, seed, state.round)
+        rng = _rng(key, seed, rnd)
         q = encode(rows[present], clip, scale, rng)
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
         graph_seed = int(rng.integers(2**31))
-        result = run_round(q, round_id=state.round, neighbours=kind, threshold=threshold,
+        result = run_round(q, round_id=rnd, neighbours=kind, threshold=threshold,
                            graph_seed=graph_seed, degree=degree,
                            dropouts=Dropouts(before_masked=dropped))
         m = len(result.survivors)
@@ -142,10 +151,29 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         metrics.update(survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down)
-        return AggregateResult(res.update, SecAggState(res.state, state.round + 1), metrics)
+        return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
 
     return Aggregator(init=init, aggregate=aggregate, jittable=False)
 
 
 __all__ = ["SecAggState", "decode", "encode", "quantisation_scale", "secure_aggregation",
+           "secure_aggregation_from_config",
            "sparse_degree", "stochastic_round"]
+
+
+def secure_aggregation_from_config(base: Aggregator, cfg) -> Aggregator:
+    """``secure_aggregation`` with the settings of a :class:`memaudit.config.Config`.
+
+    Uses ``privacy.secure_aggregation`` (threshold, neighbours, bits, dropout), ``privacy.clip``
+    as the quantisation bound (must be finite) and ``privacy.seed`` (else ``train.seed``).
+    """
+    from memaudit.errors import ConfigError
+
+    p, sa = cfg.privacy, cfg.privacy.secure_aggregation
+    if not math.isfinite(p.clip):
+        raise ConfigError(f"privacy.secure_aggregation needs a finite privacy.clip (got {p.clip}); "
+                          "set privacy.clip, e.g. 1.0")
+    clip = max(p.clip, p.adaptive_clipping.initial_clip) if p.adaptive_clipping.enabled else p.clip
+    seed = p.seed if p.seed is not None else cfg.train.seed
+    return secure_aggregation(base, clip=clip, threshold=sa.threshold, neighbours=sa.neighbours,
+                              bits=sa.bits, dropout_rate=sa.dropout, seed=seed)

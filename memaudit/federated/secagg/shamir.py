@@ -47,7 +47,7 @@ def split(secret: int, *, threshold: int, n: int, prime: int = PRIME,
     if not 0 <= secret < prime:
         raise ValueError(f"secret must be in [0, {prime}), got a value out of range")
     xs = list(range(1, n + 1)) if xs is None else list(xs)
-    if len(xs) != n or len(set(x % prime for x in xs)) != n or any(x % prime == 0 for x in xs):
+    if len(xs) != n or len({x % prime for x in xs}) != n or any(x % prime == 0 for x in xs):
         raise ValueError("evaluation points must be n distinct nonzero field elements")
     coeffs = [secret] + [_rand_below(prime, rng) for _ in range(threshold - 1)]
     shares = []

@@ -1,0 +1,235 @@
+"""The federated trainer: client data, bad input, and one tiny end-to-end run that is killed and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+# Share compiled XLA programs between this process and the training subprocesses it starts.
+CACHE_DIR = os.environ.setdefault("MEMAUDIT_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="memaudit-jax-cache-"))
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+OVERRIDES = [
+    "backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=32",
+    "data.canaries.repetitions=[1,2]", "federated.rounds=4", "federated.cohort=4",
+    "federated.sampling=fixed", "federated.local_steps=2", "federated.local_batch_size=2",
+    "federated.server_optimizer=fedavg", "federated.client_lr=0.2", "federated.eval_every=2",
+    "federated.checkpoint_every=2", "federated.mesh_clients=4", "train.batch_size=8",
+    "train.eval_batches=2",
+]
+
+# Run in a subprocess: train, and after round 2 (checkpoint written) signal and hang to be killed.
+KILL_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from memaudit.config import load_config
+from memaudit.rundir import RunDir
+from memaudit.federated.trainer import train_federated
+out, marker, overrides = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+def progress(done, total, info):
+    if done == 2 and "round" in info:
+        marker.write_text("ready")
+        time.sleep(600)
+train_federated(load_config(None, overrides), RunDir(out), progress=progress)
+"""
+
+
+def _cfg(*extra):
+    from memaudit.config import load_config
+
+    return load_config(None, [*OVERRIDES, *extra])
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory):
+    """OVERRIDES plus one shared tokenizer: BPE training is not bit-reproducible across processes
+    (tie order), so runs meant to be compared bit for bit must share the tokenizer."""
+    from memaudit.data import prepare_data
+    from memaudit.rundir import RunDir
+
+    scratch = RunDir(tmp_path_factory.mktemp("tok") / "run")
+    prepare_data(_cfg().data, scratch, vocab_size=4096)
+    return [*OVERRIDES, f"data.tokenizer={scratch.data_dir / 'tokenizer'}"]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_COMPILATION_CACHE_DIR": CACHE_DIR,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+
+
+def _weights(run_path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(run_path / "model" / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------- client data
+def test_client_data_groups_sequences_by_user_with_padding():
+    from memaudit.data.packing import PackedSequences
+    from memaudit.federated.data import build_client_data
+
+    rng = np.random.default_rng(0)
+    user_index = np.array([2, 0, 2, 2, 0, 3], np.int32)  # user 1 has no sequences
+    ids = rng.integers(1, 50, (6, 5)).astype(np.int32)
+    am = np.ones((6, 5), np.int8)
+    cd = build_client_data(PackedSequences(ids, am, user_index, ("a", "b", "c", "d")))
+    assert cd.users == ("a", "c", "d") and cd.num_examples.tolist() == [2, 3, 1]
+    assert cd.input_ids.shape == (3, 3, 5)
+    for k, u in enumerate([0, 2, 3]):  # oracle: a loop over the rows in order
+        rows = [i for i in range(6) if user_index[i] == u]
+        np.testing.assert_array_equal(cd.input_ids[k, : len(rows)], ids[rows])
+        assert cd.example_mask[k].tolist() == [j < len(rows) for j in range(3)]
+        assert not cd.input_ids[k, len(rows):].any() and not cd.attention_mask[k, len(rows):].any()
+
+
+def test_loss_fn_is_per_sequence_token_mean():
+    import jax.numpy as jnp
+
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, causal_lm_loss
+
+    cfg = FlaxLlamaConfig(vocab_size=20, hidden_size=8, intermediate_size=12, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+    model = FlaxLlama(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    ids = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], jnp.int32)
+    am = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], jnp.int32)
+    per, count = make_loss_fn(model)(params, {"input_ids": ids, "attention_mask": am})
+    assert count.tolist() == [4.0, 2.0]
+    for i in range(2):  # oracle: the summed loss of each sequence alone, divided by its targets
+        s, c = causal_lm_loss(model.apply({"params": params}, ids[i:i + 1], am[i:i + 1]), ids[i:i + 1], am[i:i + 1])
+        assert float(per[i]) == pytest.approx(float(s) / float(c), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_input_one_line_each(tmp_path, capsys):
+    from memaudit.cli import main
+    from memaudit.config import load_config
+    from memaudit.errors import ConfigError, MemauditError
+    from memaudit.federated.trainer import check_population
+
+    with pytest.raises(ConfigError, match="local_steps"):
+        load_config(None, ["federated.local_steps=0"])
+    with pytest.raises(MemauditError, match="federated.cohort=4 is larger than the population of 3"):
+        check_population(_cfg(), 3)
+    with pytest.raises(MemauditError, match="at least 2 clients"):
+        check_population(_cfg("federated.cohort=1"), 1)
+    # through the CLI: a cohort larger than the 13 training users of this corpus
+    args = ["train", "--out", str(tmp_path / "r")]
+    for o in [*OVERRIDES, "federated.cohort=40"]:
+        args += ["--set", o]
+    args.insert(1, str(Path("configs/federated-tiny.yaml")))
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "federated.cohort=40 is larger than the population" in err[0]
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"
+    assert main(["train", "configs/federated-tiny.yaml", "--set", "federated.local_steps=0",
+                 "--out", str(tmp_path / "z")]) == 2
+    assert "local_steps" in capsys.readouterr().err
+
+
+def test_federated_tiny_config_loads():
+    from memaudit.config import load_config
+
+    cfg = load_config("configs/federated-tiny.yaml")
+    assert cfg.backend == "federated" and cfg.federated.sampling == "poisson"
+
+
+# ---------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def fed_run(tmp_path_factory, overrides):
+    """An uninterrupted tiny run (4 rounds, cohort 4 on a 4-device clients mesh)."""
+    from memaudit.config import load_config
+    from memaudit.federated.trainer import train_federated
+    from memaudit.rundir import RunDir
+
+    path = tmp_path_factory.mktemp("fed") / "run"
+    seen = []
+    cfg = load_config(None, overrides)
+    result = train_federated(cfg, RunDir(path), progress=lambda d, t, i: seen.append((d, t, dict(i))))
+    return {"path": path, "result": result, "progress": seen}
+
+
+def test_run_lowers_holdout_loss_and_writes_the_contract(fed_run):
+    from memaudit.io import read_jsonl
+
+    path, result = fed_run["path"], fed_run["result"]
+    assert result["final_holdout_loss"] < result["initial_holdout_loss"] - 0.1
+    assert result["mesh_clients"] == 4 and result["clients"] == 13
+    manifest = json.loads((path / "run.json").read_text())
+    assert manifest["status"] == "complete" and manifest["backend"] == "federated"
+    assert manifest["result"]["steps"] == 4 and manifest["data_fingerprint"]
+    lines = read_jsonl(path / "metrics.jsonl")
+    assert [m["round"] for m in lines] == [1, 2, 3, 4]
+    for m in lines:
+        assert m["cohort"] == 4 and m["loss"] > 0 and m["update_norm"] > 0 and m["tokens_per_s"] > 0
+    assert "holdout_loss" in lines[1] and "holdout_perplexity" in lines[3]
+    assert lines[3]["holdout_loss"] == pytest.approx(result["final_holdout_loss"])
+    assert [d for d, _, i in fed_run["progress"] if "round" in i] == [1, 2, 3, 4]
+    assert not (path / "run.lock").exists()
+
+
+def test_checkpoint_loads_in_transformers_and_generates(fed_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memaudit.models.convert import load_hf_checkpoint
+    from memaudit.models.presets import init_state_dict
+
+    model_dir = fed_run["path"] / "model"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.tensor([tok.encode("my account pin is")], dtype=torch.long)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 4)
+    # trained weights differ from the shared seeded initial weights
+    init = init_state_dict("tiny", vocab_size=4096, seed=0)
+    sd = model.state_dict()
+    assert not torch.equal(sd["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
+    params, cfg = load_hf_checkpoint(model_dir)
+    assert cfg["vocab_size"] == 4096 and "lm_head" in params
+
+
+def test_sigkill_after_checkpoint_then_resume_gives_the_same_weights(fed_run, overrides, tmp_path):
+    from memaudit.config import load_config
+    from memaudit.federated.trainer import train_federated
+    from memaudit.io import read_json, read_jsonl
+    from memaudit.rundir import RunDir
+
+    out, marker = tmp_path / "killed", tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(out), str(marker), json.dumps(overrides)],
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None and not marker.exists():
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run = RunDir(out)
+    assert run.status() == "interrupted"
+    assert read_json(out / "state" / "trainer.json")["round"] == 2
+    result = train_federated(load_config(None, overrides), run, resume=True)
+    assert result["resumed_from_round"] == 2
+    assert read_json(out / "run.json")["status"] == "complete"
+    assert [m["round"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    ref, got = _weights(fed_run["path"]), _weights(out)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert np.array_equal(ref[name], got[name]), name

@@ -1,0 +1,132 @@
+"""ParallelDims validation, rank layout, planner invariants and the `memaudit parallel plan` CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memaudit.cli import main
+from memaudit.models.presets import llama_config
+from memaudit.parallel.dims import MeshAxis, ParallelDims, build_groups
+from memaudit.parallel.launch import resolve_backend
+from memaudit.parallel.planner import ModelShape, factorisations, plan, predict_memory, predict_payload
+
+
+def test_rank_layout_x_fastest_then_y_z_data() -> None:
+    d = ParallelDims(data=2, x=2, y=3, z=2)
+    for r in range(d.world_size):
+        c = d.coords(r)
+        assert r == c["x"] + 2 * (c["y"] + 3 * (c["z"] + 2 * c["data"]))
+        assert d.rank_of(**c) == r
+    assert d.coords(1)["x"] == 1 and d.coords(2) == {"data": 0, "x": 0, "y": 1, "z": 0}
+
+
+@pytest.mark.parametrize("axis", list(MeshAxis))
+def test_axis_slices_partition_the_world(axis: MeshAxis) -> None:
+    d = ParallelDims(data=2, x=2, y=2, z=2)
+    slices = d.axis_slices(axis)
+    assert sorted(r for s in slices for r in s) == list(range(16))
+    assert all(len(s) == 2 for s in slices)
+    for s in slices:  # members differ only in `axis`
+        cs = [d.coords(r) for r in s]
+        assert len({c[axis.value] for c in cs}) == 2
+        assert all({k: v for k, v in c.items() if k != axis.value} == {k: v for k, v in cs[0].items()
+                                                                     if k != axis.value} for c in cs)
+
+
+def test_grid_product_must_match_the_process_count() -> None:
+    with pytest.raises(ValueError, match=r"= 4 but 1 processes run; choose degrees whose product is 1"):
+        build_groups(ParallelDims(x=2, y=2))  # no process group: only 1x1x1x1 is allowed
+    with pytest.raises(ValueError, match="positive integer"):
+        ParallelDims(x=0)
+
+
+@pytest.mark.parametrize(("dims", "needle"), [
+    (ParallelDims(y=3), "num_attention_heads=4 is not divisible by parallel.y=3"),
+    (ParallelDims(x=3), "hidden_size=128 is not divisible by parallel.x=3"),
+])
+def test_model_dims_must_divide(dims: ParallelDims, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as e:
+        dims.check_model(llama_config("tiny"))
+    assert "\n" not in str(e.value) and "choose parallel." in str(e.value)
+
+
+def test_vocab_must_divide_by_y() -> None:
+    with pytest.raises(ValueError, match="vocab_size=4097 is not divisible by parallel.y=2"):
+        ParallelDims(y=2).check_model(llama_config("tiny", vocab_size=4097))
+
+
+def test_nccl_without_enough_gpus_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"needs 4 CUDA devices .* use parallel.dist_backend=gloo"):
+        resolve_backend("nccl", dims=ParallelDims(data=4))
+    assert resolve_backend("auto", dims=ParallelDims(data=4)) in ("gloo", "nccl")
+
+
+def test_factorisations_are_all_ordered_4_factorisations() -> None:
+    assert len(factorisations(8)) == 20  # C(3+3, 3): three factors of 2 over four axes
+    assert len(factorisations(1)) == 1
+    assert all(d.world_size == 12 for d in factorisations(12))
+
+
+def test_planner_zero_payload_on_one_device_and_hand_checked_terms() -> None:
+    m = ModelShape.from_preset("tiny")
+    assert sum(predict_payload(m, ParallelDims(), batch=4, seq=16).values()) == 0
+    # data parallelism only: the gradient all-reduce carries every parameter once (fp32),
+    # plus the loss sum and count (2 x fp64)
+    from memaudit.models.presets import param_count
+
+    p = predict_payload(m, ParallelDims(data=2), batch=4, seq=16)
+    assert p["data"] == param_count("tiny") * 4 + 16
+    assert p["x"] == p["y"] == p["z"] == 0
+    # z only: each linear (LM head included) is all-gathered twice (half each time) and its
+    # gradient reduce-scattered (whole): 2x; the embedding is gathered once: 1.5x; norm
+    # gradients all-reduced over z; loss stats
+    pz = predict_payload(m, ParallelDims(z=2), batch=4, seq=16)
+    norms = (2 * m.layers + 1) * m.hidden
+    emb = m.vocab * m.hidden
+    lin = param_count("tiny") - norms - 2 * emb
+    assert pz["z"] == (2 * lin + 2 * emb + emb // 2 + emb) * 4 + norms * 4 + 16
+
+
+def test_memory_shrinks_with_sharding() -> None:
+    m = ModelShape.from_preset("1b")
+    one = predict_memory(m, ParallelDims(), batch=8, seq=512)
+    eight = predict_memory(m, ParallelDims(x=2, y=2, z=2), batch=8, seq=512)
+    assert eight["weights"] < one["weights"] / 7 and eight["total"] < one["total"]
+
+
+def test_plan_ranks_fitting_grids_first() -> None:
+    rows = plan(ModelShape.from_preset("8b"), gpus=16, batch=32, seq=1024, mem_gib=80)
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and any(fits)
+    times = [r["comm_time_s"] for r in rows if r["fits"]]
+    assert times == sorted(times)
+    bad = [r for r in rows if not r["fits"]]
+    assert all(r["reason"] for r in bad)
+
+
+def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["parallel", "plan", "--gpus", "8", "--preset", "tiny", "--batch", "8", "--seq", "64",
+               "--format", "json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["grids"]) == 20
+    first = out["grids"][0]
+    assert first["fits"] and set(first["payload_bytes"]) == {"data", "x", "y", "z"}
+
+
+def test_cli_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["parallel", "plan", "--gpus", "4", "--preset", "tiny", "--batch", "4", "--seq", "32"]) == 0
+    assert "tiny on 4 devices" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--gpus", "0"], "--gpus 0 must be >= 1"),
+    (["--gpus", "4", "--preset", "9b"], "unknown model preset '9b'"),
+    (["--gpus", "4", "--seq", "1"], "--seq 1 must be"),
+])
+def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    assert main(["parallel", "plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1

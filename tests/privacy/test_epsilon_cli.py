@@ -1,0 +1,54 @@
+"""`memaudit epsilon` in-process: table and JSON output, inverse mode, one-line errors."""
+
+import json
+
+import pytest
+
+from memaudit.cli import main
+
+
+def _json(capsys, args):
+    rc = main(["epsilon", *args, "--format", "json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return json.loads(out.out)
+
+
+def test_forward_json_and_table(capsys):
+    res = _json(capsys, ["--sampling-rate", "0.04", "--noise-multiplier", "1.5", "--steps", "2250",
+                         "--delta", "1e-5"])
+    assert res["epsilon"]["rdp"] == pytest.approx(7.329, abs=1e-3)
+    assert res["epsilon"]["pld"] < res["epsilon"]["rdp"]
+    rc = main(["epsilon", "-q", "0.04", "-s", "1.5", "-T", "2250", "--delta", "1e-5",
+               "--accountant", "rdp", "--group-size", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"{res['epsilon']['rdp']:.6g}" in out and "epsilon (rdp)" in out and "pld" not in out
+    assert "group of 2" in out
+
+
+def test_inverse_and_default_delta(capsys):
+    res = _json(capsys, ["-q", "0.01", "--target-epsilon", "2", "-T", "1000", "--dataset-size",
+                         "60000", "--accountant", "rdp", "--clip", "0.5"])
+    assert res["delta"] == 1e-6 and res["calibrated_with"] == "rdp"
+    assert 1.98 < res["epsilon"]["rdp"] <= 2.0
+    assert res["noise_std_mean"] == pytest.approx(res["noise_multiplier"] * 0.5 / 600)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-q", "0.1", "-s", "-1", "-T", "10", "--delta", "1e-5"], "noise multiplier"),
+    (["-q", "0.1", "-s", "1", "-T", "10", "--delta", "1e-5", "--clip", "0"], "--clip"),
+    (["-q", "0.1", "-s", "1", "-T", "10", "--delta", "1"], "delta"),
+    (["-q", "0.1", "-s", "1", "-T", "10", "--delta", "0"], "delta"),
+    (["-q", "0", "-s", "1", "-T", "10", "--delta", "1e-5"], "sampling rate"),
+    (["-q", "1.5", "-s", "1", "-T", "10", "--delta", "1e-5"], "sampling rate"),
+    (["-q", "1", "--target-epsilon", "0.0001", "-T", "10000", "--delta", "1e-5"], "raise the target"),
+    (["-q", "0.1", "-s", "1", "-T", "10"], "--delta"),
+    (["-q", "0.1", "-T", "10", "--delta", "1e-5"], "--noise-multiplier"),
+    (["-q", "0.1", "-s", "1", "-T", "10", "--delta", "1e-5", "--format", "xml"], "--format"),
+])
+def test_bad_input_one_line_exit_2(capsys, args, needle):
+    rc = main(["epsilon", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("memaudit: error:") and needle in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

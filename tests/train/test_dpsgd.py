@@ -1,0 +1,244 @@
+"""DP-SGD: limit case, ghost vs vmap oracle, clipping, noise statistics, resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from memaudit.train.dpsgd import DPSGD
+from memaudit.train.ghost import GhostClipper, vmap_clipped_sum
+from memaudit.train.losses import causal_lm_loss, causal_lm_loss_per_example
+
+VOCAB = 61
+
+
+def _model(*, bias: bool = False, tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tie, attention_bias=bias, mlp_bias=bias,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():  # RMSNorm weights start at 1; move them so their gradients are generic
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _batch(b: int = 5, length: int = 14, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, length), generator=g)
+    ids[0, 3:9] = ids[0, 2]  # repeated token ids: the embedding rows add up
+    attn = torch.ones(b, length, dtype=torch.long)
+    if b > 2:
+        attn[1, 9:] = 0  # right padding
+        attn[2, 4:] = 0
+    lmask = attn.bool().clone()
+    lmask[-1, 5:8] = False  # a goldfish-style hole
+    return ids, attn, lmask
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """These matrices are tiny: one thread avoids OpenMP spin-waits on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return _batch()
+
+
+def test_per_example_loss_matches_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 11)
+    ids = torch.randint(0, 11, (3, 6))
+    mask = torch.rand(3, 6) > 0.3
+    mask[:, 1] = True
+    per = causal_lm_loss_per_example(logits, ids, mask)
+    tot, cnt = 0.0, 0
+    for i in range(3):
+        terms = [-torch.log_softmax(logits[i, t - 1], -1)[ids[i, t]] for t in range(1, 6) if mask[i, t]]
+        assert per[i].item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-5)
+        tot, cnt = tot + torch.stack(terms).sum().item(), cnt + len(terms)
+    assert causal_lm_loss(logits, ids, mask).item() == pytest.approx(tot / cnt, rel=1e-5)
+
+
+@pytest.mark.parametrize("norm_mode", ["gram", "materialize"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ghost_matches_vmap_every_layer(norm_mode, bias, batch):
+    model = _model(bias=bias)
+    ids, attn, lmask = batch
+    clip = 0.7
+    ghost = GhostClipper(model, norm_mode=norm_mode).clipped_sum(ids, attn, lmask, clip, return_param_norms=True)
+    ref = vmap_clipped_sum(model, ids, attn, lmask, clip, return_param_norms=True)
+    assert set(ghost.grads) == set(ref.grads) == {n for n, _ in model.named_parameters()}
+    kinds = set()
+    for name in ref.grads:
+        kinds.add(name.split(".")[-2] if "layers" in name else name)
+        torch.testing.assert_close(ghost.param_sq_norms[name].float(), ref.param_sq_norms[name],
+                                   rtol=1e-4, atol=1e-9, msg=f"per-example norm of {name}")
+        torch.testing.assert_close(ghost.grads[name], ref.grads[name], rtol=1e-4, atol=1e-7,
+                                   msg=f"clipped sum of {name}")
+    # every Llama layer type took part: q,k,v,o, gate,up,down, both norms, embed, final norm, head
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "input_layernorm", "post_attention_layernorm", "model.embed_tokens.weight",
+            "model.norm.weight", "lm_head.weight"} <= kinds
+    torch.testing.assert_close(ghost.norms, ref.norms, rtol=1e-5, atol=1e-7)
+    assert (ghost.norms > clip).any() and (ghost.norms < 50).all()
+    assert all(p.grad is None for p in model.parameters())  # ghost leaves .grad alone
+
+
+def test_embedding_norm_against_dense_oracle(model, batch):
+    """The scatter-add embedding norm equals the norm of the dense per-example gradient."""
+    ids, attn, lmask = batch
+    ghost = GhostClipper(model).clipped_sum(ids, attn, lmask, math.inf, return_param_norms=True)
+    for i in range(ids.shape[0]):
+        model.zero_grad()
+        logits = model(input_ids=ids[i:i + 1], attention_mask=attn[i:i + 1]).logits
+        causal_lm_loss_per_example(logits, ids[i:i + 1], lmask[i:i + 1]).sum().backward()
+        dense = model.model.embed_tokens.weight.grad.pow(2).sum()
+        assert ghost.param_sq_norms["model.embed_tokens.weight"][i].item() == pytest.approx(dense.item(), rel=1e-4)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "vmap"])
+def test_limit_case_equals_sgd(mode, model, batch):
+    """C = inf, σ = 0: the DP gradient is Σ_i ∇ℓ_i / E, the plain SGD gradient."""
+    ids, attn, lmask = batch
+    expected = 7.0
+    dp = DPSGD(model, clip=math.inf, noise_multiplier=0.0, expected_batch_size=expected, seed=0, mode=mode)
+    stats = dp.step_gradients(ids, attn, lmask)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    (causal_lm_loss_per_example(logits, ids, lmask).sum() / expected).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+    model.zero_grad(set_to_none=True)
+    assert stats["clip_fraction"] == 0.0 and stats["batch_size"] == 5 and stats["noise_std"] == 0.0
+
+
+def test_micro_batches_match_one_batch(model, batch):
+    ids, attn, lmask = batch
+    full = DPSGD(model, clip=0.5, noise_multiplier=0.0, expected_batch_size=4, seed=0)
+    s1 = full.step_gradients(ids, attn, lmask)
+    g1 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    micro = DPSGD(model, clip=0.5, noise_multiplier=0.0, expected_batch_size=4, seed=0, micro_batch_size=2)
+    s2 = micro.step_gradients(ids, attn, lmask)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(g1[n], p.grad, rtol=1e-5, atol=1e-7)
+    assert s1["loss"] == pytest.approx(s2["loss"]) and s1["clip_fraction"] == s2["clip_fraction"]
+    assert 0 < s1["clip_fraction"] <= 1
+    model.zero_grad(set_to_none=True)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 4), clip=st.floats(0.05, 2.0),
+       scale=st.floats(1e2, 1e4))
+def test_clipping_bounds_each_contribution(model, seed, b, clip, scale):
+    """σ = 0 and one example with a huge gradient: its contribution has norm ≤ C."""
+    ids, attn, lmask = _batch(b=b, length=8, seed=seed)
+    dp = DPSGD(model, clip=clip, noise_multiplier=0.0, expected_batch_size=1.0, seed=0)
+    head = model.lm_head.weight
+    saved = head.detach().clone()
+    with torch.no_grad():
+        head[ids[0, 5]] -= scale  # example 0's target at position 5 becomes very unlikely
+    try:
+        dp.step_gradients(ids[:1], attn[:1], lmask[:1])
+        alone = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        res = GhostClipper(model).clipped_sum(ids, attn, lmask, math.inf)
+        assert res.norms[0] > 10 * clip  # the gradient really is huge
+        assert alone.item() <= clip * (1 + 1e-4)
+        total = dp.step_gradients(ids, attn, lmask)
+        all_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        assert all_norm.item() <= b * clip * (1 + 1e-4)  # triangle inequality over b contributions
+        assert total["clip_fraction"] >= 1 / b
+    finally:
+        with torch.no_grad():
+            head.copy_(saved)
+        model.zero_grad(set_to_none=True)
+
+
+def test_noise_std_with_zero_gradients(model):
+    """Empty batch (zero gradients), SGD at lr 1: update std = σC/E within 2 %."""
+    sigma, clip, expected = 1.3, 0.8, 16.0
+    dp = DPSGD(model, clip=clip, noise_multiplier=sigma, expected_batch_size=expected, seed=123)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ids = torch.zeros(0, 8, dtype=torch.long)
+    stats = dp.step_gradients(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+    opt.step()
+    update = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+    with torch.no_grad():
+        for b, p in zip(before, model.parameters()):
+            p.copy_(b)
+    model.zero_grad(set_to_none=True)
+    n = update.numel()
+    want = sigma * clip / expected
+    # the sample std of n normals has relative sd 1/sqrt(2n) = 0.5 % here; 3 % is 6 of those
+    assert n > 15_000
+    assert update.std().item() == pytest.approx(want, rel=0.03)
+    assert abs(update.mean().item()) < 5 * want / math.sqrt(n)
+    assert stats == {"loss": stats["loss"], "clip_fraction": 0.0, "batch_size": 0, "noise_std": want}
+    assert math.isnan(stats["loss"])
+
+
+def test_noise_resume_is_exact(model, batch):
+    ids, attn, lmask = batch
+    a = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, seed=None)
+    a.step_gradients(ids, attn, lmask)
+    state = a.state_dict()
+    a.step_gradients(ids, attn, lmask)
+    want = [p.grad.clone() for p in model.parameters()]
+    b = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, seed=None)
+    b.load_state_dict(state)
+    b.step_gradients(ids, attn, lmask)
+    for w, p in zip(want, model.parameters()):
+        torch.testing.assert_close(w, p.grad, rtol=1e-6, atol=1e-7)
+    c = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, seed=None)
+    c.step_gradients(ids, attn, lmask)  # fresh OS entropy: different noise
+    assert not torch.allclose(want[0], model.model.embed_tokens.weight.grad)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        DPSGD(model, clip=1.0, noise_multiplier=2.0, expected_batch_size=5, seed=0).load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+
+
+def test_bad_settings_and_tied_weights(model):
+    with pytest.raises(ValueError, match="clip"):
+        DPSGD(model, clip=0.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    with pytest.raises(ValueError, match="noise multiplier"):
+        DPSGD(model, clip=1.0, noise_multiplier=-1.0, expected_batch_size=4, seed=0)
+    with pytest.raises(ValueError, match="finite clip"):
+        DPSGD(model, clip=math.inf, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    ckpt = _model()
+    ckpt.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        DPSGD(ckpt, clip=1.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    tied = _model(tie=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        DPSGD(tied, clip=1.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    # the vmap reference handles tied weights: the limit case still holds
+    ids, attn, lmask = _batch(b=3)
+    dp = DPSGD(tied, clip=math.inf, noise_multiplier=0.0, expected_batch_size=3, seed=0, mode="vmap")
+    dp.step_gradients(ids, attn, lmask)
+    got = tied.lm_head.weight.grad.clone()
+    tied.zero_grad(set_to_none=True)
+    logits = tied(input_ids=ids, attention_mask=attn).logits
+    (causal_lm_loss_per_example(logits, ids, lmask).sum() / 3).backward()
+    torch.testing.assert_close(got, tied.lm_head.weight.grad, rtol=1e-4, atol=1e-7)
