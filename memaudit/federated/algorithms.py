@@ -194,7 +194,8 @@ def _mesh_scope(mesh: Any):
 def _host_metrics(*dicts) -> dict[str, float]:
     out: dict[str, float] = {}
     for d in dicts:
-        out.update({k: float(v) for k, v in jax.device_get(d).items()})
+        for k, v in jax.device_get(d).items():  # scalars -> float, arrays -> lists (JSON-ready)
+            out[k] = float(v) if jnp.ndim(v) == 0 else jnp.asarray(v).tolist()
     return out
 
 

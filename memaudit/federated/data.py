@@ -3,9 +3,9 @@
 Each training user is one client. Its packed sequences are stacked into a padded array
 (num_users, max_seqs, L) with an example mask (num_users, max_seqs), so clients with
 different amounts of data live in one array and masking keeps the padding out of every loss
-and aggregate. Each round a client's local batches are drawn from its own sequences only:
-`client_batches` returns (cohort, local_steps, batch, L) arrays, a pure function of
-(seed, round, user), so a resumed run draws exactly the batches of an uninterrupted one.
+and aggregate. The trainer gathers a round's cohort from it into a
+`memaudit.federated.cohorts.ClientData` (examples + example mask), and each client draws its
+local batches from its own sequences only (`memaudit.federated.algorithms`).
 
 >>> import numpy as np
 >>> from memaudit.data.packing import pack
@@ -44,15 +44,6 @@ class ClientData(NamedTuple):
         return int(self.input_ids.shape[-1])
 
 
-class RoundBatches(NamedTuple):
-    """Local batches of one round's cohort, padded to `capacity` clients."""
-
-    input_ids: np.ndarray  # (capacity, local_steps, batch, L) int32
-    attention_mask: np.ndarray  # (capacity, local_steps, batch, L) int8
-    weights: np.ndarray  # (capacity,) float32: examples of the client (0 for padding rows)
-    client_mask: np.ndarray  # (capacity,) bool: real cohort members
-
-
 def build_client_data(packed, *, min_users: int = 1) -> ClientData:
     """Group `packed` sequences by `user_index` into one padded block per user.
 
@@ -78,31 +69,3 @@ def build_client_data(packed, *, min_users: int = 1) -> ClientData:
         em[k, : len(rows)] = True
     users = tuple(packed.users[int(u)] for u in present)
     return ClientData(ids, am, em, counts, users)
-
-
-def local_indices(n: int, count: int, rng: np.random.Generator) -> np.ndarray:
-    """`count` sequence indices in [0, n): consecutive passes over fresh permutations."""
-    reps = -(-count // n)
-    return np.concatenate([rng.permutation(n) for _ in range(reps)])[:count]
-
-
-def client_batches(data: ClientData, cohort: np.ndarray, *, local_steps: int, batch_size: int,
-                   capacity: int, seed: int, round_: int) -> RoundBatches:
-    """Gather the cohort's local batches; rows past `len(cohort)` are zero-weight padding."""
-    if len(cohort) > capacity:
-        raise ValueError(f"cohort of {len(cohort)} exceeds the capacity {capacity}")
-    length = data.seq_len
-    shape = (capacity, local_steps, batch_size, length)
-    ids = np.zeros(shape, np.int32)
-    am = np.zeros(shape, np.int8)
-    w = np.zeros(capacity, np.float32)
-    mask = np.zeros(capacity, bool)
-    for slot, u in enumerate(np.asarray(cohort, dtype=np.int64)):
-        n = int(data.num_examples[u])
-        rng = np.random.default_rng([seed, round_, int(u), 0xFED])
-        sel = local_indices(n, local_steps * batch_size, rng).reshape(local_steps, batch_size)
-        ids[slot] = data.input_ids[u][sel]
-        am[slot] = data.attention_mask[u][sel]
-        w[slot] = n
-        mask[slot] = True
-    return RoundBatches(ids, am, w, mask)

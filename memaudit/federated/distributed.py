@@ -86,6 +86,23 @@ def maybe_initialize(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
+def barrier(name: str, *, timeout_s: float = 1800.0) -> None:
+    """Wait until every process reaches `name` (the coordination service's barrier).
+
+    Unlike a collective (`multihost_utils.sync_global_devices`), this tolerates one process
+    being busy for minutes (process 0 preparing the data) without a gloo connect timeout.
+    """
+    from jax._src import distributed as jdist  # no public barrier with a timeout yet
+
+    client = getattr(jdist.global_state, "client", None)
+    if client is None:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+        return
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def is_primary() -> bool:
     """True in the process that writes the run directory (process 0)."""
     import jax

@@ -156,27 +156,36 @@ class FederatedTrainer:
         import jax
 
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+            from memaudit.federated.distributed import barrier
 
-            multihost_utils.sync_global_devices(f"memaudit-{name}")
+            barrier(f"memaudit-{name}")
 
     def build_aggregator(self) -> Any:
-        """The aggregation stack: mean, wrapped by DP-FedAvg / secure aggregation when configured."""
+        """The aggregation stack by config: mean; secure aggregation around it; DP-FedAvg (central)
+        around that, or distributed DP (discrete Gaussian over its own secure sum)."""
         from memaudit.federated.aggregators import mean_aggregator
 
         p = self.cfg.privacy
         base = mean_aggregator(self.mesh)
+        if self.private and p.mechanism == "distributed":
+            from memaudit.federated.ddp import distributed_dp_from_config
+
+            return distributed_dp_from_config(base, self.cfg, noise_multiplier=self._setup_ledger())
         if p.secure_aggregation.enabled:
-            base = _secure_aggregation(base, self.cfg)
+            from memaudit.federated.secagg.aggregator import secure_aggregation_from_config
+
+            base = secure_aggregation_from_config(base, self.cfg)
         if not self.private:
             return base
-        if p.mechanism == "distributed":
-            return _distributed_dp(base, self.cfg)
-        return self._dp_fedavg(base)
-
-    def _dp_fedavg(self, base: Any) -> Any:
         from memaudit.federated.dp import dp_fedavg
+
+        return dp_fedavg(base, clip=p.clip, noise_multiplier=self._setup_ledger(),
+                         expected_cohort=float(self.fcfg.cohort), adaptive=p.adaptive_clipping)
+
+    def _setup_ledger(self) -> float:
+        """User-level ledger, delta and the (calibrated) noise multiplier z."""
         from memaudit.privacy.accounting import default_delta
+        from memaudit.privacy.federated import calibrate_dpfedavg_noise
         from memaudit.privacy.ledger import PrivacyLedger
 
         p, f = self.cfg.privacy, self.fcfg
@@ -185,15 +194,23 @@ class FederatedTrainer:
         self.delta = p.delta if p.delta is not None else default_delta(population)
         sigma = p.noise_multiplier
         if sigma is None:
-            from memaudit.privacy.calibrate import calibrate_noise
-
-            acc = "rdp" if p.accountant == "both" else p.accountant
-            sigma = calibrate_noise(p.target_epsilon, q=self.sampling_rate, steps=f.rounds,
-                                    delta=self.delta, accountant=acc)
+            acc = "rdp" if p.accountant == "both" or f.sampling == "fixed" else p.accountant
+            sigma = calibrate_dpfedavg_noise(p.target_epsilon, cohort=f.cohort, population=population,
+                                             rounds=f.rounds, delta=self.delta, sampling=f.sampling,
+                                             accountant=acc)
         self.noise_multiplier = float(sigma)
         self.ledger = PrivacyLedger(unit="user", delta=self.delta)
-        return dp_fedavg(base, clip=p.clip, noise_multiplier=self.noise_multiplier,
-                         expected_cohort=float(f.cohort), adaptive=p.adaptive_clipping)
+        return self.noise_multiplier
+
+    def record_privacy(self, metrics: dict[str, Any]) -> None:
+        """Record this round's noise in the ledger (every round adds noise, even an empty one)."""
+        from memaudit.privacy import federated as pf
+
+        if self.cfg.privacy.mechanism == "distributed":
+            self.ledger.record(pf.ddp_round_event(metrics))
+        else:
+            pf.record_dpfedavg_round(self.ledger, cohort=self.fcfg.cohort, population=self.clients.num_users,
+                                     noise_multiplier=self.noise_multiplier, sampling=self.fcfg.sampling)
 
     def build_algorithm(self) -> Any:
         from memaudit.federated import algorithms as alg
@@ -272,9 +289,9 @@ class FederatedTrainer:
         tokens = self._round_tokens(cohort)
         rec.update(loss=m.pop("loss", math.nan), update_norm=m.pop("update_norm", math.nan),
                    tokens_per_s=tokens / dt if dt > 0 else 0.0, round_seconds=dt)
-        rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
         if self.ledger is not None:
-            self.ledger.record_steps(self.sampling_rate, self.noise_multiplier, 1)
+            self.record_privacy(m)
+        rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
         return state, rec
 
     def _round_tokens(self, cohort: np.ndarray) -> int:
@@ -409,6 +426,7 @@ class FederatedTrainer:
             truncate_jsonl(self.run.metrics_path, start)
         key = jax.random.wrap_key_data(key_data)
         total, last = self.fcfg.rounds, {}
+        self._barrier("start")  # processes enter the first round's collectives together
         self._notify(start, {"phase": "training"})
         for r in range(start, total):
             state, rec = self.run_round(state, r, key)
@@ -430,6 +448,7 @@ class FederatedTrainer:
             fr.export_model(self.run, params, preset=self.cfg.model.preset, vocab_size=self.vocab,
                             tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
         self.write_ledger()
+        self._barrier("done")  # no process leaves while the writer still exports
         result = {
             "steps": total, "rounds": total,
             "final_holdout_loss": final[0], "final_holdout_perplexity": final[1],
@@ -477,23 +496,3 @@ def fr_has_state(run: RunDir) -> bool:
     from memaudit.federated import run as fr
 
     return fr.has_state(run)
-
-
-def _secure_aggregation(base: Any, cfg: Config) -> Any:
-    """Dispatch point for secure aggregation (issue 6 provides the wrapper)."""
-    try:
-        from memaudit.federated.secagg.aggregator import secure_aggregation
-    except ImportError:
-        raise MemauditError("privacy.secure_aggregation is not available in this build; set "
-                            "privacy.secure_aggregation.enabled=false") from None
-    return secure_aggregation(base, cfg.privacy.secure_aggregation)
-
-
-def _distributed_dp(base: Any, cfg: Config) -> Any:
-    """Dispatch point for distributed DP (issue 6 provides the wrapper)."""
-    try:
-        from memaudit.federated.ddp import distributed_dp
-    except ImportError:
-        raise MemauditError("privacy.mechanism=distributed is not available in this build; use "
-                            "privacy.mechanism=central") from None
-    return distributed_dp(base, cfg)

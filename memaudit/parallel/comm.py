@@ -8,8 +8,9 @@ an axis of size 1 are skipped and count nothing, so the 1x1x1x1 grid costs nothi
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -70,9 +70,8 @@ def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: to
     """
     norms = per_example_grad_norms(model, input_ids, loss_mask, attention_mask)
     factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32)
-    clipped = (norms > clip).double().sum()
-    n = torch.tensor(float(norms.numel()), dtype=torch.float64)
-    stats = torch.stack([clipped, n])
+    real = loss_mask[:, 1:].any(1).to(norms.device)  # padding rows (no targets) are not examples
+    stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum()])
     for axis in ("z", "data"):
         model.comm.all_reduce(stats, axis)
     losses = model.per_example_losses(input_ids, loss_mask, attention_mask)
@@ -83,4 +82,4 @@ def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: to
         add_noise_(model, std=std, seed=seed, step=step)
     for p in model.hf.parameters():
         p.grad.div_(expected_batch)
-    return DPStepStats(norms, float(stats[0] / stats[1]), std)
+    return DPStepStats(norms, float(stats[0] / stats[1].clamp(min=1.0)), std)

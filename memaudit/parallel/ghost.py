@@ -11,8 +11,8 @@ References: Goodfellow, "Efficient per-example gradient computations", 2015; Li 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

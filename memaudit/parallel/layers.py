@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memaudit.parallel.comm import Comm, reduce_partial
 from memaudit.parallel import ghost
+from memaudit.parallel.comm import Comm, reduce_partial
 
 
 # ----------------------------------------------------------------------------- sharding

@@ -12,7 +12,6 @@ References: Singh et al., AxoNN (SC'24); torchtitan's `parallelize_llama`.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -10,9 +10,11 @@ Book-keeping (Bu et al. 2023) keeps a and g from the single backward pass and fo
 clipped sum Σ_i c_i G_i = einsum(g·c, a) directly, so no second backward pass is needed.
 Per layer this module either uses the Gram form, or materialises the per-example gradients
 G (B, d_out, d_in) with one batched matmul, whichever the cost model prefers: materialising
-costs the same FLOPs as the ordinary weight gradient and then gives the clipped sum almost
-for free, so it wins whenever B·d_in·d_out fits the memory budget; the Gram form is used
-when it does not and T² < d_in·d_out.
+costs the same FLOPs as the ordinary weight gradient and, while the kept per-example
+gradients fit `keep_budget`, gives the clipped sum almost for free (a weighted sum over B);
+so it is used whenever one layer's B·d_in·d_out fits `materialize_budget`. Otherwise, when
+T² < d_in·d_out, the Gram form. Layers whose per-example gradients are not kept form the
+clipped sum with one (B·T)-deep matmul, the cost of an ordinary weight gradient.
 
 Embeddings are exact: example i's gradient has one row per distinct token id, the sum of g
 over that id's positions, so norms come from a scatter-add over (example, token) pairs.
@@ -43,7 +45,8 @@ from torch import nn
 from memaudit.train.losses import causal_lm_loss_per_example
 
 NormMode = Literal["auto", "gram", "materialize"]
-MATERIALIZE_BUDGET = 2**26  # elements of B·d_out·d_in held at once per layer (256 MiB in fp32)
+MATERIALIZE_BUDGET = 2**26  # elements of one layer's B·d_out·d_in formed at once (256 MiB fp32)
+KEEP_BUDGET = 2**28  # elements of per-example gradients kept for the clipped sum (1 GiB fp32)
 
 
 @dataclass
@@ -75,10 +78,12 @@ class GhostClipper:
     """
 
     def __init__(self, model: nn.Module, *, norm_mode: NormMode = "auto",
-                 materialize_budget: int = MATERIALIZE_BUDGET) -> None:
+                 materialize_budget: int = MATERIALIZE_BUDGET, keep_budget: int = KEEP_BUDGET) -> None:
         self.model = model
         self.norm_mode = norm_mode
         self.materialize_budget = materialize_budget
+        self.keep_budget = keep_budget
+        self._kept = 0
         self.linears: dict[str, nn.Linear] = {}
         self.norms: dict[str, nn.Module] = {}
         self.embedding: tuple[str, nn.Embedding] | None = None
@@ -158,22 +163,30 @@ class GhostClipper:
 
     # ------------------------------------------------------------------ per-layer maths
     def _linear(self, a: torch.Tensor, g: torch.Tensor, m: nn.Linear):
-        """Squared norms of weight (+ bias) per example, and a closure for the clipped sum."""
+        """Squared norms of weight (+ bias) per example, and closures for the clipped sums."""
         dt = torch.promote_types(a.dtype, g.dtype)
         a, g = a.to(dt).flatten(1, -2), g.to(dt).flatten(1, -2)  # (B, T, d)
         b, t, d_in = a.shape
         d_out = g.shape[-1]
+        size = b * d_in * d_out
         mode = self.norm_mode
         if mode == "auto":
-            mode = "materialize" if b * d_in * d_out <= self.materialize_budget or t * t >= d_in * d_out else "gram"
+            mode = "materialize" if size <= self.materialize_budget or t * t >= d_in * d_out else "gram"
+
+        def gemm_sum(c: torch.Tensor) -> torch.Tensor:  # Σ_i c_i G_i as one (B·T)-deep matmul
+            return torch.einsum("bto,bti->oi", g * c.to(dt)[:, None, None], a)
+
+        w_sum = gemm_sum
         if mode == "materialize":
             per = torch.bmm(g.transpose(1, 2), a)  # (B, d_out, d_in)
             sq = torch.linalg.vector_norm(per, dim=(1, 2)).pow(2)
-            w_sum = lambda c: torch.einsum("b,boi->oi", c.to(dt), per)
+            if self._kept + size <= self.keep_budget:  # keep it: the clipped sum is then cheap
+                self._kept += size
+                w_sum = lambda c, per=per: torch.einsum("b,boi->oi", c.to(dt), per)
+            del per  # dropped here unless the closure above keeps it
         else:
             gram_a = torch.bmm(a, a.transpose(1, 2))  # (B, T, T)
             sq = torch.einsum("bst,bst->b", gram_a, torch.bmm(g, g.transpose(1, 2)))
-            w_sum = lambda c: torch.einsum("bto,bti->oi", g * c.to(dt)[:, None, None], a)
         sums = {"weight": w_sum}
         sqs = {"weight": sq}
         if m.bias is not None and m.bias.requires_grad:
@@ -226,6 +239,7 @@ class GhostClipper:
 
         per_sq: dict[str, torch.Tensor] = {}
         per_sum: dict[str, object] = {}
+        self._kept = 0
         for key, m in self.linears.items():
             sqs, sums = self._linear(store[key]["a"], store[key]["g"], m)
             self._collect(key, m, sqs, sums, per_sq, per_sum)

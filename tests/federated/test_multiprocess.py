@@ -11,14 +11,11 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-
-CACHE_DIR = os.environ.setdefault("MEMAUDIT_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="memaudit-jax-cache-"))
 
 OVERRIDES = [
     "backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=32",
@@ -69,7 +66,7 @@ def test_two_processes_run_one_round(tmp_path):
         env = {**base_env, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
-               "JAX_PROCESS_ID": str(pid), "JAX_COMPILATION_CACHE_DIR": CACHE_DIR}
+               "JAX_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(out), json.dumps(overrides)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = []
@@ -90,7 +87,6 @@ def test_two_processes_run_one_round(tmp_path):
     train_federated(load_config(None, overrides), RunDir(ref_path))  # one process, 4 of 8 devices
     ref, got = _weights(ref_path), _weights(out)
     assert ref.keys() == got.keys()
-    init = None
     for name in ref:
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
     from memaudit.models.presets import init_state_dict

@@ -177,8 +177,8 @@ def _pmodel(grid: tuple[int, int, int, int], init: dict[str, torch.Tensor]):
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, rtol: float = 1e-4) -> None:
     assert set(a) <= set(b), sorted(set(a) - set(b))[:3]
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any]) -> dict[str, str | None]:

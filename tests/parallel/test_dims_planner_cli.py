@@ -10,7 +10,13 @@ from memaudit.cli import main
 from memaudit.models.presets import llama_config
 from memaudit.parallel.dims import MeshAxis, ParallelDims, build_groups
 from memaudit.parallel.launch import resolve_backend
-from memaudit.parallel.planner import ModelShape, factorisations, plan, predict_memory, predict_payload
+from memaudit.parallel.planner import (
+    ModelShape,
+    factorisations,
+    plan,
+    predict_memory,
+    predict_payload,
+)
 
 
 def test_rank_layout_x_fastest_then_y_z_data() -> None:

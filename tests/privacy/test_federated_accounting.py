@@ -10,7 +10,7 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant
 
 from memaudit.privacy import federated as fed
-from memaudit.privacy.accounting import RDP_ORDERS
+from memaudit.privacy.accounting import PLD_DISCRETIZATION, RDP_ORDERS
 from memaudit.privacy.ledger import PrivacyLedger, RdpCurveEvent, event_from_dict, event_to_dict
 
 COHORT, POP, Z, ROUNDS, DELTA = 20, 2000, 1.1, 150, 1e-5
@@ -27,7 +27,7 @@ def test_poisson_run_matches_dp_accounting():
         fed.record_dpfedavg_round(led, cohort=COHORT, population=POP, noise_multiplier=Z)
     assert len(led.events) == 1 and led.steps == ROUNDS  # rounds coalesce
     assert led.epsilon("rdp") == pytest.approx(_direct(RdpAccountant(list(RDP_ORDERS))), rel=1e-9)
-    assert led.epsilon("pld") == pytest.approx(_direct(PLDAccountant(value_discretization_interval=1e-4)), rel=1e-6)
+    assert led.epsilon("pld") == pytest.approx(_direct(PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)), rel=1e-6)
 
 
 def test_fixed_cohort_is_replace_one_rdp_only():

@@ -79,13 +79,15 @@ def test_per_example_loss_matches_loop():
     assert causal_lm_loss(logits, ids, mask).item() == pytest.approx(tot / cnt, rel=1e-5)
 
 
-@pytest.mark.parametrize("norm_mode", ["gram", "materialize"])
+@pytest.mark.parametrize("norm_mode,keep", [("gram", 0), ("materialize", 2**28), ("materialize", 0),
+                                            ("auto", 2**28)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_ghost_matches_vmap_every_layer(norm_mode, bias, batch):
+def test_ghost_matches_vmap_every_layer(norm_mode, keep, bias, batch):
     model = _model(bias=bias)
     ids, attn, lmask = batch
     clip = 0.7
-    ghost = GhostClipper(model, norm_mode=norm_mode).clipped_sum(ids, attn, lmask, clip, return_param_norms=True)
+    clipper = GhostClipper(model, norm_mode=norm_mode, keep_budget=keep)
+    ghost = clipper.clipped_sum(ids, attn, lmask, clip, return_param_norms=True)
     ref = vmap_clipped_sum(model, ids, attn, lmask, clip, return_param_norms=True)
     assert set(ghost.grads) == set(ref.grads) == {n for n, _ in model.named_parameters()}
     kinds = set()
@@ -227,7 +229,7 @@ def test_bad_settings_and_tied_weights(model):
     with pytest.raises(ValueError, match="finite clip"):
         DPSGD(model, clip=math.inf, noise_multiplier=1.0, expected_batch_size=4, seed=0)
     ckpt = _model()
-    ckpt.gradient_checkpointing_enable()
+    ckpt.activation_checkpointing_enable()
     with pytest.raises(ValueError, match="activation checkpointing"):
         DPSGD(ckpt, clip=1.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
     tied = _model(tie=True)
