@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=512)
     ap.add_argument("--min-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--short-seqs", type=int, default=2048, help="canary-length sequences")
+    ap.add_argument("--short-len", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=50)
@@ -71,7 +73,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.reduced:
-        args.seqs, args.max_len, args.prompts, args.new_tokens, args.repeats = 128, 128, 32, 32, 3
+        args.seqs, args.max_len, args.prompts, args.new_tokens, args.repeats = 128, 128, 16, 32, 3
+        args.short_seqs = 512
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -93,6 +96,12 @@ def main() -> None:
         lambda: token_logprobs(model, seqs, batch_size=args.batch_size), args.repeats
     )
     t_loop = _median_time(lambda: loop_score(model, seqs, args.device), args.repeats)
+    short = [rng.integers(1, vocab, args.short_len).tolist() for _ in range(args.short_seqs)]
+    n_short = args.short_seqs * (args.short_len - 1)
+    s_batched = _median_time(
+        lambda: token_logprobs(model, short, batch_size=4 * args.batch_size), args.repeats
+    )
+    s_loop = _median_time(lambda: loop_score(model, short, args.device), args.repeats)
     decode(model, prompts[:2], 2)
     g_batched = _median_time(
         lambda: decode(model, prompts, args.new_tokens, batch_size=args.batch_size), args.repeats
@@ -115,6 +124,14 @@ def main() -> None:
             "batched_tokens_per_s": n_tokens / t_batched,
             "loop_tokens_per_s": n_tokens / t_loop,
             "speedup": t_loop / t_batched,
+        },
+        "scoring_canary_length": {
+            "sequences": args.short_seqs,
+            "tokens": n_short,
+            "batch_size": 4 * args.batch_size,
+            "batched_tokens_per_s": n_short / s_batched,
+            "loop_tokens_per_s": n_short / s_loop,
+            "speedup": s_loop / s_batched,
         },
         "greedy": {
             "prompts": args.prompts,

@@ -32,12 +32,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memaudit.config import load_config  # noqa: E402
-from memaudit.data.packing import PackedSequences  # noqa: E402
-from memaudit.models.presets import build_model  # noqa: E402
-from memaudit.rundir import RunDir  # noqa: E402
-from memaudit.train.batches import EpochBatches  # noqa: E402
-from memaudit.train.trainer import CentralizedTrainer, deterministic  # noqa: E402
+from memaudit.config import load_config
+from memaudit.data.packing import PackedSequences
+from memaudit.models.presets import build_model
+from memaudit.rundir import RunDir
+from memaudit.train.batches import EpochBatches
+from memaudit.train.trainer import CentralizedTrainer, deterministic
 
 
 def matmul_peak(n: int = 2048, repeats: int = 7) -> float:

@@ -11,11 +11,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 # ----------------------------------------------------------------------------- training fixtures
-import contextlib as _contextlib  # noqa: E402
-import io as _io  # noqa: E402
-from pathlib import Path as _Path  # noqa: E402
+import contextlib as _contextlib
+import io as _io
+from pathlib import Path as _Path
 
-import pytest  # noqa: E402
+import pytest
 
 REPO_ROOT = _Path(__file__).resolve().parents[1]
 

@@ -271,6 +271,15 @@ class FederatedTrainer:
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec), lambda idx: x[idx])
 
+    def _replicate(self, state: Any) -> Any:
+        """Keep the server state replicated, so every round (and a resumed one) reuses one executable."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if self.mesh is None:
+            return state
+        return jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
+
     def run_round(self, state: Any, r: int, key: Any) -> tuple[Any, dict[str, Any]]:
         import jax
 
@@ -284,6 +293,7 @@ class FederatedTrainer:
             return state, rec
         data = self.round_data(cohort)
         state, m = self.algorithm.round(state, data, jax.random.fold_in(key, r))
+        state = self._replicate(state)
         jax.block_until_ready(state.params)
         dt = time.perf_counter() - t0
         tokens = self._round_tokens(cohort)

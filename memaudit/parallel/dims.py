@@ -5,7 +5,7 @@ Rank layout: x varies fastest, then y, then z, then data:
 
 >>> d = ParallelDims(data=2, x=2, y=1, z=2)
 >>> d.world_size, d.coords(5)
-(8, {'data': 0, 'x': 1, 'y': 0, 'z': 1})
+(8, {'data': 1, 'x': 1, 'y': 0, 'z': 0})
 """
 
 from __future__ import annotations

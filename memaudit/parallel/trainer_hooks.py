@@ -106,15 +106,21 @@ class ParallelTrainer(CentralizedTrainer):
 
     # ------------------------------------------------------------------ privacy
     def setup_privacy(self) -> None:
-        model = self.model
-        self.model = torch.nn.Linear(1, 1)  # the base class wraps a plain model; swap ours in after
-        try:
+        # The base class calibrates sigma, builds the Poisson sampler and the ledger, and
+        # constructs `memaudit.train.dpsgd.DPSGD(model, ...)`; the single-process DP-SGD
+        # cannot wrap the parallel model, so that one constructor is swapped for ours.
+        # (A `make_dp` seam in CentralizedTrainer would make this patch unnecessary.)
+        from unittest import mock
+
+        from memaudit.train import dpsgd
+
+        def make(model: Any, *, clip: float, noise_multiplier: float, expected_batch_size: float, seed: int,
+                 **_: Any) -> _ParallelDP:
+            return _ParallelDP(model, clip=clip, noise_multiplier=noise_multiplier,
+                               expected_batch_size=expected_batch_size, seed=seed)
+
+        with mock.patch.object(dpsgd, "DPSGD", make):
             super().setup_privacy()
-        finally:
-            self.model = model
-        p = self.cfg.privacy
-        self.dp = _ParallelDP(model, clip=p.clip, noise_multiplier=self.noise_multiplier,
-                              expected_batch_size=self.sampler.expected_batch_size, seed=p.seed)
 
     def private_gradients(self, rows: np.ndarray) -> dict[str, float]:
         ids, lm, am = self._local(self.make_batch(rows))

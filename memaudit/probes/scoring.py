@@ -63,14 +63,16 @@ def token_logprobs(
             mask[row, : lengths[i]] = 1
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-        lsm = torch.log_softmax(logits, dim=-1)  # (batch, width-1, vocab)
-        tok = lsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
         if with_stats:
+            lsm = torch.log_softmax(logits, dim=-1)  # (batch, width-1, vocab)
+            tok = lsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
             p = lsm.exp()
             mu = (p * lsm).sum(-1)
             var = (p * lsm.square()).sum(-1) - mu.square()
             sd = var.clamp_min(1e-12).sqrt()
             mu_np, sd_np = mu.cpu().numpy(), sd.cpu().numpy()
+        else:  # no (batch, width, vocab) log-softmax: gather the logit, subtract the logsumexp
+            tok = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
         tok_np = tok.cpu().numpy()
         for row, i in enumerate(idx):
             k = lengths[i] - 1

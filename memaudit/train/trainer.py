@@ -12,10 +12,12 @@ the RNG and the DP noise-generator state; so on the CPU an interrupted-and-resum
 ends with weights bit-identical to an uninterrupted one.
 
 Extension point (the data x tensor-parallel backend): subclass `CentralizedTrainer` and
-override the seams marked "seam" below — `build_model` (parallelize after building),
-`local_rows` (this rank's share of a batch), `compute_gradients` / `clip_gradients`
-(collectives), `save_checkpoint` / `restore_checkpoint` / `export_model` (gather or shard),
-and set `is_writer = False` on every rank but one.
+override the seams marked "seam" below — `select_device` (a rank's GPU), `load_data` (the
+writer prepares, the others load after a barrier), `build_model` (parallelize after
+building; the optimizer is built afterwards from the local shards), `local_rows` (this
+data-parallel rank's share of the global batch), `compute_gradients` / `clip_gradients` /
+`private_gradients` (collectives), `evaluate`, `save_checkpoint` / `restore_checkpoint` /
+`export_model` (shard or gather), and set `is_writer = False` on every rank but one.
 
 References:
     Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (AdamW), ICLR 2019.
@@ -308,7 +310,7 @@ class CentralizedTrainer:
         return rec
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> tuple[float, float]:
+    def evaluate(self) -> tuple[float, float]:  # seam: vocabulary-parallel loss
         h = self.holdout_set
         return holdout_loss(
             self.model, h.input_ids, h.attention_mask,
@@ -403,16 +405,17 @@ class CentralizedTrainer:
         self.model.config.use_cache = False
 
     # ------------------------------------------------------------------ driver
-    def prepare(self, resume: bool) -> None:
-        """Data, model, optimizer, sampler (and DP) for this run."""
+    def load_data(self, vocab: int) -> Any:  # seam: the writer prepares, then the others load
+        """The run's PreparedData (prepare_data loads it back when prepared from the same config)."""
         from memaudit.data import prepare_data
 
+        return prepare_data(self.cfg.data, self.run, vocab_size=vocab,
+                            progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}))
+
+    def prepare(self, resume: bool) -> None:
+        """Data, model, optimizer, sampler (and DP) for this run."""
         vocab = self.model_vocab_size()
-        # prepare_data loads the run's data back when it was prepared from the same config
-        self.prepared = prepare_data(
-            self.cfg.data, self.run, vocab_size=vocab,
-            progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}),
-        )
+        self.prepared = self.load_data(vocab)
         want = self.run.read_manifest().get("data_fingerprint") if resume and self.is_writer else None
         if want is not None and want != self.prepared.fingerprint:
             raise MemauditError(f"the prepared data of '{self.run.path}' changed since the run started; "

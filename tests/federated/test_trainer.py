@@ -233,3 +233,25 @@ def test_sigkill_after_checkpoint_then_resume_gives_the_same_weights(fed_run, ov
     assert ref.keys() == got.keys()
     for name in ref:
         assert np.array_equal(ref[name], got[name]), name
+
+
+def test_dp_fedavg_run_records_a_user_level_ledger(overrides, tmp_path):
+    """privacy.enabled wires DP-FedAvg (clip + noise on the sum, uniform weights) and the ledger."""
+    from memaudit.config import load_config
+    from memaudit.federated.trainer import train_federated
+    from memaudit.io import read_json, read_jsonl
+    from memaudit.privacy.accounting import epsilon
+    from memaudit.privacy.federated import dpfedavg_event
+    from memaudit.rundir import RunDir
+
+    cfg = load_config(None, [*overrides, "federated.rounds=2", "federated.sampling=poisson",
+                             "privacy.noise_multiplier=0.8", "privacy.clip=0.5", "privacy.seed=1"])
+    result = train_federated(cfg, RunDir(tmp_path / "dp"))
+    ledger = read_json(tmp_path / "dp" / "privacy.json")
+    assert ledger["unit"] == "user" and result["privacy"]["noise_multiplier"] == 0.8
+    ref = epsilon(dpfedavg_event(cohort=4, population=13, noise_multiplier=0.8, rounds=2),
+                  ledger["delta"])
+    assert ledger["epsilon"]["rdp"] == pytest.approx(ref, rel=1e-6)
+    for m in read_jsonl(tmp_path / "dp" / "metrics.jsonl"):
+        assert {"clip_fraction", "noise_std", "survivors"} <= set(m)
+        assert m["noise_std"] == pytest.approx(0.8 * 0.5 / 4)

@@ -18,7 +18,7 @@ from tests.conftest import REPO_ROOT, TINY_TRAIN_OVERRIDES
 
 
 def test_schedule_hand_values():
-    kw = dict(lr=2.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.25)
+    kw = {"lr": 2.0, "warmup_steps": 4, "total_steps": 14, "min_lr_ratio": 0.25}
     assert [lr_at(i, **kw) for i in range(4)] == [0.5, 1.0, 1.5, 2.0]
     assert lr_at(4, **kw) == 2.0  # peak right after warm-up
     # half-way through the 9 decay steps: cos(pi/2) = 0 -> min + (peak - min) / 2
