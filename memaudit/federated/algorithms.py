@@ -130,8 +130,13 @@ def make_client_phase(
     batch_size: int,
     weighting: Weighting = "examples",
     mesh: Any = None,
+    map_strategy: str = "auto",
 ) -> Callable[[PyTree, ClientData, jax.Array], ClientOutput]:
-    """FedAvg phase 1 (not jitted; `fedavg` jits it): ``(params, data, key) -> ClientOutput``."""
+    """FedAvg phase 1 (not jitted; `fedavg` jits it): ``(params, data, key) -> ClientOutput``.
+
+    ``map_strategy`` runs the clients' local training batched (``"vmap"``), one client after
+    the other inside the program (``"scan"``), or picks by backend (``"auto"``); see
+    `memaudit.federated.federated_map`."""
     if not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(f"local_steps must be >= 1, got {local_steps!r}; set federated.local_steps")
     if batch_size < 1:
@@ -153,7 +158,8 @@ def make_client_phase(
     def client_phase(params, data: ClientData, key) -> ClientOutput:
         n = data.mask.shape[0]
 
-        @federated_program(clients=n, mesh=mesh, placed=(1, 2), placed_out=(0, 1))
+        @federated_program(clients=n, mesh=mesh, placed=(1, 2), placed_out=(0, 1),
+                           map_strategy=map_strategy)
         def program(params, data, keys):
             deltas, losses, norms = federated_map(
                 client_update, federated_broadcast(params), data.examples, data.mask, keys
@@ -209,6 +215,7 @@ def fedavg(
     aggregator: Aggregator | None = None,
     weighting: Weighting = "examples",
     mesh: Any = None,
+    map_strategy: str = "auto",
 ) -> FederatedAlgorithm:
     """Federated averaging with a client and a server optimizer (FedAvg, FedAdam, ...).
 
@@ -221,11 +228,13 @@ def fedavg(
         aggregator: turns deltas into the update; default `mean_aggregator`.
         weighting: aggregation weights, ``"examples"`` (FedAvg) or ``"uniform"`` (user-level).
         mesh: optional mesh with a ``clients`` axis.
+        map_strategy: how the clients' local training runs, ``"vmap"``, ``"scan"`` or
+            ``"auto"`` (scan on CPU, vmap on accelerators; see `federated_map`).
     """
     aggregator = aggregator or mean_aggregator(mesh)
     client_phase = make_client_phase(
         loss_fn, client_optimizer, local_steps=local_steps, batch_size=batch_size,
-        weighting=weighting, mesh=mesh,
+        weighting=weighting, mesh=mesh, map_strategy=map_strategy,
     )
     server_update = make_server_update(server_optimizer)
 
@@ -260,12 +269,14 @@ def fedavg(
     return FederatedAlgorithm(init, round_)
 
 
-def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: Any = None):
+def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: Any = None,
+                   map_strategy: str = "auto"):
     """``(params, data) -> scalar``: the (example- or client-) weighted mean of the clients'
     mean losses over all their real examples, as a federated program."""
 
     def loss(params, data: ClientData):
-        @federated_program(clients=data.mask.shape[0], mesh=mesh, placed=(1,))
+        @federated_program(clients=data.mask.shape[0], mesh=mesh, placed=(1,),
+                           map_strategy=map_strategy)
         def program(params, data):
             losses = federated_map(
                 lambda p, ex, m: masked_mean_loss(loss_fn, p, ex, m),
@@ -285,9 +296,10 @@ def fedsgd(
     server_optimizer: optax.GradientTransformation,
     weighting: Weighting = "examples",
     mesh: Any = None,
+    map_strategy: str = "auto",
 ) -> FederatedAlgorithm:
     """FedSGD: ``jax.grad`` of the federated mean loss, then one server optimizer step."""
-    objective = federated_loss(loss_fn, weighting=weighting, mesh=mesh)
+    objective = federated_loss(loss_fn, weighting=weighting, mesh=mesh, map_strategy=map_strategy)
 
     @jax.jit
     def step(state: ServerState, data: ClientData):

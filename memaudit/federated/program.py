@@ -44,6 +44,7 @@ class ProgramContext:
     n_pad: int  # clients dim as laid out (n rounded up to the clients axis size)
     mesh: Any  # jax.sharding.Mesh | AbstractMesh | None
     axis: str | None  # clients mesh axis or None
+    map_strategy: str = "auto"  # default execution strategy of federated_map
 
 
 _LOCAL = threading.local()
@@ -66,12 +67,21 @@ def current_context(what: str = "a federated primitive") -> ProgramContext:
     return stack[-1]
 
 
+def _check_strategy(map_strategy: str) -> None:
+    if map_strategy not in ("vmap", "scan", "auto"):
+        raise ValueError(
+            f"map_strategy must be 'vmap', 'scan' or 'auto', got {map_strategy!r}"
+        )
+
+
 @contextlib.contextmanager
-def program_context(clients: int, mesh: Any = None):
+def program_context(clients: int, mesh: Any = None, map_strategy: str = "auto"):
     """Enter a federated program context directly (the decorator does this for you)."""
     if not isinstance(clients, int) or isinstance(clients, bool) or clients < 1:
         raise ValueError(f"clients must be a positive int, got {clients!r}")
-    ctx = ProgramContext(clients, shd.padded_clients(clients, mesh), mesh, shd.clients_axis(mesh))
+    _check_strategy(map_strategy)
+    ctx = ProgramContext(clients, shd.padded_clients(clients, mesh), mesh, shd.clients_axis(mesh),
+                         map_strategy)
     _stack().append(ctx)
     try:
         with contextlib.ExitStack() as stack:
@@ -132,6 +142,7 @@ def federated_program(
     mesh: Any = None,
     placed: Sequence[int | str] = (),
     placed_out: bool | Sequence[int] | None = None,
+    map_strategy: str = "auto",
 ) -> Callable:
     """Declare a federated program over ``clients`` clients.
 
@@ -144,6 +155,8 @@ def federated_program(
         placed_out: which outputs are clients-placed, for stripping the padding: None (default)
             strips every output leaf whose leading size is the padded count, True/False all/none,
             or a sequence of output indices. Only matters when n does not divide the axis.
+        map_strategy: default execution strategy of ``federated_map`` inside the program:
+            ``"vmap"``, ``"scan"`` or ``"auto"`` (see `memaudit.federated.federated_map`).
 
     Returns:
         The wrapped program; it composes with ``jax.jit``, ``jax.grad``, ``jax.vmap``. Called
@@ -153,15 +166,17 @@ def federated_program(
     """
     if fn is None:
         return functools.partial(
-            federated_program, clients=clients, mesh=mesh, placed=placed, placed_out=placed_out
+            federated_program, clients=clients, mesh=mesh, placed=placed, placed_out=placed_out,
+            map_strategy=map_strategy,
         )
+    _check_strategy(map_strategy)
     sig = inspect.signature(fn)
     param_names = list(sig.parameters)
 
     @functools.wraps(fn)
     def program(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
-        with program_context(clients, mesh) as ctx:
+        with program_context(clients, mesh, map_strategy) as ctx:
             for key in placed:
                 name = param_names[key] if isinstance(key, int) else key
                 if name not in bound.arguments:

@@ -26,6 +26,7 @@ class DPStepStats:
     per_example_norms: torch.Tensor  # (B_local,) this rank's examples, before clipping
     clip_fraction: float  # over the global batch
     noise_std: float  # of the summed gradient (sigma * clip)
+    loss: float  # mean per-example loss over the global batch (before clipping)
 
 
 def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -71,10 +72,11 @@ def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: to
     norms = per_example_grad_norms(model, input_ids, loss_mask, attention_mask)
     factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32)
     real = loss_mask[:, 1:].any(1).to(norms.device)  # padding rows (no targets) are not examples
-    stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum()])
+    losses = model.per_example_losses(input_ids, loss_mask, attention_mask)
+    stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum(),
+                         losses.detach().double().sum()])
     for axis in ("z", "data"):
         model.comm.all_reduce(stats, axis)
-    losses = model.per_example_losses(input_ids, loss_mask, attention_mask)
     (losses * factor).sum().backward()
     sync_grads(model)
     std = noise_multiplier * clip if noise_multiplier > 0 else 0.0
@@ -82,4 +84,5 @@ def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: to
         add_noise_(model, std=std, seed=seed, step=step)
     for p in model.hf.parameters():
         p.grad.div_(expected_batch)
-    return DPStepStats(norms, float(stats[0] / stats[1].clamp(min=1.0)), std)
+    n = stats[1].clamp(min=1.0)
+    return DPStepStats(norms, float(stats[0] / n), std, float(stats[2] / n))

@@ -41,15 +41,24 @@ class _ParallelDP:
     """The DP-SGD component of the parallel trainer; its noise is a function of (seed, step)."""
 
     def __init__(self, model: ParallelLlama, *, clip: float, noise_multiplier: float,
-                 expected_batch_size: float, seed: int) -> None:
+                 expected_batch_size: float, seed: int | None) -> None:
         self.model, self.clip, self.sigma = model, clip, noise_multiplier
-        self.expected, self.seed = expected_batch_size, seed
+        self.expected = expected_batch_size
+        if seed is None:  # a fresh secret seed, the same on every rank, kept in checkpoints
+            import secrets
+
+            t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+            if dist.is_initialized():
+                dist.broadcast(t, src=0)
+            seed = int(t.item())
+        self.seed = int(seed)
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"seed": torch.tensor([self.seed], dtype=torch.int64)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        return None
+        if "seed" in sd:
+            self.seed = int(sd["seed"][0])
 
 
 class ParallelTrainer(CentralizedTrainer):
@@ -128,7 +137,8 @@ class ParallelTrainer(CentralizedTrainer):
             st = dp_sgd_backward(self.model, ids, lm, clip=self.dp.clip, noise_multiplier=self.dp.sigma,
                                  expected_batch=self.dp.expected, seed=self.dp.seed, step=self._step,
                                  attention_mask=am)
-        return {"clip_fraction": st.clip_fraction, "noise_std": st.noise_std}
+        # noise_std as in the single-process DP-SGD: of the averaged gradient, sigma C / E|S|
+        return {"loss": st.loss, "clip_fraction": st.clip_fraction, "noise_std": st.noise_std / self.dp.expected}
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> tuple[float, float]:
