@@ -2,8 +2,13 @@
 
 Variants (same model, same tokens, same optimizers):
 
-- ``program``: memaudit's vmapped federated program (`memaudit.federated.algorithms.fedavg`),
-  clients sharded over a ``clients`` mesh axis when there is more than one device;
+- ``program``: memaudit's federated program (`memaudit.federated.algorithms.fedavg`) with the
+  default ``federated_map`` strategy (``"auto"``: on CPU the clients' local training runs
+  one client after the other inside the compiled program, ``lax.map``; on accelerators
+  ``vmap``), clients sharded over a ``clients`` mesh axis when there is more than one device;
+- ``program_vmap`` / ``program_scan``: the same program with ``map_strategy="vmap"`` (all
+  clients batched: per-client weights make every matmul a batched matmul) or ``"scan"``
+  (``--strategies`` picks which of these extra variants run);
 - ``client_loop``: a Python loop over the cohort calling one jitted local-training function per
   client, then the mean delta and the server step;
 - ``centralized``: one jitted loop of ``local_steps`` steps over the same tokens
@@ -86,10 +91,10 @@ def _block(tree):
     return jax.block_until_ready(tree)
 
 
-def bench_program(params, data, args, mesh):
+def bench_program(params, data, args, mesh, strategy="auto"):
     algo = fedavg(
         loss_fn, client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
-        local_steps=args.local_steps, batch_size=args.batch, mesh=mesh,
+        local_steps=args.local_steps, batch_size=args.batch, mesh=mesh, map_strategy=strategy,
     )
     state = algo.init(params)
     key = jax.random.PRNGKey(0)
@@ -178,6 +183,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--examples", type=int, default=16, help="sequences per client")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--reduced", action="store_true", help="seq 32, 3 repeats")
+    ap.add_argument("--strategies", nargs="*", default=["vmap"], choices=["vmap", "scan"],
+                    help="extra program variants with this federated_map strategy")
     args = ap.parse_args(argv)
     if args.reduced:
         args.seq, args.repeats = 32, 3
@@ -199,13 +206,16 @@ def main(argv=None) -> dict:
             runners = {
                 "centralized": bench_centralized(params, data, args),
                 "program": bench_program(params, data, args, mesh),
+                **{f"program_{st}": bench_program(params, data, args, mesh, st)
+                   for st in args.strategies},
                 "client_loop": bench_client_loop(params, data, args),
                 "drjax": bench_drjax(params, data, args, mesh),
             }
             medians = _interleaved({k: v for k, v in runners.items() if v}, args.repeats)
         for k in runners:
             row[f"{k}_s"] = medians.get(k)
-        for k in ("program", "client_loop", "drjax"):
+        for k in ("program", *(f"program_{st}" for st in args.strategies), "client_loop",
+                  "drjax"):
             if row[f"{k}_s"] is not None:
                 row[f"{k}_vs_centralized"] = row[f"{k}_s"] / row["centralized_s"]
         results.append(row)
@@ -215,10 +225,19 @@ def main(argv=None) -> dict:
         "local_steps": args.local_steps, "batch": args.batch, "seq": args.seq,
         "repeats": args.repeats, "statistic": "median seconds per round",
         "devices": [str(d) for d in devices], "backend": jax.default_backend(),
-        "jax": jax.__version__, "results": results,
+        "jax": jax.__version__, "program_map_strategy": _auto_strategy(),
+        "results": results,
     }
     print(json.dumps(out, indent=2))
     return out
+
+
+def _auto_strategy() -> str:
+    """What ``map_strategy="auto"`` picks for the local-training map on this backend."""
+    from memaudit.federated.primitives import resolve_map_strategy
+
+    return resolve_map_strategy(lambda w, x: x @ w, (jnp.ones((2, 3, 3)), jnp.ones((2, 3))),
+                                "auto")
 
 
 class _null:

@@ -130,8 +130,11 @@ def main() -> None:
     peak = matmul_peak()
     report = {"machine": {"threads": torch.get_num_threads(), "fp32_matmul_peak_gflops": peak,
                           "torch": torch.__version__},
-              "presets": [bench_preset(p, batch=args.batch, seq=args.seq, warmup=args.warmup,
-                                       repeats=args.repeats, peak=peak) for p in args.presets]}
+              "presets": []}
+    for p in args.presets:
+        report["presets"].append(bench_preset(p, batch=args.batch, seq=args.seq, warmup=args.warmup,
+                                              repeats=args.repeats, peak=peak))
+        print(json.dumps(report["presets"][-1]), file=sys.stderr, flush=True)  # partial results
     report["fp32_matmul_peak_gflops_after"] = matmul_peak()  # drift check on a shared machine
     if args.config_run:
         report["config_run"] = config_run(REPO / "configs" / "tiny.yaml")

@@ -431,6 +431,7 @@ class FederatedTrainer:
         else:
             key_data = self._base_key()
             self.initial_holdout = self._eval(self.params0)
+        state = self._replicate(state)
         start = int(self.host(state.round))
         if self.is_writer:
             truncate_jsonl(self.run.metrics_path, start)

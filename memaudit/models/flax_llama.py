@@ -196,8 +196,8 @@ def causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mask: jax.
                    example_weight: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross entropy and the number of predicted tokens.
 
-    Position t predicts token t+1 where both are real (attention_mask 1), the same targets as
-    HF's `labels=input_ids` with -100 on padding. `example_weight` (batch,) scales or masks out
+    Position t predicts token t+1 wherever token t+1 is real (attention_mask 1), the same
+    targets as HF's `labels=input_ids` with -100 on padding. `example_weight` (batch,) scales or masks out
     whole sequences (padding examples get 0). Returns (sum of losses, token count), so callers
     can form token means across batches and clients.
     """

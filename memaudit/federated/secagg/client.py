@@ -158,11 +158,13 @@ class Client:
         if self.cid not in self._u2:
             raise ReplayError(f"client {self.cid} is not in the share-distribution survivors")
         y = np.array(x, dtype=np.uint32, copy=True)
-        prg.add_mask(y, self._b, +1)
+        masks = [(self._b, +1)]
         for j in self._keys:
             if j != self.cid and j in self._u2:
-                prg.add_mask(y, mask_seed(self._s_sk, self._keys[j][1], self.round_id),
-                             +1 if j > self.cid else -1)
+                masks.append((mask_seed(self._s_sk, self._keys[j][1], self.round_id),
+                              +1 if j > self.cid else -1))
+        flat = y.reshape(-1)  # a view: masks are added in place, in one pass over y
+        prg.add_masks(flat, masks)
         self._stage = 3
         return Writer().array(y).finish(self._header(MsgType.MASKED))
 

@@ -53,28 +53,58 @@ def expand(seed: bytes, d: int) -> np.ndarray:
     return out[:d]
 
 
-CHUNK_WORDS = 1 << 16  # 256 KiB of keystream per call: stays in cache (L2) for the add
+CHUNK_WORDS = 1 << 15  # 128 KiB of keystream per call: with its plaintext and the accumulator
+# chunk it stays in a 512 KiB L2, so the add reads the keystream from cache
+
+
+def _encryptor(seed: bytes):
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"PRG seed must be {SEED_BYTES} bytes, got {len(seed)}")
+    return Cipher(algorithms.AES(seed), modes.CTR(_NONCE)).encryptor()
+
+
+def add_masks(acc: np.ndarray, seeds_signs) -> None:
+    """acc += sum_k sign_k * PRG(seed_k) (mod 2^32), in place, in one pass over ``acc``.
+
+    Each chunk of ``acc`` is loaded once and every mask's keystream for that chunk is
+    generated (one encryptor per seed; CTR state carries over between chunks) and added while
+    both are in cache, so with k masks ``acc`` crosses the memory bus once, not k times, and
+    no mask ever exists in full. Equal to k calls of `add_mask`.
+    """
+    if acc.dtype != np.uint32 or acc.ndim != 1 or not acc.flags.c_contiguous:
+        raise ValueError(f"masks add into a contiguous 1-d uint32 array, got {acc.dtype} "
+                         f"{acc.shape}; use np.ascontiguousarray(x, dtype=np.uint32).ravel()")
+    ops = [(_encryptor(seed).update_into, np.add if sign > 0 else np.subtract)
+           for seed, sign in seeds_signs]
+    if not ops:
+        return
+    d = acc.shape[0]
+    buf = _scratch(CHUNK_WORDS)
+    view = memoryview(buf).cast("B")
+    full = buf[:CHUNK_WORDS]
+    zeros = _zeros(4 * CHUNK_WORDS)
+    stop = d - d % CHUNK_WORDS
+    for start in range(0, stop, CHUNK_WORDS):  # full chunks: no per-chunk slicing of buffers
+        part = acc[start:start + CHUNK_WORDS]
+        for update_into, op in ops:
+            update_into(zeros, view)
+            op(part, full, out=part)
+    if stop < d:
+        w = d - stop
+        part, tail, z = acc[stop:], buf[:w], zeros[: 4 * w]
+        for update_into, op in ops:
+            update_into(z, view)
+            op(part, tail, out=part)
 
 
 def add_mask(acc: np.ndarray, seed: bytes, sign: int) -> None:
     """acc += sign * PRG(seed) (mod 2^32), in place.
 
     The keystream is produced in cache-sized chunks by one encryptor (CTR state carries
-    over between calls) and added while still in cache, so the mask never exists in full.
+    over between calls) into one preallocated buffer and added while still in cache, so the
+    mask never exists in full (see `add_masks` for several masks in one pass).
     """
-    if len(seed) != SEED_BYTES:
-        raise ValueError(f"PRG seed must be {SEED_BYTES} bytes, got {len(seed)}")
-    d = acc.shape[0]
-    enc = Cipher(algorithms.AES(seed), modes.CTR(_NONCE)).encryptor()
-    buf = _scratch(CHUNK_WORDS)
-    view = memoryview(buf).cast("B")
-    zeros = _zeros(4 * CHUNK_WORDS)
-    op = np.add if sign > 0 else np.subtract
-    for start in range(0, d, CHUNK_WORDS):
-        w = min(CHUNK_WORDS, d - start)
-        enc.update_into(zeros[: 4 * w], view)
-        part = acc[start:start + w]
-        op(part, buf[:w], out=part)
+    add_masks(acc, ((seed, sign),))
 
 
 def raw_aes_ctr_throughput(nbytes: int = 1 << 26, repeats: int = 3) -> float:
