@@ -41,6 +41,9 @@ class SynthConfig(_Section):
     repeat_counts: list[int] = Field(
         default_factory=lambda: [2, 4, 8], description="copies of a repeated signature message"
     )
+    paragraph_sentences: int = Field(
+        2, ge=0, description="extra sentences closing each message (document length)"
+    )
 
 
 class CanaryConfig(_Section):

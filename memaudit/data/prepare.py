@@ -131,7 +131,7 @@ def _corpus(cfg: DataConfig, progress: Progress | None) -> list[Document]:
 
         s = cfg.synth
         return synthesize(s.users, s.docs_per_user, s.seed, repeat_every=s.repeat_every,
-                          repeat_counts=s.repeat_counts)
+                          repeat_counts=s.repeat_counts, paragraph_sentences=s.paragraph_sentences)
     from memaudit.data.corpus import load_corpus
 
     return load_corpus(cfg.path, text_field=cfg.text_field, user_field=cfg.user_field,
@@ -157,7 +157,8 @@ def _tokenizer_texts(cfg: DataConfig, docs: list[Document]) -> list[str]:
             from memaudit.data.synth import synthesize
 
             public = synthesize(max(32, cfg.synth.users), cfg.synth.docs_per_user,
-                                cfg.synth.seed + PUBLIC_SEED_OFFSET, repeat_every=0)
+                                cfg.synth.seed + PUBLIC_SEED_OFFSET, repeat_every=0,
+                                paragraph_sentences=cfg.synth.paragraph_sentences)
             return [d.text for d in public]
         return [d.text for d in docs if d.role == "heldout_user"]
     p = Path(cfg.tokenizer_corpus)

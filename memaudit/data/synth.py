@@ -45,7 +45,11 @@ TEMPLATES = (
     "Reminder to self: pay {cc} before the {day}th. {sentence}",
     "{sentence} {sentence} {sentence}",
 )
-SIGNATURE = "Best regards,\n{name}\n{phone} | {email}\n{address}"
+SIGNATURE = (
+    "Best regards,\n{name}\n{phone} | {email}\n{address}\n"
+    "This message is confidential and meant only for the addressee; if it reached you in "
+    "error, please delete it."
+)
 _SLOT = re.compile(r"\{(\w+)\}")
 
 
@@ -86,12 +90,15 @@ def synthesize(
     *,
     repeat_every: int = 4,
     repeat_counts: list[int] | tuple[int, ...] = (2, 4, 8),
+    paragraph_sentences: int = 2,
     progress: Callable[[int, int, dict], None] | None = None,
 ) -> list[Document]:
     """The synthetic corpus: `users` x `docs_per_user` messages plus repeated signatures.
 
     Document ids are `u0003-d05` (messages) and `u0003-s1` (signature copies); `repeats`
-    counts documents with identical text.
+    counts documents with identical text. Each message ends with `paragraph_sentences` more
+    sentences, so documents are long enough (about 60-120 tokens) for discoverable extraction
+    with a 32-token prefix and a 50-token continuation.
     """
     from faker import Faker
 
@@ -107,10 +114,16 @@ def synthesize(
         uid = f"u{u:04d}"
 
         def filler(slot: str) -> str:
-            return str(fake.random_int(2, 28)) if slot == "day" else fake.sentence(nb_words=10)
+            if slot == "day":
+                return str(fake.random_int(2, 28))
+            if slot == "paragraph":
+                return " ".join(fake.sentence(nb_words=12) for _ in range(paragraph_sentences))
+            return fake.sentence(nb_words=10)
 
         for j in range(docs_per_user):
             template = TEMPLATES[fake.random_int(0, len(TEMPLATES) - 1)]
+            if paragraph_sentences > 0:
+                template += " {paragraph}"
             text, pii = render(template, profile, filler)
             docs.append(Document(id=f"{uid}-d{j:02d}", user=uid, text=text, pii=pii))
         if repeat_every and repeat_counts and u % repeat_every == repeat_every - 1:

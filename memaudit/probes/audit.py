@@ -103,7 +103,7 @@ def run_audit(
                 "ceiling": ceiling(r=r, p=p_each),
             }
         )
-    best = max(rows, key=lambda row: row["eps_lower_bound"])
+    best = max(rows, key=lambda row: (row["eps_lower_bound"], row["r"]))  # ties: the largest r
     summary = {
         "eps_lower_bound": best["eps_lower_bound"],
         "r": best["r"],

@@ -58,18 +58,21 @@ def test_prepared_sets_never_mix_users(prepared):
         docs = [d for d in prepared.documents if d.role == role]
         for d, ids in zip(docs, tok([d.text for d in docs], add_special_tokens=False)["input_ids"], strict=True):
             expect.setdefault(d.user, Counter()).update([(*ids, eos)])
-        got: dict[str, Counter] = {}
+        # a user's rows are consecutive; joined in order and split after each EOS they give
+        # back that user's documents (one longer than a row continues in the next row)
+        streams: dict[str, list[int]] = {}
         for row, mask, ui in zip(packed.input_ids, packed.attention_mask, packed.user_index, strict=True):
-            real = row[mask == 1].tolist()
-            # split after each EOS: every piece is a document (or a part of one) of this user
+            streams.setdefault(packed.users[ui], []).extend(row[mask == 1].tolist())
+        got: dict[str, Counter] = {}
+        for user, stream in streams.items():
             pieces, cur = [], []
-            for t in real:
+            for t in stream:
                 cur.append(t)
                 if t == eos:
                     pieces.append(tuple(cur))
                     cur = []
-            assert not cur or len(real) == prepared.seq_len
-            got.setdefault(packed.users[ui], Counter()).update(pieces)
+            assert not cur
+            got[user] = Counter(pieces)
         assert got == expect, name
         assert sorted(packed.users) == sorted(expect) == list(packed.users)
     assert set(prepared.heldout.users) == set(prepared.split.heldout_users)

@@ -55,7 +55,8 @@ def test_trained_only_on_public_text(prepared):
     from tests.data.conftest import DEFAULT_CFG
 
     s = DEFAULT_CFG.synth
-    public = synthesize(max(32, s.users), s.docs_per_user, s.seed + PUBLIC_SEED_OFFSET, repeat_every=0)
+    public = synthesize(max(32, s.users), s.docs_per_user, s.seed + PUBLIC_SEED_OFFSET, repeat_every=0,
+                        paragraph_sentences=s.paragraph_sentences)
     private = {d.text for d in prepared.documents}
     assert not private & {d.text for d in public}
     again = train_tokenizer([d.text for d in public], vocab_size=prepared.vocab_size)

@@ -1,0 +1,107 @@
+"""The fast paths of secure aggregation against independent oracles: chunked / fused PRG mask
+addition vs one-shot keystreams, and the vectorised clip + stochastic-rounding encoder vs a
+per-client float64 loop."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from memaudit.federated.secagg import prg
+from memaudit.federated.secagg.aggregator import (
+    ENCODE_CHUNK,
+    decode,
+    encode,
+    quantisation_scale,
+    row_norms,
+)
+
+
+def _keystream(seed: bytes, d: int) -> np.ndarray:
+    """Oracle: AES-256-CTR of 4d zero bytes in one call, read as little-endian uint32."""
+    enc = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    return np.frombuffer(enc.update(bytes(4 * d)) + enc.finalize(), dtype="<u4")
+
+
+@pytest.mark.parametrize("d", [1, 7, prg.CHUNK_WORDS, 2 * prg.CHUNK_WORDS + 5])
+def test_add_masks_equals_one_shot_keystreams(d):
+    rng = np.random.default_rng(d)
+    acc0 = rng.integers(0, 2**32, size=d, dtype=np.uint32)
+    seeds = [(os.urandom(32), +1), (os.urandom(32), -1), (os.urandom(32), +1)]
+    want = acc0.astype(np.int64)
+    for seed, sign in seeds:
+        want = want + sign * _keystream(seed, d).astype(np.int64)
+    want = (want % 2**32).astype(np.uint32)
+    fused = acc0.copy()
+    prg.add_masks(fused, seeds)
+    np.testing.assert_array_equal(fused, want)
+    one_by_one = acc0.copy()
+    for seed, sign in seeds:
+        prg.add_mask(one_by_one, seed, sign)
+    np.testing.assert_array_equal(one_by_one, want)
+    np.testing.assert_array_equal(prg.expand(seeds[0][0], d), _keystream(seeds[0][0], d))
+
+
+def test_masks_cancel_and_bad_inputs_are_refused():
+    x = np.arange(100_003, dtype=np.uint32)
+    y = x.copy()
+    s, t = os.urandom(32), os.urandom(32)
+    prg.add_masks(y, [(s, +1), (t, +1)])
+    assert not np.array_equal(x, y)
+    prg.add_masks(y, [(s, -1)])
+    prg.add_masks(y, [])  # no masks: unchanged
+    prg.add_mask(y, t, -1)
+    np.testing.assert_array_equal(x, y)  # every mask cancelled
+    with pytest.raises(ValueError, match="32 bytes"):
+        prg.add_masks(y, [(b"short", +1)])
+    with pytest.raises(ValueError, match="uint32"):
+        prg.add_masks(np.zeros(4, np.int64), [(s, +1)])
+
+
+def _encode_oracle(rows, clip, scale):
+    """Per-client float64 clip and scale (the values stochastic rounding brackets)."""
+    out = []
+    for row in np.asarray(rows, dtype=np.float64):
+        norm = math.sqrt(sum(float(v) * float(v) for v in row))
+        out.append(row * min(1.0, clip / max(norm, 1e-300)) * scale)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_encode_rounds_to_a_neighbour_of_the_clipped_value(dtype):
+    rng = np.random.default_rng(0)
+    d = ENCODE_CHUNK + 17  # more than one chunk, and a ragged tail
+    rows = (rng.normal(size=(5, d)) * np.array([[0.001], [0.01], [0.5], [3.0], [0.0]])).astype(dtype)
+    clip = 1.0
+    scale, _ = quantisation_scale(clip, 24, 5)
+    np.testing.assert_allclose(row_norms(rows), np.linalg.norm(rows.astype(np.float64), axis=1),
+                               rtol=1e-12)
+    want = _encode_oracle(rows, clip, scale)
+    q = encode(rows, clip, scale, np.random.default_rng(1)).view(np.int32).astype(np.float64)
+    assert np.all((q == np.floor(want)) | (q == np.floor(want) + 1))
+    assert np.all(q[4] == 0)
+    assert np.all(np.abs(q) <= 2**23 - 1)  # clipped rows stay within the integer range
+    # the two integer neighbours are taken with the right probabilities: unbiased on average
+    np.testing.assert_allclose(q.mean(axis=1), want.mean(axis=1), atol=4 / math.sqrt(d))
+
+
+def test_stochastic_rounding_is_unbiased_per_coordinate():
+    x = np.full((1, 4), [0.25, 0.5, 0.9, -0.3])
+    scale = 1.0
+    qs = np.stack([encode(x, 10.0, scale, np.random.default_rng(s)).view(np.int32)[0]
+                   for s in range(4000)])
+    np.testing.assert_allclose(qs.mean(0), x[0], atol=0.03)
+    assert set(np.unique(qs[:, 3]).tolist()) == {-1, 0}
+
+
+def test_sum_of_encodings_decodes_to_the_clipped_sum():
+    rng = np.random.default_rng(5)
+    n, d, clip = 8, 1000, 2.0
+    rows = rng.normal(size=(n, d)).astype(np.float32)
+    scale, _ = quantisation_scale(clip, 20, n)
+    q = encode(rows, clip, scale, rng)
+    total = q.sum(0, dtype=np.uint32)  # mod 2^32, as the protocol sums
+    want = _encode_oracle(rows, clip, 1.0).sum(0)
+    np.testing.assert_allclose(decode(total, scale), want, atol=n / scale)
