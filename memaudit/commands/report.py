@@ -38,5 +38,9 @@ def register(app: typer.Typer) -> None:
             print_json({"report": {k: str(v) for k, v in paths.items()}, "findings": rep["findings"]})
             return
         for s in rep["findings"]["sentences"]:
-            console.print(f"- {s['text']}", markup=False, highlight=False)
+            if s["verdict"] != "same":
+                console.print(f"- {s['text']}", markup=False, highlight=False)
+        same = sum(1 for s in rep["findings"]["sentences"] if s["verdict"] == "same")
+        if same:
+            console.print(f"({same} comparison(s) showed no difference beyond the intervals; see the report)")
         console.print(f"wrote {paths['html']}, {paths['md']}, {paths['json']}", markup=False)

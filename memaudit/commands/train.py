@@ -98,33 +98,6 @@ def _first_difference(a: Any, b: Any, *, skip: set[str], prefix: str = "") -> st
     return None if a == b else prefix.rstrip(".")
 
 
-def dispatch(cfg, run, *, resume: bool, progress=None) -> dict[str, Any]:
-    """Pick the trainer: federated (JAX), multi-process parallel grid, or single process."""
-    if cfg.backend == "federated":
-        fn = _lazy("memaudit.federated.trainer", "train_federated", "the federated backend")
-    elif cfg.parallel.world_size > 1:
-        # The data x tensor-parallel backend starts its own processes (torch.distributed).
-        fn = _lazy("memaudit.parallel.launch", "launch_training", "the multi-process parallel backend")
-    else:
-        from memaudit.train.trainer import train_centralized as fn
-    return fn(cfg, run, resume=resume, progress=progress)
-
-
-def _lazy(module: str, name: str, what: str):
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as e:
-        if e.name is not None and not module.startswith(e.name) and e.name != module:
-            raise
-        raise MemauditError(f"{what} is not available in this installation ({module}.{name} is "
-                            "missing); use backend=parallel with a 1x1x1x1 grid") from None
-    except AttributeError:
-        raise MemauditError(f"{what} is not available in this installation ({module}.{name} is "
-                            "missing); use backend=parallel with a 1x1x1x1 grid") from None
-
-
 def _run_with_progress(cfg, run, *, resume: bool) -> dict[str, Any]:
     from memaudit.commands._common import console, progress
 
@@ -139,6 +112,8 @@ def _run_with_progress(cfg, run, *, resume: bool) -> dict[str, Any]:
     try:
         with bar:
             try:
+                from memaudit.train.dispatch import dispatch
+
                 return dispatch(cfg, run, resume=resume, progress=on_progress)
             except BaseException:
                 bar.update(task, visible=False)  # the error line is the only output

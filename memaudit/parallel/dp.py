@@ -59,7 +59,7 @@ def add_noise_(model: ParallelLlama, *, std: float, seed: int, step: int) -> Non
 
 def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
                     clip: float, noise_multiplier: float, expected_batch: float, seed: int, step: int,
-                    attention_mask: torch.Tensor | None = None) -> DPStepStats:
+                    attention_mask: torch.Tensor | None = None, micro_batch: int | None = None) -> DPStepStats:
     """Leave in `.grad` the noised, clipped gradient sum over the global batch / expected_batch.
 
     Args:
@@ -68,16 +68,29 @@ def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: to
       noise_multiplier: sigma; the sum gets N(0, (sigma C)^2) per coordinate.
       expected_batch: the divisor (the expected batch size under Poisson sampling).
       seed, step: select the noise; the same on every rank.
+      micro_batch: local rows per pass (None: all); the clipped sums of the passes are
+        accumulated, then synchronised and noised once. Every rank must pass the same value.
     """
-    norms = per_example_grad_norms(model, input_ids, loss_mask, attention_mask)
+    b = int(input_ids.shape[0])
+    chunk = micro_batch or max(b, 1)
+    parts = [slice(s, s + chunk) for s in range(0, b, chunk)]
+
+    def am(sl: slice) -> torch.Tensor | None:
+        return None if attention_mask is None else attention_mask[sl]
+
+    # pass 1: every example's full-gradient norm (gradients are discarded)
+    norms = torch.cat([per_example_grad_norms(model, input_ids[sl], loss_mask[sl], am(sl)) for sl in parts])
     factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32)
     real = loss_mask[:, 1:].any(1).to(norms.device)  # padding rows (no targets) are not examples
-    losses = model.per_example_losses(input_ids, loss_mask, attention_mask)
-    stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum(),
-                         losses.detach().double().sum()])
+    loss_sum = torch.zeros((), dtype=torch.float64, device=norms.device)
+    # pass 2: the clipped sum, accumulated in .grad over the chunks
+    for sl in parts:
+        losses = model.per_example_losses(input_ids[sl], loss_mask[sl], am(sl))
+        loss_sum += losses.detach().double().sum()
+        (losses * factor[sl]).sum().backward()
+    stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum(), loss_sum])
     for axis in ("z", "data"):
         model.comm.all_reduce(stats, axis)
-    (losses * factor).sum().backward()
     sync_grads(model)
     std = noise_multiplier * clip if noise_multiplier > 0 else 0.0
     if std > 0:

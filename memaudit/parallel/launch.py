@@ -8,7 +8,10 @@ and MASTER_PORT (SLURM users: `srun torchrun --nnodes $SLURM_NNODES --nproc-per-
 from __future__ import annotations
 
 import os
+import signal
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from memaudit.parallel.dims import ParallelDims
@@ -68,8 +71,22 @@ def init_distributed(dims: ParallelDims, *, requested_backend: str = "auto") -> 
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=dist_timeout())
     return backend
+
+
+def dist_timeout() -> timedelta:
+    """How long a collective waits for a missing peer before it raises (MEMAUDIT_DIST_TIMEOUT_S,
+    default 1800 s: the other ranks wait in a barrier while the writer prepares the data)."""
+    raw = os.environ.get("MEMAUDIT_DIST_TIMEOUT_S", "1800")
+    try:
+        secs = float(raw)
+    except ValueError:
+        raise ValueError(f"MEMAUDIT_DIST_TIMEOUT_S={raw!r} is not a number of seconds; unset it or "
+                         "use e.g. 600") from None
+    if not secs > 0:
+        raise ValueError(f"MEMAUDIT_DIST_TIMEOUT_S={raw!r} must be > 0; unset it or use e.g. 600")
+    return timedelta(seconds=secs)
 
 
 # ----------------------------------------------------------------------------- training
@@ -81,10 +98,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the fork server; each rank then forks from it instead of importing torch and
+# transformers itself (seconds of CPU per rank). The server starts single-threaded, without CUDA.
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
+           "memaudit.parallel.trainer_hooks"]
+
+
+def rank_context(extra_preload: tuple[str, ...] = ()) -> Any:
+    """The multiprocessing context the ranks start in (forkserver with PRELOAD; the first caller
+    in a process fixes the server's preload list)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([*PRELOAD, *extra_preload])
+    return ctx
+
+
+GRACE_S = 5.0  # after one rank dies: how long the others get to exit, then SIGTERM, then SIGKILL
+
+
 def _rank_main(rank: int, world: int, port: int, cfg: Any, run_path: str, resume: bool, queue: Any) -> None:
     """One spawned rank: environment as torchrun would set it, then the parallel trainer."""
+    os.setsid()  # its own process group: the launcher can kill the rank and anything it started
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    pid_dir = os.environ.get("MEMAUDIT_PARALLEL_PID_DIR")  # tests: which process is which rank
+    if pid_dir:
+        from pathlib import Path
+
+        Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: the ranks share this node's cores
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from memaudit.rundir import RunDir
 
     progress = None
@@ -94,6 +140,42 @@ def _rank_main(rank: int, world: int, port: int, cfg: Any, run_path: str, resume
     result = _run_here(cfg, RunDir(run_path), resume=resume, progress=progress)
     if rank == 0:
         queue.put(("result", result))
+
+
+def _signal_ranks(procs: Any, sig: int) -> None:
+    """Send `sig` to every live rank's process group (each rank leads its own session)."""
+    for p in procs.processes:
+        if p.pid is None:
+            continue
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _stop_ranks(procs: Any, *, grace: float) -> None:
+    """SIGTERM the ranks (the writer marks run.json interrupted), wait up to `grace`, then SIGKILL
+    their process groups, so that no rank is left blocked in a collective."""
+    _signal_ranks(procs, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs.processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    _signal_ranks(procs, signal.SIGKILL)
+    for p in procs.processes:
+        p.join(timeout=grace)
+
+
+def _mark_stopped(run: Any, status: str, error: str) -> None:
+    """The writer rank cannot always record the end (SIGKILL): leave run.json truthful."""
+    try:
+        m = run.read_manifest()
+    except Exception:  # noqa: BLE001 - no manifest yet: nothing to correct
+        return
+    if m.get("status") == "running":
+        timings = dict(m.get("timings", {}))
+        timings["finished"] = time.time()
+        fields = {"error": error} if status == "failed" else {}
+        run.update_manifest(status=status, timings=timings, **fields)
 
 
 def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any) -> dict:
@@ -112,11 +194,15 @@ def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any) -> dict:
 
 def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any = None) -> dict:
     """Train `cfg` on its grid: in this process when a launcher (torchrun) started it,
-    otherwise by spawning `world_size` local processes (gloo on CPU, NCCL with enough GPUs).
+    otherwise by starting `world_size` local processes (forked from a fork server that has
+    imported torch; gloo on CPU, NCCL with enough GPUs).
 
-    When one rank dies, the others are terminated (SIGTERM: the writer marks run.json
-    interrupted) and a one-line MemauditError names the rank; `--resume` continues from the
-    last checkpoint. Returns the writer's result summary.
+    Each rank leads its own process group. When one rank dies, the others get GRACE_S seconds
+    to notice (a collective with a dead peer raises; the writer marks run.json failed), then
+    SIGTERM, then SIGKILL of their process groups; run.json is marked failed if the writer
+    could not do it, and a one-line MemauditError names the rank; `--resume` continues from
+    the last checkpoint. Ctrl-C or SIGTERM of the launcher stops the ranks the same way
+    (status interrupted). Returns the writer's result summary.
     """
 
     import torch.multiprocessing as mp
@@ -132,10 +218,10 @@ def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
     if env is not None:
         return _run_here(cfg, run, resume=resume, progress=progress if env.rank == 0 else None)
     resolve_backend(cfg.parallel.dist_backend, dims=dims)  # fail early, with one line
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.SimpleQueue()
     procs = mp.start_processes(_rank_main, args=(dims.world_size, _free_port(), cfg, str(run.path), resume, q),
-                               nprocs=dims.world_size, join=False, start_method="spawn")
+                               nprocs=dims.world_size, join=False, start_method="forkserver")
     result: dict | None = None
 
     def drain() -> None:
@@ -147,15 +233,28 @@ def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
             elif msg[0] == "result":
                 result = msg[1]
 
+    from memaudit.train.trainer import sigterm_as_interrupt
+
     try:
-        while not procs.join(timeout=0.5):
-            drain()
+        with sigterm_as_interrupt():  # SIGTERM of the launcher stops the ranks too
+            while not procs.join(timeout=0.5, grace_period=GRACE_S):
+                drain()
     except mp.ProcessRaisedException as e:
         last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
-        raise MemauditError(f"parallel rank {e.error_index} failed: {last}") from None
+        msg = f"parallel rank {e.error_index} failed: {last}"
+        _stop_ranks(procs, grace=GRACE_S)
+        _mark_stopped(run, "failed", msg[:300])
+        raise MemauditError(msg) from None
     except mp.ProcessExitedException as e:
-        raise MemauditError(f"parallel rank {e.error_index} exited with code {e.exit_code}; "
-                            "the other ranks were stopped; continue with --resume") from None
+        msg = (f"parallel rank {e.error_index} exited with code {e.exit_code}; "
+               "the other ranks were stopped; continue with --resume")
+        _stop_ranks(procs, grace=GRACE_S)
+        _mark_stopped(run, "failed", msg)
+        raise MemauditError(msg) from None
+    except BaseException:  # Ctrl-C or SIGTERM of the launcher: stop the ranks, then re-raise
+        _stop_ranks(procs, grace=GRACE_S)
+        _mark_stopped(run, "interrupted", "")
+        raise
     drain()
     if result is None:
         raise MemauditError("the parallel ranks finished without a result; see run.json")

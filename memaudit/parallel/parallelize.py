@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memaudit.parallel.comm import Comm
+from memaudit.parallel.comm import Comm, _all_gather
 from memaudit.parallel.dims import ParallelDims, ProcessGroups, build_groups
 from memaudit.parallel.layers import ParallelEmbedding, TPLinear, vocab_parallel_cross_entropy
 from memaudit.parallel.norm import ParallelRMSNorm
@@ -200,7 +200,7 @@ def merge_tensor(model: ParallelLlama, p: nn.Parameter, local: torch.Tensor) -> 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
         allp = torch.empty(world * pair.numel(), dtype=pair.dtype, device=dev)
-        dist.all_gather_into_tensor(allp, pair.reshape(-1))  # gloo wants flat tensors
+        _all_gather(allp, pair.reshape(-1))  # gloo wants flat tensors
         allp = allp.view(world, *pair.shape)
     else:
         allp = pair.unsqueeze(0)

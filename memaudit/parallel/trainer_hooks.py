@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from memaudit.io import atomic_write_json
 from memaudit.parallel import clip as pclip
 from memaudit.parallel.dims import ParallelDims, build_groups
 from memaudit.parallel.dp import dp_sgd_backward
@@ -37,13 +38,25 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
     return Batch(ids, am, lm, batch.right_padded)
 
 
-class _ParallelDP:
-    """The DP-SGD component of the parallel trainer; its noise is a function of (seed, step)."""
+class ParallelDP:
+    """DP-SGD of a `ParallelLlama` (what `ParallelTrainer.make_dp` returns).
+
+    The noise of step t is a function of (seed, t, parameter) only, drawn full-size and
+    sliced, so it does not depend on the grid; the seed (broadcast from rank 0 when secret)
+    is the checkpointed state. `micro_batch_size` bounds the global rows per pass.
+    """
 
     def __init__(self, model: ParallelLlama, *, clip: float, noise_multiplier: float,
-                 expected_batch_size: float, seed: int | None) -> None:
-        self.model, self.clip, self.sigma = model, clip, noise_multiplier
-        self.expected = expected_batch_size
+                 expected_batch_size: float, seed: int | None, micro_batch_size: int | None = None) -> None:
+        if not clip > 0:
+            raise ValueError(f"clip norm must be > 0 (or inf for no clipping), got {clip}")
+        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise multiplier must be a finite number >= 0, got {noise_multiplier}")
+        if noise_multiplier > 0 and math.isinf(clip):
+            raise ValueError("noise needs a finite clip norm: set privacy.clip, or noise_multiplier=0")
+        self.model, self.clip, self.noise_multiplier = model, float(clip), float(noise_multiplier)
+        self.expected_batch_size = float(expected_batch_size)
+        self.micro_batch_size = micro_batch_size
         if seed is None:  # a fresh secret seed, the same on every rank, kept in checkpoints
             import secrets
 
@@ -53,10 +66,34 @@ class _ParallelDP:
             seed = int(t.item())
         self.seed = int(seed)
 
+    def step_gradients(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       loss_mask: torch.Tensor, *, step: int, right_padded: bool = False) -> dict[str, Any]:
+        """The privatised mean gradient of the global batch (every rank passes all of it) into
+        `.grad` of the local shards; returns the same statistics as `DPSGD.step_gradients`."""
+        pg = self.model.pg
+        am = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        batch = pad_rows(Batch(input_ids, am, loss_mask.bool() & am.bool(), right_padded), pg.batch_shards)
+        ids, lm = pg.batch_shard(batch.input_ids), pg.batch_shard(batch.loss_mask)
+        lam = None if right_padded else pg.batch_shard(batch.attention_mask)
+        micro = None
+        if self.micro_batch_size is not None:  # global rows per pass -> local rows per pass
+            micro = max(1, math.ceil(self.micro_batch_size / pg.batch_shards))
+        st = dp_sgd_backward(self.model, ids, lm, clip=self.clip, noise_multiplier=self.noise_multiplier,
+                             expected_batch=self.expected_batch_size, seed=self.seed, step=step,
+                             attention_mask=lam, micro_batch=micro)
+        b = int(input_ids.shape[0])
+        return {"loss": st.loss if b else math.nan, "clip_fraction": st.clip_fraction, "batch_size": b,
+                "noise_std": self.noise_multiplier * self.clip / self.expected_batch_size}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": torch.tensor([self.seed], dtype=torch.int64)}
+        return {"seed": torch.tensor([self.seed], dtype=torch.int64), "clip": self.clip,
+                "noise_multiplier": self.noise_multiplier, "expected_batch_size": self.expected_batch_size}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for key in ("clip", "noise_multiplier", "expected_batch_size"):
+            if key in sd and float(sd[key]) != getattr(self, key):
+                raise ValueError(f"checkpoint has {key}={sd[key]} but this run uses {getattr(self, key)}; "
+                                 "resume with the original privacy settings")
         if "seed" in sd:
             self.seed = int(sd["seed"][0])
 
@@ -95,12 +132,28 @@ class ParallelTrainer(CentralizedTrainer):
         return self.pg.batch_shard(b.input_ids), self.pg.batch_shard(b.loss_mask), am
 
     def compute_gradients(self, batch: Batch) -> dict[str, float]:
-        ids, lm, am = self._local(batch)
-        with self._autocast():
-            loss, logged = self.model(ids, lm, am)
-        loss.backward()
+        """The token-mean loss gradient, accumulated over micro-batches of
+        `train.micro_batch_size` global rows (each padded to data*z and sharded), as the
+        single-process trainer splits its batch; one gradient sync at the end."""
+        b = batch.input_ids.shape[0]
+        micro = self.tcfg.micro_batch_size or max(b, 1)
+        total = int(batch.loss_mask[:, 1:].sum())  # the same on every rank: all hold the global batch
+        logged_sum = 0.0
+        for s in range(0, b, micro):
+            part = Batch(batch.input_ids[s:s + micro], batch.attention_mask[s:s + micro],
+                         batch.loss_mask[s:s + micro], batch.right_padded)
+            n = int(part.loss_mask[:, 1:].sum())
+            if n == 0:
+                continue
+            ids, lm, am = self._local(part)
+            with self._autocast():
+                loss, logged = self.model(ids, lm, am)  # this chunk's token mean
+            if n != total:
+                loss, logged = loss * (n / total), logged * (n / total)
+            loss.backward()
+            logged_sum += float(logged)
         self.model.finish_grad_sync()
-        return {"loss": float(logged)}
+        return {"loss": logged_sum}
 
     def clip_gradients(self) -> float:
         c = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else math.inf
@@ -114,31 +167,18 @@ class ParallelTrainer(CentralizedTrainer):
         return super().train_step(step)
 
     # ------------------------------------------------------------------ privacy
-    def setup_privacy(self) -> None:
-        # The base class calibrates sigma, builds the Poisson sampler and the ledger, and
-        # constructs `memaudit.train.dpsgd.DPSGD(model, ...)`; the single-process DP-SGD
-        # cannot wrap the parallel model, so that one constructor is swapped for ours.
-        # (A `make_dp` seam in CentralizedTrainer would make this patch unnecessary.)
-        from unittest import mock
-
-        from memaudit.train import dpsgd
-
-        def make(model: Any, *, clip: float, noise_multiplier: float, expected_batch_size: float, seed: int,
-                 **_: Any) -> _ParallelDP:
-            return _ParallelDP(model, clip=clip, noise_multiplier=noise_multiplier,
-                               expected_batch_size=expected_batch_size, seed=seed)
-
-        with mock.patch.object(dpsgd, "DPSGD", make):
-            super().setup_privacy()
+    def make_dp(self, *, clip: float, noise_multiplier: float, expected_batch_size: float,
+                seed: int | None) -> ParallelDP:
+        return ParallelDP(self.model, clip=clip, noise_multiplier=noise_multiplier,
+                          expected_batch_size=expected_batch_size, seed=seed,
+                          micro_batch_size=self.tcfg.micro_batch_size)
 
     def private_gradients(self, rows: np.ndarray) -> dict[str, float]:
-        ids, lm, am = self._local(self.make_batch(rows))
+        b = self.make_batch(rows)
         with self._autocast():
-            st = dp_sgd_backward(self.model, ids, lm, clip=self.dp.clip, noise_multiplier=self.dp.sigma,
-                                 expected_batch=self.dp.expected, seed=self.dp.seed, step=self._step,
-                                 attention_mask=am)
-        # noise_std as in the single-process DP-SGD: of the averaged gradient, sigma C / E|S|
-        return {"loss": st.loss, "clip_fraction": st.clip_fraction, "noise_std": st.noise_std / self.dp.expected}
+            st = self.dp.step_gradients(b.input_ids, b.attention_mask, b.loss_mask, step=self._step,
+                                        right_padded=b.right_padded)
+        return {k: float(v) for k, v in st.items()}
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> tuple[float, float]:
@@ -197,13 +237,15 @@ class ParallelTrainer(CentralizedTrainer):
         plain.load_state_dict(full, strict=False)
         opt.load_state_dict(optsd)
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
-        files = {"privacy.json": self.ledger_json()} if self.ledger is not None else None
+        ledger = self.ledger_json()  # accounted once (it costs ~1 s), saved twice
+        files = {"privacy.json": ledger} if ledger is not None else None
         scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
                    "initial_holdout_perplexity": self.initial_holdout[1],
                    "noise_multiplier": self.noise_multiplier,
                    "grid": [self.dims.data, self.dims.x, self.dims.y, self.dims.z]}
         ckpt.save_state(self.run, model=plain, optimizer=opt, scalars=scalars, extra=extra, files=files)
-        self.write_ledger()
+        if ledger is not None:
+            atomic_write_json(self.run.privacy_path, ledger)
 
     def restore_checkpoint(self) -> int:
         from memaudit.train import checkpoint as ckpt

@@ -22,6 +22,7 @@ References:
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Literal
 
@@ -31,6 +32,10 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 Accountant = Literal["rdp", "pld"]
+
+# dp_accounting logs (through absl) every RDP order whose series does not converge and is
+# dropped from the minimum; that is expected at small sigma and floods the terminal.
+logging.getLogger("absl").setLevel(logging.ERROR)
 
 # 156 orders: a grid at step 0.1 below 10 (where the optimum of a low-ε run lies), step 1 to
 # 64, then sparse large orders; finer than dp_accounting's default grid.

@@ -29,9 +29,24 @@ class TokenScores:
     sigma: list[np.ndarray] | None = None
 
 
-def _batches(order: np.ndarray, batch_size: int):
-    for i in range(0, len(order), batch_size):
-        yield order[i : i + batch_size]
+# `batch_size` counts sequences of this many tokens; shorter sequences are batched more
+# densely under the same token budget (exposure candidates are ~15 tokens long).
+BUDGET_SEQ_LEN = 128
+
+
+def _batches(order: np.ndarray, batch_size: int, lengths: np.ndarray | None = None):
+    """Consecutive slices of `order` (sorted by decreasing length) under a token budget."""
+    if lengths is None:
+        for i in range(0, len(order), batch_size):
+            yield order[i : i + batch_size]
+        return
+    budget = batch_size * BUDGET_SEQ_LEN
+    i = 0
+    while i < len(order):
+        width = max(int(lengths[order[i]]), 1)  # the longest in this batch (sorted order)
+        rows = max(batch_size, budget // width)
+        yield order[i : i + rows]
+        i += rows
 
 
 @torch.no_grad()
@@ -54,7 +69,7 @@ def token_logprobs(
     mus: list[np.ndarray | None] = [None] * n
     sigmas: list[np.ndarray | None] = [None] * n
     done = 0
-    for idx in _batches(order, batch_size):
+    for idx in _batches(order, batch_size, lengths):
         width = int(lengths[idx].max())
         ids = torch.zeros((len(idx), width), dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)

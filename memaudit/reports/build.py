@@ -59,11 +59,15 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
         eps = stored.get("pld") if stored.get("pld") is not None else stored.get("rdp")
     if eps is None:
         eps = math.inf
+    pu = raw.get("per_user") or None
+    if pu is not None:
+        pu = {"max_sequences_per_user": raw.get("max_sequences_per_user") or pu.get("k"),
+              "epsilon": pu.get("epsilon"), "delta": pu.get("delta"), "vacuous": bool(pu.get("vacuous"))}
     return {
         "epsilon": float(eps),
         "unit": raw.get("unit"),
         "delta": raw.get("delta"),
-        "per_user": raw.get("per_user"),
+        "per_user": pu,
         "noise_multiplier": raw.get("noise_multiplier"),
         "accounting": raw.get("accountant_note") or raw.get("adjacency"),
     }
@@ -98,6 +102,14 @@ def _per_user_text(priv: dict[str, Any]) -> str:
     return "per sequence only"
 
 
+def _train_users(rd: RunDir) -> int | None:
+    meta = rd.data_dir / "meta.json"
+    if not meta.is_file():
+        return None
+    users = read_json(meta).get("users", {}).get("train")
+    return len(users) if isinstance(users, list) else None
+
+
 def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     m = rd.read_manifest()
     cfg = m.get("config", {})
@@ -116,7 +128,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         for r in metrics
         if r.get("survivors") is not None and r.get("cohort") is not None and r.get("survivors") < r.get("cohort")
     ]
-    summary = summarize_probes(probes, show_secrets=show_secrets)
+    summary = summarize_probes(probes, run_dir=rd.path, show_secrets=show_secrets)
     desc = mech if mech == "none" else (
         f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}, "
         f"epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
@@ -129,10 +141,10 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "status": rd.status(),
         "seed": cfg.get("train", {}).get("seed"),
         "audit": bool(cfg.get("data", {}).get("audit_canaries", 0)),
-        "model": {"preset": cfg.get("model", {}).get("preset"), "params": res.get("params")},
+        "model": {"preset": cfg.get("model", {}).get("preset"), "params": res.get("parameters")},
         "data": {
             "fingerprint": (m.get("data_fingerprint") or "")[:12],
-            "users": res.get("train_users"),
+            "users": _train_users(rd),
             "sequences": res.get("train_sequences"),
         },
         "privacy": {
@@ -175,7 +187,9 @@ def _pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
     vals = [c["value"] for c in cells]
     mean = statistics.fmean(vals)
     halves = [
-        (c.get("ci_high", c["value"]) - c.get("ci_low", c["value"])) / 2 for c in cells
+        ((c.get("ci_high") if c.get("ci_high") is not None else c["value"])
+         - (c.get("ci_low") if c.get("ci_low") is not None else c["value"])) / 2
+        for c in cells
     ]
     within = statistics.fmean(halves)
     between = 1.96 * statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0

@@ -34,6 +34,11 @@ def _fmt_eps(e: float | None) -> str:
     return "no DP (epsilon = inf)" if e is None or math.isinf(e) else f"epsilon = {e:g}"
 
 
+def _bound(cell: dict[str, Any], key: str) -> float:
+    v = cell.get(key)
+    return cell["value"] if v is None else v
+
+
 def compare(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     """'less' if a leaks less than b, 'more' if more, 'same' if the intervals overlap, 'n/a'.
 
@@ -41,8 +46,8 @@ def compare(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     """
     if not a or not b or a.get("value") is None or b.get("value") is None:
         return "n/a"
-    a_lo, a_hi = a.get("ci_low", a["value"]), a.get("ci_high", a["value"])
-    b_lo, b_hi = b.get("ci_low", b["value"]), b.get("ci_high", b["value"])
+    a_lo, a_hi = _bound(a, "ci_low"), _bound(a, "ci_high")
+    b_lo, b_hi = _bound(b, "ci_low"), _bound(b, "ci_high")
     if a_hi < b_lo:
         return "less"
     if a_lo > b_hi:
@@ -50,27 +55,48 @@ def compare(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     return "same"
 
 
-def _pair_sentence(metric: str, left_name: str, left: dict, right_name: str, right: dict, context: str) -> dict[str, Any] | None:
-    label, unit, _ = METRICS[metric]
-    verdict = compare(left, right)
-    if verdict == "n/a":
-        return None
+def _cell_numbers(metric: str, left: dict, right: dict) -> str:
+    _, unit, _ = METRICS[metric]
     u = f" {unit}" if unit else ""
-    nums = f"{_fmt(left['value'])}{u} vs {_fmt(right['value'])}{u}"
-    ci = (
-        f"95% CIs [{_fmt(left.get('ci_low'))}, {_fmt(left.get('ci_high'))}] and "
+    return (
+        f"{_fmt(left['value'])}{u} vs {_fmt(right['value'])}{u}; 95% CIs "
+        f"[{_fmt(left.get('ci_low'))}, {_fmt(left.get('ci_high'))}] and "
         f"[{_fmt(right.get('ci_low'))}, {_fmt(right.get('ci_high'))}]"
     )
-    if verdict == "less":
-        text = f"{context}: {left_name} leaks less than {right_name} on {label} ({nums}; {ci})."
-    elif verdict == "more":
-        text = f"{context}: {left_name} leaks more than {right_name} on {label} ({nums}; {ci})."
-    else:
-        text = (
-            f"{context}: no difference shown between {left_name} and {right_name} on {label} "
-            f"({nums}); the difference is within the confidence intervals ({ci})."
-        )
-    return {"kind": "comparison", "metric": metric, "verdict": verdict, "context": context, "text": text}
+
+
+def _pair_sentences(cells: dict[str, dict], left_key: str, left_name: str, right_key: str,
+                    right_name: str, context: str, group: str) -> list[dict[str, Any]]:
+    """One sentence per metric that differs, and one for all metrics whose intervals overlap."""
+    out, same = [], []
+    for metric in METRICS:
+        cell = cells.get(metric)
+        if not cell:
+            continue
+        left, right = cell.get(left_key), cell.get(right_key)
+        verdict = compare(left, right)
+        if verdict == "n/a":
+            continue
+        label = METRICS[metric][0]
+        if verdict == "same":
+            same.append((metric, f"{label} ({_cell_numbers(metric, left, right)})"))
+            continue
+        word = "less" if verdict == "less" else "more"
+        out.append({
+            "kind": "comparison", "group": group, "metric": metric, "metrics": [metric],
+            "verdict": verdict, "context": context,
+            "text": f"{context}: {left_name} leaks {word} than {right_name} on {label} "
+                    f"({_cell_numbers(metric, left, right)}).",
+        })
+    if same:
+        out.append({
+            "kind": "comparison", "group": group, "metric": same[0][0], "metrics": [m for m, _ in same],
+            "verdict": "same", "context": context,
+            "text": f"{context}: no difference shown between {left_name} and {right_name} on "
+                    + "; ".join(t for _, t in same)
+                    + ": the differences are within the confidence intervals.",
+        })
+    return out
 
 
 def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,14 +104,8 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for m in report.get("comparisons", {}).get("matched", []):
         ctx = f"At {_fmt_eps(m.get('epsilon'))}"
-        for metric in METRICS:
-            cell = m.get("metrics", {}).get(metric)
-            if not cell:
-                continue
-            s = _pair_sentence(metric, "federated", cell.get("federated"), "centralized", cell.get("parallel"), ctx)
-            if s:
-                s["group"] = "backend"
-                out.append(s)
+        out += _pair_sentences(m.get("metrics", {}), "federated", "federated", "parallel", "centralized",
+                               ctx, "backend")
     return out
 
 
@@ -95,14 +115,8 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     for eff in report.get("comparisons", {}).get("effects", []):
         name = eff["treatment"]  # e.g. "DP at epsilon = 4" or "Goldfish loss"
         ctx = f"{eff['backend_label']}, {name}"
-        for metric in METRICS:
-            cell = eff.get("metrics", {}).get(metric)
-            if not cell:
-                continue
-            s = _pair_sentence(metric, f"with {name}", cell.get("treated"), "without", cell.get("baseline"), ctx)
-            if s:
-                s["group"] = "effect"
-                out.append(s)
+        out += _pair_sentences(eff.get("metrics", {}), "treated", f"with {name}", "baseline", "without",
+                               ctx, "effect")
     return out
 
 

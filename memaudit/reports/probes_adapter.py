@@ -1,9 +1,209 @@
-"""Map probes.json onto the report's headline leakage cells, plot data and table rows."""
+"""Map probes.json (schema 1) onto the report: headline leakage cells, plot data, table rows.
+
+Extracted member text shown in the report is looked up by document id in the run's
+data/documents.jsonl (probes.json keeps ids, not text); canary secrets are never shown
+unless asked.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 
-def summarize_probes(probes: dict[str, Any], *, show_secrets: bool = False) -> dict[str, Any]:
-    return {"leakage": {}, "plots": {}, "rows": [], "samples": []}
+MAX_ROC_POINTS = 200
+MAX_SAMPLES = 5
+SAMPLE_CHARS = 400
+
+
+def _stat(s: dict[str, Any] | None, **extra: Any) -> dict[str, Any] | None:
+    if not s or s.get("value") is None:
+        return None
+    return {"value": s["value"], "ci_low": s.get("ci_low"), "ci_high": s.get("ci_high"), **extra}
+
+
+def _roc(pos: list[float], neg: list[float], auc: float | None) -> dict[str, Any] | None:
+    from sklearn.metrics import roc_curve
+
+    if not pos or not neg:
+        return None
+    y = np.r_[np.ones(len(pos)), np.zeros(len(neg))]
+    fpr, tpr, _ = roc_curve(y, np.r_[pos, neg])
+    if len(fpr) > MAX_ROC_POINTS:  # keep the low-FPR end dense: it is what log-log axes show
+        idx = np.unique(np.r_[np.geomspace(1, len(fpr) - 1, MAX_ROC_POINTS).astype(int), 0, len(fpr) - 1])
+        fpr, tpr = fpr[idx], tpr[idx]
+    return {"fpr": fpr.round(6).tolist(), "tpr": tpr.round(6).tolist(), "auc": auc}
+
+
+def _ok(probe: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not probe or "skipped" in (probe.get("summary") or {}):
+        return None
+    return probe
+
+
+def _exposure(p: dict, out: dict) -> None:
+    s = p["summary"]
+    reps = sorted(s.get("by_repetitions", {}), key=int)
+    if reps:
+        top = s["by_repetitions"][reps[-1]].get("all")
+        out["leakage"]["exposure_top"] = _stat(top, repetitions=int(reps[-1]), max_exposure=s.get("max_exposure"))
+    by_owner: dict[str, list] = {}
+    for r in reps:
+        for owner in ("user", "spread"):
+            st = s["by_repetitions"][r].get(owner)
+            if st and st.get("value") is not None:
+                by_owner.setdefault(owner, []).append({"repetitions": int(r), **_stat(st)})
+    out["plots"]["exposure_by_repetition"] = by_owner
+    out["rows"].append({"probe": "exposure", "metric": f"max possible (log2|R|, {s.get('method')})",
+                        "value": s.get("max_exposure"), "ci_low": None, "ci_high": None})
+    for name in ("inserted", "references"):
+        if s.get(name):
+            out["rows"].append({"probe": "exposure", "metric": f"mean exposure, {name} canaries", **_stat(s[name])})
+    for r in reps:
+        out["rows"].append({"probe": "exposure", "metric": f"exposure, {r} repetitions", **_stat(s["by_repetitions"][r]["all"])})
+    test = s.get("inserted_vs_references") or {}
+    if test.get("p_value") is not None:
+        out["rows"].append({"probe": "exposure", "metric": f"inserted vs references p-value ({test.get('test')})",
+                            "value": test["p_value"], "ci_low": None, "ci_high": None})
+
+
+def _extraction(p: dict, out: dict, docs: dict[str, str] | None) -> None:
+    s = p["summary"]
+    disc = s.get("discoverable") or {}
+    ks = sorted(disc, key=int)
+    if ks:
+        out["leakage"]["extraction_exact"] = _stat(disc[ks[0]].get("exact"), prefix_len=int(ks[0]))
+    rows = []
+    for k in ks:
+        d = disc[k]
+        for name in ("exact", "approx_levenshtein", "approx_bleu"):
+            if d.get(name):
+                out["rows"].append({"probe": "extraction", "metric": f"{name} rate, k={k}", **_stat(d[name])})
+        for bucket, b in (d.get("by_repeats") or {}).items():
+            if b.get("exact") and b["exact"].get("value") is not None:
+                rows.append({"prefix_len": int(k), "repeats": int(bucket.split("-")[0]), "bucket": bucket,
+                             **_stat(b["exact"])})
+    out["plots"]["extraction_by_repeats"] = rows
+    can = s.get("canaries") or {}
+    if can.get("greedy"):
+        out["leakage"]["canary_completion"] = _stat(can["greedy"])
+        out["rows"].append({"probe": "extraction", "metric": "canary secret completed (greedy)", **_stat(can["greedy"])})
+    nd = s.get("non_discoverable") or {}
+    for name in ("perplexity", "zlib", "reference"):
+        block = nd.get(name)
+        if isinstance(block, dict) and block.get("rate"):
+            out["rows"].append({"probe": "extraction", "metric": f"non-discoverable memorised in top by {name}",
+                                **_stat(block["rate"])})
+    if docs:
+        scores = (p.get("scores") or {}).get("discoverable") or []
+        seen = []
+        for r in sorted(scores, key=lambda r: -r.get("repeats", 1)):
+            if r.get("exact") and r["id"] in docs and r["id"] not in seen:
+                seen.append(r["id"])
+            if len(seen) >= MAX_SAMPLES:
+                break
+        out["samples"] = [docs[i][:SAMPLE_CHARS] for i in seen]
+
+
+def _attack(name: str, label: str, summ: dict, out: dict, key: str) -> None:
+    if not summ or not summ.get("auc"):
+        return
+    out["leakage"][key] = _stat(summ["auc"])
+    out["rows"].append({"probe": name, "metric": f"{label} AUC", **_stat(summ["auc"])})
+    for fpr, st in (summ.get("tpr_at_fpr") or {}).items():
+        out["rows"].append({"probe": name, "metric": f"{label} TPR at {float(fpr):g} FPR", **_stat(st)})
+
+
+def _membership(p: dict, out: dict) -> None:
+    s = p["summary"]
+    for attack, summ in s.items():
+        if not isinstance(summ, dict) or "auc" not in summ:
+            continue
+        if attack == "loss":
+            _attack("membership", "loss attack", summ, out, "mia_auc")
+        else:
+            out["rows"].append({"probe": "membership", "metric": f"{attack} attack AUC", **_stat(summ["auc"])})
+    rows = p.get("scores") or []
+    if rows and "loss" in rows[0]:
+        pos = [r["loss"] for r in rows if r.get("member")]
+        neg = [r["loss"] for r in rows if not r.get("member")]
+        out["plots"]["membership_roc"] = _roc(pos, neg, (s.get("loss") or {}).get("auc", {}).get("value"))
+
+
+def _users(p: dict, out: dict) -> None:
+    s = p["summary"]
+    _attack("user_inference", "user inference", s, out, "user_mia_auc")
+    rows = p.get("scores") or []
+    pos = [r["score"] for r in rows if r.get("training_user")]
+    neg = [r["score"] for r in rows if not r.get("training_user")]
+    out["plots"]["user_roc"] = _roc(pos, neg, (s.get("auc") or {}).get("value"))
+
+
+def _pii(p: dict, out: dict) -> None:
+    s = p["summary"]
+    for group in ("training_users", "heldout_users"):
+        g = s.get(group) or {}
+        for name in ("extraction", "inference_top1"):
+            if g.get(name):
+                out["rows"].append({"probe": "pii", "metric": f"{name.replace('_', ' ')}, {group.replace('_', ' ')}",
+                                    **_stat(g[name])})
+    tr = (s.get("training_users") or {}).get("extraction")
+    if tr:
+        out["leakage"]["pii_extraction"] = _stat(tr)
+
+
+def _audit(p: dict, out: dict) -> None:
+    s = p["summary"]
+    out["leakage"]["audit_epsilon"] = {
+        "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None,
+        "ceiling": s.get("ceiling"), "guesses": s.get("r"), "correct": s.get("v"), "ledger_epsilon": s.get("ledger_eps"),
+    }
+    out["rows"].append({"probe": "audit", "metric": f"epsilon lower bound (r={s.get('r')}, v={s.get('v')}, p={s.get('p')})",
+                        "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None})
+    out["rows"].append({"probe": "audit", "metric": "ceiling of r guesses", "value": s.get("ceiling"),
+                        "ci_low": None, "ci_high": None})
+
+
+def _member_texts(run_dir: str | Path | None) -> dict[str, str] | None:
+    if run_dir is None:
+        return None
+    path = Path(run_dir) / "data" / "documents.jsonl"
+    if not path.is_file():
+        return None
+    texts = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                if r.get("kind", "doc") == "doc" and r.get("role") == "member":  # never canaries
+                    texts[str(r["id"])] = r["text"]
+    return texts
+
+
+def summarize_probes(probes: dict[str, Any], *, run_dir: str | Path | None = None,
+                     show_secrets: bool = False) -> dict[str, Any]:
+    """{'leakage': {metric: cell}, 'plots': {...}, 'rows': [...], 'samples': [text, ...]}."""
+    out: dict[str, Any] = {"leakage": {}, "plots": {}, "rows": [], "samples": []}
+    pr = probes.get("probes", {})
+    handlers = {
+        "exposure": _exposure,
+        "membership": _membership,
+        "user_inference": _users,
+        "pii": _pii,
+        "audit": _audit,
+    }
+    for name, fn in handlers.items():
+        p = _ok(pr.get(name))
+        if p:
+            fn(p, out)
+    p = _ok(pr.get("extraction"))
+    if p:
+        _extraction(p, out, _member_texts(run_dir))
+    for name, probe in pr.items():
+        reason = (probe.get("summary") or {}).get("skipped")
+        if reason:
+            out["rows"].append({"probe": name, "metric": f"skipped: {reason}", "value": None, "ci_low": None, "ci_high": None})
+    out["leakage"] = {k: v for k, v in out["leakage"].items() if v is not None}
+    return out

@@ -42,8 +42,13 @@ def cell(c: dict[str, Any] | None) -> str:
     return s
 
 
+def md_text(text: Any) -> str:
+    """Escape memaudit's own sentences for Markdown: no raw HTML, no table breaks."""
+    return html.escape(str(text), quote=False).replace("|", "&#124;").replace("\n", " ")
+
+
 def md(text: Any) -> str:
-    """Escape text for Markdown: no raw HTML, no table breaks, no code spans."""
+    """Escape text from training data for Markdown: no raw HTML, no markup of any kind."""
     s = html.escape(str(text), quote=True)
     return s.replace("|", "&#124;").replace("`", "&#96;").replace("\n", " ").replace("*", "&#42;").replace("_", "&#95;").replace("[", "&#91;").replace("]", "&#93;")
 
@@ -56,7 +61,7 @@ def _env(autoescape: bool) -> jinja2.Environment:
         trim_blocks=False,
         lstrip_blocks=False,
     )
-    env.globals.update(fmt=fmt, cell=cell, md=md)
+    env.globals.update(fmt=fmt, cell=cell, md=md, md_text=md_text)
     return env
 
 

@@ -18,7 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from memaudit.config import Backend, Config, _format_error, _set_dotted, config_from_dict, load_raw, parse_override
+from memaudit.config import (
+    Config,
+    _format_error,
+    _set_dotted,
+    config_from_dict,
+    load_raw,
+    parse_override,
+)
 from memaudit.errors import ConfigError
 
 
@@ -197,4 +204,3 @@ def load_sweep_config(path: str | os.PathLike, overrides: list[str] | tuple[str,
     return sweep_config_from_dict(raw, source=str(path))
 
 
-Backend  # re-exported for type hints in callers

@@ -16,8 +16,9 @@ override the seams marked "seam" below — `select_device` (a rank's GPU), `load
 writer prepares, the others load after a barrier), `build_model` (parallelize after
 building; the optimizer is built afterwards from the local shards), `local_rows` (this
 data-parallel rank's share of the global batch), `compute_gradients` / `clip_gradients` /
-`private_gradients` (collectives), `evaluate`, `save_checkpoint` / `restore_checkpoint` /
-`export_model` (shard or gather), and set `is_writer = False` on every rank but one.
+`private_gradients` / `make_dp` (collectives; DP-SGD of the sharded model), `evaluate`,
+`save_checkpoint` / `restore_checkpoint` / `export_model` (shard or gather), and set
+`is_writer = False` on every rank but one.
 
 References:
     Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (AdamW), ICLR 2019.
@@ -321,7 +322,6 @@ class CentralizedTrainer:
     # ------------------------------------------------------------------ privacy
     def setup_privacy(self) -> None:
         from memaudit.privacy.accounting import default_delta
-        from memaudit.train.dpsgd import DPSGD
         from memaudit.train.sampling import PoissonSampler
 
         p, n = self.cfg.privacy, len(self.train_set)
@@ -340,10 +340,23 @@ class CentralizedTrainer:
                                 "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
         self.noise_multiplier, self.sampling_rate, self.delta = float(sigma), q, delta
         self.sampler = PoissonSampler(n, q, seed=self.tcfg.seed)
-        self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=sigma,
-                        expected_batch_size=self.sampler.expected_batch_size, seed=p.seed,
-                        mode="ghost", micro_batch_size=self.tcfg.micro_batch_size)
+        self.dp = self.make_dp(clip=p.clip, noise_multiplier=float(sigma),
+                               expected_batch_size=self.sampler.expected_batch_size, seed=p.seed)
         self.ledger = self.new_ledger()
+
+    def make_dp(self, *, clip: float, noise_multiplier: float, expected_batch_size: float,
+                seed: int | None) -> Any:  # seam: DP-SGD of the parallel model
+        """The DP-SGD component of `self.model`, used by `private_gradients` and checkpoints.
+
+        It has `step_gradients(input_ids, attention_mask, loss_mask) -> stats` (the privatised
+        mean gradient into `.grad`), `state_dict()` and `load_state_dict(sd)`; `seed=None`
+        means secret noise.
+        """
+        from memaudit.train.dpsgd import DPSGD
+
+        return DPSGD(self.model, clip=clip, noise_multiplier=noise_multiplier,
+                     expected_batch_size=expected_batch_size, seed=seed,
+                     mode="ghost", micro_batch_size=self.tcfg.micro_batch_size)
 
     def new_ledger(self) -> Any:
         from memaudit.privacy.ledger import PrivacyLedger

@@ -140,7 +140,6 @@ def test_scan_gradient_is_still_a_federated_program():
 
 def test_auto_strategy_and_bad_values():
     x = jnp.ones((3, 4, D))
-    theta = jnp.ones((D,))
     want = "scan" if jax.default_backend() == "cpu" else "vmap"
     assert resolve_map_strategy(lambda t, x: x @ t, (jnp.ones((3, D)), x), "auto") == want
     assert resolve_map_strategy(jnp.sin, (x,), "auto") == "vmap"  # elementwise: batched
@@ -152,7 +151,6 @@ def test_auto_strategy_and_bad_values():
     prog = federated_program(lambda v: federated_map(jnp.sin, v, batch_size=0), clients=3)
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         prog(x)
-    del theta
 
 
 def _lin_loss(params, batch):

@@ -255,8 +255,54 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any]) -> dict[st
     return res
 
 
+# ----------------------------------------------------------------------------- trainer
+# ParallelTrainer runs inside the world-2 group (the same code the launcher runs in each rank);
+# the tests compare them with `train_centralized` runs of the same config in the parent.
+TRAIN_COMMON = ("data.seq_len=32", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=4")
+TRAIN_JOBS: dict[str, tuple[int, tuple[str, ...]]] = {
+    # DP-SGD sigma=0 under x=2 tensor parallelism, a clip norm that clips some examples, not all,
+    # micro-batches of 3 (the clipped sums of the passes accumulate, then one sync)
+    "dp0-x2": (2, ("parallel.x=2", "privacy.noise_multiplier=0", "privacy.clip=3.0", "privacy.seed=3",
+                   "train.micro_batch_size=3")),
+    # gradient accumulation on a data=2 grid: chunks of 3, 3, 2 global rows, each padded to 2
+    "accum-d2": (2, ("parallel.data=2", "train.micro_batch_size=3")),
+}
+
+
+def train_overrides(job: str, corpus: str, *, parallel: bool = True) -> list[str]:
+    from tests.conftest import TINY_TRAIN_OVERRIDES
+
+    extra = TRAIN_JOBS[job][1]
+    if not parallel:
+        extra = tuple(o for o in extra if not o.startswith("parallel."))
+    return [*TINY_TRAIN_OVERRIDES, f"data.path={corpus}", *TRAIN_COMMON, *extra]
+
+
+def run_train_jobs(world: int, jobs_path: str) -> dict[str, str | None]:
+    from memaudit.config import load_config
+    from memaudit.parallel.trainer_hooks import ParallelTrainer
+    from memaudit.rundir import RunDir
+    from tests.conftest import REPO_ROOT
+
+    spec = json.loads(Path(jobs_path).read_text())
+    res: dict[str, str | None] = {}
+    for job, (w, _) in TRAIN_JOBS.items():
+        if w != world:
+            continue
+        t0 = time.perf_counter()
+        try:
+            cfg = load_config(REPO_ROOT / "configs" / "tiny.yaml", train_overrides(job, spec["corpus"]))
+            path = Path(spec["out"]) / job
+            ParallelTrainer(cfg, RunDir(path)).fit()
+            res[f"train-{job}"] = None
+        except Exception:  # noqa: BLE001
+            res[f"train-{job}"] = traceback.format_exc(limit=6)
+        TIMES[f"train-{job}"] = time.perf_counter() - t0
+    return res
+
+
 # ----------------------------------------------------------------------------- entry
-def worker(rank: int, world: int, port: int, outdir: str, ref_path: str) -> None:
+def worker(rank: int, world: int, port: int, outdir: str, ref_path: str, jobs_path: str) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -269,6 +315,7 @@ def worker(rank: int, world: int, port: int, outdir: str, ref_path: str) -> None
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= model_cases(grid, ref)
+        res |= run_train_jobs(world, jobs_path)
         try:  # a grid whose product is not the world size
             build_groups(ParallelDims(data=world * 2))
             res["bad-world"] = "no error for a grid of the wrong size"

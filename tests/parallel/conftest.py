@@ -30,15 +30,18 @@ def serial_ref(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 _CACHE: dict[int, dict[str, str | None]] = {}
 
 
-def world_results(world: int, ref_path: Path, tmp: Path) -> dict[str, str | None]:
+def world_results(world: int, ref_path: Path, tmp: Path, jobs_path: Path) -> dict[str, str | None]:
     """Spawn `world` gloo processes once; every case's error (None = passed), merged over ranks."""
     if world not in _CACHE:
         import torch.multiprocessing as mp
 
         out = tmp / f"w{world}"
         out.mkdir(parents=True, exist_ok=True)
-        mp.start_processes(_workers.worker, args=(world, _free_port(), str(out), str(ref_path)),
-                           nprocs=world, join=True, start_method="spawn")
+        from memaudit.parallel.launch import rank_context
+
+        rank_context(("tests.parallel._workers",))  # fork from a server that imported torch once
+        mp.start_processes(_workers.worker, args=(world, _free_port(), str(out), str(ref_path), str(jobs_path)),
+                           nprocs=world, join=True, start_method="forkserver")
         merged: dict[str, str | None] = {}
         for r in range(world):
             for k, v in json.loads((out / f"rank{r}.json").read_text()).items():
@@ -48,7 +51,17 @@ def world_results(world: int, ref_path: Path, tmp: Path) -> dict[str, str | None
 
 
 @pytest.fixture(scope="session")
-def results(serial_ref, tmp_path_factory):
+def train_runs(tmp_path_factory, tiny_corpus) -> tuple[Path, Path]:
+    """(jobs file the workers read, folder where they write their ParallelTrainer runs)."""
+    base = tmp_path_factory.mktemp("train_jobs")
+    jobs = base / "jobs.json"
+    jobs.write_text(json.dumps({"corpus": str(tiny_corpus), "out": str(base / "runs")}))
+    (base / "runs").mkdir()
+    return jobs, base / "runs"
+
+
+@pytest.fixture(scope="session")
+def results(serial_ref, train_runs, tmp_path_factory):
     _, path = serial_ref
     tmp = tmp_path_factory.mktemp("worlds")
-    return lambda world: world_results(world, path, tmp)
+    return lambda world: world_results(world, path, tmp, train_runs[0])

@@ -1,10 +1,12 @@
 """End to end through the CLI: `memaudit train` on a 2-process grid (spawned, gloo) against
-the single-process trainer, the merged `model/` export, and resume from the gathered checkpoint."""
+the single-process trainer, the merged `model/` export, DP-SGD through the launcher (one
+ledger, dp_accounting's epsilon), and killing one rank mid-run, then `--resume` from the
+gathered checkpoint to the uninterrupted run's weights."""
 
 from __future__ import annotations
 
 import json
-import shutil
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +24,7 @@ def _metrics(path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_corpus):
     base = tmp_path_factory.mktemp("par_runs")
-    common = tiny_train_args(f"data.path={tiny_corpus}", "train.steps=4", "train.checkpoint_every=2",
+    common = tiny_train_args(f"data.path={tiny_corpus}", "data.seq_len=32", "train.steps=4", "train.checkpoint_every=2",
                              "train.eval_every=2")
     assert main(["train", TINY, "--out", str(base / "par"), *common, "--set", "parallel.x=2"]) == 0
     assert main(["train", TINY, "--out", str(base / "ser"), *common]) == 0
@@ -50,24 +52,183 @@ def test_merged_export_loads_in_one_process(runs) -> None:
         torch.testing.assert_close(a, b, atol=1e-3, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_resume_from_gathered_checkpoint(runs, tmp_path) -> None:
-    """A copy of the finished run, rolled back to its step-2 checkpoint, resumes to the same end."""
+# ----------------------------------------------------------------------------- DP, kill, resume
+DP_STEPS = 6
+
+
+def _dp_args(corpus) -> list[str]:
+    return tiny_train_args(f"data.path={corpus}", "data.seq_len=32", f"train.steps={DP_STEPS}",
+                           "train.checkpoint_every=2", "train.eval_every=6", "privacy.noise_multiplier=0.8",
+                           "privacy.clip=1.0", "privacy.seed=5", "privacy.delta=1e-4", "parallel.x=2")
+
+
+@pytest.fixture(scope="module")
+def dp_ref(tmp_path_factory, tiny_corpus):
+    """An uninterrupted DP-SGD (sigma=0.8) run on x=2, through the launcher."""
+    out = tmp_path_factory.mktemp("dp_ref") / "run"
+    assert main(["train", TINY, "--out", str(out), *_dp_args(tiny_corpus)]) == 0
+    return out
+
+
+def test_dp_through_the_launcher_writes_one_ledger_with_the_accounted_epsilon(dp_ref) -> None:
+    import dp_accounting
+
+    from memaudit.privacy.accounting import RDP_ORDERS
+
+    assert [p.name for p in dp_ref.glob("privacy*.json")] == ["privacy.json"]  # one ledger, not one per rank
+    ledger = json.loads((dp_ref / "privacy.json").read_text())
+    result = RunDir(dp_ref).read_manifest()["result"]
+    q = 8 / result["train_sequences"]
+    assert ledger["steps"] == DP_STEPS and ledger["sampling_rate"] == pytest.approx(q, rel=1e-12)
+    acc = dp_accounting.rdp.RdpAccountant(list(RDP_ORDERS))
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(0.8)), DP_STEPS))
+    assert ledger["epsilon"]["rdp"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
+    assert result["privacy"]["epsilon"]["rdp"] == ledger["epsilon"]["rdp"]
+    metrics = _metrics(dp_ref)
+    assert [m["step"] for m in metrics] == list(range(1, DP_STEPS + 1))
+    assert metrics[0]["noise_std"] == pytest.approx(0.8 * 1.0 / 8, rel=1e-9)
+    # Poisson batch sizes are the sampler's own draws, whatever the grid
+    from memaudit.train.sampling import PoissonSampler
+
+    sampler = PoissonSampler(result["train_sequences"], q, seed=0)
+    assert [m["batch_size"] for m in metrics] == [len(sampler.indices(t)) for t in range(DP_STEPS)]
+
+
+def _dead(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_killing_one_rank_stops_the_others_and_resume_recovers(dp_ref, tiny_corpus, tmp_path) -> None:
+    """SIGKILL of rank 1 mid-run: the launcher stops rank 0 and exits non-zero, run.json says
+    failed (or interrupted), and --resume ends with the uninterrupted run's weights and ledger."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
     import torch
     from safetensors.torch import load_file
 
-    cp = tmp_path / "cp"
-    shutil.copytree(runs / "par", cp)
-    shutil.rmtree(cp / "model")
-    RunDir(cp).update_manifest(status="interrupted")
-    assert json.loads((cp / "state" / "trainer.json").read_text())["step"] == 2
-    assert main(["train", "--resume", str(cp)]) == 0
-    a, b = _metrics(cp), _metrics(runs / "par")
-    assert [m["step"] for m in a] == [1, 2, 3, 4]
-    for x, y in zip(a[2:], b[2:], strict=True):
-        assert abs(x["loss"] - y["loss"]) < 1e-6
-    wa, wb = load_file(str(cp / "model" / "model.safetensors")), load_file(str(runs / "par" / "model" / "model.safetensors"))
+    run, pids = tmp_path / "killed", tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, "MEMAUDIT_PARALLEL_PID_DIR": str(pids), "MEMAUDIT_DIST_TIMEOUT_S": "120"}
+    proc = subprocess.Popen([sys.executable, "-m", "memaudit.cli", "train", TINY, "--out", str(run),
+                             *_dp_args(tiny_corpus)], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = run / "metrics.jsonl"
+            if m.is_file() and len(m.read_text().splitlines()) >= 3:  # past the step-2 checkpoint
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.communicate()
+        pid0, pid1 = (int((pids / f"rank{r}.pid").read_text()) for r in (0, 1))
+        os.kill(pid1, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        stopped = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    assert "parallel rank" in err.strip().splitlines()[-1], err
+    assert _dead(pid0) and _dead(pid1)
+    assert stopped < 60, stopped  # a rank blocked in a collective was not waited on forever
+    manifest = RunDir(run).read_manifest()
+    assert manifest["status"] in ("failed", "interrupted"), manifest["status"]
+    done = len(_metrics(run))
+    assert 3 <= done < DP_STEPS  # it really stopped mid-run
+
+    assert main(["train", "--resume", str(run)]) == 0
+    assert RunDir(run).read_manifest()["status"] == "complete"
+    a, b = _metrics(run), _metrics(dp_ref)
+    assert [m["step"] for m in a] == list(range(1, DP_STEPS + 1))
+    for x, y in zip(a, b, strict=True):
+        assert x["batch_size"] == y["batch_size"] and abs(x["loss"] - y["loss"]) < 1e-6, (x, y)
+    wa = load_file(str(run / "model" / "model.safetensors"))
+    wb = load_file(str(dp_ref / "model" / "model.safetensors"))
     for k in wb:
-        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+    la, lb = (json.loads((p / "privacy.json").read_text()) for p in (run, dp_ref))
+    assert la["steps"] == lb["steps"] == DP_STEPS and la["epsilon"] == lb["epsilon"]
+
+
+def _hang_worker(rank: int, port: int, out: str) -> None:
+    """Rank 1 never joins the collective and ignores SIGTERM; rank 0 must time out, not hang."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from memaudit.parallel.dims import ParallelDims
+    from memaudit.parallel.launch import init_distributed
+
+    os.setsid()  # as `_rank_main`: the stop helper kills process groups
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      MEMAUDIT_DIST_TIMEOUT_S="3")
+    init_distributed(ParallelDims(x=2), requested_backend="gloo")
+    if rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(600)
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        msg = "no error"
+    except RuntimeError as e:
+        msg = str(e).splitlines()[0]
+    (Path(out) / "rank0.txt").write_text(json.dumps([time.monotonic() - t0, msg]))
+    os._exit(0)  # (a clean destroy_process_group would wait for the hung peer)
+
+
+def test_a_collective_with_a_hung_peer_times_out_and_the_stop_helper_kills_it(tmp_path) -> None:
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    from memaudit.parallel.launch import _stop_ranks, rank_context
+
+    rank_context()
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    procs = mp.start_processes(_hang_worker, args=(port, str(tmp_path)), nprocs=2, join=False,
+                               start_method="forkserver")
+    try:
+        procs.processes[0].join(timeout=60)
+        waited, msg = json.loads((tmp_path / "rank0.txt").read_text())
+        assert 2.5 <= waited < 30, (waited, msg)  # MEMAUDIT_DIST_TIMEOUT_S=3 was honoured
+        assert msg != "no error"
+        assert procs.processes[1].is_alive()
+        t0 = time.monotonic()
+        _stop_ranks(procs, grace=1.0)  # SIGTERM is ignored: SIGKILL of its process group
+        assert not procs.processes[1].is_alive() and time.monotonic() - t0 < 10
+    finally:
+        for pr in procs.processes:
+            if pr.is_alive():
+                pr.kill()
+
+
+def test_dist_timeout_must_be_a_positive_number(monkeypatch) -> None:
+    from memaudit.parallel.launch import dist_timeout
+
+    monkeypatch.setenv("MEMAUDIT_DIST_TIMEOUT_S", "45")
+    assert dist_timeout().total_seconds() == 45
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("MEMAUDIT_DIST_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="MEMAUDIT_DIST_TIMEOUT_S") as e:
+            dist_timeout()
+        assert "\n" not in str(e.value)
 
 
 def test_grid_that_does_not_divide_the_model_is_one_line(tmp_path, capsys) -> None:

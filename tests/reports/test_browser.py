@@ -1,9 +1,8 @@
 """The report in a real headless browser: plots drawn, no console errors, no network, no dialog."""
 
+from memaudit.reports.write import write_report
 from tests.reports.browser import check_report, chromium_path
 from tests.reports.test_render import XSS, make_report
-
-from memaudit.reports.write import write_report
 
 
 def test_report_in_headless_chromium(tmp_path):

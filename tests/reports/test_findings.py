@@ -27,13 +27,14 @@ def _report(fed_mia, par_mia):
 )
 def test_backend_sentence_follows_the_numbers(fed, par, verdict, phrase):
     rep = _report(fed, par)
-    sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend" and s["metric"] == "mia_auc"]
+    sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend" and "mia_auc" in s["metrics"]]
     assert len(sents) == 1
     assert sents[0]["verdict"] == verdict
     assert phrase in sents[0]["text"]
     assert "epsilon = 4" in sents[0]["text"]
     if verdict == "same":
         assert "within the confidence intervals" in sents[0]["text"]
+        assert "membership-inference AUC" in sents[0]["text"]
 
 
 def test_compare_touching_intervals_is_same():

@@ -1,8 +1,17 @@
 """Pseudorandom mask expansion: AES-256-CTR keystream read as uint32 words.
 
-The hot loop of secure aggregation. One encryptor per seed encrypts a zero
-buffer of 4*d bytes in one call; numpy views the result as uint32 with no copy.
-Arithmetic on the masks is modulo 2^32 (numpy uint32 wraps).
+The hot loop of secure aggregation. One encryptor per seed; the keystream is
+written with ``update_into`` into a preallocated buffer (no allocation per call)
+and numpy views it as uint32 with no copy. Arithmetic on the masks is modulo
+2^32 (numpy uint32 wraps). `add_masks` adds several masks in one pass over the
+accumulator, chunk by chunk, so the accumulator leaves the cache once per chunk
+whatever the number of masks.
+
+Where the time goes (one core): AES-256-CTR itself runs at the speed of
+encrypting a cache-resident buffer; on top of it the mod-2^32 add reads the
+keystream chunk from cache and reads and writes the accumulator chunk, which for
+a large accumulator comes from memory. That add is what separates a mask from
+raw AES-CTR; `add_masks` amortises its memory part over the masks.
 """
 
 from __future__ import annotations
