@@ -1,0 +1,129 @@
+"""The whole pipeline in reduced form: a sweep over both backends, killed and re-run, then the
+report in a headless browser, on a corpus whose member text carries HTML/JS payloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memaudit.cli import main
+from memaudit.io import read_json
+from tests.reports.browser import check_report, chromium_path
+
+XSS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
+FILLER = ("the quarterly inventory report lists every shelf and crate in the north warehouse "
+          "together with the name of the clerk who counted it on the last friday of the month")
+
+
+def _corpus(tmp: Path) -> Path:
+    out = tmp / "corpus.jsonl"
+    assert main(["data", "synth", "--users", "16", "--docs-per-user", "3", "--seed", "3", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    # payload documents, repeated so the no-DP centralized model memorises them
+    for i, payload in enumerate(XSS):
+        rows += [{"id": f"x{i}-{j}", "user": "u0001", "text": f"{payload} {FILLER} {i}"} for j in range(24)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return out
+
+
+def _sweep_config(tmp: Path, corpus: Path) -> Path:
+    cfg = {
+        "base": {
+            "data": {"path": str(corpus), "seq_len": 96, "heldout_users": 0.25,
+                     "canaries": {"repetitions": [1, 8], "owners": ["user", "spread"], "secret_length": 3}},
+            "model": {"preset": "tiny"},
+            "train": {"steps": 60, "batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "eval_every": 30,
+                      "checkpoint_every": 30},
+            "federated": {"rounds": 3, "cohort": 4, "local_steps": 2, "local_batch_size": 2,
+                          "eval_every": 3, "checkpoint_every": 3},
+        },
+        "per_backend": {"federated": {"privacy.clip": 0.5}},
+        "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf", 8], "seeds": 1},
+        "probe": {"batch_size": 32, "extra": {
+            "n_boot": 100, "nd_samples": 8, "nd_length": 32, "extraction_ks": [16], "extraction_m": 16,
+            "pii_max_items": 20, "canary_samples": 2}},
+    }
+    path = tmp / "sweep.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    cfg = _sweep_config(tmp, _corpus(tmp))
+    out = tmp / "out"
+    first = out / "runs" / "parallel-epsinf-s0"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.Popen([sys.executable, "-m", "memaudit.cli", "sweep", str(cfg), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if (first / "probes.json").is_file() and (out / "runs" / "parallel-eps8-s0" / "run.json").is_file():
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        os.killpg(proc.pid, signal.SIGKILL)  # mid-sweep: the second point is training
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    finished_first = read_json(first / "run.json")["timings"]["finished"]
+    probes_mtime = (first / "probes.json").stat().st_mtime
+    rc = main(["sweep", str(cfg), "--out", str(out)])
+    return out, rc, finished_first, probes_mtime
+
+
+def test_rerun_after_kill_completes_without_redoing(swept):
+    out, rc, finished_first, probes_mtime = swept
+    assert rc == 0
+    summary = read_json(out / "sweep.json")
+    assert summary["status"] == "complete"
+    actions = {o["name"]: o["action"] for o in summary["outcomes"]}
+    assert actions["parallel-epsinf-s0"] == "skipped"
+    assert actions["parallel-eps8-s0"] in ("resumed", "trained")
+    first = out / "runs" / "parallel-epsinf-s0"
+    assert read_json(first / "run.json")["timings"]["finished"] == finished_first
+    assert (first / "probes.json").stat().st_mtime == probes_mtime
+    for name in actions:
+        assert read_json(out / "runs" / name / "run.json")["status"] == "complete"
+
+
+def test_report_compares_backends_and_follows_ledgers(swept):
+    out, *_ = swept
+    rep = json.loads((out / "report" / "report.json").read_text())
+    ids = {r["id"]: r for r in rep["runs"]}
+    assert set(ids) == {"parallel-epsinf-s0", "parallel-eps8-s0", "federated-epsinf-s0", "federated-eps8-s0"}
+    assert ids["parallel-eps8-s0"]["privacy"]["unit"] == "example"
+    assert ids["federated-eps8-s0"]["privacy"]["unit"] == "user"
+    for rid in ("parallel-eps8-s0", "federated-eps8-s0"):
+        assert 0 < ids[rid]["privacy"]["epsilon"] <= 8.0 + 1e-6  # calibrated to the nominal target
+    assert {m["epsilon"] for m in rep["comparisons"]["matched"]} == {8.0, "inf"}
+    assert rep["findings"]["sentences"], "findings are generated from the numbers"
+    md = (out / "report" / "report.md").read_text()
+    assert "centralized" in md and "federated" in md
+
+
+def test_payloads_extracted_and_shown_as_text_in_browser(swept):
+    out, *_ = swept
+    assert chromium_path(), "Chromium is missing: scripts/install_browser.sh installs it"
+    html_path = out / "report" / "report.html"
+    html = html_path.read_text()
+    for bad in XSS:
+        assert bad not in html
+    seen = check_report(html_path, out / "report" / "screenshot.png")
+    assert seen["dialogs"] == [] and seen["console_errors"] == [] and seen["page_errors"] == []
+    assert seen["external_requests"] == []
+    assert seen["plots"] >= 3
+    assert seen["img_elements"] == 0
+    shown = " ".join(seen["sample_texts"])
+    assert any(p in shown for p in XSS), "the memorised payload text should be extracted and shown escaped"
