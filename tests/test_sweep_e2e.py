@@ -19,8 +19,7 @@ from memaudit.io import read_json
 from tests.reports.browser import check_report, chromium_path
 
 XSS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
-FILLER = ("the quarterly inventory report lists every shelf and crate in the north warehouse "
-          "together with the name of the clerk who counted it on the last friday of the month")
+FILLER = "the quarterly inventory report lists every shelf in the north warehouse"
 
 
 def _corpus(tmp: Path) -> Path:
@@ -29,7 +28,7 @@ def _corpus(tmp: Path) -> Path:
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     # payload documents, repeated so the no-DP centralized model memorises them
     for i, payload in enumerate(XSS):
-        rows += [{"id": f"x{i}-{j}", "user": "u0001", "text": f"{payload} {FILLER} {i}"} for j in range(24)]
+        rows += [{"id": f"x{i}-{j}", "user": "u0001", "text": f"{payload} {FILLER} {i}"} for j in range(32)]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return out
 
@@ -37,11 +36,11 @@ def _corpus(tmp: Path) -> Path:
 def _sweep_config(tmp: Path, corpus: Path) -> Path:
     cfg = {
         "base": {
-            "data": {"path": str(corpus), "seq_len": 96, "heldout_users": 0.25,
+            "data": {"path": str(corpus), "seq_len": 128, "heldout_users": 0.25,
                      "canaries": {"repetitions": [1, 8], "owners": ["user", "spread"], "secret_length": 3}},
             "model": {"preset": "tiny"},
-            "train": {"steps": 60, "batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "eval_every": 30,
-                      "checkpoint_every": 30},
+            "train": {"steps": 100, "batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "eval_every": 50,
+                      "checkpoint_every": 50},
             "federated": {"rounds": 3, "cohort": 4, "local_steps": 2, "local_batch_size": 2,
                           "eval_every": 3, "checkpoint_every": 3},
         },
