@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Set up (CPU) and run the main job on the embedded default: synthetic corpus, tiny model.
+# Set up (CPU) and run the main job on the embedded default: synthetic corpus with PII and
+# canaries, tiny model, both backends without DP and at two target epsilons; then probes and
+# one report in runs/quickstart/report/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-memaudit train configs/tiny.yaml --out runs/tiny --overwrite
+memaudit sweep configs/quickstart.yaml --out runs/quickstart
+echo "open runs/quickstart/report/report.html"
