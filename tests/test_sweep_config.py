@@ -1,0 +1,90 @@
+"""Sweep configs (configs/quickstart.yaml, configs/paper-scale.yaml) and sweep/report bad input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memaudit.cli import main
+from memaudit.io import atomic_write_json
+from memaudit.sweep.config import load_sweep_config, plan_points, point_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SWEEP_FILES = sorted(p for p in CONFIGS.glob("*.yaml") if {"grid", "base", "base_config"} & set(yaml.safe_load(p.read_text()) or {}))
+
+
+def test_sweep_files_are_found():
+    assert {p.name for p in SWEEP_FILES} >= {"quickstart.yaml", "paper-scale.yaml"}
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
+def test_every_sweep_config_validates_every_point(path):
+    cfg = load_sweep_config(path)
+    points = plan_points(cfg)
+    assert points
+    for p in points:
+        run_cfg = point_config(cfg, p)
+        assert run_cfg.backend == p.backend
+        if p.level is None:
+            assert not run_cfg.privacy.enabled
+        if p.backend == "federated":
+            assert not run_cfg.train.goldfish.enabled
+
+
+def test_quickstart_is_both_backends_no_dp_and_two_epsilons_one_seed():
+    cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
+    pts = plan_points(cfg)
+    assert {p.backend for p in pts} == {"parallel", "federated"}
+    assert sorted({p.nominal_epsilon for p in pts}) == [2.0, 8.0, math.inf]
+    assert {p.seed for p in pts} == {0}
+    assert point_config(cfg, pts[0]).model.preset == "tiny"
+
+
+def test_paper_scale_is_gpu_scale():
+    cfg = load_sweep_config(CONFIGS / "paper-scale.yaml")
+    pts = plan_points(cfg)
+    c = point_config(cfg, pts[0])
+    assert c.model.preset == "1b" and c.data.path and c.parallel.world_size >= 16
+    assert c.federated.cohort >= 100 and len(cfg.grid.seed_list) >= 3
+    assert any(p.audit for p in pts) and any(p.goldfish for p in pts)
+    assert not any(p.goldfish and p.backend == "federated" for p in pts)
+
+
+def test_cli_overrides_shape_the_grid(tmp_path):
+    cfg = load_sweep_config(CONFIGS / "quickstart.yaml", ["grid.epsilons=[1, 4, 16, inf]", "grid.seeds=3",
+                                                          "grid.backends=[parallel]"])
+    names = [p.name for p in plan_points(cfg)]
+    assert len(names) == 12 and names[0] == "parallel-eps1-s0" and "parallel-epsinf-s2" in names
+
+
+def _err(capsys, argv):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_sweep_bad_input_one_line(tmp_path, capsys):
+    assert "unknown backend 'tpu'" in _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--backends", "parallel,tpu", "--out", str(tmp_path / "s")])
+    fed_gf = tmp_path / "gf.yaml"
+    fed_gf.write_text(yaml.safe_dump({"base_config": str(CONFIGS / "tiny.yaml"),
+                                      "per_backend": {"federated": {"train.goldfish.enabled": True}}}))
+    assert "centralized-only" in _err(capsys, ["sweep", str(fed_gf), "--out", str(tmp_path / "s")])
+    assert "not a number" in _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--epsilons", "1,x"])
+    assert "on or off" in _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--goldfish", "maybe"])
+    assert not (tmp_path / "s").exists()
+
+
+def test_report_bad_input_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no runs found" in _err(capsys, ["report", str(empty), "--out", str(tmp_path / "r")])
+    run = tmp_path / "runs" / "a"
+    atomic_write_json(run / "run.json", {"status": "complete", "backend": "parallel", "config": {}})
+    msg = _err(capsys, ["report", str(tmp_path / "runs"), "--out", str(tmp_path / "r")])
+    assert "no probes.json" in msg and str(run) in msg and "memaudit probe" in msg
+    assert not (tmp_path / "r").exists()
