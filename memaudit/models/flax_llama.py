@@ -31,19 +31,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from memaudit.models.presets import LlamaPreset, get_preset
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FlaxLlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
+class FlaxLlamaConfig(LlamaPreset):
+    """A preset's shape (the same fields as `LlamaPreset`) plus the compute dtype."""
+
     dtype: Any = jnp.float32  # compute dtype; parameters stay float32
 
     @property
@@ -52,8 +46,6 @@ class FlaxLlamaConfig:
 
     @classmethod
     def from_preset(cls, name: str, *, vocab_size: int | None = None, dtype: Any = jnp.float32) -> FlaxLlamaConfig:
-        from memaudit.models.presets import get_preset
-
         p = dataclasses.asdict(get_preset(name))
         if vocab_size is not None:
             p["vocab_size"] = vocab_size

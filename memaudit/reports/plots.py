@@ -13,8 +13,6 @@ import matplotlib.pyplot as plt
 
 plt.rcParams.update({"svg.hashsalt": "memaudit", "font.size": 9, "figure.dpi": 96})
 
-_INF_X = None  # where epsilon = inf is drawn; set per plot
-
 
 def _svg(fig) -> str:
     buf = io.StringIO()
