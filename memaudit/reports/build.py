@@ -54,7 +54,7 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
 
         ledger = PrivacyLedger.from_json(raw)
         eps = ledger.epsilon("pld") if raw.get("epsilon", {}).get("pld") is not None else ledger.epsilon("rdp")
-    except Exception:  # noqa: BLE001 - fall back to the stored value, flagged
+    except Exception:  # noqa: BLE001 - a ledger this version cannot parse: use its stored epsilon
         stored = raw.get("epsilon", {})
         eps = stored.get("pld") if stored.get("pld") is not None else stored.get("rdp")
     if eps is None:
