@@ -96,13 +96,20 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the complete directory `tmp` at `path` by renames (same file system); the
+    previous `path` is moved aside first and removed only after the new one is in place."""
+    tmp, path = Path(tmp), Path(path)
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -69,10 +69,16 @@ def _open_resume(path: Path, config: Path | None, overrides: list[str]):
     if config is not None or overrides:
         given = load_config(config, overrides) if config is not None else with_overrides(
             cfg, dict(_split(o) for o in overrides))
-        key = _first_difference(dump_config(given), dump_config(cfg), skip={"output_dir"})
+        # the grid may change (e.g. fewer nodes): checkpoints load into any grid
+        key = _first_difference(dump_config(given), dump_config(cfg), skip={"output_dir", "parallel"})
         if key is not None:
             raise ConfigError(f"'{key}' differs from the config of run '{run.path}'; resume uses "
-                              "the run's own config, so drop CONFIG/--set or start a new run")
+                              "the run's own config (only parallel.* may change), so drop "
+                              "CONFIG/--set or start a new run")
+        if given.parallel != cfg.parallel:
+            if cfg.backend == "federated":
+                raise ConfigError("parallel.* does not apply to the federated backend; drop it from --set")
+            cfg = cfg.model_copy(update={"parallel": given.parallel})
     status = run.status()
     if status == "complete":
         raise MemauditError(f"run '{run.path}' is already complete; nothing to resume "

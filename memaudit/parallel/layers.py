@@ -24,6 +24,7 @@ from torch import nn
 
 from memaudit.parallel import ghost
 from memaudit.parallel.comm import Comm, reduce_partial
+from memaudit.parallel.dims import ParallelDims
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -53,6 +54,46 @@ class ShardSpec:
         if not self.z_flat:
             return t.contiguous()
         return z_piece(t.reshape(-1), comm, pad=pad)
+
+    def flat_index(self, dims: ParallelDims, rank: int, *, device: Any = None) -> torch.Tensor:
+        """Where each element of rank `rank`'s shard sits in the flattened full tensor (-1 for
+        z padding): this layout applied to `arange`, for any grid, without process groups."""
+        numel = math.prod(self.full_shape)
+        ar = torch.arange(numel, dtype=torch.int64, device=device).view(self.full_shape)
+        return self.local(ar, _At(dims, rank), pad=-1).reshape(-1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"full_shape": list(self.full_shape), "row": self.row, "col": self.col, "z_flat": self.z_flat}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ShardSpec:
+        """The slicing of a saved layout (enough to place and cut shards; no gradient axes)."""
+        return cls(tuple(int(n) for n in d["full_shape"]), d["row"], d["col"], bool(d["z_flat"]), (), ())
+
+
+class _At:
+    """The sizes of a grid and the coordinates of one of its ranks, as `Comm` reports them."""
+
+    def __init__(self, dims: ParallelDims, rank: int) -> None:
+        self.dims, self.coords = dims, dims.coords(rank)
+
+    def size(self, axis: str) -> int:
+        return self.dims.size(axis)
+
+    def index(self, axis: str) -> int:
+        return self.coords[str(axis)]
+
+
+def assemble(spec: ShardSpec, dims: ParallelDims, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The full tensor from the shards of `dims`' tensor-parallel ranks 0..x*y*z-1 (`pieces`
+    maps rank -> its local tensor; data replicas hold copies and are not needed)."""
+    first = next(iter(pieces.values()))
+    full = torch.zeros(math.prod(spec.full_shape), dtype=first.dtype, device=first.device)
+    for r in range(dims.tp_size):
+        idx = spec.flat_index(dims, r, device=first.device)
+        keep = idx >= 0
+        full[idx[keep]] = pieces[r].reshape(-1)[keep]
+    return full.view(spec.full_shape)
 
 
 def z_piece(flat: torch.Tensor, comm: Comm, *, pad: float = 0.0) -> torch.Tensor:

@@ -11,15 +11,18 @@ References: Singh et al., AxoNN (SC'24); torchtitan's `parallelize_llama`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from memaudit.parallel.comm import Comm, _all_gather
 from memaudit.parallel.dims import ParallelDims, ProcessGroups, build_groups
-from memaudit.parallel.layers import ParallelEmbedding, TPLinear, vocab_parallel_cross_entropy
+from memaudit.parallel.layers import (
+    ParallelEmbedding,
+    TPLinear,
+    assemble,
+    vocab_parallel_cross_entropy,
+)
 from memaudit.parallel.norm import ParallelRMSNorm
 
 _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -95,8 +98,8 @@ class ParallelLlama(nn.Module):
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         load_full_state_dict(self, sd)
 
-    def full_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
-        return full_state_dict(self, grads=grads)
+    def full_state_dict(self, *, grads: bool = False, dst: int | None = None) -> dict[str, torch.Tensor]:
+        return full_state_dict(self, grads=grads, dst=dst)
 
 
 def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups | None = None,
@@ -174,38 +177,43 @@ def load_full_state_dict(model: ParallelLlama, sd: dict[str, torch.Tensor]) -> N
             p.copy_(p.shard_spec.local(full, model.comm))
 
 
-def full_state_dict(model: ParallelLlama, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Merge the shards into full Hugging Face-named tensors (on every rank; a collective).
+def full_state_dict(model: ParallelLlama, *, grads: bool = False, dst: int | None = None,
+                    ) -> dict[str, torch.Tensor]:
+    """Merge the shards into full Hugging Face-named tensors (a collective over the world).
 
-    `grads=True` merges the gradients instead. Each rank's flat-index map of its shard (the same slicing applied to `arange`) says where
-    its values go, so one all-gather over the world merges any layout.
+    `grads=True` merges the gradients instead. With `dst`, only rank `dst` receives the
+    tensors (the others get {}); otherwise every rank does.
     """
     out: dict[str, torch.Tensor] = {}
     for name, p in model.hf.named_parameters():
         src = p.grad if grads else p
-        out[name] = merge_tensor(model, p, torch.zeros_like(p) if src is None else src)
+        full = merge_tensor(model, p, torch.zeros_like(p) if src is None else src, dst=dst)
+        if full is not None:
+            out[name] = full
     return out
 
 
-def merge_tensor(model: ParallelLlama, p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+def merge_tensor(model: ParallelLlama, p: nn.Parameter, local: torch.Tensor, *,
+                 dst: int | None = None) -> torch.Tensor | None:
     """The full tensor of which `local` is this rank's shard, laid out like parameter `p`
-    (its value, gradient or an optimizer moment). A collective over the world."""
-    spec = p.shard_spec
-    numel = math.prod(spec.full_shape)
-    dev = local.device  # NCCL gathers device tensors, gloo CPU ones
-    idx = spec.local(torch.arange(numel, dtype=torch.float64, device=dev).view(spec.full_shape), model.comm,
-                     pad=-1.0)
-    vals = local.detach().reshape(-1).to(torch.float64)
-    pair = torch.stack([idx.reshape(-1), vals])  # (2, n_local)
+    (its value, gradient or an optimizer moment). A collective over the world: the shards
+    are gathered in their own dtype and placed by each rank's slice of the layout; with
+    `dst`, only that rank gets the result (None elsewhere)."""
+    dims = model.pg.dims
+    vals = local.detach().reshape(-1).contiguous()
+    n = vals.numel()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        allp = torch.empty(world * pair.numel(), dtype=pair.dtype, device=dev)
-        _all_gather(allp, pair.reshape(-1))  # gloo wants flat tensors
-        allp = allp.view(world, *pair.shape)
+    if world == 1:
+        pieces = {0: vals}
+    elif dst is None:
+        allv = torch.empty(world * n, dtype=vals.dtype, device=vals.device)
+        _all_gather(allv, vals)  # gloo wants flat tensors
+        pieces = {r: allv[r * n:(r + 1) * n] for r in range(dims.tp_size)}
     else:
-        allp = pair.unsqueeze(0)
-    ids, v = allp[:, 0].reshape(-1), allp[:, 1].reshape(-1)
-    keep = ids >= 0
-    full = torch.zeros(numel, dtype=torch.float64, device=dev)
-    full[ids[keep].long()] = v[keep]
-    return full.view(spec.full_shape).to(dtype=p.dtype, device=p.device)
+        rank = dist.get_rank()
+        bufs = [torch.empty_like(vals) for _ in range(world)] if rank == dst else None
+        dist.gather(vals, bufs, dst=dst)
+        if bufs is None:
+            return None
+        pieces = dict(enumerate(bufs[:dims.tp_size]))
+    return assemble(p.shard_spec, dims, pieces).to(dtype=p.dtype, device=p.device)

@@ -4,9 +4,10 @@ One instance per rank. The process groups are built before anything else (so tha
 collective is interleaved with the writer's data preparation); rank 0 is the writer. Each
 step's global batch is padded with masked rows to a multiple of data*z and sliced; the
 loss/gradients, clipping, DP-SGD, evaluation and checkpoints go through
-`memaudit.parallel`. Checkpoints are gathered: `state/` holds one full (single-process)
-checkpoint, including merged AdamW moments, so any grid (or one process) resumes from it
-exactly; `model/` is the merged Hugging Face export.
+`memaudit.parallel`. Checkpoints are sharded (`memaudit.parallel.checkpoint`): each rank
+writes its own shards and AdamW moments, the same x*y*z grid resumes exactly, and any other
+grid (or one process) resumes from the assembled tensors; `model/` is the merged Hugging
+Face export, gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from memaudit.io import atomic_write_json
 from memaudit.parallel import clip as pclip
 from memaudit.parallel.dims import ParallelDims, build_groups
 from memaudit.parallel.dp import dp_sgd_backward
-from memaudit.parallel.parallelize import ParallelLlama, merge_tensor, parallelize_llama
+from memaudit.parallel.parallelize import ParallelLlama, parallelize_llama
 from memaudit.train.trainer import Batch, CentralizedTrainer
 
 
@@ -204,78 +204,61 @@ class ParallelTrainer(CentralizedTrainer):
         return loss, math.exp(min(loss, 700.0))
 
     # ------------------------------------------------------------------ checkpoints
-    def _plain(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """A single-process model and AdamW holding the merged state (every rank builds one)."""
+    def write_state(self, scalars: dict[str, Any], *, extra: dict[str, Any],
+                    files: dict[str, Any] | None) -> None:
+        from memaudit.parallel.checkpoint import save_sharded
+
+        save_sharded(self.run, self.model, self.optimizer, scalars=scalars, extra=extra, files=files)
+
+    def read_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A sharded checkpoint (any grid; exact on the same x*y*z), or a full single-process one
+        sliced for this grid."""
+        from memaudit.parallel import checkpoint as pckpt
+        from memaudit.train import checkpoint as ckpt
+
+        scalars = ckpt.read_scalars(self.run)
+        if scalars.get("format") != pckpt.FORMAT:
+            return self._read_full_state()
+        d, saved = self.dims, scalars.get("grid", [])
+        same_tp = list(saved[1:]) == [d.x, d.y, d.z]
+        model = self.model
+        pckpt.load_sharded(self.run, params=dict(model.hf.named_parameters()), optimizer=self.optimizer,
+                           local=lambda n, full: model.hf.get_parameter(n).shard_spec.local(full, model.comm),
+                           own_rank=self.pg.rank % d.tp_size if same_tp else None)
+        if list(saved) == list(d.grid()):
+            pckpt.restore_rng(self.run, self.pg.rank)
+        return scalars, ckpt.read_extra(self.run)
+
+    def _read_full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Every rank loads the full checkpoint into a plain model and AdamW and keeps its slices."""
         from memaudit.models.presets import build_model
+        from memaudit.train import checkpoint as ckpt
 
         vocab = self.model.hf.config.vocab_size
         plain = build_model(self.cfg.model.preset, vocab_size=vocab, seed=self.cfg.model.init_seed)
         t = self.tcfg
         opt = torch.optim.AdamW(plain.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        return plain, opt
-
-    def _merged_optimizer_state(self) -> dict[str, Any]:
-        sd = self.optimizer.state_dict()
-        params = list(self.model.hf.parameters())
-        state = {}
-        for i, p in enumerate(params):
-            st = sd["state"].get(i)
-            if st is None:
-                continue
-            state[i] = {k: (merge_tensor(self.model, p, v) if torch.is_tensor(v) and v.shape == p.shape else v)
-                        for k, v in st.items()}
-        return {"state": state, "param_groups": sd["param_groups"]}
-
-    def save_checkpoint(self, step: int) -> None:
-        from memaudit.train import checkpoint as ckpt
-
-        full = self.model.full_state_dict()  # collectives: every rank takes part
-        optsd = self._merged_optimizer_state()
-        if not self.is_writer:
-            return
-        plain, opt = self._plain()
-        plain.load_state_dict(full, strict=False)
-        opt.load_state_dict(optsd)
-        extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
-        ledger = self.ledger_json()  # accounted once (it costs ~1 s), saved twice
-        files = {"privacy.json": ledger} if ledger is not None else None
-        scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
-                   "initial_holdout_perplexity": self.initial_holdout[1],
-                   "noise_multiplier": self.noise_multiplier,
-                   "grid": [self.dims.data, self.dims.x, self.dims.y, self.dims.z]}
-        ckpt.save_state(self.run, model=plain, optimizer=opt, scalars=scalars, extra=extra, files=files)
-        if ledger is not None:
-            atomic_write_json(self.run.privacy_path, ledger)
-
-    def restore_checkpoint(self) -> int:
-        from memaudit.train import checkpoint as ckpt
-
-        plain, opt = self._plain()
-        ckpt.load_state(self.run, model=plain, optimizer=opt, device=torch.device("cpu"))
-        real_model, real_opt = self.model, self.optimizer
+        scalars, extra = ckpt.load_state(self.run, model=plain, optimizer=opt, device=torch.device("cpu"))
         self.model.load_full_state_dict(plain.state_dict())
         full = opt.state_dict()
         local = {}
-        for i, p in enumerate(real_model.hf.parameters()):
+        for i, p in enumerate(self.model.hf.parameters()):
             st = full["state"].get(i)
             if st is not None:
-                local[i] = {k: (p.shard_spec.local(v, real_model.comm).to(p.device)
+                local[i] = {k: (p.shard_spec.local(v, self.model.comm).to(p.device)
                                 if torch.is_tensor(v) and tuple(v.shape) == p.shard_spec.full_shape else v)
                             for k, v in st.items()}
-        real_opt.load_state_dict({"state": local, "param_groups": full["param_groups"]})
-        # the base class restores scalars, DP state and the ledger; give it throwaway targets
-        self.model, self.optimizer = plain, opt
-        try:
-            step = super().restore_checkpoint()
-        finally:
-            self.model, self.optimizer = real_model, real_opt
-        return step
+        self.optimizer.load_state_dict({"state": local, "param_groups": full["param_groups"]})
+        return scalars, extra
 
     def export_model(self) -> None:
-        full = self.model.full_state_dict()
+        full = self.model.full_state_dict(dst=0)  # a collective; only the writer gets the tensors
         if not self.is_writer:
             return
-        plain, _ = self._plain()
+        from memaudit.models.presets import build_model
+
+        plain = build_model(self.cfg.model.preset, vocab_size=self.model.hf.config.vocab_size,
+                            seed=self.cfg.model.init_seed)
         plain.load_state_dict(full, strict=False)
         real = self.model
         self.model = plain

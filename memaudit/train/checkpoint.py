@@ -72,24 +72,44 @@ def save_state(
     with atomic_dir(run.state_dir) as tmp:
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        rng = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            for i, s in enumerate(torch.cuda.get_rng_state_all()):
-                rng[f"torch_cuda_{i}"] = s
-        save_file(rng, str(tmp / "rng.safetensors"))
-        torch.save(extra or {}, tmp / "extra.pt")
-        for name, obj in (files or {}).items():
-            atomic_write_json(tmp / name, obj)
-        atomic_write_json(tmp / "trainer.json", {"schema": STATE_SCHEMA, **scalars})
+        save_file(rng_state(), str(tmp / "rng.safetensors"))
+        write_common(tmp, scalars=scalars, extra=extra, files=files)
 
 
-def load_state(
-    run: RunDir, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore model, optimizer and RNG in place; return (scalars, extra)."""
+def write_common(d: Path, *, scalars: dict[str, Any], extra: dict[str, Any] | None,
+                 files: dict[str, Any] | None) -> None:
+    """extra.pt, the JSON documents and (last) trainer.json of a checkpoint directory."""
     import torch
-    from safetensors.torch import load_file, load_model
 
+    torch.save(extra or {}, d / "extra.pt")
+    for name, obj in (files or {}).items():
+        atomic_write_json(d / name, obj)
+    atomic_write_json(d / "trainer.json", {"schema": STATE_SCHEMA, **scalars})
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """The torch CPU (and CUDA) generator states, as safetensors-ready tensors."""
+    import torch
+
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch_cuda_{i}"] = s
+    return rng
+
+
+def set_rng_state(rng: dict[str, torch.Tensor]) -> None:
+    import torch
+
+    torch.set_rng_state(rng["torch_cpu"])
+    if torch.cuda.is_available():
+        states = [rng[k] for k in sorted(k for k in rng if k.startswith("torch_cuda_"))]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+def read_scalars(run: RunDir) -> dict[str, Any]:
+    """trainer.json of `run`'s checkpoint, checked for a supported schema."""
     d = run.state_dir
     try:
         scalars = read_json(d / "trainer.json")
@@ -97,19 +117,39 @@ def load_state(
         raise RunDirError(f"'{d}' holds no readable checkpoint; start a new run") from None
     if scalars.get("schema") != STATE_SCHEMA:
         raise RunDirError(f"checkpoint schema {scalars.get('schema')} in '{d}' is not supported")
+    return scalars
+
+
+def load_state(
+    run: RunDir, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore model, optimizer and RNG in place; return (scalars, extra).
+
+    A sharded checkpoint of the parallel backend is merged into the single-process model.
+    """
+    import torch
+    from safetensors.torch import load_file, load_model
+
+    d = run.state_dir
+    scalars = read_scalars(run)
+    if scalars.get("format") == "sharded":
+        from memaudit.parallel.checkpoint import load_sharded
+
+        load_sharded(run, params=dict(model.named_parameters()), optimizer=optimizer, local=None)
+        return scalars, read_extra(run)
     missing, unexpected = load_model(model, str(d / "model.safetensors"), strict=False, device=str(device))
     if missing or unexpected:
         raise RunDirError(f"checkpoint in '{d}' does not match the model ({len(missing)} missing, "
                           f"{len(unexpected)} unexpected tensors); resume with the run's own config")
     optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location=device, weights_only=True))
-    rng = load_file(str(d / "rng.safetensors"))
-    torch.set_rng_state(rng["torch_cpu"])
-    if torch.cuda.is_available():
-        states = [rng[k] for k in sorted(k for k in rng if k.startswith("torch_cuda_"))]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-    extra = torch.load(d / "extra.pt", map_location="cpu", weights_only=True)
-    return scalars, extra
+    set_rng_state(load_file(str(d / "rng.safetensors")))
+    return scalars, read_extra(run)
+
+
+def read_extra(run: RunDir) -> dict[str, Any]:
+    import torch
+
+    return torch.load(run.state_dir / "extra.pt", map_location="cpu", weights_only=True)
 
 
 def read_state_file(run: RunDir, name: str) -> Any | None:

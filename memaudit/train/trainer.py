@@ -376,21 +376,30 @@ class CentralizedTrainer:
             atomic_write_json(self.run.privacy_path, self.ledger_json())
 
     # ------------------------------------------------------------------ seams: checkpoints
-    def save_checkpoint(self, step: int) -> None:  # seam: sharded save
+    def save_checkpoint(self, step: int) -> None:
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
-        files = {"privacy.json": self.ledger_json()} if self.ledger is not None else None
+        ledger = self.ledger_json() if self.ledger is not None and self.is_writer else None
+        files = {"privacy.json": ledger} if ledger is not None else None  # accounted once, saved twice
         scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
                    "initial_holdout_perplexity": self.initial_holdout[1],
                    "noise_multiplier": self.noise_multiplier}
+        self.write_state(scalars, extra=extra, files=files)
+        if ledger is not None:
+            atomic_write_json(self.run.privacy_path, ledger)
+
+    def write_state(self, scalars: dict[str, Any], *, extra: dict[str, Any],
+                    files: dict[str, Any] | None) -> None:  # seam: sharded save
         if self.is_writer:
             ckpt.save_state(self.run, model=self.model, optimizer=self.optimizer, scalars=scalars,
                             extra=extra, files=files)
-            self.write_ledger()
 
-    def restore_checkpoint(self) -> int:  # seam: sharded load
+    def read_state(self) -> tuple[dict[str, Any], dict[str, Any]]:  # seam: sharded load
+        """Load state/ into the model, optimizer and RNG; return (scalars, extra)."""
+        return ckpt.load_state(self.run, model=self.model, optimizer=self.optimizer, device=self.device)
+
+    def restore_checkpoint(self) -> int:
         """Load state/ into the model, optimizer, RNG and DP state; return the step to start at."""
-        scalars, extra = ckpt.load_state(self.run, model=self.model, optimizer=self.optimizer,
-                                         device=self.device)
+        scalars, extra = self.read_state()
         if self.dp is not None and "dp" in extra:
             self.dp.load_state_dict(extra["dp"])
         if self.ledger is not None:
@@ -510,7 +519,8 @@ class CentralizedTrainer:
             m = self.run.read_manifest()
             timings = dict(m.get("timings", {}))
             timings["resumed"] = [*timings.get("resumed", []), time.time()]
-            self.run.update_manifest(status="running", timings=timings, error=None)
+            # the config may differ in parallel.* only (a resume on another grid)
+            self.run.update_manifest(status="running", timings=timings, error=None, config=dump_config(self.cfg))
             return
         ckpt.reset_run_artifacts(self.run)
         t = self.cfg.train

@@ -1,7 +1,8 @@
 """End to end through the CLI: `memaudit train` on a 2-process grid (spawned, gloo) against
 the single-process trainer, the merged `model/` export, DP-SGD through the launcher (one
-ledger, dp_accounting's epsilon), and killing one rank mid-run, then `--resume` from the
-gathered checkpoint to the uninterrupted run's weights."""
+ledger, dp_accounting's epsilon), killing one rank mid-run, then `--resume` from the
+sharded checkpoint to the uninterrupted run's weights, and resuming on another grid (a
+sharded checkpoint in one process or on another layout, a single-process one on a grid)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,91 @@ def test_merged_export_loads_in_one_process(runs) -> None:
     ser = AutoModelForCausalLM.from_pretrained(runs / "ser" / "model")
     for (k, a), (_, b) in zip(par.state_dict().items(), ser.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints
+def _interrupted_copy(src: Path, dst: Path) -> Path:
+    """A copy of a complete run whose state/ (the step-2 checkpoint) is resumable."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    RunDir(dst).update_manifest(status="interrupted", result=None)
+    return dst
+
+
+def _close_weights(a_dir: Path, b_dir: Path) -> None:
+    """The same weights up to the grid's fp32 summation order (see test_trainer_grid: AdamW
+    amplifies it on a handful of rarely seen embedding rows)."""
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(d / "model" / "model.safetensors")) for d in (a_dir, b_dir))
+    assert set(wa) == set(wb)
+    far = total = 0
+    for k in wb:
+        d = (wa[k] - wb[k]).abs()
+        assert float(d.max()) < 1e-3, (k, float(d.max()))
+        far, total = far + int((d > 1e-5).sum()), total + d.numel()
+    assert far <= 1e-4 * total, (far, total)
+
+
+def test_state_holds_one_shard_per_tensor_parallel_rank(runs) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from memaudit.parallel.checkpoint import ShardReader
+
+    state = runs / "par" / "state"
+    scalars = json.loads((state / "trainer.json").read_text())
+    assert scalars["format"] == "sharded" and scalars["grid"] == [1, 2, 1, 1] and scalars["step"] == 2
+    assert sorted(p.name for p in (state / "shards").iterdir()) == ["tp-00000-of-00002.safetensors",
+                                                                    "tp-00001-of-00002.safetensors"]
+    assert not (state / "model.safetensors").exists()  # nothing gathered
+    s0, s1 = (load_file(str(state / "shards" / f"tp-0000{r}-of-00002.safetensors")) for r in (0, 1))
+    name = "model.layers.0.self_attn.q_proj.weight"  # normal layer: x splits the in-features
+    assert s0[f"param/{name}"].shape == (128 * 64,)  # the (128 x 64) block, flat (z shards it when z > 1)
+    assert s0[f"optim/{name}/exp_avg"].shape == (128 * 64,) and s0[f"optim/{name}/step"].item() == 2
+    # the saved layout puts the halves side by side (an independent concatenation)
+    reader = ShardReader(state)
+    for key in (f"param/{name}", f"optim/{name}/exp_avg_sq"):
+        halves = [s[key].view(128, 64) for s in (s0, s1)]
+        torch.testing.assert_close(reader.full(name, key), torch.cat(halves, dim=1), rtol=0, atol=0)
+    # and step 2 of the sharded run is step 2 of the single-process run (its full checkpoint)
+    serial = load_file(str(runs / "ser" / "state" / "model.safetensors"))
+    for n, full in serial.items():
+        torch.testing.assert_close(reader.full(n, f"param/{n}"), full, atol=1e-4, rtol=0)
+
+
+def test_a_sharded_checkpoint_resumes_in_one_process_and_on_another_layout(runs, tmp_path) -> None:
+    """x=2 shards resumed (a) in one process, merged, (b) on a z=2 grid, re-sliced: both end
+    at the uninterrupted single-process run's weights and losses."""
+    for name, grid in (("one", ["parallel.x=1"]), ("z2", ["parallel.x=1", "parallel.z=2"])):
+        run = _interrupted_copy(runs / "par", tmp_path / name)
+        args = [a for g in grid for a in ("--set", g)]
+        assert main(["train", "--resume", str(run), *args]) == 0
+        m = RunDir(run).read_manifest()
+        assert m["status"] == "complete" and m["result"]["resumed_from_step"] == 2
+        assert (m["config"]["parallel"]["x"], m["config"]["parallel"]["z"]) == ((1, 1) if name == "one" else (1, 2))
+        a, b = _metrics(run), _metrics(runs / "ser")
+        assert [r["step"] for r in a] == [1, 2, 3, 4]
+        for x, y in zip(a[2:], b[2:], strict=True):
+            assert abs(x["loss"] - y["loss"]) < 1e-4, (name, x, y)
+        _close_weights(run, runs / "ser")
+
+
+def test_a_single_process_checkpoint_resumes_on_a_grid(runs, tmp_path) -> None:
+    run = _interrupted_copy(runs / "ser", tmp_path / "ser-on-y2")
+    assert main(["train", "--resume", str(run), "--set", "parallel.y=2"]) == 0
+    assert json.loads((run / "state" / "trainer.json").read_text()).get("format") is None  # not re-saved
+    _close_weights(run, runs / "ser")
+
+
+def test_resume_may_change_only_the_grid(runs, tmp_path, capsys) -> None:
+    run = _interrupted_copy(runs / "par", tmp_path / "other")
+    before = (run / "run.json").read_text()
+    assert main(["train", "--resume", str(run), "--set", "train.lr=0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'train.lr' differs" in err[0] and "only parallel.*" in err[0]
+    assert (run / "run.json").read_text() == before
 
 
 # ----------------------------------------------------------------------------- DP, kill, resume
