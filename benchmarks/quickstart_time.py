@@ -28,7 +28,7 @@ def main() -> None:
     out = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="memaudit-quickstart-"))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "memaudit.cli", "sweep", args.config, "--out", str(out)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - t0
     summary = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").is_file() else {}
     print(json.dumps({

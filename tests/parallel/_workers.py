@@ -181,7 +181,8 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, 
         torch.testing.assert_close(v, b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any]) -> dict[str, str | None]:
+def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: str) -> dict[str, str | None]:
+    """Every model case of `grid`; `outdir` is a directory all ranks share."""
     from memaudit.parallel.clip import clip_grad_norm_
     from memaudit.parallel.dp import dp_sgd_backward
     from memaudit.parallel.planner import ModelShape, predict_payload
@@ -212,7 +213,37 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any]) -> dict[st
             opt.step()
             losses.append(float(logged))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), atol=1e-4, rtol=0)
-        _close(pm.full_state_dict(), ref["final"], atol=1e-5)
+        full = pm.full_state_dict()
+        _close(full, ref["final"], atol=1e-5)
+        checkpoint_roundtrip(pm, opt, full, tag)
+
+    def checkpoint_roundtrip(pm: Any, opt: Any, full: dict[str, torch.Tensor], tag: str) -> None:
+        """Sharded save of the trained model and AdamW; loading into a fresh model of this grid
+        (own shard, and the assemble-and-slice path) gives them back bit for bit, and the
+        assembled shards are the merged weights; rank 0 alone holds the dst=0 merge."""
+        from memaudit.parallel.checkpoint import ShardReader, load_sharded, save_sharded
+        from memaudit.rundir import RunDir
+
+        run = RunDir(Path(outdir) / f"ckpt-{tag}")
+        save_sharded(run, pm, opt, scalars={"step": len(data)}, extra=None, files=None)
+        assert len(list((run.state_dir / "shards").iterdir())) == pm.pg.dims.tp_size
+        for own in (pm.pg.rank % pm.pg.dims.tp_size, None):
+            pm2 = _pmodel(grid, ref["init"])
+            opt2 = torch.optim.AdamW(pm2.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
+            load_sharded(run, params=dict(pm2.hf.named_parameters()), optimizer=opt2, own_rank=own,
+                         local=lambda n, t, m=pm2: m.hf.get_parameter(n).shard_spec.local(t, m.comm))
+            for (n, a), b in zip(pm.hf.named_parameters(), pm2.hf.parameters(), strict=True):
+                assert torch.equal(a, b), (n, own)
+            s1, s2 = opt.state_dict(), opt2.state_dict()
+            assert s1["param_groups"] == s2["param_groups"]
+            for i, st in s1["state"].items():
+                for k, v in st.items():
+                    assert torch.equal(v, s2["state"][i][k]), (i, k, own)
+        reader = ShardReader(run.state_dir)
+        for n, t in full.items():
+            assert torch.equal(reader.full(n, f"param/{n}"), t), n
+        merged = pm.full_state_dict(dst=0)
+        assert (set(merged) == set(full)) if pm.pg.rank == 0 else merged == {}
 
     def clip() -> None:
         pm = _pmodel(grid, ref["init"])
@@ -314,7 +345,7 @@ def worker(rank: int, world: int, port: int, outdir: str, ref_path: str, jobs_pa
         ref = torch.load(ref_path, weights_only=True)
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
-                res |= model_cases(grid, ref)
+                res |= model_cases(grid, ref, outdir)
         res |= run_train_jobs(world, jobs_path)
         try:  # a grid whose product is not the world size
             build_groups(ParallelDims(data=world * 2))

@@ -26,9 +26,9 @@ def test_layer_equivalence(results, world: int, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def serial_grid_results(serial_ref):
+def serial_grid_results(serial_ref, tmp_path_factory):
     ref, _ = serial_ref
-    return _workers.model_cases((1, 1, 1, 1), ref)
+    return _workers.model_cases((1, 1, 1, 1), ref, str(tmp_path_factory.mktemp("grid1111")))
 
 
 @pytest.mark.parametrize(("grid", "kind"), _MODEL, ids=[f"{k}-{''.join(map(str, g))}" for g, k in _MODEL])
