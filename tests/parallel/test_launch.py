@@ -14,6 +14,7 @@ import pytest
 from memaudit.cli import main
 from memaudit.rundir import RunDir
 from tests.conftest import REPO_ROOT, tiny_train_args
+from tests.parallel._workers import assert_weights_close
 
 TINY = str(REPO_ROOT / "configs" / "tiny.yaml")
 
@@ -63,21 +64,6 @@ def _interrupted_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _close_weights(a_dir: Path, b_dir: Path) -> None:
-    """The same weights up to the grid's fp32 summation order (see test_trainer_grid: AdamW
-    amplifies it on a handful of rarely seen embedding rows)."""
-    from safetensors.torch import load_file
-
-    wa, wb = (load_file(str(d / "model" / "model.safetensors")) for d in (a_dir, b_dir))
-    assert set(wa) == set(wb)
-    far = total = 0
-    for k in wb:
-        d = (wa[k] - wb[k]).abs()
-        assert float(d.max()) < 1e-3, (k, float(d.max()))
-        far, total = far + int((d > 1e-5).sum()), total + d.numel()
-    assert far <= 1e-4 * total, (far, total)
-
-
 def test_state_holds_one_shard_per_tensor_parallel_rank(runs) -> None:
     import torch
     from safetensors.torch import load_file
@@ -119,14 +105,14 @@ def test_a_sharded_checkpoint_resumes_in_one_process_and_on_another_layout(runs,
         assert [r["step"] for r in a] == [1, 2, 3, 4]
         for x, y in zip(a[2:], b[2:], strict=True):
             assert abs(x["loss"] - y["loss"]) < 1e-4, (name, x, y)
-        _close_weights(run, runs / "ser")
+        assert_weights_close(run, runs / "ser")
 
 
 def test_a_single_process_checkpoint_resumes_on_a_grid(runs, tmp_path) -> None:
     run = _interrupted_copy(runs / "ser", tmp_path / "ser-on-y2")
     assert main(["train", "--resume", str(run), "--set", "parallel.y=2"]) == 0
     assert json.loads((run / "state" / "trainer.json").read_text()).get("format") is None  # not re-saved
-    _close_weights(run, runs / "ser")
+    assert_weights_close(run, runs / "ser")
 
 
 def test_resume_may_change_only_the_grid(runs, tmp_path, capsys) -> None:
