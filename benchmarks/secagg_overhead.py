@@ -9,8 +9,8 @@ sparse = SecAgg+):
   decode (only where n * d <= --max-wrapper-elems; otherwise only the protocol);
 - ``protocol_s``: ``run_round`` alone on pre-quantised uint32 inputs;
 - the PRG's mask throughput (AES-256-CTR keystream added mod 2^32) as a fraction of the
-  machine's raw AES-256-CTR throughput, both for a large buffer (memory-bound) and a
-  cache-sized buffer (AES compute bound);
+  machine's raw AES-256-CTR throughput on the same bytes (one call, and in the mask path's
+  chunks), for one mask and for several masks added in one pass (see ``prg_throughput``);
 - a whole FedAvg round (``memaudit.federated.algorithms.fedavg``) on a 1M-parameter linear
   model with and without secure aggregation, if that module is importable.
 
@@ -44,23 +44,39 @@ def _time(fn, repeats: int) -> float:
 def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
     """Mask throughput next to raw AES-256-CTR, measured the same way and interleaved.
 
-    Each repeat times, back to back: one raw AES-256-CTR ``update_into`` of 4d zero bytes into
-    a preallocated buffer (the limit, memory-bound for a large d), one ``add_mask`` (keystream
-    in cache-sized chunks added mod 2^32 into a d-word accumulator), one raw pass over a
-    cache-sized buffer (AES compute bound) and ``add_masks`` with ``fused`` seeds (how a client
-    adds its self mask and pairwise masks: one pass over the accumulator). Ratios are of the
-    best times (least disturbed by a shared machine) and the median of per-repeat ratios.
+    Every case turns 4d bytes of the same zero plaintext into AES-256-CTR keystream with
+    ``update_into`` into a preallocated buffer; the ratios are mask throughput / raw throughput
+    for the same bytes (= raw time / mask time). Each repeat times, back to back:
+
+    - ``raw_large``: one raw ``update_into`` of all 4d bytes (the cipher's ceiling);
+    - ``mask``: one ``add_mask`` (keystream in cache-sized chunks added mod 2^32 into a
+      d-word accumulator, which for a large d lives in memory);
+    - ``raw_chunked``: raw ``update_into`` in the mask path's own chunks (``prg.CHUNK_WORDS``)
+      into one reused buffer, so mask / raw_chunked isolates the cost of the add;
+    - ``fused``: ``add_masks`` with ``fused`` seeds of alternating sign (how a client adds its
+      self mask and pairwise masks, and the server removes them: one pass over the
+      accumulator), reported per mask;
+    - ``expand``: the keystream of d words into a preallocated array (no add).
+
+    Wall-clock time (under ``wall``) and this thread's CPU time (under ``cpu``: robust to
+    other processes taking the core, not to them evicting its caches) are both recorded.
+    Ratios are the median over repeats of the per-repeat ratio (``paired_median``) and the
+    ratio of the best times (``best``).
     """
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
     from memaudit.federated.secagg import prg
 
     acc = np.zeros(d, dtype=np.uint32)
-    zeros = bytes(4 * d)
+    nbytes = 4 * d
+    zeros = prg._zeros(nbytes) if hasattr(prg, "_zeros") else bytes(nbytes)  # the masks' plaintext
     out = np.empty(d + 4, dtype=np.uint32)  # update_into needs 15 bytes of slack
     out_view = memoryview(out).cast("B")
-    small = 1 << 14  # words: a cache-sized raw pass, repeated to cover 4d bytes
-    small_zeros, small_out = bytes(4 * small), bytearray(4 * small + 16)
+    chunk = 4 * getattr(prg, "CHUNK_WORDS", 1 << 14)  # bytes per update_into in the mask path
+    chunk_out = bytearray(chunk + 16)
+    pieces = [zeros[:chunk]] * (nbytes // chunk)  # the same views the mask path passes
+    if nbytes % chunk:
+        pieces.append(zeros[: nbytes % chunk])
     seeds = [(os.urandom(32), 1 if i % 2 else -1) for i in range(fused)]
 
     def fused_add(acc, seeds):  # older prg modules: one pass per mask
@@ -73,40 +89,46 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
         enc = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(bytes(16))).encryptor()
         enc.update_into(zeros, out_view)
 
-    def raw_cache():
-        update_into = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(bytes(16))).encryptor().update_into
-        for _ in range(0, d, small):
-            update_into(small_zeros, small_out)
+    def raw_chunked():
+        enc = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(bytes(16))).encryptor()
+        update_into = enc.update_into
+        for piece in pieces:  # exactly 4d bytes in all
+            update_into(piece, chunk_out)
 
     cases = {"raw_large": raw_large, "mask": lambda: prg.add_mask(acc, os.urandom(32), +1),
-             "raw_cache": raw_cache, "fused": lambda: fused_add(acc, seeds),
+             "raw_chunked": raw_chunked, "fused": lambda: fused_add(acc, seeds),
              "expand": lambda: prg._keystream_into(os.urandom(32), out, d)}
+    per_call = {"fused": fused}  # bytes of keystream per call: nbytes * per_call
     for fn in cases.values():  # warm up: page in buffers
         fn()
-    times: dict[str, list[float]] = {k: [] for k in cases}
+    wall: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(repeats):
         for k, fn in cases.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             fn()
-            times[k].append(time.perf_counter() - t0)
-    best = {k: min(v) for k, v in times.items()}
-    times["fused"] = [t / fused for t in times["fused"]]
-    best["fused"] /= fused
-    gbps = {k: 4 * d / v / 1e9 for k, v in best.items()}
+            t1, c1 = time.perf_counter(), time.thread_time()
+            wall[k].append((t1 - t0) / per_call.get(k, 1))
+            cpu[k].append((c1 - c0) / per_call.get(k, 1))
 
-    def paired(a, b):
-        return statistics.median(rb / ra for ra, rb in zip(times[a], times[b], strict=True))
+    out_json: dict = {"words": d, "repeats": repeats, "fused_masks": fused, "chunk_bytes": chunk}
+    for clock, times in (("wall", wall), ("cpu", cpu)):
+        def paired(num, den, times=times):  # throughput(num) / throughput(den), per repeat
+            return statistics.median(td / tn for tn, td in zip(times[num], times[den], strict=True))
 
-    return {"words": d, "repeats": repeats, "fused_masks": fused,
-            "raw_aes_ctr_large_GBps": gbps["raw_large"], "raw_aes_ctr_cache_GBps": gbps["raw_cache"],
-            "mask_add_GBps": gbps["mask"], "fused_mask_add_GBps_per_mask": gbps["fused"],
-            "expand_GBps": gbps["expand"],
-            "fraction_of_raw_large": gbps["mask"] / gbps["raw_large"],
-            "fraction_of_raw_large_paired_median": paired("mask", "raw_large"),
-            "fraction_of_raw_cache": gbps["mask"] / gbps["raw_cache"],
-            "fused_fraction_of_raw_large": gbps["fused"] / gbps["raw_large"],
-            "fused_fraction_of_raw_large_paired_median": paired("fused", "raw_large"),
-            "expand_fraction_of_raw_large": gbps["expand"] / gbps["raw_large"]}
+        gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+        best = {k: min(v) for k, v in times.items()}
+        out_json[clock] = {
+            **{f"{k}_GBps_median": v for k, v in gbps.items()},
+            "mask_over_raw_large_paired_median": paired("mask", "raw_large"),
+            "mask_over_raw_large_best": best["raw_large"] / best["mask"],
+            "mask_over_raw_chunked_paired_median": paired("mask", "raw_chunked"),
+            "fused_over_raw_large_paired_median": paired("fused", "raw_large"),
+            "fused_over_raw_large_best": best["raw_large"] / best["fused"],
+            "fused_over_raw_chunked_paired_median": paired("fused", "raw_chunked"),
+            "expand_over_raw_large_paired_median": paired("expand", "raw_large"),
+        }
+    return out_json
 
 
 def encode_throughput(n: int, d: int, repeats: int) -> dict:
@@ -121,6 +143,10 @@ def encode_throughput(n: int, d: int, repeats: int) -> dict:
 
 
 def aggregation_case(n: int, d: int, graph: str, repeats: int, max_wrapper_elems: int) -> dict:
+    """Protocol alone, plain jitted mean and the secure wrapper, timed in turn in every repeat.
+
+    Times are medians over repeats; ``secure_over_plain`` and ``wrapper_host_s`` (flatten,
+    encode, decode: secure minus protocol) are medians of the per-repeat values."""
     import jax
     import jax.numpy as jnp
 
@@ -128,33 +154,41 @@ def aggregation_case(n: int, d: int, graph: str, repeats: int, max_wrapper_elems
     from memaudit.federated.secagg import run_round
     from memaudit.federated.secagg.aggregator import secure_aggregation
 
-    out: dict = {"cohort": n, "params": d, "graph": graph}
+    out: dict = {"cohort": n, "params": d, "graph": graph, "repeats": repeats}
     rng = np.random.default_rng(0)
     q = rng.integers(0, 2**20, size=(n, d), dtype=np.uint32)
-    t0 = time.perf_counter()
-    res = run_round(q, neighbours=graph)
-    out["protocol_s"] = time.perf_counter() - t0
-    out["degree"] = res.degree
-    out["bytes_up_per_client"] = res.bytes_up / n
-    if repeats > 1:
-        out["protocol_s"] = min(out["protocol_s"], _time(lambda q=q: run_round(q, neighbours=graph), repeats - 1))
-    q = None  # free the inputs before the wrapper's own copies
+    cases = {"protocol": lambda: run_round(q, neighbours=graph)}
     if n * d <= max_wrapper_elems:
         deltas = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32) * 1e-3)
         w = jnp.ones(n)
         plain = jax.jit(mean_aggregator().aggregate)
-        jax.block_until_ready(plain(deltas, w, None, None).update)
-        out["plain_s"] = _time(lambda: jax.block_until_ready(plain(deltas, w, None, None).update), max(repeats, 3))
+        jax.block_until_ready(plain(deltas, w, None, None).update)  # compile
         agg = secure_aggregation(mean_aggregator(), clip=1.0, neighbours=graph, seed=0)
         st = agg.init(None)
-        out["secure_s"] = _time(lambda: agg.aggregate(deltas, w, st, jax.random.key(0)), repeats)
-        out["secure_over_plain"] = out["secure_s"] / out["plain_s"]
-        out["wrapper_host_s"] = out["secure_s"] - out["protocol_s"]  # flatten, encode, decode
-        out["secure_over_protocol"] = out["secure_s"] / out["protocol_s"]
+        cases["plain"] = lambda: jax.block_until_ready(plain(deltas, w, None, None).update)
+        cases["secure"] = lambda: agg.aggregate(deltas, w, st, jax.random.key(0))
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(repeats):
+        for k, fn in cases.items():
+            t0 = time.perf_counter()
+            res = fn()
+            times[k].append(time.perf_counter() - t0)
+            if k == "protocol":
+                out["degree"] = res.degree
+                out["bytes_up_per_client"] = res.bytes_up / n
+    for k, v in times.items():
+        out[f"{k}_s"] = statistics.median(v)
+    if "secure" in times:
+        per = list(zip(times["protocol"], times["plain"], times["secure"], strict=True))
+        out["secure_over_plain"] = statistics.median(sec / pl for _, pl, sec in per)
+        out["secure_over_protocol"] = statistics.median(sec / pr for pr, _, sec in per)
+        out["wrapper_host_s"] = statistics.median(sec - pr for pr, _, sec in per)
     return out
 
 
 def federated_round(n: int, repeats: int) -> dict:
+    """One FedAvg round (1M-parameter linear model) with plain, SecAgg and SecAgg+ aggregation,
+    the three timed in turn in every repeat (medians)."""
     try:
         import jax
         import jax.numpy as jnp
@@ -176,10 +210,13 @@ def federated_round(n: int, repeats: int) -> dict:
     data = ClientData({"x": jnp.asarray(rng.normal(size=(n, 8, k)), jnp.float32),
                        "y": jnp.asarray(rng.normal(size=(n, 8, k)), jnp.float32)}, jnp.ones((n, 8)))
     params = {"w": jnp.zeros((k, k), jnp.float32)}
-    out = {"cohort": n, "params": k * k}
-    for name, agg in (("plain", mean_aggregator()),
-                      ("secure_full", secure_aggregation(mean_aggregator(), clip=10.0, neighbours="full", seed=0)),
-                      ("secure_sparse", secure_aggregation(mean_aggregator(), clip=10.0, neighbours="sparse", seed=0))):
+    out = {"cohort": n, "params": k * k, "repeats": repeats}
+    aggs = {"plain": mean_aggregator(),
+            "secure_full": secure_aggregation(mean_aggregator(), clip=10.0, neighbours="full", seed=0),
+            "secure_sparse": secure_aggregation(mean_aggregator(), clip=10.0, neighbours="sparse",
+                                                seed=0)}
+    rounds = {}
+    for name, agg in aggs.items():
         alg = fedavg(loss_fn, client_optimizer=optax.sgd(1e-4), server_optimizer=optax.sgd(1.0),
                      local_steps=2, batch_size=4, aggregator=agg, weighting="uniform")
         state = alg.init(params)
@@ -189,7 +226,18 @@ def federated_round(n: int, repeats: int) -> dict:
         def one(alg=alg, state=state):
             s, _ = alg.round(state, data, jax.random.key(1))
             jax.block_until_ready(s.params)
-        out[f"{name}_round_s"] = _time(one, repeats)
+        rounds[name] = one
+    times: dict[str, list[float]] = {name: [] for name in rounds}
+    for _ in range(repeats):
+        for name, one in rounds.items():
+            t0 = time.perf_counter()
+            one()
+            times[name].append(time.perf_counter() - t0)
+    for name, v in times.items():
+        out[f"{name}_round_s"] = statistics.median(v)
+    for name in ("secure_full", "secure_sparse"):
+        out[f"{name}_over_plain"] = statistics.median(
+            t / p for t, p in zip(times[name], times["plain"], strict=True))
     return out
 
 
@@ -221,6 +269,7 @@ def main() -> None:
                 result["aggregation"].append(aggregation_case(n, d, g, repeats, int(args.max_wrapper_elems)))
                 print(json.dumps(result["aggregation"][-1]), flush=True, file=__import__("sys").stderr)
     result["federated_round"] = federated_round(min(args.cohorts), repeats)
+    result["machine"]["load_avg_end"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 
 

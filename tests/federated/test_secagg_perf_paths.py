@@ -105,3 +105,42 @@ def test_sum_of_encodings_decodes_to_the_clipped_sum():
     total = q.sum(0, dtype=np.uint32)  # mod 2^32, as the protocol sums
     want = _encode_oracle(rows, clip, 1.0).sum(0)
     np.testing.assert_allclose(decode(total, scale), want, atol=n / scale)
+
+
+@pytest.mark.parametrize("n,kind,degree,drop", [
+    (10, "full", None, {"before_shares": {9}, "before_masked": {1, 4}, "before_unmask": {3}}),
+    (12, "sparse", 4, {"before_masked": {1, 4}}),  # holds for every graph seed at threshold 0.5
+])
+def test_server_unmasks_in_one_batched_pass_with_dropouts(monkeypatch, n, kind, degree, drop):
+    """The server removes every mask with one `add_masks` call over a sum longer than a chunk,
+    and the result equals the survivors' plain sum mod 2^32 computed in int64."""
+    from memaudit.federated.secagg import Dropouts, run_round
+    from memaudit.federated.secagg.graph import neighbours
+
+    d = prg.CHUNK_WORDS + 3  # a full chunk and a ragged tail
+    drop = Dropouts(**drop)
+    x = np.random.default_rng(n).integers(0, 2**32, size=(n, d), dtype=np.uint32)
+    calls = []
+    batched = prg.add_masks
+
+    def spy(acc, seeds_signs):
+        seeds_signs = list(seeds_signs)
+        calls.append(len(seeds_signs))
+        batched(acc, seeds_signs)
+
+    def one_by_one(*_):
+        raise AssertionError("masks must be removed in one batched pass")
+
+    monkeypatch.setattr(prg, "add_masks", spy)
+    monkeypatch.setattr(prg, "add_mask", one_by_one)
+    r = run_round(x, neighbours=kind, degree=degree, graph_seed=3, threshold=0.5, dropouts=drop)
+
+    u3 = set(range(n)) - drop.before_shares - drop.before_masked
+    assert r.survivors == frozenset(u3)
+    want = (x[sorted(u3)].astype(np.int64).sum(axis=0) % 2**32).astype(np.uint32)
+    np.testing.assert_array_equal(r.total, want)
+    # one call per masking client (self mask + pairwise masks), then one for the server:
+    # every survivor's self mask and the pairwise masks of the clients that dropped
+    neigh = neighbours(n, kind, seed=3, degree=degree)
+    server_masks = len(u3) + sum(len(neigh[i] & u3) for i in drop.before_masked)
+    assert calls == [1 + len(neigh[i] - drop.before_shares) for i in sorted(u3)] + [server_masks]

@@ -1,53 +1,84 @@
 """Pseudorandom mask expansion: AES-256-CTR keystream read as uint32 words.
 
 The hot loop of secure aggregation. One encryptor per seed; the keystream is
-written with ``update_into`` into a preallocated buffer (no allocation per call)
-and numpy views it as uint32 with no copy. Arithmetic on the masks is modulo
-2^32 (numpy uint32 wraps). `add_masks` adds several masks in one pass over the
-accumulator, chunk by chunk, so the accumulator leaves the cache once per chunk
-whatever the number of masks.
+written with ``update_into`` into a preallocated, per-thread scratch buffer (no
+allocation per call) and numpy views it as uint32 with no copy. Arithmetic on the
+masks is modulo 2^32 (numpy uint32 wraps). `add_masks` adds several masks in one
+pass over the accumulator, chunk by chunk, so the accumulator leaves the cache
+once per chunk whatever the number of masks.
 
-Where the time goes (one core): AES-256-CTR itself runs at the speed of
-encrypting a cache-resident buffer; on top of it the mod-2^32 add reads the
-keystream chunk from cache and reads and writes the accumulator chunk, which for
-a large accumulator comes from memory. That add is what separates a mask from
-raw AES-CTR; `add_masks` amortises its memory part over the masks.
+Where the time goes (one core): AES-256-CTR itself, then the mod-2^32 add of each
+keystream chunk into the accumulator chunk. The keystream chunk is still in L2
+when it is added; the plaintext is a read-only anonymous mapping that the kernel
+backs with its single zero page, so the cipher's input costs no cache at all. For
+one mask the accumulator still crosses the memory bus once (read and write);
+`add_masks` amortises that over its masks. What is left per mask is one numpy
+add over an L2-resident chunk (bound by L2 bandwidth) and two Python-level calls
+per chunk. On the 2-core AMD EPYC this was tuned on, that add costs about 30% of
+the AES time: masks run at ~0.75-0.8 of raw AES-256-CTR throughput with several
+masks per pass and ~0.6-0.7 for one mask into an accumulator in memory (see
+benchmarks/secagg_overhead.py). More needs the add fused into the cipher's own
+loop, i.e. native code.
 """
 
 from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterable
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 SEED_BYTES = 32
 _NONCE = bytes(16)  # each seed keys exactly one stream, so a fixed counter block is safe
+_SLACK_WORDS = 4  # update_into wants block_size - 1 = 15 spare output bytes
+
+CHUNK_WORDS = 1 << 16  # 256 KiB of keystream per update_into, added while still in L2; the two
+# Python-level calls per chunk (~1 us) cost ~3% of its AES time. 128 KiB and 512 KiB measured
+# the same on a 512 KiB-L2 machine; much smaller chunks pay more in calls
 
 
-_ZEROS = b""
-_SCRATCH = np.empty(0, dtype=np.uint32)
+_zero_pt: memoryview = memoryview(b"")
 
 
 def _zeros(nbytes: int) -> memoryview:
-    """A cached all-zero plaintext of at least ``nbytes`` (allocated and paged in once)."""
-    global _ZEROS
-    if len(_ZEROS) < nbytes:
-        _ZEROS = bytes(nbytes)
-    return memoryview(_ZEROS)[:nbytes]
+    """A cached all-zero plaintext of at least ``nbytes`` bytes.
+
+    On POSIX it is a read-only private anonymous mapping: never written, every page is the
+    kernel's shared zero page, so the cipher reads one physical page whatever ``nbytes``.
+    """
+    global _zero_pt
+    if len(_zero_pt) < nbytes:
+        size = max(nbytes, 4 * CHUNK_WORDS)
+        if hasattr(mmap, "MAP_PRIVATE"):  # private: a shared anonymous mapping would allocate
+            _zero_pt = memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ))
+        else:
+            _zero_pt = memoryview(bytes(size))
+    return _zero_pt[:nbytes]
 
 
-def _scratch(d: int) -> np.ndarray:
-    """A reusable uint32 buffer of d + 4 words (update_into needs 15 bytes of slack)."""
-    global _SCRATCH
-    if _SCRATCH.shape[0] < d + 4:
-        _SCRATCH = np.zeros(d + 4, dtype=np.uint32)
-    return _SCRATCH
+_local = threading.local()  # the scratch buffer is per thread: numpy releases the GIL in add
+
+
+def _scratch() -> tuple[np.ndarray, memoryview]:
+    """This thread's keystream buffer: CHUNK_WORDS + slack uint32 words and a byte view."""
+    s = getattr(_local, "scratch", None)
+    if s is None:
+        buf = np.zeros(CHUNK_WORDS + _SLACK_WORDS, dtype=np.uint32)
+        s = _local.scratch = (buf, memoryview(buf).cast("B"))
+    return s
+
+
+def _encryptor(seed: bytes):
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"PRG seed must be {SEED_BYTES} bytes, got {len(seed)}")
+    return Cipher(algorithms.AES(seed), modes.CTR(_NONCE)).encryptor()
 
 
 def _keystream_into(seed: bytes, out: np.ndarray, d: int) -> None:
-    if len(seed) != SEED_BYTES:
-        raise ValueError(f"PRG seed must be {SEED_BYTES} bytes, got {len(seed)}")
-    enc = Cipher(algorithms.AES(seed), modes.CTR(_NONCE)).encryptor()
-    n = enc.update_into(_zeros(4 * d), memoryview(out).cast("B"))
+    """Write the first ``d`` keystream words of ``seed`` into ``out`` (>= d + 4 words)."""
+    n = _encryptor(seed).update_into(_zeros(4 * d), memoryview(out).cast("B"))
     assert n == 4 * d
 
 
@@ -57,28 +88,23 @@ def expand(seed: bytes, d: int) -> np.ndarray:
     >>> m = expand(bytes(32), 4); m.dtype, m.shape
     (dtype('uint32'), (4,))
     """
-    out = np.empty(d + 4, dtype=np.uint32)
+    out = np.empty(d + _SLACK_WORDS, dtype=np.uint32)
     _keystream_into(seed, out, d)
     return out[:d]
 
 
-CHUNK_WORDS = 1 << 15  # 128 KiB of keystream per call: with its plaintext and the accumulator
-# chunk it stays in a 512 KiB L2, so the add reads the keystream from cache
-
-
-def _encryptor(seed: bytes):
-    if len(seed) != SEED_BYTES:
-        raise ValueError(f"PRG seed must be {SEED_BYTES} bytes, got {len(seed)}")
-    return Cipher(algorithms.AES(seed), modes.CTR(_NONCE)).encryptor()
-
-
-def add_masks(acc: np.ndarray, seeds_signs) -> None:
+def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]]) -> None:
     """acc += sum_k sign_k * PRG(seed_k) (mod 2^32), in place, in one pass over ``acc``.
 
     Each chunk of ``acc`` is loaded once and every mask's keystream for that chunk is
-    generated (one encryptor per seed; CTR state carries over between chunks) and added while
-    both are in cache, so with k masks ``acc`` crosses the memory bus once, not k times, and
-    no mask ever exists in full. Equal to k calls of `add_mask`.
+    generated (one encryptor per seed; CTR state carries over between chunks) into one
+    reused buffer and added, or subtracted, while both are in cache, so with k masks
+    ``acc`` crosses the memory bus once, not k times, and no mask ever exists in full.
+    Equal to k calls of `add_mask`; uint32 wrap-around is exactly arithmetic mod 2^32.
+
+    Args:
+        acc: contiguous 1-d uint32 accumulator, updated in place.
+        seeds_signs: (32-byte seed, sign) pairs; sign > 0 adds the mask, otherwise subtracts.
     """
     if acc.dtype != np.uint32 or acc.ndim != 1 or not acc.flags.c_contiguous:
         raise ValueError(f"masks add into a contiguous 1-d uint32 array, got {acc.dtype} "
@@ -88,45 +114,44 @@ def add_masks(acc: np.ndarray, seeds_signs) -> None:
     if not ops:
         return
     d = acc.shape[0]
-    buf = _scratch(CHUNK_WORDS)
-    view = memoryview(buf).cast("B")
-    full = buf[:CHUNK_WORDS]
+    buf, view = _scratch()
+    full = buf[:CHUNK_WORDS]  # (CHUNK_WORDS,) keystream words of the current chunk
     zeros = _zeros(4 * CHUNK_WORDS)
     stop = d - d % CHUNK_WORDS
     for start in range(0, stop, CHUNK_WORDS):  # full chunks: no per-chunk slicing of buffers
         part = acc[start:start + CHUNK_WORDS]
         for update_into, op in ops:
             update_into(zeros, view)
-            op(part, full, out=part)
+            op(part, full, part)
     if stop < d:
         w = d - stop
         part, tail, z = acc[stop:], buf[:w], zeros[: 4 * w]
         for update_into, op in ops:
             update_into(z, view)
-            op(part, tail, out=part)
+            op(part, tail, part)
 
 
 def add_mask(acc: np.ndarray, seed: bytes, sign: int) -> None:
-    """acc += sign * PRG(seed) (mod 2^32), in place.
+    """acc += sign * PRG(seed) (mod 2^32), in place (`add_masks` with one mask).
 
-    The keystream is produced in cache-sized chunks by one encryptor (CTR state carries
-    over between calls) into one preallocated buffer and added while still in cache, so the
-    mask never exists in full (see `add_masks` for several masks in one pass).
+    The keystream is produced in cache-sized chunks into one reused buffer and added while
+    still in cache, so the mask never exists in full.
     """
     add_masks(acc, ((seed, sign),))
 
 
 def raw_aes_ctr_throughput(nbytes: int = 1 << 26, repeats: int = 3) -> float:
-    """Bytes per second of one AES-256-CTR call on a zero buffer of ``nbytes`` (best of repeats).
+    """Bytes per second of one AES-256-CTR ``update_into`` of ``nbytes`` (best of repeats).
 
-    With a large buffer this is memory-bound; with a cache-sized one it is AES compute."""
+    The plaintext is the same zero mapping the masks read and the output a preallocated
+    buffer, so this is the ceiling `add_masks` is compared with."""
     import time
 
-    zeros = bytes(nbytes)
-    out = bytearray(nbytes + 15)
+    zeros = _zeros(nbytes)
+    out = bytearray(nbytes + 16)
     best = float("inf")
     for _ in range(repeats):
-        enc = Cipher(algorithms.AES(bytes(32)), modes.CTR(_NONCE)).encryptor()
+        enc = _encryptor(bytes(SEED_BYTES))
         t0 = time.perf_counter()
         enc.update_into(zeros, out)
         best = min(best, time.perf_counter() - t0)

@@ -140,17 +140,22 @@ class Server:
             self._revealed[kind].setdefault(owner, []).append(share)
 
     def finalize(self) -> np.ndarray:
-        """Remove all masks and return sum_{i in U3} x_i mod 2^32."""
+        """Remove all masks and return sum_{i in U3} x_i mod 2^32.
+
+        Every seed is reconstructed first (so a short share count aborts before any work on
+        the sum), then all masks are removed in one batched pass over the sum
+        (`prg.add_masks`, as the client adds them): PRG(b_i) of every survivor i, and for
+        every client i that dropped after sharing, the pairwise mask each surviving neighbour
+        j added for it (+PRG(s_ij) if i > j, else -PRG(s_ij)).
+        """
         u2, u3 = set(self._shares), self.u3
-        total = self._sum.copy()
-        for i in sorted(u3):
-            total_seed = self._reconstruct(i, KIND_SEED, 32)
-            prg.add_mask(total, total_seed, -1)
+        masks = [(self._reconstruct(i, KIND_SEED, prg.SEED_BYTES), -1) for i in sorted(u3)]
         for i in sorted(u2 - u3):
             s_sk = X25519PrivateKey.from_private_bytes(self._reconstruct(i, KIND_KEY, 32))
-            for j in sorted(self.neigh[i] & u3):
-                # j added +PRG(s_ji) if i > j, else -PRG(s_ji); undo it
-                prg.add_mask(total, mask_seed(s_sk, self._keys[j][1], self.round_id), -1 if i > j else +1)
+            masks.extend((mask_seed(s_sk, self._keys[j][1], self.round_id), -1 if i > j else +1)
+                         for j in sorted(self.neigh[i] & u3))
+        total = self._sum.copy()
+        prg.add_masks(total, masks)
         return total
 
     def _reconstruct(self, owner: int, kind: int, length: int) -> bytes:
