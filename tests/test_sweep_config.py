@@ -76,6 +76,7 @@ def test_sweep_bad_input_one_line(tmp_path, capsys):
     assert "centralized-only" in _err(capsys, ["sweep", str(fed_gf), "--out", str(tmp_path / "s")])
     assert "not a number" in _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--epsilons", "1,x"])
     assert "on or off" in _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--goldfish", "maybe"])
+    assert "jobs" in _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--jobs", "0", "--out", str(tmp_path / "s")])
     assert not (tmp_path / "s").exists()
 
 

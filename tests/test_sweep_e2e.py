@@ -1,5 +1,6 @@
-"""The whole pipeline in reduced form: a sweep over both backends, killed and re-run, then the
-report in a headless browser, on a corpus whose member text carries HTML/JS payloads."""
+"""The whole pipeline in reduced form: a sweep over both backends, killed and re-run (two
+points at a time, in worker processes), then the report in a headless browser, on a corpus
+whose member text carries HTML/JS payloads."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def swept(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
     finished_first = read_json(first / "run.json")["timings"]["finished"]
     probes_mtime = (first / "probes.json").stat().st_mtime
-    rc = main(["sweep", str(cfg), "--out", str(out)])
+    rc = main(["sweep", str(cfg), "--out", str(out), "--jobs", "2"])  # the rest, two points at a time
     return out, rc, finished_first, probes_mtime
 
 
@@ -88,6 +89,7 @@ def test_rerun_after_kill_completes_without_redoing(swept):
     summary = read_json(out / "sweep.json")
     assert summary["status"] == "complete"
     actions = {o["name"]: o["action"] for o in summary["outcomes"]}
+    assert list(actions) == [p["name"] for p in summary["plan"]["points"]]  # plan order, whatever finished first
     assert actions["parallel-epsinf-s0"] == "skipped"
     assert actions["parallel-eps8-s0"] in ("resumed", "trained")
     first = out / "runs" / "parallel-epsinf-s0"

@@ -33,6 +33,8 @@ def register(app: typer.Typer) -> None:
         backends: Annotated[str | None, typer.Option(help="parallel,federated")] = None,
         seeds: Annotated[int | None, typer.Option(help="Number of seeds per grid point.")] = None,
         goldfish: Annotated[str | None, typer.Option(help="Goldfish axis on the centralized side: off, on or off,on.")] = None,
+        jobs: Annotated[int | None, typer.Option(help="Points to run at once, each in its own process "
+                                                  "with an equal share of the CPU threads.")] = None,
         set_: Annotated[list[str] | None, typer.Option("--set", help="Override a sweep key, e.g. base.train.steps=50.")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table | json")] = "table",
     ) -> None:
@@ -52,6 +54,8 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"grid.backends=[{backends}]")
         if seeds is not None:
             overrides.append(f"grid.seeds={seeds}")
+        if jobs is not None:
+            overrides.append(f"jobs={jobs}")
         if goldfish is not None:
             vals = [g.strip() for g in goldfish.split(",") if g.strip()]
             bad = [g for g in vals if g not in ("on", "off")]
@@ -72,7 +76,8 @@ def register(app: typer.Typer) -> None:
                 bar.update(overall, completed=i, total=total, info=str(info.get("point", "")))
                 if "done" in info:
                     bar.update(current, completed=info["done"], total=info["total"],
-                               description=str(info.get("stage", info.get("phase", "train"))), info="")
+                               description=str(info.get("stage", info.get("phase", "train"))),
+                               info=str(info.get("point", "")))
 
             summary = run_sweep(cfg, out, progress=on_progress)
         if fmt == "json":

@@ -83,6 +83,8 @@ class ProbeSettings(_Section):
 
 
 class SweepConfig(_Section):
+    jobs: int = Field(1, ge=1, description="points trained and probed at once, each in its own "
+                      "process with cpu_count // jobs threads")
     base: dict[str, Any] = Field(default_factory=dict)
     per_backend: dict[str, dict[str, Any]] = Field(default_factory=dict)
     grid: GridConfig = GridConfig()

@@ -75,45 +75,121 @@ def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
     return True
 
 
+def _run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, int, dict], None],
+               debug: bool) -> PointOutcome:
+    """Train and probe one point; a failure is recorded in the outcome, not raised."""
+    t0 = time.time()
+    outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
+    try:
+        run_cfg = point_config(cfg, p)
+        outcome.action = _train_point(run_cfg, rd, sub)
+        outcome.probed = _probe_point(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
+        outcome.status = "complete"
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed point is recorded, the sweep goes on
+        outcome.error = _one_line(e)
+        if debug:
+            traceback.print_exc()
+    outcome.seconds = time.time() - t0
+    return outcome
+
+
+def _limit_threads(threads: int) -> None:
+    """Run this worker process's torch and XLA on `threads` CPU threads (before jax loads)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if threads == 1:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _point_in_worker(cfg: SweepConfig, p: SweepPoint, run_path: str, threads: int, queue: Any,
+                     debug: bool) -> PointOutcome:
+    _limit_threads(threads)
+    return _run_point(cfg, p, RunDir(run_path), lambda d, t, info: queue.put((p.name, d, t, info)), debug)
+
+
+def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: Callable[[int, PointOutcome], None],
+                progress: Progress, debug: bool) -> None:
+    """Points in `cfg.jobs` spawned processes, each with an equal share of the CPU threads."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold torch/XLA threads
+    jobs = min(cfg.jobs, len(points))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    index = {p.name: i for i, p in enumerate(points)}
+    with ctx.Manager() as manager, ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        q = manager.Queue()
+        pending = {pool.submit(_point_in_worker, cfg, p, str(out / "runs" / p.name), threads, q, debug): p
+                   for p in points}
+        finished = 0
+
+        def drain() -> None:
+            while True:
+                try:
+                    name, d, t, info = q.get_nowait()
+                except queue_mod.Empty:
+                    return
+                if progress is not None:
+                    progress(finished, len(points), {"point": name, "done": d, "total": t, **info})
+
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                drain()
+                for fut in done:
+                    p = pending.pop(fut)
+                    try:
+                        outcome = fut.result()
+                    except Exception as e:  # noqa: BLE001 - the worker process itself died
+                        outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0, _one_line(e))
+                    finished += 1
+                    on_done(index[p.name], outcome)
+        except KeyboardInterrupt:
+            pool.shutdown(wait=True, cancel_futures=True)  # the workers got the signal too
+            raise
+
+
 def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = None,
               debug: bool = False) -> dict[str, Any]:
-    """Train and probe every point of the grid under `out/runs/`, then write `out/report/`."""
+    """Train and probe every point of the grid under `out/runs/`, then write `out/report/`.
+
+    With `cfg.jobs` > 1 the points run in that many processes at once (small models do not
+    use a machine's cores well one at a time); each point's work is the same either way.
+    """
     from memaudit.reports.build import build_report
     from memaudit.reports.write import write_report
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     points = plan_points(cfg)
-    outcomes: list[PointOutcome] = []
     plan = {"points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
     total = len(points)
-    for i, p in enumerate(points):
-        t0 = time.time()
-        rd = RunDir(out / "runs" / p.name)
+    slots: list[PointOutcome | None] = [None] * total
 
-        def sub(done: int, tot: int, info: dict, _p: SweepPoint = p, _i: int = i) -> None:
-            if progress is not None:
-                progress(_i, total, {"point": _p.name, "done": done, "total": tot, **info})
-
-        outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
-        try:
-            run_cfg = point_config(cfg, p)
-            outcome.action = _train_point(run_cfg, rd, sub)
-            outcome.probed = _probe_point(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
-            outcome.status = "complete"
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # noqa: BLE001 - a failed point is recorded, the sweep goes on
-            outcome.error = _one_line(e)
-            if debug:
-                traceback.print_exc()
-        outcome.seconds = time.time() - t0
-        outcomes.append(outcome)
-        atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [asdict(o) for o in outcomes],
+    def on_done(i: int, outcome: PointOutcome) -> None:
+        slots[i] = outcome
+        atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [asdict(o) for o in slots if o],
                                                "status": "running"})
         if progress is not None:
-            progress(i + 1, total, {"point": p.name, "status": outcome.status})
+            progress(sum(o is not None for o in slots), total, {"point": outcome.name, "status": outcome.status})
+
+    if cfg.jobs > 1 and total > 1:
+        _concurrent(cfg, points, out, on_done, progress, debug)
+    else:
+        for i, p in enumerate(points):
+            def sub(done: int, tot: int, info: dict, _p: SweepPoint = p, _i: int = i) -> None:
+                if progress is not None:
+                    progress(_i, total, {"point": _p.name, "done": done, "total": tot, **info})
+
+            on_done(i, _run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
+    outcomes = [o for o in slots if o is not None]
     done = [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]
     report_paths = None
