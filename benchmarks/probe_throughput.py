@@ -1,13 +1,15 @@
 """Probe throughput: the batched scorer and the batched KV-cache greedy decoder against plain loops.
 
 Same model, same data, side by side:
-  scoring  - memaudit.probes.scoring.token_logprobs (length-sorted, padded batches) vs one
-             model(...) call per sequence; tokens scored per second.
+  scoring  - memaudit.probes.scoring.token_logprobs (length-sorted, padded batches under a token
+             budget) vs one model(...) call per sequence computing the same per-token log-probs
+             (and, for scoring_with_stats, the Min-K%++ mean and std); tokens scored per second.
   greedy   - memaudit.probes.scoring.decode (left-padded batches, KV cache) vs one
              model.generate(...) per prompt; new tokens per second.
-Prints one JSON object with the medians of --repeats runs and the speed-ups.
+Batched and loop run in alternating turns; prints one JSON object with the medians of --repeats
+turns and the speed-ups, once per --threads value.
 
-    python benchmarks/probe_throughput.py --preset tiny --reduced
+    python benchmarks/probe_throughput.py --preset tiny --reduced --threads 1 2
 """
 
 from __future__ import annotations
@@ -21,24 +23,41 @@ import numpy as np
 import torch
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _alternating_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per function; each repeat runs every function once, in turn.
+
+    Turns alternate (the order flips every repeat) so that load from other processes on a shared
+    machine falls on all variants alike; each function runs once untimed first.
+    """
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-@torch.no_grad()
-def loop_score(model, seqs, device) -> None:
+@torch.inference_mode()
+def loop_score(model, seqs, device, with_stats: bool = False) -> None:
+    """The plain baseline: one model(...) call per sequence, the same per-token numbers."""
     for s in seqs:
         ids = torch.tensor([s], device=device)
-        lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-        lp.gather(-1, ids[0, 1:, None]).cpu()
+        lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)  # (n-1, vocab)
+        tok = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        if with_stats:
+            p = lp.exp()
+            mu = (p * lp).sum(-1)
+            sigma = (p * (lp - mu[:, None]).square()).sum(-1).sqrt()
+            torch.stack([tok, mu, sigma]).cpu()
+        else:
+            tok.cpu()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def loop_generate(model, prompts, new_tokens, device) -> None:
     for p in prompts:
         ids = torch.tensor([p], device=device)
@@ -50,6 +69,75 @@ def loop_generate(model, prompts, new_tokens, device) -> None:
             do_sample=False,
             pad_token_id=0,
         )
+
+
+def _entry(n_items: int, n_tokens: int, batch_size: int, t: dict, label: str = "loop") -> dict:
+    return {
+        "sequences": n_items,
+        "tokens": n_tokens,
+        "batch_size": batch_size,
+        "batched_tokens_per_s": n_tokens / t["batched"],
+        f"{label}_tokens_per_s": n_tokens / t[label],
+        "speedup": t[label] / t["batched"],
+    }
+
+
+def run_at(threads: int, model, data: dict, args) -> dict:
+    """Every comparison at one intra-op thread count."""
+    from memaudit.probes.scoring import decode, token_logprobs
+
+    torch.set_num_threads(threads)
+    seqs, short, prompts = data["seqs"], data["short"], data["prompts"]
+    dev, bs = args.device, args.batch_size
+    n_tokens = sum(len(s) - 1 for s in seqs)
+    n_short = sum(len(s) - 1 for s in short)
+    docs = _alternating_medians(
+        {
+            "batched": lambda: token_logprobs(model, seqs, batch_size=bs),
+            "loop": lambda: loop_score(model, seqs, dev),
+        },
+        args.repeats,
+    )
+    stats = _alternating_medians(
+        {
+            "batched": lambda: token_logprobs(model, seqs, batch_size=bs, with_stats=True),
+            "loop": lambda: loop_score(model, seqs, dev, with_stats=True),
+        },
+        args.repeats,
+    )
+    canary = _alternating_medians(
+        {
+            "batched": lambda: token_logprobs(model, short, batch_size=4 * bs),
+            "loop": lambda: loop_score(model, short, dev),
+        },
+        args.repeats,
+    )
+    greedy = _alternating_medians(
+        {
+            "batched": lambda: decode(model, prompts, args.new_tokens, batch_size=bs),
+            "generate_loop": lambda: loop_generate(model, prompts, args.new_tokens, dev),
+        },
+        args.repeats,
+    )
+    return {
+        "threads": torch.get_num_threads(),
+        "scoring": {
+            "lengths": [args.min_len, args.max_len],
+            **_entry(len(seqs), n_tokens, bs, docs),
+        },
+        "scoring_with_stats": {
+            "lengths": [args.min_len, args.max_len],
+            **_entry(len(seqs), n_tokens, bs, stats),
+        },
+        "scoring_canary_length": {
+            "lengths": [args.short_len, args.short_len],
+            **_entry(len(short), n_short, 4 * bs, canary),
+        },
+        "greedy": {
+            "new_tokens": args.new_tokens,
+            **_entry(len(prompts), len(prompts) * args.new_tokens, bs, greedy, "generate_loop"),
+        },
+    }
 
 
 def main() -> None:
@@ -65,82 +153,46 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="intra-op thread counts to run at, e.g. 1 2 (default: torch's own, what probe uses)",
+    )
     ap.add_argument(
         "--reduced", action="store_true", help="small sizes for a quick check on a shared CPU"
     )
     args = ap.parse_args()
     if args.reduced:
-        args.seqs, args.max_len, args.prompts, args.new_tokens, args.repeats = 128, 128, 16, 32, 3
+        args.seqs, args.max_len, args.prompts, args.new_tokens = 128, 128, 16, 32
         args.short_seqs = 512
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     from memaudit.models.presets import build_model
-    from memaudit.probes.scoring import decode, token_logprobs
 
+    default_threads = torch.get_num_threads()
     model = build_model(args.preset, vocab_size=args.vocab_size, seed=0).to(args.device).eval()
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
-    seqs = [
-        rng.integers(1, vocab, int(n)).tolist()
-        for n in rng.integers(args.min_len, args.max_len + 1, args.seqs)
-    ]
-    prompts = [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
-    n_tokens = sum(len(s) - 1 for s in seqs)
-
-    token_logprobs(model, seqs[:4], batch_size=4)  # warm-up
-    t_batched = _median_time(
-        lambda: token_logprobs(model, seqs, batch_size=args.batch_size), args.repeats
-    )
-    t_loop = _median_time(lambda: loop_score(model, seqs, args.device), args.repeats)
-    short = [rng.integers(1, vocab, args.short_len).tolist() for _ in range(args.short_seqs)]
-    n_short = args.short_seqs * (args.short_len - 1)
-    s_batched = _median_time(
-        lambda: token_logprobs(model, short, batch_size=4 * args.batch_size), args.repeats
-    )
-    s_loop = _median_time(lambda: loop_score(model, short, args.device), args.repeats)
-    decode(model, prompts[:2], 2)
-    g_batched = _median_time(
-        lambda: decode(model, prompts, args.new_tokens, batch_size=args.batch_size), args.repeats
-    )
-    g_loop = _median_time(
-        lambda: loop_generate(model, prompts, args.new_tokens, args.device), args.repeats
-    )
-    new = args.prompts * args.new_tokens
+    data = {
+        "seqs": [
+            rng.integers(1, vocab, int(n)).tolist()
+            for n in rng.integers(args.min_len, args.max_len + 1, args.seqs)
+        ],
+        "prompts": [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.prompts)],
+        "short": [rng.integers(1, vocab, args.short_len).tolist() for _ in range(args.short_seqs)],
+    }
+    runs = [run_at(t, model, data, args) for t in args.threads or [default_threads]]
     out = {
         "benchmark": "probe_throughput",
         "device": args.device,
-        "threads": torch.get_num_threads(),
+        "default_threads": default_threads,
         "preset": args.preset,
         "params": sum(p.numel() for p in model.parameters()),
         "repeats": args.repeats,
-        "scoring": {
-            "sequences": args.seqs,
-            "tokens": n_tokens,
-            "batch_size": args.batch_size,
-            "batched_tokens_per_s": n_tokens / t_batched,
-            "loop_tokens_per_s": n_tokens / t_loop,
-            "speedup": t_loop / t_batched,
-        },
-        "scoring_canary_length": {
-            "sequences": args.short_seqs,
-            "tokens": n_short,
-            "batch_size": 4 * args.batch_size,
-            "batched_tokens_per_s": n_short / s_batched,
-            "loop_tokens_per_s": n_short / s_loop,
-            "speedup": s_loop / s_batched,
-        },
-        "greedy": {
-            "prompts": args.prompts,
-            "new_tokens": args.new_tokens,
-            "batch_size": args.batch_size,
-            "batched_tokens_per_s": new / g_batched,
-            "generate_loop_tokens_per_s": new / g_loop,
-            "speedup": g_loop / g_batched,
-        },
+        "runs": runs,
     }
     print(json.dumps(out, indent=2))
 

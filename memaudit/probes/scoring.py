@@ -29,27 +29,92 @@ class TokenScores:
     sigma: list[np.ndarray] | None = None
 
 
-# `batch_size` counts sequences of this many tokens; shorter sequences are batched more
-# densely under the same token budget (exposure candidates are ~15 tokens long).
+# `batch_size` counts sequences of this many tokens: a scoring batch holds at most
+# batch_size * BUDGET_SEQ_LEN tokens, padding included (exposure candidates are ~15 tokens long,
+# so they are batched more densely).
 BUDGET_SEQ_LEN = 128
+# On CPU a batch gets slower per token once its logits and activations fall out of the caches
+# (tiny and small presets on a 2-core CPU: fastest at ~1k tokens, 1.2-1.5x slower per token at
+# 4-8k), so the CPU budget is capped here whatever the batch size.
+CPU_MAX_BATCH_TOKENS = 1024
+# The log-softmax runs over this many logits at a time into reused buffers (1 MiB of fp32 on
+# CPU), so no (batch, width, vocab) copy is made beyond the model's own logits.
+CPU_CHUNK_LOGITS = 1 << 18
+ACCEL_CHUNK_LOGITS = 1 << 26
 
 
-def _batches(order: np.ndarray, batch_size: int, lengths: np.ndarray | None = None):
-    """Consecutive slices of `order` (sorted by decreasing length) under a token budget."""
-    if lengths is None:
-        for i in range(0, len(order), batch_size):
-            yield order[i : i + batch_size]
-        return
-    budget = batch_size * BUDGET_SEQ_LEN
+def _batches(order: np.ndarray, batch_size: int):
+    """Consecutive slices of `order` of `batch_size` items."""
+    for i in range(0, len(order), batch_size):
+        yield order[i : i + batch_size]
+
+
+def _token_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int):
+    """Consecutive slices of `order` (sorted by decreasing length), rows * width <= max_tokens.
+
+    A sequence longer than max_tokens gets a batch of its own.
+    """
     i = 0
     while i < len(order):
-        width = max(int(lengths[order[i]]), 1)  # the longest in this batch (sorted order)
-        rows = max(batch_size, budget // width)
+        width = int(lengths[order[i]])  # the longest in this batch (sorted order)
+        rows = max(1, max_tokens // width)
         yield order[i : i + rows]
         i += rows
 
 
-@torch.no_grad()
+def _next_token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, *, with_stats: bool, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log p(target), and the mean and std of log p(v) under v ~ p, for each row of logits.
+
+    logits: (rows, vocab) in any float dtype; targets: (rows,). Returns fp32 (rows,) tensors.
+    Rows are processed about `chunk` logits at a time in reused (step, vocab) buffers.
+    """
+    n, vocab = logits.shape
+    step = max(1, chunk // vocab)
+    buf = torch.empty((min(step, n), vocab), dtype=torch.float32, device=logits.device)
+    pbuf, prod = (torch.empty_like(buf), torch.empty_like(buf)) if with_stats else (None, None)
+    tok = torch.empty(n, dtype=torch.float32, device=logits.device)
+    mu = torch.empty_like(tok) if with_stats else None
+    sd = torch.empty_like(tok) if with_stats else None
+    for j in range(0, n, step):
+        k = min(step, n - j)
+        lsm = torch.log_softmax(logits[j : j + k].float(), -1, out=buf[:k])
+        tok[j : j + k] = lsm.gather(-1, targets[j : j + k, None]).squeeze(-1)
+        if with_stats:
+            p = torch.exp(lsm, out=pbuf[:k])
+            m = torch.mul(p, lsm, out=prod[:k]).sum(-1)
+            mu[j : j + k] = m
+            # centred second moment: E[(l - mu)^2] keeps fp32 precision where E[l^2] - mu^2 doesn't
+            lsm.sub_(m[:, None]).square_()
+            sd[j : j + k] = torch.mul(p, lsm, out=prod[:k]).sum(-1).clamp_min_(1e-12).sqrt_()
+    return tok, mu, sd
+
+
+def _score_batch(model, seqs: list, lengths: np.ndarray, *, with_stats: bool, chunk: int):
+    """Per-token log p (and mu, sigma) of one right-padded batch, as lists of float64 arrays."""
+    device = next(model.parameters()).device
+    rows, width = len(seqs), int(lengths.max())
+    real = np.arange(width) < lengths[:, None]  # (rows, width)
+    ids = np.zeros((rows, width), dtype=np.int64)
+    ids[real] = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
+    ids_t = torch.from_numpy(ids).to(device)
+    mask = torch.from_numpy(real.astype(np.int64)).to(device)
+    logits = model(input_ids=ids_t, attention_mask=mask, use_cache=False).logits
+    # position t predicts token t+1; the last column's target (wrapped round) is never kept
+    targets = torch.roll(ids_t, -1, dims=1).reshape(-1)
+    stats = _next_token_stats(
+        logits.reshape(rows * width, -1), targets, with_stats=with_stats, chunk=chunk
+    )
+    scored = (np.arange(width) < (lengths - 1)[:, None]).reshape(-1)
+    cuts = np.cumsum(lengths - 1)[:-1]
+    return [
+        None if x is None else np.split(x.cpu().numpy()[scored].astype(np.float64), cuts)
+        for x in stats
+    ]
+
+
+@torch.inference_mode()
 def token_logprobs(
     model,
     seqs: Sequence[Sequence[int]],
@@ -58,48 +123,37 @@ def token_logprobs(
     with_stats: bool = False,
     progress: Progress = None,
 ) -> TokenScores:
-    """Score many token sequences in length-sorted, right-padded batches."""
+    """Score many token sequences in length-sorted, right-padded batches under a token budget.
+
+    Results come back in the input order. Batches hold at most batch_size * BUDGET_SEQ_LEN
+    tokens (CPU_MAX_BATCH_TOKENS on CPU); mu and sigma are only computed when with_stats.
+    """
     device = next(model.parameters()).device
     n = len(seqs)
-    lengths = np.array([len(s) for s in seqs])
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     if n and lengths.min() < 2:
         raise ValueError("every scored sequence needs at least 2 tokens")
+    max_tokens = batch_size * BUDGET_SEQ_LEN
+    chunk = ACCEL_CHUNK_LOGITS
+    if device.type == "cpu":
+        max_tokens, chunk = min(max_tokens, CPU_MAX_BATCH_TOKENS), CPU_CHUNK_LOGITS
     order = np.argsort(-lengths, kind="stable")
-    logp: list[np.ndarray | None] = [None] * n
-    mus: list[np.ndarray | None] = [None] * n
-    sigmas: list[np.ndarray | None] = [None] * n
+    out: list[list] = [[None] * n for _ in range(3)]  # logp, mu, sigma
     done = 0
-    for idx in _batches(order, batch_size, lengths):
-        width = int(lengths[idx].max())
-        ids = torch.zeros((len(idx), width), dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
-            mask[row, : lengths[i]] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-        if with_stats:
-            lsm = torch.log_softmax(logits, dim=-1)  # (batch, width-1, vocab)
-            tok = lsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
-            p = lsm.exp()
-            mu = (p * lsm).sum(-1)
-            var = (p * lsm.square()).sum(-1) - mu.square()
-            sd = var.clamp_min(1e-12).sqrt()
-            mu_np, sd_np = mu.cpu().numpy(), sd.cpu().numpy()
-        else:  # no (batch, width, vocab) log-softmax: gather the logit, subtract the logsumexp
-            tok = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
-        tok_np = tok.cpu().numpy()
-        for row, i in enumerate(idx):
-            k = lengths[i] - 1
-            logp[i] = tok_np[row, :k].astype(np.float64)
-            if with_stats:
-                mus[i] = mu_np[row, :k].astype(np.float64)
-                sigmas[i] = sd_np[row, :k].astype(np.float64)
+    for idx in _token_batches(order, lengths, max_tokens):
+        parts = _score_batch(
+            model, [seqs[i] for i in idx], lengths[idx], with_stats=with_stats, chunk=chunk
+        )
+        for dest, part in zip(out, parts, strict=True):
+            if part is not None:
+                for i, x in zip(idx, part, strict=True):
+                    dest[i] = x
         done += len(idx)
         if progress:
             progress(done, n, {})
+    logp, mu, sigma = out
     return TokenScores(
-        logp=logp, mu=mus if with_stats else None, sigma=sigmas if with_stats else None
+        logp=logp, mu=mu if with_stats else None, sigma=sigma if with_stats else None
     )
 
 
