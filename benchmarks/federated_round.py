@@ -6,9 +6,13 @@ Variants (same model, same tokens, same optimizers):
   default ``federated_map`` strategy (``"auto"``: on CPU the clients' local training runs
   one client after the other inside the compiled program, ``lax.map``; on accelerators
   ``vmap``), clients sharded over a ``clients`` mesh axis when there is more than one device;
+  its default aggregator, the weighted mean, sums the deltas inside the loop over the clients;
 - ``program_vmap`` / ``program_scan``: the same program with ``map_strategy="vmap"`` (all
   clients batched: per-client weights make every matmul a batched matmul) or ``"scan"``
   (``--strategies`` picks which of these extra variants run);
+- ``program_padded``: ``program`` with the same clients packed into twice the clients dim (absent
+  slots with no data and weight 0, as a Poisson round's capacity padding): the absent slots
+  skip local training, so this should cost about what ``program`` costs;
 - ``client_loop``: a Python loop over the cohort calling one jitted local-training function per
   client, then the mean delta and the server step;
 - ``centralized``: one jitted loop of ``local_steps`` steps over the same tokens
@@ -19,7 +23,10 @@ Model: a 1.31M-parameter causal "MLP language model" in plain JAX (token embeddi
 causal running-mean context mixing, two residual ReLU MLP blocks 256 -> 1152 -> 256, tied
 output embedding). Each variant runs ``--repeats`` timed rounds after one warm-up (compile)
 round; the variants take turns within each repeat (a shared machine's load hits all alike);
-the JSON holds medians in seconds and ratios to the centralized limit.
+the JSON holds medians of wall seconds (``*_s``) and of this process's CPU seconds
+(``*_cpu_s``: on a machine shared with other jobs the steadier measure of the work a variant
+does), their ratios to the centralized limit, and the XLA compiles of each variant during its
+warm-up round and during the timed rounds (0: no recompilation between rounds).
 
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
@@ -69,22 +76,36 @@ def loss_fn(params, batch):
     return nll.mean(axis=1), None  # (B,)
 
 
-def _timed(fn, repeats: int):
-    """Compile now (warm-up call); the caller times the returned runner."""
-    del repeats
-    fn()
-    return fn
+class _CompileCounter:
+    """Counts XLA backend compiles (``jax.monitoring``), to show rounds reuse one executable."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event, duration, **kwargs):
+        del duration, kwargs
+        if event == self.EVENT:
+            self.count += 1
 
 
-def _interleaved(runners: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per call; variants take turns so a shared machine's load hits all alike."""
-    times: dict[str, list[float]] = {k: [] for k in runners}
+def _interleaved(runners: dict, repeats: int, compiles: _CompileCounter) -> dict[str, dict]:
+    """Median wall and CPU seconds per call, and compiles during the timed calls; variants take
+    turns so a shared machine's load hits all alike."""
+    wall: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
+    timed_compiles = dict.fromkeys(runners, 0)
     for _ in range(repeats):
         for name, fn in runners.items():
-            t0 = time.perf_counter()
+            n0, c0, t0 = compiles.count, time.process_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            timed_compiles[name] += compiles.count - n0
+    return {k: {"wall": statistics.median(wall[k]), "cpu": statistics.median(cpu[k]),
+                "timed_compiles": timed_compiles[k]} for k in runners}
 
 
 def _block(tree):
@@ -98,7 +119,7 @@ def bench_program(params, data, args, mesh, strategy="auto"):
     )
     state = algo.init(params)
     key = jax.random.PRNGKey(0)
-    return _timed(lambda: _block(algo.round(state, data, key)[0].params), args.repeats)
+    return lambda: _block(algo.round(state, data, key)[0].params)
 
 
 def _local_train(params, tokens, key, local_steps, batch):
@@ -127,7 +148,7 @@ def bench_client_loop(params, data, args):
         deltas = [local(params, tokens[i], keys[i]) for i in range(args.cohort)]
         return _block(server(params, deltas))
 
-    return _timed(round_, args.repeats)
+    return round_
 
 
 def bench_centralized(params, data, args):
@@ -146,7 +167,7 @@ def bench_centralized(params, data, args):
         batches = tokens[: args.local_steps * per_step].reshape(args.local_steps, per_step, -1)
         return jax.lax.scan(step, (p, opt.init(p)), batches)[0][0]
 
-    return _timed(lambda: _block(train(params, flat)), args.repeats)
+    return lambda: _block(train(params, flat))
 
 
 def bench_drjax(params, data, args, mesh):
@@ -171,7 +192,15 @@ def bench_drjax(params, data, args, mesh):
         return jax.tree.map(jnp.add, p, mean)
 
     keys = jax.random.split(jax.random.PRNGKey(0), n)
-    return _timed(lambda: _block(round_(params, data.examples["tokens"], keys)), args.repeats)
+    return lambda: _block(round_(params, data.examples["tokens"], keys))
+
+
+def padded(data: ClientData, capacity: int) -> ClientData:
+    """The same cohort in a clients dim of ``capacity``: absent slots, no data, mask 0."""
+    def grow(x):
+        return np.concatenate([x, np.zeros((capacity - x.shape[0],) + x.shape[1:], x.dtype)])
+
+    return ClientData(jax.tree.map(grow, data.examples), grow(data.mask))
 
 
 def main(argv=None) -> dict:
@@ -196,6 +225,7 @@ def main(argv=None) -> dict:
         mesh = jax.make_mesh((len(devices),), ("clients",),
                              axis_types=(jax.sharding.AxisType.Explicit,))
     results = []
+    compiles = _CompileCounter()
     for cohort in args.cohorts:
         args.cohort = cohort
         rng = np.random.default_rng(cohort)
@@ -206,24 +236,34 @@ def main(argv=None) -> dict:
             runners = {
                 "centralized": bench_centralized(params, data, args),
                 "program": bench_program(params, data, args, mesh),
+                "program_padded": bench_program(params, padded(data, 2 * cohort), args, mesh),
                 **{f"program_{st}": bench_program(params, data, args, mesh, st)
                    for st in args.strategies},
                 "client_loop": bench_client_loop(params, data, args),
                 "drjax": bench_drjax(params, data, args, mesh),
             }
-            medians = _interleaved({k: v for k, v in runners.items() if v}, args.repeats)
-        for k in runners:
-            row[f"{k}_s"] = medians.get(k)
-        for k in ("program", *(f"program_{st}" for st in args.strategies), "client_loop",
-                  "drjax"):
-            if row[f"{k}_s"] is not None:
+            runners = {k: v for k, v in runners.items() if v is not None}
+            warmup_compiles = {}
+            for name, fn in runners.items():  # the warm-up round compiles
+                n0 = compiles.count
+                fn()
+                warmup_compiles[name] = compiles.count - n0
+            stats = _interleaved(runners, args.repeats, compiles)
+        for k, st in stats.items():
+            row[f"{k}_s"], row[f"{k}_cpu_s"] = st["wall"], st["cpu"]
+        for k in stats:
+            if k != "centralized":
                 row[f"{k}_vs_centralized"] = row[f"{k}_s"] / row["centralized_s"]
+                row[f"{k}_cpu_vs_centralized"] = row[f"{k}_cpu_s"] / row["centralized_cpu_s"]
+        row["compiles"] = {k: {"warmup": warmup_compiles[k], "timed": stats[k]["timed_compiles"]}
+                           for k in stats}
         results.append(row)
     out = {
         "benchmark": "federated_round",
         "model": "MLP causal LM (plain JAX)", "params": int(n_params),
         "local_steps": args.local_steps, "batch": args.batch, "seq": args.seq,
-        "repeats": args.repeats, "statistic": "median seconds per round",
+        "repeats": args.repeats,
+        "statistic": "median seconds per round: wall (*_s) and this process's CPU (*_cpu_s)",
         "devices": [str(d) for d in devices], "backend": jax.default_backend(),
         "jax": jax.__version__, "program_map_strategy": _auto_strategy(),
         "results": results,

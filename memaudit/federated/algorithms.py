@@ -16,6 +16,8 @@ A FedAvg round has three phases, so a host-side aggregator (secure aggregation) 
 
 With a jittable aggregator `fedavg` compiles the three phases as one program; with
 ``jittable=False`` (secure aggregation) phases 1 and 3 are jitted and phase 2 runs on the host.
+With the default aggregator (the weighted mean) phases 1 and 2 are one federated program,
+`make_client_mean_phase`, which sums the weighted deltas inside the loop over the clients.
 
 FedSGD is ``jax.grad`` of the federated (weighted) mean loss, followed by a server step; its
 gradient's jaxpr communicates only through the federated primitives (federated AD).
@@ -36,11 +38,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
+from memaudit.federated.aggregators import (
+    AggregateResult,
+    Aggregator,
+    EmptyState,
+    mean_aggregator,
+)
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.primitives import (
     federated_broadcast,
     federated_map,
+    federated_map_sum,
     federated_sum,
     federated_weighted_mean,
 )
@@ -117,9 +125,48 @@ def _weights(num_examples: jax.Array, weighting: Weighting) -> jax.Array:
     raise ValueError(f"weighting must be 'examples' or 'uniform', got {weighting!r}")
 
 
+def _unless_absent(mask: jax.Array, fn: Callable[[], Any]) -> Any:
+    """``fn()`` for a client with real examples; zeros of its shape for an absent cohort slot
+    (capacity padding, weight 0), without running ``fn``. Run one client at a time (the scan
+    strategy) an absent slot costs nothing; batched (vmap) the cond becomes a select and both
+    branches run."""
+    def absent():
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn))
+
+    return jax.lax.cond(jnp.sum(mask) > 0, fn, absent)
+
+
 def _client_keys(key, n: int) -> jax.Array:
     key = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     return jax.random.split(key, n)  # (n, 2) uint32: padding-friendly raw keys
+
+
+def _make_client_update(loss_fn: LossFn, client_optimizer: optax.GradientTransformation,
+                        local_steps: int, batch_size: int) -> Callable:
+    """One client's FedAvg work: ``(params, examples, mask, key) -> (delta, mean loss, delta
+    norm)``; an absent cohort slot gets zeros without local training (`_unless_absent`)."""
+    if not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be >= 1, got {local_steps!r}; set federated.local_steps")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+    def train(params, examples, mask, key):
+        def step(carry, k):
+            p, opt_state = carry
+            batch, bmask = sample_local_batch(k, examples, mask, batch_size)
+            loss, grads = jax.value_and_grad(masked_mean_loss, argnums=1)(loss_fn, p, batch, bmask)
+            updates, opt_state = client_optimizer.update(grads, opt_state, p)
+            return (optax.apply_updates(p, updates), opt_state), loss
+
+        init = (params, client_optimizer.init(params))
+        (local, _), losses = jax.lax.scan(step, init, jax.random.split(key, local_steps))
+        delta = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), local, params)
+        return delta, jnp.mean(losses), optax.tree.norm(delta)
+
+    def client_update(params, examples, mask, key):
+        return _unless_absent(mask, lambda: train(params, examples, mask, key))
+
+    return client_update
 
 
 def make_client_phase(
@@ -136,24 +183,9 @@ def make_client_phase(
 
     ``map_strategy`` runs the clients' local training batched (``"vmap"``), one client after
     the other inside the program (``"scan"``), or picks by backend (``"auto"``); see
-    `memaudit.federated.federated_map`."""
-    if not isinstance(local_steps, int) or local_steps < 1:
-        raise ValueError(f"local_steps must be >= 1, got {local_steps!r}; set federated.local_steps")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-
-    def client_update(params, examples, mask, key):
-        def step(carry, k):
-            p, opt_state = carry
-            batch, bmask = sample_local_batch(k, examples, mask, batch_size)
-            loss, grads = jax.value_and_grad(masked_mean_loss, argnums=1)(loss_fn, p, batch, bmask)
-            updates, opt_state = client_optimizer.update(grads, opt_state, p)
-            return (optax.apply_updates(p, updates), opt_state), loss
-
-        init = (params, client_optimizer.init(params))
-        (local, _), losses = jax.lax.scan(step, init, jax.random.split(key, local_steps))
-        delta = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), local, params)
-        return delta, jnp.mean(losses), optax.tree.norm(delta)
+    `memaudit.federated.federated_map`. A cohort slot without real examples (capacity padding)
+    returns a zero delta, loss and norm; under ``"scan"`` it skips local training entirely."""
+    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size)
 
     def client_phase(params, data: ClientData, key) -> ClientOutput:
         n = data.mask.shape[0]
@@ -177,6 +209,60 @@ def make_client_phase(
         return ClientOutput(*program(params, data, _client_keys(key, n)))
 
     return client_phase
+
+
+def make_client_mean_phase(
+    loss_fn: LossFn,
+    client_optimizer: optax.GradientTransformation,
+    *,
+    local_steps: int,
+    batch_size: int,
+    weighting: Weighting = "examples",
+    mesh: Any = None,
+    map_strategy: str = "auto",
+) -> Callable[[PyTree, ClientData, jax.Array], tuple[AggregateResult, dict[str, jax.Array]]]:
+    """FedAvg phases 1 and 2 with the weighted-mean aggregator, as one federated program:
+    ``(params, data, key) -> (AggregateResult, client metrics)``.
+
+    Every quantity of the round is a sum over the clients (weighted deltas, weights, the
+    metrics' numerators and counts), taken with `federated_map_sum`: run one client after the
+    other, the sums accumulate in the loop and the round never holds a delta per client. The
+    values are those of `make_client_phase` followed by `mean_aggregator`, up to float
+    rounding; the update's ``state`` is the aggregator's empty state.
+    """
+    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size)
+
+    def sums(params, examples, mask, key):  # one client's term of every sum
+        delta, loss, norm = client_update(params, examples, mask, key)
+        num = jnp.sum(mask)
+        w = _weights(num, weighting)
+        present = (num > 0).astype(jnp.float32)
+        scaled = jax.tree.map(
+            lambda d: d.astype(jnp.promote_types(d.dtype, jnp.float32)) * w, delta)
+        return {"delta": scaled, "weight": w, "loss": loss * present, "norm": norm * present,
+                "cohort": present, "examples": num, "aggregated": (w > 0).astype(jnp.int32)}
+
+    def ratio(num, den):  # federated_weighted_mean's convention: 0 when the weights sum to 0
+        return jnp.where(den > 0, num / jnp.where(den > 0, den, jnp.ones((), den.dtype)),
+                         jnp.zeros((), num.dtype))
+
+    def phase(params, data: ClientData, key):
+        n = data.mask.shape[0]
+
+        @federated_program(clients=n, mesh=mesh, placed=(1, 2), placed_out=False,
+                           map_strategy=map_strategy)
+        def program(params, data, keys):
+            return federated_map_sum(sums, federated_broadcast(params), data.examples, data.mask,
+                                     keys)
+
+        t = program(params, data, _client_keys(key, n))
+        update = jax.tree.map(lambda s, p: ratio(s, t["weight"]).astype(p.dtype), t["delta"], params)
+        metrics = {"loss": ratio(t["loss"], t["cohort"]), "delta_norm": ratio(t["norm"], t["cohort"]),
+                   "cohort": t["cohort"], "examples": t["examples"]}
+        agg_metrics = {"total_weight": t["weight"], "aggregated_clients": t["aggregated"]}
+        return AggregateResult(update, EmptyState(), agg_metrics), metrics
+
+    return phase
 
 
 def make_server_update(server_optimizer: optax.GradientTransformation):
@@ -225,25 +311,33 @@ def fedavg(
         server_optimizer: applied to ``-mean_delta`` (``optax.sgd(1.0)``: FedAvg).
         local_steps: client steps per round (>= 1).
         batch_size: local batch size; clients with fewer examples use all they have.
-        aggregator: turns deltas into the update; default `mean_aggregator`.
+        aggregator: turns deltas into the update. Default (None): the weighted mean, fused with
+            the clients' loop (`make_client_mean_phase`); ``mean_aggregator(mesh)`` gives the
+            same values from the stacked per-client deltas.
         weighting: aggregation weights, ``"examples"`` (FedAvg) or ``"uniform"`` (user-level).
         mesh: optional mesh with a ``clients`` axis.
         map_strategy: how the clients' local training runs, ``"vmap"``, ``"scan"`` or
             ``"auto"`` (scan on CPU, vmap on accelerators; see `federated_map`).
     """
+    fused_mean = aggregator is None
     aggregator = aggregator or mean_aggregator(mesh)
-    client_phase = make_client_phase(
-        loss_fn, client_optimizer, local_steps=local_steps, batch_size=batch_size,
-        weighting=weighting, mesh=mesh, map_strategy=map_strategy,
-    )
+    options = {"local_steps": local_steps, "batch_size": batch_size, "weighting": weighting,
+               "mesh": mesh, "map_strategy": map_strategy}
+    client_phase = make_client_phase(loss_fn, client_optimizer, **options)
+    mean_phase = make_client_mean_phase(loss_fn, client_optimizer, **options)
     server_update = make_server_update(server_optimizer)
 
     def phases(state: ServerState, data: ClientData, key):
         client_key, agg_key = jax.random.split(key)
-        out = client_phase(state.params, data, client_key)
-        agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
+        if fused_mean:
+            agg, client_metrics = mean_phase(state.params, data, client_key)
+            agg = agg._replace(state=state.agg_state)
+        else:
+            out = client_phase(state.params, data, client_key)
+            agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
+            client_metrics = out.metrics
         state, server_metrics = server_update(state, agg)
-        return state, (out.metrics, agg.metrics, server_metrics)
+        return state, (client_metrics, agg.metrics, server_metrics)
 
     # A jittable aggregator: one program for the round (the deltas never leave the device
     # program). Otherwise three steps, the aggregator running on the host in between.
@@ -279,7 +373,7 @@ def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: 
                            map_strategy=map_strategy)
         def program(params, data):
             losses = federated_map(
-                lambda p, ex, m: masked_mean_loss(loss_fn, p, ex, m),
+                lambda p, ex, m: _unless_absent(m, lambda: masked_mean_loss(loss_fn, p, ex, m)),
                 federated_broadcast(params), data.examples, data.mask,
             )
             num = federated_map(jnp.sum, data.mask)

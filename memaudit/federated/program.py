@@ -45,6 +45,9 @@ class ProgramContext:
     mesh: Any  # jax.sharding.Mesh | AbstractMesh | None
     axis: str | None  # clients mesh axis or None
     map_strategy: str = "auto"  # default execution strategy of federated_map
+    # id(clients-placed value) -> (that value, the server value it was broadcast from): lets
+    # the scan strategy of federated_map read the server value instead of a per-client copy
+    broadcasts: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 _LOCAL = threading.local()

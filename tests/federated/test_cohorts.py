@@ -6,7 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-from memaudit.federated.cohorts import cohort_capacity, pack_clients, sample_cohort
+from memaudit.federated.cohorts import (
+    cohort_capacity,
+    pack_clients,
+    poisson_capacity,
+    sample_cohort,
+)
 
 
 @pytest.mark.parametrize("mode", ["poisson", "fixed"])
@@ -72,3 +77,20 @@ def test_capacity_and_packing():
         pack_clients(clients, capacity=2)
     with pytest.raises(ValueError, match="max_examples=2"):
         pack_clients(clients, max_examples=2)
+
+
+def test_poisson_capacity_holds_all_but_a_tail_of_the_rounds():
+    population, expected = 56, 8
+    cap = poisson_capacity(population, expected, tail=0.01)
+    # oracle: the cohorts sample_cohort actually draws; the fraction larger than cap is about
+    # the tail (<= 1%), and cap is the smallest such size (cap - 1 overflows more often)
+    sizes = np.array([len(sample_cohort(3, population, expected, round=r)) for r in range(20000)])
+    assert np.mean(sizes > cap) <= 0.01 + 3 * np.sqrt(0.01 * 0.99 / sizes.size)
+    assert np.mean(sizes > cap - 1) > 0.01 - 3 * np.sqrt(0.01 * 0.99 / sizes.size)
+    assert poisson_capacity(population, expected) == 17  # the default tail, 1e-3
+    assert poisson_capacity(population, expected, multiple=4) == 20
+    assert poisson_capacity(10, 10) == 10  # everyone, every round
+    with pytest.raises(ValueError, match="expected cohort must be in"):
+        poisson_capacity(10, 11)
+    with pytest.raises(ValueError, match="tail must be in"):
+        poisson_capacity(10, 2, tail=0)

@@ -1,6 +1,8 @@
 """federated_map execution strategies: "scan" (lax.map inside the program, per device shard on
 a mesh) gives the values and gradients of "vmap" and of a NumPy loop over clients."""
 
+from contextlib import nullcontext as _nullcontext
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,13 @@ from memaudit.federated import (
     federated_program,
     federated_weighted_mean,
 )
-from memaudit.federated.algorithms import fedavg, fedsgd
+from memaudit.federated.algorithms import (
+    fedavg,
+    fedsgd,
+    make_client_mean_phase,
+    make_client_phase,
+    make_server_optimizer,
+)
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.primitives import PRIMITIVE_NAMES, resolve_map_strategy
 
@@ -178,3 +186,141 @@ def test_algorithms_give_the_same_round_with_either_strategy(algo):
     np.testing.assert_allclose(out["scan"][0], out["vmap"][0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out["scan"][1], out["vmap"][1], rtol=1e-5)
     assert not np.allclose(out["scan"][0], params["w"])  # the round did move the model
+
+
+def _padded(data: ClientData, capacity: int) -> ClientData:
+    """The same cohort in a larger clients dim: absent slots with zero data and mask 0."""
+    pad = capacity - data.mask.shape[0]
+
+    def grow(x):
+        return np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+
+    return ClientData(jax.tree.map(grow, data.examples), grow(data.mask))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_padded_cohort_gives_the_unpadded_aggregate_under_scan(optimizer):
+    rng = np.random.default_rng(5)
+    n, m = 5, 6
+    data = ClientData({"x": rng.normal(size=(n, m, 4)).astype(np.float32),
+                       "y": rng.normal(size=(n, m, 2)).astype(np.float32)},
+                      (rng.random((n, m)) < 0.7).astype(np.float32))
+    data.mask[:, 0] = 1.0  # every real client has an example
+    params = {"w": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)}
+    client_opt = optax.sgd(0.05) if optimizer == "sgd" else optax.adam(0.05)
+    kw = {"client_optimizer": client_opt, "server_optimizer": optax.sgd(1.0), "local_steps": 3,
+          "batch_size": 2, "map_strategy": "scan"}
+    phase = jax.jit(make_client_phase(_lin_loss, client_opt, local_steps=3, batch_size=2,
+                                      map_strategy="scan"))
+    key = jax.random.key(7)
+    ref_out = phase(params, data, key)
+    ref_state, ref_metrics = fedavg(_lin_loss, **kw).round(
+        fedavg(_lin_loss, **kw).init(params), data, key)
+    for capacity in (8, 13):
+        out = phase(params, _padded(data, capacity), key)
+        # real clients: the same local training (their keys do not depend on the capacity)
+        np.testing.assert_array_equal(out.deltas["w"][:n], ref_out.deltas["w"])
+        np.testing.assert_array_equal(out.weights[:n], ref_out.weights)
+        # padded clients: exactly zero delta and weight
+        assert not np.any(np.asarray(out.deltas["w"][n:])) and not np.any(out.weights[n:])
+        alg = fedavg(_lin_loss, **kw)
+        state, metrics = alg.round(alg.init(params), _padded(data, capacity), key)
+        np.testing.assert_allclose(state.params["w"], ref_state.params["w"], rtol=1e-6, atol=1e-7)
+        for k in ("loss", "delta_norm", "cohort", "examples", "total_weight"):
+            np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6)
+
+
+def test_scan_skips_absent_clients_and_reads_the_broadcast_model_once():
+    """The compiled round has a conditional around local training, and no (clients, *param)
+    copy of the broadcast model (the scan reads the server value)."""
+    n = 6
+    rng = np.random.default_rng(0)
+    data = ClientData({"x": rng.normal(size=(n, 3, 40)).astype(np.float32),
+                       "y": rng.normal(size=(n, 3, 24)).astype(np.float32)},
+                      np.ones((n, 3), np.float32))
+    params = {"w": jnp.zeros((40, 24), jnp.float32)}
+    phase = make_client_phase(_lin_loss, optax.sgd(0.1), local_steps=2, batch_size=2,
+                              map_strategy="scan")
+    hlo = jax.jit(phase).lower(params, data, jax.random.key(0)).compile().as_text()
+    assert " conditional(" in hlo
+    entry = hlo[hlo.index("ENTRY"):]
+    stacked = [line for line in entry.splitlines() if "= f32[6,40,24]" in line]
+    assert stacked  # the per-client deltas, stacked ...
+    assert not [line for line in stacked if "broadcast" in line and "constant" not in line]
+
+
+@pytest.mark.parametrize("mesh_axes", [None, AxisType.Auto, AxisType.Explicit])
+def test_scan_reading_the_server_value_matches_vmap(mesh_axes):
+    n = 7
+    theta, x, y, _ = _data(n, seed=3)
+    mesh = None if mesh_axes is None else jax.make_mesh(
+        (2, 2), ("clients", "model"), axis_types=(mesh_axes,) * 2)
+
+    def program(strategy):
+        return federated_program(
+            lambda t, x, y: federated_map(_mlp_loss, federated_broadcast(t), x, y,
+                                          strategy=strategy),
+            clients=n, mesh=mesh, placed=(1, 2))
+
+    want = jax.vmap(_mlp_loss, in_axes=(None, 0, 0))(theta, x, y)
+    with jax.set_mesh(mesh) if mesh is not None else _nullcontext():
+        got = jax.jit(program("scan"))(theta, x, y)
+        got_bs = jax.jit(federated_program(
+            lambda t, x, y: federated_map(_mlp_loss, federated_broadcast(t), x, y,
+                                          strategy="scan", batch_size=2),
+            clients=n, mesh=mesh, placed=(1, 2)))(theta, x, y)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_bs, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["examples", "uniform"])
+def test_fused_mean_round_equals_the_mean_aggregator_on_stacked_deltas(weighting):
+    """fedavg's default aggregator sums the weighted deltas inside the clients' loop; the
+    round equals the one with mean_aggregator() over the stacked deltas, metrics included."""
+    from memaudit.federated.aggregators import mean_aggregator
+
+    rng = np.random.default_rng(9)
+    n, m = 6, 5
+    data = _padded(ClientData({"x": rng.normal(size=(n, m, 4)).astype(np.float32),
+                               "y": rng.normal(size=(n, m, 2)).astype(np.float32)},
+                              (rng.random((n, m)) < 0.7).astype(np.float32)), 8)
+    data.mask[1] = 0.0  # an absent client among the real slots
+    params = {"w": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32),
+              "b": jnp.zeros((2,), jnp.bfloat16)}  # a low-precision leaf: float32 sums
+    kw = {"client_optimizer": optax.sgd(0.05), "server_optimizer": make_server_optimizer(
+        "fedadam", 0.01), "local_steps": 2, "batch_size": 2, "weighting": weighting}
+
+    def loss(p, batch):
+        pred = batch["x"] @ p["w"] + p["b"].astype(jnp.float32)
+        return jnp.sum((pred - batch["y"]) ** 2, axis=-1), None
+
+    results = {}
+    for name, agg in (("fused", None), ("stacked", mean_aggregator())):
+        for strategy in ("scan", "vmap"):
+            alg = fedavg(loss, aggregator=agg, map_strategy=strategy, **kw)
+            state = alg.init(params)
+            for r in range(2):
+                state, metrics = alg.round(state, data, jax.random.key(r))
+            results[(name, strategy)] = (state, metrics)
+    ref_state, ref_metrics = results[("stacked", "vmap")]
+    for state, metrics in results.values():
+        np.testing.assert_allclose(state.params["w"], ref_state.params["w"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.params["b"], np.float32),
+                                   np.asarray(ref_state.params["b"], np.float32), atol=1e-2)
+        assert set(metrics) == set(ref_metrics)
+        for k, v in ref_metrics.items():
+            np.testing.assert_allclose(metrics[k], v, rtol=1e-4, atol=1e-7, err_msg=k)  # bf16 b
+    assert ref_metrics["cohort"] == n - 1 and ref_metrics["aggregated_clients"] == n - 1
+
+
+def test_fused_mean_round_holds_no_delta_per_client():
+    n = 6
+    rng = np.random.default_rng(1)
+    data = ClientData({"x": rng.normal(size=(n, 3, 40)).astype(np.float32),
+                       "y": rng.normal(size=(n, 3, 24)).astype(np.float32)},
+                      np.ones((n, 3), np.float32))
+    params = {"w": jnp.zeros((40, 24), jnp.float32)}
+    phase = make_client_mean_phase(_lin_loss, optax.sgd(0.1), local_steps=2, batch_size=2,
+                                   map_strategy="scan")
+    hlo = jax.jit(phase).lower(params, data, jax.random.key(0)).compile().as_text()
+    assert "f32[40,24]" in hlo and "f32[6,40,24]" not in hlo
