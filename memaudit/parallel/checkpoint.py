@@ -78,10 +78,11 @@ def save_sharded(run: RunDir, model: ParallelLlama, optimizer: torch.optim.Optim
         (tmp / "rng").mkdir()
     _barrier()
     params = dict(model.hf.named_parameters())
+    osd = optimizer.state_dict()
     if pg.index("data") == 0:  # data replicas hold identical shards
         tensors = {f"param/{n}": p.detach().cpu().contiguous() for n, p in params.items()}
         names = _optimizer_names(optimizer, params)
-        for i, st in optimizer.state_dict()["state"].items():
+        for i, st in osd["state"].items():
             for k, v in st.items():
                 if not torch.is_tensor(v):
                     raise TypeError(f"optimizer state {k!r} is not a tensor; the sharded checkpoint "
@@ -93,7 +94,7 @@ def save_sharded(run: RunDir, model: ParallelLlama, optimizer: torch.optim.Optim
     if rank == 0:
         layout = {"grid": list(dims.grid()), "params": {n: p.shard_spec.to_json() for n, p in params.items()}}
         atomic_write_json(tmp / "layout.json", layout)
-        torch.save(optimizer.state_dict()["param_groups"], tmp / "optimizer.pt")
+        torch.save(osd["param_groups"], tmp / "optimizer.pt")
         ckpt.write_common(tmp, scalars={**scalars, "format": FORMAT, "grid": list(dims.grid())},
                           extra=extra, files=files)
         replace_dir(tmp, run.state_dir)
