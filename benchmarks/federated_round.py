@@ -192,7 +192,11 @@ def bench_drjax(params, data, args, mesh):
         return jax.tree.map(jnp.add, p, mean)
 
     keys = jax.random.split(jax.random.PRNGKey(0), n)
-    return lambda: _block(round_(params, data.examples["tokens"], keys))
+    tokens = data.examples["tokens"]
+    if mesh is not None:  # drjax's map wants its clients-placed inputs sharded like its broadcast
+        clients = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+        tokens, keys = jax.device_put(tokens, clients), jax.device_put(keys, clients)
+    return lambda: _block(round_(params, tokens, keys))
 
 
 def padded(data: ClientData, capacity: int) -> ClientData:
