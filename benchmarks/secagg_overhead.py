@@ -56,7 +56,10 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
     - ``fused``: ``add_masks`` with ``fused`` seeds of alternating sign (how a client adds its
       self mask and pairwise masks, and the server removes them: one pass over the
       accumulator), reported per mask;
-    - ``expand``: the keystream of d words into a preallocated array (no add).
+    - ``expand``: the keystream of d words into a preallocated array (no add);
+    - ``mask_numpy`` / ``fused_numpy``: ``mask`` and ``fused`` on the numpy path (the fallback
+      where the C extension was not built); ``mask`` and ``fused`` take the C path when it was
+      built (``native`` in the JSON says which).
 
     Wall-clock time (under ``wall``) and this thread's CPU time (under ``cpu``: robust to
     other processes taking the core, not to them evicting its caches) are both recorded.
@@ -79,9 +82,11 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
         pieces.append(zeros[: nbytes % chunk])
     seeds = [(os.urandom(32), 1 if i % 2 else -1) for i in range(fused)]
 
-    def fused_add(acc, seeds):  # older prg modules: one pass per mask
+    native = getattr(prg, "NATIVE", False)
+
+    def fused_add(acc, seeds, **kw):  # older prg modules: one pass per mask
         if hasattr(prg, "add_masks"):
-            return prg.add_masks(acc, seeds)
+            return prg.add_masks(acc, seeds, **kw)
         for seed, sign in seeds:
             prg.add_mask(acc, seed, sign)
 
@@ -98,7 +103,10 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
     cases = {"raw_large": raw_large, "mask": lambda: prg.add_mask(acc, os.urandom(32), +1),
              "raw_chunked": raw_chunked, "fused": lambda: fused_add(acc, seeds),
              "expand": lambda: prg._keystream_into(os.urandom(32), out, d)}
-    per_call = {"fused": fused}  # bytes of keystream per call: nbytes * per_call
+    if native:
+        cases["mask_numpy"] = lambda: prg.add_mask(acc, os.urandom(32), +1, native=False)
+        cases["fused_numpy"] = lambda: fused_add(acc, seeds, native=False)
+    per_call = {"fused": fused, "fused_numpy": fused}  # keystream bytes per call: nbytes * this
     for fn in cases.values():  # warm up: page in buffers
         fn()
     wall: dict[str, list[float]] = {k: [] for k in cases}
@@ -111,7 +119,8 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
             wall[k].append((t1 - t0) / per_call.get(k, 1))
             cpu[k].append((c1 - c0) / per_call.get(k, 1))
 
-    out_json: dict = {"words": d, "repeats": repeats, "fused_masks": fused, "chunk_bytes": chunk}
+    out_json: dict = {"words": d, "repeats": repeats, "fused_masks": fused, "chunk_bytes": chunk,
+                      "native": native}
     for clock, times in (("wall", wall), ("cpu", cpu)):
         def paired(num, den, times=times):  # throughput(num) / throughput(den), per repeat
             return statistics.median(td / tn for tn, td in zip(times[num], times[den], strict=True))
@@ -128,6 +137,11 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
             "fused_over_raw_chunked_paired_median": paired("fused", "raw_chunked"),
             "expand_over_raw_large_paired_median": paired("expand", "raw_large"),
         }
+        if native:
+            out_json[clock].update({
+                "mask_numpy_over_raw_large_paired_median": paired("mask_numpy", "raw_large"),
+                "fused_numpy_over_raw_large_paired_median": paired("fused_numpy", "raw_large"),
+            })
     return out_json
 
 

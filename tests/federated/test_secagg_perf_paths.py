@@ -25,8 +25,32 @@ def _keystream(seed: bytes, d: int) -> np.ndarray:
     return np.frombuffer(enc.update(bytes(4 * d)) + enc.finalize(), dtype="<u4")
 
 
-@pytest.mark.parametrize("d", [1, 7, prg.CHUNK_WORDS, 2 * prg.CHUNK_WORDS + 5])
-def test_add_masks_equals_one_shot_keystreams(d):
+def _toolchain() -> bool:
+    """Whether this machine can build the C mask extension: a C compiler and OpenSSL headers."""
+    import shutil
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    heads = ["/usr/include", "/usr/local/include", sysconfig.get_paths()["include"]]
+    return shutil.which(cc) is not None and any(
+        os.path.exists(os.path.join(h, "openssl", "evp.h")) for h in heads)
+
+
+def test_the_c_mask_extension_is_built_where_the_toolchain_exists():
+    """The install builds `_maskadd` wherever it can (setup.py marks it optional): a silent
+    fallback to numpy on a machine with a compiler and OpenSSL headers is a build defect."""
+    if not _toolchain():
+        pytest.skip("no C compiler or OpenSSL headers here: memaudit masks with numpy")
+    assert prg.NATIVE, "reinstall memaudit (pip install -e .) to build the C mask extension"
+
+
+PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not prg.NATIVE, reason="C mask extension not built (no compiler or OpenSSL headers)"))]
+
+
+@pytest.mark.parametrize("native", PATHS, ids=["numpy", "native"])
+@pytest.mark.parametrize("d", [1, 7, 2047, 2049, prg.CHUNK_WORDS, 2 * prg.CHUNK_WORDS + 5])
+def test_add_masks_equals_one_shot_keystreams(d, native):
     rng = np.random.default_rng(d)
     acc0 = rng.integers(0, 2**32, size=d, dtype=np.uint32)
     seeds = [(os.urandom(32), +1), (os.urandom(32), -1), (os.urandom(32), +1)]
@@ -35,29 +59,50 @@ def test_add_masks_equals_one_shot_keystreams(d):
         want = want + sign * _keystream(seed, d).astype(np.int64)
     want = (want % 2**32).astype(np.uint32)
     fused = acc0.copy()
-    prg.add_masks(fused, seeds)
+    prg.add_masks(fused, seeds, native=native)
     np.testing.assert_array_equal(fused, want)
     one_by_one = acc0.copy()
     for seed, sign in seeds:
-        prg.add_mask(one_by_one, seed, sign)
+        prg.add_mask(one_by_one, seed, sign, native=native)
     np.testing.assert_array_equal(one_by_one, want)
     np.testing.assert_array_equal(prg.expand(seeds[0][0], d), _keystream(seeds[0][0], d))
 
 
-def test_masks_cancel_and_bad_inputs_are_refused():
+@pytest.mark.parametrize("native", PATHS, ids=["numpy", "native"])
+def test_masks_cancel_and_bad_inputs_are_refused(native):
     x = np.arange(100_003, dtype=np.uint32)
     y = x.copy()
     s, t = os.urandom(32), os.urandom(32)
-    prg.add_masks(y, [(s, +1), (t, +1)])
+    prg.add_masks(y, [(s, +1), (t, +1)], native=native)
     assert not np.array_equal(x, y)
-    prg.add_masks(y, [(s, -1)])
-    prg.add_masks(y, [])  # no masks: unchanged
-    prg.add_mask(y, t, -1)
+    prg.add_masks(y, [(s, -1)], native=not native if prg.NATIVE else False)  # paths mix freely
+    prg.add_masks(y, [], native=native)  # no masks: unchanged
+    prg.add_mask(y, t, -1, native=native)
     np.testing.assert_array_equal(x, y)  # every mask cancelled
     with pytest.raises(ValueError, match="32 bytes"):
-        prg.add_masks(y, [(b"short", +1)])
+        prg.add_masks(y, [(s, +1), (b"short", +1)], native=native)
+    np.testing.assert_array_equal(x, y)  # a refused call changes nothing
     with pytest.raises(ValueError, match="uint32"):
-        prg.add_masks(np.zeros(4, np.int64), [(s, +1)])
+        prg.add_masks(np.zeros(4, np.int64), [(s, +1)], native=native)
+    with pytest.raises(ValueError, match="uint32"):
+        prg.add_masks(np.zeros(8, np.uint32)[::2], [(s, +1)], native=native)
+
+
+@pytest.mark.skipif(not prg.NATIVE, reason="C mask extension not built")
+def test_native_masking_runs_in_threads_at_once():
+    """The C path releases the GIL: threads mask their own sums concurrently, each exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = 3 * prg.CHUNK_WORDS + 11
+    jobs = [(np.full(d, i, np.uint32), [(os.urandom(32), 1 - 2 * (j % 2)) for j in range(3)])
+            for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda job: prg.add_masks(job[0], job[1], native=True), jobs))
+    for i, (acc, seeds) in enumerate(jobs):
+        want = np.full(d, i, np.int64)
+        for seed, sign in seeds:
+            want += sign * _keystream(seed, d).astype(np.int64)
+        np.testing.assert_array_equal(acc, (want % 2**32).astype(np.uint32))
 
 
 def _encode_oracle(rows, clip, scale):
@@ -123,10 +168,10 @@ def test_server_unmasks_in_one_batched_pass_with_dropouts(monkeypatch, n, kind, 
     calls = []
     batched = prg.add_masks
 
-    def spy(acc, seeds_signs):
+    def spy(acc, seeds_signs, **kw):
         seeds_signs = list(seeds_signs)
         calls.append(len(seeds_signs))
-        batched(acc, seeds_signs)
+        batched(acc, seeds_signs, **kw)
 
     def one_by_one(*_):
         raise AssertionError("masks must be removed in one batched pass")

@@ -1,24 +1,24 @@
 """Pseudorandom mask expansion: AES-256-CTR keystream read as uint32 words.
 
-The hot loop of secure aggregation. One encryptor per seed; the keystream is
-written with ``update_into`` into a preallocated, per-thread scratch buffer (no
-allocation per call) and numpy views it as uint32 with no copy. Arithmetic on the
-masks is modulo 2^32 (numpy uint32 wraps). `add_masks` adds several masks in one
-pass over the accumulator, chunk by chunk, so the accumulator leaves the cache
-once per chunk whatever the number of masks.
+The hot loop of secure aggregation. Each seed keys one AES-256-CTR stream (all-zero initial
+counter block); its keystream, read as native-endian uint32 words, is the mask. Arithmetic
+on the masks is modulo 2^32 (uint32 wraps). `add_masks` adds several masks into an
+accumulator in one pass, so no mask ever exists in full.
 
-Where the time goes (one core): AES-256-CTR itself, then the mod-2^32 add of each
-keystream chunk into the accumulator chunk. The keystream chunk is still in L2
-when it is added; the plaintext is a read-only anonymous mapping that the kernel
-backs with its single zero page, so the cipher's input costs no cache at all. For
-one mask the accumulator still crosses the memory bus once (read and write);
-`add_masks` amortises that over its masks. What is left per mask is one numpy
-add over an L2-resident chunk (bound by L2 bandwidth) and two Python-level calls
-per chunk. On the 2-core AMD EPYC this was tuned on, that add costs about 30% of
-the AES time: masks run at ~0.75-0.8 of raw AES-256-CTR throughput with several
-masks per pass and ~0.6-0.7 for one mask into an accumulator in memory (see
-benchmarks/secagg_overhead.py). More needs the add fused into the cipher's own
-loop, i.e. native code.
+Two implementations give identical sums:
+
+- **native** (``_maskadd``, a C extension built at install with OpenSSL's libcrypto, the
+  library `cryptography` itself runs on): for every 8 KiB piece of the accumulator, each
+  mask's keystream for that piece is generated into an L1-resident buffer and added at once,
+  with the GIL released. The accumulator's piece stays in L1 for all masks.
+- **numpy** (the fallback where the extension could not be built: no C compiler or no
+  OpenSSL headers): ``cryptography``'s ``update_into`` writes 256 KiB of keystream into a
+  per-thread scratch buffer and numpy adds it in a second pass over L2-resident data; that
+  add costs about a quarter of the cipher's time.
+
+Measured on the 2-core AMD EPYC this was tuned on (benchmarks/secagg_overhead.py, 10M words):
+eight masks per pass run at ~0.85-0.87 of raw AES-256-CTR throughput natively, ~0.78 with
+numpy; one mask into an accumulator in memory at ~0.73 and ~0.67.
 """
 
 from __future__ import annotations
@@ -29,6 +29,13 @@ from collections.abc import Iterable
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+try:  # the fused C path; absent when the install had no C compiler or OpenSSL headers
+    from memaudit.federated.secagg import _maskadd as _native
+except ImportError:  # pragma: no cover - depends on the build machine
+    _native = None
+
+NATIVE = _native is not None
 
 SEED_BYTES = 32
 _NONCE = bytes(16)  # each seed keys exactly one stream, so a fixed counter block is safe
@@ -93,24 +100,48 @@ def expand(seed: bytes, d: int) -> np.ndarray:
     return out[:d]
 
 
-def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]]) -> None:
+def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]], *,
+              native: bool | None = None) -> None:
     """acc += sum_k sign_k * PRG(seed_k) (mod 2^32), in place, in one pass over ``acc``.
 
-    Each chunk of ``acc`` is loaded once and every mask's keystream for that chunk is
-    generated (one encryptor per seed; CTR state carries over between chunks) into one
-    reused buffer and added, or subtracted, while both are in cache, so with k masks
-    ``acc`` crosses the memory bus once, not k times, and no mask ever exists in full.
-    Equal to k calls of `add_mask`; uint32 wrap-around is exactly arithmetic mod 2^32.
+    Each piece of ``acc`` is loaded once and every mask's keystream for that piece is
+    generated (one cipher per seed; the CTR state carries over between pieces) and added,
+    or subtracted, while both are in cache, so with k masks ``acc`` crosses the memory bus
+    once, not k times, and no mask ever exists in full. Equal to k calls of `add_mask`;
+    uint32 wrap-around is exactly arithmetic mod 2^32.
 
     Args:
         acc: contiguous 1-d uint32 accumulator, updated in place.
         seeds_signs: (32-byte seed, sign) pairs; sign > 0 adds the mask, otherwise subtracts.
+        native: ``None`` uses the C extension when it was built, else numpy; ``True``
+            requires the extension; ``False`` forces the numpy path. The sums are identical.
     """
     if acc.dtype != np.uint32 or acc.ndim != 1 or not acc.flags.c_contiguous:
         raise ValueError(f"masks add into a contiguous 1-d uint32 array, got {acc.dtype} "
                          f"{acc.shape}; use np.ascontiguousarray(x, dtype=np.uint32).ravel()")
+    pairs = list(seeds_signs)
+    for seed, _ in pairs:
+        if len(seed) != SEED_BYTES:
+            raise ValueError(f"PRG seed must be {SEED_BYTES} bytes, got {len(seed)}")
+    if native is None:
+        native = NATIVE
+    if native:
+        if _native is None:
+            raise RuntimeError("memaudit's C mask extension was not built (it needs a C compiler "
+                               "and the OpenSSL headers at install); use native=False")
+        if not acc.flags.writeable or not acc.flags.aligned:
+            raise ValueError("masks add into a writeable, aligned uint32 array")
+        _native.add_masks(acc, b"".join(seed for seed, _ in pairs),
+                          bytes(1 if sign > 0 else 0 for _, sign in pairs))
+        return
+    _add_masks_numpy(acc, pairs)
+
+
+def _add_masks_numpy(acc: np.ndarray, pairs: list[tuple[bytes, int]]) -> None:
+    """`add_masks` with cryptography's ``update_into`` and numpy: CHUNK_WORDS of keystream
+    into this thread's scratch buffer, then a numpy add while it is still in L2."""
     ops = [(_encryptor(seed).update_into, np.add if sign > 0 else np.subtract)
-           for seed, sign in seeds_signs]
+           for seed, sign in pairs]
     if not ops:
         return
     d = acc.shape[0]
@@ -131,13 +162,9 @@ def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]]) -> None
             op(part, tail, part)
 
 
-def add_mask(acc: np.ndarray, seed: bytes, sign: int) -> None:
-    """acc += sign * PRG(seed) (mod 2^32), in place (`add_masks` with one mask).
-
-    The keystream is produced in cache-sized chunks into one reused buffer and added while
-    still in cache, so the mask never exists in full.
-    """
-    add_masks(acc, ((seed, sign),))
+def add_mask(acc: np.ndarray, seed: bytes, sign: int, *, native: bool | None = None) -> None:
+    """acc += sign * PRG(seed) (mod 2^32), in place (`add_masks` with one mask)."""
+    add_masks(acc, ((seed, sign),), native=native)
 
 
 def raw_aes_ctr_throughput(nbytes: int = 1 << 26, repeats: int = 3) -> float:
