@@ -59,10 +59,14 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
     - ``expand``: the keystream of d words into a preallocated array (no add);
     - ``mask_numpy`` / ``fused_numpy``: ``mask`` and ``fused`` on the numpy path (the fallback
       where the C extension was not built); ``mask`` and ``fused`` take the C path when it was
-      built (``native`` in the JSON says which).
+      built (``native`` in the JSON says which), in one thread like the raw cipher;
+    - ``fused_threads``: ``fused`` on the C path split over ``prg.mask_threads()`` threads (the
+      default in the protocol); its ratio is to the one-thread raw cipher, which holds the GIL
+      and so cannot run on two threads at once from Python.
 
-    Wall-clock time (under ``wall``) and this thread's CPU time (under ``cpu``: robust to
-    other processes taking the core, not to them evicting its caches) are both recorded.
+    Wall-clock time (under ``wall``) and this process's CPU time over all its threads (under
+    ``cpu``: robust to other processes taking a core, not to them evicting its caches) are
+    both recorded.
     Ratios are the median over repeats of the per-repeat ratio (``paired_median``) and the
     ratio of the best times (``best``).
     """
@@ -100,27 +104,30 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
         for piece in pieces:  # exactly 4d bytes in all
             update_into(piece, chunk_out)
 
-    cases = {"raw_large": raw_large, "mask": lambda: prg.add_mask(acc, os.urandom(32), +1),
-             "raw_chunked": raw_chunked, "fused": lambda: fused_add(acc, seeds),
+    one = {"threads": 1} if native else {}  # the ratios compare one thread with one thread
+    cases = {"raw_large": raw_large, "mask": lambda: prg.add_mask(acc, os.urandom(32), +1, **one),
+             "raw_chunked": raw_chunked, "fused": lambda: fused_add(acc, seeds, **one),
              "expand": lambda: prg._keystream_into(os.urandom(32), out, d)}
     if native:
         cases["mask_numpy"] = lambda: prg.add_mask(acc, os.urandom(32), +1, native=False)
         cases["fused_numpy"] = lambda: fused_add(acc, seeds, native=False)
-    per_call = {"fused": fused, "fused_numpy": fused}  # keystream bytes per call: nbytes * this
+        cases["fused_threads"] = lambda: fused_add(acc, seeds)  # split over prg.mask_threads()
+    per_call = {"fused": fused, "fused_numpy": fused, "fused_threads": fused}  # x nbytes per call
     for fn in cases.values():  # warm up: page in buffers
         fn()
     wall: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(repeats):
         for k, fn in cases.items():
-            c0, t0 = time.thread_time(), time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
-            t1, c1 = time.perf_counter(), time.thread_time()
+            t1, c1 = time.perf_counter(), time.process_time()
             wall[k].append((t1 - t0) / per_call.get(k, 1))
             cpu[k].append((c1 - c0) / per_call.get(k, 1))
 
     out_json: dict = {"words": d, "repeats": repeats, "fused_masks": fused, "chunk_bytes": chunk,
-                      "native": native}
+                      "native": native,
+                      "mask_threads": prg.mask_threads() if native else 1}
     for clock, times in (("wall", wall), ("cpu", cpu)):
         def paired(num, den, times=times):  # throughput(num) / throughput(den), per repeat
             return statistics.median(td / tn for tn, td in zip(times[num], times[den], strict=True))
@@ -141,6 +148,7 @@ def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
             out_json[clock].update({
                 "mask_numpy_over_raw_large_paired_median": paired("mask_numpy", "raw_large"),
                 "fused_numpy_over_raw_large_paired_median": paired("fused_numpy", "raw_large"),
+                "fused_threads_over_raw_large_paired_median": paired("fused_threads", "raw_large"),
             })
     return out_json
 

@@ -89,6 +89,28 @@ def test_masks_cancel_and_bad_inputs_are_refused(native):
 
 
 @pytest.mark.skipif(not prg.NATIVE, reason="C mask extension not built")
+@pytest.mark.parametrize("threads", [2, 3, 7, 300])
+def test_native_masking_split_over_threads_equals_the_oracle(monkeypatch, threads):
+    """A sum split into slices, each masked from its own CTR block, equals the one-shot
+    keystreams: ragged sizes, more threads than 16-byte blocks, first_block offsets."""
+    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 8)
+    for d in (9, 1001, 4 * 257 + 3):
+        acc0 = np.random.default_rng(d).integers(0, 2**32, size=d, dtype=np.uint32)
+        seeds = [(os.urandom(32), +1), (os.urandom(32), -1)]
+        want = acc0.astype(np.int64)
+        for seed, sign in seeds:
+            want += sign * _keystream(seed, d).astype(np.int64)
+        got = acc0.copy()
+        prg.add_masks(got, seeds, threads=threads)
+        np.testing.assert_array_equal(got, (want % 2**32).astype(np.uint32))
+    # the raw entry point: a slice from block 5 on is the keystream's words 20.. onwards
+    seed = os.urandom(32)
+    part = np.zeros(11, np.uint32)
+    prg._native.add_masks(part, seed, b"\x01", 5)
+    np.testing.assert_array_equal(part, _keystream(seed, 31)[20:])
+
+
+@pytest.mark.skipif(not prg.NATIVE, reason="C mask extension not built")
 def test_native_masking_runs_in_threads_at_once():
     """The C path releases the GIL: threads mask their own sums concurrently, each exact."""
     from concurrent.futures import ThreadPoolExecutor

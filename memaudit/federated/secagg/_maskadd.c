@@ -1,10 +1,11 @@
 /* memaudit.federated.secagg._maskadd: AES-256-CTR masks added into a uint32 sum, fused.
  *
- * add_masks(acc, keys, signs) does acc += sum_k sign_k * AES-256-CTR_k(0...) (mod 2^32) in
- * place, where keys holds k 32-byte seeds back to back and signs k bytes (1: add, 0:
- * subtract). The keystream is OpenSSL's AES-256-CTR with an all-zero initial counter block,
- * byte for byte what `cryptography`'s Cipher(AES(seed), CTR(bytes(16))) produces (it runs on
- * OpenSSL too), read as native-endian uint32 words.
+ * add_masks(acc, keys, signs, first_block=0) does acc += sum_k sign_k * AES-256-CTR_k (mod
+ * 2^32) in place, where keys holds k 32-byte seeds back to back and signs k bytes (1: add,
+ * 0: subtract). The keystream is OpenSSL's AES-256-CTR with an all-zero initial counter
+ * block, byte for byte what `cryptography`'s Cipher(AES(seed), CTR(bytes(16))) produces (it
+ * runs on OpenSSL too), read as native-endian uint32 words; acc[0] takes the keystream from
+ * 16-byte block first_block on, so disjoint slices of one sum can be masked in parallel.
  *
  * Why native: in numpy the keystream has to be written to a buffer and added in a second
  * pass; the add then costs about a quarter of the cipher's time. Here each SUB_WORDS piece
@@ -41,8 +42,9 @@ MULTIVERSION static void sub_words(uint32_t *restrict acc, const uint32_t *restr
 
 static PyObject *add_masks(PyObject *self, PyObject *args) {
     Py_buffer acc, keys, signs;
+    unsigned long long first_block = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*y*", &acc, &keys, &signs)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*y*y*|K", &acc, &keys, &signs, &first_block)) return NULL;
     PyObject *result = NULL;
     EVP_CIPHER_CTX **ctx = NULL;
     Py_ssize_t k = signs.len;
@@ -60,7 +62,8 @@ static PyObject *add_masks(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    static const unsigned char iv[16];
+    unsigned char iv[16] = {0}; /* the initial counter block: first_block, big-endian */
+    for (int b = 0; b < 8; b++) iv[15 - b] = (unsigned char)(first_block >> (8 * b));
     for (Py_ssize_t j = 0; j < k; j++) {
         ctx[j] = EVP_CIPHER_CTX_new();
         if (ctx[j] == NULL ||
@@ -109,7 +112,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"add_masks", add_masks, METH_VARARGS,
-     "add_masks(acc, keys, signs): acc += sum_k sign_k * AES-256-CTR(keys[32k:32k+32]) mod 2^32."},
+     "add_masks(acc, keys, signs, first_block=0): acc += sum_k sign_k * AES-256-CTR(keys[32k:"
+     "32k+32]) from counter block first_block on, mod 2^32."},
     {NULL, NULL, 0, NULL},
 };
 
