@@ -94,6 +94,7 @@ def test_native_masking_split_over_threads_equals_the_oracle(monkeypatch, thread
     """A sum split into slices, each masked from its own CTR block, equals the one-shot
     keystreams: ragged sizes, more threads than 16-byte blocks, first_block offsets."""
     monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 8)
+    monkeypatch.setattr(prg, "MIN_SLICE_WORDS", 1)
     for d in (9, 1001, 4 * 257 + 3):
         acc0 = np.random.default_rng(d).integers(0, 2**32, size=d, dtype=np.uint32)
         seeds = [(os.urandom(32), +1), (os.urandom(32), -1)]

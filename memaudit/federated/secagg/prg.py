@@ -43,8 +43,9 @@ except ImportError:  # pragma: no cover - depends on the build machine
 
 NATIVE = _native is not None
 
-PARALLEL_MIN_WORDS = 1 << 20  # native masking splits a sum over threads from 4 MiB on; below,
-# handing slices to threads costs more than it saves
+PARALLEL_MIN_WORDS = 1 << 20  # native masking splits a call over threads from 4 MiB of keystream
+MIN_SLICE_WORDS = 1 << 13  # (all masks together) on, in slices of at least 32 KiB of the sum;
+# below, handing slices to threads costs more than it saves
 
 
 def mask_threads() -> int:
@@ -148,9 +149,10 @@ def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]], *,
         seeds_signs: (32-byte seed, sign) pairs; sign > 0 adds the mask, otherwise subtracts.
         native: ``None`` uses the C extension when it was built, else numpy; ``True``
             requires the extension; ``False`` forces the numpy path. The sums are identical.
-        threads: the native path splits a sum of at least ``PARALLEL_MIN_WORDS`` words into
-            this many slices masked at once (each slice's keystream starts at its own CTR
-            block); default `mask_threads`. The numpy path always runs in the calling thread.
+        threads: the native path splits the sum into this many slices masked at once (each
+            slice's keystream starts at its own CTR block) when the call expands at least
+            ``PARALLEL_MIN_WORDS`` words of keystream; default `mask_threads`. The numpy path
+            always runs in the calling thread.
     """
     if acc.dtype != np.uint32 or acc.ndim != 1 or not acc.flags.c_contiguous:
         raise ValueError(f"masks add into a contiguous 1-d uint32 array, got {acc.dtype} "
@@ -171,7 +173,8 @@ def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]], *,
         signs = bytes(1 if sign > 0 else 0 for _, sign in pairs)
         d = acc.shape[0]
         t = mask_threads() if threads is None else max(1, int(threads))
-        if t == 1 or d < PARALLEL_MIN_WORDS or not pairs:
+        t = min(t, d // MIN_SLICE_WORDS)
+        if t <= 1 or d * len(pairs) < PARALLEL_MIN_WORDS:
             _native.add_masks(acc, keys, signs)
             return
         step = -(-d // (4 * t)) * 4  # ceil(d / t) rounded up to whole 16-byte CTR blocks
