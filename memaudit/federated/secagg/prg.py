@@ -61,8 +61,9 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _pool_for(threads: int) -> ThreadPoolExecutor:
-    """A process-wide pool of at least ``threads`` workers (grown, never shrunk)."""
+def thread_pool(threads: int) -> ThreadPoolExecutor:
+    """A process-wide pool of at least ``threads`` workers (grown, never shrunk) for native
+    masking, which releases the GIL."""
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads:
@@ -179,7 +180,7 @@ def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]], *,
             return
         step = -(-d // (4 * t)) * 4  # ceil(d / t) rounded up to whole 16-byte CTR blocks
         starts = range(0, d, step)
-        done = list(_pool_for(t).map(
+        done = list(thread_pool(t).map(
             lambda a: _native.add_masks(acc[a:a + step], keys, signs, a // 4), starts))
         assert len(done) == len(starts)
         return
