@@ -3,7 +3,10 @@
 Same model, same data, side by side:
   scoring  - memaudit.probes.scoring.token_logprobs (length-sorted, padded batches under a token
              budget) vs one model(...) call per sequence computing the same per-token log-probs
-             (and, for scoring_with_stats, the Min-K%++ mean and std); tokens scored per second.
+             (and, for scoring_with_stats, the Min-K%++ mean and std); tokens scored per second:
+             on documents, on canary-length sequences (exposure's candidates), and on the mix of
+             both that one probe run scores (scoring_probe_mix: by default the quickstart
+             probe's 419 membership documents per 10,000 exposure candidates).
   greedy   - memaudit.probes.scoring.decode (left-padded batches, KV cache) vs one
              model.generate(...) per prompt; new tokens per second.
 Batched and loop run in alternating turns; prints one JSON object with the medians of --repeats
@@ -112,6 +115,15 @@ def run_at(threads: int, model, data: dict, args) -> dict:
         },
         args.repeats,
     )
+    mix = data["mix"]
+    n_mix = sum(len(s) - 1 for s in mix)
+    probe_mix = _alternating_medians(
+        {
+            "batched": lambda: token_logprobs(model, mix, batch_size=32),  # the probe's default
+            "loop": lambda: loop_score(model, mix, dev),
+        },
+        args.repeats,
+    )
     greedy = _alternating_medians(
         {
             "batched": lambda: decode(model, prompts, args.new_tokens, batch_size=bs),
@@ -133,6 +145,10 @@ def run_at(threads: int, model, data: dict, args) -> dict:
             "lengths": [args.short_len, args.short_len],
             **_entry(len(short), n_short, 4 * bs, canary),
         },
+        "scoring_probe_mix": {
+            "docs_per_candidate": args.mix_docs_per_candidate,
+            **_entry(len(mix), n_mix, 32, probe_mix),
+        },
         "greedy": {
             "new_tokens": args.new_tokens,
             **_entry(len(prompts), len(prompts) * args.new_tokens, bs, greedy, "generate_loop"),
@@ -149,6 +165,13 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--short-seqs", type=int, default=2048, help="canary-length sequences")
     ap.add_argument("--short-len", type=int, default=12)
+    ap.add_argument(
+        "--mix-docs-per-candidate",
+        type=float,
+        default=419 / 10_000,
+        help="scoring_probe_mix: documents per canary-length sequence (default: the quickstart "
+        "probe's 419 membership documents per 10,000 exposure candidates)",
+    )
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=50)
@@ -184,6 +207,8 @@ def main() -> None:
         "prompts": [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.prompts)],
         "short": [rng.integers(1, vocab, args.short_len).tolist() for _ in range(args.short_seqs)],
     }
+    n_docs = max(1, round(len(data["short"]) * args.mix_docs_per_candidate))
+    data["mix"] = data["short"] + data["seqs"][:n_docs]  # the scoring of one probe run, in small
     runs = [run_at(t, model, data, args) for t in args.threads or [default_threads]]
     out = {
         "benchmark": "probe_throughput",
