@@ -212,3 +212,20 @@ def test_server_unmasks_in_one_batched_pass_with_dropouts(monkeypatch, n, kind, 
     neigh = neighbours(n, kind, seed=3, degree=degree)
     server_masks = len(u3) + sum(len(neigh[i] & u3) for i in drop.before_masked)
     assert calls == [1 + len(neigh[i] - drop.before_shares) for i in sorted(u3)] + [server_masks]
+
+
+def test_without_the_extension_masking_falls_back_to_numpy(monkeypatch):
+    """An install without a C toolchain masks on the numpy path by default, with the same sums;
+    asking for the C path there is a clear error, not a silent fallback."""
+    d = 2 * prg.CHUNK_WORDS + 3
+    seeds = [(os.urandom(32), +1), (os.urandom(32), -1)]
+    want = np.zeros(d, np.int64)
+    for seed, sign in seeds:
+        want += sign * _keystream(seed, d).astype(np.int64)
+    monkeypatch.setattr(prg, "_native", None)
+    monkeypatch.setattr(prg, "NATIVE", False)
+    got = np.zeros(d, np.uint32)
+    prg.add_masks(got, seeds)
+    np.testing.assert_array_equal(got, (want % 2**32).astype(np.uint32))
+    with pytest.raises(RuntimeError, match="not built"):
+        prg.add_masks(got, seeds, native=True)

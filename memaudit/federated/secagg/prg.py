@@ -10,14 +10,13 @@ Two implementations give identical sums:
 - **native** (``_maskadd``, a C extension built at install with OpenSSL's libcrypto, the
   library `cryptography` itself runs on): for every 8 KiB piece of the accumulator, each
   mask's keystream for that piece is generated into an L1-resident buffer and added at once,
-  with the GIL released. The accumulator's piece stays in L1 for all masks.
+  with the GIL released. The accumulator's piece stays in L1 for all masks, and a long sum
+  is split into slices masked on several threads at once, each slice's keystream starting at
+  its own CTR block (``threads``, default `mask_threads`).
 - **numpy** (the fallback where the extension could not be built: no C compiler or no
   OpenSSL headers): ``cryptography``'s ``update_into`` writes 256 KiB of keystream into a
   per-thread scratch buffer and numpy adds it in a second pass over L2-resident data; that
   add costs about a quarter of the cipher's time.
-
-The native path also releases the GIL, so a long sum is split into slices, each masked in its
-own thread from its own CTR block (``threads``, default `mask_threads`).
 
 Measured on the 2-core AMD EPYC this was tuned on (benchmarks/secagg_overhead.py, 10M words,
 one thread): eight masks per pass run at ~0.82-0.87 of raw AES-256-CTR throughput natively
@@ -43,9 +42,11 @@ except ImportError:  # pragma: no cover - depends on the build machine
 
 NATIVE = _native is not None
 
-PARALLEL_MIN_WORDS = 1 << 20  # native masking splits a call over threads from 4 MiB of keystream
-MIN_SLICE_WORDS = 1 << 13  # (all masks together) on, in slices of at least 32 KiB of the sum;
-# below, handing slices to threads costs more than it saves
+# Native masking splits a call over threads when it expands at least PARALLEL_MIN_WORDS words
+# of keystream (all masks together), into slices of at least MIN_SLICE_WORDS words of the sum;
+# below either, handing slices to threads costs more than it saves.
+PARALLEL_MIN_WORDS = 1 << 20
+MIN_SLICE_WORDS = 1 << 13
 
 
 def mask_threads() -> int:
@@ -58,18 +59,20 @@ def mask_threads() -> int:
 
 
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 _pool_lock = threading.Lock()
 
 
 def thread_pool(threads: int) -> ThreadPoolExecutor:
     """A process-wide pool of at least ``threads`` workers (grown, never shrunk) for native
     masking, which releases the GIL."""
-    global _pool
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < threads:
-            old, _pool = _pool, ThreadPoolExecutor(threads, thread_name_prefix="memaudit-mask")
+        if _pool is None or _pool_size < threads:
+            old = _pool
+            _pool, _pool_size = ThreadPoolExecutor(threads, "memaudit-mask"), threads
             if old is not None:
-                old.shutdown(wait=False)
+                old.shutdown(wait=False)  # work already handed to it still runs
         return _pool
 
 SEED_BYTES = 32
@@ -170,6 +173,8 @@ def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]], *,
                                "and the OpenSSL headers at install); use native=False")
         if not acc.flags.writeable or not acc.flags.aligned:
             raise ValueError("masks add into a writeable, aligned uint32 array")
+        if not pairs:
+            return
         keys = b"".join(seed for seed, _ in pairs)
         signs = bytes(1 if sign > 0 else 0 for _, sign in pairs)
         d = acc.shape[0]
@@ -179,10 +184,10 @@ def add_masks(acc: np.ndarray, seeds_signs: Iterable[tuple[bytes, int]], *,
             _native.add_masks(acc, keys, signs)
             return
         step = -(-d // (4 * t)) * 4  # ceil(d / t) rounded up to whole 16-byte CTR blocks
-        starts = range(0, d, step)
-        done = list(thread_pool(t).map(
-            lambda a: _native.add_masks(acc[a:a + step], keys, signs, a // 4), starts))
-        assert len(done) == len(starts)
+        for _ in thread_pool(t).map(  # waits for every slice; re-raises a slice's error
+                lambda a: _native.add_masks(acc[a:a + step], keys, signs, a // 4),
+                range(0, d, step)):
+            pass
         return
     _add_masks_numpy(acc, pairs)
 
