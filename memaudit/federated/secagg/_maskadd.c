@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <stdint.h>
 #include <string.h>
@@ -92,6 +93,7 @@ static PyObject *add_masks(PyObject *self, PyObject *args) {
             else sub_words(a + off, ks, w);
         }
     }
+    OPENSSL_cleanse(ks, sizeof(ks)); /* no mask material left on the stack */
     Py_END_ALLOW_THREADS
     if (!ok) {
         PyErr_SetString(PyExc_RuntimeError, "OpenSSL AES-256-CTR failed while masking");
