@@ -119,7 +119,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_maskadd",
-                                    "Fused AES-256-CTR mask addition (see prg.py).", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_maskadd",
+    .m_doc = "Fused AES-256-CTR mask addition (see prg.py).",
+    .m_size = -1,
+    .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__maskadd(void) { return PyModule_Create(&module); }
