@@ -60,8 +60,10 @@ class Header:
 
 
 class Writer:
+    """Builds one message; `finish` writes header and fields with a single copy."""
+
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | memoryview] = []
 
     def u32(self, v: int) -> Writer:
         self._parts.append(struct.pack(">I", v))
@@ -80,13 +82,17 @@ class Writer:
         return self
 
     def array(self, a: np.ndarray) -> Writer:
-        return self.blob(np.ascontiguousarray(a, dtype="<u4").tobytes())
+        """A uint32 vector as a little-endian blob; its memory is read once, by `finish`."""
+        raw = memoryview(np.ascontiguousarray(a, dtype="<u4")).cast("B")
+        self._parts.append(struct.pack(">Q", raw.nbytes))
+        self._parts.append(raw)
+        return self
 
     def finish(self, header: Header) -> bytes:
-        body = b"".join(self._parts)
+        n = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in self._parts)
         head = _HEADER.pack(MAGIC, VERSION, int(header.type), header.round_id, header.sender,
-                            header.recipient, len(body))
-        return head + body
+                            header.recipient, n)
+        return b"".join([head, *self._parts])
 
 
 class Reader:
@@ -112,10 +118,11 @@ class Reader:
         return [self.u32() for _ in range(self.u32())]
 
     def array(self, d: int | None = None) -> np.ndarray:
-        raw = self.blob()
-        if len(raw) % 4 or (d is not None and len(raw) != 4 * d):
-            raise MessageError(f"masked vector has {len(raw)} bytes, expected {4 * d if d else 'a multiple of 4'}")
-        return np.frombuffer(raw, dtype="<u4").astype(np.uint32)
+        """A uint32 vector: a read-only view into the message, no copy."""
+        (n,) = struct.unpack(">Q", self._take(8))
+        if n % 4 or (d is not None and n != 4 * d):
+            raise MessageError(f"masked vector has {n} bytes, expected {4 * d if d else 'a multiple of 4'}")
+        return np.frombuffer(self._take(n), dtype="<u4")
 
     def done(self) -> None:
         if self._o != len(self._b):
