@@ -229,3 +229,23 @@ def test_without_the_extension_masking_falls_back_to_numpy(monkeypatch):
     np.testing.assert_array_equal(got, (want % 2**32).astype(np.uint32))
     with pytest.raises(RuntimeError, match="not built"):
         prg.add_masks(got, seeds, native=True)
+
+
+def test_a_whole_round_is_the_same_on_either_masking_path(monkeypatch):
+    """The protocol end to end, with dropouts at every stage, gives the survivors' exact sum
+    whether masks go through the C path (split over threads) or the numpy fallback."""
+    from memaudit.federated.secagg import Dropouts, run_round
+
+    n, d = 9, prg.CHUNK_WORDS + 5
+    x = np.random.default_rng(7).integers(0, 2**32, size=(n, d), dtype=np.uint32)
+    drop = {"before_shares": {8}, "before_masked": {2}, "before_unmask": {5}}
+    survivors = sorted(set(range(n)) - {8, 2})
+    want = (x[survivors].astype(np.int64).sum(axis=0) % 2**32).astype(np.uint32)
+    paths = [False] + ([True] if prg.NATIVE else [])
+    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 1)  # every native call split over threads
+    for native in paths:
+        monkeypatch.setattr(prg, "NATIVE", native)
+        r = run_round(x, neighbours="full", threshold=0.5,
+                      dropouts=Dropouts(**{k: set(v) for k, v in drop.items()}))
+        assert r.survivors == frozenset(survivors)
+        np.testing.assert_array_equal(r.total, want)
