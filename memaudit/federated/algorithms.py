@@ -324,7 +324,7 @@ def fedavg(
     options = {"local_steps": local_steps, "batch_size": batch_size, "weighting": weighting,
                "mesh": mesh, "map_strategy": map_strategy}
     client_phase = make_client_phase(loss_fn, client_optimizer, **options)
-    mean_phase = make_client_mean_phase(loss_fn, client_optimizer, **options)
+    mean_phase = make_client_mean_phase(loss_fn, client_optimizer, **options) if fused_mean else None
     server_update = make_server_update(server_optimizer)
 
     def phases(state: ServerState, data: ClientData, key):

@@ -44,6 +44,11 @@ PRIMITIVE_NAMES = frozenset(p.name for p in PRIMITIVES)
 _LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
+def _acc_dtype(dtype):
+    """The dtype a sum over the clients accumulates in: float32 for low-precision floats."""
+    return jnp.float32 if dtype in _LOW_PRECISION else dtype
+
+
 # ---------------------------------------------------------------- implementations (jnp)
 
 
@@ -86,14 +91,12 @@ def _sum_leading(x, dtype=None, mesh=None):
 
 def _sum_impl(x, *, n, n_pad, axis, mesh):
     del n_pad, axis
-    acc = jnp.float32 if x.dtype in _LOW_PRECISION else None
-    return _sum_leading(_masked(x, n), acc, mesh).astype(x.dtype)  # (*x.shape[1:])
+    return _sum_leading(_masked(x, n), _acc_dtype(x.dtype), mesh).astype(x.dtype)  # (*x.shape[1:])
 
 
 def _mean_impl(x, *, n, n_pad, axis, mesh):
     del n_pad, axis
-    acc = jnp.float32 if x.dtype in _LOW_PRECISION else x.dtype
-    total = _sum_leading(_masked(x, n), acc, mesh)
+    total = _sum_leading(_masked(x, n), _acc_dtype(x.dtype), mesh)
     return (total / n).astype(x.dtype)
 
 
@@ -205,6 +208,13 @@ def _check_placed(x, ctx: ProgramContext, what: str) -> None:
             f"{what} got shape {tuple(shape)}; a clients-placed value needs leading size "
             f"{ctx.n_pad} (clients={ctx.n}); pass one row per client"
         )
+
+
+def _check_args(args: tuple, ctx: ProgramContext, what: str) -> None:
+    """Every leaf of every argument of a map is clients-placed."""
+    for i, a in enumerate(args):
+        for leaf in jax.tree.leaves(a):
+            _check_placed(leaf, ctx, f"{what} argument {i}")
 
 
 # tracers of jax.grad / jax.jvp / jax.linearize: a value being differentiated
@@ -407,9 +417,7 @@ def federated_map(
     ``"auto"``).
     """
     ctx = current_context("federated_map")
-    for i, a in enumerate(args):
-        for leaf in jax.tree.leaves(a):
-            _check_placed(leaf, ctx, f"federated_map argument {i}")
+    _check_args(args, ctx, "federated_map")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"federated_map batch_size must be a positive int, got {batch_size!r}")
     how = resolve_map_strategy(fn, args, strategy or ctx.map_strategy)
@@ -433,18 +441,13 @@ def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> 
     instead of a pairwise one).
     """
     ctx = current_context("federated_map_sum")
-    for i, a in enumerate(args):
-        for leaf in jax.tree.leaves(a):
-            _check_placed(leaf, ctx, f"federated_map_sum argument {i}")
+    _check_args(args, ctx, "federated_map_sum")
     how = resolve_map_strategy(fn, args, strategy or ctx.map_strategy)
     differentiated = any(isinstance(x, _DIFF_TRACERS) for x in jax.tree.leaves(args))
     if how != "scan" or differentiated or shd.clients_axis_size(ctx.mesh) > 1:
         return federated_sum(federated_map(fn, *args, strategy=how))
     call, fixed, rows = _per_client_call(fn, args, ctx)
     out = jax.eval_shape(lambda: call(fixed, [r[0] for r in rows]))  # one client's output
-
-    def acc_dtype(s):
-        return jnp.float32 if s.dtype in _LOW_PRECISION else s.dtype
 
     def body(total, xs):
         i, row = xs
@@ -453,7 +456,7 @@ def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> 
             y = jax.tree.map(lambda v: jnp.where(i < ctx.n, v, jnp.zeros((), v.dtype)), y)
         return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, y), None
 
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, acc_dtype(s)), out)
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, _acc_dtype(s.dtype)), out)
     total, _ = jax.lax.scan(body, init, (jnp.arange(ctx.n_pad), rows))
     return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
 

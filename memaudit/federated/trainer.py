@@ -265,7 +265,7 @@ class FederatedTrainer:
         # without data skips local training. Batched (vmap: accelerators, or the shards of a
         # clients mesh axis) every slot computes, so there the padding is kept small instead.
         if jax.default_backend() == "cpu" and k == 1:
-            return poisson_capacity(self.clients.num_users, f.cohort, multiple=k)
+            return poisson_capacity(self.clients.num_users, f.cohort)
         return None
 
     def round_capacity(self, size: int) -> int:

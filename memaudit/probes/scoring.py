@@ -91,9 +91,10 @@ def _next_token_stats(
     return tok, mu, sd
 
 
-def _score_batch(model, seqs: list, lengths: np.ndarray, *, with_stats: bool, chunk: int):
+def _score_batch(
+    model, seqs: list, lengths: np.ndarray, *, device: torch.device, with_stats: bool, chunk: int
+):
     """Per-token log p (and mu, sigma) of one right-padded batch, as lists of float64 arrays."""
-    device = next(model.parameters()).device
     rows, width = len(seqs), int(lengths.max())
     real = np.arange(width) < lengths[:, None]  # (rows, width)
     ids = np.zeros((rows, width), dtype=np.int64)
@@ -142,7 +143,8 @@ def token_logprobs(
     done = 0
     for idx in _token_batches(order, lengths, max_tokens):
         parts = _score_batch(
-            model, [seqs[i] for i in idx], lengths[idx], with_stats=with_stats, chunk=chunk
+            model, [seqs[i] for i in idx], lengths[idx], device=device, with_stats=with_stats,
+            chunk=chunk,
         )
         for dest, part in zip(out, parts, strict=True):
             if part is not None:

@@ -165,14 +165,18 @@ def _lin_loss(params, batch):
     return jnp.sum((batch["x"] @ params["w"] - batch["y"]) ** 2, axis=-1), None
 
 
+def _lin_cohort(rng, n: int, m: int, keep: float, d_in: int = 4, d_out: int = 2):
+    """n clients of m examples for `_lin_loss` (each example real with probability keep), and
+    random (d_in, d_out) weights."""
+    data = ClientData({"x": rng.normal(size=(n, m, d_in)).astype(np.float32),
+                       "y": rng.normal(size=(n, m, d_out)).astype(np.float32)},
+                      (rng.random((n, m)) < keep).astype(np.float32))
+    return data, {"w": jnp.asarray(rng.normal(size=(d_in, d_out)), jnp.float32)}
+
+
 @pytest.mark.parametrize("algo", ["fedavg", "fedsgd"])
 def test_algorithms_give_the_same_round_with_either_strategy(algo):
-    rng = np.random.default_rng(3)
-    n, m = 6, 5
-    data = ClientData({"x": rng.normal(size=(n, m, 4)).astype(np.float32),
-                       "y": rng.normal(size=(n, m, 2)).astype(np.float32)},
-                      (rng.random((n, m)) < 0.8).astype(np.float32))
-    params = {"w": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)}
+    data, params = _lin_cohort(np.random.default_rng(3), n=6, m=5, keep=0.8)
     out = {}
     for strategy in ("vmap", "scan"):
         if algo == "fedavg":
@@ -200,13 +204,9 @@ def _padded(data: ClientData, capacity: int) -> ClientData:
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_padded_cohort_gives_the_unpadded_aggregate_under_scan(optimizer):
-    rng = np.random.default_rng(5)
-    n, m = 5, 6
-    data = ClientData({"x": rng.normal(size=(n, m, 4)).astype(np.float32),
-                       "y": rng.normal(size=(n, m, 2)).astype(np.float32)},
-                      (rng.random((n, m)) < 0.7).astype(np.float32))
+    n = 5
+    data, params = _lin_cohort(np.random.default_rng(5), n=n, m=6, keep=0.7)
     data.mask[:, 0] = 1.0  # every real client has an example
-    params = {"w": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)}
     client_opt = optax.sgd(0.05) if optimizer == "sgd" else optax.adam(0.05)
     kw = {"client_optimizer": client_opt, "server_optimizer": optax.sgd(1.0), "local_steps": 3,
           "batch_size": 2, "map_strategy": "scan"}
@@ -230,18 +230,17 @@ def test_padded_cohort_gives_the_unpadded_aggregate_under_scan(optimizer):
             np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6)
 
 
+def _compiled_scan_phase(make_phase, seed: int) -> str:
+    """Optimised HLO of a scan-strategy client phase: 6 clients, a (40, 24) linear model."""
+    data, params = _lin_cohort(np.random.default_rng(seed), n=6, m=3, keep=1.0, d_in=40, d_out=24)
+    phase = make_phase(_lin_loss, optax.sgd(0.1), local_steps=2, batch_size=2, map_strategy="scan")
+    return jax.jit(phase).lower(params, data, jax.random.key(0)).compile().as_text()
+
+
 def test_scan_skips_absent_clients_and_reads_the_broadcast_model_once():
     """The compiled round has a conditional around local training, and no (clients, *param)
     copy of the broadcast model (the scan reads the server value)."""
-    n = 6
-    rng = np.random.default_rng(0)
-    data = ClientData({"x": rng.normal(size=(n, 3, 40)).astype(np.float32),
-                       "y": rng.normal(size=(n, 3, 24)).astype(np.float32)},
-                      np.ones((n, 3), np.float32))
-    params = {"w": jnp.zeros((40, 24), jnp.float32)}
-    phase = make_client_phase(_lin_loss, optax.sgd(0.1), local_steps=2, batch_size=2,
-                              map_strategy="scan")
-    hlo = jax.jit(phase).lower(params, data, jax.random.key(0)).compile().as_text()
+    hlo = _compiled_scan_phase(make_client_phase, seed=0)
     assert " conditional(" in hlo
     entry = hlo[hlo.index("ENTRY"):]
     stacked = [line for line in entry.splitlines() if "= f32[6,40,24]" in line]
@@ -314,13 +313,5 @@ def test_fused_mean_round_equals_the_mean_aggregator_on_stacked_deltas(weighting
 
 
 def test_fused_mean_round_holds_no_delta_per_client():
-    n = 6
-    rng = np.random.default_rng(1)
-    data = ClientData({"x": rng.normal(size=(n, 3, 40)).astype(np.float32),
-                       "y": rng.normal(size=(n, 3, 24)).astype(np.float32)},
-                      np.ones((n, 3), np.float32))
-    params = {"w": jnp.zeros((40, 24), jnp.float32)}
-    phase = make_client_mean_phase(_lin_loss, optax.sgd(0.1), local_steps=2, batch_size=2,
-                                   map_strategy="scan")
-    hlo = jax.jit(phase).lower(params, data, jax.random.key(0)).compile().as_text()
+    hlo = _compiled_scan_phase(make_client_mean_phase, seed=1)
     assert "f32[40,24]" in hlo and "f32[6,40,24]" not in hlo

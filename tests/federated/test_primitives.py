@@ -14,12 +14,12 @@ from memaudit.federated import (
     PRIMITIVE_NAMES,
     federated_broadcast,
     federated_map,
+    federated_map_sum,
     federated_mean,
     federated_program,
     federated_sum,
     federated_weighted_mean,
 )
-from memaudit.federated.primitives import federated_map_sum  # not re-exported (yet)
 
 N, D = 100, 3
 RNG = np.random.default_rng(0)

@@ -222,20 +222,3 @@ def add_mask(acc: np.ndarray, seed: bytes, sign: int, *, native: bool | None = N
     """acc += sign * PRG(seed) (mod 2^32), in place (`add_masks` with one mask)."""
     add_masks(acc, ((seed, sign),), native=native, threads=threads)
 
-
-def raw_aes_ctr_throughput(nbytes: int = 1 << 26, repeats: int = 3) -> float:
-    """Bytes per second of one AES-256-CTR ``update_into`` of ``nbytes`` (best of repeats).
-
-    The plaintext is the same zero mapping the masks read and the output a preallocated
-    buffer, so this is the ceiling `add_masks` is compared with."""
-    import time
-
-    zeros = _zeros(nbytes)
-    out = bytearray(nbytes + 16)
-    best = float("inf")
-    for _ in range(repeats):
-        enc = _encryptor(bytes(SEED_BYTES))
-        t0 = time.perf_counter()
-        enc.update_into(zeros, out)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
