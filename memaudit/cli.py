@@ -67,6 +67,24 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def error_line(exc: BaseException) -> str:
+    """The one line shown for an error: memaudit's own message, or for an error from the OS,
+    torch, safetensors, JSON or YAML a line naming the file and what to do."""
+    if isinstance(exc, MemauditError | ValueError) and not isinstance(exc, UnicodeDecodeError):
+        return _one_line(exc)
+    if isinstance(exc, ImportError):
+        return (f"a part of memaudit or one of its dependencies is missing ({_one_line(exc)}); "
+                "reinstall memaudit (bash scripts/setup.sh, or pip install -e . with the extra you need)")
+    if isinstance(exc, OSError):
+        name = exc.filename if exc.filename is not None else "a file"
+        what = exc.strerror or type(exc).__name__
+        return f"{what}: '{name}'; check the path, its type (file or folder) and its permissions"
+    if isinstance(exc, UnicodeDecodeError):
+        return "a file is not valid UTF-8 text; give a UTF-8 file"
+    return (f"unexpected {type(exc).__name__}: {_one_line(exc)[:200]} (re-run with --debug for the "
+            "traceback, and report it if the input looks right)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Returns the exit code (the console script exits with it)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -88,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         # usage errors: one line naming the problem, and where to look
         typer.echo(f"memaudit: error: {_one_line(Exception(e.format_message()))} (see --help)", err=True)
         code = 2
-    except (MemauditError, ValueError, FileNotFoundError, PermissionError, UnicodeDecodeError) as e:
-        if debug:
-            raise
-        typer.echo(f"memaudit: error: {_one_line(e)}", err=True)
-        code = 2
     except KeyboardInterrupt:
         typer.echo("memaudit: interrupted", err=True)
         code = 130
+    except Exception as e:  # noqa: BLE001 - the last resort: one line, never a traceback
+        if debug:
+            raise
+        typer.echo(f"memaudit: error: {error_line(e)}", err=True)
+        code = 2
     if argv is None:
         sys.exit(code)
     return code

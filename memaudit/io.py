@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -36,7 +37,28 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False, default=_json_default) + "\n")
+    atomic_write_text(path, dumps(obj, indent=indent) + "\n")
+
+
+def dumps(obj: Any, *, indent: int | None = None) -> str:
+    """Strict JSON (RFC 8259): NaN and infinities become null, never `NaN`/`Infinity` tokens.
+
+    memaudit's own readers map null back where a value may be non-finite (an epsilon of a run
+    without DP is written as null and read as inf).
+    """
+    return json.dumps(_finite(obj), indent=indent, default=_json_default, allow_nan=False)
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    if hasattr(o, "tolist") and not isinstance(o, str):
+        return _finite(o.tolist())
+    return o
 
 
 def _json_default(o: Any) -> Any:
@@ -48,9 +70,24 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
+    """Parse a JSON file; a file that is not valid UTF-8 JSON is one line naming it.
+
+    FileNotFoundError passes through (callers decide whether absence is an error).
+    """
+    from memaudit.errors import MemauditError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise MemauditError(f"'{path}' is a directory, not a {what}; remove it or restore the file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise MemauditError(f"'{path}' is not a valid {what}{where}; restore it or re-create "
+                            "it with the memaudit command that writes it") from None
 
 
 def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
@@ -58,7 +95,7 @@ def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, default=_json_default) + "\n")
+        f.write(dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -82,7 +119,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 def truncate_jsonl(path: str | os.PathLike, keep: int) -> None:
     """Keep the first `keep` records (used on resume so metrics are not double counted)."""
     records = read_jsonl(path)[:keep]
-    atomic_write_text(path, "".join(json.dumps(r, default=_json_default) + "\n" for r in records))
+    atomic_write_text(path, "".join(dumps(r) + "\n" for r in records))
 
 
 @contextlib.contextmanager

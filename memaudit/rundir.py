@@ -20,23 +20,29 @@ Status is one of running | complete | failed | interrupted. A manifest that says
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
+import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from memaudit import __version__
-from memaudit.errors import RunDirError
-from memaudit.io import atomic_write_json, read_json
+from memaudit.errors import MemauditError, RunDirError
+from memaudit.io import atomic_write_bytes, atomic_write_json, read_json
 
 MANIFEST = "run.json"
 LOCK = "run.lock"
 HEARTBEAT_S = 5.0
 STALE_AFTER_S = 120.0
+UNREADABLE_STALE_S = 30.0  # an unreadable run.lock older than this is stale
+# Everything a training run writes (the run-directory contract), and nothing else.
+RUN_ARTIFACTS = ("model", "data", "state", "split.json", "canaries.json", "privacy.json",
+                 "metrics.jsonl", "sensitive_metrics.jsonl", "probes.json", "run.json")
 STATUSES = ("running", "complete", "failed", "interrupted")
 
 
@@ -108,15 +114,21 @@ class RunDir:
         return self.manifest_path.is_file()
 
     def read_manifest(self) -> dict[str, Any]:
+        """run.json, checked to be a memaudit manifest (a dict with a known status)."""
         if not self.is_run():
             raise RunDirError(
                 f"'{self.path}' is not a memaudit run (no run.json); pass a directory written by "
                 "`memaudit train`"
             )
-        try:
-            return read_json(self.manifest_path)
-        except ValueError:
-            raise RunDirError(f"'{self.manifest_path}' is corrupt JSON; re-run training") from None
+        m = read_json(self.manifest_path, what="run manifest")
+        if not isinstance(m, dict) or m.get("status") not in STATUSES:
+            raise RunDirError(f"'{self.manifest_path}' is not a memaudit run manifest (no valid "
+                              "status); restore it from a backup or start a new run with --out")
+        for key, kind in (("config", dict), ("backend", str)):
+            if key in m and not isinstance(m[key], kind):
+                raise RunDirError(f"'{self.manifest_path}' has a malformed '{key}'; restore it from a "
+                                  "backup or start a new run with --out")
+        return m
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         atomic_write_json(self.manifest_path, manifest)
@@ -129,61 +141,162 @@ class RunDir:
 
     def status(self) -> str:
         """running | complete | failed | interrupted (a dead 'running' run is interrupted)."""
-        m = self.read_manifest()
-        st = m.get("status", "interrupted")
+        st = self.read_manifest()["status"]
         if st == "running" and not self.lock_alive():
             return "interrupted"
         return st
 
+    def check_data(self) -> str:
+        """The data fingerprint, checked three ways: run.json, data/meta.json and the files.
+
+        Probes and reports call this, so they never measure a model against data that is not
+        the data it was trained on.
+        """
+        from memaudit.data import load_prepared
+
+        want = self.read_manifest().get("data_fingerprint")
+        got = load_prepared(self).fingerprint  # recomputes it from the files
+        if want is not None and want != got:
+            raise RunDirError(f"the prepared data in '{self.data_dir}' is not the data run "
+                              f"'{self.path}' was trained on (fingerprint differs from run.json); "
+                              "retrain the run, its data was replaced")
+        return got
+
     # ---- lock
     def read_lock(self) -> dict[str, Any] | None:
+        """run.lock's fields, or None when there is no lock; {} when it is unreadable."""
         try:
-            return read_json(self.lock_path)
-        except (FileNotFoundError, ValueError):
+            lock = read_json(self.lock_path, what="run lock")
+        except FileNotFoundError:
             return None
+        except MemauditError:
+            return {}
+        if not isinstance(lock, dict):
+            return {}
+        try:
+            return {"pid": int(lock["pid"]), "host": str(lock["host"]),
+                    "heartbeat": float(lock["heartbeat"]), "token": str(lock.get("token", ""))}
+        except (KeyError, TypeError, ValueError):
+            return {}
 
     def lock_alive(self) -> bool:
         lock = self.read_lock()
         if lock is None:
             return False
-        if lock.get("host") == socket.gethostname():
-            return _pid_alive(int(lock["pid"]))
-        return time.time() - float(lock.get("heartbeat", 0)) < STALE_AFTER_S
+        if not lock:  # unreadable: alive while it is young (being written), stale after that
+            return self._lock_age() < UNREADABLE_STALE_S
+        if lock["host"] == socket.gethostname():
+            return _pid_alive(lock["pid"])
+        return time.time() - lock["heartbeat"] < STALE_AFTER_S
 
-    @contextlib.contextmanager
-    def locked(self, *, heartbeat_s: float = HEARTBEAT_S) -> Iterator[None]:
-        """Hold run.lock with a heartbeat thread for the duration of the block."""
-        if self.lock_alive():
-            lock = self.read_lock() or {}
-            raise RunDirError(
-                f"run '{self.path}' is in use by live process {lock.get('pid')}; wait for it to "
-                "finish or stop it first"
-            )
-        self.path.mkdir(parents=True, exist_ok=True)
-        stop = threading.Event()
-
-        def beat() -> None:
-            atomic_write_json(
-                self.lock_path,
-                {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()},
-            )
-
-        beat()
-
-        def loop() -> None:
-            while not stop.wait(heartbeat_s):
-                with contextlib.suppress(OSError):
-                    beat()
-
-        t = threading.Thread(target=loop, name="memaudit-heartbeat", daemon=True)
-        t.start()
+    def read_lock_file(self, path: Path) -> dict[str, Any] | None:
         try:
-            yield
-        finally:
-            stop.set()
-            t.join(timeout=2 * heartbeat_s)
+            lock = read_json(path, what="run lock")
+        except (FileNotFoundError, MemauditError):
+            return None
+        return lock if isinstance(lock, dict) else None
+
+    def _lock_age(self) -> float:
+        try:
+            return time.time() - self.lock_path.stat().st_mtime
+        except FileNotFoundError:
+            return math.inf
+
+    def locked(self, *, heartbeat_s: float = HEARTBEAT_S) -> contextlib.AbstractContextManager[RunLock]:
+        """Hold run.lock (atomic O_EXCL create, heartbeat thread) for the duration of the block."""
+        return RunLock(self, heartbeat_s=heartbeat_s)
+
+
+class RunLock:
+    """An exclusive lock on a run directory that also holds on NFS and Lustre.
+
+    The lock is a file created with O_CREAT | O_EXCL (atomic on every POSIX file system
+    memaudit supports, unlike flock), holding pid, host, a random token and a heartbeat that
+    a thread refreshes. A lock whose process is dead (same host) or whose heartbeat stopped
+    (another host) is stale: a newcomer moves it aside under a unique name, checks that what
+    it moved is the stale lock it judged (and puts it back with an atomic link otherwise),
+    and then creates its own. When the heartbeat finds another token in the file, the lock
+    was lost: `lost` is set and the holder stops at its next metrics line.
+    """
+
+    def __init__(self, run: RunDir, *, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.run, self.heartbeat_s = run, heartbeat_s
+        self.token = secrets.token_hex(16)
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _payload(self) -> bytes:
+        return (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time(),
+                            "token": self.token}) + "\n").encode()
+
+    def _create(self) -> bool:
+        path = self.run.lock_path
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(self._payload())
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _break_stale(self, seen: dict[str, Any] | None) -> None:
+        path = self.run.lock_path
+        aside = path.with_name(f".{LOCK}.stale-{self.token}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return  # someone else broke it first
+        moved = RunDir(self.run.path).read_lock_file(aside)
+        if seen and moved and moved.get("token") != seen.get("token"):
+            with contextlib.suppress(FileExistsError):  # a live lock: put it back, never clobber
+                os.link(aside, path)
+        with contextlib.suppress(FileNotFoundError):
+            aside.unlink()
+
+    def __enter__(self) -> Self:
+        self.run.path.mkdir(parents=True, exist_ok=True)
+        for _ in range(8):
+            if self._create():
+                break
+            seen = self.run.read_lock()
+            if self.run.lock_alive():
+                who = f"process {seen['pid']} on {seen['host']}" if seen else "another process"
+                raise RunDirError(f"run '{self.run.path}' is in use by {who} (run.lock); wait for "
+                                  "it to finish or stop it first")
+            self._break_stale(seen)
+        else:
+            raise RunDirError(f"could not take '{self.run.lock_path}': other processes keep "
+                              "taking it; make sure only one memaudit works on this run")
+        self._thread = threading.Thread(target=self._beat, name="memaudit-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            lock = self.run.read_lock()
+            if lock is not None and lock and lock.get("token") != self.token:
+                self.lost.set()
+                return
+            with contextlib.suppress(OSError):
+                atomic_write_bytes(self.run.lock_path, self._payload())
+
+    def check(self) -> None:
+        """Raise if another process took this lock (after judging ours stale)."""
+        if self.lost.is_set():
+            raise RunDirError(f"run '{self.run.path}' was taken over by another process "
+                              "(run.lock changed); stop the other process, then --resume")
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.heartbeat_s)
+        lock = self.run.read_lock()
+        if lock and lock.get("token") == self.token:
             with contextlib.suppress(FileNotFoundError):
-                self.lock_path.unlink()
+                self.run.lock_path.unlink()
 
 
 def new_manifest(
@@ -200,11 +313,27 @@ def new_manifest(
     }
 
 
+def _listing(path: Path, limit: int = 3) -> str:
+    names = sorted(p.name for p in path.iterdir())
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
-    """Check that `path` may receive a new run. Nothing on disk is touched on refusal."""
+    """Check that `path` may receive a new run. Nothing on disk is touched, whatever the answer.
+
+    `--overwrite` replaces a memaudit run only; a folder that is not one is refused (its files
+    are not memaudit's to delete), and so is a run that a live process is writing.
+    """
     rd = RunDir(path)
     if rd.path.exists() and not rd.path.is_dir():
         raise RunDirError(f"output '{rd.path}' exists and is not a directory; choose another --out")
+    for parent in rd.path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunDirError(f"output '{rd.path}' lies under '{parent}', which is a file; "
+                                  "choose another --out")
+            break
     if rd.is_run():
         if rd.lock_alive():
             raise RunDirError(f"run '{rd.path}' is being written by a live process; choose another --out")
@@ -212,10 +341,10 @@ def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
         if not overwrite:
             hint = "use --resume to continue it" if st == "interrupted" else "pass --overwrite to replace it"
             raise RunDirError(f"output '{rd.path}' already holds a {st} run; {hint}")
-    elif rd.path.is_dir() and any(rd.path.iterdir()) and not overwrite:
+    elif rd.path.is_dir() and any(rd.path.iterdir()):
         raise RunDirError(
-            f"output '{rd.path}' is a non-empty directory that is not a run; choose an empty --out "
-            "or pass --overwrite"
+            f"output '{rd.path}' is a non-empty directory that is not a memaudit run (it holds "
+            f"{_listing(rd.path)}); choose an empty or new --out"
         )
     return rd
 
@@ -226,9 +355,10 @@ def open_for_resume(path: str | os.PathLike) -> RunDir:
         raise RunDirError(
             f"--resume '{rd.path}' is not a memaudit run (no run.json); pass a run directory"
         )
+    rd.read_manifest()  # a malformed manifest is one line here, before anything else
     if rd.lock_alive():
         lock = rd.read_lock() or {}
         raise RunDirError(
-            f"run '{rd.path}' is still alive (process {lock.get('pid')}); stop it before --resume"
+            f"run '{rd.path}' is still alive (process {lock.get('pid', '?')}); stop it before --resume"
         )
     return rd

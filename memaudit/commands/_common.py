@@ -20,7 +20,7 @@ def progress() -> Progress:
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         console=console,
-        transient=False,
+        transient=True,  # the summary line follows; an error leaves only its own line
     )
 
 

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
             if config is None:
                 raise ConfigError("pass a CONFIG file (e.g. configs/tiny.yaml) or --resume RUN_DIR")
             cfg, run = _open_new(config, out, overrides, overwrite)
-        result = _run_with_progress(cfg, run, resume=resume is not None)
+        result = _run_with_progress(cfg, run, resume=resume is not None, overwrite=overwrite)
         typer.echo(summary_line(cfg, run.path, result))
 
 
@@ -104,7 +104,7 @@ def _first_difference(a: Any, b: Any, *, skip: set[str], prefix: str = "") -> st
     return None if a == b else prefix.rstrip(".")
 
 
-def _run_with_progress(cfg, run, *, resume: bool) -> dict[str, Any]:
+def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> dict[str, Any]:
     from memaudit.commands._common import console, progress
 
     bar = progress()
@@ -118,9 +118,9 @@ def _run_with_progress(cfg, run, *, resume: bool) -> dict[str, Any]:
     try:
         with bar:
             try:
-                from memaudit.train.dispatch import dispatch
+                from memaudit.dispatch import dispatch
 
-                return dispatch(cfg, run, resume=resume, progress=on_progress)
+                return dispatch(cfg, run, resume=resume, progress=on_progress, overwrite=overwrite)
             except BaseException:
                 bar.update(task, visible=False)  # the error line is the only output
                 raise

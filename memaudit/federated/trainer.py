@@ -21,7 +21,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -32,14 +31,13 @@ import numpy as np
 
 from memaudit.config import Config
 from memaudit.errors import MemauditError
-from memaudit.io import append_jsonl, atomic_write_json, truncate_jsonl
 from memaudit.rundir import RunDir
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 
 
 def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
-                    progress: ProgressFn | None = None) -> dict[str, Any]:
+                    progress: ProgressFn | None = None, **session_kw: Any) -> dict[str, Any]:
     """Train `cfg` federated into `run`; returns the result summary written to run.json.
 
     Args:
@@ -48,6 +46,7 @@ def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
         run: the run directory, already checked by `prepare_new_run` / `open_for_resume`.
         resume: continue from the last checkpoint in state/.
         progress: called as progress(done_rounds, total_rounds, info) after every round.
+        session_kw: passed to the run lifecycle (`overwrite`, `lock_held`).
 
     Returns:
         {"steps" (= rounds), "rounds", "final_holdout_loss", "final_holdout_perplexity",
@@ -56,7 +55,7 @@ def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
     from memaudit.federated.distributed import maybe_initialize
 
     maybe_initialize()
-    return FederatedTrainer(cfg, run, progress=progress).fit(resume=resume)
+    return FederatedTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
 
 
 def check_population(cfg: Config, population: int) -> None:
@@ -127,25 +126,16 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ set-up
     def prepare(self, resume: bool) -> None:
-        from memaudit.data import load_prepared, prepare_data
         from memaudit.federated.data import build_client_data
         from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params
         from memaudit.models.presets import get_preset
 
-        if self.cfg.model.name_or_path is not None:
-            raise MemauditError("model.name_or_path is not supported by the federated backend yet; "
-                                "use a model.preset")
         self.vocab = get_preset(self.cfg.model.preset).vocab_size
         if self.is_writer:
-            self.prepared = prepare_data(self.cfg.data, self.run, vocab_size=self.vocab)
+            self.prepared = self.session.data(self.vocab)
         self._barrier("data")
         if not self.is_writer:
-            self.prepared = load_prepared(self.run)
-        if resume and self.is_writer:
-            want = self.run.read_manifest().get("data_fingerprint")
-            if want is not None and want != self.prepared.fingerprint:
-                raise MemauditError(f"the prepared data of '{self.run.path}' changed since the run "
-                                    "started; start a new run instead of --resume")
+            self.prepared = self.session.data(self.vocab)
         tok_size = int(self.prepared.meta.get("tokenizer_size", 0))
         if tok_size > self.vocab:
             raise MemauditError(f"the tokenizer has {tok_size} tokens but the model vocabulary only "
@@ -227,10 +217,7 @@ class FederatedTrainer:
         loss_fn = make_loss_fn(self.model)
         server_opt = alg.make_server_optimizer(f.server_optimizer, self._server_lr())
         weighting = "uniform" if self.private else "examples"
-        if f.algorithm == "fedsgd":
-            if self.private or self.cfg.privacy.secure_aggregation.enabled:
-                raise MemauditError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
-                                    "federated.algorithm=fedavg (e.g. with local_steps=1)")
+        if f.algorithm == "fedsgd":  # without DP or secure aggregation (dispatch checks)
             return alg.fedsgd(loss_fn, server_optimizer=server_opt, weighting=weighting, mesh=self.mesh)
         return alg.fedavg(
             loss_fn, client_optimizer=alg.make_client_optimizer(f.client_optimizer, f.client_lr),
@@ -410,16 +397,16 @@ class FederatedTrainer:
                    "initial_holdout_loss": self.initial_holdout[0],
                    "initial_holdout_perplexity": self.initial_holdout[1]}
         files = {"privacy.json": self.ledger.to_json()} if self.ledger is not None else None
-        fr.save_state(self.run, host, scalars, files)
+        with self.session.checkpoint(r) as d:
+            fr.write_state(d, host, scalars, files)
         self.write_ledger()
 
     def restore_checkpoint(self, template: Any) -> tuple[Any, np.ndarray]:
         from memaudit.federated import run as fr
-        from memaudit.train import checkpoint as ckpt
 
         state, scalars = fr.load_state(self.run, self.host(template))
         if self.ledger is not None:
-            saved = ckpt.read_state_file(self.run, "privacy.json")
+            saved = self.session.state_file("privacy.json")
             if saved is not None:
                 from memaudit.privacy.ledger import PrivacyLedger
 
@@ -428,8 +415,8 @@ class FederatedTrainer:
         return state, np.asarray(scalars["key"], dtype=np.uint32)
 
     def write_ledger(self) -> None:
-        if self.ledger is not None and self.is_writer:
-            atomic_write_json(self.run.privacy_path, self.ledger.to_json())
+        if self.ledger is not None:
+            self.session.write_ledger(self.ledger.to_json())
 
     # ------------------------------------------------------------------ driver
     def _base_key(self) -> np.ndarray:
@@ -457,10 +444,10 @@ class FederatedTrainer:
 
         t0 = time.perf_counter()
         self.prepare(resume)
-        if self.is_writer:
-            self.run.update_manifest(data_fingerprint=self.prepared.fingerprint)
         state = self.algorithm.init(self._to_device(self.params0))
-        if resume and fr_has_state(self.run):
+        from memaudit.federated import run as fr
+
+        if resume and fr.has_state(self.run):
             host_state, key_data = self.restore_checkpoint(state)
             state = self._to_device(host_state)
         else:
@@ -468,8 +455,7 @@ class FederatedTrainer:
             self.initial_holdout = self._eval(self.params0)
         state = self._replicate(state)
         start = int(self.host(state.round))
-        if self.is_writer:
-            truncate_jsonl(self.run.metrics_path, start)
+        self.session.start(start)
         key = jax.random.wrap_key_data(key_data)
         total, last = self.fcfg.rounds, {}
         self._barrier("start")  # processes enter the first round's collectives together
@@ -479,8 +465,7 @@ class FederatedTrainer:
             done = r + 1
             if done % self.fcfg.eval_every == 0 or done == total:
                 rec["holdout_loss"], rec["holdout_perplexity"] = self._eval(self.host(state.params))
-            if self.is_writer:
-                append_jsonl(self.run.metrics_path, rec)
+            self.session.log(rec)
             if done % self.fcfg.checkpoint_every == 0 and done < total:
                 self.save_checkpoint(state, key_data)
             self._notify(done, rec)
@@ -489,10 +474,8 @@ class FederatedTrainer:
         final = ((last["holdout_loss"], last["holdout_perplexity"]) if "holdout_loss" in last
                  else self._eval(params))
         if self.is_writer:
-            from memaudit.federated import run as fr
-
-            fr.export_model(self.run, params, preset=self.cfg.model.preset, vocab_size=self.vocab,
-                            tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
+            self.session.export_hf(fr.hf_model(params, preset=self.cfg.model.preset, vocab_size=self.vocab),
+                                   tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
         self.write_ledger()
         self._barrier("done")  # no process leaves while the writer still exports
         result = {
@@ -514,31 +497,15 @@ class FederatedTrainer:
                                  "epsilon": self.ledger.to_json().get("epsilon")}
         return result
 
-    def fit(self, *, resume: bool = False) -> dict[str, Any]:
-        """Run (or resume) under the run lock, keeping run.json's status truthful."""
-        from memaudit.federated import run as fr
-        from memaudit.train.trainer import one_line_error, sigterm_as_interrupt
+    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
+        """Run (or resume) inside the run lifecycle (lock, manifest, signals)."""
+        from memaudit.federated.run import BACKEND
+        from memaudit.lifecycle import RunSession
 
-        lock = self.run.locked() if self.is_writer else contextlib.nullcontext()
-        with lock, sigterm_as_interrupt():
-            if self.is_writer:
-                fr.open_manifest(self.run, self.cfg, resume=resume)
-            try:
-                result = self._train(resume)
-            except KeyboardInterrupt:
-                if self.is_writer:
-                    fr.close_manifest(self.run, "interrupted")
-                raise
-            except BaseException as e:
-                if self.is_writer:
-                    fr.close_manifest(self.run, "failed", error=one_line_error(e))
-                raise
-            if self.is_writer:
-                fr.close_manifest(self.run, "complete", result=result, error=None)
+        session = RunSession(self.run, self.cfg, backend=BACKEND, resume=resume, is_writer=self.is_writer,
+                             hold_lock=not lock_held, overwrite=overwrite)
+        with session:
+            self.session = session
+            result = self._train(resume)
+            session.complete(result)
         return result
-
-
-def fr_has_state(run: RunDir) -> bool:
-    from memaudit.federated import run as fr
-
-    return fr.has_state(run)

@@ -13,8 +13,9 @@
 
 Every rank writes only its own piece, so no rank ever holds the whole model or optimizer.
 Rank 0 makes a temporary directory beside state/, all ranks write into it, and after a
-barrier rank 0 writes trainer.json and swaps the directory in with renames
-(`memaudit.io.replace_dir`): a kill at any moment leaves the previous or the new checkpoint.
+barrier rank 0 writes trainer.json and hands it to the run lifecycle, which seals it with its
+commit marker and swaps it in (`memaudit.lifecycle`): a kill at any moment leaves a complete
+checkpoint that the next start recovers.
 The run directory must be on a file system every rank sees (as the prepared data already is).
 
 Loading on the same x*y*z grid reads only the rank's own shard file: resume is exact, and the
@@ -25,7 +26,6 @@ sliced for the new grid.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from memaudit.errors import RunDirError
-from memaudit.io import atomic_write_json, read_json, replace_dir
+from memaudit.io import atomic_write_json, read_json
 from memaudit.parallel.dims import ParallelDims
 from memaudit.parallel.layers import ShardSpec, assemble
 from memaudit.train import checkpoint as ckpt
@@ -64,18 +64,18 @@ def _optimizer_names(optimizer: torch.optim.Optimizer, params: dict[str, torch.n
     return names  # type: ignore[return-value]
 
 
-def save_sharded(run: RunDir, model: ParallelLlama, optimizer: torch.optim.Optimizer, *,
-                 scalars: dict[str, Any], extra: dict[str, Any] | None, files: dict[str, Any] | None) -> None:
-    """Write a sharded checkpoint into `run.state_dir` (collective: every rank calls it)."""
+def save_sharded(tmp: Path, model: ParallelLlama, optimizer: torch.optim.Optimizer, *,
+                 scalars: dict[str, Any], extra: dict[str, Any] | None, files: dict[str, Any] | None,
+                 commit: Callable[[], None]) -> None:
+    """Write a sharded checkpoint into the directory `tmp` (collective: every rank calls it);
+    rank 0 then calls `commit` (the run lifecycle seals it and swaps it in for state/)."""
     from safetensors.torch import save_file
 
     pg = model.pg
     dims, rank = pg.dims, pg.rank
-    tmp = run.path / ".state.sharded.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died part-way
-        (tmp / "shards").mkdir(parents=True)
-        (tmp / "rng").mkdir()
+        (tmp / "shards").mkdir(parents=True, exist_ok=True)
+        (tmp / "rng").mkdir(exist_ok=True)
     _barrier()
     params = dict(model.hf.named_parameters())
     osd = optimizer.state_dict()
@@ -97,7 +97,7 @@ def save_sharded(run: RunDir, model: ParallelLlama, optimizer: torch.optim.Optim
         torch.save(osd["param_groups"], tmp / "optimizer.pt")
         ckpt.write_common(tmp, scalars={**scalars, "format": FORMAT, "grid": list(dims.grid())},
                           extra=extra, files=files)
-        replace_dir(tmp, run.state_dir)
+        commit()
     _barrier()  # nobody reads or re-saves before the swap
 
 
@@ -107,7 +107,8 @@ class ShardReader:
     def __init__(self, state_dir: Path) -> None:
         from safetensors import safe_open
 
-        layout = read_json(state_dir / "layout.json")
+        with ckpt.checkpoint_file(state_dir / "layout.json"):
+            layout = read_json(state_dir / "layout.json", what="checkpoint layout")
         g = layout["grid"]
         self.dims = ParallelDims(data=g[0], x=g[1], y=g[2], z=g[3])
         self.specs = {n: ShardSpec.from_json(s) for n, s in layout["params"].items()}
@@ -117,7 +118,8 @@ class ShardReader:
             if not path.is_file():
                 raise RunDirError(f"checkpoint in '{state_dir}' lacks {path.name}; it is incomplete, "
                                   "start a new run")
-            self.files.append(safe_open(str(path), framework="pt"))
+            with ckpt.checkpoint_file(path):
+                self.files.append(safe_open(str(path), framework="pt"))
 
     def keys(self) -> set[str]:
         return set(self.files[0].keys())
@@ -174,7 +176,7 @@ def load_sharded(run: RunDir, *, params: dict[str, torch.nn.Parameter], optimize
         st = {k[len(prefix):]: get(n, k) for k in keys if k.startswith(prefix)}
         if st:
             state[i] = {k: (v.to(params[n].device) if v.dim() else v) for k, v in st.items()}
-    groups = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True)
+    groups = ckpt.torch_load(d / "optimizer.pt")
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -185,5 +187,6 @@ def restore_rng(run: RunDir, rank: int) -> bool:
     path = run.state_dir / "rng" / f"rank-{rank:05d}.safetensors"
     if not path.is_file():
         return False
-    ckpt.set_rng_state(load_file(str(path)))
+    with ckpt.checkpoint_file(path):
+        ckpt.set_rng_state(load_file(str(path)))
     return True

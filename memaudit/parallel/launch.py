@@ -117,7 +117,8 @@ def rank_context(extra_preload: tuple[str, ...] = ()) -> Any:
 GRACE_S = 5.0  # after one rank dies: how long the others get to exit, then SIGTERM, then SIGKILL
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: Any, run_path: str, resume: bool, queue: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, cfg: Any, run_path: str, resume: bool, queue: Any,
+               overwrite: bool = False) -> None:
     """One spawned rank: environment as torchrun would set it, then the parallel trainer."""
     os.setsid()  # its own process group: the launcher can kill the rank and anything it started
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -137,7 +138,9 @@ def _rank_main(rank: int, world: int, port: int, cfg: Any, run_path: str, resume
     if rank == 0:
         def progress(done: int, total: int, info: dict) -> None:
             queue.put(("progress", done, total, {k: v for k, v in info.items() if isinstance(v, int | float | str)}))
-    result = _run_here(cfg, RunDir(run_path), resume=resume, progress=progress)
+    # the launcher holds run.lock for the ranks
+    result = _run_here(cfg, RunDir(run_path), resume=resume, progress=progress, overwrite=overwrite,
+                       lock_held=True)
     if rank == 0:
         queue.put(("result", result))
 
@@ -178,7 +181,8 @@ def _mark_stopped(run: Any, status: str, error: str) -> None:
         run.update_manifest(status=status, timings=timings, **fields)
 
 
-def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any) -> dict:
+def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any, overwrite: bool = False,
+              lock_held: bool = False) -> dict:
     import torch.distributed as dist
 
     from memaudit.parallel.trainer_hooks import ParallelTrainer
@@ -186,13 +190,15 @@ def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any) -> dict:
     dims = ParallelDims.from_config(cfg.parallel)
     init_distributed(dims, requested_backend=cfg.parallel.dist_backend)
     try:
-        return ParallelTrainer(cfg, run, progress=progress).fit(resume=resume)
+        return ParallelTrainer(cfg, run, progress=progress).fit(resume=resume, overwrite=overwrite,
+                                                                lock_held=lock_held)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any = None) -> dict:
+def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any = None,
+                    overwrite: bool = False, lock_held: bool = False) -> dict:
     """Train `cfg` on its grid: in this process when a launcher (torchrun) started it,
     otherwise by starting `world_size` local processes (forked from a fork server that has
     imported torch; gloo on CPU, NCCL with enough GPUs).
@@ -204,10 +210,7 @@ def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
     the last checkpoint. Ctrl-C or SIGTERM of the launcher stops the ranks the same way
     (status interrupted). Returns the writer's result summary.
     """
-
-    import torch.multiprocessing as mp
-
-    from memaudit.errors import MemauditError
+    import contextlib
 
     dims = ParallelDims.from_config(cfg.parallel)
     if cfg.model.name_or_path is None:  # one clear line before any process starts
@@ -216,11 +219,22 @@ def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
         dims.check_model(llama_config(cfg.model.preset))
     env = env_info()
     if env is not None:
-        return _run_here(cfg, run, resume=resume, progress=progress if env.rank == 0 else None)
+        return _run_here(cfg, run, resume=resume, progress=progress if env.rank == 0 else None,
+                         overwrite=overwrite, lock_held=lock_held)
     resolve_backend(cfg.parallel.dist_backend, dims=dims)  # fail early, with one line
+    with contextlib.nullcontext() if lock_held else run.locked():  # held for the ranks
+        return _spawn(cfg, run, dims, resume=resume, progress=progress, overwrite=overwrite)
+
+
+def _spawn(cfg: Any, run: Any, dims: ParallelDims, *, resume: bool, progress: Any, overwrite: bool) -> dict:
+    import torch.multiprocessing as mp
+
+    from memaudit.errors import MemauditError
+
     ctx = rank_context()
     q = ctx.SimpleQueue()
-    procs = mp.start_processes(_rank_main, args=(dims.world_size, _free_port(), cfg, str(run.path), resume, q),
+    procs = mp.start_processes(_rank_main, args=(dims.world_size, _free_port(), cfg, str(run.path), resume, q,
+                                                 overwrite),
                                nprocs=dims.world_size, join=False, start_method="forkserver")
     result: dict | None = None
 
@@ -233,7 +247,7 @@ def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
             elif msg[0] == "result":
                 result = msg[1]
 
-    from memaudit.train.trainer import sigterm_as_interrupt
+    from memaudit.lifecycle import sigterm_as_interrupt
 
     try:
         with sigterm_as_interrupt():  # SIGTERM of the launcher stops the ranks too

@@ -204,11 +204,13 @@ class ParallelTrainer(CentralizedTrainer):
         return loss, math.exp(min(loss, 700.0))
 
     # ------------------------------------------------------------------ checkpoints
-    def write_state(self, scalars: dict[str, Any], *, extra: dict[str, Any],
+    def write_state(self, step: int, scalars: dict[str, Any], *, extra: dict[str, Any],
                     files: dict[str, Any] | None) -> None:
         from memaudit.parallel.checkpoint import save_sharded
 
-        save_sharded(self.run, self.model, self.optimizer, scalars=scalars, extra=extra, files=files)
+        tmp = self.session.begin_checkpoint(step)  # the writer makes it; the same path on every rank
+        save_sharded(tmp, self.model, self.optimizer, scalars=scalars, extra=extra, files=files,
+                     commit=lambda: self.session.commit_checkpoint(step))
 
     def read_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """A sharded checkpoint (any grid; exact on the same x*y*z), or a full single-process one

@@ -41,7 +41,7 @@ def _one_line(e: BaseException) -> str:
 
 def _train_point(cfg, rd: RunDir, progress: Progress) -> str:
     """Train (or resume) one point; returns the action taken."""
-    from memaudit.train.dispatch import dispatch
+    from memaudit.dispatch import dispatch
 
     if rd.is_run():
         status = rd.status()
@@ -51,7 +51,7 @@ def _train_point(cfg, rd: RunDir, progress: Progress) -> str:
             dispatch(cfg, rd, resume=True, progress=progress)
             return "resumed"
     rd = prepare_new_run(rd.path, overwrite=True)
-    dispatch(cfg, rd, resume=False, progress=progress)
+    dispatch(cfg, rd, resume=False, progress=progress, overwrite=True)
     return "trained"
 
 

@@ -1,4 +1,4 @@
-"""Resumable training state in RUN_DIR/state/, and the Hugging Face export in RUN_DIR/model/.
+"""Resumable training state of the torch backend in RUN_DIR/state/.
 
     state/
       model.safetensors     the weights (exact fp32 copies)
@@ -7,21 +7,20 @@
       extra.pt              component states, e.g. the DP-SGD noise generator (weights_only)
       trainer.json          step, metrics count and other scalars
 
-Every checkpoint is written into a temporary directory that replaces state/ in one rename
-(`memaudit.io.atomic_dir`), so a kill at any moment leaves either the previous or the new
-checkpoint, never a mixture. Nothing is unpickled: tensors come back from safetensors or
+A checkpoint is written into a temporary directory that the run lifecycle seals with its
+commit marker and swaps in for state/ (`memaudit.lifecycle`), so a kill at any moment leaves
+a complete checkpoint that the next start recovers, never a mixture. Nothing is unpickled: tensors come back from safetensors or
 `torch.load(..., weights_only=True)`, scalars from JSON.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memaudit.errors import RunDirError
-from memaudit.io import atomic_dir, atomic_write_json, read_json
+from memaudit.errors import MemauditError, RunDirError
+from memaudit.io import atomic_write_json, read_json
 
 if TYPE_CHECKING:
     import torch
@@ -29,28 +28,16 @@ if TYPE_CHECKING:
     from memaudit.rundir import RunDir
 
 STATE_SCHEMA = 1
-# Everything a training run writes; removed before a fresh (--overwrite) run starts.
-RUN_ARTIFACTS = ("model", "data", "state", "split.json", "canaries.json", "privacy.json",
-                 "metrics.jsonl", "probes.json", "run.json")
-
-
-def reset_run_artifacts(run: RunDir) -> None:
-    """Remove the artifacts of a previous run in `run` (only memaudit's own names)."""
-    for name in RUN_ARTIFACTS:
-        p = run.path / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
 
 
 def has_state(run: RunDir) -> bool:
-    return (run.state_dir / "trainer.json").is_file()
+    from memaudit.lifecycle import checkpoint_present
+
+    return checkpoint_present(run.state_dir)
 
 
-def save_state(
-    run: RunDir,
+def write_state(
+    d: Path,
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -58,7 +45,8 @@ def save_state(
     extra: dict[str, Any] | None = None,
     files: dict[str, Any] | None = None,
 ) -> None:
-    """Atomically replace `run.state_dir` with a checkpoint.
+    """Write a single-process checkpoint into the directory `d` (the lifecycle seals it and
+    swaps it in for `state/`).
 
     Args:
         scalars: JSON-ready values (the step, counters) written to trainer.json.
@@ -69,11 +57,10 @@ def save_state(
     import torch
     from safetensors.torch import save_file, save_model
 
-    with atomic_dir(run.state_dir) as tmp:
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        save_file(rng_state(), str(tmp / "rng.safetensors"))
-        write_common(tmp, scalars=scalars, extra=extra, files=files)
+    save_model(model, str(d / "model.safetensors"))
+    torch.save(optimizer.state_dict(), d / "optimizer.pt")
+    save_file(rng_state(), str(d / "rng.safetensors"))
+    write_common(d, scalars=scalars, extra=extra, files=files)
 
 
 def write_common(d: Path, *, scalars: dict[str, Any], extra: dict[str, Any] | None,
@@ -112,11 +99,12 @@ def read_scalars(run: RunDir) -> dict[str, Any]:
     """trainer.json of `run`'s checkpoint, checked for a supported schema."""
     d = run.state_dir
     try:
-        scalars = read_json(d / "trainer.json")
-    except (FileNotFoundError, ValueError):
+        scalars = read_json(d / "trainer.json", what="checkpoint")
+    except (FileNotFoundError, MemauditError, NotADirectoryError):
         raise RunDirError(f"'{d}' holds no readable checkpoint; start a new run") from None
-    if scalars.get("schema") != STATE_SCHEMA:
-        raise RunDirError(f"checkpoint schema {scalars.get('schema')} in '{d}' is not supported")
+    if not isinstance(scalars, dict) or scalars.get("schema") != STATE_SCHEMA:
+        schema = scalars.get("schema") if isinstance(scalars, dict) else None
+        raise RunDirError(f"checkpoint schema {schema} in '{d}' is not supported; start a new run")
     return scalars
 
 
@@ -127,7 +115,6 @@ def load_state(
 
     A sharded checkpoint of the parallel backend is merged into the single-process model.
     """
-    import torch
     from safetensors.torch import load_file, load_model
 
     d = run.state_dir
@@ -137,39 +124,40 @@ def load_state(
 
         load_sharded(run, params=dict(model.named_parameters()), optimizer=optimizer, local=None)
         return scalars, read_extra(run)
-    missing, unexpected = load_model(model, str(d / "model.safetensors"), strict=False, device=str(device))
+    with checkpoint_file(d / "model.safetensors"):
+        missing, unexpected = load_model(model, str(d / "model.safetensors"), strict=False, device=str(device))
     if missing or unexpected:
         raise RunDirError(f"checkpoint in '{d}' does not match the model ({len(missing)} missing, "
                           f"{len(unexpected)} unexpected tensors); resume with the run's own config")
-    optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location=device, weights_only=True))
-    set_rng_state(load_file(str(d / "rng.safetensors")))
+    optimizer.load_state_dict(torch_load(d / "optimizer.pt", map_location=device))
+    with checkpoint_file(d / "rng.safetensors"):
+        set_rng_state(load_file(str(d / "rng.safetensors")))
     return scalars, read_extra(run)
 
 
-def read_extra(run: RunDir) -> dict[str, Any]:
+@contextlib.contextmanager
+def checkpoint_file(path: Path):
+    """Reading one checkpoint file: a missing, truncated or garbage file is one line naming it."""
+    try:
+        yield
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise RunDirError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete, "
+                          "start a new run") from None
+    except Exception as e:
+        if isinstance(e, MemauditError):
+            raise
+        raise RunDirError(f"checkpoint file '{path}' is damaged or not memaudit's "
+                          f"({type(e).__name__}); it is not loaded, start a new run") from None
+
+
+def torch_load(path: Path, *, map_location: Any = "cpu") -> Any:
+    """`torch.load(weights_only=True)`; a file holding anything but tensors and plain data
+    (a pickled object, which could run code) is refused in one line, never unpickled."""
     import torch
 
-    return torch.load(run.state_dir / "extra.pt", map_location="cpu", weights_only=True)
+    with checkpoint_file(path):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def read_state_file(run: RunDir, name: str) -> Any | None:
-    p = run.state_dir / name
-    return read_json(p) if p.is_file() else None
-
-
-def save_hf_model(model: torch.nn.Module, run: RunDir, *, tokenizer_dir: Path | None) -> None:
-    """`save_pretrained` (safetensors) plus the tokenizer files, atomically into RUN_DIR/model/."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # only the CLI prints
-    try:
-        with atomic_dir(run.model_dir) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            if tokenizer_dir is not None and tokenizer_dir.is_dir():
-                for f in tokenizer_dir.iterdir():
-                    if f.is_file():
-                        shutil.copy2(f, tmp / f.name)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+def read_extra(run: RunDir) -> dict[str, Any]:
+    return torch_load(run.state_dir / "extra.pt")

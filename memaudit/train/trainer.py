@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memaudit.config import Config, dump_config
+from memaudit.config import Config
 from memaudit.errors import MemauditError
-from memaudit.io import append_jsonl, atomic_write_json, truncate_jsonl
-from memaudit.rundir import RunDir, new_manifest
+from memaudit.lifecycle import RunSession
+from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train.batches import EpochBatches
 from memaudit.train.evaluate import holdout_loss, is_right_padded, target_mask
@@ -55,10 +53,6 @@ if TYPE_CHECKING:
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = "parallel"
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """SIGTERM during training: handled like Ctrl-C (status "interrupted")."""
 
 
 @dataclass
@@ -76,7 +70,8 @@ class Batch:
 
 
 def train_centralized(
-    cfg: Config, run: RunDir, *, resume: bool = False, progress: ProgressFn | None = None
+    cfg: Config, run: RunDir, *, resume: bool = False, progress: ProgressFn | None = None,
+    **session_kw: Any,
 ) -> dict[str, Any]:
     """Train `cfg` into `run` (single process) and return the result summary.
 
@@ -86,34 +81,13 @@ def train_centralized(
             `open_for_resume`. A fresh run removes memaudit's artifacts of a previous run.
         resume: continue from `run`'s last checkpoint (or from the start if it has none).
         progress: called as progress(done_steps, total_steps, info) after every step.
+        session_kw: passed to the run lifecycle (`overwrite`, `lock_held`).
 
     Returns:
         {"steps", "final_holdout_loss", "final_holdout_perplexity", "initial_holdout_loss",
          "final_train_loss", "train_seconds", "parameters", "epsilon" (DP only), ...}
     """
-    return CentralizedTrainer(cfg, run, progress=progress).fit(resume=resume)
-
-
-def one_line_error(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into `TrainingInterrupted` in the main thread for the block."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise TrainingInterrupted("terminated by SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return CentralizedTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
 
 
 @contextlib.contextmanager
@@ -372,8 +346,8 @@ class CentralizedTrainer:
         return None if self.ledger is None else self.ledger.to_json()
 
     def write_ledger(self) -> None:
-        if self.ledger is not None and self.is_writer:
-            atomic_write_json(self.run.privacy_path, self.ledger_json())
+        if self.ledger is not None:
+            self.session.write_ledger(self.ledger_json())
 
     # ------------------------------------------------------------------ seams: checkpoints
     def save_checkpoint(self, step: int) -> None:
@@ -383,15 +357,15 @@ class CentralizedTrainer:
         scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
                    "initial_holdout_perplexity": self.initial_holdout[1],
                    "noise_multiplier": self.noise_multiplier}
-        self.write_state(scalars, extra=extra, files=files)
-        if ledger is not None:
-            atomic_write_json(self.run.privacy_path, ledger)
+        self.write_state(step, scalars, extra=extra, files=files)
+        self.session.write_ledger(ledger)
 
-    def write_state(self, scalars: dict[str, Any], *, extra: dict[str, Any],
+    def write_state(self, step: int, scalars: dict[str, Any], *, extra: dict[str, Any],
                     files: dict[str, Any] | None) -> None:  # seam: sharded save
         if self.is_writer:
-            ckpt.save_state(self.run, model=self.model, optimizer=self.optimizer, scalars=scalars,
-                            extra=extra, files=files)
+            with self.session.checkpoint(step) as d:
+                ckpt.write_state(d, model=self.model, optimizer=self.optimizer, scalars=scalars,
+                                 extra=extra, files=files)
 
     def read_state(self) -> tuple[dict[str, Any], dict[str, Any]]:  # seam: sharded load
         """Load state/ into the model, optimizer and RNG; return (scalars, extra)."""
@@ -403,7 +377,7 @@ class CentralizedTrainer:
         if self.dp is not None and "dp" in extra:
             self.dp.load_state_dict(extra["dp"])
         if self.ledger is not None:
-            saved = ckpt.read_state_file(self.run, "privacy.json")
+            saved = self.session.state_file("privacy.json")
             if saved is not None:
                 from memaudit.privacy.ledger import PrivacyLedger
 
@@ -413,35 +387,19 @@ class CentralizedTrainer:
         return int(scalars["step"])
 
     def export_model(self) -> None:  # seam: gather a merged checkpoint on the writer
-        if not self.is_writer:
-            return
-        tok = self.prepared.tokenizer()
-        for attr in ("eos_token_id", "pad_token_id", "bos_token_id"):
-            v = getattr(tok, attr, None)
-            if v is not None:
-                setattr(self.model.config, attr, v)
-                if getattr(self.model, "generation_config", None) is not None:
-                    setattr(self.model.generation_config, attr, v)
-        self.model.config.use_cache = True
-        ckpt.save_hf_model(self.model, self.run, tokenizer_dir=self.prepared.tokenizer_dir)
-        self.model.config.use_cache = False
+        if self.is_writer:
+            self.session.export_hf(self.model, tokenizer=self.prepared.tokenizer(),
+                                   tokenizer_dir=self.prepared.tokenizer_dir)
 
     # ------------------------------------------------------------------ driver
     def load_data(self, vocab: int) -> Any:  # seam: the writer prepares, then the others load
         """The run's PreparedData (prepare_data loads it back when prepared from the same config)."""
-        from memaudit.data import prepare_data
-
-        return prepare_data(self.cfg.data, self.run, vocab_size=vocab,
-                            progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}))
+        return self.session.data(vocab, progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}))
 
     def prepare(self, resume: bool) -> None:
         """Data, model, optimizer, sampler (and DP) for this run."""
         vocab = self.model_vocab_size()
         self.prepared = self.load_data(vocab)
-        want = self.run.read_manifest().get("data_fingerprint") if resume and self.is_writer else None
-        if want is not None and want != self.prepared.fingerprint:
-            raise MemauditError(f"the prepared data of '{self.run.path}' changed since the run started; "
-                                "start a new run instead of --resume")
         self.train_set: PackedSequences = self.prepared.train
         self.holdout_set: PackedSequences = self.prepared.holdout
         tok_size = len(self.prepared.tokenizer())
@@ -468,8 +426,7 @@ class CentralizedTrainer:
             done = step + 1
             if done % self.tcfg.eval_every == 0 or done == total:
                 rec["holdout_loss"], rec["holdout_perplexity"] = self.evaluate()
-            if self.is_writer:
-                append_jsonl(self.run.metrics_path, rec)
+            self.session.log(rec)
             if done % self.tcfg.checkpoint_every == 0 and done < total:
                 self.save_checkpoint(done)
             self._notify(done, rec)
@@ -479,15 +436,12 @@ class CentralizedTrainer:
     def _train(self, resume: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.prepare(resume)
-        if self.is_writer:
-            self.run.update_manifest(data_fingerprint=self.prepared.fingerprint)
         start = 0
         if resume and ckpt.has_state(self.run):
             start = self.restore_checkpoint()
         else:
             self.initial_holdout = self.evaluate()
-        if self.is_writer:
-            truncate_jsonl(self.run.metrics_path, start)
+        self.session.start(start)
         self._notify(start, {"phase": "training"})
         last = self._loop(start)
         if "holdout_loss" in last:
@@ -514,44 +468,12 @@ class CentralizedTrainer:
                                  "delta": self.delta, "epsilon": self.ledger_json().get("epsilon")}
         return result
 
-    def _open_manifest(self, resume: bool) -> None:
-        if resume:
-            m = self.run.read_manifest()
-            timings = dict(m.get("timings", {}))
-            timings["resumed"] = [*timings.get("resumed", []), time.time()]
-            # the config may differ in parallel.* only (a resume on another grid)
-            self.run.update_manifest(status="running", timings=timings, error=None, config=dump_config(self.cfg))
-            return
-        ckpt.reset_run_artifacts(self.run)
-        t = self.cfg.train
-        seeds = {"train": t.seed, "model_init": self.cfg.model.init_seed, "data": self.cfg.data.seed,
-                 "synth": self.cfg.data.synth.seed, "privacy_noise": self.cfg.privacy.seed}
-        m = new_manifest(config=dump_config(self.cfg), backend=BACKEND, seeds=seeds, data_fingerprint=None)
-        m["timings"]["started"] = time.time()
-        self.run.write_manifest(m)
-
-    def _close_manifest(self, status: str, **fields: Any) -> None:
-        m = self.run.read_manifest()
-        timings = dict(m.get("timings", {}))
-        timings["finished"] = time.time()
-        self.run.update_manifest(status=status, timings=timings, **fields)
-
-    def fit(self, *, resume: bool = False) -> dict[str, Any]:
-        """Run (or resume) training under the run lock; keep run.json's status truthful."""
-        lock = self.run.locked() if self.is_writer else contextlib.nullcontext()
-        with lock, sigterm_as_interrupt(), deterministic(self.device):
-            if self.is_writer:
-                self._open_manifest(resume)
-            try:
-                result = self._train(resume)
-            except KeyboardInterrupt:
-                if self.is_writer:
-                    self._close_manifest("interrupted")
-                raise
-            except BaseException as e:
-                if self.is_writer:
-                    self._close_manifest("failed", error=one_line_error(e))
-                raise
-            if self.is_writer:
-                self._close_manifest("complete", result=result, error=None)
+    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
+        """Run (or resume) training inside the run lifecycle (lock, manifest, signals)."""
+        session = RunSession(self.run, self.cfg, backend=BACKEND, resume=resume, is_writer=self.is_writer,
+                             hold_lock=not lock_held, overwrite=overwrite)
+        with session, deterministic(self.device):
+            self.session = session
+            result = self._train(resume)
+            session.complete(result)
         return result

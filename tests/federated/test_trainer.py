@@ -253,5 +253,8 @@ def test_dp_fedavg_run_records_a_user_level_ledger(overrides, tmp_path):
                   ledger["delta"])
     assert ledger["epsilon"]["rdp"] == pytest.approx(ref, rel=1e-6)
     for m in read_jsonl(tmp_path / "dp" / "metrics.jsonl"):
-        assert {"clip_fraction", "noise_std", "survivors"} <= set(m)
+        assert "noise_std" in m and not {"clip_fraction", "survivors", "cohort", "loss"} & set(m)
         assert m["noise_std"] == pytest.approx(0.8 * 0.5 / 4)
+    sensitive = read_jsonl(tmp_path / "dp" / "sensitive_metrics.jsonl")
+    assert [m["round"] for m in sensitive] == [1, 2]
+    assert all({"clip_fraction", "survivors", "cohort"} <= set(m) for m in sensitive)

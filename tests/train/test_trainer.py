@@ -156,11 +156,16 @@ def test_dp_sgd_run_records_a_ledger(tiny_run, tmp_path):
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.2)), 6))
     assert ledger["epsilon"]["rdp"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
     metrics = read_jsonl(run.metrics_path)
-    assert len(metrics) == 6 and all("clip_fraction" in m and "noise_std" in m for m in metrics)
+    assert len(metrics) == 6 and all("noise_std" in m for m in metrics)
     assert metrics[0]["noise_std"] == pytest.approx(1.2 * 1.0 / (n * q))
+    # statistics of the private data that DP does not privatise: only in the sensitive file
+    sensitive = read_jsonl(run.path / "sensitive_metrics.jsonl")
+    assert [m["step"] for m in sensitive] == list(range(1, 7))
+    for key in ("batch_size", "clip_fraction", "loss", "grad_norm", "tokens_per_s"):
+        assert all(key in m for m in sensitive) and not any(key in m for m in metrics), key
     # Poisson batch sizes: reproducible from (seed, step), the sampler's own draw
     from memaudit.train.sampling import PoissonSampler
 
     sampler = PoissonSampler(n, q, seed=0)
-    assert [m["batch_size"] for m in metrics] == [len(sampler.indices(t)) for t in range(6)]
+    assert [m["batch_size"] for m in sensitive] == [len(sampler.indices(t)) for t in range(6)]
     assert read_json(run.manifest_path)["result"]["privacy"]["noise_multiplier"] == 1.2

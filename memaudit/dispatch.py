@@ -1,0 +1,64 @@
+"""The backend switch, above the backends: federated (JAX), a multi-process parallel grid, or
+one torch process. `check_before_disk` validates what can be validated without the data, so a
+bad config is refused before the run lifecycle writes or replaces anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from memaudit.errors import ConfigError
+
+
+def check_before_disk(cfg: Any) -> None:
+    """One-line errors for a config that cannot train, raised before anything is written.
+
+    Covers the data sources (files that do not exist or cannot be read), the parallel grid
+    against the model, and the federated mesh against the visible devices.
+    """
+    from memaudit.data.corpus import resolve_files
+
+    d = cfg.data
+    if d.path is not None:
+        resolve_files(d.path)
+    for key in ("tokenizer", "tokenizer_corpus"):
+        value = getattr(d, key)
+        if value is not None and not Path(value).expanduser().exists():
+            raise ConfigError(f"data.{key}='{value}' does not exist; give an existing path or drop it")
+    if cfg.backend == "federated":
+        _check_federated(cfg)
+    elif cfg.parallel.world_size > 1 and cfg.model.name_or_path is None:
+        from memaudit.models.presets import llama_config
+        from memaudit.parallel.dims import ParallelDims
+
+        ParallelDims.from_config(cfg.parallel).check_model(llama_config(cfg.model.preset))
+
+
+def _check_federated(cfg: Any) -> None:
+    f = cfg.federated
+    if cfg.model.name_or_path is not None:
+        raise ConfigError("model.name_or_path is not supported by the federated backend yet; "
+                          "use a model.preset")
+    if f.algorithm == "fedsgd" and (cfg.privacy.enabled or cfg.privacy.secure_aggregation.enabled):
+        raise ConfigError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
+                          "federated.algorithm=fedavg (e.g. with local_steps=1)")
+    if f.mesh_clients is not None:
+        import jax
+
+        n = len(jax.devices())
+        if f.mesh_clients > n:
+            raise ConfigError(f"federated.mesh_clients={f.mesh_clients} exceeds the {n} visible "
+                              f"devices; set it to at most {n}")
+
+
+def dispatch(cfg: Any, run: Any, *, resume: bool, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:
+    """Train `cfg` into `run` with the backend it names; returns the trainer's result summary."""
+    check_before_disk(cfg)
+    if cfg.backend == "federated":
+        from memaudit.federated.trainer import train_federated as fn
+    elif cfg.parallel.world_size > 1:
+        # The data x tensor-parallel backend starts its own processes (torch.distributed).
+        from memaudit.parallel.launch import launch_training as fn
+    else:
+        from memaudit.train.trainer import train_centralized as fn
+    return fn(cfg, run, resume=resume, progress=progress, overwrite=overwrite)

@@ -1,0 +1,450 @@
+"""One run lifecycle for every backend: lock, signals, manifest, data, metrics, ledger,
+checkpoints, export.
+
+The trainers (centralized torch, the parallel grid, federated JAX) keep only their step or
+round logic; everything they do to the run directory goes through a `RunSession`:
+
+    with RunSession(run, cfg, backend="federated", resume=False, is_writer=True) as s:
+        prepared = s.data(vocab_size)              # prepare (new run) or load and check (resume)
+        start = s.start()                          # step to start at; truncates metrics.jsonl
+        for step in range(start, total):
+            ...
+            s.log(record)                          # metrics.jsonl (+ sensitive_metrics.jsonl)
+            with s.checkpoint(step) as tmp: ...    # sealed, then swapped in
+        s.export_hf(model, tokenizer, tokenizer_dir)
+        s.write_ledger(ledger_json)
+        s.complete(result)
+
+Crash safety. A checkpoint is written into a temporary directory beside `state/` and is
+complete when its commit marker `COMMIT.json` (the sha256 of each of its files, and the
+step) is written, last. Then `state/` is moved aside and the new directory renamed in. A
+kill between those renames leaves two complete checkpoints under temporary names; on the
+next start `recover_checkpoint` takes the newest complete one among `state/`,
+`.state.old-*` and `.state.*.tmp`, puts it at `state/` and removes the rest, with every
+other leftover temporary (`.model.*.tmp`, `.data.*.tmp`).
+
+Overwrite. `--overwrite` replaces a memaudit run only after the new config was validated:
+the old run's artifacts are moved aside into one hidden folder, the new manifest is
+written, and only then is the old one deleted; a failure before that puts it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Self
+
+from memaudit.config import Config, dump_config
+from memaudit.errors import DataError, MemauditError, RunDirError
+from memaudit.io import append_jsonl, atomic_write_json, read_json, read_jsonl, truncate_jsonl
+from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest
+
+COMMIT = "COMMIT.json"
+SENSITIVE_METRICS = "sensitive_metrics.jsonl"
+# Per-step values that are computed from the private data and not privatised: under DP they
+# go to sensitive_metrics.jsonl (documented as sensitive, like data/), never to metrics.jsonl.
+SENSITIVE_KEYS = frozenset({
+    "loss", "batch_size", "cohort", "survivors", "dropped", "secagg_aborted", "clip_fraction",
+    "clipped", "grad_norm", "update_norm", "raw_norm", "tokens_per_s", "round_seconds",
+    "step_seconds", "count_fraction", "participants",
+})
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGTERM during training: handled like Ctrl-C (status "interrupted")."""
+
+
+def one_line_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into `TrainingInterrupted` in the main thread for the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise TrainingInterrupted("terminated by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _files(d: Path) -> list[Path]:
+    return sorted(p for p in d.rglob("*") if p.is_file() and p.name != COMMIT)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def seal(d: Path, *, step: int) -> None:
+    """Write the commit marker of the checkpoint in `d`: the last file written into it."""
+    files = {str(p.relative_to(d)): _sha256(p) for p in _files(d)}
+    atomic_write_json(d / COMMIT, {"step": int(step), "files": files})
+
+
+def sealed_step(d: Path) -> int | None:
+    """The step of the complete checkpoint in `d`, or None if it is incomplete or damaged."""
+    if not d.is_dir():
+        return None
+    try:
+        marker = read_json(d / COMMIT, what="checkpoint commit marker")
+        files = marker["files"]
+        step = int(marker["step"])
+    except (FileNotFoundError, MemauditError, KeyError, TypeError, ValueError):
+        return _legacy_step(d)
+    if not isinstance(files, dict) or {str(p.relative_to(d)) for p in _files(d)} != set(files):
+        return None
+    for name, digest in files.items():
+        if _sha256(d / name) != digest:
+            return None
+    return step
+
+
+def _legacy_step(d: Path) -> int | None:
+    """A checkpoint written before commit markers existed counts as complete at `state/`."""
+    if d.name != "state" or (d / COMMIT).exists():
+        return None
+    try:
+        scalars = read_json(d / "trainer.json", what="checkpoint")
+        return int(scalars.get("step", scalars.get("round")))
+    except (FileNotFoundError, MemauditError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def checkpoint_present(d: Path) -> bool:
+    """Cheap check (no hashing) that `d` holds a sealed checkpoint; `recover_checkpoint`, run by
+    the writer at start-up, has verified it, so the other ranks need not hash it again."""
+    return (d / COMMIT).is_file() or _legacy_step(d) is not None
+
+
+def _between_renames() -> None:
+    """Called between the two renames of a checkpoint swap (tests kill the process here)."""
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Put the sealed directory `tmp` at `target` by renames; the old one goes last."""
+    old = None
+    if target.exists() or target.is_symlink():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.time_ns()}")
+        os.replace(target, old)
+        _between_renames()
+    os.replace(tmp, target)
+    if old is not None:
+        _remove(old)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def checkpoint_candidates(run: RunDir) -> list[Path]:
+    """`state/` and every temporary a checkpoint swap can leave behind."""
+    out = [run.state_dir] if run.state_dir.exists() else []
+    for p in run.path.glob(".state.*"):
+        if p.name.endswith(".tmp") or ".old-" in p.name:
+            out.append(p)
+    return out
+
+
+def recover_checkpoint(run: RunDir) -> int | None:
+    """Leave the newest complete checkpoint at `state/` and nothing else; return its step.
+
+    Returns None when no complete checkpoint exists (a resume then starts from step 0,
+    which the caller reports, never silently).
+    """
+    best: tuple[int, int, Path] | None = None
+    for p in checkpoint_candidates(run):
+        step = sealed_step(p)
+        if step is not None:
+            rank = (step, 1 if p == run.state_dir else 0)
+            if best is None or rank > best[:2]:
+                best = (*rank, p)
+    for p in checkpoint_candidates(run):
+        if best is None or p != best[2]:
+            if p == run.state_dir and best is not None:
+                continue  # replaced below by a rename, never deleted first
+            _remove(p)
+    if best is None:
+        return None
+    if best[2] != run.state_dir:
+        swap_in(best[2], run.state_dir)
+    return best[0]
+
+
+def clean_temporaries(run: RunDir) -> None:
+    """Remove what killed atomic writes left (`.model.*.tmp`, `.data.*.tmp`, stale locks)."""
+    for p in run.path.glob(".*"):
+        name = p.name
+        if name.startswith(".state."):
+            continue  # checkpoints are recovered, not cleaned
+        if name.endswith(".tmp") or ".old-" in name or ".stale-" in name:
+            _remove(p)
+
+
+# ----------------------------------------------------------------------------- session
+class RunSession:
+    """The lifecycle of one training run in `run`, shared by every backend.
+
+    Args:
+        run: the run directory, checked by `prepare_new_run` / `open_for_resume`.
+        cfg: the resolved, validated config.
+        backend: "parallel" or "federated" (recorded in run.json; a resume must match).
+        resume: continue the run in place.
+        is_writer: this process writes the run directory (rank 0 / JAX process 0).
+        hold_lock: take run.lock here (False when a launcher process already holds it).
+        overwrite: the caller asked to replace an existing run.
+        private: the run is DP; per-step statistics of the private data then go to
+            sensitive_metrics.jsonl.
+    """
+
+    def __init__(self, run: RunDir, cfg: Config, *, backend: str, resume: bool, is_writer: bool = True,
+                 hold_lock: bool = True, overwrite: bool = False, private: bool | None = None) -> None:
+        self.run, self.cfg, self.backend, self.resume = run, cfg, backend, resume
+        self.is_writer, self.hold_lock, self.overwrite = is_writer, hold_lock, overwrite
+        self.private = cfg.privacy.enabled if private is None else private
+        self._stack = contextlib.ExitStack()
+        self._lock: Any = None
+        self.resume_step: int | None = None
+        self.t0 = time.perf_counter()
+
+    # ---- enter / exit
+    def __enter__(self) -> Self:
+        stack = self._stack
+        try:
+            if self.is_writer and self.hold_lock:
+                self._lock = stack.enter_context(self.run.locked())
+            stack.enter_context(sigterm_as_interrupt())
+            if self.is_writer:
+                self._open()
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            if exc is not None and self.is_writer and self.run.is_run():
+                with contextlib.suppress(MemauditError, OSError):
+                    if isinstance(exc, KeyboardInterrupt):
+                        self._close("interrupted")
+                    else:
+                        self._close("failed", error=one_line_error(exc))
+        finally:
+            self._stack.close()
+
+    def _open(self) -> None:
+        if self.resume:
+            m = self.run.read_manifest()
+            if m.get("backend") != self.backend:
+                raise RunDirError(f"run '{self.run.path}' was trained with backend "
+                                  f"'{m.get('backend')}'; resume it with that backend or start a new run")
+            clean_temporaries(self.run)
+            self.resume_step = recover_checkpoint(self.run)
+            timings = dict(m.get("timings") or {})
+            timings["resumed"] = [*timings.get("resumed", []), time.time()]
+            # the config may differ in parallel.* only (a resume on another grid)
+            self.run.update_manifest(status="running", timings=timings, error=None,
+                                     config=dump_config(self.cfg))
+            return
+        aside = self._move_old_run_aside()
+        try:
+            t, p = self.cfg.train, self.cfg.privacy
+            seeds = {"train": t.seed, "model_init": self.cfg.model.init_seed, "data": self.cfg.data.seed,
+                     "synth": self.cfg.data.synth.seed,
+                     "privacy_randomness": _privacy_randomness(p)}
+            m = new_manifest(config=dump_config(self.cfg), backend=self.backend, seeds=seeds,
+                             data_fingerprint=None)
+            m["timings"]["started"] = time.time()
+            self.run.write_manifest(m)
+        except BaseException:
+            if aside is not None:
+                _restore_aside(self.run, aside)
+            raise
+        if aside is not None:
+            _remove(aside)
+
+    def _move_old_run_aside(self) -> Path | None:
+        """--overwrite of a run: its artifacts into one hidden folder (deleted once the new
+        manifest is written). Without --overwrite there is nothing to move (checked before)."""
+        if not self.run.is_run():
+            return None  # a new folder (the CLI refuses one holding anything): nothing to replace
+        if not self.overwrite:
+            raise RunDirError(f"output '{self.run.path}' already holds a memaudit run; pass "
+                              "--overwrite to replace it, or choose another --out")
+        present = [n for n in RUN_ARTIFACTS if (self.run.path / n).exists()]
+        aside = self.run.path / f".memaudit-replaced-{os.getpid()}-{time.time_ns()}"
+        aside.mkdir()
+        for name in ("run.json", *[n for n in present if n != "run.json"]):
+            if (self.run.path / name).exists():
+                os.replace(self.run.path / name, aside / name)
+        clean_temporaries(self.run)
+        for p in checkpoint_candidates(self.run):
+            _remove(p)
+        return aside
+
+    def _close(self, status: str, **fields: Any) -> None:
+        m = self.run.read_manifest()
+        timings = dict(m.get("timings") or {})
+        timings["finished"] = time.time()
+        self.run.update_manifest(status=status, timings=timings, **fields)
+
+    def complete(self, result: dict[str, Any]) -> None:
+        if self.is_writer:
+            self._close("complete", result=result, error=None)
+
+    # ---- data
+    def data(self, vocab_size: int, *, progress: Any = None) -> Any:
+        """The run's prepared data: prepared (a new run), or loaded and checked (a resume).
+
+        A resume never rewrites the data: if the config or the input files changed since the
+        run started, it is refused with nothing written. Non-writers load what the writer
+        prepared (the caller puts a barrier in between).
+        """
+        from memaudit.data import load_prepared, prepare_data
+        from memaudit.data.prepare import config_hash
+
+        if not self.is_writer:
+            return load_prepared(self.run)
+        if self.resume:
+            try:
+                prepared = load_prepared(self.run)
+            except DataError as e:
+                raise RunDirError(f"cannot resume '{self.run.path}': {e}") from None
+            want = self.run.read_manifest().get("data_fingerprint")
+            if (prepared.meta.get("config_hash") != config_hash(self.cfg.data, vocab_size)
+                    or (want is not None and want != prepared.fingerprint)):
+                raise RunDirError(f"the data of '{self.run.path}' (config or input files) changed "
+                                  "since the run started; start a new run instead of --resume")
+        else:
+            prepared = prepare_data(self.cfg.data, self.run, vocab_size=vocab_size, progress=progress)
+        self.run.update_manifest(data_fingerprint=prepared.fingerprint)
+        return prepared
+
+    # ---- metrics
+    def start(self, step: int) -> None:
+        """Training starts (again) at `step`: drop metrics lines past it."""
+        if self.is_writer:
+            truncate_jsonl(self.run.metrics_path, step)
+            sens = self.run.path / SENSITIVE_METRICS
+            if sens.exists():
+                truncate_jsonl(sens, step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """One step's or round's metrics line. Under DP the unprivatised statistics of the
+        private data (SENSITIVE_KEYS) go to sensitive_metrics.jsonl instead."""
+        if self._lock is not None:
+            self._lock.check()
+        if not self.is_writer:
+            return
+        if not self.private:
+            append_jsonl(self.run.metrics_path, record)
+            return
+        key = "round" if "round" in record else "step"
+        public = {k: v for k, v in record.items() if k not in SENSITIVE_KEYS}
+        sensitive = {key: record.get(key), **{k: v for k, v in record.items() if k in SENSITIVE_KEYS}}
+        append_jsonl(self.run.metrics_path, public)
+        append_jsonl(self.run.path / SENSITIVE_METRICS, sensitive)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.run.metrics_path)
+
+    # ---- checkpoints
+    def has_checkpoint(self) -> bool:
+        return sealed_step(self.run.state_dir) is not None
+
+    def checkpoint_tmp(self, step: int) -> Path:
+        """Where the checkpoint of `step` is written before it is sealed (the same path on
+        every rank of a grid, so all of them can write their pieces into it)."""
+        return self.run.path / f".state.{int(step)}.tmp"
+
+    def begin_checkpoint(self, step: int) -> Path:
+        """Writer: a fresh, empty temporary directory for the checkpoint of `step`."""
+        tmp = self.checkpoint_tmp(step)
+        if self.is_writer:
+            _remove(tmp)
+            tmp.mkdir(parents=True)
+        return tmp
+
+    def commit_checkpoint(self, step: int) -> None:
+        """Writer: seal the checkpoint of `step` (its commit marker last) and swap it in."""
+        if self.is_writer:
+            tmp = self.checkpoint_tmp(step)
+            seal(tmp, step=step)
+            swap_in(tmp, self.run.state_dir)
+
+    @contextlib.contextmanager
+    def checkpoint(self, step: int) -> Iterator[Path]:
+        """Single writer: write the checkpoint of `step` into the yielded directory; it is
+        sealed and swapped in at the end of the block, removed if the block fails."""
+        tmp = self.begin_checkpoint(step)
+        try:
+            yield tmp
+            self.commit_checkpoint(step)
+        except BaseException:
+            _remove(tmp)
+            raise
+
+    def state_file(self, name: str) -> Any | None:
+        p = self.run.state_dir / name
+        return read_json(p, what="checkpoint file") if p.is_file() else None
+
+    # ---- ledger and export
+    def write_ledger(self, ledger_json: dict[str, Any] | None) -> None:
+        if ledger_json is not None and self.is_writer:
+            atomic_write_json(self.run.privacy_path, ledger_json)
+
+    def export_hf(self, model: Any, *, tokenizer: Any, tokenizer_dir: Path | None) -> None:
+        """The Hugging Face checkpoint + tokenizer, atomically into RUN_DIR/model/."""
+        if not self.is_writer:
+            return
+        from memaudit.io import atomic_dir
+        from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
+
+        set_special_tokens(model, tokenizer)
+        with atomic_dir(self.run.model_dir) as tmp:
+            save_pretrained_quietly(model, tmp)
+            if tokenizer_dir is not None and tokenizer_dir.is_dir():
+                for f in tokenizer_dir.iterdir():
+                    if f.is_file():
+                        shutil.copy2(f, tmp / f.name)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _privacy_randomness(p: Any) -> str:
+    if getattr(p, "reproducible_randomness", False):
+        return "reproducible (derived from train.seed)"
+    return "secret (OS entropy)" if p.enabled else "n/a"
+
+
+def _restore_aside(run: RunDir, aside: Path) -> None:
+    for p in aside.iterdir():
+        target = run.path / p.name
+        if not target.exists():
+            os.replace(p, target)
+    _remove(aside)
