@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,6 +26,18 @@ OwnerKind = Literal["user", "spread"]
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # fields where inf means something (e.g. privacy.clip=inf: no clipping); NaN never does
+    _may_be_infinite: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite(cls, v: Any, info: Any) -> Any:
+        for x in v if isinstance(v, list | tuple) else (v,):
+            if isinstance(x, float) and not math.isfinite(x):
+                if math.isinf(x) and info.field_name in cls._may_be_infinite:
+                    continue
+                raise ValueError(f"{x} is not a finite number; give a finite value")
+        return v
 
 
 # ----------------------------------------------------------------------------- data
@@ -71,8 +83,12 @@ class CanaryConfig(_Section):
     @field_validator("template")
     @classmethod
     def _has_slot(cls, v: str) -> str:
-        if v.count("{secret}") != 1:
-            raise ValueError("the template must contain '{secret}' exactly once")
+        import string
+
+        fields = [f for _, f, _, _ in string.Formatter().parse(v) if f is not None] if _parses(v) else None
+        if fields is None or fields != ["secret"]:
+            raise ValueError("the template must contain '{secret}' exactly once and no other "
+                             "{...} placeholder (write a literal brace as {{ or }})")
         return v
 
 
@@ -127,10 +143,23 @@ class GoldfishConfig(_Section):
         return v
 
 
+def _parses(template: str) -> bool:
+    import string
+
+    try:
+        list(string.Formatter().parse(template))
+    except ValueError:
+        return False
+    return True
+
+
+MAX_BATCH = 1 << 20  # sequences; beyond this no step fits in memory
+
+
 class TrainConfig(_Section):
-    steps: int = Field(200, ge=1)
-    batch_size: int = Field(16, ge=1, description="sequences per step (expected size under DP)")
-    micro_batch_size: int | None = Field(None, ge=1, description="gradient accumulation chunk")
+    steps: int = Field(200, ge=1, le=10**9)
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH, description="sequences per step (expected size under DP)")
+    micro_batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="gradient accumulation chunk")
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(10, ge=0)
@@ -169,6 +198,7 @@ class SecAggConfig(_Section):
 
 
 class PrivacyConfig(_Section):
+    _may_be_infinite: ClassVar[frozenset[str]] = frozenset({"clip"})
     noise_multiplier: float | None = Field(None, description="sigma; privacy is off unless set")
     clip: float = Field(1.0, description="L2 clip norm C; 'inf' disables clipping")
     target_epsilon: float | None = Field(None, gt=0, description="calibrate sigma to this epsilon")
