@@ -68,7 +68,7 @@ def test_malicious_mode_needs_two_thirds_and_fewer_than_a_third_colluding():
     with pytest.raises(ValueError, match="2/3"):
         run_round(_inputs(6), threshold=0.6, mode="malicious")  # t = 4 = 2n/3 is not enough
     with pytest.raises(ValueError, match="n/3"):
-        run_round(_inputs(6), threshold=1.0, colluding=2, mode="malicious")
+        run_round(_inputs(6), threshold=1.0, colluding=2, min_survivors=4, mode="malicious")
     x = _inputs(6, seed=4)
     r = run_round(x, threshold=0.7, mode="malicious")
     np.testing.assert_array_equal(r.total, x.sum(0, dtype=np.uint32))
@@ -108,14 +108,15 @@ def _attack(n, threshold, *, mode="honest_but_curious", announced=None, target=0
     reveal shares of its self-mask seed b). With both it unmasks the target's input alone.
 
     Returns (recovered input or None, the target's real input)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
     from memaudit.federated.secagg import prg
     from memaudit.federated.secagg.client import Client, mask_seed
     from memaudit.federated.secagg.graph import neighbours
     from memaudit.federated.secagg.messages import SERVER, Header, MsgType, Writer, parse
+    from memaudit.federated.secagg.pki import KeyRing
     from memaudit.federated.secagg.policy import Policy
     from memaudit.federated.secagg.server import Server, thresholds
-    from memaudit.federated.secagg.pki import KeyRing
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
     x = _inputs(n, seed=9)
     neigh = neighbours(n)
@@ -138,25 +139,23 @@ def _attack(n, threshold, *, mode="honest_but_curious", announced=None, target=0
     key_side = set(range(1, 1 + n // 2))  # told the target dropped
     view = {i: (without if i in key_side else everyone) for i in range(n)}
 
+    sigs: dict[int, bytes] = {}
+    if mode == "malicious":  # the consistency round: each client signs the list it was shown
+        for i in range(n):
+            check = Writer().ids(view[i]).finish(Header(MsgType.CHECK_REQUEST, 1, SERVER, i))
+            sigs[i] = parse(clients[i].check(check), expect=MsgType.CHECK, round_id=1)[1].blob()
+
     def request(i):
-        u3 = view[i]
-        if mode == "malicious":  # the consistency round: each signs the list it was shown
-            check = Writer().ids(u3).finish(Header(MsgType.CHECK_REQUEST, 1, SERVER, i))
-            sigs[i] = clients[i].check(check)
-            w = Writer().ids(u3)
-            signed = [j for j in sigs if view[j] == u3]
+        w = Writer().ids(view[i])
+        if mode == "malicious":  # every signature on the list this client was shown
+            signed = [j for j in sorted(sigs) if view[j] == view[i]]
             w.u32(len(signed))
             for j in signed:
-                w.u32(j).blob(parse(sigs[j], expect=MsgType.CHECK, round_id=1)[1].blob())
-            return w.finish(Header(MsgType.UNMASK_REQUEST, 1, SERVER, i))
-        return Writer().ids(u3).finish(Header(MsgType.UNMASK_REQUEST, 1, SERVER, i))
+                w.u32(j).blob(sigs[j])
+        return w.finish(Header(MsgType.UNMASK_REQUEST, 1, SERVER, i))
 
-    sigs: dict[int, bytes] = {}
-    if mode == "malicious":
-        for i in range(n):
-            request(i)  # collect every signature first
     seed_sh, key_sh = [], []
-    for i in sorted(everyone - {target} if False else everyone):
+    for i in sorted(everyone):
         _, r = parse(clients[i].unmask(request(i)), expect=MsgType.UNMASK, round_id=1)
         for _ in range(r.u32()):
             owner, kind, xs, y = r.u32(), r.u32(), r.u32(), r.blob()
