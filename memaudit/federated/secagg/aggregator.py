@@ -172,7 +172,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         graph_seed = int(rng.integers(2**31))
         if keys is not None:
             keys.ensure(range(n))
-            missing = sorted(set(range(n)) - keys.ids)
+            missing = sorted(set(range(n)) - (keys.ids & keys.signers))
             if missing:
                 raise ValueError(f"the verification key directory has no key for cohort slot "
                                  f"{missing[0]} (cohort of {n}); add client-{missing[0]}.pub and .key")

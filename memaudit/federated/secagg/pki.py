@@ -111,7 +111,13 @@ class KeyRing:
 
     @property
     def ids(self) -> frozenset[int]:
+        """Clients with a verification key."""
         return frozenset(self._verifying)
+
+    @property
+    def signers(self) -> frozenset[int]:
+        """Clients whose signing key this ring holds (the simulated clients)."""
+        return frozenset(self._signing)
 
 
 def _pub(pk: Ed25519PublicKey) -> bytes:
