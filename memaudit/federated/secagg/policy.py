@@ -62,8 +62,8 @@ def min_threshold(holders: int, *, colluding: int = 0, mode: str = "honest_but_c
 
 
 def _fraction_needed(t: int, holders: int) -> float:
-    """The smallest threshold fraction f with ceil(f h) >= t, rounded up to two decimals."""
-    return math.ceil(100 * t / holders) / 100
+    """The smallest two-decimal threshold fraction f with ceil(f h) >= t (f h > t - 1)."""
+    return round(math.floor(100 * (t - 1) / holders + 1e-9) / 100 + 0.01, 2)
 
 
 @dataclass(frozen=True)
