@@ -250,3 +250,47 @@ def test_a_protocol_abort_inside_training_does_not_raise():
     state2, m = alg.round(state, _cohort([3, 4, 5, 2, 3, 1]), jax.random.key(4))
     assert m["secagg_aborted"] == 1 and m["survivors"] < 6
     np.testing.assert_array_equal(np.asarray(state2.params["w"]), 1.0)
+
+
+def _clients_after_masking(n, policy):
+    """Clients of an honest round up to the masked inputs (complete graph, t = 3 of 5)."""
+    from memaudit.federated.secagg.client import Client
+    from memaudit.federated.secagg.graph import neighbours
+    from memaudit.federated.secagg.server import Server
+
+    server = Server(round_id=2, neighbours=neighbours(n), threshold=[3] * n, dim=D)
+    clients = [Client(i, round_id=2, policy=policy) for i in range(n)]
+    for c in clients:
+        server.receive_advertise(c.advertise())
+    for c in clients:
+        server.receive_shares(c.share_keys(server.keys_for(c.cid)))
+    for c in clients:
+        server.receive_masked(c.masked_input(server.forward_for(c.cid), _inputs(n)[c.cid]))
+    return clients
+
+
+def test_a_client_refuses_to_reveal_to_a_survivor_set_below_the_floor():
+    """The client checks the survivor set itself: a server that names too few survivors, or
+    too few of the client's holders, gets no share, whatever it claims."""
+    from memaudit.federated.secagg.messages import SERVER, Header, MsgType, Writer
+    from memaudit.federated.secagg.policy import Policy
+
+    short = Writer().ids({0, 1}).finish(Header(MsgType.UNMASK_REQUEST, 2, SERVER, 0))
+    with pytest.raises(SecAggAbort, match="min_survivors"):
+        _clients_after_masking(5, Policy())[0].unmask(short)
+    with pytest.raises(SecAggAbort, match="threshold 3"):  # floor 2 met, but 2 live holders < t
+        _clients_after_masking(5, Policy(min_survivors=2))[0].unmask(short)
+
+
+def test_the_round_time_bound_uses_the_real_cohort():
+    """n_C = 1 with threshold 0.6 holds for a cohort of 8 (t = 5 > 4.5) but not for a Poisson
+    cohort that came out at 5 (t = 3 < 3.5): that round aborts instead of running unsafely."""
+    rng = np.random.default_rng(0)
+    deltas = jnp.asarray(rng.normal(size=(8, 4)) * 0.1, jnp.float32)
+    agg = secure_aggregation(mean_aggregator(), clip=1.0, colluding=1, seed=0)
+    ok = agg.aggregate(deltas, jnp.ones(8), agg.init(None), jax.random.key(0))
+    assert ok.metrics["secagg_aborted"] == 0
+    np.testing.assert_allclose(np.asarray(ok.update), np.asarray(deltas).mean(0), atol=1e-5)
+    small = agg.aggregate(deltas, jnp.array([1, 1, 1, 1, 1, 0, 0, 0.0]), agg.init(None), jax.random.key(1))
+    assert small.metrics["secagg_aborted"] == 1 and small.metrics["survivors"] == 5
+    np.testing.assert_array_equal(np.asarray(small.update), 0.0)
