@@ -102,6 +102,23 @@ def holders(neighbours: str, n: int, degree: int | None = None) -> int:
     return n if k >= n - 1 else k + 1
 
 
+def _aborted(deltas: PyTree, state: SecAggState, n: int, survivors: int) -> AggregateResult:
+    """An aborted round: a zero update, the base aggregator's state unchanged, the flag set."""
+    zero = jax.tree.map(lambda x: jnp.zeros_like(x[0]), deltas)
+    metrics = {"secagg_aborted": 1, "survivors": jnp.float32(survivors),
+               "aggregated_clients": jnp.float32(0), "cohort": jnp.float32(n)}
+    return AggregateResult(zero, SecAggState(state.base, int(state.round)), metrics)
+
+
+def _check_keys(keys: KeyRing, n: int) -> None:
+    """Every cohort slot needs a key pair (a generated ring grows; a loaded one must hold it)."""
+    keys.ensure(range(n))
+    missing = sorted(set(range(n)) - (keys.ids & keys.signers))
+    if missing:
+        raise ValueError(f"the verification key directory has no key for cohort slot {missing[0]} "
+                         f"(cohort of {n}); add client-{missing[0]}.pub and .key")
+
+
 def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                        neighbours: str = "full", bits: int = 20, dropout_rate: float = 0.0,
                        seed: int | None = None, degree: int | None = None, colluding: int = 0,
@@ -146,12 +163,6 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         keys = keys if keys is not None else KeyRing.generate(())  # held by the clients' side
     inner_clips: dict[tuple[int, int], float] = {}
 
-    def aborted(deltas, state, n: int, survivors: int):
-        zero = jax.tree.map(lambda x: jnp.zeros_like(x[0]), deltas)
-        metrics = {"secagg_aborted": 1, "survivors": jnp.float32(survivors),
-                   "aggregated_clients": jnp.float32(0), "cohort": jnp.float32(n)}
-        return AggregateResult(zero, SecAggState(state.base, int(state.round)), metrics)
-
     def init(params):
         return SecAggState(base.init(params), 0)
 
@@ -160,7 +171,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         present = np.flatnonzero(np.asarray(weights) > 0)
         n = len(present)
         if n < policy.min_survivors:  # a cohort of one would be unmasked as its own update
-            return aborted(deltas, state, n, n)
+            return _aborted(deltas, state, n, n)
         rows, unflatten = flatten_clients(deltas)
         scale, b = quantisation_scale(clip, bits, n)
         if (b, rows.shape[1]) not in inner_clips:
@@ -171,18 +182,14 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
         graph_seed = int(rng.integers(2**31))
         if keys is not None:
-            keys.ensure(range(n))
-            missing = sorted(set(range(n)) - (keys.ids & keys.signers))
-            if missing:
-                raise ValueError(f"the verification key directory has no key for cohort slot "
-                                 f"{missing[0]} (cohort of {n}); add client-{missing[0]}.pub and .key")
+            _check_keys(keys, n)
         try:
             result = run_round(q, round_id=_round_id(rnd, key), neighbours=graph_kind(neighbours, n),
                                threshold=threshold, graph_seed=graph_seed, degree=degree,
                                dropouts=Dropouts(before_masked=dropped), colluding=colluding,
                                min_survivors=min_survivors, mode=mode, keys=keys)
         except SecAggAbort:
-            return aborted(deltas, state, n, n - len(dropped))
+            return _aborted(deltas, state, n, n - len(dropped))
         m = len(result.survivors)
         mean = decode(result.total, scale) / m
         pseudo = jax.tree.map(lambda x: x[None], unflatten(mean))
