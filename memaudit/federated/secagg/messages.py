@@ -48,8 +48,8 @@ class InconsistencyDetected(SecAggAbort):
 
 
 class MsgType(enum.IntEnum):
-    ADVERTISE = 1      # client -> server: two X25519 public keys
-    KEYS = 2           # server -> client: neighbours' public keys
+    ADVERTISE = 1      # client -> server: two X25519 public keys (malicious mode: + Ed25519 signature)
+    KEYS = 2           # server -> client: threshold, neighbours' public keys (+ their signatures)
     SHARES = 3         # client -> server: encrypted shares, one per holder
     FORWARD = 4        # server -> client: encrypted shares addressed to it, and U2
     MASKED = 5         # client -> server: masked quantised update
