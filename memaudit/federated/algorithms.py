@@ -279,6 +279,11 @@ def make_server_update(server_optimizer: optax.GradientTransformation):
     return server_update
 
 
+def _aborted(metrics: dict) -> bool:
+    """Whether a host-side aggregator (secure aggregation) aborted the round."""
+    return float(metrics.get("secagg_aborted", 0)) > 0
+
+
 def _mesh_scope(mesh: Any):
     return jax.set_mesh(mesh) if isinstance(mesh, jax.sharding.Mesh) else contextlib.nullcontext()
 
@@ -357,7 +362,14 @@ def fedavg(
             client_key, agg_key = jax.random.split(key)
             out = client_jit(state.params, data, client_key)
             agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
-            state, server_metrics = server_jit(state, agg)
+            if _aborted(agg.metrics):
+                # An aborted secure-aggregation round releases and applies nothing: params,
+                # server-optimizer moments and the aggregators' state (e.g. an adaptive clip)
+                # stay; only the round counter moves on.
+                state = state._replace(round=state.round + 1)
+                server_metrics = {"update_norm": jnp.float32(0.0)}
+            else:
+                state, server_metrics = server_jit(state, agg)
         return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
 
     return FederatedAlgorithm(init, round_)

@@ -1,13 +1,24 @@
-"""Secure aggregation (Bonawitz et al. 2017) and SecAgg+ (Bell et al. 2020)."""
+"""Secure aggregation (Bonawitz et al. 2017) and SecAgg+ (Bell et al. 2020).
+
+Threat model (policy.py, docs/secure-aggregation.md): an honest-but-curious server colluding
+with at most n_C clients (default), or a malicious server (``mode="malicious"``: Ed25519
+signatures with keys from outside the server, and the consistency-check round). Every
+client's threshold exceeds (holders + n_C)/2 (malicious: also 2/3 of the holders, with
+n_C < holders/3), and a round with fewer than ``min_survivors`` survivors aborts.
+"""
 
 from memaudit.federated.secagg.messages import (
     AuthenticationError,
+    InconsistencyDetected,
     MessageError,
     ReplayError,
     SecAggAbort,
     SecAggError,
 )
+from memaudit.federated.secagg.pki import KeyRing
+from memaudit.federated.secagg.policy import Policy, ThresholdError, min_threshold
 from memaudit.federated.secagg.protocol import Dropouts, RoundResult, run_round
 
-__all__ = ["AuthenticationError", "Dropouts", "MessageError", "ReplayError", "RoundResult",
-           "SecAggAbort", "SecAggError", "run_round"]
+__all__ = ["AuthenticationError", "Dropouts", "InconsistencyDetected", "KeyRing", "MessageError",
+           "Policy", "ReplayError", "RoundResult", "SecAggAbort", "SecAggError", "ThresholdError",
+           "min_threshold", "run_round"]

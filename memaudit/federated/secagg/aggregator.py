@@ -1,20 +1,31 @@
 """Secure aggregation as an aggregator wrapper (host-side, ``jittable=False``).
 
-Per round: each present client clips its flattened delta to L2 norm ``clip``,
-quantises it with stochastic rounding to a signed integer grid whose scale is
-chosen so the sum of n clipped values cannot wrap modulo 2^32, and takes part in
-one protocol round (:func:`run_round`). Simulated dropouts happen before the
-masked input is sent. The server decodes the survivors' sum, and the ``base``
-aggregator is applied to the survivors' mean as a single pseudo-client of
+Per round: each present client clips its flattened delta, quantises it with conditional
+stochastic rounding (quantise.py: the decoded contribution's norm stays <= ``clip``, the
+sensitivity DP noise is calibrated to) on a signed integer grid whose scale is chosen so
+the sum of n values cannot wrap modulo 2^32, and takes part in one protocol round
+(:func:`run_round`) under the round's threat-model :class:`Policy` (policy.py). Simulated
+dropouts happen before the masked input is sent. The server decodes the survivors' sum, and
+the ``base`` aggregator is applied to the survivors' mean as a single pseudo-client of
 weight 1 (for ``mean_aggregator()`` this is the mean over survivors).
 
-If too few clients survive, :class:`SecAggAbort` propagates: the trainer must not
-apply any update that round.
+An abort never raises out of the round: a cohort below ``min_survivors`` (a cohort of one
+would be unmasked as that client's update), a threshold the real holder counts cannot
+support, too few answers to unmask, or (malicious-server mode) a detected attack give a
+zero update and ``secagg_aborted = 1``; the algorithm then applies nothing (algorithms.py)
+and the base aggregator's state does not move. ``secagg_aborted`` and ``survivors`` are
+statistics of the private cohort (sensitive, not public metrics).
+
+References:
+    Bonawitz et al., CCS 2017; Bell et al., CCS 2020 (SecAgg+); Kairouz, Liu, Steinke,
+    ICML 2021 (conditional rounding).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +34,19 @@ import numpy as np
 
 from memaudit.federated.aggregators import AggregateResult, Aggregator
 from memaudit.federated.secagg.graph import sparse_degree
+from memaudit.federated.secagg.messages import SecAggAbort
+from memaudit.federated.secagg.pki import KeyRing
+from memaudit.federated.secagg.policy import Policy
 from memaudit.federated.secagg.protocol import Dropouts, run_round
+from memaudit.federated.secagg.quantise import (
+    ENCODE_CHUNK,
+    check_bits,
+    decode,
+    encode,
+    quantisation_scale,
+    row_norms,
+    stochastic_round,
+)
 
 PyTree = Any
 AUTO_SPARSE_FROM = 32  # "auto" uses SecAgg+ from this cohort size on
@@ -32,22 +55,6 @@ AUTO_SPARSE_FROM = 32  # "auto" uses SecAgg+ from this cohort size on
 class SecAggState(NamedTuple):
     base: Any
     round: int
-
-
-def quantisation_scale(clip: float, bits: int, n: int) -> tuple[float, int]:
-    """Scale s and effective bits b so that |q| <= 2^(b-1) - 1 and n 2^(b-1) <= 2^31."""
-    if not (math.isfinite(clip) and clip > 0):
-        raise ValueError(f"secure aggregation needs a finite clip norm > 0, got {clip}; set privacy.clip")
-    b = min(int(bits), 32 - max(0, math.ceil(math.log2(max(n, 1)))))
-    if b < 2:
-        raise ValueError(f"cohort of {n} clients leaves no room for quantisation in 32 bits")
-    return (2 ** (b - 1) - 1) / clip, b
-
-
-def stochastic_round(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Unbiased rounding to integers: floor(x) + Bernoulli(frac(x)), as int64."""
-    f = np.floor(x)
-    return (f + (rng.random(x.shape) < (x - f))).astype(np.int64)
 
 
 def flatten_clients(deltas: PyTree) -> tuple[np.ndarray, Any]:
@@ -70,136 +77,145 @@ def flatten_clients(deltas: PyTree) -> tuple[np.ndarray, Any]:
     return rows, unflatten
 
 
-ENCODE_CHUNK = 1 << 14  # float64 work buffers of 128 KiB each: the pipeline stays in L2
-
-
-def row_norms(rows: np.ndarray) -> np.ndarray:
-    """L2 norm of every row of an (n, d) array, accumulated in float64 (no BLAS, no (n, d)
-    float64 temporary: einsum casts in buffered chunks)."""
-    return np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
-
-
-def encode(rows: np.ndarray, clip: float, scale: float, rng: np.random.Generator) -> np.ndarray:
-    """Clip each row to L2 norm ``clip``, quantise, and write it as uint32 (two's complement).
-
-    Vectorised: the row norms are computed once (float64), then every row is scaled, floored
-    and stochastically rounded (floor + Bernoulli(frac), unbiased) in float64 over cache-sized
-    chunks with preallocated buffers, and written straight into the uint32 output. The integer
-    values fit in int32 by the choice of ``scale``, so the int32 view is the two's complement.
-    """
-    rows = np.asarray(rows)
-    if rows.dtype not in (np.float32, np.float64):
-        rows = rows.astype(np.float64)
-    n, d = rows.shape
-    out = np.empty((n, d), dtype=np.uint32)
-    if n == 0 or d == 0:
-        return out
-    factors = scale * np.minimum(1.0, clip / np.maximum(row_norms(rows), 1e-300))  # float64
-    w = min(d, ENCODE_CHUNK)
-    x, f, u = (np.empty(w, dtype=np.float64) for _ in range(3))
-    up = np.empty(w, dtype=bool)
-    signed = out.view(np.int32)
-    for i in range(n):
-        row, factor, dst = rows[i], np.float64(factors[i]), signed[i]
-        for s in range(0, d, ENCODE_CHUNK):
-            k = min(ENCODE_CHUNK, d - s)
-            xs, fs, us, ups = x[:k], f[:k], u[:k], up[:k]
-            np.multiply(row[s:s + k], factor, out=xs)  # float64 (factor is an np.float64)
-            np.floor(xs, out=fs)
-            np.subtract(xs, fs, out=xs)  # fractional part in [0, 1)
-            rng.random(out=us)
-            np.less(us, xs, out=ups)  # Bernoulli(frac)
-            np.add(fs, ups, out=fs)
-            dst[s:s + k] = fs  # exact: integers with |q| < 2^31
-    return out
-
-
-def decode(total: np.ndarray, scale: float) -> np.ndarray:
-    """uint32 sum -> float sum (the sum fits in int32 by the choice of scale)."""
-    return total.view(np.int32).astype(np.float64) / scale
-
-
 def _rng(key: jax.Array, seed: int | None, salt: int) -> np.random.Generator:
     data = np.asarray(jax.random.key_data(key)).ravel().tolist() if key is not None else []
     return np.random.default_rng([salt, 0 if seed is None else seed + 1, *map(int, data)])
 
 
+def _round_id(rnd: int, key: jax.Array | None) -> int:
+    """64-bit protocol round id from the round counter and the round's key: fresh even when an
+    aborted round leaves the counter where it was."""
+    data = np.asarray(jax.random.key_data(key)).tobytes() if key is not None else b""
+    return int.from_bytes(hashlib.sha256(struct.pack(">Q", rnd) + data).digest()[:8], "big")
+
+
+def graph_kind(neighbours: str, n: int) -> str:
+    """The graph a cohort of ``n`` runs on: "auto" is SecAgg+ from AUTO_SPARSE_FROM clients."""
+    return neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
+
+
+def holders(neighbours: str, n: int, degree: int | None = None) -> int:
+    """Holders of each client's shares (neighbours + self) in a cohort of ``n``."""
+    if graph_kind(neighbours, n) == "full":
+        return n
+    k = sparse_degree(n) if degree is None else degree
+    return n if k >= n - 1 else k + 1
+
+
+def _aborted(deltas: PyTree, state: SecAggState, n: int, survivors: int) -> AggregateResult:
+    """An aborted round: a zero update, the base aggregator's state unchanged, the flag set."""
+    zero = jax.tree.map(lambda x: jnp.zeros_like(x[0]), deltas)
+    metrics = {"secagg_aborted": 1, "survivors": jnp.float32(survivors),
+               "aggregated_clients": jnp.float32(0), "cohort": jnp.float32(n)}
+    return AggregateResult(zero, SecAggState(state.base, int(state.round)), metrics)
+
+
+def _check_keys(keys: KeyRing, n: int) -> None:
+    """Every cohort slot needs a key pair (a generated ring grows; a loaded one must hold it)."""
+    keys.ensure(range(n))
+    missing = sorted(set(range(n)) - (keys.ids & keys.signers))
+    if missing:
+        raise ValueError(f"the verification key directory has no key for cohort slot {missing[0]} "
+                         f"(cohort of {n}); add client-{missing[0]}.pub and .key")
+
+
 def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                        neighbours: str = "full", bits: int = 20, dropout_rate: float = 0.0,
-                       seed: int | None = None, degree: int | None = None) -> Aggregator:
+                       seed: int | None = None, degree: int | None = None, colluding: int = 0,
+                       min_survivors: int = 3, mode: str = "honest_but_curious",
+                       keys: KeyRing | None = None) -> Aggregator:
     """Wrap ``base`` so that the server only sees the survivors' securely aggregated sum.
 
     Args:
         base: applied to the decoded survivors' mean as one pseudo-client of weight 1.
-        clip: L2 bound of each client's delta before quantisation (sets the integer range).
-            Under DP-FedAvg, use a value >= the DP clip norm.
+        clip: L2 bound of each client's decoded contribution (the sensitivity; sets the
+            integer range). Under DP-FedAvg, use the DP clip norm.
         threshold: Shamir threshold as a fraction of each client's holders (neighbours + self).
         neighbours: "full" (SecAgg), "sparse" (SecAgg+), or "auto" (sparse from 32 clients).
-        bits: quantisation bits per coordinate (reduced automatically so n values cannot wrap).
+        bits: quantisation bits per coordinate (reduced automatically so n values cannot wrap);
+            bits too few for the model's dimension are refused (quantise.check_bits).
         dropout_rate: simulated probability that a client drops before sending its masked input.
         seed: seed of the simulation's randomness (rounding, dropouts, SecAgg+ graph).
         degree: SecAgg+ degree (default O(log n), see :func:`sparse_degree`).
+        colluding: n_C, clients that may collude with the server (policy.py).
+        min_survivors: a round with fewer survivors aborts.
+        mode: "honest_but_curious" or "malicious" (complete graph, signatures, consistency check).
+        keys: the clients' Ed25519 keys for the malicious mode; default: generated here, outside
+            the server, for the cohort slots as they appear.
 
     Returns:
-        An :class:`Aggregator` (``jittable=False``) with metrics ``survivors``, ``cohort``,
-        ``secagg_bits``, ``secagg_degree``, ``secagg_bytes_up``, ``secagg_bytes_down``.
-
-    Raises (from ``aggregate``):
-        SecAggAbort: fewer survivors than the threshold; apply no update this round.
+        An :class:`Aggregator` (``jittable=False``) with metrics ``secagg_aborted`` (0/1),
+        ``survivors``, ``cohort``, and for a completed round ``secagg_bits``,
+        ``secagg_degree``, ``secagg_bytes_up``, ``secagg_bytes_down``, ``secagg_norm_bound``
+        (the L2 bound of one decoded contribution: the sensitivity, = clip).
     """
     if neighbours not in ("full", "sparse", "auto"):
         raise ValueError(f"neighbours must be 'full', 'sparse' or 'auto', got {neighbours!r}")
     if not 0 <= dropout_rate < 1:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     quantisation_scale(clip, bits, 1)  # validate early
+    policy = Policy(threshold=threshold, colluding=colluding, min_survivors=min_survivors, mode=mode)
+    if policy.malicious:
+        if neighbours == "sparse":
+            raise ValueError("the malicious-server mode runs on the complete graph; set neighbours to "
+                             "'full' or 'auto'")
+        neighbours = "full"
+        keys = keys if keys is not None else KeyRing.generate(())  # held by the clients' side
+    inner_clips: dict[tuple[int, int], float] = {}
 
     def init(params):
         return SecAggState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
-        w = np.asarray(weights)
-        present = np.flatnonzero(w > 0)
-        rows, unflatten = flatten_clients(deltas)
+        present = np.flatnonzero(np.asarray(weights) > 0)
         n = len(present)
-        if n == 0:  # an empty (Poisson) cohort: nothing to mask; the sum is zero
-            zero = jax.tree.map(lambda x: jnp.zeros_like(x[:1]), deltas)
-            res = base.aggregate(zero, jnp.zeros((1,), jnp.float32), state.base, key)
-            metrics = {**res.metrics, "survivors": jnp.float32(0), "aggregated_clients": jnp.float32(0),
-                       "cohort": jnp.float32(0)}
-            return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
-        kind = neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
+        if n < policy.min_survivors:  # a cohort of one would be unmasked as its own update
+            return _aborted(deltas, state, n, n)
+        rows, unflatten = flatten_clients(deltas)
         scale, b = quantisation_scale(clip, bits, n)
+        if (b, rows.shape[1]) not in inner_clips:
+            inner_clips[b, rows.shape[1]] = check_bits(clip, b, rows.shape[1], cohort=n)
         rng = _rng(key, seed, rnd)
-        q = encode(rows if n == rows.shape[0] else rows[present], clip, scale, rng)
+        q = encode(rows if n == rows.shape[0] else rows[present], clip, scale, rng,
+                   inner=inner_clips[b, rows.shape[1]])
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
         graph_seed = int(rng.integers(2**31))
-        result = run_round(q, round_id=rnd, neighbours=kind, threshold=threshold,
-                           graph_seed=graph_seed, degree=degree,
-                           dropouts=Dropouts(before_masked=dropped))
+        if keys is not None:
+            _check_keys(keys, n)
+        try:
+            result = run_round(q, round_id=_round_id(rnd, key), neighbours=graph_kind(neighbours, n),
+                               threshold=threshold, graph_seed=graph_seed, degree=degree,
+                               dropouts=Dropouts(before_masked=dropped), colluding=colluding,
+                               min_survivors=min_survivors, mode=mode, keys=keys)
+        except SecAggAbort:
+            return _aborted(deltas, state, n, n - len(dropped))
         m = len(result.survivors)
         mean = decode(result.total, scale) / m
         pseudo = jax.tree.map(lambda x: x[None], unflatten(mean))
         res = base.aggregate(pseudo, jnp.ones((1,), jnp.float32), state.base, key)
         metrics = dict(res.metrics)
-        metrics.update(survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
+        metrics.update(secagg_aborted=0, survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
-                       secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down)
+                       secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
+                       secagg_norm_bound=float(clip))
         return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
 
     return Aggregator(init=init, aggregate=aggregate, jittable=False)
 
 
-__all__ = ["SecAggState", "decode", "encode", "quantisation_scale", "row_norms", "secure_aggregation",
-           "secure_aggregation_from_config",
-           "sparse_degree", "stochastic_round"]
+__all__ = ["ENCODE_CHUNK", "SecAggState", "check_secagg_config", "decode", "encode", "graph_kind",
+           "holders", "quantisation_scale", "row_norms", "secure_aggregation",
+           "secure_aggregation_from_config", "sparse_degree", "stochastic_round"]
 
 
-def secure_aggregation_from_config(base: Aggregator, cfg) -> Aggregator:
-    """``secure_aggregation`` with the settings of a :class:`memaudit.config.Config`.
+def check_secagg_config(cfg, *, dim: int | None = None) -> None:
+    """Refuse, before anything is written, a secure-aggregation config the threat model rejects
+    for the configured cohort (``federated.cohort``), and (with ``dim``, the model's parameter
+    count) ``bits`` too few to keep the quantised norm within the clip.
 
-    Uses ``privacy.secure_aggregation`` (threshold, neighbours, bits, dropout), ``privacy.clip``
-    as the quantisation bound (must be finite) and ``privacy.seed`` (else ``train.seed``).
+    Raises:
+        ConfigError: one line naming the setting and the fix.
     """
     from memaudit.errors import ConfigError
 
@@ -207,7 +223,43 @@ def secure_aggregation_from_config(base: Aggregator, cfg) -> Aggregator:
     if not math.isfinite(p.clip):
         raise ConfigError(f"privacy.secure_aggregation needs a finite privacy.clip (got {p.clip}); "
                           "set privacy.clip, e.g. 1.0")
+    n = int(cfg.federated.cohort)
+    policy = Policy(threshold=sa.threshold, colluding=sa.colluding_clients,
+                    min_survivors=sa.min_survivors, mode=sa.mode)
+    try:
+        if n < sa.min_survivors:
+            raise ValueError(f"federated.cohort={n} is below privacy.secure_aggregation.min_survivors="
+                             f"{sa.min_survivors}: every round would abort; raise the cohort")
+        policy.holder_threshold(holders(sa.neighbours, n))
+        if dim is not None:
+            clip = max(p.clip, p.adaptive_clipping.initial_clip) if p.adaptive_clipping.enabled else p.clip
+            check_bits(clip, quantisation_scale(clip, sa.bits, n)[1], dim, cohort=n)
+    except ValueError as e:
+        raise ConfigError(f"privacy.secure_aggregation: {e}") from None
+
+
+def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = None) -> Aggregator:
+    """``secure_aggregation`` with the settings of a :class:`memaudit.config.Config`.
+
+    Uses ``privacy.secure_aggregation`` (threshold, neighbours, bits, dropout, mode,
+    colluding_clients, min_survivors, verification_keys), ``privacy.clip`` as the bound of a
+    decoded contribution (must be finite) and ``privacy.seed`` (else ``train.seed``). Checks
+    the config first (:func:`check_secagg_config`; pass ``dim`` to check ``bits`` here rather
+    than at the first round).
+    """
+    from memaudit.errors import ConfigError
+
+    check_secagg_config(cfg, dim=dim)
+    p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     clip = max(p.clip, p.adaptive_clipping.initial_clip) if p.adaptive_clipping.enabled else p.clip
     seed = p.seed if p.seed is not None else cfg.train.seed
+    keys = None
+    if sa.mode == "malicious" and sa.verification_keys is not None:
+        try:
+            keys = KeyRing.load(sa.verification_keys)
+        except ValueError as e:
+            raise ConfigError(f"privacy.secure_aggregation.verification_keys: {e}") from None
     return secure_aggregation(base, clip=clip, threshold=sa.threshold, neighbours=sa.neighbours,
-                              bits=sa.bits, dropout_rate=sa.dropout, seed=seed)
+                              bits=sa.bits, dropout_rate=sa.dropout, seed=seed,
+                              colluding=sa.colluding_clients, min_survivors=sa.min_survivors,
+                              mode=sa.mode, keys=keys)

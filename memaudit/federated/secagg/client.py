@@ -7,6 +7,15 @@ masks its quantised update y = x + PRG(b) + sum_{j>i} PRG(s_ij) - sum_{j<i} PRG(
 unmasking round reveals, for each client i whose shares it holds, the share of
 b_i if i's masked input arrived, else the share of s_sk_i, never both.
 
+The client does not take the server's word for the round's safety (see policy.py for the
+threat model): it refuses a threshold below (holders + n_C)/2 (malicious mode: also 2/3 of
+the holders) before it sends any share, and before it reveals shares it checks that the
+survivor set it is shown reaches its threshold and ``min_survivors``. In the malicious-server
+mode it signs its keys and the survivor list with its Ed25519 key and verifies its peers'
+signatures with verification keys from the PKI (`pki.KeyRing`), never from the server: a
+survivor list that fewer than t clients signed means the server showed different lists, and
+the client aborts (:class:`InconsistencyDetected`).
+
 References:
     Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving
     Machine Learning", CCS 2017. Bell et al., "Secure Single-Server Aggregation
@@ -30,12 +39,16 @@ from memaudit.federated.secagg.messages import (
     SERVER,
     AuthenticationError,
     Header,
+    InconsistencyDetected,
     MessageError,
     MsgType,
     ReplayError,
+    SecAggAbort,
     Writer,
     parse,
 )
+from memaudit.federated.secagg.pki import KeyRing
+from memaudit.federated.secagg.policy import Policy
 
 _RAW = (serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 SHARE_Y_BYTES = 66  # 521-bit field elements
@@ -65,12 +78,30 @@ def share_ad(round_id: int, sender: int, recipient: int) -> bytes:
     return b"memaudit-secagg-share" + struct.pack(">QII", round_id, sender, recipient)
 
 
+def advert_payload(round_id: int, cid: int, c_pk: bytes, s_pk: bytes) -> bytes:
+    """What a client signs in round 0 (malicious mode): its two keys bound to round and id."""
+    return b"memaudit-secagg-keys" + struct.pack(">QI", round_id, cid) + c_pk + s_pk
+
+
+def survivors_payload(round_id: int, survivors) -> bytes:
+    """What a client signs in the consistency round: the survivor list U3 of this round."""
+    ids = sorted(survivors)
+    return b"memaudit-secagg-u3" + struct.pack(f">QI{len(ids)}I", round_id, len(ids), *ids)
+
+
 class Client:
     """One client's side of a round. Methods consume and return wire messages (bytes)."""
 
-    def __init__(self, cid: int, *, round_id: int) -> None:
+    def __init__(self, cid: int, *, round_id: int, policy: Policy | None = None,
+                 keys: KeyRing | None = None) -> None:
         self.cid = cid
         self.round_id = round_id
+        self.policy = policy or Policy()
+        if self.policy.malicious and keys is None:
+            raise ValueError("the malicious-server mode needs a KeyRing of Ed25519 keys (pki.KeyRing)")
+        self._ring = keys if self.policy.malicious else None
+        self._t = 0
+        self._u3: frozenset[int] | None = None
         self._c_sk = X25519PrivateKey.generate()
         self._s_sk = X25519PrivateKey.generate()
         self._b = os.urandom(prg.SEED_BYTES)  # self-mask seed
@@ -98,7 +129,10 @@ class Client:
     def advertise(self) -> bytes:
         """Round 0: send (c_pk, s_pk)."""
         self._advance(0)
-        w = Writer().blob(pub_bytes(self._c_sk.public_key())).blob(pub_bytes(self._s_sk.public_key()))
+        c_pk, s_pk = pub_bytes(self._c_sk.public_key()), pub_bytes(self._s_sk.public_key())
+        w = Writer().blob(c_pk).blob(s_pk)
+        if self._ring is not None:
+            w.blob(self._ring.signing_key(self.cid).sign(advert_payload(self.round_id, self.cid, c_pk, s_pk)))
         self._stage = 1
         return w.finish(self._header(MsgType.ADVERTISE))
 
@@ -111,6 +145,8 @@ class Client:
             j, c_pk, s_pk = r.u32(), r.blob(), r.blob()
             if len(c_pk) != 32 or len(s_pk) != 32:
                 raise MessageError("public keys must be 32 bytes")
+            if self._ring is not None:  # a key the server substituted fails here
+                self._ring.verify(j, r.blob(), advert_payload(self.round_id, j, c_pk, s_pk))
             self._keys[j] = (c_pk, s_pk)
         r.done()
         own = (pub_bytes(self._c_sk.public_key()), pub_bytes(self._s_sk.public_key()))
@@ -120,6 +156,9 @@ class Client:
         holders = sorted(self._keys)
         if not 1 <= threshold <= len(holders):
             raise MessageError(f"threshold {threshold} impossible with {len(holders)} holders")
+        self.policy.check_threshold(threshold, len(holders))  # before any share leaves
+        self.policy.check_survivors(len(holders), f"key sharing (client {self.cid}'s holders)")
+        self._t = threshold
         xs = [j + 1 for j in holders]
         b_sh = shamir.split_bytes(self._b, threshold=threshold, n=len(holders), xs=xs)
         k_sh = shamir.split_bytes(priv_bytes(self._s_sk), threshold=threshold, n=len(holders), xs=xs)
@@ -157,6 +196,7 @@ class Client:
         r.done()
         if self.cid not in self._u2:
             raise ReplayError(f"client {self.cid} is not in the share-distribution survivors")
+        self._check_survivors(self._u2, "share distribution")
         y = np.array(x, dtype=np.uint32, copy=True)
         masks = [(self._b, +1)]
         for j in self._keys:
@@ -168,15 +208,68 @@ class Client:
         self._stage = 3
         return Writer().array(y).finish(self._header(MsgType.MASKED))
 
-    def unmask(self, request_msg: bytes) -> bytes:
-        """Round 3: reveal b-shares of survivors U3 and key-shares of U2 \\ U3."""
+    def _check_survivors(self, alive: frozenset[int], what: str) -> None:
+        """Abort unless ``alive`` has min_survivors clients and t of this client's holders."""
+        self.policy.check_survivors(len(alive), what)
+        have = len(alive & set(self._keys))
+        if have < self._t:
+            raise SecAggAbort(f"secure aggregation aborted at {what}: client {self.cid} sees {have} "
+                              f"live holders, threshold {self._t}")
+
+    def _check_u3(self, u3: frozenset[int]) -> None:
+        if not u3 <= self._u2 or self.cid not in u3:
+            raise ReplayError("unmask request names clients outside the survivors")
+        self._check_survivors(u3, "unmasking")
+
+    def check(self, request_msg: bytes) -> bytes:
+        """Consistency round (malicious mode): sign the survivor list U3 this client is shown."""
         self._advance(3)
-        _, r = parse(request_msg, expect=MsgType.UNMASK_REQUEST, round_id=self.round_id,
+        if self._ring is None:
+            raise ReplayError("the consistency round runs only in the malicious-server mode")
+        _, r = parse(request_msg, expect=MsgType.CHECK_REQUEST, round_id=self.round_id,
                      recipient=self.cid)
         u3 = frozenset(r.ids())
         r.done()
-        if not u3 <= self._u2 or self.cid not in u3:
-            raise ReplayError("unmask request names clients outside the survivors")
+        self._check_u3(u3)
+        self._u3 = u3
+        sig = self._ring.signing_key(self.cid).sign(survivors_payload(self.round_id, u3))
+        self._stage = 4
+        return Writer().blob(sig).finish(self._header(MsgType.CHECK))
+
+    def _verify_consistency(self, u3: frozenset[int], r) -> None:
+        """Bonawitz et al.'s check: U3 is the list we signed, and >= t distinct survivors signed it."""
+        sigs = [(r.u32(), r.blob()) for _ in range(r.u32())]
+        if u3 != self._u3:
+            raise InconsistencyDetected(f"client {self.cid}: the unmask request's survivor list differs "
+                                        "from the one it signed: inconsistent survivor lists detected")
+        payload, signers = survivors_payload(self.round_id, u3), set()
+        for j, sig in sigs:
+            if j not in u3 or j in signers:
+                raise InconsistencyDetected(f"client {self.cid}: signature by {j} outside the survivors "
+                                            "or repeated: inconsistent survivor lists detected")
+            try:
+                self._ring.verify(j, sig, payload)
+            except AuthenticationError:
+                raise InconsistencyDetected(f"client {self.cid}: client {j} did not sign this survivor "
+                                            "list: inconsistent survivor lists detected") from None
+            signers.add(j)
+        need = max(self._t, self.policy.min_survivors)
+        if len(signers) < need:
+            raise InconsistencyDetected(f"client {self.cid}: only {len(signers)} clients signed the "
+                                        f"survivor list, {need} needed: inconsistent survivor lists "
+                                        "detected (or too many dropped)")
+
+    def unmask(self, request_msg: bytes) -> bytes:
+        """Round 3: reveal b-shares of survivors U3 and key-shares of U2 \\ U3, after checking
+        that U3 reaches the threshold and min_survivors (and, malicious mode, was signed by t)."""
+        self._advance(4 if self._ring is not None else 3)
+        _, r = parse(request_msg, expect=MsgType.UNMASK_REQUEST, round_id=self.round_id,
+                     recipient=self.cid)
+        u3 = frozenset(r.ids())
+        if self._ring is not None:
+            self._verify_consistency(u3, r)
+        r.done()
+        self._check_u3(u3)
         w = Writer().u32(len(self._held))
         for sender, plain in sorted(self._held.items()):
             x = struct.unpack(">I", plain[8:12])[0]
@@ -185,5 +278,5 @@ class Client:
             else:
                 kind, y = KIND_KEY, plain[12 + SHARE_Y_BYTES:]
             w.u32(sender).u32(kind).u32(x).blob(y)
-        self._stage = 4
+        self._stage = 5
         return w.finish(self._header(MsgType.UNMASK))

@@ -38,17 +38,25 @@ class ReplayError(SecAggError):
 
 
 class SecAggAbort(SecAggError):
-    """Too few clients survived to unmask the sum; the round produced nothing."""
+    """The round cannot release a sum safely (too few survivors, a threshold below the
+    threat model's bound, or a detected attack); it produced nothing."""
+
+
+class InconsistencyDetected(SecAggAbort):
+    """Malicious-server mode: the survivor list a client was shown is not the one at least t
+    clients signed (the server showed different lists to different clients)."""
 
 
 class MsgType(enum.IntEnum):
-    ADVERTISE = 1      # client -> server: two X25519 public keys
-    KEYS = 2           # server -> client: neighbours' public keys
+    ADVERTISE = 1      # client -> server: two X25519 public keys (malicious mode: + Ed25519 signature)
+    KEYS = 2           # server -> client: threshold, neighbours' public keys (+ their signatures)
     SHARES = 3         # client -> server: encrypted shares, one per holder
     FORWARD = 4        # server -> client: encrypted shares addressed to it, and U2
     MASKED = 5         # client -> server: masked quantised update
-    UNMASK_REQUEST = 6  # server -> client: the survivors U3
+    UNMASK_REQUEST = 6  # server -> client: the survivors U3 (and, malicious mode, >= t signatures on it)
     UNMASK = 7         # client -> server: the shares it reveals
+    CHECK_REQUEST = 8  # server -> client: the survivors U3 to sign (malicious-server mode)
+    CHECK = 9          # client -> server: Ed25519 signature over (round, U3)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,20 @@
 """Drive one secure-aggregation round between separate client and server objects.
 
-Messages pass as bytes, as over a network. Dropouts are simulated at three
-points: before sharing keys, before sending the masked input, and before
-answering the unmasking request.
+Messages pass as bytes, as over a network. Dropouts are simulated at four
+points: before sharing keys, before sending the masked input, before the
+consistency check (malicious-server mode only), and before answering the
+unmasking request.
+
+The round runs under a :class:`~memaudit.federated.secagg.policy.Policy` (threat model,
+threshold bounds, survivor floor; see policy.py). In the malicious-server mode the clients
+get their Ed25519 keys from a :class:`~memaudit.federated.secagg.pki.KeyRing` that the
+server object never sees, and the round adds Bonawitz et al.'s consistency check. That mode
+runs on the complete graph: a SecAgg+ graph drawn from a seed the server announces could be
+biased by the server.
+
+References:
+    Bonawitz et al., CCS 2017 (Figure 4: the malicious-server protocol with signatures).
+    Bell et al., CCS 2020 (SecAgg+).
 """
 
 from __future__ import annotations
@@ -14,7 +26,9 @@ import numpy as np
 
 from memaudit.federated.secagg.client import Client
 from memaudit.federated.secagg.graph import neighbours as make_neighbours
-from memaudit.federated.secagg.server import Server, thresholds
+from memaudit.federated.secagg.pki import KeyRing
+from memaudit.federated.secagg.policy import Policy
+from memaudit.federated.secagg.server import Server, policy_thresholds
 
 
 @dataclass(frozen=True)
@@ -30,33 +44,51 @@ class RoundResult:
 class Dropouts:
     before_shares: set[int] = field(default_factory=set)
     before_masked: set[int] = field(default_factory=set)
+    before_check: set[int] = field(default_factory=set)
     before_unmask: set[int] = field(default_factory=set)
 
 
 def run_round(inputs: np.ndarray, *, round_id: int = 0, neighbours: str = "full",
               threshold: float = 0.6, graph_seed: int = 0, degree: int | None = None,
-              dropouts: Dropouts | None = None, tamper=None) -> RoundResult:
+              dropouts: Dropouts | None = None, tamper=None, colluding: int = 0,
+              min_survivors: int = 3, mode: str = "honest_but_curious",
+              keys: KeyRing | None = None) -> RoundResult:
     """Securely sum ``inputs`` (n, d) uint32 over the clients that survive.
 
     Args:
         inputs: (n, d) uint32, one row per client.
         round_id: the round id bound into every message.
-        neighbours: "full" (SecAgg) or "sparse" (SecAgg+).
+        neighbours: "full" (SecAgg) or "sparse" (SecAgg+; honest-but-curious mode only).
         threshold: Shamir threshold as a fraction of each client's holders.
         graph_seed, degree: SecAgg+ graph.
         dropouts: which clients drop, and when.
         tamper: optional test hook ``f(stage, cid, msg) -> msg`` applied to messages in transit.
+        colluding: n_C, clients that may collude with the server.
+        min_survivors: the round aborts with fewer survivors.
+        mode: "honest_but_curious" or "malicious" (signatures and the consistency check).
+        keys: the clients' Ed25519 keys (malicious mode); default a fresh ring for this round.
 
     Raises:
-        SecAggAbort: too few survivors to unmask.
+        ThresholdError (a ValueError and a SecAggAbort): the threshold is below the bound for
+            the real holder counts (policy.py).
+        SecAggAbort: too few survivors to unmask, or (malicious mode) an attack detected.
     """
+    policy = Policy(threshold=threshold, colluding=colluding, min_survivors=min_survivors, mode=mode)
     inputs = np.asarray(inputs, dtype=np.uint32)
     n, d = inputs.shape
     drop = dropouts or Dropouts()
     tamper = tamper or (lambda stage, cid, m: m)
+    if policy.malicious and neighbours != "full":
+        raise ValueError("the malicious-server mode runs on the complete graph; use neighbours='full'")
     neigh = make_neighbours(n, neighbours, seed=graph_seed, degree=degree)
-    server = Server(round_id=round_id, neighbours=neigh, threshold=thresholds(neigh, threshold), dim=d)
-    clients = [Client(i, round_id=round_id) for i in range(n)]
+    t = policy_thresholds(neigh, policy)  # refuses a threshold below the bound
+    policy.check_survivors(n, "the start of the round")
+    if policy.malicious:
+        keys = keys if keys is not None else KeyRing.generate(range(n))
+        keys.ensure(range(n))
+    server = Server(round_id=round_id, neighbours=neigh, threshold=t, dim=d,
+                    min_survivors=min_survivors, signed=policy.malicious)
+    clients = [Client(i, round_id=round_id, policy=policy, keys=keys) for i in range(n)]
     up = down = 0
 
     def send(stage, cid, msg, handler):
@@ -81,6 +113,11 @@ def run_round(inputs: np.ndarray, *, round_id: int = 0, neighbours: str = "full"
     alive = [i for i in alive if i not in drop.before_masked]
     for i in alive:
         send("masked", i, clients[i].masked_input(forwards[i], inputs[i]), server.receive_masked)
+    if policy.malicious:
+        checks = {i: deliver("check_request", i, server.check_request_for(i)) for i in alive}
+        alive = [i for i in alive if i not in drop.before_check]
+        for i in alive:
+            send("check", i, clients[i].check(checks[i]), server.receive_check)
     requests = {i: deliver("unmask_request", i, server.unmask_request_for(i)) for i in alive}
     for i in alive:
         if i not in drop.before_unmask:

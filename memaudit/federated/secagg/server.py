@@ -5,6 +5,12 @@ as they arrive; it never stores a client's masked vector, let alone an unmasked
 one. After the unmasking round it reconstructs the self-mask seeds b_i of the
 survivors and the mask keys s_sk_i of clients that dropped after sharing, and
 removes those masks from the sum, leaving sum_{i in U3} x_i (mod 2^32).
+
+The server is the party the protocol protects against (policy.py): it aborts a round with
+fewer than ``min_survivors`` survivors, but the clients do not rely on it for that; they
+check thresholds and survivor sets themselves. With ``signed=True`` (malicious-server mode)
+it relays the clients' Ed25519 signatures on their keys and runs the consistency round
+(CHECK_REQUEST / CHECK), without holding any verification key itself.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from memaudit.federated.secagg.messages import (
     Writer,
     parse,
 )
+from memaudit.federated.secagg.policy import Policy
 
 
 def thresholds(neigh: Sequence[frozenset[int]], fraction: float) -> list[int]:
@@ -36,12 +43,22 @@ def thresholds(neigh: Sequence[frozenset[int]], fraction: float) -> list[int]:
     return [max(1, math.ceil(fraction * (len(s) + 1) - 1e-9)) for s in neigh]
 
 
+def policy_thresholds(neigh: Sequence[frozenset[int]], policy: Policy) -> list[int]:
+    """Per-client thresholds of ``policy``, each checked against the threat model's bound for
+    its real holder count (raises :class:`ThresholdError`)."""
+    return [policy.holder_threshold(len(s) + 1) for s in neigh]
+
+
 class Server:
     """Server side of one round, for clients 0..n-1 with the given neighbour sets."""
 
     def __init__(self, *, round_id: int, neighbours: Sequence[frozenset[int]], threshold: Sequence[int],
-                 dim: int) -> None:
+                 dim: int, min_survivors: int = 1, signed: bool = False) -> None:
         self.round_id = round_id
+        self.min_survivors = min_survivors
+        self.signed = signed
+        self._sigs: dict[int, bytes] = {}   # advertisement signatures (signed mode)
+        self._checks: dict[int, bytes] = {}  # consistency-round signatures on U3
         self.n = len(neighbours)
         self.neigh = list(neighbours)
         self.t = list(threshold)
@@ -66,6 +83,9 @@ class Server:
         return w.finish(Header(typ, self.round_id, SERVER, cid))
 
     def _abort_if_short(self, alive: set[int], what: str) -> None:
+        if len(alive) < self.min_survivors:
+            raise SecAggAbort(f"secure aggregation aborted at {what}: {len(alive)} survivors, fewer than "
+                              f"min_survivors={self.min_survivors}")
         for i in alive:
             have = len((self.neigh[i] | {i}) & alive)
             if have < self.t[i]:
@@ -76,6 +96,8 @@ class Server:
     def receive_advertise(self, msg: bytes) -> None:
         h, r = self._recv(msg, MsgType.ADVERTISE, self._keys, range(self.n))
         c_pk, s_pk = r.blob(), r.blob()
+        if self.signed:
+            self._sigs[h.sender] = r.blob()
         r.done()
         if len(c_pk) != 32 or len(s_pk) != 32 or c_pk == s_pk:
             raise MessageError("ADVERTISE must carry two distinct 32-byte X25519 keys")
@@ -88,6 +110,8 @@ class Server:
         w = Writer().u32(self.t[cid]).u32(len(peers))
         for j in peers:
             w.u32(j).blob(self._keys[j][0]).blob(self._keys[j][1])
+            if self.signed:
+                w.blob(self._sigs[j])
         return self._out(MsgType.KEYS, cid, w)
 
     # -- round 1
@@ -120,13 +144,32 @@ class Server:
         np.add(self._sum, y, out=self._sum)  # only the running sum is kept
         self.u3.add(h.sender)
 
-    def unmask_request_for(self, cid: int) -> bytes:
+    def check_request_for(self, cid: int) -> bytes:
+        """Consistency round (signed mode): ask client ``cid`` to sign the survivors U3."""
         self._abort_if_short(set(self.u3), "masked input collection")
-        return self._out(MsgType.UNMASK_REQUEST, cid, Writer().ids(self.u3))
+        return self._out(MsgType.CHECK_REQUEST, cid, Writer().ids(self.u3))
+
+    def receive_check(self, msg: bytes) -> None:
+        h, r = self._recv(msg, MsgType.CHECK, self._checks, self.u3)
+        sig = r.blob()
+        r.done()
+        self._checks[h.sender] = sig
+
+    def unmask_request_for(self, cid: int) -> bytes:
+        """U3; in signed mode also the consistency-round signatures on it (from U4)."""
+        self._abort_if_short(set(self._checks) if self.signed else set(self.u3),
+                             "consistency check" if self.signed else "masked input collection")
+        w = Writer().ids(self.u3)
+        if self.signed:
+            w.u32(len(self._checks))
+            for j, sig in sorted(self._checks.items()):
+                w.u32(j).blob(sig)
+        return self._out(MsgType.UNMASK_REQUEST, cid, w)
 
     # -- round 3
     def receive_unmask(self, msg: bytes) -> None:
-        h, r = self._recv(msg, MsgType.UNMASK, self._unmasked_from, self.u3)
+        allowed = set(self._checks) if self.signed else self.u3
+        h, r = self._recv(msg, MsgType.UNMASK, self._unmasked_from, allowed)
         entries = []
         for _ in range(r.u32()):
             owner, kind, x, y = r.u32(), r.u32(), r.u32(), r.blob()
