@@ -16,11 +16,13 @@ def check_before_disk(cfg: Any) -> None:
     Covers the data sources (files that do not exist or cannot be read), the parallel grid
     against the model, and the federated mesh against the visible devices.
     """
-    from memaudit.data.corpus import resolve_files
+    from memaudit.data.corpus import check_file, resolve_files
 
     d = cfg.data
     if d.path is not None:
-        resolve_files(d.path)
+        files = resolve_files(d.path) or []
+        if files and not any(check_file(f, allow_empty=True) for f in files):
+            check_file(files[0])  # all empty: the one-line "is empty" error
     for key in ("tokenizer", "tokenizer_corpus"):
         value = getattr(d, key)
         if value is not None and not Path(value).expanduser().exists():

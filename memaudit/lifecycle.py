@@ -183,9 +183,12 @@ def recover_checkpoint(run: RunDir) -> int | None:
             rank = (step, 1 if p == run.state_dir else 0)
             if best is None or rank > best[:2]:
                 best = (*rank, p)
+    if best is None and (run.state_dir.exists() or run.state_dir.is_symlink()):
+        raise RunDirError(f"'{run.state_dir}' holds no complete checkpoint (damaged, or not "
+                          "memaudit's); it was not loaded: start a new run with --out")
     for p in checkpoint_candidates(run):
         if best is None or p != best[2]:
-            if p == run.state_dir and best is not None:
+            if p == run.state_dir:
                 continue  # replaced below by a rename, never deleted first
             _remove(p)
     if best is None:
@@ -262,6 +265,7 @@ class RunSession:
             if m.get("backend") != self.backend:
                 raise RunDirError(f"run '{self.run.path}' was trained with backend "
                                   f"'{m.get('backend')}'; resume it with that backend or start a new run")
+            self._resume_data = self._check_resume_data()  # before anything is written
             clean_temporaries(self.run)
             self.resume_step = recover_checkpoint(self.run)
             timings = dict(m.get("timings") or {})
@@ -325,23 +329,32 @@ class RunSession:
         prepared (the caller puts a barrier in between).
         """
         from memaudit.data import load_prepared, prepare_data
-        from memaudit.data.prepare import config_hash
 
         if not self.is_writer:
             return load_prepared(self.run)
         if self.resume:
-            try:
-                prepared = load_prepared(self.run)
-            except DataError as e:
-                raise RunDirError(f"cannot resume '{self.run.path}': {e}") from None
-            want = self.run.read_manifest().get("data_fingerprint")
-            if (prepared.meta.get("config_hash") != config_hash(self.cfg.data, vocab_size)
-                    or (want is not None and want != prepared.fingerprint)):
-                raise RunDirError(f"the data of '{self.run.path}' (config or input files) changed "
-                                  "since the run started; start a new run instead of --resume")
+            prepared = self._resume_data
         else:
             prepared = prepare_data(self.cfg.data, self.run, vocab_size=vocab_size, progress=progress)
         self.run.update_manifest(data_fingerprint=prepared.fingerprint)
+        return prepared
+
+    def _check_resume_data(self) -> Any:
+        """The run's prepared data, checked against the config and run.json; a resume never
+        rewrites it, so a change since the run started is refused with nothing written."""
+        from memaudit.data import load_prepared
+        from memaudit.data.prepare import config_hash
+        from memaudit.models.presets import model_vocab_size
+
+        try:
+            prepared = load_prepared(self.run)
+        except DataError as e:
+            raise RunDirError(f"cannot resume '{self.run.path}': {e}") from None
+        want = self.run.read_manifest().get("data_fingerprint")
+        if (prepared.meta.get("config_hash") != config_hash(self.cfg.data, model_vocab_size(self.cfg.model))
+                or (want is not None and want != prepared.fingerprint)):
+            raise RunDirError(f"the data of '{self.run.path}' (config or input files) changed "
+                              "since the run started; start a new run instead of --resume")
         return prepared
 
     # ---- metrics

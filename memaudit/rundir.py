@@ -61,6 +61,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _normalise_lock(lock: Any) -> dict[str, Any]:
+    """run.lock's fields with their types, or {} when they are not all there."""
+    if not isinstance(lock, dict):
+        return {}
+    try:
+        return {"pid": int(lock["pid"]), "host": str(lock["host"]),
+                "heartbeat": float(lock["heartbeat"]), "token": str(lock.get("token", ""))}
+    except (KeyError, TypeError, ValueError):
+        return {}
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -171,13 +182,7 @@ class RunDir:
             return None
         except MemauditError:
             return {}
-        if not isinstance(lock, dict):
-            return {}
-        try:
-            return {"pid": int(lock["pid"]), "host": str(lock["host"]),
-                    "heartbeat": float(lock["heartbeat"]), "token": str(lock.get("token", ""))}
-        except (KeyError, TypeError, ValueError):
-            return {}
+        return _normalise_lock(lock)
 
     def lock_alive(self) -> bool:
         lock = self.read_lock()
@@ -189,12 +194,19 @@ class RunDir:
             return _pid_alive(lock["pid"])
         return time.time() - lock["heartbeat"] < STALE_AFTER_S
 
+    def lock_holder(self) -> str:
+        """Who holds run.lock, for messages."""
+        lock = self.read_lock()
+        if lock:
+            return f"process {lock['pid']} on {lock['host']}, run.lock"
+        return ("run.lock is unreadable and recent; if no memaudit process works on this run, "
+                "delete run.lock")
+
     def read_lock_file(self, path: Path) -> dict[str, Any] | None:
         try:
-            lock = read_json(path, what="run lock")
+            return _normalise_lock(read_json(path, what="run lock"))
         except (FileNotFoundError, MemauditError):
             return None
-        return lock if isinstance(lock, dict) else None
 
     def _lock_age(self) -> float:
         try:
@@ -249,8 +261,8 @@ class RunLock:
             os.rename(path, aside)
         except FileNotFoundError:
             return  # someone else broke it first
-        moved = RunDir(self.run.path).read_lock_file(aside)
-        if seen and moved and moved.get("token") != seen.get("token"):
+        moved = self.run.read_lock_file(aside)
+        if moved and moved != seen:
             with contextlib.suppress(FileExistsError):  # a live lock: put it back, never clobber
                 os.link(aside, path)
         with contextlib.suppress(FileNotFoundError):
@@ -263,9 +275,8 @@ class RunLock:
                 break
             seen = self.run.read_lock()
             if self.run.lock_alive():
-                who = f"process {seen['pid']} on {seen['host']}" if seen else "another process"
-                raise RunDirError(f"run '{self.run.path}' is in use by {who} (run.lock); wait for "
-                                  "it to finish or stop it first")
+                raise RunDirError(f"run '{self.run.path}' is in use ({self.run.lock_holder()}); wait "
+                                  "for it to finish or stop it first")
             self._break_stale(seen)
         else:
             raise RunDirError(f"could not take '{self.run.lock_path}': other processes keep "
@@ -336,7 +347,8 @@ def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
             break
     if rd.is_run():
         if rd.lock_alive():
-            raise RunDirError(f"run '{rd.path}' is being written by a live process; choose another --out")
+            raise RunDirError(f"run '{rd.path}' is being written by a live process ({rd.lock_holder()}); "
+                              "choose another --out")
         st = rd.status()
         if not overwrite:
             hint = "use --resume to continue it" if st == "interrupted" else "pass --overwrite to replace it"
@@ -357,8 +369,5 @@ def open_for_resume(path: str | os.PathLike) -> RunDir:
         )
     rd.read_manifest()  # a malformed manifest is one line here, before anything else
     if rd.lock_alive():
-        lock = rd.read_lock() or {}
-        raise RunDirError(
-            f"run '{rd.path}' is still alive (process {lock.get('pid', '?')}); stop it before --resume"
-        )
+        raise RunDirError(f"run '{rd.path}' is still alive ({rd.lock_holder()}); stop it before --resume")
     return rd

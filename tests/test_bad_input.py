@@ -234,6 +234,18 @@ def _sweep(d: Path, extra: str = "") -> str:
 
 
 def _edit_corpus(ctx: dict) -> None:
+    """Train-time corpus = a copy in the case folder (run.json and data/meta.json say so), then
+    that copy is edited: what a user who changed the corpus before --resume does."""
+    from memaudit.config import config_from_dict
+    from memaudit.data.prepare import config_hash
+
+    run = ctx["run"]
+    m = json.loads((run / "run.json").read_text())
+    m["config"]["data"]["path"] = str(ctx["corpus"])
+    (run / "run.json").write_text(json.dumps(m))
+    meta = json.loads((run / "data" / "meta.json").read_text())
+    meta["config_hash"] = config_hash(config_from_dict(m["config"]).data, meta["vocab_size"])
+    (run / "data" / "meta.json").write_text(json.dumps(meta))
     corpus = Path(ctx["corpus"])
     corpus.write_text(corpus.read_text() + json.dumps({"text": "one more document", "user": "u999"}) + "\n")
 
@@ -257,8 +269,6 @@ def case_dir(tmp_path, tiny_run, request):
         m = json.loads((ctx["run"] / "run.json").read_text())
         corpus = d / "corpus.jsonl"
         shutil.copy(m["config"]["data"]["path"], corpus)
-        m["config"]["data"]["path"] = str(corpus)
-        (ctx["run"] / "run.json").write_text(json.dumps(m))
         ctx["corpus"] = corpus
         if not (ctx["run"] / "probes.json").exists():
             (ctx["run"] / "probes.json").write_text("{}")

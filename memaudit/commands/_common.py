@@ -12,8 +12,34 @@ console = Console(stderr=True)  # progress and tables go to stderr unless asked 
 stdout = Console()
 
 
+class LazyProgress(Progress):
+    """A progress display that appears at its first update: a command that fails before it
+    reports anything prints its one error line and nothing else (no blank line)."""
+
+    _shown = False
+
+    def start(self) -> None:  # `with bar:` no longer shows it by itself
+        pass
+
+    def stop(self) -> None:
+        if self._shown:
+            super().stop()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        if not self._shown and kwargs.get("visible", True):
+            self._shown = True
+            super().start()
+        super().update(*args, **kwargs)
+
+    def advance(self, *args: Any, **kwargs: Any) -> None:
+        if not self._shown:
+            self._shown = True
+            super().start()
+        super().advance(*args, **kwargs)
+
+
 def progress() -> Progress:
-    return Progress(
+    return LazyProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),

@@ -108,22 +108,18 @@ def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> di
     from memaudit.commands._common import console, progress
 
     bar = progress()
-    task = bar.add_task("train", total=None, info="")
+    task = bar.add_task("train", total=None, info="", visible=False)
 
     def on_progress(done: int, total: int, info: dict[str, Any]) -> None:
         phase = info.get("phase")
         desc = "data" if phase == "data" else "train"
-        bar.update(task, completed=done, total=total, description=desc, info=_info_text(info))
+        bar.update(task, completed=done, total=total, description=desc, info=_info_text(info), visible=True)
 
     try:
         with bar:
-            try:
-                from memaudit.dispatch import dispatch
+            from memaudit.dispatch import dispatch
 
-                return dispatch(cfg, run, resume=resume, progress=on_progress, overwrite=overwrite)
-            except BaseException:
-                bar.update(task, visible=False)  # the error line is the only output
-                raise
+            return dispatch(cfg, run, resume=resume, progress=on_progress, overwrite=overwrite)
     except KeyboardInterrupt:
         console.print(f"interrupted; continue with: memaudit train --resume {run.path}")
         raise

@@ -31,7 +31,7 @@ from memaudit.errors import DataError
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def _check_file(path: Path, *, allow_empty: bool = False) -> bool:
+def check_file(path: Path, *, allow_empty: bool = False) -> bool:
     """A text-format corpus file must be UTF-8; False when it holds only whitespace."""
     if FORMATS[path.suffix.lower()] == "parquet":
         if path.stat().st_size == 0 and not allow_empty:
@@ -95,7 +95,7 @@ def _records_from_file(f: Path, text_unit: str, *, in_dir: bool) -> list[dict[st
     import datasets
 
     fmt = FORMATS[f.suffix.lower()]
-    if not _check_file(f, allow_empty=in_dir):
+    if not check_file(f, allow_empty=in_dir):
         return []
     if fmt == "text" and text_unit == "file":
         return [{"text": f.read_text(encoding="utf-8"), "id": f.stem}]

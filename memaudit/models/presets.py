@@ -11,7 +11,7 @@ Hugging Face-named fp32 weights both backends start from.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time
     import torch
@@ -52,6 +52,15 @@ PRESETS: dict[str, LlamaPreset] = {
 }
 
 LARGE_PRESETS = frozenset({"350m", "1b", "8b"})  # bf16 autocast + activation checkpointing on GPU
+
+
+def model_vocab_size(model_cfg: Any) -> int:
+    """The vocabulary of the model a `ModelConfig` names (a preset, or a local HF checkpoint)."""
+    if model_cfg.name_or_path is not None:
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(model_cfg.name_or_path).vocab_size)
+    return get_preset(model_cfg.preset).vocab_size
 
 
 def get_preset(name: str) -> LlamaPreset:

@@ -189,7 +189,11 @@ def sweep_config_from_dict(raw: dict[str, Any], *, source: str = "sweep config")
     except ValidationError as e:
         raise ConfigError(_format_error(e, source)) from None
     # Validate the base and every point's config up front: a bad grid fails before any training.
-    for p in plan_points(cfg):
+    points = plan_points(cfg)
+    if not points:
+        raise ConfigError(f"{source}: the sweep grid is empty (no backend x privacy level x seed); "
+                          "give grid.backends and grid.epsilons or grid.noise_multipliers")
+    for p in points:
         point_config(cfg, p)
     return cfg
 
@@ -198,6 +202,9 @@ def load_sweep_config(path: str | os.PathLike, overrides: list[str] | tuple[str,
     raw = load_raw(path)
     base_file = raw.pop("base_config", None)
     if base_file is not None:
+        if not isinstance(base_file, str):
+            raise ConfigError(f"{path}: base_config must be the path of one run config (e.g. "
+                              f"tiny.yaml), not a {type(base_file).__name__}")
         base_path = os.path.join(os.path.dirname(os.fspath(path)), base_file)
         raw["base"] = {**load_raw(base_path), **raw.get("base", {})}
     for item in overrides:

@@ -155,6 +155,23 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
             raise
 
 
+def check_sweep_dir(out: Path) -> None:
+    """One line, before anything is written, for an --out that cannot hold a sweep."""
+    from memaudit.errors import RunDirError
+
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"sweep --out '{out}' is a file; choose a directory")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunDirError(f"sweep --out '{out}' lies under '{parent}', which is a file; "
+                                  "choose another --out")
+            break
+    if out.is_dir() and any(out.iterdir()) and not (out / "sweep.json").is_file():
+        raise RunDirError(f"sweep --out '{out}' is a non-empty directory that is not a memaudit "
+                          "sweep; choose an empty or new directory")
+
+
 def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = None,
               debug: bool = False) -> dict[str, Any]:
     """Train and probe every point of the grid under `out/runs/`, then write `out/report/`.
@@ -166,6 +183,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     from memaudit.reports.write import write_report
 
     out = Path(out)
+    check_sweep_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     points = plan_points(cfg)
     plan = {"points": [asdict(p) | {"config": None} for p in points]}

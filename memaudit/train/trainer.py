@@ -147,13 +147,9 @@ class CentralizedTrainer:
         return None
 
     def model_vocab_size(self) -> int:
-        from memaudit.models.presets import get_preset
+        from memaudit.models.presets import model_vocab_size
 
-        if self.cfg.model.name_or_path is not None:
-            from transformers import AutoConfig
-
-            return int(AutoConfig.from_pretrained(self.cfg.model.name_or_path).vocab_size)
-        return get_preset(self.cfg.model.preset).vocab_size
+        return model_vocab_size(self.cfg.model)
 
     # ------------------------------------------------------------------ seams: model and optimizer
     def build_model(self, vocab_size: int) -> torch.nn.Module:  # seam: parallelize_llama here

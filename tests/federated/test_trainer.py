@@ -258,3 +258,40 @@ def test_dp_fedavg_run_records_a_user_level_ledger(overrides, tmp_path):
     sensitive = read_jsonl(tmp_path / "dp" / "sensitive_metrics.jsonl")
     assert [m["round"] for m in sensitive] == [1, 2]
     assert all({"clip_fraction", "survivors", "cohort"} <= set(m) for m in sensitive)
+
+
+# Run in a subprocess: checkpoint every round and die (SIGKILL) between the two renames of the
+# second checkpoint's swap, the moment when state/ is moved aside and the new one not yet in.
+SWAP_KILL_SCRIPT = """
+import json, os, signal, sys
+import memaudit.lifecycle as lc
+from memaudit.config import load_config
+from memaudit.rundir import RunDir
+from memaudit.federated.trainer import train_federated
+out, overrides = sys.argv[1], json.loads(sys.argv[2])
+lc._between_renames = lambda: os.kill(os.getpid(), signal.SIGKILL)
+train_federated(load_config(None, overrides), RunDir(out))
+"""
+
+
+def test_sigkill_inside_the_checkpoint_swap_then_resume_gives_the_same_weights(fed_run, overrides, tmp_path):
+    from memaudit.config import load_config
+    from memaudit.federated.trainer import train_federated
+    from memaudit.io import read_json
+    from memaudit.rundir import RunDir
+
+    out = tmp_path / "swap"
+    every_round = [*overrides, "federated.checkpoint_every=1"]  # the cadence does not change weights
+    proc = subprocess.run([sys.executable, "-c", SWAP_KILL_SCRIPT, str(out), json.dumps(every_round)],
+                          env=_env(), capture_output=True, timeout=400)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert not (out / "state").exists()  # killed with state/ moved aside and the new one beside it
+    names = sorted(p.name for p in out.glob(".state.*"))
+    assert len(names) == 2 and names[0] == ".state.2.tmp" and names[1].startswith(".state.old-"), names
+    result = train_federated(load_config(None, every_round), RunDir(out), resume=True)
+    assert result["resumed_from_round"] == 2  # the newer complete checkpoint, not a restart
+    assert read_json(out / "run.json")["status"] == "complete"
+    assert not list(out.glob(".state.*")) and not list(out.glob(".*.tmp"))
+    ref, got = _weights(fed_run["path"]), _weights(out)
+    for name in ref:
+        assert np.array_equal(ref[name], got[name]), name

@@ -59,3 +59,36 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_run, tmp_path, capsys):
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
     assert manifest["result"]["final_holdout_loss"] == read_json(tiny_run["path"] / "run.json")["result"]["final_holdout_loss"]
+
+
+SWAP_KILL = """
+import os, signal, sys
+import memaudit.lifecycle as lc
+from memaudit.cli import main
+lc._between_renames = lambda: os.kill(os.getpid(), signal.SIGKILL)
+main(sys.argv[1:])
+"""
+
+
+def test_sigkill_inside_the_checkpoint_swap_resumes_from_the_newer_checkpoint(tiny_run, tmp_path, capsys):
+    """A kill between the swap's two renames leaves both checkpoints under temporary names; the
+    resume takes the newer complete one (step 20, not a restart at 0) and ends bit-identical."""
+    import torch
+
+    out = tmp_path / "swap"
+    args = list(tiny_run["args"])
+    args[args.index("--out") + 1] = str(out)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", SWAP_KILL, *args], env=env, capture_output=True, timeout=400)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert not (out / "state").exists()
+    names = sorted(p.name for p in out.glob(".state.*"))
+    assert len(names) == 2 and names[0] == ".state.20.tmp" and names[1].startswith(".state.old-"), names
+    assert main(["train", "--resume", str(out)]) == 0
+    capsys.readouterr()
+    manifest = read_json(out / "run.json")
+    assert manifest["status"] == "complete" and manifest["result"]["resumed_from_step"] == 20
+    assert not list(out.glob(".state.*")) and not list(out.glob(".*.tmp"))
+    ref, got = _weights(tiny_run["path"]), _weights(out)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name

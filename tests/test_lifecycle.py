@@ -1,0 +1,127 @@
+"""The run lifecycle's pieces on their own: the lock under a race, stale and lost locks, sealed
+checkpoints and their recovery, overwrite that keeps the old run until the new one exists."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from memaudit.errors import RunDirError
+from memaudit.lifecycle import checkpoint_candidates, recover_checkpoint, seal, sealed_step
+from memaudit.rundir import RunDir
+
+
+def _contend(path: str, barrier, hold_s: float, q) -> None:
+    barrier.wait()
+    try:
+        with RunDir(path).locked(heartbeat_s=0.05):
+            q.put(("won", os.getpid()))
+            time.sleep(hold_s)
+    except RunDirError:
+        q.put(("refused", os.getpid()))
+
+
+def test_many_simultaneous_starts_one_wins(tmp_path):
+    n = 12
+    ctx = mp.get_context("fork")
+    barrier, q = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_contend, args=(str(tmp_path / "run"), barrier, 1.5, q)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    results = [q.get(timeout=5) for _ in range(n)]
+    assert sum(r == "won" for r, _ in results) == 1, results
+    assert not (tmp_path / "run" / "run.lock").exists()  # released by the winner
+
+
+def test_a_dead_holders_lock_is_taken_over_and_a_live_one_is_not(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    dead = mp.get_context("fork").Process(target=lambda: None)
+    dead.start()
+    dead.join()
+    host = socket.gethostname()
+    run.lock_path.write_text(json.dumps({"pid": dead.pid, "host": host, "heartbeat": time.time()}))
+    with run.locked():
+        assert run.read_lock()["pid"] == os.getpid()
+    # another host: stale only when its heartbeat stopped
+    run.lock_path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "heartbeat": time.time() - 1e4}))
+    with run.locked():
+        pass
+    run.lock_path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "heartbeat": time.time()}))
+    with pytest.raises(RunDirError, match="elsewhere"), run.locked():
+        pass
+    assert json.loads(run.lock_path.read_text())["host"] == "elsewhere"  # a live lock is never removed
+
+
+def test_a_holder_notices_when_its_lock_was_taken(tmp_path):
+    run = RunDir(tmp_path / "run")
+    with run.locked(heartbeat_s=0.05) as lock:
+        run.lock_path.write_text(json.dumps({"pid": 1, "host": "other", "heartbeat": time.time(),
+                                             "token": "someone-else"}))
+        deadline = time.monotonic() + 5
+        while not lock.lost.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(RunDirError, match="taken over"):
+            lock.check()
+    assert run.lock_path.exists()  # the other holder's lock stays
+
+
+def _ckpt(d: Path, step: int, payload: bytes = b"w") -> Path:
+    d.mkdir(parents=True)
+    (d / "trainer.json").write_text(json.dumps({"schema": 1, "step": step}))
+    (d / "sub").mkdir()
+    (d / "sub" / "weights.bin").write_bytes(payload * 100)
+    seal(d, step=step)
+    return d
+
+
+def test_a_seal_detects_any_changed_missing_or_extra_file(tmp_path):
+    d = _ckpt(tmp_path / "state", 3)
+    assert sealed_step(d) == 3
+    (d / "sub" / "weights.bin").write_bytes(b"x" * 100)
+    assert sealed_step(d) is None
+    d = _ckpt(tmp_path / "b", 3)
+    (d / "extra").write_text("?")
+    assert sealed_step(d) is None
+    d = _ckpt(tmp_path / "c", 3)
+    (d / "trainer.json").unlink()
+    assert sealed_step(d) is None
+
+
+def test_recovery_takes_the_newest_complete_checkpoint_and_removes_the_rest(tmp_path):
+    run = RunDir(tmp_path)
+    _ckpt(tmp_path / ".state.old-1-2", 10)          # moved aside by the swap
+    _ckpt(tmp_path / ".state.20.tmp", 20)           # sealed, not yet renamed in
+    broken = _ckpt(tmp_path / ".state.30.tmp", 30)  # killed while writing: not sealed
+    (broken / "COMMIT.json").unlink()
+    assert recover_checkpoint(run) == 20
+    assert sealed_step(run.state_dir) == 20
+    assert checkpoint_candidates(run) == [run.state_dir]
+
+
+def test_recovery_keeps_state_when_it_is_the_newest(tmp_path):
+    run = RunDir(tmp_path)
+    _ckpt(tmp_path / "state", 20)
+    _ckpt(tmp_path / ".state.old-1-2", 10)
+    assert recover_checkpoint(run) == 20 and checkpoint_candidates(run) == [run.state_dir]
+
+
+def test_recovery_refuses_a_damaged_state_and_deletes_nothing(tmp_path):
+    run = RunDir(tmp_path)
+    d = _ckpt(tmp_path / "state", 20)
+    (d / "sub" / "weights.bin").write_bytes(b"garbage")
+    with pytest.raises(RunDirError, match="no complete checkpoint"):
+        recover_checkpoint(run)
+    assert (d / "sub" / "weights.bin").read_bytes() == b"garbage"
+
+
+def test_recovery_without_any_checkpoint_starts_over(tmp_path):
+    assert recover_checkpoint(RunDir(tmp_path)) is None
