@@ -36,6 +36,29 @@ def check_before_disk(cfg: Any) -> None:
         ParallelDims.from_config(cfg.parallel).check_model(llama_config(cfg.model.preset))
 
 
+def check_data(cfg: Any, prepared: Any, vocab_size: int) -> None:
+    """One-line errors for prepared data the configured training cannot use (checked before
+    the run directory changes: the data is prepared in a staging folder first)."""
+    from memaudit.errors import DataError
+
+    tok_size = int(prepared.meta.get("tokenizer_size", 0))
+    if tok_size > vocab_size:
+        raise DataError(f"the tokenizer has {tok_size} tokens but the model vocabulary only "
+                        f"{vocab_size}; use a smaller tokenizer or a larger model.preset")
+    n = len(prepared.train)
+    if n == 0:
+        raise DataError("no training sequences after the split; add documents or users")
+    if cfg.backend == "federated":
+        import numpy as np
+
+        from memaudit.federated.trainer import check_population
+
+        check_population(cfg, len(np.unique(np.asarray(prepared.train.user_index))))
+    elif cfg.privacy.enabled and cfg.train.batch_size > n:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} exceeds the {n} training "
+                          "sequences; lower train.batch_size for DP-SGD")
+
+
 def _check_federated(cfg: Any) -> None:
     f = cfg.federated
     if cfg.model.name_or_path is not None:

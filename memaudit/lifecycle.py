@@ -225,10 +225,12 @@ class RunSession:
     """
 
     def __init__(self, run: RunDir, cfg: Config, *, backend: str, resume: bool, is_writer: bool = True,
-                 hold_lock: bool = True, overwrite: bool = False, private: bool | None = None) -> None:
+                 hold_lock: bool = True, overwrite: bool = False, private: bool | None = None,
+                 data_progress: Any = None) -> None:
         self.run, self.cfg, self.backend, self.resume = run, cfg, backend, resume
         self.is_writer, self.hold_lock, self.overwrite = is_writer, hold_lock, overwrite
         self.private = cfg.privacy.enabled if private is None else private
+        self.data_progress = data_progress
         self._stack = contextlib.ExitStack()
         self._lock: Any = None
         self.resume_step: int | None = None
@@ -274,7 +276,9 @@ class RunSession:
             self.run.update_manifest(status="running", timings=timings, error=None,
                                      config=dump_config(self.cfg))
             return
+        staged = self._stage_data()  # the new run's data, valid, before the old run is touched
         aside = self._move_old_run_aside()
+        self._adopt_staged(staged)
         try:
             t, p = self.cfg.train, self.cfg.privacy
             seeds = {"train": t.seed, "model_init": self.cfg.model.init_seed, "data": self.cfg.data.seed,
@@ -290,6 +294,37 @@ class RunSession:
             raise
         if aside is not None:
             _remove(aside)
+
+    def _stage_data(self) -> Path:
+        """Prepare (or reuse) the new run's data in a hidden staging folder and check it with
+        `dispatch.check_data`; nothing of the run directory changes if this fails."""
+        from memaudit.data import prepare_data
+        from memaudit.dispatch import check_data
+        from memaudit.models.presets import model_vocab_size
+
+        stage = RunDir(self.run.path / f".memaudit-staging-{os.getpid()}")
+        _remove(stage.path)
+        stage.path.mkdir(parents=True)
+        try:
+            for name in ("data", "split.json", "canaries.json"):  # reused when the config matches
+                src = self.run.path / name
+                if not self.overwrite and src.exists() and not self.run.is_run():
+                    (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage.path / name)
+            vocab = model_vocab_size(self.cfg.model)
+            prepared = prepare_data(self.cfg.data, stage, vocab_size=vocab, progress=self.data_progress)
+            check_data(self.cfg, prepared, vocab)
+        except BaseException:
+            _remove(stage.path)
+            raise
+        return stage.path
+
+    def _adopt_staged(self, stage: Path) -> None:
+        for name in ("data", "split.json", "canaries.json"):
+            target = self.run.path / name
+            if target.exists():
+                _remove(target)
+            os.replace(stage / name, target)
+        _remove(stage)
 
     def _move_old_run_aside(self) -> Path | None:
         """--overwrite of a run: its artifacts into one hidden folder (deleted once the new
@@ -321,21 +356,19 @@ class RunSession:
             self._close("complete", result=result, error=None)
 
     # ---- data
-    def data(self, vocab_size: int, *, progress: Any = None) -> Any:
-        """The run's prepared data: prepared (a new run), or loaded and checked (a resume).
+    def data(self, vocab_size: int | None = None) -> Any:
+        """The run's prepared data: prepared and checked when the session opened (a new run:
+        before an old run was replaced), or loaded and checked (a resume).
 
         A resume never rewrites the data: if the config or the input files changed since the
         run started, it is refused with nothing written. Non-writers load what the writer
         prepared (the caller puts a barrier in between).
         """
-        from memaudit.data import load_prepared, prepare_data
+        from memaudit.data import load_prepared
 
         if not self.is_writer:
             return load_prepared(self.run)
-        if self.resume:
-            prepared = self._resume_data
-        else:
-            prepared = prepare_data(self.cfg.data, self.run, vocab_size=vocab_size, progress=progress)
+        prepared = self._resume_data if self.resume else load_prepared(self.run)  # staged at start
         self.run.update_manifest(data_fingerprint=prepared.fingerprint)
         return prepared
 

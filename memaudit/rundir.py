@@ -237,6 +237,7 @@ class RunLock:
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._made_dir = False
 
     def _payload(self) -> bytes:
         return (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time(),
@@ -269,6 +270,7 @@ class RunLock:
             aside.unlink()
 
     def __enter__(self) -> Self:
+        self._made_dir = not self.run.path.exists()
         self.run.path.mkdir(parents=True, exist_ok=True)
         for _ in range(8):
             if self._create():
@@ -308,6 +310,9 @@ class RunLock:
         if lock and lock.get("token") == self.token:
             with contextlib.suppress(FileNotFoundError):
                 self.run.lock_path.unlink()
+        if self._made_dir:  # a refused or failed start leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                self.run.path.rmdir()
 
 
 def new_manifest(

@@ -47,6 +47,7 @@ def progress() -> Progress:
         TimeElapsedColumn(),
         console=console,
         transient=True,  # the summary line follows; an error leaves only its own line
+        disable=not console.is_terminal,  # a log file or a pipe gets the result lines only
     )
 
 

@@ -390,7 +390,7 @@ class CentralizedTrainer:
     # ------------------------------------------------------------------ driver
     def load_data(self, vocab: int) -> Any:  # seam: the writer prepares, then the others load
         """The run's PreparedData (prepare_data loads it back when prepared from the same config)."""
-        return self.session.data(vocab, progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}))
+        return self.session.data(vocab)
 
     def prepare(self, resume: bool) -> None:
         """Data, model, optimizer, sampler (and DP) for this run."""
@@ -467,7 +467,8 @@ class CentralizedTrainer:
     def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
         """Run (or resume) training inside the run lifecycle (lock, manifest, signals)."""
         session = RunSession(self.run, self.cfg, backend=BACKEND, resume=resume, is_writer=self.is_writer,
-                             hold_lock=not lock_held, overwrite=overwrite)
+                             hold_lock=not lock_held, overwrite=overwrite,
+                             data_progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}))
         with session, deterministic(self.device):
             self.session = session
             result = self._train(resume)
