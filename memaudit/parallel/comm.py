@@ -1,8 +1,22 @@
-"""Collectives over one mesh axis, counting the payload bytes each rank passes in.
+"""Collectives over one mesh axis; each one records its kind, axis, group size, payload and wire bytes.
 
 Payload = bytes of the tensor a rank hands to the collective: the whole tensor for
-all-reduce, its shard for all-gather, the full input for reduce-scatter. Collectives over
-an axis of size 1 are skipped and count nothing, so the 1x1x1x1 grid costs nothing.
+all-reduce, its shard for all-gather, the full input for reduce-scatter. Wire = bytes each
+rank sends under the bandwidth-optimal (ring) algorithm for a group of n ranks:
+
+    all-reduce       2(n-1)/n x payload
+    all-gather       (n-1)    x payload (the shard)
+    reduce-scatter   (n-1)/n  x payload (the input)
+
+Wire bytes are exact fractions (`fractions.Fraction`), so a prediction can be compared with
+the count without rounding. Collectives over an axis of size 1 are skipped and count
+nothing, so the 1x1x1x1 grid costs nothing.
+
+References: Thakur et al., "Optimization of Collective Communication Operations in MPICH",
+IJHPCA 2005 (ring costs); Singh et al., AxoNN (SC'24), Section V.
+
+>>> wire_factor("all_gather", 4), wire_factor("all_reduce", 4), wire_factor("reduce_scatter", 4)
+(Fraction(3, 1), Fraction(3, 2), Fraction(3, 4))
 """
 
 from __future__ import annotations
@@ -10,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -19,14 +34,31 @@ from memaudit.parallel.dims import MeshAxis, ProcessGroups
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def wire_factor(kind: str, n: int) -> Fraction:
+    """Bytes each rank sends per payload byte for collective `kind` over `n` ranks (ring)."""
+    if n <= 1:
+        return Fraction(0)
+    if kind == "all_reduce":
+        return Fraction(2 * (n - 1), n)
+    if kind == "all_gather":
+        return Fraction(n - 1)
+    if kind == "reduce_scatter":
+        return Fraction(n - 1, n)
+    raise ValueError(f"unknown collective kind {kind!r}; choose one of {', '.join(KINDS)}")
+
 
 class Comm:
-    """Axis-named collectives for one rank, with per-(axis, collective) byte counters."""
+    """Axis-named collectives for one rank, with per-(axis, kind) payload, wire and call counters."""
 
     def __init__(self, pg: ProcessGroups) -> None:
         self.pg = pg
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.wire: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.group_size: dict[str, int] = {}
 
     def size(self, axis: MeshAxis | str) -> int:
         return self.pg.size(axis)
@@ -35,23 +67,37 @@ class Comm:
         return self.pg.index(axis)
 
     def _count(self, axis: MeshAxis | str, op: str, t: torch.Tensor) -> None:
-        key = (MeshAxis(axis).value, op)
-        self.bytes[key] += t.numel() * t.element_size()
+        a = MeshAxis(axis).value
+        n = self.size(a)
+        nbytes = t.numel() * t.element_size()
+        key = (a, op)
+        self.bytes[key] += nbytes
+        self.wire[key] += wire_factor(op, n) * nbytes
         self.calls[key] += 1
+        self.group_size[a] = n
 
     def reset(self) -> None:
         self.bytes.clear()
+        self.wire.clear()
         self.calls.clear()
+        self.group_size.clear()
 
     def per_axis(self) -> dict[str, int]:
+        """Payload bytes per axis (all kinds)."""
         out: dict[str, int] = {a.value: 0 for a in MeshAxis}
         for (axis, _), b in self.bytes.items():
             out[axis] += b
         return out
 
+    def records(self) -> list[dict[str, Any]]:
+        """One row per (axis, kind) seen: group size, calls, payload and wire bytes."""
+        return [{"axis": a, "kind": k, "n": self.group_size[a], "calls": self.calls[(a, k)],
+                 "payload_bytes": b, "wire_bytes": float(self.wire[(a, k)])}
+                for (a, k), b in sorted(self.bytes.items())]
+
     @contextmanager
     def counting(self) -> Iterator[dict[tuple[str, str], int]]:
-        """Reset the counters, run the block, and leave its counts in `self.bytes`."""
+        """Reset the counters, run the block, and leave its counts in `self.bytes` / `self.wire`."""
         self.reset()
         yield self.bytes
 
@@ -64,27 +110,33 @@ class Comm:
         self._count(axis, "all_reduce", t)
         return dist.all_reduce(t, op=op, group=self.pg.group(axis), async_op=async_op)
 
-    def all_gather(self, shard: torch.Tensor, axis: MeshAxis | str) -> torch.Tensor:
-        """Concatenate the flat shards of the axis in rank order (1-D result)."""
+    def all_gather(self, shard: torch.Tensor, axis: MeshAxis | str, *, async_op: bool = False) -> Any:
+        """Concatenate the flat shards of the axis in rank order (1-D result).
+
+        With `async_op`, returns (result, work handle or None); the result is valid after `wait()`.
+        """
         n = self.size(axis)
         shard = shard.contiguous().view(-1)
         if n == 1:
-            return shard
+            return (shard, None) if async_op else shard
         self._count(axis, "all_gather", shard)
         out = torch.empty(shard.numel() * n, dtype=shard.dtype, device=shard.device)
-        _all_gather(out, shard, group=self.pg.group(axis))
-        return out
+        work = _all_gather(out, shard, group=self.pg.group(axis), async_op=async_op)
+        return (out, work) if async_op else out
 
-    def reduce_scatter(self, full: torch.Tensor, axis: MeshAxis | str) -> torch.Tensor:
-        """Sum the flat tensors over the axis; return this rank's 1/n piece."""
+    def reduce_scatter(self, full: torch.Tensor, axis: MeshAxis | str, *, async_op: bool = False) -> Any:
+        """Sum the flat tensors over the axis; return this rank's 1/n piece.
+
+        With `async_op`, returns (piece, work handle or None); the piece is valid after `wait()`.
+        """
         n = self.size(axis)
         full = full.contiguous().view(-1)
         if n == 1:
-            return full
+            return (full, None) if async_op else full
         self._count(axis, "reduce_scatter", full)
         out = torch.empty(full.numel() // n, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(out, full, group=self.pg.group(axis))
-        return out
+        work = dist.reduce_scatter_tensor(out, full, group=self.pg.group(axis), async_op=async_op)
+        return (out, work) if async_op else out
 
 
 class _AllReduceFwd(torch.autograd.Function):

@@ -204,8 +204,6 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
     """Every model case of `grid`; `outdir` is a directory all ranks share."""
     from memaudit.parallel.clip import clip_grad_norm_
     from memaudit.parallel.dp import dp_sgd_backward
-    from memaudit.parallel.planner import ModelShape, predict_payload
-
     tag = "".join(str(v) for v in grid)
     res: dict[str, str | None] = {}
 
@@ -286,22 +284,67 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
 
     def payload() -> None:
         pm = _pmodel(grid, ref["init"])
-        ids, mask = data[0]
-        with pm.comm.counting():
-            loss, _ = pm(pm.shard_batch(ids), pm.shard_batch(mask))
-            loss.backward()
-            pm.finish_grad_sync()
-            clip_grad_norm_(pm, 1.0)
-        measured = pm.comm.per_axis()
-        d = pm.pg.dims
-        pred = predict_payload(ModelShape.from_config(pm.hf.config), d, batch=BATCH, seq=SEQ, clip=True)
-        for axis, m in measured.items():
-            assert abs(m - pred[axis]) <= 0.05 * max(pred[axis], 1), (axis, m, pred[axis], dict(pm.comm.bytes))
+        check_volume(pm, data[0], recompute=False, dp=False, micro=1, clip=True)
         if grid == (1, 1, 1, 1):
-            assert sum(measured.values()) == 0
+            assert sum(pm.comm.per_axis().values()) == 0
 
     for name, fn in (("train", train), ("clip", clip), ("dp", dp), ("payload", payload)):
         case(name, fn)
+    return res
+
+
+# ----------------------------------------------------------------------------- volume
+# Wire volume per (axis, collective kind) as counted in `Comm` against the planner's prediction,
+# exactly (integers and exact fractions), with and without recomputation, DP-SGD and micro-batches.
+VOLUME_GRIDS = [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 2), (1, 2, 2, 2)]
+VOLUME_VARIANTS = {"plain": (False, False, 1), "recompute": (True, False, 1), "dp": (False, True, 1),
+                   "dp-recompute-micro": (True, True, 2), "micro": (False, False, 2)}
+
+
+def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute: bool, dp: bool, micro: int,
+                 clip: bool = False) -> None:
+    """One step under `comm.counting()`; payload and wire per (axis, kind) equal the prediction."""
+    from memaudit.parallel.clip import clip_grad_norm_
+    from memaudit.parallel.dp import dp_sgd_backward
+    from memaudit.parallel.planner import ModelShape, predict_collectives, wire_bytes
+
+    ids, mask = (pm.shard_batch(t) for t in batch)
+    rows = ids.shape[0]
+    micro = min(micro, rows)
+    chunk = -(-rows // micro)
+    if recompute:
+        pm.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        pm.hf.train()
+    with pm.comm.counting():
+        if dp:
+            dp_sgd_backward(pm, ids, mask, clip=1.0, noise_multiplier=0.0, expected_batch=BATCH, seed=0, step=0,
+                            micro_batch=chunk)
+        else:
+            for s in range(0, rows, chunk):
+                loss, _ = pm(ids[s:s + chunk], mask[s:s + chunk])
+                loss.backward()
+            pm.finish_grad_sync()
+        if clip:
+            clip_grad_norm_(pm, 1.0)
+    d = pm.pg.dims
+    pred = predict_collectives(ModelShape.from_config(pm.hf.config), d, batch=BATCH, seq=SEQ, recompute=recompute,
+                               dp=dp, micro_batches=-(-rows // chunk), clip=clip)
+    measured = dict(pm.comm.bytes)
+    assert measured == pred, {k: (measured.get(k), pred.get(k)) for k in set(measured) | set(pred)
+                              if measured.get(k) != pred.get(k)}
+    assert dict(pm.comm.wire) == wire_bytes(pred, d)
+
+
+def volume_cases(grid: tuple[int, int, int, int], ref: dict[str, Any]) -> dict[str, str | None]:
+    res: dict[str, str | None] = {}
+    data = batches(1)
+    for name, (rc, dp, micro) in VOLUME_VARIANTS.items():
+        key = f"volume-{name}-{''.join(map(str, grid))}"
+        try:
+            check_volume(_pmodel(grid, ref["init"]), data[0], recompute=rc, dp=dp, micro=micro)
+            res[key] = None
+        except Exception:  # noqa: BLE001 - reported to the test
+            res[key] = traceback.format_exc(limit=4)
     return res
 
 
@@ -365,6 +408,9 @@ def worker(rank: int, world: int, port: int, outdir: str, ref_path: str, jobs_pa
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= model_cases(grid, ref, outdir)
+        for grid in VOLUME_GRIDS:
+            if grid[0] * grid[1] * grid[2] * grid[3] == world:
+                res |= volume_cases(grid, ref)
         res |= run_train_jobs(world, jobs_path)
         try:  # a grid whose product is not the world size
             build_groups(ParallelDims(data=world * 2))
