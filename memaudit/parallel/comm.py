@@ -178,3 +178,100 @@ def reduce_partial(t: torch.Tensor, comm: Comm, axis: MeshAxis | str) -> torch.T
 def reduce_both(t: torch.Tensor, comm: Comm, axis: MeshAxis | str) -> torch.Tensor:
     """All-reduce in forward and backward (a statistic whose consumers hold different shards)."""
     return t if comm.size(axis) == 1 else _AllReduceBoth.apply(t, comm, MeshAxis(axis).value)
+
+
+# ----------------------------------------------------------------------------- overlapped gradient sync
+class GradSync:
+    """The weight-gradient collectives of a backward pass that run asynchronously (AxoNN's ORS,
+    DDP-style buckets), completed by a callback queued on the autograd engine, so `.grad` is
+    final when `backward()` returns, before any optimizer step.
+
+    Each sharded weight's gradient piece enters `weight_grad` in the order the backward
+    produces it (the same on every rank), with the work handle of its z reduce-scatter when
+    that is asynchronous. With `bucket_bytes`, pieces whose z reduction is done are packed in
+    that order into buckets of about `bucket_bytes`; a full bucket's data all-reduce is issued
+    at once, during the backward (Li et al., "PyTorch Distributed", VLDB 2020). Pieces are
+    never bucketed while ghost norms are collected (DP-SGD's norm pass, whose gradients are
+    discarded). Parameters synchronised here are listed in `synced` so the blocking sync
+    after backward skips them (see `parallelize.sync_grads`).
+
+    References: Singh et al., AxoNN (SC'24), Section IV-B (overlapping reduce-scatters).
+    """
+
+    def __init__(self, comm: Comm, *, async_reduce_scatter: bool, bucket_bytes: int | None) -> None:
+        self.comm, self.async_rs, self.bucket_bytes = comm, async_reduce_scatter, bucket_bytes
+        self.pending: list[tuple[torch.nn.Parameter, torch.Tensor, Any]] = []  # z reduce-scatters in flight
+        self.bucket: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.bucket_size = 0
+        self.in_flight: list[tuple[list[torch.nn.Parameter], torch.Tensor, Any]] = []
+        self.synced: set[int] = set()
+        self.queued = False
+        self.bucketing = False
+        self.async_pieces = self.buckets_issued = 0  # counters for tests and benchmarks
+
+    @property
+    def active(self) -> bool:
+        return self.async_rs or self.bucket_bytes is not None
+
+    def weight_grad(self, p: torch.nn.Parameter, piece: torch.Tensor, work: Any) -> None:
+        """Take over this backward's gradient of `p` (its z-reduced piece, valid after `work`)."""
+        if not self.queued:
+            from torch.autograd import Variable
+
+            from memaudit.parallel import ghost
+
+            self.bucketing = (self.bucket_bytes is not None and self.comm.size("data") > 1
+                              and not ghost.active())
+            Variable._execution_engine.queue_callback(self._finish)
+            self.queued = True
+        self.pending.append((p, piece, work))
+        self.async_pieces += work is not None
+        while self.pending and (self.pending[0][2] is None or self.pending[0][2].is_completed()):
+            self._reduced(*self.pending.pop(0)[:2])
+
+    def _reduced(self, p: torch.nn.Parameter, piece: torch.Tensor) -> None:
+        if not self.bucketing:
+            _accumulate(p, piece)
+            return
+        self.bucket.append((p, piece))
+        self.bucket_size += piece.numel() * piece.element_size()
+        if self.bucket_size >= self.bucket_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.bucket:
+            return
+        params = [p for p, _ in self.bucket]
+        flat = torch.cat([g.reshape(-1) for _, g in self.bucket])
+        self.in_flight.append((params, flat, self.comm.all_reduce(flat, "data", async_op=True)))
+        self.buckets_issued += 1
+        self.bucket, self.bucket_size = [], 0
+
+    def _finish(self) -> None:
+        for p, piece, work in self.pending:
+            if work is not None:
+                work.wait()
+            self._reduced(p, piece)
+        self.pending = []
+        self._flush()
+        for params, flat, work in self.in_flight:
+            work.wait()
+            off = 0
+            for p in params:
+                _accumulate(p, flat[off:off + p.numel()])
+                off += p.numel()
+                self.synced.add(id(p))
+        self.in_flight, self.queued = [], False
+
+    def take_synced(self) -> set[int]:
+        """Ids of the parameters whose data all-reduce is done; forgets them."""
+        out, self.synced = self.synced, set()
+        return out
+
+
+def _accumulate(p: torch.nn.Parameter, g: torch.Tensor) -> None:
+    g = g.view_as(p)
+    if p.grad is None:
+        p.grad = g.clone() if g._base is not None else g
+    else:
+        p.grad.add_(g)

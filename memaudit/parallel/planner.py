@@ -182,7 +182,8 @@ def local_weights(m: ModelShape, d: ParallelDims) -> tuple[int, int]:
 
 def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
                         weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
-                        micro_batches: int = 1, clip: bool = False) -> dict[Key, int]:
+                        micro_batches: int = 1, clip: bool = False, data_in_backward: bool = False
+                        ) -> dict[Key, int]:
     """Payload bytes each rank hands to collectives in one step, per (axis, kind).
 
     Args:
@@ -195,6 +196,9 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
       micro_batches: passes per step over local chunks as equal as possible (gradients
         accumulate; one sync).
       clip: global-norm clipping after the sync (one fp64 over x, y and z).
+      data_in_backward: the sharded weights' data all-reduce runs in buckets during each
+        backward that keeps its gradients (every micro-batch; DP: the clipped pass only),
+        the replicated parameters' once after backward.
     """
     acc = _Acc(d)
     rows = batch // (d.data * d.z)
@@ -216,7 +220,11 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
             acc.add(axis, "all_reduce", 24)
     sharded, norms = local_weights(m, d)
     acc.add("z", "all_reduce", norms * weight_bytes)  # replicated-parameter gradients
-    acc.add("data", "all_reduce", (sharded + norms) * weight_bytes)
+    if data_in_backward:
+        acc.add("data", "all_reduce", sharded * weight_bytes, micro_batches)
+        acc.add("data", "all_reduce", norms * weight_bytes)
+    else:
+        acc.add("data", "all_reduce", (sharded + norms) * weight_bytes)
     if clip:
         for axis in ("x", "y", "z"):
             acc.add(axis, "all_reduce", 8)
