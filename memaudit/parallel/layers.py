@@ -7,6 +7,13 @@ partial outputs over the in-feature axis. Backward: all-gather W over z again (t
 is not kept), all-reduce the input gradient over the out-feature axis (optionally overlapped
 with the weight-gradient matmul), reduce-scatter the weight gradient over z.
 
+AxoNN's three overlaps, each switchable (`parallelize_llama`): OAR, the input-gradient
+all-reduce runs during the weight-gradient matmul; ORS, the z reduce-scatter of the weight
+gradient is asynchronous and handed to the model's `GradSync`, which waits for it at the end
+of backward (and may all-reduce it over data in DDP-style buckets there and then); OAG, each
+layer issues the next layer's z all-gather (the previous layer's in backward) before its own
+matmuls.
+
 References:
   Singh et al., "A 4D Hybrid Algorithm to Scale Parallel Training to Thousands of GPUs",
   SC'24 (AxoNN), Algorithm 1. Shoeybi et al., "Megatron-LM", 2019 (vocab-parallel loss).
