@@ -1,6 +1,7 @@
 """Step time of the 4D-parallel model: the 1x1x1x1 grid against plain transformers, grids other than
 (1,1,1,1) against their serial model, blocking against overlapped collectives (OAR only vs
-OAR + ORS + OAG + bucketed data all-reduce), and the wire volume per (axis, kind) counted in
+OAR + ORS + OAG + bucketed data all-reduce), the communication each leaves exposed (step
+time minus that of the same step with local no-op collectives), and the wire volume per (axis, kind) counted in
 `Comm` against the planner (error per kind; target 0%). Prints JSON.
 
     python benchmarks/parallel_step.py --preset tiny --batch 8 --seq 64 --repeats 5
@@ -88,6 +89,24 @@ def step_times(preset: str, batch: int, seq: int, repeats: int, warmup: int = 2,
     return {"device": device, "bf16": bf16, "median_s": med, "all_s": times, "ratio": med["parallel_1111"] / med["serial"], "target_ratio": 1.05}
 
 
+def _dry(comm: object) -> None:
+    """Make `comm`'s collectives local no-ops with the right output shapes (timing only: the
+    numbers are wrong), so step time minus dry step time is the communication left exposed."""
+    def all_reduce(t, axis, *, op=None, async_op=False):
+        return None
+
+    def all_gather(shard, axis, *, async_op=False):
+        out = shard.reshape(-1).repeat(comm.size(axis))
+        return (out, None) if async_op else out
+
+    def reduce_scatter(full, axis, *, async_op=False):
+        flat = full.reshape(-1)
+        out = flat[: flat.numel() // comm.size(axis)].clone()
+        return (out, None) if async_op else out
+
+    comm.all_reduce, comm.all_gather, comm.reduce_scatter = all_reduce, all_gather, reduce_scatter
+
+
 def _grid_worker(rank: int, world: int, port: int, grids: list, preset: str, batch: int, seq: int,
                  repeats: int, backend: str, out: str) -> None:
     import torch.distributed as dist
@@ -112,7 +131,8 @@ def _grid_worker(rank: int, world: int, port: int, grids: list, preset: str, bat
         dims = ParallelDims(data=g[0], x=g[1], y=g[2], z=g[3])
         pg = build_groups(dims)
         models = {k: parallelize_llama(copy.deepcopy(base), dims=dims, pg=pg, **o)
-                  for k, o in (("blocking", BLOCKING), ("overlapped", OVERLAPPED))}
+                  for k, o in (("blocking", BLOCKING), ("overlapped", OVERLAPPED), ("no_comm", OVERLAPPED))}
+        _dry(models["no_comm"].comm)
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
         times: dict[str, list[float]] = {k: [] for k in models}
         for i in range(2 + repeats):
@@ -136,6 +156,7 @@ def _grid_worker(rank: int, world: int, port: int, grids: list, preset: str, bat
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append({"grid": dict(zip(("data", "x", "y", "z"), g)), "median_s": med, "all_s": times,
                      "overlap_speedup": med["blocking"] / med["overlapped"],
+                     "exposed_comm_s": {k: med[k] - med["no_comm"] for k in ("blocking", "overlapped")},
                      "wire_bytes": {f"{a}/{k}": float(w) for (a, k), w in sorted(pm.comm.wire.items())},
                      "volume_rel_err_by_kind": err, "max_volume_rel_err": max(err.values(), default=0.0),
                      "prefetch_hits": sum(m.gathered.hits for m in pm.hf.modules() if hasattr(m, "gathered")),
@@ -193,7 +214,9 @@ def main() -> None:
         rows = grid_times(a.preset, a.batch, a.seq, world, _grids(spec, world), a.repeats, a.backend)
         for r in rows:
             r["vs_serial"] = {k: v / serial for k, v in r["median_s"].items()}
-        res[f"world{world}"] = {"grids": rows, "indicative_only": a.backend == "gloo" and world > cores,
+        load = os.getloadavg()[0]
+        res[f"world{world}"] = {"grids": rows, "load_avg_1min": load,
+                                "indicative_only": a.backend == "gloo" and (world > cores or load > cores),
                                 "note": f"{world} ranks on {cores} cores" if a.backend == "gloo" else "one GPU per rank"}
     print(json.dumps(res, indent=1))
 

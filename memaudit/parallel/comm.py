@@ -255,7 +255,8 @@ class GradSync:
         self.pending = []
         self._flush()
         for params, flat, work in self.in_flight:
-            work.wait()
+            if work is not None:
+                work.wait()
             off = 0
             for p in params:
                 _accumulate(p, flat[off:off + p.numel()])
