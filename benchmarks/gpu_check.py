@@ -15,7 +15,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,14 +45,31 @@ def peak_tflops(name: str, given: float | None) -> float | None:
     return next((v for k, v in sorted(PEAKS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
 
 
-def mfu_1b(seconds: float, peak: float | None) -> dict:
+def with_smaller_batch(fn: Callable[..., dict], batch: int, *args: Any) -> dict:
+    """`fn(batch, *args)`, halving the batch on CUDA out-of-memory (down to 1)."""
+    import gc
+
+    import torch
+
+    while True:
+        try:
+            return fn(batch, *args)
+        except torch.cuda.OutOfMemoryError:
+            gc.collect()
+            torch.cuda.empty_cache()
+            if batch == 1:
+                return {"error": "out of memory at batch 1"}
+            batch //= 2
+
+
+def mfu_1b(batch: int, seconds: float, peak: float | None) -> dict:
     """bf16 training step of the 1b preset on one GPU (activation checkpointing off, AdamW)."""
     import torch
 
     from memaudit.models.presets import build_model, param_count
     from memaudit.train.losses import causal_lm_loss
 
-    batch, seq = 8, 2048
+    seq = 2048
     model = build_model("1b", seed=0).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
@@ -79,7 +98,7 @@ def mfu_1b(seconds: float, peak: float | None) -> dict:
             "model_tflops": tflops, "peak_tflops": peak, "mfu": tflops / peak if peak else None}
 
 
-def nccl_1111(repeats: int) -> dict:
+def nccl_1111(batch: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
     from parallel_step import step_times
@@ -91,7 +110,8 @@ def nccl_1111(repeats: int) -> dict:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        return step_times("125m", 8, 1024, repeats, device="cuda", bf16=True) | {"backend": dist.get_backend()}
+        return step_times("1b", batch, 1024, repeats, device="cuda", bf16=True) | {"backend": dist.get_backend(),
+                                                                                  "preset": "1b", "batch": batch}
     finally:
         dist.destroy_process_group()
 
@@ -112,9 +132,9 @@ def main() -> int:
 
     name = torch.cuda.get_device_name(0)
     out |= {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "status": "ok"}
-    out["mfu_1b_bf16"] = mfu_1b(min(120.0, a.budget_s / 4), peak_tflops(name, a.peak_tflops))
+    out["mfu_1b_bf16"] = with_smaller_batch(mfu_1b, 8, min(120.0, a.budget_s / 4), peak_tflops(name, a.peak_tflops))
     if n == 1:
-        out["parallel_1111_nccl"] = nccl_1111(5)
+        out["parallel_1111_nccl"] = with_smaller_batch(nccl_1111, 4, 5)
     else:
         from parallel_step import _grids, grid_times, step_times
 

@@ -42,6 +42,8 @@ def plan_cmd(
     bw_table: Annotated[Path | None, typer.Option("--bw-table", help="JSON list of measured "
                                                   "{stride, size, gbs}; wins over the formula.")] = None,
     dtype_bytes: Annotated[int, typer.Option("--dtype-bytes", help="Bytes per activation element (4 fp32, 2 bf16).")] = 4,
+    weight_bytes: Annotated[int, typer.Option("--weight-bytes", help="Bytes per weight/gradient element in "
+                                              "collectives (4: memaudit's fp32 master weights; 2: bf16).")] = 4,
     recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Activation checkpointing.")] = False,
     dp: Annotated[bool, typer.Option("--dp/--no-dp", help="DP-SGD with ghost clipping (two passes).")] = False,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="Local rows per pass "
@@ -60,6 +62,8 @@ def plan_cmd(
         raise ValueError(f"--batch {batch} / --seq {seq} must be >= 1 / >= 2")
     if dtype_bytes not in (2, 4):
         raise ValueError(f"--dtype-bytes {dtype_bytes} must be 2 or 4")
+    if weight_bytes not in (2, 4):
+        raise ValueError(f"--weight-bytes {weight_bytes} must be 2 or 4")
     if machine not in MACHINES:
         raise ValueError(f"--machine {machine!r} is unknown; choose one of {', '.join(MACHINES)}")
     for flag, v in (("--intra-bw", intra_bw), ("--inter-bw", inter_bw), ("--mem-gib", mem_gib)):
@@ -71,12 +75,12 @@ def plan_cmd(
         over["table"] = _table(bw_table)
     mach = replace(MACHINES[machine], **over)  # validated again in Machine
     m = ModelShape.from_preset(preset)
-    res = plan(m, gpus=gpus, batch=batch, seq=seq, machine=mach, dtype_bytes=dtype_bytes, recompute=recompute,
-               dp=dp, micro_batch=micro_batch)
+    res = plan(m, gpus=gpus, batch=batch, seq=seq, machine=mach, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
+               recompute=recompute, dp=dp, micro_batch=micro_batch)
     if fmt == "json":
         md = asdict(mach) | {"table": [{"stride": s, "size": n, "gbs": v} for (s, n), v in mach.table.items()]}
         print_json({"preset": preset, "gpus": gpus, "batch": batch, "seq": seq, "machine": md,
-                    "recompute": recompute, "dp": dp, "considered": res.considered,
+                    "weight_bytes": weight_bytes, "recompute": recompute, "dp": dp, "considered": res.considered,
                     "below_memory_floor": res.below_floor, "grids": res.grids})
         return
     from rich.table import Table

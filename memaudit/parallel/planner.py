@@ -407,7 +407,7 @@ def _check(gpus: int, batch: int, seq: int, micro_batch: int | None) -> None:
 
 
 def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: int, dtype_bytes: int,
-         recompute: bool, dp: bool, micro_batch: int | None) -> dict[str, Any]:
+         weight_bytes: int, recompute: bool, dp: bool, micro_batch: int | None) -> dict[str, Any]:
     rows = batch // (d.data * d.z)
     cap = machine.mem_gib * 2**30
     mem_kw = {"batch": batch, "seq": seq, "dtype_bytes": dtype_bytes, "recompute": recompute,
@@ -426,8 +426,8 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
         mb = min(micro_batch, rows)
     passes = math.ceil(rows / mb)
     mem = predict_memory(m, d, micro_batch=mb, **mem_kw)
-    pay = predict_collectives(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes, recompute=recompute,
-                              dp=dp, micro_batches=passes)
+    pay = predict_collectives(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
+                              recompute=recompute, dp=dp, micro_batches=passes)
     wire = wire_bytes(pay, d)
     t = comm_time(wire, d, machine)
     per_axis = {a: 0 for a in ORDER}
@@ -452,7 +452,7 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
 
 
 def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | None = None,
-         dtype_bytes: int = 4, recompute: bool = False, dp: bool = False,
+         dtype_bytes: int = 4, weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
          micro_batch: int | None = None) -> PlanResult:
     """Rank every grid of `gpus` devices that the model and batch admit by predicted comm time.
 
@@ -474,7 +474,7 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
         if d.tp_size < floor:
             below += 1
             continue
-        rows.append(_row(m, d, machine, batch=batch, seq=seq, dtype_bytes=dtype_bytes, recompute=recompute,
-                         dp=dp, micro_batch=micro_batch))
+        rows.append(_row(m, d, machine, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
+                         recompute=recompute, dp=dp, micro_batch=micro_batch))
     rows.sort(key=lambda r: (not r["fits"], r["comm_time_s"], r["memory_bytes"]["total"]))
     return PlanResult(rows, len(rows) + below, below)

@@ -239,3 +239,31 @@ def test_paper_headline_settings_fit_and_are_ranked(machine: str, gpus: int, sha
     times = [r["comm_time_s"] for r in fitting]
     assert times == sorted(times) and times[0] > 0
     assert all(r["memory_bytes"]["total"] <= MACHINES[machine].mem_gib * 2**30 for r in fitting)
+
+
+def test_grids_below_the_memory_floor_cannot_fit() -> None:
+    m, mach = SHAPES["gpt-20b"], MACHINES["perlmutter"]
+    res = plan(m, gpus=64, batch=64, seq=2048, machine=mach, dtype_bytes=2, recompute=True)
+    evaluated = {ParallelDims(**r["grid"]) for r in res.grids}
+    skipped = [d for d in candidate_grids(m, 64, 64) if d not in evaluated]
+    assert len(skipped) == res.below_floor > 0
+    for d in skipped:  # weights, gradients and AdamW moments alone exceed the device
+        mem = predict_memory(m, d, batch=64, seq=2048, dtype_bytes=2, recompute=True, micro_batch=1, flash=True)
+        assert mem["weights"] + mem["grads"] + mem["optimizer"] > mach.mem_gib * 2**30
+
+
+def test_cli_takes_a_measured_bandwidth_table(tmp_path, capsys) -> None:
+    import json
+
+    from memaudit.cli import main
+
+    table = tmp_path / "bw.json"
+    table.write_text(json.dumps([{"stride": 1, "size": 2, "gbs": 3.5}]))
+    argv = ["parallel", "plan", "--gpus", "2", "--preset", "tiny", "--batch", "4", "--seq", "16",
+            "--machine", "perlmutter", "--bw-table", str(table), "--format", "json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["machine"]["table"] == [{"stride": 1, "size": 2, "gbs": 3.5}]
+    x_grid = next(r for r in out["grids"] if r["grid"]["x"] == 2)
+    assert x_grid["bandwidth_gbs"] == {"x": 3.5}
+    assert x_grid["comm_time_by_axis_s"]["x"] == pytest.approx(x_grid["wire_bytes"]["x"] / 3.5e9)
