@@ -398,10 +398,15 @@ class PlanResult(NamedTuple):
     below_floor: int  # of those, grids whose weights and optimizer alone exceed device memory
 
 
+MAX_PLAN_BATCH = 1 << 30  # sequences; bounds the divisor search of data x z (any GPU count is fine)
+
+
 def _check(gpus: int, batch: int, seq: int, micro_batch: int | None) -> None:
     for flag, v, lo in (("--gpus", gpus, 1), ("--batch", batch, 1), ("--seq", seq, 2)):
         if not isinstance(v, int) or v < lo:
             raise ValueError(f"{flag} {v} must be an integer >= {lo}")
+    if batch > MAX_PLAN_BATCH:
+        raise ValueError(f"--batch {batch} must be <= {MAX_PLAN_BATCH} sequences")
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
         raise ValueError(f"--micro-batch {micro_batch} must be an integer >= 1 (local rows per pass)")
 

@@ -112,9 +112,17 @@ def test_bad_machine_is_one_line(kw: dict, needle: str) -> None:
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_plan_refuses_zero_gpus() -> None:
+def test_plan_refuses_zero_gpus_and_absurd_batches() -> None:
     with pytest.raises(ValueError, match="--gpus 0 must be an integer >= 1"):
         plan(ModelShape.from_preset("tiny"), gpus=0, batch=4, seq=16)
+    with pytest.raises(ValueError, match=r"--batch 1099511627776 must be <= 1073741824 sequences"):
+        plan(ModelShape.from_preset("tiny"), gpus=8, batch=2**40, seq=16)
+
+
+def test_any_gpu_count_is_answered() -> None:
+    for gpus in (10**18, 2**61 - 1, 6 * 10**12):  # huge, prime, highly composite
+        res = plan(SHAPES["llama-70b"], gpus=gpus, batch=2**20, seq=4096, machine=MACHINES["frontier"])
+        assert all(ParallelDims(**r["grid"]).world_size == gpus for r in res.grids)
 
 
 # ----------------------------------------------------------------------------- search
