@@ -284,7 +284,14 @@ class ParallelConfig(_Section):
     y: int = Field(1, ge=1)
     z: int = Field(1, ge=1)
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    overlap: bool = True
+    overlap: bool = Field(True, description="OAR: overlap the input-gradient all-reduce with the weight-gradient matmul")
+    overlap_reduce_scatter: bool = Field(
+        False, description="ORS: asynchronous z reduce-scatter of weight gradients, waited on at the end of backward")
+    overlap_all_gather: bool = Field(
+        False, description="OAG: prefetch the next layer's z all-gather one layer ahead in forward and backward")
+    bucket_data_sync: bool = Field(
+        False, description="all-reduce weight gradients over data in buckets issued during backward (as DDP)")
+    bucket_mb: float = Field(25.0, gt=0, description="bucket size in MB for bucket_data_sync")
 
     @property
     def world_size(self) -> int:

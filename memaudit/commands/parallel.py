@@ -1,7 +1,10 @@
-"""`memaudit parallel plan`: rank 4D grids (data x 3D tensor parallelism) for a model preset."""
+"""`memaudit parallel plan`: rank 4D grids (data x 3D tensor parallelism) for a model shape on a machine."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
@@ -10,23 +13,48 @@ app = typer.Typer(help="Plan the 4D hybrid-parallel grid (AxoNN) for the central
                   no_args_is_help=True)
 
 
-def _gib(b: int) -> str:
+def _gib(b: float) -> str:
     return f"{b / 2**30:.2f}"
 
 
-@app.command("plan", help="Enumerate grids for N devices; predict payload bytes and memory; rank them.")
+def _table(path: Path) -> dict[tuple[int, int], float]:
+    """A measured bandwidth table: a JSON list of {"stride": int, "size": int, "gbs": float}."""
+    try:
+        rows = json.loads(path.read_text())
+        return {(int(r["stride"]), int(r["size"])): float(r["gbs"]) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--bw-table {path}: cannot read it ({type(e).__name__}); give a JSON list of "
+                         '{"stride": int, "size": int, "gbs": float}') from None
+
+
+@app.command("plan", help="Enumerate grids for N devices; predict wire volume, time and memory; rank them.")
 def plan_cmd(
     gpus: Annotated[int, typer.Option("--gpus", help="Number of devices (processes).")],
-    preset: Annotated[str, typer.Option("--preset", help="Model preset (tiny, small, 125m, 350m, 1b, 8b).")] = "8b",
+    preset: Annotated[str, typer.Option("--preset", help="Model: a memaudit preset (tiny ... 8b), gpt-5b ... "
+                                        "gpt-640b (AxoNN's GPT shapes) or llama-8b/70b/405b.")] = "8b",
     batch: Annotated[int, typer.Option("--batch", help="Global batch (sequences per step).")] = 16,
     seq: Annotated[int, typer.Option("--seq", help="Sequence length in tokens.")] = 2048,
-    mem_gib: Annotated[float, typer.Option("--mem-gib", help="Device memory in GiB.")] = 80.0,
-    dtype_bytes: Annotated[int, typer.Option("--dtype-bytes", help="Bytes per activation/weight element in collectives (4 fp32, 2 bf16).")] = 4,
+    machine: Annotated[str, typer.Option("--machine", help="perlmutter, frontier, alps or generic.")] = "generic",
+    gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node", help="Override the machine's.")] = None,
+    intra_bw: Annotated[float | None, typer.Option("--intra-bw", help="Intra-node GB/s per GPU.")] = None,
+    inter_bw: Annotated[float | None, typer.Option("--inter-bw", help="Network GB/s per node.")] = None,
+    mem_gib: Annotated[float | None, typer.Option("--mem-gib", help="Device memory in GiB.")] = None,
+    bw_table: Annotated[Path | None, typer.Option("--bw-table", help="JSON list of measured "
+                                                  "{stride, size, gbs}; wins over the formula.")] = None,
+    dtype_bytes: Annotated[int, typer.Option("--dtype-bytes", help="Bytes per activation element (4 fp32, 2 bf16).")] = 4,
+    weight_bytes: Annotated[int, typer.Option("--weight-bytes", help="Bytes per weight/gradient element in "
+                                              "collectives (4: memaudit's fp32 master weights; 2: bf16).")] = 4,
+    recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Activation checkpointing.")] = False,
+    dp: Annotated[bool, typer.Option("--dp/--no-dp", help="DP-SGD with ghost clipping (two passes).")] = False,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="Local rows per pass "
+                                                    "(default: the largest that fits).")] = None,
     top: Annotated[int, typer.Option("--top", help="Rows to show in the table.")] = 10,
     fmt: Annotated[Literal["table", "json"], typer.Option("--format", help="table or json.")] = "table",
 ) -> None:
+    from dataclasses import asdict, replace
+
     from memaudit.commands._common import print_json, stdout
-    from memaudit.parallel.planner import ModelShape, plan
+    from memaudit.parallel.planner import MACHINES, ModelShape, plan
 
     if gpus < 1:
         raise ValueError(f"--gpus {gpus} must be >= 1")
@@ -34,27 +62,41 @@ def plan_cmd(
         raise ValueError(f"--batch {batch} / --seq {seq} must be >= 1 / >= 2")
     if dtype_bytes not in (2, 4):
         raise ValueError(f"--dtype-bytes {dtype_bytes} must be 2 or 4")
-    rows = plan(ModelShape.from_preset(preset), gpus=gpus, batch=batch, seq=seq, mem_gib=mem_gib,
-                dtype_bytes=dtype_bytes)
+    if weight_bytes not in (2, 4):
+        raise ValueError(f"--weight-bytes {weight_bytes} must be 2 or 4")
+    if machine not in MACHINES:
+        raise ValueError(f"--machine {machine!r} is unknown; choose one of {', '.join(MACHINES)}")
+    for flag, v in (("--intra-bw", intra_bw), ("--inter-bw", inter_bw), ("--mem-gib", mem_gib)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{flag} {v} must be a finite number > 0")
+    over = {k: v for k, v in (("gpus_per_node", gpus_per_node), ("intra_gbs", intra_bw),
+                              ("inter_gbs", inter_bw), ("mem_gib", mem_gib)) if v is not None}
+    if bw_table is not None:
+        over["table"] = _table(bw_table)
+    mach = replace(MACHINES[machine], **over)  # validated again in Machine
+    m = ModelShape.from_preset(preset)
+    res = plan(m, gpus=gpus, batch=batch, seq=seq, machine=mach, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
+               recompute=recompute, dp=dp, micro_batch=micro_batch)
     if fmt == "json":
-        print_json({"preset": preset, "gpus": gpus, "batch": batch, "seq": seq, "mem_gib": mem_gib, "grids": rows})
+        md = asdict(mach) | {"table": [{"stride": s, "size": n, "gbs": v} for (s, n), v in mach.table.items()]}
+        print_json({"preset": preset, "gpus": gpus, "batch": batch, "seq": seq, "machine": md,
+                    "weight_bytes": weight_bytes, "recompute": recompute, "dp": dp, "considered": res.considered,
+                    "below_memory_floor": res.below_floor, "grids": res.grids})
         return
     from rich.table import Table
 
-    t = Table(title=f"{preset} on {gpus} devices, batch {batch} x {seq}")
-    for c in ("data", "x", "y", "z", "x GiB", "y GiB", "z GiB", "data GiB", "mem GiB", "comm s", "fits"):
+    t = Table(title=f"{preset} on {gpus} devices ({mach.name}), batch {batch} x {seq}")
+    for c in ("data", "x", "y", "z", "mb", "x GiB", "y GiB", "z GiB", "data GiB", "mem GiB", "comm s", "fits"):
         t.add_column(c, justify="right")
-    for r in rows[:top]:
-        g = r["grid"]
-        p = r.get("payload_bytes")
-        cells = [str(g[a]) for a in ("data", "x", "y", "z")]
-        if p is None:
-            cells += ["-"] * 6
-        else:
-            cells += [_gib(p[a]) for a in ("x", "y", "z", "data")]
-            cells += [_gib(r["memory_bytes"]["total"]), f"{r['comm_time_s']:.3f}"]
-        cells.append("yes" if r["fits"] else ("no: memory" if "memory" in r["reason"] else "no: shape"))
+    for r in res.grids[:top]:
+        g, w = r["grid"], r["wire_bytes"]
+        cells = [str(g[a]) for a in ("data", "x", "y", "z")] + [str(r["micro_batch"])]
+        cells += [_gib(w[a]) for a in ("x", "y", "z", "data")]
+        cells += [_gib(r["memory_bytes"]["total"]), f"{r['comm_time_s']:.3f}", "yes" if r["fits"] else "no: memory"]
         t.add_row(*cells)
     stdout.print(t)
-    stdout.print("payload: bytes each device passes to collectives per step, per axis; "
-                 "comm s: bandwidth-only estimate (see --format json for reasons and memory terms)")
+    stdout.print(f"{res.considered} grids admitted by the model and batch, {res.below_floor} below the memory "
+                 "floor; wire: bytes each device sends per step, per axis; comm s: AxoNN-style bandwidth "
+                 "model (--format json for per-kind volumes, bandwidths and memory terms)")
+    if not res.grids:
+        stdout.print("no grid: choose --batch divisible by the data x z part of --gpus, or fewer GPUs")

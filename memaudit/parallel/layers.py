@@ -7,6 +7,13 @@ partial outputs over the in-feature axis. Backward: all-gather W over z again (t
 is not kept), all-reduce the input gradient over the out-feature axis (optionally overlapped
 with the weight-gradient matmul), reduce-scatter the weight gradient over z.
 
+AxoNN's three overlaps, each switchable (`parallelize_llama`): OAR, the input-gradient
+all-reduce runs during the weight-gradient matmul; ORS, the z reduce-scatter of the weight
+gradient is asynchronous and handed to the model's `GradSync`, which waits for it at the end
+of backward (and may all-reduce it over data in DDP-style buckets there and then); OAG, each
+layer issues the next layer's z all-gather (the previous layer's in backward) before its own
+matmuls.
+
 References:
   Singh et al., "A 4D Hybrid Algorithm to Scale Parallel Training to Thousands of GPUs",
   SC'24 (AxoNN), Algorithm 1. Shoeybi et al., "Megatron-LM", 2019 (vocab-parallel loss).
@@ -23,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memaudit.parallel import ghost
-from memaudit.parallel.comm import Comm, reduce_partial
+from memaudit.parallel.comm import Comm, GradSync, reduce_partial
 from memaudit.parallel.dims import ParallelDims
 
 
@@ -116,11 +123,74 @@ def gather_block(shard: torch.Tensor, comm: Comm, shape: tuple[int, int]) -> tor
     return full[: shape[0] * shape[1]].view(shape)
 
 
+# ----------------------------------------------------------------------------- prefetch
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Gathered:
+    """A weight's full block, gathered on demand or prefetched one layer ahead (OAG).
+
+    `chain` links the tensor-parallel weights in forward order (`prev`/`next`, set by
+    `parallelize_llama`); with `prefetch`, a layer issues the asynchronous z all-gather of the
+    next layer's weights in forward (of the previous one in backward) before its own matmuls.
+    Prefetching is skipped while activations are recomputed inside backward, where the
+    forward order does not predict the next layer to run.
+    """
+
+    def __init__(self, comm: Comm, shape: tuple[int, int], prefetch: bool) -> None:
+        self.comm, self.shape, self.prefetch = comm, shape, prefetch
+        self.prev: _Gathered | None = None
+        self.next: _Gathered | None = None
+        self.shard: torch.Tensor | None = None  # the parameter, set by the owner
+        self.ahead: dict[str, tuple[torch.Tensor, Any, int]] = {}
+        self.hits = 0  # prefetched blocks used (for tests and benchmarks)
+
+    def issue(self, phase: str) -> None:
+        if phase not in self.ahead and self.shard is not None:
+            full, work = self.comm.all_gather(self.shard.detach(), "z", async_op=True)
+            self.ahead[phase] = (full, work, self.shard._version)
+
+    def block(self, phase: str) -> torch.Tensor:
+        """This weight's (rows x cols) block; then prefetch the neighbour that runs next."""
+        full = None
+        if phase in self.ahead:
+            full, work, version = self.ahead.pop(phase)
+            if work is not None:
+                work.wait()
+            if version != self.shard._version:  # updated since the prefetch: never use stale weights
+                full = None
+            else:
+                self.hits += 1
+        if full is None:
+            full = self.comm.all_gather(self.shard.detach(), "z")
+        if self.prefetch:
+            nxt = self.next if phase == "fwd" else self.prev
+            if nxt is not None and not (phase == "fwd" and _in_backward()):
+                nxt.issue(phase)
+        return full[: self.shape[0] * self.shape[1]].view(self.shape)
+
+
 # ----------------------------------------------------------------------------- linear
+def _weight_grad(ctx: Any, grad_w: torch.Tensor) -> torch.Tensor | None:
+    """The z reduce-scatter of a weight gradient: returned to autograd (blocking), or handed to
+    the model's `GradSync` (ORS and/or DDP-style data buckets)."""
+    comm, sync = ctx.comm, ctx.sync
+    padded = _pad_to(grad_w.reshape(-1), comm.size("z"))
+    if sync is None or not sync.active:
+        return comm.reduce_scatter(padded, "z")
+    if sync.async_rs:
+        piece, work = comm.reduce_scatter(padded, "z", async_op=True)
+    else:
+        piece, work = comm.reduce_scatter(padded, "z"), None
+    sync.weight_grad(ctx.param, piece, work)
+    return None
+
+
 def _linear_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-    a, w_shard = ctx.saved_tensors
+    (a,) = ctx.saved_tensors
     comm = ctx.comm
-    w = gather_block(w_shard, comm, ctx.shape)  # re-gathered: the full block is not kept
+    w = ctx.gathered.block("bwd")  # re-gathered (or prefetched): the full block is not kept
     grad_a = g @ w  # (..., in_l) partial over out_axis
     work = comm.all_reduce(grad_a, ctx.out_axis, async_op=ctx.overlap)
     g2 = g.reshape(-1, g.shape[-1])
@@ -128,19 +198,20 @@ def _linear_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
     grad_w = g2.t() @ a2  # (out_l, in_l), overlapped with the all-reduce above
     if ghost.active():
         ghost.add_linear(a, g, scale=1.0)
-    grad_shard = comm.reduce_scatter(_pad_to(grad_w.reshape(-1), comm.size("z")), "z")
+    grad_shard = _weight_grad(ctx, grad_w)
     if work is not None and ctx.overlap:
         work.wait()
-    return grad_a, grad_shard, None, None, None, None, None
+    return grad_a, grad_shard, None
 
 
-def _linear_forward(ctx: Any, a: torch.Tensor, w_shard: torch.Tensor, comm: Comm, in_axis: str,
-                    out_axis: str, shape: tuple[int, int], overlap: bool) -> torch.Tensor:
-    w = gather_block(w_shard, comm, shape)  # (out_l, in_l)
+def _linear_forward(ctx: Any, a: torch.Tensor, w_shard: torch.Tensor, mod: TPLinear) -> torch.Tensor:
+    comm = mod.comm
+    w = mod.gathered.block("fwd")  # (out_l, in_l)
     y = a @ w.t()  # (..., out_l), partial over in_axis
-    comm.all_reduce(y, in_axis)
-    ctx.save_for_backward(a, w_shard)
-    ctx.comm, ctx.in_axis, ctx.out_axis, ctx.shape, ctx.overlap = comm, in_axis, out_axis, shape, overlap
+    comm.all_reduce(y, mod.in_axis)
+    ctx.save_for_backward(a)
+    ctx.comm, ctx.out_axis, ctx.overlap, ctx.gathered = comm, mod.out_axis, mod.overlap, mod.gathered
+    ctx.sync, ctx.param = mod.sync, w_shard
     return y
 
 
@@ -175,7 +246,8 @@ class TPLinear(nn.Module):
     in-feature axis and z.
     """
 
-    def __init__(self, linear: nn.Linear, comm: Comm, *, transpose: bool = False, overlap: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, comm: Comm, *, transpose: bool = False, overlap: bool = True,
+                 prefetch: bool = False, sync: GradSync | None = None) -> None:
         super().__init__()
         self.comm, self.transpose, self.overlap = comm, transpose, overlap
         self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
@@ -189,6 +261,9 @@ class TPLinear(nn.Module):
         self.wspec = ShardSpec((out_f, in_f), self.out_axis, self.in_axis, True, (), ("data",))
         self.weight = nn.Parameter(self.wspec.local(linear.weight.detach(), comm))
         self.weight.shard_spec = self.wspec  # type: ignore[attr-defined]
+        self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
+        self.gathered.shard = self.weight
+        self.__dict__["sync"] = sync
         if linear.bias is not None:
             self.bspec = ShardSpec((out_f,), self.out_axis, None, False, (self.in_axis, "z"), ("z", "data"))
             self.bias = nn.Parameter(self.bspec.local(linear.bias.detach(), comm))
@@ -197,7 +272,8 @@ class TPLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        y = TPLinearFn.apply(a, self.weight, self.comm, self.in_axis, self.out_axis, self.shape, self.overlap)
+        self.gathered.shard = self.weight  # the parameter may have been replaced (load, .to())
+        y = TPLinearFn.apply(a, self.weight, self)
         if self.bias is not None:
             y = _BiasFn.apply(y, self.bias, self.comm.size(self.in_axis))
         return y
@@ -209,14 +285,14 @@ class TPLinear(nn.Module):
 # ----------------------------------------------------------------------------- embedding
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, w_shard: torch.Tensor, comm: Comm, vstart: int,
-                shape: tuple[int, int]) -> torch.Tensor:
-        w = gather_block(w_shard, comm, shape)  # (V_l, H_l)
+    def forward(ctx: Any, ids: torch.Tensor, w_shard: torch.Tensor, mod: ParallelEmbedding) -> torch.Tensor:
+        w = mod.gathered.block("fwd")  # (V_l, H_l); prefetches the first layer's weights
+        vstart, shape = mod.vstart, mod.shape
         mask = (ids >= vstart) & (ids < vstart + shape[0])
         local = torch.where(mask, ids - vstart, torch.zeros_like(ids))
         out = w[local] * mask.unsqueeze(-1).to(w.dtype)  # (B, S, H_l), partial over y
         ctx.save_for_backward(local, mask)
-        ctx.comm, ctx.shape, ctx.wdtype = comm, shape, w_shard.dtype
+        ctx.comm, ctx.shape, ctx.sync, ctx.param = mod.comm, shape, mod.sync, w_shard
         return out
 
     @staticmethod
@@ -227,14 +303,14 @@ class _EmbeddingFn(torch.autograd.Function):
         grad_w.index_add_(0, local.reshape(-1), gm.reshape(-1, g.shape[-1]))
         if ghost.active():
             ghost.add_embedding(local, mask, gm)
-        shard = ctx.comm.reduce_scatter(_pad_to(grad_w.reshape(-1), ctx.comm.size("z")), "z")
-        return None, shard, None, None, None
+        return None, _weight_grad(ctx, grad_w), None
 
 
 class ParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split over y and the hidden dim over x; output (B, S, H/x)."""
 
-    def __init__(self, emb: nn.Embedding, comm: Comm) -> None:
+    def __init__(self, emb: nn.Embedding, comm: Comm, *, prefetch: bool = False, sync: GradSync | None = None
+                 ) -> None:
         super().__init__()
         v, h = emb.weight.shape
         self.comm = comm
@@ -243,9 +319,12 @@ class ParallelEmbedding(nn.Module):
         self.spec = ShardSpec((v, h), "y", "x", True, (), ("data",))
         self.weight = nn.Parameter(self.spec.local(emb.weight.detach(), comm))
         self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
+        self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
+        self.__dict__["sync"] = sync
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = _EmbeddingFn.apply(ids, self.weight, self.comm, self.vstart, self.shape)
+        self.gathered.shard = self.weight
+        out = _EmbeddingFn.apply(ids, self.weight, self)
         return reduce_partial(out, self.comm, "y")
 
 

@@ -11,11 +11,14 @@ References: Singh et al., AxoNN (SC'24); torchtitan's `parallelize_llama`.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from memaudit.parallel.comm import Comm, _all_gather
+from memaudit.parallel.comm import Comm, GradSync, _all_gather
 from memaudit.parallel.dims import ParallelDims, ProcessGroups, build_groups
 from memaudit.parallel.layers import (
     ParallelEmbedding,
@@ -36,9 +39,10 @@ class ParallelLlama(nn.Module):
     shard and carries a `shard_spec`.
     """
 
-    def __init__(self, hf: nn.Module, comm: Comm) -> None:
+    def __init__(self, hf: nn.Module, comm: Comm, sync: GradSync | None = None) -> None:
         super().__init__()
         self.hf, self.comm = hf, comm
+        self.__dict__["grad_sync"] = sync
         self.vstart = comm.index("y") * (hf.config.vocab_size // comm.size("y"))
 
     @property
@@ -102,36 +106,63 @@ class ParallelLlama(nn.Module):
         return full_state_dict(self, grads=grads, dst=dst)
 
 
+def overlap_options(pc: Any) -> dict[str, Any]:
+    """`parallelize_llama` keywords from a `ParallelConfig`: the overlaps it switches on."""
+    return {"overlap": pc.overlap, "overlap_reduce_scatter": pc.overlap_reduce_scatter,
+            "overlap_all_gather": pc.overlap_all_gather,
+            "bucket_mb": pc.bucket_mb if pc.bucket_data_sync else None}
+
+
 def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups | None = None,
-                      overlap: bool = True) -> ParallelLlama:
+                      overlap: bool = True, overlap_reduce_scatter: bool = False,
+                      overlap_all_gather: bool = False, bucket_mb: float | None = None) -> ParallelLlama:
     """Swap the layers of a full `LlamaForCausalLM` for AxoNN's; every rank slices its shard.
 
     Args:
       model: a `LlamaForCausalLM` with the full weights (the same on every rank).
       dims: the grid; checked against the world size and the model's dimensions.
       pg: process groups from `build_groups(dims)` (built here when omitted; collective).
-      overlap: overlap the input-gradient all-reduce with the weight-gradient matmul.
+      overlap: overlap the input-gradient all-reduce with the weight-gradient matmul (OAR).
+      overlap_reduce_scatter: issue the z reduce-scatter of each weight gradient asynchronously
+        and wait for them all at the end of backward (ORS).
+      overlap_all_gather: prefetch the next layer's z all-gather one layer ahead, in forward
+        and in backward (OAG).
+      bucket_mb: all-reduce weight gradients over data in buckets of about this many MB,
+        issued during backward (as torch DDP does); None: one blocking bucket after backward.
 
     Returns: a `ParallelLlama` (the HF module, modified in place, is `.hf`).
+
+    References: Singh et al., AxoNN (SC'24), Section IV-B (OAR, ORS, OAG).
     """
     dims.check_model(model.config)
     pg = pg if pg is not None else build_groups(dims)
     if pg.dims != dims:
         raise ValueError(f"process groups were built for {pg.dims}, not {dims}; pass matching dims")
+    if bucket_mb is not None and not bucket_mb > 0:
+        raise ValueError(f"parallel.bucket_mb={bucket_mb} must be > 0")
     comm = Comm(pg)
+    sync = GradSync(comm, async_reduce_scatter=overlap_reduce_scatter,
+                    bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20))
+    kw = {"prefetch": overlap_all_gather, "sync": sync}
     inner = model.model
+    inner.embed_tokens = ParallelEmbedding(inner.embed_tokens, comm, **kw)
+    chain = [inner.embed_tokens.gathered]
     for layer in inner.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name in _NORMAL + _TRANSPOSED:
                 if hasattr(parent, name):
-                    lin = getattr(parent, name)
-                    setattr(parent, name, TPLinear(lin, comm, transpose=name in _TRANSPOSED, overlap=overlap))
+                    lin = TPLinear(getattr(parent, name), comm, transpose=name in _TRANSPOSED, overlap=overlap, **kw)
+                    setattr(parent, name, lin)
+                    chain.append(lin.gathered)
         layer.input_layernorm = ParallelRMSNorm(layer.input_layernorm, comm)
         layer.post_attention_layernorm = ParallelRMSNorm(layer.post_attention_layernorm, comm)
     inner.norm = ParallelRMSNorm(inner.norm, comm)
-    inner.embed_tokens = ParallelEmbedding(inner.embed_tokens, comm)
-    model.lm_head = TPLinear(model.lm_head, comm, transpose=False, overlap=overlap)
-    return ParallelLlama(model, comm)
+    model.lm_head = TPLinear(model.lm_head, comm, transpose=False, overlap=overlap, **kw)
+    chain.append(model.lm_head.gathered)
+    for a, b in itertools.pairwise(chain):  # forward order (q, k, v, o, gate, up, down)
+        a.next, b.prev = b, a
+    chain[1].prev = None  # the embedding's backward gathers nothing
+    return ParallelLlama(model, comm, sync)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -149,15 +180,18 @@ def _flat_sync(params: list[nn.Parameter], comm: Comm, axis: str) -> None:
 
 def sync_grads(model: ParallelLlama) -> None:
     """Sum gradients over the batch axes each parameter is replicated on (z for replicated
-    parameters, whose z-sum is not done by a reduce-scatter, then data for all)."""
-    sync_param_grads(list(model.hf.parameters()), model.comm)
+    parameters, whose z-sum is not done by a reduce-scatter, then data for all), skipping the
+    data all-reduce of parameters whose buckets were all-reduced during backward."""
+    sync = model.grad_sync
+    done = sync.take_synced() if sync is not None else set()
+    sync_param_grads(list(model.hf.parameters()), model.comm, skip_data=done)
 
 
-def sync_param_grads(params: list[nn.Parameter], comm: Comm) -> None:
+def sync_param_grads(params: list[nn.Parameter], comm: Comm, *, skip_data: set[int] = frozenset()) -> None:
     """`sync_grads` for any parameters carrying a `shard_spec` (one bucket per axis)."""
     params = [p for p in params if p.grad is not None]
-    for axis in ("z", "data"):
-        _flat_sync([p for p in params if axis in p.shard_spec.sync_axes], comm, axis)
+    _flat_sync([p for p in params if "z" in p.shard_spec.sync_axes], comm, "z")
+    _flat_sync([p for p in params if "data" in p.shard_spec.sync_axes and id(p) not in skip_data], comm, "data")
 
 
 # ----------------------------------------------------------------------------- state dicts

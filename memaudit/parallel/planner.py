@@ -1,14 +1,21 @@
-"""Analytic model of AxoNN's per-step communication and per-device memory; grid ranking.
+"""AxoNN's communication model: per-kind wire volume, an AxoNN-style time model, memory, grid ranking.
 
-`predict_payload` mirrors exactly what `memaudit.parallel` passes to each collective in one
-training step (bytes each rank hands in, per axis): z all-gathers of every weight block in
-forward and again in backward, z reduce-scatters of weight gradients, activation
-all-reduces over x (normal-layer outputs, transposed-layer input gradients) and over y
-(the converse), RMSNorm statistics over x, the embedding's vocabulary all-reduce over y, the
-vocabulary-parallel loss over y, the loss statistics over z and data, the gradient sync of
-replicated parameters over z and of all parameters over data, and optional clipping norms.
+`predict_collectives` mirrors exactly what `memaudit.parallel` hands to each collective in one
+training step, per (axis, kind): z all-gathers of every weight block in forward and again in
+backward, z reduce-scatters of weight gradients, activation all-reduces over x (normal-layer
+outputs, transposed-layer input gradients) and over y (the converse), norm statistics over x,
+the embedding's vocabulary all-reduce over y, the vocabulary-parallel loss over y, the loss
+statistics over z and data, the gradient sync of replicated parameters over z and of all
+parameters over data, optional clipping norms. Activation recomputation replays each decoder
+layer's forward collectives (z all-gathers, in-axis all-reduces, norm statistics); DP-SGD with
+ghost clipping runs two forward+backward passes per micro-batch plus the per-example norm
+all-reduces over x and y. `wire_bytes` turns payloads into bytes on the wire (ring costs,
+`comm.wire_factor`); `comm_time` divides them by each group's bandwidth, which follows from
+the group's size and stride on the machine (`Machine.bandwidth`).
 
-References: Singh et al., AxoNN (SC'24), Section IV (communication model).
+References: Singh et al., "A 4D Hybrid Algorithm to Scale Parallel Training to Thousands of
+GPUs" (AxoNN, SC'24), Sections IV-V; Chen et al., "Training Deep Nets with Sublinear Memory
+Cost", 2016 (activation checkpointing); Li et al., ghost clipping, ICLR 2022.
 
 >>> from memaudit.parallel.dims import ParallelDims
 >>> p = predict_payload(ModelShape.from_preset("tiny"), ParallelDims(), batch=4, seq=16)
@@ -18,27 +25,48 @@ References: Singh et al., AxoNN (SC'24), Section IV (communication model).
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any, Literal, NamedTuple
 
+from memaudit.parallel.comm import wire_factor
 from memaudit.parallel.dims import MeshAxis, ParallelDims
 
+ORDER = ("x", "y", "z", "data")  # rank order, fastest first (dims.py)
 
+
+# ----------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class ModelShape:
+    """What the cost model needs of a decoder-only transformer.
+
+    `mlp="swiglu"` is Llama's gate/up/down; `"gelu"` the GPT MLP (h -> intermediate -> h).
+    `norm="rms"` all-reduces one statistic per token over x, `"layer"` two (mean and mean
+    square) and has a bias. GPT shapes here are untied and leave out the position table.
+    """
+
     vocab: int
     hidden: int
     intermediate: int
     layers: int
     heads: int
     kv_heads: int
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    norm: Literal["rms", "layer"] = "rms"
 
     @classmethod
     def from_preset(cls, name: str) -> ModelShape:
-        from memaudit.models.presets import get_preset
+        if name in SHAPES:
+            return SHAPES[name]
+        from memaudit.models.presets import PRESETS
 
-        p = get_preset(name)
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset '{name}'; choose one of "
+                             f"{', '.join([*PRESETS, *SHAPES])}")
+        p = PRESETS[name]
         return cls(p.vocab_size, p.hidden_size, p.intermediate_size, p.num_hidden_layers,
                    p.num_attention_heads, p.num_key_value_heads)
 
@@ -52,151 +80,406 @@ class ModelShape:
         return self.hidden // self.heads
 
     def linears(self) -> list[tuple[int, int, bool]]:
-        """(out, in, transposed) of every layer's linears, per decoder layer."""
+        """(out, in, transposed) of every linear of one decoder layer."""
         h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return [(q, h, False), (kv, h, False), (kv, h, False), (h, q, True),
-                (i, h, False), (i, h, False), (h, i, True)]
+        attn = [(q, h, False), (kv, h, False), (kv, h, False), (h, q, True)]
+        mlp = [(i, h, False), (i, h, False), (h, i, True)] if self.mlp == "swiglu" else [(i, h, False), (h, i, True)]
+        return attn + mlp
+
+    @property
+    def norm_stats(self) -> int:
+        return 1 if self.norm == "rms" else 2
+
+    def params(self) -> int:
+        lin = sum(o * i for o, i, _ in self.linears())
+        return self.layers * lin + 2 * self.vocab * self.hidden + (2 * self.layers + 1) * self.hidden * self.norm_stats
+
+    def y_divisors_of(self) -> int:
+        """Every y must divide this (heads, kv heads, MLP width and vocabulary are split over y)."""
+        return math.gcd(self.heads, self.kv_heads, self.intermediate, self.vocab)
 
 
-def _add(out: dict[str, int], dims: ParallelDims, axis: str, nbytes: int) -> None:
-    if dims.size(axis) > 1:
-        out[axis] += int(nbytes)
+def _gpt(layers: int, hidden: int) -> ModelShape:
+    return ModelShape(51200, hidden, 4 * hidden, layers, hidden // 128, hidden // 128, "gelu", "layer")
+
+
+SHAPES: dict[str, ModelShape] = {
+    # AxoNN's GPT shapes (layers x hidden), head dim 128, GPT-2 vocabulary padded to 51200
+    "gpt-5b": _gpt(24, 4096), "gpt-10b": _gpt(32, 5120), "gpt-20b": _gpt(32, 7168),
+    "gpt-40b": _gpt(38, 9216), "gpt-60b": _gpt(56, 9216), "gpt-80b": _gpt(42, 12288),
+    "gpt-160b": _gpt(84, 12288), "gpt-320b": _gpt(96, 16384), "gpt-640b": _gpt(192, 16384),
+    # Llama 3.1 (Meta, 2024)
+    "llama-8b": ModelShape(128256, 4096, 14336, 32, 32, 8),
+    "llama-70b": ModelShape(128256, 8192, 28672, 80, 64, 8),
+    "llama-405b": ModelShape(128256, 16384, 53248, 126, 128, 8),
+}
+
+
+# ----------------------------------------------------------------------------- volume
+Key = tuple[str, str]  # (axis, kind)
 
 
 def _zshard(numel: int, z: int) -> int:
     return math.ceil(numel / z)
 
 
-def _linear(out: dict[str, int], d: ParallelDims, o: int, i: int, transposed: bool, tokens: int, e: int) -> int:
+class _Acc:
+    """Payload bytes per (axis, kind); collectives over a size-1 axis add nothing."""
+
+    def __init__(self, d: ParallelDims) -> None:
+        self.d, self.out, self.scale = d, defaultdict(int), 1
+        self.n = {a: d.size(a) for a in ORDER}
+
+    def add(self, axis: str, kind: str, nbytes: int, times: int = 1) -> None:
+        if self.n[axis] > 1 and nbytes:
+            self.out[(axis, kind)] += int(nbytes) * times * self.scale
+
+
+def _linear(acc: _Acc, o: int, i: int, transposed: bool, tokens: int, e: int, we: int, *, times: int,
+            replay: bool) -> None:
+    d = acc.d
     in_ax, out_ax = ("y", "x") if transposed else ("x", "y")
     o_l, i_l = o // d.size(out_ax), i // d.size(in_ax)
     shard = _zshard(o_l * i_l, d.z)
-    _add(out, d, "z", 2 * shard * e)  # all-gather in forward and again in backward
-    _add(out, d, "z", shard * d.z * e)  # reduce-scatter of the (padded) weight gradient
-    _add(out, d, in_ax, tokens * o_l * e)  # forward: partial outputs
-    _add(out, d, out_ax, tokens * i_l * e)  # backward: partial input gradients
-    return shard
+    fwd = 2 if replay else 1  # recomputation replays the forward
+    acc.add("z", "all_gather", shard * we, times * (fwd + 1))  # forward (+ replay) and backward
+    acc.add(in_ax, "all_reduce", tokens * o_l * e, times * fwd)  # partial outputs
+    acc.add(out_ax, "all_reduce", tokens * i_l * e, times)  # partial input gradients
+    acc.add("z", "reduce_scatter", shard * d.z * we, times)  # the (padded) weight gradient
 
 
-def predict_payload(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
-                    clip: bool = False) -> dict[str, int]:
-    """Bytes each rank passes to collectives in one step, per axis (global batch `batch`)."""
-    out = {a.value: 0 for a in MeshAxis}
-    e = dtype_bytes
-    b = batch // (d.data * d.z)
-    n, n1 = b * seq, b * (seq - 1)  # tokens through the stack, and through the LM head
-    weights = 0
-    for _ in range(m.layers):
-        for o, i, t in m.linears():
-            weights += _linear(out, d, o, i, t, n, e)
-    norms = 2 * m.layers + 1
-    _add(out, d, "x", norms * 2 * n * 4)  # fp32 mean square, forward and backward
+def _pass(acc: _Acc, m: ModelShape, rows: int, seq: int, e: int, we: int, *, recompute: bool,
+          loss_stats: bool) -> None:
+    """One forward + backward over `rows` local sequences."""
+    d = acc.d
+    n, n1 = rows * seq, rows * (seq - 1)  # tokens through the stack, and through the LM head
+    for o, i, t in m.linears():
+        _linear(acc, o, i, t, n, e, we, times=m.layers, replay=recompute)
+    stat = n * 4 * m.norm_stats  # fp32 statistics per token
+    acc.add("x", "all_reduce", stat, m.layers * 2 * (3 if recompute else 2))  # fwd (+ replay) + bwd
+    acc.add("x", "all_reduce", stat, 2)  # final norm
     v_l, h_l = m.vocab // d.y, m.hidden // d.x
     emb = _zshard(v_l * h_l, d.z)
-    _add(out, d, "z", emb * e + emb * d.z * e)  # all-gather forward, reduce-scatter backward
-    _add(out, d, "y", n * h_l * e)  # vocabulary-partial embeddings
-    weights += emb + _linear(out, d, m.vocab, m.hidden, False, n1, e)
-    _add(out, d, "y", 3 * n1 * 4)  # loss: max, sum-exp, target logit (fp32)
-    for axis in ("z", "data"):
-        _add(out, d, axis, 16)  # loss sum and target count (fp64)
-    norm_params = norms * h_l
-    _add(out, d, "z", norm_params * 4)  # replicated-parameter gradients
-    _add(out, d, "data", (weights + norm_params) * 4)
+    acc.add("z", "all_gather", emb * we)
+    acc.add("y", "all_reduce", n * h_l * e)  # vocabulary-partial embeddings
+    acc.add("z", "reduce_scatter", emb * d.z * we)
+    _linear(acc, m.vocab, m.hidden, False, n1, e, we, times=1, replay=False)  # LM head
+    acc.add("y", "all_reduce", 3 * n1 * 4)  # loss: max, sum-exp, target logit (fp32)
+    if loss_stats:
+        for axis in ("z", "data"):
+            acc.add(axis, "all_reduce", 16)  # loss sum and target count (fp64)
+
+
+def local_weights(m: ModelShape, d: ParallelDims) -> tuple[int, int]:
+    """(z-sharded elements of linears and embeddings, replicated norm elements) on one rank."""
+    sharded = 0
+    for o, i, t in m.linears():
+        o_l, i_l = (o // d.x, i // d.y) if t else (o // d.y, i // d.x)
+        sharded += m.layers * _zshard(o_l * i_l, d.z)
+    sharded += 2 * _zshard((m.vocab // d.y) * (m.hidden // d.x), d.z)
+    return sharded, (2 * m.layers + 1) * (m.hidden // d.x) * m.norm_stats
+
+
+def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
+                        weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
+                        micro_batches: int = 1, clip: bool = False, data_in_backward: bool = False
+                        ) -> dict[Key, int]:
+    """Payload bytes each rank hands to collectives in one step, per (axis, kind).
+
+    Args:
+      batch: global batch (sequences), split over data x z. seq: tokens per sequence.
+      dtype_bytes: activation element size; weight_bytes: parameter/gradient element size.
+      recompute: activation checkpointing of every decoder layer.
+      dp: DP-SGD with ghost clipping (`parallel.dp.dp_sgd_backward`): per micro-batch a norm
+        pass and a clipped pass, the per-example squared norms (fp64) all-reduced over x and y,
+        the clip statistics (3 x fp64) over z and data.
+      micro_batches: passes per step over local chunks as equal as possible (gradients
+        accumulate; one sync).
+      clip: global-norm clipping after the sync (one fp64 over x, y and z).
+      data_in_backward: the sharded weights' data all-reduce runs in buckets during each
+        backward that keeps its gradients (every micro-batch; DP: the clipped pass only),
+        the replicated parameters' once after backward.
+    """
+    acc = _Acc(d)
+    rows = batch // (d.data * d.z)
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+    q, r = divmod(rows, micro_batches)  # chunks as equal as possible: r of q + 1 rows, the rest of q
+    for chunk, count in ((q + 1, r), (q, micro_batches - r)):
+        if count == 0 or chunk == 0:
+            continue
+        acc.scale = count * (2 if dp else 1)
+        _pass(acc, m, chunk, seq, dtype_bytes, weight_bytes, recompute=recompute, loss_stats=not dp)
+        acc.scale = count
+        if dp:
+            for axis in ("x", "y"):
+                acc.add(axis, "all_reduce", chunk * 8)
+    acc.scale = 1
+    if dp:
+        for axis in ("z", "data"):
+            acc.add(axis, "all_reduce", 24)
+    sharded, norms = local_weights(m, d)
+    acc.add("z", "all_reduce", norms * weight_bytes)  # replicated-parameter gradients
+    if data_in_backward:
+        acc.add("data", "all_reduce", sharded * weight_bytes, micro_batches)
+        acc.add("data", "all_reduce", norms * weight_bytes)
+    else:
+        acc.add("data", "all_reduce", (sharded + norms) * weight_bytes)
     if clip:
         for axis in ("x", "y", "z"):
-            _add(out, d, axis, 8)
+            acc.add(axis, "all_reduce", 8)
+    return dict(acc.out)
+
+
+def predict_payload(m: ModelShape, d: ParallelDims, **kw: Any) -> dict[str, int]:
+    """`predict_collectives` summed per axis."""
+    out = {a.value: 0 for a in MeshAxis}
+    for (axis, _), b in predict_collectives(m, d, **kw).items():
+        out[axis] += b
     return out
 
 
-def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4
-                   ) -> dict[str, int]:
+def wire_bytes(payload: dict[Key, int], d: ParallelDims) -> dict[Key, Fraction]:
+    """Bytes each rank sends per (axis, kind): the payload times the ring factor of the group."""
+    return {(a, k): wire_factor(k, d.size(a)) * b for (a, k), b in payload.items()}
+
+
+# ----------------------------------------------------------------------------- memory
+def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
+                   recompute: bool = False, micro_batch: int | None = None, flash: bool = False,
+                   dp: bool = False) -> dict[str, int]:
     """Per-device bytes: fp32 weights, grads, AdamW moments, transient gathered block, activations.
 
-    Activations are an estimate (no activation checkpointing): per layer the saved inputs of
-    the linears, attention and MLP intermediates, and the fp32 logits and softmax of the head.
+    Activations of one pass over `micro_batch` local rows (all rows when None): per layer the
+    saved inputs of the linears, attention and MLP intermediates (with `recompute`, only each
+    layer's input is kept and one layer's intermediates live at a time), attention scores
+    unless `flash`, and the fp32 logits, softmax and gradient of the head. `dp` adds the
+    per-example ghost-norm Gram matrices of the largest linear (fp64).
     """
-    weights = 0
-    blocks = []
-    for o, i, t in m.linears():
-        o_l, i_l = (o // d.x, i // d.y) if t else (o // d.y, i // d.x)
-        weights += m.layers * _zshard(o_l * i_l, d.z)
-        blocks.append(o_l * i_l)
+    sharded, norms = local_weights(m, d)
+    weights = sharded + norms
+    blocks = [(o // d.x) * (i // d.y) if t else (o // d.y) * (i // d.x) for o, i, t in m.linears()]
     vh = (m.vocab // d.y) * (m.hidden // d.x)
-    weights += 2 * _zshard(vh, d.z) + (2 * m.layers + 1) * (m.hidden // d.x)
-    b = max(1, batch // (d.data * d.z))
+    local_rows = max(1, batch // (d.data * d.z))
+    b = min(micro_batch or local_rows, local_rows)
     n = b * seq
     h_x, q_y, i_y = m.hidden // d.x, m.heads * m.head_dim // d.y, m.intermediate // d.y
     kv_y = m.kv_heads * m.head_dim // d.y
-    per_layer = n * (4 * h_x + 3 * q_y + 2 * kv_y + 4 * i_y) * dtype_bytes
-    attn = b * (m.heads // d.y) * seq * seq * dtype_bytes  # sdpa math path may keep scores
-    logits = 3 * n * (m.vocab // d.y) * 4
+    mlp = 4 if m.mlp == "swiglu" else 2
+    per_layer = n * (4 * h_x + 3 * q_y + 2 * kv_y + mlp * i_y) * dtype_bytes
+    attn = 0 if flash else b * (m.heads // d.y) * seq * seq * dtype_bytes  # sdpa math path keeps scores
+    if recompute:
+        acts = m.layers * n * h_x * dtype_bytes + per_layer + attn
+    else:
+        acts = m.layers * (per_layer + attn)
     mem = {
         "weights": weights * 4,
         "grads": weights * 4,
         "optimizer": 2 * weights * 4,
         "gathered": max(max(blocks), vh) * dtype_bytes * 2,
-        "activations": m.layers * (per_layer + attn) + logits,
+        "activations": acts + 3 * n * (m.vocab // d.y) * 4,
+        "ghost": 2 * b * min(seq * seq, max(blocks)) * 8 if dp else 0,
     }
     mem["total"] = sum(mem.values())
     return mem
 
 
-def _time(payload: dict[str, int], d: ParallelDims, gpus_per_node: int, intra_gbs: float, inter_gbs: float) -> float:
-    """Bandwidth-only estimate: an axis is intra-node when its ranks fit in one node."""
-    stride = 1
-    t = 0.0
-    for axis in ("x", "y", "z", "data"):
-        n = d.size(axis)
-        bw = intra_gbs if stride * n <= gpus_per_node else inter_gbs
-        t += payload[axis] * 2 * (n - 1) / max(n, 1) / (bw * 1e9)
-        stride *= n
-    return t
+# ----------------------------------------------------------------------------- machines
+@dataclass(frozen=True)
+class Machine:
+    """A cluster for the time model. Bandwidths in GB/s per GPU (intra) and per node (inter).
+
+    `table` maps (stride, group size) to a measured bandwidth (GB/s) that wins over the
+    formula, as AxoNN's planner used a table of measured collectives.
+    """
+
+    name: str
+    gpus_per_node: int
+    intra_gbs: float
+    inter_gbs: float
+    mem_gib: float
+    peak_tflops: float = 0.0
+    flash: bool = True
+    table: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node {self.gpus_per_node!r} must be a positive integer")
+        for flag, v in (("--intra-bw", self.intra_gbs), ("--inter-bw", self.inter_gbs),
+                        ("--mem-gib", self.mem_gib)):
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{flag} {v} must be a finite number > 0")
+        for (s, n), v in self.table.items():
+            if not (math.isfinite(v) and v > 0 and s >= 1 and n >= 2):
+                raise ValueError(f"bandwidth table entry (stride={s}, size={n}) = {v} must be a finite "
+                                 "GB/s > 0 with stride >= 1 and size >= 2")
+
+    def bandwidth(self, stride: int, n: int) -> float:
+        """GB/s of a group of `n` GPUs whose members are `stride` ranks apart.
+
+        Inside a node (stride x n <= GPUs per node, and the groups tile the node) at the
+        intra-node rate; otherwise at the node's network bandwidth times the share of the
+        node's GPUs that belong to the group (each GPU of a node owns 1/G of its network).
+        """
+        if (stride, n) in self.table:
+            return self.table[(stride, n)]
+        g = self.gpus_per_node
+        if stride * n <= g and g % (stride * n) == 0:
+            return self.intra_gbs
+        on_node = min(n, max(1, g // stride))
+        return self.inter_gbs * on_node / g
 
 
-def factorisations(n: int) -> list[ParallelDims]:
-    out = []
-    for data in range(1, n + 1):
-        if n % data:
-            continue
-        for x in range(1, n // data + 1):
-            if (n // data) % x:
-                continue
-            for y in range(1, n // (data * x) + 1):
-                if (n // (data * x)) % y:
-                    continue
-                out.append(ParallelDims(data=data, x=x, y=y, z=n // (data * x * y)))
+MACHINES: dict[str, Machine] = {
+    # nominal per-direction link rates; network = 4 x 25 GB/s Slingshot-11 NICs per node
+    "perlmutter": Machine("perlmutter", 4, 100.0, 100.0, 40.0, 312.0),  # A100-40GB, 4 NVLink3 per pair
+    "frontier": Machine("frontier", 8, 50.0, 100.0, 64.0, 191.5),  # MI250X GCDs, Infinity Fabric
+    "alps": Machine("alps", 4, 150.0, 100.0, 96.0, 989.0),  # GH200, 6 NVLink4 per pair
+    "generic": Machine("generic", 8, 300.0, 25.0, 80.0, 0.0, flash=False),
+}
+
+
+def strides(d: ParallelDims) -> dict[str, int]:
+    """The product of the group sizes placed inside each axis's group (order x, y, z, data)."""
+    out, s = {}, 1
+    for a in ORDER:
+        out[a] = s
+        s *= d.size(a)
     return out
 
 
-def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, mem_gib: float = 80.0, dtype_bytes: int = 4,
-         gpus_per_node: int = 8, intra_gbs: float = 300.0, inter_gbs: float = 25.0) -> list[dict[str, Any]]:
-    """Every valid grid for `gpus` devices, with payload, memory and estimated comm time, best first.
+def comm_time(wire: dict[Key, Fraction], d: ParallelDims, machine: Machine) -> dict[str, float]:
+    """Seconds per axis (blocking collectives, bandwidth term only)."""
+    st = strides(d)
+    out = {a: 0.0 for a in ORDER}
+    for (a, _), b in wire.items():
+        out[a] += float(b) / (machine.bandwidth(st[a], d.size(a)) * 1e9)
+    return out
 
-    Grids whose model dimensions do not divide, whose batch does not divide by data*z, or
-    whose memory exceeds `mem_gib` are kept with `fits=false` and a `reason`, ranked last.
+
+# ----------------------------------------------------------------------------- search
+@functools.lru_cache(maxsize=4096)
+def divisors(n: int) -> tuple[int, ...]:
+    """Sorted divisors of n (trial division up to sqrt(n); cached: the search asks few distinct n)."""
+    small, large = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            small.append(k)
+            if k * k != n:
+                large.append(n // k)
+        k += 1
+    return tuple(small + large[::-1])
+
+
+def factorisations(n: int) -> list[ParallelDims]:
+    """Every ordered (data, x, y, z) with product n (small n only; `plan` searches a bounded set)."""
+    return [ParallelDims(data=n // (x * y * z), x=x, y=y, z=z)
+            for x in divisors(n) for y in divisors(n // x) for z in divisors(n // (x * y))]
+
+
+def candidate_grids(m: ModelShape, gpus: int, batch: int) -> list[ParallelDims]:
+    """Every grid of `gpus` devices the model and batch can run on, without factoring `gpus`:
+    x divides the hidden size, y the heads, KV heads, MLP width and vocabulary, data x z the
+    batch, so the search is bounded by the divisors of those (any GPU count answers fast)."""
+    out = []
+    for x in divisors(math.gcd(m.hidden, gpus)):
+        for y in divisors(math.gcd(m.y_divisors_of(), gpus // x)):
+            rest = gpus // (x * y)  # = data * z
+            if batch % rest:
+                continue
+            out.extend(ParallelDims(data=rest // z, x=x, y=y, z=z) for z in divisors(rest))
+    return out
+
+
+class PlanResult(NamedTuple):
+    grids: list[dict[str, Any]]  # ranked: fitting grids by predicted communication time, then the rest
+    considered: int  # grids the model dimensions and the batch admit
+    below_floor: int  # of those, grids whose weights and optimizer alone exceed device memory
+
+
+MAX_PLAN_BATCH = 1 << 30  # sequences; bounds the divisor search of data x z (any GPU count is fine)
+
+
+def _check(gpus: int, batch: int, seq: int, micro_batch: int | None) -> None:
+    for flag, v, lo in (("--gpus", gpus, 1), ("--batch", batch, 1), ("--seq", seq, 2)):
+        if not isinstance(v, int) or v < lo:
+            raise ValueError(f"{flag} {v} must be an integer >= {lo}")
+    if batch > MAX_PLAN_BATCH:
+        raise ValueError(f"--batch {batch} must be <= {MAX_PLAN_BATCH} sequences")
+    if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
+        raise ValueError(f"--micro-batch {micro_batch} must be an integer >= 1 (local rows per pass)")
+
+
+def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: int, dtype_bytes: int,
+         weight_bytes: int, recompute: bool, dp: bool, micro_batch: int | None) -> dict[str, Any]:
+    rows = batch // (d.data * d.z)
+    cap = machine.mem_gib * 2**30
+    mem_kw = {"batch": batch, "seq": seq, "dtype_bytes": dtype_bytes, "recompute": recompute,
+              "flash": machine.flash, "dp": dp}
+    if micro_batch is None:  # the largest chunk (fewest weight gathers) that fits; memory grows with it
+        divs = divisors(rows)
+        lo, hi = 0, len(divs) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if predict_memory(m, d, micro_batch=divs[mid], **mem_kw)["total"] <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        mb = divs[lo]
+    else:
+        mb = min(micro_batch, rows)
+    passes = math.ceil(rows / mb)
+    mem = predict_memory(m, d, micro_batch=mb, **mem_kw)
+    pay = predict_collectives(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
+                              recompute=recompute, dp=dp, micro_batches=passes)
+    wire = wire_bytes(pay, d)
+    t = comm_time(wire, d, machine)
+    per_axis = {a: 0 for a in ORDER}
+    by_kind: dict[str, dict[str, float]] = {a: {} for a in ORDER}
+    for (a, k), b in wire.items():
+        per_axis[a] += float(b)
+        by_kind[a][k] = float(b)
+    st = strides(d)
+    flops = 6 * m.params() * batch * seq * (2 if dp else 1) * (4 / 3 if recompute else 1)
+    row: dict[str, Any] = {
+        "grid": asdict(d), "micro_batch": mb, "passes": passes,
+        "payload_bytes": {a: sum(b for (ax, _), b in pay.items() if ax == a) for a in ORDER},
+        "wire_bytes": per_axis, "wire_bytes_by_kind": by_kind, "memory_bytes": mem,
+        "bandwidth_gbs": {a: machine.bandwidth(st[a], d.size(a)) for a in ORDER if d.size(a) > 1},
+        "comm_time_s": sum(t.values()), "comm_time_by_axis_s": t,
+        "compute_time_s": flops / (d.world_size * machine.peak_tflops * 1e12) if machine.peak_tflops else None,
+    }
+    over = mem["total"] > cap
+    row["fits"] = not over
+    row["reason"] = f"memory {mem['total'] / 2**30:.1f} GiB > {machine.mem_gib} GiB" if over else None
+    return row
+
+
+def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | None = None,
+         dtype_bytes: int = 4, weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
+         micro_batch: int | None = None) -> PlanResult:
+    """Rank every grid of `gpus` devices that the model and batch admit by predicted comm time.
+
+    Grids below the memory floor (fp32 weights, gradients and AdamW moments of the local
+    shard exceed device memory) are counted, not evaluated; the others are evaluated with the
+    largest micro-batch that fits (or `micro_batch` local rows per pass) and kept, those over
+    the memory limit with `fits=false` and a `reason`, ranked last.
+
+    >>> r = plan(SHAPES["gpt-80b"], gpus=1024, batch=2048, seq=2048, machine=MACHINES["perlmutter"],
+    ...          dtype_bytes=2, recompute=True)
+    >>> r.grids[0]["fits"]
+    True
     """
-    if gpus < 1 or batch < 1 or seq < 2:
-        raise ValueError(f"need gpus>=1, batch>=1, seq>=2 (got {gpus}, {batch}, {seq})")
-    rows = []
-    for d in factorisations(gpus):
-        reason = None
-        for name, v, ax in (("heads", m.heads, "y"), ("kv_heads", m.kv_heads, "y"), ("hidden", m.hidden, "x"),
-                            ("intermediate", m.intermediate, "y"), ("vocab", m.vocab, "y")):
-            if v % d.size(ax):
-                reason = f"{name}={v} not divisible by {ax}={d.size(ax)}"
-                break
-        if reason is None and batch % (d.data * d.z):
-            reason = f"batch={batch} not divisible by data*z={d.data * d.z}"
-        row: dict[str, Any] = {"grid": asdict(d)}
-        if reason is None:
-            pay = predict_payload(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
-            mem = predict_memory(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
-            if mem["total"] > mem_gib * 2**30:
-                reason = f"memory {mem['total'] / 2**30:.1f} GiB > {mem_gib} GiB"
-            row |= {"payload_bytes": pay, "memory_bytes": mem,
-                    "comm_time_s": _time(pay, d, gpus_per_node, intra_gbs, inter_gbs)}
-        row["fits"] = reason is None
-        row["reason"] = reason
-        rows.append(row)
-    rows.sort(key=lambda r: (not r["fits"], r.get("comm_time_s", math.inf)))
-    return rows
+    _check(gpus, batch, seq, micro_batch)
+    machine = machine or MACHINES["generic"]
+    floor = 16 * m.params() / (machine.mem_gib * 2**30)  # x*y*z must be at least this
+    rows, below = [], 0
+    for d in candidate_grids(m, gpus, batch):
+        if d.tp_size < floor:
+            below += 1
+            continue
+        rows.append(_row(m, d, machine, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
+                         recompute=recompute, dp=dp, micro_batch=micro_batch))
+    rows.sort(key=lambda r: (not r["fits"], r["comm_time_s"], r["memory_bytes"]["total"]))
+    return PlanResult(rows, len(rows) + below, below)

@@ -103,7 +103,7 @@ def test_memory_shrinks_with_sharding() -> None:
 
 
 def test_plan_ranks_fitting_grids_first() -> None:
-    rows = plan(ModelShape.from_preset("8b"), gpus=16, batch=32, seq=1024, mem_gib=80)
+    rows = plan(ModelShape.from_preset("8b"), gpus=16, batch=32, seq=1024).grids
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True) and any(fits)
     times = [r["comm_time_s"] for r in rows if r["fits"]]
@@ -112,14 +112,24 @@ def test_plan_ranks_fitting_grids_first() -> None:
     assert all(r["reason"] for r in bad)
 
 
+def _admits(d: ParallelDims, preset: str, *, batch: int) -> bool:
+    try:
+        d.check_model(llama_config(preset))
+    except ValueError:
+        return False
+    return batch % (d.data * d.z) == 0
+
+
 def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["parallel", "plan", "--gpus", "8", "--preset", "tiny", "--batch", "8", "--seq", "64",
                "--format", "json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["grids"]) == 20
+    # the grids the model itself accepts (brute force over all 20 factorisations of 8)
+    admitted = [d for d in factorisations(8) if _admits(d, "tiny", batch=8)]
+    assert out["considered"] == len(out["grids"]) == len(admitted)
     first = out["grids"][0]
-    assert first["fits"] and set(first["payload_bytes"]) == {"data", "x", "y", "z"}
+    assert first["fits"] and set(first["wire_bytes"]) == {"data", "x", "y", "z"}
 
 
 def test_cli_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,6 +141,14 @@ def test_cli_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     (["--gpus", "0"], "--gpus 0 must be >= 1"),
     (["--gpus", "4", "--preset", "9b"], "unknown model preset '9b'"),
     (["--gpus", "4", "--seq", "1"], "--seq 1 must be"),
+    (["--gpus", "4", "--mem-gib", "nan"], "--mem-gib nan must be a finite number > 0"),
+    (["--gpus", "4", "--mem-gib", "-3"], "--mem-gib -3.0 must be a finite number > 0"),
+    (["--gpus", "4", "--intra-bw", "inf"], "--intra-bw inf must be a finite number > 0"),
+    (["--gpus", "4", "--inter-bw", "nan"], "--inter-bw nan must be a finite number > 0"),
+    (["--gpus", "4", "--gpus-per-node", "0"], "--gpus-per-node 0 must be a positive integer"),
+    (["--gpus", "4", "--machine", "summit"], "--machine 'summit' is unknown"),
+    (["--gpus", "4", "--micro-batch", "0"], "--micro-batch 0 must be an integer >= 1"),
+    (["--gpus", "4", "--bw-table", "/nonexistent.json"], "--bw-table /nonexistent.json: cannot read it"),
 ])
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     assert main(["parallel", "plan", *argv]) == 2

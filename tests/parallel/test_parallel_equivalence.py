@@ -1,4 +1,4 @@
-"""Layer and model equivalence, clipping, DP-SGD (sigma=0) and payload bytes, on CPU gloo.
+"""Layer and model equivalence, clipping, DP-SGD (sigma=0) and wire volume per collective kind, on CPU gloo.
 
 One spawned process group per world size (2, 4, 8) runs every case of that size; the
 1x1x1x1 grid runs in this process without a process group.
@@ -13,6 +13,10 @@ from tests.parallel import _workers
 WORLDS = (2, 4, 8)
 _LAYER = [(w, n) for w in WORLDS for n in _workers.layer_case_names(w)]
 _MODEL = [(g, kind) for g in _workers.MODEL_GRIDS for kind in ("train", "clip", "dp", "payload")]
+_OVERLAP = [f"overlap-{o}-{k}-{''.join(map(str, g))}" for g in _workers.MODEL_GRIDS if g != (1, 1, 1, 1)
+            for k in ("plain", "recompute", "dp", "micro") for o in _workers.OVERLAP_OPTIONS]
+_OVERLAP += [f"overlap-train-{''.join(map(str, g))}" for g in _workers.MODEL_GRIDS if g != (1, 1, 1, 1)]
+_VOLUME = [f"volume-{v}-{''.join(map(str, g))}" for g in _workers.VOLUME_GRIDS for v in _workers.VOLUME_VARIANTS]
 
 
 def test_layer_cases_cover_the_issue_grid() -> None:
@@ -42,3 +46,22 @@ def test_model(results, serial_grid_results, grid: tuple[int, int, int, int], ki
 @pytest.mark.parametrize("world", WORLDS)
 def test_grid_of_wrong_size_is_one_clear_error(results, world: int) -> None:
     assert results(world)["bad-world"] is None
+
+
+@pytest.mark.parametrize("name", _VOLUME)
+def test_wire_volume_per_kind_equals_the_planner(results, name: str) -> None:
+    """Counted in `Comm` on a gloo grid == `predict_collectives` exactly, per (axis, kind), for a
+    plain step, recomputation, DP-SGD (two ghost passes), and micro-batches."""
+    grid = tuple(int(c) for c in name.rsplit("-", 1)[1])
+    err = results(grid[0] * grid[1] * grid[2] * grid[3])[name]
+    assert err is None, err
+
+
+@pytest.mark.parametrize("name", _OVERLAP)
+def test_overlapped_collectives_equal_the_blocking_path(results, name: str) -> None:
+    """ORS, OAG and bucketed data all-reduce (each, and all together) give the blocking path's
+    gradients bit for bit on grids whose axes have size <= 2 (plain, recomputation, DP-SGD with
+    noise), within float tolerance with micro-batches, and the same training losses."""
+    grid = tuple(int(c) for c in name.rsplit("-", 1)[1])
+    err = results(grid[0] * grid[1] * grid[2] * grid[3])[name]
+    assert err is None, err
