@@ -124,7 +124,9 @@ class ParallelTrainer(CentralizedTrainer):
 
     def build_model(self, vocab_size: int) -> torch.nn.Module:
         base = super().build_model(vocab_size)
-        return parallelize_llama(base, dims=self.dims, pg=self.pg, overlap=self.cfg.parallel.overlap)
+        from memaudit.parallel.parallelize import overlap_options
+
+        return parallelize_llama(base, dims=self.dims, pg=self.pg, **overlap_options(self.cfg.parallel))
 
     def _local(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         b = pad_rows(batch, self.pg.batch_shards)

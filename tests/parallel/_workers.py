@@ -241,8 +241,12 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         from memaudit.parallel.checkpoint import ShardReader, load_sharded, save_sharded
         from memaudit.rundir import RunDir
 
+        from memaudit.lifecycle import seal, swap_in
+
         run = RunDir(Path(outdir) / f"ckpt-{tag}")
-        save_sharded(run, pm, opt, scalars={"step": len(data)}, extra=None, files=None)
+        tmp = run.path / f".state.{len(data)}.tmp"
+        save_sharded(tmp, pm, opt, scalars={"step": len(data)}, extra=None, files=None,
+                     commit=lambda: (seal(tmp, step=len(data)), swap_in(tmp, run.state_dir)))
         assert len(list((run.state_dir / "shards").iterdir())) == pm.pg.dims.tp_size
         for own in (pm.pg.rank % pm.pg.dims.tp_size, None):
             pm2 = _pmodel(grid, ref["init"])

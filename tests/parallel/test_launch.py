@@ -20,7 +20,9 @@ TINY = str(REPO_ROOT / "configs" / "tiny.yaml")
 
 
 def _metrics(path) -> list[dict]:
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    from tests._metrics import merged_metrics
+
+    return merged_metrics(path)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ from tests.parallel import _workers
 
 
 def _metrics(path) -> list[dict]:
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    from tests._metrics import merged_metrics
+
+    return merged_metrics(path)
 
 
 def _single(job: str, tiny_corpus, tmp_path, **extra: str):
