@@ -116,6 +116,7 @@ CASES = [
     Case("data-path-missing", lambda d, c: _train(d, f"data.path={d / 'none.jsonl'}"), "none.jsonl"),
     Case("data-path-empty", lambda d, c: _train(d, f"data.path={d / 'e.jsonl'}"), "e.jsonl",
          setup=lambda d, c: _write(d / "e.jsonl", b"")),
+    Case("dataset-unknown", lambda d, c: _train(d, "data.path=nosuchdataset"), "nosuchdataset"),
     Case("tokenizer-missing", lambda d, c: _train(d, f"data.tokenizer={d / 'tok'}"), "data.tokenizer"),
     Case("grid-does-not-divide", lambda d, c: _train(d, "parallel.x=3"), "parallel"),
     Case("mesh-too-large", lambda d, c: _train(d, "backend=federated", "federated.mesh_clients=64"),

@@ -77,14 +77,21 @@ def resolve_files(path: str) -> list[Path] | None:
 
 @contextlib.contextmanager
 def _quiet(datasets) -> Iterator[None]:
-    """No progress bars or log lines from `datasets` (only the CLI prints)."""
+    """No progress bars or log lines from `datasets` or `huggingface_hub` (whose retries
+    print a warning per attempt): only the CLI prints."""
+    import logging
+
     was = datasets.is_progress_bar_enabled()
     level = datasets.logging.get_verbosity()
+    hub = logging.getLogger("huggingface_hub")
+    hub_level = hub.level
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    hub.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        hub.setLevel(hub_level)
         datasets.logging.set_verbosity(level)
         if was:
             datasets.enable_progress_bars()
