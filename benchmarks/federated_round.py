@@ -28,8 +28,18 @@ the JSON holds medians of wall seconds (``*_s``) and of this process's CPU secon
 does), their ratios to the centralized limit, and the XLA compiles of each variant during its
 warm-up round and during the timed rounds (0: no recompilation between rounds).
 
+A second table, ``layouts``, is model parallelism inside the clients: a FedAvg round of the
+Flax Llama (memaudit's own, `memaudit.models.flax_llama`) at growing widths on a 1-D
+``clients`` mesh over all d devices (every device holds whole models) beside a 2-D
+(clients d/2, model 2) mesh whose attention and MLP kernels are split over ``model``
+(``PARTITION_RULES``): per-device memory of the compiled round (XLA's memory analysis:
+arguments, outputs, temporaries), the server parameters held per device, and the median round
+time. ``--layouts-only`` runs only this table.
+
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python benchmarks/federated_round.py --layouts-only
 """
 
 from __future__ import annotations
@@ -199,6 +209,66 @@ def bench_drjax(params, data, args, mesh):
     return lambda: _block(round_(params, tokens, keys))
 
 
+def _llama_round(width: int, mesh, args) -> dict:
+    """Per-device memory and round time of one FedAvg round of a Flax Llama of ``width``."""
+    from memaudit.federated.sharding import model_axis_size, server_shardings
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params, kernel_axes
+
+    cfg = FlaxLlamaConfig(vocab_size=512, hidden_size=width, intermediate_size=4 * width,
+                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    model = FlaxLlama(cfg)
+    params = init_params(cfg, seed=0)
+    n = args.layout_cohort
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (n, args.examples, args.seq), dtype=np.int32)
+    clients = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+    data = ClientData(jax.device_put({"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                                     clients),
+                      jax.device_put(np.ones((n, args.examples), np.float32), clients))
+    algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1),
+                  server_optimizer=optax.sgd(1.0), local_steps=args.local_steps,
+                  batch_size=args.batch, mesh=mesh)
+    state = algo.init(params)
+    state = jax.device_put(state, server_shardings(state, mesh, kernel_axes))
+    key = jax.random.PRNGKey(0)
+    with jax.set_mesh(mesh):
+        compiled = algo.round.jitted.lower(state, data, key).compile()
+        times = []
+        for _ in range(args.repeats + 1):  # the first call warms up
+            t0 = time.perf_counter()
+            _block(compiled(state, data, key)[0].params)
+            times.append(time.perf_counter() - t0)
+    mem = compiled.memory_analysis()
+    dev0 = jax.devices()[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves(state.params)
+               for s in x.addressable_shards if s.device == dev0)
+    mib = 2.0**20
+    return {"mesh": dict(zip(mesh.axis_names, (int(a) for a in mesh.axis_sizes))),
+            "model_axis": model_axis_size(mesh),
+            "params": int(sum(x.size for x in jax.tree.leaves(params))),
+            "param_mib": sum(x.nbytes for x in jax.tree.leaves(params)) / mib,
+            "server_params_per_device_mib": held / mib,
+            "per_device_argument_mib": mem.argument_size_in_bytes / mib,
+            "per_device_output_mib": mem.output_size_in_bytes / mib,
+            "per_device_temp_mib": mem.temp_size_in_bytes / mib,
+            "per_device_total_mib": (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                     + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / mib,
+            "round_s": statistics.median(times[1:])}
+
+
+def bench_layouts(args) -> list[dict]:
+    """The ``layouts`` table: 1-D (clients d) beside 2-D (clients d/2, model 2), per width."""
+    d = len(jax.devices())
+    if d < 2 or d % 2:
+        return []
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    meshes = [jax.make_mesh((d, 1), ("clients", "model"), axis_types=auto),
+              jax.make_mesh((d // 2, 2), ("clients", "model"), axis_types=auto)]
+    return [{"hidden": w, **{f"{m.axis_sizes[0]}x{m.axis_sizes[1]}": _llama_round(w, m, args)
+                             for m in meshes}} for w in args.widths]
+
+
 def padded(data: ClientData, capacity: int) -> ClientData:
     """The same cohort in a clients dim of ``capacity``: absent slots, no data, mask 0."""
     def grow(x):
@@ -218,9 +288,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--reduced", action="store_true", help="seq 32, 3 repeats")
     ap.add_argument("--strategies", nargs="*", default=["vmap"], choices=["vmap", "scan"],
                     help="extra program variants with this federated_map strategy")
+    ap.add_argument("--widths", type=int, nargs="+", default=[128, 256, 512],
+                    help="hidden sizes of the Flax Llama in the layouts table")
+    ap.add_argument("--layout-cohort", type=int, default=8, help="clients in the layouts table")
+    ap.add_argument("--layouts-only", action="store_true", help="only the layouts table")
     args = ap.parse_args(argv)
     if args.reduced:
         args.seq, args.repeats = 32, 3
+    if args.layouts_only:
+        args.cohorts = []
     params = init_params()
     n_params = sum(x.size for x in jax.tree.leaves(params))
     devices = jax.devices()
@@ -271,6 +347,7 @@ def main(argv=None) -> dict:
         "devices": [str(d) for d in devices], "backend": jax.default_backend(),
         "jax": jax.__version__, "program_map_strategy": _auto_strategy(),
         "results": results,
+        "layouts": bench_layouts(args),
     }
     print(json.dumps(out, indent=2))
     return out
