@@ -74,6 +74,15 @@ def _inexact(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def _zeros_like_struct(s: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``s`` in its accumulation dtype, with its explicit sharding (a ``model``-split
+    dim stays split in a loop's carry)."""
+    spec = getattr(getattr(s, "sharding", None), "spec", None)
+    if spec is None or not any(a is not None for a in spec):
+        return jnp.zeros(s.shape, _acc_dtype(s.dtype))
+    return jnp.zeros(s.shape, _acc_dtype(s.dtype), out_sharding=spec)
+
+
 def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, pad: bool,
                 batch_size: int | None, reduce: bool, out: Any) -> Any:
     """``call(fixed, row)`` for the rows of one device, one client after the other.
@@ -93,7 +102,7 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
             y = jax.tree.map(lambda v: jnp.where(offset + i < n, v, jnp.zeros((), v.dtype)), y)
         return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, y), None
 
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, _acc_dtype(s.dtype)), out)
+    init = jax.tree.map(_zeros_like_struct, out)
     total, _ = jax.lax.scan(body, init, (jnp.arange(length), rows))
     return total
 
