@@ -175,3 +175,35 @@ def test_bad_mesh_through_the_cli_is_one_line_exit_2(tmp_path, capsys, override,
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_trainer_on_a_model_axis_matches_the_1d_mesh(tmp_path):
+    """Two rounds of the federated trainer (tiny preset, DP off) on (clients 2, model 2) end with
+    the weights of the same run on (clients 4): the server state is laid out over `model`
+    between rounds (`_replicate`) and gathered for the checkpoint."""
+    from safetensors.numpy import load_file
+
+    from memaudit.config import load_config
+    from memaudit.data import prepare_data
+    from memaudit.federated.trainer import train_federated
+    from memaudit.rundir import RunDir
+
+    base = ["backend=federated", "data.synth.users=8", "data.synth.docs_per_user=2",
+            "data.seq_len=32", "data.canaries.repetitions=[1]", "federated.rounds=2",
+            "federated.cohort=4", "federated.sampling=fixed", "federated.local_steps=1",
+            "federated.local_batch_size=2", "federated.server_optimizer=fedavg",
+            "federated.eval_every=2", "federated.checkpoint_every=2", "train.batch_size=4",
+            "train.eval_batches=1"]
+    scratch = RunDir(tmp_path / "tok")
+    prepare_data(load_config(None, base).data, scratch, vocab_size=4096)
+    base.append(f"data.tokenizer={scratch.data_dir / 'tokenizer'}")  # one tokenizer for both
+    weights = {}
+    for name, mesh in (("1d", ["federated.mesh_clients=4"]),
+                       ("2d", ["federated.mesh_clients=2", "federated.mesh_model=2"])):
+        run = RunDir(tmp_path / name)
+        result = train_federated(load_config(None, [*base, *mesh]), run)
+        assert np.isfinite(result["final_holdout_loss"])
+        weights[name] = load_file(str(run.model_dir / "model.safetensors"))
+    assert weights["1d"].keys() == weights["2d"].keys()
+    for k, w in weights["1d"].items():
+        np.testing.assert_allclose(weights["2d"][k], w, rtol=1e-4, atol=1e-6, err_msg=k)
