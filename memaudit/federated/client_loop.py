@@ -108,7 +108,7 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
 
 
 def _loop(call: Callable, fixed: list, rows: Any, ctx: ProgramContext, batch_size: int | None,
-          reduce: bool) -> Any:
+          reduce: bool, out: Any = None) -> Any:
     """The clients' loop inside the program (the scan strategy), in the accumulation dtype.
 
     With a ``clients`` mesh axis of k devices it is a ``shard_map`` manual over that axis (and
@@ -118,8 +118,7 @@ def _loop(call: Callable, fixed: list, rows: Any, ctx: ProgramContext, batch_siz
     followed by a ``psum`` over the axis.
     """
     k = shd.clients_axis_size(ctx.mesh)
-    out = None
-    if reduce:  # one client's output structure (traced outside any shard_map)
+    if reduce and out is None:  # one client's output structure (traced outside any shard_map)
         out = jax.eval_shape(call, fixed, jax.tree.map(_row_struct, rows))
     opts = {"n": ctx.n, "pad": ctx.n_pad > ctx.n, "reduce": reduce, "out": out}
     if k == 1:
@@ -138,11 +137,12 @@ def _loop(call: Callable, fixed: list, rows: Any, ctx: ProgramContext, batch_siz
                          axis_names=frozenset({ctx.axis}), check_vma=False)(fixed, rows)
 
 
-def _closes_over_tracers(call: Callable, fixed: list, rows: list) -> bool:
-    """Whether one client's computation reads traced values it was not passed (a server value
-    captured by ``fn``'s closure instead of sent with `federated_broadcast`)."""
-    jaxpr = jax.make_jaxpr(call)(fixed, [_row_struct(r) for r in rows])
-    return any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts)
+def _trace_client(call: Callable, fixed: list, rows: list) -> tuple[bool, Any]:
+    """One client's output structure, and whether its computation reads traced values it was
+    not passed (a server value captured by ``fn``'s closure instead of sent with
+    `federated_broadcast`)."""
+    jaxpr, out = jax.make_jaxpr(call, return_shape=True)(fixed, [_row_struct(r) for r in rows])
+    return any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts), out
 
 
 def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: int | None,
@@ -157,7 +157,8 @@ def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: i
     derivatives are right, but the derivative of the captured value is not federated.
     """
     call, fixed, rows = _per_client_call(fn, args, ctx)
-    if _closes_over_tracers(call, fixed, rows):
+    closes, out = _trace_client(call, fixed, rows)
+    if closes:
         leaves, treedef = jax.tree.flatten(args)
         rows = [shd.constrain_leading(x, ctx.mesh, ctx.axis) for x in leaves]
         out = jax.eval_shape(lambda *r: fn(*jax.tree.unflatten(treedef, list(r))),
@@ -165,13 +166,12 @@ def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: i
         total = _loop(lambda _, row: fn(*jax.tree.unflatten(treedef, row)), [], rows, ctx,
                       batch_size, reduce)
         return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
-    out = jax.eval_shape(call, fixed, [_row_struct(r) for r in rows])
 
     def finish(total):  # the accumulation dtype back to each output's own
         return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
 
     def federated_map_sum(fixed, rows):  # the name marks the fused loop for the closure check
-        return finish(_loop(call, fixed, rows, ctx, batch_size, reduce=True))
+        return finish(_loop(call, fixed, rows, ctx, batch_size, reduce=True, out=out))
 
     @jax.custom_jvp
     def loop(fixed, rows):

@@ -427,3 +427,23 @@ def test_wrong_leading_size_is_one_clear_line():
         unchecked(jnp.ones((3, D)))
     with pytest.raises(ValueError, match="clients must be a positive int"):
         federated_program(lambda v: v, clients=0)(1.0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["map", "map_sum"])
+def test_scan_of_a_function_closing_over_a_server_value(fused):
+    """A client function that captures a traced server value (instead of taking it from
+    federated_broadcast) still gets the right values and gradient under the scan strategy."""
+    x = RNG.normal(size=(D, 4)).astype(np.float32)
+    v = RNG.normal(size=(N, 6, D)).astype(np.float32)
+
+    def prog(x, v):
+        per_client = lambda vi: jnp.tanh(vi @ x)  # x from the closure
+        if fused:
+            return jnp.sum(federated_map_sum(per_client, v, strategy="scan"))
+        return jnp.sum(federated_sum(federated_map(per_client, v, strategy="scan")))
+
+    prog = federated_program(prog, clients=N, placed=(1,))
+    ref = lambda x: jnp.sum(jnp.tanh(jnp.einsum("nsd,dk->nsk", v, x)))
+    for f in (prog, jax.jit(prog)):
+        np.testing.assert_allclose(f(x, v), ref(x), rtol=2e-5)
+        np.testing.assert_allclose(jax.grad(f)(x, v), jax.grad(ref)(x), rtol=2e-5, atol=2e-5)
