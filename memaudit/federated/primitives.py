@@ -9,8 +9,14 @@ linear JVPs and transposes that bind the primitives themselves:
 so ``jax.grad`` / ``jax.jacfwd`` of a federated program is again a federated program whose
 only communication is these three primitives (federated AD). ``federated_map`` maps a
 per-client function over the clients dim, batched (``vmap``) or sequentially inside the
-program (``lax.map``; the faster choice on CPU for matmul-heavy client work), see its
-``strategy``; ``federated_weighted_mean`` is built from map and sum.
+program (``lax.map``, a ``shard_map`` over a ``clients`` mesh axis; the faster choice on CPU
+for matmul-heavy client work; `memaudit.federated.client_loop`), see its ``strategy``;
+``federated_weighted_mean`` is built from map and sum. `memaudit.federated.closure` checks
+that a jaxpr (a program or its derivative) communicates only through these primitives.
+
+On a ``clients`` x ``model`` mesh a dim split over ``model`` (a tensor-parallel weight, see
+`memaudit.federated.sharding.server_shardings`) stays split through broadcast, map and the
+aggregations: only the clients dim is constrained, the rest follows the input.
 
 Every primitive carries static params ``n`` (real clients), ``n_pad`` (clients dim as laid
 out, see `memaudit.federated.sharding.padded_clients`), ``axis`` and ``mesh``. Rows at or beyond
