@@ -11,8 +11,10 @@ Variants (same model, same tokens, same optimizers):
   clients batched: per-client weights make every matmul a batched matmul) or ``"scan"``
   (``--strategies`` picks which of these extra variants run);
 - ``program_padded``: ``program`` with the same clients packed into twice the clients dim (absent
-  slots with no data and weight 0, as a Poisson round's capacity padding): the absent slots
-  skip local training, so this should cost about what ``program`` costs;
+  slots with no data and weight 0, as a Poisson round's capacity padding, dealt evenly over
+  the devices): the absent slots skip local training (also on a ``clients`` mesh axis, where
+  each device loops over its own clients in a ``shard_map``), so this should cost about what
+  ``program`` costs;
 - ``client_loop``: a Python loop over the cohort calling one jitted local-training function per
   client, then the mean delta and the server step;
 - ``centralized``: one jitted loop of ``local_steps`` steps over the same tokens
@@ -34,7 +36,7 @@ Flax Llama (memaudit's own, `memaudit.models.flax_llama`) at growing widths on a
 (clients d/2, model 2) mesh whose attention and MLP kernels are split over ``model``
 (``PARTITION_RULES``): per-device memory of the compiled round (XLA's memory analysis:
 arguments, outputs, temporaries), the server parameters held per device, and the median round
-time. ``--layouts-only`` runs only this table.
+time. ``--layouts`` adds this table, ``--layouts-only`` runs only it.
 
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
@@ -269,10 +271,22 @@ def bench_layouts(args) -> list[dict]:
                              for m in meshes}} for w in args.widths]
 
 
-def padded(data: ClientData, capacity: int) -> ClientData:
-    """The same cohort in a clients dim of ``capacity``: absent slots, no data, mask 0."""
+def padded(data: ClientData, capacity: int, shards: int = 1) -> ClientData:
+    """The same cohort in a clients dim of ``capacity``: absent slots, no data, mask 0.
+
+    The present clients are dealt round-robin over ``shards`` equal blocks of the clients dim
+    (the device shards of a ``clients`` mesh axis), so that each device gets its share of the
+    work and of the absent slots; appended at the end, all the absent slots would land on the
+    last devices, which then idle while the first ones train.
+    """
+    n = jax.tree.leaves(data.examples)[0].shape[0]
+    m = capacity // shards
+    slots = np.array([(i % shards) * m + i // shards for i in range(n)])
+
     def grow(x):
-        return np.concatenate([x, np.zeros((capacity - x.shape[0],) + x.shape[1:], x.dtype)])
+        out = np.zeros((capacity,) + x.shape[1:], x.dtype)
+        out[slots] = x
+        return out
 
     return ClientData(jax.tree.map(grow, data.examples), grow(data.mask))
 
@@ -291,6 +305,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--widths", type=int, nargs="+", default=[128, 256, 512],
                     help="hidden sizes of the Flax Llama in the layouts table")
     ap.add_argument("--layout-cohort", type=int, default=8, help="clients in the layouts table")
+    ap.add_argument("--layouts", action="store_true", help="add the layouts table")
     ap.add_argument("--layouts-only", action="store_true", help="only the layouts table")
     args = ap.parse_args(argv)
     if args.reduced:
@@ -316,7 +331,8 @@ def main(argv=None) -> dict:
             runners = {
                 "centralized": bench_centralized(params, data, args),
                 "program": bench_program(params, data, args, mesh),
-                "program_padded": bench_program(params, padded(data, 2 * cohort), args, mesh),
+                "program_padded": bench_program(params, padded(data, 2 * cohort, len(devices)),
+                                                args, mesh),
                 **{f"program_{st}": bench_program(params, data, args, mesh, st)
                    for st in args.strategies},
                 "client_loop": bench_client_loop(params, data, args),
@@ -347,7 +363,7 @@ def main(argv=None) -> dict:
         "devices": [str(d) for d in devices], "backend": jax.default_backend(),
         "jax": jax.__version__, "program_map_strategy": _auto_strategy(),
         "results": results,
-        "layouts": bench_layouts(args),
+        "layouts": bench_layouts(args) if args.layouts or args.layouts_only else [],
     }
     print(json.dumps(out, indent=2))
     return out
