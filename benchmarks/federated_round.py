@@ -38,6 +38,29 @@ Flax Llama (memaudit's own, `memaudit.models.flax_llama`) at growing widths on a
 arguments, outputs, temporaries), the server parameters held per device, and the median round
 time. ``--layouts`` adds this table, ``--layouts-only`` runs only it.
 
+Measured (jax 0.10.2, XLA:CPU, a 2-core machine shared with other jobs, load average about
+13: the CPU seconds are the steadier figure; medians):
+
+- ``program_padded`` / ``program`` on a 2-device ``clients`` axis (cohort 8 in 16 slots, 5
+  repeats): 0.96x wall, 1.00x CPU with the ``shard_map`` client loop; 1.87x wall, 1.92x CPU
+  with the former vmap over the device shards (the absent slots' skip was a select there).
+- ``layouts`` (8 fake devices, Flax Llama with 2 layers, 8 heads, 4 kv heads, vocab 512,
+  intermediate 4 x hidden; cohort 8, 16 sequences of 64 per client, 4 local steps of 4;
+  3 repeats), per device, MiB, 1-D (clients 8) vs 2-D (clients 4, model 2):
+
+  ======  ========  ================  ================  ===============  ===========
+  hidden  params    server params     arguments         temporaries      round s
+  ======  ========  ================  ================  ===============  ===========
+  128     0.62M     2.38 vs 1.44      2.39 vs 1.46      12.4 vs 8.9      1.78 vs 0.94
+  256     2.23M     8.50 vs 4.75      8.51 vs 4.77      21.9 vs 17.6     6.62 vs 6.26
+  512     8.39M     32.0 vs 17.0      32.0 vs 17.0      50.2 vs 43.7     15.1 vs 15.8
+  ======  ========  ================  ================  ===============  ===========
+
+  Total per device (arguments + outputs + temporaries): 17.2 vs 11.8, 38.9 vs 27.1,
+  114.2 vs 77.7 MiB. The embeddings, norms and lm_head stay replicated, so the server
+  parameters per device fall to 53-61 % of the model rather than 50 %. Round times on 8 fake
+  devices over 2 shared cores say little about real devices.
+
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
