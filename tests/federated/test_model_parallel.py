@@ -207,3 +207,13 @@ def test_trainer_on_a_model_axis_matches_the_1d_mesh(tmp_path):
     assert weights["1d"].keys() == weights["2d"].keys()
     for k, w in weights["1d"].items():
         np.testing.assert_allclose(weights["2d"][k], w, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_mesh_model_config_field():
+    from memaudit.config import load_config
+    from memaudit.errors import ConfigError
+
+    assert load_config(None, []).federated.mesh_model == 1
+    assert load_config(None, ["federated.mesh_model=2"]).federated.mesh_model == 2
+    with pytest.raises(ConfigError, match="federated.mesh_model"):
+        load_config(None, ["federated.mesh_model=0"])
