@@ -66,9 +66,8 @@ def _loop_carry(eqn) -> tuple[list, list]:
     if eqn.primitive.name == "scan":
         nc, ncarry = p["num_consts"], p["num_carry"]
         return eqn.invars[nc:], eqn.outvars[:ncarry]
-    nc = p["cond_nconsts"] + p["body_nconsts"]
+    nc = p["cond_nconsts"] + p["body_nconsts"]  # while: every output is carry
     return eqn.invars[nc:], eqn.outvars
-    # (while: every output is carry)
 
 
 def _check_eqn(eqn, n: int, axis: str | None) -> None:
