@@ -11,8 +11,10 @@ Variants (same model, same tokens, same optimizers):
   clients batched: per-client weights make every matmul a batched matmul) or ``"scan"``
   (``--strategies`` picks which of these extra variants run);
 - ``program_padded``: ``program`` with the same clients packed into twice the clients dim (absent
-  slots with no data and weight 0, as a Poisson round's capacity padding): the absent slots
-  skip local training, so this should cost about what ``program`` costs;
+  slots with no data and weight 0, as a Poisson round's capacity padding, dealt evenly over
+  the devices): the absent slots skip local training (also on a ``clients`` mesh axis, where
+  each device loops over its own clients in a ``shard_map``), so this should cost about what
+  ``program`` costs;
 - ``client_loop``: a Python loop over the cohort calling one jitted local-training function per
   client, then the mean delta and the server step;
 - ``centralized``: one jitted loop of ``local_steps`` steps over the same tokens
@@ -28,8 +30,41 @@ the JSON holds medians of wall seconds (``*_s``) and of this process's CPU secon
 does), their ratios to the centralized limit, and the XLA compiles of each variant during its
 warm-up round and during the timed rounds (0: no recompilation between rounds).
 
+A second table, ``layouts``, is model parallelism inside the clients: a FedAvg round of the
+Flax Llama (memaudit's own, `memaudit.models.flax_llama`) at growing widths on a 1-D
+``clients`` mesh over all d devices (every device holds whole models) beside a 2-D
+(clients d/2, model 2) mesh whose attention and MLP kernels are split over ``model``
+(``PARTITION_RULES``): per-device memory of the compiled round (XLA's memory analysis:
+arguments, outputs, temporaries), the server parameters held per device, and the median round
+time. ``--layouts`` adds this table, ``--layouts-only`` runs only it.
+
+Measured (jax 0.10.2, XLA:CPU, a 2-core machine shared with other jobs, load average about
+13: the CPU seconds are the steadier figure; medians):
+
+- ``program_padded`` / ``program`` on a 2-device ``clients`` axis (cohort 8 in 16 slots, 5
+  repeats): 0.96x wall, 1.00x CPU with the ``shard_map`` client loop; 1.87x wall, 1.92x CPU
+  with the former vmap over the device shards (the absent slots' skip was a select there).
+- ``layouts`` (8 fake devices, Flax Llama with 2 layers, 8 heads, 4 kv heads, vocab 512,
+  intermediate 4 x hidden; cohort 8, 16 sequences of 64 per client, 4 local steps of 4;
+  3 repeats), per device, MiB, 1-D (clients 8) vs 2-D (clients 4, model 2):
+
+  ======  ========  ================  ================  ===============  ===========
+  hidden  params    server params     arguments         temporaries      round s
+  ======  ========  ================  ================  ===============  ===========
+  128     0.62M     2.38 vs 1.44      2.39 vs 1.46      12.4 vs 8.9      1.78 vs 0.94
+  256     2.23M     8.50 vs 4.75      8.51 vs 4.77      21.9 vs 17.6     6.62 vs 6.26
+  512     8.39M     32.0 vs 17.0      32.0 vs 17.0      50.2 vs 43.7     15.1 vs 15.8
+  ======  ========  ================  ================  ===============  ===========
+
+  Total per device (arguments + outputs + temporaries): 17.2 vs 11.8, 38.9 vs 27.1,
+  114.2 vs 77.7 MiB. The embeddings, norms and lm_head stay replicated, so the server
+  parameters per device fall to 53-61 % of the model rather than 50 %. Round times on 8 fake
+  devices over 2 shared cores say little about real devices.
+
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python benchmarks/federated_round.py --layouts-only
 """
 
 from __future__ import annotations
@@ -199,10 +234,82 @@ def bench_drjax(params, data, args, mesh):
     return lambda: _block(round_(params, tokens, keys))
 
 
-def padded(data: ClientData, capacity: int) -> ClientData:
-    """The same cohort in a clients dim of ``capacity``: absent slots, no data, mask 0."""
+def _llama_round(width: int, mesh, args) -> dict:
+    """Per-device memory and round time of one FedAvg round of a Flax Llama of ``width``."""
+    from memaudit.federated.sharding import model_axis_size, server_shardings
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params, kernel_axes
+
+    cfg = FlaxLlamaConfig(vocab_size=512, hidden_size=width, intermediate_size=4 * width,
+                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    model = FlaxLlama(cfg)
+    params = init_params(cfg, seed=0)
+    n = args.layout_cohort
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (n, args.examples, args.seq), dtype=np.int32)
+    clients = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+    data = ClientData(jax.device_put({"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                                     clients),
+                      jax.device_put(np.ones((n, args.examples), np.float32), clients))
+    algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1),
+                  server_optimizer=optax.sgd(1.0), local_steps=args.local_steps,
+                  batch_size=args.batch, mesh=mesh)
+    state = algo.init(params)
+    state = jax.device_put(state, server_shardings(state, mesh, kernel_axes))
+    key = jax.random.PRNGKey(0)
+    with jax.set_mesh(mesh):
+        compiled = algo.round.jitted.lower(state, data, key).compile()
+        times = []
+        for _ in range(args.repeats + 1):  # the first call warms up
+            t0 = time.perf_counter()
+            _block(compiled(state, data, key)[0].params)
+            times.append(time.perf_counter() - t0)
+    mem = compiled.memory_analysis()
+    dev0 = jax.devices()[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves(state.params)
+               for s in x.addressable_shards if s.device == dev0)
+    mib = 2.0**20
+    return {"mesh": dict(zip(mesh.axis_names, (int(a) for a in mesh.axis_sizes))),
+            "model_axis": model_axis_size(mesh),
+            "params": int(sum(x.size for x in jax.tree.leaves(params))),
+            "param_mib": sum(x.nbytes for x in jax.tree.leaves(params)) / mib,
+            "server_params_per_device_mib": held / mib,
+            "per_device_argument_mib": mem.argument_size_in_bytes / mib,
+            "per_device_output_mib": mem.output_size_in_bytes / mib,
+            "per_device_temp_mib": mem.temp_size_in_bytes / mib,
+            "per_device_total_mib": (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                     + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / mib,
+            "round_s": statistics.median(times[1:])}
+
+
+def bench_layouts(args) -> list[dict]:
+    """The ``layouts`` table: 1-D (clients d) beside 2-D (clients d/2, model 2), per width."""
+    d = len(jax.devices())
+    if d < 2 or d % 2:
+        return []
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    meshes = [jax.make_mesh((d, 1), ("clients", "model"), axis_types=auto),
+              jax.make_mesh((d // 2, 2), ("clients", "model"), axis_types=auto)]
+    return [{"hidden": w, **{f"{m.axis_sizes[0]}x{m.axis_sizes[1]}": _llama_round(w, m, args)
+                             for m in meshes}} for w in args.widths]
+
+
+def padded(data: ClientData, capacity: int, shards: int = 1) -> ClientData:
+    """The same cohort in a clients dim of ``capacity``: absent slots, no data, mask 0.
+
+    The present clients are dealt round-robin over ``shards`` equal blocks of the clients dim
+    (the device shards of a ``clients`` mesh axis), so that each device gets its share of the
+    work and of the absent slots; appended at the end, all the absent slots would land on the
+    last devices, which then idle while the first ones train.
+    """
+    n = jax.tree.leaves(data.examples)[0].shape[0]
+    m = capacity // shards
+    slots = np.array([(i % shards) * m + i // shards for i in range(n)])
+
     def grow(x):
-        return np.concatenate([x, np.zeros((capacity - x.shape[0],) + x.shape[1:], x.dtype)])
+        out = np.zeros((capacity,) + x.shape[1:], x.dtype)
+        out[slots] = x
+        return out
 
     return ClientData(jax.tree.map(grow, data.examples), grow(data.mask))
 
@@ -218,9 +325,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--reduced", action="store_true", help="seq 32, 3 repeats")
     ap.add_argument("--strategies", nargs="*", default=["vmap"], choices=["vmap", "scan"],
                     help="extra program variants with this federated_map strategy")
+    ap.add_argument("--widths", type=int, nargs="+", default=[128, 256, 512],
+                    help="hidden sizes of the Flax Llama in the layouts table")
+    ap.add_argument("--layout-cohort", type=int, default=8, help="clients in the layouts table")
+    ap.add_argument("--layouts", action="store_true", help="add the layouts table")
+    ap.add_argument("--layouts-only", action="store_true", help="only the layouts table")
     args = ap.parse_args(argv)
     if args.reduced:
         args.seq, args.repeats = 32, 3
+    if args.layouts_only:
+        args.cohorts = []
     params = init_params()
     n_params = sum(x.size for x in jax.tree.leaves(params))
     devices = jax.devices()
@@ -240,7 +354,8 @@ def main(argv=None) -> dict:
             runners = {
                 "centralized": bench_centralized(params, data, args),
                 "program": bench_program(params, data, args, mesh),
-                "program_padded": bench_program(params, padded(data, 2 * cohort), args, mesh),
+                "program_padded": bench_program(params, padded(data, 2 * cohort, len(devices)),
+                                                args, mesh),
                 **{f"program_{st}": bench_program(params, data, args, mesh, st)
                    for st in args.strategies},
                 "client_loop": bench_client_loop(params, data, args),
@@ -271,6 +386,7 @@ def main(argv=None) -> dict:
         "devices": [str(d) for d in devices], "backend": jax.default_backend(),
         "jax": jax.__version__, "program_map_strategy": _auto_strategy(),
         "results": results,
+        "layouts": bench_layouts(args) if args.layouts or args.layouts_only else [],
     }
     print(json.dumps(out, indent=2))
     return out

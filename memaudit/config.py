@@ -309,7 +309,11 @@ class FederatedConfig(_Section):
     client_lr: float = Field(0.1, gt=0)
     server_optimizer: Literal["fedavg", "fedadam", "sgd"] = "fedadam"
     server_lr: float = Field(3e-3, gt=0)
-    mesh_clients: int | None = Field(None, ge=1, description="devices on the clients mesh axis")
+    mesh_clients: int | None = Field(None, ge=1, description="devices on the clients mesh axis "
+                                     "(default: all devices / mesh_model)")
+    mesh_model: int = Field(1, ge=1, description="devices on the model mesh axis: each client's "
+                            "attention and MLP weights are split over them (tensor parallel); it "
+                            "must divide the heads, kv heads and intermediate size")
     eval_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(10, ge=1)
 

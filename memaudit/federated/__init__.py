@@ -22,6 +22,7 @@ from memaudit.federated.algorithms import (
     make_server_optimizer,
     make_server_update,
 )
+from memaudit.federated.closure import ClosureError, communication_of
 from memaudit.federated.cohorts import ClientData, cohort_capacity, pack_clients, sample_cohort
 from memaudit.federated.primitives import (
     PRIMITIVE_NAMES,
@@ -49,12 +50,14 @@ __all__ = [
     "Aggregator",
     "ClientData",
     "ClientOutput",
+    "ClosureError",
     "EmptyState",
     "FederatedAlgorithm",
     "MeshAxis",
     "ProgramContext",
     "ServerState",
     "cohort_capacity",
+    "communication_of",
     "current_context",
     "fedavg",
     "federated_broadcast",

@@ -372,6 +372,7 @@ def fedavg(
                 state, server_metrics = server_jit(state, agg)
         return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
 
+    round_.jitted = fused  # the whole round as one jitted function (None: host aggregator)
     return FederatedAlgorithm(init, round_)
 
 

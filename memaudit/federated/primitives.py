@@ -9,8 +9,14 @@ linear JVPs and transposes that bind the primitives themselves:
 so ``jax.grad`` / ``jax.jacfwd`` of a federated program is again a federated program whose
 only communication is these three primitives (federated AD). ``federated_map`` maps a
 per-client function over the clients dim, batched (``vmap``) or sequentially inside the
-program (``lax.map``; the faster choice on CPU for matmul-heavy client work), see its
-``strategy``; ``federated_weighted_mean`` is built from map and sum.
+program (``lax.map``, a ``shard_map`` over a ``clients`` mesh axis; the faster choice on CPU
+for matmul-heavy client work; `memaudit.federated.client_loop`), see its ``strategy``;
+``federated_weighted_mean`` is built from map and sum. `memaudit.federated.closure` checks
+that a jaxpr (a program or its derivative) communicates only through these primitives.
+
+On a ``clients`` x ``model`` mesh a dim split over ``model`` (a tensor-parallel weight, see
+`memaudit.federated.sharding.server_shardings`) stays split through broadcast, map and the
+aggregations: only the clients dim is constrained, the rest follows the input.
 
 Every primitive carries static params ``n`` (real clients), ``n_pad`` (clients dim as laid
 out, see `memaudit.federated.sharding.padded_clients`), ``axis`` and ``mesh``. Rows at or beyond
@@ -28,7 +34,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters import ad as _ad_internal  # LinearizeTracer has no public alias
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -64,21 +69,8 @@ def _masked(x, n):
     return jnp.where(keep, x, jnp.zeros((), x.dtype))
 
 
-def _sum_leading(x, dtype=None, mesh=None):
-    """Sum over the leading (clients) dim, ``(n, *s) -> s``, in ``dtype`` (default x's).
-
-    Unless the clients dim is sharded over a mesh axis (there the partitioner's all-reduce does
-    the work), a per-client value of more than one element is summed by adding halves,
-    ``x[:h] + x[h:]``, level by level (pairwise summation). XLA:CPU runs a ``reduce`` over the
-    leading dim of a large array as a slow strided loop: for 8 x 295k floats about 80 ms
-    against 0.4 ms for the halves (jax 0.10, 2 cores), which made aggregating a round's deltas
-    cost about a quarter of the round. The halves are plain elementwise adds, and pairwise
-    summation is at least as accurate as a sequential sum.
-    """
-    if dtype is not None:
-        x = x.astype(dtype)
-    if x.ndim < 2 or shd.clients_axis_size(mesh) > 1:
-        return jnp.sum(x, axis=0)
+def _pairwise(x):
+    """``sum(x, axis=0)`` by adding halves, ``x[:h] + x[h:]``, level by level."""
     while x.shape[0] > 1:
         if x.shape[0] % 2:  # odd: a zero row keeps the halves equal
             x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
@@ -87,6 +79,32 @@ def _sum_leading(x, dtype=None, mesh=None):
     if x.shape[0] == 0:
         return jnp.zeros(x.shape[1:], x.dtype)
     return x[0]
+
+
+def _sum_leading(x, dtype=None, mesh=None):
+    """Sum over the leading (clients) dim, ``(n, *s) -> s``, in ``dtype`` (default x's).
+
+    A per-client value of more than one element is summed by adding halves (pairwise
+    summation, `_pairwise`). XLA:CPU runs a ``reduce`` over the leading dim of a large array
+    as a slow strided loop: for 8 x 295k floats about 80 ms against 0.4 ms for the halves
+    (jax 0.10, 2 cores), which made aggregating a round's deltas cost about a quarter of the
+    round. The halves are plain elementwise adds, and pairwise summation is at least as
+    accurate as a sequential sum. With a ``clients`` mesh axis of k devices each device adds
+    the halves of its own clients (a ``shard_map`` manual over the axis, automatic over the
+    others) and a ``psum`` over the axis adds the k partial sums.
+    """
+    if dtype is not None:
+        x = x.astype(dtype)
+    if x.ndim < 2:
+        return jnp.sum(x, axis=0)
+    k = shd.clients_axis_size(mesh)
+    if k == 1 or x.shape[0] % k:
+        return _pairwise(x)
+    axis = shd.clients_axis(mesh)
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(lambda local: jax.lax.psum(_pairwise(local), axis), mesh=mesh,
+                         in_specs=P(axis), out_specs=P(), axis_names=frozenset({axis}),
+                         check_vma=False)(x)
 
 
 def _sum_impl(x, *, n, n_pad, axis, mesh):
@@ -217,11 +235,6 @@ def _check_args(args: tuple, ctx: ProgramContext, what: str) -> None:
             _check_placed(leaf, ctx, f"{what} argument {i}")
 
 
-# tracers of jax.grad / jax.jvp / jax.linearize: a value being differentiated
-_DIFF_TRACERS = tuple(t for t in (getattr(_ad_internal, "JVPTracer", None),
-                                  getattr(_ad_internal, "LinearizeTracer", None)) if t is not None)
-
-
 def federated_broadcast(tree: Any) -> Any:
     """Server -> clients: every leaf x becomes a clients-placed (n, *x.shape) value.
 
@@ -235,8 +248,7 @@ def federated_broadcast(tree: Any) -> Any:
     def one(x):
         x = jnp.asarray(x)
         y = federated_broadcast_p.bind(x, **params)
-        if not isinstance(y, _DIFF_TRACERS):  # derivatives keep the explicit broadcast / sum
-            ctx.broadcasts[id(y)] = (y, x)
+        ctx.broadcasts[id(y)] = (y, x)
         return y
 
     return jax.tree.map(one, tree)
@@ -320,75 +332,12 @@ def resolve_map_strategy(fn: Callable, args: tuple, strategy: str) -> str:
     return "scan" if _has_heavy_op(jaxpr) else "vmap"
 
 
-def _per_client_call(fn: Callable, args: tuple, ctx: ProgramContext):
-    """Split ``args`` for a loop over the clients: ``(call, fixed, rows)``, where ``fixed`` are
-    the server values of arguments straight from `federated_broadcast`, ``rows`` the other
-    (clients-placed) leaves, and ``call(fixed, row)`` runs ``fn`` for one client.
+def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: int | None,
+                   reduce: bool) -> Any:
+    """The scan strategy (`memaudit.federated.client_loop`, which builds on this module)."""
+    from memaudit.federated.client_loop import federated_loop as loop
 
-    Reading the server value inside the loop, rather than slicing it from its (n, ...)
-    broadcast, spares XLA materialising n copies of the model every round. Not under
-    differentiation: there the broadcast stays, so that its transpose is a federated_sum.
-    """
-    leaves, treedef = jax.tree.flatten(args)
-    servers = [_broadcast_source(ctx, x) for x in leaves]  # server value, or None: per client
-    if all(s is not None for s in servers):  # a loop needs at least one clients-placed input
-        servers = [None] * len(leaves)
-    rows = [shd.constrain_leading(x, ctx.mesh, ctx.axis)
-            for x, s in zip(leaves, servers, strict=True) if s is None]
-    fixed = [s for s in servers if s is not None]
-
-    def call(fixed, row):  # one client: fixed = the server values, row = its own values
-        fixed_it, row_it = iter(fixed), iter(row)
-        merged = [next(row_it) if s is None else next(fixed_it) for s in servers]
-        return fn(*jax.tree.unflatten(treedef, merged))
-
-    return call, fixed, rows
-
-
-def _scan_map(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: int | None) -> Any:
-    """federated_map by a sequential loop over the clients inside the compiled program."""
-    call, fixed, rows = _per_client_call(fn, args, ctx)
-    if shd.clients_axis_size(ctx.mesh) == 1:
-        return jax.lax.map(lambda row: call(fixed, row), rows, batch_size=batch_size)
-    return _scan_over_shards(call, fixed, rows, ctx, batch_size)
-
-
-def _scan_over_shards(call: Callable, fixed: list, rows: list, ctx: ProgramContext,
-                      batch_size: int | None) -> Any:
-    """`_scan_map` with a ``clients`` mesh axis of k devices: the clients dim (n_pad = k * m)
-    is viewed as (k, m); the k device shards run in parallel (vmap with ``spmd_axis_name``),
-    each looping over its own m clients (``lax.map``) with its own copy of the server values.
-    """
-    k = shd.clients_axis_size(ctx.mesh)
-    m = ctx.n_pad // k
-    explicit = shd.is_explicit(ctx.mesh, ctx.axis)
-
-    def split(x):  # (k * m, ...) -> (k, m, ...)
-        shape = (k, m) + x.shape[1:]
-        if explicit:
-            rest = shd._spec_of(x)[1:]
-            return jnp.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(
-                ctx.axis, None, *rest))
-        return shd.constrain_leading(jnp.reshape(x, shape), ctx.mesh, ctx.axis)
-
-    def merge(y):  # (k, m, ...) -> (k * m, ...)
-        shape = (k * m,) + y.shape[2:]
-        if explicit:
-            rest = shd._spec_of(y)[2:]
-            return jnp.reshape(y, shape, out_sharding=jax.sharding.PartitionSpec(ctx.axis, *rest))
-        return jnp.reshape(y, shape)
-
-    def per_device(x):  # (k, *x.shape): one copy of a server value per device shard
-        return shd.constrain_leading(jnp.broadcast_to(x, (k,) + x.shape), ctx.mesh, ctx.axis)
-
-    bs = None if batch_size is None else max(1, min(batch_size, m))
-
-    def inner(fixed, rows):  # one device shard: its copy of the server values, its clients
-        return jax.lax.map(lambda row: call(fixed, row), rows, batch_size=bs)
-
-    out = jax.vmap(inner, spmd_axis_name=ctx.axis)([per_device(s) for s in fixed],
-                                                   [split(r) for r in rows])
-    return jax.tree.map(merge, out)
+    return loop(fn, args, ctx, batch_size, reduce)
 
 
 def federated_map(
@@ -405,11 +354,14 @@ def federated_map(
     - ``"vmap"``: one batched computation over all clients (best on accelerators, and for
       elementwise work);
     - ``"scan"``: clients one after the other inside the compiled program (``lax.map``; with a
-      ``clients`` mesh axis, device shards in parallel and a loop within each shard). On XLA
-      CPU a batched matmul with per-client weights is slower than plain matmuls, so local
-      training runs faster this way; ``batch_size`` > 1 runs that many clients vmapped per
-      loop iteration. An argument straight from `federated_broadcast` is read as the one
-      server value inside the loop, not as n copies;
+      ``clients`` mesh axis, a ``shard_map`` over it, each device looping over its own
+      clients). On XLA CPU a batched matmul with per-client weights is slower than plain
+      matmuls, so local training runs faster this way, and a ``lax.cond`` in ``fn`` (an absent
+      client skipping its work) stays a branch; ``batch_size`` > 1 runs that many clients
+      vmapped per loop iteration. An argument straight from `federated_broadcast` is read as
+      the one server value inside the loop, not as n copies; the derivative keeps the
+      broadcast (a ``custom_jvp``), so reverse mode sums the server cotangent with
+      `federated_sum`, jitted or not;
     - ``"auto"``: ``"scan"`` on the CPU backend when one client's computation contains a
       matmul or convolution, else ``"vmap"``.
 
@@ -422,7 +374,7 @@ def federated_map(
         raise ValueError(f"federated_map batch_size must be a positive int, got {batch_size!r}")
     how = resolve_map_strategy(fn, args, strategy or ctx.map_strategy)
     if how == "scan":
-        out = _scan_map(fn, args, ctx, batch_size)
+        out = federated_loop(fn, args, ctx, batch_size, reduce=False)
     else:
         out = jax.vmap(fn, spmd_axis_name=ctx.axis)(*shd.shard_clients_tree(args, ctx.mesh))
     return shd.shard_clients_tree(out, ctx.mesh)
@@ -431,11 +383,12 @@ def federated_map(
 def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> Any:
     """``federated_sum(federated_map(fn, *args))``, without the clients-placed intermediate.
 
-    Under the ``"scan"`` strategy on one device the sum accumulates inside the loop over the
-    clients: the per-client outputs (in FedAvg, one model delta per client) are never stacked,
-    which spares zero-filling, writing and reading back an (n, *model) array every round. Low
-    precision leaves accumulate in float32. Otherwise (``"vmap"``, a ``clients`` mesh axis, or
-    under differentiation) it is exactly the map followed by `federated_sum`.
+    Under the ``"scan"`` strategy the sum accumulates inside the loop over the clients (with a
+    ``clients`` mesh axis: inside each device's loop, then a ``psum``): the per-client outputs
+    (in FedAvg, one model delta per client) are never stacked, which spares zero-filling,
+    writing and reading back an (n, *model) array every round. Low precision leaves accumulate
+    in float32. Its derivative is the map followed by `federated_sum` (a ``custom_jvp``), so
+    federated AD holds; under ``"vmap"`` it is exactly the map followed by `federated_sum`.
 
     The values equal the map-then-sum up to float rounding (a sequential sum over the clients
     instead of a pairwise one).
@@ -443,22 +396,9 @@ def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> 
     ctx = current_context("federated_map_sum")
     _check_args(args, ctx, "federated_map_sum")
     how = resolve_map_strategy(fn, args, strategy or ctx.map_strategy)
-    differentiated = any(isinstance(x, _DIFF_TRACERS) for x in jax.tree.leaves(args))
-    if how != "scan" or differentiated or shd.clients_axis_size(ctx.mesh) > 1:
+    if how != "scan":
         return federated_sum(federated_map(fn, *args, strategy=how))
-    call, fixed, rows = _per_client_call(fn, args, ctx)
-    out = jax.eval_shape(lambda: call(fixed, [r[0] for r in rows]))  # one client's output
-
-    def body(total, xs):
-        i, row = xs
-        y = call(fixed, row)
-        if ctx.n_pad > ctx.n:  # rows at or beyond n are padding: they never reach a result
-            y = jax.tree.map(lambda v: jnp.where(i < ctx.n, v, jnp.zeros((), v.dtype)), y)
-        return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, y), None
-
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, _acc_dtype(s.dtype)), out)
-    total, _ = jax.lax.scan(body, init, (jnp.arange(ctx.n_pad), rows))
-    return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
+    return federated_loop(fn, args, ctx, None, reduce=True)
 
 
 def federated_weighted_mean(values: Any, weights: jax.Array) -> Any:

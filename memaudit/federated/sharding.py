@@ -98,3 +98,40 @@ def shard_clients_tree(tree: Any, mesh: Any) -> Any:
     """Apply `constrain_leading` to every leaf of a clients-placed pytree."""
     axis = clients_axis(mesh)
     return jax.tree.map(lambda x: constrain_leading(x, mesh, axis), tree)
+
+
+def model_axis_size(mesh: Any) -> int:
+    """Devices on the ``model`` mesh axis (1 without a mesh or without the axis)."""
+    if mesh is None or MeshAxis.MODEL not in tuple(mesh.axis_names):
+        return 1
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes))[str(MeshAxis.MODEL)])
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def server_shardings(tree: Any, mesh: Any, axes_of: Any) -> Any:
+    """A ``NamedSharding`` for every leaf of a server-placed pytree: the dims that
+    ``axes_of(path)`` names (a tuple of mesh axis names or None per dim, ``path`` the leaf's key
+    names) are split over those axes, the rest replicated.
+
+    An axis the mesh lacks, a dim it does not divide, or ``axes_of`` returning None (or a
+    tuple of the wrong length) leaves the dim replicated. With
+    `memaudit.models.flax_llama.kernel_axes` this lays the attention and MLP kernels (and an
+    optimizer state that mirrors them) over the ``model`` axis, Megatron-style.
+    """
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+    def one(path, leaf):
+        axes = axes_of(tuple(_key_name(k) for k in path))
+        shape = getattr(leaf, "shape", ())
+        if axes is None or len(axes) != len(shape):
+            return NamedSharding(mesh, P())
+        spec = [a if a in sizes and shape[i] % sizes[a] == 0 else None for i, a in enumerate(axes)]
+        return NamedSharding(mesh, P(*spec))
+
+    return jax.tree_util.tree_map_with_path(one, tree)

@@ -73,19 +73,41 @@ def check_population(cfg: Config, population: int) -> None:
         raise MemauditError(f"federated.local_steps={f.local_steps} must be >= 1")
 
 
-def build_mesh(mesh_clients: int | None) -> Any:
-    """A 1-D `clients` mesh over `mesh_clients` devices (default: all); None on one device."""
+def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: str | None = None) -> Any:
+    """The federated device mesh: ``clients`` x ``model`` (None on one device).
+
+    ``mesh_model`` devices split each client's attention and MLP weights (tensor parallel,
+    `memaudit.models.flax_llama.PARTITION_RULES`); ``mesh_clients`` (default: all devices /
+    mesh_model) share the clients. With mesh_model 1 the mesh is the 1-D ``clients`` one. A
+    mesh larger than the visible devices, or a model axis that does not divide the preset's
+    heads, kv heads or intermediate size, is a one-line error.
+    """
     import jax
 
     devices = jax.devices()
-    k = len(devices) if mesh_clients is None else mesh_clients
-    if k > len(devices):
-        raise MemauditError(f"federated.mesh_clients={k} exceeds the {len(devices)} visible devices; "
-                            f"set it to at most {len(devices)}")
-    if k <= 1:
+    if mesh_model < 1:
+        raise MemauditError(f"federated.mesh_model={mesh_model} must be >= 1")
+    k = max(len(devices) // mesh_model, 1) if mesh_clients is None else mesh_clients
+    if k * mesh_model > len(devices):
+        raise MemauditError(
+            f"federated.mesh_clients={k} x federated.mesh_model={mesh_model} = {k * mesh_model} "
+            f"devices exceeds the {len(devices)} visible devices; make the product at most "
+            f"{len(devices)}")
+    if preset is not None and mesh_model > 1:
+        from memaudit.models.flax_llama import check_model_axis
+        from memaudit.models.presets import get_preset
+
+        try:
+            check_model_axis(get_preset(preset), mesh_model)
+        except ValueError as e:
+            raise MemauditError(f"{e} (model.preset={preset})") from None
+    if k * mesh_model <= 1:
         return None
-    return jax.make_mesh((k,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=devices[:k])
+    auto = jax.sharding.AxisType.Auto
+    if mesh_model == 1:
+        return jax.make_mesh((k,), ("clients",), axis_types=(auto,), devices=devices[:k])
+    return jax.make_mesh((k, mesh_model), ("clients", "model"), axis_types=(auto, auto),
+                         devices=devices[: k * mesh_model])
 
 
 def make_loss_fn(model: Any) -> Callable:
@@ -142,7 +164,7 @@ class FederatedTrainer:
                                 f"{self.vocab}; use a smaller tokenizer or a larger model.preset")
         self.clients = build_client_data(self.prepared.train)
         check_population(self.cfg, self.clients.num_users)
-        self.mesh = build_mesh(self.fcfg.mesh_clients)
+        self.mesh = build_mesh(self.fcfg.mesh_clients, self.fcfg.mesh_model, self.cfg.model.preset)
         self.capacity = self._base_capacity()
         self.model = FlaxLlama(FlaxLlamaConfig.from_preset(self.cfg.model.preset, vocab_size=self.vocab))
         self.params0 = init_params(self.model.cfg, preset=self.cfg.model.preset, seed=self.cfg.model.init_seed)
@@ -294,13 +316,17 @@ class FederatedTrainer:
         return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec), lambda idx: x[idx])
 
     def _replicate(self, state: Any) -> Any:
-        """Keep the server state replicated, so every round (and a resumed one) reuses one executable."""
+        """Keep the server state in one layout, so every round (and a resumed one) reuses one
+        executable: replicated over the clients axis, the attention and MLP kernels (and their
+        optimizer moments) split over a ``model`` axis."""
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec
+
+        from memaudit.federated.sharding import server_shardings
+        from memaudit.models.flax_llama import kernel_axes
 
         if self.mesh is None:
             return state
-        return jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
+        return jax.device_put(state, server_shardings(state, self.mesh, kernel_axes))
 
     def run_round(self, state: Any, r: int, key: Any) -> tuple[Any, dict[str, Any]]:
         import jax

@@ -12,6 +12,7 @@ References:
     Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models".
     Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding".
     Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models".
+    Shoeybi et al. 2019, "Megatron-LM" (the column / row split of `PARTITION_RULES`).
 
 >>> import jax, jax.numpy as jnp
 >>> cfg = FlaxLlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
@@ -182,6 +183,47 @@ class FlaxLlama(nn.Module):
         else:
             logits = _dense(self.cfg.vocab_size, "lm_head", self.cfg.dtype)(h)
         return logits.astype(jnp.float32)  # (batch, seq, vocab)
+
+
+# Tensor-parallel layout of one model over a mesh axis (Megatron-LM): the projections into
+# heads / the intermediate size split their output dim (column), the projections back to
+# the hidden size their input dim (row), so attention and the MLP each need one all-reduce.
+# Flax kernels are (in, out). Everything else (embeddings, norms, lm_head) is replicated.
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+PARTITION_RULES: dict[str, tuple[str | None, str | None]] = {
+    **dict.fromkeys(COLUMN, (None, "model")), **dict.fromkeys(ROW, ("model", None)),
+}
+
+
+def kernel_axes(path: tuple[str, ...]) -> tuple[str | None, ...] | None:
+    """The mesh axis of each dim of the kernel at ``path`` (names of the parameter tree, as
+    in ``(..., "self_attn", "q_proj", "kernel")``), or None for a replicated parameter. An
+    optimizer state that mirrors the parameter tree (Adam's moments) matches the same paths.
+
+    >>> kernel_axes(("model", "layers", "0", "mlp", "down_proj", "kernel"))
+    ('model', None)
+    >>> kernel_axes(("model", "norm", "weight")) is None
+    True
+    """
+    if len(path) >= 2 and path[-1] == "kernel":
+        return PARTITION_RULES.get(path[-2])
+    return None
+
+
+def check_model_axis(cfg: LlamaPreset, size: int) -> None:
+    """A one-line ``ValueError`` unless a ``model`` mesh axis of ``size`` devices divides the
+    query heads, the key/value heads and the intermediate size (so each device holds whole
+    heads and an equal slice of the MLP)."""
+    if size < 1:
+        raise ValueError(f"federated.mesh_model={size} must be >= 1")
+    for what, value in (("num_attention_heads", cfg.num_attention_heads),
+                        ("num_key_value_heads", cfg.num_key_value_heads),
+                        ("intermediate_size", cfg.intermediate_size)):
+        if value % size:
+            raise ValueError(
+                f"federated.mesh_model={size} does not divide the model's {what}={value}; "
+                f"set federated.mesh_model to a divisor of {value}")
 
 
 def causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mask: jax.Array,

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from memaudit.federated import (
     federated_broadcast,
     federated_map,
+    federated_map_sum,
     federated_mean,
     federated_program,
     federated_sum,
@@ -104,3 +105,28 @@ def test_mesh_without_clients_axis_is_unsharded():
     want = _program(5, None)(X10, v, w)
     for g, e in zip(got, want, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "vmap"])
+def test_model_sharded_dims_survive_broadcast_map_and_aggregations(mesh, strategy):
+    """A server weight split over `model` stays split through every primitive (FAX keeps it
+    with shard_alike), and the values are those of the unsharded program."""
+    n = 8
+    x_host = RNG.normal(size=(6, 10)).astype(np.float32)
+    v_host = RNG.normal(size=(n, 6, 10)).astype(np.float32)
+    w = RNG.uniform(0.5, 2.0, size=(n,)).astype(np.float32)
+
+    def body(x, v, w):
+        y = federated_map(lambda a, b: jnp.tanh(a * b), federated_broadcast(x), v, strategy=strategy)
+        fused = federated_map_sum(lambda a, b: a * b, federated_broadcast(x), v, strategy=strategy)
+        return y, federated_sum(y), federated_mean(y), federated_weighted_mean(y, w), fused
+
+    want = federated_program(body, clients=n, placed=(1, 2))(x_host, v_host, w)
+    x = jax.device_put(x_host, NamedSharding(mesh, P(None, "model")))
+    v = jax.device_put(v_host, NamedSharding(mesh, P("clients", None, "model")))
+    with jax.set_mesh(mesh):
+        got = jax.jit(federated_program(body, clients=n, mesh=mesh, placed=(1, 2)))(x, v, w)
+    assert got[0].sharding.spec == P("clients", None, "model")
+    for g, e in zip(got, want, strict=True):
+        assert g.addressable_shards[0].data.shape[-1] == 5  # the model-split dim
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,219 @@
+"""The scan strategy of `memaudit.federated.federated_map` / ``federated_map_sum``: the
+clients one after the other inside the compiled program, with a federated derivative.
+
+On one device the loop is a ``lax.map`` (or a ``lax.scan`` accumulating a sum); with a
+``clients`` mesh axis it is a ``shard_map`` manual over that axis and automatic over the others
+(``model``), each device looping over its own clients, so a ``lax.cond`` in the client's work (an
+absent cohort slot skipping its training) stays a branch. A server value straight from
+`federated_broadcast` is read once per device rather than as n copies; the loop's
+``custom_jvp`` puts the broadcast back into the derivative (tangents in through
+``federated_broadcast``, a sum's tangents out through ``federated_sum``), so reverse mode of a
+program, jitted or not, sums the server cotangent with ``federated_sum`` (federated AD).
+
+References:
+    Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX",
+    section 3 (federated AD) and 4 (sharding the clients axis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memaudit.federated import sharding as shd
+from memaudit.federated.primitives import (
+    _acc_dtype,
+    _broadcast_source,
+    _params,
+    federated_broadcast_p,
+    federated_sum_p,
+)
+from memaudit.federated.program import ProgramContext
+
+
+def _per_client_call(fn: Callable, args: tuple, ctx: ProgramContext):
+    """Split ``args`` for a loop over the clients: ``(call, fixed, rows)``, where ``fixed`` are
+    the server values of arguments straight from `federated_broadcast`, ``rows`` the other
+    (clients-placed) leaves, and ``call(fixed, row)`` runs ``fn`` for one client.
+
+    Reading the server value inside the loop, rather than slicing it from its (n, ...)
+    broadcast, spares XLA materialising n copies of the model every round. The derivative
+    keeps the broadcast (`federated_loop`), so that its transpose is a federated_sum.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    servers = [_broadcast_source(ctx, x) for x in leaves]  # server value, or None: per client
+    if all(s is not None for s in servers):  # a loop needs at least one clients-placed input
+        servers = [None] * len(leaves)
+    rows = [shd.constrain_leading(x, ctx.mesh, ctx.axis)
+            for x, s in zip(leaves, servers, strict=True) if s is None]
+    fixed = [s for s in servers if s is not None]
+
+    def call(fixed, row):  # one client: fixed = the server values, row = its own values
+        fixed_it, row_it = iter(fixed), iter(row)
+        merged = [next(row_it) if s is None else next(fixed_it) for s in servers]
+        return fn(*jax.tree.unflatten(treedef, merged))
+
+    return call, fixed, rows
+
+
+def _row_struct(x) -> jax.ShapeDtypeStruct:
+    """One client's row of a clients-placed leaf, keeping an explicit sharding of the rest."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    if not any(s is not None for s in spec[1:]):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype,
+                                sharding=sharding.update(spec=jax.sharding.PartitionSpec(*spec[1:])))
+
+
+def _inexact(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _zeros_like_struct(s: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``s`` in its accumulation dtype, with its explicit sharding (a ``model``-split
+    dim stays split in a loop's carry)."""
+    spec = getattr(getattr(s, "sharding", None), "spec", None)
+    if spec is None or not any(a is not None for a in spec):
+        return jnp.zeros(s.shape, _acc_dtype(s.dtype))
+    return jnp.zeros(s.shape, _acc_dtype(s.dtype), out_sharding=spec)
+
+
+def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, pad: bool,
+                batch_size: int | None, reduce: bool, out: Any) -> Any:
+    """``call(fixed, row)`` for the rows of one device, one client after the other.
+
+    ``reduce``: the sum over the clients (row ``offset + i`` at or beyond ``n`` is padding and
+    excluded) accumulated in the loop, low precision in float32, instead of stacked outputs;
+    ``out`` is one client's output structure.
+    """
+    if not reduce:
+        return jax.lax.map(lambda row: call(fixed, row), rows, batch_size=batch_size)
+    length = jax.tree.leaves(rows)[0].shape[0]
+
+    def body(total, xs):
+        i, row = xs
+        y = call(fixed, row)
+        if pad:
+            y = jax.tree.map(lambda v: jnp.where(offset + i < n, v, jnp.zeros((), v.dtype)), y)
+        return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, y), None
+
+    init = jax.tree.map(_zeros_like_struct, out)
+    total, _ = jax.lax.scan(body, init, (jnp.arange(length), rows))
+    return total
+
+
+def _loop(call: Callable, fixed: list, rows: Any, ctx: ProgramContext, batch_size: int | None,
+          reduce: bool, out: Any = None) -> Any:
+    """The clients' loop inside the program (the scan strategy), in the accumulation dtype.
+
+    With a ``clients`` mesh axis of k devices it is a ``shard_map`` manual over that axis (and
+    automatic over the others, e.g. ``model``): each device loops over its own n_pad / k
+    clients with its own copy of the server values, so a `lax.cond` in ``call`` (an absent
+    cohort slot skipping its training) stays a branch, and a reduction is each device's sum
+    followed by a ``psum`` over the axis.
+    """
+    k = shd.clients_axis_size(ctx.mesh)
+    if reduce and out is None:  # one client's output structure (traced outside any shard_map)
+        out = jax.eval_shape(call, fixed, jax.tree.map(_row_struct, rows))
+    opts = {"n": ctx.n, "pad": ctx.n_pad > ctx.n, "reduce": reduce, "out": out}
+    if k == 1:
+        return _local_loop(call, fixed, rows, offset=0, batch_size=batch_size, **opts)
+    m = ctx.n_pad // k
+    bs = None if batch_size is None else max(1, min(batch_size, m))
+
+    def per_device(fixed, rows):  # rows: this device's (m, ...) clients
+        offset = jax.lax.axis_index(ctx.axis) * m
+        out = _local_loop(call, fixed, rows, offset=offset, batch_size=bs, **opts)
+        return jax.tree.map(lambda t: jax.lax.psum(t, ctx.axis), out) if reduce else out
+
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(per_device, mesh=ctx.mesh, in_specs=(P(), P(ctx.axis)),
+                         out_specs=P() if reduce else P(ctx.axis),
+                         axis_names=frozenset({ctx.axis}), check_vma=False)(fixed, rows)
+
+
+def _trace_client(call: Callable, fixed: list, rows: list) -> tuple[bool, Any]:
+    """One client's output structure, and whether its computation reads traced values it was
+    not passed (a server value captured by ``fn``'s closure instead of sent with
+    `federated_broadcast`)."""
+    jaxpr, out = jax.make_jaxpr(call, return_shape=True)(fixed, [_row_struct(r) for r in rows])
+    return any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts), out
+
+
+def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: int | None,
+                    reduce: bool) -> Any:
+    """``fn`` over the clients by `_loop`, with a JVP that is federated: the tangents of the
+    server values enter through `federated_broadcast` and a reduction leaves through
+    `federated_sum`, so reverse mode (also of a jitted program, ``jax.grad(jax.jit(p))``)
+    carries the server cotangent through a federated_sum rather than a loop's carry.
+
+    A ``fn`` that closes over traced server values (rather than taking them from
+    `federated_broadcast`) runs as a plain loop over the broadcast rows: the values and
+    derivatives are right, but the derivative of the captured value is not federated.
+    """
+    call, fixed, rows = _per_client_call(fn, args, ctx)
+    closes, out = _trace_client(call, fixed, rows)
+    if closes:
+        leaves, treedef = jax.tree.flatten(args)
+        rows = [shd.constrain_leading(x, ctx.mesh, ctx.axis) for x in leaves]
+        out = jax.eval_shape(lambda *r: fn(*jax.tree.unflatten(treedef, list(r))),
+                             *[_row_struct(r) for r in rows])
+        total = _loop(lambda _, row: fn(*jax.tree.unflatten(treedef, row)), [], rows, ctx,
+                      batch_size, reduce)
+        return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
+
+    def finish(total):  # the accumulation dtype back to each output's own
+        return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
+
+    def federated_map_sum(fixed, rows):  # the name marks the fused loop for the closure check
+        return finish(_loop(call, fixed, rows, ctx, batch_size, reduce=True, out=out))
+
+    @jax.custom_jvp
+    def loop(fixed, rows):
+        if reduce:
+            return jax.jit(federated_map_sum)(fixed, rows)
+        return finish(_loop(call, fixed, rows, ctx, batch_size, reduce=False))
+
+    @loop.defjvp
+    def loop_jvp(primals, tangents):
+        return _loop_jvp(call, ctx, batch_size, reduce, primals, tangents)
+
+    return loop(fixed, rows)
+
+
+def _loop_jvp(call: Callable, ctx: ProgramContext, batch_size: int | None, reduce: bool,
+              primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    """JVP of `federated_loop`: per-client JVPs in the same loop, the server tangents
+    broadcast to the clients, a reduction's tangents summed with federated_sum."""
+    params = _params(ctx)
+    (fixed, rows), (fdot, rdot) = primals, tangents
+    f_float, r_float = [_inexact(f) for f in fixed], [_inexact(r) for r in rows]
+    fd = [federated_broadcast_p.bind(t, **params) for t, fl in zip(fdot, f_float) if fl]
+    rd = [t for t, fl in zip(rdot, r_float) if fl]
+    float0 = jax.dtypes.float0
+
+    def one(fixed, xs):  # one client: its primal outputs and float tangents
+        row, rdi, fdi = xs
+        rdi, fdi = iter(rdi), iter(fdi)
+        ft = [next(fdi) if fl else np.zeros(jnp.shape(f), float0) for f, fl in zip(fixed, f_float)]
+        rt = [next(rdi) if fl else np.zeros(jnp.shape(r), float0) for r, fl in zip(row, r_float)]
+        y, yd = jax.jvp(call, (fixed, row), (ft, rt))
+        return y, [t for t in jax.tree.leaves(yd) if t.dtype != float0]
+
+    y, yd = _loop(one, fixed, (list(rows), rd, fd), ctx, batch_size, reduce=False)
+    leaves, treedef = jax.tree.flatten(y)
+    yd_it = iter(yd)
+    outs, touts = [], []
+    for v in leaves:
+        t = next(yd_it) if _inexact(v) else None
+        if reduce:
+            v = federated_sum_p.bind(v, **params)
+            t = None if t is None else federated_sum_p.bind(t, **params)
+        outs.append(v)
+        touts.append(np.zeros(v.shape, float0) if t is None else t)
+    return jax.tree.unflatten(treedef, outs), jax.tree.unflatten(treedef, touts)
