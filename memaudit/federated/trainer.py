@@ -270,11 +270,11 @@ class FederatedTrainer:
         f, k = self.fcfg, clients_axis_size(self.mesh)
         if f.sampling == "fixed":
             return -(-f.cohort // k) * k
-        # One device on CPU: clients train one after the other (the scan strategy), and a slot
-        # without data skips local training. Batched (vmap: accelerators, or the shards of a
-        # clients mesh axis) every slot computes, so there the padding is kept small instead.
-        if jax.default_backend() == "cpu" and k == 1:
-            return poisson_capacity(self.clients.num_users, f.cohort)
+        # On CPU clients train one after the other on each device (the scan strategy, a
+        # shard_map over a clients mesh axis), and a slot without data skips local training.
+        # Batched (vmap, on accelerators) every slot computes, so the padding is kept small.
+        if jax.default_backend() == "cpu":
+            return -(-poisson_capacity(self.clients.num_users, f.cohort) // k) * k
         return None
 
     def round_capacity(self, size: int) -> int:
@@ -297,11 +297,21 @@ class FederatedTrainer:
         ids = np.zeros((cap, s_max, length), np.int32)
         am = np.zeros((cap, s_max, length), np.int32)
         mask = np.zeros((cap, s_max), np.float32)
-        ids[: len(cohort)] = c.input_ids[cohort]
-        am[: len(cohort)] = c.attention_mask[cohort]
-        mask[: len(cohort)] = c.example_mask[cohort]
+        slots = self._slots(len(cohort), cap)
+        ids[slots] = c.input_ids[cohort]
+        am[slots] = c.attention_mask[cohort]
+        mask[slots] = c.example_mask[cohort]
         return ClientData({"input_ids": self._place(ids), "attention_mask": self._place(am)},
                           self._place(mask))
+
+    def _slots(self, n: int, cap: int) -> np.ndarray:
+        """Slots of the n present clients among `cap`: dealt round-robin over the clients axis'
+        device shards, so the padding spreads evenly instead of idling the last device."""
+        from memaudit.federated.sharding import clients_axis_size
+
+        k = clients_axis_size(self.mesh)
+        i = np.arange(n)
+        return (i % k) * (cap // k) + i // k if k > 1 else i
 
     def _place(self, x: np.ndarray, replicated: bool = False) -> Any:
         """Host array -> device array sharded over the clients axis (a global array across hosts)."""
@@ -468,6 +478,8 @@ class FederatedTrainer:
     def _train(self, resume: bool) -> dict[str, Any]:
         import jax
 
+        from memaudit.federated.sharding import clients_axis_size, model_axis_size
+
         t0 = time.perf_counter()
         self.prepare(resume)
         state = self.algorithm.init(self._to_device(self.params0))
@@ -513,7 +525,7 @@ class FederatedTrainer:
             "clients": self.clients.num_users, "train_sequences": len(self.prepared.train),
             "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
             "devices": len(jax.devices()), "processes": jax.process_count(),
-            "mesh_clients": 1 if self.mesh is None else int(self.mesh.devices.size),
+            "mesh_clients": clients_axis_size(self.mesh), "mesh_model": model_axis_size(self.mesh),
             "train_seconds": time.perf_counter() - t0,
             "resumed_from_round": start if resume else None,
         }
