@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         typer.echo("memaudit: interrupted", err=True)
         code = 130
-    except Exception as e:  # noqa: BLE001 - the last resort: one line, never a traceback
+    except Exception as e:
         if debug:
             raise
         typer.echo(f"memaudit: error: {error_line(e)}", err=True)

@@ -91,7 +91,7 @@ CASES = [
     Case("config-missing", lambda d, c: ["train", str(d / "nope.yaml")], "nope.yaml"),
     Case("config-yaml", lambda d, c: ["train", _cfg(d, "train: {steps: 3\n")], "YAML"),
     Case("config-list", lambda d, c: ["train", _cfg(d, "- 1\n- 2\n")], "c.yaml"),
-    Case("config-dir", lambda d, c: ["train", str(d)], str("")),
+    Case("config-dir", lambda d, c: ["train", str(d)], ""),
     Case("unknown-key", lambda d, c: _train(d, "train.nope=1"), "train.nope"),
     Case("override-no-equals", lambda d, c: ["train", TINY, "--set", "train.lr"], "train.lr"),
     Case("lr-negative", lambda d, c: _train(d, "train.lr=-1"), "train.lr"),
@@ -175,7 +175,7 @@ CASES = [
          setup=lambda d, c: (_interrupted(c), _edit_corpus(c))),
     # ---- probe
     Case("probe-missing", lambda d, c: ["probe", str(d / "none")], "none"),
-    Case("probe-not-a-model", lambda d, c: ["probe", str(d)], str("")),
+    Case("probe-not-a-model", lambda d, c: ["probe", str(d)], ""),
     Case("probe-model-garbage", lambda d, c: ["probe", _run(c), "--probes", "exposure"], "model",
          needs_run=True, setup=_corrupt("model/model.safetensors", b"\x00" * 64)),
     Case("probe-out-dir", lambda d, c: ["probe", _run(c), "--probes", "exposure", "--out", str(d)],

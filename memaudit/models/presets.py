@@ -11,7 +11,7 @@ Hugging Face-named fp32 weights both backends start from.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time
     import torch

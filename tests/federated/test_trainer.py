@@ -283,7 +283,7 @@ def test_sigkill_inside_the_checkpoint_swap_then_resume_gives_the_same_weights(f
     out = tmp_path / "swap"
     every_round = [*overrides, "federated.checkpoint_every=1"]  # the cadence does not change weights
     proc = subprocess.run([sys.executable, "-c", SWAP_KILL_SCRIPT, str(out), json.dumps(every_round)],
-                          env=_env(), capture_output=True, timeout=400)
+                          env=_env(), capture_output=True, timeout=400, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert not (out / "state").exists()  # killed with state/ moved aside and the new one beside it
     names = sorted(p.name for p in out.glob(".state.*"))
