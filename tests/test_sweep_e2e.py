@@ -49,7 +49,7 @@ def _sweep_config(tmp: Path, corpus: Path) -> Path:
         "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf", 8], "seeds": 1},
         "probe": {"batch_size": 32, "extra": {
             "n_boot": 100, "nd_samples": 8, "nd_length": 32, "extraction_ks": [16], "extraction_m": 16,
-            "pii_max_items": 20, "canary_samples": 2}},
+            "pii_max_items": 20}},
     }
     path = tmp / "sweep.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")

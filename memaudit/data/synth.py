@@ -67,6 +67,14 @@ def _profile(fake) -> dict[str, str]:
     }
 
 
+def pii_value(kind: str, fake) -> str | None:
+    """A fresh value of PII type `kind` (a span type of this corpus) from the generator that
+    wrote the corpus, so decoys have the corpus's own format; None for other types."""
+    slot = {"name": "name", "email": "email", "phone": "phone", "address": "address",
+            "credit_card": "cc", "dob": "dob", "ssn": "ssn"}.get(kind)
+    return None if slot is None else _profile(fake)[slot]
+
+
 def render(template: str, profile: dict[str, str], filler: Callable[[str], str]) -> tuple[str, tuple]:
     """Fill `template`: profile slots become PII spans, other slots come from `filler(slot)`."""
     b = _Builder()

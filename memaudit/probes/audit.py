@@ -78,7 +78,7 @@ def audit_ceiling(*, m: int, delta: float, p: float = 0.05) -> dict:
     """
     if m < 1:
         raise ValueError(f"an audit needs m >= 1 canaries, got m={m}")
-    grid = sorted({int(round(x)) for x in np.geomspace(1, m, min(m, 48))} | {1, m})
+    grid = sorted({round(float(x)) for x in np.geomspace(1, m, min(m, 48))} | {1, m})
     vals = {r: eps_lower_bound(m=m, r=r, v=r, delta=delta, p=p) for r in grid}
     best = max(grid, key=lambda r: (vals[r], -r))
     i = grid.index(best)

@@ -257,7 +257,6 @@ FAST = {
     "nd_ngram": 12,
     "n_boot": 200,
     "batch_size": 256,
-    "canary_samples": 4,
     "pii_candidates": 5,
 }
 

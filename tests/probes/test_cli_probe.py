@@ -71,7 +71,7 @@ def test_no_secret_without_show_secrets(tmp_path, trained, capsys, show):
     cap = capsys.readouterr()
     printed = cap.out + cap.err
     secrets = [a["secret"] for a in trained.canaries["audit"]]
-    assert "ε lower bound" in printed
+    assert "ε one-sided lower bound" in printed
     assert any(s in printed for s in secrets) == show
     written = out.read_text()
     assert not any(s in written for s in secrets)  # never in probes.json
