@@ -42,7 +42,9 @@ class SynthConfig(_Section):
         default_factory=lambda: [2, 4, 8], description="copies of a repeated signature message"
     )
     paragraph_sentences: int = Field(
-        2, ge=0, description="extra sentences closing each message (document length)"
+        6, ge=0, description="extra sentences closing each message and signature (document "
+        "length): 6 makes ~98% of documents >= 101 tokens, what discoverable extraction at "
+        "k = 50 with a 50-token suffix needs; tests that do not extract may set 2"
     )
 
 

@@ -70,6 +70,14 @@ def repeat_bucket(r: int) -> str:
     return f"{lo}-{2 * lo - 1}"
 
 
+def extraction_prompts(codec, encoded: list[list[int]], k: int, m: int):
+    """(kept indices, prompts, targets): documents with >= start + k + m tokens, split there."""
+    n0 = len(codec.start)
+    keep = [i for i, ids in enumerate(encoded) if len(ids) >= n0 + k + m]
+    return (keep, [encoded[i][: n0 + k] for i in keep],
+            [encoded[i][n0 + k : n0 + k + m] for i in keep])
+
+
 def discoverable(
     model,
     codec,
@@ -84,41 +92,44 @@ def discoverable(
     bleu_threshold: float = 0.75,
     progress=None,
 ) -> dict:
-    """Greedy continuation of each member document's k-token prefix, per k."""
+    """Greedy continuation of each member document's k-token prefix, per k (model-facing)."""
     from memaudit.probes.scoring import decode
 
     encoded = [codec.encode(d.text) for d in docs]
-    summary, rows = {}, []
+    per_k = {}
     for k in ks:
-        n0 = len(codec.start)
-        keep = [i for i, ids in enumerate(encoded) if len(ids) >= n0 + k + m]
-        prompts = [encoded[i][: n0 + k] for i in keep]
-        targets = [encoded[i][n0 + k : n0 + k + m] for i in keep]
-        gen = decode(
-            model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id, progress=progress
-        )
+        keep, prompts, targets = extraction_prompts(codec, encoded, k, m)
+        gen = decode(model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id,
+                     progress=progress)
+        per_k[k] = [(docs[i], g.tolist(), t) for i, g, t in zip(keep, gen, targets, strict=True)]
+    return discoverable_result(per_k, n_docs=len(docs), n_boot=n_boot, seed=seed,
+                               lev_threshold=lev_threshold, bleu_threshold=bleu_threshold)
+
+
+def discoverable_result(
+    per_k: dict[int, list[tuple[object, list[int], list[int]]]],
+    *,
+    n_docs: int,
+    n_boot: int = 1000,
+    seed: int = 0,
+    lev_threshold: float = 0.9,
+    bleu_threshold: float = 0.75,
+) -> dict:
+    """Pure statistics: per k, (doc, generated ids, true ids) -> match rates by repeat bucket."""
+    summary, rows = {}, []
+    for k, triples in per_k.items():
         per = []
-        for i, g, t in zip(keep, gen, targets, strict=True):
-            g = g.tolist()
+        for d, g, t in triples:
             lev, bl = levenshtein_similarity(g, t), bleu4(g, t)
-            per.append(
-                {
-                    "id": docs[i].id,
-                    "k": k,
-                    "repeats": docs[i].repeats,
-                    "exact": g == t,
-                    "levenshtein": lev,
-                    "bleu4": bl,
-                    "approx_levenshtein": lev >= lev_threshold,
-                    "approx_bleu": bl >= bleu_threshold,
-                }
-            )
+            per.append({"id": d.id, "k": k, "repeats": d.repeats, "exact": g == t,
+                        "levenshtein": lev, "bleu4": bl, "approx_levenshtein": lev >= lev_threshold,
+                        "approx_bleu": bl >= bleu_threshold})
         rows += per
         summary[str(k)] = _rates(per, n_boot, seed)
-        summary[str(k)]["skipped_short"] = len(docs) - len(keep)
-        buckets = sorted(
-            {repeat_bucket(r["repeats"]) for r in per}, key=lambda b: int(b.split("-")[0])
-        )
+        summary[str(k)]["skipped_short"] = n_docs - len(per)
+        summary[str(k)]["scored"] = len(per)
+        buckets = sorted({repeat_bucket(r["repeats"]) for r in per},
+                         key=lambda b: int(b.split("-")[0]))
         summary[str(k)]["by_repeats"] = {
             b: _rates([r for r in per if repeat_bucket(r["repeats"]) == b], n_boot, seed)
             for b in buckets
@@ -128,12 +139,9 @@ def discoverable(
 
 def _rates(per, n_boot, seed) -> dict:
     return {
-        name: rate_summary(np.array([r[key] for r in per], dtype=float), n_boot=n_boot, seed=seed)
-        for name, key in (
-            ("exact", "exact"),
-            ("approx_levenshtein", "approx_levenshtein"),
-            ("approx_bleu", "approx_bleu"),
-        )
+        name: rate_summary(np.array([r[name] for r in per], dtype=float), unit="documents",
+                           n_boot=n_boot, seed=seed)
+        for name in ("exact", "approx_levenshtein", "approx_bleu")
     }
 
 
