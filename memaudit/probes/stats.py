@@ -376,3 +376,64 @@ def benjamini_hochberg(pvalues) -> list[float]:
 
 
 CORRECTIONS = {"holm": holm, "benjamini-hochberg": benjamini_hochberg}
+
+
+# ----------------------------------------------------------------------------- runs vs runs
+UNIT_KINDS = ("mean", "binary", "auc")
+
+
+def _aligned(a: dict, b: dict) -> tuple[list[int], list[int]] | None:
+    """Indices that put b's units in a's order when both runs hold exactly the same units."""
+    ia, ib = [str(x) for x in a["ids"]], [str(x) for x in b["ids"]]
+    if len(set(ia)) != len(ia) or set(ia) != set(ib) or len(ia) != len(ib):
+        return None
+    pos = {u: i for i, u in enumerate(ib)}
+    return list(range(len(ia))), [pos[u] for u in ia]
+
+
+def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0) -> dict:
+    """The test of "run a leaks more (greater) / less / differently than run b" on their units.
+
+    `a` and `b` are per-unit scores of one metric: {"kind": mean | binary | auc, "unit", "ids",
+    "values"} (plus "member" flags for auc). Runs sharing all their units get paired tests
+    (sign-flip permutation, exact McNemar, paired AUC permutation); otherwise unpaired ones
+    (label permutation, Fisher exact, unpaired AUC permutation).
+    """
+    _check_alt(alternative)
+    if a["kind"] != b["kind"] or a["kind"] not in UNIT_KINDS:
+        raise ValueError(f"cannot compare units of kind {a['kind']} with {b['kind']}")
+    kind, al = a["kind"], _aligned(a, b)
+    va, vb = np.asarray(a["values"], float), np.asarray(b["values"], float)
+    if al is not None:
+        va, vb = va[al[0]], vb[al[1]]
+    if kind == "mean":
+        est = float(va.mean() - vb.mean())
+        name = "paired sign-flip permutation" if al else "permutation"
+        p = (paired_permutation_test(va, vb, alternative=alternative, seed=seed) if al
+             else permutation_test(va, vb, alternative=alternative, seed=seed))
+    elif kind == "binary":
+        est = float(va.mean() - vb.mean())
+        name = "exact McNemar" if al else "Fisher exact"
+        p = (mcnemar_exact(va, vb, alternative=alternative) if al
+             else fisher_exact(va, vb, alternative=alternative))
+    else:
+        ma, mb = np.asarray(a["member"], bool), np.asarray(b["member"], bool)
+        if al is not None:
+            ma, mb = ma[al[0]], mb[al[1]]
+            if not (ma == mb).all():
+                al = None
+        est = roc_auc(va[ma], va[~ma]) - roc_auc(vb[mb], vb[~mb])
+        name = "paired AUC permutation" if al else "AUC permutation"
+        p = auc_difference_test((va[ma], va[~ma]), (vb[mb], vb[~mb]), paired=al is not None,
+                                alternative=alternative, seed=seed)
+    return {"test": name, "alternative": alternative, "paired": al is not None,
+            "p_value": float(p), "estimate": float(est), "n_a": len(va), "n_b": len(vb),
+            "unit": a["unit"]}
+
+
+def compare_seeds(a: list[float], b: list[float], *, alternative: str, seed: int = 0) -> dict:
+    """Configurations with several seeds each: a permutation test over the per-seed values."""
+    return {"test": "permutation over seeds", "alternative": alternative, "paired": False,
+            "p_value": permutation_test(a, b, alternative=alternative, seed=seed),
+            "estimate": float(np.mean(a) - np.mean(b)),
+            "n_a": len(a), "n_b": len(b), "unit": "seeds"}

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from memaudit.probes.extraction import canary_completion
 from memaudit.probes.exposure import enumerate_secrets, exact_exposure, run_exposure
+from memaudit.probes.extraction import canary_completion
 from memaudit.probes.loaders import Canaries
 from memaudit.probes.targets import Codec
 
