@@ -63,10 +63,17 @@ def test_extraction_membership_audit_trained(probed):
         pii["training_users"]["inference_top1"]["value"]
         > pii["heldout_users"]["inference_top1"]["value"]
     )
-    assert (
-        p["user_inference"]["summary"]["n_pos"] == 20
-        and p["user_inference"]["summary"]["n_neg"] == 10
-    )
+    # decoys of held-out users' PII rank the true value first at chance, 1/k, within its CI
+    held = pii["heldout_users"]
+    assert held["inference_top1"]["ci_low"] <= held["chance_top1"] <= held["inference_top1"]["ci_high"]
+    assert held["chance_top1"] == pytest.approx(1 / 6)
+    ui = p["user_inference"]["summary"]
+    assert ui["n_pos"] == 20 and ui["n_neg"] == 10 and ui["docs_per_user"] == 3
+    # 10 held-out users cannot give TPR at 1% FPR: the cell says so instead of a number
+    assert ui["tpr_at_fpr"]["0.01"]["value"] is None
+    assert ui["tpr_at_fpr"]["0.01"]["note"] == "needs >= 1000 non-member users"
+    assert p["membership"]["summary"]["loss"]["tpr_at_fpr"]["0.01"]["note"] == (
+        "needs >= 1000 non-member documents")
     nd = p["extraction"]["summary"]["non_discoverable"]
     assert nd["perplexity"]["memorised_in_top"] >= 1  # the top-ranked samples hold training text
     assert doc["schema"] == 1 and set(doc["probes"]) == {
