@@ -244,60 +244,54 @@ def non_discoverable(
     n_boot: int = 1000,
     progress=None,
 ) -> dict:
-    """Unprompted samples ranked three ways; memorised = holds a training ngram-token window."""
+    """Unprompted samples ranked three ways; memorised = holds a training ngram-token window.
+
+    Model-facing: samples and their scores; `non_discoverable_result` does the statistics.
+    """
     from memaudit.probes.scoring import decode, token_logprobs
 
     length = max(length, ngram)
     start = codec.start_or_zero()
-    samples = decode(
-        model,
-        [start] * n_samples,
-        length,
-        batch_size=batch_size,
-        pad_id=codec.pad_id,
-        top_k=top_k,
-        seed=seed,
-        progress=progress,
-    )
+    samples = decode(model, [start] * n_samples, length, batch_size=batch_size,
+                     pad_id=codec.pad_id, top_k=top_k, seed=seed, progress=progress)
     seqs = [start + s.tolist() for s in samples]
-    logppl = np.array(
-        [-lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp]
-    )
+    logppl = np.array([-lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp])
     texts = [codec.decode(s) for s in samples]
     zbytes = np.array([max(1, len(zlib.compress(t.encode("utf-8")))) for t in texts])
     # Carlini et al. 2021: log-perplexity over zlib entropy (lower = more suspicious)
     metrics = {"perplexity": logppl, "zlib": logppl / zbytes}
-    if reference is not None:
-        ref_model, ref_codec = reference
-        ref_seqs = [
-            ref_codec.encode(t) if len(ref_codec.encode(t)) > 1 else ref_codec.start_or_zero() * 2
-            for t in texts
-        ]
-        ref_lp = np.array(
-            [-lp.mean() for lp in token_logprobs(ref_model, ref_seqs, batch_size=batch_size).logp]
-        )
+    if reference is not None:  # the same tokenizer (runner.load_reference checks it)
+        ref_model, _ref_codec = reference
+        ref_lp = np.array([-lp.mean() for lp in
+                           token_logprobs(ref_model, seqs, batch_size=batch_size).logp])
         metrics["reference"] = logppl / np.maximum(ref_lp, 1e-6)
     index = NgramIndex(train_seqs, ngram)
     memorised = np.array([index.contains_any(s) for s in samples])
+    return non_discoverable_result(metrics, memorised, top_n=top_n, ngram=ngram,
+                                   n_boot=n_boot, seed=seed)
+
+
+def non_discoverable_result(
+    metrics: dict[str, np.ndarray],
+    memorised: np.ndarray,
+    *,
+    top_n: int,
+    ngram: int,
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """Pure statistics: per metric (lower = more suspicious), memorised samples in the top n."""
+    n_samples = len(memorised)
     top_n = min(top_n, n_samples)
-    summary = {
-        "n_samples": n_samples,
-        "top_n": top_n,
-        "ngram": ngram,
-        "any_memorised": int(memorised.sum()),
-    }
+    summary = {"n_samples": n_samples, "top_n": top_n, "ngram": ngram,
+               "any_memorised": int(memorised.sum())}
     for name, vals in metrics.items():
-        top = np.argsort(vals, kind="stable")[:top_n]  # lowest ratio = most suspicious
+        top = np.argsort(vals, kind="stable")[:top_n]
         summary[name] = {
             "memorised_in_top": int(memorised[top].sum()),
-            "rate": rate_summary(memorised[top].astype(float), n_boot=n_boot, seed=seed),
+            "rate": rate_summary(memorised[top].astype(float), unit="samples", n_boot=n_boot,
+                                 seed=seed),
         }
-    rows = [
-        {
-            "sample": i,
-            "memorised": bool(memorised[i]),
-            **{k: float(v[i]) for k, v in metrics.items()},
-        }
-        for i in range(n_samples)
-    ]
+    rows = [{"sample": i, "memorised": bool(memorised[i]),
+             **{k: float(v[i]) for k, v in metrics.items()}} for i in range(n_samples)]
     return {"summary": summary, "scores": rows}

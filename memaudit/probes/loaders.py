@@ -159,3 +159,73 @@ class ProbesDoc:
             probes[name] = ProbeSection(summary=p["summary"], scores=p.get("scores") or [])
         return cls(schema=1, target=obj.get("target") or {}, settings=obj.get("settings") or {},
                    probes=probes)
+
+
+def _path(obj: Any, *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if not isinstance(obj, dict) or k not in obj:
+            return default
+        obj = obj[k]
+    return default if obj is None else obj
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """run.json as the report needs it (the resolved config's few fields, the training result).
+
+    Tolerant of run directories written by earlier memaudit versions: a missing field takes its
+    default; a field of the wrong type is refused in one line.
+    """
+
+    backend: str
+    seed: int | None
+    audit_canaries: int
+    preset: str | None
+    dp: bool
+    target_epsilon: float | None
+    dp_mechanism: str | None
+    secure_aggregation: bool
+    adaptive_clipping: bool
+    goldfish: bool
+    data_fingerprint: str
+    parameters: int | None
+    train_sequences: int | None
+    final_holdout_loss: float | None
+    final_holdout_perplexity: float | None
+
+    @classmethod
+    def from_manifest(cls, m: Any, source: str = "run.json") -> RunInfo:
+        if not isinstance(m, dict):
+            raise DataError(f"{source} is not a JSON object; re-run training to rewrite it")
+        cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+        res = m.get("result") if isinstance(m.get("result"), dict) else {}
+        backend = m.get("backend") or cfg.get("backend") or "parallel"
+        if backend not in ("parallel", "federated"):
+            raise DataError(f"{source}: backend '{backend}' is not parallel or federated")
+
+        def num(v, kind=float):
+            if v is None:
+                return None
+            try:
+                return kind(v)
+            except (TypeError, ValueError):
+                raise DataError(f"{source}: '{v}' is not a number; re-run training") from None
+
+        return cls(
+            backend=backend,
+            seed=num(_path(cfg, "train", "seed"), int),
+            audit_canaries=num(_path(cfg, "data", "audit_canaries", default=0), int),
+            preset=_path(cfg, "model", "preset"),
+            dp=_path(cfg, "privacy", "noise_multiplier") is not None
+            or _path(cfg, "privacy", "target_epsilon") is not None,
+            target_epsilon=num(_path(cfg, "privacy", "target_epsilon")),
+            dp_mechanism=_path(cfg, "privacy", "mechanism"),
+            secure_aggregation=bool(_path(cfg, "privacy", "secure_aggregation", "enabled", default=False)),
+            adaptive_clipping=bool(_path(cfg, "privacy", "adaptive_clipping", "enabled", default=False)),
+            goldfish=bool(_path(cfg, "train", "goldfish", "enabled", default=False)),
+            data_fingerprint=str(m.get("data_fingerprint") or ""),
+            parameters=num(res.get("parameters"), int),
+            train_sequences=num(res.get("train_sequences"), int),
+            final_holdout_loss=num(res.get("final_holdout_loss")),
+            final_holdout_perplexity=num(res.get("final_holdout_perplexity")),
+        )

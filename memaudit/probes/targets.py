@@ -154,6 +154,19 @@ def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
         )
 
 
+def read_heldout_users(path: str | Path, members: list[Doc]) -> list[Doc]:
+    """Documents of users the model never saw; a training user among them is refused."""
+    docs = read_docs(path, "heldout_user")
+    trained = {d.user for d in members}
+    shared = sorted({d.user for d in docs if d.user in trained} - {None})
+    if shared:
+        raise DataError(
+            f"held-out-users file '{path}' holds documents of training user '{shared[0]}'; "
+            "give only users the model never saw"
+        )
+    return docs
+
+
 def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
     """Natural documents by role, one per distinct text (documents.jsonl holds a line per
     trained copy); a non-member whose text was also trained on counts as a member only."""
@@ -246,14 +259,7 @@ def resolve_target(
     if nonmembers:
         t.nonmembers = read_docs(nonmembers, "holdout")
     if heldout_users:
-        t.heldout_user_docs = read_docs(heldout_users, "heldout_user")
-        trained = {d.user for d in t.members}
-        shared = sorted({d.user for d in t.heldout_user_docs if d.user in trained} - {None})
-        if shared:
-            raise DataError(
-                f"held-out-users file '{heldout_users}' holds documents of training user "
-                f"'{shared[0]}'; give only users the model never saw"
-            )
+        t.heldout_user_docs = read_heldout_users(heldout_users, t.members)
     if members or nonmembers or heldout_users:
         check_disjoint(t.members, t.nonmembers + t.heldout_user_docs)
     if canaries:

@@ -16,6 +16,7 @@ from typing import Any
 from memaudit import __version__
 from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
+from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 from memaudit.rundir import RunDir
@@ -73,17 +74,15 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
     }
 
 
-def _mechanism(backend: str, cfg: dict[str, Any], priv: dict[str, Any]) -> str:
-    p = cfg.get("privacy", {})
-    on = p.get("noise_multiplier") is not None or p.get("target_epsilon") is not None
-    if not on:
+def _mechanism(info: RunInfo) -> str:
+    if not info.dp:
         return "none"
-    if backend == "parallel":
+    if info.backend == "parallel":
         return "DP-SGD"
-    name = "distributed DP" if p.get("mechanism") == "distributed" else "DP-FedAvg"
-    if p.get("secure_aggregation", {}).get("enabled"):
+    name = "distributed DP" if info.dp_mechanism == "distributed" else "DP-FedAvg"
+    if info.secure_aggregation:
         name += " + SecAgg"
-    if p.get("adaptive_clipping", {}).get("enabled"):
+    if info.adaptive_clipping:
         name += " (adaptive clip)"
     return name
 
@@ -111,20 +110,16 @@ def _train_users(rd: RunDir) -> int | None:
 
 
 def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
-    m = rd.read_manifest()
-    cfg = m.get("config", {})
+    info = RunInfo.from_manifest(rd.read_manifest(), str(rd.path / "run.json"))
     if not rd.probes_path.is_file():
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
         )
     probes = read_json(rd.probes_path)
-    from memaudit.probes.loaders import ProbesDoc
-
     ProbesDoc.from_json(probes, str(rd.probes_path))  # refuses a malformed probes.json in one line
     priv = _ledger_epsilon(rd)
-    backend = m.get("backend", cfg.get("backend", "parallel"))
-    mech = _mechanism(backend, cfg, priv)
-    res = m.get("result", {})
+    backend = info.backend
+    mech = _mechanism(info)
     metrics = read_jsonl(rd.metrics_path)
     noise_rows = [
         {"round": r.get("round"), "survivors": r.get("survivors"), "effective_noise": r.get("effective_noise")}
@@ -143,29 +138,29 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "path": str(rd.path),
         "backend": backend,
         "status": rd.status(),
-        "seed": cfg.get("train", {}).get("seed"),
-        "audit": bool(cfg.get("data", {}).get("audit_canaries", 0)),
-        "model": {"preset": cfg.get("model", {}).get("preset"), "params": res.get("parameters")},
+        "seed": info.seed,
+        "audit": bool(info.audit_canaries),
+        "model": {"preset": info.preset, "params": info.parameters},
         "data": {
-            "fingerprint": (m.get("data_fingerprint") or "")[:12],
+            "fingerprint": info.data_fingerprint[:12],
             "users": _train_users(rd),
-            "sequences": res.get("train_sequences"),
+            "sequences": info.train_sequences,
         },
         "privacy": {
             "mechanism": mech,
             "description": desc,
             "epsilon": priv["epsilon"],
-            "target_epsilon": cfg.get("privacy", {}).get("target_epsilon"),
+            "target_epsilon": info.target_epsilon,
             "noise_multiplier": priv["noise_multiplier"],
             "delta": priv["delta"],
             "unit": priv["unit"],
             "per_user": priv["per_user"],
             "per_user_text": _per_user_text(priv),
         },
-        "mitigation": {"goldfish": bool(cfg.get("train", {}).get("goldfish", {}).get("enabled"))},
+        "mitigation": {"goldfish": info.goldfish},
         "utility": {
-            "holdout_loss": res.get("final_holdout_loss"),
-            "holdout_perplexity": res.get("final_holdout_perplexity"),
+            "holdout_loss": info.final_holdout_loss,
+            "holdout_perplexity": info.final_holdout_perplexity,
         },
         "noise_per_round": noise_rows,
         "leakage": summary["leakage"],
