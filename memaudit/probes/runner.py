@@ -20,9 +20,6 @@ from memaudit.probes.targets import Codec, Target, load_tokenizer
 Progress = Callable[[int, int, dict], None] | None
 
 
-ProbeSettings = ProbeConfig  # the one probe configuration (memaudit.config.ProbeConfig)
-
-
 @dataclass
 class ProbeResult:
     document: dict  # what probes.json holds: no secrets, no raw text
