@@ -157,3 +157,20 @@ def test_caveats_mention_units_and_audit_ceiling():
     assert "vacuous" in cav and "12 sequences" in cav
     assert "3.49" in cav
     assert "one training sequence" in cav
+
+
+def test_several_seeds_are_tested_over_seeds_as_configurations():
+    runs = []
+    for s in range(4):
+        runs.append(run(f"par-{s}", "parallel", 4.0, mia=cell(0.80 + 0.01 * s, 0.02), unit="example",
+                        units={"mia_auc": auc_units(1.5, seed=s)}))
+        runs.append(run(f"fed-{s}", "federated", 4.0, mia=cell(0.55 + 0.01 * s, 0.02), unit="user",
+                        units={"mia_auc": auc_units(0.2, seed=10 + s)}))
+        runs[-1]["seed"] = runs[-2]["seed"] = s
+    rep = _report(runs)
+    t = rep["comparisons"]["matched"][0]["metrics"]["mia_auc"]["test"]
+    assert t["scope"] == "configurations" and t["unit"] == "seeds" and t["n_a"] == 4
+    s = next(x for x in rep["findings"]["sentences"] if x["kind"] == "comparison")
+    assert "for these configurations" in s["text"]
+    # 4 vs 4 seeds: the smallest two-sided permutation p is 2/70, so the difference is shown
+    assert s["verdict"] == "less"
