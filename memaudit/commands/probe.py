@@ -165,7 +165,9 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
         elif name == "pii":
             for group, g in s.items():
                 rows.append((name, f"{group} extraction ({g['items']})", _fmt(g["extraction"])))
-                rows.append((name, f"{group} inference top-1", _fmt(g["inference_top1"])))
+                chance = g.get("chance_top1")
+                label = f"{group} inference top-1" + (f" (chance {chance:.3f})" if chance else "")
+                rows.append((name, label, _fmt(g["inference_top1"])))
         elif name == "audit":
             rows.append(
                 (
