@@ -7,6 +7,7 @@ import shutil
 
 from memaudit.reports.build import build_report
 from memaudit.reports.schema import validate_report
+from memaudit.reports.write import write_report
 
 
 def _strip_new_fields(obj):
@@ -30,6 +31,9 @@ def test_report_on_trained_and_untrained_runs(tmp_path, trained, probed):
         runs[name] = rd
     rep = build_report([runs["trained"], runs["untrained"]])
     validate_report(rep)
+    paths = write_report(rep, tmp_path / "report")  # plots and tables with "n too small" cells
+    md = paths["md"].read_text()
+    assert "n too small" in md and "needs &gt;= 1000 non-member documents" in md
     assert all("units" not in r for r in rep["runs"])
     # the two runs share their canaries: the exposure comparison is paired, and with 2 canaries
     # in the top bucket no difference can be shown however far apart the means are
