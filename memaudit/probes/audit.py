@@ -17,8 +17,8 @@ References:
 1.626
 >>> round(ceiling(r=100, p=0.05), 2)
 3.49
->>> audit_ceiling(m=1000, delta=1e-5, p=0.05)["r"] < 1000
-True
+>>> round(audit_ceiling(m=200, delta=1e-3, p=0.05)["eps"], 2)  # below logit(p^(1/200)) = 4.19
+3.57
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def ceiling(*, r: int, p: float = 0.05) -> float:
 def audit_ceiling(*, m: int, delta: float, p: float = 0.05) -> dict:
     """{"eps", "r"}: the largest lower bound that m canaries can give, max over r of v = r.
 
-    With δ > 0 the δ term grows with m and caps the bound, so the best r is below m. A geometric
-    grid of r is scanned, then every r between the best grid point's neighbours.
+    With δ > 0 the δ term (which grows with m) lowers the bound below logit(p^(1/r)), and the
+    best r need not be m. A geometric grid of r is scanned, then every r between the best grid
+    point's neighbours (checked against a brute-force maximum in the tests).
     """
     if m < 1:
         raise ValueError(f"an audit needs m >= 1 canaries, got m={m}")
