@@ -54,7 +54,9 @@ class SynthConfig(_Section):
         default_factory=lambda: [2, 4, 8], description="copies of a repeated signature message"
     )
     paragraph_sentences: int = Field(
-        2, ge=0, description="extra sentences closing each message (document length)"
+        6, ge=0, description="extra sentences closing each message and signature (document "
+        "length): 6 makes ~98% of documents >= 101 tokens, what discoverable extraction at "
+        "k = 50 with a 50-token suffix needs; tests that do not extract may set 2"
     )
 
 
@@ -322,6 +324,61 @@ class FederatedConfig(_Section):
     def _local(cls, v: int) -> int:
         if v < 1:
             raise ValueError(f"local_steps must be >= 1, got {v}")
+        return v
+
+
+# ----------------------------------------------------------------------------- probe
+PROBE_NAMES = ("exposure", "extraction", "membership", "user_inference", "pii", "audit")
+
+
+class ProbeConfig(_Section):
+    """What `memaudit probe` (and each sweep point) measures, and how (memaudit.probes)."""
+
+    probes: tuple[str, ...] = Field(PROBE_NAMES, description="probes to run, in this order")
+    device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    batch_size: int = Field(32, ge=1, description="sequences of 128 tokens per forward pass")
+    reference: str | None = Field(None, description="reference HF model directory (calibration)")
+    seed: int = Field(0, description="seed of bootstraps, permutations, sampling and candidates")
+    n_boot: int = Field(1000, ge=10, description="bootstrap resamples per interval")
+    fprs: tuple[float, ...] = Field((0.01, 0.001), description="FPRs of the TPR-at-FPR cells")
+    max_tokens: int = Field(1024, ge=2, description="tokens scored per document")
+    min_k: float = Field(0.2, gt=0, le=1, description="k of Min-K% and Min-K%++")
+    exposure_enumerate_max: int = Field(10_000, ge=1, description="enumerate |R| up to this")
+    exposure_samples: int = Field(10_000, ge=100, description="sampled candidates beyond it")
+    extraction_ks: tuple[int, ...] = Field((32, 50), description="prefix tokens k")
+    extraction_m: int = Field(50, ge=1, description="suffix tokens compared")
+    extraction_max_docs: int = Field(1000, ge=1, description="member documents prompted")
+    top_k: int = Field(40, ge=1, description="top-k of unprompted sampling")
+    nd_samples: int = Field(256, ge=0, description="unprompted samples (0: skip)")
+    nd_length: int = Field(64, ge=1, description="tokens per unprompted sample")
+    nd_top_n: int = Field(100, ge=1, description="top-ranked samples checked per metric")
+    nd_ngram: int = Field(50, ge=2, description="training window that counts as memorised")
+    pii_candidates: int = Field(9, ge=1, description="decoys per PII item")
+    pii_max_items: int = Field(200, ge=1, description="PII items per group")
+    user_docs: int | None = Field(
+        None, ge=1, description="documents per user on both sides of user inference; "
+        "default: the most every compared user has"
+    )
+    audit_r: tuple[int, ...] = Field((), description="guesses r tried (default m/20..m/2)")
+    audit_p: float = Field(0.05, gt=0, lt=1, description="1 - confidence of the audit bound")
+    audit_delta: float | None = Field(None, ge=0, description="δ of the audit; default: the run's")
+
+    @field_validator("probes")
+    @classmethod
+    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [n for n in v if n not in PROBE_NAMES]
+        if bad or not v:
+            raise ValueError(
+                f"unknown probe '{bad[0] if bad else ''}'; choose from {', '.join(PROBE_NAMES)}"
+            )
+        return tuple(dict.fromkeys(v))
+
+    @field_validator("fprs")
+    @classmethod
+    def _fprs(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0 < f < 1 for f in v):
+            raise ValueError(f"every FPR must be in (0, 1), got {list(v)}")
         return v
 
 

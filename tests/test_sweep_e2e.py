@@ -24,9 +24,13 @@ FILLER = "the quarterly inventory report lists every shelf in the north warehous
 
 
 def _corpus(tmp: Path) -> Path:
+    from memaudit.data.documents import Document
+    from memaudit.data.synth import synthesize
+
     out = tmp / "corpus.jsonl"
-    assert main(["data", "synth", "--users", "16", "--docs-per-user", "3", "--seed", "3", "--out", str(out)]) == 0
-    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    # short messages (the default closes each with 6 sentences, for extraction coverage): the
+    # payloads stay a large share of this small corpus, so 100 steps memorise them
+    rows = [Document.to_corpus_json(d) for d in synthesize(16, 3, 3, paragraph_sentences=2)]
     # payload documents, repeated so the no-DP centralized model memorises them
     for i, payload in enumerate(XSS):
         rows += [{"id": f"x{i}-{j}", "user": "u0001", "text": f"{payload} {FILLER} {i}"} for j in range(32)]
@@ -49,7 +53,7 @@ def _sweep_config(tmp: Path, corpus: Path) -> Path:
         "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf", 8], "seeds": 1},
         "probe": {"batch_size": 32, "extra": {
             "n_boot": 100, "nd_samples": 8, "nd_length": 32, "extraction_ks": [16], "extraction_m": 16,
-            "pii_max_items": 20, "canary_samples": 2}},
+            "pii_max_items": 20}},
     }
     path = tmp / "sweep.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")

@@ -40,6 +40,16 @@ def register(app: typer.Typer) -> None:
         canaries: Annotated[
             str | None, typer.Option(help="A canaries.json (template, alphabet, secrets).")
         ] = None,
+        heldout_users: Annotated[
+            str | None,
+            typer.Option(help="Documents of users the model never saw (.jsonl with 'user'), "
+                         "for user inference and PII."),
+        ] = None,
+        user_docs: Annotated[
+            int | None,
+            typer.Option(help="Documents per user on both sides of user inference "
+                         "(default: the most every compared user has)."),
+        ] = None,
         reference: Annotated[
             str | None, typer.Option(help="Reference HF model directory for calibration.")
         ] = None,
@@ -55,8 +65,9 @@ def register(app: typer.Typer) -> None:
         ] = False,
         fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
     ) -> None:
+        from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
-        from memaudit.probes.runner import ProbeSettings, parse_probes
+        from memaudit.probes.runner import parse_probes
         from memaudit.probes.targets import resolve_target
 
         if fmt not in ("table", "json"):
@@ -65,13 +76,17 @@ def register(app: typer.Typer) -> None:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)
         t = resolve_target(
-            target, members=members, nonmembers=nonmembers, canaries=canaries, out=out
+            target, members=members, nonmembers=nonmembers, canaries=canaries,
+            heldout_users=heldout_users, out=out,
         )
         from memaudit.probes.runner import run_probes
         from memaudit.probes.scoring import resolve_device
 
-        settings = ProbeSettings(
+        if user_docs is not None and user_docs < 1:
+            raise ValueError(f"--user-docs must be >= 1, got {user_docs}")
+        settings = ProbeConfig(
             probes=names,
+            user_docs=user_docs,
             device=resolve_device(device),
             dtype=dtype,
             batch_size=batch_size,
@@ -97,10 +112,16 @@ def register(app: typer.Typer) -> None:
             console.print(f"probes.json written to {t.out}")
 
 
-def _fmt(stat: dict | None) -> str:
-    if not stat or stat.get("value") is None:
+def _fmt(stat: dict | None, prefix: str = "") -> str:
+    """A cell as text: value, interval (or why none) and n with its unit."""
+    if not stat:
         return "-"
-    return f"{stat['value']:.3f} [{stat['ci_low']:.3f}, {stat['ci_high']:.3f}]"
+    n = f" (n={stat['n']} {stat.get('unit', '')})".rstrip() if "n" in stat else ""
+    if stat.get("value") is None:
+        return f"{stat.get('note') or '-'}{n}"
+    if stat.get("ci_low") is None:
+        return f"{prefix}{stat['value']:.3f}, {stat.get('note') or 'no interval'}{n}"
+    return f"{prefix}{stat['value']:.3f} [{stat['ci_low']:.3f}, {stat['ci_high']:.3f}]{n}"
 
 
 def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
@@ -115,7 +136,10 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
             rows.append((name, f"max (log2|R|, {s['method']})", f"{s['max_exposure']:.2f}"))
             rows.append((name, "references (null)", _fmt(s["references"])))
             for rep, g in s["by_repetitions"].items():
-                rows.append((name, f"inserted x{rep}", _fmt(g["all"])))
+                rows.append((name, f"inserted x{rep}", _fmt(g["all"], ">= " if g.get("lower_bound") else "")))
+                if g.get("test"):
+                    rows.append((name, f"x{rep} excess over references (p_holm)",
+                                 f"{_fmt(g['excess'])}; p = {g['test'].get('p_holm', g['test']['p_value']):.3g}"))
         elif name == "extraction":
             for k, g in s.get("discoverable", {}).items():
                 rows.append((name, f"exact k={k}", _fmt(g["exact"])))
@@ -141,16 +165,18 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
         elif name == "pii":
             for group, g in s.items():
                 rows.append((name, f"{group} extraction ({g['items']})", _fmt(g["extraction"])))
-                rows.append((name, f"{group} inference top-1", _fmt(g["inference_top1"])))
+                chance = g.get("chance_top1")
+                label = f"{group} inference top-1" + (f" (chance {chance:.3f})" if chance else "")
+                rows.append((name, label, _fmt(g["inference_top1"])))
         elif name == "audit":
             rows.append(
                 (
                     name,
-                    f"ε lower bound (r={s['r']}, v={s['v']}, m={s['m']})",
-                    f"{s['eps_lower_bound']:.3f}",
+                    f"ε one-sided lower bound (r={s['r']}, v={s['v']}, m={s['m']})",
+                    f">= {s['eps_lower_bound']:.3f} at {s.get('confidence', 0.95):.0%} confidence",
                 )
             )
-            rows.append((name, "ceiling logit(p^(1/r))", f"{s['ceiling']:.3f}"))
+            rows.append((name, f"ceiling (m={s['m']}, δ={s['delta']:g})", f"{s['ceiling']:.3f}"))
             rows.append(
                 (name, "ledger ε", "-" if s["ledger_eps"] is None else f"{s['ledger_eps']:.3f}")
             )

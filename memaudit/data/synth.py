@@ -67,6 +67,14 @@ def _profile(fake) -> dict[str, str]:
     }
 
 
+def pii_value(kind: str, fake) -> str | None:
+    """A fresh value of PII type `kind` (a span type of this corpus) from the generator that
+    wrote the corpus, so decoys have the corpus's own format; None for other types."""
+    slot = {"name": "name", "email": "email", "phone": "phone", "address": "address",
+            "credit_card": "cc", "dob": "dob", "ssn": "ssn"}.get(kind)
+    return None if slot is None else _profile(fake)[slot]
+
+
 def render(template: str, profile: dict[str, str], filler: Callable[[str], str]) -> tuple[str, tuple]:
     """Fill `template`: profile slots become PII spans, other slots come from `filler(slot)`."""
     b = _Builder()
@@ -90,15 +98,17 @@ def synthesize(
     *,
     repeat_every: int = 4,
     repeat_counts: list[int] | tuple[int, ...] = (2, 4, 8),
-    paragraph_sentences: int = 2,
+    paragraph_sentences: int = 6,
     progress: Callable[[int, int, dict], None] | None = None,
 ) -> list[Document]:
     """The synthetic corpus: `users` x `docs_per_user` messages plus repeated signatures.
 
     Document ids are `u0003-d05` (messages) and `u0003-s1` (signature copies); `repeats`
-    counts documents with identical text. Each message ends with `paragraph_sentences` more
-    sentences, so documents are long enough (about 60-120 tokens) for discoverable extraction
-    with a 32-token prefix and a 50-token continuation.
+    counts documents with identical text. Each message and signature ends with
+    `paragraph_sentences` more sentences of 12 words. With the default 6 and the tiny preset's
+    BPE, the median message is 120 tokens and ~98% reach 101 (a 50-token prefix, a 50-token
+    suffix and the start token), so discoverable extraction at k in {32, 50} scores >= 90% of
+    member documents; 2 gives a median of 69 tokens (cheaper, for tests that do not extract).
     """
     from faker import Faker
 
@@ -128,7 +138,8 @@ def synthesize(
             docs.append(Document(id=f"{uid}-d{j:02d}", user=uid, text=text, pii=pii))
         if repeat_every and repeat_counts and u % repeat_every == repeat_every - 1:
             r = repeat_counts[(u // repeat_every) % len(repeat_counts)]
-            text, pii = render(SIGNATURE, profile, filler)
+            sig = SIGNATURE + (" {paragraph}" if paragraph_sentences > 0 else "")
+            text, pii = render(sig, profile, filler)
             docs.extend(Document(id=f"{uid}-s{k}", user=uid, text=text, pii=pii) for k in range(r))
         if progress is not None:
             progress(u + 1, users, {"docs": len(docs)})

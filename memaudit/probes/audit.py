@@ -4,8 +4,10 @@ m audit canaries are each included in training with probability 1/2. After train
 scored (here: its log-likelihood under the model), and the auditor guesses "in" for the r/2 most
 confident and "out" for the r/2 least confident canaries. If the training algorithm is (ε, δ)-DP,
 the number of correct guesses is stochastically dominated by Binomial(r, e^ε / (1 + e^ε)) up to a
-δ term; the largest ε whose p-value stays below p is a lower bound on the true ε. With v = r and
-δ = 0 the bound cannot exceed logit(p^(1/r)), the ceiling of r guesses.
+δ term; the largest ε whose p-value stays below p is a one-sided lower bound on the true ε at
+confidence 1 - p. The most any audit of m canaries can certify at the run's δ is the maximum over
+r of the bound with every guess right (v = r): `audit_ceiling(m, delta, p)`. With δ = 0 and a
+fixed r that is logit(p^(1/r)) (`ceiling`).
 
 References:
   Steinke, Nasr, Jagielski. Privacy Auditing with One (1) Training Run. NeurIPS 2023
@@ -15,6 +17,8 @@ References:
 1.626
 >>> round(ceiling(r=100, p=0.05), 2)
 3.49
+>>> round(audit_ceiling(m=200, delta=1e-3, p=0.05)["eps"], 2)  # below logit(p^(1/200)) = 4.19
+3.57
 """
 
 from __future__ import annotations
@@ -66,6 +70,27 @@ def ceiling(*, r: int, p: float = 0.05) -> float:
     return math.log(q / (1 - q))
 
 
+def audit_ceiling(*, m: int, delta: float, p: float = 0.05) -> dict:
+    """{"eps", "r"}: the largest lower bound that m canaries can give, max over r of v = r.
+
+    With δ > 0 the δ term (which grows with m) lowers the bound below logit(p^(1/r)), and the
+    best r need not be m. A geometric grid of r is scanned, then every r between the best grid
+    point's neighbours (checked against a brute-force maximum in the tests).
+    """
+    if m < 1:
+        raise ValueError(f"an audit needs m >= 1 canaries, got m={m}")
+    grid = sorted({round(float(x)) for x in np.geomspace(1, m, min(m, 48))} | {1, m})
+    vals = {r: eps_lower_bound(m=m, r=r, v=r, delta=delta, p=p) for r in grid}
+    best = max(grid, key=lambda r: (vals[r], -r))
+    i = grid.index(best)
+    lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    for r in range(lo, hi + 1):
+        if r not in vals:
+            vals[r] = eps_lower_bound(m=m, r=r, v=r, delta=delta, p=p)
+    best = max(vals, key=lambda r: (vals[r], -r))
+    return {"eps": vals[best], "r": best}
+
+
 def guesses(scores: np.ndarray, included: np.ndarray, r: int) -> tuple[int, int]:
     """(r, v): "in" for the r - r//2 highest scores, "out" for the r//2 lowest; v correct."""
     if not 0 < r <= len(scores):
@@ -87,7 +112,12 @@ def run_audit(
     p: float = 0.05,
     ledger_eps: float | None = None,
 ) -> dict:
-    """Audit over a grid of r with a Bonferroni correction (p / len(grid)); the best bound wins."""
+    """Audit over a grid of r with a Bonferroni correction (p / len(grid)); the best bound wins.
+
+    The summary's `eps_lower_bound` is a one-sided lower bound at `confidence` = 1 - p; `ceiling`
+    is the most that m canaries can certify at this δ (and p / len(grid)), maximised over r, and
+    `ceiling_at_r` the most at the chosen r.
+    """
     m = len(scores)
     included = np.asarray(included, dtype=bool)
     grid = [r for r in r_grid if 0 < r <= m] or [m]
@@ -100,7 +130,7 @@ def run_audit(
                 "r": r,
                 "v": v,
                 "eps_lower_bound": eps_lower_bound(m=m, r=r, v=v, delta=delta, p=p_each),
-                "ceiling": ceiling(r=r, p=p_each),
+                "ceiling_at_r": eps_lower_bound(m=m, r=r, v=r, delta=delta, p=p_each),
             }
         )
     best = max(rows, key=lambda row: (row["eps_lower_bound"], row["r"]))  # ties: the largest r
@@ -108,7 +138,11 @@ def run_audit(
         "eps_lower_bound": best["eps_lower_bound"],
         "r": best["r"],
         "v": best["v"],
-        "ceiling": best["ceiling"],
+        "kind": "one-sided lower bound",
+        "confidence": 1 - p,
+        "ceiling": audit_ceiling(m=m, delta=delta, p=p_each)["eps"],
+        "ceiling_r": audit_ceiling(m=m, delta=delta, p=p_each)["r"],
+        "ceiling_at_r": best["ceiling_at_r"],
         "m": m,
         "delta": delta,
         "p": p,

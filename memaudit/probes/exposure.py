@@ -23,8 +23,6 @@ import math
 
 import numpy as np
 
-from memaudit.probes.stats import rate_summary
-
 
 def exact_exposure(canary_logppl: np.ndarray, space_logppl: np.ndarray) -> np.ndarray:
     """Exposure against the full secret space: rank = 1 + #candidates strictly more likely."""
@@ -33,26 +31,33 @@ def exact_exposure(canary_logppl: np.ndarray, space_logppl: np.ndarray) -> np.nd
     return math.log2(len(space)) - np.log2(rank)
 
 
+TAIL_CONFIDENCE = 0.95
+
+
 def estimated_exposure(
     canary_logppl: np.ndarray, sample_logppl: np.ndarray, space_size: int
 ) -> np.ndarray:
-    """Exposure from sampled candidates: interpolated empirical CDF, skew-normal below the sample.
+    """Exposure from n sampled candidates: interpolated empirical CDF; a lower bound in the tail.
 
     rank ≈ 1 + |R| F(x), F the probability that a random candidate is strictly more likely.
+    A canary more likely than every sample has F below what n samples resolve: there the value
+    is the one-sided lower bound from F <= 1 - (1 - TAIL_CONFIDENCE)^(1/n) (no extrapolation;
+    `tail_mask` tells which entries are bounds, to be shown as ">= X bits").
     """
-    from scipy.stats import skewnorm
-
     s = np.sort(np.asarray(sample_logppl, dtype=np.float64))
     n = len(s)
     x = np.asarray(canary_logppl, dtype=np.float64)
     # interpolate between the CDF jumps; the i-th sorted sample sits at (i + 0.5) / n
     f = np.interp(x, s, (np.arange(n) + 0.5) / n, left=np.nan, right=1.0)
     below = np.isnan(f)
-    if below.any():
-        a, loc, scale = skewnorm.fit(s)
-        f[below] = np.minimum(skewnorm.cdf(x[below], a, loc, scale), 0.5 / n)
+    f[below] = 1 - (1 - TAIL_CONFIDENCE) ** (1 / n)
     rank = 1 + space_size * f
     return np.clip(math.log2(space_size) - np.log2(rank), 0.0, math.log2(space_size))
+
+
+def tail_mask(canary_logppl: np.ndarray, sample_logppl: np.ndarray) -> np.ndarray:
+    """True where a canary is more likely than every sampled candidate (exposure is a bound)."""
+    return np.asarray(canary_logppl, float) < np.min(sample_logppl)
 
 
 def secret_space(alphabet: str, length: int) -> int:
@@ -73,7 +78,12 @@ def sample_secrets(alphabet: str, length: int, n: int, seed: int) -> list[str]:
 def score_secrets(
     model, codec, template: str, secrets: list[str], *, batch_size: int, progress=None
 ) -> np.ndarray:
-    """Log-perplexity (summed NLL, nats) of the secret and whatever follows it in the template."""
+    """Log-perplexity (summed NLL, nats) of the secret and whatever follows it in the template.
+
+    The secret's span is found by character offsets: every token that overlaps the secret or
+    the text after it is scored, so a tokenizer that merges the space before the secret with
+    its first digit (GPT-2's byte-level BPE) still scores that digit.
+    """
     from memaudit.probes.scoring import token_logprobs
 
     prefix, suffix = template.split("{secret}")
@@ -87,10 +97,20 @@ def score_secrets(
     return np.array([-lp[i][starts[i] - 1 :].sum() for i in range(len(seqs))])
 
 
+def canary_items(canaries) -> list[tuple[dict, str]]:
+    """(canary, role) for every inserted and reference canary of a canaries.json document."""
+    items = [(c, "inserted") for c in canaries.inserted] + [
+        (c, "reference") for c in canaries.references
+    ]
+    if not items:
+        raise ValueError("canaries file has no inserted or reference canaries; nothing to expose")
+    return items
+
+
 def run_exposure(
     model,
     codec,
-    canaries: dict,
+    canaries,
     *,
     batch_size: int,
     enumerate_max: int = 10_000,
@@ -99,89 +119,106 @@ def run_exposure(
     n_boot: int = 1000,
     progress=None,
 ) -> dict:
-    """Exposure of every inserted and reference canary, grouped by repetitions and owner kind.
-
-    Returns {"summary": ..., "scores": [...], "settings": ...}; no secret is included.
-    """
-    from scipy.stats import mannwhitneyu
-
-    template, alphabet, length = (
-        canaries["template"],
-        canaries["alphabet"],
-        int(canaries["secret_length"]),
-    )
-    inserted, refs = canaries.get("inserted", []), canaries.get("references", [])
-    items = [(c, "inserted") for c in inserted] + [(c, "reference") for c in refs]
-    if not items:
-        raise ValueError("canaries file has no inserted or reference canaries; nothing to expose")
-    size = secret_space(alphabet, length)
+    """Score every canary and the candidate space with the model, then `exposure_result`."""
+    size = secret_space(canaries.alphabet, canaries.secret_length)
+    items = canary_items(canaries)
     canary_lp = score_secrets(
-        model, codec, template, [c["secret"] for c, _ in items], batch_size=batch_size
+        model, codec, canaries.template, [c.secret for c, _ in items], batch_size=batch_size
     )
     if size <= enumerate_max:
-        method, cands = "enumeration", enumerate_secrets(alphabet, length)
+        method, cands = "enumeration", enumerate_secrets(canaries.alphabet, canaries.secret_length)
     else:
-        method, cands = "sampling", sample_secrets(alphabet, length, n_samples, seed)
-    cand_lp = score_secrets(model, codec, template, cands, batch_size=batch_size, progress=progress)
-    if method == "enumeration":
-        exp = exact_exposure(canary_lp, cand_lp)
-    else:
-        exp = estimated_exposure(canary_lp, cand_lp, size)
-    scores = []
-    for (c, role), e, lp in zip(items, exp, canary_lp, strict=True):
-        scores.append(
-            {
-                "id": c["id"],
-                "role": role,
-                "repetitions": int(c.get("repetitions", 0)),
-                "owner_kind": c.get("owner_kind"),
-                "log_perplexity": float(lp),
-                "exposure": float(e),
-            }
-        )
-    return {
-        "summary": _summarise(scores, size, method, n_boot, seed, mannwhitneyu),
-        "scores": scores,
-        "settings": {
-            "method": method,
-            "space_size": size,
-            "candidates_scored": len(cands),
-            "enumerate_max": enumerate_max,
-            "n_samples": n_samples,
-        },
+        method = "sampling"
+        cands = sample_secrets(canaries.alphabet, canaries.secret_length, n_samples, seed)
+    cand_lp = score_secrets(
+        model, codec, canaries.template, cands, batch_size=batch_size, progress=progress
+    )
+    out = exposure_result(
+        canary_lp, cand_lp, [(c.id, role, c.repetitions, c.owner_kind) for c, role in items],
+        space_size=size, method=method, n_boot=n_boot, seed=seed,
+    )
+    out["settings"] = {
+        "method": method,
+        "space_size": size,
+        "candidates_scored": len(cands),
+        "enumerate_max": enumerate_max,
+        "n_samples": n_samples,
     }
+    return out
 
 
-def _summarise(scores, size, method, n_boot, seed, mannwhitneyu) -> dict:
+def exposure_result(
+    canary_lp: np.ndarray,
+    cand_lp: np.ndarray,
+    items: list[tuple[str, str, int, str | None]],
+    *,
+    space_size: int,
+    method: str,
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """Pure statistics: exposures from log-perplexities; items are (id, role, repetitions, owner).
+
+    Returns {"summary", "scores"}; no secret is included. Inserted canaries are reported as
+    excess exposure over the same run's reference canaries, with a one-sided Mann-Whitney test
+    per repetition bucket (Holm-adjusted across buckets).
+    """
+    if method == "enumeration":
+        exp, bound = exact_exposure(canary_lp, cand_lp), np.zeros(len(canary_lp), bool)
+    else:
+        exp, bound = estimated_exposure(canary_lp, cand_lp, space_size), tail_mask(canary_lp, cand_lp)
+    scores = [
+        {
+            "id": cid,
+            "role": role,
+            "repetitions": int(rep or 0),
+            "owner_kind": owner,
+            "log_perplexity": float(lp),
+            "exposure": float(e),
+            "lower_bound": bool(b),
+        }
+        for (cid, role, rep, owner), e, lp, b in zip(items, exp, canary_lp, bound, strict=True)
+    ]
+    return {"summary": _summarise(scores, space_size, method, n_boot, seed), "scores": scores}
+
+
+def _summarise(scores, size, method, n_boot, seed) -> dict:
+    from memaudit.probes.stats import holm, mann_whitney, mean_summary
+
     ins = [s for s in scores if s["role"] == "inserted"]
     ref = np.array([s["exposure"] for s in scores if s["role"] == "reference"])
-    by_rep: dict[str, dict] = {}
-    for rep in sorted({s["repetitions"] for s in ins}):
-        group = [s for s in ins if s["repetitions"] == rep]
-        by_rep[str(rep)] = {
-            "all": rate_summary(np.array([s["exposure"] for s in group]), n_boot=n_boot, seed=seed),
-            **{
-                kind: rate_summary(
-                    np.array([s["exposure"] for s in group if s["owner_kind"] == kind]),
-                    n_boot=n_boot,
-                    seed=seed,
-                )
-                for kind in sorted({str(s["owner_kind"]) for s in group})
-            },
-        }
+    ref_mean = float(ref.mean()) if len(ref) else None
+
+    def bucket(group: list[dict]) -> dict:
+        e = np.array([s["exposure"] for s in group])
+        out = {"all": mean_summary(e, unit="canaries", n_boot=n_boot, seed=seed),
+               "lower_bound": any(s["lower_bound"] for s in group)}
+        for kind in sorted({str(s["owner_kind"]) for s in group}):
+            sub = np.array([s["exposure"] for s in group if str(s["owner_kind"]) == kind])
+            out[kind] = mean_summary(sub, unit="canaries", n_boot=n_boot, seed=seed)
+        if ref_mean is not None and len(e):
+            out["excess"] = mean_summary(e - ref_mean, unit="canaries", n_boot=n_boot, seed=seed)
+            out["test"] = {"test": "mann-whitney-u one-sided (inserted > references)",
+                           "p_value": mann_whitney(e, ref, alternative="greater"),
+                           "n": len(e), "n_references": len(ref)}
+        return out
+
+    by_rep = {str(rep): bucket([s for s in ins if s["repetitions"] == rep])
+              for rep in sorted({s["repetitions"] for s in ins})}
+    tested = [k for k, v in by_rep.items() if "test" in v]
+    for k, adj in zip(tested, holm([by_rep[k]["test"]["p_value"] for k in tested]), strict=True):
+        by_rep[k]["test"]["p_holm"] = adj
     ins_e = np.array([s["exposure"] for s in ins])
-    test = None
+    overall = None
     if len(ins_e) and len(ref):
-        test = {
-            "test": "mann-whitney-u two-sided",
-            "p_value": float(mannwhitneyu(ins_e, ref).pvalue),
-        }
+        overall = {"test": "mann-whitney-u one-sided (inserted > references)",
+                   "p_value": mann_whitney(ins_e, ref, alternative="greater")}
     return {
         "max_exposure": math.log2(size),
         "method": method,
-        "inserted": rate_summary(ins_e, n_boot=n_boot, seed=seed),
-        "references": rate_summary(ref, n_boot=n_boot, seed=seed),
+        "inserted": mean_summary(ins_e, unit="canaries", n_boot=n_boot, seed=seed),
+        "references": mean_summary(ref, unit="canaries", n_boot=n_boot, seed=seed),
         "null_mean": 1 / math.log(2),
         "by_repetitions": by_rep,
-        "inserted_vs_references": test,
+        "inserted_vs_references": overall,
     }

@@ -4,10 +4,12 @@ Discoverable memorization (Carlini et al. 2023, "Quantifying Memorization"): pro
 k tokens of a member document, decode m tokens greedily, and compare with the true continuation:
 exact match, and approximate match by token-level normalised Levenshtein similarity >= 0.9 and by
 BLEU-4 >= 0.75 (reported separately), bucketed by how often the document was repeated in training.
-Canary completion: prompt with the canary template's prefix and check whether the secret follows.
+Canary completion: prompt with the canary template's text before the secret; per canary, whether
+its secret is the greedy completion, and p(secret | prompt).
 
 Non-discoverable extraction (Carlini et al. 2021, "Extracting Training Data from Large Language
-Models"): unprompted top-k samples, ranked by perplexity, by zlib ratio and (with a reference model)
+Models"): unprompted top-k samples, ranked by perplexity, by the zlib ratio (log-perplexity /
+zlib-compressed bytes, as in the paper and MIMIR) and (with a reference model)
 by the target/reference log-perplexity ratio; among the top-ranked samples, count those containing
 a training substring of >= 50 tokens (a hashed token n-gram index over the training ids).
 
@@ -68,6 +70,14 @@ def repeat_bucket(r: int) -> str:
     return f"{lo}-{2 * lo - 1}"
 
 
+def extraction_prompts(codec, encoded: list[list[int]], k: int, m: int):
+    """(kept indices, prompts, targets): documents with >= start + k + m tokens, split there."""
+    n0 = len(codec.start)
+    keep = [i for i, ids in enumerate(encoded) if len(ids) >= n0 + k + m]
+    return (keep, [encoded[i][: n0 + k] for i in keep],
+            [encoded[i][n0 + k : n0 + k + m] for i in keep])
+
+
 def discoverable(
     model,
     codec,
@@ -82,41 +92,44 @@ def discoverable(
     bleu_threshold: float = 0.75,
     progress=None,
 ) -> dict:
-    """Greedy continuation of each member document's k-token prefix, per k."""
+    """Greedy continuation of each member document's k-token prefix, per k (model-facing)."""
     from memaudit.probes.scoring import decode
 
     encoded = [codec.encode(d.text) for d in docs]
-    summary, rows = {}, []
+    per_k = {}
     for k in ks:
-        n0 = len(codec.start)
-        keep = [i for i, ids in enumerate(encoded) if len(ids) >= n0 + k + m]
-        prompts = [encoded[i][: n0 + k] for i in keep]
-        targets = [encoded[i][n0 + k : n0 + k + m] for i in keep]
-        gen = decode(
-            model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id, progress=progress
-        )
+        keep, prompts, targets = extraction_prompts(codec, encoded, k, m)
+        gen = decode(model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id,
+                     progress=progress)
+        per_k[k] = [(docs[i], g.tolist(), t) for i, g, t in zip(keep, gen, targets, strict=True)]
+    return discoverable_result(per_k, n_docs=len(docs), n_boot=n_boot, seed=seed,
+                               lev_threshold=lev_threshold, bleu_threshold=bleu_threshold)
+
+
+def discoverable_result(
+    per_k: dict[int, list[tuple[object, list[int], list[int]]]],
+    *,
+    n_docs: int,
+    n_boot: int = 1000,
+    seed: int = 0,
+    lev_threshold: float = 0.9,
+    bleu_threshold: float = 0.75,
+) -> dict:
+    """Pure statistics: per k, (doc, generated ids, true ids) -> match rates by repeat bucket."""
+    summary, rows = {}, []
+    for k, triples in per_k.items():
         per = []
-        for i, g, t in zip(keep, gen, targets, strict=True):
-            g = g.tolist()
+        for d, g, t in triples:
             lev, bl = levenshtein_similarity(g, t), bleu4(g, t)
-            per.append(
-                {
-                    "id": docs[i].id,
-                    "k": k,
-                    "repeats": docs[i].repeats,
-                    "exact": g == t,
-                    "levenshtein": lev,
-                    "bleu4": bl,
-                    "approx_levenshtein": lev >= lev_threshold,
-                    "approx_bleu": bl >= bleu_threshold,
-                }
-            )
+            per.append({"id": d.id, "k": k, "repeats": d.repeats, "exact": g == t,
+                        "levenshtein": lev, "bleu4": bl, "approx_levenshtein": lev >= lev_threshold,
+                        "approx_bleu": bl >= bleu_threshold})
         rows += per
         summary[str(k)] = _rates(per, n_boot, seed)
-        summary[str(k)]["skipped_short"] = len(docs) - len(keep)
-        buckets = sorted(
-            {repeat_bucket(r["repeats"]) for r in per}, key=lambda b: int(b.split("-")[0])
-        )
+        summary[str(k)]["skipped_short"] = n_docs - len(per)
+        summary[str(k)]["scored"] = len(per)
+        buckets = sorted({repeat_bucket(r["repeats"]) for r in per},
+                         key=lambda b: int(b.split("-")[0]))
         summary[str(k)]["by_repeats"] = {
             b: _rates([r for r in per if repeat_bucket(r["repeats"]) == b], n_boot, seed)
             for b in buckets
@@ -126,92 +139,72 @@ def discoverable(
 
 def _rates(per, n_boot, seed) -> dict:
     return {
-        name: rate_summary(np.array([r[key] for r in per], dtype=float), n_boot=n_boot, seed=seed)
-        for name, key in (
-            ("exact", "exact"),
-            ("approx_levenshtein", "approx_levenshtein"),
-            ("approx_bleu", "approx_bleu"),
-        )
+        name: rate_summary(np.array([r[name] for r in per], dtype=float), unit="documents",
+                           n_boot=n_boot, seed=seed)
+        for name in ("exact", "approx_levenshtein", "approx_bleu")
     }
 
 
+def completion_prompt(codec, canaries) -> tuple[list[int], str]:
+    """The prompt ids and text: the template's text before the secret, trailing space dropped.
+
+    A prompt ending in a bare space token asks for a token that byte-level BPE never produced in
+    training (it merges the space into the first digit), so the prompt ends where the text does.
+    """
+    text = canaries.prefix.rstrip()
+    return (codec.encode(text) if text else codec.start_or_zero()), text
+
+
 def canary_completion(
-    model,
-    codec,
-    canaries: dict,
-    *,
-    samples: int = 8,
-    top_k: int = 40,
-    batch_size: int = 32,
-    seed: int = 0,
-    n_boot: int = 1000,
+    model, codec, canaries, *, batch_size: int = 32, n_boot: int = 1000, seed: int = 0
 ) -> tuple[dict, dict[str, str]]:
-    """Greedy and sampled completion of each inserted canary's secret from the template prefix.
+    """Per inserted canary: its greedy completion from the template's prefix, and p(secret).
 
     Returns (result, completions): `completions` maps canary id to the greedy text and is meant
     only for `--show-secrets`; it is never written to probes.json.
     """
-    from memaudit.probes.scoring import decode
+    from memaudit.probes.scoring import decode, token_logprobs
 
-    inserted = canaries.get("inserted", [])
-    prefix = canaries["template"].split("{secret}")[0]
-    prompt = codec.encode(prefix)
-    n_new = int(canaries["secret_length"]) + 2  # room for a split space token
-    greedy = decode(model, [prompt] * min(1, len(inserted)), n_new, pad_id=codec.pad_id)
-    greedy_text = codec.decode(greedy[0]).strip() if len(inserted) else ""
-    sampled = (
-        decode(
-            model,
-            [prompt] * samples,
-            n_new,
-            batch_size=batch_size,
-            pad_id=codec.pad_id,
-            top_k=top_k,
-            seed=seed,
-        )
-        if samples
-        else np.zeros((0, n_new), dtype=np.int64)
-    )
-    sampled_text = [codec.decode(s).strip() for s in sampled]
+    inserted = list(canaries.inserted)
+    prompt, text = completion_prompt(codec, canaries)
+    sep = canaries.prefix[len(text):]
+    spans = [codec.encode_split(text, sep + c.secret) for c in inserted]
+    n_new = max((len(ids) - n for ids, n in spans), default=1) + 1
+    # one greedy completion per canary; canaries with the same prompt share its decode
+    prompts = {tuple(prompt)}
+    greedy = dict(zip(prompts, decode(model, [list(p) for p in prompts], n_new,
+                                      batch_size=batch_size, pad_id=codec.pad_id), strict=True))
+    lp = token_logprobs(model, [ids for ids, _ in spans], batch_size=batch_size).logp if spans else []
     rows, completions = [], {}
-    for c in inserted:
-        sec = c["secret"]
-        hit = greedy_text.startswith(sec)
-        rate = float(np.mean([t.startswith(sec) for t in sampled_text])) if samples else 0.0
-        rows.append(
-            {
-                "id": c["id"],
-                "repetitions": int(c.get("repetitions", 0)),
-                "owner_kind": c.get("owner_kind"),
-                "greedy": hit,
-                "sampled_rate": rate,
-            }
-        )
+    for c, (ids, n), x in zip(inserted, spans, lp, strict=True):
+        out = codec.decode(greedy[tuple(prompt)]).strip()
+        hit = out.startswith(c.secret)
+        rows.append({"id": c.id, "repetitions": c.repetitions, "owner_kind": c.owner_kind,
+                     "greedy": hit, "p_secret": float(np.exp(x[n - 1 :].sum()))})
         if hit:
-            completions[c["id"]] = greedy_text
-    by_rep = {
-        str(r): {
-            "greedy": rate_summary(
-                np.array([x["greedy"] for x in rows if x["repetitions"] == r], float),
-                n_boot=n_boot,
-                seed=seed,
-            ),
-            "sampled": rate_summary(
-                np.array([x["sampled_rate"] for x in rows if x["repetitions"] == r]),
-                n_boot=n_boot,
-                seed=seed,
-            ),
+            completions[c.id] = out
+    return completion_result(rows, prompts=len(prompts), n_boot=n_boot, seed=seed), completions
+
+
+def completion_result(rows: list[dict], *, prompts: int, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Pure statistics over per-canary completions (greedy hit, p(secret)) by repetitions.
+
+    `max_rate` = prompts / canaries: canaries that share a prompt share its one greedy completion,
+    so at most one of them can be completed.
+    """
+    def cells(group):
+        return {
+            "greedy": rate_summary(np.array([x["greedy"] for x in group], float),
+                                   unit="canaries", n_boot=n_boot, seed=seed),
+            "p_secret": rate_summary(np.array([x["p_secret"] for x in group]),
+                                     unit="canaries", n_boot=n_boot, seed=seed),
         }
-        for r in sorted({x["repetitions"] for x in rows})
-    }
-    summary = {
-        "greedy": rate_summary(
-            np.array([x["greedy"] for x in rows], float), n_boot=n_boot, seed=seed
-        ),
-        "by_repetitions": by_rep,
-        "samples": samples,
-    }
-    return {"summary": summary, "scores": rows}, completions
+
+    by_rep = {str(r): cells([x for x in rows if x["repetitions"] == r])
+              for r in sorted({x["repetitions"] for x in rows})}
+    return {"summary": {**cells(rows), "by_repetitions": by_rep, "prompts": prompts,
+                        "max_rate": min(1.0, prompts / len(rows)) if rows else None},
+            "scores": rows}
 
 
 class NgramIndex:
@@ -251,59 +244,54 @@ def non_discoverable(
     n_boot: int = 1000,
     progress=None,
 ) -> dict:
-    """Unprompted samples ranked three ways; memorised = holds a training ngram-token window."""
+    """Unprompted samples ranked three ways; memorised = holds a training ngram-token window.
+
+    Model-facing: samples and their scores; `non_discoverable_result` does the statistics.
+    """
     from memaudit.probes.scoring import decode, token_logprobs
 
     length = max(length, ngram)
     start = codec.start_or_zero()
-    samples = decode(
-        model,
-        [start] * n_samples,
-        length,
-        batch_size=batch_size,
-        pad_id=codec.pad_id,
-        top_k=top_k,
-        seed=seed,
-        progress=progress,
-    )
+    samples = decode(model, [start] * n_samples, length, batch_size=batch_size,
+                     pad_id=codec.pad_id, top_k=top_k, seed=seed, progress=progress)
     seqs = [start + s.tolist() for s in samples]
-    logppl = np.array(
-        [-lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp]
-    )
+    logppl = np.array([-lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp])
     texts = [codec.decode(s) for s in samples]
-    zbits = np.array([8 * max(1, len(zlib.compress(t.encode("utf-8")))) for t in texts])
-    metrics = {"perplexity": logppl, "zlib": logppl * len(samples[0]) / zbits}
-    if reference is not None:
-        ref_model, ref_codec = reference
-        ref_seqs = [
-            ref_codec.encode(t) if len(ref_codec.encode(t)) > 1 else ref_codec.start_or_zero() * 2
-            for t in texts
-        ]
-        ref_lp = np.array(
-            [-lp.mean() for lp in token_logprobs(ref_model, ref_seqs, batch_size=batch_size).logp]
-        )
+    zbytes = np.array([max(1, len(zlib.compress(t.encode("utf-8")))) for t in texts])
+    # Carlini et al. 2021: log-perplexity over zlib entropy (lower = more suspicious)
+    metrics = {"perplexity": logppl, "zlib": logppl / zbytes}
+    if reference is not None:  # the same tokenizer (runner.load_reference checks it)
+        ref_model, _ref_codec = reference
+        ref_lp = np.array([-lp.mean() for lp in
+                           token_logprobs(ref_model, seqs, batch_size=batch_size).logp])
         metrics["reference"] = logppl / np.maximum(ref_lp, 1e-6)
     index = NgramIndex(train_seqs, ngram)
     memorised = np.array([index.contains_any(s) for s in samples])
+    return non_discoverable_result(metrics, memorised, top_n=top_n, ngram=ngram,
+                                   n_boot=n_boot, seed=seed)
+
+
+def non_discoverable_result(
+    metrics: dict[str, np.ndarray],
+    memorised: np.ndarray,
+    *,
+    top_n: int,
+    ngram: int,
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """Pure statistics: per metric (lower = more suspicious), memorised samples in the top n."""
+    n_samples = len(memorised)
     top_n = min(top_n, n_samples)
-    summary = {
-        "n_samples": n_samples,
-        "top_n": top_n,
-        "ngram": ngram,
-        "any_memorised": int(memorised.sum()),
-    }
+    summary = {"n_samples": n_samples, "top_n": top_n, "ngram": ngram,
+               "any_memorised": int(memorised.sum())}
     for name, vals in metrics.items():
-        top = np.argsort(vals, kind="stable")[:top_n]  # lowest ratio = most suspicious
+        top = np.argsort(vals, kind="stable")[:top_n]
         summary[name] = {
             "memorised_in_top": int(memorised[top].sum()),
-            "rate": rate_summary(memorised[top].astype(float), n_boot=n_boot, seed=seed),
+            "rate": rate_summary(memorised[top].astype(float), unit="samples", n_boot=n_boot,
+                                 seed=seed),
         }
-    rows = [
-        {
-            "sample": i,
-            "memorised": bool(memorised[i]),
-            **{k: float(v[i]) for k, v in metrics.items()},
-        }
-        for i in range(n_samples)
-    ]
+    rows = [{"sample": i, "memorised": bool(memorised[i]),
+             **{k: float(v[i]) for k, v in metrics.items()}} for i in range(n_samples)]
     return {"summary": summary, "scores": rows}

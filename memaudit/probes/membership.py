@@ -3,7 +3,9 @@
 Scores (higher = more likely a member), all from per-token log-probabilities:
 
 - loss (Yeom et al. 2018): mean log p(x_t | x_<t), i.e. minus the loss.
-- zlib (Carlini et al. 2021): total log-likelihood divided by the zlib-compressed length in bytes.
+- zlib (Carlini et al. 2021; MIMIR, Duan et al. 2024): the log-perplexity over the zlib entropy,
+  here mean log p(x_t) / zlib-compressed bytes (higher = member).
+- zlib_total: total log-likelihood / zlib bytes (the old statistic, kept under its own name).
 - min_k (Shi et al. 2024, Min-K% Prob): mean of the k% lowest token log-probs (k = 20%).
 - min_k_pp (Zhang et al. 2024, Min-K%++): the same over z_t = (log p(x_t) - μ_t) / σ_t, with μ_t and
   σ_t the mean and std of log p(v) for v drawn from the model's next-token distribution.
@@ -23,7 +25,7 @@ import numpy as np
 
 from memaudit.probes.stats import attack_summary
 
-ATTACKS = ("loss", "zlib", "min_k", "min_k_pp", "reference")
+ATTACKS = ("loss", "zlib", "zlib_total", "min_k", "min_k_pp", "reference")
 
 
 def _lowest_mean(x: np.ndarray, k: float) -> float:
@@ -41,8 +43,18 @@ def min_k_pp(logp: np.ndarray, mu: np.ndarray, sigma: np.ndarray, k: float = 0.2
     return _lowest_mean((np.asarray(logp) - mu) / sigma, k)
 
 
+def _zlib_bytes(text: str) -> int:
+    return max(1, len(zlib.compress(text.encode("utf-8"))))
+
+
 def zlib_score(logp: np.ndarray, text: str) -> float:
-    return float(np.sum(logp) / max(1, len(zlib.compress(text.encode("utf-8")))))
+    """The papers' zlib ratio: mean token log-likelihood / zlib-compressed length in bytes."""
+    return float(np.mean(logp) / _zlib_bytes(text))
+
+
+def zlib_total_score(logp: np.ndarray, text: str) -> float:
+    """Total log-likelihood / zlib bytes (not the papers' ratio; grows with length)."""
+    return float(np.sum(logp) / _zlib_bytes(text))
 
 
 def doc_scores(
@@ -64,6 +76,9 @@ def doc_scores(
     out = {
         "loss": np.array([lp.mean() for lp in ts.logp]),
         "zlib": np.array([zlib_score(lp, d.text) for lp, d in zip(ts.logp, docs, strict=True)]),
+        "zlib_total": np.array(
+            [zlib_total_score(lp, d.text) for lp, d in zip(ts.logp, docs, strict=True)]
+        ),
         "min_k": np.array([min_k(lp, k) for lp in ts.logp]),
         "min_k_pp": np.array(
             [min_k_pp(lp, m, s, k) for lp, m, s in zip(ts.logp, ts.mu, ts.sigma, strict=True)]
@@ -91,7 +106,8 @@ def run_membership(
     n1 = len(members)
     summary = {}
     for name, s in scores.items():
-        summary[name] = attack_summary(s[:n1], s[n1:], fprs=fprs, n_boot=n_boot, seed=seed)
+        summary[name] = attack_summary(s[:n1], s[n1:], unit="documents", fprs=fprs,
+                                       n_boot=n_boot, seed=seed)
     rows = []
     for i, d in enumerate(list(members) + list(nonmembers)):
         rows.append(

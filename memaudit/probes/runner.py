@@ -6,48 +6,18 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from memaudit import __version__
+from memaudit.config import ProbeConfig
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 
 Progress = Callable[[int, int, dict], None] | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeSettings:
-    probes: tuple[str, ...] = PROBES
-    device: str = "cpu"
-    dtype: str = "auto"
-    batch_size: int = 32
-    reference: str | None = None
-    seed: int = 0
-    n_boot: int = 1000
-    fprs: tuple[float, ...] = (0.01, 0.001)
-    max_tokens: int = 1024
-    min_k: float = 0.2
-    exposure_enumerate_max: int = 10_000
-    exposure_samples: int = 10_000
-    extraction_ks: tuple[int, ...] = (32, 50)
-    extraction_m: int = 50
-    extraction_max_docs: int = 1000
-    canary_samples: int = 8
-    top_k: int = 40
-    nd_samples: int = 256
-    nd_length: int = 64
-    nd_top_n: int = 100
-    nd_ngram: int = 50
-    pii_candidates: int = 9
-    pii_max_items: int = 200
-    audit_r: tuple[int, ...] = ()
-    audit_p: float = 0.05
-    audit_delta: float | None = None
 
 
 @dataclass
@@ -66,14 +36,6 @@ def parse_probes(spec: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _ledger_eps(privacy: dict | None) -> float | None:
-    if not privacy:
-        return None
-    eps = privacy.get("epsilon") or {}
-    vals = [float(v) for v in (eps.get("pld"), eps.get("rdp")) if v is not None]
-    return min(vals) if vals else None
-
-
 def _skip(reason: str) -> dict:
     return {"summary": {"skipped": reason}, "scores": []}
 
@@ -84,9 +46,28 @@ def _stage(progress: Progress, name: str) -> Progress:
     return lambda done, total, info: progress(done, total, {**info, "stage": name})
 
 
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers map text to the same ids (same vocabulary)."""
+    return a.get_vocab() == b.get_vocab()
+
+
+def load_reference(settings: ProbeConfig, codec: Codec):
+    """(model, codec) of --reference; refused in one line when its tokenizer differs."""
+    from memaudit.probes.scoring import load_causal_lm
+
+    tok = load_tokenizer(settings.reference)
+    if not same_tokenizer(tok, codec.tok):
+        raise ValueError(
+            f"--reference '{settings.reference}' uses another tokenizer than the target, so "
+            "per-token scores cannot be subtracted; pass a reference with the target's tokenizer"
+        )
+    model = load_causal_lm(settings.reference, device=settings.device, dtype=settings.dtype)
+    return model, Codec(tok, start_id=codec.start[0] if codec.start else None)
+
+
 def run_probes(
     target: Target,
-    settings: ProbeSettings,
+    settings: ProbeConfig,
     *,
     progress: Progress = None,
     model=None,
@@ -98,17 +79,12 @@ def run_probes(
     if model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
     codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
-    reference = None
-    if settings.reference:
-        reference = (
-            load_causal_lm(settings.reference, device=settings.device, dtype=settings.dtype),
-            Codec(load_tokenizer(settings.reference)),
-        )
+    reference = load_reference(settings, codec) if settings.reference else None
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
     for name in settings.probes:
         t0 = time.perf_counter()
-        probes[name] = getattr(ctx, name)()
+        probes[name] = REGISTRY[name](ctx)
         timings[name] = time.perf_counter() - t0
     secrets.update(ctx.secrets)
     doc = {
@@ -121,9 +97,7 @@ def run_probes(
             "model": str(target.model_path),
             "reference": settings.reference,
         },
-        "settings": {
-            k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()
-        },
+        "settings": settings.model_dump(mode="json"),
         "seeds": {
             "bootstrap": settings.seed,
             "sampling": settings.seed,
@@ -150,7 +124,7 @@ class _Context:
         self.secrets: dict[str, str] = {}
         self._doc_scores = None
 
-    def _scores(self):
+    def scores(self):
         from memaudit.probes.membership import doc_scores
 
         if self._doc_scores is None:
@@ -167,178 +141,144 @@ class _Context:
             )
         return self._doc_scores
 
-    def exposure(self) -> dict:
-        from memaudit.probes.exposure import run_exposure
 
-        if not self.t.canaries or not (
-            self.t.canaries.get("inserted") or self.t.canaries.get("references")
-        ):
-            return _skip("no canaries (pass --canaries or probe a run with canaries.json)")
-        for c in self.t.canaries.get("inserted", []) + self.t.canaries.get("references", []):
-            self.secrets[c["id"]] = c["secret"]
-        return run_exposure(
-            self.model,
-            self.codec,
-            self.t.canaries,
-            batch_size=self.s.batch_size,
-            enumerate_max=self.s.exposure_enumerate_max,
-            n_samples=self.s.exposure_samples,
-            seed=self.s.seed,
-            n_boot=self.s.n_boot,
-            progress=_stage(self.progress, "exposure"),
-        )
 
-    def extraction(self) -> dict:
-        from memaudit.probes import extraction as ex
+def probe_exposure(ctx: _Context) -> dict:
+    from memaudit.probes.exposure import run_exposure
 
-        s, out = self.s, {"summary": {}, "scores": {}}
-        docs = self.t.members[: s.extraction_max_docs]
-        if docs:
-            r = ex.discoverable(
-                self.model,
-                self.codec,
-                docs,
-                ks=s.extraction_ks,
-                m=s.extraction_m,
-                batch_size=s.batch_size,
-                n_boot=s.n_boot,
-                seed=s.seed,
-                progress=_stage(self.progress, "extraction"),
-            )
-            out["summary"]["discoverable"], out["scores"]["discoverable"] = (
-                r["summary"],
-                r["scores"],
-            )
-        if self.t.canaries and self.t.canaries.get("inserted"):
-            r, completions = ex.canary_completion(
-                self.model,
-                self.codec,
-                self.t.canaries,
-                samples=s.canary_samples,
-                top_k=s.top_k,
-                batch_size=s.batch_size,
-                seed=s.seed,
-                n_boot=s.n_boot,
-            )
-            out["summary"]["canaries"], out["scores"]["canaries"] = r["summary"], r["scores"]
-            self.secrets.update({f"{k}:completion": v for k, v in completions.items()})
-        if s.nd_samples > 0:
-            train = [self.codec.encode(d.text) for d in self.t.members]
-            if self.t.canaries:
-                train += [
-                    self.codec.encode(c["text"])
-                    for c in self.t.canaries.get("inserted", [])
-                    if "text" in c
-                ]
-            r = ex.non_discoverable(
-                self.model,
-                self.codec,
-                train,
-                n_samples=s.nd_samples,
-                length=s.nd_length,
-                top_k=s.top_k,
-                top_n=s.nd_top_n,
-                ngram=s.nd_ngram,
-                batch_size=s.batch_size,
-                seed=s.seed,
-                reference=self.ref,
-                n_boot=s.n_boot,
-                progress=_stage(self.progress, "sampling"),
-            )
-            out["summary"]["non_discoverable"], out["scores"]["non_discoverable"] = (
-                r["summary"],
-                r["scores"],
-            )
-        return out
+    c = ctx.t.canaries
+    if c is None or not (c.inserted or c.references):
+        return _skip("no canaries: pass --canaries FILE" if ctx.t.kind == "model" else
+                     "the run has no inserted or reference canaries (data.canaries)")
+    for x in (*c.inserted, *c.references):
+        ctx.secrets[x.id] = x.secret
+    s = ctx.s
+    return run_exposure(ctx.model, ctx.codec, c, batch_size=s.batch_size,
+                        enumerate_max=s.exposure_enumerate_max, n_samples=s.exposure_samples,
+                        seed=s.seed, n_boot=s.n_boot, progress=_stage(ctx.progress, "exposure"))
 
-    def membership(self) -> dict:
-        from memaudit.probes.membership import run_membership
 
-        n1, n0 = len(self.t.members), len(self.t.nonmembers)
-        if not n1 or not n0:
-            return _skip(f"membership needs members and non-members, got {n1} and {n0}")
-        scores = {k: v[: n1 + n0] for k, v in self._scores().items()}
-        return run_membership(
-            self.t.members,
-            self.t.nonmembers,
-            scores,
-            n_boot=self.s.n_boot,
-            seed=self.s.seed,
-            fprs=self.s.fprs,
-        )
+def probe_extraction(ctx: _Context) -> dict:
+    from memaudit.probes import extraction as ex
 
-    def user_inference(self) -> dict:
-        from memaudit.probes.user_inference import run_user_inference
+    s, out = ctx.s, {"summary": {}, "scores": {}}
+    docs = ctx.t.members[: s.extraction_max_docs]
+    if docs:
+        r = ex.discoverable(ctx.model, ctx.codec, docs, ks=s.extraction_ks, m=s.extraction_m,
+                            batch_size=s.batch_size, n_boot=s.n_boot, seed=s.seed,
+                            progress=_stage(ctx.progress, "extraction"))
+        out["summary"]["discoverable"], out["scores"]["discoverable"] = r["summary"], r["scores"]
+    if ctx.t.canaries is not None and ctx.t.canaries.inserted:
+        r, completions = ex.canary_completion(ctx.model, ctx.codec, ctx.t.canaries,
+                                              batch_size=s.batch_size, n_boot=s.n_boot,
+                                              seed=s.seed)
+        out["summary"]["canaries"], out["scores"]["canaries"] = r["summary"], r["scores"]
+        ctx.secrets.update({f"{k}:completion": v for k, v in completions.items()})
+    if s.nd_samples > 0:
+        train = [ctx.codec.encode(d.text) for d in ctx.t.members]
+        if ctx.t.canaries is not None:
+            train += [ctx.codec.encode(c.text) for c in ctx.t.canaries.inserted]
+        r = ex.non_discoverable(ctx.model, ctx.codec, train, n_samples=s.nd_samples,
+                                length=s.nd_length, top_k=s.top_k, top_n=s.nd_top_n,
+                                ngram=s.nd_ngram, batch_size=s.batch_size, seed=s.seed,
+                                reference=ctx.ref, n_boot=s.n_boot,
+                                progress=_stage(ctx.progress, "sampling"))
+        out["summary"]["non_discoverable"] = r["summary"]
+        out["scores"]["non_discoverable"] = r["scores"]
+    if not out["summary"]:
+        return _skip("no member documents or canaries: pass --members FILE or --canaries FILE"
+                     if ctx.t.kind == "model" else "the run has no member documents or canaries")
+    return out
 
-        docs = self.t.members + self.t.nonmembers + self.t.heldout_user_docs
-        if any(d.user is None for d in docs):
-            return _skip("documents carry no user ids")
-        key = "reference" if self.ref is not None else "loss"
-        score = self._scores()[key]
-        train_users = {d.user for d in self.t.members}
-        idx_pos = [i for i, d in enumerate(docs) if d.role == "holdout" and d.user in train_users]
-        if (
-            not idx_pos
-        ):  # no unseen documents of training users: fall back to their training documents
-            idx_pos = list(range(len(self.t.members)))
-        idx_neg = [
-            i for i, d in enumerate(docs) if d.role != "member" and d.user not in train_users
-        ]
-        if not idx_neg:
-            return _skip("no held-out users to compare with")
-        return run_user_inference(
-            [docs[i] for i in idx_pos],
-            [docs[i] for i in idx_neg],
-            score[idx_pos],
-            score[idx_neg],
-            statistic="mean_llr_vs_reference" if self.ref else "mean_log_likelihood",
-            n_boot=self.s.n_boot,
-            seed=self.s.seed,
-            fprs=self.s.fprs,
-        )
 
-    def pii(self) -> dict:
-        from memaudit.probes.pii import run_pii
+def probe_membership(ctx: _Context) -> dict:
+    from memaudit.probes.membership import run_membership
 
-        return run_pii(
-            self.model,
-            self.codec,
-            self.t.members,
-            self.t.heldout_user_docs
-            or [d for d in self.t.nonmembers if d.user not in {m.user for m in self.t.members}],
-            n_candidates=self.s.pii_candidates,
-            max_items=self.s.pii_max_items,
-            batch_size=self.s.batch_size,
-            seed=self.s.seed,
-            n_boot=self.s.n_boot,
-        )
+    n1, n0 = len(ctx.t.members), len(ctx.t.nonmembers)
+    if not n1 or not n0:
+        hint = ("pass --members FILE and --nonmembers FILE" if ctx.t.kind == "model"
+                else "the run holds no documents out (data.holdout_fraction)")
+        return _skip(f"membership needs members and non-members, got {n1} and {n0}: {hint}")
+    scores = {k: v[: n1 + n0] for k, v in ctx.scores().items()}
+    return run_membership(ctx.t.members, ctx.t.nonmembers, scores, n_boot=ctx.s.n_boot,
+                          seed=ctx.s.seed, fprs=ctx.s.fprs)
 
-    def audit(self) -> dict:
-        from memaudit.probes.audit import run_audit
-        from memaudit.probes.scoring import token_logprobs
 
-        aud = (self.t.canaries or {}).get("audit") or []
-        if not aud:
-            return _skip("no audit canaries (set data.audit_canaries in the run's config)")
-        self.secrets.update({c["id"]: c["secret"] for c in aud if "secret" in c})
-        lp = token_logprobs(
-            self.model, [self.codec.encode(c["text"]) for c in aud], batch_size=self.s.batch_size
-        ).logp
-        scores = np.array([x.mean() for x in lp])
-        m = len(aud)
-        grid = (
-            self.s.audit_r
-            or tuple(sorted({r for r in (m // 20, m // 10, m // 4, m // 2) if r >= 2}))
-            or (m,)
-        )
-        delta = self.s.audit_delta or float((self.t.privacy or {}).get("delta") or 1e-5)
-        eps = _ledger_eps(self.t.privacy)
-        return run_audit(
-            scores,
-            np.array([bool(c["included"]) for c in aud]),
-            [c["id"] for c in aud],
-            r_grid=grid,
-            delta=delta,
-            p=self.s.audit_p,
-            ledger_eps=None if eps is None or math.isnan(eps) else eps,
-        )
+def probe_user_inference(ctx: _Context) -> dict:
+    """Training users' unseen documents vs held-out users; never a silent fallback."""
+    from memaudit.probes.user_inference import run_user_inference
+
+    t = ctx.t
+    docs = t.members + t.nonmembers + t.heldout_user_docs
+    if any(d.user is None for d in docs):
+        return _skip("documents carry no user ids: give every document a 'user' field"
+                     if t.kind == "model" else "the run's documents carry no user ids")
+    train_users = {d.user for d in t.members}
+    idx_pos = [i for i, d in enumerate(docs) if d.role == "holdout" and d.user in train_users]
+    idx_neg = [i for i, d in enumerate(docs) if d.role != "member" and d.user not in train_users]
+    if not idx_pos:
+        return _skip("no unseen documents of training users: pass --nonmembers FILE with "
+                     "documents of the --members users that were not trained on"
+                     if t.kind == "model" else "the run holds none of its training users' "
+                     "documents out (data.holdout_fraction)")
+    if not idx_neg:
+        return _skip("no held-out users: pass --heldout-users FILE (documents of users the "
+                     "model never saw)" if t.kind == "model"
+                     else "the run has no held-out users (data.heldout_users)")
+    key = "reference" if ctx.ref is not None else "loss"
+    score = ctx.scores()[key]
+    return run_user_inference(
+        [docs[i] for i in idx_pos], [docs[i] for i in idx_neg], score[idx_pos], score[idx_neg],
+        statistic="mean_llr_vs_reference" if ctx.ref else "mean_log_likelihood",
+        k=ctx.s.user_docs, n_boot=ctx.s.n_boot, seed=ctx.s.seed, fprs=ctx.s.fprs,
+    )
+
+
+def probe_pii(ctx: _Context) -> dict:
+    from memaudit.probes.pii import run_pii
+
+    t = ctx.t
+    trained = {m.user for m in t.members}
+    held = t.heldout_user_docs or [d for d in t.nonmembers if d.user not in trained]
+    if not t.members:
+        return _skip("no member documents: pass --members FILE" if t.kind == "model"
+                     else "the run has no member documents")
+    return run_pii(ctx.model, ctx.codec, t.members, held, n_candidates=ctx.s.pii_candidates,
+                   max_items=ctx.s.pii_max_items, batch_size=ctx.s.batch_size, seed=ctx.s.seed,
+                   n_boot=ctx.s.n_boot)
+
+
+def probe_audit(ctx: _Context) -> dict:
+    from memaudit.probes.audit import run_audit
+    from memaudit.probes.scoring import token_logprobs
+
+    aud = ctx.t.canaries.audit if ctx.t.canaries is not None else ()
+    if not aud:
+        return _skip("no audit canaries: pass --canaries FILE with an 'audit' list"
+                     if ctx.t.kind == "model"
+                     else "no audit canaries (set data.audit_canaries in the run's config)")
+    ctx.secrets.update({c.id: c.secret for c in aud if c.secret})
+    lp = token_logprobs(ctx.model, [ctx.codec.encode(c.text) for c in aud],
+                        batch_size=ctx.s.batch_size).logp
+    scores = np.array([x.mean() for x in lp])
+    m = len(aud)
+    grid = (ctx.s.audit_r
+            or tuple(sorted({r for r in (m // 20, m // 10, m // 4, m // 2) if r >= 2})) or (m,))
+    priv = ctx.t.privacy
+    delta = ctx.s.audit_delta
+    if delta is None:
+        delta = priv.delta if priv is not None and priv.delta is not None else 1e-5
+    return run_audit(scores, np.array([c.included for c in aud]), [c.id for c in aud],
+                     r_grid=grid, delta=delta, p=ctx.s.audit_p,
+                     ledger_eps=None if priv is None else priv.epsilon)
+
+
+REGISTRY: dict[str, Callable[[_Context], dict]] = {
+    "exposure": probe_exposure,
+    "extraction": probe_extraction,
+    "membership": probe_membership,
+    "user_inference": probe_user_inference,
+    "pii": probe_pii,
+    "audit": probe_audit,
+}
+assert tuple(REGISTRY) == PROBES

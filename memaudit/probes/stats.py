@@ -1,18 +1,76 @@
-"""Attack statistics: ROC AUC, TPR at a fixed low FPR, and seeded, vectorised bootstrap CIs.
+"""Statistical validity in one place: metrics with their n, intervals, tests and corrections.
 
-Every rate and AUC memaudit reports carries a percentile bootstrap interval (Efron 1979); members
-and non-members are resampled separately (stratified), so each resample has both classes.
+Every number a probe or the report states is a *cell* ``{value, n, unit, ci_low, ci_high, note}``:
+``n`` counts the independent units behind it (canaries, documents, users) and ``unit`` names them.
+An interval is given only when ``n >= MIN_N``; below that the cell says "n too small" and carries
+no interval. Rates of 0/1 outcomes get the exact Clopper-Pearson interval (so 0/49 is [0, 0.073],
+not the collapsed bootstrap [0, 0]); AUCs and means get a seeded, stratified percentile bootstrap
+(Efron 1979). TPR at FPR f is stated only with at least ``ceil(10 / f)`` negatives of the attack's
+unit, else the cell says how many are needed.
+
+Differences are claimed only from a test: permutation tests (paired sign-flip where two runs share
+units, label shuffles otherwise), exact McNemar / Fisher tests for 0/1 outcomes, one-sided where
+the question is one-sided; and across all findings of a report, Holm (1979) or Benjamini-Hochberg
+(1995) control of the family.
+
+References:
+  Clopper, Pearson. The use of confidence or fiducial limits illustrated in the case of the
+  binomial. Biometrika 1934.
+  Holm. A simple sequentially rejective multiple test procedure. Scand. J. Statist. 1979.
+  Benjamini, Hochberg. Controlling the false discovery rate. JRSS B 1995.
+  Good. Permutation, Parametric and Bootstrap Tests of Hypotheses. Springer 2005.
 
 >>> import numpy as np
 >>> tpr_at_fpr(np.array([3.0, 2.0, 1.5]), np.array([2.5, 1.0, 0.5, 0.0]), 0.0)
 0.3333333333333333
+>>> holm([0.01, 0.04, 0.03])
+[0.03, 0.06, 0.06]
+>>> rate_summary(np.zeros(49), unit="documents")["ci_high"] > 0.07
+True
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 DEFAULT_FPRS = (0.01, 0.001)
+MIN_N = 10
+"""Units a metric needs before an interval is shown (below: "n too small")."""
+N_TOO_SMALL = "n too small"
+LEVEL = 0.95
+ALTERNATIVES = ("greater", "less", "two-sided")
+
+
+def needed_negatives(fpr: float) -> int:
+    """Negatives that make TPR at FPR `fpr` mean something: ceil(10 / fpr)."""
+    return math.ceil(10 / fpr - 1e-9) if fpr > 0 else math.inf
+
+
+def cell(
+    value: float | None,
+    *,
+    n: int,
+    unit: str,
+    ci: tuple[float, float] | None = None,
+    note: str | None = None,
+    **extra,
+) -> dict:
+    """A metric cell; the interval is dropped (note "n too small") when n < MIN_N."""
+    lo, hi = ci if ci is not None else (None, None)
+    if n < MIN_N:
+        lo, hi, note = None, None, note or N_TOO_SMALL
+    return {
+        "value": None if value is None else float(value),
+        "n": int(n),
+        "unit": unit,
+        "ci_low": lo,
+        "ci_high": hi,
+        "level": LEVEL if lo is not None else None,
+        "note": note,
+        **extra,
+    }
 
 
 def roc_auc(pos: np.ndarray, neg: np.ndarray) -> float:
@@ -62,18 +120,21 @@ def attack_summary(
     pos: np.ndarray,
     neg: np.ndarray,
     *,
+    unit: str = "documents",
     fprs: tuple[float, ...] = DEFAULT_FPRS,
     n_boot: int = 1000,
     seed: int = 0,
-    level: float = 0.95,
+    level: float = LEVEL,
 ) -> dict:
-    """AUC and TPR at each FPR, each as {value, ci_low, ci_high} (stratified bootstrap).
+    """AUC and TPR at each FPR as cells (stratified bootstrap), each with n and its unit.
 
     Args:
       pos: scores of members (higher = more likely a member).
       neg: scores of non-members.
+      unit: what one score is ("documents", "users").
     Returns:
-      {"auc": {...}, "tpr_at_fpr": {"0.01": {...}, ...}, "n_pos", "n_neg"}.
+      {"auc": cell, "tpr_at_fpr": {"0.01": cell, ...}, "n_pos", "n_neg", "unit"}; a TPR cell has
+      value None and a note "needs >= N non-member <unit>" when len(neg) < ceil(10 / f).
     """
     pos = np.asarray(pos, dtype=np.float64)
     neg = np.asarray(neg, dtype=np.float64)
@@ -82,26 +143,297 @@ def attack_summary(
     rng = np.random.default_rng(seed)
     bp = pos[rng.integers(0, len(pos), (n_boot, len(pos)))]
     bn = neg[rng.integers(0, len(neg), (n_boot, len(neg)))]
-    auc_lo, auc_hi = _ci(_auc_rows(bp, bn), level)
+    n = min(len(pos), len(neg))
     out = {
-        "auc": {"value": roc_auc(pos, neg), "ci_low": auc_lo, "ci_high": auc_hi},
+        "auc": cell(roc_auc(pos, neg), n=n, unit=unit, ci=_ci(_auc_rows(bp, bn), level),
+                    n_pos=len(pos), n_neg=len(neg)),
         "tpr_at_fpr": {},
         "n_pos": len(pos),
         "n_neg": len(neg),
+        "unit": unit,
     }
     for f in fprs:
-        lo, hi = _ci(_tpr_rows(bp, bn, f), level)
-        out["tpr_at_fpr"][repr(f)] = {"value": tpr_at_fpr(pos, neg, f), "ci_low": lo, "ci_high": hi}
+        need = needed_negatives(f)
+        if len(neg) < need:
+            out["tpr_at_fpr"][repr(f)] = cell(
+                None, n=len(neg), unit=unit, note=f"needs >= {need} non-member {unit}",
+                needed=need,
+            )
+            continue
+        ci = _ci(_tpr_rows(bp, bn, f), level)
+        out["tpr_at_fpr"][repr(f)] = cell(tpr_at_fpr(pos, neg, f), n=len(pos), unit=unit, ci=ci,
+                                          n_neg=len(neg))
     return out
 
 
+def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """Exact two-sided binomial interval for k successes of n."""
+    from scipy.stats import beta
+
+    a = (1 - level) / 2
+    lo = 0.0 if k == 0 else float(beta.ppf(a, k, n - k + 1))
+    hi = 1.0 if k == n else float(beta.ppf(1 - a, k + 1, n - k))
+    return lo, hi
+
+
 def rate_summary(
-    hits: np.ndarray, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95
+    hits: np.ndarray,
+    *,
+    unit: str = "units",
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = LEVEL,
 ) -> dict:
-    """Mean of a 0/1 (or [0, 1]) array with its bootstrap CI: {value, ci_low, ci_high, n}."""
+    """Mean of a 0/1 array (exact Clopper-Pearson CI) or of values in [0, 1] (bootstrap CI)."""
     x = np.asarray(hits, dtype=np.float64)
     if len(x) == 0:
-        return {"value": None, "ci_low": None, "ci_high": None, "n": 0}
+        return cell(None, n=0, unit=unit, note="no units")
+    if np.isin(x, (0.0, 1.0)).all():
+        ci = clopper_pearson(int(x.sum()), len(x), level)
+    else:
+        rng = np.random.default_rng(seed)
+        ci = _ci(x[rng.integers(0, len(x), (n_boot, len(x)))].mean(axis=1), level)
+    return cell(x.mean(), n=len(x), unit=unit, ci=ci)
+
+
+def mean_summary(
+    x: np.ndarray, *, unit: str, n_boot: int = 1000, seed: int = 0, level: float = LEVEL
+) -> dict:
+    """Mean of a real-valued array with its percentile bootstrap CI."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(x) == 0:
+        return cell(None, n=0, unit=unit, note="no units")
     rng = np.random.default_rng(seed)
-    lo, hi = _ci(x[rng.integers(0, len(x), (n_boot, len(x)))].mean(axis=1), level)
-    return {"value": float(x.mean()), "ci_low": lo, "ci_high": hi, "n": len(x)}
+    ci = _ci(x[rng.integers(0, len(x), (n_boot, len(x)))].mean(axis=1), level)
+    return cell(x.mean(), n=len(x), unit=unit, ci=ci)
+
+
+# ----------------------------------------------------------------------------- tests
+def _check_alt(alternative: str) -> None:
+    if alternative not in ALTERNATIVES:
+        raise ValueError(f"alternative '{alternative}' is not one of {', '.join(ALTERNATIVES)}")
+
+
+def _p_from_null(observed: float, null: np.ndarray, alternative: str) -> float:
+    """Monte-Carlo permutation p-value (k + 1) / (B + 1), never 0 (Phipson & Smyth 2010)."""
+    eps = 1e-12 * max(1.0, abs(observed))
+    if alternative == "greater":
+        k = int((null >= observed - eps).sum())
+    elif alternative == "less":
+        k = int((null <= observed + eps).sum())
+    else:
+        k = int((np.abs(null) >= abs(observed) - eps).sum())
+    return (k + 1) / (len(null) + 1)
+
+
+def permutation_test(
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    alternative: str = "greater",
+    n_perm: int = 9999,
+    seed: int = 0,
+) -> float:
+    """p-value of mean(a) - mean(b) under shuffles of the group labels (independent units)."""
+    _check_alt(alternative)
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if not len(a) or not len(b):
+        raise ValueError(f"a permutation test needs units on both sides, got {len(a)} and {len(b)}")
+    pooled = np.r_[a, b]
+    rng = np.random.default_rng(seed)
+    perm = rng.permuted(np.broadcast_to(pooled, (n_perm, len(pooled))), axis=1)
+    null = perm[:, : len(a)].mean(axis=1) - perm[:, len(a) :].mean(axis=1)
+    return _p_from_null(a.mean() - b.mean(), null, alternative)
+
+
+def paired_permutation_test(
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    alternative: str = "greater",
+    n_perm: int = 9999,
+    seed: int = 0,
+) -> float:
+    """Sign-flip test of mean(a - b) for units measured in both runs (exact when 2^n <= n_perm)."""
+    _check_alt(alternative)
+    d = np.asarray(a, float) - np.asarray(b, float)
+    if d.ndim != 1 or not len(d):
+        raise ValueError("a paired test needs the same non-empty set of units in both runs")
+    n = len(d)
+    if 2**n <= n_perm:  # every sign pattern
+        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
+        null = (signs * d).mean(axis=1)
+        obs = d.mean()
+        eps = 1e-12 * max(1.0, abs(obs))
+        if alternative == "greater":
+            return float((null >= obs - eps).mean())
+        if alternative == "less":
+            return float((null <= obs + eps).mean())
+        return float((np.abs(null) >= abs(obs) - eps).mean())
+    rng = np.random.default_rng(seed)
+    signs = rng.choice(np.array([-1.0, 1.0]), (n_perm, n))
+    return _p_from_null(d.mean(), (signs * d).mean(axis=1), alternative)
+
+
+def mann_whitney(x: np.ndarray, y: np.ndarray, *, alternative: str = "greater") -> float:
+    """Mann-Whitney U p-value (exact for small samples without ties, scipy's choice)."""
+    from scipy.stats import mannwhitneyu
+
+    _check_alt(alternative)
+    return float(mannwhitneyu(np.asarray(x, float), np.asarray(y, float),
+                              alternative=alternative).pvalue)
+
+
+def mcnemar_exact(a: np.ndarray, b: np.ndarray, *, alternative: str = "greater") -> float:
+    """Exact McNemar test of paired 0/1 outcomes: is a's rate above (below) b's?"""
+    from scipy.stats import binomtest
+
+    _check_alt(alternative)
+    a, b = np.asarray(a, bool), np.asarray(b, bool)
+    n10, n01 = int((a & ~b).sum()), int((~a & b).sum())
+    if n10 + n01 == 0:
+        return 1.0
+    return float(binomtest(n10, n10 + n01, 0.5, alternative=alternative).pvalue)
+
+
+def fisher_exact(a: np.ndarray, b: np.ndarray, *, alternative: str = "greater") -> float:
+    """Fisher's exact test of two independent 0/1 samples: is a's rate above (below) b's?"""
+    from scipy.stats import fisher_exact as fe
+
+    _check_alt(alternative)
+    a, b = np.asarray(a, bool), np.asarray(b, bool)
+    table = [[int(a.sum()), int((~a).sum())], [int(b.sum()), int((~b).sum())]]
+    return float(fe(table, alternative=alternative).pvalue)
+
+
+def auc_difference_test(
+    a: tuple[np.ndarray, np.ndarray],
+    b: tuple[np.ndarray, np.ndarray],
+    *,
+    paired: bool,
+    alternative: str = "greater",
+    n_perm: int = 1999,
+    seed: int = 0,
+) -> float:
+    """Permutation test of AUC(a) - AUC(b); a and b are (member scores, non-member scores).
+
+    Scores become within-run ranks first, so two models' scales never meet. Paired (the same
+    units in the same order in both runs): each unit's pair of ranks is swapped between runs with
+    probability 1/2. Unpaired: members of both runs are shuffled between runs, and so are
+    non-members.
+    """
+    from scipy.stats import rankdata
+
+    _check_alt(alternative)
+
+    def pct(pos, neg):
+        r = rankdata(np.r_[pos, neg]) / (len(pos) + len(neg))
+        return r[: len(pos)], r[len(pos) :]
+
+    (ap, an), (bp, bn) = pct(*a), pct(*b)
+    obs = float(_auc_rows(ap[None], an[None])[0] - _auc_rows(bp[None], bn[None])[0])
+    rng = np.random.default_rng(seed)
+    if paired:
+        if len(ap) != len(bp) or len(an) != len(bn):
+            raise ValueError("a paired AUC test needs the same units in both runs")
+        sp, sn = rng.random((n_perm, len(ap))) < 0.5, rng.random((n_perm, len(an))) < 0.5
+        xp, yp = np.where(sp, bp, ap), np.where(sp, ap, bp)
+        xn, yn = np.where(sn, bn, an), np.where(sn, an, bn)
+    else:
+        pp = rng.permuted(np.broadcast_to(np.r_[ap, bp], (n_perm, len(ap) + len(bp))), axis=1)
+        pn = rng.permuted(np.broadcast_to(np.r_[an, bn], (n_perm, len(an) + len(bn))), axis=1)
+        xp, yp = pp[:, : len(ap)], pp[:, len(ap) :]
+        xn, yn = pn[:, : len(an)], pn[:, len(an) :]
+    null = _auc_rows(xp, xn) - _auc_rows(yp, yn)
+    return _p_from_null(obs, null, alternative)
+
+
+def holm(pvalues) -> list[float]:
+    """Holm step-down adjusted p-values (family-wise error control), in the input order."""
+    p = np.asarray(list(pvalues), float)
+    m = len(p)
+    if not m:
+        return []
+    order = np.argsort(p, kind="stable")
+    adj = np.maximum.accumulate((m - np.arange(m)) * p[order])
+    out = np.empty(m)
+    out[order] = np.minimum(adj, 1.0)
+    return [round(float(v), 12) for v in out]
+
+
+def benjamini_hochberg(pvalues) -> list[float]:
+    """Benjamini-Hochberg adjusted p-values (false-discovery-rate control), in the input order."""
+    p = np.asarray(list(pvalues), float)
+    m = len(p)
+    if not m:
+        return []
+    order = np.argsort(p, kind="stable")
+    scaled = p[order] * m / np.arange(1, m + 1)
+    adj = np.minimum.accumulate(scaled[::-1])[::-1]
+    out = np.empty(m)
+    out[order] = np.minimum(adj, 1.0)
+    return [round(float(v), 12) for v in out]
+
+
+CORRECTIONS = {"holm": holm, "benjamini-hochberg": benjamini_hochberg}
+
+
+# ----------------------------------------------------------------------------- runs vs runs
+UNIT_KINDS = ("mean", "binary", "auc")
+
+
+def _aligned(a: dict, b: dict) -> tuple[list[int], list[int]] | None:
+    """Indices that put b's units in a's order when both runs hold exactly the same units."""
+    ia, ib = [str(x) for x in a["ids"]], [str(x) for x in b["ids"]]
+    if len(set(ia)) != len(ia) or set(ia) != set(ib) or len(ia) != len(ib):
+        return None
+    pos = {u: i for i, u in enumerate(ib)}
+    return list(range(len(ia))), [pos[u] for u in ia]
+
+
+def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0) -> dict:
+    """The test of "run a leaks more (greater) / less / differently than run b" on their units.
+
+    `a` and `b` are per-unit scores of one metric: {"kind": mean | binary | auc, "unit", "ids",
+    "values"} (plus "member" flags for auc). Runs sharing all their units get paired tests
+    (sign-flip permutation, exact McNemar, paired AUC permutation); otherwise unpaired ones
+    (label permutation, Fisher exact, unpaired AUC permutation).
+    """
+    _check_alt(alternative)
+    if a["kind"] != b["kind"] or a["kind"] not in UNIT_KINDS:
+        raise ValueError(f"cannot compare units of kind {a['kind']} with {b['kind']}")
+    kind, al = a["kind"], _aligned(a, b)
+    va, vb = np.asarray(a["values"], float), np.asarray(b["values"], float)
+    if al is not None:
+        va, vb = va[al[0]], vb[al[1]]
+    if kind == "mean":
+        est = float(va.mean() - vb.mean())
+        name = "paired sign-flip permutation" if al else "permutation"
+        p = (paired_permutation_test(va, vb, alternative=alternative, seed=seed) if al
+             else permutation_test(va, vb, alternative=alternative, seed=seed))
+    elif kind == "binary":
+        est = float(va.mean() - vb.mean())
+        name = "exact McNemar" if al else "Fisher exact"
+        p = (mcnemar_exact(va, vb, alternative=alternative) if al
+             else fisher_exact(va, vb, alternative=alternative))
+    else:
+        ma, mb = np.asarray(a["member"], bool), np.asarray(b["member"], bool)
+        if al is not None:
+            ma, mb = ma[al[0]], mb[al[1]]
+            if not (ma == mb).all():
+                al = None
+        est = roc_auc(va[ma], va[~ma]) - roc_auc(vb[mb], vb[~mb])
+        name = "paired AUC permutation" if al else "AUC permutation"
+        p = auc_difference_test((va[ma], va[~ma]), (vb[mb], vb[~mb]), paired=al is not None,
+                                alternative=alternative, seed=seed)
+    return {"test": name, "alternative": alternative, "paired": al is not None,
+            "p_value": float(p), "estimate": float(est), "n_a": len(va), "n_b": len(vb),
+            "unit": a["unit"]}
+
+
+def compare_seeds(a: list[float], b: list[float], *, alternative: str, seed: int = 0) -> dict:
+    """Configurations with several seeds each: a permutation test over the per-seed values."""
+    return {"test": "permutation over seeds", "alternative": alternative, "paired": False,
+            "p_value": permutation_test(a, b, alternative=alternative, seed=seed),
+            "estimate": float(np.mean(a) - np.mean(b)),
+            "n_a": len(a), "n_b": len(b), "unit": "seeds"}

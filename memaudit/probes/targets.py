@@ -13,6 +13,7 @@ from pathlib import Path
 
 from memaudit.errors import DataError, MemauditError, RunDirError
 from memaudit.io import read_json
+from memaudit.probes.loaders import Canaries, Privacy
 from memaudit.rundir import RunDir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -40,8 +41,8 @@ class Target:
     members: list[Doc] = field(default_factory=list)
     nonmembers: list[Doc] = field(default_factory=list)  # IID holdout docs of training users
     heldout_user_docs: list[Doc] = field(default_factory=list)
-    canaries: dict | None = None
-    privacy: dict | None = None
+    canaries: Canaries | None = None
+    privacy: Privacy | None = None
     eos_id: int | None = None
 
 
@@ -70,13 +71,22 @@ class Codec:
         return self.start or [0]
 
     def encode_split(self, prefix: str, rest: str) -> tuple[list[int], int]:
-        """ids of prefix + rest tokenized together, and how many leading ids cover the prefix."""
+        """ids of prefix + rest tokenized together, and how many leading ids lie inside the prefix.
+
+        A token counts as prefix only when its character span ends within the prefix, so a token
+        that merges the prefix's last space with the first character of `rest` (GPT-2-style
+        byte-level BPE) is scored as part of `rest`.
+        """
         if not getattr(self.tok, "is_fast", False):
             p = self.encode(prefix)
             return p + self.plain(rest), len(p)
         enc = self.tok(prefix + rest, add_special_tokens=False, return_offsets_mapping=True)
         cut = len(prefix)
-        n = sum(1 for (a, _b) in enc["offset_mapping"] if a < cut)
+        n = 0
+        for a, b in enc["offset_mapping"]:
+            if b > cut or (b == a and a >= cut):
+                break
+            n += 1
         ids = self.start + list(enc["input_ids"])
         n_prefix = len(self.start) + n
         if n_prefix == 0:  # no start token and an empty prefix: score from the second token
@@ -144,6 +154,19 @@ def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
         )
 
 
+def read_heldout_users(path: str | Path, members: list[Doc]) -> list[Doc]:
+    """Documents of users the model never saw; a training user among them is refused."""
+    docs = read_docs(path, "heldout_user")
+    trained = {d.user for d in members}
+    shared = sorted({d.user for d in docs if d.user in trained} - {None})
+    if shared:
+        raise DataError(
+            f"held-out-users file '{path}' holds documents of training user '{shared[0]}'; "
+            "give only users the model never saw"
+        )
+    return docs
+
+
 def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
     """Natural documents by role, one per distinct text (documents.jsonl holds a line per
     trained copy); a non-member whose text was also trained on counts as a member only."""
@@ -187,6 +210,7 @@ def resolve_target(
     members: str | None = None,
     nonmembers: str | None = None,
     canaries: str | None = None,
+    heldout_users: str | None = None,
     out: str | None = None,
 ) -> Target:
     """A `Target` from a run directory or a HF model directory; refuses bad input in one line."""
@@ -210,9 +234,9 @@ def resolve_target(
         )
         t.members, t.nonmembers, t.heldout_user_docs = _run_docs(run)
         if run.canaries_path.is_file():
-            t.canaries = read_json(run.canaries_path)
+            t.canaries = Canaries.from_json(read_json(run.canaries_path), str(run.canaries_path))
         if run.privacy_path.is_file():
-            t.privacy = read_json(run.privacy_path)
+            t.privacy = Privacy.from_json(read_json(run.privacy_path), str(run.privacy_path))
         meta = run.data_dir / "meta.json"
         if meta.is_file():
             t.eos_id = read_json(meta).get("eos_id")
@@ -234,14 +258,17 @@ def resolve_target(
         t.members = read_docs(members, "member")
     if nonmembers:
         t.nonmembers = read_docs(nonmembers, "holdout")
-    if members or nonmembers:
+    if heldout_users:
+        t.heldout_user_docs = read_heldout_users(heldout_users, t.members)
+    if members or nonmembers or heldout_users:
         check_disjoint(t.members, t.nonmembers + t.heldout_user_docs)
     if canaries:
         cp = Path(canaries)
         if not cp.is_file():
             raise DataError(f"canaries file '{cp}' not found; pass a canaries.json")
         try:
-            t.canaries = read_json(cp)
+            raw = read_json(cp)
         except ValueError:
             raise DataError(f"canaries file '{cp}' is not JSON; pass a canaries.json") from None
+        t.canaries = Canaries.from_json(raw, str(cp))
     return t

@@ -16,8 +16,9 @@ from typing import Any
 from memaudit import __version__
 from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
+from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
-from memaudit.reports.probes_adapter import summarize_probes
+from memaudit.reports.probes_adapter import summarize_probes, units_of
 from memaudit.rundir import RunDir
 
 SCHEMA = "memaudit.report/1"
@@ -73,17 +74,15 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
     }
 
 
-def _mechanism(backend: str, cfg: dict[str, Any], priv: dict[str, Any]) -> str:
-    p = cfg.get("privacy", {})
-    on = p.get("noise_multiplier") is not None or p.get("target_epsilon") is not None
-    if not on:
+def _mechanism(info: RunInfo) -> str:
+    if not info.dp:
         return "none"
-    if backend == "parallel":
+    if info.backend == "parallel":
         return "DP-SGD"
-    name = "distributed DP" if p.get("mechanism") == "distributed" else "DP-FedAvg"
-    if p.get("secure_aggregation", {}).get("enabled"):
+    name = "distributed DP" if info.dp_mechanism == "distributed" else "DP-FedAvg"
+    if info.secure_aggregation:
         name += " + SecAgg"
-    if p.get("adaptive_clipping", {}).get("enabled"):
+    if info.adaptive_clipping:
         name += " (adaptive clip)"
     return name
 
@@ -111,17 +110,16 @@ def _train_users(rd: RunDir) -> int | None:
 
 
 def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
-    m = rd.read_manifest()
-    cfg = m.get("config", {})
+    info = RunInfo.from_manifest(rd.read_manifest(), str(rd.path / "run.json"))
     if not rd.probes_path.is_file():
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
         )
     probes = read_json(rd.probes_path)
+    ProbesDoc.from_json(probes, str(rd.probes_path))  # refuses a malformed probes.json in one line
     priv = _ledger_epsilon(rd)
-    backend = m.get("backend", cfg.get("backend", "parallel"))
-    mech = _mechanism(backend, cfg, priv)
-    res = m.get("result", {})
+    backend = info.backend
+    mech = _mechanism(info)
     metrics = read_jsonl(rd.metrics_path)
     noise_rows = [
         {"round": r.get("round"), "survivors": r.get("survivors"), "effective_noise": r.get("effective_noise")}
@@ -129,6 +127,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         if r.get("survivors") is not None and r.get("cohort") is not None and r.get("survivors") < r.get("cohort")
     ]
     summary = summarize_probes(probes, run_dir=rd.path, show_secrets=show_secrets)
+    units = units_of(probes)
     desc = mech if mech == "none" else (
         f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}, "
         f"epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
@@ -139,35 +138,36 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "path": str(rd.path),
         "backend": backend,
         "status": rd.status(),
-        "seed": cfg.get("train", {}).get("seed"),
-        "audit": bool(cfg.get("data", {}).get("audit_canaries", 0)),
-        "model": {"preset": cfg.get("model", {}).get("preset"), "params": res.get("parameters")},
+        "seed": info.seed,
+        "audit": bool(info.audit_canaries),
+        "model": {"preset": info.preset, "params": info.parameters},
         "data": {
-            "fingerprint": (m.get("data_fingerprint") or "")[:12],
+            "fingerprint": info.data_fingerprint[:12],
             "users": _train_users(rd),
-            "sequences": res.get("train_sequences"),
+            "sequences": info.train_sequences,
         },
         "privacy": {
             "mechanism": mech,
             "description": desc,
             "epsilon": priv["epsilon"],
-            "target_epsilon": cfg.get("privacy", {}).get("target_epsilon"),
+            "target_epsilon": info.target_epsilon,
             "noise_multiplier": priv["noise_multiplier"],
             "delta": priv["delta"],
             "unit": priv["unit"],
             "per_user": priv["per_user"],
             "per_user_text": _per_user_text(priv),
         },
-        "mitigation": {"goldfish": bool(cfg.get("train", {}).get("goldfish", {}).get("enabled"))},
+        "mitigation": {"goldfish": info.goldfish},
         "utility": {
-            "holdout_loss": res.get("final_holdout_loss"),
-            "holdout_perplexity": res.get("final_holdout_perplexity"),
+            "holdout_loss": info.final_holdout_loss,
+            "holdout_perplexity": info.final_holdout_perplexity,
         },
         "noise_per_round": noise_rows,
         "leakage": summary["leakage"],
         "probes_summary": summary["plots"],
         "probe_rows": summary["rows"],
         "samples": summary["samples"],
+        "units": units,  # per-unit scores for the tests between runs; dropped from report.json
     }
 
 
@@ -180,21 +180,22 @@ def _nominal(run: dict[str, Any]) -> float:
 
 
 def _pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Combine one metric over seeds: mean, with a half-width that adds within-run and between-seed spread."""
+    """One metric over seeds: one run's cell as it is; several seeds' mean with a half-width that
+    adds within-run and between-seed spread (no interval when any run has none)."""
     cells = [c for c in cells if c and c.get("value") is not None]
     if not cells:
         return None
+    if len(cells) == 1:
+        return {**cells[0], "n_seeds": 1}
     vals = [c["value"] for c in cells]
     mean = statistics.fmean(vals)
-    halves = [
-        ((c.get("ci_high") if c.get("ci_high") is not None else c["value"])
-         - (c.get("ci_low") if c.get("ci_low") is not None else c["value"])) / 2
-        for c in cells
-    ]
-    within = statistics.fmean(halves)
-    between = 1.96 * statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0
+    base = {"value": mean, "n": cells[0].get("n"), "unit": cells[0].get("unit"), "n_seeds": len(vals)}
+    if any(c.get("ci_low") is None or c.get("ci_high") is None for c in cells):
+        return {**base, "ci_low": None, "ci_high": None, "note": "n too small in some seeds"}
+    within = statistics.fmean((c["ci_high"] - c["ci_low"]) / 2 for c in cells)
+    between = 1.96 * statistics.stdev(vals) / math.sqrt(len(vals))
     half = math.sqrt(within**2 + between**2)
-    return {"value": mean, "ci_low": mean - half, "ci_high": mean + half, "n_seeds": len(vals)}
+    return {**base, "ci_low": mean - half, "ci_high": mean + half, "note": None}
 
 
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
@@ -206,9 +207,33 @@ def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     return g
 
 
+def _test(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
+          alternative: str) -> dict[str, Any] | None:
+    """The test of metric `key` between two groups of runs (None when it cannot be tested).
+
+    Both groups with several seeds: a permutation test over the seeds' values (a statement about
+    the configurations). Otherwise the first run of each group, tested on its units (a statement
+    about these runs).
+    """
+    from memaudit.probes.stats import compare_seeds, compare_units
+
+    if len(a_runs) > 1 and len(b_runs) > 1:
+        va = [r["leakage"][key]["value"] for r in a_runs if (r["leakage"].get(key) or {}).get("value") is not None]
+        vb = [r["leakage"][key]["value"] for r in b_runs if (r["leakage"].get(key) or {}).get("value") is not None]
+        if len(va) > 1 and len(vb) > 1:
+            return {**compare_seeds(va, vb, alternative=alternative), "scope": "configurations"}
+    ua, ub = (a_runs[0].get("units") or {}).get(key), (b_runs[0].get("units") or {}).get(key)
+    if not ua or not ub:
+        return None
+    return {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
+            "runs": [a_runs[0]["id"], b_runs[0]["id"]]}
+
+
 def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Matched-epsilon backend pairs (two-sided tests) and treatment effects against their
+    baseline (one-sided: does the treatment leak less?), each metric with its test."""
     groups = _groups(runs)
-    metrics = list(findings_mod.METRICS)
+    metrics = [k for k in findings_mod.METRICS if findings_mod.TESTABLE.get(k, True)]
     matched = []
     for eps in sorted({k[1] for k in groups}):
         a, b = groups.get(("parallel", eps, False)), groups.get(("federated", eps, False))
@@ -219,9 +244,8 @@ def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
             pa = _pool([r["leakage"].get(key) for r in a])
             pf = _pool([r["leakage"].get(key) for r in b])
             if pa and pf:
-                v = findings_mod.compare(pf, pa)
-                verdict = {"less": "federated leaks less", "more": "federated leaks more", "same": "within intervals"}[v]
-                cells[key] = {"parallel": pa, "federated": pf, "verdict": verdict}
+                cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
+                              "test": _test(b, a, key, "two-sided")}
         matched.append({"epsilon": eps, "metrics": cells})
     effects = []
     for (backend, eps, gf), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
@@ -239,7 +263,8 @@ def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
             t = _pool([r["leakage"].get(key) for r in rs])
             b0 = _pool([r["leakage"].get(key) for r in base])
             if t and b0:
-                cells[key] = {"treated": t, "baseline": b0}
+                cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
+                              "test": _test(rs, base, key, "less")}
         effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps, "metrics": cells})
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
@@ -278,4 +303,6 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False) 
         "comparisons": comparisons(runs),
     }
     report["findings"] = findings_mod.generate(report)
+    for r in runs:
+        r.pop("units", None)
     return report

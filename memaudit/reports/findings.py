@@ -1,8 +1,12 @@
-"""Findings: sentences generated from the numbers in report.json, never typed by hand.
+"""Findings: sentences generated from the numbers and tests in report.json, never typed by hand.
 
-A difference is stated only when the two confidence intervals do not overlap (a
-conservative test at the intervals' level); otherwise the sentence says the difference is
-within the intervals and so not shown.
+A difference is stated only from a test on the runs' units (canaries, documents, users): paired
+where the two runs share their units, one-sided for "does the treatment leak less?", two-sided
+between backends, and with Holm's correction across every test of the report. A finding between
+two single runs speaks of "these runs"; one about configurations needs several seeds per point
+and a test over seeds. Every sentence carries its test, n, p-value and adjusted p-value; a cell
+that could not be tested (no per-unit scores) gives no finding. The audit epsilon is a one-sided
+lower bound and is only compared as such, with the ledger's epsilon.
 """
 
 from __future__ import annotations
@@ -10,9 +14,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from memaudit.probes.stats import CORRECTIONS
+
+ALPHA = 0.05
+CORRECTION = "holm"
+
 # Headline leakage metrics: key -> (label, unit, higher_is_leakier)
 METRICS: dict[str, tuple[str, str, bool]] = {
-    "exposure_top": ("exposure of the most-repeated canaries", "bits", True),
+    "exposure_top": ("excess exposure of the most-repeated canaries over the references", "bits", True),
     "extraction_exact": ("exact extraction rate of member text", "", True),
     "canary_completion": ("canary completion rate", "", True),
     "mia_auc": ("membership-inference AUC (loss attack)", "", True),
@@ -20,6 +29,8 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "pii_extraction": ("PII extraction rate", "", True),
     "audit_epsilon": ("empirical epsilon lower bound", "", True),
 }
+# the audit bound is a one-sided lower bound: never tested as a difference between runs
+TESTABLE = {"audit_epsilon": False}
 
 
 def _fmt(v: float | None) -> str:
@@ -34,89 +45,120 @@ def _fmt_eps(e: float | None) -> str:
     return "no DP (epsilon = inf)" if e is None or math.isinf(e) else f"epsilon = {e:g}"
 
 
-def _bound(cell: dict[str, Any], key: str) -> float:
-    v = cell.get(key)
-    return cell["value"] if v is None else v
+def _all_tests(report: dict[str, Any]):
+    """Every (cell, test) of the report's comparisons, in a fixed order."""
+    comp = report.get("comparisons", {})
+    for block in comp.get("matched", []) + comp.get("effects", []):
+        for cell in block.get("metrics", {}).values():
+            if cell.get("test"):
+                yield cell, cell["test"]
 
 
-def compare(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
-    """'less' if a leaks less than b, 'more' if more, 'same' if the intervals overlap, 'n/a'.
+def adjust(report: dict[str, Any], correction: str = CORRECTION) -> int:
+    """Write each test's adjusted p-value and verdict into the comparisons; returns the family size."""
+    pairs = list(_all_tests(report))
+    adj = CORRECTIONS[correction]([t["p_value"] for _c, t in pairs])
+    for (cell, t), pa in zip(pairs, adj, strict=True):
+        t.update({"p_adjusted": pa, "correction": correction, "family": len(pairs), "alpha": ALPHA})
+        if pa >= ALPHA:
+            cell["verdict"] = "no difference shown"
+        elif t["alternative"] == "less":
+            cell["verdict"] = "less"
+        else:  # the direction of the tested difference, not of the displayed cells
+            cell["verdict"] = "more" if t["estimate"] > 0 else "less"
+    return len(pairs)
 
-    `a` and `b` are {"value", "ci_low", "ci_high"} of a leakier-is-higher metric.
-    """
-    if not a or not b or a.get("value") is None or b.get("value") is None:
-        return "n/a"
-    a_lo, a_hi = _bound(a, "ci_low"), _bound(a, "ci_high")
-    b_lo, b_hi = _bound(b, "ci_low"), _bound(b, "ci_high")
-    if a_hi < b_lo:
-        return "less"
-    if a_lo > b_hi:
-        return "more"
-    return "same"
+
+def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
+    if "treated" in cell:
+        return cell["treated"], cell["baseline"]
+    return cell["federated"], cell["parallel"]
 
 
-def _cell_numbers(metric: str, left: dict, right: dict) -> str:
-    _, unit, _ = METRICS[metric]
+def _cell_text(c: dict[str, Any], unit: str) -> str:
     u = f" {unit}" if unit else ""
-    return (
-        f"{_fmt(left['value'])}{u} vs {_fmt(right['value'])}{u}; 95% CIs "
-        f"[{_fmt(left.get('ci_low'))}, {_fmt(left.get('ci_high'))}] and "
-        f"[{_fmt(right.get('ci_low'))}, {_fmt(right.get('ci_high'))}]"
-    )
+    s = f"{_fmt(c['value'])}{u}"
+    if c.get("ci_low") is not None:
+        s += f" [{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}]"
+    elif c.get("note"):
+        s += f" ({c['note']})"
+    return s
 
 
-def _pair_sentences(cells: dict[str, dict], left_key: str, left_name: str, right_key: str,
-                    right_name: str, context: str, group: str) -> list[dict[str, Any]]:
-    """One sentence per metric that differs, and one for all metrics whose intervals overlap."""
-    out, same = [], []
-    for metric in METRICS:
-        cell = cells.get(metric)
-        if not cell:
-            continue
-        left, right = cell.get(left_key), cell.get(right_key)
-        verdict = compare(left, right)
-        if verdict == "n/a":
-            continue
-        label = METRICS[metric][0]
-        if verdict == "same":
-            same.append((metric, f"{label} ({_cell_numbers(metric, left, right)})"))
-            continue
-        word = "less" if verdict == "less" else "more"
-        out.append({
-            "kind": "comparison", "group": group, "metric": metric, "metrics": [metric],
-            "verdict": verdict, "context": context,
-            "text": f"{context}: {left_name} leaks {word} than {right_name} on {label} "
-                    f"({_cell_numbers(metric, left, right)}).",
-        })
-    if same:
-        out.append({
-            "kind": "comparison", "group": group, "metric": same[0][0], "metrics": [m for m, _ in same],
-            "verdict": "same", "context": context,
-            "text": f"{context}: no difference shown between {left_name} and {right_name} on "
-                    + "; ".join(t for _, t in same)
-                    + ": the differences are within the confidence intervals.",
-        })
+def _test_text(t: dict[str, Any]) -> str:
+    side = {"less": "one-sided", "greater": "one-sided", "two-sided": "two-sided"}[t["alternative"]]
+    return (f"{t['test']} test, {side}, n = {t['n_a']} and {t['n_b']} {t['unit']}, "
+            f"p = {t['p_value']:.3g}, {t['correction'].capitalize()}-adjusted p = {t['p_adjusted']:.3g} "
+            f"over {t['family']} tests")
+
+
+def _sentences(cells: dict[str, dict], left: str, right: str, context: str, group: str) -> list[dict[str, Any]]:
+    out = []
+    for metric, cell in cells.items():
+        t = cell.get("test")
+        if not t or "p_adjusted" not in t:
+            continue  # no per-unit scores: no test, so no finding
+        label, unit, _ = METRICS[metric]
+        a, b = _sides(cell)
+        scope = ("for these configurations" if t["scope"] == "configurations"
+                 else "in these runs")
+        nums = f"{_cell_text(a, unit)} vs {_cell_text(b, unit)}; {_test_text(t)}"
+        if cell["verdict"] in ("less", "more"):
+            text = (f"{context}, {scope}: {left} leaks {cell['verdict']} than {right} on "
+                    f"{label} ({nums}).")
+        else:
+            text = (f"{context}, {scope}: no difference shown between {left} and {right} on "
+                    f"{label} ({nums}).")
+        out.append({"kind": "comparison", "group": group, "metric": metric, "metrics": [metric],
+                    "verdict": cell["verdict"], "context": context, "scope": t["scope"],
+                    "test": t["test"], "n": [t["n_a"], t["n_b"]], "unit": t["unit"],
+                    "p_value": t["p_value"], "p_adjusted": t["p_adjusted"],
+                    "correction": t["correction"], "family": t["family"], "text": text})
     return out
 
 
 def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Federated vs centralized at each matched epsilon."""
+    """Federated vs centralized at each matched epsilon (two-sided)."""
     out = []
     for m in report.get("comparisons", {}).get("matched", []):
-        ctx = f"At {_fmt_eps(m.get('epsilon'))}"
-        out += _pair_sentences(m.get("metrics", {}), "federated", "federated", "parallel", "centralized",
-                               ctx, "backend")
+        out += _sentences(m.get("metrics", {}), "federated", "centralized",
+                          f"At {_fmt_eps(m.get('epsilon'))}", "backend")
     return out
 
 
 def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Where DP or Goldfish loss made a difference against the matching baseline."""
+    """Whether DP or Goldfish loss leaks less than the matching baseline (one-sided)."""
     out = []
     for eff in report.get("comparisons", {}).get("effects", []):
-        name = eff["treatment"]  # e.g. "DP at epsilon = 4" or "Goldfish loss"
-        ctx = f"{eff['backend_label']}, {name}"
-        out += _pair_sentences(eff.get("metrics", {}), "treated", f"with {name}", "baseline", "without",
-                               ctx, "effect")
+        name = eff["treatment"]
+        out += _sentences(eff.get("metrics", {}), f"with {name}", "without",
+                          f"{eff['backend_label']}, {name}", "effect")
+    return out
+
+
+def audit_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The audit bound as what it is: epsilon >= X at a stated confidence, against the ledger."""
+    out = []
+    for r in report.get("runs", []):
+        a = r.get("leakage", {}).get("audit_epsilon")
+        if not a or a.get("value") is None:
+            continue
+        conf = a.get("confidence") or 0.95
+        led = r.get("privacy", {}).get("epsilon")
+        bound = f"epsilon >= {_fmt(a['value'])} at {conf:.0%} confidence (one-sided)"
+        if led is not None and not math.isinf(led) and a["value"] > led:
+            verdict, text = "more", (f"Run {r['id']}: the one-run audit shows {bound}, above the "
+                                     f"ledger's epsilon = {_fmt(led)}: the accounting or the "
+                                     "implementation does not hold in this run.")
+        else:
+            verdict, text = "consistent", (f"Run {r['id']}: the one-run audit shows {bound}"
+                                           + (f", consistent with the ledger's epsilon = {_fmt(led)}"
+                                              if led is not None and not math.isinf(led) else "")
+                                           + "; a lower bound, not an estimate.")
+        out.append({"kind": "audit", "group": "audit", "metric": "audit_epsilon",
+                    "metrics": ["audit_epsilon"], "verdict": verdict, "context": r["id"],
+                    "test": "one-run audit (Steinke et al. 2023)", "n": [a.get("n")],
+                    "unit": "audit canaries", "confidence": conf, "text": text})
     return out
 
 
@@ -127,9 +169,9 @@ def caveats(report: dict[str, Any]) -> list[str]:
         audit = r.get("leakage", {}).get("audit_epsilon")
         if audit and audit.get("ceiling") is not None:
             out.append(
-                f"Run {r['id']}: the one-run audit with r = {audit.get('guesses')} guesses can certify at most "
-                f"epsilon = {_fmt(audit['ceiling'])}; its lower bound {_fmt(audit['value'])} is a floor, "
-                "not an estimate of the true epsilon."
+                f"Run {r['id']}: the one-run audit's {audit.get('n')} canaries can certify at most "
+                f"epsilon = {_fmt(audit['ceiling'])} at the run's delta (the best over every r); its lower "
+                f"bound {_fmt(audit['value'])} is a floor, not an estimate of the true epsilon."
             )
         per_user = r.get("privacy", {}).get("per_user") or {}
         if r.get("privacy", {}).get("unit") == "example" and per_user.get("max_sequences_per_user", 1) > 1:
@@ -156,5 +198,7 @@ def caveats(report: dict[str, Any]) -> list[str]:
 
 
 def generate(report: dict[str, Any]) -> dict[str, Any]:
-    """The findings section: {'sentences': [...], 'caveats': [...]}."""
-    return {"sentences": backend_findings(report) + effect_findings(report), "caveats": caveats(report)}
+    """The findings section: {'sentences', 'caveats', 'correction', 'tests'}; adjusts the tests."""
+    family = adjust(report)
+    return {"sentences": backend_findings(report) + effect_findings(report) + audit_findings(report),
+            "caveats": caveats(report), "correction": CORRECTION, "tests": family, "alpha": ALPHA}

@@ -44,8 +44,9 @@ def exposure_vs_repetitions(report: dict[str, Any]) -> str | None:
                 continue
             xs = [r["repetitions"] for r in rows]
             ys = [r["value"] for r in rows]
-            lo = [r["value"] - r.get("ci_low", r["value"]) for r in rows]
-            hi = [r.get("ci_high", r["value"]) - r["value"] for r in rows]
+            # no error bar where n is too small for an interval (the table says "n too small")
+            lo = [r["value"] - (r["value"] if r.get("ci_low") is None else r["ci_low"]) for r in rows]
+            hi = [(r["value"] if r.get("ci_high") is None else r["ci_high"]) - r["value"] for r in rows]
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=f"{run['id']} ({owner})")
             drawn = True
     if not drawn:

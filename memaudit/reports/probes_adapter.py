@@ -19,9 +19,69 @@ SAMPLE_CHARS = 400
 
 
 def _stat(s: dict[str, Any] | None, **extra: Any) -> dict[str, Any] | None:
+    """A probe cell for the report: value, interval, n, unit and note (why no interval)."""
     if not s or s.get("value") is None:
         return None
-    return {"value": s["value"], "ci_low": s.get("ci_low"), "ci_high": s.get("ci_high"), **extra}
+    return {"value": s["value"], "ci_low": s.get("ci_low"), "ci_high": s.get("ci_high"),
+            "n": s.get("n"), "unit": s.get("unit"), "note": s.get("note"), **extra}
+
+
+def _row(s: dict[str, Any] | None) -> dict[str, Any]:
+    """A table row's cells; a cell without a value keeps its note ("needs >= 1000 ...")."""
+    got = _stat(s)
+    if got is not None:
+        return got
+    s = s or {}
+    return {"value": None, "ci_low": None, "ci_high": None, "n": s.get("n"), "unit": s.get("unit"),
+            "note": s.get("note") or "not measured"}
+
+
+def _units(kind: str, unit: str, ids, values, **extra) -> dict[str, Any] | None:
+    ids, values = list(ids), list(values)
+    if not ids:
+        return None
+    return {"kind": kind, "unit": unit, "ids": ids, "values": values, **extra}
+
+
+def units_of(probes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per-unit scores behind each headline metric, for the tests between runs (no text, no
+    secrets): ids and values of canaries, documents, users or PII items."""
+    from memaudit.probes.loaders import ProbesDoc
+
+    doc = ProbesDoc.from_json(probes)
+    out: dict[str, dict[str, Any] | None] = {}
+    if (p := doc.get("exposure")) is not None:
+        rows = [r for r in p.scores if r.get("role") == "inserted"]
+        refs = [r["exposure"] for r in p.scores if r.get("role") == "reference"]
+        top = max((r["repetitions"] for r in rows), default=None)
+        if top is not None and refs:
+            base = float(np.mean(refs))
+            sel = [r for r in rows if r["repetitions"] == top]
+            out["exposure_top"] = _units("mean", "canaries", [r["id"] for r in sel],
+                                         [r["exposure"] - base for r in sel])
+    if (p := doc.get("extraction")) is not None:
+        disc = (p.scores or {}).get("discoverable") or []
+        if disc:
+            k = min(r["k"] for r in disc)
+            sel = [r for r in disc if r["k"] == k]
+            out["extraction_exact"] = _units("binary", "documents", [r["id"] for r in sel],
+                                             [float(r["exact"]) for r in sel])
+        can = (p.scores or {}).get("canaries") or []
+        out["canary_completion"] = _units("binary", "canaries", [r["id"] for r in can],
+                                          [float(r["greedy"]) for r in can])
+    if (p := doc.get("membership")) is not None and p.scores and "loss" in p.scores[0]:
+        out["mia_auc"] = _units("auc", "documents", [r["id"] for r in p.scores],
+                                [r["loss"] for r in p.scores],
+                                member=[bool(r["member"]) for r in p.scores])
+    if (p := doc.get("user_inference")) is not None and p.scores:
+        out["user_mia_auc"] = _units("auc", "users", [r["user"] for r in p.scores],
+                                     [r["score"] for r in p.scores],
+                                     member=[bool(r["training_user"]) for r in p.scores])
+    if (p := doc.get("pii")) is not None:
+        sel = [r for r in p.scores if r.get("group") == "training_users"]
+        ids = [f"{r['doc']}:{r['type']}:{i}" for i, r in enumerate(sel)]
+        out["pii_extraction"] = _units("binary", "PII items", ids, [float(r["extracted"]) for r in sel])
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _roc(pos: list[float], neg: list[float], auc: float | None) -> dict[str, Any] | None:
@@ -60,9 +120,16 @@ def _exposure(p: dict, out: dict) -> None:
                         "value": s.get("max_exposure"), "ci_low": None, "ci_high": None})
     for name in ("inserted", "references"):
         if s.get(name):
-            out["rows"].append({"probe": "exposure", "metric": f"mean exposure, {name} canaries", **_stat(s[name])})
+            out["rows"].append({"probe": "exposure", "metric": f"mean exposure, {name} canaries", **_row(s[name])})
     for r in reps:
-        out["rows"].append({"probe": "exposure", "metric": f"exposure, {r} repetitions", **_stat(s["by_repetitions"][r]["all"])})
+        b = s["by_repetitions"][r]
+        bound = ">= " if b.get("lower_bound") else ""
+        out["rows"].append({"probe": "exposure", "metric": f"exposure, {r} repetitions {bound}(bits)", **_row(b["all"])})
+        if b.get("excess") and b.get("test"):
+            t = b["test"]
+            out["rows"].append({"probe": "exposure", "metric": f"excess over references, {r} repetitions (bits; "
+                                f"{t['test']}, p = {t['p_value']:.3g}, Holm over buckets p = {t.get('p_holm', t['p_value']):.3g})",
+                                **_row(b["excess"])})
     test = s.get("inserted_vs_references") or {}
     if test.get("p_value") is not None:
         out["rows"].append({"probe": "exposure", "metric": f"inserted vs references p-value ({test.get('test')})",
@@ -80,22 +147,22 @@ def _extraction(p: dict, out: dict, docs: dict[str, str] | None) -> None:
         d = disc[k]
         for name in ("exact", "approx_levenshtein", "approx_bleu"):
             if d.get(name):
-                out["rows"].append({"probe": "extraction", "metric": f"{name} rate, k={k}", **_stat(d[name])})
+                out["rows"].append({"probe": "extraction", "metric": f"{name} rate, k={k}", **_row(d[name])})
         for bucket, b in (d.get("by_repeats") or {}).items():
             if b.get("exact") and b["exact"].get("value") is not None:
                 rows.append({"prefix_len": int(k), "repeats": int(bucket.split("-")[0]), "bucket": bucket,
-                             **_stat(b["exact"])})
+                             **_row(b["exact"])})
     out["plots"]["extraction_by_repeats"] = rows
     can = s.get("canaries") or {}
     if can.get("greedy"):
         out["leakage"]["canary_completion"] = _stat(can["greedy"])
-        out["rows"].append({"probe": "extraction", "metric": "canary secret completed (greedy)", **_stat(can["greedy"])})
+        out["rows"].append({"probe": "extraction", "metric": "canary secret completed (greedy)", **_row(can["greedy"])})
     nd = s.get("non_discoverable") or {}
     for name in ("perplexity", "zlib", "reference"):
         block = nd.get(name)
         if isinstance(block, dict) and block.get("rate"):
             out["rows"].append({"probe": "extraction", "metric": f"non-discoverable memorised in top by {name}",
-                                **_stat(block["rate"])})
+                                **_row(block["rate"])})
     if docs:
         scores = (p.get("scores") or {}).get("discoverable") or []
         seen = []
@@ -111,9 +178,9 @@ def _attack(name: str, label: str, summ: dict, out: dict, key: str) -> None:
     if not summ or not summ.get("auc"):
         return
     out["leakage"][key] = _stat(summ["auc"])
-    out["rows"].append({"probe": name, "metric": f"{label} AUC", **_stat(summ["auc"])})
+    out["rows"].append({"probe": name, "metric": f"{label} AUC", **_row(summ["auc"])})
     for fpr, st in (summ.get("tpr_at_fpr") or {}).items():
-        out["rows"].append({"probe": name, "metric": f"{label} TPR at {float(fpr):g} FPR", **_stat(st)})
+        out["rows"].append({"probe": name, "metric": f"{label} TPR at {float(fpr):g} FPR", **_row(st)})
 
 
 def _membership(p: dict, out: dict) -> None:
@@ -124,7 +191,7 @@ def _membership(p: dict, out: dict) -> None:
         if attack == "loss":
             _attack("membership", "loss attack", summ, out, "mia_auc")
         else:
-            out["rows"].append({"probe": "membership", "metric": f"{attack} attack AUC", **_stat(summ["auc"])})
+            out["rows"].append({"probe": "membership", "metric": f"{attack} attack AUC", **_row(summ["auc"])})
     rows = p.get("scores") or []
     if rows and "loss" in rows[0]:
         pos = [r["loss"] for r in rows if r.get("member")]
@@ -148,7 +215,7 @@ def _pii(p: dict, out: dict) -> None:
         for name in ("extraction", "inference_top1"):
             if g.get(name):
                 out["rows"].append({"probe": "pii", "metric": f"{name.replace('_', ' ')}, {group.replace('_', ' ')}",
-                                    **_stat(g[name])})
+                                    **_row(g[name])})
     tr = (s.get("training_users") or {}).get("extraction")
     if tr:
         out["leakage"]["pii_extraction"] = _stat(tr)
@@ -158,12 +225,14 @@ def _audit(p: dict, out: dict) -> None:
     s = p["summary"]
     out["leakage"]["audit_epsilon"] = {
         "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None,
+        "kind": "one-sided lower bound", "confidence": s.get("confidence", 1 - (s.get("p") or 0.05)),
+        "n": s.get("m"), "unit": "audit canaries",
         "ceiling": s.get("ceiling"), "guesses": s.get("r"), "correct": s.get("v"), "ledger_epsilon": s.get("ledger_eps"),
     }
     out["rows"].append({"probe": "audit", "metric": f"epsilon lower bound (r={s.get('r')}, v={s.get('v')}, p={s.get('p')})",
                         "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None})
-    out["rows"].append({"probe": "audit", "metric": "ceiling of r guesses", "value": s.get("ceiling"),
-                        "ci_low": None, "ci_high": None})
+    out["rows"].append({"probe": "audit", "metric": f"ceiling: the most m = {s.get('m')} canaries can show at delta = {s.get('delta')}",
+                        "value": s.get("ceiling"), "ci_low": None, "ci_high": None})
 
 
 def _member_texts(run_dir: str | Path | None) -> dict[str, str] | None:

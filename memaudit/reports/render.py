@@ -34,12 +34,26 @@ def fmt(v: Any) -> str:
 
 
 def cell(c: dict[str, Any] | None) -> str:
-    if not c or c.get("value") is None:
+    """Value, interval (or the note saying why there is none) and n with its unit."""
+    if not c:
         return "n/a"
+    n = f" (n = {c['n']} {c.get('unit') or ''})".replace(" )", ")") if c.get("n") is not None else ""
+    if c.get("value") is None:
+        return f"{c.get('note') or 'n/a'}{n}"
     s = fmt(c["value"])
     if c.get("ci_low") is not None and c.get("ci_high") is not None:
         s += f" [{fmt(c['ci_low'])}, {fmt(c['ci_high'])}]"
-    return s
+    elif c.get("note"):
+        s += f", {c['note']}"
+    return s + n
+
+
+def test_cell(t: dict[str, Any] | None) -> str:
+    """A comparison's test in one line: name, sidedness, p and adjusted p."""
+    if not t:
+        return "not tested (no per-unit scores)"
+    adj = f", {t.get('correction', '')} p = {fmt(t['p_adjusted'])}" if "p_adjusted" in t else ""
+    return f"{t['test']} ({t['alternative']}), n = {t['n_a']}/{t['n_b']} {t['unit']}, p = {fmt(t['p_value'])}{adj}"
 
 
 def md_text(text: Any) -> str:
@@ -61,13 +75,13 @@ def _env(autoescape: bool) -> jinja2.Environment:
         trim_blocks=False,
         lstrip_blocks=False,
     )
-    env.globals.update(fmt=fmt, cell=cell, md=md, md_text=md_text)
+    env.globals.update(fmt=fmt, cell=cell, test_cell=test_cell, md=md, md_text=md_text)
     return env
 
 
 def _labels() -> list[tuple[str, str]]:
     short = {
-        "exposure_top": "exposure, top reps (bits)",
+        "exposure_top": "excess exposure, top reps (bits)",
         "extraction_exact": "exact extraction",
         "canary_completion": "canary completion",
         "mia_auc": "MIA AUC",

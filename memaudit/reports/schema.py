@@ -10,7 +10,9 @@ _NUM = {"type": ["number", "null"]}
 _CELL = {
     "type": ["object", "null"],
     "required": ["value"],
-    "properties": {"value": _NUM, "ci_low": _NUM, "ci_high": _NUM},
+    "properties": {"value": _NUM, "ci_low": _NUM, "ci_high": _NUM,
+                   "n": {"type": ["integer", "null"]}, "unit": {"type": ["string", "null"]},
+                   "note": {"type": ["string", "null"]}},
 }
 
 REPORT_SCHEMA: dict[str, Any] = {
@@ -64,7 +66,13 @@ REPORT_SCHEMA: dict[str, Any] = {
             "properties": {
                 "sentences": {
                     "type": "array",
-                    "items": {"type": "object", "required": ["text", "verdict", "metric"]},
+                    "items": {
+                        "type": "object",
+                        "required": ["text", "verdict", "metric", "test", "n"],
+                        # a difference between runs is stated only with its test, n and correction
+                        "if": {"properties": {"kind": {"const": "comparison"}}},
+                        "then": {"required": ["p_value", "p_adjusted", "correction", "family", "unit"]},
+                    },
                 },
                 "caveats": {"type": "array", "items": {"type": "string"}},
             },

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from memaudit.config import (
     Config,
+    ProbeConfig,
     _format_error,
     _set_dotted,
     config_from_dict,
@@ -76,10 +77,17 @@ class AuditConfig(_Section):
     levels: Literal["all", "dp_only"] = "all"
 
 
-class ProbeSettings(_Section):
-    probes: list[str] | None = None
-    batch_size: int = Field(32, ge=1)
-    extra: dict[str, Any] = Field(default_factory=dict, description="further probe options")
+class SweepProbeConfig(ProbeConfig):
+    """The sweep's `probe:` section: a ProbeConfig; a legacy `extra: {...}` merges into it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "extra" in data:
+            data = {**{k: v for k, v in data.items() if k != "extra"}, **(data["extra"] or {})}
+        if isinstance(data, dict) and data.get("probes") is None:
+            data = {k: v for k, v in data.items() if k != "probes"}
+        return data
 
 
 class SweepConfig(_Section):
@@ -89,7 +97,7 @@ class SweepConfig(_Section):
     per_backend: dict[str, dict[str, Any]] = Field(default_factory=dict)
     grid: GridConfig = GridConfig()
     audit: AuditConfig = AuditConfig()
-    probe: ProbeSettings = ProbeSettings()
+    probe: SweepProbeConfig = SweepProbeConfig()
 
     @field_validator("per_backend")
     @classmethod

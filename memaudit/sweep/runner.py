@@ -58,17 +58,14 @@ def _train_point(cfg, rd: RunDir, progress: Progress) -> str:
 def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
     """Probe a complete run unless its probes.json is newer than its model."""
     from memaudit.io import atomic_write_json as write
-    from memaudit.probes import PROBES
-    from memaudit.probes.runner import ProbeSettings, run_probes
+    from memaudit.probes.runner import run_probes
     from memaudit.probes.scoring import resolve_device
     from memaudit.probes.targets import resolve_target
 
     model_file = rd.model_dir / "config.json"
     if rd.probes_path.is_file() and rd.probes_path.stat().st_mtime >= model_file.stat().st_mtime:
         return False
-    names = tuple(cfg.probe.probes) if cfg.probe.probes else PROBES
-    extra = dict(cfg.probe.extra)
-    settings = ProbeSettings(probes=names, device=resolve_device("auto"), batch_size=cfg.probe.batch_size, **extra)
+    settings = cfg.probe.model_copy(update={"device": resolve_device(cfg.probe.device)})
     target = resolve_target(rd.path)
     result = run_probes(target, settings, progress=progress)
     write(rd.probes_path, result.document)

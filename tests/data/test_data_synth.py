@@ -92,3 +92,30 @@ def test_cli_synth_bad_input(tmp_path, capsys):
     assert main(["data", "synth", "--users", "2", "--docs-per-user", "1", "--out", str(out),
                  "--overwrite"]) == 0
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_default_documents_are_long_enough_for_extraction(tmp_path):
+    """Defect 6: at k in {32, 50} with a 50-token suffix, >= 90% of member documents are scored
+    (not skipped as too short) on the default synthetic corpus and its default tokenizer."""
+    from memaudit.config import load_config
+    from memaudit.data.prepare import prepare_data
+    from memaudit.models.presets import PRESETS
+    from memaudit.probes.extraction import extraction_prompts
+    from memaudit.probes.targets import Codec, _run_docs, load_tokenizer
+    from memaudit.rundir import RunDir
+
+    cfg = load_config(None)
+    rd = RunDir(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    prepare_data(cfg.data, rd, vocab_size=PRESETS[cfg.model.preset].vocab_size)
+    members, _, _ = _run_docs(rd)
+    meta = json.loads((rd.data_dir / "meta.json").read_text())
+    codec = Codec(load_tokenizer(rd.data_dir / "tokenizer"), start_id=meta["eos_id"])
+    encoded = [codec.encode(d.text) for d in members]
+    for k in (32, 50):
+        keep, _, _ = extraction_prompts(codec, encoded, k, 50)
+        assert len(keep) >= 0.9 * len(members), (k, len(keep), len(members))
+    # repeated documents (the signatures) are long enough too
+    rep = [i for i, d in enumerate(members) if d.repeats > 1]
+    keep, _, _ = extraction_prompts(codec, encoded, 50, 50)
+    assert rep and set(rep) <= set(keep)

@@ -257,7 +257,6 @@ FAST = {
     "nd_ngram": 12,
     "n_boot": 200,
     "batch_size": 256,
-    "canary_samples": 4,
     "pii_candidates": 5,
 }
 
@@ -265,16 +264,17 @@ FAST = {
 @pytest.fixture(scope="session")
 def probed(trained):
     """probes.json documents of the trained model and of its untrained initial weights."""
-    from memaudit.probes.runner import ProbeSettings, run_probes
+    from memaudit.config import ProbeConfig
+    from memaudit.probes.runner import run_probes
     from memaudit.probes.targets import resolve_target
 
     target = resolve_target(trained.run)
     done = run_probes(
-        target, ProbeSettings(**FAST), model=trained.model, tokenizer=trained.tokenizer
+        target, ProbeConfig(device="cpu", **FAST), model=trained.model, tokenizer=trained.tokenizer
     )
     init = run_probes(
         target,
-        ProbeSettings(probes=("exposure", "audit"), **FAST),
+        ProbeConfig(device="cpu", probes=("exposure", "audit"), **FAST),
         model=trained.init_model,
         tokenizer=trained.tokenizer,
     )

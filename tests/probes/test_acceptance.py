@@ -11,6 +11,7 @@ from memaudit.probes.exposure import (
     exact_exposure,
     sample_secrets,
     score_secrets,
+    tail_mask,
 )
 from memaudit.probes.membership import doc_scores
 from memaudit.probes.stats import attack_summary
@@ -32,7 +33,10 @@ def test_exposure_grows_with_repetitions(probed):
     by = exp["summary"]["by_repetitions"]
     assert by["32"]["all"]["value"] >= LOG2R - 2.0  # near the maximum
     assert by["32"]["all"]["value"] > by["1"]["all"]["value"]
-    assert set(by["32"]) == {"all", "user", "spread"}
+    assert {"all", "user", "spread", "excess", "test"} <= set(by["32"])
+    # inserted canaries as excess over the same run's references, with a per-bucket test
+    assert by["32"]["test"]["p_holm"] < 0.05 and by["32"]["excess"]["value"] > 5
+    assert by["32"]["all"]["n"] == 2 and by["32"]["all"]["ci_low"] is None  # n too small
     # references stay at the null even in the trained model
     assert exp["summary"]["references"]["value"] == pytest.approx(1 / math.log(2), abs=0.5)
     assert "secret" not in exp["scores"][0]
@@ -59,10 +63,17 @@ def test_extraction_membership_audit_trained(probed):
         pii["training_users"]["inference_top1"]["value"]
         > pii["heldout_users"]["inference_top1"]["value"]
     )
-    assert (
-        p["user_inference"]["summary"]["n_pos"] == 20
-        and p["user_inference"]["summary"]["n_neg"] == 10
-    )
+    # decoys of held-out users' PII rank the true value first at chance, 1/k, within its CI
+    held = pii["heldout_users"]
+    assert held["inference_top1"]["ci_low"] <= held["chance_top1"] <= held["inference_top1"]["ci_high"]
+    assert held["chance_top1"] == pytest.approx(1 / 6)
+    ui = p["user_inference"]["summary"]
+    assert ui["n_pos"] == 20 and ui["n_neg"] == 10 and ui["docs_per_user"] == 3
+    # 10 held-out users cannot give TPR at 1% FPR: the cell says so instead of a number
+    assert ui["tpr_at_fpr"]["0.01"]["value"] is None
+    assert ui["tpr_at_fpr"]["0.01"]["note"] == "needs >= 1000 non-member users"
+    assert p["membership"]["summary"]["loss"]["tpr_at_fpr"]["0.01"]["note"] == (
+        "needs >= 1000 non-member documents")
     nd = p["extraction"]["summary"]["non_discoverable"]
     assert nd["perplexity"]["memorised_in_top"] >= 1  # the top-ranked samples hold training text
     assert doc["schema"] == 1 and set(doc["probes"]) == {
@@ -85,6 +96,9 @@ def test_untrained_exposure_is_null(probed):
         1 / math.log(2), abs=0.5
     )  # 100 references: sd of the mean ~0.14
     assert init["probes"]["audit"]["summary"]["eps_lower_bound"] == 0.0
+    # defect 1: an untrained model yields no finding: no repetition bucket beats the references
+    by = init["probes"]["exposure"]["summary"]["by_repetitions"]
+    assert all(b["test"]["p_holm"] > 0.05 for b in by.values())
 
 
 def test_untrained_membership_auc_is_chance(trained):
@@ -114,8 +128,12 @@ def test_enumeration_equals_sampling_with_extrapolation(trained, probed):
         batch_size=500,
     )
     est = estimated_exposure(lp, sampled, 10**4)
-    diff = np.abs(est - exact)
+    tail = tail_mask(lp, sampled)
+    diff = np.abs(est - exact)[~tail]
     assert diff.mean() <= 0.5 and diff.max() <= 1.5, (diff.mean(), diff.max())
+    # defect 9: beyond the sample the value is a lower bound: never above the exact exposure
+    assert tail.any() and (est[tail] <= exact[tail] + 1e-9).all()
+    assert est[tail] == pytest.approx(np.log2(1e4) - np.log2(1 + 1e4 * (1 - 0.05 ** (1 / 3000))))
     # the exact path agrees with a direct count
     space = score_secrets(
         trained.model,

@@ -43,6 +43,28 @@ def test_guesses_and_bonferroni():
     assert guesses(scores, inc, 6) == (6, 4)
     res = run_audit(scores, inc, [f"a{i}" for i in range(6)], r_grid=(2, 4), delta=1e-5)
     s = res["summary"]
-    assert s["bonferroni"] == 2 and s["ceiling"] == pytest.approx(ceiling(r=s["r"], p=0.025))
+    assert s["bonferroni"] == 2 and s["ceiling_at_r"] == pytest.approx(eps_lower_bound(m=6, r=s["r"], v=s["r"], delta=1e-5, p=0.025))
     with pytest.raises(ValueError):
         guesses(scores, inc, 7)
+
+
+@pytest.mark.parametrize("m, delta", [(40, 1e-5), (200, 1e-3), (200, 0.0), (500, 1e-5)])
+def test_ceiling_is_the_brute_force_max_over_r(m, delta):
+    """Defect 10: the ceiling is the most m canaries allow at the run's δ, max over every r."""
+    from memaudit.probes.audit import audit_ceiling
+
+    brute = max(eps_lower_bound(m=m, r=r, v=r, delta=delta, p=0.05) for r in range(1, m + 1))
+    got = audit_ceiling(m=m, delta=delta, p=0.05)
+    assert got["eps"] == pytest.approx(brute, abs=1e-6)
+    if delta >= 1e-3:
+        # the old ceiling logit(p^(1/r)) at r = m overstates what the δ term allows
+        assert ceiling(r=m, p=0.05) > got["eps"] + 0.1
+
+
+def test_run_audit_ceiling_bounds_every_grid_bound():
+    rng = np.random.default_rng(0)
+    inc = rng.random(200) < 0.5
+    scores = inc + rng.normal(0, 0.3, 200)
+    s = run_audit(scores, inc, [f"a{i}" for i in range(200)], r_grid=(10, 20, 50), delta=1e-5)["summary"]
+    assert s["kind"] == "one-sided lower bound" and s["confidence"] == pytest.approx(0.95)
+    assert all(row["eps_lower_bound"] <= s["ceiling"] + 1e-9 for row in s["grid"])

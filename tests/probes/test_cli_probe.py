@@ -71,7 +71,7 @@ def test_no_secret_without_show_secrets(tmp_path, trained, capsys, show):
     cap = capsys.readouterr()
     printed = cap.out + cap.err
     secrets = [a["secret"] for a in trained.canaries["audit"]]
-    assert "ε lower bound" in printed
+    assert "ε one-sided lower bound" in printed
     assert any(s in printed for s in secrets) == show
     written = out.read_text()
     assert not any(s in written for s in secrets)  # never in probes.json
@@ -102,3 +102,59 @@ def test_format_json(tmp_path, trained, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == 1 and doc["settings"]["probes"] == ["audit"]
     assert not any(a["secret"] in json.dumps(doc) for a in trained.canaries["audit"])
+
+
+def _write(path, docs):
+    path.write_text("".join(json.dumps({"id": d["id"], "user": d["user"], "text": d["text"]}) + "\n"
+                            for d in docs))
+
+
+def test_model_target_user_inference_with_heldout_users(tmp_path, trained, capsys):
+    """A model memaudit did not train: held-out users come from --heldout-users; without them
+    the skip says which option is missing."""
+    by_role = {r: [d for d in trained.docs if d["role"] == r] for r in ("member", "holdout", "heldout_user")}
+    for role, docs in by_role.items():
+        _write(tmp_path / f"{role}.jsonl", docs)
+    base = ["probe", str(trained.init_dir), "--probes", "user_inference", "--device", "cpu",
+            "--bootstrap", "20", "--format", "json", "--members", str(tmp_path / "member.jsonl"),
+            "--nonmembers", str(tmp_path / "holdout.jsonl")]
+    assert main([*base, "--out", str(tmp_path / "a.json")]) == 0
+    skipped = json.loads((tmp_path / "a.json").read_text())["probes"]["user_inference"]["summary"]
+    assert "--heldout-users" in skipped["skipped"]
+    capsys.readouterr()
+    assert main([*base, "--heldout-users", str(tmp_path / "heldout_user.jsonl"),
+                 "--out", str(tmp_path / "b.json")]) == 0
+    s = json.loads((tmp_path / "b.json").read_text())["probes"]["user_inference"]["summary"]
+    assert s["n_pos"] == 20 and s["n_neg"] == 10 and s["docs_per_user"] == 3
+    assert s["unit"] == "users" and s["tpr_at_fpr"]["0.01"]["note"] == "needs >= 1000 non-member users"
+    capsys.readouterr()
+    # a training user among the held-out users is refused in one line
+    _write(tmp_path / "bad.jsonl", by_role["heldout_user"] + by_role["holdout"][:1])
+    assert main([*base, "--heldout-users", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "c.json")]) == 2
+    assert "training user" in _err_line(capsys)
+
+
+def test_run_target_skip_messages_name_the_run_settings(tmp_path, trained):
+    from memaudit.probes.runner import REGISTRY, _Context
+    from memaudit.probes.targets import Target
+
+    t = Target(kind="run", path=tmp_path, model_path=tmp_path, tokenizer_path=tmp_path, out=None)
+    ctx = _Context(t, None, None, None, None, None)
+    assert "data.audit_canaries" in REGISTRY["audit"](ctx)["summary"]["skipped"]
+    assert "data.canaries" in REGISTRY["exposure"](ctx)["summary"]["skipped"]
+    t.kind = "model"
+    assert "--canaries" in REGISTRY["exposure"](ctx)["summary"]["skipped"]
+
+
+def test_reference_with_another_tokenizer_is_refused(tmp_path, trained, capsys):
+    """Defect 11: per-token scores of a reference with another tokenizer are not subtracted."""
+    from tests.probes.conftest import make_tokenizer, tiny_llama
+
+    tok = make_tokenizer(["alpha", "beta", "gamma"])
+    tiny_llama(len(tok)).save_pretrained(tmp_path / "ref")
+    tok.save_pretrained(tmp_path / "ref")
+    capsys.readouterr()
+    rc = main(["probe", str(trained.run), "--probes", "membership", "--device", "cpu",
+               "--reference", str(tmp_path / "ref"), "--out", str(tmp_path / "p.json")])
+    assert rc == 2
+    assert "another tokenizer" in _err_line(capsys)

@@ -74,4 +74,34 @@ def test_candidates_same_type_and_distinct():
     c = candidates("email", "a@b.org", [], 5, np.random.default_rng(0), fake)
     assert len(c) == 5 and len(set(c)) == 5 and "a@b.org" not in c and all("@" in x for x in c)
     c = candidates("word", "cat", ["cat", "dog", "cow"], 5, np.random.default_rng(0), fake)
-    assert sorted(c) == ["cow", "dog"]  # unknown type: other corpus values only
+    assert sorted(c[:2]) == ["cow", "dog"]  # corpus values first, then the pattern re-drawn
+    assert len(set(c)) == 5 and all(len(x) == 3 and x.isalpha() and x.islower() for x in c)
+
+
+def _shape(v: str) -> str:
+    import re
+
+    return re.sub(r"[a-z]+", "a", re.sub(r"[A-Z]", "A", re.sub(r"\d", "9", v)))
+
+
+def test_decoys_have_the_synthetic_corpus_format():
+    """Defect 4: faker's own email/phone formats told decoys apart from the corpus's values."""
+    from faker import Faker
+
+    from memaudit.data.synth import synthesize
+
+    docs = synthesize(users=6, docs_per_user=3, seed=0, paragraph_sentences=0)
+    spans = [(p.type, p.value) for d in docs for p in d.pii]
+    fake = Faker("en_US")
+    fake.seed_instance(0)
+    for kind in ("phone", "email", "ssn", "dob", "credit_card"):
+        vals = [v for k, v in spans if k == kind]
+        if not vals:
+            continue
+        true = vals[0]
+        # no other corpus values: every decoy comes from a generator
+        for c in candidates(kind, true, [true], 12, np.random.default_rng(0), fake):
+            if kind == "email":
+                assert _shape(c) == "a.a@a.a", c
+            elif kind != "credit_card":
+                assert _shape(c) == _shape(true), (kind, c, true)

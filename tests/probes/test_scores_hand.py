@@ -40,7 +40,9 @@ def test_min_k_and_min_k_pp_by_hand():
     logp = [math.log(1 / 4), math.log(3 / 4), math.log(1 / 8), math.log(1 / 4)]
     assert s["loss"][0] == pytest.approx(sum(logp) / 4)
     assert s["min_k"][0] == pytest.approx(-2.5 * ln2)  # mean of log 1/8 and log 1/4
-    assert s["zlib"][0] == pytest.approx(sum(logp) / len(zlib.compress(b"abbca")))
+    # defect 8: the papers' ratio is the log-perplexity (mean, not total) over zlib bytes
+    assert s["zlib"][0] == pytest.approx(np.mean(logp) / len(zlib.compress(b"abbca")))
+    assert s["zlib_total"][0] == pytest.approx(sum(logp) / len(zlib.compress(b"abbca")))
 
     def mu_sd(row):
         mu = sum(p * math.log(p) for p in row)
@@ -67,13 +69,13 @@ def test_user_inference_by_hand():
     assert user_scores(
         ["a", "a", "b", "c", "c", "c"], np.array([1.0, 3.0, 4.0, 0.0, 1.0, 5.0])
     ) == {"a": 2.0, "b": 4.0, "c": 2.0}
-    pos = [Doc(id=str(i), text="", user=u) for i, u in enumerate(["a", "a", "b"])]
-    neg = [Doc(id=str(i), text="", user=u) for i, u in enumerate(["c", "c", "d"])]
+    pos = [Doc(id=str(i), text="", user=u) for i, u in enumerate(["a", "a", "b", "b"])]
+    neg = [Doc(id=str(i), text="", user=u) for i, u in enumerate(["c", "c", "d", "d"])]
     r = run_user_inference(
         pos,
         neg,
-        np.array([1.0, 3.0, 4.0]),
-        np.array([0.0, 1.0, 2.5]),
+        np.array([1.0, 3.0, 4.0, 4.0]),
+        np.array([0.0, 1.0, 2.5, 2.5]),
         statistic="mean_log_likelihood",
         n_boot=50,
         seed=0,
@@ -86,3 +88,35 @@ def test_user_inference_by_hand():
         "c": 0.5,
         "d": 2.5,
     }
+
+
+def test_user_inference_no_signal_is_at_chance():
+    """Defect 2: training users with 2 unseen documents, held-out users with 8, no signal at all.
+
+    Averaging 8 documents shrinks the held-out users' spread, so the old statistic put training
+    users above every held-out user far more than 1% of the time. With equal k per user, TPR at
+    1% FPR over 20 simulations averages ~0.01 and its interval covers 0.01.
+    """
+    from memaudit.probes.stats import clopper_pearson
+    from memaudit.probes.user_inference import user_inference_result
+
+    rng = np.random.default_rng(0)
+    hits, total = 0, 0
+    for sim in range(20):
+        train = {f"t{i}": rng.normal(size=2) for i in range(300)}
+        held = {f"h{i}": rng.normal(size=8) for i in range(1000)}
+        r = user_inference_result(train, held, statistic="mean_log_likelihood", n_boot=10,
+                                  seed=sim, fprs=(0.01,))["summary"]
+        assert r["docs_per_user"] == 2
+        cell = r["tpr_at_fpr"]["0.01"]
+        hits += round(cell["value"] * 300)
+        total += 300
+    lo, hi = clopper_pearson(hits, total)
+    assert lo <= 0.01 <= hi, (hits / total, lo, hi)
+
+
+def test_user_inference_refuses_without_users():
+    from memaudit.probes.user_inference import user_inference_result
+
+    with pytest.raises(ValueError, match="held-out users"):
+        user_inference_result({"a": np.ones(2)}, {}, statistic="x")

@@ -1,5 +1,7 @@
 """ROC statistics against direct computations on known score arrays."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,11 @@ from memaudit.probes.stats import (
     _auc_rows,
     _tpr_rows,
     attack_summary,
+    auc_difference_test,
+    benjamini_hochberg,
+    holm,
+    paired_permutation_test,
+    permutation_test,
     rate_summary,
     roc_auc,
     tpr_at_fpr,
@@ -63,3 +70,95 @@ def test_summary_cis_bracket_and_seeded():
     assert r["value"] == 0.3 and r["ci_low"] < 0.3 < r["ci_high"] and r["n"] == 100
     with pytest.raises(ValueError):
         attack_summary(pos, np.array([]))
+
+
+# ----------------------------------------------------------------------------- defect 1 and 5
+def test_tpr_at_low_fpr_needs_ten_over_f_negatives():
+    """Defect 5: 96 non-members cannot give TPR at 1% or 0.1% FPR; the cell says what it needs."""
+    rng = np.random.default_rng(0)
+    a = attack_summary(rng.normal(1, 1, 96), rng.normal(0, 1, 96), n_boot=50, unit="users")
+    for f, need in (("0.01", 1000), ("0.001", 10000)):
+        c = a["tpr_at_fpr"][f]
+        assert c["value"] is None and c["ci_low"] is None
+        assert c["note"] == f"needs >= {need} non-member users"
+    b = attack_summary(rng.normal(1, 1, 50), rng.normal(0, 1, 1000), n_boot=50)
+    assert b["tpr_at_fpr"]["0.01"]["value"] is not None and b["tpr_at_fpr"]["0.001"]["value"] is None
+    assert a["auc"]["n"] == 96 and a["auc"]["unit"] == "users"
+
+
+def test_small_n_has_no_interval_and_rates_are_exact():
+    """Defect 1: n = 1 or 2 gives no interval; 0/49 gets the exact interval, not [0, 0]."""
+    from scipy.stats import binomtest
+
+    for x in (np.array([3.0]), np.array([1.0, 0.0])):
+        c = rate_summary(x, unit="canaries")
+        assert c["ci_low"] is None and c["note"] == "n too small" and c["n"] == len(x)
+    c = rate_summary(np.zeros(49), unit="documents")
+    ref = binomtest(0, 49).proportion_ci(0.95, method="exact")
+    assert c["ci_low"] == pytest.approx(ref.low) and c["ci_high"] == pytest.approx(ref.high)
+    assert c["ci_high"] > 0.07 and c["unit"] == "documents"
+    k = rate_summary(np.r_[np.ones(7), np.zeros(13)])
+    ref = binomtest(7, 20).proportion_ci(0.95, method="exact")
+    assert (k["ci_low"], k["ci_high"]) == pytest.approx((ref.low, ref.high))
+
+
+def _brute_perm_p(a, b):
+    """Every split of the pooled units: the share with a mean difference >= the observed one."""
+    pooled, na = np.r_[a, b], len(a)
+    obs = a.mean() - b.mean()
+    hits = tot = 0
+    for idx in itertools.combinations(range(len(pooled)), na):
+        m = np.zeros(len(pooled), bool)
+        m[list(idx)] = True
+        tot += 1
+        hits += pooled[m].mean() - pooled[~m].mean() >= obs - 1e-12
+    return hits / tot
+
+
+def test_permutation_tests_against_brute_force():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(0.8, 1, 6), rng.normal(0, 1, 6)
+    assert permutation_test(a, b, n_perm=40000, seed=0) == pytest.approx(_brute_perm_p(a, b), abs=0.01)
+    d = rng.normal(0.3, 1, 8)
+    # exact sign-flip enumeration (2^8 patterns) against a direct loop
+    pats = [np.array(s) for s in itertools.product([-1, 1], repeat=8)]
+    direct = np.mean([np.mean(s * d) >= d.mean() - 1e-12 for s in pats])
+    assert paired_permutation_test(d, np.zeros(8)) == pytest.approx(direct)
+
+
+def test_no_signal_tests_are_uniform_enough():
+    """Null check: 200 no-signal comparisons reject at 5% about 5% of the time (binomial 99.9%)."""
+    rng = np.random.default_rng(2)
+    ps = [permutation_test(rng.normal(size=20), rng.normal(size=20), n_perm=499, seed=i)
+          for i in range(200)]
+    assert sum(p < 0.05 for p in ps) <= 22
+    assert all(p > 0.05 for p in holm(ps))
+
+
+def test_holm_and_bh_against_a_loop():
+    rng = np.random.default_rng(3)
+    p = rng.uniform(0, 0.2, 12)
+    m = len(p)
+    order = np.argsort(p)
+    h, run = np.empty(m), 0.0
+    for i, j in enumerate(order):
+        run = max(run, (m - i) * p[j])
+        h[j] = min(1.0, run)
+    assert holm(p) == pytest.approx(h)
+    bh, run = np.empty(m), 1.0
+    for i in range(m - 1, -1, -1):
+        j = order[i]
+        run = min(run, p[j] * m / (i + 1))
+        bh[j] = min(1.0, run)
+    assert benjamini_hochberg(p) == pytest.approx(bh)
+
+
+def test_auc_difference_test_null_and_signal():
+    rng = np.random.default_rng(4)
+    pos, neg = rng.normal(1.5, 1, 200), rng.normal(0, 1, 200)  # AUC 0.86 vs 0.63
+    weak = (pos + rng.normal(0, 3, 200), neg + rng.normal(0, 3, 200))
+    assert auc_difference_test((pos, neg), weak, paired=True, seed=0) < 0.01
+    assert auc_difference_test((pos, neg), weak, paired=False, seed=0) < 0.05
+    same = (rng.normal(0, 1, 60), rng.normal(0, 1, 60))
+    other = (rng.normal(0, 1, 60), rng.normal(0, 1, 60))
+    assert auc_difference_test(same, other, paired=False, alternative="two-sided", seed=0) > 0.01

@@ -5,13 +5,24 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 
-def cell(v: float, half: float) -> dict[str, float]:
-    return {"value": v, "ci_low": v - half, "ci_high": v + half}
+
+def cell(v: float, half: float, n: int = 200, unit: str = "documents") -> dict[str, Any]:
+    return {"value": v, "ci_low": v - half, "ci_high": v + half, "n": n, "unit": unit}
+
+
+def auc_units(shift: float, n: int = 100, seed: int = 0) -> dict[str, Any]:
+    """Per-document loss scores of n members (shifted up by `shift`) and n non-members; the same
+    document ids in every run, so runs compare paired."""
+    rng = np.random.default_rng(seed)
+    vals = np.r_[rng.normal(shift, 1, n), rng.normal(0, 1, n)]
+    return {"kind": "auc", "unit": "documents", "ids": [f"d{i}" for i in range(2 * n)],
+            "values": vals.tolist(), "member": [True] * n + [False] * n}
 
 
 def run(rid: str, backend: str, eps: float, *, mia: dict, goldfish: bool = False, unit: str | None = None,
-        samples: list[str] | None = None) -> dict[str, Any]:
+        samples: list[str] | None = None, units: dict | None = None) -> dict[str, Any]:
     dp = not math.isinf(eps)
     return {
         "id": rid, "path": f"/runs/{rid}", "backend": backend, "status": "complete", "seed": 0, "audit": False,
@@ -30,4 +41,5 @@ def run(rid: str, backend: str, eps: float, *, mia: dict, goldfish: bool = False
         "probes_summary": {"membership_roc": {"fpr": [0.0, 0.01, 0.1, 1.0], "tpr": [0.0, 0.05, 0.3, 1.0], "auc": mia["value"]}},
         "probe_rows": [{"probe": "membership", "metric": "loss AUC", **mia}],
         "samples": samples or [],
+        "units": units or {},
     }

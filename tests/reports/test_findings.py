@@ -1,59 +1,147 @@
 import math
 
+import numpy as np
 import pytest
 
 from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, comparisons
-from tests.reports._fixtures import cell, run
+from memaudit.reports.schema import validate_report
+from tests.reports._fixtures import auc_units, cell, run
 
 
-def _report(fed_mia, par_mia):
-    runs = [
-        run("par-eps4", "parallel", 4.0, mia=par_mia, unit="example"),
-        run("fed-eps4", "federated", 4.0, mia=fed_mia, unit="user"),
-    ]
+def _report(runs):
     rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
     rep["findings"] = findings.generate(rep)
     return rep
 
 
+def _backend_pair(fed_shift, par_shift, seed=0):
+    return [
+        run("par-eps4", "parallel", 4.0, mia=cell(0.5, 0.05), unit="example",
+            units={"mia_auc": auc_units(par_shift, seed=seed)}),
+        run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.05), unit="user",
+            units={"mia_auc": auc_units(fed_shift, seed=seed + 1)}),
+    ]
+
+
 @pytest.mark.parametrize(
     "fed, par, verdict, phrase",
     [
-        (cell(0.52, 0.02), cell(0.80, 0.03), "less", "federated leaks less than centralized"),
-        (cell(0.90, 0.02), cell(0.60, 0.03), "more", "federated leaks more than centralized"),
-        (cell(0.62, 0.05), cell(0.60, 0.05), "same", "no difference shown between federated and centralized"),
+        (0.0, 1.5, "less", "federated leaks less than centralized"),
+        (1.5, 0.0, "more", "federated leaks more than centralized"),
+        (0.0, 0.0, "no difference shown", "no difference shown between federated and centralized"),
     ],
 )
-def test_backend_sentence_follows_the_numbers(fed, par, verdict, phrase):
-    rep = _report(fed, par)
-    sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend" and "mia_auc" in s["metrics"]]
+def test_backend_sentence_follows_the_test(fed, par, verdict, phrase):
+    rep = _report(_backend_pair(fed, par))
+    rep["runs"][0]["leakage"]["mia_auc"]["value"] = 0.5 + par / 3  # shown values only
+    sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     assert len(sents) == 1
-    assert sents[0]["verdict"] == verdict
-    assert phrase in sents[0]["text"]
-    assert "epsilon = 4" in sents[0]["text"]
-    if verdict == "same":
-        assert "within the confidence intervals" in sents[0]["text"]
-        assert "membership-inference AUC" in sents[0]["text"]
+    s = sents[0]
+    assert s["verdict"] == verdict and phrase in s["text"]
+    assert "in these runs" in s["text"] and "epsilon = 4" in s["text"]
+    assert s["test"] == "paired AUC permutation" and s["n"] == [200, 200]
+    assert s["correction"] == "holm" and "Holm-adjusted p" in s["text"]
 
 
-def test_compare_touching_intervals_is_same():
-    assert findings.compare(cell(0.5, 0.1), cell(0.7, 0.1)) == "same"
-    assert findings.compare(cell(0.5, 0.1), cell(0.71, 0.1)) == "less"
-    assert findings.compare(None, cell(0.7, 0.1)) == "n/a"
-
-
-def test_dp_and_goldfish_effects():
+def test_overlapping_intervals_no_longer_decide_and_untested_cells_state_nothing():
+    """Defect 1: cells without per-unit scores (no test possible) give no finding at all, even
+    when their intervals are far apart."""
     runs = [
-        run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02)),
-        run("par-inf-gf", "parallel", math.inf, mia=cell(0.6, 0.02), goldfish=True),
-        run("par-eps1", "parallel", 1.0, mia=cell(0.5, 0.02), unit="example"),
+        run("par-eps4", "parallel", 4.0, mia=cell(0.9, 0.01), unit="example"),
+        run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.01), unit="user"),
     ]
-    rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
-    sents = findings.generate(rep)["sentences"]
-    texts = " | ".join(s["text"] for s in sents)
+    rep = _report(runs)
+    assert [s for s in rep["findings"]["sentences"] if s["kind"] == "comparison"] == []
+    assert rep["comparisons"]["matched"][0]["metrics"]["mia_auc"]["test"] is None
+
+
+def test_dp_and_goldfish_effects_are_one_sided_and_corrected():
+    runs = [
+        run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
+        run("par-inf-gf", "parallel", math.inf, mia=cell(0.6, 0.02), goldfish=True,
+            units={"mia_auc": auc_units(0.3, seed=1)}),
+        run("par-eps1", "parallel", 1.0, mia=cell(0.5, 0.02), unit="example",
+            units={"mia_auc": auc_units(0.0, seed=2)}),
+    ]
+    rep = _report(runs)
+    texts = " | ".join(s["text"] for s in rep["findings"]["sentences"])
     assert "with Goldfish loss leaks less than without" in texts
     assert "with DP at epsilon = 1 leaks less than without" in texts
+    tests = [c["test"] for e in rep["comparisons"]["effects"] for c in e["metrics"].values()]
+    assert all(t["alternative"] == "less" and t["family"] == 2 for t in tests)
+
+
+def test_no_signal_runs_give_no_finding_after_correction():
+    """Null check: 10 backend pairs without any difference; Holm keeps every one unclaimed."""
+    runs = []
+    for i in range(10):
+        eps = float(i + 1)
+        runs += [
+            run(f"par-{i}", "parallel", eps, mia=cell(0.5, 0.05), unit="example",
+                units={"mia_auc": auc_units(0.3, seed=10 * i)}),
+            run(f"fed-{i}", "federated", eps, mia=cell(0.5, 0.05), unit="user",
+                units={"mia_auc": auc_units(0.3, seed=10 * i + 1)}),
+        ]
+    rep = _report(runs)
+    sents = rep["findings"]["sentences"]
+    assert len(sents) == 10 and all(s["verdict"] == "no difference shown" for s in sents)
+    assert all(s["family"] == 10 for s in sents)
+
+
+def test_report_from_few_units_states_no_finding_without_test_n_and_correction():
+    """Acceptance: runs with 2 canaries per bucket and few documents. Every stated finding has
+    its test, n, p-value, adjusted p-value and correction; none is a difference."""
+    rng = np.random.default_rng(0)
+
+    def exp_units(vals):
+        return {"kind": "mean", "unit": "canaries", "ids": ["c10", "c11"], "values": vals}
+
+    def mia(seed):
+        r = np.random.default_rng(seed)
+        return {"kind": "auc", "unit": "documents", "ids": [f"d{i}" for i in range(8)],
+                "values": r.normal(size=8).tolist(), "member": [True] * 4 + [False] * 4}
+
+    runs = []
+    for backend in ("parallel", "federated"):
+        for eps in (math.inf, 8.0, 2.0):
+            few = cell(float(rng.uniform(0, 3)), 0.0, n=2, unit="canaries")
+            few.update(ci_low=None, ci_high=None, note="n too small")
+            r = run(f"{backend}-{eps}", backend, eps, mia=cell(0.5, 0.1, n=4),
+                    unit=None if math.isinf(eps) else ("example" if backend == "parallel" else "user"),
+                    units={"exposure_top": exp_units(rng.uniform(0, 3, 2).tolist()),
+                           "mia_auc": mia(int(eps if not math.isinf(eps) else 0) + len(backend))})
+            r["leakage"]["exposure_top"] = few
+            runs.append(r)
+    rep = _report(runs)
+    validate_report({k: v for k, v in rep.items()})
+    sents = [s for s in rep["findings"]["sentences"] if s["kind"] == "comparison"]
+    assert sents, "the comparisons are still reported, as 'no difference shown'"
+    for s in sents:
+        assert s["verdict"] == "no difference shown", s["text"]
+        for key in ("test", "n", "p_value", "p_adjusted", "correction", "family", "unit"):
+            assert s[key] is not None
+        assert "n too small" in s["text"] or s["metric"] == "mia_auc"
+    # the schema refuses a difference stated without its test
+    bad = dict(rep)
+    bad["findings"] = {**rep["findings"], "sentences": [{"kind": "comparison", "text": "x", "verdict": "less",
+                                                         "metric": "mia_auc", "test": "t", "n": [1, 1]}]}
+    with pytest.raises(ValueError, match="findings"):
+        validate_report(bad)
+
+
+def test_audit_is_a_lower_bound_against_the_ledger():
+    runs = [run("par-eps4", "parallel", 4.0, mia=cell(0.5, 0.02), unit="example"),
+            run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.02), unit="user")]
+    runs[0]["leakage"]["audit_epsilon"] = {"value": 0.4, "ci_low": None, "ci_high": None, "ceiling": 3.49,
+                                           "n": 200, "confidence": 0.95}
+    runs[1]["leakage"]["audit_epsilon"] = {"value": 5.0, "ci_low": None, "ci_high": None, "ceiling": 6.0,
+                                           "n": 200, "confidence": 0.95}
+    rep = _report(runs)
+    audit = [s for s in rep["findings"]["sentences"] if s["kind"] == "audit"]
+    assert "epsilon >= 0.4 at 95% confidence (one-sided)" in audit[0]["text"]
+    assert audit[0]["verdict"] == "consistent" and audit[1]["verdict"] == "more"
+    assert "audit_epsilon" not in rep["comparisons"]["matched"][0]["metrics"]
 
 
 def test_caveats_mention_units_and_audit_ceiling():
@@ -62,9 +150,27 @@ def test_caveats_mention_units_and_audit_ceiling():
         run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.02), unit="user"),
     ]
     runs[0]["privacy"]["per_user"] = {"max_sequences_per_user": 12, "vacuous": True}
-    runs[1]["leakage"]["audit_epsilon"] = {"value": 0.4, "ci_low": None, "ci_high": None, "ceiling": 3.49, "guesses": 100}
+    runs[1]["leakage"]["audit_epsilon"] = {"value": 0.4, "ci_low": None, "ci_high": None, "ceiling": 3.49,
+                                           "n": 200}
     rep = {"runs": runs}
     cav = " ".join(findings.caveats(rep))
     assert "vacuous" in cav and "12 sequences" in cav
     assert "3.49" in cav
     assert "one training sequence" in cav
+
+
+def test_several_seeds_are_tested_over_seeds_as_configurations():
+    runs = []
+    for s in range(4):
+        runs.append(run(f"par-{s}", "parallel", 4.0, mia=cell(0.80 + 0.01 * s, 0.02), unit="example",
+                        units={"mia_auc": auc_units(1.5, seed=s)}))
+        runs.append(run(f"fed-{s}", "federated", 4.0, mia=cell(0.55 + 0.01 * s, 0.02), unit="user",
+                        units={"mia_auc": auc_units(0.2, seed=10 + s)}))
+        runs[-1]["seed"] = runs[-2]["seed"] = s
+    rep = _report(runs)
+    t = rep["comparisons"]["matched"][0]["metrics"]["mia_auc"]["test"]
+    assert t["scope"] == "configurations" and t["unit"] == "seeds" and t["n_a"] == 4
+    s = next(x for x in rep["findings"]["sentences"] if x["kind"] == "comparison")
+    assert "for these configurations" in s["text"]
+    # 4 vs 4 seeds: the smallest two-sided permutation p is 2/70, so the difference is shown
+    assert s["verdict"] == "less"

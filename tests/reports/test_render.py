@@ -4,19 +4,23 @@ from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, comparisons
 from memaudit.reports.schema import validate_report
 from memaudit.reports.write import load_report, rerender, write_report
-from tests.reports._fixtures import cell, run
+from tests.reports._fixtures import auc_units, cell, run
 
 XSS = ['<script>alert(1)</script>', '"><img src=x onerror=alert(1)>']
 
 
 def make_report():
     runs = [
-        run("par-eps4", "parallel", 4.0, mia=cell(0.8, 0.02), unit="example", samples=XSS),
-        run("fed-eps4", "federated", 4.0, mia=cell(0.55, 0.02), unit="user"),
-        run("par-inf", "parallel", float("inf"), mia=cell(0.95, 0.02)),
+        run("par-eps4", "parallel", 4.0, mia=cell(0.8, 0.02), unit="example", samples=XSS,
+            units={"mia_auc": auc_units(1.5)}),
+        run("fed-eps4", "federated", 4.0, mia=cell(0.55, 0.02), unit="user",
+            units={"mia_auc": auc_units(0.2, seed=1)}),
+        run("par-inf", "parallel", float("inf"), mia=cell(0.95, 0.02), units={"mia_auc": auc_units(2.5, seed=2)}),
     ]
     rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
     rep["findings"] = findings.generate(rep)
+    for r in runs:
+        r.pop("units")
     return rep
 
 

@@ -1,0 +1,231 @@
+"""Typed loaders for what earlier stages wrote: canaries.json, privacy.json and probes.json.
+
+Each loader checks the fields it needs once and refuses a malformed file in one line naming the
+file, the field and the fix; probe code then reads attributes, never `dict.get`. Secrets are held
+in fields left out of every repr.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memaudit.errors import DataError
+
+
+def _need(obj: dict, key: str, kind, source: str, where: str = ""):
+    v = obj.get(key) if isinstance(obj, dict) else None
+    if not isinstance(v, kind):
+        name = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise DataError(f"{source}: {where}'{key}' must be a {name}; fix or regenerate the file")
+    return v
+
+
+@dataclass(frozen=True)
+class CanaryRecord:
+    id: str
+    secret: str = field(repr=False)
+    text: str = field(repr=False)
+    repetitions: int = 0
+    owner_kind: str | None = None
+    users: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    id: str
+    secret: str = field(repr=False)
+    text: str = field(repr=False)
+    user: str | None
+    included: bool
+
+
+@dataclass(frozen=True)
+class Canaries:
+    """canaries.json: template, secret space, inserted, reference and audit canaries."""
+
+    template: str
+    secret_length: int
+    alphabet: str
+    inserted: tuple[CanaryRecord, ...] = ()
+    references: tuple[CanaryRecord, ...] = ()
+    audit: tuple[AuditRecord, ...] = ()
+
+    @property
+    def prefix(self) -> str:
+        """The template's text before the secret."""
+        return self.template.split("{secret}")[0]
+
+    @classmethod
+    def from_json(cls, obj: Any, source: str = "canaries.json") -> Canaries:
+        if not isinstance(obj, dict):
+            raise DataError(f"{source} is not a JSON object; pass a canaries.json")
+        template = _need(obj, "template", str, source)
+        if template.count("{secret}") != 1:
+            raise DataError(f"{source}: 'template' must hold '{{secret}}' exactly once")
+
+        def canary(c: Any, i: int, part: str) -> CanaryRecord:
+            where = f"{part}[{i}]."
+            return CanaryRecord(
+                id=str(_need(c, "id", (str, int), source, where)),
+                secret=_need(c, "secret", str, source, where),
+                text=_need(c, "text", str, source, where),
+                repetitions=int(c.get("repetitions") or 0),
+                owner_kind=c.get("owner_kind"),
+                users=tuple(str(u) for u in c.get("users") or ()),
+            )
+
+        def audit(c: Any, i: int) -> AuditRecord:
+            where = f"audit[{i}]."
+            return AuditRecord(
+                id=str(_need(c, "id", (str, int), source, where)),
+                secret=str(c.get("secret", "")),
+                text=_need(c, "text", str, source, where),
+                user=None if c.get("user") is None else str(c["user"]),
+                included=bool(_need(c, "included", bool, source, where)),
+            )
+
+        return cls(
+            template=template,
+            secret_length=int(_need(obj, "secret_length", int, source)),
+            alphabet=str(obj.get("alphabet") or "0123456789"),
+            inserted=tuple(canary(c, i, "inserted") for i, c in enumerate(obj.get("inserted") or [])),
+            references=tuple(
+                canary(c, i, "references") for i, c in enumerate(obj.get("references") or [])
+            ),
+            audit=tuple(audit(c, i) for i, c in enumerate(obj.get("audit") or [])),
+        )
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """privacy.json as the probes need it: the run's δ and the ledger's ε (None without DP)."""
+
+    unit: str | None
+    delta: float | None
+    epsilon: float | None
+
+    @classmethod
+    def from_json(cls, obj: Any, source: str = "privacy.json") -> Privacy:
+        if not isinstance(obj, dict):
+            raise DataError(f"{source} is not a JSON object; re-run training to rewrite it")
+        eps = obj.get("epsilon") or {}
+        vals = [float(v) for v in (eps.get("pld"), eps.get("rdp")) if v is not None] if isinstance(
+            eps, dict) else []
+        e = min(vals) if vals else None
+        return cls(
+            unit=obj.get("unit"),
+            delta=None if obj.get("delta") is None else float(obj["delta"]),
+            epsilon=None if e is None or math.isnan(e) else e,
+        )
+
+
+@dataclass(frozen=True)
+class ProbeSection:
+    summary: dict
+    scores: Any
+
+    @property
+    def skipped(self) -> str | None:
+        return self.summary.get("skipped")
+
+
+@dataclass(frozen=True)
+class ProbesDoc:
+    """probes.json: schema, target and one section per probe."""
+
+    schema: int
+    target: dict
+    settings: dict
+    probes: dict[str, ProbeSection]
+
+    def get(self, name: str) -> ProbeSection | None:
+        """The probe's section, or None when it was not run or was skipped."""
+        p = self.probes.get(name)
+        return None if p is None or p.skipped else p
+
+    @classmethod
+    def from_json(cls, obj: Any, source: str = "probes.json") -> ProbesDoc:
+        if not isinstance(obj, dict) or not isinstance(obj.get("probes"), dict):
+            raise DataError(f"{source} has no 'probes' object; re-run `memaudit probe`")
+        schema = obj.get("schema")
+        if schema != 1:
+            raise DataError(f"{source} has schema {schema!r}, this memaudit reads 1; re-run probe")
+        probes = {}
+        for name, p in obj["probes"].items():
+            if not isinstance(p, dict) or not isinstance(p.get("summary"), dict):
+                raise DataError(f"{source}: probe '{name}' has no 'summary'; re-run `memaudit probe`")
+            probes[name] = ProbeSection(summary=p["summary"], scores=p.get("scores") or [])
+        return cls(schema=1, target=obj.get("target") or {}, settings=obj.get("settings") or {},
+                   probes=probes)
+
+
+def _path(obj: Any, *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if not isinstance(obj, dict) or k not in obj:
+            return default
+        obj = obj[k]
+    return default if obj is None else obj
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """run.json as the report needs it (the resolved config's few fields, the training result).
+
+    Tolerant of run directories written by earlier memaudit versions: a missing field takes its
+    default; a field of the wrong type is refused in one line.
+    """
+
+    backend: str
+    seed: int | None
+    audit_canaries: int
+    preset: str | None
+    dp: bool
+    target_epsilon: float | None
+    dp_mechanism: str | None
+    secure_aggregation: bool
+    adaptive_clipping: bool
+    goldfish: bool
+    data_fingerprint: str
+    parameters: int | None
+    train_sequences: int | None
+    final_holdout_loss: float | None
+    final_holdout_perplexity: float | None
+
+    @classmethod
+    def from_manifest(cls, m: Any, source: str = "run.json") -> RunInfo:
+        if not isinstance(m, dict):
+            raise DataError(f"{source} is not a JSON object; re-run training to rewrite it")
+        cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
+        res = m.get("result") if isinstance(m.get("result"), dict) else {}
+        backend = m.get("backend") or cfg.get("backend") or "parallel"
+        if backend not in ("parallel", "federated"):
+            raise DataError(f"{source}: backend '{backend}' is not parallel or federated")
+
+        def num(v, kind=float):
+            if v is None:
+                return None
+            try:
+                return kind(v)
+            except (TypeError, ValueError):
+                raise DataError(f"{source}: '{v}' is not a number; re-run training") from None
+
+        return cls(
+            backend=backend,
+            seed=num(_path(cfg, "train", "seed"), int),
+            audit_canaries=num(_path(cfg, "data", "audit_canaries", default=0), int),
+            preset=_path(cfg, "model", "preset"),
+            dp=_path(cfg, "privacy", "noise_multiplier") is not None
+            or _path(cfg, "privacy", "target_epsilon") is not None,
+            target_epsilon=num(_path(cfg, "privacy", "target_epsilon")),
+            dp_mechanism=_path(cfg, "privacy", "mechanism"),
+            secure_aggregation=bool(_path(cfg, "privacy", "secure_aggregation", "enabled", default=False)),
+            adaptive_clipping=bool(_path(cfg, "privacy", "adaptive_clipping", "enabled", default=False)),
+            goldfish=bool(_path(cfg, "train", "goldfish", "enabled", default=False)),
+            data_fingerprint=str(m.get("data_fingerprint") or ""),
+            parameters=num(res.get("parameters"), int),
+            train_sequences=num(res.get("train_sequences"), int),
+            final_holdout_loss=num(res.get("final_holdout_loss")),
+            final_holdout_perplexity=num(res.get("final_holdout_perplexity")),
+        )
