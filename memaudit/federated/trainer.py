@@ -297,21 +297,14 @@ class FederatedTrainer:
         ids = np.zeros((cap, s_max, length), np.int32)
         am = np.zeros((cap, s_max, length), np.int32)
         mask = np.zeros((cap, s_max), np.float32)
-        slots = self._slots(len(cohort), cap)
-        ids[slots] = c.input_ids[cohort]
-        am[slots] = c.attention_mask[cohort]
-        mask[slots] = c.example_mask[cohort]
+        # Present clients first: a slot's keys are a function of its index, so the same cohort
+        # trains the same way on every mesh layout (dealing clients over the device shards would
+        # balance padding but change which keys each client gets).
+        ids[: len(cohort)] = c.input_ids[cohort]
+        am[: len(cohort)] = c.attention_mask[cohort]
+        mask[: len(cohort)] = c.example_mask[cohort]
         return ClientData({"input_ids": self._place(ids), "attention_mask": self._place(am)},
                           self._place(mask))
-
-    def _slots(self, n: int, cap: int) -> np.ndarray:
-        """Slots of the n present clients among `cap`: dealt round-robin over the clients axis'
-        device shards, so the padding spreads evenly instead of idling the last device."""
-        from memaudit.federated.sharding import clients_axis_size
-
-        k = clients_axis_size(self.mesh)
-        i = np.arange(n)
-        return (i % k) * (cap // k) + i // k if k > 1 else i
 
     def _place(self, x: np.ndarray, replicated: bool = False) -> Any:
         """Host array -> device array sharded over the clients axis (a global array across hosts)."""

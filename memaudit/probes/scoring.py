@@ -276,7 +276,19 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "auto"):
     }.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"--dtype '{dtype}' is not one of auto, float32, bfloat16, float16")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        from memaudit.errors import MemauditError
+
+        raise MemauditError(f"the model in '{path}' cannot be loaded ({type(e).__name__}: its "
+                            "config or weights are damaged or not a causal LM); re-run training or "
+                            "pass a Hugging Face causal LM directory") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError and friends
+        from memaudit.errors import MemauditError
+
+        raise MemauditError(f"the model weights in '{path}' are damaged ({type(e).__name__}); "
+                            "re-run training or restore model/") from None
     return model.to(device).eval()
 
 

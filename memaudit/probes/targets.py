@@ -216,7 +216,11 @@ def resolve_target(
     """A `Target` from a run directory or a HF model directory; refuses bad input in one line."""
     p = Path(target)
     run = RunDir(p)
+    if out is not None and Path(out).is_dir():
+        raise MemauditError(f"--out '{out}' is a directory; pass the file name probes.json should "
+                            "get (e.g. {out}/probes.json)".replace("{out}", str(out)))
     if run.is_run():
+        run.check_data()  # the data the model was trained on, or refused
         model_dir = run.model_dir
         if not (model_dir / "config.json").is_file():
             raise RunDirError(f"run '{p}' has no trained model in model/; train it first")

@@ -111,6 +111,8 @@ def _train_users(rd: RunDir) -> int | None:
 
 def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     info = RunInfo.from_manifest(rd.read_manifest(), str(rd.path / "run.json"))
+    if rd.data_dir.is_dir():
+        rd.check_data()  # probes of a run whose data was replaced measure nothing of this model
     if not rd.probes_path.is_file():
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
