@@ -207,9 +207,9 @@ CASES = [
                                           str(d / "sw")], "batch_size"),
     Case("sweep-jobs-zero", lambda d, c: ["sweep", _sweep(d), "--out", str(d / "sw"), "--jobs", "0"], "jobs"),
     # ---- epsilon
-    Case("epsilon-huge-steps", lambda d, c: ["epsilon", "-q", "0.01", "-s", "1", "-T", "1e12"], "-T"),
-    Case("epsilon-sigma-inf", lambda d, c: ["epsilon", "-q", "0.01", "-s", "inf", "-T", "10"], "noise"),
-    Case("epsilon-q-two", lambda d, c: ["epsilon", "-q", "2", "-s", "1", "-T", "10"], "sampling"),
+    Case("epsilon-huge-steps", lambda d, c: ["epsilon", "-q", "0.01", "-s", "1", "-T", "1e12", "--delta", "1e-5"], "-T"),
+    Case("epsilon-sigma-inf", lambda d, c: ["epsilon", "-q", "0.01", "-s", "inf", "-T", "10", "--delta", "1e-5"], "noise"),
+    Case("epsilon-q-two", lambda d, c: ["epsilon", "-q", "2", "-s", "1", "-T", "10", "--delta", "1e-5"], "sampling"),
     Case("epsilon-delta-zero", lambda d, c: ["epsilon", "-q", "0.1", "-s", "1", "-T", "10", "--delta", "0"],
          "delta"),
     # ---- data
