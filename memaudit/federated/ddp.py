@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -46,6 +45,7 @@ from memaudit.federated.secagg.aggregator import (
     stochastic_round,
 )
 from memaudit.federated.secagg.protocol import Dropouts, run_round
+from memaudit.privacy.ddg import ddg_rdp, ddg_tau
 
 # ----------------------------------------------------------------------------- rotation
 
@@ -189,27 +189,7 @@ def sample_discrete_gaussian_exact(sigma2: Fraction, rng: random.Random) -> int:
 # ----------------------------------------------------------------------------- accounting
 
 
-def ddg_tau(local_std: float, n: int) -> float:
-    """τ = 10 Σ_{k=1}^{n-1} exp(-2π²σ² k/(k+1)) (KLS 2021, Thm. 1)."""
-    return 10.0 * sum(math.exp(-2 * math.pi ** 2 * local_std ** 2 * k / (k + 1)) for k in range(1, n))
-
-
-def ddg_rdp(orders: Sequence[float], *, l2: float, l1: float, local_std: float, n: int, dim: int) -> np.ndarray:
-    """Per-round RDP of the sum of n discrete Gaussians N_Z(0, σ²) on a query with L2/L1
-    sensitivities l2/l1 in dimension dim (KLS 2021, Prop. 14). n = 0 or σ = 0: infinite."""
-    a = np.asarray(orders, dtype=np.float64)
-    if n < 1 or local_std == 0:
-        return np.full(a.shape, np.inf)
-    if local_std < 0.5:
-        raise ValueError(f"discrete Gaussian local std {local_std:.3g} < 0.5 is outside the bound's range; "
-                         "raise the noise multiplier or the bits")
-    tau = ddg_tau(local_std, n)
-    s2 = l2 / (math.sqrt(n) * local_std)
-    s1 = l1 / (math.sqrt(n) * local_std)
-    t1 = a / 2 * s2 ** 2 + tau * dim
-    t2 = a / 2 * (s2 ** 2 + 2 * s1 * tau + tau ** 2 * dim)
-    t3 = a / 2 * (s2 + math.sqrt(dim) * tau) ** 2
-    return np.minimum(np.minimum(t1, t2), t3)
+# ddg_tau and ddg_rdp (the accounting) live in memaudit.privacy.ddg; re-exported here.
 
 
 # ----------------------------------------------------------------------------- aggregator
