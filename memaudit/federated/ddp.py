@@ -320,7 +320,7 @@ def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier
     if p.adaptive_clipping.enabled:
         raise ConfigError("adaptive clipping is not implemented for privacy.mechanism=distributed; "
                           "set privacy.adaptive_clipping.enabled=false or use mechanism=central")
-    seed = p.seed if p.seed is not None else cfg.train.seed
+    seed = cfg.train.seed  # public; the round key mixed in by _rng is secret under DP
     return distributed_dp(base, clip=p.clip, noise_multiplier=noise_multiplier,
                           expected_cohort=float(cfg.federated.cohort), bits=sa.bits,
                           secure=True, threshold=sa.threshold,

@@ -43,7 +43,7 @@ def open_manifest(run: RunDir, cfg: Config, *, resume: bool) -> None:
         return
     ckpt.reset_run_artifacts(run)
     seeds = {"train": cfg.train.seed, "model_init": cfg.model.init_seed, "data": cfg.data.seed,
-             "synth": cfg.data.synth.seed, "privacy_noise": cfg.privacy.seed}
+             "synth": cfg.data.synth.seed, "privacy_reproducible": cfg.privacy.reproducible_randomness}
     m = new_manifest(config=dump_config(cfg), backend=BACKEND, seeds=seeds, data_fingerprint=None)
     m["timings"]["started"] = time.time()
     run.write_manifest(m)

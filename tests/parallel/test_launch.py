@@ -131,7 +131,7 @@ DP_STEPS = 6
 def _dp_args(corpus) -> list[str]:
     return tiny_train_args(f"data.path={corpus}", "data.seq_len=32", f"train.steps={DP_STEPS}",
                            "train.checkpoint_every=2", "train.eval_every=6", "privacy.noise_multiplier=0.8",
-                           "privacy.clip=1.0", "privacy.seed=5", "privacy.delta=1e-4", "parallel.x=2")
+                           "privacy.clip=1.0", "privacy.reproducible_randomness=true", "privacy.delta=1e-4", "parallel.x=2")
 
 
 @pytest.fixture(scope="module")

@@ -199,7 +199,7 @@ def secure_aggregation_from_config(base: Aggregator, cfg) -> Aggregator:
     """``secure_aggregation`` with the settings of a :class:`memaudit.config.Config`.
 
     Uses ``privacy.secure_aggregation`` (threshold, neighbours, bits, dropout), ``privacy.clip``
-    as the quantisation bound (must be finite) and ``privacy.seed`` (else ``train.seed``).
+    as the quantisation bound (must be finite) and ``train.seed``.
     """
     from memaudit.errors import ConfigError
 
@@ -208,6 +208,6 @@ def secure_aggregation_from_config(base: Aggregator, cfg) -> Aggregator:
         raise ConfigError(f"privacy.secure_aggregation needs a finite privacy.clip (got {p.clip}); "
                           "set privacy.clip, e.g. 1.0")
     clip = max(p.clip, p.adaptive_clipping.initial_clip) if p.adaptive_clipping.enabled else p.clip
-    seed = p.seed if p.seed is not None else cfg.train.seed
+    seed = cfg.train.seed  # mask seeds mix in the round key, which is secret under DP
     return secure_aggregation(base, clip=clip, threshold=sa.threshold, neighbours=sa.neighbours,
                               bits=sa.bits, dropout_rate=sa.dropout, seed=seed)
