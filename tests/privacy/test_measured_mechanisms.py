@@ -164,3 +164,53 @@ def test_ledger_states_unit_adjacency_mechanism_and_views(tmp_path):
     g = ddp.to_json()
     assert g["adjacency"] == ["zero-out"]
     assert g["guarantees"]["server"]["epsilon"]["rdp"] == pytest.approx(ddp.epsilon())
+
+
+def test_distributed_dp_measured_noise_and_quantised_sensitivity_within_ledger(monkeypatch):
+    """Zero-out neighbours: the target (last row, so the others' rounding draws are the same)
+    sends its clipped update or zeros; with the noise draws switched off (same grid gamma),
+    the decoded sums differ by exactly its quantised update."""
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+    from memaudit.federated.ddp import distributed_dp
+    from memaudit.privacy.ddg import ddg_rdp
+    from memaudit.privacy.mechanisms import DistributedDiscreteGaussian
+
+    n, d, z, clip = 8, 1024, 1.0, 1.0
+    # k_stddevs=8: no coordinate of the sum wraps around the modulus (a wrap is a +-M outlier)
+    agg = distributed_dp(clip=clip, noise_multiplier=z, expected_cohort=n, secure=False, seed=0, k_stddevs=8)
+    runs = [agg.aggregate(jnp.zeros((n, d)), jnp.ones(n), agg.init(None), jax.random.key(k)) for k in range(16)]
+    zeros = runs[0]
+    gamma = float(zeros.metrics["ddp_gamma"])
+    # the integer noise sum (the rotation is orthonormal), 16 x 1024 draws
+    noise = np.concatenate([np.asarray(r.update, np.float64) * n / gamma for r in runs])
+    assert float(np.std(noise)) / math.sqrt(n) == pytest.approx(float(zeros.metrics["ddp_local_std"]), rel=0.03)
+    local_std = _std_upper(noise) / math.sqrt(n)
+
+    from memaudit.federated import ddp as ddp_mod
+
+    monkeypatch.setattr(ddp_mod, "sample_discrete_gaussian", lambda sigma, size, rng: np.zeros(size, np.int64))
+    rng = np.random.default_rng(3)
+    others = rng.normal(size=(n - 1, d)) * 0.01
+    l2 = 0.0
+    for trial in range(20):
+        x = rng.normal(size=d)
+        x *= 5 * clip / np.linalg.norm(x)  # clipped to C by the mechanism
+        key = jax.random.key(trial)
+        sums = [np.asarray(agg.aggregate(jnp.asarray(np.vstack([others, last]), jnp.float32), jnp.ones(n),
+                                         agg.init(None), key).update, np.float64) * n / gamma
+                for last in (x, np.zeros(d))]
+        l2 = max(l2, float(np.linalg.norm(sums[0] - sums[1])))
+    assert l2 > 0.5 * float(zeros.metrics["ddp_l2"])  # the measurement sees the update
+    stated = zeros.metrics
+    assert l2 <= float(stated["ddp_l2"]) * (1 + 1e-9)
+    D = int(stated["ddp_dim"])
+    orders = np.asarray(RDP_ORDERS)
+    rdp = ddg_rdp(orders, l2=l2, l1=min(math.sqrt(D) * l2, l2 ** 2), local_std=local_std, n=n, dim=D)
+    eps_meas = compute_epsilon(orders, rdp * ROUNDS, DELTA)[0]
+    led = PrivacyLedger(unit="user", delta=DELTA)
+    for _ in range(ROUNDS):
+        led.record_mechanism(DistributedDiscreteGaussian(), {k: float(v) for k, v in stated.items()
+                                                            if k.startswith("ddp_") or k == "survivors"})
+    assert eps_meas <= led.epsilon("rdp") + 1e-3
+    assert led.to_json()["guarantees"]["server"]["epsilon"]["rdp"] == pytest.approx(led.epsilon("rdp"))

@@ -12,12 +12,12 @@ import torch
 
 opacus = pytest.importorskip("opacus", reason="Opacus is in the dev extra: pip install -e .[dev]")
 
-from memaudit.privacy.accounting import rdp_curve  # noqa: E402
-from memaudit.privacy.ledger import PrivacyLedger  # noqa: E402
-from memaudit.train.dpsgd import DPSGD  # noqa: E402
-from memaudit.train.ghost import GhostClipper, vmap_clipped_sum  # noqa: E402
-from memaudit.train.losses import causal_lm_loss_per_example  # noqa: E402
-from tests.train.test_dpsgd import _batch, _model  # noqa: E402
+from memaudit.privacy.accounting import rdp_curve
+from memaudit.privacy.ledger import PrivacyLedger
+from memaudit.train.dpsgd import DPSGD
+from memaudit.train.ghost import GhostClipper, vmap_clipped_sum
+from memaudit.train.losses import causal_lm_loss_per_example
+from tests.train.test_dpsgd import _batch, _model
 
 
 def test_opacus_version_pinned():
