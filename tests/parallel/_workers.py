@@ -278,7 +278,7 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         pm = _pmodel(grid, ref["init"])
         ids, mask = data[0]
         st = dp_sgd_backward(pm, pm.shard_batch(ids), pm.shard_batch(mask), clip=ref["dp_clip"],
-                             noise_multiplier=0.0, expected_batch=BATCH, seed=0, step=0)
+                             noise_multiplier=0.0, expected_batch=BATCH, randomness=None, step=0)
         torch.testing.assert_close(st.per_example_norms.float(), pm.shard_batch(ref["dp_norms"]).float(),
                                    rtol=1e-4, atol=1e-5)
         assert abs(st.clip_fraction - 0.5) < 1e-9, st.clip_fraction

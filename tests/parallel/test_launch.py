@@ -161,9 +161,10 @@ def test_dp_through_the_launcher_writes_one_ledger_with_the_accounted_epsilon(dp
     assert [m["step"] for m in metrics] == list(range(1, DP_STEPS + 1))
     assert metrics[0]["noise_std"] == pytest.approx(0.8 * 1.0 / 8, rel=1e-9)
     # Poisson batch sizes are the sampler's own draws, whatever the grid
+    from memaudit.privacy.randomness import DPRandomness
     from memaudit.train.sampling import PoissonSampler
 
-    sampler = PoissonSampler(result["train_sequences"], q, seed=0)
+    sampler = PoissonSampler(result["train_sequences"], q, DPRandomness.from_seed(0))  # reproducible_randomness
     assert [m["batch_size"] for m in metrics] == [len(sampler.indices(t)) for t in range(DP_STEPS)]
 
 
