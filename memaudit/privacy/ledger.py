@@ -348,3 +348,40 @@ class PrivacyLedger:
 def no_privacy_json() -> dict[str, Any]:
     """privacy.json content for a run trained without DP (ε = inf)."""
     return {"schema": SCHEMA, "unit": None, "epsilon": {"rdp": math.inf, "pld": math.inf}}
+
+
+def ledger_summary(obj: dict[str, Any] | None) -> dict[str, Any]:
+    """What a report or a probe may show about a run's privacy, recomputed from the events.
+
+    Never reads the stored ε and has no fallback: a ledger this version cannot interpret
+    raises ``ValueError``. ``obj`` is privacy.json's content (None or unit None: no DP).
+
+    Returns:
+      {"epsilon" (the tightest accountant's), "epsilons", "unit", "delta", "adjacency",
+      "mechanisms", "assumes_hidden", "server_epsilon", "server_note",
+      "reproducible_randomness", "void_if_seed_known", "per_user"}
+    """
+    if not obj or obj.get("unit") is None:
+        return {"epsilon": math.inf, "epsilons": {"rdp": math.inf, "pld": math.inf}, "unit": None, "delta": None,
+                "adjacency": [], "mechanisms": [], "assumes_hidden": [], "server_epsilon": math.inf,
+                "server_note": "no DP", "reproducible_randomness": None, "void_if_seed_known": False,
+                "per_user": None}
+    led = PrivacyLedger.from_json(obj)
+    eps = led.epsilons()
+    best = min(v for v in eps.values() if v is not None)
+    g = led.guarantees(eps)
+    server = g.get("server")
+    return {
+        "epsilon": best,
+        "epsilons": eps,
+        "unit": led.unit,
+        "delta": led.delta,
+        "adjacency": sorted({d["adjacency"] for d in led.mechanisms}),
+        "mechanisms": [d["mechanism"] for d in led.mechanisms],
+        "assumes_hidden": g["release"]["assumes_hidden"],
+        "server_epsilon": None if server is None else server["epsilon"]["rdp"],
+        "server_note": None if server is None else server["why"],
+        "reproducible_randomness": led.reproducible_randomness,
+        "void_if_seed_known": bool(led.reproducible_randomness),
+        "per_user": led.per_user(best),
+    }
