@@ -300,9 +300,56 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
     return Aggregator(init=init, aggregate=aggregate, jittable=False)
 
 
-__all__ = ["DDPParams", "conditional_round", "ddg_rdp", "ddg_tau", "ddp_params", "discrete_gaussian_pmf",
-           "distributed_dp", "distributed_dp_from_config", "hadamard", "padded_dim", "rotate", "rounded_l2_bound",
-           "sample_discrete_gaussian", "sample_discrete_gaussian_exact", "unrotate"]
+__all__ = [
+    "DDPParams",
+    "conditional_round",
+    "ddg_rdp",
+    "ddg_tau",
+    "ddp_params",
+    "discrete_gaussian_pmf",
+    "distributed_dp",
+    "distributed_dp_from_config",
+    "hadamard",
+    "padded_dim",
+    "planned_event_of_config",
+    "planned_round_event",
+    "rotate",
+    "rounded_l2_bound",
+    "sample_discrete_gaussian",
+    "sample_discrete_gaussian_exact",
+    "unrotate",
+]
+
+
+def planned_round_event(*, clip: float, noise_multiplier: float, expected_cohort: float, dim: int,
+                        bits: int = 20, beta: float = math.exp(-0.5), k_stddevs: float = 4.0):
+    """The ledger event of a round in which all ``expected_cohort`` clients survive.
+
+    What calibration to a target ε bisects over: the same ``ddp_params`` the aggregator
+    computes and the same :class:`memaudit.privacy.mechanisms.DistributedDiscreteGaussian`
+    event the ledger records from its metrics. A multiplier too small for the bound's range
+    (local std < 0.5) gives an infinite curve.
+    """
+    from memaudit.privacy.mechanisms import DistributedDiscreteGaussian
+
+    mech = DistributedDiscreteGaussian()
+    cohort = max(1, round(expected_cohort))
+    p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort, cohort=cohort,
+                   dim=dim, bits=bits, beta=beta, k_stddevs=k_stddevs)
+    if p.local_std < 0.5:
+        from memaudit.privacy.ledger import RdpCurveEvent
+
+        return RdpCurveEvent(orders=mech.orders, rdp=(math.inf,) * len(mech.orders), label="local std < 0.5")
+    return mech.dp_event({"survivors": cohort, "ddp_l2": p.l2, "ddp_l1": p.l1, "ddp_local_std": p.local_std,
+                          "ddp_dim": p.dim})
+
+
+def planned_event_of_config(cfg, params: Any):
+    """``z -> planned_round_event(...)`` for a :class:`memaudit.config.Config` and the model's params."""
+    dim = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    p = cfg.privacy
+    return lambda z: planned_round_event(clip=p.clip, noise_multiplier=z, expected_cohort=float(cfg.federated.cohort),
+                                         dim=dim, bits=p.secure_aggregation.bits)
 
 
 def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier: float) -> Aggregator:

@@ -203,10 +203,14 @@ class FederatedTrainer:
         central = dp_fedavg_mechanism(noise_multiplier=0.0, expected_cohort=float(f.cohort), population=population,
                                       sampling=f.sampling, adaptive=p.adaptive_clipping)
         sigma = p.noise_multiplier
-        if sigma is None:  # bisect over the event the ledger records (distributed DP: see report)
+        if sigma is None:  # bisect over the event the ledger records
             acc = "rdp" if p.accountant == "both" or f.sampling == "fixed" else p.accountant
-            sigma = calibrate(p.target_epsilon, lambda z: central.with_noise(z).dp_event(), steps=f.rounds,
-                              delta=self.delta, accountant=acc, unit="user")
+            make = lambda z: central.with_noise(z).dp_event()
+            if p.mechanism == "distributed":
+                from memaudit.federated.ddp import planned_event_of_config
+
+                make, acc = planned_event_of_config(self.cfg, self.params0), "rdp"
+            sigma = calibrate(p.target_epsilon, make, steps=f.rounds, delta=self.delta, accountant=acc, unit="user")
         self.noise_multiplier = float(sigma)
         self.mechanism = (DistributedDiscreteGaussian() if p.mechanism == "distributed"
                           else central.with_noise(self.noise_multiplier))
