@@ -44,3 +44,38 @@ def test_noise_differs_across_steps_and_parameters() -> None:
     # two parameters of one step are not copies of each other
     assert not torch.equal(ga[1].reshape(-1)[:100], ga[2].reshape(-1)[:100])
     assert len({RAND.seed64("dpsgd-noise", s, i) for s in range(50) for i in range(40)}) == 50 * 40
+
+
+def _replica_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        own = DPRandomness.fresh()  # each process draws its own secret first
+        before = torch.tensor(list(own.key("dpsgd-noise", 3)), dtype=torch.int64)
+        shared = own.broadcast()
+        noise = torch.randn(1000, generator=shared.torch_generator("dpsgd-noise", 3, 0))
+        befores = [torch.zeros_like(before) for _ in range(world)]
+        noises = [torch.zeros_like(noise) for _ in range(world)]
+        dist.all_gather(befores, before)
+        dist.all_gather(noises, noise)
+        if rank == 0:
+            torch.save({"before": befores, "noise": noises}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_replica_adds_identical_noise(tmp_path) -> None:
+    """On a grid the secret is drawn once (rank 0) and broadcast: every replica's noise is the same."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "noise.pt"
+    mp.spawn(_replica_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    res = torch.load(out, weights_only=True)
+    assert not torch.equal(res["before"][0], res["before"][1])  # independent secrets before the broadcast
+    assert torch.equal(res["noise"][0], res["noise"][1])
