@@ -73,6 +73,10 @@ class ParallelDP:
         return SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=self.noise_multiplier,
                                population=int(self.population), expected=self.expected_batch_size)
 
+    def dp_event(self) -> Any:
+        """The DpEvent of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``."""
+        return self.mechanism.dp_event()
+
     def step_gradients(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        loss_mask: torch.Tensor, *, step: int, right_padded: bool = False) -> dict[str, Any]:
         """The privatised mean gradient of the global batch (every rank passes all of it) into

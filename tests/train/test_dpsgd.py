@@ -301,3 +301,38 @@ def test_bf16_autocast_clipped_gradients_within_clip(mode):
             assert float(res.norms[0]) > clip
             worst = max(worst, norm / clip)
     assert worst <= 1 + 1e-6, f"clipped per-example norm reached {worst:.6f} C"
+
+
+def test_measured_noise_and_sensitivity_give_an_epsilon_within_the_ledger(model, batch):
+    """DP-SGD measured: noise std on an empty batch, sensitivity of one example present vs absent
+    (σ = 0, so the difference is that example's clipped gradient), ε from dp_accounting."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    from memaudit.privacy.accounting import RDP_ORDERS
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    sigma, clip, expected, n, steps = 1.1, 0.3, 4.0, 200, 300
+
+    def summed(dp, ids, attn, lmask):
+        dp.step_gradients(ids, attn, lmask)
+        out = torch.cat([p.grad.flatten().double() for p in model.parameters()]) * expected
+        model.zero_grad(set_to_none=True)
+        return out
+
+    noisy = DPSGD(model, clip=clip, noise_multiplier=sigma, expected_batch_size=expected, population=n)
+    empty = torch.zeros(0, 8, dtype=torch.long)
+    noise = summed(noisy, empty, torch.ones_like(empty), torch.ones_like(empty, dtype=torch.bool))
+    std = float(noise.std()) * (1 + 4 / math.sqrt(2 * noise.numel())) / clip
+    quiet = DPSGD(model, clip=clip, noise_multiplier=0.0, expected_batch_size=expected)
+    ids, attn, lmask = batch
+    full = summed(quiet, ids, attn, lmask)
+    sens = max(float((full - summed(quiet, torch.cat([ids[:i], ids[i + 1:]]), torch.cat([attn[:i], attn[i + 1:]]),
+                                    torch.cat([lmask[:i], lmask[i + 1:]]))).norm()) for i in range(ids.shape[0]))
+    sens /= clip
+    assert 0.9 < sens <= 1 + 1e-5  # the clipped examples move the sum by (almost exactly) C
+    acc = RdpAccountant(list(RDP_ORDERS))
+    acc.compose(dp_event.PoissonSampledDpEvent(expected / n, dp_event.GaussianDpEvent(std / sens)), steps)
+    led = PrivacyLedger(unit="example", delta=1e-5)
+    led.record_mechanism(noisy.mechanism, steps=steps)
+    assert acc.get_epsilon(1e-5) <= led.epsilon("rdp") + 1e-3
