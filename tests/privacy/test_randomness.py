@@ -114,3 +114,40 @@ def test_state_round_trip_resumes_the_same_stream(tmp_path):
     assert DPRandomness.for_run(c.run.state_dir, c.cfg.privacy, 0) == c.randomness
     with pytest.raises(ValueError, match="reproducible_randomness"):
         DPRandomness.for_run(c.run.state_dir, c.cfg.privacy.model_copy(update={"reproducible_randomness": True}), 0)
+
+
+def test_secret_mode_resume_from_a_checkpoint_is_bit_identical(tiny_corpus, tmp_path, capsys):
+    """A DP run with secret randomness, resumed from its last checkpoint (a copy marked
+    interrupted), ends with the same batches and bit-identical weights: the checkpoint carries
+    the secret into the one object the sampler and the noise share."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from memaudit.cli import main
+    from memaudit.io import read_json, read_jsonl
+    from tests.conftest import REPO_ROOT, tiny_train_args
+
+    a = tmp_path / "a"
+    args = ["train", str(REPO_ROOT / "configs" / "tiny.yaml"), "--out", str(a),
+            *tiny_train_args(f"data.path={tiny_corpus}", "train.steps=6", "train.checkpoint_every=2",
+                             "train.eval_every=6", "privacy.noise_multiplier=1.0", "privacy.clip=1.0",
+                             "privacy.delta=1e-4")]
+    assert main(args) == 0
+    assert read_json(a / "state" / "trainer.json")["step"] == 4
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    RunDir(b).update_manifest(status="interrupted")
+    assert main(["train", "--resume", str(b)]) == 0
+    capsys.readouterr()
+    sizes = [[m["step"], m.get("batch_size")] for m in read_jsonl(a / "metrics.jsonl")]
+    assert sizes == [[m["step"], m.get("batch_size")] for m in read_jsonl(b / "metrics.jsonl")]
+    wa, wb = load_file(str(a / "model" / "model.safetensors")), load_file(str(b / "model" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    led = read_json(a / "privacy.json")
+    assert led["reproducible_randomness"] is False and led["steps"] == 6
+    secret = torch.load(a / "state" / "extra.pt", weights_only=True)["dp"]["secret"]
+    assert len(secret) == 64  # kept in state/ only
+    for f in a.rglob("*"):
+        if f.is_file() and "state" not in f.relative_to(a).parts and f.suffix in (".json", ".jsonl", ".md"):
+            assert secret not in f.read_text(), f
