@@ -457,7 +457,12 @@ class FederatedTrainer:
             from memaudit.privacy.randomness import DPRandomness
 
             rand = DPRandomness.from_config(self.cfg.privacy, self.cfg.train.seed)
-            self._key_words = rand.jax_key_data("federated-base", 0).astype(np.uint32)
+            words = rand.jax_key_data("federated-base", 0).astype(np.uint32)
+            if jax.process_count() > 1:  # one secret per run: process 0's on every process
+                from jax.experimental import multihost_utils
+
+                words = np.asarray(multihost_utils.broadcast_one_to_all(words), dtype=np.uint32)
+            self._key_words = words
         return self._key_words
 
     def _to_device(self, tree: Any) -> Any:
