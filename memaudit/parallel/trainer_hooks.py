@@ -59,9 +59,11 @@ class ParallelDP:
         self.expected_batch_size = float(expected_batch_size)
         self.micro_batch_size = micro_batch_size
         self.population = population
-        from memaudit.privacy.randomness import DPRandomness  # rank 0's secret on every rank
+        if randomness is None:  # a fresh secret, rank 0's on every rank (a collective)
+            from memaudit.privacy.randomness import DPRandomness
 
-        self.randomness = (randomness if randomness is not None else DPRandomness.fresh()).broadcast()
+            randomness = DPRandomness.fresh().broadcast()
+        self.randomness = randomness  # the trainer's: every rank read the writer's secret from state/
 
     @property
     def mechanism(self) -> Any:

@@ -19,8 +19,9 @@ the first step (a run killed before its first checkpoint resumes with it), and t
 components' ``state_dict()`` carries it into every checkpoint, whose ``load_state_dict``
 restores it in place into the one object the sampler and the noise share. ``state/`` is
 sensitive, like ``data/``; probes and reports never read it. The secret is
-never printed: ``repr`` hides it. On a parallel grid, rank 0's secret is broadcast once
-(``broadcast``), so every replica samples the same batch and adds identical noise.
+never printed: ``repr`` hides it. On a parallel grid every rank holds rank 0's secret (the
+trainer's ranks read the one the writer kept in ``state/``; ``broadcast`` does it over a
+process group), so every replica samples the same batch and adds identical noise.
 
 ``privacy.reproducible_randomness: true`` derives the secret from ``train.seed`` instead (for
 debugging and for tests that compare two runs); the ledger records it, and its ε are void

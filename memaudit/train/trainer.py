@@ -339,11 +339,11 @@ class CentralizedTrainer:
             self.calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
                                 "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
         self.noise_multiplier, self.sampling_rate, self.delta = float(sigma), q, delta
-        # privacy: one secret per run (state/), shared by the sampler and the noise; rank 0's on every rank
+        # privacy: one secret per run, shared by the sampler and the noise. The writer keeps it in
+        # state/ before the other ranks prepare (they read it there: no collective inside prepare)
         from memaudit.privacy.randomness import DPRandomness
 
-        self.randomness = DPRandomness.for_run(self.run.state_dir, p, self.tcfg.seed,
-                                               write=self.is_writer).broadcast()
+        self.randomness = DPRandomness.for_run(self.run.state_dir, p, self.tcfg.seed, write=self.is_writer)
         self.sampler = PoissonSampler(n, q, self.randomness)
         self.dp = self.make_dp(clip=p.clip, noise_multiplier=float(sigma),
                                expected_batch_size=self.sampler.expected_batch_size,
