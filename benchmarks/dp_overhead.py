@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from memaudit.models.presets import build_model
+from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.dpsgd import DPSGD
 from memaudit.train.losses import causal_lm_loss
 
@@ -53,7 +54,7 @@ def _memaudit(mode):
     def make(model, ids, attn, lmask):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         dp = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=ids.shape[0],
-                   seed=0, mode=mode)
+                   randomness=DPRandomness.from_seed(0), mode=mode)
 
         def step():
             opt.zero_grad(set_to_none=True)

@@ -246,7 +246,10 @@ class PrivacyConfig(_Section):
     target_epsilon: float | None = Field(None, gt=0, description="calibrate sigma to this epsilon")
     delta: float | None = Field(None, description="default: largest power of ten <= 1/(10 N)")
     accountant: Literal["rdp", "pld", "both"] = "both"
-    seed: int | None = Field(None, description="noise seed for tests; default: OS entropy")
+    reproducible_randomness: bool = Field(
+        False, description="derive the DP sampling and noise keys from train.seed (tests, debugging); "
+        "the ledger marks those epsilons void against anyone who knows the seed. Default: a secret "
+        "from OS entropy, kept in state/")
     mechanism: Literal["central", "distributed"] = "central"
     adaptive_clipping: AdaptiveClipConfig = AdaptiveClipConfig()
     secure_aggregation: SecAggConfig = SecAggConfig()

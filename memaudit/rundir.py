@@ -42,7 +42,7 @@ STALE_AFTER_S = 120.0
 UNREADABLE_STALE_S = 30.0  # an unreadable run.lock older than this is stale
 # Everything a training run writes (the run-directory contract), and nothing else.
 RUN_ARTIFACTS = ("model", "data", "state", "split.json", "canaries.json", "privacy.json",
-                 "metrics.jsonl", "sensitive_metrics.jsonl", "probes.json", "run.json")
+                 "metrics.jsonl", "sensitive_metrics.jsonl", "dp_secret.json", "probes.json", "run.json")
 STATUSES = ("running", "complete", "failed", "interrupted")
 
 

@@ -2,6 +2,12 @@
 
     memaudit epsilon --sampling-rate 0.04 --noise-multiplier 1.5 --steps 2250 --delta 1e-5
     memaudit epsilon --sampling-rate 0.04 --target-epsilon 8 --steps 2250 --delta 1e-5
+    memaudit epsilon -q 0.01 -s 1.0 -T 500 --delta 1e-6 --sampling fixed --population 10000
+
+Poisson sampling is add/remove-one adjacency; ``--sampling fixed`` (a fixed-size sample of
+q * population drawn without replacement, e.g. fixed federated cohorts) is replace-one, whose
+sensitivity is 2C (the event carries z/2) and which only the RDP accountant interprets. Both
+go through the mechanism's own event (`memaudit.privacy.mechanisms.SampledGaussian`).
 """
 
 from __future__ import annotations
@@ -19,17 +25,10 @@ HELP = ("Privacy budget of DP-SGD: epsilon for (sampling rate, noise multiplier,
 
 def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
             dataset_size: int | None, target_epsilon: float | None, accountant: str,
-            clip: float | None, group_size: int | None) -> dict[str, Any]:
+            clip: float | None, group_size: int | None, sampling: str = "poisson",
+            population: int | None = None) -> dict[str, Any]:
     """The numbers `memaudit epsilon` prints (library code: no printing here)."""
-    from memaudit.privacy.accounting import (
-        check_delta,
-        check_dpsgd,
-        default_delta,
-        dpsgd_event,
-        epsilon,
-        group_epsilon,
-    )
-    from memaudit.privacy.calibrate import calibrate_noise
+    from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, group_epsilon
 
     if accountant not in ("rdp", "pld", "both"):
         raise MemauditError(f"--accountant '{accountant}' is not known; use rdp, pld or both")
@@ -48,15 +47,25 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         raise MemauditError("pass exactly one of --noise-multiplier and --target-epsilon")
     check_dpsgd(q, 0.0 if sigma is None else sigma, steps)
     accountants = ["rdp", "pld"] if accountant == "both" else [accountant]
-    out: dict[str, Any] = {"sampling_rate": q, "steps": steps, "delta": delta}
+    mech = _mechanism(q, sampling, population)
+    if sampling == "fixed":
+        accountants = ["rdp"]
+    out: dict[str, Any] = {"sampling_rate": q, "steps": steps, "delta": delta, "sampling": sampling,
+                           "adjacency": mech.adjacency}
     if target_epsilon is not None:
+        from memaudit.privacy.mechanisms import calibrate
+
         first = accountants[-1]  # the tightest accountant asked for sets sigma
-        sigma = calibrate_noise(target_epsilon, q=q, steps=steps, delta=delta, accountant=first)
+        sigma = calibrate(target_epsilon, lambda z: mech.with_noise(z).dp_event(), steps=steps, delta=delta,
+                          accountant=first)
         out["target_epsilon"] = target_epsilon
         out["calibrated_with"] = first
     out["noise_multiplier"] = sigma
-    event = dpsgd_event(q, sigma, steps)
-    out["epsilon"] = {a: epsilon(event, delta, a) for a in accountants}
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    led = PrivacyLedger(unit="example", delta=delta)
+    led.record_mechanism(mech.with_noise(sigma), steps=steps)
+    out["epsilon"] = {a: led.epsilon(a) for a in accountants} if steps else {a: 0.0 for a in accountants}
     if clip is not None:
         out["clip"] = clip
         out["noise_std_sum"] = sigma * clip
@@ -67,6 +76,24 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         best = min(out["epsilon"].values())
         out["group"] = group_epsilon(best, delta, group_size)
     return out
+
+
+def _mechanism(q: float, sampling: str, population: int | None):
+    from memaudit.privacy.mechanisms import SampledGaussian
+
+    if sampling not in ("poisson", "fixed"):
+        raise MemauditError(f"--sampling '{sampling}' is not known; use poisson or fixed")
+    if sampling == "poisson":
+        n = population or 10**9  # only q matters for Poisson sampling
+        return SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=0.0, population=n, expected=q * n)
+    if population is None:
+        raise MemauditError("--sampling fixed needs --population N (the sample is q * N units)")
+    size = q * population
+    if abs(size - round(size)) > 1e-9 or round(size) < 1:
+        raise MemauditError(f"--sampling-rate {q} times --population {population} is not a whole sample size; "
+                            "pass q = sample / population")
+    return SampledGaussian(name="fixed-size sampled Gaussian", unit="example", noise_multiplier=0.0,
+                           population=population, expected=round(size), sampling="fixed")
 
 
 def _fmt(v: Any) -> str:
@@ -95,13 +122,18 @@ def register(app: typer.Typer) -> None:
             help="Also report the group-privacy bound for a user with this many sequences.")] = None,
         accountant: Annotated[str, typer.Option("--accountant",
             help="rdp, pld or both.")] = "both",
+        sampling: Annotated[str, typer.Option("--sampling",
+            help="poisson (add/remove) or fixed (without replacement, replace-one; RDP only).")] = "poisson",
+        population: Annotated[int | None, typer.Option("--population",
+            help="Units sampled from; needed with --sampling fixed.")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
     ) -> None:
         if fmt not in ("table", "json"):
             raise MemauditError(f"--format '{fmt}' is not known; use table or json")
         res = compute(q=sampling_rate, sigma=noise_multiplier, steps=steps, delta=delta,
                       dataset_size=dataset_size, target_epsilon=target_epsilon,
-                      accountant=accountant, clip=clip, group_size=group_size)
+                      accountant=accountant, clip=clip, group_size=group_size, sampling=sampling,
+                      population=population)
         from memaudit.commands._common import print_json, stdout
 
         if fmt == "json":

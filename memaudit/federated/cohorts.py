@@ -3,7 +3,10 @@
 A round samples a cohort from the population of training users: Poisson sampling (each user
 independently with probability ``cohort / population``, the sampling DP-FedAvg's accounting
 assumes) or a fixed-size sample without replacement. Sampling is a pure function of
-(seed, round), so a resumed run samples the same cohorts.
+(key, round), so a resumed run samples the same cohorts. Under DP the key is the run's
+secret `DPRandomness` (a Philox generator keyed by HKDF at ("cohort", round)), so the
+cohorts cannot be recomputed from ``train.seed``: amplification by sampling assumes they are
+hidden from everyone but the server.
 
 The cohort's data is packed as `ClientData`: every leaf (capacity, max_examples, ...) plus an
 example mask; absent cohort slots and padded examples have mask 0 and so weight 0. The clients
@@ -62,7 +65,7 @@ def sample_cohort(
     """Sample the client indices of one round, sorted, deterministic in (seed, round).
 
     Args:
-        key_or_seed: an int seed or a JAX PRNG key.
+        key_or_seed: a `DPRandomness` (DP runs), an int seed or a JAX PRNG key.
         population: number of clients to sample from.
         cohort: expected cohort size (Poisson: rate cohort/population) or exact size (fixed).
         mode: ``"poisson"`` (default) or ``"fixed"``.
@@ -85,7 +88,12 @@ def sample_cohort(
         )
     if round < 0:
         raise ValueError(f"round must be >= 0, got {round}")
-    rng = np.random.default_rng(np.random.SeedSequence([*_seed_words(key_or_seed), int(round)]))
+    from memaudit.privacy.randomness import DPRandomness
+
+    if isinstance(key_or_seed, DPRandomness):
+        rng = key_or_seed.numpy_rng("cohort", int(round))
+    else:
+        rng = np.random.default_rng(np.random.SeedSequence([*_seed_words(key_or_seed), int(round)]))
     if mode == "poisson":
         return np.flatnonzero(rng.random(population) < cohort / population).astype(np.int64)
     if mode == "fixed":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -46,6 +45,7 @@ from memaudit.federated.secagg.aggregator import (
     stochastic_round,
 )
 from memaudit.federated.secagg.protocol import Dropouts, run_round
+from memaudit.privacy.ddg import ddg_rdp, ddg_tau
 
 # ----------------------------------------------------------------------------- rotation
 
@@ -189,27 +189,7 @@ def sample_discrete_gaussian_exact(sigma2: Fraction, rng: random.Random) -> int:
 # ----------------------------------------------------------------------------- accounting
 
 
-def ddg_tau(local_std: float, n: int) -> float:
-    """τ = 10 Σ_{k=1}^{n-1} exp(-2π²σ² k/(k+1)) (KLS 2021, Thm. 1)."""
-    return 10.0 * sum(math.exp(-2 * math.pi ** 2 * local_std ** 2 * k / (k + 1)) for k in range(1, n))
-
-
-def ddg_rdp(orders: Sequence[float], *, l2: float, l1: float, local_std: float, n: int, dim: int) -> np.ndarray:
-    """Per-round RDP of the sum of n discrete Gaussians N_Z(0, σ²) on a query with L2/L1
-    sensitivities l2/l1 in dimension dim (KLS 2021, Prop. 14). n = 0 or σ = 0: infinite."""
-    a = np.asarray(orders, dtype=np.float64)
-    if n < 1 or local_std == 0:
-        return np.full(a.shape, np.inf)
-    if local_std < 0.5:
-        raise ValueError(f"discrete Gaussian local std {local_std:.3g} < 0.5 is outside the bound's range; "
-                         "raise the noise multiplier or the bits")
-    tau = ddg_tau(local_std, n)
-    s2 = l2 / (math.sqrt(n) * local_std)
-    s1 = l1 / (math.sqrt(n) * local_std)
-    t1 = a / 2 * s2 ** 2 + tau * dim
-    t2 = a / 2 * (s2 ** 2 + 2 * s1 * tau + tau ** 2 * dim)
-    t3 = a / 2 * (s2 + math.sqrt(dim) * tau) ** 2
-    return np.minimum(np.minimum(t1, t2), t3)
+# ddg_tau and ddg_rdp (the accounting) live in memaudit.privacy.ddg; re-exported here.
 
 
 # ----------------------------------------------------------------------------- aggregator
@@ -320,9 +300,56 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
     return Aggregator(init=init, aggregate=aggregate, jittable=False)
 
 
-__all__ = ["DDPParams", "conditional_round", "ddg_rdp", "ddg_tau", "ddp_params", "discrete_gaussian_pmf",
-           "distributed_dp", "distributed_dp_from_config", "hadamard", "padded_dim", "rotate", "rounded_l2_bound",
-           "sample_discrete_gaussian", "sample_discrete_gaussian_exact", "unrotate"]
+__all__ = [
+    "DDPParams",
+    "conditional_round",
+    "ddg_rdp",
+    "ddg_tau",
+    "ddp_params",
+    "discrete_gaussian_pmf",
+    "distributed_dp",
+    "distributed_dp_from_config",
+    "hadamard",
+    "padded_dim",
+    "planned_event_of_config",
+    "planned_round_event",
+    "rotate",
+    "rounded_l2_bound",
+    "sample_discrete_gaussian",
+    "sample_discrete_gaussian_exact",
+    "unrotate",
+]
+
+
+def planned_round_event(*, clip: float, noise_multiplier: float, expected_cohort: float, dim: int,
+                        bits: int = 20, beta: float = math.exp(-0.5), k_stddevs: float = 4.0):
+    """The ledger event of a round in which all ``expected_cohort`` clients survive.
+
+    What calibration to a target ε bisects over: the same ``ddp_params`` the aggregator
+    computes and the same :class:`memaudit.privacy.mechanisms.DistributedDiscreteGaussian`
+    event the ledger records from its metrics. A multiplier too small for the bound's range
+    (local std < 0.5) gives an infinite curve.
+    """
+    from memaudit.privacy.mechanisms import DistributedDiscreteGaussian
+
+    mech = DistributedDiscreteGaussian()
+    cohort = max(1, round(expected_cohort))
+    p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort, cohort=cohort,
+                   dim=dim, bits=bits, beta=beta, k_stddevs=k_stddevs)
+    if p.local_std < 0.5:
+        from memaudit.privacy.ledger import RdpCurveEvent
+
+        return RdpCurveEvent(orders=mech.orders, rdp=(math.inf,) * len(mech.orders), label="local std < 0.5")
+    return mech.dp_event({"survivors": cohort, "ddp_l2": p.l2, "ddp_l1": p.l1, "ddp_local_std": p.local_std,
+                          "ddp_dim": p.dim})
+
+
+def planned_event_of_config(cfg, params: Any):
+    """``z -> planned_round_event(...)`` for a :class:`memaudit.config.Config` and the model's params."""
+    dim = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    p = cfg.privacy
+    return lambda z: planned_round_event(clip=p.clip, noise_multiplier=z, expected_cohort=float(cfg.federated.cohort),
+                                         dim=dim, bits=p.secure_aggregation.bits)
 
 
 def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier: float) -> Aggregator:
@@ -340,7 +367,7 @@ def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier
     if p.adaptive_clipping.enabled:
         raise ConfigError("adaptive clipping is not implemented for privacy.mechanism=distributed; "
                           "set privacy.adaptive_clipping.enabled=false or use mechanism=central")
-    seed = p.seed if p.seed is not None else cfg.train.seed
+    seed = cfg.train.seed  # public; the round key mixed in by _rng is secret under DP
     return distributed_dp(base, clip=p.clip, noise_multiplier=noise_multiplier,
                           expected_cohort=float(cfg.federated.cohort), bits=sa.bits,
                           secure=True, threshold=sa.threshold,

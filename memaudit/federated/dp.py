@@ -12,9 +12,12 @@ this wrapper turns it back into a sum with the count the base reports
 (``metrics["survivors"]``, else ``metrics["aggregated_clients"]``).
 
 Adaptive clipping (Andrew et al. 2021) tracks the γ-quantile of the update norms:
-C <- C exp(-η (b̃ - γ)), b̃ = (Σ_i 1[‖Δ_i‖ <= C] + N(0, σ_b²)) / expected cohort.
-The delta noise z_Δ = (z^-2 - (2σ_b)^-2)^(-1/2) keeps the total noise multiplier z,
-so the ledger records one Gaussian with multiplier z per round.
+C <- C exp(-η (b̃ - γ)), b̃ = (Σ_i b_i + N(0, σ_b²)) / expected cohort + 1/2 with
+b_i = 1[‖Δ_i‖ <= C] - 1/2 ∈ {-1/2, +1/2}, the paper's encoding: one user moves the noised
+count by 1/2, which is what the split z_Δ = (z^-2 - (2σ_b)^-2)^(-1/2) assumes, so the total
+noise multiplier stays z and the ledger records one Gaussian with multiplier z per round
+(``memaudit.privacy.mechanisms.SampledGaussian`` with ``count_noise``). Summing raw {0, 1}
+indicators instead moves it by 1 and leaves less noise than the ledger counts.
 
 References:
     McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 
 from memaudit.config import AdaptiveClipConfig
 from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
+from memaudit.privacy.mechanisms import adaptive_noise_split, effective_noise_multiplier
 
 PyTree = Any
 
@@ -48,31 +52,24 @@ class DPFedAvgState(NamedTuple):
     clip: jax.Array  # () float32, the clip norm for the next round
 
 
-def adaptive_noise_split(noise_multiplier: float, count_noise: float) -> float:
-    """z_Δ = (z^-2 - (2 σ_b)^-2)^(-1/2): the delta noise that keeps the total multiplier z.
+def adaptive_count_noise(adaptive: AdaptiveClipConfig | None, expected_cohort: float) -> float | None:
+    """σ_b of adaptive clipping's noisy count (default expected cohort / 20); None when off."""
+    if adaptive is None or not adaptive.enabled:
+        return None
+    return float(adaptive.count_noise if adaptive.count_noise is not None else expected_cohort / 20)
 
-    Raises:
-        ValueError: when z >= 2 σ_b (the count query alone would use up the budget).
 
-    >>> round(adaptive_noise_split(1.0, 5.0), 4)
-    1.005
+def dp_fedavg_mechanism(*, noise_multiplier: float, expected_cohort: float, population: int,
+                        sampling: str = "poisson", adaptive: AdaptiveClipConfig | None = None):
+    """What :func:`dp_fedavg` with these settings adds, as a privacy mechanism.
+
+    ``mechanism.dp_event()`` is one round's event for the ledger (and for calibration);
+    ``mechanism.declaration()`` its unit, adjacency and sensitivity.
     """
-    z, sb = float(noise_multiplier), float(count_noise)
-    if z == 0.0:
-        return 0.0
-    if sb <= 0 or z ** -2 <= (2 * sb) ** -2:
-        raise ValueError(
-            f"adaptive clipping cannot split noise multiplier {z} with count noise σ_b={sb}: need "
-            f"z < 2σ_b; raise privacy.adaptive_clipping.count_noise above {z / 2:g} (or the cohort)"
-        )
-    return (z ** -2 - (2 * sb) ** -2) ** -0.5
+    from memaudit.privacy.federated import dpfedavg_mechanism
 
-
-def effective_noise_multiplier(delta_noise: float, count_noise: float) -> float:
-    """Total z of the pair (sum of clipped deltas, noisy unclipped count): the inverse of the split."""
-    if delta_noise == 0.0 or count_noise == 0.0:
-        return 0.0
-    return (delta_noise ** -2 + (2 * count_noise) ** -2) ** -0.5
+    return dpfedavg_mechanism(cohort=expected_cohort, population=population, noise_multiplier=noise_multiplier,
+                              sampling=sampling, count_noise=adaptive_count_noise(adaptive, expected_cohort))
 
 
 def global_norms(deltas: PyTree) -> jax.Array:
@@ -124,7 +121,7 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
     use_adaptive = adaptive is not None and adaptive.enabled
     if use_adaptive:
-        sigma_b = adaptive.count_noise if adaptive.count_noise is not None else expected_cohort / 20
+        sigma_b = adaptive_count_noise(adaptive, expected_cohort)
         z_delta = adaptive_noise_split(noise_multiplier, sigma_b)
         clip0 = adaptive.initial_clip
     else:
@@ -157,7 +154,8 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
                        survivors=m, cohort=cohort)
         new_clip = c
         if use_adaptive:
-            b = (unclipped + sigma_b * jax.random.normal(k_count, (), jnp.float32)) / expected_cohort
+            half = unclipped - 0.5 * cohort  # Σ_i (1[unclipped] - 1/2): sensitivity 1/2 per user
+            b = (half + sigma_b * jax.random.normal(k_count, (), jnp.float32)) / expected_cohort + 0.5
             new_clip = c * jnp.exp(-adaptive.lr * (b - adaptive.target_quantile))
             metrics.update(next_clip=new_clip, unclipped_fraction=b)
         return AggregateResult(update, DPFedAvgState(res.state, new_clip), metrics)
@@ -165,5 +163,6 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
     return Aggregator(init=init, aggregate=aggregate, jittable=base.jittable)
 
 
-__all__ = ["DPFedAvgState", "adaptive_noise_split", "clip_deltas", "dp_fedavg",
+__all__ = ["DPFedAvgState", "adaptive_count_noise", "adaptive_noise_split", "clip_deltas", "dp_fedavg",
+           "dp_fedavg_mechanism",
            "effective_noise_multiplier", "global_norms"]

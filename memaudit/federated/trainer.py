@@ -22,7 +22,6 @@ References:
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -203,34 +202,37 @@ class FederatedTrainer:
                          expected_cohort=float(self.fcfg.cohort), adaptive=p.adaptive_clipping)
 
     def _setup_ledger(self) -> float:
-        """User-level ledger, delta and the (calibrated) noise multiplier z."""
+        """User-level ledger, delta, the mechanism and its (calibrated) noise multiplier z."""
+        from memaudit.federated.dp import dp_fedavg_mechanism
         from memaudit.privacy.accounting import default_delta
-        from memaudit.privacy.federated import calibrate_dpfedavg_noise
         from memaudit.privacy.ledger import PrivacyLedger
+        from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
 
         p, f = self.cfg.privacy, self.fcfg
         population = self.clients.num_users
         self.sampling_rate = f.cohort / population
         self.delta = p.delta if p.delta is not None else default_delta(population)
+        central = dp_fedavg_mechanism(noise_multiplier=0.0, expected_cohort=float(f.cohort), population=population,
+                                      sampling=f.sampling, adaptive=p.adaptive_clipping)
         sigma = p.noise_multiplier
-        if sigma is None:
+        if sigma is None:  # bisect over the event the ledger records
             acc = "rdp" if p.accountant == "both" or f.sampling == "fixed" else p.accountant
-            sigma = calibrate_dpfedavg_noise(p.target_epsilon, cohort=f.cohort, population=population,
-                                             rounds=f.rounds, delta=self.delta, sampling=f.sampling,
-                                             accountant=acc)
+            make = lambda z: central.with_noise(z).dp_event()
+            if p.mechanism == "distributed":
+                from memaudit.federated.ddp import planned_event_of_config
+
+                make, acc = planned_event_of_config(self.cfg, self.params0), "rdp"
+            sigma = calibrate(p.target_epsilon, make, steps=f.rounds, delta=self.delta, accountant=acc, unit="user")
         self.noise_multiplier = float(sigma)
-        self.ledger = PrivacyLedger(unit="user", delta=self.delta)
+        self.mechanism = (DistributedDiscreteGaussian() if p.mechanism == "distributed"
+                          else central.with_noise(self.noise_multiplier))
+        self.ledger = PrivacyLedger(unit="user", delta=self.delta,
+                                    reproducible_randomness=p.reproducible_randomness)
         return self.noise_multiplier
 
     def record_privacy(self, metrics: dict[str, Any]) -> None:
         """Record this round's noise in the ledger (every round adds noise, even an empty one)."""
-        from memaudit.privacy import federated as pf
-
-        if self.cfg.privacy.mechanism == "distributed":
-            self.ledger.record(pf.ddp_round_event(metrics))
-        else:
-            pf.record_dpfedavg_round(self.ledger, cohort=self.fcfg.cohort, population=self.clients.num_users,
-                                     noise_multiplier=self.noise_multiplier, sampling=self.fcfg.sampling)
+        self.ledger.record_mechanism(self.mechanism, metrics)  # the mechanism declares its event
 
     def build_algorithm(self) -> Any:
         from memaudit.federated import algorithms as alg
@@ -256,7 +258,18 @@ class FederatedTrainer:
         from memaudit.federated.cohorts import sample_cohort
 
         f = self.fcfg
-        return sample_cohort(self.cfg.train.seed, self.clients.num_users, f.cohort, f.sampling, round=r)
+        src = self._dp_randomness() if self.private else self.cfg.train.seed
+        return sample_cohort(src, self.clients.num_users, f.cohort, f.sampling, round=r)
+
+    def _dp_randomness(self) -> Any:
+        """Cohort randomness under DP: expanded from the run's base key (kept in state/), never the seed."""
+        if getattr(self, "_dp_rand", None) is None:
+            from memaudit.privacy.randomness import DPRandomness
+
+            saved = self.session.state_file("trainer.json") if self.session.resume else None
+            words = saved["key"] if saved is not None and "key" in saved else self._base_key()
+            self._dp_rand = DPRandomness.from_key_words(words, reproducible=self.cfg.privacy.reproducible_randomness)
+        return self._dp_rand
 
     def _base_capacity(self) -> int | None:
         """Clients dim of every round: the cohort (fixed sampling); for Poisson sampling a
@@ -449,15 +462,23 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ driver
     def _base_key(self) -> np.ndarray:
-        """Raw key data of the run's base key: train.seed, or the privacy seed / OS entropy under DP."""
+        """Raw key data of the run's base key: train.seed, or under DP a secret key (HKDF over OS
+        entropy; from train.seed with privacy.reproducible_randomness). Cached: one per run."""
         import jax
 
-        p = self.cfg.privacy
-        if self.private:
-            seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
-        else:
-            seed = self.cfg.train.seed
-        return np.asarray(jax.random.key_data(jax.random.key(seed)), dtype=np.uint32)
+        if not self.private:
+            return np.asarray(jax.random.key_data(jax.random.key(self.cfg.train.seed)), dtype=np.uint32)
+        if getattr(self, "_key_words", None) is None:
+            from memaudit.privacy.randomness import DPRandomness
+
+            rand = DPRandomness.from_config(self.cfg.privacy, self.cfg.train.seed)
+            words = rand.jax_key_data("federated-base", 0).astype(np.uint32)
+            if jax.process_count() > 1:  # one secret per run: process 0's on every process
+                from jax.experimental import multihost_utils
+
+                words = np.asarray(multihost_utils.broadcast_one_to_all(words), dtype=np.uint32)
+            self._key_words = words
+        return self._key_words
 
     def _to_device(self, tree: Any) -> Any:
         import jax

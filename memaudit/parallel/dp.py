@@ -3,9 +3,11 @@
 Per-example squared gradient norms are gathered per local shard during backward (ghost
 norms, `memaudit.parallel.ghost`) and summed over x and y, so every rank sees each of its
 examples' full-gradient norm; a second, reweighted backward gives the clipped sum; the
-Gaussian noise of each logical parameter is drawn full-size from a generator seeded by
-(seed, step, parameter index) and sliced like the parameter, so it is drawn once per logical
-parameter and is the same for any grid (including one process).
+Gaussian noise of each logical parameter is drawn full-size from a generator keyed by the
+run's secret randomness at ("dpsgd-noise", step, parameter index) (HKDF,
+`memaudit.privacy.randomness`; the secret is broadcast from rank 0 once) and sliced like the
+parameter, so it is drawn once per logical parameter, identical on every replica, and the
+same for any grid (including one process).
 
 References: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016; Li et al.,
 ghost clipping, ICLR 2022.
@@ -14,6 +16,7 @@ ghost clipping, ICLR 2022.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,22 +46,20 @@ def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_m
     return acc.clamp(min=0).sqrt()
 
 
-def noise_seed(seed: int, step: int, index: int) -> int:
-    """The generator seed of parameter `index` at `step` (a fixed integer mix, no hash())."""
-    return (int(seed) * 1_000_003 + int(step) * 10_007 + int(index)) % (2**62)
+def add_noise_(model: ParallelLlama, *, std: float, randomness: Any, step: int) -> None:
+    """Add N(0, std^2) to every logical gradient element, identically on every replica.
 
-
-def add_noise_(model: ParallelLlama, *, std: float, seed: int, step: int) -> None:
-    """Add N(0, std^2) to every logical gradient element, identically on every replica."""
+    ``randomness`` must be the same `DPRandomness` on every rank (`DPRandomness.broadcast`).
+    """
     for i, p in enumerate(model.hf.parameters()):
         spec = p.shard_spec
-        gen = torch.Generator().manual_seed(noise_seed(seed, step, i))
+        gen = randomness.torch_generator("dpsgd-noise", step, i)
         noise = torch.randn(spec.full_shape, generator=gen, dtype=torch.float32) * std
         p.grad.add_(spec.local(noise, model.comm).to(p.grad.dtype))
 
 
 def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
-                    clip: float, noise_multiplier: float, expected_batch: float, seed: int, step: int,
+                    clip: float, noise_multiplier: float, expected_batch: float, randomness: Any, step: int,
                     attention_mask: torch.Tensor | None = None, micro_batch: int | None = None) -> DPStepStats:
     """Leave in `.grad` the noised, clipped gradient sum over the global batch / expected_batch.
 
@@ -67,7 +68,7 @@ def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: to
       clip: per-example L2 bound C (math.inf: no clipping).
       noise_multiplier: sigma; the sum gets N(0, (sigma C)^2) per coordinate.
       expected_batch: the divisor (the expected batch size under Poisson sampling).
-      seed, step: select the noise; the same on every rank.
+      randomness, step: select the noise (a `DPRandomness`, the same on every rank).
       micro_batch: local rows per pass (None: all); the clipped sums of the passes are
         accumulated, then synchronised and noised once. Every rank must pass the same value.
     """
@@ -94,7 +95,7 @@ def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: to
     sync_grads(model)
     std = noise_multiplier * clip if noise_multiplier > 0 else 0.0
     if std > 0:
-        add_noise_(model, std=std, seed=seed, step=step)
+        add_noise_(model, std=std, randomness=randomness, step=step)
     for p in model.hf.parameters():
         p.grad.div_(expected_batch)
     n = stats[1].clamp(min=1.0)

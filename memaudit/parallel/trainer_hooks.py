@@ -41,13 +41,14 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
 class ParallelDP:
     """DP-SGD of a `ParallelLlama` (what `ParallelTrainer.make_dp` returns).
 
-    The noise of step t is a function of (seed, t, parameter) only, drawn full-size and
-    sliced, so it does not depend on the grid; the seed (broadcast from rank 0 when secret)
+    The noise of step t is a function of (secret, t, parameter) only, drawn full-size and
+    sliced, so it does not depend on the grid; the `DPRandomness` (broadcast from rank 0)
     is the checkpointed state. `micro_batch_size` bounds the global rows per pass.
     """
 
     def __init__(self, model: ParallelLlama, *, clip: float, noise_multiplier: float,
-                 expected_batch_size: float, seed: int | None, micro_batch_size: int | None = None) -> None:
+                 expected_batch_size: float, randomness: Any = None, population: int | None = None,
+                 micro_batch_size: int | None = None) -> None:
         if not clip > 0:
             raise ValueError(f"clip norm must be > 0 (or inf for no clipping), got {clip}")
         if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
@@ -57,14 +58,26 @@ class ParallelDP:
         self.model, self.clip, self.noise_multiplier = model, float(clip), float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.micro_batch_size = micro_batch_size
-        if seed is None:  # a fresh secret seed, the same on every rank, kept in checkpoints
-            import secrets
+        self.population = population
+        if randomness is None:  # a fresh secret, rank 0's on every rank (a collective)
+            from memaudit.privacy.randomness import DPRandomness
 
-            t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
-            if dist.is_initialized():
-                dist.broadcast(t, src=0)
-            seed = int(t.item())
-        self.seed = int(seed)
+            randomness = DPRandomness.fresh().broadcast()
+        self.randomness = randomness  # the trainer's: every rank read the writer's secret from state/
+
+    @property
+    def mechanism(self) -> Any:
+        """What one step adds (the same as single-process DP-SGD's)."""
+        from memaudit.privacy.mechanisms import SampledGaussian
+
+        if self.population is None:
+            raise ValueError("ParallelDP was built without population=N; pass the number of training examples")
+        return SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=self.noise_multiplier,
+                               population=int(self.population), expected=self.expected_batch_size)
+
+    def dp_event(self) -> Any:
+        """The DpEvent of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``."""
+        return self.mechanism.dp_event()
 
     def step_gradients(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        loss_mask: torch.Tensor, *, step: int, right_padded: bool = False) -> dict[str, Any]:
@@ -79,14 +92,15 @@ class ParallelDP:
         if self.micro_batch_size is not None:  # global rows per pass -> local rows per pass
             micro = max(1, math.ceil(self.micro_batch_size / pg.batch_shards))
         st = dp_sgd_backward(self.model, ids, lm, clip=self.clip, noise_multiplier=self.noise_multiplier,
-                             expected_batch=self.expected_batch_size, seed=self.seed, step=step,
+                             expected_batch=self.expected_batch_size, randomness=self.randomness, step=step,
                              attention_mask=lam, micro_batch=micro)
         b = int(input_ids.shape[0])
         return {"loss": st.loss if b else math.nan, "clip_fraction": st.clip_fraction, "batch_size": b,
                 "noise_std": self.noise_multiplier * self.clip / self.expected_batch_size}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": torch.tensor([self.seed], dtype=torch.int64), "clip": self.clip,
+        r = self.randomness.state_dict()
+        return {"secret": r["secret"], "reproducible": r["reproducible"], "clip": self.clip,
                 "noise_multiplier": self.noise_multiplier, "expected_batch_size": self.expected_batch_size}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -94,8 +108,8 @@ class ParallelDP:
             if key in sd and float(sd[key]) != getattr(self, key):
                 raise ValueError(f"checkpoint has {key}={sd[key]} but this run uses {getattr(self, key)}; "
                                  "resume with the original privacy settings")
-        if "seed" in sd:
-            self.seed = int(sd["seed"][0])
+        if "secret" in sd:
+            self.randomness.load_state_dict(sd)  # in place: the sampler shares this object
 
 
 class ParallelTrainer(CentralizedTrainer):
@@ -170,9 +184,9 @@ class ParallelTrainer(CentralizedTrainer):
 
     # ------------------------------------------------------------------ privacy
     def make_dp(self, *, clip: float, noise_multiplier: float, expected_batch_size: float,
-                seed: int | None) -> ParallelDP:
+                randomness: Any, population: int) -> ParallelDP:
         return ParallelDP(self.model, clip=clip, noise_multiplier=noise_multiplier,
-                          expected_batch_size=expected_batch_size, seed=seed,
+                          expected_batch_size=expected_batch_size, randomness=randomness, population=population,
                           micro_batch_size=self.tcfg.micro_batch_size)
 
     def private_gradients(self, rows: np.ndarray) -> dict[str, float]:

@@ -11,8 +11,11 @@ were lost in the crash are not counted twice.
 
 Saved as `RUN_DIR/privacy.json` (DEVELOPERS.md):
 `{"schema": 1, "unit", "delta", "events", "epsilon": {"rdp", "pld"}, "noise_multiplier",
-"sampling_rate", "steps", "per_user", "calibration"}`. The stored ε is informational; every
-reader recomputes it from the events (`PrivacyLedger.load(path).epsilon("rdp")`).
+"sampling_rate", "steps", "per_user", "calibration", "mechanisms", "adjacency",
+"reproducible_randomness", "guarantees"}`. `mechanisms` holds what each mechanism declared
+(unit, adjacency, sensitivity, what it assumes hidden, its view of the server); `guarantees`
+splits the ε into the release's and the server's. The stored ε is informational; every reader
+recomputes it from the events (`PrivacyLedger.load(path).epsilon("rdp")`).
 
 >>> led = PrivacyLedger(unit="example", delta=1e-5)
 >>> led.record_steps(0.04, 1.5, 1000); led.record_steps(0.04, 1.5, 1250)
@@ -108,7 +111,9 @@ def event_to_dict(event: Event) -> dict[str, Any]:
 def event_from_dict(obj: dict[str, Any]) -> Event:
     kind = obj.get("type")
     if kind == _RDP_TYPE:
-        return RdpCurveEvent(orders=tuple(obj["orders"]), rdp=tuple(obj["rdp"]),
+        # strict JSON writes an infinite RDP value as null
+        rdp = tuple(math.inf if v is None else float(v) for v in obj["rdp"])
+        return RdpCurveEvent(orders=tuple(obj["orders"]), rdp=rdp,
                              count=int(obj.get("count", 1)), label=obj.get("label", ""))
     cls = getattr(dp_event, str(kind), None)
     if not (isinstance(cls, type) and issubclass(cls, dp_event.DpEvent)):
@@ -156,6 +161,12 @@ class PrivacyLedger:
     events: list[Event] = field(default_factory=list)
     max_sequences_per_user: int | None = None
     calibration: dict[str, Any] | None = None
+    # what each recorded mechanism declared (unit, adjacency, sensitivity, assumes_hidden,
+    # server_view), one entry per distinct declaration, from `record_mechanism`
+    mechanisms: list[dict[str, Any]] = field(default_factory=list)
+    # True: sampling and noise keys came from train.seed (privacy.reproducible_randomness), so
+    # every ε here is void against an adversary who knows the seed
+    reproducible_randomness: bool | None = None
 
     def __post_init__(self) -> None:
         if self.unit not in ("example", "user"):
@@ -173,6 +184,23 @@ class PrivacyLedger:
                 self.events[-1] = _with_count(last, _steps_of(last) + _steps_of(event))
                 return
         self.events.append(event)
+
+    def record_mechanism(self, mechanism: Any, metrics: Any = None, steps: int = 1) -> None:
+        """Record ``steps`` steps of ``mechanism`` (its own ``dp_event(metrics)``) and its declaration.
+
+        ``mechanism`` is a :mod:`memaudit.privacy.mechanisms` object (``DPSGD.mechanism``,
+        ``dpfedavg_mechanism(...)``, ``DistributedDiscreteGaussian()``); the one call the
+        trainers make per step or round.
+        """
+        decl = mechanism.declaration()
+        if decl["unit"] != self.unit:
+            raise ValueError(f"a {decl['unit']}-level mechanism cannot go into a {self.unit}-level ledger")
+        if decl not in self.mechanisms:
+            self.mechanisms.append(decl)
+        if steps:
+            from memaudit.privacy.mechanisms import repeated
+
+            self.record(repeated(mechanism.dp_event(metrics), steps))
 
     def record_steps(self, q: float, sigma: float, steps: int = 1) -> None:
         """Record `steps` DP-SGD steps with Poisson rate q and noise multiplier σ."""
@@ -227,6 +255,31 @@ class PrivacyLedger:
         out["pld"] = None if has_custom else self.epsilon("pld")
         return out
 
+    def guarantees(self, eps: dict[str, float | None] | None = None) -> dict[str, Any]:
+        """Who the ε holds against, from the recorded mechanisms' declarations.
+
+        "release": an adversary who sees only the released updates/model (sampling hidden).
+        "server": the aggregator, who picks the cohort and (central DP) sees the clipped sum
+        before noise: no guarantee ("none"), or the same events ("same", distributed DP).
+        """
+        eps = self.epsilons() if eps is None else eps
+        views = {d.get("server_view", "n/a") for d in self.mechanisms}
+        release = {"epsilon": eps, "delta": self.delta,
+                   "assumes_hidden": sorted({d["assumes_hidden"] for d in self.mechanisms})}
+        if self.reproducible_randomness:
+            release["void_if_seed_known"] = True
+        out: dict[str, Any] = {"release": release}
+        if self.unit == "user":
+            if "none" in views or not views:
+                out["server"] = {"epsilon": {"rdp": math.inf, "pld": math.inf},
+                                 "why": "central DP: the server sees the clipped sum before it adds noise, "
+                                        "and who took part; no DP guarantee against it"}
+            else:
+                out["server"] = {"epsilon": {"rdp": eps["rdp"], "pld": eps.get("pld")},
+                                 "why": "distributed DP: no amplification by sampling is claimed, so the "
+                                        "release's epsilon also holds against the server"}
+        return out
+
     def per_user(self, eps: float | None = None) -> dict[str, Any] | None:
         """Group-privacy bound for the user with the most sequences (example-level ledgers)."""
         if self.unit != "example" or self.max_sequences_per_user is None:
@@ -260,6 +313,10 @@ class PrivacyLedger:
             "max_sequences_per_user": self.max_sequences_per_user,
             "per_user": self.per_user(min(known)) if known else None,
             "calibration": self.calibration,
+            "mechanisms": self.mechanisms,
+            "adjacency": sorted({d["adjacency"] for d in self.mechanisms}),
+            "reproducible_randomness": self.reproducible_randomness,
+            "guarantees": self.guarantees(eps) if with_epsilon else None,
         }
 
     @classmethod
@@ -273,6 +330,8 @@ class PrivacyLedger:
             events=[event_from_dict(e) for e in obj.get("events", [])],
             max_sequences_per_user=obj.get("max_sequences_per_user"),
             calibration=obj.get("calibration"),
+            mechanisms=list(obj.get("mechanisms") or []),
+            reproducible_randomness=obj.get("reproducible_randomness"),
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -291,3 +350,40 @@ class PrivacyLedger:
 def no_privacy_json() -> dict[str, Any]:
     """privacy.json content for a run trained without DP (ε = inf)."""
     return {"schema": SCHEMA, "unit": None, "epsilon": {"rdp": math.inf, "pld": math.inf}}
+
+
+def ledger_summary(obj: dict[str, Any] | None) -> dict[str, Any]:
+    """What a report or a probe may show about a run's privacy, recomputed from the events.
+
+    Never reads the stored ε and has no fallback: a ledger this version cannot interpret
+    raises ``ValueError``. ``obj`` is privacy.json's content (None or unit None: no DP).
+
+    Returns:
+      {"epsilon" (the tightest accountant's), "epsilons", "unit", "delta", "adjacency",
+      "mechanisms", "assumes_hidden", "server_epsilon", "server_note",
+      "reproducible_randomness", "void_if_seed_known", "per_user"}
+    """
+    if not obj or obj.get("unit") is None:
+        return {"epsilon": math.inf, "epsilons": {"rdp": math.inf, "pld": math.inf}, "unit": None, "delta": None,
+                "adjacency": [], "mechanisms": [], "assumes_hidden": [], "server_epsilon": math.inf,
+                "server_note": "no DP", "reproducible_randomness": None, "void_if_seed_known": False,
+                "per_user": None}
+    led = PrivacyLedger.from_json(obj)
+    eps = led.epsilons()
+    best = min(v for v in eps.values() if v is not None)
+    g = led.guarantees(eps)
+    server = g.get("server")
+    return {
+        "epsilon": best,
+        "epsilons": eps,
+        "unit": led.unit,
+        "delta": led.delta,
+        "adjacency": sorted({d["adjacency"] for d in led.mechanisms}),
+        "mechanisms": [d["mechanism"] for d in led.mechanisms],
+        "assumes_hidden": g["release"]["assumes_hidden"],
+        "server_epsilon": None if server is None else server["epsilon"]["rdp"],
+        "server_note": None if server is None else server["why"],
+        "reproducible_randomness": led.reproducible_randomness,
+        "void_if_seed_known": bool(led.reproducible_randomness),
+        "per_user": led.per_user(best),
+    }

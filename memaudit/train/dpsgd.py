@@ -10,8 +10,11 @@ The denominator is the expected batch size q·N, a constant, as the accounting a
 
 Per-example norms and the clipped sum come from `memaudit.train.ghost` (ghost norms and
 book-keeping: one forward and one backward pass per micro-batch), or from the `vmap`
-reference. Noise comes from a `torch.Generator` seeded from the OS's cryptographic entropy
-unless a seed is given (tests); its state is part of `state_dict()` for an exact resume.
+reference. Step t's noise of parameter i comes from a fresh `torch.Generator` keyed by the
+run's secret randomness at ("dpsgd-noise", t, i) (`memaudit.privacy.randomness`, HKDF over
+an OS-entropy secret), so it cannot be recomputed from the seed; `state_dict()` holds the
+secret and the step counter for an exact resume. `mechanism` declares what this adds (the
+ledger records `mechanism.dp_event()` per step).
 
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -20,7 +23,7 @@ References:
 >>> import torch
 >>> from memaudit.models.presets import build_model
 >>> model = build_model("tiny", vocab_size=64, seed=0)
->>> dp = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+>>> dp = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
 >>> ids = torch.randint(0, 64, (3, 12))
 >>> stats = dp.step_gradients(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
 >>> stats["batch_size"], stats["noise_std"]
@@ -30,7 +33,6 @@ References:
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Any, Literal
 
 import torch
@@ -49,10 +51,19 @@ class DPSGD:
         clip: float,
         noise_multiplier: float,
         expected_batch_size: float,
-        seed: int | None,
+        randomness: Any = None,
+        population: int | None = None,
         mode: Literal["ghost", "vmap"] = "ghost",
         micro_batch_size: int | None = None,
     ) -> None:
+        """See the module docstring.
+
+        Args:
+          randomness: the run's `DPRandomness` (None: a fresh secret from OS entropy).
+          population: N, the number of training examples sampled from (for `mechanism`).
+        """
+        from memaudit.privacy.randomness import DPRandomness
+
         if not clip > 0:
             raise ValueError(f"clip norm must be > 0 (or inf for no clipping), got {clip}")
         if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
@@ -73,9 +84,26 @@ class DPSGD:
         self.micro_batch_size = micro_batch_size
         self._ghost = GhostClipper(model) if mode == "ghost" else None
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        device = self._params[0][1].device if self._params else torch.device("cpu")
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(int(seed) if seed is not None else secrets.randbits(63))
+        self.device = self._params[0][1].device if self._params else torch.device("cpu")
+        if randomness is not None and not isinstance(randomness, DPRandomness):
+            raise TypeError(f"randomness must be a DPRandomness, got {type(randomness).__name__}")
+        self.randomness = randomness if randomness is not None else DPRandomness.fresh()
+        self.population = population
+        self.step = 0  # the next step's index: selects its noise keys
+
+    @property
+    def mechanism(self) -> Any:
+        """What one step adds: a Poisson-sampled Gaussian, add/remove-one example adjacency."""
+        from memaudit.privacy.mechanisms import SampledGaussian
+
+        if self.population is None:
+            raise ValueError("DPSGD was built without population=N; pass the number of training examples")
+        return SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=self.noise_multiplier,
+                               population=int(self.population), expected=self.expected_batch_size)
+
+    def dp_event(self) -> Any:
+        """The DpEvent of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``."""
+        return self.mechanism.dp_event()
 
     @property
     def noise_std(self) -> float:
@@ -94,6 +122,8 @@ class DPSGD:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         loss_mask: torch.Tensor | None,
+        *,
+        step: int | None = None,
     ) -> dict[str, Any]:
         """Write the privatised mean gradient of this batch into every parameter's `.grad`.
 
@@ -102,15 +132,18 @@ class DPSGD:
           attention_mask: (B, L), 1 = real token (None: all real).
           loss_mask: (B, L) bool, True = the target at that position counts (None: the
             attention mask). It is combined with the attention mask.
+          step: the step index that keys the noise (None: the internal counter, which
+            advances by one per call and is saved in `state_dict()`).
 
         Returns:
           {"loss": mean per-example loss (nan for an empty batch), "clip_fraction",
           "batch_size", "noise_std"}.
         """
         b = int(input_ids.shape[0])
-        if self._params and self._params[0][1].device != self.generator.device:
+        if self._params and self._params[0][1].device != self.device:
             raise ValueError(f"the model moved to {self._params[0][1].device} after DPSGD was built on "
-                             f"{self.generator.device}; build DPSGD after model.to(device)")
+                             f"{self.device}; build DPSGD after model.to(device)")
+        t = self.step if step is None else int(step)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         lmask = attention_mask.bool() if loss_mask is None else loss_mask.bool() & attention_mask.bool()
@@ -126,13 +159,14 @@ class DPSGD:
                 clipped += int((res.norms > self.clip).sum())
         std = self.noise_multiplier * self.clip
         with torch.no_grad():
-            for n, p in self._params:
+            for i, (n, p) in enumerate(self._params):
                 g = sums[n]
                 if std > 0:
-                    g += torch.normal(0.0, std, size=g.shape, generator=self.generator,
-                                      device=g.device, dtype=g.dtype)
+                    gen = self.randomness.torch_generator("dpsgd-noise", t, i, device=g.device)
+                    g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
                 g /= self.expected_batch_size
                 p.grad = g
+        self.step = t + 1
         return {
             "loss": loss_sum / b if b else math.nan,
             "clip_fraction": clipped / b if b else 0.0,
@@ -141,9 +175,10 @@ class DPSGD:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The noise generator's state (and settings, checked on load)."""
-        return {"generator": self.generator.get_state(), "clip": self.clip,
-                "noise_multiplier": self.noise_multiplier,
+        """The secret randomness and step counter (and settings, checked on load). Sensitive."""
+        r = self.randomness.state_dict()
+        return {"secret": r["secret"], "reproducible": r["reproducible"], "step": self.step,
+                "clip": self.clip, "noise_multiplier": self.noise_multiplier,
                 "expected_batch_size": self.expected_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -151,4 +186,7 @@ class DPSGD:
             if key in state and float(state[key]) != getattr(self, key):
                 raise ValueError(f"checkpoint has {key}={state[key]} but this run uses "
                                  f"{getattr(self, key)}; resume with the original privacy settings")
-        self.generator.set_state(state["generator"].cpu())
+        if "secret" not in state:
+            raise ValueError("this DP-SGD checkpoint predates secret randomness; restart the run")
+        self.randomness.load_state_dict(state)  # in place: the sampler shares this object
+        self.step = int(state["step"])

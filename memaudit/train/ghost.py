@@ -164,7 +164,9 @@ class GhostClipper:
     # ------------------------------------------------------------------ per-layer maths
     def _linear(self, a: torch.Tensor, g: torch.Tensor, m: nn.Linear):
         """Squared norms of weight (+ bias) per example, and closures for the clipped sums."""
-        dt = torch.promote_types(a.dtype, g.dtype)
+        # float32 at least, whatever the autocast: bf16 norms and sums let a clipped
+        # per-example gradient reach ~1.0015 C (the clip factor must see the true norm)
+        dt = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
         a, g = a.to(dt).flatten(1, -2), g.to(dt).flatten(1, -2)  # (B, T, d)
         b, t, d_in = a.shape
         d_out = g.shape[-1]
@@ -236,6 +238,12 @@ class GhostClipper:
         store = self._store
         self._store = {}
         del out
+        # the per-example maths in float32 whatever the caller's autocast (bf16 matmuls here
+        # let a clipped per-example gradient reach ~1.0015 C)
+        with torch.autocast(input_ids.device.type, enabled=False):
+            return self._finish(store, embed, g_embed, losses, clip, return_param_norms)
+
+    def _finish(self, store, embed, g_embed, losses, clip, return_param_norms) -> ClippedGrads:
 
         per_sq: dict[str, torch.Tensor] = {}
         per_sum: dict[str, object] = {}
@@ -282,10 +290,15 @@ def vmap_clipped_sum(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     # the 4D mask the model would build (causal, padded keys hidden), made outside vmap
-    # because transformers' mask builder branches on the data
+    # because transformers' mask builder branches on the data. Additive (0 / dtype min), not
+    # boolean: eager attention adds a 4D mask to the scores as is, so a boolean one became
+    # +0/+1 (no causal mask at all), while sdpa reads a boolean one as keep/drop.
     length = input_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-    mask4d = (causal[None] & attention_mask.bool()[:, None, :])[:, None]  # (B, 1, L, L)
+    keep = (causal[None] & attention_mask.bool()[:, None, :])[:, None]  # (B, 1, L, L)
+    mask_dtype = next(iter(params.values())).dtype if params else torch.float32
+    mask4d = torch.zeros(keep.shape, dtype=mask_dtype, device=keep.device).masked_fill(
+        ~keep, torch.finfo(mask_dtype).min)
 
     def loss_fn(p, ids, am, lm):
         out = functional_call(model, ({**p, **frozen}, buffers), args=(),
@@ -298,9 +311,10 @@ def vmap_clipped_sum(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
         warnings.filterwarnings("ignore", message=".*performance drop.*")
         per, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(None, 0, 0, 0),
                            chunk_size=chunk_size)(params, input_ids, mask4d, loss_mask)
-    sq = {k: v.float().pow(2).flatten(1).sum(1) for k, v in per.items()}
-    norms = torch.stack(list(sq.values())).sum(0).sqrt()
-    c = clip_factors(norms, clip)
-    grads = {k: torch.einsum("b,b...->...", c.to(v.dtype), v) for k, v in per.items()}
+    with torch.autocast(input_ids.device.type, enabled=False):  # float32 norms and sums
+        sq = {k: v.float().pow(2).flatten(1).sum(1) for k, v in per.items()}
+        norms = torch.stack(list(sq.values())).sum(0).sqrt()
+        c = clip_factors(norms, clip)
+        grads = {k: torch.einsum("b,b...->...", c, v.float()).to(v.dtype) for k, v in per.items()}
     return ClippedGrads(grads=grads, norms=norms, losses=losses.detach(),
                         param_sq_norms=sq if return_param_norms else None)

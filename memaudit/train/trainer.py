@@ -309,34 +309,41 @@ class CentralizedTrainer:
             self.calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
                                 "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
         self.noise_multiplier, self.sampling_rate, self.delta = float(sigma), q, delta
-        self.sampler = PoissonSampler(n, q, seed=self.tcfg.seed)
+        # privacy: one secret per run, shared by the sampler and the noise. The writer keeps it in
+        # state/ before the other ranks prepare (they read it there: no collective inside prepare)
+        from memaudit.privacy.randomness import DPRandomness
+
+        # RUN_DIR/dp_secret.json: outside state/, which the lifecycle replaces only by sealed checkpoints
+        self.randomness = DPRandomness.for_run(self.run.path, p, self.tcfg.seed, write=self.is_writer)
+        self.sampler = PoissonSampler(n, q, self.randomness)
         self.dp = self.make_dp(clip=p.clip, noise_multiplier=float(sigma),
-                               expected_batch_size=self.sampler.expected_batch_size, seed=p.seed)
+                               expected_batch_size=self.sampler.expected_batch_size,
+                               randomness=self.randomness, population=n)
         self.ledger = self.new_ledger()
 
     def make_dp(self, *, clip: float, noise_multiplier: float, expected_batch_size: float,
-                seed: int | None) -> Any:  # seam: DP-SGD of the parallel model
+                randomness: Any, population: int) -> Any:  # seam: DP-SGD of the parallel model
         """The DP-SGD component of `self.model`, used by `private_gradients` and checkpoints.
 
         It has `step_gradients(input_ids, attention_mask, loss_mask) -> stats` (the privatised
-        mean gradient into `.grad`), `state_dict()` and `load_state_dict(sd)`; `seed=None`
-        means secret noise.
+        mean gradient into `.grad`), `mechanism` (what a step adds, for the ledger),
+        `state_dict()` and `load_state_dict(sd)`; `randomness` is the run's `DPRandomness`.
         """
         from memaudit.train.dpsgd import DPSGD
 
         return DPSGD(self.model, clip=clip, noise_multiplier=noise_multiplier,
-                     expected_batch_size=expected_batch_size, seed=seed,
+                     expected_batch_size=expected_batch_size, randomness=randomness, population=population,
                      mode="ghost", micro_batch_size=self.tcfg.micro_batch_size)
 
     def new_ledger(self) -> Any:
         from memaudit.privacy.ledger import PrivacyLedger
 
         counts = np.bincount(self.train_set.user_index) if len(self.train_set) else np.zeros(1, int)
-        return PrivacyLedger(unit="example", delta=self.delta,
-                             max_sequences_per_user=int(counts.max()), calibration=self.calibration)
+        return PrivacyLedger(unit="example", delta=self.delta, max_sequences_per_user=int(counts.max()),
+                             calibration=self.calibration, reproducible_randomness=self.randomness.reproducible)
 
     def ledger_step(self) -> None:
-        self.ledger.record_steps(self.sampling_rate, self.noise_multiplier, 1)
+        self.ledger.record_mechanism(self.dp.mechanism)  # the mechanism declares its own event
 
     def ledger_json(self) -> dict[str, Any] | None:
         return None if self.ledger is None else self.ledger.to_json()

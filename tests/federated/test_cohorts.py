@@ -94,3 +94,20 @@ def test_poisson_capacity_holds_all_but_a_tail_of_the_rounds():
         poisson_capacity(10, 11)
     with pytest.raises(ValueError, match="tail must be in"):
         poisson_capacity(10, 2, tail=0)
+
+
+@pytest.mark.parametrize("mode", ["poisson", "fixed"])
+def test_dp_cohorts_come_from_the_secret_not_the_seed(mode):
+    from memaudit.privacy.randomness import DPRandomness
+
+    a, b = DPRandomness.fresh(), DPRandomness.fresh()
+    ca = [sample_cohort(a, 200, 10, mode, round=r).tolist() for r in range(5)]
+    assert ca != [sample_cohort(b, 200, 10, mode, round=r).tolist() for r in range(5)]
+    assert ca == [sample_cohort(a, 200, 10, mode, round=r).tolist() for r in range(5)]  # resumable
+    seeded = [sample_cohort(DPRandomness.from_seed(0), 200, 10, mode, round=r).tolist() for r in range(5)]
+    assert seeded == [sample_cohort(DPRandomness.from_seed(0), 200, 10, mode, round=r).tolist() for r in range(5)]
+    assert seeded != [sample_cohort(0, 200, 10, mode, round=r).tolist() for r in range(5)]
+    # the federated trainer's key words expand to a DPRandomness the same way on resume
+    words = np.array([123, 456], np.uint32)
+    assert DPRandomness.from_key_words(words, reproducible=False) == DPRandomness.from_key_words(
+        words.tolist(), reproducible=False)

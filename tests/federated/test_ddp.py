@@ -140,3 +140,21 @@ def test_from_config_builds_and_rejects_infinite_clip():
     bad = Config.model_validate({"backend": "federated", "privacy": {"noise_multiplier": 1.0, "clip": "inf"}})
     with pytest.raises(ConfigError, match="finite privacy.clip"):
         ddp.distributed_dp_from_config(None, bad, noise_multiplier=1.0)
+
+
+def test_calibration_bisects_over_the_event_the_ledger_records():
+    """Distributed DP's target epsilon: calibrated on the KLS curve without amplification (the
+    ledger's own round event), not on the Poisson-amplified central event."""
+    from memaudit.privacy.ledger import PrivacyLedger
+    from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
+
+    clip, n, d, rounds, delta = 1.0, 8, 64, 5, 1e-5
+    make = lambda z: ddp.planned_round_event(clip=clip, noise_multiplier=z, expected_cohort=n, dim=d)
+    z = calibrate(6.0, make, steps=rounds, delta=delta, unit="user")
+    agg = ddp.distributed_dp(clip=clip, noise_multiplier=z, expected_cohort=n, secure=False, seed=0)
+    res = agg.aggregate(jnp.zeros((n, d)), jnp.ones(n), agg.init(None), jax.random.key(0))
+    led = PrivacyLedger(unit="user", delta=delta)
+    for _ in range(rounds):
+        led.record_mechanism(DistributedDiscreteGaussian(), {k: float(v) for k, v in res.metrics.items()
+                                                            if k.startswith("ddp_") or k == "survivors"})
+    assert 6.0 - 1e-3 <= led.epsilon("rdp") <= 6.0

@@ -245,7 +245,7 @@ def test_dp_fedavg_run_records_a_user_level_ledger(overrides, tmp_path):
     from memaudit.rundir import RunDir
 
     cfg = load_config(None, [*overrides, "federated.rounds=2", "federated.sampling=poisson",
-                             "privacy.noise_multiplier=0.8", "privacy.clip=0.5", "privacy.seed=1"])
+                             "privacy.noise_multiplier=0.8", "privacy.clip=0.5", "privacy.reproducible_randomness=true"])
     result = train_federated(cfg, RunDir(tmp_path / "dp"))
     ledger = read_json(tmp_path / "dp" / "privacy.json")
     assert ledger["unit"] == "user" and result["privacy"]["noise_multiplier"] == 0.8

@@ -279,7 +279,7 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         pm = _pmodel(grid, ref["init"])
         ids, mask = data[0]
         st = dp_sgd_backward(pm, pm.shard_batch(ids), pm.shard_batch(mask), clip=ref["dp_clip"],
-                             noise_multiplier=0.0, expected_batch=BATCH, seed=0, step=0)
+                             noise_multiplier=0.0, expected_batch=BATCH, randomness=None, step=0)
         torch.testing.assert_close(st.per_example_norms.float(), pm.shard_batch(ref["dp_norms"]).float(),
                                    rtol=1e-4, atol=1e-5)
         assert abs(st.clip_fraction - 0.5) < 1e-9, st.clip_fraction
@@ -448,7 +448,7 @@ TRAIN_COMMON = ("data.seq_len=32", "train.steps=4", "train.eval_every=2", "train
 TRAIN_JOBS: dict[str, tuple[int, tuple[str, ...]]] = {
     # DP-SGD sigma=0 under x=2 tensor parallelism, a clip norm that clips some examples, not all,
     # micro-batches of 3 (the clipped sums of the passes accumulate, then one sync)
-    "dp0-x2": (2, ("parallel.x=2", "privacy.noise_multiplier=0", "privacy.clip=3.0", "privacy.seed=3",
+    "dp0-x2": (2, ("parallel.x=2", "privacy.noise_multiplier=0", "privacy.clip=3.0", "privacy.reproducible_randomness=true",
                    "train.micro_batch_size=3")),
     # gradient accumulation on a data=2 grid: chunks of 3, 3, 2 global rows, each padded to 2
     "accum-d2": (2, ("parallel.data=2", "train.micro_batch_size=3")),

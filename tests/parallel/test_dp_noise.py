@@ -1,5 +1,6 @@
 """DP-SGD noise of the parallel backend: once per logical parameter, the configured std, and
-independent of the grid (a full-size draw from a (seed, step, parameter) generator)."""
+independent of the grid (a full-size draw from a generator keyed by the run's secret at
+(step, parameter))."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import torch
 
 from memaudit.models.presets import build_model
 from memaudit.parallel.dims import ParallelDims
-from memaudit.parallel.dp import add_noise_, noise_seed
+from memaudit.parallel.dp import add_noise_
 from memaudit.parallel.parallelize import parallelize_llama
+from memaudit.privacy.randomness import DPRandomness
+
+RAND = DPRandomness.from_seed(7)
 
 
 def _zero_grad_model():
@@ -20,23 +24,58 @@ def _zero_grad_model():
 
 def test_noise_has_the_configured_std_and_is_a_full_size_draw() -> None:
     pm = _zero_grad_model()
-    add_noise_(pm, std=0.5, seed=7, step=3)
+    add_noise_(pm, std=0.5, randomness=RAND, step=3)
     params = list(pm.hf.named_parameters())
     emb_i = next(i for i, (n, _) in enumerate(params) if n == "model.embed_tokens.weight")
     g = params[emb_i][1].grad
     assert abs(float(g.std()) - 0.5) < 0.005  # 524k samples: the estimate's sd is ~0.0005
     assert abs(float(g.mean())) < 0.005
-    expect = torch.randn(g.shape, generator=torch.Generator().manual_seed(noise_seed(7, 3, emb_i))) * 0.5
+    expect = torch.randn(g.shape, generator=RAND.torch_generator("dpsgd-noise", 3, emb_i)) * 0.5
     torch.testing.assert_close(g, expect, rtol=0, atol=0)
 
 
 def test_noise_differs_across_steps_and_parameters() -> None:
     a, b = _zero_grad_model(), _zero_grad_model()
-    add_noise_(a, std=1.0, seed=7, step=0)
-    add_noise_(b, std=1.0, seed=7, step=1)
+    add_noise_(a, std=1.0, randomness=RAND, step=0)
+    add_noise_(b, std=1.0, randomness=RAND, step=1)
     ga = [p.grad for p in a.parameters()]
     gb = [p.grad for p in b.parameters()]
     assert all(not torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
     # two parameters of one step are not copies of each other
     assert not torch.equal(ga[1].reshape(-1)[:100], ga[2].reshape(-1)[:100])
-    assert len({noise_seed(0, s, i) for s in range(50) for i in range(40)}) == 50 * 40
+    assert len({RAND.seed64("dpsgd-noise", s, i) for s in range(50) for i in range(40)}) == 50 * 40
+
+
+def _replica_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        own = DPRandomness.fresh()  # each process draws its own secret first
+        before = torch.tensor(list(own.key("dpsgd-noise", 3)), dtype=torch.int64)
+        shared = own.broadcast()
+        noise = torch.randn(1000, generator=shared.torch_generator("dpsgd-noise", 3, 0))
+        befores = [torch.zeros_like(before) for _ in range(world)]
+        noises = [torch.zeros_like(noise) for _ in range(world)]
+        dist.all_gather(befores, before)
+        dist.all_gather(noises, noise)
+        if rank == 0:
+            torch.save({"before": befores, "noise": noises}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_replica_adds_identical_noise(tmp_path) -> None:
+    """On a grid the secret is drawn once (rank 0) and broadcast: every replica's noise is the same."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "noise.pt"
+    mp.spawn(_replica_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    res = torch.load(out, weights_only=True)
+    assert not torch.equal(res["before"][0], res["before"][1])  # independent secrets before the broadcast
+    assert torch.equal(res["noise"][0], res["noise"][1])

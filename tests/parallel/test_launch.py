@@ -133,7 +133,7 @@ DP_STEPS = 6
 def _dp_args(corpus) -> list[str]:
     return tiny_train_args(f"data.path={corpus}", "data.seq_len=32", f"train.steps={DP_STEPS}",
                            "train.checkpoint_every=2", "train.eval_every=6", "privacy.noise_multiplier=0.8",
-                           "privacy.clip=1.0", "privacy.seed=5", "privacy.delta=1e-4", "parallel.x=2")
+                           "privacy.clip=1.0", "privacy.reproducible_randomness=true", "privacy.delta=1e-4", "parallel.x=2")
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +163,10 @@ def test_dp_through_the_launcher_writes_one_ledger_with_the_accounted_epsilon(dp
     assert [m["step"] for m in metrics] == list(range(1, DP_STEPS + 1))
     assert metrics[0]["noise_std"] == pytest.approx(0.8 * 1.0 / 8, rel=1e-9)
     # Poisson batch sizes are the sampler's own draws, whatever the grid
+    from memaudit.privacy.randomness import DPRandomness
     from memaudit.train.sampling import PoissonSampler
 
-    sampler = PoissonSampler(result["train_sequences"], q, seed=0)
+    sampler = PoissonSampler(result["train_sequences"], q, DPRandomness.from_seed(0))  # reproducible_randomness
     assert [m["batch_size"] for m in metrics] == [len(sampler.indices(t)) for t in range(DP_STEPS)]
 
 

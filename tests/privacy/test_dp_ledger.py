@@ -110,3 +110,24 @@ def test_per_user_block_and_bad_input():
     zero = PrivacyLedger(unit="example", delta=1e-5)
     zero.record_steps(0.1, 0.0, 3)
     assert zero.to_json()["epsilon"] == {"rdp": math.inf, "pld": math.inf}
+
+
+def test_summary_is_recomputed_from_events_never_the_stored_number():
+    import math
+
+    from memaudit.privacy.ledger import ledger_summary
+    from memaudit.privacy.mechanisms import SampledGaussian
+
+    led = PrivacyLedger(unit="user", delta=1e-5, reproducible_randomness=True)
+    mech = SampledGaussian(name="DP-FedAvg", unit="user", noise_multiplier=1.0, population=1000, expected=10)
+    led.record_mechanism(mech, steps=100)
+    obj = led.to_json()
+    obj["epsilon"] = {"rdp": 0.001, "pld": 0.001}  # a tampered stored number is ignored
+    s = ledger_summary(obj)
+    assert s["epsilon"] == pytest.approx(min(led.epsilon("rdp"), led.epsilon("pld")))
+    assert s["adjacency"] == ["add/remove"] and s["unit"] == "user" and s["void_if_seed_known"]
+    assert math.isinf(s["server_epsilon"])  # central DP: nothing against the server
+    bad = {**obj, "events": [{"type": "NoSuchEvent"}]}
+    with pytest.raises(ValueError, match="unknown privacy event"):
+        ledger_summary(bad)  # no fallback to the stored epsilon
+    assert math.isinf(ledger_summary(None)["epsilon"])

@@ -52,3 +52,22 @@ def test_bad_input_one_line_exit_2(capsys, args, needle):
     assert rc == 2
     assert err.startswith("memaudit: error:") and needle in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_fixed_sampling_is_replace_one_with_z_over_two(capsys):
+    from dp_accounting import dp_event
+    from dp_accounting.privacy_accountant import NeighboringRelation
+    from dp_accounting.rdp import RdpAccountant
+
+    from memaudit.privacy.mechanisms import FIXED_COHORT_ORDERS
+
+    res = _json(capsys, ["-q", "0.01", "-s", "1.2", "-T", "200", "--delta", "1e-6", "--sampling", "fixed",
+                         "--population", "2000"])
+    assert res["adjacency"] == "replace-one" and list(res["epsilon"]) == ["rdp"]
+    acc = RdpAccountant(list(FIXED_COHORT_ORDERS), neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    acc.compose(dp_event.SampledWithoutReplacementDpEvent(2000, 20, dp_event.GaussianDpEvent(0.6)), 200)
+    assert res["epsilon"]["rdp"] == pytest.approx(acc.get_epsilon(1e-6), rel=1e-9)
+    poisson = _json(capsys, ["-q", "0.01", "-s", "1.2", "-T", "200", "--delta", "1e-6"])
+    assert poisson["adjacency"] == "add/remove"
+    assert main(["epsilon", "-q", "0.01", "-s", "1", "-T", "5", "--delta", "1e-6", "--sampling", "fixed"]) == 2
+    assert "--population" in capsys.readouterr().err

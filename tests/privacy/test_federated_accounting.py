@@ -34,7 +34,8 @@ def test_fixed_cohort_is_replace_one_rdp_only():
     ev = fed.dpfedavg_event(cohort=COHORT, population=POP, noise_multiplier=Z, rounds=ROUNDS, sampling="fixed")
     assert isinstance(ev, RdpCurveEvent) and "replace-one" in ev.label
     acc = RdpAccountant(list(fed.FIXED_COHORT_ORDERS), neighboring_relation=NeighboringRelation.REPLACE_ONE)
-    acc.compose(dp_event.SampledWithoutReplacementDpEvent(POP, COHORT, dp_event.GaussianDpEvent(Z)), ROUNDS)
+    # replace-one moves the clipped sum by 2C: dp_accounting's multiplier is std / (2C) = Z / 2
+    acc.compose(dp_event.SampledWithoutReplacementDpEvent(POP, COHORT, dp_event.GaussianDpEvent(Z / 2)), ROUNDS)
     led = PrivacyLedger(unit="user", delta=DELTA, events=[ev])
     assert led.epsilon("rdp") == pytest.approx(acc.get_epsilon(DELTA), rel=1e-9)
     assert led.epsilons()["pld"] is None

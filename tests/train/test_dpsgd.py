@@ -10,6 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.dpsgd import DPSGD
 from memaudit.train.ghost import GhostClipper, vmap_clipped_sum
 from memaudit.train.losses import causal_lm_loss, causal_lm_loss_per_example
@@ -124,7 +125,7 @@ def test_limit_case_equals_sgd(mode, model, batch):
     """C = inf, σ = 0: the DP gradient is Σ_i ∇ℓ_i / E, the plain SGD gradient."""
     ids, attn, lmask = batch
     expected = 7.0
-    dp = DPSGD(model, clip=math.inf, noise_multiplier=0.0, expected_batch_size=expected, seed=0, mode=mode)
+    dp = DPSGD(model, clip=math.inf, noise_multiplier=0.0, expected_batch_size=expected, mode=mode)
     stats = dp.step_gradients(ids, attn, lmask)
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -138,10 +139,10 @@ def test_limit_case_equals_sgd(mode, model, batch):
 
 def test_micro_batches_match_one_batch(model, batch):
     ids, attn, lmask = batch
-    full = DPSGD(model, clip=0.5, noise_multiplier=0.0, expected_batch_size=4, seed=0)
+    full = DPSGD(model, clip=0.5, noise_multiplier=0.0, expected_batch_size=4)
     s1 = full.step_gradients(ids, attn, lmask)
     g1 = {n: p.grad.clone() for n, p in model.named_parameters()}
-    micro = DPSGD(model, clip=0.5, noise_multiplier=0.0, expected_batch_size=4, seed=0, micro_batch_size=2)
+    micro = DPSGD(model, clip=0.5, noise_multiplier=0.0, expected_batch_size=4, micro_batch_size=2)
     s2 = micro.step_gradients(ids, attn, lmask)
     for n, p in model.named_parameters():
         torch.testing.assert_close(g1[n], p.grad, rtol=1e-5, atol=1e-7)
@@ -173,7 +174,7 @@ def test_clipping_bounds_each_contribution(model, seed, b, clip_frac, scale):
     try:
         res = GhostClipper(model).clipped_sum(ids, attn, lmask, math.inf)
         clip = clip_frac * float(res.norms[0])
-        dp = DPSGD(model, clip=clip, noise_multiplier=0.0, expected_batch_size=1.0, seed=0)
+        dp = DPSGD(model, clip=clip, noise_multiplier=0.0, expected_batch_size=1.0)
         dp.step_gradients(ids[:1], attn[:1], lmask[:1])
         alone = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
         assert res.norms[0] > 10 * clip  # the gradient really is huge
@@ -191,7 +192,7 @@ def test_clipping_bounds_each_contribution(model, seed, b, clip_frac, scale):
 def test_noise_std_with_zero_gradients(model):
     """Empty batch (zero gradients), SGD at lr 1: update std = σC/E within 2 %."""
     sigma, clip, expected = 1.3, 0.8, 16.0
-    dp = DPSGD(model, clip=clip, noise_multiplier=sigma, expected_batch_size=expected, seed=123)
+    dp = DPSGD(model, clip=clip, noise_multiplier=sigma, expected_batch_size=expected, randomness=DPRandomness.from_seed(123))
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     ids = torch.zeros(0, 8, dtype=torch.long)
@@ -214,44 +215,124 @@ def test_noise_std_with_zero_gradients(model):
 
 def test_noise_resume_is_exact(model, batch):
     ids, attn, lmask = batch
-    a = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, seed=None)
+    a = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, )
     a.step_gradients(ids, attn, lmask)
     state = a.state_dict()
     a.step_gradients(ids, attn, lmask)
     want = [p.grad.clone() for p in model.parameters()]
-    b = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, seed=None)
+    b = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, )
     b.load_state_dict(state)
     b.step_gradients(ids, attn, lmask)
     for w, p in zip(want, model.parameters()):
         torch.testing.assert_close(w, p.grad, rtol=1e-6, atol=1e-7)
-    c = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, seed=None)
+    c = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=5, )
     c.step_gradients(ids, attn, lmask)  # fresh OS entropy: different noise
     assert not torch.allclose(want[0], model.model.embed_tokens.weight.grad)
     with pytest.raises(ValueError, match="noise_multiplier"):
-        DPSGD(model, clip=1.0, noise_multiplier=2.0, expected_batch_size=5, seed=0).load_state_dict(state)
+        DPSGD(model, clip=1.0, noise_multiplier=2.0, expected_batch_size=5).load_state_dict(state)
     model.zero_grad(set_to_none=True)
 
 
 def test_bad_settings_and_tied_weights(model):
     with pytest.raises(ValueError, match="clip"):
-        DPSGD(model, clip=0.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+        DPSGD(model, clip=0.0, noise_multiplier=1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="noise multiplier"):
-        DPSGD(model, clip=1.0, noise_multiplier=-1.0, expected_batch_size=4, seed=0)
+        DPSGD(model, clip=1.0, noise_multiplier=-1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="finite clip"):
-        DPSGD(model, clip=math.inf, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+        DPSGD(model, clip=math.inf, noise_multiplier=1.0, expected_batch_size=4)
     ckpt = _model()
     ckpt.activation_checkpointing_enable()
     with pytest.raises(ValueError, match="activation checkpointing"):
-        DPSGD(ckpt, clip=1.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+        DPSGD(ckpt, clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
     tied = _model(tie=True)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        DPSGD(tied, clip=1.0, noise_multiplier=1.0, expected_batch_size=4, seed=0)
+        DPSGD(tied, clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
     # the vmap reference handles tied weights: the limit case still holds
     ids, attn, lmask = _batch(b=3)
-    dp = DPSGD(tied, clip=math.inf, noise_multiplier=0.0, expected_batch_size=3, seed=0, mode="vmap")
+    dp = DPSGD(tied, clip=math.inf, noise_multiplier=0.0, expected_batch_size=3, mode="vmap")
     dp.step_gradients(ids, attn, lmask)
     got = tied.lm_head.weight.grad.clone()
     tied.zero_grad(set_to_none=True)
     logits = tied(input_ids=ids, attention_mask=attn).logits
     (causal_lm_loss_per_example(logits, ids, lmask).sum() / 3).backward()
     torch.testing.assert_close(got, tied.lm_head.weight.grad, rtol=1e-4, atol=1e-7)
+
+
+def _loop_per_example(model, ids, attn, lmask):
+    """Oracle: one ordinary forward/backward per example, model as configured."""
+    out = []
+    for i in range(ids.shape[0]):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids[i:i + 1], attention_mask=attn[i:i + 1], use_cache=False).logits
+        causal_lm_loss_per_example(logits, ids[i:i + 1], lmask[i:i + 1]).sum().backward()
+        out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_vmap_reference_is_right_under_eager_and_sdpa(attn_impl, batch):
+    """The vmap path once passed a boolean 4D mask that eager attention added as 0/1 (no causal mask)."""
+    model = _model()
+    model.config._attn_implementation = attn_impl
+    ids, attn, lmask = batch
+    ref = vmap_clipped_sum(model, ids, attn, lmask, math.inf, return_param_norms=True)
+    loop = _loop_per_example(model, ids, attn, lmask)
+    for name in ref.grads:
+        want = torch.stack([g[name] for g in loop]).sum(0)
+        torch.testing.assert_close(ref.grads[name], want, rtol=1e-4, atol=1e-6, msg=f"{attn_impl}: {name}")
+    want_norms = torch.stack([torch.sqrt(sum(g.double().pow(2).sum() for g in d.values())) for d in loop])
+    torch.testing.assert_close(ref.norms.double(), want_norms, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "vmap"])
+def test_bf16_autocast_clipped_gradients_within_clip(mode):
+    """Under bf16 autocast every clipped per-example gradient has a float64 norm <= C (1 + 1e-6)."""
+    model = _model()
+    ids, attn, lmask = _batch(b=6, length=12, seed=4)
+    clip = 0.05  # far below the gradient norms: every example is clipped
+    fn = (lambda *a: GhostClipper(model).clipped_sum(*a, clip)) if mode == "ghost" else \
+        (lambda *a: vmap_clipped_sum(model, *a, clip))
+    worst = 0.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(ids.shape[0]):
+            res = fn(ids[i:i + 1], attn[i:i + 1], lmask[i:i + 1])
+            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in res.grads.values()))
+            assert float(res.norms[0]) > clip
+            worst = max(worst, norm / clip)
+    assert worst <= 1 + 1e-6, f"clipped per-example norm reached {worst:.6f} C"
+
+
+def test_measured_noise_and_sensitivity_give_an_epsilon_within_the_ledger(model, batch):
+    """DP-SGD measured: noise std on an empty batch, sensitivity of one example present vs absent
+    (σ = 0, so the difference is that example's clipped gradient), ε from dp_accounting."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    from memaudit.privacy.accounting import RDP_ORDERS
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    sigma, clip, expected, n, steps = 1.1, 0.3, 4.0, 200, 300
+
+    def summed(dp, ids, attn, lmask):
+        dp.step_gradients(ids, attn, lmask)
+        out = torch.cat([p.grad.flatten().double() for p in model.parameters()]) * expected
+        model.zero_grad(set_to_none=True)
+        return out
+
+    noisy = DPSGD(model, clip=clip, noise_multiplier=sigma, expected_batch_size=expected, population=n)
+    empty = torch.zeros(0, 8, dtype=torch.long)
+    noise = summed(noisy, empty, torch.ones_like(empty), torch.ones_like(empty, dtype=torch.bool))
+    std = float(noise.std()) * (1 + 4 / math.sqrt(2 * noise.numel())) / clip
+    quiet = DPSGD(model, clip=clip, noise_multiplier=0.0, expected_batch_size=expected)
+    ids, attn, lmask = batch
+    full = summed(quiet, ids, attn, lmask)
+    sens = max(float((full - summed(quiet, torch.cat([ids[:i], ids[i + 1:]]), torch.cat([attn[:i], attn[i + 1:]]),
+                                    torch.cat([lmask[:i], lmask[i + 1:]]))).norm()) for i in range(ids.shape[0]))
+    sens /= clip
+    assert 0.9 < sens <= 1 + 1e-5  # the clipped examples move the sum by (almost exactly) C
+    acc = RdpAccountant(list(RDP_ORDERS))
+    acc.compose(dp_event.PoissonSampledDpEvent(expected / n, dp_event.GaussianDpEvent(std / sens)), steps)
+    led = PrivacyLedger(unit="example", delta=1e-5)
+    led.record_mechanism(noisy.mechanism, steps=steps)
+    assert acc.get_epsilon(1e-5) <= led.epsilon("rdp") + 1e-3

@@ -143,7 +143,7 @@ def test_dp_sgd_run_records_a_ledger(tiny_run, tmp_path):
     cfg = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
         *TINY_TRAIN_OVERRIDES, f"data.path={manifest['config']['data']['path']}",
         "train.steps=6", "train.eval_every=3", "train.checkpoint_every=3",
-        "privacy.noise_multiplier=1.2", "privacy.clip=1.0", "privacy.seed=5", "privacy.delta=1e-4"])
+        "privacy.noise_multiplier=1.2", "privacy.clip=1.0", "privacy.reproducible_randomness=true", "privacy.delta=1e-4"])
     res = train_centralized(cfg, run)
     ledger = read_json(run.privacy_path)
     n = res["train_sequences"]
@@ -163,9 +163,10 @@ def test_dp_sgd_run_records_a_ledger(tiny_run, tmp_path):
     assert [m["step"] for m in sensitive] == list(range(1, 7))
     for key in ("batch_size", "clip_fraction", "loss", "grad_norm", "tokens_per_s"):
         assert all(key in m for m in sensitive) and not any(key in m for m in metrics), key
-    # Poisson batch sizes: reproducible from (seed, step), the sampler's own draw
+    # Poisson batch sizes: reproducible_randomness derives the sampler's keys from train.seed
+    from memaudit.privacy.randomness import DPRandomness
     from memaudit.train.sampling import PoissonSampler
 
-    sampler = PoissonSampler(n, q, seed=0)
+    sampler = PoissonSampler(n, q, DPRandomness.from_seed(0))
     assert [m["batch_size"] for m in sensitive] == [len(sampler.indices(t)) for t in range(6)]
     assert read_json(run.manifest_path)["result"]["privacy"]["noise_multiplier"] == 1.2

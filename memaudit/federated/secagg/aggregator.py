@@ -243,7 +243,8 @@ def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = N
 
     Uses ``privacy.secure_aggregation`` (threshold, neighbours, bits, dropout, mode,
     colluding_clients, min_survivors, verification_keys), ``privacy.clip`` as the bound of a
-    decoded contribution (must be finite) and ``privacy.seed`` (else ``train.seed``). Checks
+    decoded contribution (must be finite) and ``train.seed`` (mask seeds also mix in the round
+    key, which is secret under DP). Checks
     the config first (:func:`check_secagg_config`; pass ``dim`` to check ``bits`` here rather
     than at the first round).
     """
@@ -252,7 +253,7 @@ def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = N
     check_secagg_config(cfg, dim=dim)
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     clip = max(p.clip, p.adaptive_clipping.initial_clip) if p.adaptive_clipping.enabled else p.clip
-    seed = p.seed if p.seed is not None else cfg.train.seed
+    seed = cfg.train.seed  # mask seeds mix in the round key, which is secret under DP
     keys = None
     if sa.mode == "malicious" and sa.verification_keys is not None:
         try:
