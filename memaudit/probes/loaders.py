@@ -110,14 +110,18 @@ class Privacy:
     def from_json(cls, obj: Any, source: str = "privacy.json") -> Privacy:
         if not isinstance(obj, dict):
             raise DataError(f"{source} is not a JSON object; re-run training to rewrite it")
-        eps = obj.get("epsilon") or {}
-        vals = [float(v) for v in (eps.get("pld"), eps.get("rdp")) if v is not None] if isinstance(
-            eps, dict) else []
-        e = min(vals) if vals else None
+        from memaudit.privacy.ledger import ledger_summary
+
+        try:  # recomputed from the ledger's events, never the stored number
+            summary = ledger_summary(obj)
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{source} holds a privacy ledger this version cannot interpret "
+                            f"({type(e).__name__}); re-run training to rewrite it") from None
+        e = summary["epsilon"]
         return cls(
-            unit=obj.get("unit"),
-            delta=None if obj.get("delta") is None else float(obj["delta"]),
-            epsilon=None if e is None or math.isnan(e) else e,
+            unit=summary["unit"],
+            delta=summary["delta"],
+            epsilon=None if summary["unit"] is None or math.isnan(e) else e,
         )
 
 

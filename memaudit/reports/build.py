@@ -48,18 +48,17 @@ def find_runs(paths: list[str | os.PathLike]) -> list[RunDir]:
 def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
     if not rd.privacy_path.is_file():
         return {"epsilon": math.inf, "unit": None, "delta": None, "per_user": None, "noise_multiplier": None}
-    raw = read_json(rd.privacy_path)
-    eps = None
-    try:  # recompute from the serialised events
-        from memaudit.privacy.ledger import PrivacyLedger
+    raw = read_json(rd.privacy_path, what="privacy ledger")
+    from memaudit.privacy.ledger import ledger_summary
 
-        ledger = PrivacyLedger.from_json(raw)
-        eps = ledger.epsilon("pld") if raw.get("epsilon", {}).get("pld") is not None else ledger.epsilon("rdp")
-    except Exception:  # noqa: BLE001 - a ledger this version cannot parse: use its stored epsilon
-        stored = raw.get("epsilon", {})
-        eps = stored.get("pld") if stored.get("pld") is not None else stored.get("rdp")
-    if eps is None:
-        eps = math.inf
+    try:  # recomputed from the serialised events; no stored-number fallback
+        summary = ledger_summary(raw if isinstance(raw, dict) else None)
+    except (ValueError, KeyError, TypeError) as e:
+        raise MemauditError(f"'{rd.privacy_path}' holds a privacy ledger this version cannot "
+                            f"interpret ({type(e).__name__}); re-run training to rewrite it") from None
+    eps = summary["epsilon"]
+    if not isinstance(raw, dict):
+        raw = {}
     pu = raw.get("per_user") or None
     if pu is not None:
         pu = {"max_sequences_per_user": raw.get("max_sequences_per_user") or pu.get("k"),
@@ -71,6 +70,11 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
         "per_user": pu,
         "noise_multiplier": raw.get("noise_multiplier"),
         "accounting": raw.get("accountant_note") or raw.get("adjacency"),
+        "adjacency": summary["adjacency"],
+        "assumes_hidden": summary["assumes_hidden"],
+        "server_epsilon": summary["server_epsilon"],
+        "server_note": summary["server_note"],
+        "void_if_seed_known": summary["void_if_seed_known"],
     }
 
 
