@@ -125,3 +125,19 @@ def test_recovery_refuses_a_damaged_state_and_deletes_nothing(tmp_path):
 
 def test_recovery_without_any_checkpoint_starts_over(tmp_path):
     assert recover_checkpoint(RunDir(tmp_path)) is None
+
+
+def scan_public_files(run: Path) -> None:
+    """No file of a DP run outside the sensitive ones holds a per-step statistic of the private
+    data: metrics.jsonl has no such key, run.json's result no training loss, privacy.json no
+    realized batch, cohort, survivor or clip count."""
+    from memaudit.lifecycle import SENSITIVE_KEYS
+
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        assert not set(json.loads(line)) & SENSITIVE_KEYS, line
+    result = json.loads((run / "run.json").read_text())["result"]
+    assert result["final_train_loss"] is None
+    ledger = (run / "privacy.json").read_text()
+    for key in ("batch_size", "clip_fraction", "clipped", "cohort_size", "survivors\": ["):
+        assert key not in ledger, key
+    assert (run / "sensitive_metrics.jsonl").is_file()

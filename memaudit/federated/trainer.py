@@ -363,7 +363,9 @@ class FederatedTrainer:
         tokens = self._round_tokens(cohort)
         rec.update(loss=m.pop("loss", math.nan), update_norm=m.pop("update_norm", math.nan),
                    tokens_per_s=tokens / dt if dt > 0 else 0.0, round_seconds=dt)
-        if self.ledger is not None:
+        # An aborted secure-aggregation round released and applied nothing: no privacy event.
+        # (Whether a round aborts depends on the realized cohort; `docs/secure-aggregation.md`.)
+        if self.ledger is not None and not int(m.get("secagg_aborted", 0) or 0):
             self.record_privacy(m)
         rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
         return state, rec
@@ -535,7 +537,8 @@ class FederatedTrainer:
             "final_holdout_loss": final[0], "final_holdout_perplexity": final[1],
             "initial_holdout_loss": self.initial_holdout[0],
             "initial_holdout_perplexity": self.initial_holdout[1],
-            "final_train_loss": last.get("loss"),
+            # the training loss is a statistic of the private data: not in run.json under DP
+            "final_train_loss": None if self.private else last.get("loss"),
             "clients": self.clients.num_users, "train_sequences": len(self.prepared.train),
             "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
             "devices": len(jax.devices()), "processes": jax.process_count(),

@@ -459,7 +459,8 @@ class CentralizedTrainer:
             "final_holdout_perplexity": final[1],
             "initial_holdout_loss": self.initial_holdout[0],
             "initial_holdout_perplexity": self.initial_holdout[1],
-            "final_train_loss": last.get("loss"),
+            # the training loss is a statistic of the private data: not in run.json under DP
+            "final_train_loss": None if self.private else last.get("loss"),
             "train_sequences": len(self.train_set),
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "device": self.device.type,

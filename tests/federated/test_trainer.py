@@ -258,6 +258,9 @@ def test_dp_fedavg_run_records_a_user_level_ledger(overrides, tmp_path):
     sensitive = read_jsonl(tmp_path / "dp" / "sensitive_metrics.jsonl")
     assert [m["round"] for m in sensitive] == [1, 2]
     assert all({"clip_fraction", "survivors", "cohort"} <= set(m) for m in sensitive)
+    from tests.test_lifecycle import scan_public_files
+
+    scan_public_files(tmp_path / "dp")
 
 
 # Run in a subprocess: checkpoint every round and die (SIGKILL) between the two renames of the
@@ -295,3 +298,31 @@ def test_sigkill_inside_the_checkpoint_swap_then_resume_gives_the_same_weights(f
     ref, got = _weights(fed_run["path"]), _weights(out)
     for name in ref:
         assert np.array_equal(ref[name], got[name]), name
+
+
+def test_an_aborted_secure_aggregation_round_costs_no_privacy_and_training_goes_on(overrides, tmp_path):
+    """DP-FedAvg over secure aggregation with threshold 1 and dropouts: rounds where a client
+    drops abort (nothing released, nothing applied), the ledger holds one event per completed
+    round only, the abort count is in the sensitive metrics file, and the run completes."""
+    from memaudit.config import load_config
+    from memaudit.federated.trainer import train_federated
+    from memaudit.io import read_json, read_jsonl
+    from memaudit.rundir import RunDir
+
+    cfg = load_config(None, [*overrides, "federated.rounds=4", "federated.checkpoint_every=4",
+                             "privacy.noise_multiplier=0.5", "privacy.clip=0.5", "privacy.delta=1e-3",
+                             "privacy.reproducible_randomness=true",
+                             "privacy.secure_aggregation.enabled=true",
+                             "privacy.secure_aggregation.threshold=1.0",
+                             "privacy.secure_aggregation.dropout=0.3"])
+    out = tmp_path / "abort"
+    result = train_federated(cfg, RunDir(out))
+    assert read_json(out / "run.json")["status"] == "complete" and result["rounds"] == 4
+    sensitive = read_jsonl(out / "sensitive_metrics.jsonl")
+    aborted = sum(int(m["secagg_aborted"]) for m in sensitive)
+    assert 0 < aborted < 4, sensitive  # this seed drops a client in some rounds, not all
+    for m in sensitive:
+        if m["secagg_aborted"]:
+            assert m["update_norm"] == 0.0
+    assert read_json(out / "privacy.json")["steps"] == 4 - aborted
+    assert not any("secagg_aborted" in m for m in read_jsonl(out / "metrics.jsonl"))

@@ -169,4 +169,7 @@ def test_dp_sgd_run_records_a_ledger(tiny_run, tmp_path):
 
     sampler = PoissonSampler(n, q, DPRandomness.from_seed(0))
     assert [m["batch_size"] for m in sensitive] == [len(sampler.indices(t)) for t in range(6)]
+    from tests.test_lifecycle import scan_public_files
+
+    scan_public_files(run.path)
     assert read_json(run.manifest_path)["result"]["privacy"]["noise_multiplier"] == 1.2
