@@ -175,6 +175,13 @@ def _pmodel(grid: tuple[int, int, int, int], init: dict[str, torch.Tensor], **op
     return pm
 
 
+def _rand(seed: int):
+    """Seed-derived DP randomness (privacy.reproducible_randomness): the same keys on every rank."""
+    from memaudit.privacy.randomness import DPRandomness
+
+    return DPRandomness.from_seed(seed)
+
+
 def assert_weights_close(a_run: Path, b_run: Path, *, max_abs: float = 1e-3, far_fraction: float = 1e-4) -> None:
     """The `model/` weights of two runs agree up to a grid's fp32 summation order.
 
@@ -323,8 +330,8 @@ def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute
         pm.hf.train()
     with pm.comm.counting():
         if dp:
-            dp_sgd_backward(pm, ids, mask, clip=1.0, noise_multiplier=0.0, expected_batch=BATCH, seed=0, step=0,
-                            micro_batch=chunk)
+            dp_sgd_backward(pm, ids, mask, clip=1.0, noise_multiplier=0.0, expected_batch=BATCH,
+                            randomness=_rand(0), step=0, micro_batch=chunk)
         else:
             for s in range(0, rows, chunk):
                 loss, _ = pm(ids[s:s + chunk], mask[s:s + chunk])
@@ -372,7 +379,7 @@ def _grads_of(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, kind: str) -
         pm.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         pm.hf.train()
     if kind == "dp":
-        dp_sgd_backward(pm, ids, mask, clip=1.0, noise_multiplier=1.0, expected_batch=BATCH, seed=5, step=2)
+        dp_sgd_backward(pm, ids, mask, clip=1.0, noise_multiplier=1.0, expected_batch=BATCH, randomness=_rand(5), step=2)
     else:
         chunk = max(1, ids.shape[0] // 2) if kind == "micro" else ids.shape[0]
         for s in range(0, ids.shape[0], chunk):
