@@ -262,14 +262,35 @@ class FederatedTrainer:
         return sample_cohort(src, self.clients.num_users, f.cohort, f.sampling, round=r)
 
     def _dp_randomness(self) -> Any:
-        """Cohort randomness under DP: expanded from the run's base key (kept in state/), never the seed."""
+        """The DP run's secret randomness (256 bits of OS entropy, or derived from train.seed
+        with privacy.reproducible_randomness): RUN_DIR/dp_secret.json, written by process 0
+        before the first round and read back on resume; every JAX process gets process 0's.
+        Cohorts and each round's key are derived from it, never from train.seed."""
         if getattr(self, "_dp_rand", None) is None:
+            import jax
+
             from memaudit.privacy.randomness import DPRandomness
 
-            saved = self.session.state_file("trainer.json") if self.session.resume else None
-            words = saved["key"] if saved is not None and "key" in saved else self._base_key()
-            self._dp_rand = DPRandomness.from_key_words(words, reproducible=self.cfg.privacy.reproducible_randomness)
+            rand = DPRandomness.for_run(self.run.path, self.cfg.privacy, self.cfg.train.seed,
+                                        write=self.is_writer)
+            if jax.process_count() > 1:  # one secret per run: process 0's on every process
+                from jax.experimental import multihost_utils
+
+                sd = rand.state_dict()
+                words = np.frombuffer(bytes.fromhex(sd["secret"]), dtype="<u4").copy()
+                words = np.asarray(multihost_utils.broadcast_one_to_all(words), dtype="<u4")
+                rand = DPRandomness.from_state_dict({**sd, "secret": words.tobytes().hex()})
+            self._dp_rand = rand
         return self._dp_rand
+
+    def round_key(self, key: Any, r: int) -> Any:
+        """Round r's key: derived from the secret by the PRF under DP (one key per round),
+        else folded from the seed's base key."""
+        import jax
+
+        if self.private:
+            return self._dp_randomness().jax_key("round", r)
+        return jax.random.fold_in(key, r)
 
     def _base_capacity(self) -> int | None:
         """Clients dim of every round: the cohort (fixed sampling); for Poisson sampling a
@@ -356,7 +377,7 @@ class FederatedTrainer:
             rec.update(loss=None, update_norm=0.0, tokens_per_s=0.0)
             return state, rec
         data = self.round_data(cohort)
-        state, m = self.algorithm.round(state, data, jax.random.fold_in(key, r))
+        state, m = self.algorithm.round(state, data, self.round_key(key, r))
         state = self._replicate(state)
         jax.block_until_ready(state.params)
         dt = time.perf_counter() - t0
@@ -464,23 +485,13 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ driver
     def _base_key(self) -> np.ndarray:
-        """Raw key data of the run's base key: train.seed, or under DP a secret key (HKDF over OS
-        entropy; from train.seed with privacy.reproducible_randomness). Cached: one per run."""
+        """Raw key data of the run's base key: train.seed, or under DP one derived from the run's
+        secret (`_dp_randomness`; round keys are derived from the secret itself)."""
         import jax
 
         if not self.private:
             return np.asarray(jax.random.key_data(jax.random.key(self.cfg.train.seed)), dtype=np.uint32)
-        if getattr(self, "_key_words", None) is None:
-            from memaudit.privacy.randomness import DPRandomness
-
-            rand = DPRandomness.from_config(self.cfg.privacy, self.cfg.train.seed)
-            words = rand.jax_key_data("federated-base", 0).astype(np.uint32)
-            if jax.process_count() > 1:  # one secret per run: process 0's on every process
-                from jax.experimental import multihost_utils
-
-                words = np.asarray(multihost_utils.broadcast_one_to_all(words), dtype=np.uint32)
-            self._key_words = words
-        return self._key_words
+        return self._dp_randomness().jax_key_data("federated-base", 0).astype(np.uint32)
 
     def _to_device(self, tree: Any) -> Any:
         import jax

@@ -173,7 +173,7 @@ class DPRandomness:
         try:
             secret = bytes.fromhex(str(state["secret"]))
         except (KeyError, ValueError):
-            raise ValueError("the saved DP randomness is unreadable; is state/dp_secret.json corrupt?") from None
+            raise ValueError("the saved DP randomness is unreadable; is RUN_DIR/dp_secret.json corrupt?") from None
         return cls(secret, reproducible=bool(state.get("reproducible", False)))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
