@@ -199,12 +199,15 @@ def recover_checkpoint(run: RunDir) -> int | None:
 
 
 def clean_temporaries(run: RunDir) -> None:
-    """Remove what killed atomic writes left (`.model.*.tmp`, `.data.*.tmp`, stale locks)."""
+    """Remove what killed writes left (`.model.*.tmp`, `.data.*.tmp`, stale locks, the data
+    staging folder of a process that died before adopting it)."""
+    mine = f".memaudit-staging-{os.getpid()}"
     for p in run.path.glob(".*"):
         name = p.name
-        if name.startswith(".state."):
-            continue  # checkpoints are recovered, not cleaned
-        if name.endswith(".tmp") or ".old-" in name or ".stale-" in name:
+        if name.startswith(".state.") or name == mine:
+            continue  # checkpoints are recovered, not cleaned; this process's staging is in use
+        if (name.endswith(".tmp") or ".old-" in name or ".stale-" in name
+                or name.startswith(".memaudit-staging-")):
             _remove(p)
 
 
