@@ -153,3 +153,17 @@ def scan_public_files(run: Path) -> None:
     walk(json.loads((run / "privacy.json").read_text()))
     assert not keys & {"batch_size", "clip_fraction", "clipped", "cohort", "survivors", "loss"}, keys
     assert (run / "sensitive_metrics.jsonl").is_file()
+
+
+def test_clean_temporaries_removes_leftovers_but_not_checkpoints(tmp_path):
+    from memaudit.lifecycle import clean_temporaries
+
+    for name in (".model.abc.tmp", ".data.x.tmp", ".memaudit-staging-999999", ".state.3.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text("x")
+    (tmp_path / ".run.lock.stale-abc").write_text("{}")
+    (tmp_path / f".memaudit-staging-{os.getpid()}").mkdir()  # this process's, in use
+    (tmp_path / "notes.txt").write_text("mine")
+    clean_temporaries(RunDir(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".state.3.tmp", f".memaudit-staging-{os.getpid()}", "notes.txt"])
