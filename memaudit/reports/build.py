@@ -78,6 +78,15 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
     }
 
 
+def _server_view(priv: dict[str, Any]) -> str:
+    """The ledger's second view: what the guarantee is against the aggregation server."""
+    eps = priv.get("server_epsilon")
+    note = priv.get("server_note")
+    if eps is None or (isinstance(eps, float) and math.isinf(eps)):
+        return "no DP guarantee" + (f" ({note})" if note else "")
+    return f"epsilon = {eps:.4g}" + (f" ({note})" if note else "")
+
+
 def _mechanism(info: RunInfo) -> str:
     if not info.dp:
         return "none"
@@ -135,9 +144,13 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     summary = summarize_probes(probes, run_dir=rd.path, show_secrets=show_secrets)
     units = units_of(probes)
     desc = mech if mech == "none" else (
-        f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}, "
-        f"epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
-        + (f" ({priv['accounting']})" if priv.get("accounting") else "")
+        f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}; against the "
+        f"released model: epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
+        + (f" ({', '.join(priv['adjacency'])} adjacency)" if priv.get("adjacency") else "")
+        + (f", assuming hidden: {', '.join(priv['assumes_hidden'])}" if priv.get("assumes_hidden") else "")
+        + "; against the server: " + _server_view(priv)
+        + ("; VOID against anyone who knows train.seed (privacy.reproducible_randomness)"
+           if priv.get("void_if_seed_known") else "")
     )
     return {
         "id": rd.path.name,

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, comparisons
 from memaudit.reports.schema import validate_report
@@ -53,3 +55,27 @@ def test_schema_rejects_broken_report():
 
     with pytest.raises(ValueError, match="schema"):
         validate_report(rep)
+
+
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_privacy_description_states_both_views_from_the_ledger(tmp_path, reproducible):
+    """The report's privacy line comes from the ledger's events: the ε against the released
+    model with its adjacency and what it assumes hidden, the view from the server (none under
+    central DP), and a void mark when the keys came from train.seed."""
+    import json
+
+    from memaudit.privacy.ledger import PrivacyLedger
+    from memaudit.privacy.mechanisms import SampledGaussian
+    from memaudit.reports.build import _ledger_epsilon, _server_view
+    from memaudit.rundir import RunDir
+
+    led = PrivacyLedger(unit="user", delta=1e-5, reproducible_randomness=reproducible)
+    mech = SampledGaussian(name="DP-FedAvg", unit="user", noise_multiplier=1.0, population=100, expected=10)
+    for _ in range(5):
+        led.record_mechanism(mech)
+    (tmp_path / "privacy.json").write_text(json.dumps(led.to_json()))
+    priv = _ledger_epsilon(RunDir(tmp_path))
+    assert 0 < priv["epsilon"] < float("inf") and priv["adjacency"] == ["add/remove"]
+    assert priv["assumes_hidden"]  # amplification assumes the sample is hidden
+    assert _server_view(priv).startswith("no DP guarantee")
+    assert priv["void_if_seed_known"] is reproducible
