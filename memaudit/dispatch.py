@@ -67,13 +67,9 @@ def _check_federated(cfg: Any) -> None:
     if f.algorithm == "fedsgd" and (cfg.privacy.enabled or cfg.privacy.secure_aggregation.enabled):
         raise ConfigError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
                           "federated.algorithm=fedavg (e.g. with local_steps=1)")
-    if f.mesh_clients is not None:
-        import jax
+    from memaudit.federated.trainer import build_mesh
 
-        n = len(jax.devices())
-        if f.mesh_clients > n:
-            raise ConfigError(f"federated.mesh_clients={f.mesh_clients} exceeds the {n} visible "
-                              f"devices; set it to at most {n}")
+    build_mesh(f.mesh_clients, f.mesh_model, cfg.model.preset)  # devices and model-axis divisibility
 
 
 def dispatch(cfg: Any, run: Any, *, resume: bool, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:

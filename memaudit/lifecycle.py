@@ -5,7 +5,7 @@ The trainers (centralized torch, the parallel grid, federated JAX) keep only the
 round logic; everything they do to the run directory goes through a `RunSession`:
 
     with RunSession(run, cfg, backend="federated", resume=False, is_writer=True) as s:
-        prepared = s.data(vocab_size)              # prepare (new run) or load and check (resume)
+        prepared = s.data()                        # staged and checked at open, or the resume's
         start = s.start()                          # step to start at; truncates metrics.jsonl
         for step in range(start, total):
             ...
@@ -43,7 +43,7 @@ from typing import Any, Self
 
 from memaudit.config import Config, dump_config
 from memaudit.errors import DataError, MemauditError, RunDirError
-from memaudit.io import append_jsonl, atomic_write_json, read_json, read_jsonl, truncate_jsonl
+from memaudit.io import append_jsonl, atomic_write_json, read_json, truncate_jsonl
 from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest
 
 COMMIT = "COMMIT.json"
@@ -236,8 +236,6 @@ class RunSession:
         self.data_progress = data_progress
         self._stack = contextlib.ExitStack()
         self._lock: Any = None
-        self.resume_step: int | None = None
-        self.t0 = time.perf_counter()
 
     # ---- enter / exit
     def __enter__(self) -> Self:
@@ -272,7 +270,7 @@ class RunSession:
                                   f"'{m.get('backend')}'; resume it with that backend or start a new run")
             self._resume_data = self._check_resume_data()  # before anything is written
             clean_temporaries(self.run)
-            self.resume_step = recover_checkpoint(self.run)
+            recover_checkpoint(self.run)
             timings = dict(m.get("timings") or {})
             timings["resumed"] = [*timings.get("resumed", []), time.time()]
             # the config may differ in parallel.* only (a resume on another grid)
@@ -359,7 +357,7 @@ class RunSession:
             self._close("complete", result=result, error=None)
 
     # ---- data
-    def data(self, vocab_size: int | None = None) -> Any:
+    def data(self) -> Any:
         """The run's prepared data: prepared and checked when the session opened (a new run:
         before an old run was replaced), or loaded and checked (a resume).
 
@@ -418,13 +416,7 @@ class RunSession:
         append_jsonl(self.run.metrics_path, public)
         append_jsonl(self.run.path / SENSITIVE_METRICS, sensitive)
 
-    def metrics(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.run.metrics_path)
-
     # ---- checkpoints
-    def has_checkpoint(self) -> bool:
-        return sealed_step(self.run.state_dir) is not None
-
     def checkpoint_tmp(self, step: int) -> Path:
         """Where the checkpoint of `step` is written before it is sealed (the same path on
         every rank of a grid, so all of them can write their pieces into it)."""
@@ -480,9 +472,6 @@ class RunSession:
                 for f in tokenizer_dir.iterdir():
                     if f.is_file():
                         shutil.copy2(f, tmp / f.name)
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.t0
 
 
 def _privacy_randomness(p: Any) -> str:

@@ -342,6 +342,18 @@ def _listing(path: Path, limit: int = 3) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def check_output_folder(path: Path, *, what: str) -> None:
+    """One line for a folder that cannot be made: `path` is a file, or lies under one."""
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{what} '{path}' exists and is not a directory; choose another --out")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunDirError(f"{what} '{path}' lies under '{parent}', which is a file; "
+                                  "choose another --out")
+            return
+
+
 def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
     """Check that `path` may receive a new run. Nothing on disk is touched, whatever the answer.
 
@@ -349,14 +361,7 @@ def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
     are not memaudit's to delete), and so is a run that a live process is writing.
     """
     rd = RunDir(path)
-    if rd.path.exists() and not rd.path.is_dir():
-        raise RunDirError(f"output '{rd.path}' exists and is not a directory; choose another --out")
-    for parent in rd.path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise RunDirError(f"output '{rd.path}' lies under '{parent}', which is a file; "
-                                  "choose another --out")
-            break
+    check_output_folder(rd.path, what="output")
     if rd.is_run():
         if rd.lock_alive():
             raise RunDirError(f"run '{rd.path}' is being written by a live process ({rd.lock_holder()}); "

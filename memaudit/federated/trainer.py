@@ -152,17 +152,13 @@ class FederatedTrainer:
         from memaudit.models.presets import get_preset
 
         self.vocab = get_preset(self.cfg.model.preset).vocab_size
+        # staged and checked (tokenizer size, population) by the lifecycle: dispatch.check_data
         if self.is_writer:
-            self.prepared = self.session.data(self.vocab)
+            self.prepared = self.session.data()
         self._barrier("data")
         if not self.is_writer:
-            self.prepared = self.session.data(self.vocab)
-        tok_size = int(self.prepared.meta.get("tokenizer_size", 0))
-        if tok_size > self.vocab:
-            raise MemauditError(f"the tokenizer has {tok_size} tokens but the model vocabulary only "
-                                f"{self.vocab}; use a smaller tokenizer or a larger model.preset")
+            self.prepared = self.session.data()
         self.clients = build_client_data(self.prepared.train)
-        check_population(self.cfg, self.clients.num_users)
         self.mesh = build_mesh(self.fcfg.mesh_clients, self.fcfg.mesh_model, self.cfg.model.preset)
         self.capacity = self._base_capacity()
         self.model = FlaxLlama(FlaxLlamaConfig.from_preset(self.cfg.model.preset, vocab_size=self.vocab))

@@ -49,12 +49,9 @@ class ParallelDP:
     def __init__(self, model: ParallelLlama, *, clip: float, noise_multiplier: float,
                  expected_batch_size: float, randomness: Any = None, population: int | None = None,
                  micro_batch_size: int | None = None) -> None:
-        if not clip > 0:
-            raise ValueError(f"clip norm must be > 0 (or inf for no clipping), got {clip}")
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise multiplier must be a finite number >= 0, got {noise_multiplier}")
-        if noise_multiplier > 0 and math.isinf(clip):
-            raise ValueError("noise needs a finite clip norm: set privacy.clip, or noise_multiplier=0")
+        from memaudit.train.dpsgd import check_dp_args
+
+        check_dp_args(clip, noise_multiplier, expected_batch_size)
         self.model, self.clip, self.noise_multiplier = model, float(clip), float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.micro_batch_size = micro_batch_size
@@ -68,12 +65,9 @@ class ParallelDP:
     @property
     def mechanism(self) -> Any:
         """What one step adds (the same as single-process DP-SGD's)."""
-        from memaudit.privacy.mechanisms import SampledGaussian
+        from memaudit.train.dpsgd import dpsgd_mechanism
 
-        if self.population is None:
-            raise ValueError("ParallelDP was built without population=N; pass the number of training examples")
-        return SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=self.noise_multiplier,
-                               population=int(self.population), expected=self.expected_batch_size)
+        return dpsgd_mechanism(self)
 
     def dp_event(self) -> Any:
         """The DpEvent of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``."""

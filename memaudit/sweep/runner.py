@@ -155,15 +155,9 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
 def check_sweep_dir(out: Path) -> None:
     """One line, before anything is written, for an --out that cannot hold a sweep."""
     from memaudit.errors import RunDirError
+    from memaudit.rundir import check_output_folder
 
-    if out.exists() and not out.is_dir():
-        raise RunDirError(f"sweep --out '{out}' is a file; choose a directory")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise RunDirError(f"sweep --out '{out}' lies under '{parent}', which is a file; "
-                                  "choose another --out")
-            break
+    check_output_folder(out, what="sweep --out")
     if out.is_dir() and any(out.iterdir()) and not (out / "sweep.json").is_file():
         raise RunDirError(f"sweep --out '{out}' is a non-empty directory that is not a memaudit "
                           "sweep; choose an empty or new directory")

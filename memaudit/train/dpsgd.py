@@ -41,6 +41,30 @@ from torch import nn
 from memaudit.train.ghost import ClippedGrads, GhostClipper, vmap_clipped_sum
 
 
+def check_dp_args(clip: float, noise_multiplier: float, expected_batch_size: float) -> None:
+    """The argument checks every DP-SGD layout (one process, the parallel grid) shares."""
+    if not clip > 0:
+        raise ValueError(f"clip norm must be > 0 (or inf for no clipping), got {clip}")
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise multiplier must be a finite number >= 0, got {noise_multiplier}")
+    if not expected_batch_size > 0:
+        raise ValueError(f"expected batch size must be > 0, got {expected_batch_size}")
+    if noise_multiplier > 0 and math.isinf(clip):
+        raise ValueError("noise needs a finite clip norm: set privacy.clip, or noise_multiplier=0")
+
+
+def dpsgd_mechanism(dp: Any) -> Any:
+    """The event one DP-SGD step adds, for any layout with `noise_multiplier`, `population`
+    and `expected_batch_size`: a Poisson-sampled Gaussian, add/remove-one example adjacency."""
+    from memaudit.privacy.mechanisms import SampledGaussian
+
+    if dp.population is None:
+        raise ValueError(f"{type(dp).__name__} was built without population=N; pass the number of "
+                         "training examples")
+    return SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=dp.noise_multiplier,
+                           population=int(dp.population), expected=dp.expected_batch_size)
+
+
 class DPSGD:
     """Per-example clipping + Gaussian noise for one model; see the module docstring."""
 
@@ -64,14 +88,7 @@ class DPSGD:
         """
         from memaudit.privacy.randomness import DPRandomness
 
-        if not clip > 0:
-            raise ValueError(f"clip norm must be > 0 (or inf for no clipping), got {clip}")
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise multiplier must be a finite number >= 0, got {noise_multiplier}")
-        if not expected_batch_size > 0:
-            raise ValueError(f"expected batch size must be > 0, got {expected_batch_size}")
-        if noise_multiplier > 0 and math.isinf(clip):
-            raise ValueError("noise needs a finite clip norm: set privacy.clip, or noise_multiplier=0")
+        check_dp_args(clip, noise_multiplier, expected_batch_size)
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")
         if mode not in ("ghost", "vmap"):
@@ -94,12 +111,7 @@ class DPSGD:
     @property
     def mechanism(self) -> Any:
         """What one step adds: a Poisson-sampled Gaussian, add/remove-one example adjacency."""
-        from memaudit.privacy.mechanisms import SampledGaussian
-
-        if self.population is None:
-            raise ValueError("DPSGD was built without population=N; pass the number of training examples")
-        return SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=self.noise_multiplier,
-                               population=int(self.population), expected=self.expected_batch_size)
+        return dpsgd_mechanism(self)
 
     def dp_event(self) -> Any:
         """The DpEvent of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``."""

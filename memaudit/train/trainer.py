@@ -295,10 +295,7 @@ class CentralizedTrainer:
         from memaudit.train.sampling import PoissonSampler
 
         p, n = self.cfg.privacy, len(self.train_set)
-        q = self.tcfg.batch_size / n
-        if q > 1:
-            raise MemauditError(f"train.batch_size={self.tcfg.batch_size} exceeds the {n} training "
-                                "sequences; lower train.batch_size for DP-SGD")
+        q = self.tcfg.batch_size / n  # <= 1: dispatch.check_data refused a larger batch
         delta = p.delta if p.delta is not None else default_delta(n)
         sigma, self.calibration = p.noise_multiplier, None
         if sigma is None:
@@ -395,22 +392,16 @@ class CentralizedTrainer:
                                    tokenizer_dir=self.prepared.tokenizer_dir)
 
     # ------------------------------------------------------------------ driver
-    def load_data(self, vocab: int) -> Any:  # seam: the writer prepares, then the others load
-        """The run's PreparedData (prepare_data loads it back when prepared from the same config)."""
-        return self.session.data(vocab)
+    def load_data(self) -> Any:  # seam: the writer prepares, then the others load
+        """The run's PreparedData, staged and checked by the lifecycle (`dispatch.check_data`)."""
+        return self.session.data()
 
     def prepare(self, resume: bool) -> None:
         """Data, model, optimizer, sampler (and DP) for this run."""
         vocab = self.model_vocab_size()
-        self.prepared = self.load_data(vocab)
+        self.prepared = self.load_data()  # tokenizer size and set sizes checked when it was staged
         self.train_set: PackedSequences = self.prepared.train
         self.holdout_set: PackedSequences = self.prepared.holdout
-        tok_size = len(self.prepared.tokenizer())
-        if tok_size > vocab:
-            raise MemauditError(f"the tokenizer has {tok_size} tokens but the model vocabulary only "
-                                f"{vocab}; use a smaller tokenizer or a larger model.preset")
-        if len(self.train_set) == 0:
-            raise MemauditError("no training sequences after the split; add documents or users")
         self.model = self.build_model(vocab)
         self.optimizer = self.build_optimizer()
         self.sampler = EpochBatches(len(self.train_set), self.tcfg.batch_size, self.tcfg.seed)
