@@ -243,11 +243,10 @@ class ParallelTrainer(CentralizedTrainer):
 
     def _read_full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Every rank loads the full checkpoint into a plain model and AdamW and keeps its slices."""
-        from memaudit.models.presets import build_model
+        from memaudit.models.init import initial_model
         from memaudit.train import checkpoint as ckpt
 
-        vocab = self.model.hf.config.vocab_size
-        plain = build_model(self.cfg.model.preset, vocab_size=vocab, seed=self.cfg.model.init_seed)
+        plain = initial_model(self.cfg.model, self.model.hf.config.vocab_size)
         t = self.tcfg
         opt = torch.optim.AdamW(plain.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         scalars, extra = ckpt.load_state(self.run, model=plain, optimizer=opt, device=torch.device("cpu"))
@@ -267,10 +266,9 @@ class ParallelTrainer(CentralizedTrainer):
         full = self.model.full_state_dict(dst=0)  # a collective; only the writer gets the tensors
         if not self.is_writer:
             return
-        from memaudit.models.presets import build_model
+        from memaudit.models.init import initial_model
 
-        plain = build_model(self.cfg.model.preset, vocab_size=self.model.hf.config.vocab_size,
-                            seed=self.cfg.model.init_seed)
+        plain = initial_model(self.cfg.model, self.model.hf.config.vocab_size)
         plain.load_state_dict(full, strict=False)
         real = self.model
         self.model = plain

@@ -154,14 +154,9 @@ class CentralizedTrainer:
     # ------------------------------------------------------------------ seams: model and optimizer
     def build_model(self, vocab_size: int) -> torch.nn.Module:  # seam: parallelize_llama here
         """The seeded fp32 model on `self.device`, with activation checkpointing if asked."""
-        from memaudit.models.presets import build_model
+        from memaudit.models.init import initial_model
 
-        if self.cfg.model.name_or_path is not None:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(self.cfg.model.name_or_path).float()
-        else:
-            model = build_model(self.cfg.model.preset, vocab_size=vocab_size, seed=self.cfg.model.init_seed)
+        model = initial_model(self.cfg.model, vocab_size)
         model.config.use_cache = False
         if self.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
