@@ -198,8 +198,10 @@ class GradSync:
     References: Singh et al., AxoNN (SC'24), Section IV-B (overlapping reduce-scatters).
     """
 
-    def __init__(self, comm: Comm, *, async_reduce_scatter: bool, bucket_bytes: int | None) -> None:
+    def __init__(self, comm: Comm, *, async_reduce_scatter: bool, bucket_bytes: int | None,
+                 norms: Any = None) -> None:
         self.comm, self.async_rs, self.bucket_bytes = comm, async_reduce_scatter, bucket_bytes
+        self.norms = norms  # the model's `GhostNorms`: no buckets while it collects
         self.pending: list[tuple[torch.nn.Parameter, torch.Tensor, Any]] = []  # z reduce-scatters in flight
         self.bucket: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.bucket_size = 0
@@ -218,10 +220,8 @@ class GradSync:
         if not self.queued:
             from torch.autograd import Variable
 
-            from memaudit.parallel import ghost
-
             self.bucketing = (self.bucket_bytes is not None and self.comm.size("data") > 1
-                              and not ghost.active())
+                              and not (self.norms is not None and self.norms.active))
             Variable._execution_engine.queue_callback(self._finish)
             self.queued = True
         self.pending.append((p, piece, work))

@@ -1,13 +1,13 @@
-"""DP-SGD under tensor parallelism.
+"""DP-SGD under tensor parallelism: the grid's `PerExampleClipping` for `memaudit.train.dpsgd.DPSGD`.
 
 Per-example squared gradient norms are gathered per local shard during backward (ghost
-norms, `memaudit.parallel.ghost`) and summed over x and y, so every rank sees each of its
-examples' full-gradient norm; a second, reweighted backward gives the clipped sum; the
-Gaussian noise of each logical parameter is drawn full-size from a generator keyed by the
-run's secret randomness at ("dpsgd-noise", step, parameter index) (HKDF,
-`memaudit.privacy.randomness`; the secret is broadcast from rank 0 once) and sliced like the
-parameter, so it is drawn once per logical parameter, identical on every replica, and the
-same for any grid (including one process).
+norms: `per_example_grad_norms` opens the model's `GhostNorms` for one call and gets them
+back from it) and summed over x and y, so every rank sees each of its examples'
+full-gradient norm; a second, reweighted backward gives the clipped sum; the Gaussian noise
+of each logical parameter is drawn full-size from a generator keyed by the run's secret
+randomness at ("dpsgd-noise", step, parameter index) (HKDF, `memaudit.privacy.randomness`;
+the secret is broadcast from rank 0 once) and sliced like the parameter, so it is drawn once
+per logical parameter, identical on every replica, and the same for any grid.
 
 References: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016; Li et al.,
 ghost clipping, ICLR 2022.
@@ -15,29 +15,25 @@ ghost clipping, ICLR 2022.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Any
 
 import torch
 
-from memaudit.parallel import ghost
 from memaudit.parallel.parallelize import ParallelLlama, sync_grads
-
-
-@dataclass(frozen=True)
-class DPStepStats:
-    per_example_norms: torch.Tensor  # (B_local,) this rank's examples, before clipping
-    clip_fraction: float  # over the global batch
-    noise_std: float  # of the summed gradient (sigma * clip)
-    loss: float  # mean per-example loss over the global batch (before clipping)
+from memaudit.train.dpsgd import ClipStats
 
 
 def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Full-gradient L2 norm of each local example's mean token loss, shape (B_local,)."""
+    """Full-gradient L2 norm of each local example's mean token loss, shape (B_local,).
+
+    The model's layers add their partial squared norms into the accumulator this call opens
+    (`GhostNorms.collect`); the all-reduce over x and y completes them. Gradients are discarded.
+    """
     for p in model.hf.parameters():
         p.grad = None
-    with ghost.collect(input_ids.shape[0]) as acc:
+    with model.ghost.collect(input_ids.shape[0], device=input_ids.device) as acc:
         model.per_example_losses(input_ids, loss_mask, attention_mask).sum().backward()
     for axis in ("x", "y"):
         model.comm.all_reduce(acc, axis)
@@ -55,48 +51,75 @@ def add_noise_(model: ParallelLlama, *, std: float, randomness: Any, step: int) 
         spec = p.shard_spec
         gen = randomness.torch_generator("dpsgd-noise", step, i)
         noise = torch.randn(spec.full_shape, generator=gen, dtype=torch.float32) * std
-        p.grad.add_(spec.local(noise, model.comm).to(p.grad.dtype))
+        p.grad.add_(spec.local(noise, model.comm).to(device=p.grad.device, dtype=p.grad.dtype))
 
 
-def dp_sgd_backward(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
-                    clip: float, noise_multiplier: float, expected_batch: float, randomness: Any, step: int,
-                    attention_mask: torch.Tensor | None = None, micro_batch: int | None = None) -> DPStepStats:
-    """Leave in `.grad` the noised, clipped gradient sum over the global batch / expected_batch.
+def pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, multiple: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Append masked rows (no targets, full attention) so the rows divide by `multiple` (and
+    at least one row per shard when there are none)."""
+    b = input_ids.shape[0]
+    extra = (-b) % multiple if b else multiple
+    if extra == 0:
+        return input_ids, attention_mask, loss_mask
+    return (torch.cat([input_ids, input_ids.new_zeros(extra, input_ids.shape[1])]),
+            torch.cat([attention_mask, attention_mask.new_ones(extra, attention_mask.shape[1])]),
+            torch.cat([loss_mask, loss_mask.new_zeros(extra, loss_mask.shape[1])]))
 
-    Args:
-      input_ids, loss_mask: this rank's batch shard (B_local, S).
-      clip: per-example L2 bound C (math.inf: no clipping).
-      noise_multiplier: sigma; the sum gets N(0, (sigma C)^2) per coordinate.
-      expected_batch: the divisor (the expected batch size under Poisson sampling).
-      randomness, step: select the noise (a `DPRandomness`, the same on every rank).
-      micro_batch: local rows per pass (None: all); the clipped sums of the passes are
-        accumulated, then synchronised and noised once. Every rank must pass the same value.
+
+class TensorParallelClipping:
+    """`PerExampleClipping` of a `ParallelLlama`: two passes per micro-batch of the global batch.
+
+    Pass 1 (`per_example_grad_norms`) gives every local example's full norm; pass 2 backpropagates
+    the losses weighted by min(1, C/norm), accumulating the clipped sum in `.grad`; after the
+    last micro-batch the gradients are synchronised over z and data once.
     """
-    b = int(input_ids.shape[0])
-    chunk = micro_batch or max(b, 1)
-    parts = [slice(s, s + chunk) for s in range(0, b, chunk)]
 
-    def am(sl: slice) -> torch.Tensor | None:
-        return None if attention_mask is None else attention_mask[sl]
+    def __init__(self, model: ParallelLlama) -> None:
+        self.model = model
+        self.params = list(model.hf.named_parameters())
 
-    # pass 1: every example's full-gradient norm (gradients are discarded)
-    norms = torch.cat([per_example_grad_norms(model, input_ids[sl], loss_mask[sl], am(sl)) for sl in parts])
-    factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32)
-    real = loss_mask[:, 1:].any(1).to(norms.device)  # padding rows (no targets) are not examples
-    loss_sum = torch.zeros((), dtype=torch.float64, device=norms.device)
-    # pass 2: the clipped sum, accumulated in .grad over the chunks
-    for sl in parts:
-        losses = model.per_example_losses(input_ids[sl], loss_mask[sl], am(sl))
-        loss_sum += losses.detach().double().sum()
-        (losses * factor[sl]).sum().backward()
-    stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum(), loss_sum])
-    for axis in ("z", "data"):
-        model.comm.all_reduce(stats, axis)
-    sync_grads(model)
-    std = noise_multiplier * clip if noise_multiplier > 0 else 0.0
-    if std > 0:
-        add_noise_(model, std=std, randomness=randomness, step=step)
-    for p in model.hf.parameters():
-        p.grad.div_(expected_batch)
-    n = stats[1].clamp(min=1.0)
-    return DPStepStats(norms, float(stats[0] / n), std, float(stats[2] / n))
+    def clipped_sum_(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                     clip: float, *, micro_batch_size: int | None, right_padded: bool = False) -> ClipStats:
+        """Every rank passes the whole global batch; it keeps its data x z share of the rows."""
+        pg = self.model.pg
+        ids, am, lm = pad_rows(input_ids, attention_mask, loss_mask, pg.batch_shards)
+        ids, lm = pg.batch_shard(ids), pg.batch_shard(lm)
+        lam = None if right_padded else pg.batch_shard(am)
+        micro = None  # global rows per pass -> local rows per pass
+        if micro_batch_size is not None:
+            micro = max(1, math.ceil(micro_batch_size / pg.batch_shards))
+        return self._two_passes(ids, lm, lam, clip, micro)
+
+    def _two_passes(self, ids: torch.Tensor, lm: torch.Tensor, am: torch.Tensor | None, clip: float,
+                    micro: int | None) -> ClipStats:
+        model = self.model
+        b = int(ids.shape[0])
+        chunk = micro or max(b, 1)
+        parts = [slice(s, s + chunk) for s in range(0, b, chunk)]
+
+        def mask(sl: slice) -> torch.Tensor | None:
+            return None if am is None else am[sl]
+
+        # pass 1: every example's full-gradient norm (gradients are discarded)
+        norms = torch.cat([per_example_grad_norms(model, ids[sl], lm[sl], mask(sl)) for sl in parts])
+        factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32)
+        real = lm[:, 1:].any(1).to(norms.device)  # padding rows (no targets) are not examples
+        loss_sum = torch.zeros((), dtype=torch.float64, device=norms.device)
+        # pass 2: the clipped sum, accumulated in .grad over the chunks
+        for sl in parts:
+            losses = model.per_example_losses(ids[sl], lm[sl], mask(sl))
+            loss_sum += losses.detach().double().sum()
+            (losses * factor[sl]).sum().backward()
+        # (clipped, examples, loss sum): 3 x fp64, as the planner counts them
+        stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum(), loss_sum])
+        for axis in ("z", "data"):
+            model.comm.all_reduce(stats, axis)
+        sync_grads(model)
+        return ClipStats(norms, int(stats[0]), float(stats[2]), int(stats[1]))
+
+    def add_noise_(self, std: float, randomness: Any, step: int) -> None:
+        add_noise_(self.model, std=std, randomness=randomness, step=step)
+
+    def share(self, randomness: Any) -> Any:
+        return randomness.broadcast()  # rank 0's secret on every rank (a collective)

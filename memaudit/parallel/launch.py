@@ -101,7 +101,7 @@ def _free_port() -> int:
 # Imported once by the fork server; each rank then forks from it instead of importing torch and
 # transformers itself (seconds of CPU per rank). The server starts single-threaded, without CUDA.
 PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
-           "memaudit.parallel.trainer_hooks"]
+           "memaudit.parallel.layout", "memaudit.train.trainer"]
 
 
 def rank_context(extra_preload: tuple[str, ...] = ()) -> Any:
@@ -119,7 +119,7 @@ GRACE_S = 5.0  # after one rank dies: how long the others get to exit, then SIGT
 
 def _rank_main(rank: int, world: int, port: int, cfg: Any, run_path: str, resume: bool, queue: Any,
                overwrite: bool = False) -> None:
-    """One spawned rank: environment as torchrun would set it, then the parallel trainer."""
+    """One spawned rank: environment as torchrun would set it, then the trainer on the grid's layout."""
     os.setsid()  # its own process group: the launcher can kill the rank and anything it started
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -185,13 +185,14 @@ def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any, overwrite: boo
               lock_held: bool = False) -> dict:
     import torch.distributed as dist
 
-    from memaudit.parallel.trainer_hooks import ParallelTrainer
+    from memaudit.parallel.layout import TensorParallelLayout
+    from memaudit.train.trainer import Trainer
 
     dims = ParallelDims.from_config(cfg.parallel)
     init_distributed(dims, requested_backend=cfg.parallel.dist_backend)
     try:
-        return ParallelTrainer(cfg, run, progress=progress).fit(resume=resume, overwrite=overwrite,
-                                                                lock_held=lock_held)
+        trainer = Trainer(cfg, run, TensorParallelLayout(cfg), progress=progress)
+        return trainer.fit(resume=resume, overwrite=overwrite, lock_held=lock_held)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -32,6 +32,7 @@ from torch import nn
 from memaudit.parallel import ghost
 from memaudit.parallel.comm import Comm, GradSync, reduce_partial
 from memaudit.parallel.dims import ParallelDims
+from memaudit.parallel.ghost import GhostNorms
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -196,8 +197,8 @@ def _linear_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
     g2 = g.reshape(-1, g.shape[-1])
     a2 = a.reshape(-1, a.shape[-1])
     grad_w = g2.t() @ a2  # (out_l, in_l), overlapped with the all-reduce above
-    if ghost.active():
-        ghost.add_linear(a, g, scale=1.0)
+    if ctx.norms is not None:  # the accumulator of the ghost-norm call that ran this forward
+        ghost.add_linear(ctx.norms, a, g)
     grad_shard = _weight_grad(ctx, grad_w)
     if work is not None and ctx.overlap:
         work.wait()
@@ -212,6 +213,7 @@ def _linear_forward(ctx: Any, a: torch.Tensor, w_shard: torch.Tensor, mod: TPLin
     ctx.save_for_backward(a)
     ctx.comm, ctx.out_axis, ctx.overlap, ctx.gathered = comm, mod.out_axis, mod.overlap, mod.gathered
     ctx.sync, ctx.param = mod.sync, w_shard
+    ctx.norms = ghost.current(mod.ghost)
     return y
 
 
@@ -226,15 +228,15 @@ class _BiasFn(torch.autograd.Function):
     """y + b with per-example bias-gradient norms for DP (b is replicated over `rep` copies)."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, b: torch.Tensor, rep: int) -> torch.Tensor:
-        ctx.rep = rep
+    def forward(ctx: Any, y: torch.Tensor, b: torch.Tensor, rep: int, norms: torch.Tensor | None) -> torch.Tensor:
+        ctx.rep, ctx.norms = rep, norms
         return y + b
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        if ghost.active():
-            ghost.add_vector(g, scale=1.0 / ctx.rep)
-        return g, g.reshape(-1, g.shape[-1]).sum(0), None
+        if ctx.norms is not None:
+            ghost.add_vector(ctx.norms, g, scale=1.0 / ctx.rep)
+        return g, g.reshape(-1, g.shape[-1]).sum(0), None, None
 
 
 class TPLinear(nn.Module):
@@ -247,7 +249,7 @@ class TPLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, comm: Comm, *, transpose: bool = False, overlap: bool = True,
-                 prefetch: bool = False, sync: GradSync | None = None) -> None:
+                 prefetch: bool = False, sync: GradSync | None = None, norms: GhostNorms | None = None) -> None:
         super().__init__()
         self.comm, self.transpose, self.overlap = comm, transpose, overlap
         self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
@@ -264,6 +266,7 @@ class TPLinear(nn.Module):
         self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
         self.gathered.shard = self.weight
         self.__dict__["sync"] = sync
+        self.__dict__["ghost"] = norms  # the model's ghost-norm collector (DP-SGD), not a submodule
         if linear.bias is not None:
             self.bspec = ShardSpec((out_f,), self.out_axis, None, False, (self.in_axis, "z"), ("z", "data"))
             self.bias = nn.Parameter(self.bspec.local(linear.bias.detach(), comm))
@@ -275,7 +278,7 @@ class TPLinear(nn.Module):
         self.gathered.shard = self.weight  # the parameter may have been replaced (load, .to())
         y = TPLinearFn.apply(a, self.weight, self)
         if self.bias is not None:
-            y = _BiasFn.apply(y, self.bias, self.comm.size(self.in_axis))
+            y = _BiasFn.apply(y, self.bias, self.comm.size(self.in_axis), ghost.current(self.ghost))
         return y
 
     def extra_repr(self) -> str:
@@ -293,6 +296,7 @@ class _EmbeddingFn(torch.autograd.Function):
         out = w[local] * mask.unsqueeze(-1).to(w.dtype)  # (B, S, H_l), partial over y
         ctx.save_for_backward(local, mask)
         ctx.comm, ctx.shape, ctx.sync, ctx.param = mod.comm, shape, mod.sync, w_shard
+        ctx.norms = ghost.current(mod.ghost)
         return out
 
     @staticmethod
@@ -301,16 +305,16 @@ class _EmbeddingFn(torch.autograd.Function):
         gm = g * mask.unsqueeze(-1).to(g.dtype)
         grad_w = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
         grad_w.index_add_(0, local.reshape(-1), gm.reshape(-1, g.shape[-1]))
-        if ghost.active():
-            ghost.add_embedding(local, mask, gm)
+        if ctx.norms is not None:
+            ghost.add_embedding(ctx.norms, local, mask, gm)
         return None, _weight_grad(ctx, grad_w), None
 
 
 class ParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split over y and the hidden dim over x; output (B, S, H/x)."""
 
-    def __init__(self, emb: nn.Embedding, comm: Comm, *, prefetch: bool = False, sync: GradSync | None = None
-                 ) -> None:
+    def __init__(self, emb: nn.Embedding, comm: Comm, *, prefetch: bool = False, sync: GradSync | None = None,
+                 norms: GhostNorms | None = None) -> None:
         super().__init__()
         v, h = emb.weight.shape
         self.comm = comm
@@ -321,6 +325,7 @@ class ParallelEmbedding(nn.Module):
         self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
         self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
         self.__dict__["sync"] = sync
+        self.__dict__["ghost"] = norms
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.gathered.shard = self.weight

@@ -19,24 +19,24 @@ class _ScaleFn(torch.autograd.Function):
     """w * h with per-example weight-gradient norms (w replicated over `rep` copies in x, y)."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, rep: int) -> torch.Tensor:
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, rep: int, norms: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(h, w)
-        ctx.rep = rep
+        ctx.rep, ctx.norms = rep, norms
         return w * h
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         h, w = ctx.saved_tensors
         gh = g * h
-        if ghost.active():
-            ghost.add_vector(gh, scale=1.0 / ctx.rep)
-        return g * w, gh.reshape(-1, gh.shape[-1]).sum(0), None
+        if ctx.norms is not None:  # the accumulator of the ghost-norm call that ran this forward
+            ghost.add_vector(ctx.norms, gh, scale=1.0 / ctx.rep)
+        return g * w, gh.reshape(-1, gh.shape[-1]).sum(0), None, None
 
 
 class ParallelRMSNorm(nn.Module):
     """`LlamaRMSNorm` on (..., H/x) inputs; `weight` is the x-slice, replicated over y and z."""
 
-    def __init__(self, norm: nn.Module, comm: Comm) -> None:
+    def __init__(self, norm: nn.Module, comm: Comm, *, norms: ghost.GhostNorms | None = None) -> None:
         super().__init__()
         h = norm.weight.shape[0]
         if h % comm.size("x"):
@@ -46,6 +46,7 @@ class ParallelRMSNorm(nn.Module):
         self.spec = ShardSpec((h,), "x", None, False, ("y", "z"), ("z", "data"))
         self.weight = nn.Parameter(self.spec.local(norm.weight.detach(), comm))
         self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
+        self.__dict__["ghost"] = norms  # the model's ghost-norm collector (DP-SGD), not a submodule
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         dtype = hidden.dtype
@@ -53,7 +54,7 @@ class ParallelRMSNorm(nn.Module):
         ss = h.pow(2).sum(-1, keepdim=True)  # (..., 1), partial over x
         ss = reduce_both(ss, self.comm, "x")
         normed = h * torch.rsqrt(ss / self.hidden + self.eps)
-        return _ScaleFn.apply(normed.to(dtype), self.weight, self.comm.size("y"))
+        return _ScaleFn.apply(normed.to(dtype), self.weight, self.comm.size("y"), ghost.current(self.ghost))
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, local={tuple(self.weight.shape)}, eps={self.eps}"

@@ -20,6 +20,7 @@ from torch import nn
 
 from memaudit.parallel.comm import Comm, GradSync, _all_gather
 from memaudit.parallel.dims import ParallelDims, ProcessGroups, build_groups
+from memaudit.parallel.ghost import GhostNorms
 from memaudit.parallel.layers import (
     ParallelEmbedding,
     TPLinear,
@@ -39,10 +40,12 @@ class ParallelLlama(nn.Module):
     shard and carries a `shard_spec`.
     """
 
-    def __init__(self, hf: nn.Module, comm: Comm, sync: GradSync | None = None) -> None:
+    def __init__(self, hf: nn.Module, comm: Comm, sync: GradSync | None = None,
+                 norms: GhostNorms | None = None) -> None:
         super().__init__()
         self.hf, self.comm = hf, comm
         self.__dict__["grad_sync"] = sync
+        self.__dict__["ghost"] = norms if norms is not None else GhostNorms()  # its layers' collector
         self.vstart = comm.index("y") * (hf.config.vocab_size // comm.size("y"))
 
     @property
@@ -141,9 +144,10 @@ def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups
     if bucket_mb is not None and not bucket_mb > 0:
         raise ValueError(f"parallel.bucket_mb={bucket_mb} must be > 0")
     comm = Comm(pg)
+    norms = GhostNorms()  # this model's per-example norms (DP-SGD), opened per call
     sync = GradSync(comm, async_reduce_scatter=overlap_reduce_scatter,
-                    bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20))
-    kw = {"prefetch": overlap_all_gather, "sync": sync}
+                    bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20), norms=norms)
+    kw = {"prefetch": overlap_all_gather, "sync": sync, "norms": norms}
     inner = model.model
     inner.embed_tokens = ParallelEmbedding(inner.embed_tokens, comm, **kw)
     chain = [inner.embed_tokens.gathered]
@@ -154,15 +158,15 @@ def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups
                     lin = TPLinear(getattr(parent, name), comm, transpose=name in _TRANSPOSED, overlap=overlap, **kw)
                     setattr(parent, name, lin)
                     chain.append(lin.gathered)
-        layer.input_layernorm = ParallelRMSNorm(layer.input_layernorm, comm)
-        layer.post_attention_layernorm = ParallelRMSNorm(layer.post_attention_layernorm, comm)
-    inner.norm = ParallelRMSNorm(inner.norm, comm)
+        layer.input_layernorm = ParallelRMSNorm(layer.input_layernorm, comm, norms=norms)
+        layer.post_attention_layernorm = ParallelRMSNorm(layer.post_attention_layernorm, comm, norms=norms)
+    inner.norm = ParallelRMSNorm(inner.norm, comm, norms=norms)
     model.lm_head = TPLinear(model.lm_head, comm, transpose=False, overlap=overlap, **kw)
     chain.append(model.lm_head.gathered)
     for a, b in itertools.pairwise(chain):  # forward order (q, k, v, o, gate, up, down)
         a.next, b.prev = b, a
     chain[1].prev = None  # the embedding's backward gathers nothing
-    return ParallelLlama(model, comm, sync)
+    return ParallelLlama(model, comm, sync, norms)
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -190,7 +190,7 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
       batch: global batch (sequences), split over data x z. seq: tokens per sequence.
       dtype_bytes: activation element size; weight_bytes: parameter/gradient element size.
       recompute: activation checkpointing of every decoder layer.
-      dp: DP-SGD with ghost clipping (`parallel.dp.dp_sgd_backward`): per micro-batch a norm
+      dp: DP-SGD with ghost clipping (`parallel.dp.TensorParallelClipping`): per micro-batch a norm
         pass and a clipped pass, the per-example squared norms (fp64) all-reduced over x and y,
         the clip statistics (3 x fp64) over z and data.
       micro_batches: passes per step over local chunks as equal as possible (gradients

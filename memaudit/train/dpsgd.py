@@ -8,13 +8,17 @@ is written into each parameter's `.grad`, and the trainer then calls `optimizer.
 The denominator is the expected batch size q·N, a constant, as the accounting assumes
 (dividing by the realised |S| would leak it). ℓ_i is example i's mean token loss.
 
-Per-example norms and the clipped sum come from `memaudit.train.ghost` (ghost norms and
-book-keeping: one forward and one backward pass per micro-batch), or from the `vmap`
-reference. Step t's noise of parameter i comes from a fresh `torch.Generator` keyed by the
-run's secret randomness at ("dpsgd-noise", t, i) (`memaudit.privacy.randomness`, HKDF over
-an OS-entropy secret), so it cannot be recomputed from the seed; `state_dict()` holds the
-secret and the step counter for an exact resume. `mechanism` declares what this adds (the
-ledger records `mechanism.dp_event()` per step).
+One `DPSGD` serves every layout; what depends on the layout is its `PerExampleClipping`:
+the per-example norms, the clipped sum and the noise of the layout's parameters. In one
+process (`SerialClipping`) they come from `memaudit.train.ghost` (ghost norms and
+book-keeping: one forward and one backward pass per micro-batch) or from the `vmap`
+reference; on the tensor-parallel grid (`memaudit.parallel.dp.TensorParallelClipping`) each
+rank's layers return partial squared norms that are all-reduced. Step t's noise of parameter
+i comes from a fresh `torch.Generator` keyed by the run's secret randomness at
+("dpsgd-noise", t, i) (`memaudit.privacy.randomness`, HKDF over an OS-entropy secret), so it
+cannot be recomputed from the seed; `state_dict()` holds the secret and the step counter for
+an exact resume. `mechanism` declares what this adds (the ledger records
+`mechanism.dp_event()` per step).
 
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -33,7 +37,8 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -65,8 +70,88 @@ def dpsgd_mechanism(dp: Any) -> Any:
                            population=int(dp.population), expected=dp.expected_batch_size)
 
 
+@dataclass(frozen=True)
+class ClipStats:
+    """What one clipped pass over a step's batch reports (besides the sum it leaves in `.grad`)."""
+
+    norms: torch.Tensor  # (B_local,) this process's examples' gradient norms, before clipping
+    clipped: int  # examples of the whole batch whose norm exceeded the clip norm
+    loss_sum: float  # the sum of the whole batch's per-example losses (before clipping)
+    examples: int  # rows of the whole batch that are examples (a layout's padding rows are not)
+
+
+class PerExampleClipping(Protocol):
+    """The layout-dependent part of DP-SGD: per-example norms, the clipped sum and the noise.
+
+    `params` are the (name, parameter) pairs that receive gradients, in the order that keys
+    their noise; `clipped_sum_` leaves Σ_i min(1, C/||∇_i||) ∇_i of the whole batch in each
+    parameter's `.grad` (replacing what was there) and returns the `ClipStats`; `add_noise_`
+    adds N(0, std²) to every logical gradient element, drawn at ("dpsgd-noise", step, i);
+    `share` makes a fresh secret the same on every process of the layout.
+    """
+
+    params: list[tuple[str, nn.Parameter]]
+
+    def clipped_sum_(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                     clip: float, *, micro_batch_size: int | None, right_padded: bool) -> ClipStats: ...
+
+    def add_noise_(self, std: float, randomness: Any, step: int) -> None: ...
+
+    def share(self, randomness: Any) -> Any: ...
+
+
+class SerialClipping:
+    """`PerExampleClipping` of a model in one process: ghost norms (or the vmap reference)."""
+
+    def __init__(self, model: nn.Module, mode: Literal["ghost", "vmap"] = "ghost") -> None:
+        if mode not in ("ghost", "vmap"):
+            raise ValueError(f"unknown DP-SGD mode '{mode}'; use 'ghost' or 'vmap'")
+        self.model, self.mode = model, mode
+        self._ghost = GhostClipper(model) if mode == "ghost" else None
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.device = self.params[0][1].device if self.params else torch.device("cpu")
+
+    def _clipped(self, ids: torch.Tensor, attn: torch.Tensor, lmask: torch.Tensor, clip: float) -> ClippedGrads:
+        if self._ghost is not None:
+            return self._ghost.clipped_sum(ids, attn, lmask, clip)
+        return vmap_clipped_sum(self.model, ids, attn, lmask, clip)
+
+    def clipped_sum_(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                     clip: float, *, micro_batch_size: int | None, right_padded: bool = False) -> ClipStats:
+        """Micro-batches of `micro_batch_size` rows, each one clipped pass; sums accumulated."""
+        if self.params and self.params[0][1].device != self.device:
+            raise ValueError(f"the model moved to {self.params[0][1].device} after DPSGD was built on "
+                             f"{self.device}; build DPSGD after model.to(device)")
+        b = int(input_ids.shape[0])
+        sums = {n: torch.zeros_like(p) for n, p in self.params}
+        loss_sum, clipped, chunk, norms = 0.0, 0, micro_batch_size or max(b, 1), []
+        for start in range(0, b, chunk):
+            sl = slice(start, start + chunk)
+            res = self._clipped(input_ids[sl], attention_mask[sl], loss_mask[sl], clip)
+            for n, g in res.grads.items():
+                sums[n] += g
+            loss_sum += float(res.losses.sum())
+            if not math.isinf(clip):
+                clipped += int((res.norms > clip).sum())
+            norms.append(res.norms)
+        for n, p in self.params:
+            p.grad = sums[n]
+        all_norms = torch.cat(norms) if norms else torch.zeros(0, device=self.device)
+        return ClipStats(all_norms, clipped, loss_sum, b)
+
+    def add_noise_(self, std: float, randomness: Any, step: int) -> None:
+        with torch.no_grad():
+            for i, (_, p) in enumerate(self.params):
+                g = p.grad
+                gen = randomness.torch_generator("dpsgd-noise", step, i, device=g.device)
+                g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
+
+    def share(self, randomness: Any) -> Any:
+        return randomness
+
+
 class DPSGD:
-    """Per-example clipping + Gaussian noise for one model; see the module docstring."""
+    """Per-example clipping + Gaussian noise for one model, in any layout; see the module docstring."""
 
     def __init__(
         self,
@@ -79,32 +164,33 @@ class DPSGD:
         population: int | None = None,
         mode: Literal["ghost", "vmap"] = "ghost",
         micro_batch_size: int | None = None,
+        clipping: PerExampleClipping | None = None,
     ) -> None:
         """See the module docstring.
 
         Args:
-          randomness: the run's `DPRandomness` (None: a fresh secret from OS entropy).
+          randomness: the run's `DPRandomness` (None: a fresh secret from OS entropy, made the
+            same on every process of the layout).
           population: N, the number of training examples sampled from (for `mechanism`).
+          micro_batch_size: rows of the (global) batch per clipped pass (None: all at once).
+          clipping: the layout's per-example clipping (None: `SerialClipping(model, mode)`;
+            the tensor-parallel layout passes `TensorParallelClipping`).
         """
         from memaudit.privacy.randomness import DPRandomness
 
         check_dp_args(clip, noise_multiplier, expected_batch_size)
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")
-        if mode not in ("ghost", "vmap"):
-            raise ValueError(f"unknown DP-SGD mode '{mode}'; use 'ghost' or 'vmap'")
         self.model = model
         self.clip = float(clip)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.mode = mode
         self.micro_batch_size = micro_batch_size
-        self._ghost = GhostClipper(model) if mode == "ghost" else None
-        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.device = self._params[0][1].device if self._params else torch.device("cpu")
+        self.clipping = clipping if clipping is not None else SerialClipping(model, mode)
         if randomness is not None and not isinstance(randomness, DPRandomness):
             raise TypeError(f"randomness must be a DPRandomness, got {type(randomness).__name__}")
-        self.randomness = randomness if randomness is not None else DPRandomness.fresh()
+        self.randomness = randomness if randomness is not None else self.clipping.share(DPRandomness.fresh())
         self.population = population
         self.step = 0  # the next step's index: selects its noise keys
 
@@ -124,11 +210,6 @@ class DPSGD:
             return 0.0
         return self.noise_multiplier * self.clip / self.expected_batch_size
 
-    def _clipped(self, ids, attn, lmask) -> ClippedGrads:
-        if self._ghost is not None:
-            return self._ghost.clipped_sum(ids, attn, lmask, self.clip)
-        return vmap_clipped_sum(self.model, ids, attn, lmask, self.clip)
-
     def step_gradients(
         self,
         input_ids: torch.Tensor,
@@ -136,52 +217,43 @@ class DPSGD:
         loss_mask: torch.Tensor | None,
         *,
         step: int | None = None,
+        right_padded: bool = False,
     ) -> dict[str, Any]:
         """Write the privatised mean gradient of this batch into every parameter's `.grad`.
 
         Args:
-          input_ids: (B, L) the Poisson-sampled batch; B may be 0 or exceed the micro batch.
+          input_ids: (B, L) the Poisson-sampled batch (on a grid, every rank passes all of
+            it); B may be 0 or exceed the micro batch.
           attention_mask: (B, L), 1 = real token (None: all real).
           loss_mask: (B, L) bool, True = the target at that position counts (None: the
             attention mask). It is combined with the attention mask.
           step: the step index that keys the noise (None: the internal counter, which
             advances by one per call and is saved in `state_dict()`).
+          right_padded: every row's padding is at its end (a layout may then run the model
+            without the mask).
 
         Returns:
           {"loss": mean per-example loss (nan for an empty batch), "clip_fraction",
           "batch_size", "noise_std"}.
         """
         b = int(input_ids.shape[0])
-        if self._params and self._params[0][1].device != self.device:
-            raise ValueError(f"the model moved to {self._params[0][1].device} after DPSGD was built on "
-                             f"{self.device}; build DPSGD after model.to(device)")
         t = self.step if step is None else int(step)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         lmask = attention_mask.bool() if loss_mask is None else loss_mask.bool() & attention_mask.bool()
-        sums = {n: torch.zeros_like(p) for n, p in self._params}
-        loss_sum, clipped, chunk = 0.0, 0, self.micro_batch_size or max(b, 1)
-        for start in range(0, b, chunk):
-            sl = slice(start, start + chunk)
-            res = self._clipped(input_ids[sl], attention_mask[sl], lmask[sl])
-            for n, g in res.grads.items():
-                sums[n] += g
-            loss_sum += float(res.losses.sum())
-            if not math.isinf(self.clip):
-                clipped += int((res.norms > self.clip).sum())
+        st = self.clipping.clipped_sum_(input_ids, attention_mask, lmask, self.clip,
+                                        micro_batch_size=self.micro_batch_size, right_padded=right_padded)
         std = self.noise_multiplier * self.clip
+        if std > 0:
+            self.clipping.add_noise_(std, self.randomness, t)
         with torch.no_grad():
-            for i, (n, p) in enumerate(self._params):
-                g = sums[n]
-                if std > 0:
-                    gen = self.randomness.torch_generator("dpsgd-noise", t, i, device=g.device)
-                    g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
-                g /= self.expected_batch_size
-                p.grad = g
+            for _, p in self.clipping.params:
+                p.grad /= self.expected_batch_size
         self.step = t + 1
+        n = max(st.examples, 1)
         return {
-            "loss": loss_sum / b if b else math.nan,
-            "clip_fraction": clipped / b if b else 0.0,
+            "loss": st.loss_sum / n if b else math.nan,
+            "clip_fraction": st.clipped / n if b else 0.0,
             "batch_size": b,
             "noise_std": self.noise_std,
         }
@@ -201,4 +273,4 @@ class DPSGD:
         if "secret" not in state:
             raise ValueError("this DP-SGD checkpoint predates secret randomness; restart the run")
         self.randomness.load_state_dict(state)  # in place: the sampler shares this object
-        self.step = int(state["step"])
+        self.step = int(state.get("step", self.step))

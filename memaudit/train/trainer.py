@@ -1,4 +1,4 @@
-"""The centralized trainer: one process, PyTorch, Hugging Face Llama.
+"""The centralized trainer: PyTorch, Hugging Face Llama, in one process or on the 4D grid.
 
 `train_centralized(cfg, run)` prepares the data, builds the preset model, trains it with
 AdamW (linear warm-up, cosine decay, global-norm clipping, gradient accumulation; bf16
@@ -11,14 +11,13 @@ rate is a function of t only, and a checkpoint holds the weights, the optimizer 
 the RNG and the DP noise-generator state; so on the CPU an interrupted-and-resumed run
 ends with weights bit-identical to an uninterrupted one.
 
-Extension point (the data x tensor-parallel backend): subclass `CentralizedTrainer` and
-override the seams marked "seam" below — `select_device` (a rank's GPU), `load_data` (the
-writer prepares, the others load after a barrier), `build_model` (parallelize after
-building; the optimizer is built afterwards from the local shards), `local_rows` (this
-data-parallel rank's share of the global batch), `compute_gradients` / `clip_gradients` /
-`private_gradients` / `make_dp` (collectives; DP-SGD of the sharded model), `evaluate`,
-`save_checkpoint` / `restore_checkpoint` / `export_model` (shard or gather), and set
-`is_writer = False` on every rank but one.
+One `Trainer` runs every layout by composition: it takes a `Layout`
+(`memaudit.train.layout`) that says where the model lives, `SerialLayout` for one process or
+`memaudit.parallel.layout.TensorParallelLayout` for the data x (x, y, z) grid (one per rank,
+started by `memaudit.parallel.launch`). The layout builds or parallelises the seeded model,
+shards each chunk of the global batch, syncs gradients, computes the global gradient norm,
+evaluates, writes and reads its checkpoint format and exports the merged model; DP-SGD is the
+one `memaudit.train.dpsgd.DPSGD` with the layout's per-example clipping.
 
 References:
     Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (AdamW), ICLR 2019.
@@ -32,18 +31,17 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from memaudit.config import Config
-from memaudit.errors import MemauditError
 from memaudit.lifecycle import RunSession
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train.batches import EpochBatches
-from memaudit.train.evaluate import holdout_loss, is_right_padded, target_mask
+from memaudit.train.evaluate import is_right_padded, target_mask
+from memaudit.train.layout import Batch, Layout, SerialLayout, autocast, make_optimizer
 from memaudit.train.schedule import lr_at
 
 if TYPE_CHECKING:
@@ -53,20 +51,6 @@ if TYPE_CHECKING:
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = "parallel"
-
-
-@dataclass
-class Batch:
-    """One step's (local) batch on the training device."""
-
-    input_ids: torch.Tensor  # (B, L) int64
-    attention_mask: torch.Tensor  # (B, L) int64, 1 = real token
-    loss_mask: torch.Tensor  # (B, L) bool, True = counted target (never position 0)
-    right_padded: bool  # then the model runs without an attention mask
-
-    @property
-    def num_positions(self) -> int:
-        return int(self.input_ids.numel())
 
 
 def train_centralized(
@@ -87,7 +71,7 @@ def train_centralized(
         {"steps", "final_holdout_loss", "final_holdout_perplexity", "initial_holdout_loss",
          "final_train_loss", "train_seconds", "parameters", "epsilon" (DP only), ...}
     """
-    return CentralizedTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
+    return Trainer(cfg, run, SerialLayout(cfg), progress=progress).fit(resume=resume, **session_kw)
 
 
 @contextlib.contextmanager
@@ -106,17 +90,22 @@ def deterministic(device: torch.device) -> Iterator[None]:
         torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
-class CentralizedTrainer:
-    """Single-process trainer; the methods marked "seam" are what a distributed subclass overrides."""
+class Trainer:
+    """The one centralized trainer: step, evaluation and checkpoint loop over a `Layout`.
 
-    is_writer = True  # writes run.json, run.lock, metrics.jsonl, state/, model/, privacy.json
+    Everything that depends on where the model lives (one process, or the data x (x, y, z)
+    grid) is asked of `layout`; nothing here is meant to be overridden.
+    """
 
-    def __init__(self, cfg: Config, run: RunDir, *, progress: ProgressFn | None = None) -> None:
+    def __init__(self, cfg: Config, run: RunDir, layout: Layout | None = None, *,
+                 progress: ProgressFn | None = None) -> None:
         from memaudit.models.presets import LARGE_PRESETS
 
-        self.cfg, self.run, self.progress = cfg, run, progress
+        self.layout: Layout = layout if layout is not None else SerialLayout(cfg)
+        self.cfg, self.run = cfg, run
+        self.progress = progress if self.layout.is_writer else None  # only the writer reports
         self.tcfg = cfg.train
-        self.device = self.select_device()
+        self.device = self.layout.device
         large = cfg.model.preset in LARGE_PRESETS and cfg.model.name_or_path is None
         self.autocast_dtype = self._autocast_dtype(large)
         ac = self.tcfg.activation_checkpointing
@@ -129,15 +118,11 @@ class CentralizedTrainer:
         self.noise_multiplier: float | None = None
         self.initial_holdout: tuple[float, float] = (math.nan, math.nan)
 
+    @property
+    def is_writer(self) -> bool:
+        return self.layout.is_writer
+
     # ------------------------------------------------------------------ configuration
-    def select_device(self) -> torch.device:  # seam: a rank picks its own GPU
-        import torch
-
-        want = self.cfg.train.device
-        if want == "cuda" and not torch.cuda.is_available():
-            raise MemauditError("train.device=cuda but no CUDA device is visible; use train.device=auto")
-        return torch.device("cuda" if want != "cpu" and torch.cuda.is_available() else "cpu")
-
     def _autocast_dtype(self, large: bool) -> torch.dtype | None:
         import torch
 
@@ -151,34 +136,29 @@ class CentralizedTrainer:
 
         return model_vocab_size(self.cfg.model)
 
-    # ------------------------------------------------------------------ seams: model and optimizer
-    def build_model(self, vocab_size: int) -> torch.nn.Module:  # seam: parallelize_llama here
-        """The seeded fp32 model on `self.device`, with activation checkpointing if asked."""
+    # ------------------------------------------------------------------ model and optimizer
+    def build_model(self, vocab_size: int) -> torch.nn.Module:
+        """The seeded fp32 model on the layout's device (activation checkpointing if asked),
+        laid out by the layout."""
         from memaudit.models.init import initial_model
 
         model = initial_model(self.cfg.model, vocab_size)
         model.config.use_cache = False
         if self.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model.to(self.device).train()
+        return self.layout.parallelize(model.to(self.device).train())
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        import torch
+        """AdamW over the model's (local) parameters, built after the layout sharded them."""
+        return make_optimizer(self.model.parameters(), self.tcfg)
 
-        t = self.tcfg
-        return torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
-        )
-
-    # ------------------------------------------------------------------ seams: batches
+    # ------------------------------------------------------------------ batches
     def step_rows(self, step: int) -> np.ndarray:
         """Global row indices of step `step` (0-based): fixed-size, or Poisson under DP."""
         return self.sampler.indices(step)
 
-    def local_rows(self, rows: np.ndarray) -> np.ndarray:  # seam: this data-parallel rank's share
-        return rows
-
     def make_batch(self, rows: np.ndarray) -> Batch:
+        """The global batch of `rows` on the device (every process of a grid holds all of it)."""
         import torch
 
         ids_np = self.train_set.input_ids[rows]
@@ -193,59 +173,42 @@ class CentralizedTrainer:
             mask &= goldfish_mask(ids, k=gf.k, h=gf.h).to(mask.device)
         return Batch(ids, am, mask, is_right_padded(am_np))
 
-    # ------------------------------------------------------------------ seams: one step
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        import torch
-
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def compute_gradients(self, batch: Batch) -> dict[str, float]:  # seam: collectives go here
-        """Forward/backward of the token-mean loss, accumulated over micro-batches into .grad."""
-        from memaudit.train.losses import causal_lm_loss
-
+    # ------------------------------------------------------------------ one step
+    def compute_gradients(self, batch: Batch) -> dict[str, float]:
+        """Forward/backward of the token-mean loss, accumulated over micro-batches of
+        `train.micro_batch_size` global rows into .grad; the layout syncs once at the end."""
         b = batch.input_ids.shape[0]
-        micro = self.tcfg.micro_batch_size or b
-        total_targets = int(batch.loss_mask[:, 1:].sum())
+        micro = self.tcfg.micro_batch_size or max(b, 1)
+        total_targets = int(batch.loss_mask[:, 1:].sum())  # global: every process holds the batch
         loss_sum = 0.0
         for s in range(0, b, micro):
-            ids, lm = batch.input_ids[s : s + micro], batch.loss_mask[s : s + micro]
-            n = int(lm[:, 1:].sum())
+            part = batch.rows(slice(s, s + micro))
+            n = int(part.loss_mask[:, 1:].sum())
             if n == 0:
                 continue
-            am = None if batch.right_padded else batch.attention_mask[s : s + micro]
-            with self._autocast():
-                logits = self.model(input_ids=ids, attention_mask=am).logits  # (b, L, V)
-            loss = causal_lm_loss(logits, ids, lm)
+            loss, logged = self.layout.chunk_loss(self.model, part, self.autocast_dtype)
             if n != total_targets:  # weight by this chunk's share so the sum is the batch mean
-                loss = loss * (n / total_targets)
+                loss, logged = loss * (n / total_targets), logged * (n / total_targets)
             loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum += float(logged)
+        self.layout.finish_gradients(self.model)
         return {"loss": loss_sum}
 
-    def clip_gradients(self) -> float:  # seam: the global norm spans every shard
+    def clip_gradients(self) -> float:
         """Global-norm clipping to train.grad_clip; returns the norm before clipping."""
-        import torch
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
         clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else math.inf
-        return float(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True))
+        return self.layout.clip_grad_norm_(self.model, clip)
 
     def grad_norm(self) -> float:
-        import torch
+        return self.layout.grad_norm(self.model)
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
-
-    def private_gradients(self, rows: np.ndarray) -> dict[str, float]:
+    def private_gradients(self, step: int, rows: np.ndarray) -> dict[str, float]:
         """DP-SGD: noisy clipped mean gradient into .grad (no extra global clipping)."""
-        batch = self.make_batch(rows)
-        with self._autocast():
-            stats = self.dp.step_gradients(batch.input_ids, batch.attention_mask, batch.loss_mask)
-        return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) or hasattr(v, "item")}
+        b = self.make_batch(rows)
+        with autocast(self.device, self.autocast_dtype):
+            stats = self.dp.step_gradients(b.input_ids, b.attention_mask, b.loss_mask, step=step,
+                                           right_padded=b.right_padded)
+        return {k: float(v) for k, v in stats.items()}
 
     def optimizer_step(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
@@ -258,9 +221,9 @@ class CentralizedTrainer:
         t0 = time.perf_counter()
         lr = lr_at(step, lr=self.tcfg.lr, warmup_steps=self.tcfg.warmup_steps,
                    total_steps=self.tcfg.steps, min_lr_ratio=self.tcfg.min_lr_ratio)
-        rows = self.local_rows(self.step_rows(step))
+        rows = self.step_rows(step)
         if self.private:
-            stats = self.private_gradients(rows)
+            stats = self.private_gradients(step, rows)
             gnorm = self.grad_norm()
             self.ledger_step()
         else:
@@ -276,13 +239,10 @@ class CentralizedTrainer:
         return rec
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> tuple[float, float]:  # seam: vocabulary-parallel loss
-        h = self.holdout_set
-        return holdout_loss(
-            self.model, h.input_ids, h.attention_mask,
-            batch_size=self.tcfg.micro_batch_size or self.tcfg.batch_size,
-            max_batches=self.tcfg.eval_batches, device=self.device, autocast_dtype=self.autocast_dtype,
-        )
+    def evaluate(self) -> tuple[float, float]:
+        return self.layout.evaluate(self.model, self.holdout_set,
+                                    batch_size=self.tcfg.micro_batch_size or self.tcfg.batch_size,
+                                    max_batches=self.tcfg.eval_batches, autocast_dtype=self.autocast_dtype)
 
     # ------------------------------------------------------------------ privacy
     def setup_privacy(self) -> None:
@@ -308,24 +268,14 @@ class CentralizedTrainer:
         # RUN_DIR/dp_secret.json: outside state/, which the lifecycle replaces only by sealed checkpoints
         self.randomness = DPRandomness.for_run(self.run.path, p, self.tcfg.seed, write=self.is_writer)
         self.sampler = PoissonSampler(n, q, self.randomness)
-        self.dp = self.make_dp(clip=p.clip, noise_multiplier=float(sigma),
-                               expected_batch_size=self.sampler.expected_batch_size,
-                               randomness=self.randomness, population=n)
-        self.ledger = self.new_ledger()
-
-    def make_dp(self, *, clip: float, noise_multiplier: float, expected_batch_size: float,
-                randomness: Any, population: int) -> Any:  # seam: DP-SGD of the parallel model
-        """The DP-SGD component of `self.model`, used by `private_gradients` and checkpoints.
-
-        It has `step_gradients(input_ids, attention_mask, loss_mask) -> stats` (the privatised
-        mean gradient into `.grad`), `mechanism` (what a step adds, for the ledger),
-        `state_dict()` and `load_state_dict(sd)`; `randomness` is the run's `DPRandomness`.
-        """
         from memaudit.train.dpsgd import DPSGD
 
-        return DPSGD(self.model, clip=clip, noise_multiplier=noise_multiplier,
-                     expected_batch_size=expected_batch_size, randomness=randomness, population=population,
-                     mode="ghost", micro_batch_size=self.tcfg.micro_batch_size)
+        # one DP-SGD for every layout; the per-example norms, clipped sum and noise are the layout's
+        self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=float(sigma),
+                        expected_batch_size=self.sampler.expected_batch_size, randomness=self.randomness,
+                        population=n, micro_batch_size=self.tcfg.micro_batch_size,
+                        clipping=self.layout.dp_clipping(self.model, "ghost"))
+        self.ledger = self.new_ledger()
 
     def new_ledger(self) -> Any:
         from memaudit.privacy.ledger import PrivacyLedger
@@ -344,7 +294,7 @@ class CentralizedTrainer:
         if self.ledger is not None:
             self.session.write_ledger(self.ledger_json())
 
-    # ------------------------------------------------------------------ seams: checkpoints
+    # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> None:
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
         ledger = self.ledger_json() if self.ledger is not None and self.is_writer else None
@@ -352,19 +302,13 @@ class CentralizedTrainer:
         scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
                    "initial_holdout_perplexity": self.initial_holdout[1],
                    "noise_multiplier": self.noise_multiplier}
-        self.write_state(step, scalars, extra=extra, files=files)
+        self.layout.write_state(self.session, step, self.model, self.optimizer, scalars=scalars,
+                                extra=extra, files=files)
         self.session.write_ledger(ledger)
 
-    def write_state(self, step: int, scalars: dict[str, Any], *, extra: dict[str, Any],
-                    files: dict[str, Any] | None) -> None:  # seam: sharded save
-        if self.is_writer:
-            with self.session.checkpoint(step) as d:
-                ckpt.write_state(d, model=self.model, optimizer=self.optimizer, scalars=scalars,
-                                 extra=extra, files=files)
-
-    def read_state(self) -> tuple[dict[str, Any], dict[str, Any]]:  # seam: sharded load
-        """Load state/ into the model, optimizer and RNG; return (scalars, extra)."""
-        return ckpt.load_state(self.run, model=self.model, optimizer=self.optimizer, device=self.device)
+    def read_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load state/ (in whatever layout it was written) into the model, optimizer and RNG."""
+        return self.layout.read_state(self.run, self.model, self.optimizer)
 
     def restore_checkpoint(self) -> int:
         """Load state/ into the model, optimizer, RNG and DP state; return the step to start at."""
@@ -381,20 +325,20 @@ class CentralizedTrainer:
         self.initial_holdout = (scalars["initial_holdout_loss"], scalars["initial_holdout_perplexity"])
         return int(scalars["step"])
 
-    def export_model(self) -> None:  # seam: gather a merged checkpoint on the writer
-        if self.is_writer:
-            self.session.export_hf(self.model, tokenizer=self.prepared.tokenizer(),
-                                   tokenizer_dir=self.prepared.tokenizer_dir)
+    def export_model(self) -> None:
+        """The merged Hugging Face model into model/ (the writer writes; a collective on a grid)."""
+        self.layout.export_model(self.session, self.model, self.prepared)
 
     # ------------------------------------------------------------------ driver
-    def load_data(self) -> Any:  # seam: the writer prepares, then the others load
-        """The run's PreparedData, staged and checked by the lifecycle (`dispatch.check_data`)."""
-        return self.session.data()
-
     def prepare(self, resume: bool) -> None:
-        """Data, model, optimizer, sampler (and DP) for this run."""
+        """Data, model, optimizer, sampler (and DP) for this run; the writer's first."""
+        with self.layout.writer_first():
+            self._prepare()
+
+    def _prepare(self) -> None:
         vocab = self.model_vocab_size()
-        self.prepared = self.load_data()  # tokenizer size and set sizes checked when it was staged
+        # staged by the lifecycle; tokenizer size and set sizes checked then (`dispatch.check_data`)
+        self.prepared = self.session.data()
         self.train_set: PackedSequences = self.prepared.train
         self.holdout_set: PackedSequences = self.prepared.holdout
         self.model = self.build_model(vocab)
@@ -448,7 +392,7 @@ class CentralizedTrainer:
             # the training loss is a statistic of the private data: not in run.json under DP
             "final_train_loss": None if self.private else last.get("loss"),
             "train_sequences": len(self.train_set),
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": self.layout.num_parameters(self.model),
             "device": self.device.type,
             "train_seconds": time.perf_counter() - t0,
             "resumed_from_step": start if resume else None,
@@ -468,3 +412,6 @@ class CentralizedTrainer:
             result = self._train(resume)
             session.complete(result)
         return result
+
+
+CentralizedTrainer = Trainer  # the name benchmarks and the randomness tests construct (one process)

@@ -182,6 +182,16 @@ def _rand(seed: int):
     return DPRandomness.from_seed(seed)
 
 
+def _dp(pm: Any, *, clip: float, noise_multiplier: float, randomness: Any, micro: int | None = None):
+    """The one DP-SGD (`memaudit.train.dpsgd.DPSGD`) with the grid's per-example clipping;
+    `micro` counts global rows per pass."""
+    from memaudit.parallel.dp import TensorParallelClipping
+    from memaudit.train.dpsgd import DPSGD
+
+    return DPSGD(pm, clip=clip, noise_multiplier=noise_multiplier, expected_batch_size=BATCH,
+                 randomness=randomness, micro_batch_size=micro, clipping=TensorParallelClipping(pm))
+
+
 def assert_weights_close(a_run: Path, b_run: Path, *, max_abs: float = 1e-3, far_fraction: float = 1e-4) -> None:
     """The `model/` weights of two runs agree up to a grid's fp32 summation order.
 
@@ -210,7 +220,6 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, 
 def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: str) -> dict[str, str | None]:
     """Every model case of `grid`; `outdir` is a directory all ranks share."""
     from memaudit.parallel.clip import clip_grad_norm_
-    from memaudit.parallel.dp import dp_sgd_backward
     tag = "".join(str(v) for v in grid)
     res: dict[str, str | None] = {}
 
@@ -284,13 +293,28 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
 
     def dp() -> None:
         pm = _pmodel(grid, ref["init"])
-        ids, mask = data[0]
-        st = dp_sgd_backward(pm, pm.shard_batch(ids), pm.shard_batch(mask), clip=ref["dp_clip"],
-                             noise_multiplier=0.0, expected_batch=BATCH, randomness=None, step=0)
-        torch.testing.assert_close(st.per_example_norms.float(), pm.shard_batch(ref["dp_norms"]).float(),
-                                   rtol=1e-4, atol=1e-5)
-        assert abs(st.clip_fraction - 0.5) < 1e-9, st.clip_fraction
+        ids, mask = data[0]  # every rank passes the global batch; the clipping keeps its share
+        dp = _dp(pm, clip=ref["dp_clip"], noise_multiplier=0.0, randomness=None)  # secret: rank 0's
+        st = dp.step_gradients(ids, None, mask, step=0, right_padded=True)
+        assert abs(st["clip_fraction"] - 0.5) < 1e-9, st["clip_fraction"]
+        assert st["batch_size"] == BATCH and dp.step == 1
         _close(pm.full_state_dict(grads=True), ref["dp_grads"], atol=1e-6)
+
+    def ghost() -> None:
+        """The ghost-norm call returns every local example's full-gradient norm (against one
+        backward per example in one process), and leaves nothing open behind it."""
+        from memaudit.parallel.dp import per_example_grad_norms
+
+        pm, other = _pmodel(grid, ref["init"]), _pmodel(grid, ref["init"])
+        ids, mask = (pm.shard_batch(t) for t in data[0])
+        norms = per_example_grad_norms(pm, ids, mask)
+        torch.testing.assert_close(norms.float(), pm.shard_batch(ref["dp_norms"]).float(), rtol=1e-4, atol=1e-5)
+        assert not pm.ghost.active and pm.ghost is not other.ghost
+        # another model's backward inside this model's call writes nothing into its norms
+        with pm.ghost.collect(ids.shape[0]) as acc:
+            other(ids, mask)[0].backward()
+        assert float(acc.abs().sum()) == 0.0
+        torch.testing.assert_close(per_example_grad_norms(pm, ids, mask), norms, rtol=0, atol=0)
 
     def payload() -> None:
         pm = _pmodel(grid, ref["init"])
@@ -298,7 +322,7 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         if grid == (1, 1, 1, 1):
             assert sum(pm.comm.per_axis().values()) == 0
 
-    for name, fn in (("train", train), ("clip", clip), ("dp", dp), ("payload", payload)):
+    for name, fn in (("train", train), ("clip", clip), ("dp", dp), ("ghost", ghost), ("payload", payload)):
         case(name, fn)
     return res
 
@@ -318,7 +342,6 @@ def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute
                  clip: bool = False, bucketed: bool = False) -> None:
     """One step under `comm.counting()`; payload and wire per (axis, kind) equal the prediction."""
     from memaudit.parallel.clip import clip_grad_norm_
-    from memaudit.parallel.dp import dp_sgd_backward
     from memaudit.parallel.planner import ModelShape, predict_collectives, wire_bytes
 
     ids, mask = (pm.shard_batch(t) for t in batch)
@@ -329,9 +352,9 @@ def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute
         pm.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         pm.hf.train()
     with pm.comm.counting():
-        if dp:
-            dp_sgd_backward(pm, ids, mask, clip=1.0, noise_multiplier=0.0, expected_batch=BATCH,
-                            randomness=_rand(0), step=0, micro_batch=chunk)
+        if dp:  # the global batch in; `chunk` local rows per pass
+            _dp(pm, clip=1.0, noise_multiplier=0.0, randomness=_rand(0), micro=chunk * pm.pg.batch_shards
+                ).step_gradients(batch[0], None, batch[1], step=0, right_padded=True)
         else:
             for s in range(0, rows, chunk):
                 loss, _ = pm(ids[s:s + chunk], mask[s:s + chunk])
@@ -372,14 +395,13 @@ OVERLAP_OPTIONS = {"ors": {"overlap_reduce_scatter": True}, "oag": {"overlap_all
 
 
 def _grads_of(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, kind: str) -> list[torch.Tensor]:
-    from memaudit.parallel.dp import dp_sgd_backward
-
     ids, mask = (pm.shard_batch(t) for t in batch)
     if kind == "recompute":
         pm.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         pm.hf.train()
     if kind == "dp":
-        dp_sgd_backward(pm, ids, mask, clip=1.0, noise_multiplier=1.0, expected_batch=BATCH, randomness=_rand(5), step=2)
+        _dp(pm, clip=1.0, noise_multiplier=1.0, randomness=_rand(5)).step_gradients(batch[0], None, batch[1], step=2,
+                                                                                     right_padded=True)
     else:
         chunk = max(1, ids.shape[0] // 2) if kind == "micro" else ids.shape[0]
         for s in range(0, ids.shape[0], chunk):
@@ -449,7 +471,7 @@ def overlap_cases(grid: tuple[int, int, int, int], ref: dict[str, Any]) -> dict[
 
 
 # ----------------------------------------------------------------------------- trainer
-# ParallelTrainer runs inside the world-2 group (the same code the launcher runs in each rank);
+# The one Trainer with the grid's layout runs inside the world-2 group (the same code the launcher runs in each rank);
 # the tests compare them with `train_centralized` runs of the same config in the parent.
 TRAIN_COMMON = ("data.seq_len=32", "train.steps=4", "train.eval_every=2", "train.checkpoint_every=4")
 TRAIN_JOBS: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -473,8 +495,9 @@ def train_overrides(job: str, corpus: str, *, parallel: bool = True) -> list[str
 
 def run_train_jobs(world: int, jobs_path: str) -> dict[str, str | None]:
     from memaudit.config import load_config
-    from memaudit.parallel.trainer_hooks import ParallelTrainer
+    from memaudit.parallel.layout import TensorParallelLayout
     from memaudit.rundir import RunDir
+    from memaudit.train.trainer import Trainer
     from tests.conftest import REPO_ROOT
 
     spec = json.loads(Path(jobs_path).read_text())
@@ -486,7 +509,9 @@ def run_train_jobs(world: int, jobs_path: str) -> dict[str, str | None]:
         try:
             cfg = load_config(REPO_ROOT / "configs" / "tiny.yaml", train_overrides(job, spec["corpus"]))
             path = Path(spec["out"]) / job
-            ParallelTrainer(cfg, RunDir(path)).fit()
+            trainer = Trainer(cfg, RunDir(path), TensorParallelLayout(cfg))
+            assert type(trainer) is Trainer  # composition: the grid is the layout, not a subclass
+            trainer.fit()
             res[f"train-{job}"] = None
         except Exception:  # noqa: BLE001
             res[f"train-{job}"] = traceback.format_exc(limit=6)

@@ -52,7 +52,7 @@ def world_results(world: int, ref_path: Path, tmp: Path, jobs_path: Path) -> dic
 
 @pytest.fixture(scope="session")
 def train_runs(tmp_path_factory, tiny_corpus) -> tuple[Path, Path]:
-    """(jobs file the workers read, folder where they write their ParallelTrainer runs)."""
+    """(jobs file the workers read, folder where they write their runs of the Trainer on the grid's layout)."""
     base = tmp_path_factory.mktemp("train_jobs")
     jobs = base / "jobs.json"
     jobs.write_text(json.dumps({"corpus": str(tiny_corpus), "out": str(base / "runs")}))

@@ -1,4 +1,4 @@
-"""`ParallelTrainer` on 2-process grids (run inside the world-2 gloo group) against
+"""The one `Trainer` with `TensorParallelLayout` on 2-process grids (run inside the world-2 gloo group) against
 `train_centralized` on the same config: DP-SGD with sigma=0 under x=2 tensor parallelism
 (micro-batched), and gradient accumulation (`train.micro_batch_size`) on a data=2 grid."""
 

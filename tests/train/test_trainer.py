@@ -39,10 +39,10 @@ def test_epoch_batches_cover_each_epoch_once_and_are_reproducible():
 
 def _trainer_on(packed: PackedSequences, *overrides: str):
     from memaudit.models.presets import build_model
-    from memaudit.train.trainer import CentralizedTrainer
+    from memaudit.train.trainer import Trainer
 
     cfg = load_config(None, ["train.device=cpu", *overrides])
-    tr = CentralizedTrainer(cfg, RunDir("/nonexistent"))
+    tr = Trainer(cfg, RunDir("/nonexistent"))
     tr.model = build_model("tiny", vocab_size=97, seed=3)
     tr.train_set = tr.holdout_set = packed
     return tr

@@ -1,0 +1,92 @@
+"""The trainer by composition: one `Trainer` class, layouts that fill in what differs, and
+ghost norms that come back from the call computing them (no module-level sink)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import types
+
+import pytest
+
+# every module the ghost norms, DP-SGD and the trainer pass through
+SINK_MODULES = ("memaudit.parallel.ghost", "memaudit.parallel.layers", "memaudit.parallel.norm",
+                "memaudit.parallel.dp", "memaudit.parallel.parallelize", "memaudit.parallel.comm",
+                "memaudit.parallel.layout", "memaudit.train.ghost", "memaudit.train.dpsgd",
+                "memaudit.train.trainer", "memaudit.train.layout")
+
+
+def _import_all(package: str) -> None:
+    pkg = importlib.import_module(package)
+    for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{package}."):
+        importlib.import_module(info.name)
+
+
+def test_no_module_level_mutable_sink_carries_ghost_norms() -> None:
+    """The old defect: `memaudit.parallel.ghost._SINK`, a module-global list the layers wrote."""
+    import torch
+
+    for name in SINK_MODULES:
+        mod = importlib.import_module(name)
+        for attr, value in vars(mod).items():
+            if attr.startswith("__") or isinstance(value, types.ModuleType):
+                continue
+            mutable = isinstance(value, list | dict | set | bytearray | torch.Tensor)
+            assert not mutable, f"{name}.{attr} is a module-level {type(value).__name__}"
+
+
+def test_one_trainer_class_and_no_subclass_overrides_its_seams() -> None:
+    from memaudit.train import trainer
+
+    _import_all("memaudit.train")
+    _import_all("memaudit.parallel")
+    assert trainer.Trainer.__subclasses__() == []
+    assert trainer.CentralizedTrainer is trainer.Trainer  # the old name, one class
+    from memaudit.parallel import launch
+
+    assert not hasattr(importlib.import_module("memaudit.parallel"), "trainer_hooks")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("memaudit.parallel.trainer_hooks")
+    assert "TensorParallelLayout(cfg)" in inspect.getsource(launch._run_here)
+
+
+def test_both_layouts_implement_the_whole_layout_protocol() -> None:
+    from memaudit.parallel.layout import TensorParallelLayout
+    from memaudit.train.layout import Layout, SerialLayout
+
+    wanted = {n for n, v in vars(Layout).items() if callable(v) and not n.startswith("_")}
+    assert {"parallelize", "chunk_loss", "grad_norm", "dp_clipping", "write_state", "read_state",
+            "export_model"} <= wanted
+    for cls in (SerialLayout, TensorParallelLayout):
+        for name in sorted(wanted):
+            impl = getattr(cls, name, None)
+            assert callable(impl) and impl is not getattr(Layout, name), (cls.__name__, name)
+            assert list(inspect.signature(impl).parameters) == list(inspect.signature(getattr(Layout, name)).parameters), (
+                cls.__name__, name)
+
+
+def test_the_serial_trainer_is_the_trainer_with_the_serial_layout() -> None:
+    from memaudit.config import load_config
+    from memaudit.rundir import RunDir
+    from memaudit.train.layout import SerialLayout
+    from memaudit.train.trainer import Trainer
+
+    tr = Trainer(load_config(None, ["train.device=cpu"]), RunDir("/nonexistent"))
+    assert isinstance(tr.layout, SerialLayout) and tr.is_writer and tr.device.type == "cpu"
+
+
+def test_ghost_norms_of_one_collector_per_model_and_call() -> None:
+    """A collector is open only inside its call; a nested call on the same model is refused."""
+    import torch
+
+    from memaudit.parallel.ghost import GhostNorms, add_vector
+
+    norms = GhostNorms()
+    assert not norms.active and norms.current() is None
+    with norms.collect(2) as acc:
+        add_vector(norms.current(), torch.ones(2, 3, 4), scale=0.5)
+        with pytest.raises(RuntimeError, match="one call at a time"), norms.collect(2):
+            pass
+    assert acc.tolist() == [18.0, 18.0]  # (3 tokens summed)^2 * 4 features * 0.5
+    assert not norms.active
