@@ -90,3 +90,41 @@ def test_ghost_norms_of_one_collector_per_model_and_call() -> None:
             pass
     assert acc.tolist() == [18.0, 18.0]  # (3 tokens summed)^2 * 4 features * 0.5
     assert not norms.active
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.3])
+def test_one_dpsgd_takes_the_same_step_with_either_layouts_clipping(sigma) -> None:
+    """Contract of `PerExampleClipping`: the same `DPSGD` step with the one-process clipping
+    (ghost norms + book-keeping) and the grid's (two ghost passes; here the 1x1x1x1 grid),
+    with noise keyed by the same secret, step and parameter."""
+    import copy
+
+    import torch
+
+    from memaudit.parallel.dims import ParallelDims
+    from memaudit.parallel.dp import TensorParallelClipping
+    from memaudit.parallel.parallelize import parallelize_llama
+    from memaudit.privacy.randomness import DPRandomness
+    from memaudit.train.dpsgd import DPSGD
+    from memaudit.train.ghost import GhostClipper
+    from tests.train.test_dpsgd import _batch, _model
+
+    serial = _model()
+    pm = parallelize_llama(copy.deepcopy(serial), dims=ParallelDims())
+    ids, attn, lmask = _batch()
+    norms = sorted(GhostClipper(serial).clipped_sum(ids, attn, lmask, float("inf")).norms.tolist())
+    clip = (norms[1] + norms[2]) / 2  # two of five clipped, away from any norm
+    kw = {"clip": clip, "noise_multiplier": sigma, "expected_batch_size": 4.0, "micro_batch_size": 2}
+    a = DPSGD(serial, randomness=DPRandomness.from_seed(9), **kw)
+    b = DPSGD(pm, randomness=DPRandomness.from_seed(9), clipping=TensorParallelClipping(pm), **kw)
+    sa = a.step_gradients(ids, attn, lmask, step=3)
+    sb = b.step_gradients(ids, attn, lmask, step=3)
+    assert sa["clip_fraction"] == sb["clip_fraction"] == pytest.approx(3 / 5)
+    assert (sa["batch_size"], sa["noise_std"]) == (sb["batch_size"], sb["noise_std"]) == (5, sigma * clip / 4.0)
+    assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-5)
+    pairs = list(zip(serial.named_parameters(), pm.hf.named_parameters(), strict=True))
+    for (n, p), (m, q) in pairs:
+        assert n == m
+        want = q.shard_spec.local(p.grad, pm.comm)  # the layout of the grid's shard (z-flat blocks)
+        torch.testing.assert_close(q.grad, want, rtol=1e-4, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
+    assert a.state_dict()["step"] == b.state_dict()["step"] == 4
