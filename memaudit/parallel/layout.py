@@ -84,7 +84,9 @@ class TensorParallelLayout:
     def dp_clipping(self, model: ParallelLlama, mode: str) -> Any:
         from memaudit.parallel.dp import TensorParallelClipping
 
-        return TensorParallelClipping(model)  # ghost norms only: the grid has no vmap reference
+        if mode != "ghost":
+            raise ValueError(f"DP-SGD mode '{mode}' has no tensor-parallel form; use 'ghost' on a grid")
+        return TensorParallelClipping(model)
 
     def evaluate(self, model: ParallelLlama, holdout: Any, *, batch_size: int, max_batches: int | None,
                  autocast_dtype: torch.dtype | None) -> tuple[float, float]:

@@ -128,3 +128,13 @@ def test_one_dpsgd_takes_the_same_step_with_either_layouts_clipping(sigma) -> No
         want = q.shard_spec.local(p.grad, pm.comm)  # the layout of the grid's shard (z-flat blocks)
         torch.testing.assert_close(q.grad, want, rtol=1e-4, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
     assert a.state_dict()["step"] == b.state_dict()["step"] == 4
+
+
+def test_the_grid_layout_in_one_process_and_its_refusal_of_vmap_clipping() -> None:
+    from memaudit.config import load_config
+    from memaudit.parallel.layout import TensorParallelLayout
+
+    layout = TensorParallelLayout(load_config(None, ["train.device=cpu"]))  # the 1x1x1x1 grid, no process group
+    assert layout.is_writer and layout.device.type == "cpu" and layout.dims.world_size == 1
+    with pytest.raises(ValueError, match="mode 'vmap' has no tensor-parallel form"):
+        layout.dp_clipping(None, "vmap")
