@@ -146,3 +146,4 @@ def test_section_absent_for_one_size_without_goldfish(tmp_path):
     # Goldfish alone (one size) is enough for the section
     runs.append(make_run(tmp_path, "c", "tiny", True, 2, 2))
     assert build_report(runs)["scale"]["sizes"] == ["tiny (1.79M)"]
+

@@ -150,3 +150,28 @@ def test_run_probes_writes_goldfish_beside_extraction(probed):
     assert all(set(r) == {"id", "kind", "repeats", "prompt_tokens", "truncated", "exact", "rouge_l"}
                for r in g["scores"])  # ids and numbers, never text
     assert any(p == "goldfish_extraction" for p, _m, _v in summary_rows(done))
+
+
+def test_scale_section_null_check_on_a_real_probes_json(tmp_path, trained, probed):
+    """One trained model's probes.json under two labels, Goldfish off and on: the report's scale
+    section is computed from the real files, tests every bucket and claims no difference."""
+    import shutil
+
+    from memaudit.reports.build import build_report
+
+    done, _ = probed
+    dirs = []
+    for name, gf in (("off", False), ("on", True)):
+        rd = tmp_path / name
+        shutil.copytree(trained.run, rd)
+        (rd / "run.json").write_text(json.dumps({
+            "status": "complete", "backend": "parallel",
+            "config": {"model": {"preset": "tiny"}, "train": {"goldfish": {"enabled": gf}}}}))
+        (rd / "probes.json").write_text(json.dumps(done))
+        dirs.append(rd)
+    sec = build_report(dirs)["scale"]
+    gold = [t for t in sec["tests"] if t["metric"] == "goldfish_exact"]
+    assert {t["bucket"] for t in gold} == {"all", "1", "4-7", "16-31"}
+    assert sec["family"] > 0 and not sec["sentences"]
+    assert all(t["verdict"] in ("no difference shown", "n too small") for t in sec["tests"])
+    assert all(t["test"]["p_adjusted"] == 1.0 for t in sec["tests"] if t["test"])
