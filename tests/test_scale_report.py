@@ -133,7 +133,7 @@ def test_differences_are_holm_adjusted_tests(study):
     assert all("holm p" in s and "over 36 tests" in s for s in sec["sentences"])
     md = paths["md"].read_text()
     assert "## Memorization against model size and Goldfish loss" in md and "n too small" in md
-    assert "holm p" in md
+    assert "holm p" in md and "Goldfish protocol: m = 50 tokens" in md
     assert 'id="scale"' in paths["html"].read_text()
 
 

@@ -46,8 +46,9 @@ CORRECTION = "holm"
 METRICS: dict[str, tuple[str, str, str]] = {
     "exposure": ("exposure of inserted canaries", "bits", "mean"),
     "extraction_exact": ("discoverable exact extraction rate", "", "binary"),
-    "goldfish_exact": ("exact match of the last 50 tokens (Goldfish protocol)", "", "binary"),
-    "goldfish_rouge_l": ("ROUGE-L of the last 50 tokens (Goldfish protocol)", "", "mean"),
+    "goldfish_exact": ("exact match of a document's last m tokens (Goldfish protocol)", "",
+                       "binary"),
+    "goldfish_rouge_l": ("ROUGE-L of a document's last m tokens (Goldfish protocol)", "", "mean"),
 }
 
 
@@ -94,6 +95,12 @@ def run_units(probes: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     unit = {"exposure": "canaries"}
     return {m: {b: _units(METRICS[m][2], unit.get(m, "documents"), rows) for b, rows in bs.items()}
             for m, bs in out.items() if bs}
+
+
+def _suffix_tokens(probes: dict[str, Any]) -> int | None:
+    """The m of a probes.json's goldfish_extraction (summary.suffix_tokens), if it has one."""
+    g = (probes.get("probes") or {}).get("goldfish_extraction") or {}
+    return (g.get("summary") or {}).get("suffix_tokens")
 
 
 def _cell(units: dict[str, Any]) -> dict[str, Any]:
@@ -252,9 +259,11 @@ def scale_section(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in runs:
         path = RunDir(r["path"]).probes_path
-        r = {**r, "_units": run_units(read_json(path)) if path.is_file() else {}}
+        probes = read_json(path) if path.is_file() else {}
+        r = {**r, "_units": run_units(probes) if probes else {}, "_m": _suffix_tokens(probes)}
         cells[(_condition(r), _size_key(r), bool(r["mitigation"]["goldfish"]))].append(r)
     labels = {k: _size_label(rs[0]) + (" + Goldfish" if k[2] else "") for k, rs in cells.items()}
+    suffix = sorted({r["_m"] for rs in cells.values() for r in rs if r["_m"] is not None})
     tests = _tests(cells, labels)
     family = sum(t["test"] is not None for t in tests)
     return {
@@ -266,5 +275,6 @@ def scale_section(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         "correction": CORRECTION,
         "alpha": ALPHA,
         "min_n": MIN_N,
+        "goldfish_m": suffix,  # the m of goldfish_extraction in these runs (50 in the paper)
         "sentences": [_sentence(t, family) for t in tests if t["verdict"] in ("more", "less")],
     }
