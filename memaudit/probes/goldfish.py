@@ -10,8 +10,10 @@ tokens it equals rouge-score's `rougeL` F-measure (tests/probes/test_goldfish_ex
 
 Units: each member document (bucketed by how often it was repeated in training, like the
 discoverable extraction beside it) and each inserted canary (by its repetitions). A unit with
-fewer than `min_prompt` tokens before its last m is skipped and counted; a prompt longer than
-the model's context keeps its last tokens and is counted as truncated.
+fewer than `min_prompt` tokens before its last m is skipped and counted. A prompt that with its
+m new tokens exceeds the context the model was trained with (the run's `seq_len`, at most the
+model's `max_position_embeddings`) keeps its last tokens and is counted as truncated: a packed
+document longer than `seq_len` was never seen whole in training.
 
 References:
   Hans et al., "Be like a Goldfish, Don't Memorize! Mitigating Memorization in Generative
@@ -108,6 +110,7 @@ def goldfish_extraction(
     *,
     m: int = 50,
     min_prompt: int = 32,
+    context: int | None = None,
     batch_size: int = 32,
     n_boot: int = 1000,
     seed: int = 0,
@@ -116,7 +119,9 @@ def goldfish_extraction(
     """Greedy decoding of the last m tokens of each member document and inserted canary.
 
     Model-facing (one batched greedy decode, `scoring.decode`); `goldfish_result` does the
-    statistics. Args: `docs` are `targets.Doc`s, `canaries` a `loaders.Canaries` or None.
+    statistics. Args: `docs` are `targets.Doc`s, `canaries` a `loaders.Canaries` or None;
+    `context` the most tokens (prompt + m) the model saw at once in training (a run's
+    `seq_len`), capped by the model's `max_position_embeddings`; None: the model's limit only.
     Returns {"summary", "scores"}: per unit its id, kind, repeats, exact and rouge_l; no text.
     """
     from memaudit.probes.scoring import decode
@@ -128,11 +133,13 @@ def goldfish_extraction(
     if canaries is not None:
         units += [Unit(c.id, "canary", int(c.repetitions), codec.encode(c.text))
                   for c in canaries.inserted]
-    cfg = getattr(model, "config", None)
-    max_context = getattr(cfg, "max_position_embeddings", None)
+    limits = [c for c in (context, getattr(getattr(model, "config", None),
+                                           "max_position_embeddings", None)) if c is not None]
+    max_context = min(limits) if limits else None
     if max_context is not None and max_context <= m:
-        raise ValueError(f"goldfish_m = {m} leaves no room for a prompt in the model's "
-                         f"{max_context}-token context; set probe goldfish_m below {max_context}")
+        raise ValueError(f"goldfish_m = {m} leaves no room for a prompt in a {max_context}-token "
+                         f"context (the model's, or the run's seq_len); set probe goldfish_m "
+                         f"below {max_context}")
     kept, prompts, targets, truncated = goldfish_prompts(
         units, m=m, min_prompt=min_prompt, n_start=len(codec.start), max_context=max_context)
     gen = decode(model, prompts, m, batch_size=batch_size, pad_id=codec.pad_id, progress=progress)

@@ -202,7 +202,8 @@ def probe_goldfish_extraction(ctx: _Context) -> dict:
         return _skip("no member documents or canaries: pass --members FILE or --canaries FILE"
                      if t.kind == "model" else "the run has no member documents or canaries")
     return goldfish_extraction(ctx.model, ctx.codec, docs, canaries, m=s.goldfish_m,
-                               min_prompt=s.goldfish_min_prompt, batch_size=s.batch_size,
+                               min_prompt=s.goldfish_min_prompt, context=t.seq_len,
+                               batch_size=s.batch_size,
                                n_boot=s.n_boot, seed=s.seed,
                                progress=_stage(ctx.progress, "goldfish"))
 

@@ -132,7 +132,7 @@ def test_a_memorized_document_is_extracted_exactly(memorizer):
 
 def test_bad_lengths_are_refused_in_one_line(memorizer):
     model, codec, docs, _ = memorizer
-    with pytest.raises(ValueError, match="goldfish_m = 200 leaves no room"):
+    with pytest.raises(ValueError, match="goldfish_m = 200 leaves no room for a prompt in a 128"):
         goldfish_extraction(model, codec, docs, m=200)
     with pytest.raises(ValueError, match="must be >= 1"):
         goldfish_extraction(model, codec, docs, min_prompt=0)
@@ -175,3 +175,12 @@ def test_scale_section_null_check_on_a_real_probes_json(tmp_path, trained, probe
     assert sec["family"] > 0 and not sec["sentences"]
     assert all(t["verdict"] in ("no difference shown", "n too small") for t in sec["tests"])
     assert all(t["test"]["p_adjusted"] == 1.0 for t in sec["tests"] if t["test"])
+
+
+def test_prompts_are_cut_to_the_training_context(memorizer):
+    model, codec, docs, _ = memorizer
+    res = goldfish_extraction(model, codec, docs, m=M, min_prompt=MIN_PROMPT, context=60,
+                              n_boot=200)
+    assert {r["prompt_tokens"] for r in res["scores"]} == {10}  # 60 - 50, the last 10 kept
+    assert all(r["truncated"] for r in res["scores"])
+    assert res["summary"]["documents"]["truncated"] == 5
