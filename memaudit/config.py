@@ -331,7 +331,8 @@ class FederatedConfig(_Section):
 
 
 # ----------------------------------------------------------------------------- probe
-PROBE_NAMES = ("exposure", "extraction", "membership", "user_inference", "pii", "audit")
+PROBE_NAMES = ("exposure", "extraction", "goldfish_extraction", "membership", "user_inference",
+               "pii", "audit")
 
 
 class ProbeConfig(_Section):
@@ -352,6 +353,10 @@ class ProbeConfig(_Section):
     extraction_ks: tuple[int, ...] = Field((32, 50), description="prefix tokens k")
     extraction_m: int = Field(50, ge=1, description="suffix tokens compared")
     extraction_max_docs: int = Field(1000, ge=1, description="member documents prompted")
+    goldfish_m: int = Field(50, ge=1, description="goldfish_extraction: the last m tokens of a "
+                            "document are decoded and compared (Hans et al. 2024: 50)")
+    goldfish_min_prompt: int = Field(32, ge=1, description="goldfish_extraction: documents with "
+                                     "fewer than this many tokens before their last m are skipped")
     top_k: int = Field(40, ge=1, description="top-k of unprompted sampling")
     nd_samples: int = Field(256, ge=0, description="unprompted samples (0: skip)")
     nd_length: int = Field(64, ge=1, description="tokens per unprompted sample")

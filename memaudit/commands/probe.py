@@ -21,9 +21,10 @@ def register(app: typer.Typer) -> None:
         probes: Annotated[
             str,
             typer.Option(
-                help="Comma-separated: exposure,extraction,membership,user_inference,pii,audit."
+                help="Comma-separated: exposure,extraction,goldfish_extraction,membership,"
+                "user_inference,pii,audit."
             ),
-        ] = "exposure,extraction,membership,user_inference,pii,audit",
+        ] = "exposure,extraction,goldfish_extraction,membership,user_inference,pii,audit",
         out: Annotated[
             str | None,
             typer.Option(
@@ -156,6 +157,12 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                             f"{g['memorised_in_top']} memorised",
                         )
                     )
+        elif name == "goldfish_extraction":
+            for kind in ("documents", "canaries"):
+                if g := s.get(kind):
+                    last = f"last {s['suffix_tokens']}, {g['skipped_short']} too short"
+                    rows.append((name, f"{kind} exact ({last})", _fmt(g["exact"])))
+                    rows.append((name, f"{kind} ROUGE-L", _fmt(g["rouge_l"])))
         elif name in ("membership", "user_inference"):
             attacks = s.items() if name == "membership" else [(s["statistic"], s)]
             for attack, a in attacks:

@@ -191,6 +191,23 @@ def probe_extraction(ctx: _Context) -> dict:
     return out
 
 
+def probe_goldfish_extraction(ctx: _Context) -> dict:
+    """Hans et al. 2024: the last goldfish_m tokens of member documents and inserted canaries."""
+    from memaudit.probes.goldfish import goldfish_extraction
+
+    s, t = ctx.s, ctx.t
+    docs = t.members[: s.extraction_max_docs]
+    canaries = t.canaries if t.canaries is not None and t.canaries.inserted else None
+    if not docs and canaries is None:
+        return _skip("no member documents or canaries: pass --members FILE or --canaries FILE"
+                     if t.kind == "model" else "the run has no member documents or canaries")
+    return goldfish_extraction(ctx.model, ctx.codec, docs, canaries, m=s.goldfish_m,
+                               min_prompt=s.goldfish_min_prompt, context=t.seq_len,
+                               batch_size=s.batch_size,
+                               n_boot=s.n_boot, seed=s.seed,
+                               progress=_stage(ctx.progress, "goldfish"))
+
+
 def probe_membership(ctx: _Context) -> dict:
     from memaudit.probes.membership import run_membership
 
@@ -276,6 +293,7 @@ def probe_audit(ctx: _Context) -> dict:
 REGISTRY: dict[str, Callable[[_Context], dict]] = {
     "exposure": probe_exposure,
     "extraction": probe_extraction,
+    "goldfish_extraction": probe_goldfish_extraction,
     "membership": probe_membership,
     "user_inference": probe_user_inference,
     "pii": probe_pii,

@@ -44,6 +44,7 @@ class Target:
     canaries: Canaries | None = None
     privacy: Privacy | None = None
     eos_id: int | None = None
+    seq_len: int | None = None  # the run's training sequence length (data/meta.json)
 
 
 class Codec:
@@ -243,7 +244,9 @@ def resolve_target(
             t.privacy = Privacy.from_json(read_json(run.privacy_path), str(run.privacy_path))
         meta = run.data_dir / "meta.json"
         if meta.is_file():
-            t.eos_id = read_json(meta).get("eos_id")
+            meta_json = read_json(meta)
+            t.eos_id = meta_json.get("eos_id")
+            t.seq_len = meta_json.get("seq_len")
     elif (p / "config.json").is_file():
         if not _has_tokenizer(p):
             raise DataError(

@@ -19,6 +19,7 @@ from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
 from memaudit.reports.probes_adapter import summarize_probes, units_of
+from memaudit.reports.scale import scale_section
 from memaudit.rundir import RunDir
 
 SCHEMA = "memaudit.report/1"
@@ -322,6 +323,9 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False) 
         "comparisons": comparisons(runs),
     }
     report["findings"] = findings_mod.generate(report)
+    # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
+    if (scale := scale_section(runs)) is not None:
+        report["scale"] = scale
     for r in runs:
         r.pop("units", None)
     return report

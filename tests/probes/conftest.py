@@ -251,6 +251,8 @@ def trained(tmp_path_factory) -> Fixture:
 FAST = {
     "extraction_ks": (8,),
     "extraction_m": 12,
+    "goldfish_m": 12,
+    "goldfish_min_prompt": 4,
     "nd_samples": 32,
     "nd_length": 24,
     "nd_top_n": 10,

@@ -79,6 +79,7 @@ def test_extraction_membership_audit_trained(probed):
     assert doc["schema"] == 1 and set(doc["probes"]) == {
         "exposure",
         "extraction",
+        "goldfish_extraction",
         "membership",
         "user_inference",
         "pii",

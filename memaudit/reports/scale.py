@@ -1,0 +1,280 @@
+"""The report's scale section: memorization against model size and repetitions, Goldfish on and off.
+
+AxoNN's study (Singh et al. 2025) finds that memorization grows with model size and that
+Goldfish loss (Hans et al. 2024) mitigates it. This section puts memaudit's runs on those axes:
+per condition (backend and nominal epsilon), per model size (preset, ordered by parameter count)
+and Goldfish setting, four metrics by repetition bucket:
+
+- exposure of the inserted canaries (bits, Carlini et al. 2019), by the canaries' repetitions;
+- the discoverable exact-extraction rate of member documents (shortest prefix k), by repeats;
+- the Goldfish protocol's exact match and ROUGE-L of the last 50 tokens (`goldfish_extraction`).
+
+Every cell is a `probes.stats` cell (value, n, unit; "n too small" below `MIN_N`). A difference
+is claimed only from a test: one-sided "the larger of two adjacent sizes memorizes more" and
+"Goldfish memorizes less", on the runs' shared units (paired when both runs hold the same
+canaries / documents) or over seeds when both sides have several, with Holm's correction over
+every test of this section. A comparison with fewer than `MIN_N` units on a side is not tested
+("n too small"). The section is present only when the runs differ in size or in Goldfish.
+
+References:
+  Singh et al., "Democratizing AI: Open-source Scalable LLM Training on GPU-based
+  Supercomputers" (AxoNN), SC 2024 / 2025 (memorization vs model size).
+  Hans et al., "Be like a Goldfish, Don't Memorize!", NeurIPS 2024.
+  Carlini et al., "The Secret Sharer", USENIX Security 2019 (exposure).
+  Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 1979.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import typing
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from memaudit.io import read_json
+from memaudit.probes.extraction import repeat_bucket
+from memaudit.probes.stats import MIN_N, N_TOO_SMALL, holm, mean_summary, rate_summary
+from memaudit.rundir import RunDir
+
+ALPHA = 0.05
+CORRECTION = "holm"
+
+# key -> (label, unit of the value, kind of unit scores for stats.compare_units)
+METRICS: dict[str, tuple[str, str, str]] = {
+    "exposure": ("exposure of inserted canaries", "bits", "mean"),
+    "extraction_exact": ("discoverable exact extraction rate", "", "binary"),
+    "goldfish_exact": ("exact match of a document's last m tokens (Goldfish protocol)", "",
+                       "binary"),
+    "goldfish_rouge_l": ("ROUGE-L of a document's last m tokens (Goldfish protocol)", "", "mean"),
+}
+
+
+def _units(kind: str, unit: str, rows: list[tuple[str, float]]) -> dict[str, Any]:
+    return {"kind": kind, "unit": unit, "ids": [i for i, _ in rows], "values": [v for _, v in rows]}
+
+
+def _by_bucket(rows: list[dict], key, value, *, with_all: bool) -> dict[str, list]:
+    out: dict[str, list] = defaultdict(list)
+    for r in rows:
+        pair = (str(r["id"]), float(value(r)))
+        out[key(r)].append(pair)
+        if with_all:
+            out["all"].append(pair)
+    return dict(out)
+
+
+def run_units(probes: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per metric and repetition bucket, the run's per-unit scores (ids and values, no text).
+
+    Buckets: the canaries' repetitions for exposure; "all" and `repeat_bucket` of the documents'
+    repeats for the document metrics.
+    """
+    from memaudit.probes.loaders import ProbesDoc
+
+    doc = ProbesDoc.from_json(probes)
+    out: dict[str, dict[str, list]] = {}
+    if (p := doc.get("exposure")) is not None:
+        ins = [r for r in p.scores if r.get("role") == "inserted"]
+        out["exposure"] = _by_bucket(ins, lambda r: str(r["repetitions"]), lambda r: r["exposure"],
+                                     with_all=False)
+    if (p := doc.get("extraction")) is not None:
+        disc = (p.scores or {}).get("discoverable") or []
+        if disc:
+            k = min(r["k"] for r in disc)
+            sel = [r for r in disc if r["k"] == k]
+            out["extraction_exact"] = _by_bucket(sel, lambda r: repeat_bucket(r["repeats"]),
+                                                 lambda r: r["exact"], with_all=True)
+    if (p := doc.get("goldfish_extraction")) is not None:
+        sel = [r for r in p.scores if r.get("kind") == "doc"]
+        for key, field in (("goldfish_exact", "exact"), ("goldfish_rouge_l", "rouge_l")):
+            out[key] = _by_bucket(sel, lambda r: repeat_bucket(r["repeats"]),
+                                  lambda r, f=field: r[f], with_all=True)
+    unit = {"exposure": "canaries"}
+    return {m: {b: _units(METRICS[m][2], unit.get(m, "documents"), rows) for b, rows in bs.items()}
+            for m, bs in out.items() if bs}
+
+
+def _suffix_tokens(probes: dict[str, Any]) -> int | None:
+    """The m of a probes.json's goldfish_extraction (summary.suffix_tokens), if it has one."""
+    g = (probes.get("probes") or {}).get("goldfish_extraction") or {}
+    return (g.get("summary") or {}).get("suffix_tokens")
+
+
+def _cell(units: dict[str, Any]) -> dict[str, Any]:
+    x = np.asarray(units["values"], float)
+    if units["kind"] == "binary":
+        return rate_summary(x, unit=units["unit"])
+    return mean_summary(x, unit=units["unit"])
+
+
+def _preset_order() -> tuple[str, ...]:
+    from memaudit.config import ModelConfig
+
+    return typing.get_args(ModelConfig.model_fields["preset"].annotation)
+
+
+def _size_key(run: dict[str, Any]) -> tuple:
+    preset, params = run["model"].get("preset"), run["model"].get("params")
+    order = _preset_order()
+    return (order.index(preset) if preset in order else len(order),
+            params if params is not None else -1, str(preset))
+
+
+def _size_label(run: dict[str, Any]) -> str:
+    preset, params = run["model"].get("preset"), run["model"].get("params")
+    if params is None:
+        return str(preset)
+    p = f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
+    return p if preset is None else f"{preset} ({p})"
+
+
+def _condition(run: dict[str, Any]) -> tuple[str, float]:
+    from memaudit.reports.build import _nominal
+
+    return run["backend"], _nominal(run)
+
+
+def _condition_label(backend: str, eps: float) -> str:
+    side = "centralized" if backend == "parallel" else "federated"
+    return f"{side}, {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
+
+
+def _test(a: list[dict], b: list[dict], metric: str, bucket: str, alternative: str) -> dict:
+    """The test of one cell pair: over seeds when both sides have several, else on units."""
+    from memaudit.probes.stats import compare_seeds, compare_units
+
+    ua, ub = a[0]["_units"][metric][bucket], b[0]["_units"][metric][bucket]
+    if min(len(ua["ids"]), len(ub["ids"])) < MIN_N:
+        return {"verdict": N_TOO_SMALL, "test": None,
+                "note": f"{len(ua['ids'])}/{len(ub['ids'])} {ua['unit']}, needs >= {MIN_N} a side"}
+
+    def seeds(rs):
+        return [float(np.mean(u["values"])) for r in rs
+                if (u := r["_units"].get(metric, {}).get(bucket)) is not None]
+
+    va, vb = seeds(a), seeds(b)
+    if len(va) > 1 and len(vb) > 1:
+        t = {**compare_seeds(va, vb, alternative=alternative), "scope": "configurations"}
+    else:
+        t = {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
+             "runs": [a[0]["id"], b[0]["id"]]}
+    return {"verdict": "not tested", "test": t, "note": None}
+
+
+def _pairs(cells: dict[tuple, list[dict]]):
+    """(comparison, a key, b key, alternative): adjacent sizes per Goldfish setting, then Goldfish
+    on vs off per size, within each condition."""
+    by_cond: dict[tuple, set] = defaultdict(set)
+    for cond, size, gf in cells:
+        by_cond[cond].add((size, gf))
+    for cond, keys in sorted(by_cond.items()):
+        sizes = sorted({s for s, _ in keys})
+        for gf in (False, True):
+            have = [s for s in sizes if (s, gf) in keys]
+            for small, large in itertools.pairwise(have):
+                yield "size", (cond, large, gf), (cond, small, gf), "greater"
+        for s in sizes:
+            if (s, True) in keys and (s, False) in keys:
+                yield "goldfish", (cond, s, True), (cond, s, False), "less"
+
+
+def _sentence(t: dict, family: int) -> str:
+    x = t["test"]
+    scope = "these configurations" if x["scope"] == "configurations" else "these runs"
+    label, unit, _ = METRICS[t["metric"]]
+    u = f" {unit}" if unit else ""
+    where = "over all documents" if t["bucket"] == "all" else f"at {t['bucket']} repetitions"
+    verb = ("shows a higher" if t["comparison"] == "size" else "shows a lower")
+    return (f"In {scope} ({t['condition']}), {t['a']} {verb} {label} than {t['b']} {where}: "
+            f"{t['value_a']:.3g}{u} vs {t['value_b']:.3g}{u} ({x['test']}, one-sided, "
+            f"n = {x['n_a']}/{x['n_b']} {x['unit']}, p = {x['p_value']:.3g}, {CORRECTION} "
+            f"p = {x['p_adjusted']:.3g} over {family} tests)")
+
+
+def _pooled(rs: list[dict], metric: str, bucket: str) -> dict[str, Any] | None:
+    """One cell over a group's seeds (`build._pool`: one run's cell as it is)."""
+    from memaudit.reports.build import _pool
+
+    return _pool([_cell(r["_units"][metric][bucket]) for r in rs
+                  if bucket in r["_units"].get(metric, {})])
+
+
+def _bucket_order(b: str) -> tuple:
+    return (b != "all", int(b.split("-")[0]) if b != "all" else 0)
+
+
+def _tables(cells: dict[tuple, list[dict]]) -> list[dict[str, Any]]:
+    """Per condition and metric: one row per (size, Goldfish), one cell per repetition bucket."""
+    tables = []
+    for cond in sorted({c for c, _, _ in cells}):
+        keys = sorted(k for k in cells if k[0] == cond)
+        for metric, (label, unit, _kind) in METRICS.items():
+            buckets = sorted({b for k in keys for r in cells[k] for b in r["_units"].get(metric, {})},
+                             key=_bucket_order)
+            if not buckets:
+                continue
+            rows = [{"size": _size_label(cells[k][0]), "preset": cells[k][0]["model"].get("preset"),
+                     "params": cells[k][0]["model"].get("params"), "goldfish": k[2],
+                     "n_seeds": len(cells[k]), "runs": [r["id"] for r in cells[k]],
+                     "cells": {b: _pooled(cells[k], metric, b) for b in buckets}} for k in keys]
+            tables.append({"condition": _condition_label(*cond), "backend": cond[0],
+                           "epsilon": cond[1], "metric": metric, "label": label, "unit": unit,
+                           "buckets": buckets, "rows": rows})
+    return tables
+
+
+def _tests(cells: dict[tuple, list[dict]], labels: dict[tuple, str]) -> list[dict[str, Any]]:
+    """Every planned comparison with its test (or why none), Holm-adjusted over the section."""
+    tests = []
+    for comparison, ka, kb, alt in _pairs(cells):
+        a, b = cells[ka], cells[kb]
+        for metric in METRICS:
+            shared = set(a[0]["_units"].get(metric, {})) & set(b[0]["_units"].get(metric, {}))
+            for bucket in sorted(shared, key=_bucket_order):
+                va, vb = _pooled(a, metric, bucket), _pooled(b, metric, bucket)
+                tests.append({"comparison": comparison, "condition": _condition_label(*ka[0]),
+                              "metric": metric, "bucket": bucket, "alternative": alt,
+                              "a": labels[ka], "b": labels[kb],
+                              "value_a": va and va["value"], "value_b": vb and vb["value"],
+                              **_test(a, b, metric, bucket, alt)})
+    tested = [t for t in tests if t["test"] is not None]
+    for t, pa in zip(tested, holm([t["test"]["p_value"] for t in tested]), strict=True):
+        t["test"].update({"p_adjusted": pa, "correction": CORRECTION, "family": len(tested),
+                          "alpha": ALPHA})
+        t["verdict"] = ("no difference shown" if pa >= ALPHA
+                        else "more" if t["comparison"] == "size" else "less")
+    return tests
+
+
+def scale_section(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The section from the report's run entries (their probes.json read again for per-unit
+    scores), or None when the runs all have one size and one Goldfish setting."""
+    runs = [r for r in runs if not r.get("audit")]  # audit runs train on other data
+    if (len({_size_key(r) for r in runs}) < 2
+            and len({bool(r["mitigation"]["goldfish"]) for r in runs}) < 2):
+        return None
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in runs:
+        path = RunDir(r["path"]).probes_path
+        probes = read_json(path) if path.is_file() else {}
+        r = {**r, "_units": run_units(probes) if probes else {}, "_m": _suffix_tokens(probes)}
+        cells[(_condition(r), _size_key(r), bool(r["mitigation"]["goldfish"]))].append(r)
+    labels = {k: _size_label(rs[0]) + (" + Goldfish" if k[2] else "") for k, rs in cells.items()}
+    suffix = sorted({r["_m"] for rs in cells.values() for r in rs if r["_m"] is not None})
+    tests = _tests(cells, labels)
+    family = sum(t["test"] is not None for t in tests)
+    return {
+        "sizes": list(dict.fromkeys(_size_label(cells[k][0]) for k in sorted(cells, key=lambda k: k[1]))),
+        "metrics": {k: {"label": v[0], "unit": v[1]} for k, v in METRICS.items()},
+        "tables": _tables(cells),
+        "tests": tests,
+        "family": family,
+        "correction": CORRECTION,
+        "alpha": ALPHA,
+        "min_n": MIN_N,
+        "goldfish_m": suffix,  # the m of goldfish_extraction in these runs (50 in the paper)
+        "sentences": [_sentence(t, family) for t in tests if t["verdict"] in ("more", "less")],
+    }
