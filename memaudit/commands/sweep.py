@@ -92,6 +92,8 @@ def register(app: typer.Typer) -> None:
             summary = run_sweep(cfg, out, progress=on_progress)
         if fmt == "json":
             print_json(summary)
+            if summary["status"] != "complete":
+                raise typer.Exit(1)
             return
         for o in summary["outcomes"]:
             line = f"{o['name']}: {o['status']} ({o['action']}, {o['seconds']:.0f}s)"

@@ -202,10 +202,17 @@ def _fresh_complete(run_path: Path) -> bool:
         rd.probes_path.stat().st_mtime >= model.stat().st_mtime
 
 
-def _job_error(e: BaseException) -> str:
-    """One line for a job that died: submitit's errors carry the whole log after the first."""
+def _job_error(e: BaseException, job: Any) -> str:
+    """One line for a job that died (submitit's errors carry the whole log after the first)."""
+    try:
+        log = f"; log: {job.paths.stderr}"
+    except Exception:  # noqa: BLE001 - a message without the path still says what happened
+        log = ""
+    if type(e).__name__ == "UncompletedJobError":
+        return (f"job {job.job_id} ended without a result (killed, out of memory or past "
+                f"executor.timeout_min){log}; re-run the sweep to resume the point")
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}{log}"
 
 
 def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
@@ -235,7 +242,8 @@ def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
                 try:
                     outcome = job.task(0).result()
                 except Exception as e:  # noqa: BLE001 - the job itself died: a failed point
-                    outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0, _job_error(e))
+                    outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0,
+                                           _job_error(e, job))
                 outcome.seconds = time.time() - t0
                 on_done(i, outcome)
             if running:
