@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -138,9 +139,11 @@ def _threads(cpus: int | None, tasks: int) -> int:
     return cpus or max(1, (os.cpu_count() or 1) // max(tasks, 1))
 
 
-def _handoff_path(folder: str, job_id: str) -> Path:
-    restart = os.environ.get("SLURM_RESTART_COUNT", "0")  # a requeued job decides anew
-    return Path(folder) / f"{job_id}-r{restart}.action.json"
+def _handoff_path(folder: str, job_id: str, nonce: str) -> Path:
+    """Rank 0's decision for this submission (`nonce`: job ids, local pids, repeat) and this
+    attempt (a requeued job decides anew)."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return Path(folder) / f"{job_id}-{nonce}-r{restart}.action.json"
 
 
 def _wait_for_action(path: Path, timeout: float = HANDOFF_WAIT_S) -> str:
@@ -154,7 +157,7 @@ def _wait_for_action(path: Path, timeout: float = HANDOFF_WAIT_S) -> str:
 
 
 def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, threads: int | None,
-              debug: bool = False) -> PointOutcome | None:
+              debug: bool = False, nonce: str = "") -> PointOutcome | None:
     """One point's job (every task runs it): rank 0 trains, probes and returns the outcome;
     the other ranks train with it and return None."""
     from memaudit.io import atomic_write_json
@@ -169,7 +172,7 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
     if rdv is None:
         return runner._run_point(cfg, point, RunDir(run_path), lambda *a: None, debug)
     slurm_env.export(rdv)  # RANK, WORLD_SIZE, ... : launch_training runs this rank in place
-    handoff = _handoff_path(folder, rdv.job_id)
+    handoff = _handoff_path(folder, rdv.job_id, nonce)
     if rdv.rank == 0:
         def decided(action: str) -> None:
             atomic_write_json(handoff, {"action": action})
@@ -270,4 +273,5 @@ def _submit(executor: Any, cfg: SweepConfig, p: SweepPoint, res: JobResources, o
         threads = _threads(res.cpus_per_task, share)
     else:
         threads = None  # in this process: leave its threads alone
-    return executor.submit(point_job, cfg, p, str(out / "runs" / p.name), str(folder), threads, debug)
+    return executor.submit(point_job, cfg, p, str(out / "runs" / p.name), str(folder), threads, debug,
+                           secrets.token_hex(8))
