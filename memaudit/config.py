@@ -122,7 +122,7 @@ class DataConfig(_Section):
 
 # ----------------------------------------------------------------------------- model
 class ModelConfig(_Section):
-    preset: Literal["tiny", "small", "125m", "350m", "1b", "8b"] = "tiny"
+    preset: Literal["tiny", "tiny2x", "small", "125m", "350m", "1b", "8b"] = "tiny"
     init_seed: int = 0
     name_or_path: str | None = Field(
         None, description="start from a Hugging Face model directory or hub name instead of a preset"

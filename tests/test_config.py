@@ -45,7 +45,7 @@ def test_gpu_presets_by_parameter_count(name, stem):
 def test_param_count_matches_a_built_model():
     from memaudit.models.presets import build_model
 
-    for name in ("tiny", "small"):
+    for name in ("tiny", "tiny2x", "small"):
         model = build_model(name, vocab_size=512, seed=0)
         assert sum(p.numel() for p in model.parameters()) == param_count(name, vocab_size=512)
 
@@ -60,4 +60,4 @@ def test_overrides_and_errors():
         load_config(None, ["train.lr=-1"])
     with pytest.raises(ConfigError, match="train.steps"):
         load_config(None, ["train.steps=many"])
-    assert set(PRESETS) == {"tiny", "small", "125m", "350m", "1b", "8b"}
+    assert set(PRESETS) == {"tiny", "tiny2x", "small", "125m", "350m", "1b", "8b"}

@@ -24,7 +24,7 @@ def _floats(spec: str, what: str) -> list[float]:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("sweep", help="Train, probe and report over backends x privacy levels x seeds.")
+    @app.command("sweep", help="Train, probe and report over backends x model sizes x privacy levels x seeds.")
     def sweep(
         config: Annotated[Path, typer.Argument(help="Sweep YAML, e.g. configs/quickstart.yaml.")],
         out: Annotated[Path, typer.Option("--out", help="Sweep directory (runs/, report/, sweep.json).")] = Path("sweep"),
@@ -35,6 +35,10 @@ def register(app: typer.Typer) -> None:
         goldfish: Annotated[str | None, typer.Option(help="Goldfish axis on the centralized side: off, on or off,on.")] = None,
         jobs: Annotated[int | None, typer.Option(help="Points to run at once, each in its own process "
                                                   "with an equal share of the CPU threads.")] = None,
+        executor: Annotated[str | None, typer.Option(
+            "--executor", help="Where points run: local (worker processes, --jobs at once), slurm "
+            "(one submitit job per point; resources from the sweep file's executor section), or "
+            "submitit-local / submitit-debug (the same jobs on this machine).")] = None,
         set_: Annotated[list[str] | None, typer.Option("--set", help="Override a sweep key, e.g. base.train.steps=50.")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table | json")] = "table",
     ) -> None:
@@ -56,6 +60,12 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"grid.seeds={seeds}")
         if jobs is not None:
             overrides.append(f"jobs={jobs}")
+        if executor is not None:
+            from memaudit.sweep.config import EXECUTORS
+
+            if executor not in EXECUTORS:
+                raise ValueError(f"--executor '{executor}' is not one of {', '.join(EXECUTORS)}")
+            overrides.append(f"executor.kind={executor}")
         if goldfish is not None:
             vals = [g.strip() for g in goldfish.split(",") if g.strip()]
             bad = [g for g in vals if g not in ("on", "off")]
@@ -82,6 +92,8 @@ def register(app: typer.Typer) -> None:
             summary = run_sweep(cfg, out, progress=on_progress)
         if fmt == "json":
             print_json(summary)
+            if summary["status"] != "complete":
+                raise typer.Exit(1)
             return
         for o in summary["outcomes"]:
             line = f"{o['name']}: {o['status']} ({o['action']}, {o['seconds']:.0f}s)"

@@ -36,6 +36,10 @@ PRESETS: dict[str, LlamaPreset] = {
     "tiny": LlamaPreset(vocab_size=4096, hidden_size=128, intermediate_size=352,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=1024),
+    # twice tiny's width, same vocabulary: the second size of the reduced scale study
+    "tiny2x": LlamaPreset(vocab_size=4096, hidden_size=256, intermediate_size=704,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=1024),
     "small": LlamaPreset(vocab_size=8192, hidden_size=384, intermediate_size=1024,
                          num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
                          max_position_embeddings=1024),

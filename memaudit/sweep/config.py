@@ -1,19 +1,33 @@
-"""The sweep grid: backends x privacy levels x seeds (x Goldfish on the centralized side).
+"""The sweep grid: backends x model sizes x privacy levels x seeds (x Goldfish, centralized).
 
 A sweep file holds a `base` run config (the same mapping as configs/tiny.yaml), optional
-`per_backend` dotted overrides (clip norms and optimizers differ between DP-SGD and
-DP-FedAvg), the `grid`, the `audit` runs and the `probe` settings.
+`per_backend` and `per_model` dotted overrides (clip norms and optimizers differ between
+DP-SGD and DP-FedAvg; each model size has its own parallel grid), the `grid`, the `regime`
+(`multi-epoch`: the configured steps; `single-pass`: one epoch over the training documents,
+steps derived from the data by `memaudit.sweep.regime`), the `audit` runs, the `probe`
+settings and the `executor` the points run on (`memaudit.sweep.executors`).
+
+Model sizes are compared at equal tokens seen: `per_model` may not change what a step
+trains on (steps, batch, sequence length, the data), and every point records its
+`tokens_seen`. Sizes must share one tokenizer (the same vocabulary, or one `data.tokenizer`).
+
+References:
+  Singh et al., "Democratizing AI: Open-source Scalable LLM Training on GPU-based
+  Supercomputers", SC 2024 (AxoNN; its memorization-vs-model-size study).
 
 >>> s = sweep_config_from_dict({"grid": {"backends": ["parallel"], "epsilons": ["inf", 4]}})
 >>> [p.name for p in plan_points(s)]
 ['parallel-epsinf-s0', 'parallel-eps4-s0']
+>>> s = sweep_config_from_dict({"grid": {"backends": ["parallel"], "models": ["tiny", "tiny2x"]}})
+>>> [p.name for p in plan_points(s)]
+['parallel-tiny-epsinf-s0', 'parallel-tiny2x-epsinf-s0']
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -40,6 +54,23 @@ class GridConfig(_Section):
     noise_multipliers: list[float] | None = Field(None, description="sigma values; 0 = no DP")
     seeds: int | list[int] = 1
     goldfish: list[bool] = Field(default_factory=lambda: [False], description="centralized only")
+    models: list[str] | None = Field(None, description="model-size axis: presets compared at equal "
+                                     "tokens seen; absent: the base config's model")
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        from memaudit.models.presets import get_preset
+
+        if not v:
+            raise ValueError("grid.models is empty; list presets such as [tiny, tiny2x] or drop it")
+        for name in v:
+            get_preset(name)  # one line naming the unknown preset and the known ones
+        if len(set(v)) != len(v):
+            raise ValueError(f"grid.models {v} names a preset twice; list each size once")
+        return v
 
     @field_validator("backends")
     @classmethod
@@ -90,14 +121,57 @@ class SweepProbeConfig(ProbeConfig):
         return data
 
 
+EXECUTORS = ("local", "slurm", "submitit-local", "submitit-debug")
+
+
+class ExecutorConfig(_Section):
+    """Where the points run: `local` worker processes (`jobs` at once), or one scheduler job per
+    point through submitit (`slurm`; `submitit-local` and `submitit-debug` run the same jobs on
+    this machine, for trying a study file before a cluster). A parallel point (world size > 1)
+    is one multi-task job, one task per rank, over `ceil(world / gpus_per_node)` nodes."""
+
+    kind: Literal["local", "slurm", "submitit-local", "submitit-debug"] = Field(
+        "local", description="local | slurm | submitit-local | submitit-debug (CLI: --executor)")
+    folder: str | None = Field(None, description="submitit's job files and logs; default SWEEP_DIR/jobs")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    nodes: int | None = Field(None, ge=1, description="nodes per parallel point; default: "
+                              "ceil(world size / gpus_per_node)")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (0: CPU jobs)")
+    cpus_per_task: int | None = Field(None, ge=1, description="CPU cores per task (rank)")
+    mem_gb: float | None = Field(None, gt=0)
+    timeout_min: int = Field(60, ge=1, description="wall-clock limit of one point's job")
+    max_parallel: int | None = Field(None, ge=1, description="jobs in flight at once (slurm: the "
+                                     "whole grid; submitit-local: the sweep's jobs)")
+    setup: list[str] = Field(default_factory=list, description="shell lines run before each job "
+                             "(e.g. module load, source venv/bin/activate)")
+    slurm_additional: dict[str, Any] = Field(default_factory=dict, description="other sbatch "
+                                             "options, e.g. {exclusive: true}")
+
+
+REGIMES = ("multi-epoch", "single-pass")
+# What a step trains on: per_model may not change it, so sizes compare at equal tokens seen.
+TOKEN_KEYS = ("train.steps", "train.batch_size", "data", "federated.rounds", "federated.cohort",
+              "federated.local_steps", "federated.local_batch_size", "federated.sampling")
+
+
 class SweepConfig(_Section):
     jobs: int = Field(1, ge=1, description="points trained and probed at once, each in its own "
                       "process with cpu_count // jobs threads")
     base: dict[str, Any] = Field(default_factory=dict)
     per_backend: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    per_model: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="dotted overrides per model size (its parallel grid, "
+        "micro batch, lr); never what a step trains on")
     grid: GridConfig = GridConfig()
+    regime: Literal["multi-epoch", "single-pass"] = Field(
+        "multi-epoch", description="single-pass: one epoch over the training documents (steps "
+        "derived from the data; federated: every user's data once)")
     audit: AuditConfig = AuditConfig()
     probe: SweepProbeConfig = SweepProbeConfig()
+    executor: ExecutorConfig = ExecutorConfig()
 
     @field_validator("per_backend")
     @classmethod
@@ -114,6 +188,45 @@ class SweepConfig(_Section):
                         )
         return v
 
+    @field_validator("per_model")
+    @classmethod
+    def _per_model(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for size, overrides in v.items():
+            for key in overrides:
+                if key == "model" or key.startswith("model."):
+                    raise ValueError(f"per_model.{size}.{key}: the size axis sets the model; "
+                                     "remove the key")
+                if any(key == t or key.startswith(t + ".") for t in TOKEN_KEYS):
+                    raise ValueError(f"per_model.{size}.{key} changes what a step trains on, so "
+                                     "sizes would not compare at equal tokens seen; set it in base")
+        return v
+
+
+def _check_sizes(cfg: SweepConfig) -> None:
+    """The size axis: per_model names only listed sizes, the sizes share one tokenizer."""
+    models = cfg.grid.models
+    unused = sorted(set(cfg.per_model) - set(models or []))
+    if unused:
+        raise ValueError(f"per_model.{unused[0]} names a size that is not in grid.models "
+                         f"({models}); add it to grid.models or remove it")
+    if models is None:
+        return
+    base_model = cfg.base.get("model") or {}
+    if isinstance(base_model, dict) and base_model.get("name_or_path") is not None:
+        raise ValueError("grid.models sets model.preset for each point; remove "
+                         "base.model.name_or_path or drop grid.models")
+    from memaudit.models.presets import get_preset
+
+    vocab = {m: get_preset(m).vocab_size for m in models}
+    data = cfg.base.get("data") or {}
+    shared_tokenizer = isinstance(data, dict) and data.get("tokenizer") is not None
+    if len(set(vocab.values())) > 1 and not shared_tokenizer:
+        listed = ", ".join(f"{m}: {n}" for m, n in vocab.items())
+        raise ValueError(f"grid.models have different vocabularies ({listed}), so each size "
+                         "would train its own tokenizer and their numbers would not compare; "
+                         "choose sizes with one vocabulary (e.g. tiny, tiny2x) or set "
+                         "base.data.tokenizer to one shared tokenizer")
+
 
 @dataclass(frozen=True)
 class SweepPoint:
@@ -125,6 +238,8 @@ class SweepPoint:
     goldfish: bool
     audit: bool
     overrides: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # the size axis' preset; None: the base config's model
+    tokens_seen: int | None = None  # training tokens the schedule feeds (padding included)
 
     @property
     def nominal_epsilon(self) -> float | None:
@@ -150,34 +265,56 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
         levels = [None if math.isinf(e) else e for e in (grid.epsilons or [math.inf])]
     points = []
 
-    def add(backend: str, level: float | None, seed: int, goldfish: bool, audit: bool) -> None:
-        name = f"{backend}-{_level_label(level, kind)}{'-gf' if goldfish else ''}{'-audit' if audit else ''}-s{seed}"
+    def add(backend: str, model: str | None, level: float | None, seed: int, goldfish: bool,
+            audit: bool) -> None:
+        size = f"-{model}" if model is not None else ""
+        name = (f"{backend}{size}-{_level_label(level, kind)}{'-gf' if goldfish else ''}"
+                f"{'-audit' if audit else ''}-s{seed}")
         ov: dict[str, Any] = {"backend": backend, "train.seed": seed, "train.goldfish.enabled": goldfish}
+        if model is not None:
+            ov["model.preset"] = model
         ov["privacy.target_epsilon"] = level if (kind == "epsilon") else None
         ov["privacy.noise_multiplier"] = level if (kind == "noise_multiplier") else None
         if audit:
             ov["data.audit_canaries"] = cfg.audit.audit_canaries
-        points.append(SweepPoint(name, backend, level, kind, seed, goldfish, audit, ov))
+        points.append(SweepPoint(name, backend, level, kind, seed, goldfish, audit, ov, model))
 
+    models: list[str | None] = list(grid.models) if grid.models is not None else [None]
     for backend in grid.backends:
-        for level in levels:
-            for seed in grid.seed_list:
-                for gf in grid.goldfish if backend == "parallel" else [False]:
-                    add(backend, level, seed, gf, False)
+        for model in models:
+            for level in levels:
+                for seed in grid.seed_list:
+                    for gf in grid.goldfish if backend == "parallel" else [False]:
+                        add(backend, model, level, seed, gf, False)
     if cfg.audit.enabled:
         for backend in cfg.audit.backends or grid.backends:
-            for level in levels:
-                if cfg.audit.levels == "dp_only" and level is None:
-                    continue
-                add(backend, level, grid.seed_list[0], False, True)
-    return points
+            for model in models:
+                for level in levels:
+                    if cfg.audit.levels == "dp_only" and level is None:
+                        continue
+                    add(backend, model, level, grid.seed_list[0], False, True)
+    return [replace(p, tokens_seen=tokens_seen(point_config(cfg, p))) for p in points]
+
+
+def tokens_seen(run_cfg: Config) -> int:
+    """Token positions the schedule feeds (padding included; expected values under Poisson
+    sampling): steps x batch x seq_len centralized, rounds x cohort x local steps x local
+    batch x seq_len federated."""
+    L = run_cfg.data.seq_len
+    if run_cfg.backend == "federated":
+        f = run_cfg.federated
+        return f.rounds * f.cohort * f.local_steps * f.local_batch_size * L
+    return run_cfg.train.steps * run_cfg.train.batch_size * L
 
 
 def point_config(cfg: SweepConfig, point: SweepPoint) -> Config:
-    """The full run config of one grid point: base, then per-backend, then the point."""
+    """The full run config of one grid point: base, per-backend, per-model, then the point."""
     raw = _deep_copy(cfg.base)
     for key, value in cfg.per_backend.get(point.backend, {}).items():
         _set_dotted(raw, key, value)
+    if point.model is not None:
+        for key, value in cfg.per_model.get(point.model, {}).items():
+            _set_dotted(raw, key, value)
     for key, value in point.overrides.items():
         _set_dotted(raw, key, value)
     return config_from_dict(raw, source=f"sweep point {point.name}")
@@ -196,14 +333,33 @@ def sweep_config_from_dict(raw: dict[str, Any], *, source: str = "sweep config")
         cfg = SweepConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_error(e, source)) from None
+    try:
+        _check_sizes(cfg)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
     # Validate the base and every point's config up front: a bad grid fails before any training.
     points = plan_points(cfg)
     if not points:
         raise ConfigError(f"{source}: the sweep grid is empty (no backend x privacy level x seed); "
                           "give grid.backends and grid.epsilons or grid.noise_multipliers")
-    for p in points:
-        point_config(cfg, p)
+    if cfg.executor.kind != "local":
+        from memaudit.sweep.executors import job_resources
+
+        for p in points:  # the ranks of every point fit its job
+            try:
+                job_resources(cfg.executor, point_config(cfg, p))
+            except ConfigError as e:
+                raise ConfigError(f"{source}: point {p.name}: {e}") from None
     return cfg
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, section by section (a sweep's base.train.steps keeps the rest
+    of the base file's train section)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def load_sweep_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> SweepConfig:
@@ -214,7 +370,7 @@ def load_sweep_config(path: str | os.PathLike, overrides: list[str] | tuple[str,
             raise ConfigError(f"{path}: base_config must be the path of one run config (e.g. "
                               f"tiny.yaml), not a {type(base_file).__name__}")
         base_path = os.path.join(os.path.dirname(os.fspath(path)), base_file)
-        raw["base"] = {**load_raw(base_path), **raw.get("base", {})}
+        raw["base"] = _merge(load_raw(base_path), raw.get("base") or {})
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)

@@ -1,7 +1,8 @@
 """Run a sweep: train every grid point, probe it, then write one report.
 
-Completed runs are skipped, interrupted ones resumed, and a failed point is recorded while
-the rest go on; re-running the same command after a kill finishes the sweep without
+Points run in this process, in `jobs` worker processes, or as scheduler jobs
+(`memaudit.sweep.executors`); the semantics are the same everywhere. Completed runs are
+skipped, interrupted ones resumed, and a failed point is recorded while the rest go on; re-running the same command after a kill finishes the sweep without
 redoing completed work. All points share the corpus, split, canaries and initial weights
 (data preparation and initialisation are deterministic in the config's data and model seeds).
 """
@@ -39,20 +40,31 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def _train_point(cfg, rd: RunDir, progress: Progress) -> str:
-    """Train (or resume) one point; returns the action taken."""
-    from memaudit.dispatch import dispatch
-
+def _decide(rd: RunDir) -> str:
+    """skipped (complete), resumed (interrupted or failed with a checkpoint) or trained."""
     if rd.is_run():
         status = rd.status()
         if status == "complete":
             return "skipped"
         if status in ("interrupted", "failed") and rd.state_dir.is_dir() and any(rd.state_dir.iterdir()):
-            dispatch(cfg, rd, resume=True, progress=progress)
             return "resumed"
-    rd = prepare_new_run(rd.path, overwrite=True)
-    dispatch(cfg, rd, resume=False, progress=progress, overwrite=True)
     return "trained"
+
+
+def _train_point(cfg, rd: RunDir, progress: Progress,
+                 on_action: Callable[[str], None] | None = None) -> str:
+    """Train (or resume) one point; returns the action taken. `on_action` hears the decision
+    before any training starts (the other ranks of a scheduler job wait for it)."""
+    from memaudit.dispatch import dispatch
+
+    action = _decide(rd)
+    if action == "trained":
+        rd = prepare_new_run(rd.path, overwrite=True)
+    if on_action is not None:
+        on_action(action)
+    if action != "skipped":
+        dispatch(cfg, rd, resume=action == "resumed", progress=progress, overwrite=action == "trained")
+    return action
 
 
 def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
@@ -73,13 +85,13 @@ def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
 
 
 def _run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, int, dict], None],
-               debug: bool) -> PointOutcome:
+               debug: bool, on_action: Callable[[str], None] | None = None) -> PointOutcome:
     """Train and probe one point; a failure is recorded in the outcome, not raised."""
     t0 = time.time()
     outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
     try:
         run_cfg = point_config(cfg, p)
-        outcome.action = _train_point(run_cfg, rd, sub)
+        outcome.action = _train_point(run_cfg, rd, sub, on_action)
         outcome.probed = _probe_point(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
         outcome.status = "complete"
     except KeyboardInterrupt:
@@ -172,12 +184,19 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     """
     from memaudit.reports.build import build_report
     from memaudit.reports.write import write_report
+    from memaudit.sweep.regime import resolve_regime
 
     out = Path(out)
     check_sweep_dir(out)
+    from memaudit.sweep.executors import check_executor
+
+    check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
     out.mkdir(parents=True, exist_ok=True)
-    points = plan_points(cfg)
-    plan = {"points": [asdict(p) | {"config": None} for p in points]}
+    if not (out / "sweep.json").is_file():
+        atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "planning"})
+    points = resolve_regime(cfg, plan_points(cfg), out)
+    plan = {"regime": cfg.regime, "executor": cfg.executor.kind,
+            "points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
     total = len(points)
     slots: list[PointOutcome | None] = [None] * total
@@ -189,7 +208,11 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
         if progress is not None:
             progress(sum(o is not None for o in slots), total, {"point": outcome.name, "status": outcome.status})
 
-    if cfg.jobs > 1 and total > 1:
+    if cfg.executor.kind != "local":
+        from memaudit.sweep.executors import run_jobs
+
+        run_jobs(cfg, points, out, on_done, progress, debug)
+    elif cfg.jobs > 1 and total > 1:
         _concurrent(cfg, points, out, on_done, progress, debug)
     else:
         for i, p in enumerate(points):

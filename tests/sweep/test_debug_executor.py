@@ -1,0 +1,48 @@
+"""Failed-point semantics on the job path (submitit's DebugExecutor, in this process): a point
+whose job fails is recorded with a one-line error while the others go on; a complete point
+takes no job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from memaudit.io import atomic_write_json, read_json
+from memaudit.sweep.config import load_sweep_config
+from memaudit.sweep.runner import run_sweep
+
+
+def test_failed_jobs_are_recorded_and_complete_points_skip_the_scheduler(tmp_path, monkeypatch):
+    gone = tmp_path / "gone.jsonl"
+    gone.write_text('{"text": "x", "user": "u1"}\n')
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({
+        "base": {"data": {"path": str(gone)}},
+        "grid": {"backends": ["parallel"], "models": ["tiny", "tiny2x"]},
+        "executor": {"kind": "submitit-debug"}}))
+    cfg = load_sweep_config(path)
+    gone.unlink()  # valid when loaded, gone when the jobs run
+    out = tmp_path / "out"
+    done = Path(out / "runs" / "parallel-tiny2x-epsinf-s0")
+    atomic_write_json(done / "run.json", {"status": "complete", "backend": "parallel", "config": {}})
+    (done / "model").mkdir()
+    atomic_write_json(done / "model" / "config.json", {})
+    atomic_write_json(done / "probes.json", {})
+    atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "running"})
+    reported = []  # the stand-in complete run has no real probes: record what would be reported
+    monkeypatch.setattr("memaudit.reports.build.build_report",
+                        lambda rds: reported.append(sorted(Path(r).name for r in rds)) or {"findings": {"caveats": []}})
+    monkeypatch.setattr("memaudit.reports.write.write_report", lambda rep, d: {"json": d / "report.json"})
+    summary = run_sweep(cfg, out)
+    assert reported == [["parallel-tiny2x-epsinf-s0"]]
+    o = {x["name"]: x for x in summary["outcomes"]}
+    assert o["parallel-tiny-epsinf-s0"]["status"] == "failed"
+    err = o["parallel-tiny-epsinf-s0"]["error"]
+    assert "\n" not in err and "gone.jsonl" in err
+    assert o["parallel-tiny2x-epsinf-s0"] == {**o["parallel-tiny2x-epsinf-s0"], "status": "complete",
+                                              "action": "skipped", "probed": False}
+    assert summary["status"] == "partial" and read_json(out / "sweep.json")["status"] == "partial"
+    jobs = out / "jobs"
+    assert not jobs.exists() or not any("tiny2x" in f.read_bytes().decode("latin-1")
+                                        for f in jobs.glob("*_submitted.pkl"))
