@@ -36,9 +36,9 @@ def register(app: typer.Typer) -> None:
         jobs: Annotated[int | None, typer.Option(help="Points to run at once, each in its own process "
                                                   "with an equal share of the CPU threads.")] = None,
         executor: Annotated[str | None, typer.Option(
-            "--executor", help="Where points run: local (worker processes, --jobs at once), slurm "
-            "(one submitit job per point; resources from the sweep file's executor section), or "
-            "submitit-local / submitit-debug (the same jobs on this machine).")] = None,
+            "--executor", help="Where points run: processes (the default: worker processes, --jobs at once), "
+            "slurm (one submitit job per point; resources from the sweep file's executor section), "
+            "local (the same jobs through submitit's local executor) or debug (in this process).")] = None,
         set_: Annotated[list[str] | None, typer.Option("--set", help="Override a sweep key, e.g. base.train.steps=50.")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table | json")] = "table",
     ) -> None:

@@ -121,17 +121,18 @@ class SweepProbeConfig(ProbeConfig):
         return data
 
 
-EXECUTORS = ("local", "slurm", "submitit-local", "submitit-debug")
+EXECUTORS = ("processes", "slurm", "local", "debug")
 
 
 class ExecutorConfig(_Section):
-    """Where the points run: `local` worker processes (`jobs` at once), or one scheduler job per
-    point through submitit (`slurm`; `submitit-local` and `submitit-debug` run the same jobs on
-    this machine, for trying a study file before a cluster). A parallel point (world size > 1)
+    """Where the points run: `processes` (worker processes, `jobs` at once, the default), or one
+    scheduler job per point through submitit (`slurm`; `local` runs the same jobs with
+    submitit's local executor on this machine and `debug` in this process, for trying a study
+    file before a cluster). A parallel point (world size > 1)
     is one multi-task job, one task per rank, over `ceil(world / gpus_per_node)` nodes."""
 
-    kind: Literal["local", "slurm", "submitit-local", "submitit-debug"] = Field(
-        "local", description="local | slurm | submitit-local | submitit-debug (CLI: --executor)")
+    kind: Literal["processes", "slurm", "local", "debug"] = Field(
+        "processes", description="processes | slurm | local | debug (CLI: --executor)")
     folder: str | None = Field(None, description="submitit's job files and logs; default SWEEP_DIR/jobs")
     partition: str | None = None
     account: str | None = None
@@ -144,7 +145,7 @@ class ExecutorConfig(_Section):
     mem_gb: float | None = Field(None, gt=0)
     timeout_min: int = Field(60, ge=1, description="wall-clock limit of one point's job")
     max_parallel: int | None = Field(None, ge=1, description="jobs in flight at once (slurm: the "
-                                     "whole grid; submitit-local: the sweep's jobs)")
+                                     "whole grid; local: the sweep's jobs)")
     setup: list[str] = Field(default_factory=list, description="shell lines run before each job "
                              "(e.g. module load, source venv/bin/activate)")
     slurm_additional: dict[str, Any] = Field(default_factory=dict, description="other sbatch "
@@ -342,7 +343,7 @@ def sweep_config_from_dict(raw: dict[str, Any], *, source: str = "sweep config")
     if not points:
         raise ConfigError(f"{source}: the sweep grid is empty (no backend x privacy level x seed); "
                           "give grid.backends and grid.epsilons or grid.noise_multipliers")
-    if cfg.executor.kind != "local":
+    if cfg.executor.kind != "processes":
         from memaudit.sweep.executors import job_resources
 
         for p in points:  # the ranks of every point fit its job

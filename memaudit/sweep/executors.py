@@ -1,8 +1,8 @@
 """Sweep points as scheduler jobs, through submitit: one job per point.
 
-`executor.kind: slurm` submits to SLURM (`submitit.SlurmExecutor`); `submitit-local` runs the
+`executor.kind: slurm` submits to SLURM (`submitit.SlurmExecutor`); `local` runs the
 same jobs as processes on this machine (`submitit.LocalExecutor`, which emulates a multi-task
-job) and `submitit-debug` in this process (`submitit.DebugExecutor`). A parallel point
+job) and `debug` in this process (`submitit.DebugExecutor`). A parallel point
 (world size W > 1) is ONE job of W tasks, one per rank, over `ceil(W / gpus_per_node)` nodes;
 each task finds its rank and the rendezvous in SLURM's environment (`memaudit.sweep.slurm_env`)
 and runs the parallel backend's per-rank entry point. Rank 0 decides whether the point is
@@ -72,12 +72,12 @@ def job_resources(ex: ExecutorConfig, run_cfg: Config) -> JobResources:
     if ex.gpus_per_node and per_node > ex.gpus_per_node:
         raise ConfigError(f"{per_node} ranks per node exceed executor.gpus_per_node="
                           f"{ex.gpus_per_node}; raise executor.nodes to {math.ceil(world / ex.gpus_per_node)}")
-    if ex.kind == "submitit-local" and nodes > 1:
-        raise ConfigError(f"executor.kind=submitit-local runs on one node, but the point asks for "
+    if ex.kind == "local" and nodes > 1:
+        raise ConfigError(f"executor.kind=local runs on one node, but the point asks for "
                           f"{nodes}; set executor.nodes=1 or use executor.kind=slurm")
-    if ex.kind == "submitit-debug" and world > 1:
-        raise ConfigError("executor.kind=submitit-debug runs one task in this process; use "
-                          "submitit-local for a parallel point (world size > 1)")
+    if ex.kind == "debug" and world > 1:
+        raise ConfigError("executor.kind=debug runs one task in this process; use "
+                          "local for a parallel point (world size > 1)")
     return JobResources(nodes, per_node, ex.gpus_per_node, ex.cpus_per_task)
 
 
@@ -110,12 +110,12 @@ def _submitit() -> Any:
 
 def check_executor(ex: ExecutorConfig) -> None:
     """One line, before anything is written, when `ex.kind` cannot run here."""
-    if ex.kind == "local":
+    if ex.kind == "processes":
         return
     _submitit()
     if ex.kind == "slurm" and shutil.which("srun") is None:
         raise ConfigError("--executor slurm: no 'srun' on this machine; run the sweep on a SLURM "
-                          "login node, or try it here with --executor submitit-local")
+                          "login node, or try it here with --executor local")
 
 
 def make_executor(ex: ExecutorConfig, folder: Path) -> Any:
@@ -126,10 +126,10 @@ def make_executor(ex: ExecutorConfig, folder: Path) -> Any:
             return submitit.SlurmExecutor(folder=str(folder), python=None)
         except RuntimeError as e:  # no srun on this machine
             raise ConfigError(f"--executor slurm: {str(e).strip().splitlines()[0]} (run the sweep on a "
-                              "SLURM login node, or try it here with --executor submitit-local)") from None
-    if ex.kind == "submitit-local":
+                              "SLURM login node, or try it here with --executor local)") from None
+    if ex.kind == "local":
         return submitit.LocalExecutor(folder=str(folder))
-    if ex.kind == "submitit-debug":
+    if ex.kind == "debug":
         return submitit.DebugExecutor(folder=str(folder))
     raise ConfigError(f"executor.kind={ex.kind} is not a submitit executor")
 
@@ -233,14 +233,14 @@ def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
             on_done(i, PointOutcome(p.name, p.backend, "complete", "skipped", False, 0.0))
             continue
         todo.append((i, p, job_resources(ex, point_config(cfg, p))))
-    limit = ex.max_parallel or (cfg.jobs if ex.kind == "submitit-local" else len(todo)) or 1
+    limit = ex.max_parallel or (cfg.jobs if ex.kind == "local" else len(todo)) or 1
     running: dict[int, tuple[SweepPoint, Any, float]] = {}
     try:
         while todo or running:
             while todo and len(running) < limit:
                 i, p, res = todo.pop(0)
                 running[i] = (p, _submit(executor, cfg, p, res, out, folder, debug), time.time())
-            for i in [i for i, (_, job, _) in running.items() if ex.kind == "submitit-debug" or job.done()]:
+            for i in [i for i, (_, job, _) in running.items() if ex.kind == "debug" or job.done()]:
                 p, job, t0 = running.pop(i)
                 try:
                     outcome = job.task(0).result()
@@ -266,7 +266,7 @@ def _submit(executor: Any, cfg: SweepConfig, p: SweepPoint, res: JobResources, o
     if ex.kind == "slurm":
         executor.update_parameters(**slurm_parameters(ex, res, job_name=f"memaudit-{p.name}"))
         threads = res.cpus_per_task
-    elif ex.kind == "submitit-local":
+    elif ex.kind == "local":
         executor.update_parameters(tasks_per_node=res.tasks_per_node, timeout_min=ex.timeout_min,
                                    gpus_per_node=res.gpus_per_node, **({"setup": list(ex.setup)} if ex.setup else {}))
         share = max(1, min(cfg.jobs, ex.max_parallel or cfg.jobs)) * res.tasks

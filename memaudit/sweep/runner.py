@@ -208,7 +208,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
         if progress is not None:
             progress(sum(o is not None for o in slots), total, {"point": outcome.name, "status": outcome.status})
 
-    if cfg.executor.kind != "local":
+    if cfg.executor.kind != "processes":
         from memaudit.sweep.executors import run_jobs
 
         run_jobs(cfg, points, out, on_done, progress, debug)

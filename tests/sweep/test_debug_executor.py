@@ -20,7 +20,7 @@ def test_failed_jobs_are_recorded_and_complete_points_skip_the_scheduler(tmp_pat
     path.write_text(yaml.safe_dump({
         "base": {"data": {"path": str(gone)}},
         "grid": {"backends": ["parallel"], "models": ["tiny", "tiny2x"]},
-        "executor": {"kind": "submitit-debug"}}))
+        "executor": {"kind": "debug"}}))
     cfg = load_sweep_config(path)
     gone.unlink()  # valid when loaded, gone when the jobs run
     out = tmp_path / "out"

@@ -45,7 +45,7 @@ def _kill_after_checkpoint(run: RunDir, stop: threading.Event, killed: dict) -> 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale") / "out"
-    args = ["sweep", str(CONFIGS / "scale-reduced.yaml"), "--out", str(out), "--executor", "submitit-local",
+    args = ["sweep", str(CONFIGS / "scale-reduced.yaml"), "--out", str(out), "--executor", "local",
             "--set", "per_model={tiny2x: {parallel.data: 2}}", "--format", "json"]
     stop, killed = threading.Event(), {}
     watcher = threading.Thread(target=_kill_after_checkpoint, args=(RunDir(out / "runs" / KILLED), stop, killed))

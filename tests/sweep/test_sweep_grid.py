@@ -102,8 +102,8 @@ def test_executor_bad_input_one_line(tmp_path, capsys, monkeypatch):
                                        executor={"gpus_per_node": 4, "nodes": 1}), "--executor", "slurm", "--out", out])
     assert "exceed executor.gpus_per_node=4" in msg
     msg = _err(capsys, ["sweep", _sweep(tmp_path, base={"parallel": {"data": 2}}), "--executor",
-                        "submitit-debug", "--out", out])
-    assert "submitit-local" in msg
+                        "debug", "--out", out])
+    assert "local" in msg
     monkeypatch.setattr("shutil.which", lambda name: None)  # no srun here
     assert "no 'srun'" in _err(capsys, ["sweep", qs, "--executor", "slurm", "--out", out])
     assert not Path(out).exists()
@@ -119,7 +119,7 @@ def test_slurm_executor_without_submitit_names_the_extra(tmp_path, capsys, monke
 
     monkeypatch.setattr(builtins, "__import__", no_submitit)
     out = tmp_path / "out"
-    for kind in ("slurm", "submitit-local"):
+    for kind in ("slurm", "local"):
         msg = _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--executor", kind, "--out", str(out)])
         assert "pip install memaudit[slurm]" in msg
     assert not out.exists()
