@@ -18,6 +18,8 @@ from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
+from memaudit.reports.frontier import DEFAULT_TOLERANCE, PUBLIC_BASE, frontier, matched_utility
+from memaudit.reports.group import group_privacy
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 from memaudit.rundir import RunDir
 
@@ -122,8 +124,26 @@ def _train_users(rd: RunDir) -> int | None:
     return len(users) if isinstance(users, list) else None
 
 
+def _holdout_perplexity(info: RunInfo, metrics: list[dict[str, Any]]) -> float | None:
+    """run.json's final holdout perplexity, else the last one metrics.jsonl evaluated."""
+    if info.final_holdout_perplexity is not None:
+        return info.final_holdout_perplexity
+    vals = [r["holdout_perplexity"] for r in metrics if isinstance(r.get("holdout_perplexity"), int | float)]
+    return float(vals[-1]) if vals else None
+
+
+def _canaries(rd: RunDir) -> dict[str, Any] | None:
+    """canaries.json for its counts only (repetitions, owner kind, owners): secrets stay there."""
+    if not rd.canaries_path.is_file():
+        return None
+    raw = read_json(rd.canaries_path, what="canaries")
+    return raw if isinstance(raw, dict) else None
+
+
 def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
-    info = RunInfo.from_manifest(rd.read_manifest(), str(rd.path / "run.json"))
+    manifest = rd.read_manifest()
+    info = RunInfo.from_manifest(manifest, str(rd.path / "run.json"))
+    role = manifest.get("role") if isinstance(manifest, dict) else None
     if rd.data_dir.is_dir():
         rd.check_data()  # probes of a run whose data was replaced measure nothing of this model
     if not rd.probes_path.is_file():
@@ -135,6 +155,9 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     priv = _ledger_epsilon(rd)
     backend = info.backend
     mech = _mechanism(info)
+    if role == PUBLIC_BASE:  # trained on public text only: no private record reaches it
+        mech = "none (public base)"
+        priv = {**priv, "epsilon": 0.0, "unit": None}
     metrics = read_jsonl(rd.metrics_path)
     noise_rows = [
         {"round": r.get("round"), "survivors": r.get("survivors"), "effective_noise": r.get("effective_noise")}
@@ -143,7 +166,10 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     ]
     summary = summarize_probes(probes, run_dir=rd.path, show_secrets=show_secrets)
     units = units_of(probes)
-    desc = mech if mech == "none" else (
+    if role == PUBLIC_BASE:
+        desc = ("public base: trained on the public corpus only, no private user's text; epsilon = 0 "
+                "with respect to the private users")
+    desc = mech if not info.dp else (
         f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}; against the "
         f"released model: epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
         + (f" ({', '.join(priv['adjacency'])} adjacency)" if priv.get("adjacency") else "")
@@ -155,6 +181,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     return {
         "id": rd.path.name,
         "path": str(rd.path),
+        "role": role,
         "backend": backend,
         "status": rd.status(),
         "seed": info.seed,
@@ -174,12 +201,15 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
             "delta": priv["delta"],
             "unit": priv["unit"],
             "per_user": priv["per_user"],
-            "per_user_text": _per_user_text(priv),
+            "per_user_text": "not trained on private data" if role == PUBLIC_BASE else _per_user_text(priv),
         },
+        "group_privacy": group_privacy(
+            _canaries(rd), epsilon=priv["epsilon"], unit=priv["unit"], delta=priv["delta"],
+            exposure_by_repetition=summary["plots"].get("exposure_by_repetition")),
         "mitigation": {"goldfish": info.goldfish},
         "utility": {
             "holdout_loss": info.final_holdout_loss,
-            "holdout_perplexity": info.final_holdout_perplexity,
+            "holdout_perplexity": _holdout_perplexity(info, metrics),
         },
         "noise_per_round": noise_rows,
         "leakage": summary["leakage"],
@@ -220,7 +250,7 @@ def _pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
-        if r["audit"]:
+        if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
         g[(r["backend"], _nominal(r), r["mitigation"]["goldfish"])].append(r)
     return g
@@ -248,9 +278,15 @@ def _test(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
             "runs": [a_runs[0]["id"], b_runs[0]["id"]]}
 
 
-def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Matched-epsilon backend pairs (two-sided tests) and treatment effects against their
-    baseline (one-sided: does the treatment leak less?), each metric with its test."""
+def _mean_ppl(rs: list[dict[str, Any]]) -> float | None:
+    ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"].get("holdout_perplexity") is not None]
+    return statistics.fmean(ppl) if ppl else None
+
+
+def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+    """Matched-epsilon backend pairs (two-sided tests), backend pairs at matched utility (two-sided,
+    only between real runs within `utility_tolerance`), treatment effects against their baseline
+    (one-sided: does the treatment leak less?), each metric with its test; and the frontier."""
     groups = _groups(runs)
     metrics = [k for k in findings_mod.METRICS if findings_mod.TESTABLE.get(k, True)]
     matched = []
@@ -265,7 +301,8 @@ def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if pa and pf:
                 cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
                               "test": _test(b, a, key, "two-sided")}
-        matched.append({"epsilon": eps, "metrics": cells})
+        matched.append({"epsilon": eps, "metrics": cells,
+                        "perplexity": {"parallel": _mean_ppl(a), "federated": _mean_ppl(b)}})
     effects = []
     for (backend, eps, gf), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         label = "centralized" if backend == "parallel" else "federated"
@@ -284,7 +321,8 @@ def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if t and b0:
                 cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
                               "test": _test(rs, base, key, "less")}
-        effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps, "metrics": cells})
+        effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
+                        "metrics": cells, "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
@@ -303,10 +341,14 @@ def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
         })
     for lbl, pts in sorted(by_label.items()):
         curves.append({"label": lbl, "points": pts, "leakage_label": findings_mod.METRICS[lead][0] if lead else "leakage"})
-    return {"matched": matched, "effects": effects, "curves": curves}
+    return {"matched": matched, "effects": effects, "curves": curves,
+            "matched_utility": matched_utility(runs, utility_tolerance), "frontier": frontier(runs)}
 
 
-def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False) -> dict[str, Any]:
+def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
+                 utility_tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+    """report.json's content over the runs under `paths`; `utility_tolerance` is the largest
+    |log holdout-perplexity ratio| at which a centralized and a federated run count as matched."""
     rds = find_runs(paths)
     missing = [str(rd.path) for rd in rds if not rd.probes_path.is_file()]
     if missing:
@@ -319,7 +361,7 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False) 
         "schema": SCHEMA,
         "memaudit_version": __version__,
         "runs": runs,
-        "comparisons": comparisons(runs),
+        "comparisons": comparisons(runs, utility_tolerance=utility_tolerance),
     }
     report["findings"] = findings_mod.generate(report)
     for r in runs:
