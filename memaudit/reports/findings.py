@@ -164,8 +164,8 @@ def utility_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     for pair in mu.get("pairs", []):
         (ep, ef), (up, uf) = pair["epsilon"], pair["units"]
         side = {None: "no DP"}
-        left = f"federated ({side.get(uf) or f'epsilon = {ef:g} per {uf}'})"
-        right = f"centralized ({side.get(up) or f'epsilon = {ep:g} per {up}'})"
+        left = f"federated ({side.get(uf) or f'epsilon = {ef:.3g} per {uf}'})"
+        right = f"centralized ({side.get(up) or f'epsilon = {ep:.3g} per {up}'})"
         context = (f"At matched utility (holdout perplexity {pair['perplexity'][0]:.4g} vs "
                    f"{pair['perplexity'][1]:.4g}, |log ratio| = {pair['log_ratio']:.2g} <= {mu['tolerance']:g})")
         cav = UNIT_CAVEAT if (up, uf) == ("example", "user") else (

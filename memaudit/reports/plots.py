@@ -31,6 +31,9 @@ PANEL_W, PANEL_H = 3.6, 3.0
 plt.rcParams.update({"svg.hashsalt": "memaudit", "font.size": 9, "figure.dpi": 96,
                      "axes.prop_cycle": matplotlib.cycler(color=OKABE_ITO)})
 
+TITLES = {"exposure_top": "Exposure of the most-repeated canaries", "mia_auc": "Membership inference",
+          "user_mia_auc": "User inference", "extraction_exact": "Exact extraction",
+          "pii_extraction": "PII extraction", "canary_completion": "Canary completion"}
 Y_UNITS = {"exposure_top": "excess exposure (bits)", "mia_auc": "MIA AUC (0.5 = chance)",
            "user_mia_auc": "user-inference AUC (0.5 = chance)",
            "extraction_exact": "exact extraction (fraction of documents)",
@@ -125,7 +128,7 @@ def _panels(n: int, cols: int = 3):
 def _eps_label(eps: float | None) -> str:
     if eps is None or math.isinf(eps):
         return "no DP"
-    return "base" if eps == 0 else f"ε={eps:g}"
+    return "base" if eps == 0 else f"ε={eps:.3g}"
 
 
 def _backend_label(run: dict[str, Any]) -> str:
@@ -172,7 +175,7 @@ def frontier_figure(report: dict[str, Any]):
         log_axis(ax, "x", min(xs_all), max(xs_all))
         ax.set_xlabel("holdout perplexity (per token, log scale)")
         ax.set_ylabel(Y_UNITS.get(key, m["label"]))
-        ax.set_title(m["label"].split(" (")[0][:48], fontsize=9)
+        ax.set_title(TITLES.get(key, key), fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("Privacy-utility-leakage frontier (dotted lines: visual guide only)", fontsize=10)
     fig.tight_layout()
