@@ -283,6 +283,29 @@ def _mean_ppl(rs: list[dict[str, Any]]) -> float | None:
     return statistics.fmean(ppl) if ppl else None
 
 
+def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Utility (and the lead leakage metric) against epsilon per backend, pooled over seeds."""
+    curves = []
+    lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
+    by_label: dict[str, list] = defaultdict(list)
+    for (backend, eps, gf), rs in groups.items():
+        lbl = ("centralized" if backend == "parallel" else "federated") + (" + Goldfish" if gf else "")
+        ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
+        leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
+        if not ppl:
+            continue
+        by_label[lbl].append({
+            "epsilon": eps,
+            "perplexity": {"mean": statistics.fmean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0},
+            "leakage": {"mean": statistics.fmean(leak) if leak else float("nan"),
+                        "std": statistics.stdev(leak) if len(leak) > 1 else 0.0},
+            "n_seeds": len(rs),
+        })
+    for lbl, pts in sorted(by_label.items()):
+        curves.append({"label": lbl, "points": pts, "leakage_label": findings_mod.METRICS[lead][0] if lead else "leakage"})
+    return curves
+
+
 def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """Matched-epsilon backend pairs (two-sided tests), backend pairs at matched utility (two-sided,
     only between real runs within `utility_tolerance`), treatment effects against their baseline
@@ -323,25 +346,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
                               "test": _test(rs, base, key, "less")}
         effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
                         "metrics": cells, "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
-    curves = []
-    lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
-    by_label: dict[str, list] = defaultdict(list)
-    for (backend, eps, gf), rs in groups.items():
-        lbl = ("centralized" if backend == "parallel" else "federated") + (" + Goldfish" if gf else "")
-        ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
-        leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
-        if not ppl:
-            continue
-        by_label[lbl].append({
-            "epsilon": eps,
-            "perplexity": {"mean": statistics.fmean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0},
-            "leakage": {"mean": statistics.fmean(leak) if leak else float("nan"),
-                        "std": statistics.stdev(leak) if len(leak) > 1 else 0.0},
-            "n_seeds": len(rs),
-        })
-    for lbl, pts in sorted(by_label.items()):
-        curves.append({"label": lbl, "points": pts, "leakage_label": findings_mod.METRICS[lead][0] if lead else "leakage"})
-    return {"matched": matched, "effects": effects, "curves": curves,
+    return {"matched": matched, "effects": effects, "curves": _curves(groups, runs),
             "matched_utility": matched_utility(runs, utility_tolerance), "frontier": frontier(runs)}
 
 

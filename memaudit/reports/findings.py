@@ -7,6 +7,16 @@ two single runs speaks of "these runs"; one about configurations needs several s
 and a test over seeds. Every sentence carries its test, n, p-value and adjusted p-value; a cell
 that could not be tested (no per-unit scores) gives no finding. The audit epsilon is a one-sided
 lower bound and is only compared as such, with the ledger's epsilon.
+
+Backends are compared three ways, all in one Holm family: at matched utility (real runs within
+the stated perplexity tolerance, `memaudit.reports.frontier`), at matched nominal epsilon (with
+the caveat that the units differ) and as DP/Goldfish effects within a backend (with a caveat when
+the treated run learned less). The first screen (`headline`) holds at most six findings that pass
+the rules; every "no difference shown" comparison is kept as one short line (`no_difference`).
+
+References:
+  Holm. A simple sequentially rejective multiple test procedure. Scand. J. Statist. 1979.
+  Thakkar et al. Understanding unintended memorization in federated learning. 2020.
 """
 
 from __future__ import annotations

@@ -13,6 +13,14 @@ from memaudit.reports.schema import validate_report
 from tests.reports._fixtures import auc_units, cell, run, write_run_dir
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 def _report(runs, tolerance=0.1):
     rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs,
            "comparisons": comparisons(runs, utility_tolerance=tolerance)}
