@@ -353,8 +353,11 @@ def plot_notes(report: dict[str, Any]) -> list[str]:
     from memaudit.reports.findings import SHORT
 
     fr = report.get("comparisons", {}).get("frontier") or {}
-    notes = [f"{SHORT.get(k, k)}: none extracted (0 in all {m['n_points']} runs measured)"
-             for k, m in (fr.get("metrics") or {}).items() if m["all_zero"]]
+    zero = [(SHORT.get(k, k), m["n_points"]) for k, m in (fr.get("metrics") or {}).items() if m["all_zero"]]
+    notes = []
+    if zero:
+        notes.append(f"None extracted, so not drawn: {', '.join(z[0] for z in zero)} "
+                     f"(0 in every run measured, {max(z[1] for z in zero)} runs).")
     runs = _real_runs(report)
     rows = [r for run in runs for r in (run.get("probes_summary") or {}).get("extraction_by_repeats") or []]
     if rows and not any(r["value"] for r in rows) and "extraction_exact" not in (fr.get("metrics") or {}):
