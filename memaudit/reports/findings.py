@@ -258,6 +258,24 @@ def caveats(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def pair_lines(report: dict[str, Any]) -> list[str]:
+    """One line per matched-utility pair: the two runs, their guarantees and utilities, and what
+    the tests (already adjusted) showed."""
+    out = []
+    for pair in (report.get("comparisons", {}).get("matched_utility") or {}).get("pairs", []):
+        sides = []
+        for rid, eps, unit, ppl in zip(pair["runs"], pair["epsilon"], pair["units"], pair["perplexity"], strict=True):
+            g = "no DP" if unit is None else f"epsilon = {eps:.3g} per {unit}"
+            sides.append(f"{rid} ({g}, perplexity {ppl:.4g})")
+        shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair["metrics"].items()
+                 if c["verdict"] in ("less", "more")]
+        n_same = sum(c["verdict"] == "no difference shown" for c in pair["metrics"].values())
+        what = "; ".join(shown + ([f"no difference shown on {n_same} metric{'s' if n_same != 1 else ''}"]
+                                  if n_same else []))
+        out.append(f"{sides[0]} vs {sides[1]}: {what or 'not tested (no per-unit scores)'}")
+    return out
+
+
 MAX_HEADLINE = 6
 GROUP_ORDER = {"matched_utility": 0, "effect": 1, "audit": 2, "backend": 3}
 
@@ -281,6 +299,6 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     family = adjust(report)
     sentences = (utility_findings(report) + backend_findings(report) + effect_findings(report)
                  + audit_findings(report))
-    return {"sentences": sentences, "headline": headline(sentences),
+    return {"sentences": sentences, "headline": headline(sentences), "matched_pairs": pair_lines(report),
             "no_difference": [s["short"] for s in sentences if s["verdict"] == "no difference shown"],
             "caveats": caveats(report), "correction": CORRECTION, "tests": family, "alpha": ALPHA}

@@ -83,8 +83,11 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
     lines.append("")
     mu = report["comparisons"]["matched_utility"]
     f = report["findings"]
-    lines.append(f"At matched utility: {mu['message']}. {len(f['headline'])} of {f.get('tests', 0)} tests "
-                 f"pass the statistical rules ({str(f.get('correction', 'holm')).capitalize()}-corrected)"
+    pairs = f.get("matched_pairs") or []
+    lines.append(f"At matched utility: {mu['message']}" + (": " + "; ".join(pairs) if pairs else "") + ".")
+    lines.append("")
+    lines.append(f"{len(f['headline'])} of {f.get('tests', 0)} tests pass the statistical rules "
+                 f"({str(f.get('correction', 'holm')).capitalize()}-corrected over all of them)"
                  + (":" if f["headline"] else "."))
     for h in f["headline"]:
         lines.append(f"- {h['text']} ({h['evidence']})" + (f"; caveat: {h['caveat']}" if h.get("caveat") else "") + ".")

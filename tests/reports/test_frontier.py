@@ -52,6 +52,9 @@ def test_close_utilities_give_a_verdict_with_its_test():
     # units differ (example vs user): the finding says so in one line
     assert "units differ" in s[0]["caveat"]
     assert rep["findings"]["headline"][0]["group"] == "matched_utility"
+    assert rep["findings"]["matched_pairs"] == [
+        ("par (epsilon = 8 per example, perplexity 100) vs fed (epsilon = 8 per user, perplexity 105): "
+         "federated leaks less on MIA AUC")]
 
 
 def test_utilities_apart_give_no_pair_and_no_verdict():
