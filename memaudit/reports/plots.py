@@ -141,6 +141,43 @@ def _real_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- figures
+def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None, pairs: list[dict]) -> None:
+    """One metric's frontier: a series per backend, epsilon on each point, the base as the origin,
+    and each matched-utility pair joined by a grey bar (the only pairs that are compared)."""
+    xs_all = []
+    where: dict[str, tuple[float, float]] = {}
+    for i, s in enumerate(m["series"][:MAX_SERIES]):
+        pts = [p for p in s["points"] if p["perplexity"] is not None and p["value"] is not None]
+        colour = SERIES_COLOURS.get(s["label"])
+        line = ([base] if base and base.get("value") is not None else []) + pts
+        ax.plot([p["perplexity"] for p in line], [p["value"] for p in line], ls=":", lw=0.9,
+                color=colour, alpha=0.7)  # a visual guide only, never read as data
+        lo = [p["value"] - (p["ci_low"] if p["ci_low"] is not None else p["value"]) for p in pts]
+        hi = [(p["ci_high"] if p["ci_high"] is not None else p["value"]) - p["value"] for p in pts]
+        ax.errorbar([p["perplexity"] for p in pts], [p["value"] for p in pts], yerr=[lo, hi],
+                    fmt="o", capsize=2, color=colour, label=s["label"])
+        for j, p in enumerate(pts):  # alternate sides so labels of nearby points do not collide
+            dy = (4 if (i + j) % 2 == 0 else -10)
+            ax.annotate(_eps_label(p["epsilon"]), (p["perplexity"], p["value"]), fontsize=7,
+                        xytext=(5 if i % 2 == 0 else -5, dy), textcoords="offset points", color=colour,
+                        ha="left" if i % 2 == 0 else "right")
+            where[p["run"]] = (p["perplexity"], p["value"])
+        xs_all += [p["perplexity"] for p in pts]
+    for k, pair in enumerate(pairs):
+        a, b = (where.get(r) for r in pair["runs"])
+        if a and b:
+            ax.plot([a[0], b[0]], [a[1], b[1]], "-", color="#999999", lw=3, alpha=0.5, zorder=0,
+                    label="matched-utility pair" if k == 0 else None)
+    if base and base.get("value") is not None:
+        ax.plot([base["perplexity"]], [base["value"]], "*", ms=10, color="#000000", label="public base")
+        xs_all.append(base["perplexity"])
+    log_axis(ax, "x", min(xs_all), max(xs_all))
+    ax.set_xlabel("holdout perplexity (per token, log scale)")
+    ax.set_ylabel(Y_UNITS.get(key, m["label"]))
+    ax.set_title(TITLES.get(key, key), fontsize=9)
+    ax.legend(fontsize=7)
+
+
 def frontier_figure(report: dict[str, Any]):
     """Small multiples, one per headline metric with a non-zero value: leakage against holdout
     perplexity, one series per backend, epsilon on each point, the public base as the origin."""
@@ -148,35 +185,12 @@ def frontier_figure(report: dict[str, Any]):
     metrics = {k: m for k, m in (fr.get("metrics") or {}).items() if not m["all_zero"]}
     if not metrics:
         return None
-    origin = fr.get("origin")
+    origin = fr.get("origin") or {}
+    pairs = (report.get("comparisons", {}).get("matched_utility") or {}).get("pairs") or []
     keys = list(metrics)[:6]
     fig, axes = _panels(len(keys))
     for ax, key in zip(axes, keys, strict=True):
-        m = metrics[key]
-        xs_all = []
-        base = (origin or {}).get("leakage", {}).get(key)
-        for s in m["series"][:MAX_SERIES]:
-            pts = [p for p in s["points"] if p["perplexity"] is not None and p["value"] is not None]
-            colour = SERIES_COLOURS.get(s["label"])
-            line = ([base] if base and base.get("value") is not None else []) + pts
-            ax.plot([p["perplexity"] for p in line], [p["value"] for p in line], ls=":", lw=0.9,
-                    color=colour, alpha=0.7)  # a visual guide only, never read as data
-            lo = [p["value"] - (p["ci_low"] if p["ci_low"] is not None else p["value"]) for p in pts]
-            hi = [(p["ci_high"] if p["ci_high"] is not None else p["value"]) - p["value"] for p in pts]
-            ax.errorbar([p["perplexity"] for p in pts], [p["value"] for p in pts], yerr=[lo, hi],
-                        fmt="o", capsize=2, color=colour, label=s["label"])
-            for p in pts:
-                ax.annotate(_eps_label(p["epsilon"]), (p["perplexity"], p["value"]), fontsize=7,
-                            xytext=(4, 3), textcoords="offset points", color=colour)
-            xs_all += [p["perplexity"] for p in pts]
-        if base and base.get("value") is not None:
-            ax.plot([base["perplexity"]], [base["value"]], "*", ms=10, color="#000000", label="public base")
-            xs_all.append(base["perplexity"])
-        log_axis(ax, "x", min(xs_all), max(xs_all))
-        ax.set_xlabel("holdout perplexity (per token, log scale)")
-        ax.set_ylabel(Y_UNITS.get(key, m["label"]))
-        ax.set_title(TITLES.get(key, key), fontsize=9)
-        ax.legend(fontsize=7)
+        _frontier_panel(ax, key, metrics[key], origin.get("leakage", {}).get(key), pairs)
     fig.suptitle("Privacy-utility-leakage frontier (dotted lines: visual guide only)", fontsize=10)
     fig.tight_layout()
     return fig
