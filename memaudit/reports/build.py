@@ -18,7 +18,13 @@ from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
-from memaudit.reports.frontier import DEFAULT_TOLERANCE, PUBLIC_BASE, frontier, matched_utility
+from memaudit.reports.frontier import (
+    DEFAULT_TOLERANCE,
+    PUBLIC_BASE,
+    check_tolerance,
+    frontier,
+    matched_utility,
+)
 from memaudit.reports.group import group_privacy
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 from memaudit.rundir import RunDir
@@ -354,6 +360,7 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
                  utility_tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """report.json's content over the runs under `paths`; `utility_tolerance` is the largest
     |log holdout-perplexity ratio| at which a centralized and a federated run count as matched."""
+    check_tolerance(utility_tolerance)
     rds = find_runs(paths)
     missing = [str(rd.path) for rd in rds if not rd.probes_path.is_file()]
     if missing:

@@ -39,6 +39,13 @@ def log_ratio(a: float, b: float) -> float:
     return abs(math.log(a) - math.log(b))
 
 
+def check_tolerance(tolerance: float) -> float:
+    """The tolerance itself, or a one-line ValueError naming it and the fix."""
+    if not (tolerance > 0 and math.isfinite(tolerance)):
+        raise ValueError(f"utility tolerance {tolerance} must be a positive |log perplexity ratio|, e.g. 0.1")
+    return tolerance
+
+
 def _ppl(run: dict[str, Any]) -> float | None:
     p = (run.get("utility") or {}).get("holdout_perplexity")
     return float(p) if p is not None and math.isfinite(p) and p > 0 else None
@@ -121,8 +128,7 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
     from memaudit.reports.build import _pool, _test
     from memaudit.reports.findings import METRICS, TESTABLE
 
-    if not (tolerance > 0 and math.isfinite(tolerance)):
-        raise ValueError(f"utility tolerance {tolerance} must be a positive |log perplexity ratio|, e.g. 0.1")
+    check_tolerance(tolerance)
     real = [r for r in runs if not r["audit"] and not is_base(r) and not r["mitigation"]["goldfish"]
             and _ppl(r) is not None]
     par = [r for r in real if r["backend"] == "parallel"]

@@ -280,3 +280,25 @@ def test_many_runs_become_small_multiples():
         axes = [a for a in figs[name].axes if a.get_visible()]
         assert len(axes) >= 2, name
         assert all(len(a.get_legend_handles_labels()[0]) <= MAX_SERIES for a in axes), name
+
+
+def test_report_command_takes_a_tolerance_and_refuses_a_bad_one(tmp_path, capsys):
+    """`memaudit report --utility-tolerance`: a wider tolerance pairs runs the default does not;
+    a non-positive one is one line and exit 2, before anything is written."""
+    import json
+
+    from memaudit.cli import main
+
+    write_run_dir(tmp_path / "runs" / "par", "parallel", ppl=100.0, mia_shift=1.0)
+    write_run_dir(tmp_path / "runs" / "fed", "federated", ppl=130.0, mia_shift=0.2)
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "a")]) == 0
+    mu = json.loads((tmp_path / "a" / "report.json").read_text())["comparisons"]["matched_utility"]
+    assert mu["status"] == "disjoint"
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "b"), "--utility-tolerance", "0.3"]) == 0
+    mu = json.loads((tmp_path / "b" / "report.json").read_text())["comparisons"]["matched_utility"]
+    assert mu["status"] == "pairs" and mu["tolerance"] == 0.3
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "c"), "--utility-tolerance", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "utility tolerance 0" in err and err.count("\n") == 1
+    assert not (tmp_path / "c").exists()
