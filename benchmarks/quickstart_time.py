@@ -1,9 +1,12 @@
 """Wall time of the main job: `memaudit sweep configs/quickstart.yaml` on this machine.
 
 Prints JSON: total seconds, the target (600 s on 2 CPU cores), and per-point train+probe
-seconds from sweep.json, plus where the report went.
+seconds from sweep.json, plus where the report went. After a sweep that succeeded it refreshes
+the README's figures: the report becomes docs/snapshots/quickstart.report.json (with
+quickstart.meta.json: date, command, wall time, cores) and `memaudit.reports.readme` rewrites the
+README block rendered from it (`--no-snapshot` leaves both alone, e.g. for a trial config).
 
-    python benchmarks/quickstart_time.py [--config configs/quickstart.yaml] [--keep DIR]
+    python benchmarks/quickstart_time.py [--config configs/quickstart.yaml] [--keep DIR] [--no-snapshot]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 TARGET_S = 600.0
@@ -24,13 +28,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--keep", default=None, help="sweep directory to keep (default: a temp dir)")
+    ap.add_argument("--no-snapshot", action="store_true",
+                    help="do not refresh docs/snapshots/quickstart.* and the README block")
+    ap.add_argument("--set", action="append", default=[], help="sweep override (marks the snapshot as such)")
     args = ap.parse_args()
     out = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="memaudit-quickstart-"))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "memaudit.cli", "sweep", args.config, "--out", str(out)],
+    cmd = [sys.executable, "-m", "memaudit.cli", "sweep", args.config, "--out", str(out)]
+    for o in args.set:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd,
                           check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - t0
     summary = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").is_file() else {}
+    snapshot = None
+    report_json = out / "report" / "report.json"
+    if proc.returncode == 0 and not args.no_snapshot and report_json.is_file():
+        from memaudit.reports.readme import update_readme, write_snapshot
+
+        shown = " ".join(["memaudit sweep", args.config] + [f"--set {o}" for o in args.set])
+        meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "command": shown,
+                "wall_s": round(wall, 1), "cpus": os.cpu_count(),
+                "note": "with overrides: not the quickstart as shipped" if args.set else ""}
+        snapshot = str(write_snapshot(report_json, "quickstart", meta))
+        update_readme()
     print(json.dumps({
         "benchmark": "quickstart_time",
         "config": args.config,
@@ -42,6 +63,7 @@ def main() -> None:
         "within_target": wall <= TARGET_S,
         "points": {o["name"]: round(o["seconds"], 1) for o in summary.get("outcomes", [])},
         "report": (summary.get("report") or {}).get("html"),
+        "snapshot": snapshot,
         "stderr_tail": proc.stderr[-500:] if proc.returncode else "",
     }, indent=2))
 

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from memaudit.reports.frontier import DEFAULT_TOLERANCE
+
 
 def register(app: typer.Typer) -> None:
     @app.command("report", help="Write report.html, report.md and report.json comparing runs.")
@@ -20,6 +22,10 @@ def register(app: typer.Typer) -> None:
         rerender: Annotated[
             bool, typer.Option("--rerender", help="Treat RUNS[0] as a report.json and re-render it.")
         ] = False,
+        utility_tolerance: Annotated[
+            float, typer.Option("--utility-tolerance",
+                                help="Largest |log holdout-perplexity ratio| of a matched-utility pair.")
+        ] = DEFAULT_TOLERANCE,
     ) -> None:
         from memaudit.commands._common import console, print_json
         from memaudit.reports.build import build_report
@@ -32,15 +38,16 @@ def register(app: typer.Typer) -> None:
             paths = do_rerender(runs[0], out)
             console.print(f"re-rendered {paths['html']} and {paths['md']}")
             return
-        rep = build_report(list(runs), show_secrets=show_secrets)
+        rep = build_report(list(runs), show_secrets=show_secrets, utility_tolerance=utility_tolerance)
         paths = write_report(rep, out)
         if fmt == "json":
             print_json({"report": {k: str(v) for k, v in paths.items()}, "findings": rep["findings"]})
             return
-        for s in rep["findings"]["sentences"]:
-            if s["verdict"] != "same":
-                console.print(f"- {s['text']}", markup=False, highlight=False)
-        same = sum(1 for s in rep["findings"]["sentences"] if s["verdict"] == "same")
+        console.print(f"at matched utility: {rep['comparisons']['matched_utility']['message']}",
+                      markup=False, highlight=False)
+        for f in rep["findings"]["headline"]:
+            console.print(f"- {f['text']} ({f['evidence']})", markup=False, highlight=False)
+        same = len(rep["findings"]["no_difference"])
         if same:
-            console.print(f"({same} comparison(s) showed no difference beyond the intervals; see the report)")
+            console.print(f"({same} comparison(s) showed no difference; see the report)")
         console.print(f"wrote {paths['html']}, {paths['md']}, {paths['json']}", markup=False)

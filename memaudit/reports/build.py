@@ -18,6 +18,14 @@ from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
+from memaudit.reports.frontier import (
+    DEFAULT_TOLERANCE,
+    PUBLIC_BASE,
+    check_tolerance,
+    frontier,
+    matched_utility,
+)
+from memaudit.reports.group import group_privacy
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 from memaudit.reports.scale import scale_section
 from memaudit.rundir import RunDir
@@ -123,8 +131,26 @@ def _train_users(rd: RunDir) -> int | None:
     return len(users) if isinstance(users, list) else None
 
 
+def _holdout_perplexity(info: RunInfo, metrics: list[dict[str, Any]]) -> float | None:
+    """run.json's final holdout perplexity, else the last one metrics.jsonl evaluated."""
+    if info.final_holdout_perplexity is not None:
+        return info.final_holdout_perplexity
+    vals = [r["holdout_perplexity"] for r in metrics if isinstance(r.get("holdout_perplexity"), int | float)]
+    return float(vals[-1]) if vals else None
+
+
+def _canaries(rd: RunDir) -> dict[str, Any] | None:
+    """canaries.json for its counts only (repetitions, owner kind, owners): secrets stay there."""
+    if not rd.canaries_path.is_file():
+        return None
+    raw = read_json(rd.canaries_path, what="canaries")
+    return raw if isinstance(raw, dict) else None
+
+
 def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
-    info = RunInfo.from_manifest(rd.read_manifest(), str(rd.path / "run.json"))
+    manifest = rd.read_manifest()
+    info = RunInfo.from_manifest(manifest, str(rd.path / "run.json"))
+    role = manifest.get("role") if isinstance(manifest, dict) else None
     if rd.data_dir.is_dir():
         rd.check_data()  # probes of a run whose data was replaced measure nothing of this model
     if not rd.probes_path.is_file():
@@ -136,6 +162,9 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     priv = _ledger_epsilon(rd)
     backend = info.backend
     mech = _mechanism(info)
+    if role == PUBLIC_BASE:  # trained on public text only: no private record reaches it
+        mech = "none (public base)"
+        priv = {**priv, "epsilon": 0.0, "unit": None}
     metrics = read_jsonl(rd.metrics_path)
     noise_rows = [
         {"round": r.get("round"), "survivors": r.get("survivors"), "effective_noise": r.get("effective_noise")}
@@ -144,7 +173,10 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     ]
     summary = summarize_probes(probes, run_dir=rd.path, show_secrets=show_secrets)
     units = units_of(probes)
-    desc = mech if mech == "none" else (
+    if role == PUBLIC_BASE:
+        desc = ("public base: trained on the public corpus only, no private user's text; epsilon = 0 "
+                "with respect to the private users")
+    desc = mech if not info.dp else (
         f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}; against the "
         f"released model: epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
         + (f" ({', '.join(priv['adjacency'])} adjacency)" if priv.get("adjacency") else "")
@@ -156,6 +188,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     return {
         "id": rd.path.name,
         "path": str(rd.path),
+        "role": role,
         "backend": backend,
         "status": rd.status(),
         "seed": info.seed,
@@ -175,12 +208,15 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
             "delta": priv["delta"],
             "unit": priv["unit"],
             "per_user": priv["per_user"],
-            "per_user_text": _per_user_text(priv),
+            "per_user_text": "not trained on private data" if role == PUBLIC_BASE else _per_user_text(priv),
         },
+        "group_privacy": group_privacy(
+            _canaries(rd), epsilon=priv["epsilon"], unit=priv["unit"], delta=priv["delta"],
+            exposure_by_repetition=summary["plots"].get("exposure_by_repetition")),
         "mitigation": {"goldfish": info.goldfish},
         "utility": {
             "holdout_loss": info.final_holdout_loss,
-            "holdout_perplexity": info.final_holdout_perplexity,
+            "holdout_perplexity": _holdout_perplexity(info, metrics),
         },
         "noise_per_round": noise_rows,
         "leakage": summary["leakage"],
@@ -221,7 +257,7 @@ def _pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
-        if r["audit"]:
+        if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
         g[(r["backend"], _nominal(r), r["mitigation"]["goldfish"])].append(r)
     return g
@@ -249,43 +285,13 @@ def _test(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
             "runs": [a_runs[0]["id"], b_runs[0]["id"]]}
 
 
-def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Matched-epsilon backend pairs (two-sided tests) and treatment effects against their
-    baseline (one-sided: does the treatment leak less?), each metric with its test."""
-    groups = _groups(runs)
-    metrics = [k for k in findings_mod.METRICS if findings_mod.TESTABLE.get(k, True)]
-    matched = []
-    for eps in sorted({k[1] for k in groups}):
-        a, b = groups.get(("parallel", eps, False)), groups.get(("federated", eps, False))
-        if not a or not b:
-            continue
-        cells = {}
-        for key in metrics:
-            pa = _pool([r["leakage"].get(key) for r in a])
-            pf = _pool([r["leakage"].get(key) for r in b])
-            if pa and pf:
-                cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
-                              "test": _test(b, a, key, "two-sided")}
-        matched.append({"epsilon": eps, "metrics": cells})
-    effects = []
-    for (backend, eps, gf), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        label = "centralized" if backend == "parallel" else "federated"
-        base = None
-        if gf:
-            base, name = groups.get((backend, eps, False)), "Goldfish loss"
-            label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
-        elif not math.isinf(eps):
-            base, name = groups.get((backend, math.inf, False)), f"DP at epsilon = {eps:g}"
-        if not base:
-            continue
-        cells = {}
-        for key in metrics:
-            t = _pool([r["leakage"].get(key) for r in rs])
-            b0 = _pool([r["leakage"].get(key) for r in base])
-            if t and b0:
-                cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
-                              "test": _test(rs, base, key, "less")}
-        effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps, "metrics": cells})
+def _mean_ppl(rs: list[dict[str, Any]]) -> float | None:
+    ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"].get("holdout_perplexity") is not None]
+    return statistics.fmean(ppl) if ppl else None
+
+
+def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Utility (and the lead leakage metric) against epsilon per backend, pooled over seeds."""
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
@@ -304,10 +310,58 @@ def comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
         })
     for lbl, pts in sorted(by_label.items()):
         curves.append({"label": lbl, "points": pts, "leakage_label": findings_mod.METRICS[lead][0] if lead else "leakage"})
-    return {"matched": matched, "effects": effects, "curves": curves}
+    return curves
 
 
-def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False) -> dict[str, Any]:
+def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+    """Matched-epsilon backend pairs (two-sided tests), backend pairs at matched utility (two-sided,
+    only between real runs within `utility_tolerance`), treatment effects against their baseline
+    (one-sided: does the treatment leak less?), each metric with its test; and the frontier."""
+    groups = _groups(runs)
+    metrics = [k for k in findings_mod.METRICS if findings_mod.TESTABLE.get(k, True)]
+    matched = []
+    for eps in sorted({k[1] for k in groups}):
+        a, b = groups.get(("parallel", eps, False)), groups.get(("federated", eps, False))
+        if not a or not b:
+            continue
+        cells = {}
+        for key in metrics:
+            pa = _pool([r["leakage"].get(key) for r in a])
+            pf = _pool([r["leakage"].get(key) for r in b])
+            if pa and pf:
+                cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
+                              "test": _test(b, a, key, "two-sided")}
+        matched.append({"epsilon": eps, "metrics": cells,
+                        "perplexity": {"parallel": _mean_ppl(a), "federated": _mean_ppl(b)}})
+    effects = []
+    for (backend, eps, gf), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        label = "centralized" if backend == "parallel" else "federated"
+        base = None
+        if gf:
+            base, name = groups.get((backend, eps, False)), "Goldfish loss"
+            label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
+        elif not math.isinf(eps):
+            base, name = groups.get((backend, math.inf, False)), f"DP at epsilon = {eps:g}"
+        if not base:
+            continue
+        cells = {}
+        for key in metrics:
+            t = _pool([r["leakage"].get(key) for r in rs])
+            b0 = _pool([r["leakage"].get(key) for r in base])
+            if t and b0:
+                cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
+                              "test": _test(rs, base, key, "less")}
+        effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
+                        "metrics": cells, "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
+    return {"matched": matched, "effects": effects, "curves": _curves(groups, runs),
+            "matched_utility": matched_utility(runs, utility_tolerance), "frontier": frontier(runs)}
+
+
+def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
+                 utility_tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+    """report.json's content over the runs under `paths`; `utility_tolerance` is the largest
+    |log holdout-perplexity ratio| at which a centralized and a federated run count as matched."""
+    check_tolerance(utility_tolerance)
     rds = find_runs(paths)
     missing = [str(rd.path) for rd in rds if not rd.probes_path.is_file()]
     if missing:
@@ -320,7 +374,7 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False) 
         "schema": SCHEMA,
         "memaudit_version": __version__,
         "runs": runs,
-        "comparisons": comparisons(runs),
+        "comparisons": comparisons(runs, utility_tolerance=utility_tolerance),
     }
     report["findings"] = findings_mod.generate(report)
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ

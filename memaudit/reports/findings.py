@@ -7,6 +7,16 @@ two single runs speaks of "these runs"; one about configurations needs several s
 and a test over seeds. Every sentence carries its test, n, p-value and adjusted p-value; a cell
 that could not be tested (no per-unit scores) gives no finding. The audit epsilon is a one-sided
 lower bound and is only compared as such, with the ledger's epsilon.
+
+Backends are compared three ways, all in one Holm family: at matched utility (real runs within
+the stated perplexity tolerance, `memaudit.reports.frontier`), at matched nominal epsilon (with
+the caveat that the units differ) and as DP/Goldfish effects within a backend (with a caveat when
+the treated run learned less). The first screen (`headline`) holds at most six findings that pass
+the rules; every "no difference shown" comparison is kept as one short line (`no_difference`).
+
+References:
+  Holm. A simple sequentially rejective multiple test procedure. Scand. J. Statist. 1979.
+  Thakkar et al. Understanding unintended memorization in federated learning. 2020.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "pii_extraction": ("PII extraction rate", "", True),
     "audit_epsilon": ("empirical epsilon lower bound", "", True),
 }
+SHORT = {"exposure_top": "exposure (top reps)", "extraction_exact": "exact extraction",
+         "canary_completion": "canary completion", "mia_auc": "MIA AUC", "user_mia_auc": "user-inference AUC",
+         "pii_extraction": "PII extraction", "audit_epsilon": "audit epsilon"}
 # the audit bound is a one-sided lower bound: never tested as a difference between runs
 TESTABLE = {"audit_epsilon": False}
 
@@ -48,7 +61,8 @@ def _fmt_eps(e: float | None) -> str:
 def _all_tests(report: dict[str, Any]):
     """Every (cell, test) of the report's comparisons, in a fixed order."""
     comp = report.get("comparisons", {})
-    for block in comp.get("matched", []) + comp.get("effects", []):
+    pairs = (comp.get("matched_utility") or {}).get("pairs", [])
+    for block in comp.get("matched", []) + comp.get("effects", []) + pairs:
         for cell in block.get("metrics", {}).values():
             if cell.get("test"):
                 yield cell, cell["test"]
@@ -92,7 +106,8 @@ def _test_text(t: dict[str, Any]) -> str:
             f"over {t['family']} tests")
 
 
-def _sentences(cells: dict[str, dict], left: str, right: str, context: str, group: str) -> list[dict[str, Any]]:
+def _sentences(cells: dict[str, dict], left: str, right: str, context: str, group: str,
+               caveat: str | None = None) -> list[dict[str, Any]]:
     out = []
     for metric, cell in cells.items():
         t = cell.get("test")
@@ -104,12 +119,14 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
                  else "in these runs")
         nums = f"{_cell_text(a, unit)} vs {_cell_text(b, unit)}; {_test_text(t)}"
         if cell["verdict"] in ("less", "more"):
-            text = (f"{context}, {scope}: {left} leaks {cell['verdict']} than {right} on "
-                    f"{label} ({nums}).")
+            claim = f"{context}, {scope}: {left} leaks {cell['verdict']} than {right} on {label}"
         else:
-            text = (f"{context}, {scope}: no difference shown between {left} and {right} on "
-                    f"{label} ({nums}).")
+            claim = f"{context}, {scope}: no difference shown between {left} and {right} on {label}"
+        text = f"{claim} ({nums})."
+        short = (f"{context}: {left} vs {right}, {SHORT[metric]}: no difference shown (n = {t['n_a']}/{t['n_b']} "
+                 f"{t['unit']}, {t['correction'].capitalize()} p = {t['p_adjusted']:.2g})")
         out.append({"kind": "comparison", "group": group, "metric": metric, "metrics": [metric],
+                    "claim": claim, "evidence": nums, "short": short, "caveat": caveat,
                     "verdict": cell["verdict"], "context": context, "scope": t["scope"],
                     "test": t["test"], "n": [t["n_a"], t["n_b"]], "unit": t["unit"],
                     "p_value": t["p_value"], "p_adjusted": t["p_adjusted"],
@@ -117,12 +134,53 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
     return out
 
 
+def _tolerance(report: dict[str, Any]) -> float | None:
+    return (report.get("comparisons", {}).get("matched_utility") or {}).get("tolerance")
+
+
+def _utility_caveat(ppl: tuple[float | None, float | None], names: tuple[str, str], tol: float | None) -> str | None:
+    """One line when the two sides are not at matched utility: the leakage gap may be a learning gap."""
+    a, b = ppl
+    if a is None or b is None or tol is None or a <= 0 or b <= 0:
+        return None
+    if abs(math.log(a) - math.log(b)) <= tol:
+        return None
+    return (f"not at matched utility (holdout perplexity {a:.4g} {names[0]} vs {b:.4g} {names[1]}): "
+            "a model that learned less also leaks less")
+
+
+UNIT_CAVEAT = ("units differ: centralized epsilon protects one training sequence, federated epsilon "
+               "one user's whole contribution")
+
+
 def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Federated vs centralized at each matched epsilon (two-sided)."""
     out = []
     for m in report.get("comparisons", {}).get("matched", []):
+        ppl = m.get("perplexity") or {}
+        cav = _utility_caveat((ppl.get("federated"), ppl.get("parallel")), ("federated", "centralized"),
+                              _tolerance(report))
+        if not math.isinf(m.get("epsilon", math.inf)):
+            cav = UNIT_CAVEAT + ("; " + cav if cav else "")
         out += _sentences(m.get("metrics", {}), "federated", "centralized",
-                          f"At {_fmt_eps(m.get('epsilon'))}", "backend")
+                          f"At {_fmt_eps(m.get('epsilon'))}", "backend", cav)
+    return out
+
+
+def utility_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Federated vs centralized between real runs at matched utility (two-sided)."""
+    out = []
+    mu = report.get("comparisons", {}).get("matched_utility") or {}
+    for pair in mu.get("pairs", []):
+        (ep, ef), (up, uf) = pair["epsilon"], pair["units"]
+        side = {None: "no DP"}
+        left = f"federated ({side.get(uf) or f'epsilon = {ef:.3g} per {uf}'})"
+        right = f"centralized ({side.get(up) or f'epsilon = {ep:.3g} per {up}'})"
+        context = (f"At matched utility (holdout perplexity {pair['perplexity'][0]:.4g} vs "
+                   f"{pair['perplexity'][1]:.4g}, |log ratio| = {pair['log_ratio']:.2g} <= {mu['tolerance']:g})")
+        cav = UNIT_CAVEAT if (up, uf) == ("example", "user") else (
+            "one side has no DP guarantee" if (up is None) != (uf is None) else None)
+        out += _sentences(pair.get("metrics", {}), left, right, context, "matched_utility", cav)
     return out
 
 
@@ -131,8 +189,11 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for eff in report.get("comparisons", {}).get("effects", []):
         name = eff["treatment"]
+        ppl = eff.get("perplexity") or {}
+        cav = _utility_caveat((ppl.get("treated"), ppl.get("baseline")), (f"with {name}", "without"),
+                              _tolerance(report))
         out += _sentences(eff.get("metrics", {}), f"with {name}", "without",
-                          f"{eff['backend_label']}, {name}", "effect")
+                          f"{eff['backend_label']}, {name}", "effect", cav)
     return out
 
 
@@ -197,8 +258,47 @@ def caveats(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def pair_lines(report: dict[str, Any]) -> list[str]:
+    """One line per matched-utility pair: the two runs, their guarantees and utilities, and what
+    the tests (already adjusted) showed."""
+    out = []
+    for pair in (report.get("comparisons", {}).get("matched_utility") or {}).get("pairs", []):
+        sides = []
+        for rid, eps, unit, ppl in zip(pair["runs"], pair["epsilon"], pair["units"], pair["perplexity"], strict=True):
+            g = "no DP" if unit is None else f"epsilon = {eps:.3g} per {unit}"
+            sides.append(f"{rid} ({g}, perplexity {ppl:.4g})")
+        shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair["metrics"].items()
+                 if c["verdict"] in ("less", "more")]
+        n_same = sum(c["verdict"] == "no difference shown" for c in pair["metrics"].values())
+        what = "; ".join(shown + ([f"no difference shown on {n_same} metric{'s' if n_same != 1 else ''}"]
+                                  if n_same else []))
+        out.append(f"{sides[0]} vs {sides[1]}: {what or 'not tested (no per-unit scores)'}")
+    return out
+
+
+MAX_HEADLINE = 6
+GROUP_ORDER = {"matched_utility": 0, "effect": 1, "audit": 2, "backend": 3}
+
+
+def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list[dict[str, Any]]:
+    """The first screen's findings: the differences that pass the statistical rules (Holm-adjusted
+    p < alpha on a test of the runs' units or seeds) and audits above the ledger, at most `limit`:
+    matched-utility comparisons first, then treatment effects, then matched epsilon; smallest
+    adjusted p first within each."""
+    passing = [s for s in sentences if s["verdict"] in ("less", "more")]
+    passing.sort(key=lambda s: (GROUP_ORDER.get(s["group"], 9), s.get("p_adjusted", 0.0)))
+    return [{"text": s.get("claim", s["text"]), "evidence": s.get("evidence") or s.get("test"),
+             "caveat": s.get("caveat"), "verdict": s["verdict"], "group": s["group"], "metric": s["metric"]}
+            for s in passing[:limit]]
+
+
 def generate(report: dict[str, Any]) -> dict[str, Any]:
-    """The findings section: {'sentences', 'caveats', 'correction', 'tests'}; adjusts the tests."""
+    """The findings section: {'sentences', 'headline', 'no_difference', 'caveats', 'correction',
+    'tests', 'alpha'}; adjusts the tests. `no_difference` holds one short line per comparison
+    that showed no difference."""
     family = adjust(report)
-    return {"sentences": backend_findings(report) + effect_findings(report) + audit_findings(report),
+    sentences = (utility_findings(report) + backend_findings(report) + effect_findings(report)
+                 + audit_findings(report))
+    return {"sentences": sentences, "headline": headline(sentences), "matched_pairs": pair_lines(report),
+            "no_difference": [s["short"] for s in sentences if s["verdict"] == "no difference shown"],
             "caveats": caveats(report), "correction": CORRECTION, "tests": family, "alpha": ALPHA}

@@ -1,4 +1,14 @@
-"""Plots for the report, drawn from report.json alone, returned as inline SVG strings."""
+"""Plots for the report, drawn from report.json alone, returned as inline SVG strings.
+
+Legibility rules every plot follows: log axes carry only major ticks with plain labels ("50",
+"100", "200"; never "2x10^0 3x10^0"), at most ``MAX_SERIES`` series per panel (small multiples
+otherwise), the Okabe-Ito colour-blind-safe palette, a unit on every axis, and no panel that would
+be flat at zero (the report says "none extracted" instead, see `plot_notes`).
+
+References:
+  Okabe, Ito. Color Universal Design (CUD): how to make figures and presentations that are
+  friendly to colorblind people. 2008.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +20,28 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
-plt.rcParams.update({"svg.hashsalt": "memaudit", "font.size": 9, "figure.dpi": 96})
+OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
+SERIES_COLOURS = {"centralized": "#0072B2", "federated": "#D55E00", "centralized + Goldfish": "#009E73",
+                  "federated + Goldfish": "#CC79A7"}
+MAX_SERIES = 6
+PANEL_W, PANEL_H = 3.6, 3.0
+
+plt.rcParams.update({"svg.hashsalt": "memaudit", "font.size": 9, "figure.dpi": 96,
+                     "axes.prop_cycle": matplotlib.cycler(color=OKABE_ITO)})
+
+TITLES = {"exposure_top": "Exposure of the most-repeated canaries", "mia_auc": "Membership inference",
+          "user_mia_auc": "User inference", "extraction_exact": "Exact extraction",
+          "pii_extraction": "PII extraction", "canary_completion": "Canary completion"}
+Y_UNITS = {"exposure_top": "excess exposure (bits)", "mia_auc": "MIA AUC (0.5 = chance)",
+           "user_mia_auc": "user-inference AUC (0.5 = chance)",
+           "extraction_exact": "exact extraction (fraction of documents)",
+           "pii_extraction": "PII extraction (fraction of PII items)",
+           "canary_completion": "canary completion (fraction of canaries)"}
 
 
+# ----------------------------------------------------------------------------- helpers
 def _svg(fig) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
@@ -28,89 +56,242 @@ def _svg(fig) -> str:
     return text
 
 
-def _eps_x(eps: float | None, finite: list[float]) -> float:
+def _plain(v: float, _pos=None) -> str:
+    """A tick label as a plain number: 0.001, 0.5, 20, 1,000."""
+    if v >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.4g}"
+
+
+def nice_log_ticks(lo: float, hi: float, max_ticks: int = 6) -> list[float]:
+    """Major ticks for a log axis over [lo, hi]: the densest of 10^k, {1,3}, {1,2,5} x 10^k that
+    gives at most `max_ticks`, thinned to every n-th decade over many decades; at least two ticks.
+
+    >>> nice_log_ticks(60, 800)
+    [100.0, 200.0, 500.0]
+    >>> nice_log_ticks(1e-4, 1)
+    [0.0001, 0.001, 0.01, 0.1, 1.0]
+    """
+    if not (lo > 0 and hi >= lo):
+        raise ValueError(f"log axis range [{lo}, {hi}] must be positive")
+    k0, k1 = math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1
+    best: list[float] = []
+    for subs in ((1,), (1, 3), (1, 2, 5), (1, 2, 3, 5, 7), tuple(range(1, 10))):
+        t = [float(f"{m * 10.0 ** k:.6g}") for k in range(k0, k1 + 1) for m in subs]
+        t = [x for x in t if lo * (1 - 1e-9) <= x <= hi * (1 + 1e-9)]
+        if len(t) > max_ticks:
+            if not best:  # many decades: every n-th power of ten
+                step = math.ceil(len(t) / max_ticks)
+                best = t[::step]
+            break
+        best = t
+        if len(t) >= 3:
+            break
+    if len(best) < 2:  # narrower than one step of the finest grid: the ends, rounded
+        best = sorted({float(f"{lo:.2g}"), float(f"{hi:.2g}")})
+    return best
+
+
+def log_axis(ax, which: str, lo: float, hi: float, pad: float = 1.15) -> None:
+    """A readable log axis over [lo, hi] (padded): plain major labels, unlabelled minor ticks."""
+    lo, hi = lo / pad, hi * pad
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    (ax.set_xlim if which == "x" else ax.set_ylim)(lo, hi)
+    axis.set_major_locator(ticker.FixedLocator(nice_log_ticks(lo, hi)))
+    axis.set_major_formatter(ticker.FuncFormatter(_plain))
+    axis.set_minor_locator(ticker.LogLocator(base=10, subs="auto"))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _fixed_ticks(ax, which: str, values: list[float]) -> None:
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_locator(ticker.FixedLocator(sorted(set(values))))
+    axis.set_major_formatter(ticker.FuncFormatter(_plain))
+    axis.set_minor_locator(ticker.NullLocator())
+
+
+def _chunks(items: list, size: int = MAX_SERIES) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+
+
+def _panels(n: int, cols: int = 3):
+    rows = math.ceil(n / cols)
+    c = min(n, cols)
+    fig, axes = plt.subplots(rows, c, figsize=(PANEL_W * c, PANEL_H * rows), squeeze=False)
+    flat = [a for row in axes for a in row]
+    for a in flat[n:]:
+        a.set_visible(False)
+    return fig, flat[:n]
+
+
+def _eps_label(eps: float | None) -> str:
     if eps is None or math.isinf(eps):
-        return (max(finite) * 4) if finite else 1.0
-    return eps
+        return "no DP"
+    return "base" if eps == 0 else f"ε={eps:.3g}"
 
 
-def exposure_vs_repetitions(report: dict[str, Any]) -> str | None:
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    drawn = False
+def _backend_label(run: dict[str, Any]) -> str:
+    return ("centralized" if run["backend"] == "parallel" else "federated") + (
+        " + Goldfish" if run["mitigation"]["goldfish"] else "")
+
+
+def _real_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in report["runs"] if r.get("role") != "public-base"]
+
+
+# ----------------------------------------------------------------------------- figures
+def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None, pairs: list[dict]) -> None:
+    """One metric's frontier: a series per backend, epsilon on each point, the base as the origin,
+    and each matched-utility pair joined by a grey bar (the only pairs that are compared)."""
+    xs_all = []
+    where: dict[str, tuple[float, float]] = {}
+    for i, s in enumerate(m["series"][:MAX_SERIES]):
+        pts = [p for p in s["points"] if p["perplexity"] is not None and p["value"] is not None]
+        colour = SERIES_COLOURS.get(s["label"])
+        line = ([base] if base and base.get("value") is not None else []) + pts
+        ax.plot([p["perplexity"] for p in line], [p["value"] for p in line], ls=":", lw=0.9,
+                color=colour, alpha=0.7)  # a visual guide only, never read as data
+        lo = [p["value"] - (p["ci_low"] if p["ci_low"] is not None else p["value"]) for p in pts]
+        hi = [(p["ci_high"] if p["ci_high"] is not None else p["value"]) - p["value"] for p in pts]
+        ax.errorbar([p["perplexity"] for p in pts], [p["value"] for p in pts], yerr=[lo, hi],
+                    fmt="o", capsize=2, color=colour, label=s["label"])
+        for j, p in enumerate(pts):  # alternate sides so labels of nearby points do not collide
+            dy = (4 if (i + j) % 2 == 0 else -10)
+            ax.annotate(_eps_label(p["epsilon"]), (p["perplexity"], p["value"]), fontsize=7,
+                        xytext=(5 if i % 2 == 0 else -5, dy), textcoords="offset points", color=colour,
+                        ha="left" if i % 2 == 0 else "right")
+            where[p["run"]] = (p["perplexity"], p["value"])
+        xs_all += [p["perplexity"] for p in pts]
+    for k, pair in enumerate(pairs):
+        a, b = (where.get(r) for r in pair["runs"])
+        if a and b:
+            ax.plot([a[0], b[0]], [a[1], b[1]], "-", color="#999999", lw=3, alpha=0.5, zorder=0,
+                    label="matched-utility pair" if k == 0 else None)
+    if base and base.get("value") is not None:
+        ax.plot([base["perplexity"]], [base["value"]], "*", ms=10, color="#000000", label="public base")
+        xs_all.append(base["perplexity"])
+    log_axis(ax, "x", min(xs_all), max(xs_all))
+    ax.set_xlabel("holdout perplexity (per token, log scale)")
+    ax.set_ylabel(Y_UNITS.get(key, m["label"]))
+    ax.set_title(TITLES.get(key, key), fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def frontier_figure(report: dict[str, Any]):
+    """Small multiples, one per headline metric with a non-zero value: leakage against holdout
+    perplexity, one series per backend, epsilon on each point, the public base as the origin."""
+    fr = report.get("comparisons", {}).get("frontier") or {}
+    metrics = {k: m for k, m in (fr.get("metrics") or {}).items() if not m["all_zero"]}
+    if not metrics:
+        return None
+    origin = fr.get("origin") or {}
+    pairs = (report.get("comparisons", {}).get("matched_utility") or {}).get("pairs") or []
+    keys = list(metrics)[:6]
+    fig, axes = _panels(len(keys))
+    for ax, key in zip(axes, keys, strict=True):
+        _frontier_panel(ax, key, metrics[key], origin.get("leakage", {}).get(key), pairs)
+    fig.suptitle("Privacy-utility-leakage frontier (dotted lines: visual guide only)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def exposure_figure(report: dict[str, Any]):
+    """Exposure per repetition bucket: one panel per (backend, canary owner kind), one series per
+    run (its epsilon), at most MAX_SERIES per panel."""
+    panels: dict[str, list] = {}
     for run in report["runs"]:
         by = (run.get("probes_summary") or {}).get("exposure_by_repetition") or {}
         for owner, rows in by.items():
-            if not rows:
-                continue
-            xs = [r["repetitions"] for r in rows]
-            ys = [r["value"] for r in rows]
-            # no error bar where n is too small for an interval (the table says "n too small")
+            if rows:
+                name = "public base" if run.get("role") == "public-base" else _backend_label(run)
+                panels.setdefault(f"{name}, canary {'of one user' if owner == 'user' else 'spread over users'}",
+                                  []).append((run, rows))
+    if not panels:
+        return None
+    flat = []
+    for title, series in panels.items():
+        parts = _chunks(series)
+        flat += [(title + (f" ({i + 1}/{len(parts)})" if len(parts) > 1 else ""), part)
+                 for i, part in enumerate(parts)]
+    fig, axes = _panels(len(flat))
+    for ax, (title, series) in zip(axes, flat, strict=True):
+        reps = []
+        for run, rows in series:
+            xs, ys = [r["repetitions"] for r in rows], [r["value"] for r in rows]
             lo = [r["value"] - (r["value"] if r.get("ci_low") is None else r["ci_low"]) for r in rows]
             hi = [(r["value"] if r.get("ci_high") is None else r["ci_high"]) - r["value"] for r in rows]
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=f"{run['id']} ({owner})")
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("repetitions in training")
-    ax.set_ylabel("exposure (bits)")
-    ax.set_title("Canary exposure vs repetitions")
-    ax.legend(fontsize=7)
-    return _svg(fig)
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=_eps_label(run["privacy"]["epsilon"])
+                        if run.get("role") != "public-base" else "public base")
+            reps += xs
+        ax.set_xscale("log", base=2)
+        _fixed_ticks(ax, "x", [r for r in reps if r > 0])
+        ax.set_xlabel("repetitions in training (log scale)")
+        ax.set_ylabel("exposure (bits)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
-def extraction_vs_repetition(report: dict[str, Any]) -> str | None:
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    drawn = False
-    for run in report["runs"]:
+def extraction_figure(report: dict[str, Any]):
+    """Exact extraction against repetitions, one panel per backend; None when nothing was extracted."""
+    panels: dict[str, list] = {}
+    for run in _real_runs(report):
         rows = (run.get("probes_summary") or {}).get("extraction_by_repeats") or []
-        by_k: dict[int, list[dict]] = {}
-        for r in rows:
-            by_k.setdefault(r["prefix_len"], []).append(r)
-        for k, rs in sorted(by_k.items()):
-            rs = sorted(rs, key=lambda r: r["repeats"])
-            ax.plot([r["repeats"] for r in rs], [r["value"] for r in rs], marker="o", label=f"{run['id']} k={k}")
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("times the text was repeated in training")
-    ax.set_ylabel("exact extraction rate")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Discoverable extraction vs repetition and prefix length")
-    ax.legend(fontsize=7)
-    return _svg(fig)
+        if rows:
+            panels.setdefault(_backend_label(run), []).append((run, rows))
+    if not any(r["value"] for s in panels.values() for _run, rows in s for r in rows):
+        return None  # flat at zero: plot_notes says "none extracted"
+    flat = [(t, part) for t, series in panels.items() for part in _chunks(series, MAX_SERIES // 2)]
+    fig, axes = _panels(len(flat))
+    for ax, (title, series) in zip(axes, flat, strict=True):
+        reps = []
+        for run, rows in series:
+            k = min(r["prefix_len"] for r in rows)
+            rs = sorted((r for r in rows if r["prefix_len"] == k), key=lambda r: r["repeats"])
+            ax.plot([r["repeats"] for r in rs], [r["value"] for r in rs], marker="o",
+                    label=f"{_eps_label(run['privacy']['epsilon'])}, prefix {k} tokens")
+            reps += [r["repeats"] for r in rs]
+        ax.set_xscale("log", base=2)
+        _fixed_ticks(ax, "x", [r for r in reps if r > 0])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("times the text was repeated (log scale)")
+        ax.set_ylabel("exact extraction (fraction of documents)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
-def roc_curves(report: dict[str, Any], key: str, title: str) -> str | None:
-    fig, ax = plt.subplots(figsize=(4.6, 4.0))
-    drawn = False
+def roc_figure(report: dict[str, Any], key: str, title: str):
+    panels: dict[str, list] = {}
     for run in report["runs"]:
         roc = (run.get("probes_summary") or {}).get(key)
-        if not roc or not roc.get("fpr"):
-            continue
-        fpr = [max(f, 1e-5) for f in roc["fpr"]]
-        tpr = [max(t, 1e-5) for t in roc["tpr"]]
-        ax.plot(fpr, tpr, label=f"{run['id']} (AUC {roc.get('auc', float('nan')):.2f})")
-        drawn = True
-    if not drawn:
-        plt.close(fig)
+        if roc and roc.get("fpr"):
+            name = "public base" if run.get("role") == "public-base" else _backend_label(run)
+            panels.setdefault(name, []).append((run, roc))
+    if not panels:
         return None
-    ax.plot([1e-5, 1], [1e-5, 1], "k:", lw=0.8, label="chance")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(1e-4, 1)
-    ax.set_ylim(1e-4, 1.05)
-    ax.set_xlabel("false positive rate")
-    ax.set_ylabel("true positive rate")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    return _svg(fig)
+    flat = [(t, part) for t, series in panels.items() for part in _chunks(series, MAX_SERIES - 1)]
+    fig, axes = _panels(len(flat))
+    for ax, (name, series) in zip(axes, flat, strict=True):
+        for run, roc in series:
+            auc = roc.get("auc")
+            ax.plot([max(f, 1e-5) for f in roc["fpr"]], [max(t, 1e-5) for t in roc["tpr"]],
+                    label=f"{_eps_label(run['privacy']['epsilon'])} (AUC {auc if auc is not None else float('nan'):.2f})")
+        ax.plot([1e-5, 1], [1e-5, 1], "k:", lw=0.8, label="chance")
+        log_axis(ax, "x", 1e-4, 1, pad=1.0)
+        log_axis(ax, "y", 1e-4, 1, pad=1.0)
+        ax.set_xlabel("false positive rate (log scale)")
+        ax.set_ylabel("true positive rate (log scale)")
+        ax.set_title(f"{title}: {name}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
-def audit_vs_theory(report: dict[str, Any]) -> str | None:
+def audit_figure(report: dict[str, Any]):
     pts = []
     for run in report["runs"]:
         a = (run.get("leakage") or {}).get("audit_epsilon")
@@ -118,54 +299,81 @@ def audit_vs_theory(report: dict[str, Any]) -> str | None:
             pts.append((run["privacy"].get("epsilon"), a["value"], a.get("ceiling"), run["id"]))
     if not pts:
         return None
-    finite = [p[0] for p in pts if p[0] is not None and not math.isinf(p[0])]
+    finite = [p[0] for p in pts if p[0] is not None and math.isfinite(p[0])]
+    right = max(finite) * 2 if finite else 1.0
     fig, ax = plt.subplots(figsize=(4.6, 3.6))
-    for eps, lb, ceil, rid in pts:
-        x = _eps_x(eps, finite)
+    for eps, lb, ceil, rid in pts[:MAX_SERIES]:
+        x = eps if eps is not None and math.isfinite(eps) else right
         ax.scatter([x], [lb], label=rid)
         if ceil is not None:
-            ax.plot([x * 0.9, x * 1.1], [ceil, ceil], "r-", lw=1)
+            ax.plot([x * 0.9, x * 1.1], [ceil, ceil], "-", color="#D55E00", lw=1)
     top = max(finite + [p[1] for p in pts] + [1.0])
-    ax.plot([0, top], [0, top], "k:", lw=0.8, label="lower bound = theory")
-    ax.set_xlabel("theoretical epsilon (inf drawn at right)")
+    ax.plot([0, top], [0, top], "k:", lw=0.8, label="lower bound = ledger")
+    ax.set_xlabel("ledger epsilon (no DP drawn at right)")
     ax.set_ylabel("empirical epsilon lower bound")
-    ax.set_title("One-run audit vs ledger (red: audit ceiling)")
+    ax.set_title("One-run audit vs ledger (orange: audit ceiling)", fontsize=9)
     ax.legend(fontsize=7)
-    return _svg(fig)
+    return fig
 
 
-def tradeoff_curves(report: dict[str, Any]) -> str | None:
+def utility_figure(report: dict[str, Any]):
+    """Holdout perplexity against epsilon per backend (no DP drawn at the right)."""
     curves = report.get("comparisons", {}).get("curves") or []
     if not curves:
         return None
-    finite = [p["epsilon"] for c in curves for p in c["points"] if p["epsilon"] is not None and not math.isinf(p["epsilon"])]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for c in curves:
-        pts = sorted(c["points"], key=lambda p: _eps_x(p["epsilon"], finite))
-        xs = [_eps_x(p["epsilon"], finite) for p in pts]
-        a1.errorbar(xs, [p["perplexity"]["mean"] for p in pts], yerr=[p["perplexity"]["std"] for p in pts],
-                    marker="o", capsize=2, label=c["label"])
-        a2.errorbar(xs, [p["leakage"]["mean"] for p in pts], yerr=[p["leakage"]["std"] for p in pts],
-                    marker="o", capsize=2, label=c["label"])
-    for ax in (a1, a2):
-        if finite:
-            ax.set_xscale("log")
-        ax.set_xlabel("epsilon (no DP drawn at right)")
-        ax.legend(fontsize=7)
-    a1.set_ylabel("holdout perplexity")
-    a2.set_ylabel(curves[0].get("leakage_label", "leakage"))
-    a1.set_title("Utility")
-    a2.set_title("Measured leakage")
-    return _svg(fig)
+    finite = [p["epsilon"] for c in curves for p in c["points"] if math.isfinite(p["epsilon"])]
+    right = max(finite) * 4 if finite else 1.0
+    fig, ax = plt.subplots(figsize=(4.6, 3.4))
+    ys = []
+    for c in curves[:MAX_SERIES]:
+        pts = sorted(c["points"], key=lambda p: p["epsilon"])
+        xs = [p["epsilon"] if math.isfinite(p["epsilon"]) else right for p in pts]
+        y = [p["perplexity"]["mean"] for p in pts]
+        ax.errorbar(xs, y, yerr=[p["perplexity"]["std"] for p in pts], marker="o", capsize=2,
+                    label=c["label"], color=SERIES_COLOURS.get(c["label"]))
+        ys += [v for v in y if v and v > 0]
+    if finite:
+        ax.set_xscale("log")
+        _fixed_ticks(ax, "x", finite + [right])
+        ax.set_xticklabels([_plain(v) for v in sorted(set(finite))] + ["no DP"])
+    if ys:
+        log_axis(ax, "y", min(ys), max(ys))
+    ax.set_xlabel("target epsilon (per example or per user)")
+    ax.set_ylabel("holdout perplexity (per token, log scale)")
+    ax.set_title("Utility vs privacy level", fontsize=9)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def all_figures(report: dict[str, Any]) -> dict[str, Any]:
+    figs = {
+        "frontier": frontier_figure(report),
+        "utility": utility_figure(report),
+        "exposure": exposure_figure(report),
+        "extraction": extraction_figure(report),
+        "membership_roc": roc_figure(report, "membership_roc", "Membership inference ROC"),
+        "user_roc": roc_figure(report, "user_roc", "User inference ROC"),
+        "audit": audit_figure(report),
+    }
+    return {k: v for k, v in figs.items() if v is not None}
 
 
 def all_plots(report: dict[str, Any]) -> dict[str, str]:
-    plots = {
-        "tradeoff": tradeoff_curves(report),
-        "exposure": exposure_vs_repetitions(report),
-        "extraction": extraction_vs_repetition(report),
-        "membership_roc": roc_curves(report, "membership_roc", "Membership inference ROC (log-log)"),
-        "user_roc": roc_curves(report, "user_roc", "User inference ROC (log-log)"),
-        "audit": audit_vs_theory(report),
-    }
-    return {k: v for k, v in plots.items() if v}
+    return {k: _svg(fig) for k, fig in all_figures(report).items()}
+
+
+def plot_notes(report: dict[str, Any]) -> list[str]:
+    """What the plots leave out and why: metrics that are 0 in every run ("none extracted")."""
+    from memaudit.reports.findings import SHORT
+
+    fr = report.get("comparisons", {}).get("frontier") or {}
+    zero = [(SHORT.get(k, k), m["n_points"]) for k, m in (fr.get("metrics") or {}).items() if m["all_zero"]]
+    notes = []
+    if zero:
+        notes.append(f"None extracted, so not drawn: {', '.join(z[0] for z in zero)} "
+                     f"(0 in every run measured, {max(z[1] for z in zero)} runs).")
+    runs = _real_runs(report)
+    rows = [r for run in runs for r in (run.get("probes_summary") or {}).get("extraction_by_repeats") or []]
+    if rows and not any(r["value"] for r in rows) and "extraction_exact" not in (fr.get("metrics") or {}):
+        notes.append("exact extraction: none extracted in any repetition bucket")
+    return notes

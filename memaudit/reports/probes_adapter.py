@@ -107,8 +107,11 @@ def _exposure(p: dict, out: dict) -> None:
     s = p["summary"]
     reps = sorted(s.get("by_repetitions", {}), key=int)
     if reps:
-        top = s["by_repetitions"][reps[-1]].get("all")
-        out["leakage"]["exposure_top"] = _stat(top, repetitions=int(reps[-1]), max_exposure=s.get("max_exposure"))
+        b = s["by_repetitions"][reps[-1]]
+        # the excess over the run's references: the quantity the tests between runs compare
+        top = b.get("excess") or b.get("all")
+        out["leakage"]["exposure_top"] = _stat(top, repetitions=int(reps[-1]), max_exposure=s.get("max_exposure"),
+                                               excess=b.get("excess") is not None)
     by_owner: dict[str, list] = {}
     for r in reps:
         for owner in ("user", "spread"):

@@ -13,8 +13,8 @@ from typing import Any
 
 import jinja2
 
-from memaudit.reports.findings import METRICS
-from memaudit.reports.plots import all_plots
+from memaudit.reports.findings import METRICS, SHORT
+from memaudit.reports.plots import all_plots, plot_notes
 
 _TEMPLATES = Path(__file__).parent / "templates"
 
@@ -80,23 +80,28 @@ def _env(autoescape: bool) -> jinja2.Environment:
 
 
 def _labels() -> list[tuple[str, str]]:
-    short = {
-        "exposure_top": "excess exposure, top reps (bits)",
-        "extraction_exact": "exact extraction",
-        "canary_completion": "canary completion",
-        "mia_auc": "MIA AUC",
-        "user_mia_auc": "user-inference AUC",
-        "pii_extraction": "PII extraction",
-        "audit_epsilon": "audit epsilon LB",
-    }
-    return [(k, short[k]) for k in METRICS]
+    return [(k, SHORT[k] + (" (bits)" if k == "exposure_top" else "")) for k in METRICS]
+
+
+def _group_context(report: dict[str, Any]) -> dict[str, Any]:
+    """The group-privacy table's rows (repetitions, owner kind) and a cell lookup per run."""
+    keys = sorted({(g["repetitions"], g["owner_kind"]) for run in report["runs"]
+                   for g in run.get("group_privacy") or []})
+
+    def group_cell(run: dict[str, Any], key: tuple[int, str]) -> dict[str, Any] | None:
+        return next((g for g in run.get("group_privacy") or []
+                     if (g["repetitions"], g["owner_kind"]) == tuple(key)), None)
+
+    return {"has_group": bool(keys), "group_keys": keys, "group_cell": group_cell}
 
 
 def render_html(report: dict[str, Any]) -> str:
     return _env(True).get_template("report.html.j2").render(
-        r=report, plots=all_plots(report), metric_labels=_labels()
+        r=report, plots=all_plots(report), plot_notes=plot_notes(report), metric_labels=_labels(),
+        **_group_context(report),
     )
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    return _env(False).get_template("report.md.j2").render(r=report, metric_labels=_labels())
+    return _env(False).get_template("report.md.j2").render(
+        r=report, plot_notes=plot_notes(report), metric_labels=_labels(), **_group_context(report))

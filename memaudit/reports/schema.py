@@ -31,7 +31,14 @@ REPORT_SCHEMA: dict[str, Any] = {
                              "data", "mitigation", "noise_per_round", "samples", "probes_summary"],
                 "properties": {
                     "id": {"type": "string"},
+                    "role": {"type": ["string", "null"]},
                     "backend": {"enum": ["parallel", "federated"]},
+                    "group_privacy": {
+                        "type": "array",
+                        "items": {"type": "object",
+                                  "required": ["repetitions", "owner_kind", "canaries", "owners",
+                                               "effective_epsilon", "rule"]},
+                    },
                     "privacy": {
                         "type": "object",
                         "required": ["mechanism", "epsilon", "unit", "per_user_text", "description"],
@@ -53,17 +60,27 @@ REPORT_SCHEMA: dict[str, Any] = {
         },
         "comparisons": {
             "type": "object",
-            "required": ["matched", "effects", "curves"],
+            "required": ["matched", "effects", "curves", "matched_utility", "frontier"],
             "properties": {
                 "matched": {"type": "array"},
                 "effects": {"type": "array"},
                 "curves": {"type": "array"},
+                "matched_utility": {
+                    "type": "object",
+                    "required": ["tolerance", "status", "message", "pairs"],
+                    "properties": {"status": {"enum": ["pairs", "no pair", "disjoint", "no runs"]},
+                                   "pairs": {"type": "array"}},
+                },
+                "frontier": {"type": "object", "required": ["origin", "metrics"]},
             },
         },
         "findings": {
             "type": "object",
-            "required": ["sentences", "caveats"],
+            "required": ["sentences", "caveats", "headline", "no_difference"],
             "properties": {
+                "headline": {"type": "array", "maxItems": 6,
+                             "items": {"type": "object", "required": ["text", "evidence", "verdict"]}},
+                "no_difference": {"type": "array", "items": {"type": "string"}},
                 "sentences": {
                     "type": "array",
                     "items": {

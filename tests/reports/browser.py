@@ -19,7 +19,12 @@ def chromium_path() -> str | None:
     return shutil.which("chromium")
 
 
-def check_report(html_path: Path, screenshot: Path) -> dict[str, Any]:
+FIRST_SCREEN = {"width": 1280, "height": 800}
+
+
+def check_report(html_path: Path, screenshot: Path, first_screen: Path | None = None) -> dict[str, Any]:
+    """Open the report; save a full-page screenshot (and the first screen's, 1280 x 800, when
+    `first_screen` is given); return what the page did and where its answer sits."""
     from playwright.sync_api import sync_playwright
 
     url = html_path.resolve().as_uri()
@@ -27,7 +32,7 @@ def check_report(html_path: Path, screenshot: Path) -> dict[str, Any]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
         try:
-            page = browser.new_page()
+            page = browser.new_page(viewport=FIRST_SCREEN)
             page.on("request", lambda r: seen["requests"].append(r.url))
             page.on("console", lambda m: seen["console_errors"].append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: seen["page_errors"].append(str(e)))
@@ -43,6 +48,12 @@ def check_report(html_path: Path, screenshot: Path) -> dict[str, Any]:
             seen["plot_ids"] = page.eval_on_selector_all("div.plot", "els => els.map(e => e.dataset.plot)")
             seen["sample_texts"] = page.eval_on_selector_all("div.sample", "els => els.map(e => e.textContent)")
             seen["img_elements"] = page.eval_on_selector_all("img", "els => els.length")
+            seen["answer_top"] = page.evaluate(
+                "() => { const e = document.querySelector('#plot-frontier');"
+                " return e ? e.getBoundingClientRect().top : null; }")
+            seen["first_screen_text"] = page.evaluate("() => document.querySelector('#answer')?.innerText || ''")
+            if first_screen is not None:
+                page.screenshot(path=str(first_screen), full_page=False)
             page.screenshot(path=str(screenshot), full_page=True)
         finally:
             browser.close()

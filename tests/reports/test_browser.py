@@ -1,7 +1,10 @@
-"""The report in a real headless browser: plots drawn, no console errors, no network, no dialog."""
+"""The report in a real headless browser: plots drawn, no console errors, no network, no dialog;
+and the first screen (1280 x 800) holds the answer: the frontier and the matched-utility line."""
 
+from memaudit.reports.build import build_report
 from memaudit.reports.write import write_report
-from tests.reports.browser import check_report, chromium_path
+from tests.reports._fixtures import write_run_dir
+from tests.reports.browser import FIRST_SCREEN, check_report, chromium_path
 from tests.reports.test_render import XSS, make_report
 
 
@@ -17,3 +20,24 @@ def test_report_in_headless_chromium(tmp_path):
     assert seen["img_elements"] == 0  # the onerror payload stayed text
     assert set(XSS) <= set(seen["sample_texts"])
     assert (tmp_path / "report.png").stat().st_size > 1000
+
+
+def test_first_screen_answers_the_question(tmp_path, request):
+    """A sweep-shaped report (public base, both backends with and without DP): the first screen
+    shows the matched-utility line and the frontier plot; its screenshot is kept for review in
+    .pytest_cache/d/memaudit/report_first_screen.png (pytest's cache folder, not committed)."""
+    sweep = tmp_path / "sweep"
+    write_run_dir(sweep / "base", "parallel", ppl=400, role="public-base")
+    write_run_dir(sweep / "par-inf", "parallel", ppl=50, exposure_shift=0.5, mia_shift=1.0)
+    write_run_dir(sweep / "par-eps2", "parallel", ppl=90, dp=(1.0, 400, 16, 50))
+    write_run_dir(sweep / "fed-inf", "federated", ppl=95, exposure_shift=0.3, mia_shift=0.3)
+    write_run_dir(sweep / "fed-eps6", "federated", ppl=150, dp=(1.0, 51, 8, 30))
+    paths = write_report(build_report([sweep]), tmp_path / "report")
+    shot = request.config.cache.mkdir("memaudit") / "report_first_screen.png"
+    seen = check_report(paths["html"], tmp_path / "full.png", first_screen=shot)
+    assert seen["console_errors"] == [] and seen["page_errors"] == [] and seen["external_requests"] == []
+    assert "frontier" in seen["plot_ids"]
+    assert seen["answer_top"] is not None and seen["answer_top"] < FIRST_SCREEN["height"]
+    assert "At matched utility" in seen["first_screen_text"]
+    assert "Findings that pass the statistical rules" in seen["first_screen_text"]
+    assert shot.stat().st_size > 1000

@@ -79,3 +79,21 @@ def test_privacy_description_states_both_views_from_the_ledger(tmp_path, reprodu
     assert priv["assumes_hidden"]  # amplification assumes the sample is hidden
     assert _server_view(priv).startswith("no DP guarantee")
     assert priv["void_if_seed_known"] is reproducible
+
+
+def test_report_without_utilities_renders_without_a_frontier(tmp_path):
+    """Runs that recorded no holdout perplexity (e.g. a foreign Hugging Face model): no frontier
+    plot, a line saying why, and no matched-utility verdict."""
+    runs = [
+        run("par-inf", "parallel", float("inf"), mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
+        run("fed-inf", "federated", float("inf"), mia=cell(0.6, 0.02), units={"mia_auc": auc_units(0.3, seed=1)}),
+    ]
+    for r in runs:
+        r["utility"]["holdout_perplexity"] = None
+    rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
+    rep["findings"] = findings.generate(rep)
+    paths = write_report(rep, tmp_path)
+    html = paths["html"].read_text()
+    assert "No frontier" in html and 'data-plot="frontier"' not in html
+    assert rep["comparisons"]["matched_utility"]["status"] == "no runs"
+    assert "no matched-utility comparison" in paths["md"].read_text()

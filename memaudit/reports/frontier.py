@@ -1,0 +1,171 @@
+"""Privacy-utility-leakage frontiers and the centralized-vs-federated comparison at matched utility.
+
+Every run is one point: its utility (holdout perplexity) and, per headline metric, its leakage.
+Each backend's points, ordered by epsilon, form its frontier; the public base model (run.json
+``"role": "public-base"``), when present, is the origin every fine-tune starts from. Equal
+nominal epsilons are not equal guarantees (one sequence vs one user) and equal epsilons rarely
+give equal utility, so the backends are compared between *real runs* whose utilities lie within
+a stated tolerance, ``|log(ppl_a / ppl_b)| <= tolerance``. Lines between points are only a visual
+guide; no verdict is read off an interpolation. Where no pair is within the tolerance the report
+says so and gives no verdict (Thakkar et al. 2020 compare both settings at a given utility).
+
+References:
+  Thakkar, Ramaswamy, Mathews, Beaufays. Understanding unintended memorization in federated
+  learning. 2020.
+  Li, Tramer, Liang, Hashimoto. Large language models can be strong differentially private
+  learners. ICLR 2022.
+
+>>> log_ratio(100.0, 110.0) < 0.1
+True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DEFAULT_TOLERANCE = 0.1
+"""Default |log ppl ratio| for a matched-utility pair (about 10% in perplexity)."""
+
+FRONTIER_METRICS = ("exposure_top", "mia_auc", "user_mia_auc", "extraction_exact", "pii_extraction",
+                    "canary_completion")
+"""Headline metrics drawn on the frontier, in order of preference."""
+
+PUBLIC_BASE = "public-base"
+
+
+def log_ratio(a: float, b: float) -> float:
+    """|log(a / b)|: the utility distance of two runs' perplexities."""
+    return abs(math.log(a) - math.log(b))
+
+
+def check_tolerance(tolerance: float) -> float:
+    """The tolerance itself, or a one-line ValueError naming it and the fix."""
+    if not (tolerance > 0 and math.isfinite(tolerance)):
+        raise ValueError(f"utility tolerance {tolerance} must be a positive |log perplexity ratio|, e.g. 0.1")
+    return tolerance
+
+
+def _ppl(run: dict[str, Any]) -> float | None:
+    p = (run.get("utility") or {}).get("holdout_perplexity")
+    return float(p) if p is not None and math.isfinite(p) and p > 0 else None
+
+
+def is_base(run: dict[str, Any]) -> bool:
+    return run.get("role") == PUBLIC_BASE
+
+
+def series_label(run: dict[str, Any]) -> str:
+    lbl = "centralized" if run["backend"] == "parallel" else "federated"
+    return lbl + (" + Goldfish" if run["mitigation"]["goldfish"] else "")
+
+
+def _point(run: dict[str, Any], key: str) -> dict[str, Any]:
+    c = run["leakage"].get(key) or {}
+    return {"run": run["id"], "epsilon": run["privacy"]["epsilon"], "unit": run["privacy"]["unit"],
+            "perplexity": _ppl(run), "value": c.get("value"), "ci_low": c.get("ci_low"),
+            "ci_high": c.get("ci_high"), "n": c.get("n"), "n_unit": c.get("unit"), "note": c.get("note")}
+
+
+def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """{'origin': base point or None, 'metrics': {key: {'series': [...], 'all_zero', 'n_points'}}}.
+
+    A metric appears when at least one real run measured it; `all_zero` marks a metric that is 0
+    in every run (plots say "none extracted" instead of a flat panel).
+    """
+    from memaudit.reports.findings import METRICS
+
+    real = [r for r in runs if not r["audit"] and not is_base(r) and _ppl(r) is not None]
+    base = next((r for r in runs if is_base(r) and _ppl(r) is not None), None)
+    out: dict[str, Any] = {"utility": "holdout perplexity", "origin": None, "metrics": {}}
+    if base is not None:
+        out["origin"] = {"run": base["id"], "perplexity": _ppl(base),
+                         "leakage": {k: _point(base, k) for k in FRONTIER_METRICS if base["leakage"].get(k)}}
+    for key in FRONTIER_METRICS:
+        with_value = [r for r in real if (r["leakage"].get(key) or {}).get("value") is not None]
+        if not with_value:
+            continue
+        labels = sorted({series_label(r) for r in with_value})
+        series = []
+        for lbl in labels:
+            pts = [_point(r, key) for r in with_value if series_label(r) == lbl]
+            pts.sort(key=lambda p: (p["epsilon"], p["run"]))  # from the strongest guarantee to no DP
+            series.append({"label": lbl, "points": pts})
+        out["metrics"][key] = {
+            "label": METRICS[key][0], "unit": METRICS[key][1], "series": series,
+            "n_points": len(with_value),
+            "all_zero": all(r["leakage"][key]["value"] == 0 for r in with_value),
+        }
+    return out
+
+
+def _pairs(par: list[dict], fed: list[dict], tol: float) -> list[tuple[float, dict, dict]]:
+    """One-to-one pairs within `tol`, closest first (greedy on the utility distance)."""
+    cand = sorted(((log_ratio(_ppl(a), _ppl(b)), a["id"], b["id"], a, b) for a in par for b in fed),
+                  key=lambda t: t[:3])
+    used: set[str] = set()
+    out = []
+    for d, ia, ib, a, b in cand:
+        if d <= tol and ia not in used and ib not in used:
+            used |= {ia, ib}
+            out.append((d, a, b))
+    return out
+
+
+def _range_text(rs: list[dict]) -> str:
+    ps = sorted(_ppl(r) for r in rs)
+    return f"{ps[0]:.4g}" if len(ps) == 1 else f"{ps[0]:.4g}-{ps[-1]:.4g}"
+
+
+def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+    """Centralized vs federated between real runs whose perplexities lie within `tolerance`.
+
+    Returns {'tolerance', 'status', 'message', 'pairs', 'closest'}: status 'pairs' (each pair with
+    a two-sided test per metric, adjusted with every other test of the report), 'no pair' (the
+    utility ranges overlap but no two runs are within the tolerance), 'disjoint' (the ranges lie
+    further apart than the tolerance) or 'no runs' (a backend has no run with a utility).
+    """
+    from memaudit.reports.build import _pool, _test
+    from memaudit.reports.findings import METRICS, TESTABLE
+
+    check_tolerance(tolerance)
+    real = [r for r in runs if not r["audit"] and not is_base(r) and not r["mitigation"]["goldfish"]
+            and _ppl(r) is not None]
+    par = [r for r in real if r["backend"] == "parallel"]
+    fed = [r for r in real if r["backend"] == "federated"]
+    out: dict[str, Any] = {"tolerance": tolerance, "pairs": [], "closest": None}
+    if not par or not fed:
+        missing = "centralized" if not par else "federated"
+        return {**out, "status": "no runs",
+                "message": f"no {missing} run with a holdout perplexity; no matched-utility comparison"}
+    d, a, b = min(((log_ratio(_ppl(a), _ppl(b)), a, b) for a in par for b in fed), key=lambda t: t[0])
+    out["closest"] = {"runs": [a["id"], b["id"]], "log_ratio": d, "perplexity": [_ppl(a), _ppl(b)]}
+    metrics = [k for k in METRICS if TESTABLE.get(k, True)]
+    for dist, a, b in _pairs(par, fed, tolerance):
+        cells = {}
+        for key in metrics:
+            pa, pf = _pool([a["leakage"].get(key)]), _pool([b["leakage"].get(key)])
+            if pa and pf:
+                cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
+                              "test": _test([b], [a], key, "two-sided")}
+        out["pairs"].append({"runs": [a["id"], b["id"]], "log_ratio": dist,
+                             "perplexity": [_ppl(a), _ppl(b)],
+                             "epsilon": [a["privacy"]["epsilon"], b["privacy"]["epsilon"]],
+                             "units": [a["privacy"]["unit"], b["privacy"]["unit"]], "metrics": cells})
+    if out["pairs"]:
+        n = len(out["pairs"])
+        return {**out, "status": "pairs",
+                "message": f"{n} run pair{'s' if n > 1 else ''} within |log perplexity ratio| <= {tolerance:g}"}
+    lo_p, hi_p = min(map(_ppl, par)), max(map(_ppl, par))
+    lo_f, hi_f = min(map(_ppl, fed)), max(map(_ppl, fed))
+    gap = max(math.log(lo_f) - math.log(hi_p), math.log(lo_p) - math.log(hi_f))
+    closest = (f"closest: {a['id']} vs {b['id']}, perplexity {_ppl(a):.4g} vs {_ppl(b):.4g}, "
+               f"|log ratio| = {d:.3g}")
+    if gap > tolerance:
+        return {**out, "status": "disjoint",
+                "message": (f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict: the "
+                            f"utilities lie too far apart (centralized perplexity {_range_text(par)}, "
+                            f"federated {_range_text(fed)}; {closest})")}
+    return {**out, "status": "no pair",
+            "message": (f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict "
+                        f"({closest}; the frontier lines are a visual guide only)")}

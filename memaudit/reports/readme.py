@@ -1,0 +1,173 @@
+"""README figures rendered from committed report snapshots, never typed by hand.
+
+A snapshot is a sweep's report.json committed under ``docs/snapshots/NAME.report.json`` (the
+extracted member text and local paths removed), with ``NAME.meta.json`` saying how it was
+measured (date, command, wall time, CPU cores). The README holds one marked block per snapshot::
+
+    <!-- snapshot:quickstart -->
+    ...generated from docs/snapshots/quickstart.report.json...
+    <!-- /snapshot -->
+
+``python -m memaudit.reports.readme`` rewrites every block from its snapshot; ``--check`` only
+says which blocks disagree (exit 1), which is what ``tests/test_readme_snapshots.py`` asserts.
+``benchmarks/quickstart_time.py`` refreshes the quickstart snapshot after its sweep
+(`write_snapshot`) and then the README. A study snapshot joins by adding its block to the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SNAPSHOTS = ROOT / "docs" / "snapshots"
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(<!-- snapshot:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /snapshot -->)", re.DOTALL)
+COLUMNS = (("exposure_top", "excess exposure, top reps (bits)"), ("mia_auc", "MIA AUC"),
+           ("user_mia_auc", "user-inference AUC"))
+
+
+def _num(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    if isinstance(v, int | float) and abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def _cell(c: dict[str, Any] | None) -> str:
+    if not c or c.get("value") is None:
+        return "n/a"
+    s = _num(c["value"])
+    if c.get("ci_low") is not None and c.get("ci_high") is not None:
+        s += f" [{_num(c['ci_low'])}, {_num(c['ci_high'])}]"
+    n = f"n = {c['n']} {c.get('unit') or ''}".strip() if c.get("n") is not None else ""
+    extra = ", ".join(x for x in (n, c.get("note") if c.get("ci_low") is None else None) if x)
+    return s + (f" ({extra})" if extra else "")
+
+
+def _privacy(run: dict[str, Any]) -> str:
+    p = run["privacy"]
+    if run.get("role") == "public-base":
+        return "public base"
+    eps = p.get("epsilon")
+    if p.get("unit") is None or eps is None or (isinstance(eps, float) and math.isinf(eps)):
+        return "no DP"
+    return f"{p['mechanism']}, epsilon = {_num(eps)} per {p['unit']}"
+
+
+def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None = None) -> str:
+    """The README block of snapshot `name`: how it was measured, each run's utility and headline
+    leakage, the matched-utility line and the findings that pass the statistical rules."""
+    meta = meta or {}
+    lines = []
+    if meta:
+        how = f"`{meta['command']}`" if meta.get("command") else "a sweep"
+        lines.append(f"Measured with {how} on {meta.get('date', 'an unrecorded date')}: "
+                     f"{_num(meta.get('wall_s'))} s of sweep on {meta.get('cpus', '?')} CPU cores"
+                     + (f" ({meta['note']})" if meta.get("note") else "") + ".")
+    lines.append(f"From `docs/snapshots/{name}.report.json`, {len(report['runs'])} runs:")
+    lines.append("")
+    lines.append("| run | privacy | holdout perplexity | " + " | ".join(lbl for _k, lbl in COLUMNS) + " |")
+    lines.append("|---|---|---|" + "---|" * len(COLUMNS))
+    for r in report["runs"]:
+        cells = " | ".join(_cell(r["leakage"].get(k)) for k, _lbl in COLUMNS)
+        lines.append(f"| {r['id']} | {_privacy(r)} | {_num(r['utility'].get('holdout_perplexity'))} | {cells} |")
+    lines.append("")
+    mu = report["comparisons"]["matched_utility"]
+    f = report["findings"]
+    pairs = f.get("matched_pairs") or []
+    lines.append(f"At matched utility: {mu['message']}" + (": " + "; ".join(pairs) if pairs else "") + ".")
+    lines.append("")
+    lines.append(f"{len(f['headline'])} of {f.get('tests', 0)} tests pass the statistical rules "
+                 f"({str(f.get('correction', 'holm')).capitalize()}-corrected over all of them)"
+                 + (":" if f["headline"] else "."))
+    for h in f["headline"]:
+        lines.append(f"- {h['text']} ({h['evidence']})" + (f"; caveat: {h['caveat']}" if h.get("caveat") else "") + ".")
+    return "\n".join(lines) + "\n"
+
+
+def load_snapshot(name: str, snapshots: Path = SNAPSHOTS) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(report, meta) of snapshot `name`; the report is checked against report.json's schema."""
+    from memaudit.reports.write import load_report
+
+    path = snapshots / f"{name}.report.json"
+    if not path.is_file():
+        raise ValueError(f"README names snapshot '{name}' but {path} does not exist; run the benchmark "
+                         "that writes it or remove the block")
+    meta_path = snapshots / f"{name}.meta.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else None
+    return load_report(path), meta
+
+
+def rendered(readme_text: str, snapshots: Path = SNAPSHOTS) -> str:
+    """The README text with every snapshot block rewritten from its snapshot."""
+    def sub(m: re.Match) -> str:
+        report, meta = load_snapshot(m["name"], snapshots)
+        return m.group(1) + render_block(m["name"], report, meta) + m.group(4)
+
+    return BLOCK.sub(sub, readme_text)
+
+
+def stale_blocks(readme: Path = README, snapshots: Path = SNAPSHOTS) -> list[str]:
+    """Names of the README blocks that disagree with their snapshots."""
+    text = readme.read_text(encoding="utf-8")
+    fresh = rendered(text, snapshots)
+    now = {m["name"]: m["body"] for m in BLOCK.finditer(text)}
+    return [m["name"] for m in BLOCK.finditer(fresh) if now.get(m["name"]) != m["body"]]
+
+
+def update_readme(readme: Path = README, snapshots: Path = SNAPSHOTS) -> list[str]:
+    """Rewrite the README's snapshot blocks (atomically); returns the names of the blocks changed."""
+    from memaudit.io import atomic_write_text
+
+    changed = stale_blocks(readme, snapshots)
+    if changed:
+        atomic_write_text(readme, rendered(readme.read_text(encoding="utf-8"), snapshots))
+    return changed
+
+
+def snapshot_of(report: dict[str, Any]) -> dict[str, Any]:
+    """A report as committed: no extracted member text and no local paths."""
+    runs = [{**r, "samples": [], "path": r["id"]} for r in report["runs"]]
+    return {**report, "runs": runs}
+
+
+def write_snapshot(report_json: Path, name: str, meta: dict[str, Any], snapshots: Path = SNAPSHOTS) -> Path:
+    """Commit-ready snapshot `name` from a sweep's report.json, with how it was measured."""
+    from memaudit.io import atomic_write_text
+    from memaudit.reports.write import _json_safe, load_report
+
+    snap = _json_safe(snapshot_of(load_report(report_json)))
+    snapshots.mkdir(parents=True, exist_ok=True)
+    out = snapshots / f"{name}.report.json"
+    atomic_write_text(out, json.dumps(snap, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(snapshots / f"{name}.meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memaudit.reports.readme", description=__doc__.split("\n")[0])
+    ap.add_argument("--readme", type=Path, default=README)
+    ap.add_argument("--snapshots", type=Path, default=SNAPSHOTS)
+    ap.add_argument("--check", action="store_true", help="only report stale blocks (exit 1 if any)")
+    args = ap.parse_args(argv)
+    try:
+        names = (stale_blocks if args.check else update_readme)(args.readme, args.snapshots)
+    except ValueError as e:
+        print(f"memaudit: error: {e}", file=sys.stderr)
+        return 2
+    verb = "stale" if args.check else "rewritten"
+    print(f"{verb}: {', '.join(names)}" if names else "README agrees with its snapshots")
+    return 1 if (args.check and names) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

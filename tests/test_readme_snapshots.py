@@ -1,0 +1,66 @@
+"""The README's figures come from the committed report snapshots (docs/snapshots/*.report.json):
+every marked block agrees with what `python -m memaudit.reports.readme` renders from them."""
+
+import shutil
+
+import pytest
+
+from memaudit.reports.readme import (
+    BLOCK,
+    README,
+    SNAPSHOTS,
+    load_snapshot,
+    main,
+    stale_blocks,
+    update_readme,
+)
+
+
+def _names():
+    return sorted(p.name.removesuffix(".report.json") for p in SNAPSHOTS.glob("*.report.json"))
+
+
+def test_readme_agrees_with_its_snapshots():
+    assert stale_blocks() == [], "run `python -m memaudit.reports.readme` to re-render the README blocks"
+
+
+def test_every_snapshot_has_its_block_and_validates():
+    assert "quickstart" in _names()
+    blocks = {m["name"] for m in BLOCK.finditer(README.read_text(encoding="utf-8"))}
+    assert set(_names()) == blocks
+    for name in _names():
+        report, meta = load_snapshot(name)  # schema-checked
+        assert meta and meta["wall_s"] > 0 and meta["command"].startswith("memaudit sweep")
+        for r in report["runs"]:  # committed: no extracted member text, no local paths
+            assert r["samples"] == [] and r["path"] == r["id"]
+
+
+def _copy(tmp_path):
+    readme, snaps = tmp_path / "README.md", tmp_path / "snapshots"
+    shutil.copy(README, readme)
+    shutil.copytree(SNAPSHOTS, snaps)
+    return readme, snaps
+
+
+def test_a_number_changed_by_hand_is_caught_and_rewritten(tmp_path):
+    readme, snaps = _copy(tmp_path)
+    text = readme.read_text(encoding="utf-8")
+    m = next(BLOCK.finditer(text))
+    body = m["body"]
+    edited = body.replace("| ", "| 9", 1) if "| " in body else body + "x"
+    readme.write_text(text.replace(body, edited), encoding="utf-8")
+    assert stale_blocks(readme, snaps) == [m["name"]]
+    assert main(["--check", "--readme", str(readme), "--snapshots", str(snaps)]) == 1
+    assert update_readme(readme, snaps) == [m["name"]]
+    assert readme.read_text(encoding="utf-8") == text
+    assert main(["--check", "--readme", str(readme), "--snapshots", str(snaps)]) == 0
+
+
+def test_a_block_without_its_snapshot_is_one_line(tmp_path, capsys):
+    readme, snaps = _copy(tmp_path)
+    readme.write_text("x\n<!-- snapshot:study -->\n<!-- /snapshot -->\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="snapshot 'study'"):
+        stale_blocks(readme, snaps)
+    assert main(["--check", "--readme", str(readme), "--snapshots", str(snaps)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memaudit: error:") and err.count("\n") == 1
