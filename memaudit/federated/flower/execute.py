@@ -151,14 +151,38 @@ class NodeExecutor:
         users: the names of the users this node hosts (its partition), in row order.
         arrays: ``input_ids`` (users, seqs, L), ``attention_mask`` (users, seqs, L),
             ``example_mask`` (users, seqs): only these users' data.
+        store_dir: where values kept between a round's client stages go (a Flower ClientApp
+            runs each message in a new process); None keeps them in memory.
     """
 
-    def __init__(self, users: Sequence[str], arrays: dict[str, np.ndarray]) -> None:
+    def __init__(self, users: Sequence[str], arrays: dict[str, np.ndarray],
+                 store_dir: Any = None) -> None:
         self.users = list(users)
         self.row = {u: k for k, u in enumerate(self.users)}
         self.arrays = arrays
         self.modules: dict[str, Any] = {}
         self.store: dict[tuple[int, int], Any] = {}
+        self.store_dir = store_dir
+
+    def _keep(self, round: int, var: int, value: Any) -> None:
+        if self.store_dir is None:
+            self.store[(round, var)] = value
+            return
+        from pathlib import Path
+
+        d = Path(self.store_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob("r*-v*.npy"):
+            if not old.name.startswith(f"r{round}-"):
+                old.unlink(missing_ok=True)
+        np.save(d / f"r{round}-v{var}.npy", np.asarray(value))
+
+    def _kept(self, round: int, var: int) -> Any:
+        if self.store_dir is None:
+            return self.store[(round, var)]
+        from pathlib import Path
+
+        return np.load(Path(self.store_dir) / f"r{round}-v{var}.npy")
 
     def _module(self, call: StageCall) -> Any:
         from jax import export
@@ -188,14 +212,14 @@ class NodeExecutor:
             if kind == "data":
                 args.append(self._data(ref, aval, call))
             elif kind == "store":
-                args.append(self.store[(call.round, ref)])
+                args.append(self._kept(call.round, ref))
             else:
                 args.append(ref)
         outs = exp.call(*args)
         reply: dict[int, Any] = {}
         for k, (mode, out) in enumerate(zip(call.outputs, outs, strict=True)):
             if KEEP in mode:
-                self.store[(call.round, call.output_ids[k])] = out
+                self._keep(call.round, call.output_ids[k], out)
             if ROWS in mode:
                 reply[k] = np.asarray(out)[call.slots]
             elif mode == SUM:
@@ -212,3 +236,13 @@ class LocalNodes:
     def run_stage(self, calls: dict[Any, StageCall]) -> dict[Any, dict[int, Any]]:
         return {node: self.executors[node].run(call) for node, call in calls.items()
                 if node not in self.dead}
+
+
+def call_to_wire(call: StageCall) -> dict[str, Any]:
+    return {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
+
+
+def call_from_wire(d: dict[str, Any]) -> StageCall:
+    d = dict(d)
+    d["inputs"] = [tuple(x) for x in d["inputs"]]
+    return StageCall(**d)
