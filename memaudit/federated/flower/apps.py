@@ -4,9 +4,9 @@ The ServerApp runs the federated trainer of a run directory (`memaudit.federated
 with the run's ``Grid``: every client stage of a round becomes one message per SuperNode that
 hosts a sampled user. The ClientApp answers two message types:
 
-- ``query.memaudit-hello``: the names of the users in this node's partition and their digests
+- ``query.memaudit_hello``: the names of the users in this node's partition and their digests
   (no data);
-- ``train.memaudit-stage``: run one exported client stage for the slots of the users this node
+- ``train.memaudit_stage``: run one exported client stage for the slots of the users this node
   hosts (`memaudit.federated.flower.execute.NodeExecutor`) and reply with the rows and partial
   sums the server reads.
 
@@ -28,7 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from memaudit.federated.flower import wire
 
-HELLO, STAGE = "memaudit-hello", "memaudit-stage"
+HELLO, STAGE = "memaudit_hello", "memaudit_stage"
 
 server_app = ServerApp()
 client_app = ClientApp()

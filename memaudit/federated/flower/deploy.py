@@ -63,7 +63,8 @@ def write_app(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{APP_MODULE}.py").write_text(
         '"""memaudit on Flower: the ServerApp and ClientApp of memaudit.federated.flower."""\n'
-        "from memaudit.federated.flower.apps import client_app, server_app  # noqa: F401\n")
+        "from memaudit.federated.flower import apps\n\n"
+        "server_app = apps.server_app\nclient_app = apps.client_app\n")
     (d / "pyproject.toml").write_text(f'''[build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
@@ -160,6 +161,9 @@ class LocalFederation:
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
         self.env = dict(os.environ if env is None else env)
         self.env["FLWR_HOME"] = str(self.workdir / "flwr-home")
+        # the SuperLink and SuperNodes start flower-superexec, flwr-serverapp, flwr-clientapp
+        bindir = str(Path(sys.executable).parent)
+        self.env["PATH"] = os.pathsep.join([bindir, self.env.get("PATH", "")])
         self.port = 0
         self.superlink: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []

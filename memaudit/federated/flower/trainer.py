@@ -68,11 +68,13 @@ class FlowerNodes:
         msgs = [Message(wire.content({}), dst_node_id=n, message_type=f"query.{HELLO}") for n in nodes]
         replies = list(self.grid.send_and_receive(msgs, timeout=self.fcfg.connect_timeout))
         host: dict[str, int] = {}
-        for r in sorted(replies, key=lambda m: m.metadata.src_node_id):
+        answered = [r for r in replies if not r.has_error()]  # an unavailable node is no host
+        if len(answered) < self.fcfg.min_nodes:
+            raise MemauditError(
+                f"{len(answered)} of federated.flower.min_nodes={self.fcfg.min_nodes} SuperNodes "
+                "answered; check their logs, or lower federated.flower.min_nodes")
+        for r in sorted(answered, key=lambda m: m.metadata.src_node_id):
             node = r.metadata.src_node_id
-            if r.has_error():
-                raise MemauditError(f"SuperNode {node} failed to answer ({r.error.reason}); check "
-                                    "its log and its partition")
             body = wire.read(r)
             if "error" in body:
                 raise MemauditError(f"SuperNode {node}: {body['error']}")
