@@ -419,6 +419,7 @@ def bench_flower(args) -> dict:
     from memaudit.rundir import RunDir
 
     ov = ["backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=64",
+          "data.canaries.repetitions=[1,2]",
           f"federated.rounds={args.flower_rounds}", "federated.cohort=8", "federated.sampling=fixed",
           "federated.local_steps=4", "federated.local_batch_size=4", "federated.server_optimizer=fedavg",
           "federated.eval_every=1000", "federated.checkpoint_every=1000", "federated.mesh_clients=1",

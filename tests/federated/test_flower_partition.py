@@ -297,3 +297,14 @@ def test_server_refuses_partitions_of_other_data(monkeypatch):
                      monkeypatch)
     with pytest.raises(MemauditError, match="does not match this run's data"):
         FlowerNodes(grid, FlowerConfig(min_nodes=2)).connect({"a": "d", "b": "d"})
+
+
+def test_secure_aggregation_on_flower_is_refused_before_submitting():
+    from memaudit.config import load_config
+    from memaudit.errors import ConfigError
+    from memaudit.federated.flower.trainer import check_supported
+
+    cfg = load_config(None, ["backend=federated", "federated.runtime=flower",
+                             "privacy.secure_aggregation.enabled=true"])
+    with pytest.raises(ConfigError, match="do not run on federated.runtime=flower yet"):
+        check_supported(cfg)

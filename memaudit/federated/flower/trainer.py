@@ -128,8 +128,9 @@ class FlowerTrainer(FederatedTrainer):
         self.capacity = self._base_capacity()
         self.algorithm = self.build_algorithm()
         if getattr(self.algorithm.round, "program", None) is None:
-            raise ConfigError("secure aggregation does not run on federated.runtime=flower yet; "
-                              "use federated.runtime=jax or privacy.secure_aggregation.enabled=false")
+            check_supported(self.cfg)
+            raise ConfigError("this algorithm's round is not one traceable program; use "
+                              "federated.runtime=jax")
         self.user_node = self.nodes.connect(client_digests(self.clients))
 
     def _data_struct(self, cap: int) -> Any:
@@ -173,6 +174,15 @@ class FlowerTrainer(FederatedTrainer):
 
 
 # ------------------------------------------------------------------ the two processes
+def check_supported(cfg: Any) -> None:
+    """One-line error for what does not run on Flower yet: a host-side aggregator (secure
+    aggregation, distributed DP) makes the round more than one traceable program."""
+    p = cfg.privacy
+    if p.secure_aggregation.enabled or (p.enabled and p.mechanism == "distributed"):
+        raise ConfigError("secure aggregation and distributed DP do not run on "
+                          "federated.runtime=flower yet; use federated.runtime=jax or turn them off")
+
+
 def serve_run(grid: Any, *, launch_dir: Path) -> None:
     """The ServerApp's work: train the run ``launch_dir/launch.json`` names on this ``grid``;
     writes ``result.json`` or a one-line ``error.json`` there for the submitting process."""
@@ -205,6 +215,7 @@ def train_on_flower(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
     from memaudit.federated.flower import deploy
     from memaudit.io import atomic_write_json, read_json
 
+    check_supported(cfg)
     deploy.require_flwr()
     fcfg = cfg.federated.flower
     deploy.check_reachable(fcfg.superlink)
