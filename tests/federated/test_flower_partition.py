@@ -308,3 +308,16 @@ def test_secure_aggregation_on_flower_is_refused_before_submitting():
                              "privacy.secure_aggregation.enabled=true"])
     with pytest.raises(ConfigError, match="do not run on federated.runtime=flower yet"):
         check_supported(cfg)
+
+
+def test_interrupted_submit_stops_the_flower_run(tmp_path, monkeypatch):
+    """An interrupted `memaudit train` also stops the run on the SuperLink (flwr stop RUN_ID)."""
+    import subprocess
+
+    from memaudit.federated.flower import deploy
+
+    (tmp_path / "flwr-run.log").write_text("Using SuperLink: memaudit\nSuccessfully started run 4242\n")
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd))
+    deploy._stop_run(tmp_path, {})
+    assert seen and seen[0][1:] == ["stop", "4242", deploy.CONNECTION]

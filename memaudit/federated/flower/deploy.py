@@ -121,12 +121,26 @@ def submit(launch: Path, fcfg: Any, *, progress: Callable[[], None] | None = Non
                 if progress is not None:
                     progress()
                 time.sleep(1.0)
-        except BaseException:
+        except BaseException:  # interrupted: stop the Flower run too, not only flwr run
             proc.terminate()
+            _stop_run(launch, env)
             raise
     if progress is not None:
         progress()
     return proc.returncode
+
+
+def _stop_run(launch: Path, env: dict[str, str]) -> None:
+    """``flwr stop`` the run ``flwr run`` started (its id is in the log), best effort."""
+    import re
+
+    text = (launch / "flwr-run.log").read_text(errors="replace")
+    found = re.search(r"started run (\d+)", text)
+    if found is None:
+        return
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run([_tool("flwr"), "stop", found.group(1), CONNECTION], env=env, timeout=60,
+                       stdin=subprocess.DEVNULL, capture_output=True, check=False)
 
 
 # ------------------------------------------------------------------ one machine
