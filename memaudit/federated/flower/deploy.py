@@ -196,7 +196,7 @@ class LocalFederation:
         self.port = free_port()
         self.superlink = self._start("superlink", [
             _tool("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
-            "--database", ":flwr-in-memory-state:", "--disable-runtime-dependency-installation"])
+            "--disable-runtime-dependency-installation"])  # state in memory (no --database)
         _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
         for i, part in enumerate(self.partitions):
             self.nodes.append(self.start_node(i, part))
