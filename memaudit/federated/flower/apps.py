@@ -22,19 +22,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-
 from memaudit.federated.flower import wire
 
 HELLO, STAGE = "memaudit_hello", "memaudit_stage"
-
-server_app = ServerApp()
-client_app = ClientApp()
+Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
 
-@server_app.main()
 def serve(grid: Grid, context: Context) -> None:
     from memaudit.federated.flower.trainer import serve_run
 
@@ -64,10 +57,11 @@ def _node(context: Context) -> Any:
 
 
 def _reply(message: Message, obj: Any) -> Message:
+    from flwr.app import Message
+
     return Message(wire.content(obj), reply_to=message)
 
 
-@client_app.query(HELLO)
 def hello(message: Message, context: Context) -> Message:
     from memaudit.errors import MemauditError
 
@@ -82,7 +76,6 @@ def hello(message: Message, context: Context) -> Message:
     return _reply(message, {"users": node.users, "digests": digests})
 
 
-@client_app.train(STAGE)
 def stage(message: Message, context: Context) -> Message:
     import jax
 
@@ -93,3 +86,20 @@ def stage(message: Message, context: Context) -> Message:
     node = _node(context)
     call = call_from_wire(wire.read(message))
     return _reply(message, {"outputs": {str(k): v for k, v in node.run(call).items()}})
+
+
+def _apps() -> tuple[Any, Any]:
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    server, client = ServerApp(), ClientApp()
+    server.main()(serve)
+    client.query(HELLO)(hello)
+    client.train(STAGE)(stage)
+    return server, client
+
+
+try:
+    server_app, client_app = _apps()
+except ImportError:  # without the .[flower] extra: importable (doctests), no apps
+    server_app = client_app = None

@@ -176,8 +176,6 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     """
     import jax
 
-    from memaudit.federated.primitives import federated_broadcast_p
-
     closed, out_shape = jax.make_jaxpr(program, return_shape=True)(*args)
     jaxpr = closed.jaxpr
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tuple(args))]
@@ -202,26 +200,7 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
 
     outvars = [Lit(v.val) if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
 
-    # placement by data flow
-    clients: set[int] = set(data_leaves)
-    kinds: list[str] = []
-    sums: set[int] = set()
-    for op in ops:
-        from_clients = any(isinstance(i, int) and i in clients for i in op.ins)
-        out_avals = [num.avals[o] for o in op.outs]
-        if op.eqn.primitive is federated_broadcast_p:
-            kind = CLIENT
-            clients.update(op.outs)
-        elif from_clients and _is_fused_sum(op.eqn):
-            kind = CLIENT
-            sums.update(op.outs)
-        elif from_clients and all(_leading(a, capacity) for a in out_avals):
-            kind = CLIENT
-            clients.update(op.outs)
-        else:
-            kind = SERVER
-        kinds.append(kind)
-
+    kinds, sums = _placement(ops, num.avals, set(data_leaves), capacity)
     start = {i: 0 for i in [*consts, *invars]}
     start.update({i: 1 for i in data_leaves})
     stages = _schedule(ops, kinds, start, sums, outvars)
@@ -236,6 +215,31 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
         stages = _gather_inputs(stages, gathered)
     return Plan(capacity, stages, invars, consts, outvars, jax.tree.structure(out_shape),
                 data_leaves, num.avals)
+
+
+def _placement(ops: list[Op], avals: dict[int, Any], data: set[int],
+               capacity: int) -> tuple[list[str], set[int]]:
+    """Each op's kind (CLIENT / SERVER) by data flow, and the var ids that are partial sums."""
+    from memaudit.federated.primitives import federated_broadcast_p
+
+    clients: set[int] = set(data)
+    kinds: list[str] = []
+    sums: set[int] = set()
+    for op in ops:
+        from_clients = any(isinstance(i, int) and i in clients for i in op.ins)
+        if op.eqn.primitive is federated_broadcast_p:
+            kind = CLIENT
+            clients.update(op.outs)
+        elif from_clients and _is_fused_sum(op.eqn):
+            kind = CLIENT
+            sums.update(op.outs)
+        elif from_clients and all(_leading(avals[o], capacity) for o in op.outs):
+            kind = CLIENT  # per-client work: the clients dim kept (rows are independent)
+            clients.update(op.outs)
+        else:
+            kind = SERVER
+        kinds.append(kind)
+    return kinds, sums
 
 
 def _schedule(ops: list[Op], kinds: list[str], start: dict[int, int], sums: set[int],
