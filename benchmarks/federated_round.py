@@ -61,6 +61,18 @@ Measured (jax 0.10.2, XLA:CPU, a 2-core machine shared with other jobs, load ave
   parameters per device fall to 53-61 % of the model rather than 50 %. Round times on 8 fake
   devices over 2 shared cores say little about real devices.
 
+A third table, ``flower`` (``--flower``), is the runtime: the same memaudit training run (tiny
+Llama, FedAvg) with ``federated.runtime=jax`` and ``federated.runtime=flower`` on a one-machine
+federation (a SuperLink and ``--flower-nodes`` SuperNodes as processes on 127.0.0.1,
+`memaudit.federated.flower.deploy.LocalFederation`): the median ``round_seconds`` the trainer
+records (rounds after the first, which compiles), and their ratio. A Flower round pays a
+``flwr-clientapp`` process per message and node (Python and JAX start-up, the client stage's
+module read back from ``jax.export`` and XLA's persistent cache), the messages through the
+SuperLink, and the server stages. Measured 2026-12-01 (flwr 1.42.0, jax 0.10.2, 2 shared cores,
+load average about 9; tiny preset, 16 users, cohort 8 fixed, sequences of 64, 4 local steps of 4,
+2 SuperNodes; median of rounds 2-4): 2.40 s a round in JAX, 13.55 s on Flower, a ratio of 5.6.
+
+    python benchmarks/federated_round.py --flower-only  # the Flower table alone
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
@@ -330,10 +342,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--layout-cohort", type=int, default=8, help="clients in the layouts table")
     ap.add_argument("--layouts", action="store_true", help="add the layouts table")
     ap.add_argument("--layouts-only", action="store_true", help="only the layouts table")
+    ap.add_argument("--flower", action="store_true", help="add the Flower runtime table")
+    ap.add_argument("--flower-only", action="store_true", help="only the Flower runtime table")
+    ap.add_argument("--flower-nodes", type=int, default=2, help="SuperNodes in the Flower table")
+    ap.add_argument("--flower-rounds", type=int, default=4, help="rounds of each Flower-table run")
     args = ap.parse_args(argv)
     if args.reduced:
         args.seq, args.repeats = 32, 3
-    if args.layouts_only:
+    if args.layouts_only or args.flower_only:
         args.cohorts = []
     params = init_params()
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -387,9 +403,50 @@ def main(argv=None) -> dict:
         "jax": jax.__version__, "program_map_strategy": _auto_strategy(),
         "results": results,
         "layouts": bench_layouts(args) if args.layouts or args.layouts_only else [],
+        "flower": bench_flower(args) if args.flower or args.flower_only else None,
     }
     print(json.dumps(out, indent=2))
     return out
+
+
+def bench_flower(args) -> dict:
+    """One training run per runtime on the same data; median round seconds after the first."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from memaudit.config import load_config
+    from memaudit.federated.flower.deploy import LocalFederation
+    from memaudit.federated.flower.nodes import write_partitions
+    from memaudit.federated.trainer import train_federated
+    from memaudit.rundir import RunDir
+
+    ov = ["backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=64",
+          "data.canaries.repetitions=[1,2]",
+          f"federated.rounds={args.flower_rounds}", "federated.cohort=8", "federated.sampling=fixed",
+          "federated.local_steps=4", "federated.local_batch_size=4", "federated.server_optimizer=fedavg",
+          "federated.eval_every=1000", "federated.checkpoint_every=1000", "federated.mesh_clients=1",
+          "train.eval_batches=1", "federated.flower.insecure=true"]
+    root = Path(tempfile.mkdtemp(prefix="memaudit-bench-flower-"))
+    info = write_partitions(load_config(None, ov), root / "parts", args.flower_nodes)
+    ov.append(f"data.tokenizer={info['tokenizer']}")
+
+    def rounds(run: Path) -> list[float]:
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [m["round_seconds"] for m in lines][1:]
+
+    train_federated(load_config(None, ov), RunDir(root / "jax"))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    with LocalFederation(root / "federation", info["partitions"], env=env) as fed:
+        t0 = time.perf_counter()
+        train_federated(load_config(None, [*ov, "federated.runtime=flower",
+                                           f"federated.flower.superlink={fed.address}"]),
+                        RunDir(root / "flower"))
+        total = time.perf_counter() - t0
+    jax_s, flower_s = statistics.median(rounds(root / "jax")), statistics.median(rounds(root / "flower"))
+    return {"model": "tiny Llama (memaudit preset)", "nodes": args.flower_nodes, "cohort": 8,
+            "rounds_timed": args.flower_rounds - 1, "jax_round_s": jax_s, "flower_round_s": flower_s,
+            "flower_vs_jax": flower_s / jax_s, "flower_run_s": total}
 
 
 def _auto_strategy() -> str:

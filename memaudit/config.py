@@ -303,7 +303,40 @@ class ParallelConfig(_Section):
         return self.data * self.x * self.y * self.z
 
 
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class FlowerConfig(_Section):
+    """Where the Flower runtime finds its federation (``federated.runtime: flower``)."""
+
+    superlink: str = Field("127.0.0.1:9091", description="host:port of the SuperLink's HTTP API "
+                           "(flower-superlink --port)")
+    insecure: bool = Field(False, description="plain HTTP to the SuperLink; allowed on localhost only")
+    root_certificates: str | None = Field(None, description="CA certificate (PEM) of the "
+                                          "SuperLink's TLS certificate")
+    min_nodes: int = Field(2, ge=1, description="SuperNodes to wait for before the first round")
+    connect_timeout: float = Field(120.0, gt=0, description="seconds to wait for them")
+    stage_timeout: float = Field(600.0, gt=0, description="seconds a round waits for a node's "
+                                 "reply; a node that has not answered is dropped, with its users")
+
+    @model_validator(mode="after")
+    def _tls(self) -> FlowerConfig:
+        host, sep, port = self.superlink.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"federated.flower.superlink={self.superlink!r} is not host:port; "
+                             "give e.g. 127.0.0.1:9091")
+        if self.insecure and host not in _LOCAL_HOSTS:
+            raise ValueError(f"federated.flower.insecure=true with the SuperLink on {host}: plain "
+                             "HTTP is allowed on localhost only; give "
+                             "federated.flower.root_certificates (TLS) instead")
+        return self
+
+
 class FederatedConfig(_Section):
+    runtime: Literal["jax", "flower"] = Field(
+        "jax", description="jax: the program in this process; flower: its client computation on "
+        "Flower SuperNodes (memaudit.federated.flower)")
+    flower: FlowerConfig = FlowerConfig()
     rounds: int = Field(50, ge=1)
     cohort: int = Field(8, ge=1, description="expected (Poisson) or exact (fixed) cohort size")
     sampling: Literal["poisson", "fixed"] = "poisson"

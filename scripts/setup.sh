@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+python -m pip install -q -c constraints-cpu.txt -e ".[dev,flower]"
 if [ "${MEMAUDIT_BROWSER:-0}" = "1" ]; then
   bash scripts/install_browser.sh
 fi

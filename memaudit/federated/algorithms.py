@@ -373,6 +373,9 @@ def fedavg(
         return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
 
     round_.jitted = fused  # the whole round as one jitted function (None: host aggregator)
+    # The round as one traceable program, (state, data, key) -> (state, metric dicts): what a
+    # runtime across processes partitions (`memaudit.federated.flower.partition`).
+    round_.program = fused
     return FederatedAlgorithm(init, round_)
 
 
@@ -430,4 +433,11 @@ def fedsgd(
             state, metrics = step(state, data)
         return state, _host_metrics(metrics)
 
+    @jax.jit
+    def program(state: ServerState, data: ClientData, key):
+        del key
+        state, metrics = step(state, data)
+        return state, (metrics,)
+
+    round_.program = program  # see `fedavg`'s round_.program
     return FederatedAlgorithm(init, round_)

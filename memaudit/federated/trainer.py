@@ -51,6 +51,10 @@ def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
         {"steps" (= rounds), "rounds", "final_holdout_loss", "final_holdout_perplexity",
          "initial_holdout_loss", "initial_holdout_perplexity", "final_train_loss", ...}
     """
+    if cfg.federated.runtime == "flower":  # the client computation on Flower SuperNodes
+        from memaudit.federated.flower.trainer import train_on_flower
+
+        return train_on_flower(cfg, run, resume=resume, progress=progress, **session_kw)
     from memaudit.federated.distributed import maybe_initialize
 
     maybe_initialize()
@@ -372,8 +376,7 @@ class FederatedTrainer:
             state = state._replace(round=state.round + 1)
             rec.update(loss=None, update_norm=0.0, tokens_per_s=0.0)
             return state, rec
-        data = self.round_data(cohort)
-        state, m = self.algorithm.round(state, data, self.round_key(key, r))
+        state, m = self.algorithm_round(state, cohort, r, self.round_key(key, r))
         state = self._replicate(state)
         jax.block_until_ready(state.params)
         dt = time.perf_counter() - t0
@@ -386,6 +389,10 @@ class FederatedTrainer:
             self.record_privacy(m)
         rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
         return state, rec
+
+    def algorithm_round(self, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
+        """One round of the algorithm on the cohort's data (the Flower runtime overrides it)."""
+        return self.algorithm.round(state, self.round_data(cohort), key)
 
     def _round_tokens(self, cohort: np.ndarray) -> int:
         """Token positions the clients processed this round (local batches x steps, or all data)."""

@@ -1,0 +1,105 @@
+"""memaudit's Flower ``ServerApp`` and ``ClientApp`` (Flower's Message API).
+
+The ServerApp runs the federated trainer of a run directory (`memaudit.federated.flower.trainer`)
+with the run's ``Grid``: every client stage of a round becomes one message per SuperNode that
+hosts a sampled user. The ClientApp answers two message types:
+
+- ``query.memaudit_hello``: the names of the users in this node's partition and their digests
+  (no data);
+- ``train.memaudit_stage``: run one exported client stage for the slots of the users this node
+  hosts (`memaudit.federated.flower.execute.NodeExecutor`) and reply with the rows and partial
+  sums the server reads.
+
+The node's partition comes from its node config (``partition``, a file written by
+`memaudit.federated.flower.nodes`); values a later stage of the same round reads, and XLA's
+compilation cache, go under ``cache-dir`` (default: a folder in the system temp dir).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from memaudit.federated.flower import wire
+
+HELLO, STAGE = "memaudit_hello", "memaudit_stage"
+Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
+
+
+def serve(grid: Grid, context: Context) -> None:
+    from memaudit.federated.flower.trainer import serve_run
+
+    rc = context.run_config
+    serve_run(grid, launch_dir=Path(str(rc["launch-dir"])))
+
+
+def _cache_dir(context: Context) -> Path:
+    d = context.node_config.get("cache-dir")
+    base = Path(str(d)) if d else Path(tempfile.gettempdir()) / f"memaudit-flower-{os.getuid()}"
+    return base / f"node-{context.node_id}"
+
+
+def _node(context: Context) -> Any:
+    from memaudit.federated.flower.execute import NodeExecutor
+    from memaudit.federated.flower.nodes import load_partition
+
+    path = context.node_config.get("partition")
+    if not path:
+        from memaudit.errors import DataError
+
+        raise DataError("this SuperNode has no partition; start it with --node-config "
+                        "\"partition='node-<i>.npz'\"")
+    users, arrays = load_partition(str(path))
+    store = _cache_dir(context) / f"run-{context.run_id}"
+    return NodeExecutor(users, arrays, store_dir=store)
+
+
+def _reply(message: Message, obj: Any) -> Message:
+    from flwr.app import Message
+
+    return Message(wire.content(obj), reply_to=message)
+
+
+def hello(message: Message, context: Context) -> Message:
+    from memaudit.errors import MemauditError
+
+    try:
+        node = _node(context)
+    except MemauditError as e:
+        return _reply(message, {"error": str(e)})
+    from memaudit.federated.flower.nodes import user_digest
+
+    a = node.arrays
+    digests = [user_digest(a["input_ids"][k], a["example_mask"][k]) for k in range(len(node.users))]
+    return _reply(message, {"users": node.users, "digests": digests})
+
+
+def stage(message: Message, context: Context) -> Message:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(_cache_dir(context) / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from memaudit.federated.flower.execute import call_from_wire
+
+    node = _node(context)
+    call = call_from_wire(wire.read(message))
+    return _reply(message, {"outputs": {str(k): v for k, v in node.run(call).items()}})
+
+
+def _apps() -> tuple[Any, Any]:
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    server, client = ServerApp(), ClientApp()
+    server.main()(serve)
+    client.query(HELLO)(hello)
+    client.train(STAGE)(stage)
+    return server, client
+
+
+try:
+    server_app, client_app = _apps()
+except ImportError:  # without the .[flower] extra: importable (doctests), no apps
+    server_app = client_app = None

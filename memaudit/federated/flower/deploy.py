@@ -1,0 +1,238 @@
+"""Submitting a run to a Flower federation, and a federation on one machine for tests.
+
+`submit` writes a minimal Flower App (a ``pyproject.toml`` whose components are memaudit's
+``ServerApp`` and ``ClientApp``) and a Flower config naming the SuperLink, then runs
+``flwr run APP memaudit --run-config launch-dir=... --stream`` and waits for it to end.
+`LocalFederation` starts one SuperLink and SuperNodes as separate processes on 127.0.0.1 with
+free ports (plain HTTP: localhost only), and tears them down; the tests and
+``benchmarks/federated_round.py`` use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+from memaudit.errors import ConfigError, MemauditError
+
+APP_MODULE = "memaudit_flower_app"
+CONNECTION = "memaudit"
+
+
+def require_flwr() -> None:
+    """One-line error naming the extra when flwr is not installed."""
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ConfigError("federated.runtime=flower needs Flower; install the extra: "
+                          "pip install 'memaudit[flower]'") from None
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """One-line error when nothing listens at the SuperLink's address."""
+    host, port = _split(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as e:
+        raise MemauditError(f"the SuperLink at {address} cannot be reached ({e.strerror or e}); "
+                            "start flower-superlink there or fix federated.flower.superlink") from None
+
+
+def _tool(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def write_app(d: Path) -> Path:
+    """The Flower App memaudit submits: its components are memaudit's apps."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{APP_MODULE}.py").write_text(
+        '"""memaudit on Flower: the ServerApp and ClientApp of memaudit.federated.flower."""\n'
+        "from memaudit.federated.flower import apps\n\n"
+        "server_app = apps.server_app\nclient_app = apps.client_app\n")
+    (d / "pyproject.toml").write_text(f'''[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "memaudit-flower-app"
+version = "1.0.0"
+description = "memaudit's federated program on Flower"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "memaudit"
+
+[tool.flwr.app.components]
+serverapp = "{APP_MODULE}:server_app"
+clientapp = "{APP_MODULE}:client_app"
+
+[tool.flwr.app.config]
+launch-dir = ""
+''')
+    return d
+
+
+def write_flower_home(d: Path, fcfg: Any) -> Path:
+    """A Flower config (``$FLWR_HOME/config.toml``) with one connection to the SuperLink."""
+    d.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
+             f'address = "{fcfg.superlink}"']
+    if fcfg.insecure:
+        lines.append("insecure = true")
+    if fcfg.root_certificates:
+        lines.append(f'root-certificates = "{Path(fcfg.root_certificates).expanduser().resolve()}"')
+    (d / "config.toml").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def submit(launch: Path, fcfg: Any, *, progress: Callable[[], None] | None = None) -> int:
+    """``flwr run`` the app for ``launch`` (a folder with launch.json); returns its exit code.
+    Its output goes to ``launch/flwr-run.log``."""
+    app = write_app(launch / "app")
+    home = write_flower_home(launch / "flwr-home", fcfg)
+    env = {**os.environ, "FLWR_HOME": str(home)}
+    cmd = [_tool("flwr"), "run", str(app), CONNECTION, "--run-config",
+           f"launch-dir='{launch.resolve()}'", "--stream"]
+    with open(launch / "flwr-run.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        try:
+            while proc.poll() is None:
+                if progress is not None:
+                    progress()
+                time.sleep(1.0)
+        except BaseException:  # interrupted: stop the Flower run too, not only flwr run
+            proc.terminate()
+            _stop_run(launch, env)
+            raise
+    if progress is not None:
+        progress()
+    return proc.returncode
+
+
+def _stop_run(launch: Path, env: dict[str, str]) -> None:
+    """``flwr stop`` the run ``flwr run`` started (its id is in the log), best effort."""
+    import re
+
+    text = (launch / "flwr-run.log").read_text(errors="replace")
+    found = re.search(r"started run (\d+)", text)
+    if found is None:
+        return
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run([_tool("flwr"), "stop", found.group(1), CONNECTION], env=env, timeout=60,
+                       stdin=subprocess.DEVNULL, capture_output=True, check=False)
+
+
+# ------------------------------------------------------------------ one machine
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise MemauditError(f"flower-superlink exited ({proc.returncode}); see {log}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.3)
+    raise MemauditError(f"flower-superlink did not listen on port {port} within {timeout:g} s")
+
+
+class LocalFederation:
+    """One SuperLink and one SuperNode per partition, as processes on 127.0.0.1.
+
+    Args:
+        workdir: logs, the Flower home and the nodes' caches go here.
+        partitions: one partition file per SuperNode (`memaudit.federated.flower.nodes`).
+        env: environment of the processes (default: this one's).
+    """
+
+    def __init__(self, workdir: Path, partitions: Sequence[str | Path],
+                 env: dict[str, str] | None = None) -> None:
+        self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
+        self.env = dict(os.environ if env is None else env)
+        self.env["FLWR_HOME"] = str(self.workdir / "flwr-home")
+        # the SuperLink and SuperNodes start flower-superexec, flwr-serverapp, flwr-clientapp
+        bindir = str(Path(sys.executable).parent)
+        self.env["PATH"] = os.pathsep.join([bindir, self.env.get("PATH", "")])
+        self.port = 0
+        self.superlink: subprocess.Popen | None = None
+        self.nodes: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - kept open by the process
+        return subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.superlink = self._start("superlink", [
+            _tool("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+            "--disable-runtime-dependency-installation"])  # state in memory (no --database)
+        _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
+        for i, part in enumerate(self.partitions):
+            self.nodes.append(self.start_node(i, part))
+
+    def start_node(self, i: int, partition: str) -> subprocess.Popen:
+        cache = self.workdir / f"node-{i}-cache"
+        return self._start(f"supernode-{i}", [
+            _tool("flower-supernode"), "--insecure", "--superlink", self.address,
+            "--host", "127.0.0.1", "--port", str(free_port()),
+            "--node-config", f"partition='{partition}' cache-dir='{cache}'"])
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL SuperNode ``i`` and the processes it started (its process group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.nodes[i].pid, signal.SIGKILL)
+        self.nodes[i].wait(timeout=30)
+
+    def stop(self) -> None:
+        for p in [*self.nodes, self.superlink]:
+            if p is None or p.poll() is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in [*self.nodes, self.superlink]:
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=15)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,248 @@
+"""Run a partitioned round: the server's stages here, the client stages on the nodes.
+
+`run_round(plan, args, nodes, cohort)` walks the plan's stages in order. A server stage runs
+its jitted function on the server's values. A client stage is handed to ``nodes`` (anything
+with `Nodes.run_stage`: the nodes of a Flower federation, `memaudit.federated.flower.server`,
+or `LocalNodes` in this process for tests) with the server values it reads; each node runs the
+stage's exported module for the cohort slots it hosts, keeps the clients-placed values later
+client stages read, and returns the rows (and partial sums) the server reads. Rows of a slot no
+node returned (an absent slot, or the users of a node that died) are zeros: the absent-client
+convention of every memaudit federated program (weight 0, no contribution).
+
+A node (`NodeExecutor`) holds its users' data only: its partition of the prepared corpus, as
+arrays named ``input_ids``, ``attention_mask``, ``example_mask`` with one row per user.
+
+References:
+    Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from memaudit.federated.flower.partition import CLIENT, Lit, Plan, Stage
+
+KEEP, ROWS, SUM = "keep", "rows", "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCall:
+    """What one node needs to run one client stage (all plain data: it travels in a message).
+
+    ``inputs``: per stage input, ``("server", value)``, ``("data", array name)`` or
+    ``("store", var id)``; ``outputs``: per stage output, KEEP / ROWS / SUM; ``slots``: the
+    cohort slot of each user the node serves this round, ``users`` those users' names.
+    """
+
+    module: bytes
+    module_key: str
+    round: int
+    stage: int
+    inputs: list[tuple[str, Any]]
+    outputs: list[str]
+    output_ids: list[int]
+    slots: list[int]
+    users: list[str]
+
+
+class Nodes(Protocol):
+    def run_stage(self, calls: dict[Any, StageCall]) -> dict[Any, dict[int, Any]]:
+        """Run ``calls`` (node -> call); returns node -> {output index: value} for the nodes
+        that answered (a node that did not is absent from the result)."""
+
+
+def _resident(plan: Plan) -> set[int]:
+    """Var ids that live on the nodes: the cohort data and clients-placed client-stage outputs."""
+    out = set(plan.data_leaves)
+    for st in plan.client_stages:
+        out |= set(st.outputs) - set(st.sums)
+    return out
+
+
+def run_round(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any, list[tuple[int, str]]],
+              *, round: int) -> tuple[Any, dict[str, Any]]:
+    """Run one round of ``plan``.
+
+    Args:
+        plan: from `memaudit.federated.flower.partition.compile_plan`.
+        args: the round's arguments; the clients-placed leaves are ignored (the server has
+            no client data: pass ``jax.ShapeDtypeStruct`` s).
+        nodes: runs the client stages.
+        assignment: node -> [(cohort slot, user name)] of the sampled users it hosts.
+        round: the round number (nodes key their stored values by it).
+
+    Returns:
+        (outputs, info): the round's outputs (the program's output pytree) and
+        {"dropped_nodes": [...], "dropped_slots": [...]}: nodes that did not answer a stage.
+    """
+    import jax
+
+    flat = jax.tree.leaves(tuple(args))
+    env: dict[int, Any] = dict(plan.consts)
+    for i, x in zip(plan.invars, flat, strict=True):
+        if i not in plan.data_leaves:
+            env[i] = x
+    resident = _resident(plan)
+    alive = {node for node, users in assignment.items() if users}
+    dropped: list[Any] = []
+    for st in plan.stages:
+        if st.kind != CLIENT:
+            outs = plan.server_fns[st.index](*[env[i] for i in st.inputs])
+            env.update(zip(st.outputs, outs, strict=True))
+            continue
+        calls = {node: _call(plan, st, env, resident, assignment[node], round) for node in alive}
+        replies = nodes.run_stage(calls)
+        dropped.extend(sorted(alive - set(replies), key=str))
+        alive &= set(replies)
+        env.update(_assemble(plan, st, {n: replies[n] for n in alive}, {n: assignment[n] for n in alive}))
+    outs = [o.value if isinstance(o, Lit) else env[o] for o in plan.outvars]
+    slots = sorted(s for n in dropped for s, _ in assignment[n])
+    return jax.tree.unflatten(plan.out_tree, outs), {"dropped_nodes": dropped, "dropped_slots": slots}
+
+
+def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tuple[int, str]],
+          round: int) -> StageCall:
+    inputs: list[tuple[str, Any]] = []
+    for i in st.inputs:
+        if i in plan.data_leaves:
+            inputs.append(("data", plan.data_leaves[i]))
+        elif i in resident:
+            inputs.append(("store", i))
+        else:
+            inputs.append(("server", np.asarray(env[i])))
+    outputs = [SUM if i in st.sums else (ROWS if i in st.rows else KEEP) for i in st.outputs]
+    # an output both kept and read by the server is sent by rows and kept
+    outputs = [ROWS + "+" + KEEP if (o == ROWS and i in st.keep) else o
+               for o, i in zip(outputs, st.outputs, strict=True)]
+    return StageCall(plan.modules[st.index], plan.module_key(st.index), round, st.index, inputs,
+                     outputs, list(st.outputs), [s for s, _ in hosted], [u for _, u in hosted])
+
+
+def _assemble(plan: Plan, st: Stage, replies: dict, hosted: dict) -> dict[int, Any]:
+    """The server's view of a client stage's outputs: rows placed at their slots (zeros
+    elsewhere), partial sums added in node order."""
+    out: dict[int, Any] = {}
+    for k, i in enumerate(st.outputs):
+        aval = plan.avals[i]
+        if i in st.sums:
+            total = np.zeros(aval.shape, aval.dtype)
+            for node in sorted(replies, key=str):
+                total = (total + np.asarray(replies[node][k])).astype(aval.dtype)
+            out[i] = total
+        elif i in st.rows:
+            full = np.zeros(aval.shape, aval.dtype)
+            for node in sorted(replies, key=str):
+                slots = [s for s, _ in hosted[node]]
+                full[slots] = np.asarray(replies[node][k])
+            out[i] = full
+    return out
+
+
+# ------------------------------------------------------------------ the node side
+class NodeExecutor:
+    """A node's side of the client stages: its users' data, exported modules by key, and the
+    values kept between the stages of a round.
+
+    Args:
+        users: the names of the users this node hosts (its partition), in row order.
+        arrays: ``input_ids`` (users, seqs, L), ``attention_mask`` (users, seqs, L),
+            ``example_mask`` (users, seqs): only these users' data.
+        store_dir: where values kept between a round's client stages go (a Flower ClientApp
+            runs each message in a new process); None keeps them in memory.
+    """
+
+    def __init__(self, users: Sequence[str], arrays: dict[str, np.ndarray],
+                 store_dir: Any = None) -> None:
+        self.users = list(users)
+        self.row = {u: k for k, u in enumerate(self.users)}
+        self.arrays = arrays
+        self.modules: dict[str, Any] = {}
+        self.store: dict[tuple[int, int], Any] = {}
+        self.store_dir = store_dir
+
+    def _keep(self, round: int, var: int, value: Any) -> None:
+        if self.store_dir is None:
+            self.store[(round, var)] = value
+            return
+        from pathlib import Path
+
+        d = Path(self.store_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob("r*-v*.npy"):
+            if not old.name.startswith(f"r{round}-"):
+                old.unlink(missing_ok=True)
+        np.save(d / f"r{round}-v{var}.npy", np.asarray(value))
+
+    def _kept(self, round: int, var: int) -> Any:
+        if self.store_dir is None:
+            return self.store[(round, var)]
+        from pathlib import Path
+
+        return np.load(Path(self.store_dir) / f"r{round}-v{var}.npy")
+
+    def _module(self, call: StageCall) -> Any:
+        from jax import export
+
+        if call.module_key not in self.modules:
+            self.modules[call.module_key] = export.deserialize(bytearray(call.module))
+        return self.modules[call.module_key]
+
+    def _data(self, name: str, aval: Any, call: StageCall) -> np.ndarray:
+        full = np.zeros(aval.shape, aval.dtype)
+        src = self.arrays[name]
+        for slot, user in zip(call.slots, call.users, strict=True):
+            row = np.asarray(src[self.row[user]])
+            full[(slot, *[slice(0, d) for d in row.shape])] = row.astype(aval.dtype)
+        return full
+
+    def run(self, call: StageCall) -> dict[int, Any]:
+        """Run one client stage for the slots this node serves; returns {output index: value}."""
+        unknown = [u for u in call.users if u not in self.row]
+        if unknown:
+            raise ValueError(f"this node does not host user {unknown[0]!r}; the server's "
+                             "assignment does not match the node's partition")
+        exp = self._module(call)
+        self.store = {k: v for k, v in self.store.items() if k[0] == call.round}
+        args = []
+        for (kind, ref), aval in zip(call.inputs, exp.in_avals, strict=True):
+            if kind == "data":
+                args.append(self._data(ref, aval, call))
+            elif kind == "store":
+                args.append(self._kept(call.round, ref))
+            else:
+                args.append(ref)
+        outs = exp.call(*args)
+        reply: dict[int, Any] = {}
+        for k, (mode, out) in enumerate(zip(call.outputs, outs, strict=True)):
+            if KEEP in mode:
+                self._keep(call.round, call.output_ids[k], out)
+            if ROWS in mode:
+                reply[k] = np.asarray(out)[call.slots]
+            elif mode == SUM:
+                reply[k] = np.asarray(out)
+        return reply
+
+
+class LocalNodes:
+    """Nodes in this process (tests and the benchmark's baseline): node name -> executor."""
+
+    def __init__(self, executors: dict[Any, NodeExecutor], dead: Sequence[Any] = ()) -> None:
+        self.executors, self.dead = executors, set(dead)
+
+    def run_stage(self, calls: dict[Any, StageCall]) -> dict[Any, dict[int, Any]]:
+        return {node: self.executors[node].run(call) for node, call in calls.items()
+                if node not in self.dead}
+
+
+def call_to_wire(call: StageCall) -> dict[str, Any]:
+    return {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
+
+
+def call_from_wire(d: dict[str, Any]) -> StageCall:
+    d = dict(d)
+    d["inputs"] = [tuple(x) for x in d["inputs"]]
+    return StageCall(**d)

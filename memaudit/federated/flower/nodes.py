@@ -1,0 +1,123 @@
+"""Each SuperNode's data: its partition of the prepared corpus (its users' sequences only).
+
+`write_partitions(cfg, out, nodes)` prepares the run's data from the config (as the training
+run will), makes every training user a client (`memaudit.federated.data.build_client_data`),
+deals the users into ``nodes`` contiguous blocks and writes ``node-<i>.npz`` per node: the
+users' names, their packed sequences, attention masks and example masks, and one digest per
+user. A SuperNode is started with ``--node-config "partition='.../node-<i>.npz'"``; the server
+checks every node's digests against its own prepared data, so a partition made from another
+config is refused before the first round. Pin the tokenizer (``data.tokenizer``, the one the
+partitions were made with, printed by the command) so server and nodes tokenize alike.
+
+    python -m memaudit.federated.flower.nodes CONFIG --nodes 2 --out parts/ [key=value ...]
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memaudit.errors import DataError
+
+ARRAYS = ("input_ids", "attention_mask", "example_mask")
+
+
+def user_digest(ids: np.ndarray, mask: np.ndarray) -> str:
+    """sha256 of a user's real sequences (rows with example mask 1)."""
+    rows = np.asarray(ids)[np.asarray(mask, bool)]
+    return hashlib.sha256(np.ascontiguousarray(rows.astype(np.int32)).tobytes()).hexdigest()[:32]
+
+
+def client_digests(clients: Any) -> dict[str, str]:
+    """user name -> digest, for `memaudit.federated.data.ClientData`."""
+    return {u: user_digest(clients.input_ids[k], clients.example_mask[k])
+            for k, u in enumerate(clients.users)}
+
+
+def split_users(users: list[str], nodes: int) -> list[list[str]]:
+    """Contiguous blocks of users, one per node (sizes differ by at most one).
+
+    >>> split_users(["a", "b", "c"], 2)
+    [['a', 'b'], ['c']]
+    """
+    if nodes < 1 or nodes > len(users):
+        raise DataError(f"--nodes {nodes}: give between 1 and the {len(users)} training users")
+    return [list(b) for b in np.array_split(np.asarray(users, dtype=object), nodes)]
+
+
+def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
+    """Prepare the data of ``cfg`` under ``out/prepared`` and write ``out/node-<i>.npz``."""
+    from memaudit.data import prepare_data
+    from memaudit.federated.data import build_client_data
+    from memaudit.io import atomic_write_bytes
+    from memaudit.models.presets import get_preset
+    from memaudit.rundir import RunDir
+
+    out = Path(out)
+    scratch = RunDir(out / "prepared")
+    prepared = prepare_data(cfg.data, scratch, vocab_size=get_preset(cfg.model.preset).vocab_size)
+    clients = build_client_data(prepared.train)
+    blocks = split_users(list(clients.users), nodes)
+    index = {u: k for k, u in enumerate(clients.users)}
+    files = []
+    for i, block in enumerate(blocks):
+        rows = [index[u] for u in block]
+        arrays = {"users": np.asarray(block, dtype=str), "input_ids": clients.input_ids[rows],
+                  "attention_mask": clients.attention_mask[rows],
+                  "example_mask": clients.example_mask[rows]}
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        path = out / f"node-{i}.npz"
+        atomic_write_bytes(path, buf.getvalue())
+        files.append(str(path))
+    return {"partitions": files, "users": [len(b) for b in blocks],
+            "tokenizer": str(scratch.data_dir / "tokenizer")}
+
+
+def load_partition(path: str | Path) -> tuple[list[str], dict[str, np.ndarray]]:
+    """A node's users and arrays; one-line `DataError` for a missing, damaged or empty file."""
+    p = Path(path).expanduser()
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            users = [str(u) for u in z["users"]]
+            arrays = {k: np.asarray(z[k]) for k in ARRAYS}
+    except (OSError, KeyError, ValueError) as e:
+        raise DataError(f"the node partition '{p}' cannot be read ({type(e).__name__}); write it "
+                        "with python -m memaudit.federated.flower.nodes") from None
+    if not users:
+        raise DataError(f"the node partition '{p}' holds no users; give this SuperNode a "
+                        "non-empty partition")
+    return users, arrays
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from memaudit.config import load_config
+    from memaudit.errors import MemauditError
+
+    ap = argparse.ArgumentParser(prog="python -m memaudit.federated.flower.nodes",
+                                 description="Write each SuperNode's partition of a run's data.")
+    ap.add_argument("config", help="the run's YAML config")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, as for memaudit train")
+    ap.add_argument("--nodes", type=int, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    try:
+        info = write_partitions(load_config(a.config, a.overrides), a.out, a.nodes)
+    except (MemauditError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,345 @@
+"""Partition a traced federated program at its federated primitives into client and server stages.
+
+A round of a federated algorithm (`memaudit.federated.algorithms`, its ``round.program``) is
+traced once per cohort capacity with ``jax.make_jaxpr``; top-level ``jit`` calls are inlined,
+and every equation is placed by data flow:
+
+- a value is *clients-placed* when it is a clients-placed input (the cohort's data), the output
+  of `federated_broadcast`, or the output of a client equation; every other value is
+  server-placed;
+- an equation with a clients-placed input whose outputs keep the clients dim (``n`` leading)
+  is a *client* equation (the computation between a broadcast and the next aggregation);
+- a fused map-and-sum (`memaudit.federated.federated_map_sum`, a ``jit`` named
+  ``federated_map_sum``, possibly inside its ``custom_jvp``) is a client equation whose outputs
+  are *partial sums*: each node sums the clients it hosts, the server adds the nodes' sums;
+- every other equation is a *server* equation: `federated_sum` / `federated_mean`, the
+  aggregators, the server optimizer. A clients-placed input it reads is gathered from the
+  nodes row by row (each node sends the rows of the clients it hosts), so the server runs the
+  very equation the in-JAX program runs.
+
+Equations are then scheduled into alternating stages (server stage 0, client stage 1, server
+stage 2, ...): each equation goes to the earliest stage of its kind after its inputs exist
+where they are needed (a server value reaches the clients one stage after it is computed, a
+clients-placed value reaches the server one stage after). A client stage is exported with
+``jax.export`` (StableHLO, serialised), so a node runs it without the algorithm's code; a
+server stage is jitted where the server runs it. ``jax.grad`` of a federated loss (FedSGD) has
+two client stages (the forward pass, then the backward pass over the forward's residuals,
+which stay on the nodes between them).
+
+No per-algorithm code: FedAvg, FedAdam, DP-FedAvg (its clipping is client equations on the
+clients' deltas, its noise a server equation) and FedSGD partition by the same rules.
+
+References:
+    Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX"
+    (interpretation of a federated program into a production federated system).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from memaudit.errors import MemauditError
+
+SERVER, CLIENT = "server", "client"
+FUSED_NAMES = frozenset({"federated_map_sum"})
+
+
+class PlanError(MemauditError):
+    """The program cannot be run across processes as written (one line, with the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a round: equations of one kind, with the values crossing its boundary.
+
+    ``inputs`` / ``outputs`` are var ids. For a client stage, ``sums`` are the outputs that are
+    partial sums over each node's clients; ``keep`` the clients-placed outputs later client
+    stages read (they stay on the nodes); ``rows`` those the server reads (gathered by rows).
+    """
+
+    index: int
+    kind: str
+    ops: tuple
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    sums: frozenset[int] = frozenset()
+    keep: frozenset[int] = frozenset()
+    rows: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass
+class Plan:
+    """A partitioned round: its stages, how the jaxpr's inputs map to var ids, and the client
+    stages exported for the nodes (``modules[i]``: serialised ``jax.export`` bytes)."""
+
+    capacity: int
+    stages: list[Stage]
+    invars: list[int]  # var id of each flat input (after the closed jaxpr's consts)
+    consts: dict[int, Any]  # var id -> constant value
+    outvars: list[Any]  # var id, or a `Lit`
+    out_tree: Any
+    data_leaves: dict[int, str]  # var id of each clients-placed input -> its leaf name
+    avals: dict[int, Any]  # var id -> ShapedArray
+    modules: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    server_fns: dict[int, Callable] = dataclasses.field(default_factory=dict)
+
+    def module_key(self, stage: int) -> str:
+        """A stable name of client stage ``stage``'s module (nodes cache modules by it)."""
+        return hashlib.sha256(self.modules[stage]).hexdigest()[:24]
+
+    @property
+    def client_stages(self) -> list[Stage]:
+        return [s for s in self.stages if s.kind == CLIENT]
+
+
+# ------------------------------------------------------------------ tracing and placement
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One equation of the inlined round: its inputs (var ids, or ``Lit`` constants) and
+    outputs (var ids). Ids are fresh per inlining, so a ``jit`` called twice is two sets."""
+
+    eqn: Any
+    ins: tuple
+    outs: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lit:
+    value: Any
+
+
+class _Numbering:
+    def __init__(self) -> None:
+        self.avals: dict[int, Any] = {}
+
+    def new(self, aval: Any) -> int:
+        i = len(self.avals)
+        self.avals[i] = aval
+        return i
+
+
+def _inline(jaxpr: Any, env: dict, num: _Numbering, ops: list) -> None:
+    """Append the equations of ``jaxpr`` to ``ops`` with top-level ``jit`` calls inlined
+    (recursively), except the fused map-sums; ``env`` maps its vars to ids or `Lit` s."""
+    import jax.extend.core as jcore
+
+    def rd(v):
+        return Lit(v.val) if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [rd(v) for v in eqn.invars]
+        if name in ("pjit", "jit") and eqn.params.get("name") not in FUSED_NAMES:
+            inner = eqn.params["jaxpr"]
+            sub = {cv: Lit(c) for cv, c in zip(inner.jaxpr.constvars, inner.consts, strict=True)}
+            sub.update(zip(inner.jaxpr.invars, ins, strict=True))
+            _inline(inner.jaxpr, sub, num, ops)
+            for outer, inner_out in zip(eqn.outvars, inner.jaxpr.outvars, strict=True):
+                env[outer] = (Lit(inner_out.val) if isinstance(inner_out, jcore.Literal)
+                              else sub[inner_out])
+            continue
+        outs = []
+        for v in eqn.outvars:
+            env[v] = num.new(v.aval)
+            outs.append(env[v])
+        ops.append(Op(eqn, tuple(ins), tuple(outs)))
+
+
+def _is_fused_sum(eqn: Any) -> bool:
+    name = eqn.primitive.name
+    if name in ("pjit", "jit"):
+        return eqn.params.get("name") in FUSED_NAMES
+    if name in ("custom_jvp_call", "custom_vjp_call"):
+        inner = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        return inner is not None and any(_is_fused_sum(e) for e in inner.eqns)
+    return False
+
+
+def _leading(aval: Any, n: int) -> bool:
+    shape = tuple(getattr(aval, "shape", ()))
+    return len(shape) > 0 and shape[0] == n
+
+
+def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], capacity: int) -> Plan:
+    """Trace ``program(*args)`` and partition it into stages.
+
+    Args:
+        program: the round, ``(state, data, key) -> (state, metrics)`` (jittable).
+        args: example arguments (arrays or ``jax.ShapeDtypeStruct`` s) of the round's shapes.
+        placed: the clients-placed inputs (the cohort data's leaves): ``jax.tree_util.keystr``
+            of each one's path in ``args`` -> the name of its array on the nodes.
+        capacity: the clients dim n of the placed inputs.
+    """
+    import jax
+
+    closed, out_shape = jax.make_jaxpr(program, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tuple(args))]
+    missing = set(placed) - set(paths)
+    if missing:
+        raise PlanError(f"no argument leaf named {min(missing)!r}; pass the leaf paths of "
+                        "the clients-placed arguments")
+    num = _Numbering()
+    env: dict = {}
+    consts = {}
+    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = num.new(v.aval)
+        consts[env[v]] = c
+    invars = []
+    for v in jaxpr.invars:
+        env[v] = num.new(v.aval)
+        invars.append(env[v])
+    data_leaves = {i: placed[p] for i, p in zip(invars, paths, strict=True) if p in placed}
+    ops: list[Op] = []
+    _inline(jaxpr, env, num, ops)
+    import jax.extend.core as jcore
+
+    outvars = [Lit(v.val) if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+
+    kinds, sums = _placement(ops, num.avals, set(data_leaves), capacity)
+    start = {i: 0 for i in [*consts, *invars]}
+    start.update({i: 1 for i in data_leaves})
+    stages = _schedule(ops, kinds, start, sums, outvars)
+    gathered = []
+    for i, name in data_leaves.items():  # raw client data must not be read on the server
+        if any(i in s.inputs for s in stages if s.kind == SERVER):
+            if not name.endswith("mask"):
+                raise PlanError(f"the program reads the client data {name} on the server; "
+                                "compute what it needs inside federated_map and aggregate it")
+            gathered.append(i)  # an example mask: the nodes send its rows (counts, no text)
+    if gathered:
+        stages = _gather_inputs(stages, gathered)
+    return Plan(capacity, stages, invars, consts, outvars, jax.tree.structure(out_shape),
+                data_leaves, num.avals)
+
+
+def _placement(ops: list[Op], avals: dict[int, Any], data: set[int],
+               capacity: int) -> tuple[list[str], set[int]]:
+    """Each op's kind (CLIENT / SERVER) by data flow, and the var ids that are partial sums."""
+    from memaudit.federated.primitives import federated_broadcast_p
+
+    clients: set[int] = set(data)
+    kinds: list[str] = []
+    sums: set[int] = set()
+    for op in ops:
+        from_clients = any(isinstance(i, int) and i in clients for i in op.ins)
+        if op.eqn.primitive is federated_broadcast_p:
+            kind = CLIENT
+            clients.update(op.outs)
+        elif from_clients and _is_fused_sum(op.eqn):
+            kind = CLIENT
+            sums.update(op.outs)
+        elif from_clients and all(_leading(avals[o], capacity) for o in op.outs):
+            kind = CLIENT  # per-client work: the clients dim kept (rows are independent)
+            clients.update(op.outs)
+        else:
+            kind = SERVER
+        kinds.append(kind)
+    return kinds, sums
+
+
+def _schedule(ops: list[Op], kinds: list[str], start: dict[int, int], sums: set[int],
+              outvars: list) -> list[Stage]:
+    """Earliest-stage list scheduling: even stages run on the server, odd ones on the clients;
+    a value reaches the other side one stage after the stage that made it."""
+    made: dict[int, tuple[int, str]] = {
+        i: (s, CLIENT if s == 1 else SERVER) for i, s in start.items()}
+    stage_of: list[int] = []
+    for op, kind in zip(ops, kinds, strict=True):
+        need = 0 if kind == SERVER else 1
+        for i in op.ins:
+            if isinstance(i, int):
+                s, where = made[i]
+                need = max(need, s if where == kind else s + 1)
+        want = 0 if kind == SERVER else 1
+        stage = need if need % 2 == want else need + 1
+        stage_of.append(stage)
+        for o in op.outs:
+            made[o] = (stage, kind)
+
+    readers: dict[int, set[int]] = {}  # var id -> stages that read it
+    for op, st in zip(ops, stage_of, strict=True):
+        for i in op.ins:
+            if isinstance(i, int):
+                readers.setdefault(i, set()).add(st)
+    last = max(stage_of, default=0) + 2  # the round's outputs: read by the server at the end
+    for i in outvars:
+        if isinstance(i, int):
+            readers.setdefault(i, set()).add(last)
+    stages = []
+    for st in sorted(set(stage_of)):
+        mine = [op for op, s in zip(ops, stage_of, strict=True) if s == st]
+        produced = {o for op in mine for o in op.outs}
+        read = {i for op in mine for i in op.ins if isinstance(i, int)}
+        inputs = tuple(sorted(read - produced))
+        outputs = tuple(sorted(i for i in produced if readers.get(i, set()) - {st}))
+        if st % 2 == 0:
+            stages.append(Stage(st, SERVER, tuple(mine), inputs, outputs))
+            continue
+        later_client = {i for i in outputs if any(s % 2 for s in readers[i] - {st})}
+        later_server = {i for i in outputs if any(s % 2 == 0 for s in readers[i] - {st})}
+        sum_out = frozenset(i for i in outputs if i in sums)
+        if sum_out & later_client:
+            raise PlanError("a client stage reads a partial sum; aggregate it on the server first")
+        stages.append(Stage(st, CLIENT, tuple(mine), inputs, outputs, sum_out,
+                            frozenset(later_client - sum_out), frozenset(later_server - sum_out)))
+    return stages
+
+
+def _gather_inputs(stages: list[Stage], ids: list[int]) -> list[Stage]:
+    """Client stage 1 also returns the rows of the inputs ``ids`` (read on the server)."""
+    first = next((s for s in stages if s.index == 1), None)
+    if first is None:
+        first = Stage(1, CLIENT, (), (), ())
+        stages = sorted([*stages, first], key=lambda s: s.index)
+    new = dataclasses.replace(
+        first, inputs=tuple(sorted(set(first.inputs) | set(ids))),
+        outputs=tuple(sorted(set(first.outputs) | set(ids))), rows=first.rows | set(ids))
+    return [new if s is first else s for s in stages]
+
+
+# ------------------------------------------------------------------ stage functions
+def stage_function(stage: Stage) -> Callable:
+    """``fn(*inputs) -> outputs`` evaluating ``stage``'s equations (as `jax.core.eval_jaxpr`)."""
+
+    def fn(*ins):
+        env = dict(zip(stage.inputs, ins, strict=True))
+        for op in stage.ops:
+            vals = [i.value if isinstance(i, Lit) else env[i] for i in op.ins]
+            params = op.eqn.primitive.get_bind_params(op.eqn.params)
+            with op.eqn.ctx.manager:
+                out = op.eqn.primitive.bind(*vals, **params)
+            out = out if op.eqn.primitive.multiple_results else [out]
+            env.update(zip(op.outs, out, strict=True))
+        return tuple(env[i] for i in stage.outputs)
+
+    return fn
+
+
+def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, str],
+                 capacity: int) -> Plan:
+    """`trace` the round, export its client stages (``jax.export``, serialised StableHLO a node
+    runs without the algorithm's code) and jit its server stages."""
+    import jax
+    from jax import export
+
+    plan = trace(program, args, placed, capacity)
+    for st in plan.stages:
+        fn = stage_function(st)
+        if st.kind == SERVER:
+            plan.server_fns[st.index] = jax.jit(fn)
+            continue
+        structs = [_struct(plan.avals[i]) for i in st.inputs]
+        exp = export.export(jax.jit(fn), platforms=("cpu",))(*structs)
+        plan.modules[st.index] = bytes(exp.serialize())
+    return plan
+
+
+def _struct(aval):
+    import jax
+
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)

@@ -1,0 +1,259 @@
+"""The federated trainer on Flower: the same run, its client computation on SuperNodes.
+
+``memaudit train CONFIG federated.runtime=flower`` calls `train_on_flower` (from
+`memaudit.federated.trainer.train_federated`): it checks that Flower is installed and the
+SuperLink reachable, writes a small Flower App (`memaudit.federated.flower.deploy`) and submits
+it with ``flwr run``. The SuperLink starts memaudit's ``ServerApp``, which runs
+`FlowerTrainer` on the run directory: the in-JAX `FederatedTrainer` (same cohorts, keys, ledger,
+metrics, checkpoints, Hugging Face export, resume) whose rounds run the partitioned program
+(`memaudit.federated.flower.partition`): server stages in the ServerApp, client stages on the
+SuperNodes that host the sampled users. A SuperNode that does not answer a stage within
+``federated.flower.stage_timeout`` is dropped for the round with all its users (their slots
+count as absent: weight 0), which the round's metrics record (``dropped_users``,
+``dropped_nodes``).
+
+References:
+    Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX";
+    Beutel et al. 2020, "Flower: A Friendly Federated Learning Research Framework".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memaudit.errors import ConfigError, MemauditError
+from memaudit.federated.trainer import FederatedTrainer
+
+PLACED = {"[1].examples['input_ids']": "input_ids",
+          "[1].examples['attention_mask']": "attention_mask", "[1].mask": "example_mask"}
+
+
+# ------------------------------------------------------------------ the nodes, over a Grid
+class FlowerNodes:
+    """The SuperNodes of a Flower run, as `memaudit.federated.flower.execute.Nodes`."""
+
+    def __init__(self, grid: Any, fcfg: Any) -> None:
+        self.grid, self.fcfg = grid, fcfg
+
+    def _wait_for_nodes(self) -> list[int]:
+        deadline = time.monotonic() + self.fcfg.connect_timeout
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= self.fcfg.min_nodes:
+                return nodes
+            if time.monotonic() > deadline:
+                raise MemauditError(
+                    f"{len(nodes)} of federated.flower.min_nodes={self.fcfg.min_nodes} SuperNodes "
+                    f"connected within {self.fcfg.connect_timeout:g} s; start more SuperNodes or "
+                    "lower federated.flower.min_nodes")
+            time.sleep(0.5)
+
+    def connect(self, digests: dict[str, str]) -> dict[str, int]:
+        """Ask every node which users it hosts; returns user -> node. One-line errors for a node
+        without a partition, a user hosted twice or by no node, or data that is not the run's."""
+        from flwr.app import Message
+
+        from memaudit.federated.flower import wire
+        from memaudit.federated.flower.apps import HELLO
+
+        nodes = self._wait_for_nodes()
+        msgs = [Message(wire.content({}), dst_node_id=n, message_type=f"query.{HELLO}") for n in nodes]
+        replies = list(self.grid.send_and_receive(msgs, timeout=self.fcfg.connect_timeout))
+        host: dict[str, int] = {}
+        answered = [r for r in replies if not r.has_error()]  # an unavailable node is no host
+        if len(answered) < self.fcfg.min_nodes:
+            raise MemauditError(
+                f"{len(answered)} of federated.flower.min_nodes={self.fcfg.min_nodes} SuperNodes "
+                "answered; check their logs, or lower federated.flower.min_nodes")
+        for r in sorted(answered, key=lambda m: m.metadata.src_node_id):
+            node = r.metadata.src_node_id
+            body = wire.read(r)
+            if "error" in body:
+                raise MemauditError(f"SuperNode {node}: {body['error']}")
+            for u, d in zip(body["users"], body["digests"], strict=True):
+                if u in host:
+                    raise MemauditError(f"user {u!r} is in the partitions of SuperNodes {host[u]} "
+                                        f"and {node}; give each user to one node")
+                if u not in digests or digests[u] != d:
+                    raise MemauditError(
+                        f"SuperNode {node}'s partition does not match this run's data (user {u!r}); "
+                        "write the partitions from the run's config with the same data.tokenizer")
+                host[u] = node
+        missing = [u for u in digests if u not in host]
+        if missing:
+            raise MemauditError(f"{len(missing)} training users (e.g. {missing[0]!r}) are on no "
+                                "connected SuperNode; start the SuperNodes of every partition")
+        return host
+
+    def run_stage(self, calls: dict[Any, Any]) -> dict[Any, dict[int, Any]]:
+        from flwr.app import Message
+
+        from memaudit.federated.flower import wire
+        from memaudit.federated.flower.apps import STAGE
+        from memaudit.federated.flower.execute import call_to_wire
+
+        msgs = [Message(wire.content(call_to_wire(c)), dst_node_id=n, message_type=f"train.{STAGE}",
+                        group_id=str(c.round)) for n, c in calls.items()]
+        out: dict[Any, dict[int, Any]] = {}
+        for r in self.grid.send_and_receive(msgs, timeout=self.fcfg.stage_timeout):
+            if r.has_error():  # the node died, or its ClientApp failed: dropped for the round
+                continue
+            out[r.metadata.src_node_id] = {int(k): v for k, v in wire.read(r)["outputs"].items()}
+        return out
+
+
+# ------------------------------------------------------------------ the trainer
+class FlowerTrainer(FederatedTrainer):
+    """`FederatedTrainer` whose rounds run the partitioned program against ``nodes``."""
+
+    def __init__(self, cfg: Any, run: Any, nodes: Any, *, progress: Any = None) -> None:
+        super().__init__(cfg, run, progress=progress)
+        self.nodes = nodes
+        self._plans: dict[int, Any] = {}
+
+    def prepare(self, resume: bool) -> None:
+        from memaudit.federated.flower.nodes import client_digests
+
+        super().prepare(resume)
+        # Each node runs its own clients: no clients mesh in the server's process.
+        self.mesh = None
+        self.capacity = self._base_capacity()
+        self.algorithm = self.build_algorithm()
+        if getattr(self.algorithm.round, "program", None) is None:
+            check_supported(self.cfg)
+            raise ConfigError("this algorithm's round is not one traceable program; use "
+                              "federated.runtime=jax")
+        self.user_node = self.nodes.connect(client_digests(self.clients))
+
+    def _data_struct(self, cap: int) -> Any:
+        import jax
+
+        from memaudit.federated.cohorts import ClientData
+
+        s_max, length = self.clients.input_ids.shape[1:]
+        ids = jax.ShapeDtypeStruct((cap, s_max, length), np.int32)
+        return ClientData({"input_ids": ids, "attention_mask": ids},
+                          jax.ShapeDtypeStruct((cap, s_max), np.float32))
+
+    def plan(self, cap: int, state: Any, key: Any) -> Any:
+        """The round's partitioned program for a cohort capacity (traced once per capacity)."""
+        from memaudit.federated.flower.partition import compile_plan
+
+        if cap not in self._plans:
+            self._plans[cap] = compile_plan(self.algorithm.round.program,
+                                            (state, self._data_struct(cap), key), PLACED, cap)
+        return self._plans[cap]
+
+    def algorithm_round(self, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
+        import jax
+        import jax.numpy as jnp
+
+        from memaudit.federated.algorithms import _host_metrics
+        from memaudit.federated.flower.execute import run_round
+
+        cap = self.round_capacity(len(cohort))
+        plan = self.plan(cap, state, key)
+        assignment: dict[int, list[tuple[int, str]]] = {}
+        for slot, k in enumerate(cohort):
+            user = self.clients.users[int(k)]
+            assignment.setdefault(self.user_node[user], []).append((slot, user))
+        (state, metrics), info = run_round(plan, (state, self._data_struct(cap), key), self.nodes,
+                                           assignment, round=r)
+        state = jax.tree.map(jnp.asarray, state)
+        m = _host_metrics(*metrics)
+        m.update(dropped_users=len(info["dropped_slots"]), dropped_nodes=len(info["dropped_nodes"]))
+        return state, m
+
+
+# ------------------------------------------------------------------ the two processes
+def check_supported(cfg: Any) -> None:
+    """One-line error for what does not run on Flower yet: a host-side aggregator (secure
+    aggregation, distributed DP) makes the round more than one traceable program."""
+    p = cfg.privacy
+    if p.secure_aggregation.enabled or (p.enabled and p.mechanism == "distributed"):
+        raise ConfigError("secure aggregation and distributed DP do not run on "
+                          "federated.runtime=flower yet; use federated.runtime=jax or turn them off")
+
+
+def serve_run(grid: Any, *, launch_dir: Path) -> None:
+    """The ServerApp's work: train the run ``launch_dir/launch.json`` names on this ``grid``;
+    writes ``result.json`` or a one-line ``error.json`` there for the submitting process."""
+    from memaudit.config import config_from_dict
+    from memaudit.io import atomic_write_json, read_json
+    from memaudit.lifecycle import one_line_error
+    from memaudit.rundir import RunDir
+
+    launch = read_json(launch_dir / "launch.json", what="Flower launch file")
+    try:
+        cfg = config_from_dict(launch["config"], source="Flower launch file")
+        trainer = FlowerTrainer(cfg, RunDir(launch["run_dir"]), FlowerNodes(grid, cfg.federated.flower))
+        result = trainer.fit(resume=launch["resume"], overwrite=launch["overwrite"], lock_held=True)
+    except BaseException as e:
+        text = (str(e).strip().splitlines() or [""])[0]
+        msg = text if isinstance(e, MemauditError | ValueError) and text else one_line_error(e)
+        atomic_write_json(launch_dir / "error.json", {"error": msg})
+        raise
+    atomic_write_json(launch_dir / "result.json", result)
+
+
+def train_on_flower(cfg: Any, run: Any, *, resume: bool = False, progress: Any = None,
+                    overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
+    """Submit the run to the Flower federation of ``cfg.federated.flower``; returns the result.
+
+    Raises one-line errors when flwr is not installed, the SuperLink cannot be reached, or the
+    ServerApp failed (its own one-line error: e.g. a SuperNode with an empty partition).
+    """
+    from memaudit.config import dump_config
+    from memaudit.federated.flower import deploy
+    from memaudit.io import atomic_write_json, read_json
+
+    check_supported(cfg)
+    deploy.require_flwr()
+    fcfg = cfg.federated.flower
+    deploy.check_reachable(fcfg.superlink)
+    launch = Path(tempfile.mkdtemp(prefix="memaudit-flower-"))
+    atomic_write_json(launch / "launch.json", {
+        "config": dump_config(cfg), "run_dir": str(Path(run.path).resolve()), "resume": resume,
+        "overwrite": overwrite})
+    ok = False
+    try:
+        with contextlib.nullcontext() if lock_held else run.locked():
+            code = deploy.submit(launch, fcfg, progress=_metrics_progress(run, cfg, progress))
+        if (launch / "error.json").is_file():
+            raise MemauditError(read_json(launch / "error.json")["error"])
+        if not (launch / "result.json").is_file():
+            raise MemauditError(f"the Flower run ended without a result (flwr run exit code {code}); "
+                                f"see {launch / 'flwr-run.log'}")
+        ok = True
+        return read_json(launch / "result.json")
+    finally:
+        if ok:
+            shutil.rmtree(launch, ignore_errors=True)
+
+
+def _metrics_progress(run: Any, cfg: Any, progress: Any) -> Any:
+    """A poll function passing new lines of metrics.jsonl on to ``progress``."""
+    if progress is None:
+        return None
+    seen = [0]
+    path = Path(run.path) / "metrics.jsonl"
+
+    def poll() -> None:
+        if not path.is_file():
+            return
+        lines = path.read_text().splitlines()
+        for line in lines[seen[0]:]:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                progress(int(rec.get("round", 0)), cfg.federated.rounds, rec)
+        seen[0] = len(lines)
+
+    return poll

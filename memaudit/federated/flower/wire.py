@@ -1,0 +1,80 @@
+"""What travels in memaudit's Flower messages: msgpack with NumPy arrays, in one bytes field.
+
+A message's content is ``RecordDict({"memaudit": ConfigRecord({"payload": bytes})})``; the
+payload is a msgpack map whose arrays are extension objects (dtype name, shape, raw bytes),
+read back with ``np.frombuffer`` (never unpickled).
+
+>>> import numpy as np
+>>> out = unpack(pack({"a": np.arange(3, dtype=np.int32), "b": [1, "x"]}))
+>>> out["a"].tolist(), out["b"]
+([0, 1, 2], [1, 'x'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_ARRAY = 7
+RECORD, FIELD = "memaudit", "payload"
+
+
+def _dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:  # bfloat16 and other ml_dtypes
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _default(obj: Any) -> Any:
+    import msgpack
+
+    if isinstance(obj, np.generic):
+        obj = np.asarray(obj)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype == object:
+            raise TypeError("object arrays cannot be sent")
+        head = msgpack.packb([obj.dtype.name, list(obj.shape)])
+        return msgpack.ExtType(_ARRAY, head + np.ascontiguousarray(obj).tobytes())
+    if hasattr(obj, "__array__"):  # a jax.Array
+        return _default(np.asarray(obj))
+    raise TypeError(f"cannot send a {type(obj).__name__}")
+
+
+def _ext(code: int, data: bytes) -> Any:
+    import msgpack
+
+    if code != _ARRAY:
+        return msgpack.ExtType(code, data)
+    unp = msgpack.Unpacker(raw=False)
+    unp.feed(data)
+    name, shape = next(unp)
+    offset = unp.tell()
+    return np.frombuffer(data, dtype=_dtype(name), offset=offset).reshape(shape).copy()
+
+
+def pack(obj: Any) -> bytes:
+    import msgpack
+
+    return msgpack.packb(obj, default=_default, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    import msgpack
+
+    return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
+
+
+def content(obj: Any) -> Any:
+    """A Flower ``RecordDict`` carrying ``obj``."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    return RecordDict({RECORD: ConfigRecord({FIELD: pack(obj)})})
+
+
+def read(message: Any) -> Any:
+    """The object a memaudit Flower message carries."""
+    return unpack(message.content[RECORD][FIELD])

@@ -1,0 +1,323 @@
+"""The federated program partitioned at its primitives (memaudit.federated.flower.partition /
+execute), run in this process against nodes that hold only their users' data: the result equals
+the in-JAX program's, for FedAvg, FedAdam, DP-FedAvg with adaptive clipping and FedSGD (jax.grad
+of a federated loss), with no per-algorithm code; plus the bad inputs of the Flower runtime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+import optax
+
+from memaudit.federated import algorithms as alg
+from memaudit.federated.cohorts import ClientData
+from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_round
+from memaudit.federated.flower.partition import CLIENT, PlanError, compile_plan
+
+U, S, CAP = 6, 3, 4
+PLACED = {"[1].examples['x']": "x", "[1].examples['y']": "y", "[1].mask": "example_mask"}
+COHORT = [0, 2, 3, 5]  # users in cohort slots 0..3
+HOSTS = {"A": ["u0", "u1", "u2"], "B": ["u3", "u4", "u5"]}
+
+
+def _loss(p, b):
+    pred = jnp.tanh(b["x"] @ p["w"]) + p["b"]
+    return jnp.mean((pred - b["y"]) ** 2, axis=-1), None
+
+
+@pytest.fixture(scope="module")
+def users():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(U, S, 3)).astype(np.float32)
+    y = rng.normal(size=(U, S, 2)).astype(np.float32)
+    m = np.ones((U, S), np.float32)
+    m[2, 1:] = 0  # user 2 has one example
+    return x, y, m
+
+
+def _params():
+    return {"w": jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(3, 2), "b": jnp.zeros(2)}
+
+
+def _algorithm(kind: str):
+    if kind == "fedsgd":
+        return alg.fedsgd(_loss, server_optimizer=optax.sgd(0.5))
+    agg = None
+    if kind == "dp-adaptive":
+        from memaudit.config import AdaptiveClipConfig
+        from memaudit.federated.aggregators import mean_aggregator
+        from memaudit.federated.dp import dp_fedavg
+
+        agg = dp_fedavg(mean_aggregator(), clip=0.5, noise_multiplier=0.7, expected_cohort=3.0,
+                        adaptive=AdaptiveClipConfig(enabled=True, initial_clip=0.3, count_noise=1.0))
+    server = optax.adam(0.05, b1=0.9, b2=0.99, eps=1e-3) if kind == "fedadam" else optax.sgd(1.0)
+    return alg.fedavg(_loss, client_optimizer=optax.sgd(0.2), server_optimizer=server,
+                      local_steps=2, batch_size=2, aggregator=agg)
+
+
+def _cohort_data(users, dead_slots=()):
+    x, y, m = users
+    data = ClientData({"x": np.zeros((CAP, S, 3), np.float32), "y": np.zeros((CAP, S, 2), np.float32)},
+                      np.zeros((CAP, S), np.float32))
+    for slot, u in enumerate(COHORT):
+        if slot in dead_slots:
+            continue  # an absent slot: what a dropped user is in the in-JAX program
+        data.examples["x"][slot], data.examples["y"][slot], data.mask[slot] = x[u], y[u], m[u]
+    return data
+
+
+def _nodes(users, dead=()):
+    x, y, m = users
+    ex = {}
+    for name, hosted in HOSTS.items():
+        idx = [int(u[1:]) for u in hosted]
+        ex[name] = NodeExecutor(hosted, {"x": x[idx], "y": y[idx], "example_mask": m[idx]})
+    return LocalNodes(ex, dead=dead)
+
+
+def _assignment():
+    out: dict[str, list] = {}
+    for slot, u in enumerate(COHORT):
+        name = next(n for n, h in HOSTS.items() if f"u{u}" in h)
+        out.setdefault(name, []).append((slot, f"u{u}"))
+    return out
+
+
+def _struct(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+_RUNS: dict = {}
+
+
+def _two_rounds(kind, users, dead=(), dead_slots=()):
+    """(in-JAX state, partitioned state, plan, info) after two rounds from the same state and
+    keys (computed once per case in this module)."""
+    if (kind, dead) not in _RUNS:
+        _RUNS[(kind, dead)] = _compute_two_rounds(kind, users, dead, dead_slots)
+    return _RUNS[(kind, dead)]
+
+
+def _compute_two_rounds(kind, users, dead, dead_slots):
+    a = _algorithm(kind)
+    ref = got = a.init(_params())
+    plan = None
+    for r in range(2):
+        key = jax.random.fold_in(jax.random.key(3), r)
+        ref, _ = a.round.program(ref, _cohort_data(users, dead_slots), key)
+        if plan is None:
+            plan = compile_plan(a.round.program, (got, _struct(_cohort_data(users)), key), PLACED, CAP)
+        (got, _), info = run_round(plan, (got, _struct(_cohort_data(users)), key), _nodes(users, dead),
+                                   _assignment(), round=r)
+    return ref, got, plan, info
+
+
+def _max_diff(a, b):
+    return max([float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)], default=0.0)
+
+
+@pytest.mark.parametrize("kind", ["fedavg", "fedadam", "dp-adaptive", "fedsgd"])
+def test_partitioned_round_equals_in_jax_program(kind, users):
+    ref, got, plan, info = _two_rounds(kind, users)
+    # Rows gathered by the server run the same equations: bit for bit; FedAvg's fused
+    # map-and-sum adds the two nodes' partial sums (a float reassociation).
+    assert _max_diff(ref.params, got.params) <= (1e-6 if kind in ("fedavg", "fedadam") else 0.0)
+    assert _max_diff(ref.opt_state, got.opt_state) <= 1e-6
+    assert int(got.round) == 2 and info["dropped_nodes"] == []
+    assert all(len(m) > 0 for m in plan.modules.values())  # client stages exported (jax.export)
+
+
+def test_fedsgd_backward_pass_is_a_second_client_stage(users):
+    """jax.grad of the federated loss: forward on the clients, the server's sum, the backward
+    on the clients over residuals that stayed on the nodes, the server's sum and update."""
+    _, _, plan, _ = _two_rounds("fedsgd", users)
+    kinds = [s.kind for s in plan.stages]
+    assert kinds.count(CLIENT) == 2
+    assert plan.client_stages[0].keep  # residuals kept on the nodes for the backward stage
+
+
+def test_dp_fedavg_clips_on_the_clients(users):
+    """DP-FedAvg's per-client clipping is client computation; the noise is the server's."""
+    _, _, plan, _ = _two_rounds("dp-adaptive", users)
+    client_prims = {op.eqn.primitive.name for s in plan.client_stages for op in s.ops}
+    server_prims = {op.eqn.primitive.name for s in plan.stages if s.kind != CLIENT for op in s.ops}
+    assert "sqrt" in client_prims  # the per-client norms
+    assert "federated_sum" in server_prims or "federated_mean" in server_prims
+    assert any(p.startswith("random_bits") or p == "erf_inv" for p in server_prims)
+
+
+@pytest.mark.parametrize("kind", ["fedavg", "dp-adaptive"])
+def test_dead_node_drops_its_users_as_absent_slots(kind, users):
+    """Node B dies: its users (slots 2 and 3) count as absent, as in the in-JAX program with
+    those slots empty; the round records the drop."""
+    ref, got, _, info = _two_rounds(kind, users, dead=("B",), dead_slots=(2, 3))
+    assert _max_diff(ref.params, got.params) <= 1e-6
+    assert info == {"dropped_nodes": ["B"], "dropped_slots": [2, 3]}
+
+
+def test_reading_client_text_on_the_server_is_refused(users):
+    def leaky(state, data, key):  # the server reads the clients' raw examples
+        return state, ({"x": jnp.sum(data.examples["x"])},)
+
+    with pytest.raises(PlanError, match="reads the client data x on the server"):
+        compile_plan(leaky, (_params(), _struct(_cohort_data(users)), jax.random.key(0)), PLACED, CAP)
+
+
+def test_node_refuses_users_it_does_not_host(users):
+    a = _algorithm("fedavg")
+    st = a.init(_params())
+    key = jax.random.key(0)
+    plan = compile_plan(a.round.program, (st, _struct(_cohort_data(users)), key), PLACED, CAP)
+    bad = {"A": [(0, "u0"), (1, "u5")]}  # u5 lives on B
+    with pytest.raises(ValueError, match="does not host user 'u5'"):
+        run_round(plan, (st, _struct(_cohort_data(users)), key), _nodes(users), bad, round=0)
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_unknown_runtime_is_one_line_config_error():
+    from memaudit.config import load_config
+    from memaudit.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError)) as e:
+        load_config(None, ["federated.runtime=spark"])
+    assert "runtime" in str(e.value) and "\n" not in str(e.value).strip()
+
+
+def test_insecure_superlink_off_localhost_is_refused():
+    from memaudit.config import FlowerConfig
+
+    with pytest.raises(ValueError, match="localhost only"):
+        FlowerConfig(superlink="10.0.0.5:9091", insecure=True)
+    FlowerConfig(superlink="127.0.0.1:9091", insecure=True)
+
+
+def test_flwr_missing_names_the_extra(monkeypatch):
+    import builtins
+
+    from memaudit.errors import ConfigError
+    from memaudit.federated.flower import deploy
+
+    real = builtins.__import__
+
+    def no_flwr(name, *a, **kw):
+        if name == "flwr" or name.startswith("flwr."):
+            raise ImportError(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_flwr)
+    with pytest.raises(ConfigError, match=r"memaudit\[flower\]"):
+        deploy.require_flwr()
+
+
+def test_unreachable_superlink_is_one_line():
+    from memaudit.errors import MemauditError
+    from memaudit.federated.flower.deploy import check_reachable, free_port
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(MemauditError, match=f"SuperLink at 127.0.0.1:{port} cannot be reached"):
+        check_reachable(f"127.0.0.1:{port}")
+
+
+def test_cli_train_with_unreachable_superlink_exits_2(tmp_path, capsys):
+    pytest.importorskip("flwr")
+    from memaudit.cli import main
+    from memaudit.federated.flower.deploy import free_port
+
+    port = free_port()
+    rc = main(["train", "configs/tiny.yaml", "--out", str(tmp_path / "run"), "--set", "backend=federated",
+               "--set", "federated.runtime=flower", "--set", f"federated.flower.superlink=127.0.0.1:{port}",
+               "--set", "federated.flower.insecure=true"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "cannot be reached" in err and len(err.splitlines()) == 1
+
+
+def test_empty_partition_is_refused(tmp_path):
+    from memaudit.errors import DataError
+    from memaudit.federated.flower.nodes import load_partition
+
+    p = tmp_path / "node-0.npz"
+    np.savez(p, users=np.asarray([], dtype=str), input_ids=np.zeros((0, 1, 4), np.int32),
+             attention_mask=np.zeros((0, 1, 4), np.int8), example_mask=np.zeros((0, 1), bool))
+    with pytest.raises(DataError, match="holds no users"):
+        load_partition(p)
+
+
+class _FakeGrid:
+    """A Grid whose nodes answer the hello with fixed bodies."""
+
+    def __init__(self, bodies, monkeypatch):
+        from flwr.supercore.task_identity import TaskIdentity
+
+        for attr in ("_run_id", "_node_id", "_task_id"):  # as inside a ServerApp
+            monkeypatch.setattr(TaskIdentity, attr, 1)
+        self.bodies = bodies
+
+    def get_node_ids(self):
+        return list(self.bodies)
+
+    def send_and_receive(self, msgs, timeout=None):
+        from flwr.app import Message, Metadata
+
+        from memaudit.federated.flower import wire
+
+        out = []
+        for m in msgs:
+            node = m.metadata.dst_node_id
+            meta = Metadata(run_id=0, message_id="", src_node_id=node, dst_node_id=0,
+                            reply_to_message_id="", group_id="", created_at=0.0, ttl=60.0,
+                            message_type=m.metadata.message_type)
+            out.append(Message(metadata=meta, content=wire.content(self.bodies[node])))
+        return out
+
+
+def test_server_refuses_a_node_with_an_empty_partition(monkeypatch):
+    pytest.importorskip("flwr")
+    from memaudit.config import FlowerConfig
+    from memaudit.errors import MemauditError
+    from memaudit.federated.flower.trainer import FlowerNodes
+
+    grid = _FakeGrid({7: {"users": ["a"], "digests": ["d"]},
+                      9: {"error": "the node partition 'p.npz' holds no users; give this SuperNode "
+                                   "a non-empty partition"}}, monkeypatch)
+    with pytest.raises(MemauditError, match="SuperNode 9: the node partition 'p.npz' holds no users"):
+        FlowerNodes(grid, FlowerConfig(min_nodes=2)).connect({"a": "d"})
+
+
+def test_server_refuses_partitions_of_other_data(monkeypatch):
+    pytest.importorskip("flwr")
+    from memaudit.config import FlowerConfig
+    from memaudit.errors import MemauditError
+    from memaudit.federated.flower.trainer import FlowerNodes
+
+    grid = _FakeGrid({7: {"users": ["a"], "digests": ["other"]}, 9: {"users": ["b"], "digests": ["d"]}},
+                     monkeypatch)
+    with pytest.raises(MemauditError, match="does not match this run's data"):
+        FlowerNodes(grid, FlowerConfig(min_nodes=2)).connect({"a": "d", "b": "d"})
+
+
+def test_secure_aggregation_on_flower_is_refused_before_submitting():
+    from memaudit.config import load_config
+    from memaudit.errors import ConfigError
+    from memaudit.federated.flower.trainer import check_supported
+
+    cfg = load_config(None, ["backend=federated", "federated.runtime=flower",
+                             "privacy.secure_aggregation.enabled=true"])
+    with pytest.raises(ConfigError, match="do not run on federated.runtime=flower yet"):
+        check_supported(cfg)
+
+
+def test_interrupted_submit_stops_the_flower_run(tmp_path, monkeypatch):
+    """An interrupted `memaudit train` also stops the run on the SuperLink (flwr stop RUN_ID)."""
+    import subprocess
+
+    from memaudit.federated.flower import deploy
+
+    (tmp_path / "flwr-run.log").write_text("Using SuperLink: memaudit\nSuccessfully started run 4242\n")
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd))
+    deploy._stop_run(tmp_path, {})
+    assert seen and seen[0][1:] == ["stop", "4242", deploy.CONNECTION]
