@@ -1,0 +1,195 @@
+"""`model.init_from`: a Hugging Face Llama checkpoint as the starting point of both backends.
+
+One session-scoped tiny base (the tiny preset's shape, initialised from another seed than any
+run's, with its own tokenizer) is fine-tuned briefly on each backend. The oracle for "the run
+started from the base's weights" is the base's holdout loss on the run's own holdout set,
+computed here with a plain torch loop over the checkpoint on disk: the run's
+`initial_holdout_loss` (evaluated before step 1) must equal it. Bad inputs go through
+`memaudit.cli.main` and must give exit 2, one line, and leave the disk as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memaudit.cli import main
+from tests.conftest import REPO_ROOT, tiny_train_args
+
+TINY = str(REPO_ROOT / "configs" / "tiny.yaml")
+FED = ("backend=federated", "federated.rounds=2", "federated.cohort=4", "federated.local_steps=1",
+       "federated.eval_every=1", "federated.checkpoint_every=10", "federated.mesh_clients=1")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint + tokenizer trained on public text only (seed 123 weights)."""
+    from memaudit.data.synth import synthesize_public
+    from memaudit.data.tokenizer import train_tokenizer
+    from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
+    from memaudit.models.presets import build_model
+
+    d = tmp_path_factory.mktemp("base") / "model"
+    tok = train_tokenizer([x.text for x in synthesize_public(16, 4, seed=3)], vocab_size=4096)
+    model = build_model("tiny", vocab_size=4096, seed=123)
+    set_special_tokens(model, tok)
+    save_pretrained_quietly(model, d)
+    tok.save_pretrained(str(d))
+    return d
+
+
+def _holdout_loss_of(model_dir: Path, run: Path, batches: int, batch_size: int) -> float:
+    """Oracle: mean next-token loss of the checkpoint on the run's first holdout sequences."""
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    h = load_file(str(run / "data" / "holdout.safetensors"))
+    n = min(len(h["input_ids"]), batches * batch_size)
+    ids, am = torch.as_tensor(h["input_ids"][:n]).long(), torch.as_tensor(h["attention_mask"][:n]).long()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(n):  # one sequence at a time: no batching or padding effects
+            m = am[i].bool()
+            x = ids[i][m][None]
+            logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].double(), -1)
+            total -= float(logp.gather(1, x[0, 1:, None]).sum())
+            count += x.shape[1] - 1
+    return total / count
+
+
+def _train(tmp: Path, base: Path, *extra: str) -> tuple[int, Path]:
+    out = tmp / "run"
+    rc = main(["train", TINY, "--out", str(out),
+               *tiny_train_args("train.steps=2", "train.eval_every=1", f"model.init_from={base}", *extra)])
+    return rc, out
+
+
+def _tokenizer_json(d: Path) -> dict:
+    return json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+
+
+@pytest.mark.parametrize("extra", [(), FED], ids=["torch", "jax"])
+def test_run_starts_from_the_base_and_adopts_its_tokenizer(tmp_path, tiny_base, extra):
+    rc, out = _train(tmp_path, tiny_base, *extra)
+    assert rc == 0
+    m = json.loads((out / "run.json").read_text())
+    assert m["status"] == "complete"
+    oracle = _holdout_loss_of(tiny_base, out, batches=2, batch_size=8)
+    assert m["result"]["initial_holdout_loss"] == pytest.approx(oracle, rel=1e-4)
+    # the tokenizer is the base's, in data/ and in the exported model
+    assert _tokenizer_json(out / "data" / "tokenizer") == _tokenizer_json(tiny_base)
+    assert _tokenizer_json(out / "model") == _tokenizer_json(tiny_base)
+    # provenance: path and sha256 of the weights in run.json and meta.json
+    sha = hashlib.sha256(b"model.safetensors\0" + (tiny_base / "model.safetensors").read_bytes()).hexdigest()
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    for rec in (m["base_model"], meta["base_model"]):
+        assert rec["path"] == str(tiny_base.resolve()) and rec["weights_sha256"] == sha
+    cfg = json.loads((out / "model" / "config.json").read_text())
+    assert cfg["hidden_size"] == 128 and cfg["vocab_size"] == 4096
+
+
+def test_preset_start_differs_from_the_base(tmp_path, tiny_base):
+    """The oracle separates the two starting points (so the test above can fail)."""
+    out = tmp_path / "run"
+    rc = main(["train", TINY, "--out", str(out), *tiny_train_args("train.steps=1", "train.eval_every=1")])
+    assert rc == 0
+    m = json.loads((out / "run.json").read_text())
+    # same data, another tokenizer: compare the preset run's start with the base on the preset data
+    assert "base_model" not in m
+    assert m["result"]["initial_holdout_loss"] != pytest.approx(
+        _holdout_loss_of(tiny_base, out, batches=2, batch_size=8), rel=1e-3)
+
+
+def test_jax_params_equal_the_checkpoint(tiny_base):
+    """The federated trainer's starting parameters are the checkpoint's, bit for bit."""
+    from safetensors.numpy import load_file
+
+    from memaudit.config import load_config
+    from memaudit.models.convert import flax_to_hf, hf_to_flax
+    from memaudit.models.init import flax_config, initial_state_dict
+
+    cfg = load_config(TINY, [f"model.init_from={tiny_base}"])
+    params = hf_to_flax(initial_state_dict(cfg.model, 4096))
+    disk = load_file(str(tiny_base / "model.safetensors"))
+    back = flax_to_hf(params)
+    assert set(back) == set(disk)
+    for k, v in disk.items():
+        np.testing.assert_array_equal(back[k], v)
+    assert flax_config(cfg.model).hidden_size == 128
+
+
+# ----------------------------------------------------------------------------- bad input
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _variant(tmp: Path, base: Path, name: str, edit) -> Path:
+    d = tmp / name
+    shutil.copytree(base, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(d, cfg)
+    if (d / "config.json").exists():
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _edit(**kv):
+    def f(d, cfg):
+        cfg.update(kv)
+    return f
+
+
+def _no_config(d, cfg):
+    (d / "config.json").unlink()
+
+
+def _no_tokenizer(d, cfg):
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+
+
+BAD = [
+    ("not-a-dir", lambda t, b: (t / "nope", ()), "is not a directory"),
+    ("no-config", lambda t, b: (_variant(t, b, "nc", _no_config), ()), "no config.json"),
+    ("gpt2", lambda t, b: (_variant(t, b, "g", _edit(architectures=["GPT2LMHeadModel"], model_type="gpt2")), ()),
+     "GPT2LMHeadModel"),
+    ("bias", lambda t, b: (_variant(t, b, "bi", _edit(attention_bias=True)), ()), "attention_bias"),
+    ("no-tokenizer", lambda t, b: (_variant(t, b, "nt", _no_tokenizer), ()), "no tokenizer"),
+    ("data-tokenizer", lambda t, b: (b, (f"data.tokenizer={b}",)), "data.tokenizer"),
+    ("preset", lambda t, b: (b, ("model.preset=small",)), "model.preset=small"),
+    ("vocab", lambda t, b: (_variant(t, b, "v", _edit(vocab_size=300)), ()), "vocab_size 4096 vs 300"),
+    ("mesh-heads", lambda t, b: (b, (*FED, "federated.mesh_model=8", "federated.mesh_clients=1")),
+     "num_attention_heads=4"),
+    ("grid-heads", lambda t, b: (b, ("parallel.y=8",)), "num_attention_heads=4"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_init_from_is_one_line_exit_2_nothing_written(tmp_path, tiny_base, capsys, case):
+    _, make, needle = case
+    path, extra = make(tmp_path, tiny_base)
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    out = tmp_path / "out"
+    rc = main(["train", TINY, "--out", str(out), *tiny_train_args(f"model.init_from={path}", *extra)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("memaudit: error: ") and needle in err[0], err
+    assert _snapshot(tmp_path) == before and not out.exists()
+
+
+def test_name_or_path_is_an_alias(tiny_base):
+    from memaudit.config import load_config
+
+    cfg = load_config(TINY, [f"model.name_or_path={tiny_base}"])
+    assert cfg.model.init_from == str(tiny_base) and cfg.model.name_or_path == str(tiny_base)
+    assert load_config(None).model.preset == "tiny"
+    assert load_config(None, [f"model.init_from={tiny_base}"]).model.preset is None
