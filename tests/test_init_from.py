@@ -193,3 +193,89 @@ def test_name_or_path_is_an_alias(tiny_base):
     assert cfg.model.init_from == str(tiny_base) and cfg.model.name_or_path == str(tiny_base)
     assert load_config(None).model.preset == "tiny"
     assert load_config(None, [f"model.init_from={tiny_base}"]).model.preset is None
+
+
+# ----------------------------------------------------------------------------- public pretraining
+def _sweep_raw(**pretrain) -> dict:
+    return {
+        "base": {"data": {"synth": {"users": 12, "docs_per_user": 4, "paragraph_sentences": 2},
+                          "canaries": {"repetitions": [1, 2]}, "seq_len": 48},
+                 "model": {"preset": "tiny"},
+                 "train": {"steps": 1, "batch_size": 8, "warmup_steps": 0, "eval_every": 1,
+                           "eval_batches": 1, "checkpoint_every": 10},
+                 "federated": {"rounds": 1, "cohort": 3, "local_steps": 1, "eval_every": 1,
+                               "mesh_clients": 1}},
+        "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf"]},
+        "pretrain": {"steps": 2, "users": 6, "docs_per_user": 2, **pretrain},
+        "probe": {"probes": ["exposure"], "n_boot": 10, "exposure_samples": 100},
+    }
+
+
+def test_public_base_is_cached_and_reused(tmp_path):
+    from memaudit.rundir import RunDir
+    from memaudit.sweep.config import sweep_config_from_dict
+    from memaudit.sweep.pretrain import ensure_public_base
+
+    cfg = sweep_config_from_dict(_sweep_raw())
+    first = ensure_public_base(cfg, tmp_path)
+    weights = first / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    m = RunDir(first.parent).read_manifest()
+    assert m["role"] == "public-pretrain" and m["status"] == "complete"
+    assert m["public_private_overlap"]["disjoint"] is True
+    assert m["config"]["data"]["synth"]["kind"] == "public" and m["config"]["privacy"]["target_epsilon"] is None
+    assert ensure_public_base(cfg, tmp_path) == first
+    assert weights.stat().st_mtime_ns == stamp  # not retrained
+    changed = sweep_config_from_dict(_sweep_raw(steps=3))
+    assert ensure_public_base(changed, tmp_path) == first
+    assert RunDir(first.parent).read_manifest()["result"]["steps"] == 3  # another key: retrained
+
+
+def test_overlapping_public_corpus_is_one_line_exit_2_nothing_written(tmp_path, capsys):
+    import yaml
+
+    from memaudit.data.prepare import private_documents
+    from memaudit.sweep.config import plan_points, point_config, sweep_config_from_dict
+
+    raw = _sweep_raw()
+    cfg = sweep_config_from_dict(raw)
+    docs, _, _ = private_documents(point_config(cfg, plan_points(cfg)[0]).data)
+    public = tmp_path / "public.jsonl"
+    rows = [{"text": f"public notice number {i} about the weather"} for i in range(20)]
+    rows.append({"text": next(d.text for d in docs if d.kind == "doc")})  # one private document
+    public.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw["pretrain"]["path"] = str(public)
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(raw))
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    rc = main(["sweep", str(tmp_path / "sweep.yaml"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "1 shared document(s)" in err[0], err
+    assert _snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_sweep_pretrains_then_fine_tunes_both_backends(tmp_path):
+    from memaudit.rundir import RunDir
+    from memaudit.sweep.config import sweep_config_from_dict
+    from memaudit.sweep.runner import run_sweep
+
+    cfg = sweep_config_from_dict(_sweep_raw())
+    summary = run_sweep(cfg, tmp_path / "sw")
+    assert summary["status"] == "complete", summary["outcomes"]
+    base = RunDir(tmp_path / "sw" / "base")
+    record = base.read_manifest()
+    ref = RunDir(tmp_path / "sw" / "runs" / "public-base")
+    rm = ref.read_manifest()
+    assert rm["role"] == "public-base" and ref.probes_path.is_file() and rm["result"]["steps"] == 0
+    fingerprints = {rm["data_fingerprint"]}
+    for o in summary["outcomes"]:
+        m = RunDir(tmp_path / "sw" / "runs" / o["name"]).read_manifest()
+        assert m["config"]["model"]["init_from"] == str(base.model_dir)
+        assert m["base_model"]["path"] == str(base.model_dir.resolve())
+        fingerprints.add(m["data_fingerprint"])
+        # each fine-tune started from the base: its initial holdout loss is the reference's
+        assert m["result"]["initial_holdout_loss"] == pytest.approx(rm["result"]["final_holdout_loss"], rel=1e-4)
+    assert len(fingerprints) == 1  # the same private data for the reference and every point
+    assert record["role"] == "public-pretrain"
+    again = run_sweep(cfg, tmp_path / "sw")
+    assert [o["action"] for o in again["outcomes"]] == ["skipped", "skipped"]

@@ -110,8 +110,13 @@ def topic_vocabulary(seed: int, topic: int, size: int = 12) -> tuple[str, list[s
     return words[0], words[1:]
 
 
-def _user_facts(rng, topic: str, vocab: list[str], k: int) -> list[str]:
-    """`k` facts of one user: fixed sentences they repeat across their messages."""
+def user_facts(seed: int, user: int, topics: int, k: int) -> list[str]:
+    """The `k` facts private user number `user` states (none without topics): fixed sentences
+    about their topic that they repeat across their messages."""
+    if topics <= 0 or k <= 0:
+        return []
+    topic, vocab = topic_vocabulary(seed, user % topics)
+    rng = random.Random(f"memaudit-facts-{seed}-{user}")
     facts = []
     for i in range(k):
         t = FACT_TEMPLATES[(rng.randint(0, len(FACT_TEMPLATES) - 1) + i) % len(FACT_TEMPLATES)]
@@ -195,9 +200,8 @@ def synthesize(
         profile = _profile(fake)
         uid = f"u{u:04d}"
 
-        topic, vocab = topic_vocabulary(seed, u % topics) if topics > 0 else ("", [])
-        facts = _user_facts(random.Random(f"memaudit-facts-{seed}-{u}"), topic, vocab,
-                            facts_per_user) if topics > 0 else []
+        vocab = topic_vocabulary(seed, u % topics)[1] if topics > 0 else []
+        facts = user_facts(seed, u, topics, facts_per_user)
 
         def filler(slot: str, vocab: list[str] = vocab, facts: list[str] = facts) -> str:
             if slot == "day":

@@ -28,6 +28,7 @@ from memaudit.config import (
     parse_override,
 )
 from memaudit.errors import ConfigError
+from memaudit.sweep.pretrain import PretrainConfig
 
 
 class _Section(BaseModel):
@@ -98,6 +99,9 @@ class SweepConfig(_Section):
     grid: GridConfig = GridConfig()
     audit: AuditConfig = AuditConfig()
     probe: SweepProbeConfig = SweepProbeConfig()
+    # ---- public pretraining (memaudit.sweep.pretrain, owned there): absent = from scratch
+    pretrain: PretrainConfig | None = Field(
+        None, description="train one public base model first; every point fine-tunes it")
 
     @field_validator("per_backend")
     @classmethod

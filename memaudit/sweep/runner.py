@@ -175,8 +175,16 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
 
     out = Path(out)
     check_sweep_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
     points = plan_points(cfg)
+    # ---- public pretraining (memaudit.sweep.pretrain): one base model, trained once (or reused),
+    # that every point fine-tunes (model.init_from), and its zero-fine-tuning reference run
+    references: list[Path] = []
+    if cfg.pretrain is not None:
+        from memaudit.sweep.pretrain import pretrain_stage
+
+        points, references = pretrain_stage(cfg, out, points, progress=progress)
+    # ---- end of public pretraining
+    out.mkdir(parents=True, exist_ok=True)
     plan = {"points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
     total = len(points)
@@ -199,7 +207,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
 
             on_done(i, _run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
     outcomes = [o for o in slots if o is not None]
-    done = [out / "runs" / o.name for o in outcomes if o.status == "complete"]
+    done = references + [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]
     report_paths = None
     if done:
