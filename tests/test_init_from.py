@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -279,3 +280,23 @@ def test_sweep_pretrains_then_fine_tunes_both_backends(tmp_path):
     assert record["role"] == "public-pretrain"
     again = run_sweep(cfg, tmp_path / "sw")
     assert [o["action"] for o in again["outcomes"]] == ["skipped", "skipped"]
+
+
+@pytest.mark.parametrize("name", ["quickstart.yaml", "study.yaml"])
+def test_shipped_sweeps_pretrain_then_fine_tune(name):
+    """Both tiers pretrain a public base and fine-tune it on both backends; the base's config
+    validates (public corpus, no DP, no canaries) and shares nothing with the private data."""
+    from memaudit.sweep.config import load_sweep_config, plan_points
+    from memaudit.sweep.pretrain import public_base_config
+
+    cfg = load_sweep_config(REPO_ROOT / "configs" / name)
+    assert cfg.pretrain is not None
+    base = public_base_config(cfg)
+    assert base.data.synth.kind == "public" and not base.privacy.enabled and base.backend == "parallel"
+    assert base.data.canaries.per_setting == 0 and base.model.init_from is None
+    pts = plan_points(cfg)
+    assert {p.backend for p in pts} == {"parallel", "federated"}
+    assert math.inf in {p.nominal_epsilon for p in pts}
+    if name == "study.yaml":
+        assert {p.nominal_epsilon for p in pts} >= {math.inf, 8.0, 2.0, 0.5}
+        assert any(p.audit for p in pts)
