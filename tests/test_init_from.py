@@ -271,7 +271,7 @@ def test_sweep_pretrains_then_fine_tunes_both_backends(tmp_path):
     fingerprints = {rm["data_fingerprint"]}
     for o in summary["outcomes"]:
         m = RunDir(tmp_path / "sw" / "runs" / o["name"]).read_manifest()
-        assert m["config"]["model"]["init_from"] == str(base.model_dir)
+        assert m["config"]["model"]["init_from"] == str(base.model_dir.resolve())
         assert m["base_model"]["path"] == str(base.model_dir.resolve())
         fingerprints.add(m["data_fingerprint"])
         # each fine-tune started from the base: its initial holdout loss is the reference's

@@ -249,7 +249,7 @@ def pretrain_stage(cfg: Any, out_dir: str | Path, points: list[Any],
                    progress: Progress = None) -> tuple[list[Any], list[Path]]:
     """What `run_sweep` calls when the sweep has a `pretrain:` section: the base (trained or
     reused), each point with `model.init_from` set to it, and the reference run to report."""
-    base = ensure_public_base(cfg, out_dir, progress)
+    base = ensure_public_base(cfg, out_dir, progress).resolve()  # points may run in another cwd
     points = [replace(p, overrides={**p.overrides, "model.init_from": str(base)}) for p in points]
     ref = ensure_base_reference(cfg, out_dir, base, points, progress)
     return points, [ref]
