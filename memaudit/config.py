@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from memaudit.errors import ConfigError
 
@@ -58,6 +66,16 @@ class SynthConfig(_Section):
         "length): 6 makes ~98% of documents >= 101 tokens, what discoverable extraction at "
         "k = 50 with a 50-token suffix needs; tests that do not extract may set 2"
     )
+    kind: Literal["private", "public"] = Field(
+        "private", description="private: users writing messages with their own PII, topics and "
+        "facts; public: the public corpus a base model is pretrained on (no PII, no private "
+        "topic or fact; memaudit.data.synth.synthesize_public)")
+    topics: int = Field(
+        4, ge=0, description="private topics, each with its own invented vocabulary; user u "
+        "writes about topic u mod topics (0: no topic sentences)")
+    facts_per_user: int = Field(
+        3, ge=0, description="facts each private user states (code names, numbers, places), "
+        "one of them in every message")
 
 
 class CanaryConfig(_Section):
@@ -122,11 +140,32 @@ class DataConfig(_Section):
 
 # ----------------------------------------------------------------------------- model
 class ModelConfig(_Section):
-    preset: Literal["tiny", "tiny2x", "small", "125m", "350m", "1b", "8b"] = "tiny"
+    """The model a run trains: a preset's seeded initialisation, or a checkpoint to start from.
+
+    With `init_from` the model's shape, weights and tokenizer come from that checkpoint
+    (`memaudit.models.init`); `preset` may then be left out (null), and if given must have the
+    checkpoint's shape. `name_or_path` is accepted as the old name of `init_from`.
+    """
+
+    preset: Literal["tiny", "tiny2x", "small", "125m", "350m", "1b", "8b"] | None = Field(
+        None, description="model shape and seeded initialisation; default tiny (with init_from: "
+        "the checkpoint's shape)")
     init_seed: int = 0
-    name_or_path: str | None = Field(
-        None, description="start from a Hugging Face model directory or hub name instead of a preset"
-    )
+    init_from: str | None = Field(
+        None, validation_alias=AliasChoices("init_from", "name_or_path"),
+        description="start from this Hugging Face LlamaForCausalLM directory (config.json, "
+        "safetensors weights, tokenizer) on either backend; the run adopts its tokenizer")
+
+    @model_validator(mode="after")
+    def _default_preset(self) -> ModelConfig:
+        if self.preset is None and self.init_from is None:
+            object.__setattr__(self, "preset", "tiny")
+        return self
+
+    @property
+    def name_or_path(self) -> str | None:
+        """The old name of `init_from` (read by code written before it)."""
+        return self.init_from
 
 
 # ----------------------------------------------------------------------------- train

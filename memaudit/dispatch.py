@@ -13,11 +13,15 @@ from memaudit.errors import ConfigError
 def check_before_disk(cfg: Any) -> None:
     """One-line errors for a config that cannot train, raised before anything is written.
 
-    Covers the data sources (files that do not exist or cannot be read), the parallel grid
-    against the model, and the federated mesh against the visible devices.
+    Covers the starting checkpoint (`model.init_from`: a Llama model directory with a
+    tokenizer that the config does not contradict), the data sources (files that do not exist
+    or cannot be read), the parallel grid against the model, and the federated mesh against
+    the visible devices.
     """
     from memaudit.data.corpus import check_file, resolve_files
+    from memaudit.models.init import check_init_from
 
+    shape = check_init_from(cfg)  # None without model.init_from
     d = cfg.data
     if d.path is not None:
         files = resolve_files(d.path) or []
@@ -28,12 +32,12 @@ def check_before_disk(cfg: Any) -> None:
         if value is not None and not Path(value).expanduser().exists():
             raise ConfigError(f"data.{key}='{value}' does not exist; give an existing path or drop it")
     if cfg.backend == "federated":
-        _check_federated(cfg)
-    elif cfg.parallel.world_size > 1 and cfg.model.name_or_path is None:
-        from memaudit.models.presets import llama_config
+        _check_federated(cfg, shape)
+    elif cfg.parallel.world_size > 1:
+        from memaudit.models.init import model_shape
         from memaudit.parallel.dims import ParallelDims
 
-        ParallelDims.from_config(cfg.parallel).check_model(llama_config(cfg.model.preset))
+        ParallelDims.from_config(cfg.parallel).check_model(shape or model_shape(cfg.model))
 
 
 def check_data(cfg: Any, prepared: Any, vocab_size: int) -> None:
@@ -59,17 +63,15 @@ def check_data(cfg: Any, prepared: Any, vocab_size: int) -> None:
                           "sequences; lower train.batch_size for DP-SGD")
 
 
-def _check_federated(cfg: Any) -> None:
+def _check_federated(cfg: Any, shape: Any) -> None:
     f = cfg.federated
-    if cfg.model.name_or_path is not None:
-        raise ConfigError("model.name_or_path is not supported by the federated backend yet; "
-                          "use a model.preset")
     if f.algorithm == "fedsgd" and (cfg.privacy.enabled or cfg.privacy.secure_aggregation.enabled):
         raise ConfigError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
                           "federated.algorithm=fedavg (e.g. with local_steps=1)")
     from memaudit.federated.trainer import build_mesh
 
-    build_mesh(f.mesh_clients, f.mesh_model, cfg.model.preset)  # devices and model-axis divisibility
+    # devices, and the model axis dividing the heads of the preset or the checkpoint
+    build_mesh(f.mesh_clients, f.mesh_model, shape if shape is not None else cfg.model.preset)
 
 
 def dispatch(cfg: Any, run: Any, *, resume: bool, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:

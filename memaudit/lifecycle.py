@@ -288,6 +288,10 @@ class RunSession:
             m = new_manifest(config=dump_config(self.cfg), backend=self.backend, seeds=seeds,
                              data_fingerprint=None)
             m["timings"]["started"] = time.time()
+            if self.cfg.model.init_from is not None:  # the starting checkpoint: path + weights' sha256
+                from memaudit.models.init import base_model_record
+
+                m["base_model"] = base_model_record(self.cfg.model.init_from)
             self.run.write_manifest(m)
         except BaseException:
             if aside is not None:
@@ -312,7 +316,8 @@ class RunSession:
                 if not self.overwrite and src.exists() and not self.run.is_run():
                     (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage.path / name)
             vocab = model_vocab_size(self.cfg.model)
-            prepared = prepare_data(self.cfg.data, stage, vocab_size=vocab, progress=self.data_progress)
+            prepared = prepare_data(self.cfg.data, stage, vocab_size=vocab, progress=self.data_progress,
+                                    base_model=self.cfg.model.init_from)
             check_data(self.cfg, prepared, vocab)
         except BaseException:
             _remove(stage.path)
@@ -385,7 +390,8 @@ class RunSession:
         except DataError as e:
             raise RunDirError(f"cannot resume '{self.run.path}': {e}") from None
         want = self.run.read_manifest().get("data_fingerprint")
-        if (prepared.meta.get("config_hash") != config_hash(self.cfg.data, model_vocab_size(self.cfg.model))
+        if (prepared.meta.get("config_hash") != config_hash(self.cfg.data, model_vocab_size(self.cfg.model),
+                                                            base_model=self.cfg.model.init_from)
                 or (want is not None and want != prepared.fingerprint)):
             raise RunDirError(f"the data of '{self.run.path}' (config or input files) changed "
                               "since the run started; start a new run instead of --resume")

@@ -78,8 +78,9 @@ def prepare(
     bar.live.transient = True  # an error leaves only its one line behind
     with bar:
         task = bar.add_task("prepare", total=5, info="")
-        prepared = prepare_data(cfg.data, RunDir(out), vocab_size=vocab, progress=lambda d, t, i: bar.update(
-            task, completed=d, total=t, info=i.get("stage", "")))
+        prepared = prepare_data(cfg.data, RunDir(out), vocab_size=vocab, base_model=cfg.model.init_from,
+                                progress=lambda d, t, i: bar.update(task, completed=d, total=t,
+                                                                    info=i.get("stage", "")))
     m = prepared.meta
     console.print(
         f"prepared {m['documents']} documents, {len(prepared.canaries.inserted)} canaries, "

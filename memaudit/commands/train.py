@@ -151,7 +151,8 @@ def summary_line(cfg, path: Path, result: dict[str, Any]) -> str:
         eps = f", epsilon {rdp:.2f} (delta {priv.get('delta'):.0e})"
     secs = result.get("train_seconds")
     took = f" in {secs:.0f}s" if _num(secs) else ""
-    return (f"trained {cfg.model.preset} ({cfg.backend}) for {steps} {units}{took}: {loss}{eps}; "
+    model = cfg.model.preset or f"from {cfg.model.init_from}"
+    return (f"trained {model} ({cfg.backend}) for {steps} {units}{took}: {loss}{eps}; "
             f"run: {path}")
 
 

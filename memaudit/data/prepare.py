@@ -103,12 +103,22 @@ def _source_stamp(*paths: str | None) -> list[list[Any]]:
     return out
 
 
-def config_hash(cfg: DataConfig, vocab_size: int) -> str:
-    """What the prepared data depends on: the data config, the vocabulary and the input files."""
+def config_hash(cfg: DataConfig, vocab_size: int, *, base_model: str | None = None) -> str:
+    """What the prepared data depends on: the data config, the vocabulary, the input files and
+    the starting checkpoint whose tokenizer the run adopts (its path and weights' sha256)."""
     raw = json.dumps({"data": cfg.model_dump(mode="json"), "vocab_size": vocab_size,
-                      "sources": _source_stamp(cfg.path, cfg.tokenizer, cfg.tokenizer_corpus)},
-                     sort_keys=True)
+                      "sources": _source_stamp(cfg.path, cfg.tokenizer, cfg.tokenizer_corpus),
+                      **_base_entry(base_model)}, sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _base_entry(base_model: str | None) -> dict[str, Any]:
+    if base_model is None:
+        return {}
+    from memaudit.models.init import base_model_record
+
+    tok = [f for f in _source_stamp(base_model) if not f[0].endswith(".safetensors")]
+    return {"base_model": base_model_record(base_model), "base_files": tok}
 
 
 def fingerprint(files: dict[str, bytes]) -> str:
@@ -127,11 +137,15 @@ def _json_bytes(obj: Any) -> bytes:
 
 def _corpus(cfg: DataConfig, progress: Progress | None) -> list[Document]:
     if cfg.path is None:
-        from memaudit.data.synth import synthesize
+        from memaudit.data.synth import synthesize, synthesize_public
 
         s = cfg.synth
+        if s.kind == "public":
+            return synthesize_public(s.users, s.docs_per_user, s.seed,
+                                     paragraph_sentences=s.paragraph_sentences)
         return synthesize(s.users, s.docs_per_user, s.seed, repeat_every=s.repeat_every,
-                          repeat_counts=s.repeat_counts, paragraph_sentences=s.paragraph_sentences)
+                          repeat_counts=s.repeat_counts, paragraph_sentences=s.paragraph_sentences,
+                          topics=s.topics, facts_per_user=s.facts_per_user)
     from memaudit.data.corpus import load_corpus
 
     return load_corpus(cfg.path, text_field=cfg.text_field, user_field=cfg.user_field,
@@ -153,12 +167,15 @@ def _tokenizer_texts(cfg: DataConfig, docs: list[Document]) -> list[str]:
     documents unless `data.tokenizer_corpus` names a public text file (recommended).
     """
     if cfg.tokenizer_corpus is None:
+        if cfg.path is None and cfg.synth.kind == "public":
+            return [d.text for d in docs if d.kind == "doc"]  # a public corpus: all of it
         if cfg.path is None:
             from memaudit.data.synth import synthesize
 
             public = synthesize(max(32, cfg.synth.users), cfg.synth.docs_per_user,
                                 cfg.synth.seed + PUBLIC_SEED_OFFSET, repeat_every=0,
-                                paragraph_sentences=cfg.synth.paragraph_sentences)
+                                paragraph_sentences=cfg.synth.paragraph_sentences,
+                                topics=cfg.synth.topics, facts_per_user=cfg.synth.facts_per_user)
             return [d.text for d in public]
         return [d.text for d in docs if d.role == "heldout_user"]
     p = Path(cfg.tokenizer_corpus)
@@ -170,9 +187,11 @@ def _tokenizer_texts(cfg: DataConfig, docs: list[Document]) -> list[str]:
         raise DataError(f"tokenizer corpus '{p}' is not UTF-8 text; re-encode it as UTF-8") from None
 
 
-def _tokenizer(cfg: DataConfig, docs: list[Document], vocab_size: int):
+def _tokenizer(cfg: DataConfig, docs: list[Document], vocab_size: int, base_model: str | None = None):
     from memaudit.data import tokenizer as T
 
+    if base_model is not None:  # the starting checkpoint's own tokenizer (model.init_from)
+        return T.load_tokenizer(Path(base_model).expanduser(), vocab_size=vocab_size)
     if cfg.tokenizer is not None:
         return T.load_tokenizer(cfg.tokenizer, vocab_size=vocab_size)
     texts = _tokenizer_texts(cfg, docs)
@@ -211,13 +230,12 @@ def _safetensors(p: PackedSequences) -> bytes:
 
 
 # ----------------------------------------------------------------------------- build
-def _build(cfg: DataConfig, vocab_size: int, progress: Progress | None):
-    def tick(i: int, stage: str, **info: Any) -> None:
-        if progress is not None:
-            progress(i, _STAGES, {"stage": stage, **info})
-
+def private_documents(cfg: DataConfig, progress: Progress | None = None) -> tuple[list[Document], Split, CanarySet]:
+    """The documents a run with data config `cfg` would train on and hold out, with its split
+    and canaries (no tokenizer, nothing written): what the public/private overlap check reads."""
     corpus = _corpus(cfg, progress)
-    tick(1, "corpus", documents=len(corpus))
+    if progress is not None:
+        progress(1, _STAGES, {"stage": "corpus", "documents": len(corpus)})
     split = make_split(corpus, heldout_users=cfg.heldout_users,
                        holdout_fraction=cfg.holdout_fraction, seed=cfg.seed)
     corpus = assign_roles(corpus, split)
@@ -230,8 +248,17 @@ def _build(cfg: DataConfig, vocab_size: int, progress: Progress | None):
                         "...); rename those users or documents")
     docs = count_repeats(corpus + cdocs, by_role=True)
     split = replace(split, member_docs=tuple(sorted(d.id for d in docs if d.role == "member")))
+    return docs, split, canaries
+
+
+def _build(cfg: DataConfig, vocab_size: int, progress: Progress | None, base_model: str | None = None):
+    def tick(i: int, stage: str, **info: Any) -> None:
+        if progress is not None:
+            progress(i, _STAGES, {"stage": stage, **info})
+
+    docs, split, canaries = private_documents(cfg, progress)
     tick(2, "split", users=len(split.train_users) + len(split.heldout_users))
-    tok = _tokenizer(cfg, docs, vocab_size)
+    tok = _tokenizer(cfg, docs, vocab_size, base_model)
     tick(3, "tokenizer", tokens=len(tok))
     packed = _pack_sets(docs, tok, cfg)
     tick(4, "pack", sequences=len(packed["train"]))
@@ -239,14 +266,18 @@ def _build(cfg: DataConfig, vocab_size: int, progress: Progress | None):
 
 
 def prepare_data(
-    cfg: DataConfig, run: RunDir, *, vocab_size: int, progress: Progress | None = None
+    cfg: DataConfig, run: RunDir, *, vocab_size: int, base_model: str | None = None,
+    progress: Progress | None = None,
 ) -> PreparedData:
     """Build (or, when the run already holds data prepared from the same config, load) the data.
 
     Writes RUN_DIR/data/{documents.jsonl, train,holdout,heldout.safetensors, meta.json,
     tokenizer/}, RUN_DIR/split.json and RUN_DIR/canaries.json. Raises DataError on bad input.
+    With `base_model` (the run's `model.init_from`) the data is tokenized with that
+    checkpoint's tokenizer instead of a trained one, and meta.json records the checkpoint
+    (`base_model`: path and sha256 of its weights).
     """
-    chash = config_hash(cfg, vocab_size)
+    chash = config_hash(cfg, vocab_size, base_model=base_model)
     meta_path = run.data_dir / "meta.json"
     if meta_path.is_file():
         try:
@@ -254,7 +285,7 @@ def prepare_data(
                 return load_prepared(run)
         except (ValueError, DataError):
             pass  # stale or damaged: rebuild
-    docs, split, canaries, tok, packed = _build(cfg, vocab_size, progress)
+    docs, split, canaries, tok, packed = _build(cfg, vocab_size, progress, base_model)
     from memaudit.data.tokenizer import digits_split, pad_id
 
     data_files = {"documents.jsonl": dumps_jsonl(docs)}
@@ -276,6 +307,10 @@ def prepare_data(
         "config_hash": chash,
         "fingerprint": fp,
     }
+    if base_model is not None:
+        from memaudit.models.init import base_model_record
+
+        meta["base_model"] = {**base_model_record(base_model), "tokenizer": "adopted"}
     for name, data in top.items():
         atomic_write_bytes(run.path / name, data)
     with atomic_dir(run.data_dir) as tmp:

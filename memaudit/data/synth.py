@@ -6,6 +6,14 @@ templates mixed with faker sentences. Every `repeat_every`-th user also has a si
 message repeated r times (r cycling through `repeat_counts`), so extraction can bucket by
 natural repetition. A user's profile and messages depend only on (seed, user index).
 
+Private content the public corpus lacks: with `topics` > 0 each user writes about one of
+`topics` private topics (user u: topic u mod topics), each with its own vocabulary of invented
+words drawn from the seed, and states `facts_per_user` facts of their own (a code name, a
+locker number, a meeting place, ...), one topic sentence and one fact in every message.
+`synthesize_public` writes the public corpus a base model is pretrained on: notices and posts
+in the same faker English, without PII, topics or facts, so fine-tuning on the private users
+has something to learn (and to leak) that pretraining never saw.
+
 References:
     Carlini et al., "The Secret Sharer", USENIX Security 2019 (why PII in training text
     matters); Lukas et al., "Analyzing Leakage of PII in Language Models", S&P 2023.
@@ -17,6 +25,7 @@ References:
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Callable
 
@@ -51,6 +60,70 @@ SIGNATURE = (
     "error, please delete it."
 )
 _SLOT = re.compile(r"\{(\w+)\}")
+
+TOPIC_TEMPLATES = (
+    "The {t} crew moved the {t} review to after the {t} check.",
+    "We still need a new {t} before the {t} can run again.",
+    "Ask the {t} desk whether the {t} passed the {t} test.",
+    "Our {t} is low on {t}, so order two more {t} units.",
+    "The {t} readings on the {t} look better since the {t} fix.",
+)
+FACT_TEMPLATES = (
+    "Our {topic} project is code-named {word}.",
+    "I keep the {t} logs in locker {number}.",
+    "We meet at the {word} gate every {weekday}.",
+    "My {t} badge number is {number}.",
+    "The spare {t} is stored in room {number} of the {word} building.",
+    "The {topic} password hint is {word} {number}.",
+)
+PUBLIC_TEMPLATES = (
+    "Notice from the front office: {sentence} {sentence}",
+    "Weather update for the weekend. {sentence} {sentence}",
+    "Thanks for reading our newsletter. {sentence}",
+    "{sentence} {sentence} Questions go to the help desk.",
+    "Community post: {sentence} {sentence} {sentence}",
+    "Product tips of the week. {sentence} {sentence}",
+)
+_ONSETS = ("b", "br", "d", "dr", "f", "g", "gl", "k", "kr", "l", "m", "n", "p", "pl", "qu", "r",
+           "s", "st", "t", "tr", "v", "z", "zh", "x")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ou", "y")
+_CODAS = ("", "n", "r", "x", "th", "sk", "l", "m")
+_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday")
+
+
+def invented_word(rng) -> str:
+    """A pronounceable word of 2-3 invented syllables (not an English or lorem word)."""
+    n = rng.randint(2, 3)
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(n))
+
+
+def topic_vocabulary(seed: int, topic: int, size: int = 12) -> tuple[str, list[str]]:
+    """(topic name, vocabulary) of private topic `topic`: invented words from (seed, topic)."""
+    import random
+
+    rng = random.Random(f"memaudit-topic-{seed}-{topic}")
+    words: list[str] = []
+    while len(words) < size + 1:
+        w = invented_word(rng)
+        if w not in words:
+            words.append(w)
+    return words[0], words[1:]
+
+
+def user_facts(seed: int, user: int, topics: int, k: int) -> list[str]:
+    """The `k` facts private user number `user` states (none without topics): fixed sentences
+    about their topic that they repeat across their messages."""
+    if topics <= 0 or k <= 0:
+        return []
+    topic, vocab = topic_vocabulary(seed, user % topics)
+    rng = random.Random(f"memaudit-facts-{seed}-{user}")
+    facts = []
+    for i in range(k):
+        t = FACT_TEMPLATES[(rng.randint(0, len(FACT_TEMPLATES) - 1) + i) % len(FACT_TEMPLATES)]
+        fills = {"topic": topic, "word": invented_word(rng), "number": str(rng.randint(100, 9999)),
+                 "weekday": rng.choice(_WEEKDAYS)}
+        facts.append(_SLOT.sub(lambda m, f=fills: f.get(m.group(1)) or rng.choice(vocab), t))
+    return facts
 
 
 def _profile(fake) -> dict[str, str]:
@@ -99,6 +172,8 @@ def synthesize(
     repeat_every: int = 4,
     repeat_counts: list[int] | tuple[int, ...] = (2, 4, 8),
     paragraph_sentences: int = 6,
+    topics: int = 4,
+    facts_per_user: int = 3,
     progress: Callable[[int, int, dict], None] | None = None,
 ) -> list[Document]:
     """The synthetic corpus: `users` x `docs_per_user` messages plus repeated signatures.
@@ -109,6 +184,8 @@ def synthesize(
     BPE, the median message is 120 tokens and ~98% reach 101 (a 50-token prefix, a 50-token
     suffix and the start token), so discoverable extraction at k in {32, 50} scores >= 90% of
     member documents; 2 gives a median of 69 tokens (cheaper, for tests that do not extract).
+    With `topics` > 0 every message also carries a sentence of the user's private topic and,
+    with `facts_per_user` > 0, one of the user's facts (see the module docstring).
     """
     from faker import Faker
 
@@ -123,15 +200,25 @@ def synthesize(
         profile = _profile(fake)
         uid = f"u{u:04d}"
 
-        def filler(slot: str) -> str:
+        vocab = topic_vocabulary(seed, u % topics)[1] if topics > 0 else []
+        facts = user_facts(seed, u, topics, facts_per_user)
+
+        def filler(slot: str, vocab: list[str] = vocab, facts: list[str] = facts) -> str:
             if slot == "day":
                 return str(fake.random_int(2, 28))
             if slot == "paragraph":
                 return " ".join(fake.sentence(nb_words=12) for _ in range(paragraph_sentences))
+            if slot == "topic":
+                t = TOPIC_TEMPLATES[fake.random_int(0, len(TOPIC_TEMPLATES) - 1)]
+                return _SLOT.sub(lambda m: vocab[fake.random_int(0, len(vocab) - 1)], t)
+            if slot == "fact":
+                return facts[fake.random_int(0, len(facts) - 1)]
             return fake.sentence(nb_words=10)
 
         for j in range(docs_per_user):
             template = TEMPLATES[fake.random_int(0, len(TEMPLATES) - 1)]
+            if topics > 0:
+                template += " {topic}" + (" {fact}" if facts else "")
             if paragraph_sentences > 0:
                 template += " {paragraph}"
             text, pii = render(template, profile, filler)
@@ -143,4 +230,34 @@ def synthesize(
             docs.extend(Document(id=f"{uid}-s{k}", user=uid, text=text, pii=pii) for k in range(r))
         if progress is not None:
             progress(u + 1, users, {"docs": len(docs)})
+    return count_repeats(docs)
+
+
+def synthesize_public(
+    users: int, docs_per_user: int, seed: int, *, paragraph_sentences: int = 6,
+) -> list[Document]:
+    """The public corpus: `users` x `docs_per_user` notices and posts without PII.
+
+    Written in the same faker English as the private messages, but with no person's PII, no
+    private topic vocabulary and no user facts: what a base model learns before private
+    fine-tuning (`memaudit.sweep.pretrain`). Ids are `pub0003-d05`.
+
+    >>> docs = synthesize_public(2, 2, seed=0)
+    >>> len(docs), all(not d.pii for d in docs)
+    (4, True)
+    """
+    from faker import Faker
+
+    if users < 1 or docs_per_user < 1:
+        raise ValueError(f"need users >= 1 and docs per user >= 1, got {users} and {docs_per_user}")
+    fake = Faker("en_US")
+    docs: list[Document] = []
+    for u in range(users):
+        fake.seed_instance(seed * 1_000_003 + u + 500_000_000)
+        for j in range(docs_per_user):
+            parts = [_SLOT.sub(lambda m: fake.sentence(nb_words=10),
+                               PUBLIC_TEMPLATES[fake.random_int(0, len(PUBLIC_TEMPLATES) - 1)])]
+            if paragraph_sentences > 0:
+                parts.append(" ".join(fake.sentence(nb_words=12) for _ in range(paragraph_sentences)))
+            docs.append(Document(id=f"pub{u:04d}-d{j:02d}", user=f"pub{u:04d}", text=" ".join(parts)))
     return count_repeats(docs)

@@ -2,7 +2,8 @@
 
 `train_federated(cfg, run)` prepares the data, makes every training user a client (its packed
 training sequences are its local data), starts from the same seeded weights as the centralized
-backend (`memaudit.models.presets.init_state_dict`, converted to the Flax Llama), and runs
+backend (`memaudit.models.init.initial_state_dict`: a preset's seeded initialisation or the
+`model.init_from` checkpoint, converted to the Flax Llama of that shape), and runs
 `federated.rounds` rounds of FedAvg (local client-optimizer steps, a server optimizer on the
 mean delta: FedAvg / FedAdam / SGD) or FedSGD from `memaudit.federated.algorithms`. Each round
 samples a cohort (Poisson by default, or fixed size) as a pure function of (seed, round),
@@ -76,7 +77,7 @@ def check_population(cfg: Config, population: int) -> None:
         raise MemauditError(f"federated.local_steps={f.local_steps} must be >= 1")
 
 
-def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: str | None = None) -> Any:
+def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: Any = None) -> Any:
     """The federated device mesh: ``clients`` x ``model`` (None on one device).
 
     ``mesh_model`` devices split each client's attention and MLP weights (tensor parallel,
@@ -96,14 +97,16 @@ def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: str | None
             f"federated.mesh_clients={k} x federated.mesh_model={mesh_model} = {k * mesh_model} "
             f"devices exceeds the {len(devices)} visible devices; make the product at most "
             f"{len(devices)}")
-    if preset is not None and mesh_model > 1:
+    if preset is not None and mesh_model > 1:  # a preset name, or a shape (`LlamaPreset`)
         from memaudit.models.flax_llama import check_model_axis
         from memaudit.models.presets import get_preset
 
+        shape = get_preset(preset) if isinstance(preset, str) else preset
+        what = f"model.preset={preset}" if isinstance(preset, str) else "the model.init_from checkpoint"
         try:
-            check_model_axis(get_preset(preset), mesh_model)
+            check_model_axis(shape, mesh_model)
         except ValueError as e:
-            raise MemauditError(f"{e} (model.preset={preset})") from None
+            raise MemauditError(f"{e} ({what})") from None
     if k * mesh_model <= 1:
         return None
     auto = jax.sharding.AxisType.Auto
@@ -152,10 +155,12 @@ class FederatedTrainer:
     # ------------------------------------------------------------------ set-up
     def prepare(self, resume: bool) -> None:
         from memaudit.federated.data import build_client_data
-        from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params
-        from memaudit.models.presets import get_preset
+        from memaudit.models.convert import hf_to_flax
+        from memaudit.models.flax_llama import FlaxLlama
+        from memaudit.models.init import flax_config, initial_state_dict, model_shape
 
-        self.vocab = get_preset(self.cfg.model.preset).vocab_size
+        shape = model_shape(self.cfg.model)  # the checkpoint's with model.init_from, else the preset's
+        self.vocab = shape.vocab_size
         # staged and checked (tokenizer size, population) by the lifecycle: dispatch.check_data
         if self.is_writer:
             self.prepared = self.session.data()
@@ -163,10 +168,11 @@ class FederatedTrainer:
         if not self.is_writer:
             self.prepared = self.session.data()
         self.clients = build_client_data(self.prepared.train)
-        self.mesh = build_mesh(self.fcfg.mesh_clients, self.fcfg.mesh_model, self.cfg.model.preset)
+        self.mesh = build_mesh(self.fcfg.mesh_clients, self.fcfg.mesh_model, shape)
         self.capacity = self._base_capacity()
-        self.model = FlaxLlama(FlaxLlamaConfig.from_preset(self.cfg.model.preset, vocab_size=self.vocab))
-        self.params0 = init_params(self.model.cfg, preset=self.cfg.model.preset, seed=self.cfg.model.init_seed)
+        self.model = FlaxLlama(flax_config(self.cfg.model, self.vocab))
+        # the same starting weights as the torch trainers (memaudit.models.init)
+        self.params0 = hf_to_flax(initial_state_dict(self.cfg.model, self.vocab))
         self.algorithm = self.build_algorithm()
         self._eval = self._build_eval()
 
@@ -542,8 +548,11 @@ class FederatedTrainer:
         final = ((last["holdout_loss"], last["holdout_perplexity"]) if "holdout_loss" in last
                  else self._eval(params))
         if self.is_writer:
-            self.session.export_hf(fr.hf_model(params, preset=self.cfg.model.preset, vocab_size=self.vocab),
-                                   tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
+            from memaudit.models.convert import to_hf_model
+            from memaudit.models.init import hf_config
+
+            hf = to_hf_model(params, config=hf_config(self.cfg.model, vocab_size=self.vocab))
+            self.session.export_hf(hf, tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
         self.write_ledger()
         self._barrier("done")  # no process leaves while the writer still exports
         result = {

@@ -81,14 +81,21 @@ def flax_to_hf(params: dict[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
-def to_hf_model(params: dict[str, Any], *, preset: str, vocab_size: int):
-    """A `LlamaForCausalLM` holding `params` (checked by `load_state_dict(strict=True)`)."""
+def to_hf_model(params: dict[str, Any], *, preset: str | None = None, vocab_size: int | None = None,
+                config: Any = None):
+    """A `LlamaForCausalLM` holding `params` (checked by `load_state_dict(strict=True)`).
+
+    The shape is `config` (a `LlamaConfig`, e.g. a starting checkpoint's) or the preset's
+    with `vocab_size` rows.
+    """
+    import copy
+
     import torch
     from transformers import LlamaForCausalLM
 
     from memaudit.models.presets import llama_config
 
-    cfg = llama_config(preset, vocab_size=vocab_size)
+    cfg = copy.deepcopy(config) if config is not None else llama_config(preset, vocab_size=vocab_size)
     sd = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in flax_to_hf(params).items()}
     if cfg.tie_word_embeddings and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]

@@ -59,12 +59,10 @@ LARGE_PRESETS = frozenset({"350m", "1b", "8b"})  # bf16 autocast + activation ch
 
 
 def model_vocab_size(model_cfg: Any) -> int:
-    """The vocabulary of the model a `ModelConfig` names (a preset, or a local HF checkpoint)."""
-    if model_cfg.name_or_path is not None:
-        from transformers import AutoConfig
+    """The vocabulary of the model a `ModelConfig` names (a preset, or `model.init_from`)."""
+    from memaudit.models.init import model_vocab_size as of_run
 
-        return int(AutoConfig.from_pretrained(model_cfg.name_or_path).vocab_size)
-    return get_preset(model_cfg.preset).vocab_size
+    return of_run(model_cfg)
 
 
 def get_preset(name: str) -> LlamaPreset:

@@ -42,6 +42,7 @@ from memaudit.config import (
     parse_override,
 )
 from memaudit.errors import ConfigError
+from memaudit.sweep.pretrain import PretrainConfig
 
 
 class _Section(BaseModel):
@@ -173,6 +174,9 @@ class SweepConfig(_Section):
     audit: AuditConfig = AuditConfig()
     probe: SweepProbeConfig = SweepProbeConfig()
     executor: ExecutorConfig = ExecutorConfig()
+    # ---- public pretraining (memaudit.sweep.pretrain, owned there): absent = from scratch
+    pretrain: PretrainConfig | None = Field(
+        None, description="train one public base model first; every point fine-tunes it")
 
     @field_validator("per_backend")
     @classmethod

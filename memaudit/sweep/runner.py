@@ -191,10 +191,19 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     from memaudit.sweep.executors import check_executor
 
     check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
+    points = plan_points(cfg)
+    # ---- public pretraining (memaudit.sweep.pretrain): one base model, trained once (or reused),
+    # that every point fine-tunes (model.init_from), and its zero-fine-tuning reference run
+    references: list[Path] = []
+    if cfg.pretrain is not None:
+        from memaudit.sweep.pretrain import pretrain_stage
+
+        points, references = pretrain_stage(cfg, out, points, progress=progress)
+    # ---- end of public pretraining
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "sweep.json").is_file():
         atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "planning"})
-    points = resolve_regime(cfg, plan_points(cfg), out)
+    points = resolve_regime(cfg, points, out)
     plan = {"regime": cfg.regime, "executor": cfg.executor.kind,
             "points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
@@ -222,7 +231,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
 
             on_done(i, _run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
     outcomes = [o for o in slots if o is not None]
-    done = [out / "runs" / o.name for o in outcomes if o.status == "complete"]
+    done = references + [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]
     report_paths = None
     if done:

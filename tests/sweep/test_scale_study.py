@@ -103,7 +103,23 @@ def test_sizes_compared_at_equal_tokens_and_reported(study):
         assert m["config"]["train"]["steps"] == p["overrides"]["train.steps"]
         assert m["config"]["train"]["goldfish"]["enabled"] == p["goldfish"]
     rep = json.loads((out / "report" / "report.json").read_text())
-    assert {r["id"] for r in rep["runs"]} == {p["name"] for p in points}
+    refs = {f"public-base-{size}" for size in ("tiny", "tiny2x")}  # each size's base, unchanged
+    assert {r["id"] for r in rep["runs"]} == {p["name"] for p in points} | refs
+
+
+def test_each_size_fine_tunes_its_own_public_base_with_one_tokenizer(study):
+    """Single-pass from a public base: one base per size (base-tiny, base-tiny2x), both with the
+    first base's tokenizer, so every fine-tune reads the same tokens."""
+    out, *_, second, _ = study
+    for p in second["plan"]["points"]:
+        m = read_json(out / "runs" / p["name"] / "run.json")
+        assert Path(m["config"]["model"]["init_from"]) == (out / f"base-{p['model']}" / "model").resolve()
+        assert m["base_model"]["weights_sha256"]
+    tok = [(out / f"base-{size}" / "model" / "tokenizer.json").read_bytes() for size in ("tiny", "tiny2x")]
+    assert tok[0] == tok[1]
+    shapes = [read_json(out / f"base-{size}" / "model" / "config.json")["hidden_size"]
+              for size in ("tiny", "tiny2x")]
+    assert shapes == [128, 256]
 
 
 def test_scale_gpu_config_every_grid_fits_its_model():

@@ -1,0 +1,279 @@
+"""Public pretraining, then private fine-tuning: the base model every sweep point starts from.
+
+A sweep file with a `pretrain:` section first trains one model, centralized and without DP, on
+a public corpus that holds no training user's text (`memaudit.data.synth.synthesize_public`, or
+a corpus file at `pretrain.path`), checked by `memaudit.data.overlap.require_disjoint` against
+every point's private corpus before anything is written. The base is an ordinary run directory,
+`OUT/base/` (manifest `role: "public-pretrain"`, and `pretrain_key`: a hash of its resolved
+config), so a re-run with the same settings reuses it and a changed setting retrains it. Every
+point then gets `model.init_from: OUT/base/model` (the checkpoint and its tokenizer).
+
+The base is also the zero-fine-tuning reference point: `OUT/runs/public-base/` holds the private
+data prepared exactly as the points' (same fingerprint), the base model unchanged, its holdout
+loss on the private holdout set (`result`, evaluated like the trainers do) and probes.json; its
+manifest says `"role": "public-base"` so the report can draw it as the origin rather than as a
+centralized non-DP point.
+
+References:
+    Li et al., "Large Language Models Can Be Strong Differentially Private Learners", ICLR 2022;
+    Yu et al., "Differentially Private Fine-tuning of Language Models", ICLR 2022;
+    Thakkar et al., "Understanding Unintended Memorization in Federated Learning", 2020.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Progress = Callable[[int, int, dict], None] | None
+BASE_DIR = "base"
+REFERENCE_RUN = "public-base"
+ROLE_PRETRAIN = "public-pretrain"
+ROLE_REFERENCE = "public-base"
+
+
+class PretrainConfig(BaseModel):
+    """The sweep's `pretrain:` section (absent: every point trains from the preset's init)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(300, ge=1, description="optimizer steps of the public pretraining")
+    users: int = Field(64, ge=2, description="authors of the synthetic public corpus")
+    docs_per_user: int = Field(8, ge=1, description="public documents per author")
+    seed: int = Field(1, description="seed of the synthetic public corpus")
+    paragraph_sentences: int | None = Field(
+        None, ge=0, description="sentences closing each public document; default: the private "
+        "corpus's data.synth.paragraph_sentences")
+    path: str | None = Field(None, description="a public corpus file or directory instead of the "
+                             "synthetic one (data.path rules); checked against the private data")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="dotted overrides of the base's run config, e.g. "
+        "train.lr: 3e-3 (applied after the sweep's base config)")
+
+
+# ----------------------------------------------------------------------------- configs
+def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | None = None) -> Any:
+    """The run config of the public pretraining: the sweep's base config, centralized on one
+    process, without DP, Goldfish, canaries or a starting checkpoint, on the public corpus.
+
+    `size`: the model-size axis' preset this base is for (None: the base config's model);
+    `tokenizer`: a tokenizer another size's base trained, so that every size shares it."""
+    from memaudit.config import _set_dotted, config_from_dict
+    from memaudit.sweep.config import _deep_copy
+
+    p: PretrainConfig = cfg.pretrain
+    raw = _deep_copy(cfg.base)
+    for key in ("parallel", "federated", "privacy"):
+        raw.pop(key, None)
+    synth = dict(raw.get("data", {}).get("synth", {}))
+    sentences = p.paragraph_sentences if p.paragraph_sentences is not None else synth.get("paragraph_sentences")
+    public_synth = {"kind": "public", "users": p.users, "docs_per_user": p.docs_per_user, "seed": p.seed}
+    if sentences is not None:
+        public_synth["paragraph_sentences"] = sentences
+    for key, value in {
+        "backend": "parallel", "model.init_from": None, "train.steps": p.steps,
+        "train.goldfish.enabled": False, "data.path": p.path, "data.synth": public_synth,
+        "data.canaries.per_setting": 0, "data.canaries.references": 0, "data.audit_canaries": 0,
+        "data.tokenizer": tokenizer, "data.tokenizer_corpus": None,
+        **({"model.preset": size} if size is not None else {}),
+    }.items():
+        _set_dotted(raw, key, value)
+    for key, value in p.overrides.items():
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw, source="sweep pretrain")
+
+
+def pretrain_key(base_cfg: Any) -> str:
+    """sha256 of the base's resolved config: what decides whether a cached base is reused."""
+    from memaudit import __version__
+    from memaudit.config import dump_config
+
+    raw = json.dumps({"config": dump_config(base_cfg), "memaudit": __version__}, sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _private_configs(cfg: Any) -> list[Any]:
+    """The distinct run configs' data sections of the sweep's points (usually one)."""
+    from memaudit.sweep.config import plan_points, point_config
+
+    seen, out = set(), []
+    for p in plan_points(cfg):
+        data = point_config(cfg, p).data
+        key = json.dumps(data.model_dump(mode="json"), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(data)
+    return out
+
+
+def check_public_corpus(cfg: Any, base_cfg: Any | None = None) -> dict[str, Any]:
+    """Refuse (one line, nothing written) a public corpus that shares a document, a canary
+    secret or a PII value with any point's private data; returns the overlap counts."""
+    from memaudit.data.overlap import require_disjoint
+    from memaudit.data.prepare import private_documents
+
+    base_cfg = base_cfg if base_cfg is not None else public_base_config(cfg)
+    public, _, _ = private_documents(base_cfg.data)
+    report: dict[str, Any] = {}
+    for data in _private_configs(cfg):
+        docs, _, canaries = private_documents(data)
+        secrets = [c.secret for c in (*canaries.inserted, *canaries.references, *canaries.audit)]
+        report = require_disjoint(public, docs, secrets=secrets).to_json()
+    return report
+
+
+# ----------------------------------------------------------------------------- the base
+def _complete_with(rd: Any, **fields: Any) -> bool:
+    if not rd.is_run() or rd.status() != "complete" or not (rd.model_dir / "config.json").is_file():
+        return False
+    m = rd.read_manifest()
+    return all(m.get(k) == v for k, v in fields.items())
+
+
+def _train(run_cfg: Any, rd: Any, progress: Progress) -> None:
+    """Train (or resume an interrupted) run through the normal lifecycle."""
+    from memaudit.dispatch import dispatch
+    from memaudit.rundir import prepare_new_run
+
+    if rd.is_run() and rd.status() in ("interrupted", "failed") and rd.state_dir.is_dir() \
+            and any(rd.state_dir.iterdir()) and rd.read_manifest().get("config") == _dumped(run_cfg):
+        dispatch(run_cfg, rd, resume=True, progress=progress)
+        return
+    rd = prepare_new_run(rd.path, overwrite=True)
+    dispatch(run_cfg, rd, resume=False, progress=progress, overwrite=True)
+
+
+def _dumped(run_cfg: Any) -> dict[str, Any]:
+    from memaudit.config import dump_config
+
+    return json.loads(json.dumps(dump_config(run_cfg)))
+
+
+def base_dir_name(size: str | None) -> str:
+    """`base` for the sweep's one model; `base-<preset>` for each size of a model-size axis."""
+    return BASE_DIR if size is None else f"{BASE_DIR}-{size}"
+
+
+def ensure_public_base(cfg: Any, out_dir: str | Path, progress: Progress = None, *,
+                       size: str | None = None, tokenizer: str | None = None) -> Path:
+    """The public base model of sweep `cfg` under `out_dir/base/` (`base-<size>/` for one size
+    of a model-size axis), trained once.
+
+    Checks the public corpus against the private one first (one-line DataError, nothing
+    written), then reuses a complete base whose `pretrain_key` matches or trains one
+    (centralized, no DP) through the normal run lifecycle. Returns the Hugging Face model
+    directory (weights + tokenizer) every point starts from.
+    """
+    from memaudit.dispatch import check_before_disk
+    from memaudit.rundir import RunDir
+
+    base_cfg = public_base_config(cfg, size=size, tokenizer=tokenizer)
+    check_before_disk(base_cfg)
+    key = pretrain_key(base_cfg)
+    out = Path(out_dir)
+    rd = RunDir(out / base_dir_name(size))
+    if _complete_with(rd, pretrain_key=key):
+        return rd.model_dir
+    overlap = check_public_corpus(cfg, base_cfg)
+    _mark_sweep(out)
+    _train(base_cfg, rd, None if progress is None else
+           (lambda d, t, info: progress(d, t, {"stage": "pretrain", **info})))
+    rd.update_manifest(role=ROLE_PRETRAIN, pretrain_key=key, public_private_overlap=overlap)
+    return rd.model_dir
+
+
+def _mark_sweep(out: Path) -> None:
+    """A sweep folder killed while pretraining must still read as a sweep on the re-run."""
+    from memaudit.io import atomic_write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "sweep.json").is_file():
+        atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "pretraining"})
+
+
+# ----------------------------------------------------------------------------- the reference point
+def reference_config(cfg: Any, points: list[Any], base_model: Path) -> Any:
+    """The run config of the zero-fine-tuning reference: the first point's data and evaluation
+    settings, the base as its model, centralized on one process, no DP."""
+    from memaudit.config import with_overrides
+    from memaudit.sweep.config import point_config
+
+    first = point_config(cfg, points[0])
+    return with_overrides(first, {
+        "backend": "parallel", "model.init_from": str(base_model), "privacy.noise_multiplier": None,
+        "privacy.target_epsilon": None, "train.goldfish.enabled": False,
+        "parallel": {}, "data.audit_canaries": 0,
+    })
+
+
+def ensure_base_reference(cfg: Any, out_dir: str | Path, base_model: Path, points: list[Any],
+                          progress: Progress = None, *, size: str | None = None) -> Path:
+    """`out_dir/runs/public-base/` (`public-base-<size>/` per size of a model-size axis): the
+    base model on the private data, evaluated and probed."""
+    from memaudit.rundir import RunDir, prepare_new_run
+    from memaudit.sweep.runner import _probe_point
+
+    run_cfg = reference_config(cfg, points, base_model)
+    name = REFERENCE_RUN if size is None else f"{REFERENCE_RUN}-{size}"
+    rd = RunDir(Path(out_dir) / "runs" / name)
+    if not _complete_with(rd, role=ROLE_REFERENCE, config=_dumped(run_cfg)):
+        _write_reference(run_cfg, prepare_new_run(rd.path, overwrite=True))
+    _probe_point(cfg, rd, None if progress is None else
+                 (lambda d, t, info: progress(d, t, {"point": name, "stage": "probe", **info})))
+    return rd.path
+
+
+def _write_reference(run_cfg: Any, rd: Any) -> None:
+    """The reference run through the run lifecycle: data staged, no step, the base exported."""
+    import torch
+
+    from memaudit.dispatch import check_before_disk
+    from memaudit.lifecycle import RunSession
+    from memaudit.models.init import initial_model
+    from memaudit.train.evaluate import holdout_loss
+
+    check_before_disk(run_cfg)
+    t = run_cfg.train
+    with RunSession(rd, run_cfg, backend="parallel", resume=False, overwrite=True) as s:
+        prepared = s.data()
+        s.start(0)
+        model = initial_model(run_cfg.model, prepared.vocab_size)
+        h = prepared.holdout
+        loss, ppl = holdout_loss(model, h.input_ids, h.attention_mask,
+                                 batch_size=t.micro_batch_size or t.batch_size,
+                                 max_batches=t.eval_batches, device=torch.device("cpu"))
+        s.export_hf(model, tokenizer=prepared.tokenizer(), tokenizer_dir=prepared.tokenizer_dir)
+        s.complete({"steps": 0, "final_holdout_loss": loss, "final_holdout_perplexity": ppl,
+                    "initial_holdout_loss": loss, "initial_holdout_perplexity": ppl,
+                    "final_train_loss": None, "train_sequences": len(prepared.train),
+                    "parameters": int(sum(p.numel() for p in model.parameters())),
+                    "fine_tuned": False})
+    rd.update_manifest(role=ROLE_REFERENCE)
+
+
+# ----------------------------------------------------------------------------- the runner's call
+def pretrain_stage(cfg: Any, out_dir: str | Path, points: list[Any],
+                   progress: Progress = None) -> tuple[list[Any], list[Path]]:
+    """What `run_sweep` calls when the sweep has a `pretrain:` section: the base (trained or
+    reused), each point with `model.init_from` set to it, and the reference run to report.
+
+    With a model-size axis each size gets its own base, pretrained on the same public corpus;
+    the first size's trained tokenizer is given to the others, so every size (and so every
+    fine-tune, which adopts its base's tokenizer) reads the same tokens."""
+    sizes = list(dict.fromkeys(p.model for p in points))
+    bases: dict[str | None, Path] = {}
+    for size in sizes:
+        shared = str(bases[sizes[0]]) if bases else None
+        bases[size] = ensure_public_base(cfg, out_dir, progress, size=size,
+                                         tokenizer=shared).resolve()  # points may run elsewhere
+    points = [replace(p, overrides={**p.overrides, "model.init_from": str(bases[p.model])})
+              for p in points]
+    refs = [ensure_base_reference(cfg, out_dir, bases[size], [p for p in points if p.model == size],
+                                  progress, size=size) for size in sizes]
+    return points, refs

@@ -1,0 +1,108 @@
+"""Public/private disjointness (memaudit.data.overlap) and the private content the public
+corpus lacks (memaudit.data.synth). The oracle for the overlap counts is a brute-force loop
+over every (public document, value) pair."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from memaudit.data.documents import Document, Pii
+from memaudit.data.overlap import check_disjoint, require_disjoint, text_hash
+from memaudit.data.synth import synthesize, synthesize_public, topic_vocabulary
+from memaudit.errors import DataError
+
+PRIVATE = synthesize(12, 4, seed=0)
+PUBLIC = synthesize_public(12, 4, seed=1)
+
+
+def _brute(public, private, secrets, min_chars=4):
+    import re
+
+    hashes = {hashlib.sha256(" ".join(d.text.split()).encode()).hexdigest() for d in private}
+    docs = sum(hashlib.sha256(" ".join(d.text.split()).encode()).hexdigest() in hashes for d in public)
+    sec = {s for s in secrets for d in public if s in d.text}
+    values = {p.value for d in private for p in d.pii if len(p.value) >= min_chars}
+    pii = {v for v in values for d in public if re.search(rf"(?<!\w){re.escape(v)}(?!\w)", d.text)}
+    return docs, len(sec), len(pii)
+
+
+def test_synthetic_public_corpus_is_disjoint_from_the_private_one():
+    o = require_disjoint(PUBLIC, PRIVATE, secrets=["123456", "987654"])
+    assert o.ok and (o.documents, o.secrets, o.pii_values) == (0, 0, 0)
+    assert o.public_documents == len(PUBLIC) and o.private_documents == len(PRIVATE)
+
+
+def test_constructed_overlap_is_counted_like_brute_force_and_refused():
+    victim = PRIVATE[5]
+    name = next(p.value for d in PRIVATE for p in d.pii if p.type == "email")
+    leaky = [
+        *PUBLIC[:6],
+        Document(id="x1", user="p", text="  " + victim.text.replace(" ", "\n", 3) + " "),  # a re-wrapped copy
+        Document(id="x2", user="p", text=f"a notice that mentions {name} by mistake"),
+        Document(id="x3", user="p", text="order 00123456789 shipped"),  # a secret inside a number
+        Document(id="x4", user="p", text=f"{name}x is not the same address"),  # not a whole word
+    ]
+    secrets = ["123456", "555555"]
+    o = check_disjoint(leaky, PRIVATE, secrets=secrets)
+    assert (o.documents, o.secrets, o.pii_values) == _brute(leaky, PRIVATE, secrets)
+    assert o.documents == 1 and o.secrets == 1 and o.pii_values >= 1 and not o.ok
+    with pytest.raises(DataError) as e:
+        require_disjoint(leaky, PRIVATE, secrets=secrets)
+    msg = str(e.value)
+    assert "\n" not in msg and "1 shared document(s)" in msg and "1 canary secret(s)" in msg
+    assert name not in msg and "123456" not in msg and victim.text[:20] not in msg
+
+
+def test_text_hash_ignores_whitespace_only():
+    assert text_hash("a  b\nc ") == text_hash("a b c")
+    assert text_hash("a b c") != text_hash("a b d")
+
+
+def test_private_users_have_topics_and_facts_the_public_corpus_lacks():
+    """Each private message carries its topic's invented words and one of its user's facts;
+    the public corpus holds no PII and none of those words."""
+    vocab = {w for t in range(4) for w in [topic_vocabulary(0, t)[0], *topic_vocabulary(0, t)[1]]}
+    public_words = {w.strip(".,") for d in PUBLIC for w in d.text.split()}
+    assert not vocab & public_words and all(not d.pii for d in PUBLIC)
+    for d in (d for d in PRIVATE if "-d" in d.id):
+        u = int(d.user[1:])
+        _, words = topic_vocabulary(0, u % 4)
+        assert any(w in d.text for w in words)
+    # every message states one of its user's facts; facts are the user's own
+    from memaudit.data.synth import user_facts
+
+    for d in (d for d in PRIVATE if "-d" in d.id):
+        u = int(d.user[1:])
+        mine = user_facts(0, u, 4, 3)
+        assert sum(f in d.text for f in mine) >= 1
+        others = {f for v in range(12) if v != u for f in user_facts(0, v, 4, 3)} - set(mine)
+        assert not any(f in d.text for f in others)
+
+
+def test_topics_zero_is_the_corpus_without_private_content():
+    plain = synthesize(3, 2, seed=0, topics=0, facts_per_user=0)
+    names = {topic_vocabulary(0, t)[0] for t in range(4)}
+    assert not any(n in d.text for d in plain for n in names)
+
+
+def test_public_kind_prepares_without_pii_and_trains_its_own_tokenizer(tmp_path):
+    from memaudit.config import DataConfig
+    from memaudit.data import prepare_data
+    from memaudit.data.tokenizer import train_tokenizer
+    from memaudit.rundir import RunDir
+
+    cfg = DataConfig(synth={"kind": "public", "users": 8, "docs_per_user": 2, "seed": 1,
+                            "paragraph_sentences": 2},
+                     canaries={"per_setting": 0, "references": 0}, seq_len=32)
+    prep = prepare_data(cfg, RunDir(tmp_path / "pub"), vocab_size=512)
+    assert not prep.canaries.inserted and all(not d.pii for d in prep.documents)
+    texts = [d.text for d in prep.documents]
+    assert train_tokenizer(texts, vocab_size=512).get_vocab() == prep.tokenizer().get_vocab()
+
+
+def test_pii_shorter_than_the_minimum_is_not_evidence():
+    priv = [Document(id="a", user="u", text="hi Al", pii=(Pii("name", "Al", 3),))]
+    pub = [Document(id="p", user="p", text="Al went home")]
+    assert check_disjoint(pub, priv).ok
