@@ -280,6 +280,21 @@ def test_sweep_pretrains_then_fine_tunes_both_backends(tmp_path):
     assert record["role"] == "public-pretrain"
     again = run_sweep(cfg, tmp_path / "sw")
     assert [o["action"] for o in again["outcomes"]] == ["skipped", "skipped"]
+    # a fine-tune of other starting weights (the base retrained in place) or of another config
+    # is stale: the next run trains it again instead of skipping it
+    from memaudit.config import with_overrides
+    from memaudit.sweep.config import plan_points, point_config
+    from memaudit.sweep.pretrain import pretrain_stage
+    from memaudit.sweep.runner import _decide
+
+    points, _ = pretrain_stage(cfg, tmp_path / "sw", plan_points(cfg))
+    point_cfg = point_config(cfg, points[0])
+    rd = RunDir(tmp_path / "sw" / "runs" / points[0].name)
+    assert _decide(rd, point_cfg) == "skipped"
+    assert _decide(rd, with_overrides(point_cfg, {"train.lr": point_cfg.train.lr * 2})) == "trained"
+    weights = next(base.model_dir.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes() + b" ")  # the base's weights are not what it started from
+    assert _decide(rd, point_cfg) == "trained"
 
 
 @pytest.mark.parametrize("name", ["quickstart.yaml", "study.yaml"])

@@ -151,8 +151,9 @@ def _train(run_cfg: Any, rd: Any, progress: Progress) -> None:
 
 def _dumped(run_cfg: Any) -> dict[str, Any]:
     from memaudit.config import dump_config
+    from memaudit.io import dumps
 
-    return json.loads(json.dumps(dump_config(run_cfg)))
+    return json.loads(dumps(dump_config(run_cfg)))  # as run.json writes it (non-finite: null)
 
 
 def base_dir_name(size: str | None) -> str:
@@ -217,12 +218,12 @@ def ensure_base_reference(cfg: Any, out_dir: str | Path, base_model: Path, point
     """`out_dir/runs/public-base/` (`public-base-<size>/` per size of a model-size axis): the
     base model on the private data, evaluated and probed."""
     from memaudit.rundir import RunDir, prepare_new_run
-    from memaudit.sweep.runner import _probe_point
+    from memaudit.sweep.runner import _probe_point, _stale
 
     run_cfg = reference_config(cfg, points, base_model)
     name = REFERENCE_RUN if size is None else f"{REFERENCE_RUN}-{size}"
     rd = RunDir(Path(out_dir) / "runs" / name)
-    if not _complete_with(rd, role=ROLE_REFERENCE, config=_dumped(run_cfg)):
+    if not _complete_with(rd, role=ROLE_REFERENCE) or _stale(rd, run_cfg):  # base retrained too
         _write_reference(run_cfg, prepare_new_run(rd.path, overwrite=True))
     _probe_point(cfg, rd, None if progress is None else
                  (lambda d, t, info: progress(d, t, {"point": name, "stage": "probe", **info})))

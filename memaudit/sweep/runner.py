@@ -40,9 +40,30 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def _decide(rd: RunDir) -> str:
-    """skipped (complete), resumed (interrupted or failed with a checkpoint) or trained."""
-    if rd.is_run():
+def _stale(rd: RunDir, cfg) -> bool:
+    """A run trained under another config than the point's now, or from a starting checkpoint
+    whose weights have changed since (a retrained public base): its results no longer belong
+    to this point, so it is trained again rather than skipped or resumed."""
+    import json
+
+    from memaudit.config import dump_config
+    from memaudit.io import dumps
+
+    m = rd.read_manifest()
+    if m.get("config") != json.loads(dumps(dump_config(cfg))):  # as run.json writes it
+        return True
+    if cfg.model.init_from is not None:
+        from memaudit.models.init import base_model_record
+
+        recorded = (m.get("base_model") or {}).get("weights_sha256")
+        return recorded != base_model_record(cfg.model.init_from)["weights_sha256"]
+    return False
+
+
+def _decide(rd: RunDir, cfg=None) -> str:
+    """skipped (complete), resumed (interrupted or failed with a checkpoint) or trained (new,
+    or stale: trained under another config or from other starting weights than `cfg`'s)."""
+    if rd.is_run() and not (cfg is not None and _stale(rd, cfg)):
         status = rd.status()
         if status == "complete":
             return "skipped"
@@ -57,7 +78,7 @@ def _train_point(cfg, rd: RunDir, progress: Progress,
     before any training starts (the other ranks of a scheduler job wait for it)."""
     from memaudit.dispatch import dispatch
 
-    action = _decide(rd)
+    action = _decide(rd, cfg)
     if action == "trained":
         rd = prepare_new_run(rd.path, overwrite=True)
     if on_action is not None:
