@@ -252,7 +252,8 @@ def _tests(cells: dict[tuple, list[dict]], labels: dict[tuple, str]) -> list[dic
 def scale_section(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The section from the report's run entries (their probes.json read again for per-unit
     scores), or None when the runs all have one size and one Goldfish setting."""
-    runs = [r for r in runs if not r.get("audit")]  # audit runs train on other data
+    # audit runs train on other data; a public base was not fine-tuned on the private data
+    runs = [r for r in runs if not r.get("audit") and r.get("role") != "public-base"]
     if (len({_size_key(r) for r in runs}) < 2
             and len({bool(r["mitigation"]["goldfish"]) for r in runs}) < 2):
         return None

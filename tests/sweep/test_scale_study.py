@@ -105,6 +105,16 @@ def test_sizes_compared_at_equal_tokens_and_reported(study):
     rep = json.loads((out / "report" / "report.json").read_text())
     refs = {f"public-base-{size}" for size in ("tiny", "tiny2x")}  # each size's base, unchanged
     assert {r["id"] for r in rep["runs"]} == {p["name"] for p in points} | refs
+    # the scale section is computed from the fine-tunes (not the bases) and follows the rules:
+    # every comparison is "n too small" or tested, with Holm over the section's tested family
+    scale = rep["scale"]
+    assert len(scale["sizes"]) == 2 and scale["tests"]
+    tested = [t for t in scale["tests"] if t["test"] is not None]
+    assert {t["verdict"] for t in scale["tests"]} <= {"n too small", "no difference shown", "more", "less"}
+    assert scale["family"] == len(tested)
+    for t in tested:
+        assert t["test"]["correction"] == "holm" and t["test"]["family"] == len(tested)
+        assert 0 <= t["test"]["p_value"] <= t["test"]["p_adjusted"] <= 1
 
 
 def test_each_size_fine_tunes_its_own_public_base_with_one_tokenizer(study):
