@@ -224,12 +224,7 @@ def exposure_figure(report: dict[str, Any]):
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=_eps_label(run["privacy"]["epsilon"])
                         if run.get("role") != "public-base" else "public base")
             reps += xs
-        ax.set_xscale("log", base=2)
-        _fixed_ticks(ax, "x", [r for r in reps if r > 0])
-        ax.set_xlabel("repetitions in training (log scale)")
-        ax.set_ylabel("exposure (bits)")
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
+        _repetition_axes(ax, reps, title, "repetitions in training (log scale)", "exposure (bits)")
     fig.tight_layout()
     return fig
 
@@ -253,15 +248,21 @@ def extraction_figure(report: dict[str, Any]):
             ax.plot([r["repeats"] for r in rs], [r["value"] for r in rs], marker="o",
                     label=f"{_eps_label(run['privacy']['epsilon'])}, prefix {k} tokens")
             reps += [r["repeats"] for r in rs]
-        ax.set_xscale("log", base=2)
-        _fixed_ticks(ax, "x", [r for r in reps if r > 0])
         ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("times the text was repeated (log scale)")
-        ax.set_ylabel("exact extraction (fraction of documents)")
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
+        _repetition_axes(ax, reps, title, "times the text was repeated (log scale)",
+                         "exact extraction (fraction of documents)")
     fig.tight_layout()
     return fig
+
+
+def _repetition_axes(ax, reps: list, title: str, xlabel: str, ylabel: str) -> None:
+    """A panel against repetitions: log-2 x axis ticked at the repetitions drawn, labels, legend."""
+    ax.set_xscale("log", base=2)
+    _fixed_ticks(ax, "x", [r for r in reps if r > 0])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
 
 
 def roc_figure(report: dict[str, Any], key: str, title: str):

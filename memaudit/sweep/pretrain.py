@@ -140,20 +140,14 @@ def _train(run_cfg: Any, rd: Any, progress: Progress) -> None:
     """Train (or resume an interrupted) run through the normal lifecycle."""
     from memaudit.dispatch import dispatch
     from memaudit.rundir import prepare_new_run
+    from memaudit.sweep.runner import config_as_written
 
     if rd.is_run() and rd.status() in ("interrupted", "failed") and rd.state_dir.is_dir() \
-            and any(rd.state_dir.iterdir()) and rd.read_manifest().get("config") == _dumped(run_cfg):
+            and any(rd.state_dir.iterdir()) and rd.read_manifest().get("config") == config_as_written(run_cfg):
         dispatch(run_cfg, rd, resume=True, progress=progress)
         return
     rd = prepare_new_run(rd.path, overwrite=True)
     dispatch(run_cfg, rd, resume=False, progress=progress, overwrite=True)
-
-
-def _dumped(run_cfg: Any) -> dict[str, Any]:
-    from memaudit.config import dump_config
-    from memaudit.io import dumps
-
-    return json.loads(dumps(dump_config(run_cfg)))  # as run.json writes it (non-finite: null)
 
 
 def base_dir_name(size: str | None) -> str:

@@ -40,17 +40,23 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def _stale(rd: RunDir, cfg) -> bool:
-    """A run trained under another config than the point's now, or from a starting checkpoint
-    whose weights have changed since (a retrained public base): its results no longer belong
-    to this point, so it is trained again rather than skipped or resumed."""
+def config_as_written(cfg) -> dict[str, Any]:
+    """A run config as run.json holds it (strict JSON: non-finite numbers become null), for
+    comparing a run on disk with the config a point would train it under."""
     import json
 
     from memaudit.config import dump_config
     from memaudit.io import dumps
 
+    return json.loads(dumps(dump_config(cfg)))
+
+
+def _stale(rd: RunDir, cfg) -> bool:
+    """A run trained under another config than the point's now, or from a starting checkpoint
+    whose weights have changed since (a retrained public base): its results no longer belong
+    to this point, so it is trained again rather than skipped or resumed."""
     m = rd.read_manifest()
-    if m.get("config") != json.loads(dumps(dump_config(cfg))):  # as run.json writes it
+    if m.get("config") != config_as_written(cfg):
         return True
     if cfg.model.init_from is not None:
         from memaudit.models.init import base_model_record
