@@ -14,11 +14,9 @@ import threading
 import time
 from pathlib import Path
 
+import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a failure, not a skip
 import numpy as np
 import pytest
-
-pytest.importorskip("flwr")
-jax = pytest.importorskip("jax")
 
 pytestmark = pytest.mark.slow
 
