@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up (CPU) and run the main job on the embedded default: synthetic corpus with PII and
-# canaries, tiny model, both backends without DP and at two target epsilons; then probes and
-# one report in runs/quickstart/report/.
+# Set up (CPU) and run the main job on the embedded default: a tiny model pretrained on a public
+# synthetic corpus, then fine-tuned on private users (PII, canaries) with both backends, without
+# DP and at two target epsilons; then probes and one report in runs/quickstart/report/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
