@@ -60,6 +60,24 @@ def test_cli_overrides_shape_the_grid(tmp_path):
     assert len(names) == 12 and names[0] == "parallel-eps1-s0" and "parallel-epsinf-s2" in names
 
 
+def test_audit_levels_pick_grid_levels(tmp_path, capsys):
+    """audit.levels: all, dp_only, or a list of the grid's own levels; another level is one line."""
+    base = ["grid.epsilons=[inf, 8, 2]", "grid.backends=[parallel, federated]", "audit.enabled=true",
+            "audit.backends=[parallel]"]
+
+    def audited(levels):
+        cfg = load_sweep_config(CONFIGS / "quickstart.yaml", [*base, f"audit.levels={levels}"])
+        return sorted(p.nominal_epsilon for p in plan_points(cfg) if p.audit)
+
+    assert audited("all") == [2.0, 8.0, math.inf]
+    assert audited("dp_only") == [2.0, 8.0]
+    assert audited("[inf, 2]") == [2.0, math.inf]
+    err = _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--out", str(tmp_path / "s"),
+                        *sum((["--set", o] for o in [*base, "audit.levels=[3]"]), [])])
+    assert "audit.levels has 3" in err and "grid level" in err
+    assert not (tmp_path / "s").exists()
+
+
 def _err(capsys, argv):
     rc = main(argv)
     err = capsys.readouterr().err.strip()

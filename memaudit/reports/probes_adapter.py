@@ -22,8 +22,11 @@ def _stat(s: dict[str, Any] | None, **extra: Any) -> dict[str, Any] | None:
     """A probe cell for the report: value, interval, n, unit and note (why no interval)."""
     if not s or s.get("value") is None:
         return None
-    return {"value": s["value"], "ci_low": s.get("ci_low"), "ci_high": s.get("ci_high"),
-            "n": s.get("n"), "unit": s.get("unit"), "note": s.get("note"), **extra}
+    out = {"value": s["value"], "ci_low": s.get("ci_low"), "ci_high": s.get("ci_high"),
+           "n": s.get("n"), "unit": s.get("unit"), "note": s.get("note"), **extra}
+    if s.get("n_pos") is not None and s.get("n_neg") is not None:  # an attack's AUC: both classes
+        out.update(n_pos=s["n_pos"], n_neg=s["n_neg"])
+    return out
 
 
 def _row(s: dict[str, Any] | None) -> dict[str, Any]:

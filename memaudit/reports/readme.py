@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memaudit.reports.render import n_text
+
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "docs" / "snapshots"
 README = ROOT / "README.md"
@@ -48,7 +50,7 @@ def _cell(c: dict[str, Any] | None) -> str:
     s = _num(c["value"])
     if c.get("ci_low") is not None and c.get("ci_high") is not None:
         s += f" [{_num(c['ci_low'])}, {_num(c['ci_high'])}]"
-    n = f"n = {c['n']} {c.get('unit') or ''}".strip() if c.get("n") is not None else ""
+    n = n_text(c) if c.get("n") is not None else ""
     extra = ", ".join(x for x in (n, c.get("note") if c.get("ci_low") is None else None) if x)
     return s + (f" ({extra})" if extra else "")
 

@@ -33,11 +33,20 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+def n_text(c: dict[str, Any]) -> str:
+    """"n = 96 documents", or for an attack's AUC both classes: "n = 323 members + 96 non-members
+    documents" (the interval's width is set by the smaller class, the test uses both)."""
+    unit = c.get("unit") or ""
+    if c.get("n_pos") is not None and c.get("n_neg") is not None:
+        return f"n = {c['n_pos']} members + {c['n_neg']} non-members {unit}".strip()
+    return f"n = {c['n']} {unit}".strip()
+
+
 def cell(c: dict[str, Any] | None) -> str:
     """Value, interval (or the note saying why there is none) and n with its unit."""
     if not c:
         return "n/a"
-    n = f" (n = {c['n']} {c.get('unit') or ''})".replace(" )", ")") if c.get("n") is not None else ""
+    n = f" ({n_text(c)})" if c.get("n") is not None else ""
     if c.get("value") is None:
         return f"{c.get('note') or 'n/a'}{n}"
     s = fmt(c["value"])

@@ -106,7 +106,9 @@ class AuditConfig(_Section):
     enabled: bool = False
     audit_canaries: int = Field(256, ge=2)
     backends: list[str] | None = None
-    levels: Literal["all", "dp_only"] = "all"
+    levels: Literal["all", "dp_only"] | list[float] = Field(
+        "all", description="privacy levels that get an audit run: all, dp_only, or a list of the "
+        "grid's levels, e.g. [inf, 2]")
 
 
 class SweepProbeConfig(ProbeConfig):
@@ -193,6 +195,18 @@ class SweepConfig(_Section):
                         )
         return v
 
+    @model_validator(mode="after")
+    def _audit_levels(self) -> SweepConfig:
+        levels = self.audit.levels
+        if isinstance(levels, list) and self.audit.enabled:
+            grid = self.grid.noise_multipliers if self.grid.noise_multipliers is not None else (
+                self.grid.epsilons or [math.inf])
+            missing = [v for v in levels if float(v) not in [float(g) for g in grid]]
+            if missing:
+                raise ValueError(f"audit.levels has {missing[0]:g}, which is not a grid level; use "
+                                 f"levels from {[float(g) for g in grid]}, all or dp_only")
+        return self
+
     @field_validator("per_model")
     @classmethod
     def _per_model(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -260,6 +274,16 @@ def _level_label(level: float | None, kind: str) -> str:
     return f"eps{s}" if kind == "epsilon" else f"sigma{s}"
 
 
+def _audited(levels: str | list[float], level: float | None, kind: str) -> bool:
+    """Whether grid level ``level`` (None: no DP) gets an audit run under ``audit.levels``."""
+    if levels == "all":
+        return True
+    if levels == "dp_only":
+        return level is not None
+    none = math.inf if kind == "epsilon" else 0.0
+    return (none if level is None else level) in [float(v) for v in levels]
+
+
 def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
     grid = cfg.grid
     if grid.noise_multipliers is not None:
@@ -295,7 +319,7 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
         for backend in cfg.audit.backends or grid.backends:
             for model in models:
                 for level in levels:
-                    if cfg.audit.levels == "dp_only" and level is None:
+                    if not _audited(cfg.audit.levels, level, kind):
                         continue
                     add(backend, model, level, grid.seed_list[0], False, True)
     return [replace(p, tokens_seen=tokens_seen(point_config(cfg, p))) for p in points]
