@@ -73,7 +73,7 @@ def test_audit_levels_pick_grid_levels(tmp_path, capsys):
     assert audited("dp_only") == [2.0, 8.0]
     assert audited("[inf, 2]") == [2.0, math.inf]
     err = _err(capsys, ["sweep", str(CONFIGS / "quickstart.yaml"), "--out", str(tmp_path / "s"),
-                        *sum((["--set", o] for o in [*base, "audit.levels=[3]"]), [])])
+                        *[a for o in [*base, "audit.levels=[3]"] for a in ("--set", o)]])
     assert "audit.levels has 3" in err and "grid level" in err
     assert not (tmp_path / "s").exists()
 

@@ -26,6 +26,7 @@ from memaudit.reports.frontier import (
     matched_utility,
 )
 from memaudit.reports.group import group_privacy
+from memaudit.reports.literature import literature_section
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 from memaudit.reports.scale import scale_section
 from memaudit.rundir import RunDir
@@ -380,6 +381,9 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
     if (scale := scale_section(runs)) is not None:
         report["scale"] = scale
+    # the effects the literature reports, by the section's own tests (reports/literature.py)
+    if (lit := literature_section(runs)) is not None:
+        report["literature"] = lit
     for r in runs:
         r.pop("units", None)
     return report

@@ -62,6 +62,11 @@ def units_of(probes: dict[str, Any]) -> dict[str, dict[str, Any]]:
             sel = [r for r in rows if r["repetitions"] == top]
             out["exposure_top"] = _units("mean", "canaries", [r["id"] for r in sel],
                                          [r["exposure"] - base for r in sel])
+        every = [r for r in p.scores if r.get("role") in ("inserted", "reference")]
+        out["exposure_canaries"] = _units(
+            "exposure", "canaries", [r["id"] for r in every], [r["exposure"] for r in every],
+            role=[r["role"] for r in every], repetitions=[int(r.get("repetitions") or 0) for r in every],
+            owner_kind=[str(r.get("owner_kind") or "user") for r in every])
     if (p := doc.get("extraction")) is not None:
         disc = (p.scores or {}).get("discoverable") or []
         if disc:

@@ -93,6 +93,12 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
                  + (":" if f["headline"] else "."))
     for h in f["headline"]:
         lines.append(f"- {h['text']} ({h['evidence']})" + (f"; caveat: {h['caveat']}" if h.get("caveat") else "") + ".")
+    lit = report.get("literature")
+    if lit and lit.get("sentences"):
+        lines.append("")
+        lines.append(f"The effects the literature reports ({str(lit.get('correction', 'holm')).capitalize()}-"
+                     f"corrected over the {lit.get('family', 0)} tests of that section):")
+        lines += [f"- {s}." for s in lit["sentences"]]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,276 @@
+"""The effects the memorization literature reports, checked by memaudit's own rules.
+
+One section of the report, computed from the runs' per-unit scores (never from a stored verdict):
+
+- **Exposure against repetitions.** Per run, the excess exposure of each canary bucket
+  (repetitions x owner kind) over the run's reference canaries, with its effective epsilon
+  under group privacy (`memaudit.reports.group`) and a one-sided Mann-Whitney test (inserted >
+  references); per run a one-sided Spearman test that exposure rises with repetitions (Carlini et
+  al. 2019). Where the effective epsilon is small the excess should vanish; where it is large it
+  need not: under example-level DP a canary one user repeats r times is covered by r * epsilon,
+  under user-level DP by epsilon (Thakkar et al. 2020). That contrast on the same canaries is
+  the centralized-vs-federated answer.
+- **Extraction without DP.** Exact extraction of member documents, canary completion and PII
+  extraction of the non-DP fine-tunes: k of n with a Clopper-Pearson interval; "non-zero" means
+  at least one unit extracted.
+- **The one-run audit** (Steinke et al. 2023): each audit run's epsilon lower bound against the
+  ledger's epsilon (positive without DP; at most the ledger's epsilon with it).
+- **DP fine-tunes that learn.** Per backend and epsilon, the share of the holdout-loss gap between
+  the public base and the non-DP fine-tune that the DP fine-tune closes, (L_base - L_dp) /
+  (L_base - L_nodp), on the per-document losses of the same holdout documents (the membership
+  probe's non-members), with a paired bootstrap interval (Li et al. 2022 report DP fine-tunes
+  that keep most of the non-DP utility).
+
+Every test of the section is Holm-corrected over the section's family; a bucket with fewer than
+`MIN_N` canaries gets "n too small" and no test.
+
+References:
+  Carlini et al. The Secret Sharer. USENIX Security 2019.
+  Thakkar et al. Understanding unintended memorization in federated learning. 2020.
+  Steinke, Nasr, Jagielski. Privacy auditing with one (1) training run. NeurIPS 2023.
+  Li, Tramer, Liang, Hashimoto. Large language models can be strong differentially private
+  learners. ICLR 2022.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from memaudit.reports.frontier import PUBLIC_BASE
+
+ALPHA = 0.05
+N_BOOT = 2000
+HALF = 0.5  # the share of the loss gap a DP fine-tune at the largest epsilon should close
+
+
+def _eps(run: dict[str, Any]) -> float:
+    e = run["privacy"].get("epsilon")
+    return math.inf if e is None or e == "inf" else float(e)
+
+
+def _comparison_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in runs if not r.get("audit") and r.get("role") != PUBLIC_BASE
+            and not (r.get("mitigation") or {}).get("goldfish")]
+
+
+def _label(run: dict[str, Any]) -> str:
+    side = "centralized" if run["backend"] == "parallel" else "federated"
+    e, unit = _eps(run), run["privacy"].get("unit")
+    return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
+
+
+def _boot_ci(samples: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.quantile(samples, [(1 - 0.95) / 2, 1 - (1 - 0.95) / 2])
+    return float(lo), float(hi)
+
+
+def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> dict[str, Any]:
+    from memaudit.probes.stats import cell
+
+    ci = _boot_ci(boot) if boot is not None and n > 0 and len(boot) else None
+    return cell(value, n=n, unit=unit, ci=ci)
+
+
+# ----------------------------------------------------------------------------- exposure
+def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, Any] | None:
+    """Per bucket: excess exposure over the references with its test; the rising-trend test."""
+    from scipy.stats import mannwhitneyu, spearmanr
+
+    from memaudit.probes.stats import MIN_N, N_TOO_SMALL
+
+    u = (run.get("units") or {}).get("exposure_canaries")
+    if not u:
+        return None
+    refs = np.asarray([v for v, role in zip(u["values"], u["role"], strict=True) if role == "reference"])
+    ins = [(v, r, o) for v, role, r, o in zip(u["values"], u["role"], u["repetitions"], u["owner_kind"],
+                                               strict=True) if role == "inserted"]
+    if not len(refs) or not ins:
+        return None
+    groups = {(g["repetitions"], g["owner_kind"]): g for g in run.get("group_privacy") or []}
+    buckets = []
+    for rep, owner in sorted({(r, o) for _v, r, o in ins}):
+        x = np.asarray([v for v, r, o in ins if (r, o) == (rep, owner)])
+        g = groups.get((rep, owner)) or {}
+        row = {"repetitions": int(rep), "owner_kind": owner, "effective_epsilon": g.get("effective_epsilon"),
+               "rule": g.get("rule"), "test": None}
+        if len(x) < MIN_N:
+            row["excess"] = _cell(float(x.mean() - refs.mean()), len(x), "canaries", None)
+            row["note"] = N_TOO_SMALL
+        else:
+            boot = (x[rng.integers(0, len(x), (N_BOOT, len(x)))].mean(1)
+                    - refs[rng.integers(0, len(refs), (N_BOOT, len(refs)))].mean(1))
+            row["excess"] = _cell(float(x.mean() - refs.mean()), len(x), "canaries", boot)
+            p = float(mannwhitneyu(x, refs, alternative="greater").pvalue)
+            row["test"] = {"test": "Mann-Whitney U, one-sided (inserted > references)", "p_value": p,
+                           "n_a": len(x), "n_b": len(refs), "unit": "canaries"}
+        buckets.append(row)
+    reps = np.asarray([r for _v, r, _o in ins], dtype=float)
+    vals = np.asarray([v for v, _r, _o in ins])
+    trend = None
+    if len(vals) >= MIN_N and len(set(reps)) > 1:
+        res = spearmanr(reps, vals, alternative="greater")
+        trend = {"test": "Spearman rank correlation, one-sided (rising)", "rho": float(res.statistic),
+                 "p_value": float(res.pvalue), "n_a": len(vals), "n_b": len(vals), "unit": "canaries"}
+    return {"run": run["id"], "label": _label(run), "backend": run["backend"], "epsilon": _eps(run),
+            "unit": run["privacy"].get("unit"), "trend": trend, "buckets": buckets}
+
+
+# ----------------------------------------------------------------------------- extraction, audit
+EXTRACTION = (("extraction_exact", "member documents extracted exactly"),
+              ("canary_completion", "canary secrets completed greedily"),
+              ("pii_extraction", "PII values extracted"))
+
+
+def _extraction(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for run in runs:
+        if not math.isinf(_eps(run)):
+            continue
+        cells = {}
+        for key, what in EXTRACTION:
+            c = run["leakage"].get(key)
+            if c and c.get("value") is not None and c.get("n"):
+                k = round(c["value"] * c["n"])
+                cells[key] = {**c, "k": k, "what": what, "nonzero": k > 0}
+        out.append({"run": run["id"], "label": _label(run), "metrics": cells})
+    return out
+
+
+def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for run in runs:
+        a = run["leakage"].get("audit_epsilon")
+        if not run.get("audit") or not a or a.get("value") is None:
+            continue
+        eps, bound = _eps(run), float(a["value"])
+        verdict = (("positive lower bound" if bound > 0 else "no leakage shown") if math.isinf(eps) else
+                   ("below the ledger's epsilon" if bound <= eps else "ABOVE the ledger's epsilon"))
+        out.append({"run": run["id"], "label": _label(run), "bound": bound, "ledger_epsilon": eps,
+                    "ceiling": a.get("ceiling"), "n": a.get("n"), "unit": a.get("unit"),
+                    "confidence": a.get("confidence"), "verdict": verdict})
+    return out
+
+
+# ----------------------------------------------------------------------------- DP learns
+def _holdout_losses(run: dict[str, Any]) -> dict[str, float]:
+    """Per-document mean token loss of the membership probe's non-members (holdout documents)."""
+    u = (run.get("units") or {}).get("mia_auc")
+    if not u:
+        return {}
+    return {i: -float(v) for i, v, m in zip(u["ids"], u["values"], u["member"], strict=True) if not m}
+
+
+def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
+               rng: np.random.Generator) -> list[dict[str, Any]]:
+    base = next((r for r in all_runs if r.get("role") == PUBLIC_BASE), None)
+    if base is None:
+        return []
+    lb = _holdout_losses(base)
+    out = []
+    for backend in ("parallel", "federated"):
+        side = [r for r in runs if r["backend"] == backend]
+        nodp = next((r for r in side if math.isinf(_eps(r))), None)
+        if nodp is None:
+            continue
+        ln = _holdout_losses(nodp)
+        for run in sorted((r for r in side if not math.isinf(_eps(r))), key=_eps, reverse=True):
+            ld = _holdout_losses(run)
+            ids = sorted(set(lb) & set(ln) & set(ld))
+            if not ids:
+                continue
+            b, n0, d = (np.asarray([m[i] for i in ids]) for m in (lb, ln, ld))
+            if not b.mean() - n0.mean() > 0:  # nothing to close: the non-DP fine-tune is no better
+                out.append({"backend": backend, "run": run["id"], "label": _label(run), "epsilon": _eps(run),
+                            "closed": None, "verdict": "no gap: the non-DP fine-tune does not beat the "
+                            f"public base on these {len(ids)} holdout documents"})
+                continue
+            idx = rng.integers(0, len(ids), (N_BOOT, len(ids)))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                boot = (b[idx].mean(1) - d[idx].mean(1)) / (b[idx].mean(1) - n0[idx].mean(1))
+            closed = float((b.mean() - d.mean()) / (b.mean() - n0.mean()))
+            c = _cell(closed, len(ids), "holdout documents", boot[np.isfinite(boot)])
+            verdict = ("at least half closed" if c.get("ci_low") is not None and c["ci_low"] >= HALF else
+                       "less than half closed" if c.get("ci_high") is not None and c["ci_high"] < HALF else
+                       "half not separated")
+            out.append({"backend": backend, "run": run["id"], "label": _label(run), "epsilon": _eps(run),
+                        "closed": c, "loss": {"base": float(b.mean()), "no_dp": float(n0.mean()),
+                                              "dp": float(d.mean()), "unit": "nats per token"},
+                        "verdict": verdict})
+    return out
+
+
+# ----------------------------------------------------------------------------- the section
+def _holm(tests: list[dict[str, Any]]) -> None:
+    from memaudit.probes.stats import holm
+
+    adj = holm([t["p_value"] for t in tests]) if tests else []
+    for t, p in zip(tests, adj, strict=True):
+        t.update(p_adjusted=float(p), correction="holm", family=len(tests), alpha=ALPHA,
+                 verdict="shown" if p <= ALPHA else "not shown")
+
+
+def _sentences(sec: dict[str, Any]) -> list[str]:
+    out = []
+    for e in sec["exposure"]:
+        t = e["trend"]
+        if t:
+            out.append(f"{e['label']}: exposure rises with repetitions {'(shown)' if t['verdict'] == 'shown' else '(not shown)'}"
+                       f": Spearman rho = {t['rho']:.2f}, n = {t['n_a']} canaries, Holm p = {t['p_adjusted']:.3g}")
+    contrast = _contrast(sec["exposure"])
+    out += contrast
+    for x in sec["extraction"]:
+        parts = [f"{m['k']}/{m['n']} {m['what']}" for m in x["metrics"].values()]
+        if parts:
+            out.append(f"{x['label']}: " + ", ".join(parts))
+    for a in sec["audit"]:
+        led = "no DP" if math.isinf(a["ledger_epsilon"]) else f"ledger epsilon = {a['ledger_epsilon']:.3g}"
+        out.append(f"{a['label']}: one-run audit lower bound epsilon >= {a['bound']:.3g} ({led}; "
+                   f"n = {a['n']} {a['unit']}, ceiling {a['ceiling']:.3g}): {a['verdict']}")
+    for g in sec["dp_learns"]:
+        c = g["closed"]
+        if c is None:
+            out.append(f"{g['label']}: {g['verdict']}")
+            continue
+        ci = f" [{c['ci_low']:.0%}, {c['ci_high']:.0%}]" if c.get("ci_low") is not None else ""
+        out.append(f"{g['label']}: closes {c['value']:.0%}{ci} of the holdout-loss gap between the public "
+                   f"base and the non-DP fine-tune (n = {c['n']} holdout documents): {g['verdict']}")
+    return out
+
+
+def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
+    """Example-level vs user-level DP on the same user-owned canaries at the most repetitions."""
+    out = []
+    for e in exposure:
+        if math.isinf(e["epsilon"]):
+            continue
+        rows = [b for b in e["buckets"] if b["owner_kind"] == "user" and b.get("test")]
+        if not rows:
+            continue
+        b = max(rows, key=lambda b: b["repetitions"])
+        x = b["excess"]
+        ci = f" [{x['ci_low']:.2f}, {x['ci_high']:.2f}]" if x.get("ci_low") is not None else ""
+        out.append(f"{e['label']}, canaries one user repeats {b['repetitions']} times (effective epsilon = "
+                   f"{b['effective_epsilon']:.3g}, {b['rule']}): excess exposure {x['value']:.2f}{ci} bits over "
+                   f"the references (n = {x['n']} canaries), {b['test']['verdict']} "
+                   f"(Holm p = {b['test']['p_adjusted']:.3g})")
+    return out
+
+
+def literature_section(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
+    """The section over `runs` (entries with their per-unit scores), or None with nothing to show."""
+    rng = np.random.default_rng(seed)
+    comp = _comparison_runs(runs)
+    exposure = [e for r in comp if (e := _exposure_run(r, rng)) is not None]
+    sec = {"exposure": exposure, "extraction": _extraction(comp), "audit": _audit(runs),
+           "dp_learns": _dp_learns(comp, runs, rng), "alpha": ALPHA, "correction": "holm"}
+    tests = [e["trend"] for e in exposure if e["trend"]] + [b["test"] for e in exposure for b in e["buckets"]
+                                                             if b.get("test")]
+    _holm(tests)
+    sec["family"] = len(tests)
+    if not any(sec[k] for k in ("exposure", "extraction", "audit", "dp_learns")):
+        return None
+    sec["sentences"] = _sentences(sec)
+    return sec
