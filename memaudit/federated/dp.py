@@ -9,7 +9,10 @@ on how many clients showed up).
 The base aggregator computes the mean of the clipped deltas over the clients
 that contributed (``mean_aggregator()``, or ``secure_aggregation(mean_aggregator())``);
 this wrapper turns it back into a sum with the count the base reports
-(``metrics["survivors"]``, else ``metrics["aggregated_clients"]``).
+(``metrics["survivors"]``, else ``metrics["aggregated_clients"]``). With the deltas kept on the
+nodes of a runtime across machines (`memaudit.federated.secagg.remote.ClientRows`, under
+secure aggregation) each node clips its own users' deltas and reports how many of them were
+within C (the count adaptive clipping and ``clip_fraction`` need): one count per node, no row.
 
 Adaptive clipping (Andrew et al. 2021) tracks the γ-quantile of the update norms:
 C <- C exp(-η (b̃ - γ)), b̃ = (Σ_i b_i + N(0, σ_b²)) / expected cohort + 1/2 with
@@ -39,6 +42,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from memaudit.config import AdaptiveClipConfig
 from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
@@ -96,6 +100,12 @@ def contributors(metrics: dict, presence: jax.Array) -> jax.Array:
     return jnp.sum(presence)
 
 
+def _is_remote(deltas: Any) -> bool:
+    from memaudit.federated.secagg.remote import ClientRows
+
+    return isinstance(deltas, ClientRows)
+
+
 def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: float,
               expected_cohort: float, adaptive: AdaptiveClipConfig | None = None) -> Aggregator:
     """DP-FedAvg around ``base`` (a mean over contributing clients; default ``mean_aggregator()``).
@@ -137,7 +147,12 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
         k_base, k_noise, k_count = jax.random.split(key, 3)
         presence = (weights > 0).astype(jnp.float32)
         c = state.clip
-        clipped, norms = clip_deltas(deltas, c)
+        remote = _is_remote(deltas)
+        if remote:  # the rows stay on the nodes: each clips its own, and counts its unclipped
+            clipped = deltas.clipped(c)
+            unclipped = jnp.float32(deltas.count_within(c, np.flatnonzero(np.asarray(presence) > 0)))
+        else:
+            clipped, norms = clip_deltas(deltas, c)
         res = base.aggregate(clipped, presence, state.base, k_base)
         m = contributors(res.metrics, presence)
         leaves, tdef = jax.tree.flatten(res.update)
@@ -147,7 +162,8 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
                  for x, k in zip(leaves, keys, strict=True)]
         update = jax.tree.unflatten(tdef, noisy)
         cohort = jnp.sum(presence)
-        unclipped = jnp.sum(presence * (norms <= c))
+        if not remote:
+            unclipped = jnp.sum(presence * (norms <= c))
         metrics = dict(res.metrics)
         metrics.update(clip=c, clip_fraction=(cohort - unclipped) / jnp.maximum(cohort, 1.0),
                        noise_std=std / expected_cohort, effective_noise=jnp.float32(z_total),

@@ -1,0 +1,214 @@
+"""Secure aggregation and distributed DP with the clients' side on the nodes (the Flower runtime).
+
+Aggregator level (fast, no model): the cohort's deltas live on `NodeExecutor` s in this process
+and the aggregators get a `ClientRows` handle; the update equals the in-JAX aggregator's on the
+same arrays exactly, and the decoded sum equals the integer sum of the survivors' quantised
+rows computed here (the oracle: `quantise.encode` row by row with each slot's generator). What
+the server receives holds no quantised row. A node that dies before sending its masked input
+drops its users from the sum; one that dies after it stays in the sum; below min_survivors the
+round aborts. Trainer level: FedAvg, DP-FedAvg with adaptive clipping and distributed DP, all
+with secure aggregation, on `FlowerTrainer` with in-process nodes end with the in-JAX run's
+weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+
+N, D1, D2 = 6, (3, 4), (5,)
+HOSTS = {"a": [0, 1, 2], "b": [3, 4, 5]}
+
+
+def _deltas(seed=0, n=N):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.normal(0, 0.3, (n, *D1)).astype(np.float32),
+            "b": rng.normal(0, 0.3, (n, *D2)).astype(np.float32)}
+
+
+class _Recording:
+    """LocalNodes that records every reply the server gets, and can kill a node at a step
+    (``when="before"``: it does not answer that step; ``"after"``: it answers, then dies)."""
+
+    def __init__(self, local, kill=None):
+        self.local, self.kill, self.replies = local, kill, []
+
+    def run_secagg(self, payloads):
+        step = next(iter(payloads.values()))["step"]
+        if self.kill and self.kill[1] == step and self.kill[2] == "before":
+            self.local.dead.add(self.kill[0])
+        out = self.local.run_secagg(payloads)
+        if self.kill and self.kill[1] == step and self.kill[2] == "after":
+            self.local.dead.add(self.kill[0])
+        self.replies.extend((step, r) for r in out.values())
+        return out
+
+
+def _remote(deltas, hosts=HOSTS, rnd=0, kill=None):
+    from memaudit.federated.flower.execute import LocalNodes, NodeExecutor
+    from memaudit.federated.secagg.remote import ClientRows, NodeChannel
+
+    leaves, treedef = jax.tree.flatten(deltas)
+    ex = {}
+    for node, slots in hosts.items():
+        e = NodeExecutor([f"u{s}" for s in slots], {})
+        for v, x in enumerate(leaves):  # a node keeps its own users' rows only
+            full = np.zeros_like(x)
+            full[slots] = x[slots]
+            e.store[(rnd, v)] = full
+        ex[node] = e
+    nodes = _Recording(LocalNodes(ex), kill)
+    rows = ClientRows(NodeChannel(nodes, hosts, rnd), tuple(range(len(leaves))),
+                      tuple((x.shape[1:], x.dtype.name) for x in leaves), treedef)
+    return rows, nodes
+
+
+def _secagg(**kw):
+    from memaudit.federated.aggregators import mean_aggregator
+    from memaudit.federated.secagg.aggregator import secure_aggregation
+
+    return secure_aggregation(mean_aggregator(), **{"clip": 1.0, "bits": 16, "seed": 3, **kw})
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
+
+
+def _oracle(deltas, present, survivors, key, *, clip=1.0, bits=16, seed=3, rnd=0):
+    """The survivors' mean from the integer sum of their quantised rows (numpy, row by row)."""
+    from memaudit.federated.secagg.aggregator import flatten_clients
+    from memaudit.federated.secagg.quantise import check_bits, decode, encode, quantisation_scale
+    from memaudit.federated.secagg.remote import slot_rng, slot_seed
+
+    rows, _ = flatten_clients(deltas)
+    scale, b = quantisation_scale(clip, bits, len(present))
+    inner = check_bits(clip, b, rows.shape[1], cohort=len(present))
+    q = [encode(rows[s][None], clip, scale, slot_rng(slot_seed(key, seed, rnd, s)), inner=inner)[0]
+         for s in present]
+    total = np.zeros(rows.shape[1], np.uint32)
+    for cid in survivors:
+        total += q[cid]
+    return decode(total, scale) / len(survivors), q
+
+
+def test_remote_secure_sum_equals_in_jax_and_the_integer_oracle():
+    deltas, key = _deltas(), jax.random.key(11)
+    weights = jnp.ones(N)
+    agg = _secagg()
+    local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), weights, agg.init(None), key)
+    rows, nodes = _remote(deltas)
+    remote = agg.aggregate(rows, weights, agg.init(None), key)
+    assert np.array_equal(_flat(local.update), _flat(remote.update))  # exact
+    expect, _q = _oracle(deltas, range(N), range(N), key)
+    np.testing.assert_allclose(_flat(remote.update), expect, rtol=0, atol=1e-6)  # float32 cast
+    assert float(remote.metrics["survivors"]) == N and remote.metrics["secagg_aborted"] == 0
+    assert remote.metrics["secagg_bytes_up"] == local.metrics["secagg_bytes_up"]
+    assert sorted(step for step, _ in nodes.replies) == sorted(
+        ["advertise", "shares", "masked", "unmask"] * len(HOSTS))
+
+
+def test_no_unmasked_row_reaches_the_server():
+    """Every byte the nodes send the server: no user's quantised row, no delta row (the
+    masked inputs are the rows plus masks)."""
+    deltas, key = _deltas(1), jax.random.key(5)
+    rows, nodes = _remote(deltas)
+    agg = _secagg()
+    agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
+    _, q = _oracle(deltas, range(N), range(N), key)
+    blobs = [bytes(m) for _, r in nodes.replies for m in r["msgs"].values()]
+    assert blobs
+    for row in q:
+        assert not any(row.tobytes() in b for b in blobs)
+        assert not any(row[:4].tobytes() in b for b in blobs)  # not even a prefix
+    for x in jax.tree.leaves(deltas):
+        for k in range(N):
+            assert not any(x[k].tobytes() in b for b in blobs)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_node_killed_before_or_after_its_masked_input(when):
+    """Node b dies at the masked-input step: before sending it its users are not in the sum;
+    after sending it they are (the others unmask them). Both exact against the oracle."""
+    deltas, key = _deltas(2), jax.random.key(7)
+    hosts = {"a": [0, 1, 2, 3], "b": [4, 5]}  # t = 4 of 6 holders: node a alone can unmask
+    rows, _ = _remote(deltas, hosts, kill=("b", "masked", when))
+    agg = _secagg()
+    res = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
+    survivors = range(N) if when == "after" else hosts["a"]
+    expect, _ = _oracle(deltas, range(N), survivors, key)
+    assert res.metrics["secagg_aborted"] == 0
+    assert float(res.metrics["survivors"]) == len(survivors)
+    np.testing.assert_allclose(_flat(res.update), expect, rtol=0, atol=1e-6)
+
+
+def test_killed_node_below_min_survivors_aborts():
+    """Node b dies before its masked input: 3 survivors, below the threshold t = 4 of 6
+    holders: zero update, ``secagg_aborted``, the round counter unchanged (as in-JAX)."""
+    deltas, key = _deltas(3), jax.random.key(8)
+    rows, _ = _remote(deltas, kill=("b", "masked", "before"))
+    agg = _secagg()
+    state = agg.init(None)
+    res = agg.aggregate(rows, jnp.ones(N), state, key)
+    assert res.metrics["secagg_aborted"] == 1 and int(res.state.round) == int(state.round)
+    assert not np.any(_flat(res.update))
+
+
+def test_simulated_dropout_and_absent_slots_as_in_jax():
+    """privacy.secure_aggregation.dropout and absent cohort slots (weight 0): same survivors
+    and the same update as the in-JAX aggregator."""
+    deltas, key = _deltas(4, n=8), jax.random.key(9)
+    hosts = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}
+    weights = jnp.asarray([1, 1, 0, 1, 1, 1, 1, 0], jnp.float32)
+    agg = _secagg(dropout_rate=0.2, threshold=0.5)
+    local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), weights, agg.init(None), key)
+    rows, _ = _remote(deltas, hosts)
+    remote = agg.aggregate(rows, weights, agg.init(None), key)
+    assert float(local.metrics["survivors"]) < 6  # the simulation dropped someone
+    assert float(remote.metrics["survivors"]) == float(local.metrics["survivors"])
+    assert np.array_equal(_flat(local.update), _flat(remote.update))
+
+
+def test_dp_fedavg_adaptive_over_remote_rows_equals_in_jax():
+    """DP-FedAvg (adaptive clipping) around secure aggregation: each node clips its users'
+    rows and counts its unclipped users; update, next clip and metrics equal in-JAX."""
+    from memaudit.config import AdaptiveClipConfig
+    from memaudit.federated.dp import dp_fedavg
+
+    deltas, key = _deltas(5), jax.random.key(10)
+    adaptive = AdaptiveClipConfig(enabled=True, initial_clip=1.25)
+    agg = dp_fedavg(_secagg(), clip=1.0, noise_multiplier=0.5, expected_cohort=N, adaptive=adaptive)
+    local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), jnp.ones(N), agg.init(None), key)
+    rows, nodes = _remote(deltas)
+    remote = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
+    assert 0 < float(local.metrics["clip_fraction"]) < 1  # some clipped, some not
+    assert np.array_equal(_flat(local.update), _flat(remote.update))
+    for k in ("clip_fraction", "next_clip", "survivors"):
+        assert float(local.metrics[k]) == float(remote.metrics[k])
+    assert [r["count"] for s, r in nodes.replies if s == "count"]  # one count per node
+
+
+def test_distributed_dp_over_remote_rows_equals_in_jax():
+    """Distributed DP: each node rotates, rounds and adds its users' discrete-Gaussian noise
+    shares; the decoded estimate equals the in-JAX aggregator's."""
+    from memaudit.federated.ddp import distributed_dp
+
+    deltas, key = _deltas(6), jax.random.key(12)
+    agg = distributed_dp(clip=1.0, noise_multiplier=0.8, expected_cohort=N, bits=20, seed=3)
+    local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), jnp.ones(N), agg.init(None), key)
+    rows, _ = _remote(deltas)
+    remote = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
+    assert np.array_equal(_flat(local.update), _flat(remote.update))
+    assert float(remote.metrics["survivors"]) == N
+
+
+def test_slot_seed_is_one_way_and_per_slot():
+    from memaudit.federated.secagg.remote import slot_seed
+
+    k = jax.random.key(1)
+    seeds = {slot_seed(k, 3, 0, s) for s in range(4)} | {slot_seed(k, 3, 1, 0), slot_seed(k, 4, 0, 0)}
+    assert len(seeds) == 6  # distinct per slot, round and seed
+    data = np.asarray(jax.random.key_data(k)).tobytes().hex()
+    assert all(data not in s for s in seeds)
