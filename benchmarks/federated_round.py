@@ -435,18 +435,33 @@ def bench_flower(args) -> dict:
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         return [m["round_seconds"] for m in lines][1:]
 
+    secagg = ["privacy.secure_aggregation.enabled=true", "privacy.clip=1.0"]
     train_federated(load_config(None, ov), RunDir(root / "jax"))
+    train_federated(load_config(None, [*ov, *secagg]), RunDir(root / "jax_secagg"))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     with LocalFederation(root / "federation", info["partitions"], env=env) as fed:
+        flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
         t0 = time.perf_counter()
-        train_federated(load_config(None, [*ov, "federated.runtime=flower",
-                                           f"federated.flower.superlink={fed.address}"]),
-                        RunDir(root / "flower"))
+        train_federated(load_config(None, [*ov, *flower]), RunDir(root / "flower"))
         total = time.perf_counter() - t0
-    jax_s, flower_s = statistics.median(rounds(root / "jax")), statistics.median(rounds(root / "flower"))
+        train_federated(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"))
+    med = {k: statistics.median(rounds(root / k)) for k in ("jax", "flower", "jax_secagg", "flower_secagg")}
+    wa = _safetensors(root / "jax_secagg")
+    wb = _safetensors(root / "flower_secagg")
     return {"model": "tiny Llama (memaudit preset)", "nodes": args.flower_nodes, "cohort": 8,
-            "rounds_timed": args.flower_rounds - 1, "jax_round_s": jax_s, "flower_round_s": flower_s,
-            "flower_vs_jax": flower_s / jax_s, "flower_run_s": total}
+            "rounds_timed": args.flower_rounds - 1, "jax_round_s": med["jax"],
+            "flower_round_s": med["flower"], "flower_vs_jax": med["flower"] / med["jax"],
+            "flower_run_s": total, "jax_secagg_round_s": med["jax_secagg"],
+            "flower_secagg_round_s": med["flower_secagg"],
+            "flower_secagg_vs_jax_secagg": med["flower_secagg"] / med["jax_secagg"],
+            "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
+            "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa)}
+
+
+def _safetensors(run) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(run / "model" / "model.safetensors"))
 
 
 def _auto_strategy() -> str:
