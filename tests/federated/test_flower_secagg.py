@@ -173,7 +173,8 @@ def test_simulated_dropout_and_absent_slots_as_in_jax():
 
 def test_dp_fedavg_adaptive_over_remote_rows_equals_in_jax():
     """DP-FedAvg (adaptive clipping) around secure aggregation: each node clips its users'
-    rows and counts its unclipped users; update, next clip and metrics equal in-JAX."""
+    rows and appends their indicators 1[norm <= C] to the masked rows; update, next clip and
+    metrics equal in-JAX, and the count is the survivors' (an independent numpy count)."""
     from memaudit.config import AdaptiveClipConfig
     from memaudit.federated.dp import dp_fedavg
 
@@ -187,7 +188,28 @@ def test_dp_fedavg_adaptive_over_remote_rows_equals_in_jax():
     assert np.array_equal(_flat(local.update), _flat(remote.update))
     for k in ("clip_fraction", "next_clip", "survivors"):
         assert float(local.metrics[k]) == float(remote.metrics[k])
-    assert [r["count"] for s, r in nodes.replies if s == "count"]  # one count per node
+    norms = np.sqrt(sum((x.reshape(N, -1).astype(np.float64) ** 2).sum(1) for x in deltas.values()))
+    assert float(remote.metrics["within_clip"]) == float(np.sum(norms <= 1.25))
+    assert {s for s, _ in nodes.replies} == {"advertise", "shares", "masked", "unmask"}  # no count sent
+
+
+def test_adaptive_count_is_over_the_survivors_and_never_sent_alone():
+    """The defect: the count adaptive clipping needs was each node's count in the clear (one
+    user's bit for a node hosting one). Now it rides in the secure sum: the nodes send no
+    count, and a node that dies before its masked input takes its users' bits with it."""
+    from memaudit.config import AdaptiveClipConfig
+    from memaudit.federated.dp import dp_fedavg
+
+    deltas, key = _deltas(5), jax.random.key(10)
+    hosts = {"a": [0, 1, 2, 3], "b": [4, 5]}
+    adaptive = AdaptiveClipConfig(enabled=True, initial_clip=1.25)
+    agg = dp_fedavg(_secagg(), clip=1.0, noise_multiplier=0.5, expected_cohort=N, adaptive=adaptive)
+    rows, nodes = _remote(deltas, hosts, kill=("b", "masked", "before"))
+    res = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
+    norms = np.sqrt(sum((x.reshape(N, -1).astype(np.float64) ** 2).sum(1) for x in deltas.values()))
+    assert float(res.metrics["survivors"]) == 4
+    assert float(res.metrics["within_clip"]) == float(np.sum(norms[:4] <= 1.25))
+    assert not any("count" in r for _, r in nodes.replies)
 
 
 def test_distributed_dp_over_remote_rows_equals_in_jax():

@@ -1,5 +1,9 @@
 """Secure aggregation as an aggregator wrapper (host-side, ``jittable=False``).
 
+``deltas`` wrapped in `memaudit.federated.secagg.remote.Counted` (deltas, one 0/1 indicator
+per client) also sum the indicators as one more integer coordinate of the masked rows: the
+survivors' count comes back as the metric ``within_clip`` (DP-FedAvg's adaptive clipping counts
+the unclipped users this way, Andrew et al. 2021), no indicator reaches the server alone.
 ``deltas`` may also be a `memaudit.federated.secagg.remote.ClientRows` (the rows stay on the
 nodes of a runtime across machines): each node then quantises its own users' rows and runs
 their protocol clients, the server object runs here (`run_remote_round`), same values.
@@ -176,14 +180,24 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         return SecAggState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
-        from memaudit.federated.secagg.remote import ClientRows, encode_rows, slot_seed
+        from memaudit.federated.secagg.remote import (
+            ClientRows,
+            Counted,
+            encode_rows,
+            slot_seed,
+            with_bits,
+        )
 
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
         present = np.flatnonzero(np.asarray(weights) > 0)
         n = len(present)
+        indicators = None
+        if isinstance(deltas, Counted):  # one more integer coordinate per row: its indicator
+            deltas, indicators = deltas.deltas, np.asarray(deltas.bits)
         if n < policy.min_survivors:  # a cohort of one would be unmasked as its own update
             return _aborted(deltas, state, n, n)
         remote = isinstance(deltas, ClientRows)  # the rows stay on the nodes (Flower)
+        counted = indicators is not None or (remote and deltas.count is not None)
         if remote:
             dim, unflatten = deltas.dim, deltas.unflatten
         else:
@@ -209,14 +223,15 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
             if remote:
                 from memaudit.federated.secagg.remote import run_remote_round
 
-                result = run_remote_round(deltas, spec, present, seeds, dim=dim, **protocol)
+                result = run_remote_round(deltas, spec, present, seeds, dim=dim + counted, **protocol)
             else:
                 q = encode_rows(spec, rows if n == rows.shape[0] else rows[present], seeds)
-                result = run_round(q, **protocol)
+                result = run_round(q if indicators is None else with_bits(q, indicators[present]),
+                                   **protocol)
         except SecAggAbort:
             return _aborted(deltas, state, n, n - len(dropped))
         m = len(result.survivors)
-        mean = decode(result.total, scale) / m
+        mean = decode(result.total[:dim], scale) / m
         pseudo = jax.tree.map(lambda x: x[None], unflatten(mean))
         res = base.aggregate(pseudo, jnp.ones((1,), jnp.float32), state.base, key)
         metrics = dict(res.metrics)
@@ -224,9 +239,11 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
                        secagg_norm_bound=float(clip))
+        if counted:  # the survivors' indicators, summed under the masks
+            metrics["within_clip"] = jnp.float32(int(result.total[dim]))
         return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
 
-    return Aggregator(init=init, aggregate=aggregate, jittable=False)
+    return Aggregator(init=init, aggregate=aggregate, jittable=False, counts=True)
 
 
 __all__ = ["ENCODE_CHUNK", "SecAggState", "check_secagg_config", "decode", "encode", "graph_kind",

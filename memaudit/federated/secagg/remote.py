@@ -9,8 +9,9 @@ there:
 
 - `ClientRows` names the deltas' leaves as the nodes keep them (var ids of the partitioned
   client stage) and carries the per-client transforms an outer aggregator asks for (DP-FedAvg's
-  clip to C); `ClientRows.count_within` asks each node how many of its present users have a
-  delta norm <= C (adaptive clipping's count, a per-node sum: no row leaves a node);
+  clip to C, and the indicator 1[‖Δ‖ <= C] that adaptive clipping counts: appended to the
+  user's encoded row as one integer coordinate, so it is summed under the masks too, as the
+  `Counted` wrapper does in JAX);
 - `run_remote_round` is `memaudit.federated.secagg.protocol.run_round` with the server's
   `Server` here and the protocol's `Client` s on the nodes, over four message exchanges
   (advertise, share keys, masked input, unmask); a node that stops answering drops its
@@ -78,6 +79,30 @@ def encode_rows(spec: dict[str, Any], rows: np.ndarray, seeds: Sequence[str]) ->
     raise ValueError(f"unknown secure-sum encoding {spec['kind']!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Counted:
+    """Deltas with one indicator per client (``bits``, (n,)) that the secure sum adds as an
+    extra integer coordinate of each row: the count of survivors whose bit is 1 comes back in
+    the metrics (``within_clip``) without any single bit reaching the server."""
+
+    deltas: Any
+    bits: Any
+
+
+def with_bits(q: np.ndarray, bits: Any) -> np.ndarray:
+    """Encoded rows (k, d) uint32 with each client's indicator appended: (k, d + 1)."""
+    return np.concatenate([q, np.asarray(bits).astype(np.uint32).reshape(-1, 1)], axis=1)
+
+
+def within(leaves: list[Any], clip: float) -> np.ndarray:
+    """1[global L2 norm <= clip] per client row, as DP-FedAvg computes it (float32)."""
+    import jax.numpy as jnp
+
+    from memaudit.federated.dp import global_norms
+
+    return np.asarray(global_norms(list(leaves)) <= jnp.asarray(clip, jnp.float32))
+
+
 def apply_pre(pre: Sequence[Sequence[Any]], leaves: list[Any]) -> list[Any]:
     """The per-client transforms an outer aggregator asked for, on a list of (k, ...) leaves."""
     for op, value in pre:
@@ -128,7 +153,8 @@ class ClientRows:
 
     ``leaves``: the var id under which every node keeps each leaf (its rows for the slots it
     hosts); ``shapes``: each leaf's per-client shape and dtype name; ``pre``: per-client
-    transforms applied on the node before encoding (``("clip", C)``).
+    transforms applied on the node before encoding (``("clip", C)``); ``count``: append
+    1[‖Δ‖ <= count] (of the delta before ``pre``) to each encoded row (`Counted`).
     """
 
     channel: NodeChannel
@@ -136,25 +162,17 @@ class ClientRows:
     shapes: tuple[tuple[tuple[int, ...], str], ...]
     treedef: Any
     pre: tuple[tuple[str, float], ...] = ()
+    count: float | None = None
 
     @property
     def dim(self) -> int:
         return int(sum(int(np.prod(s)) for s, _ in self.shapes))
 
-    def clipped(self, clip: Any) -> ClientRows:
-        """These rows, each scaled on its node to global L2 norm <= ``clip``."""
-        return dataclasses.replace(self, pre=(*self.pre, ("clip", float(clip))))
-
-    def count_within(self, clip: Any, present: Sequence[int]) -> float:
-        """How many of the ``present`` slots have a delta of global norm <= ``clip``: each
-        node counts its own users, the server adds the counts."""
-        by_node: dict[Any, list[int]] = {}
-        for s in present:
-            by_node.setdefault(self.channel.host[int(s)], []).append(int(s))
-        replies = self.channel.call({n: {"step": "count", "leaves": list(self.leaves),
-                                         "pre": [list(p) for p in self.pre], "slots": slots,
-                                         "clip": float(clip)} for n, slots in by_node.items()})
-        return float(sum(int(r["count"]) for r in replies.values()))
+    def clipped(self, clip: Any, *, count: bool = False) -> ClientRows:
+        """These rows, each scaled on its node to global L2 norm <= ``clip``; with ``count``
+        each row also carries 1[norm <= clip] into the secure sum."""
+        return dataclasses.replace(self, pre=(*self.pre, ("clip", float(clip))),
+                                   count=float(clip) if count else self.count)
 
     def unflatten(self, v: np.ndarray) -> Any:
         import jax
@@ -229,7 +247,8 @@ def run_remote_round(rows: ClientRows, spec: dict[str, Any], present: Sequence[i
         start.setdefault(node_of[cid], []).append([cid, int(s), seeds[cid]])
     replies = ch.call({node: {"step": "advertise", "round_id": int(round_id), "clients": cl,
                               "policy": [threshold, colluding, min_survivors, mode], "spec": spec,
-                              "leaves": list(rows.leaves), "pre": [list(p) for p in rows.pre]}
+                              "leaves": list(rows.leaves), "pre": [list(p) for p in rows.pre],
+                              "count": rows.count}
                        for node, cl in start.items()})
     for node in sorted(replies, key=str):
         for _cid, m in sorted(replies[node]["msgs"].items()):
@@ -254,13 +273,13 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
     """A node's answer to one exchange of a remote round.
 
     Args:
-        payload: from `run_remote_round` / `ClientRows.count_within` (``step``, ``round``, ...).
+        payload: from `run_remote_round` (``step``, ``round``, ...).
         kept: ``(round, var id) -> array`` of the rows this node keeps (its cohort slots filled).
         load, save: this node's protocol state of a round (its clients' secret keys and the
             shares they hold); ``save(round, None)`` deletes it. It never goes into a reply.
 
     Returns:
-        ``{"msgs": {cid: bytes}}``, ``{"count": int}``, or ``{"abort": one line}`` when one of
+        ``{"msgs": {cid: bytes}}``, or ``{"abort": one line}`` when one of
         this node's clients refuses the step (a threshold or survivor check).
     """
     from memaudit.federated.secagg.aggregator import flatten_clients
@@ -269,27 +288,21 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
 
     step, rnd = payload["step"], int(payload["round"])
 
-    def rows_of(slots: list[int], st: dict) -> np.ndarray:
+    def encoded(cids: list[int], st: dict) -> np.ndarray:
+        """These clients' inputs to the secure sum, from their kept deltas."""
+        slots = [st["slots"][c][0] for c in cids]
         leaves = [np.asarray(kept(rnd, int(v)))[slots] for v in st["leaves"]]
         rows, _ = flatten_clients(apply_pre(st["pre"], leaves))
-        return rows
+        q = encode_rows(st["spec"], rows, [st["slots"][c][1] for c in cids])
+        return q if st.get("count") is None else with_bits(q, within(leaves, st["count"]))
 
-    if step == "count":
-        from memaudit.federated.dp import global_norms
-
-        slots = [int(s) for s in payload["slots"]]
-        leaves = apply_pre(payload["pre"], [np.asarray(kept(rnd, int(v)))[slots] for v in payload["leaves"]])
-        import jax.numpy as jnp
-
-        norms = np.asarray(global_norms(leaves))
-        return {"count": int(np.sum(norms <= np.float32(jnp.asarray(payload["clip"], jnp.float32))))}
     if step not in STEPS:
         raise ValueError(f"unknown secure-aggregation step {step!r}")
     try:
         if step == "advertise":
             th, col, ms, mode = payload["policy"]
             policy = Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode)
-            st = {k: payload[k] for k in ("round_id", "spec", "pre", "leaves")}
+            st = {k: payload.get(k) for k in ("round_id", "spec", "pre", "leaves", "count")}
             st["slots"] = {int(c): [int(s), str(seed)] for c, s, seed in payload["clients"]}
             clients = {c: Client(c, round_id=int(payload["round_id"]), policy=policy) for c in st["slots"]}
             msgs = {c: cl.advertise() for c, cl in clients.items()}
@@ -301,8 +314,7 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
                 msgs = {c: clients[c].share_keys(m) for c, m in asked.items()}
             elif step == "masked":
                 cids = sorted(asked)
-                slots = [st["slots"][c][0] for c in cids]
-                q = encode_rows(st["spec"], rows_of(slots, st), [st["slots"][c][1] for c in cids])
+                q = encoded(cids, st)
                 msgs = {c: clients[c].masked_input(asked[c], q[k]) for k, c in enumerate(cids)}
             else:
                 msgs = {c: clients[c].unmask(m) for c, m in asked.items()}
@@ -317,5 +329,5 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
     return {"msgs": msgs}
 
 
-__all__ = ["ClientRows", "NodeChannel", "apply_pre", "encode_rows", "node_step", "run_remote_round",
-           "slot_rng", "slot_seed"]
+__all__ = ["ClientRows", "Counted", "NodeChannel", "apply_pre", "encode_rows", "node_step", "run_remote_round",
+           "slot_rng", "slot_seed", "with_bits", "within"]
