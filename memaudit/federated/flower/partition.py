@@ -27,7 +27,9 @@ two client stages (the forward pass, then the backward pass over the forward's r
 which stay on the nodes between them).
 
 No per-algorithm code: FedAvg, FedAdam, DP-FedAvg (its clipping is client equations on the
-clients' deltas, its noise a server equation) and FedSGD partition by the same rules.
+clients' deltas, its noise a server equation) and FedSGD partition by the same rules. Outputs
+named ``resident`` (a host aggregator's deltas: secure aggregation) stay on the nodes: they are
+kept like values a later client stage reads, and never gathered.
 
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX"

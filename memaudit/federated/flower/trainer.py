@@ -12,6 +12,12 @@ SuperNodes that host the sampled users. A SuperNode that does not answer a stage
 count as absent: weight 0), which the round's metrics record (``dropped_users``,
 ``dropped_nodes``).
 
+With a host aggregator (secure aggregation, distributed DP: ``round.host_split``) the client
+phase runs on the SuperNodes with its deltas kept there, and the aggregator runs here on a
+`memaudit.federated.secagg.remote.ClientRows`: the protocol's server object here, its clients
+on the nodes (`FlowerNodes.run_secagg`); a node that stops answering drops its users at that
+protocol step. Only the malicious-server mode is refused (`check_supported`).
+
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX";
     Beutel et al. 2020, "Flower: A Friendly Federated Learning Research Framework".
