@@ -171,6 +171,7 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
         else:
             counted, unclipped = cohort, jnp.sum(presence * (norms <= c))
         metrics = dict(res.metrics)
+        metrics.pop("within_clip", None)  # the un-noised count: only as clip_fraction (sensitive)
         metrics.update(clip=c, clip_fraction=(counted - unclipped) / jnp.maximum(counted, 1.0),
                        noise_std=std / expected_cohort, effective_noise=jnp.float32(z_total),
                        survivors=m, cohort=cohort)
