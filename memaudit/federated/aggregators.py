@@ -36,6 +36,9 @@ class Aggregator(NamedTuple):
     init: Callable[[PyTree], Any]
     aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], AggregateResult]
     jittable: bool = True
+    # sums a per-client indicator given `memaudit.federated.secagg.remote.Counted` (metric
+    # ``within_clip``: secure aggregation, so that no single indicator is revealed)
+    counts: bool = False
 
 
 class EmptyState(NamedTuple):

@@ -72,6 +72,16 @@ class ClientOutput(NamedTuple):
     metrics: dict[str, jax.Array]
 
 
+class HostSplit(NamedTuple):
+    """A round whose aggregator runs on the host, as its two halves: ``client_phase(params,
+    data, client_key) -> ClientOutput`` (a federated program) and ``finish(state, out,
+    agg_key) -> (state, metrics)``; the round key splits as ``jax.random.split(key)`` into
+    (client_key, agg_key)."""
+
+    client_phase: Callable
+    finish: Callable
+
+
 class FederatedAlgorithm(NamedTuple):
     """``init(params) -> ServerState``; ``round(state, data, key) -> (state, metrics)``."""
 
@@ -354,6 +364,19 @@ def fedavg(
             params, server_optimizer.init(params), aggregator.init(params), jnp.zeros((), jnp.int32)
         )
 
+    def host_steps(state: ServerState, out: ClientOutput, agg_key):
+        """Phases 2 and 3 after the client phase: the host aggregator, then the server update."""
+        agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
+        if _aborted(agg.metrics):
+            # An aborted secure-aggregation round releases and applies nothing: params,
+            # server-optimizer moments and the aggregators' state (e.g. an adaptive clip)
+            # stay; only the round counter moves on.
+            state = state._replace(round=state.round + 1)
+            server_metrics = {"update_norm": jnp.float32(0.0)}
+        else:
+            state, server_metrics = server_jit(state, agg)
+        return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
+
     def round_(state: ServerState, data: ClientData, key):
         with _mesh_scope(mesh):
             if fused is not None:
@@ -361,21 +384,15 @@ def fedavg(
                 return state, _host_metrics(*metrics)
             client_key, agg_key = jax.random.split(key)
             out = client_jit(state.params, data, client_key)
-            agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
-            if _aborted(agg.metrics):
-                # An aborted secure-aggregation round releases and applies nothing: params,
-                # server-optimizer moments and the aggregators' state (e.g. an adaptive clip)
-                # stay; only the round counter moves on.
-                state = state._replace(round=state.round + 1)
-                server_metrics = {"update_norm": jnp.float32(0.0)}
-            else:
-                state, server_metrics = server_jit(state, agg)
-        return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
+            return host_steps(state, out, agg_key)
 
     round_.jitted = fused  # the whole round as one jitted function (None: host aggregator)
     # The round as one traceable program, (state, data, key) -> (state, metric dicts): what a
     # runtime across processes partitions (`memaudit.federated.flower.partition`).
     round_.program = fused
+    # With a host aggregator: the traceable client phase (a runtime across processes
+    # partitions it, the deltas staying with the clients) and the host steps after it.
+    round_.host_split = None if fused is not None else HostSplit(client_phase, host_steps)
     return FederatedAlgorithm(init, round_)
 
 

@@ -195,6 +195,25 @@ def sample_discrete_gaussian_exact(sigma2: Fraction, rng: random.Random) -> int:
 # ----------------------------------------------------------------------------- aggregator
 
 
+def ddp_encode(rows: np.ndarray, spec: dict, rngs: list[np.random.Generator]) -> np.ndarray:
+    """Each client's DDGauss input: clip its row to ``clip``, scale by 1/γ, rotate (the round's
+    public ``rot_seed``), round conditionally to norm <= Δ₂, add its discrete-Gaussian share of
+    std ``local_std`` and reduce mod 2^bits; row i draws from ``rngs[i]`` only (a client's own
+    randomness, reproducible on the node that holds it)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    n, _d = rows.shape
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    scaled = rows * np.minimum(1.0, spec["clip"] / np.maximum(norms, 1e-300)) / spec["gamma"]
+    rotated = rotate(scaled, seed=int(spec["rot_seed"]))  # (n, D)
+    M, D = 2 ** int(spec["bits"]), rotated.shape[1]
+    enc = np.empty((n, D), dtype=np.uint32)
+    for i in range(n):
+        z = (conditional_round(rotated[i], spec["l2"], rngs[i])
+             + sample_discrete_gaussian(spec["local_std"], D, rngs[i]))
+        enc[i] = np.mod(z, M).astype(np.uint32)
+    return enc
+
+
 class DDPState(NamedTuple):
     base: Any
     round: int
@@ -259,30 +278,39 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         return DDPState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
+        from memaudit.federated.secagg.remote import ClientRows, encode_rows, slot_seed
+
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
         present = np.flatnonzero(np.asarray(weights) > 0)
-        rows, unflatten = flatten_clients(deltas)
-        rows = np.asarray(rows[present], dtype=np.float64)
-        n, d = rows.shape
+        remote = isinstance(deltas, ClientRows)  # the rows stay on the nodes (Flower)
+        if remote:
+            n, d, unflatten = len(present), deltas.dim, deltas.unflatten
+        else:
+            rows, unflatten = flatten_clients(deltas)
+            rows = rows[present]
+            n, d = rows.shape
         p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort,
                        cohort=n, dim=d, bits=bits, beta=beta, k_stddevs=k_stddevs)
-        rng = _rng(key, seed, rnd)
+        rng = _rng(key, seed, rnd)  # the server's draws: rotation, dropouts, graph
         rot_seed = int(rng.integers(2**31))  # public randomness shared with the clients
-        norms = np.linalg.norm(rows, axis=1, keepdims=True)
-        scaled = rows * np.minimum(1.0, clip / np.maximum(norms, 1e-300)) / p.gamma
-        rotated = rotate(scaled, seed=rot_seed)  # (n, D)
+        spec = {"kind": "ddp", "clip": float(clip), "gamma": p.gamma, "rot_seed": rot_seed, "l2": p.l2,
+                "local_std": p.local_std, "bits": int(bits)}
+        seeds = [slot_seed(key, seed, rnd, int(s)) for s in present]  # each client's own draws
         M = 2 ** bits
-        enc = np.empty((n, p.dim), dtype=np.uint32)
-        for i in range(n):
-            z = conditional_round(rotated[i], p.l2, rng) + sample_discrete_gaussian(p.local_std, p.dim, rng)
-            enc[i] = np.mod(z, M).astype(np.uint32)
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
-        if secure:
-            kind = neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
-            res = run_round(enc, round_id=rnd, neighbours=kind, threshold=threshold,
-                            graph_seed=int(rng.integers(2**31)), dropouts=Dropouts(before_masked=dropped))
+        kind = neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
+        protocol = {"round_id": rnd, "neighbours": kind, "threshold": threshold,
+                        "graph_seed": int(rng.integers(2**31)), "dropouts": Dropouts(before_masked=dropped)}
+        if remote:
+            from memaudit.federated.secagg.remote import run_remote_round
+
+            res = run_remote_round(deltas, spec, present, seeds, dim=p.dim, **protocol)
+            total, m = res.total, len(res.survivors)
+        elif secure:
+            res = run_round(encode_rows(spec, rows, seeds), **protocol)
             total, m = res.total, len(res.survivors)
         else:
+            enc = encode_rows(spec, rows, seeds)
             keep = [i for i in range(n) if i not in dropped]
             total, m = enc[keep].sum(axis=0, dtype=np.uint32), len(keep)
         v = (total.astype(np.int64) % M)
@@ -305,6 +333,7 @@ __all__ = [
     "conditional_round",
     "ddg_rdp",
     "ddg_tau",
+    "ddp_encode",
     "ddp_params",
     "discrete_gaussian_pmf",
     "distributed_dp",

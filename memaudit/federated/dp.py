@@ -9,7 +9,12 @@ on how many clients showed up).
 The base aggregator computes the mean of the clipped deltas over the clients
 that contributed (``mean_aggregator()``, or ``secure_aggregation(mean_aggregator())``);
 this wrapper turns it back into a sum with the count the base reports
-(``metrics["survivors"]``, else ``metrics["aggregated_clients"]``).
+(``metrics["survivors"]``, else ``metrics["aggregated_clients"]``). With the deltas kept on the
+Over secure aggregation (a base with ``counts``) the indicators 1[‖Δ_i‖ <= C] are summed
+under the masks with the rows, so the count (adaptive clipping's, and ``clip_fraction``) is
+over the survivors and no single indicator reaches the server. With the deltas kept on the
+nodes of a runtime across machines (`memaudit.federated.secagg.remote.ClientRows`) each node
+clips its own users' deltas and appends their indicators.
 
 Adaptive clipping (Andrew et al. 2021) tracks the γ-quantile of the update norms:
 C <- C exp(-η (b̃ - γ)), b̃ = (Σ_i b_i + N(0, σ_b²)) / expected cohort + 1/2 with
@@ -96,6 +101,12 @@ def contributors(metrics: dict, presence: jax.Array) -> jax.Array:
     return jnp.sum(presence)
 
 
+def _is_remote(deltas: Any) -> bool:
+    from memaudit.federated.secagg.remote import ClientRows
+
+    return isinstance(deltas, ClientRows)
+
+
 def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: float,
               expected_cohort: float, adaptive: AdaptiveClipConfig | None = None) -> Aggregator:
     """DP-FedAvg around ``base`` (a mean over contributing clients; default ``mean_aggregator()``).
@@ -137,7 +148,14 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
         k_base, k_noise, k_count = jax.random.split(key, 3)
         presence = (weights > 0).astype(jnp.float32)
         c = state.clip
-        clipped, norms = clip_deltas(deltas, c)
+        if _is_remote(deltas):  # the rows stay on the nodes: each clips its own users'
+            clipped = deltas.clipped(c, count=True)
+        else:
+            clipped, norms = clip_deltas(deltas, c)
+            if base.counts:  # the indicators go into the secure sum with the rows
+                from memaudit.federated.secagg.remote import Counted
+
+                clipped = Counted(clipped, norms <= c)
         res = base.aggregate(clipped, presence, state.base, k_base)
         m = contributors(res.metrics, presence)
         leaves, tdef = jax.tree.flatten(res.update)
@@ -147,14 +165,19 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
                  for x, k in zip(leaves, keys, strict=True)]
         update = jax.tree.unflatten(tdef, noisy)
         cohort = jnp.sum(presence)
-        unclipped = jnp.sum(presence * (norms <= c))
+        if base.counts:  # a secure sum: the survivors' indicators, summed under the masks
+            counted = m
+            unclipped = jnp.asarray(res.metrics.get("within_clip", 0.0), jnp.float32)
+        else:
+            counted, unclipped = cohort, jnp.sum(presence * (norms <= c))
         metrics = dict(res.metrics)
-        metrics.update(clip=c, clip_fraction=(cohort - unclipped) / jnp.maximum(cohort, 1.0),
+        metrics.pop("within_clip", None)  # the un-noised count: only as clip_fraction (sensitive)
+        metrics.update(clip=c, clip_fraction=(counted - unclipped) / jnp.maximum(counted, 1.0),
                        noise_std=std / expected_cohort, effective_noise=jnp.float32(z_total),
                        survivors=m, cohort=cohort)
         new_clip = c
         if use_adaptive:
-            half = unclipped - 0.5 * cohort  # Σ_i (1[unclipped] - 1/2): sensitivity 1/2 per user
+            half = unclipped - 0.5 * counted  # Σ_i (1[unclipped] - 1/2): sensitivity 1/2 per user
             b = (half + sigma_b * jax.random.normal(k_count, (), jnp.float32)) / expected_cohort + 0.5
             new_clip = c * jnp.exp(-adaptive.lr * (b - adaptive.target_quantile))
             metrics.update(next_clip=new_clip, unclipped_fraction=b)

@@ -2,7 +2,8 @@
 separate processes on 127.0.0.1 (free ports, started once for the module and torn down), each
 SuperNode holding only its partition of the prepared corpus. For the same cohorts, keys and data
 (privacy.reproducible_randomness), the weights of `federated.runtime=flower` equal the in-JAX
-program's within ATOL, without DP, with DP-FedAvg and for FedSGD (jax.grad of a federated loss);
+program's within ATOL, without DP, with DP-FedAvg, with DP-FedAvg over secure aggregation (the
+protocol's clients on the SuperNodes) and for FedSGD (jax.grad of a federated loss);
 a SuperNode killed mid-run drops its users from the rounds after (absent slots, as in JAX)."""
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("case", ["fedavg", "dp-fedavg", "fedsgd"])
+@pytest.mark.parametrize("case", ["fedavg", "dp-fedavg", "fedsgd", "dp-fedavg-secagg"])
 def test_flower_weights_equal_in_jax(case, federation):
     _, overrides, root = federation
-    extra = {"fedavg": [], "dp-fedavg": DP, "fedsgd": ["federated.algorithm=fedsgd"]}[case]
+    extra = {"fedavg": [], "dp-fedavg": DP, "fedsgd": ["federated.algorithm=fedsgd"],
+             "dp-fedavg-secagg": [*DP, "privacy.secure_aggregation.enabled=true"]}[case]
     jax_run, flower_run = root / f"{case}-jax", root / f"{case}-flower"
     _train([*overrides, *extra], jax_run)
     result = _train([*overrides, *extra, "federated.runtime=flower"], flower_run, cli=case == "fedavg")
@@ -108,7 +110,10 @@ def test_flower_weights_equal_in_jax(case, federation):
     assert [m["round"] for m in _metrics(flower_run)] == [1, 2]
     assert all(m["dropped_users"] == 0 for m in _metrics(flower_run))
     assert result["rounds"] == 2
-    if case == "dp-fedavg":  # the same ledger: same events, same epsilon
+    if case == "dp-fedavg-secagg":  # the protocol ran: every sampled user survived it
+        sens = [json.loads(x) for x in (flower_run / "sensitive_metrics.jsonl").read_text().splitlines()]
+        assert [(m["survivors"], m["secagg_aborted"]) for m in sens] == [(4, 0), (4, 0)]
+    if case.startswith("dp-fedavg"):  # the same ledger: same events, same epsilon
         a = json.loads((jax_run / "privacy.json").read_text())
         b = json.loads((flower_run / "privacy.json").read_text())
         assert a["epsilon"] == b["epsilon"] and a["events"] == b["events"] and a["steps"] == 2

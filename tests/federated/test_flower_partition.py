@@ -156,7 +156,7 @@ def test_dead_node_drops_its_users_as_absent_slots(kind, users):
     those slots empty; the round records the drop."""
     ref, got, _, info = _two_rounds(kind, users, dead=("B",), dead_slots=(2, 3))
     assert _max_diff(ref.params, got.params) <= 1e-6
-    assert info == {"dropped_nodes": ["B"], "dropped_slots": [2, 3]}
+    assert info == {"dropped_nodes": ["B"], "dropped_slots": [2, 3], "alive_nodes": ["A"]}
 
 
 def test_reading_client_text_on_the_server_is_refused(users):
@@ -302,14 +302,18 @@ def test_server_refuses_partitions_of_other_data(monkeypatch):
         FlowerNodes(grid, FlowerConfig(min_nodes=2)).connect({"a": "d", "b": "d"})
 
 
-def test_secure_aggregation_on_flower_is_refused_before_submitting():
+def test_malicious_secure_aggregation_on_flower_is_refused_before_submitting():
+    """Secure aggregation runs on Flower (test_flower_secagg.py); its malicious-server mode
+    does not (the clients' signing keys would live on the nodes): one line."""
     from memaudit.config import load_config
     from memaudit.errors import ConfigError
     from memaudit.federated.flower.trainer import check_supported
 
-    cfg = load_config(None, ["backend=federated", "federated.runtime=flower",
-                             "privacy.secure_aggregation.enabled=true"])
-    with pytest.raises(ConfigError, match="do not run on federated.runtime=flower yet"):
+    base = ["backend=federated", "federated.runtime=flower", "privacy.secure_aggregation.enabled=true"]
+    check_supported(load_config(None, base))  # honest-but-curious: runs
+    cfg = load_config(None, [*base, "privacy.secure_aggregation.mode=malicious",
+                             "privacy.secure_aggregation.threshold=0.7"])
+    with pytest.raises(ConfigError, match="mode=malicious does not run on federated.runtime=flower"):
         check_supported(cfg)
 
 

@@ -8,7 +8,11 @@ hosts a sampled user. The ClientApp answers two message types:
   (no data);
 - ``train.memaudit_stage``: run one exported client stage for the slots of the users this node
   hosts (`memaudit.federated.flower.execute.NodeExecutor`) and reply with the rows and partial
-  sums the server reads.
+  sums the server reads;
+- ``train.memaudit_secagg``: one exchange of a secure-aggregation round for this node's
+  users (`memaudit.federated.secagg.remote.node_step`): their protocol clients, whose secret
+  keys and received shares stay in a file under ``cache-dir`` readable only by the node's
+  user, quantise the users' kept deltas and send masked inputs only.
 
 The node's partition comes from its node config (``partition``, a file written by
 `memaudit.federated.flower.nodes`); values a later stage of the same round reads, and XLA's
@@ -24,7 +28,7 @@ from typing import Any
 
 from memaudit.federated.flower import wire
 
-HELLO, STAGE = "memaudit_hello", "memaudit_stage"
+HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
 
@@ -88,6 +92,11 @@ def stage(message: Message, context: Context) -> Message:
     return _reply(message, {"outputs": {str(k): v for k, v in node.run(call).items()}})
 
 
+def secagg(message: Message, context: Context) -> Message:
+    node = _node(context)
+    return _reply(message, node.secagg(wire.read(message)))
+
+
 def _apps() -> tuple[Any, Any]:
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
@@ -96,6 +105,7 @@ def _apps() -> tuple[Any, Any]:
     server.main()(serve)
     client.query(HELLO)(hello)
     client.train(STAGE)(stage)
+    client.train(SECAGG)(secagg)
     return server, client
 
 

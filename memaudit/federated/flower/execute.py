@@ -30,6 +30,15 @@ KEEP, ROWS, SUM = "keep", "rows", "sum"
 
 
 @dataclasses.dataclass(frozen=True)
+class Resident:
+    """A round output that stayed on the nodes (``plan.resident_out``): each node keeps its
+    rows under ``var`` for the round; ``aval`` is the whole (clients, ...) array's."""
+
+    var: int
+    aval: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class StageCall:
     """What one node needs to run one client stage (all plain data: it travels in a message).
 
@@ -54,6 +63,10 @@ class Nodes(Protocol):
         """Run ``calls`` (node -> call); returns node -> {output index: value} for the nodes
         that answered (a node that did not is absent from the result)."""
 
+    def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
+        """One exchange of a remote secure-aggregation round (node -> payload); the replies of
+        the nodes that answered (`memaudit.federated.secagg.remote.node_step`)."""
+
 
 def _resident(plan: Plan) -> set[int]:
     """Var ids that live on the nodes: the cohort data and clients-placed client-stage outputs."""
@@ -76,8 +89,9 @@ def run_round(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[An
         round: the round number (nodes key their stored values by it).
 
     Returns:
-        (outputs, info): the round's outputs (the program's output pytree) and
-        {"dropped_nodes": [...], "dropped_slots": [...]}: nodes that did not answer a stage.
+        (outputs, info): the round's outputs (the program's output pytree; a `Resident` for
+        each output that stays on the nodes) and {"dropped_nodes": [...], "dropped_slots":
+        [...], "alive_nodes": [...]}: nodes that did not answer a stage, and those that did.
     """
     import jax
 
@@ -99,9 +113,11 @@ def run_round(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[An
         dropped.extend(sorted(alive - set(replies), key=str))
         alive &= set(replies)
         env.update(_assemble(plan, st, {n: replies[n] for n in alive}, {n: assignment[n] for n in alive}))
-    outs = [o.value if isinstance(o, Lit) else env[o] for o in plan.outvars]
+    outs = [o.value if isinstance(o, Lit) else Resident(o, plan.avals[o]) if k in plan.resident_out
+            else env[o] for k, o in enumerate(plan.outvars)]
     slots = sorted(s for n in dropped for s, _ in assignment[n])
-    return jax.tree.unflatten(plan.out_tree, outs), {"dropped_nodes": dropped, "dropped_slots": slots}
+    return jax.tree.unflatten(plan.out_tree, outs), {"dropped_nodes": dropped, "dropped_slots": slots,
+                                                     "alive_nodes": sorted(alive, key=str)}
 
 
 def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tuple[int, str]],
@@ -163,6 +179,7 @@ class NodeExecutor:
         self.modules: dict[str, Any] = {}
         self.store: dict[tuple[int, int], Any] = {}
         self.store_dir = store_dir
+        self.protocol: dict[int, dict] = {}  # secure-aggregation state by round (store_dir None)
 
     def _keep(self, round: int, var: int, value: Any) -> None:
         if self.store_dir is None:
@@ -183,6 +200,44 @@ class NodeExecutor:
         from pathlib import Path
 
         return np.load(Path(self.store_dir) / f"r{round}-v{var}.npy")
+
+    def _load_protocol(self, round: int) -> dict:
+        if self.store_dir is None:
+            return self.protocol[round]
+        from pathlib import Path
+
+        from memaudit.federated.flower import wire
+
+        return wire.unpack((Path(self.store_dir) / f"secagg-r{round}.bin").read_bytes())
+
+    def _save_protocol(self, round: int, state: dict | None) -> None:
+        """This node's protocol clients of a round (their secret keys, the shares they hold):
+        in memory, or a file only this user can read under ``store_dir``; None deletes it."""
+        if self.store_dir is None:
+            self.protocol = {} if state is None else {round: state}
+            return
+        import os
+        from pathlib import Path
+
+        from memaudit.federated.flower import wire
+
+        d = Path(self.store_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob("secagg-r*.bin"):
+            old.unlink(missing_ok=True)
+        if state is None:
+            return
+        path, tmp = d / f"secagg-r{round}.bin", d / f".secagg-r{round}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(wire.pack(state))
+        os.replace(tmp, path)
+
+    def secagg(self, payload: dict) -> dict:
+        """This node's side of one secure-aggregation exchange (its clients, its rows)."""
+        from memaudit.federated.secagg.remote import node_step
+
+        return node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
 
     def _module(self, call: StageCall) -> Any:
         from jax import export
@@ -235,6 +290,10 @@ class LocalNodes:
 
     def run_stage(self, calls: dict[Any, StageCall]) -> dict[Any, dict[int, Any]]:
         return {node: self.executors[node].run(call) for node, call in calls.items()
+                if node not in self.dead}
+
+    def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
+        return {node: self.executors[node].secagg(p) for node, p in payloads.items()
                 if node not in self.dead}
 
 

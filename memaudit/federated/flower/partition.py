@@ -27,7 +27,9 @@ two client stages (the forward pass, then the backward pass over the forward's r
 which stay on the nodes between them).
 
 No per-algorithm code: FedAvg, FedAdam, DP-FedAvg (its clipping is client equations on the
-clients' deltas, its noise a server equation) and FedSGD partition by the same rules.
+clients' deltas, its noise a server equation) and FedSGD partition by the same rules. Outputs
+named ``resident`` (a host aggregator's deltas: secure aggregation) stay on the nodes: they are
+kept like values a later client stage reads, and never gathered.
 
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX"
@@ -85,6 +87,7 @@ class Plan:
     avals: dict[int, Any]  # var id -> ShapedArray
     modules: dict[int, bytes] = dataclasses.field(default_factory=dict)
     server_fns: dict[int, Callable] = dataclasses.field(default_factory=dict)
+    resident_out: frozenset[int] = frozenset()  # positions of outputs that stay on the nodes
 
     def module_key(self, stage: int) -> str:
         """A stable name of client stage ``stage``'s module (nodes cache modules by it)."""
@@ -164,7 +167,8 @@ def _leading(aval: Any, n: int) -> bool:
     return len(shape) > 0 and shape[0] == n
 
 
-def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], capacity: int) -> Plan:
+def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], capacity: int,
+          resident: Sequence[str] = ()) -> Plan:
     """Trace ``program(*args)`` and partition it into stages.
 
     Args:
@@ -173,6 +177,9 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
         placed: the clients-placed inputs (the cohort data's leaves): ``jax.tree_util.keystr``
             of each one's path in ``args`` -> the name of its array on the nodes.
         capacity: the clients dim n of the placed inputs.
+        resident: ``jax.tree_util.keystr`` prefixes of outputs that stay on the nodes (the
+            deltas a host aggregator encodes there): clients-placed values the server never
+            gathers; `memaudit.federated.flower.execute.run_round` returns a `Resident` for each.
     """
     import jax
 
@@ -199,11 +206,22 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     import jax.extend.core as jcore
 
     outvars = [Lit(v.val) if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+    out_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out_shape)]
+    res_out = frozenset(k for k, p in enumerate(out_paths) if any(p.startswith(r) for r in resident))
 
     kinds, sums = _placement(ops, num.avals, set(data_leaves), capacity)
+    for k in sorted(res_out):
+        o = outvars[k]
+        if not isinstance(o, int) or not any(o in op.outs for op, kd in zip(ops, kinds, strict=True)
+                                             if kd == CLIENT):
+            raise PlanError(f"output {out_paths[k]} is not computed by the clients; only "
+                            "clients-placed outputs can stay on the nodes")
     start = {i: 0 for i in [*consts, *invars]}
     start.update({i: 1 for i in data_leaves})
-    stages = _schedule(ops, kinds, start, sums, outvars)
+    stages = _schedule(ops, kinds, start, sums, outvars, {outvars[k] for k in res_out})
+    if any(outvars[k] in s.rows or outvars[k] in s.sums for s in stages for k in res_out):
+        raise PlanError("an output meant to stay on the nodes is also read by the server; "
+                        "aggregate it inside the program instead")
     gathered = []
     for i, name in data_leaves.items():  # raw client data must not be read on the server
         if any(i in s.inputs for s in stages if s.kind == SERVER):
@@ -214,7 +232,7 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     if gathered:
         stages = _gather_inputs(stages, gathered)
     return Plan(capacity, stages, invars, consts, outvars, jax.tree.structure(out_shape),
-                data_leaves, num.avals)
+                data_leaves, num.avals, resident_out=res_out)
 
 
 def _placement(ops: list[Op], avals: dict[int, Any], data: set[int],
@@ -243,7 +261,7 @@ def _placement(ops: list[Op], avals: dict[int, Any], data: set[int],
 
 
 def _schedule(ops: list[Op], kinds: list[str], start: dict[int, int], sums: set[int],
-              outvars: list) -> list[Stage]:
+              outvars: list, resident: set[int] = frozenset()) -> list[Stage]:
     """Earliest-stage list scheduling: even stages run on the server, odd ones on the clients;
     a value reaches the other side one stage after the stage that made it."""
     made: dict[int, tuple[int, str]] = {
@@ -268,8 +286,8 @@ def _schedule(ops: list[Op], kinds: list[str], start: dict[int, int], sums: set[
                 readers.setdefault(i, set()).add(st)
     last = max(stage_of, default=0) + 2  # the round's outputs: read by the server at the end
     for i in outvars:
-        if isinstance(i, int):
-            readers.setdefault(i, set()).add(last)
+        if isinstance(i, int):  # (a resident output: "read" by a later client step, kept)
+            readers.setdefault(i, set()).add(last + 1 if i in resident else last)
     stages = []
     for st in sorted(set(stage_of)):
         mine = [op for op, s in zip(ops, stage_of, strict=True) if s == st]
@@ -321,13 +339,13 @@ def stage_function(stage: Stage) -> Callable:
 
 
 def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, str],
-                 capacity: int) -> Plan:
+                 capacity: int, resident: Sequence[str] = ()) -> Plan:
     """`trace` the round, export its client stages (``jax.export``, serialised StableHLO a node
     runs without the algorithm's code) and jit its server stages."""
     import jax
     from jax import export
 
-    plan = trace(program, args, placed, capacity)
+    plan = trace(program, args, placed, capacity, resident)
     for st in plan.stages:
         fn = stage_function(st)
         if st.kind == SERVER:

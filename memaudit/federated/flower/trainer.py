@@ -12,6 +12,12 @@ SuperNodes that host the sampled users. A SuperNode that does not answer a stage
 count as absent: weight 0), which the round's metrics record (``dropped_users``,
 ``dropped_nodes``).
 
+With a host aggregator (secure aggregation, distributed DP: ``round.host_split``) the client
+phase runs on the SuperNodes with its deltas kept there, and the aggregator runs here on a
+`memaudit.federated.secagg.remote.ClientRows`: the protocol's server object here, its clients
+on the nodes (`FlowerNodes.run_secagg`); a node that stops answering drops its users at that
+protocol step. Only the malicious-server mode is refused (`check_supported`).
+
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX";
     Beutel et al. 2020, "Flower: A Friendly Federated Learning Research Framework".
@@ -93,6 +99,22 @@ class FlowerNodes:
                                 "connected SuperNode; start the SuperNodes of every partition")
         return host
 
+    def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
+        """One exchange of a secure-aggregation round; a node that fails or does not answer
+        within ``federated.flower.stage_timeout`` is absent from the replies (it dropped)."""
+        from flwr.app import Message
+
+        from memaudit.federated.flower import wire
+        from memaudit.federated.flower.apps import SECAGG
+
+        msgs = [Message(wire.content(p), dst_node_id=n, message_type=f"train.{SECAGG}",
+                        group_id=f"{p['round']}-{p['step']}") for n, p in payloads.items()]
+        out: dict[Any, dict] = {}
+        for r in self.grid.send_and_receive(msgs, timeout=self.fcfg.stage_timeout):
+            if not r.has_error():
+                out[r.metadata.src_node_id] = wire.read(r)
+        return out
+
     def run_stage(self, calls: dict[Any, Any]) -> dict[Any, dict[int, Any]]:
         from flwr.app import Message
 
@@ -126,9 +148,10 @@ class FlowerTrainer(FederatedTrainer):
         # Each node runs its own clients: no clients mesh in the server's process.
         self.mesh = None
         self.capacity = self._base_capacity()
+        check_supported(self.cfg)
         self.algorithm = self.build_algorithm()
-        if getattr(self.algorithm.round, "program", None) is None:
-            check_supported(self.cfg)
+        if (getattr(self.algorithm.round, "program", None) is None
+                and getattr(self.algorithm.round, "host_split", None) is None):
             raise ConfigError("this algorithm's round is not one traceable program; use "
                               "federated.runtime=jax")
         self.user_node = self.nodes.connect(client_digests(self.clients))
@@ -144,12 +167,16 @@ class FlowerTrainer(FederatedTrainer):
                           jax.ShapeDtypeStruct((cap, s_max), np.float32))
 
     def plan(self, cap: int, state: Any, key: Any) -> Any:
-        """The round's partitioned program for a cohort capacity (traced once per capacity)."""
+        """The round's partitioned program for a cohort capacity (traced once per capacity).
+        With a host aggregator (secure aggregation, distributed DP) the program is the client
+        phase, whose deltas stay on the nodes (``state`` is then the server params)."""
         from memaudit.federated.flower.partition import compile_plan
 
         if cap not in self._plans:
-            self._plans[cap] = compile_plan(self.algorithm.round.program,
-                                            (state, self._data_struct(cap), key), PLACED, cap)
+            split = getattr(self.algorithm.round, "host_split", None)
+            program = self.algorithm.round.program if split is None else split.client_phase
+            self._plans[cap] = compile_plan(program, (state, self._data_struct(cap), key), PLACED,
+                                            cap, resident=(".deltas",) if split is not None else ())
         return self._plans[cap]
 
     def algorithm_round(self, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
@@ -160,11 +187,14 @@ class FlowerTrainer(FederatedTrainer):
         from memaudit.federated.flower.execute import run_round
 
         cap = self.round_capacity(len(cohort))
-        plan = self.plan(cap, state, key)
         assignment: dict[int, list[tuple[int, str]]] = {}
         for slot, k in enumerate(cohort):
             user = self.clients.users[int(k)]
             assignment.setdefault(self.user_node[user], []).append((slot, user))
+        split = getattr(self.algorithm.round, "host_split", None)
+        if split is not None:
+            return self._host_round(split, cap, state, assignment, r, key)
+        plan = self.plan(cap, state, key)
         (state, metrics), info = run_round(plan, (state, self._data_struct(cap), key), self.nodes,
                                            assignment, round=r)
         state = jax.tree.map(jnp.asarray, state)
@@ -172,15 +202,41 @@ class FlowerTrainer(FederatedTrainer):
         m.update(dropped_users=len(info["dropped_slots"]), dropped_nodes=len(info["dropped_nodes"]))
         return state, m
 
+    def _host_round(self, split: Any, cap: int, state: Any, assignment: dict, r: int,
+                    key: Any) -> tuple[Any, dict]:
+        """A round with a host aggregator: the client phase on the nodes (its deltas kept
+        there), then the aggregator with the nodes' rows as `ClientRows` (secure aggregation
+        with the protocol clients on the nodes), then the server update, here."""
+        import jax
+
+        from memaudit.federated.flower.execute import Resident, run_round
+        from memaudit.federated.secagg.remote import ClientRows, NodeChannel
+
+        client_key, agg_key = jax.random.split(key)
+        plan = self.plan(cap, state.params, client_key)
+        out, info = run_round(plan, (state.params, self._data_struct(cap), client_key), self.nodes,
+                              assignment, round=r)
+        leaves, treedef = jax.tree.flatten(out.deltas, is_leaf=lambda x: isinstance(x, Resident))
+        hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
+        channel = NodeChannel(self.nodes, hosts, r)
+        rows = ClientRows(channel, tuple(x.var for x in leaves),
+                          tuple((tuple(x.aval.shape[1:]), x.aval.dtype.name) for x in leaves), treedef)
+        state, m = split.finish(state, out._replace(deltas=rows), agg_key)
+        lost = [s for n in channel.dropped for s in hosts[n]]
+        m.update(dropped_users=len(info["dropped_slots"]) + len(lost),
+                 dropped_nodes=len(info["dropped_nodes"]) + len(channel.dropped))
+        return state, m
+
 
 # ------------------------------------------------------------------ the two processes
 def check_supported(cfg: Any) -> None:
-    """One-line error for what does not run on Flower yet: a host-side aggregator (secure
-    aggregation, distributed DP) makes the round more than one traceable program."""
-    p = cfg.privacy
-    if p.secure_aggregation.enabled or (p.enabled and p.mechanism == "distributed"):
-        raise ConfigError("secure aggregation and distributed DP do not run on "
-                          "federated.runtime=flower yet; use federated.runtime=jax or turn them off")
+    """One-line error for what does not run on Flower: secure aggregation's malicious-server
+    mode (its clients' Ed25519 signing keys would have to live on the nodes)."""
+    sa = cfg.privacy.secure_aggregation
+    uses_secagg = sa.enabled or (cfg.privacy.enabled and cfg.privacy.mechanism == "distributed")
+    if uses_secagg and sa.mode == "malicious":
+        raise ConfigError("privacy.secure_aggregation.mode=malicious does not run on "
+                          "federated.runtime=flower; use mode=honest_but_curious or federated.runtime=jax")
 
 
 def serve_run(grid: Any, *, launch_dir: Path) -> None:

@@ -1,5 +1,13 @@
 """Secure aggregation as an aggregator wrapper (host-side, ``jittable=False``).
 
+``deltas`` wrapped in `memaudit.federated.secagg.remote.Counted` (deltas, one 0/1 indicator
+per client) also sum the indicators as one more integer coordinate of the masked rows: the
+survivors' count comes back as the metric ``within_clip`` (DP-FedAvg's adaptive clipping counts
+the unclipped users this way, Andrew et al. 2021), no indicator reaches the server alone.
+``deltas`` may also be a `memaudit.federated.secagg.remote.ClientRows` (the rows stay on the
+nodes of a runtime across machines): each node then quantises its own users' rows and runs
+their protocol clients, the server object runs here (`run_remote_round`), same values.
+
 Per round: each present client clips its flattened delta, quantises it with conditional
 stochastic rounding (quantise.py: the decoded contribution's norm stays <= ``clip``, the
 sensitivity DP noise is calibrated to) on a signed integer grid whose scale is chosen so
@@ -104,7 +112,10 @@ def holders(neighbours: str, n: int, degree: int | None = None) -> int:
 
 def _aborted(deltas: PyTree, state: SecAggState, n: int, survivors: int) -> AggregateResult:
     """An aborted round: a zero update, the base aggregator's state unchanged, the flag set."""
-    zero = jax.tree.map(lambda x: jnp.zeros_like(x[0]), deltas)
+    from memaudit.federated.secagg.remote import ClientRows
+
+    zero = (deltas.zeros() if isinstance(deltas, ClientRows)
+            else jax.tree.map(lambda x: jnp.zeros_like(x[0]), deltas))
     metrics = {"secagg_aborted": 1, "survivors": jnp.float32(survivors),
                "aggregated_clients": jnp.float32(0), "cohort": jnp.float32(n)}
     return AggregateResult(zero, SecAggState(state.base, int(state.round)), metrics)
@@ -135,7 +146,9 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         bits: quantisation bits per coordinate (reduced automatically so n values cannot wrap);
             bits too few for the model's dimension are refused (quantise.check_bits).
         dropout_rate: simulated probability that a client drops before sending its masked input.
-        seed: seed of the simulation's randomness (rounding, dropouts, SecAgg+ graph).
+        seed: seed of the simulation's randomness: each slot's rounding draws from its own
+            generator (`memaudit.federated.secagg.remote.slot_seed` of the key, seed, round
+            and slot); the simulated dropouts and the SecAgg+ graph from one server generator.
         degree: SecAgg+ degree (default O(log n), see :func:`sparse_degree`).
         colluding: n_C, clients that may collude with the server (policy.py).
         min_survivors: a round with fewer survivors aborts.
@@ -167,31 +180,58 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         return SecAggState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
+        from memaudit.federated.secagg.remote import (
+            ClientRows,
+            Counted,
+            encode_rows,
+            slot_seed,
+            with_bits,
+        )
+
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
         present = np.flatnonzero(np.asarray(weights) > 0)
         n = len(present)
+        indicators = None
+        if isinstance(deltas, Counted):  # one more integer coordinate per row: its indicator
+            deltas, indicators = deltas.deltas, np.asarray(deltas.bits)
         if n < policy.min_survivors:  # a cohort of one would be unmasked as its own update
             return _aborted(deltas, state, n, n)
-        rows, unflatten = flatten_clients(deltas)
+        remote = isinstance(deltas, ClientRows)  # the rows stay on the nodes (Flower)
+        counted = indicators is not None or (remote and deltas.count is not None)
+        if remote:
+            dim, unflatten = deltas.dim, deltas.unflatten
+        else:
+            rows, unflatten = flatten_clients(deltas)
+            dim = rows.shape[1]
         scale, b = quantisation_scale(clip, bits, n)
-        if (b, rows.shape[1]) not in inner_clips:
-            inner_clips[b, rows.shape[1]] = check_bits(clip, b, rows.shape[1], cohort=n)
+        if (b, dim) not in inner_clips:
+            inner_clips[b, dim] = check_bits(clip, b, dim, cohort=n)
+        spec = {"kind": "secagg", "clip": float(clip), "scale": float(scale), "inner": inner_clips[b, dim]}
+        # one generator per slot, derived one-way from the round key: a node reproduces its
+        # own users' rounding without the key; the server's draws (dropouts, graph) use _rng
+        seeds = [slot_seed(key, seed, rnd, int(s)) for s in present]
         rng = _rng(key, seed, rnd)
-        q = encode(rows if n == rows.shape[0] else rows[present], clip, scale, rng,
-                   inner=inner_clips[b, rows.shape[1]])
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
         graph_seed = int(rng.integers(2**31))
         if keys is not None:
             _check_keys(keys, n)
+        protocol = {"round_id": _round_id(rnd, key), "neighbours": graph_kind(neighbours, n),
+                        "threshold": threshold, "graph_seed": graph_seed, "degree": degree,
+                        "dropouts": Dropouts(before_masked=dropped), "colluding": colluding,
+                        "min_survivors": min_survivors, "mode": mode, "keys": keys}
         try:
-            result = run_round(q, round_id=_round_id(rnd, key), neighbours=graph_kind(neighbours, n),
-                               threshold=threshold, graph_seed=graph_seed, degree=degree,
-                               dropouts=Dropouts(before_masked=dropped), colluding=colluding,
-                               min_survivors=min_survivors, mode=mode, keys=keys)
+            if remote:
+                from memaudit.federated.secagg.remote import run_remote_round
+
+                result = run_remote_round(deltas, spec, present, seeds, dim=dim + counted, **protocol)
+            else:
+                q = encode_rows(spec, rows if n == rows.shape[0] else rows[present], seeds)
+                result = run_round(q if indicators is None else with_bits(q, indicators[present]),
+                                   **protocol)
         except SecAggAbort:
             return _aborted(deltas, state, n, n - len(dropped))
         m = len(result.survivors)
-        mean = decode(result.total, scale) / m
+        mean = decode(result.total[:dim], scale) / m
         pseudo = jax.tree.map(lambda x: x[None], unflatten(mean))
         res = base.aggregate(pseudo, jnp.ones((1,), jnp.float32), state.base, key)
         metrics = dict(res.metrics)
@@ -199,9 +239,11 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
                        secagg_norm_bound=float(clip))
+        if counted:  # the survivors' indicators, summed under the masks
+            metrics["within_clip"] = jnp.float32(int(result.total[dim]))
         return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
 
-    return Aggregator(init=init, aggregate=aggregate, jittable=False)
+    return Aggregator(init=init, aggregate=aggregate, jittable=False, counts=True)
 
 
 __all__ = ["ENCODE_CHUNK", "SecAggState", "check_secagg_config", "decode", "encode", "graph_kind",

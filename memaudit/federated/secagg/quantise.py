@@ -30,6 +30,7 @@ True
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -137,7 +138,8 @@ def _round_row(row, factor, dst, bufs, rng) -> float:
     return sq
 
 
-def encode(rows: np.ndarray, clip: float, scale: float, rng: np.random.Generator, *,
+def encode(rows: np.ndarray, clip: float, scale: float,
+           rng: np.random.Generator | Sequence[np.random.Generator], *,
            inner: float | None = None) -> np.ndarray:
     """Clip each row, quantise, and write it as uint32 (two's complement).
 
@@ -145,7 +147,8 @@ def encode(rows: np.ndarray, clip: float, scale: float, rng: np.random.Generator
         rows: (n, d) float rows.
         clip: C; the integer norm budget is ``scale * clip``.
         scale: s from :func:`quantisation_scale`.
-        rng: randomness of the rounding.
+        rng: randomness of the rounding: one generator for all rows (drawn row after row), or
+            one generator per row (a client reproduces its own row from its own generator).
         inner: clip rows to this norm (:func:`inner_clip`) and re-round each row until
             ‖q‖ <= s C (conditional rounding, KLS 2021), so the decoded row has norm <= C.
             None: clip to C and round once (the norm may exceed C by the rounding error).
@@ -168,9 +171,12 @@ def encode(rows: np.ndarray, clip: float, scale: float, rng: np.random.Generator
     bufs = (*(np.empty(w, dtype=np.float64) for _ in range(3)), np.empty(w, dtype=bool))
     signed = out.view(np.int32)
     budget = (scale * clip) ** 2
+    rngs = [rng] * n if isinstance(rng, np.random.Generator) else list(rng)
+    if len(rngs) != n:
+        raise ValueError(f"encode got {len(rngs)} generators for {n} rows")
     for i in range(n):
         for _ in range(MAX_ROUNDING_TRIES):
-            sq = _round_row(rows[i], np.float64(factors[i]), signed[i], bufs, rng)
+            sq = _round_row(rows[i], np.float64(factors[i]), signed[i], bufs, rngs[i])
             if inner is None or sq <= budget:
                 break
         else:  # probability <= β^MAX_ROUNDING_TRIES with a correct inner clip

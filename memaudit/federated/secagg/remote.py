@@ -1,0 +1,333 @@
+"""Secure aggregation with each client's side on the machine that holds its data.
+
+The in-JAX aggregators (`memaudit.federated.secagg.aggregator.secure_aggregation`,
+`memaudit.federated.ddp.distributed_dp`, with `memaudit.federated.dp.dp_fedavg` around the
+first) see the cohort's deltas as arrays and drive every protocol `Client` in one process. On
+a runtime across machines (``federated.runtime: flower``) the deltas stay on the nodes: the
+aggregators get a `ClientRows` handle instead, and the same code paths run the client's half
+there:
+
+- `ClientRows` names the deltas' leaves as the nodes keep them (var ids of the partitioned
+  client stage) and carries the per-client transforms an outer aggregator asks for (DP-FedAvg's
+  clip to C, and the indicator 1[‖Δ‖ <= C] that adaptive clipping counts: appended to the
+  user's encoded row as one integer coordinate, so it is summed under the masks too, as the
+  `Counted` wrapper does in JAX);
+- `run_remote_round` is `memaudit.federated.secagg.protocol.run_round` with the server's
+  `Server` here and the protocol's `Client` s on the nodes, over four message exchanges
+  (advertise, share keys, masked input, unmask); a node that stops answering drops its
+  clients at that step, exactly as a simulated dropout there would;
+- `node_step` is a node's side of one exchange: it makes its clients, keeps their secret keys
+  and received shares in the node's own state (never in a reply), and at the masked-input step
+  quantises its own users' rows (`encode_rows`, and for distributed DP adds each user's
+  discrete-Gaussian noise share) with a per-slot generator.
+
+Per-slot randomness: `slot_seed` derives each slot's rounding (and noise-share) seed one-way
+(sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run and a
+node draw the same bits for the same user while the round key (which also drives the server's
+DP noise) never leaves the server.
+
+References:
+    Bonawitz et al., CCS 2017; Bell et al., CCS 2020 (SecAgg+); Kairouz, Liu, Steinke,
+    ICML 2021 (conditional rounding, the distributed discrete Gaussian).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from memaudit.federated.secagg.messages import SecAggAbort
+
+SLOT_SALT = b"memaudit-secagg-slot-v1"
+STEPS = ("advertise", "shares", "masked", "unmask")
+
+
+def slot_seed(key: Any, seed: int | None, rnd: int, slot: int) -> str:
+    """The seed (hex) of cohort slot ``slot``'s rounding and noise share in round ``rnd``:
+    sha256 over a salt, ``seed``, the round, the slot and the round key's data (one-way: the
+    seed does not reveal the key)."""
+    import jax
+
+    data = np.asarray(jax.random.key_data(key)).tobytes() if key is not None else b""
+    head = SLOT_SALT + str(seed).encode() + struct.pack(">QQ", int(rnd), int(slot))
+    return hashlib.sha256(head + data).hexdigest()
+
+
+def slot_rng(seed: str) -> np.random.Generator:
+    return np.random.default_rng(int(seed, 16))
+
+
+def encode_rows(spec: dict[str, Any], rows: np.ndarray, seeds: Sequence[str]) -> np.ndarray:
+    """The clients' integer inputs to the secure sum, one row per client, each from its own
+    slot's generator. ``spec["kind"]``: ``"secagg"`` (clip to the inner clip, conditional
+    stochastic rounding, `memaudit.federated.secagg.quantise.encode`) or ``"ddp"`` (clip,
+    scale, rotate, round, add a discrete-Gaussian share, mod M: `memaudit.federated.ddp.ddp_encode`)."""
+    rngs = [slot_rng(s) for s in seeds]
+    if spec["kind"] == "secagg":
+        from memaudit.federated.secagg.quantise import encode
+
+        return encode(rows, float(spec["clip"]), float(spec["scale"]), rngs, inner=spec["inner"])
+    if spec["kind"] == "ddp":
+        from memaudit.federated.ddp import ddp_encode
+
+        return ddp_encode(rows, spec, rngs)
+    raise ValueError(f"unknown secure-sum encoding {spec['kind']!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Counted:
+    """Deltas with one indicator per client (``bits``, (n,)) that the secure sum adds as an
+    extra integer coordinate of each row: the count of survivors whose bit is 1 comes back in
+    the metrics (``within_clip``) without any single bit reaching the server."""
+
+    deltas: Any
+    bits: Any
+
+
+def with_bits(q: np.ndarray, bits: Any) -> np.ndarray:
+    """Encoded rows (k, d) uint32 with each client's indicator appended: (k, d + 1)."""
+    return np.concatenate([q, np.asarray(bits).astype(np.uint32).reshape(-1, 1)], axis=1)
+
+
+def within(leaves: list[Any], clip: float) -> np.ndarray:
+    """1[global L2 norm <= clip] per client row, as DP-FedAvg computes it (float32)."""
+    import jax.numpy as jnp
+
+    from memaudit.federated.dp import global_norms
+
+    return np.asarray(global_norms(list(leaves)) <= jnp.asarray(clip, jnp.float32))
+
+
+def apply_pre(pre: Sequence[Sequence[Any]], leaves: list[Any]) -> list[Any]:
+    """The per-client transforms an outer aggregator asked for, on a list of (k, ...) leaves."""
+    for op, value in pre:
+        if op != "clip":
+            raise ValueError(f"unknown per-client transform {op!r}")
+        import jax.numpy as jnp
+
+        from memaudit.federated.dp import clip_deltas
+
+        leaves, _ = clip_deltas(list(leaves), jnp.asarray(value, jnp.float32))
+    return list(leaves)
+
+
+# ------------------------------------------------------------------ the server's side
+class NodeChannel:
+    """The nodes holding a round's client rows: one payload per node, the replies of those that
+    answered; a node that did not answer once is out for the rest of the round.
+
+    Args:
+        nodes: has ``run_secagg(payloads: node -> dict) -> node -> dict`` (the nodes that answered).
+        hosts: node -> the cohort slots whose rows it holds (the nodes alive after the client stage).
+        round: the round number (the nodes key their kept rows by it).
+    """
+
+    def __init__(self, nodes: Any, hosts: dict[Any, list[int]], round: int) -> None:
+        self.nodes, self.round = nodes, int(round)
+        self.host = {s: n for n, slots in hosts.items() for s in slots}
+        self.alive = set(hosts)
+        self.dropped: list[Any] = []
+
+    def call(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
+        payloads = {n: {**p, "round": self.round} for n, p in payloads.items() if n in self.alive}
+        if not payloads:
+            return {}
+        replies = dict(self.nodes.run_secagg(payloads))
+        lost = sorted(set(payloads) - set(replies), key=str)
+        self.alive -= set(lost)
+        self.dropped.extend(lost)
+        for n in sorted(replies, key=str):
+            if "abort" in replies[n]:
+                raise SecAggAbort(f"node {n}: {replies[n]['abort']}")
+        return replies
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientRows:
+    """A clients-placed pytree (the cohort's model deltas) whose rows stay on the nodes.
+
+    ``leaves``: the var id under which every node keeps each leaf (its rows for the slots it
+    hosts); ``shapes``: each leaf's per-client shape and dtype name; ``pre``: per-client
+    transforms applied on the node before encoding (``("clip", C)``); ``count``: append
+    1[‖Δ‖ <= count] (of the delta before ``pre``) to each encoded row (`Counted`).
+    """
+
+    channel: NodeChannel
+    leaves: tuple[int, ...]
+    shapes: tuple[tuple[tuple[int, ...], str], ...]
+    treedef: Any
+    pre: tuple[tuple[str, float], ...] = ()
+    count: float | None = None
+
+    @property
+    def dim(self) -> int:
+        return int(sum(int(np.prod(s)) for s, _ in self.shapes))
+
+    def clipped(self, clip: Any, *, count: bool = False) -> ClientRows:
+        """These rows, each scaled on its node to global L2 norm <= ``clip``; with ``count``
+        each row also carries 1[norm <= clip] into the secure sum."""
+        return dataclasses.replace(self, pre=(*self.pre, ("clip", float(clip))),
+                                   count=float(clip) if count else self.count)
+
+    def unflatten(self, v: np.ndarray) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        from memaudit.federated.flower.wire import _dtype
+
+        out, o = [], 0
+        for shape, dtype in self.shapes:
+            size = int(np.prod(shape))
+            out.append(jnp.asarray(np.asarray(v[o:o + size]).reshape(shape), dtype=_dtype(dtype)))
+            o += size
+        return jax.tree.unflatten(self.treedef, out)
+
+    def zeros(self) -> Any:
+        return self.unflatten(np.zeros(self.dim))
+
+
+def run_remote_round(rows: ClientRows, spec: dict[str, Any], present: Sequence[int],
+                     seeds: Sequence[str], *, dim: int, round_id: int, neighbours: str = "full",
+                     threshold: float = 0.6, graph_seed: int = 0, degree: int | None = None,
+                     dropouts: Any = None, colluding: int = 0, min_survivors: int = 3,
+                     mode: str = "honest_but_curious", keys: Any = None) -> Any:
+    """`memaudit.federated.secagg.protocol.run_round` with the clients on the nodes.
+
+    Client ``cid`` (0..n-1) is cohort slot ``present[cid]`` on the node that holds that slot's
+    rows; ``seeds[cid]`` its slot seed; ``dim`` the length of an encoded row. Simulated
+    ``dropouts`` (`Dropouts`) leave a client out of a step as in-JAX; a node that does not
+    answer a step drops all its clients there.
+
+    Raises:
+        SecAggAbort: as `run_round` (too few survivors, a threshold below the bound), or a
+            client on a node refused a step.
+    """
+    from memaudit.federated.secagg.graph import neighbours as make_neighbours
+    from memaudit.federated.secagg.policy import Policy
+    from memaudit.federated.secagg.protocol import Dropouts, RoundResult
+    from memaudit.federated.secagg.server import Server, policy_thresholds
+
+    policy = Policy(threshold=threshold, colluding=colluding, min_survivors=min_survivors, mode=mode)
+    if policy.malicious or keys is not None:
+        raise ValueError("the malicious-server mode does not run with the clients on other "
+                         "machines; use federated.runtime=jax or mode=honest_but_curious")
+    drop = dropouts or Dropouts()
+    n = len(present)
+    neigh = make_neighbours(n, neighbours, seed=graph_seed, degree=degree)
+    t = policy_thresholds(neigh, policy)
+    policy.check_survivors(n, "the start of the round")
+    server = Server(round_id=round_id, neighbours=neigh, threshold=t, dim=dim,
+                    min_survivors=min_survivors)
+    ch = rows.channel
+    node_of = {cid: ch.host[int(s)] for cid, s in enumerate(present)}
+    traffic = {"up": 0, "down": 0}
+
+    def exchange(step: str, msgs: dict[int, bytes], receive: Callable[[bytes], None],
+                 extra: dict | None = None) -> list[int]:
+        """Send ``msgs`` (cid -> bytes) to the nodes; feed the replies to ``receive``; return the
+        cids whose node answered."""
+        payloads: dict[Any, dict] = {}
+        for cid, m in msgs.items():
+            traffic["down"] += len(m)
+            payloads.setdefault(node_of[cid], {"step": step, "msgs": {}, **(extra or {})})["msgs"][cid] = m
+        replies = ch.call(payloads)
+        for node in sorted(replies, key=str):
+            for cid, m in sorted(replies[node]["msgs"].items()):
+                traffic["up"] += len(m)
+                receive(m)
+        return sorted(cid for cid in msgs if node_of[cid] in replies)
+
+    start = {}
+    for cid, s in enumerate(present):
+        start.setdefault(node_of[cid], []).append([cid, int(s), seeds[cid]])
+    replies = ch.call({node: {"step": "advertise", "round_id": int(round_id), "clients": cl,
+                              "policy": [threshold, colluding, min_survivors, mode], "spec": spec,
+                              "leaves": list(rows.leaves), "pre": [list(p) for p in rows.pre],
+                              "count": rows.count}
+                       for node, cl in start.items()})
+    for node in sorted(replies, key=str):
+        for _cid, m in sorted(replies[node]["msgs"].items()):
+            traffic["up"] += len(m)
+            server.receive_advertise(m)
+    alive = [cid for cid in range(n) if node_of[cid] in replies and cid not in drop.before_shares]
+    alive = exchange("shares", {i: server.keys_for(i) for i in alive}, server.receive_shares)
+    forwards = {i: server.forward_for(i) for i in alive}
+    alive = exchange("masked", {i: forwards[i] for i in alive if i not in drop.before_masked},
+                     server.receive_masked)
+    requests = {i: server.unmask_request_for(i) for i in alive}
+    exchange("unmask", {i: requests[i] for i in alive if i not in drop.before_unmask},
+             server.receive_unmask)
+    total = server.finalize()
+    return RoundResult(total, frozenset(server.u3), max(len(s) for s in neigh), traffic["up"],
+                       traffic["down"])
+
+
+# ------------------------------------------------------------------ a node's side
+def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray],
+              load: Callable[[int], dict], save: Callable[[int, dict | None], None]) -> dict[str, Any]:
+    """A node's answer to one exchange of a remote round.
+
+    Args:
+        payload: from `run_remote_round` (``step``, ``round``, ...).
+        kept: ``(round, var id) -> array`` of the rows this node keeps (its cohort slots filled).
+        load, save: this node's protocol state of a round (its clients' secret keys and the
+            shares they hold); ``save(round, None)`` deletes it. It never goes into a reply.
+
+    Returns:
+        ``{"msgs": {cid: bytes}}``, or ``{"abort": one line}`` when one of
+        this node's clients refuses the step (a threshold or survivor check).
+    """
+    from memaudit.federated.secagg.aggregator import flatten_clients
+    from memaudit.federated.secagg.client import Client
+    from memaudit.federated.secagg.policy import Policy
+
+    step, rnd = payload["step"], int(payload["round"])
+
+    def encoded(cids: list[int], st: dict) -> np.ndarray:
+        """These clients' inputs to the secure sum, from their kept deltas."""
+        slots = [st["slots"][c][0] for c in cids]
+        leaves = [np.asarray(kept(rnd, int(v)))[slots] for v in st["leaves"]]
+        rows, _ = flatten_clients(apply_pre(st["pre"], leaves))
+        q = encode_rows(st["spec"], rows, [st["slots"][c][1] for c in cids])
+        return q if st.get("count") is None else with_bits(q, within(leaves, st["count"]))
+
+    if step not in STEPS:
+        raise ValueError(f"unknown secure-aggregation step {step!r}")
+    try:
+        if step == "advertise":
+            th, col, ms, mode = payload["policy"]
+            policy = Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode)
+            st = {k: payload.get(k) for k in ("round_id", "spec", "pre", "leaves", "count")}
+            st["slots"] = {int(c): [int(s), str(seed)] for c, s, seed in payload["clients"]}
+            clients = {c: Client(c, round_id=int(payload["round_id"]), policy=policy) for c in st["slots"]}
+            msgs = {c: cl.advertise() for c, cl in clients.items()}
+        else:
+            st = load(rnd)
+            clients = {int(c): Client.from_state_dict(d) for c, d in st["clients"].items()}
+            asked = {int(c): bytes(m) for c, m in payload["msgs"].items()}
+            if step == "shares":
+                msgs = {c: clients[c].share_keys(m) for c, m in asked.items()}
+            elif step == "masked":
+                cids = sorted(asked)
+                q = encoded(cids, st)
+                msgs = {c: clients[c].masked_input(asked[c], q[k]) for k, c in enumerate(cids)}
+            else:
+                msgs = {c: clients[c].unmask(m) for c, m in asked.items()}
+    except SecAggAbort as e:
+        save(rnd, None)
+        return {"abort": str(e).splitlines()[0] if str(e) else type(e).__name__}
+    if step == "unmask":
+        save(rnd, None)
+    else:
+        st["clients"] = {c: cl.state_dict() for c, cl in clients.items()}
+        save(rnd, st)
+    return {"msgs": msgs}
+
+
+__all__ = ["ClientRows", "Counted", "NodeChannel", "apply_pre", "encode_rows", "node_step", "run_remote_round",
+           "slot_rng", "slot_seed", "with_bits", "within"]
