@@ -54,6 +54,11 @@ SENSITIVE_KEYS = frozenset({
     "loss", "batch_size", "cohort", "survivors", "dropped", "secagg_aborted", "clip_fraction",
     "clipped", "grad_norm", "update_norm", "raw_norm", "tokens_per_s", "round_seconds",
     "step_seconds", "count_fraction", "participants",
+    # the realized cohort's size, data and norms, and what is a function of them
+    "aggregated_clients", "total_weight", "examples", "delta_norm", "within_clip",
+    "dropped_users", "dropped_nodes", "secagg_bits", "secagg_degree", "secagg_bytes_up",
+    "secagg_bytes_down", "ddp_gamma", "ddp_dim", "ddp_l2", "ddp_l1", "ddp_local_std",
+    "ddp_effective_noise", "ddp_noise_std",
 })
 
 

@@ -129,6 +129,13 @@ def test_recovery_without_any_checkpoint_starts_over(tmp_path):
     assert recover_checkpoint(RunDir(tmp_path)) is None
 
 
+PUBLIC_METRICS = frozenset({
+    "step", "round", "lr", "noise_std", "noise_multiplier", "clip", "next_clip", "holdout_loss",
+    "holdout_perplexity", "effective_noise", "secagg_norm_bound", "server_lr", "epsilon",
+    "unclipped_fraction",
+})
+
+
 def scan_public_files(run: Path) -> None:
     """No file of a DP run outside the sensitive ones holds a per-step statistic of the private
     data: metrics.jsonl has no such key, run.json's result no training loss, privacy.json no
@@ -137,6 +144,9 @@ def scan_public_files(run: Path) -> None:
 
     for line in (run / "metrics.jsonl").read_text().splitlines():
         assert not set(json.loads(line)) & SENSITIVE_KEYS, line
+        # an allowlist, written here independently of SENSITIVE_KEYS: what a DP run may publish
+        # (schedules, the privatised noise and clip, evaluation on the holdout, the round counter)
+        assert set(json.loads(line)) <= PUBLIC_METRICS, sorted(set(json.loads(line)) - PUBLIC_METRICS)
     result = json.loads((run / "run.json").read_text())["result"]
     assert result["final_train_loss"] is None
     keys: set[str] = set()

@@ -326,6 +326,10 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
         pa = json.loads((root / f"{case}-jax" / "privacy.json").read_text())
         pb = json.loads((root / f"{case}-flower" / "privacy.json").read_text())
         assert pa["epsilon"] == pb["epsilon"] and pa["events"] == pb["events"]
+        from tests.test_lifecycle import scan_public_files
+
+        for side in ("jax", "flower"):  # nothing of the realized cohort in the public files
+            scan_public_files(root / f"{case}-{side}")
 
 
 ATOL_TRAINER = 0.0  # exact: the same deltas, the same quantised rows, integer sums

@@ -326,3 +326,6 @@ def test_an_aborted_secure_aggregation_round_costs_no_privacy_and_training_goes_
             assert m["update_norm"] == 0.0
     assert read_json(out / "privacy.json")["steps"] == 4 - aborted
     assert not any("secagg_aborted" in m for m in read_jsonl(out / "metrics.jsonl"))
+    from tests.test_lifecycle import scan_public_files
+
+    scan_public_files(out)  # nothing that depends on the realized cohort (bits, degree, bytes)
