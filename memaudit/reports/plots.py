@@ -145,6 +145,7 @@ def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None
     """One metric's frontier: a series per backend, epsilon on each point, the base as the origin,
     and each matched-utility pair joined by a grey bar (the only pairs that are compared)."""
     xs_all = []
+    labels: list[tuple[float, float, str, str | None]] = []
     where: dict[str, tuple[float, float]] = {}
     for i, s in enumerate(m["series"][:MAX_SERIES]):
         pts = [p for p in s["points"] if p["perplexity"] is not None and p["value"] is not None]
@@ -156,11 +157,8 @@ def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None
         hi = [(p["ci_high"] if p["ci_high"] is not None else p["value"]) - p["value"] for p in pts]
         ax.errorbar([p["perplexity"] for p in pts], [p["value"] for p in pts], yerr=[lo, hi],
                     fmt="o", capsize=2, color=colour, label=s["label"])
-        for j, p in enumerate(pts):  # alternate sides so labels of nearby points do not collide
-            dy = (4 if (i + j) % 2 == 0 else -10)
-            ax.annotate(_eps_label(p["epsilon"]), (p["perplexity"], p["value"]), fontsize=7,
-                        xytext=(5 if i % 2 == 0 else -5, dy), textcoords="offset points", color=colour,
-                        ha="left" if i % 2 == 0 else "right")
+        for p in pts:
+            labels.append((p["perplexity"], p["value"], _eps_label(p["epsilon"]), colour))
             where[p["run"]] = (p["perplexity"], p["value"])
         xs_all += [p["perplexity"] for p in pts]
     for k, pair in enumerate(pairs):
@@ -175,7 +173,36 @@ def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None
     ax.set_xlabel("holdout perplexity (per token, log scale)")
     ax.set_ylabel(Y_UNITS.get(key, m["label"]))
     ax.set_title(TITLES.get(key, key), fontsize=9)
-    ax.legend(fontsize=7)
+    return _place_labels(ax, labels)
+
+
+# label offsets tried in turn (points; horizontal alignment): right-up, right-down, left-up, ...
+_OFFSETS = ((5, 3, "left"), (5, -10, "left"), (-5, 3, "right"), (-5, -10, "right"),
+            (0, 7, "center"), (0, -15, "center"))
+
+
+def _place_labels(ax, labels: list[tuple[float, float, str, str | None]], fontsize: float = 7) -> int:
+    """Annotate each point at the first offset whose text box overlaps no label placed before;
+    a point with no free offset keeps its marker only. Returns how many labels were left out."""
+    fig = ax.figure
+    fig.canvas.draw()  # the axes limits and transforms as they will be drawn
+    px = fig.dpi / 72.0
+    placed: list[tuple[float, float, float, float]] = []
+    skipped = 0
+    for x, y, text, colour in labels:
+        X, Y = ax.transData.transform((x, y))
+        w, h = 0.62 * fontsize * len(text) * px, 1.2 * fontsize * px
+        for dx, dy, ha in _OFFSETS:
+            x0 = X + dx * px - (w if ha == "right" else w / 2 if ha == "center" else 0)
+            box = (x0, Y + dy * px, x0 + w, Y + dy * px + h)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                placed.append(box)
+                ax.annotate(text, (x, y), fontsize=fontsize, xytext=(dx, dy), textcoords="offset points",
+                            color=colour, ha=ha)
+                break
+        else:
+            skipped += 1
+    return skipped
 
 
 def frontier_figure(report: dict[str, Any]):
@@ -189,10 +216,19 @@ def frontier_figure(report: dict[str, Any]):
     pairs = (report.get("comparisons", {}).get("matched_utility") or {}).get("pairs") or []
     keys = list(metrics)[:6]
     fig, axes = _panels(len(keys))
+    skipped = 0
     for ax, key in zip(axes, keys, strict=True):
-        _frontier_panel(ax, key, metrics[key], origin.get("leakage", {}).get(key), pairs)
-    fig.suptitle("Privacy-utility-leakage frontier (dotted lines: visual guide only)", fontsize=10)
-    fig.tight_layout()
+        skipped += _frontier_panel(ax, key, metrics[key], origin.get("leakage", {}).get(key), pairs)
+    handles, names = axes[0].get_legend_handles_labels()
+    for ax in axes[1:]:  # one legend for the figure: every series and marker once
+        for hd, nm in zip(*ax.get_legend_handles_labels(), strict=True):
+            if nm not in names:
+                handles.append(hd)
+                names.append(nm)
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=7, frameon=False)
+    note = "; epsilon labels of crowded points left out, every point is in the runs table" if skipped else ""
+    fig.suptitle(f"Privacy-utility-leakage frontier (dotted lines: visual guide only{note})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 

@@ -302,3 +302,27 @@ def test_report_command_takes_a_tolerance_and_refuses_a_bad_one(tmp_path, capsys
     err = capsys.readouterr().err
     assert "utility tolerance 0" in err and err.count("\n") == 1
     assert not (tmp_path / "c").exists()
+
+
+def test_epsilon_labels_of_crowded_points_do_not_overlap():
+    """Labels of nearby points go to the first free side; with no free side a label is left out
+    and counted (the figure's title says so), never drawn over another."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memaudit.reports.plots import _place_labels
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 10)
+    crowd = [(5.0, 5.0, f"e={i}", None) for i in range(9)]  # nine labels on one spot
+    skipped = _place_labels(ax, crowd)
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.texts]
+    assert len(boxes) + skipped == 9 and len(boxes) >= 4 and skipped >= 3  # the four corners at least
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+    plt.close(fig)
