@@ -313,5 +313,5 @@ def test_shipped_sweeps_pretrain_then_fine_tune(name):
     assert {p.backend for p in pts} == {"parallel", "federated"}
     assert math.inf in {p.nominal_epsilon for p in pts}
     if name == "study.yaml":
-        assert {p.nominal_epsilon for p in pts} >= {math.inf, 32.0, 8.0, 2.0, 0.5}
+        assert {p.nominal_epsilon for p in pts} >= {math.inf, 32.0, 8.0, 2.0, 1.0, 0.5}
         assert any(p.audit for p in pts)
