@@ -58,8 +58,8 @@ def test_a_number_changed_by_hand_is_caught_and_rewritten(tmp_path):
 
 def test_a_block_without_its_snapshot_is_one_line(tmp_path, capsys):
     readme, snaps = _copy(tmp_path)
-    readme.write_text("x\n<!-- snapshot:study -->\n<!-- /snapshot -->\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="snapshot 'study'"):
+    readme.write_text("x\n<!-- snapshot:paper -->\n<!-- /snapshot -->\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="snapshot 'paper'"):
         stale_blocks(readme, snaps)
     assert main(["--check", "--readme", str(readme), "--snapshots", str(snaps)]) == 2
     err = capsys.readouterr().err

@@ -95,11 +95,36 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
         lines.append(f"- {h['text']} ({h['evidence']})" + (f"; caveat: {h['caveat']}" if h.get("caveat") else "") + ".")
     lit = report.get("literature")
     if lit and lit.get("sentences"):
-        lines.append("")
-        lines.append(f"The effects the literature reports ({str(lit.get('correction', 'holm')).capitalize()}-"
-                     f"corrected over the {lit.get('family', 0)} tests of that section):")
-        lines += [f"- {s}." for s in lit["sentences"]]
+        lines += ["", *_literature_lines(lit)]
     return "\n".join(lines) + "\n"
+
+
+def _literature_lines(lit: dict[str, Any]) -> list[str]:
+    """The literature section, compact: the trend tests in one line, the group-privacy contrast as a
+    table (user-owned canaries at the most repetitions), then extraction, audit and learning."""
+    out = [(f"The effects the literature reports ({str(lit.get('correction', 'holm')).capitalize()}-"
+           f"corrected over the {lit.get('family', 0)} tests of that section):")]
+    trends = [(e["label"], e["trend"]) for e in lit.get("exposure", []) if e.get("trend")]
+    if trends:
+        shown = [lbl for lbl, t in trends if t.get("verdict") == "shown"]
+        lbl, t = min(trends, key=lambda x: x[1].get("p_adjusted", 1.0))
+        out.append(f"- Exposure rises with repetitions (one-sided Spearman, n = {t['n_a']} canaries a run): "
+                   f"shown in {len(shown)} of {len(trends)} runs{' (' + '; '.join(shown) + ')' if shown else ''}; "
+                   f"strongest: {lbl}, rho = {t['rho']:.2f}, Holm p = {_num(t['p_adjusted'])}.")
+    rows = []
+    for e in lit.get("exposure", []):
+        tested = [b for b in e["buckets"] if b["owner_kind"] == "user" and b.get("test")]
+        if tested:
+            b = max(tested, key=lambda b: b["repetitions"])
+            rows.append(f"| {e['label']} | {b['repetitions']} | {_num(b['effective_epsilon'])} | "
+                        f"{_cell(b['excess'])} | {b['test']['verdict']} (Holm p = {_num(b['test']['p_adjusted'])}) |")
+    if rows:
+        out += [("- Group privacy on the same canaries (one user owns every copy; Mann-Whitney, inserted > "
+                "references):"), "", ("  | run | repetitions | effective epsilon | excess exposure (bits) | "
+                "test |"), "  |---|---|---|---|---|", *[f"  {r}" for r in rows], ""]
+    skip = ("exposure rises with repetitions", "canaries one user repeats")
+    out += [f"- {s}." for s in lit["sentences"] if not any(k in s for k in skip)]
+    return out
 
 
 def load_snapshot(name: str, snapshots: Path = SNAPSHOTS) -> tuple[dict[str, Any], dict[str, Any] | None]:
