@@ -136,6 +136,19 @@ PUBLIC_METRICS = frozenset({
 })
 
 
+def merged_metrics(run: Path) -> list[dict]:
+    """metrics.jsonl with, under DP, each round's (or step's) sensitive statistics merged in."""
+    out = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    sens = run / "sensitive_metrics.jsonl"
+    if sens.is_file():
+        rows = [json.loads(x) for x in sens.read_text().splitlines()]
+        key = "round" if rows and "round" in rows[0] else "step"
+        extra = {r[key]: r for r in rows if key in r}
+        for m in out:
+            m.update(extra.get(m.get(key), {}))
+    return out
+
+
 def scan_public_files(run: Path) -> None:
     """No file of a DP run outside the sensitive ones holds a per-step statistic of the private
     data: metrics.jsonl has no such key, run.json's result no training loss, privacy.json no

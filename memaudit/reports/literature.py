@@ -62,15 +62,11 @@ def _label(run: dict[str, Any]) -> str:
     return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
 
 
-def _boot_ci(samples: np.ndarray) -> tuple[float, float]:
-    lo, hi = np.quantile(samples, [(1 - 0.95) / 2, 1 - (1 - 0.95) / 2])
-    return float(lo), float(hi)
-
-
 def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> dict[str, Any]:
-    from memaudit.probes.stats import cell
+    """A probe-style cell with the percentile interval of `boot` (the probes' own level)."""
+    from memaudit.probes.stats import LEVEL, _ci, cell
 
-    ci = _boot_ci(boot) if boot is not None and n > 0 and len(boot) else None
+    ci = _ci(boot, LEVEL) if boot is not None and n > 0 and len(boot) else None
     return cell(value, n=n, unit=unit, ci=ci)
 
 

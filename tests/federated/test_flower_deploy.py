@@ -92,14 +92,9 @@ def _max_diff(a: Path, b: Path) -> float:
 
 
 def _metrics(run: Path) -> list[dict]:
-    """metrics.jsonl with, under DP, each round's sensitive statistics merged in."""
-    out = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    sens = run / "sensitive_metrics.jsonl"
-    if sens.is_file():
-        extra = {r["round"]: r for r in map(json.loads, sens.read_text().splitlines()) if "round" in r}
-        for m in out:
-            m.update(extra.get(m["round"], {}))
-    return out
+    from tests.test_lifecycle import merged_metrics
+
+    return merged_metrics(run)
 
 
 @pytest.mark.parametrize("case", ["fedavg", "dp-fedavg", "fedsgd", "dp-fedavg-secagg"])

@@ -295,6 +295,7 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
     from memaudit.federated.flower.trainer import FlowerTrainer
     from memaudit.federated.trainer import FederatedTrainer
     from memaudit.rundir import RunDir
+    from tests.test_lifecycle import merged_metrics
 
     overrides, partitions, root = parts
     over = [*overrides, *CASES[case]]
@@ -307,16 +308,8 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
     diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
     assert diff <= ATOL_TRAINER, diff
     assert nodes.secagg_steps >= 2 * 4  # four protocol exchanges per round, on the nodes
-    def lines(run):  # under DP the cohort's statistics are in sensitive_metrics.jsonl
-        out = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        sens = run / "sensitive_metrics.jsonl"
-        if sens.is_file():
-            extra = {r["round"]: r for r in map(json.loads, sens.read_text().splitlines()) if "round" in r}
-            for m in out:
-                m.update(extra.get(m["round"], {}))
-        return out
-
-    ma, mb = lines(root / f"{case}-jax"), lines(root / f"{case}-flower")
+    # under DP the cohort's statistics are in sensitive_metrics.jsonl: read both files
+    ma, mb = merged_metrics(root / f"{case}-jax"), merged_metrics(root / f"{case}-flower")
     assert [m["round"] for m in mb] == [1, 2] and all(m["dropped_users"] == 0 for m in mb)
     assert [m["survivors"] for m in ma] == [m["survivors"] for m in mb] == [4, 4]
     for key in ("clip_fraction", "next_clip", "secagg_aborted"):
