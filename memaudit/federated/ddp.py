@@ -263,9 +263,9 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         threshold, neighbours, dropout_rate, seed: as in ``secure_aggregation``.
 
     Returns:
-        An :class:`Aggregator` with metrics ``survivors``, ``cohort``, ``effective_noise``
-        (z of the noise that survivors actually added), ``noise_std`` (on the averaged
-        update), and ``ddp_gamma``, ``ddp_dim``, ``ddp_l2``, ``ddp_l1``, ``ddp_local_std``
+        An :class:`Aggregator` with metrics ``survivors``, ``cohort``, ``ddp_effective_noise``
+        (z of the noise that survivors actually added), ``ddp_noise_std`` (on the averaged
+        update; both depend on the survivors, hence sensitive), and ``ddp_gamma``, ``ddp_dim``, ``ddp_l2``, ``ddp_l1``, ``ddp_local_std``
         for :func:`memaudit.privacy.federated.ddp_round_event`.
     """
     base = mean_aggregator() if base is None else base
@@ -321,7 +321,9 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         metrics = dict(out.metrics)
         eff = math.sqrt(m) * p.local_std * p.gamma / clip
         metrics.update(survivors=jnp.float32(m), aggregated_clients=jnp.float32(m), cohort=jnp.float32(n),
-                       effective_noise=eff, noise_std=eff * clip / expected_cohort, clip=clip,
+                       # the survivors' noise shares: their size tells how many survived, so these
+                       # carry the ddp_ prefix of the sensitive, cohort-dependent metrics
+                       ddp_effective_noise=eff, ddp_noise_std=eff * clip / expected_cohort, clip=clip,
                        ddp_gamma=p.gamma, ddp_dim=p.dim, ddp_l2=p.l2, ddp_l1=p.l1, ddp_local_std=p.local_std)
         return AggregateResult(out.update, DDPState(out.state, rnd + 1), metrics)
 

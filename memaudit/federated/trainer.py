@@ -394,11 +394,6 @@ class FederatedTrainer:
         if self.ledger is not None and not int(m.get("secagg_aborted", 0) or 0):
             self.record_privacy(m)
         rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
-        if self.private and self.cfg.privacy.mechanism == "distributed":
-            # distributed DP's noise is the survivors' shares: its size tells how many survived
-            for k in ("effective_noise", "noise_std"):
-                if k in rec:
-                    rec[f"ddp_{k}"] = rec.pop(k)
         return state, rec
 
     def algorithm_round(self, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:

@@ -306,6 +306,9 @@ def fisher_exact(a: np.ndarray, b: np.ndarray, *, alternative: str = "greater") 
     return float(fe(table, alternative=alternative).pvalue)
 
 
+AUC_PERM_CHUNK = 2000  # permutations per block of auc_difference_test (1999, the default, is one)
+
+
 def auc_difference_test(
     a: tuple[np.ndarray, np.ndarray],
     b: tuple[np.ndarray, np.ndarray],
@@ -314,13 +317,15 @@ def auc_difference_test(
     alternative: str = "greater",
     n_perm: int = 1999,
     seed: int = 0,
+    advantage: bool = False,
 ) -> float:
     """Permutation test of AUC(a) - AUC(b); a and b are (member scores, non-member scores).
 
     Scores become within-run ranks first, so two models' scales never meet. Paired (the same
     units in the same order in both runs): each unit's pair of ranks is swapped between runs with
     probability 1/2. Unpaired: members of both runs are shuffled between runs, and so are
-    non-members.
+    non-members. With `advantage` the statistic is |AUC(a) - 1/2| - |AUC(b) - 1/2| instead: the
+    attack's distance from chance, which is what leaks (`chance_advantage`).
     """
     from scipy.stats import rankdata
 
@@ -331,21 +336,41 @@ def auc_difference_test(
         return r[: len(pos)], r[len(pos) :]
 
     (ap, an), (bp, bn) = pct(*a), pct(*b)
-    obs = float(_auc_rows(ap[None], an[None])[0] - _auc_rows(bp[None], bn[None])[0])
+    f = chance_advantage if advantage else (lambda x: x)
+    obs = float(f(_auc_rows(ap[None], an[None])[0]) - f(_auc_rows(bp[None], bn[None])[0]))
     rng = np.random.default_rng(seed)
-    if paired:
-        if len(ap) != len(bp) or len(an) != len(bn):
-            raise ValueError("a paired AUC test needs the same units in both runs")
-        sp, sn = rng.random((n_perm, len(ap))) < 0.5, rng.random((n_perm, len(an))) < 0.5
-        xp, yp = np.where(sp, bp, ap), np.where(sp, ap, bp)
-        xn, yn = np.where(sn, bn, an), np.where(sn, an, bn)
-    else:
-        pp = rng.permuted(np.broadcast_to(np.r_[ap, bp], (n_perm, len(ap) + len(bp))), axis=1)
-        pn = rng.permuted(np.broadcast_to(np.r_[an, bn], (n_perm, len(an) + len(bn))), axis=1)
-        xp, yp = pp[:, : len(ap)], pp[:, len(ap) :]
-        xn, yn = pn[:, : len(an)], pn[:, len(an) :]
-    null = _auc_rows(xp, xn) - _auc_rows(yp, yn)
-    return _p_from_null(obs, null, alternative)
+    if paired and (len(ap) != len(bp) or len(an) != len(bn)):
+        raise ValueError("a paired AUC test needs the same units in both runs")
+    nulls = []
+    for start in range(0, n_perm, AUC_PERM_CHUNK):  # chunks bound the memory of many permutations
+        k = min(AUC_PERM_CHUNK, n_perm - start)
+        if paired:
+            sp, sn = rng.random((k, len(ap))) < 0.5, rng.random((k, len(an))) < 0.5
+            xp, yp = np.where(sp, bp, ap), np.where(sp, ap, bp)
+            xn, yn = np.where(sn, bn, an), np.where(sn, an, bn)
+        else:
+            pp = rng.permuted(np.broadcast_to(np.r_[ap, bp], (k, len(ap) + len(bp))), axis=1)
+            pn = rng.permuted(np.broadcast_to(np.r_[an, bn], (k, len(an) + len(bn))), axis=1)
+            xp, yp = pp[:, : len(ap)], pp[:, len(ap) :]
+            xn, yn = pn[:, : len(an)], pn[:, len(an) :]
+        nulls.append(f(_auc_rows(xp, xn)) - f(_auc_rows(yp, yn)))
+    return _p_from_null(obs, np.concatenate(nulls), alternative)
+
+
+ADVANTAGE = "|AUC - 0.5|"  # what a comparison of two runs' AUCs compares
+
+
+def chance_advantage(auc):
+    """|AUC - 1/2|: how far a membership score is from chance, in either direction.
+
+    An AUC below 1/2 is not less leakage than 1/2: the attacker who reverses the score gets
+    1 - AUC. Comparisons of how much two runs leak by an AUC therefore compare this.
+
+    >>> round(chance_advantage(0.3), 6), round(chance_advantage(0.7), 6)
+    (0.2, 0.2)
+    """
+    d = np.abs(np.asarray(auc, dtype=float) - 0.5)
+    return d if d.ndim else float(d)
 
 
 def holm(pvalues) -> list[float]:
@@ -391,15 +416,22 @@ def _aligned(a: dict, b: dict) -> tuple[list[int], list[int]] | None:
     return list(range(len(ia))), [pos[u] for u in ia]
 
 
-def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0) -> dict:
+PERMUTATIONS = {"mean": 9999, "auc": 1999}  # compare_units' defaults per kind of unit scores
+
+
+def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0, n_perm: int | None = None) -> dict:
     """The test of "run a leaks more (greater) / less / differently than run b" on their units.
 
     `a` and `b` are per-unit scores of one metric: {"kind": mean | binary | auc, "unit", "ids",
     "values"} (plus "member" flags for auc). Runs sharing all their units get paired tests
     (sign-flip permutation, exact McNemar, paired AUC permutation); otherwise unpaired ones
-    (label permutation, Fisher exact, unpaired AUC permutation).
+    (label permutation, Fisher exact, unpaired AUC permutation). `n_perm` overrides the
+    permutation count (`PERMUTATIONS`); `p_floor` in the result is the smallest p-value the test
+    can return, 1 / (n_perm + 1) for a Monte-Carlo permutation test, None for an exact one.
     """
     _check_alt(alternative)
+    k = n_perm or PERMUTATIONS.get(a["kind"], 9999)
+    floor: float | None = 1.0 / (k + 1)
     if a["kind"] != b["kind"] or a["kind"] not in UNIT_KINDS:
         raise ValueError(f"cannot compare units of kind {a['kind']} with {b['kind']}")
     kind, al = a["kind"], _aligned(a, b)
@@ -409,31 +441,42 @@ def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0) -> dict:
     if kind == "mean":
         est = float(va.mean() - vb.mean())
         name = "paired sign-flip permutation" if al else "permutation"
-        p = (paired_permutation_test(va, vb, alternative=alternative, seed=seed) if al
-             else permutation_test(va, vb, alternative=alternative, seed=seed))
+        p = (paired_permutation_test(va, vb, alternative=alternative, seed=seed, n_perm=k) if al
+             else permutation_test(va, vb, alternative=alternative, seed=seed, n_perm=k))
+        if al and 2 ** len(va) <= k:
+            floor = None  # every sign pattern: exact
     elif kind == "binary":
         est = float(va.mean() - vb.mean())
         name = "exact McNemar" if al else "Fisher exact"
         p = (mcnemar_exact(va, vb, alternative=alternative) if al
              else fisher_exact(va, vb, alternative=alternative))
+        floor = None
     else:
         ma, mb = np.asarray(a["member"], bool), np.asarray(b["member"], bool)
         if al is not None:
             ma, mb = ma[al[0]], mb[al[1]]
             if not (ma == mb).all():
                 al = None
-        est = roc_auc(va[ma], va[~ma]) - roc_auc(vb[mb], vb[~mb])
+        # leakage by an AUC is its distance from chance (an AUC below 1/2 is not "less")
+        est = chance_advantage(roc_auc(va[ma], va[~ma])) - chance_advantage(roc_auc(vb[mb], vb[~mb]))
         name = "paired AUC permutation" if al else "AUC permutation"
         p = auc_difference_test((va[ma], va[~ma]), (vb[mb], vb[~mb]), paired=al is not None,
-                                alternative=alternative, seed=seed)
-    return {"test": name, "alternative": alternative, "paired": al is not None,
-            "p_value": float(p), "estimate": float(est), "n_a": len(va), "n_b": len(vb),
-            "unit": a["unit"]}
+                                alternative=alternative, seed=seed, advantage=True, n_perm=k)
+    out = {"test": name, "alternative": alternative, "paired": al is not None,
+           "p_value": float(p), "estimate": float(est), "n_a": len(va), "n_b": len(vb),
+           "unit": a["unit"], "p_floor": floor}
+    return out | ({"statistic": ADVANTAGE} if kind == "auc" else {})
 
 
-def compare_seeds(a: list[float], b: list[float], *, alternative: str, seed: int = 0) -> dict:
-    """Configurations with several seeds each: a permutation test over the per-seed values."""
-    return {"test": "permutation over seeds", "alternative": alternative, "paired": False,
+def compare_seeds(a: list[float], b: list[float], *, alternative: str, seed: int = 0,
+                  kind: str = "mean") -> dict:
+    """Configurations with several seeds each: a permutation test over the per-seed values
+    (per-seed AUCs, `kind` "auc", as their distance from chance)."""
+    extra = {}
+    if kind == "auc":
+        a, b = [chance_advantage(x) for x in a], [chance_advantage(x) for x in b]
+        extra = {"statistic": ADVANTAGE}
+    return extra | {"test": "permutation over seeds", "alternative": alternative, "paired": False,
             "p_value": permutation_test(a, b, alternative=alternative, seed=seed),
             "estimate": float(np.mean(a) - np.mean(b)),
             "n_a": len(a), "n_b": len(b), "unit": "seeds"}

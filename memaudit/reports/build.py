@@ -278,7 +278,8 @@ def _test(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
         va = [r["leakage"][key]["value"] for r in a_runs if (r["leakage"].get(key) or {}).get("value") is not None]
         vb = [r["leakage"][key]["value"] for r in b_runs if (r["leakage"].get(key) or {}).get("value") is not None]
         if len(va) > 1 and len(vb) > 1:
-            return {**compare_seeds(va, vb, alternative=alternative), "scope": "configurations"}
+            kind = ((a_runs[0].get("units") or {}).get(key) or {}).get("kind", "mean")
+            return {**compare_seeds(va, vb, alternative=alternative, kind=kind), "scope": "configurations"}
     ua, ub = (a_runs[0].get("units") or {}).get(key), (b_runs[0].get("units") or {}).get(key)
     if not ua or not ub:
         return None

@@ -58,19 +58,51 @@ def _fmt_eps(e: float | None) -> str:
     return "no DP (epsilon = inf)" if e is None or math.isinf(e) else f"epsilon = {e:g}"
 
 
-def _all_tests(report: dict[str, Any]):
-    """Every (cell, test) of the report's comparisons, in a fixed order."""
+def _keyed_tests(report: dict[str, Any]):
+    """Every (metric, cell, test) of the report's comparisons, in a fixed order."""
     comp = report.get("comparisons", {})
     pairs = (comp.get("matched_utility") or {}).get("pairs", [])
     for block in comp.get("matched", []) + comp.get("effects", []) + pairs:
-        for cell in block.get("metrics", {}).values():
+        for key, cell in block.get("metrics", {}).items():
             if cell.get("test"):
-                yield cell, cell["test"]
+                yield key, cell, cell["test"]
+
+
+def _all_tests(report: dict[str, Any]):
+    """Every (cell, test) of the report's comparisons, in a fixed order."""
+    for _key, cell, t in _keyed_tests(report):
+        yield cell, t
+
+
+FLOOR_MARGIN = 10  # a refined test's smallest p-value is alpha / (FLOOR_MARGIN * family)
+
+
+def _refine_floors(report: dict[str, Any], family: int) -> None:
+    """A Monte-Carlo permutation p-value cannot fall below 1 / (B + 1). Where that floor, not the
+    data, would keep a test from passing the correction over `family` tests (floor * family >=
+    alpha), the test is re-run on the same units with enough permutations that its floor is
+    alpha / (FLOOR_MARGIN * family). Only tests at their floor are re-run, so the cost stays small.
+    """
+    from memaudit.probes.stats import compare_units
+
+    units = {r["id"]: r.get("units") or {} for r in report.get("runs", [])}
+    need = math.ceil(FLOOR_MARGIN * family / ALPHA)
+    for key, _cell, t in _keyed_tests(report):
+        floor = t.get("p_floor")
+        if (floor is None or t.get("scope") != "runs" or floor * family < ALPHA
+                or t["p_value"] > floor * (1 + 1e-9)):
+            continue
+        ua, ub = (units.get(rid, {}).get(key) for rid in t.get("runs", ("", "")))
+        if ua and ub:
+            again = compare_units(ua, ub, alternative=t["alternative"], n_perm=need)
+            t.update(p_value=again["p_value"], p_floor=again["p_floor"], estimate=again["estimate"])
 
 
 def adjust(report: dict[str, Any], correction: str = CORRECTION) -> int:
-    """Write each test's adjusted p-value and verdict into the comparisons; returns the family size."""
+    """Write each test's adjusted p-value and verdict into the comparisons; returns the family size.
+    Tests whose permutation floor alone would decide are refined first (`_refine_floors`)."""
     pairs = list(_all_tests(report))
+    _refine_floors(report, len(pairs))  # in place: `pairs` holds the same test dicts
     adj = CORRECTIONS[correction]([t["p_value"] for _c, t in pairs])
     for (cell, t), pa in zip(pairs, adj, strict=True):
         t.update({"p_adjusted": pa, "correction": correction, "family": len(pairs), "alpha": ALPHA})
@@ -101,7 +133,8 @@ def _cell_text(c: dict[str, Any], unit: str) -> str:
 
 def _test_text(t: dict[str, Any]) -> str:
     side = {"less": "one-sided", "greater": "one-sided", "two-sided": "two-sided"}[t["alternative"]]
-    return (f"{t['test']} test, {side}, n = {t['n_a']} and {t['n_b']} {t['unit']}, "
+    on = f" on {t['statistic']}" if t.get("statistic") else ""
+    return (f"{t['test']} test{on}, {side}, n = {t['n_a']} and {t['n_b']} {t['unit']}, "
             f"p = {t['p_value']:.3g}, {t['correction'].capitalize()}-adjusted p = {t['p_adjusted']:.3g} "
             f"over {t['family']} tests")
 
@@ -293,12 +326,15 @@ def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list
 
 
 def generate(report: dict[str, Any]) -> dict[str, Any]:
-    """The findings section: {'sentences', 'headline', 'no_difference', 'caveats', 'correction',
-    'tests', 'alpha'}; adjusts the tests. `no_difference` holds one short line per comparison
+    """The findings section: {'sentences', 'headline', 'passing', 'no_difference', 'caveats',
+    'correction', 'tests', 'alpha'}; adjusts the tests. `passing` counts every finding that passes
+    the rules; the headline shows at most MAX_HEADLINE of them. `no_difference` holds one short line per comparison
     that showed no difference."""
     family = adjust(report)
     sentences = (utility_findings(report) + backend_findings(report) + effect_findings(report)
                  + audit_findings(report))
-    return {"sentences": sentences, "headline": headline(sentences), "matched_pairs": pair_lines(report),
+    passing = sum(s["verdict"] in ("less", "more") for s in sentences)
+    return {"sentences": sentences, "headline": headline(sentences), "passing": passing,
+            "matched_pairs": pair_lines(report),
             "no_difference": [s["short"] for s in sentences if s["verdict"] == "no difference shown"],
             "caveats": caveats(report), "correction": CORRECTION, "tests": family, "alpha": ALPHA}

@@ -208,23 +208,40 @@ def _holm(tests: list[dict[str, Any]]) -> None:
                  verdict="shown" if p <= ALPHA else "not shown")
 
 
-def _sentences(sec: dict[str, Any]) -> list[str]:
+def _trend_sentences(sec: dict[str, Any]) -> list[str]:
     out = []
     for e in sec["exposure"]:
         t = e["trend"]
         if t:
             out.append(f"{e['label']}: exposure rises with repetitions {'(shown)' if t['verdict'] == 'shown' else '(not shown)'}"
                        f": Spearman rho = {t['rho']:.2f}, n = {t['n_a']} canaries, Holm p = {t['p_adjusted']:.3g}")
-    contrast = _contrast(sec["exposure"])
-    out += contrast
+    return out
+
+
+def extraction_sentences(sec: dict[str, Any]) -> list[str]:
+    """One sentence per non-DP run: k/n per extraction metric."""
+    out = []
     for x in sec["extraction"]:
-        parts = [f"{m['k']}/{m['n']} {m['what']}" for m in x["metrics"].values()]
+        ms = x["metrics"]  # in EXTRACTION's order, whatever order a stored report kept
+        parts = [f"{ms[k]['k']}/{ms[k]['n']} {ms[k]['what']}" for k, _ in EXTRACTION if k in ms]
         if parts:
             out.append(f"{x['label']}: " + ", ".join(parts))
+    return out
+
+
+def audit_sentences(sec: dict[str, Any]) -> list[str]:
+    """One sentence per audit run: its lower bound against the ledger's epsilon."""
+    out = []
     for a in sec["audit"]:
         led = "no DP" if math.isinf(a["ledger_epsilon"]) else f"ledger epsilon = {a['ledger_epsilon']:.3g}"
         out.append(f"{a['label']}: one-run audit lower bound epsilon >= {a['bound']:.3g} ({led}; "
                    f"n = {a['n']} {a['unit']}, ceiling {a['ceiling']:.3g}): {a['verdict']}")
+    return out
+
+
+def dp_learns_sentences(sec: dict[str, Any]) -> list[str]:
+    """One sentence per DP run: the share of the public-base-to-non-DP loss gap it closes."""
+    out = []
     for g in sec["dp_learns"]:
         c = g["closed"]
         if c is None:
@@ -236,16 +253,26 @@ def _sentences(sec: dict[str, Any]) -> list[str]:
     return out
 
 
+def _sentences(sec: dict[str, Any]) -> list[str]:
+    return [*_trend_sentences(sec), *_contrast(sec["exposure"]), *extraction_sentences(sec),
+            *audit_sentences(sec), *dp_learns_sentences(sec)]
+
+
+def contrast_buckets(exposure: list[dict[str, Any]], *, dp_only: bool = False):
+    """(run entry, bucket) per run: its tested user-owned canaries at the most repetitions, the
+    bucket where example-level and user-level DP differ most (without DP too unless `dp_only`)."""
+    out = []
+    for e in exposure:
+        rows = [b for b in e["buckets"] if b["owner_kind"] == "user" and b.get("test")]
+        if rows and not (dp_only and math.isinf(e["epsilon"])):
+            out.append((e, max(rows, key=lambda b: b["repetitions"])))
+    return out
+
+
 def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
     """Example-level vs user-level DP on the same user-owned canaries at the most repetitions."""
     out = []
-    for e in exposure:
-        if math.isinf(e["epsilon"]):
-            continue
-        rows = [b for b in e["buckets"] if b["owner_kind"] == "user" and b.get("test")]
-        if not rows:
-            continue
-        b = max(rows, key=lambda b: b["repetitions"])
+    for e, b in contrast_buckets(exposure, dp_only=True):
         x = b["excess"]
         ci = f" [{x['ci_low']:.2f}, {x['ci_high']:.2f}]" if x.get("ci_low") is not None else ""
         out.append(f"{e['label']}, canaries one user repeats {b['repetitions']} times (effective epsilon = "

@@ -24,6 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memaudit.reports.literature import (
+    audit_sentences,
+    contrast_buckets,
+    dp_learns_sentences,
+    extraction_sentences,
+)
 from memaudit.reports.render import n_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,9 +94,11 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
     pairs = f.get("matched_pairs") or []
     lines.append(f"At matched utility: {mu['message']}" + (": " + "; ".join(pairs) if pairs else "") + ".")
     lines.append("")
-    lines.append(f"{len(f['headline'])} of {f.get('tests', 0)} tests pass the statistical rules "
+    shown, passing = len(f["headline"]), f.get("passing", len(f["headline"]))
+    lines.append(f"{passing} of {f.get('tests', 0)} tests pass the statistical rules "
                  f"({str(f.get('correction', 'holm')).capitalize()}-corrected over all of them)"
-                 + (":" if f["headline"] else "."))
+                 + ((f"; the {shown} on the report's first screen:" if passing > shown else ":")
+                    if shown else "."))
     for h in f["headline"]:
         lines.append(f"- {h['text']} ({h['evidence']})" + (f"; caveat: {h['caveat']}" if h.get("caveat") else "") + ".")
     lit = report.get("literature")
@@ -111,19 +119,14 @@ def _literature_lines(lit: dict[str, Any]) -> list[str]:
         out.append(f"- Exposure rises with repetitions (one-sided Spearman, n = {t['n_a']} canaries a run): "
                    f"shown in {len(shown)} of {len(trends)} runs{' (' + '; '.join(shown) + ')' if shown else ''}; "
                    f"strongest: {lbl}, rho = {t['rho']:.2f}, Holm p = {_num(t['p_adjusted'])}.")
-    rows = []
-    for e in lit.get("exposure", []):
-        tested = [b for b in e["buckets"] if b["owner_kind"] == "user" and b.get("test")]
-        if tested:
-            b = max(tested, key=lambda b: b["repetitions"])
-            rows.append(f"| {e['label']} | {b['repetitions']} | {_num(b['effective_epsilon'])} | "
-                        f"{_cell(b['excess'])} | {b['test']['verdict']} (Holm p = {_num(b['test']['p_adjusted'])}) |")
+    rows = [f"| {e['label']} | {b['repetitions']} | {_num(b['effective_epsilon'])} | {_cell(b['excess'])} | "
+            f"{b['test']['verdict']} (Holm p = {_num(b['test']['p_adjusted'])}) |"
+            for e, b in contrast_buckets(lit.get("exposure", []))]
     if rows:
         out += [("- Group privacy on the same canaries (one user owns every copy; Mann-Whitney, inserted > "
                 "references):"), "", ("  | run | repetitions | effective epsilon | excess exposure (bits) | "
                 "test |"), "  |---|---|---|---|---|", *[f"  {r}" for r in rows], ""]
-    skip = ("exposure rises with repetitions", "canaries one user repeats")
-    out += [f"- {s}." for s in lit["sentences"] if not any(k in s for k in skip)]
+    out += [f"- {s}." for f in (extraction_sentences, audit_sentences, dp_learns_sentences) for s in f(lit)]
     return out
 
 

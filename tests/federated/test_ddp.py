@@ -94,7 +94,7 @@ def test_end_to_end_mean_within_noise(client_deltas):
     err = np.asarray(res.update) - np.asarray(client_deltas).mean(0)
     std = z * clip / n
     assert np.abs(err).max() < 5 * std
-    assert float(res.metrics["survivors"]) == n and float(res.metrics["effective_noise"]) == pytest.approx(z)
+    assert float(res.metrics["survivors"]) == n and float(res.metrics["ddp_effective_noise"]) == pytest.approx(z)
 
 
 def test_noise_std_distributed_matches_configuration():
@@ -120,7 +120,7 @@ def test_secure_and_plain_sum_agree_and_dropouts_lose_noise(client_deltas):
     rc = c.aggregate(client_deltas, jnp.ones(n), c.init(None), jax.random.key(4))
     m = float(rc.metrics["survivors"])
     assert m < n
-    assert float(rc.metrics["effective_noise"]) == pytest.approx(0.5 * math.sqrt(m / n))
+    assert float(rc.metrics["ddp_effective_noise"]) == pytest.approx(0.5 * math.sqrt(m / n))
 
 
 def test_too_few_bits_raises():
@@ -158,3 +158,25 @@ def test_calibration_bisects_over_the_event_the_ledger_records():
         led.record_mechanism(DistributedDiscreteGaussian(), {k: float(v) for k, v in res.metrics.items()
                                                             if k.startswith("ddp_") or k == "survivors"})
     assert 6.0 - 1e-3 <= led.epsilon("rdp") <= 6.0
+
+
+def test_metrics_that_depend_on_the_realized_cohort_are_sensitive(client_deltas):
+    """Every metric a private aggregator reports that changes with how many clients took part
+    (here 12 vs 7, same expected cohort) is a sensitive key, so it never reaches metrics.jsonl.
+    Distributed DP's noise is the survivors' shares: its effective noise and noise std are such
+    metrics (they used to be public names that the trainer renamed for this one aggregator)."""
+    from memaudit.federated.dp import dp_fedavg
+    from memaudit.lifecycle import SENSITIVE_KEYS
+
+    n = 12
+    aggs = {
+        "distributed": ddp.distributed_dp(clip=1.0, noise_multiplier=0.5, expected_cohort=n, secure=False, seed=3),
+        "central": dp_fedavg(clip=1.0, noise_multiplier=0.5, expected_cohort=n),
+    }
+    for name, agg in aggs.items():
+        full = agg.aggregate(client_deltas, jnp.ones(n), agg.init(None), jax.random.key(4)).metrics
+        part = agg.aggregate(client_deltas[:7], jnp.ones(7), agg.init(None), jax.random.key(4)).metrics
+        assert set(full) == set(part), name
+        varying = {k for k in full if not np.allclose(np.asarray(full[k]), np.asarray(part[k]))}
+        assert varying, name  # the cohort changed something (at least the survivor count)
+        assert varying <= SENSITIVE_KEYS, (name, sorted(varying - SENSITIVE_KEYS))

@@ -162,3 +162,33 @@ def test_auc_difference_test_null_and_signal():
     same = (rng.normal(0, 1, 60), rng.normal(0, 1, 60))
     other = (rng.normal(0, 1, 60), rng.normal(0, 1, 60))
     assert auc_difference_test(same, other, paired=False, alternative="two-sided", seed=0) > 0.01
+
+
+def test_an_auc_below_chance_is_not_less_leakage():
+    """A membership score whose AUC is below 1/2 leaks as much as its mirror image above 1/2 (the
+    attacker reverses it), so "run a leaks less than run b" compares |AUC - 1/2|. The first
+    version compared raw AUCs and found a DP run at AUC 0.45 leaking less than one at 0.55."""
+    from memaudit.probes.stats import compare_seeds, compare_units, roc_auc
+
+    rng = np.random.default_rng(7)
+    n = 600
+    member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
+    signal = np.where(member, 0.35, 0.0)
+    base = rng.normal(0, 1, 2 * n)
+    ids = [f"d{i}" for i in range(2 * n)]
+
+    def units(values):
+        return {"kind": "auc", "unit": "documents", "ids": ids, "values": values.tolist(), "member": member.tolist()}
+
+    above, below = units(base + signal), units(base - signal)  # AUC about 0.6 and 0.4
+    auc_above = roc_auc(np.asarray(above["values"])[member], np.asarray(above["values"])[~member])
+    auc_below = roc_auc(np.asarray(below["values"])[member], np.asarray(below["values"])[~member])
+    assert auc_above > 0.57 and auc_below < 0.43
+    t = compare_units(below, above, alternative="less", seed=0)
+    assert t["p_value"] > 0.2 and abs(t["estimate"]) < 0.1, t
+    # a real drop towards chance is still found: AUC about 0.5 against about 0.6
+    chance = units(rng.normal(0, 1, 2 * n))
+    assert compare_units(chance, above, alternative="less", seed=0)["p_value"] < 0.01
+    # over seeds (configurations), the same rule
+    assert compare_seeds([0.42, 0.43, 0.44], [0.56, 0.57, 0.58], alternative="less", kind="auc")["p_value"] > 0.2
+    assert compare_seeds([0.49, 0.50, 0.51], [0.56, 0.57, 0.58], alternative="less", kind="auc")["p_value"] < 0.2

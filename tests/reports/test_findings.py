@@ -174,3 +174,39 @@ def test_several_seeds_are_tested_over_seeds_as_configurations():
     assert "for these configurations" in s["text"]
     # 4 vs 4 seeds: the smallest two-sided permutation p is 2/70, so the difference is shown
     assert s["verdict"] == "less"
+
+
+def test_the_count_of_passing_tests_is_not_the_headline_cap():
+    """Eight DP effects pass; the first screen shows six of them and says eight pass (the first
+    version printed the headline's length, 6, as the number of tests that pass)."""
+    from memaudit.reports.readme import render_block
+
+    runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)})]
+    runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.5, 0.02), unit="example",
+                 units={"mia_auc": auc_units(0.0, seed=e)}) for e in range(1, 9)]
+    rep = _report(runs)
+    f = rep["findings"]
+    assert f["passing"] == 8 and len(f["headline"]) == findings.MAX_HEADLINE == 6
+    text = render_block("t", rep)
+    assert f"8 of {f['tests']} tests pass" in text and "the 6 on the report's first screen" in text
+
+
+def test_a_strong_auc_difference_passes_in_a_large_family():
+    """A paired AUC permutation test with 1999 permutations cannot return p < 1/2000; over 103
+    tests Holm then needs p < 0.05/103, so the strongest membership difference could never pass
+    on its own (the first version: 'no difference shown' for AUC 0.92 vs 0.5). Tests at their
+    floor are re-run with enough permutations; the null ones stay unclaimed."""
+    runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
+            run("par-eps1", "parallel", 1.0, mia=cell(0.5, 0.02), unit="example",
+                units={"mia_auc": auc_units(0.0, seed=1)}),
+            run("fed-inf", "federated", math.inf, mia=cell(0.5, 0.02), units={"mia_auc": auc_units(0.0, seed=2)})]
+    runs += [run(f"fed-eps{e}", "federated", float(e), mia=cell(0.5, 0.02), unit="user",
+                 units={"mia_auc": auc_units(0.0, seed=10 + e)}) for e in range(1, 101)]
+    rep = _report(runs)
+    f = rep["findings"]
+    assert f["tests"] == 103
+    comp = rep["comparisons"]
+    strong = [c["test"] for block in comp["matched"] + comp["effects"] for c in block["metrics"].values()
+              if c.get("test") and "par-inf" in c["test"]["runs"]]
+    assert len(strong) == 2 and all(t["p_value"] < 0.05 / 103 and t["p_adjusted"] < 0.05 for t in strong)
+    assert f["passing"] == 2  # the 101 null comparisons stay unclaimed
