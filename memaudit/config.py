@@ -92,6 +92,12 @@ class CanaryConfig(_Section):
     audit_secret_length: int = Field(
         12, ge=4, le=64, description="digits in an audit canary's secret (long, so unique)"
     )
+    audit_kind: Literal["secret", "document"] = Field(
+        "secret", description="audit canaries: 'secret' (the template with a long random secret, "
+        "scored by its log-likelihood) or 'document' (a synthetic message of its own new user, with "
+        "that user's PII and facts, scored by Min-K%: in-distribution text that one copy already "
+        "marks, where a random digit string leaves no trace in a small model)"
+    )
 
     @field_validator("repetitions")
     @classmethod

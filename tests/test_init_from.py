@@ -315,3 +315,21 @@ def test_shipped_sweeps_pretrain_then_fine_tune(name):
     if name == "study.yaml":
         assert {p.nominal_epsilon for p in pts} >= {math.inf, 32.0, 8.0, 2.0, 1.0, 0.5}
         assert any(p.audit for p in pts)
+
+
+def test_the_public_base_does_not_depend_on_the_private_canaries():
+    """Canary settings (their template, schedule, audit kind) shape only the private data: a
+    sweep that changes them reuses its cached base instead of pretraining again."""
+    import copy
+
+    from memaudit.sweep.config import load_sweep_config
+    from memaudit.sweep.pretrain import pretrain_key, public_base_config
+
+    cfg = load_sweep_config(REPO_ROOT / "configs" / "study.yaml")
+    key = pretrain_key(public_base_config(cfg))
+    base = copy.deepcopy(cfg.base)
+    base.setdefault("data", {})["canaries"] = {"audit_kind": "document", "template": "the vault code is {secret}",
+                                               "repetitions": [2, 8], "secret_length": 8}
+    other = cfg.model_copy(update={"base": base})
+    assert public_base_config(other).data.canaries.per_setting == 0
+    assert pretrain_key(public_base_config(other)) == key

@@ -7,9 +7,11 @@ user's data (owners cycle through a seeded permutation of the training users); o
 canaries from the same secret space (as many as inserted unless `references` is set);
 exposure ranks an inserted secret among them. All secrets are distinct.
 
-Audit canaries (`data.audit_canaries = m`): m canaries with long random secrets, each the
-only document of its own new user `audit-0000`, ..., included in training with
-probability 1/2; the inclusion bits feed the one-run epsilon audit.
+Audit canaries (`data.audit_canaries = m`): m canaries, each the only document of its own
+new user `audit-0000`, ..., included in training with probability 1/2; the inclusion bits
+feed the one-run epsilon audit. `audit_kind` "secret": the template with a long random
+secret. "document": a short synthetic message (`audit_documents`) in the private users' style,
+with a new faker profile's PII and new facts; its whole text is the secret.
 
 Secrets live only in canaries.json and documents.jsonl; refer to a canary by its id.
 
@@ -81,12 +83,14 @@ class CanarySet:
     inserted: tuple[Canary, ...] = ()
     references: tuple[ReferenceCanary, ...] = ()
     audit: tuple[AuditCanary, ...] = field(default=())
+    audit_kind: str = "secret"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "template": self.template,
             "secret_length": self.secret_length,
             "alphabet": self.alphabet,
+            "audit_kind": self.audit_kind,
             "inserted": [
                 {"id": c.id, "secret": c.secret, "text": c.text, "repetitions": c.repetitions,
                  "owner_kind": c.owner_kind, "users": list(c.users)}
@@ -115,6 +119,7 @@ class CanarySet:
                 AuditCanary(c["id"], c["secret"], c["text"], c["user"], bool(c["included"]))
                 for c in obj.get("audit", [])
             ),
+            audit_kind=obj.get("audit_kind", "secret"),
         )
 
     def all_secrets(self) -> list[str]:
@@ -167,13 +172,44 @@ def make_canaries(
         ReferenceCanary(f"r{j}", s, cfg.template.format(secret=s))
         for j, s in enumerate(secrets[len(settings):])
     ]
-    audit_secrets = _secrets(rng, audit_canaries, cfg.audit_secret_length, taken)
+    if cfg.audit_kind == "document":
+        texts = audit_documents(audit_canaries, seed=seed)
+        pairs = list(zip(texts, texts, strict=True))  # (secret, text): the whole message is secret
+    else:
+        pairs = [(s, cfg.template.format(secret=s))
+                 for s in _secrets(rng, audit_canaries, cfg.audit_secret_length, taken)]
     bits = rng.random(audit_canaries) < 0.5
     audit = [
-        AuditCanary(f"a{j}", s, cfg.template.format(secret=s), f"audit-{j:04d}", bool(b))
-        for j, (s, b) in enumerate(zip(audit_secrets, bits, strict=True))
+        AuditCanary(f"a{j}", secret, text, f"audit-{j:04d}", bool(b))
+        for j, ((secret, text), b) in enumerate(zip(pairs, bits, strict=True))
     ]
-    return CanarySet(cfg.template, cfg.secret_length, ALPHABET, tuple(inserted), tuple(refs), tuple(audit))
+    return CanarySet(cfg.template, cfg.secret_length, ALPHABET, tuple(inserted), tuple(refs), tuple(audit),
+                     audit_kind=cfg.audit_kind)
+
+
+AUDIT_DOCUMENT_CHARS = 240  # measured: at most 117 tokens of the tiny preset's BPE (digits are one token each)
+
+
+def audit_documents(m: int, *, seed: int) -> list[str]:
+    """m distinct synthetic messages for document audit canaries, one per new user.
+
+    The private corpus's generator (`memaudit.data.synth.synthesize`: one message per user, its
+    topic sentence and fact, no signature, no trailing paragraph) on its own seed drawn from
+    (seed, 5), so no profile, fact or invented topic word is a training user's: an excluded
+    canary's PII and facts are nowhere in the training data. Messages over
+    `AUDIT_DOCUMENT_CHARS` characters are passed over, so that a canary is one training sequence
+    at the usual lengths (`memaudit.data.prepare` refuses a run where one would span two).
+    """
+    from memaudit.data.synth import synthesize
+
+    own_seed = int(np.random.default_rng([seed, 5]).integers(1_000, 2**31 - 1))
+    texts: list[str] = []
+    pool = 2 * m
+    while len(texts) < m:  # the pool grows until m short, distinct messages are in it
+        docs = synthesize(users=pool, docs_per_user=1, seed=own_seed, repeat_every=0, paragraph_sentences=0)
+        texts = list(dict.fromkeys(d.text for d in docs if len(d.text) <= AUDIT_DOCUMENT_CHARS))[:m]
+        pool *= 2
+    return texts
 
 
 def canary_documents(canaries: CanarySet) -> list[Document]:

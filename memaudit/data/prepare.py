@@ -212,6 +212,11 @@ def _pack_sets(docs: list[Document], tok, cfg: DataConfig) -> dict[str, PackedSe
     from memaudit.data.tokenizer import encode, pad_id
 
     ids = encode(tok, [d.text for d in docs])
+    long_audit = [d.id for d, t in zip(docs, ids, strict=True)
+                  if d.kind == "audit_canary" and len(t) + 1 > cfg.seq_len]  # in or out alike
+    if long_audit:  # one canary in two sequences would be two examples under example-level DP
+        raise DataError(f"{len(long_audit)} audit canaries are longer than data.seq_len = {cfg.seq_len} "
+                        "tokens, so one would span two training sequences; raise data.seq_len")
     out = {}
     for name, role in _ROLE_OF_SET.items():
         by_user: dict[str, list[list[int]]] = defaultdict(list)

@@ -41,6 +41,13 @@ class AuditRecord:
     included: bool
 
 
+# The score each kind of audit canary is ranked by, fixed before any inclusion bit is seen (a
+# choice made after looking would void the audit): a secret's mean log-likelihood; a message's
+# Min-K% (the mean of its k lowest token log-probabilities, Shi et al. 2024), which rests on the
+# rare tokens (its PII and facts) that only training on that message makes likely.
+AUDIT_SCORES = {"secret": "mean_log_likelihood", "document": "min_k"}
+
+
 @dataclass(frozen=True)
 class Canaries:
     """canaries.json: template, secret space, inserted, reference and audit canaries."""
@@ -51,6 +58,7 @@ class Canaries:
     inserted: tuple[CanaryRecord, ...] = ()
     references: tuple[CanaryRecord, ...] = ()
     audit: tuple[AuditRecord, ...] = ()
+    audit_kind: str = "secret"  # "secret" | "document" (memaudit.data.canaries.audit_documents)
 
     @property
     def prefix(self) -> str:
@@ -95,7 +103,14 @@ class Canaries:
                 canary(c, i, "references") for i, c in enumerate(obj.get("references") or [])
             ),
             audit=tuple(audit(c, i) for i, c in enumerate(obj.get("audit") or [])),
+            audit_kind=_audit_kind(obj.get("audit_kind", "secret"), source),
         )
+
+
+def _audit_kind(kind: Any, source: str) -> str:
+    if kind not in AUDIT_SCORES:
+        raise DataError(f"{source}: 'audit_kind' is {kind!r}; use one of {', '.join(AUDIT_SCORES)}")
+    return kind
 
 
 @dataclass(frozen=True)

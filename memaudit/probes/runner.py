@@ -275,9 +275,16 @@ def probe_audit(ctx: _Context) -> dict:
                      if ctx.t.kind == "model"
                      else "no audit canaries (set data.audit_canaries in the run's config)")
     ctx.secrets.update({c.id: c.secret for c in aud if c.secret})
+    from memaudit.probes.loaders import AUDIT_SCORES
+    from memaudit.probes.membership import min_k
+
     lp = token_logprobs(ctx.model, [ctx.codec.encode(c.text) for c in aud],
                         batch_size=ctx.s.batch_size).logp
-    scores = np.array([x.mean() for x in lp])
+    kind = ctx.t.canaries.audit_kind
+    if AUDIT_SCORES[kind] == "min_k":
+        scores = np.array([min_k(x, ctx.s.min_k) for x in lp])
+    else:
+        scores = np.array([x.mean() for x in lp])
     m = len(aud)
     grid = (ctx.s.audit_r
             or tuple(sorted({r for r in (m // 20, m // 10, m // 4, m // 2) if r >= 2})) or (m,))
@@ -285,9 +292,13 @@ def probe_audit(ctx: _Context) -> dict:
     delta = ctx.s.audit_delta
     if delta is None:
         delta = priv.delta if priv is not None and priv.delta is not None else 1e-5
-    return run_audit(scores, np.array([c.included for c in aud]), [c.id for c in aud],
-                     r_grid=grid, delta=delta, p=ctx.s.audit_p,
-                     ledger_eps=None if priv is None else priv.epsilon)
+    out = run_audit(scores, np.array([c.included for c in aud]), [c.id for c in aud],
+                    r_grid=grid, delta=delta, p=ctx.s.audit_p,
+                    ledger_eps=None if priv is None else priv.epsilon)
+    out["summary"].update(canaries=kind, score=AUDIT_SCORES[kind])
+    if AUDIT_SCORES[kind] == "min_k":
+        out["summary"]["min_k"] = ctx.s.min_k
+    return out
 
 
 REGISTRY: dict[str, Callable[[_Context], dict]] = {

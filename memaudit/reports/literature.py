@@ -146,7 +146,9 @@ def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    ("below the ledger's epsilon" if bound <= eps else "ABOVE the ledger's epsilon"))
         out.append({"run": run["id"], "label": _label(run), "bound": bound, "ledger_epsilon": eps,
                     "ceiling": a.get("ceiling"), "n": a.get("n"), "unit": a.get("unit"),
-                    "confidence": a.get("confidence"), "verdict": verdict})
+                    "confidence": a.get("confidence"), "verdict": verdict,
+                    "guesses": a.get("guesses"), "correct": a.get("correct"),
+                    "canaries": a.get("canaries", "secret"), "score": a.get("score", "mean_log_likelihood")})
     return out
 
 
@@ -229,13 +231,21 @@ def extraction_sentences(sec: dict[str, Any]) -> list[str]:
     return out
 
 
+AUDIT_CANARY_TEXT = {"secret": "random secrets by log-likelihood", "document": "new users' messages by Min-K%"}
+
+
 def audit_sentences(sec: dict[str, Any]) -> list[str]:
     """One sentence per audit run: its lower bound against the ledger's epsilon."""
     out = []
     for a in sec["audit"]:
         led = "no DP" if math.isinf(a["ledger_epsilon"]) else f"ledger epsilon = {a['ledger_epsilon']:.3g}"
+        kind = a.get("canaries") or "secret"  # a report from before the kinds: secrets
+        what = AUDIT_CANARY_TEXT.get(kind, kind)
+        guessed = (f", {a['correct']} of {a['guesses']} guesses right" if a.get("guesses") else "")
+        conf = f", {a['confidence']:.0%} one-sided" if a.get("confidence") else ""
         out.append(f"{a['label']}: one-run audit lower bound epsilon >= {a['bound']:.3g} ({led}; "
-                   f"n = {a['n']} {a['unit']}, ceiling {a['ceiling']:.3g}): {a['verdict']}")
+                   f"n = {a['n']} {a['unit']}, {what}{guessed}{conf}; ceiling {a['ceiling']:.3g}): "
+                   f"{a['verdict']}")
     return out
 
 

@@ -239,6 +239,7 @@ def _audit(p: dict, out: dict) -> None:
         "kind": "one-sided lower bound", "confidence": s.get("confidence", 1 - (s.get("p") or 0.05)),
         "n": s.get("m"), "unit": "audit canaries",
         "ceiling": s.get("ceiling"), "guesses": s.get("r"), "correct": s.get("v"), "ledger_epsilon": s.get("ledger_eps"),
+        "canaries": s.get("canaries", "secret"), "score": s.get("score", "mean_log_likelihood"),
     }
     out["rows"].append({"probe": "audit", "metric": f"epsilon lower bound (r={s.get('r')}, v={s.get('v')}, p={s.get('p')})",
                         "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None})

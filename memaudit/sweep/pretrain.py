@@ -79,7 +79,8 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
     for key, value in {
         "backend": "parallel", "model.init_from": None, "train.steps": p.steps,
         "train.goldfish.enabled": False, "data.path": p.path, "data.synth": public_synth,
-        "data.canaries.per_setting": 0, "data.canaries.references": 0, "data.audit_canaries": 0,
+        # no canary of any kind: the base does not depend on the private side's canary settings
+        "data.canaries": {"per_setting": 0, "references": 0}, "data.audit_canaries": 0,
         "data.tokenizer": tokenizer, "data.tokenizer_corpus": None,
         **({"model.preset": size} if size is not None else {}),
     }.items():

@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 
 from memaudit.cli import main
-from memaudit.config import CanaryConfig
+from memaudit.config import CanaryConfig, DataConfig
+from memaudit.data import prepare_data
 from memaudit.data.canaries import make_canaries
 from memaudit.errors import DataError
+from memaudit.rundir import RunDir
 
+VOCAB = 4096
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
 
@@ -112,3 +115,45 @@ def test_secrets_only_in_canaries_json_and_documents(prepared_run):
     assert checked >= 6
     for name in allowed:
         assert prepared.canaries.inserted[0].secret.encode() in name.read_bytes()
+
+
+def test_document_audit_canaries_are_new_users_messages_one_sequence_each(tmp_path):
+    from memaudit.data.canaries import AUDIT_DOCUMENT_CHARS, CanarySet
+    from memaudit.probes.loaders import Canaries
+
+    cfg = DataConfig(audit_canaries=40, canaries=CanaryConfig(audit_kind="document"))
+    run = RunDir(tmp_path / "run")
+    prepared = prepare_data(cfg, run, vocab_size=VOCAB)
+    audit = prepared.canaries.audit
+    assert prepared.canaries.audit_kind == "document" and len(audit) == 40
+    assert 8 <= sum(a.included for a in audit) <= 32
+    assert len({a.text for a in audit}) == 40
+    assert all(a.secret == a.text and len(a.text) <= AUDIT_DOCUMENT_CHARS for a in audit)
+    # new users' messages: no training user's document holds one, and each included canary is
+    # exactly one whole training sequence (its user's only one)
+    corpus = "\n".join(d.text for d in prepared.documents if d.kind == "doc")
+    assert not any(a.text in corpus for a in audit)
+    rows = Counter(_train_texts(prepared))
+    tok = prepared.tokenizer()
+    for a in audit:
+        n_rows = sum(n for row, n in rows.items() if a.text in row)
+        assert n_rows == (1 if a.included else 0)
+        assert len(tok(a.text)["input_ids"]) + 1 <= cfg.seq_len
+    # the kind survives canaries.json for the probes, and the same seed draws the same canaries
+    assert Canaries.from_json(prepared.canaries.to_json()).audit_kind == "document"
+    assert CanarySet.from_json(prepared.canaries.to_json()) == prepared.canaries
+    again = make_canaries(cfg.canaries, list(prepared.split.train_users), 40, seed=cfg.seed)
+    assert again == prepared.canaries
+    other = make_canaries(cfg.canaries, list(prepared.split.train_users), 40, seed=cfg.seed + 1)
+    assert not {a.text for a in other.audit} & {a.text for a in audit}
+
+
+def test_an_unknown_audit_kind_in_canaries_json_is_one_line():
+    from memaudit.probes.loaders import Canaries
+
+    obj = make_canaries(CanaryConfig(repetitions=[1], owners=["user"]), ["a", "b"], 2, seed=0).to_json()
+    assert Canaries.from_json(obj).audit_kind == "secret"
+    del obj["audit_kind"]  # a canaries.json from before the kinds: secrets
+    assert Canaries.from_json(obj).audit_kind == "secret"
+    with pytest.raises(DataError, match="'audit_kind' is 'image'; use one of secret, document"):
+        Canaries.from_json({**obj, "audit_kind": "image"})

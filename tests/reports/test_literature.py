@@ -10,7 +10,7 @@ import pytest
 from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, comparisons
 from memaudit.reports.group import group_privacy
-from memaudit.reports.literature import literature_section
+from memaudit.reports.literature import audit_sentences, literature_section
 from memaudit.reports.schema import validate_report
 from memaudit.reports.write import write_report
 from tests.reports._fixtures import auc_units, cell, run
@@ -62,7 +62,8 @@ def _losses(mean: float, seed: int, n: int = 50) -> dict:
     return u
 
 
-def _run(rid, backend, eps, *, slope, loss, seed, unit=None, role=None, audit=None, leakage=None):
+def _run(rid, backend, eps, *, slope, loss, seed, unit=None, role=None, audit=None, leakage=None,
+         audit_info=None):
     r = run(rid, backend, eps, mia=cell(0.6, 0.05), unit=unit, role=role,
             units={"exposure_canaries": _exposure_units(slope, seed), "mia_auc": _losses(loss, seed)})
     r["group_privacy"] = group_privacy(_canaries(), epsilon=eps if math.isfinite(eps) else math.inf,
@@ -70,7 +71,8 @@ def _run(rid, backend, eps, *, slope, loss, seed, unit=None, role=None, audit=No
     if audit is not None:
         r["audit"] = True
         r["leakage"]["audit_epsilon"] = {"value": audit, "ci_low": None, "ci_high": None, "n": 256,
-                                         "unit": "audit canaries", "ceiling": 2.5, "confidence": 0.95}
+                                         "unit": "audit canaries", "ceiling": 2.5, "confidence": 0.95,
+                                         **(audit_info or {})}
     r["leakage"].update(leakage or {})
     return r
 
@@ -85,7 +87,8 @@ def runs():
         _run("par-eps8", "parallel", 8.0, slope=0.8, loss=7.0, seed=2, unit="example"),
         _run("fed-inf", "federated", math.inf, slope=0.5, loss=6.0, seed=3),
         _run("fed-eps8", "federated", 8.0, slope=0.0, loss=9.0, seed=4, unit="user"),
-        _run("par-inf-audit", "parallel", math.inf, slope=1.5, loss=5.0, seed=5, audit=0.9),
+        _run("par-inf-audit", "parallel", math.inf, slope=1.5, loss=5.0, seed=5, audit=0.9,
+             audit_info={"canaries": "document", "score": "min_k", "guesses": 64, "correct": 61}),
         _run("par-eps2-audit", "parallel", 2.0, slope=0.0, loss=8.0, seed=6, unit="example", audit=0.1),
     ]
 
@@ -145,6 +148,10 @@ def test_extraction_audit_and_dp_learns(runs):
     audit = {a["run"]: a for a in sec["audit"]}
     assert audit["par-inf-audit"]["verdict"] == "positive lower bound"
     assert audit["par-eps2-audit"]["verdict"] == "below the ledger's epsilon"
+    said = audit_sentences(sec)
+    assert ("n = 256 audit canaries, new users' messages by Min-K%, 61 of 64 guesses right, 95% one-sided; "
+            "ceiling 2.5): positive lower bound") in said[0]
+    assert "random secrets by log-likelihood, 95% one-sided" in said[1]  # a report without the kind
     learns = {g["run"]: g for g in sec["dp_learns"]}
     # the oracle: the same ratio of mean holdout losses, from the units directly
     def hold(r):
