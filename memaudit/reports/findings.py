@@ -132,15 +132,14 @@ def _cell_text(c: dict[str, Any], unit: str) -> str:
 
 
 def _test_text(t: dict[str, Any]) -> str:
-    side = {"less": "one-sided", "greater": "one-sided", "two-sided": "two-sided"}[t["alternative"]]
-    on = f" on {t['statistic']}" if t.get("statistic") else ""
-    return (f"{t['test']} test{on}, {side}, n = {t['n_a']} and {t['n_b']} {t['unit']}, "
-            f"p = {t['p_value']:.3g}, {t['correction'].capitalize()}-adjusted p = {t['p_adjusted']:.3g} "
-            f"over {t['family']} tests")
+    return (f"{_test_core(t)}, p = {t['p_value']:.3g}, {t['correction'].capitalize()}-adjusted p = "
+            f"{t['p_adjusted']:.3g} over {t['family']} tests")
 
 
 def _sentences(cells: dict[str, dict], left: str, right: str, context: str, group: str,
-               caveat: str | None = None) -> list[dict[str, Any]]:
+               caveat: str | None = None, series: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One finding per tested metric. `series` (treatment effects): what the findings of one
+    backend and treatment at several levels share, so the first screen can say them once."""
     out = []
     for metric, cell in cells.items():
         t = cell.get("test")
@@ -163,8 +162,23 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
                     "verdict": cell["verdict"], "context": context, "scope": t["scope"],
                     "test": t["test"], "n": [t["n_a"], t["n_b"]], "unit": t["unit"],
                     "p_value": t["p_value"], "p_adjusted": t["p_adjusted"],
-                    "correction": t["correction"], "family": t["family"], "text": text})
+                    "correction": t["correction"], "family": t["family"], "text": text,
+                    **({"series": {**series, "key": (group, context_key(series), metric, cell["verdict"],
+                                                    t["scope"], t["test"]),
+                                   "treated": _cell_text(a, unit), "baseline": _cell_text(b, unit),
+                                   "test_text": _test_core(t)}} if series else {})})
     return out
+
+
+def context_key(series: dict[str, Any]) -> str:
+    return f"{series['backend_label']}|{series['treatment']}"
+
+
+def _test_core(t: dict[str, Any]) -> str:
+    """The test without its p-values: what every level of a series shares."""
+    side = {"less": "one-sided", "greater": "one-sided", "two-sided": "two-sided"}[t["alternative"]]
+    on = f" on {t['statistic']}" if t.get("statistic") else ""
+    return f"{t['test']} test{on}, {side}, n = {t['n_a']} and {t['n_b']} {t['unit']}"
 
 
 def _tolerance(report: dict[str, Any]) -> float | None:
@@ -225,8 +239,12 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
         ppl = eff.get("perplexity") or {}
         cav = _utility_caveat((ppl.get("treated"), ppl.get("baseline")), (f"with {name}", "without"),
                               _tolerance(report))
+        dp = name.startswith("DP at")
+        series = {"backend_label": eff["backend_label"], "treatment": "DP" if dp else name,
+                  "level": _fmt_eps(eff.get("epsilon")) if dp else None, "epsilon": eff.get("epsilon"),
+                  "perplexity": [ppl.get("treated"), ppl.get("baseline")]}
         out += _sentences(eff.get("metrics", {}), f"with {name}", "without",
-                          f"{eff['backend_label']}, {name}", "effect", cav)
+                          f"{eff['backend_label']}, {name}", "effect", cav, series)
     return out
 
 
@@ -317,12 +335,56 @@ def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list
     """The first screen's findings: the differences that pass the statistical rules (Holm-adjusted
     p < alpha on a test of the runs' units or seeds) and audits above the ledger, at most `limit`:
     matched-utility comparisons first, then treatment effects, then matched epsilon; smallest
-    adjusted p first within each."""
+    adjusted p first within each. One treatment's findings on one metric at several privacy levels
+    (DP at each epsilon against the same non-DP run, the same verdict) are one entry that names
+    every level and gives each level's cell: five near-identical sentences would bury the rest."""
     passing = [s for s in sentences if s["verdict"] in ("less", "more")]
     passing.sort(key=lambda s: (GROUP_ORDER.get(s["group"], 9), s.get("p_adjusted", 0.0)))
-    return [{"text": s.get("claim", s["text"]), "evidence": s.get("evidence") or s.get("test"),
-             "caveat": s.get("caveat"), "verdict": s["verdict"], "group": s["group"], "metric": s["metric"]}
-            for s in passing[:limit]]
+    entries: list[list[dict[str, Any]]] = []
+    by_key: dict[Any, list[dict[str, Any]]] = {}
+    for s in passing:
+        key = (s.get("series") or {}).get("key")
+        if key is not None and (s.get("series") or {}).get("level") is not None and key in by_key:
+            by_key[key].append(s)
+            continue
+        entries.append([s])
+        if key is not None:
+            by_key[key] = entries[-1]
+    out = []
+    for group in entries[:limit]:
+        s = group[0]
+        if len(group) == 1:
+            out.append({"text": s.get("claim", s["text"]), "evidence": s.get("evidence") or s.get("test"),
+                        "caveat": s.get("caveat"), "verdict": s["verdict"], "group": s["group"],
+                        "metric": s["metric"], "covers": 1})
+        else:
+            out.append(_series_entry(group))
+    return out
+
+
+def _series_entry(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """One first-screen entry for a treatment's passing findings at several levels."""
+    group = sorted(group, key=lambda s: -(s["series"]["epsilon"] or 0.0))
+    s0, ser = group[0], group[0]["series"]
+    label = METRICS[s0["metric"]][0]
+    levels = ", ".join(s["series"]["level"].removeprefix("epsilon = ") for s in group)
+    scope = "for these configurations" if s0["scope"] == "configurations" else "in these runs"
+    text = (f"{ser['backend_label']}, {scope}: with DP at each of epsilon = {levels} ({len(group)} levels) "
+            f"leaks {s0['verdict']} than without on {label}")
+    cells = "; ".join(f"{s['series']['level']}: {s['series']['treated']}" for s in group)
+    p_max = max(s["p_adjusted"] for s in group)
+    evidence = (f"{cells}; without DP {ser['baseline']}; {ser['test_text']} at each level, "
+                f"{s0['correction'].capitalize()}-adjusted p <= {p_max:.3g} over {s0['family']} tests")
+    ppl = [s["series"]["perplexity"] for s in group]
+    caveat = None
+    if all(s.get("caveat") for s in group) and all(t is not None and b is not None for t, b in ppl):
+        lo, hi = min(t for t, _ in ppl), max(t for t, _ in ppl)
+        caveat = (f"not at matched utility (holdout perplexity {lo:.4g} to {hi:.4g} with DP vs "
+                  f"{ppl[0][1]:.4g} without): a model that learned less also leaks less")
+    elif any(s.get("caveat") for s in group):
+        caveat = "; ".join(dict.fromkeys(s["caveat"] for s in group if s.get("caveat")))
+    return {"text": text, "evidence": evidence, "caveat": caveat, "verdict": s0["verdict"],
+            "group": s0["group"], "metric": s0["metric"], "covers": len(group)}
 
 
 def generate(report: dict[str, Any]) -> dict[str, Any]:
@@ -334,7 +396,9 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     sentences = (utility_findings(report) + backend_findings(report) + effect_findings(report)
                  + audit_findings(report))
     passing = sum(s["verdict"] in ("less", "more") for s in sentences)
-    return {"sentences": sentences, "headline": headline(sentences), "passing": passing,
+    head = headline(sentences)
+    return {"sentences": sentences, "headline": head, "passing": passing,
+            "covered": sum(h["covers"] for h in head),
             "matched_pairs": pair_lines(report),
             "no_difference": [s["short"] for s in sentences if s["verdict"] == "no difference shown"],
             "caveats": caveats(report), "correction": CORRECTION, "tests": family, "alpha": ALPHA}

@@ -95,10 +95,11 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
     lines.append(f"At matched utility: {mu['message']}" + (": " + "; ".join(pairs) if pairs else "") + ".")
     lines.append("")
     shown, passing = len(f["headline"]), f.get("passing", len(f["headline"]))
+    covered = sum(h.get("covers", 1) for h in f["headline"])
     lines.append(f"{passing} of {f.get('tests', 0)} tests pass the statistical rules "
                  f"({str(f.get('correction', 'holm')).capitalize()}-corrected over all of them)"
-                 + ((f"; the {shown} on the report's first screen:" if passing > shown else ":")
-                    if shown else "."))
+                 + ((f"; the report's first screen says {covered} of them in {shown} finding"
+                     f"{'s' if shown != 1 else ''}:" if passing > shown else ":") if shown else "."))
     for h in f["headline"]:
         lines.append(f"- {h['text']} ({h['evidence']})" + (f"; caveat: {h['caveat']}" if h.get("caveat") else "") + ".")
     lit = report.get("literature")

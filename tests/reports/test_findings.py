@@ -177,18 +177,52 @@ def test_several_seeds_are_tested_over_seeds_as_configurations():
 
 
 def test_the_count_of_passing_tests_is_not_the_headline_cap():
-    """Eight DP effects pass; the first screen shows six of them and says eight pass (the first
-    version printed the headline's length, 6, as the number of tests that pass)."""
+    """Eight Goldfish effects pass (one at each of eight DP levels, eight distinct findings); the
+    first screen shows six of them and says eight pass (the first version printed the headline's
+    length, 6, as the number of tests that pass)."""
+    from memaudit.reports.readme import render_block
+
+    runs = []
+    for e in range(1, 9):
+        runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.9, 0.02), unit="example",
+                     units={"mia_auc": auc_units(2.0, seed=e)}),
+                 run(f"par-eps{e}-gf", "parallel", float(e), mia=cell(0.5, 0.02), unit="example", goldfish=True,
+                     units={"mia_auc": auc_units(0.0, seed=100 + e)})]
+    rep = _report(runs)
+    f = rep["findings"]
+    assert f["passing"] == 8 and len(f["headline"]) == findings.MAX_HEADLINE == 6 and f["covered"] == 6
+    text = render_block("t", rep)
+    assert f"8 of {f['tests']} tests pass" in text and "the report's first screen says 6 of them in 6 findings" in text
+
+
+def test_one_treatment_at_several_levels_is_one_first_screen_entry():
+    """DP at eight levels, each leaking less than the same non-DP run: the first version gave the
+    first screen six near-identical sentences ("with DP at epsilon = 8 leaks less ...", "= 7",
+    ...) and hid the rest; now one entry names every level with its cell, and the matched-epsilon
+    backend finding still gets its own line."""
     from memaudit.reports.readme import render_block
 
     runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)})]
     runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.5, 0.02), unit="example",
                  units={"mia_auc": auc_units(0.0, seed=e)}) for e in range(1, 9)]
+    runs += [run("fed-inf", "federated", math.inf, mia=cell(0.5, 0.02), units={"mia_auc": auc_units(0.0, seed=50)})]
     rep = _report(runs)
     f = rep["findings"]
-    assert f["passing"] == 8 and len(f["headline"]) == findings.MAX_HEADLINE == 6
+    assert f["passing"] == 9 and f["covered"] == 9 and len(f["headline"]) == 2
+    dp, backend = f["headline"]
+    assert dp["covers"] == 8 and backend["covers"] == 1 and backend["group"] == "backend"
+    assert dp["text"] == ("centralized, in these runs: with DP at each of epsilon = 8, 7, 6, 5, 4, 3, 2, 1 "
+                          "(8 levels) leaks less than without on membership-inference AUC (loss attack)")
+    effects = {e["epsilon"]: e["metrics"]["mia_auc"] for e in rep["comparisons"]["effects"]}
+    for e in range(1, 9):  # every level's own cell, from the comparison it came from
+        c = effects[float(e)]["treated"]
+        assert f"epsilon = {e}: {findings._cell_text(c, '')}" in dp["evidence"]
+    p_max = max(c["test"]["p_adjusted"] for c in effects.values())
+    assert dp["evidence"].endswith(f"Holm-adjusted p <= {p_max:.3g} over {f['tests']} tests")
+    assert "paired AUC permutation test" in dp["evidence"] and "at each level" in dp["evidence"]
     text = render_block("t", rep)
-    assert f"8 of {f['tests']} tests pass" in text and "the 6 on the report's first screen" in text
+    assert "9 of 9 tests pass" in text and "(8 levels)" in text
+    validate_report(rep)
 
 
 def test_a_strong_auc_difference_passes_in_a_large_family():
