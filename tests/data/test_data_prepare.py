@@ -35,7 +35,7 @@ def test_contract_files(prepared_run):
     assert set(split) == {"seed", "heldout_users", "train_users", "member_docs", "holdout_docs",
                           "heldout_user_docs"}
     can = json.loads(run.canaries_path.read_text())
-    assert set(can) == {"template", "secret_length", "alphabet", "inserted", "references", "audit"}
+    assert set(can) == {"template", "secret_length", "alphabet", "audit_kind", "inserted", "references", "audit"}
     assert set(can["inserted"][0]) == {"id", "secret", "text", "repetitions", "owner_kind", "users"}
     assert set(can["audit"][0]) == {"id", "secret", "text", "user", "included"}
     meta = json.loads((run.data_dir / "meta.json").read_text())
@@ -133,7 +133,7 @@ def test_config_fields_reach_the_data(tmp_path):
     cfg = load_config(TINY, [
         "data.synth.users=12", "data.synth.docs_per_user=3", "data.synth.repeat_every=0",
         "data.canaries.repetitions=[1,2]", "data.audit_canaries=3", "data.canaries.audit_secret_length=16",
-        "data.seq_len=32", f"data.tokenizer_corpus={public}",
+        "data.seq_len=64", f"data.tokenizer_corpus={public}",
     ]).data
     p = prepare_data(cfg, RunDir(tmp_path / "run"), vocab_size=300)
     assert not [d for d in p.documents if d.kind == "doc" and d.repeats > 1]
