@@ -163,15 +163,11 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
                     "test": t["test"], "n": [t["n_a"], t["n_b"]], "unit": t["unit"],
                     "p_value": t["p_value"], "p_adjusted": t["p_adjusted"],
                     "correction": t["correction"], "family": t["family"], "text": text,
-                    **({"series": {**series, "key": (group, context_key(series), metric, cell["verdict"],
-                                                    t["scope"], t["test"]),
+                    **({"series": {**series, "key": (group, series["backend_label"], series["treatment"], metric,
+                                                    cell["verdict"], t["scope"], t["test"]),
                                    "treated": _cell_text(a, unit), "baseline": _cell_text(b, unit),
                                    "test_text": _test_core(t)}} if series else {})})
     return out
-
-
-def context_key(series: dict[str, Any]) -> str:
-    return f"{series['backend_label']}|{series['treatment']}"
 
 
 def _test_core(t: dict[str, Any]) -> str:
@@ -343,8 +339,9 @@ def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list
     entries: list[list[dict[str, Any]]] = []
     by_key: dict[Any, list[dict[str, Any]]] = {}
     for s in passing:
-        key = (s.get("series") or {}).get("key")
-        if key is not None and (s.get("series") or {}).get("level") is not None and key in by_key:
+        ser = s.get("series") or {}
+        key = tuple(ser["key"]) if ser.get("level") is not None else None  # only DP levels merge
+        if key in by_key:
             by_key[key].append(s)
             continue
         entries.append([s])
