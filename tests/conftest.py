@@ -57,8 +57,11 @@ def tiny_corpus(tmp_path_factory) -> _Path:
 def tiny_run(tmp_path_factory, tiny_corpus) -> dict:
     """synth -> train: a completed reduced tiny run on `tiny_corpus`, through the CLI in-process.
 
-    Returns {"path", "rc", "stdout", "stderr", "args"}; `args` minus "--out DIR" retrains it.
+    Returns {"path", "rc", "stdout", "stderr", "args", "threads"}; `args` minus "--out DIR"
+    retrains it, on `threads` torch CPU threads for the same bits.
     """
+    import torch
+
     from memaudit.cli import main
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
@@ -67,4 +70,5 @@ def tiny_run(tmp_path_factory, tiny_corpus) -> dict:
     so, se = _io.StringIO(), _io.StringIO()
     with _contextlib.redirect_stdout(so), _contextlib.redirect_stderr(se):
         rc = main(args)
-    return {"path": out, "rc": rc, "stdout": so.getvalue(), "stderr": se.getvalue(), "args": args}
+    return {"path": out, "rc": rc, "stdout": so.getvalue(), "stderr": se.getvalue(), "args": args,
+            "threads": torch.get_num_threads()}

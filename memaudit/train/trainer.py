@@ -8,8 +8,9 @@ privacy ledger, and the final Hugging Face model in `model/`.
 
 Exact resume: the batch of step t is a function of (train.seed, t) only, the learning
 rate is a function of t only, and a checkpoint holds the weights, the optimizer moments,
-the RNG and the DP noise-generator state; so on the CPU an interrupted-and-resumed run
-ends with weights bit-identical to an uninterrupted one.
+the RNG, the DP noise-generator state and the number of torch CPU threads (which decides how
+the CPU kernels split their float reductions; a resume runs on the checkpoint's count); so on
+the CPU an interrupted-and-resumed run ends with weights bit-identical to an uninterrupted one.
 
 One `Trainer` runs every layout by composition: it takes a `Layout`
 (`memaudit.train.layout`) that says where the model lives, `SerialLayout` for one process or
@@ -88,6 +89,21 @@ def deterministic(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op CPU threads set to `n` for the block (None: left as they are)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 class Trainer:
@@ -296,12 +312,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> None:
+        import torch
+
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
         ledger = self.ledger_json() if self.ledger is not None and self.is_writer else None
         files = {"privacy.json": ledger} if ledger is not None else None  # accounted once, saved twice
         scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
                    "initial_holdout_perplexity": self.initial_holdout[1],
-                   "noise_multiplier": self.noise_multiplier}
+                   "noise_multiplier": self.noise_multiplier, "torch_threads": torch.get_num_threads()}
         self.layout.write_state(self.session, step, self.model, self.optimizer, scalars=scalars,
                                 extra=extra, files=files)
         self.session.write_ledger(ledger)
@@ -367,6 +385,8 @@ class Trainer:
         return last
 
     def _train(self, resume: bool) -> dict[str, Any]:
+        import torch
+
         t0 = time.perf_counter()
         self.prepare(resume)
         start = 0
@@ -396,6 +416,7 @@ class Trainer:
             "device": self.device.type,
             "train_seconds": time.perf_counter() - t0,
             "resumed_from_step": start if resume else None,
+            "torch_threads": torch.get_num_threads(),
         }
         if self.ledger is not None:
             result["privacy"] = {"noise_multiplier": self.noise_multiplier, "sampling_rate": self.sampling_rate,
@@ -409,9 +430,18 @@ class Trainer:
                              data_progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}))
         with session, deterministic(self.device):
             self.session = session
-            result = self._train(resume)
+            with cpu_threads(self._checkpoint_threads() if resume else None):
+                result = self._train(resume)
             session.complete(result)
         return result
+
+    def _checkpoint_threads(self) -> int | None:
+        """The torch CPU thread count the checkpoint was written on (None: no checkpoint, or one
+        from before memaudit recorded it); read after the session has recovered state/."""
+        if not ckpt.has_state(self.run):
+            return None
+        n = ckpt.read_scalars(self.run).get("torch_threads")
+        return n if isinstance(n, int) and n > 0 else None
 
 
 CentralizedTrainer = Trainer  # the name benchmarks and the randomness tests construct (one process)

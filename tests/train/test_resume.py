@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,26 @@ import time
 from memaudit.cli import main
 from memaudit.io import read_json, read_jsonl
 from memaudit.rundir import RunDir
+
+
+def _retrain_env(tiny_run) -> dict[str, str]:
+    """A subprocess that retrains `tiny_run`: this checkout, on the fixture's CPU threads (the
+    thread count changes the float reductions, so the bits)."""
+    return {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": str(tiny_run["threads"])}
+
+
+@contextlib.contextmanager
+def _other_threads(tiny_run):
+    """Run the resume on another thread count than the interrupted run: it must adopt the
+    checkpoint's to end bit-identical (a test session sets threads in-process as it goes)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2 if tiny_run["threads"] == 1 else 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _weights(path):
@@ -25,7 +46,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_run, tmp_path, capsys):
     out = tmp_path / "killed"
     args = list(tiny_run["args"])
     args[args.index("--out") + 1] = str(out)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = _retrain_env(tiny_run)
     proc = subprocess.Popen([sys.executable, "-m", "memaudit.cli", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -48,7 +69,8 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_run, tmp_path, capsys):
     saved_step = read_json(out / "state" / "trainer.json")["step"]
     assert 10 <= saved_step < 40
 
-    assert main(["train", "--resume", str(out)]) == 0
+    with _other_threads(tiny_run):
+        assert main(["train", "--resume", str(out)]) == 0
     capsys.readouterr()
     manifest = read_json(out / "run.json")
     assert manifest["status"] == "complete" and manifest["result"]["resumed_from_step"] == saved_step
@@ -78,13 +100,14 @@ def test_sigkill_inside_the_checkpoint_swap_resumes_from_the_newer_checkpoint(ti
     out = tmp_path / "swap"
     args = list(tiny_run["args"])
     args[args.index("--out") + 1] = str(out)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = _retrain_env(tiny_run)
     proc = subprocess.run([sys.executable, "-c", SWAP_KILL, *args], env=env, capture_output=True, timeout=400, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert not (out / "state").exists()
     names = sorted(p.name for p in out.glob(".state.*"))
     assert len(names) == 2 and names[0] == ".state.20.tmp" and names[1].startswith(".state.old-"), names
-    assert main(["train", "--resume", str(out)]) == 0
+    with _other_threads(tiny_run):
+        assert main(["train", "--resume", str(out)]) == 0
     capsys.readouterr()
     manifest = read_json(out / "run.json")
     assert manifest["status"] == "complete" and manifest["result"]["resumed_from_step"] == 20
