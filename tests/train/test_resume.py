@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -20,18 +19,12 @@ def _retrain_env(tiny_run) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": str(tiny_run["threads"])}
 
 
-@contextlib.contextmanager
 def _other_threads(tiny_run):
     """Run the resume on another thread count than the interrupted run: it must adopt the
     checkpoint's to end bit-identical (a test session sets threads in-process as it goes)."""
-    import torch
+    from memaudit.train.trainer import cpu_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2 if tiny_run["threads"] == 1 else 1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return cpu_threads(2 if tiny_run["threads"] == 1 else 1)
 
 
 def _weights(path):
