@@ -247,6 +247,9 @@ def _pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
     vals = [c["value"] for c in cells]
     mean = statistics.fmean(vals)
     base = {"value": mean, "n": cells[0].get("n"), "unit": cells[0].get("unit"), "n_seeds": len(vals)}
+    if any(c.get("lower_bound") for c in cells):  # a mean with a lower bound in it is one too
+        return {**base, "ci_low": None, "ci_high": None, "lower_bound": True,
+                "note": "a lower bound in some seeds (canaries at the estimator's ceiling)"}
     if any(c.get("ci_low") is None or c.get("ci_high") is None for c in cells):
         return {**base, "ci_low": None, "ci_high": None, "note": "n too small in some seeds"}
     within = statistics.fmean((c["ci_high"] - c["ci_low"]) / 2 for c in cells)

@@ -123,7 +123,7 @@ def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
 
 def _cell_text(c: dict[str, Any], unit: str) -> str:
     u = f" {unit}" if unit else ""
-    s = f"{_fmt(c['value'])}{u}"
+    s = f"{'>= ' if c.get('lower_bound') else ''}{_fmt(c['value'])}{u}"
     if c.get("ci_low") is not None:
         s += f" [{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}]"
     elif c.get("note"):

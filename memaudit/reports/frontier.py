@@ -64,7 +64,8 @@ def _point(run: dict[str, Any], key: str) -> dict[str, Any]:
     c = run["leakage"].get(key) or {}
     return {"run": run["id"], "epsilon": run["privacy"]["epsilon"], "unit": run["privacy"]["unit"],
             "perplexity": _ppl(run), "value": c.get("value"), "ci_low": c.get("ci_low"),
-            "ci_high": c.get("ci_high"), "n": c.get("n"), "n_unit": c.get("unit"), "note": c.get("note")}
+            "ci_high": c.get("ci_high"), "n": c.get("n"), "n_unit": c.get("unit"), "note": c.get("note"),
+            "lower_bound": bool(c.get("lower_bound"))}
 
 
 def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:

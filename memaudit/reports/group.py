@@ -67,6 +67,10 @@ def effective_epsilon(epsilon: float, unit: str | None, *, repetitions: int, own
     return k * float(epsilon), eff_delta, rule
 
 
+CELL_KEYS = ("value", "ci_low", "ci_high", "n", "unit", "note")
+BOUND_KEYS = ("lower_bound", "ceiling_units")  # only on a cell at the estimator's ceiling
+
+
 def canary_buckets(canaries: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Inserted canaries grouped by (repetitions, owner kind): counts and owners, no secrets."""
     groups: dict[tuple[int, str], list[int]] = defaultdict(list)
@@ -91,6 +95,7 @@ def group_privacy(canaries: dict[str, Any] | None, *, epsilon: float, unit: str 
         eps, dlt, rule = effective_epsilon(epsilon, unit, repetitions=b["repetitions"],
                                            owner_kind=b["owner_kind"], owners=b["owners"], delta=delta)
         e = exposure.get((b["repetitions"], b["owner_kind"]))
-        cell = None if e is None else {k: e.get(k) for k in ("value", "ci_low", "ci_high", "n", "unit", "note")}
+        cell = None if e is None else ({k: e.get(k) for k in CELL_KEYS}
+                                       | {k: e[k] for k in BOUND_KEYS if k in e})
         out.append({**b, "effective_epsilon": eps, "effective_delta": dlt, "rule": rule, "exposure": cell})
     return out

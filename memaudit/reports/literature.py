@@ -76,29 +76,33 @@ def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, An
     from scipy.stats import mannwhitneyu, spearmanr
 
     from memaudit.probes.stats import MIN_N, N_TOO_SMALL
+    from memaudit.reports.probes_adapter import at_ceiling
 
     u = (run.get("units") or {}).get("exposure_canaries")
     if not u:
         return None
     refs = np.asarray([v for v, role in zip(u["values"], u["role"], strict=True) if role == "reference"])
+    at_top = u.get("lower_bound") or [False] * len(u["values"])  # reports from before the flag
     ins = [(v, r, o) for v, role, r, o in zip(u["values"], u["role"], u["repetitions"], u["owner_kind"],
                                                strict=True) if role == "inserted"]
+    bounded = [b for b, role in zip(at_top, u["role"], strict=True) if role == "inserted"]
     if not len(refs) or not ins:
         return None
     groups = {(g["repetitions"], g["owner_kind"]): g for g in run.get("group_privacy") or []}
     buckets = []
     for rep, owner in sorted({(r, o) for _v, r, o in ins}):
         x = np.asarray([v for v, r, o in ins if (r, o) == (rep, owner)])
+        k = sum(b for b, (_v, r, o) in zip(bounded, ins, strict=True) if (r, o) == (rep, owner))
         g = groups.get((rep, owner)) or {}
         row = {"repetitions": int(rep), "owner_kind": owner, "effective_epsilon": g.get("effective_epsilon"),
                "rule": g.get("rule"), "test": None}
         if len(x) < MIN_N:
-            row["excess"] = _cell(float(x.mean() - refs.mean()), len(x), "canaries", None)
+            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", None), k)
             row["note"] = N_TOO_SMALL
         else:
             boot = (x[rng.integers(0, len(x), (N_BOOT, len(x)))].mean(1)
                     - refs[rng.integers(0, len(refs), (N_BOOT, len(refs)))].mean(1))
-            row["excess"] = _cell(float(x.mean() - refs.mean()), len(x), "canaries", boot)
+            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", boot), k)
             p = float(mannwhitneyu(x, refs, alternative="greater").pvalue)
             row["test"] = {"test": "Mann-Whitney U, one-sided (inserted > references)", "p_value": p,
                            "n_a": len(x), "n_b": len(refs), "unit": "canaries"}
@@ -285,8 +289,9 @@ def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
     for e, b in contrast_buckets(exposure, dp_only=True):
         x = b["excess"]
         ci = f" [{x['ci_low']:.2f}, {x['ci_high']:.2f}]" if x.get("ci_low") is not None else ""
+        ge = ">= " if x.get("lower_bound") else ""
         out.append(f"{e['label']}, canaries one user repeats {b['repetitions']} times (effective epsilon = "
-                   f"{b['effective_epsilon']:.3g}, {b['rule']}): excess exposure {x['value']:.2f}{ci} bits over "
+                   f"{b['effective_epsilon']:.3g}, {b['rule']}): excess exposure {ge}{x['value']:.2f}{ci} bits over "
                    f"the references (n = {x['n']} canaries), {b['test']['verdict']} "
                    f"(Holm p = {b['test']['p_adjusted']:.3g})")
     return out

@@ -21,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib import ticker
+from matplotlib.markers import CARETUP
 
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 SERIES_COLOURS = {"centralized": "#0072B2", "federated": "#D55E00", "centralized + Goldfish": "#009E73",
@@ -157,6 +158,7 @@ def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None
         hi = [(p["ci_high"] if p["ci_high"] is not None else p["value"]) - p["value"] for p in pts]
         ax.errorbar([p["perplexity"] for p in pts], [p["value"] for p in pts], yerr=[lo, hi],
                     fmt="o", capsize=2, color=colour, label=s["label"])
+        _mark_lower_bounds(ax, [(p["perplexity"], p["value"]) for p in pts if p.get("lower_bound")], colour)
         for p in pts:
             labels.append((p["perplexity"], p["value"], _eps_label(p["epsilon"]), colour))
             where[p["run"]] = (p["perplexity"], p["value"])
@@ -174,6 +176,18 @@ def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None
     ax.set_ylabel(Y_UNITS.get(key, m["label"]))
     ax.set_title(TITLES.get(key, key), fontsize=9)
     return _place_labels(ax, labels)
+
+
+LOWER_BOUND_LABEL = "lower bound (canaries at the estimator's ceiling)"
+
+
+def _mark_lower_bounds(ax, xy: list[tuple[float, float]], colour: str | None) -> None:
+    """An upward caret over each point that is a lower bound (it has no interval to draw); the
+    legend names the caret once per panel."""
+    if xy:
+        named = LOWER_BOUND_LABEL in ax.get_legend_handles_labels()[1]
+        ax.plot([x for x, _ in xy], [y for _, y in xy], ls="none", marker=CARETUP, ms=9, color=colour,
+                label=None if named else LOWER_BOUND_LABEL)
 
 
 # label offsets tried in turn (points; horizontal alignment): right-up, right-down, left-up, ...
@@ -257,8 +271,10 @@ def exposure_figure(report: dict[str, Any]):
             xs, ys = [r["repetitions"] for r in rows], [r["value"] for r in rows]
             lo = [r["value"] - (r["value"] if r.get("ci_low") is None else r["ci_low"]) for r in rows]
             hi = [(r["value"] if r.get("ci_high") is None else r["ci_high"]) - r["value"] for r in rows]
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=_eps_label(run["privacy"]["epsilon"])
-                        if run.get("role") != "public-base" else "public base")
+            bar = ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=_eps_label(run["privacy"]["epsilon"])
+                              if run.get("role") != "public-base" else "public base")
+            _mark_lower_bounds(ax, [(r["repetitions"], r["value"]) for r in rows if r.get("lower_bound")],
+                               bar.lines[0].get_color())
             reps += xs
         _repetition_axes(ax, reps, title, "repetitions in training (log scale)", "exposure (bits)")
     fig.tight_layout()

@@ -26,6 +26,8 @@ def _stat(s: dict[str, Any] | None, **extra: Any) -> dict[str, Any] | None:
            "n": s.get("n"), "unit": s.get("unit"), "note": s.get("note"), **extra}
     if s.get("n_pos") is not None and s.get("n_neg") is not None:  # an attack's AUC: both classes
         out.update(n_pos=s["n_pos"], n_neg=s["n_neg"])
+    if s.get("lower_bound"):  # a mean of exposures at the estimator's ceiling (`at_ceiling`)
+        out.update(lower_bound=True, ceiling_units=s.get("ceiling_units"))
     return out
 
 
@@ -37,6 +39,17 @@ def _row(s: dict[str, Any] | None) -> dict[str, Any]:
     s = s or {}
     return {"value": None, "ci_low": None, "ci_high": None, "n": s.get("n"), "unit": s.get("unit"),
             "note": s.get("note") or "not measured"}
+
+
+def at_ceiling(cell: dict[str, Any] | None, k: int) -> dict[str, Any] | None:
+    """`cell` (a mean over canaries) when `k` of its canaries sit at the sampling estimator's
+    ceiling: every one of them ranks above all sampled candidates, so its exposure, and the
+    mean, are lower bounds. The cell keeps its value as a bound and drops its interval (whose
+    upper end would be the estimator's ceiling, not the data's); the note says how many."""
+    if cell is None or not k:
+        return cell
+    return {**cell, "ci_low": None, "ci_high": None, "lower_bound": True, "ceiling_units": int(k),
+            "note": f"a lower bound: {k} of {cell.get('n')} canaries rank above every sampled candidate"}
 
 
 def _units(kind: str, unit: str, ids, values, **extra) -> dict[str, Any] | None:
@@ -61,12 +74,14 @@ def units_of(probes: dict[str, Any]) -> dict[str, dict[str, Any]]:
             base = float(np.mean(refs))
             sel = [r for r in rows if r["repetitions"] == top]
             out["exposure_top"] = _units("mean", "canaries", [r["id"] for r in sel],
-                                         [r["exposure"] - base for r in sel])
+                                         [r["exposure"] - base for r in sel],
+                                         lower_bound=[bool(r.get("lower_bound")) for r in sel])
         every = [r for r in p.scores if r.get("role") in ("inserted", "reference")]
         out["exposure_canaries"] = _units(
             "exposure", "canaries", [r["id"] for r in every], [r["exposure"] for r in every],
             role=[r["role"] for r in every], repetitions=[int(r.get("repetitions") or 0) for r in every],
-            owner_kind=[str(r.get("owner_kind") or "user") for r in every])
+            owner_kind=[str(r.get("owner_kind") or "user") for r in every],
+            lower_bound=[bool(r.get("lower_bound")) for r in every])
     if (p := doc.get("extraction")) is not None:
         disc = (p.scores or {}).get("discoverable") or []
         if disc:
@@ -111,21 +126,36 @@ def _ok(probe: dict[str, Any] | None) -> dict[str, Any] | None:
     return probe
 
 
+def _ceiling_counts(scores: list[dict[str, Any]]) -> dict[tuple[int, str | None], int]:
+    """Inserted canaries at the estimator's ceiling per (repetitions, owner kind), and per
+    repetitions alone under owner None."""
+    out: dict[tuple[int, str | None], int] = {}
+    for r in scores or []:
+        if r.get("role") == "inserted" and r.get("lower_bound"):
+            rep = int(r.get("repetitions") or 0)
+            for key in ((rep, None), (rep, str(r.get("owner_kind") or "user"))):
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
 def _exposure(p: dict, out: dict) -> None:
     s = p["summary"]
     reps = sorted(s.get("by_repetitions", {}), key=int)
+    ceiling = _ceiling_counts(p.get("scores") or [])
     if reps:
         b = s["by_repetitions"][reps[-1]]
         # the excess over the run's references: the quantity the tests between runs compare
         top = b.get("excess") or b.get("all")
-        out["leakage"]["exposure_top"] = _stat(top, repetitions=int(reps[-1]), max_exposure=s.get("max_exposure"),
-                                               excess=b.get("excess") is not None)
+        out["leakage"]["exposure_top"] = at_ceiling(
+            _stat(top, repetitions=int(reps[-1]), max_exposure=s.get("max_exposure"),
+                  excess=b.get("excess") is not None), ceiling.get((int(reps[-1]), None), 0))
     by_owner: dict[str, list] = {}
     for r in reps:
         for owner in ("user", "spread"):
             st = s["by_repetitions"][r].get(owner)
             if st and st.get("value") is not None:
-                by_owner.setdefault(owner, []).append({"repetitions": int(r), **_stat(st)})
+                by_owner.setdefault(owner, []).append(
+                    {"repetitions": int(r), **at_ceiling(_stat(st), ceiling.get((int(r), owner), 0))})
     out["plots"]["exposure_by_repetition"] = by_owner
     out["rows"].append({"probe": "exposure", "metric": f"max possible (log2|R|, {s.get('method')})",
                         "value": s.get("max_exposure"), "ci_low": None, "ci_high": None})
@@ -133,14 +163,14 @@ def _exposure(p: dict, out: dict) -> None:
         if s.get(name):
             out["rows"].append({"probe": "exposure", "metric": f"mean exposure, {name} canaries", **_row(s[name])})
     for r in reps:
-        b = s["by_repetitions"][r]
-        bound = ">= " if b.get("lower_bound") else ""
-        out["rows"].append({"probe": "exposure", "metric": f"exposure, {r} repetitions {bound}(bits)", **_row(b["all"])})
+        b, k = s["by_repetitions"][r], ceiling.get((int(r), None), 0)
+        out["rows"].append({"probe": "exposure", "metric": f"exposure, {r} repetitions (bits)",
+                            **_row(at_ceiling(b["all"], k))})
         if b.get("excess") and b.get("test"):
             t = b["test"]
             out["rows"].append({"probe": "exposure", "metric": f"excess over references, {r} repetitions (bits; "
                                 f"{t['test']}, p = {t['p_value']:.3g}, Holm over buckets p = {t.get('p_holm', t['p_value']):.3g})",
-                                **_row(b["excess"])})
+                                **_row(at_ceiling(b["excess"], k))})
     test = s.get("inserted_vs_references") or {}
     if test.get("p_value") is not None:
         out["rows"].append({"probe": "exposure", "metric": f"inserted vs references p-value ({test.get('test')})",

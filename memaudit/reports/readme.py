@@ -30,7 +30,7 @@ from memaudit.reports.literature import (
     dp_learns_sentences,
     extraction_sentences,
 )
-from memaudit.reports.render import n_text
+from memaudit.reports.render import n_text, value_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "docs" / "snapshots"
@@ -53,9 +53,7 @@ def _num(v: Any) -> str:
 def _cell(c: dict[str, Any] | None) -> str:
     if not c or c.get("value") is None:
         return "n/a"
-    s = _num(c["value"])
-    if c.get("ci_low") is not None and c.get("ci_high") is not None:
-        s += f" [{_num(c['ci_low'])}, {_num(c['ci_high'])}]"
+    s = value_text(c, _num)
     n = n_text(c) if c.get("n") is not None else ""
     extra = ", ".join(x for x in (n, c.get("note") if c.get("ci_low") is None else None) if x)
     return s + (f" ({extra})" if extra else "")

@@ -42,6 +42,17 @@ def n_text(c: dict[str, Any]) -> str:
     return f"n = {c['n']} {unit}".strip()
 
 
+def value_text(c: dict[str, Any], num=fmt) -> str:
+    """The value with its interval, or ">= value" for a cell that is a lower bound (exposures at
+    the estimator's ceiling, `memaudit.reports.probes_adapter.at_ceiling`), which has none."""
+    if c.get("lower_bound"):
+        return f">= {num(c['value'])}"
+    s = num(c["value"])
+    if c.get("ci_low") is not None and c.get("ci_high") is not None:
+        s += f" [{num(c['ci_low'])}, {num(c['ci_high'])}]"
+    return s
+
+
 def cell(c: dict[str, Any] | None) -> str:
     """Value, interval (or the note saying why there is none) and n with its unit."""
     if not c:
@@ -49,10 +60,8 @@ def cell(c: dict[str, Any] | None) -> str:
     n = f" ({n_text(c)})" if c.get("n") is not None else ""
     if c.get("value") is None:
         return f"{c.get('note') or 'n/a'}{n}"
-    s = fmt(c["value"])
-    if c.get("ci_low") is not None and c.get("ci_high") is not None:
-        s += f" [{fmt(c['ci_low'])}, {fmt(c['ci_high'])}]"
-    elif c.get("note"):
+    s = value_text(c)
+    if (c.get("ci_low") is None or c.get("ci_high") is None) and c.get("note"):
         s += f", {c['note']}"
     return s + n
 

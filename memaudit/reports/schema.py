@@ -12,7 +12,9 @@ _CELL = {
     "required": ["value"],
     "properties": {"value": _NUM, "ci_low": _NUM, "ci_high": _NUM,
                    "n": {"type": ["integer", "null"]}, "unit": {"type": ["string", "null"]},
-                   "note": {"type": ["string", "null"]}},
+                   "note": {"type": ["string", "null"]},
+                   # the value is a lower bound (canaries at the exposure estimator's ceiling)
+                   "lower_bound": {"type": "boolean"}, "ceiling_units": {"type": ["integer", "null"]}},
 }
 
 REPORT_SCHEMA: dict[str, Any] = {
