@@ -100,6 +100,10 @@ def register(app: typer.Typer) -> None:
             if o["error"]:
                 line += f" - {o['error']}"
             console.print(line, markup=False, highlight=False)
+        from memaudit.sweep.match import match_line
+
+        for rec in (summary["plan"] or {}).get("matches") or []:
+            console.print(match_line(rec), markup=False, highlight=False)
         if summary["report"]:
             console.print(f"report: {summary['report']['html']}", markup=False)
         if summary["status"] != "complete":

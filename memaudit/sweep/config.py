@@ -111,6 +111,30 @@ class AuditConfig(_Section):
         "grid's levels, e.g. [inf, 2]")
 
 
+class MatchUtilityConfig(_Section):
+    """Matched-utility points (`memaudit.sweep.match`): after the grid, one run of the other
+    backend at the epsilon interpolated to meet each target run's holdout perplexity."""
+
+    enabled: bool = False
+    target_backend: Literal["parallel", "federated"] = Field(
+        "federated", description="whose DP runs are the targets; the other backend gets the points")
+    levels: list[float] | None = Field(None, description="the target backend's grid epsilons to "
+                                       "match; default: every finite grid epsilon (a level the "
+                                       "grid lacks, e.g. after --epsilons, is skipped and said)")
+    tolerance: float = Field(0.1, gt=0, description="|log perplexity ratio| under which a target "
+                             "already has a match (the report's default --utility-tolerance)")
+    max_factor: float = Field(4.0, gt=1, description="how far beyond the measured epsilons an "
+                              "extrapolated epsilon may lie (a factor)")
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, v: list[float] | None) -> list[float] | None:
+        for e in v or []:
+            if not (e > 0 and math.isfinite(e)):
+                raise ValueError(f"match_utility.levels has {e}; list finite target epsilons > 0, e.g. [32]")
+        return v
+
+
 class SweepProbeConfig(ProbeConfig):
     """The sweep's `probe:` section: a ProbeConfig; a legacy `extra: {...}` merges into it."""
 
@@ -174,6 +198,7 @@ class SweepConfig(_Section):
         "multi-epoch", description="single-pass: one epoch over the training documents (steps "
         "derived from the data; federated: every user's data once)")
     audit: AuditConfig = AuditConfig()
+    match_utility: MatchUtilityConfig = MatchUtilityConfig()
     probe: SweepProbeConfig = SweepProbeConfig()
     executor: ExecutorConfig = ExecutorConfig()
     # ---- public pretraining (memaudit.sweep.pretrain, owned there): absent = from scratch
@@ -259,6 +284,7 @@ class SweepPoint:
     overrides: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # the size axis' preset; None: the base config's model
     tokens_seen: int | None = None  # training tokens the schedule feeds (padding included)
+    matches: str | None = None  # a matched-utility point: the target run it was placed to meet
 
     @property
     def nominal_epsilon(self) -> float | None:
@@ -284,6 +310,14 @@ def _audited(levels: str | list[float], level: float | None, kind: str) -> bool:
     return (none if level is None else level) in [float(v) for v in levels]
 
 
+def point_name(backend: str, model: str | None, level: float | None, kind: str, seed: int, *,
+               goldfish: bool = False, audit: bool = False) -> str:
+    """A point's run directory name: parallel-eps8-s0, federated-tiny2x-epsinf-audit-s1, ..."""
+    size = f"-{model}" if model is not None else ""
+    return (f"{backend}{size}-{_level_label(level, kind)}{'-gf' if goldfish else ''}"
+            f"{'-audit' if audit else ''}-s{seed}")
+
+
 def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
     grid = cfg.grid
     if grid.noise_multipliers is not None:
@@ -296,9 +330,7 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
 
     def add(backend: str, model: str | None, level: float | None, seed: int, goldfish: bool,
             audit: bool) -> None:
-        size = f"-{model}" if model is not None else ""
-        name = (f"{backend}{size}-{_level_label(level, kind)}{'-gf' if goldfish else ''}"
-                f"{'-audit' if audit else ''}-s{seed}")
+        name = point_name(backend, model, level, kind, seed, goldfish=goldfish, audit=audit)
         ov: dict[str, Any] = {"backend": backend, "train.seed": seed, "train.goldfish.enabled": goldfish}
         if model is not None:
             ov["model.preset"] = model

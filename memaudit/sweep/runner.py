@@ -191,6 +191,24 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
             raise
 
 
+def _run_points(cfg: SweepConfig, points: list[SweepPoint], out: Path,
+                on_done: Callable[[int, PointOutcome], None], progress: Progress, debug: bool) -> None:
+    """Train and probe `points` on the sweep's executor; `on_done(i, outcome)` hears each end."""
+    if cfg.executor.kind != "processes":
+        from memaudit.sweep.executors import run_jobs
+
+        run_jobs(cfg, points, out, on_done, progress, debug)
+    elif cfg.jobs > 1 and len(points) > 1:
+        _concurrent(cfg, points, out, on_done, progress, debug)
+    else:
+        for i, p in enumerate(points):
+            def sub(done: int, tot: int, info: dict, _p: SweepPoint = p, _i: int = i) -> None:
+                if progress is not None:
+                    progress(_i, len(points), {"point": _p.name, "done": done, "total": tot, **info})
+
+            on_done(i, _run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
+
+
 def check_sweep_dir(out: Path) -> None:
     """One line, before anything is written, for an --out that cannot hold a sweep."""
     from memaudit.errors import RunDirError
@@ -234,29 +252,34 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     plan = {"regime": cfg.regime, "executor": cfg.executor.kind,
             "points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
-    total = len(points)
-    slots: list[PointOutcome | None] = [None] * total
+    slots: list[PointOutcome | None] = []
 
-    def on_done(i: int, outcome: PointOutcome) -> None:
-        slots[i] = outcome
-        atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [asdict(o) for o in slots if o],
-                                               "status": "running"})
+    def run_batch(batch: list[SweepPoint]) -> None:
+        offset = len(slots)
+        slots.extend([None] * len(batch))
+
+        def on_done(i: int, outcome: PointOutcome) -> None:
+            slots[offset + i] = outcome
+            atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [asdict(o) for o in slots if o],
+                                                   "status": "running"})
+            if progress is not None:
+                progress(sum(o is not None for o in slots), len(slots),
+                         {"point": outcome.name, "status": outcome.status})
+
+        _run_points(cfg, batch, out, on_done, progress, debug)
+
+    run_batch(points)
+    # ---- matched-utility points (memaudit.sweep.match): placed from the grid's utilities
+    if cfg.match_utility.enabled:
+        from memaudit.sweep.match import plan_matches
+
+        extra, plan["matches"] = plan_matches(cfg, points, out)
+        plan["points"] += [asdict(p) | {"config": None} for p in extra]
         if progress is not None:
-            progress(sum(o is not None for o in slots), total, {"point": outcome.name, "status": outcome.status})
-
-    if cfg.executor.kind != "processes":
-        from memaudit.sweep.executors import run_jobs
-
-        run_jobs(cfg, points, out, on_done, progress, debug)
-    elif cfg.jobs > 1 and total > 1:
-        _concurrent(cfg, points, out, on_done, progress, debug)
-    else:
-        for i, p in enumerate(points):
-            def sub(done: int, tot: int, info: dict, _p: SweepPoint = p, _i: int = i) -> None:
-                if progress is not None:
-                    progress(_i, total, {"point": _p.name, "done": done, "total": tot, **info})
-
-            on_done(i, _run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
+            for rec in plan["matches"]:
+                progress(len(slots), len(slots) + len(extra), {"match": rec})
+        if extra:
+            run_batch(extra)
     outcomes = [o for o in slots if o is not None]
     done = references + [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]
