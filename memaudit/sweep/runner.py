@@ -95,16 +95,19 @@ def _train_point(cfg, rd: RunDir, progress: Progress,
 
 
 def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
-    """Probe a complete run unless its probes.json is newer than its model."""
+    """Probe a complete run unless its probes.json is newer than its model and was written
+    under the same probe settings."""
     from memaudit.io import atomic_write_json as write
+    from memaudit.io import read_json
     from memaudit.probes.runner import run_probes
     from memaudit.probes.scoring import resolve_device
     from memaudit.probes.targets import resolve_target
 
     model_file = rd.model_dir / "config.json"
-    if rd.probes_path.is_file() and rd.probes_path.stat().st_mtime >= model_file.stat().st_mtime:
-        return False
     settings = cfg.probe.model_copy(update={"device": resolve_device(cfg.probe.device)})
+    if (rd.probes_path.is_file() and rd.probes_path.stat().st_mtime >= model_file.stat().st_mtime
+            and read_json(rd.probes_path).get("settings") == settings.model_dump(mode="json")):
+        return False
     target = resolve_target(rd.path)
     result = run_probes(target, settings, progress=progress)
     write(rd.probes_path, result.document)
