@@ -9,6 +9,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# submitit configures logging when it is first imported (logging.config.dictConfig), which closes
+# every handler there is. absl's handler (installed when jax loads) closes its stream on close
+# unless the stream is the sys.stderr of that moment; loaded during one test it holds pytest's
+# session-wide capture stream, so a later test that first imports submitit under capsys (the
+# slurm executor checks) closed the session's capture and every test after it errored. Importing
+# submitit here, before jax, does its logging configuration once and first.
+import submitit  # noqa: E402,F401  (the dev extra installs it)
+
 
 # ----------------------------------------------------------------------------- training fixtures
 import contextlib as _contextlib

@@ -22,11 +22,11 @@ import json
 import math
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from shutil import which
 from typing import TYPE_CHECKING, Any
 
 from memaudit.errors import ConfigError, MemauditError
@@ -113,7 +113,7 @@ def check_executor(ex: ExecutorConfig) -> None:
     if ex.kind == "processes":
         return
     _submitit()
-    if ex.kind == "slurm" and shutil.which("srun") is None:
+    if ex.kind == "slurm" and which("srun") is None:
         raise ConfigError("--executor slurm: no 'srun' on this machine; run the sweep on a SLURM "
                           "login node, or try it here with --executor local")
 

@@ -104,7 +104,7 @@ def test_executor_bad_input_one_line(tmp_path, capsys, monkeypatch):
     msg = _err(capsys, ["sweep", _sweep(tmp_path, base={"parallel": {"data": 2}}), "--executor",
                         "debug", "--out", out])
     assert "local" in msg
-    monkeypatch.setattr("shutil.which", lambda name: None)  # no srun here
+    monkeypatch.setattr("memaudit.sweep.executors.which", lambda name: None)  # no srun here, for memaudit only
     assert "no 'srun'" in _err(capsys, ["sweep", qs, "--executor", "slurm", "--out", out])
     assert not Path(out).exists()
 
