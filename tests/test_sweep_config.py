@@ -41,6 +41,8 @@ def test_quickstart_is_both_backends_no_dp_and_three_epsilons_one_seed():
     assert sorted({p.nominal_epsilon for p in pts}) == [2.0, 8.0, 32.0, math.inf]
     assert {p.seed for p in pts} == {0}
     assert point_config(cfg, pts[0]).model.preset == "tiny"
+    m = cfg.match_utility  # a centralized point placed to meet the federated run at eps = 32
+    assert m.enabled and m.target_backend == "federated" and m.levels == [32.0]
 
 
 def test_paper_scale_is_gpu_scale():
