@@ -112,8 +112,8 @@ class AuditConfig(_Section):
 
 
 class MatchUtilityConfig(_Section):
-    """Matched-utility points (`memaudit.sweep.match`): after the grid, one run of the other
-    backend at the epsilon interpolated to meet each target run's holdout perplexity."""
+    """Matched-utility points (`memaudit.sweep.match`): one run of the other backend at the
+    noise multiplier interpolated to meet each target run's holdout perplexity."""
 
     enabled: bool = False
     target_backend: Literal["parallel", "federated"] = Field(

@@ -271,18 +271,19 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
 
         _run_points(cfg, batch, out, on_done, progress, debug)
 
-    run_batch(points)
-    # ---- matched-utility points (memaudit.sweep.match): placed from the grid's utilities
-    if cfg.match_utility.enabled:
-        from memaudit.sweep.match import plan_matches
+    if not cfg.match_utility.enabled:
+        run_batch(points)
+    else:  # ---- matched-utility points (memaudit.sweep.match), placed from the grid's utilities:
+        from memaudit.sweep.match import match_inputs, plan_matches  # the runs they read go first
 
+        needed = match_inputs(cfg, points)
+        run_batch([p for p in points if p.name in needed])
         extra, plan["matches"] = plan_matches(cfg, points, out)
         plan["points"] += [asdict(p) | {"config": None} for p in extra]
         if progress is not None:
             for rec in plan["matches"]:
-                progress(len(slots), len(slots) + len(extra), {"match": rec})
-        if extra:
-            run_batch(extra)
+                progress(len(slots), len(points) + len(extra), {"match": rec})
+        run_batch([p for p in points if p.name not in needed] + extra)
     outcomes = [o for o in slots if o is not None]
     done = references + [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]

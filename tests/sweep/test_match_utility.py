@@ -13,38 +13,38 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memaudit.cli import main
-from memaudit.sweep.config import plan_points, sweep_config_from_dict
-from memaudit.sweep.match import interpolate_epsilon, match_line, plan_matches
+from memaudit.sweep.config import plan_points, point_config, sweep_config_from_dict
+from memaudit.sweep.match import interpolate_noise, match_line, plan_matches
 
 
 # ----------------------------------------------------------------------------- interpolation
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(0.05, 3.0), min_size=2, max_size=5, unique=True),
        st.floats(0.0, 1.0), st.floats(2.0, 9.0))
-def test_inside_the_measured_range_the_interpolated_epsilon_gives_back_the_target(gaps, at, top):
-    """Oracle: numpy's piecewise-linear interpolation in (log epsilon, log perplexity)."""
-    log_eps = np.cumsum(gaps) - 2.0
-    log_ppl = top - np.cumsum(np.r_[0.0, np.abs(np.diff(log_eps)) * 0.7])  # falls with epsilon
-    y = log_ppl.max() - at * (log_ppl.max() - log_ppl.min())
-    eps = interpolate_epsilon(list(zip(np.exp(log_eps), np.exp(log_ppl), strict=True)), math.exp(y))
-    assert eps is not None
-    assert np.interp(math.log(eps), log_eps, log_ppl) == pytest.approx(y, abs=1e-9)
+def test_inside_the_measured_range_the_interpolated_noise_gives_back_the_target(gaps, at, low):
+    """Oracle: numpy's piecewise-linear interpolation in (log sigma, log perplexity)."""
+    log_sigma = np.cumsum(gaps) - 2.0
+    log_ppl = low + np.cumsum(np.r_[0.0, np.abs(np.diff(log_sigma)) * 0.7])  # rises with the noise
+    y = log_ppl.min() + at * (log_ppl.max() - log_ppl.min())
+    sigma = interpolate_noise(list(zip(np.exp(log_sigma), np.exp(log_ppl), strict=True)), math.exp(y))
+    assert sigma is not None
+    assert np.interp(math.log(sigma), log_sigma, log_ppl) == pytest.approx(y, abs=1e-9)
 
 
 def test_outside_the_range_the_end_segment_is_extended_within_the_factor():
-    levels = [(1.0, 4000.0), (4.0, 2000.0), (16.0, 1500.0)]
-    # above the largest perplexity: the (1, 4) segment, ppl ~ eps^-0.5, so 8000 sits at eps 0.25
-    assert interpolate_epsilon(levels, 8000.0) == pytest.approx(0.25)
-    assert interpolate_epsilon(levels, 8000.0, max_factor=3.9) is None  # 0.25 is 4x below 1
-    # below the smallest: the (4, 16) segment
-    slope = math.log(1500 / 2000) / math.log(4)
-    assert interpolate_epsilon(levels, 1400.0) == pytest.approx(16 * (1400 / 1500) ** (1 / slope))
-    # a flat or rising end segment gives no line to follow; one level is not enough
-    assert interpolate_epsilon([(1.0, 100.0), (4.0, 100.0)], 200.0) is None
-    assert interpolate_epsilon([(1.0, 100.0), (4.0, 120.0)], 200.0) is None
-    assert interpolate_epsilon([(1.0, 100.0)], 100.0) is None
-    assert interpolate_epsilon([(1.0, 100.0), (math.inf, 10.0), (4.0, 50.0)], 70.0) == pytest.approx(
-        math.exp(math.log(4) * math.log(100 / 70) / math.log(2)))  # no DP is never a level
+    levels = [(0.25, 1500.0), (1.0, 2000.0), (4.0, 4000.0)]
+    # above the largest perplexity: the (1, 4) segment, ppl ~ sigma^0.5, so 8000 sits at sigma 16
+    assert interpolate_noise(levels, 8000.0) == pytest.approx(16.0)
+    assert interpolate_noise(levels, 8000.0, max_factor=3.9) is None  # 16 is 4x beyond 4
+    # below the smallest: the (0.25, 1) segment
+    slope = math.log(2000 / 1500) / math.log(4)
+    assert interpolate_noise(levels, 1400.0) == pytest.approx(0.25 * (1400 / 1500) ** (1 / slope))
+    # a flat or falling end segment gives no line to follow; one level is not enough
+    assert interpolate_noise([(1.0, 100.0), (4.0, 100.0)], 200.0) is None
+    assert interpolate_noise([(1.0, 120.0), (4.0, 100.0)], 200.0) is None
+    assert interpolate_noise([(1.0, 100.0)], 100.0) is None
+    assert interpolate_noise([(1.0, 100.0), (0.0, 10.0), (4.0, 200.0)], 141.4) == pytest.approx(
+        2.0, rel=1e-3)  # no noise is never a level
 
 
 # ----------------------------------------------------------------------------- planning
@@ -55,10 +55,13 @@ def _raw(**match) -> dict:
 
 
 PPL = {"parallel": {math.inf: 140.0, 32.0: 1000.0, 8.0: 1450.0, 2.0: 1900.0},
-       "federated": {math.inf: 470.0, 32.0: 2300.0, 8.0: 3200.0, 2.0: 5700.0}}
+       "federated": {math.inf: 470.0, 32.0: 2300.0, 8.0: 4500.0, 2.0: 9000.0}}
+SIGMA = {"parallel": {32.0: 0.36, 8.0: 0.61, 2.0: 1.06}, "federated": {32.0: 0.44, 8.0: 0.79, 2.0: 1.71}}
 
 
 def _write_runs(out, cfg, ppl=PPL, incomplete=()):
+    """run.json with the perplexity, and for DP runs privacy.json with the calibrated sigma (the
+    federated ledger records it in its mechanism, as DP-FedAvg's does)."""
     for p in plan_points(cfg):
         d = out / "runs" / p.name
         d.mkdir(parents=True)
@@ -66,6 +69,11 @@ def _write_runs(out, cfg, ppl=PPL, incomplete=()):
         status = "running" if p.name in incomplete else "complete"
         (d / "run.json").write_text(json.dumps({"status": status, "result": {
             "final_holdout_perplexity": ppl[p.backend][eps]}}))
+        if p.level is not None:
+            sigma = SIGMA[p.backend][eps]
+            led = ({"calibration": {"noise_multiplier": sigma}, "mechanisms": []} if p.backend == "parallel"
+                   else {"calibration": None, "mechanisms": [{"mechanism": "DP-FedAvg", "noise_multiplier": sigma}]})
+            (d / "privacy.json").write_text(json.dumps(led))
 
 
 def test_a_target_without_a_match_gets_one_point_from_the_bracketing_levels(tmp_path):
@@ -74,22 +82,25 @@ def test_a_target_without_a_match_gets_one_point_from_the_bracketing_levels(tmp_
     _write_runs(tmp_path, cfg)
     extra, records = plan_matches(cfg, points, tmp_path)
     by = {r["target"]: r for r in records}
-    # federated 2,300 lies beyond centralized 1,900 at eps 2: extended along the (2, 8) segment
-    slope = math.log(1450 / 1900) / math.log(4)
-    want = float(f"{2 * (2300 / 1900) ** (1 / slope):.3g}")
-    assert by["federated-eps32-s0"]["epsilon"] == want and want < 2
-    assert by["federated-eps32-s0"]["from"] == {"parallel-eps32-s0": [32.0, 1000.0],
-                                                "parallel-eps8-s0": [8.0, 1450.0],
-                                                "parallel-eps2-s0": [2.0, 1900.0]}
+    # federated 2,300 lies beyond centralized 1,900 at sigma 1.06: the (0.61, 1.06) segment extended
+    slope = math.log(1900 / 1450) / math.log(1.06 / 0.61)
+    want = float(f"{1.06 * (2300 / 1900) ** (1 / slope):.3g}")
+    assert by["federated-eps32-s0"]["noise_multiplier"] == want and want > 1.06
+    assert by["federated-eps32-s0"]["from"] == {"parallel-eps32-s0": [0.36, 1000.0],
+                                                "parallel-eps8-s0": [0.61, 1450.0],
+                                                "parallel-eps2-s0": [1.06, 1900.0]}
     (p,) = extra
-    assert p.name == by["federated-eps32-s0"]["point"] == f"parallel-eps{want:g}-s0".replace(".", "p")
-    assert p.backend == "parallel" and p.level == want and p.matches == "federated-eps32-s0"
-    assert p.overrides["privacy.target_epsilon"] == want and p.overrides["backend"] == "parallel"
+    assert p.name == by["federated-eps32-s0"]["point"] == f"parallel-sigma{want:g}-s0".replace(".", "p")
+    assert p.backend == "parallel" and p.level == want and p.level_kind == "noise_multiplier"
+    assert p.matches == "federated-eps32-s0" and p.overrides["backend"] == "parallel"
+    assert p.overrides["privacy.noise_multiplier"] == want and p.overrides["privacy.target_epsilon"] is None
     assert p.tokens_seen == next(q for q in points if q.name == "parallel-eps2-s0").tokens_seen
-    # federated 3,200 needs an epsilon below 2 / 4: out of reach, said and not trained
+    run_cfg = point_config(cfg, p)  # the run it trains: DP-SGD at that sigma, no epsilon target
+    assert run_cfg.privacy.noise_multiplier == want and run_cfg.privacy.target_epsilon is None
+    # federated 4,500 needs a sigma beyond 4 x 1.06: out of reach, said and not trained
     assert by["federated-eps8-s0"]["point"] is None and "factor 4" in by["federated-eps8-s0"]["reason"]
-    assert "epsilon" not in by["federated-eps8-s0"]
-    assert "trained at epsilon" in match_line(by["federated-eps32-s0"])
+    assert "noise_multiplier" not in by["federated-eps8-s0"]
+    assert "trained at noise multiplier" in match_line(by["federated-eps32-s0"])
     assert "no point" in match_line(by["federated-eps8-s0"])
 
 
@@ -111,9 +122,11 @@ def test_the_other_direction_and_the_default_levels(tmp_path):
     extra, records = plan_matches(cfg, plan_points(cfg), tmp_path)
     assert [r["target"] for r in records] == ["parallel-eps32-s0", "parallel-eps8-s0", "parallel-eps2-s0"]
     by = {r["target"]: r for r in records}
-    # centralized 1,900 at eps 2 lies between federated 32 (2,300) and no federated DP run below:
-    # beyond the federated range by less than the factor, along its (32, 8) segment
-    assert by["parallel-eps2-s0"]["point"] and by["parallel-eps2-s0"]["epsilon"] > 32
+    # centralized 1,900 lies below federated 2,300 at sigma 0.44: along the federated (0.44, 0.79)
+    # segment, within the factor; the federated sigma read from its mechanism's record
+    slope = math.log(4500 / 2300) / math.log(0.79 / 0.44)
+    want = float(f"{0.44 * (1900 / 2300) ** (1 / slope):.3g}")
+    assert by["parallel-eps2-s0"]["noise_multiplier"] == want < 0.44
     assert all(p.backend == "federated" for p in extra)
 
 
@@ -128,22 +141,24 @@ def test_bad_levels_are_one_line_exit_2(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- the sweep
 def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path, monkeypatch):
-    """run_sweep with each point's training replaced by a constructed run whose perplexity follows
-    ppl = 2000 eps^-0.3 (centralized) and 4000 eps^-0.3 (federated): after the grid the sweep plans
-    and runs one more centralized point, and the report pairs it with the federated target."""
+    """run_sweep with each point's training replaced by a constructed run: a grid point at epsilon
+    e trains with sigma = 2 / sqrt(e) and reaches perplexity 1000 sigma^0.6 (centralized) or
+    2000 sigma^0.6 (federated), with a real ledger. After the grid the sweep plans and runs one
+    more centralized point at the sigma that meets the federated target, and the report pairs them."""
     from memaudit.rundir import RunDir
     from memaudit.sweep import runner
     from memaudit.sweep.runner import PointOutcome, run_sweep
     from tests.reports._fixtures import write_run_dir
 
-    def ppl(backend, eps):
-        return (200.0 if backend == "parallel" else 400.0) * (1.0 if math.isinf(eps) else 10 * eps ** -0.3)
-
     def fake_point(cfg, p, rd, sub, debug, on_action=None):
         if rd.is_run() and rd.status() == "complete":  # what _decide does with a complete run
             return PointOutcome(p.name, p.backend, "complete", "skipped", False, 0.0)
-        eps = math.inf if p.level is None else p.level
-        write_run_dir(rd.path, p.backend, ppl=ppl(p.backend, eps), seed=p.seed)
+        scale = 1000.0 if p.backend == "parallel" else 2000.0
+        if p.level is None:
+            write_run_dir(rd.path, p.backend, ppl=scale / 5, seed=p.seed)
+        else:
+            sigma = p.level if p.level_kind == "noise_multiplier" else 2 / math.sqrt(p.level)
+            write_run_dir(rd.path, p.backend, ppl=scale * sigma**0.6, seed=p.seed, dp=(sigma, 1000, 32, 10))
         return PointOutcome(p.name, p.backend, "complete", "trained", True, 0.0)
 
     monkeypatch.setattr(runner, "_run_point", fake_point)
@@ -151,10 +166,12 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     summary = run_sweep(cfg, tmp_path / "sw")
     (rec,) = summary["plan"]["matches"]
     assert rec["target"] == "federated-eps8-s0" and rec["point"] is not None
-    # the power law is followed exactly: 2000 eps^-0.3 = 4000 * 8^-0.3
-    assert rec["epsilon"] == float(f"{8 * (200 / 400) ** (1 / 0.3):.3g}")
+    # the power law is followed exactly: 1000 s^0.6 = 2000 (2 / sqrt(8))^0.6
+    assert rec["noise_multiplier"] == float(f"{2 / math.sqrt(8) * 2 ** (1 / 0.6):.3g}")
     names = [o["name"] for o in summary["outcomes"]]
     assert names[-1] == rec["point"] and len(names) == 9
+    # what the planning reads runs first; the rest of the grid runs beside the matched point
+    assert set(names[:4]) == {"federated-eps8-s0", "parallel-eps32-s0", "parallel-eps8-s0", "parallel-eps2-s0"}
     assert [p["name"] for p in summary["plan"]["points"]][-1] == rec["point"]
     assert summary["plan"]["points"][-1]["matches"] == "federated-eps8-s0"
     assert RunDir(tmp_path / "sw" / "runs" / rec["point"]).status() == "complete"
@@ -162,6 +179,8 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     mu = report["comparisons"]["matched_utility"]
     assert mu["status"] == "pairs"
     assert [rec["point"], "federated-eps8-s0"] in [p["runs"] for p in mu["pairs"]]
+    placed = next(r for r in report["runs"] if r["id"] == rec["point"])
+    assert placed["privacy"]["noise_multiplier"] == pytest.approx(rec["noise_multiplier"])
     # the same command again: the grid's utilities are unchanged, so it plans the same point and
     # finds it complete
     again = run_sweep(cfg, tmp_path / "sw")
