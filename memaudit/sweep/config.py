@@ -123,8 +123,8 @@ class MatchUtilityConfig(_Section):
                                        "grid lacks, e.g. after --epsilons, is skipped and said)")
     tolerance: float = Field(0.1, gt=0, description="|log perplexity ratio| under which a target "
                              "already has a match (the report's default --utility-tolerance)")
-    max_factor: float = Field(4.0, gt=1, description="how far beyond the measured epsilons an "
-                              "extrapolated epsilon may lie (a factor)")
+    max_factor: float = Field(4.0, gt=1, description="how far beyond the measured noise "
+                              "multipliers an extrapolated one may lie (a factor)")
 
     @field_validator("levels")
     @classmethod

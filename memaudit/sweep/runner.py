@@ -269,7 +269,10 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
                 progress(sum(o is not None for o in slots), len(slots),
                          {"point": outcome.name, "status": outcome.status})
 
-        _run_points(cfg, batch, out, on_done, progress, debug)
+        def batch_progress(done: int, total: int, info: dict) -> None:  # counted over the sweep
+            progress(offset + done, len(slots), info)
+
+        _run_points(cfg, batch, out, on_done, batch_progress if progress is not None else None, debug)
 
     if not cfg.match_utility.enabled:
         run_batch(points)
