@@ -22,6 +22,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from memaudit.probes.stats import CORRECTIONS
@@ -137,14 +138,17 @@ def _test_text(t: dict[str, Any]) -> str:
 
 
 def _sentences(cells: dict[str, dict], left: str, right: str, context: str, group: str,
-               caveat: str | None = None, series: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """One finding per tested metric. `series` (treatment effects): what the findings of one
-    backend and treatment at several levels share, so the first screen can say them once."""
+               caveat: str | Callable[[str], str | None] | None = None,
+               series: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One finding per tested metric. `caveat` may depend on the verdict (`left`'s: less, more or
+    no difference shown). `series` (treatment effects): what the findings of one backend and
+    treatment at several levels share, so the first screen can say them once."""
     out = []
     for metric, cell in cells.items():
         t = cell.get("test")
         if not t or "p_adjusted" not in t:
             continue  # no per-unit scores: no test, so no finding
+        cav = caveat(cell["verdict"]) if callable(caveat) else caveat
         label, unit, _ = METRICS[metric]
         a, b = _sides(cell)
         scope = ("for these configurations" if t["scope"] == "configurations"
@@ -158,7 +162,7 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
         short = (f"{context}: {left} vs {right}, {SHORT[metric]}: no difference shown (n = {t['n_a']}/{t['n_b']} "
                  f"{t['unit']}, {t['correction'].capitalize()} p = {t['p_adjusted']:.2g})")
         out.append({"kind": "comparison", "group": group, "metric": metric, "metrics": [metric],
-                    "claim": claim, "evidence": nums, "short": short, "caveat": caveat,
+                    "claim": claim, "evidence": nums, "short": short, "caveat": cav,
                     "verdict": cell["verdict"], "context": context, "scope": t["scope"],
                     "test": t["test"], "n": [t["n_a"], t["n_b"]], "unit": t["unit"],
                     "p_value": t["p_value"], "p_adjusted": t["p_adjusted"],
@@ -181,15 +185,33 @@ def _tolerance(report: dict[str, Any]) -> float | None:
     return (report.get("comparisons", {}).get("matched_utility") or {}).get("tolerance")
 
 
-def _utility_caveat(ppl: tuple[float | None, float | None], names: tuple[str, str], tol: float | None) -> str | None:
-    """One line when the two sides are not at matched utility: the leakage gap may be a learning gap."""
-    a, b = ppl
+def _utility_relation(a: float | None, b: float | None, tol: float | None) -> str | None:
+    """'matched' within the tolerance, else 'worse' or 'better' for side a (its perplexity is
+    higher or lower than b's); None when either is unknown."""
     if a is None or b is None or tol is None or a <= 0 or b <= 0:
         return None
     if abs(math.log(a) - math.log(b)) <= tol:
+        return "matched"
+    return "worse" if a > b else "better"
+
+
+LEARNED_LESS = "a model that learned less also leaks less"
+LEARNED_MORE = "the run that leaks less predicts the holdout text better, so learning less does not explain it"
+
+
+def _utility_caveat(ppl: tuple[float | None, float | None], names: tuple[str, str], tol: float | None,
+                    verdict: str | None = None) -> str | None:
+    """One line when the two sides are not at matched utility. The leakage gap may be a learning
+    gap only where the side that leaks less (`verdict` is side a's: less or more) has the worse
+    perplexity; where it has the better one, the line says so instead."""
+    a, b = ppl
+    rel = _utility_relation(a, b, tol)
+    if rel in (None, "matched"):
         return None
-    return (f"not at matched utility (holdout perplexity {a:.4g} {names[0]} vs {b:.4g} {names[1]}): "
-            "a model that learned less also leaks less")
+    head = f"not at matched utility (holdout perplexity {a:.4g} {names[0]} vs {b:.4g} {names[1]})"
+    leaks_less = {"less": "a", "more": "b"}.get(verdict or "")
+    better = "a" if rel == "better" else "b"
+    return f"{head}: {LEARNED_MORE if leaks_less == better else LEARNED_LESS}"
 
 
 UNIT_CAVEAT = ("units differ: centralized epsilon protects one training sequence, federated epsilon "
@@ -201,10 +223,12 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for m in report.get("comparisons", {}).get("matched", []):
         ppl = m.get("perplexity") or {}
-        cav = _utility_caveat((ppl.get("federated"), ppl.get("parallel")), ("federated", "centralized"),
-                              _tolerance(report))
-        if not math.isinf(m.get("epsilon", math.inf)):
-            cav = UNIT_CAVEAT + ("; " + cav if cav else "")
+
+        def cav(verdict: str, ppl: dict = ppl, eps: float = m.get("epsilon", math.inf)) -> str | None:
+            u = _utility_caveat((ppl.get("federated"), ppl.get("parallel")), ("federated", "centralized"),
+                                _tolerance(report), verdict)
+            return u if math.isinf(eps) else UNIT_CAVEAT + ("; " + u if u else "")
+
         out += _sentences(m.get("metrics", {}), "federated", "centralized",
                           f"At {_fmt_eps(m.get('epsilon'))}", "backend", cav)
     return out
@@ -233,12 +257,15 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     for eff in report.get("comparisons", {}).get("effects", []):
         name = eff["treatment"]
         ppl = eff.get("perplexity") or {}
-        cav = _utility_caveat((ppl.get("treated"), ppl.get("baseline")), (f"with {name}", "without"),
-                              _tolerance(report))
+
+        def cav(verdict: str, ppl: dict = ppl, name: str = name) -> str | None:
+            return _utility_caveat((ppl.get("treated"), ppl.get("baseline")), (f"with {name}", "without"),
+                                   _tolerance(report), verdict)
+
         dp = name.startswith("DP at")
         series = {"backend_label": eff["backend_label"], "treatment": "DP" if dp else name,
                   "level": _fmt_eps(eff.get("epsilon")) if dp else None, "epsilon": eff.get("epsilon"),
-                  "perplexity": [ppl.get("treated"), ppl.get("baseline")]}
+                  "perplexity": [ppl.get("treated"), ppl.get("baseline")], "tolerance": _tolerance(report)}
         out += _sentences(eff.get("metrics", {}), f"with {name}", "without",
                           f"{eff['backend_label']}, {name}", "effect", cav, series)
     return out
@@ -368,20 +395,40 @@ def _series_entry(group: list[dict[str, Any]]) -> dict[str, Any]:
     scope = "for these configurations" if s0["scope"] == "configurations" else "in these runs"
     text = (f"{ser['backend_label']}, {scope}: with DP at each of epsilon = {levels} ({len(group)} levels) "
             f"leaks {s0['verdict']} than without on {label}")
-    cells = "; ".join(f"{s['series']['level']}: {s['series']['treated']}" for s in group)
+    rel = {id(s): _utility_relation(*s["series"]["perplexity"], s["series"].get("tolerance")) for s in group}
+
+    def level_cell(s: dict[str, Any]) -> str:
+        t, b = s["series"]["perplexity"]
+        tag = f" (matched utility: perplexity {t:.4g} vs {b:.4g})" if rel[id(s)] == "matched" else ""
+        return f"{s['series']['level']}: {s['series']['treated']}{tag}"
+
+    cells = "; ".join(level_cell(s) for s in group)
     p_max = max(s["p_adjusted"] for s in group)
     evidence = (f"{cells}; without DP {ser['baseline']}; {ser['test_text']} at each level, "
                 f"{s0['correction'].capitalize()}-adjusted p <= {p_max:.3g} over {s0['family']} tests")
-    ppl = [s["series"]["perplexity"] for s in group]
-    caveat = None
-    if all(s.get("caveat") for s in group) and all(t is not None and b is not None for t, b in ppl):
-        lo, hi = min(t for t, _ in ppl), max(t for t, _ in ppl)
-        caveat = (f"not at matched utility (holdout perplexity {lo:.4g} to {hi:.4g} with DP vs "
-                  f"{ppl[0][1]:.4g} without): a model that learned less also leaks less")
-    elif any(s.get("caveat") for s in group):
-        caveat = "; ".join(dict.fromkeys(s["caveat"] for s in group if s.get("caveat")))
-    return {"text": text, "evidence": evidence, "caveat": caveat, "verdict": s0["verdict"],
+    return {"text": text, "evidence": evidence, "caveat": _series_caveat(group, rel), "verdict": s0["verdict"],
             "group": s0["group"], "metric": s0["metric"], "covers": len(group)}
+
+
+def _series_caveat(group: list[dict[str, Any]], rel: dict[int, str | None]) -> str | None:
+    """The levels not at matched utility, by which side learned less (`_utility_caveat`), in one
+    line; the baseline's perplexity is the same for every level."""
+    parts = []
+    less = group[0]["verdict"] == "less"  # the treatment is the side that leaks less
+    for side in ("worse", "better"):
+        sel = [s for s in group if rel[id(s)] == side]
+        if not sel:
+            continue
+        ts = sorted(s["series"]["perplexity"][0] for s in sel)
+        levels = ", ".join(s["series"]["level"].removeprefix("epsilon = ") for s in sel)
+        span = f"{ts[0]:.4g}" if len(ts) == 1 else f"{ts[0]:.4g} to {ts[-1]:.4g}"
+        reason = LEARNED_LESS if (side == "worse") == less else LEARNED_MORE
+        parts.append(f"not at matched utility at epsilon = {levels} (holdout perplexity {span} with DP vs "
+                     f"{sel[0]['series']['perplexity'][1]:.4g} without): {reason}")
+    if any(rel[id(s)] is None for s in group):  # utilities unknown: keep what each finding said
+        parts += [s["caveat"] for s in group if rel[id(s)] is None and s.get("caveat")]
+    return "; ".join(dict.fromkeys(parts)) or None
+
 
 
 def generate(report: dict[str, Any]) -> dict[str, Any]:

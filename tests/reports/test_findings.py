@@ -244,3 +244,28 @@ def test_a_strong_auc_difference_passes_in_a_large_family():
               if c.get("test") and "par-inf" in c["test"]["runs"]]
     assert len(strong) == 2 and all(t["p_value"] < 0.05 / 103 and t["p_adjusted"] < 0.05 for t in strong)
     assert f["passing"] == 2  # the 101 null comparisons stay unclaimed
+
+
+def test_the_learned_less_caveat_follows_which_side_learned_less():
+    """The over-trained tier's DP runs at epsilon 1000, 100 and 32 all leak less than the non-DP
+    run, at holdout perplexity 81, 186 and 239 against 194. The report said of every level "a model
+    that learned less also leaks less", also of the one that predicts the holdout text far better
+    (81) and of the one within the utility tolerance (186). The confound applies only where the run
+    that leaks less has the worse perplexity."""
+    runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}, ppl=194.0)]
+    runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.5, 0.02), unit="example", ppl=p,
+                 units={"mia_auc": auc_units(0.0, seed=e)}) for e, p in ((1000, 81.0), (100, 186.0), (32, 239.0))]
+    rep = _report(runs)
+    f = rep["findings"]
+    by_eps = {s["series"]["epsilon"]: s for s in f["sentences"] if s.get("series")}
+    assert "learned less" in by_eps[32.0]["caveat"] and "239 with DP" in by_eps[32.0]["caveat"]
+    assert by_eps[100.0]["caveat"] is None  # |log(186 / 194)| = 0.04 <= 0.1
+    better = by_eps[1000.0]["caveat"]
+    assert "learned less" not in better and "predicts the holdout text better" in better
+    (entry,) = f["headline"]
+    assert entry["covers"] == 3
+    assert "learned less" in entry["caveat"] and "epsilon = 32" in entry["caveat"]
+    assert "epsilon = 1000" in entry["caveat"] and "predicts the holdout text better" in entry["caveat"]
+    assert "epsilon = 100 " not in entry["caveat"] and "epsilon = 1000, 100" not in entry["caveat"]
+    assert "epsilon = 100: " in entry["evidence"] and "matched utility" in entry["evidence"]
+    validate_report(rep)
