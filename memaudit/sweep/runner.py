@@ -212,6 +212,22 @@ def _run_points(cfg: SweepConfig, points: list[SweepPoint], out: Path,
             on_done(i, _run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
 
 
+def split_first(points: list[SweepPoint], needed: set[str], jobs: int
+                ) -> tuple[list[SweepPoint], list[SweepPoint]]:
+    """The points to run before planning (`needed`, topped up from the others to a multiple of
+    `jobs`, so that no worker idles in the first batch's last round) and the rest, in grid order.
+
+    >>> from memaudit.sweep.config import SweepPoint
+    >>> pts = [SweepPoint(n, "parallel", None, "epsilon", 0, False, False) for n in "abcde"]
+    >>> [[p.name for p in b] for b in split_first(pts, {"b", "d", "e"}, jobs=2)]
+    [['b', 'd', 'e', 'a'], ['c']]
+    """
+    first = [p for p in points if p.name in needed]
+    rest = [p for p in points if p.name not in needed]
+    fill = (-len(first)) % max(jobs, 1)
+    return first + rest[:fill], rest[fill:]
+
+
 def check_sweep_dir(out: Path) -> None:
     """One line, before anything is written, for an --out that cannot hold a sweep."""
     from memaudit.errors import RunDirError
@@ -279,14 +295,15 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     else:  # ---- matched-utility points (memaudit.sweep.match), placed from the grid's utilities:
         from memaudit.sweep.match import match_inputs, plan_matches  # the runs they read go first
 
-        needed = match_inputs(cfg, points)
-        run_batch([p for p in points if p.name in needed])
+        first, rest = split_first(points, match_inputs(cfg, points),
+                                  cfg.jobs if cfg.executor.kind == "processes" else 1)
+        run_batch(first)
         extra, plan["matches"] = plan_matches(cfg, points, out)
         plan["points"] += [asdict(p) | {"config": None} for p in extra]
         if progress is not None:
             for rec in plan["matches"]:
                 progress(len(slots), len(points) + len(extra), {"match": rec})
-        run_batch([p for p in points if p.name not in needed] + extra)
+        run_batch(rest + extra)
     outcomes = [o for o in slots if o is not None]
     done = references + [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]

@@ -42,7 +42,7 @@ def test_size_axis_names_and_equal_tokens_seen():
 
 def test_names_without_the_axis_are_unchanged():
     cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
-    assert [p.name for p in plan_points(cfg)][:3] == ["parallel-epsinf-s0", "parallel-eps32-s0", "parallel-eps8-s0"]
+    assert [p.name for p in plan_points(cfg)][:3] == ["parallel-epsinf-s0", "parallel-eps32-s0", "parallel-eps2-s0"]
     assert all(p.model is None for p in plan_points(cfg))
 
 
