@@ -534,12 +534,15 @@ def worker(rank: int, world: int, port: int, outdir: str, ref_path: str, jobs_pa
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= model_cases(grid, ref, outdir)
+        t0 = time.perf_counter()
         for grid in VOLUME_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= volume_cases(grid, ref)
+        TIMES["volume"], t0 = time.perf_counter() - t0, time.perf_counter()
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= overlap_cases(grid, ref)
+        TIMES["overlap"] = time.perf_counter() - t0
         res |= run_train_jobs(world, jobs_path)
         try:  # a grid whose product is not the world size
             build_groups(ParallelDims(data=world * 2))
