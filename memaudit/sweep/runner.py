@@ -224,7 +224,7 @@ def split_first(points: list[SweepPoint], needed: set[str], jobs: int
     """
     first = [p for p in points if p.name in needed]
     rest = [p for p in points if p.name not in needed]
-    fill = (-len(first)) % max(jobs, 1)
+    fill = -len(first) % jobs
     return first + rest[:fill], rest[fill:]
 
 

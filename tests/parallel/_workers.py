@@ -538,7 +538,8 @@ def worker(rank: int, world: int, port: int, outdir: str, ref_path: str, jobs_pa
         for grid in VOLUME_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= volume_cases(grid, ref)
-        TIMES["volume"], t0 = time.perf_counter() - t0, time.perf_counter()
+        TIMES["volume"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= overlap_cases(grid, ref)
