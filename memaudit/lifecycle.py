@@ -1,37 +1,35 @@
 """One run lifecycle for every backend: lock, signals, manifest, data, metrics, ledger,
 checkpoints, export.
 
-The trainers (centralized torch, the parallel grid, federated JAX) keep only their step or
-round logic; everything they do to the run directory goes through a `RunSession`:
+The training driver (`memaudit.driver.fit`) goes through a `RunSession` for everything it does
+to the run directory; the backends keep only their step or round logic:
 
     with RunSession(run, cfg, backend="federated", resume=False, is_writer=True) as s:
         prepared = s.data()                        # staged and checked at open, or the resume's
-        start = s.start()                          # step to start at; truncates metrics.jsonl
+        s.start(step)                              # training starts at `step`: metrics.jsonl
+                                                   # (and sensitive_metrics.jsonl) truncated there
         for step in range(start, total):
             ...
             s.log(record)                          # metrics.jsonl (+ sensitive_metrics.jsonl)
             with s.checkpoint(step) as tmp: ...    # sealed, then swapped in
-        s.export_hf(model, tokenizer, tokenizer_dir)
+        s.export_hf(model, tokenizer=..., tokenizer_dir=...)
         s.write_ledger(ledger_json)
         s.complete(result)
 
-Crash safety. A checkpoint is written into a temporary directory beside `state/` and is
-complete when its commit marker `COMMIT.json` (the sha256 of each of its files, and the
-step) is written, last. Then `state/` is moved aside and the new directory renamed in. A
-kill between those renames leaves two complete checkpoints under temporary names; on the
-next start `recover_checkpoint` takes the newest complete one among `state/`,
-`.state.old-*` and `.state.*.tmp`, puts it at `state/` and removes the rest, with every
-other leftover temporary (`.model.*.tmp`, `.data.*.tmp`).
+Crash safety is the checkpoint-directory protocol of `memaudit.checkpoints` (sealed
+checkpoints, swapped in by renames, the newest complete one recovered at start).
 
 Overwrite. `--overwrite` replaces a memaudit run only after the new config was validated:
 the old run's artifacts are moved aside into one hidden folder, the new manifest is
 written, and only then is the old one deleted; a failure before that puts it back.
+
+The DP run's secret (`RUN_DIR/dp_secret.json`, outside `state/`, which is replaced only by
+sealed checkpoints) is opened here too, by `dp_randomness`, for every backend.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -41,12 +39,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
+from memaudit.checkpoints import (
+    checkpoint_candidates,
+    clean_temporaries,
+    recover_checkpoint,
+    remove,
+    seal,
+    swap_in,
+)
+from memaudit.checks import check_data
 from memaudit.config import Config, dump_config
 from memaudit.errors import DataError, MemauditError, RunDirError
 from memaudit.io import append_jsonl, atomic_write_json, read_json, truncate_jsonl
+from memaudit.privacy.randomness import DPRandomness
 from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest
 
-COMMIT = "COMMIT.json"
 SENSITIVE_METRICS = "sensitive_metrics.jsonl"
 # Per-step values that are computed from the private data and not privatised: under DP they
 # go to sensitive_metrics.jsonl (documented as sensitive, like data/), never to metrics.jsonl.
@@ -86,134 +93,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-def _files(d: Path) -> list[Path]:
-    return sorted(p for p in d.rglob("*") if p.is_file() and p.name != COMMIT)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def seal(d: Path, *, step: int) -> None:
-    """Write the commit marker of the checkpoint in `d`: the last file written into it."""
-    files = {str(p.relative_to(d)): _sha256(p) for p in _files(d)}
-    atomic_write_json(d / COMMIT, {"step": int(step), "files": files})
-
-
-def sealed_step(d: Path) -> int | None:
-    """The step of the complete checkpoint in `d`, or None if it is incomplete or damaged."""
-    if not d.is_dir():
-        return None
-    try:
-        marker = read_json(d / COMMIT, what="checkpoint commit marker")
-        files = marker["files"]
-        step = int(marker["step"])
-    except (FileNotFoundError, MemauditError, KeyError, TypeError, ValueError):
-        return _legacy_step(d)
-    if not isinstance(files, dict) or {str(p.relative_to(d)) for p in _files(d)} != set(files):
-        return None
-    for name, digest in files.items():
-        if _sha256(d / name) != digest:
-            return None
-    return step
-
-
-def _legacy_step(d: Path) -> int | None:
-    """A checkpoint written before commit markers existed counts as complete at `state/`."""
-    if d.name != "state" or (d / COMMIT).exists():
-        return None
-    try:
-        scalars = read_json(d / "trainer.json", what="checkpoint")
-        return int(scalars.get("step", scalars.get("round")))
-    except (FileNotFoundError, MemauditError, AttributeError, TypeError, ValueError):
-        return None
-
-
-def checkpoint_present(d: Path) -> bool:
-    """Cheap check (no hashing) that `d` holds a sealed checkpoint; `recover_checkpoint`, run by
-    the writer at start-up, has verified it, so the other ranks need not hash it again."""
-    return (d / COMMIT).is_file() or _legacy_step(d) is not None
-
-
-def _between_renames() -> None:
-    """Called between the two renames of a checkpoint swap (tests kill the process here)."""
-
-
-def swap_in(tmp: Path, target: Path) -> None:
-    """Put the sealed directory `tmp` at `target` by renames; the old one goes last."""
-    old = None
-    if target.exists() or target.is_symlink():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.time_ns()}")
-        os.replace(target, old)
-        _between_renames()
-    os.replace(tmp, target)
-    if old is not None:
-        _remove(old)
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-
-
-def checkpoint_candidates(run: RunDir) -> list[Path]:
-    """`state/` and every temporary a checkpoint swap can leave behind."""
-    out = [run.state_dir] if run.state_dir.exists() else []
-    for p in run.path.glob(".state.*"):
-        if p.name.endswith(".tmp") or ".old-" in p.name:
-            out.append(p)
-    return out
-
-
-def recover_checkpoint(run: RunDir) -> int | None:
-    """Leave the newest complete checkpoint at `state/` and nothing else; return its step.
-
-    Returns None when no complete checkpoint exists (a resume then starts from step 0,
-    which the caller reports, never silently).
-    """
-    best: tuple[int, int, Path] | None = None
-    for p in checkpoint_candidates(run):
-        step = sealed_step(p)
-        if step is not None:
-            rank = (step, 1 if p == run.state_dir else 0)
-            if best is None or rank > best[:2]:
-                best = (*rank, p)
-    if best is None and (run.state_dir.exists() or run.state_dir.is_symlink()):
-        raise RunDirError(f"'{run.state_dir}' holds no complete checkpoint (damaged, or not "
-                          "memaudit's); it was not loaded: start a new run with --out")
-    for p in checkpoint_candidates(run):
-        if best is None or p != best[2]:
-            if p == run.state_dir:
-                continue  # replaced below by a rename, never deleted first
-            _remove(p)
-    if best is None:
-        return None
-    if best[2] != run.state_dir:
-        swap_in(best[2], run.state_dir)
-    return best[0]
-
-
-def clean_temporaries(run: RunDir) -> None:
-    """Remove what killed writes left (`.model.*.tmp`, `.data.*.tmp`, stale locks, the data
-    staging folder of a process that died before adopting it)."""
-    mine = f".memaudit-staging-{os.getpid()}"
-    for p in run.path.glob(".*"):
-        name = p.name
-        if name.startswith(".state.") or name == mine:
-            continue  # checkpoints are recovered, not cleaned; this process's staging is in use
-        if (name.endswith(".tmp") or ".old-" in name or ".stale-" in name
-                or name.startswith(".memaudit-staging-")):
-            _remove(p)
 
 
 # ----------------------------------------------------------------------------- session
@@ -303,17 +182,16 @@ class RunSession:
                 _restore_aside(self.run, aside)
             raise
         if aside is not None:
-            _remove(aside)
+            remove(aside)
 
     def _stage_data(self) -> Path:
         """Prepare (or reuse) the new run's data in a hidden staging folder and check it with
-        `dispatch.check_data`; nothing of the run directory changes if this fails."""
+        `checks.check_data`; nothing of the run directory changes if this fails."""
         from memaudit.data import prepare_data
-        from memaudit.dispatch import check_data
         from memaudit.models.presets import model_vocab_size
 
         stage = RunDir(self.run.path / f".memaudit-staging-{os.getpid()}")
-        _remove(stage.path)
+        remove(stage.path)
         stage.path.mkdir(parents=True)
         try:
             for name in ("data", "split.json", "canaries.json"):  # reused when the config matches
@@ -325,7 +203,7 @@ class RunSession:
                                     base_model=self.cfg.model.init_from)
             check_data(self.cfg, prepared, vocab)
         except BaseException:
-            _remove(stage.path)
+            remove(stage.path)
             raise
         return stage.path
 
@@ -333,9 +211,9 @@ class RunSession:
         for name in ("data", "split.json", "canaries.json"):
             target = self.run.path / name
             if target.exists():
-                _remove(target)
+                remove(target)
             os.replace(stage / name, target)
-        _remove(stage)
+        remove(stage)
 
     def _move_old_run_aside(self) -> Path | None:
         """--overwrite of a run: its artifacts into one hidden folder (deleted once the new
@@ -353,7 +231,7 @@ class RunSession:
                 os.replace(self.run.path / name, aside / name)
         clean_temporaries(self.run)
         for p in checkpoint_candidates(self.run):
-            _remove(p)
+            remove(p)
         return aside
 
     def _close(self, status: str, **fields: Any) -> None:
@@ -437,7 +315,7 @@ class RunSession:
         """Writer: a fresh, empty temporary directory for the checkpoint of `step`."""
         tmp = self.checkpoint_tmp(step)
         if self.is_writer:
-            _remove(tmp)
+            remove(tmp)
             tmp.mkdir(parents=True)
         return tmp
 
@@ -457,7 +335,7 @@ class RunSession:
             yield tmp
             self.commit_checkpoint(step)
         except BaseException:
-            _remove(tmp)
+            remove(tmp)
             raise
 
     def state_file(self, name: str) -> Any | None:
@@ -496,4 +374,13 @@ def _restore_aside(run: RunDir, aside: Path) -> None:
         target = run.path / p.name
         if not target.exists():
             os.replace(p, target)
-    _remove(aside)
+    remove(aside)
+
+
+def dp_randomness(run: RunDir, cfg: Config, *, is_writer: bool) -> DPRandomness:
+    """The DP run's one secret, for every backend: `RUN_DIR/dp_secret.json` written by the writer
+    before the first step (outside `state/`, which only sealed checkpoints replace, so a run
+    killed before its first checkpoint resumes with it), read back on resume and by the other
+    ranks (after the data barrier). With `privacy.reproducible_randomness` derived from
+    `train.seed` instead (recorded in the ledger)."""
+    return DPRandomness.for_run(run.path, cfg.privacy, cfg.train.seed, write=is_writer)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from memaudit.checkpoints import checkpoint_candidates, recover_checkpoint, seal, sealed_step
 from memaudit.errors import RunDirError
-from memaudit.lifecycle import checkpoint_candidates, recover_checkpoint, seal, sealed_step
 from memaudit.rundir import RunDir
 
 
@@ -179,7 +179,7 @@ def scan_public_files(run: Path) -> None:
 
 
 def test_clean_temporaries_removes_leftovers_but_not_checkpoints(tmp_path):
-    from memaudit.lifecycle import clean_temporaries
+    from memaudit.checkpoints import clean_temporaries
 
     for name in (".model.abc.tmp", ".data.x.tmp", ".memaudit-staging-999999", ".state.3.tmp"):
         (tmp_path / name).mkdir()

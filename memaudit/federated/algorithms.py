@@ -298,7 +298,7 @@ def _mesh_scope(mesh: Any):
     return jax.set_mesh(mesh) if isinstance(mesh, jax.sharding.Mesh) else contextlib.nullcontext()
 
 
-def _host_metrics(*dicts) -> dict[str, float]:
+def host_metrics(*dicts) -> dict[str, float]:
     out: dict[str, float] = {}
     for d in dicts:
         for k, v in jax.device_get(d).items():  # scalars -> float, arrays -> lists (JSON-ready)
@@ -375,13 +375,13 @@ def fedavg(
             server_metrics = {"update_norm": jnp.float32(0.0)}
         else:
             state, server_metrics = server_jit(state, agg)
-        return state, _host_metrics(out.metrics, agg.metrics, server_metrics)
+        return state, host_metrics(out.metrics, agg.metrics, server_metrics)
 
     def round_(state: ServerState, data: ClientData, key):
         with _mesh_scope(mesh):
             if fused is not None:
                 state, metrics = fused(state, data, key)
-                return state, _host_metrics(*metrics)
+                return state, host_metrics(*metrics)
             client_key, agg_key = jax.random.split(key)
             out = client_jit(state.params, data, client_key)
             return host_steps(state, out, agg_key)
@@ -448,7 +448,7 @@ def fedsgd(
         del key
         with _mesh_scope(mesh):
             state, metrics = step(state, data)
-        return state, _host_metrics(metrics)
+        return state, host_metrics(metrics)
 
     @jax.jit
     def program(state: ServerState, data: ClientData, key):

@@ -1,4 +1,4 @@
-"""The federated trainer behind `memaudit train CONFIG --backend federated`.
+"""The federated backend behind `memaudit train CONFIG --backend federated`.
 
 `train_federated(cfg, run)` prepares the data, makes every training user a client (its packed
 training sequences are its local data), starts from the same seeded weights as the centralized
@@ -12,6 +12,12 @@ axis when there is more than one device. It writes metrics.jsonl (one line per r
 resumable state/ (msgpack), the privacy ledger for DP runs, and a Hugging Face checkpoint
 with the tokenizer in model/.
 
+`FederatedTrainer` is the JAX backend of the one training driver (`memaudit.driver.fit`: the
+loop, evaluation schedule, checkpoints, ledger and result are the driver's). Where the clients'
+computation runs is its runtime, by composition: `InProcess` (one JAX program, clients sharded
+over the mesh) or `memaudit.federated.flower.trainer.FlowerRuntime` (client stages on Flower
+SuperNodes).
+
 Exact resume: the cohort, the local batches and the noise of round r are functions of
 (seed, r) and the server state alone, so a killed-and-resumed run ends with the same weights.
 
@@ -22,18 +28,42 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from memaudit.config import Config
-from memaudit.errors import MemauditError
+from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
+from memaudit.federated import algorithms as alg
+from memaudit.federated import checkpoint as fckpt
+from memaudit.federated.aggregators import mean_aggregator
+from memaudit.federated.cohorts import ClientData, cohort_capacity, poisson_capacity, sample_cohort
+from memaudit.federated.data import build_client_data
+from memaudit.federated.ddp import distributed_dp_from_config, planned_event_of_config
+from memaudit.federated.distributed import barrier, maybe_initialize
+from memaudit.federated.dp import dp_fedavg, dp_fedavg_mechanism
+from memaudit.federated.mesh import build_mesh
+from memaudit.federated.secagg.aggregator import secure_aggregation_from_config
+from memaudit.federated.sharding import clients_axis_size, model_axis_size, server_shardings
+from memaudit.lifecycle import RunSession, dp_randomness
+from memaudit.models.convert import hf_to_flax, to_hf_model
+from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes
+from memaudit.models.init import flax_config, hf_config, initial_state_dict, model_shape
+from memaudit.privacy.accounting import default_delta
+from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
+from memaudit.privacy.randomness import DPRandomness
 from memaudit.rundir import RunDir
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
+BACKEND = "federated"
 
 
 def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
@@ -52,75 +82,17 @@ def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
         {"steps" (= rounds), "rounds", "final_holdout_loss", "final_holdout_perplexity",
          "initial_holdout_loss", "initial_holdout_perplexity", "final_train_loss", ...}
     """
-    if cfg.federated.runtime == "flower":  # the client computation on Flower SuperNodes
+    if cfg.federated.runtime == "flower":  # submitted to a Flower federation
+        # flwr is an optional dependency, and the Flower runtime builds on this module
         from memaudit.federated.flower.trainer import train_on_flower
 
         return train_on_flower(cfg, run, resume=resume, progress=progress, **session_kw)
-    from memaudit.federated.distributed import maybe_initialize
-
     maybe_initialize()
     return FederatedTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
 
 
-def check_population(cfg: Config, population: int) -> None:
-    """One-line errors for a cohort the data cannot supply."""
-    f = cfg.federated
-    if population < 2:
-        raise MemauditError(
-            f"the training data has {population} user(s) with sequences; federated training needs at "
-            "least 2 clients: add users (data.synth.users) or lower data.heldout_users")
-    if f.cohort > population:
-        raise MemauditError(
-            f"federated.cohort={f.cohort} is larger than the population of {population} training "
-            f"users; set federated.cohort <= {population} or add users")
-    if f.local_steps < 1:
-        raise MemauditError(f"federated.local_steps={f.local_steps} must be >= 1")
-
-
-def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: Any = None) -> Any:
-    """The federated device mesh: ``clients`` x ``model`` (None on one device).
-
-    ``mesh_model`` devices split each client's attention and MLP weights (tensor parallel,
-    `memaudit.models.flax_llama.PARTITION_RULES`); ``mesh_clients`` (default: all devices /
-    mesh_model) share the clients. With mesh_model 1 the mesh is the 1-D ``clients`` one. A
-    mesh larger than the visible devices, or a model axis that does not divide the preset's
-    heads, kv heads or intermediate size, is a one-line error.
-    """
-    import jax
-
-    devices = jax.devices()
-    if mesh_model < 1:
-        raise MemauditError(f"federated.mesh_model={mesh_model} must be >= 1")
-    k = max(len(devices) // mesh_model, 1) if mesh_clients is None else mesh_clients
-    if k * mesh_model > len(devices):
-        raise MemauditError(
-            f"federated.mesh_clients={k} x federated.mesh_model={mesh_model} = {k * mesh_model} "
-            f"devices exceeds the {len(devices)} visible devices; make the product at most "
-            f"{len(devices)}")
-    if preset is not None and mesh_model > 1:  # a preset name, or a shape (`LlamaPreset`)
-        from memaudit.models.flax_llama import check_model_axis
-        from memaudit.models.presets import get_preset
-
-        shape = get_preset(preset) if isinstance(preset, str) else preset
-        what = f"model.preset={preset}" if isinstance(preset, str) else "the model.init_from checkpoint"
-        try:
-            check_model_axis(shape, mesh_model)
-        except ValueError as e:
-            raise MemauditError(f"{e} ({what})") from None
-    if k * mesh_model <= 1:
-        return None
-    auto = jax.sharding.AxisType.Auto
-    if mesh_model == 1:
-        return jax.make_mesh((k,), ("clients",), axis_types=(auto,), devices=devices[:k])
-    return jax.make_mesh((k, mesh_model), ("clients", "model"), axis_types=(auto, auto),
-                         devices=devices[: k * mesh_model])
-
-
 def make_loss_fn(model: Any) -> Callable:
     """`loss_fn(params, batch) -> (per-sequence mean token loss (b,), token counts)` for algorithms."""
-    import jax
-    import jax.numpy as jnp
-
     def loss_fn(params, batch):
         ids, am = batch["input_ids"], batch["attention_mask"]
         logits = model.apply({"params": params}, ids, am)  # (b, L, V)
@@ -139,85 +111,112 @@ def make_loss_fn(model: Any) -> Callable:
     return loss_fn
 
 
+class Runtime(Protocol):
+    """Where a federated round's client computation runs (composed into `FederatedTrainer`)."""
+
+    def mesh(self, cfg: Config, shape: Any) -> Any:
+        """The device mesh the server's process shards clients over (None: none)."""
+    def attach(self, trainer: FederatedTrainer) -> None:
+        """Called once the algorithm is built (e.g. check it and connect to the nodes)."""
+    def round(self, trainer: FederatedTrainer, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
+        """One round of `trainer.algorithm` on the cohort; returns (state, metrics)."""
+
+
+class InProcess:
+    """Every client in this JAX program, sharded over the ``clients`` mesh axis."""
+
+    def mesh(self, cfg: Config, shape: Any) -> Any:
+        return build_mesh(cfg.federated.mesh_clients, cfg.federated.mesh_model, shape)
+
+    def attach(self, trainer: FederatedTrainer) -> None:
+        """Nothing to connect: the clients' data is on this host."""
+
+    def round(self, trainer: FederatedTrainer, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
+        return trainer.algorithm.round(state, trainer.round_data(cohort), key)
+
+
 class FederatedTrainer:
-    """One federated training run; `is_writer` is process 0 (the only one that writes files)."""
+    """The federated backend of the training driver (`memaudit.driver.Backend`); `is_writer` is
+    JAX process 0 (the only one that writes files)."""
 
-    def __init__(self, cfg: Config, run: RunDir, *, progress: ProgressFn | None = None) -> None:
-        import jax
+    name = BACKEND
+    counter = "round"
 
+    def __init__(self, cfg: Config, run: RunDir, *, runtime: Runtime | None = None,
+                 progress: ProgressFn | None = None) -> None:
         self.cfg, self.run, self.progress = cfg, run, progress
+        self.runtime: Runtime = runtime if runtime is not None else InProcess()
         self.fcfg = cfg.federated
         self.is_writer = jax.process_index() == 0
         self.private = cfg.privacy.enabled
-        self.ledger: Any = None
-        self.initial_holdout = (math.nan, math.nan)
+        self.plan: PrivacyPlan | None = None
+        self._dp_rand: DPRandomness | None = None
+
+    @property
+    def total(self) -> int:
+        return self.fcfg.rounds
+
+    @property
+    def eval_every(self) -> int:
+        return self.fcfg.eval_every
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.fcfg.checkpoint_every
 
     # ------------------------------------------------------------------ set-up
-    def prepare(self, resume: bool) -> None:
-        from memaudit.federated.data import build_client_data
-        from memaudit.models.convert import hf_to_flax
-        from memaudit.models.flax_llama import FlaxLlama
-        from memaudit.models.init import flax_config, initial_state_dict, model_shape
+    def running(self, session: RunSession, resume: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
+    def prepare(self, session: RunSession) -> None:
+        """Data, clients, mesh, model, the DP plan, the algorithm and its initial state."""
+        self.session = session
         shape = model_shape(self.cfg.model)  # the checkpoint's with model.init_from, else the preset's
         self.vocab = shape.vocab_size
-        # staged and checked (tokenizer size, population) by the lifecycle: dispatch.check_data
+        # staged and checked (tokenizer size, population) by the lifecycle: checks.check_data
         if self.is_writer:
-            self.prepared = self.session.data()
+            self.prepared = session.data()
         self._barrier("data")
         if not self.is_writer:
-            self.prepared = self.session.data()
+            self.prepared = session.data()
         self.clients = build_client_data(self.prepared.train)
-        self.mesh = build_mesh(self.fcfg.mesh_clients, self.fcfg.mesh_model, shape)
+        self.mesh = self.runtime.mesh(self.cfg, shape)
         self.capacity = self._base_capacity()
         self.model = FlaxLlama(flax_config(self.cfg.model, self.vocab))
         # the same starting weights as the torch trainers (memaudit.models.init)
         self.params0 = hf_to_flax(initial_state_dict(self.cfg.model, self.vocab))
+        self.plan = self._privacy_plan() if self.private else None
         self.algorithm = self.build_algorithm()
+        self.runtime.attach(self)
         self._eval = self._build_eval()
+        self.state = self.algorithm.init(self._to_device(self.params0))
+        self.key_data = self._base_key()
 
     def _barrier(self, name: str) -> None:
-        import jax
-
         if jax.process_count() > 1:
-            from memaudit.federated.distributed import barrier
-
             barrier(f"memaudit-{name}")
 
     def build_aggregator(self) -> Any:
         """The aggregation stack by config: mean; secure aggregation around it; DP-FedAvg (central)
         around that, or distributed DP (discrete Gaussian over its own secure sum). None for the
         plain mean: `fedavg`'s own, which sums the deltas inside the clients' loop."""
-        from memaudit.federated.aggregators import mean_aggregator
-
         p = self.cfg.privacy
         base = mean_aggregator(self.mesh)
-        if self.private and p.mechanism == "distributed":
-            from memaudit.federated.ddp import distributed_dp_from_config
-
-            return distributed_dp_from_config(base, self.cfg, noise_multiplier=self._setup_ledger())
+        if self.plan is not None and p.mechanism == "distributed":
+            return distributed_dp_from_config(base, self.cfg, noise_multiplier=self.plan.noise_multiplier)
         if p.secure_aggregation.enabled:
-            from memaudit.federated.secagg.aggregator import secure_aggregation_from_config
-
             base = secure_aggregation_from_config(base, self.cfg)
-        if not self.private:
+        if self.plan is None:
             return base if p.secure_aggregation.enabled else None
-        from memaudit.federated.dp import dp_fedavg
-
-        return dp_fedavg(base, clip=p.clip, noise_multiplier=self._setup_ledger(),
+        return dp_fedavg(base, clip=p.clip, noise_multiplier=self.plan.noise_multiplier,
                          expected_cohort=float(self.fcfg.cohort), adaptive=p.adaptive_clipping)
 
-    def _setup_ledger(self) -> float:
-        """User-level ledger, delta, the mechanism and its (calibrated) noise multiplier z."""
-        from memaudit.federated.dp import dp_fedavg_mechanism
-        from memaudit.privacy.accounting import default_delta
-        from memaudit.privacy.ledger import PrivacyLedger
-        from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
-
+    def _privacy_plan(self) -> PrivacyPlan:
+        """User-level DP: delta, the mechanism and its (calibrated) noise multiplier z."""
         p, f = self.cfg.privacy, self.fcfg
         population = self.clients.num_users
-        self.sampling_rate = f.cohort / population
-        self.delta = p.delta if p.delta is not None else default_delta(population)
+        sampling_rate = f.cohort / population
+        delta = p.delta if p.delta is not None else default_delta(population)
         central = dp_fedavg_mechanism(noise_multiplier=0.0, expected_cohort=float(f.cohort), population=population,
                                       sampling=f.sampling, adaptive=p.adaptive_clipping)
         sigma = p.noise_multiplier
@@ -225,29 +224,22 @@ class FederatedTrainer:
             acc = "rdp" if p.accountant == "both" or f.sampling == "fixed" else p.accountant
             make = lambda z: central.with_noise(z).dp_event()
             if p.mechanism == "distributed":
-                from memaudit.federated.ddp import planned_event_of_config
-
                 make, acc = planned_event_of_config(self.cfg, self.params0), "rdp"
-            sigma = calibrate(p.target_epsilon, make, steps=f.rounds, delta=self.delta, accountant=acc, unit="user")
-        self.noise_multiplier = float(sigma)
-        self.mechanism = (DistributedDiscreteGaussian() if p.mechanism == "distributed"
-                          else central.with_noise(self.noise_multiplier))
-        self.ledger = PrivacyLedger(unit="user", delta=self.delta,
-                                    reproducible_randomness=p.reproducible_randomness)
-        return self.noise_multiplier
+            sigma = calibrate(p.target_epsilon, make, steps=f.rounds, delta=delta, accountant=acc, unit="user")
+        mechanism = (DistributedDiscreteGaussian() if p.mechanism == "distributed"
+                     else central.with_noise(float(sigma)))
+        return PrivacyPlan(unit="user", delta=delta, noise_multiplier=float(sigma), sampling_rate=sampling_rate,
+                           mechanism=mechanism, reproducible_randomness=p.reproducible_randomness)
 
-    def record_privacy(self, metrics: dict[str, Any]) -> None:
-        """Record this round's noise in the ledger (every round adds noise, even an empty one)."""
-        self.ledger.record_mechanism(self.mechanism, metrics)  # the mechanism declares its event
+    def privacy_plan(self) -> PrivacyPlan | None:
+        return self.plan
 
     def build_algorithm(self) -> Any:
-        from memaudit.federated import algorithms as alg
-
         f = self.fcfg
         loss_fn = make_loss_fn(self.model)
         server_opt = alg.make_server_optimizer(f.server_optimizer, self._server_lr())
         weighting = "uniform" if self.private else "examples"
-        if f.algorithm == "fedsgd":  # without DP or secure aggregation (dispatch checks)
+        if f.algorithm == "fedsgd":  # without DP or secure aggregation (checks refuse it)
             return alg.fedsgd(loss_fn, server_optimizer=server_opt, weighting=weighting, mesh=self.mesh)
         return alg.fedavg(
             loss_fn, client_optimizer=alg.make_client_optimizer(f.client_optimizer, f.client_lr),
@@ -261,27 +253,17 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ rounds
     def cohort(self, r: int) -> np.ndarray:
-        from memaudit.federated.cohorts import sample_cohort
-
         f = self.fcfg
         src = self._dp_randomness() if self.private else self.cfg.train.seed
         return sample_cohort(src, self.clients.num_users, f.cohort, f.sampling, round=r)
 
-    def _dp_randomness(self) -> Any:
-        """The DP run's secret randomness (256 bits of OS entropy, or derived from train.seed
-        with privacy.reproducible_randomness): RUN_DIR/dp_secret.json, written by process 0
-        before the first round and read back on resume; every JAX process gets process 0's.
-        Cohorts and each round's key are derived from it, never from train.seed."""
-        if getattr(self, "_dp_rand", None) is None:
-            import jax
-
-            from memaudit.privacy.randomness import DPRandomness
-
-            rand = DPRandomness.for_run(self.run.path, self.cfg.privacy, self.cfg.train.seed,
-                                        write=self.is_writer)
+    def _dp_randomness(self) -> DPRandomness:
+        """The DP run's secret randomness (`memaudit.lifecycle.dp_randomness`); every JAX process
+        gets process 0's. Cohorts and each round's key are derived from it, never from
+        train.seed."""
+        if self._dp_rand is None:
+            rand = dp_randomness(self.run, self.cfg, is_writer=self.is_writer)
             if jax.process_count() > 1:  # one secret per run: process 0's on every process
-                from jax.experimental import multihost_utils
-
                 sd = rand.state_dict()
                 words = np.frombuffer(bytes.fromhex(sd["secret"]), dtype="<u4").copy()
                 words = np.asarray(multihost_utils.broadcast_one_to_all(words), dtype="<u4")
@@ -292,8 +274,6 @@ class FederatedTrainer:
     def round_key(self, key: Any, r: int) -> Any:
         """Round r's key: derived from the secret by the PRF under DP (one key per round),
         else folded from the seed's base key."""
-        import jax
-
         if self.private:
             return self._dp_randomness().jax_key("round", r)
         return jax.random.fold_in(key, r)
@@ -302,11 +282,6 @@ class FederatedTrainer:
         """Clients dim of every round: the cohort (fixed sampling); for Poisson sampling a
         (1 - 1e-3) quantile of the cohort size where absent slots cost (nearly) nothing, else
         None (a power of two per round). Always a multiple of the clients mesh axis."""
-        import jax
-
-        from memaudit.federated.cohorts import poisson_capacity
-        from memaudit.federated.sharding import clients_axis_size
-
         f, k = self.fcfg, clients_axis_size(self.mesh)
         if f.sampling == "fixed":
             return -(-f.cohort // k) * k
@@ -320,17 +295,12 @@ class FederatedTrainer:
     def round_capacity(self, size: int) -> int:
         """Clients dim for a cohort of ``size``: the run's fixed capacity, so rounds reuse one
         compiled program, or else (and for a rare larger Poisson cohort) the next power of two."""
-        from memaudit.federated.cohorts import cohort_capacity
-        from memaudit.federated.sharding import clients_axis_size
-
         if self.capacity is not None and size <= self.capacity:
             return self.capacity
         return cohort_capacity(max(size, 1), multiple=clients_axis_size(self.mesh))
 
     def round_data(self, cohort: np.ndarray) -> Any:
         """The cohort's sequences as a padded `cohorts.ClientData` placed on the mesh."""
-        from memaudit.federated.cohorts import ClientData
-
         cap = self.round_capacity(len(cohort))
         c = self.clients
         s_max, length = c.input_ids.shape[1:]
@@ -348,10 +318,6 @@ class FederatedTrainer:
 
     def _place(self, x: np.ndarray, replicated: bool = False) -> Any:
         """Host array -> device array sharded over the clients axis (a global array across hosts)."""
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec
-
         if self.mesh is None:
             return jnp.asarray(x)
         spec = PartitionSpec() if replicated else PartitionSpec("clients")
@@ -362,18 +328,13 @@ class FederatedTrainer:
         """Keep the server state in one layout, so every round (and a resumed one) reuses one
         executable: replicated over the clients axis, the attention and MLP kernels (and their
         optimizer moments) split over a ``model`` axis."""
-        import jax
-
-        from memaudit.federated.sharding import server_shardings
-        from memaudit.models.flax_llama import kernel_axes
-
         if self.mesh is None:
             return state
         return jax.device_put(state, server_shardings(state, self.mesh, kernel_axes))
 
-    def run_round(self, state: Any, r: int, key: Any) -> tuple[Any, dict[str, Any]]:
-        import jax
-
+    def run_round(self, state: Any, r: int, key: Any) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
+        """Round r: (state, metrics line, what the DP mechanism's event depends on, or None when
+        the round released nothing)."""
         t0 = time.perf_counter()
         cohort = self.cohort(r)
         rec: dict[str, Any] = {"round": r + 1, "cohort": len(cohort)}
@@ -381,7 +342,7 @@ class FederatedTrainer:
             # An empty Poisson cohort sends nothing; FedAdam's momentum must not move the model.
             state = state._replace(round=state.round + 1)
             rec.update(loss=None, update_norm=0.0, tokens_per_s=0.0)
-            return state, rec
+            return state, rec, None
         state, m = self.algorithm_round(state, cohort, r, self.round_key(key, r))
         state = self._replicate(state)
         jax.block_until_ready(state.params)
@@ -391,14 +352,18 @@ class FederatedTrainer:
                    tokens_per_s=tokens / dt if dt > 0 else 0.0, round_seconds=dt)
         # An aborted secure-aggregation round released and applied nothing: no privacy event.
         # (Whether a round aborts depends on the realized cohort; `docs/secure-aggregation.md`.)
-        if self.ledger is not None and not int(m.get("secagg_aborted", 0) or 0):
-            self.record_privacy(m)
+        released = None if int(m.get("secagg_aborted", 0) or 0) else dict(m)
         rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
-        return state, rec
+        return state, rec, released
 
     def algorithm_round(self, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
-        """One round of the algorithm on the cohort's data (the Flower runtime overrides it)."""
-        return self.algorithm.round(state, self.round_data(cohort), key)
+        """One round of the algorithm on the cohort, on the trainer's runtime."""
+        return self.runtime.round(self, state, cohort, r, key)
+
+    def step(self, i: int) -> StepOutcome:
+        """The driver's step: one round; under DP every round that was not aborted releases."""
+        self.state, rec, released = self.run_round(self.state, i, self.key)
+        return StepOutcome(rec, released=self.private and released is not None, privacy_metrics=released)
 
     def _round_tokens(self, cohort: np.ndarray) -> int:
         """Token positions the clients processed this round (local batches x steps, or all data)."""
@@ -411,11 +376,6 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ evaluation
     def _build_eval(self) -> Callable:
-        import jax
-        import jax.numpy as jnp
-
-        from memaudit.models.flax_llama import causal_lm_loss
-
         model = self.model
 
         @jax.jit
@@ -444,146 +404,79 @@ class FederatedTrainer:
 
         return evaluate
 
+    def evaluate(self) -> tuple[float, float]:
+        return self._eval(self.host(self.state.params))
+
     # ------------------------------------------------------------------ checkpoints
     def host(self, tree: Any) -> Any:
         """Server-side pytree -> numpy on this host (gathers global arrays across processes)."""
-        import jax
 
         def one(x):
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
                 if x.is_fully_replicated:
                     return np.asarray(x.addressable_data(0))
-                from jax.experimental import multihost_utils
-
                 return np.asarray(multihost_utils.process_allgather(x, tiled=True))
             return np.asarray(x)
 
         return jax.tree.map(one, tree)
 
-    def save_checkpoint(self, state: Any, key_data: np.ndarray) -> None:
-        from memaudit.federated import run as fr
+    def has_checkpoint(self) -> bool:
+        return fckpt.has_state(self.run)
 
-        host = self.host(state)
+    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+        """The server state after `done` rounds and the run's base key (msgpack + JSON)."""
+        host = self.host(self.state)  # a collective across processes: every process takes part
         if not self.is_writer:
             return
-        r = int(host.round)
-        scalars = {"round": r, "metrics_count": r, "key": key_data.tolist(),
-                   "initial_holdout_loss": self.initial_holdout[0],
-                   "initial_holdout_perplexity": self.initial_holdout[1]}
-        files = {"privacy.json": self.ledger.to_json()} if self.ledger is not None else None
-        with self.session.checkpoint(r) as d:
-            fr.write_state(d, host, scalars, files)
-        self.write_ledger()
+        with session.checkpoint(done) as d:
+            fckpt.write_state(d, host, {**scalars, "key": self.key_data.tolist()}, files or None)
 
-    def restore_checkpoint(self, template: Any) -> tuple[Any, np.ndarray]:
-        from memaudit.federated import run as fr
+    def load(self, session: RunSession) -> dict[str, Any]:
+        """state/ into the server state (its template: the freshly initialised one)."""
+        host_state, scalars = fckpt.load_state(self.run, self.host(self.state))
+        self.state = self._to_device(host_state)
+        self.key_data = np.asarray(scalars["key"], dtype=np.uint32)
+        return scalars
 
-        state, scalars = fr.load_state(self.run, self.host(template))
-        if self.ledger is not None:
-            saved = self.session.state_file("privacy.json")
-            if saved is not None:
-                from memaudit.privacy.ledger import PrivacyLedger
-
-                self.ledger = PrivacyLedger.from_json(saved)
-        self.initial_holdout = (scalars["initial_holdout_loss"], scalars["initial_holdout_perplexity"])
-        return state, np.asarray(scalars["key"], dtype=np.uint32)
-
-    def write_ledger(self) -> None:
-        if self.ledger is not None:
-            self.session.write_ledger(self.ledger.to_json())
-
-    # ------------------------------------------------------------------ driver
+    # ------------------------------------------------------------------ the driver's hooks
     def _base_key(self) -> np.ndarray:
         """Raw key data of the run's base key: train.seed, or under DP one derived from the run's
         secret (`_dp_randomness`; round keys are derived from the secret itself)."""
-        import jax
-
         if not self.private:
             return np.asarray(jax.random.key_data(jax.random.key(self.cfg.train.seed)), dtype=np.uint32)
         return self._dp_randomness().jax_key_data("federated-base", 0).astype(np.uint32)
 
     def _to_device(self, tree: Any) -> Any:
-        import jax
-
         return jax.tree.map(lambda x: self._place(np.asarray(x), replicated=True), tree)
 
-    def _notify(self, done: int, info: dict[str, Any]) -> None:
-        if self.progress is not None:
-            self.progress(done, self.fcfg.rounds, info)
+    def begin(self) -> None:
+        """The server state in its one layout, the base key, and every process entering the
+        first round's collectives together."""
+        self.state = self._replicate(self.state)
+        self.key = jax.random.wrap_key_data(self.key_data)
+        self._barrier("start")
 
-    def _train(self, resume: bool) -> dict[str, Any]:
-        import jax
-
-        from memaudit.federated.sharding import clients_axis_size, model_axis_size
-
-        t0 = time.perf_counter()
-        self.prepare(resume)
-        state = self.algorithm.init(self._to_device(self.params0))
-        from memaudit.federated import run as fr
-
-        if resume and fr.has_state(self.run):
-            host_state, key_data = self.restore_checkpoint(state)
-            state = self._to_device(host_state)
-        else:
-            key_data = self._base_key()
-            self.initial_holdout = self._eval(self.params0)
-        state = self._replicate(state)
-        start = int(self.host(state.round))
-        self.session.start(start)
-        key = jax.random.wrap_key_data(key_data)
-        total, last = self.fcfg.rounds, {}
-        self._barrier("start")  # processes enter the first round's collectives together
-        self._notify(start, {"phase": "training"})
-        for r in range(start, total):
-            state, rec = self.run_round(state, r, key)
-            done = r + 1
-            if done % self.fcfg.eval_every == 0 or done == total:
-                rec["holdout_loss"], rec["holdout_perplexity"] = self._eval(self.host(state.params))
-            self.session.log(rec)
-            if done % self.fcfg.checkpoint_every == 0 and done < total:
-                self.save_checkpoint(state, key_data)
-            self._notify(done, rec)
-            last = rec
-        params = self.host(state.params)
-        final = ((last["holdout_loss"], last["holdout_perplexity"]) if "holdout_loss" in last
-                 else self._eval(params))
+    def export(self, session: RunSession) -> None:
+        params = self.host(self.state.params)
         if self.is_writer:
-            from memaudit.models.convert import to_hf_model
-            from memaudit.models.init import hf_config
-
             hf = to_hf_model(params, config=hf_config(self.cfg.model, vocab_size=self.vocab))
-            self.session.export_hf(hf, tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
-        self.write_ledger()
+            session.export_hf(hf, tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
+
+    def finish(self) -> None:
         self._barrier("done")  # no process leaves while the writer still exports
-        result = {
-            "steps": total, "rounds": total,
-            "final_holdout_loss": final[0], "final_holdout_perplexity": final[1],
-            "initial_holdout_loss": self.initial_holdout[0],
-            "initial_holdout_perplexity": self.initial_holdout[1],
-            # the training loss is a statistic of the private data: not in run.json under DP
-            "final_train_loss": None if self.private else last.get("loss"),
-            "clients": self.clients.num_users, "train_sequences": len(self.prepared.train),
-            "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
-            "devices": len(jax.devices()), "processes": jax.process_count(),
-            "mesh_clients": clients_axis_size(self.mesh), "mesh_model": model_axis_size(self.mesh),
-            "train_seconds": time.perf_counter() - t0,
-            "resumed_from_round": start if resume else None,
-        }
-        if self.ledger is not None:
-            result["privacy"] = {"noise_multiplier": self.noise_multiplier, "sampling_rate": self.sampling_rate,
-                                 "delta": self.delta, "unit": "user",
-                                 "epsilon": self.ledger.to_json().get("epsilon")}
-        return result
+
+    def train_sequences(self) -> int:
+        return len(self.prepared.train)
+
+    def parameters(self) -> int:
+        return int(sum(np.size(x) for x in jax.tree.leaves(self.params0)))
+
+    def details(self) -> dict[str, Any]:
+        return {"clients": self.clients.num_users, "devices": len(jax.devices()),
+                "processes": jax.process_count(), "mesh_clients": clients_axis_size(self.mesh),
+                "mesh_model": model_axis_size(self.mesh)}
 
     def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) inside the run lifecycle (lock, manifest, signals)."""
-        from memaudit.federated.run import BACKEND
-        from memaudit.lifecycle import RunSession
-
-        session = RunSession(self.run, self.cfg, backend=BACKEND, resume=resume, is_writer=self.is_writer,
-                             hold_lock=not lock_held, overwrite=overwrite)
-        with session:
-            self.session = session
-            result = self._train(resume)
-            session.complete(result)
-        return result
+        """Run (or resume) through the driver inside the run lifecycle (lock, manifest, signals)."""
+        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
+                           progress=self.progress)

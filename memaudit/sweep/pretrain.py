@@ -166,7 +166,7 @@ def ensure_public_base(cfg: Any, out_dir: str | Path, progress: Progress = None,
     (centralized, no DP) through the normal run lifecycle. Returns the Hugging Face model
     directory (weights + tokenizer) every point starts from.
     """
-    from memaudit.dispatch import check_before_disk
+    from memaudit.checks import check_before_disk
     from memaudit.rundir import RunDir
 
     base_cfg = public_base_config(cfg, size=size, tokenizer=tokenizer)
@@ -229,7 +229,7 @@ def _write_reference(run_cfg: Any, rd: Any) -> None:
     """The reference run through the run lifecycle: data staged, no step, the base exported."""
     import torch
 
-    from memaudit.dispatch import check_before_disk
+    from memaudit.checks import check_before_disk
     from memaudit.lifecycle import RunSession
     from memaudit.models.init import initial_model
     from memaudit.train.evaluate import holdout_loss

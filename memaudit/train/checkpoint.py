@@ -19,6 +19,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memaudit.checkpoints import checkpoint_present
 from memaudit.errors import MemauditError, RunDirError
 from memaudit.io import atomic_write_json, read_json
 
@@ -31,8 +32,6 @@ STATE_SCHEMA = 1
 
 
 def has_state(run: RunDir) -> bool:
-    from memaudit.lifecycle import checkpoint_present
-
     return checkpoint_present(run.state_dir)
 
 

@@ -12,7 +12,9 @@ the RNG, the DP noise-generator state and the number of torch CPU threads (which
 the CPU kernels split their float reductions; a resume runs on the checkpoint's count); so on
 the CPU an interrupted-and-resumed run ends with weights bit-identical to an uninterrupted one.
 
-One `Trainer` runs every layout by composition: it takes a `Layout`
+The loop, evaluation schedule, checkpoints, ledger and result are the one training driver's
+(`memaudit.driver.fit`); `Trainer` is the torch backend it drives. One `Trainer` runs every
+layout by composition: it takes a `Layout`
 (`memaudit.train.layout`) that says where the model lives, `SerialLayout` for one process or
 `memaudit.parallel.layout.TensorParallelLayout` for the data x (x, y, z) grid (one per rank,
 started by `memaudit.parallel.launch`). The layout builds or parallelises the seeded model,
@@ -37,12 +39,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memaudit.config import Config
-from memaudit.lifecycle import RunSession
+from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
+from memaudit.lifecycle import RunSession, dp_randomness
+from memaudit.models.init import initial_model
+from memaudit.models.presets import LARGE_PRESETS, model_vocab_size
+from memaudit.privacy.accounting import default_delta
+from memaudit.privacy.calibrate import calibrate_noise
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train.batches import EpochBatches
+from memaudit.train.dpsgd import DPSGD
 from memaudit.train.evaluate import is_right_padded, target_mask
+from memaudit.train.goldfish import goldfish_mask
 from memaudit.train.layout import Batch, Layout, SerialLayout, autocast, make_optimizer
+from memaudit.train.sampling import PoissonSampler
 from memaudit.train.schedule import lr_at
 
 if TYPE_CHECKING:
@@ -51,7 +61,7 @@ if TYPE_CHECKING:
     from memaudit.data.packing import PackedSequences
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
-BACKEND = "parallel"
+BACKEND = "parallel"  # the centralized backend's name in run.json
 
 
 def train_centralized(
@@ -107,16 +117,18 @@ def cpu_threads(n: int | None) -> Iterator[None]:
 
 
 class Trainer:
-    """The one centralized trainer: step, evaluation and checkpoint loop over a `Layout`.
+    """The centralized backend of the training driver (`memaudit.driver.Backend`): one step,
+    evaluation, checkpoint format and DP-SGD over a `Layout`.
 
     Everything that depends on where the model lives (one process, or the data x (x, y, z)
     grid) is asked of `layout`; nothing here is meant to be overridden.
     """
 
+    name = BACKEND
+    counter = "step"
+
     def __init__(self, cfg: Config, run: RunDir, layout: Layout | None = None, *,
                  progress: ProgressFn | None = None) -> None:
-        from memaudit.models.presets import LARGE_PRESETS
-
         self.layout: Layout = layout if layout is not None else SerialLayout(cfg)
         self.cfg, self.run = cfg, run
         self.progress = progress if self.layout.is_writer else None  # only the writer reports
@@ -130,13 +142,24 @@ class Trainer:
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
         self.dp: Any = None
-        self.ledger: Any = None
+        self.plan: PrivacyPlan | None = None
         self.noise_multiplier: float | None = None
-        self.initial_holdout: tuple[float, float] = (math.nan, math.nan)
 
     @property
     def is_writer(self) -> bool:
         return self.layout.is_writer
+
+    @property
+    def total(self) -> int:
+        return self.tcfg.steps
+
+    @property
+    def eval_every(self) -> int:
+        return self.tcfg.eval_every
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.tcfg.checkpoint_every
 
     # ------------------------------------------------------------------ configuration
     def _autocast_dtype(self, large: bool) -> torch.dtype | None:
@@ -148,16 +171,12 @@ class Trainer:
         return None
 
     def model_vocab_size(self) -> int:
-        from memaudit.models.presets import model_vocab_size
-
         return model_vocab_size(self.cfg.model)
 
     # ------------------------------------------------------------------ model and optimizer
     def build_model(self, vocab_size: int) -> torch.nn.Module:
         """The seeded fp32 model on the layout's device (activation checkpointing if asked),
         laid out by the layout."""
-        from memaudit.models.init import initial_model
-
         model = initial_model(self.cfg.model, vocab_size)
         model.config.use_cache = False
         if self.activation_checkpointing:
@@ -184,8 +203,6 @@ class Trainer:
         mask = target_mask(am)
         gf = self.tcfg.goldfish
         if gf.enabled:
-            from memaudit.train.goldfish import goldfish_mask
-
             mask &= goldfish_mask(ids, k=gf.k, h=gf.h).to(mask.device)
         return Batch(ids, am, mask, is_right_padded(am_np))
 
@@ -241,7 +258,6 @@ class Trainer:
         if self.private:
             stats = self.private_gradients(step, rows)
             gnorm = self.grad_norm()
-            self.ledger_step()
         else:
             stats = self.compute_gradients(self.make_batch(rows))
             gnorm = self.clip_gradients()
@@ -254,6 +270,10 @@ class Trainer:
         rec.update(stats)
         return rec
 
+    def step(self, i: int) -> StepOutcome:
+        """The driver's step: one update; under DP every step releases a noisy gradient."""
+        return StepOutcome(self.train_step(i), released=self.private)
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> tuple[float, float]:
         return self.layout.evaluate(self.model, self.holdout_set,
@@ -262,100 +282,81 @@ class Trainer:
 
     # ------------------------------------------------------------------ privacy
     def setup_privacy(self) -> None:
-        from memaudit.privacy.accounting import default_delta
-        from memaudit.train.sampling import PoissonSampler
-
+        """DP-SGD: σ (calibrated to the target ε if given), the run's secret randomness shared by
+        the Poisson sampler and the noise, and the plan the driver's ledger records."""
         p, n = self.cfg.privacy, len(self.train_set)
-        q = self.tcfg.batch_size / n  # <= 1: dispatch.check_data refused a larger batch
+        q = self.tcfg.batch_size / n  # <= 1: checks.check_data refused a larger batch
         delta = p.delta if p.delta is not None else default_delta(n)
-        sigma, self.calibration = p.noise_multiplier, None
+        sigma, calibration = p.noise_multiplier, None
         if sigma is None:
-            from memaudit.privacy.calibrate import calibrate_noise
-
             acc = "rdp" if p.accountant == "both" else p.accountant
             sigma = calibrate_noise(p.target_epsilon, q=q, steps=self.tcfg.steps, delta=delta, accountant=acc)
-            self.calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
-                                "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
-        self.noise_multiplier, self.sampling_rate, self.delta = float(sigma), q, delta
-        # privacy: one secret per run, shared by the sampler and the noise. The writer keeps it in
-        # state/ before the other ranks prepare (they read it there: no collective inside prepare)
-        from memaudit.privacy.randomness import DPRandomness
-
-        # RUN_DIR/dp_secret.json: outside state/, which the lifecycle replaces only by sealed checkpoints
-        self.randomness = DPRandomness.for_run(self.run.path, p, self.tcfg.seed, write=self.is_writer)
+            calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
+                           "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
+        self.noise_multiplier = float(sigma)
+        # one secret per run, shared by the sampler and the noise; the writer keeps it before the
+        # other ranks prepare (they read it: no collective inside prepare)
+        self.randomness = dp_randomness(self.run, self.cfg, is_writer=self.is_writer)
         self.sampler = PoissonSampler(n, q, self.randomness)
-        from memaudit.train.dpsgd import DPSGD
-
         # one DP-SGD for every layout; the per-example norms, clipped sum and noise are the layout's
         self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=float(sigma),
                         expected_batch_size=self.sampler.expected_batch_size, randomness=self.randomness,
                         population=n, micro_batch_size=self.tcfg.micro_batch_size,
                         clipping=self.layout.dp_clipping(self.model, "ghost"))
-        self.ledger = self.new_ledger()
+        counts = np.bincount(self.train_set.user_index) if n else np.zeros(1, int)
+        self.plan = PrivacyPlan(unit="example", delta=delta, noise_multiplier=float(sigma), sampling_rate=q,
+                                mechanism=self.dp.mechanism, calibration=calibration,
+                                max_sequences_per_user=int(counts.max()),
+                                reproducible_randomness=self.randomness.reproducible)
 
-    def new_ledger(self) -> Any:
-        from memaudit.privacy.ledger import PrivacyLedger
-
-        counts = np.bincount(self.train_set.user_index) if len(self.train_set) else np.zeros(1, int)
-        return PrivacyLedger(unit="example", delta=self.delta, max_sequences_per_user=int(counts.max()),
-                             calibration=self.calibration, reproducible_randomness=self.randomness.reproducible)
-
-    def ledger_step(self) -> None:
-        self.ledger.record_mechanism(self.dp.mechanism)  # the mechanism declares its own event
-
-    def ledger_json(self) -> dict[str, Any] | None:
-        return None if self.ledger is None else self.ledger.to_json()
-
-    def write_ledger(self) -> None:
-        if self.ledger is not None:
-            self.session.write_ledger(self.ledger_json())
+    def privacy_plan(self) -> PrivacyPlan | None:
+        return self.plan
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int) -> None:
+    def has_checkpoint(self) -> bool:
+        return ckpt.has_state(self.run)
+
+    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+        """The layout's checkpoint of `done` steps: weights, optimizer, RNG, the DP-SGD state,
+        and the thread count the CPU kernels split their reductions by (exact resume)."""
         import torch
 
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
-        ledger = self.ledger_json() if self.ledger is not None and self.is_writer else None
-        files = {"privacy.json": ledger} if ledger is not None else None  # accounted once, saved twice
-        scalars = {"step": step, "metrics_count": step, "initial_holdout_loss": self.initial_holdout[0],
-                   "initial_holdout_perplexity": self.initial_holdout[1],
-                   "noise_multiplier": self.noise_multiplier, "torch_threads": torch.get_num_threads()}
-        self.layout.write_state(self.session, step, self.model, self.optimizer, scalars=scalars,
-                                extra=extra, files=files)
-        self.session.write_ledger(ledger)
+        scalars = {**scalars, "noise_multiplier": self.noise_multiplier, "torch_threads": torch.get_num_threads()}
+        self.layout.write_state(session, done, self.model, self.optimizer, scalars=scalars, extra=extra,
+                                files=files or None)
 
     def read_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load state/ (in whatever layout it was written) into the model, optimizer and RNG."""
         return self.layout.read_state(self.run, self.model, self.optimizer)
 
-    def restore_checkpoint(self) -> int:
-        """Load state/ into the model, optimizer, RNG and DP state; return the step to start at."""
+    def load(self, session: RunSession) -> dict[str, Any]:
+        """state/ into the model, optimizer, RNG and DP-SGD state; returns its scalars."""
         scalars, extra = self.read_state()
         if self.dp is not None and "dp" in extra:
             self.dp.load_state_dict(extra["dp"])
-        if self.ledger is not None:
-            saved = self.session.state_file("privacy.json")
-            if saved is not None:
-                from memaudit.privacy.ledger import PrivacyLedger
+        return scalars
 
-                self.ledger = PrivacyLedger.from_json(saved)
-                self.ledger.truncate_steps(int(scalars["step"]))
-        self.initial_holdout = (scalars["initial_holdout_loss"], scalars["initial_holdout_perplexity"])
-        return int(scalars["step"])
-
-    def export_model(self) -> None:
+    def export(self, session: RunSession) -> None:
         """The merged Hugging Face model into model/ (the writer writes; a collective on a grid)."""
-        self.layout.export_model(self.session, self.model, self.prepared)
+        self.layout.export_model(session, self.model, self.prepared)
 
-    # ------------------------------------------------------------------ driver
-    def prepare(self, resume: bool) -> None:
+    # ------------------------------------------------------------------ the driver's hooks
+    @contextlib.contextmanager
+    def running(self, session: RunSession, resume: bool) -> Iterator[None]:
+        """Deterministic CPU kernels, on the checkpoint's thread count when resuming."""
+        with deterministic(self.device), cpu_threads(self._checkpoint_threads() if resume else None):
+            yield
+
+    def prepare(self, session: RunSession) -> None:
         """Data, model, optimizer, sampler (and DP) for this run; the writer's first."""
+        self.session = session
         with self.layout.writer_first():
             self._prepare()
 
     def _prepare(self) -> None:
         vocab = self.model_vocab_size()
-        # staged by the lifecycle; tokenizer size and set sizes checked then (`dispatch.check_data`)
+        # staged by the lifecycle; tokenizer size and set sizes checked then (`checks.check_data`)
         self.prepared = self.session.data()
         self.train_set: PackedSequences = self.prepared.train
         self.holdout_set: PackedSequences = self.prepared.holdout
@@ -365,75 +366,27 @@ class Trainer:
         if self.private:
             self.setup_privacy()
 
-    def _notify(self, done: int, info: dict[str, Any]) -> None:
-        if self.progress is not None:
-            self.progress(done, self.tcfg.steps, info)
+    def begin(self) -> None:
+        """Nothing to synchronise: every rank computes the same batches from (seed, step)."""
 
-    def _loop(self, start: int) -> dict[str, Any]:
-        total = self.tcfg.steps
-        last: dict[str, Any] = {}
-        for step in range(start, total):
-            rec = self.train_step(step)
-            done = step + 1
-            if done % self.tcfg.eval_every == 0 or done == total:
-                rec["holdout_loss"], rec["holdout_perplexity"] = self.evaluate()
-            self.session.log(rec)
-            if done % self.tcfg.checkpoint_every == 0 and done < total:
-                self.save_checkpoint(done)
-            self._notify(done, rec)
-            last = rec
-        return last
+    def finish(self) -> None:
+        """The export was the collective that ends a grid's run."""
 
-    def _train(self, resume: bool) -> dict[str, Any]:
+    def train_sequences(self) -> int:
+        return len(self.train_set)
+
+    def parameters(self) -> int:
+        return self.layout.num_parameters(self.model)
+
+    def details(self) -> dict[str, Any]:
         import torch
 
-        t0 = time.perf_counter()
-        self.prepare(resume)
-        start = 0
-        if resume and ckpt.has_state(self.run):
-            start = self.restore_checkpoint()
-        else:
-            self.initial_holdout = self.evaluate()
-        self.session.start(start)
-        self._notify(start, {"phase": "training"})
-        last = self._loop(start)
-        if "holdout_loss" in last:
-            final = (last["holdout_loss"], last["holdout_perplexity"])
-        else:  # resumed at the very end: nothing left to run
-            final = self.evaluate()
-        self.export_model()
-        self.write_ledger()
-        result = {
-            "steps": self.tcfg.steps,
-            "final_holdout_loss": final[0],
-            "final_holdout_perplexity": final[1],
-            "initial_holdout_loss": self.initial_holdout[0],
-            "initial_holdout_perplexity": self.initial_holdout[1],
-            # the training loss is a statistic of the private data: not in run.json under DP
-            "final_train_loss": None if self.private else last.get("loss"),
-            "train_sequences": len(self.train_set),
-            "parameters": self.layout.num_parameters(self.model),
-            "device": self.device.type,
-            "train_seconds": time.perf_counter() - t0,
-            "resumed_from_step": start if resume else None,
-            "torch_threads": torch.get_num_threads(),
-        }
-        if self.ledger is not None:
-            result["privacy"] = {"noise_multiplier": self.noise_multiplier, "sampling_rate": self.sampling_rate,
-                                 "delta": self.delta, "epsilon": self.ledger_json().get("epsilon")}
-        return result
+        return {"device": self.device.type, "torch_threads": torch.get_num_threads()}
 
     def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) training inside the run lifecycle (lock, manifest, signals)."""
-        session = RunSession(self.run, self.cfg, backend=BACKEND, resume=resume, is_writer=self.is_writer,
-                             hold_lock=not lock_held, overwrite=overwrite,
-                             data_progress=lambda i, n, info: self._notify(0, {"phase": "data", **info}))
-        with session, deterministic(self.device):
-            self.session = session
-            with cpu_threads(self._checkpoint_threads() if resume else None):
-                result = self._train(resume)
-            session.complete(result)
-        return result
+        """Run (or resume) training through the driver inside the run lifecycle."""
+        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
+                           progress=self.progress)
 
     def _checkpoint_threads(self) -> int | None:
         """The torch CPU thread count the checkpoint was written on (None: no checkpoint, or one

@@ -7,7 +7,7 @@ rows computed here (the oracle: `quantise.encode` row by row with each slot's ge
 the server receives holds no quantised row. A node that dies before sending its masked input
 drops its users from the sum; one that dies after it stays in the sum; below min_survivors the
 round aborts. Trainer level: FedAvg, DP-FedAvg with adaptive clipping and distributed DP, all
-with secure aggregation, on `FlowerTrainer` with in-process nodes end with the in-JAX run's
+with secure aggregation, on `flower_trainer` with in-process nodes end with the in-JAX run's
 weights.
 """
 
@@ -292,7 +292,7 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
     from safetensors.numpy import load_file
 
     from memaudit.config import load_config
-    from memaudit.federated.flower.trainer import FlowerTrainer
+    from memaudit.federated.flower.trainer import flower_trainer
     from memaudit.federated.trainer import FederatedTrainer
     from memaudit.rundir import RunDir
     from tests.test_lifecycle import merged_metrics
@@ -301,7 +301,7 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
     over = [*overrides, *CASES[case]]
     FederatedTrainer(load_config(None, over), RunDir(root / f"{case}-jax")).fit()
     nodes = _TrainerNodes(partitions)
-    FlowerTrainer(load_config(None, [*over, "federated.runtime=flower"]), RunDir(root / f"{case}-flower"),
+    flower_trainer(load_config(None, [*over, "federated.runtime=flower"]), RunDir(root / f"{case}-flower"),
                   nodes).fit()
     a = load_file(str(root / f"{case}-jax" / "model" / "model.safetensors"))
     b = load_file(str(root / f"{case}-flower" / "model" / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""FlowerTrainer (the ServerApp's trainer) against nodes in this process: the run directory of
+"""flower_trainer (the ServerApp's trainer) against nodes in this process: the run directory of
 an in-JAX run (weights, metrics, checkpoints), and a run interrupted after round 2 and resumed
 ends with the uninterrupted in-JAX run's weights."""
 
@@ -68,7 +68,7 @@ def _weights(run):
 
 def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
     from memaudit.config import load_config
-    from memaudit.federated.flower.trainer import FlowerTrainer
+    from memaudit.federated.flower.trainer import flower_trainer
     from memaudit.federated.trainer import FederatedTrainer
     from memaudit.rundir import RunDir
 
@@ -84,9 +84,9 @@ def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        FlowerTrainer(cfg, RunDir(run), _Nodes(partitions), progress=stop_after_two).fit()
+        flower_trainer(cfg, RunDir(run), _Nodes(partitions), progress=stop_after_two).fit()
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
-    result = FlowerTrainer(cfg, RunDir(run), _Nodes(partitions)).fit(resume=True)
+    result = flower_trainer(cfg, RunDir(run), _Nodes(partitions)).fit(resume=True)
     assert result["resumed_from_round"] == 2
     a, b = _weights(jax_run), _weights(run)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL

@@ -146,7 +146,7 @@ def test_model_axis_must_divide_heads_kv_heads_and_intermediate(size, what):
 
 def test_build_mesh_layouts_and_bad_sizes():
     from memaudit.errors import MemauditError
-    from memaudit.federated.trainer import build_mesh
+    from memaudit.federated.mesh import build_mesh
 
     mesh = build_mesh(None, 2, "tiny")
     assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == {"clients": 4, "model": 2}

@@ -115,10 +115,10 @@ def test_loss_fn_is_per_sequence_token_mean():
 
 # ---------------------------------------------------------------------------- bad input
 def test_bad_input_one_line_each(tmp_path, capsys):
+    from memaudit.checks import check_population
     from memaudit.cli import main
     from memaudit.config import load_config
     from memaudit.errors import ConfigError, MemauditError
-    from memaudit.federated.trainer import check_population
 
     with pytest.raises(ConfigError, match="local_steps"):
         load_config(None, ["federated.local_steps=0"])
@@ -267,7 +267,7 @@ def test_dp_fedavg_run_records_a_user_level_ledger(overrides, tmp_path):
 # second checkpoint's swap, the moment when state/ is moved aside and the new one not yet in.
 SWAP_KILL_SCRIPT = """
 import json, os, signal, sys
-import memaudit.lifecycle as lc
+import memaudit.checkpoints as lc
 from memaudit.config import load_config
 from memaudit.rundir import RunDir
 from memaudit.federated.trainer import train_federated

@@ -254,7 +254,7 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         """Sharded save of the trained model and AdamW; loading into a fresh model of this grid
         (own shard, and the assemble-and-slice path) gives them back bit for bit, and the
         assembled shards are the merged weights; rank 0 alone holds the dst=0 merge."""
-        from memaudit.lifecycle import seal, swap_in
+        from memaudit.checkpoints import seal, swap_in
         from memaudit.parallel.checkpoint import ShardReader, load_sharded, save_sharded
         from memaudit.rundir import RunDir
 

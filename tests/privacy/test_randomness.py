@@ -8,6 +8,7 @@ import torch
 
 from memaudit.config import load_config
 from memaudit.data.packing import PackedSequences
+from memaudit.driver import new_ledger
 from memaudit.privacy.randomness import SECRET_FILE, DPRandomness
 from memaudit.rundir import RunDir
 
@@ -79,7 +80,7 @@ def test_two_runs_same_config_and_seed_draw_different_batches_and_noise(tmp_path
     a, b = _trainer(tmp_path, "a"), _trainer(tmp_path, "b")
     (ba, na), (bb, nb) = _draws(a), _draws(b)
     assert ba != bb and not torch.equal(na, nb)
-    assert a.ledger.to_json()["reproducible_randomness"] is False
+    assert new_ledger(a.privacy_plan()).to_json()["reproducible_randomness"] is False
     # the secret is kept in dp_secret.json before any step, and never derived from train.seed
     assert (a.run.path / SECRET_FILE).is_file()
     assert a.randomness != DPRandomness.from_seed(a.cfg.train.seed)
@@ -90,7 +91,7 @@ def test_reproducible_mode_draws_the_same_and_is_recorded(tmp_path):
     b = _trainer(tmp_path, "b", "privacy.reproducible_randomness=true")
     (ba, na), (bb, nb) = _draws(a), _draws(b)
     assert ba == bb and torch.equal(na, nb)
-    led = a.ledger.to_json()
+    led = new_ledger(a.privacy_plan()).to_json()
     assert led["reproducible_randomness"] is True
     assert led["guarantees"]["release"]["void_if_seed_known"] is True
 

@@ -78,7 +78,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_run, tmp_path, capsys):
 
 SWAP_KILL = """
 import os, signal, sys
-import memaudit.lifecycle as lc
+import memaudit.checkpoints as lc
 from memaudit.cli import main
 lc._between_renames = lambda: os.kill(os.getpid(), signal.SIGKILL)
 main(sys.argv[1:])

@@ -4,8 +4,8 @@
 `memaudit.federated.trainer.train_federated`): it checks that Flower is installed and the
 SuperLink reachable, writes a small Flower App (`memaudit.federated.flower.deploy`) and submits
 it with ``flwr run``. The SuperLink starts memaudit's ``ServerApp``, which runs
-`FlowerTrainer` on the run directory: the in-JAX `FederatedTrainer` (same cohorts, keys, ledger,
-metrics, checkpoints, Hugging Face export, resume) whose rounds run the partitioned program
+`FederatedTrainer` on the run directory with a `FlowerRuntime` (the same driver, cohorts, keys,
+ledger, metrics, checkpoints, Hugging Face export and resume as in JAX), whose rounds run the partitioned program
 (`memaudit.federated.flower.partition`): server stages in the ServerApp, client stages on the
 SuperNodes that host the sampled users. A SuperNode that does not answer a stage within
 ``federated.flower.stage_timeout`` is dropped for the round with all its users (their slots
@@ -33,10 +33,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from memaudit.config import config_from_dict, dump_config
 from memaudit.errors import ConfigError, MemauditError
+from memaudit.federated.algorithms import host_metrics
+from memaudit.federated.cohorts import ClientData
+from memaudit.federated.flower import deploy, wire
+from memaudit.federated.flower.apps import HELLO, SECAGG, STAGE
+from memaudit.federated.flower.execute import Resident, call_to_wire, run_round
+from memaudit.federated.flower.nodes import client_digests
+from memaudit.federated.flower.partition import compile_plan
+from memaudit.federated.secagg.remote import ClientRows, NodeChannel
 from memaudit.federated.trainer import FederatedTrainer
+from memaudit.io import atomic_write_json, read_json
+from memaudit.lifecycle import one_line_error
+from memaudit.rundir import RunDir
 
 PLACED = {"[1].examples['input_ids']": "input_ids",
           "[1].examples['attention_mask']": "attention_mask", "[1].mask": "example_mask"}
@@ -65,10 +79,7 @@ class FlowerNodes:
     def connect(self, digests: dict[str, str]) -> dict[str, int]:
         """Ask every node which users it hosts; returns user -> node. One-line errors for a node
         without a partition, a user hosted twice or by no node, or data that is not the run's."""
-        from flwr.app import Message
-
-        from memaudit.federated.flower import wire
-        from memaudit.federated.flower.apps import HELLO
+        from flwr.app import Message  # flwr: the optional flower extra
 
         nodes = self._wait_for_nodes()
         msgs = [Message(wire.content({}), dst_node_id=n, message_type=f"query.{HELLO}") for n in nodes]
@@ -102,10 +113,7 @@ class FlowerNodes:
     def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
         """One exchange of a secure-aggregation round; a node that fails or does not answer
         within ``federated.flower.stage_timeout`` is absent from the replies (it dropped)."""
-        from flwr.app import Message
-
-        from memaudit.federated.flower import wire
-        from memaudit.federated.flower.apps import SECAGG
+        from flwr.app import Message  # flwr: the optional flower extra
 
         msgs = [Message(wire.content(p), dst_node_id=n, message_type=f"train.{SECAGG}",
                         group_id=f"{p['round']}-{p['step']}") for n, p in payloads.items()]
@@ -116,11 +124,7 @@ class FlowerNodes:
         return out
 
     def run_stage(self, calls: dict[Any, Any]) -> dict[Any, dict[int, Any]]:
-        from flwr.app import Message
-
-        from memaudit.federated.flower import wire
-        from memaudit.federated.flower.apps import STAGE
-        from memaudit.federated.flower.execute import call_to_wire
+        from flwr.app import Message  # flwr: the optional flower extra
 
         msgs = [Message(wire.content(call_to_wire(c)), dst_node_id=n, message_type=f"train.{STAGE}",
                         group_id=str(c.round)) for n, c in calls.items()]
@@ -132,89 +136,71 @@ class FlowerNodes:
         return out
 
 
-# ------------------------------------------------------------------ the trainer
-class FlowerTrainer(FederatedTrainer):
-    """`FederatedTrainer` whose rounds run the partitioned program against ``nodes``."""
+# ------------------------------------------------------------------ the runtime
+class FlowerRuntime:
+    """The Flower runtime of `FederatedTrainer`: each round runs the partitioned program against
+    ``nodes`` (`FlowerNodes`, or any `memaudit.federated.flower.execute.Nodes`)."""
 
-    def __init__(self, cfg: Any, run: Any, nodes: Any, *, progress: Any = None) -> None:
-        super().__init__(cfg, run, progress=progress)
+    def __init__(self, nodes: Any) -> None:
         self.nodes = nodes
         self._plans: dict[int, Any] = {}
+        self.user_node: dict[str, int] = {}
 
-    def prepare(self, resume: bool) -> None:
-        from memaudit.federated.flower.nodes import client_digests
+    def mesh(self, cfg: Any, shape: Any) -> None:
+        """Each node runs its own clients: no clients mesh in the server's process."""
+        return
 
-        super().prepare(resume)
-        # Each node runs its own clients: no clients mesh in the server's process.
-        self.mesh = None
-        self.capacity = self._base_capacity()
-        check_supported(self.cfg)
-        self.algorithm = self.build_algorithm()
-        if (getattr(self.algorithm.round, "program", None) is None
-                and getattr(self.algorithm.round, "host_split", None) is None):
+    def attach(self, trainer: FederatedTrainer) -> None:
+        """Refuse what does not run on Flower, then map each training user to its node."""
+        check_supported(trainer.cfg)
+        rnd = trainer.algorithm.round
+        if getattr(rnd, "program", None) is None and getattr(rnd, "host_split", None) is None:
             raise ConfigError("this algorithm's round is not one traceable program; use "
                               "federated.runtime=jax")
-        self.user_node = self.nodes.connect(client_digests(self.clients))
+        self.user_node = self.nodes.connect(client_digests(trainer.clients))
 
-    def _data_struct(self, cap: int) -> Any:
-        import jax
-
-        from memaudit.federated.cohorts import ClientData
-
-        s_max, length = self.clients.input_ids.shape[1:]
+    def _data_struct(self, trainer: FederatedTrainer, cap: int) -> ClientData:
+        s_max, length = trainer.clients.input_ids.shape[1:]
         ids = jax.ShapeDtypeStruct((cap, s_max, length), np.int32)
         return ClientData({"input_ids": ids, "attention_mask": ids},
                           jax.ShapeDtypeStruct((cap, s_max), np.float32))
 
-    def plan(self, cap: int, state: Any, key: Any) -> Any:
+    def plan(self, trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> Any:
         """The round's partitioned program for a cohort capacity (traced once per capacity).
         With a host aggregator (secure aggregation, distributed DP) the program is the client
         phase, whose deltas stay on the nodes (``state`` is then the server params)."""
-        from memaudit.federated.flower.partition import compile_plan
-
         if cap not in self._plans:
-            split = getattr(self.algorithm.round, "host_split", None)
-            program = self.algorithm.round.program if split is None else split.client_phase
-            self._plans[cap] = compile_plan(program, (state, self._data_struct(cap), key), PLACED,
+            split = getattr(trainer.algorithm.round, "host_split", None)
+            program = trainer.algorithm.round.program if split is None else split.client_phase
+            self._plans[cap] = compile_plan(program, (state, self._data_struct(trainer, cap), key), PLACED,
                                             cap, resident=(".deltas",) if split is not None else ())
         return self._plans[cap]
 
-    def algorithm_round(self, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
-        import jax
-        import jax.numpy as jnp
-
-        from memaudit.federated.algorithms import _host_metrics
-        from memaudit.federated.flower.execute import run_round
-
-        cap = self.round_capacity(len(cohort))
+    def round(self, trainer: FederatedTrainer, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
+        cap = trainer.round_capacity(len(cohort))
         assignment: dict[int, list[tuple[int, str]]] = {}
         for slot, k in enumerate(cohort):
-            user = self.clients.users[int(k)]
+            user = trainer.clients.users[int(k)]
             assignment.setdefault(self.user_node[user], []).append((slot, user))
-        split = getattr(self.algorithm.round, "host_split", None)
+        split = getattr(trainer.algorithm.round, "host_split", None)
         if split is not None:
-            return self._host_round(split, cap, state, assignment, r, key)
-        plan = self.plan(cap, state, key)
-        (state, metrics), info = run_round(plan, (state, self._data_struct(cap), key), self.nodes,
+            return self._host_round(trainer, split, cap, state, assignment, r, key)
+        plan = self.plan(trainer, cap, state, key)
+        (state, metrics), info = run_round(plan, (state, self._data_struct(trainer, cap), key), self.nodes,
                                            assignment, round=r)
         state = jax.tree.map(jnp.asarray, state)
-        m = _host_metrics(*metrics)
+        m = host_metrics(*metrics)
         m.update(dropped_users=len(info["dropped_slots"]), dropped_nodes=len(info["dropped_nodes"]))
         return state, m
 
-    def _host_round(self, split: Any, cap: int, state: Any, assignment: dict, r: int,
-                    key: Any) -> tuple[Any, dict]:
+    def _host_round(self, trainer: FederatedTrainer, split: Any, cap: int, state: Any, assignment: dict,
+                    r: int, key: Any) -> tuple[Any, dict]:
         """A round with a host aggregator: the client phase on the nodes (its deltas kept
         there), then the aggregator with the nodes' rows as `ClientRows` (secure aggregation
         with the protocol clients on the nodes), then the server update, here."""
-        import jax
-
-        from memaudit.federated.flower.execute import Resident, run_round
-        from memaudit.federated.secagg.remote import ClientRows, NodeChannel
-
         client_key, agg_key = jax.random.split(key)
-        plan = self.plan(cap, state.params, client_key)
-        out, info = run_round(plan, (state.params, self._data_struct(cap), client_key), self.nodes,
+        plan = self.plan(trainer, cap, state.params, client_key)
+        out, info = run_round(plan, (state.params, self._data_struct(trainer, cap), client_key), self.nodes,
                               assignment, round=r)
         leaves, treedef = jax.tree.flatten(out.deltas, is_leaf=lambda x: isinstance(x, Resident))
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
@@ -226,6 +212,11 @@ class FlowerTrainer(FederatedTrainer):
         m.update(dropped_users=len(info["dropped_slots"]) + len(lost),
                  dropped_nodes=len(info["dropped_nodes"]) + len(channel.dropped))
         return state, m
+
+
+def flower_trainer(cfg: Any, run: Any, nodes: Any, *, progress: Any = None) -> FederatedTrainer:
+    """The federated backend whose rounds run on ``nodes`` (the ServerApp's trainer)."""
+    return FederatedTrainer(cfg, run, runtime=FlowerRuntime(nodes), progress=progress)
 
 
 # ------------------------------------------------------------------ the two processes
@@ -242,15 +233,10 @@ def check_supported(cfg: Any) -> None:
 def serve_run(grid: Any, *, launch_dir: Path) -> None:
     """The ServerApp's work: train the run ``launch_dir/launch.json`` names on this ``grid``;
     writes ``result.json`` or a one-line ``error.json`` there for the submitting process."""
-    from memaudit.config import config_from_dict
-    from memaudit.io import atomic_write_json, read_json
-    from memaudit.lifecycle import one_line_error
-    from memaudit.rundir import RunDir
-
     launch = read_json(launch_dir / "launch.json", what="Flower launch file")
     try:
         cfg = config_from_dict(launch["config"], source="Flower launch file")
-        trainer = FlowerTrainer(cfg, RunDir(launch["run_dir"]), FlowerNodes(grid, cfg.federated.flower))
+        trainer = flower_trainer(cfg, RunDir(launch["run_dir"]), FlowerNodes(grid, cfg.federated.flower))
         result = trainer.fit(resume=launch["resume"], overwrite=launch["overwrite"], lock_held=True)
     except BaseException as e:
         text = (str(e).strip().splitlines() or [""])[0]
@@ -267,10 +253,6 @@ def train_on_flower(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
     Raises one-line errors when flwr is not installed, the SuperLink cannot be reached, or the
     ServerApp failed (its own one-line error: e.g. a SuperNode with an empty partition).
     """
-    from memaudit.config import dump_config
-    from memaudit.federated.flower import deploy
-    from memaudit.io import atomic_write_json, read_json
-
     check_supported(cfg)
     deploy.require_flwr()
     fcfg = cfg.federated.flower

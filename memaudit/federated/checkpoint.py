@@ -1,4 +1,4 @@
-"""The federated trainer's checkpoint format and its Hugging Face export.
+"""The federated backend's checkpoint format.
 
 The run lifecycle (`memaudit.lifecycle.RunSession`) owns the run directory (lock, manifest,
 metrics, the sealed checkpoint swap, the ledger, the export); this module only says what a
@@ -16,19 +16,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memaudit.checkpoints import checkpoint_present
 from memaudit.errors import MemauditError, RunDirError
 from memaudit.io import atomic_write_bytes, atomic_write_json, read_json
 
 if TYPE_CHECKING:
     from memaudit.rundir import RunDir
 
-BACKEND = "federated"
 STATE_SCHEMA = 1
 
 
 def has_state(run: RunDir) -> bool:
-    from memaudit.lifecycle import checkpoint_present
-
     return checkpoint_present(run.state_dir) and (run.state_dir / "server.msgpack").is_file()
 
 
@@ -61,10 +59,3 @@ def load_state(run: RunDir, template: Any) -> tuple[Any, dict[str, Any]]:
         raise RunDirError(f"checkpoint in '{d}' does not match this model or algorithm, or is "
                           f"damaged ({type(e).__name__}); resume with the run's own config") from None
     return state, scalars
-
-
-def hf_model(params: Any, *, preset: str, vocab_size: int) -> Any:
-    """The trained Flax parameters as a Hugging Face torch model (for the lifecycle's export)."""
-    from memaudit.models.convert import to_hf_model
-
-    return to_hf_model(params, preset=preset, vocab_size=vocab_size)

@@ -1,0 +1,86 @@
+"""The checks made before anything is written: a config that cannot train, and prepared data
+the configured training cannot use, are refused with one line before the run lifecycle
+(`memaudit.lifecycle`) writes or replaces anything.
+
+This module sits below the lifecycle and imports no trainer: the lifecycle runs `check_data`
+on the data it stages, the backend switch (`memaudit.dispatch`) runs `check_before_disk`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memaudit.data.corpus import check_file, resolve_files
+from memaudit.errors import ConfigError, DataError, MemauditError
+from memaudit.federated.mesh import build_mesh
+from memaudit.models.init import check_init_from, model_shape
+from memaudit.parallel.dims import ParallelDims
+
+
+def check_before_disk(cfg: Any) -> None:
+    """One-line errors for a config that cannot train, raised before anything is written.
+
+    Covers the starting checkpoint (`model.init_from`: a Llama model directory with a
+    tokenizer that the config does not contradict), the data sources (files that do not exist
+    or cannot be read), the parallel grid against the model, and the federated mesh against
+    the visible devices.
+    """
+    shape = check_init_from(cfg)  # None without model.init_from
+    d = cfg.data
+    if d.path is not None:
+        files = resolve_files(d.path) or []
+        if files and not any(check_file(f, allow_empty=True) for f in files):
+            check_file(files[0])  # all empty: the one-line "is empty" error
+    for key in ("tokenizer", "tokenizer_corpus"):
+        value = getattr(d, key)
+        if value is not None and not Path(value).expanduser().exists():
+            raise ConfigError(f"data.{key}='{value}' does not exist; give an existing path or drop it")
+    if cfg.backend == "federated":
+        _check_federated(cfg, shape)
+    elif cfg.parallel.world_size > 1:
+        ParallelDims.from_config(cfg.parallel).check_model(shape or model_shape(cfg.model))
+
+
+def check_data(cfg: Any, prepared: Any, vocab_size: int) -> None:
+    """One-line errors for prepared data the configured training cannot use (checked before
+    the run directory changes: the data is prepared in a staging folder first)."""
+    tok_size = int(prepared.meta.get("tokenizer_size", 0))
+    if tok_size > vocab_size:
+        raise DataError(f"the tokenizer has {tok_size} tokens but the model vocabulary only "
+                        f"{vocab_size}; use a smaller tokenizer or a larger model.preset")
+    n = len(prepared.train)
+    if n == 0:
+        raise DataError("no training sequences after the split; add documents or users")
+    if cfg.backend == "federated":
+        check_population(cfg, len(np.unique(np.asarray(prepared.train.user_index))))
+    elif cfg.privacy.enabled and cfg.train.batch_size > n:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} exceeds the {n} training "
+                          "sequences; lower train.batch_size for DP-SGD")
+
+
+def check_population(cfg: Any, population: int) -> None:
+    """One-line errors for a cohort the data cannot supply."""
+    f = cfg.federated
+    if population < 2:
+        raise MemauditError(
+            f"the training data has {population} user(s) with sequences; federated training needs at "
+            "least 2 clients: add users (data.synth.users) or lower data.heldout_users")
+    if f.cohort > population:
+        raise MemauditError(
+            f"federated.cohort={f.cohort} is larger than the population of {population} training "
+            f"users; set federated.cohort <= {population} or add users")
+    if f.local_steps < 1:
+        raise MemauditError(f"federated.local_steps={f.local_steps} must be >= 1")
+
+
+
+def _check_federated(cfg: Any, shape: Any) -> None:
+    f = cfg.federated
+    if f.algorithm == "fedsgd" and (cfg.privacy.enabled or cfg.privacy.secure_aggregation.enabled):
+        raise ConfigError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
+                          "federated.algorithm=fedavg (e.g. with local_steps=1)")
+    # devices, and the model axis dividing the heads of the preset or the checkpoint
+    build_mesh(f.mesh_clients, f.mesh_model, shape if shape is not None else cfg.model.preset)

@@ -1,0 +1,280 @@
+"""The one training driver: `fit(session, backend)` for every backend.
+
+The loop over steps (centralized) or rounds (federated), the holdout evaluation, the
+checkpoints, the privacy ledger, interruption and the result are written once, here. A backend
+(`memaudit.train.trainer.Trainer`: torch over a `Layout`; `memaudit.federated.trainer.
+FederatedTrainer`: JAX over an in-process or a Flower runtime) provides what differs: set-up,
+one step, evaluation, its checkpoint format, the export and its privacy mechanism.
+
+The ledger is set up and restored here alone: the backend states its `PrivacyPlan` (unit, δ,
+noise multiplier, the mechanism that declares its own `DpEvent`), every step or round that
+released something records that mechanism's event, each checkpoint carries the ledger as of
+its step, and a resume reads that copy back. The DP secret is the run lifecycle's
+(`memaudit.lifecycle.dp_randomness`).
+
+    with RunSession(run, cfg, backend=backend.name, resume=resume, ...) as session:
+        result = fit(session, backend, resume=resume)   # a TrainResult
+
+References:
+    torchtitan's `Trainer` (one loop, model parallelism applied from outside) and optax's
+    (init, update) pairs, the shapes this follows (`../shared/STYLE.md`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from memaudit.lifecycle import RunSession
+from memaudit.privacy.ledger import PrivacyLedger
+
+ProgressFn = Callable[[int, int, dict[str, Any]], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacyPlan:
+    """What a DP backend adds noise with, stated before the first step.
+
+    Args:
+        unit: "example" (one training sequence) or "user".
+        delta: the δ of every ε the ledger reports.
+        noise_multiplier: σ (calibrated to `privacy.target_epsilon` when that was given).
+        sampling_rate: expected share of the units in one step or round.
+        mechanism: a `memaudit.privacy.mechanisms` object; it declares its own `DpEvent`.
+        calibration: how σ was calibrated (None when it was given).
+        max_sequences_per_user: for the ledger's group-privacy note (example-level DP).
+        reproducible_randomness: the DP randomness came from train.seed.
+    """
+
+    unit: str
+    delta: float
+    noise_multiplier: float
+    sampling_rate: float
+    mechanism: Any
+    calibration: dict[str, Any] | None = None
+    max_sequences_per_user: int | None = None
+    reproducible_randomness: bool = False
+
+
+def new_ledger(plan: PrivacyPlan) -> PrivacyLedger:
+    """The run's empty ledger for `plan` (the one place a training ledger is made)."""
+    return PrivacyLedger(unit=plan.unit, delta=plan.delta, max_sequences_per_user=plan.max_sequences_per_user,
+                         calibration=plan.calibration, reproducible_randomness=plan.reproducible_randomness)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One step's or round's metrics line, and whether its DP mechanism released anything
+    (an aborted secure-aggregation round released and applied nothing: no ledger event).
+    `privacy_metrics` is what the mechanism's event depends on (e.g. the adaptive clip)."""
+
+    record: dict[str, Any]
+    released: bool = True
+    privacy_metrics: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What a training run ends with; `to_json()` is run.json's `result`.
+
+    `resumed_from` is the step (or round) training resumed at, None for a run that was not
+    resumed; `details` holds what only one backend has (device, torch threads; clients, mesh).
+    """
+
+    backend: str
+    counter: str
+    steps: int
+    final_holdout_loss: float
+    final_holdout_perplexity: float
+    initial_holdout_loss: float
+    initial_holdout_perplexity: float
+    final_train_loss: float | None
+    train_sequences: int
+    parameters: int
+    train_seconds: float
+    resumed_from: int | None
+    privacy: dict[str, Any] | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "steps": self.steps,
+            "final_holdout_loss": self.final_holdout_loss,
+            "final_holdout_perplexity": self.final_holdout_perplexity,
+            "initial_holdout_loss": self.initial_holdout_loss,
+            "initial_holdout_perplexity": self.initial_holdout_perplexity,
+            "final_train_loss": self.final_train_loss,
+            "train_sequences": self.train_sequences,
+            "parameters": self.parameters,
+            "train_seconds": self.train_seconds,
+            "resumed_from_step": self.resumed_from,
+        }
+        if self.counter == "round":
+            out.update(rounds=self.steps, resumed_from_round=self.resumed_from)
+        out.update(self.details)
+        if self.privacy is not None:
+            out["privacy"] = dict(self.privacy)
+        return out
+
+
+class Backend(Protocol):
+    """What `fit` asks of a backend. Nothing here writes to the run directory except through
+    the `RunSession` it is handed."""
+
+    name: ClassVar[str]  # recorded in run.json; a resume must match
+    counter: ClassVar[str]  # "step" or "round": the metrics key, and what `total` counts
+    is_writer: bool  # this process writes the run directory
+    private: bool  # DP training
+
+    @property
+    def total(self) -> int: ...
+    @property
+    def eval_every(self) -> int: ...
+    @property
+    def checkpoint_every(self) -> int: ...
+
+    def running(self, session: RunSession, resume: bool) -> AbstractContextManager[Any]:
+        """The context the whole run executes in (deterministic kernels, thread counts)."""
+    def prepare(self, session: RunSession) -> None:
+        """Data, model, optimizer, sampler and the DP mechanism (`privacy_plan`)."""
+    def privacy_plan(self) -> PrivacyPlan | None:
+        """The DP plan after `prepare`; None without DP."""
+    def has_checkpoint(self) -> bool: ...
+    def load(self, session: RunSession) -> dict[str, Any]:
+        """state/ into the model and optimizer; returns the checkpoint's scalars."""
+    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+        """The checkpoint after `done` steps, sealed and swapped in through `session`."""
+    def begin(self) -> None:
+        """Called once before the first step (after a resume's `load`)."""
+    def step(self, i: int) -> StepOutcome:
+        """One optimizer step or federated round (0-based `i`)."""
+    def evaluate(self) -> tuple[float, float]:
+        """Holdout (loss, perplexity) of the current model."""
+    def export(self, session: RunSession) -> None:
+        """The Hugging Face checkpoint into model/ (a collective on a grid)."""
+    def finish(self) -> None:
+        """Called on every process after the export and the ledger (e.g. a barrier)."""
+    def details(self) -> dict[str, Any]:
+        """The result's backend-only fields."""
+    def train_sequences(self) -> int: ...
+    def parameters(self) -> int: ...
+
+
+@dataclass
+class _Run:
+    """The driver's own state over one run."""
+
+    ledger: PrivacyLedger | None = None
+    initial: tuple[float, float] = (math.nan, math.nan)
+    start: int = 0
+
+
+def _restore(session: RunSession, backend: Backend, run: _Run) -> None:
+    """A resume: the backend's checkpoint, then the ledger as of that checkpoint."""
+    scalars = backend.load(session)
+    run.start = int(scalars[backend.counter])
+    run.initial = (scalars["initial_holdout_loss"], scalars["initial_holdout_perplexity"])
+    saved = session.state_file("privacy.json")
+    if run.ledger is not None and saved is not None:
+        ledger = PrivacyLedger.from_json(saved)
+        # the checkpoint's copy is its step's: cut anything recorded past it (a copy written
+        # without the count predates it and is the checkpoint's as it is)
+        ledger.truncate_steps(int(scalars.get("ledger_steps", ledger.steps)))
+        run.ledger = ledger
+
+
+def _checkpoint(session: RunSession, backend: Backend, run: _Run, done: int) -> None:
+    ledger = run.ledger.to_json() if run.ledger is not None and backend.is_writer else None
+    scalars = {backend.counter: done, "metrics_count": done, "initial_holdout_loss": run.initial[0],
+               "initial_holdout_perplexity": run.initial[1]}
+    if run.ledger is not None:
+        scalars["ledger_steps"] = run.ledger.steps
+    # the ledger is saved twice: in the sealed checkpoint (restored with it) and as privacy.json
+    backend.save(session, done, scalars, {"privacy.json": ledger} if ledger is not None else {})
+    session.write_ledger(ledger)
+
+
+def _loop(session: RunSession, backend: Backend, run: _Run, plan: PrivacyPlan | None,
+          notify: Callable[[int, dict[str, Any]], None]) -> dict[str, Any]:
+    total, last = backend.total, {}
+    for i in range(run.start, total):
+        out = backend.step(i)
+        if run.ledger is not None and out.released:
+            run.ledger.record_mechanism(plan.mechanism, out.privacy_metrics)  # its own event
+        rec, done = out.record, i + 1
+        if done % backend.eval_every == 0 or done == total:
+            rec["holdout_loss"], rec["holdout_perplexity"] = backend.evaluate()
+        session.log(rec)
+        if done % backend.checkpoint_every == 0 and done < total:
+            _checkpoint(session, backend, run, done)
+        notify(done, rec)
+        last = rec
+    return last
+
+
+def fit(session: RunSession, backend: Backend, *, resume: bool = False,
+        progress: ProgressFn | None = None) -> TrainResult:
+    """Train (or resume) `backend` inside an open `session`; returns the result, which the
+    caller passes to `session.complete`.
+
+    Args:
+        session: the run's lifecycle, entered (lock, manifest, data staged or checked).
+        backend: the backend, not yet prepared.
+        resume: continue from state/ when it holds a checkpoint (else from step 0).
+        progress: called as progress(done, total, info) on the writer (data, start, each step).
+    """
+
+    def notify(done: int, info: dict[str, Any]) -> None:
+        if progress is not None and backend.is_writer:
+            progress(done, backend.total, info)
+
+    t0 = time.perf_counter()
+    with backend.running(session, resume):
+        backend.prepare(session)
+        plan = backend.privacy_plan()
+        run = _Run(ledger=new_ledger(plan) if plan is not None else None)
+        if resume and backend.has_checkpoint():
+            _restore(session, backend, run)
+        else:
+            run.initial = backend.evaluate()
+        session.start(run.start)
+        backend.begin()
+        notify(run.start, {"phase": "training"})
+        last = _loop(session, backend, run, plan, notify)
+        # resumed at the very end: nothing left to run, so evaluate what was restored
+        final = ((last["holdout_loss"], last["holdout_perplexity"]) if "holdout_loss" in last
+                 else backend.evaluate())
+        backend.export(session)
+        if run.ledger is not None:
+            session.write_ledger(run.ledger.to_json())
+        backend.finish()
+        privacy = None
+        if plan is not None and run.ledger is not None:
+            privacy = {"noise_multiplier": plan.noise_multiplier, "sampling_rate": plan.sampling_rate,
+                       "delta": plan.delta, "unit": plan.unit, "epsilon": run.ledger.to_json().get("epsilon")}
+        return TrainResult(
+            backend=backend.name, counter=backend.counter, steps=backend.total,
+            final_holdout_loss=final[0], final_holdout_perplexity=final[1],
+            initial_holdout_loss=run.initial[0], initial_holdout_perplexity=run.initial[1],
+            # the training loss is a statistic of the private data: not in run.json under DP
+            final_train_loss=None if backend.private else last.get("loss"),
+            train_sequences=backend.train_sequences(), parameters=backend.parameters(),
+            train_seconds=time.perf_counter() - t0, resumed_from=run.start if resume else None,
+            privacy=privacy, details=backend.details())
+
+
+def run_backend(backend: Backend, cfg: Any, run_dir: Any, *, resume: bool = False, overwrite: bool = False,
+                lock_held: bool = False, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Open the run's lifecycle and `fit` the backend in it; returns run.json's result."""
+    session = RunSession(run_dir, cfg, backend=backend.name, resume=resume, is_writer=backend.is_writer,
+                         hold_lock=not lock_held, overwrite=overwrite,
+                         data_progress=(lambda i, n, info: progress(0, backend.total, {"phase": "data", **info}))
+                         if progress is not None and backend.is_writer else None)
+    with session:
+        result = fit(session, backend, resume=resume, progress=progress).to_json()
+        session.complete(result)
+    return result
