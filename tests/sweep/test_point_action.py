@@ -189,3 +189,28 @@ def test_a_slurm_driver_resolves_auto_probes_by_the_jobs_gpus_not_the_login_node
     assert point_action(gpu, p, run).verb is Verb.SKIP
     explicit = gpu.model_copy(update={"probe": gpu.probe.model_copy(update={"device": "cuda"})})
     assert point_action(explicit, p, run).verb is Verb.SKIP
+
+
+def test_submitits_local_executor_gives_a_stale_complete_point_a_job(tmp_path, monkeypatch):
+    """End to end through submitit's LocalExecutor (a job in its own process, nothing stubbed):
+    a complete point trained under another config gets a job, whose training fails on the
+    data file removed after loading, instead of being skipped as complete."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "SUBMITIT_")):
+            monkeypatch.delenv(key)
+    gone = tmp_path / "gone.jsonl"
+    gone.write_text('{"text": "x", "user": "u1"}\n')
+    cfg = sweep_config_from_dict({"base": {"data": {"path": str(gone)}}, "grid": {"backends": ["parallel"]},
+                                  "executor": {"kind": "local", "cpus_per_task": 1}})
+    (p,) = plan_points(cfg)
+    gone.unlink()
+    run = tmp_path / "out" / "runs" / p.name
+    atomic_write_json(run / "run.json", {"status": "complete", "backend": "parallel", "config": {}})
+    atomic_write_json(run / "model" / "config.json", {})
+    from memaudit.sweep.point import probe_settings
+
+    atomic_write_json(run / "probes.json", {"settings": probe_settings(cfg)})
+    outcomes = []
+    runner._run_points(cfg, [p], tmp_path / "out", lambda i, o: outcomes.append(o), None, False)
+    (o,) = outcomes
+    assert (o.status, o.action) == ("failed", "trained") and "gone.jsonl" in o.error
