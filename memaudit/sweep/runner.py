@@ -85,14 +85,13 @@ def _train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,
 
 def _probe(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
     """Probe the run in `rd` under the sweep's probe settings and write its probes.json."""
-    from memaudit.io import atomic_write_json as write
     from memaudit.probes.runner import run_probes  # torch: not for `memaudit --help`
     from memaudit.probes.scoring import resolve_device
     from memaudit.probes.targets import resolve_target
 
     settings = cfg.probe.model_copy(update={"device": resolve_device(probe_device(cfg))})
     result = run_probes(resolve_target(rd.path), settings, progress=progress)
-    write(rd.probes_path, result.document)
+    atomic_write_json(rd.probes_path, result.document)
 
 
 def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
