@@ -5,9 +5,10 @@ same jobs as processes on this machine (`submitit.LocalExecutor`, which emulates
 job) and `debug` in this process (`submitit.DebugExecutor`). A parallel point
 (world size W > 1) is ONE job of W tasks, one per rank, over `ceil(W / gpus_per_node)` nodes;
 each task finds its rank and the rendezvous in SLURM's environment (`memaudit.sweep.slurm_env`)
-and runs the parallel backend's per-rank entry point. Rank 0 decides whether the point is
-trained, resumed or skipped (as `--jobs` does: `runner._train_point`) and hands the decision
-to the other ranks through a file in the job folder; it alone probes and returns the outcome.
+and runs the parallel backend's per-rank entry point. The driver submits a job for every point
+that the one rule (`memaudit.sweep.point.point_action`, as `--jobs` asks it) does not skip; in
+the job, rank 0 asks the rule again, hands its training step (trained, resumed or skipped) to the
+other ranks through a file in the job folder, and alone probes and returns the outcome.
 
 The sweep directory must be on a file system every node sees; run.lock (O_EXCL create, host,
 pid, heartbeat; `memaudit.rundir.RunLock`) keeps two jobs off one point across hosts.
@@ -30,6 +31,7 @@ from shutil import which
 from typing import TYPE_CHECKING, Any
 
 from memaudit.errors import ConfigError, MemauditError
+from memaudit.sweep.point import Verb, point_action
 
 if TYPE_CHECKING:
     from memaudit.config import Config
@@ -191,20 +193,6 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
 
 
 # ----------------------------------------------------------------------------- the driver
-def _fresh_complete(run_path: Path) -> bool:
-    from memaudit.rundir import RunDir
-
-    rd = RunDir(run_path)
-    try:
-        if not rd.is_run() or rd.status() != "complete":
-            return False
-    except MemauditError:
-        return False
-    model = rd.model_dir / "config.json"
-    return rd.probes_path.is_file() and model.is_file() and \
-        rd.probes_path.stat().st_mtime >= model.stat().st_mtime
-
-
 def _job_error(e: BaseException, job: Any) -> str:
     """One line for a job that died (submitit's errors carry the whole log after the first)."""
     try:
@@ -220,7 +208,8 @@ def _job_error(e: BaseException, job: Any) -> str:
 
 def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
              on_done: Callable[[int, PointOutcome], None], progress: Any, debug: bool) -> None:
-    """Each point not yet complete as one job; outcomes reported as jobs end, in any order."""
+    """Each point that `point_action` does not skip as one job; outcomes reported as jobs end,
+    in any order."""
     from memaudit.sweep.config import point_config
     from memaudit.sweep.runner import PointOutcome
 
@@ -229,7 +218,11 @@ def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
     executor = make_executor(ex, folder)
     todo: list[tuple[int, SweepPoint, JobResources]] = []
     for i, p in enumerate(points):
-        if _fresh_complete(out / "runs" / p.name):  # no scheduler slot for finished work
+        try:
+            skip = point_action(cfg, p, out / "runs" / p.name).verb is Verb.SKIP
+        except MemauditError:  # an unreadable run.json: the point's job records the one line
+            skip = False
+        if skip:  # no scheduler slot for finished work
             on_done(i, PointOutcome(p.name, p.backend, "complete", "skipped", False, 0.0))
             continue
         todo.append((i, p, job_resources(ex, point_config(cfg, p))))

@@ -1,10 +1,14 @@
 """Run a sweep: train every grid point, probe it, then write one report.
 
 Points run in this process, in `jobs` worker processes, or as scheduler jobs
-(`memaudit.sweep.executors`); the semantics are the same everywhere. Completed runs are
-skipped, interrupted ones resumed, and a failed point is recorded while the rest go on; re-running the same command after a kill finishes the sweep without
-redoing completed work. All points share the corpus, split, canaries and initial weights
-(data preparation and initialisation are deterministic in the config's data and model seeds).
+(`memaudit.sweep.executors`); the semantics are the same everywhere, because every executor
+asks one rule what a point needs (`memaudit.sweep.point.point_action`): trained anew (no run, or
+one trained under another config or from other base weights), resumed (interrupted with a
+checkpoint), probed (complete, probes.json older than the model or written under other probe
+settings) or skipped. A failed point is recorded while the rest go on; re-running the same
+command after a kill finishes the sweep without redoing completed work. All points share the
+corpus, split, canaries and initial weights (data preparation and initialisation are
+deterministic in the config's data and model seeds).
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ from typing import Any
 from memaudit.io import atomic_write_json
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import SweepConfig, SweepPoint, plan_points, point_config
+from memaudit.sweep.point import (
+    PointAction,
+    Verb,
+    config_as_written,  # noqa: F401 - its old home: memaudit.sweep.pretrain imports it from here
+    point_action,
+    probe_device,
+    probe_reason,
+    stale_reason,
+    training_action,
+)
 
 Progress = Callable[[int, int, dict], None] | None
 
@@ -40,77 +54,52 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def config_as_written(cfg) -> dict[str, Any]:
-    """A run config as run.json holds it (strict JSON: non-finite numbers become null), for
-    comparing a run on disk with the config a point would train it under."""
-    import json
-
-    from memaudit.config import dump_config
-    from memaudit.io import dumps
-
-    return json.loads(dumps(dump_config(cfg)))
-
-
 def _stale(rd: RunDir, cfg) -> bool:
-    """A run trained under another config than the point's now, or from a starting checkpoint
-    whose weights have changed since (a retrained public base): its results no longer belong
-    to this point, so it is trained again rather than skipped or resumed."""
-    m = rd.read_manifest()
-    if m.get("config") != config_as_written(cfg):
-        return True
-    if cfg.model.init_from is not None:
-        from memaudit.models.init import base_model_record
-
-        recorded = (m.get("base_model") or {}).get("weights_sha256")
-        return recorded != base_model_record(cfg.model.init_from)["weights_sha256"]
-    return False
+    """Whether the run in `rd` was trained under another config or base than `cfg`'s
+    (`point.stale_reason`, part of the one rule)."""
+    return stale_reason(rd, cfg) is not None
 
 
-def _decide(rd: RunDir, cfg=None) -> str:
-    """skipped (complete), resumed (interrupted or failed with a checkpoint) or trained (new,
-    or stale: trained under another config or from other starting weights than `cfg`'s)."""
-    if rd.is_run() and not (cfg is not None and _stale(rd, cfg)):
-        status = rd.status()
-        if status == "complete":
-            return "skipped"
-        if status in ("interrupted", "failed") and rd.state_dir.is_dir() and any(rd.state_dir.iterdir()):
-            return "resumed"
-    return "trained"
+def _decide(rd: RunDir, cfg) -> str:
+    """The training half of the one rule (`point.training_action`) as an outcome's action:
+    skipped (complete), resumed or trained (new or stale)."""
+    return training_action(rd, cfg).action
 
 
-def _train_point(cfg, rd: RunDir, progress: Progress,
+def _train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,
                  on_action: Callable[[str], None] | None = None) -> str:
-    """Train (or resume) one point; returns the action taken. `on_action` hears the decision
-    before any training starts (the other ranks of a scheduler job wait for it)."""
-    from memaudit.dispatch import dispatch
+    """Train, resume or leave one point as `action` says; returns the outcome's action word.
+    `on_action` hears it before any training starts (the other ranks of a scheduler job wait
+    for it)."""
+    from memaudit.dispatch import dispatch  # torch and jax: not for `memaudit --help`
 
-    action = _decide(rd, cfg)
-    if action == "trained":
+    if action.verb is Verb.TRAIN:
         rd = prepare_new_run(rd.path, overwrite=True)
     if on_action is not None:
-        on_action(action)
-    if action != "skipped":
-        dispatch(cfg, rd, resume=action == "resumed", progress=progress, overwrite=action == "trained")
-    return action
+        on_action(action.action)
+    if action.verb in (Verb.TRAIN, Verb.RESUME):
+        dispatch(cfg, rd, resume=action.verb is Verb.RESUME, progress=progress,
+                 overwrite=action.verb is Verb.TRAIN)
+    return action.action
 
 
-def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
-    """Probe a complete run unless its probes.json is newer than its model and was written
-    under the same probe settings."""
-    from memaudit.io import atomic_write_json as write
-    from memaudit.io import read_json
-    from memaudit.probes.runner import run_probes
+def _probe(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
+    """Probe the run in `rd` under the sweep's probe settings and write its probes.json."""
+    from memaudit.probes.runner import run_probes  # torch: not for `memaudit --help`
     from memaudit.probes.scoring import resolve_device
     from memaudit.probes.targets import resolve_target
 
-    model_file = rd.model_dir / "config.json"
-    settings = cfg.probe.model_copy(update={"device": resolve_device(cfg.probe.device)})
-    if (rd.probes_path.is_file() and rd.probes_path.stat().st_mtime >= model_file.stat().st_mtime
-            and read_json(rd.probes_path).get("settings") == settings.model_dump(mode="json")):
+    settings = cfg.probe.model_copy(update={"device": resolve_device(probe_device(cfg))})
+    result = run_probes(resolve_target(rd.path), settings, progress=progress)
+    atomic_write_json(rd.probes_path, result.document)
+
+
+def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
+    """Probe a complete run unless the one rule finds its probes.json current
+    (`point.probe_reason`); returns whether it probed."""
+    if probe_reason(cfg, rd) is None:
         return False
-    target = resolve_target(rd.path)
-    result = run_probes(target, settings, progress=progress)
-    write(rd.probes_path, result.document)
+    _probe(cfg, rd, progress)
     return True
 
 
@@ -120,9 +109,11 @@ def _run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, 
     t0 = time.time()
     outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
     try:
-        run_cfg = point_config(cfg, p)
-        outcome.action = _train_point(run_cfg, rd, sub, on_action)
-        outcome.probed = _probe_point(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
+        action = point_action(cfg, p, rd.path)
+        outcome.action = _train_point(point_config(cfg, p), rd, action, sub, on_action)
+        if action.probes:
+            _probe(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
+            outcome.probed = True
         outcome.status = "complete"
     except KeyboardInterrupt:
         raise

@@ -1,6 +1,6 @@
 """Failed-point semantics on the job path (submitit's DebugExecutor, in this process): a point
 whose job fails is recorded with a one-line error while the others go on; a complete point
-takes no job."""
+takes no job (complete under the sweep's config and probe settings: `point_action` skips it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 from memaudit.io import atomic_write_json, read_json
-from memaudit.sweep.config import load_sweep_config
+from memaudit.sweep.config import load_sweep_config, plan_points, point_config
+from memaudit.sweep.point import config_as_written, probe_settings
 from memaudit.sweep.runner import run_sweep
 
 
@@ -22,13 +23,16 @@ def test_failed_jobs_are_recorded_and_complete_points_skip_the_scheduler(tmp_pat
         "grid": {"backends": ["parallel"], "models": ["tiny", "tiny2x"]},
         "executor": {"kind": "debug"}}))
     cfg = load_sweep_config(path)
+    stand_in = plan_points(cfg)[1]
+    assert stand_in.name == "parallel-tiny2x-epsinf-s0"
+    current = config_as_written(point_config(cfg, stand_in))
     gone.unlink()  # valid when loaded, gone when the jobs run
     out = tmp_path / "out"
     done = Path(out / "runs" / "parallel-tiny2x-epsinf-s0")
-    atomic_write_json(done / "run.json", {"status": "complete", "backend": "parallel", "config": {}})
+    atomic_write_json(done / "run.json", {"status": "complete", "backend": "parallel", "config": current})
     (done / "model").mkdir()
     atomic_write_json(done / "model" / "config.json", {})
-    atomic_write_json(done / "probes.json", {})
+    atomic_write_json(done / "probes.json", {"settings": probe_settings(cfg)})
     atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "running"})
     reported = []  # the stand-in complete run has no real probes: record what would be reported
     monkeypatch.setattr("memaudit.reports.build.build_report",
