@@ -159,8 +159,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
         )
-    probes = read_json(rd.probes_path)
-    ProbesDoc.from_json(probes, str(rd.probes_path))  # refuses a malformed probes.json in one line
+    probes = ProbesDoc.from_json(read_json(rd.probes_path), str(rd.probes_path))  # one line if malformed
     priv = _ledger_epsilon(rd)
     backend = info.backend
     mech = _mechanism(info)

@@ -13,8 +13,6 @@ import math
 import statistics
 from typing import Any
 
-from memaudit.probes.stats import compare_seeds, compare_units
-
 
 def nominal_epsilon(run: dict[str, Any]) -> float:
     """A run's nominal epsilon: its target, else its ledger's (2 decimals); inf without DP."""
@@ -47,13 +45,17 @@ def pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def test_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
-          alternative: str) -> dict[str, Any] | None:
+                alternative: str) -> dict[str, Any] | None:
     """The test of metric `key` between two groups of runs (None when it cannot be tested).
 
     Both groups with several seeds: a permutation test over the seeds' values (a statement about
     the configurations). Otherwise the first run of each group, tested on its units (a statement
     about these runs).
     """
+    # lazy: probes.stats costs ~0.5 s of import (numpy, scipy), and frontier (which `memaudit --help`
+    # imports for DEFAULT_TOLERANCE) imports this module
+    from memaudit.probes.stats import compare_seeds, compare_units
+
     if len(a_runs) > 1 and len(b_runs) > 1:
         va = [r["leakage"][key]["value"] for r in a_runs if (r["leakage"].get(key) or {}).get("value") is not None]
         vb = [r["leakage"][key]["value"] for r in b_runs if (r["leakage"].get(key) or {}).get("value") is not None]
