@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from memaudit.probes.stats import CORRECTIONS, compare_units

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from memaudit.probes.loaders import ProbeSection, ProbesDoc
+from memaudit.probes.loaders import ProbesDoc, ProbeSection
 
 MAX_ROC_POINTS = 200
 MAX_SAMPLES = 5

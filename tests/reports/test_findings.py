@@ -292,7 +292,7 @@ def test_generate_leaves_its_input_unchanged():
 def test_verdict_is_a_function_of_the_adjusted_test():
     from memaudit.reports.cells import Test, verdict
 
-    t = dict(name="paired AUC permutation", n_a=50, n_b=50, unit="documents", p_value=0.001)
+    t = {"name": "paired AUC permutation", "n_a": 50, "n_b": 50, "unit": "documents", "p_value": 0.001}
     assert verdict(Test(alternative="two-sided", estimate=0.1, **t), 0.05) == "not tested"
     assert verdict(Test(alternative="two-sided", estimate=0.1, p_adjusted=0.01, **t), 0.05) == "more"
     assert verdict(Test(alternative="two-sided", estimate=-0.1, p_adjusted=0.01, **t), 0.05) == "less"

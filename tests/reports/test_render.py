@@ -103,8 +103,8 @@ def test_auc_cell_names_both_classes():
     """An attack's AUC cell says how many members and non-members it rests on, so it agrees with
     the paired test's n (their sum) instead of showing only the smaller class."""
     from memaudit.probes.stats import attack_summary
-    from memaudit.reports.probes_adapter import summarize_probes
     from memaudit.reports.cells import PAGE, README, format_cell
+    from memaudit.reports.probes_adapter import summarize_probes
 
     rng = __import__("numpy").random.default_rng(0)
     summ = attack_summary(rng.normal(1, 1, 40), rng.normal(0, 1, 12), unit="documents")
