@@ -18,7 +18,7 @@ from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
-from memaudit.reports.compare import nominal_epsilon, pool, test_groups
+from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 from memaudit.reports.frontier import (
     DEFAULT_TOLERANCE,
     PUBLIC_BASE,
@@ -283,7 +283,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
             pf = pool([r["leakage"].get(key) for r in b])
             if pa and pf:
                 cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
-                              "test": test_groups(b, a, key, "two-sided")}
+                              "test": compare_groups(b, a, key, "two-sided")}
         matched.append({"epsilon": eps, "metrics": cells,
                         "perplexity": {"parallel": _mean_ppl(a), "federated": _mean_ppl(b)}})
     effects = []
@@ -303,7 +303,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
             b0 = pool([r["leakage"].get(key) for r in base])
             if t and b0:
                 cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
-                              "test": test_groups(rs, base, key, "less")}
+                              "test": compare_groups(rs, base, key, "less")}
         effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
                         "metrics": cells, "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
     return {"matched": matched, "effects": effects, "curves": _curves(groups, runs),

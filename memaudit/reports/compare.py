@@ -44,7 +44,7 @@ def pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {**base, "ci_low": mean - half, "ci_high": mean + half, "note": None}
 
 
-def test_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
+def compare_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
                 alternative: str) -> dict[str, Any] | None:
     """The test of metric `key` between two groups of runs (None when it cannot be tested).
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from memaudit.reports.compare import pool, test_groups
+from memaudit.reports.compare import compare_groups, pool
 
 DEFAULT_TOLERANCE = 0.1
 """Default |log ppl ratio| for a matched-utility pair (about 10% in perplexity)."""
@@ -149,7 +149,7 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
             pa, pf = pool([a["leakage"].get(key)]), pool([b["leakage"].get(key)])
             if pa and pf:
                 cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
-                              "test": test_groups([b], [a], key, "two-sided")}
+                              "test": compare_groups([b], [a], key, "two-sided")}
         out["pairs"].append({"runs": [a["id"], b["id"]], "log_ratio": dist,
                              "perplexity": [_ppl(a), _ppl(b)],
                              "epsilon": [a["privacy"]["epsilon"], b["privacy"]["epsilon"]],
