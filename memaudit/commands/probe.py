@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
 
 from memaudit.commands._common import console, print_json, progress, stdout
+from memaudit.reports.cells import TERMINAL, Cell, format_cell
 
 
 def register(app: typer.Typer) -> None:
@@ -113,16 +115,13 @@ def register(app: typer.Typer) -> None:
             console.print(f"probes.json written to {t.out}")
 
 
-def _fmt(stat: dict | None, prefix: str = "") -> str:
-    """A cell as text: value, interval (or why none) and n with its unit."""
-    if not stat:
-        return "-"
-    n = f" (n={stat['n']} {stat.get('unit', '')})".rstrip() if "n" in stat else ""
-    if stat.get("value") is None:
-        return f"{stat.get('note') or '-'}{n}"
-    if stat.get("ci_low") is None:
-        return f"{prefix}{stat['value']:.3f}, {stat.get('note') or 'no interval'}{n}"
-    return f"{prefix}{stat['value']:.3f} [{stat['ci_low']:.3f}, {stat['ci_high']:.3f}]{n}"
+def _fmt(stat: dict | None, bound: bool = False) -> str:
+    """A probes.json cell in the table's style (`memaudit.reports.cells.TERMINAL`); `bound`: the
+    bucket says its value is a lower bound (canaries at the exposure estimator's ceiling)."""
+    cell = Cell.of(stat)
+    if cell is not None and bound:
+        cell = replace(cell, lower_bound=True)
+    return format_cell(cell, TERMINAL)
 
 
 def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
@@ -137,7 +136,7 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
             rows.append((name, f"max (log2|R|, {s['method']})", f"{s['max_exposure']:.2f}"))
             rows.append((name, "references (null)", _fmt(s["references"])))
             for rep, g in s["by_repetitions"].items():
-                rows.append((name, f"inserted x{rep}", _fmt(g["all"], ">= " if g.get("lower_bound") else "")))
+                rows.append((name, f"inserted x{rep}", _fmt(g["all"], bool(g.get("lower_bound")))))
                 if g.get("test"):
                     rows.append((name, f"x{rep} excess over references (p_holm)",
                                  f"{_fmt(g['excess'])}; p = {g['test'].get('p_holm', g['test']['p_value']):.3g}"))

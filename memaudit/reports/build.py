@@ -18,6 +18,7 @@ from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
+from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 from memaudit.reports.frontier import (
     DEFAULT_TOLERANCE,
     PUBLIC_BASE,
@@ -158,8 +159,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
         )
-    probes = read_json(rd.probes_path)
-    ProbesDoc.from_json(probes, str(rd.probes_path))  # refuses a malformed probes.json in one line
+    probes = ProbesDoc.from_json(read_json(rd.probes_path), str(rd.probes_path))  # one line if malformed
     priv = _ledger_epsilon(rd)
     backend = info.backend
     mech = _mechanism(info)
@@ -229,65 +229,13 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- comparisons
-def _nominal(run: dict[str, Any]) -> float:
-    t = run["privacy"].get("target_epsilon")
-    if run["privacy"]["mechanism"] == "none":
-        return math.inf
-    return float(t) if t is not None else round(run["privacy"]["epsilon"], 2)
-
-
-def _pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One metric over seeds: one run's cell as it is; several seeds' mean with a half-width that
-    adds within-run and between-seed spread (no interval when any run has none)."""
-    cells = [c for c in cells if c and c.get("value") is not None]
-    if not cells:
-        return None
-    if len(cells) == 1:
-        return {**cells[0], "n_seeds": 1}
-    vals = [c["value"] for c in cells]
-    mean = statistics.fmean(vals)
-    base = {"value": mean, "n": cells[0].get("n"), "unit": cells[0].get("unit"), "n_seeds": len(vals)}
-    if any(c.get("lower_bound") for c in cells):  # a mean with a lower bound in it is one too
-        return {**base, "ci_low": None, "ci_high": None, "lower_bound": True,
-                "note": "a lower bound in some seeds (canaries at the estimator's ceiling)"}
-    if any(c.get("ci_low") is None or c.get("ci_high") is None for c in cells):
-        return {**base, "ci_low": None, "ci_high": None, "note": "n too small in some seeds"}
-    within = statistics.fmean((c["ci_high"] - c["ci_low"]) / 2 for c in cells)
-    between = 1.96 * statistics.stdev(vals) / math.sqrt(len(vals))
-    half = math.sqrt(within**2 + between**2)
-    return {**base, "ci_low": mean - half, "ci_high": mean + half, "note": None}
-
-
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
-        g[(r["backend"], _nominal(r), r["mitigation"]["goldfish"])].append(r)
+        g[(r["backend"], nominal_epsilon(r), r["mitigation"]["goldfish"])].append(r)
     return g
-
-
-def _test(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
-          alternative: str) -> dict[str, Any] | None:
-    """The test of metric `key` between two groups of runs (None when it cannot be tested).
-
-    Both groups with several seeds: a permutation test over the seeds' values (a statement about
-    the configurations). Otherwise the first run of each group, tested on its units (a statement
-    about these runs).
-    """
-    from memaudit.probes.stats import compare_seeds, compare_units
-
-    if len(a_runs) > 1 and len(b_runs) > 1:
-        va = [r["leakage"][key]["value"] for r in a_runs if (r["leakage"].get(key) or {}).get("value") is not None]
-        vb = [r["leakage"][key]["value"] for r in b_runs if (r["leakage"].get(key) or {}).get("value") is not None]
-        if len(va) > 1 and len(vb) > 1:
-            kind = ((a_runs[0].get("units") or {}).get(key) or {}).get("kind", "mean")
-            return {**compare_seeds(va, vb, alternative=alternative, kind=kind), "scope": "configurations"}
-    ua, ub = (a_runs[0].get("units") or {}).get(key), (b_runs[0].get("units") or {}).get(key)
-    if not ua or not ub:
-        return None
-    return {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
-            "runs": [a_runs[0]["id"], b_runs[0]["id"]]}
 
 
 def _mean_ppl(rs: list[dict[str, Any]]) -> float | None:
@@ -331,11 +279,11 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
             continue
         cells = {}
         for key in metrics:
-            pa = _pool([r["leakage"].get(key) for r in a])
-            pf = _pool([r["leakage"].get(key) for r in b])
+            pa = pool([r["leakage"].get(key) for r in a])
+            pf = pool([r["leakage"].get(key) for r in b])
             if pa and pf:
                 cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
-                              "test": _test(b, a, key, "two-sided")}
+                              "test": compare_groups(b, a, key, "two-sided")}
         matched.append({"epsilon": eps, "metrics": cells,
                         "perplexity": {"parallel": _mean_ppl(a), "federated": _mean_ppl(b)}})
     effects = []
@@ -351,11 +299,11 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
             continue
         cells = {}
         for key in metrics:
-            t = _pool([r["leakage"].get(key) for r in rs])
-            b0 = _pool([r["leakage"].get(key) for r in base])
+            t = pool([r["leakage"].get(key) for r in rs])
+            b0 = pool([r["leakage"].get(key) for r in base])
             if t and b0:
                 cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
-                              "test": _test(rs, base, key, "less")}
+                              "test": compare_groups(rs, base, key, "less")}
         effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
                         "metrics": cells, "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
     return {"matched": matched, "effects": effects, "curves": _curves(groups, runs),
@@ -381,7 +329,8 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
         "runs": runs,
         "comparisons": comparisons(runs, utility_tolerance=utility_tolerance),
     }
-    report["findings"] = findings_mod.generate(report)
+    report["comparisons"] = findings_mod.adjust(report)  # adjusted p-values and verdicts, as report.json keeps them
+    report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
     if (scale := scale_section(runs)) is not None:
         report["scale"] = scale

@@ -21,11 +21,14 @@ References:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from memaudit.probes.stats import CORRECTIONS
+from memaudit.probes.stats import CORRECTIONS, compare_units
+from memaudit.reports.cells import FINDING, NO_DIFFERENCE, Test, format_cell, number, verdict
 
 ALPHA = 0.05
 CORRECTION = "holm"
@@ -45,14 +48,6 @@ SHORT = {"exposure_top": "exposure (top reps)", "extraction_exact": "exact extra
          "pii_extraction": "PII extraction", "audit_epsilon": "audit epsilon"}
 # the audit bound is a one-sided lower bound: never tested as a difference between runs
 TESTABLE = {"audit_epsilon": False}
-
-
-def _fmt(v: float | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    return f"{v:.3g}"
 
 
 def _fmt_eps(e: float | None) -> str:
@@ -83,37 +78,34 @@ def _refine_floors(report: dict[str, Any], family: int) -> None:
     data, would keep a test from passing the correction over `family` tests (floor * family >=
     alpha), the test is re-run on the same units with enough permutations that its floor is
     alpha / (FLOOR_MARGIN * family). Only tests at their floor are re-run, so the cost stays small.
+    Updates the test dicts of `report` (`adjust` hands it its own copy).
     """
-    from memaudit.probes.stats import compare_units
-
     units = {r["id"]: r.get("units") or {} for r in report.get("runs", [])}
     need = math.ceil(FLOOR_MARGIN * family / ALPHA)
     for key, _cell, t in _keyed_tests(report):
-        floor = t.get("p_floor")
-        if (floor is None or t.get("scope") != "runs" or floor * family < ALPHA
-                or t["p_value"] > floor * (1 + 1e-9)):
+        test = Test.of(t)
+        if (test.p_floor is None or test.scope != "runs" or test.p_floor * family < ALPHA
+                or test.p_value > test.p_floor * (1 + 1e-9)):
             continue
-        ua, ub = (units.get(rid, {}).get(key) for rid in t.get("runs", ("", "")))
+        ua, ub = (units.get(rid, {}).get(key) for rid in (test.runs or ("", "")))
         if ua and ub:
-            again = compare_units(ua, ub, alternative=t["alternative"], n_perm=need)
+            again = compare_units(ua, ub, alternative=test.alternative, n_perm=need)
             t.update(p_value=again["p_value"], p_floor=again["p_floor"], estimate=again["estimate"])
 
 
-def adjust(report: dict[str, Any], correction: str = CORRECTION) -> int:
-    """Write each test's adjusted p-value and verdict into the comparisons; returns the family size.
-    Tests whose permutation floor alone would decide are refined first (`_refine_floors`)."""
-    pairs = list(_all_tests(report))
-    _refine_floors(report, len(pairs))  # in place: `pairs` holds the same test dicts
+def adjust(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
+    """The report's comparisons with each test's adjusted p-value and each cell's verdict
+    (`memaudit.reports.cells.verdict`), as a new dict: `report` is left as it was. Tests whose
+    permutation floor alone would decide are refined first (`_refine_floors`). Adjusting an
+    adjusted report again gives the same comparisons."""
+    own = {"runs": report.get("runs", []), "comparisons": copy.deepcopy(report.get("comparisons", {}))}
+    pairs = list(_all_tests(own))
+    _refine_floors(own, len(pairs))  # on the copy: `pairs` holds the same test dicts
     adj = CORRECTIONS[correction]([t["p_value"] for _c, t in pairs])
     for (cell, t), pa in zip(pairs, adj, strict=True):
         t.update({"p_adjusted": pa, "correction": correction, "family": len(pairs), "alpha": ALPHA})
-        if pa >= ALPHA:
-            cell["verdict"] = "no difference shown"
-        elif t["alternative"] == "less":
-            cell["verdict"] = "less"
-        else:  # the direction of the tested difference, not of the displayed cells
-            cell["verdict"] = "more" if t["estimate"] > 0 else "less"
-    return len(pairs)
+        cell["verdict"] = verdict(Test.of(t), ALPHA)
+    return own["comparisons"]
 
 
 def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
@@ -122,19 +114,61 @@ def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
     return cell["federated"], cell["parallel"]
 
 
-def _cell_text(c: dict[str, Any], unit: str) -> str:
-    u = f" {unit}" if unit else ""
-    s = f"{'>= ' if c.get('lower_bound') else ''}{_fmt(c['value'])}{u}"
-    if c.get("ci_low") is not None:
-        s += f" [{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}]"
-    elif c.get("note"):
-        s += f" ({c['note']})"
-    return s
+def _test_text(t: Test) -> str:
+    return (f"{_test_core(t)}, p = {t.p_value:.3g}, {t.correction.capitalize()}-adjusted p = "
+            f"{t.p_adjusted:.3g} over {t.family} tests")
 
 
-def _test_text(t: dict[str, Any]) -> str:
-    return (f"{_test_core(t)}, p = {t['p_value']:.3g}, {t['correction'].capitalize()}-adjusted p = "
-            f"{t['p_adjusted']:.3g} over {t['family']} tests")
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One comparison's sentence: what it claims (`verdict` of side a against side b), the
+    numbers and the test behind it; `series` when it is one level of a treatment effect."""
+
+    group: str
+    metric: str
+    claim: str
+    evidence: str
+    short: str
+    caveat: str | None
+    verdict: str
+    context: str
+    test: Test
+    text: str
+    series: dict[str, Any] | None = None
+
+    @property
+    def passes(self) -> bool:
+        return self.verdict in ("less", "more")
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.test
+        return {"kind": "comparison", "group": self.group, "metric": self.metric, "metrics": [self.metric],
+                "claim": self.claim, "evidence": self.evidence, "short": self.short, "caveat": self.caveat,
+                "verdict": self.verdict, "context": self.context, "scope": t.scope,
+                "test": t.name, "n": [t.n_a, t.n_b], "unit": t.unit,
+                "p_value": t.p_value, "p_adjusted": t.p_adjusted,
+                "correction": t.correction, "family": t.family, "text": self.text,
+                **({"series": self.series} if self.series else {})}
+
+
+def _finding(metric: str, cell: dict[str, Any], t: Test, left: str, right: str, context: str, group: str,
+             cav: str | None, series: dict[str, Any] | None) -> Finding:
+    label, unit, _ = METRICS[metric]
+    a, b = (format_cell(side, FINDING, unit) for side in _sides(cell))
+    v = verdict(t, t.alpha if t.alpha is not None else ALPHA)
+    scope = "for these configurations" if t.scope == "configurations" else "in these runs"
+    nums = f"{a} vs {b}; {_test_text(t)}"
+    if v in ("less", "more"):
+        claim = f"{context}, {scope}: {left} leaks {v} than {right} on {label}"
+    else:
+        claim = f"{context}, {scope}: no difference shown between {left} and {right} on {label}"
+    short = (f"{context}: {left} vs {right}, {SHORT[metric]}: no difference shown (n = {t.n_a}/{t.n_b} "
+             f"{t.unit}, {t.correction.capitalize()} p = {t.p_adjusted:.2g})")
+    if series:
+        series = {**series, "key": (group, series["backend_label"], series["treatment"], metric, v, t.scope, t.name),
+                  "treated": a, "baseline": b, "test_text": _test_core(t)}
+    return Finding(group=group, metric=metric, claim=claim, evidence=nums, short=short, caveat=cav, verdict=v,
+                   context=context, test=t, text=f"{claim} ({nums}).", series=series)
 
 
 def _sentences(cells: dict[str, dict], left: str, right: str, context: str, group: str,
@@ -145,40 +179,19 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
     treatment at several levels share, so the first screen can say them once."""
     out = []
     for metric, cell in cells.items():
-        t = cell.get("test")
-        if not t or "p_adjusted" not in t:
+        t = Test.of(cell["test"]) if cell.get("test") else None
+        if t is None or t.p_adjusted is None:
             continue  # no per-unit scores: no test, so no finding
-        cav = caveat(cell["verdict"]) if callable(caveat) else caveat
-        label, unit, _ = METRICS[metric]
-        a, b = _sides(cell)
-        scope = ("for these configurations" if t["scope"] == "configurations"
-                 else "in these runs")
-        nums = f"{_cell_text(a, unit)} vs {_cell_text(b, unit)}; {_test_text(t)}"
-        if cell["verdict"] in ("less", "more"):
-            claim = f"{context}, {scope}: {left} leaks {cell['verdict']} than {right} on {label}"
-        else:
-            claim = f"{context}, {scope}: no difference shown between {left} and {right} on {label}"
-        text = f"{claim} ({nums})."
-        short = (f"{context}: {left} vs {right}, {SHORT[metric]}: no difference shown (n = {t['n_a']}/{t['n_b']} "
-                 f"{t['unit']}, {t['correction'].capitalize()} p = {t['p_adjusted']:.2g})")
-        out.append({"kind": "comparison", "group": group, "metric": metric, "metrics": [metric],
-                    "claim": claim, "evidence": nums, "short": short, "caveat": cav,
-                    "verdict": cell["verdict"], "context": context, "scope": t["scope"],
-                    "test": t["test"], "n": [t["n_a"], t["n_b"]], "unit": t["unit"],
-                    "p_value": t["p_value"], "p_adjusted": t["p_adjusted"],
-                    "correction": t["correction"], "family": t["family"], "text": text,
-                    **({"series": {**series, "key": (group, series["backend_label"], series["treatment"], metric,
-                                                    cell["verdict"], t["scope"], t["test"]),
-                                   "treated": _cell_text(a, unit), "baseline": _cell_text(b, unit),
-                                   "test_text": _test_core(t)}} if series else {})})
+        v = verdict(t, t.alpha if t.alpha is not None else ALPHA)
+        cav = caveat(v) if callable(caveat) else caveat
+        out.append(_finding(metric, cell, t, left, right, context, group, cav, series).to_json())
     return out
 
 
-def _test_core(t: dict[str, Any]) -> str:
+def _test_core(t: Test) -> str:
     """The test without its p-values: what every level of a series shares."""
-    side = {"less": "one-sided", "greater": "one-sided", "two-sided": "two-sided"}[t["alternative"]]
-    on = f" on {t['statistic']}" if t.get("statistic") else ""
-    return f"{t['test']} test{on}, {side}, n = {t['n_a']} and {t['n_b']} {t['unit']}"
+    on = f" on {t.statistic}" if t.statistic else ""
+    return f"{t.name} test{on}, {t.sides}, n = {t.n_a} and {t.n_b} {t.unit}"
 
 
 def _tolerance(report: dict[str, Any]) -> float | None:
@@ -280,14 +293,14 @@ def audit_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         conf = a.get("confidence") or 0.95
         led = r.get("privacy", {}).get("epsilon")
-        bound = f"epsilon >= {_fmt(a['value'])} at {conf:.0%} confidence (one-sided)"
+        bound = f"epsilon >= {number(a['value'])} at {conf:.0%} confidence (one-sided)"
         if led is not None and not math.isinf(led) and a["value"] > led:
             verdict, text = "more", (f"Run {r['id']}: the one-run audit shows {bound}, above the "
-                                     f"ledger's epsilon = {_fmt(led)}: the accounting or the "
+                                     f"ledger's epsilon = {number(led)}: the accounting or the "
                                      "implementation does not hold in this run.")
         else:
             verdict, text = "consistent", (f"Run {r['id']}: the one-run audit shows {bound}"
-                                           + (f", consistent with the ledger's epsilon = {_fmt(led)}"
+                                           + (f", consistent with the ledger's epsilon = {number(led)}"
                                               if led is not None and not math.isinf(led) else "")
                                            + "; a lower bound, not an estimate.")
         out.append({"kind": "audit", "group": "audit", "metric": "audit_epsilon",
@@ -305,8 +318,8 @@ def caveats(report: dict[str, Any]) -> list[str]:
         if audit and audit.get("ceiling") is not None:
             out.append(
                 f"Run {r['id']}: the one-run audit's {audit.get('n')} canaries can certify at most "
-                f"epsilon = {_fmt(audit['ceiling'])} at the run's delta (the best over every r); its lower "
-                f"bound {_fmt(audit['value'])} is a floor, not an estimate of the true epsilon."
+                f"epsilon = {number(audit['ceiling'])} at the run's delta (the best over every r); its lower "
+                f"bound {number(audit['value'])} is a floor, not an estimate of the true epsilon."
             )
         per_user = r.get("privacy", {}).get("per_user") or {}
         if r.get("privacy", {}).get("unit") == "example" and per_user.get("max_sequences_per_user", 1) > 1:
@@ -320,7 +333,7 @@ def caveats(report: dict[str, Any]) -> list[str]:
             else:
                 out.append(
                     f"Run {r['id']}: epsilon is per training sequence; for a user with {k} sequences the "
-                    f"group-privacy bound is epsilon = {_fmt(per_user.get('epsilon'))}."
+                    f"group-privacy bound is epsilon = {number(per_user.get('epsilon'))}."
                 )
     if any(r.get("privacy", {}).get("unit") == "user" for r in runs) and any(
         r.get("privacy", {}).get("unit") == "example" for r in runs
@@ -433,16 +446,18 @@ def _series_caveat(group: list[dict[str, Any]], rel: dict[int, str | None]) -> s
 
 def generate(report: dict[str, Any]) -> dict[str, Any]:
     """The findings section: {'sentences', 'headline', 'passing', 'no_difference', 'caveats',
-    'correction', 'tests', 'alpha'}; adjusts the tests. `passing` counts every finding that passes
-    the rules; the headline shows at most MAX_HEADLINE of them. `no_difference` holds one short line per comparison
-    that showed no difference."""
-    family = adjust(report)
-    sentences = (utility_findings(report) + backend_findings(report) + effect_findings(report)
-                 + audit_findings(report))
+    'correction', 'tests', 'alpha'}, from the report's comparisons adjusted (`adjust`) on a copy:
+    `report` is left as it was. `passing` counts every finding that passes the rules; the headline
+    shows at most MAX_HEADLINE of them. `no_difference` holds one short line per comparison that
+    showed no difference."""
+    rep = {**report, "comparisons": adjust(report)}
+    family = sum(1 for _ in _all_tests(rep))
+    sentences = (utility_findings(rep) + backend_findings(rep) + effect_findings(rep)
+                 + audit_findings(rep))
     passing = sum(s["verdict"] in ("less", "more") for s in sentences)
     head = headline(sentences)
     return {"sentences": sentences, "headline": head, "passing": passing,
             "covered": sum(h["covers"] for h in head),
-            "matched_pairs": pair_lines(report),
-            "no_difference": [s["short"] for s in sentences if s["verdict"] == "no difference shown"],
-            "caveats": caveats(report), "correction": CORRECTION, "tests": family, "alpha": ALPHA}
+            "matched_pairs": pair_lines(rep),
+            "no_difference": [s["short"] for s in sentences if s["verdict"] == NO_DIFFERENCE],
+            "caveats": caveats(rep), "correction": CORRECTION, "tests": family, "alpha": ALPHA}

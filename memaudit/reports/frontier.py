@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from memaudit.reports.compare import compare_groups, pool
+
 DEFAULT_TOLERANCE = 0.1
 """Default |log ppl ratio| for a matched-utility pair (about 10% in perplexity)."""
 
@@ -126,7 +128,6 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
     utility ranges overlap but no two runs are within the tolerance), 'disjoint' (the ranges lie
     further apart than the tolerance) or 'no runs' (a backend has no run with a utility).
     """
-    from memaudit.reports.build import _pool, _test
     from memaudit.reports.findings import METRICS, TESTABLE
 
     check_tolerance(tolerance)
@@ -145,10 +146,10 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
     for dist, a, b in _pairs(par, fed, tolerance):
         cells = {}
         for key in metrics:
-            pa, pf = _pool([a["leakage"].get(key)]), _pool([b["leakage"].get(key)])
+            pa, pf = pool([a["leakage"].get(key)]), pool([b["leakage"].get(key)])
             if pa and pf:
                 cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
-                              "test": _test([b], [a], key, "two-sided")}
+                              "test": compare_groups([b], [a], key, "two-sided")}
         out["pairs"].append({"runs": [a["id"], b["id"]], "log_ratio": dist,
                              "perplexity": [_ppl(a), _ppl(b)],
                              "epsilon": [a["privacy"]["epsilon"], b["privacy"]["epsilon"]],

@@ -23,6 +23,8 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 from matplotlib.markers import CARETUP
 
+from memaudit.reports.cells import number
+
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 SERIES_COLOURS = {"centralized": "#0072B2", "federated": "#D55E00", "centralized + Goldfish": "#009E73",
                   "federated + Goldfish": "#CC79A7"}
@@ -59,9 +61,7 @@ def _svg(fig) -> str:
 
 def _plain(v: float, _pos=None) -> str:
     """A tick label as a plain number: 0.001, 0.5, 20, 1,000."""
-    if v >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.4g}"
+    return number(v, 4, thousands=True)
 
 
 def nice_log_ticks(lo: float, hi: float, max_ticks: int = 6) -> list[float]:
@@ -129,7 +129,7 @@ def _panels(n: int, cols: int = 3):
 def _eps_label(eps: float | None) -> str:
     if eps is None or math.isinf(eps):
         return "no DP"
-    return "base" if eps == 0 else f"ε={eps:.3g}"
+    return "base" if eps == 0 else f"ε={number(eps)}"
 
 
 def _backend_label(run: dict[str, Any]) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.probes.loaders import ProbesDoc, ProbeSection
+
 MAX_ROC_POINTS = 200
 MAX_SAMPLES = 5
 SAMPLE_CHARS = 400
@@ -59,12 +61,10 @@ def _units(kind: str, unit: str, ids, values, **extra) -> dict[str, Any] | None:
     return {"kind": kind, "unit": unit, "ids": ids, "values": values, **extra}
 
 
-def units_of(probes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def units_of(probes: ProbesDoc | dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per-unit scores behind each headline metric, for the tests between runs (no text, no
     secrets): ids and values of canaries, documents, users or PII items."""
-    from memaudit.probes.loaders import ProbesDoc
-
-    doc = ProbesDoc.from_json(probes)
+    doc = probes if isinstance(probes, ProbesDoc) else ProbesDoc.from_json(probes)
     out: dict[str, dict[str, Any] | None] = {}
     if (p := doc.get("exposure")) is not None:
         rows = [r for r in p.scores if r.get("role") == "inserted"]
@@ -120,12 +120,6 @@ def _roc(pos: list[float], neg: list[float], auc: float | None) -> dict[str, Any
     return {"fpr": fpr.round(6).tolist(), "tpr": tpr.round(6).tolist(), "auc": auc}
 
 
-def _ok(probe: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not probe or "skipped" in (probe.get("summary") or {}):
-        return None
-    return probe
-
-
 def _ceiling_counts(scores: list[dict[str, Any]]) -> dict[tuple[int, str | None], int]:
     """Inserted canaries at the estimator's ceiling per (repetitions, owner kind), and per
     repetitions alone under owner None."""
@@ -138,10 +132,10 @@ def _ceiling_counts(scores: list[dict[str, Any]]) -> dict[tuple[int, str | None]
     return out
 
 
-def _exposure(p: dict, out: dict) -> None:
-    s = p["summary"]
+def _exposure(p: ProbeSection, out: dict) -> None:
+    s = p.summary
     reps = sorted(s.get("by_repetitions", {}), key=int)
-    ceiling = _ceiling_counts(p.get("scores") or [])
+    ceiling = _ceiling_counts(p.scores or [])
     if reps:
         b = s["by_repetitions"][reps[-1]]
         # the excess over the run's references: the quantity the tests between runs compare
@@ -177,8 +171,8 @@ def _exposure(p: dict, out: dict) -> None:
                             "value": test["p_value"], "ci_low": None, "ci_high": None})
 
 
-def _extraction(p: dict, out: dict, docs: dict[str, str] | None) -> None:
-    s = p["summary"]
+def _extraction(p: ProbeSection, out: dict, docs: dict[str, str] | None) -> None:
+    s = p.summary
     disc = s.get("discoverable") or {}
     ks = sorted(disc, key=int)
     if ks:
@@ -205,7 +199,7 @@ def _extraction(p: dict, out: dict, docs: dict[str, str] | None) -> None:
             out["rows"].append({"probe": "extraction", "metric": f"non-discoverable memorised in top by {name}",
                                 **_row(block["rate"])})
     if docs:
-        scores = (p.get("scores") or {}).get("discoverable") or []
+        scores = (p.scores or {}).get("discoverable") or []
         seen = []
         for r in sorted(scores, key=lambda r: -r.get("repeats", 1)):
             if r.get("exact") and r["id"] in docs and r["id"] not in seen:
@@ -224,8 +218,8 @@ def _attack(name: str, label: str, summ: dict, out: dict, key: str) -> None:
         out["rows"].append({"probe": name, "metric": f"{label} TPR at {float(fpr):g} FPR", **_row(st)})
 
 
-def _membership(p: dict, out: dict) -> None:
-    s = p["summary"]
+def _membership(p: ProbeSection, out: dict) -> None:
+    s = p.summary
     for attack, summ in s.items():
         if not isinstance(summ, dict) or "auc" not in summ:
             continue
@@ -233,24 +227,24 @@ def _membership(p: dict, out: dict) -> None:
             _attack("membership", "loss attack", summ, out, "mia_auc")
         else:
             out["rows"].append({"probe": "membership", "metric": f"{attack} attack AUC", **_row(summ["auc"])})
-    rows = p.get("scores") or []
+    rows = p.scores or []
     if rows and "loss" in rows[0]:
         pos = [r["loss"] for r in rows if r.get("member")]
         neg = [r["loss"] for r in rows if not r.get("member")]
         out["plots"]["membership_roc"] = _roc(pos, neg, (s.get("loss") or {}).get("auc", {}).get("value"))
 
 
-def _users(p: dict, out: dict) -> None:
-    s = p["summary"]
+def _users(p: ProbeSection, out: dict) -> None:
+    s = p.summary
     _attack("user_inference", "user inference", s, out, "user_mia_auc")
-    rows = p.get("scores") or []
+    rows = p.scores or []
     pos = [r["score"] for r in rows if r.get("training_user")]
     neg = [r["score"] for r in rows if not r.get("training_user")]
     out["plots"]["user_roc"] = _roc(pos, neg, (s.get("auc") or {}).get("value"))
 
 
-def _pii(p: dict, out: dict) -> None:
-    s = p["summary"]
+def _pii(p: ProbeSection, out: dict) -> None:
+    s = p.summary
     for group in ("training_users", "heldout_users"):
         g = s.get(group) or {}
         for name in ("extraction", "inference_top1"):
@@ -262,8 +256,8 @@ def _pii(p: dict, out: dict) -> None:
         out["leakage"]["pii_extraction"] = _stat(tr)
 
 
-def _audit(p: dict, out: dict) -> None:
-    s = p["summary"]
+def _audit(p: ProbeSection, out: dict) -> None:
+    s = p.summary
     out["leakage"]["audit_epsilon"] = {
         "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None,
         "kind": "one-sided lower bound", "confidence": s.get("confidence", 1 - (s.get("p") or 0.05)),
@@ -293,11 +287,11 @@ def _member_texts(run_dir: str | Path | None) -> dict[str, str] | None:
     return texts
 
 
-def summarize_probes(probes: dict[str, Any], *, run_dir: str | Path | None = None,
+def summarize_probes(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path | None = None,
                      show_secrets: bool = False) -> dict[str, Any]:
     """{'leakage': {metric: cell}, 'plots': {...}, 'rows': [...], 'samples': [text, ...]}."""
     out: dict[str, Any] = {"leakage": {}, "plots": {}, "rows": [], "samples": []}
-    pr = probes.get("probes", {})
+    doc = probes if isinstance(probes, ProbesDoc) else ProbesDoc.from_json(probes)
     handlers = {
         "exposure": _exposure,
         "membership": _membership,
@@ -306,15 +300,12 @@ def summarize_probes(probes: dict[str, Any], *, run_dir: str | Path | None = Non
         "audit": _audit,
     }
     for name, fn in handlers.items():
-        p = _ok(pr.get(name))
-        if p:
+        if (p := doc.get(name)) is not None:
             fn(p, out)
-    p = _ok(pr.get("extraction"))
-    if p:
+    if (p := doc.get("extraction")) is not None:
         _extraction(p, out, _member_texts(run_dir))
-    for name, probe in pr.items():
-        reason = (probe.get("summary") or {}).get("skipped")
-        if reason:
-            out["rows"].append({"probe": name, "metric": f"skipped: {reason}", "value": None, "ci_low": None, "ci_high": None})
+    for name, probe in doc.probes.items():
+        if probe.skipped:
+            out["rows"].append({"probe": name, "metric": f"skipped: {probe.skipped}", "value": None, "ci_low": None, "ci_high": None})
     out["leakage"] = {k: v for k, v in out["leakage"].items() if v is not None}
     return out

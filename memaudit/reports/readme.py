@@ -24,13 +24,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memaudit.io import atomic_write_text
+from memaudit.reports.cells import README as README_CELL
+from memaudit.reports.cells import format_cell, readme_number
 from memaudit.reports.literature import (
     audit_sentences,
     contrast_buckets,
     dp_learns_sentences,
     extraction_sentences,
 )
-from memaudit.reports.render import n_text, value_text
+from memaudit.reports.write import json_safe, load_report
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "docs" / "snapshots"
@@ -40,25 +43,6 @@ COLUMNS = (("exposure_top", "excess exposure, top reps (bits)"), ("mia_auc", "MI
            ("user_mia_auc", "user-inference AUC"))
 
 
-def _num(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    if isinstance(v, int | float) and abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.3g}"
-
-
-def _cell(c: dict[str, Any] | None) -> str:
-    if not c or c.get("value") is None:
-        return "n/a"
-    s = value_text(c, _num)
-    n = n_text(c) if c.get("n") is not None else ""
-    extra = ", ".join(x for x in (n, c.get("note") if c.get("ci_low") is None else None) if x)
-    return s + (f" ({extra})" if extra else "")
-
-
 def _privacy(run: dict[str, Any]) -> str:
     p = run["privacy"]
     if run.get("role") == "public-base":
@@ -66,7 +50,7 @@ def _privacy(run: dict[str, Any]) -> str:
     eps = p.get("epsilon")
     if p.get("unit") is None or eps is None or (isinstance(eps, float) and math.isinf(eps)):
         return "no DP"
-    return f"{p['mechanism']}, epsilon = {_num(eps)} per {p['unit']}"
+    return f"{p['mechanism']}, epsilon = {readme_number(eps)} per {p['unit']}"
 
 
 def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None = None) -> str:
@@ -77,15 +61,15 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
     if meta:
         how = f"`{meta['command']}`" if meta.get("command") else "a sweep"
         lines.append(f"Measured with {how} on {meta.get('date', 'an unrecorded date')}: "
-                     f"{_num(meta.get('wall_s'))} s of sweep on {meta.get('cpus', '?')} CPU cores"
+                     f"{readme_number(meta.get('wall_s'))} s of sweep on {meta.get('cpus', '?')} CPU cores"
                      + (f" ({meta['note']})" if meta.get("note") else "") + ".")
     lines.append(f"From `docs/snapshots/{name}.report.json`, {len(report['runs'])} runs:")
     lines.append("")
     lines.append("| run | privacy | holdout perplexity | " + " | ".join(lbl for _k, lbl in COLUMNS) + " |")
     lines.append("|---|---|---|" + "---|" * len(COLUMNS))
     for r in report["runs"]:
-        cells = " | ".join(_cell(r["leakage"].get(k)) for k, _lbl in COLUMNS)
-        lines.append(f"| {r['id']} | {_privacy(r)} | {_num(r['utility'].get('holdout_perplexity'))} | {cells} |")
+        cells = " | ".join(format_cell(r["leakage"].get(k), README_CELL) for k, _lbl in COLUMNS)
+        lines.append(f"| {r['id']} | {_privacy(r)} | {readme_number(r['utility'].get('holdout_perplexity'))} | {cells} |")
     lines.append("")
     mu = report["comparisons"]["matched_utility"]
     f = report["findings"]
@@ -117,9 +101,9 @@ def _literature_lines(lit: dict[str, Any]) -> list[str]:
         lbl, t = min(trends, key=lambda x: x[1].get("p_adjusted", 1.0))
         out.append(f"- Exposure rises with repetitions (one-sided Spearman, n = {t['n_a']} canaries a run): "
                    f"shown in {len(shown)} of {len(trends)} runs{' (' + '; '.join(shown) + ')' if shown else ''}; "
-                   f"strongest: {lbl}, rho = {t['rho']:.2f}, Holm p = {_num(t['p_adjusted'])}.")
-    rows = [f"| {e['label']} | {b['repetitions']} | {_num(b['effective_epsilon'])} | {_cell(b['excess'])} | "
-            f"{b['test']['verdict']} (Holm p = {_num(b['test']['p_adjusted'])}) |"
+                   f"strongest: {lbl}, rho = {t['rho']:.2f}, Holm p = {readme_number(t['p_adjusted'])}.")
+    rows = [f"| {e['label']} | {b['repetitions']} | {readme_number(b['effective_epsilon'])} | {format_cell(b['excess'], README_CELL)} | "
+            f"{b['test']['verdict']} (Holm p = {readme_number(b['test']['p_adjusted'])}) |"
             for e, b in contrast_buckets(lit.get("exposure", []))]
     if rows:
         out += [("- Group privacy on the same canaries (one user owns every copy; Mann-Whitney, inserted > "
@@ -131,8 +115,6 @@ def _literature_lines(lit: dict[str, Any]) -> list[str]:
 
 def load_snapshot(name: str, snapshots: Path = SNAPSHOTS) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(report, meta) of snapshot `name`; the report is checked against report.json's schema."""
-    from memaudit.reports.write import load_report
-
     path = snapshots / f"{name}.report.json"
     if not path.is_file():
         raise ValueError(f"README names snapshot '{name}' but {path} does not exist; run the benchmark "
@@ -161,8 +143,6 @@ def stale_blocks(readme: Path = README, snapshots: Path = SNAPSHOTS) -> list[str
 
 def update_readme(readme: Path = README, snapshots: Path = SNAPSHOTS) -> list[str]:
     """Rewrite the README's snapshot blocks (atomically); returns the names of the blocks changed."""
-    from memaudit.io import atomic_write_text
-
     changed = stale_blocks(readme, snapshots)
     if changed:
         atomic_write_text(readme, rendered(readme.read_text(encoding="utf-8"), snapshots))
@@ -177,10 +157,7 @@ def snapshot_of(report: dict[str, Any]) -> dict[str, Any]:
 
 def write_snapshot(report_json: Path, name: str, meta: dict[str, Any], snapshots: Path = SNAPSHOTS) -> Path:
     """Commit-ready snapshot `name` from a sweep's report.json, with how it was measured."""
-    from memaudit.io import atomic_write_text
-    from memaudit.reports.write import _json_safe, load_report
-
-    snap = _json_safe(snapshot_of(load_report(report_json)))
+    snap = json_safe(snapshot_of(load_report(report_json)))
     snapshots.mkdir(parents=True, exist_ok=True)
     out = snapshots / f"{name}.report.json"
     atomic_write_text(out, json.dumps(snap, indent=1, sort_keys=True) + "\n")

@@ -7,63 +7,16 @@ escaped: jinja2 autoescaping in HTML, entity escaping in Markdown.
 from __future__ import annotations
 
 import html
-import math
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
+from memaudit.reports.cells import PAGE, fmt, format_cell
 from memaudit.reports.findings import METRICS, SHORT
 from memaudit.reports.plots import all_plots, plot_notes
 
 _TEMPLATES = Path(__file__).parent / "templates"
-
-
-def fmt(v: Any) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "n/a"
-        if math.isinf(v):
-            return "inf"
-        return f"{v:.4g}"
-    return str(v)
-
-
-def n_text(c: dict[str, Any]) -> str:
-    """"n = 96 documents", or for an attack's AUC both classes: "n = 323 members + 96 non-members
-    documents" (the interval's width is set by the smaller class, the test uses both)."""
-    unit = c.get("unit") or ""
-    if c.get("n_pos") is not None and c.get("n_neg") is not None:
-        return f"n = {c['n_pos']} members + {c['n_neg']} non-members {unit}".strip()
-    return f"n = {c['n']} {unit}".strip()
-
-
-def value_text(c: dict[str, Any], num=fmt) -> str:
-    """The value with its interval, or ">= value" for a cell that is a lower bound (exposures at
-    the estimator's ceiling, `memaudit.reports.probes_adapter.at_ceiling`), which has none."""
-    if c.get("lower_bound"):
-        return f">= {num(c['value'])}"
-    s = num(c["value"])
-    if c.get("ci_low") is not None and c.get("ci_high") is not None:
-        s += f" [{num(c['ci_low'])}, {num(c['ci_high'])}]"
-    return s
-
-
-def cell(c: dict[str, Any] | None) -> str:
-    """Value, interval (or the note saying why there is none) and n with its unit."""
-    if not c:
-        return "n/a"
-    n = f" ({n_text(c)})" if c.get("n") is not None else ""
-    if c.get("value") is None:
-        return f"{c.get('note') or 'n/a'}{n}"
-    s = value_text(c)
-    if (c.get("ci_low") is None or c.get("ci_high") is None) and c.get("note"):
-        s += f", {c['note']}"
-    return s + n
 
 
 def test_cell(t: dict[str, Any] | None) -> str:
@@ -93,7 +46,7 @@ def _env(autoescape: bool) -> jinja2.Environment:
         trim_blocks=False,
         lstrip_blocks=False,
     )
-    env.globals.update(fmt=fmt, cell=cell, test_cell=test_cell, md=md, md_text=md_text)
+    env.globals.update(fmt=fmt, cell=lambda c: format_cell(c, PAGE), test_cell=test_cell, md=md, md_text=md_text)
     return env
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from memaudit.io import read_json
 from memaudit.probes.extraction import repeat_bucket
 from memaudit.probes.stats import MIN_N, N_TOO_SMALL, holm, mean_summary, rate_summary
+from memaudit.reports.compare import nominal_epsilon, pool
 from memaudit.rundir import RunDir
 
 ALPHA = 0.05
@@ -132,9 +133,8 @@ def _size_label(run: dict[str, Any]) -> str:
 
 
 def _condition(run: dict[str, Any]) -> tuple[str, float]:
-    from memaudit.reports.build import _nominal
 
-    return run["backend"], _nominal(run)
+    return run["backend"], nominal_epsilon(run)
 
 
 def _condition_label(backend: str, eps: float) -> str:
@@ -195,10 +195,9 @@ def _sentence(t: dict, family: int) -> str:
 
 
 def _pooled(rs: list[dict], metric: str, bucket: str) -> dict[str, Any] | None:
-    """One cell over a group's seeds (`build._pool`: one run's cell as it is)."""
-    from memaudit.reports.build import _pool
+    """One cell over a group's seeds (`compare.pool`: one run's cell as it is)."""
 
-    return _pool([_cell(r["_units"][metric][bucket]) for r in rs
+    return pool([_cell(r["_units"][metric][bucket]) for r in rs
                   if bucket in r["_units"].get(metric, {})])
 
 

@@ -13,13 +13,14 @@ from memaudit.reports.render import render_html, render_markdown
 from memaudit.reports.schema import validate_report
 
 
-def _json_safe(o: Any) -> Any:
+def json_safe(o: Any) -> Any:
+    """`o` with its infinities as "inf"/"-inf" and NaN as null: what report.json stores."""
     if isinstance(o, float) and (math.isinf(o) or math.isnan(o)):
         return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
     if isinstance(o, dict):
-        return {k: _json_safe(v) for k, v in o.items()}
+        return {k: json_safe(v) for k, v in o.items()}
     if isinstance(o, list | tuple):
-        return [_json_safe(v) for v in o]
+        return [json_safe(v) for v in o]
     return o
 
 
@@ -39,7 +40,7 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out '{out}' exists and is not a directory; choose another path")
-    safe = _json_safe(report)
+    safe = json_safe(report)
     validate_report(safe)
     paths = {"json": out / "report.json", "html": out / "report.html", "md": out / "report.md"}
     atomic_write_text(paths["json"], json.dumps(safe, indent=2) + "\n")

@@ -5,12 +5,14 @@ import pytest
 
 from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, comparisons
+from memaudit.reports.cells import FINDING, format_cell
 from memaudit.reports.schema import validate_report
 from tests.reports._fixtures import auc_units, cell, run
 
 
 def _report(runs):
     rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
+    rep["comparisons"] = findings.adjust(rep)  # generate() leaves its input as it was
     rep["findings"] = findings.generate(rep)
     return rep
 
@@ -216,7 +218,7 @@ def test_one_treatment_at_several_levels_is_one_first_screen_entry():
     effects = {e["epsilon"]: e["metrics"]["mia_auc"] for e in rep["comparisons"]["effects"]}
     for e in range(1, 9):  # every level's own cell, from the comparison it came from
         c = effects[float(e)]["treated"]
-        assert f"epsilon = {e}: {findings._cell_text(c, '')}" in dp["evidence"]
+        assert f"epsilon = {e}: {format_cell(c, FINDING, '')}" in dp["evidence"]
     p_max = max(c["test"]["p_adjusted"] for c in effects.values())
     assert dp["evidence"].endswith(f"Holm-adjusted p <= {p_max:.3g} over {f['tests']} tests")
     assert "paired AUC permutation test" in dp["evidence"] and "at each level" in dp["evidence"]
@@ -269,3 +271,30 @@ def test_the_learned_less_caveat_follows_which_side_learned_less():
     assert "epsilon = 100 " not in entry["caveat"] and "epsilon = 1000, 100" not in entry["caveat"]
     assert "epsilon = 100: " in entry["evidence"] and "matched utility" in entry["evidence"]
     validate_report(rep)
+
+
+def test_generate_leaves_its_input_unchanged():
+    """generate() returns the findings and adjusts a copy of the comparisons: the report it reads
+    keeps its unadjusted tests and "not tested" verdicts (it used to write both into its input)."""
+    import copy
+
+    runs = _backend_pair(0.0, 1.5)
+    rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
+    before = copy.deepcopy(rep)
+    f = findings.generate(rep)
+    assert rep == before
+    assert f["tests"] == 1 and f["sentences"][0]["verdict"] == "less"
+    adjusted = findings.adjust(rep)
+    assert rep == before and adjusted["matched"][0]["metrics"]["mia_auc"]["verdict"] == "less"
+    assert findings.adjust({**rep, "comparisons": adjusted}) == adjusted  # adjusting again changes nothing
+
+
+def test_verdict_is_a_function_of_the_adjusted_test():
+    from memaudit.reports.cells import Test, verdict
+
+    t = {"name": "paired AUC permutation", "n_a": 50, "n_b": 50, "unit": "documents", "p_value": 0.001}
+    assert verdict(Test(alternative="two-sided", estimate=0.1, **t), 0.05) == "not tested"
+    assert verdict(Test(alternative="two-sided", estimate=0.1, p_adjusted=0.01, **t), 0.05) == "more"
+    assert verdict(Test(alternative="two-sided", estimate=-0.1, p_adjusted=0.01, **t), 0.05) == "less"
+    assert verdict(Test(alternative="less", estimate=0.1, p_adjusted=0.01, **t), 0.05) == "less"
+    assert verdict(Test(alternative="less", estimate=-0.1, p_adjusted=0.05, **t), 0.05) == "no difference shown"

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 from memaudit.probes.exposure import exposure_result
-from memaudit.reports.findings import _cell_text
+from memaudit.reports.cells import FINDING, PAGE, format_cell
 from memaudit.reports.probes_adapter import summarize_probes, units_of
-from memaudit.reports.render import cell
 from tests.reports._fixtures import write_run_dir
 
 REPS, OWNERS, PER, N_REFS = (1, 4, 64), ("user", "spread"), 10, 40
@@ -59,19 +58,19 @@ def test_headline_cell_is_a_bound_without_interval(probes):
     assert top["ci_low"] is None and top["ci_high"] is None
     assert top["value"] == pytest.approx(np.mean([s["exposure"] for s in ins]) - np.mean(refs))
     assert "20 of 20 canaries" in top["note"]
-    assert cell(top).startswith(">= ") and "20 of 20 canaries" in cell(top)
-    assert _cell_text(top, "bits").startswith(">= ")
+    assert format_cell(top, PAGE).startswith(">= ") and "20 of 20 canaries" in format_cell(top, PAGE)
+    assert format_cell(top, FINDING, "bits").startswith(">= ")
     # the same run without a saturated bucket keeps its interval and no bound
     free = summarize_probes(probes[False])["leakage"]["exposure_top"]
     assert "lower_bound" not in free and free["ci_low"] is not None
-    assert not cell(free).startswith(">=")
+    assert not format_cell(free, PAGE).startswith(">=")
 
 
 def test_per_bucket_rows_and_units_carry_the_flag(probes):
     out = summarize_probes(probes[True])
     rows = {r["metric"]: r for r in out["rows"] if r["probe"] == "exposure"}
     assert rows["exposure, 64 repetitions (bits)"].get("lower_bound") is True
-    assert cell(rows["exposure, 64 repetitions (bits)"]).startswith(">= ")
+    assert format_cell(rows["exposure, 64 repetitions (bits)"], PAGE).startswith(">= ")
     assert not rows["exposure, 1 repetitions (bits)"].get("lower_bound")
     by_owner = out["plots"]["exposure_by_repetition"]
     for owner in OWNERS:

@@ -103,14 +103,13 @@ def test_auc_cell_names_both_classes():
     """An attack's AUC cell says how many members and non-members it rests on, so it agrees with
     the paired test's n (their sum) instead of showing only the smaller class."""
     from memaudit.probes.stats import attack_summary
+    from memaudit.reports.cells import PAGE, README, format_cell
     from memaudit.reports.probes_adapter import summarize_probes
-    from memaudit.reports.readme import _cell
-    from memaudit.reports.render import cell as render_cell
 
     rng = __import__("numpy").random.default_rng(0)
     summ = attack_summary(rng.normal(1, 1, 40), rng.normal(0, 1, 12), unit="documents")
     probes = {"schema": 1, "probes": {"membership": {"status": "ok", "summary": {"loss": summ}, "scores": []}}}
     c = summarize_probes(probes)["leakage"]["mia_auc"]
     assert (c["n"], c["n_pos"], c["n_neg"]) == (12, 40, 12)
-    for text in (render_cell(c), _cell(c)):
+    for text in (format_cell(c, PAGE), format_cell(c, README)):
         assert "n = 40 members + 12 non-members documents" in text

@@ -1,0 +1,69 @@
+"""Comparisons between runs: a metric pooled over seeds and its test between two groups of runs.
+
+Shared by the report's matched-epsilon and treatment comparisons (`memaudit.reports.build`), the
+matched-utility pairs (`memaudit.reports.frontier`) and the scale section (`memaudit.reports.scale`).
+
+References:
+  Good. Permutation, Parametric, and Bootstrap Tests of Hypotheses. Springer 2005.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+
+def nominal_epsilon(run: dict[str, Any]) -> float:
+    """A run's nominal epsilon: its target, else its ledger's (2 decimals); inf without DP."""
+    t = run["privacy"].get("target_epsilon")
+    if run["privacy"]["mechanism"] == "none":
+        return math.inf
+    return float(t) if t is not None else round(run["privacy"]["epsilon"], 2)
+
+
+def pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One metric over seeds: one run's cell as it is; several seeds' mean with a half-width that
+    adds within-run and between-seed spread (no interval when any run has none)."""
+    cells = [c for c in cells if c and c.get("value") is not None]
+    if not cells:
+        return None
+    if len(cells) == 1:
+        return {**cells[0], "n_seeds": 1}
+    vals = [c["value"] for c in cells]
+    mean = statistics.fmean(vals)
+    base = {"value": mean, "n": cells[0].get("n"), "unit": cells[0].get("unit"), "n_seeds": len(vals)}
+    if any(c.get("lower_bound") for c in cells):  # a mean with a lower bound in it is one too
+        return {**base, "ci_low": None, "ci_high": None, "lower_bound": True,
+                "note": "a lower bound in some seeds (canaries at the estimator's ceiling)"}
+    if any(c.get("ci_low") is None or c.get("ci_high") is None for c in cells):
+        return {**base, "ci_low": None, "ci_high": None, "note": "n too small in some seeds"}
+    within = statistics.fmean((c["ci_high"] - c["ci_low"]) / 2 for c in cells)
+    between = 1.96 * statistics.stdev(vals) / math.sqrt(len(vals))
+    half = math.sqrt(within**2 + between**2)
+    return {**base, "ci_low": mean - half, "ci_high": mean + half, "note": None}
+
+
+def compare_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
+                alternative: str) -> dict[str, Any] | None:
+    """The test of metric `key` between two groups of runs (None when it cannot be tested).
+
+    Both groups with several seeds: a permutation test over the seeds' values (a statement about
+    the configurations). Otherwise the first run of each group, tested on its units (a statement
+    about these runs).
+    """
+    # lazy: probes.stats costs ~0.5 s of import (numpy, scipy), and frontier (which `memaudit --help`
+    # imports for DEFAULT_TOLERANCE) imports this module
+    from memaudit.probes.stats import compare_seeds, compare_units
+
+    if len(a_runs) > 1 and len(b_runs) > 1:
+        va = [r["leakage"][key]["value"] for r in a_runs if (r["leakage"].get(key) or {}).get("value") is not None]
+        vb = [r["leakage"][key]["value"] for r in b_runs if (r["leakage"].get(key) or {}).get("value") is not None]
+        if len(va) > 1 and len(vb) > 1:
+            kind = ((a_runs[0].get("units") or {}).get(key) or {}).get("kind", "mean")
+            return {**compare_seeds(va, vb, alternative=alternative, kind=kind), "scope": "configurations"}
+    ua, ub = (a_runs[0].get("units") or {}).get(key), (b_runs[0].get("units") or {}).get(key)
+    if not ua or not ub:
+        return None
+    return {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
+            "runs": [a_runs[0]["id"], b_runs[0]["id"]]}
