@@ -425,7 +425,7 @@ def bench_flower(args) -> dict:
     from memaudit.config import load_config
     from memaudit.federated.flower.deploy import LocalFederation
     from memaudit.federated.flower.nodes import write_partitions
-    from memaudit.federated.trainer import train_federated
+    from memaudit.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     ov = ["backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=64",
@@ -443,15 +443,15 @@ def bench_flower(args) -> dict:
         return [m["round_seconds"] for m in lines][1:]
 
     secagg = ["privacy.secure_aggregation.enabled=true", "privacy.clip=1.0"]
-    train_federated(load_config(None, ov), RunDir(root / "jax"))
-    train_federated(load_config(None, [*ov, *secagg]), RunDir(root / "jax_secagg"))
+    dispatch(load_config(None, ov), RunDir(root / "jax"), resume=False)
+    dispatch(load_config(None, [*ov, *secagg]), RunDir(root / "jax_secagg"), resume=False)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     with LocalFederation(root / "federation", info["partitions"], env=env) as fed:
         flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
         t0 = time.perf_counter()
-        train_federated(load_config(None, [*ov, *flower]), RunDir(root / "flower"))
+        dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower"), resume=False)
         total = time.perf_counter() - t0
-        train_federated(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"))
+        dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"), resume=False)
     med = {k: statistics.median(rounds(root / k)) for k in ("jax", "flower", "jax_secagg", "flower_secagg")}
     wa = _safetensors(root / "jax_secagg")
     wb = _safetensors(root / "flower_secagg")

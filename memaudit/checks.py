@@ -15,7 +15,6 @@ import numpy as np
 
 from memaudit.data.corpus import check_file, resolve_files
 from memaudit.errors import ConfigError, DataError, MemauditError
-from memaudit.federated.mesh import build_mesh
 from memaudit.models.init import check_init_from, model_shape
 from memaudit.parallel.dims import ParallelDims
 
@@ -82,5 +81,8 @@ def _check_federated(cfg: Any, shape: Any) -> None:
     if f.algorithm == "fedsgd" and (cfg.privacy.enabled or cfg.privacy.secure_aggregation.enabled):
         raise ConfigError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
                           "federated.algorithm=fedavg (e.g. with local_steps=1)")
-    # devices, and the model axis dividing the heads of the preset or the checkpoint
+    # devices, and the model axis dividing the heads of the preset or the checkpoint. The
+    # memaudit.federated package imports jax (seconds): only a federated config pays it
+    from memaudit.federated.mesh import build_mesh
+
     build_mesh(f.mesh_clients, f.mesh_model, shape if shape is not None else cfg.model.preset)

@@ -489,7 +489,7 @@ class Config(_Section):
 
 
 # ----------------------------------------------------------------------------- loading
-def _format_error(err: ValidationError, source: str) -> str:
+def format_error(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"]) or "<root>"
     if e["type"] == "extra_forbidden":
@@ -498,7 +498,7 @@ def _format_error(err: ValidationError, source: str) -> str:
     return f"{source}: invalid value for '{key}': {msg}"
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
     for p in parts[:-1]:
@@ -551,7 +551,7 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
+        raise ConfigError(format_error(e, source)) from None
 
 
 def load_config(
@@ -561,7 +561,7 @@ def load_config(
     raw = load_raw(path)
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return config_from_dict(raw, source=str(path) if path is not None else "config")
 
 
@@ -569,7 +569,7 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """A new config with dotted-key overrides applied and re-validated."""
     raw = cfg.model_dump(mode="json")
     for key, value in overrides.items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return config_from_dict(raw)
 
 

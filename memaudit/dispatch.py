@@ -1,5 +1,5 @@
-"""The backend switch, above the backends: federated (JAX), a multi-process centralized grid,
-or one torch process. `memaudit.checks.check_before_disk` validates what can be validated
+"""The backend switch, above the backends: federated (JAX in this process, or submitted to a
+Flower federation), a multi-process centralized grid, or one torch process. `memaudit.checks.check_before_disk` validates what can be validated
 without the data first, so a bad config is refused before the run lifecycle writes or replaces
 anything. Each backend trains through the one driver, `memaudit.driver.fit`.
 
@@ -17,7 +17,10 @@ from memaudit.checks import check_before_disk
 def dispatch(cfg: Any, run: Any, *, resume: bool, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:
     """Train `cfg` into `run` with the backend it names; returns the run's result (run.json's)."""
     check_before_disk(cfg)
-    if cfg.backend == "federated":
+    if cfg.backend == "federated" and cfg.federated.runtime == "flower":
+        # submitted to a Flower federation (flwr: the optional flower extra)
+        from memaudit.federated.flower.trainer import train_on_flower as fn
+    elif cfg.backend == "federated":
         from memaudit.federated.trainer import train_federated as fn
     elif cfg.parallel.world_size > 1:
         # The data x tensor-parallel grid starts its own processes (torch.distributed).

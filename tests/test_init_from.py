@@ -285,16 +285,16 @@ def test_sweep_pretrains_then_fine_tunes_both_backends(tmp_path):
     from memaudit.config import with_overrides
     from memaudit.sweep.config import plan_points, point_config
     from memaudit.sweep.pretrain import pretrain_stage
-    from memaudit.sweep.runner import _decide
+    from memaudit.sweep.point import training_action
 
     points, _ = pretrain_stage(cfg, tmp_path / "sw", plan_points(cfg))
     point_cfg = point_config(cfg, points[0])
     rd = RunDir(tmp_path / "sw" / "runs" / points[0].name)
-    assert _decide(rd, point_cfg) == "skipped"
-    assert _decide(rd, with_overrides(point_cfg, {"train.lr": point_cfg.train.lr * 2})) == "trained"
+    assert training_action(rd, point_cfg).action == "skipped"
+    assert training_action(rd, with_overrides(point_cfg, {"train.lr": point_cfg.train.lr * 2})).action == "trained"
     weights = next(base.model_dir.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes() + b" ")  # the base's weights are not what it started from
-    assert _decide(rd, point_cfg) == "trained"
+    assert training_action(rd, point_cfg).action == "trained"
 
 
 @pytest.mark.parametrize("name", ["quickstart.yaml", "study.yaml"])

@@ -41,6 +41,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from memaudit.config import Config
+from memaudit.errors import ConfigError
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.federated import algorithms as alg
 from memaudit.federated import checkpoint as fckpt
@@ -82,11 +83,9 @@ def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
         {"steps" (= rounds), "rounds", "final_holdout_loss", "final_holdout_perplexity",
          "initial_holdout_loss", "initial_holdout_perplexity", "final_train_loss", ...}
     """
-    if cfg.federated.runtime == "flower":  # submitted to a Flower federation
-        # flwr is an optional dependency, and the Flower runtime builds on this module
-        from memaudit.federated.flower.trainer import train_on_flower
-
-        return train_on_flower(cfg, run, resume=resume, progress=progress, **session_kw)
+    if cfg.federated.runtime == "flower":
+        raise ConfigError("federated.runtime=flower submits the run to a Flower federation: train it with "
+                          "`memaudit train` (memaudit.dispatch.dispatch), not train_federated")
     maybe_initialize()
     return FederatedTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
 

@@ -35,14 +35,32 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from memaudit.config import (
     Config,
     ProbeConfig,
-    _format_error,
-    _set_dotted,
     config_from_dict,
+    format_error,
     load_raw,
     parse_override,
+    set_dotted,
 )
 from memaudit.errors import ConfigError
-from memaudit.sweep.pretrain import PretrainConfig
+
+
+class PretrainConfig(BaseModel):
+    """The sweep's `pretrain:` section (absent: every point trains from the preset's init)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(300, ge=1, description="optimizer steps of the public pretraining")
+    users: int = Field(64, ge=2, description="authors of the synthetic public corpus")
+    docs_per_user: int = Field(8, ge=1, description="public documents per author")
+    seed: int = Field(1, description="seed of the synthetic public corpus")
+    paragraph_sentences: int | None = Field(
+        None, ge=0, description="sentences closing each public document; default: the private "
+        "corpus's data.synth.paragraph_sentences")
+    path: str | None = Field(None, description="a public corpus file or directory instead of the "
+                             "synthetic one (data.path rules); checked against the private data")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="dotted overrides of the base's run config, e.g. "
+        "train.lr: 3e-3 (applied after the sweep's base config)")
 
 
 class _Section(BaseModel):
@@ -370,22 +388,22 @@ def tokens_seen(run_cfg: Config) -> int:
 
 def point_config(cfg: SweepConfig, point: SweepPoint) -> Config:
     """The full run config of one grid point: base, per-backend, per-model, then the point."""
-    raw = _deep_copy(cfg.base)
+    raw = deep_copy(cfg.base)
     for key, value in cfg.per_backend.get(point.backend, {}).items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     if point.model is not None:
         for key, value in cfg.per_model.get(point.model, {}).items():
-            _set_dotted(raw, key, value)
+            set_dotted(raw, key, value)
     for key, value in point.overrides.items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return config_from_dict(raw, source=f"sweep point {point.name}")
 
 
-def _deep_copy(d: Any) -> Any:
+def deep_copy(d: Any) -> Any:
     if isinstance(d, dict):
-        return {k: _deep_copy(v) for k, v in d.items()}
+        return {k: deep_copy(v) for k, v in d.items()}
     if isinstance(d, list):
-        return [_deep_copy(v) for v in d]
+        return [deep_copy(v) for v in d]
     return d
 
 
@@ -393,7 +411,7 @@ def sweep_config_from_dict(raw: dict[str, Any], *, source: str = "sweep config")
     try:
         cfg = SweepConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
+        raise ConfigError(format_error(e, source)) from None
     try:
         _check_sizes(cfg)
     except ValueError as e:
@@ -404,8 +422,6 @@ def sweep_config_from_dict(raw: dict[str, Any], *, source: str = "sweep config")
         raise ConfigError(f"{source}: the sweep grid is empty (no backend x privacy level x seed); "
                           "give grid.backends and grid.epsilons or grid.noise_multipliers")
     if cfg.executor.kind != "processes":
-        from memaudit.sweep.executors import job_resources
-
         for p in points:  # the ranks of every point fit its job
             try:
                 job_resources(cfg.executor, point_config(cfg, p))
@@ -434,7 +450,47 @@ def load_sweep_config(path: str | os.PathLike, overrides: list[str] | tuple[str,
         raw["base"] = _merge(load_raw(base_path), raw.get("base") or {})
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return sweep_config_from_dict(raw, source=str(path))
 
 
+# ----------------------------------------------------------------------------- job resources
+@dataclass(frozen=True)
+class JobResources:
+    """What one point's job asks the scheduler for."""
+
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int | None
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def job_resources(ex: ExecutorConfig, run_cfg: Config) -> JobResources:
+    """One task per rank: the point's world size (1 for federated and one-process points),
+    spread over `ex.nodes` or ceil(world / gpus_per_node) nodes. One-line ConfigError when
+    the ranks do not split evenly over the nodes or exceed a node's GPUs."""
+    world = run_cfg.parallel.world_size if run_cfg.backend == "parallel" else 1
+    if world == 1:
+        nodes = 1
+    elif ex.nodes is not None:
+        nodes = ex.nodes
+    else:
+        nodes = math.ceil(world / ex.gpus_per_node) if ex.gpus_per_node else 1
+    if world % nodes:
+        raise ConfigError(f"executor.nodes={nodes} does not divide the {world} ranks of the point's "
+                          "parallel grid; choose nodes dividing the grid's world size")
+    per_node = world // nodes
+    if ex.gpus_per_node and per_node > ex.gpus_per_node:
+        raise ConfigError(f"{per_node} ranks per node exceed executor.gpus_per_node="
+                          f"{ex.gpus_per_node}; raise executor.nodes to {math.ceil(world / ex.gpus_per_node)}")
+    if ex.kind == "local" and nodes > 1:
+        raise ConfigError(f"executor.kind=local runs on one node, but the point asks for "
+                          f"{nodes}; set executor.nodes=1 or use executor.kind=slurm")
+    if ex.kind == "debug" and world > 1:
+        raise ConfigError("executor.kind=debug runs one task in this process; use "
+                          "local for a parallel point (world size > 1)")
+    return JobResources(nodes, per_node, ex.gpus_per_node, ex.cpus_per_task)

@@ -25,62 +25,20 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from shutil import which
 from typing import TYPE_CHECKING, Any
 
 from memaudit.errors import ConfigError, MemauditError
+from memaudit.sweep.config import JobResources, job_resources, point_config
 from memaudit.sweep.point import Verb, point_action
 
 if TYPE_CHECKING:
-    from memaudit.config import Config
     from memaudit.sweep.config import ExecutorConfig, SweepConfig, SweepPoint
     from memaudit.sweep.runner import PointOutcome
 
 INSTALL_HINT = "pip install memaudit[slurm]"
 HANDOFF_WAIT_S = 600.0
-
-
-@dataclass(frozen=True)
-class JobResources:
-    """What one point's job asks the scheduler for."""
-
-    nodes: int
-    tasks_per_node: int
-    gpus_per_node: int
-    cpus_per_task: int | None
-
-    @property
-    def tasks(self) -> int:
-        return self.nodes * self.tasks_per_node
-
-
-def job_resources(ex: ExecutorConfig, run_cfg: Config) -> JobResources:
-    """One task per rank: the point's world size (1 for federated and one-process points),
-    spread over `ex.nodes` or ceil(world / gpus_per_node) nodes. One-line ConfigError when
-    the ranks do not split evenly over the nodes or exceed a node's GPUs."""
-    world = run_cfg.parallel.world_size if run_cfg.backend == "parallel" else 1
-    if world == 1:
-        nodes = 1
-    elif ex.nodes is not None:
-        nodes = ex.nodes
-    else:
-        nodes = math.ceil(world / ex.gpus_per_node) if ex.gpus_per_node else 1
-    if world % nodes:
-        raise ConfigError(f"executor.nodes={nodes} does not divide the {world} ranks of the point's "
-                          "parallel grid; choose nodes dividing the grid's world size")
-    per_node = world // nodes
-    if ex.gpus_per_node and per_node > ex.gpus_per_node:
-        raise ConfigError(f"{per_node} ranks per node exceed executor.gpus_per_node="
-                          f"{ex.gpus_per_node}; raise executor.nodes to {math.ceil(world / ex.gpus_per_node)}")
-    if ex.kind == "local" and nodes > 1:
-        raise ConfigError(f"executor.kind=local runs on one node, but the point asks for "
-                          f"{nodes}; set executor.nodes=1 or use executor.kind=slurm")
-    if ex.kind == "debug" and world > 1:
-        raise ConfigError("executor.kind=debug runs one task in this process; use "
-                          "local for a parallel point (world size > 1)")
-    return JobResources(nodes, per_node, ex.gpus_per_node, ex.cpus_per_task)
 
 
 def slurm_parameters(ex: ExecutorConfig, res: JobResources, *, job_name: str) -> dict[str, Any]:
@@ -165,7 +123,6 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
     from memaudit.io import atomic_write_json
     from memaudit.rundir import RunDir
     from memaudit.sweep import runner, slurm_env
-    from memaudit.sweep.config import point_config
 
     env = slurm_env.slurm_view(os.environ)
     rdv = slurm_env.rendezvous(env) if env is not None and int(env["SLURM_NTASKS"]) > 1 else None
@@ -210,7 +167,6 @@ def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
              on_done: Callable[[int, PointOutcome], None], progress: Any, debug: bool) -> None:
     """Each point that `point_action` does not skip as one job; outcomes reported as jobs end,
     in any order."""
-    from memaudit.sweep.config import point_config
     from memaudit.sweep.runner import PointOutcome
 
     ex = cfg.executor

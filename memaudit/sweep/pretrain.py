@@ -29,32 +29,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from memaudit import __version__
+from memaudit import dispatch as switch
+from memaudit.checks import check_before_disk
+from memaudit.config import config_from_dict, dump_config, set_dotted, with_overrides
+from memaudit.data.overlap import require_disjoint
+from memaudit.data.prepare import private_documents
+from memaudit.io import atomic_write_json
+from memaudit.lifecycle import RunSession
+from memaudit.models.init import initial_model
+from memaudit.rundir import RunDir, prepare_new_run
+from memaudit.sweep.config import PretrainConfig, deep_copy, plan_points, point_config
+from memaudit.sweep.point import config_as_written, stale_reason
+from memaudit.sweep.probing import probe_if_stale
+from memaudit.train.evaluate import holdout_loss
 
 Progress = Callable[[int, int, dict], None] | None
 BASE_DIR = "base"
 REFERENCE_RUN = "public-base"
 ROLE_PRETRAIN = "public-pretrain"
 ROLE_REFERENCE = "public-base"
-
-
-class PretrainConfig(BaseModel):
-    """The sweep's `pretrain:` section (absent: every point trains from the preset's init)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    steps: int = Field(300, ge=1, description="optimizer steps of the public pretraining")
-    users: int = Field(64, ge=2, description="authors of the synthetic public corpus")
-    docs_per_user: int = Field(8, ge=1, description="public documents per author")
-    seed: int = Field(1, description="seed of the synthetic public corpus")
-    paragraph_sentences: int | None = Field(
-        None, ge=0, description="sentences closing each public document; default: the private "
-        "corpus's data.synth.paragraph_sentences")
-    path: str | None = Field(None, description="a public corpus file or directory instead of the "
-                             "synthetic one (data.path rules); checked against the private data")
-    overrides: dict[str, Any] = Field(
-        default_factory=dict, description="dotted overrides of the base's run config, e.g. "
-        "train.lr: 3e-3 (applied after the sweep's base config)")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -64,11 +58,8 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
 
     `size`: the model-size axis' preset this base is for (None: the base config's model);
     `tokenizer`: a tokenizer another size's base trained, so that every size shares it."""
-    from memaudit.config import _set_dotted, config_from_dict
-    from memaudit.sweep.config import _deep_copy
-
     p: PretrainConfig = cfg.pretrain
-    raw = _deep_copy(cfg.base)
+    raw = deep_copy(cfg.base)
     for key in ("parallel", "federated", "privacy"):
         raw.pop(key, None)
     synth = dict(raw.get("data", {}).get("synth", {}))
@@ -84,25 +75,20 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
         "data.tokenizer": tokenizer, "data.tokenizer_corpus": None,
         **({"model.preset": size} if size is not None else {}),
     }.items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     for key, value in p.overrides.items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return config_from_dict(raw, source="sweep pretrain")
 
 
 def pretrain_key(base_cfg: Any) -> str:
     """sha256 of the base's resolved config: what decides whether a cached base is reused."""
-    from memaudit import __version__
-    from memaudit.config import dump_config
-
     raw = json.dumps({"config": dump_config(base_cfg), "memaudit": __version__}, sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
 def _private_configs(cfg: Any) -> list[Any]:
     """The distinct run configs' data sections of the sweep's points (usually one)."""
-    from memaudit.sweep.config import plan_points, point_config
-
     seen, out = set(), []
     for p in plan_points(cfg):
         data = point_config(cfg, p).data
@@ -116,9 +102,6 @@ def _private_configs(cfg: Any) -> list[Any]:
 def check_public_corpus(cfg: Any, base_cfg: Any | None = None) -> dict[str, Any]:
     """Refuse (one line, nothing written) a public corpus that shares a document, a canary
     secret or a PII value with any point's private data; returns the overlap counts."""
-    from memaudit.data.overlap import require_disjoint
-    from memaudit.data.prepare import private_documents
-
     base_cfg = base_cfg if base_cfg is not None else public_base_config(cfg)
     public, _, _ = private_documents(base_cfg.data)
     report: dict[str, Any] = {}
@@ -139,16 +122,12 @@ def _complete_with(rd: Any, **fields: Any) -> bool:
 
 def _train(run_cfg: Any, rd: Any, progress: Progress) -> None:
     """Train (or resume an interrupted) run through the normal lifecycle."""
-    from memaudit.dispatch import dispatch
-    from memaudit.rundir import prepare_new_run
-    from memaudit.sweep.runner import config_as_written
-
     if rd.is_run() and rd.status() in ("interrupted", "failed") and rd.state_dir.is_dir() \
             and any(rd.state_dir.iterdir()) and rd.read_manifest().get("config") == config_as_written(run_cfg):
-        dispatch(run_cfg, rd, resume=True, progress=progress)
+        switch.dispatch(run_cfg, rd, resume=True, progress=progress)
         return
     rd = prepare_new_run(rd.path, overwrite=True)
-    dispatch(run_cfg, rd, resume=False, progress=progress, overwrite=True)
+    switch.dispatch(run_cfg, rd, resume=False, progress=progress, overwrite=True)
 
 
 def base_dir_name(size: str | None) -> str:
@@ -166,9 +145,6 @@ def ensure_public_base(cfg: Any, out_dir: str | Path, progress: Progress = None,
     (centralized, no DP) through the normal run lifecycle. Returns the Hugging Face model
     directory (weights + tokenizer) every point starts from.
     """
-    from memaudit.checks import check_before_disk
-    from memaudit.rundir import RunDir
-
     base_cfg = public_base_config(cfg, size=size, tokenizer=tokenizer)
     check_before_disk(base_cfg)
     key = pretrain_key(base_cfg)
@@ -186,8 +162,6 @@ def ensure_public_base(cfg: Any, out_dir: str | Path, progress: Progress = None,
 
 def _mark_sweep(out: Path) -> None:
     """A sweep folder killed while pretraining must still read as a sweep on the re-run."""
-    from memaudit.io import atomic_write_json
-
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "sweep.json").is_file():
         atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "pretraining"})
@@ -197,9 +171,6 @@ def _mark_sweep(out: Path) -> None:
 def reference_config(cfg: Any, points: list[Any], base_model: Path) -> Any:
     """The run config of the zero-fine-tuning reference: the first point's data and evaluation
     settings, the base as its model, centralized on one process, no DP."""
-    from memaudit.config import with_overrides
-    from memaudit.sweep.config import point_config
-
     first = point_config(cfg, points[0])
     return with_overrides(first, {
         "backend": "parallel", "model.init_from": str(base_model), "privacy.noise_multiplier": None,
@@ -212,15 +183,12 @@ def ensure_base_reference(cfg: Any, out_dir: str | Path, base_model: Path, point
                           progress: Progress = None, *, size: str | None = None) -> Path:
     """`out_dir/runs/public-base/` (`public-base-<size>/` per size of a model-size axis): the
     base model on the private data, evaluated and probed."""
-    from memaudit.rundir import RunDir, prepare_new_run
-    from memaudit.sweep.runner import _probe_point, _stale
-
     run_cfg = reference_config(cfg, points, base_model)
     name = REFERENCE_RUN if size is None else f"{REFERENCE_RUN}-{size}"
     rd = RunDir(Path(out_dir) / "runs" / name)
-    if not _complete_with(rd, role=ROLE_REFERENCE) or _stale(rd, run_cfg):  # base retrained too
+    if not _complete_with(rd, role=ROLE_REFERENCE) or stale_reason(rd, run_cfg) is not None:  # base retrained too
         _write_reference(run_cfg, prepare_new_run(rd.path, overwrite=True))
-    _probe_point(cfg, rd, None if progress is None else
+    probe_if_stale(cfg, rd, None if progress is None else
                  (lambda d, t, info: progress(d, t, {"point": name, "stage": "probe", **info})))
     return rd.path
 
@@ -229,10 +197,6 @@ def _write_reference(run_cfg: Any, rd: Any) -> None:
     """The reference run through the run lifecycle: data staged, no step, the base exported."""
     import torch
 
-    from memaudit.checks import check_before_disk
-    from memaudit.lifecycle import RunSession
-    from memaudit.models.init import initial_model
-    from memaudit.train.evaluate import holdout_loss
 
     check_before_disk(run_cfg)
     t = run_cfg.train

@@ -21,19 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from memaudit import dispatch as switch  # the backend switch; its backends load when chosen
 from memaudit.io import atomic_write_json
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import SweepConfig, SweepPoint, plan_points, point_config
-from memaudit.sweep.point import (
-    PointAction,
-    Verb,
-    config_as_written,  # noqa: F401 - its old home: memaudit.sweep.pretrain imports it from here
-    point_action,
-    probe_device,
-    probe_reason,
-    stale_reason,
-    training_action,
-)
+from memaudit.sweep.point import PointAction, Verb, point_action
+from memaudit.sweep.probing import probe_run
 
 Progress = Callable[[int, int, dict], None] | None
 
@@ -54,53 +47,19 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def _stale(rd: RunDir, cfg) -> bool:
-    """Whether the run in `rd` was trained under another config or base than `cfg`'s
-    (`point.stale_reason`, part of the one rule)."""
-    return stale_reason(rd, cfg) is not None
-
-
-def _decide(rd: RunDir, cfg) -> str:
-    """The training half of the one rule (`point.training_action`) as an outcome's action:
-    skipped (complete), resumed or trained (new or stale)."""
-    return training_action(rd, cfg).action
-
-
 def _train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,
                  on_action: Callable[[str], None] | None = None) -> str:
     """Train, resume or leave one point as `action` says; returns the outcome's action word.
     `on_action` hears it before any training starts (the other ranks of a scheduler job wait
     for it)."""
-    from memaudit.dispatch import dispatch  # torch and jax: not for `memaudit --help`
-
     if action.verb is Verb.TRAIN:
         rd = prepare_new_run(rd.path, overwrite=True)
     if on_action is not None:
         on_action(action.action)
     if action.verb in (Verb.TRAIN, Verb.RESUME):
-        dispatch(cfg, rd, resume=action.verb is Verb.RESUME, progress=progress,
+        switch.dispatch(cfg, rd, resume=action.verb is Verb.RESUME, progress=progress,
                  overwrite=action.verb is Verb.TRAIN)
     return action.action
-
-
-def _probe(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
-    """Probe the run in `rd` under the sweep's probe settings and write its probes.json."""
-    from memaudit.probes.runner import run_probes  # torch: not for `memaudit --help`
-    from memaudit.probes.scoring import resolve_device
-    from memaudit.probes.targets import resolve_target
-
-    settings = cfg.probe.model_copy(update={"device": resolve_device(probe_device(cfg))})
-    result = run_probes(resolve_target(rd.path), settings, progress=progress)
-    atomic_write_json(rd.probes_path, result.document)
-
-
-def _probe_point(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
-    """Probe a complete run unless the one rule finds its probes.json current
-    (`point.probe_reason`); returns whether it probed."""
-    if probe_reason(cfg, rd) is None:
-        return False
-    _probe(cfg, rd, progress)
-    return True
 
 
 def _run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, int, dict], None],
@@ -112,7 +71,7 @@ def _run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, 
         action = point_action(cfg, p, rd.path)
         outcome.action = _train_point(point_config(cfg, p), rd, action, sub, on_action)
         if action.probes:
-            _probe(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
+            probe_run(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
             outcome.probed = True
         outcome.status = "complete"
     except KeyboardInterrupt:

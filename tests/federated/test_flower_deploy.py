@@ -68,7 +68,7 @@ def federation(tmp_path_factory):
 
 def _train(overrides, out: Path, trainer_cls=None, cli=False):
     from memaudit.config import load_config
-    from memaudit.federated.trainer import train_federated
+    from memaudit.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     if cli:  # through `memaudit train`, in this process
@@ -82,7 +82,7 @@ def _train(overrides, out: Path, trainer_cls=None, cli=False):
     cfg = load_config(BASE, overrides)
     if trainer_cls is not None:
         return trainer_cls(cfg, RunDir(out)).fit()
-    return train_federated(cfg, RunDir(out))
+    return dispatch(cfg, RunDir(out), resume=False)
 
 
 def _weights(run: Path) -> dict[str, np.ndarray]:

@@ -24,7 +24,7 @@ from memaudit.models.init import base_model_record
 from memaudit.rundir import RunDir
 from memaudit.sweep import executors, runner
 from memaudit.sweep.config import plan_points, point_config, sweep_config_from_dict
-from memaudit.sweep.runner import config_as_written
+from memaudit.sweep.point import config_as_written
 
 EXECUTOR_KINDS = ["processes", "debug", "local", "slurm"]
 CASES = {  # case -> (outcome action, probed, trainings, probings)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from memaudit.rundir import RunDir
-from memaudit.sweep import runner
 from memaudit.sweep.config import sweep_config_from_dict
+from memaudit.sweep.probing import probe_if_stale
 from tests.reports._fixtures import write_run_dir
 
 
@@ -26,9 +26,9 @@ def test_a_changed_probe_setting_probes_the_run_again(tmp_path, monkeypatch):
     monkeypatch.setattr("memaudit.probes.targets.resolve_target", lambda path: SimpleNamespace(path=path))
     raw = {"grid": {"backends": ["parallel"]}, "probe": {"probes": ["exposure"], "n_boot": 100}}
     cfg = sweep_config_from_dict(raw)
-    assert runner._probe_point(cfg, rd, None) is True  # older than the model
-    assert runner._probe_point(cfg, rd, None) is False  # same settings, newer than the model
+    assert probe_if_stale(cfg, rd, None) is True  # older than the model
+    assert probe_if_stale(cfg, rd, None) is False  # same settings, newer than the model
     changed = sweep_config_from_dict({**raw, "probe": {"probes": ["exposure"], "n_boot": 200}})
-    assert runner._probe_point(changed, rd, None) is True
+    assert probe_if_stale(changed, rd, None) is True
     assert [c.n_boot for c in calls] == [100, 200]
-    assert runner._probe_point(changed, rd, None) is False
+    assert probe_if_stale(changed, rd, None) is False

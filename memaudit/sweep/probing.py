@@ -1,0 +1,38 @@
+"""Probing a sweep point: the sweep's probe settings on a run, its probes.json written
+atomically; re-probed only where the one rule (`memaudit.sweep.point.probe_reason`) finds the
+stored probes.json stale. Shared by the sweep's points and its public-base reference.
+
+torch is imported with the probes inside `probe_run`: `memaudit --help` and the sweep's
+planning import this module and must not pay it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from memaudit.io import atomic_write_json
+from memaudit.rundir import RunDir
+from memaudit.sweep.config import SweepConfig
+from memaudit.sweep.point import probe_device, probe_reason
+
+Progress = Callable[[int, int, dict], None] | None
+
+
+def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
+    """Probe the run in `rd` under the sweep's probe settings and write its probes.json."""
+    from memaudit.probes.runner import run_probes  # torch: not for `memaudit --help`
+    from memaudit.probes.scoring import resolve_device
+    from memaudit.probes.targets import resolve_target
+
+    settings = cfg.probe.model_copy(update={"device": resolve_device(probe_device(cfg))})
+    result = run_probes(resolve_target(rd.path), settings, progress=progress)
+    atomic_write_json(rd.probes_path, result.document)
+
+
+def probe_if_stale(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
+    """Probe a complete run unless the one rule finds its probes.json current
+    (`point.probe_reason`); returns whether it probed."""
+    if probe_reason(cfg, rd) is None:
+        return False
+    probe_run(cfg, rd, progress)
+    return True
