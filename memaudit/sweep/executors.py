@@ -122,14 +122,14 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
     the other ranks train with it and return None."""
     from memaudit.io import atomic_write_json
     from memaudit.rundir import RunDir
-    from memaudit.sweep import runner, slurm_env
+    from memaudit.sweep import slurm_env, work
 
     env = slurm_env.slurm_view(os.environ)
     rdv = slurm_env.rendezvous(env) if env is not None and int(env["SLURM_NTASKS"]) > 1 else None
     if threads is not None:
-        runner._limit_threads(threads)
+        work.limit_threads(threads)
     if rdv is None:
-        return runner._run_point(cfg, point, RunDir(run_path), lambda *a: None, debug)
+        return work.run_point(cfg, point, RunDir(run_path), lambda *a: None, debug)
     slurm_env.export(rdv)  # RANK, WORLD_SIZE, ... : launch_training runs this rank in place
     handoff = _handoff_path(folder, rdv.job_id, nonce)
     if rdv.rank == 0:
@@ -137,7 +137,7 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
             atomic_write_json(handoff, {"action": action})
 
         try:
-            return runner._run_point(cfg, point, RunDir(run_path), lambda *a: None, debug, on_action=decided)
+            return work.run_point(cfg, point, RunDir(run_path), lambda *a: None, debug, on_action=decided)
         finally:
             if not handoff.is_file():  # failed before deciding: let the other ranks go
                 decided("skipped")

@@ -14,91 +14,26 @@ deterministic in the config's data and model seeds).
 from __future__ import annotations
 
 import os
-import time
-import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from memaudit import dispatch as switch  # the backend switch; its backends load when chosen
+from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json
-from memaudit.rundir import RunDir, prepare_new_run
-from memaudit.sweep.config import SweepConfig, SweepPoint, plan_points, point_config
-from memaudit.sweep.point import PointAction, Verb, point_action
-from memaudit.sweep.probing import probe_run
-
-Progress = Callable[[int, int, dict], None] | None
-
-
-@dataclass
-class PointOutcome:
-    name: str
-    backend: str
-    status: str  # complete | failed
-    action: str  # trained | resumed | skipped
-    probed: bool
-    seconds: float
-    error: str | None = None
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
-def _train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,
-                 on_action: Callable[[str], None] | None = None) -> str:
-    """Train, resume or leave one point as `action` says; returns the outcome's action word.
-    `on_action` hears it before any training starts (the other ranks of a scheduler job wait
-    for it)."""
-    if action.verb is Verb.TRAIN:
-        rd = prepare_new_run(rd.path, overwrite=True)
-    if on_action is not None:
-        on_action(action.action)
-    if action.verb in (Verb.TRAIN, Verb.RESUME):
-        switch.dispatch(cfg, rd, resume=action.verb is Verb.RESUME, progress=progress,
-                 overwrite=action.verb is Verb.TRAIN)
-    return action.action
-
-
-def _run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, int, dict], None],
-               debug: bool, on_action: Callable[[str], None] | None = None) -> PointOutcome:
-    """Train and probe one point; a failure is recorded in the outcome, not raised."""
-    t0 = time.time()
-    outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
-    try:
-        action = point_action(cfg, p, rd.path)
-        outcome.action = _train_point(point_config(cfg, p), rd, action, sub, on_action)
-        if action.probes:
-            probe_run(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
-            outcome.probed = True
-        outcome.status = "complete"
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:  # noqa: BLE001 - a failed point is recorded, the sweep goes on
-        outcome.error = _one_line(e)
-        if debug:
-            traceback.print_exc()
-    outcome.seconds = time.time() - t0
-    return outcome
-
-
-def _limit_threads(threads: int) -> None:
-    """Run this worker process's torch and XLA on `threads` CPU threads (before jax loads)."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    if threads == 1:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    import torch
-
-    torch.set_num_threads(threads)
+from memaudit.rundir import RunDir, check_output_folder
+from memaudit.sweep.config import SweepConfig, SweepPoint, plan_points
+from memaudit.sweep.executors import check_executor, run_jobs
+from memaudit.sweep.match import match_inputs, plan_matches
+from memaudit.sweep.pretrain import pretrain_stage
+from memaudit.sweep.regime import resolve_regime
+from memaudit.sweep.work import PointOutcome, Progress, limit_threads, one_line, run_point
 
 
 def _point_in_worker(cfg: SweepConfig, p: SweepPoint, run_path: str, threads: int, queue: Any,
                      debug: bool) -> PointOutcome:
-    _limit_threads(threads)
-    return _run_point(cfg, p, RunDir(run_path), lambda d, t, info: queue.put((p.name, d, t, info)), debug)
+    limit_threads(threads)
+    return run_point(cfg, p, RunDir(run_path), lambda d, t, info: queue.put((p.name, d, t, info)), debug)
 
 
 def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: Callable[[int, PointOutcome], None],
@@ -136,7 +71,7 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
                     try:
                         outcome = fut.result()
                     except Exception as e:  # noqa: BLE001 - the worker process itself died
-                        outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0, _one_line(e))
+                        outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0, one_line(e))
                     finished += 1
                     on_done(index[p.name], outcome)
         except KeyboardInterrupt:
@@ -148,7 +83,6 @@ def _run_points(cfg: SweepConfig, points: list[SweepPoint], out: Path,
                 on_done: Callable[[int, PointOutcome], None], progress: Progress, debug: bool) -> None:
     """Train and probe `points` on the sweep's executor; `on_done(i, outcome)` hears each end."""
     if cfg.executor.kind != "processes":
-        from memaudit.sweep.executors import run_jobs
 
         run_jobs(cfg, points, out, on_done, progress, debug)
     elif cfg.jobs > 1 and len(points) > 1:
@@ -159,7 +93,7 @@ def _run_points(cfg: SweepConfig, points: list[SweepPoint], out: Path,
                 if progress is not None:
                     progress(_i, len(points), {"point": _p.name, "done": done, "total": tot, **info})
 
-            on_done(i, _run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
+            on_done(i, run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
 
 
 def split_first(points: list[SweepPoint], needed: set[str], jobs: int
@@ -180,8 +114,6 @@ def split_first(points: list[SweepPoint], needed: set[str], jobs: int
 
 def check_sweep_dir(out: Path) -> None:
     """One line, before anything is written, for an --out that cannot hold a sweep."""
-    from memaudit.errors import RunDirError
-    from memaudit.rundir import check_output_folder
 
     check_output_folder(out, what="sweep --out")
     if out.is_dir() and any(out.iterdir()) and not (out / "sweep.json").is_file():
@@ -198,11 +130,9 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     """
     from memaudit.reports.build import build_report
     from memaudit.reports.write import write_report
-    from memaudit.sweep.regime import resolve_regime
 
     out = Path(out)
     check_sweep_dir(out)
-    from memaudit.sweep.executors import check_executor
 
     check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
     points = plan_points(cfg)
@@ -210,7 +140,6 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     # that every point fine-tunes (model.init_from), and its zero-fine-tuning reference run
     references: list[Path] = []
     if cfg.pretrain is not None:
-        from memaudit.sweep.pretrain import pretrain_stage
 
         points, references = pretrain_stage(cfg, out, points, progress=progress)
     # ---- end of public pretraining
@@ -243,7 +172,6 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     if not cfg.match_utility.enabled:
         run_batch(points)
     else:  # ---- matched-utility points (memaudit.sweep.match), placed from the grid's utilities:
-        from memaudit.sweep.match import match_inputs, plan_matches  # the runs they read go first
 
         first, rest = split_first(points, match_inputs(cfg, points),
                                   cfg.jobs if cfg.executor.kind == "processes" else 1)

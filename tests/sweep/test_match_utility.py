@@ -151,7 +151,7 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     from tests.reports._fixtures import write_run_dir
 
     def fake_point(cfg, p, rd, sub, debug, on_action=None):
-        if rd.is_run() and rd.status() == "complete":  # what _decide does with a complete run
+        if rd.is_run() and rd.status() == "complete":  # what point_action does with a complete, current run
             return PointOutcome(p.name, p.backend, "complete", "skipped", False, 0.0)
         scale = 1000.0 if p.backend == "parallel" else 2000.0
         if p.level is None:
@@ -161,7 +161,7 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
             write_run_dir(rd.path, p.backend, ppl=scale * sigma**0.6, seed=p.seed, dp=(sigma, 1000, 32, 10))
         return PointOutcome(p.name, p.backend, "complete", "trained", True, 0.0)
 
-    monkeypatch.setattr(runner, "_run_point", fake_point)
+    monkeypatch.setattr(runner, "run_point", fake_point)
     cfg = sweep_config_from_dict(_raw(levels=[8]))
     summary = run_sweep(cfg, tmp_path / "sw")
     (rec,) = summary["plan"]["matches"]

@@ -22,7 +22,7 @@ from memaudit.config import with_overrides
 from memaudit.io import atomic_write_json
 from memaudit.models.init import base_model_record
 from memaudit.rundir import RunDir
-from memaudit.sweep import executors, runner
+from memaudit.sweep import executors, runner, work
 from memaudit.sweep.config import plan_points, point_config, sweep_config_from_dict
 from memaudit.sweep.point import config_as_written
 
@@ -102,7 +102,7 @@ def recorded(monkeypatch):
     for key in list(os.environ):
         if key.startswith(("SLURM_", "SUBMITIT_")):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(runner, "_limit_threads", lambda n: None)
+    monkeypatch.setattr(work, "limit_threads", lambda n: None)
     calls: dict[str, list] = {"train": [], "probe": []}
 
     def fake_dispatch(cfg, rd, *, resume, overwrite, progress=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from memaudit.sweep import executors, runner
+from memaudit.sweep import executors, work
 from memaudit.sweep.config import plan_points, sweep_config_from_dict
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -17,7 +17,7 @@ def job_env(monkeypatch):
     for key in TORCHRUN:  # point_job exports these; restored after the test
         monkeypatch.setenv(key, "unset")
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
-    monkeypatch.setattr(runner, "_limit_threads", lambda n: None)
+    monkeypatch.setattr(work, "limit_threads", lambda n: None)
 
     def as_rank(rank: int) -> None:
         for k, v in {"SLURM_PROCID": rank, "SLURM_NTASKS": 2, "SLURM_LOCALID": rank, "SLURM_NODEID": 0,
@@ -40,9 +40,9 @@ def test_rank0_decides_and_rank1_follows(tmp_path, job_env, monkeypatch):
     def fake_run_point(cfg, p, rd, sub, debug, on_action=None):
         on_action("resumed")
         calls.append(("rank0", os.environ["RANK"], os.environ["MASTER_ADDR"]))
-        return runner.PointOutcome(p.name, p.backend, "complete", "resumed", True, 1.0)
+        return work.PointOutcome(p.name, p.backend, "complete", "resumed", True, 1.0)
 
-    monkeypatch.setattr(runner, "_run_point", fake_run_point)
+    monkeypatch.setattr(work, "run_point", fake_run_point)
     monkeypatch.setattr("memaudit.dispatch.dispatch",
                         lambda c, rd, *, resume, overwrite: calls.append(("rank1", os.environ["RANK"], resume)))
     job_env(0)
@@ -62,7 +62,7 @@ def test_rank0_failing_before_deciding_releases_the_others(tmp_path, job_env, mo
     def broken(*a, **kw):
         raise RuntimeError("no data")
 
-    monkeypatch.setattr(runner, "_run_point", broken)
+    monkeypatch.setattr(work, "run_point", broken)
     trained = []
     monkeypatch.setattr("memaudit.dispatch.dispatch", lambda *a, **kw: trained.append(1))
     job_env(0)

@@ -1,0 +1,86 @@
+"""One sweep point's work, the same under every executor: train, resume or leave it as the one
+rule (`memaudit.sweep.point.point_action`) says, probe it where the rule says, and return a
+`PointOutcome`; a failure is recorded in the outcome, not raised. The processes executor
+(`memaudit.sweep.runner`) and the scheduler jobs (`memaudit.sweep.executors`) both call
+`run_point`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memaudit import dispatch as switch  # the backend switch; its backends load when chosen
+from memaudit.rundir import RunDir, prepare_new_run
+from memaudit.sweep.config import SweepConfig, SweepPoint, point_config
+from memaudit.sweep.point import PointAction, Verb, point_action
+from memaudit.sweep.probing import probe_run
+
+Progress = Callable[[int, int, dict], None] | None
+
+
+@dataclass
+class PointOutcome:
+    name: str
+    backend: str
+    status: str  # complete | failed
+    action: str  # trained | resumed | skipped
+    probed: bool
+    seconds: float
+    error: str | None = None
+
+
+def one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,
+                 on_action: Callable[[str], None] | None = None) -> str:
+    """Train, resume or leave one point as `action` says; returns the outcome's action word.
+    `on_action` hears it before any training starts (the other ranks of a scheduler job wait
+    for it)."""
+    if action.verb is Verb.TRAIN:
+        rd = prepare_new_run(rd.path, overwrite=True)
+    if on_action is not None:
+        on_action(action.action)
+    if action.verb in (Verb.TRAIN, Verb.RESUME):
+        switch.dispatch(cfg, rd, resume=action.verb is Verb.RESUME, progress=progress,
+                        overwrite=action.verb is Verb.TRAIN)
+    return action.action
+
+
+def run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, int, dict], None],
+               debug: bool, on_action: Callable[[str], None] | None = None) -> PointOutcome:
+    """Train and probe one point; a failure is recorded in the outcome, not raised."""
+    t0 = time.time()
+    outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
+    try:
+        action = point_action(cfg, p, rd.path)
+        outcome.action = train_point(point_config(cfg, p), rd, action, sub, on_action)
+        if action.probes:
+            probe_run(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
+            outcome.probed = True
+        outcome.status = "complete"
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed point is recorded, the sweep goes on
+        outcome.error = one_line(e)
+        if debug:
+            traceback.print_exc()
+    outcome.seconds = time.time() - t0
+    return outcome
+
+
+def limit_threads(threads: int) -> None:
+    """Run this worker process's torch and XLA on `threads` CPU threads (before jax loads)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if threads == 1:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    import torch
+
+    torch.set_num_threads(threads)
