@@ -20,13 +20,17 @@ _ARRAY = 7
 RECORD, FIELD = "memaudit", "payload"
 
 
-def _dtype(name: str) -> np.dtype:
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype named ``name`` (also bfloat16 and the other ml_dtypes)."""
     try:
         return np.dtype(name)
     except TypeError:  # bfloat16 and other ml_dtypes
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, name))
+
+
+_dtype = dtype_of
 
 
 def _default(obj: Any) -> Any:
