@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memaudit.federated.flower import wire
-
-HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
+from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
 

@@ -18,6 +18,9 @@ import numpy as np
 
 _ARRAY = 7
 RECORD, FIELD = "memaudit", "payload"
+# the message types of memaudit's ClientApp (`memaudit.federated.flower.apps`), here at the
+# bottom so that the server side names them without importing the apps
+HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
 
 
 def dtype_of(name: str) -> np.dtype:

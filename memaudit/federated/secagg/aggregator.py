@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memaudit.errors import ConfigError
 from memaudit.federated.aggregators import AggregateResult, Aggregator
 from memaudit.federated.client_ops import flatten_clients, slot_seed
 from memaudit.federated.secagg.graph import sparse_degree
@@ -216,8 +217,6 @@ def check_secagg_config(cfg, *, dim: int | None = None) -> None:
     Raises:
         ConfigError: one line naming the setting and the fix.
     """
-    from memaudit.errors import ConfigError
-
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     if not math.isfinite(p.clip):
         raise ConfigError(f"privacy.secure_aggregation needs a finite privacy.clip (got {p.clip}); "
@@ -247,8 +246,6 @@ def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = N
     the config first (:func:`check_secagg_config`; pass ``dim`` to check ``bits`` here rather
     than at the first round).
     """
-    from memaudit.errors import ConfigError
-
     check_secagg_config(cfg, dim=dim)
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     clip = max(p.clip, p.adaptive_clipping.initial_clip) if p.adaptive_clipping.enabled else p.clip
