@@ -36,7 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memaudit.federated.client_ops import Encoding, clip_deltas, encode_rows, flatten_clients, with_bits
+from memaudit.federated.client_ops import (
+    Encoding,
+    clip_deltas,
+    encode_rows,
+    flatten_clients,
+    with_bits,
+)
 from memaudit.federated.secagg.protocol import RoundResult, run_round
 
 PyTree = Any

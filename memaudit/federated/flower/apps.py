@@ -28,6 +28,7 @@ from typing import Any
 
 from memaudit.federated.flower import wire
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
+
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
 

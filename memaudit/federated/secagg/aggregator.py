@@ -204,9 +204,22 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
     return Aggregator(init=init, aggregate=aggregate, jittable=False, counts=True)
 
 
-__all__ = ["ENCODE_CHUNK", "SecAggState", "flatten_clients", "check_secagg_config", "decode", "encode", "graph_kind",
-           "holders", "quantisation_scale", "row_norms", "secure_aggregation",
-           "secure_aggregation_from_config", "sparse_degree", "stochastic_round"]
+__all__ = [
+    "ENCODE_CHUNK",
+    "SecAggState",
+    "check_secagg_config",
+    "decode",
+    "encode",
+    "flatten_clients",
+    "graph_kind",
+    "holders",
+    "quantisation_scale",
+    "row_norms",
+    "secure_aggregation",
+    "secure_aggregation_from_config",
+    "sparse_degree",
+    "stochastic_round",
+]
 
 
 def check_secagg_config(cfg, *, dim: int | None = None) -> None:

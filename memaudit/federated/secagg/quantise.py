@@ -35,7 +35,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from memaudit.federated.client_ops import stochastic_round  # re-exported: it lives with the client ops
+from memaudit.federated.client_ops import (
+    stochastic_round,  # re-exported: it lives with the client ops
+)
 
 BETA = math.exp(-0.5)  # KLS 2021's default β: a re-round happens with probability <= β
 MAX_SHRINK = 0.05  # bits whose inner clip loses more than 5% of C are refused

@@ -121,7 +121,7 @@ class ClientRows(ClientUpdates):
     leaves: tuple[int, ...]
     shapes: tuple[tuple[tuple[int, ...], str], ...]
     treedef: Any
-    step: ClientStep = ClientStep()
+    step: ClientStep = dataclasses.field(default_factory=ClientStep)
 
     @property
     def dim(self) -> int:
