@@ -171,8 +171,9 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
                      mode: str = "honest_but_curious", keys: Any = None) -> Any:
     """`memaudit.federated.secagg.protocol.run_round` with the clients on the nodes.
 
-    ``encoding``: the round's frozen client encoding (sent in its wire form). Client ``cid`` (0..n-1) is cohort slot ``present[cid]`` on the node that holds that slot's
-    rows; ``seeds[cid]`` its slot seed; ``dim`` the length of an encoded row. Simulated
+    ``encoding``: the round's frozen client encoding (sent in its wire form). Client ``cid``
+    (0..n-1) is cohort slot ``present[cid]`` on the node that holds that slot's rows;
+    ``seeds[cid]`` its slot seed; ``dim`` the length of an encoded row. Simulated
     ``dropouts`` (`Dropouts`) leave a client out of a step as in-JAX; a node that does not
     answer a step drops all its clients there.
 
