@@ -36,8 +36,9 @@ class Aggregator(NamedTuple):
     init: Callable[[PyTree], Any]
     aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], AggregateResult]
     jittable: bool = True
-    # sums a per-client indicator given `memaudit.federated.secagg.remote.Counted` (metric
-    # ``within_clip``: secure aggregation, so that no single indicator is revealed)
+    # takes a `memaudit.federated.updates.ClientUpdates` and sums the indicators of counted
+    # rows under the masks (metric ``within_clip``: secure aggregation, so that no single
+    # indicator is revealed); a base without it gets a plain clients-placed pytree
     counts: bool = False
 
 

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from memaudit.federated import sharding as shd
-from memaudit.federated.primitives import (
-    _acc_dtype,
-    _broadcast_source,
-    _params,
+from memaudit.federated.primitives_impl import (
+    acc_dtype,
+    broadcast_source,
     federated_broadcast_p,
     federated_sum_p,
+    primitive_params,
 )
 from memaudit.federated.program import ProgramContext
 
@@ -45,7 +45,7 @@ def _per_client_call(fn: Callable, args: tuple, ctx: ProgramContext):
     keeps the broadcast (`federated_loop`), so that its transpose is a federated_sum.
     """
     leaves, treedef = jax.tree.flatten(args)
-    servers = [_broadcast_source(ctx, x) for x in leaves]  # server value, or None: per client
+    servers = [broadcast_source(ctx, x) for x in leaves]  # server value, or None: per client
     if all(s is not None for s in servers):  # a loop needs at least one clients-placed input
         servers = [None] * len(leaves)
     rows = [shd.constrain_leading(x, ctx.mesh, ctx.axis)
@@ -79,8 +79,8 @@ def _zeros_like_struct(s: jax.ShapeDtypeStruct) -> jax.Array:
     dim stays split in a loop's carry)."""
     spec = getattr(getattr(s, "sharding", None), "spec", None)
     if spec is None or not any(a is not None for a in spec):
-        return jnp.zeros(s.shape, _acc_dtype(s.dtype))
-    return jnp.zeros(s.shape, _acc_dtype(s.dtype), out_sharding=spec)
+        return jnp.zeros(s.shape, acc_dtype(s.dtype))
+    return jnp.zeros(s.shape, acc_dtype(s.dtype), out_sharding=spec)
 
 
 def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, pad: bool,
@@ -190,7 +190,7 @@ def _loop_jvp(call: Callable, ctx: ProgramContext, batch_size: int | None, reduc
               primals: tuple, tangents: tuple) -> tuple[Any, Any]:
     """JVP of `federated_loop`: per-client JVPs in the same loop, the server tangents
     broadcast to the clients, a reduction's tangents summed with federated_sum."""
-    params = _params(ctx)
+    params = primitive_params(ctx)
     (fixed, rows), (fdot, rdot) = primals, tangents
     f_float, r_float = [_inexact(f) for f in fixed], [_inexact(r) for r in rows]
     fd = [federated_broadcast_p.bind(t, **params) for t, fl in zip(fdot, f_float) if fl]

@@ -31,6 +31,8 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
+from memaudit.federated.primitives_impl import PRIMITIVE_NAMES
+
 FUSED_NAMES = frozenset({"federated_map_sum"})
 _COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_to_all",
                           "ppermute", "reduce_scatter", "psum_scatter", "pbroadcast"})
@@ -101,8 +103,6 @@ def communication_of(jaxpr: Any, clients: int, *, axis: str | None = "clients") 
         clients: the clients dim as laid out (n, or the padded n of a mesh).
         axis: the clients mesh axis name, for collectives and ``shard_map``.
     """
-    from memaudit.federated.primitives import PRIMITIVE_NAMES
-
     names: set[str] = set()
 
     def walk(jaxpr, n):

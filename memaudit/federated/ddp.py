@@ -37,56 +37,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memaudit.errors import ConfigError
 from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
-from memaudit.federated.secagg.aggregator import (
-    AUTO_SPARSE_FROM,
-    _rng,
-    flatten_clients,
-    stochastic_round,
+from memaudit.federated.client_ops import (
+    DDGEncoding,
+    conditional_round,
+    ddp_encode,
+    hadamard,
+    padded_dim,
+    rotate,
+    sample_discrete_gaussian,
+    slot_seed,
+    unrotate,
 )
-from memaudit.federated.secagg.protocol import Dropouts, run_round
+from memaudit.federated.secagg.aggregator import _rng, graph_kind
+from memaudit.federated.secagg.protocol import Dropouts
+from memaudit.federated.updates import client_updates
 from memaudit.privacy.ddg import ddg_rdp, ddg_tau
+from memaudit.privacy.ledger import RdpCurveEvent
+from memaudit.privacy.mechanisms import DistributedDiscreteGaussian
 
-# ----------------------------------------------------------------------------- rotation
-
-
-def hadamard(x: np.ndarray) -> np.ndarray:
-    """Orthonormal fast Walsh-Hadamard transform over the last dim (a power of 2); H H = I."""
-    x = np.array(x, dtype=np.float64, copy=True)
-    d = x.shape[-1]
-    if d & (d - 1):
-        raise ValueError(f"Hadamard transform needs a power-of-two length, got {d}")
-    lead = x.shape[:-1]
-    h = 1
-    while h < d:
-        y = x.reshape(*lead, d // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        x = np.stack([a + b, a - b], axis=-2).reshape(*lead, d)
-        h *= 2
-    return x / math.sqrt(d)
-
-
-def padded_dim(d: int) -> int:
-    return 1 << max(0, (d - 1).bit_length())
-
-
-def _signs(seed: int, D: int) -> np.ndarray:
-    return np.random.default_rng([7, seed]).choice(np.array([-1.0, 1.0]), size=D)
-
-
-def rotate(x: np.ndarray, *, seed: int) -> np.ndarray:
-    """H D x over the last dim, zero-padded to a power of two (D: random signs from ``seed``)."""
-    d = x.shape[-1]
-    D = padded_dim(d)
-    pad = np.zeros((*x.shape[:-1], D))
-    pad[..., :d] = x
-    return hadamard(pad * _signs(seed, D))
-
-
-def unrotate(y: np.ndarray, *, seed: int, dim: int) -> np.ndarray:
-    """Inverse of :func:`rotate`: D H y, truncated to the first ``dim`` coordinates."""
-    return (hadamard(y) * _signs(seed, y.shape[-1]))[..., :dim]
-
+# The client's side (rotation, conditional rounding, the discrete-Gaussian noise share, the
+# encoding) lives in memaudit.federated.client_ops, where a node holding its users' rows runs it
+# too; re-exported here.
 
 # ----------------------------------------------------------------------------- rounding
 
@@ -100,16 +73,6 @@ def rounded_l2_bound(l2: float, dim: int, beta: float) -> float:
     return min(bound1, bound2)
 
 
-def conditional_round(x: np.ndarray, bound: float, rng: np.random.Generator, max_tries: int = 1000) -> np.ndarray:
-    """Stochastic rounding of a (D,) vector, repeated until its L2 norm is <= ``bound``."""
-    for _ in range(max_tries):
-        r = stochastic_round(x, rng)
-        if float(np.dot(r, r)) <= bound * bound:
-            return r
-    raise RuntimeError(f"conditional rounding did not meet the norm bound {bound:.3g} in {max_tries} "
-                       "tries; increase beta")
-
-
 # ----------------------------------------------------------------------------- discrete Gaussian
 
 
@@ -119,32 +82,6 @@ def discrete_gaussian_pmf(support: np.ndarray, sigma: float, tail: int | None = 
     ks = np.arange(-tail, tail + 1, dtype=np.float64)
     z = np.exp(-ks ** 2 / (2 * sigma ** 2)).sum()
     return np.exp(-np.asarray(support, np.float64) ** 2 / (2 * sigma ** 2)) / z
-
-
-def sample_discrete_gaussian(sigma: float, size: int | tuple, rng: np.random.Generator) -> np.ndarray:
-    """Vectorised CKS 2020 Algorithm 3: discrete Laplace proposals with rejection (float64 exp).
-
-    Proposal Y ~ Lap_Z(t), t = floor(σ)+1 (difference of two geometrics), accepted with
-    probability exp(-(|Y| - σ²/t)² / (2σ²)).
-    """
-    if sigma == 0:
-        return np.zeros(size, dtype=np.int64)
-    if not sigma > 0:
-        raise ValueError(f"discrete Gaussian sigma must be >= 0, got {sigma}")
-    shape = (size,) if isinstance(size, int) else tuple(size)
-    n = int(np.prod(shape))
-    out = np.empty(n, dtype=np.int64)
-    t = math.floor(sigma) + 1
-    p = -math.expm1(-1.0 / t)  # success probability of the geometric
-    filled = 0
-    while filled < n:
-        m = int((n - filled) * 1.6) + 16  # acceptance >= ~0.6 for sigma >= 0.5
-        y = (rng.geometric(p, m) - rng.geometric(p, m)).astype(np.int64)
-        acc = rng.random(m) < np.exp(-((np.abs(y) - sigma ** 2 / t) ** 2) / (2 * sigma ** 2))
-        y = y[acc][: n - filled]
-        out[filled:filled + len(y)] = y
-        filled += len(y)
-    return out.reshape(shape)
 
 
 def _bernoulli_exp(gamma: Fraction, rng: random.Random) -> bool:
@@ -193,25 +130,6 @@ def sample_discrete_gaussian_exact(sigma2: Fraction, rng: random.Random) -> int:
 
 
 # ----------------------------------------------------------------------------- aggregator
-
-
-def ddp_encode(rows: np.ndarray, spec: dict, rngs: list[np.random.Generator]) -> np.ndarray:
-    """Each client's DDGauss input: clip its row to ``clip``, scale by 1/γ, rotate (the round's
-    public ``rot_seed``), round conditionally to norm <= Δ₂, add its discrete-Gaussian share of
-    std ``local_std`` and reduce mod 2^bits; row i draws from ``rngs[i]`` only (a client's own
-    randomness, reproducible on the node that holds it)."""
-    rows = np.asarray(rows, dtype=np.float64)
-    n, _d = rows.shape
-    norms = np.linalg.norm(rows, axis=1, keepdims=True)
-    scaled = rows * np.minimum(1.0, spec["clip"] / np.maximum(norms, 1e-300)) / spec["gamma"]
-    rotated = rotate(scaled, seed=int(spec["rot_seed"]))  # (n, D)
-    M, D = 2 ** int(spec["bits"]), rotated.shape[1]
-    enc = np.empty((n, D), dtype=np.uint32)
-    for i in range(n):
-        z = (conditional_round(rotated[i], spec["l2"], rngs[i])
-             + sample_discrete_gaussian(spec["local_std"], D, rngs[i]))
-        enc[i] = np.mod(z, M).astype(np.uint32)
-    return enc
 
 
 class DDPState(NamedTuple):
@@ -278,45 +196,27 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         return DDPState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
-        from memaudit.federated.secagg.remote import ClientRows, encode_rows, slot_seed
-
+        updates = client_updates(deltas)
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
         present = np.flatnonzero(np.asarray(weights) > 0)
-        remote = isinstance(deltas, ClientRows)  # the rows stay on the nodes (Flower)
-        if remote:
-            n, d, unflatten = len(present), deltas.dim, deltas.unflatten
-        else:
-            rows, unflatten = flatten_clients(deltas)
-            rows = rows[present]
-            n, d = rows.shape
+        n, d = len(present), updates.dim
         p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort,
                        cohort=n, dim=d, bits=bits, beta=beta, k_stddevs=k_stddevs)
         rng = _rng(key, seed, rnd)  # the server's draws: rotation, dropouts, graph
         rot_seed = int(rng.integers(2**31))  # public randomness shared with the clients
-        spec = {"kind": "ddp", "clip": float(clip), "gamma": p.gamma, "rot_seed": rot_seed, "l2": p.l2,
-                "local_std": p.local_std, "bits": int(bits)}
+        encoding = DDGEncoding(clip=float(clip), gamma=p.gamma, rot_seed=rot_seed, l2=p.l2,
+                               local_std=p.local_std, bits=int(bits))
         seeds = [slot_seed(key, seed, rnd, int(s)) for s in present]  # each client's own draws
         M = 2 ** bits
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
-        kind = neighbours if neighbours != "auto" else ("sparse" if n >= AUTO_SPARSE_FROM else "full")
-        protocol = {"round_id": rnd, "neighbours": kind, "threshold": threshold,
-                        "graph_seed": int(rng.integers(2**31)), "dropouts": Dropouts(before_masked=dropped)}
-        if remote:
-            from memaudit.federated.secagg.remote import run_remote_round
-
-            res = run_remote_round(deltas, spec, present, seeds, dim=p.dim, **protocol)
-            total, m = res.total, len(res.survivors)
-        elif secure:
-            res = run_round(encode_rows(spec, rows, seeds), **protocol)
-            total, m = res.total, len(res.survivors)
-        else:
-            enc = encode_rows(spec, rows, seeds)
-            keep = [i for i in range(n) if i not in dropped]
-            total, m = enc[keep].sum(axis=0, dtype=np.uint32), len(keep)
+        protocol = {"round_id": rnd, "neighbours": graph_kind(neighbours, n), "threshold": threshold,
+                    "graph_seed": int(rng.integers(2**31)), "dropouts": Dropouts(before_masked=dropped)}
+        res = updates.secure_sum(encoding, present, seeds, secure=secure, **protocol)
+        total, m = res.total, len(res.survivors)
         v = (total.astype(np.int64) % M)
         v = np.where(v >= M // 2, v - M, v).astype(np.float64)
         estimate = unrotate(v, seed=rot_seed, dim=d) * p.gamma / expected_cohort
-        pseudo = jax.tree.map(lambda x: x[None], unflatten(estimate))
+        pseudo = jax.tree.map(lambda x: x[None], updates.unflatten(estimate))
         out = base.aggregate(pseudo, jnp.ones((1,), jnp.float32), state.base, key)
         metrics = dict(out.metrics)
         eff = math.sqrt(m) * p.local_std * p.gamma / clip
@@ -361,15 +261,11 @@ def planned_round_event(*, clip: float, noise_multiplier: float, expected_cohort
     event the ledger records from its metrics. A multiplier too small for the bound's range
     (local std < 0.5) gives an infinite curve.
     """
-    from memaudit.privacy.mechanisms import DistributedDiscreteGaussian
-
     mech = DistributedDiscreteGaussian()
     cohort = max(1, round(expected_cohort))
     p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort, cohort=cohort,
                    dim=dim, bits=bits, beta=beta, k_stddevs=k_stddevs)
     if p.local_std < 0.5:
-        from memaudit.privacy.ledger import RdpCurveEvent
-
         return RdpCurveEvent(orders=mech.orders, rdp=(math.inf,) * len(mech.orders), label="local std < 0.5")
     return mech.dp_event({"survivors": cohort, "ddp_l2": p.l2, "ddp_l1": p.l1, "ddp_local_std": p.local_std,
                           "ddp_dim": p.dim})
@@ -389,8 +285,6 @@ def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier
     ``base`` must be a plain mean (not ``secure_aggregation``: this mechanism runs its own
     secure sum). ``noise_multiplier`` is the calibrated z; ``privacy.clip`` must be finite.
     """
-    from memaudit.errors import ConfigError
-
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     if not math.isfinite(p.clip):
         raise ConfigError(f"privacy.mechanism=distributed needs a finite privacy.clip (got {p.clip}); "

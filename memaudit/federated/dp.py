@@ -9,12 +9,15 @@ on how many clients showed up).
 The base aggregator computes the mean of the clipped deltas over the clients
 that contributed (``mean_aggregator()``, or ``secure_aggregation(mean_aggregator())``);
 this wrapper turns it back into a sum with the count the base reports
-(``metrics["survivors"]``, else ``metrics["aggregated_clients"]``). With the deltas kept on the
-Over secure aggregation (a base with ``counts``) the indicators 1[‖Δ_i‖ <= C] are summed
-under the masks with the rows, so the count (adaptive clipping's, and ``clip_fraction``) is
-over the survivors and no single indicator reaches the server. With the deltas kept on the
-nodes of a runtime across machines (`memaudit.federated.secagg.remote.ClientRows`) each node
-clips its own users' deltas and appends their indicators.
+(``metrics["survivors"]``, else ``metrics["aggregated_clients"]``). The deltas are a
+`memaudit.federated.updates.ClientUpdates` (a clients-placed pytree is taken as
+`memaudit.federated.updates.LocalUpdates`): the wrapper asks them to clip themselves and never
+asks where they live (on the nodes of a runtime across machines,
+`memaudit.federated.secagg.remote.ClientRows`, each node clips its own users' deltas).
+Over secure aggregation (a base with ``counts``, which takes the ClientUpdates itself) the
+indicators 1[‖Δ_i‖ <= C] are summed under the masks with the rows, so the count (adaptive
+clipping's, and ``clip_fraction``) is over the survivors and no single indicator reaches the
+server; a plain base gets the clipped pytree and the count is taken in the clear.
 
 Adaptive clipping (Andrew et al. 2021) tracks the γ-quantile of the update norms:
 C <- C exp(-η (b̃ - γ)), b̃ = (Σ_i b_i + N(0, σ_b²)) / expected cohort + 1/2 with
@@ -47,6 +50,9 @@ import jax.numpy as jnp
 
 from memaudit.config import AdaptiveClipConfig
 from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
+from memaudit.federated.client_ops import clip_deltas, global_norms
+from memaudit.federated.updates import client_updates
+from memaudit.privacy.federated import dpfedavg_mechanism
 from memaudit.privacy.mechanisms import adaptive_noise_split, effective_noise_multiplier
 
 PyTree = Any
@@ -71,26 +77,8 @@ def dp_fedavg_mechanism(*, noise_multiplier: float, expected_cohort: float, popu
     ``mechanism.dp_event()`` is one round's event for the ledger (and for calibration);
     ``mechanism.declaration()`` its unit, adjacency and sensitivity.
     """
-    from memaudit.privacy.federated import dpfedavg_mechanism
-
     return dpfedavg_mechanism(cohort=expected_cohort, population=population, noise_multiplier=noise_multiplier,
                               sampling=sampling, count_noise=adaptive_count_noise(adaptive, expected_cohort))
-
-
-def global_norms(deltas: PyTree) -> jax.Array:
-    """(n,) L2 norm of each client's whole delta pytree."""
-    sq = [jnp.sum(jnp.reshape(x, (x.shape[0], -1)).astype(jnp.float32) ** 2, axis=1)
-          for x in jax.tree.leaves(deltas)]
-    return jnp.sqrt(sum(sq))
-
-
-def clip_deltas(deltas: PyTree, clip: jax.Array) -> tuple[PyTree, jax.Array]:
-    """Scale each client's delta to global norm <= clip; returns (clipped, norms)."""
-    norms = global_norms(deltas)
-    factor = jnp.minimum(1.0, clip / jnp.maximum(norms, 1e-30))  # clip = inf -> 1
-    clipped = jax.tree.map(
-        lambda x: x * factor.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), deltas)
-    return clipped, norms
 
 
 def contributors(metrics: dict, presence: jax.Array) -> jax.Array:
@@ -99,12 +87,6 @@ def contributors(metrics: dict, presence: jax.Array) -> jax.Array:
         if k in metrics:
             return jnp.asarray(metrics[k], jnp.float32)
     return jnp.sum(presence)
-
-
-def _is_remote(deltas: Any) -> bool:
-    from memaudit.federated.secagg.remote import ClientRows
-
-    return isinstance(deltas, ClientRows)
 
 
 def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: float,
@@ -148,15 +130,9 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
         k_base, k_noise, k_count = jax.random.split(key, 3)
         presence = (weights > 0).astype(jnp.float32)
         c = state.clip
-        if _is_remote(deltas):  # the rows stay on the nodes: each clips its own users'
-            clipped = deltas.clipped(c, count=True)
-        else:
-            clipped, norms = clip_deltas(deltas, c)
-            if base.counts:  # the indicators go into the secure sum with the rows
-                from memaudit.federated.secagg.remote import Counted
-
-                clipped = Counted(clipped, norms <= c)
-        res = base.aggregate(clipped, presence, state.base, k_base)
+        # each client clips its own delta; a secure base sums the indicators under the masks
+        clipped = client_updates(deltas).clipped(c, count=base.counts)
+        res = base.aggregate(clipped if base.counts else clipped.tree(), presence, state.base, k_base)
         m = contributors(res.metrics, presence)
         leaves, tdef = jax.tree.flatten(res.update)
         keys = jax.random.split(k_noise, len(leaves))
@@ -169,7 +145,7 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
             counted = m
             unclipped = jnp.asarray(res.metrics.get("within_clip", 0.0), jnp.float32)
         else:
-            counted, unclipped = cohort, jnp.sum(presence * (norms <= c))
+            counted, unclipped = cohort, clipped.within_count(presence)
         metrics = dict(res.metrics)
         metrics.pop("within_clip", None)  # the un-noised count: only as clip_fraction (sensitive)
         metrics.update(clip=c, clip_fraction=(counted - unclipped) / jnp.maximum(counted, 1.0),

@@ -1,4 +1,4 @@
-"""Federated primitives as JAX primitives, closed under differentiation.
+"""Federated primitives as JAX primitives, closed under differentiation: the public functions.
 
 ``federated_broadcast``, ``federated_sum`` and ``federated_mean`` are
 ``jax.extend.core.Primitive`` s with abstract evaluation, an MLIR lowering, batching rules,
@@ -6,6 +6,7 @@ linear JVPs and transposes that bind the primitives themselves:
 
     transpose(broadcast) = sum,   transpose(sum) = broadcast,   transpose(mean) = broadcast / n
 
+(the Primitive objects and their rules: `memaudit.federated.primitives_impl`),
 so ``jax.grad`` / ``jax.jacfwd`` of a federated program is again a federated program whose
 only communication is these three primitives (federated AD). ``federated_map`` maps a
 per-client function over the clients dim, batched (``vmap``) or sequentially inside the
@@ -34,189 +35,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
 from memaudit.federated import sharding as shd
+from memaudit.federated.client_loop import federated_loop
+from memaudit.federated.primitives_impl import (
+    PRIMITIVE_NAMES,
+    PRIMITIVES,
+    federated_broadcast_p,
+    federated_mean_p,
+    federated_sum_p,
+    primitive_params,
+)
 from memaudit.federated.program import ProgramContext, current_context
 
-federated_broadcast_p = Primitive("federated_broadcast")
-federated_sum_p = Primitive("federated_sum")
-federated_mean_p = Primitive("federated_mean")
-PRIMITIVES = (federated_broadcast_p, federated_sum_p, federated_mean_p)
-PRIMITIVE_NAMES = frozenset(p.name for p in PRIMITIVES)
-
-_LOW_PRECISION = (jnp.bfloat16, jnp.float16)
-
-
-def _acc_dtype(dtype):
-    """The dtype a sum over the clients accumulates in: float32 for low-precision floats."""
-    return jnp.float32 if dtype in _LOW_PRECISION else dtype
-
-
-# ---------------------------------------------------------------- implementations (jnp)
-
-
-def _broadcast_impl(x, *, n, n_pad, axis, mesh):
-    y = jnp.broadcast_to(x, (n_pad,) + x.shape)  # (n_pad, *x.shape)
-    return shd.constrain_leading(y, mesh, axis)
-
-
-def _masked(x, n):
-    if x.shape[0] == n:
-        return x
-    keep = (jnp.arange(x.shape[0]) < n).reshape((-1,) + (1,) * (x.ndim - 1))
-    return jnp.where(keep, x, jnp.zeros((), x.dtype))
-
-
-def _pairwise(x):
-    """``sum(x, axis=0)`` by adding halves, ``x[:h] + x[h:]``, level by level."""
-    while x.shape[0] > 1:
-        if x.shape[0] % 2:  # odd: a zero row keeps the halves equal
-            x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
-        half = x.shape[0] // 2
-        x = x[:half] + x[half:]
-    if x.shape[0] == 0:
-        return jnp.zeros(x.shape[1:], x.dtype)
-    return x[0]
-
-
-def _sum_leading(x, dtype=None, mesh=None):
-    """Sum over the leading (clients) dim, ``(n, *s) -> s``, in ``dtype`` (default x's).
-
-    A per-client value of more than one element is summed by adding halves (pairwise
-    summation, `_pairwise`). XLA:CPU runs a ``reduce`` over the leading dim of a large array
-    as a slow strided loop: for 8 x 295k floats about 80 ms against 0.4 ms for the halves
-    (jax 0.10, 2 cores), which made aggregating a round's deltas cost about a quarter of the
-    round. The halves are plain elementwise adds, and pairwise summation is at least as
-    accurate as a sequential sum. With a ``clients`` mesh axis of k devices each device adds
-    the halves of its own clients (a ``shard_map`` manual over the axis, automatic over the
-    others) and a ``psum`` over the axis adds the k partial sums.
-    """
-    if dtype is not None:
-        x = x.astype(dtype)
-    if x.ndim < 2:
-        return jnp.sum(x, axis=0)
-    k = shd.clients_axis_size(mesh)
-    if k == 1 or x.shape[0] % k:
-        return _pairwise(x)
-    axis = shd.clients_axis(mesh)
-    P = jax.sharding.PartitionSpec
-    return jax.shard_map(lambda local: jax.lax.psum(_pairwise(local), axis), mesh=mesh,
-                         in_specs=P(axis), out_specs=P(), axis_names=frozenset({axis}),
-                         check_vma=False)(x)
-
-
-def _sum_impl(x, *, n, n_pad, axis, mesh):
-    del n_pad, axis
-    return _sum_leading(_masked(x, n), _acc_dtype(x.dtype), mesh).astype(x.dtype)  # (*x.shape[1:])
-
-
-def _mean_impl(x, *, n, n_pad, axis, mesh):
-    del n_pad, axis
-    total = _sum_leading(_masked(x, n), _acc_dtype(x.dtype), mesh)
-    return (total / n).astype(x.dtype)
-
-
-# ---------------------------------------------------------------- abstract evaluation
-
-
-def _aval(shape, x, sharding):
-    if sharding is None:
-        return jax.core.ShapedArray(shape, x.dtype, weak_type=x.weak_type)
-    return jax.core.ShapedArray(shape, x.dtype, weak_type=x.weak_type, sharding=sharding)
-
-
-def _x_spec(x) -> tuple:
-    spec = tuple(getattr(getattr(x, "sharding", None), "spec", ()) or ())
-    return spec + (None,) * (len(x.shape) - len(spec))
-
-
-def _broadcast_abstract(x, *, n, n_pad, axis, mesh):
-    if shd.is_explicit(mesh, axis):
-        spec = jax.sharding.PartitionSpec(axis, *_x_spec(x))
-        sharding = jax.sharding.NamedSharding(shd.abstract(mesh), spec)
-    else:  # unsharded clients dim; other dims keep the input's (explicit) sharding
-        sharding = _respec(x, (None, *_x_spec(x)))
-    return _aval((n_pad,) + tuple(x.shape), x, sharding)
-
-
-def _respec(x, spec):
-    sharding = getattr(x, "sharding", None)
-    if sharding is None or not hasattr(sharding, "update"):
-        return None
-    return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
-
-
-def _reduce_abstract(x, *, n, n_pad, axis, mesh):
-    if not x.shape or x.shape[0] != n_pad:
-        raise ValueError(
-            f"a clients-placed value needs leading size {n_pad}, got shape {tuple(x.shape)}"
-        )
-    if shd.is_explicit(mesh, axis):
-        spec = jax.sharding.PartitionSpec(*_x_spec(x)[1:])
-        sharding = jax.sharding.NamedSharding(shd.abstract(mesh), spec)
-    else:
-        sharding = _respec(x, _x_spec(x)[1:])
-    return _aval(tuple(x.shape[1:]), x, sharding)
-
-
-# ---------------------------------------------------------------- transposes (federated AD)
-
-
-def _broadcast_transpose(ct, x, **params):
-    assert ad.is_undefined_primal(x)
-    return [federated_sum_p.bind(ct, **params)]
-
-
-def _sum_transpose(ct, x, **params):
-    assert ad.is_undefined_primal(x)
-    return [federated_broadcast_p.bind(ct, **params)]
-
-
-def _mean_transpose(ct, x, **params):
-    assert ad.is_undefined_primal(x)
-    return [federated_broadcast_p.bind(ct, **params) / jnp.asarray(params["n"], ct.dtype)]
-
-
-# ---------------------------------------------------------------- batching (jax.vmap)
-
-
-def _broadcast_batch(args, dims, **params):
-    (x,), (d,) = args, dims
-    # the clients dim is inserted in front, so the batch dim moves down by one
-    return federated_broadcast_p.bind(x, **params), d + 1
-
-
-def _reduce_batch(prim):
-    def rule(args, dims, **params):
-        (x,), (d,) = args, dims
-        # put the batch dim right behind the clients dim: (n_pad, batch, ...)
-        x = jnp.moveaxis(x, d, 1)
-        return prim.bind(x, **params), 0
-
-    return rule
-
-
-for _p, _impl, _abs, _tr in (
-    (federated_broadcast_p, _broadcast_impl, _broadcast_abstract, _broadcast_transpose),
-    (federated_sum_p, _sum_impl, _reduce_abstract, _sum_transpose),
-    (federated_mean_p, _mean_impl, _reduce_abstract, _mean_transpose),
-):
-    _p.def_impl(_impl)
-    _p.def_abstract_eval(_abs)
-    mlir.register_lowering(_p, mlir.lower_fun(_impl, multiple_results=False))
-    ad.deflinear2(_p, _tr)  # JVP: the primitive on the tangent; zero cotangents stay Zero
-batching.primitive_batchers[federated_broadcast_p] = _broadcast_batch
-batching.primitive_batchers[federated_sum_p] = _reduce_batch(federated_sum_p)
-batching.primitive_batchers[federated_mean_p] = _reduce_batch(federated_mean_p)
-
-
 # ---------------------------------------------------------------- public functions
-
-
-def _params(ctx: ProgramContext) -> dict[str, Any]:
-    return {"n": ctx.n, "n_pad": ctx.n_pad, "axis": ctx.axis, "mesh": ctx.mesh}
 
 
 def _check_placed(x, ctx: ProgramContext, what: str) -> None:
@@ -243,7 +75,7 @@ def federated_broadcast(tree: Any) -> Any:
     so that ``federated_map(..., strategy="scan")`` can read x itself instead of n copies.
     """
     ctx = current_context("federated_broadcast")
-    params = _params(ctx)
+    params = primitive_params(ctx)
 
     def one(x):
         x = jnp.asarray(x)
@@ -254,16 +86,10 @@ def federated_broadcast(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _broadcast_source(ctx: ProgramContext, y: Any) -> Any:
-    """The server value that ``y`` was broadcast from in this program, or None."""
-    hit = ctx.broadcasts.get(id(y))
-    return hit[1] if hit is not None and hit[0] is y else None
-
-
 def federated_sum(tree: Any) -> Any:
     """Clients -> server: sum over the clients dim of every leaf (padding excluded)."""
     ctx = current_context("federated_sum")
-    params = _params(ctx)
+    params = primitive_params(ctx)
 
     def one(x):
         x = jnp.asarray(x)
@@ -276,7 +102,7 @@ def federated_sum(tree: Any) -> Any:
 def federated_mean(tree: Any) -> Any:
     """Clients -> server: mean over the n real clients; keeps the input dtype (bf16 -> bf16)."""
     ctx = current_context("federated_mean")
-    params = _params(ctx)
+    params = primitive_params(ctx)
 
     def one(x):
         x = jnp.asarray(x)
@@ -330,14 +156,6 @@ def resolve_map_strategy(fn: Callable, args: tuple, strategy: str) -> str:
     except Exception:  # noqa: BLE001 - anything fn cannot trace unbatched: keep vmap
         return "vmap"
     return "scan" if _has_heavy_op(jaxpr) else "vmap"
-
-
-def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: int | None,
-                   reduce: bool) -> Any:
-    """The scan strategy (`memaudit.federated.client_loop`, which builds on this module)."""
-    from memaudit.federated.client_loop import federated_loop as loop
-
-    return loop(fn, args, ctx, batch_size, reduce)
 
 
 def federated_map(
@@ -423,3 +241,8 @@ def federated_weighted_mean(values: Any, weights: jax.Array) -> Any:
         return jnp.where(total > 0, mean, jnp.zeros((), acc)).astype(v.dtype)
 
     return jax.tree.map(one, values)
+
+
+__all__ = ["MAP_STRATEGIES", "PRIMITIVES", "PRIMITIVE_NAMES", "federated_broadcast", "federated_broadcast_p",
+           "federated_map", "federated_map_sum", "federated_mean", "federated_mean_p", "federated_sum",
+           "federated_sum_p", "federated_weighted_mean", "resolve_map_strategy"]

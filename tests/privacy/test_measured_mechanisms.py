@@ -187,7 +187,7 @@ def test_distributed_dp_measured_noise_and_quantised_sensitivity_within_ledger(m
     assert float(np.std(noise)) / math.sqrt(n) == pytest.approx(float(zeros.metrics["ddp_local_std"]), rel=0.03)
     local_std = _std_upper(noise) / math.sqrt(n)
 
-    from memaudit.federated import ddp as ddp_mod
+    from memaudit.federated import client_ops as ddp_mod  # the noise share is a client op
 
     monkeypatch.setattr(ddp_mod, "sample_discrete_gaussian", lambda sigma, size, rng: np.zeros(size, np.int64))
     rng = np.random.default_rng(3)

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from memaudit.federated.flower import wire
+from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 
-HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
 

@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from memaudit.federated.flower import wire
 from memaudit.federated.flower.partition import CLIENT, Lit, Plan, Stage
+from memaudit.federated.secagg.remote import node_step
 
 KEEP, ROWS, SUM = "keep", "rows", "sum"
 
@@ -206,8 +208,6 @@ class NodeExecutor:
             return self.protocol[round]
         from pathlib import Path
 
-        from memaudit.federated.flower import wire
-
         return wire.unpack((Path(self.store_dir) / f"secagg-r{round}.bin").read_bytes())
 
     def _save_protocol(self, round: int, state: dict | None) -> None:
@@ -219,7 +219,6 @@ class NodeExecutor:
         import os
         from pathlib import Path
 
-        from memaudit.federated.flower import wire
 
         d = Path(self.store_dir)
         d.mkdir(parents=True, exist_ok=True)
@@ -235,8 +234,6 @@ class NodeExecutor:
 
     def secagg(self, payload: dict) -> dict:
         """This node's side of one secure-aggregation exchange (its clients, its rows)."""
-        from memaudit.federated.secagg.remote import node_step
-
         return node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
 
     def _module(self, call: StageCall) -> Any:

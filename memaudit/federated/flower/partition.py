@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from memaudit.errors import MemauditError
+from memaudit.federated.primitives_impl import federated_broadcast_p
 
 SERVER, CLIENT = "server", "client"
 FUSED_NAMES = frozenset({"federated_map_sum"})
@@ -238,8 +239,6 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
 def _placement(ops: list[Op], avals: dict[int, Any], data: set[int],
                capacity: int) -> tuple[list[str], set[int]]:
     """Each op's kind (CLIENT / SERVER) by data flow, and the var ids that are partial sums."""
-    from memaudit.federated.primitives import federated_broadcast_p
-
     clients: set[int] = set(data)
     kinds: list[str] = []
     sums: set[int] = set()

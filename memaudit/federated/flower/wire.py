@@ -18,15 +18,22 @@ import numpy as np
 
 _ARRAY = 7
 RECORD, FIELD = "memaudit", "payload"
+# the message types of memaudit's ClientApp (`memaudit.federated.flower.apps`), here at the
+# bottom so that the server side names them without importing the apps
+HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
 
 
-def _dtype(name: str) -> np.dtype:
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype named ``name`` (also bfloat16 and the other ml_dtypes)."""
     try:
         return np.dtype(name)
     except TypeError:  # bfloat16 and other ml_dtypes
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, name))
+
+
+_dtype = dtype_of
 
 
 def _default(obj: Any) -> Any:

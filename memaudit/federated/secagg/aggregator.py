@@ -1,12 +1,14 @@
 """Secure aggregation as an aggregator wrapper (host-side, ``jittable=False``).
 
-``deltas`` wrapped in `memaudit.federated.secagg.remote.Counted` (deltas, one 0/1 indicator
-per client) also sum the indicators as one more integer coordinate of the masked rows: the
-survivors' count comes back as the metric ``within_clip`` (DP-FedAvg's adaptive clipping counts
-the unclipped users this way, Andrew et al. 2021), no indicator reaches the server alone.
-``deltas`` may also be a `memaudit.federated.secagg.remote.ClientRows` (the rows stay on the
-nodes of a runtime across machines): each node then quantises its own users' rows and runs
-their protocol clients, the server object runs here (`run_remote_round`), same values.
+``deltas`` is a `memaudit.federated.updates.ClientUpdates` (or a clients-placed pytree, taken
+as `memaudit.federated.updates.LocalUpdates`); the wrapper never asks where its rows live.
+Rows that are ``counted`` (DP-FedAvg's ``clipped(C, count=True)``) also sum one 0/1 indicator
+per client as one more integer coordinate of the masked rows: the survivors' count comes back
+as the metric ``within_clip`` (adaptive clipping counts the unclipped users this way, Andrew
+et al. 2021), no indicator reaches the server alone. With
+`memaudit.federated.secagg.remote.ClientRows` (the rows stay on the nodes of a runtime across
+machines) each node quantises its own users' rows and runs their protocol clients, the server
+object runs here (`memaudit.federated.secagg.remote.run_remote_round`), same values.
 
 Per round: each present client clips its flattened delta, quantises it with conditional
 stochastic rounding (quantise.py: the decoded contribution's norm stays <= ``clip``, the
@@ -40,14 +42,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memaudit.errors import ConfigError
 from memaudit.federated.aggregators import AggregateResult, Aggregator
+from memaudit.federated.client_ops import flatten_clients, slot_seed
 from memaudit.federated.secagg.graph import sparse_degree
 from memaudit.federated.secagg.messages import SecAggAbort
 from memaudit.federated.secagg.pki import KeyRing
 from memaudit.federated.secagg.policy import Policy
-from memaudit.federated.secagg.protocol import Dropouts, run_round
+from memaudit.federated.secagg.protocol import Dropouts
 from memaudit.federated.secagg.quantise import (
     ENCODE_CHUNK,
+    SecAggEncoding,
     check_bits,
     decode,
     encode,
@@ -55,6 +60,7 @@ from memaudit.federated.secagg.quantise import (
     row_norms,
     stochastic_round,
 )
+from memaudit.federated.updates import ClientUpdates, client_updates
 
 PyTree = Any
 AUTO_SPARSE_FROM = 32  # "auto" uses SecAgg+ from this cohort size on
@@ -63,26 +69,6 @@ AUTO_SPARSE_FROM = 32  # "auto" uses SecAgg+ from this cohort size on
 class SecAggState(NamedTuple):
     base: Any
     round: int
-
-
-def flatten_clients(deltas: PyTree) -> tuple[np.ndarray, Any]:
-    """(n, d) float rows (float32 kept as is) and a map from a (d,) vector back to one pytree."""
-    leaves, tdef = jax.tree.flatten(deltas)
-    arrs = [np.asarray(x) for x in leaves]
-    arrs = [a if a.dtype in (np.float32, np.float64) else a.astype(np.float64) for a in arrs]
-    n = arrs[0].shape[0]
-    rows = np.concatenate([a.reshape(n, -1) for a in arrs], axis=1)
-    shapes = [(a.shape[1:], np.asarray(x).dtype) for a, x in zip(arrs, leaves, strict=True)]
-
-    def unflatten(v: np.ndarray) -> PyTree:
-        out, o = [], 0
-        for shape, dtype in shapes:
-            size = int(np.prod(shape))
-            out.append(jnp.asarray(v[o:o + size].reshape(shape), dtype=dtype))
-            o += size
-        return jax.tree.unflatten(tdef, out)
-
-    return rows, unflatten
 
 
 def _rng(key: jax.Array, seed: int | None, salt: int) -> np.random.Generator:
@@ -110,12 +96,9 @@ def holders(neighbours: str, n: int, degree: int | None = None) -> int:
     return n if k >= n - 1 else k + 1
 
 
-def _aborted(deltas: PyTree, state: SecAggState, n: int, survivors: int) -> AggregateResult:
+def _aborted(updates: ClientUpdates, state: SecAggState, n: int, survivors: int) -> AggregateResult:
     """An aborted round: a zero update, the base aggregator's state unchanged, the flag set."""
-    from memaudit.federated.secagg.remote import ClientRows
-
-    zero = (deltas.zeros() if isinstance(deltas, ClientRows)
-            else jax.tree.map(lambda x: jnp.zeros_like(x[0]), deltas))
+    zero = updates.zeros()
     metrics = {"secagg_aborted": 1, "survivors": jnp.float32(survivors),
                "aggregated_clients": jnp.float32(0), "cohort": jnp.float32(n)}
     return AggregateResult(zero, SecAggState(state.base, int(state.round)), metrics)
@@ -147,7 +130,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
             bits too few for the model's dimension are refused (quantise.check_bits).
         dropout_rate: simulated probability that a client drops before sending its masked input.
         seed: seed of the simulation's randomness: each slot's rounding draws from its own
-            generator (`memaudit.federated.secagg.remote.slot_seed` of the key, seed, round
+            generator (`memaudit.federated.client_ops.slot_seed` of the key, seed, round
             and slot); the simulated dropouts and the SecAgg+ graph from one server generator.
         degree: SecAgg+ degree (default O(log n), see :func:`sparse_degree`).
         colluding: n_C, clients that may collude with the server (policy.py).
@@ -174,39 +157,21 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                              "'full' or 'auto'")
         neighbours = "full"
         keys = keys if keys is not None else KeyRing.generate(())  # held by the clients' side
-    inner_clips: dict[tuple[int, int], float] = {}
 
     def init(params):
         return SecAggState(base.init(params), 0)
 
     def aggregate(deltas, weights, state, key):
-        from memaudit.federated.secagg.remote import (
-            ClientRows,
-            Counted,
-            encode_rows,
-            slot_seed,
-            with_bits,
-        )
-
+        updates = client_updates(deltas)
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array
         present = np.flatnonzero(np.asarray(weights) > 0)
         n = len(present)
-        indicators = None
-        if isinstance(deltas, Counted):  # one more integer coordinate per row: its indicator
-            deltas, indicators = deltas.deltas, np.asarray(deltas.bits)
         if n < policy.min_survivors:  # a cohort of one would be unmasked as its own update
-            return _aborted(deltas, state, n, n)
-        remote = isinstance(deltas, ClientRows)  # the rows stay on the nodes (Flower)
-        counted = indicators is not None or (remote and deltas.count is not None)
-        if remote:
-            dim, unflatten = deltas.dim, deltas.unflatten
-        else:
-            rows, unflatten = flatten_clients(deltas)
-            dim = rows.shape[1]
+            return _aborted(updates, state, n, n)
+        dim = updates.dim
         scale, b = quantisation_scale(clip, bits, n)
-        if (b, dim) not in inner_clips:
-            inner_clips[b, dim] = check_bits(clip, b, dim, cohort=n)
-        spec = {"kind": "secagg", "clip": float(clip), "scale": float(scale), "inner": inner_clips[b, dim]}
+        # pure and cheap (closed form): recomputed every round rather than cached
+        encoding = SecAggEncoding(float(clip), float(scale), check_bits(clip, b, dim, cohort=n))
         # one generator per slot, derived one-way from the round key: a node reproduces its
         # own users' rounding without the key; the server's draws (dropouts, graph) use _rng
         seeds = [slot_seed(key, seed, rnd, int(s)) for s in present]
@@ -216,39 +181,45 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         if keys is not None:
             _check_keys(keys, n)
         protocol = {"round_id": _round_id(rnd, key), "neighbours": graph_kind(neighbours, n),
-                        "threshold": threshold, "graph_seed": graph_seed, "degree": degree,
-                        "dropouts": Dropouts(before_masked=dropped), "colluding": colluding,
-                        "min_survivors": min_survivors, "mode": mode, "keys": keys}
+                    "threshold": threshold, "graph_seed": graph_seed, "degree": degree,
+                    "dropouts": Dropouts(before_masked=dropped), "colluding": colluding,
+                    "min_survivors": min_survivors, "mode": mode, "keys": keys}
         try:
-            if remote:
-                from memaudit.federated.secagg.remote import run_remote_round
-
-                result = run_remote_round(deltas, spec, present, seeds, dim=dim + counted, **protocol)
-            else:
-                q = encode_rows(spec, rows if n == rows.shape[0] else rows[present], seeds)
-                result = run_round(q if indicators is None else with_bits(q, indicators[present]),
-                                   **protocol)
+            result = updates.secure_sum(encoding, present, seeds, **protocol)
         except SecAggAbort:
-            return _aborted(deltas, state, n, n - len(dropped))
+            return _aborted(updates, state, n, n - len(dropped))
         m = len(result.survivors)
         mean = decode(result.total[:dim], scale) / m
-        pseudo = jax.tree.map(lambda x: x[None], unflatten(mean))
+        pseudo = jax.tree.map(lambda x: x[None], updates.unflatten(mean))
         res = base.aggregate(pseudo, jnp.ones((1,), jnp.float32), state.base, key)
         metrics = dict(res.metrics)
         metrics.update(secagg_aborted=0, survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
                        secagg_norm_bound=float(clip))
-        if counted:  # the survivors' indicators, summed under the masks
+        if updates.counted:  # the survivors' indicators, summed under the masks
             metrics["within_clip"] = jnp.float32(int(result.total[dim]))
         return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
 
     return Aggregator(init=init, aggregate=aggregate, jittable=False, counts=True)
 
 
-__all__ = ["ENCODE_CHUNK", "SecAggState", "check_secagg_config", "decode", "encode", "graph_kind",
-           "holders", "quantisation_scale", "row_norms", "secure_aggregation",
-           "secure_aggregation_from_config", "sparse_degree", "stochastic_round"]
+__all__ = [
+    "ENCODE_CHUNK",
+    "SecAggState",
+    "check_secagg_config",
+    "decode",
+    "encode",
+    "flatten_clients",
+    "graph_kind",
+    "holders",
+    "quantisation_scale",
+    "row_norms",
+    "secure_aggregation",
+    "secure_aggregation_from_config",
+    "sparse_degree",
+    "stochastic_round",
+]
 
 
 def check_secagg_config(cfg, *, dim: int | None = None) -> None:
@@ -259,8 +230,6 @@ def check_secagg_config(cfg, *, dim: int | None = None) -> None:
     Raises:
         ConfigError: one line naming the setting and the fix.
     """
-    from memaudit.errors import ConfigError
-
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     if not math.isfinite(p.clip):
         raise ConfigError(f"privacy.secure_aggregation needs a finite privacy.clip (got {p.clip}); "
@@ -290,8 +259,6 @@ def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = N
     the config first (:func:`check_secagg_config`; pass ``dim`` to check ``bits`` here rather
     than at the first round).
     """
-    from memaudit.errors import ConfigError
-
     check_secagg_config(cfg, dim=dim)
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     clip = max(p.clip, p.adaptive_clipping.initial_clip) if p.adaptive_clipping.enabled else p.clip

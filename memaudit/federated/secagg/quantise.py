@@ -29,10 +29,15 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from memaudit.federated.client_ops import (
+    stochastic_round,  # re-exported: it lives with the client ops
+)
 
 BETA = math.exp(-0.5)  # KLS 2021's default β: a re-round happens with probability <= β
 MAX_SHRINK = 0.05  # bits whose inner clip loses more than 5% of C are refused
@@ -107,12 +112,6 @@ def check_bits(clip: float, bits: int, dim: int, *, cohort: int = 1, beta: float
                      f"{inner / clip:.3f} C before rounding (more than {MAX_SHRINK:.0%} lost); {fix}")
 
 
-def stochastic_round(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Unbiased rounding to integers: floor(x) + Bernoulli(frac(x)), as int64."""
-    f = np.floor(x)
-    return (f + (rng.random(x.shape) < (x - f))).astype(np.int64)
-
-
 def row_norms(rows: np.ndarray) -> np.ndarray:
     """L2 norm of every row of an (n, d) array, accumulated in float64 (no BLAS, no (n, d)
     float64 temporary: einsum casts in buffered chunks)."""
@@ -184,11 +183,35 @@ def encode(rows: np.ndarray, clip: float, scale: float,
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SecAggEncoding:
+    """One round's client parameters of secure aggregation's encoding: clip to ``inner`` (the
+    inner clip, :func:`check_bits`), quantise on the grid of ``scale`` with conditional
+    stochastic rounding so the decoded row's norm stays <= ``clip`` (:func:`encode`)."""
+
+    clip: float
+    scale: float
+    inner: float
+
+    def width(self, dim: int) -> int:
+        return dim
+
+    def encode(self, rows: np.ndarray, rngs: Sequence[np.random.Generator]) -> np.ndarray:
+        return encode(rows, self.clip, self.scale, rngs, inner=self.inner)
+
+    def to_wire(self) -> dict:
+        return {"kind": "secagg", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> SecAggEncoding:
+        return cls(clip=float(d["clip"]), scale=float(d["scale"]), inner=float(d["inner"]))
+
+
 def decode(total: np.ndarray, scale: float) -> np.ndarray:
     """uint32 sum -> float sum (the sum fits in int32 by the choice of scale)."""
     return total.view(np.int32).astype(np.float64) / scale
 
 
-__all__ = ["BETA", "ENCODE_CHUNK", "MAX_SHRINK", "check_bits", "decode", "encode", "inner_clip",
+__all__ = ["BETA", "ENCODE_CHUNK", "MAX_SHRINK", "SecAggEncoding", "check_bits", "decode", "encode", "inner_clip",
            "quantisation_scale", "quantised_norm_bound", "rounding_bound", "row_norms",
            "stochastic_round"]

@@ -10,19 +10,23 @@ there:
 - `ClientRows` names the deltas' leaves as the nodes keep them (var ids of the partitioned
   client stage) and carries the per-client transforms an outer aggregator asks for (DP-FedAvg's
   clip to C, and the indicator 1[‖Δ‖ <= C] that adaptive clipping counts: appended to the
-  user's encoded row as one integer coordinate, so it is summed under the masks too, as the
-  `Counted` wrapper does in JAX);
+  user's encoded row as one integer coordinate, so it is summed under the masks too, as
+  `memaudit.federated.updates.LocalUpdates` does in JAX): a
+  `memaudit.federated.client_ops.ClientStep`; both implement
+  `memaudit.federated.updates.ClientUpdates`;
 - `run_remote_round` is `memaudit.federated.secagg.protocol.run_round` with the server's
   `Server` here and the protocol's `Client` s on the nodes, over four message exchanges
   (advertise, share keys, masked input, unmask); a node that stops answering drops its
   clients at that step, exactly as a simulated dropout there would;
 - `node_step` is a node's side of one exchange: it makes its clients, keeps their secret keys
   and received shares in the node's own state (never in a reply), and at the masked-input step
-  quantises its own users' rows (`encode_rows`, and for distributed DP adds each user's
-  discrete-Gaussian noise share) with a per-slot generator.
+  quantises its own users' rows (the round's frozen encoding,
+  `memaudit.federated.secagg.quantise.SecAggEncoding` or, for distributed DP with each user's
+  discrete-Gaussian noise share, `memaudit.federated.client_ops.DDGEncoding`) with a per-slot
+  generator.
 
-Per-slot randomness: `slot_seed` derives each slot's rounding (and noise-share) seed one-way
-(sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run and a
+Per-slot randomness: `memaudit.federated.client_ops.slot_seed` derives each slot's rounding (and
+noise-share) seed one-way (sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run and a
 node draw the same bits for the same user while the round key (which also drives the server's
 DP noise) never leaves the server.
 
@@ -34,86 +38,42 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from memaudit.federated.client_ops import (
+    ClientStep,
+    DDGEncoding,
+    Encoding,
+    encode_rows,
+    flatten_clients,
+    slot_rng,
+    slot_seed,
+    with_bits,
+    within,
+)
+from memaudit.federated.flower.wire import dtype_of
+from memaudit.federated.secagg.client import Client
+from memaudit.federated.secagg.graph import neighbours as make_neighbours
 from memaudit.federated.secagg.messages import SecAggAbort
+from memaudit.federated.secagg.policy import Policy
+from memaudit.federated.secagg.protocol import Dropouts, RoundResult
+from memaudit.federated.secagg.quantise import SecAggEncoding
+from memaudit.federated.secagg.server import Server, policy_thresholds
+from memaudit.federated.updates import ClientUpdates
 
-SLOT_SALT = b"memaudit-secagg-slot-v1"
 STEPS = ("advertise", "shares", "masked", "unmask")
+ENCODINGS: dict[str, Any] = {"secagg": SecAggEncoding, "ddp": DDGEncoding}  # wire "kind" -> class
 
 
-def slot_seed(key: Any, seed: int | None, rnd: int, slot: int) -> str:
-    """The seed (hex) of cohort slot ``slot``'s rounding and noise share in round ``rnd``:
-    sha256 over a salt, ``seed``, the round, the slot and the round key's data (one-way: the
-    seed does not reveal the key)."""
-    import jax
-
-    data = np.asarray(jax.random.key_data(key)).tobytes() if key is not None else b""
-    head = SLOT_SALT + str(seed).encode() + struct.pack(">QQ", int(rnd), int(slot))
-    return hashlib.sha256(head + data).hexdigest()
-
-
-def slot_rng(seed: str) -> np.random.Generator:
-    return np.random.default_rng(int(seed, 16))
-
-
-def encode_rows(spec: dict[str, Any], rows: np.ndarray, seeds: Sequence[str]) -> np.ndarray:
-    """The clients' integer inputs to the secure sum, one row per client, each from its own
-    slot's generator. ``spec["kind"]``: ``"secagg"`` (clip to the inner clip, conditional
-    stochastic rounding, `memaudit.federated.secagg.quantise.encode`) or ``"ddp"`` (clip,
-    scale, rotate, round, add a discrete-Gaussian share, mod M: `memaudit.federated.ddp.ddp_encode`)."""
-    rngs = [slot_rng(s) for s in seeds]
-    if spec["kind"] == "secagg":
-        from memaudit.federated.secagg.quantise import encode
-
-        return encode(rows, float(spec["clip"]), float(spec["scale"]), rngs, inner=spec["inner"])
-    if spec["kind"] == "ddp":
-        from memaudit.federated.ddp import ddp_encode
-
-        return ddp_encode(rows, spec, rngs)
-    raise ValueError(f"unknown secure-sum encoding {spec['kind']!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Counted:
-    """Deltas with one indicator per client (``bits``, (n,)) that the secure sum adds as an
-    extra integer coordinate of each row: the count of survivors whose bit is 1 comes back in
-    the metrics (``within_clip``) without any single bit reaching the server."""
-
-    deltas: Any
-    bits: Any
-
-
-def with_bits(q: np.ndarray, bits: Any) -> np.ndarray:
-    """Encoded rows (k, d) uint32 with each client's indicator appended: (k, d + 1)."""
-    return np.concatenate([q, np.asarray(bits).astype(np.uint32).reshape(-1, 1)], axis=1)
-
-
-def within(leaves: list[Any], clip: float) -> np.ndarray:
-    """1[global L2 norm <= clip] per client row, as DP-FedAvg computes it (float32)."""
-    import jax.numpy as jnp
-
-    from memaudit.federated.dp import global_norms
-
-    return np.asarray(global_norms(list(leaves)) <= jnp.asarray(clip, jnp.float32))
-
-
-def apply_pre(pre: Sequence[Sequence[Any]], leaves: list[Any]) -> list[Any]:
-    """The per-client transforms an outer aggregator asked for, on a list of (k, ...) leaves."""
-    for op, value in pre:
-        if op != "clip":
-            raise ValueError(f"unknown per-client transform {op!r}")
-        import jax.numpy as jnp
-
-        from memaudit.federated.dp import clip_deltas
-
-        leaves, _ = clip_deltas(list(leaves), jnp.asarray(value, jnp.float32))
-    return list(leaves)
+def encoding_from_wire(d: dict[str, Any]) -> Encoding:
+    """The frozen encoding a node received in its wire form (``{"kind": ..., fields}``)."""
+    if d.get("kind") not in ENCODINGS:
+        raise ValueError(f"unknown secure-sum encoding {d.get('kind')!r}")
+    return ENCODINGS[d["kind"]].from_wire(d)
 
 
 # ------------------------------------------------------------------ the server's side
@@ -148,58 +108,72 @@ class NodeChannel:
 
 
 @dataclasses.dataclass(frozen=True)
-class ClientRows:
+class ClientRows(ClientUpdates):
     """A clients-placed pytree (the cohort's model deltas) whose rows stay on the nodes.
 
     ``leaves``: the var id under which every node keeps each leaf (its rows for the slots it
-    hosts); ``shapes``: each leaf's per-client shape and dtype name; ``pre``: per-client
-    transforms applied on the node before encoding (``("clip", C)``); ``count``: append
-    1[‖Δ‖ <= count] (of the delta before ``pre``) to each encoded row (`Counted`).
+    hosts); ``shapes``: each leaf's per-client shape and dtype name; ``step``: what each node
+    does to its users' rows before encoding (the clips an outer aggregator asks for, and
+    whether 1[‖Δ‖ <= C] of the delta before them is appended to the encoded row).
     """
 
     channel: NodeChannel
     leaves: tuple[int, ...]
     shapes: tuple[tuple[tuple[int, ...], str], ...]
     treedef: Any
-    pre: tuple[tuple[str, float], ...] = ()
-    count: float | None = None
+    step: ClientStep = dataclasses.field(default_factory=ClientStep)
 
     @property
     def dim(self) -> int:
         return int(sum(int(np.prod(s)) for s, _ in self.shapes))
 
+    @property
+    def counted(self) -> bool:
+        return self.step.count is not None
+
     def clipped(self, clip: Any, *, count: bool = False) -> ClientRows:
         """These rows, each scaled on its node to global L2 norm <= ``clip``; with ``count``
         each row also carries 1[norm <= clip] into the secure sum."""
-        return dataclasses.replace(self, pre=(*self.pre, ("clip", float(clip))),
-                                   count=float(clip) if count else self.count)
+        return dataclasses.replace(self, step=self.step.then_clip(clip, count=count))
 
     def unflatten(self, v: np.ndarray) -> Any:
-        import jax
-        import jax.numpy as jnp
-
-        from memaudit.federated.flower.wire import _dtype
-
         out, o = [], 0
         for shape, dtype in self.shapes:
             size = int(np.prod(shape))
-            out.append(jnp.asarray(np.asarray(v[o:o + size]).reshape(shape), dtype=_dtype(dtype)))
+            out.append(jax.numpy.asarray(np.asarray(v[o:o + size]).reshape(shape), dtype=dtype_of(dtype)))
             o += size
         return jax.tree.unflatten(self.treedef, out)
 
     def zeros(self) -> Any:
         return self.unflatten(np.zeros(self.dim))
 
+    def secure_sum(self, encoding: Encoding, present: Sequence[int], seeds: Sequence[str], *,
+                   secure: bool = True, **protocol: Any) -> RoundResult:
+        """`run_remote_round`: rows on the nodes are only ever summed through the protocol, so
+        ``secure=False`` runs it too."""
+        del secure
+        dim = encoding.width(self.dim) + self.counted
+        return run_remote_round(self, encoding, present, seeds, dim=dim, **protocol)
 
-def run_remote_round(rows: ClientRows, spec: dict[str, Any], present: Sequence[int],
+    def tree(self) -> Any:
+        raise ValueError("the deltas stay on the nodes (federated.runtime=flower): a plain base "
+                         "aggregator cannot read them; wrap it in secure aggregation")
+
+    def within_count(self, presence: Any) -> Any:
+        raise ValueError("the clip indicators of deltas kept on the nodes are only summed under "
+                         "secure aggregation; wrap the base aggregator in secure aggregation")
+
+
+def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int],
                      seeds: Sequence[str], *, dim: int, round_id: int, neighbours: str = "full",
                      threshold: float = 0.6, graph_seed: int = 0, degree: int | None = None,
                      dropouts: Any = None, colluding: int = 0, min_survivors: int = 3,
                      mode: str = "honest_but_curious", keys: Any = None) -> Any:
     """`memaudit.federated.secagg.protocol.run_round` with the clients on the nodes.
 
-    Client ``cid`` (0..n-1) is cohort slot ``present[cid]`` on the node that holds that slot's
-    rows; ``seeds[cid]`` its slot seed; ``dim`` the length of an encoded row. Simulated
+    ``encoding``: the round's frozen client encoding (sent in its wire form). Client ``cid``
+    (0..n-1) is cohort slot ``present[cid]`` on the node that holds that slot's rows;
+    ``seeds[cid]`` its slot seed; ``dim`` the length of an encoded row. Simulated
     ``dropouts`` (`Dropouts`) leave a client out of a step as in-JAX; a node that does not
     answer a step drops all its clients there.
 
@@ -207,11 +181,6 @@ def run_remote_round(rows: ClientRows, spec: dict[str, Any], present: Sequence[i
         SecAggAbort: as `run_round` (too few survivors, a threshold below the bound), or a
             client on a node refused a step.
     """
-    from memaudit.federated.secagg.graph import neighbours as make_neighbours
-    from memaudit.federated.secagg.policy import Policy
-    from memaudit.federated.secagg.protocol import Dropouts, RoundResult
-    from memaudit.federated.secagg.server import Server, policy_thresholds
-
     policy = Policy(threshold=threshold, colluding=colluding, min_survivors=min_survivors, mode=mode)
     if policy.malicious or keys is not None:
         raise ValueError("the malicious-server mode does not run with the clients on other "
@@ -246,9 +215,8 @@ def run_remote_round(rows: ClientRows, spec: dict[str, Any], present: Sequence[i
     for cid, s in enumerate(present):
         start.setdefault(node_of[cid], []).append([cid, int(s), seeds[cid]])
     replies = ch.call({node: {"step": "advertise", "round_id": int(round_id), "clients": cl,
-                              "policy": [threshold, colluding, min_survivors, mode], "spec": spec,
-                              "leaves": list(rows.leaves), "pre": [list(p) for p in rows.pre],
-                              "count": rows.count}
+                              "policy": [threshold, colluding, min_survivors, mode],
+                              "spec": encoding.to_wire(), "leaves": list(rows.leaves), **rows.step.to_wire()}
                        for node, cl in start.items()})
     for node in sorted(replies, key=str):
         for _cid, m in sorted(replies[node]["msgs"].items()):
@@ -282,19 +250,16 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
         ``{"msgs": {cid: bytes}}``, or ``{"abort": one line}`` when one of
         this node's clients refuses the step (a threshold or survivor check).
     """
-    from memaudit.federated.secagg.aggregator import flatten_clients
-    from memaudit.federated.secagg.client import Client
-    from memaudit.federated.secagg.policy import Policy
-
     step, rnd = payload["step"], int(payload["round"])
 
     def encoded(cids: list[int], st: dict) -> np.ndarray:
         """These clients' inputs to the secure sum, from their kept deltas."""
         slots = [st["slots"][c][0] for c in cids]
         leaves = [np.asarray(kept(rnd, int(v)))[slots] for v in st["leaves"]]
-        rows, _ = flatten_clients(apply_pre(st["pre"], leaves))
-        q = encode_rows(st["spec"], rows, [st["slots"][c][1] for c in cids])
-        return q if st.get("count") is None else with_bits(q, within(leaves, st["count"]))
+        pre = ClientStep.from_wire(st)
+        rows, _ = flatten_clients(pre.apply(leaves))
+        q = encode_rows(encoding_from_wire(st["spec"]), rows, [st["slots"][c][1] for c in cids])
+        return q if pre.count is None else with_bits(q, within(leaves, pre.count))
 
     if step not in STEPS:
         raise ValueError(f"unknown secure-aggregation step {step!r}")
@@ -329,5 +294,5 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
     return {"msgs": msgs}
 
 
-__all__ = ["ClientRows", "Counted", "NodeChannel", "apply_pre", "encode_rows", "node_step", "run_remote_round",
-           "slot_rng", "slot_seed", "with_bits", "within"]
+__all__ = ["ENCODINGS", "ClientRows", "NodeChannel", "encoding_from_wire", "node_step", "run_remote_round",
+           "slot_rng", "slot_seed"]
