@@ -188,7 +188,7 @@ class RunSession:
         """Prepare (or reuse) the new run's data in a hidden staging folder and check it with
         `checks.check_data`; nothing of the run directory changes if this fails."""
         from memaudit.data import prepare_data
-        from memaudit.models.presets import model_vocab_size
+        from memaudit.models.init import model_vocab_size
 
         stage = RunDir(self.run.path / f".memaudit-staging-{os.getpid()}")
         remove(stage.path)
@@ -266,7 +266,7 @@ class RunSession:
         rewrites it, so a change since the run started is refused with nothing written."""
         from memaudit.data import load_prepared
         from memaudit.data.prepare import config_hash
-        from memaudit.models.presets import model_vocab_size
+        from memaudit.models.init import model_vocab_size
 
         try:
             prepared = load_prepared(self.run)

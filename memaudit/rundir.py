@@ -157,29 +157,6 @@ class RunDir:
             return "interrupted"
         return st
 
-    def check_data(self) -> str | None:
-        """The data fingerprint, checked three ways: run.json, data/meta.json and the files.
-
-        Probes and reports call this, so they never measure a model against data that is not
-        the data it was trained on. None when the run has no prepared data to check.
-        """
-        from memaudit.data import load_prepared
-        from memaudit.data.prepare import SETS
-
-        if not (self.data_dir / "meta.json").is_file():
-            return None
-        want = self.read_manifest().get("data_fingerprint")
-        meta = read_json(self.data_dir / "meta.json", what="prepared-data summary")
-        got = meta.get("fingerprint") if isinstance(meta, dict) else None
-        complete = all((self.data_dir / f"{s}.safetensors").is_file() for s in SETS)
-        if complete:
-            got = load_prepared(self).fingerprint  # recomputed from the files themselves
-        if want is not None and want != got:
-            raise RunDirError(f"the prepared data in '{self.data_dir}' is not the data run "
-                              f"'{self.path}' was trained on (fingerprint differs from run.json); "
-                              "retrain the run, its data was replaced")
-        return str(got)
-
     # ---- lock
     def read_lock(self) -> dict[str, Any] | None:
         """run.lock's fields, or None when there is no lock; {} when it is unreadable."""

@@ -99,7 +99,7 @@ def count_repeats(docs: list[Document], *, by_role: bool = False) -> list[Docume
 
 
 @dataclass
-class _Builder:
+class DocumentBuilder:
     """Builds a text piece by piece, recording the offset of every PII value."""
 
     parts: list[str] = field(default_factory=list)

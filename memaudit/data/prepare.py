@@ -24,7 +24,7 @@ from memaudit.data.canaries import CanarySet, canary_documents, make_canaries
 from memaudit.data.documents import Document, count_repeats, dumps_jsonl, loads_jsonl
 from memaudit.data.packing import PackedSequences, pack
 from memaudit.data.splits import Split, assign_roles, make_split
-from memaudit.errors import DataError
+from memaudit.errors import DataError, RunDirError
 from memaudit.io import atomic_dir, atomic_write_bytes, read_json
 from memaudit.rundir import RunDir
 
@@ -364,3 +364,24 @@ def load_prepared(run: RunDir) -> PreparedData:
         CanarySet.from_json(json.loads(files["canaries.json"])),
         packed["train"], packed["holdout"], packed["heldout"], meta, meta["fingerprint"],
     )
+
+
+def verify_run_data(run: RunDir) -> str | None:
+    """The data fingerprint, checked three ways: run.json, data/meta.json and the files.
+
+    Probes and reports call this, so they never measure a model against data that is not
+    the data it was trained on. None when the run has no prepared data to check.
+    """
+    if not (run.data_dir / "meta.json").is_file():
+        return None
+    want = run.read_manifest().get("data_fingerprint")
+    meta = read_json(run.data_dir / "meta.json", what="prepared-data summary")
+    got = meta.get("fingerprint") if isinstance(meta, dict) else None
+    complete = all((run.data_dir / f"{s}.safetensors").is_file() for s in SETS)
+    if complete:
+        got = load_prepared(run).fingerprint  # recomputed from the files themselves
+    if want is not None and want != got:
+        raise RunDirError(f"the prepared data in '{run.data_dir}' is not the data run "
+                          f"'{run.path}' was trained on (fingerprint differs from run.json); "
+                          "retrain the run, its data was replaced")
+    return str(got)

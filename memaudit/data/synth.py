@@ -29,7 +29,7 @@ import random
 import re
 from collections.abc import Callable
 
-from memaudit.data.documents import Document, _Builder, count_repeats
+from memaudit.data.documents import Document, DocumentBuilder, count_repeats
 
 PII_SLOTS = {
     "name": "name",
@@ -150,7 +150,7 @@ def pii_value(kind: str, fake) -> str | None:
 
 def render(template: str, profile: dict[str, str], filler: Callable[[str], str]) -> tuple[str, tuple]:
     """Fill `template`: profile slots become PII spans, other slots come from `filler(slot)`."""
-    b = _Builder()
+    b = DocumentBuilder()
     pos = 0
     for m in _SLOT.finditer(template):
         b.add(template[pos : m.start()])

@@ -50,7 +50,7 @@ from memaudit.federated.client_ops import (
     slot_seed,
     unrotate,
 )
-from memaudit.federated.secagg.aggregator import _rng, graph_kind
+from memaudit.federated.secagg.aggregator import graph_kind, server_rng
 from memaudit.federated.secagg.protocol import Dropouts
 from memaudit.federated.updates import client_updates
 from memaudit.privacy.ddg import ddg_rdp, ddg_tau
@@ -202,7 +202,7 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         n, d = len(present), updates.dim
         p = ddp_params(clip=clip, noise_multiplier=noise_multiplier, expected_cohort=expected_cohort,
                        cohort=n, dim=d, bits=bits, beta=beta, k_stddevs=k_stddevs)
-        rng = _rng(key, seed, rnd)  # the server's draws: rotation, dropouts, graph
+        rng = server_rng(key, seed, rnd)  # the server's draws: rotation, dropouts, graph
         rot_seed = int(rng.integers(2**31))  # public randomness shared with the clients
         encoding = DDGEncoding(clip=float(clip), gamma=p.gamma, rot_seed=rot_seed, l2=p.l2,
                                local_std=p.local_std, bits=int(bits))
@@ -292,7 +292,7 @@ def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier
     if p.adaptive_clipping.enabled:
         raise ConfigError("adaptive clipping is not implemented for privacy.mechanism=distributed; "
                           "set privacy.adaptive_clipping.enabled=false or use mechanism=central")
-    seed = cfg.train.seed  # public; the round key mixed in by _rng is secret under DP
+    seed = cfg.train.seed  # public; the round key mixed in by server_rng is secret under DP
     return distributed_dp(base, clip=p.clip, noise_multiplier=noise_multiplier,
                           expected_cohort=float(cfg.federated.cohort), bits=sa.bits,
                           secure=True, threshold=sa.threshold,

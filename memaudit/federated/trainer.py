@@ -41,8 +41,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from memaudit.config import Config
-from memaudit.errors import ConfigError
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
+from memaudit.errors import ConfigError
 from memaudit.federated import algorithms as alg
 from memaudit.federated import checkpoint as fckpt
 from memaudit.federated.aggregators import mean_aggregator

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.models.presets import llama_config
+
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers older checkpoints carry; recomputed from rope_theta
 
 
@@ -92,8 +94,6 @@ def to_hf_model(params: dict[str, Any], *, preset: str | None = None, vocab_size
 
     import torch
     from transformers import LlamaForCausalLM
-
-    from memaudit.models.presets import llama_config
 
     cfg = copy.deepcopy(config) if config is not None else llama_config(preset, vocab_size=vocab_size)
     sd = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in flax_to_hf(params).items()}

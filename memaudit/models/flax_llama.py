@@ -32,7 +32,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from memaudit.models.presets import LlamaPreset, get_preset
+from memaudit.models.convert import hf_to_flax
+from memaudit.models.presets import LlamaPreset, get_preset, init_state_dict
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -248,9 +249,6 @@ def causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mask: jax.
 def init_params(cfg: FlaxLlamaConfig, *, preset: str | None = None, seed: int = 0) -> dict:
     """Initial parameters: the shared seeded HF initialisation when `preset` is given."""
     if preset is not None:
-        from memaudit.models.convert import hf_to_flax
-        from memaudit.models.presets import init_state_dict
-
         return hf_to_flax(init_state_dict(preset, vocab_size=cfg.vocab_size, seed=seed))
     model = FlaxLlama(cfg)
     return model.init(jax.random.key(seed), jnp.zeros((1, 2), jnp.int32))["params"]

@@ -26,13 +26,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memaudit.errors import ConfigError
+from memaudit.errors import ConfigError, DataError
+from memaudit.models.presets import LlamaPreset, build_model, get_preset, llama_config
 
 if TYPE_CHECKING:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from memaudit.models.presets import LlamaPreset
 
 ARCHITECTURE = "LlamaForCausalLM"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -74,7 +74,6 @@ def shape_of_checkpoint(path: str) -> LlamaPreset:
     implement (biases, scaled RoPE, an activation other than SiLU, a head dim other than
     hidden / heads).
     """
-    from memaudit.models.presets import LlamaPreset
 
     cfg = _config_json(path)
     where = f"model.init_from='{path}'"
@@ -143,8 +142,6 @@ def check_init_from(cfg: Any) -> LlamaPreset | None:
                               f"adopts the checkpoint's tokenizer; drop data.{key}")
     preset = cfg.model.preset
     if preset is not None:
-        from memaudit.models.presets import get_preset
-
         want = get_preset(preset)
         diff = [f"{k} {getattr(want, k)} vs {getattr(shape, k)}" for k in _SHAPE_FIELDS
                 if getattr(want, k) != getattr(shape, k)]
@@ -156,8 +153,7 @@ def check_init_from(cfg: Any) -> LlamaPreset | None:
 
 
 def _check_tokenizer(path: str, vocab_size: int) -> None:
-    from memaudit.data.tokenizer import load_tokenizer
-    from memaudit.errors import DataError
+    from memaudit.data.tokenizer import load_tokenizer  # the data package sits above the models
 
     p = Path(path).expanduser()
     where = f"model.init_from='{path}'"
@@ -173,7 +169,6 @@ def _check_tokenizer(path: str, vocab_size: int) -> None:
 # ----------------------------------------------------------------------------- shape and weights
 def model_shape(model_cfg: Any) -> LlamaPreset:
     """The shape of the run's model: the checkpoint's with `init_from`, else the preset's."""
-    from memaudit.models.presets import get_preset
 
     if model_cfg.init_from is not None:
         return shape_of_checkpoint(model_cfg.init_from)
@@ -191,7 +186,6 @@ def hf_config(model_cfg: Any, *, vocab_size: int | None = None) -> LlamaConfig:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(str(Path(model_cfg.init_from).expanduser()))
-    from memaudit.models.presets import llama_config
 
     return llama_config(model_cfg.preset, vocab_size=vocab_size)
 
@@ -215,7 +209,6 @@ def initial_model(model_cfg: Any, vocab_size: int) -> LlamaForCausalLM:
             if was:
                 hf_logging.enable_progress_bar()
         return model.float()
-    from memaudit.models.presets import build_model
 
     return build_model(model_cfg.preset, vocab_size=vocab_size, seed=model_cfg.init_seed)
 
@@ -231,7 +224,9 @@ def initial_state_dict(model_cfg: Any, vocab_size: int) -> dict[str, torch.Tenso
 
 def flax_config(model_cfg: Any, vocab_size: int | None = None, **kw: Any) -> Any:
     """The `FlaxLlamaConfig` of the run's model (the checkpoint's shape with `init_from`)."""
-    from memaudit.models.flax_llama import FlaxLlamaConfig
+    from memaudit.models.flax_llama import (
+        FlaxLlamaConfig,  # jax and flax: only the federated backend
+    )
 
     shape = dataclasses.asdict(model_shape(model_cfg))
     if vocab_size is not None and model_cfg.init_from is None:

@@ -11,7 +11,7 @@ Hugging Face-named fp32 weights both backends start from.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time
     import torch
@@ -56,13 +56,6 @@ PRESETS: dict[str, LlamaPreset] = {
 }
 
 LARGE_PRESETS = frozenset({"350m", "1b", "8b"})  # bf16 autocast + activation checkpointing on GPU
-
-
-def model_vocab_size(model_cfg: Any) -> int:
-    """The vocabulary of the model a `ModelConfig` names (a preset, or `model.init_from`)."""
-    from memaudit.models.init import model_vocab_size as of_run
-
-    return of_run(model_cfg)
 
 
 def get_preset(name: str) -> LlamaPreset:

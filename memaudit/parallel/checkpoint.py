@@ -190,3 +190,15 @@ def restore_rng(run: RunDir, rank: int) -> bool:
     with ckpt.checkpoint_file(path):
         ckpt.set_rng_state(load_file(str(path)))
     return True
+
+
+def load_any(run: RunDir, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint of either layout into a single-process (full) model and optimizer: a grid's
+    sharded checkpoint is merged (`load_sharded`), a single-process one loaded as it is; returns
+    (scalars, extra)."""
+    scalars = ckpt.read_scalars(run)
+    if scalars.get("format") == "sharded":
+        load_sharded(run, params=dict(model.named_parameters()), optimizer=optimizer, local=None)
+        return scalars, ckpt.read_extra(run)
+    return ckpt.load_state(run, model=model, optimizer=optimizer, device=device)

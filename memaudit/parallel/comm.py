@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from memaudit.parallel.dims import MeshAxis, ProcessGroups
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -121,7 +121,7 @@ class Comm:
             return (shard, None) if async_op else shard
         self._count(axis, "all_gather", shard)
         out = torch.empty(shard.numel() * n, dtype=shard.dtype, device=shard.device)
-        work = _all_gather(out, shard, group=self.pg.group(axis), async_op=async_op)
+        work = all_gather_into_tensor(out, shard, group=self.pg.group(axis), async_op=async_op)
         return (out, work) if async_op else out
 
     def reduce_scatter(self, full: torch.Tensor, axis: MeshAxis | str, *, async_op: bool = False) -> Any:

@@ -24,9 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memaudit.models.init import initial_model
+from memaudit.parallel import checkpoint as pckpt
 from memaudit.parallel import clip as pclip
 from memaudit.parallel.dims import ParallelDims, build_groups
+from memaudit.parallel.dp import TensorParallelClipping, pad_rows
 from memaudit.parallel.parallelize import ParallelLlama, overlap_options, parallelize_llama
+from memaudit.train import checkpoint as ckpt
+from memaudit.train.evaluate import is_right_padded, target_mask
 from memaudit.train.layout import Batch, autocast, make_optimizer, select_device
 
 
@@ -60,7 +65,6 @@ class TensorParallelLayout:
 
     def local(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This rank's (input_ids, loss_mask, attention_mask or None) of a global chunk."""
-        from memaudit.parallel.dp import pad_rows
 
         ids, am, lm = pad_rows(batch.input_ids, batch.attention_mask, batch.loss_mask, self.pg.batch_shards)
         lam = None if batch.right_padded else self.pg.batch_shard(am)
@@ -82,8 +86,6 @@ class TensorParallelLayout:
         return pclip.clip_grad_norm_(model, max_norm)
 
     def dp_clipping(self, model: ParallelLlama, mode: str) -> Any:
-        from memaudit.parallel.dp import TensorParallelClipping
-
         if mode != "ghost":
             raise ValueError(f"DP-SGD mode '{mode}' has no tensor-parallel form; use 'ghost' on a grid")
         return TensorParallelClipping(model)
@@ -91,7 +93,6 @@ class TensorParallelLayout:
     def evaluate(self, model: ParallelLlama, holdout: Any, *, batch_size: int, max_batches: int | None,
                  autocast_dtype: torch.dtype | None) -> tuple[float, float]:
         """The vocabulary-parallel token-mean loss, as `memaudit.train.evaluate.holdout_loss`."""
-        from memaudit.train.evaluate import is_right_padded, target_mask
 
         n = len(holdout.input_ids) if max_batches is None else min(len(holdout.input_ids), batch_size * max_batches)
         if n == 0:
@@ -112,17 +113,13 @@ class TensorParallelLayout:
     # ------------------------------------------------------------------ checkpoints
     def write_state(self, session: Any, step: int, model: ParallelLlama, optimizer: Any, *,
                     scalars: dict[str, Any], extra: dict[str, Any], files: dict[str, Any] | None) -> None:
-        from memaudit.parallel.checkpoint import save_sharded
-
         tmp = session.begin_checkpoint(step)  # the writer makes it; the same path on every rank
-        save_sharded(tmp, model, optimizer, scalars=scalars, extra=extra, files=files,
+        pckpt.save_sharded(tmp, model, optimizer, scalars=scalars, extra=extra, files=files,
                      commit=lambda: session.commit_checkpoint(step))
 
     def read_state(self, run: Any, model: ParallelLlama, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """A sharded checkpoint (any grid; exact on the same x*y*z), or a full single-process one
         sliced for this grid."""
-        from memaudit.parallel import checkpoint as pckpt
-        from memaudit.train import checkpoint as ckpt
 
         scalars = ckpt.read_scalars(run)
         if scalars.get("format") != pckpt.FORMAT:
@@ -139,12 +136,10 @@ class TensorParallelLayout:
     def _read_full_state(self, run: Any, model: ParallelLlama, optimizer: Any
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Every rank loads the full checkpoint into a plain model and AdamW and keeps its slices."""
-        from memaudit.models.init import initial_model
-        from memaudit.train import checkpoint as ckpt
 
         plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
         opt = make_optimizer(plain.parameters(), self.cfg.train)
-        scalars, extra = ckpt.load_state(run, model=plain, optimizer=opt, device=torch.device("cpu"))
+        scalars, extra = pckpt.load_any(run, model=plain, optimizer=opt, device=torch.device("cpu"))
         model.load_full_state_dict(plain.state_dict())
         full = opt.state_dict()
         local = {}
@@ -161,7 +156,6 @@ class TensorParallelLayout:
         full = model.full_state_dict(dst=0)  # a collective; only the writer gets the tensors
         if not self.is_writer:
             return
-        from memaudit.models.init import initial_model
 
         plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
         plain.load_state_dict(full, strict=False)

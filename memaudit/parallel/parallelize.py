@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memaudit.parallel.comm import Comm, GradSync, _all_gather
+from memaudit.parallel.comm import Comm, GradSync, all_gather_into_tensor
 from memaudit.parallel.dims import ParallelDims, ProcessGroups, build_groups
 from memaudit.parallel.ghost import GhostNorms
 from memaudit.parallel.layers import (
@@ -245,7 +245,7 @@ def merge_tensor(model: ParallelLlama, p: nn.Parameter, local: torch.Tensor, *,
         pieces = {0: vals}
     elif dst is None:
         allv = torch.empty(world * n, dtype=vals.dtype, device=vals.device)
-        _all_gather(allv, vals)  # gloo wants flat tensors
+        all_gather_into_tensor(allv, vals)  # gloo wants flat tensors
         pieces = {r: allv[r * n:(r + 1) * n] for r in range(dims.tp_size)}
     else:
         rank = dist.get_rank()

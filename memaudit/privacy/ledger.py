@@ -30,7 +30,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import attr
 import numpy as np
 from dp_accounting import dp_event
 
@@ -46,111 +45,19 @@ from memaudit.privacy.accounting import (
 from memaudit.privacy.accounting import (
     epsilon as event_epsilon,
 )
+from memaudit.privacy.events import (
+    Event,
+    RdpCurveEvent,
+    coalescable,
+    event_from_dict,
+    event_to_dict,
+    repeated,
+    steps_of,
+    with_count,
+)
 
 SCHEMA = 1
 Unit = Literal["example", "user"]
-_RDP_TYPE = "memaudit.RdpCurveEvent"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RdpCurveEvent:
-    """`count` repetitions of a mechanism given by its RDP curve ε(α) for one repetition.
-
-    For mechanisms outside dp_accounting (e.g. distributed DP with discrete noise). ε(α) at
-    an order not on the curve is bounded by the value at the next larger order (RDP is
-    non-decreasing in α).
-    """
-
-    orders: tuple[float, ...]
-    rdp: tuple[float, ...]
-    count: int = 1
-    label: str = ""
-
-    def __post_init__(self) -> None:
-        if len(self.orders) != len(self.rdp) or not self.orders:
-            raise ValueError("RdpCurveEvent needs as many rdp values as orders (at least one)")
-        if any(a <= 1 for a in self.orders):
-            raise ValueError(f"RDP orders must be > 1, got {min(self.orders)}")
-        if self.count < 0:
-            raise ValueError(f"count must be >= 0, got {self.count}")
-
-    def at(self, orders: np.ndarray) -> np.ndarray:
-        """Total RDP (times count) at `orders`, upper-bounded from the curve."""
-        o = np.asarray(self.orders, dtype=np.float64)
-        r = np.asarray(self.rdp, dtype=np.float64)
-        idx = np.argsort(o)
-        o, r = o[idx], np.maximum.accumulate(r[idx])
-        pos = np.searchsorted(o, orders, side="left")
-        out = np.full(len(orders), np.inf)
-        ok = pos < len(o)
-        out[ok] = r[pos[ok]] * self.count
-        return out
-
-
-Event = dp_event.DpEvent | RdpCurveEvent
-
-
-# ----------------------------------------------------------------------------- serialisation
-def event_to_dict(event: Event) -> dict[str, Any]:
-    """A JSON-ready dict that `event_from_dict` turns back into an equal event."""
-    if isinstance(event, RdpCurveEvent):
-        return {"type": _RDP_TYPE, "orders": list(event.orders), "rdp": list(event.rdp),
-                "count": event.count, "label": event.label}
-    if not isinstance(event, dp_event.DpEvent):
-        raise TypeError(f"not a DpEvent: {type(event).__name__}")
-    out: dict[str, Any] = {"type": type(event).__name__}
-    for key, value in attr.asdict(event, recurse=False).items():
-        if isinstance(value, dp_event.DpEvent):
-            value = event_to_dict(value)
-        elif isinstance(value, list | tuple):
-            value = [event_to_dict(v) if isinstance(v, dp_event.DpEvent) else v for v in value]
-        out[key] = value
-    return out
-
-
-def event_from_dict(obj: dict[str, Any]) -> Event:
-    kind = obj.get("type")
-    if kind == _RDP_TYPE:
-        # strict JSON writes an infinite RDP value as null
-        rdp = tuple(math.inf if v is None else float(v) for v in obj["rdp"])
-        return RdpCurveEvent(orders=tuple(obj["orders"]), rdp=rdp,
-                             count=int(obj.get("count", 1)), label=obj.get("label", ""))
-    cls = getattr(dp_event, str(kind), None)
-    if not (isinstance(cls, type) and issubclass(cls, dp_event.DpEvent)):
-        raise ValueError(  # noqa: TRY004 - bad file content, not a bad argument type
-            f"unknown privacy event type '{kind}' in the ledger; is the file corrupt?")
-    kwargs = {}
-    for key, value in obj.items():
-        if key == "type":
-            continue
-        if isinstance(value, dict) and "type" in value:
-            value = event_from_dict(value)
-        elif isinstance(value, list):
-            value = [event_from_dict(v) if isinstance(v, dict) and "type" in v else v for v in value]
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def _steps_of(event: Event) -> int:
-    if isinstance(event, RdpCurveEvent):
-        return event.count
-    if isinstance(event, dp_event.SelfComposedDpEvent):
-        return event.count * _steps_of(event.event)
-    return 1
-
-
-def _with_count(event: Event, count: int) -> Event:
-    if isinstance(event, RdpCurveEvent):
-        return RdpCurveEvent(orders=event.orders, rdp=event.rdp, count=count, label=event.label)
-    return dp_event.SelfComposedDpEvent(event.event, count)
-
-
-def _coalescable(event: Event) -> bool:
-    return isinstance(event, RdpCurveEvent) or (
-        isinstance(event, dp_event.SelfComposedDpEvent) and _steps_of(event.event) == 1
-    )
-
-
 # ----------------------------------------------------------------------------- ledger
 @dataclass
 class PrivacyLedger:
@@ -178,10 +85,10 @@ class PrivacyLedger:
         """Append an event, merging it into the last one when both repeat the same step."""
         if not isinstance(event, dp_event.DpEvent | RdpCurveEvent):
             raise TypeError(f"not a privacy event: {type(event).__name__}")
-        if self.events and _coalescable(event) and _coalescable(self.events[-1]):
+        if self.events and coalescable(event) and coalescable(self.events[-1]):
             last = self.events[-1]
-            if type(last) is type(event) and _with_count(last, 1) == _with_count(event, 1):
-                self.events[-1] = _with_count(last, _steps_of(last) + _steps_of(event))
+            if type(last) is type(event) and with_count(last, 1) == with_count(event, 1):
+                self.events[-1] = with_count(last, steps_of(last) + steps_of(event))
                 return
         self.events.append(event)
 
@@ -198,7 +105,6 @@ class PrivacyLedger:
         if decl not in self.mechanisms:
             self.mechanisms.append(decl)
         if steps:
-            from memaudit.privacy.mechanisms import repeated
 
             self.record(repeated(mechanism.dp_event(metrics), steps))
 
@@ -210,7 +116,7 @@ class PrivacyLedger:
     @property
     def steps(self) -> int:
         """Number of noise-adding steps (or rounds) recorded."""
-        return sum(_steps_of(e) for e in self.events)
+        return sum(steps_of(e) for e in self.events)
 
     def truncate_steps(self, steps: int) -> None:
         """Keep only the first `steps` steps (resume from a checkpoint taken at that step)."""
@@ -218,14 +124,14 @@ class PrivacyLedger:
             raise ValueError(f"cannot truncate a ledger of {self.steps} steps to {steps}")
         kept, done = [], 0
         for e in self.events:
-            n = _steps_of(e)
+            n = steps_of(e)
             if done + n <= steps:
                 kept.append(e)
                 done += n
             elif done < steps:
-                if not _coalescable(e):
+                if not coalescable(e):
                     raise ValueError("cannot split a composite privacy event; resume at its end")
-                kept.append(_with_count(e, steps - done))
+                kept.append(with_count(e, steps - done))
                 done = steps
         self.events = kept
 

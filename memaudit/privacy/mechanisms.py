@@ -57,6 +57,8 @@ import numpy as np
 from dp_accounting import dp_event
 
 from memaudit.privacy.accounting import RDP_ORDERS, Accountant, check_delta
+from memaudit.privacy.events import RdpCurveEvent, repeated
+from memaudit.privacy.ledger import PrivacyLedger
 
 Unit = Literal["example", "user"]
 Adjacency = Literal["add/remove", "replace-one", "zero-out"]
@@ -115,7 +117,6 @@ def _rdp_curve_event(event: dp_event.DpEvent, orders, label: str):
     from dp_accounting.privacy_accountant import NeighboringRelation
     from dp_accounting.rdp import RdpAccountant
 
-    from memaudit.privacy.ledger import RdpCurveEvent
 
     acc = RdpAccountant(list(orders), neighboring_relation=NeighboringRelation.REPLACE_ONE)
     acc.compose(event)
@@ -192,7 +193,6 @@ class SampledGaussian:
         inner = dp_event.SampledWithoutReplacementDpEvent(
             int(self.population), int(self.expected), dp_event.GaussianDpEvent(z))
         if self.noise_multiplier == 0:
-            from memaudit.privacy.ledger import RdpCurveEvent
 
             return RdpCurveEvent(orders=FIXED_COHORT_ORDERS, rdp=(math.inf,) * len(FIXED_COHORT_ORDERS),
                                  label=self._fixed_label())
@@ -244,7 +244,6 @@ class DistributedDiscreteGaussian:
 
     def dp_event(self, metrics: Mapping[str, Any] | None = None) -> Any:
         from memaudit.privacy.ddg import ddg_rdp
-        from memaudit.privacy.ledger import RdpCurveEvent
 
         if metrics is None:
             raise ValueError("distributed DP's event needs the round's metrics (survivors, ddp_l2, ...)")
@@ -269,15 +268,6 @@ class DistributedDiscreteGaussian:
 Mechanism = SampledGaussian | DistributedDiscreteGaussian
 
 
-def repeated(event: Any, count: int) -> Any:
-    """``count`` repetitions of one step's event, as the ledger would coalesce them."""
-    from memaudit.privacy.ledger import RdpCurveEvent
-
-    if isinstance(event, RdpCurveEvent):
-        return replace(event, count=event.count * int(count))
-    return dp_event.SelfComposedDpEvent(event, int(count))
-
-
 def calibrate(target_epsilon: float, make: Callable[[float], Any], *, steps: int, delta: float,
               accountant: Accountant = "rdp", unit: Unit = "example", eps_tol: float = 1e-4,
               max_noise_multiplier: float = MAX_NOISE_MULTIPLIER) -> float:
@@ -292,7 +282,6 @@ def calibrate(target_epsilon: float, make: Callable[[float], Any], *, steps: int
     Raises:
         ValueError: a target that needs z > max_noise_multiplier, or bad arguments.
     """
-    from memaudit.privacy.ledger import PrivacyLedger
 
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target epsilon must be a finite number > 0, got {target_epsilon}")

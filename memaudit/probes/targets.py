@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memaudit.data.prepare import verify_run_data
 from memaudit.errors import DataError, MemauditError, RunDirError
 from memaudit.io import read_json
 from memaudit.probes.loaders import Canaries, Privacy
@@ -221,7 +222,7 @@ def resolve_target(
         raise MemauditError(f"--out '{out}' is a directory; pass the file name probes.json should "
                             "get (e.g. {out}/probes.json)".replace("{out}", str(out)))
     if run.is_run():
-        run.check_data()  # the data the model was trained on, or refused
+        verify_run_data(run)  # the data the model was trained on, or refused
         model_dir = run.model_dir
         if not (model_dir / "config.json").is_file():
             raise RunDirError(f"run '{p}' has no trained model in model/; train it first")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memaudit import __version__
+from memaudit.data.prepare import verify_run_data
 from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
@@ -154,7 +155,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     info = RunInfo.from_manifest(manifest, str(rd.path / "run.json"))
     role = manifest.get("role") if isinstance(manifest, dict) else None
     if rd.data_dir.is_dir():
-        rd.check_data()  # probes of a run whose data was replaced measure nothing of this model
+        verify_run_data(rd)  # probes of a run whose data was replaced measure nothing of this model
     if not rd.probes_path.is_file():
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 from memaudit.errors import ConfigError, MemauditError
 from memaudit.sweep.config import JobResources, job_resources, point_config
 from memaudit.sweep.point import Verb, point_action
+from memaudit.sweep.work import PointOutcome
 
 if TYPE_CHECKING:
     from memaudit.sweep.config import ExecutorConfig, SweepConfig, SweepPoint
-    from memaudit.sweep.runner import PointOutcome
 
 INSTALL_HINT = "pip install memaudit[slurm]"
 HANDOFF_WAIT_S = 600.0
@@ -167,7 +167,6 @@ def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
              on_done: Callable[[int, PointOutcome], None], progress: Any, debug: bool) -> None:
     """Each point that `point_action` does not skip as one job; outcomes reported as jobs end,
     in any order."""
-    from memaudit.sweep.runner import PointOutcome
 
     ex = cfg.executor
     folder = Path(ex.folder) if ex.folder else out / "jobs"

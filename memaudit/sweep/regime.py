@@ -51,7 +51,7 @@ def data_counts(run_cfg: Config, cache: Path) -> DataCounts:
 
     from memaudit.data import prepare_data
     from memaudit.data.prepare import config_hash
-    from memaudit.models.presets import model_vocab_size
+    from memaudit.models.init import model_vocab_size
     from memaudit.rundir import RunDir
 
     vocab = model_vocab_size(run_cfg.model)

@@ -110,19 +110,13 @@ def read_scalars(run: RunDir) -> dict[str, Any]:
 def load_state(
     run: RunDir, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore model, optimizer and RNG in place; return (scalars, extra).
-
-    A sharded checkpoint of the parallel backend is merged into the single-process model.
+    """Restore model, optimizer and RNG in place from a single-process checkpoint; return
+    (scalars, extra). A grid's sharded checkpoint is read by `memaudit.parallel.checkpoint.load_any`.
     """
     from safetensors.torch import load_file, load_model
 
     d = run.state_dir
     scalars = read_scalars(run)
-    if scalars.get("format") == "sharded":
-        from memaudit.parallel.checkpoint import load_sharded
-
-        load_sharded(run, params=dict(model.named_parameters()), optimizer=optimizer, local=None)
-        return scalars, read_extra(run)
     with checkpoint_file(d / "model.safetensors"):
         missing, unexpected = load_model(model, str(d / "model.safetensors"), strict=False, device=str(device))
     if missing or unexpected:

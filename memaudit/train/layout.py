@@ -182,9 +182,12 @@ class SerialLayout:
             ckpt.write_state(d, model=model, optimizer=optimizer, scalars=scalars, extra=extra, files=files)
 
     def read_state(self, run: RunDir, model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        from memaudit.train import checkpoint as ckpt
+        """state/ of either layout (a grid's is merged into this one process's model)."""
+        from memaudit.parallel.checkpoint import (
+            load_any,  # torch.distributed: only a resume pays it
+        )
 
-        return ckpt.load_state(run, model=model, optimizer=optimizer, device=self.device)
+        return load_any(run, model=model, optimizer=optimizer, device=self.device)
 
     def export_model(self, session: RunSession, model: Any, prepared: Any) -> None:
         session.export_hf(model, tokenizer=prepared.tokenizer(), tokenizer_dir=prepared.tokenizer_dir)

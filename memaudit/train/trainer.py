@@ -41,8 +41,8 @@ import numpy as np
 from memaudit.config import Config
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.lifecycle import RunSession, dp_randomness
-from memaudit.models.init import initial_model
-from memaudit.models.presets import LARGE_PRESETS, model_vocab_size
+from memaudit.models.init import initial_model, model_vocab_size
+from memaudit.models.presets import LARGE_PRESETS
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibrate_noise
 from memaudit.rundir import RunDir

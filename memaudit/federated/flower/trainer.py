@@ -42,10 +42,10 @@ from memaudit.errors import ConfigError, MemauditError
 from memaudit.federated.algorithms import host_metrics
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower import deploy, wire
-from memaudit.federated.flower.apps import HELLO, SECAGG, STAGE
 from memaudit.federated.flower.execute import Resident, call_to_wire, run_round
 from memaudit.federated.flower.nodes import client_digests
 from memaudit.federated.flower.partition import compile_plan
+from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 from memaudit.federated.secagg.remote import ClientRows, NodeChannel
 from memaudit.federated.trainer import FederatedTrainer
 from memaudit.io import atomic_write_json, read_json

@@ -71,7 +71,7 @@ class SecAggState(NamedTuple):
     round: int
 
 
-def _rng(key: jax.Array, seed: int | None, salt: int) -> np.random.Generator:
+def server_rng(key: jax.Array, seed: int | None, salt: int) -> np.random.Generator:
     data = np.asarray(jax.random.key_data(key)).ravel().tolist() if key is not None else []
     return np.random.default_rng([salt, 0 if seed is None else seed + 1, *map(int, data)])
 
@@ -173,9 +173,9 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         # pure and cheap (closed form): recomputed every round rather than cached
         encoding = SecAggEncoding(float(clip), float(scale), check_bits(clip, b, dim, cohort=n))
         # one generator per slot, derived one-way from the round key: a node reproduces its
-        # own users' rounding without the key; the server's draws (dropouts, graph) use _rng
+        # own users' rounding without the key; the server's draws (dropouts, graph) use server_rng
         seeds = [slot_seed(key, seed, rnd, int(s)) for s in present]
-        rng = _rng(key, seed, rnd)
+        rng = server_rng(key, seed, rnd)
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
         graph_seed = int(rng.integers(2**31))
         if keys is not None:
