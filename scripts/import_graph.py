@@ -64,30 +64,32 @@ def _targets(node: ast.Import | ast.ImportFrom, here: str, known: set[str]) -> l
     return out
 
 
+def _visit(node: ast.AST, in_func: bool, name: str, known: set[str], out: dict) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _type_checking(child):
+            continue
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            for target, names in _targets(child, name, known):
+                if target == name:
+                    continue
+                (out["inner"].append(target) if in_func else out["top"].add(target))
+                out["private"].extend(f"{target}.{n}" for n in names if n.startswith("_") and not n.startswith("__"))
+        _visit(child, in_func or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda), name, known, out)
+
+
 def scan(mods: dict[str, Path]) -> dict[str, dict]:
+    """Per module: memaudit modules imported at module level (`top`) and inside functions
+    (`inner`), private names taken (`private`), its line count and its functions' lengths."""
     known = set(mods) | extensions()
     info = {}
     for name, path in mods.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        top, inner, private = set(), [], []
-
-        def visit(node: ast.AST, in_func: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and _type_checking(child):
-                    continue
-                if isinstance(child, ast.Import | ast.ImportFrom):
-                    for target, names in _targets(child, name, known):
-                        if target == name:
-                            continue
-                        (inner.append(target) if in_func else top.add(target))
-                        private.extend(f"{target}.{n}" for n in names if n.startswith("_") and not n.startswith("__"))
-                visit(child, in_func or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda))
-
-        visit(tree, False)
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+        out: dict = {"top": set(), "inner": [], "private": []}
+        _visit(tree, False, name, known, out)
         funcs = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
                  if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
-        info[name] = {"top": top, "inner": inner, "private": private, "lines": len(path.read_text().splitlines()),
-                      "funcs": funcs}
+        info[name] = {**out, "lines": len(text.splitlines()), "funcs": funcs}
     return info
 
 
@@ -130,18 +132,30 @@ def _parents(name: str) -> set[str]:
     return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
+def graph(*, module_level_only: bool, info: dict[str, dict] | None = None) -> dict[str, set[str]]:
+    """module -> the memaudit modules it imports (at module level, or anywhere)."""
+    info = scan(modules()) if info is None else info
+    return {m: set(i["top"]) | (set() if module_level_only else set(i["inner"])) for m, i in info.items()}
+
+
+def private_imports(info: dict[str, dict] | None = None) -> list[str]:
+    """`module._name` for every import of another module's private name."""
+    info = scan(modules()) if info is None else info
+    return sorted(p for i in info.values() for p in i["private"])
+
+
 def main() -> None:
     mods = modules()
     info = scan(mods)
-    top = {m: set(i["top"]) for m, i in info.items()}
-    every = {m: set(i["top"]) | set(i["inner"]) for m, i in info.items()}
+    top = graph(module_level_only=True, info=info)
+    every = graph(module_level_only=False, info=info)
     funcs = sorted(((f"{m}.{f}", n) for m, i in info.items() for f, n in i["funcs"]), key=lambda x: -x[1])
     report = {
         "modules": len(mods),
         "cycles_module_level": sccs(top),
         "cycles_all_imports": sccs(every),
         "imports_inside_functions": sum(len(i["inner"]) for i in info.values()),
-        "private_name_imports": sorted(p for i in info.values() for p in i["private"]),
+        "private_name_imports": private_imports(info),
         "largest_modules": sorted(((m, i["lines"]) for m, i in info.items()), key=lambda x: -x[1])[:8],
         "largest_functions": funcs[:8],
         "functions_over_60_lines": sum(1 for _, n in funcs if n > 60),

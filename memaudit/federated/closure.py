@@ -32,6 +32,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from memaudit.federated.primitives_impl import PRIMITIVE_NAMES
+from memaudit.federated.sharding import MeshAxis
 
 FUSED_NAMES = frozenset({"federated_map_sum"})
 _COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_to_all",
@@ -94,7 +95,7 @@ def _check_eqn(eqn, n: int, axis: str | None) -> None:
         raise ClosureError(f"non-federated communication: {eqn}")
 
 
-def communication_of(jaxpr: Any, clients: int, *, axis: str | None = "clients") -> set[str]:
+def communication_of(jaxpr: Any, clients: int, *, axis: str | None = MeshAxis.CLIENTS) -> set[str]:
     """Names of the federated primitives (and fused loops) in ``jaxpr``; raises `ClosureError`
     on any other equation that moves data between placements (see the module docstring).
 

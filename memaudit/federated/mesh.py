@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from memaudit.errors import MemauditError
+from memaudit.federated.sharding import MeshAxis
 from memaudit.models.presets import get_preset
 
 
@@ -46,6 +47,6 @@ def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: Any = None
         return None
     auto = jax.sharding.AxisType.Auto
     if mesh_model == 1:
-        return jax.make_mesh((k,), ("clients",), axis_types=(auto,), devices=devices[:k])
-    return jax.make_mesh((k, mesh_model), ("clients", "model"), axis_types=(auto, auto),
+        return jax.make_mesh((k,), (MeshAxis.CLIENTS,), axis_types=(auto,), devices=devices[:k])
+    return jax.make_mesh((k, mesh_model), (MeshAxis.CLIENTS, MeshAxis.MODEL), axis_types=(auto, auto),
                          devices=devices[: k * mesh_model])

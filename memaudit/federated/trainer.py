@@ -53,7 +53,12 @@ from memaudit.federated.distributed import barrier, maybe_initialize
 from memaudit.federated.dp import dp_fedavg, dp_fedavg_mechanism
 from memaudit.federated.mesh import build_mesh
 from memaudit.federated.secagg.aggregator import secure_aggregation_from_config
-from memaudit.federated.sharding import clients_axis_size, model_axis_size, server_shardings
+from memaudit.federated.sharding import (
+    MeshAxis,
+    clients_axis_size,
+    model_axis_size,
+    server_shardings,
+)
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes
@@ -319,7 +324,7 @@ class FederatedTrainer:
         """Host array -> device array sharded over the clients axis (a global array across hosts)."""
         if self.mesh is None:
             return jnp.asarray(x)
-        spec = PartitionSpec() if replicated else PartitionSpec("clients")
+        spec = PartitionSpec() if replicated else PartitionSpec(MeshAxis.CLIENTS)
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec), lambda idx: x[idx])
 
@@ -331,7 +336,7 @@ class FederatedTrainer:
             return state
         return jax.device_put(state, server_shardings(state, self.mesh, kernel_axes))
 
-    def run_round(self, state: Any, r: int, key: Any) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
+    def train_round(self, state: Any, r: int, key: Any) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
         """Round r: (state, metrics line, what the DP mechanism's event depends on, or None when
         the round released nothing)."""
         t0 = time.perf_counter()
@@ -361,7 +366,7 @@ class FederatedTrainer:
 
     def step(self, i: int) -> StepOutcome:
         """The driver's step: one round; under DP every round that was not aborted releases."""
-        self.state, rec, released = self.run_round(self.state, i, self.key)
+        self.state, rec, released = self.train_round(self.state, i, self.key)
         return StepOutcome(rec, released=self.private and released is not None, privacy_metrics=released)
 
     def _round_tokens(self, cohort: np.ndarray) -> int:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json, read_json
-from memaudit.parallel.dims import ParallelDims
+from memaudit.parallel.dims import MeshAxis, ParallelDims
 from memaudit.parallel.layers import ShardSpec, assemble
 from memaudit.train import checkpoint as ckpt
 
@@ -79,7 +79,7 @@ def save_sharded(tmp: Path, model: ParallelLlama, optimizer: torch.optim.Optimiz
     _barrier()
     params = dict(model.hf.named_parameters())
     osd = optimizer.state_dict()
-    if pg.index("data") == 0:  # data replicas hold identical shards
+    if pg.index(MeshAxis.DATA) == 0:  # data replicas hold identical shards
         tensors = {f"param/{n}": p.detach().cpu().contiguous() for n, p in params.items()}
         names = _optimizer_names(optimizer, params)
         for i, st in osd["state"].items():

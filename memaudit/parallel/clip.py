@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from memaudit.parallel.dims import MeshAxis
 from memaudit.parallel.parallelize import ParallelLlama
 
 
@@ -24,7 +25,7 @@ def grad_norm(model: ParallelLlama) -> float:
             continue
         copies = math.prod(comm.size(a) for a in p.shard_spec.replicated)
         sq += p.grad.detach().double().pow(2).sum() / copies
-    for axis in ("x", "y", "z"):
+    for axis in (MeshAxis.X, MeshAxis.Y, MeshAxis.Z):
         comm.all_reduce(sq, axis)
     return float(sq.sqrt())
 

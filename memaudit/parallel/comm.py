@@ -220,7 +220,7 @@ class GradSync:
         if not self.queued:
             from torch.autograd import Variable
 
-            self.bucketing = (self.bucket_bytes is not None and self.comm.size("data") > 1
+            self.bucketing = (self.bucket_bytes is not None and self.comm.size(MeshAxis.DATA) > 1
                               and not (self.norms is not None and self.norms.active))
             Variable._execution_engine.queue_callback(self._finish)
             self.queued = True
@@ -243,7 +243,7 @@ class GradSync:
             return
         params = [p for p, _ in self.bucket]
         flat = torch.cat([g.reshape(-1) for _, g in self.bucket])
-        self.in_flight.append((params, flat, self.comm.all_reduce(flat, "data", async_op=True)))
+        self.in_flight.append((params, flat, self.comm.all_reduce(flat, MeshAxis.DATA, async_op=True)))
         self.buckets_issued += 1
         self.bucket, self.bucket_size = [], 0
 

@@ -101,11 +101,11 @@ class ParallelDims:
     def check_model(self, cfg: LlamaConfig) -> None:
         """One-line ValueError when a model dimension does not divide by its axis."""
         checks = [
-            ("num_attention_heads", cfg.num_attention_heads, "y", self.y),
-            ("num_key_value_heads", cfg.num_key_value_heads, "y", self.y),
-            ("hidden_size", cfg.hidden_size, "x", self.x),
-            ("intermediate_size", cfg.intermediate_size, "y", self.y),
-            ("vocab_size", cfg.vocab_size, "y", self.y),
+            ("num_attention_heads", cfg.num_attention_heads, MeshAxis.Y, self.y),
+            ("num_key_value_heads", cfg.num_key_value_heads, MeshAxis.Y, self.y),
+            ("hidden_size", cfg.hidden_size, MeshAxis.X, self.x),
+            ("intermediate_size", cfg.intermediate_size, MeshAxis.Y, self.y),
+            ("vocab_size", cfg.vocab_size, MeshAxis.Y, self.y),
         ]
         for name, value, axis, deg in checks:
             if value % deg:
@@ -139,7 +139,7 @@ class ProcessGroups:
     @property
     def batch_index(self) -> int:
         """Which of the data*z batch shards this rank holds (data-major)."""
-        return self.index("data") * self.dims.z + self.index("z")
+        return self.index(MeshAxis.DATA) * self.dims.z + self.index(MeshAxis.Z)
 
     @property
     def batch_shards(self) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from memaudit.parallel.dims import MeshAxis
 from memaudit.parallel.parallelize import ParallelLlama, sync_grads
 from memaudit.train.dpsgd import ClipStats
 
@@ -35,7 +36,7 @@ def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_m
         p.grad = None
     with model.ghost.collect(input_ids.shape[0], device=input_ids.device) as acc:
         model.per_example_losses(input_ids, loss_mask, attention_mask).sum().backward()
-    for axis in ("x", "y"):
+    for axis in (MeshAxis.X, MeshAxis.Y):
         model.comm.all_reduce(acc, axis)
     for p in model.hf.parameters():
         p.grad = None
@@ -113,7 +114,7 @@ class TensorParallelClipping:
             (losses * factor[sl]).sum().backward()
         # (clipped, examples, loss sum): 3 x fp64, as the planner counts them
         stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum(), loss_sum])
-        for axis in ("z", "data"):
+        for axis in (MeshAxis.Z, MeshAxis.DATA):
             model.comm.all_reduce(stats, axis)
         sync_grads(model)
         return ClipStats(norms, int(stats[0]), float(stats[2]), int(stats[1]))

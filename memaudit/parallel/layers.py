@@ -31,7 +31,7 @@ from torch import nn
 
 from memaudit.parallel import ghost
 from memaudit.parallel.comm import Comm, GradSync, reduce_partial
-from memaudit.parallel.dims import ParallelDims
+from memaudit.parallel.dims import MeshAxis, ParallelDims
 from memaudit.parallel.ghost import GhostNorms
 
 
@@ -105,11 +105,11 @@ def assemble(spec: ShardSpec, dims: ParallelDims, pieces: dict[int, torch.Tensor
 
 
 def z_piece(flat: torch.Tensor, comm: Comm, *, pad: float = 0.0) -> torch.Tensor:
-    n = comm.size("z")
+    n = comm.size(MeshAxis.Z)
     per = math.ceil(flat.numel() / n)
     if per * n != flat.numel():
         flat = torch.cat([flat, flat.new_full((per * n - flat.numel(),), pad)])
-    i = comm.index("z")
+    i = comm.index(MeshAxis.Z)
     return flat[i * per:(i + 1) * per].clone()
 
 
@@ -120,7 +120,7 @@ def _pad_to(flat: torch.Tensor, n: int) -> torch.Tensor:
 
 def gather_block(shard: torch.Tensor, comm: Comm, shape: tuple[int, int]) -> torch.Tensor:
     """All-gather a z-flat shard and view it as the (rows x cols) block."""
-    full = comm.all_gather(shard, "z")
+    full = comm.all_gather(shard, MeshAxis.Z)
     return full[: shape[0] * shape[1]].view(shape)
 
 
@@ -149,7 +149,7 @@ class _Gathered:
 
     def issue(self, phase: str) -> None:
         if phase not in self.ahead and self.shard is not None:
-            full, work = self.comm.all_gather(self.shard.detach(), "z", async_op=True)
+            full, work = self.comm.all_gather(self.shard.detach(), MeshAxis.Z, async_op=True)
             self.ahead[phase] = (full, work, self.shard._version)
 
     def block(self, phase: str) -> torch.Tensor:
@@ -164,7 +164,7 @@ class _Gathered:
             else:
                 self.hits += 1
         if full is None:
-            full = self.comm.all_gather(self.shard.detach(), "z")
+            full = self.comm.all_gather(self.shard.detach(), MeshAxis.Z)
         if self.prefetch:
             nxt = self.next if phase == "fwd" else self.prev
             if nxt is not None and not (phase == "fwd" and _in_backward()):
@@ -177,13 +177,13 @@ def _weight_grad(ctx: Any, grad_w: torch.Tensor) -> torch.Tensor | None:
     """The z reduce-scatter of a weight gradient: returned to autograd (blocking), or handed to
     the model's `GradSync` (ORS and/or DDP-style data buckets)."""
     comm, sync = ctx.comm, ctx.sync
-    padded = _pad_to(grad_w.reshape(-1), comm.size("z"))
+    padded = _pad_to(grad_w.reshape(-1), comm.size(MeshAxis.Z))
     if sync is None or not sync.active:
-        return comm.reduce_scatter(padded, "z")
+        return comm.reduce_scatter(padded, MeshAxis.Z)
     if sync.async_rs:
-        piece, work = comm.reduce_scatter(padded, "z", async_op=True)
+        piece, work = comm.reduce_scatter(padded, MeshAxis.Z, async_op=True)
     else:
-        piece, work = comm.reduce_scatter(padded, "z"), None
+        piece, work = comm.reduce_scatter(padded, MeshAxis.Z), None
     sync.weight_grad(ctx.param, piece, work)
     return None
 
@@ -252,7 +252,7 @@ class TPLinear(nn.Module):
                  prefetch: bool = False, sync: GradSync | None = None, norms: GhostNorms | None = None) -> None:
         super().__init__()
         self.comm, self.transpose, self.overlap = comm, transpose, overlap
-        self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
+        self.in_axis, self.out_axis = (MeshAxis.Y, MeshAxis.X) if transpose else (MeshAxis.X, MeshAxis.Y)
         out_f, in_f = linear.weight.shape
         for name, n, axis in (("out_features", out_f, self.out_axis), ("in_features", in_f, self.in_axis)):
             if n % comm.size(axis):
@@ -260,7 +260,7 @@ class TPLinear(nn.Module):
                                  f"choose parallel.{axis} dividing {n}")
         self.in_features, self.out_features = in_f, out_f
         self.shape = (out_f // comm.size(self.out_axis), in_f // comm.size(self.in_axis))
-        self.wspec = ShardSpec((out_f, in_f), self.out_axis, self.in_axis, True, (), ("data",))
+        self.wspec = ShardSpec((out_f, in_f), self.out_axis, self.in_axis, True, (), (MeshAxis.DATA,))
         self.weight = nn.Parameter(self.wspec.local(linear.weight.detach(), comm))
         self.weight.shard_spec = self.wspec  # type: ignore[attr-defined]
         self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
@@ -268,7 +268,7 @@ class TPLinear(nn.Module):
         self.__dict__["sync"] = sync
         self.__dict__["ghost"] = norms  # the model's ghost-norm collector (DP-SGD), not a submodule
         if linear.bias is not None:
-            self.bspec = ShardSpec((out_f,), self.out_axis, None, False, (self.in_axis, "z"), ("z", "data"))
+            self.bspec = ShardSpec((out_f,), self.out_axis, None, False, (self.in_axis, MeshAxis.Z), (MeshAxis.Z, MeshAxis.DATA))
             self.bias = nn.Parameter(self.bspec.local(linear.bias.detach(), comm))
             self.bias.shard_spec = self.bspec  # type: ignore[attr-defined]
         else:
@@ -318,9 +318,9 @@ class ParallelEmbedding(nn.Module):
         super().__init__()
         v, h = emb.weight.shape
         self.comm = comm
-        self.shape = (v // comm.size("y"), h // comm.size("x"))
-        self.vstart = comm.index("y") * self.shape[0]
-        self.spec = ShardSpec((v, h), "y", "x", True, (), ("data",))
+        self.shape = (v // comm.size(MeshAxis.Y), h // comm.size(MeshAxis.X))
+        self.vstart = comm.index(MeshAxis.Y) * self.shape[0]
+        self.spec = ShardSpec((v, h), MeshAxis.Y, MeshAxis.X, True, (), (MeshAxis.DATA,))
         self.weight = nn.Parameter(self.spec.local(emb.weight.detach(), comm))
         self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
         self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
@@ -330,7 +330,7 @@ class ParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.gathered.shard = self.weight
         out = _EmbeddingFn.apply(ids, self.weight, self)
-        return reduce_partial(out, self.comm, "y")
+        return reduce_partial(out, self.comm, MeshAxis.Y)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -341,14 +341,14 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vstart: int, comm: Comm) -> torch.Tensor:
         logits = logits.float()  # (N, V_l)
         m = logits.max(-1).values
-        comm.all_reduce(m, "y", op=dist.ReduceOp.MAX)
+        comm.all_reduce(m, MeshAxis.Y, op=dist.ReduceOp.MAX)
         e = torch.exp(logits - m.unsqueeze(-1))
         s = e.sum(-1)
-        comm.all_reduce(s, "y")
+        comm.all_reduce(s, MeshAxis.Y)
         in_range = (target >= vstart) & (target < vstart + logits.shape[-1])
         local_t = torch.where(in_range, target - vstart, torch.zeros_like(target))
         t_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * in_range.to(logits.dtype)
-        comm.all_reduce(t_logit, "y")
+        comm.all_reduce(t_logit, MeshAxis.Y)
         ctx.save_for_backward(e / s.unsqueeze(-1), local_t, in_range)
         return torch.log(s) + m - t_logit  # (N,)
 
@@ -364,7 +364,7 @@ class _VocabParallelCE(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vstart: int,
                                  comm: Comm) -> torch.Tensor:
     """Per-token loss (N,) from local logits (N, V/y); targets are global ids."""
-    if comm.size("y") == 1:
+    if comm.size(MeshAxis.Y) == 1:
         return nn.functional.cross_entropy(logits.float(), target, reduction="none")
     return _VocabParallelCE.apply(logits, target, vstart, comm)
 

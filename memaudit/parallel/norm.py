@@ -12,6 +12,7 @@ from torch import nn
 
 from memaudit.parallel import ghost
 from memaudit.parallel.comm import Comm, reduce_both
+from memaudit.parallel.dims import MeshAxis
 from memaudit.parallel.layers import ShardSpec
 
 
@@ -39,11 +40,11 @@ class ParallelRMSNorm(nn.Module):
     def __init__(self, norm: nn.Module, comm: Comm, *, norms: ghost.GhostNorms | None = None) -> None:
         super().__init__()
         h = norm.weight.shape[0]
-        if h % comm.size("x"):
+        if h % comm.size(MeshAxis.X):
             raise ValueError(f"hidden_size={h} is not divisible by parallel.x={comm.size('x')}; "
                              f"choose parallel.x dividing {h}")
         self.comm, self.hidden, self.eps = comm, h, norm.variance_epsilon
-        self.spec = ShardSpec((h,), "x", None, False, ("y", "z"), ("z", "data"))
+        self.spec = ShardSpec((h,), MeshAxis.X, None, False, (MeshAxis.Y, MeshAxis.Z), (MeshAxis.Z, MeshAxis.DATA))
         self.weight = nn.Parameter(self.spec.local(norm.weight.detach(), comm))
         self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
         self.__dict__["ghost"] = norms  # the model's ghost-norm collector (DP-SGD), not a submodule
@@ -52,9 +53,9 @@ class ParallelRMSNorm(nn.Module):
         dtype = hidden.dtype
         h = hidden.to(torch.float32)
         ss = h.pow(2).sum(-1, keepdim=True)  # (..., 1), partial over x
-        ss = reduce_both(ss, self.comm, "x")
+        ss = reduce_both(ss, self.comm, MeshAxis.X)
         normed = h * torch.rsqrt(ss / self.hidden + self.eps)
-        return _ScaleFn.apply(normed.to(dtype), self.weight, self.comm.size("y"), ghost.current(self.ghost))
+        return _ScaleFn.apply(normed.to(dtype), self.weight, self.comm.size(MeshAxis.Y), ghost.current(self.ghost))
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, local={tuple(self.weight.shape)}, eps={self.eps}"

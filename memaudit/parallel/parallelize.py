@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memaudit.parallel.comm import Comm, GradSync, all_gather_into_tensor
-from memaudit.parallel.dims import ParallelDims, ProcessGroups, build_groups
+from memaudit.parallel.dims import MeshAxis, ParallelDims, ProcessGroups, build_groups
 from memaudit.parallel.ghost import GhostNorms
 from memaudit.parallel.layers import (
     ParallelEmbedding,
@@ -46,7 +46,7 @@ class ParallelLlama(nn.Module):
         self.hf, self.comm = hf, comm
         self.__dict__["grad_sync"] = sync
         self.__dict__["ghost"] = norms if norms is not None else GhostNorms()  # its layers' collector
-        self.vstart = comm.index("y") * (hf.config.vocab_size // comm.size("y"))
+        self.vstart = comm.index(MeshAxis.Y) * (hf.config.vocab_size // comm.size(MeshAxis.Y))
 
     @property
     def pg(self) -> ProcessGroups:
@@ -81,7 +81,7 @@ class ParallelLlama(nn.Module):
 
     def _global_sums(self, tok: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         stats = torch.stack([(tok * mask).sum(), mask.sum()]).double()  # (loss sum, targets)
-        for axis in ("z", "data"):
+        for axis in (MeshAxis.Z, MeshAxis.DATA):
             self.comm.all_reduce(stats, axis)
         return stats
 
@@ -194,8 +194,8 @@ def sync_grads(model: ParallelLlama) -> None:
 def sync_param_grads(params: list[nn.Parameter], comm: Comm, *, skip_data: set[int] = frozenset()) -> None:
     """`sync_grads` for any parameters carrying a `shard_spec` (one bucket per axis)."""
     params = [p for p in params if p.grad is not None]
-    _flat_sync([p for p in params if "z" in p.shard_spec.sync_axes], comm, "z")
-    _flat_sync([p for p in params if "data" in p.shard_spec.sync_axes and id(p) not in skip_data], comm, "data")
+    _flat_sync([p for p in params if MeshAxis.Z in p.shard_spec.sync_axes], comm, MeshAxis.Z)
+    _flat_sync([p for p in params if MeshAxis.DATA in p.shard_spec.sync_axes and id(p) not in skip_data], comm, MeshAxis.DATA)
 
 
 # ----------------------------------------------------------------------------- state dicts

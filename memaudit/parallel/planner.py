@@ -35,7 +35,7 @@ from typing import Any, Literal, NamedTuple
 from memaudit.parallel.comm import wire_factor
 from memaudit.parallel.dims import MeshAxis, ParallelDims
 
-ORDER = ("x", "y", "z", "data")  # rank order, fastest first (dims.py)
+ORDER = (MeshAxis.X, MeshAxis.Y, MeshAxis.Z, MeshAxis.DATA)  # rank order, fastest first (dims.py)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -138,14 +138,14 @@ class _Acc:
 def _linear(acc: _Acc, o: int, i: int, transposed: bool, tokens: int, e: int, we: int, *, times: int,
             replay: bool) -> None:
     d = acc.d
-    in_ax, out_ax = ("y", "x") if transposed else ("x", "y")
+    in_ax, out_ax = (MeshAxis.Y, MeshAxis.X) if transposed else (MeshAxis.X, MeshAxis.Y)
     o_l, i_l = o // d.size(out_ax), i // d.size(in_ax)
     shard = _zshard(o_l * i_l, d.z)
     fwd = 2 if replay else 1  # recomputation replays the forward
-    acc.add("z", "all_gather", shard * we, times * (fwd + 1))  # forward (+ replay) and backward
+    acc.add(MeshAxis.Z, "all_gather", shard * we, times * (fwd + 1))  # forward (+ replay) and backward
     acc.add(in_ax, "all_reduce", tokens * o_l * e, times * fwd)  # partial outputs
     acc.add(out_ax, "all_reduce", tokens * i_l * e, times)  # partial input gradients
-    acc.add("z", "reduce_scatter", shard * d.z * we, times)  # the (padded) weight gradient
+    acc.add(MeshAxis.Z, "reduce_scatter", shard * d.z * we, times)  # the (padded) weight gradient
 
 
 def _pass(acc: _Acc, m: ModelShape, rows: int, seq: int, e: int, we: int, *, recompute: bool,
@@ -156,17 +156,17 @@ def _pass(acc: _Acc, m: ModelShape, rows: int, seq: int, e: int, we: int, *, rec
     for o, i, t in m.linears():
         _linear(acc, o, i, t, n, e, we, times=m.layers, replay=recompute)
     stat = n * 4 * m.norm_stats  # fp32 statistics per token
-    acc.add("x", "all_reduce", stat, m.layers * 2 * (3 if recompute else 2))  # fwd (+ replay) + bwd
-    acc.add("x", "all_reduce", stat, 2)  # final norm
+    acc.add(MeshAxis.X, "all_reduce", stat, m.layers * 2 * (3 if recompute else 2))  # fwd (+ replay) + bwd
+    acc.add(MeshAxis.X, "all_reduce", stat, 2)  # final norm
     v_l, h_l = m.vocab // d.y, m.hidden // d.x
     emb = _zshard(v_l * h_l, d.z)
-    acc.add("z", "all_gather", emb * we)
-    acc.add("y", "all_reduce", n * h_l * e)  # vocabulary-partial embeddings
-    acc.add("z", "reduce_scatter", emb * d.z * we)
+    acc.add(MeshAxis.Z, "all_gather", emb * we)
+    acc.add(MeshAxis.Y, "all_reduce", n * h_l * e)  # vocabulary-partial embeddings
+    acc.add(MeshAxis.Z, "reduce_scatter", emb * d.z * we)
     _linear(acc, m.vocab, m.hidden, False, n1, e, we, times=1, replay=False)  # LM head
-    acc.add("y", "all_reduce", 3 * n1 * 4)  # loss: max, sum-exp, target logit (fp32)
+    acc.add(MeshAxis.Y, "all_reduce", 3 * n1 * 4)  # loss: max, sum-exp, target logit (fp32)
     if loss_stats:
-        for axis in ("z", "data"):
+        for axis in (MeshAxis.Z, MeshAxis.DATA):
             acc.add(axis, "all_reduce", 16)  # loss sum and target count (fp64)
 
 
@@ -212,21 +212,21 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
         _pass(acc, m, chunk, seq, dtype_bytes, weight_bytes, recompute=recompute, loss_stats=not dp)
         acc.scale = count
         if dp:
-            for axis in ("x", "y"):
+            for axis in (MeshAxis.X, MeshAxis.Y):
                 acc.add(axis, "all_reduce", chunk * 8)
     acc.scale = 1
     if dp:
-        for axis in ("z", "data"):
+        for axis in (MeshAxis.Z, MeshAxis.DATA):
             acc.add(axis, "all_reduce", 24)
     sharded, norms = local_weights(m, d)
-    acc.add("z", "all_reduce", norms * weight_bytes)  # replicated-parameter gradients
+    acc.add(MeshAxis.Z, "all_reduce", norms * weight_bytes)  # replicated-parameter gradients
     if data_in_backward:
-        acc.add("data", "all_reduce", sharded * weight_bytes, micro_batches)
-        acc.add("data", "all_reduce", norms * weight_bytes)
+        acc.add(MeshAxis.DATA, "all_reduce", sharded * weight_bytes, micro_batches)
+        acc.add(MeshAxis.DATA, "all_reduce", norms * weight_bytes)
     else:
-        acc.add("data", "all_reduce", (sharded + norms) * weight_bytes)
+        acc.add(MeshAxis.DATA, "all_reduce", (sharded + norms) * weight_bytes)
     if clip:
-        for axis in ("x", "y", "z"):
+        for axis in (MeshAxis.X, MeshAxis.Y, MeshAxis.Z):
             acc.add(axis, "all_reduce", 8)
     return dict(acc.out)
 

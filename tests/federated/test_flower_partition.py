@@ -14,7 +14,7 @@ import optax
 
 from memaudit.federated import algorithms as alg
 from memaudit.federated.cohorts import ClientData
-from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_round
+from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
 from memaudit.federated.flower.partition import CLIENT, PlanError, compile_plan
 
 U, S, CAP = 6, 3, 4
@@ -110,7 +110,7 @@ def _compute_two_rounds(kind, users, dead, dead_slots):
         ref, _ = a.round.program(ref, _cohort_data(users, dead_slots), key)
         if plan is None:
             plan = compile_plan(a.round.program, (got, _struct(_cohort_data(users)), key), PLACED, CAP)
-        (got, _), info = run_round(plan, (got, _struct(_cohort_data(users)), key), _nodes(users, dead),
+        (got, _), info = run_plan(plan, (got, _struct(_cohort_data(users)), key), _nodes(users, dead),
                                    _assignment(), round=r)
     return ref, got, plan, info
 
@@ -174,7 +174,7 @@ def test_node_refuses_users_it_does_not_host(users):
     plan = compile_plan(a.round.program, (st, _struct(_cohort_data(users)), key), PLACED, CAP)
     bad = {"A": [(0, "u0"), (1, "u5")]}  # u5 lives on B
     with pytest.raises(ValueError, match="does not host user 'u5'"):
-        run_round(plan, (st, _struct(_cohort_data(users)), key), _nodes(users), bad, round=0)
+        run_plan(plan, (st, _struct(_cohort_data(users)), key), _nodes(users), bad, round=0)
 
 
 # ---------------------------------------------------------------------------- bad input

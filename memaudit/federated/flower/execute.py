@@ -1,6 +1,6 @@
 """Run a partitioned round: the server's stages here, the client stages on the nodes.
 
-`run_round(plan, args, nodes, cohort)` walks the plan's stages in order. A server stage runs
+`run_plan(plan, args, nodes, cohort)` walks the plan's stages in order. A server stage runs
 its jitted function on the server's values. A client stage is handed to ``nodes`` (anything
 with `Nodes.run_stage`: the nodes of a Flower federation, `memaudit.federated.flower.server`,
 or `LocalNodes` in this process for tests) with the server values it reads; each node runs the
@@ -78,7 +78,7 @@ def _resident(plan: Plan) -> set[int]:
     return out
 
 
-def run_round(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any, list[tuple[int, str]]],
+def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any, list[tuple[int, str]]],
               *, round: int) -> tuple[Any, dict[str, Any]]:
     """Run one round of ``plan``.
 

@@ -180,7 +180,7 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
         capacity: the clients dim n of the placed inputs.
         resident: ``jax.tree_util.keystr`` prefixes of outputs that stay on the nodes (the
             deltas a host aggregator encodes there): clients-placed values the server never
-            gathers; `memaudit.federated.flower.execute.run_round` returns a `Resident` for each.
+            gathers; `memaudit.federated.flower.execute.run_plan` returns a `Resident` for each.
     """
     import jax
 

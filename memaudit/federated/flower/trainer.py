@@ -42,7 +42,7 @@ from memaudit.errors import ConfigError, MemauditError
 from memaudit.federated.algorithms import host_metrics
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower import deploy, wire
-from memaudit.federated.flower.execute import Resident, call_to_wire, run_round
+from memaudit.federated.flower.execute import Resident, call_to_wire, run_plan
 from memaudit.federated.flower.nodes import client_digests
 from memaudit.federated.flower.partition import compile_plan
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
@@ -186,7 +186,7 @@ class FlowerRuntime:
         if split is not None:
             return self._host_round(trainer, split, cap, state, assignment, r, key)
         plan = self.plan(trainer, cap, state, key)
-        (state, metrics), info = run_round(plan, (state, self._data_struct(trainer, cap), key), self.nodes,
+        (state, metrics), info = run_plan(plan, (state, self._data_struct(trainer, cap), key), self.nodes,
                                            assignment, round=r)
         state = jax.tree.map(jnp.asarray, state)
         m = host_metrics(*metrics)
@@ -200,7 +200,7 @@ class FlowerRuntime:
         with the protocol clients on the nodes), then the server update, here."""
         client_key, agg_key = jax.random.split(key)
         plan = self.plan(trainer, cap, state.params, client_key)
-        out, info = run_round(plan, (state.params, self._data_struct(trainer, cap), client_key), self.nodes,
+        out, info = run_plan(plan, (state.params, self._data_struct(trainer, cap), client_key), self.nodes,
                               assignment, round=r)
         leaves, treedef = jax.tree.flatten(out.deltas, is_leaf=lambda x: isinstance(x, Resident))
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
