@@ -67,7 +67,7 @@ def test_exact_enumeration_equals_brute_force_rank(seed, size, ties):
 def test_sampled_result_labels_the_extrapolation():
     rng = np.random.default_rng(0)
     cand = rng.normal(40, 3, 2000)
-    lps = np.r_[5.0, 30.0, rng.normal(40, 3, 10)]
+    lps = np.r_[5.0, 33.0, rng.normal(40, 3, 10)]
     items = [(f"c{i}", "inserted", 1, "user") for i in range(2)]
     items += [(f"r{i}", "reference", 0, None) for i in range(10)]
     out = exposure_result(lps, cand, items, space_size=10**12, method="sampling", n_boot=50)
