@@ -61,6 +61,14 @@ def register(app: typer.Typer) -> None:
         bootstrap: Annotated[
             int, typer.Option(help="Bootstrap resamples per confidence interval.")
         ] = 1000,
+        exposure_enumerate_max: Annotated[
+            int, typer.Option(help="Score every secret (exact exposure) when the secret space "
+                              "has at most this many; 10^6 takes minutes on a CPU.")
+        ] = 10_000,
+        exposure_candidates: Annotated[
+            int, typer.Option(help="Sampled candidates when the space is larger (exposure "
+                              "beyond what they resolve is a lower bound).")
+        ] = 10_000,
         show_secrets: Annotated[
             bool, typer.Option("--show-secrets", help="Print canary secrets (off: ids only).")
         ] = False,
@@ -94,6 +102,8 @@ def register(app: typer.Typer) -> None:
             reference=reference,
             seed=seed,
             n_boot=bootstrap,
+            exposure_enumerate_max=exposure_enumerate_max,
+            exposure_samples=exposure_candidates,
         )
         with progress() as bar:
             tasks: dict[str, int] = {}
