@@ -91,6 +91,11 @@ def register(app: typer.Typer) -> None:
         from memaudit.probes.runner import run_probes
         from memaudit.probes.scoring import resolve_device
 
+        if exposure_candidates < 100 or exposure_enumerate_max < 1:
+            raise ValueError(
+                f"--exposure-candidates must be >= 100 (got {exposure_candidates}) and "
+                f"--exposure-enumerate-max >= 1 (got {exposure_enumerate_max})"
+            )
         if user_docs is not None and user_docs < 1:
             raise ValueError(f"--user-docs must be >= 1, got {user_docs}")
         settings = ProbeConfig(

@@ -173,4 +173,4 @@ def test_exposure_candidates_and_enumeration_switch(tmp_path, trained, capsys):
     capsys.readouterr()
     assert main(["probe", str(trained.run), "--probes", "exposure", "--out", str(out),
                  "--exposure-candidates", "5"]) == 2
-    assert "exposure_samples" in _err_line(capsys)
+    assert "--exposure-candidates must be >= 100 (got 5)" in _err_line(capsys)
