@@ -149,13 +149,17 @@ def auc_interval(v10: np.ndarray, v01: np.ndarray, level: float = LEVEL) -> tupl
     n1, n0 = len(v10), len(v01)
     auc = float(np.mean(v10))
     var = (np.var(v10, ddof=1) / n1 if n1 > 1 else 0.0) + (np.var(v01, ddof=1) / n0 if n0 > 1 else 0.0)
-    a = min(max(auc, 0.5 / (n1 * n0)), 1 - 0.5 / (n1 * n0))
+    # an AUC of 0 or 1 has no logit: pull it in by half a unit of the smaller side (a pull of
+    # half a pair, 1 / (2 n1 n0), made the logit's standard error explode: [0.001, 1] at 1.0)
+    eps = 0.5 / min(n1, n0)
+    a = min(max(auc, eps), 1 - eps)
     q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
     hm = (a * (1 - a) + (n1 - 1) * (q1 - a * a) + (n0 - 1) * (q2 - a * a)) / (n1 * n0)
     se = math.sqrt(max(var, hm)) / (a * (1 - a))
     q = float(student.ppf(1 - (1 - level) / 2, max(1, min(n1, n0) - 1)))
     logit = math.log(a / (1 - a))
-    return 1 / (1 + math.exp(-(logit - q * se))), 1 / (1 + math.exp(-(logit + q * se)))
+    lo, hi = 1 / (1 + math.exp(-(logit - q * se))), 1 / (1 + math.exp(-(logit + q * se)))
+    return min(lo, auc), max(hi, auc)
 
 
 def _ci(samples: np.ndarray, level: float) -> tuple[float, float]:
