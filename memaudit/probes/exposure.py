@@ -62,8 +62,8 @@ def estimated_exposure(
 
     rank ≈ 1 + |R| F(x), F the share of candidates strictly more likely. n samples resolve F
     only down to the ceiling `ceiling_fraction(n)` (about 3 / n): wherever the interpolated F is
-    at or below it, the value is the ceiling's exposure, a one-sided lower bound at
-    TAIL_CONFIDENCE (`tail_mask` says which entries, to be shown as ">= X bits"). So the estimate
+    at or below it, the value is the ceiling's exposure (`at_ceiling`); beyond the sample that is
+    a one-sided lower bound at TAIL_CONFIDENCE (`tail_mask`, shown as ">= X bits"). So the estimate
     is monotone: a more likely canary never reads fewer bits (before, the bound below the sample
     sat under the interpolation just inside it: 11.70 bits against 14.26).
     """
@@ -74,10 +74,15 @@ def estimated_exposure(
 
 
 def tail_mask(canary_logppl: np.ndarray, sample_logppl: np.ndarray) -> np.ndarray:
-    """True where the sample does not resolve the canary's rank: its exposure is the ceiling,
-    shown as ">= X". Beyond the sample that is a one-sided bound at TAIL_CONFIDENCE; a canary
-    inside the sample held at the ceiling (k >= 1 samples more likely) may sit a little above
-    its true exposure (0.13 bits for one canary of the acceptance test)."""
+    """True where a canary is more likely than every sampled candidate: its exposure is the
+    ceiling, a one-sided lower bound at TAIL_CONFIDENCE, shown as ">= X". A canary inside the
+    sample held at the ceiling (`at_ceiling`, k >= 1 samples more likely) is no 95% bound: it is
+    an estimate held at the resolution limit, below the interpolation."""
+    return np.asarray(canary_logppl, float) < np.min(sample_logppl)
+
+
+def at_ceiling(canary_logppl: np.ndarray, sample_logppl: np.ndarray) -> np.ndarray:
+    """True where the sample does not resolve the rank and the estimate is the ceiling."""
     s = np.sort(np.asarray(sample_logppl, dtype=np.float64))
     x = np.asarray(canary_logppl, dtype=np.float64)
     return _sample_fraction(x, s) <= ceiling_fraction(len(s))
@@ -231,6 +236,7 @@ def exposure_result(
     else:
         exp, bound = estimated_exposure(canary_lp, cand_lp, space_size), tail_mask(canary_lp, cand_lp)
         extra = extrapolated_exposure(canary_lp, cand_lp, space_size)
+        held = at_ceiling(canary_lp, cand_lp)
     scores = [
         {
             "id": cid,
@@ -245,8 +251,9 @@ def exposure_result(
     ]
     summary = _summarise(scores, space_size, method, n_boot, seed)
     if sampled:
-        for row, x in zip(scores, extra, strict=True):
+        for row, x, h in zip(scores, extra, held, strict=True):
             row["exposure_extrapolated"] = float(x)
+            row["at_ceiling"] = bool(h)
         ceil = ceiling_fraction(len(cand_lp))
         summary["ceiling"] = float(_exposure_of(np.array([ceil]), space_size)[0])
         summary["extrapolation"] = EXTRAPOLATION

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from memaudit.probes.exposure import (
     TAIL_CONFIDENCE,
+    at_ceiling,
     estimated_exposure,
     exact_exposure,
     exposure_result,
@@ -29,7 +30,8 @@ def test_issue_example_is_monotone():
     # all three sit at the ceiling the sample resolves, and are flagged as lower bounds
     ceiling = math.log2(1e6) - math.log2(1 + 1e6 * (1 - (1 - TAIL_CONFIDENCE) ** (1 / 1e4)))
     assert np.allclose(e, ceiling)
-    assert tail_mask(np.array([0.5, 1.0, 1.5]), np.arange(1.0, 10001.0)).all()
+    assert tail_mask(np.array([0.5, 1.0, 1.5]), np.arange(1.0, 10001.0)).tolist() == [True, False, False]
+    assert at_ceiling(np.array([0.5, 1.0, 1.5]), np.arange(1.0, 10001.0)).all()
 
 
 @settings(max_examples=40, deadline=None)
@@ -73,7 +75,7 @@ def test_sampled_result_labels_the_extrapolation():
     out = exposure_result(lps, cand, items, space_size=10**12, method="sampling", n_boot=50)
     top, mid = out["scores"][0], out["scores"][1]
     assert top["lower_bound"] and top["exposure_extrapolated"] > top["exposure"]
-    assert not mid["lower_bound"]
+    assert not mid["lower_bound"] and not mid["at_ceiling"]
     assert out["summary"]["extrapolation"].startswith("skew-normal")
     enum = exposure_result(lps, cand, items, space_size=2000, method="enumeration", n_boot=50)
     assert "exposure_extrapolated" not in enum["scores"][0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import memaudit.probes.pii as pii
+from memaudit.probes import pii
 from memaudit.probes.stats import clopper_pearson
 from memaudit.probes.targets import Codec, resolve_target
 
