@@ -426,8 +426,12 @@ class ProbeConfig(_Section):
     fprs: tuple[float, ...] = Field((0.01, 0.001), description="FPRs of the TPR-at-FPR cells")
     max_tokens: int = Field(1024, ge=2, description="tokens scored per document")
     min_k: float = Field(0.2, gt=0, le=1, description="k of Min-K% and Min-K%++")
-    exposure_enumerate_max: int = Field(10_000, ge=1, description="enumerate |R| up to this")
-    exposure_samples: int = Field(10_000, ge=100, description="sampled candidates beyond it")
+    exposure_enumerate_max: int = Field(
+        10_000, ge=1, description="score every secret (exact exposure) when |R| <= this; "
+        "cost ~4 s per 10^4 candidates with a 2-layer, 64-wide model on one CPU thread, so "
+        "10^6 (6 digits) takes ~7 min; above it exposure is sampled (a bound at the ceiling)")
+    exposure_samples: int = Field(10_000, ge=100, description="sampled candidates beyond it "
+                                  "(the ceiling is log2|R| - log2(1 + |R| 3/n) bits)")
     extraction_ks: tuple[int, ...] = Field((32, 50), description="prefix tokens k")
     extraction_m: int = Field(50, ge=1, description="suffix tokens compared")
     extraction_max_docs: int = Field(1000, ge=1, description="member documents prompted")

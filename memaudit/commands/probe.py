@@ -63,6 +63,14 @@ def register(app: typer.Typer) -> None:
         bootstrap: Annotated[
             int, typer.Option(help="Bootstrap resamples per confidence interval.")
         ] = 1000,
+        exposure_enumerate_max: Annotated[
+            int, typer.Option(help="Score every secret (exact exposure) when the secret space "
+                              "has at most this many; 10^6 takes minutes on a CPU.")
+        ] = 10_000,
+        exposure_candidates: Annotated[
+            int, typer.Option(help="Sampled candidates when the space is larger (exposure "
+                              "beyond what they resolve is a lower bound).")
+        ] = 10_000,
         show_secrets: Annotated[
             bool, typer.Option("--show-secrets", help="Print canary secrets (off: ids only).")
         ] = False,
@@ -85,6 +93,11 @@ def register(app: typer.Typer) -> None:
         from memaudit.probes.runner import run_probes
         from memaudit.probes.scoring import resolve_device
 
+        if exposure_candidates < 100 or exposure_enumerate_max < 1:
+            raise ValueError(
+                f"--exposure-candidates must be >= 100 (got {exposure_candidates}) and "
+                f"--exposure-enumerate-max >= 1 (got {exposure_enumerate_max})"
+            )
         if user_docs is not None and user_docs < 1:
             raise ValueError(f"--user-docs must be >= 1, got {user_docs}")
         settings = ProbeConfig(
@@ -96,6 +109,8 @@ def register(app: typer.Typer) -> None:
             reference=reference,
             seed=seed,
             n_boot=bootstrap,
+            exposure_enumerate_max=exposure_enumerate_max,
+            exposure_samples=exposure_candidates,
         )
         with progress() as bar:
             tasks: dict[str, int] = {}

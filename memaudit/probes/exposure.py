@@ -3,9 +3,12 @@
 exposure(s) = log2 |R| - log2 rank(s), where rank(s) is the position of the canary's
 log-perplexity among all candidates in the secret space R (1 = most likely). When |R| is small
 enough the rank is exact (every candidate is scored). Otherwise the rank is estimated from
->= 10^4 uniformly sampled candidates: the empirical CDF (interpolated) inside the sampled range,
-and a fitted skew-normal CDF beyond it (the paper's extrapolation). Never-inserted reference
-canaries give the null: their exposure averages about 1/ln 2 ≈ 1.44 bits.
+uniformly sampled candidates: the empirical CDF (interpolated) where the sample resolves it, and
+beyond that the ceiling, a one-sided lower bound ("lower_bound" in the scores, shown as ">= X").
+Each sampled canary also gets `exposure_extrapolated`, the paper's skew-normal extrapolation of
+the tail: an estimate, labelled as such, never below the bound. Both are monotone in the
+canary's log-perplexity. Never-inserted reference canaries give the null: their exposure
+averages about 1/ln 2 ≈ 1.44 bits.
 
 References:
   Carlini, Liu, Erlingsson, Kos, Song. The Secret Sharer: Evaluating and Testing Unintended
@@ -34,30 +37,94 @@ def exact_exposure(canary_logppl: np.ndarray, space_logppl: np.ndarray) -> np.nd
 TAIL_CONFIDENCE = 0.95
 
 
-def estimated_exposure(
-    canary_logppl: np.ndarray, sample_logppl: np.ndarray, space_size: int
-) -> np.ndarray:
-    """Exposure from n sampled candidates: interpolated empirical CDF; a lower bound in the tail.
+def ceiling_fraction(n: int) -> float:
+    """The largest share of more likely candidates that n samples cannot rule out at
+    TAIL_CONFIDENCE when none of them is more likely: F <= 1 - (1 - c)^(1/n), about 3 / n."""
+    return 1 - (1 - TAIL_CONFIDENCE) ** (1 / n)
 
-    rank ≈ 1 + |R| F(x), F the probability that a random candidate is strictly more likely.
-    A canary more likely than every sample has F below what n samples resolve: there the value
-    is the one-sided lower bound from F <= 1 - (1 - TAIL_CONFIDENCE)^(1/n) (no extrapolation;
-    `tail_mask` tells which entries are bounds, to be shown as ">= X bits").
-    """
-    s = np.sort(np.asarray(sample_logppl, dtype=np.float64))
+
+def _sample_fraction(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Interpolated share of sampled candidates more likely than x; 0 below the sample, 1 above
+    (the i-th sorted sample sits at (i + 0.5) / n). Non-decreasing in x."""
     n = len(s)
-    x = np.asarray(canary_logppl, dtype=np.float64)
-    # interpolate between the CDF jumps; the i-th sorted sample sits at (i + 0.5) / n
-    f = np.interp(x, s, (np.arange(n) + 0.5) / n, left=np.nan, right=1.0)
-    below = np.isnan(f)
-    f[below] = 1 - (1 - TAIL_CONFIDENCE) ** (1 / n)
+    return np.interp(x, s, (np.arange(n) + 0.5) / n, left=0.0, right=1.0)
+
+
+def _exposure_of(f: np.ndarray, space_size: int) -> np.ndarray:
     rank = 1 + space_size * f
     return np.clip(math.log2(space_size) - np.log2(rank), 0.0, math.log2(space_size))
 
 
+def estimated_exposure(
+    canary_logppl: np.ndarray, sample_logppl: np.ndarray, space_size: int
+) -> np.ndarray:
+    """Exposure from n sampled candidates: interpolated empirical CDF, never above the ceiling.
+
+    rank ≈ 1 + |R| F(x), F the share of candidates strictly more likely. n samples resolve F
+    only down to the ceiling `ceiling_fraction(n)` (about 3 / n): wherever the interpolated F is
+    at or below it, the value is the ceiling's exposure (`at_ceiling`); beyond the sample that is
+    a one-sided lower bound at TAIL_CONFIDENCE (`tail_mask`, shown as ">= X bits"). So the estimate
+    is monotone: a more likely canary never reads fewer bits (before, the bound below the sample
+    sat under the interpolation just inside it: 11.70 bits against 14.26).
+    """
+    s = np.sort(np.asarray(sample_logppl, dtype=np.float64))
+    x = np.asarray(canary_logppl, dtype=np.float64)
+    f = np.maximum(_sample_fraction(x, s), ceiling_fraction(len(s)))
+    return _exposure_of(f, space_size)
+
+
 def tail_mask(canary_logppl: np.ndarray, sample_logppl: np.ndarray) -> np.ndarray:
-    """True where a canary is more likely than every sampled candidate (exposure is a bound)."""
+    """True where a canary is more likely than every sampled candidate: its exposure is the
+    ceiling, a one-sided lower bound at TAIL_CONFIDENCE, shown as ">= X". A canary inside the
+    sample held at the ceiling (`at_ceiling`, k >= 1 samples more likely) is no 95% bound: it is
+    an estimate held at the resolution limit, below the interpolation."""
     return np.asarray(canary_logppl, float) < np.min(sample_logppl)
+
+
+def at_ceiling(canary_logppl: np.ndarray, sample_logppl: np.ndarray) -> np.ndarray:
+    """True where the sample does not resolve the rank and the estimate is the ceiling."""
+    s = np.sort(np.asarray(sample_logppl, dtype=np.float64))
+    x = np.asarray(canary_logppl, dtype=np.float64)
+    return _sample_fraction(x, s) <= ceiling_fraction(len(s))
+
+
+def skew_normal_moments(sample: np.ndarray) -> tuple[float, float, float]:
+    """(shape a, location, scale) of the skew-normal with the sample's mean, variance and
+    skewness (method of moments; skewness clipped to the family's +-0.99)."""
+    x = np.asarray(sample, dtype=np.float64)
+    m, sd = float(x.mean()), float(x.std())
+    if sd == 0:
+        return 0.0, m, 1e-12
+    g = float(np.clip(((x - m) ** 3).mean() / sd**3, -0.99, 0.99))
+    g23 = abs(g) ** (2 / 3)
+    delta = math.copysign(math.sqrt(math.pi / 2 * g23 / (g23 + ((4 - math.pi) / 2) ** (2 / 3))), g)
+    omega = sd / math.sqrt(1 - 2 * delta**2 / math.pi)
+    return delta / math.sqrt(1 - delta**2), m - omega * delta * math.sqrt(2 / math.pi), omega
+
+
+def extrapolated_exposure(
+    canary_logppl: np.ndarray, sample_logppl: np.ndarray, space_size: int
+) -> np.ndarray:
+    """The paper's extrapolation beyond the ceiling: an estimate, not a bound.
+
+    Where the sample resolves the rank this equals `estimated_exposure`; beyond the ceiling F is
+    the CDF of a skew-normal fitted to the sampled log-perplexities (Carlini et al. 2019, sec.
+    4.3), capped at the ceiling's F, so the value is monotone and never below the stated bound.
+    It rests on the fitted tail, which n samples cannot check: label it as an estimate.
+    """
+    from scipy.stats import skewnorm
+
+    s = np.sort(np.asarray(sample_logppl, dtype=np.float64))
+    x = np.asarray(canary_logppl, dtype=np.float64)
+    ceil = ceiling_fraction(len(s))
+    f = _sample_fraction(x, s)
+    a, loc, scale = skew_normal_moments(s)
+    fit = np.minimum(skewnorm.cdf(x, a, loc=loc, scale=scale), ceil)
+    return _exposure_of(np.where(f <= ceil, fit, f), space_size)
+
+
+EXTRAPOLATION = ("skew-normal fit of the sampled candidates' log-perplexities beyond the "
+                 "ceiling (an estimate, not a bound)")
 
 
 def secret_space(alphabet: str, length: int) -> int:
@@ -163,10 +230,13 @@ def exposure_result(
     excess exposure over the same run's reference canaries, with a one-sided Mann-Whitney test
     per repetition bucket (Holm-adjusted across buckets).
     """
-    if method == "enumeration":
+    sampled = method != "enumeration"
+    if not sampled:
         exp, bound = exact_exposure(canary_lp, cand_lp), np.zeros(len(canary_lp), bool)
     else:
         exp, bound = estimated_exposure(canary_lp, cand_lp, space_size), tail_mask(canary_lp, cand_lp)
+        extra = extrapolated_exposure(canary_lp, cand_lp, space_size)
+        held = at_ceiling(canary_lp, cand_lp)
     scores = [
         {
             "id": cid,
@@ -179,7 +249,15 @@ def exposure_result(
         }
         for (cid, role, rep, owner), e, lp, b in zip(items, exp, canary_lp, bound, strict=True)
     ]
-    return {"summary": _summarise(scores, space_size, method, n_boot, seed), "scores": scores}
+    summary = _summarise(scores, space_size, method, n_boot, seed)
+    if sampled:
+        for row, x, h in zip(scores, extra, held, strict=True):
+            row["exposure_extrapolated"] = float(x)
+            row["at_ceiling"] = bool(h)
+        ceil = ceiling_fraction(len(cand_lp))
+        summary["ceiling"] = float(_exposure_of(np.array([ceil]), space_size)[0])
+        summary["extrapolation"] = EXTRAPOLATION
+    return {"summary": summary, "scores": scores}
 
 
 def _summarise(scores, size, method, n_boot, seed) -> dict:

@@ -4,9 +4,11 @@ Every number a probe or the report states is a *cell* ``{value, n, unit, ci_low,
 ``n`` counts the independent units behind it (canaries, documents, users) and ``unit`` names them.
 An interval is given only when ``n >= MIN_N``; below that the cell says "n too small" and carries
 no interval. Rates of 0/1 outcomes get the exact Clopper-Pearson interval (so 0/49 is [0, 0.073],
-not the collapsed bootstrap [0, 0]); AUCs and means get a seeded, stratified percentile bootstrap
-(Efron 1979). TPR at FPR f is stated only with at least ``ceil(10 / f)`` negatives of the attack's
-unit, else the cell says how many are needed.
+not the collapsed bootstrap [0, 0]); AUCs get DeLong's interval on the logit scale, means and
+fractional rates a seeded studentized bootstrap, TPRs a stratified percentile bootstrap (Efron 1979).
+Each interval type's coverage at n = MIN_N is simulated in tests/probes/test_interval_coverage.py
+(>= 93% of a nominal 95%). TPR at FPR f is stated only with at least ``ceil(10 / f)`` negatives of
+the attack's unit, else the cell says how many are needed.
 
 Differences are claimed only from a test: permutation tests (paired sign-flip where two runs share
 units, label shuffles otherwise), exact McNemar / Fisher tests for 0/1 outcomes, one-sided where
@@ -19,6 +21,9 @@ References:
   Holm. A simple sequentially rejective multiple test procedure. Scand. J. Statist. 1979.
   Benjamini, Hochberg. Controlling the false discovery rate. JRSS B 1995.
   Good. Permutation, Parametric and Bootstrap Tests of Hypotheses. Springer 2005.
+  DeLong, DeLong, Clarke-Pearson. Comparing the areas under two or more correlated ROC curves.
+  Biometrics 1988.
+  Efron, Tibshirani. An Introduction to the Bootstrap (ch. 12, bootstrap-t). Chapman & Hall 1993.
 
 >>> import numpy as np
 >>> tpr_at_fpr(np.array([3.0, 2.0, 1.5]), np.array([2.5, 1.0, 0.5, 0.0]), 0.0)
@@ -110,6 +115,53 @@ def _tpr_rows(pos: np.ndarray, neg: np.ndarray, fpr: float) -> np.ndarray:
     return (pos > thr[:, None]).mean(axis=1)
 
 
+def auc_placements(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """DeLong's placements: each member's share of non-members it beats (ties 1/2), and each
+    non-member's share of members that beat it. Both average to the AUC; no n_pos x n_neg matrix.
+    """
+    pos, neg = np.asarray(pos, float), np.asarray(neg, float)
+    sn, sp = np.sort(neg), np.sort(pos)
+    v10 = (np.searchsorted(sn, pos, "left") + np.searchsorted(sn, pos, "right")) / (2 * len(neg))
+    above = 2 * len(pos) - np.searchsorted(sp, neg, "left") - np.searchsorted(sp, neg, "right")
+    return v10, above / (2 * len(pos))
+
+
+def auc_interval(v10: np.ndarray, v01: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    """Interval of an AUC from its placements (`auc_placements`), values in [0, 1].
+
+    DeLong's variance, floored by Hanley and McNeil's at the observed AUC so that a perfectly
+    separated small sample still has a width; the interval is built on the logit scale with
+    Student's t on min(n_pos, n_neg) - 1 degrees of freedom and mapped back, so it stays in
+    (0, 1). The placements may be averages over draws of the units' data (user inference averages
+    them over draws of documents): the AUC stays a two-sample U-statistic of the units. Simulated
+    at 10 units a side (tests/probes/test_interval_coverage.py) it covers 95-99% for AUC 0.5 to
+    0.97, where the percentile bootstrap covered 67-91%.
+
+    References:
+      DeLong, DeLong, Clarke-Pearson. Comparing the areas under two or more correlated receiver
+      operating characteristic curves. Biometrics 1988.
+      Hanley, McNeil. The meaning and use of the area under a ROC curve. Radiology 1982.
+      Qin, Hotilovac. Comparison of non-parametric confidence intervals for the area under the
+      ROC curve of a continuous-scale diagnostic test. Stat. Methods Med. Res. 2008.
+    """
+    from scipy.stats import t as student
+
+    n1, n0 = len(v10), len(v01)
+    auc = float(np.mean(v10))
+    var = (np.var(v10, ddof=1) / n1 if n1 > 1 else 0.0) + (np.var(v01, ddof=1) / n0 if n0 > 1 else 0.0)
+    # an AUC of 0 or 1 has no logit: pull it in by half a unit of the smaller side (a pull of
+    # half a pair, 1 / (2 n1 n0), made the logit's standard error explode: [0.001, 1] at 1.0)
+    eps = 0.5 / min(n1, n0)
+    a = min(max(auc, eps), 1 - eps)
+    q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
+    hm = (a * (1 - a) + (n1 - 1) * (q1 - a * a) + (n0 - 1) * (q2 - a * a)) / (n1 * n0)
+    se = math.sqrt(max(var, hm)) / (a * (1 - a))
+    q = float(student.ppf(1 - (1 - level) / 2, max(1, min(n1, n0) - 1)))
+    logit = math.log(a / (1 - a))
+    lo, hi = 1 / (1 + math.exp(-(logit - q * se))), 1 / (1 + math.exp(-(logit + q * se)))
+    return min(lo, auc), max(hi, auc)
+
+
 def _ci(samples: np.ndarray, level: float) -> tuple[float, float]:
     a = (1 - level) / 2
     lo, hi = np.quantile(samples, [a, 1 - a])
@@ -125,13 +177,16 @@ def attack_summary(
     n_boot: int = 1000,
     seed: int = 0,
     level: float = LEVEL,
+    placements: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict:
-    """AUC and TPR at each FPR as cells (stratified bootstrap), each with n and its unit.
+    """AUC (DeLong, logit scale) and TPR at each FPR (stratified bootstrap) as cells with n.
 
     Args:
       pos: scores of members (higher = more likely a member).
       neg: scores of non-members.
       unit: what one score is ("documents", "users").
+      placements: the AUC's placements when they are not those of `pos` and `neg` (averaged
+        over draws, `auc_interval`); default `auc_placements(pos, neg)`.
     Returns:
       {"auc": cell, "tpr_at_fpr": {"0.01": cell, ...}, "n_pos", "n_neg", "unit"}; a TPR cell has
       value None and a note "needs >= N non-member <unit>" when len(neg) < ceil(10 / f).
@@ -141,17 +196,17 @@ def attack_summary(
     if len(pos) == 0 or len(neg) == 0:
         raise ValueError(f"an attack needs members and non-members, got {len(pos)} and {len(neg)}")
     rng = np.random.default_rng(seed)
-    bp = pos[rng.integers(0, len(pos), (n_boot, len(pos)))]
-    bn = neg[rng.integers(0, len(neg), (n_boot, len(neg)))]
     n = min(len(pos), len(neg))
+    v10, v01 = auc_placements(pos, neg) if placements is None else placements
     out = {
-        "auc": cell(roc_auc(pos, neg), n=n, unit=unit, ci=_ci(_auc_rows(bp, bn), level),
+        "auc": cell(float(np.mean(v10)), n=n, unit=unit, ci=auc_interval(v10, v01, level),
                     n_pos=len(pos), n_neg=len(neg)),
         "tpr_at_fpr": {},
         "n_pos": len(pos),
         "n_neg": len(neg),
         "unit": unit,
     }
+    bp = bn = None  # bootstrap resamples, drawn once when a TPR cell needs them
     for f in fprs:
         need = needed_negatives(f)
         if len(neg) < need:
@@ -160,6 +215,9 @@ def attack_summary(
                 needed=need,
             )
             continue
+        if bp is None:
+            bp = pos[rng.integers(0, len(pos), (n_boot, len(pos)))]
+            bn = neg[rng.integers(0, len(neg), (n_boot, len(neg)))]
         ci = _ci(_tpr_rows(bp, bn, f), level)
         out["tpr_at_fpr"][repr(f)] = cell(tpr_at_fpr(pos, neg, f), n=len(pos), unit=unit, ci=ci,
                                           n_neg=len(neg))
@@ -184,28 +242,53 @@ def rate_summary(
     seed: int = 0,
     level: float = LEVEL,
 ) -> dict:
-    """Mean of a 0/1 array (exact Clopper-Pearson CI) or of values in [0, 1] (bootstrap CI)."""
+    """Mean of a 0/1 array (exact Clopper-Pearson CI) or of values in [0, 1] (bootstrap-t CI)."""
     x = np.asarray(hits, dtype=np.float64)
     if len(x) == 0:
         return cell(None, n=0, unit=unit, note="no units")
     if np.isin(x, (0.0, 1.0)).all():
         ci = clopper_pearson(int(x.sum()), len(x), level)
     else:
-        rng = np.random.default_rng(seed)
-        ci = _ci(x[rng.integers(0, len(x), (n_boot, len(x)))].mean(axis=1), level)
+        lo, hi = bootstrap_t(x, n_boot=n_boot, seed=seed, level=level)
+        ci = (max(0.0, lo), min(1.0, hi)) if ((x >= 0) & (x <= 1)).all() else (lo, hi)
     return cell(x.mean(), n=len(x), unit=unit, ci=ci)
 
 
 def mean_summary(
     x: np.ndarray, *, unit: str, n_boot: int = 1000, seed: int = 0, level: float = LEVEL
 ) -> dict:
-    """Mean of a real-valued array with its percentile bootstrap CI."""
+    """Mean of a real-valued array with its studentized (bootstrap-t) interval."""
     x = np.asarray(x, dtype=np.float64)
     if len(x) == 0:
         return cell(None, n=0, unit=unit, note="no units")
+    return cell(x.mean(), n=len(x), unit=unit, ci=bootstrap_t(x, n_boot=n_boot, seed=seed,
+                                                                level=level))
+
+
+def bootstrap_t(x: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
+                level: float = LEVEL) -> tuple[float, float]:
+    """Studentized bootstrap interval of a mean (Efron & Tibshirani 1993, ch. 12).
+
+    Each resample gives t* = (mean* - mean) / se*; the interval is mean - t*_(1-a/2) se to
+    mean - t*_(a/2) se. Second-order accurate, so it holds its level on skewed samples where the
+    percentile bootstrap does not: simulated at n = 10 (tests/probes/test_interval_coverage.py),
+    a mean of exponential exposures is covered ~94% (percentile bootstrap 86%, t-interval 89%).
+    Resamples with no spread carry no t* and are left out; a sample with none is [mean, mean].
+    """
+    n = len(x)
+    m, se = float(x.mean()), float(x.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
+    if se == 0.0:
+        return m, m
     rng = np.random.default_rng(seed)
-    ci = _ci(x[rng.integers(0, len(x), (n_boot, len(x)))].mean(axis=1), level)
-    return cell(x.mean(), n=len(x), unit=unit, ci=ci)
+    xb = x[rng.integers(0, n, (n_boot, n))]  # (n_boot, n)
+    sb = xb.std(axis=1, ddof=1) / math.sqrt(n)
+    ok = sb > 0
+    t = (xb.mean(axis=1)[ok] - m) / sb[ok]
+    if not len(t):
+        return m, m
+    a = (1 - level) / 2
+    hi_t, lo_t = np.quantile(t, [1 - a, a])
+    return float(m - hi_t * se), float(m - lo_t * se)
 
 
 # ----------------------------------------------------------------------------- tests

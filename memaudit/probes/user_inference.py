@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memaudit.probes.stats import attack_summary
+from memaudit.probes.stats import attack_summary, auc_placements
 
 
 def user_scores(users, doc_scores: np.ndarray) -> dict[str, float]:
@@ -55,6 +55,28 @@ def equal_k_means(
             if len(s) >= k}
 
 
+DRAWS = 200
+"""Draws of k documents per user that the AUC is averaged over."""
+
+
+def draw_means(
+    per_user: dict[str, np.ndarray], k: int, draws: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Per user with >= k documents: the means of k documents drawn without replacement, `draws`
+    times (independent draws; users grouped by document count so each group is one array op)."""
+    out: dict[str, np.ndarray] = {}
+    by_count: dict[int, list[str]] = {}
+    for u, s in per_user.items():
+        if len(s) >= k:
+            by_count.setdefault(len(s), []).append(u)
+    for c, users in by_count.items():
+        docs = np.stack([per_user[u] for u in users])  # (users, c)
+        pick = np.argsort(rng.random((draws, len(users), c)), axis=2)[:, :, :k]  # (draws, users, k)
+        means = np.take_along_axis(docs[None], pick, axis=2).mean(axis=2)  # (draws, users)
+        out.update({u: means[:, i] for i, u in enumerate(users)})
+    return {u: out[u] for u in per_user if u in out}  # first-seen order
+
+
 def user_inference_result(
     train_users: dict[str, np.ndarray],
     heldout_users: dict[str, np.ndarray],
@@ -64,11 +86,17 @@ def user_inference_result(
     n_boot: int = 1000,
     seed: int = 0,
     fprs=(0.01, 0.001),
+    draws: int = DRAWS,
 ) -> dict:
     """Pure statistics: per-user document scores of training vs held-out users -> the attack.
 
     k: documents per user on both sides; default the largest k that every user of the smaller
-    side reaches (the median count otherwise would drop half the users).
+    side reaches (the median count otherwise would drop half the users). The AUC is averaged
+    over `draws` draws of the k documents (one draw alone moves it by the luck of which
+    documents were drawn: 0.711 on a run whose mean over 500 draws is 0.593); its interval is
+    DeLong's on the draw-averaged placements, users being the units. TPR cells come from the
+    first draw (a TPR of averaged scores would compare means of unequal spread again). A row's
+    score is the user's mean over draws.
     """
     if not train_users or not heldout_users:
         raise ValueError(
@@ -79,21 +107,25 @@ def user_inference_result(
         k = int(min(min(len(v) for v in train_users.values()),
                     min(len(v) for v in heldout_users.values())))
     rng = np.random.default_rng(seed)
-    pos, neg = equal_k_means(train_users, k, rng), equal_k_means(heldout_users, k, rng)
+    pos, neg = draw_means(train_users, k, draws, rng), draw_means(heldout_users, k, draws, rng)
     if not pos or not neg:
         raise ValueError(
             f"no user has {k} documents on one side of user inference; lower --user-docs"
         )
-    summary = attack_summary(np.array(list(pos.values())), np.array(list(neg.values())),
-                             unit="users", fprs=fprs, n_boot=n_boot, seed=seed)
+    p, n = np.stack(list(pos.values()), axis=1), np.stack(list(neg.values()), axis=1)  # (draws, users)
+    per_draw = [auc_placements(p[d], n[d]) for d in range(draws)]
+    placements = (np.mean([v for v, _ in per_draw], axis=0), np.mean([v for _, v in per_draw], axis=0))
+    summary = attack_summary(p[0], n[0], unit="users", fprs=fprs, n_boot=n_boot, seed=seed,
+                             placements=placements)
     summary.update({
         "statistic": statistic,
         "docs_per_user": k,
+        "draws": draws,
         "dropped_users": {"training": len(train_users) - len(pos),
                           "heldout": len(heldout_users) - len(neg)},
     })
-    rows = [{"user": u, "training_user": True, "score": s} for u, s in pos.items()]
-    rows += [{"user": u, "training_user": False, "score": s} for u, s in neg.items()]
+    rows = [{"user": u, "training_user": True, "score": float(s.mean())} for u, s in pos.items()]
+    rows += [{"user": u, "training_user": False, "score": float(s.mean())} for u, s in neg.items()]
     return {"summary": summary, "scores": rows}
 
 

@@ -7,6 +7,7 @@ import pytest
 from scipy.stats import mannwhitneyu, spearmanr
 
 from memaudit.probes.exposure import (
+    at_ceiling,
     estimated_exposure,
     exact_exposure,
     sample_secrets,
@@ -130,7 +131,10 @@ def test_enumeration_equals_sampling_with_extrapolation(trained, probed):
     )
     est = estimated_exposure(lp, sampled, 10**4)
     tail = tail_mask(lp, sampled)
-    diff = np.abs(est - exact)[~tail]
+    # issue 32: canaries inside the sample that it does not resolve are held at the ceiling
+    # (monotone), so they are compared among the unresolved ones, not within 1.5 bits
+    held = at_ceiling(lp, sampled)
+    diff = np.abs(est - exact)[~held]
     assert diff.mean() <= 0.5 and diff.max() <= 1.5, (diff.mean(), diff.max())
     # defect 9: beyond the sample the value is a lower bound: never above the exact exposure
     assert tail.any() and (est[tail] <= exact[tail] + 1e-9).all()

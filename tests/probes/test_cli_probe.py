@@ -158,3 +158,19 @@ def test_reference_with_another_tokenizer_is_refused(tmp_path, trained, capsys):
                "--reference", str(tmp_path / "ref"), "--out", str(tmp_path / "p.json")])
     assert rc == 2
     assert "another tokenizer" in _err_line(capsys)
+
+
+def test_exposure_candidates_and_enumeration_switch(tmp_path, trained, capsys):
+    """Issue 32: the candidate count and the enumeration threshold are CLI options."""
+    out = tmp_path / "p.json"
+    rc = main(["probe", str(trained.run), "--probes", "exposure", "--out", str(out),
+               "--device", "cpu", "--exposure-enumerate-max", "100",
+               "--exposure-candidates", "500", "--format", "json"])
+    assert rc == 0
+    s = json.loads(out.read_text())["probes"]["exposure"]
+    assert s["settings"]["method"] == "sampling" and s["settings"]["candidates_scored"] == 500
+    assert s["summary"]["ceiling"] > 0 and "estimate" in s["summary"]["extrapolation"]
+    capsys.readouterr()
+    assert main(["probe", str(trained.run), "--probes", "exposure", "--out", str(out),
+                 "--exposure-candidates", "5"]) == 2
+    assert "--exposure-candidates must be >= 100 (got 5)" in _err_line(capsys)
