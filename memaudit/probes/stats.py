@@ -162,7 +162,7 @@ def auc_interval(v10: np.ndarray, v01: np.ndarray, level: float = LEVEL) -> tupl
     return min(lo, auc), max(hi, auc)
 
 
-def _ci(samples: np.ndarray, level: float) -> tuple[float, float]:
+def percentile_interval(samples: np.ndarray, level: float) -> tuple[float, float]:
     a = (1 - level) / 2
     lo, hi = np.quantile(samples, [a, 1 - a])
     return float(lo), float(hi)
@@ -218,7 +218,7 @@ def attack_summary(
         if bp is None:
             bp = pos[rng.integers(0, len(pos), (n_boot, len(pos)))]
             bn = neg[rng.integers(0, len(neg), (n_boot, len(neg)))]
-        ci = _ci(_tpr_rows(bp, bn, f), level)
+        ci = percentile_interval(_tpr_rows(bp, bn, f), level)
         out["tpr_at_fpr"][repr(f)] = cell(tpr_at_fpr(pos, neg, f), n=len(pos), unit=unit, ci=ci,
                                           n_neg=len(neg))
     return out

@@ -330,14 +330,15 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
         "runs": runs,
         "comparisons": comparisons(runs, utility_tolerance=utility_tolerance),
     }
-    report["comparisons"] = findings_mod.adjust(report)  # adjusted p-values and verdicts, as report.json keeps them
-    report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
     if (scale := scale_section(runs)) is not None:
         report["scale"] = scale
     # the effects the literature reports, by the section's own tests (reports/literature.py)
     if (lit := literature_section(runs)) is not None:
         report["literature"] = lit
+    # one Holm family over every test of the report; report.json keeps the adjusted p-values
+    report = findings_mod.adjust_report(report)
+    report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
     for r in runs:
         r.pop("units", None)
     return report

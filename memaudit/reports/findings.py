@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memaudit.probes.stats import CORRECTIONS, compare_units
+from memaudit.reports import literature, scale
 from memaudit.reports.cells import FINDING, NO_DIFFERENCE, Test, format_cell, number, verdict
 
 ALPHA = 0.05
@@ -93,19 +94,45 @@ def _refine_floors(report: dict[str, Any], family: int) -> None:
             t.update(p_value=again["p_value"], p_floor=again["p_floor"], estimate=again["estimate"])
 
 
-def adjust(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
-    """The report's comparisons with each test's adjusted p-value and each cell's verdict
-    (`memaudit.reports.cells.verdict`), as a new dict: `report` is left as it was. Tests whose
+def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
+    """The report with one correction over every test it states, as a new dict (`report` is left
+    as it was): the backend comparisons, the scale section's and the literature section's tests
+    are one Holm family, as the report and the README say. Each test gets its adjusted p-value and
+    the family's size; each comparison cell its verdict (`memaudit.reports.cells.verdict`); the
+    sections their verdicts and sentences (`scale.settle`, `literature.settle`). Tests whose
     permutation floor alone would decide are refined first (`_refine_floors`). Adjusting an
-    adjusted report again gives the same comparisons."""
-    own = {"runs": report.get("runs", []), "comparisons": copy.deepcopy(report.get("comparisons", {}))}
+    adjusted report again gives the same report."""
+    own = {**report, "comparisons": copy.deepcopy(report.get("comparisons", {})),
+           "scale": copy.deepcopy(report.get("scale")), "literature": copy.deepcopy(report.get("literature"))}
     pairs = list(_all_tests(own))
-    _refine_floors(own, len(pairs))  # on the copy: `pairs` holds the same test dicts
-    adj = CORRECTIONS[correction]([t["p_value"] for _c, t in pairs])
-    for (cell, t), pa in zip(pairs, adj, strict=True):
-        t.update({"p_adjusted": pa, "correction": correction, "family": len(pairs), "alpha": ALPHA})
+    sections = _sections(own)
+    others = [t for mod, sec in sections for t in mod.tests_of(sec)]
+    family = len(pairs) + len(others)
+    _refine_floors(own, family)  # on the copy: `pairs` holds the same test dicts
+    tests = [t for _c, t in pairs] + others
+    adj = CORRECTIONS[correction]([t["p_value"] for t in tests])
+    for t, pa in zip(tests, adj, strict=True):
+        t.update({"p_adjusted": pa, "correction": correction, "family": family, "alpha": ALPHA})
+    for cell, t in pairs:
         cell["verdict"] = verdict(Test.of(t), ALPHA)
-    return own["comparisons"]
+    for mod, sec in sections:
+        mod.settle(sec, family)
+    return {k: v for k, v in own.items() if v is not None or k in report}
+
+
+def _sections(report: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """(module, section) for the report's sections that hold tests of their own."""
+    return [(mod, report[key]) for key, mod in (("scale", scale), ("literature", literature)) if report.get(key)]
+
+
+def _section_passing(report: dict[str, Any]) -> int:
+    """Tests of the sections that pass the report's correction."""
+    return sum(mod.passing(sec) for mod, sec in _sections(report))
+
+
+def adjust(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
+    """The report's comparisons as `adjust_report` corrects them (with every test of the report)."""
+    return adjust_report(report, correction)["comparisons"]
 
 
 def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
@@ -450,11 +477,12 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     `report` is left as it was. `passing` counts every finding that passes the rules; the headline
     shows at most MAX_HEADLINE of them. `no_difference` holds one short line per comparison that
     showed no difference."""
-    rep = {**report, "comparisons": adjust(report)}
-    family = sum(1 for _ in _all_tests(rep))
+    rep = adjust_report(report)
+    family = sum(1 for _ in _all_tests(rep)) + sum(len(mod.tests_of(sec)) for mod, sec in _sections(rep))
     sentences = (utility_findings(rep) + backend_findings(rep) + effect_findings(rep)
                  + audit_findings(rep))
-    passing = sum(s["verdict"] in ("less", "more") for s in sentences)
+    # the sections' passing tests too: "N of M tests pass" counts over the one family
+    passing = sum(s["verdict"] in ("less", "more") for s in sentences) + _section_passing(rep)
     head = headline(sentences)
     return {"sentences": sentences, "headline": head, "passing": passing,
             "covered": sum(h["covers"] for h in head),

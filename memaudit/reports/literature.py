@@ -21,7 +21,8 @@ One section of the report, computed from the runs' per-unit scores (never from a
   probe's non-members), with a paired bootstrap interval (Li et al. 2022 report DP fine-tunes
   that keep most of the non-DP utility).
 
-Every test of the section is Holm-corrected over the section's family; a bucket with fewer than
+Every test of the section is Holm-corrected with every other test of the report, one family
+(`memaudit.reports.findings.adjust_report`; built alone, over the section's own tests); a bucket with fewer than
 `MIN_N` canaries gets "n too small" and no test.
 
 References:
@@ -64,9 +65,9 @@ def _label(run: dict[str, Any]) -> str:
 
 def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> dict[str, Any]:
     """A probe-style cell with the percentile interval of `boot` (the probes' own level)."""
-    from memaudit.probes.stats import LEVEL, _ci, cell
+    from memaudit.probes.stats import LEVEL, cell, percentile_interval
 
-    ci = _ci(boot, LEVEL) if boot is not None and n > 0 and len(boot) else None
+    ci = percentile_interval(boot, LEVEL) if boot is not None and n > 0 and len(boot) else None
     return cell(value, n=n, unit=unit, ci=ci)
 
 
@@ -304,11 +305,30 @@ def literature_section(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     exposure = [e for r in comp if (e := _exposure_run(r, rng)) is not None]
     sec = {"exposure": exposure, "extraction": _extraction(comp), "audit": _audit(runs),
            "dp_learns": _dp_learns(comp, runs, rng), "alpha": ALPHA, "correction": "holm"}
-    tests = [e["trend"] for e in exposure if e["trend"]] + [b["test"] for e in exposure for b in e["buckets"]
-                                                             if b.get("test")]
-    _holm(tests)
-    sec["family"] = len(tests)
+    _holm(tests_of(sec))  # the section alone; a report corrects over all its tests (`settle`)
     if not any(sec[k] for k in ("exposure", "extraction", "audit", "dp_learns")):
         return None
+    sec["family"] = len(tests_of(sec))
     sec["sentences"] = _sentences(sec)
     return sec
+
+
+def tests_of(sec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The section's tests in a fixed order (the dicts themselves, to adjust in place)."""
+    exposure = sec["exposure"]
+    return [e["trend"] for e in exposure if e["trend"]] + [b["test"] for e in exposure for b in e["buckets"]
+                                                          if b.get("test")]
+
+
+def passing(sec: dict[str, Any]) -> int:
+    """The section's tests whose effect is shown."""
+    return sum(t["verdict"] == "shown" for t in tests_of(sec))
+
+
+def settle(sec: dict[str, Any], family: int) -> None:
+    """After the report's one correction wrote each test's `p_adjusted` (over `family` tests):
+    the verdicts and sentences that follow from it."""
+    for t in tests_of(sec):
+        t.update(family=family, verdict="shown" if t["p_adjusted"] <= ALPHA else "not shown")
+    sec["family"] = family
+    sec["sentences"] = _sentences(sec)

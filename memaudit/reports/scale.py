@@ -13,7 +13,8 @@ Every cell is a `probes.stats` cell (value, n, unit; "n too small" below `MIN_N`
 is claimed only from a test: one-sided "the larger of two adjacent sizes memorizes more" and
 "Goldfish memorizes less", on the runs' shared units (paired when both runs hold the same
 canaries / documents) or over seeds when both sides have several, with Holm's correction over
-every test of this section. A comparison with fewer than `MIN_N` units on a side is not tested
+every test of the report (one family, `memaudit.reports.findings.adjust_report`; built alone,
+over the section's own tests). A comparison with fewer than `MIN_N` units on a side is not tested
 ("n too small"). The section is present only when the runs differ in size or in Goldfish.
 
 References:
@@ -243,9 +244,34 @@ def _tests(cells: dict[tuple, list[dict]], labels: dict[tuple, str]) -> list[dic
     for t, pa in zip(tested, holm([t["test"]["p_value"] for t in tested]), strict=True):
         t["test"].update({"p_adjusted": pa, "correction": CORRECTION, "family": len(tested),
                           "alpha": ALPHA})
-        t["verdict"] = ("no difference shown" if pa >= ALPHA
-                        else "more" if t["comparison"] == "size" else "less")
+        t["verdict"] = _verdict(t)
     return tests
+
+
+def _verdict(t: dict[str, Any]) -> str:
+    return ("no difference shown" if t["test"]["p_adjusted"] >= ALPHA
+            else "more" if t["comparison"] == "size" else "less")
+
+
+def tests_of(sec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The section's test dicts (those with a test) in a fixed order, to adjust in place."""
+    return [t["test"] for t in sec["tests"] if t["test"] is not None]
+
+
+def passing(sec: dict[str, Any]) -> int:
+    """The section's tests that show a difference."""
+    return sum(t["verdict"] in ("more", "less") for t in sec["tests"])
+
+
+def settle(sec: dict[str, Any], family: int) -> None:
+    """After the report's one correction wrote each test's `p_adjusted` (over `family` tests):
+    the verdicts and sentences that follow from it."""
+    for t in sec["tests"]:
+        if t["test"] is not None:
+            t["test"]["family"] = family
+            t["verdict"] = _verdict(t)
+    sec["family"] = family
+    sec["sentences"] = [_sentence(t, family) for t in sec["tests"] if t["verdict"] in ("more", "less")]
 
 
 def scale_section(runs: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -188,3 +188,31 @@ def test_no_gap_to_close_is_said_not_divided(runs):
     (g,) = sec["dp_learns"]
     assert g["closed"] is None and g["verdict"].startswith("no gap")
     assert any("no gap" in s for s in sec["sentences"])
+
+
+def _every_test(rep: dict) -> list[dict]:
+    """Every test dict of a report: comparison cells, then the literature section's."""
+    comp = rep["comparisons"]
+    blocks = comp.get("matched", []) + comp.get("effects", []) + (comp.get("matched_utility") or {}).get("pairs", [])
+    cells = [c["test"] for b in blocks for c in b.get("metrics", {}).values() if c.get("test")]
+    lit = [e["trend"] for e in rep["literature"]["exposure"] if e["trend"]] + [
+        b["test"] for e in rep["literature"]["exposure"] for b in e["buckets"] if b.get("test")]
+    return cells + lit
+
+
+def test_one_holm_family_over_every_test_of_the_report(runs):
+    """The comparisons and the literature section are corrected together, as the report and the
+    README say ("over every test of the report"); they used to be two families at 0.05 each."""
+    rep = {"schema": SCHEMA, "runs": runs, "comparisons": comparisons(runs), "literature": literature_section(runs)}
+    section_alone = [b["test"]["p_adjusted"] for b in rep["literature"]["exposure"][0]["buckets"] if b.get("test")]
+    adjusted = findings.adjust_report(rep)
+    tests = _every_test(adjusted)
+    n_comp = len(tests) - rep["literature"]["family"]
+    assert n_comp > 0 and rep["literature"]["family"] > 0
+    assert {t["family"] for t in tests} == {len(tests)} and adjusted["literature"]["family"] == len(tests)
+    assert [t["p_adjusted"] for t in tests] == pytest.approx(_holm_oracle([t["p_value"] for t in tests]))
+    assert [t["verdict"] for t in tests[n_comp:]] == ["shown" if t["p_adjusted"] <= 0.05 else "not shown"
+                                                      for t in tests[n_comp:]]
+    assert section_alone == [b["test"]["p_adjusted"] for b in rep["literature"]["exposure"][0]["buckets"] if b.get("test")]
+    assert findings.generate(rep)["tests"] == len(tests)
+    assert findings.adjust_report(adjusted) == adjusted  # adjusting again changes nothing
