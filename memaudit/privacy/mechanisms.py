@@ -421,7 +421,18 @@ def calibrate(target_epsilon: float, make: Callable[[float], Any], *, steps: int
     return hi
 
 
-__all__ = ["FIXED_COHORT_ORDERS", "Adjacency", "DistributedDiscreteGaussian", "ExampleSampledUsers", "Mechanism",
-           "SampledGaussian", "binomial_pmf",
-           "adaptive_noise_split", "calibrate", "dpsgd_step_event", "effective_noise_multiplier", "repeated",
-           "replace_one_multiplier"]
+__all__ = [
+    "FIXED_COHORT_ORDERS",
+    "Adjacency",
+    "DistributedDiscreteGaussian",
+    "ExampleSampledUsers",
+    "Mechanism",
+    "SampledGaussian",
+    "adaptive_noise_split",
+    "binomial_pmf",
+    "calibrate",
+    "dpsgd_step_event",
+    "effective_noise_multiplier",
+    "repeated",
+    "replace_one_multiplier",
+]

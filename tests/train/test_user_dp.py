@@ -13,7 +13,7 @@ from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.dpsgd import DPSGD
 from memaudit.train.ghost import GhostClipper, vmap_clipped_sum
 from memaudit.train.losses import causal_lm_loss_per_example
-from tests.train.test_dpsgd import VOCAB, _batch, _model
+from tests.train.test_dpsgd import _batch, _model
 
 
 @pytest.fixture(scope="module", autouse=True)
