@@ -118,4 +118,42 @@ def test_groups_must_divide_the_rows():
         GhostClipper(model).clipped_sum(ids, attn, lmask, 1.0, group_size=2)
 
 
-_ = np  # the sampler tests below use numpy
+
+
+def _packed(users):
+    from memaudit.data.packing import PackedSequences
+
+    idx = np.array([0, 0, 0, 1], dtype=np.int32)
+    return PackedSequences(np.zeros((4, 8), np.int32), np.ones((4, 8), np.int8), idx, users)
+
+
+def test_user_unit_without_user_ids_is_one_line_refused():
+    from types import SimpleNamespace
+
+    from memaudit.checks import check_data
+    from memaudit.config import load_config
+    from memaudit.errors import DataError
+
+    cfg = load_config(None, ["privacy.unit=user", "privacy.noise_multiplier=1", "privacy.max_examples_per_user=2",
+                             "train.batch_size=2"])
+    with pytest.raises(DataError, match="no user id") as e:
+        check_data(cfg, SimpleNamespace(meta={}, train=_packed(("pseudo-000", "pseudo-001"))), 1000)
+    assert "\n" not in str(e.value)
+    check_data(cfg, SimpleNamespace(meta={}, train=_packed(("alice", "bob"))), 1000)  # real ids: fine
+
+
+def test_cap_larger_than_any_user_warns_once_and_caps_nothing():
+    from memaudit.config import load_config
+    from memaudit.rundir import RunDir
+    from memaudit.train.trainer import Trainer
+
+    seen = []
+    cfg = load_config(None, ["train.device=cpu", "privacy.noise_multiplier=1", "privacy.max_examples_per_user=9"])
+    tr = Trainer(cfg, RunDir("/nonexistent"), progress=lambda d, t, info: seen.append(info))
+    tr.train_set = _packed(("alice", "bob"))
+    assert tr._contribution_rows().tolist() == [0, 1, 2, 3]
+    assert len(seen) == 1 and "exceeds the most sequences any user has (3)" in seen[0]["warning"]
+    cfg = load_config(None, ["train.device=cpu", "privacy.noise_multiplier=1", "privacy.max_examples_per_user=2"])
+    tr = Trainer(cfg, RunDir("/nonexistent"))
+    tr.train_set = _packed(("alice", "bob"))
+    assert np.bincount(tr.train_set.user_index[tr._contribution_rows()]).tolist() == [2, 1]
