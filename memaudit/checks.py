@@ -53,6 +53,10 @@ def check_data(cfg: Any, prepared: Any, vocab_size: int) -> None:
     n = len(prepared.train)
     if n == 0:
         raise DataError("no training sequences after the split; add documents or users")
+    if cfg.backend != "federated" and cfg.privacy.enabled and cfg.privacy.unit == "user" and all(
+            str(u).startswith("pseudo-") for u in prepared.train.users):
+        raise DataError(f"privacy.unit=user but the data has no user id (no '{cfg.data.user_field}' field: "
+                        "every document got a pseudo-user); set data.user_field or use privacy.unit=example")
     if cfg.backend == "federated":
         check_population(cfg, len(np.unique(np.asarray(prepared.train.user_index))))
     elif cfg.privacy.enabled and cfg.train.batch_size > n:

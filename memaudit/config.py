@@ -296,6 +296,17 @@ class PrivacyConfig(_Section):
         "the ledger marks those epsilons void against anyone who knows the seed. Default: a secret "
         "from OS entropy, kept in state/")
     mechanism: Literal["central", "distributed"] = "central"
+    unit: Literal["example", "user"] = Field(
+        "example", description="what the guarantee protects on the centralized backend: one training "
+        "sequence (example) or a user's whole contribution of up to max_examples_per_user sequences "
+        "(user); the federated backend is always user-level")
+    user_sampling: Literal["els", "uls"] = Field(
+        "uls", description="unit=user, centralized: els = Poisson sampling of the capped examples, "
+        "per-example clipping, accounted by a mixture of Gaussians; uls = Poisson sampling of users, "
+        "each user's gradient over its capped sequences clipped as one (Charles et al. 2024)")
+    max_examples_per_user: int | None = Field(
+        None, description="the contribution bound k: training uses at most k sequences of each user "
+        "(chosen by train.seed when the sampler is built); required with unit=user")
     adaptive_clipping: AdaptiveClipConfig = AdaptiveClipConfig()
     secure_aggregation: SecAggConfig = SecAggConfig()
 
@@ -318,6 +329,13 @@ class PrivacyConfig(_Section):
     def _delta(cls, v: float | None) -> float | None:
         if v is not None and not 0 < v < 1:
             raise ValueError(f"delta must be in (0, 1), got {v}")
+        return v
+
+    @field_validator("max_examples_per_user")
+    @classmethod
+    def _k(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"privacy.max_examples_per_user must be >= 1 (sequences per user), got {v}")
         return v
 
     @property
@@ -489,7 +507,26 @@ class Config(_Section):
                 "train.goldfish is a centralized-only mitigation; set train.goldfish.enabled=false "
                 "or backend=parallel"
             )
+        if self.backend == "federated":
+            _check_federated_unit(self.privacy)
+        elif self.privacy.unit == "user" and self.privacy.enabled and self.privacy.max_examples_per_user is None:
+            raise ValueError("privacy.unit=user needs the contribution bound: set "
+                             "privacy.max_examples_per_user=k (sequences per user)")
         return self
+
+
+def _check_federated_unit(p: PrivacyConfig) -> None:
+    """The federated backend samples and clips users: an example-level setting is refused."""
+    fields = p.model_fields_set
+    if p.unit == "example" and "unit" in fields and p.enabled:
+        raise ValueError("privacy.unit=example on the federated backend: DP-FedAvg protects a user's "
+                         "whole contribution; drop privacy.unit or set it to user")
+    if "user_sampling" in fields and p.user_sampling == "els":
+        raise ValueError("privacy.user_sampling=els is centralized example-level sampling; the federated "
+                         "backend samples users: drop privacy.user_sampling or use backend=parallel")
+    if p.max_examples_per_user is not None:
+        raise ValueError("privacy.max_examples_per_user is the centralized contribution bound; the "
+                         "federated backend trains on each user's own data: drop it or use backend=parallel")
 
 
 # ----------------------------------------------------------------------------- loading

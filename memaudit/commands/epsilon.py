@@ -26,8 +26,15 @@ HELP = ("Privacy budget of DP-SGD: epsilon for (sampling rate, noise multiplier,
 def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
             dataset_size: int | None, target_epsilon: float | None, accountant: str,
             clip: float | None, group_size: int | None, sampling: str = "poisson",
-            population: int | None = None) -> dict[str, Any]:
-    """The numbers `memaudit epsilon` prints (library code: no printing here)."""
+            population: int | None = None, unit: str = "example", max_examples_per_user: int | None = None,
+            algorithm: str | None = None) -> dict[str, Any]:
+    """The numbers `memaudit epsilon` prints (library code: no printing here).
+
+    With unit "user" the ε is per user: `algorithm` "uls" (q = the user sampling rate; a
+    Poisson-sampled Gaussian over users) or "els" (q = the example sampling rate, each user's
+    examples capped at `max_examples_per_user`; a mixture of Gaussians, PLD only, with the
+    group-privacy bound of the example-level ε beside it for comparison).
+    """
     from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, group_epsilon
 
     if accountant not in ("rdp", "pld", "both"):
@@ -50,20 +57,31 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     mech = _mechanism(q, sampling, population)
     if sampling == "fixed":
         accountants = ["rdp"]
-    out: dict[str, Any] = {"sampling_rate": q, "steps": steps, "delta": delta, "sampling": sampling,
+    if unit == "user":
+        mech = _user_mechanism(q, sampling, max_examples_per_user, algorithm)
+        if algorithm == "els":
+            accountants = ["pld"]  # only PLD interprets the mixture of Gaussians
+    elif unit != "example":
+        raise MemauditError(f"--unit '{unit}' is not known; use example or user")
+    out: dict[str, Any] = {"unit": unit, "sampling_rate": q, "steps": steps, "delta": delta, "sampling": sampling,
                            "adjacency": mech.adjacency}
+    if unit == "user":
+        out.update(algorithm=algorithm, max_examples_per_user=max_examples_per_user)
     if target_epsilon is not None:
         from memaudit.privacy.mechanisms import calibrate
 
         first = accountants[-1]  # the tightest accountant asked for sets sigma
-        sigma = calibrate(target_epsilon, lambda z: mech.with_noise(z).dp_event(), steps=steps, delta=delta,
-                          accountant=first)
+        try:
+            sigma = calibrate(target_epsilon, lambda z: mech.with_noise(z).dp_event(), steps=steps, delta=delta,
+                              accountant=first, unit=unit)
+        except ValueError as e:
+            raise MemauditError(str(e)) from None
         out["target_epsilon"] = target_epsilon
         out["calibrated_with"] = first
     out["noise_multiplier"] = sigma
     from memaudit.privacy.ledger import PrivacyLedger
 
-    led = PrivacyLedger(unit="example", delta=delta)
+    led = PrivacyLedger(unit=unit, delta=delta)
     led.record_mechanism(mech.with_noise(sigma), steps=steps)
     out["epsilon"] = {a: led.epsilon(a) for a in accountants} if steps else {a: 0.0 for a in accountants}
     if clip is not None:
@@ -75,7 +93,30 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     if group_size is not None:
         best = min(out["epsilon"].values())
         out["group"] = group_epsilon(best, delta, group_size)
+    if unit == "user" and algorithm == "els" and steps:
+        from memaudit.privacy.accounting import group_privacy_bound
+        from memaudit.privacy.mechanisms import repeated
+
+        out["group_privacy_bound"] = group_privacy_bound(  # for comparison: looser than the mixture
+            repeated(mech.with_noise(sigma).example_event(), steps), delta, int(max_examples_per_user))
     return out
+
+
+def _user_mechanism(q: float, sampling: str, k: int | None, algorithm: str | None):
+    """The user-level mechanism of --algorithm els|uls (only q matters: Poisson sampling)."""
+    from memaudit.privacy.mechanisms import ExampleSampledUsers, SampledGaussian
+
+    if algorithm not in ("els", "uls"):
+        raise MemauditError("--unit user needs --algorithm els or uls")
+    if k is None or k < 1:
+        raise MemauditError(f"--unit user needs --max-examples-per-user k >= 1 (the contribution bound), got {k}")
+    if sampling != "poisson":
+        raise MemauditError("--unit user accounts Poisson sampling; drop --sampling fixed")
+    n = 10**9
+    if algorithm == "els":
+        return ExampleSampledUsers(noise_multiplier=0.0, population=n, expected=q * n, max_examples_per_user=k)
+    return SampledGaussian(name="ULS", unit="user", noise_multiplier=0.0, population=n, expected=q * n,
+                           centralized=True, max_examples_per_user=k)
 
 
 def _mechanism(q: float, sampling: str, population: int | None):
@@ -126,6 +167,12 @@ def register(app: typer.Typer) -> None:
             help="poisson (add/remove) or fixed (without replacement, replace-one; RDP only).")] = "poisson",
         population: Annotated[int | None, typer.Option("--population",
             help="Units sampled from; needed with --sampling fixed.")] = None,
+        unit: Annotated[str, typer.Option("--unit",
+            help="example (one sequence) or user (a user's up to k sequences).")] = "example",
+        max_examples_per_user: Annotated[int | None, typer.Option("--max-examples-per-user",
+            help="With --unit user: the contribution bound k.")] = None,
+        algorithm: Annotated[str | None, typer.Option("--algorithm",
+            help="With --unit user: els (q samples examples) or uls (q samples users).")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
     ) -> None:
         if fmt not in ("table", "json"):
@@ -133,7 +180,8 @@ def register(app: typer.Typer) -> None:
         res = compute(q=sampling_rate, sigma=noise_multiplier, steps=steps, delta=delta,
                       dataset_size=dataset_size, target_epsilon=target_epsilon,
                       accountant=accountant, clip=clip, group_size=group_size, sampling=sampling,
-                      population=population)
+                      population=population, unit=unit, max_examples_per_user=max_examples_per_user,
+                      algorithm=algorithm)
         from memaudit.commands._common import print_json, stdout
 
         if fmt == "json":

@@ -111,6 +111,8 @@ def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> di
     task = bar.add_task("train", total=None, info="", visible=False)
 
     def on_progress(done: int, total: int, info: dict[str, Any]) -> None:
+        if info.get("warning"):
+            console.print(f"warning: {info['warning']}")
         phase = info.get("phase")
         desc = "data" if phase == "data" else "train"
         bar.update(task, completed=done, total=total, description=desc, info=_info_text(info), visible=True)
@@ -146,9 +148,11 @@ def summary_line(cfg, path: Path, result: dict[str, Any]) -> str:
         loss += f" (perplexity {ppl:.1f})"
     eps = ""
     priv = result.get("privacy") or {}
-    rdp = (priv.get("epsilon") or {}).get("rdp") if isinstance(priv.get("epsilon"), dict) else None
+    eps_by = priv.get("epsilon") if isinstance(priv.get("epsilon"), dict) else {}
+    rdp = eps_by.get("rdp") if _num(eps_by.get("rdp")) else eps_by.get("pld")  # ELS: PLD only
     if _num(rdp):
-        eps = f", epsilon {rdp:.2f} (delta {priv.get('delta'):.0e})"
+        per = " per user" if priv.get("unit") == "user" else ""
+        eps = f", epsilon {rdp:.2f}{per} (delta {priv.get('delta'):.0e})"
     secs = result.get("train_seconds")
     took = f" in {secs:.0f}s" if _num(secs) else ""
     model = cfg.model.preset or f"from {cfg.model.init_from}"

@@ -40,6 +40,7 @@ from memaudit.privacy.accounting import (
     dpsgd_event,
     epsilon_from_rdp,
     group_epsilon,
+    has_mixture,
     rdp_curve,
 )
 from memaudit.privacy.accounting import (
@@ -156,7 +157,9 @@ class PrivacyLedger:
         return epsilon_from_rdp(orders, total, self.delta)
 
     def epsilons(self) -> dict[str, float | None]:
-        out: dict[str, float | None] = {"rdp": self.epsilon("rdp")}
+        """ε by each accountant that can interpret every event (None where one cannot)."""
+        mixture = any(not isinstance(e, RdpCurveEvent) and has_mixture(e) for e in self.events)
+        out: dict[str, float | None] = {"rdp": None if mixture else self.epsilon("rdp")}
         has_custom = any(isinstance(e, RdpCurveEvent) for e in self.events)
         out["pld"] = None if has_custom else self.epsilon("pld")
         return out
@@ -201,6 +204,8 @@ class PrivacyLedger:
                 inner = e.event
                 if isinstance(inner.event, dp_event.GaussianDpEvent):
                     return inner.event.noise_multiplier, inner.sampling_probability
+            if isinstance(e, dp_event.SelfComposedDpEvent) and isinstance(e.event, dp_event.MixtureOfGaussiansDpEvent):
+                return e.event.standard_deviation, None  # ELS: the rate is in the mixture's weights
         return None, None
 
     def to_json(self, *, with_epsilon: bool = True) -> dict[str, Any]:

@@ -145,6 +145,8 @@ class SampledGaussian:
     expected: float
     sampling: Literal["poisson", "fixed"] = "poisson"
     count_noise: float | None = None
+    centralized: bool = False  # a user-level mechanism run by the trainer itself (ULS): no server
+    max_examples_per_user: int | None = None  # ULS: the contribution bound k, declared
 
     def __post_init__(self) -> None:
         if not 0 < self.expected <= self.population:
@@ -214,6 +216,8 @@ class SampledGaussian:
                    f" (sum), {self.sensitivity / 2:g} (count)" if self.count_noise else ""),
                "noise_multiplier": self.noise_multiplier, "accounting_multiplier": self.accounting_multiplier,
                "assumes_hidden": hidden, "server_view": self.server_view}
+        if self.max_examples_per_user is not None:
+            out["max_examples_per_user"] = int(self.max_examples_per_user)
         if self.count_noise is not None:
             out["count_noise"] = self.count_noise
             out["delta_noise_multiplier"] = self.delta_noise_multiplier
@@ -222,7 +226,95 @@ class SampledGaussian:
     @property
     def server_view(self) -> ServerView:
         # central DP: the aggregator sees the clipped sum before adding the noise
-        return "none" if self.unit == "user" else "n/a"
+        return "none" if self.unit == "user" and not self.centralized else "n/a"
+
+
+def binomial_pmf(k: int, q: float) -> tuple[float, ...]:
+    """P[j of k examples are sampled] for j = 0..k, each independently with probability q.
+
+    >>> [round(p, 4) for p in binomial_pmf(2, 0.5)]
+    [0.25, 0.5, 0.25]
+    """
+    return tuple(math.comb(k, j) * q ** j * (1 - q) ** (k - j) for j in range(k + 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExampleSampledUsers:
+    """ELS: example-level Poisson sampling with each user's examples capped at k, per-example
+    clipping, Gaussian noise zC on the sum; accounted at the *user* level.
+
+    A user with k capped examples has j ~ Binomial(k, q) of them in a step's batch, which moves
+    the clipped sum by at most jC; so against add/remove-one *user* one step is a mixture of
+    Gaussians, ``MixtureOfGaussiansDpEvent(z, [0..k], Binomial(k, q))``, which dp_accounting's
+    PLD accountant interprets (RDP does not). This is tight where the group-privacy bound of the
+    example-level ε (:meth:`example_event`, for comparison only) is vacuous.
+
+    Args:
+        noise_multiplier: z (std of the noise on the sum / C).
+        population: N, the capped examples sampled from.
+        expected: the expected batch size qN.
+        max_examples_per_user: k, the contribution bound.
+
+    References:
+        Charles, Ganesh, McKenna, McMahan, Mitchell, Pillutla, Rush, "Fine-Tuning Large Language
+        Models with User-Level Differential Privacy", SaTML 2025 (arXiv 2407.07737).
+        Choquette-Choo, Ganesh, Steinke, Thakurta, "Privacy Amplification for Matrix
+        Mechanisms", ICLR 2024 (arXiv 2310.15526; the mixture-of-Gaussians mechanism).
+
+    >>> m = ExampleSampledUsers(noise_multiplier=1.0, population=100, expected=10, max_examples_per_user=2)
+    >>> m.dp_event().sensitivities, [round(p, 2) for p in m.dp_event().sampling_probs]
+    ([0.0, 1.0, 2.0], [0.81, 0.18, 0.01])
+    """
+
+    noise_multiplier: float
+    population: int
+    expected: float
+    max_examples_per_user: int
+    name: str = "ELS (user-level DP-SGD, example sampling)"
+    unit: Unit = "user"
+    sampling: str = "poisson"
+    adjacency: Adjacency = "add/remove"
+    server_view: ServerView = "n/a"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.expected <= self.population:
+            raise ValueError(f"batch {self.expected} must be in (0, population={self.population}]; "
+                             "lower train.batch_size")
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"noise multiplier must be a finite number >= 0, got {self.noise_multiplier}")
+        if int(self.max_examples_per_user) != self.max_examples_per_user or self.max_examples_per_user < 1:
+            raise ValueError(f"max_examples_per_user must be a whole number >= 1, got {self.max_examples_per_user}")
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.expected / self.population
+
+    @property
+    def accounting_multiplier(self) -> float:
+        return self.noise_multiplier
+
+    def with_noise(self, noise_multiplier: float) -> ExampleSampledUsers:
+        return replace(self, noise_multiplier=float(noise_multiplier))
+
+    def dp_event(self, metrics: Mapping[str, Any] | None = None) -> Any:
+        """One step against add/remove-one user: the mixture of Gaussians over j sampled examples."""
+        k = int(self.max_examples_per_user)
+        return dp_event.MixtureOfGaussiansDpEvent(
+            float(self.noise_multiplier), [float(j) for j in range(k + 1)], list(binomial_pmf(k, self.sampling_rate)))
+
+    def example_event(self) -> Any:
+        """The same step against add/remove-one *example* (for the group-privacy comparison)."""
+        return dpsgd_step_event(self.sampling_rate, self.noise_multiplier)
+
+    def declaration(self) -> dict[str, Any]:
+        k = int(self.max_examples_per_user)
+        return {"mechanism": self.name, "unit": self.unit, "adjacency": self.adjacency,
+                "sampling": "poisson (examples)", "max_examples_per_user": k,
+                "sensitivity": f"j C, j ~ Binomial({k}, q) of the user's examples in the batch",
+                "noise_multiplier": self.noise_multiplier, "accounting_multiplier": self.noise_multiplier,
+                "assumes_hidden": "which examples were sampled into each batch, the noise, and every "
+                                  "intermediate (unnoised) sum; only the noised updates and models are seen",
+                "server_view": self.server_view}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,7 +357,7 @@ class DistributedDiscreteGaussian:
                 "server_view": self.server_view}
 
 
-Mechanism = SampledGaussian | DistributedDiscreteGaussian
+Mechanism = SampledGaussian | ExampleSampledUsers | DistributedDiscreteGaussian
 
 
 def calibrate(target_epsilon: float, make: Callable[[float], Any], *, steps: int, delta: float,
@@ -298,11 +390,13 @@ def calibrate(target_epsilon: float, make: Callable[[float], Any], *, steps: int
     while eps(hi) > target_epsilon:
         lo, hi = hi, hi * 2
         if hi > max_noise_multiplier:
-            if eps(max_noise_multiplier) > target_epsilon:
+            floor = eps(max_noise_multiplier)
+            if floor > target_epsilon:
                 raise ValueError(
                     f"target epsilon {target_epsilon} needs a noise multiplier above {max_noise_multiplier:g} "
-                    f"over {steps} steps at delta={delta}; raise the target epsilon, or reduce the steps "
-                    "or the sampling rate")
+                    f"over {steps} steps at delta={delta} (the smallest reachable epsilon is {floor:.4g}); "
+                    "raise the target epsilon, or reduce the steps, the sampling rate or "
+                    "privacy.max_examples_per_user")
             hi = max_noise_multiplier
             break
     e_hi = eps(hi)
@@ -316,6 +410,18 @@ def calibrate(target_epsilon: float, make: Callable[[float], Any], *, steps: int
     return hi
 
 
-__all__ = ["FIXED_COHORT_ORDERS", "Adjacency", "DistributedDiscreteGaussian", "Mechanism", "SampledGaussian",
-           "adaptive_noise_split", "calibrate", "dpsgd_step_event", "effective_noise_multiplier", "repeated",
-           "replace_one_multiplier"]
+__all__ = [
+    "FIXED_COHORT_ORDERS",
+    "Adjacency",
+    "DistributedDiscreteGaussian",
+    "ExampleSampledUsers",
+    "Mechanism",
+    "SampledGaussian",
+    "adaptive_noise_split",
+    "binomial_pmf",
+    "calibrate",
+    "dpsgd_step_event",
+    "effective_noise_multiplier",
+    "repeated",
+    "replace_one_multiplier",
+]

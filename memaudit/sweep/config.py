@@ -69,6 +69,9 @@ class _Section(BaseModel):
 
 class GridConfig(_Section):
     backends: list[str] = Field(default_factory=lambda: ["parallel", "federated"])
+    units: list[Literal["example", "user"]] | None = Field(
+        None, description="the privacy unit of the centralized points (privacy.unit); federated "
+        "points are always user-level. Default: the base config's unit")
     epsilons: list[float] | None = Field(None, description="target epsilons; 'inf' = no DP")
     noise_multipliers: list[float] | None = Field(None, description="sigma values; 0 = no DP")
     seeds: int | list[int] = 1
@@ -100,6 +103,16 @@ class GridConfig(_Section):
         if not v:
             raise ValueError("the sweep grid needs at least one backend")
         return v
+
+    @model_validator(mode="after")
+    def _units(self) -> GridConfig:
+        if self.units is not None:
+            if not self.units or len(set(self.units)) != len(self.units):
+                raise ValueError(f"grid.units {self.units} must list example and/or user once each")
+            if "federated" in self.backends and "user" not in self.units:
+                raise ValueError("grid.units lacks user but the grid has the federated backend, which is "
+                                 "always user-level; add user to grid.units or drop federated")
+        return self
 
     @model_validator(mode="after")
     def _levels(self) -> GridConfig:
@@ -303,6 +316,7 @@ class SweepPoint:
     model: str | None = None  # the size axis' preset; None: the base config's model
     tokens_seen: int | None = None  # training tokens the schedule feeds (padding included)
     matches: str | None = None  # a matched-utility point: the target run it was placed to meet
+    unit: str | None = None  # grid.units' privacy unit of a centralized point (None: the base's)
 
     @property
     def nominal_epsilon(self) -> float | None:
@@ -329,11 +343,12 @@ def _audited(levels: str | list[float], level: float | None, kind: str) -> bool:
 
 
 def point_name(backend: str, model: str | None, level: float | None, kind: str, seed: int, *,
-               goldfish: bool = False, audit: bool = False) -> str:
-    """A point's run directory name: parallel-eps8-s0, federated-tiny2x-epsinf-audit-s1, ..."""
+               goldfish: bool = False, audit: bool = False, unit: str | None = None) -> str:
+    """A point's run directory name: parallel-eps8-s0, parallel-eps8-user-s0,
+    federated-tiny2x-epsinf-audit-s1, ..."""
     size = f"-{model}" if model is not None else ""
-    return (f"{backend}{size}-{_level_label(level, kind)}{'-gf' if goldfish else ''}"
-            f"{'-audit' if audit else ''}-s{seed}")
+    return (f"{backend}{size}-{_level_label(level, kind)}{'-user' if unit == 'user' else ''}"
+            f"{'-gf' if goldfish else ''}{'-audit' if audit else ''}-s{seed}")
 
 
 def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
@@ -347,24 +362,29 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
     points = []
 
     def add(backend: str, model: str | None, level: float | None, seed: int, goldfish: bool,
-            audit: bool) -> None:
-        name = point_name(backend, model, level, kind, seed, goldfish=goldfish, audit=audit)
+            audit: bool, unit: str | None = None) -> None:
+        name = point_name(backend, model, level, kind, seed, goldfish=goldfish, audit=audit, unit=unit)
         ov: dict[str, Any] = {"backend": backend, "train.seed": seed, "train.goldfish.enabled": goldfish}
+        if unit is not None:
+            ov["privacy.unit"] = unit
         if model is not None:
             ov["model.preset"] = model
         ov["privacy.target_epsilon"] = level if (kind == "epsilon") else None
         ov["privacy.noise_multiplier"] = level if (kind == "noise_multiplier") else None
         if audit:
             ov["data.audit_canaries"] = cfg.audit.audit_canaries
-        points.append(SweepPoint(name, backend, level, kind, seed, goldfish, audit, ov, model))
+        points.append(SweepPoint(name, backend, level, kind, seed, goldfish, audit, ov, model, unit=unit))
 
     models: list[str | None] = list(grid.models) if grid.models is not None else [None]
     for backend in grid.backends:
+        # federated is always user-level: grid.units sets the centralized points' unit only
+        units: list[str | None] = list(grid.units) if grid.units and backend == "parallel" else [None]
         for model in models:
             for level in levels:
                 for seed in grid.seed_list:
                     for gf in grid.goldfish if backend == "parallel" else [False]:
-                        add(backend, model, level, seed, gf, False)
+                        for unit in units if level is not None else units[:1]:
+                            add(backend, model, level, seed, gf, False, unit)
     if cfg.audit.enabled:
         for backend in cfg.audit.backends or grid.backends:
             for model in models:

@@ -74,10 +74,11 @@ def dpsgd_mechanism(dp: Any) -> Any:
 class ClipStats:
     """What one clipped pass over a step's batch reports (besides the sum it leaves in `.grad`)."""
 
-    norms: torch.Tensor  # (B_local,) this process's examples' gradient norms, before clipping
-    clipped: int  # examples of the whole batch whose norm exceeded the clip norm
+    norms: torch.Tensor  # (B_local,) this process's units' gradient norms, before clipping
+    clipped: int  # units of the whole batch whose norm exceeded the clip norm
     loss_sum: float  # the sum of the whole batch's per-example losses (before clipping)
     examples: int  # rows of the whole batch that are examples (a layout's padding rows are not)
+    units: int | None = None  # clipped units (users) when rows were grouped; None: the examples
 
 
 class PerExampleClipping(Protocol):
@@ -111,23 +112,27 @@ class SerialClipping:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self.params[0][1].device if self.params else torch.device("cpu")
 
-    def _clipped(self, ids: torch.Tensor, attn: torch.Tensor, lmask: torch.Tensor, clip: float) -> ClippedGrads:
+    def _clipped(self, ids: torch.Tensor, attn: torch.Tensor, lmask: torch.Tensor, clip: float,
+                 group_size: int = 1) -> ClippedGrads:
         if self._ghost is not None:
-            return self._ghost.clipped_sum(ids, attn, lmask, clip)
-        return vmap_clipped_sum(self.model, ids, attn, lmask, clip)
+            return self._ghost.clipped_sum(ids, attn, lmask, clip, group_size=group_size)
+        return vmap_clipped_sum(self.model, ids, attn, lmask, clip, group_size=group_size)
 
     def clipped_sum_(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                     clip: float, *, micro_batch_size: int | None, right_padded: bool = False) -> ClipStats:
-        """Micro-batches of `micro_batch_size` rows, each one clipped pass; sums accumulated."""
+                     clip: float, *, micro_batch_size: int | None, right_padded: bool = False,
+                     group_size: int = 1) -> ClipStats:
+        """Micro-batches of `micro_batch_size` rows (whole groups of `group_size` rows: one
+        user's sequences, clipped as one unit), each one clipped pass; sums accumulated."""
         if self.params and self.params[0][1].device != self.device:
             raise ValueError(f"the model moved to {self.params[0][1].device} after DPSGD was built on "
                              f"{self.device}; build DPSGD after model.to(device)")
         b = int(input_ids.shape[0])
         sums = {n: torch.zeros_like(p) for n, p in self.params}
         loss_sum, clipped, chunk, norms = 0.0, 0, micro_batch_size or max(b, 1), []
+        chunk = max(group_size, chunk // group_size * group_size)
         for start in range(0, b, chunk):
             sl = slice(start, start + chunk)
-            res = self._clipped(input_ids[sl], attention_mask[sl], loss_mask[sl], clip)
+            res = self._clipped(input_ids[sl], attention_mask[sl], loss_mask[sl], clip, group_size)
             for n, g in res.grads.items():
                 sums[n] += g
             loss_sum += float(res.losses.sum())
@@ -137,7 +142,10 @@ class SerialClipping:
         for n, p in self.params:
             p.grad = sums[n]
         all_norms = torch.cat(norms) if norms else torch.zeros(0, device=self.device)
-        return ClipStats(all_norms, clipped, loss_sum, b)
+        if group_size == 1:
+            return ClipStats(all_norms, clipped, loss_sum, b)
+        real = int(loss_mask[:, 1:].any(1).sum())  # a group's padding rows have no target
+        return ClipStats(all_norms, clipped, loss_sum, real, units=b // group_size)
 
     def add_noise_(self, std: float, randomness: Any, step: int) -> None:
         with torch.no_grad():
@@ -218,6 +226,7 @@ class DPSGD:
         *,
         step: int | None = None,
         right_padded: bool = False,
+        group_size: int = 1,
     ) -> dict[str, Any]:
         """Write the privatised mean gradient of this batch into every parameter's `.grad`.
 
@@ -231,6 +240,9 @@ class DPSGD:
             advances by one per call and is saved in `state_dict()`).
           right_padded: every row's padding is at its end (a layout may then run the model
             without the mask).
+          group_size: g > 1 clips per user (ULS): the rows are consecutive groups of g, one
+            user's sequences each (padded with rows without targets), and a group's summed
+            gradient is the clipped unit; `expected_batch_size` then counts users.
 
         Returns:
           {"loss": mean per-example loss (nan for an empty batch), "clip_fraction",
@@ -241,8 +253,10 @@ class DPSGD:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         lmask = attention_mask.bool() if loss_mask is None else loss_mask.bool() & attention_mask.bool()
+        grouped = {"group_size": group_size} if group_size != 1 else {}
         st = self.clipping.clipped_sum_(input_ids, attention_mask, lmask, self.clip,
-                                        micro_batch_size=self.micro_batch_size, right_padded=right_padded)
+                                        micro_batch_size=self.micro_batch_size, right_padded=right_padded,
+                                        **grouped)
         std = self.noise_multiplier * self.clip
         if std > 0:
             self.clipping.add_noise_(std, self.randomness, t)
@@ -251,12 +265,16 @@ class DPSGD:
                 p.grad /= self.expected_batch_size
         self.step = t + 1
         n = max(st.examples, 1)
-        return {
+        units = st.examples if st.units is None else st.units
+        out = {
             "loss": st.loss_sum / n if b else math.nan,
-            "clip_fraction": st.clipped / n if b else 0.0,
-            "batch_size": b,
+            "clip_fraction": st.clipped / max(units, 1) if b else 0.0,
+            "batch_size": b if st.units is None else st.units,
             "noise_std": self.noise_std,
         }
+        if st.units is not None:
+            out["sequences"] = st.examples
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The secret randomness and step counter (and settings, checked on load). Sensitive."""

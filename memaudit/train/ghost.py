@@ -228,8 +228,18 @@ class GhostClipper:
     # ------------------------------------------------------------------ the pass
     def clipped_sum(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                     loss_mask: torch.Tensor, clip: float, *,
-                    return_param_norms: bool = False) -> ClippedGrads:
-        """Σ_i min(1, C/||∇_i||) ∇_i over the batch, with ∇_i the gradient of example i's loss."""
+                    return_param_norms: bool = False, group_size: int = 1) -> ClippedGrads:
+        """Σ_i min(1, C/||∇_i||) ∇_i over the batch, with ∇_i the gradient of example i's loss.
+
+        With `group_size` g > 1 the rows are consecutive groups of g (one user's sequences,
+        padded with rows that have no target), and i runs over groups: ∇_i is the sum of the
+        group's per-example gradients. Each layer's stored activations and output gradients
+        (B, T, d) are read as (B/g, g·T, d), so a user's sequences are one unit of the same
+        ghost-norm and book-keeping maths (their cross terms included); `norms` is then (B/g,)
+        and `losses` stays per example (B,).
+        """
+        if group_size < 1 or input_ids.shape[0] % group_size:
+            raise ValueError(f"{input_ids.shape[0]} rows do not split into groups of {group_size}")
         with self._hooks():
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             losses = causal_lm_loss_per_example(out.logits, input_ids, loss_mask)  # (B,)
@@ -241,6 +251,8 @@ class GhostClipper:
         # the per-example maths in float32 whatever the caller's autocast (bf16 matmuls here
         # let a clipped per-example gradient reach ~1.0015 C)
         with torch.autocast(input_ids.device.type, enabled=False):
+            if group_size > 1:
+                store, embed, g_embed = _grouped(store, embed, g_embed, group_size)
             return self._finish(store, embed, g_embed, losses, clip, return_param_norms)
 
     def _finish(self, store, embed, g_embed, losses, clip, return_param_norms) -> ClippedGrads:
@@ -274,13 +286,25 @@ class GhostClipper:
                 per_sum[full] = sums[pname]
 
 
+def _grouped(store: dict, embed: dict, g_embed: torch.Tensor, g: int) -> tuple[dict, dict, torch.Tensor]:
+    """Every (B, T, ...) tensor of one pass read as (B/g, g·T, ...): one unit per group of rows."""
+
+    def grp(t: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B/g, g*T, d); (B, T) -> (B/g, g*T)
+        return t.reshape(t.shape[0] // g, -1, *t.shape[2:])
+
+    out = {k: {n: grp(v) for n, v in d.items()} for k, d in store.items() if k != "__embed__"}
+    return out, {"ids": grp(embed["ids"]), "out": embed["out"]}, grp(g_embed)
+
+
 # ---------------------------------------------------------------------- reference path
 def vmap_clipped_sum(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      loss_mask: torch.Tensor, clip: float, *, chunk_size: int | None = None,
-                     return_param_norms: bool = False) -> ClippedGrads:
+                     return_param_norms: bool = False, group_size: int = 1) -> ClippedGrads:
     """The naive reference: per-example gradients with `torch.func.vmap(grad(...))`.
 
     Materialises every example's full gradient, so it costs B times the parameter memory.
+    With `group_size` g the per-example gradients of each g consecutive rows are summed first
+    (one user's gradient) and the groups are clipped.
     """
     from torch.func import functional_call, grad, vmap
 
@@ -311,6 +335,8 @@ def vmap_clipped_sum(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
         warnings.filterwarnings("ignore", message=".*performance drop.*")
         per, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(None, 0, 0, 0),
                            chunk_size=chunk_size)(params, input_ids, mask4d, loss_mask)
+    if group_size > 1:
+        per = {k: v.reshape(v.shape[0] // group_size, group_size, *v.shape[1:]).sum(1) for k, v in per.items()}
     with torch.autocast(input_ids.device.type, enabled=False):  # float32 norms and sums
         sq = {k: v.float().pow(2).flatten(1).sum(1) for k, v in per.items()}
         norms = torch.stack(list(sq.values())).sum(0).sqrt()

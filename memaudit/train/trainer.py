@@ -40,6 +40,7 @@ import numpy as np
 
 from memaudit.config import Config
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
+from memaudit.errors import ConfigError
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.init import initial_model, model_vocab_size
 from memaudit.models.presets import LARGE_PRESETS
@@ -47,12 +48,13 @@ from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibrate_noise
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
+from memaudit.train import user_dp
 from memaudit.train.batches import EpochBatches
 from memaudit.train.dpsgd import DPSGD
 from memaudit.train.evaluate import is_right_padded, target_mask
 from memaudit.train.goldfish import goldfish_mask
 from memaudit.train.layout import Batch, Layout, SerialLayout, autocast, make_optimizer
-from memaudit.train.sampling import PoissonSampler
+from memaudit.train.sampling import PoissonSampler, SubsetSampler, cap_per_user
 from memaudit.train.schedule import lr_at
 
 if TYPE_CHECKING:
@@ -144,6 +146,8 @@ class Trainer:
         self.dp: Any = None
         self.plan: PrivacyPlan | None = None
         self.noise_multiplier: float | None = None
+        self.group_size = 1  # rows per clipped unit: a ULS user's capped sequences
+        self.kept_rows: np.ndarray | None = None
 
     @property
     def is_writer(self) -> bool:
@@ -196,6 +200,8 @@ class Trainer:
         """The global batch of `rows` on the device (every process of a grid holds all of it)."""
         import torch
 
+        pad = rows < 0  # ULS: a user's group padded with rows that have no target
+        rows = np.where(pad, 0, rows) if pad.any() else rows
         ids_np = self.train_set.input_ids[rows]
         am_np = self.train_set.attention_mask[rows]
         ids = torch.as_tensor(ids_np, dtype=torch.long, device=self.device)
@@ -204,6 +210,8 @@ class Trainer:
         gf = self.tcfg.goldfish
         if gf.enabled:
             mask &= goldfish_mask(ids, k=gf.k, h=gf.h).to(mask.device)
+        if pad.any():
+            mask[torch.as_tensor(pad, device=mask.device)] = False
         return Batch(ids, am, mask, is_right_padded(am_np))
 
     # ------------------------------------------------------------------ one step
@@ -240,7 +248,7 @@ class Trainer:
         b = self.make_batch(rows)
         with autocast(self.device, self.autocast_dtype):
             stats = self.dp.step_gradients(b.input_ids, b.attention_mask, b.loss_mask, step=step,
-                                           right_padded=b.right_padded)
+                                           right_padded=b.right_padded, group_size=self.group_size)
         return {k: float(v) for k, v in stats.items()}
 
     def optimizer_step(self, lr: float) -> None:
@@ -263,7 +271,7 @@ class Trainer:
             gnorm = self.clip_gradients()
         self.optimizer_step(lr)
         dt = time.perf_counter() - t0
-        positions = len(rows) * self.train_set.seq_len
+        positions = int((rows >= 0).sum()) * self.train_set.seq_len
         rec = {"step": step + 1, "loss": stats.pop("loss", math.nan), "lr": lr,
                "tokens_per_s": positions / dt if dt > 0 else 0.0, "grad_norm": gnorm,
                "batch_size": len(rows)}
@@ -283,9 +291,33 @@ class Trainer:
     # ------------------------------------------------------------------ privacy
     def setup_privacy(self) -> None:
         """DP-SGD: σ (calibrated to the target ε if given), the run's secret randomness shared by
-        the Poisson sampler and the noise, and the plan the driver's ledger records."""
-        p, n = self.cfg.privacy, len(self.train_set)
-        q = self.tcfg.batch_size / n  # <= 1: checks.check_data refused a larger batch
+        the sampler and the noise, and the plan the driver's ledger records. Under
+        `privacy.max_examples_per_user` k only k sequences of each user are sampled from; under
+        `privacy.unit=user` the plan is user-level (ELS or ULS, `memaudit.train.user_dp`)."""
+        p = self.cfg.privacy
+        # one secret per run, shared by the sampler and the noise; the writer keeps it before the
+        # other ranks prepare (they read it: no collective inside prepare)
+        self.randomness = dp_randomness(self.run, self.cfg, is_writer=self.is_writer)
+        self.kept_rows = self._contribution_rows()
+        if p.unit == "user" and p.user_sampling == "uls" and not isinstance(self.layout, SerialLayout):
+            raise ConfigError("privacy.user_sampling=uls (per-user clipping) runs in one process so far; "
+                              "set parallel.data=x=y=z=1 or use privacy.user_sampling=els on the grid")
+        if p.unit == "user":
+            setup = user_dp.uls_setup if p.user_sampling == "uls" else user_dp.els_setup
+            sigma, self.sampler, self.plan, self.group_size = setup(
+                self.cfg, self.train_set, self.kept_rows, self.randomness)
+            self.noise_multiplier = float(sigma)
+            self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=float(sigma),
+                            expected_batch_size=self.sampler.expected_batch_size, randomness=self.randomness,
+                            population=self.plan.mechanism.population, micro_batch_size=self.tcfg.micro_batch_size,
+                            clipping=self.layout.dp_clipping(self.model, "ghost"))
+            return
+        n = len(self.train_set)
+        m = len(self.kept_rows)
+        if self.tcfg.batch_size > m:  # (checks.check_data refused a batch above every sequence)
+            raise ConfigError(f"train.batch_size={self.tcfg.batch_size} exceeds the {m} sequences left at "
+                              f"privacy.max_examples_per_user; lower train.batch_size or raise k")
+        q = self.tcfg.batch_size / m
         delta = p.delta if p.delta is not None else default_delta(n)
         sigma, calibration = p.noise_multiplier, None
         if sigma is None:
@@ -294,20 +326,30 @@ class Trainer:
             calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
                            "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
         self.noise_multiplier = float(sigma)
-        # one secret per run, shared by the sampler and the noise; the writer keeps it before the
-        # other ranks prepare (they read it: no collective inside prepare)
-        self.randomness = dp_randomness(self.run, self.cfg, is_writer=self.is_writer)
-        self.sampler = PoissonSampler(n, q, self.randomness)
+        self.sampler = (PoissonSampler(n, q, self.randomness) if m == n
+                        else SubsetSampler(self.kept_rows, q, self.randomness))
         # one DP-SGD for every layout; the per-example norms, clipped sum and noise are the layout's
         self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=float(sigma),
                         expected_batch_size=self.sampler.expected_batch_size, randomness=self.randomness,
-                        population=n, micro_batch_size=self.tcfg.micro_batch_size,
+                        population=m, micro_batch_size=self.tcfg.micro_batch_size,
                         clipping=self.layout.dp_clipping(self.model, "ghost"))
-        counts = np.bincount(self.train_set.user_index) if n else np.zeros(1, int)
+        counts = np.bincount(self.train_set.user_index[self.kept_rows]) if m else np.zeros(1, int)
         self.plan = PrivacyPlan(unit="example", delta=delta, noise_multiplier=float(sigma), sampling_rate=q,
                                 mechanism=self.dp.mechanism, calibration=calibration,
                                 max_sequences_per_user=int(counts.max()),
                                 reproducible_randomness=self.randomness.reproducible)
+
+    def _contribution_rows(self) -> np.ndarray:
+        """The rows DP samples from: every row, or at most k per user (warned when k caps nothing)."""
+        n, k = len(self.train_set), self.cfg.privacy.max_examples_per_user
+        if k is None:
+            return np.arange(n, dtype=np.int64)
+        most = int(np.bincount(self.train_set.user_index).max()) if n else 0
+        if k > most and self.progress is not None:
+            self.progress(0, self.total, {"phase": "data", "warning": (
+                f"privacy.max_examples_per_user={k} exceeds the most sequences any user has ({most}); "
+                "no user is capped")})
+        return cap_per_user(self.train_set.user_index, k, self.tcfg.seed)
 
     def privacy_plan(self) -> PrivacyPlan | None:
         return self.plan
@@ -381,7 +423,13 @@ class Trainer:
     def details(self) -> dict[str, Any]:
         import torch
 
-        return {"device": self.device.type, "torch_threads": torch.get_num_threads()}
+        out = {"device": self.device.type, "torch_threads": torch.get_num_threads()}
+        p = self.cfg.privacy
+        if self.private and (p.unit == "user" or p.max_examples_per_user is not None):
+            out["contribution_bound"] = {"unit": p.unit, "max_examples_per_user": p.max_examples_per_user,
+                                         "user_sampling": p.user_sampling if p.unit == "user" else None,
+                                         "sequences_sampled_from": len(self.kept_rows)}
+        return out
 
     def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
         """Run (or resume) training through the driver inside the run lifecycle."""
