@@ -284,8 +284,8 @@ def test_sweep_pretrains_then_fine_tunes_both_backends(tmp_path):
     # is stale: the next run trains it again instead of skipping it
     from memaudit.config import with_overrides
     from memaudit.sweep.config import plan_points, point_config
-    from memaudit.sweep.pretrain import pretrain_stage
     from memaudit.sweep.point import training_action
+    from memaudit.sweep.pretrain import pretrain_stage
 
     points, _ = pretrain_stage(cfg, tmp_path / "sw", plan_points(cfg))
     point_cfg = point_config(cfg, points[0])

@@ -225,3 +225,21 @@ def verdict(test: Test | None, alpha: float) -> str:
     if test.alternative == "less":
         return "less"
     return "more" if test.estimate > 0 else "less"
+
+
+# ----------------------------------------------------------------------------- the leakage metrics
+# key -> (label, unit, lower is better); the report's comparisons, findings and frontier name them so
+METRICS: dict[str, tuple[str, str, bool]] = {
+    "exposure_top": ("excess exposure of the most-repeated canaries over the references", "bits", True),
+    "extraction_exact": ("exact extraction rate of member text", "", True),
+    "canary_completion": ("canary completion rate", "", True),
+    "mia_auc": ("membership-inference AUC (loss attack)", "", True),
+    "user_mia_auc": ("user-inference AUC", "", True),
+    "pii_extraction": ("PII extraction rate", "", True),
+    "audit_epsilon": ("empirical epsilon lower bound", "", True),
+}
+SHORT = {"exposure_top": "exposure (top reps)", "extraction_exact": "exact extraction",
+         "canary_completion": "canary completion", "mia_auc": "MIA AUC", "user_mia_auc": "user-inference AUC",
+         "pii_extraction": "PII extraction", "audit_epsilon": "audit epsilon"}
+# the audit bound is a one-sided lower bound: never tested as a difference between runs
+TESTABLE = {"audit_epsilon": False}

@@ -29,28 +29,21 @@ from typing import Any
 
 from memaudit.probes.stats import CORRECTIONS, compare_units
 from memaudit.reports import literature, scale
-from memaudit.reports.cells import FINDING, NO_DIFFERENCE, Test, format_cell, number, verdict
+from memaudit.reports.cells import (
+    FINDING,
+    METRICS,
+    NO_DIFFERENCE,
+    SHORT,
+    Test,
+    format_cell,
+    number,
+    verdict,
+)
 
 ALPHA = 0.05
 CORRECTION = "holm"
 
 # Headline leakage metrics: key -> (label, unit, higher_is_leakier)
-METRICS: dict[str, tuple[str, str, bool]] = {
-    "exposure_top": ("excess exposure of the most-repeated canaries over the references", "bits", True),
-    "extraction_exact": ("exact extraction rate of member text", "", True),
-    "canary_completion": ("canary completion rate", "", True),
-    "mia_auc": ("membership-inference AUC (loss attack)", "", True),
-    "user_mia_auc": ("user-inference AUC", "", True),
-    "pii_extraction": ("PII extraction rate", "", True),
-    "audit_epsilon": ("empirical epsilon lower bound", "", True),
-}
-SHORT = {"exposure_top": "exposure (top reps)", "extraction_exact": "exact extraction",
-         "canary_completion": "canary completion", "mia_auc": "MIA AUC", "user_mia_auc": "user-inference AUC",
-         "pii_extraction": "PII extraction", "audit_epsilon": "audit epsilon"}
-# the audit bound is a one-sided lower bound: never tested as a difference between runs
-TESTABLE = {"audit_epsilon": False}
-
-
 def _fmt_eps(e: float | None) -> str:
     return "no DP (epsilon = inf)" if e is None or math.isinf(e) else f"epsilon = {e:g}"
 

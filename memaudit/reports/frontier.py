@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups, pool
 
 DEFAULT_TOLERANCE = 0.1
@@ -76,8 +77,6 @@ def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:
     A metric appears when at least one real run measured it; `all_zero` marks a metric that is 0
     in every run (plots say "none extracted" instead of a flat panel).
     """
-    from memaudit.reports.findings import METRICS
-
     real = [r for r in runs if not r["audit"] and not is_base(r) and _ppl(r) is not None]
     base = next((r for r in runs if is_base(r) and _ppl(r) is not None), None)
     out: dict[str, Any] = {"utility": "holdout perplexity", "origin": None, "metrics": {}}
@@ -128,8 +127,6 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
     utility ranges overlap but no two runs are within the tolerance), 'disjoint' (the ranges lie
     further apart than the tolerance) or 'no runs' (a backend has no run with a utility).
     """
-    from memaudit.reports.findings import METRICS, TESTABLE
-
     check_tolerance(tolerance)
     real = [r for r in runs if not r["audit"] and not is_base(r) and not r["mitigation"]["goldfish"]
             and _ppl(r) is not None]

@@ -12,8 +12,7 @@ from typing import Any
 
 import jinja2
 
-from memaudit.reports.cells import PAGE, fmt, format_cell
-from memaudit.reports.findings import METRICS, SHORT
+from memaudit.reports.cells import METRICS, PAGE, SHORT, fmt, format_cell
 from memaudit.reports.plots import all_plots, plot_notes
 
 _TEMPLATES = Path(__file__).parent / "templates"
