@@ -4,6 +4,9 @@ Variants (one optimizer step each: forward, backward, optimizer):
   nonprivate   plain token-mean loss, loss.backward(), SGD step
   dp_ghost     memaudit DPSGD, ghost norms + book-keeping (one backward pass)
   dp_vmap      memaudit DPSGD, torch.func vmap(grad) reference
+  dp_ghost_user4  memaudit DPSGD, per-user clipping (user-level ULS): 4 sequences a user,
+               clipped as one unit through the ghost-norm path
+  dp_vmap_user4   the same per-user clipping on the vmap reference path
   opacus_hooks Opacus 1.6 make_private(grad_sample_mode="hooks")      (if opacus is installed)
   opacus_ghost Opacus 1.6 make_private(grad_sample_mode="ghost")      (if opacus is installed)
 
@@ -50,15 +53,17 @@ def _nonprivate(model, ids, attn, lmask):
     return step
 
 
-def _memaudit(mode):
+def _memaudit(mode, group_size: int = 1):
+    """memaudit's DPSGD; `group_size` > 1: per-user clipping (ULS), each run of `group_size`
+    rows one user's sequences clipped as one unit, the batch holding batch / group_size users."""
     def make(model, ids, attn, lmask):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        dp = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=ids.shape[0],
+        dp = DPSGD(model, clip=1.0, noise_multiplier=1.0, expected_batch_size=ids.shape[0] // group_size,
                    randomness=DPRandomness.from_seed(0), mode=mode)
 
         def step():
             opt.zero_grad(set_to_none=True)
-            dp.step_gradients(ids, attn, lmask)
+            dp.step_gradients(ids, attn, lmask, group_size=group_size)
             opt.step()
         return step
     return make
@@ -100,6 +105,8 @@ VARIANTS = {
     "nonprivate": _nonprivate,
     "dp_ghost": _memaudit("ghost"),
     "dp_vmap": _memaudit("vmap"),
+    "dp_ghost_user4": _memaudit("ghost", group_size=4),
+    "dp_vmap_user4": _memaudit("vmap", group_size=4),
     "opacus_hooks": _opacus("hooks"),
     "opacus_ghost": _opacus("ghost"),
 }

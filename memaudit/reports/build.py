@@ -19,6 +19,7 @@ from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
 from memaudit.reports import findings as findings_mod
+from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 from memaudit.reports.frontier import (
     DEFAULT_TOLERANCE,
@@ -263,7 +264,7 @@ def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]
             "n_seeds": len(rs),
         })
     for lbl, pts in sorted(by_label.items()):
-        curves.append({"label": lbl, "points": pts, "leakage_label": findings_mod.METRICS[lead][0] if lead else "leakage"})
+        curves.append({"label": lbl, "points": pts, "leakage_label": METRICS[lead][0] if lead else "leakage"})
     return curves
 
 
@@ -272,7 +273,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
     only between real runs within `utility_tolerance`), treatment effects against their baseline
     (one-sided: does the treatment leak less?), each metric with its test; and the frontier."""
     groups = _groups(runs)
-    metrics = [k for k in findings_mod.METRICS if findings_mod.TESTABLE.get(k, True)]
+    metrics = [k for k in METRICS if TESTABLE.get(k, True)]
     matched = []
     for eps in sorted({k[1] for k in groups}):
         a, b = groups.get(("parallel", eps, False)), groups.get(("federated", eps, False))

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 from matplotlib.markers import CARETUP
 
-from memaudit.reports.cells import number
+from memaudit.reports.cells import SHORT, number
 
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 SERIES_COLOURS = {"centralized": "#0072B2", "federated": "#D55E00", "centralized + Goldfish": "#009E73",
@@ -417,8 +417,6 @@ def all_plots(report: dict[str, Any]) -> dict[str, str]:
 
 def plot_notes(report: dict[str, Any]) -> list[str]:
     """What the plots leave out and why: metrics that are 0 in every run ("none extracted")."""
-    from memaudit.reports.findings import SHORT
-
     fr = report.get("comparisons", {}).get("frontier") or {}
     zero = [(SHORT.get(k, k), m["n_points"]) for k, m in (fr.get("metrics") or {}).items() if m["all_zero"]]
     notes = []
