@@ -54,7 +54,13 @@ def register(app: typer.Typer) -> None:
                          "(default: the most every compared user has)."),
         ] = None,
         reference: Annotated[
-            str | None, typer.Option(help="Reference HF model directory for calibration.")
+            str | None, typer.Option(help="Reference model (folder, cached hub id or adapter) for "
+                                     "the loss-ratio attack; default: the target's base (an "
+                                     "adapter's, run.json's model.init_from); 'none' for none.")
+        ] = None,
+        base: Annotated[
+            str | None, typer.Option(help="An adapter's base model (folder or cached hub id), "
+                                     "overriding adapter_config.json's base_model_name_or_path.")
         ] = None,
         device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
         dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
@@ -80,8 +86,12 @@ def register(app: typer.Typer) -> None:
         names = parse_probes(probes)
         t = resolve_target(
             target, members=members, nonmembers=nonmembers, canaries=canaries,
-            heldout_users=heldout_users, out=out,
+            heldout_users=heldout_users, out=out, base=base,
         )
+        if reference is None:
+            reference = t.base  # the fine-tune's own base: the natural reference
+        elif reference.lower() == "none":
+            reference = None
         from memaudit.probes.runner import run_probes
         from memaudit.probes.scoring import resolve_device
 

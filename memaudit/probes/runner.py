@@ -15,6 +15,7 @@ import numpy as np
 from memaudit import __version__
 from memaudit.config import ProbeConfig
 from memaudit.probes import PROBES, SCHEMA
+from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 
 Progress = Callable[[int, int, dict], None] | None
@@ -52,16 +53,16 @@ def same_tokenizer(a, b) -> bool:
 
 
 def load_reference(settings: ProbeConfig, codec: Codec):
-    """(model, codec) of --reference; refused in one line when its tokenizer differs."""
-    from memaudit.probes.scoring import load_causal_lm
-
-    tok = load_tokenizer(settings.reference)
+    """(model, codec) of --reference (a folder, cached hub id or adapter); refused in one line
+    when its tokenizer differs."""
+    src = resolve_model(settings.reference)
+    tok = load_tokenizer(src.tokenizer_path)
     if not same_tokenizer(tok, codec.tok):
         raise ValueError(
             f"--reference '{settings.reference}' uses another tokenizer than the target, so "
             "per-token scores cannot be subtracted; pass a reference with the target's tokenizer"
         )
-    model = load_causal_lm(settings.reference, device=settings.device, dtype=settings.dtype)
+    model = load_model(src, device=settings.device, dtype=settings.dtype)
     return model, Codec(tok, start_id=codec.start[0] if codec.start else None)
 
 
@@ -76,7 +77,9 @@ def run_probes(
     """Load the model (unless given), run each selected probe, return probes.json + secrets."""
     from memaudit.probes.scoring import load_causal_lm
 
-    if model is None:
+    if model is None and target.source is not None:
+        model = load_model(target.source, device=settings.device, dtype=settings.dtype)
+    elif model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
     codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
     reference = load_reference(settings, codec) if settings.reference else None
@@ -96,7 +99,10 @@ def run_probes(
             "path": str(target.path),
             "model": str(target.model_path),
             "reference": settings.reference,
+            "source": None if target.source is None else target.source.kind,
+            "base": target.base,
         },
+        "counts": dict(target.counts),
         "settings": settings.model_dump(mode="json"),
         "seeds": {
             "bootstrap": settings.seed,

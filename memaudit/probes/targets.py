@@ -14,9 +14,8 @@ from pathlib import Path
 from memaudit.errors import DataError, MemauditError, RunDirError
 from memaudit.io import read_json
 from memaudit.probes.loaders import Canaries, Privacy
+from memaudit.probes.sources import ADAPTER_CONFIG, TOKENIZER_FILES, ModelSource, resolve_model
 from memaudit.rundir import RunDir
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,9 @@ class Target:
     privacy: Privacy | None = None
     eos_id: int | None = None
     seq_len: int | None = None  # the run's training sequence length (data/meta.json)
+    source: ModelSource | None = None  # an outside model: folder, cached hub id or adapter
+    base: str | None = None  # the model this one was fine-tuned from (adapter base, init_from)
+    counts: dict = field(default_factory=dict)  # units skipped, windowed, ... (first screen)
 
 
 class Codec:
@@ -101,7 +103,7 @@ class Codec:
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def _has_tokenizer(d: Path) -> bool:
@@ -205,6 +207,15 @@ def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
     return out["member"], unseen(out["holdout"]), unseen(out["heldout_user"])
 
 
+def _init_from(run: RunDir) -> str | None:
+    """run.json's model.init_from when that checkpoint is still on disk (the default reference)."""
+    m = run.read_manifest()
+    cfg = m.get("config") if isinstance(m, dict) else None
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    init = model.get("init_from") if isinstance(model, dict) else None
+    return str(init) if isinstance(init, str) and (Path(init) / "config.json").is_file() else None
+
+
 def resolve_target(
     target: str | Path,
     *,
@@ -213,6 +224,7 @@ def resolve_target(
     canaries: str | None = None,
     heldout_users: str | None = None,
     out: str | None = None,
+    base: str | None = None,
 ) -> Target:
     """A `Target` from a run directory or a HF model directory; refuses bad input in one line."""
     p = Path(target)
@@ -242,20 +254,23 @@ def resolve_target(
             t.canaries = Canaries.from_json(read_json(run.canaries_path), str(run.canaries_path))
         if run.privacy_path.is_file():
             t.privacy = Privacy.from_json(read_json(run.privacy_path), str(run.privacy_path))
+        t.base = _init_from(run)
         meta = run.data_dir / "meta.json"
         if meta.is_file():
             meta_json = read_json(meta)
             t.eos_id = meta_json.get("eos_id")
             t.seq_len = meta_json.get("seq_len")
-    elif (p / "config.json").is_file():
-        if not _has_tokenizer(p):
+    elif (p / "config.json").is_file() or (p / ADAPTER_CONFIG).is_file() or not p.exists():
+        src = resolve_model(target, base=base)
+        if not _has_tokenizer(src.tokenizer_path):
             raise DataError(
-                f"model directory '{p}' has no tokenizer files; save the tokenizer next "
+                f"model directory '{src.path}' has no tokenizer files; save the tokenizer next "
                 "to the model (tokenizer.json)"
             )
         if out is None:
             raise MemauditError(f"target '{p}' is a model directory; pass --out for probes.json")
-        t = Target(kind="model", path=p, model_path=p, tokenizer_path=p, out=Path(out))
+        t = Target(kind="model", path=p, model_path=src.path, tokenizer_path=src.tokenizer_path,
+                   out=Path(out), source=src, base=None if src.base is None else src.base.name)
     else:
         raise MemauditError(
             f"target '{p}' is neither a memaudit run (run.json) nor a Hugging Face "
