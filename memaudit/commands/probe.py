@@ -41,7 +41,35 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="Non-member documents (.jsonl or .txt).")
         ] = None,
         canaries: Annotated[
-            str | None, typer.Option(help="A canaries.json (template, alphabet, secrets).")
+            str | None, typer.Option(help="A canaries.json: template with {secret}, alphabet, "
+                                     "inserted/references [{id, secret}]; schema in "
+                                     "docs/canaries.schema.json, example in "
+                                     "docs/canaries.example.json.")
+        ] = None,
+        text_column: Annotated[
+            str, typer.Option(help="Column holding the text (JSONL, Parquet, CSV, dataset).")
+        ] = "text",
+        user_column: Annotated[
+            str, typer.Option(help="Column holding the user id (optional).")
+        ] = "user",
+        pii_column: Annotated[
+            str, typer.Option(help="Column holding PII spans [{type, value, start}] (optional).")
+        ] = "pii",
+        split: Annotated[
+            str, typer.Option(help="Split of a saved DatasetDict.")
+        ] = "train",
+        fpr: Annotated[
+            str | None, typer.Option(help="FPRs of the TPR cells, comma-separated (default "
+                                     "0.01,0.001); refused when the non-members are fewer "
+                                     "than 10/FPR.")
+        ] = None,
+        candidates: Annotated[
+            int | None, typer.Option(help="Exposure: candidates enumerated or sampled "
+                                     "(default 10000).")
+        ] = None,
+        prefix_lengths: Annotated[
+            str | None, typer.Option(help="Extraction: prefix tokens k, comma-separated "
+                                     "(default 32,50).")
         ] = None,
         heldout_users: Annotated[
             str | None,
@@ -76,6 +104,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
+        from memaudit.probes.inputs import Columns, check_fpr_negatives
         from memaudit.probes.runner import parse_probes
         from memaudit.probes.targets import resolve_target
 
@@ -84,10 +113,14 @@ def register(app: typer.Typer) -> None:
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)
+        cols = Columns(text=text_column, user=user_column, pii=pii_column, split=split)
         t = resolve_target(
             target, members=members, nonmembers=nonmembers, canaries=canaries,
-            heldout_users=heldout_users, out=out, base=base,
+            heldout_users=heldout_users, out=out, base=base, columns=cols,
         )
+        tuning = tuning_options(fpr=fpr, candidates=candidates, prefix_lengths=prefix_lengths)
+        if fpr is not None and "membership" in names and t.nonmembers:
+            check_fpr_negatives(len(t.nonmembers), tuning["fprs"])
         if reference is None:
             reference = t.base  # the fine-tune's own base: the natural reference
         elif reference.lower() == "none":
@@ -106,6 +139,7 @@ def register(app: typer.Typer) -> None:
             reference=reference,
             seed=seed,
             n_boot=bootstrap,
+            **tuning,
         )
         with progress() as bar:
             tasks: dict[str, int] = {}
@@ -125,6 +159,36 @@ def register(app: typer.Typer) -> None:
             console.print(f"probes.json written to {t.out}")
 
 
+def _numbers(spec: str, flag: str, kind) -> tuple:
+    try:
+        vals = tuple(kind(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} '{spec}' is not a comma-separated list of numbers") from None
+    if not vals:
+        raise ValueError(f"{flag} is empty; pass e.g. {flag} 0.01")
+    return vals
+
+
+def tuning_options(*, fpr: str | None, candidates: int | None,
+                   prefix_lengths: str | None) -> dict:
+    """ProbeConfig fields set by --fpr, --candidates and --prefix-lengths (unset: defaults)."""
+    out: dict = {}
+    if fpr is not None:
+        out["fprs"] = _numbers(fpr, "--fpr", float)
+        if any(not 0 < f < 1 for f in out["fprs"]):
+            raise ValueError(f"--fpr '{fpr}': every FPR must lie strictly between 0 and 1")
+    if candidates is not None:
+        if candidates < 100:
+            raise ValueError(f"--candidates must be >= 100, got {candidates}")
+        out["exposure_enumerate_max"] = candidates
+        out["exposure_samples"] = candidates
+    if prefix_lengths is not None:
+        out["extraction_ks"] = _numbers(prefix_lengths, "--prefix-lengths", int)
+        if min(out["extraction_ks"]) < 1:
+            raise ValueError("--prefix-lengths must be positive token counts")
+    return out
+
+
 def _fmt(stat: dict | None, bound: bool = False) -> str:
     """A probes.json cell in the table's style (`memaudit.reports.cells.TERMINAL`); `bound`: the
     bucket says its value is a lower bound (canaries at the exposure estimator's ceiling)."""
@@ -137,6 +201,13 @@ def _fmt(stat: dict | None, bound: bool = False) -> str:
 def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
     """(probe, measure, value) rows of the headline numbers of a probes.json document."""
     rows = []
+    c = doc.get("counts") or {}
+    if c.get("context"):
+        rows.append(("input", (f"documents scored on their first {c['context']} tokens "
+                     "(the model's context)"), f"{c['documents_truncated']} of {c['documents']}"))
+        if c.get("extraction_ks_dropped"):
+            rows.append(("input", "extraction prefix lengths beyond the context",
+                         ", ".join(map(str, c["extraction_ks_dropped"]))))
     for name, res in doc["probes"].items():
         s = res["summary"]
         if "skipped" in s:
@@ -152,6 +223,9 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                                  f"{_fmt(g['excess'])}; p = {g['test'].get('p_holm', g['test']['p_value']):.3g}"))
         elif name == "extraction":
             for k, g in s.get("discoverable", {}).items():
+                if g.get("skipped_short"):
+                    rows.append((name, f"skipped k={k} (shorter than k + suffix)",
+                                 f"{g['skipped_short']} documents"))
                 rows.append((name, f"exact k={k}", _fmt(g["exact"])))
                 rows.append((name, f"approx lev k={k}", _fmt(g["approx_levenshtein"])))
                 rows.append((name, f"approx bleu k={k}", _fmt(g["approx_bleu"])))

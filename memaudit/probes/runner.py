@@ -15,6 +15,7 @@ import numpy as np
 from memaudit import __version__
 from memaudit.config import ProbeConfig
 from memaudit.probes import PROBES, SCHEMA
+from memaudit.probes.context import fit_to_context, model_context
 from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 
@@ -82,6 +83,12 @@ def run_probes(
     elif model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
     codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
+    if target.kind == "model":  # an outside model: every sequence within its context
+        docs = target.members + target.nonmembers + target.heldout_user_docs
+        settings, counts = fit_to_context(settings, model_context(model),
+                                          [len(codec.encode(d.text)) for d in docs])
+        target.counts.update(counts)
+        target.seq_len = target.seq_len or counts.get("context")
     reference = load_reference(settings, codec) if settings.reference else None
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
@@ -169,7 +176,7 @@ def probe_extraction(ctx: _Context) -> dict:
 
     s, out = ctx.s, {"summary": {}, "scores": {}}
     docs = ctx.t.members[: s.extraction_max_docs]
-    if docs:
+    if docs and s.extraction_ks:  # none fit a short context: counted in probes.json's counts
         r = ex.discoverable(ctx.model, ctx.codec, docs, ks=s.extraction_ks, m=s.extraction_m,
                             batch_size=s.batch_size, n_boot=s.n_boot, seed=s.seed,
                             progress=_stage(ctx.progress, "extraction"))

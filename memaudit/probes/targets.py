@@ -13,21 +13,10 @@ from pathlib import Path
 
 from memaudit.errors import DataError, MemauditError, RunDirError
 from memaudit.io import read_json
+from memaudit.probes.inputs import DEFAULT_COLUMNS, Columns, Doc, read_docs, read_documents  # noqa: F401 - Doc, read_docs re-exported
 from memaudit.probes.loaders import Canaries, Privacy
 from memaudit.probes.sources import ADAPTER_CONFIG, TOKENIZER_FILES, ModelSource, resolve_model
 from memaudit.rundir import RunDir
-
-
-@dataclass(frozen=True)
-class Doc:
-    """One document as probed. `role`: member | holdout | heldout_user | nonmember."""
-
-    id: str
-    text: str
-    user: str | None = None
-    repeats: int = 1
-    pii: list[dict] | None = None
-    role: str = "member"
 
 
 @dataclass
@@ -110,43 +99,6 @@ def _has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in TOKENIZER_FILES)
 
 
-def read_docs(path: str | Path, role: str) -> list[Doc]:
-    """A .jsonl file ({"text", optional "id", "user", "repeats", "pii"} per line) or plain text
-    (one document per non-empty line)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"documents file '{p}' not found; pass a .jsonl or .txt file")
-    docs = []
-    lines = p.read_text(encoding="utf-8").splitlines()
-    for n, line in enumerate(lines):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise DataError(
-                    f"'{p}' line {n + 1} is not JSON; write one object per line"
-                ) from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise DataError(f"'{p}' line {n + 1} has no string 'text' field")
-            docs.append(
-                Doc(
-                    id=str(rec.get("id", f"{p.stem}:{n}")),
-                    text=rec["text"],
-                    user=None if rec.get("user") is None else str(rec["user"]),
-                    repeats=int(rec.get("repeats", 1) or 1),
-                    pii=rec.get("pii"),
-                    role=role,
-                )
-            )
-        else:
-            docs.append(Doc(id=f"{p.stem}:{n}", text=line, role=role))
-    if not docs:
-        raise DataError(f"documents file '{p}' is empty; it needs at least one document")
-    return docs
-
-
 def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
     texts = {d.text for d in members}
     both = [d.id for d in nonmembers if d.text in texts]
@@ -157,9 +109,10 @@ def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
         )
 
 
-def read_heldout_users(path: str | Path, members: list[Doc]) -> list[Doc]:
+def read_heldout_users(path: str | Path, members: list[Doc],
+                       columns: Columns = DEFAULT_COLUMNS) -> list[Doc]:
     """Documents of users the model never saw; a training user among them is refused."""
-    docs = read_docs(path, "heldout_user")
+    docs = read_documents(path, "heldout_user", columns)
     trained = {d.user for d in members}
     shared = sorted({d.user for d in docs if d.user in trained} - {None})
     if shared:
@@ -225,6 +178,7 @@ def resolve_target(
     heldout_users: str | None = None,
     out: str | None = None,
     base: str | None = None,
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> Target:
     """A `Target` from a run directory or a HF model directory; refuses bad input in one line."""
     p = Path(target)
@@ -277,11 +231,11 @@ def resolve_target(
             "model directory (config.json); pass one of those"
         )
     if members:
-        t.members = read_docs(members, "member")
+        t.members = read_documents(members, "member", columns)
     if nonmembers:
-        t.nonmembers = read_docs(nonmembers, "holdout")
+        t.nonmembers = read_documents(nonmembers, "holdout", columns)
     if heldout_users:
-        t.heldout_user_docs = read_heldout_users(heldout_users, t.members)
+        t.heldout_user_docs = read_heldout_users(heldout_users, t.members, columns)
     if members or nonmembers or heldout_users:
         check_disjoint(t.members, t.nonmembers + t.heldout_user_docs)
     if canaries:
@@ -293,4 +247,9 @@ def resolve_target(
         except ValueError:
             raise DataError(f"canaries file '{cp}' is not JSON; pass a canaries.json") from None
         t.canaries = Canaries.from_json(raw, str(cp))
+        c = t.canaries
+        if not (c.inserted or c.references or c.audit):
+            raise DataError(f"canaries file '{cp}' lists no canaries ('inserted', 'references' "
+                            "or 'audit'); see docs/canaries.schema.json and "
+                            "docs/canaries.example.json")
     return t
