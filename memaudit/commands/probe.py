@@ -86,6 +86,10 @@ def register(app: typer.Typer) -> None:
                                      "the loss-ratio attack; default: the target's base (an "
                                      "adapter's, run.json's model.init_from); 'none' for none.")
         ] = None,
+        reference_models: Annotated[
+            str | None, typer.Option(help="k >= 2 reference models trained without the "
+                                     "candidates, comma-separated: adds offline LiRA and RMIA.")
+        ] = None,
         base: Annotated[
             str | None, typer.Option(help="An adapter's base model (folder or cached hub id), "
                                      "overriding adapter_config.json's base_model_name_or_path.")
@@ -139,6 +143,8 @@ def register(app: typer.Typer) -> None:
             reference=reference,
             seed=seed,
             n_boot=bootstrap,
+            reference_models=tuple(r.strip() for r in (reference_models or "").split(",")
+                                   if r.strip()),
             **tuning,
         )
         with progress() as bar:

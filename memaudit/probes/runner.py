@@ -16,6 +16,7 @@ from memaudit import __version__
 from memaudit.config import ProbeConfig
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes.context import fit_to_context, model_context
+from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 
@@ -230,6 +231,12 @@ def probe_membership(ctx: _Context) -> dict:
                 else "the run holds no documents out (data.holdout_fraction)")
         return _skip(f"membership needs members and non-members, got {n1} and {n0}: {hint}")
     scores = {k: v[: n1 + n0] for k, v in ctx.scores().items()}
+    if ctx.s.reference_models:  # k reference models: offline LiRA and RMIA beside the ratio
+        refs = models_mean_logp(ctx.s.reference_models, ctx.codec,
+                                [d.text for d in ctx.t.members + ctx.t.nonmembers],
+                                max_tokens=ctx.s.max_tokens, batch_size=ctx.s.batch_size,
+                                device=ctx.s.device, dtype=ctx.s.dtype)
+        scores.update(reference_attacks(scores["loss"], refs))
     return run_membership(ctx.t.members, ctx.t.nonmembers, scores, n_boot=ctx.s.n_boot,
                           seed=ctx.s.seed, fprs=ctx.s.fprs)
 
