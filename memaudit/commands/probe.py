@@ -214,6 +214,12 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
         if c.get("extraction_ks_dropped"):
             rows.append(("input", "extraction prefix lengths beyond the context",
                          ", ".join(map(str, c["extraction_ks_dropped"]))))
+    shift = (doc.get("checks") or {}).get("distribution_shift")
+    if shift and shift.get("auc") is not None:
+        rows.append(("input", "blind classifier, members vs non-members on the texts alone",
+                     f"AUC {shift['auc']:.3f} (chance 0.5 ± {shift['null_sd']:.3f}, n = "
+                     f"{shift['n_members']} + {shift['n_nonmembers']} documents)"
+                     + (f"; WARNING: {shift['note']}" if shift["flagged"] else "")))
     for name, res in doc["probes"].items():
         s = res["summary"]
         if "skipped" in s:

@@ -51,6 +51,8 @@ def register(app: typer.Typer) -> None:
                     if best else "no membership attack run")
             console.print(f"target {t['id']} ({t['source']}): {what}; privacy {t['privacy']['text']}",
                           markup=False, highlight=False)
+            if (t.get("shift") or {}).get("flagged"):
+                console.print(f"  WARNING: {t['shift']['note']}", markup=False, highlight=False)
         if rep["runs"]:
             console.print(f"at matched utility: {rep['comparisons']['matched_utility']['message']}",
                           markup=False, highlight=False)

@@ -17,6 +17,7 @@ from memaudit.config import ProbeConfig
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes.context import fit_to_context, model_context
 from memaudit.probes.reference import models_mean_logp, reference_attacks
+from memaudit.probes.shift import blind_check
 from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 
@@ -90,6 +91,11 @@ def run_probes(
                                           [len(codec.encode(d.text)) for d in docs])
         target.counts.update(counts)
         target.seq_len = target.seq_len or counts.get("context")
+    checks = {}
+    if target.kind == "model" and target.members and target.nonmembers:  # before any attack
+        checks["distribution_shift"] = blind_check([d.text for d in target.members],
+                                                   [d.text for d in target.nonmembers],
+                                                   seed=settings.seed)
     reference = load_reference(settings, codec) if settings.reference else None
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
@@ -111,6 +117,7 @@ def run_probes(
             "base": target.base,
         },
         "counts": dict(target.counts),
+        "checks": checks,
         "settings": settings.model_dump(mode="json"),
         "seeds": {
             "bootstrap": settings.seed,

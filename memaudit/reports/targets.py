@@ -128,6 +128,7 @@ def target_entry(t: ProbedTarget) -> dict[str, Any]:
         "privacy": {"epsilon": UNKNOWN if t.epsilon is None else t.epsilon,
                     "unit": t.unit, "delta": t.delta, "text": t.privacy_text},
         "counts": raw.get("counts") or {},
+        "shift": (raw.get("checks") or {}).get("distribution_shift"),
         "attacks": _attacks(doc),
         "leakage": summary["leakage"],
         "probe_rows": summary["rows"],
@@ -167,9 +168,15 @@ def epsilon_of(entry: dict[str, Any]) -> float:
 def input_text(entry: dict[str, Any]) -> str:
     """What the probes left out: documents cut to the context, prefix lengths dropped."""
     c = entry.get("counts") or {}
-    if not c.get("context"):
-        return "all scored"
-    out = f"{c['documents_truncated']} of {c['documents']} documents cut to {c['context']} tokens"
+    parts = []
+    if c.get("context"):
+        parts.append(f"{c['documents_truncated']} of {c['documents']} documents cut to "
+                     f"{c['context']} tokens")
     if c.get("extraction_ks_dropped"):
-        out += f"; prefix lengths {', '.join(map(str, c['extraction_ks_dropped']))} beyond it"
-    return out
+        parts.append(f"prefix lengths {', '.join(map(str, c['extraction_ks_dropped']))} beyond it")
+    shift = entry.get("shift") or {}
+    if shift.get("flagged"):
+        parts.append(f"WARNING: {shift['note']}")
+    elif shift.get("auc") is not None:
+        parts.append(f"no distribution shift found (blind AUC {shift['auc']:.2f})")
+    return "; ".join(parts) or "all scored"
