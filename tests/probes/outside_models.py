@@ -70,13 +70,13 @@ def _train(model, tok, texts: list[str], steps: int, lr: float, seed: int) -> No
     model.eval()
 
 
-def build(root: Path, *, n: int = 40) -> Outside:
+def build(root: Path, *, n: int = 40, ft_steps: int = 150, n_public: int = 400) -> Outside:
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    public, members, nonmembers = _texts(rng, 400), _texts(rng, n), _texts(rng, n)
+    public, members, nonmembers = _texts(rng, n_public), _texts(rng, n), _texts(rng, n)
     tok = bpe_tokenizer(public)
     cfg = GPT2Config(vocab_size=len(tok), n_positions=CTX, n_embd=64, n_layer=2, n_head=4,
                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
@@ -90,7 +90,7 @@ def build(root: Path, *, n: int = 40) -> Outside:
     ft = get_peft_model(GPT2LMHeadModel.from_pretrained(base_dir),
                         LoraConfig(r=32, lora_alpha=64, target_modules=["c_attn", "c_fc", "c_proj"],
                                    fan_in_fan_out=True, task_type="CAUSAL_LM"))
-    _train(ft, tok, members, steps=150, lr=5e-3, seed=2)
+    _train(ft, tok, members, steps=ft_steps, lr=5e-3, seed=2)
     adapter_dir = root / "adapter"
     ft.save_pretrained(adapter_dir)
     merged_dir = root / "merged"
