@@ -6,7 +6,7 @@ has the >= 1000 non-members it needs, probes it with `memaudit probe` twice (--r
 and the default: the adapter's base), and prints JSON: AUC and TPR at 1% FPR of the loss attack
 and of the ratio to the base, with the wall time.
 
-    python benchmarks/outside_reference.py --n 1000 --steps 1200
+    python benchmarks/outside_reference.py --members 100 --nonmembers 1000 --steps 400
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from memaudit.cli import main  # noqa: E402
 from tests.probes.outside_models import build  # noqa: E402
 
 
-def run(n: int, steps: int) -> dict:
+def run(n: int, n_non: int, steps: int) -> dict:
     root = Path(tempfile.mkdtemp())
     t0 = time.perf_counter()
-    o = build(root, n=n, ft_steps=steps)
-    out = {"members": n, "nonmembers": n, "finetune_steps": steps,
+    o = build(root, n=n, ft_steps=steps, n_nonmembers=n_non)
+    out = {"members": n, "nonmembers": n_non, "finetune_steps": steps,
            "build_s": round(time.perf_counter() - t0, 1)}
     for label, extra in (("without_reference", ["--reference", "none"]), ("with_base", [])):
         t0 = time.perf_counter()
         p = root / f"{label}.json"
         assert main(["probe", str(o.adapter_dir), "--out", str(p), "--members", str(o.members),
                      "--nonmembers", str(o.nonmembers), "--probes", "membership", "--device",
-                     "cpu", "--bootstrap", "200", "--format", "json"]) == 0
+                     "cpu", "--bootstrap", "200"]) == 0
         s = json.loads(p.read_text())["probes"]["membership"]["summary"]
         out[label] = {a: {"auc": s[a]["auc"], "tpr_at_1pct_fpr": s[a]["tpr_at_fpr"]["0.01"]}
                       for a in s if a in ("loss", "min_k", "zlib", "reference")}
@@ -45,7 +45,8 @@ def run(n: int, steps: int) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=1000)
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--members", type=int, default=100)
+    ap.add_argument("--nonmembers", type=int, default=1000)  # TPR at 1% FPR needs >= 1000
+    ap.add_argument("--steps", type=int, default=400)
     a = ap.parse_args()
-    print(json.dumps(run(a.n, a.steps), indent=1))
+    print(json.dumps(run(a.members, a.nonmembers, a.steps), indent=1))

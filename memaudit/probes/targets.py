@@ -163,6 +163,8 @@ def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
 def _init_from(run: RunDir) -> str | None:
     """run.json's model.init_from when that checkpoint is still on disk (the default reference)."""
     m = run.read_manifest()
+    if isinstance(m, dict) and m.get("role") == "public-base":
+        return None  # the base itself: a reference to itself would score every document 0
     cfg = m.get("config") if isinstance(m, dict) else None
     model = cfg.get("model") if isinstance(cfg, dict) else None
     init = model.get("init_from") if isinstance(model, dict) else None

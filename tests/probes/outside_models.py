@@ -70,13 +70,15 @@ def _train(model, tok, texts: list[str], steps: int, lr: float, seed: int) -> No
     model.eval()
 
 
-def build(root: Path, *, n: int = 40, ft_steps: int = 150, n_public: int = 400) -> Outside:
+def build(root: Path, *, n: int = 40, ft_steps: int = 150, n_public: int = 400,
+          n_nonmembers: int | None = None) -> Outside:
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    public, members, nonmembers = _texts(rng, n_public), _texts(rng, n), _texts(rng, n)
+    public, members = _texts(rng, n_public), _texts(rng, n)
+    nonmembers = _texts(rng, n if n_nonmembers is None else n_nonmembers)
     tok = bpe_tokenizer(public)
     cfg = GPT2Config(vocab_size=len(tok), n_positions=CTX, n_embd=64, n_layer=2, n_head=4,
                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)

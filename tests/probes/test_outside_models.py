@@ -119,3 +119,16 @@ def test_model_needing_remote_code_is_refused(tmp_path, outside, capsys):
     (m / "modeling_acme.py").write_text("raise SystemExit('remote code ran')\n")
     assert main(["probe", str(m), "--out", str(tmp_path / "p.json"), *ARGS]) == 2
     assert "trust_remote_code" in _err_line(capsys)
+
+
+def test_run_names_its_init_from_as_the_default_reference(tmp_path, trained):
+    from memaudit.probes.targets import resolve_target
+
+    rd = tmp_path / "run"
+    shutil.copytree(trained.run, rd)
+    m = json.loads((rd / "run.json").read_text())
+    m.setdefault("config", {}).setdefault("model", {})["init_from"] = str(trained.init_dir)
+    (rd / "run.json").write_text(json.dumps(m))
+    assert resolve_target(rd).base == str(trained.init_dir)
+    (rd / "run.json").write_text(json.dumps({**m, "role": "public-base"}))
+    assert resolve_target(rd).base is None  # the base is not its own reference
