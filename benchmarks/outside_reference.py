@@ -7,6 +7,10 @@ and the default: the adapter's base), and prints JSON: AUC and TPR at 1% FPR of 
 and of the ratio to the base, with the wall time.
 
     python benchmarks/outside_reference.py --members 100 --nonmembers 1000 --steps 400
+
+Measured (2 shared CPU cores): loss attack AUC 0.951 [0.932, 0.967], TPR at 1% FPR 0.45
+[0.34, 0.61]; ratio to the base AUC 0.969 [0.952, 0.983], TPR at 1% FPR 0.72 [0.54, 0.87]
+(n = 100 members, 1000 non-members; 95% bootstrap intervals).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def run(n: int, n_non: int, steps: int) -> dict:
         p = root / f"{label}.json"
         assert main(["probe", str(o.adapter_dir), "--out", str(p), "--members", str(o.members),
                      "--nonmembers", str(o.nonmembers), "--probes", "membership", "--device",
-                     "cpu", "--bootstrap", "200"]) == 0
+                     "cpu", "--bootstrap", "200", *extra]) == 0
         s = json.loads(p.read_text())["probes"]["membership"]["summary"]
         out[label] = {a: {"auc": s[a]["auc"], "tpr_at_1pct_fpr": s[a]["tpr_at_fpr"]["0.01"]}
                       for a in s if a in ("loss", "min_k", "zlib", "reference")}
