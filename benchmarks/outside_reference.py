@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from memaudit.cli import main  # noqa: E402
-from tests.probes.outside_models import build  # noqa: E402
+from memaudit.cli import main
+from tests.probes.outside_models import build
 
 
 def run(n: int, n_non: int, steps: int) -> dict:
