@@ -423,9 +423,9 @@ def bench_flower(args) -> dict:
     from pathlib import Path
 
     from memaudit.config import load_config
+    from memaudit.dispatch import dispatch
     from memaudit.federated.flower.deploy import LocalFederation
     from memaudit.federated.flower.nodes import write_partitions
-    from memaudit.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     ov = ["backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=64",

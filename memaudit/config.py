@@ -439,6 +439,8 @@ class ProbeConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     batch_size: int = Field(32, ge=1, description="sequences of 128 tokens per forward pass")
     reference: str | None = Field(None, description="reference HF model directory (calibration)")
+    reference_models: tuple[str, ...] = Field(
+        (), description="k reference models trained without the candidates (offline LiRA, RMIA)")
     seed: int = Field(0, description="seed of bootstraps, permutations, sampling and candidates")
     n_boot: int = Field(1000, ge=10, description="bootstrap resamples per interval")
     fprs: tuple[float, ...] = Field((0.01, 0.001), description="FPRs of the TPR-at-FPR cells")

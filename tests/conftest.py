@@ -15,15 +15,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # session-wide capture stream, so a later test that first imports submitit under capsys (the
 # slurm executor checks) closed the session's capture and every test after it errored. Importing
 # submitit here, before jax, does its logging configuration once and first.
-import submitit  # noqa: E402,F401  (the dev extra installs it)
-
-
 # ----------------------------------------------------------------------------- training fixtures
 import contextlib as _contextlib
 import io as _io
 from pathlib import Path as _Path
 
 import pytest
+import submitit  # noqa: F401  (the dev extra installs it)
 
 REPO_ROOT = _Path(__file__).resolve().parents[1]
 

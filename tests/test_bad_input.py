@@ -44,6 +44,15 @@ def _run(ctx: dict) -> str:
     return str(ctx["run"])
 
 
+def _remote_code_model(d: Path) -> None:
+    """A model folder whose architecture exists only in its own Python file."""
+    m = d / "remote"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps({"model_type": "acme_lm", "auto_map": {
+        "AutoModelForCausalLM": "modeling_acme.AcmeLM"}}))
+    (m / "modeling_acme.py").write_text("raise SystemExit('remote code ran')\n")
+
+
 def _write(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data.encode() if isinstance(data, str) else data)
@@ -192,6 +201,22 @@ CASES = [
          needs_run=True, setup=lambda d, c: _replace_fingerprint(c)),
     Case("probe-canaries-garbage", lambda d, c: ["probe", _run(c), "--probes", "exposure"], "data",
          needs_run=True, setup=_corrupt("canaries.json", b"{not json")),
+    Case("probe-hub-not-cached", lambda d, c: ["probe", "acme/not-cached-model", "--out",
+                                                str(d / "p.json")], "hf download acme/not-cached-model"),
+    Case("probe-remote-code", lambda d, c: ["probe", str(d / "remote"), "--out", str(d / "p.json")],
+         "trust_remote_code", setup=lambda d, c: _remote_code_model(d)),
+    Case("probe-missing-column", lambda d, c: ["probe", _run(c), "--probes", "membership", "--members",
+                                               str(d / "m.csv"), "--out", str(d / "p.json")],
+         "no column 'text'", needs_run=True,
+         setup=lambda d, c: (d / "m.csv").write_text("body\nsome text\n")),
+    Case("probe-fpr-negatives", lambda d, c: ["probe", _run(c), "--probes", "membership", "--nonmembers",
+                                              str(d / "n.txt"), "--fpr", "0.01", "--out", str(d / "p.json")],
+         "needs at least 1000 non-member documents", needs_run=True,
+         setup=lambda d, c: (d / "n.txt").write_text("zq one\nzq two\nzq three\n")),
+    Case("probe-canaries-empty", lambda d, c: ["probe", _run(c), "--probes", "exposure", "--canaries",
+                                               str(d / "c.json"), "--out", str(d / "p.json")],
+         "lists no canaries", needs_run=True,
+         setup=lambda d, c: (d / "c.json").write_text('{"template": "my pin is {secret}", "secret_length": 4}')),
     # ---- report
     Case("report-missing", lambda d, c: ["report", str(d / "none"), "--out", str(d / "rep")], "none"),
     Case("report-probes-list", lambda d, c: ["report", _run(c), "--out", str(d / "rep")], "probes.json",

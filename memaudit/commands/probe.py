@@ -41,7 +41,31 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="Non-member documents (.jsonl or .txt).")
         ] = None,
         canaries: Annotated[
-            str | None, typer.Option(help="A canaries.json (template, alphabet, secrets).")
+            str | None, typer.Option(help="A canaries.json: template with {secret}, alphabet, "
+                                     "inserted/references [{id, secret}]; schema in "
+                                     "docs/canaries.schema.json, example in "
+                                     "docs/canaries.example.json.")
+        ] = None,
+        text_column: Annotated[
+            str, typer.Option(help="Column holding the text (JSONL, Parquet, CSV, dataset).")
+        ] = "text",
+        user_column: Annotated[
+            str, typer.Option(help="Column holding the user id (optional).")
+        ] = "user",
+        pii_column: Annotated[
+            str, typer.Option(help="Column holding PII spans [{type, value, start}] (optional).")
+        ] = "pii",
+        split: Annotated[
+            str, typer.Option(help="Split of a saved DatasetDict.")
+        ] = "train",
+        fpr: Annotated[
+            str | None, typer.Option(help="FPRs of the TPR cells, comma-separated (default "
+                                     "0.01,0.001); refused when the non-members are fewer "
+                                     "than 10/FPR.")
+        ] = None,
+        prefix_lengths: Annotated[
+            str | None, typer.Option(help="Extraction: prefix tokens k, comma-separated "
+                                     "(default 32,50).")
         ] = None,
         heldout_users: Annotated[
             str | None,
@@ -54,7 +78,17 @@ def register(app: typer.Typer) -> None:
                          "(default: the most every compared user has)."),
         ] = None,
         reference: Annotated[
-            str | None, typer.Option(help="Reference HF model directory for calibration.")
+            str | None, typer.Option(help="Reference model (folder, cached hub id or adapter) for "
+                                     "the loss-ratio attack; default: the target's base (an "
+                                     "adapter's, run.json's model.init_from); 'none' for none.")
+        ] = None,
+        reference_models: Annotated[
+            str | None, typer.Option(help="k >= 2 reference models trained without the "
+                                     "candidates, comma-separated: adds offline LiRA and RMIA.")
+        ] = None,
+        base: Annotated[
+            str | None, typer.Option(help="An adapter's base model (folder or cached hub id), "
+                                     "overriding adapter_config.json's base_model_name_or_path.")
         ] = None,
         device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
         dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
@@ -78,6 +112,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
+        from memaudit.probes.inputs import Columns, check_fpr_negatives
         from memaudit.probes.runner import parse_probes
         from memaudit.probes.targets import resolve_target
 
@@ -86,10 +121,18 @@ def register(app: typer.Typer) -> None:
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)
+        cols = Columns(text=text_column, user=user_column, pii=pii_column, split=split)
         t = resolve_target(
             target, members=members, nonmembers=nonmembers, canaries=canaries,
-            heldout_users=heldout_users, out=out,
+            heldout_users=heldout_users, out=out, base=base, columns=cols,
         )
+        tuning = tuning_options(fpr=fpr, prefix_lengths=prefix_lengths)
+        if fpr is not None and "membership" in names and t.nonmembers:
+            check_fpr_negatives(len(t.nonmembers), tuning["fprs"])
+        if reference is None:
+            reference = t.base  # the fine-tune's own base: the natural reference
+        elif reference.lower() == "none":
+            reference = None
         from memaudit.probes.runner import run_probes
         from memaudit.probes.scoring import resolve_device
 
@@ -111,6 +154,9 @@ def register(app: typer.Typer) -> None:
             n_boot=bootstrap,
             exposure_enumerate_max=exposure_enumerate_max,
             exposure_samples=exposure_candidates,
+            reference_models=tuple(r.strip() for r in (reference_models or "").split(",")
+                                   if r.strip()),
+            **tuning,
         )
         with progress() as bar:
             tasks: dict[str, int] = {}
@@ -130,6 +176,30 @@ def register(app: typer.Typer) -> None:
             console.print(f"probes.json written to {t.out}")
 
 
+def _numbers(spec: str, flag: str, kind) -> tuple:
+    try:
+        vals = tuple(kind(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} '{spec}' is not a comma-separated list of numbers") from None
+    if not vals:
+        raise ValueError(f"{flag} is empty; pass e.g. {flag} 0.01")
+    return vals
+
+
+def tuning_options(*, fpr: str | None, prefix_lengths: str | None) -> dict:
+    """ProbeConfig fields set by --fpr and --prefix-lengths (unset: defaults)."""
+    out: dict = {}
+    if fpr is not None:
+        out["fprs"] = _numbers(fpr, "--fpr", float)
+        if any(not 0 < f < 1 for f in out["fprs"]):
+            raise ValueError(f"--fpr '{fpr}': every FPR must lie strictly between 0 and 1")
+    if prefix_lengths is not None:
+        out["extraction_ks"] = _numbers(prefix_lengths, "--prefix-lengths", int)
+        if min(out["extraction_ks"]) < 1:
+            raise ValueError("--prefix-lengths must be positive token counts")
+    return out
+
+
 def _fmt(stat: dict | None, bound: bool = False) -> str:
     """A probes.json cell in the table's style (`memaudit.reports.cells.TERMINAL`); `bound`: the
     bucket says its value is a lower bound (canaries at the exposure estimator's ceiling)."""
@@ -142,6 +212,19 @@ def _fmt(stat: dict | None, bound: bool = False) -> str:
 def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
     """(probe, measure, value) rows of the headline numbers of a probes.json document."""
     rows = []
+    c = doc.get("counts") or {}
+    if c.get("context"):
+        rows.append(("input", (f"documents scored on their first {c['context']} tokens "
+                     "(the model's context)"), f"{c['documents_truncated']} of {c['documents']}"))
+        if c.get("extraction_ks_dropped"):
+            rows.append(("input", "extraction prefix lengths beyond the context",
+                         ", ".join(map(str, c["extraction_ks_dropped"]))))
+    shift = (doc.get("checks") or {}).get("distribution_shift")
+    if shift and shift.get("auc") is not None:
+        rows.append(("input", "blind classifier, members vs non-members on the texts alone",
+                     f"AUC {shift['auc']:.3f} (chance 0.5 ± {shift['null_sd']:.3f}, n = "
+                     f"{shift['n_members']} + {shift['n_nonmembers']} documents)"
+                     + (f"; WARNING: {shift['note']}" if shift["flagged"] else "")))
     for name, res in doc["probes"].items():
         s = res["summary"]
         if "skipped" in s:
@@ -157,6 +240,9 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                                  f"{_fmt(g['excess'])}; p = {g['test'].get('p_holm', g['test']['p_value']):.3g}"))
         elif name == "extraction":
             for k, g in s.get("discoverable", {}).items():
+                if g.get("skipped_short"):
+                    rows.append((name, f"skipped k={k} (shorter than k + suffix)",
+                                 f"{g['skipped_short']} documents"))
                 rows.append((name, f"exact k={k}", _fmt(g["exact"])))
                 rows.append((name, f"approx lev k={k}", _fmt(g["approx_levenshtein"])))
                 rows.append((name, f"approx bleu k={k}", _fmt(g["approx_bleu"])))

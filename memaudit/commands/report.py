@@ -29,6 +29,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from memaudit.commands._common import console, print_json
         from memaudit.reports.build import build_report
+        from memaudit.reports.cells import TERMINAL, format_cell
+        from memaudit.reports.targets import best_attack
         from memaudit.reports.write import rerender as do_rerender
         from memaudit.reports.write import write_report
 
@@ -43,8 +45,17 @@ def register(app: typer.Typer) -> None:
         if fmt == "json":
             print_json({"report": {k: str(v) for k, v in paths.items()}, "findings": rep["findings"]})
             return
-        console.print(f"at matched utility: {rep['comparisons']['matched_utility']['message']}",
-                      markup=False, highlight=False)
+        for t in rep.get("targets", []):
+            best = best_attack(t)
+            what = (f"strongest attack {best['attack']}, AUC {format_cell(best['auc'], TERMINAL)}"
+                    if best else "no membership attack run")
+            console.print(f"target {t['id']} ({t['source']}): {what}; privacy {t['privacy']['text']}",
+                          markup=False, highlight=False)
+            if (t.get("shift") or {}).get("flagged"):
+                console.print(f"  WARNING: {t['shift']['note']}", markup=False, highlight=False)
+        if rep["runs"]:
+            console.print(f"at matched utility: {rep['comparisons']['matched_utility']['message']}",
+                          markup=False, highlight=False)
         for f in rep["findings"]["headline"]:
             console.print(f"- {f['text']} ({f['evidence']})", markup=False, highlight=False)
         same = len(rep["findings"]["no_difference"])

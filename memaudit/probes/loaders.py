@@ -75,9 +75,12 @@ class Canaries:
 
         def canary(c: Any, i: int, part: str) -> CanaryRecord:
             where = f"{part}[{i}]."
+            secret = _need(c, "secret", str, source, where)
+            if isinstance(c, dict) and c.get("text") is None:  # the template filled in
+                c = {**c, "text": template.replace("{secret}", secret)}
             return CanaryRecord(
                 id=str(_need(c, "id", (str, int), source, where)),
-                secret=_need(c, "secret", str, source, where),
+                secret=secret,
                 text=_need(c, "text", str, source, where),
                 repetitions=int(c.get("repetitions") or 0),
                 owner_kind=c.get("owner_kind"),
@@ -94,17 +97,29 @@ class Canaries:
                 included=bool(_need(c, "included", bool, source, where)),
             )
 
+        inserted = tuple(canary(c, i, "inserted") for i, c in enumerate(obj.get("inserted") or []))
+        references = tuple(
+            canary(c, i, "references") for i, c in enumerate(obj.get("references") or []))
         return cls(
             template=template,
-            secret_length=int(_need(obj, "secret_length", int, source)),
+            secret_length=_secret_length(obj, (*inserted, *references), source),
             alphabet=str(obj.get("alphabet") or "0123456789"),
-            inserted=tuple(canary(c, i, "inserted") for i, c in enumerate(obj.get("inserted") or [])),
-            references=tuple(
-                canary(c, i, "references") for i, c in enumerate(obj.get("references") or [])
-            ),
+            inserted=inserted,
+            references=references,
             audit=tuple(audit(c, i) for i, c in enumerate(obj.get("audit") or [])),
             audit_kind=_audit_kind(obj.get("audit_kind", "secret"), source),
         )
+
+
+def _secret_length(obj: dict, records: tuple[CanaryRecord, ...], source: str) -> int:
+    """'secret_length' as given, else the one length every secret has."""
+    if "secret_length" in obj or not records:
+        return int(_need(obj, "secret_length", int, source))
+    lengths = {len(r.secret) for r in records}
+    if len(lengths) != 1:
+        raise DataError(f"{source}: secrets have lengths {sorted(lengths)}; exposure ranks a "
+                        "secret among all strings of one length: give secrets of one length")
+    return lengths.pop()
 
 
 def _audit_kind(kind: Any, source: str) -> str:

@@ -15,6 +15,10 @@ import numpy as np
 from memaudit import __version__
 from memaudit.config import ProbeConfig
 from memaudit.probes import PROBES, SCHEMA
+from memaudit.probes.context import fit_to_context, model_context
+from memaudit.probes.reference import models_mean_logp, reference_attacks
+from memaudit.probes.shift import blind_check
+from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 
 Progress = Callable[[int, int, dict], None] | None
@@ -52,16 +56,16 @@ def same_tokenizer(a, b) -> bool:
 
 
 def load_reference(settings: ProbeConfig, codec: Codec):
-    """(model, codec) of --reference; refused in one line when its tokenizer differs."""
-    from memaudit.probes.scoring import load_causal_lm
-
-    tok = load_tokenizer(settings.reference)
+    """(model, codec) of --reference (a folder, cached hub id or adapter); refused in one line
+    when its tokenizer differs."""
+    src = resolve_model(settings.reference)
+    tok = load_tokenizer(src.tokenizer_path)
     if not same_tokenizer(tok, codec.tok):
         raise ValueError(
             f"--reference '{settings.reference}' uses another tokenizer than the target, so "
             "per-token scores cannot be subtracted; pass a reference with the target's tokenizer"
         )
-    model = load_causal_lm(settings.reference, device=settings.device, dtype=settings.dtype)
+    model = load_model(src, device=settings.device, dtype=settings.dtype)
     return model, Codec(tok, start_id=codec.start[0] if codec.start else None)
 
 
@@ -76,9 +80,22 @@ def run_probes(
     """Load the model (unless given), run each selected probe, return probes.json + secrets."""
     from memaudit.probes.scoring import load_causal_lm
 
-    if model is None:
+    if model is None and target.source is not None:
+        model = load_model(target.source, device=settings.device, dtype=settings.dtype)
+    elif model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
     codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
+    if target.kind == "model":  # an outside model: every sequence within its context
+        docs = target.members + target.nonmembers + target.heldout_user_docs
+        settings, counts = fit_to_context(settings, model_context(model),
+                                          [len(codec.encode(d.text)) for d in docs])
+        target.counts.update(counts)
+        target.seq_len = target.seq_len or counts.get("context")
+    checks = {}
+    if target.kind == "model" and target.members and target.nonmembers:  # before any attack
+        checks["distribution_shift"] = blind_check([d.text for d in target.members],
+                                                   [d.text for d in target.nonmembers],
+                                                   seed=settings.seed)
     reference = load_reference(settings, codec) if settings.reference else None
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
@@ -96,7 +113,11 @@ def run_probes(
             "path": str(target.path),
             "model": str(target.model_path),
             "reference": settings.reference,
+            "source": None if target.source is None else target.source.kind,
+            "base": target.base,
         },
+        "counts": dict(target.counts),
+        "checks": checks,
         "settings": settings.model_dump(mode="json"),
         "seeds": {
             "bootstrap": settings.seed,
@@ -163,7 +184,7 @@ def probe_extraction(ctx: _Context) -> dict:
 
     s, out = ctx.s, {"summary": {}, "scores": {}}
     docs = ctx.t.members[: s.extraction_max_docs]
-    if docs:
+    if docs and s.extraction_ks:  # none fit a short context: counted in probes.json's counts
         r = ex.discoverable(ctx.model, ctx.codec, docs, ks=s.extraction_ks, m=s.extraction_m,
                             batch_size=s.batch_size, n_boot=s.n_boot, seed=s.seed,
                             progress=_stage(ctx.progress, "extraction"))
@@ -217,6 +238,12 @@ def probe_membership(ctx: _Context) -> dict:
                 else "the run holds no documents out (data.holdout_fraction)")
         return _skip(f"membership needs members and non-members, got {n1} and {n0}: {hint}")
     scores = {k: v[: n1 + n0] for k, v in ctx.scores().items()}
+    if ctx.s.reference_models:  # k reference models: offline LiRA and RMIA beside the ratio
+        refs = models_mean_logp(ctx.s.reference_models, ctx.codec,
+                                [d.text for d in ctx.t.members + ctx.t.nonmembers],
+                                max_tokens=ctx.s.max_tokens, batch_size=ctx.s.batch_size,
+                                device=ctx.s.device, dtype=ctx.s.dtype)
+        scores.update(reference_attacks(scores["loss"], refs))
     return run_membership(ctx.t.members, ctx.t.nonmembers, scores, n_boot=ctx.s.n_boot,
                           seed=ctx.s.seed, fprs=ctx.s.fprs)
 

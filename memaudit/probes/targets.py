@@ -14,22 +14,10 @@ from pathlib import Path
 from memaudit.data.prepare import verify_run_data
 from memaudit.errors import DataError, MemauditError, RunDirError
 from memaudit.io import read_json
+from memaudit.probes.inputs import DEFAULT_COLUMNS, Columns, Doc, read_docs, read_documents  # noqa: F401 - Doc, read_docs re-exported
 from memaudit.probes.loaders import Canaries, Privacy
+from memaudit.probes.sources import ADAPTER_CONFIG, TOKENIZER_FILES, ModelSource, resolve_model
 from memaudit.rundir import RunDir
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-@dataclass(frozen=True)
-class Doc:
-    """One document as probed. `role`: member | holdout | heldout_user | nonmember."""
-
-    id: str
-    text: str
-    user: str | None = None
-    repeats: int = 1
-    pii: list[dict] | None = None
-    role: str = "member"
 
 
 @dataclass
@@ -46,6 +34,9 @@ class Target:
     privacy: Privacy | None = None
     eos_id: int | None = None
     seq_len: int | None = None  # the run's training sequence length (data/meta.json)
+    source: ModelSource | None = None  # an outside model: folder, cached hub id or adapter
+    base: str | None = None  # the model this one was fine-tuned from (adapter base, init_from)
+    counts: dict = field(default_factory=dict)  # units skipped, windowed, ... (first screen)
 
 
 class Codec:
@@ -102,48 +93,11 @@ class Codec:
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def _has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in TOKENIZER_FILES)
-
-
-def read_docs(path: str | Path, role: str) -> list[Doc]:
-    """A .jsonl file ({"text", optional "id", "user", "repeats", "pii"} per line) or plain text
-    (one document per non-empty line)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"documents file '{p}' not found; pass a .jsonl or .txt file")
-    docs = []
-    lines = p.read_text(encoding="utf-8").splitlines()
-    for n, line in enumerate(lines):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise DataError(
-                    f"'{p}' line {n + 1} is not JSON; write one object per line"
-                ) from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise DataError(f"'{p}' line {n + 1} has no string 'text' field")
-            docs.append(
-                Doc(
-                    id=str(rec.get("id", f"{p.stem}:{n}")),
-                    text=rec["text"],
-                    user=None if rec.get("user") is None else str(rec["user"]),
-                    repeats=int(rec.get("repeats", 1) or 1),
-                    pii=rec.get("pii"),
-                    role=role,
-                )
-            )
-        else:
-            docs.append(Doc(id=f"{p.stem}:{n}", text=line, role=role))
-    if not docs:
-        raise DataError(f"documents file '{p}' is empty; it needs at least one document")
-    return docs
 
 
 def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
@@ -156,9 +110,10 @@ def check_disjoint(members: list[Doc], nonmembers: list[Doc]) -> None:
         )
 
 
-def read_heldout_users(path: str | Path, members: list[Doc]) -> list[Doc]:
+def read_heldout_users(path: str | Path, members: list[Doc],
+                       columns: Columns = DEFAULT_COLUMNS) -> list[Doc]:
     """Documents of users the model never saw; a training user among them is refused."""
-    docs = read_docs(path, "heldout_user")
+    docs = read_documents(path, "heldout_user", columns)
     trained = {d.user for d in members}
     shared = sorted({d.user for d in docs if d.user in trained} - {None})
     if shared:
@@ -206,6 +161,17 @@ def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
     return out["member"], unseen(out["holdout"]), unseen(out["heldout_user"])
 
 
+def _init_from(run: RunDir) -> str | None:
+    """run.json's model.init_from when that checkpoint is still on disk (the default reference)."""
+    m = run.read_manifest()
+    if isinstance(m, dict) and m.get("role") == "public-base":
+        return None  # the base itself: a reference to itself would score every document 0
+    cfg = m.get("config") if isinstance(m, dict) else None
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    init = model.get("init_from") if isinstance(model, dict) else None
+    return str(init) if isinstance(init, str) and (Path(init) / "config.json").is_file() else None
+
+
 def resolve_target(
     target: str | Path,
     *,
@@ -214,6 +180,8 @@ def resolve_target(
     canaries: str | None = None,
     heldout_users: str | None = None,
     out: str | None = None,
+    base: str | None = None,
+    columns: Columns = DEFAULT_COLUMNS,
 ) -> Target:
     """A `Target` from a run directory or a HF model directory; refuses bad input in one line."""
     p = Path(target)
@@ -243,31 +211,34 @@ def resolve_target(
             t.canaries = Canaries.from_json(read_json(run.canaries_path), str(run.canaries_path))
         if run.privacy_path.is_file():
             t.privacy = Privacy.from_json(read_json(run.privacy_path), str(run.privacy_path))
+        t.base = _init_from(run)
         meta = run.data_dir / "meta.json"
         if meta.is_file():
             meta_json = read_json(meta)
             t.eos_id = meta_json.get("eos_id")
             t.seq_len = meta_json.get("seq_len")
-    elif (p / "config.json").is_file():
-        if not _has_tokenizer(p):
+    elif (p / "config.json").is_file() or (p / ADAPTER_CONFIG).is_file() or not p.exists():
+        src = resolve_model(target, base=base)
+        if not _has_tokenizer(src.tokenizer_path):
             raise DataError(
-                f"model directory '{p}' has no tokenizer files; save the tokenizer next "
+                f"model directory '{src.path}' has no tokenizer files; save the tokenizer next "
                 "to the model (tokenizer.json)"
             )
         if out is None:
             raise MemauditError(f"target '{p}' is a model directory; pass --out for probes.json")
-        t = Target(kind="model", path=p, model_path=p, tokenizer_path=p, out=Path(out))
+        t = Target(kind="model", path=p, model_path=src.path, tokenizer_path=src.tokenizer_path,
+                   out=Path(out), source=src, base=None if src.base is None else src.base.name)
     else:
         raise MemauditError(
             f"target '{p}' is neither a memaudit run (run.json) nor a Hugging Face "
             "model directory (config.json); pass one of those"
         )
     if members:
-        t.members = read_docs(members, "member")
+        t.members = read_documents(members, "member", columns)
     if nonmembers:
-        t.nonmembers = read_docs(nonmembers, "holdout")
+        t.nonmembers = read_documents(nonmembers, "holdout", columns)
     if heldout_users:
-        t.heldout_user_docs = read_heldout_users(heldout_users, t.members)
+        t.heldout_user_docs = read_heldout_users(heldout_users, t.members, columns)
     if members or nonmembers or heldout_users:
         check_disjoint(t.members, t.nonmembers + t.heldout_user_docs)
     if canaries:
@@ -279,4 +250,9 @@ def resolve_target(
         except ValueError:
             raise DataError(f"canaries file '{cp}' is not JSON; pass a canaries.json") from None
         t.canaries = Canaries.from_json(raw, str(cp))
+        c = t.canaries
+        if not (c.inserted or c.references or c.audit):
+            raise DataError(f"canaries file '{cp}' lists no canaries ('inserted', 'references' "
+                            "or 'audit'); see docs/canaries.schema.json and "
+                            "docs/canaries.example.json")
     return t

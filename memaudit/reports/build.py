@@ -32,13 +32,16 @@ from memaudit.reports.group import group_privacy
 from memaudit.reports.literature import literature_section
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 from memaudit.reports.scale import scale_section
+from memaudit.reports.targets import find_targets, is_memaudit_run, target_comparisons, target_entry
 from memaudit.rundir import RunDir
 
 SCHEMA = "memaudit.report/1"
 
 
-def find_runs(paths: list[str | os.PathLike]) -> list[RunDir]:
-    """Run directories among `paths` (each a run, or a folder holding runs, e.g. a sweep)."""
+def find_runs(paths: list[str | os.PathLike], *, allow_none: bool = False) -> list[RunDir]:
+    """Run directories among `paths` (each a run, or a folder holding runs, e.g. a sweep); a
+    run.json that memaudit did not write (no backend, no config) marks a probed outside model
+    (`memaudit.reports.targets`), not a run."""
     runs: list[RunDir] = []
     for p in paths:
         p = Path(p)
@@ -46,14 +49,16 @@ def find_runs(paths: list[str | os.PathLike]) -> list[RunDir]:
             raise MemauditError(f"'{p}' does not exist; pass run directories written by `memaudit train`")
         rd = RunDir(p)
         if rd.is_run():
-            runs.append(rd)
+            if is_memaudit_run(p):
+                runs.append(rd)
             continue
-        found = sorted({m.parent for m in p.rglob("run.json")})
+        found = sorted({m.parent for m in p.rglob("run.json") if is_memaudit_run(m.parent)})
         runs.extend(RunDir(f) for f in found)
-    if not runs:
+    if not runs and not allow_none:
         raise MemauditError(
             f"no runs found under {', '.join(str(p) for p in paths)}; pass directories written by "
-            "`memaudit train` or `memaudit sweep`"
+            "`memaudit train` or `memaudit sweep`, or folders holding the probes.json of "
+            "`memaudit probe MODEL --out FOLDER/probes.json`"
         )
     return runs
 
@@ -317,7 +322,10 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
     """report.json's content over the runs under `paths`; `utility_tolerance` is the largest
     |log holdout-perplexity ratio| at which a centralized and a federated run count as matched."""
     check_tolerance(utility_tolerance)
-    rds = find_runs(paths)
+    rds = find_runs(paths, allow_none=True)
+    targets = [target_entry(t) for t in find_targets(paths)]
+    if not rds and not targets:
+        find_runs(paths)  # refuses, naming what to pass
     missing = [str(rd.path) for rd in rds if not rd.probes_path.is_file()]
     if missing:
         raise MemauditError(
@@ -331,6 +339,9 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
         "runs": runs,
         "comparisons": comparisons(runs, utility_tolerance=utility_tolerance),
     }
+    if targets:  # outside models: their own section, compared with each other (one Holm family)
+        report["targets"] = targets
+        report["comparisons"]["targets"] = target_comparisons(targets)
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
     if (scale := scale_section(runs)) is not None:
         report["scale"] = scale
@@ -340,6 +351,6 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
     # one Holm family over every test of the report; report.json keeps the adjusted p-values
     report = findings_mod.adjust_report(report)
     report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
-    for r in runs:
+    for r in runs + targets:
         r.pop("units", None)
     return report

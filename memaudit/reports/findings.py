@@ -52,7 +52,7 @@ def _keyed_tests(report: dict[str, Any]):
     """Every (metric, cell, test) of the report's comparisons, in a fixed order."""
     comp = report.get("comparisons", {})
     pairs = (comp.get("matched_utility") or {}).get("pairs", [])
-    for block in comp.get("matched", []) + comp.get("effects", []) + pairs:
+    for block in comp.get("matched", []) + comp.get("effects", []) + pairs + comp.get("targets", []):
         for key, cell in block.get("metrics", {}).items():
             if cell.get("test"):
                 yield key, cell, cell["test"]
@@ -74,7 +74,7 @@ def _refine_floors(report: dict[str, Any], family: int) -> None:
     alpha / (FLOOR_MARGIN * family). Only tests at their floor are re-run, so the cost stays small.
     Updates the test dicts of `report` (`adjust` hands it its own copy).
     """
-    units = {r["id"]: r.get("units") or {} for r in report.get("runs", [])}
+    units = {r["id"]: r.get("units") or {} for r in report.get("runs", []) + report.get("targets", [])}
     need = math.ceil(FLOOR_MARGIN * family / ALPHA)
     for key, _cell, t in _keyed_tests(report):
         test = Test.of(t)
@@ -129,6 +129,8 @@ def adjust(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, An
 
 
 def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
+    if "a" in cell:  # two probed targets (memaudit.reports.targets)
+        return cell["a"], cell["b"]
     if "treated" in cell:
         return cell["treated"], cell["baseline"]
     return cell["federated"], cell["parallel"]
@@ -304,6 +306,15 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def target_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Probed outside models against each other (two-sided), on the units they share."""
+    out = []
+    for block in report.get("comparisons", {}).get("targets", []):
+        a, b = block["targets"]
+        out += _sentences(block.get("metrics", {}), a, b, f"Models {a} vs {b}", "targets")
+    return out
+
+
 def audit_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The audit bound as what it is: epsilon >= X at a stated confidence, against the ledger."""
     out = []
@@ -384,7 +395,7 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
 
 
 MAX_HEADLINE = 6
-GROUP_ORDER = {"matched_utility": 0, "effect": 1, "audit": 2, "backend": 3}
+GROUP_ORDER = {"targets": -1, "matched_utility": 0, "effect": 1, "audit": 2, "backend": 3}
 
 
 def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list[dict[str, Any]]:
@@ -472,8 +483,8 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     showed no difference."""
     rep = adjust_report(report)
     family = sum(1 for _ in _all_tests(rep)) + sum(len(mod.tests_of(sec)) for mod, sec in _sections(rep))
-    sentences = (utility_findings(rep) + backend_findings(rep) + effect_findings(rep)
-                 + audit_findings(rep))
+    sentences = (target_findings(rep) + utility_findings(rep) + backend_findings(rep)
+                 + effect_findings(rep) + audit_findings(rep))
     # the sections' passing tests too: "N of M tests pass" counts over the one family
     passing = sum(s["verdict"] in ("less", "more") for s in sentences) + _section_passing(rep)
     head = headline(sentences)

@@ -14,6 +14,7 @@ import jinja2
 
 from memaudit.reports.cells import METRICS, PAGE, SHORT, fmt, format_cell
 from memaudit.reports.plots import all_plots, plot_notes
+from memaudit.reports.targets import best_attack, input_text
 
 _TEMPLATES = Path(__file__).parent / "templates"
 
@@ -45,7 +46,8 @@ def _env(autoescape: bool) -> jinja2.Environment:
         trim_blocks=False,
         lstrip_blocks=False,
     )
-    env.globals.update(fmt=fmt, cell=lambda c: format_cell(c, PAGE), test_cell=test_cell, md=md, md_text=md_text)
+    env.globals.update(fmt=fmt, cell=lambda c: format_cell(c, PAGE), test_cell=test_cell, md=md, md_text=md_text,
+                       best_attack=best_attack, input_text=input_text)
     return env
 
 

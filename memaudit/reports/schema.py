@@ -60,6 +60,27 @@ REPORT_SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        "targets": {  # probed outside models (memaudit.reports.targets)
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "source", "privacy", "attacks", "leakage", "probe_rows", "counts"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "source": {"enum": ["folder", "hub", "adapter", "unknown"]},
+                    "base": {"type": ["string", "null"]},
+                    "privacy": {
+                        "type": "object",
+                        "required": ["epsilon", "unit", "text"],
+                        "properties": {"epsilon": {"anyOf": [{"type": "number"}, {"const": "unknown"}]},
+                                       "unit": {"enum": ["example", "user", None]}},
+                    },
+                    "attacks": {"type": "array", "items": {"type": "object",
+                                                          "required": ["attack", "auc", "tpr_at_fpr"]}},
+                    "leakage": {"type": "object", "additionalProperties": _CELL},
+                },
+            },
+        },
         "comparisons": {
             "type": "object",
             "required": ["matched", "effects", "curves", "matched_utility", "frontier"],

@@ -281,3 +281,12 @@ def probed(trained):
         tokenizer=trained.tokenizer,
     )
     return done.document, init.document
+
+
+@pytest.fixture(scope="session")
+def outside(tmp_path_factory):
+    """An outside GPT-2 (byte-level BPE), its LoRA fine-tune and the merged fine-tune, built with
+    plain transformers + peft (tests/probes/outside_models.py)."""
+    from tests.probes.outside_models import build
+
+    return build(tmp_path_factory.mktemp("outside"))

@@ -1,0 +1,159 @@
+"""Members and non-members in every format a user has, canaries files, flags and their refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memaudit.cli import main
+from memaudit.probes.inputs import Columns, read_documents
+from memaudit.probes.loaders import Canaries
+
+DOCS = Path(__file__).parents[2] / "docs"
+FAST = ["--device", "cpu", "--bootstrap", "50"]
+
+
+def _err_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memaudit: error: "), err
+    return err[0]
+
+
+def _rows(n=5):
+    return [{"body": f"text number {i}", "author": f"u{i % 2}",
+             "spans": [{"type": "name", "value": f"n{i}", "start": 0}]} for i in range(n)]
+
+
+def _write_all(tmp_path: Path, rows) -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset, DatasetDict
+
+    out = {"jsonl": tmp_path / "d.jsonl", "parquet": tmp_path / "d.parquet",
+           "csv": tmp_path / "d.csv", "dataset": tmp_path / "ds", "dict": tmp_path / "dd"}
+    out["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), out["parquet"])
+    import csv
+
+    with out["csv"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["body", "author", "spans"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, "spans": json.dumps(r["spans"])})
+    Dataset.from_list(rows).save_to_disk(str(out["dataset"]))
+    DatasetDict({"members": Dataset.from_list(rows)}).save_to_disk(str(out["dict"]))
+    return out
+
+
+def test_every_format_gives_the_same_documents(tmp_path):
+    rows = _rows()
+    paths = _write_all(tmp_path, rows)
+    cols = Columns(text="body", user="author", pii="spans", split="members")
+    for fmt, p in paths.items():
+        docs = read_documents(p, "member", cols)
+        assert [d.text for d in docs] == [r["body"] for r in rows], fmt
+        assert [d.user for d in docs] == [r["author"] for r in rows], fmt
+        assert [d.pii for d in docs] == [r["spans"] for r in rows], fmt
+
+
+def test_missing_column_and_split_are_named(tmp_path):
+    from memaudit.errors import DataError
+
+    paths = _write_all(tmp_path, _rows())
+    for p in paths.values():
+        with pytest.raises(DataError, match="no column 'text'.*--text-column"):
+            read_documents(p, "member", Columns(split="members"))
+    with pytest.raises(DataError, match="no split 'train'.*members"):
+        read_documents(paths["dict"], "member", Columns(text="body"))
+
+
+def _probe(tmp_path, outside, *extra):
+    return main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "p.json"),
+                 "--members", str(outside.members), "--nonmembers", str(outside.nonmembers),
+                 *FAST, *extra])
+
+
+def test_parquet_and_dataset_members_score_as_jsonl(tmp_path, outside):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    pq.write_table(pa.Table.from_pylist([{"body": t} for t in outside.member_texts]),
+                   tmp_path / "m.parquet")
+    Dataset.from_list([{"body": t} for t in outside.nonmember_texts]).save_to_disk(
+        str(tmp_path / "n"))
+    assert main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "a.json"),
+                 "--members", str(tmp_path / "m.parquet"), "--nonmembers", str(tmp_path / "n"),
+                 "--text-column", "body", "--probes", "membership", *FAST]) == 0
+    assert _probe(tmp_path, outside, "--probes", "membership") == 0
+    a = json.loads((tmp_path / "a.json").read_text())["probes"]["membership"]["summary"]
+    b = json.loads((tmp_path / "p.json").read_text())["probes"]["membership"]["summary"]
+    assert a["loss"]["auc"]["value"] == b["loss"]["auc"]["value"]
+
+
+def test_dataset_without_the_named_column_is_one_line(tmp_path, outside, capsys):
+    assert _probe(tmp_path, outside, "--text-column", "body") == 2
+    assert "no column 'body'" in _err_line(capsys)
+
+
+def test_overlap_says_how_many(tmp_path, outside, capsys):
+    non = tmp_path / "non.txt"
+    non.write_text("\n".join(outside.member_texts[:3] + outside.nonmember_texts) + "\n")
+    rc = main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "p.json"),
+               "--members", str(outside.members), "--nonmembers", str(non), *FAST])
+    assert rc == 2 and "share 3 document(s)" in _err_line(capsys)
+
+
+def test_fpr_needs_enough_nonmembers(tmp_path, outside, capsys):
+    assert _probe(tmp_path, outside, "--probes", "membership", "--fpr", "0.001") == 2
+    line = _err_line(capsys)
+    assert "needs at least 10000 non-member documents" in line and "got 40" in line
+    assert _probe(tmp_path, outside, "--probes", "membership", "--fpr", "0.25") == 0
+    s = json.loads((tmp_path / "p.json").read_text())["probes"]["membership"]["summary"]
+    assert list(s["loss"]["tpr_at_fpr"]) == ["0.25"]
+
+
+def test_canary_example_validates_and_is_probed(tmp_path, outside):
+    import jsonschema
+
+    schema = json.loads((DOCS / "canaries.schema.json").read_text())
+    example = json.loads((DOCS / "canaries.example.json").read_text())
+    jsonschema.validate(example, schema)
+    c = Canaries.from_json(example)
+    assert c.secret_length == 4 and c.inserted[0].text == "my account number is 4829"
+    assert _probe(tmp_path, outside, "--probes", "exposure", "--canaries",
+                  str(DOCS / "canaries.example.json"), "--exposure-enumerate-max", "200", "--exposure-candidates", "200") == 0
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert "skipped" not in doc["probes"]["exposure"]["summary"]
+    assert doc["settings"]["exposure_samples"] == 200
+
+
+def test_canary_file_without_canaries_is_never_ignored(tmp_path, outside, capsys):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"template": "my pin is {secret}", "alphabet": "0123456789",
+                             "secret_length": 4}))
+    assert _probe(tmp_path, outside, "--canaries", str(f)) == 2
+    assert "lists no canaries" in _err_line(capsys)
+    with pytest.raises(Exception, match="lengths"):
+        Canaries.from_json({"template": "{secret}", "inserted": [
+            {"id": "a", "secret": "12"}, {"id": "b", "secret": "123"}]})
+
+
+def test_long_documents_fit_the_context_and_are_counted(tmp_path, outside):
+    mem = tmp_path / "m.jsonl"
+    long = " ".join(outside.member_texts[:6])  # several times the 64-token context
+    mem.write_text("".join(json.dumps({"text": t}) + "\n" for t in [long, *outside.member_texts]))
+    rc = main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "p.json"),
+               "--members", str(mem), "--nonmembers", str(outside.nonmembers), "--probes",
+               "membership,extraction", "--prefix-lengths", "8,20", *FAST])
+    assert rc == 0
+    doc = json.loads((tmp_path / "p.json").read_text())
+    c = doc["counts"]
+    assert c["context"] == 64 and c["documents_truncated"] == 1 and c["documents"] == 81
+    assert doc["settings"]["max_tokens"] == 64
+    assert c["extraction_ks_dropped"] == [20]  # 1 + 20 + 50 > 64
+    rows = doc["probes"]["membership"]["scores"]
+    assert np.isfinite([r["loss"] for r in rows]).all()

@@ -1,0 +1,47 @@
+"""The MIMIR pitfall: members and non-members from different distributions are flagged before
+any attack is read; a clean split is not."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from memaudit.cli import main
+from memaudit.probes.shift import blind_check
+from tests.probes.outside_models import WORDS
+
+
+def _docs(rng, vocab, n, words=14):
+    return [" ".join(rng.choice(vocab, words)) for _ in range(n)]
+
+
+def test_clean_splits_are_not_flagged():
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        r = blind_check(_docs(rng, WORDS, 200), _docs(rng, WORDS, 200), seed=seed)
+        assert not r["flagged"] and abs(r["auc"] - 0.5) < 4 * r["null_sd"], r
+
+
+def test_another_generator_is_flagged():
+    rng = np.random.default_rng(0)
+    later = WORDS[:250] + [f"x{i}" for i in range(50)]  # a vocabulary drift, as with later dates
+    r = blind_check(_docs(rng, WORDS, 200), _docs(rng, later, 200))
+    assert r["flagged"] and r["auc"] > 0.8 and "not memorization" in r["note"]
+    longer = blind_check(_docs(rng, WORDS, 200), _docs(rng, WORDS, 200, words=20))
+    assert longer["flagged"]  # a length shift alone
+
+
+def test_probe_warns_on_a_shifted_split(tmp_path, outside, capsys):
+    rng = np.random.default_rng(5)
+    shifted = tmp_path / "non.txt"
+    shifted.write_text("\n".join(_docs(rng, [f"y{i}" for i in range(300)], 40)) + "\n")
+    for name, non in (("clean", outside.nonmembers), ("shifted", shifted)):
+        assert main(["probe", str(outside.merged_dir), "--out", str(tmp_path / f"{name}.json"),
+                     "--members", str(outside.members), "--nonmembers", str(non),
+                     "--probes", "membership", "--device", "cpu", "--bootstrap", "50"]) == 0
+    out = capsys.readouterr().out
+    clean = json.loads((tmp_path / "clean.json").read_text())["checks"]["distribution_shift"]
+    shift = json.loads((tmp_path / "shifted.json").read_text())["checks"]["distribution_shift"]
+    assert not clean["flagged"] and shift["flagged"]
+    assert out.count("WARNING") == 1
