@@ -27,8 +27,8 @@ from typing import Any
 from memaudit.errors import MemauditError
 from memaudit.io import read_json
 from memaudit.probes.loaders import Privacy, ProbesDoc
+from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups
-from memaudit.reports.findings import METRICS, TESTABLE
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 
 PROBES = "probes.json"
