@@ -109,15 +109,16 @@ def test_differences_are_holm_adjusted_tests(study):
     report, paths = study
     sec = report["scale"]
     tested = [t for t in sec["tests"] if t["test"] is not None]
-    # 4 comparisons (2 size pairs, 2 Goldfish pairs) x 3 document metrics x 3 testable buckets
-    assert sec["family"] == len(tested) == 36
+    # 4 comparisons (2 size pairs, 2 Goldfish pairs) x 3 document metrics x 3 testable buckets,
+    # corrected in one family with the report's other tests (the literature section's trends)
+    assert len(tested) == 36 and sec["family"] == report["findings"]["tests"] == 38
     size = _test(sec, "size", "small (9M)", "tiny (1.79M)", "goldfish_exact", "8-15")["test"]
     assert size["test"] == "exact McNemar" and size["paired"] and size["n_a"] == 20
     assert size["p_value"] == pytest.approx(binomtest(16, 16, 0.5, alternative="greater").pvalue)
     # Holm: the smallest p-value of m tests is multiplied by m; adjusted p-values never decrease
     ps = sorted(t["test"]["p_value"] for t in tested)
     adj = sorted(t["test"]["p_adjusted"] for t in tested)
-    assert adj[0] == pytest.approx(min(1.0, 36 * ps[0]))
+    assert adj[0] >= min(1.0, 36 * ps[0]) and all(t["test"]["family"] == 38 for t in tested)
     assert all(a >= p for a, p in zip(adj, ps, strict=True))
     assert size["p_adjusted"] < 0.05
     assert _test(sec, "size", "small (9M)", "tiny (1.79M)", "goldfish_exact", "8-15")["verdict"] == "more"
@@ -130,7 +131,7 @@ def test_differences_are_holm_adjusted_tests(study):
     # documents seen once are never extracted by any run: nothing to claim there
     assert _test(sec, "size", "small (9M)", "tiny (1.79M)", "extraction_exact", "1")["verdict"] == (
         "no difference shown")
-    assert all("holm p" in s and "over 36 tests" in s for s in sec["sentences"])
+    assert all("holm p" in s and "over 38 tests" in s for s in sec["sentences"])
     md = paths["md"].read_text()
     assert "## Memorization against model size and Goldfish loss" in md and "n too small" in md
     assert "holm p" in md and "Goldfish protocol: m = 50 tokens" in md
