@@ -161,7 +161,7 @@ def _run_docs(run: RunDir) -> tuple[list[Doc], list[Doc], list[Doc]]:
     return out["member"], unseen(out["holdout"]), unseen(out["heldout_user"])
 
 
-def _init_from(run: RunDir) -> str | None:
+def base_reference(run: RunDir) -> str | None:
     """run.json's model.init_from when that checkpoint is still on disk (the default reference)."""
     m = run.read_manifest()
     if isinstance(m, dict) and m.get("role") == "public-base":
@@ -211,7 +211,7 @@ def resolve_target(
             t.canaries = Canaries.from_json(read_json(run.canaries_path), str(run.canaries_path))
         if run.privacy_path.is_file():
             t.privacy = Privacy.from_json(read_json(run.privacy_path), str(run.privacy_path))
-        t.base = _init_from(run)
+        t.base = base_reference(run)
         meta = run.data_dir / "meta.json"
         if meta.is_file():
             meta_json = read_json(meta)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from memaudit.config import dump_config
+from memaudit.config import ProbeConfig, dump_config
 from memaudit.io import dumps, read_json
 from memaudit.models.init import base_model_record
 from memaudit.rundir import RunDir
@@ -117,9 +117,22 @@ def probe_device(cfg: SweepConfig) -> str:
     return resolve_device("auto")
 
 
-def probe_settings(cfg: SweepConfig) -> dict[str, Any]:
-    """The probe settings a point's probes.json records (its device resolved)."""
-    return cfg.probe.model_copy(update={"device": probe_device(cfg)}).model_dump(mode="json")
+def point_probe_config(cfg: SweepConfig, rd: RunDir | None = None) -> ProbeConfig:
+    """A point's probe settings: the sweep's `probe:` section, its device resolved, and as the
+    membership reference the run's public base (`model.init_from`) unless `probe.reference`
+    names one: the fine-tune's own starting point is the cheap strong reference."""
+    update: dict[str, Any] = {"device": probe_device(cfg)}
+    if cfg.probe.reference is None and rd is not None and rd.is_run():
+        # probes.targets reads run.json only; imported here, its models' loaders stay unloaded
+        from memaudit.probes.targets import base_reference
+
+        update["reference"] = base_reference(rd)
+    return cfg.probe.model_copy(update=update)
+
+
+def probe_settings(cfg: SweepConfig, rd: RunDir | None = None) -> dict[str, Any]:
+    """The probe settings a point's probes.json records (`point_probe_config`)."""
+    return point_probe_config(cfg, rd).model_dump(mode="json")
 
 
 def probe_reason(cfg: SweepConfig, rd: RunDir) -> str | None:
@@ -132,7 +145,7 @@ def probe_reason(cfg: SweepConfig, rd: RunDir) -> str | None:
         return "its model is missing"
     if rd.probes_path.stat().st_mtime < model.stat().st_mtime:
         return "probes.json is older than the model"
-    if read_json(rd.probes_path).get("settings") != probe_settings(cfg):
+    if read_json(rd.probes_path).get("settings") != probe_settings(cfg, rd):
         return "probes.json was written under other probe settings"
     return None
 

@@ -1,4 +1,5 @@
-"""Probing a sweep point: the sweep's probe settings on a run, its probes.json written
+"""Probing a sweep point: the sweep's probe settings on a run (its public base as the membership
+reference unless `probe.reference` names one: `point.point_probe_config`), its probes.json written
 atomically; re-probed only where the one rule (`memaudit.sweep.point.probe_reason`) finds the
 stored probes.json stale. Shared by the sweep's points and its public-base reference.
 
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from memaudit.io import atomic_write_json
 from memaudit.rundir import RunDir
 from memaudit.sweep.config import SweepConfig
-from memaudit.sweep.point import probe_device, probe_reason
+from memaudit.sweep.point import point_probe_config, probe_reason
 
 Progress = Callable[[int, int, dict], None] | None
 
@@ -24,7 +25,8 @@ def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
     from memaudit.probes.scoring import resolve_device
     from memaudit.probes.targets import resolve_target
 
-    settings = cfg.probe.model_copy(update={"device": resolve_device(probe_device(cfg))})
+    settings = point_probe_config(cfg, rd)
+    settings = settings.model_copy(update={"device": resolve_device(settings.device)})
     result = run_probes(resolve_target(rd.path), settings, progress=progress)
     atomic_write_json(rd.probes_path, result.document)
 

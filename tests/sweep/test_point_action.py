@@ -13,6 +13,7 @@ once in this process). The sweep e2e test trains for real.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -214,3 +215,24 @@ def test_submitits_local_executor_gives_a_stale_complete_point_a_job(tmp_path, m
     runner._run_points(cfg, [p], tmp_path / "out", lambda i, o: outcomes.append(o), None, False)
     (o,) = outcomes
     assert (o.status, o.action) == ("failed", "trained") and "gone.jsonl" in o.error
+
+
+def test_a_point_is_probed_with_its_public_base_as_the_membership_reference(tmp_path):
+    """The fine-tune's own starting point is its reference model (the sweep used to probe every
+    point without one); a probes.json written without it is stale, and `probe.reference` wins."""
+    from memaudit.sweep.point import probe_reason, probe_settings
+
+    cfg = _sweep(tmp_path, "processes")
+    p = plan_points(cfg)[0]
+    base = Path(point_config(cfg, p).model.init_from)
+    (base / "config.json").write_text("{}")  # a model directory on disk
+    run = tmp_path / "runs" / p.name
+    _write_point(cfg, p, run, "current")
+    rd = RunDir(run)
+    assert probe_settings(cfg, rd)["reference"] == str(base)
+    assert probe_reason(cfg, rd) == "probes.json was written under other probe settings"
+    atomic_write_json(run / "probes.json", {"schema": 1, "probes": {}, "settings": probe_settings(cfg, rd)})
+    os.utime(run / "probes.json", (time.time() + 5, time.time() + 5))
+    assert probe_reason(cfg, rd) is None
+    other = cfg.model_copy(update={"probe": cfg.probe.model_copy(update={"reference": "/elsewhere"})})
+    assert probe_settings(other, rd)["reference"] == "/elsewhere"
