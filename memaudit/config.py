@@ -296,10 +296,10 @@ class PrivacyConfig(_Section):
         "the ledger marks those epsilons void against anyone who knows the seed. Default: a secret "
         "from OS entropy, kept in state/")
     mechanism: Literal["central", "distributed"] = "central"
-    unit: Literal["example", "user"] = Field(
-        "example", description="what the guarantee protects on the centralized backend: one training "
-        "sequence (example) or a user's whole contribution of up to max_examples_per_user sequences "
-        "(user); the federated backend is always user-level")
+    unit: Literal["example", "user"] | None = Field(
+        None, description="what the guarantee protects on the centralized backend: one training "
+        "sequence (example, the default) or a user's whole contribution of up to "
+        "max_examples_per_user sequences (user); the federated backend is always user-level")
     user_sampling: Literal["els", "uls"] = Field(
         "uls", description="unit=user, centralized: els = Poisson sampling of the capped examples, "
         "per-example clipping, accounted by a mixture of Gaussians; uls = Poisson sampling of users, "
@@ -520,7 +520,7 @@ class Config(_Section):
 def _check_federated_unit(p: PrivacyConfig) -> None:
     """The federated backend samples and clips users: an example-level setting is refused."""
     fields = p.model_fields_set
-    if p.unit == "example" and "unit" in fields and p.enabled:
+    if p.unit == "example" and p.enabled:
         raise ValueError("privacy.unit=example on the federated backend: DP-FedAvg protects a user's "
                          "whole contribution; drop privacy.unit or set it to user")
     if "user_sampling" in fields and p.user_sampling == "els":

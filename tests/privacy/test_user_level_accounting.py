@@ -74,10 +74,11 @@ def test_calibration_lands_within_1e3_below_the_target(algorithm):
 
 
 def test_unreachable_target_names_the_smallest_reachable_epsilon():
-    mech = els_mechanism(noise_multiplier=0.0, population=1000, expected=500, k=64)
+    # a user's 8 capped sequences sampled at q = 0.5: no sigma up to 2 reaches epsilon 0.01 in 10 steps
+    mech = els_mechanism(noise_multiplier=0.0, population=100, expected=50, k=8)
     with pytest.raises(ValueError, match=r"smallest reachable epsilon is [0-9.]+"):
-        calibrate(0.01, lambda s: mech.with_noise(s).dp_event(), steps=STEPS, delta=DELTA, accountant="pld",
-                  unit="user", max_noise_multiplier=4.0)
+        calibrate(0.01, lambda s: mech.with_noise(s).dp_event(), steps=10, delta=DELTA, accountant="pld",
+                  unit="user", max_noise_multiplier=2.0)
 
 
 def test_epsilon_cli_user_level(capsys):
