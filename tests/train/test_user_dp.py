@@ -13,15 +13,7 @@ from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.dpsgd import DPSGD
 from memaudit.train.ghost import GhostClipper, vmap_clipped_sum
 from memaudit.train.losses import causal_lm_loss_per_example
-from tests.train.test_dpsgd import _batch, _model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.train.test_dpsgd import _batch, _model, _one_thread  # noqa: F401 - the autouse one-thread fixture
 
 
 def _users_batch():
