@@ -2,9 +2,9 @@
 
 Prints JSON: total seconds, the target (quickstart: 600 s on 2 CPU cores; study: 1-2 hours),
 and per-point train+probe seconds from sweep.json, plus where the report went. After a sweep that
-succeeded it refreshes the README's figures: the report becomes docs/snapshots/NAME.report.json
+succeeded it refreshes the figures of docs/results.md and the README: the report becomes docs/snapshots/NAME.report.json
 (NAME: the config's stem, quickstart or study; with NAME.meta.json: date, command, wall time,
-cores) and `memaudit.reports.readme` rewrites the README block rendered from it
+cores) and `memaudit.reports.snapshots` rewrites the blocks rendered from it
 (`--no-snapshot` leaves both alone, e.g. for a trial config).
 
 A sweep directory given with `--keep` resumes: finished points are reused. When the points were
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--keep", default=None, help="sweep directory to keep (default: a temp dir)")
     ap.add_argument("--no-snapshot", action="store_true",
-                    help="do not refresh docs/snapshots/quickstart.* and the README block")
+                    help="do not refresh docs/snapshots/quickstart.* and the blocks of the README and docs/results.md")
     ap.add_argument("--set", action="append", default=[], help="sweep override (marks the snapshot as such)")
     ap.add_argument("--snapshot", default=None, help="snapshot name (default: the config's stem)")
     ap.add_argument("--measured-wall-s", type=float, default=None,
@@ -58,7 +58,7 @@ def main() -> None:
     snapshot = None
     report_json = out / "report" / "report.json"
     if proc.returncode == 0 and not args.no_snapshot and report_json.is_file():
-        from memaudit.reports.readme import update_readme, write_snapshot
+        from memaudit.reports.snapshots import update_docs, write_snapshot
 
         shown = " ".join(["memaudit sweep", args.config] + [f"--set {o}" for o in args.set])
         meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "command": shown,
@@ -66,7 +66,7 @@ def main() -> None:
                 "note": "; ".join(x for x in (
                     f"with overrides: not the {name} as shipped" if args.set else "", args.note) if x)}
         snapshot = str(write_snapshot(report_json, name, meta))
-        update_readme()
+        update_docs()
     print(json.dumps({
         "benchmark": "quickstart_time",
         "config": args.config,

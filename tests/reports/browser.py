@@ -22,9 +22,10 @@ def chromium_path() -> str | None:
 FIRST_SCREEN = {"width": 1280, "height": 800}
 
 
-def check_report(html_path: Path, screenshot: Path, first_screen: Path | None = None) -> dict[str, Any]:
-    """Open the report; save a full-page screenshot (and the first screen's, 1280 x 800, when
-    `first_screen` is given); return what the page did and where its answer sits."""
+def check_report(html_path: Path, screenshot: Path | None, first_screen: Path | None = None) -> dict[str, Any]:
+    """Open the report; save a full-page screenshot (unless `screenshot` is None) and the first
+    screen's, 1280 x 800, when `first_screen` is given; return what the page did and where its
+    answer sits."""
     from playwright.sync_api import sync_playwright
 
     url = html_path.resolve().as_uri()
@@ -54,7 +55,8 @@ def check_report(html_path: Path, screenshot: Path, first_screen: Path | None = 
             seen["first_screen_text"] = page.evaluate("() => document.querySelector('#answer')?.innerText || ''")
             if first_screen is not None:
                 page.screenshot(path=str(first_screen), full_page=False)
-            page.screenshot(path=str(screenshot), full_page=True)
+            if screenshot is not None:
+                page.screenshot(path=str(screenshot), full_page=True)
         finally:
             browser.close()
     seen["external_requests"] = [u for u in seen["requests"] if u != url]

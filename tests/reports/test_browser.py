@@ -42,3 +42,43 @@ def test_first_screen_answers_the_question(tmp_path, request):
     assert "At matched utility" in seen["first_screen_text"]
     assert "Findings that pass the statistical rules" in seen["first_screen_text"]
     assert shot.stat().st_size > 1000
+
+
+def test_readme_picture_is_the_quickstart_first_screen(tmp_path):
+    """docs/report-first-screen.png, shown in the README, is what Chromium draws of the first
+    screen (1280 x 800) of the quickstart snapshot's report, from today's snapshot and templates.
+    `MEMAUDIT_WRITE_GOLDEN=1` re-renders it (after a new snapshot or a template change)."""
+    import json
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    from memaudit.io import atomic_write_bytes, atomic_write_text
+    from memaudit.reports.snapshots import (
+        SCREENSHOT,
+        SCREENSHOT_META,
+        first_screen_html,
+        html_digest,
+        screenshot_stale,
+    )
+
+    html = first_screen_html()
+    page = tmp_path / "report.html"
+    page.write_text(html, encoding="utf-8")
+    shot = tmp_path / "first-screen.png"
+    seen = check_report(page, None, first_screen=shot)
+    assert seen["console_errors"] == [] and seen["page_errors"] == [] and seen["external_requests"] == []
+    assert "At matched utility" in seen["first_screen_text"]
+    if os.environ.get("MEMAUDIT_WRITE_GOLDEN") == "1":
+        atomic_write_bytes(SCREENSHOT, shot.read_bytes())
+        atomic_write_text(SCREENSHOT_META, json.dumps(
+            {"snapshot": "docs/snapshots/quickstart.report.json", "viewport": FIRST_SCREEN,
+             "html_sha256": html_digest(html)}, indent=1, sort_keys=True) + "\n")
+    fix = "re-render it: MEMAUDIT_WRITE_GOLDEN=1 python -m pytest tests/reports/test_browser.py -k picture"
+    assert not screenshot_stale(html), f"docs/report-first-screen.png shows another report; {fix}"
+    now = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int16)
+    committed = np.asarray(Image.open(SCREENSHOT).convert("RGB"), dtype=np.int16)
+    assert now.shape == committed.shape == (FIRST_SCREEN["height"], FIRST_SCREEN["width"], 3)
+    # the same HTML in the same browser: equal but for font anti-aliasing
+    assert float(np.mean(np.any(now != committed, axis=-1))) < 0.01, fix

@@ -182,7 +182,7 @@ def test_the_count_of_passing_tests_is_not_the_headline_cap():
     """Eight Goldfish effects pass (one at each of eight DP levels, eight distinct findings); the
     first screen shows six of them and says eight pass (the first version printed the headline's
     length, 6, as the number of tests that pass)."""
-    from memaudit.reports.readme import render_block
+    from memaudit.reports.snapshots import render_block
 
     runs = []
     for e in range(1, 9):
@@ -202,7 +202,7 @@ def test_one_treatment_at_several_levels_is_one_first_screen_entry():
     first screen six near-identical sentences ("with DP at epsilon = 8 leaks less ...", "= 7",
     ...) and hid the rest; now one entry names every level with its cell, and the matched-epsilon
     backend finding still gets its own line."""
-    from memaudit.reports.readme import render_block
+    from memaudit.reports.snapshots import render_block
 
     runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)})]
     runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.5, 0.02), unit="example",

@@ -94,7 +94,7 @@ def _run_dir(tmp_path, name: str, probe: dict, *, ppl: float):
 
 def test_report_and_readme_say_at_least(tmp_path, probes):
     from memaudit.reports.build import build_report
-    from memaudit.reports.readme import render_block
+    from memaudit.reports.snapshots import render_block
     from memaudit.reports.render import render_html, render_markdown
 
     report = build_report([_run_dir(tmp_path, "nodp", probes[True]["probes"]["exposure"], ppl=50.0),
