@@ -490,7 +490,7 @@ CORRECTIONS = {"holm": holm, "benjamini-hochberg": benjamini_hochberg}
 UNIT_KINDS = ("mean", "binary", "auc")
 
 
-def _aligned(a: dict, b: dict) -> tuple[list[int], list[int]] | None:
+def aligned(a: dict, b: dict) -> tuple[list[int], list[int]] | None:
     """Indices that put b's units in a's order when both runs hold exactly the same units."""
     ia, ib = [str(x) for x in a["ids"]], [str(x) for x in b["ids"]]
     if len(set(ia)) != len(ia) or set(ia) != set(ib) or len(ia) != len(ib):
@@ -517,7 +517,7 @@ def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0, n_perm: 
     floor: float | None = 1.0 / (k + 1)
     if a["kind"] != b["kind"] or a["kind"] not in UNIT_KINDS:
         raise ValueError(f"cannot compare units of kind {a['kind']} with {b['kind']}")
-    kind, al = a["kind"], _aligned(a, b)
+    kind, al = a["kind"], aligned(a, b)
     va, vb = np.asarray(a["values"], float), np.asarray(b["values"], float)
     if al is not None:
         va, vb = va[al[0]], vb[al[1]]

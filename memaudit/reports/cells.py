@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
@@ -189,6 +189,7 @@ class Test:
     correction: str | None = None
     family: int | None = None
     alpha: float | None = None
+    mde: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # when no difference is shown
 
     @classmethod
     def of(cls, d: Mapping[str, Any]) -> Test:
@@ -197,7 +198,7 @@ class Test:
                    p_value=d["p_value"], estimate=d.get("estimate", 0.0), scope=d.get("scope", "runs"),
                    statistic=d.get("statistic"), runs=tuple(runs) if runs else None, p_floor=d.get("p_floor"),
                    p_adjusted=d.get("p_adjusted"), correction=d.get("correction"), family=d.get("family"),
-                   alpha=d.get("alpha"))
+                   alpha=d.get("alpha"), mde=d.get("mde"))
 
     @property
     def sides(self) -> str:

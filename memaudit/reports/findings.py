@@ -12,7 +12,8 @@ Backends are compared three ways, all in one Holm family: at matched utility (re
 the stated perplexity tolerance, `memaudit.reports.frontier`), at matched nominal epsilon (with
 the caveat that the units differ) and as DP/Goldfish effects within a backend (with a caveat when
 the treated run learned less). The first screen (`headline`) holds at most six findings that pass
-the rules; every "no difference shown" comparison is kept as one short line (`no_difference`).
+the rules; every "no difference shown" comparison is kept as one short line (`no_difference`),
+with the smallest difference its test could have seen at 80% power (`memaudit.probes.power`).
 
 References:
   Holm. A simple sequentially rejective multiple test procedure. Scand. J. Statist. 1979.
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memaudit.probes.power import POWER, minimum_detectable_effect
 from memaudit.probes.stats import CORRECTIONS, compare_units
 from memaudit.reports import literature, scale
 from memaudit.reports.cells import (
@@ -87,6 +89,32 @@ def _refine_floors(report: dict[str, Any], family: int) -> None:
             t.update(p_value=again["p_value"], p_floor=again["p_floor"], estimate=again["estimate"])
 
 
+def _detectable(report: dict[str, Any], family: int) -> None:
+    """Beside each comparison of two runs that shows no difference, the smallest difference its
+    test could have seen with 80% power at the strictest Holm step, alpha / family (an effect that
+    size passes the correction whatever the other tests say): `test["mde"]`, from
+    `memaudit.probes.power.minimum_detectable_effect` on the same units. Tests over seeds get none
+    (their n is the seeds)."""
+    units = {r["id"]: r.get("units") or {} for r in report.get("runs", []) + report.get("targets", [])}
+    for key, cell, t in _keyed_tests(report):
+        if cell.get("verdict") != NO_DIFFERENCE or t.get("scope", "runs") != "runs" or not t.get("runs"):
+            continue
+        ua, ub = (units.get(rid, {}).get(key) for rid in t["runs"])
+        if ua and ub:
+            t["mde"] = minimum_detectable_effect(ua, ub, alternative=t["alternative"], alpha=ALPHA / family)
+
+
+def mde_text(t: Test, metric: str) -> str | None:
+    """"could have seen 0.061 AUC points" for a test that carries its minimum detectable effect."""
+    if not t.mde:
+        return None
+    v = t.mde["value"]
+    unit = t.mde.get("unit") or METRICS[metric][1]
+    if not math.isfinite(v):
+        return f"no difference within the metric's range was likely to be seen ({POWER:.0%} power)"
+    return f"could have seen {number(v)}{' ' + unit if unit else ''} ({POWER:.0%} power)"
+
+
 def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
     """The report with one correction over every test it states, as a new dict (`report` is left
     as it was): the backend comparisons, the scale section's and the literature section's tests
@@ -108,6 +136,7 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
         t.update({"p_adjusted": pa, "correction": correction, "family": family, "alpha": ALPHA})
     for cell, t in pairs:
         cell["verdict"] = verdict(Test.of(t), ALPHA)
+    _detectable(own, family)
     for mod, sec in sections:
         mod.settle(sec, family)
     return {k: v for k, v in own.items() if v is not None or k in report}
@@ -184,8 +213,9 @@ def _finding(metric: str, cell: dict[str, Any], t: Test, left: str, right: str, 
         claim = f"{context}, {scope}: {left} leaks {v} than {right} on {label}"
     else:
         claim = f"{context}, {scope}: no difference shown between {left} and {right} on {label}"
+    seen = mde_text(t, metric)
     short = (f"{context}: {left} vs {right}, {SHORT[metric]}: no difference shown (n = {t.n_a}/{t.n_b} "
-             f"{t.unit}, {t.correction.capitalize()} p = {t.p_adjusted:.2g})")
+             f"{t.unit}, {t.correction.capitalize()} p = {t.p_adjusted:.2g}{'; ' + seen if seen else ''})")
     if series:
         series = {**series, "key": (group, series["backend_label"], series["treatment"], metric, v, t.scope, t.name),
                   "treated": a, "baseline": b, "test_text": _test_core(t)}
@@ -387,11 +417,19 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
             sides.append(f"{rid} ({g}, perplexity {ppl:.4g})")
         shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair["metrics"].items()
                  if c["verdict"] in ("less", "more")]
-        n_same = sum(c["verdict"] == "no difference shown" for c in pair["metrics"].values())
-        what = "; ".join(shown + ([f"no difference shown on {n_same} metric{'s' if n_same != 1 else ''}"]
-                                  if n_same else []))
+        same = {k: c for k, c in pair["metrics"].items() if c["verdict"] == NO_DIFFERENCE}
+        seen = [f"{SHORT[k]} {_mde_short(c['test'], k)}" for k, c in same.items() if (c.get("test") or {}).get("mde")]
+        what = "; ".join(shown + ([f"no difference shown on {len(same)} metric{'s' if len(same) != 1 else ''}"
+                                   + (f" (the smallest differences these tests could have seen, {POWER:.0%} power: "
+                                      f"{', '.join(seen)})" if seen else "")] if same else []))
         out.append(f"{sides[0]} vs {sides[1]}: {what or 'not tested (no per-unit scores)'}")
     return out
+
+
+def _mde_short(test: dict[str, Any], metric: str) -> str:
+    m = test["mde"]
+    unit = m.get("unit") or METRICS[metric][1]
+    return number(m["value"]) + (f" {unit}" if unit else "") if math.isfinite(m["value"]) else "none in range"
 
 
 MAX_HEADLINE = 6

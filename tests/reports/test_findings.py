@@ -298,3 +298,36 @@ def test_verdict_is_a_function_of_the_adjusted_test():
     assert verdict(Test(alternative="two-sided", estimate=-0.1, p_adjusted=0.01, **t), 0.05) == "less"
     assert verdict(Test(alternative="less", estimate=0.1, p_adjusted=0.01, **t), 0.05) == "less"
     assert verdict(Test(alternative="less", estimate=-0.1, p_adjusted=0.05, **t), 0.05) == "no difference shown"
+
+
+def test_no_difference_says_what_difference_its_test_could_have_seen():
+    """A comparison without a finding carries its minimum detectable effect, on the same units, at
+    80% power and the strictest Holm step (alpha / family); its short line states it."""
+    from memaudit.probes.power import minimum_detectable_effect
+
+    rep = _report(_backend_pair(0.0, 0.0))
+    (s,) = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
+    assert s["verdict"] == "no difference shown"
+    (t,) = [c["test"] for m in rep["comparisons"]["matched"] for c in m["metrics"].values() if c.get("test")]
+    runs = {r["id"]: r for r in rep["runs"]}
+    ua, ub = (runs[rid]["units"]["mia_auc"] for rid in t["runs"])
+    expect = minimum_detectable_effect(ua, ub, alternative=t["alternative"], alpha=0.05 / t["family"])
+    assert t["mde"] == expect and expect["unit"] == "AUC points" and 0 < expect["value"] < 0.5
+    assert f"could have seen {findings.number(expect['value'])} AUC points (80% power)" in s["short"]
+    assert rep["findings"]["no_difference"] == [s["short"]]
+    # a comparison that shows a difference carries none
+    shown = _report(_backend_pair(0.0, 1.5))
+    assert all("mde" not in c["test"] for m in shown["comparisons"]["matched"] for c in m["metrics"].values())
+
+
+def test_the_matched_pair_line_states_the_smallest_differences_it_could_have_seen():
+    pair = {"runs": ["par", "fed"], "epsilon": [2.0, 8.0], "units": ["example", "user"], "perplexity": [100.0, 104.0],
+            "metrics": {"mia_auc": {"verdict": "no difference shown",
+                                    "test": {"mde": {"value": 0.0612, "unit": "AUC points"}}},
+                        "exposure_top": {"verdict": "no difference shown",
+                                         "test": {"mde": {"value": float("inf"), "unit": None}}},
+                        "extraction_exact": {"verdict": "less", "test": {}}}}
+    (line,) = findings.pair_lines({"comparisons": {"matched_utility": {"pairs": [pair]}}})
+    assert "federated leaks less on exact extraction" in line
+    assert ("no difference shown on 2 metrics (the smallest differences these tests could have seen, 80% power: "
+            "MIA AUC 0.0612 AUC points, exposure (top reps) none in range)") in line
