@@ -145,23 +145,24 @@ def sample_secrets(alphabet: str, length: int, n: int, seed: int) -> list[str]:
 def score_secrets(
     model, codec, template: str, secrets: list[str], *, batch_size: int, progress=None
 ) -> np.ndarray:
-    """Log-perplexity (summed NLL, nats) of the secret and whatever follows it in the template.
+    """Log-perplexity (summed NLL, nats) of the whole canary, the template with each secret, as
+    the Secret Sharer defines it: every token after the start token is scored.
 
-    The secret's span is found by character offsets: every token that overlaps the secret or
-    the text after it is scored, so a tokenizer that merges the space before the secret with
-    its first digit (GPT-2's byte-level BPE) still scores that digit.
+    The template's text around the secret is the same for every candidate, but its tokens need
+    not be: a byte-level BPE (GPT-2's) may merge the space before the secret with a first digit
+    it has seen there and keep it apart from another, so a span that starts at a token boundary
+    of one candidate's tokenization scores a token another candidate does not have. Scoring the
+    whole canary ranks every candidate on the same quantity under any tokenizer, and the same
+    quantity whichever set of candidates is scored beside it (canaries and candidates are scored
+    in separate calls). Without a start token the first token of the template is not scored: a
+    constant for every candidate unless the template starts with the secret.
     """
     from memaudit.probes.scoring import token_logprobs
 
-    prefix, suffix = template.split("{secret}")
-    seqs, starts = [], []
-    for s in secrets:
-        ids, n_prefix = codec.encode_split(prefix, s + suffix)
-        seqs.append(ids)
-        starts.append(n_prefix)
+    texts = [template.format(secret=s) for s in secrets]
+    seqs = [codec.encode(t) for t in texts]
     lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
-    # logp[i][t-1] scores token t, so tokens from n_prefix on are lp[n_prefix-1:]
-    return np.array([-lp[i][starts[i] - 1 :].sum() for i in range(len(seqs))])
+    return np.array([-lp[i].sum() for i in range(len(seqs))])
 
 
 def canary_items(canaries) -> list[tuple[dict, str]]:

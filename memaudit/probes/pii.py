@@ -151,11 +151,16 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
         prefix, suffix = d.text[: it["start"]], d.text[end : end + suffix_chars]
         cands = [it["value"]] + candidates(it["type"], it["value"], pools.get(it["type"], []),
                                            n_candidates, rng, fake, exclude)
-        for c in cands:
-            ids, n_prefix = codec.encode_split(prefix, c + suffix)
-            cut = max(0, n_prefix - context_tokens)
+        split = [codec.encode_split(prefix, c + suffix) for c in cands]
+        enc = [ids for ids, _n in split]
+        # score every candidate from the last token boundary they all share before the value (a
+        # byte-level BPE may merge the space before one value and not another), over the same
+        # context window
+        start = max(1, min(shared_prefix_len(enc), *(n for _ids, n in split)))
+        cut = max(0, start - context_tokens)
+        for ids in enc:
             seqs.append(ids[cut:])
-            starts.append(max(1, n_prefix - cut))
+            starts.append(start - cut)
             owner.append(j)
     lp = token_logprobs(model, seqs, batch_size=batch_size).logp if seqs else []
     nll = np.array([-lp[i][starts[i] - 1 :].sum() for i in range(len(seqs))])
@@ -163,6 +168,22 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
     ranks = [int(1 + (nll[owner == j][1:] < nll[owner == j][0]).sum()) for j in range(len(items))]
     counts = [int((owner == j).sum()) for j in range(len(items))]
     return PiiScores(items, extracted, ranks, counts)
+
+
+def shared_prefix_len(seqs: list[list[int]]) -> int:
+    """How many leading token ids every sequence shares.
+
+    >>> shared_prefix_len([[1, 2, 3], [1, 2, 4, 5], [1, 2]])
+    2
+    """
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return n
 
 
 def pii_result(groups: dict[str, PiiScores], *, n_boot: int = 1000, seed: int = 0) -> dict:

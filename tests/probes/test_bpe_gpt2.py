@@ -3,7 +3,10 @@
 The tokenizer merges the space before a number with its first digit (" 4" is one token), so a
 prefix/secret split that counts that token as prefix never scores the first digit, and a
 completion prompt that ends in the template's trailing space asks for a bare-space token the
-model never saw.
+model never saw. As outside tokenizers do, it merges the space with some digits only: no
+training number starts with 0, so " 0" stays two tokens (a space of its own, then the digit),
+and candidates starting with 0 split where the others merge: exposure must still rank every
+candidate on the same quantity (the whole canary's log-perplexity).
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ def gpt2():
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    filler = [f"my pin is {rng.integers(0, 1000):03d}" for _ in range(300)]
+    filler = [f"my pin is {rng.integers(100, 1000)}" for _ in range(300)]  # never a leading 0
     words = [" ".join(rng.choice(["the", "bank", "code", "call", "me", "at"], 6)) for _ in range(200)]
     tok = _tokenizer(filler + words + [TEMPLATE.format(secret=SECRET)] * 20)
     eos = tok.eos_token_id
     assert len(tok.tokenize(" 4")) == 1, "the tokenizer must merge the space with the digit"
+    assert len(tok.tokenize(" 0")) == 2, "... and keep it apart from a 0, which no number starts with"
     cfg = GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2, n_head=4,
                      bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
@@ -72,7 +76,8 @@ def gpt2():
 
 def _canaries(extra_refs: int = 30) -> Canaries:
     rng = np.random.default_rng(1)
-    refs = [f"{x:03d}" for x in rng.choice(1000, extra_refs + 1, replace=False) if f"{x:03d}" != SECRET]
+    refs = ["047", "005"] + [f"{x:03d}" for x in rng.choice(1000, extra_refs + 1, replace=False)
+                             if f"{x:03d}" not in (SECRET, "047", "005")]
     return Canaries.from_json({
         "template": TEMPLATE, "secret_length": 3, "alphabet": "0123456789",
         "inserted": [{"id": "c0", "secret": SECRET, "text": TEMPLATE.format(secret=SECRET),
@@ -105,8 +110,9 @@ def test_exposure_equals_whole_string_scoring(gpt2):
     secrets = {"c0": SECRET, **{r.id: r.secret for r in c.references}}
     for cid, s in secrets.items():
         oracle = exact_exposure(whole[[space.index(s)]], whole)[0]
-        # the prefix is scored identically for every candidate, so ranks agree exactly
-        assert by_id[cid] == pytest.approx(oracle, abs=1e-6), cid
+        # the same quantity as the whole-string oracle: ranks agree but for near-ties that float
+        # rounding of batched (padded) and one-at-a-time forward passes can flip (0.002 bits each)
+        assert by_id[cid] == pytest.approx(oracle, abs=0.05), cid
     assert by_id["c0"] > 8  # the memorised canary is near the top of 1000
 
 
