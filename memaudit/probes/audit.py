@@ -9,9 +9,23 @@ confidence 1 - p. The most any audit of m canaries can certify at the run's δ i
 r of the bound with every guess right (v = r): `audit_ceiling(m, delta, p)`. With δ = 0 and a
 fixed r that is logit(p^(1/r)) (`ceiling`).
 
+Beside that bound, from the same canary scores (`canary_estimators`):
+
+- the all-thresholds bound: an (ε, δ)-DP algorithm bounds every threshold test of "in" against
+  "out" by TPR <= e^ε FPR + δ and TNR <= e^ε FNR + δ; Clopper-Pearson bounds on the rates at every
+  threshold of the scores, Bonferroni over all of them, give a one-sided lower bound on ε at
+  confidence 1 - p (Jagielski et al. 2020's bound, over every threshold instead of one chosen);
+- the Gaussian-DP estimate: if the scores of included and excluded canaries are Gaussian with
+  one variance (the trade-off curve of μ-GDP), μ = √2 Φ⁻¹(AUC), and the ε of μ-GDP at the run's δ
+  (dp_accounting) is an *estimate*, not a bound; it is 0 when the AUC is not above chance at 95%
+  (one-sided DeLong), and its interval maps the AUC's.
+
 References:
   Steinke, Nasr, Jagielski. Privacy Auditing with One (1) Training Run. NeurIPS 2023
   (Algorithm 2 / Theorem 5.2: the p-value with the δ term).
+  Jagielski, Ullman, Oprea. Auditing Differentially Private Machine Learning: How Private is
+  Private SGD? NeurIPS 2020.
+  Dong, Roth, Su. Gaussian Differential Privacy. JRSS B 2022.
 
 >>> round(eps_lower_bound(m=1000, r=100, v=90, delta=1e-5, p=0.05), 3)
 1.626
@@ -102,6 +116,66 @@ def guesses(scores: np.ndarray, included: np.ndarray, r: int) -> tuple[int, int]
     return r, v
 
 
+def all_thresholds_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float,
+                         p: float = 0.05) -> dict:
+    """One-sided lower bound on ε at confidence 1 - p from every threshold of the scores (higher:
+    "in"), both directions, Clopper-Pearson with Bonferroni over all the one-sided bounds."""
+    from scipy.stats import beta
+
+    ins, outs = np.sort(np.asarray(in_scores, float)), np.sort(np.asarray(out_scores, float))
+    n1, n0 = len(ins), len(outs)
+    if not n1 or not n0:
+        raise ValueError("the all-thresholds bound needs included and excluded canaries")
+    thr = np.unique(np.r_[ins, outs])
+    tp = n1 - np.searchsorted(ins, thr, "left")  # scores >= t called "in"
+    fp = n0 - np.searchsorted(outs, thr, "left")
+    tn, fn = n0 - fp, n1 - tp
+    q = p / (4 * len(thr))  # two rates a direction, two directions, every threshold
+
+    def lower(k, n):
+        return np.where(k > 0, beta.ppf(q, np.maximum(k, 1), n - k + 1), 0.0)
+
+    def upper(k, n):
+        return np.where(k < n, beta.ppf(1 - q, k + 1, np.maximum(n - k, 1)), 1.0)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e1 = np.log(np.maximum(lower(tp, n1) - delta, 0)) - np.log(upper(fp, n0))
+        e2 = np.log(np.maximum(lower(tn, n0) - delta, 0)) - np.log(upper(fn, n1))
+    best = float(np.nanmax(np.r_[e1, e2, 0.0]))
+    return {"eps": max(best, 0.0), "kind": "one-sided lower bound", "confidence": 1 - p,
+            "thresholds": len(thr), "method": "all thresholds, Clopper-Pearson, Bonferroni"}
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """ε of μ-GDP at δ: the Gaussian mechanism with noise 1/μ (dp_accounting); 0 at μ = 0."""
+    import dp_accounting
+
+    if mu <= 0:
+        return 0.0
+    return float(dp_accounting.get_epsilon_gaussian(1.0 / mu, delta))
+
+
+def gdp_estimate(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float,
+                 level: float = 0.95) -> dict:
+    """The ε estimate under μ-GDP from the canaries' AUC (see the module's text), with the
+    interval the AUC's DeLong interval maps to."""
+    from scipy.stats import norm
+
+    from memaudit.probes.stats import auc_interval, auc_placements
+
+    v10, v01 = auc_placements(in_scores, out_scores)
+    auc = float(np.mean(v10))
+    lo, hi = auc_interval(v10, v01, level=1 - 2 * (1 - level))  # its lower end: one-sided at `level`
+    def mu(a: float) -> float:
+        return max(0.0, math.sqrt(2) * float(norm.ppf(min(max(a, 1e-12), 1 - 1e-12))))
+
+    above_chance = lo > 0.5
+    return {"eps": gdp_epsilon(mu(auc), delta) if above_chance else 0.0,
+            "ci_low": gdp_epsilon(mu(lo), delta), "ci_high": gdp_epsilon(mu(hi), delta),
+            "mu": mu(auc) if above_chance else 0.0, "auc": auc, "kind": "estimate",
+            "assumes": "mu-GDP: Gaussian scores of one variance", "ci_level": 1 - 2 * (1 - level)}
+
+
 def run_audit(
     scores: np.ndarray,
     included: np.ndarray,
@@ -151,6 +225,9 @@ def run_audit(
         "ledger_eps": ledger_eps,
         "n_included": int(included.sum()),
     }
+    if included.any() and (~included).any():
+        summary["all_thresholds"] = all_thresholds_bound(scores[included], scores[~included], delta=delta, p=p)
+        summary["gdp_estimate"] = gdp_estimate(scores[included], scores[~included], delta=delta, level=1 - p)
     per = [
         {"id": i, "included": bool(inc), "score": float(s)}
         for i, inc, s in zip(ids, included, scores, strict=True)

@@ -153,7 +153,8 @@ def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "ceiling": a.get("ceiling"), "n": a.get("n"), "unit": a.get("unit"),
                     "confidence": a.get("confidence"), "verdict": verdict,
                     "guesses": a.get("guesses"), "correct": a.get("correct"),
-                    "canaries": a.get("canaries", "secret"), "score": a.get("score", "mean_log_likelihood")})
+                    "canaries": a.get("canaries", "secret"), "score": a.get("score", "mean_log_likelihood"),
+                    "all_thresholds": a.get("all_thresholds"), "gdp_estimate": a.get("gdp_estimate")})
     return out
 
 
@@ -250,8 +251,23 @@ def audit_sentences(sec: dict[str, Any]) -> list[str]:
         conf = f", {a['confidence']:.0%} one-sided" if a.get("confidence") else ""
         out.append(f"{a['label']}: one-run audit lower bound epsilon >= {a['bound']:.3g} ({led}; "
                    f"n = {a['n']} {a['unit']}, {what}{guessed}{conf}; ceiling {a['ceiling']:.3g}): "
-                   f"{a['verdict']}")
+                   f"{a['verdict']}{_other_estimators(a)}")
     return out
+
+
+def _other_estimators(a: dict[str, Any]) -> str:
+    """The all-thresholds bound and the Gaussian-DP estimate beside the one-run bound, each named
+    for what it is."""
+    parts = []
+    if a.get("all_thresholds"):
+        t = a["all_thresholds"]
+        parts.append(f"all-thresholds lower bound epsilon >= {t['eps']:.3g} ({t['confidence']:.0%} one-sided, "
+                     f"Bonferroni over {t['thresholds']} thresholds)")
+    if a.get("gdp_estimate"):
+        g = a["gdp_estimate"]
+        parts.append(f"Gaussian-DP estimate epsilon = {g['eps']:.3g} [{g['ci_low']:.3g}, {g['ci_high']:.3g}] "
+                     f"(an estimate, not a bound: assumes {g['assumes']})")
+    return ("; " + "; ".join(parts)) if parts else ""
 
 
 def dp_learns_sentences(sec: dict[str, Any]) -> list[str]:

@@ -264,6 +264,7 @@ def _audit(p: ProbeSection, out: dict) -> None:
         "n": s.get("m"), "unit": "audit canaries",
         "ceiling": s.get("ceiling"), "guesses": s.get("r"), "correct": s.get("v"), "ledger_epsilon": s.get("ledger_eps"),
         "canaries": s.get("canaries", "secret"), "score": s.get("score", "mean_log_likelihood"),
+        "all_thresholds": s.get("all_thresholds"), "gdp_estimate": s.get("gdp_estimate"),
     }
     out["rows"].append({"probe": "audit", "metric": f"epsilon lower bound (r={s.get('r')}, v={s.get('v')}, p={s.get('p')})",
                         "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None})
