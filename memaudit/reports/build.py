@@ -236,12 +236,20 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- comparisons
+def _unit(r: dict[str, Any], eps: float) -> str | None:
+    """The privacy unit a DP run protects (None without DP)."""
+    return None if math.isinf(eps) else (r.get("privacy") or {}).get("unit")
+
+
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Runs by (backend, nominal epsilon, Goldfish, privacy unit): runs of one configuration
+    (seeds) pool; runs protecting different units never do."""
     g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
-        g[(r["backend"], nominal_epsilon(r), r["mitigation"]["goldfish"])].append(r)
+        eps = nominal_epsilon(r)
+        g[(r["backend"], eps, r["mitigation"]["goldfish"], _unit(r, eps))].append(r)
     return g
 
 
@@ -255,8 +263,9 @@ def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
-    for (backend, eps, gf), rs in groups.items():
-        lbl = ("centralized" if backend == "parallel" else "federated") + (" + Goldfish" if gf else "")
+    for (backend, eps, gf, unit), rs in groups.items():
+        lbl = (("centralized" if backend == "parallel" else "federated")
+               + (" (user-level DP)" if backend == "parallel" and unit == "user" else "") + (" + Goldfish" if gf else ""))
         ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
         leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
         if not ppl:
@@ -279,29 +288,37 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
     (one-sided: does the treatment leak less?), each metric with its test; and the frontier."""
     groups = _groups(runs)
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
+
+    def backend_cell(par: list, fed: list, key: str) -> dict | None:
+        pa, pf = pool([r["leakage"].get(key) for r in par]), pool([r["leakage"].get(key) for r in fed])
+        if not (pa and pf):
+            return None
+        return {"parallel": pa, "federated": pf, "verdict": "not tested",
+                "test": compare_groups(fed, par, key, "two-sided")}
+
     matched = []
-    for eps in sorted({k[1] for k in groups}):
-        a, b = groups.get(("parallel", eps, False)), groups.get(("federated", eps, False))
-        if not a or not b:
+    # each federated group against every centralized group at its nominal epsilon: per user
+    # (equal guarantees) first, per example (units differ) after
+    for (backend, eps, gf, unit), fed in sorted(groups.items(), key=lambda kv: (kv[0][1], str(kv[0][3]))):
+        if backend != "federated" or gf:
             continue
-        cells = {}
-        for key in metrics:
-            pa = pool([r["leakage"].get(key) for r in a])
-            pf = pool([r["leakage"].get(key) for r in b])
-            if pa and pf:
-                cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
-                              "test": compare_groups(b, a, key, "two-sided")}
-        matched.append({"epsilon": eps, "metrics": cells,
-                        "perplexity": {"parallel": _mean_ppl(a), "federated": _mean_ppl(b)}})
+        cands = [(u, rs) for (bk, e, g, u), rs in groups.items() if bk == "parallel" and e == eps and not g]
+        for par_unit, par in sorted(cands, key=lambda c: (c[0] != unit, str(c[0]))):
+            cells = {k: c for k in metrics if (c := backend_cell(par, fed, k))}
+            matched.append({"epsilon": eps, "units": {"parallel": par_unit, "federated": unit},
+                            "equal_guarantee": par_unit == unit, "metrics": cells,
+                            "perplexity": {"parallel": _mean_ppl(par), "federated": _mean_ppl(fed)}})
     effects = []
-    for (backend, eps, gf), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (backend, eps, gf, unit), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], str(kv[0][3]))):
         label = "centralized" if backend == "parallel" else "federated"
+        if backend == "parallel" and unit == "user":
+            label += " (user-level DP)"
         base = None
         if gf:
-            base, name = groups.get((backend, eps, False)), "Goldfish loss"
+            base, name = groups.get((backend, eps, False, unit)), "Goldfish loss"
             label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
         elif not math.isinf(eps):
-            base, name = groups.get((backend, math.inf, False)), f"DP at epsilon = {eps:g}"
+            base, name = groups.get((backend, math.inf, False, None)), f"DP at epsilon = {eps:g}"
         if not base:
             continue
         cells = {}
@@ -312,7 +329,8 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
                 cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
                               "test": compare_groups(rs, base, key, "less")}
         effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
-                        "metrics": cells, "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
+                        "unit": unit, "metrics": cells,
+                        "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
     return {"matched": matched, "effects": effects, "curves": _curves(groups, runs),
             "matched_utility": matched_utility(runs, utility_tolerance), "frontier": frontier(runs)}
 

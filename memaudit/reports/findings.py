@@ -284,18 +284,24 @@ UNIT_CAVEAT = ("units differ: centralized epsilon protects one training sequence
 
 
 def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Federated vs centralized at each matched epsilon (two-sided)."""
+    """Federated vs centralized at each matched epsilon (two-sided): at equal guarantees where the
+    centralized runs protect users too, with the units caveat where they protect sequences."""
     out = []
     for m in report.get("comparisons", {}).get("matched", []):
         ppl = m.get("perplexity") or {}
+        eps = m.get("epsilon", math.inf)
+        units = m.get("units") or {"parallel": "example", "federated": "user"}  # reports before units
+        same = math.isinf(eps) or units.get("parallel") == units.get("federated")
 
-        def cav(verdict: str, ppl: dict = ppl, eps: float = m.get("epsilon", math.inf)) -> str | None:
+        def cav(verdict: str, ppl: dict = ppl, same: bool = same) -> str | None:
             u = _utility_caveat((ppl.get("federated"), ppl.get("parallel")), ("federated", "centralized"),
                                 _tolerance(report), verdict)
-            return u if math.isinf(eps) else UNIT_CAVEAT + ("; " + u if u else "")
+            return u if same else UNIT_CAVEAT + ("; " + u if u else "")
 
-        out += _sentences(m.get("metrics", {}), "federated", "centralized",
-                          f"At {_fmt_eps(m.get('epsilon'))}", "backend", cav)
+        where = _fmt_eps(eps) + ("" if math.isinf(eps) else
+                                 f" per {units['federated']} on both sides" if same else
+                                 f" ({units.get('parallel')} vs {units.get('federated')} units)")
+        out += _sentences(m.get("metrics", {}), "federated", "centralized", f"At {where}", "backend", cav)
     return out
 
 

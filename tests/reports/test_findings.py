@@ -331,3 +331,25 @@ def test_the_matched_pair_line_states_the_smallest_differences_it_could_have_see
     assert "federated leaks less on exact extraction" in line
     assert ("no difference shown on 2 metrics (the smallest differences these tests could have seen, 80% power: "
             "MIA AUC 0.0612 AUC points, exposure (top reps) none in range)") in line
+
+
+def test_centralized_per_user_meets_federated_at_equal_guarantees_and_never_pools_with_per_example():
+    """Centralized DP-SGD at epsilon 8 per example and per user, federated at 8 per user: two
+    comparisons, the per-user one first and at equal guarantees (no units caveat); the two
+    centralized configurations are never pooled as seeds of one; each has its own DP effect."""
+    runs = [
+        run("par-inf", "parallel", math.inf, mia=cell(0.7, 0.05), units={"mia_auc": auc_units(1.0, seed=1)}),
+        run("par-ex", "parallel", 8.0, mia=cell(0.5, 0.05), unit="example", units={"mia_auc": auc_units(0.0, seed=2)}),
+        run("par-user", "parallel", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=3)}),
+        run("fed-user", "federated", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=4)}),
+    ]
+    rep = _report(runs)
+    matched = rep["comparisons"]["matched"]
+    assert [(m["units"]["parallel"], m["equal_guarantee"]) for m in matched] == [("user", True), ("example", False)]
+    assert [m["metrics"]["mia_auc"]["test"]["runs"] for m in matched] == [["fed-user", "par-user"], ["fed-user", "par-ex"]]
+    sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
+    equal, differ = (next(s for s in sents if n in s["text"]) for n in ("per user on both", "example vs user units"))
+    assert equal["caveat"] is None or "units differ" not in equal["caveat"]
+    assert "units differ" in differ["caveat"]
+    effects = {(e["backend_label"], e["unit"]) for e in rep["comparisons"]["effects"]}
+    assert effects == {("centralized", "example"), ("centralized (user-level DP)", "user")}
