@@ -21,7 +21,7 @@ weight 1 (for ``mean_aggregator()`` this is the mean over survivors).
 
 An abort never raises out of the round: a cohort below ``min_survivors`` (a cohort of one
 would be unmasked as that client's update), a threshold the real holder counts cannot
-support, too few answers to unmask, or (malicious-server mode) a detected attack give a
+support, too few answers to unmask, or (malicious-server mode, the default) a detected attack give a
 zero update and ``secagg_aborted = 1``; the algorithm then applies nothing (algorithms.py)
 and the base aggregator's state does not move. ``secagg_aborted`` and ``survivors`` are
 statistics of the private cohort (sensitive, not public metrics).
@@ -48,7 +48,7 @@ from memaudit.federated.client_ops import flatten_clients, slot_seed
 from memaudit.federated.secagg.graph import sparse_degree
 from memaudit.federated.secagg.messages import SecAggAbort
 from memaudit.federated.secagg.pki import KeyRing
-from memaudit.federated.secagg.policy import Policy
+from memaudit.federated.secagg.policy import DEFAULT_MODE, Policy
 from memaudit.federated.secagg.protocol import Dropouts
 from memaudit.federated.secagg.quantise import (
     ENCODE_CHUNK,
@@ -116,7 +116,7 @@ def _check_keys(keys: KeyRing, n: int) -> None:
 def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                        neighbours: str = "full", bits: int = 20, dropout_rate: float = 0.0,
                        seed: int | None = None, degree: int | None = None, colluding: int = 0,
-                       min_survivors: int = 3, mode: str = "honest_but_curious",
+                       min_survivors: int = 3, mode: str = DEFAULT_MODE,
                        keys: KeyRing | None = None) -> Aggregator:
     """Wrap ``base`` so that the server only sees the survivors' securely aggregated sum.
 
@@ -135,9 +135,10 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         degree: SecAgg+ degree (default O(log n), see :func:`sparse_degree`).
         colluding: n_C, clients that may collude with the server (policy.py).
         min_survivors: a round with fewer survivors aborts.
-        mode: "honest_but_curious" or "malicious" (complete graph, signatures, consistency check).
-        keys: the clients' Ed25519 keys for the malicious mode; default: generated here, outside
-            the server, for the cohort slots as they appear.
+        mode: "malicious" (default: signatures, views, consistency check) or
+            "honest_but_curious" (no signatures; not safe against a server that forks lists).
+        keys: the clients' Ed25519 keys for the malicious mode; default: generated here, on the
+            clients' side (the server object never holds them), for the cohort slots as they appear.
 
     Returns:
         An :class:`Aggregator` (``jittable=False``) with metrics ``secagg_aborted`` (0/1),
@@ -152,10 +153,6 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
     quantisation_scale(clip, bits, 1)  # validate early
     policy = Policy(threshold=threshold, colluding=colluding, min_survivors=min_survivors, mode=mode)
     if policy.malicious:
-        if neighbours == "sparse":
-            raise ValueError("the malicious-server mode runs on the complete graph; set neighbours to "
-                             "'full' or 'auto'")
-        neighbours = "full"
         keys = keys if keys is not None else KeyRing.generate(())  # held by the clients' side
 
     def init(params):

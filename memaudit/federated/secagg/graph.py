@@ -19,6 +19,22 @@ def sparse_degree(n: int) -> int:
     return min(n - 1, k)
 
 
+GRAPH_KINDS = ("full", "sparse")
+
+
+def neighbours_of(i: int, n: int, kind: str = "full", *, seed: int = 0,
+                  degree: int | None = None) -> frozenset[int]:
+    """Client ``i``'s neighbour set in :func:`neighbours` (n, kind, seed, degree), computed
+    alone: what a client recomputes to check the keys the server sent it.
+
+    >>> sorted(neighbours_of(0, 3))
+    [1, 2]
+    """
+    if kind == "full" or (kind == "sparse" and (sparse_degree(n) if degree is None else degree) >= n - 1):
+        return frozenset(j for j in range(n) if j != i)
+    return neighbours(n, kind, seed=seed, degree=degree)[i]
+
+
 def neighbours(n: int, kind: str = "full", *, seed: int = 0, degree: int | None = None) -> list[frozenset[int]]:
     """Neighbour sets (excluding self) for clients 0..n-1.
 
