@@ -107,7 +107,7 @@ def test_remote_secure_sum_equals_in_jax_and_the_integer_oracle():
     assert float(remote.metrics["survivors"]) == N and remote.metrics["secagg_aborted"] == 0
     assert remote.metrics["secagg_bytes_up"] == local.metrics["secagg_bytes_up"]
     assert sorted(step for step, _ in nodes.replies) == sorted(
-        ["advertise", "shares", "masked", "unmask"] * len(HOSTS))
+        ["advertise", "shares", "masked", "check", "unmask"] * len(HOSTS))  # default mode: signed
 
 
 def test_no_unmasked_row_reaches_the_server():
@@ -190,7 +190,7 @@ def test_dp_fedavg_adaptive_over_remote_rows_equals_in_jax():
         assert float(local.metrics[k]) == float(remote.metrics[k])
     norms = np.sqrt(sum((x.reshape(N, -1).astype(np.float64) ** 2).sum(1) for x in deltas.values()))
     assert float(remote.metrics["clip_fraction"]) == pytest.approx(np.mean(norms > 1.25), rel=1e-6)
-    assert {s for s, _ in nodes.replies} == {"advertise", "shares", "masked", "unmask"}  # no count sent
+    assert {s for s, _ in nodes.replies} == {"advertise", "shares", "masked", "check", "unmask"}  # no count
 
 
 def test_adaptive_count_is_over_the_survivors_and_never_sent_alone():

@@ -137,23 +137,28 @@ class Client:
     def state_dict(self) -> dict:
         """The client's whole round state (its secret keys included) as plain data, for a
         runtime that runs each protocol step in a new process (a Flower ClientApp keeps it on
-        its node, `memaudit.federated.secagg.remote`). Honest-but-curious mode only: a signing
-        key ring is not part of it."""
-        if self._ring is not None:
-            raise ValueError("a malicious-mode client's state holds its signing keys; it is not saved")
+        its node, `memaudit.federated.secagg.remote`). In the malicious-server mode it holds
+        this client's signing key and the verification keys it knows (``ring``)."""
         p = self.policy
-        return {"cid": self.cid, "round_id": self.round_id, "t": self._t, "stage": self._stage,
-                "policy": [p.threshold, p.colluding, p.min_survivors, p.mode],
-                "c_sk": priv_bytes(self._c_sk), "s_sk": priv_bytes(self._s_sk), "b": self._b,
-                "keys": {j: list(k) for j, k in self._keys.items()}, "held": dict(self._held),
-                "u2": sorted(self._u2)}
+        d = {"cid": self.cid, "round_id": self.round_id, "t": self._t, "stage": self._stage,
+             "policy": [p.threshold, p.colluding, p.min_survivors, p.mode],
+             "c_sk": priv_bytes(self._c_sk), "s_sk": priv_bytes(self._s_sk), "b": self._b,
+             "keys": {j: list(k) for j, k in self._keys.items()}, "held": dict(self._held),
+             "u2": sorted(self._u2), "view": self._view, "cohort": self._cohort,
+             "u3": None if self._u3 is None else sorted(self._u3)}
+        if self._ring is not None:
+            signing, verifying = self._ring.raw()
+            d["ring"] = [{self.cid: signing[self.cid]}, verifying]
+        return d
 
     @classmethod
     def from_state_dict(cls, d: dict) -> Client:
         """The client `state_dict` saved (the AEAD keys are re-derived from the saved keys)."""
         th, col, ms, mode = d["policy"]
+        ring = KeyRing.from_raw(*d["ring"]) if d.get("ring") is not None else None
         c = cls(int(d["cid"]), round_id=int(d["round_id"]),
-                policy=Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode))
+                policy=Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode),
+                keys=ring)
         c._t, c._stage = int(d["t"]), int(d["stage"])
         c._c_sk = X25519PrivateKey.from_private_bytes(bytes(d["c_sk"]))
         c._s_sk = X25519PrivateKey.from_private_bytes(bytes(d["s_sk"]))
@@ -161,7 +166,14 @@ class Client:
         c._keys = {int(j): (bytes(k[0]), bytes(k[1])) for j, k in d["keys"].items()}
         c._held = {int(j): bytes(v) for j, v in d["held"].items()}
         c._u2 = frozenset(int(j) for j in d["u2"])
+        c._view, c._cohort = bytes(d.get("view", bytes(VIEW_BYTES))), int(d.get("cohort", 0))
+        c._u3 = None if d.get("u3") is None else frozenset(int(j) for j in d["u3"])
         return c
+
+    @property
+    def ring(self) -> KeyRing | None:
+        """The Ed25519 key ring this client signs and verifies with (malicious mode)."""
+        return self._ring
 
     def _header(self, typ: MsgType) -> Header:
         return Header(typ, self.round_id, self.cid, SERVER)
