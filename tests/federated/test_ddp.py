@@ -108,12 +108,30 @@ def test_noise_std_distributed_matches_configuration():
     assert got == pytest.approx(want, rel=0.05)  # 4000 draws: relative std error 1.1%
 
 
-def test_secure_and_plain_sum_agree_and_dropouts_lose_noise(client_deltas):
+def replay_client_secrets(monkeypatch):
+    """Make the clients' own noise secrets (fresh OS entropy) replay one sequence from each call
+    on, so two runs of one round draw the same noise shares (for comparing code paths)."""
+    import hashlib
+    import itertools
+
+    from memaudit.federated import client_ops
+
+    def restart():
+        counter = itertools.count()
+        monkeypatch.setattr(client_ops, "fresh_secret",
+                            lambda: hashlib.sha256(str(next(counter)).encode()).digest())
+    return restart
+
+
+def test_secure_and_plain_sum_agree_and_dropouts_lose_noise(client_deltas, monkeypatch):
     n = 12
     kw = {"clip": 1.0, "noise_multiplier": 0.5, "expected_cohort": n, "seed": 3}
     a = ddp.distributed_dp(secure=True, **kw)
     b = ddp.distributed_dp(secure=False, **kw)
+    restart = replay_client_secrets(monkeypatch)
+    restart()
     ra = a.aggregate(client_deltas, jnp.ones(n), a.init(None), jax.random.key(4))
+    restart()
     rb = b.aggregate(client_deltas, jnp.ones(n), b.init(None), jax.random.key(4))
     np.testing.assert_array_equal(np.asarray(ra.update), np.asarray(rb.update))
     c = ddp.distributed_dp(secure=False, dropout_rate=0.4, **kw)

@@ -212,15 +212,20 @@ def test_adaptive_count_is_over_the_survivors_and_never_sent_alone():
     assert not any("count" in r for _, r in nodes.replies)
 
 
-def test_distributed_dp_over_remote_rows_equals_in_jax():
+def test_distributed_dp_over_remote_rows_equals_in_jax(monkeypatch):
     """Distributed DP: each node rotates, rounds and adds its users' discrete-Gaussian noise
-    shares; the decoded estimate equals the in-JAX aggregator's."""
+    shares (from each client's own secret, replayed here so both paths draw the same); the
+    decoded estimate equals the in-JAX aggregator's."""
     from memaudit.federated.ddp import distributed_dp
+    from tests.federated.test_ddp import replay_client_secrets
 
     deltas, key = _deltas(6), jax.random.key(12)
     agg = distributed_dp(clip=1.0, noise_multiplier=0.8, expected_cohort=N, bits=20, seed=3)
+    restart = replay_client_secrets(monkeypatch)
+    restart()
     local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), jnp.ones(N), agg.init(None), key)
     rows, _ = _remote(deltas)
+    restart()
     remote = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
     assert np.array_equal(_flat(local.update), _flat(remote.update))
     assert float(remote.metrics["survivors"]) == N

@@ -144,7 +144,8 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         An :class:`Aggregator` (``jittable=False``) with metrics ``secagg_aborted`` (0/1),
         ``survivors``, ``cohort``, and for a completed round ``secagg_bits``,
         ``secagg_degree``, ``secagg_bytes_up``, ``secagg_bytes_down``, ``secagg_norm_bound``
-        (the L2 bound of one decoded contribution: the sensitivity, = clip).
+        (the L2 bound of one decoded contribution: the sensitivity, = the smaller of ``clip`` and
+        the clip the rows were clipped to this round).
     """
     if neighbours not in ("full", "sparse", "auto"):
         raise ValueError(f"neighbours must be 'full', 'sparse' or 'auto', got {neighbours!r}")
@@ -166,9 +167,13 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         if n < policy.min_survivors:  # a cohort of one would be unmasked as its own update
             return _aborted(updates, state, n, n)
         dim = updates.dim
-        scale, b = quantisation_scale(clip, bits, n)
+        # the sensitivity: the clip the rows were clipped to this round (DP-FedAvg's, adaptive
+        # or not) when below ``clip``; quantising against a larger one lets the rounding lift one
+        # row above the clip the noise is calibrated to (issue 29, Found-4)
+        bound = clip if updates.clip_bound is None else min(float(clip), float(updates.clip_bound))
+        scale, b = quantisation_scale(bound, bits, n)
         # pure and cheap (closed form): recomputed every round rather than cached
-        encoding = SecAggEncoding(float(clip), float(scale), check_bits(clip, b, dim, cohort=n))
+        encoding = SecAggEncoding(float(bound), float(scale), check_bits(bound, b, dim, cohort=n))
         # one generator per slot, derived one-way from the round key: a node reproduces its
         # own users' rounding without the key; the server's draws (dropouts, graph) use server_rng
         seeds = [slot_seed(key, seed, rnd, int(s)) for s in present]
@@ -193,7 +198,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         metrics.update(secagg_aborted=0, survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
-                       secagg_norm_bound=float(clip))
+                       secagg_norm_bound=float(bound))
         if updates.counted:  # the survivors' indicators, summed under the masks
             metrics["within_clip"] = jnp.float32(int(result.total[dim]))
         return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)

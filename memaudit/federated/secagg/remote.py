@@ -139,6 +139,10 @@ class ClientRows(ClientUpdates):
     def counted(self) -> bool:
         return self.step.count is not None
 
+    @property
+    def clip_bound(self) -> float | None:
+        return min(self.step.clips) if self.step.clips else None
+
     def clipped(self, clip: Any, *, count: bool = False) -> ClientRows:
         """These rows, each scaled on its node to global L2 norm <= ``clip``; with ``count``
         each row also carries 1[norm <= clip] into the secure sum."""
