@@ -300,8 +300,27 @@ def ddp_encode(rows: np.ndarray, spec: DDGEncoding | dict, rngs: list[np.random.
     return enc.encode(rows, rngs)
 
 
-__all__ = ["SLOT_SALT", "ClientStep", "DDGEncoding", "Encoding", "clip_deltas", "conditional_round",
-           "ddp_encode", "encode_rows", "flatten_clients", "global_norms", "hadamard", "padded_dim",
-           "fresh_secret", "rotate", "sample_discrete_gaussian", "secret_rng", "slot_rng", "slot_seed",
-           "stochastic_round",
-           "unrotate", "with_bits", "within"]
+__all__ = [
+    "SLOT_SALT",
+    "ClientStep",
+    "DDGEncoding",
+    "Encoding",
+    "clip_deltas",
+    "conditional_round",
+    "ddp_encode",
+    "encode_rows",
+    "flatten_clients",
+    "fresh_secret",
+    "global_norms",
+    "hadamard",
+    "padded_dim",
+    "rotate",
+    "sample_discrete_gaussian",
+    "secret_rng",
+    "slot_rng",
+    "slot_seed",
+    "stochastic_round",
+    "unrotate",
+    "with_bits",
+    "within",
+]
