@@ -209,6 +209,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
 __all__ = [
     "ENCODE_CHUNK",
     "SecAggState",
+    "abort_bit_epsilon",
     "check_secagg_config",
     "decode",
     "encode",
@@ -249,6 +250,17 @@ def check_secagg_config(cfg, *, dim: int | None = None) -> None:
             check_bits(clip, quantisation_scale(clip, sa.bits, n)[1], dim, cohort=n)
     except ValueError as e:
         raise ConfigError(f"privacy.secure_aggregation: {e}") from None
+
+
+def abort_bit_epsilon(cfg, population: int) -> float:
+    """Pure ε per round of whether a secure-aggregation round aborted, for a
+    :class:`memaudit.config.Config` and its population (`memaudit.privacy.aborts`): the floor
+    min_survivors and, with simulated dropouts, the holder threshold of the complete graph."""
+    from memaudit.privacy.aborts import abort_epsilon
+
+    sa, f = cfg.privacy.secure_aggregation, cfg.federated
+    return abort_epsilon(population=int(population), cohort=float(f.cohort), min_survivors=int(sa.min_survivors),
+                         sampling=f.sampling, dropout=float(sa.dropout), threshold=float(sa.threshold))
 
 
 def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = None) -> Aggregator:
