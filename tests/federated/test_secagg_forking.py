@@ -173,3 +173,13 @@ def test_a_holder_shown_another_cohort_aborts_before_masking():
         server.receive_shares(c.share_keys(server.keys_for(c.cid)))
     with pytest.raises(InconsistencyDetected, match="inconsistent views"):
         clients[1].masked_input(server.forward_for(1), np.zeros(D, np.uint32))
+
+
+def test_a_client_recomputes_its_own_neighbours_as_the_graph_draws_them():
+    """The view check rests on `neighbours_of` (one client's set, computed alone) agreeing
+    with the graph the server draws."""
+    from memaudit.federated.secagg.graph import neighbours_of
+
+    for n, kind, degree in [(16, "sparse", 8), (40, "sparse", None), (33, "sparse", 4), (6, "full", None)]:
+        graph = neighbours(n, kind, seed=11, degree=degree)
+        assert all(neighbours_of(i, n, kind, seed=11, degree=degree) == graph[i] for i in range(n))

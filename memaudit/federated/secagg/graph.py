@@ -30,9 +30,14 @@ def neighbours_of(i: int, n: int, kind: str = "full", *, seed: int = 0,
     >>> sorted(neighbours_of(0, 3))
     [1, 2]
     """
-    if kind == "full" or (kind == "sparse" and (sparse_degree(n) if degree is None else degree) >= n - 1):
+    k = sparse_degree(n) if degree is None else degree
+    if kind == "full" or (kind == "sparse" and k >= n - 1):
         return frozenset(j for j in range(n) if j != i)
-    return neighbours(n, kind, seed=seed, degree=degree)[i]
+    if kind != "sparse" or k < 2 or k % 2:
+        return neighbours(n, kind, seed=seed, degree=degree)[i]  # raises the one-line error
+    perm = np.random.default_rng(seed).permutation(n)  # the same draw as `neighbours`
+    p = int(np.flatnonzero(perm == i)[0])
+    return frozenset(int(perm[(p + o) % n]) for o in range(-k // 2, k // 2 + 1) if o != 0)
 
 
 def neighbours(n: int, kind: str = "full", *, seed: int = 0, degree: int | None = None) -> list[frozenset[int]]:

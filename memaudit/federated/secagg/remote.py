@@ -32,10 +32,11 @@ there:
   discrete-Gaussian noise share, `memaudit.federated.client_ops.DDGEncoding`) with a per-slot
   generator.
 
-Per-slot randomness: `memaudit.federated.client_ops.slot_seed` derives each slot's rounding (and
-noise-share) seed one-way (sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run and a
-node draw the same bits for the same user while the round key (which also drives the server's
-DP noise) never leaves the server.
+Per-slot randomness: `memaudit.federated.client_ops.slot_seed` derives each slot's rounding seed
+one-way (sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run
+and a node round the same bits for the same user while the round key never leaves the server.
+A distributed-DP noise share is not derived from it: each client draws it from its own fresh
+secret on the node (`memaudit.federated.client_ops.fresh_secret`), which the server never sees.
 
 References:
     Bonawitz et al., CCS 2017; Bell et al., CCS 2020 (SecAgg+); Kairouz, Liu, Steinke,

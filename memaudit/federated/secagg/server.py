@@ -171,9 +171,11 @@ class Server:
             raise SecAggAbort(f"secure aggregation aborted at the consistency check: {len(self._checks)} "
                               f"survivors signed, more than half the cohort ({quorum}) needed")
         w = Writer().ids(self.u3)
-        if self.signed:
-            w.u32(len(self._checks))
-            for j, sig in sorted(self._checks.items()):
+        if self.signed:  # as many signatures as the client needs (each one costs it a verification)
+            need = max(self.t[cid], self.min_survivors, quorum)
+            sigs = sorted(self._checks.items())[:need]
+            w.u32(len(sigs))
+            for j, sig in sigs:
                 w.u32(j).blob(sig)
         return self._out(MsgType.UNMASK_REQUEST, cid, w)
 
