@@ -123,6 +123,26 @@ def replay_client_secrets(monkeypatch):
     return restart
 
 
+def noise_by_slot(monkeypatch):
+    """Key each client's noise share by its slot seed, in the in-process and the node path alike
+    (`encode_rows` of both modules), so that runs on different runtimes can be compared bit for
+    bit. Only for such comparisons: in memaudit the share comes from the client's own secret."""
+    import hashlib
+
+    from memaudit.federated import client_ops, updates
+    from memaudit.federated.secagg import remote
+
+    def encode_rows(encoding, rows, seeds):
+        rngs = [client_ops.slot_rng(s) for s in seeds]
+        if isinstance(encoding, client_ops.DDGEncoding):
+            noise = [client_ops.secret_rng(hashlib.sha256(b"noise" + s.encode()).digest()) for s in seeds]
+            return encoding.encode(rows, rngs, noise_rngs=noise)
+        return encoding.encode(rows, rngs)
+
+    monkeypatch.setattr(updates, "encode_rows", encode_rows)
+    monkeypatch.setattr(remote, "encode_rows", encode_rows)
+
+
 def test_secure_and_plain_sum_agree_and_dropouts_lose_noise(client_deltas, monkeypatch):
     n = 12
     kw = {"clip": 1.0, "noise_multiplier": 0.5, "expected_cohort": n, "seed": 3}

@@ -214,18 +214,16 @@ def test_adaptive_count_is_over_the_survivors_and_never_sent_alone():
 
 def test_distributed_dp_over_remote_rows_equals_in_jax(monkeypatch):
     """Distributed DP: each node rotates, rounds and adds its users' discrete-Gaussian noise
-    shares (from each client's own secret, replayed here so both paths draw the same); the
+    shares (from each client's own secret; keyed by slot here so both paths draw the same); the
     decoded estimate equals the in-JAX aggregator's."""
     from memaudit.federated.ddp import distributed_dp
-    from tests.federated.test_ddp import replay_client_secrets
+    from tests.federated.test_ddp import noise_by_slot
 
     deltas, key = _deltas(6), jax.random.key(12)
     agg = distributed_dp(clip=1.0, noise_multiplier=0.8, expected_cohort=N, bits=20, seed=3)
-    restart = replay_client_secrets(monkeypatch)
-    restart()
+    noise_by_slot(monkeypatch)
     local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), jnp.ones(N), agg.init(None), key)
     rows, _ = _remote(deltas)
-    restart()
     remote = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
     assert np.array_equal(_flat(local.update), _flat(remote.update))
     assert float(remote.metrics["survivors"]) == N
@@ -291,7 +289,7 @@ def parts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
+def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts, monkeypatch):
     import json
 
     from safetensors.numpy import load_file
@@ -304,6 +302,10 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
 
     overrides, partitions, root = parts
     over = [*overrides, *CASES[case]]
+    if case == "distributed":  # the clients' own noise, keyed alike on both runtimes to compare
+        from tests.federated.test_ddp import noise_by_slot
+
+        noise_by_slot(monkeypatch)
     FederatedTrainer(load_config(None, over), RunDir(root / f"{case}-jax")).fit()
     nodes = _TrainerNodes(partitions)
     flower_trainer(load_config(None, [*over, "federated.runtime=flower"]), RunDir(root / f"{case}-flower"),
