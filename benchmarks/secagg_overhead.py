@@ -12,12 +12,17 @@ sparse = SecAgg+):
   machine's raw AES-256-CTR throughput on the same bytes (one call, and in the mask path's
   chunks), for one mask and for several masks added in one pass (see ``prg_throughput``);
 - a whole FedAvg round (``memaudit.federated.algorithms.fedavg``) on a 1M-parameter linear
-  model with and without secure aggregation, if that module is importable.
+  model with and without secure aggregation, if that module is importable;
+- ``modes``: one protocol round in the previous default mode (``honest_but_curious``: no
+  signatures, open to survivor-list forking) next to the default (``malicious``: Ed25519 on
+  keys, views and the survivor list, and the consistency round), on 8, 32 and 128 clients
+  (graph ``auto``: SecAgg+ from 32), a small vector, timed in turn in every repeat (medians).
 
 Prints one JSON object.
 
     python benchmarks/secagg_overhead.py                 # cohorts 16 64, 1M and 10M params
     python benchmarks/secagg_overhead.py --reduced       # fewer cases, 1 repeat
+    python benchmarks/secagg_overhead.py --modes-only    # the two modes side by side only
 """
 
 from __future__ import annotations
@@ -263,6 +268,34 @@ def federated_round(n: int, repeats: int) -> dict:
     return out
 
 
+def mode_comparison(cohorts: list[int], d: int, repeats: int) -> list[dict]:
+    """``run_round`` in the previous default mode and in the default, side by side, per cohort."""
+    from memaudit.federated.secagg import run_round
+    from memaudit.federated.secagg.aggregator import graph_kind
+
+    out = []
+    for n in cohorts:
+        q = np.random.default_rng(n).integers(0, 2**20, size=(n, d), dtype=np.uint32)
+        graph = graph_kind("auto", n)
+        modes = ("honest_but_curious", "malicious")
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        row: dict = {"cohort": n, "params": d, "graph": graph, "repeats": repeats}
+        for _ in range(repeats):
+            for m in modes:
+                t0 = time.perf_counter()
+                res = run_round(q, neighbours=graph, mode=m)
+                times[m].append(time.perf_counter() - t0)
+                row[f"{m}_bytes_up_per_client"] = res.bytes_up / n
+                row[f"{m}_bytes_down_per_client"] = res.bytes_down / n
+                row["degree"] = res.degree
+        for m in modes:
+            row[f"{m}_s"] = statistics.median(times[m])
+        row["malicious_over_honest_but_curious"] = statistics.median(
+            a / b for a, b in zip(times["malicious"], times["honest_but_curious"], strict=True))
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cohorts", type=int, nargs="+", default=[16, 64])
@@ -273,8 +306,16 @@ def main() -> None:
                     help="run the full wrapper (with float deltas) only up to n*d elements")
     ap.add_argument("--reduced", action="store_true", help="1 repeat; the 64 x 10M full graph only as protocol")
     ap.add_argument("--skip", nargs="*", default=[], help="cases to skip as n:d:graph, e.g. 64:10000000:full")
+    ap.add_argument("--mode-cohorts", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--mode-params", type=int, default=1000, help="vector length of the mode comparison")
+    ap.add_argument("--modes-only", action="store_true", help="only the two modes side by side")
     args = ap.parse_args()
     repeats = 1 if args.reduced else args.repeats
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
+    if args.modes_only:
+        modes = mode_comparison(args.mode_cohorts, args.mode_params, repeats)
+        print(json.dumps({"machine": {**machine, "load_avg_end": os.getloadavg()}, "modes": modes}, indent=1))
+        return
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "load_avg": os.getloadavg()},
               "prg": prg_throughput(int(max(args.params)), max(repeats, 5) * 3),
@@ -291,6 +332,7 @@ def main() -> None:
                 result["aggregation"].append(aggregation_case(n, d, g, repeats, int(args.max_wrapper_elems)))
                 print(json.dumps(result["aggregation"][-1]), flush=True, file=__import__("sys").stderr)
     result["federated_round"] = federated_round(min(args.cohorts), repeats)
+    result["modes"] = mode_comparison(args.mode_cohorts, args.mode_params, repeats)
     result["machine"]["load_avg_end"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 

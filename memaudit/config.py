@@ -237,47 +237,44 @@ class AdaptiveClipConfig(_Section):
 class SecAggConfig(_Section):
     """Secure aggregation (Bonawitz et al. 2017; SecAgg+ of Bell et al. 2020).
 
-    Threat model (docs/secure-aggregation.md): an honest-but-curious server colluding with
-    at most ``colluding_clients`` clients, or (``mode: malicious``) a server that deviates
-    from the protocol. The threshold must exceed (holders + colluding_clients)/2 of each
-    client's holders (malicious: also 2/3, with colluding_clients < holders/3); checked here
+    Threat model (docs/secure-aggregation.md): by default (``mode: malicious``) a server that
+    deviates from the protocol (forks survivor lists, shows different cohorts, substitutes keys)
+    colluding with at most ``colluding_clients`` clients; ``mode: honest_but_curious`` drops the
+    signatures and holds only against a server that follows the protocol. The threshold must
+    exceed (holders + colluding_clients)/2 of each client's holders in both modes; checked here
     as a fraction and again per round with the real holder counts.
     """
 
     enabled: bool = False
     threshold: float = Field(0.6, gt=0, le=1, description="Shamir t as a fraction of each client's "
-                             "holders (its neighbours and itself); must exceed 1/2 (malicious: 2/3)")
+                             "holders (its neighbours and itself); must exceed 1/2")
     neighbours: Literal["full", "sparse", "auto"] = "auto"
     bits: int = Field(20, ge=4, le=30, description="quantisation bits per coordinate; bits too few "
                       "for the model are refused at the first round")
     dropout: float = Field(0.0, ge=0, lt=1, description="simulated client dropout rate")
-    mode: Literal["honest_but_curious", "malicious"] = Field(
-        "honest_but_curious", description="server threat model; malicious adds Ed25519 signatures and "
-        "the consistency-check round, on the complete graph")
+    mode: Literal["malicious", "honest_but_curious"] = Field(
+        "malicious", description="server threat model: malicious (Ed25519 signatures on keys, views "
+        "and the survivor list; holds against a server that deviates) or honest_but_curious (no "
+        "signatures; not safe against a server that sends different survivor lists)")
     colluding_clients: int = Field(0, ge=0, description="n_C: clients that may collude with the server; "
                                    "0 = the simulated clients all run memaudit's code")
     min_survivors: int = Field(3, ge=2, description="a round with fewer survivors aborts (releases "
                                "nothing); at least colluding_clients + 2")
     verification_keys: str | None = Field(None, description="malicious mode: directory of per-client "
                                           "Ed25519 key files client-<id>.pub/.key (a PKI stand-in); "
-                                          "default: keys generated per run outside the server")
+                                          "default: keys generated per run on the clients' side")
 
     @model_validator(mode="after")
     def _bounds(self) -> SecAggConfig:
         mal = self.mode == "malicious"
-        need = 2 / 3 if mal else 1 / 2
-        if self.threshold <= need:
+        if self.threshold <= 1 / 2:
             raise ValueError(f"privacy.secure_aggregation.threshold={self.threshold} is too low: a server "
                              f"that shows different survivor lists unmasks one client unless t exceeds "
-                             f"{'2/3' if mal else '1/2'} of the holders (plus colluding clients); "
-                             f"set threshold > {need:.3g}, e.g. {0.7 if mal else 0.6}")
+                             f"1/2 of the holders (plus colluding clients); set threshold > 0.5, e.g. 0.6")
         if self.min_survivors < self.colluding_clients + 2:
             raise ValueError(f"privacy.secure_aggregation.min_survivors={self.min_survivors} lets "
                              f"{self.colluding_clients} colluding clients isolate one honest input; set "
                              f"min_survivors >= {self.colluding_clients + 2}")
-        if mal and self.neighbours == "sparse":
-            raise ValueError("privacy.secure_aggregation.mode=malicious runs on the complete graph; set "
-                             "neighbours to full or auto")
         if self.verification_keys is not None and not mal:
             raise ValueError("privacy.secure_aggregation.verification_keys is used only with "
                              "mode=malicious; set mode: malicious or remove it")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import struct
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -120,7 +121,8 @@ class ClientStep:
 
 # ------------------------------------------------------------------ per-slot randomness
 def slot_seed(key: Any, seed: int | None, rnd: int, slot: int) -> str:
-    """The seed (hex) of cohort slot ``slot``'s rounding and noise share in round ``rnd``:
+    """The seed (hex) of cohort slot ``slot``'s rounding in round ``rnd`` (its noise share comes
+    from the client's own secret, :func:`fresh_secret`):
     sha256 over a salt, ``seed``, the round, the slot and the round key's data (one-way: the
     seed does not reveal the key)."""
     data = np.asarray(jax.random.key_data(key)).tobytes() if key is not None else b""
@@ -130,6 +132,17 @@ def slot_seed(key: Any, seed: int | None, rnd: int, slot: int) -> str:
 
 def slot_rng(seed: str) -> np.random.Generator:
     return np.random.default_rng(int(seed, 16))
+
+
+def fresh_secret() -> bytes:
+    """32 bytes of OS entropy: a client's own secret for its noise share, drawn where the
+    client runs (in this process, or on the node that holds its rows), never derived from
+    anything the server holds or sends."""
+    return os.urandom(32)
+
+
+def secret_rng(secret: bytes) -> np.random.Generator:
+    return np.random.default_rng(int.from_bytes(secret, "big"))
 
 
 class Encoding(Protocol):
@@ -248,11 +261,17 @@ class DDGEncoding:
     def width(self, dim: int) -> int:
         return padded_dim(dim)
 
-    def encode(self, rows: np.ndarray, rngs: Sequence[np.random.Generator]) -> np.ndarray:
+    def encode(self, rows: np.ndarray, rngs: Sequence[np.random.Generator],
+               noise_rngs: Sequence[np.random.Generator] | None = None) -> np.ndarray:
         """Each client's DDGauss input: clip its row to ``clip``, scale by 1/γ, rotate (the
         round's public ``rot_seed``), round conditionally to norm <= Δ₂, add its discrete-Gaussian
-        share of std ``local_std`` and reduce mod 2^bits; row i draws from ``rngs[i]`` only (a
-        client's own randomness, reproducible on the node that holds it)."""
+        share of std ``local_std`` and reduce mod 2^bits. Row i rounds with ``rngs[i]`` (its
+        slot's generator, reproducible on the node that holds it) and draws its noise share
+        from ``noise_rngs[i]``, by default a generator keyed by the client's own fresh secret
+        (:func:`fresh_secret`): the server, which can derive the slot seeds, cannot recompute
+        the noise and subtract it (issue 29, Found-3)."""
+        if noise_rngs is None:
+            noise_rngs = [secret_rng(fresh_secret()) for _ in range(len(rows))]
         rows = np.asarray(rows, dtype=np.float64)
         n, _d = rows.shape
         norms = np.linalg.norm(rows, axis=1, keepdims=True)
@@ -262,7 +281,7 @@ class DDGEncoding:
         enc = np.empty((n, D), dtype=np.uint32)
         for i in range(n):
             z = (conditional_round(rotated[i], self.l2, rngs[i])
-                 + sample_discrete_gaussian(self.local_std, D, rngs[i]))
+                 + sample_discrete_gaussian(self.local_std, D, noise_rngs[i]))
             enc[i] = np.mod(z, M).astype(np.uint32)
         return enc
 
@@ -281,7 +300,27 @@ def ddp_encode(rows: np.ndarray, spec: DDGEncoding | dict, rngs: list[np.random.
     return enc.encode(rows, rngs)
 
 
-__all__ = ["SLOT_SALT", "ClientStep", "DDGEncoding", "Encoding", "clip_deltas", "conditional_round",
-           "ddp_encode", "encode_rows", "flatten_clients", "global_norms", "hadamard", "padded_dim",
-           "rotate", "sample_discrete_gaussian", "slot_rng", "slot_seed", "stochastic_round",
-           "unrotate", "with_bits", "within"]
+__all__ = [
+    "SLOT_SALT",
+    "ClientStep",
+    "DDGEncoding",
+    "Encoding",
+    "clip_deltas",
+    "conditional_round",
+    "ddp_encode",
+    "encode_rows",
+    "flatten_clients",
+    "fresh_secret",
+    "global_norms",
+    "hadamard",
+    "padded_dim",
+    "rotate",
+    "sample_discrete_gaussian",
+    "secret_rng",
+    "slot_rng",
+    "slot_seed",
+    "stochastic_round",
+    "unrotate",
+    "with_bits",
+    "within",
+]

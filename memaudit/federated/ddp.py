@@ -51,6 +51,7 @@ from memaudit.federated.client_ops import (
     unrotate,
 )
 from memaudit.federated.secagg.aggregator import graph_kind, server_rng
+from memaudit.federated.secagg.messages import SecAggAbort
 from memaudit.federated.secagg.protocol import Dropouts
 from memaudit.federated.updates import client_updates
 from memaudit.privacy.ddg import ddg_rdp, ddg_tau
@@ -130,6 +131,7 @@ def sample_discrete_gaussian_exact(sigma2: Fraction, rng: random.Random) -> int:
 
 
 # ----------------------------------------------------------------------------- aggregator
+PLAN_QUANTILE = 0.01  # calibrate for the 1% quantile of the survivor count
 
 
 class DDPState(NamedTuple):
@@ -165,7 +167,8 @@ def ddp_params(*, clip: float, noise_multiplier: float, expected_cohort: float, 
 def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multiplier: float,
                    expected_cohort: float, bits: int = 20, beta: float = math.exp(-0.5),
                    k_stddevs: float = 4.0, secure: bool = True, threshold: float = 0.6,
-                   neighbours: str = "full", dropout_rate: float = 0.0, seed: int | None = None) -> Aggregator:
+                   neighbours: str = "full", dropout_rate: float = 0.0, seed: int | None = None,
+                   planned_survivors: float | None = None, **protocol_kw: Any) -> Aggregator:
     """Distributed discrete Gaussian mechanism over secure aggregation (``jittable=False``).
 
     Args:
@@ -179,6 +182,10 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         k_stddevs: headroom of the modulus in standard deviations of a summed coordinate.
         secure: run the SecAgg protocol (else a plain modular sum, same result, for speed).
         threshold, neighbours, dropout_rate, seed: as in ``secure_aggregation``.
+        planned_survivors: the survivors the noise was calibrated for (default: the expected
+            cohort); a round with fewer sets the sensitive metric ``ddp_below_plan`` (its noise,
+            and so its ledger event, is weaker than planned).
+        protocol_kw: more protocol settings (``mode``, ``colluding``, ``min_survivors``).
 
     Returns:
         An :class:`Aggregator` with metrics ``survivors``, ``cohort``, ``ddp_effective_noise``
@@ -191,6 +198,8 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         raise ValueError(f"bits must be in 2..32, got {bits}")
     if not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"distributed DP needs a finite clip norm > 0, got {clip}")
+
+    plan = float(expected_cohort if planned_survivors is None else planned_survivors)
 
     def init(params):
         return DDPState(base.init(params), 0)
@@ -210,8 +219,14 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
         M = 2 ** bits
         dropped = set(np.flatnonzero(rng.random(n) < dropout_rate).tolist())
         protocol = {"round_id": rnd, "neighbours": graph_kind(neighbours, n), "threshold": threshold,
-                    "graph_seed": int(rng.integers(2**31)), "dropouts": Dropouts(before_masked=dropped)}
-        res = updates.secure_sum(encoding, present, seeds, secure=secure, **protocol)
+                    "graph_seed": int(rng.integers(2**31)), "dropouts": Dropouts(before_masked=dropped),
+                    **protocol_kw}
+        try:
+            res = updates.secure_sum(encoding, present, seeds, secure=secure, **protocol)
+        except SecAggAbort:  # released nothing but the abort bit (memaudit.privacy.aborts)
+            return AggregateResult(updates.zeros(), DDPState(state.base, rnd), {
+                "secagg_aborted": 1, "survivors": jnp.float32(n - len(dropped)),
+                "aggregated_clients": jnp.float32(0), "cohort": jnp.float32(n)})
         total, m = res.total, len(res.survivors)
         v = (total.astype(np.int64) % M)
         v = np.where(v >= M // 2, v - M, v).astype(np.float64)
@@ -224,7 +239,8 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
                        # the survivors' noise shares: their size tells how many survived, so these
                        # carry the ddp_ prefix of the sensitive, cohort-dependent metrics
                        ddp_effective_noise=eff, ddp_noise_std=eff * clip / expected_cohort, clip=clip,
-                       ddp_gamma=p.gamma, ddp_dim=p.dim, ddp_l2=p.l2, ddp_l1=p.l1, ddp_local_std=p.local_std)
+                       ddp_gamma=p.gamma, ddp_dim=p.dim, ddp_l2=p.l2, ddp_l1=p.l1, ddp_local_std=p.local_std,
+                       ddp_below_plan=int(m < plan), secagg_aborted=0)
         return AggregateResult(out.update, DDPState(out.state, rnd + 1), metrics)
 
     return Aggregator(init=init, aggregate=aggregate, jittable=False)
@@ -244,6 +260,8 @@ __all__ = [
     "padded_dim",
     "planned_event_of_config",
     "planned_round_event",
+    "planned_survivors",
+    "planned_survivors_of_config",
     "rotate",
     "rounded_l2_bound",
     "sample_discrete_gaussian",
@@ -252,9 +270,34 @@ __all__ = [
 ]
 
 
+def planned_survivors(*, cohort: float, population: int | None, sampling: str = "poisson",
+                      dropout: float = 0.0, min_survivors: int = 3, quantile: float = PLAN_QUANTILE) -> float:
+    """The survivors distributed DP's noise is calibrated for: the ``quantile`` of the survivor
+    count (Poisson sampling thinned by the dropout is Binomial(population, q (1 - d)); a fixed
+    cohort Binomial(cohort, 1 - d)), at least ``min_survivors`` (fewer abort). A round with
+    fewer survivors adds less noise than calibrated: its own ledger event says so, and its
+    metric ``ddp_below_plan`` is set.
+
+    >>> planned_survivors(cohort=50, population=1000)
+    35.0
+    >>> planned_survivors(cohort=8, population=None, sampling="fixed")
+    8.0
+    """
+    from scipy import stats
+
+    if sampling == "fixed" or population is None:
+        m = stats.binom.ppf(quantile, round(cohort), 1 - dropout) if dropout > 0 else round(cohort)
+    else:
+        m = stats.binom.ppf(quantile, int(population), min(1.0, cohort / population) * (1 - dropout))
+    return float(max(min_survivors, m))
+
+
 def planned_round_event(*, clip: float, noise_multiplier: float, expected_cohort: float, dim: int,
-                        bits: int = 20, beta: float = math.exp(-0.5), k_stddevs: float = 4.0):
-    """The ledger event of a round in which all ``expected_cohort`` clients survive.
+                        bits: int = 20, beta: float = math.exp(-0.5), k_stddevs: float = 4.0,
+                        survivors: float | None = None):
+    """The ledger event of a round in which ``survivors`` clients (default: all
+    ``expected_cohort``) survive, each adding its share of the noise calibrated for the expected
+    cohort.
 
     What calibration to a target ε bisects over: the same ``ddp_params`` the aggregator
     computes and the same :class:`memaudit.privacy.mechanisms.DistributedDiscreteGaussian`
@@ -267,19 +310,30 @@ def planned_round_event(*, clip: float, noise_multiplier: float, expected_cohort
                    dim=dim, bits=bits, beta=beta, k_stddevs=k_stddevs)
     if p.local_std < 0.5:
         return RdpCurveEvent(orders=mech.orders, rdp=(math.inf,) * len(mech.orders), label="local std < 0.5")
-    return mech.dp_event({"survivors": cohort, "ddp_l2": p.l2, "ddp_l1": p.l1, "ddp_local_std": p.local_std,
+    m = cohort if survivors is None else max(1, math.floor(survivors))
+    return mech.dp_event({"survivors": m, "ddp_l2": p.l2, "ddp_l1": p.l1, "ddp_local_std": p.local_std,
                           "ddp_dim": p.dim})
 
 
-def planned_event_of_config(cfg, params: Any):
-    """``z -> planned_round_event(...)`` for a :class:`memaudit.config.Config` and the model's params."""
+def planned_survivors_of_config(cfg, population: int | None) -> float:
+    """:func:`planned_survivors` for a :class:`memaudit.config.Config`."""
+    f, sa = cfg.federated, cfg.privacy.secure_aggregation
+    return planned_survivors(cohort=float(f.cohort), population=population, sampling=f.sampling,
+                             dropout=float(sa.dropout), min_survivors=int(sa.min_survivors))
+
+
+def planned_event_of_config(cfg, params: Any, population: int | None = None):
+    """``z -> planned_round_event(...)`` for a :class:`memaudit.config.Config` and the model's
+    params: calibrated for :func:`planned_survivors_of_config` survivors, not all expected."""
     dim = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     p = cfg.privacy
+    m = planned_survivors_of_config(cfg, population)
     return lambda z: planned_round_event(clip=p.clip, noise_multiplier=z, expected_cohort=float(cfg.federated.cohort),
-                                         dim=dim, bits=p.secure_aggregation.bits)
+                                         dim=dim, bits=p.secure_aggregation.bits, survivors=m)
 
 
-def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier: float) -> Aggregator:
+def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier: float,
+                               population: int | None = None) -> Aggregator:
     """``distributed_dp`` with the settings of a :class:`memaudit.config.Config`.
 
     ``base`` must be a plain mean (not ``secure_aggregation``: this mechanism runs its own
@@ -297,4 +351,6 @@ def distributed_dp_from_config(base: Aggregator | None, cfg, *, noise_multiplier
                           expected_cohort=float(cfg.federated.cohort), bits=sa.bits,
                           secure=True, threshold=sa.threshold,
                           neighbours=sa.neighbours,
-                          dropout_rate=sa.dropout, seed=seed)
+                          dropout_rate=sa.dropout, seed=seed,
+                          planned_survivors=planned_survivors_of_config(cfg, population),
+                          mode=sa.mode, colluding=sa.colluding_clients, min_survivors=sa.min_survivors)

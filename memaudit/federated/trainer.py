@@ -52,7 +52,7 @@ from memaudit.federated.ddp import distributed_dp_from_config, planned_event_of_
 from memaudit.federated.distributed import barrier, maybe_initialize
 from memaudit.federated.dp import dp_fedavg, dp_fedavg_mechanism
 from memaudit.federated.mesh import build_mesh
-from memaudit.federated.secagg.aggregator import secure_aggregation_from_config
+from memaudit.federated.secagg.aggregator import abort_bit_epsilon, secure_aggregation_from_config
 from memaudit.federated.sharding import (
     MeshAxis,
     clients_axis_size,
@@ -63,6 +63,7 @@ from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes
 from memaudit.models.init import flax_config, hf_config, initial_state_dict, model_shape
+from memaudit.privacy.aborts import WithAbortBit, with_abort_bit
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
 from memaudit.privacy.randomness import DPRandomness
@@ -207,7 +208,8 @@ class FederatedTrainer:
         p = self.cfg.privacy
         base = mean_aggregator(self.mesh)
         if self.plan is not None and p.mechanism == "distributed":
-            return distributed_dp_from_config(base, self.cfg, noise_multiplier=self.plan.noise_multiplier)
+            return distributed_dp_from_config(base, self.cfg, noise_multiplier=self.plan.noise_multiplier,
+                                              population=self.clients.num_users)
         if p.secure_aggregation.enabled:
             base = secure_aggregation_from_config(base, self.cfg)
         if self.plan is None:
@@ -224,14 +226,22 @@ class FederatedTrainer:
         central = dp_fedavg_mechanism(noise_multiplier=0.0, expected_cohort=float(f.cohort), population=population,
                                       sampling=f.sampling, adaptive=p.adaptive_clipping)
         sigma = p.noise_multiplier
+        # whether a secure-aggregation round aborted is public and depends on the cohort: its
+        # bit goes into every round's event (memaudit.privacy.aborts)
+        secure = p.secure_aggregation.enabled or p.mechanism == "distributed"
+        bit = abort_bit_epsilon(self.cfg, population) if secure else 0.0
         if sigma is None:  # bisect over the event the ledger records
             acc = "rdp" if p.accountant == "both" or f.sampling == "fixed" else p.accountant
             make = lambda z: central.with_noise(z).dp_event()
             if p.mechanism == "distributed":
-                make, acc = planned_event_of_config(self.cfg, self.params0), "rdp"
+                make, acc = planned_event_of_config(self.cfg, self.params0, population), "rdp"
+            if secure:
+                make, acc = (lambda z, m=make: with_abort_bit(m(z), bit)), "rdp"
             sigma = calibrate(p.target_epsilon, make, steps=f.rounds, delta=delta, accountant=acc, unit="user")
         mechanism = (DistributedDiscreteGaussian() if p.mechanism == "distributed"
                      else central.with_noise(float(sigma)))
+        if secure:
+            mechanism = WithAbortBit(mechanism, bit)
         return PrivacyPlan(unit="user", delta=delta, noise_multiplier=float(sigma), sampling_rate=sampling_rate,
                            mechanism=mechanism, reproducible_randomness=p.reproducible_randomness)
 
@@ -354,8 +364,8 @@ class FederatedTrainer:
         tokens = self._round_tokens(cohort)
         rec.update(loss=m.pop("loss", math.nan), update_norm=m.pop("update_norm", math.nan),
                    tokens_per_s=tokens / dt if dt > 0 else 0.0, round_seconds=dt)
-        # An aborted secure-aggregation round released and applied nothing: no privacy event.
-        # (Whether a round aborts depends on the realized cohort; `docs/secure-aggregation.md`.)
+        # An aborted secure-aggregation round released and applied nothing but its abort bit
+        # (`step` records that bit; memaudit.privacy.aborts, docs/secure-aggregation.md).
         released = None if int(m.get("secagg_aborted", 0) or 0) else dict(m)
         rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
         return state, rec, released
@@ -367,6 +377,8 @@ class FederatedTrainer:
     def step(self, i: int) -> StepOutcome:
         """The driver's step: one round; under DP every round that was not aborted releases."""
         self.state, rec, released = self.train_round(self.state, i, self.key)
+        if released is None and isinstance(getattr(self.plan, "mechanism", None), WithAbortBit):
+            released = {"secagg_aborted": 1}  # nothing but the abort bit was released
         return StepOutcome(rec, released=self.private and released is not None, privacy_metrics=released)
 
     def _round_tokens(self, cohort: np.ndarray) -> int:

@@ -61,6 +61,12 @@ class ClientUpdates(abc.ABC):
     def counted(self) -> bool:
         """Whether each client's clip indicator rides along into the secure sum."""
 
+    @property
+    def clip_bound(self) -> float | None:
+        """The L2 norm every row is clipped to (the smallest clip asked for), None before any:
+        the sensitivity a secure sum must quantise against (issue 29, Found-4)."""
+        return None
+
     @abc.abstractmethod
     def unflatten(self, v: np.ndarray) -> PyTree:
         """A (dim,) vector as one server-placed pytree shaped like a client's delta."""
@@ -106,6 +112,7 @@ class LocalUpdates(ClientUpdates):
     deltas: PyTree
     within: jax.Array | None = None
     count: bool = False
+    clip: Any = None  # () the clip of the last `clipped` (a tracer inside a jitted DP-FedAvg)
 
     @functools.cached_property
     def _flat(self) -> tuple[np.ndarray, Any]:  # memoised: the value is frozen
@@ -119,6 +126,10 @@ class LocalUpdates(ClientUpdates):
     def counted(self) -> bool:
         return self.count
 
+    @property
+    def clip_bound(self) -> float | None:
+        return None if self.clip is None else float(self.clip)  # read host-side, where it is concrete
+
     def unflatten(self, v: np.ndarray) -> PyTree:
         return self._flat[1](v)
 
@@ -127,7 +138,8 @@ class LocalUpdates(ClientUpdates):
 
     def clipped(self, clip: Any, *, count: bool = False) -> LocalUpdates:
         clipped, norms = clip_deltas(self.deltas, clip)
-        return LocalUpdates(clipped, norms <= clip, count)
+        bound = clip if self.clip is None else jnp.minimum(self.clip, clip)
+        return LocalUpdates(clipped, norms <= clip, count, bound)
 
     def secure_sum(self, encoding: Encoding, present: Sequence[int], seeds: Sequence[str], *,
                    secure: bool = True, **protocol: Any) -> RoundResult:

@@ -108,12 +108,50 @@ def test_noise_std_distributed_matches_configuration():
     assert got == pytest.approx(want, rel=0.05)  # 4000 draws: relative std error 1.1%
 
 
-def test_secure_and_plain_sum_agree_and_dropouts_lose_noise(client_deltas):
+def replay_client_secrets(monkeypatch):
+    """Make the clients' own noise secrets (fresh OS entropy) replay one sequence from each call
+    on, so two runs of one round draw the same noise shares (for comparing code paths)."""
+    import hashlib
+    import itertools
+
+    from memaudit.federated import client_ops
+
+    def restart():
+        counter = itertools.count()
+        monkeypatch.setattr(client_ops, "fresh_secret",
+                            lambda: hashlib.sha256(str(next(counter)).encode()).digest())
+    return restart
+
+
+def noise_by_slot(monkeypatch):
+    """Key each client's noise share by its slot seed, in the in-process and the node path alike
+    (`encode_rows` of both modules), so that runs on different runtimes can be compared bit for
+    bit. Only for such comparisons: in memaudit the share comes from the client's own secret."""
+    import hashlib
+
+    from memaudit.federated import client_ops, updates
+    from memaudit.federated.secagg import remote
+
+    def encode_rows(encoding, rows, seeds):
+        rngs = [client_ops.slot_rng(s) for s in seeds]
+        if isinstance(encoding, client_ops.DDGEncoding):
+            noise = [client_ops.secret_rng(hashlib.sha256(b"noise" + s.encode()).digest()) for s in seeds]
+            return encoding.encode(rows, rngs, noise_rngs=noise)
+        return encoding.encode(rows, rngs)
+
+    monkeypatch.setattr(updates, "encode_rows", encode_rows)
+    monkeypatch.setattr(remote, "encode_rows", encode_rows)
+
+
+def test_secure_and_plain_sum_agree_and_dropouts_lose_noise(client_deltas, monkeypatch):
     n = 12
     kw = {"clip": 1.0, "noise_multiplier": 0.5, "expected_cohort": n, "seed": 3}
     a = ddp.distributed_dp(secure=True, **kw)
     b = ddp.distributed_dp(secure=False, **kw)
+    restart = replay_client_secrets(monkeypatch)
+    restart()
     ra = a.aggregate(client_deltas, jnp.ones(n), a.init(None), jax.random.key(4))
+    restart()
     rb = b.aggregate(client_deltas, jnp.ones(n), b.init(None), jax.random.key(4))
     np.testing.assert_array_equal(np.asarray(ra.update), np.asarray(rb.update))
     c = ddp.distributed_dp(secure=False, dropout_rate=0.4, **kw)

@@ -302,18 +302,18 @@ def test_server_refuses_partitions_of_other_data(monkeypatch):
         FlowerNodes(grid, FlowerConfig(min_nodes=2)).connect({"a": "d", "b": "d"})
 
 
-def test_malicious_secure_aggregation_on_flower_is_refused_before_submitting():
-    """Secure aggregation runs on Flower (test_flower_secagg.py); its malicious-server mode
-    does not (the clients' signing keys would live on the nodes): one line."""
+def test_a_verification_key_directory_on_flower_is_refused_before_submitting():
+    """Secure aggregation's default malicious-server mode runs on Flower (test_flower_secagg.py:
+    each node makes its clients' keys); a key directory meant for in-process clients does not
+    apply there: one line."""
     from memaudit.config import load_config
     from memaudit.errors import ConfigError
     from memaudit.federated.flower.trainer import check_supported
 
     base = ["backend=federated", "federated.runtime=flower", "privacy.secure_aggregation.enabled=true"]
-    check_supported(load_config(None, base))  # honest-but-curious: runs
-    cfg = load_config(None, [*base, "privacy.secure_aggregation.mode=malicious",
-                             "privacy.secure_aggregation.threshold=0.7"])
-    with pytest.raises(ConfigError, match="mode=malicious does not run on federated.runtime=flower"):
+    check_supported(load_config(None, base))  # the default (malicious-server) mode: runs
+    cfg = load_config(None, [*base, "privacy.secure_aggregation.verification_keys=/tmp/keys"])
+    with pytest.raises(ConfigError, match="verification_keys does not apply on federated.runtime=flower"):
         check_supported(cfg)
 
 

@@ -107,7 +107,7 @@ def test_remote_secure_sum_equals_in_jax_and_the_integer_oracle():
     assert float(remote.metrics["survivors"]) == N and remote.metrics["secagg_aborted"] == 0
     assert remote.metrics["secagg_bytes_up"] == local.metrics["secagg_bytes_up"]
     assert sorted(step for step, _ in nodes.replies) == sorted(
-        ["advertise", "shares", "masked", "unmask"] * len(HOSTS))
+        ["advertise", "shares", "masked", "check", "unmask"] * len(HOSTS))  # default mode: signed
 
 
 def test_no_unmasked_row_reaches_the_server():
@@ -190,7 +190,7 @@ def test_dp_fedavg_adaptive_over_remote_rows_equals_in_jax():
         assert float(local.metrics[k]) == float(remote.metrics[k])
     norms = np.sqrt(sum((x.reshape(N, -1).astype(np.float64) ** 2).sum(1) for x in deltas.values()))
     assert float(remote.metrics["clip_fraction"]) == pytest.approx(np.mean(norms > 1.25), rel=1e-6)
-    assert {s for s, _ in nodes.replies} == {"advertise", "shares", "masked", "unmask"}  # no count sent
+    assert {s for s, _ in nodes.replies} == {"advertise", "shares", "masked", "check", "unmask"}  # no count
 
 
 def test_adaptive_count_is_over_the_survivors_and_never_sent_alone():
@@ -212,13 +212,16 @@ def test_adaptive_count_is_over_the_survivors_and_never_sent_alone():
     assert not any("count" in r for _, r in nodes.replies)
 
 
-def test_distributed_dp_over_remote_rows_equals_in_jax():
+def test_distributed_dp_over_remote_rows_equals_in_jax(monkeypatch):
     """Distributed DP: each node rotates, rounds and adds its users' discrete-Gaussian noise
-    shares; the decoded estimate equals the in-JAX aggregator's."""
+    shares (from each client's own secret; keyed by slot here so both paths draw the same); the
+    decoded estimate equals the in-JAX aggregator's."""
     from memaudit.federated.ddp import distributed_dp
+    from tests.federated.test_ddp import noise_by_slot
 
     deltas, key = _deltas(6), jax.random.key(12)
     agg = distributed_dp(clip=1.0, noise_multiplier=0.8, expected_cohort=N, bits=20, seed=3)
+    noise_by_slot(monkeypatch)
     local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), jnp.ones(N), agg.init(None), key)
     rows, _ = _remote(deltas)
     remote = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
@@ -286,7 +289,7 @@ def parts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
+def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts, monkeypatch):
     import json
 
     from safetensors.numpy import load_file
@@ -299,6 +302,10 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts):
 
     overrides, partitions, root = parts
     over = [*overrides, *CASES[case]]
+    if case == "distributed":  # the clients' own noise, keyed alike on both runtimes to compare
+        from tests.federated.test_ddp import noise_by_slot
+
+        noise_by_slot(monkeypatch)
     FederatedTrainer(load_config(None, over), RunDir(root / f"{case}-jax")).fit()
     nodes = _TrainerNodes(partitions)
     flower_trainer(load_config(None, [*over, "federated.runtime=flower"]), RunDir(root / f"{case}-flower"),

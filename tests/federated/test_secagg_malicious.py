@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from memaudit.federated.aggregators import mean_aggregator
 from memaudit.federated.secagg import AuthenticationError, Dropouts, SecAggAbort, prg, run_round
@@ -102,14 +103,17 @@ def test_malicious_mode_from_config_with_a_key_directory(tmp_path):
         secure_aggregation_from_config(mean_aggregator(), cfg(verification_keys=str(tmp_path / "x")))
 
 
-def test_malicious_mode_refuses_a_sparse_graph():
-    from pydantic import ValidationError
-
+def test_malicious_mode_runs_on_the_sparse_graph():
+    """Issue 29: the malicious-server mode (the default) runs on SecAgg+ graphs: each client
+    checks its keys against the announced cohort and graph, and the quorum is over the cohort."""
     from memaudit.config import SecAggConfig
 
-    with pytest.raises(ValueError, match="complete graph"):
-        run_round(_inputs(40), threshold=0.7, mode="malicious", neighbours="sparse")
-    with pytest.raises(ValidationError, match="complete graph"):
-        SecAggConfig(mode="malicious", threshold=0.7, neighbours="sparse")
+    x = _inputs(40)
+    drop = Dropouts(before_masked={3}, before_check={5}, before_unmask={7})
+    r = run_round(x, neighbours="sparse", dropouts=drop)
+    assert r.degree < 39
+    want = (x[sorted(r.survivors)].astype(np.int64).sum(axis=0) % 2**32).astype(np.uint32)
+    np.testing.assert_array_equal(r.total, want)
+    assert SecAggConfig(neighbours="sparse").mode == "malicious"
     with pytest.raises(ValidationError, match="mode=malicious"):
-        SecAggConfig(verification_keys="/tmp/keys")
+        SecAggConfig(verification_keys="/tmp/keys", mode="honest_but_curious")

@@ -300,10 +300,12 @@ def test_sigkill_inside_the_checkpoint_swap_then_resume_gives_the_same_weights(f
         assert np.array_equal(ref[name], got[name]), name
 
 
-def test_an_aborted_secure_aggregation_round_costs_no_privacy_and_training_goes_on(overrides, tmp_path):
+def test_an_aborted_secure_aggregation_round_costs_its_abort_bit_and_training_goes_on(overrides, tmp_path):
     """DP-FedAvg over secure aggregation with threshold 1 and dropouts: rounds where a client
-    drops abort (nothing released, nothing applied), the ledger holds one event per completed
-    round only, the abort count is in the sensitive metrics file, and the run completes."""
+    drops abort (nothing applied), the abort count is in the sensitive metrics file, and the run
+    completes. Whether a round aborted depends on the realized cohort and is public: every round
+    records its abort bit (issue 29, Found-5; before, an aborted round recorded nothing and the
+    ledger held 4 - aborted steps), and the ledger's ε, recomputed from its events, counts it."""
     from memaudit.config import load_config
     from memaudit.federated.trainer import train_federated
     from memaudit.io import read_json, read_jsonl
@@ -324,7 +326,16 @@ def test_an_aborted_secure_aggregation_round_costs_no_privacy_and_training_goes_
     for m in sensitive:
         if m["secagg_aborted"]:
             assert m["update_norm"] == 0.0
-    assert read_json(out / "privacy.json")["steps"] == 4 - aborted
+    from memaudit.privacy.aborts import abort_event
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    ledger = PrivacyLedger.from_json(read_json(out / "privacy.json"))
+    assert ledger.steps == 4  # one event a round: the bit alone, or the noise composed with it
+    alone = [e for e in ledger.events if getattr(e, "label", "").startswith("secure-aggregation abort bit")]
+    assert sum(e.count for e in alone) == aborted
+    eps_bit = ledger.mechanisms[0]["abort_bit_epsilon"]
+    assert all(e.rdp == abort_event(eps_bit).rdp for e in alone)
+    assert eps_bit == 0.0  # a fixed-size cohort: whether it aborts does not depend on who is in it
     assert not any("secagg_aborted" in m for m in read_jsonl(out / "metrics.jsonl"))
     from tests.test_lifecycle import scan_public_files
 

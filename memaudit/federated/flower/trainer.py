@@ -16,7 +16,7 @@ With a host aggregator (secure aggregation, distributed DP: ``round.host_split``
 phase runs on the SuperNodes with its deltas kept there, and the aggregator runs here on a
 `memaudit.federated.secagg.remote.ClientRows`: the protocol's server object here, its clients
 on the nodes (`FlowerNodes.run_secagg`); a node that stops answering drops its users at that
-protocol step. Only the malicious-server mode is refused (`check_supported`).
+protocol step. Only a verification key directory is refused (`check_supported`).
 
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX";
@@ -221,13 +221,13 @@ def flower_trainer(cfg: Any, run: Any, nodes: Any, *, progress: Any = None) -> F
 
 # ------------------------------------------------------------------ the two processes
 def check_supported(cfg: Any) -> None:
-    """One-line error for what does not run on Flower: secure aggregation's malicious-server
-    mode (its clients' Ed25519 signing keys would have to live on the nodes)."""
+    """One-line error for what does not run on Flower: a verification key directory for secure
+    aggregation's malicious-server mode (each node makes its own clients' signing keys)."""
     sa = cfg.privacy.secure_aggregation
     uses_secagg = sa.enabled or (cfg.privacy.enabled and cfg.privacy.mechanism == "distributed")
-    if uses_secagg and sa.mode == "malicious":
-        raise ConfigError("privacy.secure_aggregation.mode=malicious does not run on "
-                          "federated.runtime=flower; use mode=honest_but_curious or federated.runtime=jax")
+    if uses_secagg and sa.verification_keys is not None:
+        raise ConfigError("privacy.secure_aggregation.verification_keys does not apply on "
+                          "federated.runtime=flower (each node makes its clients' keys); remove it")
 
 
 def serve_run(grid: Any, *, launch_dir: Path) -> None:

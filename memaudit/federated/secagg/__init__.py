@@ -1,10 +1,11 @@
 """Secure aggregation (Bonawitz et al. 2017) and SecAgg+ (Bell et al. 2020).
 
-Threat model (policy.py, docs/secure-aggregation.md): an honest-but-curious server colluding
-with at most n_C clients (default), or a malicious server (``mode="malicious"``: Ed25519
-signatures with keys from outside the server, and the consistency-check round). Every
-client's threshold exceeds (holders + n_C)/2 (malicious: also 2/3 of the holders, with
-n_C < holders/3), and a round with fewer than ``min_survivors`` survivors aborts.
+Threat model (policy.py, docs/secure-aggregation.md): by default a malicious server colluding
+with at most n_C clients (``mode="malicious"``: Ed25519 signatures with keys from outside the
+server, the view check and the consistency-check round with a quorum of the cohort); the
+``honest_but_curious`` mode drops them and holds only against a server that follows the
+protocol. Every client's threshold exceeds (holders + n_C)/2, and a round with fewer than
+``min_survivors`` survivors aborts.
 """
 
 from memaudit.federated.secagg.messages import (

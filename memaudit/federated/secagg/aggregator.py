@@ -21,7 +21,7 @@ weight 1 (for ``mean_aggregator()`` this is the mean over survivors).
 
 An abort never raises out of the round: a cohort below ``min_survivors`` (a cohort of one
 would be unmasked as that client's update), a threshold the real holder counts cannot
-support, too few answers to unmask, or (malicious-server mode) a detected attack give a
+support, too few answers to unmask, or (malicious-server mode, the default) a detected attack give a
 zero update and ``secagg_aborted = 1``; the algorithm then applies nothing (algorithms.py)
 and the base aggregator's state does not move. ``secagg_aborted`` and ``survivors`` are
 statistics of the private cohort (sensitive, not public metrics).
@@ -48,7 +48,7 @@ from memaudit.federated.client_ops import flatten_clients, slot_seed
 from memaudit.federated.secagg.graph import sparse_degree
 from memaudit.federated.secagg.messages import SecAggAbort
 from memaudit.federated.secagg.pki import KeyRing
-from memaudit.federated.secagg.policy import Policy
+from memaudit.federated.secagg.policy import DEFAULT_MODE, Policy
 from memaudit.federated.secagg.protocol import Dropouts
 from memaudit.federated.secagg.quantise import (
     ENCODE_CHUNK,
@@ -116,7 +116,7 @@ def _check_keys(keys: KeyRing, n: int) -> None:
 def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                        neighbours: str = "full", bits: int = 20, dropout_rate: float = 0.0,
                        seed: int | None = None, degree: int | None = None, colluding: int = 0,
-                       min_survivors: int = 3, mode: str = "honest_but_curious",
+                       min_survivors: int = 3, mode: str = DEFAULT_MODE,
                        keys: KeyRing | None = None) -> Aggregator:
     """Wrap ``base`` so that the server only sees the survivors' securely aggregated sum.
 
@@ -135,15 +135,17 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         degree: SecAgg+ degree (default O(log n), see :func:`sparse_degree`).
         colluding: n_C, clients that may collude with the server (policy.py).
         min_survivors: a round with fewer survivors aborts.
-        mode: "honest_but_curious" or "malicious" (complete graph, signatures, consistency check).
-        keys: the clients' Ed25519 keys for the malicious mode; default: generated here, outside
-            the server, for the cohort slots as they appear.
+        mode: "malicious" (default: signatures, views, consistency check) or
+            "honest_but_curious" (no signatures; not safe against a server that forks lists).
+        keys: the clients' Ed25519 keys for the malicious mode; default: generated here, on the
+            clients' side (the server object never holds them), for the cohort slots as they appear.
 
     Returns:
         An :class:`Aggregator` (``jittable=False``) with metrics ``secagg_aborted`` (0/1),
         ``survivors``, ``cohort``, and for a completed round ``secagg_bits``,
         ``secagg_degree``, ``secagg_bytes_up``, ``secagg_bytes_down``, ``secagg_norm_bound``
-        (the L2 bound of one decoded contribution: the sensitivity, = clip).
+        (the L2 bound of one decoded contribution: the sensitivity, = the smaller of ``clip`` and
+        the clip the rows were clipped to this round).
     """
     if neighbours not in ("full", "sparse", "auto"):
         raise ValueError(f"neighbours must be 'full', 'sparse' or 'auto', got {neighbours!r}")
@@ -152,10 +154,6 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
     quantisation_scale(clip, bits, 1)  # validate early
     policy = Policy(threshold=threshold, colluding=colluding, min_survivors=min_survivors, mode=mode)
     if policy.malicious:
-        if neighbours == "sparse":
-            raise ValueError("the malicious-server mode runs on the complete graph; set neighbours to "
-                             "'full' or 'auto'")
-        neighbours = "full"
         keys = keys if keys is not None else KeyRing.generate(())  # held by the clients' side
 
     def init(params):
@@ -169,9 +167,13 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         if n < policy.min_survivors:  # a cohort of one would be unmasked as its own update
             return _aborted(updates, state, n, n)
         dim = updates.dim
-        scale, b = quantisation_scale(clip, bits, n)
+        # the sensitivity: the clip the rows were clipped to this round (DP-FedAvg's, adaptive
+        # or not) when below ``clip``; quantising against a larger one lets the rounding lift one
+        # row above the clip the noise is calibrated to (issue 29, Found-4)
+        bound = clip if updates.clip_bound is None else min(float(clip), float(updates.clip_bound))
+        scale, b = quantisation_scale(bound, bits, n)
         # pure and cheap (closed form): recomputed every round rather than cached
-        encoding = SecAggEncoding(float(clip), float(scale), check_bits(clip, b, dim, cohort=n))
+        encoding = SecAggEncoding(float(bound), float(scale), check_bits(bound, b, dim, cohort=n))
         # one generator per slot, derived one-way from the round key: a node reproduces its
         # own users' rounding without the key; the server's draws (dropouts, graph) use server_rng
         seeds = [slot_seed(key, seed, rnd, int(s)) for s in present]
@@ -196,7 +198,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         metrics.update(secagg_aborted=0, survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
-                       secagg_norm_bound=float(clip))
+                       secagg_norm_bound=float(bound))
         if updates.counted:  # the survivors' indicators, summed under the masks
             metrics["within_clip"] = jnp.float32(int(result.total[dim]))
         return AggregateResult(res.update, SecAggState(res.state, rnd + 1), metrics)
@@ -207,6 +209,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
 __all__ = [
     "ENCODE_CHUNK",
     "SecAggState",
+    "abort_bit_epsilon",
     "check_secagg_config",
     "decode",
     "encode",
@@ -247,6 +250,17 @@ def check_secagg_config(cfg, *, dim: int | None = None) -> None:
             check_bits(clip, quantisation_scale(clip, sa.bits, n)[1], dim, cohort=n)
     except ValueError as e:
         raise ConfigError(f"privacy.secure_aggregation: {e}") from None
+
+
+def abort_bit_epsilon(cfg, population: int) -> float:
+    """Pure ε per round of whether a secure-aggregation round aborted, for a
+    :class:`memaudit.config.Config` and its population (`memaudit.privacy.aborts`): the floor
+    min_survivors and, with simulated dropouts, the holder threshold of the complete graph."""
+    from memaudit.privacy.aborts import abort_epsilon
+
+    sa, f = cfg.privacy.secure_aggregation, cfg.federated
+    return abort_epsilon(population=int(population), cohort=float(f.cohort), min_survivors=int(sa.min_survivors),
+                         sampling=f.sampling, dropout=float(sa.dropout), threshold=float(sa.threshold))
 
 
 def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = None) -> Aggregator:

@@ -8,13 +8,19 @@ unmasking round reveals, for each client i whose shares it holds, the share of
 b_i if i's masked input arrived, else the share of s_sk_i, never both.
 
 The client does not take the server's word for the round's safety (see policy.py for the
-threat model): it refuses a threshold below (holders + n_C)/2 (malicious mode: also 2/3 of
-the holders) before it sends any share, and before it reveals shares it checks that the
-survivor set it is shown reaches its threshold and ``min_survivors``. In the malicious-server
-mode it signs its keys and the survivor list with its Ed25519 key and verifies its peers'
-signatures with verification keys from the PKI (`pki.KeyRing`), never from the server: a
-survivor list that fewer than t clients signed means the server showed different lists, and
-the client aborts (:class:`InconsistencyDetected`).
+threat model): it refuses a threshold below (holders + n_C)/2 before it sends any share, and
+before it reveals shares it checks that the survivor set it is shown reaches its threshold and
+``min_survivors``. In the malicious-server mode (the default) it also
+
+- signs its keys with its Ed25519 key and verifies its peers' signatures with verification
+  keys from the PKI (`pki.KeyRing`), never from the server;
+- checks its *view* of the round: the cohort U1 and the graph (kind, seed, degree) the server
+  announces, against the neighbours whose keys it received (recomputed here), and binds the
+  view's hash into every share it encrypts; a share from a sender with another view aborts
+  the round (the server showed different cohorts);
+- signs (view, U3) in the consistency round and reveals shares only for the list it signed,
+  once more than (|U1| + n_C)/2 survivors of that view signed it too: one list per view, so
+  the server cannot fork the survivor list (:class:`InconsistencyDetected` otherwise).
 
 References:
     Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving
@@ -24,6 +30,7 @@ References:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 
@@ -35,6 +42,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from memaudit.federated.secagg import prg, shamir
+from memaudit.federated.secagg.graph import neighbours_of
 from memaudit.federated.secagg.messages import (
     SERVER,
     AuthenticationError,
@@ -53,6 +61,11 @@ from memaudit.federated.secagg.policy import Policy
 _RAW = (serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 SHARE_Y_BYTES = 66  # 521-bit field elements
 KIND_SEED, KIND_KEY = 0, 1
+VIEW_BYTES = 32
+# share plaintext: sender, recipient, x (>III), the sender's view hash, y of b, y of s_sk
+_VIEW_AT, _SEED_AT = 12, 12 + VIEW_BYTES
+_KEY_AT = _SEED_AT + SHARE_Y_BYTES
+GRAPH_CODES = {"full": 0, "sparse": 1}
 
 
 def kdf(secret: bytes, info: bytes) -> bytes:
@@ -83,10 +96,18 @@ def advert_payload(round_id: int, cid: int, c_pk: bytes, s_pk: bytes) -> bytes:
     return b"memaudit-secagg-keys" + struct.pack(">QI", round_id, cid) + c_pk + s_pk
 
 
-def survivors_payload(round_id: int, survivors) -> bytes:
-    """What a client signs in the consistency round: the survivor list U3 of this round."""
+def survivors_payload(round_id: int, survivors, view: bytes = b"") -> bytes:
+    """What a client signs in the consistency round: the survivor list U3 of this round, bound
+    to the hash of the client's view (cohort and graph)."""
     ids = sorted(survivors)
-    return b"memaudit-secagg-u3" + struct.pack(f">QI{len(ids)}I", round_id, len(ids), *ids)
+    return b"memaudit-secagg-u3" + view + struct.pack(f">QI{len(ids)}I", round_id, len(ids), *ids)
+
+
+def view_hash(round_id: int, cohort: int, kind: str, seed: int, degree: int | None, u1) -> bytes:
+    """The hash of a client's view of the round: the cohort size, the graph and U1."""
+    ids = sorted(u1)
+    head = struct.pack(">QIIII", round_id, cohort, GRAPH_CODES[kind], seed, degree or 0)
+    return hashlib.sha256(b"memaudit-secagg-view" + head + struct.pack(f">{len(ids)}I", *ids)).digest()
 
 
 class Client:
@@ -109,28 +130,35 @@ class Client:
         self._held: dict[int, bytes] = {}
         self._enc_keys: dict[int, bytes] = {}  # sender -> decrypted share plaintext
         self._u2: frozenset[int] = frozenset()
+        self._view = bytes(VIEW_BYTES)  # malicious mode: the hash of the view it was shown
+        self._cohort = 0                # |U1| of that view
         self._stage = 0
 
     def state_dict(self) -> dict:
         """The client's whole round state (its secret keys included) as plain data, for a
         runtime that runs each protocol step in a new process (a Flower ClientApp keeps it on
-        its node, `memaudit.federated.secagg.remote`). Honest-but-curious mode only: a signing
-        key ring is not part of it."""
-        if self._ring is not None:
-            raise ValueError("a malicious-mode client's state holds its signing keys; it is not saved")
+        its node, `memaudit.federated.secagg.remote`). In the malicious-server mode it holds
+        this client's signing key and the verification keys it knows (``ring``)."""
         p = self.policy
-        return {"cid": self.cid, "round_id": self.round_id, "t": self._t, "stage": self._stage,
-                "policy": [p.threshold, p.colluding, p.min_survivors, p.mode],
-                "c_sk": priv_bytes(self._c_sk), "s_sk": priv_bytes(self._s_sk), "b": self._b,
-                "keys": {j: list(k) for j, k in self._keys.items()}, "held": dict(self._held),
-                "u2": sorted(self._u2)}
+        d = {"cid": self.cid, "round_id": self.round_id, "t": self._t, "stage": self._stage,
+             "policy": [p.threshold, p.colluding, p.min_survivors, p.mode],
+             "c_sk": priv_bytes(self._c_sk), "s_sk": priv_bytes(self._s_sk), "b": self._b,
+             "keys": {j: list(k) for j, k in self._keys.items()}, "held": dict(self._held),
+             "u2": sorted(self._u2), "view": self._view, "cohort": self._cohort,
+             "u3": None if self._u3 is None else sorted(self._u3)}
+        if self._ring is not None:
+            signing, verifying = self._ring.raw()
+            d["ring"] = [{self.cid: signing[self.cid]}, verifying]
+        return d
 
     @classmethod
     def from_state_dict(cls, d: dict) -> Client:
         """The client `state_dict` saved (the AEAD keys are re-derived from the saved keys)."""
         th, col, ms, mode = d["policy"]
+        ring = KeyRing.from_raw(*d["ring"]) if d.get("ring") is not None else None
         c = cls(int(d["cid"]), round_id=int(d["round_id"]),
-                policy=Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode))
+                policy=Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode),
+                keys=ring)
         c._t, c._stage = int(d["t"]), int(d["stage"])
         c._c_sk = X25519PrivateKey.from_private_bytes(bytes(d["c_sk"]))
         c._s_sk = X25519PrivateKey.from_private_bytes(bytes(d["s_sk"]))
@@ -138,7 +166,14 @@ class Client:
         c._keys = {int(j): (bytes(k[0]), bytes(k[1])) for j, k in d["keys"].items()}
         c._held = {int(j): bytes(v) for j, v in d["held"].items()}
         c._u2 = frozenset(int(j) for j in d["u2"])
+        c._view, c._cohort = bytes(d.get("view", bytes(VIEW_BYTES))), int(d.get("cohort", 0))
+        c._u3 = None if d.get("u3") is None else frozenset(int(j) for j in d["u3"])
         return c
+
+    @property
+    def ring(self) -> KeyRing | None:
+        """The Ed25519 key ring this client signs and verifies with (malicious mode)."""
+        return self._ring
 
     def _header(self, typ: MsgType) -> Header:
         return Header(typ, self.round_id, self.cid, SERVER)
@@ -177,6 +212,8 @@ class Client:
             if self._ring is not None:  # a key the server substituted fails here
                 self._ring.verify(j, r.blob(), advert_payload(self.round_id, j, c_pk, s_pk))
             self._keys[j] = (c_pk, s_pk)
+        if self._ring is not None:
+            self._check_view(r)
         r.done()
         own = (pub_bytes(self._c_sk.public_key()), pub_bytes(self._s_sk.public_key()))
         if self._keys.get(self.cid, own) != own:
@@ -193,7 +230,7 @@ class Client:
         k_sh = shamir.split_bytes(priv_bytes(self._s_sk), threshold=threshold, n=len(holders), xs=xs)
         w = Writer().u32(len(holders))
         for j, (x, yb), (_, yk) in zip(holders, b_sh, k_sh, strict=True):
-            plain = struct.pack(">III", self.cid, j, x) + yb.to_bytes(SHARE_Y_BYTES, "big") \
+            plain = struct.pack(">III", self.cid, j, x) + self._view + yb.to_bytes(SHARE_Y_BYTES, "big") \
                 + yk.to_bytes(SHARE_Y_BYTES, "big")
             key = self._enc_key(j)
             nonce = os.urandom(12)
@@ -221,6 +258,9 @@ class Client:
             s, rcpt, _x = struct.unpack(">III", plain[:12])
             if (s, rcpt) != (sender, self.cid):
                 raise AuthenticationError("share header does not match its envelope")
+            if self._ring is not None and plain[_VIEW_AT:_SEED_AT] != self._view:
+                raise InconsistencyDetected(f"client {self.cid}: client {sender} was shown another cohort "
+                                            "or graph: inconsistent views detected")
             self._held[sender] = plain
         r.done()
         if self.cid not in self._u2:
@@ -236,6 +276,23 @@ class Client:
         prg.add_masks(flat, masks)
         self._stage = 3
         return Writer().array(y).finish(self._header(MsgType.MASKED))
+
+    def _check_view(self, r) -> None:
+        """Malicious mode: read the announced view (cohort size, graph, U1) and check that the
+        keys received are exactly this client's neighbours in it that advertised."""
+        cohort, code, seed, degree = r.u32(), r.u32(), r.u32(), r.u32()
+        u1 = frozenset(r.ids())
+        kinds = {v: k for k, v in GRAPH_CODES.items()}
+        if code not in kinds or not u1 <= set(range(cohort)) or self.cid not in u1:
+            raise MessageError(f"client {self.cid}: malformed view of the round")
+        kind = kinds[code]
+        deg = degree or None
+        want = (neighbours_of(self.cid, cohort, kind, seed=seed, degree=deg) | {self.cid}) & u1
+        if set(self._keys) | {self.cid} != want:
+            raise InconsistencyDetected(f"client {self.cid}: the keys received are not its neighbours in "
+                                        "the announced cohort and graph: inconsistent views detected")
+        self._view = view_hash(self.round_id, cohort, kind, seed, deg, u1)
+        self._cohort = len(u1)
 
     def _check_survivors(self, alive: frozenset[int], what: str) -> None:
         """Abort unless ``alive`` has min_survivors clients and t of this client's holders."""
@@ -261,17 +318,19 @@ class Client:
         r.done()
         self._check_u3(u3)
         self._u3 = u3
-        sig = self._ring.signing_key(self.cid).sign(survivors_payload(self.round_id, u3))
+        sig = self._ring.signing_key(self.cid).sign(survivors_payload(self.round_id, u3, self._view))
         self._stage = 4
         return Writer().blob(sig).finish(self._header(MsgType.CHECK))
 
     def _verify_consistency(self, u3: frozenset[int], r) -> None:
-        """Bonawitz et al.'s check: U3 is the list we signed, and >= t distinct survivors signed it."""
+        """Bonawitz et al.'s check, per view: U3 is the list this client signed, and more than
+        (|U1| + n_C)/2 (and at least t and min_survivors) distinct survivors signed the same
+        (view, U3)."""
         sigs = [(r.u32(), r.blob()) for _ in range(r.u32())]
         if u3 != self._u3:
             raise InconsistencyDetected(f"client {self.cid}: the unmask request's survivor list differs "
                                         "from the one it signed: inconsistent survivor lists detected")
-        payload, signers = survivors_payload(self.round_id, u3), set()
+        payload, signers = survivors_payload(self.round_id, u3, self._view), set()
         for j, sig in sigs:
             if j not in u3 or j in signers:
                 raise InconsistencyDetected(f"client {self.cid}: signature by {j} outside the survivors "
@@ -282,11 +341,11 @@ class Client:
                 raise InconsistencyDetected(f"client {self.cid}: client {j} did not sign this survivor "
                                             "list: inconsistent survivor lists detected") from None
             signers.add(j)
-        need = max(self._t, self.policy.min_survivors)
+        need = max(self._t, self.policy.min_survivors, self.policy.quorum(self._cohort))
         if len(signers) < need:
-            raise InconsistencyDetected(f"client {self.cid}: only {len(signers)} clients signed the "
-                                        f"survivor list, {need} needed: inconsistent survivor lists "
-                                        "detected (or too many dropped)")
+            raise InconsistencyDetected(f"secure aggregation aborted at the consistency check: client "
+                                        f"{self.cid} sees {len(signers)} signatures on its survivor list, "
+                                        f"{need} needed: too many dropped, or inconsistent survivor lists")
 
     def unmask(self, request_msg: bytes) -> bytes:
         """Round 3: reveal b-shares of survivors U3 and key-shares of U2 \\ U3, after checking
@@ -303,9 +362,9 @@ class Client:
         for sender, plain in sorted(self._held.items()):
             x = struct.unpack(">I", plain[8:12])[0]
             if sender in u3:
-                kind, y = KIND_SEED, plain[12:12 + SHARE_Y_BYTES]
+                kind, y = KIND_SEED, plain[_SEED_AT:_KEY_AT]
             else:
-                kind, y = KIND_KEY, plain[12 + SHARE_Y_BYTES:]
+                kind, y = KIND_KEY, plain[_KEY_AT:]
             w.u32(sender).u32(kind).u32(x).blob(y)
         self._stage = 5
         return w.finish(self._header(MsgType.UNMASK))

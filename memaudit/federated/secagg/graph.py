@@ -19,6 +19,27 @@ def sparse_degree(n: int) -> int:
     return min(n - 1, k)
 
 
+GRAPH_KINDS = ("full", "sparse")
+
+
+def neighbours_of(i: int, n: int, kind: str = "full", *, seed: int = 0,
+                  degree: int | None = None) -> frozenset[int]:
+    """Client ``i``'s neighbour set in :func:`neighbours` (n, kind, seed, degree), computed
+    alone: what a client recomputes to check the keys the server sent it.
+
+    >>> sorted(neighbours_of(0, 3))
+    [1, 2]
+    """
+    k = sparse_degree(n) if degree is None else degree
+    if kind == "full" or (kind == "sparse" and k >= n - 1):
+        return frozenset(j for j in range(n) if j != i)
+    if kind != "sparse" or k < 2 or k % 2:
+        return neighbours(n, kind, seed=seed, degree=degree)[i]  # raises the one-line error
+    perm = np.random.default_rng(seed).permutation(n)  # the same draw as `neighbours`
+    p = int(np.flatnonzero(perm == i)[0])
+    return frozenset(int(perm[(p + o) % n]) for o in range(-k // 2, k // 2 + 1) if o != 0)
+
+
 def neighbours(n: int, kind: str = "full", *, seed: int = 0, degree: int | None = None) -> list[frozenset[int]]:
     """Neighbour sets (excluding self) for clients 0..n-1.
 

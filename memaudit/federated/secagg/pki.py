@@ -79,6 +79,27 @@ class KeyRing:
                 raise ValueError(f"{path}: client-{cid}.key does not match client-{cid}.pub")
         return cls(signing, verifying)
 
+    @classmethod
+    def from_raw(cls, signing: dict[int, bytes], verifying: dict[int, bytes]) -> KeyRing:
+        """A ring from raw 32-byte keys (a node's saved protocol state; `raw`)."""
+        return cls({int(c): Ed25519PrivateKey.from_private_bytes(bytes(k)) for c, k in signing.items()},
+                   {int(c): Ed25519PublicKey.from_public_bytes(bytes(k)) for c, k in verifying.items()})
+
+    def raw(self) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """(signing, verifying) as raw 32-byte keys by client id (the signing keys are secret)."""
+        return ({c: k.private_bytes(*_RAW_PRIV) for c, k in self._signing.items()},
+                {c: _pub(k) for c, k in self._verifying.items()})
+
+    def add_verifying(self, keys: dict[int, bytes]) -> None:
+        """Add verification keys of other clients (a key of a client this ring signs for must
+        match its own: a substituted one is refused)."""
+        for cid, raw in keys.items():
+            pk = Ed25519PublicKey.from_public_bytes(bytes(raw))
+            have = self._verifying.get(int(cid))
+            if have is not None and _pub(have) != _pub(pk):
+                raise AuthenticationError(f"verification key of client {cid} differs from the one it holds")
+            self._verifying[int(cid)] = pk
+
     def ensure(self, ids: Iterable[int]) -> None:
         """Generate missing key pairs (only for a generated ring; a loaded one is fixed)."""
         if not self._generated:
@@ -108,6 +129,11 @@ class KeyRing:
         except InvalidSignature:
             raise AuthenticationError(f"signature of client {cid} does not verify (forged or "
                                       "altered by the server)") from None
+
+    @property
+    def generated(self) -> bool:
+        """Whether this ring makes its keys on demand (no PKI directory behind it)."""
+        return self._generated
 
     @property
     def ids(self) -> frozenset[int]:

@@ -1,22 +1,27 @@
 """Who secure aggregation protects against, and the bounds that follow.
 
-Threat model (docs/secure-aggregation.md):
+Threat model (docs/secure-aggregation.md, where each bound is derived):
 
-- ``honest_but_curious`` (default): the server follows the protocol but tries to learn
-  individual inputs, and colludes with at most ``colluding`` (n_C) clients.
-- ``malicious``: the server may deviate arbitrarily (drop, reorder, forge and send different
-  messages to different clients), again with at most n_C colluding clients. Clients sign their
-  keys and the survivor list (Ed25519) with keys distributed outside the server, and run
-  Bonawitz et al.'s consistency-check round before they reveal any share.
+- ``malicious`` (default): the server may deviate arbitrarily (drop, reorder, forge and send
+  different messages to different clients), and colludes with at most ``colluding`` (n_C)
+  clients. Clients sign their keys, bind every Shamir share to the sender's view of the round
+  (the cohort U1 and the graph), and sign the survivor list U3 together with that view
+  (Ed25519, keys held outside the server); a client reveals shares only for a list that a
+  quorum of its view signed.
+- ``honest_but_curious``: the server follows the protocol but tries to learn individual
+  inputs. No signatures: a server that shows different survivor lists to different clients
+  unmasks one client (tests/federated/test_secagg_forking.py), so this mode is for
+  comparison only.
 
 memaudit runs SecAgg+ (Bell et al. 2020): client i's Shamir shares go to its h_i holders
-(its neighbours and itself), and the threshold is a fraction of h_i. A server that shows
-different survivor lists to different holders gets shares of the self-mask seed b_i from one
-group and of the mask key s_sk_i from the other; with both it unmasks x_i alone. The groups
-are disjoint among honest holders and the n_C colluders give both, so the attack needs
-2t <= h_i + n_C. Every client's threshold must therefore exceed (h_i + n_C)/2, in both modes.
-The malicious mode adds Bonawitz et al. 2017's condition t > 2h/3 with n_C < h/3 (their
-Theorem A.2 pairs them), under which the signed survivor lists cannot be forked.
+(its neighbours and itself), and the threshold is a fraction of h_i. Two routes unmask x_i:
+(1) shares of the self-mask seed b_i and of the mask key s_sk_i, from holders shown lists
+with and without i; (2) b_i and the mask keys of the t_i - 1 neighbours the server left in
+the shrunken U2 it showed i. Both need 2 t_i <= h_i + n_C once every honest holder that
+reveals i's shares acts on one and the same list (the signed quorum below), so every client's
+threshold must exceed (h_i + n_C)/2. A list is released only when more than (|U1| + n_C)/2
+clients of the same view signed it: two different lists would need more honest signers than
+the view has, so the list is unique per view.
 
 A round also needs ``min_survivors`` survivors (at least n_C + 2, so a released sum always
 mixes two honest inputs): a cohort of one, or dropouts down to one survivor, would otherwise
@@ -31,6 +36,8 @@ References:
 3
 >>> min_threshold(5, colluding=1)
 4
+>>> Policy().quorum(40)
+21
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ from typing import Literal
 
 from memaudit.federated.secagg.messages import SecAggAbort
 
-Mode = Literal["honest_but_curious", "malicious"]
-MODES = ("honest_but_curious", "malicious")
+Mode = Literal["malicious", "honest_but_curious"]
+MODES = ("malicious", "honest_but_curious")
+DEFAULT_MODE = "malicious"
 
 
 class ThresholdError(SecAggAbort, ValueError):
@@ -52,13 +60,13 @@ class ThresholdError(SecAggAbort, ValueError):
 def min_threshold(holders: int, *, colluding: int = 0, mode: str = "honest_but_curious") -> int:
     """The smallest safe Shamir threshold for a client with ``holders`` holders.
 
-    t > (h + n_C)/2 in both modes (no two survivor lists both reach t); in malicious mode
-    also t > 2h/3 (Bonawitz et al. 2017). The result may exceed ``holders``: no threshold works.
+    t > (h + n_C)/2 in both modes (docs/secure-aggregation.md derives it for both routes; the
+    malicious-server mode makes it hold against a server that forks the lists, by the signed
+    quorum). ``mode`` is accepted for symmetry: the bound is the same. The result may exceed
+    ``holders``: no threshold works.
     """
-    t = (holders + colluding) // 2 + 1
-    if mode == "malicious":
-        t = max(t, (2 * holders) // 3 + 1)
-    return t
+    del mode
+    return (holders + colluding) // 2 + 1
 
 
 def _fraction_needed(t: int, holders: int) -> float:
@@ -80,7 +88,7 @@ class Policy:
     threshold: float = 0.6
     colluding: int = 0
     min_survivors: int = 3
-    mode: str = "honest_but_curious"
+    mode: str = DEFAULT_MODE
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold <= 1:
@@ -98,6 +106,11 @@ class Policy:
     def malicious(self) -> bool:
         return self.mode == "malicious"
 
+    def quorum(self, cohort: int) -> int:
+        """Signatures on one (view, U3) a client needs before it reveals: more than
+        (|U1| + n_C)/2, so no two lists of one view both reach it (each honest client signs once)."""
+        return (cohort + self.colluding) // 2 + 1
+
     def holder_threshold(self, holders: int) -> int:
         """t = ceil(threshold * holders), checked against the bound for ``holders``.
 
@@ -111,23 +124,16 @@ class Policy:
     def check_threshold(self, t: int, holders: int) -> None:
         """Refuse a threshold t for ``holders`` holders that the threat model does not allow."""
         n_c = self.colluding
-        if self.malicious and 3 * n_c >= holders:
-            raise ThresholdError(f"{n_c} colluding clients among {holders} holders: the malicious-server "
-                                 f"mode needs n_C < n/3 (Bonawitz et al. 2017); lower colluding_clients "
-                                 f"or use a larger cohort")
         need = min_threshold(holders, colluding=n_c, mode=self.mode)
         if need > holders:
             raise ThresholdError(f"no threshold is safe for {holders} holders with {n_c} colluding "
                                  f"clients (t must exceed (holders + colluding)/2); use a larger cohort "
                                  f"or fewer colluding_clients")
         if t < need:
-            why = ("exceed 2/3 of the holders (malicious server, Bonawitz et al. 2017)"
-                   if self.malicious and need == (2 * holders) // 3 + 1 and need > (holders + n_c) // 2 + 1
-                   else f"exceed (holders + colluding)/2 = ({holders} + {n_c})/2, or a server that shows "
-                        f"different survivor lists unmasks one client")
             raise ThresholdError(f"threshold t={t} of {holders} holders with {n_c} colluding clients is "
-                                 f"too low: t must {why}; raise the threshold fraction to >= "
-                                 f"{_fraction_needed(need, holders)}")
+                                 f"too low: t must exceed (holders + colluding)/2 = ({holders} + {n_c})/2, "
+                                 f"or a server that shows different survivor lists unmasks one client; "
+                                 f"raise the threshold fraction to >= {_fraction_needed(need, holders)}")
 
     def check_survivors(self, count: int, what: str) -> None:
         """Abort when fewer than ``min_survivors`` clients are left (``what``: where)."""
@@ -136,4 +142,4 @@ class Policy:
                               f"min_survivors={self.min_survivors}; a smaller sum could reveal one client")
 
 
-__all__ = ["MODES", "Mode", "Policy", "ThresholdError", "min_threshold"]
+__all__ = ["DEFAULT_MODE", "MODES", "Mode", "Policy", "ThresholdError", "min_threshold"]

@@ -6,11 +6,10 @@ consistency check (malicious-server mode only), and before answering the
 unmasking request.
 
 The round runs under a :class:`~memaudit.federated.secagg.policy.Policy` (threat model,
-threshold bounds, survivor floor; see policy.py). In the malicious-server mode the clients
-get their Ed25519 keys from a :class:`~memaudit.federated.secagg.pki.KeyRing` that the
-server object never sees, and the round adds Bonawitz et al.'s consistency check. That mode
-runs on the complete graph: a SecAgg+ graph drawn from a seed the server announces could be
-biased by the server.
+threshold bounds, survivor floor; see policy.py). In the malicious-server mode (the default)
+the clients get their Ed25519 keys from a :class:`~memaudit.federated.secagg.pki.KeyRing` that
+the server object never sees (generated for the round when none is given), check their view
+of the round, and the round adds Bonawitz et al.'s consistency check, on either graph.
 
 References:
     Bonawitz et al., CCS 2017 (Figure 4: the malicious-server protocol with signatures).
@@ -27,7 +26,7 @@ import numpy as np
 from memaudit.federated.secagg.client import Client
 from memaudit.federated.secagg.graph import neighbours as make_neighbours
 from memaudit.federated.secagg.pki import KeyRing
-from memaudit.federated.secagg.policy import Policy
+from memaudit.federated.secagg.policy import DEFAULT_MODE, Policy
 from memaudit.federated.secagg.server import Server, policy_thresholds
 
 
@@ -51,21 +50,22 @@ class Dropouts:
 def run_round(inputs: np.ndarray, *, round_id: int = 0, neighbours: str = "full",
               threshold: float = 0.6, graph_seed: int = 0, degree: int | None = None,
               dropouts: Dropouts | None = None, tamper=None, colluding: int = 0,
-              min_survivors: int = 3, mode: str = "honest_but_curious",
+              min_survivors: int = 3, mode: str = DEFAULT_MODE,
               keys: KeyRing | None = None) -> RoundResult:
     """Securely sum ``inputs`` (n, d) uint32 over the clients that survive.
 
     Args:
         inputs: (n, d) uint32, one row per client.
         round_id: the round id bound into every message.
-        neighbours: "full" (SecAgg) or "sparse" (SecAgg+; honest-but-curious mode only).
+        neighbours: "full" (SecAgg) or "sparse" (SecAgg+).
         threshold: Shamir threshold as a fraction of each client's holders.
         graph_seed, degree: SecAgg+ graph.
         dropouts: which clients drop, and when.
         tamper: optional test hook ``f(stage, cid, msg) -> msg`` applied to messages in transit.
         colluding: n_C, clients that may collude with the server.
         min_survivors: the round aborts with fewer survivors.
-        mode: "honest_but_curious" or "malicious" (signatures and the consistency check).
+        mode: "malicious" (default: signatures, views and the consistency check) or
+            "honest_but_curious" (none of them; not safe against a server that forks lists).
         keys: the clients' Ed25519 keys (malicious mode); default a fresh ring for this round.
 
     Raises:
@@ -78,8 +78,6 @@ def run_round(inputs: np.ndarray, *, round_id: int = 0, neighbours: str = "full"
     n, d = inputs.shape
     drop = dropouts or Dropouts()
     tamper = tamper or (lambda stage, cid, m: m)
-    if policy.malicious and neighbours != "full":
-        raise ValueError("the malicious-server mode runs on the complete graph; use neighbours='full'")
     neigh = make_neighbours(n, neighbours, seed=graph_seed, degree=degree)
     t = policy_thresholds(neigh, policy)  # refuses a threshold below the bound
     policy.check_survivors(n, "the start of the round")
@@ -87,7 +85,8 @@ def run_round(inputs: np.ndarray, *, round_id: int = 0, neighbours: str = "full"
         keys = keys if keys is not None else KeyRing.generate(range(n))
         keys.ensure(range(n))
     server = Server(round_id=round_id, neighbours=neigh, threshold=t, dim=d,
-                    min_survivors=min_survivors, signed=policy.malicious)
+                    min_survivors=min_survivors, signed=policy.malicious,
+                    graph=(neighbours, graph_seed, degree), colluding=colluding)
     clients = [Client(i, round_id=round_id, policy=policy, keys=keys) for i in range(n)]
     up = down = 0
 

@@ -16,8 +16,15 @@ there:
   `memaudit.federated.updates.ClientUpdates`;
 - `run_remote_round` is `memaudit.federated.secagg.protocol.run_round` with the server's
   `Server` here and the protocol's `Client` s on the nodes, over four message exchanges
-  (advertise, share keys, masked input, unmask); a node that stops answering drops its
+  (advertise, share keys, masked input, unmask) and, in the malicious-server mode (the
+  default), the consistency check between the last two; a node that stops answering drops its
   clients at that step, exactly as a simulated dropout there would;
+- in the malicious-server mode each node generates its clients' Ed25519 signing keys for the
+  round (kept in its state, never in a reply) and returns their verification keys with the
+  advertisements; the server relays every client's verification key to every node. That relay
+  is the mode's key distribution on a runtime across machines: it stops a server that forks
+  survivor lists or shows different cohorts, and a server that also substitutes verification
+  keys in the relay is outside what it stops (docs/secure-aggregation.md, "Flower");
 - `node_step` is a node's side of one exchange: it makes its clients, keeps their secret keys
   and received shares in the node's own state (never in a reply), and at the masked-input step
   quantises its own users' rows (the round's frozen encoding,
@@ -25,10 +32,11 @@ there:
   discrete-Gaussian noise share, `memaudit.federated.client_ops.DDGEncoding`) with a per-slot
   generator.
 
-Per-slot randomness: `memaudit.federated.client_ops.slot_seed` derives each slot's rounding (and
-noise-share) seed one-way (sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run and a
-node draw the same bits for the same user while the round key (which also drives the server's
-DP noise) never leaves the server.
+Per-slot randomness: `memaudit.federated.client_ops.slot_seed` derives each slot's rounding seed
+one-way (sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run
+and a node round the same bits for the same user while the round key never leaves the server.
+A distributed-DP noise share is not derived from it: each client draws it from its own fresh
+secret on the node (`memaudit.federated.client_ops.fresh_secret`), which the server never sees.
 
 References:
     Bonawitz et al., CCS 2017; Bell et al., CCS 2020 (SecAgg+); Kairouz, Liu, Steinke,
@@ -58,14 +66,15 @@ from memaudit.federated.client_ops import (
 from memaudit.federated.flower.wire import dtype_of
 from memaudit.federated.secagg.client import Client
 from memaudit.federated.secagg.graph import neighbours as make_neighbours
-from memaudit.federated.secagg.messages import SecAggAbort
-from memaudit.federated.secagg.policy import Policy
+from memaudit.federated.secagg.messages import AuthenticationError, SecAggAbort
+from memaudit.federated.secagg.pki import KeyRing
+from memaudit.federated.secagg.policy import DEFAULT_MODE, Policy
 from memaudit.federated.secagg.protocol import Dropouts, RoundResult
 from memaudit.federated.secagg.quantise import SecAggEncoding
 from memaudit.federated.secagg.server import Server, policy_thresholds
 from memaudit.federated.updates import ClientUpdates
 
-STEPS = ("advertise", "shares", "masked", "unmask")
+STEPS = ("advertise", "shares", "masked", "check", "unmask")
 ENCODINGS: dict[str, Any] = {"secagg": SecAggEncoding, "ddp": DDGEncoding}  # wire "kind" -> class
 
 
@@ -131,6 +140,10 @@ class ClientRows(ClientUpdates):
     def counted(self) -> bool:
         return self.step.count is not None
 
+    @property
+    def clip_bound(self) -> float | None:
+        return min(self.step.clips) if self.step.clips else None
+
     def clipped(self, clip: Any, *, count: bool = False) -> ClientRows:
         """These rows, each scaled on its node to global L2 norm <= ``clip``; with ``count``
         each row also carries 1[norm <= clip] into the secure sum."""
@@ -168,7 +181,7 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
                      seeds: Sequence[str], *, dim: int, round_id: int, neighbours: str = "full",
                      threshold: float = 0.6, graph_seed: int = 0, degree: int | None = None,
                      dropouts: Any = None, colluding: int = 0, min_survivors: int = 3,
-                     mode: str = "honest_but_curious", keys: Any = None) -> Any:
+                     mode: str = DEFAULT_MODE, keys: Any = None) -> Any:
     """`memaudit.federated.secagg.protocol.run_round` with the clients on the nodes.
 
     ``encoding``: the round's frozen client encoding (sent in its wire form). Client ``cid``
@@ -182,16 +195,17 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
             client on a node refused a step.
     """
     policy = Policy(threshold=threshold, colluding=colluding, min_survivors=min_survivors, mode=mode)
-    if policy.malicious or keys is not None:
-        raise ValueError("the malicious-server mode does not run with the clients on other "
-                         "machines; use federated.runtime=jax or mode=honest_but_curious")
+    if keys is not None and not keys.generated:  # a generated ring stays unused: nodes make theirs
+        raise ValueError("a verification key directory is for clients in this process; on a runtime "
+                         "across machines each node makes its clients' keys (leave verification_keys unset)")
     drop = dropouts or Dropouts()
     n = len(present)
     neigh = make_neighbours(n, neighbours, seed=graph_seed, degree=degree)
     t = policy_thresholds(neigh, policy)
     policy.check_survivors(n, "the start of the round")
     server = Server(round_id=round_id, neighbours=neigh, threshold=t, dim=dim,
-                    min_survivors=min_survivors)
+                    min_survivors=min_survivors, signed=policy.malicious,
+                    graph=(neighbours, graph_seed, degree), colluding=colluding)
     ch = rows.channel
     node_of = {cid: ch.host[int(s)] for cid, s in enumerate(present)}
     traffic = {"up": 0, "down": 0}
@@ -218,15 +232,22 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
                               "policy": [threshold, colluding, min_survivors, mode],
                               "spec": encoding.to_wire(), "leaves": list(rows.leaves), **rows.step.to_wire()}
                        for node, cl in start.items()})
+    verify: dict[int, bytes] = {}
     for node in sorted(replies, key=str):
         for _cid, m in sorted(replies[node]["msgs"].items()):
             traffic["up"] += len(m)
             server.receive_advertise(m)
+        verify.update({int(c): bytes(k) for c, k in (replies[node].get("verify") or {}).items()})
     alive = [cid for cid in range(n) if node_of[cid] in replies and cid not in drop.before_shares]
-    alive = exchange("shares", {i: server.keys_for(i) for i in alive}, server.receive_shares)
+    alive = exchange("shares", {i: server.keys_for(i) for i in alive}, server.receive_shares,
+                     {"verify": verify} if policy.malicious else None)
     forwards = {i: server.forward_for(i) for i in alive}
     alive = exchange("masked", {i: forwards[i] for i in alive if i not in drop.before_masked},
                      server.receive_masked)
+    if policy.malicious:
+        checks = {i: server.check_request_for(i) for i in alive}
+        alive = exchange("check", {i: checks[i] for i in alive if i not in drop.before_check},
+                         server.receive_check)
     requests = {i: server.unmask_request_for(i) for i in alive}
     exchange("unmask", {i: requests[i] for i in alive if i not in drop.before_unmask},
              server.receive_unmask)
@@ -269,21 +290,30 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
             policy = Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode)
             st = {k: payload.get(k) for k in ("round_id", "spec", "pre", "leaves", "count")}
             st["slots"] = {int(c): [int(s), str(seed)] for c, s, seed in payload["clients"]}
-            clients = {c: Client(c, round_id=int(payload["round_id"]), policy=policy) for c in st["slots"]}
+            ring = KeyRing.generate(st["slots"]) if policy.malicious else None  # this node's clients' keys
+            clients = {c: Client(c, round_id=int(payload["round_id"]), policy=policy, keys=ring)
+                       for c in st["slots"]}
             msgs = {c: cl.advertise() for c, cl in clients.items()}
+            extra = {} if ring is None else {"verify": ring.raw()[1]}
         else:
             st = load(rnd)
             clients = {int(c): Client.from_state_dict(d) for c, d in st["clients"].items()}
             asked = {int(c): bytes(m) for c, m in payload["msgs"].items()}
+            extra = {}
             if step == "shares":
+                for c in asked:
+                    if clients[c].ring is not None:
+                        clients[c].ring.add_verifying(payload.get("verify") or {})
                 msgs = {c: clients[c].share_keys(m) for c, m in asked.items()}
             elif step == "masked":
                 cids = sorted(asked)
                 q = encoded(cids, st)
                 msgs = {c: clients[c].masked_input(asked[c], q[k]) for k, c in enumerate(cids)}
+            elif step == "check":
+                msgs = {c: clients[c].check(m) for c, m in asked.items()}
             else:
                 msgs = {c: clients[c].unmask(m) for c, m in asked.items()}
-    except SecAggAbort as e:
+    except (SecAggAbort, AuthenticationError) as e:  # a client refused: the round aborts
         save(rnd, None)
         return {"abort": str(e).splitlines()[0] if str(e) else type(e).__name__}
     if step == "unmask":
@@ -291,7 +321,7 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
     else:
         st["clients"] = {c: cl.state_dict() for c, cl in clients.items()}
         save(rnd, st)
-    return {"msgs": msgs}
+    return {"msgs": msgs, **extra}
 
 
 __all__ = ["ENCODINGS", "ClientRows", "NodeChannel", "encoding_from_wire", "node_step", "run_remote_round",

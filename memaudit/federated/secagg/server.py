@@ -9,8 +9,9 @@ removes those masks from the sum, leaving sum_{i in U3} x_i (mod 2^32).
 The server is the party the protocol protects against (policy.py): it aborts a round with
 fewer than ``min_survivors`` survivors, but the clients do not rely on it for that; they
 check thresholds and survivor sets themselves. With ``signed=True`` (malicious-server mode)
-it relays the clients' Ed25519 signatures on their keys and runs the consistency round
-(CHECK_REQUEST / CHECK), without holding any verification key itself.
+it relays the clients' Ed25519 signatures on their keys, announces each client's view (the
+cohort size, the graph and U1, which the client checks against the keys it receives) and runs
+the consistency round (CHECK_REQUEST / CHECK), without holding any verification key itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from memaudit.federated.secagg import prg, shamir
-from memaudit.federated.secagg.client import KIND_KEY, KIND_SEED, mask_seed
+from memaudit.federated.secagg.client import GRAPH_CODES, KIND_KEY, KIND_SEED, mask_seed
 from memaudit.federated.secagg.messages import (
     SERVER,
     Header,
@@ -53,8 +54,11 @@ class Server:
     """Server side of one round, for clients 0..n-1 with the given neighbour sets."""
 
     def __init__(self, *, round_id: int, neighbours: Sequence[frozenset[int]], threshold: Sequence[int],
-                 dim: int, min_survivors: int = 1, signed: bool = False) -> None:
+                 dim: int, min_survivors: int = 1, signed: bool = False,
+                 graph: tuple[str, int, int | None] = ("full", 0, None), colluding: int = 0) -> None:
         self.round_id = round_id
+        self.colluding = colluding
+        self.graph = graph  # (kind, seed, degree) the neighbour sets were drawn from
         self.min_survivors = min_survivors
         self.signed = signed
         self._sigs: dict[int, bytes] = {}   # advertisement signatures (signed mode)
@@ -112,6 +116,9 @@ class Server:
             w.u32(j).blob(self._keys[j][0]).blob(self._keys[j][1])
             if self.signed:
                 w.blob(self._sigs[j])
+        if self.signed:  # the view the client checks its keys against and binds its shares to
+            kind, seed, degree = self.graph
+            w.u32(self.n).u32(GRAPH_CODES[kind]).u32(int(seed)).u32(int(degree or 0)).ids(u1)
         return self._out(MsgType.KEYS, cid, w)
 
     # -- round 1
@@ -159,10 +166,16 @@ class Server:
         """U3; in signed mode also the consistency-round signatures on it (from U4)."""
         self._abort_if_short(set(self._checks) if self.signed else set(self.u3),
                              "consistency check" if self.signed else "masked input collection")
+        quorum = (len(self._keys) + self.colluding) // 2 + 1
+        if self.signed and len(self._checks) < quorum:  # the clients would refuse (policy.quorum)
+            raise SecAggAbort(f"secure aggregation aborted at the consistency check: {len(self._checks)} "
+                              f"survivors signed, more than half the cohort ({quorum}) needed")
         w = Writer().ids(self.u3)
-        if self.signed:
-            w.u32(len(self._checks))
-            for j, sig in sorted(self._checks.items()):
+        if self.signed:  # as many signatures as the client needs (each one costs it a verification)
+            need = max(self.t[cid], self.min_survivors, quorum)
+            sigs = sorted(self._checks.items())[:need]
+            w.u32(len(sigs))
+            for j, sig in sigs:
                 w.u32(j).blob(sig)
         return self._out(MsgType.UNMASK_REQUEST, cid, w)
 
