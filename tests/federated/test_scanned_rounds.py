@@ -68,7 +68,7 @@ TRANSFORMS = {
     "jit_grad": lambda f: jax.jit(jax.grad(f)),
     "grad_remat": lambda f: jax.grad(jax.remat(f)),
 }
-STRATEGIES = ["vmap"]  # (second-order derivatives of the "scan" client loop: see below)
+STRATEGIES = ["vmap"]
 
 
 def _drjax_grad():
