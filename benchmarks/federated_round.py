@@ -47,6 +47,12 @@ Measured (jax 0.10.2, XLA:CPU, a 2-core machine shared with other jobs, load ave
 - ``program_padded`` / ``program`` on a 2-device ``clients`` axis (cohort 8 in 16 slots, 5
   repeats): 0.96x wall, 1.00x CPU with the ``shard_map`` client loop; 1.87x wall, 1.92x CPU
   with the former vmap over the device shards (the absent slots' skip was a select there).
+- ``centralized`` as the limit (cohort 8 on 8 host devices, ``XLA_FLAGS=
+  --xla_force_host_platform_device_count=8``, 5 repeats; 2026-12-03, load average 14-20):
+  the former variant (one jitted loop over unsharded tokens) took 30.0 s wall, 10.25 s CPU
+  against the round's 3.51 s / 1.26 s, a "limit" 8.5x slower than what it bounds; the
+  data-parallel one takes 3.19 s / 1.25 s, and the round (``program``) 3.36 s / 1.21 s: 1.06x
+  wall, 0.96x CPU of the limit; drjax 4.94 s / 1.41 s, the round 0.68x wall, 0.86x CPU of it.
 - ``layouts`` (8 fake devices, Flax Llama with 2 layers, 8 heads, 4 kv heads, vocab 512,
   intermediate 4 x hidden; cohort 8, 16 sequences of 64 per client, 4 local steps of 4;
   3 repeats), per device, MiB, 1-D (clients 8) vs 2-D (clients 4, model 2):
