@@ -118,9 +118,10 @@ def test_scanned_rounds_equal_unrolled_rounds_and_drjax(strategy):
     want = jax.jit(_drjax_grad())(_params(), _data())
     unrolled = jax.jit(jax.grad(_rounds(strategy, False)))(_params(), _data())
     assert _max_diff(unrolled, want) <= 1e-6
-    for transform in ("grad", "grad_remat"):  # (jit_grad compiles what grad does under jit)
-        got = jax.jit(TRANSFORMS[transform](_rounds(strategy, True)))(_params(), _data())
-        assert _max_diff(got, want) <= 1e-6, transform
+    # (jit and remat change how the gradient is compiled, not its value: their structure is
+    # checked by the closure and partition tests)
+    got = jax.jit(jax.grad(_rounds(strategy, True)))(_params(), _data())
+    assert _max_diff(got, want) <= 1e-6
 
 
 def test_a_scan_over_the_rounds_that_sums_over_the_clients_is_still_refused():
