@@ -184,3 +184,32 @@ def test_a_while_loop_over_rounds_is_refused_in_one_line():
     n = jax.ShapeDtypeStruct((), jnp.int32)  # a traced round count: a while loop
     with pytest.raises(PlanError, match="while loop over federated rounds"):
         trace(rounds, (_params(), struct, jax.random.key(0), n), PLACED, N)
+
+
+def test_scanned_fedavg_rounds_with_per_round_keys_partition():
+    """FedAvg rounds scanned over their keys (a server ``xs`` sliced round by round; the fused
+    map-and-sum as each round's client stage) run on the nodes with the in-JAX scan's weights."""
+    import optax
+
+    a = alg.fedavg(_loss, client_optimizer=optax.sgd(0.2), server_optimizer=optax.sgd(1.0),
+                   local_steps=2, batch_size=2)
+
+    def rounds(state, data, key):
+        return jax.lax.scan(lambda st, k: (a.round.program(st, data, k)[0], None), state,
+                            jax.random.split(key, 2))[0]
+
+    def unrolled(state, data, key):
+        for k in jax.random.split(key, 2):
+            state = a.round.program(state, data, k)[0]
+        return state
+
+    data, key = _data(), jax.random.key(3)
+    state = a.init(_params())
+    struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data)
+    plan = compile_plan(rounds, (state, struct, key), PLACED, N)
+    want = trace(unrolled, (state, struct, key), PLACED, N)
+    assert [s.kind for s in plan.stages] == [s.kind for s in want.stages]
+    assert len(plan.client_stages) == 2  # a round's clients run as one stage (the fused mean)
+    assignment = {name: [(s, f"u{s}") for s in slots] for name, slots in HOSTS.items()}
+    got, _ = run_plan(plan, (state, struct, key), _nodes(data), assignment, round=0)
+    assert _max_diff(got.params, jax.jit(rounds)(state, data, key).params) <= 1e-6
