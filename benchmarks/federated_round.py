@@ -17,8 +17,11 @@ Variants (same model, same tokens, same optimizers):
   ``program`` costs;
 - ``client_loop``: a Python loop over the cohort calling one jitted local-training function per
   client, then the mean delta and the server step;
-- ``centralized``: one jitted loop of ``local_steps`` steps over the same tokens
-  (cohort x batch sequences per step): the limit;
+- ``centralized``: data-parallel SGD, ``local_steps`` steps of the cohort's cohort x batch
+  sequences each (the same tokens), sharded over the devices like the clients (a ``shard_map``
+  over the ``clients`` axis, the gradient averaged every step): what a centralized step on the
+  round's tokens costs, the limit the round is compared with (``*_vs_centralized``, and
+  ``program_vs_drjax``);
 - ``drjax``: the same round written with ``drjax`` (if installed: ``pip install drjax``).
 
 Model: a 1.31M-parameter causal "MLP language model" in plain JAX (token embedding 512 x 256,
@@ -44,6 +47,12 @@ Measured (jax 0.10.2, XLA:CPU, a 2-core machine shared with other jobs, load ave
 - ``program_padded`` / ``program`` on a 2-device ``clients`` axis (cohort 8 in 16 slots, 5
   repeats): 0.96x wall, 1.00x CPU with the ``shard_map`` client loop; 1.87x wall, 1.92x CPU
   with the former vmap over the device shards (the absent slots' skip was a select there).
+- ``centralized`` as the limit (cohort 8 on 8 host devices, ``XLA_FLAGS=
+  --xla_force_host_platform_device_count=8``, 5 repeats; 2026-12-03, load average 14-20):
+  the former variant (one jitted loop over unsharded tokens) took 30.0 s wall, 10.25 s CPU
+  against the round's 3.51 s / 1.26 s, a "limit" 8.5x slower than what it bounds; the
+  data-parallel one takes 3.19 s / 1.25 s, and the round (``program``) 3.36 s / 1.21 s: 1.06x
+  wall, 0.96x CPU of the limit; drjax 4.94 s / 1.41 s, the round 0.68x wall, 0.86x CPU of it.
 - ``layouts`` (8 fake devices, Flax Llama with 2 layers, 8 heads, 4 kv heads, vocab 512,
   intermediate 4 x hidden; cohort 8, 16 sequences of 64 per client, 4 local steps of 4;
   3 repeats), per device, MiB, 1-D (clients 8) vs 2-D (clients 4, model 2):
@@ -205,23 +214,42 @@ def bench_client_loop(params, data, args):
     return round_
 
 
-def bench_centralized(params, data, args):
+def bench_centralized(params, data, args, mesh):
+    """Data-parallel SGD over the round's tokens: ``local_steps`` steps of the cohort's
+    ``cohort x batch`` sequences (step t takes each client's sequences t*batch ... (t+1)*batch),
+    sharded over the devices as the clients are (each device the sequences of its clients),
+    the gradient averaged over the devices every step. The same tokens, model, optimizer and
+    sharding as the round, without its per-client copies of the model: the limit."""
     opt = optax.sgd(0.1)
-    flat = data.examples["tokens"].reshape(-1, data.examples["tokens"].shape[-1])
-    per_step = args.cohort * args.batch
+    tokens = data.examples["tokens"]  # (cohort, examples, seq)
+    cohort, steps, batch = tokens.shape[0], args.local_steps, args.batch
+    if steps * batch > tokens.shape[1]:
+        raise ValueError(f"--local-steps x --batch = {steps * batch} exceeds --examples "
+                         f"{tokens.shape[1]}; give each client more sequences")
+    per_step = tokens[:, : steps * batch].reshape(cohort, steps, batch, -1).swapaxes(0, 1)
+    per_step = per_step.reshape(steps, cohort * batch, -1)  # (steps, cohort x batch, seq), clients' rows in order
+    k = 1 if mesh is None else mesh.devices.size
 
-    @jax.jit
-    def train(p, tokens):
+    def train(p, batches):  # batches: this device's (steps, rows, seq)
         def step(carry, t):
             p, s = carry
             g = jax.grad(lambda p: loss_fn(p, {"tokens": t})[0].mean())(p)
+            if k > 1:
+                g = jax.lax.pmean(g, "clients")  # the data-parallel gradient all-reduce
             u, s = opt.update(g, s, p)
             return (optax.apply_updates(p, u), s), None
 
-        batches = tokens[: args.local_steps * per_step].reshape(args.local_steps, per_step, -1)
         return jax.lax.scan(step, (p, opt.init(p)), batches)[0][0]
 
-    return lambda: _block(train(params, flat))
+    if k == 1:
+        run = jax.jit(train)
+    else:
+        P = jax.sharding.PartitionSpec
+        run = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(P(), P(None, "clients")),
+                                    out_specs=P(), check_vma=False))
+        per_step = jax.device_put(per_step, jax.sharding.NamedSharding(mesh, P(None, "clients")))
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+    return lambda: _block(run(params, per_step))
 
 
 def bench_drjax(params, data, args, mesh):
@@ -375,7 +403,7 @@ def main(argv=None) -> dict:
         row = {"cohort": cohort}
         with jax.set_mesh(mesh) if mesh is not None else _null():
             runners = {
-                "centralized": bench_centralized(params, data, args),
+                "centralized": bench_centralized(params, data, args, mesh),
                 "program": bench_program(params, data, args, mesh),
                 "program_padded": bench_program(params, padded(data, 2 * cohort, len(devices)),
                                                 args, mesh),
@@ -397,6 +425,9 @@ def main(argv=None) -> dict:
             if k != "centralized":
                 row[f"{k}_vs_centralized"] = row[f"{k}_s"] / row["centralized_s"]
                 row[f"{k}_cpu_vs_centralized"] = row[f"{k}_cpu_s"] / row["centralized_cpu_s"]
+        if "drjax_s" in row:
+            row["program_vs_drjax"] = row["program_s"] / row["drjax_s"]
+            row["program_cpu_vs_drjax"] = row["program_cpu_s"] / row["drjax_cpu_s"]
         row["compiles"] = {k: {"warmup": warmup_compiles[k], "timed": stats[k]["timed_compiles"]}
                            for k in stats}
         results.append(row)

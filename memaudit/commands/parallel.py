@@ -86,17 +86,20 @@ def plan_cmd(
     from rich.table import Table
 
     t = Table(title=f"{preset} on {gpus} devices ({mach.name}), batch {batch} x {seq}")
-    for c in ("data", "x", "y", "z", "mb", "x GiB", "y GiB", "z GiB", "data GiB", "mem GiB", "comm s", "fits"):
+    for c in ("data", "x", "y", "z", "mb", "x GiB", "y GiB", "z GiB", "data GiB", "mem GiB", "comm s", "step s",
+              "fits"):
         t.add_column(c, justify="right")
     for r in res.grids[:top]:
         g, w = r["grid"], r["wire_bytes"]
         cells = [str(g[a]) for a in ("data", "x", "y", "z")] + [str(r["micro_batch"])]
         cells += [_gib(w[a]) for a in ("x", "y", "z", "data")]
-        cells += [_gib(r["memory_bytes"]["total"]), f"{r['comm_time_s']:.3f}", "yes" if r["fits"] else "no: memory"]
+        step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f}"
+        cells += [_gib(r["memory_bytes"]["total"]), f"{r['comm_time_s']:.3f}", step, "yes" if r["fits"] else "no: memory"]
         t.add_row(*cells)
     stdout.print(t)
     stdout.print(f"{res.considered} grids admitted by the model and batch, {res.below_floor} below the memory "
                  "floor; wire: bytes each device sends per step, per axis; comm s: AxoNN-style bandwidth "
-                 "model (--format json for per-kind volumes, bandwidths and memory terms)")
+                 "model; step s: computation plus the communication overlap does not hide (the "
+                 "ranking; --format json for per-kind volumes, bandwidths and memory terms)")
     if not res.grids:
         stdout.print("no grid: choose --batch divisible by the data x z part of --gpus, or fewer GPUs")

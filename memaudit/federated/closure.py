@@ -7,10 +7,15 @@ moves data between placements without a federated primitive:
 
 - a first-order equation with a clients-placed input and no clients-placed output, or the
   other way round (``jnp.sum(v, axis=0)``, ``jnp.broadcast_to``);
-- a ``scan`` or ``while`` loop over the clients (a clients-placed input) whose carry holds a
-  server-placed floating value: a sum over the clients accumulated in the loop (what reverse
-  mode of a loop over the clients makes of a server value read by every client);
+- a ``scan`` or ``while`` loop over the clients (a scan slicing the clients dim off its
+  ``xs``; a while loop carrying a clients-placed value) whose carry holds a server-placed
+  floating value: a sum over the clients accumulated in the loop (what reverse mode of a
+  loop over the clients makes of a server value read by every client);
 - a collective (``psum``, ``all_gather``, ...) over the clients mesh axis.
+
+A loop over anything else (a ``lax.scan`` over rounds, its derivative, a ``remat`` of it) moves
+nothing by itself: only its body's equations are checked, as when the rounds are unrolled.
+(Placement is read from shapes: give the rounds a count other than the clients'.)
 
 It recurses into every sub-jaxpr (``scan``, ``cond``, ``while``, ``pjit``, ``custom_jvp_call``,
 ``remat``); inside a ``shard_map`` manual over the clients axis the clients size is the
@@ -73,6 +78,24 @@ def _loop_carry(eqn) -> tuple[list, list]:
     return eqn.invars[nc:], eqn.outvars
 
 
+def _over_clients(eqn, n: int) -> bool:
+    """Whether a scan / while loops over the clients rather than, say, over rounds.
+
+    A scan iterates over the leading dim of its ``xs``: it runs over the clients when one of
+    them is clients-placed and its slice in the body is not (the loop strips the clients dim).
+    A scan over rounds slices ``(rounds, n, ...)`` residuals into clients-placed ``(n, ...)``
+    values, or reads the clients' data as a loop constant. A while loop has no ``xs``: it is
+    over the clients when its carry holds a clients-placed value (it indexes into it).
+    """
+    if eqn.primitive.name == "while":
+        return any(_placed(v, n) for v in _loop_carry(eqn)[0])
+    p = eqn.params
+    first = p["num_consts"] + p["num_carry"]
+    body = p["jaxpr"].jaxpr.invars[first:]
+    return any(_placed(v, n) and not _placed(b, n)
+               for v, b in zip(eqn.invars[first:], body, strict=True))
+
+
 def _check_eqn(eqn, n: int, axis: str | None) -> None:
     name = eqn.primitive.name
     if name in _COLLECTIVES:
@@ -81,9 +104,9 @@ def _check_eqn(eqn, n: int, axis: str | None) -> None:
         if axis is not None and axis in axes:
             raise ClosureError(f"non-federated communication: {name} over {axis!r}: {eqn}")
     if name in ("scan", "while"):
-        looped, carry = _loop_carry(eqn)
-        if any(_placed(v, n) for v in looped) and any(
-                _inexact(v) and not _placed(v, n) for v in carry):
+        if not _over_clients(eqn, n):
+            return  # a loop over rounds: its body's equations are checked one by one
+        if any(_inexact(v) and not _placed(v, n) for v in _loop_carry(eqn)[1]):
             raise ClosureError(
                 f"non-federated communication: a {name} over the clients carries a server value: "
                 f"{eqn}")

@@ -290,7 +290,9 @@ class Machine:
     """A cluster for the time model. Bandwidths in GB/s per GPU (intra) and per node (inter).
 
     `table` maps (stride, group size) to a measured bandwidth (GB/s) that wins over the
-    formula, as AxoNN's planner used a table of measured collectives.
+    formula, as AxoNN's planner used a table of measured collectives. `gemm_efficiency` is the
+    fraction of `peak_tflops` the matrix multiplies sustain (compute time); `source` says where
+    the numbers come from.
     """
 
     name: str
@@ -301,6 +303,8 @@ class Machine:
     peak_tflops: float = 0.0
     flash: bool = True
     table: dict[tuple[int, int], float] = field(default_factory=dict)
+    gemm_efficiency: float = 0.5  # assumed where no measured rate is cited (see MACHINES)
+    source: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -309,6 +313,8 @@ class Machine:
                         ("--mem-gib", self.mem_gib)):
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{flag} {v} must be a finite number > 0")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ValueError(f"gemm_efficiency {self.gemm_efficiency} must be in (0, 1]")
         for (s, n), v in self.table.items():
             if not (math.isfinite(v) and v > 0 and s >= 1 and n >= 2):
                 raise ValueError(f"bandwidth table entry (stride={s}, size={n}) = {v} must be a finite "
@@ -319,7 +325,8 @@ class Machine:
 
         Inside a node (stride x n <= GPUs per node, and the groups tile the node) at the
         intra-node rate; otherwise at the node's network bandwidth times the share of the
-        node's GPUs that belong to the group (each GPU of a node owns 1/G of its network).
+        node's GPUs that belong to the group (each GPU of a node owns 1/G of its network),
+        and never above the intra-node rate (a ring is as fast as its slowest link).
         """
         if (stride, n) in self.table:
             return self.table[(stride, n)]
@@ -327,16 +334,39 @@ class Machine:
         if stride * n <= g and g % (stride * n) == 0:
             return self.intra_gbs
         on_node = min(n, max(1, g // stride))
-        return self.inter_gbs * on_node / g
+        return min(self.intra_gbs, self.inter_gbs * on_node / g)
 
+
+# Frontier's network as AxoNN measured it: its communication model used an inter-node bandwidth
+# 2.5x below the nominal 4 x 25 GB/s Slingshot-11 per node (the 320B model's communication on
+# 8,192 GCDs: 24.8 s at the nominal rate, 62.1 s at the measured one; memaudit issue 34, checked
+# against AxoNN's own model, Singh et al. SC'24 / arXiv:2502.08145, Section V).
+FRONTIER_MEASURED_INTER_GBS = 100.0 * 24.8 / 62.1
 
 MACHINES: dict[str, Machine] = {
     # nominal per-direction link rates; network = 4 x 25 GB/s Slingshot-11 NICs per node
-    "perlmutter": Machine("perlmutter", 4, 100.0, 100.0, 40.0, 312.0),  # A100-40GB, 4 NVLink3 per pair
-    "frontier": Machine("frontier", 8, 50.0, 100.0, 64.0, 191.5),  # MI250X GCDs, Infinity Fabric
-    "alps": Machine("alps", 4, 150.0, 100.0, 96.0, 989.0),  # GH200, 6 NVLink4 per pair
-    "generic": Machine("generic", 8, 300.0, 25.0, 80.0, 0.0, flash=False),
+    # GEMM rate: AxoNN's measured 182 PFLOP/s for GPT-80B on 1,024 GPUs, 57% of peak end to end
+    # (Singh et al., arXiv:2305.13525), a lower bound of what its matrix multiplies sustain
+    "perlmutter": Machine("perlmutter", 4, 100.0, 100.0, 40.0, 312.0, gemm_efficiency=0.57,
+                          source="nominal: A100-40GB, 4 NVLink3 per pair, 4 x 25 GB/s NICs; GEMM "
+                                 "at 57% of peak (AxoNN's measured rate, arXiv:2305.13525)"),
+    "frontier": Machine("frontier", 8, 50.0, 100.0, 64.0, 191.5,
+                        source="nominal: MI250X GCDs, Infinity Fabric, 4 x 25 GB/s NICs"),
+    "frontier-measured": Machine(
+        "frontier-measured", 8, 50.0, FRONTIER_MEASURED_INTER_GBS, 64.0, 191.5,
+        source="inter-node: AxoNN's measured Frontier bandwidth (SC'24, arXiv:2502.08145; "
+               "2.5x below nominal); intra-node and peak nominal"),
+    "alps": Machine("alps", 4, 150.0, 100.0, 96.0, 989.0,
+                    source="nominal: GH200, 6 NVLink4 per pair, 4 x 25 GB/s NICs"),
+    "generic": Machine("generic", 8, 300.0, 25.0, 80.0, 0.0, flash=False, source="a placeholder"),
 }
+
+# Collectives AxoNN runs asynchronously, hidden behind computation (SC'24, Section IV-B): the
+# z all-gathers of the next layer's weights (prefetched), the z reduce-scatters of weight
+# gradients, and the data-parallel gradient all-reduce (bucketed during backward). The x / y
+# activation all-reduces sit on the critical path.
+OVERLAPPED: frozenset[Key] = frozenset({(MeshAxis.Z.value, "all_gather"), (MeshAxis.Z.value, "reduce_scatter"),
+                                        (MeshAxis.DATA.value, "all_reduce")})
 
 
 def strides(d: ParallelDims) -> dict[str, int]:
@@ -348,13 +378,33 @@ def strides(d: ParallelDims) -> dict[str, int]:
     return out
 
 
+def comm_times(wire: dict[Key, Fraction], d: ParallelDims, machine: Machine) -> dict[Key, float]:
+    """Seconds per (axis, kind): wire bytes over the group's bandwidth (bandwidth term only)."""
+    st = strides(d)
+    return {(a, k): float(b) / (machine.bandwidth(st[a], d.size(a)) * 1e9) for (a, k), b in wire.items()}
+
+
 def comm_time(wire: dict[Key, Fraction], d: ParallelDims, machine: Machine) -> dict[str, float]:
     """Seconds per axis (blocking collectives, bandwidth term only)."""
-    st = strides(d)
     out = {a: 0.0 for a in ORDER}
-    for (a, _), b in wire.items():
-        out[a] += float(b) / (machine.bandwidth(st[a], d.size(a)) * 1e9)
+    for (a, _), t in comm_times(wire, d, machine).items():
+        out[a] += t
     return out
+
+
+def step_time(times: dict[Key, float], compute_s: float) -> dict[str, float]:
+    """One step's seconds with AxoNN's overlap credited: computation, the blocking collectives,
+    and whatever of the `OVERLAPPED` ones the computation does not hide."""
+    hidden = sum(t for k, t in times.items() if k in OVERLAPPED)
+    blocking = sum(times.values()) - hidden
+    exposed = blocking + max(0.0, hidden - compute_s)
+    return {"step_time_s": compute_s + exposed, "exposed_comm_s": exposed, "overlapped_comm_s": hidden}
+
+
+def model_flops(m: ModelShape, *, batch: int, seq: int, recompute: bool = False, dp: bool = False) -> float:
+    """Floating-point operations of one step (6 per parameter and token; x 4/3 with
+    recomputation, x 2 with DP-SGD's two passes)."""
+    return 6 * m.params() * batch * seq * (2 if dp else 1) * (4 / 3 if recompute else 1)
 
 
 # ----------------------------------------------------------------------------- search
@@ -434,6 +484,7 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
     pay = predict_collectives(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
                               recompute=recompute, dp=dp, micro_batches=passes)
     wire = wire_bytes(pay, d)
+    times = comm_times(wire, d, machine)
     t = comm_time(wire, d, machine)
     per_axis = {a: 0 for a in ORDER}
     by_kind: dict[str, dict[str, float]] = {a: {} for a in ORDER}
@@ -441,25 +492,36 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
         per_axis[a] += float(b)
         by_kind[a][k] = float(b)
     st = strides(d)
-    flops = 6 * m.params() * batch * seq * (2 if dp else 1) * (4 / 3 if recompute else 1)
+    rate = d.world_size * machine.peak_tflops * machine.gemm_efficiency * 1e12
+    compute = model_flops(m, batch=batch, seq=seq, recompute=recompute, dp=dp) / rate if rate else None
     row: dict[str, Any] = {
         "grid": asdict(d), "micro_batch": mb, "passes": passes,
         "payload_bytes": {a: sum(b for (ax, _), b in pay.items() if ax == a) for a in ORDER},
         "wire_bytes": per_axis, "wire_bytes_by_kind": by_kind, "memory_bytes": mem,
         "bandwidth_gbs": {a: machine.bandwidth(st[a], d.size(a)) for a in ORDER if d.size(a) > 1},
         "comm_time_s": sum(t.values()), "comm_time_by_axis_s": t,
-        "compute_time_s": flops / (d.world_size * machine.peak_tflops * 1e12) if machine.peak_tflops else None,
+        "compute_time_s": compute,
     }
+    row.update(step_time(times, compute) if compute is not None else
+               {"step_time_s": None, "exposed_comm_s": None, "overlapped_comm_s": None})
     over = mem["total"] > cap
     row["fits"] = not over
     row["reason"] = f"memory {mem['total'] / 2**30:.1f} GiB > {machine.mem_gib} GiB" if over else None
     return row
 
 
+def rank_time(row: dict[str, Any]) -> float:
+    """What `plan` ranks a grid by: its step time with overlap credited where the machine has a
+    peak rate, else its communication time."""
+    return row["comm_time_s"] if row["step_time_s"] is None else row["step_time_s"]
+
+
 def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | None = None,
          dtype_bytes: int = 4, weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
          micro_batch: int | None = None) -> PlanResult:
-    """Rank every grid of `gpus` devices that the model and batch admit by predicted comm time.
+    """Rank every grid of `gpus` devices that the model and batch admit by predicted step time
+    (compute plus the communication the overlap does not hide; comm time where the machine
+    has no peak rate, `rank_time`).
 
     Grids below the memory floor (fp32 weights, gradients and AdamW moments of the local
     shard exceed device memory) are counted, not evaluated; the others are evaluated with the
@@ -481,5 +543,5 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
             continue
         rows.append(_row(m, d, machine, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
                          recompute=recompute, dp=dp, micro_batch=micro_batch))
-    rows.sort(key=lambda r: (not r["fits"], r["comm_time_s"], r["memory_bytes"]["total"]))
+    rows.sort(key=lambda r: (not r["fits"], rank_time(r), r["memory_bytes"]["total"]))
     return PlanResult(rows, len(rows) + below, below)

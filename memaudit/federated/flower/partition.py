@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from memaudit.errors import MemauditError
-from memaudit.federated.primitives_impl import federated_broadcast_p
+from memaudit.federated.primitives_impl import PRIMITIVE_NAMES, federated_broadcast_p
 
 SERVER, CLIENT = "server", "client"
 FUSED_NAMES = frozenset({"federated_map_sum"})
@@ -125,31 +125,141 @@ class _Numbering:
         return i
 
 
-def _inline(jaxpr: Any, env: dict, num: _Numbering, ops: list) -> None:
-    """Append the equations of ``jaxpr`` to ``ops`` with top-level ``jit`` calls inlined
-    (recursively), except the fused map-sums; ``env`` maps its vars to ids or `Lit` s."""
+class Stacked:
+    """The ``ys`` of an unrolled scan: one value (var id or `Lit`) per iteration, stacked into
+    one array only when an equation other than a later unrolled scan reads it (the forward
+    pass's per-round residuals reach the backward scan round by round, never stacked)."""
+
+    def __init__(self, parts: list, aval: Any) -> None:
+        self.parts, self.aval, self.id = parts, aval, None
+
+
+def _helper(fn: Callable, ins: list, avals: list, num: _Numbering, ops: list) -> Any:
+    """Inline the equations of ``fn`` (traced at ``avals``) on ``ins``; its one output."""
+    import jax
+
+    closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    sub = {cv: Lit(c) for cv, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)}
+    sub.update(zip(closed.jaxpr.invars, ins, strict=True))
+    _inline(closed.jaxpr, sub, num, ops)
+    (out,) = closed.jaxpr.outvars
+    return _read(out, sub)
+
+
+def _value(x: Any, num: _Numbering, ops: list) -> Any:
+    """A var id or `Lit` for ``x``, stacking a `Stacked` (once) where it is read as a whole."""
+    if not isinstance(x, Stacked):
+        return x
+    if x.id is None:
+        import jax.numpy as jnp
+
+        parts = [_value(p, num, ops) for p in x.parts]
+        avals = [num.avals[p] if isinstance(p, int) else _lit_aval(p) for p in parts]
+        x.id = _helper(lambda *ys: jnp.stack(ys), parts, avals, num, ops)
+    return x.id
+
+
+def _lit_aval(lit: Lit) -> Any:
+    import jax
+    import numpy as np
+
+    return jax.ShapeDtypeStruct(np.shape(lit.value), jax.numpy.result_type(lit.value))
+
+
+def _communicates(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or a sub-jaxpr) calls a federated primitive or a fused map-sum."""
     import jax.extend.core as jcore
 
-    def rd(v):
-        return Lit(v.val) if isinstance(v, jcore.Literal) else env[v]
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name in PRIMITIVE_NAMES or _is_fused_sum(eqn):
+            return True
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)) and _communicates(sub):
+                    return True
+    return False
 
+
+def _unroll_scan(eqn: Any, ins: list, env: dict, num: _Numbering, ops: list) -> None:
+    """Inline a scan whose body communicates (a loop over rounds, or its derivative) once per
+    iteration, so that each round's equations are placed and scheduled as when unrolled."""
+    p = eqn.params
+    body, nc, ncar, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+    consts = [_value(x, num, ops) for x in ins[:nc]]
+    carry = [_value(x, num, ops) for x in ins[nc:nc + ncar]]
+    xs = ins[nc + ncar:]
+    ys: list[list] = [[None] * length for _ in eqn.outvars[ncar:]]
+    for t in range(length):
+        i = length - 1 - t if p["reverse"] else t
+        row = [x.parts[i] if isinstance(x, Stacked) else _row(x, i, num, ops) for x in xs]
+        sub = {cv: Lit(c) for cv, c in zip(body.jaxpr.constvars, body.consts, strict=True)}
+        sub.update(zip(body.jaxpr.invars, [*consts, *carry, *row], strict=True))
+        _inline(body.jaxpr, sub, num, ops)
+        outs = [_read(v, sub) for v in body.jaxpr.outvars]
+        carry = [_value(x, num, ops) for x in outs[:ncar]]
+        for k, y in enumerate(outs[ncar:]):
+            ys[k][i] = y
+    for v, c in zip(eqn.outvars[:ncar], carry, strict=True):
+        env[v] = c
+    for v, parts in zip(eqn.outvars[ncar:], ys, strict=True):
+        env[v] = Stacked(parts, v.aval)
+
+
+def _row(x: Any, i: int, num: _Numbering, ops: list) -> Any:
+    """Iteration ``i``'s slice of a scan's ``xs`` (a var id or `Lit`)."""
+    if isinstance(x, Lit):
+        return Lit(x.value[i])
+    return _helper(lambda a: a[i], [x], [num.avals[x]], num, ops)
+
+
+def _read(v: Any, env: dict) -> Any:
+    import jax.extend.core as jcore
+
+    return Lit(v.val) if isinstance(v, jcore.Literal) else env[v]
+
+
+def _inline(jaxpr: Any, env: dict, num: _Numbering, ops: list) -> None:
+    """Append the equations of ``jaxpr`` to ``ops`` with top-level ``jit`` calls inlined
+    (recursively), except the fused map-sums; a ``scan`` or ``remat`` whose body communicates
+    is inlined too (a scan once per iteration); ``env`` maps its vars to ids or `Lit` s."""
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        ins = [rd(v) for v in eqn.invars]
-        if name in ("pjit", "jit") and eqn.params.get("name") not in FUSED_NAMES:
-            inner = eqn.params["jaxpr"]
+        ins = [_read(v, env) for v in eqn.invars]
+        if name == "scan" and _communicates(eqn.params["jaxpr"]):
+            _unroll_scan(eqn, ins, env, num, ops)
+            continue
+        if name == "while" and _communicates(eqn.params["body_jaxpr"]):
+            raise PlanError("a while loop over federated rounds cannot be partitioned (its trip "
+                            "count is not static); write it as a lax.scan or a Python loop")
+        ins = [_value(x, num, ops) for x in ins]
+        inner = _inlined_body(eqn)
+        if inner is not None:
             sub = {cv: Lit(c) for cv, c in zip(inner.jaxpr.constvars, inner.consts, strict=True)}
             sub.update(zip(inner.jaxpr.invars, ins, strict=True))
             _inline(inner.jaxpr, sub, num, ops)
             for outer, inner_out in zip(eqn.outvars, inner.jaxpr.outvars, strict=True):
-                env[outer] = (Lit(inner_out.val) if isinstance(inner_out, jcore.Literal)
-                              else sub[inner_out])
+                env[outer] = _read(inner_out, sub)
             continue
         outs = []
         for v in eqn.outvars:
             env[v] = num.new(v.aval)
             outs.append(env[v])
         ops.append(Op(eqn, tuple(ins), tuple(outs)))
+
+
+def _inlined_body(eqn: Any) -> Any:
+    """The closed body of a ``jit`` (not a fused map-sum), or of a ``remat`` / ``closed_call``
+    whose body communicates, which `_inline` inlines; None for any other equation."""
+    import jax.extend.core as jcore
+
+    name = eqn.primitive.name
+    if name in ("pjit", "jit") and eqn.params.get("name") not in FUSED_NAMES:
+        return eqn.params["jaxpr"]
+    key = {"checkpoint": "jaxpr", "remat2": "jaxpr", "closed_call": "call_jaxpr"}.get(name)
+    if key is None or not _communicates(eqn.params[key]):
+        return None
+    inner = eqn.params[key]
+    return inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, ())
 
 
 def _is_fused_sum(eqn: Any) -> bool:
@@ -206,7 +316,8 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     _inline(jaxpr, env, num, ops)
     import jax.extend.core as jcore
 
-    outvars = [Lit(v.val) if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+    outvars = [_value(Lit(v.val) if isinstance(v, jcore.Literal) else env[v], num, ops)
+               for v in jaxpr.outvars]
     out_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out_shape)]
     res_out = frozenset(k for k, p in enumerate(out_paths) if any(p.startswith(r) for r in resident))
 
