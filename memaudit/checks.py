@@ -16,6 +16,7 @@ import numpy as np
 from memaudit.data.corpus import check_file, resolve_files
 from memaudit.errors import ConfigError, DataError, MemauditError
 from memaudit.models.init import check_init_from, model_shape
+from memaudit.models.lora import check_lora
 from memaudit.parallel.dims import ParallelDims
 
 
@@ -37,6 +38,10 @@ def check_before_disk(cfg: Any) -> None:
         value = getattr(d, key)
         if value is not None and not Path(value).expanduser().exists():
             raise ConfigError(f"data.{key}='{value}' does not exist; give an existing path or drop it")
+    check_lora(cfg.model.lora, shape or model_shape(cfg.model))
+    if cfg.model.lora is not None and (cfg.backend == "federated" or cfg.parallel.world_size > 1):
+        raise ConfigError("model.lora trains in one centralized process so far; set backend=parallel "
+                          "with parallel.data=x=y=z=1, or drop model.lora")
     if cfg.backend == "federated":
         _check_federated(cfg, shape)
     elif cfg.parallel.world_size > 1:
