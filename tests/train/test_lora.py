@@ -116,21 +116,20 @@ def test_one_step_merged_model_equals_a_plain_peft_torch_step(tiny_run, tmp_path
     assert man["trained_parameters"] + man["frozen_parameters"] == res["parameters"]
 
 
-@pytest.mark.parametrize("unit", ["example", "user"])
-def test_dp_lora_keeps_the_base_bit_identical_and_moves_both_adapters(tiny_run, tmp_path, unit):
-    """Three DP-SGD steps: the frozen base is the initialisation bit for bit, A and B both moved
-    (opacus #820: adapters silently not updated under DP), and both exports agree."""
+def test_dp_lora_keeps_the_base_bit_identical_and_moves_both_adapters(tiny_run, tmp_path):
+    """Three user-level DP-SGD steps (ULS; the example level is the same clipper with groups of
+    one): the frozen base is the initialisation bit for bit, A and B both moved (opacus #820:
+    adapters silently not updated under DP), and both exports are one model that probes load."""
     from peft import PeftModel
 
     from memaudit.models.init import initial_model
     from memaudit.probes.sources import load_model, resolve_model
 
-    extra = ["privacy.unit=user", "privacy.max_examples_per_user=2"] if unit == "user" else []
-    cfg, run, res = _run(tiny_run, tmp_path, unit, "train.steps=3", "train.warmup_steps=0",
-                         "privacy.noise_multiplier=0.5", "privacy.clip=1.0",
-                         "privacy.reproducible_randomness=true", "privacy.delta=1e-4",
-                         f"model.lora.target_modules=[{','.join(ALL)}]", *extra)
-    assert read_json(run.privacy_path)["unit"] == unit
+    cfg, run, res = _run(tiny_run, tmp_path, "dp", "train.steps=3", "train.warmup_steps=0",
+                         "privacy.noise_multiplier=0.5", "privacy.clip=1.0", "privacy.unit=user",
+                         "privacy.max_examples_per_user=2", "privacy.reproducible_randomness=true",
+                         "privacy.delta=1e-4", f"model.lora.target_modules=[{','.join(ALL)}]")
+    assert read_json(run.privacy_path)["unit"] == "user"
     start = initial_model(cfg.model, 4096).state_dict()
     base_dir = run.path / "adapter" / "base"
     for k, v in _load(base_dir).state_dict().items():
@@ -204,3 +203,20 @@ def test_clipped_adapter_gradients_equal_opacus_and_a_per_example_loop():
         for n, g in per.items():
             want = torch.einsum("b,b...->...", factor, g)
             torch.testing.assert_close(res.grads[n].double(), want, rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
+
+
+def test_user_level_clipped_adapter_gradients_equal_a_per_user_loop():
+    """ULS: a user's (g consecutive rows') summed adapter gradient is the clipped unit."""
+    model = _lora_model(("q_proj", "v_proj", "down_proj"))
+    ids, attn, lmask = _batch(b=6)
+    lmask[5] = False  # a user's padding row: no target
+    loop = _per_example_loop(model, ids, attn, lmask)
+    users = {n: g.reshape(3, 2, *g.shape[1:]).sum(1) for n, g in loop.items()}
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in users.values()))  # (3,)
+    clip = float(norms.median())
+    factor = (clip / (norms + 1e-6)).clamp(max=1.0)
+    res = GhostClipper(model).clipped_sum(ids, attn, lmask, clip, group_size=2)
+    torch.testing.assert_close(res.norms.double(), norms, rtol=1e-5, atol=1e-8)
+    for n, g in users.items():
+        torch.testing.assert_close(res.grads[n].double(), torch.einsum("b,b...->...", factor, g),
+                                   rtol=1e-5, atol=1e-7, msg=n)
