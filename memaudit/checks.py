@@ -39,9 +39,16 @@ def check_before_disk(cfg: Any) -> None:
         if value is not None and not Path(value).expanduser().exists():
             raise ConfigError(f"data.{key}='{value}' does not exist; give an existing path or drop it")
     check_lora(cfg.model.lora, shape or model_shape(cfg.model))
-    if cfg.model.lora is not None and (cfg.backend == "federated" or cfg.parallel.world_size > 1):
-        raise ConfigError("model.lora trains in one centralized process so far; set backend=parallel "
-                          "with parallel.data=x=y=z=1, or drop model.lora")
+    lora = cfg.model.lora
+    if lora is not None and cfg.backend != "federated" and cfg.parallel.world_size > 1:
+        raise ConfigError("model.lora trains in one centralized process so far; set "
+                          "parallel.data=x=y=z=1, or drop model.lora")
+    if lora is not None and cfg.backend == "federated" and cfg.federated.runtime == "flower":
+        raise ConfigError("model.lora runs on federated.runtime=jax so far; set federated.runtime=jax "
+                          "or drop model.lora")
+    if lora is not None and cfg.backend == "federated" and lora.dropout > 0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: the federated backend's LoRA applies no "
+                          "adapter dropout; set model.lora.dropout=0")
     if cfg.backend == "federated":
         _check_federated(cfg, shape)
     elif cfg.parallel.world_size > 1:
