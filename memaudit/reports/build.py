@@ -201,7 +201,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "status": rd.status(),
         "seed": info.seed,
         "audit": bool(info.audit_canaries),
-        "model": {"preset": info.preset, "params": info.parameters},
+        "model": {"preset": info.preset, "params": info.parameters, "trained": info.trained},
         "data": {
             "fingerprint": info.data_fingerprint[:12],
             "users": _train_users(rd),
@@ -236,12 +236,17 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- comparisons
+def finetune(run: dict[str, Any]) -> str:
+    """What a report run trained: "full", or its LoRA label ("lora(r=8, q_proj,v_proj)")."""
+    return str((run.get("model") or {}).get("trained") or "full")
+
+
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
-        g[(r["backend"], nominal_epsilon(r), r["mitigation"]["goldfish"])].append(r)
+        g[(r["backend"], nominal_epsilon(r), r["mitigation"]["goldfish"], finetune(r))].append(r)
     return g
 
 
@@ -255,8 +260,9 @@ def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
-    for (backend, eps, gf), rs in groups.items():
-        lbl = ("centralized" if backend == "parallel" else "federated") + (" + Goldfish" if gf else "")
+    for (backend, eps, gf, ft), rs in groups.items():
+        lbl = ("centralized" if backend == "parallel" else "federated") + (" + Goldfish" if gf else "") + (
+            " + LoRA" if ft != "full" else "")
         ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
         leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
         if not ppl:
@@ -281,7 +287,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
     matched = []
     for eps in sorted({k[1] for k in groups}):
-        a, b = groups.get(("parallel", eps, False)), groups.get(("federated", eps, False))
+        a, b = groups.get(("parallel", eps, False, "full")), groups.get(("federated", eps, False, "full"))
         if not a or not b:
             continue
         cells = {}
@@ -294,14 +300,17 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         matched.append({"epsilon": eps, "metrics": cells,
                         "perplexity": {"parallel": _mean_ppl(a), "federated": _mean_ppl(b)}})
     effects = []
-    for (backend, eps, gf), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (backend, eps, gf, ft), rs in sorted(groups.items(), key=lambda kv: kv[0]):
         label = "centralized" if backend == "parallel" else "federated"
         base = None
-        if gf:
-            base, name = groups.get((backend, eps, False)), "Goldfish loss"
+        if ft != "full":  # LoRA against the full fine-tune at the same epsilon
+            base, name = groups.get((backend, eps, gf, "full")), f"LoRA fine-tuning ({ft})"
+            label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
+        elif gf:
+            base, name = groups.get((backend, eps, False, ft)), "Goldfish loss"
             label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
         elif not math.isinf(eps):
-            base, name = groups.get((backend, math.inf, False)), f"DP at epsilon = {eps:g}"
+            base, name = groups.get((backend, math.inf, False, ft)), f"DP at epsilon = {eps:g}"
         if not base:
             continue
         cells = {}
