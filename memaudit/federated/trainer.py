@@ -63,8 +63,8 @@ from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes
 from memaudit.models.flax_lora import LoraModel, count, initial_lora, torch_lora_model
-from memaudit.models.lora import merged_copy, save_adapter, trained_label
 from memaudit.models.init import flax_config, hf_config, initial_state_dict, model_shape
+from memaudit.models.lora import merged_copy, save_adapter, trained_label
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
 from memaudit.privacy.randomness import DPRandomness

@@ -43,7 +43,13 @@ from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.errors import ConfigError
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.init import initial_model, model_vocab_size
-from memaudit.models.lora import apply_lora, merged_copy, parameter_counts, save_adapter, trained_label
+from memaudit.models.lora import (
+    apply_lora,
+    merged_copy,
+    parameter_counts,
+    save_adapter,
+    trained_label,
+)
 from memaudit.models.presets import LARGE_PRESETS
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibrate_noise

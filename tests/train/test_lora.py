@@ -125,7 +125,7 @@ def test_dp_lora_keeps_the_base_bit_identical_and_moves_both_adapters(tiny_run, 
     from memaudit.models.init import initial_model
     from memaudit.probes.sources import load_model, resolve_model
 
-    cfg, run, res = _run(tiny_run, tmp_path, "dp", "train.steps=3", "train.warmup_steps=0",
+    cfg, run, _ = _run(tiny_run, tmp_path, "dp", "train.steps=3", "train.warmup_steps=0",
                          "privacy.noise_multiplier=0.5", "privacy.clip=1.0", "privacy.unit=user",
                          "privacy.max_examples_per_user=2", "privacy.reproducible_randomness=true",
                          "privacy.delta=1e-4", f"model.lora.target_modules=[{','.join(ALL)}]")
