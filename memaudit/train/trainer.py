@@ -442,8 +442,11 @@ class Trainer:
     def details(self) -> dict[str, Any]:
         import torch
 
+        # full: the logical model (a grid's local shards would undercount); LoRA runs in one process
+        counts = (parameter_counts(self.model) if self.cfg.model.lora is not None
+                  else {"trained_parameters": self.parameters(), "frozen_parameters": 0})
         out = {"device": self.device.type, "torch_threads": torch.get_num_threads(),
-               "trained": trained_label(self.cfg.model.lora), **parameter_counts(self.model)}
+               "trained": trained_label(self.cfg.model.lora), **counts}
         p = self.cfg.privacy
         if self.private and (p.unit == "user" or p.max_examples_per_user is not None):
             out["contribution_bound"] = {"unit": p.unit, "max_examples_per_user": p.max_examples_per_user,
