@@ -201,7 +201,8 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "status": rd.status(),
         "seed": info.seed,
         "audit": bool(info.audit_canaries),
-        "model": {"preset": info.preset, "params": info.parameters, "trained": info.trained},
+        "model": {"preset": info.preset, "params": info.parameters, "trained": info.trained,
+                  "upload_bytes_per_client_per_round": info.upload_bytes},
         "data": {
             "fingerprint": info.data_fingerprint[:12],
             "users": _train_users(rd),

@@ -51,6 +51,7 @@ def test_report_compares_lora_with_the_full_fine_tune_at_equal_epsilon():
         return r
 
     runs = [mk("full", "full", 1.0), mk("lora", "lora(r=8, q_proj,v_proj)", 0.0)]
+    runs[1]["model"]["upload_bytes_per_client_per_round"] = 28672
     comp = comparisons(runs)
     (eff,) = comp["effects"]
     assert eff["treatment"] == "LoRA fine-tuning (lora(r=8, q_proj,v_proj))" and eff["epsilon"] == 8.0
@@ -60,4 +61,5 @@ def test_report_compares_lora_with_the_full_fine_tune_at_equal_epsilon():
     rep["comparisons"] = findings.adjust(rep)
     rep["findings"] = findings.generate(rep)
     md = render_markdown(rep)
+    assert "upload 28672 bytes per client per round" in md and md.count("bytes per client") == 1
     assert "trained: lora(r=8, q_proj,v_proj)" in md and not math.isnan(eff["metrics"]["mia_auc"]["treated"]["value"])
