@@ -16,6 +16,7 @@ import numpy as np
 from memaudit.data.corpus import check_file, resolve_files
 from memaudit.errors import ConfigError, DataError, MemauditError
 from memaudit.models.init import check_init_from, model_shape
+from memaudit.models.lora import check_lora
 from memaudit.parallel.dims import ParallelDims
 
 
@@ -37,6 +38,17 @@ def check_before_disk(cfg: Any) -> None:
         value = getattr(d, key)
         if value is not None and not Path(value).expanduser().exists():
             raise ConfigError(f"data.{key}='{value}' does not exist; give an existing path or drop it")
+    check_lora(cfg.model.lora, shape or model_shape(cfg.model))
+    lora = cfg.model.lora
+    if lora is not None and cfg.backend != "federated" and cfg.parallel.world_size > 1:
+        raise ConfigError("model.lora trains in one centralized process so far; set "
+                          "parallel.data=x=y=z=1, or drop model.lora")
+    if lora is not None and cfg.backend == "federated" and cfg.federated.runtime == "flower":
+        raise ConfigError("model.lora runs on federated.runtime=jax so far; set federated.runtime=jax "
+                          "or drop model.lora")
+    if lora is not None and cfg.backend == "federated" and lora.dropout > 0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: the federated backend's LoRA applies no "
+                          "adapter dropout; set model.lora.dropout=0")
     if cfg.backend == "federated":
         _check_federated(cfg, shape)
     elif cfg.parallel.world_size > 1:

@@ -145,6 +145,39 @@ class DataConfig(_Section):
 
 
 # ----------------------------------------------------------------------------- model
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Section):
+    """LoRA adapters (Hu et al. 2021) on the named linear layers; the base stays frozen.
+
+    The rank is checked against each targeted layer's smaller dimension once the model's shape is
+    known (`memaudit.models.lora.check_lora`, before anything is written).
+    """
+
+    rank: int = Field(8, description="r: the adapters' inner dimension (1 <= r <= min(d_in, d_out))")
+    alpha: float = Field(16.0, gt=0, description="scaling alpha / r of the adapters' update")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: tuple[str, ...] = Field(("q_proj", "v_proj"), description="Llama linear layers "
+                                            f"that get adapters, of {', '.join(LORA_TARGETS)}")
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"model.lora.rank={v} must be >= 1; use e.g. 8")
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [t for t in v if t not in LORA_TARGETS]
+        if bad or not v:
+            raise ValueError(f"the model has no module '{bad[0] if bad else ''}' to adapt; choose "
+                             f"target_modules from {', '.join(LORA_TARGETS)}")
+        return tuple(dict.fromkeys(v))
+
+
 class ModelConfig(_Section):
     """The model a run trains: a preset's seeded initialisation, or a checkpoint to start from.
 
@@ -161,6 +194,7 @@ class ModelConfig(_Section):
         None, validation_alias=AliasChoices("init_from", "name_or_path"),
         description="start from this Hugging Face LlamaForCausalLM directory (config.json, "
         "safetensors weights, tokenizer) on either backend; the run adopts its tokenizer")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters only (null: full weights)")
 
     @model_validator(mode="after")
     def _default_preset(self) -> ModelConfig:

@@ -41,7 +41,7 @@ HEARTBEAT_S = 5.0
 STALE_AFTER_S = 120.0
 UNREADABLE_STALE_S = 30.0  # an unreadable run.lock older than this is stale
 # Everything a training run writes (the run-directory contract), and nothing else.
-RUN_ARTIFACTS = ("model", "data", "state", "split.json", "canaries.json", "privacy.json",
+RUN_ARTIFACTS = ("model", "adapter", "data", "state", "split.json", "canaries.json", "privacy.json",
                  "metrics.jsonl", "sensitive_metrics.jsonl", "dp_secret.json", "probes.json", "run.json")
 STATUSES = ("running", "complete", "failed", "interrupted")
 

@@ -62,7 +62,9 @@ from memaudit.federated.sharding import (
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes
+from memaudit.models.flax_lora import LoraModel, count, initial_lora, torch_lora_model
 from memaudit.models.init import flax_config, hf_config, initial_state_dict, model_shape
+from memaudit.models.lora import merged_copy, save_adapter, trained_label
 from memaudit.privacy.aborts import WithAbortBit, with_abort_bit
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
@@ -156,6 +158,7 @@ class FederatedTrainer:
         self.private = cfg.privacy.enabled
         self.plan: PrivacyPlan | None = None
         self._dp_rand: DPRandomness | None = None
+        self.frozen = 0  # parameters of a LoRA run's frozen base (not the algorithm's)
 
     @property
     def total(self) -> int:
@@ -189,7 +192,13 @@ class FederatedTrainer:
         self.capacity = self._base_capacity()
         self.model = FlaxLlama(flax_config(self.cfg.model, self.vocab))
         # the same starting weights as the torch trainers (memaudit.models.init)
-        self.params0 = hf_to_flax(initial_state_dict(self.cfg.model, self.vocab))
+        if self.cfg.model.lora is None:
+            self.params0 = hf_to_flax(initial_state_dict(self.cfg.model, self.vocab))
+        else:  # the algorithm's parameters are the adapters; the frozen base is the model's
+            base, self.params0 = initial_lora(self.cfg.model, self.vocab)
+            self.frozen = int(sum(v.numel() for v in base.values()))
+            lora = self.cfg.model.lora
+            self.model = LoraModel(self.model, self._to_device(hf_to_flax(base)), lora.alpha / lora.rank)
         self.plan = self._privacy_plan() if self.private else None
         self.algorithm = self.build_algorithm()
         self.runtime.attach(self)
@@ -473,10 +482,18 @@ class FederatedTrainer:
         self._barrier("start")
 
     def export(self, session: RunSession) -> None:
+        """The Hugging Face model into model/; under LoRA the merged model and adapter/, written
+        by the torch side's code (`memaudit.models.lora`)."""
         params = self.host(self.state.params)
-        if self.is_writer:
-            hf = to_hf_model(params, config=hf_config(self.cfg.model, vocab_size=self.vocab))
-            session.export_hf(hf, tokenizer=self.prepared.tokenizer(), tokenizer_dir=self.prepared.tokenizer_dir)
+        if not self.is_writer:
+            return
+        tok = {"tokenizer": self.prepared.tokenizer(), "tokenizer_dir": self.prepared.tokenizer_dir}
+        if self.cfg.model.lora is None:
+            session.export_hf(to_hf_model(params, config=hf_config(self.cfg.model, vocab_size=self.vocab)), **tok)
+            return
+        wrapped = torch_lora_model(self.cfg.model, self.vocab, params)
+        session.export_hf(merged_copy(wrapped), **tok)
+        save_adapter(wrapped, self.run.path, base=self.cfg.model.init_from)
 
     def finish(self) -> None:
         self._barrier("done")  # no process leaves while the writer still exports
@@ -485,12 +502,17 @@ class FederatedTrainer:
         return len(self.prepared.train)
 
     def parameters(self) -> int:
-        return int(sum(np.size(x) for x in jax.tree.leaves(self.params0)))
+        return count(self.params0) + self.frozen
 
     def details(self) -> dict[str, Any]:
+        trained = self.parameters() if self.cfg.model.lora is None else count(self.params0)
         return {"clients": self.clients.num_users, "devices": len(jax.devices()),
                 "processes": jax.process_count(), "mesh_clients": clients_axis_size(self.mesh),
-                "mesh_model": model_axis_size(self.mesh)}
+                "mesh_model": model_axis_size(self.mesh), "trained": trained_label(self.cfg.model.lora),
+                "trained_parameters": trained, "frozen_parameters": self.parameters() - trained,
+                # a client's update: one float32 per trained parameter (secure aggregation's
+                # traffic, masks and shares included, is its secagg_bytes_up metric)
+                "upload_bytes_per_client_per_round": 4 * trained}
 
     def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
         """Run (or resume) through the driver inside the run lifecycle (lock, manifest, signals)."""

@@ -47,6 +47,10 @@ def _config_json(path: str) -> dict[str, Any]:
         raise ConfigError(f"{where} is not a directory; point it at a Hugging Face model directory "
                           "(config.json, model.safetensors, tokenizer files)")
     f = p / "config.json"
+    if not f.is_file() and (p / "adapter_config.json").is_file():
+        raise ConfigError(f"{where} is a PEFT adapter, not a model; merge it into its base first "
+                          "(memaudit's run writes the merged model to model/) or set init_from to "
+                          "its base model (base_model_name_or_path in adapter_config.json)")
     if not f.is_file():
         raise ConfigError(f"{where} is not a Hugging Face model directory (no config.json); "
                           "save the model with save_pretrained or point at another directory")

@@ -226,6 +226,8 @@ class RunInfo:
     train_sequences: int | None
     final_holdout_loss: float | None
     final_holdout_perplexity: float | None
+    trained: str = "full"  # what the run trained: "full", or "lora(r=8, q_proj,v_proj)"
+    upload_bytes: int | None = None  # federated: a client's update per round (float32 bytes)
 
     @classmethod
     def from_manifest(cls, m: Any, source: str = "run.json") -> RunInfo:
@@ -262,4 +264,6 @@ class RunInfo:
             train_sequences=num(res.get("train_sequences"), int),
             final_holdout_loss=num(res.get("final_holdout_loss")),
             final_holdout_perplexity=num(res.get("final_holdout_perplexity")),
+            trained=str(res.get("trained") or "full"),
+            upload_bytes=num(res.get("upload_bytes_per_client_per_round"), int),
         )

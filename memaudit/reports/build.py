@@ -201,7 +201,8 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "status": rd.status(),
         "seed": info.seed,
         "audit": bool(info.audit_canaries),
-        "model": {"preset": info.preset, "params": info.parameters},
+        "model": {"preset": info.preset, "params": info.parameters, "trained": info.trained,
+                  "upload_bytes_per_client_per_round": info.upload_bytes},
         "data": {
             "fingerprint": info.data_fingerprint[:12],
             "users": _train_users(rd),
@@ -241,6 +242,11 @@ def _unit(r: dict[str, Any], eps: float) -> str | None:
     return None if math.isinf(eps) else (r.get("privacy") or {}).get("unit")
 
 
+def finetune(run: dict[str, Any]) -> str:
+    """What a report run trained: "full", or its LoRA label ("lora(r=8, q_proj,v_proj)")."""
+    return str((run.get("model") or {}).get("trained") or "full")
+
+
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     """Runs by (backend, nominal epsilon, Goldfish, privacy unit): runs of one configuration
     (seeds) pool; runs protecting different units never do."""
@@ -249,7 +255,7 @@ def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
         if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
         eps = nominal_epsilon(r)
-        g[(r["backend"], eps, r["mitigation"]["goldfish"], _unit(r, eps))].append(r)
+        g[(r["backend"], eps, r["mitigation"]["goldfish"], _unit(r, eps), finetune(r))].append(r)
     return g
 
 
@@ -263,9 +269,10 @@ def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
-    for (backend, eps, gf, unit), rs in groups.items():
+    for (backend, eps, gf, unit, ft), rs in groups.items():
         lbl = (("centralized" if backend == "parallel" else "federated")
-               + (" (user-level DP)" if backend == "parallel" and unit == "user" else "") + (" + Goldfish" if gf else ""))
+               + (" (user-level DP)" if backend == "parallel" and unit == "user" else "") + (" + Goldfish" if gf else "")
+               + (" + LoRA" if ft != "full" else ""))
         ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
         leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
         if not ppl:
@@ -297,28 +304,33 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
                 "test": compare_groups(fed, par, key, "two-sided")}
 
     matched = []
-    # each federated group against every centralized group at its nominal epsilon: per user
+    # each federated full fine-tune against every centralized one at its nominal epsilon: per user
     # (equal guarantees) first, per example (units differ) after
-    for (backend, eps, gf, unit), fed in sorted(groups.items(), key=lambda kv: (kv[0][1], str(kv[0][3]))):
-        if backend != "federated" or gf:
+    for (backend, eps, gf, unit, ft), fed in sorted(groups.items(), key=lambda kv: (kv[0][1], str(kv[0][3]))):
+        if backend != "federated" or gf or ft != "full":
             continue
-        cands = [(u, rs) for (bk, e, g, u), rs in groups.items() if bk == "parallel" and e == eps and not g]
+        cands = [(u, rs) for (bk, e, g, u, f), rs in groups.items()
+                 if bk == "parallel" and e == eps and not g and f == "full"]
         for par_unit, par in sorted(cands, key=lambda c: (c[0] != unit, str(c[0]))):
             cells = {k: c for k in metrics if (c := backend_cell(par, fed, k))}
             matched.append({"epsilon": eps, "units": {"parallel": par_unit, "federated": unit},
                             "equal_guarantee": par_unit == unit, "metrics": cells,
                             "perplexity": {"parallel": _mean_ppl(par), "federated": _mean_ppl(fed)}})
     effects = []
-    for (backend, eps, gf, unit), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], str(kv[0][3]))):
+    for (backend, eps, gf, unit, ft), rs in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4])):
         label = "centralized" if backend == "parallel" else "federated"
         if backend == "parallel" and unit == "user":
             label += " (user-level DP)"
         base = None
-        if gf:
-            base, name = groups.get((backend, eps, False, unit)), "Goldfish loss"
+        if ft != "full":  # LoRA against the full fine-tune at the same epsilon and unit
+            base, name = groups.get((backend, eps, gf, unit, "full")), f"LoRA fine-tuning ({ft})"
+            label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
+        elif gf:
+            base, name = groups.get((backend, eps, False, unit, ft)), "Goldfish loss"
             label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
         elif not math.isinf(eps):
-            base, name = groups.get((backend, math.inf, False, None)), f"DP at epsilon = {eps:g}"
+            base, name = groups.get((backend, math.inf, False, None, ft)), f"DP at epsilon = {eps:g}"
         if not base:
             continue
         cells = {}

@@ -60,7 +60,8 @@ def is_base(run: dict[str, Any]) -> bool:
 
 def series_label(run: dict[str, Any]) -> str:
     lbl = "centralized" if run["backend"] == "parallel" else "federated"
-    return lbl + (" + Goldfish" if run["mitigation"]["goldfish"] else "")
+    return lbl + (" + Goldfish" if run["mitigation"]["goldfish"] else "") + (
+        " + LoRA" if (run.get("model") or {}).get("trained", "full") != "full" else "")
 
 
 def _point(run: dict[str, Any], key: str) -> dict[str, Any]:

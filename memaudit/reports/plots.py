@@ -134,7 +134,8 @@ def _eps_label(eps: float | None) -> str:
 
 def _backend_label(run: dict[str, Any]) -> str:
     return ("centralized" if run["backend"] == "parallel" else "federated") + (
-        " + Goldfish" if run["mitigation"]["goldfish"] else "")
+        " + Goldfish" if run["mitigation"]["goldfish"] else "") + (
+        " + LoRA" if (run.get("model") or {}).get("trained", "full") != "full" else "")
 
 
 def _real_runs(report: dict[str, Any]) -> list[dict[str, Any]]:

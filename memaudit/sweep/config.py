@@ -76,6 +76,9 @@ class GridConfig(_Section):
     noise_multipliers: list[float] | None = Field(None, description="sigma values; 0 = no DP")
     seeds: int | list[int] = 1
     goldfish: list[bool] = Field(default_factory=lambda: [False], description="centralized only")
+    finetune: list[Literal["full", "lora"]] | None = Field(
+        None, description="what each point trains: full weights, or LoRA adapters with base.model.lora's "
+        "settings (its defaults when the base has none); absent: the base config's choice")
     models: list[str] | None = Field(None, description="model-size axis: presets compared at equal "
                                      "tokens seen; absent: the base config's model")
 
@@ -102,6 +105,13 @@ class GridConfig(_Section):
                 raise ValueError(f"unknown backend '{b}' in the sweep grid; use parallel or federated")
         if not v:
             raise ValueError("the sweep grid needs at least one backend")
+        return v
+
+    @field_validator("finetune")
+    @classmethod
+    def _finetune(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or len(set(v)) != len(v)):
+            raise ValueError(f"grid.finetune {v} must list full and/or lora once each")
         return v
 
     @model_validator(mode="after")
@@ -317,6 +327,7 @@ class SweepPoint:
     tokens_seen: int | None = None  # training tokens the schedule feeds (padding included)
     matches: str | None = None  # a matched-utility point: the target run it was placed to meet
     unit: str | None = None  # grid.units' privacy unit of a centralized point (None: the base's)
+    finetune: str | None = None  # grid.finetune's full | lora (None: the base config's choice)
 
     @property
     def nominal_epsilon(self) -> float | None:
@@ -343,12 +354,14 @@ def _audited(levels: str | list[float], level: float | None, kind: str) -> bool:
 
 
 def point_name(backend: str, model: str | None, level: float | None, kind: str, seed: int, *,
-               goldfish: bool = False, audit: bool = False, unit: str | None = None) -> str:
+               goldfish: bool = False, audit: bool = False, unit: str | None = None,
+               finetune: str | None = None) -> str:
     """A point's run directory name: parallel-eps8-s0, parallel-eps8-user-s0,
-    federated-tiny2x-epsinf-audit-s1, ..."""
+    federated-tiny2x-epsinf-audit-s1, parallel-eps8-lora-s0, ..."""
     size = f"-{model}" if model is not None else ""
     return (f"{backend}{size}-{_level_label(level, kind)}{'-user' if unit == 'user' else ''}"
-            f"{'-gf' if goldfish else ''}{'-audit' if audit else ''}-s{seed}")
+            f"{'-lora' if finetune == 'lora' else ''}{'-gf' if goldfish else ''}{'-audit' if audit else ''}"
+            f"-s{seed}")
 
 
 def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
@@ -361,10 +374,15 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
         levels = [None if math.isinf(e) else e for e in (grid.epsilons or [math.inf])]
     points = []
 
+    base_lora = (cfg.base.get("model") or {}).get("lora") or {}
+
     def add(backend: str, model: str | None, level: float | None, seed: int, goldfish: bool,
-            audit: bool, unit: str | None = None) -> None:
-        name = point_name(backend, model, level, kind, seed, goldfish=goldfish, audit=audit, unit=unit)
+            audit: bool, unit: str | None = None, finetune: str | None = None) -> None:
+        name = point_name(backend, model, level, kind, seed, goldfish=goldfish, audit=audit, unit=unit,
+                          finetune=finetune)
         ov: dict[str, Any] = {"backend": backend, "train.seed": seed, "train.goldfish.enabled": goldfish}
+        if finetune is not None:
+            ov["model.lora"] = deep_copy(base_lora) if finetune == "lora" else None
         if unit is not None:
             ov["privacy.unit"] = unit
         if model is not None:
@@ -373,7 +391,8 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
         ov["privacy.noise_multiplier"] = level if (kind == "noise_multiplier") else None
         if audit:
             ov["data.audit_canaries"] = cfg.audit.audit_canaries
-        points.append(SweepPoint(name, backend, level, kind, seed, goldfish, audit, ov, model, unit=unit))
+        points.append(SweepPoint(name, backend, level, kind, seed, goldfish, audit, ov, model, unit=unit,
+                                 finetune=finetune))
 
     models: list[str | None] = list(grid.models) if grid.models is not None else [None]
     for backend in grid.backends:
@@ -384,7 +403,8 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
                 for seed in grid.seed_list:
                     for gf in grid.goldfish if backend == "parallel" else [False]:
                         for unit in units if level is not None else units[:1]:
-                            add(backend, model, level, seed, gf, False, unit)
+                            for ft in grid.finetune or [None]:
+                                add(backend, model, level, seed, gf, False, unit, ft)
     if cfg.audit.enabled:
         for backend in cfg.audit.backends or grid.backends:
             for model in models:

@@ -94,15 +94,18 @@ class GhostClipper:
     def _discover(self) -> None:
         covered: dict[int, str] = {}
         for name, m in self.model.named_modules():
+            trains = any(p.requires_grad for p in m.parameters(recurse=False))
             if isinstance(m, nn.Linear):
-                self.linears[name] = m
+                if trains:  # a frozen layer (a LoRA base) needs neither norms nor sums
+                    self.linears[name] = m
             elif isinstance(m, nn.Embedding):
                 if self.embedding is not None and m.weight.requires_grad:
                     raise ValueError(f"more than one trainable embedding ({name}); ghost mode "
                                      "handles one input embedding; use mode='vmap'")
                 self.embedding = (name, m)
             elif _is_rmsnorm(m):
-                self.norms[name] = m
+                if trains:
+                    self.norms[name] = m
             else:
                 continue
             for pname, p in m.named_parameters(recurse=False):
@@ -267,8 +270,9 @@ class GhostClipper:
             sqs, sums = self._rmsnorm(store[key]["a"], store[key]["g"], m)
             self._collect(key, m, sqs, sums, per_sq, per_sum)
         ekey, emod = self.embedding
-        sqs, sums = self._embedding(embed["ids"], g_embed, emod)
-        self._collect(ekey, emod, sqs, sums, per_sq, per_sum)
+        if emod.weight.requires_grad:  # frozen under LoRA: the cut at its output is all it does
+            sqs, sums = self._embedding(embed["ids"], g_embed, emod)
+            self._collect(ekey, emod, sqs, sums, per_sq, per_sum)
 
         norms = torch.stack([v.float() for v in per_sq.values()]).sum(0).sqrt()
         c = clip_factors(norms, clip)

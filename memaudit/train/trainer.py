@@ -43,6 +43,13 @@ from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.errors import ConfigError
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.init import initial_model, model_vocab_size
+from memaudit.models.lora import (
+    apply_lora,
+    merged_copy,
+    parameter_counts,
+    save_adapter,
+    trained_label,
+)
 from memaudit.models.presets import LARGE_PRESETS
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibrate_noise
@@ -185,11 +192,17 @@ class Trainer:
         model.config.use_cache = False
         if self.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora = self.cfg.model.lora
+        if lora is not None:  # frozen base, seeded adapters (peft); the layout splits both
+            if self.activation_checkpointing:
+                model.enable_input_require_grads()
+            model = apply_lora(model, lora, seed=self.cfg.model.init_seed)
         return self.layout.parallelize(model.to(self.device).train())
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the model's (local) parameters, built after the layout sharded them."""
-        return make_optimizer(self.model.parameters(), self.tcfg)
+        """AdamW over the model's trainable (local) parameters, built after the layout sharded
+        them; under LoRA the frozen base has no optimizer state."""
+        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.tcfg)
 
     # ------------------------------------------------------------------ batches
     def step_rows(self, step: int) -> np.ndarray:
@@ -380,8 +393,14 @@ class Trainer:
         return scalars
 
     def export(self, session: RunSession) -> None:
-        """The merged Hugging Face model into model/ (the writer writes; a collective on a grid)."""
-        self.layout.export_model(session, self.model, self.prepared)
+        """The merged Hugging Face model into model/ (the writer writes; a collective on a grid);
+        under LoRA also the PEFT adapter folder into adapter/ (`memaudit.models.lora`)."""
+        if self.cfg.model.lora is None:
+            self.layout.export_model(session, self.model, self.prepared)
+            return
+        self.layout.export_model(session, merged_copy(self.model), self.prepared)
+        if self.is_writer:
+            save_adapter(self.model, self.run.path, base=self.cfg.model.init_from)
 
     # ------------------------------------------------------------------ the driver's hooks
     @contextlib.contextmanager
@@ -423,7 +442,11 @@ class Trainer:
     def details(self) -> dict[str, Any]:
         import torch
 
-        out = {"device": self.device.type, "torch_threads": torch.get_num_threads()}
+        # full: the logical model (a grid's local shards would undercount); LoRA runs in one process
+        counts = (parameter_counts(self.model) if self.cfg.model.lora is not None
+                  else {"trained_parameters": self.parameters(), "frozen_parameters": 0})
+        out = {"device": self.device.type, "torch_threads": torch.get_num_threads(),
+               "trained": trained_label(self.cfg.model.lora), **counts}
         p = self.cfg.privacy
         if self.private and (p.unit == "user" or p.max_examples_per_user is not None):
             out["contribution_bound"] = {"unit": p.unit, "max_examples_per_user": p.max_examples_per_user,

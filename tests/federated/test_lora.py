@@ -1,0 +1,151 @@
+"""Federated LoRA against the torch side: the Flax LoRA forward against peft's, a FedSGD round
+against the centralized LoRA step on the same data, the upload of a client, and a DP-FedAvg run
+whose exports are the adapters only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+torch = pytest.importorskip("torch")
+
+from memaudit.config import LoraConfig, load_config
+from memaudit.models.flax_lora import LoraModel, adapters_from_peft, adapters_to_peft, count
+from memaudit.models.lora import adapter_state, apply_lora
+from tests.federated.test_trainer import OVERRIDES
+
+VOCAB = 4096  # the tiny preset's, of the end-to-end run
+SMALL_VOCAB = 61  # tests.train.test_dpsgd._model's
+LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(torch peft model with moved B, Flax LoraModel, its adapter tree) on the same weights."""
+    from memaudit.models.convert import hf_to_flax
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
+    from tests.train.test_dpsgd import _model
+
+    base = _model(seed=3)  # 2 layers of 32 (cheap to compile), RMSNorm weights moved
+    base_sd = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    peft_model = apply_lora(base, LORA, seed=0)
+    with torch.no_grad():  # B starts at 0; move it so the adapters change the function
+        g = torch.Generator().manual_seed(1)
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    adapters = adapters_from_peft(adapter_state(peft_model))
+    c = base.config
+    shape = FlaxLlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, max_position_embeddings=64,
+                            intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                            rms_norm_eps=c.rms_norm_eps, rope_theta=10000.0)
+    flax = LoraModel(FlaxLlama(shape), hf_to_flax(base_sd), LORA.alpha / LORA.rank)
+    return peft_model.eval(), flax, adapters
+
+
+def _ids(seed=0, b=3, length=20, vocab=SMALL_VOCAB):
+    return np.random.default_rng(seed).integers(0, vocab, (b, length)).astype(np.int32)
+
+
+def test_adapter_names_round_trip(pair):
+    peft_model, _, adapters = pair
+    back = adapters_to_peft(adapters)
+    want = adapter_state(peft_model)
+    assert set(back) == set(want) and len(back) == 2 * 7 * 2
+    for k, v in want.items():
+        np.testing.assert_array_equal(back[k], v.numpy())
+    assert count(adapters) == sum(v.numel() for v in want.values())
+
+
+def test_flax_lora_forward_equals_the_peft_forward(pair):
+    peft_model, flax, adapters = pair
+    ids = _ids()
+    am = np.ones_like(ids)
+    am[1, 13:] = 0
+    got = np.asarray(jax.jit(lambda a, i, m: flax.apply({"params": a}, i, m))(adapters, ids, am))
+    with torch.no_grad():
+        want = peft_model(input_ids=torch.as_tensor(ids, dtype=torch.long),
+                          attention_mask=torch.as_tensor(am)).logits.numpy()
+    real = am.astype(bool)  # padded query positions are not compared (HF and Flax fill them differently)
+    np.testing.assert_allclose(got[real], want[real], rtol=0, atol=1e-5)
+
+
+def test_fedsgd_lora_round_equals_the_centralized_lora_step_and_uploads_the_adapters(pair):
+    """FedSGD with server SGD (lr eta): the adapters move by -eta x the gradient of the mean
+    per-sequence loss over all clients' sequences, computed here on the torch peft model."""
+    import optax
+
+    from memaudit.federated import algorithms as alg
+    from memaudit.federated.cohorts import ClientData
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.train.losses import causal_lm_loss_per_example
+
+    peft_model, flax, adapters = pair
+    eta = 0.5
+    ids = _ids(seed=2, b=6, length=16).reshape(3, 2, 16)  # 3 clients x 2 sequences
+    am = np.ones_like(ids)
+    am[0, 1, 10:] = 0
+    mask = np.array([[1, 1], [1, 1], [1, 0]], np.float32)  # client 2 has one sequence
+    data = ClientData({"input_ids": jax.numpy.asarray(ids), "attention_mask": jax.numpy.asarray(am)},
+                      jax.numpy.asarray(mask))
+    loss_fn = make_loss_fn(flax)
+    fed = alg.fedsgd(loss_fn, server_optimizer=optax.sgd(eta), weighting="examples")
+    state, _ = fed.round(fed.init(adapters), data, jax.random.key(0))
+    got = adapters_to_peft(jax.tree.map(np.asarray, state.params))
+
+    real = mask.reshape(-1) > 0
+    t_ids = torch.as_tensor(ids.reshape(6, 16)[real], dtype=torch.long)
+    t_am = torch.as_tensor(am.reshape(6, 16)[real])
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    logits = peft_model(input_ids=t_ids, attention_mask=t_am).logits
+    loss = causal_lm_loss_per_example(logits, t_ids, t_am.bool()).mean()
+    grads = dict(zip(trainable, torch.autograd.grad(loss, list(trainable.values())), strict=True))
+    for name, p in trainable.items():
+        saved = name.replace(".default", "")
+        np.testing.assert_allclose(got[saved], (p - eta * grads[name]).detach().numpy(), rtol=0, atol=1e-5,
+                                   err_msg=saved)
+
+    # one client's upload in a FedAvg round: its adapter delta, nothing of the base
+    phase = alg.make_client_phase(loss_fn, optax.sgd(0.1), local_steps=1, batch_size=2)
+    out = phase(adapters, data, jax.random.key(1))
+    per_client = sum(np.asarray(x)[0].nbytes for x in jax.tree.leaves(out.deltas))
+    assert per_client == 4 * count(adapters) == 4 * sum(p.numel() for p in trainable.values())
+
+
+def test_dp_fedavg_lora_run_trains_the_adapters_and_exports_both(tmp_path):
+    """A DP-FedAvg LoRA run: clipping, noise and the server optimizer see only the adapters; the
+    exported base is the initialisation bit for bit, and the adapter folder and merged model agree."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memaudit.federated.trainer import train_federated
+    from memaudit.io import read_json
+    from memaudit.models.init import initial_model
+    from memaudit.rundir import RunDir
+
+    cfg = load_config(None, [*OVERRIDES, "federated.rounds=2", "federated.eval_every=2",
+                             "privacy.noise_multiplier=0.5", "privacy.clip=0.5",
+                             "privacy.reproducible_randomness=true", "model.lora.rank=4",
+                             "model.lora.target_modules=[q_proj,v_proj]"])
+    run = RunDir(tmp_path / "fl")
+    res = train_federated(cfg, run)
+    assert res["trained"] == "lora(r=4, q_proj,v_proj)"
+    n_adapters = 4 * ((128 * 4 + 4 * 128) + (128 * 4 + 4 * 64))  # 4 layers x (q_proj + v_proj)
+    assert res["trained_parameters"] == n_adapters and res["upload_bytes_per_client_per_round"] == 4 * n_adapters
+    assert read_json(run.privacy_path)["unit"] == "user"
+    base_dir = run.path / "adapter" / "base"
+    start = initial_model(cfg.model, VOCAB).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir)).float()
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, start[k]), k
+    adapter = PeftModel.from_pretrained(base, str(run.path / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(run.model_dir)).float().eval()
+    ids = torch.as_tensor(_ids(seed=4, b=2, length=12, vocab=VOCAB), dtype=torch.long)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(input_ids=ids).logits, merged(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    moved = [not torch.equal(v, torch.zeros_like(v)) for k, v in adapter_state(adapter).items() if "lora_B" in k]
+    assert len(moved) == 8 and all(moved)
