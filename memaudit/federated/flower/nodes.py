@@ -4,10 +4,14 @@
 run will), makes every training user a client (`memaudit.federated.data.build_client_data`),
 deals the users into ``nodes`` contiguous blocks and writes ``node-<i>.npz`` per node: the
 users' names, their packed sequences, attention masks and example masks, and one digest per
-user. A SuperNode is started with ``--node-config "partition='.../node-<i>.npz'"``; the server
+user, and ``manifest.json``: the stage manifest of the config
+(`memaudit.federated.flower.manifest.build_trust`: the client stages a node may run, the
+secure-aggregation policy and DP parameters it enforces). A SuperNode is started with
+``--node-config "partition='.../node-<i>.npz' manifest='.../manifest.json'"``; the server
 checks every node's digests against its own prepared data, so a partition made from another
-config is refused before the first round. Pin the tokenizer (``data.tokenizer``, the one the
-partitions were made with, printed by the command) so server and nodes tokenize alike.
+config is refused before the first round, and a node refuses every stage that is not its
+manifest's. Pin the tokenizer (``data.tokenizer``, the one the partitions were made with,
+printed by the command) so server and nodes tokenize alike.
 
     python -m memaudit.federated.flower.nodes CONFIG --nodes 2 --out parts/ [key=value ...]
 """
@@ -49,7 +53,8 @@ def split_users(users: list[str], nodes: int) -> list[list[str]]:
 
 
 def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
-    """Prepare the data of ``cfg`` under ``out/prepared`` and write ``out/node-<i>.npz``."""
+    """Prepare the data of ``cfg`` under ``out/prepared``; write ``out/node-<i>.npz`` and
+    ``out/manifest.json``."""
     from memaudit.data import prepare_data
     from memaudit.federated.data import build_client_data
     from memaudit.io import atomic_write_bytes
@@ -75,7 +80,10 @@ def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
         path = out / f"node-{i}.npz"
         atomic_write_bytes(path, buf.getvalue())
         files.append(str(path))
-    return {"partitions": files, "users": [len(b) for b in blocks],
+    from memaudit.federated.flower.manifest import write_manifest
+
+    manifest = write_manifest(cfg, prepared, scratch, out / "manifest.json")
+    return {"partitions": files, "users": [len(b) for b in blocks], "manifest": str(manifest),
             "tokenizer": str(scratch.data_dir / "tokenizer")}
 
 
