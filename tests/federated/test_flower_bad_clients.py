@@ -95,7 +95,7 @@ class _Bad:
 def test_a_bad_stage_reply_drops_its_node_and_the_round_goes_on(kind, toy):
     arrays, plan, args = toy
     (want, _), dead = run_plan(plan, args, _local(arrays, dead=("B",)), ASSIGN, round=0)
-    (got, metrics), info = run_plan(plan, args, _Bad(_local(arrays), kind), ASSIGN, round=0)
+    (got, _), info = run_plan(plan, args, _Bad(_local(arrays), kind), ASSIGN, round=0)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert info["rejected_nodes"] == ["B"] and info["dropped_slots"] == dead["dropped_slots"] == [2, 3]
