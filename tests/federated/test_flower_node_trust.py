@@ -242,3 +242,19 @@ def test_supernode_without_a_manifest_runs_nothing(tmp_path, monkeypatch):
         '{"schema": 1, "stages": [], "resident": [], "policy": null, "dp": null}')
     body = apps.stage(msg, ctx)
     assert set(body) == {"refused"} and "not one of this node's 0 allowed" in body["refused"]
+
+
+def test_the_deployment_commands_use_tls_node_auth_and_the_manifest():
+    from memaudit.errors import ConfigError
+    from memaudit.federated.flower.deploy import superlink_args, supernode_args
+
+    link = superlink_args("10.0.0.5", 9091, tls=("ca.crt", "server.pem", "server.key"))
+    assert link[link.index("--host") + 1] == "10.0.0.5" and "--enable-supernode-auth" in link
+    assert "--insecure" not in link and link[link.index("--ssl-certfile") + 1] == "server.pem"
+    node = supernode_args("link.example.org:9091", "node-0.npz", "manifest.json", root_certificates="ca.crt",
+                          auth_key="node-0")
+    assert "--insecure" not in node and node[node.index("--auth-supernode-private-key") + 1] == "node-0"
+    assert node[-1] == "partition='node-0.npz' manifest='manifest.json'"
+    for bad in (lambda: superlink_args("0.0.0.0", 9091), lambda: supernode_args("10.0.0.5:9091", "p", "m")):
+        with pytest.raises(ConfigError, match="without TLS"):
+            bad()

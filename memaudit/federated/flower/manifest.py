@@ -107,11 +107,16 @@ def build_trust(cfg: Any, prepared: Any, run: Any) -> NodeTrust:
     return NodeTrust(frozenset(stages), frozenset(resident), policy, dp, str(prepared.fingerprint))
 
 
-def write_manifest(cfg: Any, prepared: Any, run: Any, path: Path) -> Path:
-    """`build_trust` as JSON at ``path`` (atomic)."""
+def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path) -> Path:
+    """`build_trust` of one config, or the merge (`NodeTrust.merge`) of several on the same
+    data, as JSON at ``path`` (atomic)."""
     from memaudit.io import atomic_write_json
 
-    atomic_write_json(Path(path), build_trust(cfg, prepared, run).to_json())
+    cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
+    trust = build_trust(cfgs[0], prepared, run)
+    for cfg in cfgs[1:]:
+        trust = trust.merge(build_trust(cfg, prepared, run))
+    atomic_write_json(Path(path), trust.to_json())
     return Path(path)
 
 

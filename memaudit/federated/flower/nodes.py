@@ -14,6 +14,7 @@ manifest's. Pin the tokenizer (``data.tokenizer``, the one the partitions were m
 printed by the command) so server and nodes tokenize alike.
 
     python -m memaudit.federated.flower.nodes CONFIG --nodes 2 --out parts/ [key=value ...]
+        [--variant 'privacy.noise_multiplier=0.8 ...' ...]
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ def split_users(users: list[str], nodes: int) -> list[list[str]]:
     return [list(b) for b in np.array_split(np.asarray(users, dtype=object), nodes)]
 
 
-def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
+def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = ()) -> dict[str, Any]:
     """Prepare the data of ``cfg`` under ``out/prepared``; write ``out/node-<i>.npz`` and
-    ``out/manifest.json``."""
+    ``out/manifest.json`` (the stages of ``cfg`` and of each config in ``variants``: other
+    training settings on the same ``data`` section, run on the same SuperNodes)."""
+    for v in variants:
+        if v.data != cfg.data:
+            raise DataError("a --variant changes the data section; write its partitions separately")
     from memaudit.data import prepare_data
     from memaudit.federated.data import build_client_data
     from memaudit.io import atomic_write_bytes
@@ -82,7 +87,7 @@ def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
         files.append(str(path))
     from memaudit.federated.flower.manifest import write_manifest
 
-    manifest = write_manifest(cfg, prepared, scratch, out / "manifest.json")
+    manifest = write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json")
     return {"partitions": files, "users": [len(b) for b in blocks], "manifest": str(manifest),
             "tokenizer": str(scratch.data_dir / "tokenizer")}
 
@@ -117,9 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides, as for memaudit train")
     ap.add_argument("--nodes", type=int, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--variant", action="append", default=[], metavar="'key=value ...'",
+                    help="overrides of another run on the same data these SuperNodes may serve "
+                         "(its stages join the manifest); repeatable")
     a = ap.parse_args(argv)
     try:
-        info = write_partitions(load_config(a.config, a.overrides), a.out, a.nodes)
+        cfg = load_config(a.config, a.overrides)
+        variants = [load_config(a.config, [*a.overrides, *v.split()]) for v in a.variant]
+        info = write_partitions(cfg, a.out, a.nodes, variants)
     except (MemauditError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -119,6 +119,22 @@ class NodeTrust:
                 raise StageRefused(f"the round's noise share {share:.4g} x clip is below this node's "
                                    f"{need:.4g} x clip (privacy.noise_multiplier)")
 
+    def merge(self, other: NodeTrust) -> NodeTrust:
+        """The manifest of two configs on the same data (a node serving both): their stages
+        and deltas; their policies and DP bounds must agree where both set one."""
+        for name in ("policy", "dp"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a is not None and b is not None and a != b:
+                raise DataError(f"the configs of one stage manifest set different secure-aggregation "
+                                f"{'policies' if name == 'policy' else 'DP parameters'} ({a} and {b}); "
+                                "give their SuperNodes separate manifests")
+        if self.fingerprint and other.fingerprint and self.fingerprint != other.fingerprint:
+            raise DataError("the configs of one stage manifest prepare different data; give each data "
+                            "config its own partitions and manifest")
+        return NodeTrust(self.stages | other.stages, self.resident | other.resident,
+                         self.policy if self.policy is not None else other.policy,
+                         self.dp if self.dp is not None else other.dp, self.fingerprint or other.fingerprint)
+
     # ------------------------------------------------------------------ the file
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "stages": sorted(self.stages), "resident": sorted(self.resident),
