@@ -53,10 +53,12 @@ def split_users(users: list[str], nodes: int) -> list[list[str]]:
     return [list(b) for b in np.array_split(np.asarray(users, dtype=object), nodes)]
 
 
-def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = ()) -> dict[str, Any]:
+def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
+                     manifest: bool = True) -> dict[str, Any]:
     """Prepare the data of ``cfg`` under ``out/prepared``; write ``out/node-<i>.npz`` and
     ``out/manifest.json`` (the stages of ``cfg`` and of each config in ``variants``: other
-    training settings on the same ``data`` section, run on the same SuperNodes)."""
+    training settings on the same ``data`` section, run on the same SuperNodes). Without
+    ``manifest`` (nodes in the server's own process, which check nothing) no manifest is written."""
     for v in variants:
         if v.data != cfg.data:
             raise DataError("a --variant changes the data section; write its partitions separately")
@@ -87,8 +89,8 @@ def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = ()) -> dic
         files.append(str(path))
     from memaudit.federated.flower.manifest import write_manifest
 
-    manifest = write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json")
-    return {"partitions": files, "users": [len(b) for b in blocks], "manifest": str(manifest),
+    path = write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json") if manifest else None
+    return {"partitions": files, "users": [len(b) for b in blocks], "manifest": None if path is None else str(path),
             "tokenizer": str(scratch.data_dir / "tokenizer")}
 
 
