@@ -252,6 +252,7 @@ class _TrainerNodes:
         trust = NodeTrust.load(manifest)
         self.local = LocalNodes({i: NodeExecutor(*load_partition(p), trust=trust) for i, p in enumerate(partitions)})
         self.bad = set(bad)
+        self.aborts: list[str] = []  # the steps at which a node's clients refused (abort replies)
 
     def connect(self, digests):
         return {u: node for node, ex in self.local.executors.items() for u in ex.users}
@@ -264,6 +265,7 @@ class _TrainerNodes:
     def run_secagg(self, payloads):
         out = self.local.run_secagg(payloads)
         step = next(iter(payloads.values()))["step"]
+        self.aborts += [step for r in out.values() if "abort" in r]
         for n in self.bad & set(out):
             if step == "masked" and "msgs" in out[n]:
                 out[n] = {"msgs": {c: m[:-4] for c, m in out[n]["msgs"].items()}}
@@ -322,8 +324,10 @@ def test_a_run_in_which_no_round_aggregated_fails_with_one_line(parts):
     root, info = parts
     over, partitions, manifest = info["secagg"]
     run = root / "all-bad"
+    nodes = _TrainerNodes(partitions, manifest, bad=[0, 1])
     with pytest.raises(MemauditError, match="no round of 1 aggregated a client's update") as e:
-        flower_trainer(load_config(None, over), RunDir(run), _TrainerNodes(partitions, manifest, bad=[0, 1])).fit()
+        flower_trainer(load_config(None, over), RunDir(run), nodes).fit()
+    assert nodes.aborts == []  # the manifest's policy and DP bound let the honest steps through
     assert "\n" not in str(e.value)
     manifest_json = json.loads((run / "run.json").read_text())
     assert manifest_json["status"] == "failed" and not (run / "model" / "model.safetensors").exists()
