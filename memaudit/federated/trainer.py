@@ -473,7 +473,7 @@ class FederatedTrainer:
         if self.total > 0 and self.aggregated_rounds == 0:
             raise MemauditError(
                 f"no round of {self.total} aggregated a client's update (each aborted or lost all its "
-                "clients), so the model never moved; check the clients and the secure-aggregation "
+                "clients), so the model learned nothing from the data; check the clients and the secure-aggregation "
                 "settings (privacy.secure_aggregation.dropout, min_survivors) and train again")
         params = self.host(self.state.params)
         if self.is_writer:
