@@ -136,7 +136,7 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
             env.update(zip(st.outputs, outs, strict=True))
             continue
         calls = {node: _call(plan, st, env, resident, assignment[node], round) for node in alive}
-        replies = dict(nodes.run_stage(calls))
+        replies = {n: r for n, r in dict(nodes.run_stage(calls)).items() if n in calls}  # asked nodes only
         refusals = [replies[n].reason for n in sorted(replies, key=str) if isinstance(replies[n], Refusal)]
         bad = sorted((n for n in replies if valid_reply(plan, st, replies[n], len(assignment[n]))
                       is not None), key=str)
