@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +43,31 @@ class StageRefused(MemauditError):
     """A node refused a call the server sent (one line naming why; no data in it)."""
 
 
+def module_digest(module: bytes) -> str:
+    """sha256 of what an exported module computes: its StableHLO without source locations
+    (they name the frames it was traced from, not what it does) and its calling convention
+    (argument and result shapes, trees, kept arguments, platforms, effects, shardings)."""
+    from jax import export  # jax: only a node that runs stages (or the manifest) needs it
+
+    exp = export.deserialize(bytearray(module))
+    text = re.sub(r"^#loc[\w.]*\s*=.*$", "", exp.mlir_module(), flags=re.MULTILINE)
+    text = re.sub(r"\s*loc\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)", "", text)
+    conv = [repr(getattr(exp, k, None)) for k in (
+        "in_avals", "out_avals", "in_tree", "out_tree", "module_kept_var_idx", "platforms",
+        "nr_devices", "ordered_effects", "unordered_effects", "in_shardings_hlo", "out_shardings_hlo",
+        "calling_convention_version", "uses_global_constants", "disabled_safety_checks")]
+    return hashlib.sha256("\n".join([text, *conv]).encode()).hexdigest()
+
+
 def stage_signature(call: Any) -> str:
     """sha256 of what a client-stage call makes the node do, independent of the round's values:
-    the module's bytes, each input's source (``data`` array name, ``store`` var id, or a server
-    value), each output's mode and var id.
+    the module (`module_digest`), each input's source (``data`` array name, ``store`` var id, or
+    a server value), each output's mode and var id.
 
-    >>> class C:
-    ...     module, inputs, outputs, output_ids = b"m", [("data", "input_ids")], ["keep"], [3]
-    >>> len(stage_signature(C()))
-    64
+    The node computes it from the bytes it runs; the manifest from the server's program.
     """
     inputs = [[str(kind), None if kind == "server" else ref] for kind, ref in call.inputs]
-    body = {"module": hashlib.sha256(bytes(call.module)).hexdigest(), "inputs": inputs,
+    body = {"module": module_digest(bytes(call.module)), "inputs": inputs,
             "outputs": [str(o) for o in call.outputs], "output_ids": [int(i) for i in call.output_ids]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
