@@ -52,7 +52,7 @@ from memaudit.config import Config, dump_config
 from memaudit.errors import DataError, MemauditError, RunDirError
 from memaudit.io import append_jsonl, atomic_write_json, read_json, truncate_jsonl
 from memaudit.privacy.randomness import DPRandomness
-from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest
+from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest, require_memaudit_manifest
 
 SENSITIVE_METRICS = "sensitive_metrics.jsonl"
 # Per-step values that are computed from the private data and not privatised: under DP they
@@ -223,6 +223,7 @@ class RunSession:
         if not self.overwrite:
             raise RunDirError(f"output '{self.run.path}' already holds a memaudit run; pass "
                               "--overwrite to replace it, or choose another --out")
+        require_memaudit_manifest(self.run)  # checked again under the lock
         present = [n for n in RUN_ARTIFACTS if (self.run.path / n).exists()]
         aside = self.run.path / f".memaudit-replaced-{os.getpid()}-{time.time_ns()}"
         aside.mkdir()

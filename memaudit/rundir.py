@@ -331,6 +331,23 @@ def check_output_folder(path: Path, *, what: str) -> None:
             return
 
 
+def written_by_memaudit(manifest: dict[str, Any]) -> bool:
+    """Whether run.json is a manifest memaudit wrote (`new_manifest`): its version, backend and
+    config are there with their types, not only a `status` field."""
+    return (isinstance(manifest.get("memaudit_version"), str)
+            and manifest.get("backend") in ("parallel", "federated")
+            and isinstance(manifest.get("config"), dict))
+
+
+def require_memaudit_manifest(rd: RunDir) -> None:
+    """Refuse to replace a folder whose run.json memaudit did not write (one line, nothing
+    touched): `--overwrite` deletes only what memaudit made."""
+    if not written_by_memaudit(rd.read_manifest()):
+        raise RunDirError(f"'{rd.manifest_path}' was not written by memaudit (no memaudit_version, "
+                          "backend and config), so --overwrite does not replace this folder; "
+                          "choose another --out")
+
+
 def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
     """Check that `path` may receive a new run. Nothing on disk is touched, whatever the answer.
 
@@ -344,6 +361,8 @@ def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
             raise RunDirError(f"run '{rd.path}' is being written by a live process ({rd.lock_holder()}); "
                               "choose another --out")
         st = rd.status()
+        if overwrite:
+            require_memaudit_manifest(rd)
         if not overwrite:
             hint = "use --resume to continue it" if st == "interrupted" else "pass --overwrite to replace it"
             raise RunDirError(f"output '{rd.path}' already holds a {st} run; {hint}")

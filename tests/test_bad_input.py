@@ -95,6 +95,13 @@ PICKLE = (b"\x80\x04\x95\x1e\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06sy
           b"\x8c\x04true\x94\x85\x94R\x94.")
 
 
+def _foreign_run(out: Path) -> None:
+    """Another tool's output folder whose run.json happens to hold a `status` field."""
+    _write(out / "run.json", json.dumps({"status": "complete", "job": "nightly-etl"}))
+    _write(out / "data" / "users.csv", "id,name\n1,ada\n")
+    _write(out / "model" / "weights.bin", b"\x00" * 64)
+
+
 CASES = [
     # ---- train: the config
     Case("config-missing", lambda d, c: ["train", str(d / "nope.yaml")], "nope.yaml"),
@@ -249,6 +256,9 @@ CASES = [
          "--users"),
     Case("prepare-out-file", lambda d, c: ["data", "prepare", TINY, "--out", str(d / "f")], "f",
          setup=lambda d, c: _write(d / "f", "x")),
+    # ---- train --overwrite: only a folder whose run.json memaudit wrote is replaced
+    Case("overwrite-foreign-run-json", lambda d, c: [*_train(d), "--overwrite"], "run.json",
+         setup=lambda d, c: _foreign_run(d / "out")),
     # ---- parallel plan
     Case("plan-mem-nan", lambda d, c: ["parallel", "plan", "--gpus", "8", "--mem-gib", "nan"], "mem"),
     Case("plan-mem-negative", lambda d, c: ["parallel", "plan", "--gpus", "8", "--mem-gib", "-5"], "mem"),
