@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from memaudit import __version__
 from memaudit.errors import MemauditError, RunDirError
@@ -75,6 +75,8 @@ def _normalise_lock(lock: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+    what: ClassVar[str] = "run"  # in messages
+    lock_name: ClassVar[str] = LOCK
 
     def __init__(self, path: str | os.PathLike) -> None:
         object.__setattr__(self, "path", Path(path))
@@ -86,7 +88,7 @@ class RunDir:
 
     @property
     def lock_path(self) -> Path:
-        return self.path / LOCK
+        return self.path / self.lock_name
 
     @property
     def model_dir(self) -> Path:
@@ -181,10 +183,11 @@ class RunDir:
     def lock_holder(self) -> str:
         """Who holds run.lock, for messages."""
         lock = self.read_lock()
+        name = self.lock_name
         if lock:
-            return f"process {lock['pid']} on {lock['host']}, run.lock"
-        return ("run.lock is unreadable and recent; if no memaudit process works on this run, "
-                "delete run.lock")
+            return f"process {lock['pid']} on {lock['host']}, {name}"
+        return (f"{name} is unreadable and recent; if no memaudit process works on this "
+                f"{self.what}, delete {name}")
 
     def read_lock_file(self, path: Path) -> dict[str, Any] | None:
         try:
@@ -241,7 +244,7 @@ class RunLock:
 
     def _break_stale(self, seen: dict[str, Any] | None) -> None:
         path = self.run.lock_path
-        aside = path.with_name(f".{LOCK}.stale-{self.token}")
+        aside = path.with_name(f".{path.name}.stale-{self.token}")
         try:
             os.rename(path, aside)
         except FileNotFoundError:
@@ -261,12 +264,12 @@ class RunLock:
                 break
             seen = self.run.read_lock()
             if self.run.lock_alive():
-                raise RunDirError(f"run '{self.run.path}' is in use ({self.run.lock_holder()}); wait "
-                                  "for it to finish or stop it first")
+                raise RunDirError(f"{self.run.what} '{self.run.path}' is in use ({self.run.lock_holder()}); "
+                                  "wait for it to finish or stop it first")
             self._break_stale(seen)
         else:
             raise RunDirError(f"could not take '{self.run.lock_path}': other processes keep "
-                              "taking it; make sure only one memaudit works on this run")
+                              f"taking it; make sure only one memaudit works on this {self.run.what}")
         self._thread = threading.Thread(target=self._beat, name="memaudit-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -283,8 +286,8 @@ class RunLock:
     def check(self) -> None:
         """Raise if another process took this lock (after judging ours stale)."""
         if self.lost.is_set():
-            raise RunDirError(f"run '{self.run.path}' was taken over by another process "
-                              "(run.lock changed); stop the other process, then --resume")
+            raise RunDirError(f"{self.run.what} '{self.run.path}' was taken over by another process "
+                              f"({self.run.lock_name} changed); stop the other process, then --resume")
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -297,6 +300,15 @@ class RunLock:
         if self._made_dir:  # a refused or failed start leaves no empty folder behind
             with contextlib.suppress(OSError):
                 self.run.path.rmdir()
+
+
+class SweepDir(RunDir):
+    """A sweep's --out folder, for its lock only: `sweep.lock` (the run lock's protocol: O_EXCL
+    create, pid, host, heartbeat; a dead holder's lock is taken over), held by the process that
+    drives the sweep, so that two sweeps never write one folder."""
+
+    what: ClassVar[str] = "sweep"
+    lock_name: ClassVar[str] = "sweep.lock"
 
 
 def new_manifest(

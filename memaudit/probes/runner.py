@@ -20,6 +20,7 @@ from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.shift import blind_check
 from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
+from memaudit.probes.weights import weights_sha256
 
 Progress = Callable[[int, int, dict], None] | None
 
@@ -80,6 +81,9 @@ def run_probes(
     """Load the model (unless given), run each selected probe, return probes.json + secrets."""
     from memaudit.probes.scoring import load_causal_lm
 
+    # the weights measured, fingerprinted before they are loaded: a probes.json whose run was
+    # trained again meanwhile then names other weights than the model's and is not used
+    weights = weights_sha256(target.model_path) if model is None else None
     if model is None and target.source is not None:
         model = load_model(target.source, device=settings.device, dtype=settings.dtype)
     elif model is None:
@@ -115,6 +119,7 @@ def run_probes(
             "reference": settings.reference,
             "source": None if target.source is None else target.source.kind,
             "base": target.base,
+            "weights_sha256": weights,
         },
         "counts": dict(target.counts),
         "checks": checks,
