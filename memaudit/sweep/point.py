@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from memaudit.config import ProbeConfig, dump_config
 from memaudit.io import dumps, read_json
 from memaudit.models.init import base_model_record
-from memaudit.probes.weights import recorded_weights, weights_mismatch
+from memaudit.probes.weights import recorded_weights, weights_sha256
 from memaudit.rundir import RunDir
 from memaudit.sweep.config import point_config
 
@@ -150,7 +150,7 @@ def probe_reason(cfg: SweepConfig, rd: RunDir) -> str | None:
     doc = read_json(rd.probes_path)
     if not isinstance(doc, dict) or doc.get("settings") != probe_settings(cfg, rd):
         return "probes.json was written under other probe settings"
-    if recorded_weights(doc) is None or weights_mismatch(doc, rd.model_dir):
+    if recorded_weights(doc) != weights_sha256(rd.model_dir):
         return "probes.json measured other weights than the model's (or does not say which)"
     return None
 
