@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import sys
 from typing import Annotated
 
@@ -28,7 +27,7 @@ from memaudit.commands import probe as probe_cmd
 from memaudit.commands import report as report_cmd
 from memaudit.commands import sweep as sweep_cmd
 from memaudit.commands import train as train_cmd
-from memaudit.errors import MemauditError
+from memaudit.errors import MemauditError, without_values
 
 app = typer.Typer(
     name="memaudit",
@@ -71,10 +70,6 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-# Python's own conversion errors quote the value they could not convert, which may be a piece
-# of a corpus (`invalid literal for int() with base 10: 'my ssn is ...'`): never shown.
-_QUOTES_A_VALUE = re.compile(r"^(invalid literal for \w+\(\)(?: with base \d+)?|could not convert "
-                             r"string to \w+|could not convert \w+ to \w+)\b.*", re.DOTALL)
 # where a disk or quota is full, and what to do
 _FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 # libraries whose log lines would come before memaudit's own one line
@@ -100,11 +95,7 @@ def error_line(exc: BaseException) -> str:
     if isinstance(exc, MemauditError):
         return _one_line(exc)
     if isinstance(exc, ValueError) and not isinstance(exc, UnicodeDecodeError):
-        line = _one_line(exc)
-        if _QUOTES_A_VALUE.match(line):
-            return ("a value in the input is not of the type expected (the value is not shown: it may "
-                    "be private data); re-run with --debug to see where, and fix that field")
-        return line
+        return without_values(_one_line(exc))  # a data value quoted by Python is never shown
     if isinstance(exc, ImportError):
         return (f"a part of memaudit or one of its dependencies is missing ({_one_line(exc)}); "
                 "reinstall memaudit (bash scripts/setup.sh, or pip install -e . with the extra you need)")

@@ -49,7 +49,7 @@ from memaudit.checkpoints import (
 )
 from memaudit.checks import check_data
 from memaudit.config import Config, dump_config
-from memaudit.errors import DataError, MemauditError, RunDirError
+from memaudit.errors import DataError, MemauditError, RunDirError, without_values
 from memaudit.io import append_jsonl, atomic_write_json, private_tree, read_json, truncate_jsonl
 from memaudit.privacy.randomness import DPRandomness
 from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest, require_memaudit_manifest
@@ -74,8 +74,9 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 def one_line_error(exc: BaseException) -> str:
+    """The error run.json records: one line, never a data value quoted by Python."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+    return f"{type(exc).__name__}: {without_values(text[0]) if text else ''}"[:300]
 
 
 @contextlib.contextmanager

@@ -114,7 +114,7 @@ def test_extracted_member_text_is_in_a_report_only_with_show_secrets(tmp_path):
 
 
 def _one_line(capsys) -> str:
-    out, err = capsys.readouterr()
+    _, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("memaudit: error: ") and "Traceback" not in err, err
     return err
 
@@ -171,3 +171,13 @@ def test_torchs_failed_write_is_a_named_os_error(tmp_path, monkeypatch):
 def test_a_refused_pickle_and_out_of_memory_say_what_to_do(exc, words):
     line = error_line(exc)
     assert words in line and not line.startswith("unexpected") and "; " in line
+
+
+def test_a_failed_sweep_point_and_run_json_never_quote_a_value():
+    """A point's error is printed by the sweep and recorded in run.json: no value there either."""
+    from memaudit.lifecycle import one_line_error
+    from memaudit.sweep.work import one_line
+
+    e = ValueError(f"invalid literal for int() with base 10: 'my ssn is {SSN}'")
+    for line in (one_line(e), one_line_error(e)):
+        assert SSN not in line and line.startswith("ValueError: a value in the input")

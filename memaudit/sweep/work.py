@@ -13,7 +13,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memaudit import dispatch as switch  # the backend switch; its backends load when chosen
+from memaudit import dispatch as switch
+from memaudit.errors import without_values  # the backend switch; its backends load when chosen
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_config
 from memaudit.sweep.point import PointAction, Verb, point_action
@@ -35,8 +36,10 @@ class PointOutcome:
 
 
 def one_line(e: BaseException) -> str:
+    """A failed point's error as its outcome (and the sweep's terminal line) shows it: never a
+    data value quoted by Python's conversion errors."""
     lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return f"{type(e).__name__}: {without_values(lines[0]) if lines else ''}"
 
 
 def train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,

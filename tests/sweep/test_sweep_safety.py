@@ -30,6 +30,7 @@ from memaudit.sweep.point import Verb, config_as_written, point_action, probe_re
 from tests.sweep.test_point_action import recorded  # noqa: F401  (the fixture)
 from tests.test_bad_input import snapshot
 
+
 def _raw(tmp_path: Path, lr: float = 0.003) -> dict:
     """A one-point sweep fine-tuning a (stand-in) base model at learning rate `lr`."""
     base = tmp_path / "base"
