@@ -243,6 +243,13 @@ CASES = [
     Case("sweep-bad-probe", lambda d, c: ["sweep", _sweep(d, "probe: {batch_size: 0}\n"), "--out",
                                           str(d / "sw")], "batch_size"),
     Case("sweep-jobs-zero", lambda d, c: ["sweep", _sweep(d), "--out", str(d / "sw"), "--jobs", "0"], "jobs"),
+    # a newline in an executor string would become a line of the sbatch script
+    Case("sweep-executor-newline", lambda d, c: ["sweep", _sweep(d, 'executor: {kind: slurm, partition: "gpu\\n'
+                                                                  '#SBATCH --wrap=id"}\n'), "--out", str(d / "sw")],
+         "executor.partition"),
+    Case("sweep-executor-option-newline", lambda d, c: ["sweep", _sweep(d, 'executor: {kind: slurm, slurm_additional: '
+                                                                         '{comment: "a\\rb"}}\n'), "--out", str(d / "sw")],
+         "executor.slurm_additional"),
     # ---- epsilon
     Case("epsilon-huge-steps", lambda d, c: ["epsilon", "-q", "0.01", "-s", "1", "-T", "1e12", "--delta", "1e-5"], "-T"),
     Case("epsilon-sigma-inf", lambda d, c: ["epsilon", "-q", "0.01", "-s", "inf", "-T", "10", "--delta", "1e-5"], "noise"),

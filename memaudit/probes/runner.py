@@ -14,6 +14,7 @@ import numpy as np
 
 from memaudit import __version__
 from memaudit.config import ProbeConfig
+from memaudit.errors import RunDirError
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes.context import fit_to_context, model_context
 from memaudit.probes.reference import models_mean_logp, reference_attacks
@@ -108,6 +109,9 @@ def run_probes(
         probes[name] = REGISTRY[name](ctx)
         timings[name] = time.perf_counter() - t0
     secrets.update(ctx.secrets)
+    if weights is not None and weights_sha256(target.model_path) != weights:
+        raise RunDirError(f"the model in '{target.model_path}' changed while it was probed (trained "
+                          "again, e.g. --overwrite); nothing was written, probe it again once it is done")
     doc = {
         "schema": SCHEMA,
         "memaudit_version": __version__,

@@ -140,22 +140,17 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
         return _run_sweep_locked(cfg, out, progress=progress, debug=debug, overwrite=overwrite)
 
 
-def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug: bool,
-                      overwrite: bool) -> dict[str, Any]:
-    from memaudit.reports.build import build_report
-    from memaudit.reports.write import write_report
-
-    check_sweep_dir(out)
-    check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
-    points = plan_points(cfg)
+def _prepare_points(cfg: SweepConfig, out: Path, progress: Progress, overwrite: bool
+                    ) -> tuple[list[SweepPoint], list[Path]]:
+    """The grid's points (fine-tuning their public bases, with the regime's schedule) and the
+    reference runs to report; without `overwrite` it stops, before anything is replaced, where
+    a complete run would be trained anew (`memaudit.sweep.replace`)."""
+    points = base_points = plan_points(cfg)
     # ---- public pretraining (memaudit.sweep.pretrain): one base model, trained once (or reused),
     # that every point fine-tunes (model.init_from), and its zero-fine-tuning reference run
-    references: list[Path] = []
     if cfg.pretrain is not None:
         refuse_replacing(out, stale_bases(cfg, out, points), overwrite=overwrite)
-        points = pretrain_bases(cfg, out, points, progress, overwrite=overwrite)
-    base_points = points
-    # ---- end of public pretraining
+        points = base_points = pretrain_bases(cfg, out, points, progress, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "sweep.json").is_file():
         atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "planning"})
@@ -164,8 +159,18 @@ def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug:
     if cfg.pretrain is not None:
         found += replaced_references(cfg, base_points, out)
     refuse_replacing(out, found, overwrite=overwrite)
-    if cfg.pretrain is not None:
-        references = base_references(cfg, out, base_points, progress)
+    references = base_references(cfg, out, base_points, progress) if cfg.pretrain is not None else []
+    return points, references
+
+
+def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug: bool,
+                      overwrite: bool) -> dict[str, Any]:
+    from memaudit.reports.build import build_report
+    from memaudit.reports.write import write_report
+
+    check_sweep_dir(out)
+    check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
+    points, references = _prepare_points(cfg, out, progress, overwrite)
     plan = {"regime": cfg.regime, "executor": cfg.executor.kind,
             "points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
