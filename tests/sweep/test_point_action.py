@@ -60,7 +60,7 @@ def _write_point(cfg, p, run: Path, case: str) -> None:
     sha = base_model_record(run_cfg.model.init_from)["weights_sha256"]
     status = "interrupted" if case == "interrupted" else "complete"
     atomic_write_json(run / "run.json", {
-        "status": status, "backend": p.backend, "config": config_as_written(written),
+        "memaudit_version": "0", "status": status, "backend": p.backend, "config": config_as_written(written),
         "base_model": {"path": run_cfg.model.init_from, "weights_sha256": "0" * 64 if case == "stale-base" else sha}})
     atomic_write_json(run / "model" / "config.json", {})
     if case == "interrupted":
@@ -228,7 +228,8 @@ def test_submitits_local_executor_gives_a_stale_complete_point_a_job(tmp_path, m
     (p,) = plan_points(cfg)
     gone.unlink()
     run = tmp_path / "out" / "runs" / p.name
-    atomic_write_json(run / "run.json", {"status": "complete", "backend": "parallel", "config": {}})
+    atomic_write_json(run / "run.json", {"memaudit_version": "0", "status": "complete", "backend": "parallel",
+                                         "config": {}})
     atomic_write_json(run / "model" / "config.json", {})
     from memaudit.sweep.point import probe_settings
 
