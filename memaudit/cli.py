@@ -119,8 +119,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("DATASETS_VERBOSITY", "critical")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "critical")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    for name in QUIET_LOGGERS:  # CRITICAL, a level JAX accepts (jax_logging_level mirrors its logger)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def main(argv: list[str] | None = None) -> int:
