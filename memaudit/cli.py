@@ -6,6 +6,9 @@ shows the traceback. torch and jax are imported only inside the commands that ne
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import sys
 from typing import Annotated
 
@@ -24,7 +27,7 @@ from memaudit.commands import probe as probe_cmd
 from memaudit.commands import report as report_cmd
 from memaudit.commands import sweep as sweep_cmd
 from memaudit.commands import train as train_cmd
-from memaudit.errors import MemauditError
+from memaudit.errors import MemauditError, without_values
 
 app = typer.Typer(
     name="memaudit",
@@ -67,28 +70,65 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+# where a disk or quota is full, and what to do
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+# libraries whose log lines would come before memaudit's own one line
+QUIET_LOGGERS = ("datasets", "transformers", "huggingface_hub", "jax", "jaxlib", "absl", "torch",
+                 "flwr", "submitit", "filelock", "urllib3")
+
+
+def _os_error_line(exc: OSError) -> str:
+    name = exc.filename if exc.filename is not None else "a file"
+    if exc.errno in _FULL:
+        return (f"{_FULL[exc.errno]} writing '{name}'; free space there (or raise the quota), or "
+                "choose another --out on a disk with room")
+    what = exc.strerror or type(exc).__name__
+    return f"{what}: '{name}'; check the path, its type (file or folder) and its permissions"
+
+
 def error_line(exc: BaseException) -> str:
     """The one line shown for an error: memaudit's own message, or for an error from the OS,
-    torch, safetensors, JSON or YAML a line naming the file and what to do."""
-    if isinstance(exc, MemauditError | ValueError) and not isinstance(exc, UnicodeDecodeError):
+    torch, safetensors, JSON or YAML a line naming the file, the cause and what to do. A data
+    value quoted by Python's conversion errors is never shown."""
+    import pickle
+
+    if isinstance(exc, MemauditError):
         return _one_line(exc)
+    if isinstance(exc, ValueError) and not isinstance(exc, UnicodeDecodeError):
+        return without_values(_one_line(exc))  # a data value quoted by Python is never shown
     if isinstance(exc, ImportError):
         return (f"a part of memaudit or one of its dependencies is missing ({_one_line(exc)}); "
                 "reinstall memaudit (bash scripts/setup.sh, or pip install -e . with the extra you need)")
     if isinstance(exc, OSError):
-        name = exc.filename if exc.filename is not None else "a file"
-        what = exc.strerror or type(exc).__name__
-        return f"{what}: '{name}'; check the path, its type (file or folder) and its permissions"
+        return _os_error_line(exc)
     if isinstance(exc, UnicodeDecodeError):
         return "a file is not valid UTF-8 text; give a UTF-8 file"
+    if isinstance(exc, pickle.UnpicklingError):
+        return ("a file holds a pickled object, which memaudit does not load (unpickling can run code); "
+                "give a safetensors checkpoint (model.safetensors) or a run directory memaudit wrote")
+    if isinstance(exc, MemoryError):
+        return (f"out of memory ({_one_line(exc)[:120]}); ask for less (fewer steps, e.g. a smaller -T; "
+                "a smaller batch, model or probe set) or use a machine with more memory")
     return (f"unexpected {type(exc).__name__}: {_one_line(exc)[:200]} (re-run with --debug for the "
             "traceback, and report it if the input looks right)")
+
+
+def quiet_libraries() -> None:
+    """Only memaudit's own line on stderr: the libraries' log lines off (`--debug` keeps them).
+    datasets and transformers read their verbosity from the environment when they load."""
+    os.environ.setdefault("DATASETS_VERBOSITY", "critical")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "critical")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    for name in QUIET_LOGGERS:  # CRITICAL, a level JAX accepts (jax_logging_level mirrors its logger)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Returns the exit code (the console script exits with it)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    if not debug:
+        quiet_libraries()
     try:
         rv = app(args=args, prog_name="memaudit", standalone_mode=False)
         code = rv if isinstance(rv, int) else 0

@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from memaudit.io import writing
 from memaudit.lifecycle import RunSession
 from memaudit.privacy.ledger import PrivacyLedger
 
@@ -171,6 +172,7 @@ class _Run:
     ledger: PrivacyLedger | None = None
     initial: tuple[float, float] = (math.nan, math.nan)
     start: int = 0
+    epsilon: float | None = None  # ε so far, for the progress display under DP
 
 
 def _restore(session: RunSession, backend: Backend, run: _Run) -> None:
@@ -194,8 +196,31 @@ def _checkpoint(session: RunSession, backend: Backend, run: _Run, done: int) -> 
     if run.ledger is not None:
         scalars["ledger_steps"] = run.ledger.steps
     # the ledger is saved twice: in the sealed checkpoint (restored with it) and as privacy.json
-    backend.save(session, done, scalars, {"privacy.json": ledger} if ledger is not None else {})
+    with writing(session.run.state_dir):  # a full disk: one line naming the checkpoint it writes
+        backend.save(session, done, scalars, {"privacy.json": ledger} if ledger is not None else {})
     session.write_ledger(ledger)
+
+
+def _progress_info(backend: Backend, run: _Run, rec: dict[str, Any], done: int) -> dict[str, Any]:
+    """What the progress display is given after a step: the step's record without DP; under DP
+    only ε so far (recomputed from the ledger at each evaluation and at the end), never the loss
+    or another unprivatised statistic of the private data (those go to sensitive_metrics.jsonl)."""
+    if not backend.private:
+        return rec
+    if run.ledger is not None and (done % backend.eval_every == 0 or done == backend.total
+                                   or run.epsilon is None):
+        run.epsilon = _epsilon_so_far(run.ledger)
+    return {"phase": "training", "epsilon": run.epsilon}
+
+
+def _epsilon_so_far(ledger: PrivacyLedger) -> float | None:
+    """ε at the ledger's δ by RDP, or by PLD where RDP cannot interpret an event."""
+    for accountant in ("rdp", "pld"):
+        try:
+            return ledger.epsilon(accountant)
+        except (ValueError, NotImplementedError, TypeError):
+            continue
+    return None
 
 
 def _loop(session: RunSession, backend: Backend, run: _Run, plan: PrivacyPlan | None,
@@ -211,7 +236,7 @@ def _loop(session: RunSession, backend: Backend, run: _Run, plan: PrivacyPlan | 
         session.log(rec)
         if done % backend.checkpoint_every == 0 and done < total:
             _checkpoint(session, backend, run, done)
-        notify(done, rec)
+        notify(done, _progress_info(backend, run, rec, done))
         last = rec
     return last
 

@@ -1,11 +1,16 @@
 """Atomic file writes: write to a temporary name in the same directory, fsync, rename.
 
-A crash never leaves a half-written checkpoint, ledger or manifest behind.
+A crash never leaves a half-written checkpoint, ledger or manifest behind. Every file memaudit
+writes here is created 0600 (mkstemp; appends with that mode), and `private_tree` closes what a
+library wrote with the umask's modes (torch checkpoints, tokenizer files) to 0600 files in
+0700 folders. A failed write names its file (`OSError.filename`), so that the one line the CLI
+shows says which file and why (`no space left on device writing state/...`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -16,12 +21,49 @@ from pathlib import Path
 from typing import Any
 
 
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """An OSError in the block without a file name (a failed write(), fsync()) gets `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise type(e)(e.errno, e.strerror or os.strerror(e.errno), os.fspath(path)) from e
+        raise
+
+
+LOW_SPACE = 64 << 20  # bytes free below which a failed write is put down to a full disk
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """A write into `path` (a file or a folder) by a library: its failure becomes an OSError
+    naming `path` and the cause. torch's writer reports a full disk as a RuntimeError without
+    errno or file (`[enforce fail at inline_container.cc] ... file write failed`); it is read as
+    ENOSPC when the disk has (almost) no space left, else as an I/O error."""
+    try:
+        with naming(path):
+            yield
+    except RuntimeError as e:
+        text = str(e)
+        if "PytorchStreamWriter" not in text and "file write failed" not in text:
+            raise
+        where = Path(path)
+        probe = where if where.is_dir() else where.parent
+        try:
+            full = shutil.disk_usage(probe).free < LOW_SPACE
+        except OSError:
+            full = False
+        code = errno.ENOSPC if full else errno.EIO
+        raise OSError(code, os.strerror(code), os.fspath(path)) from e
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming(path), os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -96,8 +138,9 @@ def append_jsonl(path: str | os.PathLike, record: dict[str, Any], *, mode: int |
     sensitive file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666 if mode is None else mode)
-    with os.fdopen(fd, "a", encoding="utf-8") as f:
+    # every memaudit file may be sensitive: 0600 unless the caller names another mode
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600 if mode is None else mode)
+    with naming(path), os.fdopen(fd, "a", encoding="utf-8") as f:
         if mode is not None:
             os.fchmod(f.fileno(), mode)
         f.write(dumps(record) + "\n")
@@ -142,6 +185,25 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def private_tree(path: str | os.PathLike) -> None:
+    """`path` and everything under it readable by its owner only: folders 0700, files 0600
+    (what a library wrote with the umask's modes: torch.save, a tokenizer's files)."""
+    path = Path(path)
+    if path.is_symlink() or not path.exists():
+        return
+    if path.is_file():
+        os.chmod(path, 0o600)
+        return
+    os.chmod(path, 0o700)
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            if not os.path.islink(os.path.join(root, d)):
+                os.chmod(os.path.join(root, d), 0o700)
+        for f in files:
+            if not os.path.islink(os.path.join(root, f)):
+                os.chmod(os.path.join(root, f), 0o600)
 
 
 def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:

@@ -49,10 +49,10 @@ from memaudit.checkpoints import (
 )
 from memaudit.checks import check_data
 from memaudit.config import Config, dump_config
-from memaudit.errors import DataError, MemauditError, RunDirError
-from memaudit.io import append_jsonl, atomic_write_json, read_json, truncate_jsonl
+from memaudit.errors import DataError, MemauditError, RunDirError, without_values
+from memaudit.io import append_jsonl, atomic_write_json, private_tree, read_json, truncate_jsonl
 from memaudit.privacy.randomness import DPRandomness
-from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest
+from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest, require_memaudit_manifest
 
 SENSITIVE_METRICS = "sensitive_metrics.jsonl"
 # Per-step values that are computed from the private data and not privatised: under DP they
@@ -74,8 +74,9 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 def one_line_error(exc: BaseException) -> str:
+    """The error run.json records: one line, never a data value quoted by Python."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+    return f"{type(exc).__name__}: {without_values(text[0]) if text else ''}"[:300]
 
 
 @contextlib.contextmanager
@@ -147,6 +148,7 @@ class RunSession:
             self._stack.close()
 
     def _open(self) -> None:
+        os.chmod(self.run.path, 0o700)  # the run holds sensitive files: its owner's only
         if self.resume:
             m = self.run.read_manifest()
             if m.get("backend") != self.backend:
@@ -192,7 +194,7 @@ class RunSession:
 
         stage = RunDir(self.run.path / f".memaudit-staging-{os.getpid()}")
         remove(stage.path)
-        stage.path.mkdir(parents=True)
+        stage.path.mkdir(parents=True, mode=0o700)
         try:
             for name in ("data", "split.json", "canaries.json"):  # reused when the config matches
                 src = self.run.path / name
@@ -212,6 +214,7 @@ class RunSession:
             target = self.run.path / name
             if target.exists():
                 remove(target)
+            private_tree(stage / name)  # the corpus as trained and the canaries' secrets
             os.replace(stage / name, target)
         remove(stage)
 
@@ -223,6 +226,7 @@ class RunSession:
         if not self.overwrite:
             raise RunDirError(f"output '{self.run.path}' already holds a memaudit run; pass "
                               "--overwrite to replace it, or choose another --out")
+        require_memaudit_manifest(self.run)  # checked again under the lock
         present = [n for n in RUN_ARTIFACTS if (self.run.path / n).exists()]
         aside = self.run.path / f".memaudit-replaced-{os.getpid()}-{time.time_ns()}"
         aside.mkdir()
@@ -316,13 +320,14 @@ class RunSession:
         tmp = self.checkpoint_tmp(step)
         if self.is_writer:
             remove(tmp)
-            tmp.mkdir(parents=True)
+            tmp.mkdir(parents=True, mode=0o700)
         return tmp
 
     def commit_checkpoint(self, step: int) -> None:
         """Writer: seal the checkpoint of `step` (its commit marker last) and swap it in."""
         if self.is_writer:
             tmp = self.checkpoint_tmp(step)
+            private_tree(tmp)  # optimizer moments and RNG state of a private run: 0600 / 0700
             seal(tmp, step=step)
             swap_in(tmp, self.run.state_dir)
 
@@ -351,11 +356,11 @@ class RunSession:
         """The Hugging Face checkpoint + tokenizer, atomically into RUN_DIR/model/."""
         if not self.is_writer:
             return
-        from memaudit.io import atomic_dir
+        from memaudit.io import atomic_dir, writing
         from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
 
         set_special_tokens(model, tokenizer)
-        with atomic_dir(self.run.model_dir) as tmp:
+        with atomic_dir(self.run.model_dir) as tmp, writing(self.run.model_dir):
             save_pretrained_quietly(model, tmp)
             if tokenizer_dir is not None and tokenizer_dir.is_dir():
                 for f in tokenizer_dir.iterdir():

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from memaudit import __version__
 from memaudit.errors import MemauditError, RunDirError
@@ -75,6 +75,8 @@ def _normalise_lock(lock: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+    what: ClassVar[str] = "run"  # in messages
+    lock_name: ClassVar[str] = LOCK
 
     def __init__(self, path: str | os.PathLike) -> None:
         object.__setattr__(self, "path", Path(path))
@@ -86,7 +88,7 @@ class RunDir:
 
     @property
     def lock_path(self) -> Path:
-        return self.path / LOCK
+        return self.path / self.lock_name
 
     @property
     def model_dir(self) -> Path:
@@ -181,10 +183,11 @@ class RunDir:
     def lock_holder(self) -> str:
         """Who holds run.lock, for messages."""
         lock = self.read_lock()
+        name = self.lock_name
         if lock:
-            return f"process {lock['pid']} on {lock['host']}, run.lock"
-        return ("run.lock is unreadable and recent; if no memaudit process works on this run, "
-                "delete run.lock")
+            return f"process {lock['pid']} on {lock['host']}, {name}"
+        return (f"{name} is unreadable and recent; if no memaudit process works on this "
+                f"{self.what}, delete {name}")
 
     def read_lock_file(self, path: Path) -> dict[str, Any] | None:
         try:
@@ -241,7 +244,7 @@ class RunLock:
 
     def _break_stale(self, seen: dict[str, Any] | None) -> None:
         path = self.run.lock_path
-        aside = path.with_name(f".{LOCK}.stale-{self.token}")
+        aside = path.with_name(f".{path.name}.stale-{self.token}")
         try:
             os.rename(path, aside)
         except FileNotFoundError:
@@ -261,12 +264,12 @@ class RunLock:
                 break
             seen = self.run.read_lock()
             if self.run.lock_alive():
-                raise RunDirError(f"run '{self.run.path}' is in use ({self.run.lock_holder()}); wait "
-                                  "for it to finish or stop it first")
+                raise RunDirError(f"{self.run.what} '{self.run.path}' is in use ({self.run.lock_holder()}); "
+                                  "wait for it to finish or stop it first")
             self._break_stale(seen)
         else:
             raise RunDirError(f"could not take '{self.run.lock_path}': other processes keep "
-                              "taking it; make sure only one memaudit works on this run")
+                              f"taking it; make sure only one memaudit works on this {self.run.what}")
         self._thread = threading.Thread(target=self._beat, name="memaudit-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -283,8 +286,8 @@ class RunLock:
     def check(self) -> None:
         """Raise if another process took this lock (after judging ours stale)."""
         if self.lost.is_set():
-            raise RunDirError(f"run '{self.run.path}' was taken over by another process "
-                              "(run.lock changed); stop the other process, then --resume")
+            raise RunDirError(f"{self.run.what} '{self.run.path}' was taken over by another process "
+                              f"({self.run.lock_name} changed); stop the other process, then --resume")
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -297,6 +300,15 @@ class RunLock:
         if self._made_dir:  # a refused or failed start leaves no empty folder behind
             with contextlib.suppress(OSError):
                 self.run.path.rmdir()
+
+
+class SweepDir(RunDir):
+    """A sweep's --out folder, for its lock only: `sweep.lock` (the run lock's protocol: O_EXCL
+    create, pid, host, heartbeat; a dead holder's lock is taken over), held by the process that
+    drives the sweep, so that two sweeps never write one folder."""
+
+    what: ClassVar[str] = "sweep"
+    lock_name: ClassVar[str] = "sweep.lock"
 
 
 def new_manifest(
@@ -331,6 +343,23 @@ def check_output_folder(path: Path, *, what: str) -> None:
             return
 
 
+def written_by_memaudit(manifest: dict[str, Any]) -> bool:
+    """Whether run.json is a manifest memaudit wrote (`new_manifest`): its version, backend and
+    config are there with their types, not only a `status` field."""
+    return (isinstance(manifest.get("memaudit_version"), str)
+            and manifest.get("backend") in ("parallel", "federated")
+            and isinstance(manifest.get("config"), dict))
+
+
+def require_memaudit_manifest(rd: RunDir) -> None:
+    """Refuse to replace a folder whose run.json memaudit did not write (one line, nothing
+    touched): `--overwrite` deletes only what memaudit made."""
+    if not written_by_memaudit(rd.read_manifest()):
+        raise RunDirError(f"'{rd.manifest_path}' was not written by memaudit (no memaudit_version, "
+                          "backend and config), so --overwrite does not replace this folder; "
+                          "choose another --out")
+
+
 def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
     """Check that `path` may receive a new run. Nothing on disk is touched, whatever the answer.
 
@@ -344,6 +373,8 @@ def prepare_new_run(path: str | os.PathLike, *, overwrite: bool) -> RunDir:
             raise RunDirError(f"run '{rd.path}' is being written by a live process ({rd.lock_holder()}); "
                               "choose another --out")
         st = rd.status()
+        if overwrite:
+            require_memaudit_manifest(rd)
         if not overwrite:
             hint = "use --resume to continue it" if st == "interrupted" else "pass --overwrite to replace it"
             raise RunDirError(f"output '{rd.path}' already holds a {st} run; {hint}")

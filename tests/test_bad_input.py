@@ -95,6 +95,13 @@ PICKLE = (b"\x80\x04\x95\x1e\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06sy
           b"\x8c\x04true\x94\x85\x94R\x94.")
 
 
+def _foreign_run(out: Path) -> None:
+    """Another tool's output folder whose run.json happens to hold a `status` field."""
+    _write(out / "run.json", json.dumps({"status": "complete", "job": "nightly-etl"}))
+    _write(out / "data" / "users.csv", "id,name\n1,ada\n")
+    _write(out / "model" / "weights.bin", b"\x00" * 64)
+
+
 CASES = [
     # ---- train: the config
     Case("config-missing", lambda d, c: ["train", str(d / "nope.yaml")], "nope.yaml"),
@@ -241,6 +248,13 @@ CASES = [
     Case("sweep-bad-probe", lambda d, c: ["sweep", _sweep(d, "probe: {batch_size: 0}\n"), "--out",
                                           str(d / "sw")], "batch_size"),
     Case("sweep-jobs-zero", lambda d, c: ["sweep", _sweep(d), "--out", str(d / "sw"), "--jobs", "0"], "jobs"),
+    # a newline in an executor string would become a line of the sbatch script
+    Case("sweep-executor-newline", lambda d, c: ["sweep", _sweep(d, 'executor: {kind: slurm, partition: "gpu\\n'
+                                                                  '#SBATCH --wrap=id"}\n'), "--out", str(d / "sw")],
+         "executor.partition"),
+    Case("sweep-executor-option-newline", lambda d, c: ["sweep", _sweep(d, 'executor: {kind: slurm, slurm_additional: '
+                                                                         '{comment: "a\\rb"}}\n'), "--out", str(d / "sw")],
+         "executor.slurm_additional"),
     # ---- epsilon
     Case("epsilon-huge-steps", lambda d, c: ["epsilon", "-q", "0.01", "-s", "1", "-T", "1e12", "--delta", "1e-5"], "-T"),
     Case("epsilon-sigma-inf", lambda d, c: ["epsilon", "-q", "0.01", "-s", "inf", "-T", "10", "--delta", "1e-5"], "noise"),
@@ -254,6 +268,9 @@ CASES = [
          "--users"),
     Case("prepare-out-file", lambda d, c: ["data", "prepare", TINY, "--out", str(d / "f")], "f",
          setup=lambda d, c: _write(d / "f", "x")),
+    # ---- train --overwrite: only a folder whose run.json memaudit wrote is replaced
+    Case("overwrite-foreign-run-json", lambda d, c: [*_train(d), "--overwrite"], "run.json",
+         setup=lambda d, c: _foreign_run(d / "out")),
     # ---- parallel plan
     Case("plan-mem-nan", lambda d, c: ["parallel", "plan", "--gpus", "8", "--mem-gib", "nan"], "mem"),
     Case("plan-mem-negative", lambda d, c: ["parallel", "plan", "--gpus", "8", "--mem-gib", "-5"], "mem"),

@@ -119,9 +119,15 @@ def test_report_compares_backends_and_follows_ledgers(swept):
 
 
 def test_payloads_extracted_and_shown_as_text_in_browser(swept):
+    """The sweep's report names the extracted member documents (id, length) without their text;
+    `memaudit report --show-secrets` shows the text, escaped."""
     out, *_ = swept
     assert chromium_path(), "Chromium is missing: scripts/install_browser.sh installs it"
-    html_path = out / "report" / "report.html"
+    plain = (out / "report" / "report.html").read_text()
+    assert "their text is shown only with --show-secrets" in plain
+    assert not any(p in plain for p in XSS) and 'class="sample"' not in plain
+    assert main(["report", str(out / "runs"), "--out", str(out / "report-secrets"), "--show-secrets"]) == 0
+    html_path = out / "report-secrets" / "report.html"
     html = html_path.read_text()
     for bad in XSS:
         assert bad not in html

@@ -41,6 +41,10 @@ def register(app: typer.Typer) -> None:
             "local (the same jobs through submitit's local executor) or debug (in this process).")] = None,
         set_: Annotated[list[str] | None, typer.Option("--set", help="Override a sweep key, e.g. base.train.steps=50.")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table | json")] = "table",
+        overwrite: Annotated[bool, typer.Option(
+            "--overwrite", help="Retrain complete points whose config changed (after an edit of the "
+            "sweep file, or another sweep file on this --out); without it such a sweep stops and "
+            "names them.")] = False,
     ) -> None:
         from memaudit.commands._common import console, print_json
         from memaudit.sweep.config import load_sweep_config
@@ -89,7 +93,7 @@ def register(app: typer.Typer) -> None:
                                description=str(info.get("stage", info.get("phase", "train"))),
                                info=str(info.get("point", "")))
 
-            summary = run_sweep(cfg, out, progress=on_progress)
+            summary = run_sweep(cfg, out, progress=on_progress, overwrite=overwrite)
         if fmt == "json":
             print_json(summary)
             if summary["status"] != "complete":

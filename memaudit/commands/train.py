@@ -115,7 +115,8 @@ def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> di
             console.print(f"warning: {info['warning']}")
         phase = info.get("phase")
         desc = "data" if phase == "data" else "train"
-        bar.update(task, completed=done, total=total, description=desc, info=_info_text(info), visible=True)
+        bar.update(task, completed=done, total=total, description=desc,
+                   info=_info_text(info, private=cfg.privacy.enabled), visible=True)
 
     try:
         with bar:
@@ -127,9 +128,13 @@ def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> di
         raise
 
 
-def _info_text(info: dict[str, Any]) -> str:
+def _info_text(info: dict[str, Any], *, private: bool = False) -> str:
+    """The progress line's text: loss, holdout loss and lr; under DP (`private`) only ε so far
+    (the bar shows the step and the time): the training loss is a statistic of the private
+    data that DP does not privatise, so it goes to sensitive_metrics.jsonl only."""
+    keys = (("epsilon", "epsilon"),) if private else (("loss", "loss"), ("holdout_loss", "holdout"), ("lr", "lr"))
     parts = []
-    for key, label in (("loss", "loss"), ("holdout_loss", "holdout"), ("lr", "lr")):
+    for key, label in keys:
         v = info.get(key)
         if isinstance(v, float) and math.isfinite(v):
             parts.append(f"{label} {v:.3g}")

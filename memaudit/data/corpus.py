@@ -86,7 +86,8 @@ def _quiet(datasets) -> Iterator[None]:
     hub = logging.getLogger("huggingface_hub")
     hub_level = hub.level
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # above CRITICAL: its error lines quote the failing row (a corpus value) before memaudit's line
+    datasets.logging.set_verbosity(logging.CRITICAL + 1)
     hub.setLevel(logging.ERROR)
     try:
         yield
@@ -180,7 +181,12 @@ def records_to_documents(
         if doc_id in seen:
             doc_id = f"{doc_id}#{i}"
         seen.add(doc_id)
-        docs.append(Document(id=doc_id, user=user, text=text, pii=_pii(r.get("pii"), text)))
+        try:
+            pii = _pii(r.get("pii"), text)
+        except (TypeError, ValueError):  # the value itself is never shown: it may be private
+            raise DataError(f"corpus '{source}' row {i + 1}, field 'pii': a span's 'start' is not an "
+                            "integer (its value is not shown); fix that row") from None
+        docs.append(Document(id=doc_id, user=user, text=text, pii=pii))
     if not docs:
         raise DataError(f"corpus '{source}' has no non-empty '{text_field}' values; fill them in")
     return count_repeats(docs)

@@ -25,7 +25,7 @@ from memaudit.data.documents import Document, count_repeats, dumps_jsonl, loads_
 from memaudit.data.packing import PackedSequences, pack
 from memaudit.data.splits import Split, assign_roles, make_split
 from memaudit.errors import DataError, RunDirError
-from memaudit.io import atomic_dir, atomic_write_bytes, read_json
+from memaudit.io import atomic_dir, atomic_write_bytes, private_tree, read_json
 from memaudit.rundir import RunDir
 
 Progress = Callable[[int, int, dict], None]
@@ -325,6 +325,7 @@ def prepare_data(
         for name, data in tok_files.items():
             (tmp / "tokenizer" / name).write_bytes(data)
         (tmp / "meta.json").write_bytes(_json_bytes(meta))
+        private_tree(tmp)  # the corpus as trained: its owner's only, wherever it is prepared
     if progress is not None:
         progress(_STAGES, _STAGES, {"stage": "written"})
     return PreparedData(run.path, docs, split, canaries, packed["train"], packed["holdout"],

@@ -14,12 +14,14 @@ import numpy as np
 
 from memaudit import __version__
 from memaudit.config import ProbeConfig
+from memaudit.errors import RunDirError
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes.context import fit_to_context, model_context
 from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.shift import blind_check
 from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
+from memaudit.probes.weights import weights_sha256
 
 Progress = Callable[[int, int, dict], None] | None
 
@@ -80,6 +82,9 @@ def run_probes(
     """Load the model (unless given), run each selected probe, return probes.json + secrets."""
     from memaudit.probes.scoring import load_causal_lm
 
+    # the weights measured, fingerprinted before they are loaded: a probes.json whose run was
+    # trained again meanwhile then names other weights than the model's and is not used
+    weights = weights_sha256(target.model_path) if model is None else None
     if model is None and target.source is not None:
         model = load_model(target.source, device=settings.device, dtype=settings.dtype)
     elif model is None:
@@ -104,6 +109,9 @@ def run_probes(
         probes[name] = REGISTRY[name](ctx)
         timings[name] = time.perf_counter() - t0
     secrets.update(ctx.secrets)
+    if weights is not None and weights_sha256(target.model_path) != weights:
+        raise RunDirError(f"the model in '{target.model_path}' changed while it was probed (trained "
+                          "again, e.g. --overwrite); nothing was written, probe it again once it is done")
     doc = {
         "schema": SCHEMA,
         "memaudit_version": __version__,
@@ -115,6 +123,7 @@ def run_probes(
             "reference": settings.reference,
             "source": None if target.source is None else target.source.kind,
             "base": target.base,
+            "weights_sha256": weights,
         },
         "counts": dict(target.counts),
         "checks": checks,

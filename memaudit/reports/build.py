@@ -18,6 +18,7 @@ from memaudit.data.prepare import verify_run_data
 from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
 from memaudit.probes.loaders import ProbesDoc, RunInfo
+from memaudit.probes.weights import weights_mismatch
 from memaudit.reports import findings as findings_mod
 from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
@@ -166,7 +167,12 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
         )
-    probes = ProbesDoc.from_json(read_json(rd.probes_path), str(rd.probes_path))  # one line if malformed
+    raw = read_json(rd.probes_path)
+    if weights_mismatch(raw, rd.model_dir):  # probed, then trained again: other weights measured
+        raise MemauditError(f"'{rd.probes_path}' measured other weights than the model in "
+                            f"'{rd.model_dir}' (the run was trained again after it was probed); run "
+                            f"`memaudit probe {rd.path}` again")
+    probes = ProbesDoc.from_json(raw, str(rd.probes_path))  # one line if malformed
     priv = _ledger_epsilon(rd)
     backend = info.backend
     mech = _mechanism(info)
@@ -231,7 +237,8 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "leakage": summary["leakage"],
         "probes_summary": summary["plots"],
         "probe_rows": summary["rows"],
-        "samples": summary["samples"],
+        "samples": summary["samples"],  # extracted member text: only with show_secrets
+        "extracted_members": summary["extracted_members"],  # their ids and lengths
         "units": units,  # per-unit scores for the tests between runs; dropped from report.json
     }
 

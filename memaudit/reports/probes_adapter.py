@@ -171,7 +171,7 @@ def _exposure(p: ProbeSection, out: dict) -> None:
                             "value": test["p_value"], "ci_low": None, "ci_high": None})
 
 
-def _extraction(p: ProbeSection, out: dict, docs: dict[str, str] | None) -> None:
+def _extraction(p: ProbeSection, out: dict, docs: dict[str, str] | None, show_secrets: bool = False) -> None:
     s = p.summary
     disc = s.get("discoverable") or {}
     ks = sorted(disc, key=int)
@@ -206,7 +206,11 @@ def _extraction(p: ProbeSection, out: dict, docs: dict[str, str] | None) -> None
                 seen.append(r["id"])
             if len(seen) >= MAX_SAMPLES:
                 break
-        out["samples"] = [docs[i][:SAMPLE_CHARS] for i in seen]
+        # a member document is private text (PII included): its id and length only, unless
+        # the report is asked for secrets (`memaudit report --show-secrets`)
+        out["extracted_members"] = [{"id": i, "length": len(docs[i])} for i in seen]
+        if show_secrets:
+            out["samples"] = [docs[i][:SAMPLE_CHARS] for i in seen]
 
 
 def _attack(name: str, label: str, summ: dict, out: dict, key: str) -> None:
@@ -290,8 +294,10 @@ def _member_texts(run_dir: str | Path | None) -> dict[str, str] | None:
 
 def summarize_probes(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path | None = None,
                      show_secrets: bool = False) -> dict[str, Any]:
-    """{'leakage': {metric: cell}, 'plots': {...}, 'rows': [...], 'samples': [text, ...]}."""
-    out: dict[str, Any] = {"leakage": {}, "plots": {}, "rows": [], "samples": []}
+    """{'leakage': {metric: cell}, 'plots': {...}, 'rows': [...], 'samples': [text, ...],
+    'extracted_members': [{id, length}, ...]}: the extracted member documents' text (`samples`)
+    only with `show_secrets`, their ids and lengths always."""
+    out: dict[str, Any] = {"leakage": {}, "plots": {}, "rows": [], "samples": [], "extracted_members": []}
     doc = probes if isinstance(probes, ProbesDoc) else ProbesDoc.from_json(probes)
     handlers = {
         "exposure": _exposure,
@@ -304,7 +310,7 @@ def summarize_probes(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path 
         if (p := doc.get(name)) is not None:
             fn(p, out)
     if (p := doc.get("extraction")) is not None:
-        _extraction(p, out, _member_texts(run_dir))
+        _extraction(p, out, _member_texts(run_dir), show_secrets)
     for name, probe in doc.probes.items():
         if probe.skipped:
             out["rows"].append({"probe": name, "metric": f"skipped: {probe.skipped}", "value": None, "ci_low": None, "ci_high": None})

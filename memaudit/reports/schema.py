@@ -55,7 +55,9 @@ REPORT_SCHEMA: dict[str, Any] = {
                         "type": "array",
                         "items": {"type": "object", "required": ["probe", "metric", "value"]},
                     },
-                    "samples": {"type": "array", "items": {"type": "string"}},
+                    "samples": {"type": "array", "items": {"type": "string"}},  # only with --show-secrets
+                    "extracted_members": {"type": "array", "items": {"type": "object",
+                                                                     "required": ["id", "length"]}},
                     "noise_per_round": {"type": "array"},
                 },
             },

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -190,6 +191,9 @@ class SweepProbeConfig(ProbeConfig):
 
 
 EXECUTORS = ("processes", "slurm", "local", "debug")
+# Control characters (newline, carriage return, NUL, ...): refused in the executor's strings,
+# which submitit writes into the sbatch script as `#SBATCH --key=value` lines.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ExecutorConfig(_Section):
@@ -218,6 +222,33 @@ class ExecutorConfig(_Section):
                              "(e.g. module load, source venv/bin/activate)")
     slurm_additional: dict[str, Any] = Field(default_factory=dict, description="other sbatch "
                                              "options, e.g. {exclusive: true}")
+
+    @field_validator("partition", "account", "qos", "constraint", "folder")
+    @classmethod
+    def _one_line_value(cls, v: str | None) -> str | None:
+        if v is not None and _CONTROL.search(v):
+            raise ValueError("holds a control character (a newline would become a line of the "
+                             "sbatch script); give it on one line, without control characters")
+        return v
+
+    @field_validator("slurm_additional")
+    @classmethod
+    def _one_line_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key, value in v.items():
+            if any(_CONTROL.search(t) for t in _strings((key, value))):
+                raise ValueError(f"option '{_CONTROL.sub('?', str(key))}' holds a control character "
+                                 "(a newline would become a line of the sbatch script); give each "
+                                 "option on one line, without control characters")
+        return v
+
+
+def _strings(v: Any) -> list[str]:
+    """Every string inside `v` (keys and values of nested mappings and lists)."""
+    if isinstance(v, dict):
+        return [t for k, x in v.items() for t in (*_strings(k), *_strings(x))]
+    if isinstance(v, list | tuple):
+        return [t for x in v for t in _strings(x)]
+    return [v] if isinstance(v, str) else []
 
 
 REGIMES = ("multi-epoch", "single-pass")

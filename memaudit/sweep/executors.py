@@ -117,7 +117,7 @@ def _wait_for_action(path: Path, timeout: float = HANDOFF_WAIT_S) -> str:
 
 
 def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, threads: int | None,
-              debug: bool = False, nonce: str = "") -> PointOutcome | None:
+              debug: bool = False, nonce: str = "", overwrite: bool = False) -> PointOutcome | None:
     """One point's job (every task runs it): rank 0 trains, probes and returns the outcome;
     the other ranks train with it and return None."""
     from memaudit.io import atomic_write_json
@@ -129,7 +129,7 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
     if threads is not None:
         work.limit_threads(threads)
     if rdv is None:
-        return work.run_point(cfg, point, RunDir(run_path), lambda *a: None, debug)
+        return work.run_point(cfg, point, RunDir(run_path), lambda *a: None, debug, overwrite=overwrite)
     slurm_env.export(rdv)  # RANK, WORLD_SIZE, ... : launch_training runs this rank in place
     handoff = _handoff_path(folder, rdv.job_id, nonce)
     if rdv.rank == 0:
@@ -137,7 +137,8 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
             atomic_write_json(handoff, {"action": action})
 
         try:
-            return work.run_point(cfg, point, RunDir(run_path), lambda *a: None, debug, on_action=decided)
+            return work.run_point(cfg, point, RunDir(run_path), lambda *a: None, debug, on_action=decided,
+                                  overwrite=overwrite)
         finally:
             if not handoff.is_file():  # failed before deciding: let the other ranks go
                 decided("skipped")
@@ -164,7 +165,8 @@ def _job_error(e: BaseException, job: Any) -> str:
 
 
 def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
-             on_done: Callable[[int, PointOutcome], None], progress: Any, debug: bool) -> None:
+             on_done: Callable[[int, PointOutcome], None], progress: Any, debug: bool, *,
+             overwrite: bool = False) -> None:
     """Each point that `point_action` does not skip as one job; outcomes reported as jobs end,
     in any order."""
 
@@ -187,7 +189,7 @@ def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
         while todo or running:
             while todo and len(running) < limit:
                 i, p, res = todo.pop(0)
-                running[i] = (p, _submit(executor, cfg, p, res, out, folder, debug), time.time())
+                running[i] = (p, _submit(executor, cfg, p, res, out, folder, debug, overwrite), time.time())
             for i in [i for i, (_, job, _) in running.items() if ex.kind == "debug" or job.done()]:
                 p, job, t0 = running.pop(i)
                 try:
@@ -209,7 +211,7 @@ def run_jobs(cfg: SweepConfig, points: list[SweepPoint], out: Path,
 
 
 def _submit(executor: Any, cfg: SweepConfig, p: SweepPoint, res: JobResources, out: Path, folder: Path,
-            debug: bool) -> Any:
+            debug: bool, overwrite: bool = False) -> Any:
     ex = cfg.executor
     if ex.kind == "slurm":
         executor.update_parameters(**slurm_parameters(ex, res, job_name=f"memaudit-{p.name}"))
@@ -222,4 +224,4 @@ def _submit(executor: Any, cfg: SweepConfig, p: SweepPoint, res: JobResources, o
     else:
         threads = None  # in this process: leave its threads alone
     return executor.submit(point_job, cfg, p, str(out / "runs" / p.name), str(folder), threads, debug,
-                           secrets.token_hex(8))
+                           secrets.token_hex(8), overwrite)

@@ -5,8 +5,9 @@ trained under another config than the point's now (`config_as_written` of `point
 or from a starting checkpoint (`model.init_from`) whose weights have changed since
 (`base_model.weights_sha256` in run.json against `models.init.base_model_record`). An
 interrupted or failed run with a checkpoint is resumed. A complete run is probed again unless
-its probes.json is newer than its model and was written under the sweep's probe settings on
-the device its probes run on (`probe_device`); otherwise it is skipped.
+its probes.json is newer than its model, was written under the sweep's probe settings on
+the device its probes run on (`probe_device`) and records the model's weights
+(`memaudit.probes.weights`); otherwise it is skipped.
 
 The `processes` loop (`runner._run_point`) and every submitit job (`executors.point_job`, rank 0
 of a multi-task point) act on it; the scheduler driver (`executors.run_jobs`) asks it before
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from memaudit.config import ProbeConfig, dump_config
 from memaudit.io import dumps, read_json
 from memaudit.models.init import base_model_record
+from memaudit.probes.weights import recorded_weights, weights_sha256
 from memaudit.rundir import RunDir
 from memaudit.sweep.config import point_config
 
@@ -145,8 +147,11 @@ def probe_reason(cfg: SweepConfig, rd: RunDir) -> str | None:
         return "its model is missing"
     if rd.probes_path.stat().st_mtime < model.stat().st_mtime:
         return "probes.json is older than the model"
-    if read_json(rd.probes_path).get("settings") != probe_settings(cfg, rd):
+    doc = read_json(rd.probes_path)
+    if not isinstance(doc, dict) or doc.get("settings") != probe_settings(cfg, rd):
         return "probes.json was written under other probe settings"
+    if recorded_weights(doc) != weights_sha256(rd.model_dir):
+        return "probes.json measured other weights than the model's (or does not say which)"
     return None
 
 

@@ -35,6 +35,7 @@ from memaudit.checks import check_before_disk
 from memaudit.config import config_from_dict, dump_config, set_dotted, with_overrides
 from memaudit.data.overlap import require_disjoint
 from memaudit.data.prepare import private_documents
+from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json
 from memaudit.lifecycle import RunSession
 from memaudit.models.init import initial_model
@@ -120,12 +121,17 @@ def _complete_with(rd: Any, **fields: Any) -> bool:
     return all(m.get(k) == v for k, v in fields.items())
 
 
-def _train(run_cfg: Any, rd: Any, progress: Progress) -> None:
-    """Train (or resume an interrupted) run through the normal lifecycle."""
+def _train(run_cfg: Any, rd: Any, progress: Progress, *, overwrite: bool = False) -> None:
+    """Train (or resume an interrupted) run through the normal lifecycle; a complete base is
+    pretrained again only with `overwrite` (every point fine-tuned from it is then stale)."""
     if rd.is_run() and rd.status() in ("interrupted", "failed") and rd.state_dir.is_dir() \
             and any(rd.state_dir.iterdir()) and rd.read_manifest().get("config") == config_as_written(run_cfg):
         switch.dispatch(run_cfg, rd, resume=True, progress=progress)
         return
+    if not overwrite and rd.is_run() and rd.status() == "complete":
+        raise RunDirError(f"the public base '{rd.path}' is complete and was pretrained under other "
+                          "settings; pass --overwrite to pretrain it again (and retrain the points "
+                          "fine-tuned from it), or choose another --out")
     rd = prepare_new_run(rd.path, overwrite=True)
     switch.dispatch(run_cfg, rd, resume=False, progress=progress, overwrite=True)
 
@@ -136,7 +142,8 @@ def base_dir_name(size: str | None) -> str:
 
 
 def ensure_public_base(cfg: Any, out_dir: str | Path, progress: Progress = None, *,
-                       size: str | None = None, tokenizer: str | None = None) -> Path:
+                       size: str | None = None, tokenizer: str | None = None,
+                       overwrite: bool = False) -> Path:
     """The public base model of sweep `cfg` under `out_dir/base/` (`base-<size>/` for one size
     of a model-size axis), trained once.
 
@@ -155,7 +162,7 @@ def ensure_public_base(cfg: Any, out_dir: str | Path, progress: Progress = None,
     overlap = check_public_corpus(cfg, base_cfg)
     _mark_sweep(out)
     _train(base_cfg, rd, None if progress is None else
-           (lambda d, t, info: progress(d, t, {"stage": "pretrain", **info})))
+           (lambda d, t, info: progress(d, t, {"stage": "pretrain", **info})), overwrite=overwrite)
     rd.update_manifest(role=ROLE_PRETRAIN, pretrain_key=key, public_private_overlap=overlap)
     return rd.model_dir
 
@@ -218,22 +225,59 @@ def _write_reference(run_cfg: Any, rd: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- the runner's call
-def pretrain_stage(cfg: Any, out_dir: str | Path, points: list[Any],
-                   progress: Progress = None) -> tuple[list[Any], list[Path]]:
-    """What `run_sweep` calls when the sweep has a `pretrain:` section: the base (trained or
-    reused), each point with `model.init_from` set to it, and the reference run to report.
+def base_models(out_dir: str | Path, points: list[Any]) -> dict[str | None, Path]:
+    """Each model size's base model directory (resolved: points may run elsewhere)."""
+    sizes = list(dict.fromkeys(p.model for p in points))
+    return {size: (Path(out_dir) / base_dir_name(size) / "model").resolve() for size in sizes}
+
+
+def with_bases(out_dir: str | Path, points: list[Any]) -> list[Any]:
+    """The points with `model.init_from` set to their size's base."""
+    bases = base_models(out_dir, points)
+    return [replace(p, overrides={**p.overrides, "model.init_from": str(bases[p.model])}) for p in points]
+
+
+def stale_bases(cfg: Any, out_dir: str | Path, points: list[Any]) -> list[str]:
+    """The complete bases under `out_dir` that `ensure_public_base` would pretrain again (their
+    `pretrain_key` is not the sweep's now): what a sweep without --overwrite refuses."""
+    bases, stale = base_models(out_dir, points), []
+    sizes = list(bases)
+    for size in sizes:
+        rd = RunDir(Path(out_dir) / base_dir_name(size))
+        if not rd.is_run() or rd.status() != "complete":
+            continue
+        shared = str(bases[sizes[0]]) if size != sizes[0] else None
+        if rd.read_manifest().get("pretrain_key") != pretrain_key(
+                public_base_config(cfg, size=size, tokenizer=shared)):
+            stale.append(base_dir_name(size))
+    return stale
+
+
+def pretrain_bases(cfg: Any, out_dir: str | Path, points: list[Any], progress: Progress = None, *,
+                   overwrite: bool = False) -> list[Any]:
+    """Every size's base (trained or reused), and the points with `model.init_from` set to it.
 
     With a model-size axis each size gets its own base, pretrained on the same public corpus;
     the first size's trained tokenizer is given to the others, so every size (and so every
     fine-tune, which adopts its base's tokenizer) reads the same tokens."""
-    sizes = list(dict.fromkeys(p.model for p in points))
-    bases: dict[str | None, Path] = {}
+    bases = base_models(out_dir, points)
+    sizes = list(bases)
     for size in sizes:
-        shared = str(bases[sizes[0]]) if bases else None
-        bases[size] = ensure_public_base(cfg, out_dir, progress, size=size,
-                                         tokenizer=shared).resolve()  # points may run elsewhere
-    points = [replace(p, overrides={**p.overrides, "model.init_from": str(bases[p.model])})
-              for p in points]
-    refs = [ensure_base_reference(cfg, out_dir, bases[size], [p for p in points if p.model == size],
-                                  progress, size=size) for size in sizes]
-    return points, refs
+        shared = str(bases[sizes[0]]) if size != sizes[0] else None
+        ensure_public_base(cfg, out_dir, progress, size=size, tokenizer=shared, overwrite=overwrite)
+    return with_bases(out_dir, points)
+
+
+def base_references(cfg: Any, out_dir: str | Path, points: list[Any], progress: Progress = None) -> list[Path]:
+    """Each size's zero-fine-tuning reference run (`points`: with their bases)."""
+    bases = base_models(out_dir, points)
+    return [ensure_base_reference(cfg, out_dir, bases[size], [p for p in points if p.model == size],
+                                  progress, size=size) for size in bases]
+
+
+def pretrain_stage(cfg: Any, out_dir: str | Path, points: list[Any], progress: Progress = None, *,
+                   overwrite: bool = False) -> tuple[list[Any], list[Path]]:
+    """The base (trained or reused), each point with `model.init_from` set to it, and the
+    reference run to report (`pretrain_bases`, then `base_references`)."""
+    points = pretrain_bases(cfg, out_dir, points, progress, overwrite=overwrite)
+    return points, base_references(cfg, out_dir, points, progress)

@@ -21,23 +21,25 @@ from typing import Any
 
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json
-from memaudit.rundir import RunDir, check_output_folder
+from memaudit.rundir import RunDir, SweepDir, check_output_folder
 from memaudit.sweep.config import SweepConfig, SweepPoint, plan_points
 from memaudit.sweep.executors import check_executor, run_jobs
 from memaudit.sweep.match import match_inputs, plan_matches
-from memaudit.sweep.pretrain import pretrain_stage
+from memaudit.sweep.pretrain import base_references, pretrain_bases, stale_bases
 from memaudit.sweep.regime import resolve_regime
+from memaudit.sweep.replace import refuse_replacing, replaced_points, replaced_references
 from memaudit.sweep.work import PointOutcome, Progress, limit_threads, one_line, run_point
 
 
 def _point_in_worker(cfg: SweepConfig, p: SweepPoint, run_path: str, threads: int, queue: Any,
-                     debug: bool) -> PointOutcome:
+                     debug: bool, overwrite: bool = False) -> PointOutcome:
     limit_threads(threads)
-    return run_point(cfg, p, RunDir(run_path), lambda d, t, info: queue.put((p.name, d, t, info)), debug)
+    return run_point(cfg, p, RunDir(run_path), lambda d, t, info: queue.put((p.name, d, t, info)), debug,
+                     overwrite=overwrite)
 
 
 def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: Callable[[int, PointOutcome], None],
-                progress: Progress, debug: bool) -> None:
+                progress: Progress, debug: bool, overwrite: bool = False) -> None:
     """Points in `cfg.jobs` spawned processes, each with an equal share of the CPU threads."""
     import multiprocessing as mp
     import queue as queue_mod
@@ -49,8 +51,8 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
     index = {p.name: i for i, p in enumerate(points)}
     with ctx.Manager() as manager, ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         q = manager.Queue()
-        pending = {pool.submit(_point_in_worker, cfg, p, str(out / "runs" / p.name), threads, q, debug): p
-                   for p in points}
+        pending = {pool.submit(_point_in_worker, cfg, p, str(out / "runs" / p.name), threads, q, debug,
+                               overwrite): p for p in points}
         finished = 0
 
         def drain() -> None:
@@ -80,20 +82,21 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
 
 
 def _run_points(cfg: SweepConfig, points: list[SweepPoint], out: Path,
-                on_done: Callable[[int, PointOutcome], None], progress: Progress, debug: bool) -> None:
-    """Train and probe `points` on the sweep's executor; `on_done(i, outcome)` hears each end."""
+                on_done: Callable[[int, PointOutcome], None], progress: Progress, debug: bool,
+                overwrite: bool = False) -> None:
+    """Train and probe `points` on the sweep's executor; `on_done(i, outcome)` hears each end.
+    A complete point is trained anew only with `overwrite`."""
     if cfg.executor.kind != "processes":
-
-        run_jobs(cfg, points, out, on_done, progress, debug)
+        run_jobs(cfg, points, out, on_done, progress, debug, overwrite=overwrite)
     elif cfg.jobs > 1 and len(points) > 1:
-        _concurrent(cfg, points, out, on_done, progress, debug)
+        _concurrent(cfg, points, out, on_done, progress, debug, overwrite)
     else:
         for i, p in enumerate(points):
             def sub(done: int, tot: int, info: dict, _p: SweepPoint = p, _i: int = i) -> None:
                 if progress is not None:
                     progress(_i, len(points), {"point": _p.name, "done": done, "total": tot, **info})
 
-            on_done(i, run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug))
+            on_done(i, run_point(cfg, p, RunDir(out / "runs" / p.name), sub, debug, overwrite=overwrite))
 
 
 def split_first(points: list[SweepPoint], needed: set[str], jobs: int
@@ -116,37 +119,58 @@ def check_sweep_dir(out: Path) -> None:
     """One line, before anything is written, for an --out that cannot hold a sweep."""
 
     check_output_folder(out, what="sweep --out")
-    if out.is_dir() and any(out.iterdir()) and not (out / "sweep.json").is_file():
+    held = (SweepDir.lock_name,)  # this sweep's own lock, taken first
+    if out.is_dir() and any(p.name not in held for p in out.iterdir()) and not (out / "sweep.json").is_file():
         raise RunDirError(f"sweep --out '{out}' is a non-empty directory that is not a memaudit "
                           "sweep; choose an empty or new directory")
 
 
 def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = None,
-              debug: bool = False) -> dict[str, Any]:
+              debug: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train and probe every point of the grid under `out/runs/`, then write `out/report/`.
 
     With `cfg.jobs` > 1 the points run in that many processes at once (small models do not
     use a machine's cores well one at a time); each point's work is the same either way.
+    The sweep holds `out/sweep.lock` throughout (a second sweep on `out` is refused), and
+    trains a complete point anew only with `overwrite` (`memaudit.sweep.replace`).
     """
-    from memaudit.reports.build import build_report
-    from memaudit.reports.write import write_report
-
     out = Path(out)
-    check_sweep_dir(out)
+    check_output_folder(out, what="sweep --out")
+    with SweepDir(out).locked():
+        return _run_sweep_locked(cfg, out, progress=progress, debug=debug, overwrite=overwrite)
 
-    check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
-    points = plan_points(cfg)
+
+def _prepare_points(cfg: SweepConfig, out: Path, progress: Progress, overwrite: bool
+                    ) -> tuple[list[SweepPoint], list[Path]]:
+    """The grid's points (fine-tuning their public bases, with the regime's schedule) and the
+    reference runs to report; without `overwrite` it stops, before anything is replaced, where
+    a complete run would be trained anew (`memaudit.sweep.replace`)."""
+    points = base_points = plan_points(cfg)
     # ---- public pretraining (memaudit.sweep.pretrain): one base model, trained once (or reused),
     # that every point fine-tunes (model.init_from), and its zero-fine-tuning reference run
-    references: list[Path] = []
     if cfg.pretrain is not None:
-
-        points, references = pretrain_stage(cfg, out, points, progress=progress)
-    # ---- end of public pretraining
+        refuse_replacing(out, stale_bases(cfg, out, points), overwrite=overwrite)
+        points = base_points = pretrain_bases(cfg, out, points, progress, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "sweep.json").is_file():
         atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "planning"})
     points = resolve_regime(cfg, points, out)
+    found = replaced_points(cfg, points, out)
+    if cfg.pretrain is not None:
+        found += replaced_references(cfg, base_points, out)
+    refuse_replacing(out, found, overwrite=overwrite)
+    references = base_references(cfg, out, base_points, progress) if cfg.pretrain is not None else []
+    return points, references
+
+
+def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug: bool,
+                      overwrite: bool) -> dict[str, Any]:
+    from memaudit.reports.build import build_report
+    from memaudit.reports.write import write_report
+
+    check_sweep_dir(out)
+    check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
+    points, references = _prepare_points(cfg, out, progress, overwrite)
     plan = {"regime": cfg.regime, "executor": cfg.executor.kind,
             "points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
@@ -167,7 +191,8 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
         def batch_progress(done: int, total: int, info: dict) -> None:  # counted over the sweep
             progress(offset + done, len(slots), info)
 
-        _run_points(cfg, batch, out, on_done, batch_progress if progress is not None else None, debug)
+        _run_points(cfg, batch, out, on_done, batch_progress if progress is not None else None, debug,
+                    overwrite)
 
     if not cfg.match_utility.enabled:
         run_batch(points)

@@ -13,11 +13,13 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memaudit import dispatch as switch  # the backend switch; its backends load when chosen
+from memaudit import dispatch as switch
+from memaudit.errors import without_values  # the backend switch; its backends load when chosen
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_config
 from memaudit.sweep.point import PointAction, Verb, point_action
 from memaudit.sweep.probing import probe_run
+from memaudit.sweep.replace import refuse_replacing_point
 
 Progress = Callable[[int, int, dict], None] | None
 
@@ -34,16 +36,19 @@ class PointOutcome:
 
 
 def one_line(e: BaseException) -> str:
+    """A failed point's error as its outcome (and the sweep's terminal line) shows it: never a
+    data value quoted by Python's conversion errors."""
     lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return f"{type(e).__name__}: {without_values(lines[0]) if lines else ''}"
 
 
 def train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,
-                 on_action: Callable[[str], None] | None = None) -> str:
+                 on_action: Callable[[str], None] | None = None, *, overwrite: bool = False) -> str:
     """Train, resume or leave one point as `action` says; returns the outcome's action word.
     `on_action` hears it before any training starts (the other ranks of a scheduler job wait
-    for it)."""
+    for it). A complete point is trained anew only with `overwrite` (`sweep --overwrite`)."""
     if action.verb is Verb.TRAIN:
+        refuse_replacing_point(rd, action.reason, overwrite=overwrite)
         rd = prepare_new_run(rd.path, overwrite=True)
     if on_action is not None:
         on_action(action.action)
@@ -54,13 +59,14 @@ def train_point(cfg, rd: RunDir, action: PointAction, progress: Progress,
 
 
 def run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, int, dict], None],
-               debug: bool, on_action: Callable[[str], None] | None = None) -> PointOutcome:
+               debug: bool, on_action: Callable[[str], None] | None = None, *,
+               overwrite: bool = False) -> PointOutcome:
     """Train and probe one point; a failure is recorded in the outcome, not raised."""
     t0 = time.time()
     outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
     try:
         action = point_action(cfg, p, rd.path)
-        outcome.action = train_point(point_config(cfg, p), rd, action, sub, on_action)
+        outcome.action = train_point(point_config(cfg, p), rd, action, sub, on_action, overwrite=overwrite)
         if action.probes:
             probe_run(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
             outcome.probed = True

@@ -150,7 +150,7 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     from memaudit.sweep.runner import PointOutcome, run_sweep
     from tests.reports._fixtures import write_run_dir
 
-    def fake_point(cfg, p, rd, sub, debug, on_action=None):
+    def fake_point(cfg, p, rd, sub, debug, on_action=None, overwrite=False):
         if rd.is_run() and rd.status() == "complete":  # what point_action does with a complete, current run
             return PointOutcome(p.name, p.backend, "complete", "skipped", False, 0.0)
         scale = 1000.0 if p.backend == "parallel" else 2000.0
@@ -183,6 +183,8 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     assert placed["privacy"]["noise_multiplier"] == pytest.approx(rec["noise_multiplier"])
     # the same command again: the grid's utilities are unchanged, so it plans the same point and
     # finds it complete
-    again = run_sweep(cfg, tmp_path / "sw")
+    # (the constructed runs record no real config, so the one rule finds them stale: --overwrite
+    # lets the stand-in points decide, and they find their runs complete)
+    again = run_sweep(cfg, tmp_path / "sw", overwrite=True)
     assert again["plan"]["matches"] == summary["plan"]["matches"]
     assert [o["action"] for o in again["outcomes"]] == ["skipped"] * 9

@@ -60,7 +60,7 @@ def _write_point(cfg, p, run: Path, case: str) -> None:
     sha = base_model_record(run_cfg.model.init_from)["weights_sha256"]
     status = "interrupted" if case == "interrupted" else "complete"
     atomic_write_json(run / "run.json", {
-        "status": status, "backend": p.backend, "config": config_as_written(written),
+        "memaudit_version": "0", "status": status, "backend": p.backend, "config": config_as_written(written),
         "base_model": {"path": run_cfg.model.init_from, "weights_sha256": "0" * 64 if case == "stale-base" else sha}})
     atomic_write_json(run / "model" / "config.json", {})
     if case == "interrupted":
@@ -138,7 +138,8 @@ def test_every_executor_holds_a_complete_point_to_the_same_rule(tmp_path, record
     out = tmp_path / "out"
     _write_point(cfg, p, out / "runs" / p.name, case)
     outcomes = []
-    runner._run_points(cfg, [p], out, lambda i, o: outcomes.append(o), None, False)
+    # --overwrite: a stale complete point is trained again (without it, see the next test)
+    runner._run_points(cfg, [p], out, lambda i, o: outcomes.append(o), None, False, True)
     (o,) = outcomes
     action, probed, trainings, probings = CASES[case]
     assert (o.status, o.error, o.action, o.probed) == ("complete", None, action, probed)
@@ -147,6 +148,27 @@ def test_every_executor_holds_a_complete_point_to_the_same_rule(tmp_path, record
     if probings:  # probed under the sweep's settings now
         assert RunDir(out / "runs" / p.name).read_manifest()["status"] == "complete"
         assert recorded["probe"][0].n_boot == 100
+
+
+@pytest.mark.parametrize("case", ["stale-config", "stale-base"])
+@pytest.mark.parametrize("kind", EXECUTOR_KINDS)
+def test_no_executor_retrains_a_complete_point_without_overwrite(tmp_path, recorded, kind, case):
+    """A complete point the rule finds stale is refused by every executor unless the sweep was
+    given --overwrite: its outcome fails with the one line, nothing is trained or probed and its
+    run directory is unchanged (executors used to delete and retrain it)."""
+    from tests.test_bad_input import snapshot
+
+    cfg = _sweep(tmp_path, kind)
+    (p,) = plan_points(cfg)
+    out = tmp_path / "out"
+    _write_point(cfg, p, out / "runs" / p.name, case)
+    before = snapshot(out / "runs")
+    outcomes = []
+    runner._run_points(cfg, [p], out, lambda i, o: outcomes.append(o), None, False)
+    (o,) = outcomes
+    assert o.status == "failed" and "--overwrite" in o.error and "\n" not in o.error
+    assert (recorded["train"], recorded["probe"]) == ([], [])
+    assert snapshot(out / "runs") == before
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -206,13 +228,14 @@ def test_submitits_local_executor_gives_a_stale_complete_point_a_job(tmp_path, m
     (p,) = plan_points(cfg)
     gone.unlink()
     run = tmp_path / "out" / "runs" / p.name
-    atomic_write_json(run / "run.json", {"status": "complete", "backend": "parallel", "config": {}})
+    atomic_write_json(run / "run.json", {"memaudit_version": "0", "status": "complete", "backend": "parallel",
+                                         "config": {}})
     atomic_write_json(run / "model" / "config.json", {})
     from memaudit.sweep.point import probe_settings
 
     atomic_write_json(run / "probes.json", {"settings": probe_settings(cfg)})
     outcomes = []
-    runner._run_points(cfg, [p], tmp_path / "out", lambda i, o: outcomes.append(o), None, False)
+    runner._run_points(cfg, [p], tmp_path / "out", lambda i, o: outcomes.append(o), None, False, True)
     (o,) = outcomes
     assert (o.status, o.action) == ("failed", "trained") and "gone.jsonl" in o.error
 

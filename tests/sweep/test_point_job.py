@@ -37,7 +37,7 @@ def test_rank0_decides_and_rank1_follows(tmp_path, job_env, monkeypatch):
     cfg, p = _point()
     calls = []
 
-    def fake_run_point(cfg, p, rd, sub, debug, on_action=None):
+    def fake_run_point(cfg, p, rd, sub, debug, on_action=None, overwrite=False):
         on_action("resumed")
         calls.append(("rank0", os.environ["RANK"], os.environ["MASTER_ADDR"]))
         return work.PointOutcome(p.name, p.backend, "complete", "resumed", True, 1.0)

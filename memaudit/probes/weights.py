@@ -1,0 +1,43 @@
+"""Which weights a probes.json measured: `target.weights_sha256`, the sha256 of the probed
+model's safetensors files (name and content, in name order: `models.init.base_model_record`,
+the same fingerprint run.json records for a starting checkpoint), taken before the model is
+loaded.
+
+A probes.json whose fingerprint is not the model's on disk measured other weights: a probe that
+ran while its run was trained again (`--overwrite`) writes the old model's numbers into the new
+run, newer than its model. Sweeps probe such a run again (`sweep.point.probe_reason`) and
+reports refuse it (`reports.build`). A probes.json written before the fingerprint existed
+carries none: sweeps probe it again, reports read it as before. A model folder without
+safetensors files (a `.bin` checkpoint; memaudit always writes safetensors) has no fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from memaudit.models.init import base_model_record
+
+
+def weights_sha256(model_dir: str | os.PathLike | None) -> str | None:
+    """The fingerprint of the weights in `model_dir`, or None where there are no safetensors."""
+    if model_dir is None:
+        return None
+    d = Path(model_dir)
+    if not d.is_dir() or not any(d.glob("*.safetensors")):
+        return None
+    return base_model_record(str(d))["weights_sha256"]
+
+
+def recorded_weights(doc: Any) -> str | None:
+    """The fingerprint a probes.json document recorded (None: written before it existed)."""
+    target = doc.get("target") if isinstance(doc, dict) else None
+    value = target.get("weights_sha256") if isinstance(target, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def weights_mismatch(doc: Any, model_dir: str | os.PathLike) -> bool:
+    """Whether a probes.json that records a fingerprint measured other weights than `model_dir`'s."""
+    recorded = recorded_weights(doc)
+    return recorded is not None and recorded != weights_sha256(model_dir)
