@@ -284,8 +284,7 @@ def parts(tmp_path_factory):
     from memaudit.federated.flower.nodes import write_partitions
 
     root = tmp_path_factory.mktemp("flower-secagg")
-    info = write_partitions(load_config(None, OVERRIDES), root / "parts", nodes=2,
-                            manifest=False)  # in-process nodes check nothing
+    info = write_partitions(load_config(None, OVERRIDES), root / "parts", nodes=2)
     return [*OVERRIDES, f"data.tokenizer={info['tokenizer']}"], info["partitions"], root
 
 
