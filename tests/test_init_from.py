@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from memaudit.errors import RunDirError
+
 from memaudit.cli import main
 from tests.conftest import REPO_ROOT, tiny_train_args
 
@@ -228,7 +230,10 @@ def test_public_base_is_cached_and_reused(tmp_path):
     assert ensure_public_base(cfg, tmp_path) == first
     assert weights.stat().st_mtime_ns == stamp  # not retrained
     changed = sweep_config_from_dict(_sweep_raw(steps=3))
-    assert ensure_public_base(changed, tmp_path) == first
+    with pytest.raises(RunDirError, match="pretrained under other settings"):  # never silently
+        ensure_public_base(changed, tmp_path)
+    assert weights.stat().st_mtime_ns == stamp
+    assert ensure_public_base(changed, tmp_path, overwrite=True) == first
     assert RunDir(first.parent).read_manifest()["result"]["steps"] == 3  # another key: retrained
 
 
