@@ -19,9 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memaudit.errors import RunDirError
-
 from memaudit.cli import main
+from memaudit.errors import RunDirError
 from tests.conftest import REPO_ROOT, tiny_train_args
 
 TINY = str(REPO_ROOT / "configs" / "tiny.yaml")
