@@ -159,7 +159,8 @@ def score_secrets(
     """
     from memaudit.probes.scoring import token_logprobs
 
-    texts = [template.format(secret=s) for s in secrets]
+    prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
+    texts = [prefix + s + suffix for s in secrets]
     seqs = [codec.encode(t) for t in texts]
     lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
     return np.array([-lp[i].sum() for i in range(len(seqs))])

@@ -59,12 +59,14 @@ def _z(alpha: float, alternative: str, power: float) -> float:
     return float(norm.ppf(1 - side) + norm.ppf(power))
 
 
-def _paired(a: dict, b: dict) -> tuple[np.ndarray, np.ndarray, bool]:
+def _paired(a: dict, b: dict) -> tuple[np.ndarray, np.ndarray, Any]:
+    """Both runs' values, in one unit order when the runs share their units, and that
+    alignment (`memaudit.probes.stats.aligned`; None: independent units)."""
     va, vb = np.asarray(a["values"], float), np.asarray(b["values"], float)
     al = aligned(a, b)
     if al is None:
-        return va, vb, False
-    return va[al[0]], vb[al[1]], True
+        return va, vb, None
+    return va[al[0]], vb[al[1]], al
 
 
 def _se_means(va: np.ndarray, vb: np.ndarray, paired: bool) -> float:
@@ -75,13 +77,14 @@ def _se_means(va: np.ndarray, vb: np.ndarray, paired: bool) -> float:
     return math.sqrt(np.var(va, ddof=1) / len(va) + np.var(vb, ddof=1) / len(vb))
 
 
-def _auc_moments(a: dict, b: dict) -> tuple[float, float, float, float]:
-    """(AUC of b, var AUC(a), var AUC(b), their covariance) by DeLong's placements; the
-    covariance is 0 unless the runs share their members and non-members."""
-    va, vb, paired = _paired(a, b)
+def _auc_moments(a: dict, b: dict, va: np.ndarray, vb: np.ndarray,
+                 al: Any) -> tuple[float, float, float, float]:
+    """(AUC of b, var AUC(a), var AUC(b), their covariance) by DeLong's placements, from the
+    values `_paired` aligned; the covariance is 0 unless the runs share their members and
+    non-members."""
     ma, mb = np.asarray(a["member"], bool), np.asarray(b["member"], bool)
+    paired = al is not None
     if paired:
-        al = aligned(a, b)
         ma, mb = ma[al[0]], mb[al[1]]
         paired = bool((ma == mb).all())
     pa, pb = auc_placements(va[ma], va[~ma]), auc_placements(vb[mb], vb[~mb])
@@ -97,13 +100,13 @@ def _auc_moments(a: dict, b: dict) -> tuple[float, float, float, float]:
     return float(np.mean(pb[0])), var(pa[0]) + var(pa[1]), var(pb[0]) + var(pb[1]), cov
 
 
-def _mde_auc(a: dict, b: dict, alpha: float, alternative: str, power: float) -> float:
+def _mde_auc(a: dict, b: dict, paired: tuple, alpha: float, alternative: str, power: float) -> float:
     """The test compares the AUCs' distances from chance, |AUC - 1/2|, which folds near chance;
     its power is simulated from the two AUCs' joint Normal law (DeLong's moments): run b at its
     observed distance, run a `d` further from chance (greater, two-sided) or nearer (less), the
     critical value from the same law with both runs at their mean distance, as the permutation
     null puts them. Common random numbers over `d`."""
-    auc_b, var_a, var_b, cov = _auc_moments(a, b)
+    auc_b, var_a, var_b, cov = _auc_moments(a, b, *paired)
     if not math.isfinite(var_a + var_b):
         return math.inf
     side = alpha / 2 if alternative == "two-sided" else alpha
@@ -188,11 +191,12 @@ def minimum_detectable_effect(a: dict, b: dict, *, alternative: str, alpha: floa
         raise ValueError(f"alpha {alpha} and power {power} must lie in (0, 1)")
     kind = a["kind"]
     z = _z(alpha, alternative, power)
-    va, vb, paired = _paired(a, b)
+    va, vb, al = _paired(a, b)
+    paired = al is not None
     if kind == "mean":
         value, method = z * _se_means(va, vb, paired), "normal approximation"
     elif kind == "auc":
-        value, method = _mde_auc(a, b, alpha, alternative, power), "simulated from DeLong's moments"
+        value, method = _mde_auc(a, b, (va, vb, al), alpha, alternative, power), "simulated from DeLong's moments"
     elif kind == "binary" and paired:
         value, method = _mde_mcnemar(va, vb, alpha, alternative, power), "exact McNemar power"
     elif kind == "binary":

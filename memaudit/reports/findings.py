@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,15 +104,23 @@ def _detectable(report: dict[str, Any], family: int) -> None:
             t["mde"] = minimum_detectable_effect(ua, ub, alternative=t["alternative"], alpha=ALPHA / family)
 
 
+def mde_amount(mde: Mapping[str, Any], metric: str) -> str | None:
+    """A minimum detectable effect in the metric's units ("0.061 AUC points"); None when no
+    difference within the metric's range would be seen."""
+    if not math.isfinite(mde["value"]):
+        return None
+    unit = mde.get("unit") or METRICS[metric][1]
+    return number(mde["value"]) + (f" {unit}" if unit else "")
+
+
 def mde_text(t: Test, metric: str) -> str | None:
     """"could have seen 0.061 AUC points" for a test that carries its minimum detectable effect."""
     if not t.mde:
         return None
-    v = t.mde["value"]
-    unit = t.mde.get("unit") or METRICS[metric][1]
-    if not math.isfinite(v):
+    amount = mde_amount(t.mde, metric)
+    if amount is None:
         return f"no difference within the metric's range was likely to be seen ({POWER:.0%} power)"
-    return f"could have seen {number(v)}{' ' + unit if unit else ''} ({POWER:.0%} power)"
+    return f"could have seen {amount} ({POWER:.0%} power)"
 
 
 def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
@@ -424,18 +432,13 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
         shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair["metrics"].items()
                  if c["verdict"] in ("less", "more")]
         same = {k: c for k, c in pair["metrics"].items() if c["verdict"] == NO_DIFFERENCE}
-        seen = [f"{SHORT[k]} {_mde_short(c['test'], k)}" for k, c in same.items() if (c.get("test") or {}).get("mde")]
+        seen = [f"{SHORT[k]} {mde_amount(c['test']['mde'], k) or 'none in range'}"
+                for k, c in same.items() if (c.get("test") or {}).get("mde")]
         what = "; ".join(shown + ([f"no difference shown on {len(same)} metric{'s' if len(same) != 1 else ''}"
                                    + (f" (the smallest differences these tests could have seen, {POWER:.0%} power: "
                                       f"{', '.join(seen)})" if seen else "")] if same else []))
         out.append(f"{sides[0]} vs {sides[1]}: {what or 'not tested (no per-unit scores)'}")
     return out
-
-
-def _mde_short(test: dict[str, Any], metric: str) -> str:
-    m = test["mde"]
-    unit = m.get("unit") or METRICS[metric][1]
-    return number(m["value"]) + (f" {unit}" if unit else "") if math.isfinite(m["value"]) else "none in range"
 
 
 MAX_HEADLINE = 6
