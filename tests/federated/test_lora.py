@@ -4,11 +4,10 @@ whose exports are the adapters only."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-torch = pytest.importorskip("torch")
+import torch
 
 from memaudit.config import LoraConfig, load_config
 from memaudit.models.flax_lora import LoraModel, adapters_from_peft, adapters_to_peft, count

@@ -5,11 +5,10 @@ same rounds unrolled in Python and of the rounds written with drjax (an independ
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp
 
 from memaudit.federated import algorithms as alg
 from memaudit.federated.closure import ClosureError, communication_of
@@ -73,7 +72,7 @@ STRATEGIES = ["vmap"]
 
 def _drjax_grad():
     """The gradient of the same R rounds written with drjax (broadcast, map_fn, reduce_sum)."""
-    drjax = pytest.importorskip("drjax")
+    import drjax  # the dev extra installs it: missing is a failure
 
     @drjax.program(placements={"clients": N})
     def objective(p, x, y, m):
