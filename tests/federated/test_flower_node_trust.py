@@ -152,7 +152,7 @@ def _deltas(n, seed=0):
     return {"w": rng.normal(0, 0.3, (n, 3, 4)).astype(np.float32), "b": rng.normal(0, 0.3, (n, 5)).astype(np.float32)}
 
 
-def _trust(policy=(0.6, 1, 3, "honest_but_curious"), dp=None, resident=(0, 1)):
+def _trust(policy=(0.6, 1, 3, "malicious"), dp=None, resident=(0, 1)):  # the default mode
     return NodeTrust(frozenset(), frozenset(resident), policy, dp)
 
 
@@ -204,7 +204,7 @@ def test_node_enforces_its_dp_parameters(attack):
 
     n, key = 4, jax.random.key(6)
     deltas, hosts = _deltas(n, 2), {"a": [0, 1], "b": [2, 3]}
-    policy = (0.6, 0, 3, "honest_but_curious")
+    policy = (0.6, 0, 3, "malicious")  # the default mode
     if attack == "noise":  # the server asks for noise shares of z = 0.1; the operator set 0.8
         dp = DPBound("distributed", 1.0, 0.8, float(n))
         agg = distributed_dp(clip=1.0, noise_multiplier=0.1, expected_cohort=n, bits=20, seed=3)

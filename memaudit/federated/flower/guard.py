@@ -76,12 +76,20 @@ class SecAggGuard:
         if "abort" in reply:  # the node's clients refused the step: the round aborts
             return None if set(reply) == {"abort"} and isinstance(reply["abort"], str) else "bad abort"
         msgs = reply.get("msgs")
-        if set(reply) != {"msgs"} or not isinstance(msgs, dict):
+        # at the advertise step of the malicious-server mode a node also sends its clients'
+        # Ed25519 verification keys (the server relays them): one 32-byte key per client asked
+        extra = set(reply) - {"msgs"}
+        if not isinstance(msgs, dict) or extra - ({"verify"} if step == "advertise" else set()):
             return "no messages"
         asked = ({int(c[0]) for c in payload["clients"]} if step == "advertise"
                  else {int(c) for c in payload["msgs"]})
         if not all(isinstance(c, int) for c in msgs) or set(msgs) != asked:
             return "not the clients it was asked about"
+        if "verify" in reply:
+            keys = reply["verify"]
+            if (not isinstance(keys, dict) or set(keys) != asked
+                    or not all(isinstance(k, bytes) and len(k) == 32 for k in keys.values())):
+                return "verification keys are not one 32-byte key per client asked"
         for cid, m in msgs.items():
             if not isinstance(m, bytes):
                 return f"client {cid}: not bytes"
