@@ -258,3 +258,34 @@ def test_the_deployment_commands_use_tls_node_auth_and_the_manifest():
     for bad in (lambda: superlink_args("0.0.0.0", 9091), lambda: supernode_args("10.0.0.5:9091", "p", "m")):
         with pytest.raises(ConfigError, match="without TLS"):
             bad()
+
+
+def test_signature_ignores_where_the_program_was_traced_from():
+    """The server traces the round from other frames than the operator's manifest (the CLI, a
+    worker, another checkout): one computation must give one digest whatever its source
+    locations, or a node refuses memaudit's own stage (the multi-process deployment with secure
+    aggregation did). A different computation still gives another digest."""
+    from jax import export
+
+    from memaudit.federated.flower.trust import module_digest
+
+    def core(x):
+        return jnp.sort(x) * 2 + 1
+
+    def direct(x):
+        return core(x)
+
+    def helper(x):
+        y = core(x)
+        return y
+
+    def nested(x):
+        return helper(x)
+
+    direct.__name__ = nested.__name__ = "stage"  # the module is named after the function
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    a, b = (export.export(jax.jit(f))(spec) for f in (direct, nested))
+    assert a.mlir_module().count("\n#loc") != b.mlir_module().count("\n#loc")  # the case at hand
+    assert module_digest(a.serialize()) == module_digest(b.serialize())
+    other = export.export(jax.jit(lambda x: jnp.sort(x) * 3 + 1))(spec)
+    assert module_digest(other.serialize()) != module_digest(a.serialize())
