@@ -131,19 +131,20 @@ def test_trusted_nodes_give_the_same_round_and_refusing_nodes_fail_it(toy):
 
 
 # ------------------------------------------------------------------ secure aggregation
-def _remote(deltas, hosts, trust):
+def _remote(deltas, hosts, trust, identities=None, nodes=LocalNodes):
     from memaudit.federated.secagg.remote import ClientRows, NodeChannel
 
     leaves, treedef = jax.tree.flatten(deltas)
     ex = {}
     for node, slots in hosts.items():
-        e = NodeExecutor([f"u{s}" for s in slots], {}, trust=trust)
+        ident = None if identities is None else identities[node]
+        e = NodeExecutor([f"u{s}" for s in slots], {}, trust=trust, identity=ident)
         for v, x in enumerate(leaves):
             full = np.zeros_like(x)
             full[slots] = x[slots]
             e.store[(0, v)] = full
         ex[node] = e
-    return ClientRows(NodeChannel(LocalNodes(ex), hosts, 0), tuple(range(len(leaves))),
+    return ClientRows(NodeChannel(nodes(ex), hosts, 0), tuple(range(len(leaves))),
                       tuple((x.shape[1:], x.dtype.name) for x in leaves), treedef)
 
 
@@ -289,3 +290,100 @@ def test_signature_ignores_where_the_program_was_traced_from():
     assert module_digest(a.serialize()) == module_digest(b.serialize())
     other = export.export(jax.jit(lambda x: jnp.sort(x) * 3 + 1))(spec)
     assert module_digest(other.serialize()) != module_digest(a.serialize())
+
+
+class _Relay(LocalNodes):
+    """The server's relay of the shares step, deviating as ``attack`` says, and each node's reply."""
+
+    attack: str = "none"
+
+    def __init__(self, executors):
+        super().__init__(executors)
+        self.replies = {}
+
+    def run_secagg(self, payloads):
+        from memaudit.federated.secagg.pki import KeyRing
+
+        step = next(iter(payloads.values()))["step"]
+        if step == "shares" and self.attack != "none":
+            p = payloads["a"]  # the target: node a's clients; the server impersonates node b's
+            theirs = sorted(c for b in p["signed"] if b["node"] == 1 for c in b["keys"])
+            fake = KeyRing.generate(theirs).raw()[1]  # keys whose signing halves the server holds
+            verify = {**p["verify"], **fake}
+            if self.attack == "swap":  # b's keys replaced, b's signature kept
+                signed = [{**b, "keys": fake} if b["node"] == 1 else b for b in p["signed"]]
+            elif self.attack == "unsigned":  # b's bundle left out, its keys relayed bare
+                signed = [b for b in p["signed"] if b["node"] != 1]
+            else:  # "forged": b's keys signed with a key of the server's own, as node b
+                from memaudit.federated.flower.identity import new_node_key, sign_keys
+
+                signed = [sign_keys((1, new_node_key()), 0, fake) | {"keys": fake} if b["node"] == 1 else b
+                          for b in p["signed"]]
+            payloads = {**payloads, "a": {**p, "verify": verify, "signed": signed}}
+        out = super().run_secagg(payloads)
+        self.replies[step] = out
+        return out
+
+
+@pytest.mark.parametrize("attack", ["none", "swap", "unsigned", "forged"])
+def test_node_accepts_only_client_keys_its_manifest_nodes_signed(attack, tmp_path):
+    """Adversary: the server swaps node b's clients' verification keys for keys it holds (so it
+    could sign as them and collect node a's shares), relays them unsigned, or signs them with a
+    key of its own as node b. Node a checks each key against the node keys of its manifest and
+    refuses before its clients send a share; honest relaying completes the round with the
+    same value as nodes without node keys."""
+    from memaudit.federated.flower.identity import (
+        load_node_identity,
+        new_node_key,
+        public_hex,
+        write_node_key,
+    )
+
+    keys = [new_node_key(), new_node_key()]
+    nodes = tuple(public_hex(k) for k in keys)
+    idents = {}
+    for i, name in enumerate("ab"):  # each node loads its key file, 0600, as a SuperNode does
+        path = write_node_key(tmp_path / f"node-{i}.secagg.key", keys[i])
+        assert path.stat().st_mode & 0o777 == 0o600
+        idents[name] = load_node_identity(path, nodes)
+    assert [i for i, _ in idents.values()] == [0, 1]
+    trust = NodeTrust(frozenset(), frozenset((0, 1)), (0.6, 1, 3, "malicious"), None, "", nodes)
+    n, key, hosts = 4, jax.random.key(5), {"a": [0, 1], "b": [2, 3]}
+    deltas, agg = _deltas(n, 3), _secagg(min_survivors=3, colluding=1)
+    relays = []
+
+    def relay(executors):
+        relays.append(type("Relay", (_Relay,), {"attack": attack})(executors))
+        return relays[-1]
+
+    res = _released(agg, _remote(deltas, hosts, trust, idents, nodes=relay), n, key)
+    reply = relays[-1].replies["shares"]["a"]
+    if attack == "none":
+        free = _released(agg, _remote(deltas, hosts, _trust(), None), n, key)
+        assert res is not None and np.array_equal(_flat(res.update), _flat(free.update))
+        assert "msgs" in reply
+    else:
+        assert res is None and set(reply) == {"abort"}
+        assert {"swap": "substituted", "unsigned": "no verification key",
+                "forged": "substituted"}[attack] in reply["abort"]
+
+
+def test_node_key_must_be_one_of_the_manifest(tmp_path):
+    from memaudit.errors import DataError
+    from memaudit.federated.flower.identity import (
+        load_node_identity,
+        new_node_key,
+        public_hex,
+        write_node_key,
+    )
+
+    listed = (public_hex(new_node_key()),)
+    with pytest.raises(DataError, match="not one of the stage manifest's 1 nodes"):
+        load_node_identity(write_node_key(tmp_path / "node-0.key", new_node_key()), listed)
+    (tmp_path / "bad.key").write_text("zz")
+    with pytest.raises(DataError, match="cannot be read"):
+        load_node_identity(tmp_path / "bad.key", listed)
+    trust = NodeTrust(frozenset({"s"}), frozenset({1}), None, None, "f", listed)
+    assert NodeTrust.from_json(trust.to_json()) == trust
+    with pytest.raises(ValueError, match="identity"):
+        NodeExecutor([], {}, trust=trust)

@@ -52,6 +52,7 @@ def _cache_dir(context: Context) -> Path:
 def _node(context: Context) -> Any:
     from memaudit.errors import DataError
     from memaudit.federated.flower.execute import NodeExecutor
+    from memaudit.federated.flower.identity import load_node_identity
     from memaudit.federated.flower.nodes import load_partition
     from memaudit.federated.flower.trust import NodeTrust
 
@@ -64,9 +65,13 @@ def _node(context: Context) -> Any:
                         "it with --node-config \"partition='node-<i>.npz' manifest='manifest.json'\" "
                         "(python -m memaudit.federated.flower.nodes writes both)")
     trust = NodeTrust.load(str(manifest))
+    identity = None
+    if trust.nodes:  # the node's long-term key: ``node-key``, or node-<i>.secagg.key beside its partition
+        key = context.node_config.get("node-key") or Path(str(path)).with_suffix(".secagg.key")
+        identity = load_node_identity(str(key), trust.nodes)
     users, arrays = load_partition(str(path))
     store = _cache_dir(context) / f"run-{context.run_id}"
-    return NodeExecutor(users, arrays, store_dir=store, trust=trust)
+    return NodeExecutor(users, arrays, store_dir=store, trust=trust, identity=identity)
 
 
 def _reply(message: Message, obj: Any) -> Message:

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from memaudit.federated.flower import wire
+from memaudit.federated.flower.identity import authenticated_keys, sign_keys
 from memaudit.federated.flower.partition import CLIENT, Lit, Plan, Stage
 from memaudit.federated.flower.trust import NodeTrust, StageRefused, stage_signature
 from memaudit.federated.secagg.remote import node_step
@@ -258,7 +259,8 @@ class NodeExecutor:
     """
 
     def __init__(self, users: Sequence[str], arrays: dict[str, np.ndarray],
-                 store_dir: Any = None, *, trust: NodeTrust | None = None) -> None:
+                 store_dir: Any = None, *, trust: NodeTrust | None = None,
+                 identity: tuple[int, Any] | None = None) -> None:
         self.users = list(users)
         self.row = {u: k for k, u in enumerate(self.users)}
         self.arrays = arrays
@@ -266,6 +268,9 @@ class NodeExecutor:
         self.store: dict[tuple[int, int], Any] = {}
         self.store_dir = store_dir
         self.trust = trust
+        self.identity = identity
+        if trust is not None and trust.nodes and identity is None:
+            raise ValueError("a manifest that lists node keys needs this node's identity")
         self.protocol: dict[int, dict] = {}  # secure-aggregation state by round (store_dir None)
 
     def _keep(self, round: int, var: int, value: Any) -> None:
@@ -322,14 +327,21 @@ class NodeExecutor:
         `NodeTrust`, with the node's own policy and DP bound (a refusal is an abort reply), and
         at the masked-input step only with finite rows (`StageRefused` otherwise: the node drops
         out of the round)."""
-        if self.trust is not None and payload.get("step") == "advertise":
-            try:
+        step = payload.get("step")
+        try:
+            if self.trust is not None and step == "advertise":
                 payload = self.trust.secagg_payload(payload)
-            except StageRefused as e:
-                return {"abort": str(e)}
-        if payload.get("step") == "masked":
+            if self.trust is not None and self.trust.nodes and step == "shares":
+                rid = self._load_protocol(int(payload["round"]))["round_id"]
+                payload = {**payload, "verify": authenticated_keys(payload.get("signed"), self.trust.nodes, rid)}
+        except StageRefused as e:
+            return {"abort": str(e)}
+        if step == "masked":
             self._check_finite(int(payload["round"]))
-        return node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
+        reply = node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
+        if step == "advertise" and self.identity is not None and "verify" in reply:
+            reply["keys_sig"] = sign_keys(self.identity, int(payload["round_id"]), reply["verify"])
+        return reply
 
     def _check_finite(self, round: int) -> None:
         st = self._load_protocol(round)

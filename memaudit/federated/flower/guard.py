@@ -77,9 +77,10 @@ class SecAggGuard:
             return None if set(reply) == {"abort"} and isinstance(reply["abort"], str) else "bad abort"
         msgs = reply.get("msgs")
         # at the advertise step of the malicious-server mode a node also sends its clients'
-        # Ed25519 verification keys (the server relays them): one 32-byte key per client asked
+        # Ed25519 verification keys (the server relays them): one 32-byte key per client asked,
+        # and with node keys in the manifest the node's signature over them
         extra = set(reply) - {"msgs"}
-        if not isinstance(msgs, dict) or extra - ({"verify"} if step == "advertise" else set()):
+        if not isinstance(msgs, dict) or extra - ({"verify", "keys_sig"} if step == "advertise" else set()):
             return "no messages"
         asked = ({int(c[0]) for c in payload["clients"]} if step == "advertise"
                  else {int(c) for c in payload["msgs"]})
@@ -90,6 +91,11 @@ class SecAggGuard:
             if (not isinstance(keys, dict) or set(keys) != asked
                     or not all(isinstance(k, bytes) and len(k) == 32 for k in keys.values())):
                 return "verification keys are not one 32-byte key per client asked"
+        if "keys_sig" in reply:  # the node's signature over those keys (memaudit.federated.flower.identity)
+            sig = reply["keys_sig"]
+            if (not isinstance(sig, dict) or set(sig) != {"node", "sig"} or not isinstance(sig["node"], int)
+                    or not isinstance(sig["sig"], bytes) or len(sig["sig"]) != 64 or "verify" not in reply):
+                return "the key signature is not a node index and a 64-byte signature"
         for cid, m in msgs.items():
             if not isinstance(m, bytes):
                 return f"client {cid}: not bytes"

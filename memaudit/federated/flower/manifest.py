@@ -13,6 +13,7 @@ partitions; a SuperNode is started with ``--node-config "... manifest='manifest.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +108,17 @@ def build_trust(cfg: Any, prepared: Any, run: Any) -> NodeTrust:
     return NodeTrust(frozenset(stages), frozenset(resident), policy, dp, str(prepared.fingerprint))
 
 
-def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path) -> Path:
+def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[str, ...] = ()) -> Path:
     """`build_trust` of one config, or the merge (`NodeTrust.merge`) of several on the same
-    data, as JSON at ``path`` (atomic)."""
+    data, with the nodes' public keys (``nodes``, `memaudit.federated.flower.identity`), as
+    JSON at ``path`` (atomic)."""
     from memaudit.io import atomic_write_json
 
     cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
     trust = build_trust(cfgs[0], prepared, run)
     for cfg in cfgs[1:]:
         trust = trust.merge(build_trust(cfg, prepared, run))
+    trust = dataclasses.replace(trust, nodes=tuple(nodes))
     atomic_write_json(Path(path), trust.to_json())
     return Path(path)
 

@@ -87,10 +87,16 @@ def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
         path = out / f"node-{i}.npz"
         atomic_write_bytes(path, buf.getvalue())
         files.append(str(path))
+    from memaudit.federated.flower.identity import new_node_key, public_hex, write_node_key
     from memaudit.federated.flower.manifest import write_manifest
 
-    path = write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json") if manifest else None
+    keys = [new_node_key() for _ in blocks] if manifest else []  # the nodes' PKI: node i's key to node i only
+    for i, key in enumerate(keys):
+        write_node_key(out / f"node-{i}.secagg.key", key)
+    path = (write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json",
+                           nodes=tuple(public_hex(k) for k in keys)) if manifest else None)
     return {"partitions": files, "users": [len(b) for b in blocks], "manifest": None if path is None else str(path),
+            "node_keys": [str(out / f"node-{i}.secagg.key") for i in range(len(keys))],
             "tokenizer": str(scratch.data_dir / "tokenizer")}
 
 

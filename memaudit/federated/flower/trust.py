@@ -15,6 +15,9 @@ from the run's config with ``python -m memaudit.federated.flower.nodes``) holds 
 - ``policy``: the secure-aggregation policy (threshold, colluding clients, minimum survivors,
   mode) the node's protocol clients enforce, whatever the server's message says; no policy: the
   node takes part in no secure-aggregation round;
+- ``nodes``: every node's long-term Ed25519 public key, the PKI of the malicious-server mode
+  (`memaudit.federated.flower.identity`): a client's round key counts only when a listed node
+  signed it;
 - ``dp``: the DP parameters the node enforces on the round's public encoding: the clip bound of a
   quantised contribution (unless adaptive clipping moves it), and under distributed DP each
   client's noise share, at least ``noise_multiplier * clip / sqrt(expected_cohort)``.
@@ -94,6 +97,7 @@ class NodeTrust:
     policy: tuple | None = None  # (threshold, colluding, min_survivors, mode)
     dp: DPBound | None = None
     fingerprint: str = ""
+    nodes: tuple[str, ...] = ()  # the nodes' Ed25519 public keys (hex), by node index
 
     # ------------------------------------------------------------------ stages
     def check_call(self, call: Any) -> None:
@@ -145,19 +149,23 @@ class NodeTrust:
                 raise DataError(f"the configs of one stage manifest set different secure-aggregation "
                                 f"{'policies' if name == 'policy' else 'DP parameters'} ({a} and {b}); "
                                 "give their SuperNodes separate manifests")
+        if self.nodes and other.nodes and self.nodes != other.nodes:
+            raise DataError("the configs of one stage manifest name different node keys; write their "
+                            "partitions and manifest together")
         if self.fingerprint and other.fingerprint and self.fingerprint != other.fingerprint:
             raise DataError("the configs of one stage manifest prepare different data; give each data "
                             "config its own partitions and manifest")
         return NodeTrust(self.stages | other.stages, self.resident | other.resident,
                          self.policy if self.policy is not None else other.policy,
-                         self.dp if self.dp is not None else other.dp, self.fingerprint or other.fingerprint)
+                         self.dp if self.dp is not None else other.dp, self.fingerprint or other.fingerprint,
+                         self.nodes or other.nodes)
 
     # ------------------------------------------------------------------ the file
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "stages": sorted(self.stages), "resident": sorted(self.resident),
                 "policy": None if self.policy is None else list(self.policy),
                 "dp": None if self.dp is None else dataclasses.asdict(self.dp),
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint, "nodes": list(self.nodes)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> NodeTrust:
@@ -166,7 +174,8 @@ class NodeTrust:
         dp = d.get("dp")
         return cls(frozenset(str(s) for s in d["stages"]), frozenset(int(v) for v in d.get("resident") or ()),
                    None if d.get("policy") is None else tuple(d["policy"]),
-                   None if dp is None else DPBound(**dp), str(d.get("fingerprint", "")))
+                   None if dp is None else DPBound(**dp), str(d.get("fingerprint", "")),
+                   tuple(str(k) for k in d.get("nodes") or ()))
 
     @classmethod
     def load(cls, path: str | Path) -> NodeTrust:
