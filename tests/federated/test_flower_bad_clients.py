@@ -246,11 +246,17 @@ class _TrainerNodes:
     reply is tampered with (NaN rows, or a masked input 4 bytes short)."""
 
     def __init__(self, partitions, manifest, bad=()):
+        from pathlib import Path
+
+        from memaudit.federated.flower.identity import load_node_identity
         from memaudit.federated.flower.nodes import load_partition
         from memaudit.federated.flower.trust import NodeTrust
 
         trust = NodeTrust.load(manifest)
-        self.local = LocalNodes({i: NodeExecutor(*load_partition(p), trust=trust) for i, p in enumerate(partitions)})
+        self.local = LocalNodes({i: NodeExecutor(
+            *load_partition(p), trust=trust,
+            identity=load_node_identity(Path(p).with_suffix(".secagg.key"), trust.nodes))
+            for i, p in enumerate(partitions)})
         self.bad = set(bad)
         self.aborts: list[str] = []  # the steps at which a node's clients refused (abort replies)
 
