@@ -466,14 +466,16 @@ def bench_flower(args) -> dict:
           "federated.eval_every=1000", "federated.checkpoint_every=1000", "federated.mesh_clients=1",
           "train.eval_batches=1", "federated.flower.insecure=true"]
     root = Path(tempfile.mkdtemp(prefix="memaudit-bench-flower-"))
-    info = write_partitions(load_config(None, ov), root / "parts", args.flower_nodes)
+    secagg = ["privacy.secure_aggregation.enabled=true", "privacy.clip=1.0"]
+    # the SuperNodes' stage manifest allows both runs (the same data)
+    info = write_partitions(load_config(None, ov), root / "parts", args.flower_nodes,
+                            variants=[load_config(None, [*ov, *secagg])])
     ov.append(f"data.tokenizer={info['tokenizer']}")
 
     def rounds(run: Path) -> list[float]:
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         return [m["round_seconds"] for m in lines][1:]
 
-    secagg = ["privacy.secure_aggregation.enabled=true", "privacy.clip=1.0"]
     dispatch(load_config(None, ov), RunDir(root / "jax"), resume=False)
     dispatch(load_config(None, [*ov, *secagg]), RunDir(root / "jax_secagg"), resume=False)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

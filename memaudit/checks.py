@@ -92,11 +92,27 @@ def check_population(cfg: Any, population: int) -> None:
 
 
 
+def check_expected_survivors(cfg: Any) -> None:
+    """One-line error for secure aggregation whose expected survivors per round, federated.cohort
+    x (1 - privacy.secure_aggregation.dropout), are fewer than its min_survivors: most rounds
+    would abort and release nothing."""
+    p, sa, f = cfg.privacy, cfg.privacy.secure_aggregation, cfg.federated
+    if not (sa.enabled or (p.enabled and p.mechanism == "distributed")):
+        return
+    expected = f.cohort * (1.0 - sa.dropout)
+    if expected < sa.min_survivors:
+        raise ConfigError(
+            f"secure aggregation expects {expected:g} survivors per round (federated.cohort={f.cohort} x "
+            f"(1 - privacy.secure_aggregation.dropout={sa.dropout:g})), fewer than min_survivors="
+            f"{sa.min_survivors}: rounds would abort; lower the dropout or raise federated.cohort")
+
+
 def _check_federated(cfg: Any, shape: Any) -> None:
     f = cfg.federated
     if f.algorithm == "fedsgd" and (cfg.privacy.enabled or cfg.privacy.secure_aggregation.enabled):
         raise ConfigError("federated.algorithm=fedsgd has no DP or secure aggregation; use "
                           "federated.algorithm=fedavg (e.g. with local_steps=1)")
+    check_expected_survivors(cfg)
     # devices, and the model axis dividing the heads of the preset or the checkpoint. The
     # memaudit.federated package imports jax (seconds): only a federated config pays it
     from memaudit.federated.mesh import build_mesh

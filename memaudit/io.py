@@ -132,12 +132,17 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
                             "it with the memaudit command that writes it") from None
 
 
-def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync (metrics are append-only; resume truncates them)."""
+def append_jsonl(path: str | os.PathLike, record: dict[str, Any], *, mode: int | None = None) -> None:
+    """Append one JSON line and fsync (metrics are append-only; resume truncates them). With
+    ``mode`` the file is created with (and kept at) those permissions, e.g. 0o600 for a
+    sensitive file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # metrics may be sensitive
+    # every memaudit file may be sensitive: 0600 unless the caller names another mode
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600 if mode is None else mode)
     with naming(path), os.fdopen(fd, "a", encoding="utf-8") as f:
+        if mode is not None:
+            os.fchmod(f.fileno(), mode)
         f.write(dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())

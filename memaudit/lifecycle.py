@@ -63,7 +63,7 @@ SENSITIVE_KEYS = frozenset({
     "step_seconds", "count_fraction", "participants",
     # the realized cohort's size, data and norms, and what is a function of them
     "aggregated_clients", "total_weight", "examples", "delta_norm", "within_clip",
-    "dropped_users", "dropped_nodes", "secagg_bits", "secagg_degree", "secagg_bytes_up",
+    "dropped_users", "dropped_nodes", "rejected_nodes", "secagg_bits", "secagg_degree", "secagg_bytes_up",
     "secagg_bytes_down", "ddp_gamma", "ddp_dim", "ddp_l2", "ddp_l1", "ddp_local_std",
     "ddp_effective_noise", "ddp_noise_std", "ddp_below_plan",
 })
@@ -307,7 +307,7 @@ class RunSession:
         public = {k: v for k, v in record.items() if k not in SENSITIVE_KEYS}
         sensitive = {key: record.get(key), **{k: v for k, v in record.items() if k in SENSITIVE_KEYS}}
         append_jsonl(self.run.metrics_path, public)
-        append_jsonl(self.run.path / SENSITIVE_METRICS, sensitive)
+        append_jsonl(self.run.path / SENSITIVE_METRICS, sensitive, mode=0o600)
 
     # ---- checkpoints
     def checkpoint_tmp(self, step: int) -> Path:

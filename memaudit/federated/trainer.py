@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from memaudit.config import Config
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
-from memaudit.errors import ConfigError
+from memaudit.errors import ConfigError, MemauditError
 from memaudit.federated import algorithms as alg
 from memaudit.federated import checkpoint as fckpt
 from memaudit.federated.aggregators import mean_aggregator
@@ -205,6 +205,7 @@ class FederatedTrainer:
         self._eval = self._build_eval()
         self.state = self.algorithm.init(self._to_device(self.params0))
         self.key_data = self._base_key()
+        self.aggregated_rounds = 0  # rounds whose update took in at least one client
 
     def _barrier(self, name: str) -> None:
         if jax.process_count() > 1:
@@ -376,6 +377,8 @@ class FederatedTrainer:
         # An aborted secure-aggregation round released and applied nothing but its abort bit
         # (`step` records that bit; memaudit.privacy.aborts, docs/secure-aggregation.md).
         released = None if int(m.get("secagg_aborted", 0) or 0) else dict(m)
+        if released is not None and float(m.get("aggregated_clients", 1) or 0) > 0:
+            self.aggregated_rounds += 1
         rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
         return state, rec, released
 
@@ -454,13 +457,16 @@ class FederatedTrainer:
         if not self.is_writer:
             return
         with session.checkpoint(done) as d:
-            fckpt.write_state(d, host, {**scalars, "key": self.key_data.tolist()}, files or None)
+            fckpt.write_state(d, host, {**scalars, "key": self.key_data.tolist(),
+                                        "aggregated_rounds": self.aggregated_rounds}, files or None)
 
     def load(self, session: RunSession) -> dict[str, Any]:
         """state/ into the server state (its template: the freshly initialised one)."""
         host_state, scalars = fckpt.load_state(self.run, self.host(self.state))
         self.state = self._to_device(host_state)
         self.key_data = np.asarray(scalars["key"], dtype=np.uint32)
+        # a checkpoint written before the count: its rounds are taken as having aggregated
+        self.aggregated_rounds = int(scalars.get("aggregated_rounds", scalars[self.counter]))
         return scalars
 
     # ------------------------------------------------------------------ the driver's hooks
@@ -483,7 +489,14 @@ class FederatedTrainer:
 
     def export(self, session: RunSession) -> None:
         """The Hugging Face model into model/; under LoRA the merged model and adapter/, written
-        by the torch side's code (`memaudit.models.lora`)."""
+        by the torch side's code (`memaudit.models.lora`). A run in which no round aggregated a
+        client's update (every secure-aggregation round aborted, or every client was dropped)
+        fails here instead, before anything is exported: its model never moved."""
+        if self.total > 0 and self.aggregated_rounds == 0:
+            raise MemauditError(
+                f"no round of {self.total} aggregated a client's update (each aborted or lost all its "
+                "clients), so the model learned nothing from the data; check the clients and the secure-aggregation "
+                "settings (privacy.secure_aggregation.dropout, min_survivors) and train again")
         params = self.host(self.state.params)
         if not self.is_writer:
             return

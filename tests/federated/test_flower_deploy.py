@@ -52,7 +52,9 @@ def federation(tmp_path_factory):
     from memaudit.federated.flower.nodes import write_partitions
 
     root = tmp_path_factory.mktemp("flower")
-    info = write_partitions(load_config(BASE, OVERRIDES), root / "parts", nodes=2)
+    # the SuperNodes' manifest allows both cases' stages (the same data)
+    variant = load_config(BASE, [*OVERRIDES, *DP, "privacy.secure_aggregation.enabled=true"])
+    info = write_partitions(load_config(BASE, OVERRIDES), root / "parts", nodes=2, variants=[variant])
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_COMPILATION_CACHE_DIR": CACHE_DIR,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

@@ -156,7 +156,8 @@ def test_dead_node_drops_its_users_as_absent_slots(kind, users):
     those slots empty; the round records the drop."""
     ref, got, _, info = _two_rounds(kind, users, dead=("B",), dead_slots=(2, 3))
     assert _max_diff(ref.params, got.params) <= 1e-6
-    assert info == {"dropped_nodes": ["B"], "dropped_slots": [2, 3], "alive_nodes": ["A"]}
+    assert info == {"dropped_nodes": ["B"], "dropped_slots": [2, 3], "alive_nodes": ["A"],
+                    "rejected_nodes": []}
 
 
 def test_reading_client_text_on_the_server_is_refused(users):
@@ -173,7 +174,7 @@ def test_node_refuses_users_it_does_not_host(users):
     key = jax.random.key(0)
     plan = compile_plan(a.round.program, (st, _struct(_cohort_data(users)), key), PLACED, CAP)
     bad = {"A": [(0, "u0"), (1, "u5")]}  # u5 lives on B
-    with pytest.raises(ValueError, match="does not host user 'u5'"):
+    with pytest.raises(PlanError, match="does not host user 'u5'"):
         run_plan(plan, (st, _struct(_cohort_data(users)), key), _nodes(users), bad, round=0)
 
 

@@ -14,8 +14,12 @@ hosts a sampled user. The ClientApp answers two message types:
   keys and received shares stay in a file under ``cache-dir`` readable only by the node's
   user, quantise the users' kept deltas and send masked inputs only.
 
-The node's partition comes from its node config (``partition``, a file written by
-`memaudit.federated.flower.nodes`); values a later stage of the same round reads, and XLA's
+The node's partition and its stage manifest come from its node config (``partition`` and
+``manifest``, files written by `memaudit.federated.flower.nodes` from the operator's config): a
+SuperNode without a manifest answers every message with a one-line error, and with one it runs
+only the client stages the manifest lists, with the manifest's secure-aggregation policy and DP
+parameters (`memaudit.federated.flower.trust.NodeTrust`); a refused call is answered with
+``{"refused": one line}``, never data. Values a later stage of the same round reads, and XLA's
 compilation cache, go under ``cache-dir`` (default: a folder in the system temp dir).
 """
 
@@ -46,18 +50,28 @@ def _cache_dir(context: Context) -> Path:
 
 
 def _node(context: Context) -> Any:
+    from memaudit.errors import DataError
     from memaudit.federated.flower.execute import NodeExecutor
+    from memaudit.federated.flower.identity import load_node_identity
     from memaudit.federated.flower.nodes import load_partition
+    from memaudit.federated.flower.trust import NodeTrust
 
-    path = context.node_config.get("partition")
+    path, manifest = context.node_config.get("partition"), context.node_config.get("manifest")
     if not path:
-        from memaudit.errors import DataError
-
         raise DataError("this SuperNode has no partition; start it with --node-config "
-                        "\"partition='node-<i>.npz'\"")
+                        "\"partition='node-<i>.npz' manifest='manifest.json'\"")
+    if not manifest:
+        raise DataError("this SuperNode has no stage manifest, so it runs nothing a server sends; start "
+                        "it with --node-config \"partition='node-<i>.npz' manifest='manifest.json'\" "
+                        "(python -m memaudit.federated.flower.nodes writes both)")
+    trust = NodeTrust.load(str(manifest))
+    identity = None
+    if trust.nodes:  # the node's long-term key: ``node-key``, or node-<i>.secagg.key beside its partition
+        key = context.node_config.get("node-key") or Path(str(path)).with_suffix(".secagg.key")
+        identity = load_node_identity(str(key), trust.nodes)
     users, arrays = load_partition(str(path))
     store = _cache_dir(context) / f"run-{context.run_id}"
-    return NodeExecutor(users, arrays, store_dir=store)
+    return NodeExecutor(users, arrays, store_dir=store, trust=trust, identity=identity)
 
 
 def _reply(message: Message, obj: Any) -> Message:
@@ -83,18 +97,29 @@ def hello(message: Message, context: Context) -> Message:
 def stage(message: Message, context: Context) -> Message:
     import jax
 
+    from memaudit.errors import MemauditError
+
     jax.config.update("jax_compilation_cache_dir", str(_cache_dir(context) / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     from memaudit.federated.flower.execute import call_from_wire
 
-    node = _node(context)
-    call = call_from_wire(wire.read(message))
-    return _reply(message, {"outputs": {str(k): v for k, v in node.run(call).items()}})
+    try:
+        node = _node(context)
+        call = call_from_wire(wire.read(message))
+        outputs = node.run(call)
+    except (MemauditError, TypeError, KeyError) as e:  # refused, or not a memaudit call: no data
+        return _reply(message, {"refused": (str(e).splitlines() or [type(e).__name__])[0]})
+    return _reply(message, {"outputs": {str(k): v for k, v in outputs.items()}})
 
 
 def secagg(message: Message, context: Context) -> Message:
-    node = _node(context)
-    return _reply(message, node.secagg(wire.read(message)))
+    from memaudit.errors import MemauditError
+
+    try:
+        node = _node(context)
+        return _reply(message, node.secagg(wire.read(message)))
+    except MemauditError as e:  # refused (no manifest, a non-finite update): the node leaves
+        return _reply(message, {"refused": (str(e).splitlines() or [type(e).__name__])[0]})
 
 
 def _apps() -> tuple[Any, Any]:

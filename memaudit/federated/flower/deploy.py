@@ -3,9 +3,11 @@
 `submit` writes a minimal Flower App (a ``pyproject.toml`` whose components are memaudit's
 ``ServerApp`` and ``ClientApp``) and a Flower config naming the SuperLink, then runs
 ``flwr run APP memaudit --run-config launch-dir=... --stream`` and waits for it to end.
-`LocalFederation` starts one SuperLink and SuperNodes as separate processes on 127.0.0.1 with
-free ports (plain HTTP: localhost only), and tears them down; the tests and
-``benchmarks/federated_round.py`` use it.
+`superlink_args` and `supernode_args` are the deployment's commands (TLS, SuperNode
+authentication, the host the SuperLink binds, each node's partition and stage manifest; plain
+HTTP only on localhost). `LocalFederation` starts one SuperLink and SuperNodes as separate
+processes on 127.0.0.1 with free ports (plain HTTP: localhost only), and tears them down; the
+tests and ``benchmarks/federated_round.py`` use it.
 """
 
 from __future__ import annotations
@@ -143,6 +145,48 @@ def _stop_run(launch: Path, env: dict[str, str]) -> None:
                        stdin=subprocess.DEVNULL, capture_output=True, check=False)
 
 
+# ------------------------------------------------------------------ the processes' commands
+def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = None,
+                   supernode_auth: bool = True) -> list[str]:
+    """``flower-superlink``'s arguments: bound to ``host`` (the interface the SuperNodes and the
+    operator reach; flwr serves its Fleet, Control and Runtime APIs on this one address), TLS
+    from ``tls`` = (CA certificate, certificate, key), only registered SuperNodes
+    (``--enable-supernode-auth``), no dependency installation. Without ``tls`` only on
+    localhost (the tests' federation).
+
+    >>> superlink_args("127.0.0.1", 9091, supernode_auth=False)[:3]
+    ['--insecure', '--host', '127.0.0.1']
+    """
+    if tls is None and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"a SuperLink on {host} without TLS would take runs and nodes in plain text; "
+                          "give its CA certificate, certificate and key, or bind it to 127.0.0.1")
+    out = ["--insecure"] if tls is None else ["--ssl-ca-certfile", tls[0], "--ssl-certfile", tls[1],
+                                              "--ssl-keyfile", tls[2]]
+    out += ["--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
+    return out + (["--enable-supernode-auth"] if supernode_auth else [])
+
+
+def supernode_args(superlink: str, partition: str | Path, manifest: str | Path, *,
+                   root_certificates: str | None = None, auth_key: str | None = None,
+                   cache_dir: str | Path | None = None) -> list[str]:
+    """``flower-supernode``'s arguments: the SuperLink verified with ``root_certificates`` (TLS;
+    plain HTTP only to a SuperLink on localhost), the node's private key (SuperNode
+    authentication) and the node config memaudit's ClientApp reads: its partition and its
+    stage manifest (`memaudit.federated.flower.trust`)."""
+    host, _ = _split(superlink)
+    if root_certificates is None and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"a SuperNode talking to {superlink} without TLS sends its replies in plain "
+                          "text; give the SuperLink's CA certificate (root_certificates)")
+    out = ["--insecure"] if root_certificates is None else ["--root-certificates", root_certificates]
+    out += ["--superlink", superlink]
+    if auth_key is not None:
+        out += ["--auth-supernode-private-key", auth_key]
+    config = f"partition='{partition}' manifest='{manifest}'"
+    if cache_dir is not None:
+        config += f" cache-dir='{cache_dir}'"
+    return [*out, "--node-config", config]
+
+
 # ------------------------------------------------------------------ one machine
 def free_port() -> int:
     with socket.socket() as s:
@@ -168,11 +212,14 @@ class LocalFederation:
         workdir: logs, the Flower home and the nodes' caches go here.
         partitions: one partition file per SuperNode (`memaudit.federated.flower.nodes`).
         env: environment of the processes (default: this one's).
+        manifest: the SuperNodes' stage manifest (default: ``manifest.json`` beside the first
+            partition, where `memaudit.federated.flower.nodes` writes it).
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, manifest: str | Path | None = None) -> None:
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
+        self.manifest = str(manifest or Path(self.partitions[0]).parent / "manifest.json")
         self.env = dict(os.environ if env is None else env)
         self.env["FLWR_HOME"] = str(self.workdir / "flwr-home")
         # the SuperLink and SuperNodes start flower-superexec, flwr-serverapp, flwr-clientapp
@@ -194,9 +241,8 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.superlink = self._start("superlink", [
-            _tool("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
-            "--disable-runtime-dependency-installation"])  # state in memory (no --database)
+        self.superlink = self._start("superlink", [  # state in memory (no --database)
+            _tool("flower-superlink"), *superlink_args("127.0.0.1", self.port, supernode_auth=False)])
         _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
         for i, part in enumerate(self.partitions):
             self.nodes.append(self.start_node(i, part))
@@ -204,9 +250,8 @@ class LocalFederation:
     def start_node(self, i: int, partition: str) -> subprocess.Popen:
         cache = self.workdir / f"node-{i}-cache"
         return self._start(f"supernode-{i}", [
-            _tool("flower-supernode"), "--insecure", "--superlink", self.address,
-            "--host", "127.0.0.1", "--port", str(free_port()),
-            "--node-config", f"partition='{partition}' cache-dir='{cache}'"])
+            _tool("flower-supernode"), "--host", "127.0.0.1", "--port", str(free_port()),
+            *supernode_args(self.address, partition, self.manifest, cache_dir=cache)])
 
     def kill_node(self, i: int) -> None:
         """SIGKILL SuperNode ``i`` and the processes it started (its process group)."""

@@ -10,7 +10,14 @@ node returned (an absent slot, or the users of a node that died) are zeros: the 
 convention of every memaudit federated program (weight 0, no contribution).
 
 A node (`NodeExecutor`) holds its users' data only: its partition of the prepared corpus, as
-arrays named ``input_ids``, ``attention_mask``, ``example_mask`` with one row per user.
+arrays named ``input_ids``, ``attention_mask``, ``example_mask`` with one row per user. A node
+on a SuperNode trusts nothing the server chooses (`NodeTrust`, from the stage manifest its
+operator gave it at start): it runs a client stage only when the stage's signature (the module's
+bytes and how its inputs and outputs are wired: `stage_signature`) is one of memaudit's for the
+operator's config, and refuses any other call with `StageRefused` (one line, never data). The
+server reads a node's reply only after `valid_reply` checked it against the plan (outputs,
+dtypes, shapes, finite values): a node whose reply fails is dropped for the round like one that
+did not answer (``rejected_nodes``).
 
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX".
@@ -18,17 +25,28 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from memaudit.federated.flower import wire
+from memaudit.federated.flower.identity import authenticated_keys, sign_keys
 from memaudit.federated.flower.partition import CLIENT, Lit, Plan, Stage
+from memaudit.federated.flower.trust import NodeTrust, StageRefused, stage_signature
 from memaudit.federated.secagg.remote import node_step
 
 KEEP, ROWS, SUM = "keep", "rows", "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A node's reply that it refused a call (`StageRefused`): one line, no data."""
+
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +111,16 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
     Returns:
         (outputs, info): the round's outputs (the program's output pytree; a `Resident` for
         each output that stays on the nodes) and {"dropped_nodes": [...], "dropped_slots":
-        [...], "alive_nodes": [...]}: nodes that did not answer a stage, and those that did.
+        [...], "alive_nodes": [...], "rejected_nodes": [...]}: nodes that did not answer a stage
+        or whose reply failed `valid_reply` (those also in "rejected_nodes"), and those left.
+
+    Raises:
+        PlanError: every node refused a stage (`Refusal`: the nodes' manifests are not this
+            program's), with the first refusal's line.
     """
     import jax
+
+    from memaudit.federated.flower.partition import PlanError
 
     flat = jax.tree.leaves(tuple(args))
     env: dict[int, Any] = dict(plan.consts)
@@ -105,13 +130,21 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
     resident = _resident(plan)
     alive = {node for node, users in assignment.items() if users}
     dropped: list[Any] = []
+    rejected: list[Any] = []
     for st in plan.stages:
         if st.kind != CLIENT:
             outs = plan.server_fns[st.index](*[env[i] for i in st.inputs])
             env.update(zip(st.outputs, outs, strict=True))
             continue
         calls = {node: _call(plan, st, env, resident, assignment[node], round) for node in alive}
-        replies = nodes.run_stage(calls)
+        replies = {n: r for n, r in dict(nodes.run_stage(calls)).items() if n in calls}  # asked nodes only
+        refusals = [replies[n].reason for n in sorted(replies, key=str) if isinstance(replies[n], Refusal)]
+        bad = sorted((n for n in replies if valid_reply(plan, st, replies[n], len(assignment[n]))
+                      is not None), key=str)
+        rejected.extend(bad)
+        replies = {n: r for n, r in replies.items() if n not in bad}
+        if refusals and not replies:
+            raise PlanError(f"every SuperNode refused the round's client stage: {refusals[0]}")
         dropped.extend(sorted(alive - set(replies), key=str))
         alive &= set(replies)
         env.update(_assemble(plan, st, {n: replies[n] for n in alive}, {n: assignment[n] for n in alive}))
@@ -119,11 +152,34 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
             else env[o] for k, o in enumerate(plan.outvars)]
     slots = sorted(s for n in dropped for s, _ in assignment[n])
     return jax.tree.unflatten(plan.out_tree, outs), {"dropped_nodes": dropped, "dropped_slots": slots,
-                                                     "alive_nodes": sorted(alive, key=str)}
+                                                     "alive_nodes": sorted(alive, key=str),
+                                                     "rejected_nodes": rejected}
 
 
-def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tuple[int, str]],
-          round: int) -> StageCall:
+def valid_reply(plan: Plan, st: Stage, reply: Any, hosted: int) -> str | None:
+    """None when ``reply`` is what client stage ``st`` returns for a node hosting ``hosted``
+    cohort slots: exactly the stage's row and sum outputs, each a numpy array of the plan's
+    dtype and shape (rows: ``(hosted, ...)``), floating values finite. Otherwise why not (the
+    server drops that node for the round: a truncated, reshaped, oversized or non-finite update
+    never reaches the aggregate)."""
+    if isinstance(reply, Refusal):
+        return "refused"
+    want = {k for k, i in enumerate(st.outputs) if i in st.sums or i in st.rows}
+    if not isinstance(reply, dict) or set(reply) != want:
+        return "not the stage's outputs"
+    for k in sorted(want):
+        aval, x = plan.avals[st.outputs[k]], reply[k]
+        shape = tuple(aval.shape) if st.outputs[k] in st.sums else (hosted, *aval.shape[1:])
+        if not isinstance(x, np.ndarray) or x.dtype != np.dtype(aval.dtype) or x.shape != shape:
+            return f"output {k} is not a {np.dtype(aval.dtype).name} array of shape {shape}"
+        if np.issubdtype(x.dtype, np.inexact) and not np.all(np.isfinite(x)):
+            return f"output {k} is not finite"
+    return None
+
+
+def _wiring(plan: Plan, st: Stage, resident: set[int]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """A client stage's inputs (``("data", name)``, ``("store", var)``, ``("server", var)``) and
+    output modes, as every call of it wires them."""
     inputs: list[tuple[str, Any]] = []
     for i in st.inputs:
         if i in plan.data_leaves:
@@ -131,13 +187,38 @@ def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tup
         elif i in resident:
             inputs.append(("store", i))
         else:
-            inputs.append(("server", np.asarray(env[i])))
+            inputs.append(("server", i))
     outputs = [SUM if i in st.sums else (ROWS if i in st.rows else KEEP) for i in st.outputs]
     # an output both kept and read by the server is sent by rows and kept
     outputs = [ROWS + "+" + KEEP if (o == ROWS and i in st.keep) else o
                for o, i in zip(outputs, st.outputs, strict=True)]
+    return inputs, outputs
+
+
+def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tuple[int, str]],
+          round: int) -> StageCall:
+    wired, outputs = _wiring(plan, st, resident)
+    inputs = [(kind, np.asarray(env[ref])) if kind == "server" else (kind, ref) for kind, ref in wired]
     return StageCall(plan.modules[st.index], plan.module_key(st.index), round, st.index, inputs,
                      outputs, list(st.outputs), [s for s, _ in hosted], [u for _, u in hosted])
+
+
+def plan_signatures(plan: Plan) -> set[str]:
+    """`memaudit.federated.flower.trust.stage_signature` of every client stage of ``plan``: what
+    a node's stage manifest allows."""
+    resident = _resident(plan)
+    out = set()
+    for st in plan.client_stages:
+        inputs, outputs = _wiring(plan, st, resident)
+        out.add(stage_signature(StageCall(plan.modules[st.index], "", 0, st.index, inputs, outputs,
+                                          list(st.outputs), [], [])))
+    return out
+
+
+def resident_vars(plan: Plan) -> set[int]:
+    """Var ids of the round's outputs that stay on the nodes (the deltas a host aggregator
+    encodes there)."""
+    return {plan.outvars[k] for k in plan.resident_out}
 
 
 def _assemble(plan: Plan, st: Stage, replies: dict, hosted: dict) -> dict[int, Any]:
@@ -171,16 +252,25 @@ class NodeExecutor:
             ``example_mask`` (users, seqs): only these users' data.
         store_dir: where values kept between a round's client stages go (a Flower ClientApp
             runs each message in a new process); None keeps them in memory.
+        trust: the node's stage manifest (`NodeTrust`): only its stages run, its policy and DP
+            parameters hold in secure aggregation. A SuperNode always has one
+            (`memaudit.federated.flower.apps`); None (nodes in the server's own process: tests,
+            the benchmark's baseline) checks nothing.
     """
 
     def __init__(self, users: Sequence[str], arrays: dict[str, np.ndarray],
-                 store_dir: Any = None) -> None:
+                 store_dir: Any = None, *, trust: NodeTrust | None = None,
+                 identity: tuple[int, Any] | None = None) -> None:
         self.users = list(users)
         self.row = {u: k for k, u in enumerate(self.users)}
         self.arrays = arrays
         self.modules: dict[str, Any] = {}
         self.store: dict[tuple[int, int], Any] = {}
         self.store_dir = store_dir
+        self.trust = trust
+        self.identity = identity
+        if trust is not None and trust.nodes and identity is None:
+            raise ValueError("a manifest that lists node keys needs this node's identity")
         self.protocol: dict[int, dict] = {}  # secure-aggregation state by round (store_dir None)
 
     def _keep(self, round: int, var: int, value: Any) -> None:
@@ -233,15 +323,53 @@ class NodeExecutor:
         os.replace(tmp, path)
 
     def secagg(self, payload: dict) -> dict:
-        """This node's side of one secure-aggregation exchange (its clients, its rows)."""
-        return node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
+        """This node's side of one secure-aggregation exchange (its clients, its rows): under a
+        `NodeTrust`, with the node's own policy and DP bound (a refusal is an abort reply), and
+        at the masked-input step only with finite rows (`StageRefused` otherwise: the node drops
+        out of the round)."""
+        step = payload.get("step")
+        try:
+            if self.trust is not None and step == "advertise":
+                payload = self.trust.secagg_payload(payload)
+            if self.trust is not None and self.trust.nodes and step == "shares":
+                rid = self._load_protocol(int(payload["round"]))["round_id"]
+                payload = {**payload, "verify": authenticated_keys(payload.get("signed"), self.trust.nodes, rid)}
+        except StageRefused as e:
+            return {"abort": str(e)}
+        if step == "masked":
+            self._check_finite(int(payload["round"]))
+        reply = node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
+        if step == "advertise" and self.identity is not None and "verify" in reply:
+            reply["keys_sig"] = sign_keys(self.identity, int(payload["round_id"]), reply["verify"])
+        return reply
+
+    def _check_finite(self, round: int) -> None:
+        st = self._load_protocol(round)
+        slots = [int(s) for s, _ in st["slots"].values()]
+        for v in st["leaves"]:
+            if not np.all(np.isfinite(np.asarray(self._kept(round, int(v)))[slots])):
+                self._save_protocol(round, None)
+                raise StageRefused("a user's update on this node is not finite; the node leaves the round")
 
     def _module(self, call: StageCall) -> Any:
+        """The call's exported module, cached by the sha256 of its bytes (never by a name the
+        server gives)."""
         from jax import export
 
-        if call.module_key not in self.modules:
-            self.modules[call.module_key] = export.deserialize(bytearray(call.module))
-        return self.modules[call.module_key]
+        key = hashlib.sha256(bytes(call.module)).hexdigest()
+        if key not in self.modules:
+            self.modules[key] = export.deserialize(bytearray(call.module))
+        return self.modules[key]
+
+    def _check(self, call: StageCall) -> None:
+        if self.trust is not None:
+            self.trust.check_call(call)
+        unknown = [u for u in call.users if u not in self.row]
+        if unknown:
+            raise StageRefused(f"this node does not host user {unknown[0]!r}; the server's "
+                               "assignment does not match the node's partition")
+        if len(set(call.users)) != len(call.users) or len(set(call.slots)) != len(call.slots):
+            raise StageRefused("the server assigned a user or a cohort slot twice")
 
     def _data(self, name: str, aval: Any, call: StageCall) -> np.ndarray:
         full = np.zeros(aval.shape, aval.dtype)
@@ -252,11 +380,12 @@ class NodeExecutor:
         return full
 
     def run(self, call: StageCall) -> dict[int, Any]:
-        """Run one client stage for the slots this node serves; returns {output index: value}."""
-        unknown = [u for u in call.users if u not in self.row]
-        if unknown:
-            raise ValueError(f"this node does not host user {unknown[0]!r}; the server's "
-                             "assignment does not match the node's partition")
+        """Run one client stage for the slots this node serves; returns {output index: value}.
+
+        Raises:
+            StageRefused: a stage not in the node's manifest, or users it does not host.
+        """
+        self._check(call)
         exp = self._module(call)
         self.store = {k: v for k, v in self.store.items() if k[0] == call.round}
         args = []
@@ -285,13 +414,25 @@ class LocalNodes:
     def __init__(self, executors: dict[Any, NodeExecutor], dead: Sequence[Any] = ()) -> None:
         self.executors, self.dead = executors, set(dead)
 
-    def run_stage(self, calls: dict[Any, StageCall]) -> dict[Any, dict[int, Any]]:
-        return {node: self.executors[node].run(call) for node, call in calls.items()
-                if node not in self.dead}
+    def run_stage(self, calls: dict[Any, StageCall]) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        for node, call in calls.items():
+            if node in self.dead:
+                continue
+            try:
+                out[node] = self.executors[node].run(call)
+            except StageRefused as e:
+                out[node] = Refusal(str(e))
+        return out
 
     def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
-        return {node: self.executors[node].secagg(p) for node, p in payloads.items()
-                if node not in self.dead}
+        out: dict[Any, dict] = {}
+        for node, p in payloads.items():
+            if node in self.dead:
+                continue
+            with contextlib.suppress(StageRefused):  # a node that leaves the round does not answer
+                out[node] = self.executors[node].secagg(p)
+        return out
 
 
 def call_to_wire(call: StageCall) -> dict[str, Any]:

@@ -4,12 +4,17 @@
 run will), makes every training user a client (`memaudit.federated.data.build_client_data`),
 deals the users into ``nodes`` contiguous blocks and writes ``node-<i>.npz`` per node: the
 users' names, their packed sequences, attention masks and example masks, and one digest per
-user. A SuperNode is started with ``--node-config "partition='.../node-<i>.npz'"``; the server
+user, and ``manifest.json``: the stage manifest of the config
+(`memaudit.federated.flower.manifest.build_trust`: the client stages a node may run, the
+secure-aggregation policy and DP parameters it enforces). A SuperNode is started with
+``--node-config "partition='.../node-<i>.npz' manifest='.../manifest.json'"``; the server
 checks every node's digests against its own prepared data, so a partition made from another
-config is refused before the first round. Pin the tokenizer (``data.tokenizer``, the one the
-partitions were made with, printed by the command) so server and nodes tokenize alike.
+config is refused before the first round, and a node refuses every stage that is not its
+manifest's. Pin the tokenizer (``data.tokenizer``, the one the partitions were made with,
+printed by the command) so server and nodes tokenize alike.
 
     python -m memaudit.federated.flower.nodes CONFIG --nodes 2 --out parts/ [key=value ...]
+        [--variant 'privacy.noise_multiplier=0.8 ...' ...]
 """
 
 from __future__ import annotations
@@ -48,8 +53,15 @@ def split_users(users: list[str], nodes: int) -> list[list[str]]:
     return [list(b) for b in np.array_split(np.asarray(users, dtype=object), nodes)]
 
 
-def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
-    """Prepare the data of ``cfg`` under ``out/prepared`` and write ``out/node-<i>.npz``."""
+def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
+                     manifest: bool = True) -> dict[str, Any]:
+    """Prepare the data of ``cfg`` under ``out/prepared``; write ``out/node-<i>.npz`` and
+    ``out/manifest.json`` (the stages of ``cfg`` and of each config in ``variants``: other
+    training settings on the same ``data`` section, run on the same SuperNodes). Without
+    ``manifest`` (nodes in the server's own process, which check nothing) no manifest is written."""
+    for v in variants:
+        if v.data != cfg.data:
+            raise DataError("a --variant changes the data section; write its partitions separately")
     from memaudit.data import prepare_data
     from memaudit.federated.data import build_client_data
     from memaudit.io import atomic_write_bytes
@@ -75,7 +87,16 @@ def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
         path = out / f"node-{i}.npz"
         atomic_write_bytes(path, buf.getvalue())
         files.append(str(path))
-    return {"partitions": files, "users": [len(b) for b in blocks],
+    from memaudit.federated.flower.identity import new_node_key, public_hex, write_node_key
+    from memaudit.federated.flower.manifest import write_manifest
+
+    keys = [new_node_key() for _ in blocks] if manifest else []  # the nodes' PKI: node i's key to node i only
+    for i, key in enumerate(keys):
+        write_node_key(out / f"node-{i}.secagg.key", key)
+    path = (write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json",
+                           nodes=tuple(public_hex(k) for k in keys)) if manifest else None)
+    return {"partitions": files, "users": [len(b) for b in blocks], "manifest": None if path is None else str(path),
+            "node_keys": [str(out / f"node-{i}.secagg.key") for i in range(len(keys))],
             "tokenizer": str(scratch.data_dir / "tokenizer")}
 
 
@@ -109,9 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides, as for memaudit train")
     ap.add_argument("--nodes", type=int, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--variant", action="append", default=[], metavar="'key=value ...'",
+                    help="overrides of another run on the same data these SuperNodes may serve "
+                         "(its stages join the manifest); repeatable")
     a = ap.parse_args(argv)
     try:
-        info = write_partitions(load_config(a.config, a.overrides), a.out, a.nodes)
+        cfg = load_config(a.config, a.overrides)
+        variants = [load_config(a.config, [*a.overrides, *v.split()]) for v in a.variant]
+        info = write_partitions(cfg, a.out, a.nodes, variants)
     except (MemauditError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

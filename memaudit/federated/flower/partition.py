@@ -456,14 +456,22 @@ def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, st
     from jax import export
 
     plan = trace(program, args, placed, capacity, resident)
-    for st in plan.stages:
-        fn = stage_function(st)
-        if st.kind == SERVER:
-            plan.server_fns[st.index] = jax.jit(fn)
-            continue
-        structs = [_struct(plan.avals[i]) for i in st.inputs]
-        exp = export.export(jax.jit(fn), platforms=("cpu",))(*structs)
-        plan.modules[st.index] = bytes(exp.serialize())
+    # A module's source locations name the innermost frame only, never the caller's: the same
+    # program exports to the same bytes wherever it is traced from (the server, or the stage
+    # manifest the nodes check those bytes against).
+    full = jax.config.jax_include_full_tracebacks_in_locations
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    try:
+        for st in plan.stages:
+            fn = stage_function(st)
+            if st.kind == SERVER:
+                plan.server_fns[st.index] = jax.jit(fn)
+                continue
+            structs = [_struct(plan.avals[i]) for i in st.inputs]
+            exp = export.export(jax.jit(fn), platforms=("cpu",))(*structs)
+            plan.modules[st.index] = bytes(exp.serialize())
+    finally:
+        jax.config.update("jax_include_full_tracebacks_in_locations", full)
     return plan
 
 

@@ -40,20 +40,18 @@ import numpy as np
 from memaudit.config import config_from_dict, dump_config
 from memaudit.errors import ConfigError, MemauditError
 from memaudit.federated.algorithms import host_metrics
-from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower import deploy, wire
-from memaudit.federated.flower.execute import Resident, call_to_wire, run_plan
+from memaudit.federated.flower.execute import Refusal, Resident, call_to_wire, run_plan
+from memaudit.federated.flower.guard import SecAggGuard
+from memaudit.federated.flower.manifest import data_struct, round_plan
 from memaudit.federated.flower.nodes import client_digests
-from memaudit.federated.flower.partition import compile_plan
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
+from memaudit.federated.secagg.messages import SecAggError
 from memaudit.federated.secagg.remote import ClientRows, NodeChannel
 from memaudit.federated.trainer import FederatedTrainer
 from memaudit.io import atomic_write_json, read_json
 from memaudit.lifecycle import one_line_error
 from memaudit.rundir import RunDir
-
-PLACED = {"[1].examples['input_ids']": "input_ids",
-          "[1].examples['attention_mask']": "attention_mask", "[1].mask": "example_mask"}
 
 
 # ------------------------------------------------------------------ the nodes, over a Grid
@@ -112,7 +110,8 @@ class FlowerNodes:
 
     def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
         """One exchange of a secure-aggregation round; a node that fails or does not answer
-        within ``federated.flower.stage_timeout`` is absent from the replies (it dropped)."""
+        within ``federated.flower.stage_timeout`` is absent from the replies (it dropped). What
+        a reply holds is checked by `memaudit.federated.flower.guard.SecAggGuard`."""
         from flwr.app import Message  # flwr: the optional flower extra
 
         msgs = [Message(wire.content(p), dst_node_id=n, message_type=f"train.{SECAGG}",
@@ -120,20 +119,43 @@ class FlowerNodes:
         out: dict[Any, dict] = {}
         for r in self.grid.send_and_receive(msgs, timeout=self.fcfg.stage_timeout):
             if not r.has_error():
-                out[r.metadata.src_node_id] = wire.read(r)
+                out[r.metadata.src_node_id] = _read(r)
         return out
 
-    def run_stage(self, calls: dict[Any, Any]) -> dict[Any, dict[int, Any]]:
+    def run_stage(self, calls: dict[Any, Any]) -> dict[Any, Any]:
+        """One client stage; a node's reply is its outputs, a `Refusal`, or (a reply that is not
+        memaudit's) whatever it held, which `memaudit.federated.flower.execute.valid_reply`
+        rejects."""
         from flwr.app import Message  # flwr: the optional flower extra
 
         msgs = [Message(wire.content(call_to_wire(c)), dst_node_id=n, message_type=f"train.{STAGE}",
                         group_id=str(c.round)) for n, c in calls.items()]
-        out: dict[Any, dict[int, Any]] = {}
+        out: dict[Any, Any] = {}
         for r in self.grid.send_and_receive(msgs, timeout=self.fcfg.stage_timeout):
             if r.has_error():  # the node died, or its ClientApp failed: dropped for the round
                 continue
-            out[r.metadata.src_node_id] = {int(k): v for k, v in wire.read(r)["outputs"].items()}
+            out[r.metadata.src_node_id] = _stage_reply(_read(r))
         return out
+
+
+def _read(reply: Any) -> Any:
+    """A node's reply, or None when it is not a memaudit message (truncated, not msgpack)."""
+    try:
+        return wire.read(reply)
+    except Exception:  # noqa: BLE001 - anything a client sends: a bad reply drops its node, not the run
+        return None
+
+
+def _stage_reply(body: Any) -> Any:
+    if isinstance(body, dict) and isinstance(body.get("refused"), str):
+        return Refusal(body["refused"].splitlines()[0] if body["refused"] else "refused")
+    outputs = body.get("outputs") if isinstance(body, dict) else None
+    if not isinstance(outputs, dict):
+        return None
+    try:
+        return {int(k): v for k, v in outputs.items()}
+    except (TypeError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------ the runtime
@@ -159,21 +181,11 @@ class FlowerRuntime:
                               "federated.runtime=jax")
         self.user_node = self.nodes.connect(client_digests(trainer.clients))
 
-    def _data_struct(self, trainer: FederatedTrainer, cap: int) -> ClientData:
-        s_max, length = trainer.clients.input_ids.shape[1:]
-        ids = jax.ShapeDtypeStruct((cap, s_max, length), np.int32)
-        return ClientData({"input_ids": ids, "attention_mask": ids},
-                          jax.ShapeDtypeStruct((cap, s_max), np.float32))
-
     def plan(self, trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> Any:
-        """The round's partitioned program for a cohort capacity (traced once per capacity).
-        With a host aggregator (secure aggregation, distributed DP) the program is the client
-        phase, whose deltas stay on the nodes (``state`` is then the server params)."""
+        """The round's partitioned program for a cohort capacity (traced once per capacity,
+        `memaudit.federated.flower.manifest.round_plan`: the program the nodes' manifests allow)."""
         if cap not in self._plans:
-            split = getattr(trainer.algorithm.round, "host_split", None)
-            program = trainer.algorithm.round.program if split is None else split.client_phase
-            self._plans[cap] = compile_plan(program, (state, self._data_struct(trainer, cap), key), PLACED,
-                                            cap, resident=(".deltas",) if split is not None else ())
+            self._plans[cap] = round_plan(trainer, cap, state, key)
         return self._plans[cap]
 
     def round(self, trainer: FederatedTrainer, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
@@ -186,11 +198,12 @@ class FlowerRuntime:
         if split is not None:
             return self._host_round(trainer, split, cap, state, assignment, r, key)
         plan = self.plan(trainer, cap, state, key)
-        (state, metrics), info = run_plan(plan, (state, self._data_struct(trainer, cap), key), self.nodes,
+        (state, metrics), info = run_plan(plan, (state, data_struct(trainer.clients, cap), key), self.nodes,
                                            assignment, round=r)
         state = jax.tree.map(jnp.asarray, state)
         m = host_metrics(*metrics)
-        m.update(dropped_users=len(info["dropped_slots"]), dropped_nodes=len(info["dropped_nodes"]))
+        m.update(dropped_users=len(info["dropped_slots"]), dropped_nodes=len(info["dropped_nodes"]),
+                 rejected_nodes=len(info["rejected_nodes"]))
         return state, m
 
     def _host_round(self, trainer: FederatedTrainer, split: Any, cap: int, state: Any, assignment: dict,
@@ -200,18 +213,31 @@ class FlowerRuntime:
         with the protocol clients on the nodes), then the server update, here."""
         client_key, agg_key = jax.random.split(key)
         plan = self.plan(trainer, cap, state.params, client_key)
-        out, info = run_plan(plan, (state.params, self._data_struct(trainer, cap), client_key), self.nodes,
+        out, info = run_plan(plan, (state.params, data_struct(trainer.clients, cap), client_key), self.nodes,
                               assignment, round=r)
         leaves, treedef = jax.tree.flatten(out.deltas, is_leaf=lambda x: isinstance(x, Resident))
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
-        channel = NodeChannel(self.nodes, hosts, r)
-        rows = ClientRows(channel, tuple(x.var for x in leaves),
-                          tuple((tuple(x.aval.shape[1:]), x.aval.dtype.name) for x in leaves), treedef)
-        state, m = split.finish(state, out._replace(deltas=rows), agg_key)
+        shapes = tuple((tuple(x.aval.shape[1:]), x.aval.dtype.name) for x in leaves)
+        guard = SecAggGuard(self.nodes, sum(int(np.prod(s)) for s, _ in shapes))
+        channel = NodeChannel(guard, hosts, r)
+        rows = ClientRows(channel, tuple(x.var for x in leaves), shapes, treedef)
+        try:
+            state, m = split.finish(state, out._replace(deltas=rows), agg_key)
+        except SecAggError:  # a reply the guard let through and the protocol refused: an abort
+            state, m = _aborted(state, out, sum(len(v) for v in hosts.values()))
         lost = [s for n in channel.dropped for s in hosts[n]]
         m.update(dropped_users=len(info["dropped_slots"]) + len(lost),
-                 dropped_nodes=len(info["dropped_nodes"]) + len(channel.dropped))
+                 dropped_nodes=len(info["dropped_nodes"]) + len(channel.dropped),
+                 rejected_nodes=len(info["rejected_nodes"]) + len(set(guard.rejected)))
         return state, m
+
+
+def _aborted(state: Any, out: Any, cohort: int) -> tuple[Any, dict]:
+    """An aborted secure-aggregation round (as the aggregator's own abort): nothing released
+    or applied, only the round counter moves on."""
+    m = host_metrics(out.metrics, {"secagg_aborted": 1, "survivors": 0.0, "aggregated_clients": 0.0,
+                                   "cohort": float(cohort)}, {"update_norm": 0.0})
+    return state._replace(round=state.round + 1), m
 
 
 def flower_trainer(cfg: Any, run: Any, nodes: Any, *, progress: Any = None) -> FederatedTrainer:

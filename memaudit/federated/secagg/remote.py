@@ -233,14 +233,18 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
                               "spec": encoding.to_wire(), "leaves": list(rows.leaves), **rows.step.to_wire()}
                        for node, cl in start.items()})
     verify: dict[int, bytes] = {}
+    signed: list[dict] = []  # each node's signature over its clients' keys (node PKI)
     for node in sorted(replies, key=str):
         for _cid, m in sorted(replies[node]["msgs"].items()):
             traffic["up"] += len(m)
             server.receive_advertise(m)
-        verify.update({int(c): bytes(k) for c, k in (replies[node].get("verify") or {}).items()})
+        keys = {int(c): bytes(k) for c, k in (replies[node].get("verify") or {}).items()}
+        verify.update(keys)
+        if replies[node].get("keys_sig"):
+            signed.append({**replies[node]["keys_sig"], "keys": keys})
     alive = [cid for cid in range(n) if node_of[cid] in replies and cid not in drop.before_shares]
     alive = exchange("shares", {i: server.keys_for(i) for i in alive}, server.receive_shares,
-                     {"verify": verify} if policy.malicious else None)
+                     {"verify": verify, "signed": signed} if policy.malicious else None)
     forwards = {i: server.forward_for(i) for i in alive}
     alive = exchange("masked", {i: forwards[i] for i in alive if i not in drop.before_masked},
                      server.receive_masked)

@@ -1,0 +1,126 @@
+"""The stage manifest: what a SuperNode may run and must enforce, computed from the operator's
+config (never sent by the server).
+
+`round_plan` is the one place a round's partitioned program is made: the server's
+`memaudit.federated.flower.trainer.FlowerRuntime` runs it, and `build_trust` traces the same
+program for every cohort capacity the server can use and keeps each client stage's
+`memaudit.federated.flower.trust.stage_signature`, the resident deltas' var ids, the
+secure-aggregation policy and the DP parameters of the config. The trace takes the server state
+as shapes and dtypes only, so a fresh and a resumed run make byte-identical modules.
+``python -m memaudit.federated.flower.nodes`` writes it as ``manifest.json`` beside the
+partitions; a SuperNode is started with ``--node-config "... manifest='manifest.json'"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from memaudit.federated.cohorts import ClientData, cohort_capacity
+from memaudit.federated.flower.execute import plan_signatures, resident_vars
+from memaudit.federated.flower.partition import Plan, compile_plan
+from memaudit.federated.flower.trust import DPBound, NodeTrust
+from memaudit.federated.trainer import FederatedTrainer
+
+PLACED = {"[1].examples['input_ids']": "input_ids",
+          "[1].examples['attention_mask']": "attention_mask", "[1].mask": "example_mask"}
+
+
+def data_struct(clients: Any, cap: int) -> ClientData:
+    """The cohort data's shapes for a capacity (the server has no client data)."""
+    s_max, length = clients.input_ids.shape[1:]
+    ids = jax.ShapeDtypeStruct((cap, s_max, length), np.int32)
+    return ClientData({"input_ids": ids, "attention_mask": ids}, jax.ShapeDtypeStruct((cap, s_max), np.float32))
+
+
+def round_plan(trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> Plan:
+    """The round's partitioned program for a cohort capacity. With a host aggregator (secure
+    aggregation, distributed DP) the program is the client phase, whose deltas stay on the
+    nodes (``state`` is then the server params)."""
+    split = getattr(trainer.algorithm.round, "host_split", None)
+    program = trainer.algorithm.round.program if split is None else split.client_phase
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.asarray(x).dtype), state)
+    return compile_plan(program, (shapes, data_struct(trainer.clients, cap), key), PLACED, cap,
+                        resident=(".deltas",) if split is not None else ())
+
+
+class _Offline:
+    """A runtime that connects to nothing (the manifest only traces the round)."""
+
+    def mesh(self, cfg: Any, shape: Any) -> None:
+        return None
+
+    def attach(self, trainer: Any) -> None:
+        return None
+
+
+class _Staged:
+    def __init__(self, prepared: Any) -> None:
+        self.prepared = prepared
+
+    def data(self) -> Any:
+        return self.prepared
+
+
+class _Tracer(FederatedTrainer):
+    """The server's trainer without a run: the run's base key is never needed to trace."""
+
+    def _base_key(self) -> np.ndarray:
+        return np.zeros(2, np.uint32)
+
+
+def capacities(trainer: FederatedTrainer) -> list[int]:
+    """Every cohort capacity the server may trace: fixed sampling's one; under Poisson sampling
+    the run's capacity and each power of two up to the population (on any backend)."""
+    f, population = trainer.fcfg, trainer.clients.num_users
+    if f.sampling == "fixed":
+        return [trainer.round_capacity(f.cohort)]
+    caps = {trainer.round_capacity(k) for k in range(1, population + 1)}
+    return sorted(caps | {cohort_capacity(k) for k in range(1, population + 1)})
+
+
+def build_trust(cfg: Any, prepared: Any, run: Any) -> NodeTrust:
+    """The `NodeTrust` of a config: its client stages, resident deltas, policy and DP bound."""
+    trainer = _Tracer(cfg, run, runtime=_Offline())
+    trainer.prepare(_Staged(prepared))
+    key = jax.random.key(0)
+    split = getattr(trainer.algorithm.round, "host_split", None)
+    state = trainer.state if split is None else trainer.state.params
+    stages: set[str] = set()
+    resident: set[int] = set()
+    for cap in capacities(trainer):
+        plan = round_plan(trainer, cap, state, key)
+        stages |= plan_signatures(plan)
+        resident |= resident_vars(plan)
+    p, sa = cfg.privacy, cfg.privacy.secure_aggregation
+    distributed = p.enabled and p.mechanism == "distributed"
+    policy = dp = None
+    if sa.enabled or distributed:
+        policy = (float(sa.threshold), int(sa.colluding_clients), int(sa.min_survivors), str(sa.mode))
+        dp = DPBound("distributed" if distributed else "central",
+                     None if p.adaptive_clipping.enabled else float(p.clip),
+                     float(trainer.plan.noise_multiplier) if distributed else None,
+                     float(cfg.federated.cohort) if distributed else None)
+    return NodeTrust(frozenset(stages), frozenset(resident), policy, dp, str(prepared.fingerprint))
+
+
+def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[str, ...] = ()) -> Path:
+    """`build_trust` of one config, or the merge (`NodeTrust.merge`) of several on the same
+    data, with the nodes' public keys (``nodes``, `memaudit.federated.flower.identity`), as
+    JSON at ``path`` (atomic)."""
+    from memaudit.io import atomic_write_json
+
+    cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
+    trust = build_trust(cfgs[0], prepared, run)
+    for cfg in cfgs[1:]:
+        trust = trust.merge(build_trust(cfg, prepared, run))
+    trust = dataclasses.replace(trust, nodes=tuple(nodes))
+    atomic_write_json(Path(path), trust.to_json())
+    return Path(path)
+
+
+__all__ = ["PLACED", "build_trust", "capacities", "data_struct", "round_plan", "write_manifest"]
