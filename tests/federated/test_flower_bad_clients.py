@@ -255,7 +255,7 @@ class _TrainerNodes:
         trust = NodeTrust.load(manifest)
         self.local = LocalNodes({i: NodeExecutor(
             *load_partition(p), trust=trust,
-            identity=load_node_identity(Path(p).with_suffix(".secagg.key"), trust.nodes))
+            identity=load_node_identity(Path(p).with_suffix(".secagg.key"), trust.nodes) if trust.nodes else None)
             for i, p in enumerate(partitions)})
         self.bad = set(bad)
         self.aborts: list[str] = []  # the steps at which a node's clients refused (abort replies)
