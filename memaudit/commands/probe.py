@@ -67,6 +67,11 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="Extraction: prefix tokens k, comma-separated "
                                      "(default 32,50).")
         ] = None,
+        window_stride: Annotated[
+            int | None, typer.Option(help="A document longer than the model's context is scored "
+                                     "in windows of the context, this many tokens apart (default "
+                                     "half the context); every token is scored once.")
+        ] = None,
         heldout_users: Annotated[
             str | None,
             typer.Option(help="Documents of users the model never saw (.jsonl with 'user'), "
@@ -143,6 +148,8 @@ def register(app: typer.Typer) -> None:
             )
         if user_docs is not None and user_docs < 1:
             raise ValueError(f"--user-docs must be >= 1, got {user_docs}")
+        if window_stride is not None and window_stride < 1:
+            raise ValueError(f"--window-stride must be >= 1 token, got {window_stride}")
         settings = ProbeConfig(
             probes=names,
             user_docs=user_docs,
@@ -152,6 +159,7 @@ def register(app: typer.Typer) -> None:
             reference=reference,
             seed=seed,
             n_boot=bootstrap,
+            window_stride=window_stride,
             exposure_enumerate_max=exposure_enumerate_max,
             exposure_samples=exposure_candidates,
             reference_models=tuple(r.strip() for r in (reference_models or "").split(",")
@@ -214,8 +222,7 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
     rows = []
     c = doc.get("counts") or {}
     if c.get("context"):
-        rows.append(("input", (f"documents scored on their first {c['context']} tokens "
-                     "(the model's context)"), f"{c['documents_truncated']} of {c['documents']}"))
+        rows.append(("input", context_measure(c), f"{context_count(c)} of {c['documents']}"))
         if c.get("extraction_ks_dropped"):
             rows.append(("input", "extraction prefix lengths beyond the context",
                          ", ".join(map(str, c["extraction_ks_dropped"]))))
@@ -288,6 +295,20 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                 (name, "ledger ε", "-" if s["ledger_eps"] is None else f"{s['ledger_eps']:.3f}")
             )
     return rows
+
+
+def context_count(counts: dict) -> int:
+    """Documents longer than the model's context: windowed, or truncated in a probes.json
+    written before windows."""
+    return counts.get("documents_windowed", counts.get("documents_truncated", 0))
+
+
+def context_measure(counts: dict) -> str:
+    """What happened to the documents longer than the model's context, in words."""
+    if "documents_windowed" in counts:
+        return (f"documents scored in windows of {counts['context']} tokens (the model's "
+                f"context), {counts.get('window_stride', counts['context'] // 2)} apart")
+    return f"documents scored on their first {counts['context']} tokens (the model's context)"
 
 
 def render_table(result, *, show_secrets: bool) -> None:

@@ -127,3 +127,24 @@ def mean_logp(model, tok, texts: list[str]) -> np.ndarray:
             logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
             out.append(float(logp.gather(-1, ids[0, 1:, None]).mean()))
     return np.array(out)
+
+
+def strided_nll(model, ids: list[int], window: int, stride: int) -> float:
+    """Mean token NLL of `ids` by Hugging Face's sliding-window loop."""
+    total, count, prev_end = 0.0, 0, 0
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for begin in range(0, len(ids), stride):
+            end = min(begin + window, len(ids))
+            new = end - prev_end  # tokens no earlier window scored
+            inp = x[:, begin:end]
+            labels = inp.clone()
+            labels[:, :-new] = -100
+            n = int((labels[:, 1:] != -100).sum())  # the model shifts labels by one
+            total += float(model(input_ids=inp, labels=labels).loss) * n
+            count += n
+            prev_end = end
+            if end == len(ids):
+                break
+    assert count == len(ids) - 1
+    return total / count
