@@ -47,17 +47,24 @@ def register(app: typer.Typer) -> None:
                                      "docs/canaries.example.json.")
         ] = None,
         text_column: Annotated[
-            str, typer.Option(help="Column holding the text (JSONL, Parquet, CSV, dataset).")
-        ] = "text",
+            str | None, typer.Option(help="Column holding the text (JSONL, Parquet, CSV, "
+                                     "dataset; default text).")
+        ] = None,
         user_column: Annotated[
-            str, typer.Option(help="Column holding the user id (optional).")
-        ] = "user",
+            str | None, typer.Option(help="Column holding the user id (optional; default user).")
+        ] = None,
         pii_column: Annotated[
-            str, typer.Option(help="Column holding PII spans [{type, value, start}] (optional).")
-        ] = "pii",
+            str | None, typer.Option(help="Column holding PII spans [{type, value, start}] "
+                                     "(optional; default pii).")
+        ] = None,
         split: Annotated[
-            str, typer.Option(help="Split of a saved DatasetDict.")
-        ] = "train",
+            str | None, typer.Option(help="Split of a saved DatasetDict (default train).")
+        ] = None,
+        columns: Annotated[
+            str | None, typer.Option(help="A YAML file naming the columns instead of the four "
+                                     "flags above: keys text, user, pii, split (e.g. 'text: "
+                                     "body'); a flag passed as well wins over its key.")
+        ] = None,
         fpr: Annotated[
             str | None, typer.Option(help="FPRs of the TPR cells, comma-separated (default "
                                      "0.01,0.001); refused when the non-members are fewer "
@@ -117,7 +124,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
-        from memaudit.probes.inputs import Columns, check_fpr_negatives
+        from memaudit.probes.inputs import check_fpr_negatives, resolve_columns
         from memaudit.probes.runner import parse_probes
         from memaudit.probes.targets import resolve_target
 
@@ -126,7 +133,8 @@ def register(app: typer.Typer) -> None:
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)
-        cols = Columns(text=text_column, user=user_column, pii=pii_column, split=split)
+        cols = resolve_columns(columns, text=text_column, user=user_column, pii=pii_column,
+                               split=split)
         t = resolve_target(
             target, members=members, nonmembers=nonmembers, canaries=canaries,
             heldout_users=heldout_users, out=out, base=base, columns=cols,

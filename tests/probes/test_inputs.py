@@ -84,7 +84,7 @@ def test_parquet_and_dataset_members_score_as_jsonl(tmp_path, outside):
 
     pq.write_table(pa.Table.from_pylist([{"body": t} for t in outside.member_texts]),
                    tmp_path / "m.parquet")
-    Dataset.from_list([{"body": t} for t in outside.nonmember_texts]).save_to_disk(
+    Dataset.from_list([{"body": t, "author": "x"} for t in outside.nonmember_texts]).save_to_disk(
         str(tmp_path / "n"))
     assert main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "a.json"),
                  "--members", str(tmp_path / "m.parquet"), "--nonmembers", str(tmp_path / "n"),
@@ -172,3 +172,43 @@ def test_window_stride_of_a_whole_context_is_one_line(tmp_path, outside, capsys)
     assert _probe(tmp_path, outside, "--probes", "membership", "--window-stride", "64") == 2
     assert "--window-stride 64 must be smaller than the window of 64 tokens" in _err_line(capsys)
     assert not (tmp_path / "p.json").exists()
+
+
+def test_columns_file_names_the_columns_and_a_flag_wins(tmp_path, outside):
+    from datasets import Dataset, DatasetDict
+
+    rows = [{"body": t, "author": f"u{i % 4}"} for i, t in enumerate(outside.member_texts)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    DatasetDict({"held": Dataset.from_list([{"body": t, "author": "x"} for t in outside.nonmember_texts])}
+                ).save_to_disk(str(tmp_path / "n"))
+    (tmp_path / "cols.yaml").write_text("text: nope\nuser: author\nsplit: held\n")
+    common = ["probe", str(outside.merged_dir), "--members", str(tmp_path / "m.jsonl"),
+              "--nonmembers", str(tmp_path / "n"), "--probes", "membership", *FAST]
+    assert main([*common, "--out", str(tmp_path / "a.json"), "--columns",
+                 str(tmp_path / "cols.yaml"), "--text-column", "body"]) == 0  # the flag wins
+    assert main([*common, "--out", str(tmp_path / "b.json"), "--text-column", "body",
+                 "--user-column", "author", "--split", "held"]) == 0
+    a, b = (json.loads((tmp_path / f).read_text())["probes"]["membership"]
+            for f in ("a.json", "b.json"))
+    assert len(a["scores"]) == 80 and a["summary"] == b["summary"]
+    # the file alone: its text column is read (and here absent, so named in the refusal)
+    from memaudit.probes.inputs import resolve_columns
+
+    assert resolve_columns(tmp_path / "cols.yaml") == Columns(text="nope", user="author",
+                                                               split="held")
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "not found"),
+    ("- text\n- body\n", "not a mapping"),
+    ("", "not a mapping"),
+    ("text: body\ncolumn: x\n", "unknown key 'column'"),
+    ("text: [a, b]\n", "'text' must name a column"),
+    ("text: {unclosed\n", "is not YAML"),
+])
+def test_bad_columns_file_is_one_line(tmp_path, outside, capsys, content, says):
+    spec = tmp_path / "cols.yaml"
+    if content is not None:
+        spec.write_text(content)
+    assert _probe(tmp_path, outside, "--columns", str(spec)) == 2
+    assert says in _err_line(capsys) and not (tmp_path / "p.json").exists()
