@@ -58,10 +58,10 @@ def test_probes_json_written_before_windows_still_reads():
     old = {"context": 64, "documents_truncated": 2, "documents": 81, "extraction_ks_dropped": []}
     new = {**old, "documents_windowed": 2, "window_stride": 32}
     del new["documents_truncated"]
-    rows = {d["counts"]["documents"]: r for d in [{"counts": old, "probes": {}}]
-            for r in summary_rows(d)}
-    assert rows[81][1].startswith("documents scored on their first 64") and rows[81][2] == "2 of 81"
-    assert summary_rows({"counts": new, "probes": {}})[0][1].startswith(
-        "documents scored in windows of 64 tokens")
+    _probe, measure, value = summary_rows({"counts": old, "probes": {}})[0]
+    assert measure.startswith("documents scored on their first 64 tokens") and value == "2 of 81"
+    _probe, measure, value = summary_rows({"counts": new, "probes": {}})[0]
+    assert measure.startswith("documents scored in windows of 64 tokens") and value == "2 of 81"
+    assert measure.endswith("32 apart")
     assert input_text({"counts": old}) == "2 of 81 documents cut to 64 tokens"
     assert input_text({"counts": new}) == "2 of 81 documents scored in windows of 64 tokens"
