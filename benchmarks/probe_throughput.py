@@ -1,24 +1,37 @@
-"""Probe throughput: the batched scorer and the batched KV-cache greedy decoder against plain loops.
+"""Probe throughput: memaudit's scoring path against a plain forward pass, and its batched scorer
+and KV-cache decoder against plain loops.
 
-Same model, same data, side by side:
-  scoring  - memaudit.probes.scoring.token_logprobs (length-sorted, padded batches under a token
-             budget) vs one model(...) call per sequence computing the same per-token log-probs
-             (and, for scoring_with_stats, the Min-K%++ mean and std); tokens scored per second:
-             on documents, on canary-length sequences (exposure's candidates), and on the mix of
-             both that one probe run scores (scoring_probe_mix: by default the quickstart
-             probe's 419 membership documents per 10,000 exposure candidates).
-  greedy   - memaudit.probes.scoring.decode (left-padded batches, KV cache) vs one
-             model.generate(...) per prompt; new tokens per second.
-Batched and loop run in alternating turns; prints one JSON object with the medians of --repeats
-turns and the speed-ups, once per --threads value.
+Default (--mode forward): tokens scored per second by the path `memaudit probe` scores documents
+with (memaudit.probes.scoring.windowed_logprobs: length-sorted batches under a token budget,
+chunked log-softmax, strided windows for documents longer than the context; with the Min-K%++
+statistics as membership's doc_scores asks for them, and without as the reference models' path)
+next to plain transformers on the same tokens: the forward pass alone (logits, in batches of
+--batch-size sequences in input order, right-padded) and the same forward pass plus the
+per-token log-probabilities a plain script computes. Ratios are memaudit's tokens/s over the
+plain ones. Models: the `tiny` and `small` configs (configs/tiny.yaml, configs/small.yaml; the
+model built from the config's preset and seed, random weights) and a GPT-2-sized outside model
+(transformers' GPT2Config defaults: 124M parameters, 1024 positions), each with documents of
+--min-len..--max-len tokens and --long-docs documents of 4x the model's context (memaudit:
+strided windows, every token once with stride context/2; plain: non-overlapping chunks of the
+context, which score each token once with less left context). Medians of --repeats alternating
+turns; the load average before and after is printed, since a shared machine slows every
+variant alike but not evenly.
 
-    python benchmarks/probe_throughput.py --preset tiny --reduced --threads 1 2
+    python benchmarks/probe_throughput.py                       # tiny, small, gpt2
+    python benchmarks/probe_throughput.py --models configs/tiny.yaml gpt2-reduced
+
+--mode loop (the scorer's own history): memaudit.probes.scoring.token_logprobs vs one
+model(...) call per sequence (documents, canary-length sequences and the quickstart probe's
+mix), and memaudit.probes.scoring.decode vs one model.generate(...) per prompt:
+
+    python benchmarks/probe_throughput.py --mode loop --preset tiny --reduced --threads 1 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -156,6 +169,120 @@ def run_at(threads: int, model, data: dict, args) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- --mode forward
+GPT2_REDUCED = {"n_layer": 4}  # --models gpt2-reduced: GPT-2's width and vocabulary, 4 layers
+
+
+def model_from(spec: str, device: str):
+    """(model, description) for a config file (its preset and seed) or gpt2 / gpt2-reduced."""
+    if spec.endswith((".yaml", ".yml")):
+        from memaudit.config import load_config
+        from memaudit.models.presets import build_model
+
+        cfg = load_config(spec)
+        model = build_model(cfg.model.preset, seed=cfg.model.init_seed)
+        desc = {"config": spec, "preset": cfg.model.preset}
+    elif spec in ("gpt2", "gpt2-reduced"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(**(GPT2_REDUCED if spec == "gpt2-reduced" else {})))
+        desc = {"config": f"transformers GPT2Config{'(n_layer=4)' if spec != 'gpt2' else '()'}",
+                "preset": spec}
+    else:
+        raise SystemExit(f"--models: '{spec}' is neither a config file nor gpt2 / gpt2-reduced")
+    model = model.float().to(device).eval()
+    ctx = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    return model, {**desc, "params": sum(p.numel() for p in model.parameters()),
+                   "context": ctx, "vocab": model.config.vocab_size}
+
+
+@torch.inference_mode()
+def plain_forward(model, seqs, batch_size: int, device, logprobs: bool) -> None:
+    """Plain transformers: batches of `batch_size` sequences in input order, right-padded; the
+    logits alone, or with each token's log-probability as a plain script computes it."""
+    for i in range(0, len(seqs), batch_size):
+        batch = seqs[i : i + batch_size]
+        width = max(len(s) for s in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(batch):
+            ids[r, : len(s)] = torch.as_tensor(s)
+            mask[r, : len(s)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        logits = model(input_ids=ids, attention_mask=mask).logits  # (batch, width, vocab)
+        if logprobs:
+            lp = torch.log_softmax(logits[:, :-1].float(), -1)
+            lp.gather(-1, ids[:, 1:, None]).squeeze(-1)[mask[:, 1:].bool()].cpu()
+        else:
+            logits[:, -1, 0].cpu()  # wait for the device
+
+
+def compare_forward(model, seqs, *, window: int, chunks: list, args) -> dict:
+    """Medians of memaudit's scoring path and the plain forward passes on `seqs`, tokens/s.
+
+    `chunks`: what the plain passes run (the sequences themselves, or a long document's
+    non-overlapping chunks of the context); tokens counted are the scored ones, len - 1 each.
+    """
+    from memaudit.probes.scoring import windowed_logprobs
+
+    bs, dev = args.batch_size, args.device
+    t = _alternating_medians({
+        "memaudit_with_stats": lambda: windowed_logprobs(model, seqs, window=window,
+                                                         batch_size=bs, with_stats=True),
+        "memaudit": lambda: windowed_logprobs(model, seqs, window=window, batch_size=bs),
+        "plain_forward": lambda: plain_forward(model, chunks, bs, dev, logprobs=False),
+        "plain_forward_logprobs": lambda: plain_forward(model, chunks, bs, dev, logprobs=True),
+    }, args.repeats)
+    n = sum(len(s) - 1 for s in seqs)
+    rate = {k: n / v for k, v in t.items()}
+    return {
+        "documents": len(seqs), "tokens_scored": n,
+        "tokens_per_s": rate, "median_s": t,
+        "ratio_to_plain_forward": {k: rate[k] / rate["plain_forward"]
+                                   for k in ("memaudit_with_stats", "memaudit")},
+        "ratio_to_plain_forward_logprobs": {k: rate[k] / rate["plain_forward_logprobs"]
+                                            for k in ("memaudit_with_stats", "memaudit")},
+    }
+
+
+def run_forward(args) -> dict:
+    rng = np.random.default_rng(0)
+    out = []
+    for spec in args.models:
+        model, desc = model_from(spec, args.device)
+        ctx, vocab = desc["context"], desc["vocab"]
+        n_docs = args.docs if desc["params"] < 50e6 else args.docs_large
+        seqs = [rng.integers(1, vocab, int(n)).tolist()
+                for n in rng.integers(args.min_len, args.max_len + 1, n_docs)]
+        entry = {**desc, "documents": compare_forward(model, seqs, window=ctx, chunks=seqs,
+                                                      args=args)}
+        if args.long_docs:
+            long = [rng.integers(1, vocab, 4 * ctx).tolist() for _ in range(args.long_docs)]
+            chunks = [s[i : i + ctx] for s in long for i in range(0, len(s), ctx)]
+            entry["long_documents"] = {"length": 4 * ctx, "stride": ctx // 2,
+                                       **compare_forward(model, long, window=ctx, chunks=chunks,
+                                                         args=args)}
+        out.append(entry)
+        del model
+    return {"models": out}
+
+
+def forward_main(args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads[0])
+    load = os.getloadavg()
+    t0 = time.perf_counter()
+    res = run_forward(args)
+    print(json.dumps({
+        "benchmark": "probe_throughput", "mode": "forward", "device": args.device,
+        "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "repeats": args.repeats, "batch_size": args.batch_size,
+        "lengths": [args.min_len, args.max_len],
+        "load_average_1m": {"before": load[0], "after": os.getloadavg()[0]},
+        "seconds": time.perf_counter() - t0, **res}, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
@@ -175,7 +302,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=50)
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="sequences per batch (default: 32 in --mode forward, the probe's "
+                    "default; 64 in --mode loop)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
@@ -188,7 +317,21 @@ def main() -> None:
     ap.add_argument(
         "--reduced", action="store_true", help="small sizes for a quick check on a shared CPU"
     )
+    ap.add_argument("--mode", choices=("forward", "loop"), default="forward")
+    ap.add_argument("--models", nargs="+",
+                    default=["configs/tiny.yaml", "configs/small.yaml", "gpt2"],
+                    help="--mode forward: config files and/or gpt2, gpt2-reduced")
+    ap.add_argument("--docs", type=int, default=128, help="--mode forward: documents per model")
+    ap.add_argument("--docs-large", type=int, default=32,
+                    help="--mode forward: documents for models of 50M parameters or more")
+    ap.add_argument("--long-docs", type=int, default=2,
+                    help="--mode forward: documents of 4x the context (0: none)")
     args = ap.parse_args()
+    if args.mode == "forward":
+        args.batch_size = args.batch_size or 32
+        forward_main(args)
+        return
+    args.batch_size = args.batch_size or 64
     if args.reduced:
         args.seqs, args.max_len, args.prompts, args.new_tokens = 128, 128, 16, 32
         args.short_seqs = 512

@@ -475,7 +475,11 @@ class ProbeConfig(_Section):
     seed: int = Field(0, description="seed of bootstraps, permutations, sampling and candidates")
     n_boot: int = Field(1000, ge=10, description="bootstrap resamples per interval")
     fprs: tuple[float, ...] = Field((0.01, 0.001), description="FPRs of the TPR-at-FPR cells")
-    max_tokens: int = Field(1024, ge=2, description="tokens scored per document")
+    max_tokens: int = Field(1024, ge=2, description="tokens per forward pass when a document is "
+                            "scored; a longer one is scored in windows of this many tokens")
+    window_stride: int | None = Field(None, ge=1, description="tokens between the starts of a "
+                                      "long document's windows (default max_tokens // 2); each "
+                                      "token is scored once, in the first window that reaches it")
     min_k: float = Field(0.2, gt=0, le=1, description="k of Min-K% and Min-K%++")
     exposure_enumerate_max: int = Field(
         10_000, ge=1, description="score every secret (exact exposure) when |R| <= this; "

@@ -47,17 +47,24 @@ def register(app: typer.Typer) -> None:
                                      "docs/canaries.example.json.")
         ] = None,
         text_column: Annotated[
-            str, typer.Option(help="Column holding the text (JSONL, Parquet, CSV, dataset).")
-        ] = "text",
+            str | None, typer.Option(help="Column holding the text (JSONL, Parquet, CSV, "
+                                     "dataset; default text).")
+        ] = None,
         user_column: Annotated[
-            str, typer.Option(help="Column holding the user id (optional).")
-        ] = "user",
+            str | None, typer.Option(help="Column holding the user id (optional; default user).")
+        ] = None,
         pii_column: Annotated[
-            str, typer.Option(help="Column holding PII spans [{type, value, start}] (optional).")
-        ] = "pii",
+            str | None, typer.Option(help="Column holding PII spans [{type, value, start}] "
+                                     "(optional; default pii).")
+        ] = None,
         split: Annotated[
-            str, typer.Option(help="Split of a saved DatasetDict.")
-        ] = "train",
+            str | None, typer.Option(help="Split of a saved DatasetDict (default train).")
+        ] = None,
+        columns: Annotated[
+            str | None, typer.Option(help="A YAML file naming the columns instead of the four "
+                                     "flags above: keys text, user, pii, split (e.g. 'text: "
+                                     "body'); a flag passed as well wins over its key.")
+        ] = None,
         fpr: Annotated[
             str | None, typer.Option(help="FPRs of the TPR cells, comma-separated (default "
                                      "0.01,0.001); refused when the non-members are fewer "
@@ -66,6 +73,11 @@ def register(app: typer.Typer) -> None:
         prefix_lengths: Annotated[
             str | None, typer.Option(help="Extraction: prefix tokens k, comma-separated "
                                      "(default 32,50).")
+        ] = None,
+        window_stride: Annotated[
+            int | None, typer.Option(help="A document longer than the model's context is scored "
+                                     "in windows of the context, this many tokens apart (default "
+                                     "half the context); every token is scored once.")
         ] = None,
         heldout_users: Annotated[
             str | None,
@@ -112,7 +124,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
-        from memaudit.probes.inputs import Columns, check_fpr_negatives
+        from memaudit.probes.inputs import check_fpr_negatives, resolve_columns
         from memaudit.probes.runner import parse_probes
         from memaudit.probes.targets import resolve_target
 
@@ -121,7 +133,8 @@ def register(app: typer.Typer) -> None:
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)
-        cols = Columns(text=text_column, user=user_column, pii=pii_column, split=split)
+        cols = resolve_columns(columns, text=text_column, user=user_column, pii=pii_column,
+                               split=split)
         t = resolve_target(
             target, members=members, nonmembers=nonmembers, canaries=canaries,
             heldout_users=heldout_users, out=out, base=base, columns=cols,
@@ -143,6 +156,8 @@ def register(app: typer.Typer) -> None:
             )
         if user_docs is not None and user_docs < 1:
             raise ValueError(f"--user-docs must be >= 1, got {user_docs}")
+        if window_stride is not None and window_stride < 1:
+            raise ValueError(f"--window-stride must be >= 1 token, got {window_stride}")
         settings = ProbeConfig(
             probes=names,
             user_docs=user_docs,
@@ -152,6 +167,7 @@ def register(app: typer.Typer) -> None:
             reference=reference,
             seed=seed,
             n_boot=bootstrap,
+            window_stride=window_stride,
             exposure_enumerate_max=exposure_enumerate_max,
             exposure_samples=exposure_candidates,
             reference_models=tuple(r.strip() for r in (reference_models or "").split(",")
@@ -214,8 +230,7 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
     rows = []
     c = doc.get("counts") or {}
     if c.get("context"):
-        rows.append(("input", (f"documents scored on their first {c['context']} tokens "
-                     "(the model's context)"), f"{c['documents_truncated']} of {c['documents']}"))
+        rows.append(("input", context_measure(c), f"{context_count(c)} of {c['documents']}"))
         if c.get("extraction_ks_dropped"):
             rows.append(("input", "extraction prefix lengths beyond the context",
                          ", ".join(map(str, c["extraction_ks_dropped"]))))
@@ -288,6 +303,20 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                 (name, "ledger ε", "-" if s["ledger_eps"] is None else f"{s['ledger_eps']:.3f}")
             )
     return rows
+
+
+def context_count(counts: dict) -> int:
+    """Documents longer than the model's context: windowed, or truncated in a probes.json
+    written before windows."""
+    return counts.get("documents_windowed", counts.get("documents_truncated", 0))
+
+
+def context_measure(counts: dict) -> str:
+    """What happened to the documents longer than the model's context, in words."""
+    if "documents_windowed" in counts:
+        return (f"documents scored in windows of {counts['context']} tokens (the model's "
+                f"context), {counts.get('window_stride', counts['context'] // 2)} apart")
+    return f"documents scored on their first {counts['context']} tokens (the model's context)"
 
 
 def render_table(result, *, show_secrets: bool) -> None:

@@ -1,10 +1,10 @@
 """Fit a probe run to the model's context window, and count what that leaves out.
 
 A causal LM with learned positions (GPT-2, GPT-NeoX's trained length) fails on a sequence longer
-than its context; every probe's sequences are kept within it: documents are scored on their
-first `context` tokens (counted as truncated, shown on the first screen), extraction prefix
-lengths that leave no room for the suffix are dropped (counted), and unprompted samples are
-shortened to fit.
+than its context; every probe's sequences are kept within it: a longer document is scored in
+strided windows of `context` tokens, every token once (counted as windowed, shown on the first
+screen), extraction prefix lengths that leave no room for the suffix are dropped (counted), and
+unprompted samples are shortened to fit.
 """
 
 from __future__ import annotations
@@ -32,14 +32,19 @@ def fit_to_context(settings: ProbeConfig, context: int | None, lengths: list[int
         lengths: token counts (start token included) of the documents to be scored.
 
     Returns:
-        (settings, counts) with counts {"context", "documents_truncated", "documents",
-        "extraction_ks_dropped"}.
+        (settings, counts) with counts {"context", "documents_windowed", "window_stride",
+        "documents", "extraction_ks_dropped"}. probes.json written before windows held
+        "documents_truncated" (documents scored on their first `context` tokens) instead.
+
+    Raises:
+        ValueError: the window stride is not smaller than the window.
 
     >>> s, c = fit_to_context(ProbeConfig(), 64, [10, 80, 100])
-    >>> s.max_tokens, c["documents_truncated"], s.extraction_ks
-    (64, 2, ())
+    >>> s.max_tokens, c["documents_windowed"], c["window_stride"], s.extraction_ks
+    (64, 2, 32, ())
     """
     if context is None:
+        window_stride(settings)
         return settings, {}
     update: dict = {"max_tokens": min(settings.max_tokens, context)}
     ks = tuple(k for k in settings.extraction_ks if 1 + k + settings.extraction_m <= context)
@@ -48,7 +53,25 @@ def fit_to_context(settings: ProbeConfig, context: int | None, lengths: list[int
     counts = {
         "context": context,
         "documents": len(lengths),
-        "documents_truncated": sum(n > update["max_tokens"] for n in lengths),
+        "documents_windowed": sum(n > update["max_tokens"] for n in lengths),
         "extraction_ks_dropped": [k for k in settings.extraction_ks if k not in ks],
     }
-    return settings.model_copy(update=update), counts
+    settings = settings.model_copy(update=update)
+    counts["window_stride"] = window_stride(settings)
+    return settings, counts
+
+
+def window_stride(settings: ProbeConfig) -> int:
+    """The stride of a long document's windows (default half the window), refused in one line
+    unless it lies in 1..max_tokens - 1 (a stride of a whole window would leave each window's
+    first token unscored).
+
+    >>> window_stride(ProbeConfig(max_tokens=64)), window_stride(ProbeConfig(window_stride=48))
+    (32, 48)
+    """
+    window = settings.max_tokens
+    stride = settings.window_stride or max(1, window // 2)
+    if stride >= window:
+        raise ValueError(f"--window-stride {stride} must be smaller than the window of {window} "
+                         f"tokens (the model's context or max_tokens); pass at most {window - 1}")
+    return stride

@@ -2,7 +2,8 @@
 dataset saved to disk (`Dataset.save_to_disk`), with the text, user-id and PII-span columns named.
 
 Every format becomes the same list of `Doc`; bad input (a missing file or column, a dataset
-dictionary without the split named) is refused in one line naming the columns there are.
+dictionary without the split named) is refused in one line naming the columns there are. The
+columns come from flags or a small YAML file (`read_column_spec`); a flag wins over the file.
 Documentation of the formats: docs/inputs.md.
 
 >>> Columns().text
@@ -83,6 +84,55 @@ class Columns:
 
 
 DEFAULT_COLUMNS = Columns()
+# keys of a --columns file, each the flag it stands for
+COLUMN_KEYS = {"text": "--text-column", "user": "--user-column", "pii": "--pii-column",
+               "split": "--split"}
+
+
+def read_column_spec(path: str | Path) -> dict[str, str]:
+    """The column names a small YAML file gives (`--columns`): a mapping with any of the keys
+    text, user, pii and split, each a non-empty string (e.g. "text: body" and "user: author"
+    on two lines); bad input (a missing file, not YAML, not a mapping, an unknown key, a value
+    that is not a column name) is refused in one line.
+    """
+    import yaml  # only when a --columns file is passed
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"--columns file '{p}' not found; pass a YAML file such as "
+                        "'text: body' (keys: text, user, pii, split)")
+    try:
+        spec = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise DataError(f"--columns file '{p}' is not YAML; write one 'key: column' per line "
+                        "(keys: text, user, pii, split)") from None
+    if not isinstance(spec, dict) or not spec:
+        raise DataError(f"--columns file '{p}' is not a mapping of column names; write e.g. "
+                        "'text: body' (keys: text, user, pii, split)")
+    for key, value in spec.items():
+        if key not in COLUMN_KEYS:
+            raise DataError(f"--columns file '{p}': unknown key '{key}'; use text, user, pii "
+                            "or split")
+        if not isinstance(value, str) or not value.strip():
+            raise DataError(f"--columns file '{p}': '{key}' must name a column (a non-empty "
+                            f"string); write e.g. '{key}: {getattr(DEFAULT_COLUMNS, key)}'")
+    return dict(spec)
+
+
+def resolve_columns(spec: str | Path | None, **flags: str | None) -> Columns:
+    """The columns to read: the flags given (not None) win over a --columns file's keys, which
+    win over the defaults.
+
+    Args:
+        spec: the --columns YAML file, or None.
+        flags: text, user, pii, split as passed on the command line (None: not passed).
+
+    >>> resolve_columns(None, text="body", user=None).text
+    'body'
+    """
+    named = read_column_spec(spec) if spec is not None else {}
+    named.update({k: v for k, v in flags.items() if v is not None})
+    return Columns(**named)
 
 
 def _is_dataset_dir(p: Path) -> bool:
@@ -99,7 +149,7 @@ def _records(p: Path, cols: Columns) -> tuple[list[dict[str, Any]], list[str]]:
         if isinstance(ds, DatasetDict):
             if cols.split not in ds:
                 raise DataError(f"dataset '{p}' has no split '{cols.split}' (splits: "
-                                f"{', '.join(ds)}); pass --split NAME")
+                                f"{', '.join(ds)}); pass --split NAME or 'split:' in --columns")
             ds = ds[cols.split]
         return ds.to_list(), list(ds.column_names)
     if p.suffix == ".parquet":
@@ -162,13 +212,14 @@ def read_documents(path: str | Path, role: str, cols: Columns = DEFAULT_COLUMNS)
     rows, names = _records(p, cols)
     if cols.text not in names:
         raise DataError(f"documents '{p}' have no column '{cols.text}' (columns: "
-                        f"{', '.join(names) or 'none'}); pass --text-column NAME")
+                        f"{', '.join(names) or 'none'}); pass --text-column NAME or 'text:' in "
+                        "--columns")
     if cols.user != "user" and cols.user not in names:
         raise DataError(f"documents '{p}' have no user column '{cols.user}' (columns: "
-                        f"{', '.join(names)}); pass --user-column NAME")
+                        f"{', '.join(names)}); pass --user-column NAME or 'user:' in --columns")
     if cols.pii != "pii" and cols.pii not in names:
         raise DataError(f"documents '{p}' have no PII column '{cols.pii}' (columns: "
-                        f"{', '.join(names)}); pass --pii-column NAME")
+                        f"{', '.join(names)}); pass --pii-column NAME or 'pii:' in --columns")
     docs = []
     for i, r in enumerate(rows):
         text = r.get(cols.text) if isinstance(r, dict) else None

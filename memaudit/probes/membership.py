@@ -65,14 +65,20 @@ def doc_scores(
     batch_size: int,
     k: float = 0.2,
     max_tokens: int = 1024,
+    stride: int | None = None,
     reference=None,
     progress=None,
 ) -> dict[str, np.ndarray]:
-    """Every attack's score per document (reference only when a (model, codec) pair is given)."""
-    from memaudit.probes.scoring import token_logprobs
+    """Every attack's score per document (reference only when a (model, codec) pair is given).
 
-    seqs = [codec.encode(d.text)[:max_tokens] for d in docs]
-    ts = token_logprobs(model, seqs, batch_size=batch_size, with_stats=True, progress=progress)
+    Every token of a document is scored: one longer than `max_tokens` in windows of that many
+    tokens, `stride` apart (`memaudit.probes.scoring.windowed_logprobs`).
+    """
+    from memaudit.probes.scoring import windowed_logprobs
+
+    seqs = [codec.encode(d.text) for d in docs]
+    ts = windowed_logprobs(model, seqs, window=max_tokens, stride=stride, batch_size=batch_size,
+                           with_stats=True, progress=progress)
     out = {
         "loss": np.array([lp.mean() for lp in ts.logp]),
         "zlib": np.array([zlib_score(lp, d.text) for lp, d in zip(ts.logp, docs, strict=True)]),
@@ -86,9 +92,8 @@ def doc_scores(
     }
     if reference is not None:
         ref_model, ref_codec = reference
-        rs = token_logprobs(
-            ref_model, [ref_codec.encode(d.text)[:max_tokens] for d in docs], batch_size=batch_size
-        )
+        rs = windowed_logprobs(ref_model, [ref_codec.encode(d.text) for d in docs],
+                               window=max_tokens, stride=stride, batch_size=batch_size)
         out["reference"] = out["loss"] - np.array([lp.mean() for lp in rs.logp])
     return out
 

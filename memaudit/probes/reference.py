@@ -114,15 +114,17 @@ def reference_attacks(target: np.ndarray, refs: np.ndarray) -> dict[str, np.ndar
 
 
 def models_mean_logp(sources: tuple[str, ...], codec, texts: list[str], *, max_tokens: int,
-                     batch_size: int, device: str, dtype: str) -> np.ndarray:
+                     batch_size: int, device: str, dtype: str,
+                     stride: int | None = None) -> np.ndarray:
     """(k, n) mean token log-likelihoods of `texts` under each reference model, loaded in turn.
 
     Every reference must share the target's tokenizer (as the ratio attack requires), so one
-    encoding serves all; a model is released before the next is loaded.
+    encoding serves all; a model is released before the next is loaded. A text longer than
+    `max_tokens` is scored in strided windows, as for the target.
     """
-    from memaudit.probes.scoring import token_logprobs  # torch: only when references are scored
+    from memaudit.probes.scoring import windowed_logprobs  # torch: only when references are scored
 
-    seqs = [codec.encode(t)[:max_tokens] for t in texts]
+    seqs = [codec.encode(t) for t in texts]
     out = []
     for name in sources:
         src = resolve_model(name)
@@ -130,6 +132,8 @@ def models_mean_logp(sources: tuple[str, ...], codec, texts: list[str], *, max_t
             raise ValueError(f"--reference-models '{name}' uses another tokenizer than the "
                              "target; pass reference models with the target's tokenizer")
         model = load_model(src, device=device, dtype=dtype)
-        out.append([lp.mean() for lp in token_logprobs(model, seqs, batch_size=batch_size).logp])
+        lp = windowed_logprobs(model, seqs, window=max_tokens, stride=stride,
+                               batch_size=batch_size).logp
+        out.append([x.mean() for x in lp])
         del model
     return np.array(out)

@@ -16,7 +16,7 @@ from memaudit import __version__
 from memaudit.config import ProbeConfig
 from memaudit.errors import RunDirError
 from memaudit.probes import PROBES, SCHEMA
-from memaudit.probes.context import fit_to_context, model_context
+from memaudit.probes.context import fit_to_context, model_context, window_stride
 from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.shift import blind_check
 from memaudit.probes.sources import load_model, resolve_model
@@ -82,6 +82,7 @@ def run_probes(
     """Load the model (unless given), run each selected probe, return probes.json + secrets."""
     from memaudit.probes.scoring import load_causal_lm
 
+    window_stride(settings)  # a bad --window-stride is refused before any model is loaded
     # the weights measured, fingerprinted before they are loaded: a probes.json whose run was
     # trained again meanwhile then names other weights than the model's and is not used
     weights = weights_sha256(target.model_path) if model is None else None
@@ -166,6 +167,7 @@ class _Context:
                 batch_size=self.s.batch_size,
                 k=self.s.min_k,
                 max_tokens=self.s.max_tokens,
+                stride=window_stride(self.s),
                 reference=self.ref,
                 progress=_stage(self.progress, "scoring"),
             )
@@ -250,8 +252,9 @@ def probe_membership(ctx: _Context) -> dict:
     if ctx.s.reference_models:  # k reference models: offline LiRA and RMIA beside the ratio
         refs = models_mean_logp(ctx.s.reference_models, ctx.codec,
                                 [d.text for d in ctx.t.members + ctx.t.nonmembers],
-                                max_tokens=ctx.s.max_tokens, batch_size=ctx.s.batch_size,
-                                device=ctx.s.device, dtype=ctx.s.dtype)
+                                max_tokens=ctx.s.max_tokens, stride=window_stride(ctx.s),
+                                batch_size=ctx.s.batch_size, device=ctx.s.device,
+                                dtype=ctx.s.dtype)
         scores.update(reference_attacks(scores["loss"], refs))
     return run_membership(ctx.t.members, ctx.t.nonmembers, scores, n_boot=ctx.s.n_boot,
                           seed=ctx.s.seed, fprs=ctx.s.fprs)

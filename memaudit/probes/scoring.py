@@ -159,6 +159,74 @@ def token_logprobs(
     )
 
 
+def strided_windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """The windows that score a sequence of n tokens, every token once (Hugging Face's strided
+    perplexity).
+
+    Windows of `window` tokens start every `stride` tokens; each scores only the tokens no earlier
+    window reached, which sit at its end, so each token is scored with the most left context the
+    windows give (at least window - stride tokens once past the first window).
+
+    Returns:
+        (begin, end, kept) per window: ids[begin:end] is scored and the last `kept` of its
+        end - begin - 1 log-probabilities are kept; the kept counts add up to n - 1.
+
+    References:
+        Hugging Face Transformers docs, "Perplexity of fixed-length models" (sliding window).
+
+    >>> strided_windows(10, 4, 2)
+    [(0, 4, 3), (2, 6, 2), (4, 8, 2), (6, 10, 2)]
+    >>> strided_windows(3, 4, 2)
+    [(0, 3, 2)]
+    """
+    if not 0 < stride < window:
+        raise ValueError(f"the window stride must lie in 1..{window - 1} (the window is {window} "
+                         f"tokens), got {stride}; pass a smaller --window-stride")
+    out, prev = [], 0
+    for begin in range(0, max(n, 1), stride):
+        end = min(begin + window, n)
+        out.append((begin, end, end - prev - (begin == 0)))
+        prev = end
+        if end >= n:
+            break
+    return out
+
+
+def windowed_logprobs(
+    model,
+    seqs: Sequence[Sequence[int]],
+    *,
+    window: int,
+    stride: int | None = None,
+    batch_size: int = 32,
+    with_stats: bool = False,
+    progress: Progress = None,
+) -> TokenScores:
+    """`token_logprobs` for sequences of any length: those longer than `window` are scored in
+    strided windows (`strided_windows`, stride default window // 2), so every token after the
+    first is scored once and the arrays have len(seq) - 1 entries as for a short sequence.
+
+    All windows of all sequences share the length-sorted batches of one `token_logprobs` call.
+    """
+    stride = max(1, window // 2) if stride is None else stride
+    pieces: list[Sequence[int]] = []
+    plan: list[tuple[int, list[int]]] = []  # per sequence: its first window, kept counts
+    for s in seqs:
+        wins = strided_windows(len(s), window, stride)
+        plan.append((len(pieces), [k for _b, _e, k in wins]))
+        pieces += [s[b:e] for b, e, _k in wins]
+    ts = token_logprobs(model, pieces, batch_size=batch_size, with_stats=with_stats,
+                        progress=progress)
+
+    def stitch(parts: list[np.ndarray] | None) -> list[np.ndarray] | None:
+        if parts is None:
+            return None
+        return [np.concatenate([parts[i0 + j][len(parts[i0 + j]) - k:]
+                                for j, k in enumerate(kept)]) for i0, kept in plan]
+
+    return TokenScores(logp=stitch(ts.logp), mu=stitch(ts.mu), sigma=stitch(ts.sigma))
+
+
 def _left_pad(
     prompts: Sequence[Sequence[int]], pad_id: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:

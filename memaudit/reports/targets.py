@@ -166,10 +166,14 @@ def epsilon_of(entry: dict[str, Any]) -> float:
 
 
 def input_text(entry: dict[str, Any]) -> str:
-    """What the probes left out: documents cut to the context, prefix lengths dropped."""
+    """What fitting the context did: documents windowed (cut, in an older probes.json), prefix
+    lengths dropped."""
     c = entry.get("counts") or {}
     parts = []
-    if c.get("context"):
+    if "documents_windowed" in c:  # every token scored, in strided windows of the context
+        parts.append(f"{c['documents_windowed']} of {c['documents']} documents scored in "
+                     f"windows of {c['context']} tokens")
+    elif c.get("context"):  # a probes.json written before windows: documents were cut
         parts.append(f"{c['documents_truncated']} of {c['documents']} documents cut to "
                      f"{c['context']} tokens")
     if c.get("extraction_ks_dropped"):

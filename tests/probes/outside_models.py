@@ -49,7 +49,8 @@ def bpe_tokenizer(texts: list[str]):
                                    pad_token="<|endoftext|>")
 
 
-def _train(model, tok, texts: list[str], steps: int, lr: float, seed: int) -> None:
+def train_lm(model, tok, texts: list[str], steps: int, lr: float, seed: int) -> None:
+    """Plain AdamW on [eos] + text, CTX tokens at most, batches of 32."""
     eos = tok.eos_token_id
     seqs = [[eos, *tok(t)["input_ids"]][:CTX] for t in texts]
     rng = np.random.default_rng(seed)
@@ -84,7 +85,7 @@ def build(root: Path, *, n: int = 40, ft_steps: int = 150, n_public: int = 400,
                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     base = GPT2LMHeadModel(cfg)
-    _train(base, tok, public, steps=40, lr=3e-3, seed=1)
+    train_lm(base, tok, public, steps=40, lr=3e-3, seed=1)
     base_dir = root / "base"
     base.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
@@ -92,7 +93,7 @@ def build(root: Path, *, n: int = 40, ft_steps: int = 150, n_public: int = 400,
     ft = get_peft_model(GPT2LMHeadModel.from_pretrained(base_dir),
                         LoraConfig(r=32, lora_alpha=64, target_modules=["c_attn", "c_fc", "c_proj"],
                                    fan_in_fan_out=True, task_type="CAUSAL_LM"))
-    _train(ft, tok, members, steps=ft_steps, lr=5e-3, seed=2)
+    train_lm(ft, tok, members, steps=ft_steps, lr=5e-3, seed=2)
     adapter_dir = root / "adapter"
     ft.save_pretrained(adapter_dir)
     merged_dir = root / "merged"
@@ -127,3 +128,24 @@ def mean_logp(model, tok, texts: list[str]) -> np.ndarray:
             logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
             out.append(float(logp.gather(-1, ids[0, 1:, None]).mean()))
     return np.array(out)
+
+
+def strided_nll(model, ids: list[int], window: int, stride: int) -> float:
+    """Mean token NLL of `ids` by Hugging Face's sliding-window loop."""
+    total, count, prev_end = 0.0, 0, 0
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for begin in range(0, len(ids), stride):
+            end = min(begin + window, len(ids))
+            new = end - prev_end  # tokens no earlier window scored
+            inp = x[:, begin:end]
+            labels = inp.clone()
+            labels[:, :-new] = -100
+            n = int((labels[:, 1:] != -100).sum())  # the model shifts labels by one
+            total += float(model(input_ids=inp, labels=labels).loss) * n
+            count += n
+            prev_end = end
+            if end == len(ids):
+                break
+    assert count == len(ids) - 1
+    return total / count

@@ -11,6 +11,7 @@ import pytest
 from memaudit.cli import main
 from memaudit.probes.inputs import Columns, read_documents
 from memaudit.probes.loaders import Canaries
+from tests.probes.outside_models import strided_nll
 
 DOCS = Path(__file__).parents[2] / "docs"
 FAST = ["--device", "cpu", "--bootstrap", "50"]
@@ -83,7 +84,7 @@ def test_parquet_and_dataset_members_score_as_jsonl(tmp_path, outside):
 
     pq.write_table(pa.Table.from_pylist([{"body": t} for t in outside.member_texts]),
                    tmp_path / "m.parquet")
-    Dataset.from_list([{"body": t} for t in outside.nonmember_texts]).save_to_disk(
+    Dataset.from_list([{"body": t, "author": "x"} for t in outside.nonmember_texts]).save_to_disk(
         str(tmp_path / "n"))
     assert main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "a.json"),
                  "--members", str(tmp_path / "m.parquet"), "--nonmembers", str(tmp_path / "n"),
@@ -144,7 +145,7 @@ def test_canary_file_without_canaries_is_never_ignored(tmp_path, outside, capsys
 
 def test_long_documents_fit_the_context_and_are_counted(tmp_path, outside):
     mem = tmp_path / "m.jsonl"
-    long = " ".join(outside.member_texts[:6])  # several times the 64-token context
+    long = " ".join(outside.member_texts[:8])  # 3-4 times the 64-token context
     mem.write_text("".join(json.dumps({"text": t}) + "\n" for t in [long, *outside.member_texts]))
     rc = main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "p.json"),
                "--members", str(mem), "--nonmembers", str(outside.nonmembers), "--probes",
@@ -152,8 +153,62 @@ def test_long_documents_fit_the_context_and_are_counted(tmp_path, outside):
     assert rc == 0
     doc = json.loads((tmp_path / "p.json").read_text())
     c = doc["counts"]
-    assert c["context"] == 64 and c["documents_truncated"] == 1 and c["documents"] == 81
-    assert doc["settings"]["max_tokens"] == 64
+    assert c["context"] == 64 and c["documents_windowed"] == 1 and c["documents"] == 81
+    assert c["window_stride"] == 32 and doc["settings"]["max_tokens"] == 64
     assert c["extraction_ks_dropped"] == [20]  # 1 + 20 + 50 > 64
     rows = doc["probes"]["membership"]["scores"]
     assert np.isfinite([r["loss"] for r in rows]).all()
+    # every token of the long document scored, as Hugging Face's strided perplexity scores it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(outside.merged_dir)
+    ids = [tok.eos_token_id, *tok(long)["input_ids"]]
+    assert len(ids) > 3 * 64
+    want = strided_nll(AutoModelForCausalLM.from_pretrained(outside.merged_dir), ids, 64, 32)
+    assert -rows[0]["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_window_stride_of_a_whole_context_is_one_line(tmp_path, outside, capsys):
+    assert _probe(tmp_path, outside, "--probes", "membership", "--window-stride", "64") == 2
+    assert "--window-stride 64 must be smaller than the window of 64 tokens" in _err_line(capsys)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_columns_file_names_the_columns_and_a_flag_wins(tmp_path, outside):
+    from datasets import Dataset, DatasetDict
+
+    rows = [{"body": t, "author": f"u{i % 4}"} for i, t in enumerate(outside.member_texts)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    DatasetDict({"held": Dataset.from_list([{"body": t, "author": "x"} for t in outside.nonmember_texts])}
+                ).save_to_disk(str(tmp_path / "n"))
+    (tmp_path / "cols.yaml").write_text("text: nope\nuser: author\nsplit: held\n")
+    common = ["probe", str(outside.merged_dir), "--members", str(tmp_path / "m.jsonl"),
+              "--nonmembers", str(tmp_path / "n"), "--probes", "membership", *FAST]
+    assert main([*common, "--out", str(tmp_path / "a.json"), "--columns",
+                 str(tmp_path / "cols.yaml"), "--text-column", "body"]) == 0  # the flag wins
+    assert main([*common, "--out", str(tmp_path / "b.json"), "--text-column", "body",
+                 "--user-column", "author", "--split", "held"]) == 0
+    a, b = (json.loads((tmp_path / f).read_text())["probes"]["membership"]
+            for f in ("a.json", "b.json"))
+    assert len(a["scores"]) == 80 and a["summary"] == b["summary"]
+    # the file alone: its text column is read (and here absent, so named in the refusal)
+    from memaudit.probes.inputs import resolve_columns
+
+    assert resolve_columns(tmp_path / "cols.yaml") == Columns(text="nope", user="author",
+                                                               split="held")
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "not found"),
+    ("- text\n- body\n", "not a mapping"),
+    ("", "not a mapping"),
+    ("text: body\ncolumn: x\n", "unknown key 'column'"),
+    ("text: [a, b]\n", "'text' must name a column"),
+    ("text: {unclosed\n", "is not YAML"),
+])
+def test_bad_columns_file_is_one_line(tmp_path, outside, capsys, content, says):
+    spec = tmp_path / "cols.yaml"
+    if content is not None:
+        spec.write_text(content)
+    assert _probe(tmp_path, outside, "--columns", str(spec)) == 2
+    assert says in _err_line(capsys) and not (tmp_path / "p.json").exists()

@@ -1,5 +1,6 @@
 """Outside models as targets: a model folder, a hub id from the local cache, a LoRA adapter with
-its base (the default reference). Oracles: plain transformers + sklearn.roc_auc_score."""
+its base (the default reference), a GPT-NeoX. Oracles: plain transformers +
+sklearn.roc_auc_score."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from sklearn.metrics import roc_auc_score
 
 from memaudit.cli import main
-from tests.probes.outside_models import hub_cache, mean_logp
+from tests.probes.outside_models import hub_cache, mean_logp, train_lm
 
 ARGS = ["--probes", "membership", "--device", "cpu", "--bootstrap", "50"]
 
@@ -132,3 +134,57 @@ def test_run_names_its_init_from_as_the_default_reference(tmp_path, trained):
     assert resolve_target(rd).base == str(trained.init_dir)
     (rd / "run.json").write_text(json.dumps({**m, "role": "public-base"}))
     assert resolve_target(rd).base is None  # the base is not its own reference
+
+
+@torch.inference_mode()
+def _whole_string_nll(model, tok, texts: list[str]) -> np.ndarray:
+    """Plain transformers, one text at a time: minus the summed log p of [eos] + text."""
+    out = []
+    for t in texts:
+        ids = torch.tensor([[tok.eos_token_id, *tok(t)["input_ids"]]])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+        out.append(-float(logp.gather(-1, ids[0, 1:, None]).sum()))
+    return np.array(out)
+
+
+def test_gpt_neox_exposure_and_loss_auc_equal_plain_transformers(tmp_path, outside):
+    """A GPT-NeoX trained here with plain transformers on the member texts and one canary
+    repeated: memaudit's exposure equals whole-canary scoring (the Secret Sharer's rank among
+    all 100 secrets) and its loss-attack AUC equals sklearn's on plain transformers' losses."""
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(outside.base_dir)
+    eos = tok.eos_token_id
+    cfg = GPTNeoXConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                        bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(cfg)
+    template, secret = "my pin is {secret}", "48"
+    train_lm(model, tok, outside.member_texts + [template.format(secret=secret)] * 24,
+             steps=40, lr=5e-3, seed=3)
+    model.save_pretrained(tmp_path / "neox")
+    tok.save_pretrained(tmp_path / "neox")
+    rng = np.random.default_rng(4)
+    refs = [f"{x:02d}" for x in rng.choice(100, 11, replace=False) if f"{x:02d}" != secret][:10]
+    (tmp_path / "c.json").write_text(json.dumps({
+        "template": template, "alphabet": "0123456789",
+        "inserted": [{"id": "c0", "secret": secret, "repetitions": 24}],
+        "references": [{"id": f"r{i}", "secret": s} for i, s in enumerate(refs)]}))
+    doc = _probe(tmp_path / "neox", tmp_path / "p.json", outside, "--probes",
+                 "membership,exposure", "--canaries", str(tmp_path / "c.json"),
+                 "--exposure-enumerate-max", "100")
+    assert doc["target"]["source"] == "folder"
+    texts = outside.member_texts + outside.nonmember_texts
+    y = np.r_[np.ones(len(outside.member_texts)), np.zeros(len(outside.nonmember_texts))]
+    want = mean_logp(model, tok, texts)
+    np.testing.assert_allclose(_column(doc, "loss"), want, atol=1e-4)
+    auc = doc["probes"]["membership"]["summary"]["loss"]["auc"]["value"]
+    assert auc == pytest.approx(roc_auc_score(y, want), abs=1e-9)
+    space = [f"{i:02d}" for i in range(100)]
+    nll = _whole_string_nll(model, tok, [template.format(secret=s) for s in space])
+    got = {r["id"]: r["exposure"] for r in doc["probes"]["exposure"]["scores"]}
+    for cid, s in {"c0": secret, **{f"r{i}": s for i, s in enumerate(refs)}}.items():
+        rank = 1 + int((nll < nll[int(s)]).sum())
+        assert got[cid] == pytest.approx(np.log2(100) - np.log2(rank), abs=0.05), cid
+    assert got["c0"] > 4  # the repeated canary ranks near the top of the 100

@@ -1,0 +1,67 @@
+"""Documents longer than the model's context: every token scored once, in strided windows.
+
+Oracle: Hugging Face's strided perplexity ("Perplexity of fixed-length models") computed here with
+plain transformers, window by window with `labels` set to -100 on the tokens an earlier window
+scored; and the plain full-sequence loss when a document fits the context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from memaudit.probes.inputs import Doc
+from memaudit.probes.membership import doc_scores
+from memaudit.probes.targets import Codec
+from tests.probes.conftest import make_tokenizer
+from tests.probes.outside_models import strided_nll
+
+CTX = 16
+WORDS = [a + b for a in "abcdefgh" for b in "ijklm"]  # one token each
+
+
+@pytest.fixture(scope="module")
+def short_context():
+    """A GPT-2 with learned positions for CTX tokens (random weights) and its tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = make_tokenizer(WORDS)
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=CTX, n_embd=32, n_layer=2, n_head=4,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval(), tok
+
+
+def test_long_document_loss_covers_every_token(short_context):
+    model, tok = short_context
+    codec = Codec(tok, start_id=0)
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(WORDS, n)) for n in (60, 48, 12)]  # ~3.5x, 3x and within CTX
+    docs = [Doc(id=str(i), text=t) for i, t in enumerate(texts)]
+    ids = [codec.encode(t) for t in texts]
+    assert len(ids[0]) > 3 * CTX and len(ids[2]) <= CTX
+    for stride in (None, 5, CTX - 1):
+        got = -doc_scores(model, codec, docs, batch_size=4, max_tokens=CTX, stride=stride)["loss"]
+        want = [strided_nll(model, x, CTX, stride or CTX // 2) for x in ids]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # a document that fits: the plain full-sequence loss
+        full = float(model(input_ids=torch.tensor([ids[2]]), labels=torch.tensor([ids[2]])).loss)
+    assert -doc_scores(model, codec, docs[2:], batch_size=4, max_tokens=CTX)["loss"][0] == (
+        pytest.approx(full, rel=1e-5))
+
+
+def test_probes_json_written_before_windows_still_reads():
+    from memaudit.commands.probe import summary_rows
+    from memaudit.reports.targets import input_text
+
+    old = {"context": 64, "documents_truncated": 2, "documents": 81, "extraction_ks_dropped": []}
+    new = {**old, "documents_windowed": 2, "window_stride": 32}
+    del new["documents_truncated"]
+    _probe, measure, value = summary_rows({"counts": old, "probes": {}})[0]
+    assert measure.startswith("documents scored on their first 64 tokens") and value == "2 of 81"
+    _probe, measure, value = summary_rows({"counts": new, "probes": {}})[0]
+    assert measure.startswith("documents scored in windows of 64 tokens") and value == "2 of 81"
+    assert measure.endswith("32 apart")
+    assert input_text({"counts": old}) == "2 of 81 documents cut to 64 tokens"
+    assert input_text({"counts": new}) == "2 of 81 documents scored in windows of 64 tokens"
