@@ -381,6 +381,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--flower-only", action="store_true", help="only the Flower runtime table")
     ap.add_argument("--flower-nodes", type=int, default=2, help="SuperNodes in the Flower table")
     ap.add_argument("--flower-rounds", type=int, default=4, help="rounds of each Flower-table run")
+    ap.add_argument("--flower-hbc", action="store_true",
+                    help="add a Flower run with the honest-but-curious secure-aggregation protocol")
     args = ap.parse_args(argv)
     if args.reduced:
         args.seq, args.repeats = 32, 3
@@ -467,6 +469,7 @@ def bench_flower(args) -> dict:
           "train.eval_batches=1", "federated.flower.insecure=true"]
     root = Path(tempfile.mkdtemp(prefix="memaudit-bench-flower-"))
     secagg = ["privacy.secure_aggregation.enabled=true", "privacy.clip=1.0"]
+    hbc = ["privacy.secure_aggregation.mode=honest_but_curious"]
     # the SuperNodes' stage manifest allows both runs (the same data)
     info = write_partitions(load_config(None, ov), root / "parts", args.flower_nodes,
                             variants=[load_config(None, [*ov, *secagg])])
@@ -485,7 +488,15 @@ def bench_flower(args) -> dict:
         dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower"), resume=False)
         total = time.perf_counter() - t0
         dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"), resume=False)
-    med = {k: statistics.median(rounds(root / k)) for k in ("jax", "flower", "jax_secagg", "flower_secagg")}
+    if args.flower_hbc:  # the honest-but-curious protocol (no consistency round, no signatures)
+        hcfg = load_config(None, [*ov, *secagg, *hbc])  # on nodes whose manifest holds its policy
+        hinfo = write_partitions(hcfg, root / "parts_hbc", args.flower_nodes)
+        with LocalFederation(root / "federation_hbc", hinfo["partitions"], env=env) as fed:
+            flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
+            dispatch(load_config(None, [*ov, *secagg, *hbc, *flower]), RunDir(root / "flower_secagg_hbc"),
+                     resume=False)
+    kinds = ("jax", "flower", "jax_secagg", "flower_secagg", *(("flower_secagg_hbc",) if args.flower_hbc else ()))
+    med = {k: statistics.median(rounds(root / k)) for k in kinds}
     wa = _safetensors(root / "jax_secagg")
     wb = _safetensors(root / "flower_secagg")
     return {"model": "tiny Llama (memaudit preset)", "nodes": args.flower_nodes, "cohort": 8,
@@ -495,7 +506,9 @@ def bench_flower(args) -> dict:
             "flower_secagg_round_s": med["flower_secagg"],
             "flower_secagg_vs_jax_secagg": med["flower_secagg"] / med["jax_secagg"],
             "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
-            "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa)}
+            "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
+            **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],
+                "flower_secagg_vs_hbc": med["flower_secagg"] / med["flower_secagg_hbc"]} if args.flower_hbc else {})}
 
 
 def _safetensors(run) -> dict:
