@@ -174,3 +174,29 @@ def test_exposure_candidates_and_enumeration_switch(tmp_path, trained, capsys):
     assert main(["probe", str(trained.run), "--probes", "exposure", "--out", str(out),
                  "--exposure-candidates", "5"]) == 2
     assert "--exposure-candidates must be >= 100 (got 5)" in _err_line(capsys)
+
+
+def test_a_model_trained_again_while_it_is_probed_writes_no_probes(tmp_path, trained, capsys, monkeypatch):
+    """The probe-during-overwrite race from the run's side: the model's weights change while
+    `memaudit probe` scores them (the run is trained again under --overwrite). The probe says so
+    in one line, exit 2, and writes no probes.json, which would name the old model's numbers
+    beside the new one."""
+    import shutil
+
+    from memaudit.probes import runner
+
+    run = tmp_path / "run"
+    shutil.copytree(trained.run, run)
+    real = runner.REGISTRY["exposure"]
+
+    def exposure_then_retrain(ctx):
+        out = real(ctx)
+        weights = run / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")  # other weights, same size
+        return out
+
+    monkeypatch.setitem(runner.REGISTRY, "exposure", exposure_then_retrain)
+    assert main(["probe", str(run), "--probes", "exposure", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "changed while it was probed" in err and len(err.splitlines()) == 1
+    assert not (run / "probes.json").exists()
