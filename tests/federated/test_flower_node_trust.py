@@ -387,3 +387,26 @@ def test_node_key_must_be_one_of_the_manifest(tmp_path):
     assert NodeTrust.from_json(trust.to_json()) == trust
     with pytest.raises(ValueError, match="identity"):
         NodeExecutor([], {}, trust=trust)
+
+
+def test_relayed_key_bundles_each_client_once_from_listed_nodes():
+    """The bundle rules on their own: a client claimed by two nodes, a node twice, a node
+    index outside the manifest and a malformed bundle are refused; signed bundles give the
+    union of their keys."""
+    from memaudit.federated.flower.identity import authenticated_keys, new_node_key, public_hex, sign_keys
+
+    keys = [new_node_key(), new_node_key()]
+    nodes = tuple(public_hex(k) for k in keys)
+    a, b = {0: b"a" * 32, 1: b"b" * 32}, {2: b"c" * 32}
+
+    def bundle(i, ks, rid=7):
+        return {**sign_keys((i, keys[i]), rid, ks), "keys": ks}
+
+    assert authenticated_keys([bundle(0, a), bundle(1, b)], nodes, 7) == {**a, **b}
+    for bad, why in [([bundle(0, a), bundle(1, {1: b"b" * 32})], "two nodes"),
+                     ([bundle(0, a), bundle(0, a)], "came twice"),
+                     ([{**bundle(1, b), "node": 2}], "not a manifest node"),
+                     ([bundle(0, a, rid=6)], "substituted"),  # another round's bundle replayed
+                     ([{"node": 0}], "malformed")]:
+        with pytest.raises(StageRefused, match=why):
+            authenticated_keys(bad, nodes, 7)
