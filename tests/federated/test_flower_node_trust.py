@@ -393,7 +393,12 @@ def test_relayed_key_bundles_each_client_once_from_listed_nodes():
     """The bundle rules on their own: a client claimed by two nodes, a node twice, a node
     index outside the manifest and a malformed bundle are refused; signed bundles give the
     union of their keys."""
-    from memaudit.federated.flower.identity import authenticated_keys, new_node_key, public_hex, sign_keys
+    from memaudit.federated.flower.identity import (
+        authenticated_keys,
+        new_node_key,
+        public_hex,
+        sign_keys,
+    )
 
     keys = [new_node_key(), new_node_key()]
     nodes = tuple(public_hex(k) for k in keys)
