@@ -3,11 +3,16 @@
     memaudit epsilon --sampling-rate 0.04 --noise-multiplier 1.5 --steps 2250 --delta 1e-5
     memaudit epsilon --sampling-rate 0.04 --target-epsilon 8 --steps 2250 --delta 1e-5
     memaudit epsilon -q 0.01 -s 1.0 -T 500 --delta 1e-6 --sampling fixed --population 10000
+    memaudit epsilon -q 0.04 -s 1.5 -T 2250 --delta 1e-5 --max-sequences-per-document 3
 
 Poisson sampling is add/remove-one adjacency; ``--sampling fixed`` (a fixed-size sample of
 q * population drawn without replacement, e.g. fixed federated cohorts) is replace-one, whose
 sensitivity is 2C (the event carries z/2) and which only the RDP accountant interprets. Both
 go through the mechanism's own event (`memaudit.privacy.mechanisms.SampledGaussian`).
+
+The example-level ε is per packed training sequence. With ``--max-sequences-per-document m``
+(the data's ``meta.json`` records m) it also prints the ε per document, composed by the ledger
+for a document spanning m sequences (`memaudit.privacy.ledger.PrivacyLedger.document`).
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
             dataset_size: int | None, target_epsilon: float | None, accountant: str,
             clip: float | None, group_size: int | None, sampling: str = "poisson",
             population: int | None = None, unit: str = "example", max_examples_per_user: int | None = None,
-            algorithm: str | None = None) -> dict[str, Any]:
+            algorithm: str | None = None, max_sequences_per_document: int | None = None) -> dict[str, Any]:
     """The numbers `memaudit epsilon` prints (library code: no printing here).
 
     With unit "user" the ε is per user: `algorithm` "uls" (q = the user sampling rate; a
     Poisson-sampled Gaussian over users) or "els" (q = the example sampling rate, each user's
     examples capped at `max_examples_per_user`; a mixture of Gaussians, PLD only, with the
-    group-privacy bound of the example-level ε beside it for comparison).
+    group-privacy bound of the example-level ε beside it for comparison). With unit "example" the
+    ε is per sequence, and `max_sequences_per_document` m adds the ε per document.
     """
     from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, group_epsilon
 
@@ -53,6 +59,7 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     if (sigma is None) == (target_epsilon is None):
         raise MemauditError("pass exactly one of --noise-multiplier and --target-epsilon")
     check_dpsgd(q, 0.0 if sigma is None else sigma, steps)
+    m = _check_document(max_sequences_per_document, unit, sampling)
     accountants = ["rdp", "pld"] if accountant == "both" else [accountant]
     mech = _mechanism(q, sampling, population)
     if sampling == "fixed":
@@ -81,9 +88,18 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     out["noise_multiplier"] = sigma
     from memaudit.privacy.ledger import PrivacyLedger
 
-    led = PrivacyLedger(unit=unit, delta=delta)
+    led = PrivacyLedger(unit=unit, delta=delta, max_sequences_per_document=m)
     led.record_mechanism(mech.with_noise(sigma), steps=steps)
     out["epsilon"] = {a: led.epsilon(a) for a in accountants} if steps else {a: 0.0 for a in accountants}
+    out["protects"] = led.protects()
+    if unit == "user":
+        out["protects"]["contribution_bound"] = (f"at most {max_examples_per_user} training sequences per "
+                                                 "user, clipped to C")
+    if m is not None:
+        doc = led.document()
+        out["document"] = {"max_sequences_per_document": m,
+                           "epsilon": {a: v for a, v in doc["epsilon"].items() if v is not None},
+                           "composed_as": doc["composed_as"]}
     if clip is not None:
         out["clip"] = clip
         out["noise_std_sum"] = sigma * clip
@@ -100,6 +116,19 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         out["group_privacy_bound"] = group_privacy_bound(  # for comparison: looser than the mixture
             repeated(mech.with_noise(sigma).example_event(), steps), delta, int(max_examples_per_user))
     return out
+
+
+def _check_document(m: int | None, unit: str, sampling: str) -> int | None:
+    if m is None:
+        return None
+    if m < 1:
+        raise MemauditError(f"--max-sequences-per-document must be >= 1, got {m}")
+    if unit != "example":
+        raise MemauditError("--max-sequences-per-document applies to --unit example; a user-level epsilon "
+                            "already covers every document of the user")
+    if sampling != "poisson":
+        raise MemauditError("--max-sequences-per-document accounts Poisson sampling; drop --sampling fixed")
+    return int(m)
 
 
 def _user_mechanism(q: float, sampling: str, k: int | None, algorithm: str | None):
@@ -173,6 +202,9 @@ def register(app: typer.Typer) -> None:
             help="With --unit user: the contribution bound k.")] = None,
         algorithm: Annotated[str | None, typer.Option("--algorithm",
             help="With --unit user: els (q samples examples) or uls (q samples users).")] = None,
+        max_sequences_per_document: Annotated[int | None, typer.Option("--max-sequences-per-document",
+            help="With --unit example: the most packed sequences one document spans (the data's "
+                 "meta.json records it); adds the epsilon per document.")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
     ) -> None:
         if fmt not in ("table", "json"):
@@ -181,7 +213,7 @@ def register(app: typer.Typer) -> None:
                       dataset_size=dataset_size, target_epsilon=target_epsilon,
                       accountant=accountant, clip=clip, group_size=group_size, sampling=sampling,
                       population=population, unit=unit, max_examples_per_user=max_examples_per_user,
-                      algorithm=algorithm)
+                      algorithm=algorithm, max_sequences_per_document=max_sequences_per_document)
         from memaudit.commands._common import print_json, stdout
 
         if fmt == "json":
@@ -196,10 +228,19 @@ def register(app: typer.Typer) -> None:
             if key == "epsilon":
                 for acc, e in val.items():
                     table.add_row(f"epsilon ({acc})", _fmt(e))
+            elif key == "protects":
+                table.add_row("epsilon is per", val["unit"])
+                table.add_row("contribution bound", val["contribution_bound"])
+            elif key == "document":
+                for acc, e in val["epsilon"].items():
+                    table.add_row(f"epsilon per document ({acc})", _fmt(e))
+                table.add_row("document composed as", val["composed_as"])
             elif key == "group":
                 table.add_row(f"group of {val['k']}: epsilon", _fmt(val["epsilon"]))
                 table.add_row(f"group of {val['k']}: delta", _fmt(val["delta"]))
                 table.add_row(f"group of {val['k']}: vacuous", str(val["vacuous"]))
             else:
                 table.add_row(key.replace("_", " "), _fmt(val))
+        if res["unit"] == "example" and "document" not in res:
+            table.add_row("epsilon per document", "pass --max-sequences-per-document m")
         stdout.print(table)
