@@ -285,7 +285,8 @@ def fit(session: RunSession, backend: Backend, *, resume: bool = False,
         privacy = None
         if plan is not None and ledger is not None:
             privacy = {"noise_multiplier": plan.noise_multiplier, "sampling_rate": plan.sampling_rate,
-                       "delta": plan.delta, "unit": plan.unit, "epsilon": ledger.get("epsilon")}
+                       "delta": plan.delta, "unit": plan.unit, "epsilon": ledger.get("epsilon"),
+                       "document": ledger.get("document")}
         return TrainResult(
             backend=backend.name, counter=backend.counter, steps=backend.total,
             final_holdout_loss=final[0], final_holdout_perplexity=final[1],

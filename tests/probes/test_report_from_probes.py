@@ -66,6 +66,8 @@ def test_report_names_the_unit_per_document_and_reads_an_older_ledger(tmp_path, 
         rd = tmp_path / name
         shutil.copytree(trained.run, rd)
         (rd / "probes.json").write_text(json.dumps(done))
+        (rd / "run.json").write_text(json.dumps({"status": "complete", "backend": "parallel",
+                                                 "config": {"privacy": {"noise_multiplier": 1.2}}}))
         led = PrivacyLedger(unit="example", delta=1e-5, max_sequences_per_document=m)
         led.record_steps(0.05, 1.2, 40)
         obj = led.to_json()
