@@ -190,6 +190,8 @@ def _restore(session: RunSession, backend: Backend, run: _Run) -> None:
         # the checkpoint's copy is its step's: cut anything recorded past it (a copy written
         # without the count predates it and is the checkpoint's as it is)
         ledger.truncate_steps(int(scalars.get("ledger_steps", ledger.steps)))
+        if ledger.max_sequences_per_document is None:  # a copy written before memaudit counted m
+            ledger.max_sequences_per_document = run.ledger.max_sequences_per_document
         run.ledger = ledger
 
 

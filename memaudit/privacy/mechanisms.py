@@ -56,7 +56,13 @@ from typing import Any, Literal
 import numpy as np
 from dp_accounting import dp_event
 
-from memaudit.privacy.accounting import RDP_ORDERS, Accountant, binomial_pmf, check_delta, mixture_step_event
+from memaudit.privacy.accounting import (
+    RDP_ORDERS,
+    Accountant,
+    binomial_pmf,
+    check_delta,
+    mixture_step_event,
+)
 from memaudit.privacy.events import RdpCurveEvent, repeated
 from memaudit.privacy.ledger import PrivacyLedger
 
