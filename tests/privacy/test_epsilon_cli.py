@@ -95,3 +95,39 @@ def test_document_epsilon_beside_the_sequence_epsilon(capsys):
     assert "epsilon per document (pld)" in out and "sequence" in out
     assert main(["epsilon", *args]) == 0
     assert "--max-sequences-per-document" in capsys.readouterr().out
+
+
+def test_run_mode_recomputes_a_runs_ledger_per_sequence_and_per_document(tmp_path, capsys):
+    """--run reads privacy.json's events (never its stored numbers): per sequence and per document
+    with the run's m, unknown for a ledger written before m, and one line for a missing ledger."""
+    import math
+
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    led = PrivacyLedger(unit="example", delta=1e-5, max_sequences_per_document=2, max_sequences_per_user=5)
+    led.record_steps(0.05, 1.1, 60)
+    obj = led.to_json()
+    obj["epsilon"] = {"rdp": 0.001, "pld": 0.001}  # a stored number that lies
+    obj["document"]["epsilon"] = {"rdp": None, "pld": 0.001}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "privacy.json").write_text(json.dumps(obj))
+    res = _json(capsys, ["--run", str(run)])
+    assert res["unit"] == "example" and res["protects"]["unit"] == "sequence"
+    assert res["epsilon"]["pld"] == pytest.approx(led.epsilons()["pld"], rel=1e-12)
+    assert res["document"]["max_sequences_per_document"] == 2
+    assert res["document"]["epsilon"]["pld"] == pytest.approx(led.document()["epsilon"]["pld"], rel=1e-12)
+    assert res["group"]["k"] == 5
+    del obj["document"], obj["max_sequences_per_document"]  # an older ledger
+    (run / "privacy.json").write_text(json.dumps(obj))
+    assert main(["epsilon", "--run", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "sequence" in out and "unknown" in out
+    old = _json(capsys, ["--run", str(run / "privacy.json")])
+    assert old["document"]["epsilon"] == {} and math.isfinite(old["epsilon"]["rdp"])
+    for args, needle in ((["--run", str(tmp_path / "none")], "no privacy ledger"),
+                         (["--run", str(run), "-q", "0.1"], "drop --sampling-rate"),
+                         (["-s", "1", "--delta", "1e-5"], "--sampling-rate and --steps")):
+        assert main(["epsilon", *args]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1
