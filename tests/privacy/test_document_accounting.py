@@ -74,3 +74,18 @@ def test_unknown_m_reports_unknown_and_user_ledgers_have_no_document_figure():
     assert user.protects()["unit"] == "user"
     with pytest.raises(ValueError, match="max_sequences_per_document"):
         PrivacyLedger(unit="example", delta=DELTA, max_sequences_per_document=0)
+
+
+def test_user_level_ledgers_name_their_contribution_bound():
+    from memaudit.privacy.mechanisms import ExampleSampledUsers, SampledGaussian
+
+    els = PrivacyLedger(unit="user", delta=DELTA)
+    els.record_mechanism(ExampleSampledUsers(noise_multiplier=1.0, population=100, expected=5,
+                                             max_examples_per_user=3), steps=2)
+    assert els.protects() == {"unit": "user", "contribution_bound": "at most 3 training sequences per user, "
+                                                                    "clipped to C"}
+    fed = PrivacyLedger(unit="user", delta=DELTA)
+    fed.record_mechanism(SampledGaussian(name="DP-FedAvg", unit="user", noise_multiplier=1.0, population=100,
+                                         expected=5), steps=2)
+    assert fed.protects()["contribution_bound"] == "one clipped model update per user per round"
+    assert els.document() is None and fed.document() is None
