@@ -119,6 +119,9 @@ def test_cli_prepare_prints_no_secret(tmp_path, capsys):
     prepared = load_prepared(RunDir(out))
     printed = cap.out + cap.err
     assert prepared.fingerprint[:12] in printed
+    n = prepared.meta["sequences_per_document"]
+    assert (f"spanning 1/2/3+ sequences: {n['spanning']['1']}/{n['spanning']['2']}/{n['spanning']['3+']}"
+            in " ".join(printed.split()))
     assert not any(s in printed for s in prepared.canaries.all_secrets())
     assert not any(d.text in printed for d in prepared.documents)
     assert prepared.vocab_size == 4096
