@@ -110,18 +110,21 @@ def _document(doc: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _unit_text(priv: dict[str, Any]) -> str:
-    """What the ε is per, in the run's description: the unit, its bound, and for an example-level
-    run the document (up to m sequences) where the data recorded m."""
+    """What the ε is per, in the run's description: the unit and its contribution bound."""
     protects = priv.get("protects") or {}
     name = protects.get("unit") or priv["unit"]
-    out = f"per {name}" + (f" ({protects['contribution_bound']})" if protects.get("contribution_bound") else "")
+    return f"per {name}" + (f" ({protects['contribution_bound']})" if protects.get("contribution_bound") else "")
+
+
+def _document_text(priv: dict[str, Any]) -> str:
+    """An example-level run's ε per document (up to m sequences), or that m is unknown."""
     doc = priv.get("document")
     if doc is None:
-        return out
+        return ""
     if doc.get("epsilon") is None:
-        return out + "; per document: unknown (" + str(doc.get("composed_as")) + ")"
+        return "; per document: unknown (" + str(doc.get("composed_as")) + ")"
     m = doc["max_sequences_per_document"]
-    return out + f"; epsilon = {doc['epsilon']:.4g} per document (up to {m} sequence{'s' if m > 1 else ''})"
+    return f"; epsilon = {doc['epsilon']:.4g} per document (up to {m} sequence{'s' if m > 1 else ''})"
 
 
 def _server_view(priv: dict[str, Any]) -> str:
@@ -221,6 +224,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}; against the "
         f"released model: epsilon = {priv['epsilon']:.4g} {_unit_text(priv)}"
         + (f" ({', '.join(priv['adjacency'])} adjacency)" if priv.get("adjacency") else "")
+        + _document_text(priv)
         + (f", assuming hidden: {', '.join(priv['assumes_hidden'])}" if priv.get("assumes_hidden") else "")
         + "; against the server: " + _server_view(priv)
         + ("; VOID against anyone who knows train.seed (privacy.reproducible_randomness)"
