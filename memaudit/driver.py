@@ -48,6 +48,8 @@ class PrivacyPlan:
         mechanism: a `memaudit.privacy.mechanisms` object; it declares its own `DpEvent`.
         calibration: how σ was calibrated (None when it was given).
         max_sequences_per_user: for the ledger's group-privacy note (example-level DP).
+        max_sequences_per_document: the most training sequences one document spans, for the
+            ledger's per-document ε (example-level DP; None: unknown).
         reproducible_randomness: the DP randomness came from train.seed.
     """
 
@@ -58,12 +60,14 @@ class PrivacyPlan:
     mechanism: Any
     calibration: dict[str, Any] | None = None
     max_sequences_per_user: int | None = None
+    max_sequences_per_document: int | None = None
     reproducible_randomness: bool = False
 
 
 def new_ledger(plan: PrivacyPlan) -> PrivacyLedger:
     """The run's empty ledger for `plan` (the one place a training ledger is made)."""
     return PrivacyLedger(unit=plan.unit, delta=plan.delta, max_sequences_per_user=plan.max_sequences_per_user,
+                         max_sequences_per_document=plan.max_sequences_per_document,
                          calibration=plan.calibration, reproducible_randomness=plan.reproducible_randomness)
 
 
@@ -186,6 +190,8 @@ def _restore(session: RunSession, backend: Backend, run: _Run) -> None:
         # the checkpoint's copy is its step's: cut anything recorded past it (a copy written
         # without the count predates it and is the checkpoint's as it is)
         ledger.truncate_steps(int(scalars.get("ledger_steps", ledger.steps)))
+        if ledger.max_sequences_per_document is None:  # a copy written before memaudit counted m
+            ledger.max_sequences_per_document = run.ledger.max_sequences_per_document
         run.ledger = ledger
 
 
@@ -274,13 +280,15 @@ def fit(session: RunSession, backend: Backend, *, resume: bool = False,
         final = ((last["holdout_loss"], last["holdout_perplexity"]) if "holdout_loss" in last
                  else backend.evaluate())
         backend.export(session)
-        if run.ledger is not None:
-            session.write_ledger(run.ledger.to_json())
+        ledger = run.ledger.to_json() if run.ledger is not None else None
+        if ledger is not None:
+            session.write_ledger(ledger)
         backend.finish()
         privacy = None
-        if plan is not None and run.ledger is not None:
+        if plan is not None and ledger is not None:
             privacy = {"noise_multiplier": plan.noise_multiplier, "sampling_rate": plan.sampling_rate,
-                       "delta": plan.delta, "unit": plan.unit, "epsilon": run.ledger.to_json().get("epsilon")}
+                       "delta": plan.delta, "unit": plan.unit, "epsilon": ledger.get("epsilon"),
+                       "document": ledger.get("document")}
         return TrainResult(
             backend=backend.name, counter=backend.counter, steps=backend.total,
             final_holdout_loss=final[0], final_holdout_perplexity=final[1],

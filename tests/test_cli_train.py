@@ -176,3 +176,19 @@ def test_missing_federated_or_parallel_backend_is_one_line(tmp_path, capsys, mon
 @pytest.mark.parametrize("args", [["train"], ["train", TINY, "--backend", "mpi"]])
 def test_usage_errors(args, capsys):
     _refused(capsys, args, needle="")
+
+
+def test_summary_line_names_the_unit_per_sequence_and_per_document():
+    from types import SimpleNamespace
+
+    from memaudit.commands.train import summary_line
+
+    cfg = SimpleNamespace(backend="parallel", model=SimpleNamespace(preset="tiny", init_from=None))
+    priv = {"unit": "example", "delta": 1e-4, "epsilon": {"rdp": 3.0, "pld": 2.5},
+            "document": {"max_sequences_per_document": 3, "epsilon": {"rdp": None, "pld": 7.2}}}
+    line = summary_line(cfg, Path("run"), {"steps": 6, "final_holdout_loss": 4.0, "privacy": priv})
+    assert "epsilon 3.00 per sequence, 7.20 per document of up to 3 sequences (delta 1e-04)" in line
+    priv["document"] = {"max_sequences_per_document": None, "epsilon": None}  # data before the count
+    assert "per document unknown" in summary_line(cfg, Path("run"), {"steps": 6, "privacy": priv})
+    priv.update(unit="user", document=None)
+    assert "epsilon 3.00 per user (delta" in summary_line(cfg, Path("run"), {"steps": 6, "privacy": priv})

@@ -87,6 +87,11 @@ def prepare(
         f"sequences train/holdout/heldout {m['sequences']['train']}/{m['sequences']['holdout']}/"
         f"{m['sequences']['heldout']} in {out} (fingerprint {prepared.fingerprint[:12]})"
     )
+    spans = m.get("sequences_per_document")
+    if isinstance(spans, dict) and spans.get("max_sequences_per_document") is not None:
+        n = spans["spanning"]
+        console.print(f"trained documents spanning 1/2/3+ sequences: {n['1']}/{n['2']}/{n['3+']} "
+                      f"(at most {spans['max_sequences_per_document']}: the m of the epsilon per document)")
 
 
 def _vocab_size(preset: str, name_or_path: str | None, get_preset) -> int:

@@ -3,11 +3,19 @@
     memaudit epsilon --sampling-rate 0.04 --noise-multiplier 1.5 --steps 2250 --delta 1e-5
     memaudit epsilon --sampling-rate 0.04 --target-epsilon 8 --steps 2250 --delta 1e-5
     memaudit epsilon -q 0.01 -s 1.0 -T 500 --delta 1e-6 --sampling fixed --population 10000
+    memaudit epsilon -q 0.04 -s 1.5 -T 2250 --delta 1e-5 --max-sequences-per-document 3
+    memaudit epsilon --run runs/centralized-eps8-s0      # recomputed from the run's privacy.json
 
 Poisson sampling is add/remove-one adjacency; ``--sampling fixed`` (a fixed-size sample of
 q * population drawn without replacement, e.g. fixed federated cohorts) is replace-one, whose
 sensitivity is 2C (the event carries z/2) and which only the RDP accountant interprets. Both
 go through the mechanism's own event (`memaudit.privacy.mechanisms.SampledGaussian`).
+
+The example-level ε is per packed training sequence. With ``--max-sequences-per-document m``
+(the data's ``meta.json`` records m) it also prints the ε per document, composed by the ledger
+for a document spanning m sequences (`memaudit.privacy.ledger.PrivacyLedger.document`).
+``--run RUN_DIR`` prints a trained run's figures instead, recomputed from the events of its
+privacy.json: per sequence and per document (m from the run), or per user.
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
             dataset_size: int | None, target_epsilon: float | None, accountant: str,
             clip: float | None, group_size: int | None, sampling: str = "poisson",
             population: int | None = None, unit: str = "example", max_examples_per_user: int | None = None,
-            algorithm: str | None = None) -> dict[str, Any]:
+            algorithm: str | None = None, max_sequences_per_document: int | None = None) -> dict[str, Any]:
     """The numbers `memaudit epsilon` prints (library code: no printing here).
 
     With unit "user" the ε is per user: `algorithm` "uls" (q = the user sampling rate; a
     Poisson-sampled Gaussian over users) or "els" (q = the example sampling rate, each user's
     examples capped at `max_examples_per_user`; a mixture of Gaussians, PLD only, with the
-    group-privacy bound of the example-level ε beside it for comparison).
+    group-privacy bound of the example-level ε beside it for comparison). With unit "example" the
+    ε is per sequence, and `max_sequences_per_document` m adds the ε per document.
     """
     from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, group_epsilon
 
@@ -53,6 +62,7 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     if (sigma is None) == (target_epsilon is None):
         raise MemauditError("pass exactly one of --noise-multiplier and --target-epsilon")
     check_dpsgd(q, 0.0 if sigma is None else sigma, steps)
+    m = _check_document(max_sequences_per_document, unit, sampling)
     accountants = ["rdp", "pld"] if accountant == "both" else [accountant]
     mech = _mechanism(q, sampling, population)
     if sampling == "fixed":
@@ -81,9 +91,18 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     out["noise_multiplier"] = sigma
     from memaudit.privacy.ledger import PrivacyLedger
 
-    led = PrivacyLedger(unit=unit, delta=delta)
+    led = PrivacyLedger(unit=unit, delta=delta, max_sequences_per_document=m)
     led.record_mechanism(mech.with_noise(sigma), steps=steps)
     out["epsilon"] = {a: led.epsilon(a) for a in accountants} if steps else {a: 0.0 for a in accountants}
+    out["protects"] = led.protects()
+    if unit == "user":
+        out["protects"]["contribution_bound"] = (f"at most {max_examples_per_user} training sequences per "
+                                                 "user, clipped to C")
+    if m is not None:
+        doc = led.document()
+        out["document"] = {"max_sequences_per_document": m,
+                           "epsilon": {a: v for a, v in doc["epsilon"].items() if v is not None},
+                           "composed_as": doc["composed_as"]}
     if clip is not None:
         out["clip"] = clip
         out["noise_std_sum"] = sigma * clip
@@ -100,6 +119,55 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         out["group_privacy_bound"] = group_privacy_bound(  # for comparison: looser than the mixture
             repeated(mech.with_noise(sigma).example_event(), steps), delta, int(max_examples_per_user))
     return out
+
+
+def from_run(path: str) -> dict[str, Any]:
+    """A run's ε, recomputed from its ledger's events (RUN_DIR or a privacy.json): the unit and its
+    contribution bound, per sequence and per document (example-level), or per user."""
+    from pathlib import Path
+
+    from memaudit.io import read_json
+    from memaudit.privacy.ledger import ledger_summary
+
+    p = Path(path)
+    file = p / "privacy.json" if p.is_dir() else p
+    try:
+        obj = read_json(file, what="privacy ledger")
+    except FileNotFoundError:
+        raise MemauditError(f"no privacy ledger at '{file}'; pass a run directory trained with DP") from None
+    if not isinstance(obj, dict):
+        raise MemauditError(f"'{file}' is not a privacy ledger; re-run training to rewrite it")
+    try:  # recomputed from the events; the stored numbers are never read
+        s = ledger_summary(obj)
+    except (ValueError, KeyError, TypeError) as e:
+        raise MemauditError(f"'{file}' holds a privacy ledger this version cannot interpret "
+                            f"({type(e).__name__}); re-run training to rewrite it") from None
+    out: dict[str, Any] = {"run": str(p), "unit": s["unit"], "delta": s["delta"],
+                           "epsilon": {a: v for a, v in s["epsilons"].items() if v is not None}}
+    if s["unit"] is None:
+        return out  # trained without DP: epsilon = inf
+    out["protects"] = s["protects"]
+    doc = s["document"]
+    if doc is not None:
+        out["document"] = {"max_sequences_per_document": doc["max_sequences_per_document"],
+                           "epsilon": {a: v for a, v in (doc["epsilon"] or {}).items() if v is not None},
+                           "composed_as": doc["composed_as"]}
+    if s["per_user"] is not None:
+        out["group"] = s["per_user"]
+    return out
+
+
+def _check_document(m: int | None, unit: str, sampling: str) -> int | None:
+    if m is None:
+        return None
+    if m < 1:
+        raise MemauditError(f"--max-sequences-per-document must be >= 1, got {m}")
+    if unit != "example":
+        raise MemauditError("--max-sequences-per-document applies to --unit example; a user-level epsilon "
+                            "already covers every document of the user")
+    if sampling != "poisson":
+        raise MemauditError("--max-sequences-per-document accounts Poisson sampling; drop --sampling fixed")
+    return int(m)
 
 
 def _user_mechanism(q: float, sampling: str, k: int | None, algorithm: str | None):
@@ -146,9 +214,9 @@ def _fmt(v: Any) -> str:
 def register(app: typer.Typer) -> None:
     @app.command("epsilon", help=HELP)
     def _cmd(
-        sampling_rate: Annotated[float, typer.Option("--sampling-rate", "-q",
-            help="Poisson sampling rate q in (0, 1] (expected batch size / data set size).")],
-        steps: Annotated[int, typer.Option("--steps", "-T", help="Number of DP-SGD steps.")],
+        sampling_rate: Annotated[float | None, typer.Option("--sampling-rate", "-q",
+            help="Poisson sampling rate q in (0, 1] (expected batch size / data set size).")] = None,
+        steps: Annotated[int | None, typer.Option("--steps", "-T", help="Number of DP-SGD steps.")] = None,
         noise_multiplier: Annotated[float | None, typer.Option("--noise-multiplier", "-s",
             help="Noise multiplier sigma >= 0 (noise std / clip norm).")] = None,
         target_epsilon: Annotated[float | None, typer.Option("--target-epsilon",
@@ -173,33 +241,61 @@ def register(app: typer.Typer) -> None:
             help="With --unit user: the contribution bound k.")] = None,
         algorithm: Annotated[str | None, typer.Option("--algorithm",
             help="With --unit user: els (q samples examples) or uls (q samples users).")] = None,
+        max_sequences_per_document: Annotated[int | None, typer.Option("--max-sequences-per-document",
+            help="With --unit example: the most packed sequences one document spans (the data's "
+                 "meta.json records it); adds the epsilon per document.")] = None,
+        run: Annotated[str | None, typer.Option("--run",
+            help="A trained run (RUN_DIR or its privacy.json): its epsilon recomputed from the ledger, "
+                 "instead of the parameters.")] = None,
         fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
     ) -> None:
         if fmt not in ("table", "json"):
             raise MemauditError(f"--format '{fmt}' is not known; use table or json")
+        if run is not None:
+            if sampling_rate is not None or steps is not None:
+                raise MemauditError("--run reads the run's own parameters; drop --sampling-rate and --steps")
+            _print(from_run(run), fmt)
+            return
+        if sampling_rate is None or steps is None:
+            raise MemauditError("pass --sampling-rate and --steps (or --run RUN_DIR for a trained run)")
         res = compute(q=sampling_rate, sigma=noise_multiplier, steps=steps, delta=delta,
                       dataset_size=dataset_size, target_epsilon=target_epsilon,
                       accountant=accountant, clip=clip, group_size=group_size, sampling=sampling,
                       population=population, unit=unit, max_examples_per_user=max_examples_per_user,
-                      algorithm=algorithm)
-        from memaudit.commands._common import print_json, stdout
+                      algorithm=algorithm, max_sequences_per_document=max_sequences_per_document)
+        _print(res, fmt)
 
-        if fmt == "json":
-            print_json(res)
-            return
-        from rich.table import Table
 
-        table = Table(title="DP-SGD privacy budget", show_header=True)
-        table.add_column("quantity")
-        table.add_column("value", justify="right")
-        for key, val in res.items():
-            if key == "epsilon":
-                for acc, e in val.items():
-                    table.add_row(f"epsilon ({acc})", _fmt(e))
-            elif key == "group":
-                table.add_row(f"group of {val['k']}: epsilon", _fmt(val["epsilon"]))
-                table.add_row(f"group of {val['k']}: delta", _fmt(val["delta"]))
-                table.add_row(f"group of {val['k']}: vacuous", str(val["vacuous"]))
-            else:
-                table.add_row(key.replace("_", " "), _fmt(val))
-        stdout.print(table)
+def _print(res: dict[str, Any], fmt: str) -> None:
+    from memaudit.commands._common import print_json, stdout
+
+    if fmt == "json":
+        print_json(res)
+        return
+    from rich.table import Table
+
+    table = Table(title="DP-SGD privacy budget", show_header=True)
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for key, val in res.items():
+        if key == "epsilon":
+            for acc, e in val.items():
+                table.add_row(f"epsilon ({acc})", _fmt(e))
+        elif key == "protects":
+            table.add_row("epsilon is per", val["unit"])
+            table.add_row("contribution bound", val["contribution_bound"])
+        elif key == "document":
+            for acc, e in val["epsilon"].items():
+                table.add_row(f"epsilon per document ({acc})", _fmt(e))
+            table.add_row("document composed as", val["composed_as"])
+        elif key == "group":
+            table.add_row(f"group of {val['k']}: epsilon", _fmt(val["epsilon"]))
+            table.add_row(f"group of {val['k']}: delta", _fmt(val["delta"]))
+            table.add_row(f"group of {val['k']}: vacuous", str(val["vacuous"]))
+        else:
+            table.add_row(key.replace("_", " "), _fmt(val))
+    if res["unit"] == "example" and "document" not in res:
+        table.add_row("epsilon per document", "pass --max-sequences-per-document m")
+    if res["unit"] is None:
+        table.add_row("privacy", "trained without DP: epsilon = inf")
+    stdout.print(table)

@@ -156,13 +156,24 @@ def summary_line(cfg, path: Path, result: dict[str, Any]) -> str:
     eps_by = priv.get("epsilon") if isinstance(priv.get("epsilon"), dict) else {}
     rdp = eps_by.get("rdp") if _num(eps_by.get("rdp")) else eps_by.get("pld")  # ELS: PLD only
     if _num(rdp):
-        per = " per user" if priv.get("unit") == "user" else ""
-        eps = f", epsilon {rdp:.2f}{per} (delta {priv.get('delta'):.0e})"
+        per = " per user" if priv.get("unit") == "user" else " per sequence"
+        eps = f", epsilon {rdp:.2f}{per}{_document_text(priv.get('document'))} (delta {priv.get('delta'):.0e})"
     secs = result.get("train_seconds")
     took = f" in {secs:.0f}s" if _num(secs) else ""
     model = cfg.model.preset or f"from {cfg.model.init_from}"
     return (f"trained {model} ({cfg.backend}) for {steps} {units}{took}: {loss}{eps}; "
             f"run: {path}")
+
+
+def _document_text(doc: Any) -> str:
+    """", 27.8 per document of up to 4 sequences" (example-level runs; the ledger's figure)."""
+    if not isinstance(doc, dict):
+        return ""
+    known = [v for v in (doc.get("epsilon") or {}).values() if _num(v)]
+    m = doc.get("max_sequences_per_document")
+    if not known:
+        return ", per document unknown" if m is None else ""
+    return f", {min(known):.2f} per document of up to {m} sequence{'s' if m != 1 else ''}"
 
 
 def _num(v: Any) -> bool:

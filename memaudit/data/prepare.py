@@ -22,7 +22,7 @@ from typing import Any
 from memaudit.config import DataConfig
 from memaudit.data.canaries import CanarySet, canary_documents, make_canaries
 from memaudit.data.documents import Document, count_repeats, dumps_jsonl, loads_jsonl
-from memaudit.data.packing import PackedSequences, pack
+from memaudit.data.packing import PackedSequences, pack, span_summary
 from memaudit.data.splits import Split, assign_roles, make_split
 from memaudit.errors import DataError, RunDirError
 from memaudit.io import atomic_dir, atomic_write_bytes, private_tree, read_json
@@ -65,6 +65,14 @@ class PreparedData:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    @property
+    def max_sequences_per_document(self) -> int | None:
+        """The most training sequences one trained document spans; None when the data was prepared
+        before memaudit counted it (unknown)."""
+        spans = self.meta.get("sequences_per_document")
+        m = spans.get("max_sequences_per_document") if isinstance(spans, dict) else None
+        return int(m) if m is not None else None
 
     @property
     def eos_id(self) -> int:
@@ -309,6 +317,8 @@ def prepare_data(
         "sequences": {name: len(p) for name, p in packed.items()},
         "tokens": {name: p.n_tokens() for name, p in packed.items()},
         "documents": len(docs),
+        # how many training sequences each trained document spans (document-level DP's m)
+        "sequences_per_document": span_summary(packed["train"].doc_spans),
         "config_hash": chash,
         "fingerprint": fp,
     }

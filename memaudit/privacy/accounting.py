@@ -84,6 +84,27 @@ def dpsgd_event(q: float, sigma: float, steps: int) -> dp_event.DpEvent:
     )
 
 
+def binomial_pmf(k: int, q: float) -> tuple[float, ...]:
+    """P[j of k examples are sampled] for j = 0..k, each independently with probability q.
+
+    >>> [round(p, 4) for p in binomial_pmf(2, 0.5)]
+    [0.25, 0.5, 0.25]
+    """
+    return tuple(math.comb(k, j) * q ** j * (1 - q) ** (k - j) for j in range(k + 1))
+
+
+def mixture_step_event(q: float, sigma: float, k: int) -> dp_event.DpEvent:
+    """One Poisson-sampled Gaussian step against add/remove of a group of k examples sampled
+    independently at rate q: j ~ Binomial(k, q) of them are in the batch and move the clipped sum
+    by at most jC, so the step is ``MixtureOfGaussiansDpEvent(σ, [0..k], Binomial(k, q))``
+    (PLD only). The event of user-level ELS (`memaudit.privacy.mechanisms.ExampleSampledUsers`)
+    and of a document spanning k packed sequences (`PrivacyLedger.document`).
+    """
+    k = int(k)
+    return dp_event.MixtureOfGaussiansDpEvent(float(sigma), [float(j) for j in range(k + 1)],
+                                              list(binomial_pmf(k, q)))
+
+
 def rdp_curve(event: dp_event.DpEvent, orders: tuple[float, ...] = RDP_ORDERS) -> np.ndarray:
     """RDP ε(α) of `event` at `orders` (add/remove-one neighbouring)."""
     acc = RdpAccountant(list(orders))

@@ -11,8 +11,10 @@ were lost in the crash are not counted twice.
 
 Saved as `RUN_DIR/privacy.json` (DEVELOPERS.md):
 `{"schema": 1, "unit", "delta", "events", "epsilon": {"rdp", "pld"}, "noise_multiplier",
-"sampling_rate", "steps", "per_user", "calibration", "mechanisms", "adjacency",
-"reproducible_randomness", "guarantees"}`. `mechanisms` holds what each mechanism declared
+"sampling_rate", "steps", "per_user", "protects", "document", "calibration", "mechanisms",
+"adjacency", "reproducible_randomness", "guarantees"}`. `protects` names the unit (sequence or
+user) and its contribution bound; on an example-level ledger `document` gives the ε per
+document, composed for the most sequences one document spans (`document_events`). `mechanisms` holds what each mechanism declared
 (unit, adjacency, sensitivity, what it assumes hidden, its view of the server); `guarantees`
 splits the ε into the release's and the server's. The stored ε is informational; every reader
 recomputes it from the events (`PrivacyLedger.load(path).epsilon("rdp")`).
@@ -41,6 +43,7 @@ from memaudit.privacy.accounting import (
     epsilon_from_rdp,
     group_epsilon,
     has_mixture,
+    mixture_step_event,
     rdp_curve,
 )
 from memaudit.privacy.accounting import (
@@ -68,6 +71,9 @@ class PrivacyLedger:
     delta: float
     events: list[Event] = field(default_factory=list)
     max_sequences_per_user: int | None = None
+    # the most packed training sequences one trained document spans (None: unknown, data
+    # prepared before memaudit counted it); example-level ledgers only
+    max_sequences_per_document: int | None = None
     calibration: dict[str, Any] | None = None
     # what each recorded mechanism declared (unit, adjacency, sensitivity, assumes_hidden,
     # server_view), one entry per distinct declaration, from `record_mechanism`
@@ -80,6 +86,9 @@ class PrivacyLedger:
         if self.unit not in ("example", "user"):
             raise ValueError(f"ledger unit must be 'example' or 'user', got {self.unit!r}")
         check_delta(self.delta)
+        m = self.max_sequences_per_document
+        if m is not None and (int(m) != m or m < 1):
+            raise ValueError(f"max_sequences_per_document must be a whole number >= 1, got {m}")
 
     # -------------------------------------------------------------- recording
     def record(self, event: Event) -> None:
@@ -197,6 +206,68 @@ class PrivacyLedger:
             eps = min(v for v in self.epsilons().values() if v is not None)
         return group_epsilon(eps, self.delta, self.max_sequences_per_user)
 
+    def protects(self) -> dict[str, Any]:
+        """The unit the ε is per, and its contribution bound, in words a report can quote."""
+        if self.unit == "example":
+            return {"unit": "sequence", "contribution_bound": "one packed training sequence, clipped to C"}
+        ks = {d["max_examples_per_user"] for d in self.mechanisms if d.get("max_examples_per_user") is not None}
+        bound = (f"at most {max(ks)} training sequences per user, clipped to C" if ks
+                 else "one clipped model update per user per round")
+        return {"unit": "user", "contribution_bound": bound}
+
+    def document_events(self) -> list[Event] | None:
+        """The events against add/remove of one document's m sequences (m =
+        `max_sequences_per_document`); None where m is unknown or an event is not a
+        Poisson-sampled Gaussian step.
+
+        Each of the document's sequences is sampled independently at rate q and clipped alone,
+        so j ~ Binomial(m, q) of them are in a step's batch: the ELS event with k = m
+        (`accounting.mixture_step_event`). With m = 1 they are the ledger's own events.
+        """
+        m = self.max_sequences_per_document
+        if self.unit != "example" or m is None:
+            return None
+        if m == 1:
+            return list(self.events)
+        out: list[Event] = []
+        for e in self.events:
+            if isinstance(e, dp_event.NoOpDpEvent):
+                out.append(e)
+                continue
+            inner = e.event if isinstance(e, dp_event.SelfComposedDpEvent) else None
+            if not (isinstance(inner, dp_event.PoissonSampledDpEvent)
+                    and isinstance(inner.event, dp_event.GaussianDpEvent)):
+                return None
+            step = mixture_step_event(inner.sampling_probability, inner.event.noise_multiplier, m)
+            out.append(dp_event.SelfComposedDpEvent(step, e.count))
+        return out
+
+    def document(self, eps: dict[str, float | None] | None = None) -> dict[str, Any] | None:
+        """ε per document (example-level ledgers; None otherwise), recomputed from the events.
+
+        ``eps`` is this ledger's own `epsilons()` when the caller has them (the m = 1 case).
+        Returns {"unit": "document", "max_sequences_per_document", "epsilon": {"rdp", "pld"},
+        "delta", "composed_as"}; with m unknown the ε is None and `composed_as` says so.
+        """
+        if self.unit != "example":
+            return None
+        m = self.max_sequences_per_document
+        out: dict[str, Any] = {"unit": "document", "max_sequences_per_document": m, "delta": self.delta}
+        if m is None:
+            return {**out, "epsilon": None, "composed_as": "unknown: the data was prepared before memaudit "
+                    "counted the sequences a document spans; prepare it again to know"}
+        if m == 1:
+            return {**out, "epsilon": dict(self.epsilons() if eps is None else eps),
+                    "composed_as": "no document crosses a packed-sequence boundary: the sequence's epsilon"}
+        events = self.document_events()
+        if events is None:
+            return {**out, "epsilon": None, "composed_as": "not composed: the ledger holds an event other "
+                    "than Poisson-sampled Gaussian steps"}
+        pld = event_epsilon(dp_event.ComposedDpEvent(events), self.delta, "pld") if events else 0.0
+        return {**out, "epsilon": {"rdp": None, "pld": pld},
+                "composed_as": f"a document spans up to {m} packed sequences: each step a mixture of "
+                               f"Gaussians over the j ~ Binomial({m}, q) of them in the batch (PLD)"}
+
     # -------------------------------------------------------------- (de)serialisation
     def _last_dpsgd(self) -> tuple[float | None, float | None]:
         for e in reversed(self.events):
@@ -223,6 +294,9 @@ class PrivacyLedger:
             "steps": self.steps,
             "max_sequences_per_user": self.max_sequences_per_user,
             "per_user": self.per_user(min(known)) if known else None,
+            "protects": self.protects(),
+            "max_sequences_per_document": self.max_sequences_per_document,
+            "document": self.document(eps) if with_epsilon else None,
             "calibration": self.calibration,
             "mechanisms": self.mechanisms,
             "adjacency": sorted({d["adjacency"] for d in self.mechanisms}),
@@ -240,6 +314,7 @@ class PrivacyLedger:
             delta=float(obj["delta"]),
             events=[event_from_dict(e) for e in obj.get("events", [])],
             max_sequences_per_user=obj.get("max_sequences_per_user"),
+            max_sequences_per_document=obj.get("max_sequences_per_document"),
             calibration=obj.get("calibration"),
             mechanisms=list(obj.get("mechanisms") or []),
             reproducible_randomness=obj.get("reproducible_randomness"),
@@ -263,22 +338,23 @@ def no_privacy_json() -> dict[str, Any]:
     return {"schema": SCHEMA, "unit": None, "epsilon": {"rdp": math.inf, "pld": math.inf}}
 
 
-def ledger_summary(obj: dict[str, Any] | None) -> dict[str, Any]:
+def ledger_summary(obj: dict[str, Any] | None, *, with_document: bool = True) -> dict[str, Any]:
     """What a report or a probe may show about a run's privacy, recomputed from the events.
 
     Never reads the stored ε and has no fallback: a ledger this version cannot interpret
     raises ``ValueError``. ``obj`` is privacy.json's content (None or unit None: no DP).
+    ``with_document=False`` skips the per-document ε (a mixture-of-Gaussians PLD, ~1 s).
 
     Returns:
       {"epsilon" (the tightest accountant's), "epsilons", "unit", "delta", "adjacency",
       "mechanisms", "assumes_hidden", "server_epsilon", "server_note",
-      "reproducible_randomness", "void_if_seed_known", "per_user"}
+      "reproducible_randomness", "void_if_seed_known", "per_user", "protects", "document"}
     """
     if not obj or obj.get("unit") is None:
         return {"epsilon": math.inf, "epsilons": {"rdp": math.inf, "pld": math.inf}, "unit": None, "delta": None,
                 "adjacency": [], "mechanisms": [], "assumes_hidden": [], "server_epsilon": math.inf,
                 "server_note": "no DP", "reproducible_randomness": None, "void_if_seed_known": False,
-                "per_user": None}
+                "per_user": None, "protects": None, "document": None}
     led = PrivacyLedger.from_json(obj)
     eps = led.epsilons()
     best = min(v for v in eps.values() if v is not None)
@@ -297,4 +373,6 @@ def ledger_summary(obj: dict[str, Any] | None) -> dict[str, Any]:
         "reproducible_randomness": led.reproducible_randomness,
         "void_if_seed_known": bool(led.reproducible_randomness),
         "per_user": led.per_user(best),
+        "protects": led.protects(),
+        "document": led.document(eps) if with_document else None,
     }

@@ -56,7 +56,13 @@ from typing import Any, Literal
 import numpy as np
 from dp_accounting import dp_event
 
-from memaudit.privacy.accounting import RDP_ORDERS, Accountant, check_delta
+from memaudit.privacy.accounting import (
+    RDP_ORDERS,
+    Accountant,
+    binomial_pmf,
+    check_delta,
+    mixture_step_event,
+)
 from memaudit.privacy.events import RdpCurveEvent, repeated
 from memaudit.privacy.ledger import PrivacyLedger
 
@@ -229,15 +235,6 @@ class SampledGaussian:
         return "none" if self.unit == "user" and not self.centralized else "n/a"
 
 
-def binomial_pmf(k: int, q: float) -> tuple[float, ...]:
-    """P[j of k examples are sampled] for j = 0..k, each independently with probability q.
-
-    >>> [round(p, 4) for p in binomial_pmf(2, 0.5)]
-    [0.25, 0.5, 0.25]
-    """
-    return tuple(math.comb(k, j) * q ** j * (1 - q) ** (k - j) for j in range(k + 1))
-
-
 @dataclass(frozen=True, kw_only=True)
 class ExampleSampledUsers:
     """ELS: example-level Poisson sampling with each user's examples capped at k, per-example
@@ -298,9 +295,7 @@ class ExampleSampledUsers:
 
     def dp_event(self, metrics: Mapping[str, Any] | None = None) -> Any:
         """One step against add/remove-one user: the mixture of Gaussians over j sampled examples."""
-        k = int(self.max_examples_per_user)
-        return dp_event.MixtureOfGaussiansDpEvent(
-            float(self.noise_multiplier), [float(j) for j in range(k + 1)], list(binomial_pmf(k, self.sampling_rate)))
+        return mixture_step_event(self.sampling_rate, self.noise_multiplier, int(self.max_examples_per_user))
 
     def example_event(self) -> Any:
         """The same step against add/remove-one *example* (for the group-privacy comparison)."""

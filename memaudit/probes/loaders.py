@@ -143,7 +143,7 @@ class Privacy:
         from memaudit.privacy.ledger import ledger_summary
 
         try:  # recomputed from the ledger's events, never the stored number
-            summary = ledger_summary(obj)
+            summary = ledger_summary(obj, with_document=False)  # only the epsilon is needed here
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{source} holds a privacy ledger this version cannot interpret "
                             f"({type(e).__name__}); re-run training to rewrite it") from None

@@ -66,7 +66,8 @@ def find_runs(paths: list[str | os.PathLike], *, allow_none: bool = False) -> li
 
 def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
     if not rd.privacy_path.is_file():
-        return {"epsilon": math.inf, "unit": None, "delta": None, "per_user": None, "noise_multiplier": None}
+        return {"epsilon": math.inf, "unit": None, "delta": None, "per_user": None, "noise_multiplier": None,
+                "document": None, "protects": None}
     raw = read_json(rd.privacy_path, what="privacy ledger")
     from memaudit.privacy.ledger import ledger_summary
 
@@ -94,7 +95,36 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
         "server_epsilon": summary["server_epsilon"],
         "server_note": summary["server_note"],
         "void_if_seed_known": summary["void_if_seed_known"],
+        "protects": summary["protects"],
+        "document": _document(summary["document"]),
     }
+
+
+def _document(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ledger's per-document ε (example-level runs), reduced to the tightest accountant's."""
+    if doc is None:
+        return None
+    known = [v for v in (doc.get("epsilon") or {}).values() if v is not None]
+    return {"max_sequences_per_document": doc.get("max_sequences_per_document"),
+            "epsilon": min(known) if known else None, "composed_as": doc.get("composed_as")}
+
+
+def _unit_text(priv: dict[str, Any]) -> str:
+    """What the ε is per, in the run's description: the unit and its contribution bound."""
+    protects = priv.get("protects") or {}
+    name = protects.get("unit") or priv["unit"]
+    return f"per {name}" + (f" ({protects['contribution_bound']})" if protects.get("contribution_bound") else "")
+
+
+def _document_text(priv: dict[str, Any]) -> str:
+    """An example-level run's ε per document (up to m sequences), or that m is unknown."""
+    doc = priv.get("document")
+    if doc is None:
+        return ""
+    if doc.get("epsilon") is None:
+        return "; per document: unknown (" + str(doc.get("composed_as")) + ")"
+    m = doc["max_sequences_per_document"]
+    return f"; epsilon = {doc['epsilon']:.4g} per document (up to {m} sequence{'s' if m > 1 else ''})"
 
 
 def _server_view(priv: dict[str, Any]) -> str:
@@ -178,7 +208,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     mech = _mechanism(info)
     if role == PUBLIC_BASE:  # trained on public text only: no private record reaches it
         mech = "none (public base)"
-        priv = {**priv, "epsilon": 0.0, "unit": None}
+        priv = {**priv, "epsilon": 0.0, "unit": None, "document": None, "protects": None}
     metrics = read_jsonl(rd.metrics_path)
     noise_rows = [
         {"round": r.get("round"), "survivors": r.get("survivors"), "effective_noise": r.get("effective_noise")}
@@ -192,8 +222,9 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
                 "with respect to the private users")
     desc = mech if not info.dp else (
         f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}; against the "
-        f"released model: epsilon = {priv['epsilon']:.4g} per {priv['unit']}"
+        f"released model: epsilon = {priv['epsilon']:.4g} {_unit_text(priv)}"
         + (f" ({', '.join(priv['adjacency'])} adjacency)" if priv.get("adjacency") else "")
+        + _document_text(priv)
         + (f", assuming hidden: {', '.join(priv['assumes_hidden'])}" if priv.get("assumes_hidden") else "")
         + "; against the server: " + _server_view(priv)
         + ("; VOID against anyone who knows train.seed (privacy.reproducible_randomness)"
@@ -223,6 +254,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
             "delta": priv["delta"],
             "unit": priv["unit"],
             "per_user": priv["per_user"],
+            "document": priv.get("document"),
             "per_user_text": "not trained on private data" if role == PUBLIC_BASE else _per_user_text(priv),
         },
         "group_privacy": group_privacy(

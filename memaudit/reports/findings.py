@@ -396,6 +396,8 @@ def caveats(report: dict[str, Any]) -> list[str]:
                 f"epsilon = {number(audit['ceiling'])} at the run's delta (the best over every r); its lower "
                 f"bound {number(audit['value'])} is a floor, not an estimate of the true epsilon."
             )
+        if r.get("privacy", {}).get("unit") == "example" and not math.isinf(r["privacy"].get("epsilon", math.inf)):
+            out.append(document_caveat(r["id"], r["privacy"].get("document")))
         per_user = r.get("privacy", {}).get("per_user") or {}
         if r.get("privacy", {}).get("unit") == "example" and per_user.get("max_sequences_per_user", 1) > 1:
             k = per_user["max_sequences_per_user"]
@@ -418,6 +420,20 @@ def caveats(report: dict[str, Any]) -> list[str]:
             "contribution: equal nominal epsilons are not equal guarantees."
         )
     return out
+
+
+def document_caveat(run_id: str, doc: dict[str, Any] | None) -> str:
+    """An example-level run's unit: a training sequence, and what that means for a document."""
+    head = f"Run {run_id}: epsilon is per packed training sequence"
+    m = (doc or {}).get("max_sequences_per_document")
+    if m is None:
+        return (head + "; how many sequences one document spans is unknown (the data was prepared before "
+                "memaudit counted it), so there is no epsilon per document.")
+    if m == 1:
+        return head + "; no document crosses a sequence boundary, so it is also the epsilon per document."
+    eps = doc.get("epsilon")
+    return (head + f"; a document spans up to {m} sequences, and per document the ledger composes epsilon = "
+            f"{number(eps) if eps is not None else 'unknown'} (a mixture of Gaussians over its {m} sequences).")
 
 
 def pair_lines(report: dict[str, Any]) -> list[str]:

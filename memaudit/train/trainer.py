@@ -350,6 +350,8 @@ class Trainer:
         self.plan = PrivacyPlan(unit="example", delta=delta, noise_multiplier=float(sigma), sampling_rate=q,
                                 mechanism=self.dp.mechanism, calibration=calibration,
                                 max_sequences_per_user=int(counts.max()),
+                                # of all trained sequences: an upper bound where k caps some
+                                max_sequences_per_document=self.prepared.max_sequences_per_document,
                                 reproducible_randomness=self.randomness.reproducible)
 
     def _contribution_rows(self) -> np.ndarray:

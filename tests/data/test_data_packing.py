@@ -89,3 +89,38 @@ def test_canary_copies_spread_over_sequences(prepared):
         assert len(hits) >= 2
         total = sum(tok.decode(prepared.train.input_ids[i]).count(c.text) for i in rows)
         assert total == c.repetitions
+
+
+def test_doc_spans_match_a_brute_force_count_over_the_rows():
+    """Each document's tokens are its own (ids no other document uses): the rows holding any of
+    them, or the EOS right after its last token, are the sequences it spans, counted from the
+    packed arrays alone."""
+    rng = np.random.default_rng(3)
+    next_id, by_user, owner = 1, {}, {}
+    for u in ("a", "b", "c", "d"):
+        docs = []
+        for i in range(int(rng.integers(2, 7))):
+            n = 16 if i == 0 else int(rng.integers(1, 30))  # up to ~4 rows of 8; 16: EOS spills over
+            docs.append(list(range(next_id, next_id + n)))
+            next_id += n
+        by_user[u] = docs
+    for u, docs in by_user.items():
+        for j, d in enumerate(docs):
+            owner.update({t: (u, j) for t in d})
+    p = pack(by_user, seq_len=8, eos_id=0, pad_id=0, seed=5)
+    touched: dict[tuple[str, int], set[int]] = {}
+    last = {u: {d[-1]: (u, j) for j, d in enumerate(docs)} for u, docs in by_user.items()}
+    for r, (row, mask) in enumerate(zip(p.input_ids, p.attention_mask, strict=True)):
+        for c, t in enumerate(row[mask == 1].tolist()):
+            if t in owner:
+                touched.setdefault(owner[t], set()).add(r)
+            if t in last[p.user_of(r)]:  # its EOS: next position, or the next row's first
+                touched[owner[t]].add(r if c + 1 < p.seq_len else r + 1)
+    brute = [len(touched[(u, j)]) for u in p.users for j in range(len(by_user[u]))]
+    assert p.doc_spans.tolist() == brute
+    assert max(brute) >= 3 and min(brute) == 1  # the case is not trivial
+    from memaudit.data.packing import span_summary
+
+    s = span_summary(p.doc_spans)
+    assert s["max_sequences_per_document"] == max(brute) and s["documents"] == len(brute)
+    assert s["spanning"] == {"1": brute.count(1), "2": brute.count(2), "3+": sum(b >= 3 for b in brute)}

@@ -119,6 +119,9 @@ def test_cli_prepare_prints_no_secret(tmp_path, capsys):
     prepared = load_prepared(RunDir(out))
     printed = cap.out + cap.err
     assert prepared.fingerprint[:12] in printed
+    n = prepared.meta["sequences_per_document"]
+    assert (f"spanning 1/2/3+ sequences: {n['spanning']['1']}/{n['spanning']['2']}/{n['spanning']['3+']}"
+            in " ".join(printed.split()))
     assert not any(s in printed for s in prepared.canaries.all_secrets())
     assert not any(d.text in printed for d in prepared.documents)
     assert prepared.vocab_size == 4096
@@ -179,3 +182,39 @@ def test_default_tokenizer_does_not_learn_from_heldout_users(tmp_path):
     b = prepare_data(SMALL.model_copy(update={"seed": SMALL.seed + 1}), RunDir(tmp_path / "b"), vocab_size=512)
     assert a.split.heldout_users != b.split.heldout_users
     assert a.tokenizer().get_vocab() == b.tokenizer().get_vocab()
+
+
+def _spans_from_rows(packed, eos_id: int) -> list[int]:
+    """Brute force over the packed arrays alone: each user's real tokens in row order, cut after
+    every EOS; the rows a piece's positions lie in are the sequences that document spans."""
+    spans = []
+    for ui in range(len(packed.users)):
+        rows = np.flatnonzero(packed.user_index == ui)
+        stream = [(int(t), int(r)) for r in rows
+                  for t in packed.input_ids[r][packed.attention_mask[r] == 1]]
+        touched: set[int] = set()
+        for t, r in stream:
+            touched.add(r)
+            if t == eos_id:
+                spans.append(len(touched))
+                touched = set()
+        assert not touched  # every document ends with its EOS
+    return spans
+
+
+def test_meta_counts_the_sequences_each_trained_document_spans(tmp_path):
+    cfg = SMALL.model_copy(update={"seq_len": 24})  # short rows: documents span several
+    p = prepare_data(cfg, RunDir(tmp_path / "a"), vocab_size=512)
+    brute = _spans_from_rows(p.train, p.eos_id)
+    got = p.meta["sequences_per_document"]
+    assert got["documents"] == len(brute) == sum(d.role == "member" for d in p.documents)
+    assert got["max_sequences_per_document"] == max(brute) == p.max_sequences_per_document
+    assert got["spanning"] == {"1": brute.count(1), "2": brute.count(2), "3+": sum(b >= 3 for b in brute)}
+    assert got["spanning"]["2"] + got["spanning"]["3+"] > 0
+    assert load_prepared(RunDir(tmp_path / "a")).max_sequences_per_document == max(brute)
+    # data prepared before the count (no key in meta.json, which the fingerprint does not cover): unknown
+    meta = tmp_path / "a" / "data" / "meta.json"
+    obj = json.loads(meta.read_text())
+    del obj["sequences_per_document"]
+    meta.write_text(json.dumps(obj))
+    assert load_prepared(RunDir(tmp_path / "a")).max_sequences_per_document is None

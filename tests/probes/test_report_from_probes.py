@@ -53,3 +53,37 @@ def test_report_reads_an_older_probes_json(tmp_path, trained, probed):
     rep = build_report([rd])
     validate_report(rep)
     assert rep["runs"][0]["leakage"]["mia_auc"]["value"] > 0.5
+
+
+def test_report_names_the_unit_per_document_and_reads_an_older_ledger(tmp_path, trained, probed):
+    """An example-level run's description and caveat name the sequence and the document with its
+    m; a privacy.json written before memaudit counted m still reports, the document unknown."""
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    done, _ = probed
+    runs = []
+    for name, m in (("doc3", 3), ("old", None)):
+        rd = tmp_path / name
+        shutil.copytree(trained.run, rd)
+        (rd / "probes.json").write_text(json.dumps(done))
+        (rd / "run.json").write_text(json.dumps({"status": "complete", "backend": "parallel",
+                                                 "config": {"privacy": {"noise_multiplier": 1.2}}}))
+        led = PrivacyLedger(unit="example", delta=1e-5, max_sequences_per_document=m)
+        led.record_steps(0.05, 1.2, 40)
+        obj = led.to_json()
+        if m is None:
+            for key in ("document", "max_sequences_per_document", "protects"):
+                del obj[key]
+        (rd / "privacy.json").write_text(json.dumps(obj))
+        runs.append(rd)
+    rep = build_report(runs)
+    validate_report(rep)
+    by_id = {r["id"]: r["privacy"] for r in rep["runs"]}
+    want = PrivacyLedger(unit="example", delta=1e-5, max_sequences_per_document=3)
+    want.record_steps(0.05, 1.2, 40)
+    assert by_id["doc3"]["document"]["epsilon"] == want.document()["epsilon"]["pld"]
+    assert by_id["doc3"]["document"]["max_sequences_per_document"] == 3
+    assert "per sequence" in by_id["doc3"]["description"] and "up to 3 sequences" in by_id["doc3"]["description"]
+    assert by_id["old"]["document"]["epsilon"] is None and "per document: unknown" in by_id["old"]["description"]
+    cav = {c.split(":")[0]: c for c in rep["findings"]["caveats"] if "per packed training sequence" in c}
+    assert "up to 3 sequences" in cav["Run doc3"] and "unknown" in cav["Run old"]

@@ -161,6 +161,19 @@ def test_caveats_mention_units_and_audit_ceiling():
     assert "one training sequence" in cav
 
 
+def test_the_unit_caveat_names_the_document_and_its_m_where_known():
+    runs = [run(f"par-{i}", "parallel", 4.0, mia=cell(0.5, 0.02), unit="example") for i in range(3)]
+    runs.append(run("fed", "federated", 4.0, mia=cell(0.5, 0.02), unit="user"))
+    runs[0]["privacy"]["document"] = {"max_sequences_per_document": 3, "epsilon": 9.5, "composed_as": "..."}
+    runs[1]["privacy"]["document"] = {"max_sequences_per_document": 1, "epsilon": 4.0, "composed_as": "..."}
+    runs[2]["privacy"]["document"] = None  # a run whose data predates the count
+    by_run = {c.split(":")[0]: c for c in findings.caveats({"runs": runs}) if "per packed training sequence" in c}
+    assert set(by_run) == {"Run par-0", "Run par-1", "Run par-2"}  # example-level runs only
+    assert "up to 3 sequences" in by_run["Run par-0"] and "epsilon = 9.5" in by_run["Run par-0"]
+    assert "also the epsilon per document" in by_run["Run par-1"]
+    assert "unknown" in by_run["Run par-2"] and "no epsilon per document" in by_run["Run par-2"]
+
+
 def test_several_seeds_are_tested_over_seeds_as_configurations():
     runs = []
     for s in range(4):

@@ -155,6 +155,15 @@ def test_dp_sgd_run_records_a_ledger(tiny_run, tmp_path):
     acc.compose(dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.2)), 6))
     assert ledger["epsilon"]["rdp"] == pytest.approx(acc.get_epsilon(1e-4), rel=1e-6)
+    # the unit is named: per sequence, and per document composed for the m the data records
+    m = read_json(run.data_dir / "meta.json")["sequences_per_document"]["max_sequences_per_document"]
+    assert ledger["protects"]["unit"] == "sequence" and ledger["max_sequences_per_document"] == m > 1
+    from memaudit.privacy.accounting import MIXTURE_PLD_DISCRETIZATION
+
+    pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=MIXTURE_PLD_DISCRETIZATION)
+    pld.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.dp_event.MixtureOfGaussiansDpEvent(
+        1.2, list(range(m + 1)), [math.comb(m, j) * q ** j * (1 - q) ** (m - j) for j in range(m + 1)]), 6))
+    assert ledger["document"]["epsilon"]["pld"] == pytest.approx(pld.get_epsilon(1e-4), rel=1e-9)
     metrics = read_jsonl(run.metrics_path)
     assert len(metrics) == 6 and all("noise_std" in m for m in metrics)
     assert metrics[0]["noise_std"] == pytest.approx(1.2 * 1.0 / (n * q))
