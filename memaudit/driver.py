@@ -196,7 +196,8 @@ def _restore(session: RunSession, backend: Backend, run: _Run) -> None:
 
 
 def _checkpoint(session: RunSession, backend: Backend, run: _Run, done: int) -> None:
-    ledger = run.ledger.to_json() if run.ledger is not None and backend.is_writer else None
+    # the per-document epsilon (a mixture PLD) waits for the run's last write
+    ledger = run.ledger.to_json(with_document=False) if run.ledger is not None and backend.is_writer else None
     scalars = {backend.counter: done, "metrics_count": done, "initial_holdout_loss": run.initial[0],
                "initial_holdout_perplexity": run.initial[1]}
     if run.ledger is not None:

@@ -27,6 +27,8 @@ recomputes it from the events (`PrivacyLedger.load(path).epsilon("rdp")`).
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -263,7 +265,7 @@ class PrivacyLedger:
         if events is None:
             return {**out, "epsilon": None, "composed_as": "not composed: the ledger holds an event other "
                     "than Poisson-sampled Gaussian steps"}
-        pld = event_epsilon(dp_event.ComposedDpEvent(events), self.delta, "pld") if events else 0.0
+        pld = _document_pld(json.dumps([event_to_dict(e) for e in events]), self.delta) if events else 0.0
         return {**out, "epsilon": {"rdp": None, "pld": pld},
                 "composed_as": f"a document spans up to {m} packed sequences: each step a mixture of "
                                f"Gaussians over the j ~ Binomial({m}, q) of them in the batch (PLD)"}
@@ -279,7 +281,10 @@ class PrivacyLedger:
                 return e.event.standard_deviation, None  # ELS: the rate is in the mixture's weights
         return None, None
 
-    def to_json(self, *, with_epsilon: bool = True) -> dict[str, Any]:
+    def to_json(self, *, with_epsilon: bool = True, with_document: bool = True) -> dict[str, Any]:
+        """privacy.json. ``with_document=False`` leaves the per-document ε (a mixture PLD, about
+        a second) to the run's last write: a checkpoint's copy has ``document: null``, and
+        `ledger_summary`, the report and ``memaudit epsilon --run`` recompute it from the events."""
         sigma, q = self._last_dpsgd()
         eps = self.epsilons() if with_epsilon else {"rdp": None, "pld": None}
         known = [v for v in eps.values() if v is not None]
@@ -296,7 +301,7 @@ class PrivacyLedger:
             "per_user": self.per_user(min(known)) if known else None,
             "protects": self.protects(),
             "max_sequences_per_document": self.max_sequences_per_document,
-            "document": self.document(eps) if with_epsilon else None,
+            "document": self.document(eps) if with_epsilon and with_document else None,
             "calibration": self.calibration,
             "mechanisms": self.mechanisms,
             "adjacency": sorted({d["adjacency"] for d in self.mechanisms}),
@@ -336,6 +341,14 @@ class PrivacyLedger:
 def no_privacy_json() -> dict[str, Any]:
     """privacy.json content for a run trained without DP (ε = inf)."""
     return {"schema": SCHEMA, "unit": None, "epsilon": {"rdp": math.inf, "pld": math.inf}}
+
+
+@functools.lru_cache(maxsize=64)
+def _document_pld(events_json: str, delta: float) -> float:
+    """PLD ε of the per-document events (their JSON: the cache key). A report, `memaudit
+    epsilon` and the run's last write ask for the same ledger's figure several times."""
+    events = [event_from_dict(d) for d in json.loads(events_json)]
+    return event_epsilon(dp_event.ComposedDpEvent(events), delta, "pld")
 
 
 def ledger_summary(obj: dict[str, Any] | None, *, with_document: bool = True) -> dict[str, Any]:
