@@ -151,6 +151,7 @@ class Trainer:
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
         self.dp: Any = None
+        self.prepared: Any = None  # the prepared data (`init`); None: sequences given directly
         self.plan: PrivacyPlan | None = None
         self.noise_multiplier: float | None = None
         self.group_size = 1  # rows per clipped unit: a ULS user's capped sequences
@@ -351,7 +352,7 @@ class Trainer:
                                 mechanism=self.dp.mechanism, calibration=calibration,
                                 max_sequences_per_user=int(counts.max()),
                                 # of all trained sequences: an upper bound where k caps some
-                                max_sequences_per_document=self.prepared.max_sequences_per_document,
+                                max_sequences_per_document=getattr(self.prepared, "max_sequences_per_document", None),
                                 reproducible_randomness=self.randomness.reproducible)
 
     def _contribution_rows(self) -> np.ndarray:
