@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import string
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -109,8 +110,6 @@ class CanaryConfig(_Section):
     @field_validator("template")
     @classmethod
     def _has_slot(cls, v: str) -> str:
-        import string
-
         fields = [f for _, f, _, _ in string.Formatter().parse(v) if f is not None] if _parses(v) else None
         if fields is None or fields != ["secret"]:
             raise ValueError("the template must contain '{secret}' exactly once and no other "
@@ -225,8 +224,6 @@ class GoldfishConfig(_Section):
 
 
 def _parses(template: str) -> bool:
-    import string
-
     try:
         list(string.Formatter().parse(template))
     except ValueError:

@@ -16,7 +16,9 @@ import math
 from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 
+from memaudit.commands._common import print_json, stdout
 from memaudit.errors import MemauditError
 
 HELP = ("Privacy budget of DP-SGD: epsilon for (sampling rate, noise multiplier, steps, delta), "
@@ -35,7 +37,16 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     examples capped at `max_examples_per_user`; a mixture of Gaussians, PLD only, with the
     group-privacy bound of the example-level ε beside it for comparison).
     """
-    from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, group_epsilon
+    # lazy: `memaudit --help` does not import dp_accounting (~1.5 s) and numpy (~0.4 s)
+    from memaudit.privacy.accounting import (
+        check_delta,
+        check_dpsgd,
+        default_delta,
+        group_epsilon,
+        group_privacy_bound,
+    )
+    from memaudit.privacy.ledger import PrivacyLedger
+    from memaudit.privacy.mechanisms import calibrate, repeated
 
     if accountant not in ("rdp", "pld", "both"):
         raise MemauditError(f"--accountant '{accountant}' is not known; use rdp, pld or both")
@@ -68,8 +79,6 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     if unit == "user":
         out.update(algorithm=algorithm, max_examples_per_user=max_examples_per_user)
     if target_epsilon is not None:
-        from memaudit.privacy.mechanisms import calibrate
-
         first = accountants[-1]  # the tightest accountant asked for sets sigma
         try:
             sigma = calibrate(target_epsilon, lambda z: mech.with_noise(z).dp_event(), steps=steps, delta=delta,
@@ -79,8 +88,6 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         out["target_epsilon"] = target_epsilon
         out["calibrated_with"] = first
     out["noise_multiplier"] = sigma
-    from memaudit.privacy.ledger import PrivacyLedger
-
     led = PrivacyLedger(unit=unit, delta=delta)
     led.record_mechanism(mech.with_noise(sigma), steps=steps)
     out["epsilon"] = {a: led.epsilon(a) for a in accountants} if steps else {a: 0.0 for a in accountants}
@@ -94,9 +101,6 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         best = min(out["epsilon"].values())
         out["group"] = group_epsilon(best, delta, group_size)
     if unit == "user" and algorithm == "els" and steps:
-        from memaudit.privacy.accounting import group_privacy_bound
-        from memaudit.privacy.mechanisms import repeated
-
         out["group_privacy_bound"] = group_privacy_bound(  # for comparison: looser than the mixture
             repeated(mech.with_noise(sigma).example_event(), steps), delta, int(max_examples_per_user))
     return out
@@ -104,6 +108,7 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
 
 def _user_mechanism(q: float, sampling: str, k: int | None, algorithm: str | None):
     """The user-level mechanism of --algorithm els|uls (only q matters: Poisson sampling)."""
+    # lazy: `memaudit --help` does not import dp_accounting (~1.5 s) and numpy (~0.4 s)
     from memaudit.privacy.mechanisms import ExampleSampledUsers, SampledGaussian
 
     if algorithm not in ("els", "uls"):
@@ -120,6 +125,7 @@ def _user_mechanism(q: float, sampling: str, k: int | None, algorithm: str | Non
 
 
 def _mechanism(q: float, sampling: str, population: int | None):
+    # lazy: `memaudit --help` does not import dp_accounting (~1.5 s) and numpy (~0.4 s)
     from memaudit.privacy.mechanisms import SampledGaussian
 
     if sampling not in ("poisson", "fixed"):
@@ -182,12 +188,10 @@ def register(app: typer.Typer) -> None:
                       accountant=accountant, clip=clip, group_size=group_size, sampling=sampling,
                       population=population, unit=unit, max_examples_per_user=max_examples_per_user,
                       algorithm=algorithm)
-        from memaudit.commands._common import print_json, stdout
 
         if fmt == "json":
             print_json(res)
             return
-        from rich.table import Table
 
         table = Table(title="DP-SGD privacy budget", show_header=True)
         table.add_column("quantity")

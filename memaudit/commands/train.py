@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from memaudit.commands._common import console, progress
 from memaudit.errors import ConfigError, MemauditError
 
 HELP = ("Train a model into a run directory (centralized PyTorch or federated JAX), or resume an "
@@ -47,6 +48,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _open_new(config: Path, out: Path | None, overrides: list[str], overwrite: bool):
+    # lazy: `memaudit --help` does not import the config (pydantic, ~0.3 s)
     from memaudit.config import load_config
     from memaudit.rundir import prepare_new_run
 
@@ -57,6 +59,7 @@ def _open_new(config: Path, out: Path | None, overrides: list[str], overwrite: b
 
 def _open_resume(path: Path, config: Path | None, overrides: list[str]):
     """The run's own config; a CONFIG or --set given with --resume must agree with it."""
+    # lazy: `memaudit --help` does not import the config (pydantic, ~0.3 s)
     from memaudit.config import config_from_dict, dump_config, load_config, with_overrides
     from memaudit.rundir import open_for_resume
 
@@ -87,6 +90,7 @@ def _open_resume(path: Path, config: Path | None, overrides: list[str]):
 
 
 def _split(item: str) -> tuple[str, Any]:
+    # lazy: `memaudit --help` does not import the config (pydantic, ~0.3 s)
     from memaudit.config import parse_override
 
     return parse_override(item)
@@ -105,8 +109,6 @@ def _first_difference(a: Any, b: Any, *, skip: set[str], prefix: str = "") -> st
 
 
 def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> dict[str, Any]:
-    from memaudit.commands._common import console, progress
-
     bar = progress()
     task = bar.add_task("train", total=None, info="", visible=False)
 
@@ -120,6 +122,7 @@ def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> di
 
     try:
         with bar:
+            # lazy: `memaudit --help` does not import numpy (~0.4 s)
             from memaudit.dispatch import dispatch
 
             return dispatch(cfg, run, resume=resume, progress=on_progress, overwrite=overwrite)

@@ -43,6 +43,7 @@ class DocumentIndex:
 
     def token_ids(self, docs: list[Document] | tuple[Document, ...], *, eos: bool = False) -> list[list[int]]:
         """Token ids of each document exactly as in training (training appends EOS: `eos=True`)."""
+        # lazy: numpy (~0.4 s) only when called; this module imports without it
         from memaudit.data.tokenizer import encode
 
         ids = encode(self.prepared.tokenizer(), [d.text for d in docs])
@@ -67,6 +68,7 @@ def document_index(prepared: PreparedData) -> DocumentIndex:
 
 def token_ids(prepared: PreparedData, texts: list[str]) -> list[list[int]]:
     """Token ids of arbitrary texts (e.g. canary prefixes) with the run's tokenizer, no specials."""
+    # lazy: numpy (~0.4 s) only when called; this module imports without it
     from memaudit.data.tokenizer import encode
 
     return encode(prepared.tokenizer(), list(texts))

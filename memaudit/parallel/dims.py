@@ -161,6 +161,7 @@ def build_groups(dims: ParallelDims, *, backend: str | None = None) -> ProcessGr
 
     Without an initialised process group only the 1x1x1x1 grid is allowed.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

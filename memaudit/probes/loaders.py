@@ -140,6 +140,7 @@ class Privacy:
     def from_json(cls, obj: Any, source: str = "privacy.json") -> Privacy:
         if not isinstance(obj, dict):
             raise DataError(f"{source} is not a JSON object; re-run training to rewrite it")
+        # lazy: dp_accounting (~1.5 s) and numpy (~0.4 s) only when called
         from memaudit.privacy.ledger import ledger_summary
 
         try:  # recomputed from the ledger's events, never the stored number

@@ -69,6 +69,7 @@ def doc_scores(
     progress=None,
 ) -> dict[str, np.ndarray]:
     """Every attack's score per document (reference only when a (model, codec) pair is given)."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import token_logprobs
 
     seqs = [codec.encode(d.text)[:max_tokens] for d in docs]

@@ -120,7 +120,8 @@ def models_mean_logp(sources: tuple[str, ...], codec, texts: list[str], *, max_t
     Every reference must share the target's tokenizer (as the ratio attack requires), so one
     encoding serves all; a model is released before the next is loaded.
     """
-    from memaudit.probes.scoring import token_logprobs  # torch: only when references are scored
+    # lazy: torch (~2 s) only when references are scored
+    from memaudit.probes.scoring import token_logprobs
 
     seqs = [codec.encode(t)[:max_tokens] for t in texts]
     out = []

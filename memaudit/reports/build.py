@@ -68,6 +68,7 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
     if not rd.privacy_path.is_file():
         return {"epsilon": math.inf, "unit": None, "delta": None, "per_user": None, "noise_multiplier": None}
     raw = read_json(rd.privacy_path, what="privacy ledger")
+    # lazy: dp_accounting (~1.5 s) only when called; this module imports without it
     from memaudit.privacy.ledger import ledger_summary
 
     try:  # recomputed from the serialised events; no stored-number fallback

@@ -43,6 +43,7 @@ from memaudit.config import (
     set_dotted,
 )
 from memaudit.errors import ConfigError
+from memaudit.models.presets import get_preset
 
 
 class PretrainConfig(BaseModel):
@@ -88,7 +89,6 @@ class GridConfig(_Section):
     def _models(cls, v: list[str] | None) -> list[str] | None:
         if v is None:
             return v
-        from memaudit.models.presets import get_preset
 
         if not v:
             raise ValueError("grid.models is empty; list presets such as [tiny, tiny2x] or drop it")
@@ -331,7 +331,6 @@ def _check_sizes(cfg: SweepConfig) -> None:
     if isinstance(base_model, dict) and base_model.get("name_or_path") is not None:
         raise ValueError("grid.models sets model.preset for each point; remove "
                          "base.model.name_or_path or drop grid.models")
-    from memaudit.models.presets import get_preset
 
     vocab = {m: get_preset(m).vocab_size for m in models}
     data = cfg.base.get("data") or {}

@@ -42,6 +42,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from memaudit.io import read_json
+from memaudit.rundir import RunDir
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_name
 
 
@@ -71,8 +73,6 @@ def interpolate_noise(levels: list[tuple[float, float]], target_ppl: float,
 
 def _perplexity(run_dir: Path) -> float | None:
     """A complete run's final holdout perplexity from its manifest, or None."""
-    from memaudit.rundir import RunDir
-
     rd = RunDir(run_dir)
     if not rd.is_run() or rd.status() != "complete":
         return None
@@ -83,9 +83,6 @@ def _perplexity(run_dir: Path) -> float | None:
 def trained_noise(run_dir: Path) -> float | None:
     """The noise multiplier a DP run trained with, from its ledger (the calibration, else its
     first mechanism's record), or None."""
-    from memaudit.io import read_json
-    from memaudit.rundir import RunDir
-
     path = RunDir(run_dir).privacy_path
     if not path.is_file():
         return None

@@ -113,7 +113,7 @@ def probe_device(cfg: SweepConfig) -> str:
         return cfg.probe.device
     if cfg.executor.kind == "slurm":
         return "cuda" if cfg.executor.gpus_per_node else "cpu"
-    # torch is a heavy import that `memaudit --help` must not pay: only where a probe is judged
+    # lazy: torch (~2 s), which `memaudit --help` must not pay: only where a probe is judged
     from memaudit.probes.scoring import resolve_device
 
     return resolve_device("auto")
@@ -125,7 +125,7 @@ def point_probe_config(cfg: SweepConfig, rd: RunDir | None = None) -> ProbeConfi
     names one: the fine-tune's own starting point is the cheap strong reference."""
     update: dict[str, Any] = {"device": probe_device(cfg)}
     if cfg.probe.reference is None and rd is not None and rd.is_run():
-        # probes.targets reads run.json only; imported here, its models' loaders stay unloaded
+        # lazy: probes.targets loads numpy (~0.4 s); only a point with a run reads its base
         from memaudit.probes.targets import base_reference
 
         update["reference"] = base_reference(rd)

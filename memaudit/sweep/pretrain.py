@@ -202,6 +202,7 @@ def ensure_base_reference(cfg: Any, out_dir: str | Path, base_model: Path, point
 
 def _write_reference(run_cfg: Any, rd: Any) -> None:
     """The reference run through the run lifecycle: data staged, no step, the base exported."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
 

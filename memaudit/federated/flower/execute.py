@@ -19,10 +19,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 import numpy as np
+from jax import export
 
 from memaudit.federated.flower import wire
 from memaudit.federated.flower.partition import CLIENT, Lit, Plan, Stage
@@ -95,8 +99,6 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
         each output that stays on the nodes) and {"dropped_nodes": [...], "dropped_slots":
         [...], "alive_nodes": [...]}: nodes that did not answer a stage, and those that did.
     """
-    import jax
-
     flat = jax.tree.leaves(tuple(args))
     env: dict[int, Any] = dict(plan.consts)
     for i, x in zip(plan.invars, flat, strict=True):
@@ -187,7 +189,6 @@ class NodeExecutor:
         if self.store_dir is None:
             self.store[(round, var)] = value
             return
-        from pathlib import Path
 
         d = Path(self.store_dir)
         d.mkdir(parents=True, exist_ok=True)
@@ -199,14 +200,12 @@ class NodeExecutor:
     def _kept(self, round: int, var: int) -> Any:
         if self.store_dir is None:
             return self.store[(round, var)]
-        from pathlib import Path
 
         return np.load(Path(self.store_dir) / f"r{round}-v{var}.npy")
 
     def _load_protocol(self, round: int) -> dict:
         if self.store_dir is None:
             return self.protocol[round]
-        from pathlib import Path
 
         return wire.unpack((Path(self.store_dir) / f"secagg-r{round}.bin").read_bytes())
 
@@ -216,8 +215,6 @@ class NodeExecutor:
         if self.store_dir is None:
             self.protocol = {} if state is None else {round: state}
             return
-        import os
-        from pathlib import Path
 
 
         d = Path(self.store_dir)
@@ -237,8 +234,6 @@ class NodeExecutor:
         return node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
 
     def _module(self, call: StageCall) -> Any:
-        from jax import export
-
         if call.module_key not in self.modules:
             self.modules[call.module_key] = export.deserialize(bytearray(call.module))
         return self.modules[call.module_key]

@@ -14,13 +14,23 @@ partitions were made with, printed by the command) so server and nodes tokenize 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import io
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from memaudit.errors import DataError
+from memaudit.config import load_config
+from memaudit.data import prepare_data
+from memaudit.errors import DataError, MemauditError
+from memaudit.federated.data import build_client_data
+from memaudit.io import atomic_write_bytes
+from memaudit.models.presets import get_preset
+from memaudit.rundir import RunDir
 
 ARRAYS = ("input_ids", "attention_mask", "example_mask")
 
@@ -50,12 +60,6 @@ def split_users(users: list[str], nodes: int) -> list[list[str]]:
 
 def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
     """Prepare the data of ``cfg`` under ``out/prepared`` and write ``out/node-<i>.npz``."""
-    from memaudit.data import prepare_data
-    from memaudit.federated.data import build_client_data
-    from memaudit.io import atomic_write_bytes
-    from memaudit.models.presets import get_preset
-    from memaudit.rundir import RunDir
-
     out = Path(out)
     scratch = RunDir(out / "prepared")
     prepared = prepare_data(cfg.data, scratch, vocab_size=get_preset(cfg.model.preset).vocab_size)
@@ -68,7 +72,6 @@ def write_partitions(cfg: Any, out: Path, nodes: int) -> dict[str, Any]:
         arrays = {"users": np.asarray(block, dtype=str), "input_ids": clients.input_ids[rows],
                   "attention_mask": clients.attention_mask[rows],
                   "example_mask": clients.example_mask[rows]}
-        import io
 
         buf = io.BytesIO()
         np.savez(buf, **arrays)
@@ -96,13 +99,6 @@ def load_partition(path: str | Path) -> tuple[list[str], dict[str, np.ndarray]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    import sys
-
-    from memaudit.config import load_config
-    from memaudit.errors import MemauditError
-
     ap = argparse.ArgumentParser(prog="python -m memaudit.federated.flower.nodes",
                                  description="Write each SuperNode's partition of a run's data.")
     ap.add_argument("config", help="the run's YAML config")
