@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
+from memaudit.backends import backend_name
 from memaudit.checkpoints import (
     checkpoint_candidates,
     clean_temporaries,
@@ -115,7 +116,7 @@ class RunSession:
     Args:
         run: the run directory, checked by `prepare_new_run` / `open_for_resume`.
         cfg: the resolved, validated config.
-        backend: "parallel" or "federated" (recorded in run.json; a resume must match).
+        backend: "centralized" or "federated" (recorded in run.json; a resume must match).
         resume: continue the run in place.
         is_writer: this process writes the run directory (rank 0 / JAX process 0).
         hold_lock: take run.lock here (False when a launcher process already holds it).
@@ -163,7 +164,7 @@ class RunSession:
         os.chmod(self.run.path, 0o700)  # the run holds sensitive files: its owner's only
         if self.resume:
             m = self.run.read_manifest()
-            if m.get("backend") != self.backend:
+            if backend_name(m.get("backend")) != self.backend:  # `parallel`: an older run's name
                 raise RunDirError(f"run '{self.run.path}' was trained with backend "
                                   f"'{m.get('backend')}'; resume it with that backend or start a new run")
             self._resume_data = self._check_resume_data()  # before anything is written

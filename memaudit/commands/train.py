@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from memaudit.backends import BACKENDS, backend_name
 from memaudit.commands._common import console, progress
 from memaudit.errors import ConfigError, MemauditError
 
@@ -24,7 +25,7 @@ def register(app: typer.Typer) -> None:
         set_: Annotated[list[str] | None, typer.Option(
             "--set", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")] = None,
         backend: Annotated[str | None, typer.Option(
-            "--backend", help="parallel (PyTorch, one or many processes) or federated (JAX).")] = None,
+            "--backend", help="centralized (PyTorch, one or many processes) or federated (JAX).")] = None,
         resume: Annotated[Path | None, typer.Option(
             "--resume", help="Continue the interrupted run in this directory from its last checkpoint.")] = None,
         overwrite: Annotated[bool, typer.Option(
@@ -32,9 +33,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         overrides = list(set_ or [])
         if backend is not None:
-            if backend not in ("parallel", "federated"):
-                raise ConfigError(f"--backend '{backend}' is not known; use parallel or federated")
-            overrides.append(f"backend={backend}")
+            if backend_name(backend) not in BACKENDS:  # `parallel`: the old name, still accepted
+                raise ConfigError(f"--backend '{backend}' is not known; use centralized or federated")
+            overrides.append(f"backend={backend_name(backend)}")
         if resume is not None:
             if out is not None or overwrite:
                 raise MemauditError("--resume continues the run in place; drop --out/--overwrite")

@@ -1,4 +1,4 @@
-"""Sharded checkpoints of the parallel backend, in RUN_DIR/state/.
+"""Sharded checkpoints of the centralized backend's grid, in RUN_DIR/state/.
 
     state/
       trainer.json      step and scalars, with "format": "sharded" and "grid": [data, x, y, z]

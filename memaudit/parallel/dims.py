@@ -114,7 +114,7 @@ class ParallelDims:
                     f"choose parallel.{axis} dividing {value}"
                 )
         if getattr(cfg, "tie_word_embeddings", False):
-            raise ValueError("tie_word_embeddings=true is not supported by the parallel backend; untie the LM head")
+            raise ValueError("tie_word_embeddings=true is not supported by the tensor-parallel grid; untie the LM head")
 
 
 @dataclass

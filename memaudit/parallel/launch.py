@@ -1,4 +1,4 @@
-"""Distributed start-up for the parallel backend: backend choice and process-group init.
+"""Distributed start-up for the centralized backend's grid: backend choice and process-group init.
 
 Works under `torchrun` or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
 and MASTER_PORT (SLURM users: `srun torchrun --nnodes $SLURM_NNODES --nproc-per-node G

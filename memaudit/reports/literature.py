@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.backends import BACKENDS
 from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
@@ -60,7 +61,7 @@ def _comparison_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _label(run: dict[str, Any]) -> str:
-    side = "centralized" if run["backend"] == "parallel" else "federated"
+    side = run["backend"]
     e, unit = _eps(run), run["privacy"].get("unit")
     return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
 
@@ -173,7 +174,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
         return []
     lb = _holdout_losses(base)
     out = []
-    for backend in ("parallel", "federated"):
+    for backend in BACKENDS:
         side = [r for r in runs if r["backend"] == backend]
         nodp = next((r for r in side if math.isinf(_eps(r))), None)
         if nodp is None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.backends import report_rank
 from memaudit.config import ModelConfig
 from memaudit.io import read_json
 from memaudit.probes.extraction import repeat_bucket
@@ -145,7 +146,7 @@ def _condition(run: dict[str, Any]) -> tuple[str, float]:
 
 
 def _condition_label(backend: str, eps: float) -> str:
-    side = "centralized" if backend == "parallel" else "federated"
+    side = backend
     return f"{side}, {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
 
 
@@ -213,7 +214,7 @@ def _bucket_order(b: str) -> tuple:
 def _tables(cells: dict[tuple, list[dict]]) -> list[dict[str, Any]]:
     """Per condition and metric: one row per (size, Goldfish), one cell per repetition bucket."""
     tables = []
-    for cond in sorted({c for c, _, _ in cells}):
+    for cond in sorted({c for c, _, _ in cells}, key=lambda c: (report_rank(c[0]), c[1])):
         keys = sorted(k for k in cells if k[0] == cond)
         for metric, (label, unit, _kind) in METRICS.items():
             buckets = sorted({b for k in keys for r in cells[k] for b in r["_units"].get(metric, {})},

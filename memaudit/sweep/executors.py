@@ -5,7 +5,7 @@ same jobs as processes on this machine (`submitit.LocalExecutor`, which emulates
 job) and `debug` in this process (`submitit.DebugExecutor`). A parallel point
 (world size W > 1) is ONE job of W tasks, one per rank, over `ceil(W / gpus_per_node)` nodes;
 each task finds its rank and the rendezvous in SLURM's environment (`memaudit.sweep.slurm_env`)
-and runs the parallel backend's per-rank entry point. The driver submits a job for every point
+and runs the centralized grid's per-rank entry point. The driver submits a job for every point
 that the one rule (`memaudit.sweep.point.point_action`, as `--jobs` asks it) does not skip; in
 the job, rank 0 asks the rule again, hands its training step (trained, resumed or skipped) to the
 other ranks through a file in the job folder, and alone probes and returns the outcome.

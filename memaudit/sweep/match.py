@@ -42,6 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from memaudit.backends import CENTRALIZED, FEDERATED
 from memaudit.io import read_json
 from memaudit.rundir import RunDir
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_name
@@ -113,7 +114,7 @@ def _targets(cfg: SweepConfig, points: list[SweepPoint]) -> tuple[list[float], d
 
 def _side(cfg: SweepConfig, points: list[SweepPoint], t: SweepPoint) -> list[SweepPoint]:
     """The other backend's DP grid points of the target's model and seed: what a match reads."""
-    other = "parallel" if cfg.match_utility.target_backend == "federated" else "federated"
+    other = CENTRALIZED if cfg.match_utility.target_backend == FEDERATED else FEDERATED
     return [p for p in points if _comparable(p) and p.backend == other and p.model == t.model
             and p.seed == t.seed and math.isfinite(_eps(p))]
 
@@ -131,7 +132,7 @@ def plan_matches(cfg: SweepConfig, points: list[SweepPoint], out: Path
     `out/runs/`), and one record per target: the noise multiplier chosen from which runs, or why
     no point was planned. It reads only those runs, so a re-run plans the same points."""
     m = cfg.match_utility
-    other = "parallel" if m.target_backend == "federated" else "federated"
+    other = CENTRALIZED if m.target_backend == FEDERATED else FEDERATED
     runs = out / "runs"
     ppl = {name: _perplexity(runs / name) for name in match_inputs(cfg, points)}
     levels, targets = _targets(cfg, points)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from memaudit.backends import config_with_backend_name
 from memaudit.config import ProbeConfig, dump_config
 from memaudit.io import dumps, read_json
 from memaudit.models.init import base_model_record
@@ -76,11 +77,17 @@ def config_as_written(cfg: Config) -> dict[str, Any]:
     return json.loads(dumps(dump_config(cfg)))
 
 
+def stored_config(m: dict[str, Any]) -> Any:
+    """The config run.json `m` holds, in today's backend names (a run written before the
+    rename says `parallel`: the same config as `centralized`, not a changed one)."""
+    return config_with_backend_name(m.get("config"))
+
+
 def stale_reason(rd: RunDir, run_cfg: Config) -> str | None:
     """Why the run in `rd` no longer belongs to `run_cfg` (trained under another config, or from
     other starting weights than `model.init_from`'s now), or None when it does."""
     m = rd.read_manifest()
-    if m.get("config") != config_as_written(run_cfg):
+    if stored_config(m) != config_as_written(run_cfg):
         return "trained under another config than the point's"
     if run_cfg.model.init_from is not None:
         recorded = (m.get("base_model") or {}).get("weights_sha256")

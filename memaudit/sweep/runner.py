@@ -105,7 +105,7 @@ def split_first(points: list[SweepPoint], needed: set[str], jobs: int
     `jobs`, so that no worker idles in the first batch's last round) and the rest, in grid order.
 
     >>> from memaudit.sweep.config import SweepPoint
-    >>> pts = [SweepPoint(n, "parallel", None, "epsilon", 0, False, False) for n in "abcde"]
+    >>> pts = [SweepPoint(n, "centralized", None, "epsilon", 0, False, False) for n in "abcde"]
     >>> [[p.name for p in b] for b in split_first(pts, {"b", "d", "e"}, jobs=2)]
     [['b', 'd', 'e', 'a'], ['c']]
     """

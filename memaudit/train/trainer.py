@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from memaudit.backends import CENTRALIZED
 from memaudit.config import Config
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.errors import ConfigError
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     from memaudit.data.packing import PackedSequences
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
-BACKEND = "parallel"  # the centralized backend's name in run.json
+BACKEND = CENTRALIZED  # the backend's name in run.json
 
 
 def train_centralized(

@@ -83,7 +83,7 @@ def test_per_bucket_rows_and_units_carry_the_flag(probes):
 
 
 def _run_dir(tmp_path, name: str, probe: dict, *, ppl: float):
-    path = write_run_dir(tmp_path / name, "parallel", ppl=ppl,
+    path = write_run_dir(tmp_path / name, "centralized", ppl=ppl,
                          canaries=[(f"c{k}", rep, owner, 1) for k, (rep, owner) in
                                    enumerate((r, o) for r in REPS for o in OWNERS for _ in range(PER))])
     doc = json.loads((path / "probes.json").read_text())
