@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
+import jax
 import numpy as np
 
 from memaudit.privacy.randomness import DPRandomness
@@ -49,7 +50,6 @@ def _seed_words(key_or_seed: Any) -> list[int]:
         if key_or_seed < 0:
             raise ValueError(f"seed must be >= 0, got {key_or_seed}")
         return [int(key_or_seed)]
-    import jax  # lazy: jax (~2 s) only for a PRNG key (a seed needs none)
 
     arr = key_or_seed
     if jax.dtypes.issubdtype(getattr(arr, "dtype", None), jax.dtypes.prng_key):
@@ -149,9 +149,6 @@ def pack_clients(
         capacity: clients dim (>= len(per_client)); extra slots are absent (mask 0).
         max_examples: examples dim (>= every k_i); defaults to max k_i (at least 1).
     """
-    # lazy: jax (~2 s) only when called; this module imports without it
-    import jax
-
     if not per_client:
         raise ValueError("pack_clients needs at least one client; sample a non-empty cohort")
     counts = [int(np.shape(jax.tree.leaves(c)[0])[0]) for c in per_client]

@@ -43,6 +43,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.ghost import ClippedGrads, GhostClipper, vmap_clipped_sum
 
 
@@ -185,9 +186,6 @@ class DPSGD:
           clipping: the layout's per-example clipping (None: `SerialClipping(model, mode)`;
             the tensor-parallel layout passes `TensorParallelClipping`).
         """
-        # lazy: numpy (~0.4 s) only when called; this module imports without it
-        from memaudit.privacy.randomness import DPRandomness
-
         check_dp_args(clip, noise_multiplier, expected_batch_size)
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")

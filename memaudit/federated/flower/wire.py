@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -29,9 +30,6 @@ def dtype_of(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:  # bfloat16 and other ml_dtypes
-        # lazy: ml_dtypes (~1 s) only when called; this module imports without it
-        import ml_dtypes
-
         return np.dtype(getattr(ml_dtypes, name))
 
 
