@@ -31,11 +31,12 @@ def test_an_old_config_with_backend_parallel_loads_as_centralized(tmp_path):
 def test_an_old_sweep_file_names_its_centralized_points_centralized():
     s = sweep_config_from_dict({"grid": {"backends": ["parallel", "federated"], "epsilons": ["inf"]},
                                 "per_backend": {"parallel": {"privacy.clip": 0.25}},
-                                "match_utility": {"target_backend": "parallel"}})
+                                "match_utility": {"target_backend": "parallel"},
+                                "audit": {"enabled": True, "backends": ["parallel"]}})
     assert s.grid.backends == ["centralized", "federated"] and set(s.per_backend) == {"centralized"}
-    assert s.match_utility.target_backend == "centralized"
+    assert s.match_utility.target_backend == "centralized" and s.audit.backends == ["centralized"]
     points = {p.name: p for p in plan_points(s)}
-    assert set(points) == {"centralized-epsinf-s0", "federated-epsinf-s0"}
+    assert set(points) == {"centralized-epsinf-s0", "federated-epsinf-s0", "centralized-epsinf-audit-s0"}
     cfg = point_config(s, points["centralized-epsinf-s0"])
     assert cfg.backend == "centralized" and cfg.privacy.clip == 0.25
 

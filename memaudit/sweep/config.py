@@ -158,6 +158,11 @@ class AuditConfig(_Section):
         "all", description="privacy levels that get an audit run: all, dp_only, or a list of the "
         "grid's levels, e.g. [inf, 2]")
 
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backend_alias(cls, v: Any) -> Any:
+        return [backend_name(b) for b in v] if isinstance(v, list) else v  # `parallel`: the old name
+
 
 class MatchUtilityConfig(_Section):
     """Matched-utility points (`memaudit.sweep.match`): one run of the other backend at the

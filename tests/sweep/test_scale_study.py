@@ -79,7 +79,7 @@ def test_killed_point_fails_alone_then_resumes(study):
 def test_parallel_point_ran_as_one_two_task_job(study):
     out, *_ = study
     m = read_json(out / "runs" / TWO_TASK / "run.json")
-    assert m["status"] == "complete" and m["config"]["centralized"]["data"] == 2
+    assert m["status"] == "complete" and m["config"]["parallel"]["data"] == 2
     jobs = out / "jobs"
     handoffs = list(jobs.glob("*.action.json"))  # rank 0's decision, read by rank 1
     assert handoffs and {json.loads(h.read_text())["action"] for h in handoffs} <= {"trained", "skipped"}
