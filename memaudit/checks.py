@@ -114,7 +114,7 @@ def _check_federated(cfg: Any, shape: Any) -> None:
                           "federated.algorithm=fedavg (e.g. with local_steps=1)")
     check_expected_survivors(cfg)
     # devices, and the model axis dividing the heads of the preset or the checkpoint. The
-    # memaudit.federated package imports jax (seconds): only a federated config pays it
+    # lazy: the memaudit.federated package imports jax (~2 s): only a federated config pays it
     from memaudit.federated.mesh import build_mesh
 
     build_mesh(f.mesh_clients, f.mesh_model, shape if shape is not None else cfg.model.preset)

@@ -19,6 +19,8 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 
+import pickle
+
 from memaudit import __version__
 from memaudit.commands import data as data_cmd
 from memaudit.commands import epsilon as epsilon_cmd
@@ -90,8 +92,6 @@ def error_line(exc: BaseException) -> str:
     """The one line shown for an error: memaudit's own message, or for an error from the OS,
     torch, safetensors, JSON or YAML a line naming the file, the cause and what to do. A data
     value quoted by Python's conversion errors is never shown."""
-    import pickle
-
     if isinstance(exc, MemauditError):
         return _one_line(exc)
     if isinstance(exc, ValueError) and not isinstance(exc, UnicodeDecodeError):

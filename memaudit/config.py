@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import string
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -26,9 +27,10 @@ from pydantic import (
     model_validator,
 )
 
+from memaudit.backends import backend_name
 from memaudit.errors import ConfigError
 
-Backend = Literal["parallel", "federated"]
+Backend = Literal["centralized", "federated"]  # `parallel` is read as centralized
 OwnerKind = Literal["user", "spread"]
 
 
@@ -109,8 +111,6 @@ class CanaryConfig(_Section):
     @field_validator("template")
     @classmethod
     def _has_slot(cls, v: str) -> str:
-        import string
-
         fields = [f for _, f, _, _ in string.Formatter().parse(v) if f is not None] if _parses(v) else None
         if fields is None or fields != ["secret"]:
             raise ValueError("the template must contain '{secret}' exactly once and no other "
@@ -225,8 +225,6 @@ class GoldfishConfig(_Section):
 
 
 def _parses(template: str) -> bool:
-    import string
-
     try:
         list(string.Formatter().parse(template))
     except ValueError:
@@ -528,7 +526,7 @@ class ProbeConfig(_Section):
 
 
 class Config(_Section):
-    backend: Backend = "parallel"
+    backend: Backend = "centralized"
     output_dir: str | None = None
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
@@ -537,12 +535,17 @@ class Config(_Section):
     parallel: ParallelConfig = ParallelConfig()
     federated: FederatedConfig = FederatedConfig()
 
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend_alias(cls, v: Any) -> Any:
+        return backend_name(v)  # configs written before the rename say `parallel`
+
     @model_validator(mode="after")
     def _cross(self) -> Config:
         if self.backend == "federated" and self.train.goldfish.enabled:
             raise ValueError(
                 "train.goldfish is a centralized-only mitigation; set train.goldfish.enabled=false "
-                "or backend=parallel"
+                "or backend=centralized"
             )
         if self.backend == "federated":
             _check_federated_unit(self.privacy)
@@ -560,10 +563,10 @@ def _check_federated_unit(p: PrivacyConfig) -> None:
                          "whole contribution; drop privacy.unit or set it to user")
     if "user_sampling" in fields and p.user_sampling == "els":
         raise ValueError("privacy.user_sampling=els is centralized example-level sampling; the federated "
-                         "backend samples users: drop privacy.user_sampling or use backend=parallel")
+                         "backend samples users: drop privacy.user_sampling or use backend=centralized")
     if p.max_examples_per_user is not None:
         raise ValueError("privacy.max_examples_per_user is the centralized contribution bound; the "
-                         "federated backend trains on each user's own data: drop it or use backend=parallel")
+                         "federated backend trains on each user's own data: drop it or use backend=centralized")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -18,13 +18,14 @@ def dispatch(cfg: Any, run: Any, *, resume: bool, progress: Any = None, overwrit
     """Train `cfg` into `run` with the backend it names; returns the run's result (run.json's)."""
     check_before_disk(cfg)
     if cfg.backend == "federated" and cfg.federated.runtime == "flower":
-        # submitted to a Flower federation (flwr: the optional flower extra)
+        # lazy: jax and flax (~2.5 s); submitted to a Flower federation (optional dependency: flwr)
         from memaudit.federated.flower.trainer import train_on_flower as fn
     elif cfg.backend == "federated":
-        from memaudit.federated.trainer import train_federated as fn
+        from memaudit.federated.trainer import train_federated as fn  # lazy: jax and flax (~2.5 s)
     elif cfg.parallel.world_size > 1:
-        # The data x tensor-parallel grid starts its own processes (torch.distributed).
+        # The data x tensor-parallel grid starts its own processes (torch.distributed). lazy: as
+        # the other backends, it loads only when a run picks it (a missing one fails in one line)
         from memaudit.parallel.launch import launch_training as fn
     else:
-        from memaudit.train.trainer import train_centralized as fn
+        from memaudit.train.trainer import train_centralized as fn  # lazy: torch (~2 s)
     return fn(cfg, run, resume=resume, progress=progress, overwrite=overwrite)

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from memaudit.errors import MemauditError
+
 
 @contextlib.contextmanager
 def naming(path: str | os.PathLike) -> Iterator[None]:
@@ -117,8 +119,6 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
 
     FileNotFoundError passes through (callers decide whether absence is an error).
     """
-    from memaudit.errors import MemauditError
-
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)

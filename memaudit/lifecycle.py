@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
+from memaudit.backends import backend_name
 from memaudit.checkpoints import (
     checkpoint_candidates,
     clean_temporaries,
@@ -49,8 +50,20 @@ from memaudit.checkpoints import (
 )
 from memaudit.checks import check_data
 from memaudit.config import Config, dump_config
+from memaudit.data import load_prepared, prepare_data
+from memaudit.data.prepare import config_hash
 from memaudit.errors import DataError, MemauditError, RunDirError, without_values
-from memaudit.io import append_jsonl, atomic_write_json, private_tree, read_json, truncate_jsonl
+from memaudit.io import (
+    append_jsonl,
+    atomic_dir,
+    atomic_write_json,
+    private_tree,
+    read_json,
+    truncate_jsonl,
+    writing,
+)
+from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
+from memaudit.models.init import base_model_record, model_vocab_size
 from memaudit.privacy.randomness import DPRandomness
 from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest, require_memaudit_manifest
 
@@ -103,7 +116,7 @@ class RunSession:
     Args:
         run: the run directory, checked by `prepare_new_run` / `open_for_resume`.
         cfg: the resolved, validated config.
-        backend: "parallel" or "federated" (recorded in run.json; a resume must match).
+        backend: "centralized" or "federated" (recorded in run.json; a resume must match).
         resume: continue the run in place.
         is_writer: this process writes the run directory (rank 0 / JAX process 0).
         hold_lock: take run.lock here (False when a launcher process already holds it).
@@ -151,7 +164,7 @@ class RunSession:
         os.chmod(self.run.path, 0o700)  # the run holds sensitive files: its owner's only
         if self.resume:
             m = self.run.read_manifest()
-            if m.get("backend") != self.backend:
+            if backend_name(m.get("backend")) != self.backend:  # `parallel`: an older run's name
                 raise RunDirError(f"run '{self.run.path}' was trained with backend "
                                   f"'{m.get('backend')}'; resume it with that backend or start a new run")
             self._resume_data = self._check_resume_data()  # before anything is written
@@ -175,7 +188,6 @@ class RunSession:
                              data_fingerprint=None)
             m["timings"]["started"] = time.time()
             if self.cfg.model.init_from is not None:  # the starting checkpoint: path + weights' sha256
-                from memaudit.models.init import base_model_record
 
                 m["base_model"] = base_model_record(self.cfg.model.init_from)
             self.run.write_manifest(m)
@@ -189,9 +201,6 @@ class RunSession:
     def _stage_data(self) -> Path:
         """Prepare (or reuse) the new run's data in a hidden staging folder and check it with
         `checks.check_data`; nothing of the run directory changes if this fails."""
-        from memaudit.data import prepare_data
-        from memaudit.models.init import model_vocab_size
-
         stage = RunDir(self.run.path / f".memaudit-staging-{os.getpid()}")
         remove(stage.path)
         stage.path.mkdir(parents=True, mode=0o700)
@@ -257,8 +266,6 @@ class RunSession:
         run started, it is refused with nothing written. Non-writers load what the writer
         prepared (the caller puts a barrier in between).
         """
-        from memaudit.data import load_prepared
-
         if not self.is_writer:
             return load_prepared(self.run)
         prepared = self._resume_data if self.resume else load_prepared(self.run)  # staged at start
@@ -268,10 +275,6 @@ class RunSession:
     def _check_resume_data(self) -> Any:
         """The run's prepared data, checked against the config and run.json; a resume never
         rewrites it, so a change since the run started is refused with nothing written."""
-        from memaudit.data import load_prepared
-        from memaudit.data.prepare import config_hash
-        from memaudit.models.init import model_vocab_size
-
         try:
             prepared = load_prepared(self.run)
         except DataError as e:
@@ -356,8 +359,6 @@ class RunSession:
         """The Hugging Face checkpoint + tokenizer, atomically into RUN_DIR/model/."""
         if not self.is_writer:
             return
-        from memaudit.io import atomic_dir, writing
-        from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
 
         set_special_tokens(model, tokenizer)
         with atomic_dir(self.run.model_dir) as tmp, writing(self.run.model_dir):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from memaudit import __version__
+from memaudit.backends import BACKENDS, backend_name
 from memaudit.errors import MemauditError, RunDirError
 from memaudit.io import atomic_write_bytes, atomic_write_json, read_json
 
@@ -347,7 +348,7 @@ def written_by_memaudit(manifest: dict[str, Any]) -> bool:
     """Whether run.json is a manifest memaudit wrote (`new_manifest`): its version, backend and
     config are there with their types, not only a `status` field."""
     return (isinstance(manifest.get("memaudit_version"), str)
-            and manifest.get("backend") in ("parallel", "federated")
+            and backend_name(manifest.get("backend")) in BACKENDS
             and isinstance(manifest.get("config"), dict))
 
 

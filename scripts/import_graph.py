@@ -12,8 +12,11 @@ largest modules and functions. `if TYPE_CHECKING:` imports are left out (they ne
 from __future__ import annotations
 
 import ast
+import io
 import json
+import re
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +96,63 @@ def scan(mods: dict[str, Path]) -> dict[str, dict]:
     return info
 
 
+# the two reasons the rule allows for an import inside a function
+WHY = re.compile(r"\b(lazy|optional)\b", re.IGNORECASE)
+
+
+def _inner_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement inside a function body (`if TYPE_CHECKING:` blocks left out)."""
+    out: list = []
+
+    def visit(node: ast.AST, in_func: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                continue
+            if in_func and isinstance(child, ast.Import | ast.ImportFrom):
+                out.append(child)
+            visit(child, in_func or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
+                                                    | ast.Lambda))
+
+    visit(tree, False)
+    return out
+
+
+def _comments(text: str) -> dict[int, str]:
+    """line number -> the comment on that line."""
+    return {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+            if tok.type == tokenize.COMMENT}
+
+
+def _why(stmt: ast.Import | ast.ImportFrom, lines: list[str], comments: dict[int, str],
+         import_lines: set[int]) -> str:
+    """The comment that explains `stmt`: on its own lines, or in the comment lines just above it
+    or above the block of inside-function imports it belongs to (isort's blank lines between
+    groups included)."""
+    own = " ".join(comments.get(n, "") for n in range(stmt.lineno, stmt.end_lineno + 1))
+    k = stmt.lineno - 1
+    while k in import_lines or (k - 1 in import_lines and not lines[k - 1].strip()):  # isort's groups
+        k -= 1
+    above = []
+    while k >= 1 and lines[k - 1].strip().startswith("#"):
+        above.append(lines[k - 1].strip())
+        k -= 1
+    return " ".join([own, *reversed(above)]).strip()
+
+
+def unexplained_inner_imports(mods: dict[str, Path] | None = None) -> list[str]:
+    """`path:line` of each import inside a function whose comment does not say why (lazy, for
+    a measured import cost, or an optional dependency)."""
+    out = []
+    for path in (modules() if mods is None else mods).values():
+        text = path.read_text(encoding="utf-8")
+        stmts = _inner_imports(ast.parse(text))
+        lines, comments = text.splitlines(), _comments(text)
+        import_lines = {n for s in stmts for n in range(s.lineno, s.end_lineno + 1)}
+        out.extend(f"{path.relative_to(ROOT)}:{s.lineno}" for s in stmts
+                   if not WHY.search(_why(s, lines, comments, import_lines)))
+    return sorted(out)
+
+
 def sccs(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components with more than one module."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
@@ -155,6 +215,9 @@ def main() -> None:
         "cycles_module_level": sccs(top),
         "cycles_all_imports": sccs(every),
         "imports_inside_functions": sum(len(i["inner"]) for i in info.values()),
+        "import_statements_inside_functions": sum(
+            len(_inner_imports(ast.parse(p.read_text(encoding="utf-8")))) for p in mods.values()),
+        "inside_function_imports_without_a_why": len(unexplained_inner_imports(mods)),
         "private_name_imports": private_imports(info),
         "largest_modules": sorted(((m, i["lines"]) for m, i in info.items()), key=lambda x: -x[1])[:8],
         "largest_functions": funcs[:8],

@@ -279,9 +279,9 @@ CASES = [
 
 
 def _sweep(d: Path, extra: str = "") -> str:
-    text = f"base_config: {TINY}\ngrid: {{backends: [parallel], epsilons: [inf]}}\n" + extra
+    text = f"base_config: {TINY}\ngrid: {{backends: [centralized], epsilons: [inf]}}\n" + extra
     if extra.startswith("base_config"):
-        text = extra + "grid: {backends: [parallel], epsilons: [inf]}\n"
+        text = extra + "grid: {backends: [centralized], epsilons: [inf]}\n"
     _write(d / "s.yaml", text)
     return str(d / "s.yaml")
 

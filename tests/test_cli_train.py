@@ -29,7 +29,7 @@ def test_end_to_end_synth_train_load_generate(tiny_run):
     assert tiny_run["rc"] == 0, tiny_run["stderr"][-2000:]
     run = tiny_run["path"]
     manifest = read_json(run / "run.json")
-    assert manifest["status"] == "complete" and manifest["backend"] == "parallel"
+    assert manifest["status"] == "complete" and manifest["backend"] == "centralized"
     res = manifest["result"]
     assert res["steps"] == 40
     assert manifest["data_fingerprint"] and manifest["config"]["train"]["steps"] == 40
@@ -56,7 +56,7 @@ def test_end_to_end_synth_train_load_generate(tiny_run):
         assert not any(s in t for t in vocab)
         assert s not in printed
     summary = tiny_run["stdout"].strip().splitlines()
-    assert len(summary) == 1 and summary[0].startswith("trained tiny (parallel) for 40 steps")
+    assert len(summary) == 1 and summary[0].startswith("trained tiny (centralized) for 40 steps")
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:

@@ -34,3 +34,11 @@ def test_the_lifecycle_and_the_checks_import_no_backend():
     backends = {"memaudit.train.trainer", "memaudit.federated.trainer", "memaudit.dispatch", "memaudit.driver",
                 "memaudit.parallel.launch", "memaudit.federated.flower.trainer"}
     assert reach & backends == set()
+
+
+def test_every_import_inside_a_function_says_why():
+    """An import made inside a function (of a memaudit module or a third-party library) is one
+    the rule allows: an optional dependency or a measured import cost, and a comment on its line,
+    or just above it (one comment may head a contiguous block of imports), says which
+    ("lazy: ..." or "optional dependency: ...")."""
+    assert import_graph.unexplained_inner_imports() == []

@@ -207,7 +207,7 @@ def _sweep_raw(**pretrain) -> dict:
                            "eval_batches": 1, "checkpoint_every": 10},
                  "federated": {"rounds": 1, "cohort": 3, "local_steps": 1, "eval_every": 1,
                                "mesh_clients": 1}},
-        "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf"]},
+        "grid": {"backends": ["centralized", "federated"], "epsilons": ["inf"]},
         "pretrain": {"steps": 2, "users": 6, "docs_per_user": 2, **pretrain},
         "probe": {"probes": ["exposure"], "n_boot": 10, "exposure_samples": 100},
     }
@@ -311,10 +311,10 @@ def test_shipped_sweeps_pretrain_then_fine_tune(name):
     cfg = load_sweep_config(REPO_ROOT / "configs" / name)
     assert cfg.pretrain is not None
     base = public_base_config(cfg)
-    assert base.data.synth.kind == "public" and not base.privacy.enabled and base.backend == "parallel"
+    assert base.data.synth.kind == "public" and not base.privacy.enabled and base.backend == "centralized"
     assert base.data.canaries.per_setting == 0 and base.model.init_from is None
     pts = plan_points(cfg)
-    assert {p.backend for p in pts} == {"parallel", "federated"}
+    assert {p.backend for p in pts} == {"centralized", "federated"}
     assert math.inf in {p.nominal_epsilon for p in pts}
     if name == "study.yaml":
         assert {p.nominal_epsilon for p in pts} >= {math.inf, 32.0, 8.0, 2.0, 1.0, 0.5}

@@ -37,7 +37,7 @@ def test_every_sweep_config_validates_every_point(path):
 def test_quickstart_is_both_backends_no_dp_and_two_epsilons_one_seed():
     cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
     pts = plan_points(cfg)
-    assert {p.backend for p in pts} == {"parallel", "federated"}
+    assert {p.backend for p in pts} == {"centralized", "federated"}
     assert sorted({p.nominal_epsilon for p in pts}) == [2.0, 32.0, math.inf]
     assert {p.seed for p in pts} == {0}
     assert point_config(cfg, pts[0]).model.preset == "tiny"
@@ -57,15 +57,15 @@ def test_paper_scale_is_gpu_scale():
 
 def test_cli_overrides_shape_the_grid(tmp_path):
     cfg = load_sweep_config(CONFIGS / "quickstart.yaml", ["grid.epsilons=[1, 4, 16, inf]", "grid.seeds=3",
-                                                          "grid.backends=[parallel]"])
+                                                          "grid.backends=[centralized]"])
     names = [p.name for p in plan_points(cfg)]
-    assert len(names) == 12 and names[0] == "parallel-eps1-s0" and "parallel-epsinf-s2" in names
+    assert len(names) == 12 and names[0] == "centralized-eps1-s0" and "centralized-epsinf-s2" in names
 
 
 def test_audit_levels_pick_grid_levels(tmp_path, capsys):
     """audit.levels: all, dp_only, or a list of the grid's own levels; another level is one line."""
-    base = ["grid.epsilons=[inf, 8, 2]", "grid.backends=[parallel, federated]", "audit.enabled=true",
-            "audit.backends=[parallel]"]
+    base = ["grid.epsilons=[inf, 8, 2]", "grid.backends=[centralized, federated]", "audit.enabled=true",
+            "audit.backends=[centralized]"]
 
     def audited(levels):
         cfg = load_sweep_config(CONFIGS / "quickstart.yaml", [*base, f"audit.levels={levels}"])

@@ -50,7 +50,7 @@ def _sweep_config(tmp: Path, corpus: Path) -> Path:
                           "eval_every": 3, "checkpoint_every": 3},
         },
         "per_backend": {"federated": {"privacy.clip": 0.5}},
-        "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf", 8], "seeds": 1},
+        "grid": {"backends": ["centralized", "federated"], "epsilons": ["inf", 8], "seeds": 1},
         "probe": {"batch_size": 32, "extra": {
             "n_boot": 100, "nd_samples": 8, "nd_length": 32, "extraction_ks": [16], "extraction_m": 16,
             "pii_max_items": 20}},
@@ -65,14 +65,14 @@ def swept(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     cfg = _sweep_config(tmp, _corpus(tmp))
     out = tmp / "out"
-    first = out / "runs" / "parallel-epsinf-s0"
+    first = out / "runs" / "centralized-epsinf-s0"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     proc = subprocess.Popen([sys.executable, "-m", "memaudit.cli", "sweep", str(cfg), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     deadline = time.time() + 600
     try:
         while time.time() < deadline and proc.poll() is None:
-            if (first / "probes.json").is_file() and (out / "runs" / "parallel-eps8-s0" / "run.json").is_file():
+            if (first / "probes.json").is_file() and (out / "runs" / "centralized-eps8-s0" / "run.json").is_file():
                 break
             time.sleep(0.5)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
@@ -94,9 +94,9 @@ def test_rerun_after_kill_completes_without_redoing(swept):
     assert summary["status"] == "complete"
     actions = {o["name"]: o["action"] for o in summary["outcomes"]}
     assert list(actions) == [p["name"] for p in summary["plan"]["points"]]  # plan order, whatever finished first
-    assert actions["parallel-epsinf-s0"] == "skipped"
-    assert actions["parallel-eps8-s0"] in ("resumed", "trained")
-    first = out / "runs" / "parallel-epsinf-s0"
+    assert actions["centralized-epsinf-s0"] == "skipped"
+    assert actions["centralized-eps8-s0"] in ("resumed", "trained")
+    first = out / "runs" / "centralized-epsinf-s0"
     assert read_json(first / "run.json")["timings"]["finished"] == finished_first
     assert (first / "probes.json").stat().st_mtime == probes_mtime
     for name in actions:
@@ -107,10 +107,10 @@ def test_report_compares_backends_and_follows_ledgers(swept):
     out, *_ = swept
     rep = json.loads((out / "report" / "report.json").read_text())
     ids = {r["id"]: r for r in rep["runs"]}
-    assert set(ids) == {"parallel-epsinf-s0", "parallel-eps8-s0", "federated-epsinf-s0", "federated-eps8-s0"}
-    assert ids["parallel-eps8-s0"]["privacy"]["unit"] == "example"
+    assert set(ids) == {"centralized-epsinf-s0", "centralized-eps8-s0", "federated-epsinf-s0", "federated-eps8-s0"}
+    assert ids["centralized-eps8-s0"]["privacy"]["unit"] == "example"
     assert ids["federated-eps8-s0"]["privacy"]["unit"] == "user"
-    for rid in ("parallel-eps8-s0", "federated-eps8-s0"):
+    for rid in ("centralized-eps8-s0", "federated-eps8-s0"):
         assert 0 < ids[rid]["privacy"]["epsilon"] <= 8.0 + 1e-6  # calibrated to the nominal target
     assert {m["epsilon"] for m in rep["comparisons"]["matched"]} == {8.0, "inf"}
     assert rep["findings"]["sentences"], "findings are generated from the numbers"

@@ -21,11 +21,15 @@ privacy.json: per sequence and per document (m from the run), or per user.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 
+from memaudit.commands._common import print_json, stdout
 from memaudit.errors import MemauditError
+from memaudit.io import read_json
 
 HELP = ("Privacy budget of DP-SGD: epsilon for (sampling rate, noise multiplier, steps, delta), "
         "or with --target-epsilon the noise multiplier that reaches it.")
@@ -44,7 +48,16 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     group-privacy bound of the example-level ε beside it for comparison). With unit "example" the
     ε is per sequence, and `max_sequences_per_document` m adds the ε per document.
     """
-    from memaudit.privacy.accounting import check_delta, check_dpsgd, default_delta, group_epsilon
+    # lazy: `memaudit --help` does not import dp_accounting (~1.5 s) and numpy (~0.4 s)
+    from memaudit.privacy.accounting import (
+        check_delta,
+        check_dpsgd,
+        default_delta,
+        group_epsilon,
+        group_privacy_bound,
+    )
+    from memaudit.privacy.ledger import PrivacyLedger
+    from memaudit.privacy.mechanisms import calibrate, repeated
 
     if accountant not in ("rdp", "pld", "both"):
         raise MemauditError(f"--accountant '{accountant}' is not known; use rdp, pld or both")
@@ -78,8 +91,6 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
     if unit == "user":
         out.update(algorithm=algorithm, max_examples_per_user=max_examples_per_user)
     if target_epsilon is not None:
-        from memaudit.privacy.mechanisms import calibrate
-
         first = accountants[-1]  # the tightest accountant asked for sets sigma
         try:
             sigma = calibrate(target_epsilon, lambda z: mech.with_noise(z).dp_event(), steps=steps, delta=delta,
@@ -89,8 +100,6 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         out["target_epsilon"] = target_epsilon
         out["calibrated_with"] = first
     out["noise_multiplier"] = sigma
-    from memaudit.privacy.ledger import PrivacyLedger
-
     led = PrivacyLedger(unit=unit, delta=delta, max_sequences_per_document=m)
     led.record_mechanism(mech.with_noise(sigma), steps=steps)
     out["epsilon"] = {a: led.epsilon(a) for a in accountants} if steps else {a: 0.0 for a in accountants}
@@ -113,9 +122,6 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
         best = min(out["epsilon"].values())
         out["group"] = group_epsilon(best, delta, group_size)
     if unit == "user" and algorithm == "els" and steps:
-        from memaudit.privacy.accounting import group_privacy_bound
-        from memaudit.privacy.mechanisms import repeated
-
         out["group_privacy_bound"] = group_privacy_bound(  # for comparison: looser than the mixture
             repeated(mech.with_noise(sigma).example_event(), steps), delta, int(max_examples_per_user))
     return out
@@ -124,9 +130,7 @@ def compute(*, q: float, sigma: float | None, steps: int, delta: float | None,
 def from_run(path: str) -> dict[str, Any]:
     """A run's ε, recomputed from its ledger's events (RUN_DIR or a privacy.json): the unit and its
     contribution bound, per sequence and per document (example-level), or per user."""
-    from pathlib import Path
-
-    from memaudit.io import read_json
+    # lazy: dp_accounting (~1.5 s) only when a command runs; `memaudit --help` does not pay for it
     from memaudit.privacy.ledger import ledger_summary
 
     p = Path(path)
@@ -172,6 +176,7 @@ def _check_document(m: int | None, unit: str, sampling: str) -> int | None:
 
 def _user_mechanism(q: float, sampling: str, k: int | None, algorithm: str | None):
     """The user-level mechanism of --algorithm els|uls (only q matters: Poisson sampling)."""
+    # lazy: `memaudit --help` does not import dp_accounting (~1.5 s) and numpy (~0.4 s)
     from memaudit.privacy.mechanisms import ExampleSampledUsers, SampledGaussian
 
     if algorithm not in ("els", "uls"):
@@ -188,6 +193,7 @@ def _user_mechanism(q: float, sampling: str, k: int | None, algorithm: str | Non
 
 
 def _mechanism(q: float, sampling: str, population: int | None):
+    # lazy: `memaudit --help` does not import dp_accounting (~1.5 s) and numpy (~0.4 s)
     from memaudit.privacy.mechanisms import SampledGaussian
 
     if sampling not in ("poisson", "fixed"):
@@ -267,13 +273,9 @@ def register(app: typer.Typer) -> None:
 
 
 def _print(res: dict[str, Any], fmt: str) -> None:
-    from memaudit.commands._common import print_json, stdout
-
     if fmt == "json":
         print_json(res)
         return
-    from rich.table import Table
-
     table = Table(title="DP-SGD privacy budget", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")

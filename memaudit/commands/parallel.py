@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+from rich.table import Table
+
+from memaudit.commands._common import print_json, stdout
 
 app = typer.Typer(help="Plan the 4D hybrid-parallel grid (AxoNN) for the centralized backend.",
                   no_args_is_help=True)
@@ -51,9 +55,7 @@ def plan_cmd(
     top: Annotated[int, typer.Option("--top", help="Rows to show in the table.")] = 10,
     fmt: Annotated[Literal["table", "json"], typer.Option("--format", help="table or json.")] = "table",
 ) -> None:
-    from dataclasses import asdict, replace
-
-    from memaudit.commands._common import print_json, stdout
+    # lazy: `memaudit --help` does not import torch (~2 s)
     from memaudit.parallel.planner import MACHINES, ModelShape, plan
 
     if gpus < 1:
@@ -83,7 +85,6 @@ def plan_cmd(
                     "weight_bytes": weight_bytes, "recompute": recompute, "dp": dp, "considered": res.considered,
                     "below_memory_floor": res.below_floor, "grids": res.grids})
         return
-    from rich.table import Table
 
     t = Table(title=f"{preset} on {gpus} devices ({mach.name}), batch {batch} x {seq}")
     for c in ("data", "x", "y", "z", "mb", "x GiB", "y GiB", "z GiB", "data GiB", "mem GiB", "comm s", "step s",

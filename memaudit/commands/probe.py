@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from memaudit.commands._common import console, print_json, progress, stdout
 from memaudit.reports.cells import TERMINAL, Cell, format_cell
@@ -122,6 +123,7 @@ def register(app: typer.Typer) -> None:
         ] = False,
         fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
     ) -> None:
+        # lazy: `memaudit --help` does not import scikit-learn (~4 s) and numpy (~0.4 s)
         from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
         from memaudit.probes.inputs import check_fpr_negatives, resolve_columns
@@ -146,6 +148,7 @@ def register(app: typer.Typer) -> None:
             reference = t.base  # the fine-tune's own base: the natural reference
         elif reference.lower() == "none":
             reference = None
+        # lazy: `memaudit --help` does not import scikit-learn (~4 s) and torch (~2 s)
         from memaudit.probes.runner import run_probes
         from memaudit.probes.scoring import resolve_device
 
@@ -320,8 +323,6 @@ def context_measure(counts: dict) -> str:
 
 
 def render_table(result, *, show_secrets: bool) -> None:
-    from rich.table import Table
-
     table = Table(title="memaudit probe")
     for col in ("probe", "measure", "value [95% CI]"):
         table.add_column(col)

@@ -7,6 +7,9 @@ from typing import Annotated
 
 import typer
 
+from memaudit.commands._common import console, print_json
+from memaudit.commands._common import progress as make_progress
+
 
 def _floats(spec: str, what: str) -> list[float]:
     out = []
@@ -46,7 +49,7 @@ def register(app: typer.Typer) -> None:
             "sweep file, or another sweep file on this --out); without it such a sweep stops and "
             "names them.")] = False,
     ) -> None:
-        from memaudit.commands._common import console, print_json
+        # lazy: `memaudit --help` does not import the sweep config (pydantic, ~0.3 s)
         from memaudit.sweep.config import load_sweep_config
 
         if fmt not in ("table", "json"):
@@ -65,7 +68,7 @@ def register(app: typer.Typer) -> None:
         if jobs is not None:
             overrides.append(f"jobs={jobs}")
         if executor is not None:
-            from memaudit.sweep.config import EXECUTORS
+            from memaudit.sweep.config import EXECUTORS  # lazy: as load_sweep_config above
 
             if executor not in EXECUTORS:
                 raise ValueError(f"--executor '{executor}' is not one of {', '.join(EXECUTORS)}")
@@ -78,7 +81,7 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"grid.goldfish=[{','.join('true' if g == 'on' else 'false' for g in vals)}]")
         cfg = load_sweep_config(config, overrides)
 
-        from memaudit.commands._common import progress as make_progress
+        # lazy: `memaudit --help` does not import numpy (~0.4 s)
         from memaudit.sweep.runner import run_sweep
 
         bar = make_progress()
@@ -104,7 +107,7 @@ def register(app: typer.Typer) -> None:
             if o["error"]:
                 line += f" - {o['error']}"
             console.print(line, markup=False, highlight=False)
-        from memaudit.sweep.match import match_line
+        from memaudit.sweep.match import match_line  # lazy: as load_sweep_config above
 
         for rec in (summary["plan"] or {}).get("matches") or []:
             console.print(match_line(rec), markup=False, highlight=False)

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from memaudit.backends import BACKENDS, backend_name
+from memaudit.commands._common import console, progress
 from memaudit.errors import ConfigError, MemauditError
 
 HELP = ("Train a model into a run directory (centralized PyTorch or federated JAX), or resume an "
@@ -23,7 +25,7 @@ def register(app: typer.Typer) -> None:
         set_: Annotated[list[str] | None, typer.Option(
             "--set", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")] = None,
         backend: Annotated[str | None, typer.Option(
-            "--backend", help="parallel (PyTorch, one or many processes) or federated (JAX).")] = None,
+            "--backend", help="centralized (PyTorch, one or many processes) or federated (JAX).")] = None,
         resume: Annotated[Path | None, typer.Option(
             "--resume", help="Continue the interrupted run in this directory from its last checkpoint.")] = None,
         overwrite: Annotated[bool, typer.Option(
@@ -31,9 +33,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         overrides = list(set_ or [])
         if backend is not None:
-            if backend not in ("parallel", "federated"):
-                raise ConfigError(f"--backend '{backend}' is not known; use parallel or federated")
-            overrides.append(f"backend={backend}")
+            if backend_name(backend) not in BACKENDS:  # `parallel`: the old name, still accepted
+                raise ConfigError(f"--backend '{backend}' is not known; use centralized or federated")
+            overrides.append(f"backend={backend_name(backend)}")
         if resume is not None:
             if out is not None or overwrite:
                 raise MemauditError("--resume continues the run in place; drop --out/--overwrite")
@@ -47,6 +49,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _open_new(config: Path, out: Path | None, overrides: list[str], overwrite: bool):
+    # lazy: `memaudit --help` does not import the config (pydantic, ~0.3 s)
     from memaudit.config import load_config
     from memaudit.rundir import prepare_new_run
 
@@ -57,6 +60,7 @@ def _open_new(config: Path, out: Path | None, overrides: list[str], overwrite: b
 
 def _open_resume(path: Path, config: Path | None, overrides: list[str]):
     """The run's own config; a CONFIG or --set given with --resume must agree with it."""
+    # lazy: `memaudit --help` does not import the config (pydantic, ~0.3 s)
     from memaudit.config import config_from_dict, dump_config, load_config, with_overrides
     from memaudit.rundir import open_for_resume
 
@@ -87,6 +91,7 @@ def _open_resume(path: Path, config: Path | None, overrides: list[str]):
 
 
 def _split(item: str) -> tuple[str, Any]:
+    # lazy: `memaudit --help` does not import the config (pydantic, ~0.3 s)
     from memaudit.config import parse_override
 
     return parse_override(item)
@@ -105,8 +110,6 @@ def _first_difference(a: Any, b: Any, *, skip: set[str], prefix: str = "") -> st
 
 
 def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> dict[str, Any]:
-    from memaudit.commands._common import console, progress
-
     bar = progress()
     task = bar.add_task("train", total=None, info="", visible=False)
 
@@ -120,6 +123,7 @@ def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> di
 
     try:
         with bar:
+            # lazy: `memaudit --help` does not import numpy (~0.4 s)
             from memaudit.dispatch import dispatch
 
             return dispatch(cfg, run, resume=resume, progress=on_progress, overwrite=overwrite)

@@ -35,6 +35,7 @@ import numpy as np
 
 from memaudit.config import CanaryConfig
 from memaudit.data.documents import Document
+from memaudit.data.synth import synthesize
 from memaudit.errors import DataError
 
 ALPHABET = "0123456789"
@@ -200,8 +201,6 @@ def audit_documents(m: int, *, seed: int) -> list[str]:
     `AUDIT_DOCUMENT_CHARS` characters are passed over, so that a canary is one training sequence
     at the usual lengths (`memaudit.data.prepare` refuses a run where one would span two).
     """
-    from memaudit.data.synth import synthesize
-
     own_seed = int(np.random.default_rng([seed, 5]).integers(1_000, 2**31 - 1))
     texts: list[str] = []
     pool = 2 * m

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,8 +80,6 @@ def resolve_files(path: str) -> list[Path] | None:
 def _quiet(datasets) -> Iterator[None]:
     """No progress bars or log lines from `datasets` or `huggingface_hub` (whose retries
     print a warning per attempt): only the CLI prints."""
-    import logging
-
     was = datasets.is_progress_bar_enabled()
     level = datasets.logging.get_verbosity()
     hub = logging.getLogger("huggingface_hub")
@@ -100,6 +99,7 @@ def _quiet(datasets) -> Iterator[None]:
 
 def _records_from_file(f: Path, text_unit: str, *, in_dir: bool) -> list[dict[str, Any]]:
     """Rows of one file. In a directory an empty file is skipped; alone it is an error."""
+    # lazy: datasets (~1.4 s) only when called; this module imports without it
     import datasets
 
     fmt = FORMATS[f.suffix.lower()]
@@ -119,6 +119,7 @@ def _records_from_file(f: Path, text_unit: str, *, in_dir: bool) -> list[dict[st
 
 
 def _records_from_name(name: str, split: str) -> list[dict[str, Any]]:
+    # lazy: datasets (~1.4 s) only when called; this module imports without it
     import datasets
 
     repo, _, subset = name.partition(":")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memaudit.data.documents import Document
+from memaudit.data.tokenizer import encode
 
 if TYPE_CHECKING:
     from memaudit.data.prepare import PreparedData
@@ -43,8 +44,6 @@ class DocumentIndex:
 
     def token_ids(self, docs: list[Document] | tuple[Document, ...], *, eos: bool = False) -> list[list[int]]:
         """Token ids of each document exactly as in training (training appends EOS: `eos=True`)."""
-        from memaudit.data.tokenizer import encode
-
         ids = encode(self.prepared.tokenizer(), [d.text for d in docs])
         return [[*t, self.prepared.eos_id] for t in ids] if eos else ids
 
@@ -67,6 +66,4 @@ def document_index(prepared: PreparedData) -> DocumentIndex:
 
 def token_ids(prepared: PreparedData, texts: list[str]) -> list[list[int]]:
     """Token ids of arbitrary texts (e.g. canary prefixes) with the run's tokenizer, no specials."""
-    from memaudit.data.tokenizer import encode
-
     return encode(prepared.tokenizer(), list(texts))

@@ -13,19 +13,27 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from safetensors.numpy import load, save
+
 from memaudit.config import DataConfig
+from memaudit.data import tokenizer as T
 from memaudit.data.canaries import CanarySet, canary_documents, make_canaries
+from memaudit.data.corpus import load_corpus
 from memaudit.data.documents import Document, count_repeats, dumps_jsonl, loads_jsonl
 from memaudit.data.packing import PackedSequences, pack, span_summary
 from memaudit.data.splits import Split, assign_roles, make_split
+from memaudit.data.synth import synthesize, synthesize_public
+from memaudit.data.tokenizer import digits_split, encode, pad_id
 from memaudit.errors import DataError, RunDirError
 from memaudit.io import atomic_dir, atomic_write_bytes, private_tree, read_json
+from memaudit.models.init import base_model_record
 from memaudit.rundir import RunDir
 
 Progress = Callable[[int, int, dict], None]
@@ -85,6 +93,7 @@ class PreparedData:
     def tokenizer(self):
         """The run's Hugging Face tokenizer (loaded once)."""
         if self._tok is None:
+            # lazy: transformers (~1.3 s) only when called; this module imports without it
             from transformers import AutoTokenizer
 
             self._tok = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
@@ -123,7 +132,6 @@ def config_hash(cfg: DataConfig, vocab_size: int, *, base_model: str | None = No
 def _base_entry(base_model: str | None) -> dict[str, Any]:
     if base_model is None:
         return {}
-    from memaudit.models.init import base_model_record
 
     tok = [f for f in _source_stamp(base_model) if not f[0].endswith(".safetensors")]
     return {"base_model": base_model_record(base_model), "base_files": tok}
@@ -145,8 +153,6 @@ def _json_bytes(obj: Any) -> bytes:
 
 def _corpus(cfg: DataConfig, progress: Progress | None) -> list[Document]:
     if cfg.path is None:
-        from memaudit.data.synth import synthesize, synthesize_public
-
         s = cfg.synth
         if s.kind == "public":
             return synthesize_public(s.users, s.docs_per_user, s.seed,
@@ -154,7 +160,6 @@ def _corpus(cfg: DataConfig, progress: Progress | None) -> list[Document]:
         return synthesize(s.users, s.docs_per_user, s.seed, repeat_every=s.repeat_every,
                           repeat_counts=s.repeat_counts, paragraph_sentences=s.paragraph_sentences,
                           topics=s.topics, facts_per_user=s.facts_per_user)
-    from memaudit.data.corpus import load_corpus
 
     return load_corpus(cfg.path, text_field=cfg.text_field, user_field=cfg.user_field,
                        text_unit=cfg.text_unit, split_name=cfg.split_name,
@@ -178,8 +183,6 @@ def _tokenizer_texts(cfg: DataConfig, docs: list[Document]) -> list[str]:
         if cfg.path is None and cfg.synth.kind == "public":
             return [d.text for d in docs if d.kind == "doc"]  # a public corpus: all of it
         if cfg.path is None:
-            from memaudit.data.synth import synthesize
-
             public = synthesize(max(32, cfg.synth.users), cfg.synth.docs_per_user,
                                 cfg.synth.seed + PUBLIC_SEED_OFFSET, repeat_every=0,
                                 paragraph_sentences=cfg.synth.paragraph_sentences,
@@ -196,8 +199,6 @@ def _tokenizer_texts(cfg: DataConfig, docs: list[Document]) -> list[str]:
 
 
 def _tokenizer(cfg: DataConfig, docs: list[Document], vocab_size: int, base_model: str | None = None):
-    from memaudit.data import tokenizer as T
-
     if base_model is not None:  # the starting checkpoint's own tokenizer (model.init_from)
         return T.load_tokenizer(Path(base_model).expanduser(), vocab_size=vocab_size)
     if cfg.tokenizer is not None:
@@ -209,16 +210,12 @@ def _tokenizer(cfg: DataConfig, docs: list[Document], vocab_size: int, base_mode
 
 
 def _tokenizer_files(tok) -> dict[str, bytes]:
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         tok.save_pretrained(d)
         return {f.name: f.read_bytes() for f in sorted(Path(d).iterdir()) if f.is_file()}
 
 
 def _pack_sets(docs: list[Document], tok, cfg: DataConfig) -> dict[str, PackedSequences]:
-    from memaudit.data.tokenizer import encode, pad_id
-
     ids = encode(tok, [d.text for d in docs])
     long_audit = [d.id for d, t in zip(docs, ids, strict=True)
                   if d.kind == "audit_canary" and len(t) + 1 > cfg.seq_len]  # in or out alike
@@ -237,8 +234,6 @@ def _pack_sets(docs: list[Document], tok, cfg: DataConfig) -> dict[str, PackedSe
 
 
 def _safetensors(p: PackedSequences) -> bytes:
-    from safetensors.numpy import save
-
     return save(p.arrays())
 
 
@@ -299,7 +294,6 @@ def prepare_data(
         except (ValueError, DataError):
             pass  # stale or damaged: rebuild
     docs, split, canaries, tok, packed = _build(cfg, vocab_size, progress, base_model)
-    from memaudit.data.tokenizer import digits_split, pad_id
 
     data_files = {"documents.jsonl": dumps_jsonl(docs)}
     data_files.update({f"{name}.safetensors": _safetensors(p) for name, p in packed.items()})
@@ -323,8 +317,6 @@ def prepare_data(
         "fingerprint": fp,
     }
     if base_model is not None:
-        from memaudit.models.init import base_model_record
-
         meta["base_model"] = {**base_model_record(base_model), "tokenizer": "adopted"}
     for name, data in top.items():
         atomic_write_bytes(run.path / name, data)
@@ -345,8 +337,6 @@ def prepare_data(
 # ----------------------------------------------------------------------------- load
 def load_prepared(run: RunDir) -> PreparedData:
     """Read the prepared data of `run` back; DataError when missing or not matching its fingerprint."""
-    from safetensors.numpy import load
-
     d = run.data_dir
     if not (d / "meta.json").is_file():
         raise DataError(f"'{run.path}' holds no prepared data (no data/meta.json); run "

@@ -99,8 +99,6 @@ def invented_word(rng) -> str:
 
 def topic_vocabulary(seed: int, topic: int, size: int = 12) -> tuple[str, list[str]]:
     """(topic name, vocabulary) of private topic `topic`: invented words from (seed, topic)."""
-    import random
-
     rng = random.Random(f"memaudit-topic-{seed}-{topic}")
     words: list[str] = []
     while len(words) < size + 1:
@@ -187,6 +185,7 @@ def synthesize(
     With `topics` > 0 every message also carries a sentence of the user's private topic and,
     with `facts_per_user` > 0, one of the user's facts (see the module docstring).
     """
+    # lazy: faker (~0.2 s) only when called; this module imports without it
     from faker import Faker
 
     if users < 1 or docs_per_user < 1:
@@ -246,6 +245,7 @@ def synthesize_public(
     >>> len(docs), all(not d.pii for d in docs)
     (4, True)
     """
+    # lazy: faker (~0.2 s) only when called; this module imports without it
     from faker import Faker
 
     if users < 1 or docs_per_user < 1:

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from memaudit.errors import DataError
 
 if TYPE_CHECKING:
@@ -30,7 +32,7 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int, min_frequency: int
 
     The vocabulary holds at most `vocab_size` entries (fewer when the text is small).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    # lazy: transformers (~1.3 s) only when called; this module imports without it
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 257 + 1:
@@ -60,6 +62,7 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int, min_frequency: int
 
 def load_tokenizer(path: str | Path, *, vocab_size: int | None = None):
     """Load a Hugging Face tokenizer directory; its size must fit the model's vocabulary."""
+    # lazy: transformers (~1.3 s) only when called; this module imports without it
     from transformers import AutoTokenizer
 
     p = Path(path)

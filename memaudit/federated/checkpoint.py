@@ -33,6 +33,7 @@ def has_state(run: RunDir) -> bool:
 def write_state(d: Path, host_state: Any, scalars: dict[str, Any],
                 files: dict[str, Any] | None = None) -> None:
     """Write `host_state` (a pytree of numpy arrays) and scalars into the directory `d`."""
+    # lazy: flax (~2.5 s) only when called; this module imports without it
     from flax import serialization
 
     atomic_write_bytes(d / "server.msgpack", serialization.to_bytes(host_state))
@@ -43,6 +44,7 @@ def write_state(d: Path, host_state: Any, scalars: dict[str, Any],
 
 def load_state(run: RunDir, template: Any) -> tuple[Any, dict[str, Any]]:
     """Read state/ back into the structure of `template`; returns (state, scalars)."""
+    # lazy: flax (~2.5 s) only when called; this module imports without it
     from flax import serialization
 
     d = run.state_dir

@@ -24,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
+import jax
 import numpy as np
+
+from memaudit.privacy.randomness import DPRandomness
 
 SamplingMode = Literal["poisson", "fixed"]
 
@@ -47,7 +50,6 @@ def _seed_words(key_or_seed: Any) -> list[int]:
         if key_or_seed < 0:
             raise ValueError(f"seed must be >= 0, got {key_or_seed}")
         return [int(key_or_seed)]
-    import jax  # a PRNG key: use its raw bits
 
     arr = key_or_seed
     if jax.dtypes.issubdtype(getattr(arr, "dtype", None), jax.dtypes.prng_key):
@@ -88,7 +90,6 @@ def sample_cohort(
         )
     if round < 0:
         raise ValueError(f"round must be >= 0, got {round}")
-    from memaudit.privacy.randomness import DPRandomness
 
     if isinstance(key_or_seed, DPRandomness):
         rng = key_or_seed.numpy_rng("cohort", int(round))
@@ -125,6 +126,7 @@ def poisson_capacity(population: int, expected: float, *, multiple: int = 1,
     >>> poisson_capacity(56, 8), poisson_capacity(56, 8, multiple=4)
     (17, 20)
     """
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import binom
 
     if not isinstance(population, (int, np.integer)) or population < 1:
@@ -147,8 +149,6 @@ def pack_clients(
         capacity: clients dim (>= len(per_client)); extra slots are absent (mask 0).
         max_examples: examples dim (>= every k_i); defaults to max k_i (at least 1).
     """
-    import jax
-
     if not per_client:
         raise ValueError("pack_clients needs at least one client; sample a non-empty cohort")
     counts = [int(np.shape(jax.tree.leaves(c)[0])[0]) for c in per_client]

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy import stats
 
 from memaudit.errors import ConfigError
 from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
@@ -283,8 +284,6 @@ def planned_survivors(*, cohort: float, population: int | None, sampling: str = 
     >>> planned_survivors(cohort=8, population=None, sampling="fixed")
     8.0
     """
-    from scipy import stats
-
     if sampling == "fixed" or population is None:
         m = stats.binom.ppf(quantile, round(cohort), 1 - dropout) if dropout > 0 else round(cohort)
     else:

@@ -32,6 +32,10 @@ from __future__ import annotations
 
 import os
 
+import jax
+from jax._src import distributed as jdist
+from jax.experimental import multihost_utils
+
 from memaudit.errors import MemauditError
 
 _ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -64,7 +68,6 @@ def maybe_initialize(environ: dict[str, str] | None = None) -> bool:
         return True
     if not requested(env):
         return False
-    import jax
 
     if jax.config.jax_platforms in (None, "", "cpu") or env.get("JAX_PLATFORMS", "") == "cpu":
         # CPU collectives across processes need gloo (the default has none).
@@ -92,12 +95,8 @@ def barrier(name: str, *, timeout_s: float = 1800.0) -> None:
     Unlike a collective (`multihost_utils.sync_global_devices`), this tolerates one process
     being busy for minutes (process 0 preparing the data) without a gloo connect timeout.
     """
-    from jax._src import distributed as jdist  # no public barrier with a timeout yet
-
     client = getattr(jdist.global_state, "client", None)
     if client is None:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
         return
     client.wait_at_barrier(name, int(timeout_s * 1000))
@@ -105,6 +104,4 @@ def barrier(name: str, *, timeout_s: float = 1800.0) -> None:
 
 def is_primary() -> bool:
     """True in the process that writes the run directory (process 0)."""
-    import jax
-
     return jax.process_index() == 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from memaudit.errors import MemauditError
 from memaudit.federated.sharding import MeshAxis
 from memaudit.models.presets import get_preset
@@ -23,8 +25,6 @@ def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: Any = None
     mesh larger than the visible devices, or a model axis that does not divide the preset's
     heads, kv heads or intermediate size, is a one-line error.
     """
-    import jax
-
     devices = jax.devices()
     if mesh_model < 1:
         raise MemauditError(f"federated.mesh_model={mesh_model} must be >= 1")
@@ -35,7 +35,7 @@ def build_mesh(mesh_clients: int | None, mesh_model: int = 1, preset: Any = None
             f"devices exceeds the {len(devices)} visible devices; make the product at most "
             f"{len(devices)}")
     if preset is not None and mesh_model > 1:  # a preset name, or a shape (`LlamaPreset`)
-        from memaudit.models.flax_llama import check_model_axis  # imports jax and flax: only here
+        from memaudit.models.flax_llama import check_model_axis  # lazy: flax (~2.5 s) only here
 
         shape = get_preset(preset) if isinstance(preset, str) else preset
         what = f"model.preset={preset}" if isinstance(preset, str) else "the model.init_from checkpoint"

@@ -82,6 +82,7 @@ def adapters_to_peft(tree: Any) -> dict[str, np.ndarray]:
 
 def count(tree: Any) -> int:
     """Parameters in a tree."""
+    # lazy: jax (~2 s) only when called; this module imports without it
     import jax
 
     return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
@@ -112,7 +113,8 @@ def initial_lora(model_cfg: Any, vocab_size: int) -> tuple[dict, dict]:
 def torch_lora_model(model_cfg: Any, vocab_size: int, adapters: Any) -> Any:
     """The torch peft model of the run's base with these (Flax) adapters loaded: what the
     federated backend exports, merged and as an adapter folder, through the torch side's code."""
-    import torch  # the federated side pays torch only to export
+    # lazy: the federated side pays torch and peft (~10 s) only to export
+    import torch
     from peft import set_peft_model_state_dict
 
     wrapped = apply_lora(initial_model(model_cfg, vocab_size), model_cfg.lora, seed=model_cfg.init_seed)

@@ -19,6 +19,7 @@ def set_special_tokens(model: Any, tokenizer: Any) -> None:
 
 def save_pretrained_quietly(model: Any, directory: Path) -> None:
     """`save_pretrained` (safetensors, use_cache on) without progress bars: only the CLI prints."""
+    # lazy: transformers (~1.3 s) only when called; this module imports without it
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()

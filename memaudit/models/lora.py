@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memaudit.errors import ConfigError
+from memaudit.io import atomic_dir
+from memaudit.models.hf_export import save_pretrained_quietly
 
 if TYPE_CHECKING:  # torch and peft cost seconds; a config check needs neither
     import torch
@@ -69,6 +71,7 @@ def trained_label(lora: LoraConfig | None) -> str:
 
 def peft_config(lora: LoraConfig) -> Any:
     """The `peft.LoraConfig` of `model.lora` (causal LM, no bias trained)."""
+    # lazy: peft (~10 s) only when called; this module imports without it
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -82,6 +85,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int) -> Any:
     (the global RNG is restored afterwards); B starts at zero, so the wrapped model computes
     exactly what `model` did.
     """
+    # lazy: peft (~10 s) only when called; this module imports without it
     import torch
     from peft import get_peft_model
 
@@ -111,6 +115,7 @@ def merged_copy(model: Any) -> torch.nn.Module:
 
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
     """The adapters' weights under peft's saved names (what `adapter_model.safetensors` holds)."""
+    # lazy: peft (~10 s) only when called; this module imports without it
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model)
@@ -125,9 +130,6 @@ def save_adapter(model: Any, run_path: Path, *, base: str | None) -> Path:
         base: the base model folder the adapter belongs to (`model.init_from`); None writes the
             frozen base (a preset's initialisation) to RUN_DIR/adapter/base and names that.
     """
-    from memaudit.io import atomic_dir
-    from memaudit.models.hf_export import save_pretrained_quietly
-
     final = run_path / ADAPTER_DIR
     with atomic_dir(final) as tmp:
         if base is None:
@@ -147,6 +149,7 @@ def save_adapter(model: Any, run_path: Path, *, base: str | None) -> Path:
 
 def _unwrap_lora(model: torch.nn.Module) -> torch.nn.Module:
     """A copy's LoRA layers replaced by their frozen base layers (the base model as it started)."""
+    # lazy: peft (~10 s) only when called; this module imports without it
     from peft.tuners.lora import LoraLayer
 
     for name, m in list(model.named_modules()):

@@ -66,6 +66,7 @@ def get_preset(name: str) -> LlamaPreset:
 
 
 def llama_config(name: str, *, vocab_size: int | None = None) -> LlamaConfig:
+    # lazy: transformers (~1.3 s) only when called; this module imports without it
     from transformers import LlamaConfig
 
     p = asdict(get_preset(name))
@@ -97,6 +98,7 @@ def param_count(name: str, *, vocab_size: int | None = None, include_embedding: 
 
 def build_model(name: str, *, vocab_size: int | None = None, seed: int = 0) -> LlamaForCausalLM:
     """A freshly initialised fp32 `LlamaForCausalLM`, identical for the same (name, vocab, seed)."""
+    # lazy: torch (~2 s) and transformers (~1.3 s) only when called; this module imports without it
     import torch
     from transformers import LlamaForCausalLM
 

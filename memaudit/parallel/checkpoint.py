@@ -1,4 +1,4 @@
-"""Sharded checkpoints of the parallel backend, in RUN_DIR/state/.
+"""Sharded checkpoints of the centralized backend's grid, in RUN_DIR/state/.
 
     state/
       trainer.json      step and scalars, with "format": "sharded" and "grid": [data, x, y, z]
@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json, read_json
@@ -69,8 +71,6 @@ def save_sharded(tmp: Path, model: ParallelLlama, optimizer: torch.optim.Optimiz
                  commit: Callable[[], None]) -> None:
     """Write a sharded checkpoint into the directory `tmp` (collective: every rank calls it);
     rank 0 then calls `commit` (the run lifecycle seals it and swaps it in for state/)."""
-    from safetensors.torch import save_file
-
     pg = model.pg
     dims, rank = pg.dims, pg.rank
     if rank == 0:
@@ -105,8 +105,6 @@ class ShardReader:
     """The shard files of a saved grid, opened lazily; assembles full tensors by name."""
 
     def __init__(self, state_dir: Path) -> None:
-        from safetensors import safe_open
-
         with ckpt.checkpoint_file(state_dir / "layout.json"):
             layout = read_json(state_dir / "layout.json", what="checkpoint layout")
         g = layout["grid"]
@@ -182,8 +180,6 @@ def load_sharded(run: RunDir, *, params: dict[str, torch.nn.Parameter], optimize
 
 def restore_rng(run: RunDir, rank: int) -> bool:
     """Set this rank's torch generators from the checkpoint (False if it has no file for it)."""
-    from safetensors.torch import load_file
-
     path = run.state_dir / "rng" / f"rank-{rank:05d}.safetensors"
     if not path.is_file():
         return False

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 from memaudit.parallel.dims import MeshAxis, ProcessGroups
 
@@ -218,8 +219,6 @@ class GradSync:
     def weight_grad(self, p: torch.nn.Parameter, piece: torch.Tensor, work: Any) -> None:
         """Take over this backward's gradient of `p` (its z-reduced piece, valid after `work`)."""
         if not self.queued:
-            from torch.autograd import Variable
-
             self.bucketing = (self.bucket_bytes is not None and self.comm.size(MeshAxis.DATA) > 1
                               and not (self.norms is not None and self.norms.active))
             Variable._execution_engine.queue_callback(self._finish)

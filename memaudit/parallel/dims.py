@@ -114,7 +114,7 @@ class ParallelDims:
                     f"choose parallel.{axis} dividing {value}"
                 )
         if getattr(cfg, "tie_word_embeddings", False):
-            raise ValueError("tie_word_embeddings=true is not supported by the parallel backend; untie the LM head")
+            raise ValueError("tie_word_embeddings=true is not supported by the tensor-parallel grid; untie the LM head")
 
 
 @dataclass
@@ -161,6 +161,7 @@ def build_groups(dims: ParallelDims, *, backend: str | None = None) -> ProcessGr
 
     Without an initialised process group only the 1x1x1x1 grid is allowed.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -1,4 +1,4 @@
-"""Distributed start-up for the parallel backend: backend choice and process-group init.
+"""Distributed start-up for the centralized backend's grid: backend choice and process-group init.
 
 Works under `torchrun` or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
 and MASTER_PORT (SLURM users: `srun torchrun --nnodes $SLURM_NNODES --nproc-per-node G
@@ -7,14 +7,21 @@ and MASTER_PORT (SLURM users: `srun torchrun --nnodes $SLURM_NNODES --nproc-per-
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from memaudit.errors import MemauditError
+from memaudit.models.presets import llama_config
 from memaudit.parallel.dims import ParallelDims
+from memaudit.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ def resolve_backend(requested: str, *, dims: ParallelDims, local_world: int | No
 
     Raises a one-line ValueError when NCCL is asked for without enough CUDA devices.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     if requested not in ("auto", "gloo", "nccl"):
@@ -58,6 +66,7 @@ def init_distributed(dims: ParallelDims, *, requested_backend: str = "auto") -> 
     The grid must match WORLD_SIZE (one-line ValueError otherwise). A 1x1x1x1 grid without a
     launcher initialises nothing.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
     import torch.distributed as dist
 
@@ -91,8 +100,6 @@ def dist_timeout() -> timedelta:
 
 # ----------------------------------------------------------------------------- training
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -107,8 +114,6 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.ll
 def rank_context(extra_preload: tuple[str, ...] = ()) -> Any:
     """The multiprocessing context the ranks start in (forkserver with PRELOAD; the first caller
     in a process fixes the server's preload list)."""
-    import multiprocessing
-
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *extra_preload])
     return ctx
@@ -125,14 +130,12 @@ def _rank_main(rank: int, world: int, port: int, cfg: Any, run_path: str, resume
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     pid_dir = os.environ.get("MEMAUDIT_PARALLEL_PID_DIR")  # tests: which process is which rank
     if pid_dir:
-        from pathlib import Path
-
         Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: the ranks share this node's cores
+        # lazy: torch (~2 s) only when called; this module imports without it
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from memaudit.rundir import RunDir
 
     progress = None
     if rank == 0:
@@ -183,8 +186,10 @@ def _mark_stopped(run: Any, status: str, error: str) -> None:
 
 def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any, overwrite: bool = False,
               lock_held: bool = False) -> dict:
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch.distributed as dist
 
+    # lazy: torch (~2 s) and dp_accounting (~1.5 s) only when called; this module imports without it
     from memaudit.parallel.layout import TensorParallelLayout
     from memaudit.train.trainer import Trainer
 
@@ -211,11 +216,8 @@ def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
     the last checkpoint. Ctrl-C or SIGTERM of the launcher stops the ranks the same way
     (status interrupted). Returns the writer's result summary.
     """
-    import contextlib
-
     dims = ParallelDims.from_config(cfg.parallel)
     if cfg.model.name_or_path is None:  # one clear line before any process starts
-        from memaudit.models.presets import llama_config
 
         dims.check_model(llama_config(cfg.model.preset))
     env = env_info()
@@ -228,9 +230,9 @@ def launch_training(cfg: Any, run: Any, *, resume: bool = False, progress: Any =
 
 
 def _spawn(cfg: Any, run: Any, dims: ParallelDims, *, resume: bool, progress: Any, overwrite: bool) -> dict:
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch.multiprocessing as mp
 
-    from memaudit.errors import MemauditError
 
     ctx = rank_context()
     q = ctx.SimpleQueue()
@@ -248,6 +250,7 @@ def _spawn(cfg: Any, run: Any, dims: ParallelDims, *, resume: bool, progress: An
             elif msg[0] == "result":
                 result = msg[1]
 
+    # lazy: numpy (~0.4 s) only when called; this module imports without it
     from memaudit.lifecycle import sigterm_as_interrupt
 
     try:

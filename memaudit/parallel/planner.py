@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Literal, NamedTuple
 
+from memaudit.models.presets import PRESETS
 from memaudit.parallel.comm import wire_factor
 from memaudit.parallel.dims import MeshAxis, ParallelDims
 
@@ -61,7 +62,6 @@ class ModelShape:
     def from_preset(cls, name: str) -> ModelShape:
         if name in SHAPES:
             return SHAPES[name]
-        from memaudit.models.presets import PRESETS
 
         if name not in PRESETS:
             raise ValueError(f"unknown model preset '{name}'; choose one of "

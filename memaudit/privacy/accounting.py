@@ -30,6 +30,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
+from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 Accountant = Literal["rdp", "pld"]
 
@@ -114,8 +115,6 @@ def rdp_curve(event: dp_event.DpEvent, orders: tuple[float, ...] = RDP_ORDERS) -
 
 def epsilon_from_rdp(orders, rdp, delta: float) -> float:
     """ε at δ from an RDP curve (the conversion of Canonne, Kamath, Steinke 2020)."""
-    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
-
     check_delta(delta)
     rdp = np.asarray(rdp, dtype=np.float64)
     if not np.isfinite(rdp).any():

@@ -55,6 +55,8 @@ from typing import Any, Literal
 
 import numpy as np
 from dp_accounting import dp_event
+from dp_accounting.privacy_accountant import NeighboringRelation
+from dp_accounting.rdp import RdpAccountant
 
 from memaudit.privacy.accounting import (
     RDP_ORDERS,
@@ -63,6 +65,7 @@ from memaudit.privacy.accounting import (
     check_delta,
     mixture_step_event,
 )
+from memaudit.privacy.ddg import ddg_rdp
 from memaudit.privacy.events import RdpCurveEvent, repeated
 from memaudit.privacy.ledger import PrivacyLedger
 
@@ -120,10 +123,6 @@ def dpsgd_step_event(q: float, noise_multiplier: float) -> dp_event.DpEvent:
 
 
 def _rdp_curve_event(event: dp_event.DpEvent, orders, label: str):
-    from dp_accounting.privacy_accountant import NeighboringRelation
-    from dp_accounting.rdp import RdpAccountant
-
-
     acc = RdpAccountant(list(orders), neighboring_relation=NeighboringRelation.REPLACE_ONE)
     acc.compose(event)
     rdp = np.asarray(acc._rdp, dtype=np.float64)  # dp_accounting exposes no public getter
@@ -330,8 +329,6 @@ class DistributedDiscreteGaussian:
     server_view: ServerView = "same"
 
     def dp_event(self, metrics: Mapping[str, Any] | None = None) -> Any:
-        from memaudit.privacy.ddg import ddg_rdp
-
         if metrics is None:
             raise ValueError("distributed DP's event needs the round's metrics (survivors, ddp_l2, ...)")
         m = round(float(metrics["survivors"]))

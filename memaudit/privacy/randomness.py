@@ -51,6 +51,8 @@ import numpy as np
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from memaudit.io import atomic_write_json
+
 SECRET_BYTES = 32  # 256 bits of OS entropy
 SECRET_FILE = "dp_secret.json"
 _SALT = b"memaudit dp randomness v1"
@@ -119,8 +121,6 @@ class DPRandomness:
             return rand
         rand = cls.from_config(privacy, seed)
         if write:
-            from memaudit.io import atomic_write_json
-
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, rand.state_dict())
         return rand
@@ -144,6 +144,7 @@ class DPRandomness:
 
     def torch_generator(self, purpose: str, step: int, index: int = 0, device: Any = "cpu") -> Any:
         """A fresh ``torch.Generator`` on ``device`` keyed by (purpose, step, index)."""
+        # lazy: torch (~2 s) only when called; this module imports without it
         import torch
 
         gen = torch.Generator(device=device)
@@ -152,6 +153,7 @@ class DPRandomness:
 
     def jax_key(self, purpose: str, step: int, index: int = 0, impl: str | None = None) -> Any:
         """A typed JAX key per (purpose, step): threefry (default, 64-bit) or ``impl="rbg"`` (128-bit)."""
+        # lazy: jax (~2 s) only when called; this module imports without it
         import jax
 
         if impl == "rbg":
@@ -183,6 +185,7 @@ class DPRandomness:
 
     def broadcast(self, src: int = 0) -> DPRandomness:
         """Take rank ``src``'s secret, in place, on every rank of the default process group; returns self."""
+        # lazy: torch (~2 s) only when called; this module imports without it
         import torch
         import torch.distributed as dist
 

@@ -41,9 +41,12 @@ import math
 
 import numpy as np
 
+from memaudit.probes.stats import auc_interval, auc_placements
+
 
 def p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
     """P[>= v of r guesses correct] for an (ε, δ)-DP algorithm on m canaries (the paper's bound)."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import binom
 
     if not 0 <= v <= r <= m:
@@ -120,6 +123,7 @@ def all_thresholds_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, delta
                          p: float = 0.05) -> dict:
     """One-sided lower bound on ε at confidence 1 - p from every threshold of the scores (higher:
     "in"), both directions, Clopper-Pearson with Bonferroni over all the one-sided bounds."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import beta
 
     ins, outs = np.sort(np.asarray(in_scores, float)), np.sort(np.asarray(out_scores, float))
@@ -148,6 +152,7 @@ def all_thresholds_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, delta
 
 def gdp_epsilon(mu: float, delta: float) -> float:
     """ε of μ-GDP at δ: the Gaussian mechanism with noise 1/μ (dp_accounting); 0 at μ = 0."""
+    # lazy: dp_accounting (~1.5 s) only when called; this module imports without it
     import dp_accounting
 
     if mu <= 0:
@@ -159,9 +164,9 @@ def gdp_estimate(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float,
                  level: float = 0.95) -> dict:
     """The ε estimate under μ-GDP from the canaries' AUC (see the module's text), with the
     interval the AUC's DeLong interval maps to."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import norm
 
-    from memaudit.probes.stats import auc_interval, auc_placements
 
     v10, v01 = auc_placements(in_scores, out_scores)
     auc = float(np.mean(v10))

@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 
+from memaudit.probes.stats import holm, mann_whitney, mean_summary
+
 
 def exact_exposure(canary_logppl: np.ndarray, space_logppl: np.ndarray) -> np.ndarray:
     """Exposure against the full secret space: rank = 1 + #candidates strictly more likely."""
@@ -112,6 +114,7 @@ def extrapolated_exposure(
     4.3), capped at the ceiling's F, so the value is monotone and never below the stated bound.
     It rests on the fitted tail, which n samples cannot check: label it as an estimate.
     """
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import skewnorm
 
     s = np.sort(np.asarray(sample_logppl, dtype=np.float64))
@@ -157,6 +160,7 @@ def score_secrets(
     in separate calls). Without a start token the first token of the template is not scored: a
     constant for every candidate unless the template starts with the secret.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import token_logprobs
 
     prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
@@ -263,8 +267,6 @@ def exposure_result(
 
 
 def _summarise(scores, size, method, n_boot, seed) -> dict:
-    from memaudit.probes.stats import holm, mann_whitney, mean_summary
-
     ins = [s for s in scores if s["role"] == "inserted"]
     ref = np.array([s["exposure"] for s in scores if s["role"] == "reference"])
     ref_mean = float(ref.mean()) if len(ref) else None

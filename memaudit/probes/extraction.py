@@ -93,6 +93,7 @@ def discoverable(
     progress=None,
 ) -> dict:
     """Greedy continuation of each member document's k-token prefix, per k (model-facing)."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import decode
 
     encoded = [codec.encode(d.text) for d in docs]
@@ -163,6 +164,7 @@ def canary_completion(
     Returns (result, completions): `completions` maps canary id to the greedy text and is meant
     only for `--show-secrets`; it is never written to probes.json.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import decode, token_logprobs
 
     inserted = list(canaries.inserted)
@@ -248,6 +250,7 @@ def non_discoverable(
 
     Model-facing: samples and their scores; `non_discoverable_result` does the statistics.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import decode, token_logprobs
 
     length = max(length, ngram)

@@ -124,6 +124,7 @@ def goldfish_extraction(
     `seq_len`), capped by the model's `max_position_embeddings`; None: the model's limit only.
     Returns {"summary", "scores"}: per unit its id, kind, repeats, exact and rouge_l; no text.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import decode
 
     if m < 1 or min_prompt < 1:

@@ -12,10 +12,13 @@ Documentation of the formats: docs/inputs.md.
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from memaudit.errors import DataError
 
@@ -95,8 +98,6 @@ def read_column_spec(path: str | Path) -> dict[str, str]:
     on two lines); bad input (a missing file, not YAML, not a mapping, an unknown key, a value
     that is not a column name) is refused in one line.
     """
-    import yaml  # only when a --columns file is passed
-
     p = Path(path)
     if not p.is_file():
         raise DataError(f"--columns file '{p}' not found; pass a YAML file such as "
@@ -143,7 +144,8 @@ def _is_dataset_dir(p: Path) -> bool:
 def _records(p: Path, cols: Columns) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows as dicts and the column names the source has."""
     if _is_dataset_dir(p):
-        from datasets import DatasetDict, load_from_disk  # heavy: only for this format
+        # lazy: datasets (~1.4 s) for this format only
+        from datasets import DatasetDict, load_from_disk
 
         ds = load_from_disk(str(p))
         if isinstance(ds, DatasetDict):
@@ -153,13 +155,12 @@ def _records(p: Path, cols: Columns) -> tuple[list[dict[str, Any]], list[str]]:
             ds = ds[cols.split]
         return ds.to_list(), list(ds.column_names)
     if p.suffix == ".parquet":
+        # lazy: pyarrow (~0.2 s) only when called; this module imports without it
         import pyarrow.parquet as pq
 
         table = pq.read_table(p)
         return table.to_pylist(), list(table.column_names)
     if p.suffix == ".csv":
-        import csv
-
         with p.open(encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f)
             rows = list(reader)

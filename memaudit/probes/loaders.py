@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from memaudit.backends import BACKENDS, CENTRALIZED, backend_name
 from memaudit.errors import DataError
 
 
@@ -140,6 +141,7 @@ class Privacy:
     def from_json(cls, obj: Any, source: str = "privacy.json") -> Privacy:
         if not isinstance(obj, dict):
             raise DataError(f"{source} is not a JSON object; re-run training to rewrite it")
+        # lazy: dp_accounting (~1.5 s) and numpy (~0.4 s) only when called
         from memaudit.privacy.ledger import ledger_summary
 
         try:  # recomputed from the ledger's events, never the stored number
@@ -235,9 +237,10 @@ class RunInfo:
             raise DataError(f"{source} is not a JSON object; re-run training to rewrite it")
         cfg = m.get("config") if isinstance(m.get("config"), dict) else {}
         res = m.get("result") if isinstance(m.get("result"), dict) else {}
-        backend = m.get("backend") or cfg.get("backend") or "parallel"
-        if backend not in ("parallel", "federated"):
-            raise DataError(f"{source}: backend '{backend}' is not parallel or federated")
+        # `parallel`: the centralized backend's name in runs written before the rename
+        backend = backend_name(m.get("backend") or cfg.get("backend") or CENTRALIZED)
+        if backend not in BACKENDS:
+            raise DataError(f"{source}: backend '{backend}' is not centralized or federated")
 
         def num(v, kind=float):
             if v is None:

@@ -74,6 +74,7 @@ def doc_scores(
     Every token of a document is scored: one longer than `max_tokens` in windows of that many
     tokens, `stride` apart (`memaudit.probes.scoring.windowed_logprobs`).
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import windowed_logprobs
 
     seqs = [codec.encode(d.text) for d in docs]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memaudit.data.synth import pii_value
 from memaudit.probes.stats import rate_summary
 
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}")
@@ -105,8 +106,6 @@ def candidates(
     held-out users' values: a decoy the model memorised from another training user would beat
     the true value and pull the training users' rate down exactly when the model memorises.
     """
-    from memaudit.data.synth import pii_value
-
     others = [v for v in dict.fromkeys(pool) if v != true and v not in exclude]
     rng.shuffle(others)
     out = others[:n]
@@ -134,6 +133,7 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
                 batch_size, rng, fake, exclude=frozenset()) -> PiiScores:
     """Model-facing: greedy extraction of each item from its preceding text, and the rank of the
     true value among its decoys by the NLL of the value and the text right after it."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import decode, token_logprobs
 
     prompts, n_new = [], []
@@ -230,6 +230,7 @@ def run_pii(
     n_boot: int = 1000,
 ) -> dict:
     """Extraction and inference rates for training users' vs held-out users' PII."""
+    # lazy: faker (~0.2 s) only when called; this module imports without it
     from faker import Faker
 
     fake = Faker("en_US")

@@ -53,7 +53,7 @@ EFFECT_UNITS = {"mean": None, "auc": "AUC points", "binary": "rate"}
 
 
 def _z(alpha: float, alternative: str, power: float) -> float:
-    from scipy.stats import norm  # scipy.stats costs ~0.3 s to import: only when a report is built
+    from scipy.stats import norm  # lazy: scipy.stats (~0.3 s) only when a report is built
 
     side = alpha / 2 if alternative == "two-sided" else alpha
     return float(norm.ppf(1 - side) + norm.ppf(power))
@@ -140,6 +140,7 @@ def _mde_auc(a: dict, b: dict, paired: tuple, alpha: float, alternative: str, po
 def _mcnemar_power(n: int, r: float, d: float, alpha: float, alternative: str) -> float:
     """Exact power of the exact McNemar test: n pairs, discordance r against the alternative and
     r + d towards it."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import binom
 
     side = alpha / 2 if alternative == "two-sided" else alpha

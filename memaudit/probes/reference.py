@@ -122,7 +122,8 @@ def models_mean_logp(sources: tuple[str, ...], codec, texts: list[str], *, max_t
     encoding serves all; a model is released before the next is loaded. A text longer than
     `max_tokens` is scored in strided windows, as for the target.
     """
-    from memaudit.probes.scoring import windowed_logprobs  # torch: only when references are scored
+    # lazy: torch (~2 s) only when references are scored
+    from memaudit.probes.scoring import windowed_logprobs
 
     seqs = [codec.encode(t) for t in texts]
     out = []

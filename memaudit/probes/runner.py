@@ -16,11 +16,19 @@ from memaudit import __version__
 from memaudit.config import ProbeConfig
 from memaudit.errors import RunDirError
 from memaudit.probes import PROBES, SCHEMA
+from memaudit.probes import extraction as ex
+from memaudit.probes.audit import run_audit
 from memaudit.probes.context import fit_to_context, model_context, window_stride
+from memaudit.probes.exposure import run_exposure
+from memaudit.probes.goldfish import goldfish_extraction
+from memaudit.probes.loaders import AUDIT_SCORES
+from memaudit.probes.membership import doc_scores, min_k, run_membership
+from memaudit.probes.pii import run_pii
 from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.shift import blind_check
 from memaudit.probes.sources import load_model, resolve_model
 from memaudit.probes.targets import Codec, Target, load_tokenizer
+from memaudit.probes.user_inference import run_user_inference
 from memaudit.probes.weights import weights_sha256
 
 Progress = Callable[[int, int, dict], None] | None
@@ -80,6 +88,7 @@ def run_probes(
     tokenizer=None,
 ) -> ProbeResult:
     """Load the model (unless given), run each selected probe, return probes.json + secrets."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import load_causal_lm
 
     window_stride(settings)  # a bad --window-stride is refused before any model is loaded
@@ -156,8 +165,6 @@ class _Context:
         self._doc_scores = None
 
     def scores(self):
-        from memaudit.probes.membership import doc_scores
-
         if self._doc_scores is None:
             docs = self.t.members + self.t.nonmembers + self.t.heldout_user_docs
             self._doc_scores = doc_scores(
@@ -176,8 +183,6 @@ class _Context:
 
 
 def probe_exposure(ctx: _Context) -> dict:
-    from memaudit.probes.exposure import run_exposure
-
     c = ctx.t.canaries
     if c is None or not (c.inserted or c.references):
         return _skip("no canaries: pass --canaries FILE" if ctx.t.kind == "model" else
@@ -191,8 +196,6 @@ def probe_exposure(ctx: _Context) -> dict:
 
 
 def probe_extraction(ctx: _Context) -> dict:
-    from memaudit.probes import extraction as ex
-
     s, out = ctx.s, {"summary": {}, "scores": {}}
     docs = ctx.t.members[: s.extraction_max_docs]
     if docs and s.extraction_ks:  # none fit a short context: counted in probes.json's counts
@@ -225,8 +228,6 @@ def probe_extraction(ctx: _Context) -> dict:
 
 def probe_goldfish_extraction(ctx: _Context) -> dict:
     """Hans et al. 2024: the last goldfish_m tokens of member documents and inserted canaries."""
-    from memaudit.probes.goldfish import goldfish_extraction
-
     s, t = ctx.s, ctx.t
     docs = t.members[: s.extraction_max_docs]
     canaries = t.canaries if t.canaries is not None and t.canaries.inserted else None
@@ -241,8 +242,6 @@ def probe_goldfish_extraction(ctx: _Context) -> dict:
 
 
 def probe_membership(ctx: _Context) -> dict:
-    from memaudit.probes.membership import run_membership
-
     n1, n0 = len(ctx.t.members), len(ctx.t.nonmembers)
     if not n1 or not n0:
         hint = ("pass --members FILE and --nonmembers FILE" if ctx.t.kind == "model"
@@ -262,8 +261,6 @@ def probe_membership(ctx: _Context) -> dict:
 
 def probe_user_inference(ctx: _Context) -> dict:
     """Training users' unseen documents vs held-out users; never a silent fallback."""
-    from memaudit.probes.user_inference import run_user_inference
-
     t = ctx.t
     docs = t.members + t.nonmembers + t.heldout_user_docs
     if any(d.user is None for d in docs):
@@ -291,8 +288,6 @@ def probe_user_inference(ctx: _Context) -> dict:
 
 
 def probe_pii(ctx: _Context) -> dict:
-    from memaudit.probes.pii import run_pii
-
     t = ctx.t
     trained = {m.user for m in t.members}
     held = t.heldout_user_docs or [d for d in t.nonmembers if d.user not in trained]
@@ -305,7 +300,7 @@ def probe_pii(ctx: _Context) -> dict:
 
 
 def probe_audit(ctx: _Context) -> dict:
-    from memaudit.probes.audit import run_audit
+    # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import token_logprobs
 
     aud = ctx.t.canaries.audit if ctx.t.canaries is not None else ()
@@ -314,8 +309,6 @@ def probe_audit(ctx: _Context) -> dict:
                      if ctx.t.kind == "model"
                      else "no audit canaries (set data.audit_canaries in the run's config)")
     ctx.secrets.update({c.id: c.secret for c in aud if c.secret})
-    from memaudit.probes.loaders import AUDIT_SCORES
-    from memaudit.probes.membership import min_k
 
     lp = token_logprobs(ctx.model, [ctx.codec.encode(c.text) for c in aud],
                         batch_size=ctx.s.batch_size).logp

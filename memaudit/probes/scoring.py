@@ -7,11 +7,14 @@ position ids so every row continues from its own last token.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from memaudit.errors import MemauditError
 
 Progress = Callable[[int, int, dict], None] | None
 
@@ -242,8 +245,6 @@ def _left_pad(
 
 def _cache_api(model) -> tuple[str, bool]:
     """The KV-cache keyword of this transformers ('cache' in 5.x, else 'past_key_values')."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
@@ -331,6 +332,7 @@ def decode(
 
 def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "auto"):
     """AutoModelForCausalLM in eval mode on `device`; dtype auto = bf16 on CUDA, fp32 on CPU."""
+    # lazy: transformers (~1.3 s) only when called; this module imports without it
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -347,13 +349,10 @@ def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "auto"):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
-        from memaudit.errors import MemauditError
-
         raise MemauditError(f"the model in '{path}' cannot be loaded ({type(e).__name__}: its "
                             "config or weights are damaged or not a causal LM); re-run training or "
                             "pass a Hugging Face causal LM directory") from None
     except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError and friends
-        from memaudit.errors import MemauditError
 
         raise MemauditError(f"the model weights in '{path}' are damaged ({type(e).__name__}); "
                             "re-run training or restore model/") from None

@@ -63,7 +63,7 @@ def hub_cache_dir() -> Path:
 
 def from_hub_cache(repo_id: str) -> Path:
     """The cached snapshot folder of `repo_id`; refused in one line (with how to fetch it)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: hub download code (~0.1 s)
 
     cache = hub_cache_dir()
     try:
@@ -89,6 +89,7 @@ def _read_json(path: Path, what: str) -> dict:
 
 def check_no_remote_code(path: Path) -> None:
     """Refuse a checkpoint that only loads by running its own Python code."""
+    # lazy: transformers (~1.3 s) only when a checkpoint is checked
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = _read_json(path / "config.json", "model config")
@@ -167,13 +168,13 @@ def load_model(src: ModelSource, *, device: str = "cpu", dtype: str = "auto"):
     Merging (W + BA) gives the same function as the unmerged PEFT model and scores at the speed
     of a plain forward pass.
     """
-    from memaudit.probes.scoring import load_causal_lm
+    from memaudit.probes.scoring import load_causal_lm  # lazy: torch (~2 s) only to load a model
 
     if src.base is None:
         return load_causal_lm(str(src.path), device=device, dtype=dtype)
     model = load_causal_lm(str(src.base.path), device="cpu", dtype=dtype)
     try:
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: peft (~10 s) only for an adapter
     except ImportError:  # a runtime dependency; only a broken install lacks it
         raise MemauditError("loading a LoRA adapter needs `peft`; pip install peft") from None
     try:

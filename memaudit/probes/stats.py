@@ -80,6 +80,7 @@ def cell(
 
 def roc_auc(pos: np.ndarray, neg: np.ndarray) -> float:
     """ROC AUC of 'higher score = member' (scikit-learn), ties counted as 1/2."""
+    # lazy: scikit-learn (~4 s) only when called; this module imports without it
     from sklearn.metrics import roc_auc_score
 
     y = np.r_[np.ones(len(pos)), np.zeros(len(neg))]
@@ -88,6 +89,7 @@ def roc_auc(pos: np.ndarray, neg: np.ndarray) -> float:
 
 def tpr_at_fpr(pos: np.ndarray, neg: np.ndarray, fpr: float) -> float:
     """The largest TPR over ROC points (scikit-learn `roc_curve`) whose FPR is <= `fpr`."""
+    # lazy: scikit-learn (~4 s) only when called; this module imports without it
     from sklearn.metrics import roc_curve
 
     y = np.r_[np.ones(len(pos)), np.zeros(len(neg))]
@@ -98,6 +100,7 @@ def tpr_at_fpr(pos: np.ndarray, neg: np.ndarray, fpr: float) -> float:
 
 def _auc_rows(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
     """Mann-Whitney AUC of each row pair: pos (B, n1), neg (B, n0) -> (B,)."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import rankdata
 
     n1, n0 = pos.shape[1], neg.shape[1]
@@ -144,6 +147,7 @@ def auc_interval(v10: np.ndarray, v01: np.ndarray, level: float = LEVEL) -> tupl
       Qin, Hotilovac. Comparison of non-parametric confidence intervals for the area under the
       ROC curve of a continuous-scale diagnostic test. Stat. Methods Med. Res. 2008.
     """
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import t as student
 
     n1, n0 = len(v10), len(v01)
@@ -226,6 +230,7 @@ def attack_summary(
 
 def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
     """Exact two-sided binomial interval for k successes of n."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import beta
 
     a = (1 - level) / 2
@@ -360,6 +365,7 @@ def paired_permutation_test(
 
 def mann_whitney(x: np.ndarray, y: np.ndarray, *, alternative: str = "greater") -> float:
     """Mann-Whitney U p-value (exact for small samples without ties, scipy's choice)."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import mannwhitneyu
 
     _check_alt(alternative)
@@ -369,6 +375,7 @@ def mann_whitney(x: np.ndarray, y: np.ndarray, *, alternative: str = "greater") 
 
 def mcnemar_exact(a: np.ndarray, b: np.ndarray, *, alternative: str = "greater") -> float:
     """Exact McNemar test of paired 0/1 outcomes: is a's rate above (below) b's?"""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import binomtest
 
     _check_alt(alternative)
@@ -381,6 +388,7 @@ def mcnemar_exact(a: np.ndarray, b: np.ndarray, *, alternative: str = "greater")
 
 def fisher_exact(a: np.ndarray, b: np.ndarray, *, alternative: str = "greater") -> float:
     """Fisher's exact test of two independent 0/1 samples: is a's rate above (below) b's?"""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import fisher_exact as fe
 
     _check_alt(alternative)
@@ -410,6 +418,7 @@ def auc_difference_test(
     non-members. With `advantage` the statistic is |AUC(a) - 1/2| - |AUC(b) - 1/2| instead: the
     attack's distance from chance, which is what leaks (`chance_advantage`).
     """
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import rankdata
 
     _check_alt(alternative)

@@ -91,6 +91,7 @@ class Codec:
 
 
 def load_tokenizer(path: Path):
+    # lazy: transformers (~1.3 s) only when called; this module imports without it
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memaudit import __version__
+from memaudit.backends import CENTRALIZED, report_rank
 from memaudit.data.prepare import verify_run_data
 from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
@@ -69,6 +70,7 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
         return {"epsilon": math.inf, "unit": None, "delta": None, "per_user": None, "noise_multiplier": None,
                 "document": None, "protects": None}
     raw = read_json(rd.privacy_path, what="privacy ledger")
+    # lazy: dp_accounting (~1.5 s) only when called; this module imports without it
     from memaudit.privacy.ledger import ledger_summary
 
     try:  # recomputed from the serialised events; no stored-number fallback
@@ -139,7 +141,7 @@ def _server_view(priv: dict[str, Any]) -> str:
 def _mechanism(info: RunInfo) -> str:
     if not info.dp:
         return "none"
-    if info.backend == "parallel":
+    if info.backend == CENTRALIZED:
         return "DP-SGD"
     name = "distributed DP" if info.dp_mechanism == "distributed" else "DP-FedAvg"
     if info.secure_aggregation:
@@ -309,8 +311,8 @@ def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
     for (backend, eps, gf, unit, ft), rs in groups.items():
-        lbl = (("centralized" if backend == "parallel" else "federated")
-               + (" (user-level DP)" if backend == "parallel" and unit == "user" else "") + (" + Goldfish" if gf else "")
+        lbl = (backend
+               + (" (user-level DP)" if backend == CENTRALIZED and unit == "user" else "") + (" + Goldfish" if gf else "")
                + (" + LoRA" if ft != "full" else ""))
         ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
         leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
@@ -339,7 +341,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         pa, pf = pool([r["leakage"].get(key) for r in par]), pool([r["leakage"].get(key) for r in fed])
         if not (pa and pf):
             return None
-        return {"parallel": pa, "federated": pf, "verdict": "not tested",
+        return {CENTRALIZED: pa, "federated": pf, "verdict": "not tested",
                 "test": compare_groups(fed, par, key, "two-sided")}
 
     matched = []
@@ -349,17 +351,17 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         if backend != "federated" or gf or ft != "full":
             continue
         cands = [(u, rs) for (bk, e, g, u, f), rs in groups.items()
-                 if bk == "parallel" and e == eps and not g and f == "full"]
+                 if bk == CENTRALIZED and e == eps and not g and f == "full"]
         for par_unit, par in sorted(cands, key=lambda c: (c[0] != unit, str(c[0]))):
             cells = {k: c for k in metrics if (c := backend_cell(par, fed, k))}
-            matched.append({"epsilon": eps, "units": {"parallel": par_unit, "federated": unit},
+            matched.append({"epsilon": eps, "units": {CENTRALIZED: par_unit, "federated": unit},
                             "equal_guarantee": par_unit == unit, "metrics": cells,
-                            "perplexity": {"parallel": _mean_ppl(par), "federated": _mean_ppl(fed)}})
+                            "perplexity": {CENTRALIZED: _mean_ppl(par), "federated": _mean_ppl(fed)}})
     effects = []
     for (backend, eps, gf, unit, ft), rs in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4])):
-        label = "centralized" if backend == "parallel" else "federated"
-        if backend == "parallel" and unit == "user":
+            groups.items(), key=lambda kv: (report_rank(kv[0][0]), kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4])):
+        label = backend
+        if backend == CENTRALIZED and unit == "user":
             label += " (user-level DP)"
         base = None
         if ft != "full":  # LoRA against the full fine-tune at the same epsilon and unit

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from memaudit.backends import CENTRALIZED
 from memaudit.probes.power import POWER, minimum_detectable_effect
 from memaudit.probes.stats import CORRECTIONS, compare_units
 from memaudit.reports import literature, scale
@@ -170,7 +171,7 @@ def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
         return cell["a"], cell["b"]
     if "treated" in cell:
         return cell["treated"], cell["baseline"]
-    return cell["federated"], cell["parallel"]
+    return cell["federated"], cell[CENTRALIZED]
 
 
 def _test_text(t: Test) -> str:
@@ -298,17 +299,17 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     for m in report.get("comparisons", {}).get("matched", []):
         ppl = m.get("perplexity") or {}
         eps = m.get("epsilon", math.inf)
-        units = m.get("units") or {"parallel": "example", "federated": "user"}  # reports before units
-        same = math.isinf(eps) or units.get("parallel") == units.get("federated")
+        units = m.get("units") or {CENTRALIZED: "example", "federated": "user"}  # reports before units
+        same = math.isinf(eps) or units.get(CENTRALIZED) == units.get("federated")
 
         def cav(verdict: str, ppl: dict = ppl, same: bool = same) -> str | None:
-            u = _utility_caveat((ppl.get("federated"), ppl.get("parallel")), ("federated", "centralized"),
+            u = _utility_caveat((ppl.get("federated"), ppl.get(CENTRALIZED)), ("federated", "centralized"),
                                 _tolerance(report), verdict)
             return u if same else UNIT_CAVEAT + ("; " + u if u else "")
 
         where = _fmt_eps(eps) + ("" if math.isinf(eps) else
                                  f" per {units['federated']} on both sides" if same else
-                                 f" ({units.get('parallel')} vs {units.get('federated')} units)")
+                                 f" ({units.get(CENTRALIZED)} vs {units.get('federated')} units)")
         out += _sentences(m.get("metrics", {}), "federated", "centralized", f"At {where}", "backend", cav)
     return out
 

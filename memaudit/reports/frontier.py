@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from memaudit.backends import CENTRALIZED
 from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups, pool
 
@@ -59,7 +60,7 @@ def is_base(run: dict[str, Any]) -> bool:
 
 
 def series_label(run: dict[str, Any]) -> str:
-    lbl = "centralized" if run["backend"] == "parallel" else "federated"
+    lbl = run["backend"]
     return lbl + (" + Goldfish" if run["mitigation"]["goldfish"] else "") + (
         " + LoRA" if (run.get("model") or {}).get("trained", "full") != "full" else "")
 
@@ -131,7 +132,7 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
     check_tolerance(tolerance)
     real = [r for r in runs if not r["audit"] and not is_base(r) and not r["mitigation"]["goldfish"]
             and _ppl(r) is not None]
-    par = [r for r in real if r["backend"] == "parallel"]
+    par = [r for r in real if r["backend"] == CENTRALIZED]
     fed = [r for r in real if r["backend"] == "federated"]
     out: dict[str, Any] = {"tolerance": tolerance, "pairs": [], "closest": None}
     if not par or not fed:
@@ -146,7 +147,7 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
         for key in metrics:
             pa, pf = pool([a["leakage"].get(key)]), pool([b["leakage"].get(key)])
             if pa and pf:
-                cells[key] = {"parallel": pa, "federated": pf, "verdict": "not tested",
+                cells[key] = {CENTRALIZED: pa, "federated": pf, "verdict": "not tested",
                               "test": compare_groups([b], [a], key, "two-sided")}
         out["pairs"].append({"runs": [a["id"], b["id"]], "log_ratio": dist,
                              "perplexity": [_ppl(a), _ppl(b)],

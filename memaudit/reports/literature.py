@@ -40,7 +40,10 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.backends import BACKENDS
+from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
 from memaudit.reports.frontier import PUBLIC_BASE
+from memaudit.reports.probes_adapter import at_ceiling
 
 ALPHA = 0.05
 N_BOOT = 2000
@@ -58,15 +61,13 @@ def _comparison_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _label(run: dict[str, Any]) -> str:
-    side = "centralized" if run["backend"] == "parallel" else "federated"
+    side = run["backend"]
     e, unit = _eps(run), run["privacy"].get("unit")
     return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
 
 
 def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> dict[str, Any]:
     """A probe-style cell with the percentile interval of `boot` (the probes' own level)."""
-    from memaudit.probes.stats import LEVEL, cell, percentile_interval
-
     ci = percentile_interval(boot, LEVEL) if boot is not None and n > 0 and len(boot) else None
     return cell(value, n=n, unit=unit, ci=ci)
 
@@ -74,10 +75,9 @@ def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> dict[str,
 # ----------------------------------------------------------------------------- exposure
 def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, Any] | None:
     """Per bucket: excess exposure over the references with its test; the rising-trend test."""
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import mannwhitneyu, spearmanr
 
-    from memaudit.probes.stats import MIN_N, N_TOO_SMALL
-    from memaudit.reports.probes_adapter import at_ceiling
 
     u = (run.get("units") or {}).get("exposure_canaries")
     if not u:
@@ -174,7 +174,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
         return []
     lb = _holdout_losses(base)
     out = []
-    for backend in ("parallel", "federated"):
+    for backend in BACKENDS:
         side = [r for r in runs if r["backend"] == backend]
         nodp = next((r for r in side if math.isinf(_eps(r))), None)
         if nodp is None:
@@ -208,8 +208,6 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
 
 # ----------------------------------------------------------------------------- the section
 def _holm(tests: list[dict[str, Any]]) -> None:
-    from memaudit.probes.stats import holm
-
     adj = holm([t["p_value"] for t in tests]) if tests else []
     for t, p in zip(tests, adj, strict=True):
         t.update(p_adjusted=float(p), correction="holm", family=len(tests), alpha=ALPHA,

@@ -133,7 +133,7 @@ def _eps_label(eps: float | None) -> str:
 
 
 def _backend_label(run: dict[str, Any]) -> str:
-    return ("centralized" if run["backend"] == "parallel" else "federated") + (
+    return run["backend"] + (
         " + Goldfish" if run["mitigation"]["goldfish"] else "") + (
         " + LoRA" if (run.get("model") or {}).get("trained", "full") != "full" else "")
 

@@ -108,6 +108,7 @@ def units_of(probes: ProbesDoc | dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _roc(pos: list[float], neg: list[float], auc: float | None) -> dict[str, Any] | None:
+    # lazy: scikit-learn (~4 s) only when called; this module imports without it
     from sklearn.metrics import roc_curve
 
     if not pos or not neg:

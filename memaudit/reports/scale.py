@@ -35,9 +35,20 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.backends import report_rank
+from memaudit.config import ModelConfig
 from memaudit.io import read_json
 from memaudit.probes.extraction import repeat_bucket
-from memaudit.probes.stats import MIN_N, N_TOO_SMALL, holm, mean_summary, rate_summary
+from memaudit.probes.loaders import ProbesDoc
+from memaudit.probes.stats import (
+    MIN_N,
+    N_TOO_SMALL,
+    compare_seeds,
+    compare_units,
+    holm,
+    mean_summary,
+    rate_summary,
+)
 from memaudit.reports.compare import nominal_epsilon, pool
 from memaudit.rundir import RunDir
 
@@ -74,8 +85,6 @@ def run_units(probes: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     Buckets: the canaries' repetitions for exposure; "all" and `repeat_bucket` of the documents'
     repeats for the document metrics.
     """
-    from memaudit.probes.loaders import ProbesDoc
-
     doc = ProbesDoc.from_json(probes)
     out: dict[str, dict[str, list]] = {}
     if (p := doc.get("exposure")) is not None:
@@ -113,8 +122,6 @@ def _cell(units: dict[str, Any]) -> dict[str, Any]:
 
 
 def _preset_order() -> tuple[str, ...]:
-    from memaudit.config import ModelConfig
-
     return typing.get_args(ModelConfig.model_fields["preset"].annotation)
 
 
@@ -139,14 +146,12 @@ def _condition(run: dict[str, Any]) -> tuple[str, float]:
 
 
 def _condition_label(backend: str, eps: float) -> str:
-    side = "centralized" if backend == "parallel" else "federated"
+    side = backend
     return f"{side}, {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
 
 
 def _test(a: list[dict], b: list[dict], metric: str, bucket: str, alternative: str) -> dict:
     """The test of one cell pair: over seeds when both sides have several, else on units."""
-    from memaudit.probes.stats import compare_seeds, compare_units
-
     ua, ub = a[0]["_units"][metric][bucket], b[0]["_units"][metric][bucket]
     if min(len(ua["ids"]), len(ub["ids"])) < MIN_N:
         return {"verdict": N_TOO_SMALL, "test": None,
@@ -209,7 +214,7 @@ def _bucket_order(b: str) -> tuple:
 def _tables(cells: dict[tuple, list[dict]]) -> list[dict[str, Any]]:
     """Per condition and metric: one row per (size, Goldfish), one cell per repetition bucket."""
     tables = []
-    for cond in sorted({c for c, _, _ in cells}):
+    for cond in sorted({c for c, _, _ in cells}, key=lambda c: (report_rank(c[0]), c[1])):
         keys = sorted(k for k in cells if k[0] == cond)
         for metric, (label, unit, _kind) in METRICS.items():
             buckets = sorted({b for k in keys for r in cells[k] for b in r["_units"].get(metric, {})},

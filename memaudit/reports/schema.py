@@ -6,6 +6,8 @@ from typing import Any
 
 import jsonschema
 
+from memaudit.backends import BACKENDS
+
 _NUM = {"type": ["number", "null"]}
 _CELL = {
     "type": ["object", "null"],
@@ -34,7 +36,7 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "properties": {
                     "id": {"type": "string"},
                     "role": {"type": ["string", "null"]},
-                    "backend": {"enum": ["parallel", "federated"]},
+                    "backend": {"enum": list(BACKENDS)},
                     "group_privacy": {
                         "type": "array",
                         "items": {"type": "object",

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from memaudit.backends import backend_name
 from memaudit.io import atomic_write_text
 from memaudit.reports.render import render_html, render_markdown
 from memaudit.reports.schema import validate_report
@@ -50,9 +51,23 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str
     return paths
 
 
+def backend_renamed(o: Any, *, keys: bool = False) -> Any:
+    """A report written before the centralized backend was renamed, in today's names: every
+    `backend` value, and (`keys`, the comparisons) the centralized side's key, `parallel` ->
+    `centralized`."""
+    if isinstance(o, dict):
+        return {(backend_name(k) if keys else k):
+                backend_name(v) if k == "backend" else backend_renamed(v, keys=keys) for k, v in o.items()}
+    if isinstance(o, list):
+        return [backend_renamed(v, keys=keys) for v in o]
+    return o
+
+
 def load_report(path: str | os.PathLike) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
+    if isinstance(raw, dict):
+        raw = {k: backend_renamed(v, keys=k == "comparisons") for k, v in raw.items()}
     validate_report(raw)
     return _json_restore(raw)
 

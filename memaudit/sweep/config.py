@@ -15,12 +15,12 @@ References:
   Singh et al., "Democratizing AI: Open-source Scalable LLM Training on GPU-based
   Supercomputers", SC 2024 (AxoNN; its memorization-vs-model-size study).
 
->>> s = sweep_config_from_dict({"grid": {"backends": ["parallel"], "epsilons": ["inf", 4]}})
+>>> s = sweep_config_from_dict({"grid": {"backends": ["centralized"], "epsilons": ["inf", 4]}})
 >>> [p.name for p in plan_points(s)]
-['parallel-epsinf-s0', 'parallel-eps4-s0']
->>> s = sweep_config_from_dict({"grid": {"backends": ["parallel"], "models": ["tiny", "tiny2x"]}})
+['centralized-epsinf-s0', 'centralized-eps4-s0']
+>>> s = sweep_config_from_dict({"grid": {"backends": ["centralized"], "models": ["tiny", "tiny2x"]}})
 >>> [p.name for p in plan_points(s)]
-['parallel-tiny-epsinf-s0', 'parallel-tiny2x-epsinf-s0']
+['centralized-tiny-epsinf-s0', 'centralized-tiny2x-epsinf-s0']
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from memaudit.backends import BACKENDS, CENTRALIZED, backend_name
 from memaudit.config import (
     Config,
     ProbeConfig,
@@ -43,6 +44,7 @@ from memaudit.config import (
     set_dotted,
 )
 from memaudit.errors import ConfigError
+from memaudit.models.presets import get_preset
 
 
 class PretrainConfig(BaseModel):
@@ -69,7 +71,7 @@ class _Section(BaseModel):
 
 
 class GridConfig(_Section):
-    backends: list[str] = Field(default_factory=lambda: ["parallel", "federated"])
+    backends: list[str] = Field(default_factory=lambda: list(BACKENDS))
     units: list[Literal["example", "user"]] | None = Field(
         None, description="the privacy unit of the centralized points (privacy.unit); federated "
         "points are always user-level. Default: the base config's unit")
@@ -88,7 +90,6 @@ class GridConfig(_Section):
     def _models(cls, v: list[str] | None) -> list[str] | None:
         if v is None:
             return v
-        from memaudit.models.presets import get_preset
 
         if not v:
             raise ValueError("grid.models is empty; list presets such as [tiny, tiny2x] or drop it")
@@ -98,12 +99,17 @@ class GridConfig(_Section):
             raise ValueError(f"grid.models {v} names a preset twice; list each size once")
         return v
 
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backend_alias(cls, v: Any) -> Any:
+        return [backend_name(b) for b in v] if isinstance(v, list) else v  # `parallel`: the old name
+
     @field_validator("backends")
     @classmethod
     def _backends(cls, v: list[str]) -> list[str]:
         for b in v:
-            if b not in ("parallel", "federated"):
-                raise ValueError(f"unknown backend '{b}' in the sweep grid; use parallel or federated")
+            if b not in BACKENDS:
+                raise ValueError(f"unknown backend '{b}' in the sweep grid; use centralized or federated")
         if not v:
             raise ValueError("the sweep grid needs at least one backend")
         return v
@@ -152,14 +158,24 @@ class AuditConfig(_Section):
         "all", description="privacy levels that get an audit run: all, dp_only, or a list of the "
         "grid's levels, e.g. [inf, 2]")
 
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backend_alias(cls, v: Any) -> Any:
+        return [backend_name(b) for b in v] if isinstance(v, list) else v  # `parallel`: the old name
+
 
 class MatchUtilityConfig(_Section):
     """Matched-utility points (`memaudit.sweep.match`): one run of the other backend at the
     noise multiplier interpolated to meet each target run's holdout perplexity."""
 
     enabled: bool = False
-    target_backend: Literal["parallel", "federated"] = Field(
+    target_backend: Literal["centralized", "federated"] = Field(
         "federated", description="whose DP runs are the targets; the other backend gets the points")
+
+    @field_validator("target_backend", mode="before")
+    @classmethod
+    def _backend_alias(cls, v: Any) -> Any:
+        return backend_name(v)  # `parallel`: the old name
     levels: list[float] | None = Field(None, description="the target backend's grid epsilons to "
                                        "match; default: every finite grid epsilon (a level the "
                                        "grid lacks, e.g. after --epsilons, is skipped and said)")
@@ -277,18 +293,23 @@ class SweepConfig(_Section):
     pretrain: PretrainConfig | None = Field(
         None, description="train one public base model first; every point fine-tunes it")
 
+    @field_validator("per_backend", mode="before")
+    @classmethod
+    def _per_backend_alias(cls, v: Any) -> Any:
+        return {backend_name(b): o for b, o in v.items()} if isinstance(v, dict) else v  # `parallel`
+
     @field_validator("per_backend")
     @classmethod
     def _per_backend(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for b, overrides in v.items():
-            if b not in ("parallel", "federated"):
-                raise ValueError(f"unknown backend '{b}' in per_backend; use parallel or federated")
+            if b not in BACKENDS:
+                raise ValueError(f"unknown backend '{b}' in per_backend; use centralized or federated")
             if b == "federated":
                 for key, val in overrides.items():
                     if key.startswith("train.goldfish") and val not in (False, None, {"enabled": False}):
                         raise ValueError(
                             "Goldfish loss is a centralized-only mitigation; remove "
-                            f"per_backend.federated.{key} (use grid.goldfish for the parallel side)"
+                            f"per_backend.federated.{key} (use grid.goldfish for the centralized side)"
                         )
         return v
 
@@ -331,7 +352,6 @@ def _check_sizes(cfg: SweepConfig) -> None:
     if isinstance(base_model, dict) and base_model.get("name_or_path") is not None:
         raise ValueError("grid.models sets model.preset for each point; remove "
                          "base.model.name_or_path or drop grid.models")
-    from memaudit.models.presets import get_preset
 
     vocab = {m: get_preset(m).vocab_size for m in models}
     data = cfg.base.get("data") or {}
@@ -387,8 +407,8 @@ def _audited(levels: str | list[float], level: float | None, kind: str) -> bool:
 def point_name(backend: str, model: str | None, level: float | None, kind: str, seed: int, *,
                goldfish: bool = False, audit: bool = False, unit: str | None = None,
                finetune: str | None = None) -> str:
-    """A point's run directory name: parallel-eps8-s0, parallel-eps8-user-s0,
-    federated-tiny2x-epsinf-audit-s1, parallel-eps8-lora-s0, ..."""
+    """A point's run directory name: centralized-eps8-s0, centralized-eps8-user-s0,
+    federated-tiny2x-epsinf-audit-s1, centralized-eps8-lora-s0, ..."""
     size = f"-{model}" if model is not None else ""
     return (f"{backend}{size}-{_level_label(level, kind)}{'-user' if unit == 'user' else ''}"
             f"{'-lora' if finetune == 'lora' else ''}{'-gf' if goldfish else ''}{'-audit' if audit else ''}"
@@ -428,11 +448,11 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
     models: list[str | None] = list(grid.models) if grid.models is not None else [None]
     for backend in grid.backends:
         # federated is always user-level: grid.units sets the centralized points' unit only
-        units: list[str | None] = list(grid.units) if grid.units and backend == "parallel" else [None]
+        units: list[str | None] = list(grid.units) if grid.units and backend == CENTRALIZED else [None]
         for model in models:
             for level in levels:
                 for seed in grid.seed_list:
-                    for gf in grid.goldfish if backend == "parallel" else [False]:
+                    for gf in grid.goldfish if backend == CENTRALIZED else [False]:
                         for unit in units if level is not None else units[:1]:
                             for ft in grid.finetune or [None]:
                                 add(backend, model, level, seed, gf, False, unit, ft)
@@ -544,7 +564,7 @@ def job_resources(ex: ExecutorConfig, run_cfg: Config) -> JobResources:
     """One task per rank: the point's world size (1 for federated and one-process points),
     spread over `ex.nodes` or ceil(world / gpus_per_node) nodes. One-line ConfigError when
     the ranks do not split evenly over the nodes or exceed a node's GPUs."""
-    world = run_cfg.parallel.world_size if run_cfg.backend == "parallel" else 1
+    world = run_cfg.parallel.world_size if run_cfg.backend == CENTRALIZED else 1
     if world == 1:
         nodes = 1
     elif ex.nodes is not None:

@@ -5,7 +5,7 @@ same jobs as processes on this machine (`submitit.LocalExecutor`, which emulates
 job) and `debug` in this process (`submitit.DebugExecutor`). A parallel point
 (world size W > 1) is ONE job of W tasks, one per rank, over `ceil(W / gpus_per_node)` nodes;
 each task finds its rank and the rendezvous in SLURM's environment (`memaudit.sweep.slurm_env`)
-and runs the parallel backend's per-rank entry point. The driver submits a job for every point
+and runs the centralized grid's per-rank entry point. The driver submits a job for every point
 that the one rule (`memaudit.sweep.point.point_action`, as `--jobs` asks it) does not skip; in
 the job, rank 0 asks the rule again, hands its training step (trained, resumed or skipped) to the
 other ranks through a file in the job folder, and alone probes and returns the outcome.
@@ -29,7 +29,11 @@ from pathlib import Path
 from shutil import which
 from typing import TYPE_CHECKING, Any
 
+from memaudit import dispatch as switch
 from memaudit.errors import ConfigError, MemauditError
+from memaudit.io import atomic_write_json
+from memaudit.rundir import RunDir
+from memaudit.sweep import slurm_env, work
 from memaudit.sweep.config import JobResources, job_resources, point_config
 from memaudit.sweep.point import Verb, point_action
 from memaudit.sweep.work import PointOutcome
@@ -61,6 +65,7 @@ def slurm_parameters(ex: ExecutorConfig, res: JobResources, *, job_name: str) ->
 
 def _submitit() -> Any:
     try:
+        # optional dependency: submitit (the slurm extra)
         import submitit
     except ImportError:
         raise ConfigError(f"the slurm executors need submitit, which is not installed; install the "
@@ -120,10 +125,6 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
               debug: bool = False, nonce: str = "", overwrite: bool = False) -> PointOutcome | None:
     """One point's job (every task runs it): rank 0 trains, probes and returns the outcome;
     the other ranks train with it and return None."""
-    from memaudit.io import atomic_write_json
-    from memaudit.rundir import RunDir
-    from memaudit.sweep import slurm_env, work
-
     env = slurm_env.slurm_view(os.environ)
     rdv = slurm_env.rendezvous(env) if env is not None and int(env["SLURM_NTASKS"]) > 1 else None
     if threads is not None:
@@ -144,9 +145,7 @@ def point_job(cfg: SweepConfig, point: SweepPoint, run_path: str, folder: str, t
                 decided("skipped")
     action = _wait_for_action(handoff)
     if action != "skipped":
-        from memaudit.dispatch import dispatch
-
-        dispatch(point_config(cfg, point), RunDir(run_path), resume=action == "resumed", overwrite=True)
+        switch.dispatch(point_config(cfg, point), RunDir(run_path), resume=action == "resumed", overwrite=True)
     return None
 
 

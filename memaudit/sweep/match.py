@@ -37,11 +37,15 @@ True
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from memaudit.backends import CENTRALIZED, FEDERATED
+from memaudit.io import read_json
+from memaudit.rundir import RunDir
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_name
 
 
@@ -56,7 +60,7 @@ def interpolate_noise(levels: list[tuple[float, float]], target_ppl: float,
     if len(pts) < 2 or not (target_ppl > 0 and math.isfinite(target_ppl)):
         return None
     y = math.log(target_ppl)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         if y0 != y1 and min(y0, y1) <= y <= max(y0, y1):
             return math.exp(x0 + (y - y0) * (x1 - x0) / (y1 - y0))
     # outside the measured range: extend the end segment on the target's side
@@ -71,8 +75,6 @@ def interpolate_noise(levels: list[tuple[float, float]], target_ppl: float,
 
 def _perplexity(run_dir: Path) -> float | None:
     """A complete run's final holdout perplexity from its manifest, or None."""
-    from memaudit.rundir import RunDir
-
     rd = RunDir(run_dir)
     if not rd.is_run() or rd.status() != "complete":
         return None
@@ -83,9 +85,6 @@ def _perplexity(run_dir: Path) -> float | None:
 def trained_noise(run_dir: Path) -> float | None:
     """The noise multiplier a DP run trained with, from its ledger (the calibration, else its
     first mechanism's record), or None."""
-    from memaudit.io import read_json
-    from memaudit.rundir import RunDir
-
     path = RunDir(run_dir).privacy_path
     if not path.is_file():
         return None
@@ -116,7 +115,7 @@ def _targets(cfg: SweepConfig, points: list[SweepPoint]) -> tuple[list[float], d
 
 def _side(cfg: SweepConfig, points: list[SweepPoint], t: SweepPoint) -> list[SweepPoint]:
     """The other backend's DP grid points of the target's model and seed: what a match reads."""
-    other = "parallel" if cfg.match_utility.target_backend == "federated" else "federated"
+    other = CENTRALIZED if cfg.match_utility.target_backend == FEDERATED else FEDERATED
     return [p for p in points if _comparable(p) and p.backend == other and p.model == t.model
             and p.seed == t.seed and math.isfinite(_eps(p))]
 
@@ -134,7 +133,7 @@ def plan_matches(cfg: SweepConfig, points: list[SweepPoint], out: Path
     `out/runs/`), and one record per target: the noise multiplier chosen from which runs, or why
     no point was planned. It reads only those runs, so a re-run plans the same points."""
     m = cfg.match_utility
-    other = "parallel" if m.target_backend == "federated" else "federated"
+    other = CENTRALIZED if m.target_backend == FEDERATED else FEDERATED
     runs = out / "runs"
     ppl = {name: _perplexity(runs / name) for name in match_inputs(cfg, points)}
     levels, targets = _targets(cfg, points)

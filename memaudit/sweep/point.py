@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from memaudit.backends import config_with_backend_name
 from memaudit.config import ProbeConfig, dump_config
 from memaudit.io import dumps, read_json
 from memaudit.models.init import base_model_record
@@ -76,11 +77,17 @@ def config_as_written(cfg: Config) -> dict[str, Any]:
     return json.loads(dumps(dump_config(cfg)))
 
 
+def stored_config(m: dict[str, Any]) -> Any:
+    """The config run.json `m` holds, in today's backend names (a run written before the
+    rename says `parallel`: the same config as `centralized`, not a changed one)."""
+    return config_with_backend_name(m.get("config"))
+
+
 def stale_reason(rd: RunDir, run_cfg: Config) -> str | None:
     """Why the run in `rd` no longer belongs to `run_cfg` (trained under another config, or from
     other starting weights than `model.init_from`'s now), or None when it does."""
     m = rd.read_manifest()
-    if m.get("config") != config_as_written(run_cfg):
+    if stored_config(m) != config_as_written(run_cfg):
         return "trained under another config than the point's"
     if run_cfg.model.init_from is not None:
         recorded = (m.get("base_model") or {}).get("weights_sha256")
@@ -113,7 +120,7 @@ def probe_device(cfg: SweepConfig) -> str:
         return cfg.probe.device
     if cfg.executor.kind == "slurm":
         return "cuda" if cfg.executor.gpus_per_node else "cpu"
-    # torch is a heavy import that `memaudit --help` must not pay: only where a probe is judged
+    # lazy: torch (~2 s), which `memaudit --help` must not pay: only where a probe is judged
     from memaudit.probes.scoring import resolve_device
 
     return resolve_device("auto")
@@ -125,7 +132,7 @@ def point_probe_config(cfg: SweepConfig, rd: RunDir | None = None) -> ProbeConfi
     names one: the fine-tune's own starting point is the cheap strong reference."""
     update: dict[str, Any] = {"device": probe_device(cfg)}
     if cfg.probe.reference is None and rd is not None and rd.is_run():
-        # probes.targets reads run.json only; imported here, its models' loaders stay unloaded
+        # lazy: probes.targets loads numpy (~0.4 s); only a point with a run reads its base
         from memaudit.probes.targets import base_reference
 
         update["reference"] = base_reference(rd)

@@ -31,6 +31,7 @@ from typing import Any
 
 from memaudit import __version__
 from memaudit import dispatch as switch
+from memaudit.backends import CENTRALIZED
 from memaudit.checks import check_before_disk
 from memaudit.config import config_from_dict, dump_config, set_dotted, with_overrides
 from memaudit.data.overlap import require_disjoint
@@ -41,7 +42,7 @@ from memaudit.lifecycle import RunSession
 from memaudit.models.init import initial_model
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import PretrainConfig, deep_copy, plan_points, point_config
-from memaudit.sweep.point import config_as_written, stale_reason
+from memaudit.sweep.point import config_as_written, stale_reason, stored_config
 from memaudit.sweep.probing import probe_if_stale
 from memaudit.train.evaluate import holdout_loss
 
@@ -69,7 +70,7 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
     if sentences is not None:
         public_synth["paragraph_sentences"] = sentences
     for key, value in {
-        "backend": "parallel", "model.init_from": None, "train.steps": p.steps,
+        "backend": CENTRALIZED, "model.init_from": None, "train.steps": p.steps,
         "train.goldfish.enabled": False, "data.path": p.path, "data.synth": public_synth,
         # no canary of any kind: the base does not depend on the private side's canary settings
         "data.canaries": {"per_setting": 0, "references": 0}, "data.audit_canaries": 0,
@@ -125,7 +126,7 @@ def _train(run_cfg: Any, rd: Any, progress: Progress, *, overwrite: bool = False
     """Train (or resume an interrupted) run through the normal lifecycle; a complete base is
     pretrained again only with `overwrite` (every point fine-tuned from it is then stale)."""
     if rd.is_run() and rd.status() in ("interrupted", "failed") and rd.state_dir.is_dir() \
-            and any(rd.state_dir.iterdir()) and rd.read_manifest().get("config") == config_as_written(run_cfg):
+            and any(rd.state_dir.iterdir()) and stored_config(rd.read_manifest()) == config_as_written(run_cfg):
         switch.dispatch(run_cfg, rd, resume=True, progress=progress)
         return
     if not overwrite and rd.is_run() and rd.status() == "complete":
@@ -180,7 +181,7 @@ def reference_config(cfg: Any, points: list[Any], base_model: Path) -> Any:
     settings, the base as its model, centralized on one process, no DP."""
     first = point_config(cfg, points[0])
     return with_overrides(first, {
-        "backend": "parallel", "model.init_from": str(base_model), "privacy.noise_multiplier": None,
+        "backend": CENTRALIZED, "model.init_from": str(base_model), "privacy.noise_multiplier": None,
         "privacy.target_epsilon": None, "train.goldfish.enabled": False,
         "parallel": {}, "data.audit_canaries": 0,
     })
@@ -202,12 +203,13 @@ def ensure_base_reference(cfg: Any, out_dir: str | Path, base_model: Path, point
 
 def _write_reference(run_cfg: Any, rd: Any) -> None:
     """The reference run through the run lifecycle: data staged, no step, the base exported."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
 
     check_before_disk(run_cfg)
     t = run_cfg.train
-    with RunSession(rd, run_cfg, backend="parallel", resume=False, overwrite=True) as s:
+    with RunSession(rd, run_cfg, backend=CENTRALIZED, resume=False, overwrite=True) as s:
         prepared = s.data()
         s.start(0)
         model = initial_model(run_cfg.model, prepared.vocab_size)

@@ -21,7 +21,8 @@ Progress = Callable[[int, int, dict], None] | None
 
 def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
     """Probe the run in `rd` under the sweep's probe settings and write its probes.json."""
-    from memaudit.probes.runner import run_probes  # torch: not for `memaudit --help`
+    # lazy: torch (~2 s), not for `memaudit --help`
+    from memaudit.probes.runner import run_probes
     from memaudit.probes.scoring import resolve_device
     from memaudit.probes.targets import resolve_target
 

@@ -29,6 +29,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memaudit.errors import DataError
+from memaudit.models.init import model_vocab_size
+from memaudit.rundir import RunDir
+from memaudit.sweep.config import point_config, tokens_seen
+
 if TYPE_CHECKING:
     from memaudit.config import Config
     from memaudit.sweep.config import SweepConfig, SweepPoint
@@ -47,12 +52,11 @@ class DataCounts:
 
 def data_counts(run_cfg: Config, cache: Path) -> DataCounts:
     """Prepare (or reuse) the point's data under `cache` and count one epoch of it."""
+    # lazy: numpy (~0.4 s) only when called; this module imports without it
     import numpy as np
 
     from memaudit.data import prepare_data
     from memaudit.data.prepare import config_hash
-    from memaudit.models.init import model_vocab_size
-    from memaudit.rundir import RunDir
 
     vocab = model_vocab_size(run_cfg.model)
     rd = RunDir(cache / config_hash(run_cfg.data, vocab)[:16])
@@ -65,8 +69,6 @@ def data_counts(run_cfg: Config, cache: Path) -> DataCounts:
 
 def single_pass_overrides(run_cfg: Config, counts: DataCounts) -> dict[str, Any]:
     """The schedule keys that make `run_cfg` one epoch over `counts` (see the module doc)."""
-    from memaudit.errors import DataError
-
     if counts.sequences == 0:
         raise DataError("single-pass regime: the data has no training sequences; add documents or users")
     if run_cfg.backend == "federated":
@@ -77,8 +79,6 @@ def single_pass_overrides(run_cfg: Config, counts: DataCounts) -> dict[str, Any]
 
 def resolve_regime(cfg: SweepConfig, points: list[SweepPoint], out: Path) -> list[SweepPoint]:
     """The points with the regime's schedule in their overrides and their tokens_seen."""
-    from memaudit.sweep.config import point_config, tokens_seen
-
     if cfg.regime != "single-pass":
         return points
     cache: dict[str, DataCounts] = {}

@@ -22,7 +22,7 @@ from typing import Any
 from memaudit.errors import RunDirError
 from memaudit.rundir import RunDir
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_config
-from memaudit.sweep.point import Verb, config_as_written, run_action, stale_reason
+from memaudit.sweep.point import Verb, config_as_written, run_action, stale_reason, stored_config
 from memaudit.sweep.pretrain import REFERENCE_RUN, base_models, reference_config
 
 SHOWN = 6  # points named in the message; the rest counted
@@ -45,7 +45,7 @@ def _complete(rd: RunDir) -> bool:
 
 def what_changed(rd: RunDir, run_cfg: Any) -> str:
     """Why a complete run is stale, in a few words naming the config key (never its value)."""
-    key = first_difference(rd.read_manifest().get("config"), config_as_written(run_cfg))
+    key = first_difference(stored_config(rd.read_manifest()), config_as_written(run_cfg))
     if key is not None:
         return f"{key} changed"
     return "its base model's weights changed"

@@ -13,14 +13,18 @@ deterministic in the config's data and model seeds).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import queue as queue_mod
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json
+from memaudit.reports import build as report_build
 from memaudit.rundir import RunDir, SweepDir, check_output_folder
 from memaudit.sweep.config import SweepConfig, SweepPoint, plan_points
 from memaudit.sweep.executors import check_executor, run_jobs
@@ -41,10 +45,6 @@ def _point_in_worker(cfg: SweepConfig, p: SweepPoint, run_path: str, threads: in
 def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: Callable[[int, PointOutcome], None],
                 progress: Progress, debug: bool, overwrite: bool = False) -> None:
     """Points in `cfg.jobs` spawned processes, each with an equal share of the CPU threads."""
-    import multiprocessing as mp
-    import queue as queue_mod
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
     ctx = mp.get_context("spawn")  # no fork of a process that may hold torch/XLA threads
     jobs = min(cfg.jobs, len(points))
     threads = max(1, (os.cpu_count() or 1) // jobs)
@@ -105,7 +105,7 @@ def split_first(points: list[SweepPoint], needed: set[str], jobs: int
     `jobs`, so that no worker idles in the first batch's last round) and the rest, in grid order.
 
     >>> from memaudit.sweep.config import SweepPoint
-    >>> pts = [SweepPoint(n, "parallel", None, "epsilon", 0, False, False) for n in "abcde"]
+    >>> pts = [SweepPoint(n, "centralized", None, "epsilon", 0, False, False) for n in "abcde"]
     >>> [[p.name for p in b] for b in split_first(pts, {"b", "d", "e"}, jobs=2)]
     [['b', 'd', 'e', 'a'], ['c']]
     """
@@ -165,7 +165,7 @@ def _prepare_points(cfg: SweepConfig, out: Path, progress: Progress, overwrite: 
 
 def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug: bool,
                       overwrite: bool) -> dict[str, Any]:
-    from memaudit.reports.build import build_report
+    # lazy: matplotlib (~0.4 s) and jsonschema (~0.2 s) only when called
     from memaudit.reports.write import write_report
 
     check_sweep_dir(out)
@@ -212,7 +212,7 @@ def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug:
     failed = [o for o in outcomes if o.status != "complete"]
     report_paths = None
     if done:
-        rep = build_report(done)
+        rep = report_build.build_report(done)
         if failed:
             rep["findings"]["caveats"].append(
                 f"{len(failed)} sweep point(s) failed and are not in this report: "

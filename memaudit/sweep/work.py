@@ -87,6 +87,6 @@ def limit_threads(threads: int) -> None:
     if threads == 1:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    import torch
+    import torch  # lazy: torch (~2 s) in the worker only, after the thread settings above
 
     torch.set_num_threads(threads)

@@ -53,6 +53,7 @@ def write_state(
             read back with weights_only=True.
         files: extra JSON documents, name -> object (e.g. the privacy ledger).
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
     from safetensors.torch import save_file, save_model
 
@@ -65,6 +66,7 @@ def write_state(
 def write_common(d: Path, *, scalars: dict[str, Any], extra: dict[str, Any] | None,
                  files: dict[str, Any] | None) -> None:
     """extra.pt, the JSON documents and (last) trainer.json of a checkpoint directory."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     torch.save(extra or {}, d / "extra.pt")
@@ -75,6 +77,7 @@ def write_common(d: Path, *, scalars: dict[str, Any], extra: dict[str, Any] | No
 
 def rng_state() -> dict[str, torch.Tensor]:
     """The torch CPU (and CUDA) generator states, as safetensors-ready tensors."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     rng = {"torch_cpu": torch.get_rng_state()}
@@ -85,6 +88,7 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 
 def set_rng_state(rng: dict[str, torch.Tensor]) -> None:
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     torch.set_rng_state(rng["torch_cpu"])
@@ -113,6 +117,7 @@ def load_state(
     """Restore model, optimizer and RNG in place from a single-process checkpoint; return
     (scalars, extra). A grid's sharded checkpoint is read by `memaudit.parallel.checkpoint.load_any`.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     from safetensors.torch import load_file, load_model
 
     d = run.state_dir
@@ -146,6 +151,7 @@ def checkpoint_file(path: Path):
 def torch_load(path: Path, *, map_location: Any = "cpu") -> Any:
     """`torch.load(weights_only=True)`; a file holding anything but tensors and plain data
     (a pickled object, which could run code) is refused in one line, never unpickled."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     with checkpoint_file(path):

@@ -36,6 +36,7 @@ def is_right_padded(attention_mask: np.ndarray) -> bool:
 
 def token_loss_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropies over `loss_mask` targets (fp32 scalar)."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch.nn.functional as F
 
     # logits[:, i] predicts input_ids[:, i + 1]
@@ -60,6 +61,7 @@ def holdout_loss(
     The same fixed leading subset is used at every evaluation, so values are comparable
     across steps. Returns (nan, nan) for an empty set.
     """
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     n = len(input_ids) if max_batches is None else min(len(input_ids), batch_size * max_batches)

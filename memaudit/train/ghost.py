@@ -41,6 +41,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 from memaudit.train.losses import causal_lm_loss_per_example
 
@@ -310,8 +311,6 @@ def vmap_clipped_sum(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     With `group_size` g the per-example gradients of each g consecutive rows are summed first
     (one user's gradient) and the groups are clipped.
     """
-    from torch.func import functional_call, grad, vmap
-
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
     frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
     buffers = dict(model.named_buffers())

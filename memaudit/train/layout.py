@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from memaudit.errors import MemauditError
+from memaudit.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,7 @@ class Batch:
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """torch.autocast on `device` to `dtype`, or nothing when `dtype` is None."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     if dtype is None:
@@ -59,6 +61,7 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 
 def make_optimizer(params: Any, tcfg: Any) -> torch.optim.Optimizer:
     """The trainer's AdamW from `train.lr`, `train.betas` and `train.weight_decay`."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
@@ -112,6 +115,7 @@ class Layout(Protocol):
 
 def select_device(want: str) -> torch.device:
     """`train.device` (auto | cpu | cuda) as a torch device; cuda without a GPU is one line."""
+    # lazy: torch (~2 s) only when called; this module imports without it
     import torch
 
     if want == "cuda" and not torch.cuda.is_available():
@@ -137,6 +141,7 @@ class SerialLayout:
 
     def chunk_loss(self, model: Any, batch: Batch, autocast_dtype: torch.dtype | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # lazy: torch (~2 s) only when called; this module imports without it
         from memaudit.train.losses import causal_lm_loss
 
         am = None if batch.right_padded else batch.attention_mask
@@ -149,12 +154,14 @@ class SerialLayout:
         return None
 
     def grad_norm(self, model: Any) -> float:
+        # lazy: torch (~2 s) only when called; this module imports without it
         import torch
 
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
 
     def clip_grad_norm_(self, model: Any, max_norm: float) -> float:
+        # lazy: torch (~2 s) only when called; this module imports without it
         import torch
 
         params = [p for p in model.parameters() if p.grad is not None]
@@ -163,12 +170,14 @@ class SerialLayout:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 
     def dp_clipping(self, model: Any, mode: str) -> PerExampleClipping:
+        # lazy: torch (~2 s) only when called; this module imports without it
         from memaudit.train.dpsgd import SerialClipping
 
         return SerialClipping(model, mode)  # type: ignore[arg-type]
 
     def evaluate(self, model: Any, holdout: PackedSequences, *, batch_size: int, max_batches: int | None,
                  autocast_dtype: torch.dtype | None) -> tuple[float, float]:
+        # lazy: numpy (~0.4 s) only when called; this module imports without it
         from memaudit.train.evaluate import holdout_loss
 
         return holdout_loss(model, holdout.input_ids, holdout.attention_mask, batch_size=batch_size,
@@ -176,13 +185,12 @@ class SerialLayout:
 
     def write_state(self, session: RunSession, step: int, model: Any, optimizer: Any, *,
                     scalars: dict[str, Any], extra: dict[str, Any], files: dict[str, Any] | None) -> None:
-        from memaudit.train import checkpoint as ckpt
-
         with session.checkpoint(step) as d:
             ckpt.write_state(d, model=model, optimizer=optimizer, scalars=scalars, extra=extra, files=files)
 
     def read_state(self, run: RunDir, model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """state/ of either layout (a grid's is merged into this one process's model)."""
+        # lazy: torch (~2 s) only when called; this module imports without it
         from memaudit.parallel.checkpoint import (
             load_any,  # torch.distributed: only a resume pays it
         )

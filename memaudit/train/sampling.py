@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.privacy.randomness import DPRandomness
+
 PURPOSE = "poisson"
 
 
@@ -32,8 +34,6 @@ class PoissonSampler:
     """Per-step Poisson sampler over `num_examples` indices, keyed by a `DPRandomness`."""
 
     def __init__(self, num_examples: int, sampling_rate: float, randomness: Any) -> None:
-        from memaudit.privacy.randomness import DPRandomness
-
         if num_examples < 1:
             raise ValueError(f"num_examples must be >= 1, got {num_examples}")
         if not 0 < sampling_rate <= 1:

@@ -37,7 +37,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
+from memaudit.backends import CENTRALIZED
 from memaudit.config import Config
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.errors import ConfigError
@@ -65,12 +67,10 @@ from memaudit.train.sampling import PoissonSampler, SubsetSampler, cap_per_user
 from memaudit.train.schedule import lr_at
 
 if TYPE_CHECKING:
-    import torch
-
     from memaudit.data.packing import PackedSequences
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
-BACKEND = "parallel"  # the centralized backend's name in run.json
+BACKEND = CENTRALIZED  # the backend's name in run.json
 
 
 def train_centralized(
@@ -97,8 +97,6 @@ def train_centralized(
 @contextlib.contextmanager
 def deterministic(device: torch.device) -> Iterator[None]:
     """Deterministic kernels on the CPU (exact resume); CUDA keeps its fast kernels."""
-    import torch
-
     if device.type != "cpu":
         yield
         return
@@ -113,8 +111,6 @@ def deterministic(device: torch.device) -> Iterator[None]:
 @contextlib.contextmanager
 def cpu_threads(n: int | None) -> Iterator[None]:
     """torch's intra-op CPU threads set to `n` for the block (None: left as they are)."""
-    import torch
-
     before = torch.get_num_threads()
     if n is not None and n != before:
         torch.set_num_threads(n)
@@ -175,8 +171,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ configuration
     def _autocast_dtype(self, large: bool) -> torch.dtype | None:
-        import torch
-
         d = self.tcfg.dtype
         if d == "bfloat16" or (d == "auto" and large and self.device.type == "cuda"):
             return torch.bfloat16
@@ -212,8 +206,6 @@ class Trainer:
 
     def make_batch(self, rows: np.ndarray) -> Batch:
         """The global batch of `rows` on the device (every process of a grid holds all of it)."""
-        import torch
-
         pad = rows < 0  # ULS: a user's group padded with rows that have no target
         rows = np.where(pad, 0, rows) if pad.any() else rows
         ids_np = self.train_set.input_ids[rows]
@@ -377,8 +369,6 @@ class Trainer:
     def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
         """The layout's checkpoint of `done` steps: weights, optimizer, RNG, the DP-SGD state,
         and the thread count the CPU kernels split their reductions by (exact resume)."""
-        import torch
-
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
         scalars = {**scalars, "noise_multiplier": self.noise_multiplier, "torch_threads": torch.get_num_threads()}
         self.layout.write_state(session, done, self.model, self.optimizer, scalars=scalars, extra=extra,
@@ -443,8 +433,6 @@ class Trainer:
         return self.layout.num_parameters(self.model)
 
     def details(self) -> dict[str, Any]:
-        import torch
-
         # full: the logical model (a grid's local shards would undercount); LoRA runs in one process
         counts = (parameter_counts(self.model) if self.cfg.model.lora is not None
                   else {"trained_parameters": self.parameters(), "frozen_parameters": 0})

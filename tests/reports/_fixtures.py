@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.backends import backend_name
+
 
 def cell(v: float, half: float, n: int = 200, unit: str = "documents") -> dict[str, Any]:
     return {"value": v, "ci_low": v - half, "ci_high": v + half, "n": n, "unit": unit}
@@ -26,14 +28,14 @@ def run(rid: str, backend: str, eps: float, *, mia: dict, goldfish: bool = False
         role: str | None = None) -> dict[str, Any]:
     dp = not math.isinf(eps)
     if ppl is None:  # by default the backends are far from matched utility, as in the runs
-        ppl = 20.0 if backend == "parallel" else 200.0
+        ppl = 20.0 if backend_name(backend) == "centralized" else 200.0
     return {
         "id": rid, "path": f"/runs/{rid}", "backend": backend, "status": "complete", "seed": 0, "audit": False,
         "role": role, "group_privacy": [],
         "model": {"preset": "tiny", "params": 1787008},
         "data": {"fingerprint": "abc123", "users": 51, "sequences": 400},
         "privacy": {
-            "mechanism": ("DP-SGD" if backend == "parallel" else "DP-FedAvg") if dp else "none",
+            "mechanism": ("DP-SGD" if backend_name(backend) == "centralized" else "DP-FedAvg") if dp else "none",
             "description": "test", "epsilon": eps, "target_epsilon": eps if dp else None,
             "noise_multiplier": 1.0 if dp else None, "delta": 1e-5 if dp else None,
             "unit": unit if dp else None, "per_user": None, "per_user_text": "n/a",
@@ -73,7 +75,7 @@ def write_run_dir(path, backend: str, *, ppl: float, role: str | None = None,
 
     path = Path(path)
     path.mkdir(parents=True)
-    unit = "example" if backend == "parallel" else "user"
+    unit = "example" if backend_name(backend) == "centralized" else "user"  # `parallel`: an old run
     cfg = {"backend": backend, "model": {"preset": "tiny"}, "train": {"seed": seed},
            "privacy": {"noise_multiplier": dp[0] if dp else None}}
     manifest = {"status": "complete", "backend": backend, "config": cfg, "data_fingerprint": "f" * 16,

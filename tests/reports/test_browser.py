@@ -27,9 +27,9 @@ def test_first_screen_answers_the_question(tmp_path, request):
     shows the matched-utility line and the frontier plot; its screenshot is kept for review in
     .pytest_cache/d/memaudit/report_first_screen.png (pytest's cache folder, not committed)."""
     sweep = tmp_path / "sweep"
-    write_run_dir(sweep / "base", "parallel", ppl=400, role="public-base")
-    write_run_dir(sweep / "par-inf", "parallel", ppl=50, exposure_shift=0.5, mia_shift=1.0)
-    write_run_dir(sweep / "par-eps2", "parallel", ppl=90, dp=(1.0, 400, 16, 50))
+    write_run_dir(sweep / "base", "centralized", ppl=400, role="public-base")
+    write_run_dir(sweep / "par-inf", "centralized", ppl=50, exposure_shift=0.5, mia_shift=1.0)
+    write_run_dir(sweep / "par-eps2", "centralized", ppl=90, dp=(1.0, 400, 16, 50))
     write_run_dir(sweep / "fed-inf", "federated", ppl=95, exposure_shift=0.3, mia_shift=0.3)
     write_run_dir(sweep / "fed-eps6", "federated", ppl=150, dp=(1.0, 51, 8, 30))
     paths = write_report(build_report([sweep]), tmp_path / "report")

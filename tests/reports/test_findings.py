@@ -19,7 +19,7 @@ def _report(runs):
 
 def _backend_pair(fed_shift, par_shift, seed=0):
     return [
-        run("par-eps4", "parallel", 4.0, mia=cell(0.5, 0.05), unit="example",
+        run("par-eps4", "centralized", 4.0, mia=cell(0.5, 0.05), unit="example",
             units={"mia_auc": auc_units(par_shift, seed=seed)}),
         run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.05), unit="user",
             units={"mia_auc": auc_units(fed_shift, seed=seed + 1)}),
@@ -50,7 +50,7 @@ def test_overlapping_intervals_no_longer_decide_and_untested_cells_state_nothing
     """Defect 1: cells without per-unit scores (no test possible) give no finding at all, even
     when their intervals are far apart."""
     runs = [
-        run("par-eps4", "parallel", 4.0, mia=cell(0.9, 0.01), unit="example"),
+        run("par-eps4", "centralized", 4.0, mia=cell(0.9, 0.01), unit="example"),
         run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.01), unit="user"),
     ]
     rep = _report(runs)
@@ -60,10 +60,10 @@ def test_overlapping_intervals_no_longer_decide_and_untested_cells_state_nothing
 
 def test_dp_and_goldfish_effects_are_one_sided_and_corrected():
     runs = [
-        run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
-        run("par-inf-gf", "parallel", math.inf, mia=cell(0.6, 0.02), goldfish=True,
+        run("par-inf", "centralized", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
+        run("par-inf-gf", "centralized", math.inf, mia=cell(0.6, 0.02), goldfish=True,
             units={"mia_auc": auc_units(0.3, seed=1)}),
-        run("par-eps1", "parallel", 1.0, mia=cell(0.5, 0.02), unit="example",
+        run("par-eps1", "centralized", 1.0, mia=cell(0.5, 0.02), unit="example",
             units={"mia_auc": auc_units(0.0, seed=2)}),
     ]
     rep = _report(runs)
@@ -80,7 +80,7 @@ def test_no_signal_runs_give_no_finding_after_correction():
     for i in range(10):
         eps = float(i + 1)
         runs += [
-            run(f"par-{i}", "parallel", eps, mia=cell(0.5, 0.05), unit="example",
+            run(f"par-{i}", "centralized", eps, mia=cell(0.5, 0.05), unit="example",
                 units={"mia_auc": auc_units(0.3, seed=10 * i)}),
             run(f"fed-{i}", "federated", eps, mia=cell(0.5, 0.05), unit="user",
                 units={"mia_auc": auc_units(0.3, seed=10 * i + 1)}),
@@ -105,12 +105,12 @@ def test_report_from_few_units_states_no_finding_without_test_n_and_correction()
                 "values": r.normal(size=8).tolist(), "member": [True] * 4 + [False] * 4}
 
     runs = []
-    for backend in ("parallel", "federated"):
+    for backend in ("centralized", "federated"):
         for eps in (math.inf, 8.0, 2.0):
             few = cell(float(rng.uniform(0, 3)), 0.0, n=2, unit="canaries")
             few.update(ci_low=None, ci_high=None, note="n too small")
             r = run(f"{backend}-{eps}", backend, eps, mia=cell(0.5, 0.1, n=4),
-                    unit=None if math.isinf(eps) else ("example" if backend == "parallel" else "user"),
+                    unit=None if math.isinf(eps) else ("example" if backend == "centralized" else "user"),
                     units={"exposure_top": exp_units(rng.uniform(0, 3, 2).tolist()),
                            "mia_auc": mia(int(eps if not math.isinf(eps) else 0) + len(backend))})
             r["leakage"]["exposure_top"] = few
@@ -133,7 +133,7 @@ def test_report_from_few_units_states_no_finding_without_test_n_and_correction()
 
 
 def test_audit_is_a_lower_bound_against_the_ledger():
-    runs = [run("par-eps4", "parallel", 4.0, mia=cell(0.5, 0.02), unit="example"),
+    runs = [run("par-eps4", "centralized", 4.0, mia=cell(0.5, 0.02), unit="example"),
             run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.02), unit="user")]
     runs[0]["leakage"]["audit_epsilon"] = {"value": 0.4, "ci_low": None, "ci_high": None, "ceiling": 3.49,
                                            "n": 200, "confidence": 0.95}
@@ -148,7 +148,7 @@ def test_audit_is_a_lower_bound_against_the_ledger():
 
 def test_caveats_mention_units_and_audit_ceiling():
     runs = [
-        run("par-eps4", "parallel", 4.0, mia=cell(0.5, 0.02), unit="example"),
+        run("par-eps4", "centralized", 4.0, mia=cell(0.5, 0.02), unit="example"),
         run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.02), unit="user"),
     ]
     runs[0]["privacy"]["per_user"] = {"max_sequences_per_user": 12, "vacuous": True}
@@ -177,7 +177,7 @@ def test_the_unit_caveat_names_the_document_and_its_m_where_known():
 def test_several_seeds_are_tested_over_seeds_as_configurations():
     runs = []
     for s in range(4):
-        runs.append(run(f"par-{s}", "parallel", 4.0, mia=cell(0.80 + 0.01 * s, 0.02), unit="example",
+        runs.append(run(f"par-{s}", "centralized", 4.0, mia=cell(0.80 + 0.01 * s, 0.02), unit="example",
                         units={"mia_auc": auc_units(1.5, seed=s)}))
         runs.append(run(f"fed-{s}", "federated", 4.0, mia=cell(0.55 + 0.01 * s, 0.02), unit="user",
                         units={"mia_auc": auc_units(0.2, seed=10 + s)}))
@@ -199,9 +199,9 @@ def test_the_count_of_passing_tests_is_not_the_headline_cap():
 
     runs = []
     for e in range(1, 9):
-        runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.9, 0.02), unit="example",
+        runs += [run(f"par-eps{e}", "centralized", float(e), mia=cell(0.9, 0.02), unit="example",
                      units={"mia_auc": auc_units(2.0, seed=e)}),
-                 run(f"par-eps{e}-gf", "parallel", float(e), mia=cell(0.5, 0.02), unit="example", goldfish=True,
+                 run(f"par-eps{e}-gf", "centralized", float(e), mia=cell(0.5, 0.02), unit="example", goldfish=True,
                      units={"mia_auc": auc_units(0.0, seed=100 + e)})]
     rep = _report(runs)
     f = rep["findings"]
@@ -217,8 +217,8 @@ def test_one_treatment_at_several_levels_is_one_first_screen_entry():
     backend finding still gets its own line."""
     from memaudit.reports.snapshots import render_block
 
-    runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)})]
-    runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.5, 0.02), unit="example",
+    runs = [run("par-inf", "centralized", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)})]
+    runs += [run(f"par-eps{e}", "centralized", float(e), mia=cell(0.5, 0.02), unit="example",
                  units={"mia_auc": auc_units(0.0, seed=e)}) for e in range(1, 9)]
     runs += [run("fed-inf", "federated", math.inf, mia=cell(0.5, 0.02), units={"mia_auc": auc_units(0.0, seed=50)})]
     rep = _report(runs)
@@ -245,8 +245,8 @@ def test_a_strong_auc_difference_passes_in_a_large_family():
     tests Holm then needs p < 0.05/103, so the strongest membership difference could never pass
     on its own (the first version: 'no difference shown' for AUC 0.92 vs 0.5). Tests at their
     floor are re-run with enough permutations; the null ones stay unclaimed."""
-    runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
-            run("par-eps1", "parallel", 1.0, mia=cell(0.5, 0.02), unit="example",
+    runs = [run("par-inf", "centralized", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
+            run("par-eps1", "centralized", 1.0, mia=cell(0.5, 0.02), unit="example",
                 units={"mia_auc": auc_units(0.0, seed=1)}),
             run("fed-inf", "federated", math.inf, mia=cell(0.5, 0.02), units={"mia_auc": auc_units(0.0, seed=2)})]
     runs += [run(f"fed-eps{e}", "federated", float(e), mia=cell(0.5, 0.02), unit="user",
@@ -267,8 +267,8 @@ def test_the_learned_less_caveat_follows_which_side_learned_less():
     that learned less also leaks less", also of the one that predicts the holdout text far better
     (81) and of the one within the utility tolerance (186). The confound applies only where the run
     that leaks less has the worse perplexity."""
-    runs = [run("par-inf", "parallel", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}, ppl=194.0)]
-    runs += [run(f"par-eps{e}", "parallel", float(e), mia=cell(0.5, 0.02), unit="example", ppl=p,
+    runs = [run("par-inf", "centralized", math.inf, mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}, ppl=194.0)]
+    runs += [run(f"par-eps{e}", "centralized", float(e), mia=cell(0.5, 0.02), unit="example", ppl=p,
                  units={"mia_auc": auc_units(0.0, seed=e)}) for e, p in ((1000, 81.0), (100, 186.0), (32, 239.0))]
     rep = _report(runs)
     f = rep["findings"]
@@ -351,14 +351,14 @@ def test_centralized_per_user_meets_federated_at_equal_guarantees_and_never_pool
     comparisons, the per-user one first and at equal guarantees (no units caveat); the two
     centralized configurations are never pooled as seeds of one; each has its own DP effect."""
     runs = [
-        run("par-inf", "parallel", math.inf, mia=cell(0.7, 0.05), units={"mia_auc": auc_units(1.0, seed=1)}),
-        run("par-ex", "parallel", 8.0, mia=cell(0.5, 0.05), unit="example", units={"mia_auc": auc_units(0.0, seed=2)}),
-        run("par-user", "parallel", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=3)}),
+        run("par-inf", "centralized", math.inf, mia=cell(0.7, 0.05), units={"mia_auc": auc_units(1.0, seed=1)}),
+        run("par-ex", "centralized", 8.0, mia=cell(0.5, 0.05), unit="example", units={"mia_auc": auc_units(0.0, seed=2)}),
+        run("par-user", "centralized", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=3)}),
         run("fed-user", "federated", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=4)}),
     ]
     rep = _report(runs)
     matched = rep["comparisons"]["matched"]
-    assert [(m["units"]["parallel"], m["equal_guarantee"]) for m in matched] == [("user", True), ("example", False)]
+    assert [(m["units"]["centralized"], m["equal_guarantee"]) for m in matched] == [("user", True), ("example", False)]
     assert [m["metrics"]["mia_auc"]["test"]["runs"] for m in matched] == [["fed-user", "par-user"], ["fed-user", "par-ex"]]
     sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     equal, differ = (next(s for s in sents if n in s["text"]) for n in ("per user on both", "example vs user units"))

@@ -30,7 +30,7 @@ def _report(runs, tolerance=0.1):
 
 def _pair(par_ppl, fed_ppl, *, par_shift=1.5, fed_shift=0.0, eps=(8.0, 8.0)):
     return [
-        run("par", "parallel", eps[0], mia=cell(0.8, 0.05), unit="example", ppl=par_ppl,
+        run("par", "centralized", eps[0], mia=cell(0.8, 0.05), unit="example", ppl=par_ppl,
             units={"mia_auc": auc_units(par_shift)}),
         run("fed", "federated", eps[1], mia=cell(0.5, 0.05), unit="user", ppl=fed_ppl,
             units={"mia_auc": auc_units(fed_shift, seed=1)}),
@@ -61,7 +61,7 @@ def test_utilities_apart_give_no_pair_and_no_verdict():
     """Ranges overlap (50-100 vs 70-140) but no two runs are within 0.1: no verdict, and the
     closest pair with its distance is named."""
     runs = _pair(50.0, 70.0)
-    runs += [run("par2", "parallel", 2.0, mia=cell(0.6, 0.05), unit="example", ppl=100.0,
+    runs += [run("par2", "centralized", 2.0, mia=cell(0.6, 0.05), unit="example", ppl=100.0,
                  units={"mia_auc": auc_units(0.5, seed=2)}),
              run("fed2", "federated", 2.0, mia=cell(0.5, 0.05), unit="user", ppl=140.0,
                  units={"mia_auc": auc_units(0.0, seed=3)})]
@@ -102,18 +102,18 @@ def test_bad_tolerance_is_one_line(tol):
 
 def test_base_and_goldfish_runs_are_never_paired():
     runs = _pair(100.0, 300.0)
-    runs.append(run("base", "parallel", math.inf, mia=cell(0.5, 0.05), ppl=302.0, role="public-base"))
-    runs.append(run("par-gf", "parallel", math.inf, mia=cell(0.5, 0.05), ppl=299.0, goldfish=True))
+    runs.append(run("base", "centralized", math.inf, mia=cell(0.5, 0.05), ppl=302.0, role="public-base"))
+    runs.append(run("par-gf", "centralized", math.inf, mia=cell(0.5, 0.05), ppl=299.0, goldfish=True))
     assert matched_utility(runs, 0.1)["status"] == "disjoint"
 
 
 # ----------------------------------------------------------------------------- frontier
 def test_frontier_points_per_backend_with_the_base_as_origin():
-    runs = [run(f"par-{e}", "parallel", e, mia=cell(v, 0.02), unit="example", ppl=p)
+    runs = [run(f"par-{e}", "centralized", e, mia=cell(v, 0.02), unit="example", ppl=p)
             for e, v, p in ((math.inf, 0.9, 50.0), (8.0, 0.7, 80.0), (2.0, 0.55, 150.0))]
     runs += [run(f"fed-{e}", "federated", e, mia=cell(v, 0.02), unit="user", ppl=p)
              for e, v, p in ((math.inf, 0.6, 90.0), (2.0, 0.5, 200.0))]
-    runs.append(run("base", "parallel", math.inf, mia=cell(0.5, 0.02), ppl=400.0, role="public-base"))
+    runs.append(run("base", "centralized", math.inf, mia=cell(0.5, 0.02), ppl=400.0, role="public-base"))
     fr = comparisons(runs)["frontier"]
     assert fr["origin"]["run"] == "base" and fr["origin"]["perplexity"] == 400.0
     m = fr["metrics"]["mia_auc"]
@@ -152,9 +152,9 @@ def test_effective_epsilon_per_bucket_from_the_ledger(tmp_path):
     hand from each run's ledger epsilon, which itself agrees with dp_accounting's RDP accountant."""
     import dp_accounting
 
-    write_run_dir(tmp_path / "par", "parallel", ppl=80.0, dp=(1.0, 400, 16, 50))
+    write_run_dir(tmp_path / "par", "centralized", ppl=80.0, dp=(1.0, 400, 16, 50))
     write_run_dir(tmp_path / "fed", "federated", ppl=90.0, dp=(1.0, 51, 8, 30))
-    write_run_dir(tmp_path / "base", "parallel", ppl=400.0, role="public-base")
+    write_run_dir(tmp_path / "base", "centralized", ppl=400.0, role="public-base")
     rep = build_report([tmp_path])
     validate_report(rep)
     by = {r["id"]: r for r in rep["runs"]}
@@ -188,7 +188,7 @@ def test_effective_epsilon_per_bucket_from_the_ledger(tmp_path):
 def test_no_difference_comparisons_collapse_to_one_line_each():
     runs = []
     for i in range(8):
-        runs += [run(f"par-{i}", "parallel", float(i + 1), mia=cell(0.5, 0.05), unit="example",
+        runs += [run(f"par-{i}", "centralized", float(i + 1), mia=cell(0.5, 0.05), unit="example",
                      units={"mia_auc": auc_units(0.3, seed=10 * i)}),
                  run(f"fed-{i}", "federated", float(i + 1), mia=cell(0.5, 0.05), unit="user",
                      units={"mia_auc": auc_units(0.3, seed=10 * i + 1)})]
@@ -208,7 +208,7 @@ def test_no_difference_comparisons_collapse_to_one_line_each():
 def test_headline_holds_at_most_six_passing_findings_with_caveats():
     runs = []
     for i in range(8):
-        runs += [run(f"par-{i}", "parallel", float(i + 1), mia=cell(0.8, 0.05), unit="example",
+        runs += [run(f"par-{i}", "centralized", float(i + 1), mia=cell(0.8, 0.05), unit="example",
                      units={"mia_auc": auc_units(2.0, seed=10 * i)}),
                  run(f"fed-{i}", "federated", float(i + 1), mia=cell(0.5, 0.05), unit="user",
                      units={"mia_auc": auc_units(0.0, seed=10 * i + 1)})]
@@ -232,7 +232,7 @@ def test_log_axis_tick_labels_do_not_overlap(ppls):
     from memaudit.reports.plots import all_figures
 
     lo, hi = ppls
-    runs = [run(f"par-{e}", "parallel", e, mia=cell(0.6, 0.05), unit="example", ppl=p)
+    runs = [run(f"par-{e}", "centralized", e, mia=cell(0.6, 0.05), unit="example", ppl=p)
             for e, p in ((math.inf, lo), (8.0, math.sqrt(lo * hi)), (2.0, hi))]
     runs += [run(f"fed-{e}", "federated", e, mia=cell(0.55, 0.05), unit="user", ppl=p * 1.3)
              for e, p in ((math.inf, lo), (2.0, hi))]
@@ -271,7 +271,7 @@ def test_many_runs_become_small_multiples():
 
     runs = []
     for i in range(9):
-        r = run(f"par-{i}", "parallel", float(i + 1), mia=cell(0.6, 0.05), unit="example", ppl=50.0 + i)
+        r = run(f"par-{i}", "centralized", float(i + 1), mia=cell(0.6, 0.05), unit="example", ppl=50.0 + i)
         r["probes_summary"]["exposure_by_repetition"] = {
             "user": [{"repetitions": k, "value": 1.0 + k / 8, "ci_low": None, "ci_high": None} for k in (1, 4, 16)]}
         runs.append(r)
@@ -289,7 +289,7 @@ def test_report_command_takes_a_tolerance_and_refuses_a_bad_one(tmp_path, capsys
 
     from memaudit.cli import main
 
-    write_run_dir(tmp_path / "runs" / "par", "parallel", ppl=100.0, mia_shift=1.0)
+    write_run_dir(tmp_path / "runs" / "par", "centralized", ppl=100.0, mia_shift=1.0)
     write_run_dir(tmp_path / "runs" / "fed", "federated", ppl=130.0, mia_shift=0.2)
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "a")]) == 0
     mu = json.loads((tmp_path / "a" / "report.json").read_text())["comparisons"]["matched_utility"]

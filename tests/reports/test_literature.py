@@ -82,14 +82,14 @@ def runs():
     ext = {"extraction_exact": {"value": 3 / 300, "ci_low": 0.002, "ci_high": 0.03, "n": 300, "unit": "documents"},
            "pii_extraction": {"value": 0.0, "ci_low": 0.0, "ci_high": 0.02, "n": 200, "unit": "PII items"}}
     return [
-        _run("base", "parallel", 0.0, slope=0.0, loss=10.0, seed=0, role="public-base"),
-        _run("par-inf", "parallel", math.inf, slope=1.5, loss=5.0, seed=1, leakage=ext),
-        _run("par-eps8", "parallel", 8.0, slope=0.8, loss=7.0, seed=2, unit="example"),
+        _run("base", "centralized", 0.0, slope=0.0, loss=10.0, seed=0, role="public-base"),
+        _run("par-inf", "centralized", math.inf, slope=1.5, loss=5.0, seed=1, leakage=ext),
+        _run("par-eps8", "centralized", 8.0, slope=0.8, loss=7.0, seed=2, unit="example"),
         _run("fed-inf", "federated", math.inf, slope=0.5, loss=6.0, seed=3),
         _run("fed-eps8", "federated", 8.0, slope=0.0, loss=9.0, seed=4, unit="user"),
-        _run("par-inf-audit", "parallel", math.inf, slope=1.5, loss=5.0, seed=5, audit=0.9,
+        _run("par-inf-audit", "centralized", math.inf, slope=1.5, loss=5.0, seed=5, audit=0.9,
              audit_info={"canaries": "document", "score": "min_k", "guesses": 64, "correct": 61}),
-        _run("par-eps2-audit", "parallel", 2.0, slope=0.0, loss=8.0, seed=6, unit="example", audit=0.1),
+        _run("par-eps2-audit", "centralized", 2.0, slope=0.0, loss=8.0, seed=6, unit="example", audit=0.1),
     ]
 
 
@@ -131,7 +131,7 @@ def test_buckets_trend_and_holm_family(runs):
 
 
 def test_too_few_canaries_are_not_tested(runs):
-    r = _run("few", "parallel", math.inf, slope=1.5, loss=5.0, seed=9)
+    r = _run("few", "centralized", math.inf, slope=1.5, loss=5.0, seed=9)
     r["units"]["exposure_canaries"] = _exposure_units(1.5, 9, per=4)
     sec = literature_section([r])
     (e,) = sec["exposure"]
@@ -182,9 +182,9 @@ def test_section_renders_and_validates(runs, tmp_path):
 
 def test_no_gap_to_close_is_said_not_divided(runs):
     """A non-DP fine-tune no better than the public base leaves no gap: no ratio, one sentence."""
-    base = _run("base", "parallel", 0.0, slope=0.0, loss=5.0, seed=0, role="public-base")
-    sec = literature_section([base, _run("par-inf", "parallel", math.inf, slope=1.5, loss=5.5, seed=1),
-                              _run("par-eps8", "parallel", 8.0, slope=0.0, loss=7.0, seed=2, unit="example")])
+    base = _run("base", "centralized", 0.0, slope=0.0, loss=5.0, seed=0, role="public-base")
+    sec = literature_section([base, _run("par-inf", "centralized", math.inf, slope=1.5, loss=5.5, seed=1),
+                              _run("par-eps8", "centralized", 8.0, slope=0.0, loss=7.0, seed=2, unit="example")])
     (g,) = sec["dp_learns"]
     assert g["closed"] is None and g["verdict"].startswith("no gap")
     assert any("no gap" in s for s in sec["sentences"])

@@ -83,7 +83,7 @@ def test_per_bucket_rows_and_units_carry_the_flag(probes):
 
 
 def _run_dir(tmp_path, name: str, probe: dict, *, ppl: float):
-    path = write_run_dir(tmp_path / name, "parallel", ppl=ppl,
+    path = write_run_dir(tmp_path / name, "centralized", ppl=ppl,
                          canaries=[(f"c{k}", rep, owner, 1) for k, (rep, owner) in
                                    enumerate((r, o) for r in REPS for o in OWNERS for _ in range(PER))])
     doc = json.loads((path / "probes.json").read_text())
@@ -94,8 +94,8 @@ def _run_dir(tmp_path, name: str, probe: dict, *, ppl: float):
 
 def test_report_and_readme_say_at_least(tmp_path, probes):
     from memaudit.reports.build import build_report
-    from memaudit.reports.snapshots import render_block
     from memaudit.reports.render import render_html, render_markdown
+    from memaudit.reports.snapshots import render_block
 
     report = build_report([_run_dir(tmp_path, "nodp", probes[True]["probes"]["exposure"], ppl=50.0),
                            _run_dir(tmp_path, "other", probes[False]["probes"]["exposure"], ppl=60.0)])

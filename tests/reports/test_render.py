@@ -13,11 +13,11 @@ XSS = ['<script>alert(1)</script>', '"><img src=x onerror=alert(1)>']
 
 def make_report():
     runs = [
-        run("par-eps4", "parallel", 4.0, mia=cell(0.8, 0.02), unit="example", samples=XSS,
+        run("par-eps4", "centralized", 4.0, mia=cell(0.8, 0.02), unit="example", samples=XSS,
             units={"mia_auc": auc_units(1.5)}),
         run("fed-eps4", "federated", 4.0, mia=cell(0.55, 0.02), unit="user",
             units={"mia_auc": auc_units(0.2, seed=1)}),
-        run("par-inf", "parallel", float("inf"), mia=cell(0.95, 0.02), units={"mia_auc": auc_units(2.5, seed=2)}),
+        run("par-inf", "centralized", float("inf"), mia=cell(0.95, 0.02), units={"mia_auc": auc_units(2.5, seed=2)}),
     ]
     rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comparisons(runs)}
     rep["findings"] = findings.generate(rep)
@@ -85,7 +85,7 @@ def test_report_without_utilities_renders_without_a_frontier(tmp_path):
     """Runs that recorded no holdout perplexity (e.g. a foreign Hugging Face model): no frontier
     plot, a line saying why, and no matched-utility verdict."""
     runs = [
-        run("par-inf", "parallel", float("inf"), mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
+        run("par-inf", "centralized", float("inf"), mia=cell(0.9, 0.02), units={"mia_auc": auc_units(2.0)}),
         run("fed-inf", "federated", float("inf"), mia=cell(0.6, 0.02), units={"mia_auc": auc_units(0.3, seed=1)}),
     ]
     for r in runs:

@@ -20,15 +20,15 @@ def test_failed_jobs_are_recorded_and_complete_points_skip_the_scheduler(tmp_pat
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({
         "base": {"data": {"path": str(gone)}},
-        "grid": {"backends": ["parallel"], "models": ["tiny", "tiny2x"]},
+        "grid": {"backends": ["centralized"], "models": ["tiny", "tiny2x"]},
         "executor": {"kind": "debug"}}))
     cfg = load_sweep_config(path)
     stand_in = plan_points(cfg)[1]
-    assert stand_in.name == "parallel-tiny2x-epsinf-s0"
+    assert stand_in.name == "centralized-tiny2x-epsinf-s0"
     current = config_as_written(point_config(cfg, stand_in))
     gone.unlink()  # valid when loaded, gone when the jobs run
     out = tmp_path / "out"
-    done = Path(out / "runs" / "parallel-tiny2x-epsinf-s0")
+    done = Path(out / "runs" / "centralized-tiny2x-epsinf-s0")
     atomic_write_json(done / "run.json", {"status": "complete", "backend": "parallel", "config": current})
     (done / "model").mkdir()
     atomic_write_json(done / "model" / "config.json", {})
@@ -39,12 +39,12 @@ def test_failed_jobs_are_recorded_and_complete_points_skip_the_scheduler(tmp_pat
                         lambda rds: reported.append(sorted(Path(r).name for r in rds)) or {"findings": {"caveats": []}})
     monkeypatch.setattr("memaudit.reports.write.write_report", lambda rep, d: {"json": d / "report.json"})
     summary = run_sweep(cfg, out)
-    assert reported == [["parallel-tiny2x-epsinf-s0"]]
+    assert reported == [["centralized-tiny2x-epsinf-s0"]]
     o = {x["name"]: x for x in summary["outcomes"]}
-    assert o["parallel-tiny-epsinf-s0"]["status"] == "failed"
-    err = o["parallel-tiny-epsinf-s0"]["error"]
+    assert o["centralized-tiny-epsinf-s0"]["status"] == "failed"
+    err = o["centralized-tiny-epsinf-s0"]["error"]
     assert "\n" not in err and "gone.jsonl" in err
-    assert o["parallel-tiny2x-epsinf-s0"] == {**o["parallel-tiny2x-epsinf-s0"], "status": "complete",
+    assert o["centralized-tiny2x-epsinf-s0"] == {**o["centralized-tiny2x-epsinf-s0"], "status": "complete",
                                               "action": "skipped", "probed": False}
     assert summary["status"] == "partial" and read_json(out / "sweep.json")["status"] == "partial"
     jobs = out / "jobs"

@@ -12,29 +12,29 @@ from memaudit.sweep.config import plan_points, point_config, sweep_config_from_d
 
 def test_finetune_axis_gives_full_and_lora_points_with_the_base_lora_settings():
     s = sweep_config_from_dict({"base": {"model": {"lora": {"rank": 2, "target_modules": ["q_proj"]}}},
-                                "grid": {"backends": ["parallel", "federated"], "epsilons": [8],
+                                "grid": {"backends": ["centralized", "federated"], "epsilons": [8],
                                          "finetune": ["full", "lora"]}})
     names = {p.name: p for p in plan_points(s)}
-    assert set(names) == {"parallel-eps8-s0", "parallel-eps8-lora-s0", "federated-eps8-s0",
+    assert set(names) == {"centralized-eps8-s0", "centralized-eps8-lora-s0", "federated-eps8-s0",
                           "federated-eps8-lora-s0"}
-    assert point_config(s, names["parallel-eps8-s0"]).model.lora is None
+    assert point_config(s, names["centralized-eps8-s0"]).model.lora is None
     lora = point_config(s, names["federated-eps8-lora-s0"]).model.lora
     assert (lora.rank, lora.target_modules) == (2, ("q_proj",))
-    assert names["parallel-eps8-lora-s0"].finetune == "lora"
+    assert names["centralized-eps8-lora-s0"].finetune == "lora"
 
 
 def test_finetune_axis_without_base_lora_uses_the_defaults_and_absent_axis_keeps_names():
-    s = sweep_config_from_dict({"grid": {"backends": ["parallel"], "finetune": ["lora"]}})
+    s = sweep_config_from_dict({"grid": {"backends": ["centralized"], "finetune": ["lora"]}})
     (p,) = plan_points(s)
-    assert p.name == "parallel-epsinf-lora-s0" and point_config(s, p).model.lora.rank == 8
-    (q,) = plan_points(sweep_config_from_dict({"grid": {"backends": ["parallel"]}}))
-    assert q.name == "parallel-epsinf-s0" and q.finetune is None
+    assert p.name == "centralized-epsinf-lora-s0" and point_config(s, p).model.lora.rank == 8
+    (q,) = plan_points(sweep_config_from_dict({"grid": {"backends": ["centralized"]}}))
+    assert q.name == "centralized-epsinf-s0" and q.finetune is None
 
 
 @pytest.mark.parametrize("value", [[], ["full", "full"], ["adapters"]])
 def test_bad_finetune_axis_is_one_line(value):
     with pytest.raises(ConfigError) as e:
-        sweep_config_from_dict({"grid": {"backends": ["parallel"], "finetune": value}})
+        sweep_config_from_dict({"grid": {"backends": ["centralized"], "finetune": value}})
     assert "finetune" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -45,7 +45,7 @@ def test_report_compares_lora_with_the_full_fine_tune_at_equal_epsilon():
     from tests.reports._fixtures import auc_units, run
 
     def mk(rid, trained, shift, eps=8.0):
-        r = run(rid, "parallel", eps, mia={"value": 0.5 + shift, "ci_low": 0.5, "ci_high": 0.7, "n": 200,
+        r = run(rid, "centralized", eps, mia={"value": 0.5 + shift, "ci_low": 0.5, "ci_high": 0.7, "n": 200,
                                            "unit": "documents"}, units={"mia_auc": auc_units(shift)})
         r["model"]["trained"] = trained
         return r

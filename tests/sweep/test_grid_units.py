@@ -9,24 +9,24 @@ from memaudit.sweep.config import plan_points, point_config, sweep_config_from_d
 
 
 def test_units_multiply_the_centralized_dp_points_only():
-    s = sweep_config_from_dict({"per_backend": {"parallel": {"privacy.max_examples_per_user": 2}},
-                                "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf", 4],
+    s = sweep_config_from_dict({"per_backend": {"centralized": {"privacy.max_examples_per_user": 2}},
+                                "grid": {"backends": ["centralized", "federated"], "epsilons": ["inf", 4],
                                          "units": ["example", "user"]}})
     names = {p.name: p for p in plan_points(s)}
-    assert set(names) == {"parallel-epsinf-s0", "parallel-eps4-s0", "parallel-eps4-user-s0",
+    assert set(names) == {"centralized-epsinf-s0", "centralized-eps4-s0", "centralized-eps4-user-s0",
                           "federated-epsinf-s0", "federated-eps4-s0"}
-    assert point_config(s, names["parallel-eps4-user-s0"]).privacy.unit == "user"
-    assert point_config(s, names["parallel-eps4-s0"]).privacy.unit == "example"
-    assert names["parallel-eps4-user-s0"].unit == "user" and names["federated-eps4-s0"].unit is None
+    assert point_config(s, names["centralized-eps4-user-s0"]).privacy.unit == "user"
+    assert point_config(s, names["centralized-eps4-s0"]).privacy.unit == "example"
+    assert names["centralized-eps4-user-s0"].unit == "user" and names["federated-eps4-s0"].unit is None
 
 
 def test_example_only_units_with_the_federated_backend_are_refused():
     with pytest.raises(ConfigError, match="federated backend, which is always user-level") as e:
-        sweep_config_from_dict({"grid": {"backends": ["parallel", "federated"], "epsilons": [4],
+        sweep_config_from_dict({"grid": {"backends": ["centralized", "federated"], "epsilons": [4],
                                          "units": ["example"]}})
     assert "\n" not in str(e.value)
 
 
 def test_user_unit_without_the_contribution_bound_is_refused():
     with pytest.raises(ConfigError, match="max_examples_per_user"):
-        sweep_config_from_dict({"grid": {"backends": ["parallel"], "epsilons": [4], "units": ["user"]}})
+        sweep_config_from_dict({"grid": {"backends": ["centralized"], "epsilons": [4], "units": ["user"]}})

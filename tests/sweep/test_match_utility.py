@@ -50,13 +50,13 @@ def test_outside_the_range_the_end_segment_is_extended_within_the_factor():
 # ----------------------------------------------------------------------------- planning
 def _raw(**match) -> dict:
     return {"base": {"train": {"steps": 3}, "data": {"seq_len": 32}},
-            "grid": {"backends": ["parallel", "federated"], "epsilons": ["inf", 32, 8, 2]},
+            "grid": {"backends": ["centralized", "federated"], "epsilons": ["inf", 32, 8, 2]},
             "match_utility": {"enabled": True, **match}}
 
 
-PPL = {"parallel": {math.inf: 140.0, 32.0: 1000.0, 8.0: 1450.0, 2.0: 1900.0},
+PPL = {"centralized": {math.inf: 140.0, 32.0: 1000.0, 8.0: 1450.0, 2.0: 1900.0},
        "federated": {math.inf: 470.0, 32.0: 2300.0, 8.0: 4500.0, 2.0: 9000.0}}
-SIGMA = {"parallel": {32.0: 0.36, 8.0: 0.61, 2.0: 1.06}, "federated": {32.0: 0.44, 8.0: 0.79, 2.0: 1.71}}
+SIGMA = {"centralized": {32.0: 0.36, 8.0: 0.61, 2.0: 1.06}, "federated": {32.0: 0.44, 8.0: 0.79, 2.0: 1.71}}
 
 
 def _write_runs(out, cfg, ppl=PPL, incomplete=()):
@@ -71,7 +71,7 @@ def _write_runs(out, cfg, ppl=PPL, incomplete=()):
             "final_holdout_perplexity": ppl[p.backend][eps]}}))
         if p.level is not None:
             sigma = SIGMA[p.backend][eps]
-            led = ({"calibration": {"noise_multiplier": sigma}, "mechanisms": []} if p.backend == "parallel"
+            led = ({"calibration": {"noise_multiplier": sigma}, "mechanisms": []} if p.backend == "centralized"
                    else {"calibration": None, "mechanisms": [{"mechanism": "DP-FedAvg", "noise_multiplier": sigma}]})
             (d / "privacy.json").write_text(json.dumps(led))
 
@@ -86,15 +86,15 @@ def test_a_target_without_a_match_gets_one_point_from_the_bracketing_levels(tmp_
     slope = math.log(1900 / 1450) / math.log(1.06 / 0.61)
     want = float(f"{1.06 * (2300 / 1900) ** (1 / slope):.3g}")
     assert by["federated-eps32-s0"]["noise_multiplier"] == want and want > 1.06
-    assert by["federated-eps32-s0"]["from"] == {"parallel-eps32-s0": [0.36, 1000.0],
-                                                "parallel-eps8-s0": [0.61, 1450.0],
-                                                "parallel-eps2-s0": [1.06, 1900.0]}
+    assert by["federated-eps32-s0"]["from"] == {"centralized-eps32-s0": [0.36, 1000.0],
+                                                "centralized-eps8-s0": [0.61, 1450.0],
+                                                "centralized-eps2-s0": [1.06, 1900.0]}
     (p,) = extra
-    assert p.name == by["federated-eps32-s0"]["point"] == f"parallel-sigma{want:g}-s0".replace(".", "p")
-    assert p.backend == "parallel" and p.level == want and p.level_kind == "noise_multiplier"
-    assert p.matches == "federated-eps32-s0" and p.overrides["backend"] == "parallel"
+    assert p.name == by["federated-eps32-s0"]["point"] == f"centralized-sigma{want:g}-s0".replace(".", "p")
+    assert p.backend == "centralized" and p.level == want and p.level_kind == "noise_multiplier"
+    assert p.matches == "federated-eps32-s0" and p.overrides["backend"] == "centralized"
     assert p.overrides["privacy.noise_multiplier"] == want and p.overrides["privacy.target_epsilon"] is None
-    assert p.tokens_seen == next(q for q in points if q.name == "parallel-eps2-s0").tokens_seen
+    assert p.tokens_seen == next(q for q in points if q.name == "centralized-eps2-s0").tokens_seen
     run_cfg = point_config(cfg, p)  # the run it trains: DP-SGD at that sigma, no epsilon target
     assert run_cfg.privacy.noise_multiplier == want and run_cfg.privacy.target_epsilon is None
     # federated 4,500 needs a sigma beyond 4 x 1.06: out of reach, said and not trained
@@ -105,28 +105,28 @@ def test_a_target_without_a_match_gets_one_point_from_the_bracketing_levels(tmp_
 
 
 def test_matched_incomplete_and_missing_targets_get_no_point(tmp_path):
-    ppl = {**PPL, "parallel": {**PPL["parallel"], 2.0: 2250.0}}  # within 0.1 of federated's 2,300
+    ppl = {**PPL, "centralized": {**PPL["centralized"], 2.0: 2250.0}}  # within 0.1 of federated's 2,300
     cfg = sweep_config_from_dict(_raw(levels=[32, 8, 4]))
     _write_runs(tmp_path, cfg, ppl, incomplete=("federated-eps8-s0",))
     extra, records = plan_matches(cfg, plan_points(cfg), tmp_path)
     by = {r["target"]: r for r in records}
     assert extra == []
-    assert by["federated-eps32-s0"]["reason"].startswith("already matched by parallel-eps2-s0")
+    assert by["federated-eps32-s0"]["reason"].startswith("already matched by centralized-eps2-s0")
     assert by["federated-eps8-s0"]["reason"] == "the target run is not complete"
     assert by["federated at epsilon 4"]["reason"].startswith("no such grid point")
 
 
 def test_the_other_direction_and_the_default_levels(tmp_path):
-    cfg = sweep_config_from_dict(_raw(target_backend="parallel"))
+    cfg = sweep_config_from_dict(_raw(target_backend="centralized"))
     _write_runs(tmp_path, cfg)
     extra, records = plan_matches(cfg, plan_points(cfg), tmp_path)
-    assert [r["target"] for r in records] == ["parallel-eps32-s0", "parallel-eps8-s0", "parallel-eps2-s0"]
+    assert [r["target"] for r in records] == ["centralized-eps32-s0", "centralized-eps8-s0", "centralized-eps2-s0"]
     by = {r["target"]: r for r in records}
     # centralized 1,900 lies below federated 2,300 at sigma 0.44: along the federated (0.44, 0.79)
     # segment, within the factor; the federated sigma read from its mechanism's record
     slope = math.log(4500 / 2300) / math.log(0.79 / 0.44)
     want = float(f"{0.44 * (1900 / 2300) ** (1 / slope):.3g}")
-    assert by["parallel-eps2-s0"]["noise_multiplier"] == want < 0.44
+    assert by["centralized-eps2-s0"]["noise_multiplier"] == want < 0.44
     assert all(p.backend == "federated" for p in extra)
 
 
@@ -153,7 +153,7 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     def fake_point(cfg, p, rd, sub, debug, on_action=None, overwrite=False):
         if rd.is_run() and rd.status() == "complete":  # what point_action does with a complete, current run
             return PointOutcome(p.name, p.backend, "complete", "skipped", False, 0.0)
-        scale = 1000.0 if p.backend == "parallel" else 2000.0
+        scale = 1000.0 if p.backend == "centralized" else 2000.0
         if p.level is None:
             write_run_dir(rd.path, p.backend, ppl=scale / 5, seed=p.seed)
         else:
@@ -171,7 +171,7 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     names = [o["name"] for o in summary["outcomes"]]
     assert names[-1] == rec["point"] and len(names) == 9
     # what the planning reads runs first; the rest of the grid runs beside the matched point
-    assert set(names[:4]) == {"federated-eps8-s0", "parallel-eps32-s0", "parallel-eps8-s0", "parallel-eps2-s0"}
+    assert set(names[:4]) == {"federated-eps8-s0", "centralized-eps32-s0", "centralized-eps8-s0", "centralized-eps2-s0"}
     assert [p["name"] for p in summary["plan"]["points"]][-1] == rec["point"]
     assert summary["plan"]["points"][-1]["matches"] == "federated-eps8-s0"
     assert RunDir(tmp_path / "sw" / "runs" / rec["point"]).status() == "complete"

@@ -43,7 +43,7 @@ def _sweep(tmp_path: Path, kind: str):
     (base / "model.safetensors").write_bytes(b"weights")
     return sweep_config_from_dict({
         "base": {"model": {"init_from": str(base)}},
-        "grid": {"backends": ["parallel"]},
+        "grid": {"backends": ["centralized"]},
         "probe": {"probes": ["exposure"], "n_boot": 100, "device": "auto"},
         "executor": {"kind": kind}})
 
@@ -223,7 +223,7 @@ def test_submitits_local_executor_gives_a_stale_complete_point_a_job(tmp_path, m
             monkeypatch.delenv(key)
     gone = tmp_path / "gone.jsonl"
     gone.write_text('{"text": "x", "user": "u1"}\n')
-    cfg = sweep_config_from_dict({"base": {"data": {"path": str(gone)}}, "grid": {"backends": ["parallel"]},
+    cfg = sweep_config_from_dict({"base": {"data": {"path": str(gone)}}, "grid": {"backends": ["centralized"]},
                                   "executor": {"kind": "local", "cpus_per_task": 1}})
     (p,) = plan_points(cfg)
     gone.unlink()

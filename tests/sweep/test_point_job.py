@@ -27,7 +27,7 @@ def job_env(monkeypatch):
 
 
 def _point():
-    cfg = sweep_config_from_dict({"base": {"parallel": {"data": 2}}, "grid": {"backends": ["parallel"]}})
+    cfg = sweep_config_from_dict({"base": {"parallel": {"data": 2}}, "grid": {"backends": ["centralized"]}})
     return cfg, plan_points(cfg)[0]
 
 

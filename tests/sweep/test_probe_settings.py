@@ -13,7 +13,7 @@ from tests.reports._fixtures import write_run_dir
 
 
 def test_a_changed_probe_setting_probes_the_run_again(tmp_path, monkeypatch):
-    rd = RunDir(write_run_dir(tmp_path / "run", "parallel", ppl=50.0))
+    rd = RunDir(write_run_dir(tmp_path / "run", "centralized", ppl=50.0))
     rd.model_dir.mkdir()
     (rd.model_dir / "config.json").write_text("{}")  # trained after the old probes.json
     calls = []
@@ -24,7 +24,7 @@ def test_a_changed_probe_setting_probes_the_run_again(tmp_path, monkeypatch):
 
     monkeypatch.setattr("memaudit.probes.runner.run_probes", fake_run_probes)
     monkeypatch.setattr("memaudit.probes.targets.resolve_target", lambda path: SimpleNamespace(path=path))
-    raw = {"grid": {"backends": ["parallel"]}, "probe": {"probes": ["exposure"], "n_boot": 100}}
+    raw = {"grid": {"backends": ["centralized"]}, "probe": {"probes": ["exposure"], "n_boot": 100}}
     cfg = sweep_config_from_dict(raw)
     assert probe_if_stale(cfg, rd, None) is True  # older than the model
     assert probe_if_stale(cfg, rd, None) is False  # same settings, newer than the model

@@ -19,8 +19,8 @@ from memaudit.io import read_json
 from memaudit.rundir import RunDir
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-KILLED = "parallel-tiny-epsinf-s0"
-TWO_TASK = "parallel-tiny2x-epsinf-s0"
+KILLED = "centralized-tiny-epsinf-s0"
+TWO_TASK = "centralized-tiny2x-epsinf-s0"
 
 
 def _last_step(run: RunDir) -> int:

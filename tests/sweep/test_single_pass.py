@@ -19,7 +19,7 @@ BASE = {"data": {"synth": {"users": 16, "docs_per_user": 4, "paragraph_sentences
 @pytest.fixture(scope="module")
 def resolved(tmp_path_factory):
     cfg = sweep_config_from_dict({"base": BASE, "regime": "single-pass",
-                                  "grid": {"backends": ["parallel", "federated"], "models": ["tiny", "tiny2x"]}})
+                                  "grid": {"backends": ["centralized", "federated"], "models": ["tiny", "tiny2x"]}})
     out = tmp_path_factory.mktemp("sp")
     return cfg, resolve_regime(cfg, plan_points(cfg), out)
 
@@ -40,7 +40,7 @@ def test_centralized_points_see_every_sequence_once(resolved, oracle):
 
     cfg, points = resolved
     n = len(oracle.train)
-    for p in (p for p in points if p.backend == "parallel"):
+    for p in (p for p in points if p.backend == "centralized"):
         c = point_config(cfg, p)
         assert c.train.steps == math.ceil(n / 8) and c.train.steps < 1000
         seen = np.concatenate([EpochBatches(n, 8, c.train.seed).indices(t) for t in range(c.train.steps)])
@@ -72,6 +72,6 @@ def test_sizes_get_the_same_schedule_and_the_data_repeats(resolved, oracle):
 
 
 def test_multi_epoch_keeps_the_configured_steps(tmp_path):
-    cfg = sweep_config_from_dict({"base": BASE, "grid": {"backends": ["parallel"]}})
+    cfg = sweep_config_from_dict({"base": BASE, "grid": {"backends": ["centralized"]}})
     pts = resolve_regime(cfg, plan_points(cfg), tmp_path)
     assert point_config(cfg, pts[0]).train.steps == 1000 and not (tmp_path / "regime").exists()

@@ -21,17 +21,17 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def test_size_axis_names_and_equal_tokens_seen():
     cfg = sweep_config_from_dict({
         "base": {"train": {"steps": 7, "batch_size": 4}, "data": {"seq_len": 32}},
-        "grid": {"backends": ["parallel", "federated"], "models": ["tiny", "tiny2x"], "epsilons": ["inf", 4],
+        "grid": {"backends": ["centralized", "federated"], "models": ["tiny", "tiny2x"], "epsilons": ["inf", 4],
                  "goldfish": [False, True]},
         "per_model": {"tiny2x": {"parallel.data": 2, "train.lr": 1e-3}}})
     pts = plan_points(cfg)
     names = [p.name for p in pts]
     assert len(names) == len(set(names)) == 2 * 2 * 2 + 2 * 2
-    assert "parallel-tiny2x-eps4-gf-s0" in names and "federated-tiny-epsinf-s0" in names
+    assert "centralized-tiny2x-eps4-gf-s0" in names and "federated-tiny-epsinf-s0" in names
     for p in pts:
         c = point_config(cfg, p)
         assert c.model.preset == p.model and p.model in p.name
-        if p.backend == "parallel":  # what the schedule feeds, recomputed here
+        if p.backend == "centralized":  # what the schedule feeds, recomputed here
             assert p.tokens_seen == 7 * 4 * 32 == c.train.steps * c.train.batch_size * c.data.seq_len
             assert c.parallel.world_size == (2 if p.model == "tiny2x" else 1)
     by_size = {}
@@ -42,14 +42,14 @@ def test_size_axis_names_and_equal_tokens_seen():
 
 def test_names_without_the_axis_are_unchanged():
     cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
-    assert [p.name for p in plan_points(cfg)][:3] == ["parallel-epsinf-s0", "parallel-eps32-s0", "parallel-eps2-s0"]
+    assert [p.name for p in plan_points(cfg)][:3] == ["centralized-epsinf-s0", "centralized-eps32-s0", "centralized-eps2-s0"]
     assert all(p.model is None for p in plan_points(cfg))
 
 
 def test_base_config_merges_section_by_section(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"train": {"steps": 9, "lr": 1e-4, "batch_size": 3}}))
     (tmp_path / "s.yaml").write_text(yaml.safe_dump({"base_config": "run.yaml", "base": {"train": {"steps": 5}},
-                                                     "grid": {"backends": ["parallel"]}}))
+                                                     "grid": {"backends": ["centralized"]}}))
     cfg = load_sweep_config(tmp_path / "s.yaml")
     c = point_config(cfg, plan_points(cfg)[0])
     assert (c.train.steps, c.train.lr, c.train.batch_size) == (5, 1e-4, 3)
@@ -65,7 +65,7 @@ def _err(capsys, argv):
 
 def _sweep(tmp_path, **raw) -> str:
     path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"grid": {"backends": ["parallel"]}, **raw}))
+    path.write_text(yaml.safe_dump({"grid": {"backends": ["centralized"]}, **raw}))
     return str(path)
 
 
@@ -87,7 +87,7 @@ def test_size_axis_bad_input_one_line(tmp_path, capsys):
 
 def test_shared_tokenizer_admits_sizes_of_other_vocabularies():
     cfg = sweep_config_from_dict({"base": {"data": {"tokenizer": "/public/tok"}},
-                                  "grid": {"backends": ["parallel"], "models": ["1b", "8b"]}})
+                                  "grid": {"backends": ["centralized"], "models": ["1b", "8b"]}})
     assert [p.model for p in plan_points(cfg)] == ["1b", "8b"]
 
 
@@ -133,7 +133,7 @@ def test_slurm_job_parameters_reach_sbatch():
 
     cfg = sweep_config_from_dict({
         "base": {"parallel": {"data": 2, "x": 2, "y": 2}},
-        "grid": {"backends": ["parallel"]},
+        "grid": {"backends": ["centralized"]},
         "executor": {"kind": "slurm", "gpus_per_node": 4, "cpus_per_task": 8, "timeout_min": 90,
                      "partition": "gpu", "account": "proj1", "mem_gb": 200, "setup": ["module load cuda"],
                      "slurm_additional": {"exclusive": True}}})

@@ -36,7 +36,7 @@ def _raw(tmp_path: Path, lr: float = 0.003) -> dict:
     base = tmp_path / "base"
     base.mkdir(exist_ok=True)
     (base / "model.safetensors").write_bytes(b"base weights")
-    return {"grid": {"backends": ["parallel"]}, "probe": {"probes": ["exposure"], "n_boot": 100, "device": "cpu"},
+    return {"grid": {"backends": ["centralized"]}, "probe": {"probes": ["exposure"], "n_boot": 100, "device": "cpu"},
             "base": {"train": {"lr": lr}, "model": {"init_from": str(base)}}}
 
 
@@ -139,7 +139,7 @@ def test_a_report_refuses_probes_of_other_weights(tmp_path, capsys):
     from tests.reports._fixtures import write_run_dir
 
     run = tmp_path / "run"
-    write_run_dir(run, "parallel", ppl=50.0)
+    write_run_dir(run, "centralized", ppl=50.0)
     (run / "model").mkdir()
     (run / "model" / "model.safetensors").write_bytes(b"new weights")
     doc = json.loads((run / "probes.json").read_text())

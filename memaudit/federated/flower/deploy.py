@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,7 +34,7 @@ CONNECTION = "memaudit"
 def require_flwr() -> None:
     """One-line error naming the extra when flwr is not installed."""
     try:
-        import flwr  # noqa: F401
+        import flwr  # noqa: F401  (optional dependency: flwr, the flower extra)
     except ImportError:
         raise ConfigError("federated.runtime=flower needs Flower; install the extra: "
                           "pip install 'memaudit[flower]'") from None
@@ -134,8 +135,6 @@ def submit(launch: Path, fcfg: Any, *, progress: Callable[[], None] | None = Non
 
 def _stop_run(launch: Path, env: dict[str, str]) -> None:
     """``flwr stop`` the run ``flwr run`` started (its id is in the log), best effort."""
-    import re
-
     text = (launch / "flwr-run.log").read_text(errors="replace")
     found = re.search(r"started run (\d+)", text)
     if found is None:

@@ -28,14 +28,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 import numpy as np
+from jax import export
 
 from memaudit.federated.flower import wire
 from memaudit.federated.flower.identity import authenticated_keys, sign_keys
-from memaudit.federated.flower.partition import CLIENT, Lit, Plan, Stage
+from memaudit.federated.flower.partition import CLIENT, Lit, Plan, PlanError, Stage
 from memaudit.federated.flower.trust import NodeTrust, StageRefused, stage_signature
 from memaudit.federated.secagg.remote import node_step
 
@@ -118,10 +122,6 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
         PlanError: every node refused a stage (`Refusal`: the nodes' manifests are not this
             program's), with the first refusal's line.
     """
-    import jax
-
-    from memaudit.federated.flower.partition import PlanError
-
     flat = jax.tree.leaves(tuple(args))
     env: dict[int, Any] = dict(plan.consts)
     for i, x in zip(plan.invars, flat, strict=True):
@@ -277,7 +277,6 @@ class NodeExecutor:
         if self.store_dir is None:
             self.store[(round, var)] = value
             return
-        from pathlib import Path
 
         d = Path(self.store_dir)
         d.mkdir(parents=True, exist_ok=True)
@@ -289,14 +288,12 @@ class NodeExecutor:
     def _kept(self, round: int, var: int) -> Any:
         if self.store_dir is None:
             return self.store[(round, var)]
-        from pathlib import Path
 
         return np.load(Path(self.store_dir) / f"r{round}-v{var}.npy")
 
     def _load_protocol(self, round: int) -> dict:
         if self.store_dir is None:
             return self.protocol[round]
-        from pathlib import Path
 
         return wire.unpack((Path(self.store_dir) / f"secagg-r{round}.bin").read_bytes())
 
@@ -306,8 +303,6 @@ class NodeExecutor:
         if self.store_dir is None:
             self.protocol = {} if state is None else {round: state}
             return
-        import os
-        from pathlib import Path
 
 
         d = Path(self.store_dir)
@@ -354,8 +349,6 @@ class NodeExecutor:
     def _module(self, call: StageCall) -> Any:
         """The call's exported module, cached by the sha256 of its bytes (never by a name the
         server gives)."""
-        from jax import export
-
         key = hashlib.sha256(bytes(call.module)).hexdigest()
         if key not in self.modules:
             self.modules[key] = export.deserialize(bytearray(call.module))

@@ -25,6 +25,7 @@ from memaudit.federated.flower.execute import plan_signatures, resident_vars
 from memaudit.federated.flower.partition import Plan, compile_plan
 from memaudit.federated.flower.trust import DPBound, NodeTrust
 from memaudit.federated.trainer import FederatedTrainer
+from memaudit.io import atomic_write_json
 
 PLACED = {"[1].examples['input_ids']": "input_ids",
           "[1].examples['attention_mask']": "attention_mask", "[1].mask": "example_mask"}
@@ -112,8 +113,6 @@ def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[
     """`build_trust` of one config, or the merge (`NodeTrust.merge`) of several on the same
     data, with the nodes' public keys (``nodes``, `memaudit.federated.flower.identity`), as
     JSON at ``path`` (atomic)."""
-    from memaudit.io import atomic_write_json
-
     cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
     trust = build_trust(cfgs[0], prepared, run)
     for cfg in cfgs[1:]:

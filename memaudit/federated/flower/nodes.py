@@ -19,13 +19,24 @@ printed by the command) so server and nodes tokenize alike.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import io
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from memaudit.errors import DataError
+from memaudit.config import load_config
+from memaudit.data import prepare_data
+from memaudit.errors import DataError, MemauditError
+from memaudit.federated.data import build_client_data
+from memaudit.federated.flower.identity import new_node_key, public_hex, write_node_key
+from memaudit.io import atomic_write_bytes
+from memaudit.models.presets import get_preset
+from memaudit.rundir import RunDir
 
 ARRAYS = ("input_ids", "attention_mask", "example_mask")
 
@@ -62,12 +73,6 @@ def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
     for v in variants:
         if v.data != cfg.data:
             raise DataError("a --variant changes the data section; write its partitions separately")
-    from memaudit.data import prepare_data
-    from memaudit.federated.data import build_client_data
-    from memaudit.io import atomic_write_bytes
-    from memaudit.models.presets import get_preset
-    from memaudit.rundir import RunDir
-
     out = Path(out)
     scratch = RunDir(out / "prepared")
     prepared = prepare_data(cfg.data, scratch, vocab_size=get_preset(cfg.model.preset).vocab_size)
@@ -80,14 +85,14 @@ def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
         arrays = {"users": np.asarray(block, dtype=str), "input_ids": clients.input_ids[rows],
                   "attention_mask": clients.attention_mask[rows],
                   "example_mask": clients.example_mask[rows]}
-        import io
 
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         path = out / f"node-{i}.npz"
         atomic_write_bytes(path, buf.getvalue())
         files.append(str(path))
-    from memaudit.federated.flower.identity import new_node_key, public_hex, write_node_key
+    # lazy: the manifest traces the round (flax, optax: seconds); a SuperNode reading its
+    # partition through this module does not pay for it
     from memaudit.federated.flower.manifest import write_manifest
 
     keys = [new_node_key() for _ in blocks] if manifest else []  # the nodes' PKI: node i's key to node i only
@@ -117,13 +122,6 @@ def load_partition(path: str | Path) -> tuple[list[str], dict[str, np.ndarray]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    import sys
-
-    from memaudit.config import load_config
-    from memaudit.errors import MemauditError
-
     ap = argparse.ArgumentParser(prog="python -m memaudit.federated.flower.nodes",
                                  description="Write each SuperNode's partition of a run's data.")
     ap.add_argument("config", help="the run's YAML config")

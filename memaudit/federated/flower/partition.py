@@ -43,6 +43,12 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+
 from memaudit.errors import MemauditError
 from memaudit.federated.primitives_impl import PRIMITIVE_NAMES, federated_broadcast_p
 
@@ -136,8 +142,6 @@ class Stacked:
 
 def _helper(fn: Callable, ins: list, avals: list, num: _Numbering, ops: list) -> Any:
     """Inline the equations of ``fn`` (traced at ``avals``) on ``ins``; its one output."""
-    import jax
-
     closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
     sub = {cv: Lit(c) for cv, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)}
     sub.update(zip(closed.jaxpr.invars, ins, strict=True))
@@ -151,8 +155,6 @@ def _value(x: Any, num: _Numbering, ops: list) -> Any:
     if not isinstance(x, Stacked):
         return x
     if x.id is None:
-        import jax.numpy as jnp
-
         parts = [_value(p, num, ops) for p in x.parts]
         avals = [num.avals[p] if isinstance(p, int) else _lit_aval(p) for p in parts]
         x.id = _helper(lambda *ys: jnp.stack(ys), parts, avals, num, ops)
@@ -160,16 +162,11 @@ def _value(x: Any, num: _Numbering, ops: list) -> Any:
 
 
 def _lit_aval(lit: Lit) -> Any:
-    import jax
-    import numpy as np
-
     return jax.ShapeDtypeStruct(np.shape(lit.value), jax.numpy.result_type(lit.value))
 
 
 def _communicates(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` (or a sub-jaxpr) calls a federated primitive or a fused map-sum."""
-    import jax.extend.core as jcore
-
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         if eqn.primitive.name in PRIMITIVE_NAMES or _is_fused_sum(eqn):
             return True
@@ -213,8 +210,6 @@ def _row(x: Any, i: int, num: _Numbering, ops: list) -> Any:
 
 
 def _read(v: Any, env: dict) -> Any:
-    import jax.extend.core as jcore
-
     return Lit(v.val) if isinstance(v, jcore.Literal) else env[v]
 
 
@@ -250,8 +245,6 @@ def _inline(jaxpr: Any, env: dict, num: _Numbering, ops: list) -> None:
 def _inlined_body(eqn: Any) -> Any:
     """The closed body of a ``jit`` (not a fused map-sum), or of a ``remat`` / ``closed_call``
     whose body communicates, which `_inline` inlines; None for any other equation."""
-    import jax.extend.core as jcore
-
     name = eqn.primitive.name
     if name in ("pjit", "jit") and eqn.params.get("name") not in FUSED_NAMES:
         return eqn.params["jaxpr"]
@@ -292,8 +285,6 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
             deltas a host aggregator encodes there): clients-placed values the server never
             gathers; `memaudit.federated.flower.execute.run_plan` returns a `Resident` for each.
     """
-    import jax
-
     closed, out_shape = jax.make_jaxpr(program, return_shape=True)(*args)
     jaxpr = closed.jaxpr
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tuple(args))]
@@ -314,7 +305,6 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     data_leaves = {i: placed[p] for i, p in zip(invars, paths, strict=True) if p in placed}
     ops: list[Op] = []
     _inline(jaxpr, env, num, ops)
-    import jax.extend.core as jcore
 
     outvars = [_value(Lit(v.val) if isinstance(v, jcore.Literal) else env[v], num, ops)
                for v in jaxpr.outvars]
@@ -452,9 +442,6 @@ def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, st
                  capacity: int, resident: Sequence[str] = ()) -> Plan:
     """`trace` the round, export its client stages (``jax.export``, serialised StableHLO a node
     runs without the algorithm's code) and jit its server stages."""
-    import jax
-    from jax import export
-
     plan = trace(program, args, placed, capacity, resident)
     # A module's source locations name the innermost frame only, never the caller's: the same
     # program exports to the same bytes wherever it is traced from (the server, or the stage
@@ -476,6 +463,4 @@ def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, st
 
 
 def _struct(aval):
-    import jax
-
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)

@@ -37,6 +37,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from jax import export
+
 from memaudit.errors import DataError, MemauditError
 
 SCHEMA = 1
@@ -51,8 +53,6 @@ def module_digest(module: bytes) -> str:
     (they name the frames it was traced from, not what it does; their count varies with those
     frames) and its calling convention
     (argument and result shapes, trees, kept arguments, platforms, effects, shardings)."""
-    from jax import export  # jax: only a node that runs stages (or the manifest) needs it
-
     exp = export.deserialize(bytearray(module))
     text = re.sub(r"^#loc[\w.]*\s*=.*$", "", exp.mlir_module(), flags=re.MULTILINE)
     text = re.sub(r"\s*loc\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)", "", text)

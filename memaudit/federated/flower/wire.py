@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
+import msgpack
 import numpy as np
 
 _ARRAY = 7
@@ -28,8 +30,6 @@ def dtype_of(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:  # bfloat16 and other ml_dtypes
-        import ml_dtypes
-
         return np.dtype(getattr(ml_dtypes, name))
 
 
@@ -37,8 +37,6 @@ _dtype = dtype_of
 
 
 def _default(obj: Any) -> Any:
-    import msgpack
-
     if isinstance(obj, np.generic):
         obj = np.asarray(obj)
     if isinstance(obj, np.ndarray):
@@ -52,8 +50,6 @@ def _default(obj: Any) -> Any:
 
 
 def _ext(code: int, data: bytes) -> Any:
-    import msgpack
-
     if code != _ARRAY:
         return msgpack.ExtType(code, data)
     unp = msgpack.Unpacker(raw=False)
@@ -64,19 +60,16 @@ def _ext(code: int, data: bytes) -> Any:
 
 
 def pack(obj: Any) -> bytes:
-    import msgpack
-
     return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
 def unpack(data: bytes) -> Any:
-    import msgpack
-
     return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
 
 
 def content(obj: Any) -> Any:
     """A Flower ``RecordDict`` carrying ``obj``."""
+    # optional dependency: flwr (the flower extra)
     from flwr.app import ConfigRecord, RecordDict
 
     return RecordDict({RECORD: ConfigRecord({FIELD: pack(obj)})})

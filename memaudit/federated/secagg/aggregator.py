@@ -256,6 +256,7 @@ def abort_bit_epsilon(cfg, population: int) -> float:
     """Pure ε per round of whether a secure-aggregation round aborted, for a
     :class:`memaudit.config.Config` and its population (`memaudit.privacy.aborts`): the floor
     min_survivors and, with simulated dropouts, the holder threshold of the complete graph."""
+    # lazy: dp_accounting (~1.5 s) and scipy.stats (~0.3 s) only when called
     from memaudit.privacy.aborts import abort_epsilon
 
     sa, f = cfg.privacy.secure_aggregation, cfg.federated

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from memaudit.federated.secagg.messages import AuthenticationError
+from memaudit.io import atomic_write_bytes
 
 _RAW_PUB = (serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 _RAW_PRIV = (serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
@@ -152,8 +153,6 @@ def _pub(pk: Ed25519PublicKey) -> bytes:
 
 def write_key_directory(ring: KeyRing, directory: str | Path) -> None:
     """Write every key of ``ring`` as ``client-<id>.pub`` / ``client-<id>.key`` (atomic writes)."""
-    from memaudit.io import atomic_write_bytes
-
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     for cid in sorted(ring.ids):

@@ -1,0 +1,38 @@
+"""The training backends' names, and the old name that existing configs and run directories hold.
+
+`centralized` is the torch backend (one process, or the data x tensor-parallel grid that
+`memaudit.parallel` runs); `federated` is the JAX one. Configs, sweep files and run.json written
+before the rename say `parallel` for `centralized`: every reader maps it with `backend_name`, so
+such a config still loads and such a run still resumes and reports.
+
+>>> backend_name("parallel"), backend_name("federated")
+('centralized', 'federated')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CENTRALIZED = "centralized"
+FEDERATED = "federated"
+BACKENDS = (CENTRALIZED, FEDERATED)
+# the centralized backend's name before it was renamed
+ALIASES = {"parallel": CENTRALIZED}
+
+
+def backend_name(name: Any) -> Any:
+    """`name` with an old alias replaced by the backend's name (anything else unchanged)."""
+    return ALIASES.get(name, name) if isinstance(name, str) else name
+
+
+def report_rank(name: str) -> int:
+    """Where a backend's rows come in a report's sorted tables: federated first, then
+    centralized (the old names' alphabetical order, kept so that a report reads as before)."""
+    return (FEDERATED, CENTRALIZED).index(name) if name in BACKENDS else len(BACKENDS)
+
+
+def config_with_backend_name(config: Any) -> Any:
+    """A run config as stored in run.json, with an old backend alias replaced (for comparisons)."""
+    if isinstance(config, dict) and config.get("backend") in ALIASES:
+        return {**config, "backend": backend_name(config["backend"])}
+    return config
