@@ -23,15 +23,8 @@ from memaudit.federated import algorithms as alg
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan, valid_reply
 from memaudit.federated.flower.partition import compile_plan
-
-U, S, CAP = 6, 3, 4
-PLACED = {"[1].examples['x']": "x", "[1].examples['y']": "y", "[1].mask": "example_mask"}
-HOSTS = {"A": ["u0", "u1", "u2"], "B": ["u3", "u4", "u5"]}
-ASSIGN = {"A": [(0, "u0"), (1, "u2")], "B": [(2, "u3"), (3, "u5")]}
-
-
-def _loss(p, b):
-    return jnp.mean((jnp.tanh(b["x"] @ p["w"]) + p["b"] - b["y"]) ** 2, axis=-1), None
+from tests.federated.toy_nodes import ASSIGN, CAP, HOSTS, PLACED, S, toy_arrays
+from tests.federated.toy_nodes import toy_loss as _loss
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +33,7 @@ def toy():
     from memaudit.federated.aggregators import mean_aggregator
     from memaudit.federated.dp import dp_fedavg
 
-    rng = np.random.default_rng(0)
-    arrays = {"x": rng.normal(size=(U, S, 3)).astype(np.float32),
-              "y": rng.normal(size=(U, S, 2)).astype(np.float32), "example_mask": np.ones((U, S), np.float32)}
+    arrays = toy_arrays(0)
     agg = dp_fedavg(mean_aggregator(), clip=0.5, noise_multiplier=0.7, expected_cohort=4.0)
     a = alg.fedavg(_loss, client_optimizer=optax.sgd(0.2), server_optimizer=optax.sgd(1.0), local_steps=2,
                    batch_size=2, aggregator=agg)

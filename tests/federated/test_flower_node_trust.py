@@ -33,23 +33,14 @@ from memaudit.federated.flower.execute import (
 )
 from memaudit.federated.flower.partition import PlanError, compile_plan
 from memaudit.federated.flower.trust import DPBound, NodeTrust, StageRefused
-
-U, S, CAP = 6, 3, 4
-PLACED = {"[1].examples['x']": "x", "[1].examples['y']": "y", "[1].mask": "example_mask"}
-HOSTS = {"A": ["u0", "u1", "u2"], "B": ["u3", "u4", "u5"]}
-ASSIGN = {"A": [(0, "u0"), (1, "u2")], "B": [(2, "u3"), (3, "u5")]}
-
-
-def _loss(p, b):
-    return jnp.mean((jnp.tanh(b["x"] @ p["w"]) + p["b"] - b["y"]) ** 2, axis=-1), None
+from tests.federated.toy_nodes import ASSIGN, CAP, HOSTS, PLACED, S, toy_arrays
+from tests.federated.toy_nodes import toy_loss as _loss
 
 
 @pytest.fixture(scope="module")
 def toy():
     """Users' arrays, a FedSGD round (a kept residual between its two client stages) and its plan."""
-    rng = np.random.default_rng(0)
-    arrays = {"x": rng.normal(size=(U, S, 3)).astype(np.float32),
-              "y": rng.normal(size=(U, S, 2)).astype(np.float32), "example_mask": np.ones((U, S), np.float32)}
+    arrays = toy_arrays(0)
     a = alg.fedsgd(_loss, server_optimizer=optax.sgd(0.5))
     state = a.init({"w": jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(3, 2), "b": jnp.zeros(2)})
     data = ClientData({"x": jax.ShapeDtypeStruct((CAP, S, 3), np.float32),
