@@ -90,6 +90,9 @@ def register(app: typer.Typer) -> None:
             current = bar.add_task("point", total=None, info="")
 
             def on_progress(i: int, total: int, info: dict) -> None:
+                for old, new in (info.get("adopted") or {}).items():  # swept before a backend's rename
+                    console.print(f"runs/{old}: found under its name now, runs/{new}", markup=False,
+                                  highlight=False)
                 bar.update(overall, completed=i, total=total, info=str(info.get("point", "")))
                 if "done" in info:
                     bar.update(current, completed=info["done"], total=info["total"],

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from memaudit.backends import ALIASES
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json
 from memaudit.reports import build as report_build
@@ -115,6 +116,32 @@ def split_first(points: list[SweepPoint], needed: set[str], jobs: int
     return first + rest[:fill], rest[fill:]
 
 
+def adopt_renamed_points(out: Path) -> dict[str, str]:
+    """Point folders named by a backend's old name (runs/parallel-...: swept before the centralized
+    backend was renamed) moved to their names now (runs/centralized-...), so the sweep finds them
+    and decides on them by `point_action` instead of training them a second time. A folder already
+    under the new name is never replaced (both stay). Returns {old name: new name} of those moved.
+
+    >>> import tempfile; out = Path(tempfile.mkdtemp()); (out / "runs" / "parallel-eps8-s0").mkdir(parents=True)
+    >>> adopt_renamed_points(out), sorted(p.name for p in (out / "runs").iterdir())
+    ({'parallel-eps8-s0': 'centralized-eps8-s0'}, ['centralized-eps8-s0'])
+    """
+    runs = out / "runs"
+    moved: dict[str, str] = {}
+    if not runs.is_dir():
+        return moved
+    for old in sorted(runs.iterdir()):
+        prefix, sep, rest = old.name.partition("-")
+        if not sep or prefix not in ALIASES or not old.is_dir():
+            continue
+        new = runs / f"{ALIASES[prefix]}-{rest}"
+        if new.exists():
+            continue
+        os.replace(old, new)  # one rename on the same file system: the folder is whole under one name
+        moved[old.name] = new.name
+    return moved
+
+
 def check_sweep_dir(out: Path) -> None:
     """One line, before anything is written, for an --out that cannot hold a sweep."""
 
@@ -146,6 +173,9 @@ def _prepare_points(cfg: SweepConfig, out: Path, progress: Progress, overwrite: 
     reference runs to report; without `overwrite` it stops, before anything is replaced, where
     a complete run would be trained anew (`memaudit.sweep.replace`)."""
     points = base_points = plan_points(cfg)
+    adopted = adopt_renamed_points(out)
+    if adopted and progress is not None:
+        progress(0, len(points), {"adopted": adopted})
     # ---- public pretraining (memaudit.sweep.pretrain): one base model, trained once (or reused),
     # that every point fine-tunes (model.init_from), and its zero-fine-tuning reference run
     if cfg.pretrain is not None:

@@ -259,3 +259,40 @@ def test_a_point_is_probed_with_its_public_base_as_the_membership_reference(tmp_
     assert probe_reason(cfg, rd) is None
     other = cfg.model_copy(update={"probe": cfg.probe.model_copy(update={"reference": "/elsewhere"})})
     assert probe_settings(other, rd)["reference"] == "/elsewhere"
+
+
+@pytest.mark.parametrize("kind", EXECUTOR_KINDS)
+def test_a_point_run_before_the_backend_rename_is_found_not_trained_again(tmp_path, recorded, kind):
+    """A sweep --out written before the centralized backend's rename holds its points in
+    runs/parallel-...; the sweep adopts them under their names now (runs/centralized-...), so a
+    complete one is skipped with its numbers, not trained a second time. A folder already under the
+    new name is never replaced."""
+    cfg = _sweep(tmp_path, kind)
+    (p,) = plan_points(cfg)
+    assert p.name.startswith("centralized-")
+    out = tmp_path / "out"
+    old = out / "runs" / p.name.replace("centralized-", "parallel-", 1)
+    _write_point(cfg, p, old, "fresh")
+    atomic_write_json(out / "sweep.json", {"plan": None, "outcomes": [], "status": "complete"})
+    points, _ = runner._prepare_points(cfg, out, None, False)
+    outcomes = []
+    runner._run_points(cfg, points, out, lambda i, o: outcomes.append(o), None, False)
+    (o,) = outcomes
+    assert (o.status, o.action) == ("complete", "skipped")
+    assert (recorded["train"], recorded["probe"]) == ([], [])
+    assert not old.exists() and (out / "runs" / p.name / "probes.json").is_file()
+
+
+def test_adopting_old_point_names_never_replaces_a_folder_under_the_new_name(tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("parallel-eps8-s0", "centralized-eps8-s0", "parallel-epsinf-s0", "federated-eps8-s0"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "mark").write_text(name, encoding="utf-8")
+    moved = runner.adopt_renamed_points(tmp_path)
+    assert moved == {"parallel-epsinf-s0": "centralized-epsinf-s0"}
+    assert (runs / "centralized-eps8-s0" / "mark").read_text(encoding="utf-8") == "centralized-eps8-s0"
+    assert (runs / "parallel-eps8-s0" / "mark").read_text(encoding="utf-8") == "parallel-eps8-s0"
+    assert (runs / "centralized-epsinf-s0" / "mark").read_text(encoding="utf-8") == "parallel-epsinf-s0"
+    assert sorted(p.name for p in runs.iterdir()) == ["centralized-eps8-s0", "centralized-epsinf-s0",
+                                                      "federated-eps8-s0", "parallel-eps8-s0"]
+    assert runner.adopt_renamed_points(tmp_path / "none") == {}
