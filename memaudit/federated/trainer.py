@@ -53,6 +53,7 @@ from memaudit.federated.distributed import barrier, maybe_initialize
 from memaudit.federated.dp import dp_fedavg, dp_fedavg_mechanism
 from memaudit.federated.mesh import build_mesh
 from memaudit.federated.secagg.aggregator import abort_bit_epsilon, secure_aggregation_from_config
+from memaudit.federated.secagg.messages import masked_bytes
 from memaudit.federated.sharding import (
     MeshAxis,
     clients_axis_size,
@@ -206,6 +207,7 @@ class FederatedTrainer:
         self.state = self.algorithm.init(self._to_device(self.params0))
         self.key_data = self._base_key()
         self.aggregated_rounds = 0  # rounds whose update took in at least one client
+        self.secagg_words: int | None = None  # words of a masked input, once a secure round ran
 
     def _barrier(self, name: str) -> None:
         if jax.process_count() > 1:
@@ -379,6 +381,8 @@ class FederatedTrainer:
         released = None if int(m.get("secagg_aborted", 0) or 0) else dict(m)
         if released is not None and float(m.get("aggregated_clients", 1) or 0) > 0:
             self.aggregated_rounds += 1
+        if "secagg_words" in m:
+            self.secagg_words = int(m["secagg_words"])
         rec.update({k: v for k, v in m.items() if k not in ("cohort",)})
         return state, rec, released
 
@@ -523,9 +527,18 @@ class FederatedTrainer:
                 "processes": jax.process_count(), "mesh_clients": clients_axis_size(self.mesh),
                 "mesh_model": model_axis_size(self.mesh), "trained": trained_label(self.cfg.model.lora),
                 "trained_parameters": trained, "frozen_parameters": self.parameters() - trained,
-                # a client's update: one float32 per trained parameter (secure aggregation's
-                # traffic, masks and shares included, is its secagg_bytes_up metric)
-                "upload_bytes_per_client_per_round": 4 * trained}
+                "upload_bytes_per_client_per_round": self.upload_bytes(trained)}
+
+    def upload_bytes(self, trained: int) -> int:
+        """A client's update as sent each round: one float32 per trained parameter, or under secure
+        aggregation its masked input (`secagg.messages.masked_bytes`: uint32 words mod 2^32, one
+        per trained parameter plus the clip indicator when one is summed). Keys, shares and the
+        unmasking are the round's overhead beside it (its secagg_bytes_up metric, sensitive under
+        DP: it grows with the realised cohort)."""
+        p = self.cfg.privacy
+        if not (p.secure_aggregation.enabled or p.mechanism == "distributed"):
+            return 4 * trained
+        return masked_bytes(self.secagg_words if self.secagg_words is not None else trained)
 
     def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
         """Run (or resume) through the driver inside the run lifecycle (lock, manifest, signals)."""

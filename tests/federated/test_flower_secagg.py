@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memaudit.federated.secagg.messages import masked_bytes
+
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 
@@ -106,6 +108,9 @@ def test_remote_secure_sum_equals_in_jax_and_the_integer_oracle():
     np.testing.assert_allclose(_flat(remote.update), expect, rtol=0, atol=1e-6)  # float32 cast
     assert float(remote.metrics["survivors"]) == N and remote.metrics["secagg_aborted"] == 0
     assert remote.metrics["secagg_bytes_up"] == local.metrics["secagg_bytes_up"]
+    words = _flat(local.update).size  # no clip indicator in this aggregator: the update's words
+    assert remote.metrics["secagg_words"] == local.metrics["secagg_words"] == words
+    assert remote.metrics["secagg_bytes_masked"] == local.metrics["secagg_bytes_masked"] == N * masked_bytes(words)
     assert sorted(step for step, _ in nodes.replies) == sorted(
         ["advertise", "shares", "masked", "check", "unmask"] * len(HOSTS))  # default mode: signed
 

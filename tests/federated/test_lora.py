@@ -4,12 +4,15 @@ whose exports are the adapters only."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
 import torch
 
 from memaudit.config import LoraConfig, load_config
+from memaudit.lifecycle import SENSITIVE_METRICS
 from memaudit.models.flax_lora import LoraModel, adapters_from_peft, adapters_to_peft, count
 from memaudit.models.lora import adapter_state, apply_lora
 from tests.federated.test_trainer import OVERRIDES
@@ -115,8 +118,10 @@ def test_fedsgd_lora_round_equals_the_centralized_lora_step_and_uploads_the_adap
 
 
 def test_dp_fedavg_lora_run_trains_the_adapters_and_exports_both(tmp_path):
-    """A DP-FedAvg LoRA run: clipping, noise and the server optimizer see only the adapters; the
-    exported base is the initialisation bit for bit, and the adapter folder and merged model agree."""
+    """A DP-FedAvg LoRA run under secure aggregation: clipping, the masked sum, noise and the server
+    optimizer see only the adapters; each client uploads a masked input of one uint32 word per
+    adapter parameter (counted in the protocol's own traffic), the exported base is the
+    initialisation bit for bit, and the adapter folder and merged model agree."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -128,12 +133,19 @@ def test_dp_fedavg_lora_run_trains_the_adapters_and_exports_both(tmp_path):
     cfg = load_config(None, [*OVERRIDES, "federated.rounds=2", "federated.eval_every=2",
                              "privacy.noise_multiplier=0.5", "privacy.clip=0.5",
                              "privacy.reproducible_randomness=true", "model.lora.rank=4",
-                             "model.lora.target_modules=[q_proj,v_proj]"])
+                             "model.lora.target_modules=[q_proj,v_proj]",
+                             "privacy.secure_aggregation.enabled=true"])
     run = RunDir(tmp_path / "fl")
     res = train_federated(cfg, run)
     assert res["trained"] == "lora(r=4, q_proj,v_proj)"
     n_adapters = 4 * ((128 * 4 + 4 * 128) + (128 * 4 + 4 * 64))  # 4 layers x (q_proj + v_proj)
-    assert res["trained_parameters"] == n_adapters and res["upload_bytes_per_client_per_round"] == 4 * n_adapters
+    assert res["trained_parameters"] == n_adapters
+    # the masked input: a 34-byte header, the vector's 8-byte length, 4 bytes per adapter parameter
+    assert res["upload_bytes_per_client_per_round"] == 34 + 8 + 4 * n_adapters
+    rounds = [json.loads(line) for line in (run.path / SENSITIVE_METRICS).read_text().splitlines()]
+    secure = [r for r in rounds if r.get("secagg_aborted") == 0]
+    assert secure and all(r["secagg_bytes_masked"] == r["survivors"] * (34 + 8 + 4 * n_adapters) for r in secure)
+    assert all(r["secagg_bytes_up"] > r["secagg_bytes_masked"] for r in secure)  # keys, shares, unmasking
     assert read_json(run.privacy_path)["unit"] == "user"
     base_dir = run.path / "adapter" / "base"
     start = initial_model(cfg.model, VOCAB).state_dict()

@@ -198,6 +198,10 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         metrics.update(secagg_aborted=0, survivors=jnp.float32(m), aggregated_clients=jnp.float32(m),
                        cohort=jnp.float32(n), secagg_bits=b, secagg_degree=result.degree,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
+                       secagg_bytes_masked=result.bytes_masked,
+                       # words per masked input: the model's trained coordinates (+ 1 when the
+                       # clip indicators are summed too), a function of the config, not the data
+                       secagg_words=int(result.total.shape[0]),
                        secagg_norm_bound=float(bound))
         if updates.counted:  # the survivors' indicators, summed under the masks
             metrics["within_clip"] = jnp.float32(int(result.total[dim]))

@@ -103,6 +103,12 @@ class Writer:
         return b"".join([head, *self._parts])
 
 
+def masked_bytes(words: int) -> int:
+    """Bytes of one client's masked input (`MsgType.MASKED`): the header, the vector's length
+    and its `words` uint32 words (mod 2^32 whatever the quantisation bits)."""
+    return _HEADER.size + 8 + 4 * int(words)
+
+
 class Reader:
     def __init__(self, body: bytes | memoryview) -> None:
         self._b = memoryview(body)

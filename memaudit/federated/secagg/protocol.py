@@ -37,6 +37,7 @@ class RoundResult:
     degree: int                 # max neighbours per client
     bytes_up: int               # client -> server traffic
     bytes_down: int             # server -> client traffic
+    bytes_masked: int = 0       # of bytes_up, the masked inputs (`messages.masked_bytes` each)
 
 
 @dataclass
@@ -88,12 +89,13 @@ def run_round(inputs: np.ndarray, *, round_id: int = 0, neighbours: str = "full"
                     min_survivors=min_survivors, signed=policy.malicious,
                     graph=(neighbours, graph_seed, degree), colluding=colluding)
     clients = [Client(i, round_id=round_id, policy=policy, keys=keys) for i in range(n)]
-    up = down = 0
+    up = down = masked = 0
 
     def send(stage, cid, msg, handler):
-        nonlocal up
+        nonlocal up, masked
         msg = tamper(stage, cid, msg)
         up += len(msg)
+        masked += len(msg) if stage == "masked" else 0
         handler(msg)
 
     def deliver(stage, cid, msg):
@@ -122,4 +124,4 @@ def run_round(inputs: np.ndarray, *, round_id: int = 0, neighbours: str = "full"
         if i not in drop.before_unmask:
             send("unmask", i, clients[i].unmask(requests[i]), server.receive_unmask)
     total = server.finalize()
-    return RoundResult(total, frozenset(server.u3), max(len(s) for s in neigh), up, down)
+    return RoundResult(total, frozenset(server.u3), max(len(s) for s in neigh), up, down, masked)

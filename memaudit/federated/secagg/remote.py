@@ -208,7 +208,7 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
                     graph=(neighbours, graph_seed, degree), colluding=colluding)
     ch = rows.channel
     node_of = {cid: ch.host[int(s)] for cid, s in enumerate(present)}
-    traffic = {"up": 0, "down": 0}
+    traffic = {"up": 0, "down": 0, "masked": 0}
 
     def exchange(step: str, msgs: dict[int, bytes], receive: Callable[[bytes], None],
                  extra: dict | None = None) -> list[int]:
@@ -222,6 +222,7 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
         for node in sorted(replies, key=str):
             for cid, m in sorted(replies[node]["msgs"].items()):
                 traffic["up"] += len(m)
+                traffic["masked"] += len(m) if step == "masked" else 0
                 receive(m)
         return sorted(cid for cid in msgs if node_of[cid] in replies)
 
@@ -257,7 +258,7 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
              server.receive_unmask)
     total = server.finalize()
     return RoundResult(total, frozenset(server.u3), max(len(s) for s in neigh), traffic["up"],
-                       traffic["down"])
+                       traffic["down"], traffic["masked"])
 
 
 # ------------------------------------------------------------------ a node's side
