@@ -317,7 +317,8 @@ def context_count(counts: dict) -> int:
 def context_measure(counts: dict) -> str:
     """What happened to the documents longer than the model's context, in words."""
     if "documents_windowed" in counts:
-        return (f"documents scored in windows of {counts['context']} tokens (the model's "
+        whose = "the reference's" if counts.get("reference_context") else "the model's"
+        return (f"documents scored in windows of {counts['context']} tokens ({whose} "
                 f"context), {counts.get('window_stride', counts['context'] // 2)} apart")
     return f"documents scored on their first {counts['context']} tokens (the model's context)"
 

@@ -11,15 +11,53 @@ from __future__ import annotations
 
 from memaudit.config import ProbeConfig
 
+_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "max_sequence_length")
+
 
 def model_context(model) -> int | None:
     """The longest sequence the model takes: n_positions or max_position_embeddings."""
     cfg = getattr(model, "config", None)
-    for name in ("n_positions", "max_position_embeddings", "max_sequence_length"):
-        v = getattr(cfg, name, None)
+    return config_context({k: getattr(cfg, k, None) for k in _CONTEXT_KEYS})
+
+
+def config_context(config: dict) -> int | None:
+    """The context a model's config.json names (None when it names none).
+
+    >>> config_context({"n_positions": 64}), config_context({"max_position_embeddings": 2048}), config_context({})
+    (64, 2048, None)
+    """
+    for name in _CONTEXT_KEYS:
+        v = config.get(name)
         if isinstance(v, int) and v > 1:
             return v
     return None
+
+
+def fit_to_references(settings: ProbeConfig, counts: dict, references: dict[str, int | None],
+                      lengths: list[int]) -> tuple[ProbeConfig, dict]:
+    """`settings` whose scoring window also fits the reference models' contexts, and `counts`
+    with the documents windowed in it.
+
+    A reference attack subtracts per-document losses, which compare only when the target and the
+    reference scored the same windows; so every model of the run scores in the shortest context.
+    Extraction and sampling run on the target alone and keep its context. `counts` gains
+    {"reference_context": {name: context}} for the references that shortened the window.
+
+    >>> s, c = fit_to_references(ProbeConfig(max_tokens=64), {}, {"base": 32, "big": 128}, [10, 40, 100])
+    >>> s.max_tokens, c["context"], c["documents_windowed"], c["window_stride"], c["reference_context"]
+    (32, 32, 2, 16, {'base': 32})
+    """
+    shorter = {n: c for n, c in references.items() if c is not None and c < settings.max_tokens}
+    if not shorter:
+        return settings, counts
+    window = min(shorter.values())
+    stride = settings.window_stride if settings.window_stride and settings.window_stride < window else None
+    settings = settings.model_copy(update={"max_tokens": window, "window_stride": stride})
+    return settings, {**counts, "context": window, "documents": len(lengths),
+                      "documents_windowed": sum(n > window for n in lengths),
+                      "window_stride": window_stride(settings), "reference_context": shorter,
+                      "target_context": counts.get("context"),
+                      "extraction_ks_dropped": counts.get("extraction_ks_dropped", [])}
 
 
 def fit_to_context(settings: ProbeConfig, context: int | None, lengths: list[int]

@@ -18,7 +18,7 @@ from memaudit.errors import RunDirError
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes import extraction as ex
 from memaudit.probes.audit import run_audit
-from memaudit.probes.context import fit_to_context, model_context, window_stride
+from memaudit.probes.context import fit_to_context, fit_to_references, model_context, window_stride
 from memaudit.probes.exposure import run_exposure
 from memaudit.probes.goldfish import goldfish_extraction
 from memaudit.probes.loaders import AUDIT_SCORES
@@ -26,7 +26,7 @@ from memaudit.probes.membership import doc_scores, min_k, run_membership
 from memaudit.probes.pii import run_pii
 from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.shift import blind_check
-from memaudit.probes.sources import load_model, resolve_model
+from memaudit.probes.sources import load_model, resolve_model, source_context
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 from memaudit.probes.user_inference import run_user_inference
 from memaudit.probes.weights import weights_sha256
@@ -100,12 +100,18 @@ def run_probes(
     elif model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
     codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
-    if target.kind == "model":  # an outside model: every sequence within its context
+    references = {name: source_context(resolve_model(name))
+                  for name in (settings.reference, *settings.reference_models) if name}
+    if target.kind == "model" or references:
         docs = target.members + target.nonmembers + target.heldout_user_docs
-        settings, counts = fit_to_context(settings, model_context(model),
-                                          [len(codec.encode(d.text)) for d in docs])
+        lengths = [len(codec.encode(d.text)) for d in docs]
+        if target.kind == "model":  # an outside model: every sequence within its context
+            settings, counts = fit_to_context(settings, model_context(model), lengths)
+            target.counts.update(counts)
+            target.seq_len = target.seq_len or counts.get("context")
+        # a reference model with a shorter context: every model scores in its windows
+        settings, counts = fit_to_references(settings, dict(target.counts), references, lengths)
         target.counts.update(counts)
-        target.seq_len = target.seq_len or counts.get("context")
     checks = {}
     if target.kind == "model" and target.members and target.nonmembers:  # before any attack
         checks["distribution_shift"] = blind_check([d.text for d in target.members],

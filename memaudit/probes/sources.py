@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memaudit.errors import MemauditError
+from memaudit.probes.context import config_context
 
 ADAPTER_CONFIG = "adapter_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -160,6 +161,13 @@ def _adapter(path: Path, base: str | None, name: str | None = None) -> ModelSour
     if b.kind == "adapter":
         raise MemauditError(f"the base of adapter '{path}' is itself an adapter; merge it first")
     return ModelSource(name=name or str(path), kind="adapter", path=path, base=b)
+
+
+def source_context(src: ModelSource) -> int | None:
+    """The context of `src` as its config.json names it (an adapter's: its base's), read
+    without loading the weights."""
+    folder = src.base.path if src.base is not None else src.path
+    return config_context(_read_json(folder / "config.json", "model config"))
 
 
 def load_model(src: ModelSource, *, device: str = "cpu", dtype: str = "auto"):

@@ -172,12 +172,14 @@ def input_text(entry: dict[str, Any]) -> str:
     parts = []
     if "documents_windowed" in c:  # every token scored, in strided windows of the context
         parts.append(f"{c['documents_windowed']} of {c['documents']} documents scored in "
-                     f"windows of {c['context']} tokens")
+                     f"windows of {c['context']} tokens"
+                     + (", the reference's context" if c.get("reference_context") else ""))
     elif c.get("context"):  # a probes.json written before windows: documents were cut
         parts.append(f"{c['documents_truncated']} of {c['documents']} documents cut to "
                      f"{c['context']} tokens")
     if c.get("extraction_ks_dropped"):
-        parts.append(f"prefix lengths {', '.join(map(str, c['extraction_ks_dropped']))} beyond it")
+        parts.append(f"prefix lengths {', '.join(map(str, c['extraction_ks_dropped']))} beyond the "
+                     "target's context")
     shift = entry.get("shift") or {}
     if shift.get("flagged"):
         parts.append(f"WARNING: {shift['note']}")

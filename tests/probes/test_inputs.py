@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from memaudit.cli import main
 from memaudit.probes.inputs import Columns, read_documents
@@ -166,6 +167,43 @@ def test_long_documents_fit_the_context_and_are_counted(tmp_path, outside):
     assert len(ids) > 3 * 64
     want = strided_nll(AutoModelForCausalLM.from_pretrained(outside.merged_dir), ids, 64, 32)
     assert -rows[0]["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_reference_with_a_shorter_context_sets_the_windows_of_both(tmp_path, outside):
+    """--reference with a context of 32 tokens beside a target of 64: both models score every
+    document in the reference's windows (the ratio attack compares their losses), counted on the
+    first screen; it used to run the reference past its learned positions."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(outside.merged_dir)
+    torch.manual_seed(1)
+    ref = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)).eval()
+    ref.save_pretrained(tmp_path / "ref")
+    tok.save_pretrained(tmp_path / "ref")
+    mem = tmp_path / "m.jsonl"
+    texts = [" ".join(outside.member_texts[:3]), *outside.member_texts[3:20]]
+    mem.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    rc = main(["probe", str(outside.merged_dir), "--out", str(tmp_path / "p.json"), "--members", str(mem),
+               "--nonmembers", str(outside.nonmembers), "--probes", "membership",
+               "--reference", str(tmp_path / "ref"), *FAST])
+    assert rc == 0
+    doc = json.loads((tmp_path / "p.json").read_text())
+    c = doc["counts"]
+    assert c["context"] == 32 and c["reference_context"] == {str(tmp_path / "ref"): 32}
+    assert c["window_stride"] == 16 and doc["settings"]["max_tokens"] == 32
+    target = AutoModelForCausalLM.from_pretrained(outside.merged_dir).eval()
+    lengths = [len(tok(t)["input_ids"]) + 1 for t in texts]
+    assert c["documents_windowed"] >= sum(n > 32 for n in lengths) >= 1
+    row = doc["probes"]["membership"]["scores"][0]
+    ids = [tok.eos_token_id, *tok(texts[0])["input_ids"]]
+    want = strided_nll(ref, ids, 32, 16) - strided_nll(target, ids, 32, 16)
+    assert row["reference"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert -row["loss"] == pytest.approx(strided_nll(target, ids, 32, 16), rel=1e-5)
+    from memaudit.reports.targets import input_text
+
+    assert "windows of 32 tokens, the reference's context" in input_text({"counts": c})
+    assert c["target_context"] == 64 and c["extraction_ks_dropped"] == [32, 50]  # 1 + k + 50 > 64
 
 
 def test_window_stride_of_a_whole_context_is_one_line(tmp_path, outside, capsys):
