@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from memaudit.commands._common import console, print_json, progress, stdout
+from memaudit.probes.context import context_count, context_measure
 from memaudit.reports.cells import TERMINAL, Cell, format_cell
 
 
@@ -306,21 +307,6 @@ def summary_rows(doc: dict) -> list[tuple[str, str, str]]:
                 (name, "ledger ε", "-" if s["ledger_eps"] is None else f"{s['ledger_eps']:.3f}")
             )
     return rows
-
-
-def context_count(counts: dict) -> int:
-    """Documents longer than the model's context: windowed, or truncated in a probes.json
-    written before windows."""
-    return counts.get("documents_windowed", counts.get("documents_truncated", 0))
-
-
-def context_measure(counts: dict) -> str:
-    """What happened to the documents longer than the model's context, in words."""
-    if "documents_windowed" in counts:
-        whose = "the reference's" if counts.get("reference_context") else "the model's"
-        return (f"documents scored in windows of {counts['context']} tokens ({whose} "
-                f"context), {counts.get('window_stride', counts['context'] // 2)} apart")
-    return f"documents scored on their first {counts['context']} tokens (the model's context)"
 
 
 def render_table(result, *, show_secrets: bool) -> None:

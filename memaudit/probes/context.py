@@ -99,6 +99,22 @@ def fit_to_context(settings: ProbeConfig, context: int | None, lengths: list[int
     return settings, counts
 
 
+def windowed_counts(settings: ProbeConfig, lengths: list[int]) -> dict:
+    """The counts of documents longer than the scoring window (`settings.max_tokens`), or {} when
+    every document fits (a memaudit run's documents usually do).
+
+    >>> windowed_counts(ProbeConfig(max_tokens=64), [10, 80, 100])["documents_windowed"]
+    2
+    >>> windowed_counts(ProbeConfig(max_tokens=64), [10, 20])
+    {}
+    """
+    n = sum(x > settings.max_tokens for x in lengths)
+    if not n:
+        return {}
+    return {"context": settings.max_tokens, "documents": len(lengths), "documents_windowed": n,
+            "window_stride": window_stride(settings), "extraction_ks_dropped": [], "window_of": "max_tokens"}
+
+
 def window_stride(settings: ProbeConfig) -> int:
     """The stride of a long document's windows (default half the window), refused in one line
     unless it lies in 1..max_tokens - 1 (a stride of a whole window would leave each window's
@@ -113,3 +129,19 @@ def window_stride(settings: ProbeConfig) -> int:
         raise ValueError(f"--window-stride {stride} must be smaller than the window of {window} "
                          f"tokens (the model's context or max_tokens); pass at most {window - 1}")
     return stride
+
+
+def context_count(counts: dict) -> int:
+    """Documents longer than the model's context: windowed, or truncated in a probes.json
+    written before windows."""
+    return counts.get("documents_windowed", counts.get("documents_truncated", 0))
+
+
+def context_measure(counts: dict) -> str:
+    """What happened to the documents longer than the model's context, in words."""
+    if "documents_windowed" in counts:
+        whose = ("probe.max_tokens" if counts.get("window_of") == "max_tokens" else
+                 "the reference's context" if counts.get("reference_context") else "the model's context")
+        return (f"documents scored in windows of {counts['context']} tokens ({whose}), "
+                f"{counts.get('window_stride', counts['context'] // 2)} apart")
+    return f"documents scored on their first {counts['context']} tokens (the model's context)"

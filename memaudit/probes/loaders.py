@@ -175,6 +175,7 @@ class ProbesDoc:
     target: dict
     settings: dict
     probes: dict[str, ProbeSection]
+    counts: dict = field(default_factory=dict)  # what fitting the context did (documents windowed, ...)
 
     def get(self, name: str) -> ProbeSection | None:
         """The probe's section, or None when it was not run or was skipped."""
@@ -194,7 +195,7 @@ class ProbesDoc:
                 raise DataError(f"{source}: probe '{name}' has no 'summary'; re-run `memaudit probe`")
             probes[name] = ProbeSection(summary=p["summary"], scores=p.get("scores") or [])
         return cls(schema=1, target=obj.get("target") or {}, settings=obj.get("settings") or {},
-                   probes=probes)
+                   probes=probes, counts=obj.get("counts") or {})
 
 
 def _path(obj: Any, *keys: str, default: Any = None) -> Any:

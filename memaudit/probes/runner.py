@@ -18,7 +18,13 @@ from memaudit.errors import RunDirError
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes import extraction as ex
 from memaudit.probes.audit import run_audit
-from memaudit.probes.context import fit_to_context, fit_to_references, model_context, window_stride
+from memaudit.probes.context import (
+    fit_to_context,
+    fit_to_references,
+    model_context,
+    window_stride,
+    windowed_counts,
+)
 from memaudit.probes.exposure import run_exposure
 from memaudit.probes.goldfish import goldfish_extraction
 from memaudit.probes.loaders import AUDIT_SCORES
@@ -112,6 +118,9 @@ def run_probes(
         # a reference model with a shorter context: every model scores in its windows
         settings, counts = fit_to_references(settings, dict(target.counts), references, lengths)
         target.counts.update(counts)
+    if not target.counts:  # a run's documents longer than the window: windowed, and counted
+        target.counts.update(windowed_counts(settings, [len(codec.encode(d.text)) for d in
+                                                        target.members + target.nonmembers + target.heldout_user_docs]))
     checks = {}
     if target.kind == "model" and target.members and target.nonmembers:  # before any attack
         checks["distribution_shift"] = blind_check([d.text for d in target.members],

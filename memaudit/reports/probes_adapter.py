@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from memaudit.probes.context import context_count, context_measure
 from memaudit.probes.loaders import ProbesDoc, ProbeSection
 
 MAX_ROC_POINTS = 200
@@ -312,6 +313,10 @@ def summarize_probes(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path 
             fn(p, out)
     if (p := doc.get("extraction")) is not None:
         _extraction(p, out, _member_texts(run_dir), show_secrets)
+    c = doc.counts
+    if c.get("context") and context_count(c):  # documents longer than the context: windowed, counted
+        out["rows"].append({"probe": "input", "metric": f"{context_measure(c)} (of {c['documents']} documents)",
+                            "value": context_count(c), "ci_low": None, "ci_high": None})
     for name, probe in doc.probes.items():
         if probe.skipped:
             out["rows"].append({"probe": name, "metric": f"skipped: {probe.skipped}", "value": None, "ci_low": None, "ci_high": None})

@@ -65,3 +65,33 @@ def test_probes_json_written_before_windows_still_reads():
     assert measure.endswith("32 apart")
     assert input_text({"counts": old}) == "2 of 81 documents cut to 64 tokens"
     assert input_text({"counts": new}) == "2 of 81 documents scored in windows of 64 tokens"
+
+
+def test_a_runs_documents_longer_than_the_window_are_counted_in_probes_json_and_the_report(trained):
+    """A memaudit run's documents longer than probe.max_tokens are scored in windows and counted
+    (probes.json `counts`, the probe table, the report's probe rows); a run whose documents all fit
+    writes no counts."""
+    from memaudit.commands.probe import summary_rows
+    from memaudit.config import ProbeConfig
+    from memaudit.probes.runner import run_probes
+    from memaudit.probes.targets import resolve_target
+    from memaudit.reports.probes_adapter import summarize_probes
+
+    target = resolve_target(trained.run)
+    codec = Codec(trained.tokenizer, start_id=target.eos_id)
+    lengths = [len(codec.encode(d.text)) for d in target.members + target.nonmembers + target.heldout_user_docs]
+    window = max(lengths) - 1  # the longest documents (here: all of the same length) are windowed
+    longer = sum(n > window for n in lengths)
+    assert longer > 0
+    settings = ProbeConfig(device="cpu", probes=("membership",), n_boot=50, max_tokens=window)
+    doc = run_probes(target, settings, model=trained.model, tokenizer=trained.tokenizer).document
+    c = doc["counts"]
+    assert (c["context"], c["documents"], c["documents_windowed"]) == (window, len(lengths), longer)
+    assert c["window_stride"] == window // 2
+    rows = [r for r in summarize_probes(doc)["rows"] if r["probe"] == "input"]
+    assert len(rows) == 1 and rows[0]["value"] == longer
+    assert rows[0]["metric"].startswith(f"documents scored in windows of {window} tokens (probe.max_tokens)")
+    assert summary_rows(doc)[0] == ("input", rows[0]["metric"].split(" (of ")[0], f"{longer} of {len(lengths)}")
+    fits = run_probes(resolve_target(trained.run), settings.model_copy(update={"max_tokens": max(lengths)}),
+                      model=trained.model, tokenizer=trained.tokenizer).document
+    assert not fits.get("counts") and not [r for r in summarize_probes(fits)["rows"] if r["probe"] == "input"]
