@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 from memaudit.models.init import initial_model
+from memaudit.models.lora import apply_lora
 from memaudit.parallel import checkpoint as pckpt
 from memaudit.parallel import clip as pclip
 from memaudit.parallel.dims import ParallelDims, build_groups
 from memaudit.parallel.dp import TensorParallelClipping, pad_rows
+from memaudit.parallel.lora import gather_peft
 from memaudit.parallel.parallelize import ParallelLlama, overlap_options, parallelize_llama
 from memaudit.train import checkpoint as ckpt
 from memaudit.train.evaluate import is_right_padded, target_mask
@@ -160,6 +162,16 @@ class TensorParallelLayout:
         plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
         plain.load_state_dict(full, strict=False)
         session.export_hf(plain, tokenizer=prepared.tokenizer(), tokenizer_dir=prepared.tokenizer_dir)
+
+    def lora_model(self, model: ParallelLlama) -> Any:
+        """The writer's one-process peft model (the run's seeded `apply_lora` of a fresh model)
+        holding the assembled base and adapters, so both LoRA exports are what one process
+        writes; None on the other ranks. A collective."""
+        fresh = None
+        if self.is_writer:
+            plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
+            fresh = apply_lora(plain, self.cfg.model.lora, seed=self.cfg.model.init_seed)
+        return gather_peft(model, fresh)
 
     def num_parameters(self, model: ParallelLlama) -> int:
         return sum(math.prod(p.shard_spec.full_shape) for p in model.hf.parameters())

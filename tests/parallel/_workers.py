@@ -21,6 +21,7 @@ from torch import nn
 
 from memaudit.parallel.comm import Comm
 from memaudit.parallel.dims import ParallelDims, build_groups
+from tests.parallel._lora_workers import LORA_GRIDS, lora_cases, lora_reference
 
 LAYER_GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
 LAYER_SHAPES = [(32, 64), (16, 128), (2, 256)]
@@ -155,7 +156,7 @@ def serial_reference() -> dict[str, Any]:
             dp_sum[k] += g[k] * f
     return {"init": init, "losses": losses, "final": final, "clip_norm": norm, "clipped": clipped,
             "dp_norms": torch.tensor(per_norms), "dp_clip": clip,
-            "dp_grads": {k: v / BATCH for k, v in dp_sum.items()}}
+            "dp_grads": {k: v / BATCH for k, v in dp_sum.items()}, **lora_reference(data)}
 
 
 _BASE: list[nn.Module] = []
@@ -534,6 +535,9 @@ def worker(rank: int, world: int, port: int, outdir: str, ref_path: str, jobs_pa
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= model_cases(grid, ref, outdir)
+        for grid in LORA_GRIDS:
+            if grid[0] * grid[1] * grid[2] * grid[3] == world:
+                res |= lora_cases(grid, ref, batches(), outdir, TIMES)
         t0 = time.perf_counter()
         for grid in VOLUME_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
