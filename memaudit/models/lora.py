@@ -173,6 +173,8 @@ def save_adapter(model: Any, run_path: Path, *, base: str | None) -> Path:
         cfg_path = tmp / "adapter_config.json"
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         cfg["base_model_name_or_path"] = base
+        if isinstance(cfg.get("target_modules"), list):  # peft writes its set in hash order
+            cfg["target_modules"] = sorted(cfg["target_modules"])
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True), encoding="utf-8")
     return final
 

@@ -140,12 +140,15 @@ class TensorParallelLayout:
         """Every rank loads the full checkpoint into a plain model and AdamW and keeps its slices."""
 
         plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
-        opt = make_optimizer(plain.parameters(), self.cfg.train)
+        lora = self.cfg.model.lora
+        if lora is not None:  # the one-process run's peft model (the optimizer holds its adapters only)
+            plain = apply_lora(plain, lora, seed=self.cfg.model.init_seed)
+        opt = make_optimizer([p for p in plain.parameters() if p.requires_grad], self.cfg.train)
         scalars, extra = pckpt.load_any(run, model=plain, optimizer=opt, device=torch.device("cpu"))
-        model.load_full_state_dict(plain.state_dict())
+        model.load_full_state_dict((plain.get_base_model() if lora is not None else plain).state_dict())
         full = opt.state_dict()
         local = {}
-        for i, p in enumerate(model.hf.parameters()):
+        for i, p in enumerate(p for p in model.hf.parameters() if p.requires_grad):
             st = full["state"].get(i)
             if st is not None:
                 local[i] = {k: (p.shard_spec.local(v, model.comm).to(p.device)
