@@ -22,9 +22,9 @@ _CASES = [(g, k) for g in LORA_GRIDS for k in LORA_KINDS]
 def test_lora_on_the_grid_equals_one_process(results, grid: tuple[int, int, int, int], kind: str) -> None:
     """train: two AdamW steps equal peft in one process (losses, adapters, merged model, peft's
     adapter state), the frozen base is bit-identical and gets no gradient nor optimizer state, the
-    adapters change, a sharded checkpoint loads back bit for bit; dp: one DP-SGD step (sigma=0,
-    ghost clipping) equals a brute-force per-example loop's clipped mean; ghost: per-example
-    adapter-gradient norms equal that loop's."""
+    adapters change, a sharded checkpoint loads back bit for bit; dp: per-example adapter-gradient
+    norms equal a brute-force per-example loop's, and one DP-SGD step (sigma=0, ghost clipping)
+    that loop's clipped mean."""
     world = grid[0] * grid[1] * grid[2] * grid[3]
     err = results(world)[f"lora-{kind}-{''.join(map(str, grid))}"]
     assert err is None, err
