@@ -16,7 +16,7 @@ import numpy as np
 from memaudit.data.corpus import check_file, resolve_files
 from memaudit.errors import ConfigError, DataError, MemauditError
 from memaudit.models.init import check_init_from, model_shape
-from memaudit.models.lora import check_lora
+from memaudit.models.lora import check_lora, check_lora_grid
 from memaudit.parallel.dims import ParallelDims
 
 
@@ -40,9 +40,8 @@ def check_before_disk(cfg: Any) -> None:
             raise ConfigError(f"data.{key}='{value}' does not exist; give an existing path or drop it")
     check_lora(cfg.model.lora, shape or model_shape(cfg.model))
     lora = cfg.model.lora
-    if lora is not None and cfg.backend != "federated" and cfg.parallel.world_size > 1:
-        raise ConfigError("model.lora trains in one centralized process so far; set "
-                          "parallel.data=x=y=z=1, or drop model.lora")
+    if cfg.backend != "federated" and cfg.parallel.world_size > 1:
+        check_lora_grid(lora, shape or model_shape(cfg.model), x=cfg.parallel.x, y=cfg.parallel.y)
     if lora is not None and cfg.backend == "federated" and cfg.federated.runtime == "flower":
         raise ConfigError("model.lora runs on federated.runtime=jax so far; set federated.runtime=jax "
                           "or drop model.lora")

@@ -145,6 +145,8 @@ CASES = [
     Case("dataset-unknown", lambda d, c: _train(d, "data.path=nosuchdataset"), "nosuchdataset"),
     Case("tokenizer-missing", lambda d, c: _train(d, f"data.tokenizer={d / 'tok'}"), "data.tokenizer"),
     Case("grid-does-not-divide", lambda d, c: _train(d, "parallel.x=3"), "parallel"),
+    Case("lora-grid-does-not-divide", lambda d, c: _train(d, "model.lora.rank=4", "parallel.x=3"),
+         "parallel.x=3 does not divide A's columns"),
     Case("mesh-too-large", lambda d, c: _train(d, "backend=federated", "federated.mesh_clients=64"),
          "federated.mesh_clients"),
     Case("fedsgd-with-dp", lambda d, c: _train(d, "backend=federated", "federated.algorithm=fedsgd",

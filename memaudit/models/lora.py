@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,30 @@ def check_lora(lora: LoraConfig | None, shape: LlamaPreset) -> None:
             raise ConfigError(f"model.lora.rank={lora.rank} exceeds {t}'s smaller dimension "
                               f"{min(d_in, d_out)} ({d_in} -> {d_out}); set model.lora.rank <= "
                               f"{min(d_in, d_out)} or drop {t} from target_modules")
+
+
+_TRANSPOSED = ("o_proj", "down_proj")  # their in-features split over y, out-features over x on the grid
+
+
+def check_lora_grid(lora: LoraConfig | None, shape: LlamaPreset, *, x: int, y: int) -> None:
+    """One line for LoRA the tensor-parallel grid cannot run: adapter dropout (its mask would have
+    to be the same on every replicated copy of the input), or a targeted layer whose adapter
+    dimension (A's columns follow the base's in-features, B's rows its out-features) the grid's
+    x or y does not divide."""
+    if lora is None:
+        return
+    if lora.dropout > 0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} has no tensor-parallel form; set "
+                          "model.lora.dropout=0 on a grid (parallel.x, y, z or data > 1)")
+    dims = layer_dims(shape)
+    for t in lora.target_modules:
+        d_in, d_out = dims[t]
+        ax_in, ax_out = (("y", y), ("x", x)) if t in _TRANSPOSED else (("x", x), ("y", y))
+        for what, n, (axis, deg) in (("A's columns (d_in)", d_in, ax_in), ("B's rows (d_out)", d_out, ax_out)):
+            if n % deg:
+                raise ConfigError(f"model.lora on {t}: parallel.{axis}={deg} does not divide {what}={n} of "
+                                  f"its adapters; choose parallel.{axis} dividing {n} or drop {t} from "
+                                  "model.lora.target_modules")
 
 
 def trained_label(lora: LoraConfig | None) -> str:
@@ -102,10 +127,15 @@ def is_lora(model: Any) -> bool:
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
-    """{"trained_parameters", "frozen_parameters"} of `model`'s (local) parameters."""
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """{"trained_parameters", "frozen_parameters"} of `model`'s logical parameters (a grid's
+    shards count by their `shard_spec`'s full shape, so every grid reports what one process does)."""
+    def size(p: Any) -> int:
+        spec = getattr(p, "shard_spec", None)
+        return p.numel() if spec is None else math.prod(spec.full_shape)
+
+    trained = sum(size(p) for p in model.parameters() if p.requires_grad)
     return {"trained_parameters": trained,
-            "frozen_parameters": sum(p.numel() for p in model.parameters()) - trained}
+            "frozen_parameters": sum(size(p) for p in model.parameters()) - trained}
 
 
 def merged_copy(model: Any) -> torch.nn.Module:
@@ -143,6 +173,8 @@ def save_adapter(model: Any, run_path: Path, *, base: str | None) -> Path:
         cfg_path = tmp / "adapter_config.json"
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         cfg["base_model_name_or_path"] = base
+        if isinstance(cfg.get("target_modules"), list):  # peft writes its set in hash order
+            cfg["target_modules"] = sorted(cfg["target_modules"])
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True), encoding="utf-8")
     return final
 

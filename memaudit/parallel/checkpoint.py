@@ -195,6 +195,8 @@ def load_any(run: RunDir, *, model: torch.nn.Module, optimizer: torch.optim.Opti
     (scalars, extra)."""
     scalars = ckpt.read_scalars(run)
     if scalars.get("format") == "sharded":
-        load_sharded(run, params=dict(model.named_parameters()), optimizer=optimizer, local=None)
+        # a peft model's names carry its wrapper's prefix; the grid saved the Llama's own names
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        load_sharded(run, params=dict(inner.named_parameters()), optimizer=optimizer, local=None)
         return scalars, ckpt.read_extra(run)
     return ckpt.load_state(run, model=model, optimizer=optimizer, device=device)

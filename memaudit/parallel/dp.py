@@ -47,8 +47,10 @@ def add_noise_(model: ParallelLlama, *, std: float, randomness: Any, step: int) 
     """Add N(0, std^2) to every logical gradient element, identically on every replica.
 
     ``randomness`` must be the same `DPRandomness` on every rank (`DPRandomness.broadcast`).
+    Only trained parameters get noise (under LoRA the adapters), keyed by their index among the
+    trained ones, as `memaudit.train.dpsgd.SerialClipping` keys them.
     """
-    for i, p in enumerate(model.hf.parameters()):
+    for i, p in enumerate(p for p in model.hf.parameters() if p.requires_grad):
         spec = p.shard_spec
         gen = randomness.torch_generator("dpsgd-noise", step, i)
         noise = torch.randn(spec.full_shape, generator=gen, dtype=torch.float32) * std
@@ -78,7 +80,7 @@ class TensorParallelClipping:
 
     def __init__(self, model: ParallelLlama) -> None:
         self.model = model
-        self.params = list(model.hf.named_parameters())
+        self.params = [(n, p) for n, p in model.hf.named_parameters() if p.requires_grad]  # LoRA: the adapters
 
     def clipped_sum_(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                      clip: float, *, micro_batch_size: int | None, right_padded: bool = False) -> ClipStats:

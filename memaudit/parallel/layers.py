@@ -196,10 +196,12 @@ def _linear_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
     work = comm.all_reduce(grad_a, ctx.out_axis, async_op=ctx.overlap)
     g2 = g.reshape(-1, g.shape[-1])
     a2 = a.reshape(-1, a.shape[-1])
-    grad_w = g2.t() @ a2  # (out_l, in_l), overlapped with the all-reduce above
-    if ctx.norms is not None:  # the accumulator of the ghost-norm call that ran this forward
-        ghost.add_linear(ctx.norms, a, g)
-    grad_shard = _weight_grad(ctx, grad_w)
+    grad_shard = None
+    if ctx.needs_input_grad[1]:  # a frozen weight (LoRA's base) gets no gradient and no ghost norm
+        grad_w = g2.t() @ a2  # (out_l, in_l), overlapped with the all-reduce above
+        if ctx.norms is not None:  # the accumulator of the ghost-norm call that ran this forward
+            ghost.add_linear(ctx.norms, a, g)
+        grad_shard = _weight_grad(ctx, grad_w)
     if work is not None and ctx.overlap:
         work.wait()
     return grad_a, grad_shard, None
@@ -234,6 +236,8 @@ class _BiasFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.needs_input_grad[1]:  # frozen bias
+            return g, None, None, None
         if ctx.norms is not None:
             ghost.add_vector(ctx.norms, g, scale=1.0 / ctx.rep)
         return g, g.reshape(-1, g.shape[-1]).sum(0), None, None
@@ -261,7 +265,8 @@ class TPLinear(nn.Module):
         self.in_features, self.out_features = in_f, out_f
         self.shape = (out_f // comm.size(self.out_axis), in_f // comm.size(self.in_axis))
         self.wspec = ShardSpec((out_f, in_f), self.out_axis, self.in_axis, True, (), (MeshAxis.DATA,))
-        self.weight = nn.Parameter(self.wspec.local(linear.weight.detach(), comm))
+        self.weight = nn.Parameter(self.wspec.local(linear.weight.detach(), comm),
+                                   requires_grad=linear.weight.requires_grad)  # frozen stays frozen (LoRA)
         self.weight.shard_spec = self.wspec  # type: ignore[attr-defined]
         self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
         self.gathered.shard = self.weight
@@ -269,7 +274,8 @@ class TPLinear(nn.Module):
         self.__dict__["ghost"] = norms  # the model's ghost-norm collector (DP-SGD), not a submodule
         if linear.bias is not None:
             self.bspec = ShardSpec((out_f,), self.out_axis, None, False, (self.in_axis, MeshAxis.Z), (MeshAxis.Z, MeshAxis.DATA))
-            self.bias = nn.Parameter(self.bspec.local(linear.bias.detach(), comm))
+            self.bias = nn.Parameter(self.bspec.local(linear.bias.detach(), comm),
+                                     requires_grad=linear.bias.requires_grad)
             self.bias.shard_spec = self.bspec  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
@@ -301,6 +307,8 @@ class _EmbeddingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.needs_input_grad[1]:  # frozen embedding (LoRA)
+            return None, None, None
         local, mask = ctx.saved_tensors
         gm = g * mask.unsqueeze(-1).to(g.dtype)
         grad_w = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
@@ -321,7 +329,7 @@ class ParallelEmbedding(nn.Module):
         self.shape = (v // comm.size(MeshAxis.Y), h // comm.size(MeshAxis.X))
         self.vstart = comm.index(MeshAxis.Y) * self.shape[0]
         self.spec = ShardSpec((v, h), MeshAxis.Y, MeshAxis.X, True, (), (MeshAxis.DATA,))
-        self.weight = nn.Parameter(self.spec.local(emb.weight.detach(), comm))
+        self.weight = nn.Parameter(self.spec.local(emb.weight.detach(), comm), requires_grad=emb.weight.requires_grad)
         self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
         self.__dict__["gathered"] = _Gathered(comm, self.shape, prefetch)  # not a submodule
         self.__dict__["sync"] = sync

@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 from memaudit.models.init import initial_model
+from memaudit.models.lora import apply_lora
 from memaudit.parallel import checkpoint as pckpt
 from memaudit.parallel import clip as pclip
 from memaudit.parallel.dims import ParallelDims, build_groups
 from memaudit.parallel.dp import TensorParallelClipping, pad_rows
+from memaudit.parallel.lora import gather_peft
 from memaudit.parallel.parallelize import ParallelLlama, overlap_options, parallelize_llama
 from memaudit.train import checkpoint as ckpt
 from memaudit.train.evaluate import is_right_padded, target_mask
@@ -138,12 +140,15 @@ class TensorParallelLayout:
         """Every rank loads the full checkpoint into a plain model and AdamW and keeps its slices."""
 
         plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
-        opt = make_optimizer(plain.parameters(), self.cfg.train)
+        lora = self.cfg.model.lora
+        if lora is not None:  # the one-process run's peft model (the optimizer holds its adapters only)
+            plain = apply_lora(plain, lora, seed=self.cfg.model.init_seed)
+        opt = make_optimizer([p for p in plain.parameters() if p.requires_grad], self.cfg.train)
         scalars, extra = pckpt.load_any(run, model=plain, optimizer=opt, device=torch.device("cpu"))
-        model.load_full_state_dict(plain.state_dict())
+        model.load_full_state_dict((plain.get_base_model() if lora is not None else plain).state_dict())
         full = opt.state_dict()
         local = {}
-        for i, p in enumerate(model.hf.parameters()):
+        for i, p in enumerate(p for p in model.hf.parameters() if p.requires_grad):
             st = full["state"].get(i)
             if st is not None:
                 local[i] = {k: (p.shard_spec.local(v, model.comm).to(p.device)
@@ -160,6 +165,16 @@ class TensorParallelLayout:
         plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
         plain.load_state_dict(full, strict=False)
         session.export_hf(plain, tokenizer=prepared.tokenizer(), tokenizer_dir=prepared.tokenizer_dir)
+
+    def lora_model(self, model: ParallelLlama) -> Any:
+        """The writer's one-process peft model (the run's seeded `apply_lora` of a fresh model)
+        holding the assembled base and adapters, so both LoRA exports are what one process
+        writes; None on the other ranks. A collective."""
+        fresh = None
+        if self.is_writer:
+            plain = initial_model(self.cfg.model, model.hf.config.vocab_size)
+            fresh = apply_lora(plain, self.cfg.model.lora, seed=self.cfg.model.init_seed)
+        return gather_peft(model, fresh)
 
     def num_parameters(self, model: ParallelLlama) -> int:
         return sum(math.prod(p.shard_spec.full_shape) for p in model.hf.parameters())

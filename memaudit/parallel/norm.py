@@ -28,6 +28,8 @@ class _ScaleFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         h, w = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:  # frozen norm weight (LoRA)
+            return g * w, None, None, None
         gh = g * h
         if ctx.norms is not None:  # the accumulator of the ghost-norm call that ran this forward
             ghost.add_vector(ctx.norms, gh, scale=1.0 / ctx.rep)
@@ -45,7 +47,7 @@ class ParallelRMSNorm(nn.Module):
                              f"choose parallel.x dividing {h}")
         self.comm, self.hidden, self.eps = comm, h, norm.variance_epsilon
         self.spec = ShardSpec((h,), MeshAxis.X, None, False, (MeshAxis.Y, MeshAxis.Z), (MeshAxis.Z, MeshAxis.DATA))
-        self.weight = nn.Parameter(self.spec.local(norm.weight.detach(), comm))
+        self.weight = nn.Parameter(self.spec.local(norm.weight.detach(), comm), requires_grad=norm.weight.requires_grad)
         self.weight.shard_spec = self.spec  # type: ignore[attr-defined]
         self.__dict__["ghost"] = norms  # the model's ghost-norm collector (DP-SGD), not a submodule
 

@@ -27,6 +27,7 @@ from memaudit.parallel.layers import (
     assemble,
     vocab_parallel_cross_entropy,
 )
+from memaudit.parallel.lora import TPLoraLinear, is_lora_layer
 from memaudit.parallel.norm import ParallelRMSNorm
 
 _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -122,7 +123,9 @@ def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups
     """Swap the layers of a full `LlamaForCausalLM` for AxoNN's; every rank slices its shard.
 
     Args:
-      model: a `LlamaForCausalLM` with the full weights (the same on every rank).
+      model: a `LlamaForCausalLM` with the full weights (the same on every rank), or one wrapped
+        by peft (`memaudit.models.lora.apply_lora`): its LoRA layers become `TPLoraLinear`s whose
+        adapters follow the base weight's split, and frozen parameters stay frozen.
       dims: the grid; checked against the world size and the model's dimensions.
       pg: process groups from `build_groups(dims)` (built here when omitted; collective).
       overlap: overlap the input-gradient all-reduce with the weight-gradient matmul (OAR).
@@ -137,6 +140,8 @@ def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups
 
     References: Singh et al., AxoNN (SC'24), Section IV-B (OAR, ORS, OAG).
     """
+    if hasattr(model, "get_base_model"):  # peft's wrapper: parallelize the Llama inside it
+        model = model.get_base_model()
     dims.check_model(model.config)
     pg = pg if pg is not None else build_groups(dims)
     if pg.dims != dims:
@@ -155,7 +160,9 @@ def parallelize_llama(model: nn.Module, *, dims: ParallelDims, pg: ProcessGroups
         for parent in (layer.self_attn, layer.mlp):
             for name in _NORMAL + _TRANSPOSED:
                 if hasattr(parent, name):
-                    lin = TPLinear(getattr(parent, name), comm, transpose=name in _TRANSPOSED, overlap=overlap, **kw)
+                    src = getattr(parent, name)
+                    cls = TPLoraLinear if is_lora_layer(src) else TPLinear
+                    lin = cls(src, comm, transpose=name in _TRANSPOSED, overlap=overlap, **kw)
                     setattr(parent, name, lin)
                     chain.append(lin.gathered)
         layer.input_layernorm = ParallelRMSNorm(layer.input_layernorm, comm, norms=norms)

@@ -109,6 +109,10 @@ class Layout(Protocol):
     def export_model(self, session: RunSession, model: Any, prepared: Any) -> None:
         """The merged Hugging Face model (and tokenizer) into model/, written by the writer."""
 
+    def lora_model(self, model: Any) -> Any:
+        """Under `model.lora`: the whole one-process peft model (frozen base and adapters) on the
+        writer, None elsewhere (a collective on a grid); the LoRA exports are written from it."""
+
     def num_parameters(self, model: Any) -> int:
         """Parameters of the whole (logical) model."""
 
@@ -199,6 +203,9 @@ class SerialLayout:
 
     def export_model(self, session: RunSession, model: Any, prepared: Any) -> None:
         session.export_hf(model, tokenizer=prepared.tokenizer(), tokenizer_dir=prepared.tokenizer_dir)
+
+    def lora_model(self, model: Any) -> Any:
+        return model
 
     def num_parameters(self, model: Any) -> int:
         return sum(p.numel() for p in model.parameters())

@@ -391,9 +391,12 @@ class Trainer:
         if self.cfg.model.lora is None:
             self.layout.export_model(session, self.model, self.prepared)
             return
-        self.layout.export_model(session, merged_copy(self.model), self.prepared)
-        if self.is_writer:
-            save_adapter(self.model, self.run.path, base=self.cfg.model.init_from)
+        whole = self.layout.lora_model(self.model)  # a grid assembles its shards on the writer
+        if whole is None:
+            return
+        session.export_hf(merged_copy(whole), tokenizer=self.prepared.tokenizer(),
+                          tokenizer_dir=self.prepared.tokenizer_dir)
+        save_adapter(whole, self.run.path, base=self.cfg.model.init_from)
 
     # ------------------------------------------------------------------ the driver's hooks
     @contextlib.contextmanager
@@ -433,7 +436,7 @@ class Trainer:
         return self.layout.num_parameters(self.model)
 
     def details(self) -> dict[str, Any]:
-        # full: the logical model (a grid's local shards would undercount); LoRA runs in one process
+        # full: the logical model; LoRA: the logical adapters and base (a grid's shards count whole)
         counts = (parameter_counts(self.model) if self.cfg.model.lora is not None
                   else {"trained_parameters": self.parameters(), "frozen_parameters": 0})
         out = {"device": self.device.type, "torch_threads": torch.get_num_threads(),

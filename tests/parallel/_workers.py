@@ -21,6 +21,7 @@ from torch import nn
 
 from memaudit.parallel.comm import Comm
 from memaudit.parallel.dims import ParallelDims, build_groups
+from tests.parallel._lora_workers import LORA_GRIDS, lora_cases, lora_reference
 
 LAYER_GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
 LAYER_SHAPES = [(32, 64), (16, 128), (2, 256)]
@@ -155,7 +156,7 @@ def serial_reference() -> dict[str, Any]:
             dp_sum[k] += g[k] * f
     return {"init": init, "losses": losses, "final": final, "clip_norm": norm, "clipped": clipped,
             "dp_norms": torch.tensor(per_norms), "dp_clip": clip,
-            "dp_grads": {k: v / BATCH for k, v in dp_sum.items()}}
+            "dp_grads": {k: v / BATCH for k, v in dp_sum.items()}, **lora_reference(data)}
 
 
 _BASE: list[nn.Module] = []
@@ -482,6 +483,11 @@ TRAIN_JOBS: dict[str, tuple[int, tuple[str, ...]]] = {
                    "train.micro_batch_size=3")),
     # gradient accumulation on a data=2 grid: chunks of 3, 3, 2 global rows, each padded to 2
     "accum-d2": (2, ("parallel.data=2", "train.micro_batch_size=3")),
+    # LoRA (a normal and a transposed target) under DP-SGD sigma=0 on x=2: clipping over the adapters
+    # (0.7 clips 29-67% of each step's examples), a sharded checkpoint at step 2, both LoRA exports from rank 0
+    "lora-dp0-x2": (2, ("parallel.x=2", "model.lora.rank=4", "model.lora.alpha=8",
+                        "model.lora.target_modules=[q_proj,o_proj]", "privacy.noise_multiplier=0",
+                        "privacy.clip=0.7", "privacy.reproducible_randomness=true", "train.checkpoint_every=2")),
 }
 
 
@@ -534,6 +540,9 @@ def worker(rank: int, world: int, port: int, outdir: str, ref_path: str, jobs_pa
         for grid in MODEL_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:
                 res |= model_cases(grid, ref, outdir)
+        for grid in LORA_GRIDS:
+            if grid[0] * grid[1] * grid[2] * grid[3] == world:
+                res |= lora_cases(grid, ref, batches(), outdir, TIMES)
         t0 = time.perf_counter()
         for grid in VOLUME_GRIDS:
             if grid[0] * grid[1] * grid[2] * grid[3] == world:

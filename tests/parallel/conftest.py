@@ -39,7 +39,8 @@ def world_results(world: int, ref_path: Path, tmp: Path, jobs_path: Path) -> dic
         out.mkdir(parents=True, exist_ok=True)
         from memaudit.parallel.launch import rank_context
 
-        rank_context(("tests.parallel._workers",))  # fork from a server that imported torch once
+        # fork from a server that imported torch (and peft, for the LoRA cases) once
+        rank_context(("tests.parallel._workers", "peft"))
         mp.start_processes(_workers.worker, args=(world, _free_port(), str(out), str(ref_path), str(jobs_path)),
                            nprocs=world, join=True, start_method="forkserver")
         merged: dict[str, str | None] = {}

@@ -1,0 +1,189 @@
+"""LoRA cases run inside the world-2 and world-4 gloo groups of `tests.parallel._workers`.
+
+The one-process oracle (`lora_reference`, computed by the parent) is peft + torch on `tiny`:
+two AdamW steps, the merged weights and peft's adapter state dict, and a brute-force loop of
+one backward per example for the per-example adapter-gradient norms and the clipped DP-SGD sum.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LORA_GRIDS = [(1, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 2)]  # (data, x, y, z)
+LORA_KINDS = ("train", "dp")
+LORA_STEPS, LORA_SEED, LR, EPS = 2, 7, 2e-3, 1e-3
+# both layer kinds: q/v normal (in over x, out over y), o/down transposed
+TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+
+
+def lora_config() -> Any:
+    from memaudit.config import LoraConfig
+
+    return LoraConfig(rank=4, alpha=8.0, target_modules=TARGETS)
+
+
+def _peft_tiny(seed: int) -> Any:
+    from memaudit.models.lora import apply_lora
+    from memaudit.models.presets import build_model
+
+    return apply_lora(build_model("tiny", seed=seed), lora_config(), seed=LORA_SEED)
+
+
+def _trained(model: Any) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """One process, peft: the start (B drawn non-zero so A has a gradient too), two AdamW steps,
+    the merged model, the adapters; per-example adapter-gradient norms and the clipped mean."""
+    from memaudit.models.lora import adapter_state, merged_copy
+    from memaudit.train.losses import causal_lm_loss, causal_lm_loss_per_example
+
+    model = _peft_tiny(0)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    inner = model.get_base_model()
+    init = {n: p.detach().clone() for n, p in inner.named_parameters()}
+    # per-example gradients at the start, one backward per example
+    ids, mask = batches[0]
+    grads, norms = [], []
+    for b in range(ids.shape[0]):
+        model.zero_grad()
+        causal_lm_loss_per_example(model(input_ids=ids[b:b + 1]).logits, ids[b:b + 1], mask[b:b + 1]).sum().backward()
+        g = {n: p.grad.clone() for n, p in inner.named_parameters() if p.requires_grad}
+        grads.append(g)
+        norms.append(float(torch.sqrt(sum(v.double().pow(2).sum() for v in g.values()))))
+    clip = sorted(norms)[1] + 1e-3  # some examples clipped, some not
+    dp = {n: sum(g[n] * min(1.0, clip / (norms[b] + 1e-6)) for b, g in enumerate(grads)) / ids.shape[0]
+          for n in grads[0]}
+    opt = torch.optim.AdamW(_trained(model), lr=LR, weight_decay=0.01, eps=EPS)
+    losses = []
+    for ids, mask in batches[:LORA_STEPS]:
+        loss = causal_lm_loss(model(input_ids=ids).logits, ids, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"lora_init": init, "lora_losses": losses,
+            "lora_final": {n: p.detach().clone() for n, p in inner.named_parameters()},
+            "lora_merged": {k: v.clone() for k, v in merged_copy(model).state_dict().items()},
+            "lora_adapter": {k: v.clone() for k, v in adapter_state(model).items()},
+            "lora_norms": torch.tensor(norms), "lora_clip": clip, "lora_dp": dp}
+
+
+def _lora_pmodel(grid: tuple[int, int, int, int], init: dict[str, torch.Tensor]) -> Any:
+    from memaudit.parallel.dims import ParallelDims
+    from memaudit.parallel.parallelize import parallelize_llama
+
+    pm = parallelize_llama(_peft_tiny(99), dims=ParallelDims(data=grid[0], x=grid[1], y=grid[2], z=grid[3]))
+    pm.load_full_state_dict(init)  # a different base and A: the load must win
+    return pm
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:3]
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], atol=atol, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _train(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list, outdir: str) -> None:
+    """Two AdamW steps equal one process (losses, adapters, merged model, peft's adapter state);
+    the frozen base is bit-identical, has no gradient and no optimizer state; the adapters
+    change; a sharded checkpoint of the LoRA model and AdamW loads back bit for bit."""
+    from memaudit.models.lora import adapter_state, merged_copy
+    from memaudit.parallel.lora import gather_peft
+
+    init = ref["lora_init"]
+    pm = _lora_pmodel(grid, init)
+    trained = _trained(pm)
+    assert {n for n, p in pm.hf.named_parameters() if p.requires_grad} == {n for n in init if "lora_" in n}
+    opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01, eps=EPS)
+    losses = []
+    for ids, mask in data[:LORA_STEPS]:
+        loss, logged = pm(pm.shard_batch(ids), pm.shard_batch(mask))
+        opt.zero_grad()
+        loss.backward()
+        pm.finish_grad_sync()
+        assert all(p.grad is None for p in pm.hf.parameters() if not p.requires_grad)
+        opt.step()
+        losses.append(float(logged))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["lora_losses"]), atol=1e-5, rtol=0)
+    full = pm.full_state_dict()
+    _close(full, ref["lora_final"], atol=1e-5)
+    for n, t in full.items():
+        if "lora_" not in n:
+            assert torch.equal(t, init[n]), f"frozen {n} changed"
+        else:
+            assert not torch.equal(t, init[n]), f"adapter {n} did not change"
+    whole = gather_peft(pm, _peft_tiny(5) if pm.pg.rank == 0 else None)
+    if pm.pg.rank == 0:
+        _close(merged_copy(whole).state_dict(), ref["lora_merged"], atol=1e-5)
+        _close(adapter_state(whole), ref["lora_adapter"], atol=1e-5)
+    else:
+        assert whole is None
+    _roundtrip(grid, pm, opt, init, outdir)
+
+
+def _roundtrip(grid: tuple[int, int, int, int], pm: Any, opt: Any, init: dict[str, torch.Tensor], outdir: str) -> None:
+    from memaudit.checkpoints import seal, swap_in
+    from memaudit.parallel.checkpoint import load_sharded, save_sharded
+    from memaudit.rundir import RunDir
+
+    run = RunDir(Path(outdir) / f"lora-ckpt-{''.join(map(str, grid))}")
+    tmp = run.path / f".state.{LORA_STEPS}.tmp"
+    save_sharded(tmp, pm, opt, scalars={"step": LORA_STEPS}, extra=None, files=None,
+                 commit=lambda: (seal(tmp, step=LORA_STEPS), swap_in(tmp, run.state_dir)))
+    pm2 = _lora_pmodel(grid, init)
+    opt2 = torch.optim.AdamW(_trained(pm2), lr=LR, weight_decay=0.01, eps=EPS)
+    load_sharded(run, params=dict(pm2.hf.named_parameters()), optimizer=opt2, own_rank=pm.pg.rank % pm.pg.dims.tp_size,
+                 local=None)
+    for (n, a), b in zip(pm.hf.named_parameters(), pm2.hf.parameters(), strict=True):
+        assert torch.equal(a, b), n
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert len(s1["state"]) == len(_trained(pm)) and s1["param_groups"] == s2["param_groups"]
+    for i, st in s1["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, s2["state"][i][k]), (i, k)
+
+
+def _dp(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list) -> None:
+    """Per-example adapter-gradient norms on the grid equal the one-process loop's; one DP-SGD
+    step (sigma=0, ghost clipping) clips and sums the adapter gradients as that loop does; the
+    frozen base gets no gradient (one model for both: neither changes the weights)."""
+    from memaudit.parallel.dp import TensorParallelClipping, per_example_grad_norms
+    from memaudit.train.dpsgd import DPSGD
+
+    pm = _lora_pmodel(grid, ref["lora_init"])
+    ids, mask = data[0]
+    norms = per_example_grad_norms(pm, pm.shard_batch(ids), pm.shard_batch(mask))
+    torch.testing.assert_close(norms.float(), pm.shard_batch(ref["lora_norms"]).float(), rtol=1e-4, atol=1e-6)
+    dp = DPSGD(pm, clip=ref["lora_clip"], noise_multiplier=0.0, expected_batch_size=ids.shape[0], randomness=None,
+               micro_batch_size=None, clipping=TensorParallelClipping(pm))
+    st = dp.step_gradients(ids, None, mask, step=0, right_padded=True)  # every rank passes the global batch
+    assert abs(st["clip_fraction"] - 0.5) < 1e-9, st["clip_fraction"]
+    assert all(p.grad is None for p in pm.hf.parameters() if not p.requires_grad)
+    grads = {n: g for n, g in pm.full_state_dict(grads=True).items() if "lora_" in n}
+    _close(grads, ref["lora_dp"], atol=1e-6)
+
+
+def lora_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list, outdir: str,
+               times: dict[str, float]) -> dict[str, str | None]:
+    tag = "".join(map(str, grid))
+    res: dict[str, str | None] = {}
+    for kind, fn in (("train", lambda: _train(grid, ref, data, outdir)), ("dp", lambda: _dp(grid, ref, data))):
+        t0 = time.perf_counter()
+        try:
+            fn()
+            res[f"lora-{kind}-{tag}"] = None
+        except Exception:  # noqa: BLE001 - reported to the test
+            res[f"lora-{kind}-{tag}"] = traceback.format_exc(limit=4)
+        times[f"lora-{kind}-{tag}"] = time.perf_counter() - t0
+    return res
