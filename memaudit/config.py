@@ -78,6 +78,10 @@ class SynthConfig(_Section):
     facts_per_user: int = Field(
         3, ge=0, description="facts each private user states (code names, numbers, places), "
         "one of them in every message")
+    language_seed: int | None = Field(
+        None, description="kind public only: the seed of the private corpus whose users' language "
+        "(topics, kinds of message, formats) the public corpus writes in, with its own authors, "
+        "facts and values; none: faker English without any private topic word")
 
 
 class CanaryConfig(_Section):

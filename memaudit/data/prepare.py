@@ -156,7 +156,8 @@ def _corpus(cfg: DataConfig, progress: Progress | None) -> list[Document]:
         s = cfg.synth
         if s.kind == "public":
             return synthesize_public(s.users, s.docs_per_user, s.seed,
-                                     paragraph_sentences=s.paragraph_sentences)
+                                     paragraph_sentences=s.paragraph_sentences, language_seed=s.language_seed,
+                                     topics=s.topics, facts_per_author=s.facts_per_user)
         return synthesize(s.users, s.docs_per_user, s.seed, repeat_every=s.repeat_every,
                           repeat_counts=s.repeat_counts, paragraph_sentences=s.paragraph_sentences,
                           topics=s.topics, facts_per_user=s.facts_per_user)

@@ -10,9 +10,15 @@ Private content the public corpus lacks: with `topics` > 0 each user writes abou
 `topics` private topics (user u: topic u mod topics), each with its own vocabulary of invented
 words drawn from the seed, and states `facts_per_user` facts of their own (a code name, a
 locker number, a meeting place, ...), one topic sentence and one fact in every message.
-`synthesize_public` writes the public corpus a base model is pretrained on: notices and posts
-in the same faker English, without PII, topics or facts, so fine-tuning on the private users
-has something to learn (and to leak) that pretraining never saw.
+`synthesize_public` writes the public corpus a base model is pretrained on. With
+`language_seed` (what `memaudit sweep`'s pretraining passes: the private corpus's seed) it is
+written in the private users' language: the same kinds of messages, the same topics and their
+vocabulary, facts of the same forms and contact details in the same formats, but every person,
+fact and value its own: offices instead of people (no person's name), phone numbers in the
+fictional 555-01xx range, facts drawn apart from every user's. What stays private is each user's
+PII, facts and the canaries, as when practitioners fine-tune a base that already knows the
+language (Li et al. 2022). Without it, the public corpus is notices and posts in the faker
+English only, which leaves every topic word for fine-tuning to learn.
 
 References:
     Carlini et al., "The Secret Sharer", USENIX Security 2019 (why PII in training text
@@ -75,6 +81,23 @@ FACT_TEMPLATES = (
     "My {t} badge number is {number}.",
     "The spare {t} is stored in room {number} of the {word} building.",
     "The {topic} password hint is {word} {number}.",
+)
+PUBLIC_MESSAGES = (  # the private TEMPLATES' kinds of message, written by offices, not people
+    "Hi, this is the {org} office. You can reach us at {phone} or by email at {email}. {sentence}",
+    "Please ship the order to {address}. {sentence} Thanks, the {org} team",
+    "Card payments for the renewal go through the {org} desk. {sentence}",
+    "{sentence} For the form: the {org} office, opened in {year}.",
+    "Can you call us back at {phone}? {sentence} {sentence}",
+    "New address for the {org} office: {address}. Phone: {phone}. {sentence}",
+    "{sentence} {sentence} Send the receipt to {email}.",
+    "Dear team, {sentence} Regards, the {org} team ({email})",
+    "Reminder: pay the {org} invoice before the {day}th. {sentence}",
+    "{sentence} {sentence} {sentence}",
+)
+PUBLIC_SIGNATURE = (
+    "Best regards,\nThe {org} team\n{phone} | {email}\n{address}\n"
+    "This message is confidential and meant only for the addressee; if it reached you in "
+    "error, please delete it."
 )
 PUBLIC_TEMPLATES = (
     "Notice from the front office: {sentence} {sentence}",
@@ -232,18 +255,82 @@ def synthesize(
     return count_repeats(docs)
 
 
+def public_facts(seed: int, author: int, language_seed: int, topics: int, k: int) -> list[str]:
+    """`k` facts of public author `author`, in the forms of the private users' facts and about
+    their topics, with words and numbers from the public seed (never a user's own facts)."""
+    if topics <= 0 or k <= 0:
+        return []
+    topic, vocab = topic_vocabulary(language_seed, author % topics)
+    rng = random.Random(f"memaudit-public-facts-{seed}-{author}")
+    out = []
+    for i in range(k):
+        t = FACT_TEMPLATES[(rng.randint(0, len(FACT_TEMPLATES) - 1) + i) % len(FACT_TEMPLATES)]
+        fills = {"topic": topic, "word": invented_word(rng), "number": str(rng.randint(100, 9999)),
+                 "weekday": rng.choice(_WEEKDAYS)}
+        out.append(_SLOT.sub(lambda m, f=fills: f.get(m.group(1)) or rng.choice(vocab), t))
+    return out
+
+
+def _office(fake, rng: random.Random) -> dict[str, str]:
+    """An office's public contact details, in the private profiles' formats but named with
+    invented words (faker's street and city names are built from people's names): no person's
+    name, phones in the fictional 555-01xx range."""
+    name, street, city = (invented_word(rng).capitalize() for _ in range(3))
+    org = f"{name} {rng.choice(('Works', 'Supply', 'Services', 'Labs', 'Depot'))}"
+    address = (f"{fake.building_number()} {street} {fake.street_suffix()}, {city} City, "
+               f"{fake.state_abbr()} {fake.postcode()}")
+    return {"org": org, "email": f"office@{name.lower()}.example.org",
+            "phone": fake.numerify("(###) 555-01##"), "address": address,
+            "year": str(fake.random_int(1950, 2020))}
+
+
+def _public_message(fake, office: dict[str, str], vocab: list[str], facts: list[str],
+                    paragraph_sentences: int, signature: bool) -> str:
+    """One public message in the private users' language (see `synthesize_public`)."""
+    template = PUBLIC_SIGNATURE if signature else PUBLIC_MESSAGES[fake.random_int(0, len(PUBLIC_MESSAGES) - 1)]
+    if vocab and not signature:
+        template += " {topic}" + (" {fact}" if facts else "")
+    if paragraph_sentences > 0:
+        template += " {paragraph}"
+
+    def fill(m: re.Match) -> str:
+        slot = m.group(1)
+        if slot in office:
+            return office[slot]
+        if slot == "day":
+            return str(fake.random_int(2, 28))
+        if slot == "paragraph":
+            return " ".join(fake.sentence(nb_words=12) for _ in range(paragraph_sentences))
+        if slot == "topic":
+            t = TOPIC_TEMPLATES[fake.random_int(0, len(TOPIC_TEMPLATES) - 1)]
+            return _SLOT.sub(lambda n: vocab[fake.random_int(0, len(vocab) - 1)], t)
+        if slot == "fact":
+            return facts[fake.random_int(0, len(facts) - 1)]
+        return fake.sentence(nb_words=10)
+
+    return _SLOT.sub(fill, template)
+
+
 def synthesize_public(
     users: int, docs_per_user: int, seed: int, *, paragraph_sentences: int = 6,
+    language_seed: int | None = None, topics: int = 4, facts_per_author: int = 3,
 ) -> list[Document]:
-    """The public corpus: `users` x `docs_per_user` notices and posts without PII.
+    """The public corpus: `users` x `docs_per_user` documents without anyone's PII, written by
+    `users` public authors. Ids are `pub0003-d05`.
 
-    Written in the same faker English as the private messages, but with no person's PII, no
-    private topic vocabulary and no user facts: what a base model learns before private
-    fine-tuning (`memaudit.sweep.pretrain`). Ids are `pub0003-d05`.
+    Args:
+        language_seed: the private corpus's seed: write in its users' language (their kinds of
+            message, `topics` topics with their vocabulary, facts of their forms, contact details
+            in their formats, each author's own; every 4th author also a signature). None: the
+            faker-English notices and posts only, with no private topic word.
+        topics, facts_per_author: the private corpus's topics, and facts per public author.
 
     >>> docs = synthesize_public(2, 2, seed=0)
     >>> len(docs), all(not d.pii for d in docs)
     (4, True)
+    >>> docs = synthesize_public(4, 2, seed=1, language_seed=0)
+    >>> topic_vocabulary(0, 1)[1][0] in " ".join(d.text for d in docs), all(not d.pii for d in docs)
+    (True, True)
     """
     # lazy: faker (~0.2 s) only when called; this module imports without it
     from faker import Faker
@@ -254,6 +341,15 @@ def synthesize_public(
     docs: list[Document] = []
     for u in range(users):
         fake.seed_instance(seed * 1_000_003 + u + 500_000_000)
+        if language_seed is not None:
+            office = _office(fake, random.Random(f"memaudit-public-office-{seed}-{u}"))
+            vocab = topic_vocabulary(language_seed, u % topics)[1] if topics > 0 else []
+            facts = public_facts(seed, u, language_seed, topics, facts_per_author)
+            for j in range(docs_per_user):
+                signature = j == docs_per_user - 1 and u % 4 == 3 and docs_per_user > 1
+                text = _public_message(fake, office, vocab, facts, paragraph_sentences, signature)
+                docs.append(Document(id=f"pub{u:04d}-d{j:02d}", user=f"pub{u:04d}", text=text))
+            continue
         for j in range(docs_per_user):
             parts = [_SLOT.sub(lambda m: fake.sentence(nb_words=10),
                                PUBLIC_TEMPLATES[fake.random_int(0, len(PUBLIC_TEMPLATES) - 1)])]

@@ -61,6 +61,10 @@ class PretrainConfig(BaseModel):
         "corpus's data.synth.paragraph_sentences")
     path: str | None = Field(None, description="a public corpus file or directory instead of the "
                              "synthetic one (data.path rules); checked against the private data")
+    shared_language: bool = Field(
+        True, description="the synthetic public corpus writes in the private users' language: "
+        "their topics and vocabulary, kinds of message and formats, with its own authors, facts "
+        "and values (memaudit.data.synth.synthesize_public); false: faker English only")
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="dotted overrides of the base's run config, e.g. "
         "train.lr: 3e-3 (applied after the sweep's base config)")

@@ -67,6 +67,9 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
     synth = dict(raw.get("data", {}).get("synth", {}))
     sentences = p.paragraph_sentences if p.paragraph_sentences is not None else synth.get("paragraph_sentences")
     public_synth = {"kind": "public", "users": p.users, "docs_per_user": p.docs_per_user, "seed": p.seed}
+    if p.shared_language:  # the private users' topics and vocabulary, not their facts or PII
+        public_synth.update(language_seed=synth.get("seed", 0), topics=synth.get("topics", 4),
+                            facts_per_user=synth.get("facts_per_user", 3))
     if sentences is not None:
         public_synth["paragraph_sentences"] = sentences
     for key, value in {

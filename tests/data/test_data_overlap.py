@@ -106,3 +106,36 @@ def test_pii_shorter_than_the_minimum_is_not_evidence():
     priv = [Document(id="a", user="u", text="hi Al", pii=(Pii("name", "Al", 3),))]
     pub = [Document(id="p", user="p", text="Al went home")]
     assert check_disjoint(pub, priv).ok
+
+
+def test_public_corpus_in_the_users_language_shares_their_topics_not_their_facts_or_pii():
+    """With language_seed (what sweep pretraining passes), the public corpus writes the private
+    users' topic sentences in their vocabulary, their kinds of message and their contact formats,
+    but none of their facts, PII values or documents, and names no person."""
+    from memaudit.data.synth import user_facts
+
+    private = synthesize(64, 8, seed=0)
+    public = synthesize_public(64, 8, seed=1, language_seed=0)
+    words = {w.strip(".,()|") for d in public for w in d.text.split()}
+    for t in range(4):
+        topic, vocab = topic_vocabulary(0, t)
+        assert topic in words and len(set(vocab) & words) >= len(vocab) - 2
+    facts = {f for u in range(64) for f in user_facts(0, u, 4, 3)}
+    text = "\n".join(d.text for d in public)
+    assert not any(f in text for f in facts)
+    assert require_disjoint(public, private, secrets=[]).ok
+    assert "Best regards,\nThe " in text and "555-01" in text and "@" in text
+    assert all(not d.pii for d in public)
+    # the private messages' own phrasing recurs in public form: base and users share a language
+    assert sum("You can reach us at" in d.text for d in public) >= 10
+
+
+def test_sweep_pretraining_writes_in_the_private_users_language_unless_told_not_to():
+    from memaudit.sweep.config import sweep_config_from_dict
+    from memaudit.sweep.pretrain import public_base_config
+
+    raw = {"base": {"data": {"synth": {"seed": 3, "topics": 2}}}, "pretrain": {"steps": 1}}
+    synth = public_base_config(sweep_config_from_dict(raw)).data.synth
+    assert (synth.kind, synth.language_seed, synth.topics, synth.seed) == ("public", 3, 2, 1)
+    off = public_base_config(sweep_config_from_dict({**raw, "pretrain": {"steps": 1, "shared_language": False}}))
+    assert off.data.synth.language_seed is None
