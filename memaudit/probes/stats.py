@@ -183,7 +183,8 @@ def attack_summary(
     level: float = LEVEL,
     placements: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict:
-    """AUC (DeLong, logit scale) and TPR at each FPR (stratified bootstrap) as cells with n.
+    """AUC (DeLong, logit scale) and TPR at each FPR (stratified bootstrap, widened to hold the
+    Clopper-Pearson interval of the members above the threshold) as cells with n.
 
     Args:
       pos: scores of members (higher = more likely a member).
@@ -222,9 +223,14 @@ def attack_summary(
         if bp is None:
             bp = pos[rng.integers(0, len(pos), (n_boot, len(pos)))]
             bn = neg[rng.integers(0, len(neg), (n_boot, len(neg)))]
-        ci = percentile_interval(_tpr_rows(bp, bn, f), level)
-        out["tpr_at_fpr"][repr(f)] = cell(tpr_at_fpr(pos, neg, f), n=len(pos), unit=unit, ci=ci,
-                                          n_neg=len(neg))
+        tpr = tpr_at_fpr(pos, neg, f)
+        # the bootstrap carries the threshold's variance; at a TPR near 0 or 1 most resamples
+        # agree and it collapses ([0, 0] for no member above the threshold), so the interval also
+        # holds the exact binomial interval of the members above the observed threshold
+        boot = percentile_interval(_tpr_rows(bp, bn, f), level)
+        exact = clopper_pearson(round(tpr * len(pos)), len(pos), level)
+        ci = (min(boot[0], exact[0]), max(boot[1], exact[1]))
+        out["tpr_at_fpr"][repr(f)] = cell(tpr, n=len(pos), unit=unit, ci=ci, n_neg=len(neg))
     return out
 
 

@@ -84,3 +84,18 @@ def test_user_inference_covers_chance_with_min_n_users():
                                   n_boot=50, seed=i, fprs=(), draws=50)
         cells.append(r["summary"]["auc"])
     assert _covered(cells, 0.5) >= TARGET
+
+
+@pytest.mark.parametrize(("fpr", "n_pos", "auc"), [(0.01, 30, 0.6), (0.01, 300, 0.8), (0.1, 30, 0.95)])
+def test_tpr_at_fpr_covers_with_the_fewest_negatives_it_allows(fpr, n_pos, auc):
+    """TPR at a low FPR with the fewest non-members the report allows (10 / FPR). The percentile
+    bootstrap alone covered a true TPR of 0.025 at FPR 1% with 30 members 68% of the time: most
+    resamples have no member above the threshold, and it stated [0, 0]."""
+    from memaudit.probes.stats import needed_negatives
+
+    shift = np.sqrt(2) * norm.ppf(auc)
+    truth = 1 - norm.cdf(norm.ppf(1 - fpr) - shift)  # TPR of N(shift, 1) vs N(0, 1) at this FPR
+    rng = np.random.default_rng(5)
+    cells = [attack_summary(rng.normal(shift, 1, n_pos), rng.normal(0, 1, needed_negatives(fpr)), fprs=(fpr,),
+                            n_boot=200, seed=i)["tpr_at_fpr"][repr(fpr)] for i in range(300)]
+    assert _covered(cells, truth) >= TARGET
