@@ -85,6 +85,23 @@ def load_reference(settings: ProbeConfig, codec: Codec):
     return model, Codec(tok, start_id=codec.start[0] if codec.start else None)
 
 
+def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> ProbeConfig:
+    """`settings` with the scoring window every model of the run shares, and `target.counts`
+    with what that did: an outside model's documents fit its context (`fit_to_context`), a
+    reference with a shorter context shortens the window (`fit_to_references`), and a run's
+    documents longer than the window are counted (`windowed_counts`)."""
+    lengths = [len(codec.encode(d.text)) for d in target.members + target.nonmembers + target.heldout_user_docs]
+    if target.kind == "model":  # an outside model: every sequence within its context
+        settings, counts = fit_to_context(settings, model_context(model), lengths)
+        target.counts.update(counts)
+        target.seq_len = target.seq_len or counts.get("context")
+    references = {name: source_context(resolve_model(name))
+                  for name in (settings.reference, *settings.reference_models) if name}
+    settings, counts = fit_to_references(settings, dict(target.counts), references, lengths)
+    target.counts.update(counts or windowed_counts(settings, lengths))
+    return settings
+
+
 def run_probes(
     target: Target,
     settings: ProbeConfig,
@@ -106,21 +123,7 @@ def run_probes(
     elif model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
     codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
-    references = {name: source_context(resolve_model(name))
-                  for name in (settings.reference, *settings.reference_models) if name}
-    if target.kind == "model" or references:
-        docs = target.members + target.nonmembers + target.heldout_user_docs
-        lengths = [len(codec.encode(d.text)) for d in docs]
-        if target.kind == "model":  # an outside model: every sequence within its context
-            settings, counts = fit_to_context(settings, model_context(model), lengths)
-            target.counts.update(counts)
-            target.seq_len = target.seq_len or counts.get("context")
-        # a reference model with a shorter context: every model scores in its windows
-        settings, counts = fit_to_references(settings, dict(target.counts), references, lengths)
-        target.counts.update(counts)
-    if not target.counts:  # a run's documents longer than the window: windowed, and counted
-        target.counts.update(windowed_counts(settings, [len(codec.encode(d.text)) for d in
-                                                        target.members + target.nonmembers + target.heldout_user_docs]))
+    settings = fit_windows(target, settings, model, codec)
     checks = {}
     if target.kind == "model" and target.members and target.nonmembers:  # before any attack
         checks["distribution_shift"] = blind_check([d.text for d in target.members],

@@ -200,7 +200,8 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
                        secagg_bytes_up=result.bytes_up, secagg_bytes_down=result.bytes_down,
                        secagg_bytes_masked=result.bytes_masked,
                        # words per masked input: the model's trained coordinates (+ 1 when the
-                       # clip indicators are summed too), a function of the config, not the data
+                       # clip indicators are summed too); kept with the sensitive metrics under DP
+                       # all the same (the public file's keys are an allowlist)
                        secagg_words=int(result.total.shape[0]),
                        secagg_norm_bound=float(bound))
         if updates.counted:  # the survivors' indicators, summed under the masks
