@@ -136,8 +136,11 @@ def user_facts(seed: int, user: int, topics: int, k: int) -> list[str]:
     about their topic that they repeat across their messages."""
     if topics <= 0 or k <= 0:
         return []
-    topic, vocab = topic_vocabulary(seed, user % topics)
-    rng = random.Random(f"memaudit-facts-{seed}-{user}")
+    return _facts(random.Random(f"memaudit-facts-{seed}-{user}"), *topic_vocabulary(seed, user % topics), k)
+
+
+def _facts(rng: random.Random, topic: str, vocab: list[str], k: int) -> list[str]:
+    """`k` sentences of FACT_TEMPLATES about `topic`, their words and numbers drawn from `rng`."""
     facts = []
     for i in range(k):
         t = FACT_TEMPLATES[(rng.randint(0, len(FACT_TEMPLATES) - 1) + i) % len(FACT_TEMPLATES)]
@@ -260,15 +263,8 @@ def public_facts(seed: int, author: int, language_seed: int, topics: int, k: int
     their topics, with words and numbers from the public seed (never a user's own facts)."""
     if topics <= 0 or k <= 0:
         return []
-    topic, vocab = topic_vocabulary(language_seed, author % topics)
-    rng = random.Random(f"memaudit-public-facts-{seed}-{author}")
-    out = []
-    for i in range(k):
-        t = FACT_TEMPLATES[(rng.randint(0, len(FACT_TEMPLATES) - 1) + i) % len(FACT_TEMPLATES)]
-        fills = {"topic": topic, "word": invented_word(rng), "number": str(rng.randint(100, 9999)),
-                 "weekday": rng.choice(_WEEKDAYS)}
-        out.append(_SLOT.sub(lambda m, f=fills: f.get(m.group(1)) or rng.choice(vocab), t))
-    return out
+    return _facts(random.Random(f"memaudit-public-facts-{seed}-{author}"),
+                  *topic_vocabulary(language_seed, author % topics), k)
 
 
 def _office(fake, rng: random.Random) -> dict[str, str]:
