@@ -188,6 +188,25 @@ def render(template: str, profile: dict[str, str], filler: Callable[[str], str])
     return b.build()
 
 
+def _filler(fake, vocab: list[str], facts: list[str], paragraph_sentences: int) -> Callable[[str], str]:
+    """What a message's non-PII slot becomes: a day, a paragraph, a topic sentence in `vocab`, one
+    of `facts`, or a faker sentence; every draw from `fake`, in the order the slots come."""
+
+    def fill(slot: str) -> str:
+        if slot == "day":
+            return str(fake.random_int(2, 28))
+        if slot == "paragraph":
+            return " ".join(fake.sentence(nb_words=12) for _ in range(paragraph_sentences))
+        if slot == "topic":
+            t = TOPIC_TEMPLATES[fake.random_int(0, len(TOPIC_TEMPLATES) - 1)]
+            return _SLOT.sub(lambda m: vocab[fake.random_int(0, len(vocab) - 1)], t)
+        if slot == "fact":
+            return facts[fake.random_int(0, len(facts) - 1)]
+        return fake.sentence(nb_words=10)
+
+    return fill
+
+
 def synthesize(
     users: int,
     docs_per_user: int,
@@ -228,17 +247,7 @@ def synthesize(
         vocab = topic_vocabulary(seed, u % topics)[1] if topics > 0 else []
         facts = user_facts(seed, u, topics, facts_per_user)
 
-        def filler(slot: str, vocab: list[str] = vocab, facts: list[str] = facts) -> str:
-            if slot == "day":
-                return str(fake.random_int(2, 28))
-            if slot == "paragraph":
-                return " ".join(fake.sentence(nb_words=12) for _ in range(paragraph_sentences))
-            if slot == "topic":
-                t = TOPIC_TEMPLATES[fake.random_int(0, len(TOPIC_TEMPLATES) - 1)]
-                return _SLOT.sub(lambda m: vocab[fake.random_int(0, len(vocab) - 1)], t)
-            if slot == "fact":
-                return facts[fake.random_int(0, len(facts) - 1)]
-            return fake.sentence(nb_words=10)
+        filler = _filler(fake, vocab, facts, paragraph_sentences)
 
         for j in range(docs_per_user):
             template = TEMPLATES[fake.random_int(0, len(TEMPLATES) - 1)]
@@ -289,22 +298,8 @@ def _public_message(fake, office: dict[str, str], vocab: list[str], facts: list[
     if paragraph_sentences > 0:
         template += " {paragraph}"
 
-    def fill(m: re.Match) -> str:
-        slot = m.group(1)
-        if slot in office:
-            return office[slot]
-        if slot == "day":
-            return str(fake.random_int(2, 28))
-        if slot == "paragraph":
-            return " ".join(fake.sentence(nb_words=12) for _ in range(paragraph_sentences))
-        if slot == "topic":
-            t = TOPIC_TEMPLATES[fake.random_int(0, len(TOPIC_TEMPLATES) - 1)]
-            return _SLOT.sub(lambda n: vocab[fake.random_int(0, len(vocab) - 1)], t)
-        if slot == "fact":
-            return facts[fake.random_int(0, len(facts) - 1)]
-        return fake.sentence(nb_words=10)
-
-    return _SLOT.sub(fill, template)
+    filler = _filler(fake, vocab, facts, paragraph_sentences)
+    return _SLOT.sub(lambda m: office.get(m.group(1)) or filler(m.group(1)), template)
 
 
 def synthesize_public(

@@ -240,7 +240,7 @@ class FederatedTrainer:
         sigma = p.noise_multiplier
         # whether a secure-aggregation round aborted is public and depends on the cohort: its
         # bit goes into every round's event (memaudit.privacy.aborts)
-        secure = p.secure_aggregation.enabled or p.mechanism == "distributed"
+        secure = self.masked
         bit = abort_bit_epsilon(self.cfg, population) if secure else 0.0
         if sigma is None:  # bisect over the event the ledger records
             acc = "rdp" if p.accountant == "both" or f.sampling == "fixed" else p.accountant
@@ -529,14 +529,19 @@ class FederatedTrainer:
                 "trained_parameters": trained, "frozen_parameters": self.parameters() - trained,
                 "upload_bytes_per_client_per_round": self.upload_bytes(trained)}
 
+    @property
+    def masked(self) -> bool:
+        """Whether clients send masked inputs: secure aggregation, or distributed DP over it."""
+        p = self.cfg.privacy
+        return p.secure_aggregation.enabled or p.mechanism == "distributed"
+
     def upload_bytes(self, trained: int) -> int:
         """A client's update as sent each round: one float32 per trained parameter, or under secure
         aggregation its masked input (`secagg.messages.masked_bytes`: uint32 words mod 2^32, one
         per trained parameter plus the clip indicator when one is summed). Keys, shares and the
         unmasking are the round's overhead beside it (its secagg_bytes_up metric, sensitive under
         DP: it grows with the realised cohort)."""
-        p = self.cfg.privacy
-        if not (p.secure_aggregation.enabled or p.mechanism == "distributed"):
+        if not self.masked:
             return 4 * trained
         return masked_bytes(self.secagg_words if self.secagg_words is not None else trained)
 
