@@ -26,7 +26,10 @@ GOLDEN = Path(__file__).parent / "golden" / "report_numbers.json"
 # wall-clock values and what depends on where the test runs
 SKIP = ("seconds", "timings", "tokens_per_s", "path", "created", "generated", "version", "date",
         "elapsed", "duration", "wall", "host", "pid", "threads")
-REL = 1e-6
+# Training on another CPU moves the last bits (XLA's and numpy's kernels differ with AVX-512): a
+# perplexity of 3859.0459 read 3859.0510 (1.3e-6), and a log-ratio of two perplexities moved by
+# 1.1e-6 absolute. A change of behaviour moves these numbers by orders of magnitude more.
+REL, ABS = 1e-5, 1e-5
 
 
 def _sweep_config(tmp: Path) -> Path:
@@ -79,7 +82,7 @@ def numbers(doc: Any, prefix: str = "") -> dict[str, float]:
 def _close(a: float, b: float) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
-    return a == b or math.isclose(a, b, rel_tol=REL, abs_tol=1e-12)
+    return a == b or math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
 
 
 def test_report_numbers_hold(tmp_path, monkeypatch):
@@ -96,4 +99,5 @@ def test_report_numbers_hold(tmp_path, monkeypatch):
     missing = sorted(set(want) - set(got))
     changed = {k: (want[k], got[k]) for k in want if k in got and not _close(want[k], got[k])}
     assert not missing, f"{len(missing)} numbers gone, e.g. {missing[:5]}"
-    assert not changed, f"{len(changed)} numbers changed, e.g. {list(changed.items())[:5]}"
+    worst = sorted(changed.items(), key=lambda kv: -abs(kv[1][0] - kv[1][1]) / max(abs(kv[1][0]), 1e-12))
+    assert not changed, f"{len(changed)} numbers changed, the largest relative changes {worst[:5]}"

@@ -82,3 +82,17 @@ def test_readme_is_short_and_its_links_resolve():
     for t in targets:
         if "://" not in t:
             assert (README.parent / t).exists(), t
+
+
+def test_the_pictures_digest_ignores_clip_ids_that_differ_across_cpus():
+    """matplotlib's clip-path ids hash a float rectangle whose last bits depend on numpy's SIMD
+    kernels (AVX-512 or not): the same picture must keep its digest, a moved point must not."""
+    from memaudit.reports.snapshots import html_digest
+
+    svg = ('<svg><clipPath id="{a}"><rect x="1.5"/></clipPath><path clip-path="url(#{a})" d="M 0 {y}"/>'
+           '<path clip-path="url(#{b})" d="M 1 2"/><clipPath id="{b}"/></svg>')
+    here = svg.format(a="pacdbfd78a0", b="pdc26d46ae6", y="3.25")
+    other_cpu = svg.format(a="p68ab54779b", b="pf02529ba88", y="3.25")
+    assert html_digest(here) == html_digest(other_cpu)
+    assert html_digest(here) != html_digest(svg.format(a="pacdbfd78a0", b="pdc26d46ae6", y="3.26"))
+    assert html_digest(here) != html_digest(svg.format(a="pacdbfd78a0", b="pacdbfd78a0", y="3.25"))  # ids merged

@@ -194,8 +194,18 @@ def first_screen_html(snapshots: Path = SNAPSHOTS) -> str:
     return render_html(load_snapshot("quickstart", snapshots)[0])
 
 
+# matplotlib names an SVG clip path by a hash of its rectangle at full float precision, and
+# numpy's SIMD kernels (AVX-512 or not) move that rectangle in the last bits: the same picture
+# gets other ids on another CPU. The digest numbers them in order of appearance instead.
+_CLIP_ID = re.compile(r"(?<=[\"#])p[0-9a-f]{10}(?=[\")])")
+
+
 def html_digest(html: str) -> str:
-    return hashlib.sha256(html.encode("utf-8")).hexdigest()
+    """sha256 of the HTML with matplotlib's clip-path ids renumbered (they differ across CPUs for
+    the same picture; everything drawn is compared)."""
+    ids: dict[str, str] = {}
+    canonical = _CLIP_ID.sub(lambda m: ids.setdefault(m.group(0), f"clip{len(ids)}"), html)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def screenshot_stale(html: str | None = None, meta_path: Path = SCREENSHOT_META) -> bool:
