@@ -88,6 +88,13 @@ node. Measured 2026-12-01 (same set-up, load average about 4, median of rounds 2
 43.4 s (19.4x in-JAX secure aggregation, 4.6x plain Flower: the process start-ups of the four
 exchanges dominate); the secure-aggregation runs' weights equal (max difference 0.0).
 
+Since 2026-12-03 each SuperNode answers through a resident process (`memaudit.flower_node`);
+``--flower-per-message`` adds the same two Flower runs with a ``flwr-clientapp`` process doing
+each message's work, side by side. Measured 2026-12-03 (2 cores, nothing else running, median
+of rounds 2-4): in JAX 0.87 s and 1.48 s with secure aggregation; Flower with resident nodes
+5.81 s and 32.5 s; a process per message 9.19 s and 45.4 s (resident 1.58x and 1.40x faster).
+The rest is Flower 1.42's polling (docs/flower.md, Cost).
+
     python benchmarks/federated_round.py --flower-only  # the Flower table alone
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
@@ -381,6 +388,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--flower-only", action="store_true", help="only the Flower runtime table")
     ap.add_argument("--flower-nodes", type=int, default=2, help="SuperNodes in the Flower table")
     ap.add_argument("--flower-rounds", type=int, default=4, help="rounds of each Flower-table run")
+    ap.add_argument("--flower-per-message", action="store_true",
+                    help="also the Flower runs without the nodes' resident processes, side by side")
     ap.add_argument("--flower-hbc", action="store_true",
                     help="add a Flower run with the honest-but-curious secure-aggregation protocol")
     args = ap.parse_args(argv)
@@ -488,6 +497,12 @@ def bench_flower(args) -> dict:
         dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower"), resume=False)
         total = time.perf_counter() - t0
         dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"), resume=False)
+    if args.flower_per_message:  # the same two runs with a flwr-clientapp process doing each message's work
+        with LocalFederation(root / "federation_pm", info["partitions"], env=env, resident=False) as fed:
+            flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
+            dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower_per_message"), resume=False)
+            dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg_per_message"),
+                     resume=False)
     if args.flower_hbc:  # the honest-but-curious protocol (no consistency round, no signatures)
         hcfg = load_config(None, [*ov, *secagg, *hbc])  # on nodes whose manifest holds its policy
         hinfo = write_partitions(hcfg, root / "parts_hbc", args.flower_nodes)
@@ -495,7 +510,8 @@ def bench_flower(args) -> dict:
             flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
             dispatch(load_config(None, [*ov, *secagg, *hbc, *flower]), RunDir(root / "flower_secagg_hbc"),
                      resume=False)
-    kinds = ("jax", "flower", "jax_secagg", "flower_secagg", *(("flower_secagg_hbc",) if args.flower_hbc else ()))
+    kinds = ("jax", "flower", "jax_secagg", "flower_secagg", *(("flower_secagg_hbc",) if args.flower_hbc else ()),
+             *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()))
     med = {k: statistics.median(rounds(root / k)) for k in kinds}
     wa = _safetensors(root / "jax_secagg")
     wb = _safetensors(root / "flower_secagg")
@@ -507,6 +523,13 @@ def bench_flower(args) -> dict:
             "flower_secagg_vs_jax_secagg": med["flower_secagg"] / med["jax_secagg"],
             "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
             "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
+            **({"flower_per_message_round_s": med["flower_per_message"],
+                "flower_per_message_vs_jax": med["flower_per_message"] / med["jax"],
+                "flower_secagg_per_message_round_s": med["flower_secagg_per_message"],
+                "flower_secagg_per_message_vs_jax_secagg": med["flower_secagg_per_message"] / med["jax_secagg"],
+                "resident_speedup": med["flower_per_message"] / med["flower"],
+                "resident_speedup_secagg": med["flower_secagg_per_message"] / med["flower_secagg"]}
+               if args.flower_per_message else {}),
             **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],
                 "flower_secagg_vs_hbc": med["flower_secagg"] / med["flower_secagg_hbc"]} if args.flower_hbc else {})}
 

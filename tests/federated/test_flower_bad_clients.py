@@ -112,12 +112,16 @@ def test_a_reply_that_is_not_memaudit_message_is_rejected(monkeypatch, toy):
               2: RecordDict({"other": ConfigRecord({"x": b"1"})}),
               3: wire.content({"refused": "stage abc is not one of this node's allowed stages"})}
 
-    class Grid:
-        def send_and_receive(self, msgs, timeout=None):
-            return [Message(metadata=Metadata(run_id=0, message_id="", src_node_id=n, dst_node_id=0,
-                                              reply_to_message_id="", group_id="", created_at=0.0, ttl=60.0,
-                                              message_type="train.memaudit_stage"), content=bodies[n])
-                    for n in bodies]
+    class Grid:  # the SuperLink: every node's reply is there at the first pull
+        def push_messages(self, msgs):
+            self.sent = {f"m{m.metadata.dst_node_id}": m.metadata.dst_node_id for m in msgs}
+            return list(self.sent)
+
+        def pull_messages(self, ids):
+            return [Message(metadata=Metadata(run_id=0, message_id="", src_node_id=self.sent[i], dst_node_id=0,
+                                              reply_to_message_id=i, group_id="", created_at=0.0, ttl=60.0,
+                                              message_type="train.memaudit_stage"), content=bodies[self.sent[i]])
+                    for i in ids]
 
     call = StageCall(b"m", "k", 0, 1, [], [], [], [], [])
     out = FlowerNodes(Grid(), FlowerConfig()).run_stage({n: call for n in bodies})

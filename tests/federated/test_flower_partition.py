@@ -261,16 +261,21 @@ class _FakeGrid:
     def get_node_ids(self):
         return list(self.bodies)
 
-    def send_and_receive(self, msgs, timeout=None):
+    def push_messages(self, msgs):
+        self.sent = {f"m{m.metadata.dst_node_id}": m for m in msgs}
+        return list(self.sent)
+
+    def pull_messages(self, ids):  # every reply is there at the first pull
         from flwr.app import Message, Metadata
 
         from memaudit.federated.flower import wire
 
         out = []
-        for m in msgs:
+        for i in ids:
+            m = self.sent[i]
             node = m.metadata.dst_node_id
             meta = Metadata(run_id=0, message_id="", src_node_id=node, dst_node_id=0,
-                            reply_to_message_id="", group_id="", created_at=0.0, ttl=60.0,
+                            reply_to_message_id=i, group_id="", created_at=0.0, ttl=60.0,
                             message_type=m.metadata.message_type)
             out.append(Message(metadata=meta, content=wire.content(self.bodies[node])))
         return out

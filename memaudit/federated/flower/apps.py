@@ -1,8 +1,8 @@
-"""memaudit's Flower ``ServerApp`` and ``ClientApp`` (Flower's Message API).
+"""memaudit's Flower ``ServerApp`` and ``ClientApp`` (Flower's Message API), and the node's answers.
 
 The ServerApp runs the federated trainer of a run directory (`memaudit.federated.flower.trainer`)
 with the run's ``Grid``: every client stage of a round becomes one message per SuperNode that
-hosts a sampled user. The ClientApp answers two message types:
+hosts a sampled user. A node answers three message types (`answer`):
 
 - ``query.memaudit_hello``: the names of the users in this node's partition and their digests
   (no data);
@@ -10,23 +10,30 @@ hosts a sampled user. The ClientApp answers two message types:
   hosts (`memaudit.federated.flower.execute.NodeExecutor`) and reply with the rows and partial
   sums the server reads;
 - ``train.memaudit_secagg``: one exchange of a secure-aggregation round for this node's
-  users (`memaudit.federated.secagg.remote.node_step`): their protocol clients, whose secret
-  keys and received shares stay in a file under ``cache-dir`` readable only by the node's
-  user, quantise the users' kept deltas and send masked inputs only.
+  users (`memaudit.federated.secagg.remote.node_step`): their protocol clients quantise the
+  users' kept deltas and send masked inputs only.
+
+The SuperNode's ClientApp is `memaudit.flower_node`'s: it forwards each message to the node's
+resident process (`memaudit.federated.flower.resident`), which answers with `answer` and keeps
+the protocol clients' secret keys, the shares they received and a round's kept values in its
+memory. With ``resident='false'`` in the node config the ClientApp answers in its own process
+with the functions below, and those values go to files under ``cache-dir`` readable only by
+the node's user (a ``flwr-clientapp`` process lives for one message).
 
 The node's partition and its stage manifest come from its node config (``partition`` and
 ``manifest``, files written by `memaudit.federated.flower.nodes` from the operator's config): a
 SuperNode without a manifest answers every message with a one-line error, and with one it runs
 only the client stages the manifest lists, with the manifest's secure-aggregation policy and DP
 parameters (`memaudit.federated.flower.trust.NodeTrust`); a refused call is answered with
-``{"refused": one line}``, never data. Values a later stage of the same round reads, and XLA's
-compilation cache, go under ``cache-dir`` (default: a folder in the system temp dir).
+``{"refused": one line}``, never data. XLA's compilation cache goes under ``cache-dir``
+(default: a folder in the system temp dir).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +58,23 @@ def serve(grid: Grid, context: Context) -> None:
     serve_run(grid, launch_dir=Path(str(rc["launch-dir"])))
 
 
-def _cache_dir(context: Context) -> Path:
-    d = context.node_config.get("cache-dir")
+def cache_dir(node_config: dict[str, Any], node_id: int) -> Path:
+    d = node_config.get("cache-dir")
     base = Path(str(d)) if d else Path(tempfile.gettempdir()) / f"memaudit-flower-{os.getuid()}"
-    return base / f"node-{context.node_id}"
+    return base / f"node-{node_id}"
 
 
-def _node(context: Context) -> Any:
-    path, manifest = context.node_config.get("partition"), context.node_config.get("manifest")
+def use_compilation_cache(node_config: dict[str, Any], node_id: int) -> None:
+    """XLA's persistent compilation cache under the node's cache folder."""
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir(node_config, node_id) / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def open_node(node_config: dict[str, Any], node_id: int, run_id: int, *, in_memory: bool = False) -> NodeExecutor:
+    """The node's executor for a run: its partition, its manifest (`NodeTrust`) and identity.
+    Values kept between a round's stages stay in memory (a resident process) or in files under
+    the cache folder (one process per message)."""
+    path, manifest = node_config.get("partition"), node_config.get("manifest")
     if not path:
         raise DataError("this SuperNode has no partition; start it with --node-config "
                         "\"partition='node-<i>.npz' manifest='manifest.json'\"")
@@ -69,11 +85,34 @@ def _node(context: Context) -> Any:
     trust = NodeTrust.load(str(manifest))
     identity = None
     if trust.nodes:  # the node's long-term key: ``node-key``, or node-<i>.secagg.key beside its partition
-        key = context.node_config.get("node-key") or Path(str(path)).with_suffix(".secagg.key")
+        key = node_config.get("node-key") or Path(str(path)).with_suffix(".secagg.key")
         identity = load_node_identity(str(key), trust.nodes)
     users, arrays = load_partition(str(path))
-    store = _cache_dir(context) / f"run-{context.run_id}"
+    store = None if in_memory else cache_dir(node_config, node_id) / f"run-{run_id}"
     return NodeExecutor(users, arrays, store_dir=store, trust=trust, identity=identity)
+
+
+def answer(kind: str, node: Callable[[], NodeExecutor], payload: bytes) -> dict[str, Any]:
+    """The reply to one message of `kind` (hello, stage, secagg) whose payload is `payload`, by
+    the node `node()` gives: the same for the resident process and for one process per message.
+    A refusal is ``{"refused": one line}`` (``{"error": ...}`` for hello), never data."""
+    try:
+        executor = node()
+        if kind == "hello":
+            a = executor.arrays
+            digests = [user_digest(a["input_ids"][k], a["example_mask"][k]) for k in range(len(executor.users))]
+            return {"users": executor.users, "digests": digests}
+        if kind == "stage":
+            outputs = executor.run(call_from_wire(wire.unpack(payload)))
+            return {"outputs": {str(k): v for k, v in outputs.items()}}
+        return executor.secagg(wire.unpack(payload))
+    except MemauditError as e:  # refused (no manifest, a stage not in it, a non-finite update)
+        line = (str(e).splitlines() or [type(e).__name__])[0]
+        return {"error": line} if kind == "hello" else {"refused": line}
+    except (TypeError, KeyError) as e:  # not a memaudit call: no data
+        if kind != "stage":
+            raise
+        return {"refused": (str(e).splitlines() or [type(e).__name__])[0]}
 
 
 def _reply(message: Message, obj: Any) -> Message:
@@ -83,36 +122,24 @@ def _reply(message: Message, obj: Any) -> Message:
     return Message(wire.content(obj), reply_to=message)
 
 
-def hello(message: Message, context: Context) -> Message:
-    try:
-        node = _node(context)
-    except MemauditError as e:
-        return _reply(message, {"error": str(e)})
+def _in_process(kind: str, message: Message, context: Context) -> Message:
+    conf = dict(context.node_config)
+    if kind == "stage":
+        use_compilation_cache(conf, context.node_id)
+    payload = message.content[wire.RECORD][wire.FIELD]
+    return _reply(message, answer(kind, lambda: open_node(conf, context.node_id, context.run_id), payload))
 
-    a = node.arrays
-    digests = [user_digest(a["input_ids"][k], a["example_mask"][k]) for k in range(len(node.users))]
-    return _reply(message, {"users": node.users, "digests": digests})
+
+def hello(message: Message, context: Context) -> Message:
+    return _in_process("hello", message, context)
 
 
 def stage(message: Message, context: Context) -> Message:
-    jax.config.update("jax_compilation_cache_dir", str(_cache_dir(context) / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-    try:
-        node = _node(context)
-        call = call_from_wire(wire.read(message))
-        outputs = node.run(call)
-    except (MemauditError, TypeError, KeyError) as e:  # refused, or not a memaudit call: no data
-        return _reply(message, {"refused": (str(e).splitlines() or [type(e).__name__])[0]})
-    return _reply(message, {"outputs": {str(k): v for k, v in outputs.items()}})
+    return _in_process("stage", message, context)
 
 
 def secagg(message: Message, context: Context) -> Message:
-    try:
-        node = _node(context)
-        return _reply(message, node.secagg(wire.read(message)))
-    except MemauditError as e:  # refused (no manifest, a non-finite update): the node leaves
-        return _reply(message, {"refused": (str(e).splitlines() or [type(e).__name__])[0]})
+    return _in_process("secagg", message, context)
 
 
 def _apps() -> tuple[Any, Any]:

@@ -65,9 +65,9 @@ def write_app(d: Path) -> Path:
     """The Flower App memaudit submits: its components are memaudit's apps."""
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{APP_MODULE}.py").write_text(
-        '"""memaudit on Flower: the ServerApp and ClientApp of memaudit.federated.flower."""\n'
-        "from memaudit.federated.flower import apps\n\n"
-        "server_app = apps.server_app\nclient_app = apps.client_app\n")
+        '"""memaudit on Flower: its ServerApp and ClientApp (memaudit.flower_node)."""\n'
+        "from memaudit.flower_node import client_app, server_app\n\n"
+        '__all__ = ["client_app", "server_app"]\n')
     (d / "pyproject.toml").write_text(f'''[build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
@@ -167,11 +167,12 @@ def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = N
 
 def supernode_args(superlink: str, partition: str | Path, manifest: str | Path, *,
                    root_certificates: str | None = None, auth_key: str | None = None,
-                   cache_dir: str | Path | None = None) -> list[str]:
+                   cache_dir: str | Path | None = None, resident: bool = True) -> list[str]:
     """``flower-supernode``'s arguments: the SuperLink verified with ``root_certificates`` (TLS;
     plain HTTP only to a SuperLink on localhost), the node's private key (SuperNode
     authentication) and the node config memaudit's ClientApp reads: its partition and its
-    stage manifest (`memaudit.federated.flower.trust`)."""
+    stage manifest (`memaudit.federated.flower.trust`); ``resident=False`` runs every message in
+    its own ``flwr-clientapp`` process rather than the node's resident one (`memaudit.flower_node`)."""
     host, _ = _split(superlink)
     if root_certificates is None and host not in ("127.0.0.1", "localhost", "::1"):
         raise ConfigError(f"a SuperNode talking to {superlink} without TLS sends its replies in plain "
@@ -183,6 +184,8 @@ def supernode_args(superlink: str, partition: str | Path, manifest: str | Path, 
     config = f"partition='{partition}' manifest='{manifest}'"
     if cache_dir is not None:
         config += f" cache-dir='{cache_dir}'"
+    if not resident:
+        config += " resident='false'"
     return [*out, "--node-config", config]
 
 
@@ -213,14 +216,20 @@ class LocalFederation:
         env: environment of the processes (default: this one's).
         manifest: the SuperNodes' stage manifest (default: ``manifest.json`` beside the first
             partition, where `memaudit.federated.flower.nodes` writes it).
+        resident: each SuperNode answers through its resident process (`memaudit.flower_node`);
+            False: a ``flwr-clientapp`` process per message does the work.
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
-                 env: dict[str, str] | None = None, manifest: str | Path | None = None) -> None:
+                 env: dict[str, str] | None = None, manifest: str | Path | None = None,
+                 resident: bool = True) -> None:
+        self.resident = resident
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
         self.manifest = str(manifest or Path(self.partitions[0]).parent / "manifest.json")
         self.env = dict(os.environ if env is None else env)
         self.env["FLWR_HOME"] = str(self.workdir / "flwr-home")
+        # Flower's SuperExec looks for a message to start a ClientApp for once a second by default
+        self.env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")
         # the SuperLink and SuperNodes start flower-superexec, flwr-serverapp, flwr-clientapp
         bindir = str(Path(sys.executable).parent)
         self.env["PATH"] = os.pathsep.join([bindir, self.env.get("PATH", "")])
@@ -250,7 +259,7 @@ class LocalFederation:
         cache = self.workdir / f"node-{i}-cache"
         return self._start(f"supernode-{i}", [
             _tool("flower-supernode"), "--host", "127.0.0.1", "--port", str(free_port()),
-            *supernode_args(self.address, partition, self.manifest, cache_dir=cache)])
+            *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident)])
 
     def kill_node(self, i: int) -> None:
         """SIGKILL SuperNode ``i`` and the processes it started (its process group)."""

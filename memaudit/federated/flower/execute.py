@@ -351,7 +351,10 @@ class NodeExecutor:
         server gives)."""
         key = hashlib.sha256(bytes(call.module)).hexdigest()
         if key not in self.modules:
-            self.modules[key] = export.deserialize(bytearray(call.module))
+            exp = export.deserialize(bytearray(call.module))
+            # one jitted callable per module: a node that runs many rounds (a resident process)
+            # traces and compiles each stage once
+            self.modules[key] = (exp, jax.jit(exp.call))
         return self.modules[key]
 
     def _check(self, call: StageCall) -> None:
@@ -379,7 +382,7 @@ class NodeExecutor:
             StageRefused: a stage not in the node's manifest, or users it does not host.
         """
         self._check(call)
-        exp = self._module(call)
+        exp, fn = self._module(call)
         self.store = {k: v for k, v in self.store.items() if k[0] == call.round}
         args = []
         for (kind, ref), aval in zip(call.inputs, exp.in_avals, strict=True):
@@ -389,7 +392,7 @@ class NodeExecutor:
                 args.append(self._kept(call.round, ref))
             else:
                 args.append(ref)
-        outs = exp.call(*args)
+        outs = fn(*args)
         reply: dict[int, Any] = {}
         for k, (mode, out) in enumerate(zip(call.outputs, outs, strict=True)):
             if KEEP in mode:

@@ -58,8 +58,25 @@ from memaudit.rundir import RunDir
 class FlowerNodes:
     """The SuperNodes of a Flower run, as `memaudit.federated.flower.execute.Nodes`."""
 
+    POLL_S = 0.05  # Flower's own send_and_receive sleeps 3 s between polls of the SuperLink
+
     def __init__(self, grid: Any, fcfg: Any) -> None:
         self.grid, self.fcfg = grid, fcfg
+
+    def exchange(self, messages: list[Any], timeout: float) -> list[Any]:
+        """Push `messages` and pull their replies every `POLL_S` seconds until every node has
+        answered or `timeout` seconds have passed (a node that has not answered is absent)."""
+        ids = set(self.grid.push_messages(messages))
+        deadline = time.monotonic() + timeout
+        out: list[Any] = []
+        while ids:
+            got = list(self.grid.pull_messages(ids))
+            out += got
+            ids -= {m.metadata.reply_to_message_id for m in got}
+            if not ids or time.monotonic() >= deadline:
+                break
+            time.sleep(self.POLL_S)
+        return out
 
     def _wait_for_nodes(self) -> list[int]:
         deadline = time.monotonic() + self.fcfg.connect_timeout
@@ -81,7 +98,7 @@ class FlowerNodes:
 
         nodes = self._wait_for_nodes()
         msgs = [Message(wire.content({}), dst_node_id=n, message_type=f"query.{HELLO}") for n in nodes]
-        replies = list(self.grid.send_and_receive(msgs, timeout=self.fcfg.connect_timeout))
+        replies = list(self.exchange(msgs, self.fcfg.connect_timeout))
         host: dict[str, int] = {}
         answered = [r for r in replies if not r.has_error()]  # an unavailable node is no host
         if len(answered) < self.fcfg.min_nodes:
@@ -117,7 +134,7 @@ class FlowerNodes:
         msgs = [Message(wire.content(p), dst_node_id=n, message_type=f"train.{SECAGG}",
                         group_id=f"{p['round']}-{p['step']}") for n, p in payloads.items()]
         out: dict[Any, dict] = {}
-        for r in self.grid.send_and_receive(msgs, timeout=self.fcfg.stage_timeout):
+        for r in self.exchange(msgs, self.fcfg.stage_timeout):
             if not r.has_error():
                 out[r.metadata.src_node_id] = _read(r)
         return out
@@ -131,7 +148,7 @@ class FlowerNodes:
         msgs = [Message(wire.content(call_to_wire(c)), dst_node_id=n, message_type=f"train.{STAGE}",
                         group_id=str(c.round)) for n, c in calls.items()]
         out: dict[Any, Any] = {}
-        for r in self.grid.send_and_receive(msgs, timeout=self.fcfg.stage_timeout):
+        for r in self.exchange(msgs, self.fcfg.stage_timeout):
             if r.has_error():  # the node died, or its ClientApp failed: dropped for the round
                 continue
             out[r.metadata.src_node_id] = _stage_reply(_read(r))

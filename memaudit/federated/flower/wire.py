@@ -18,11 +18,12 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
+# named where the SuperNode's ClientApp reads them without JAX (`memaudit.flower_node`)
+from memaudit.flower_messages import FIELD, HELLO, RECORD, SECAGG, STAGE
+
+__all__ = ["FIELD", "HELLO", "RECORD", "SECAGG", "STAGE", "content", "dtype_of", "pack", "read", "unpack"]
+
 _ARRAY = 7
-RECORD, FIELD = "memaudit", "payload"
-# the message types of memaudit's ClientApp (`memaudit.federated.flower.apps`), here at the
-# bottom so that the server side names them without importing the apps
-HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
 
 
 def dtype_of(name: str) -> np.dtype:

@@ -1,0 +1,173 @@
+"""memaudit's Flower apps as a SuperNode loads them, without JAX.
+
+Flower 1.42 starts a new ``flwr-clientapp`` process for every message a SuperNode receives. A
+ClientApp that imported JAX, read its partition and deserialised its client stages in that
+process paid seconds of start-up per message, four times a round under secure aggregation. Here
+the ClientApp only forwards the message's payload (memaudit's one bytes field,
+`memaudit.federated.flower.wire`) to the node's **resident process**
+(`memaudit.federated.flower.resident`), which keeps JAX, the partition, the manifest, the
+deserialised stages and their compiled executables, and a round's kept values, across messages
+and rounds, and answers with the reply's payload.
+
+The resident is started by the first message and lives as long as the SuperNode: it is a child
+in the SuperNode's process group (killing the SuperNode's group kills it), it exits when the
+process that started ``flwr-clientapp`` (Flower's SuperExec, itself watching the SuperNode) is
+gone, and after ``resident-idle`` seconds without a message (node config, default 900). It
+listens on a Unix socket in a folder only this user can enter (0700, checked), and answers only
+a client that proves it holds a 32-byte key in a 0600 file there (``multiprocessing``'s HMAC
+challenge); bytes travel as bytes, never pickled. One resident serves one node config (partition,
+manifest, node key, cache folder) of one SuperNode. ``resident=false`` in the node config runs
+each message in the ``flwr-clientapp`` process instead (`memaudit.federated.flower.apps`).
+
+Everything the node checks (the stage manifest, the policy, the DP bound, the partition's users)
+is checked by the resident exactly as by the in-process ClientApp: the same code
+(`memaudit.federated.flower.apps.answer`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import Any
+
+from memaudit.flower_messages import FIELD, HELLO, RECORD, SECAGG, STAGE
+
+KINDS = {HELLO: "hello", STAGE: "stage", SECAGG: "secagg"}
+START_TIMEOUT_S = 120.0
+
+
+def _flag(value: Any, default: bool) -> bool:
+    if value is None:
+        return default
+    return str(value).strip().lower() not in ("0", "false", "no", "off")
+
+
+def resident_dir() -> Path:
+    """The folder of this user's resident sockets and keys: created 0700, refused when another
+    user owns it or others may write to it."""
+    d = Path(tempfile.gettempdir()) / f"memaudit-resident-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    st = d.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{d} is not a folder only this user can enter; remove it")
+    return d
+
+
+def resident_name(node_config: dict[str, Any], node_id: int, watch_pid: int) -> str:
+    """One resident per node config and SuperNode (the SuperExec's pid)."""
+    conf = {str(k): str(v) for k, v in node_config.items()}
+    blob = json.dumps([conf, int(node_id), int(watch_pid), sys.executable], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _connect(sock: Path, key: Path) -> Connection | None:
+    if not (sock.exists() and key.is_file()):
+        return None
+    try:
+        return Client(str(sock), family="AF_UNIX", authkey=key.read_bytes())
+    except (ConnectionRefusedError, FileNotFoundError):
+        return None
+
+
+def _start(d: Path, name: str, node_config: dict[str, Any], node_id: int, watch_pid: int) -> None:
+    sock, key = d / f"{name}.sock", d / f"{name}.key"
+    sock.unlink(missing_ok=True)
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    log = open(d / f"{name}.log", "ab")  # noqa: SIM115 - the resident's own stderr
+    # no new session: the resident stays in the SuperNode's process group
+    subprocess.Popen([sys.executable, "-m", "memaudit.federated.flower.resident",
+                      "--socket", str(sock), "--key-file", str(key), "--node-id", str(node_id),
+                      "--watch-pid", str(watch_pid), "--node-config", json.dumps(node_config)],
+                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True)
+    log.close()
+
+
+def resident(node_config: dict[str, Any], node_id: int, watch_pid: int | None = None) -> Connection:
+    """A connection to this node's resident process, started if none answers."""
+    watch_pid = os.getppid() if watch_pid is None else watch_pid
+    d = resident_dir()
+    name = resident_name(node_config, node_id, watch_pid)
+    sock, key = d / f"{name}.sock", d / f"{name}.key"
+    conn = _connect(sock, key)
+    if conn is not None:
+        return conn
+    with open(d / f"{name}.lock", "w") as lock:  # one starter at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        conn = _connect(sock, key)
+        if conn is not None:
+            return conn
+        _start(d, name, node_config, node_id, watch_pid)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            conn = _connect(sock, key)
+            if conn is not None:
+                return conn
+            time.sleep(0.1)
+    raise RuntimeError(f"this node's resident process did not start within {START_TIMEOUT_S:g} s; "
+                       f"see {d / (name + '.log')}")
+
+
+def ask(conn: Connection, kind: str, run_id: int, payload: bytes) -> bytes:
+    """One request to a resident: the reply's payload, or RuntimeError with its one line."""
+    with conn:
+        conn.send_bytes(json.dumps({"kind": kind, "run_id": int(run_id)}).encode())
+        conn.send_bytes(payload)
+        head = json.loads(conn.recv_bytes())
+        body = conn.recv_bytes()
+    if not head.get("ok"):
+        raise RuntimeError(head.get("error", "the node's resident process failed"))
+    return body
+
+
+def _forward(message: Any, context: Any) -> Any:
+    # optional dependency: flwr (the flower extra); the apps below are only built with it
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    kind = KINDS[message.metadata.message_type.split(".", 1)[1]]
+    if not _flag(context.node_config.get("resident"), True):
+        # lazy: JAX, the partition and the stages in this flwr-clientapp process
+        from memaudit.federated.flower import apps
+
+        return getattr(apps, kind)(message, context)
+    payload = bytes(message.content[RECORD][FIELD])
+    node_config = dict(context.node_config)
+    body = ask(resident(node_config, int(context.node_id)), kind, int(context.run_id), payload)
+    return Message(RecordDict({RECORD: ConfigRecord({FIELD: body})}), reply_to=message)
+
+
+def _serve(grid: Any, context: Any) -> None:
+    # lazy: the ServerApp runs the trainer (JAX, flax, dp_accounting) only when it is called
+    from memaudit.federated.flower.apps import serve
+
+    serve(grid, context)
+
+
+def _apps() -> tuple[Any, Any]:
+    # optional dependency: flwr (the flower extra)
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    server, client = ServerApp(), ClientApp()
+    server.main()(_serve)
+    client.query(HELLO)(_forward)
+    client.train(STAGE)(_forward)
+    client.train(SECAGG)(_forward)
+    return server, client
+
+
+try:
+    server_app, client_app = _apps()
+except ImportError:  # without the .[flower] extra: importable (doctests), no apps
+    server_app = client_app = None

@@ -1,0 +1,101 @@
+"""A SuperNode's resident process (`memaudit.flower_node`, `memaudit.federated.flower.resident`):
+the ClientApp Flower starts per message imports no JAX and forwards to it; it answers as the
+in-process ClientApp does (the same checks), only to a client holding its key, and goes away
+with the process it watches. The weights of whole Flower runs through residents equal the
+in-JAX program's in test_flower_deploy.py."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+
+import numpy as np
+import pytest
+
+from memaudit import flower_node
+from memaudit.federated.flower import wire
+from memaudit.federated.flower.apps import answer, open_node
+from memaudit.federated.flower.execute import call_to_wire
+from tests.federated.test_flower_node_trust import _identity_call
+
+
+def test_the_clientapp_flower_starts_per_message_imports_no_jax():
+    code = ("import sys, memaudit.flower_node as f; "
+            "assert f.client_app is not None and f.server_app is not None; "
+            "print(sorted(m for m in ('jax', 'flax', 'optax', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture()
+def node_config(tmp_path):
+    part = tmp_path / "node-0.npz"
+    rng = np.random.default_rng(0)
+    np.savez(part, users=np.asarray(["u0", "u1"]), input_ids=rng.integers(0, 50, (2, 2, 4)).astype(np.int32),
+             attention_mask=np.ones((2, 2, 4), np.int32), example_mask=np.ones((2, 2), np.float32))
+    (tmp_path / "manifest.json").write_text(
+        '{"schema": 1, "stages": [], "resident": [], "policy": null, "dp": null}')
+    return {"partition": str(part), "manifest": str(tmp_path / "manifest.json"), "cache-dir": str(tmp_path / "cache")}
+
+
+def test_a_resident_answers_as_the_clientapp_only_to_its_key_and_leaves_with_its_supernode(node_config, monkeypatch):
+    watched = subprocess.Popen(["sleep", "600"])  # the SuperExec that starts the ClientApps
+    try:
+        d = flower_node.resident_dir()
+        name = flower_node.resident_name(node_config, 3, watched.pid)
+        sock, key = d / f"{name}.sock", d / f"{name}.key"
+
+        def ask(kind, payload):
+            return wire.unpack(flower_node.ask(flower_node.resident(node_config, 3, watched.pid), kind, 7, payload))
+
+        def here(kind, payload):  # the in-process ClientApp's answer
+            return answer(kind, lambda: open_node(node_config, 3, 7), payload)
+
+        hello = ask("hello", b"")
+        assert hello == here("hello", b"") and hello["users"] == ["u0", "u1"] and len(hello["digests"]) == 2
+        # a module not in the node's manifest (an identity over the node's rows): refused, no data
+        call = wire.pack(call_to_wire(_identity_call()))
+        refused = ask("stage", call)
+        assert refused == here("stage", call) and set(refused) == {"refused"}
+        assert "not one of this node's 0 allowed" in refused["refused"]
+
+        # the same resident answers every later message: no second start
+        monkeypatch.setattr(flower_node, "_start", lambda *a: pytest.fail("a second resident was started"))
+        assert ask("hello", b"")["users"] == ["u0", "u1"]
+        head = flower_node.resident(node_config, 3, watched.pid)
+        with pytest.raises(RuntimeError, match=r"resident process failed \(ValueError\)"):
+            flower_node.ask(head, "shell", 7, b"")  # not a request it knows: one line, no traceback
+
+        # only this user can reach it
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600 and stat.S_IMODE(sock.stat().st_mode) == 0o600
+        # an attacker without the key (another program on the node) is refused, and the node goes on
+        with pytest.raises(AuthenticationError):
+            Client(str(sock), family="AF_UNIX", authkey=b"\0" * 32)
+        assert ask("hello", b"")["users"] == ["u0", "u1"]
+    finally:
+        watched.kill()
+        watched.wait()
+    deadline = time.monotonic() + 30
+    while sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not sock.exists() and not key.exists()  # gone with the SuperNode, its key with it
+
+
+def test_a_resident_off_node_config_runs_the_message_in_the_clientapp_process(node_config, monkeypatch):
+    """``resident='false'``: the ClientApp answers in its own process (no socket, no resident)."""
+    import types
+
+    from memaudit.federated.flower import apps
+
+    monkeypatch.setattr(apps, "_reply", lambda message, obj: obj)
+    monkeypatch.setattr(flower_node, "resident", lambda *a: pytest.fail("a resident was asked"))
+    msg = types.SimpleNamespace(metadata=types.SimpleNamespace(message_type="query.memaudit_hello"),
+                                content={wire.RECORD: {wire.FIELD: b""}})
+    ctx = types.SimpleNamespace(node_config={**node_config, "resident": "false"}, node_id=3, run_id=7)
+    body = flower_node._forward(msg, ctx)
+    assert body == answer("hello", lambda: open_node(node_config, 3, 7), b"") and body["users"] == ["u0", "u1"]
