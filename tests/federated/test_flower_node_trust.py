@@ -359,6 +359,47 @@ def test_node_accepts_only_client_keys_its_manifest_nodes_signed(attack, tmp_pat
                 "forged": "substituted"}[attack] in reply["abort"]
 
 
+def test_a_node_reads_a_rounds_protocol_state_once_per_exchange(tmp_path, monkeypatch):
+    """The shares step checks the clients' signed keys against the round id of the state it then
+    runs on, and the masked step tests the rows of the state it encodes: one read per exchange
+    (two reads let a state that changed in between, e.g. another message's, be checked in one
+    version and used in the other)."""
+    from memaudit.federated.flower.identity import (
+        load_node_identity,
+        new_node_key,
+        public_hex,
+        write_node_key,
+    )
+
+    reads: list[str] = []
+    step_of: list[str] = []
+    load, secagg = NodeExecutor._load_protocol, NodeExecutor.secagg
+
+    def counted_load(self, round):
+        reads.append(step_of[-1])
+        return load(self, round)
+
+    def tagged(self, payload):
+        step_of.append(payload.get("step"))
+        return secagg(self, payload)
+
+    monkeypatch.setattr(NodeExecutor, "_load_protocol", counted_load)
+    monkeypatch.setattr(NodeExecutor, "secagg", tagged)
+    keys = [new_node_key(), new_node_key()]
+    nodes = tuple(public_hex(k) for k in keys)
+    idents = {name: load_node_identity(write_node_key(tmp_path / f"node-{i}.key", keys[i]), nodes)
+              for i, name in enumerate("ab")}
+    trust = NodeTrust(frozenset(), frozenset((0, 1)), (0.6, 1, 3, "malicious"), None, "", nodes)
+    n, hosts = 4, {"a": [0, 1], "b": [2, 3]}
+    res = _released(_secagg(min_survivors=3, colluding=1), _remote(_deltas(n, 3), hosts, trust, idents), n,
+                    jax.random.key(5))
+    assert res is not None  # the round completed
+    for step in ("shares", "masked", "check", "unmask"):
+        calls = step_of.count(step)
+        assert calls == 2 and reads.count(step) == calls, (step, calls, reads.count(step))  # two nodes, a read each
+    assert reads.count("advertise") == 0
+
+
 def test_node_key_must_be_one_of_the_manifest(tmp_path):
     from memaudit.errors import DataError
     from memaudit.federated.flower.identity import (

@@ -41,7 +41,7 @@ from memaudit.federated.flower import wire
 from memaudit.federated.flower.identity import authenticated_keys, sign_keys
 from memaudit.federated.flower.partition import CLIENT, Lit, Plan, PlanError, Stage
 from memaudit.federated.flower.trust import NodeTrust, StageRefused, stage_signature
-from memaudit.federated.secagg.remote import node_step
+from memaudit.federated.secagg.remote import STEPS, node_step
 
 KEEP, ROWS, SUM = "keep", "rows", "sum"
 
@@ -321,25 +321,26 @@ class NodeExecutor:
         """This node's side of one secure-aggregation exchange (its clients, its rows): under a
         `NodeTrust`, with the node's own policy and DP bound (a refusal is an abort reply), and
         at the masked-input step only with finite rows (`StageRefused` otherwise: the node drops
-        out of the round)."""
+        out of the round). The round's protocol state is read once per exchange: the signatures
+        are checked, the rows tested and the step run against the same state."""
         step = payload.get("step")
+        state = self._load_protocol(int(payload["round"])) if step in STEPS and step != "advertise" else None
         try:
             if self.trust is not None and step == "advertise":
                 payload = self.trust.secagg_payload(payload)
             if self.trust is not None and self.trust.nodes and step == "shares":
-                rid = self._load_protocol(int(payload["round"]))["round_id"]
-                payload = {**payload, "verify": authenticated_keys(payload.get("signed"), self.trust.nodes, rid)}
+                payload = {**payload, "verify": authenticated_keys(payload.get("signed"), self.trust.nodes,
+                                                                   state["round_id"])}
         except StageRefused as e:
             return {"abort": str(e)}
         if step == "masked":
-            self._check_finite(int(payload["round"]))
-        reply = node_step(payload, kept=self._kept, load=self._load_protocol, save=self._save_protocol)
+            self._check_finite(int(payload["round"]), state)
+        reply = node_step(payload, kept=self._kept, load=lambda _round: state, save=self._save_protocol)
         if step == "advertise" and self.identity is not None and "verify" in reply:
             reply["keys_sig"] = sign_keys(self.identity, int(payload["round_id"]), reply["verify"])
         return reply
 
-    def _check_finite(self, round: int) -> None:
-        st = self._load_protocol(round)
+    def _check_finite(self, round: int, st: dict) -> None:
         slots = [int(s) for s, _ in st["slots"].values()]
         for v in st["leaves"]:
             if not np.all(np.isfinite(np.asarray(self._kept(round, int(v)))[slots])):
