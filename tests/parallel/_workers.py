@@ -497,6 +497,13 @@ TRAIN_JOBS: dict[str, tuple[int, tuple[str, ...]]] = {
                         "model.lora.target_modules=[q_proj,o_proj]", "privacy.noise_multiplier=0",
                         "privacy.clip=0.7", "privacy.reproducible_randomness=true", "train.checkpoint_every=2")),
 }
+# the same job, every rank stopped by an error in step 3 (after the step-2 checkpoint), then resumed
+TRAIN_JOBS["lora-dp0-x2-resume"] = TRAIN_JOBS["lora-dp0-x2"]
+CRASH_AT = 2  # 0-based index of the step that fails
+
+
+class _Crash(RuntimeError):
+    pass
 
 
 def train_overrides(job: str, corpus: str, *, parallel: bool = True) -> list[str]:
@@ -524,14 +531,38 @@ def run_train_jobs(world: int, jobs_path: str) -> dict[str, str | None]:
         try:
             cfg = load_config(REPO_ROOT / "configs" / "tiny.yaml", train_overrides(job, spec["corpus"]))
             path = Path(spec["out"]) / job
-            trainer = Trainer(cfg, RunDir(path), TensorParallelLayout(cfg))
-            assert type(trainer) is Trainer  # composition: the grid is the layout, not a subclass
-            trainer.fit()
+            if job.endswith("-resume"):
+                _crash_then_resume(cfg, path)
+            else:
+                trainer = Trainer(cfg, RunDir(path), TensorParallelLayout(cfg))
+                assert type(trainer) is Trainer  # composition: the grid is the layout, not a subclass
+                trainer.fit()
             res[f"train-{job}"] = None
         except Exception:  # noqa: BLE001
             res[f"train-{job}"] = traceback.format_exc(limit=6)
         TIMES[f"train-{job}"] = time.perf_counter() - t0
     return res
+
+
+def _crash_then_resume(cfg: Any, path: Path) -> None:
+    """Every rank fails in step CRASH_AT + 1 (as a job whose ranks all die there), then the run
+    resumes from its step-2 checkpoint on the same grid."""
+    from memaudit.parallel.layout import TensorParallelLayout
+    from memaudit.rundir import RunDir
+    from memaudit.train.trainer import Trainer
+
+    class Crashing(Trainer):
+        def step(self, i: int):
+            if i == CRASH_AT:
+                raise _Crash(f"stopped in step {i + 1}")
+            return super().step(i)
+
+    try:
+        Crashing(cfg, RunDir(path), TensorParallelLayout(cfg)).fit()
+        raise AssertionError("the crashing run did not stop")
+    except _Crash:
+        pass
+    Trainer(cfg, RunDir(path), TensorParallelLayout(cfg)).fit(resume=True)
 
 
 # ----------------------------------------------------------------------------- entry

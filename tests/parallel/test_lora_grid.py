@@ -133,3 +133,30 @@ def test_lora_trainer_on_a_grid_writes_what_one_process_writes(results, train_ru
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     for st, st_own in zip(popt.state_dict()["state"].values(), own_opt.state_dict()["state"].values(), strict=True):
         assert torch.equal(st["exp_avg"], st_own["exp_avg"])
+
+
+def test_lora_dp_run_on_a_grid_stopped_in_step_3_resumes_to_the_same_bits(results, train_runs) -> None:
+    """Every rank of the x=2 LoRA DP-SGD job fails in step 3, after its step-2 checkpoint; the
+    run resumed on the same grid ends with the uninterrupted run's adapters, merged weights,
+    steps and ledger, bit for bit."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests._metrics import merged_metrics
+
+    for job in ("lora-dp0-x2", "lora-dp0-x2-resume"):
+        err = results(2)[f"train-{job}"]
+        assert err is None, err
+    whole, resumed = train_runs[1] / "lora-dp0-x2", train_runs[1] / "lora-dp0-x2-resume"
+    m = json.loads((resumed / "run.json").read_text())
+    assert m["status"] == "complete" and m["result"]["resumed_from_step"] == 2
+    assert [x["step"] for x in merged_metrics(resumed)] == [1, 2, 3, 4]
+    for x, y in zip(merged_metrics(resumed), merged_metrics(whole), strict=True):
+        assert (x["loss"], x["clip_fraction"], x["batch_size"]) == (y["loss"], y["clip_fraction"], y["batch_size"])
+    for sub in ("adapter/adapter_model.safetensors", "model/model.safetensors"):
+        a, b = load_file(str(resumed / sub)), load_file(str(whole / sub))
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), sub
+    la, lb = (json.loads((r / "privacy.json").read_text()) for r in (resumed, whole))
+    assert la["epsilon"] == lb["epsilon"] and la["events"] == lb["events"] and la["steps"] == 4
