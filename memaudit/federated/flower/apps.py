@@ -1,6 +1,7 @@
-"""memaudit's Flower ``ServerApp`` and ``ClientApp`` (Flower's Message API), and the node's answers.
+"""What memaudit's Flower ``ServerApp`` and ``ClientApp`` run (Flower's Message API); the apps
+themselves are built in `memaudit.flower_node`, which imports no JAX.
 
-The ServerApp runs the federated trainer of a run directory (`memaudit.federated.flower.trainer`)
+The ServerApp (`serve`) runs the federated trainer of a run directory (`memaudit.federated.flower.trainer`)
 with the run's ``Grid``: every client stage of a round becomes one message per SuperNode that
 hosts a sampled user. A node answers three message types (`answer`):
 
@@ -45,7 +46,6 @@ from memaudit.federated.flower.execute import NodeExecutor, call_from_wire
 from memaudit.federated.flower.identity import load_node_identity
 from memaudit.federated.flower.nodes import load_partition, user_digest
 from memaudit.federated.flower.trust import NodeTrust
-from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
@@ -140,22 +140,3 @@ def stage(message: Message, context: Context) -> Message:
 
 def secagg(message: Message, context: Context) -> Message:
     return _in_process("secagg", message, context)
-
-
-def _apps() -> tuple[Any, Any]:
-    # optional dependency: flwr (the flower extra)
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
-
-    server, client = ServerApp(), ClientApp()
-    server.main()(serve)
-    client.query(HELLO)(hello)
-    client.train(STAGE)(stage)
-    client.train(SECAGG)(secagg)
-    return server, client
-
-
-try:
-    server_app, client_app = _apps()
-except ImportError:  # without the .[flower] extra: importable (doctests), no apps
-    server_app = client_app = None
