@@ -40,9 +40,8 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from memaudit.flower_messages import FIELD, HELLO, RECORD, SECAGG, STAGE
+from memaudit.flower_messages import HELLO, KINDS, SECAGG, STAGE, payload_of, record
 
-KINDS = {HELLO: "hello", STAGE: "stage", SECAGG: "secagg"}
 START_TIMEOUT_S = 120.0
 
 
@@ -133,7 +132,7 @@ def ask(conn: Connection, kind: str, run_id: int, payload: bytes) -> bytes:
 
 def _forward(message: Any, context: Any) -> Any:
     # optional dependency: flwr (the flower extra); the apps below are only built with it
-    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.app import Message
 
     kind = KINDS[message.metadata.message_type.split(".", 1)[1]]
     if not _flag(context.node_config.get("resident"), True):
@@ -141,10 +140,8 @@ def _forward(message: Any, context: Any) -> Any:
         from memaudit.federated.flower import apps
 
         return getattr(apps, kind)(message, context)
-    payload = bytes(message.content[RECORD][FIELD])
-    node_config = dict(context.node_config)
-    body = ask(resident(node_config, int(context.node_id)), kind, int(context.run_id), payload)
-    return Message(RecordDict({RECORD: ConfigRecord({FIELD: body})}), reply_to=message)
+    conn = resident(dict(context.node_config), int(context.node_id))
+    return Message(record(ask(conn, kind, int(context.run_id), payload_of(message))), reply_to=message)
 
 
 def _serve(grid: Any, context: Any) -> None:

@@ -46,6 +46,7 @@ from memaudit.federated.flower.execute import NodeExecutor, call_from_wire
 from memaudit.federated.flower.identity import load_node_identity
 from memaudit.federated.flower.nodes import load_partition, user_digest
 from memaudit.federated.flower.trust import NodeTrust
+from memaudit.flower_messages import payload_of
 
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
@@ -126,7 +127,7 @@ def _in_process(kind: str, message: Message, context: Context) -> Message:
     conf = dict(context.node_config)
     if kind == "stage":
         use_compilation_cache(conf, context.node_id)
-    payload = message.content[wire.RECORD][wire.FIELD]
+    payload = payload_of(message)
     return _reply(message, answer(kind, lambda: open_node(conf, context.node_id, context.run_id), payload))
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from memaudit.federated.flower.apps import answer, open_node, use_compilation_cache
 from memaudit.federated.flower.execute import NodeExecutor
 from memaudit.federated.flower.wire import pack
+from memaudit.flower_messages import KINDS
 
 IDLE_S = 900.0
 RUNS_KEPT = 2  # executors of the latest runs (a run's kept values live in its executor)
@@ -56,7 +57,7 @@ class Resident:
         return self.runs[run_id]
 
     def handle(self, kind: str, run_id: int, payload: bytes) -> bytes:
-        if kind not in ("hello", "stage", "secagg"):
+        if kind not in KINDS.values():
             raise ValueError(f"unknown request {kind!r}")
         return pack(answer(kind, lambda: self.executor(run_id), payload))
 

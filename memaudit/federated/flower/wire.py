@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 # named where the SuperNode's ClientApp reads them without JAX (`memaudit.flower_node`)
-from memaudit.flower_messages import FIELD, HELLO, RECORD, SECAGG, STAGE
+from memaudit.flower_messages import FIELD, HELLO, RECORD, SECAGG, STAGE, payload_of, record
 
 __all__ = ["FIELD", "HELLO", "RECORD", "SECAGG", "STAGE", "content", "dtype_of", "pack", "read", "unpack"]
 
@@ -70,12 +70,9 @@ def unpack(data: bytes) -> Any:
 
 def content(obj: Any) -> Any:
     """A Flower ``RecordDict`` carrying ``obj``."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.app import ConfigRecord, RecordDict
-
-    return RecordDict({RECORD: ConfigRecord({FIELD: pack(obj)})})
+    return record(pack(obj))
 
 
 def read(message: Any) -> Any:
     """The object a memaudit Flower message carries."""
-    return unpack(message.content[RECORD][FIELD])
+    return unpack(payload_of(message))
