@@ -9,8 +9,15 @@ randomness at ("dpsgd-noise", step, parameter index) (HKDF, `memaudit.privacy.ra
 the secret is broadcast from rank 0 once) and sliced like the parameter, so it is drawn once
 per logical parameter, identical on every replica, and the same for any grid.
 
+Per-user clipping (ULS) passes `group_size` g: the rows are consecutive groups of g (one
+user's capped sequences, padded with rows without targets), the batch is padded with whole
+empty groups to a multiple of g x data x z so every shard holds whole groups (a user's
+sequences never straddle two ranks), and the ghost norms are taken per group
+(`memaudit.parallel.ghost`): each group's summed gradient is the clipped unit.
+
 References: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016; Li et al.,
-ghost clipping, ICLR 2022.
+ghost clipping, ICLR 2022; Charles et al., "Fine-Tuning Large Language Models with User-Level
+Differential Privacy", SaTML 2025 (ULS).
 """
 
 from __future__ import annotations
@@ -26,15 +33,16 @@ from memaudit.train.dpsgd import ClipStats
 
 
 def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                           attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Full-gradient L2 norm of each local example's mean token loss, shape (B_local,).
+                           attention_mask: torch.Tensor | None = None, *, group_size: int = 1) -> torch.Tensor:
+    """Full-gradient L2 norm of each local example's mean token loss, shape (B_local,); with
+    `group_size` g, of each group of g consecutive rows' summed gradient, shape (B_local / g,).
 
     The model's layers add their partial squared norms into the accumulator this call opens
     (`GhostNorms.collect`); the all-reduce over x and y completes them. Gradients are discarded.
     """
     for p in model.hf.parameters():
         p.grad = None
-    with model.ghost.collect(input_ids.shape[0], device=input_ids.device) as acc:
+    with model.ghost.collect(input_ids.shape[0], device=input_ids.device, group_size=group_size) as acc:
         model.per_example_losses(input_ids, loss_mask, attention_mask).sum().backward()
     for axis in (MeshAxis.X, MeshAxis.Y):
         model.comm.all_reduce(acc, axis)
@@ -73,9 +81,9 @@ def pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: t
 class TensorParallelClipping:
     """`PerExampleClipping` of a `ParallelLlama`: two passes per micro-batch of the global batch.
 
-    Pass 1 (`per_example_grad_norms`) gives every local example's full norm; pass 2 backpropagates
-    the losses weighted by min(1, C/norm), accumulating the clipped sum in `.grad`; after the
-    last micro-batch the gradients are synchronised over z and data once.
+    Pass 1 (`per_example_grad_norms`) gives every local example's (or group's) full norm; pass 2
+    backpropagates the losses weighted by min(1, C/norm), accumulating the clipped sum in `.grad`;
+    after the last micro-batch the gradients are synchronised over z and data once.
     """
 
     def __init__(self, model: ParallelLlama) -> None:
@@ -83,19 +91,25 @@ class TensorParallelClipping:
         self.params = [(n, p) for n, p in model.hf.named_parameters() if p.requires_grad]  # LoRA: the adapters
 
     def clipped_sum_(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                     clip: float, *, micro_batch_size: int | None, right_padded: bool = False) -> ClipStats:
-        """Every rank passes the whole global batch; it keeps its data x z share of the rows."""
-        pg = self.model.pg
-        ids, am, lm = pad_rows(input_ids, attention_mask, loss_mask, pg.batch_shards)
+                     clip: float, *, micro_batch_size: int | None, right_padded: bool = False,
+                     group_size: int = 1) -> ClipStats:
+        """Every rank passes the whole global batch; it keeps its data x z share of the rows
+        (whole groups of `group_size` rows: one user's sequences, clipped as one unit)."""
+        pg, g = self.model.pg, group_size
+        b = int(input_ids.shape[0])
+        if g < 1 or b % g:
+            raise ValueError(f"{b} rows do not split into groups of {g}")
+        ids, am, lm = pad_rows(input_ids, attention_mask, loss_mask, pg.batch_shards * g)
         ids, lm = pg.batch_shard(ids), pg.batch_shard(lm)
         lam = None if right_padded else pg.batch_shard(am)
-        micro = None  # global rows per pass -> local rows per pass
+        micro = None  # global rows per pass -> local rows per pass, whole groups
         if micro_batch_size is not None:
-            micro = max(1, math.ceil(micro_batch_size / pg.batch_shards))
-        return self._two_passes(ids, lm, lam, clip, micro)
+            micro = max(g, math.ceil(micro_batch_size / pg.batch_shards) // g * g)
+        st = self._two_passes(ids, lm, lam, clip, micro, g)
+        return st if g == 1 else ClipStats(st.norms, st.clipped, st.loss_sum, st.examples, units=b // g)
 
     def _two_passes(self, ids: torch.Tensor, lm: torch.Tensor, am: torch.Tensor | None, clip: float,
-                    micro: int | None) -> ClipStats:
+                    micro: int | None, g: int) -> ClipStats:
         model = self.model
         b = int(ids.shape[0])
         chunk = micro or max(b, 1)
@@ -104,18 +118,19 @@ class TensorParallelClipping:
         def mask(sl: slice) -> torch.Tensor | None:
             return None if am is None else am[sl]
 
-        # pass 1: every example's full-gradient norm (gradients are discarded)
-        norms = torch.cat([per_example_grad_norms(model, ids[sl], lm[sl], mask(sl)) for sl in parts])
-        factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32)
+        # pass 1: every example's (group's) full-gradient norm (gradients are discarded)
+        norms = torch.cat([per_example_grad_norms(model, ids[sl], lm[sl], mask(sl), group_size=g) for sl in parts])
+        factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32).repeat_interleave(g)
         real = lm[:, 1:].any(1).to(norms.device)  # padding rows (no targets) are not examples
+        real_units = real.reshape(-1, g).any(1)  # a padding group is no user
         loss_sum = torch.zeros((), dtype=torch.float64, device=norms.device)
         # pass 2: the clipped sum, accumulated in .grad over the chunks
         for sl in parts:
             losses = model.per_example_losses(ids[sl], lm[sl], mask(sl))
             loss_sum += losses.detach().double().sum()
             (losses * factor[sl]).sum().backward()
-        # (clipped, examples, loss sum): 3 x fp64, as the planner counts them
-        stats = torch.stack([((norms > clip) & real).double().sum(), real.double().sum(), loss_sum])
+        # (clipped units, examples, loss sum): 3 x fp64, as the planner counts them
+        stats = torch.stack([((norms > clip) & real_units).double().sum(), real.double().sum(), loss_sum])
         for axis in (MeshAxis.Z, MeshAxis.DATA):
             model.comm.all_reduce(stats, axis)
         sync_grads(model)

@@ -10,6 +10,12 @@ example's full gradient. The caller gets the accumulator back from the call that
 (`memaudit.parallel.dp.per_example_grad_norms`); nothing is kept at module level, so two
 models (or two calls) never write into each other's norms.
 
+Per-user clipping (ULS, `privacy.user_sampling=uls`) opens an accumulator with one entry per
+group of g consecutive rows (`collect(batch, group_size=g)`): each layer then reads its (B, T, F)
+inputs and output gradients as (B/g, g·T, F), so the same formula gives ||Σ_{i in group} ∇_i||²,
+the squared norm of a user's summed gradient, cross terms included. The group size is read off
+the accumulator's length, so the layers need no other argument.
+
 References: Goodfellow, "Efficient per-example gradient computations", 2015; Li et al.,
 "Large language models can be strong differentially private learners" (ghost clipping), 2022.
 """
@@ -44,11 +50,15 @@ class GhostNorms:
         return self._acc
 
     @contextmanager
-    def collect(self, batch: int, *, device: torch.device | str = "cpu") -> Iterator[torch.Tensor]:
-        """Accumulate per-example squared norms (float64, shape (batch,)) during one backward."""
+    def collect(self, batch: int, *, device: torch.device | str = "cpu", group_size: int = 1
+                ) -> Iterator[torch.Tensor]:
+        """Accumulate squared norms (float64) during one backward: one per example, shape (batch,),
+        or one per group of `group_size` consecutive rows, shape (batch / group_size,)."""
         if self._acc is not None:
             raise RuntimeError("ghost norms of this model are already being collected; one call at a time")
-        acc = torch.zeros(batch, dtype=torch.float64, device=device)
+        if group_size < 1 or batch % group_size:
+            raise ValueError(f"{batch} rows do not split into groups of {group_size}")
+        acc = torch.zeros(batch // group_size, dtype=torch.float64, device=device)
         self._acc = acc
         try:
             yield acc
@@ -61,14 +71,24 @@ def current(norms: GhostNorms | None) -> torch.Tensor | None:
     return None if norms is None else norms.current()
 
 
-def _bt(t: torch.Tensor) -> torch.Tensor:
-    """(B, T, F) view; a 2-D input is one token per example."""
-    return t.unsqueeze(1) if t.dim() == 2 else t.reshape(t.shape[0], -1, t.shape[-1])
+def _units(acc: torch.Tensor, rows: int) -> int:
+    """The accumulator's units: its rows, or groups of rows / len(acc) consecutive rows."""
+    units = acc.shape[0]
+    if (units == 0) != (rows == 0) or (units and rows % units):
+        raise ValueError(f"{rows} rows do not split into the accumulator's {units} units")
+    return units
+
+
+def _bt(t: torch.Tensor, units: int) -> torch.Tensor:
+    """(units, T', F) view: a unit's rows' tokens one after another (a 2-D input is one token
+    per row)."""
+    return t.reshape(units, -1 if units else 1, t.shape[-1])
 
 
 def add_linear(acc: torch.Tensor, a: torch.Tensor, g: torch.Tensor, *, scale: float = 1.0) -> None:
     """Add ||Σ_t g_t a_tᵀ||² per example (input a, output gradient g) to `acc`."""
-    a3, g3 = _bt(a).double(), _bt(g).double()  # (B, T, in_l), (B, T, out_l)
+    u = _units(acc, a.shape[0])
+    a3, g3 = _bt(a, u).double(), _bt(g, u).double()  # (B, T, in_l), (B, T, out_l)
     t, fin, fout = a3.shape[1], a3.shape[2], g3.shape[2]
     if t * t <= fin * fout:
         sq = ((a3 @ a3.transpose(1, 2)) * (g3 @ g3.transpose(1, 2))).sum((1, 2))
@@ -79,13 +99,14 @@ def add_linear(acc: torch.Tensor, a: torch.Tensor, g: torch.Tensor, *, scale: fl
 
 def add_vector(acc: torch.Tensor, g: torch.Tensor, *, scale: float = 1.0) -> None:
     """A parameter whose per-example gradient is the token-sum of g (bias, norm weight)."""
-    acc.add_(_bt(g).double().sum(1).pow(2).sum(-1), alpha=scale)
+    acc.add_(_bt(g, _units(acc, g.shape[0])).double().sum(1).pow(2).sum(-1), alpha=scale)
 
 
 def add_embedding(acc: torch.Tensor, local: torch.Tensor, mask: torch.Tensor, gm: torch.Tensor) -> None:
     """Rows of one example's gradient are sums of gm over positions with the same token."""
-    ids = local.reshape(local.shape[0], -1)
-    keep = mask.reshape(mask.shape[0], -1)
+    u = _units(acc, local.shape[0])
+    ids = local.reshape(u, -1)
+    keep = mask.reshape(u, -1)
     same = ((ids.unsqueeze(2) == ids.unsqueeze(1)) & keep.unsqueeze(2) & keep.unsqueeze(1)).double()
-    g3 = _bt(gm).double()
+    g3 = _bt(gm, u).double()
     acc.add_(((g3 @ g3.transpose(1, 2)) * same).sum((1, 2)))

@@ -305,9 +305,6 @@ class Trainer:
         # other ranks prepare (they read it: no collective inside prepare)
         self.randomness = dp_randomness(self.run, self.cfg, is_writer=self.is_writer)
         self.kept_rows = self._contribution_rows()
-        if p.unit == "user" and p.user_sampling == "uls" and not isinstance(self.layout, SerialLayout):
-            raise ConfigError("privacy.user_sampling=uls (per-user clipping) runs in one process so far; "
-                              "set parallel.data=x=y=z=1 or use privacy.user_sampling=els on the grid")
         if p.unit == "user":
             setup = user_dp.uls_setup if p.user_sampling == "uls" else user_dp.els_setup
             sigma, self.sampler, self.plan, self.group_size = setup(

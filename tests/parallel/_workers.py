@@ -156,7 +156,27 @@ def serial_reference() -> dict[str, Any]:
             dp_sum[k] += g[k] * f
     return {"init": init, "losses": losses, "final": final, "clip_norm": norm, "clipped": clipped,
             "dp_norms": torch.tensor(per_norms), "dp_clip": clip,
-            "dp_grads": {k: v / BATCH for k, v in dp_sum.items()}, **lora_reference(data)}
+            "dp_grads": {k: v / BATCH for k, v in dp_sum.items()}, **uls_reference(grads), **lora_reference(data)}
+
+
+def uls_reference(grads: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Per-user clipping (ULS) of the first batch read as 2 users of 2 rows each, the second user
+    with one sequence (its second row has no target: ULS pads a group with such rows): each
+    user's summed gradient is one unit; a clip norm between the two users' norms clips one."""
+    users = [{k: grads[0][k] + grads[1][k] for k in grads[0]}, grads[2]]
+    norms = [float(torch.sqrt(sum(v.double().pow(2).sum() for v in g.values()))) for g in users]
+    clip = (min(norms) + max(norms)) / 2
+    mean = {k: sum(g[k] * min(1.0, clip / (n + 1e-6)) for g, n in zip(users, norms, strict=True)) / len(users)
+            for k in users[0]}
+    return {"uls_norms": torch.tensor(norms), "uls_clip": clip, "uls_grads": mean}
+
+
+def uls_batch(data: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first batch with row 3 (user 2's padding row) given no target."""
+    ids, mask = data[0]
+    mask = mask.clone()
+    mask[3] = False
+    return ids, mask
 
 
 _BASE: list[nn.Module] = []
@@ -301,6 +321,24 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         assert st["batch_size"] == BATCH and dp.step == 1
         _close(pm.full_state_dict(grads=True), ref["dp_grads"], atol=1e-6)
 
+    def uls() -> None:
+        """Per-user clipping on the grid: groups of 2 rows, one user a padding row short, padded
+        with whole empty groups to data x z shards; the clipped mean equals the one-process loop's."""
+        from memaudit.parallel.dp import TensorParallelClipping, per_example_grad_norms
+        from memaudit.train.dpsgd import DPSGD
+
+        pm = _pmodel(grid, ref["init"])
+        ids, mask = uls_batch(data)
+        local_ids, local_mask = pm.shard_batch(ids), pm.shard_batch(mask)
+        if local_ids.shape[0] % 2 == 0:  # whole users on this rank: their norms, directly
+            norms = per_example_grad_norms(pm, local_ids, local_mask, group_size=2)
+            torch.testing.assert_close(norms.float(), pm.shard_batch(ref["uls_norms"]).float(), rtol=1e-4, atol=1e-5)
+        dp = DPSGD(pm, clip=ref["uls_clip"], noise_multiplier=0.0, expected_batch_size=BATCH // 2, randomness=None,
+                   micro_batch_size=2, clipping=TensorParallelClipping(pm))
+        st = dp.step_gradients(ids, None, mask, step=0, right_padded=True, group_size=2)
+        assert (st["clip_fraction"], st["batch_size"], st["sequences"]) == (0.5, 2, 3), st
+        _close(pm.full_state_dict(grads=True), ref["uls_grads"], atol=1e-6)
+
     def ghost() -> None:
         """The ghost-norm call returns every local example's full-gradient norm (against one
         backward per example in one process), and leaves nothing open behind it."""
@@ -323,7 +361,7 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         if grid == (1, 1, 1, 1):
             assert sum(pm.comm.per_axis().values()) == 0
 
-    for name, fn in (("train", train), ("clip", clip), ("dp", dp), ("ghost", ghost), ("payload", payload)):
+    for name, fn in (("train", train), ("clip", clip), ("dp", dp), ("uls", uls), ("ghost", ghost), ("payload", payload)):
         case(name, fn)
     return res
 
@@ -496,6 +534,12 @@ TRAIN_JOBS: dict[str, tuple[int, tuple[str, ...]]] = {
     "lora-dp0-x2": (2, ("parallel.x=2", "model.lora.rank=4", "model.lora.alpha=8",
                         "model.lora.target_modules=[q_proj,o_proj]", "privacy.noise_multiplier=0",
                         "privacy.clip=0.7", "privacy.reproducible_randomness=true", "train.checkpoint_every=2")),
+    # per-user clipping (ULS, user-level DP-SGD sigma=0) on a data=2 grid: 2 sequences per user at most, 4 users
+    # a step in expectation (8.0 clips 33-60% of them), whole users on each rank (padded with empty users),
+    # one user per pass
+    "uls0-d2": (2, ("parallel.data=2", "privacy.unit=user", "privacy.user_sampling=uls",
+                    "privacy.max_examples_per_user=2", "privacy.noise_multiplier=0", "privacy.clip=8.0",
+                    "privacy.reproducible_randomness=true", "train.micro_batch_size=4")),
 }
 # the same job, every rank stopped by an error in step 3 (after the step-2 checkpoint), then resumed
 TRAIN_JOBS["lora-dp0-x2-resume"] = TRAIN_JOBS["lora-dp0-x2"]

@@ -1,6 +1,6 @@
 """The one `Trainer` with `TensorParallelLayout` on 2-process grids (run inside the world-2 gloo group) against
 `train_centralized` on the same config: DP-SGD with sigma=0 under x=2 tensor parallelism
-(micro-batched), and gradient accumulation (`train.micro_batch_size`) on a data=2 grid."""
+(micro-batched), gradient accumulation (`train.micro_batch_size`) and per-user clipping (ULS) on a data=2 grid."""
 
 from __future__ import annotations
 
@@ -73,3 +73,21 @@ def test_gradient_accumulation_on_a_data_grid_equals_single_process(results, tra
     full = _metrics(_single("accum-d2", tiny_corpus, tmp_path / "full", **{"train.micro_batch_size": "null"}))
     for x, y in zip(_metrics(par), full, strict=True):
         assert abs(x["loss"] - y["loss"]) < 1e-4
+
+
+def test_per_user_clipping_on_a_data_grid_equals_single_process(results, train_runs, tiny_corpus,
+                                                                tmp_path) -> None:
+    """ULS (user-level DP-SGD, privacy.user_sampling=uls) on a data=2 grid: each rank clips whole
+    users (a user's capped sequences never straddle two ranks), the users sampled, clipped and
+    counted each step, the noise and the weights are one process's."""
+    err = results(2)["train-uls0-d2"]
+    assert err is None, err
+    par = train_runs[1] / "uls0-d2"
+    ser = _single("uls0-d2", tiny_corpus, tmp_path)
+    _check_same_run(par, ser, keys=("batch_size", "sequences", "clip_fraction", "noise_std"))
+    fractions = [m["clip_fraction"] for m in _metrics(par)]
+    assert 0 < min(fractions) and max(fractions) < 1  # some users clipped every step, never all
+    assert all(m["sequences"] > m["batch_size"] for m in _metrics(par))  # users of several sequences
+    ledger = json.loads((par / "privacy.json").read_text())
+    assert ledger["unit"] == "user" and ledger["steps"] == 4
+    assert ledger["mechanisms"][0]["max_examples_per_user"] == 2
