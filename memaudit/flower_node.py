@@ -19,6 +19,9 @@ challenge); bytes travel as bytes, never pickled. One resident serves one node c
 manifest, node key, cache folder) of one SuperNode. ``resident=false`` in the node config runs
 each message in the ``flwr-clientapp`` process instead (`memaudit.federated.flower.apps`).
 
+A resident killed without leaving (SIGKILL, the OOM killer) cannot remove its socket and key:
+whoever starts a resident first removes those of every resident that is gone (`sweep_residents`).
+
 Everything the node checks (the stage manifest, the policy, the DP bound, the partition's users)
 is checked by the resident exactly as by the in-process ClientApp: the same code
 (`memaudit.federated.flower.apps.answer`).
@@ -26,16 +29,20 @@ is checked by the resident exactly as by the in-process ClientApp: the same code
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,8 @@ from typing import Any
 from memaudit.flower_messages import HELLO, KINDS, SECAGG, STAGE, payload_of, record
 
 START_TIMEOUT_S = 120.0
+# a resident's files in `resident_dir`: <name>.sock, .key, .lock, .pid (and .pid.tmp while written), .log
+_FILE = re.compile(r"([0-9a-f]{20})\.(sock|key|lock|pid|pid\.tmp|log)")
 
 
 def _flag(value: Any, default: bool) -> bool:
@@ -78,6 +87,136 @@ def _connect(sock: Path, key: Path) -> Connection | None:
         return None
 
 
+def _process_start(pid: int) -> str | None:
+    """When live process `pid` started (Linux: clock ticks after boot, from ``/proc/<pid>/stat``;
+    ``""`` where there is no ``/proc``), or None: no such process, or a zombie (killed, not reaped)."""
+    if pid <= 0:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        if Path("/proc/self/stat").exists():
+            return None  # Linux: no such process of this user's (they are all listed)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # exists, another user's
+            pass
+        return ""
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _record_pid(d: Path, name: str, pid: int) -> None:
+    """``<name>.pid``: the resident's pid and start time, 0600, written whole (a rename)."""
+    tmp = d / f"{name}.pid.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{pid} {_process_start(pid) or ''}\n")
+    os.replace(tmp, d / f"{name}.pid")
+
+
+def _listening(sock: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _gone(d: Path, name: str) -> bool:
+    """Whether resident `name` is gone: its recorded process is dead, or is now another process
+    (pid reuse, told by the start time where ``/proc`` has it: elsewhere a live pid counts as the
+    resident). With no pid recorded (a starter that died before recording it, or a resident of a
+    memaudit before pid files): its files are older than `START_TIMEOUT_S` and nothing listens on its
+    socket."""
+    try:
+        pid, _, start = (d / f"{name}.pid").read_text().partition(" ")
+    except FileNotFoundError:
+        newest = 0.0  # the lock's time says nothing: a sweep may have just made it
+        for p in d.glob(f"{name}.*"):
+            with contextlib.suppress(FileNotFoundError):
+                if p.suffix != ".lock":
+                    newest = max(newest, p.stat().st_mtime)
+        return time.time() - newest > START_TIMEOUT_S and not _listening(d / f"{name}.sock")
+    try:
+        now = _process_start(int(pid))
+    except ValueError:  # not a pid: never written by memaudit
+        return True
+    start = start.strip()
+    return now is None or bool(start and now and start != now)
+
+
+def _sweep(d: Path, name: str) -> bool:
+    fd = os.open(d / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a starter holds it: that resident is starting
+        if not _gone(d, name):
+            return False
+        for suffix in (".sock", ".key", ".pid", ".pid.tmp", ".lock"):
+            (d / f"{name}{suffix}").unlink(missing_ok=True)
+        log = d / f"{name}.log"
+        with contextlib.suppress(FileNotFoundError):
+            if log.stat().st_size == 0:
+                log.unlink()
+        return True
+    finally:
+        os.close(fd)
+
+
+def sweep_residents(keep: str = "") -> list[str]:
+    """Remove the socket, key, lock and pid files of this user's residents that are gone without
+    removing them (killed by SIGKILL or the OOM killer), and their empty logs (a log that says
+    something is kept: it tells why the resident died); the names swept. A name whose lock a
+    starter holds, or whose resident is alive, is left alone, as is `keep`."""
+    d = resident_dir()
+    names: dict[str, set[str]] = {}
+    for p in d.iterdir():
+        m = _FILE.fullmatch(p.name)
+        if m and m[1] != keep:
+            names.setdefault(m[1], set()).add(m[2])
+    swept = []
+    for name, kinds in sorted(names.items()):
+        if kinds == {"log"}:  # only a log: the operator's
+            continue
+        try:
+            if _sweep(d, name):
+                swept.append(name)
+        except OSError as e:  # the next start tries again; this one goes on
+            print(f"memaudit: could not sweep resident {name}: {e}", file=sys.stderr)
+    return swept
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``flock`` on the file at `path`; again on a new file when the one locked was removed
+    meanwhile (by a sweep, or a resident leaving), so that two starters never both hold one."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held, there = os.fstat(fd), os.stat(path)
+            if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 def _start(d: Path, name: str, node_config: dict[str, Any], node_id: int, watch_pid: int) -> None:
     sock, key = d / f"{name}.sock", d / f"{name}.key"
     sock.unlink(missing_ok=True)
@@ -86,11 +225,12 @@ def _start(d: Path, name: str, node_config: dict[str, Any], node_id: int, watch_
         f.write(secrets.token_bytes(32))
     log = open(d / f"{name}.log", "ab")  # noqa: SIM115 - the resident's own stderr
     # no new session: the resident stays in the SuperNode's process group
-    subprocess.Popen([sys.executable, "-m", "memaudit.federated.flower.resident",
-                      "--socket", str(sock), "--key-file", str(key), "--node-id", str(node_id),
-                      "--watch-pid", str(watch_pid), "--node-config", json.dumps(node_config)],
-                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True)
+    proc = subprocess.Popen([sys.executable, "-m", "memaudit.federated.flower.resident",
+                             "--socket", str(sock), "--key-file", str(key), "--node-id", str(node_id),
+                             "--watch-pid", str(watch_pid), "--node-config", json.dumps(node_config)],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True)
     log.close()
+    _record_pid(d, name, proc.pid)
 
 
 def resident(node_config: dict[str, Any], node_id: int, watch_pid: int | None = None) -> Connection:
@@ -102,11 +242,11 @@ def resident(node_config: dict[str, Any], node_id: int, watch_pid: int | None = 
     conn = _connect(sock, key)
     if conn is not None:
         return conn
-    with open(d / f"{name}.lock", "w") as lock:  # one starter at a time
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked(d / f"{name}.lock"):  # one starter at a time
         conn = _connect(sock, key)
         if conn is not None:
             return conn
+        sweep_residents(keep=name)  # the files of residents killed without leaving
         _start(d, name, node_config, node_id, watch_pid)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -6,9 +6,16 @@ in-JAX program's in test_flower_deploy.py."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
+import shutil
+import signal
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
@@ -84,6 +91,7 @@ def test_a_resident_answers_as_the_clientapp_only_to_its_key_and_leaves_with_its
     while sock.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not sock.exists() and not key.exists()  # gone with the SuperNode, its key with it
+    assert not (d / f"{name}.pid").exists()
 
 
 def test_a_resident_off_node_config_runs_the_message_in_the_clientapp_process(node_config, monkeypatch):
@@ -99,3 +107,102 @@ def test_a_resident_off_node_config_runs_the_message_in_the_clientapp_process(no
     ctx = types.SimpleNamespace(node_config={**node_config, "resident": "false"}, node_id=3, run_id=7)
     body = flower_node._forward(msg, ctx)
     assert body == answer("hello", lambda: open_node(node_config, 3, 7), b"") and body["users"] == ["u0", "u1"]
+
+
+@pytest.fixture()
+def own_dir(monkeypatch):
+    """`flower_node.resident_dir()` in a folder of this test's own (short: a socket's path has at most
+    107 bytes), so that no other run's residents are in it."""
+    root = tempfile.mkdtemp(prefix="memaudit-")
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    yield flower_node.resident_dir()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_killed_residents_socket_and_key_are_swept_when_the_next_resident_starts(node_config, own_dir, monkeypatch):
+    """A resident SIGKILLed (or killed by the OOM killer) cannot remove its files: the next resident
+    started on the node removes them (the key is a secret), and leaves a live resident's alone."""
+    watched = subprocess.Popen(["sleep", "600"])  # the SuperExec that starts the ClientApps
+    started, popen = [], subprocess.Popen
+    monkeypatch.setattr(flower_node.subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    try:
+        def files(name):
+            return sorted(p.name[len(name):] for p in own_dir.glob(f"{name}.*"))
+
+        def hello(node_id):
+            conn = flower_node.resident(node_config, node_id, watched.pid)
+            return wire.unpack(flower_node.ask(conn, "hello", 7, b""))["users"]
+
+        live, killed = (flower_node.resident_name(node_config, i, watched.pid) for i in (3, 4))
+        assert hello(3) == hello(4) == ["u0", "u1"] and len(started) == 2
+        live_files = files(live)
+        assert {".sock", ".key", ".lock"} <= set(files(killed))
+        started[1].send_signal(signal.SIGKILL)
+        os.waitid(os.P_PID, started[1].pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: a zombie
+        assert {".sock", ".key", ".lock"} <= set(files(killed))  # left behind
+        said = (own_dir / f"{killed}.log").stat().st_size > 0
+
+        assert hello(5) == ["u0", "u1"] and len(started) == 3  # another resident starts: it sweeps
+        assert files(killed) == ([".log"] if said else [])  # a log that says something is kept
+        assert files(live) == live_files  # the live resident's files are untouched, and it answers
+        assert hello(3) == ["u0", "u1"] and len(started) == 3
+    finally:
+        watched.kill()
+        watched.wait()
+        for p in started:  # each leaves with the process it watches
+            p.wait(timeout=30)
+
+
+def test_the_sweep_removes_only_what_no_live_or_starting_resident_holds(own_dir):
+    """Only the files of a resident that is gone: its recorded pid is dead (or now another process's),
+    no starter holds its lock, or it never recorded a pid and is older than the start timeout and
+    nothing listens on its socket (a resident of a memaudit before pid files)."""
+    watched = subprocess.Popen(["sleep", "600"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    old = time.time() - flower_node.START_TIMEOUT_S - 60
+    listening = socket.socket(socket.AF_UNIX)
+    held = None
+
+    def make(tag, pid=None, start="", log=b"", age=None):
+        name = hashlib.sha256(tag.encode()).hexdigest()[:20]
+        for suffix in (".key", ".lock", ".sock"):
+            (own_dir / f"{name}{suffix}").write_bytes(b"k" * 32 if suffix == ".key" else b"")
+        (own_dir / f"{name}.log").write_bytes(log)
+        if pid is not None:
+            (own_dir / f"{name}.pid").write_text(f"{pid} {start}\n")
+        for p in own_dir.glob(f"{name}.*"):
+            os.utime(p, (age, age) if age else None)
+        return name
+
+    try:
+        start = flower_node._process_start(watched.pid)
+        make("live", watched.pid, start)
+        reused = make("reused", watched.pid, "1")  # the pid is now another process's
+        dead, dead_said = make("dead", gone.pid), make("dead, its log says why", gone.pid, log=b"MemoryError\n")
+        starting = make("starting", gone.pid)
+        held = open(own_dir / f"{starting}.lock", "a")  # noqa: SIM115
+        fcntl.flock(held, fcntl.LOCK_EX)  # a starter holds its lock
+        make("young")  # its starter may still be at work
+        never = make("never started", age=old)
+        legacy = make("legacy", age=old)
+        (own_dir / f"{legacy}.sock").unlink()
+        listening.bind(str(own_dir / f"{legacy}.sock"))
+        listening.listen()
+        (own_dir / "notes.txt").write_text("mine")
+        before = {p.name for p in own_dir.iterdir()}
+
+        swept = flower_node.sweep_residents()
+        assert sorted(swept) == sorted([dead, dead_said, never] + ([reused] if start else []))
+        left = {p.name for p in own_dir.iterdir()}
+        assert before - left == {f"{n}.{s}" for n in swept for s in ("key", "lock", "sock", "pid", "log")
+                                 if f"{n}.{s}" in before} - {f"{dead_said}.log"}
+        assert (own_dir / f"{dead_said}.log").read_bytes() == b"MemoryError\n"
+        assert stat.S_IMODE(own_dir.stat().st_mode) == 0o700
+        assert flower_node.sweep_residents() == []
+    finally:
+        watched.kill()
+        watched.wait()
+        listening.close()
+        if held:
+            held.close()

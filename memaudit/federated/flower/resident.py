@@ -19,6 +19,7 @@ gone, or after ``resident-idle`` seconds without a request (node config, default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -73,10 +74,16 @@ def _alive(pid: int) -> bool:
 
 
 def _leave(socket_path: str) -> None:
-    """Remove this resident's socket and key (its log stays, when it says something), and exit."""
+    """Remove this resident's socket, key and pid file (its log stays, when it says something), and
+    exit. A resident killed without leaving has its files removed by the next resident's starter
+    (`memaudit.flower_node.sweep_residents`)."""
     base = Path(socket_path)
     for p in (base, base.with_suffix(".key"), base.with_suffix(".lock")):
         p.unlink(missing_ok=True)
+    pid = base.with_suffix(".pid")  # written by the starter; removed only when it names this process
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        if int(pid.read_text().split()[0]) == os.getpid():
+            pid.unlink()
     log = base.with_suffix(".log")
     if log.is_file() and log.stat().st_size == 0:
         log.unlink(missing_ok=True)
