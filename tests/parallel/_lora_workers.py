@@ -38,6 +38,18 @@ def _trained(model: Any) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def user_clipped_mean(grads: list[dict[str, torch.Tensor]], users: list[tuple[int, ...]], tag: str
+                      ) -> dict[str, Any]:
+    """Per-user clipping by brute force: each user's summed per-example gradient is one unit;
+    the clip norm lies between the users' smallest and largest norms, so some are clipped."""
+    summed = [{k: sum(grads[i][k] for i in rows) for k in grads[0]} for rows in users]
+    norms = [float(torch.sqrt(sum(v.double().pow(2).sum() for v in g.values()))) for g in summed]
+    clip = (min(norms) + max(norms)) / 2
+    mean = {k: sum(g[k] * min(1.0, clip / (n + 1e-6)) for g, n in zip(summed, norms, strict=True)) / len(users)
+            for k in summed[0]}
+    return {f"{tag}_norms": torch.tensor(norms), f"{tag}_clip": clip, f"{tag}_grads": mean}
+
+
 def lora_reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """One process, peft: the start (B drawn non-zero so A has a gradient too), two AdamW steps,
     the merged model, the adapters; per-example adapter-gradient norms and the clipped mean."""
@@ -72,7 +84,7 @@ def lora_reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"lora_init": init, "lora_losses": losses,
+    return {**user_clipped_mean(grads, [(0, 1), (2, 3)], "lora_uls"), "lora_init": init, "lora_losses": losses,
             "lora_final": {n: p.detach().clone() for n, p in inner.named_parameters()},
             "lora_merged": {k: v.clone() for k, v in merged_copy(model).state_dict().items()},
             "lora_adapter": {k: v.clone() for k, v in adapter_state(model).items()},
@@ -156,8 +168,9 @@ def _roundtrip(grid: tuple[int, int, int, int], pm: Any, opt: Any, init: dict[st
 
 def _dp(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list) -> None:
     """Per-example adapter-gradient norms on the grid equal the one-process loop's; one DP-SGD
-    step (sigma=0, ghost clipping) clips and sums the adapter gradients as that loop does; the
-    frozen base gets no gradient (one model for both: neither changes the weights)."""
+    step (sigma=0, ghost clipping) clips and sums the adapter gradients as that loop does, per
+    example and per user (ULS); the frozen base gets no gradient (one model for all: none
+    changes the weights)."""
     from memaudit.parallel.dp import TensorParallelClipping, per_example_grad_norms
     from memaudit.train.dpsgd import DPSGD
 
@@ -172,6 +185,13 @@ def _dp(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list) -> Non
     assert all(p.grad is None for p in pm.hf.parameters() if not p.requires_grad)
     grads = {n: g for n, g in pm.full_state_dict(grads=True).items() if "lora_" in n}
     _close(grads, ref["lora_dp"], atol=1e-6)
+    # per-user clipping (ULS) over the adapters: rows (0, 1) and (2, 3) are two users
+    uls = DPSGD(pm, clip=ref["lora_uls_clip"], noise_multiplier=0.0, expected_batch_size=2, randomness=None,
+                micro_batch_size=None, clipping=TensorParallelClipping(pm))
+    st = uls.step_gradients(ids, None, mask, step=0, right_padded=True, group_size=2)
+    assert (st["clip_fraction"], st["batch_size"], st["sequences"]) == (0.5, 2, 4), st
+    grads = {n: g for n, g in pm.full_state_dict(grads=True).items() if "lora_" in n}
+    _close(grads, ref["lora_uls_grads"], atol=1e-6)
 
 
 def lora_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list, outdir: str,

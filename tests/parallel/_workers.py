@@ -21,7 +21,7 @@ from torch import nn
 
 from memaudit.parallel.comm import Comm
 from memaudit.parallel.dims import ParallelDims, build_groups
-from tests.parallel._lora_workers import LORA_GRIDS, lora_cases, lora_reference
+from tests.parallel._lora_workers import LORA_GRIDS, lora_cases, lora_reference, user_clipped_mean
 
 LAYER_GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
 LAYER_SHAPES = [(32, 64), (16, 128), (2, 256)]
@@ -163,12 +163,7 @@ def uls_reference(grads: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """Per-user clipping (ULS) of the first batch read as 2 users of 2 rows each, the second user
     with one sequence (its second row has no target: ULS pads a group with such rows): each
     user's summed gradient is one unit; a clip norm between the two users' norms clips one."""
-    users = [{k: grads[0][k] + grads[1][k] for k in grads[0]}, grads[2]]
-    norms = [float(torch.sqrt(sum(v.double().pow(2).sum() for v in g.values()))) for g in users]
-    clip = (min(norms) + max(norms)) / 2
-    mean = {k: sum(g[k] * min(1.0, clip / (n + 1e-6)) for g, n in zip(users, norms, strict=True)) / len(users)
-            for k in users[0]}
-    return {"uls_norms": torch.tensor(norms), "uls_clip": clip, "uls_grads": mean}
+    return user_clipped_mean(grads, [(0, 1), (2,)], "uls")
 
 
 def uls_batch(data: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
