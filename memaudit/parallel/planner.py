@@ -376,8 +376,11 @@ def wire_bytes(payload: dict[Key, int], d: ParallelDims) -> dict[Key, Fraction]:
 # ----------------------------------------------------------------------------- memory
 def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
                    recompute: bool = False, micro_batch: int | None = None, flash: bool = False,
-                   dp: bool = False) -> dict[str, int]:
+                   dp: bool = False, lora: LoraShape | None = None) -> dict[str, int]:
     """Per-device bytes: fp32 weights, grads, AdamW moments, transient gathered block, activations.
+
+    Under `lora` the frozen base keeps its fp32 weights and the adapters alone have gradients and
+    AdamW moments (activations and ghost norms are the full model's: an upper bound).
 
     Activations of one pass over `micro_batch` local rows (all rows when None): per layer the
     saved inputs of the linears, attention and MLP intermediates (with `recompute`, only each
@@ -386,7 +389,10 @@ def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtyp
     per-example ghost-norm Gram matrices of the largest linear (fp64).
     """
     sharded, norms = local_weights(m, d)
-    weights = sharded + norms
+    weights = trained = sharded + norms
+    if lora is not None:
+        trained = lora.adapter_elements(m, d)
+        weights += trained
     blocks = [(o // d.x) * (i // d.y) if t else (o // d.y) * (i // d.x) for o, i, t in m.linears()]
     vh = (m.vocab // d.y) * (m.hidden // d.x)
     local_rows = max(1, batch // (d.data * d.z))
@@ -403,8 +409,8 @@ def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtyp
         acts = m.layers * (per_layer + attn)
     mem = {
         "weights": weights * 4,
-        "grads": weights * 4,
-        "optimizer": 2 * weights * 4,
+        "grads": trained * 4,
+        "optimizer": 2 * trained * 4,
         "gathered": max(max(blocks), vh) * dtype_bytes * 2,
         "activations": acts + 3 * n * (m.vocab // d.y) * 4,
         "ghost": 2 * b * min(seq * seq, max(blocks)) * 8 if dp else 0,
@@ -530,10 +536,16 @@ def step_time(times: dict[Key, float], compute_s: float) -> dict[str, float]:
     return {"step_time_s": compute_s + exposed, "exposed_comm_s": exposed, "overlapped_comm_s": hidden}
 
 
-def model_flops(m: ModelShape, *, batch: int, seq: int, recompute: bool = False, dp: bool = False) -> float:
+def model_flops(m: ModelShape, *, batch: int, seq: int, recompute: bool = False, dp: bool = False,
+                lora: LoraShape | None = None) -> float:
     """Floating-point operations of one step (6 per parameter and token; x 4/3 with
-    recomputation, x 2 with DP-SGD's two passes)."""
-    return 6 * m.params() * batch * seq * (2 if dp else 1) * (4 / 3 if recompute else 1)
+    recomputation, x 2 with DP-SGD's two passes). Under `lora` a frozen parameter costs 4 (6 with
+    recomputation: no weight-gradient product) and an adapter's the full model's rate."""
+    if lora is None:
+        return 6 * m.params() * batch * seq * (2 if dp else 1) * (4 / 3 if recompute else 1)
+    fwd = 4 if recompute else 2
+    per_token = (fwd + 2) * m.params() + (fwd + 4) * lora.adapter_elements(m, ParallelDims())
+    return per_token * batch * seq * (2 if dp else 1)
 
 
 # ----------------------------------------------------------------------------- search
@@ -591,11 +603,12 @@ def _check(gpus: int, batch: int, seq: int, micro_batch: int | None) -> None:
 
 
 def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: int, dtype_bytes: int,
-         weight_bytes: int, recompute: bool, dp: bool, micro_batch: int | None) -> dict[str, Any]:
+         weight_bytes: int, recompute: bool, dp: bool, micro_batch: int | None, lora: LoraShape | None = None
+         ) -> dict[str, Any]:
     rows = batch // (d.data * d.z)
     cap = machine.mem_gib * 2**30
     mem_kw = {"batch": batch, "seq": seq, "dtype_bytes": dtype_bytes, "recompute": recompute,
-              "flash": machine.flash, "dp": dp}
+              "flash": machine.flash, "dp": dp, "lora": lora}
     if micro_batch is None:  # the largest chunk (fewest weight gathers) that fits; memory grows with it
         divs = divisors(rows)
         lo, hi = 0, len(divs) - 1
@@ -611,7 +624,7 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
     passes = math.ceil(rows / mb)
     mem = predict_memory(m, d, micro_batch=mb, **mem_kw)
     pay = predict_collectives(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
-                              recompute=recompute, dp=dp, micro_batches=passes)
+                              recompute=recompute, dp=dp, micro_batches=passes, lora=lora)
     wire = wire_bytes(pay, d)
     times = comm_times(wire, d, machine)
     t = comm_time(wire, d, machine)
@@ -622,7 +635,7 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
         by_kind[a][k] = float(b)
     st = strides(d)
     rate = d.world_size * machine.peak_tflops * machine.gemm_efficiency * 1e12
-    compute = model_flops(m, batch=batch, seq=seq, recompute=recompute, dp=dp) / rate if rate else None
+    compute = model_flops(m, batch=batch, seq=seq, recompute=recompute, dp=dp, lora=lora) / rate if rate else None
     row: dict[str, Any] = {
         "grid": asdict(d), "micro_batch": mb, "passes": passes,
         "payload_bytes": {a: sum(b for (ax, _), b in pay.items() if ax == a) for a in ORDER},
@@ -647,7 +660,7 @@ def rank_time(row: dict[str, Any]) -> float:
 
 def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | None = None,
          dtype_bytes: int = 4, weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
-         micro_batch: int | None = None) -> PlanResult:
+         micro_batch: int | None = None, lora: LoraShape | None = None) -> PlanResult:
     """Rank every grid of `gpus` devices that the model and batch admit by predicted step time
     (compute plus the communication the overlap does not hide; comm time where the machine
     has no peak rate, `rank_time`).
@@ -655,7 +668,8 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
     Grids below the memory floor (fp32 weights, gradients and AdamW moments of the local
     shard exceed device memory) are counted, not evaluated; the others are evaluated with the
     largest micro-batch that fits (or `micro_batch` local rows per pass) and kept, those over
-    the memory limit with `fits=false` and a `reason`, ranked last.
+    the memory limit with `fits=false` and a `reason`, ranked last. With `lora`, the volume,
+    memory and compute are LoRA training's (a frozen base: its weights alone set the floor).
 
     >>> r = plan(SHAPES["gpt-80b"], gpus=1024, batch=2048, seq=2048, machine=MACHINES["perlmutter"],
     ...          dtype_bytes=2, recompute=True)
@@ -663,14 +677,17 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
     True
     """
     _check(gpus, batch, seq, micro_batch)
+    if lora is not None:
+        lora.check(m)
     machine = machine or MACHINES["generic"]
-    floor = 16 * m.params() / (machine.mem_gib * 2**30)  # x*y*z must be at least this
+    per_param = 16 if lora is None else 4  # fp32 weights (+ gradients and AdamW moments unless frozen)
+    floor = per_param * m.params() / (machine.mem_gib * 2**30)  # x*y*z must be at least this
     rows, below = [], 0
     for d in candidate_grids(m, gpus, batch):
         if d.tp_size < floor:
             below += 1
             continue
         rows.append(_row(m, d, machine, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
-                         recompute=recompute, dp=dp, micro_batch=micro_batch))
+                         recompute=recompute, dp=dp, micro_batch=micro_batch, lora=lora))
     rows.sort(key=lambda r: (not r["fits"], rank_time(r), r["memory_bytes"]["total"]))
     return PlanResult(rows, len(rows) + below, below)
