@@ -52,11 +52,15 @@ def plan_cmd(
     dp: Annotated[bool, typer.Option("--dp/--no-dp", help="DP-SGD with ghost clipping (two passes).")] = False,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="Local rows per pass "
                                                     "(default: the largest that fits).")] = None,
+    lora_rank: Annotated[int | None, typer.Option("--lora-rank", help="Train LoRA adapters of this rank on a "
+                                                  "frozen base (as model.lora.rank).")] = None,
+    lora_targets: Annotated[str, typer.Option("--lora-targets", help="Comma-separated modules the adapters sit on "
+                                              "(as model.lora.target_modules), with --lora-rank.")] = "q_proj,v_proj",
     top: Annotated[int, typer.Option("--top", help="Rows to show in the table.")] = 10,
     fmt: Annotated[Literal["table", "json"], typer.Option("--format", help="table or json.")] = "table",
 ) -> None:
     # lazy: `memaudit --help` does not import torch (~2 s)
-    from memaudit.parallel.planner import MACHINES, ModelShape, plan
+    from memaudit.parallel.planner import MACHINES, LoraShape, ModelShape, plan
 
     if gpus < 1:
         raise ValueError(f"--gpus {gpus} must be >= 1")
@@ -77,16 +81,24 @@ def plan_cmd(
         over["table"] = _table(bw_table)
     mach = replace(MACHINES[machine], **over)  # validated again in Machine
     m = ModelShape.from_preset(preset)
+    lora = None
+    if lora_rank is not None:
+        if lora_rank < 1:
+            raise ValueError(f"--lora-rank {lora_rank} must be >= 1")
+        lora = LoraShape(lora_rank, tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
     res = plan(m, gpus=gpus, batch=batch, seq=seq, machine=mach, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
-               recompute=recompute, dp=dp, micro_batch=micro_batch)
+               recompute=recompute, dp=dp, micro_batch=micro_batch, lora=lora)
     if fmt == "json":
         md = asdict(mach) | {"table": [{"stride": s, "size": n, "gbs": v} for (s, n), v in mach.table.items()]}
         print_json({"preset": preset, "gpus": gpus, "batch": batch, "seq": seq, "machine": md,
-                    "weight_bytes": weight_bytes, "recompute": recompute, "dp": dp, "considered": res.considered,
+                    "weight_bytes": weight_bytes, "recompute": recompute, "dp": dp,
+                    "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)},
+                    "considered": res.considered,
                     "below_memory_floor": res.below_floor, "grids": res.grids})
         return
 
-    t = Table(title=f"{preset} on {gpus} devices ({mach.name}), batch {batch} x {seq}")
+    trains = "" if lora is None else f", LoRA r={lora.rank} on {','.join(lora.targets)}"
+    t = Table(title=f"{preset} on {gpus} devices ({mach.name}), batch {batch} x {seq}{trains}")
     for c in ("data", "x", "y", "z", "mb", "x GiB", "y GiB", "z GiB", "data GiB", "mem GiB", "comm s", "step s",
               "fits"):
         t.add_column(c, justify="right")

@@ -136,7 +136,9 @@ class _Gathered:
     `parallelize_llama`); with `prefetch`, a layer issues the asynchronous z all-gather of the
     next layer's weights in forward (of the previous one in backward) before its own matmuls.
     Prefetching is skipped while activations are recomputed inside backward, where the
-    forward order does not predict the next layer to run.
+    forward order does not predict the next layer to run. In backward the previous layers whose
+    backward does not run are passed over (`backward`: set by the owner's forward; under LoRA a
+    frozen layer whose input needs no gradient has none), so no gathered block is left unused.
     """
 
     def __init__(self, comm: Comm, shape: tuple[int, int], prefetch: bool) -> None:
@@ -146,6 +148,7 @@ class _Gathered:
         self.shard: torch.Tensor | None = None  # the parameter, set by the owner
         self.ahead: dict[str, tuple[torch.Tensor, Any, int]] = {}
         self.hits = 0  # prefetched blocks used (for tests and benchmarks)
+        self.backward = True  # whether the owner's last forward (with grad enabled) left it a backward
 
     def issue(self, phase: str) -> None:
         if phase not in self.ahead and self.shard is not None:
@@ -166,8 +169,13 @@ class _Gathered:
         if full is None:
             full = self.comm.all_gather(self.shard.detach(), MeshAxis.Z)
         if self.prefetch:
-            nxt = self.next if phase == "fwd" else self.prev
-            if nxt is not None and not (phase == "fwd" and _in_backward()):
+            if phase == "fwd":
+                nxt = None if _in_backward() else self.next
+            else:
+                nxt = self.prev
+                while nxt is not None and not nxt.backward:
+                    nxt = nxt.prev
+            if nxt is not None:
                 nxt.issue(phase)
         return full[: self.shape[0] * self.shape[1]].view(self.shape)
 
@@ -282,6 +290,8 @@ class TPLinear(nn.Module):
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         self.gathered.shard = self.weight  # the parameter may have been replaced (load, .to())
+        if torch.is_grad_enabled():  # a frozen layer whose input needs no gradient has no backward
+            self.gathered.backward = a.requires_grad or self.weight.requires_grad
         y = TPLinearFn.apply(a, self.weight, self)
         if self.bias is not None:
             y = _BiasFn.apply(y, self.bias, self.comm.size(self.in_axis), ghost.current(self.ghost))

@@ -9,7 +9,18 @@ statistics over z and data, the gradient sync of replicated parameters over z an
 parameters over data, optional clipping norms. Activation recomputation replays each decoder
 layer's forward collectives (z all-gathers, in-axis all-reduces, norm statistics); DP-SGD with
 ghost clipping runs two forward+backward passes per micro-batch plus the per-example norm
-all-reduces over x and y. `wire_bytes` turns payloads into bytes on the wire (ring costs,
+all-reduces over x and y.
+
+Under LoRA (`LoraShape`, `memaudit.parallel.lora.TPLoraLinear`) the base is frozen: no weight
+gradient is reduce-scattered, the adapters (replicated over z) are the only gradients synced over
+z and data, each adapter all-reduces its (tokens x r) projection over the layer's in axis in
+forward and its gradient over the out axis in backward, and a collective of the backward runs
+only where autograd needs it: the frozen embedding's output needs no gradient, so in the first
+decoder layer the backward of each frozen layer before the first adapter on the path is skipped
+(`_layer_grads`). That holds with recomputation as the Trainer switches it on (non-reentrant,
+before the layout: Hugging Face's hook that makes the embedding's output require a gradient stays
+on the `nn.Embedding` the grid replaces), and every layer's forward is replayed whole (the last
+tensor it saves for backward is down_proj's input). `wire_bytes` turns payloads into bytes on the wire (ring costs,
 `comm.wire_factor`); `comm_time` divides them by each group's bandwidth, which follows from
 the group's size and stride on the machine (`Machine.bandwidth`).
 
@@ -79,6 +90,11 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def linear_names(self) -> tuple[str, ...]:
+        """The Hugging Face module names of `linears()`, in that order (the LoRA targets)."""
+        attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+        return attn + (("gate_proj", "up_proj", "down_proj") if self.mlp == "swiglu" else ("fc_in", "fc_out"))
+
     def linears(self) -> list[tuple[int, int, bool]]:
         """(out, in, transposed) of every linear of one decoder layer."""
         h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -115,6 +131,43 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
+@dataclass(frozen=True)
+class LoraShape:
+    """What the cost model needs of LoRA: the adapters' rank and the linear layers they sit on
+    (Hugging Face module names, `ModelShape.linear_names`, e.g. "q_proj")."""
+
+    rank: int
+    targets: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(dict.fromkeys(self.targets)))
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank {self.rank!r} must be an integer >= 1")
+        if not self.targets:
+            raise ValueError("LoRA needs at least one target module (e.g. q_proj)")
+
+    @classmethod
+    def from_config(cls, lora: Any) -> LoraShape | None:
+        """From a `model.lora` section (`memaudit.config.LoraConfig`; None: full training)."""
+        return None if lora is None else cls(int(lora.rank), tuple(lora.target_modules))
+
+    def check(self, m: ModelShape) -> None:
+        bad = [t for t in self.targets if t not in m.linear_names()]
+        if bad:
+            raise ValueError(f"LoRA target '{bad[0]}' is not a linear layer of the model; choose from "
+                             f"{', '.join(m.linear_names())}")
+
+    def adapter_elements(self, m: ModelShape, d: ParallelDims) -> int:
+        """Adapter elements on one rank: A_l (r x in_l) and B_l (out_l x r) of every target, where a
+        normal layer splits in over x and out over y, a transposed one the converse (not over z)."""
+        per_layer = 0
+        for name, (o, i, t) in zip(m.linear_names(), m.linears(), strict=True):
+            if name in self.targets:
+                o_l, i_l = (o // d.x, i // d.y) if t else (o // d.y, i // d.x)
+                per_layer += self.rank * (i_l + o_l)
+        return m.layers * per_layer
+
+
 # ----------------------------------------------------------------------------- volume
 Key = tuple[str, str]  # (axis, kind)
 
@@ -135,35 +188,102 @@ class _Acc:
             self.out[(axis, kind)] += int(nbytes) * times * self.scale
 
 
+class _Grads(NamedTuple):
+    """Which backward collectives one linear runs: `base` (its input needs a gradient, or its
+    weight: the backward z all-gather and out-axis all-reduce), `weight` (the weight trains: the z
+    reduce-scatter), `rank` (a LoRA adapter of that rank, else 0)."""
+
+    base: bool = True
+    weight: bool = True
+    rank: int = 0
+
+
+_FULL = _Grads()  # a trained linear: every backward collective
+
+
+class _LayerGrads(NamedTuple):
+    linears: tuple[_Grads, ...]  # in `ModelShape.linears()` order
+    norms: tuple[bool, bool]  # the two norms' statistics have a backward (their input needs a gradient)
+    out: bool  # the layer's output needs a gradient
+
+
+def _layer_grads(m: ModelShape, lora: LoraShape | None, inp: bool) -> _LayerGrads:
+    """Autograd runs a backward only where a gradient is needed: below a frozen layer that is where
+    its input requires one. Attention's output requires a gradient if q, k or v's does, the
+    residual after attention if that or o's does, the MLP's last (transposed) layer's input if one
+    of the MLP's first layers' outputs does; a target's output always does."""
+    names = m.linear_names()
+    if lora is None:
+        return _LayerGrads((_FULL,) * len(names), (True, True), True)
+    out: list[_Grads] = []
+
+    def lin(name: str, needs: bool) -> bool:
+        target = name in lora.targets
+        out.append(_Grads(needs, False, lora.rank if target else 0))
+        return needs or target
+
+    qkv = [lin(name, inp) for name in names[:3]]  # q, k, v take the normed layer input (all recorded)
+    o = lin(names[3], any(qkv))
+    resid = inp or o  # the residual stream after attention
+    ups = [lin(name, resid) for name in names[4:-1]]  # gate, up (or fc_in)
+    down = lin(names[-1], any(ups))
+    return _LayerGrads(tuple(out), (inp, resid), resid or down)
+
+
 def _linear(acc: _Acc, o: int, i: int, transposed: bool, tokens: int, e: int, we: int, *, times: int,
-            replay: bool) -> None:
+            replay: bool, g: _Grads = _FULL) -> None:
     d = acc.d
     in_ax, out_ax = (MeshAxis.Y, MeshAxis.X) if transposed else (MeshAxis.X, MeshAxis.Y)
     o_l, i_l = o // d.size(out_ax), i // d.size(in_ax)
     shard = _zshard(o_l * i_l, d.z)
     fwd = 2 if replay else 1  # recomputation replays the forward
-    acc.add(MeshAxis.Z, "all_gather", shard * we, times * (fwd + 1))  # forward (+ replay) and backward
+    acc.add(MeshAxis.Z, "all_gather", shard * we, times * (fwd + g.base))  # forward (+ replay) and backward
     acc.add(in_ax, "all_reduce", tokens * o_l * e, times * fwd)  # partial outputs
-    acc.add(out_ax, "all_reduce", tokens * i_l * e, times)  # partial input gradients
-    acc.add(MeshAxis.Z, "reduce_scatter", shard * d.z * we, times)  # the (padded) weight gradient
+    if g.base:
+        acc.add(out_ax, "all_reduce", tokens * i_l * e, times)  # partial input gradients
+    if g.weight:
+        acc.add(MeshAxis.Z, "reduce_scatter", shard * d.z * we, times)  # the (padded) weight gradient
+    if g.rank:  # LoRA: h = a A_l^T over the in axis, its gradient over the out axis
+        acc.add(in_ax, "all_reduce", tokens * g.rank * e, times * fwd)
+        acc.add(out_ax, "all_reduce", tokens * g.rank * e, times)
+
+
+def _stack(m: ModelShape, lora: LoraShape | None) -> list[tuple[_LayerGrads, int]]:
+    """The decoder layers' backward collectives, as (layer, how many consecutive layers run it)."""
+    out: list[tuple[_LayerGrads, int]] = []
+    inp = lora is None  # the embedding's output needs a gradient only if the embedding trains
+    for _ in range(m.layers):
+        g = _layer_grads(m, lora, inp)
+        if out and out[-1][0] == g:
+            out[-1] = (g, out[-1][1] + 1)
+        else:
+            out.append((g, 1))
+        inp = g.out
+    return out
 
 
 def _pass(acc: _Acc, m: ModelShape, rows: int, seq: int, e: int, we: int, *, recompute: bool,
-          loss_stats: bool) -> None:
+          loss_stats: bool, lora: LoraShape | None = None) -> None:
     """One forward + backward over `rows` local sequences."""
     d = acc.d
     n, n1 = rows * seq, rows * (seq - 1)  # tokens through the stack, and through the LM head
-    for o, i, t in m.linears():
-        _linear(acc, o, i, t, n, e, we, times=m.layers, replay=recompute)
     stat = n * 4 * m.norm_stats  # fp32 statistics per token
-    acc.add(MeshAxis.X, "all_reduce", stat, m.layers * 2 * (3 if recompute else 2))  # fwd (+ replay) + bwd
-    acc.add(MeshAxis.X, "all_reduce", stat, 2)  # final norm
+    fwd = 2 if recompute else 1
+    inp = lora is None
+    for layer, times in _stack(m, lora):
+        for (o, i, t), g in zip(m.linears(), layer.linears, strict=True):
+            _linear(acc, o, i, t, n, e, we, times=times, replay=recompute, g=g)
+        acc.add(MeshAxis.X, "all_reduce", stat, times * (2 * fwd + sum(layer.norms)))  # fwd (+ replay) + bwd
+        inp = layer.out
+    acc.add(MeshAxis.X, "all_reduce", stat, 1 + inp)  # final norm
     v_l, h_l = m.vocab // d.y, m.hidden // d.x
     emb = _zshard(v_l * h_l, d.z)
     acc.add(MeshAxis.Z, "all_gather", emb * we)
     acc.add(MeshAxis.Y, "all_reduce", n * h_l * e)  # vocabulary-partial embeddings
-    acc.add(MeshAxis.Z, "reduce_scatter", emb * d.z * we)
-    _linear(acc, m.vocab, m.hidden, False, n1, e, we, times=1, replay=False)  # LM head
+    if lora is None:
+        acc.add(MeshAxis.Z, "reduce_scatter", emb * d.z * we)
+    _linear(acc, m.vocab, m.hidden, False, n1, e, we, times=1, replay=False,
+            g=_Grads(inp, lora is None))  # LM head
     acc.add(MeshAxis.Y, "all_reduce", 3 * n1 * 4)  # loss: max, sum-exp, target logit (fp32)
     if loss_stats:
         for axis in (MeshAxis.Z, MeshAxis.DATA):
@@ -182,8 +302,8 @@ def local_weights(m: ModelShape, d: ParallelDims) -> tuple[int, int]:
 
 def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
                         weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
-                        micro_batches: int = 1, clip: bool = False, data_in_backward: bool = False
-                        ) -> dict[Key, int]:
+                        micro_batches: int = 1, clip: bool = False, data_in_backward: bool = False,
+                        lora: LoraShape | None = None) -> dict[Key, int]:
     """Payload bytes each rank hands to collectives in one step, per (axis, kind).
 
     Args:
@@ -199,7 +319,13 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
       data_in_backward: the sharded weights' data all-reduce runs in buckets during each
         backward that keeps its gradients (every micro-batch; DP: the clipped pass only),
         the replicated parameters' once after backward.
+      lora: LoRA adapters on a frozen base (`LoraShape`): no weight gradient is reduce-scattered,
+        the adapters (replicated over z, so never in the backward's buckets) are all-reduced over
+        z and data once after backward, and the first layer skips the backward of the frozen
+        layers whose input needs no gradient.
     """
+    if lora is not None:
+        lora.check(m)
     acc = _Acc(d)
     rows = batch // (d.data * d.z)
     if micro_batches < 1:
@@ -209,7 +335,7 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
         if count == 0 or chunk == 0:
             continue
         acc.scale = count * (2 if dp else 1)
-        _pass(acc, m, chunk, seq, dtype_bytes, weight_bytes, recompute=recompute, loss_stats=not dp)
+        _pass(acc, m, chunk, seq, dtype_bytes, weight_bytes, recompute=recompute, loss_stats=not dp, lora=lora)
         acc.scale = count
         if dp:
             for axis in (MeshAxis.X, MeshAxis.Y):
@@ -218,7 +344,10 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
     if dp:
         for axis in (MeshAxis.Z, MeshAxis.DATA):
             acc.add(axis, "all_reduce", 24)
-    sharded, norms = local_weights(m, d)
+    if lora is not None:
+        sharded, norms = 0, lora.adapter_elements(m, d)  # only the adapters have gradients
+    else:
+        sharded, norms = local_weights(m, d)
     acc.add(MeshAxis.Z, "all_reduce", norms * weight_bytes)  # replicated-parameter gradients
     if data_in_backward:
         acc.add(MeshAxis.DATA, "all_reduce", sharded * weight_bytes, micro_batches)
@@ -247,8 +376,11 @@ def wire_bytes(payload: dict[Key, int], d: ParallelDims) -> dict[Key, Fraction]:
 # ----------------------------------------------------------------------------- memory
 def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
                    recompute: bool = False, micro_batch: int | None = None, flash: bool = False,
-                   dp: bool = False) -> dict[str, int]:
+                   dp: bool = False, lora: LoraShape | None = None) -> dict[str, int]:
     """Per-device bytes: fp32 weights, grads, AdamW moments, transient gathered block, activations.
+
+    Under `lora` the frozen base keeps its fp32 weights and the adapters alone have gradients and
+    AdamW moments (activations and ghost norms are the full model's: an upper bound).
 
     Activations of one pass over `micro_batch` local rows (all rows when None): per layer the
     saved inputs of the linears, attention and MLP intermediates (with `recompute`, only each
@@ -257,7 +389,10 @@ def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtyp
     per-example ghost-norm Gram matrices of the largest linear (fp64).
     """
     sharded, norms = local_weights(m, d)
-    weights = sharded + norms
+    weights = trained = sharded + norms
+    if lora is not None:
+        trained = lora.adapter_elements(m, d)
+        weights += trained
     blocks = [(o // d.x) * (i // d.y) if t else (o // d.y) * (i // d.x) for o, i, t in m.linears()]
     vh = (m.vocab // d.y) * (m.hidden // d.x)
     local_rows = max(1, batch // (d.data * d.z))
@@ -274,8 +409,8 @@ def predict_memory(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtyp
         acts = m.layers * (per_layer + attn)
     mem = {
         "weights": weights * 4,
-        "grads": weights * 4,
-        "optimizer": 2 * weights * 4,
+        "grads": trained * 4,
+        "optimizer": 2 * trained * 4,
         "gathered": max(max(blocks), vh) * dtype_bytes * 2,
         "activations": acts + 3 * n * (m.vocab // d.y) * 4,
         "ghost": 2 * b * min(seq * seq, max(blocks)) * 8 if dp else 0,
@@ -401,10 +536,16 @@ def step_time(times: dict[Key, float], compute_s: float) -> dict[str, float]:
     return {"step_time_s": compute_s + exposed, "exposed_comm_s": exposed, "overlapped_comm_s": hidden}
 
 
-def model_flops(m: ModelShape, *, batch: int, seq: int, recompute: bool = False, dp: bool = False) -> float:
+def model_flops(m: ModelShape, *, batch: int, seq: int, recompute: bool = False, dp: bool = False,
+                lora: LoraShape | None = None) -> float:
     """Floating-point operations of one step (6 per parameter and token; x 4/3 with
-    recomputation, x 2 with DP-SGD's two passes)."""
-    return 6 * m.params() * batch * seq * (2 if dp else 1) * (4 / 3 if recompute else 1)
+    recomputation, x 2 with DP-SGD's two passes). Under `lora` a frozen parameter costs 4 (6 with
+    recomputation: no weight-gradient product) and an adapter's the full model's rate."""
+    if lora is None:
+        return 6 * m.params() * batch * seq * (2 if dp else 1) * (4 / 3 if recompute else 1)
+    fwd = 4 if recompute else 2
+    per_token = (fwd + 2) * m.params() + (fwd + 4) * lora.adapter_elements(m, ParallelDims())
+    return per_token * batch * seq * (2 if dp else 1)
 
 
 # ----------------------------------------------------------------------------- search
@@ -462,11 +603,12 @@ def _check(gpus: int, batch: int, seq: int, micro_batch: int | None) -> None:
 
 
 def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: int, dtype_bytes: int,
-         weight_bytes: int, recompute: bool, dp: bool, micro_batch: int | None) -> dict[str, Any]:
+         weight_bytes: int, recompute: bool, dp: bool, micro_batch: int | None, lora: LoraShape | None = None
+         ) -> dict[str, Any]:
     rows = batch // (d.data * d.z)
     cap = machine.mem_gib * 2**30
     mem_kw = {"batch": batch, "seq": seq, "dtype_bytes": dtype_bytes, "recompute": recompute,
-              "flash": machine.flash, "dp": dp}
+              "flash": machine.flash, "dp": dp, "lora": lora}
     if micro_batch is None:  # the largest chunk (fewest weight gathers) that fits; memory grows with it
         divs = divisors(rows)
         lo, hi = 0, len(divs) - 1
@@ -482,7 +624,7 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
     passes = math.ceil(rows / mb)
     mem = predict_memory(m, d, micro_batch=mb, **mem_kw)
     pay = predict_collectives(m, d, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
-                              recompute=recompute, dp=dp, micro_batches=passes)
+                              recompute=recompute, dp=dp, micro_batches=passes, lora=lora)
     wire = wire_bytes(pay, d)
     times = comm_times(wire, d, machine)
     t = comm_time(wire, d, machine)
@@ -493,7 +635,7 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
         by_kind[a][k] = float(b)
     st = strides(d)
     rate = d.world_size * machine.peak_tflops * machine.gemm_efficiency * 1e12
-    compute = model_flops(m, batch=batch, seq=seq, recompute=recompute, dp=dp) / rate if rate else None
+    compute = model_flops(m, batch=batch, seq=seq, recompute=recompute, dp=dp, lora=lora) / rate if rate else None
     row: dict[str, Any] = {
         "grid": asdict(d), "micro_batch": mb, "passes": passes,
         "payload_bytes": {a: sum(b for (ax, _), b in pay.items() if ax == a) for a in ORDER},
@@ -518,7 +660,7 @@ def rank_time(row: dict[str, Any]) -> float:
 
 def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | None = None,
          dtype_bytes: int = 4, weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
-         micro_batch: int | None = None) -> PlanResult:
+         micro_batch: int | None = None, lora: LoraShape | None = None) -> PlanResult:
     """Rank every grid of `gpus` devices that the model and batch admit by predicted step time
     (compute plus the communication the overlap does not hide; comm time where the machine
     has no peak rate, `rank_time`).
@@ -526,7 +668,8 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
     Grids below the memory floor (fp32 weights, gradients and AdamW moments of the local
     shard exceed device memory) are counted, not evaluated; the others are evaluated with the
     largest micro-batch that fits (or `micro_batch` local rows per pass) and kept, those over
-    the memory limit with `fits=false` and a `reason`, ranked last.
+    the memory limit with `fits=false` and a `reason`, ranked last. With `lora`, the volume,
+    memory and compute are LoRA training's (a frozen base: its weights alone set the floor).
 
     >>> r = plan(SHAPES["gpt-80b"], gpus=1024, batch=2048, seq=2048, machine=MACHINES["perlmutter"],
     ...          dtype_bytes=2, recompute=True)
@@ -534,14 +677,17 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
     True
     """
     _check(gpus, batch, seq, micro_batch)
+    if lora is not None:
+        lora.check(m)
     machine = machine or MACHINES["generic"]
-    floor = 16 * m.params() / (machine.mem_gib * 2**30)  # x*y*z must be at least this
+    per_param = 16 if lora is None else 4  # fp32 weights (+ gradients and AdamW moments unless frozen)
+    floor = per_param * m.params() / (machine.mem_gib * 2**30)  # x*y*z must be at least this
     rows, below = [], 0
     for d in candidate_grids(m, gpus, batch):
         if d.tp_size < floor:
             below += 1
             continue
         rows.append(_row(m, d, machine, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
-                         recompute=recompute, dp=dp, micro_batch=micro_batch))
+                         recompute=recompute, dp=dp, micro_batch=micro_batch, lora=lora))
     rows.sort(key=lambda r: (not r["fits"], rank_time(r), r["memory_bytes"]["total"]))
     return PlanResult(rows, len(rows) + below, below)

@@ -53,7 +53,7 @@ def weak_scaling(points: Sequence[tuple[ModelShape, int, int]], *, seq: int, mac
                              "use more GPUs or a smaller model")
         top = res.grids[0]
         flops = model_flops(m, batch=batch, seq=seq, recompute=plan_kw.get("recompute", False),
-                            dp=plan_kw.get("dp", False))
+                            dp=plan_kw.get("dp", False), lora=plan_kw.get("lora"))
         rows.append({"gpus": gpus, "batch": batch, "params": m.params(), "grid": top["grid"],
                      "step_time_s": top["step_time_s"], "compute_time_s": top["compute_time_s"],
                      "exposed_comm_s": top["exposed_comm_s"],

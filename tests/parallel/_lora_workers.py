@@ -19,19 +19,36 @@ LORA_KINDS = ("train", "dp")
 LORA_STEPS, LORA_SEED, LR, EPS = 2, 7, 2e-3, 1e-3
 # both layer kinds: q/v normal (in over x, out over y), o/down transposed
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+# Wire volume of one LoRA step against `planner.predict_collectives(lora=...)`, exactly:
+# name -> (targets, recompute, dp, micro-batches, overlapped: ORS + OAG + data buckets). With one
+# target past q, k, v (o_proj, down_proj), the first layer skips the backward of the frozen layers
+# before it (the frozen embedding's output needs no gradient).
+LORA_VOLUME_VARIANTS: dict[str, tuple[tuple[str, ...], bool, bool, int, bool]] = {
+    "plain": (TARGETS, False, False, 1, False), "recompute": (TARGETS, True, False, 1, False),
+    "dp": (TARGETS, False, True, 1, False), "overlapped-micro": (TARGETS, False, False, 2, True),
+    "o-dp-recompute-micro": (("o_proj",), True, True, 2, False),
+    "down-overlapped-recompute": (("down_proj",), True, False, 1, True),
+}
 
 
-def lora_config() -> Any:
+def lora_config(targets: tuple[str, ...] = TARGETS) -> Any:
     from memaudit.config import LoraConfig
 
-    return LoraConfig(rank=4, alpha=8.0, target_modules=TARGETS)
+    return LoraConfig(rank=4, alpha=8.0, target_modules=targets)
 
 
-def _peft_tiny(seed: int) -> Any:
+def _peft_tiny(seed: int, targets: tuple[str, ...] = TARGETS, *, recompute: bool = False) -> Any:
+    """peft on `tiny`; with `recompute`, activation checkpointing switched on first, as
+    `Trainer.build_model` does (its input-gradient hook stays on the embedding the grid replaces)."""
     from memaudit.models.lora import apply_lora
     from memaudit.models.presets import build_model
 
-    return apply_lora(build_model("tiny", seed=seed), lora_config(), seed=LORA_SEED)
+    model = build_model("tiny", seed=seed)
+    if recompute:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return apply_lora(model, lora_config(targets), seed=LORA_SEED)
 
 
 def _trained(model: Any) -> list[torch.nn.Parameter]:
@@ -91,12 +108,15 @@ def lora_reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str
             "lora_norms": torch.tensor(norms), "lora_clip": clip, "lora_dp": dp}
 
 
-def _lora_pmodel(grid: tuple[int, int, int, int], init: dict[str, torch.Tensor]) -> Any:
+def _lora_pmodel(grid: tuple[int, int, int, int], init: dict[str, torch.Tensor] | None,
+                 targets: tuple[str, ...] = TARGETS, *, recompute: bool = False, **opts: Any) -> Any:
     from memaudit.parallel.dims import ParallelDims
     from memaudit.parallel.parallelize import parallelize_llama
 
-    pm = parallelize_llama(_peft_tiny(99), dims=ParallelDims(data=grid[0], x=grid[1], y=grid[2], z=grid[3]))
-    pm.load_full_state_dict(init)  # a different base and A: the load must win
+    pm = parallelize_llama(_peft_tiny(99, targets, recompute=recompute),
+                           dims=ParallelDims(data=grid[0], x=grid[1], y=grid[2], z=grid[3]), **opts)
+    if init is not None:
+        pm.load_full_state_dict(init)  # a different base and A: the load must win
     return pm
 
 
@@ -194,11 +214,31 @@ def _dp(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list) -> Non
     _close(grads, ref["lora_uls_grads"], atol=1e-6)
 
 
+def _volume(grid: tuple[int, int, int, int], data: list, variant: str) -> None:
+    """One LoRA step's payload and wire bytes per (axis, kind), counted in `Comm`, equal the
+    planner's; the model is built as `Trainer.build_model` builds it (checkpointing switched on
+    before the layout); with the overlaps, every prefetched block was used."""
+    from memaudit.parallel.layers import TPLinear
+    from memaudit.parallel.planner import LoraShape
+    from tests.parallel._workers import OVERLAPPED, check_volume
+
+    targets, recompute, dp, micro, overlapped = LORA_VOLUME_VARIANTS[variant]
+    pm = _lora_pmodel(grid, None, targets, recompute=recompute, **(OVERLAPPED if overlapped else {}))
+    check_volume(pm, data[0], recompute=recompute, dp=dp, micro=micro, clip=variant == "plain", bucketed=overlapped,
+                 lora=LoraShape(lora_config(targets).rank, targets))
+    if overlapped:
+        gathered = [m.gathered for m in pm.hf.modules() if isinstance(m, TPLinear)]
+        assert all(not g.ahead for g in gathered), "a prefetched all-gather was never used"
+        assert pm.comm.size("z") == 1 or sum(g.hits for g in gathered) > 0
+
+
 def lora_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list, outdir: str,
                times: dict[str, float]) -> dict[str, str | None]:
     tag = "".join(map(str, grid))
     res: dict[str, str | None] = {}
-    for kind, fn in (("train", lambda: _train(grid, ref, data, outdir)), ("dp", lambda: _dp(grid, ref, data))):
+    cases = [("train", lambda: _train(grid, ref, data, outdir)), ("dp", lambda: _dp(grid, ref, data))]
+    cases += [(f"volume-{v}", lambda v=v: _volume(grid, data, v)) for v in LORA_VOLUME_VARIANTS]
+    for kind, fn in cases:
         t0 = time.perf_counter()
         try:
             fn()

@@ -373,8 +373,10 @@ OVERLAPPED = {"overlap_reduce_scatter": True, "overlap_all_gather": True, "bucke
 
 
 def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute: bool, dp: bool, micro: int,
-                 clip: bool = False, bucketed: bool = False) -> None:
-    """One step under `comm.counting()`; payload and wire per (axis, kind) equal the prediction."""
+                 clip: bool = False, bucketed: bool = False, lora: Any = None) -> None:
+    """One step under `comm.counting()`; payload and wire per (axis, kind) equal the prediction
+    (`lora`: the `planner.LoraShape` of a LoRA model). With `recompute`, checkpointing is switched
+    on here unless the model was built with it (as the Trainer builds it, before the layout)."""
     from memaudit.parallel.clip import clip_grad_norm_
     from memaudit.parallel.planner import ModelShape, predict_collectives, wire_bytes
 
@@ -383,7 +385,8 @@ def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute
     micro = min(micro, rows)
     chunk = -(-rows // micro)
     if recompute:
-        pm.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not pm.hf.is_activation_checkpointing:
+            pm.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         pm.hf.train()
     with pm.comm.counting():
         if dp:  # the global batch in; `chunk` local rows per pass
@@ -398,7 +401,8 @@ def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute
             clip_grad_norm_(pm, 1.0)
     d = pm.pg.dims
     pred = predict_collectives(ModelShape.from_config(pm.hf.config), d, batch=BATCH, seq=SEQ, recompute=recompute,
-                               dp=dp, micro_batches=-(-rows // chunk), clip=clip, data_in_backward=bucketed)
+                               dp=dp, micro_batches=-(-rows // chunk), clip=clip, data_in_backward=bucketed,
+                               lora=lora)
     measured = dict(pm.comm.bytes)
     assert measured == pred, {k: (measured.get(k), pred.get(k)) for k in set(measured) | set(pred)
                               if measured.get(k) != pred.get(k)}

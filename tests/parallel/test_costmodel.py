@@ -16,6 +16,7 @@ from memaudit.parallel.dims import ParallelDims
 from memaudit.parallel.planner import (
     MACHINES,
     SHAPES,
+    LoraShape,
     Machine,
     ModelShape,
     candidate_grids,
@@ -233,6 +234,52 @@ def test_dp_counts_two_passes_and_the_norm_all_reduces() -> None:
     assert dp[("y", "all_reduce")] == 2 * base[("y", "all_reduce")] + 8 * 8  # + per-example norms (fp64)
     assert dp[("x", "all_reduce")] == 2 * base[("x", "all_reduce")] + 8 * 8
     assert wire_bytes(dp, d)[("x", "all_reduce")] == Fraction(dp[("x", "all_reduce")])  # 2(n-1)/n = 1 at n=2
+
+
+# ----------------------------------------------------------------------------- LoRA
+_SMALL = ModelShape(vocab=64, hidden=16, intermediate=32, layers=2, heads=4, kv_heads=2)  # q 16, k/v 8
+
+
+def test_lora_syncs_only_the_adapters_and_reduce_scatters_nothing() -> None:
+    d = ParallelDims(data=2, x=2, y=2, z=2)
+    lora = LoraShape(rank=4, targets=("q_proj", "down_proj"))
+    full = predict_collectives(_SMALL, d, batch=8, seq=4)
+    p = predict_collectives(_SMALL, d, batch=8, seq=4, lora=lora)
+    assert full[("z", "reduce_scatter")] > 0 and ("z", "reduce_scatter") not in p
+    # q (normal, 16 -> 16): A_l 4 x 16/x, B_l 16/y x 4; down (transposed, 32 -> 16): A_l 4 x 32/y, B_l 16/x x 4
+    adapters = _SMALL.layers * (4 * 8 + 8 * 4 + 4 * 16 + 8 * 4)
+    assert lora.adapter_elements(_SMALL, d) == adapters
+    loss_stats = 16  # the loss sum and target count (fp64) over z and over data
+    assert p[("data", "all_reduce")] == p[("z", "all_reduce")] == adapters * 4 + loss_stats
+    # the adapters are replicated over z: never in the backward's data buckets
+    assert predict_collectives(_SMALL, d, batch=8, seq=4, lora=lora, data_in_backward=True, micro_batches=2) == \
+        predict_collectives(_SMALL, d, batch=8, seq=4, lora=lora, micro_batches=2)
+
+
+def test_lora_first_layer_skips_the_frozen_backward_before_its_adapter() -> None:
+    """x = 2 alone, an adapter on down_proj only: layer 0 all-reduces over x its normal layers'
+    outputs, the two norms' forward statistics and the adapter's gradient (down's out axis is
+    x), while layer 1 adds o's and down's input gradients and the norms' backward statistics."""
+    d, r = ParallelDims(x=2), 4
+    p = predict_collectives(_SMALL, d, batch=8, seq=4, lora=LoraShape(r, ("down_proj",)))
+    n, n1 = 8 * 4, 8 * 3  # tokens through the stack and through the LM head
+    outputs = (16 + 8 + 8 + 32 + 32) * n * 4  # q, k, v, gate, up: partial outputs over x (fp32)
+    layer0 = outputs + 2 * n * 4 + n * r * 4
+    layer1 = outputs + (16 + 32) * n * 4 + 4 * n * 4 + n * r * 4
+    head = 2 * n * 4 + n1 * 64 * 4  # final norm forward and backward; LM head outputs
+    assert p == {("x", "all_reduce"): layer0 + layer1 + head}
+
+
+def test_lora_targets_are_checked() -> None:
+    with pytest.raises(ValueError, match="LoRA target 'lm_head' is not a linear layer of the model; choose from q_proj"):
+        predict_collectives(_SMALL, ParallelDims(x=2), batch=8, seq=4, lora=LoraShape(4, ("q_proj", "lm_head")))
+    gelu = ModelShape(64, 16, 64, 2, 4, 4, "gelu", "layer")
+    with pytest.raises(ValueError, match="'gate_proj' is not a linear layer"):
+        predict_collectives(gelu, ParallelDims(x=2), batch=8, seq=4, lora=LoraShape(4, ("gate_proj",)))
+    assert predict_collectives(gelu, ParallelDims(x=2), batch=8, seq=4, lora=LoraShape(4, ("fc_out",)))
+    for rank, targets in ((0, ("q_proj",)), (4, ())):
+        with pytest.raises(ValueError, match="LoRA"):
+            LoraShape(rank, targets)
 
 
 # ----------------------------------------------------------------------------- the paper's settings

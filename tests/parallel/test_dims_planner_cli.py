@@ -11,6 +11,7 @@ from memaudit.models.presets import llama_config
 from memaudit.parallel.dims import MeshAxis, ParallelDims, build_groups
 from memaudit.parallel.launch import resolve_backend
 from memaudit.parallel.planner import (
+    LoraShape,
     ModelShape,
     factorisations,
     plan,
@@ -137,6 +138,24 @@ def test_cli_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "tiny on 4 devices" in capsys.readouterr().out
 
 
+def test_cli_plan_lora_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """--lora-rank/--lora-targets: every grid's volume is `predict_payload(lora=...)` (no weight
+    gradient reduce-scattered), and only the adapters have gradients and AdamW moments."""
+    argv = ["parallel", "plan", "--gpus", "4", "--preset", "tiny", "--batch", "4", "--seq", "16",
+            "--lora-rank", "4", "--lora-targets", "q_proj,down_proj", "--format", "json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    lora, m = LoraShape(4, ("q_proj", "down_proj")), ModelShape.from_preset("tiny")
+    assert out["lora"] == {"rank": 4, "targets": ["q_proj", "down_proj"]} and out["grids"]
+    for r in out["grids"]:
+        d = ParallelDims(**r["grid"])
+        assert r["payload_bytes"] == predict_payload(m, d, batch=4, seq=16, micro_batches=r["passes"], lora=lora)
+        assert "reduce_scatter" not in r["wire_bytes_by_kind"]["z"]
+        assert r["memory_bytes"]["grads"] == lora.adapter_elements(m, d) * 4 == r["memory_bytes"]["optimizer"] // 2
+    full = plan(m, gpus=4, batch=4, seq=16)
+    assert sum(r["memory_bytes"]["total"] for r in out["grids"]) < sum(r["memory_bytes"]["total"] for r in full.grids)
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--gpus", "0"], "--gpus 0 must be >= 1"),
     (["--gpus", "4", "--preset", "9b"], "unknown model preset '9b'"),
@@ -149,6 +168,9 @@ def test_cli_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     (["--gpus", "4", "--machine", "summit"], "--machine 'summit' is unknown"),
     (["--gpus", "4", "--micro-batch", "0"], "--micro-batch 0 must be an integer >= 1"),
     (["--gpus", "4", "--bw-table", "/nonexistent.json"], "--bw-table /nonexistent.json: cannot read it"),
+    (["--gpus", "4", "--lora-rank", "0"], "--lora-rank 0 must be >= 1"),
+    (["--gpus", "4", "--lora-rank", "4", "--lora-targets", "q_proj,lm_head"],
+     "LoRA target 'lm_head' is not a linear layer of the model; choose from q_proj"),
 ])
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     assert main(["parallel", "plan", *argv]) == 2

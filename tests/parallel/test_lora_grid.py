@@ -13,9 +13,10 @@ from memaudit.checks import check_before_disk
 from memaudit.config import load_config
 from memaudit.errors import ConfigError
 from tests.conftest import REPO_ROOT
-from tests.parallel._lora_workers import LORA_GRIDS, LORA_KINDS
+from tests.parallel._lora_workers import LORA_GRIDS, LORA_KINDS, LORA_VOLUME_VARIANTS
 
 _CASES = [(g, k) for g in LORA_GRIDS for k in LORA_KINDS]
+_VOLUME = [f"lora-volume-{v}-{''.join(map(str, g))}" for g in LORA_GRIDS for v in LORA_VOLUME_VARIANTS]
 
 
 @pytest.mark.parametrize(("grid", "kind"), _CASES, ids=[f"{k}-{''.join(map(str, g))}" for g, k in _CASES])
@@ -27,6 +28,19 @@ def test_lora_on_the_grid_equals_one_process(results, grid: tuple[int, int, int,
     that loop's clipped mean."""
     world = grid[0] * grid[1] * grid[2] * grid[3]
     err = results(world)[f"lora-{kind}-{''.join(map(str, grid))}"]
+    assert err is None, err
+
+
+@pytest.mark.parametrize("name", _VOLUME)
+def test_lora_wire_volume_per_kind_equals_the_planner(results, name: str) -> None:
+    """One LoRA step's bytes per (axis, collective kind), counted in `Comm`, equal
+    `predict_collectives(lora=...)` exactly (payload and ring wire bytes): no weight-gradient
+    reduce-scatter, the adapters' projections over the in and out axes, only the adapters synced
+    over z and data, and in the first layer no backward of the frozen layers whose input needs no
+    gradient; with recomputation, DP-SGD, micro-batches and the overlaps (no prefetched block
+    left unused)."""
+    grid = tuple(int(c) for c in name.rsplit("-", 1)[1])
+    err = results(grid[0] * grid[1] * grid[2] * grid[3])[name]
     assert err is None, err
 
 
