@@ -303,7 +303,7 @@ def local_weights(m: ModelShape, d: ParallelDims) -> tuple[int, int]:
 def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int, dtype_bytes: int = 4,
                         weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
                         micro_batches: int = 1, clip: bool = False, data_in_backward: bool = False,
-                        lora: LoraShape | None = None) -> dict[Key, int]:
+                        lora: LoraShape | None = None, user_group: int = 1) -> dict[Key, int]:
     """Payload bytes each rank hands to collectives in one step, per (axis, kind).
 
     Args:
@@ -323,23 +323,30 @@ def predict_collectives(m: ModelShape, d: ParallelDims, *, batch: int, seq: int,
         the adapters (replicated over z, so never in the backward's buckets) are all-reduced over
         z and data once after backward, and the first layer skips the backward of the frozen
         layers whose input needs no gradient.
+      user_group: with `dp`, per-user clipping (ULS) of groups of this many rows (one user's
+        sequences): the batch is padded with empty users to a multiple of user_group x data x z,
+        passes hold whole users, and one squared norm per user is all-reduced.
     """
     if lora is not None:
         lora.check(m)
+    if user_group < 1 or (user_group > 1 and not dp):
+        raise ValueError(f"user_group={user_group} needs dp=True and must be >= 1")
     acc = _Acc(d)
-    rows = batch // (d.data * d.z)
+    g, shards = user_group, d.data * d.z
+    units = -(-batch // (g * shards)) if g > 1 else batch // shards  # local users (rows when g = 1)
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be >= 1")
-    q, r = divmod(rows, micro_batches)  # chunks as equal as possible: r of q + 1 rows, the rest of q
+    q, r = divmod(units, micro_batches)  # chunks as equal as possible: r of q + 1 units, the rest of q
     for chunk, count in ((q + 1, r), (q, micro_batches - r)):
         if count == 0 or chunk == 0:
             continue
         acc.scale = count * (2 if dp else 1)
-        _pass(acc, m, chunk, seq, dtype_bytes, weight_bytes, recompute=recompute, loss_stats=not dp, lora=lora)
+        _pass(acc, m, chunk * g, seq, dtype_bytes, weight_bytes, recompute=recompute, loss_stats=not dp,
+              lora=lora)
         acc.scale = count
         if dp:
             for axis in (MeshAxis.X, MeshAxis.Y):
-                acc.add(axis, "all_reduce", chunk * 8)
+                acc.add(axis, "all_reduce", chunk * 8)  # one squared norm per example (user)
     acc.scale = 1
     if dp:
         for axis in (MeshAxis.Z, MeshAxis.DATA):

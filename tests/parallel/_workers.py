@@ -363,27 +363,32 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
 
 # ----------------------------------------------------------------------------- volume
 # Wire volume per (axis, collective kind) as counted in `Comm` against the planner's prediction,
-# exactly (integers and exact fractions), with and without recomputation, DP-SGD and micro-batches.
+# exactly (integers and exact fractions), with and without recomputation, DP-SGD (per example and per
+# user: groups of 2 rows) and micro-batches.
 VOLUME_GRIDS = [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 2), (1, 2, 2, 2)]
 VOLUME_VARIANTS = {"plain": (False, False, 1), "recompute": (True, False, 1), "dp": (False, True, 1),
                    "dp-recompute-micro": (True, True, 2), "micro": (False, False, 2),
                    "overlapped-recompute": (True, False, 1), "overlapped-dp-micro": (False, True, 2),
-                   "overlapped-micro": (False, False, 2)}
+                   "overlapped-micro": (False, False, 2), "dp-users": (False, True, 1),
+                   "dp-users-recompute-micro": (True, True, 2)}
 OVERLAPPED = {"overlap_reduce_scatter": True, "overlap_all_gather": True, "bucket_mb": 0.02}
 
 
 def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute: bool, dp: bool, micro: int,
-                 clip: bool = False, bucketed: bool = False, lora: Any = None) -> None:
+                 clip: bool = False, bucketed: bool = False, lora: Any = None, users: int = 1) -> None:
     """One step under `comm.counting()`; payload and wire per (axis, kind) equal the prediction
-    (`lora`: the `planner.LoraShape` of a LoRA model). With `recompute`, checkpointing is switched
-    on here unless the model was built with it (as the Trainer builds it, before the layout)."""
+    (`lora`: the `planner.LoraShape` of a LoRA model; `users` > 1: DP-SGD clipping per user, groups
+    of that many rows). With `recompute`, checkpointing is switched on here unless the model was
+    built with it (as the Trainer builds it, before the layout)."""
     from memaudit.parallel.clip import clip_grad_norm_
     from memaudit.parallel.planner import ModelShape, predict_collectives, wire_bytes
 
     ids, mask = (pm.shard_batch(t) for t in batch)
     rows = ids.shape[0]
-    micro = min(micro, rows)
-    chunk = -(-rows // micro)
+    if users > 1:  # local rows of whole users, the batch padded with empty ones
+        rows = -(-batch[0].shape[0] // (users * pm.pg.batch_shards)) * users
+    micro = min(micro, rows // users)
+    chunk = -(-rows // users // micro) * users
     if recompute:
         if not pm.hf.is_activation_checkpointing:
             pm.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -391,7 +396,7 @@ def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute
     with pm.comm.counting():
         if dp:  # the global batch in; `chunk` local rows per pass
             _dp(pm, clip=1.0, noise_multiplier=0.0, randomness=_rand(0), micro=chunk * pm.pg.batch_shards
-                ).step_gradients(batch[0], None, batch[1], step=0, right_padded=True)
+                ).step_gradients(batch[0], None, batch[1], step=0, right_padded=True, group_size=users)
         else:
             for s in range(0, rows, chunk):
                 loss, _ = pm(ids[s:s + chunk], mask[s:s + chunk])
@@ -402,7 +407,7 @@ def check_volume(pm: Any, batch: tuple[torch.Tensor, torch.Tensor], *, recompute
     d = pm.pg.dims
     pred = predict_collectives(ModelShape.from_config(pm.hf.config), d, batch=BATCH, seq=SEQ, recompute=recompute,
                                dp=dp, micro_batches=-(-rows // chunk), clip=clip, data_in_backward=bucketed,
-                               lora=lora)
+                               lora=lora, user_group=users)
     measured = dict(pm.comm.bytes)
     assert measured == pred, {k: (measured.get(k), pred.get(k)) for k in set(measured) | set(pred)
                               if measured.get(k) != pred.get(k)}
@@ -417,7 +422,7 @@ def volume_cases(grid: tuple[int, int, int, int], ref: dict[str, Any]) -> dict[s
         opts = OVERLAPPED if name.startswith("overlapped") else {}
         try:
             check_volume(_pmodel(grid, ref["init"], **opts), data[0], recompute=rc, dp=dp, micro=micro,
-                         bucketed=bool(opts))
+                         bucketed=bool(opts), users=2 if "users" in name else 1)
             res[key] = None
         except Exception:  # noqa: BLE001 - reported to the test
             res[key] = traceback.format_exc(limit=4)

@@ -234,6 +234,11 @@ def test_dp_counts_two_passes_and_the_norm_all_reduces() -> None:
     assert dp[("y", "all_reduce")] == 2 * base[("y", "all_reduce")] + 8 * 8  # + per-example norms (fp64)
     assert dp[("x", "all_reduce")] == 2 * base[("x", "all_reduce")] + 8 * 8
     assert wire_bytes(dp, d)[("x", "all_reduce")] == Fraction(dp[("x", "all_reduce")])  # 2(n-1)/n = 1 at n=2
+    # per-user clipping (ULS): one norm per user; 7 rows of users of 2 pad to 8 (one empty user)
+    users = predict_collectives(m, d, batch=7, seq=16, dp=True, user_group=2)
+    assert users[("x", "all_reduce")] == 2 * base[("x", "all_reduce")] + 4 * 8
+    with pytest.raises(ValueError, match="user_group"):
+        predict_collectives(m, d, batch=8, seq=16, user_group=2)  # per-user groups need DP-SGD
 
 
 # ----------------------------------------------------------------------------- LoRA
