@@ -34,15 +34,21 @@ def test_every_sweep_config_validates_every_point(path):
             assert not run_cfg.train.goldfish.enabled
 
 
-def test_quickstart_is_both_backends_no_dp_and_two_epsilons_one_seed():
+def test_quickstart_is_both_backends_no_dp_and_two_epsilons_per_user_one_seed():
     cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
     pts = plan_points(cfg)
     assert {p.backend for p in pts} == {"centralized", "federated"}
-    assert sorted({p.nominal_epsilon for p in pts}) == [2.0, 32.0, math.inf]
+    assert sorted({p.nominal_epsilon for p in pts}) == [2.0, 8.0, math.inf]
     assert {p.seed for p in pts} == {0}
     assert point_config(cfg, pts[0]).model.preset == "tiny"
-    m = cfg.match_utility  # a centralized point placed to meet the federated run at eps = 32
-    assert m.enabled and m.target_backend == "federated" and m.levels == [32.0]
+    # both backends at equal epsilon per user: centralized DP-SGD per user (ULS, k sequences a user)
+    for p in pts:
+        c = point_config(cfg, p)
+        if c.privacy.enabled and p.backend == "centralized":  # (federated is always per user)
+            assert c.privacy.unit == "user" and c.privacy.user_sampling == "uls"
+            assert c.privacy.max_examples_per_user == 8
+    m = cfg.match_utility  # a centralized point placed to meet the federated run at eps = 8 if none does
+    assert m.enabled and m.target_backend == "federated" and m.levels == [8.0]
 
 
 def test_paper_scale_is_gpu_scale():
@@ -59,7 +65,7 @@ def test_cli_overrides_shape_the_grid(tmp_path):
     cfg = load_sweep_config(CONFIGS / "quickstart.yaml", ["grid.epsilons=[1, 4, 16, inf]", "grid.seeds=3",
                                                           "grid.backends=[centralized]"])
     names = [p.name for p in plan_points(cfg)]
-    assert len(names) == 12 and names[0] == "centralized-eps1-s0" and "centralized-epsinf-s2" in names
+    assert len(names) == 12 and names[0] == "centralized-eps1-user-s0" and "centralized-epsinf-user-s2" in names
 
 
 def test_audit_levels_pick_grid_levels(tmp_path, capsys):

@@ -41,8 +41,10 @@ def test_size_axis_names_and_equal_tokens_seen():
 
 
 def test_names_without_the_axis_are_unchanged():
-    cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
+    cfg = load_sweep_config(CONFIGS / "quickstart.yaml", ["grid.units=null", "grid.epsilons=[inf, 32, 2]"])
     assert [p.name for p in plan_points(cfg)][:3] == ["centralized-epsinf-s0", "centralized-eps32-s0", "centralized-eps2-s0"]
+    # the privacy-unit axis names its unit
+    assert plan_points(load_sweep_config(CONFIGS / "quickstart.yaml"))[1].name == "centralized-eps8-user-s0"
     assert all(p.model is None for p in plan_points(cfg))
 
 
