@@ -22,6 +22,7 @@ Differential Privacy", SaTML 2025 (ULS).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -106,7 +107,7 @@ class TensorParallelClipping:
         if micro_batch_size is not None:
             micro = max(g, math.ceil(micro_batch_size / pg.batch_shards) // g * g)
         st = self._two_passes(ids, lm, lam, clip, micro, g)
-        return st if g == 1 else ClipStats(st.norms, st.clipped, st.loss_sum, st.examples, units=b // g)
+        return st if g == 1 else dataclasses.replace(st, units=b // g)
 
     def _two_passes(self, ids: torch.Tensor, lm: torch.Tensor, am: torch.Tensor | None, clip: float,
                     micro: int | None, g: int) -> ClipStats:

@@ -248,8 +248,9 @@ def _linear(acc: _Acc, o: int, i: int, transposed: bool, tokens: int, e: int, we
         acc.add(out_ax, "all_reduce", tokens * g.rank * e, times)
 
 
-def _stack(m: ModelShape, lora: LoraShape | None) -> list[tuple[_LayerGrads, int]]:
-    """The decoder layers' backward collectives, as (layer, how many consecutive layers run it)."""
+def _stack(m: ModelShape, lora: LoraShape | None) -> tuple[list[tuple[_LayerGrads, int]], bool]:
+    """The decoder layers' backward collectives, as (layer, how many consecutive layers run it),
+    and whether the stack's output needs a gradient."""
     out: list[tuple[_LayerGrads, int]] = []
     inp = lora is None  # the embedding's output needs a gradient only if the embedding trains
     for _ in range(m.layers):
@@ -259,7 +260,7 @@ def _stack(m: ModelShape, lora: LoraShape | None) -> list[tuple[_LayerGrads, int
         else:
             out.append((g, 1))
         inp = g.out
-    return out
+    return out, inp
 
 
 def _pass(acc: _Acc, m: ModelShape, rows: int, seq: int, e: int, we: int, *, recompute: bool,
@@ -269,12 +270,11 @@ def _pass(acc: _Acc, m: ModelShape, rows: int, seq: int, e: int, we: int, *, rec
     n, n1 = rows * seq, rows * (seq - 1)  # tokens through the stack, and through the LM head
     stat = n * 4 * m.norm_stats  # fp32 statistics per token
     fwd = 2 if recompute else 1
-    inp = lora is None
-    for layer, times in _stack(m, lora):
+    layers, inp = _stack(m, lora)
+    for layer, times in layers:
         for (o, i, t), g in zip(m.linears(), layer.linears, strict=True):
             _linear(acc, o, i, t, n, e, we, times=times, replay=recompute, g=g)
         acc.add(MeshAxis.X, "all_reduce", stat, times * (2 * fwd + sum(layer.norms)))  # fwd (+ replay) + bwd
-        inp = layer.out
     acc.add(MeshAxis.X, "all_reduce", stat, 1 + inp)  # final norm
     v_l, h_l = m.vocab // d.y, m.hidden // d.x
     emb = _zshard(v_l * h_l, d.z)
