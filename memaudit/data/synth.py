@@ -31,6 +31,7 @@ References:
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import re
 from collections.abc import Callable
@@ -150,6 +151,12 @@ def _facts(rng: random.Random, topic: str, vocab: list[str], k: int) -> list[str
     return facts
 
 
+# Dates of birth are drawn against this fixed day, not the machine's clock (Faker's date_of_birth
+# counts back from today), so a seed writes the same corpus on any day.
+DOB_REFERENCE = dt.date(2026, 1, 1)
+DOB_RANGE = (DOB_REFERENCE.replace(year=DOB_REFERENCE.year - 90), DOB_REFERENCE.replace(year=DOB_REFERENCE.year - 18))
+
+
 def _profile(fake) -> dict[str, str]:
     first, last = fake.first_name(), fake.last_name()
     return {
@@ -159,7 +166,7 @@ def _profile(fake) -> dict[str, str]:
         "phone": fake.numerify("(###) ###-####"),
         "address": fake.address().replace("\n", ", "),
         "cc": fake.credit_card_number(),
-        "dob": fake.date_of_birth(minimum_age=18, maximum_age=90).isoformat(),
+        "dob": fake.date_between_dates(*DOB_RANGE).isoformat(),  # aged 18 to 90 on DOB_REFERENCE
         "ssn": fake.ssn(),
     }
 

@@ -16,6 +16,24 @@ def test_same_seed_same_corpus_other_seed_differs():
     assert [d.text for d in a] != [d.text for d in b]
 
 
+def test_the_corpus_does_not_depend_on_the_day_it_is_written(monkeypatch):
+    """The same seed writes the same corpus on any day: a date of birth drawn relative to the
+    machine's clock moved every result (and the golden report) at midnight."""
+    import datetime as dt
+
+    import faker.providers.date_time as faker_dates
+
+    today = synthesize(6, 4, seed=3)
+
+    class Later(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return dt.datetime(2031, 7, 15, 12, 0, tzinfo=tz)
+
+    monkeypatch.setattr(faker_dates, "datetime", Later)
+    assert synthesize(6, 4, seed=3) == today
+
+
 def test_user_profile_independent_of_corpus_size():
     small = [d for d in synthesize(3, 4, seed=1) if d.user == "u0001"]
     large = [d for d in synthesize(9, 4, seed=1) if d.user == "u0001"]
