@@ -231,6 +231,9 @@ class RunInfo:
     final_holdout_perplexity: float | None
     trained: str = "full"  # what the run trained: "full", or "lora(r=8, q_proj,v_proj)"
     upload_bytes: int | None = None  # federated: a client's update per round (float32 bytes)
+    # centralized DP per user: "els" (examples sampled, each clipped) or "uls" (users sampled, each
+    # user's summed gradient clipped); None for the federated backend, example-level DP and no DP
+    user_sampling: str | None = None
 
     @classmethod
     def from_manifest(cls, m: Any, source: str = "run.json") -> RunInfo:
@@ -251,13 +254,15 @@ class RunInfo:
             except (TypeError, ValueError):
                 raise DataError(f"{source}: '{v}' is not a number; re-run training") from None
 
+        dp = (_path(cfg, "privacy", "noise_multiplier") is not None
+              or _path(cfg, "privacy", "target_epsilon") is not None)
+        per_user = backend == CENTRALIZED and dp and _path(cfg, "privacy", "unit") == "user"
         return cls(
             backend=backend,
             seed=num(_path(cfg, "train", "seed"), int),
             audit_canaries=num(_path(cfg, "data", "audit_canaries", default=0), int),
             preset=_path(cfg, "model", "preset"),
-            dp=_path(cfg, "privacy", "noise_multiplier") is not None
-            or _path(cfg, "privacy", "target_epsilon") is not None,
+            dp=dp,
             target_epsilon=num(_path(cfg, "privacy", "target_epsilon")),
             dp_mechanism=_path(cfg, "privacy", "mechanism"),
             secure_aggregation=bool(_path(cfg, "privacy", "secure_aggregation", "enabled", default=False)),
@@ -270,4 +275,5 @@ class RunInfo:
             final_holdout_perplexity=num(res.get("final_holdout_perplexity")),
             trained=str(res.get("trained") or "full"),
             upload_bytes=num(res.get("upload_bytes_per_client_per_round"), int),
+            user_sampling=str(_path(cfg, "privacy", "user_sampling", default="uls")) if per_user else None,
         )

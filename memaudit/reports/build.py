@@ -141,8 +141,8 @@ def _server_view(priv: dict[str, Any]) -> str:
 def _mechanism(info: RunInfo) -> str:
     if not info.dp:
         return "none"
-    if info.backend == CENTRALIZED:
-        return "DP-SGD"
+    if info.backend == CENTRALIZED:  # per user: which sampling (ELS or ULS) is part of the name
+        return "DP-SGD" + (f" ({info.user_sampling.upper()})" if info.user_sampling else "")
     name = "distributed DP" if info.dp_mechanism == "distributed" else "DP-FedAvg"
     if info.secure_aggregation:
         name += " + SecAgg"
@@ -255,6 +255,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
             "noise_multiplier": priv["noise_multiplier"],
             "delta": priv["delta"],
             "unit": priv["unit"],
+            "user_sampling": info.user_sampling,
             "per_user": priv["per_user"],
             "document": priv.get("document"),
             "per_user_text": "not trained on private data" if role == PUBLIC_BASE else _per_user_text(priv),
@@ -288,15 +289,25 @@ def finetune(run: dict[str, Any]) -> str:
     return str((run.get("model") or {}).get("trained") or "full")
 
 
+def _sampling(r: dict[str, Any], eps: float) -> str | None:
+    """A centralized per-user DP run's sampling ("els" or "uls"); None otherwise."""
+    return None if math.isinf(eps) else (r.get("privacy") or {}).get("user_sampling")
+
+
+def _algorithm(sampling: str | None) -> str:
+    return f", {sampling.upper()}" if sampling else ""
+
+
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    """Runs by (backend, nominal epsilon, Goldfish, privacy unit): runs of one configuration
-    (seeds) pool; runs protecting different units never do."""
+    """Runs by (backend, nominal epsilon, Goldfish, privacy unit, fine-tuning, user sampling):
+    runs of one configuration (seeds) pool; runs protecting different units, or the same unit by
+    different algorithms (ELS, ULS), never do."""
     g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
         eps = nominal_epsilon(r)
-        g[(r["backend"], eps, r["mitigation"]["goldfish"], _unit(r, eps), finetune(r))].append(r)
+        g[(r["backend"], eps, r["mitigation"]["goldfish"], _unit(r, eps), finetune(r), _sampling(r, eps))].append(r)
     return g
 
 
@@ -310,9 +321,10 @@ def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
-    for (backend, eps, gf, unit, ft), rs in groups.items():
+    for (backend, eps, gf, unit, ft, smp), rs in groups.items():
         lbl = (backend
-               + (" (user-level DP)" if backend == CENTRALIZED and unit == "user" else "") + (" + Goldfish" if gf else "")
+               + (f" (user-level DP{_algorithm(smp)})" if backend == CENTRALIZED and unit == "user" else "")
+               + (" + Goldfish" if gf else "")
                + (" + LoRA" if ft != "full" else ""))
         ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
         leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
@@ -346,32 +358,50 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
 
     matched = []
     # each federated full fine-tune against every centralized one at its nominal epsilon: per user
-    # (equal guarantees) first, per example (units differ) after
-    for (backend, eps, gf, unit, ft), fed in sorted(groups.items(), key=lambda kv: (kv[0][1], str(kv[0][3]))):
+    # (equal guarantees; ULS, then ELS) first, per example (units differ) after
+    for (backend, eps, gf, unit, ft, _smp), fed in sorted(groups.items(),
+                                                         key=lambda kv: (kv[0][1], str(kv[0][3]))):
         if backend != "federated" or gf or ft != "full":
             continue
-        cands = [(u, rs) for (bk, e, g, u, f), rs in groups.items()
+        cands = [(u, s, rs) for (bk, e, g, u, f, s), rs in groups.items()
                  if bk == CENTRALIZED and e == eps and not g and f == "full"]
-        for par_unit, par in sorted(cands, key=lambda c: (c[0] != unit, str(c[0]))):
+        for par_unit, smp, par in sorted(cands, key=lambda c: (c[0] != unit, str(c[0]), str(c[1]) != "uls")):
             cells = {k: c for k in metrics if (c := backend_cell(par, fed, k))}
             matched.append({"epsilon": eps, "units": {CENTRALIZED: par_unit, "federated": unit},
+                            "algorithm": {CENTRALIZED: smp.upper() if smp else None, "federated": None},
                             "equal_guarantee": par_unit == unit, "metrics": cells,
                             "perplexity": {CENTRALIZED: _mean_ppl(par), "federated": _mean_ppl(fed)}})
+    # the two centralized user-level algorithms against each other at each epsilon (two-sided):
+    # ULS vs ELS, at the same guarantee and compute (Charles et al. 2024's comparison)
+    samplings = []
+    for (backend, eps, gf, unit, ft, smp), uls in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][4])):
+        els = groups.get((backend, eps, gf, unit, ft, "els"))
+        if backend != CENTRALIZED or smp != "uls" or not els:
+            continue
+        cells = {}
+        for key in metrics:
+            pu, pe = pool([r["leakage"].get(key) for r in uls]), pool([r["leakage"].get(key) for r in els])
+            if pu and pe:
+                cells[key] = {"uls": pu, "els": pe, "verdict": "not tested",
+                              "test": compare_groups(uls, els, key, "two-sided")}
+        samplings.append({"epsilon": eps, "unit": unit, "goldfish": gf, "finetune": ft, "metrics": cells,
+                          "perplexity": {"uls": _mean_ppl(uls), "els": _mean_ppl(els)}})
     effects = []
-    for (backend, eps, gf, unit, ft), rs in sorted(
-            groups.items(), key=lambda kv: (report_rank(kv[0][0]), kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4])):
+    for (backend, eps, gf, unit, ft, smp), rs in sorted(
+            groups.items(), key=lambda kv: (report_rank(kv[0][0]), kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4],
+                                            str(kv[0][5]))):
         label = backend
         if backend == CENTRALIZED and unit == "user":
-            label += " (user-level DP)"
+            label += f" (user-level DP{_algorithm(smp)})"
         base = None
         if ft != "full":  # LoRA against the full fine-tune at the same epsilon and unit
-            base, name = groups.get((backend, eps, gf, unit, "full")), f"LoRA fine-tuning ({ft})"
+            base, name = groups.get((backend, eps, gf, unit, "full", smp)), f"LoRA fine-tuning ({ft})"
             label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
         elif gf:
-            base, name = groups.get((backend, eps, False, unit, ft)), "Goldfish loss"
+            base, name = groups.get((backend, eps, False, unit, ft, smp)), "Goldfish loss"
             label += f" at {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
         elif not math.isinf(eps):
-            base, name = groups.get((backend, math.inf, False, None, ft)), f"DP at epsilon = {eps:g}"
+            base, name = groups.get((backend, math.inf, False, None, ft, None)), f"DP at epsilon = {eps:g}"
         if not base:
             continue
         cells = {}
@@ -384,7 +414,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
                         "unit": unit, "metrics": cells,
                         "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
-    return {"matched": matched, "effects": effects, "curves": _curves(groups, runs),
+    return {"matched": matched, "samplings": samplings, "effects": effects, "curves": _curves(groups, runs),
             "matched_utility": matched_utility(runs, utility_tolerance), "frontier": frontier(runs)}
 
 

@@ -55,7 +55,8 @@ def _keyed_tests(report: dict[str, Any]):
     """Every (metric, cell, test) of the report's comparisons, in a fixed order."""
     comp = report.get("comparisons", {})
     pairs = (comp.get("matched_utility") or {}).get("pairs", [])
-    for block in comp.get("matched", []) + comp.get("effects", []) + pairs + comp.get("targets", []):
+    for block in (comp.get("matched", []) + comp.get("samplings", []) + comp.get("effects", []) + pairs
+                  + comp.get("targets", [])):
         for key, cell in block.get("metrics", {}).items():
             if cell.get("test"):
                 yield key, cell, cell["test"]
@@ -171,6 +172,8 @@ def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
         return cell["a"], cell["b"]
     if "treated" in cell:
         return cell["treated"], cell["baseline"]
+    if "uls" in cell:  # centralized per-user DP: ULS against ELS (memaudit.reports.build.comparisons)
+        return cell["uls"], cell["els"]
     return cell["federated"], cell[CENTRALIZED]
 
 
@@ -310,7 +313,26 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
         where = _fmt_eps(eps) + ("" if math.isinf(eps) else
                                  f" per {units['federated']} on both sides" if same else
                                  f" ({units.get(CENTRALIZED)} vs {units.get('federated')} units)")
-        out += _sentences(m.get("metrics", {}), "federated", "centralized", f"At {where}", "backend", cav)
+        alg = (m.get("algorithm") or {}).get(CENTRALIZED)
+        out += _sentences(m.get("metrics", {}), "federated", "centralized" + (f" ({alg})" if alg else ""),
+                          f"At {where}", "backend", cav)
+    return out
+
+
+def sampling_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Centralized DP per user, ULS (users sampled, each user's gradient clipped) against ELS
+    (examples sampled, each clipped) at the same epsilon per user and compute (two-sided)."""
+    out = []
+    for m in report.get("comparisons", {}).get("samplings", []):
+        ppl = m.get("perplexity") or {}
+
+        def cav(verdict: str, ppl: dict = ppl) -> str | None:
+            return _utility_caveat((ppl.get("uls"), ppl.get("els")), ("ULS", "ELS"), _tolerance(report), verdict)
+
+        where = f"At {_fmt_eps(m.get('epsilon'))} per user, centralized" + (" + Goldfish" if m.get("goldfish") else "")
+        if m.get("finetune", "full") != "full":
+            where += f" with LoRA ({m['finetune']})"
+        out += _sentences(m.get("metrics", {}), "ULS", "ELS", where, "sampling", cav)
     return out
 
 
@@ -459,7 +481,7 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
 
 
 MAX_HEADLINE = 6
-GROUP_ORDER = {"targets": -1, "matched_utility": 0, "effect": 1, "audit": 2, "backend": 3}
+GROUP_ORDER = {"targets": -1, "matched_utility": 0, "effect": 1, "audit": 2, "backend": 3, "sampling": 4}
 
 
 def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list[dict[str, Any]]:
@@ -548,7 +570,7 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     rep = adjust_report(report)
     family = sum(1 for _ in _all_tests(rep)) + sum(len(mod.tests_of(sec)) for mod, sec in _sections(rep))
     sentences = (target_findings(rep) + utility_findings(rep) + backend_findings(rep)
-                 + effect_findings(rep) + audit_findings(rep))
+                 + sampling_findings(rep) + effect_findings(rep) + audit_findings(rep))
     # the sections' passing tests too: "N of M tests pass" counts over the one family
     passing = sum(s["verdict"] in ("less", "more") for s in sentences) + _section_passing(rep)
     head = headline(sentences)

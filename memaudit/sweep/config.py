@@ -79,6 +79,11 @@ class GridConfig(_Section):
     units: list[Literal["example", "user"]] | None = Field(
         None, description="the privacy unit of the centralized points (privacy.unit); federated "
         "points are always user-level. Default: the base config's unit")
+    user_sampling: list[Literal["els", "uls"]] | None = Field(
+        None, description="the centralized per-user DP algorithms (privacy.user_sampling) of the "
+        "user-level points: els samples examples (at most k a user, each clipped), uls samples users "
+        "(each user's gradient over at most k sequences clipped); needs user in grid.units. Absent: "
+        "the base config's")
     epsilons: list[float] | None = Field(None, description="target epsilons; 'inf' = no DP")
     noise_multipliers: list[float] | None = Field(None, description="sigma values; 0 = no DP")
     seeds: int | list[int] = 1
@@ -133,6 +138,13 @@ class GridConfig(_Section):
             if "federated" in self.backends and "user" not in self.units:
                 raise ValueError("grid.units lacks user but the grid has the federated backend, which is "
                                  "always user-level; add user to grid.units or drop federated")
+        if self.user_sampling is not None:
+            if not self.user_sampling or len(set(self.user_sampling)) != len(self.user_sampling):
+                raise ValueError(f"grid.user_sampling {self.user_sampling} must list els and/or uls once each")
+            if "user" not in (self.units or []) or CENTRALIZED not in self.backends:
+                raise ValueError("grid.user_sampling chooses the centralized per-user DP algorithm; it needs "
+                                 "centralized in grid.backends and user in grid.units (add them, or drop "
+                                 "grid.user_sampling)")
         return self
 
     @model_validator(mode="after")
@@ -383,6 +395,7 @@ class SweepPoint:
     matches: str | None = None  # a matched-utility point: the target run it was placed to meet
     unit: str | None = None  # grid.units' privacy unit of a centralized point (None: the base's)
     finetune: str | None = None  # grid.finetune's full | lora (None: the base config's choice)
+    user_sampling: str | None = None  # grid.user_sampling's els | uls (None: the base config's)
 
     @property
     def nominal_epsilon(self) -> float | None:
@@ -410,11 +423,12 @@ def _audited(levels: str | list[float], level: float | None, kind: str) -> bool:
 
 def point_name(backend: str, model: str | None, level: float | None, kind: str, seed: int, *,
                goldfish: bool = False, audit: bool = False, unit: str | None = None,
-               finetune: str | None = None) -> str:
+               finetune: str | None = None, user_sampling: str | None = None) -> str:
     """A point's run directory name: centralized-eps8-s0, centralized-eps8-user-s0,
-    federated-tiny2x-epsinf-audit-s1, centralized-eps8-lora-s0, ..."""
+    centralized-eps8-user-els-s0, federated-tiny2x-epsinf-audit-s1, centralized-eps8-lora-s0, ..."""
     size = f"-{model}" if model is not None else ""
     return (f"{backend}{size}-{_level_label(level, kind)}{'-user' if unit == 'user' else ''}"
+            f"{'-' + user_sampling if user_sampling else ''}"
             f"{'-lora' if finetune == 'lora' else ''}{'-gf' if goldfish else ''}{'-audit' if audit else ''}"
             f"-s{seed}")
 
@@ -432,14 +446,17 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
     base_lora = (cfg.base.get("model") or {}).get("lora") or {}
 
     def add(backend: str, model: str | None, level: float | None, seed: int, goldfish: bool,
-            audit: bool, unit: str | None = None, finetune: str | None = None) -> None:
+            audit: bool, unit: str | None = None, finetune: str | None = None,
+            user_sampling: str | None = None) -> None:
         name = point_name(backend, model, level, kind, seed, goldfish=goldfish, audit=audit, unit=unit,
-                          finetune=finetune)
+                          finetune=finetune, user_sampling=user_sampling)
         ov: dict[str, Any] = {"backend": backend, "train.seed": seed, "train.goldfish.enabled": goldfish}
         if finetune is not None:
             ov["model.lora"] = deep_copy(base_lora) if finetune == "lora" else None
         if unit is not None:
             ov["privacy.unit"] = unit
+        if user_sampling is not None:
+            ov["privacy.user_sampling"] = user_sampling
         if model is not None:
             ov["model.preset"] = model
         ov["privacy.target_epsilon"] = level if (kind == "epsilon") else None
@@ -447,7 +464,7 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
         if audit:
             ov["data.audit_canaries"] = cfg.audit.audit_canaries
         points.append(SweepPoint(name, backend, level, kind, seed, goldfish, audit, ov, model, unit=unit,
-                                 finetune=finetune))
+                                 finetune=finetune, user_sampling=user_sampling))
 
     models: list[str | None] = list(grid.models) if grid.models is not None else [None]
     for backend in grid.backends:
@@ -458,8 +475,12 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
                 for seed in grid.seed_list:
                     for gf in grid.goldfish if backend == CENTRALIZED else [False]:
                         for unit in units if level is not None else units[:1]:
+                            # the per-user algorithms differ only under DP: no sampling axis without it
+                            samplings: list[str | None] = (list(grid.user_sampling) if grid.user_sampling
+                                                           and unit == "user" and level is not None else [None])
                             for ft in grid.finetune or [None]:
-                                add(backend, model, level, seed, gf, False, unit, ft)
+                                for smp in samplings:
+                                    add(backend, model, level, seed, gf, False, unit, ft, smp)
     if cfg.audit.enabled:
         for backend in cfg.audit.backends or grid.backends:
             for model in models:

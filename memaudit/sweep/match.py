@@ -101,7 +101,10 @@ def _eps(p: SweepPoint) -> float:
 
 
 def _comparable(p: SweepPoint) -> bool:
-    return p.level_kind == "epsilon" and not p.audit and not p.goldfish and p.matches is None
+    # ELS points meet ULS at equal epsilon (the report's samplings); a matched-utility point is
+    # interpolated on one noise-to-perplexity curve per side, so they are not read for it
+    return (p.level_kind == "epsilon" and not p.audit and not p.goldfish and p.matches is None
+            and p.user_sampling != "els")
 
 
 def _targets(cfg: SweepConfig, points: list[SweepPoint]) -> tuple[list[float], dict[float, list[SweepPoint]]]:

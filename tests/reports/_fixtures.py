@@ -25,7 +25,7 @@ def auc_units(shift: float, n: int = 100, seed: int = 0) -> dict[str, Any]:
 
 def run(rid: str, backend: str, eps: float, *, mia: dict, goldfish: bool = False, unit: str | None = None,
         samples: list[str] | None = None, units: dict | None = None, ppl: float | None = None,
-        role: str | None = None) -> dict[str, Any]:
+        role: str | None = None, user_sampling: str | None = None) -> dict[str, Any]:
     dp = not math.isinf(eps)
     if ppl is None:  # by default the backends are far from matched utility, as in the runs
         ppl = 20.0 if backend_name(backend) == "centralized" else 200.0
@@ -39,6 +39,7 @@ def run(rid: str, backend: str, eps: float, *, mia: dict, goldfish: bool = False
             "description": "test", "epsilon": eps, "target_epsilon": eps if dp else None,
             "noise_multiplier": 1.0 if dp else None, "delta": 1e-5 if dp else None,
             "unit": unit if dp else None, "per_user": None, "per_user_text": "n/a",
+            "user_sampling": user_sampling if dp else None,
         },
         "mitigation": {"goldfish": goldfish},
         "utility": {"holdout_loss": math.log(ppl), "holdout_perplexity": ppl},

@@ -366,3 +366,37 @@ def test_centralized_per_user_meets_federated_at_equal_guarantees_and_never_pool
     assert "units differ" in differ["caveat"]
     effects = {(e["backend_label"], e["unit"]) for e in rep["comparisons"]["effects"]}
     assert effects == {("centralized", "example"), ("centralized (user-level DP)", "user")}
+
+
+def test_els_and_uls_never_pool_and_each_meets_federated_and_the_other():
+    """Centralized per user by ELS and by ULS at epsilon 8 with federated at 8 per user: the two
+    algorithms are two configurations (never seeds of one); each meets federated at equal
+    guarantees (ULS first), ULS meets ELS in a two-sided test of its own, counted in the one
+    Holm family; each has its own DP effect against the one non-DP run."""
+    runs = [
+        run("par-inf", "centralized", math.inf, mia=cell(0.7, 0.05), units={"mia_auc": auc_units(1.0, seed=1)}),
+        run("par-els", "centralized", 8.0, mia=cell(0.5, 0.05), unit="user", user_sampling="els",
+            units={"mia_auc": auc_units(1.5, seed=2)}),
+        run("par-uls", "centralized", 8.0, mia=cell(0.5, 0.05), unit="user", user_sampling="uls",
+            units={"mia_auc": auc_units(0.0, seed=3)}),
+        run("fed-user", "federated", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=4)}),
+    ]
+    rep = _report(runs)
+    matched = rep["comparisons"]["matched"]
+    assert [(m["algorithm"]["centralized"], m["equal_guarantee"]) for m in matched] == [("ULS", True), ("ELS", True)]
+    assert [m["metrics"]["mia_auc"]["test"]["runs"] for m in matched] == [["fed-user", "par-uls"], ["fed-user", "par-els"]]
+    (smp,) = rep["comparisons"]["samplings"]
+    t = smp["metrics"]["mia_auc"]["test"]
+    assert t["runs"] == ["par-uls", "par-els"] and t["alternative"] == "two-sided" and smp["epsilon"] == 8.0
+    # ELS was given the stronger member signal: ULS leaks less, and the sentence says which is which
+    (s,) = [s for s in rep["findings"]["sentences"] if s["group"] == "sampling"]
+    assert s["verdict"] == "less" and "ULS leaks less than ELS" in s["text"] and "epsilon = 8 per user" in s["text"]
+    fams = {s["family"] for s in rep["findings"]["sentences"]}
+    assert fams == {rep["findings"]["tests"]}  # one family over every test, the ULS-ELS test included
+    backend = [s["text"] for s in rep["findings"]["sentences"] if s["group"] == "backend"]
+    assert any("centralized (ULS)" in t for t in backend) and any("centralized (ELS)" in t for t in backend)
+    effects = {e["backend_label"] for e in rep["comparisons"]["effects"]}
+    assert effects == {"centralized (user-level DP, ELS)", "centralized (user-level DP, ULS)"}
+    curves = {c["label"] for c in rep["comparisons"]["curves"]}
+    assert {"centralized (user-level DP, ELS)", "centralized (user-level DP, ULS)"} <= curves
+    validate_report(rep)
