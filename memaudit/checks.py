@@ -17,6 +17,7 @@ from memaudit.data.corpus import check_file, resolve_files
 from memaudit.errors import ConfigError, DataError, MemauditError
 from memaudit.models.init import check_init_from, model_shape
 from memaudit.models.lora import check_lora, check_lora_grid
+from memaudit.models.presets import shape_param_count
 from memaudit.parallel.dims import ParallelDims
 
 
@@ -43,8 +44,7 @@ def check_before_disk(cfg: Any) -> None:
     if cfg.backend != "federated" and cfg.parallel.world_size > 1:
         check_lora_grid(lora, shape or model_shape(cfg.model), x=cfg.parallel.x, y=cfg.parallel.y)
     if lora is not None and cfg.backend == "federated" and cfg.federated.runtime == "flower":
-        raise ConfigError("model.lora runs on federated.runtime=jax so far; set federated.runtime=jax "
-                          "or drop model.lora")
+        check_flower_lora(shape or model_shape(cfg.model))
     if lora is not None and cfg.backend == "federated" and lora.dropout > 0:
         raise ConfigError(f"model.lora.dropout={lora.dropout}: the federated backend's LoRA applies no "
                           "adapter dropout; set model.lora.dropout=0")
@@ -117,3 +117,17 @@ def _check_federated(cfg: Any, shape: Any) -> None:
     from memaudit.federated.mesh import build_mesh
 
     build_mesh(f.mesh_clients, f.mesh_model, shape if shape is not None else cfg.model.preset)
+
+
+FLOWER_MESSAGE_BYTES = 2**31 - 1  # a Flower message (gRPC) and a serialised jax.export module
+
+
+def check_flower_lora(shape: Any) -> None:
+    """LoRA on Flower sends the frozen base inside each client stage's exported module (so the
+    node's manifest pins the base the server trains on); refused where that base cannot fit in one
+    Flower message."""
+    base = 4 * shape_param_count(shape)  # float32
+    if base >= FLOWER_MESSAGE_BYTES:
+        raise ConfigError(f"model.lora on federated.runtime=flower sends the frozen base inside each client "
+                          f"stage ({base / 2**30:.1f} GiB in float32), over the 2 GiB one Flower message "
+                          "holds; use federated.runtime=jax or a smaller model")

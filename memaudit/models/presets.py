@@ -86,7 +86,11 @@ def llama_config(name: str, *, vocab_size: int | None = None) -> LlamaConfig:
 
 def param_count(name: str, *, vocab_size: int | None = None, include_embedding: bool = True) -> int:
     """Parameter count from the preset alone (no model is built)."""
-    p = get_preset(name)
+    return shape_param_count(get_preset(name), vocab_size=vocab_size, include_embedding=include_embedding)
+
+
+def shape_param_count(p: LlamaPreset, *, vocab_size: int | None = None, include_embedding: bool = True) -> int:
+    """Parameter count of a model shape (a preset's, or a checkpoint's: `memaudit.models.init.model_shape`)."""
     v = vocab_size or p.vocab_size
     h, i, n = p.hidden_size, p.intermediate_size, p.num_hidden_layers
     head_dim = h // p.num_attention_heads

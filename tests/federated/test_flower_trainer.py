@@ -95,3 +95,53 @@ def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
     assert rounds == [1, 2, 3]  # one line per round across the resume
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["status"] == "complete" and manifest["config"]["federated"]["runtime"] == "flower"
+
+
+LORA = "model.lora={rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}"
+
+
+def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_the_operators(setup):
+    """Federated LoRA on Flower, nodes that trust only their operator's manifest: the merged model
+    and the adapter folder equal the in-JAX LoRA run's; a client's upload is the adapters (rank 4
+    on q, v: 7,168 floats), not the model (1.8M). The frozen base travels inside the stage module the
+    manifest pins, so a server that trains on another base (here: model.init_seed changed, as a
+    server would to make the adapters' gradients say more about the data) is refused by every
+    node before any of its data is touched."""
+    import dataclasses
+
+    from memaudit.config import load_config
+    from memaudit.federated.flower.partition import PlanError
+    from memaudit.federated.flower.nodes import write_partitions
+    from memaudit.federated.flower.trainer import flower_trainer
+    from memaudit.federated.flower.trust import NodeTrust
+    from memaudit.federated.trainer import FederatedTrainer
+    from memaudit.rundir import RunDir
+
+    overrides, _partitions, root = setup
+    lora = [*OVERRIDES, LORA]
+    info = write_partitions(load_config(None, lora), root / "parts-lora", nodes=2)  # with its manifest
+    lora.append(f"data.tokenizer={info['tokenizer']}")
+    trust = dataclasses.replace(NodeTrust.load(info["manifest"]), nodes=())  # in-process: no PKI
+
+    def trusting_nodes():
+        nodes = _Nodes(info["partitions"])
+        for ex in nodes.local.executors.values():
+            ex.trust = trust
+        return nodes
+
+    jax_run, run = root / "jax-lora", root / "flower-lora"
+    FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(jax_run)).fit()
+    result = flower_trainer(load_config(None, lora), RunDir(run), trusting_nodes()).fit()
+    a, b = _weights(jax_run), _weights(run)
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
+    from safetensors.numpy import load_file
+
+    ad_a, ad_b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (jax_run, run))
+    assert set(ad_a) == set(ad_b) and max(float(np.max(np.abs(ad_a[k] - ad_b[k]))) for k in ad_a) <= ATOL
+    adapter_floats = sum(v.size for v in ad_b.values())
+    assert adapter_floats == 4 * 4 * ((128 + 128) + (128 + 64))  # tiny: 4 layers, rank 4, q 128->128, v 128->64
+    assert result["upload_bytes_per_client_per_round"] == 4 * adapter_floats
+
+    with pytest.raises(PlanError, match="every SuperNode refused"):
+        flower_trainer(load_config(None, [*lora, "model.init_seed=7"]), RunDir(root / "other-base"),
+                       trusting_nodes()).fit()

@@ -44,6 +44,17 @@ def test_rank_above_the_smaller_dimension_is_refused():
     assert "\n" not in str(e.value)
 
 
+def test_flower_lora_runs_where_the_base_fits_one_message_and_says_why_not_above():
+    from memaudit.checks import check_before_disk
+
+    fed = ["backend=federated", "federated.runtime=flower", "model.lora.rank=4", "model.lora.dropout=0"]
+    check_before_disk(load_config(None, fed))  # tiny: the 7 MB base rides in the stage module
+    with pytest.raises(ConfigError, match=r"frozen base inside each client stage \(4\.\d GiB in float32\), over "
+                       "the 2 GiB") as e:
+        check_before_disk(load_config(None, [*fed, "model.preset=1b"]))
+    assert "\n" not in str(e.value)
+
+
 def test_init_from_an_adapter_says_merge_or_name_its_base(tmp_path):
     from memaudit.checks import check_before_disk
 
