@@ -110,8 +110,8 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
     import dataclasses
 
     from memaudit.config import load_config
-    from memaudit.federated.flower.partition import PlanError
     from memaudit.federated.flower.nodes import write_partitions
+    from memaudit.federated.flower.partition import PlanError
     from memaudit.federated.flower.trainer import flower_trainer
     from memaudit.federated.flower.trust import NodeTrust
     from memaudit.federated.trainer import FederatedTrainer
