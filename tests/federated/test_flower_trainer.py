@@ -117,7 +117,7 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
     from memaudit.federated.trainer import FederatedTrainer
     from memaudit.rundir import RunDir
 
-    overrides, _partitions, root = setup
+    _overrides, _partitions, root = setup
     lora = [*OVERRIDES, LORA]
     info = write_partitions(load_config(None, lora), root / "parts-lora", nodes=2)  # with its manifest
     lora.append(f"data.tokenizer={info['tokenizer']}")
