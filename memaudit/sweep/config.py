@@ -297,6 +297,9 @@ class SweepConfig(_Section):
     per_model: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="dotted overrides per model size (its parallel grid, "
         "micro batch, lr); never what a step trains on")
+    per_finetune: dict[Literal["full", "lora"], dict[str, Any]] = Field(
+        default_factory=dict, description="dotted overrides per grid.finetune mode (LoRA's larger "
+        "learning rates, Yu et al. 2022); never what a step trains on, nor the model")
     grid: GridConfig = GridConfig()
     regime: Literal["multi-epoch", "single-pass"] = Field(
         "multi-epoch", description="single-pass: one epoch over the training documents (steps "
@@ -344,15 +347,34 @@ class SweepConfig(_Section):
     @field_validator("per_model")
     @classmethod
     def _per_model(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        for size, overrides in v.items():
-            for key in overrides:
-                if key == "model" or key.startswith("model."):
-                    raise ValueError(f"per_model.{size}.{key}: the size axis sets the model; "
-                                     "remove the key")
-                if any(key == t or key.startswith(t + ".") for t in TOKEN_KEYS):
-                    raise ValueError(f"per_model.{size}.{key} changes what a step trains on, so "
-                                     "sizes would not compare at equal tokens seen; set it in base")
+        _same_tokens("per_model", v, "the size axis sets the model", "sizes")
         return v
+
+    @field_validator("per_finetune")
+    @classmethod
+    def _per_finetune(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        _same_tokens("per_finetune", v, "grid.finetune and base.model.lora set the model", "full and LoRA")
+        return v
+
+    @model_validator(mode="after")
+    def _finetune_axis(self) -> SweepConfig:
+        unused = sorted(set(self.per_finetune) - set(self.grid.finetune or []))
+        if unused:
+            raise ValueError(f"per_finetune.{unused[0]} names a mode that is not in grid.finetune "
+                             f"({self.grid.finetune}); add it to grid.finetune or remove it")
+        return self
+
+
+def _same_tokens(section: str, v: dict[str, dict[str, Any]], model_owner: str, what: str) -> None:
+    """Overrides per value of an axis may tune (lr, grid) but not change the model or what a
+    step trains on: the axis' values compare at equal tokens seen."""
+    for name, overrides in v.items():
+        for key in overrides:
+            if key == "model" or key.startswith("model."):
+                raise ValueError(f"{section}.{name}.{key}: {model_owner}; remove the key")
+            if any(key == t or key.startswith(t + ".") for t in TOKEN_KEYS):
+                raise ValueError(f"{section}.{name}.{key} changes what a step trains on, so "
+                                 f"{what} would not compare at equal tokens seen; set it in base")
 
 
 def _check_sizes(cfg: SweepConfig) -> None:
@@ -503,12 +525,15 @@ def tokens_seen(run_cfg: Config) -> int:
 
 
 def point_config(cfg: SweepConfig, point: SweepPoint) -> Config:
-    """The full run config of one grid point: base, per-backend, per-model, then the point."""
+    """The full run config of one grid point: base, per-backend, per-model, per-finetune, then the point."""
     raw = deep_copy(cfg.base)
     for key, value in cfg.per_backend.get(point.backend, {}).items():
         set_dotted(raw, key, value)
     if point.model is not None:
         for key, value in cfg.per_model.get(point.model, {}).items():
+            set_dotted(raw, key, value)
+    if point.finetune is not None:
+        for key, value in cfg.per_finetune.get(point.finetune, {}).items():
             set_dotted(raw, key, value)
     for key, value in point.overrides.items():
         set_dotted(raw, key, value)

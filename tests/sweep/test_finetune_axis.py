@@ -23,6 +23,30 @@ def test_finetune_axis_gives_full_and_lora_points_with_the_base_lora_settings():
     assert names["centralized-eps8-lora-s0"].finetune == "lora"
 
 
+def test_per_finetune_tunes_each_mode_at_equal_tokens():
+    s = sweep_config_from_dict({"base": {"train": {"lr": 3e-3}},
+                                "per_finetune": {"lora": {"train.lr": 1e-2, "federated.client_lr": 0.5}},
+                                "grid": {"backends": ["centralized", "federated"], "finetune": ["full", "lora"]}})
+    cfgs = {p.name: (p, point_config(s, p)) for p in plan_points(s)}
+    assert cfgs["centralized-epsinf-s0"][1].train.lr == 3e-3
+    assert cfgs["centralized-epsinf-lora-s0"][1].train.lr == 1e-2
+    assert cfgs["federated-epsinf-lora-s0"][1].federated.client_lr == 0.5
+    assert cfgs["federated-epsinf-s0"][1].federated.client_lr != 0.5
+    assert len({p.tokens_seen for p, _c in cfgs.values() if p.backend == "centralized"}) == 1
+
+
+@pytest.mark.parametrize("per_finetune, needle", [
+    ({"lora": {"train.steps": 10}}, "per_finetune.lora.train.steps changes what a step trains on"),
+    ({"lora": {"model.lora.rank": 2}}, "per_finetune.lora.model.lora.rank: grid.finetune and base.model.lora"),
+    ({"full": {"train.lr": 1e-3}}, "per_finetune.full names a mode that is not in grid.finetune"),
+    ({"qlora": {"train.lr": 1e-3}}, "per_finetune"),
+])
+def test_bad_per_finetune_is_one_line(per_finetune, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")) as e:
+        sweep_config_from_dict({"per_finetune": per_finetune, "grid": {"finetune": ["lora"]}})
+    assert "\n" not in str(e.value)
+
+
 def test_finetune_axis_without_base_lora_uses_the_defaults_and_absent_axis_keeps_names():
     s = sweep_config_from_dict({"grid": {"backends": ["centralized"], "finetune": ["lora"]}})
     (p,) = plan_points(s)
