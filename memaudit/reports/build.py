@@ -138,7 +138,8 @@ def _server_view(priv: dict[str, Any]) -> str:
     return f"epsilon = {eps:.4g}" + (f" ({note})" if note else "")
 
 
-def _mechanism(info: RunInfo) -> str:
+def mechanism_label(info: RunInfo) -> str:
+    """What trained the run, as the report names it: none, DP-SGD (ELS | ULS), DP-FedAvg + SecAgg, ..."""
     if not info.dp:
         return "none"
     if info.backend == CENTRALIZED:  # per user: which sampling (ELS or ULS) is part of the name
@@ -207,7 +208,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     probes = ProbesDoc.from_json(raw, str(rd.probes_path))  # one line if malformed
     priv = _ledger_epsilon(rd)
     backend = info.backend
-    mech = _mechanism(info)
+    mech = mechanism_label(info)
     if role == PUBLIC_BASE:  # trained on public text only: no private record reaches it
         mech = "none (public base)"
         priv = {**priv, "epsilon": 0.0, "unit": None, "document": None, "protects": None}

@@ -60,7 +60,9 @@ def is_base(run: dict[str, Any]) -> bool:
 
 
 def series_label(run: dict[str, Any]) -> str:
-    lbl = run["backend"]
+    """A frontier series: the backend and what changes the curve. ELS runs are their own series
+    (ULS, the default per-user algorithm, continues the non-DP run's)."""
+    lbl = run["backend"] + (" (ELS)" if (run.get("privacy") or {}).get("user_sampling") == "els" else "")
     return lbl + (" + Goldfish" if run["mitigation"]["goldfish"] else "") + (
         " + LoRA" if (run.get("model") or {}).get("trained", "full") != "full" else "")
 
