@@ -5,6 +5,8 @@ preset (6 x parameters x tokens per second over the device's bf16 peak) and time
 (1,1,1,1) parallel path on an NCCL process group against plain transformers. With two or
 more, it times NCCL grids of up to 8 ranks against the serial model (one GPU), blocking
 against overlapped collectives, and checks the counted wire volume per kind against the planner.
+With jax[cuda] installed it also runs a Flower client stage's exported module on the GPU against
+the CPU (`flower_stage_on_cuda`).
 """
 
 from __future__ import annotations
@@ -116,6 +118,46 @@ def nccl_1111(batch: int, repeats: int) -> dict:
         dist.destroy_process_group()
 
 
+def flower_stage_on_cuda(platform: str = "cuda") -> dict:
+    """A client stage exported as the Flower runtime exports it (`STAGE_PLATFORMS`: one module for
+    CPU and CUDA SuperNodes): the tiny model's loss gradient, run from the deserialised module on
+    the CUDA device and on the CPU; the largest difference of the two gradients."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import export
+
+    try:
+        gpu = jax.devices(platform)[0]
+    except RuntimeError as e:
+        return {"status": "skipped", "reason": f"this jax has no CUDA backend ({str(e)[:120]})"}
+    from memaudit.config import load_config
+    from memaudit.federated.flower.partition import STAGE_PLATFORMS
+    from memaudit.models.convert import hf_to_flax
+    from memaudit.models.flax_llama import FlaxLlama
+    from memaudit.models.init import flax_config, initial_state_dict
+
+    cfg = load_config(None, [])
+    vocab = 4096
+    model = FlaxLlama(flax_config(cfg.model, vocab))
+    params = hf_to_flax(initial_state_dict(cfg.model, vocab))
+    ids = np.random.default_rng(0).integers(0, vocab, (4, 64)).astype(np.int32)
+
+    def loss(p, x):
+        logits = model.apply({"params": p}, x)
+        lp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(lp, x[:, 1:, None], axis=-1).mean()
+
+    structs = (jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype), params),
+               jax.ShapeDtypeStruct(ids.shape, ids.dtype))
+    exp = export.deserialize(export.export(jax.jit(jax.grad(loss)), platforms=STAGE_PLATFORMS)(*structs).serialize())
+    cpu = jax.devices("cpu")[0]
+    got = [jax.tree.map(np.asarray, exp.call(*jax.device_put((params, ids), d))) for d in (gpu, cpu)]
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, got), strict=True))
+    return {"status": "ok" if diff <= 1e-3 else "mismatch", "platforms": list(exp.platforms),
+            "max_abs_grad_diff": diff}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=540.0)
@@ -132,6 +174,9 @@ def main() -> int:
 
     name = torch.cuda.get_device_name(0)
     out |= {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "status": "ok"}
+    out["flower_stage_cuda"] = flower_stage_on_cuda()
+    if out["flower_stage_cuda"]["status"] == "mismatch":
+        out["status"] = "flower_stage_mismatch"
     out["mfu_1b_bf16"] = with_smaller_batch(mfu_1b, 8, min(120.0, a.budget_s / 4), peak_tflops(name, a.peak_tflops))
     if n == 1:
         out["parallel_1111_nccl"] = with_smaller_batch(nccl_1111, 4, 5)

@@ -11,6 +11,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 import optax
+from jax import export
 
 from memaudit.federated import algorithms as alg
 from memaudit.federated.cohorts import ClientData
@@ -129,6 +130,8 @@ def test_partitioned_round_equals_in_jax_program(kind, users):
     assert _max_diff(ref.opt_state, got.opt_state) <= 1e-6
     assert int(got.round) == 2 and info["dropped_nodes"] == []
     assert all(len(m) > 0 for m in plan.modules.values())  # client stages exported (jax.export)
+    # one module for CPU and CUDA SuperNodes; here the CPU's lowering runs it
+    assert {export.deserialize(bytearray(m)).platforms for m in plan.modules.values()} == {("cpu", "cuda")}
 
 
 def test_fedsgd_backward_pass_is_a_second_client_stage(users):

@@ -438,6 +438,12 @@ def stage_function(stage: Stage) -> Callable:
     return fn
 
 
+STAGE_PLATFORMS = ("cpu", "cuda")
+"""What a client stage is lowered for: one module that a CPU SuperNode and a CUDA one (jax[cuda])
+both run, each its own platform's lowering (``jax.export`` multi-platform). The platforms are part
+of the module's signature, so the server and the nodes' manifests agree on them."""
+
+
 def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, str],
                  capacity: int, resident: Sequence[str] = ()) -> Plan:
     """`trace` the round, export its client stages (``jax.export``, serialised StableHLO a node
@@ -455,7 +461,7 @@ def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, st
                 plan.server_fns[st.index] = jax.jit(fn)
                 continue
             structs = [_struct(plan.avals[i]) for i in st.inputs]
-            exp = export.export(jax.jit(fn), platforms=("cpu",))(*structs)
+            exp = export.export(jax.jit(fn), platforms=STAGE_PLATFORMS)(*structs)
             plan.modules[st.index] = bytes(exp.serialize())
     finally:
         jax.config.update("jax_include_full_tracebacks_in_locations", full)
