@@ -111,7 +111,8 @@ def test_report_compares_backends_and_follows_ledgers(swept):
     assert ids["centralized-eps8-s0"]["privacy"]["unit"] == "example"
     assert ids["federated-eps8-s0"]["privacy"]["unit"] == "user"
     for rid in ("centralized-eps8-s0", "federated-eps8-s0"):
-        assert 0 < ids[rid]["privacy"]["epsilon"] <= 8.0 + 1e-6  # calibrated to the nominal target
+        # calibrated to the nominal target by the epsilon the report states (the tighter accountant)
+        assert 8.0 - 1e-3 <= ids[rid]["privacy"]["epsilon"] <= 8.0 + 1e-9
     assert {m["epsilon"] for m in rep["comparisons"]["matched"]} == {8.0, "inf"}
     assert rep["findings"]["sentences"], "findings are generated from the numbers"
     md = (out / "report" / "report.md").read_text()

@@ -68,6 +68,7 @@ from memaudit.models.init import flax_config, hf_config, initial_state_dict, mod
 from memaudit.models.lora import merged_copy, save_adapter, trained_label
 from memaudit.privacy.aborts import WithAbortBit, with_abort_bit
 from memaudit.privacy.accounting import default_delta
+from memaudit.privacy.calibrate import calibration_accountant
 from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
 from memaudit.privacy.randomness import DPRandomness
 from memaudit.rundir import RunDir
@@ -243,7 +244,7 @@ class FederatedTrainer:
         secure = self.masked
         bit = abort_bit_epsilon(self.cfg, population) if secure else 0.0
         if sigma is None:  # bisect over the event the ledger records
-            acc = "rdp" if p.accountant == "both" or f.sampling == "fixed" else p.accountant
+            acc = "rdp" if f.sampling == "fixed" else calibration_accountant(p.accountant)
             make = lambda z: central.with_noise(z).dp_event()
             if p.mechanism == "distributed":
                 make, acc = planned_event_of_config(self.cfg, self.params0, population), "rdp"

@@ -54,7 +54,7 @@ from memaudit.models.lora import (
 )
 from memaudit.models.presets import LARGE_PRESETS
 from memaudit.privacy.accounting import default_delta
-from memaudit.privacy.calibrate import calibrate_noise
+from memaudit.privacy.calibrate import calibrate_noise, calibration_accountant
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import user_dp
@@ -324,7 +324,7 @@ class Trainer:
         delta = p.delta if p.delta is not None else default_delta(n)
         sigma, calibration = p.noise_multiplier, None
         if sigma is None:
-            acc = "rdp" if p.accountant == "both" else p.accountant
+            acc = calibration_accountant(p.accountant)
             sigma = calibrate_noise(p.target_epsilon, q=q, steps=self.tcfg.steps, delta=delta, accountant=acc)
             calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
                            "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}

@@ -28,6 +28,7 @@ import numpy as np
 from memaudit.driver import PrivacyPlan
 from memaudit.errors import ConfigError
 from memaudit.privacy.accounting import default_delta
+from memaudit.privacy.calibrate import calibration_accountant
 from memaudit.privacy.mechanisms import ExampleSampledUsers, SampledGaussian, calibrate
 from memaudit.train.sampling import SubsetSampler, UserPoissonSampler
 
@@ -93,7 +94,7 @@ def uls_setup(cfg: Any, train_set: Any, rows: np.ndarray, randomness: Any
                           f"{users}; lower train.batch_size or raise privacy.max_examples_per_user")
     delta = p.delta if p.delta is not None else default_delta(users)
     mech = uls_mechanism(noise_multiplier=0.0, users=users, expected_users=expected, k=k)
-    acc = "rdp" if p.accountant == "both" else p.accountant
+    acc = calibration_accountant(p.accountant)
     sigma, calibration = _sigma(cfg, mech, delta, acc)
     mech = mech.with_noise(sigma)
     sampler = UserPoissonSampler(train_set.user_index, rows, mech.sampling_rate, randomness)
