@@ -73,7 +73,8 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
     if sentences is not None:
         public_synth["paragraph_sentences"] = sentences
     for key, value in {
-        "backend": CENTRALIZED, "model.init_from": None, "train.steps": p.steps,
+        # every weight: base.model.lora (grid.finetune's LoRA settings) is the fine-tunes' choice
+        "backend": CENTRALIZED, "model.init_from": None, "model.lora": None, "train.steps": p.steps,
         "train.goldfish.enabled": False, "data.path": p.path, "data.synth": public_synth,
         # no canary of any kind: the base does not depend on the private side's canary settings
         "data.canaries": {"per_setting": 0, "references": 0}, "data.audit_canaries": 0,

@@ -87,3 +87,21 @@ def test_report_compares_lora_with_the_full_fine_tune_at_equal_epsilon():
     md = render_markdown(rep)
     assert "upload 28672 bytes per client per round" in md and md.count("bytes per client") == 1
     assert "trained: lora(r=8, q_proj,v_proj)" in md and not math.isnan(eff["metrics"]["mia_auc"]["treated"]["value"])
+
+
+def test_the_public_base_is_pretrained_in_full_whatever_the_fine_tunes_train():
+    """base.model.lora is the LoRA points' setting: the public base pretrains every weight. It
+    had pretrained LoRA adapters on a random initialisation (holdout perplexity 3,273 against 457
+    for the same base in full), so every fine-tune of such a sweep started from noise."""
+    from memaudit.sweep.pretrain import pretrain_key, public_base_config
+
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    with_lora = sweep_config_from_dict({"pretrain": {"steps": 10, "users": 8, "docs_per_user": 2},
+                                        "base": {"model": {"lora": lora}},
+                                        "grid": {"backends": ["centralized"], "finetune": ["full", "lora"]}})
+    plain = sweep_config_from_dict({"pretrain": {"steps": 10, "users": 8, "docs_per_user": 2},
+                                    "grid": {"backends": ["centralized"]}})
+    base = public_base_config(with_lora)
+    assert base.model.lora is None
+    # the same base as a sweep without LoRA: one pretraining serves both
+    assert pretrain_key(base) == pretrain_key(public_base_config(plain))
