@@ -60,8 +60,9 @@ def _comparison_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             and not (r.get("mitigation") or {}).get("goldfish")]
 
 
-def _label(run: dict[str, Any]) -> str:
-    side = run["backend"]
+def run_label(run: dict[str, Any]) -> str:
+    sampling = run["privacy"].get("user_sampling")  # centralized per user: ELS or ULS
+    side = run["backend"] + (f" ({sampling.upper()})" if sampling else "")
     e, unit = _eps(run), run["privacy"].get("unit")
     return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
 
@@ -115,7 +116,7 @@ def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, An
         res = spearmanr(reps, vals, alternative="greater")
         trend = {"test": "Spearman rank correlation, one-sided (rising)", "rho": float(res.statistic),
                  "p_value": float(res.pvalue), "n_a": len(vals), "n_b": len(vals), "unit": "canaries"}
-    return {"run": run["id"], "label": _label(run), "backend": run["backend"], "epsilon": _eps(run),
+    return {"run": run["id"], "label": run_label(run), "backend": run["backend"], "epsilon": _eps(run),
             "unit": run["privacy"].get("unit"), "trend": trend, "buckets": buckets}
 
 
@@ -136,7 +137,7 @@ def _extraction(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if c and c.get("value") is not None and c.get("n"):
                 k = round(c["value"] * c["n"])
                 cells[key] = {**c, "k": k, "what": what, "nonzero": k > 0}
-        out.append({"run": run["id"], "label": _label(run), "metrics": cells})
+        out.append({"run": run["id"], "label": run_label(run), "metrics": cells})
     return out
 
 
@@ -149,7 +150,7 @@ def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         eps, bound = _eps(run), float(a["value"])
         verdict = (("positive lower bound" if bound > 0 else "no leakage shown") if math.isinf(eps) else
                    ("below the ledger's epsilon" if bound <= eps else "ABOVE the ledger's epsilon"))
-        out.append({"run": run["id"], "label": _label(run), "bound": bound, "ledger_epsilon": eps,
+        out.append({"run": run["id"], "label": run_label(run), "bound": bound, "ledger_epsilon": eps,
                     "ceiling": a.get("ceiling"), "n": a.get("n"), "unit": a.get("unit"),
                     "confidence": a.get("confidence"), "verdict": verdict,
                     "guesses": a.get("guesses"), "correct": a.get("correct"),
@@ -187,7 +188,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
                 continue
             b, n0, d = (np.asarray([m[i] for i in ids]) for m in (lb, ln, ld))
             if not b.mean() - n0.mean() > 0:  # nothing to close: the non-DP fine-tune is no better
-                out.append({"backend": backend, "run": run["id"], "label": _label(run), "epsilon": _eps(run),
+                out.append({"backend": backend, "run": run["id"], "label": run_label(run), "epsilon": _eps(run),
                             "closed": None, "verdict": "no gap: the non-DP fine-tune does not beat the "
                             f"public base on these {len(ids)} holdout documents"})
                 continue
@@ -199,7 +200,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
             verdict = ("at least half closed" if c.get("ci_low") is not None and c["ci_low"] >= HALF else
                        "less than half closed" if c.get("ci_high") is not None and c["ci_high"] < HALF else
                        "half not separated")
-            out.append({"backend": backend, "run": run["id"], "label": _label(run), "epsilon": _eps(run),
+            out.append({"backend": backend, "run": run["id"], "label": run_label(run), "epsilon": _eps(run),
                         "closed": c, "loss": {"base": float(b.mean()), "no_dp": float(n0.mean()),
                                               "dp": float(d.mean()), "unit": "nats per token"},
                         "verdict": verdict})
