@@ -5,7 +5,7 @@ preset (6 x parameters x tokens per second over the device's bf16 peak) and time
 (1,1,1,1) parallel path on an NCCL process group against plain transformers. With two or
 more, it times NCCL grids of up to 8 ranks against the serial model (one GPU), blocking
 against overlapped collectives, and checks the counted wire volume per kind against the planner.
-With jax[cuda] installed it also runs a Flower client stage's exported module on the GPU against
+With jax[cuda] installed it also runs a client stage exported for CPU and CUDA on the GPU against
 the CPU (`flower_stage_on_cuda`).
 """
 
@@ -119,9 +119,10 @@ def nccl_1111(batch: int, repeats: int) -> dict:
 
 
 def flower_stage_on_cuda(platform: str = "cuda") -> dict:
-    """A client stage exported as the Flower runtime exports it (`STAGE_PLATFORMS`: one module for
-    CPU and CUDA SuperNodes): the tiny model's loss gradient, run from the deserialised module on
-    the CUDA device and on the CPU; the largest difference of the two gradients."""
+    """A client stage exported for CPU and CUDA SuperNodes in one module (what
+    `memaudit.federated.flower.partition.STAGE_PLATFORMS` would be set to once this passes): the
+    tiny model's loss gradient, run from the deserialised module on the CUDA device and on the
+    CPU; the largest difference of the two gradients."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -132,7 +133,6 @@ def flower_stage_on_cuda(platform: str = "cuda") -> dict:
     except RuntimeError as e:
         return {"status": "skipped", "reason": f"this jax has no CUDA backend ({str(e)[:120]})"}
     from memaudit.config import load_config
-    from memaudit.federated.flower.partition import STAGE_PLATFORMS
     from memaudit.models.convert import hf_to_flax
     from memaudit.models.flax_llama import FlaxLlama
     from memaudit.models.init import flax_config, initial_state_dict
@@ -150,7 +150,7 @@ def flower_stage_on_cuda(platform: str = "cuda") -> dict:
 
     structs = (jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype), params),
                jax.ShapeDtypeStruct(ids.shape, ids.dtype))
-    exp = export.deserialize(export.export(jax.jit(jax.grad(loss)), platforms=STAGE_PLATFORMS)(*structs).serialize())
+    exp = export.deserialize(export.export(jax.jit(jax.grad(loss)), platforms=("cpu", "cuda"))(*structs).serialize())
     cpu = jax.devices("cpu")[0]
     got = [jax.tree.map(np.asarray, exp.call(*jax.device_put((params, ids), d))) for d in (gpu, cpu)]
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, got), strict=True))
