@@ -350,12 +350,16 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
     groups = _groups(runs)
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
 
-    def backend_cell(par: list, fed: list, key: str) -> dict | None:
-        pa, pf = pool([r["leakage"].get(key) for r in par]), pool([r["leakage"].get(key) for r in fed])
-        if not (pa and pf):
-            return None
-        return {CENTRALIZED: pa, "federated": pf, "verdict": "not tested",
-                "test": compare_groups(fed, par, key, "two-sided")}
+    def cells(a: list, b: list, names: tuple[str, str], alternative: str) -> dict[str, dict]:
+        """Per metric both sides pooled (`names`: their keys) and the test of side a against b,
+        where both sides measured it."""
+        out = {}
+        for key in metrics:
+            pa, pb = pool([r["leakage"].get(key) for r in a]), pool([r["leakage"].get(key) for r in b])
+            if pa and pb:
+                out[key] = {names[0]: pa, names[1]: pb, "verdict": "not tested",
+                            "test": compare_groups(a, b, key, alternative)}
+        return out
 
     matched = []
     # each federated full fine-tune against every centralized one at its nominal epsilon: per user
@@ -367,10 +371,10 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         cands = [(u, s, rs) for (bk, e, g, u, f, s), rs in groups.items()
                  if bk == CENTRALIZED and e == eps and not g and f == "full"]
         for par_unit, smp, par in sorted(cands, key=lambda c: (c[0] != unit, str(c[0]), str(c[1]) != "uls")):
-            cells = {k: c for k in metrics if (c := backend_cell(par, fed, k))}
             matched.append({"epsilon": eps, "units": {CENTRALIZED: par_unit, "federated": unit},
                             "algorithm": {CENTRALIZED: smp.upper() if smp else None, "federated": None},
-                            "equal_guarantee": par_unit == unit, "metrics": cells,
+                            "equal_guarantee": par_unit == unit,
+                            "metrics": cells(fed, par, ("federated", CENTRALIZED), "two-sided"),
                             "perplexity": {CENTRALIZED: _mean_ppl(par), "federated": _mean_ppl(fed)}})
     # the two centralized user-level algorithms against each other at each epsilon (two-sided):
     # ULS vs ELS, at the same guarantee and compute (Charles et al. 2024's comparison)
@@ -379,13 +383,8 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         els = groups.get((backend, eps, gf, unit, ft, "els"))
         if backend != CENTRALIZED or smp != "uls" or not els:
             continue
-        cells = {}
-        for key in metrics:
-            pu, pe = pool([r["leakage"].get(key) for r in uls]), pool([r["leakage"].get(key) for r in els])
-            if pu and pe:
-                cells[key] = {"uls": pu, "els": pe, "verdict": "not tested",
-                              "test": compare_groups(uls, els, key, "two-sided")}
-        samplings.append({"epsilon": eps, "unit": unit, "goldfish": gf, "finetune": ft, "metrics": cells,
+        samplings.append({"epsilon": eps, "unit": unit, "goldfish": gf, "finetune": ft,
+                          "metrics": cells(uls, els, ("uls", "els"), "two-sided"),
                           "perplexity": {"uls": _mean_ppl(uls), "els": _mean_ppl(els)}})
     effects = []
     for (backend, eps, gf, unit, ft, smp), rs in sorted(
@@ -405,15 +404,8 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
             base, name = groups.get((backend, math.inf, False, None, ft, None)), f"DP at epsilon = {eps:g}"
         if not base:
             continue
-        cells = {}
-        for key in metrics:
-            t = pool([r["leakage"].get(key) for r in rs])
-            b0 = pool([r["leakage"].get(key) for r in base])
-            if t and b0:
-                cells[key] = {"treated": t, "baseline": b0, "verdict": "not tested",
-                              "test": compare_groups(rs, base, key, "less")}
         effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
-                        "unit": unit, "metrics": cells,
+                        "unit": unit, "metrics": cells(rs, base, ("treated", "baseline"), "less"),
                         "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
     return {"matched": matched, "samplings": samplings, "effects": effects, "curves": _curves(groups, runs),
             "matched_utility": matched_utility(runs, utility_tolerance), "frontier": frontier(runs)}
