@@ -115,3 +115,21 @@ def test_report_bad_input_one_line(tmp_path, capsys):
     msg = _err(capsys, ["report", str(tmp_path / "runs"), "--out", str(tmp_path / "r")])
     assert "no probes.json" in msg and str(run) in msg and "memaudit probe" in msg
     assert not (tmp_path / "r").exists()
+
+
+def test_the_quickstart_holds_out_enough_documents_for_tpr_at_one_percent_fpr():
+    """Membership inference's TPR at 1% FPR needs >= 1,000 non-members; the quickstart's IID
+    holdout (same users as the members, distinct texts, as `memaudit probe` counts them) has them."""
+    from memaudit.data.prepare import private_documents
+    from memaudit.probes.stats import needed_negatives
+
+    cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
+    docs, split, _ = private_documents(point_config(cfg, plan_points(cfg)[0]).data)
+    text = {d.id: d.text for d in docs}
+    members = {text[i] for i in split.member_docs}
+    holdout = {text[i] for i in split.holdout_docs} - members
+    assert len(holdout) >= needed_negatives(0.01) == 1000
+    assert len(members) >= 300  # and the member side keeps its size
+    # the holdout are the training users' own messages: the test measures the message, not the user
+    users = {d.user for d in docs if d.id in set(split.holdout_docs)}
+    assert users <= set(split.train_users)
