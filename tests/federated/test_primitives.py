@@ -370,6 +370,26 @@ def test_jvp_of_jitted_loop_is_federated():
     np.testing.assert_allclose(tan, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("strategy", ["scan", "vmap"])
+@pytest.mark.parametrize("fused", [False, True], ids=["map", "map_sum"])
+def test_gradient_of_a_gradient_is_federated(strategy, fused):
+    """jax.grad of a function of the program's gradient (what a gradient of FedSGD rounds takes):
+    the server value's second-order cotangent also leaves through federated_sum. Under "scan"
+    the loop of the first derivative read the server value as a loop constant, so the outer
+    reverse pass summed its cotangent over the clients in a scan's carry."""
+    x = RNG.normal(size=(D, 4)).astype(np.float32)
+    v = RNG.normal(size=(N, 6, D)).astype(np.float32)
+    prog = _server_in_loop(strategy, fused)
+    ref = lambda x: jnp.sum(jnp.tanh(jnp.einsum("nsd,dk->nsk", v, x)))
+    outer = lambda g: lambda x: jnp.sum(g(x) ** 2)
+    for grad2 in (jax.grad(outer(lambda x: jax.grad(prog)(x, v))),
+                  jax.grad(outer(lambda x: jax.grad(jax.jit(prog))(x, v)))):
+        comms = communication_of(jax.make_jaxpr(grad2)(x))
+        assert {"federated_broadcast", "federated_sum"} <= comms <= PRIMITIVE_NAMES, comms
+        np.testing.assert_allclose(jax.jit(grad2)(x), jax.grad(outer(jax.grad(ref)))(x), rtol=1e-4,
+                                   atol=1e-5)
+
+
 # ------------------------------------------------------------------- federated gradients vs NumPy
 
 
