@@ -8,7 +8,10 @@ absent cohort slot skipping its training) stays a branch. A server value straigh
 `federated_broadcast` is read once per device rather than as n copies; the loop's
 ``custom_jvp`` puts the broadcast back into the derivative (tangents in through
 ``federated_broadcast``, a sum's tangents out through ``federated_sum``), so reverse mode of a
-program, jitted or not, sums the server cotangent with ``federated_sum`` (federated AD).
+program, jitted or not, sums the server cotangent with ``federated_sum`` (federated AD). The
+JVP's own loop reads the server value as ``broadcast_row`` (still one copy, its derivative the
+broadcast's), so derivatives of any order stay federated: a gradient of rounds that each take a
+gradient passes the closure check (`memaudit.federated.closure`).
 
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX",

@@ -1,7 +1,8 @@
 """Multi-round programs written with ``lax.scan`` over the rounds: ``jax.grad``, ``jit`` and
 ``remat`` of three scanned FedSGD rounds pass the closure check and partition onto the nodes
 (memaudit.federated.closure, memaudit.federated.flower.partition), with the numbers of the
-same rounds unrolled in Python and of the rounds written with drjax (an independent oracle)."""
+same rounds unrolled in Python and of the rounds written with drjax (an independent oracle),
+under both client strategies: ``vmap`` and ``scan`` (a loop over the clients, the CPU default)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ def _params():
             "b": jnp.array([0.1, -0.2], jnp.float32)}
 
 
-def _rounds(strategy: str, scanned: bool, remat_body: bool = False, rounds: int = R):
+def _rounds(strategy: str, scanned: bool, remat_body: bool = False, rounds: int = R, mesh=None):
     """``(params, data) -> loss`` after ``rounds`` FedSGD rounds (p <- p - LR * grad of the federated
     loss), as a ``lax.scan`` over the rounds or unrolled in Python."""
-    objective = alg.federated_loss(_loss, map_strategy=strategy)
+    objective = alg.federated_loss(_loss, map_strategy=strategy, mesh=mesh)
 
     def one_round(p, data):
         g = jax.grad(objective)(p, data)
@@ -122,6 +123,24 @@ def test_scanned_rounds_equal_unrolled_rounds_and_drjax(strategy):
     # checked by the closure and partition tests)
     got = jax.jit(jax.grad(_rounds(strategy, True)))(_params(), _data())
     assert _max_diff(got, want) <= 1e-6
+
+
+def test_scanned_rounds_on_a_clients_mesh_under_scan():
+    """With a ``clients`` mesh axis the scan strategy's loop is a ``shard_map`` (each device
+    looping over its clients): the gradient of the scanned rounds still communicates only
+    through the primitives, with the numbers of the vmap rounds. (Eight clients, four per
+    device: no parameter dim has the per-device clients size, which placement reads.)"""
+    rng = np.random.default_rng(1)
+    n = 8
+    data = ClientData({"x": rng.normal(size=(n, S, 3)).astype(np.float32),
+                       "y": rng.normal(size=(n, S, 2)).astype(np.float32)},
+                      np.ones((n, S), np.float32))
+    mesh = jax.make_mesh((2,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
+    grad = jax.grad(_rounds("scan", True, mesh=mesh))
+    comms = communication_of(jax.make_jaxpr(grad)(_params(), data), n)
+    assert {"federated_broadcast", "federated_sum"} <= comms <= PRIMITIVE_NAMES, comms
+    want = jax.jit(jax.grad(_rounds("vmap", True)))(_params(), data)
+    assert _max_diff(jax.jit(grad)(_params(), data), want) <= 1e-6
 
 
 def test_a_scan_over_the_rounds_that_sums_over_the_clients_is_still_refused():
