@@ -209,6 +209,20 @@ def test_transpose_rules_on_zero_and_real_cotangents(prim):
                                        else "federated_broadcast"}
 
 
+def test_broadcast_row_is_the_server_value_with_the_rows_derivative():
+    """broadcast_row(x, row): the value x, the JVP the row's tangent (x's is not read), and
+    vmap keeping x's batch dim."""
+    from memaudit.federated.primitives_impl import broadcast_row_p
+
+    x, row = jnp.asarray(X), jnp.asarray(X + 1.0)  # a different row shows which one is read
+    np.testing.assert_array_equal(jax.jit(broadcast_row_p.bind)(x, row), X)
+    _, tangent = jax.jvp(broadcast_row_p.bind, (x, row), (jnp.full(D, 5.0), jnp.full(D, 2.0)))
+    np.testing.assert_array_equal(tangent, np.full(D, 2.0))
+    got = jax.vmap(broadcast_row_p.bind, in_axes=(1, None))(jnp.stack([x, x + 2.0], 1), row)
+    np.testing.assert_array_equal(got, np.stack([X, X + 2.0]))
+    assert broadcast_row_p.name not in PRIMITIVE_NAMES  # it moves nothing between placements
+
+
 def test_mean_keeps_dtype_and_refuses_integers():
     vb = jnp.asarray(V, jnp.bfloat16)
     out = fmean(vb)
