@@ -8,7 +8,10 @@ absent cohort slot skipping its training) stays a branch. A server value straigh
 `federated_broadcast` is read once per device rather than as n copies; the loop's
 ``custom_jvp`` puts the broadcast back into the derivative (tangents in through
 ``federated_broadcast``, a sum's tangents out through ``federated_sum``), so reverse mode of a
-program, jitted or not, sums the server cotangent with ``federated_sum`` (federated AD).
+program, jitted or not, sums the server cotangent with ``federated_sum`` (federated AD). The
+JVP's own loop reads the server value as ``broadcast_row`` (still one copy, its derivative the
+broadcast's), so derivatives of any order stay federated: a gradient of rounds that each take a
+gradient passes the closure check (`memaudit.federated.closure`).
 
 References:
     Rush et al. 2024, "FAX: Scalable and Differentiable Federated Primitives in JAX",
@@ -27,6 +30,7 @@ import numpy as np
 from memaudit.federated import sharding as shd
 from memaudit.federated.primitives_impl import (
     acc_dtype,
+    broadcast_row_p,
     broadcast_source,
     federated_broadcast_p,
     federated_sum_p,
@@ -189,23 +193,34 @@ def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: i
 def _loop_jvp(call: Callable, ctx: ProgramContext, batch_size: int | None, reduce: bool,
               primals: tuple, tangents: tuple) -> tuple[Any, Any]:
     """JVP of `federated_loop`: per-client JVPs in the same loop, the server tangents
-    broadcast to the clients, a reduction's tangents summed with federated_sum."""
+    broadcast to the clients, a reduction's tangents summed with federated_sum.
+
+    A floating server value is read in this loop as ``broadcast_row(x, row)``, ``row`` its
+    client's row of ``federated_broadcast(x)``: the value is ``x`` (a loop constant, no copy
+    per client), the derivative the row's. The loop that reverse mode makes of this one (and
+    its transpose) is an ordinary scan; a gradient of it (``jax.grad`` of rounds that each take
+    a gradient, scanned or unrolled, under ``jit`` or ``remat``) reaches ``x`` through
+    ``federated_broadcast``, whose transpose is ``federated_sum``. Read as a plain loop
+    constant, its cotangent would be summed over the clients in the transposed loop's carry.
+    """
     params = primitive_params(ctx)
     (fixed, rows), (fdot, rdot) = primals, tangents
     f_float, r_float = [_inexact(f) for f in fixed], [_inexact(r) for r in rows]
     fd = [federated_broadcast_p.bind(t, **params) for t, fl in zip(fdot, f_float) if fl]
+    fb = [federated_broadcast_p.bind(f, **params) for f, fl in zip(fixed, f_float) if fl]
     rd = [t for t, fl in zip(rdot, r_float) if fl]
     float0 = jax.dtypes.float0
 
     def one(fixed, xs):  # one client: its primal outputs and float tangents
-        row, rdi, fdi = xs
-        rdi, fdi = iter(rdi), iter(fdi)
+        row, rdi, fdi, fbi = xs
+        rdi, fdi, fbi = iter(rdi), iter(fdi), iter(fbi)
+        fixed = [broadcast_row_p.bind(f, next(fbi)) if fl else f for f, fl in zip(fixed, f_float)]
         ft = [next(fdi) if fl else np.zeros(jnp.shape(f), float0) for f, fl in zip(fixed, f_float)]
         rt = [next(rdi) if fl else np.zeros(jnp.shape(r), float0) for r, fl in zip(row, r_float)]
         y, yd = jax.jvp(call, (fixed, row), (ft, rt))
         return y, [t for t in jax.tree.leaves(yd) if t.dtype != float0]
 
-    y, yd = _loop(one, fixed, (list(rows), rd, fd), ctx, batch_size, reduce=False)
+    y, yd = _loop(one, fixed, (list(rows), rd, fd, fb), ctx, batch_size, reduce=False)
     leaves, treedef = jax.tree.flatten(y)
     yd_it = iter(yd)
     outs, touts = [], []

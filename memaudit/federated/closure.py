@@ -17,6 +17,15 @@ A loop over anything else (a ``lax.scan`` over rounds, its derivative, a ``remat
 nothing by itself: only its body's equations are checked, as when the rounds are unrolled.
 (Placement is read from shapes: give the rounds a count other than the clients'.)
 
+A loop over the clients may read server values as loop constants: that is a broadcast (the
+scan strategy of `memaudit.federated.federated_map` reads the value sent with
+``federated_broadcast`` so). What reverse mode makes of such a constant is the refused carry
+above, so the scan strategy keeps its derivatives free of it: its loop's JVP reads the value
+through ``broadcast_row`` (`memaudit.federated.primitives_impl`), whose derivative is the
+broadcast's, and the gradient of rounds that each take a gradient passes under either strategy.
+A client function that captures a traced server value from its closure gets the carry in its
+gradient, and is refused.
+
 It recurses into every sub-jaxpr (``scan``, ``cond``, ``while``, ``pjit``, ``custom_jvp_call``,
 ``remat``); inside a ``shard_map`` manual over the clients axis the clients size is the
 per-device one. A ``pjit`` named in `FUSED_NAMES` is one of memaudit's fused federated loops

@@ -179,7 +179,7 @@ def federated_map(
       vmapped per loop iteration. An argument straight from `federated_broadcast` is read as
       the one server value inside the loop, not as n copies; the derivative keeps the
       broadcast (a ``custom_jvp``), so reverse mode sums the server cotangent with
-      `federated_sum`, jitted or not;
+      `federated_sum`, jitted or not, and to any order (a gradient of FedSGD rounds);
     - ``"auto"``: ``"scan"`` on the CPU backend when one client's computation contains a
       matmul or convolution, else ``"vmap"``.
 

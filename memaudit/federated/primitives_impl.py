@@ -16,6 +16,14 @@ federated_mean        (n_pad, *s) -> s       batch dim behind n    federated_bro
 Every primitive is linear, so its JVP is the primitive on the tangent (``ad.deflinear2``), and
 its lowering is its jnp implementation (``mlir.lower_fun``).
 
+One more primitive moves nothing and is not communication: ``broadcast_row(x, row) -> x``, one
+client's row of ``federated_broadcast(x)`` inside the scan strategy's derivative loop
+(`memaudit.federated.client_loop`). Its value is the server value ``x`` itself, read as a loop
+constant (the row is unused: XLA drops the broadcast), and its JVP is the row's tangent, so a
+later derivative reaches ``x`` through ``federated_broadcast`` (transpose: ``federated_sum``)
+rather than as a loop constant, whose cotangent reverse mode would sum over the clients in the
+transposed loop's carry. Batching keeps ``x``'s batch dim.
+
 References:
     Rush, Charles, Garrett, Ingerman, Sharma, Sreenivasan, 2024, "FAX: Scalable and
     Differentiable Federated Primitives in JAX" (arXiv:2403.07128), section 3 (federated AD).
@@ -205,6 +213,27 @@ batching.primitive_batchers[federated_sum_p] = _reduce_batch(federated_sum_p)
 batching.primitive_batchers[federated_mean_p] = _reduce_batch(federated_mean_p)
 
 
+# ---------------------------------------------------------------- broadcast_row (no communication)
+
+broadcast_row_p = Primitive("broadcast_row")
+
+
+def _broadcast_row_jvp(primals, tangents):
+    x, row = primals
+    return broadcast_row_p.bind(x, row), ad.instantiate_zeros(tangents[1])
+
+
+def _broadcast_row_batch(args, dims):
+    return args[0], dims[0]
+
+
+broadcast_row_p.def_impl(lambda x, row: x)
+broadcast_row_p.def_abstract_eval(lambda x, row: x)
+mlir.register_lowering(broadcast_row_p, mlir.lower_fun(lambda x, row: x, multiple_results=False))
+ad.primitive_jvps[broadcast_row_p] = _broadcast_row_jvp
+batching.primitive_batchers[broadcast_row_p] = _broadcast_row_batch
+
+
 # ---------------------------------------------------------------- binding helpers
 
 
@@ -219,5 +248,6 @@ def broadcast_source(ctx: ProgramContext, y: Any) -> Any:
     return hit[1] if hit is not None and hit[0] is y else None
 
 
-__all__ = ["PRIMITIVES", "PRIMITIVE_NAMES", "acc_dtype", "broadcast_source", "federated_broadcast_p",
+__all__ = ["PRIMITIVES", "PRIMITIVE_NAMES", "acc_dtype", "broadcast_row_p", "broadcast_source",
+           "federated_broadcast_p",
            "federated_mean_p", "federated_sum_p", "primitive_params"]

@@ -209,6 +209,20 @@ def test_transpose_rules_on_zero_and_real_cotangents(prim):
                                        else "federated_broadcast"}
 
 
+def test_broadcast_row_is_the_server_value_with_the_rows_derivative():
+    """broadcast_row(x, row): the value x, the JVP the row's tangent (x's is not read), and
+    vmap keeping x's batch dim."""
+    from memaudit.federated.primitives_impl import broadcast_row_p
+
+    x, row = jnp.asarray(X), jnp.asarray(X + 1.0)  # a different row shows which one is read
+    np.testing.assert_array_equal(jax.jit(broadcast_row_p.bind)(x, row), X)
+    _, tangent = jax.jvp(broadcast_row_p.bind, (x, row), (jnp.full(D, 5.0), jnp.full(D, 2.0)))
+    np.testing.assert_array_equal(tangent, np.full(D, 2.0))
+    got = jax.vmap(broadcast_row_p.bind, in_axes=(1, None))(jnp.stack([x, x + 2.0], 1), row)
+    np.testing.assert_array_equal(got, np.stack([X, X + 2.0]))
+    assert broadcast_row_p.name not in PRIMITIVE_NAMES  # it moves nothing between placements
+
+
 def test_mean_keeps_dtype_and_refuses_integers():
     vb = jnp.asarray(V, jnp.bfloat16)
     out = fmean(vb)
@@ -368,6 +382,26 @@ def test_jvp_of_jitted_loop_is_federated():
     want = jax.jvp(lambda x: jnp.sum(jnp.tanh(jnp.einsum("nsd,dk->nsk", v, x))), (x,),
                    (np.ones_like(x),))[1]
     np.testing.assert_allclose(tan, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "vmap"])
+@pytest.mark.parametrize("fused", [False, True], ids=["map", "map_sum"])
+def test_gradient_of_a_gradient_is_federated(strategy, fused):
+    """jax.grad of a function of the program's gradient (what a gradient of FedSGD rounds takes):
+    the server value's second-order cotangent also leaves through federated_sum. Under "scan"
+    the loop of the first derivative read the server value as a loop constant, so the outer
+    reverse pass summed its cotangent over the clients in a scan's carry."""
+    x = RNG.normal(size=(D, 4)).astype(np.float32)
+    v = RNG.normal(size=(N, 6, D)).astype(np.float32)
+    prog = _server_in_loop(strategy, fused)
+    ref = lambda x: jnp.sum(jnp.tanh(jnp.einsum("nsd,dk->nsk", v, x)))
+    outer = lambda g: lambda x: jnp.sum(g(x) ** 2)
+    for grad2 in (jax.grad(outer(lambda x: jax.grad(prog)(x, v))),
+                  jax.grad(outer(lambda x: jax.grad(jax.jit(prog))(x, v)))):
+        comms = communication_of(jax.make_jaxpr(grad2)(x))
+        assert {"federated_broadcast", "federated_sum"} <= comms <= PRIMITIVE_NAMES, comms
+        np.testing.assert_allclose(jax.jit(grad2)(x), jax.grad(outer(jax.grad(ref)))(x), rtol=1e-4,
+                                   atol=1e-5)
 
 
 # ------------------------------------------------------------------- federated gradients vs NumPy

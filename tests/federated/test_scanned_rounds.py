@@ -1,7 +1,8 @@
 """Multi-round programs written with ``lax.scan`` over the rounds: ``jax.grad``, ``jit`` and
 ``remat`` of three scanned FedSGD rounds pass the closure check and partition onto the nodes
 (memaudit.federated.closure, memaudit.federated.flower.partition), with the numbers of the
-same rounds unrolled in Python and of the rounds written with drjax (an independent oracle)."""
+same rounds unrolled in Python and of the rounds written with drjax (an independent oracle),
+under both client strategies: ``vmap`` and ``scan`` (a loop over the clients, the CPU default)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from memaudit.federated import algorithms as alg
+from memaudit.federated import federated_map, federated_program, federated_sum
 from memaudit.federated.closure import ClosureError, communication_of
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
@@ -40,10 +42,10 @@ def _params():
             "b": jnp.array([0.1, -0.2], jnp.float32)}
 
 
-def _rounds(strategy: str, scanned: bool, remat_body: bool = False, rounds: int = R):
+def _rounds(strategy: str, scanned: bool, remat_body: bool = False, rounds: int = R, mesh=None):
     """``(params, data) -> loss`` after ``rounds`` FedSGD rounds (p <- p - LR * grad of the federated
     loss), as a ``lax.scan`` over the rounds or unrolled in Python."""
-    objective = alg.federated_loss(_loss, map_strategy=strategy)
+    objective = alg.federated_loss(_loss, map_strategy=strategy, mesh=mesh)
 
     def one_round(p, data):
         g = jax.grad(objective)(p, data)
@@ -67,7 +69,7 @@ TRANSFORMS = {
     "jit_grad": lambda f: jax.jit(jax.grad(f)),
     "grad_remat": lambda f: jax.grad(jax.remat(f)),
 }
-STRATEGIES = ["vmap"]
+STRATEGIES = ["vmap", "scan"]
 
 
 def _drjax_grad():
@@ -123,6 +125,24 @@ def test_scanned_rounds_equal_unrolled_rounds_and_drjax(strategy):
     assert _max_diff(got, want) <= 1e-6
 
 
+def test_scanned_rounds_on_a_clients_mesh_under_scan():
+    """With a ``clients`` mesh axis the scan strategy's loop is a ``shard_map`` (each device
+    looping over its clients): the gradient of the scanned rounds still communicates only
+    through the primitives, with the numbers of the vmap rounds. (Eight clients, four per
+    device: no parameter dim has the per-device clients size, which placement reads.)"""
+    rng = np.random.default_rng(1)
+    n = 8
+    data = ClientData({"x": rng.normal(size=(n, S, 3)).astype(np.float32),
+                       "y": rng.normal(size=(n, S, 2)).astype(np.float32)},
+                      np.ones((n, S), np.float32))
+    mesh = jax.make_mesh((2,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
+    grad = jax.grad(_rounds("scan", True, mesh=mesh))
+    comms = communication_of(jax.make_jaxpr(grad)(_params(), data), n)
+    assert {"federated_broadcast", "federated_sum"} <= comms <= PRIMITIVE_NAMES, comms
+    want = jax.jit(jax.grad(_rounds("vmap", True)))(_params(), data)
+    assert _max_diff(jax.jit(grad)(_params(), data), want) <= 1e-6
+
+
 def test_a_scan_over_the_rounds_that_sums_over_the_clients_is_still_refused():
     """Scanning over the rounds does not hide plain communication in the loop's body."""
     def leaky(params, data):
@@ -135,6 +155,27 @@ def test_a_scan_over_the_rounds_that_sums_over_the_clients_is_still_refused():
         communication_of(jax.make_jaxpr(jax.grad(leaky))(_params(), _data()), N)
 
 
+def test_a_server_value_captured_by_the_scanned_clients_is_still_refused():
+    """What the scan strategy reads as a loop constant must come from ``federated_broadcast``: a
+    client function that captures the server parameters from its closure runs (values right),
+    but the gradient of its rounds sums their cotangent over the clients in a loop's carry."""
+    def objective(p, data):
+        def program(examples, mask):
+            per_client = lambda ex, m: jnp.sum(_loss(p, ex)[0] * m)  # p from the closure
+            return federated_sum(federated_map(per_client, examples, mask, strategy="scan"))
+
+        return federated_program(program, clients=N, placed=(0, 1))(data.examples, data.mask)
+
+    def rounds(params, data):
+        step = lambda p, _: (jax.tree.map(lambda a, g: a - LR * g, p,
+                                          jax.grad(objective)(p, data)), None)
+        return objective(jax.lax.scan(step, params, None, length=R)[0], data)
+
+    assert jnp.isfinite(jax.jit(jax.grad(rounds))(_params(), _data())["w"]).all()
+    with pytest.raises(ClosureError, match="carries a server value"):
+        communication_of(jax.make_jaxpr(jax.grad(rounds))(_params(), _data()), N)
+
+
 def _nodes(data: ClientData) -> LocalNodes:
     ex = {}
     for name, slots in HOSTS.items():
@@ -144,7 +185,8 @@ def _nodes(data: ClientData) -> LocalNodes:
     return LocalNodes(ex)
 
 
-def test_scanned_rounds_partition_onto_the_nodes():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_scanned_rounds_partition_onto_the_nodes(strategy):
     """The gradient of the scanned rounds runs as client and server stages (the scan over the
     rounds interpreted round by round: the stages of the unrolled program, also under ``jit``
     and ``remat``), the server never reading the clients' examples, with the in-JAX gradient."""
@@ -155,13 +197,13 @@ def test_scanned_rounds_partition_onto_the_nodes():
     def as_round(fn):  # a round's signature: (state, data, key)
         return lambda p, d, k: fn(p, d)
 
-    unrolled = trace(as_round(jax.grad(_rounds("vmap", False))), args, PLACED, N)
+    unrolled = trace(as_round(jax.grad(_rounds(strategy, False))), args, PLACED, N)
     kinds = [s.kind for s in unrolled.stages]
     assert kinds.count(CLIENT) >= 2 * R  # forward and backward of every round on the clients
     for transform in sorted(TRANSFORMS):
-        plan = trace(as_round(TRANSFORMS[transform](_rounds("vmap", True))), args, PLACED, N)
+        plan = trace(as_round(TRANSFORMS[transform](_rounds(strategy, True))), args, PLACED, N)
         assert [s.kind for s in plan.stages] == kinds, transform
-    grad = jax.grad(_rounds("vmap", True, rounds=2))  # (run two rounds: fewer stages to compile)
+    grad = jax.grad(_rounds(strategy, True, rounds=2))  # (run two rounds: fewer stages to compile)
     plan = compile_plan(as_round(grad), args, PLACED, N)
     assignment = {name: [(s, f"u{s}") for s in slots] for name, slots in HOSTS.items()}
     got, info = run_plan(plan, args, _nodes(data), assignment, round=0)
@@ -169,6 +211,17 @@ def test_scanned_rounds_partition_onto_the_nodes():
     assert _max_diff(got, jax.jit(grad)(_params(), data)) <= 1e-6
     server_reads = {i for s in plan.stages if s.kind == SERVER for i in s.inputs}
     assert not server_reads & set(plan.data_leaves)  # no raw example reaches the server
+    # nor does any per-client value, but through an aggregation (under "scan", before the
+    # derivative loop broadcast the server values, a transposed loop over the clients ran on
+    # the server on rows of the clients' examples)
+    assert _server_ops_on_client_rows(plan) <= {"federated_sum", "federated_mean"}
+
+
+def _server_ops_on_client_rows(plan) -> set[str]:
+    """Names of the server equations that read values gathered row by row from the clients."""
+    rows = set().union(*(s.rows for s in plan.client_stages))
+    return {op.eqn.primitive.name for s in plan.stages if s.kind == SERVER for op in s.ops
+            if any(isinstance(i, int) and i in rows for i in op.ins)}
 
 
 def test_a_while_loop_over_rounds_is_refused_in_one_line():
