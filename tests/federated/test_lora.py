@@ -269,6 +269,46 @@ def test_lora_without_a_key_or_without_dropout_is_the_merged_forward_bit_for_bit
     np.testing.assert_array_equal(np.asarray(loss_eval), np.asarray(loss))
 
 
+def test_fedsgd_with_dropout_equals_a_loop_over_the_clients_with_their_keys(pair):
+    """FedSGD with loss_rng: the update is the gradient of the example-weighted mean of each
+    client's loss under its own key, fold_in(k_i, DROPOUT_STREAM) with k_i the i-th split of the
+    round key (an oracle looping over the clients). A round that ignored the keys, or drew the
+    masks otherwise, would not match: the masks change the gradient far beyond the tolerance."""
+    import optax
+
+    from memaudit.federated import algorithms as alg
+    from memaudit.federated.cohorts import ClientData
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.models.flax_lora import LoraModel
+
+    _, merged, adapters = pair
+    flax = LoraModel(merged.model, merged.base, merged.scale, dropout=P_DROP)
+    ids = _ids(seed=3, b=6, length=16).reshape(3, 2, 16)  # 3 clients x 2 sequences
+    am = np.ones_like(ids)
+    mask = np.array([[1, 1], [1, 0], [1, 1]], np.float32)
+    jnp = jax.numpy
+    data = ClientData({"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(am)}, jnp.asarray(mask))
+    loss_fn, key, eta = make_loss_fn(flax), jax.random.key(4), 0.5
+    fed = alg.fedsgd(loss_fn, server_optimizer=optax.sgd(eta), loss_rng=True)
+    got, _ = fed.round(fed.init(adapters), data, key)
+
+    keys = jax.random.split(jax.random.key_data(key), 3)
+
+    def objective(a):
+        total = 0.0
+        for i in range(3):
+            batch = {"input_ids": ids[i], "attention_mask": am[i]}
+            rng = jax.random.fold_in(keys[i], alg.DROPOUT_STREAM)
+            total += mask[i].sum() * alg.masked_mean_loss(loss_fn, a, batch, mask[i], rng=rng)
+        return total / mask.sum()
+
+    want = jax.tree.map(lambda p, g: p - eta * g, adapters, jax.jit(jax.grad(objective))(adapters))
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
+    moved = jax.tree.map(lambda g, a: float(np.abs(np.asarray(g) - np.asarray(a)).max()), got.params, adapters)
+    assert min(jax.tree.leaves(moved)) > 1e-5  # a real step (B starts moved, so every A and B has a gradient)
+
+
 @pytest.fixture(scope="module")
 def dropout_overrides(tmp_path_factory):
     """A small in-JAX LoRA run (12 users, cohort 4, 3 rounds of 2 local steps) with one shared
