@@ -427,7 +427,7 @@ def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: 
     """``(params, data, key=None) -> scalar``: the (example- or client-) weighted mean of the
     clients' mean losses over all their real examples, as a federated program. With
     ``loss_rng`` client slot i's loss gets ``rng=fold_in(k_i, DROPOUT_STREAM)``, k_i the i-th
-    key split from ``key`` (as a FedAvg client's first local step)."""
+    key split from ``key``."""
 
     def client_loss(p, ex, m, *key):  # key: () or (this client's key,)
         kw = _loss_kw(key[0], True) if key else {}

@@ -159,11 +159,17 @@ class LoraModel:
             return self.model.apply({"params": merge(self.base, adapters, self.scale)}, *args, **kwargs)
         import flax.linen as nn
 
-        with nn.intercept_methods(self._adapted(adapters, dropout_rng)):
-            return self.model.apply({"params": self.base}, *args, **kwargs)
+        applied: set[tuple[str, ...]] = set()
+        with nn.intercept_methods(self._adapted(adapters, dropout_rng, applied)):
+            out = self.model.apply({"params": self.base}, *args, **kwargs)
+        missed = set(adapter_paths(adapters)) - applied
+        if missed:  # an adapter whose layer the model never called would silently train nothing
+            raise ValueError(f"adapters {sorted(missed)[:2]} match no Dense of the model; a memaudit bug")
+        return out
 
-    def _adapted(self, adapters: Any, rng: Any) -> Callable:
-        """A method interceptor adding the adapter path (with dropout) to each adapted Dense."""
+    def _adapted(self, adapters: Any, rng: Any, applied: set) -> Callable:
+        """A method interceptor adding the adapter path (with dropout) to each adapted Dense;
+        the paths it adapted go into ``applied``."""
         import flax.linen as nn
         import jax
 
@@ -179,6 +185,7 @@ class LoraModel:
                 node = node[k]
             (x,) = args
             x = x.astype(module.dtype or x.dtype)  # as Dense promotes its input
+            applied.add(tuple(module.path))
             return lora_dense(x, next_fun(x), node[LORA_A], node[LORA_B], self.scale, self.dropout,
                               jax.random.fold_in(rng, i))
 

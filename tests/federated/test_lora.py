@@ -188,6 +188,25 @@ def test_lora_dense_equals_the_numpy_oracle_under_its_mask():
     assert np.abs(got - no_drop).max() > 1.0  # the mask matters at this size
 
 
+def test_an_adapter_that_matches_no_layer_is_an_error_not_a_silent_no_op():
+    import jax.numpy as jnp
+
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
+    from memaudit.models.flax_lora import LoraModel
+
+    cfg = FlaxLlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+    model = FlaxLlama(cfg)
+    base = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    ab = {"lora_A": np.ones((16, 2), np.float32), "lora_B": np.ones((2, 16), np.float32)}
+    ids = jnp.zeros((1, 4), jnp.int32)
+    ok = {"model": {"layers": {"0": {"self_attn": {"q_proj": ab}}}}}
+    LoraModel(model, base, 2.0, dropout=P_DROP).apply({"params": ok}, ids, dropout_rng=jax.random.key(1))
+    bad = {"model": {"layers": {"0": {"self_attn": {"q_proj": ab, "qkv_proj": ab}}}}}
+    with pytest.raises(ValueError, match="qkv_proj.*match no Dense"):
+        LoraModel(model, base, 2.0, dropout=P_DROP).apply({"params": bad}, ids, dropout_rng=jax.random.key(1))
+
+
 def _masks(adapters, flax_model, rng, ids):
     """Each adapted layer's mask, drawn as `LoraModel` documents: adapter i (in `adapter_paths`
     order) under fold_in(rng, i), of its input's shape (batch, seq, in)."""
