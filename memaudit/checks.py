@@ -45,9 +45,6 @@ def check_before_disk(cfg: Any) -> None:
         check_lora_grid(lora, shape or model_shape(cfg.model), x=cfg.parallel.x, y=cfg.parallel.y)
     if lora is not None and cfg.backend == "federated" and cfg.federated.runtime == "flower":
         check_flower_lora(shape or model_shape(cfg.model))
-    if lora is not None and cfg.backend == "federated" and lora.dropout > 0:
-        raise ConfigError(f"model.lora.dropout={lora.dropout}: the federated backend's LoRA applies no "
-                          "adapter dropout; set model.lora.dropout=0")
     if cfg.backend == "federated":
         _check_federated(cfg, shape)
     elif cfg.parallel.world_size > 1:

@@ -5,6 +5,15 @@
 `ClientData` (leaves (clients, max_examples, ...) and an example mask); clients with fewer
 real examples, and absent cohort slots, are handled by the mask and by weights.
 
+With ``loss_rng=True`` the loss also takes ``rng=`` (``loss_fn(params, batch, rng=key)``), the
+key of its training randomness (LoRA's adapter dropout): each local step passes
+``fold_in(step_key, DROPOUT_STREAM)``, where ``step_key`` is the step's key that also draws its
+batch, split from the client slot's key, itself split from the round key. The keys are thus a
+function of (seed, round, client slot, local step), so a run repeats and resumes bit for bit,
+and the batches drawn are those of the same run without ``loss_rng``. A runtime across
+processes needs nothing new: the key is computed inside the client's work from the per-client
+key it already receives.
+
 A FedAvg round has three phases, so a host-side aggregator (secure aggregation) fits between:
 
 1. ``client_phase`` (`make_client_phase`, a federated program): broadcast the server params,
@@ -108,9 +117,13 @@ def make_server_optimizer(name: str, lr: float) -> optax.GradientTransformation:
     raise ValueError(f"server optimizer must be 'fedavg', 'fedadam' or 'sgd', got {name!r}")
 
 
-def masked_mean_loss(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array):
-    """Mean per-example loss over the real examples of one batch (0 when there are none)."""
-    per_example, _ = loss_fn(params, batch)  # (batch,)
+DROPOUT_STREAM = 1  # folded into a local step's key: its loss's key (the step key draws the batch)
+
+
+def masked_mean_loss(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array, **kw: Any):
+    """Mean per-example loss over the real examples of one batch (0 when there are none);
+    ``kw`` (``rng=``) goes to ``loss_fn``."""
+    per_example, _ = loss_fn(params, batch, **kw)  # (batch,)
     mask = mask.astype(per_example.dtype)
     return jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
@@ -146,15 +159,21 @@ def _unless_absent(mask: jax.Array, fn: Callable[[], Any]) -> Any:
     return jax.lax.cond(jnp.sum(mask) > 0, fn, absent)
 
 
+def _loss_kw(key, loss_rng: bool) -> dict[str, Any]:
+    """``loss_fn``'s keyword arguments at a step keyed ``key``: its own ``rng`` when it takes one."""
+    return {"rng": jax.random.fold_in(key, DROPOUT_STREAM)} if loss_rng else {}
+
+
 def _client_keys(key, n: int) -> jax.Array:
     key = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     return jax.random.split(key, n)  # (n, 2) uint32: padding-friendly raw keys
 
 
 def _make_client_update(loss_fn: LossFn, client_optimizer: optax.GradientTransformation,
-                        local_steps: int, batch_size: int) -> Callable:
+                        local_steps: int, batch_size: int, loss_rng: bool = False) -> Callable:
     """One client's FedAvg work: ``(params, examples, mask, key) -> (delta, mean loss, delta
-    norm)``; an absent cohort slot gets zeros without local training (`_unless_absent`)."""
+    norm)``; an absent cohort slot gets zeros without local training (`_unless_absent`).
+    ``loss_rng``: each step's loss gets its own key (see the module docstring)."""
     if not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(f"local_steps must be >= 1, got {local_steps!r}; set federated.local_steps")
     if batch_size < 1:
@@ -164,7 +183,8 @@ def _make_client_update(loss_fn: LossFn, client_optimizer: optax.GradientTransfo
         def step(carry, k):
             p, opt_state = carry
             batch, bmask = sample_local_batch(k, examples, mask, batch_size)
-            loss, grads = jax.value_and_grad(masked_mean_loss, argnums=1)(loss_fn, p, batch, bmask)
+            loss, grads = jax.value_and_grad(masked_mean_loss, argnums=1)(loss_fn, p, batch, bmask,
+                                                                           **_loss_kw(k, loss_rng))
             updates, opt_state = client_optimizer.update(grads, opt_state, p)
             return (optax.apply_updates(p, updates), opt_state), loss
 
@@ -188,14 +208,16 @@ def make_client_phase(
     weighting: Weighting = "examples",
     mesh: Any = None,
     map_strategy: str = "auto",
+    loss_rng: bool = False,
 ) -> Callable[[PyTree, ClientData, jax.Array], ClientOutput]:
     """FedAvg phase 1 (not jitted; `fedavg` jits it): ``(params, data, key) -> ClientOutput``.
 
     ``map_strategy`` runs the clients' local training batched (``"vmap"``), one client after
     the other inside the program (``"scan"``), or picks by backend (``"auto"``); see
     `memaudit.federated.federated_map`. A cohort slot without real examples (capacity padding)
-    returns a zero delta, loss and norm; under ``"scan"`` it skips local training entirely."""
-    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size)
+    returns a zero delta, loss and norm; under ``"scan"`` it skips local training entirely.
+    ``loss_rng``: each local step's loss gets its own key (see the module docstring)."""
+    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng)
 
     def client_phase(params, data: ClientData, key) -> ClientOutput:
         n = data.mask.shape[0]
@@ -230,6 +252,7 @@ def make_client_mean_phase(
     weighting: Weighting = "examples",
     mesh: Any = None,
     map_strategy: str = "auto",
+    loss_rng: bool = False,
 ) -> Callable[[PyTree, ClientData, jax.Array], tuple[AggregateResult, dict[str, jax.Array]]]:
     """FedAvg phases 1 and 2 with the weighted-mean aggregator, as one federated program:
     ``(params, data, key) -> (AggregateResult, client metrics)``.
@@ -240,7 +263,7 @@ def make_client_mean_phase(
     values are those of `make_client_phase` followed by `mean_aggregator`, up to float
     rounding; the update's ``state`` is the aggregator's empty state.
     """
-    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size)
+    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng)
 
     def sums(params, examples, mask, key):  # one client's term of every sum
         delta, loss, norm = client_update(params, examples, mask, key)
@@ -317,6 +340,7 @@ def fedavg(
     weighting: Weighting = "examples",
     mesh: Any = None,
     map_strategy: str = "auto",
+    loss_rng: bool = False,
 ) -> FederatedAlgorithm:
     """Federated averaging with a client and a server optimizer (FedAvg, FedAdam, ...).
 
@@ -333,11 +357,13 @@ def fedavg(
         mesh: optional mesh with a ``clients`` axis.
         map_strategy: how the clients' local training runs, ``"vmap"``, ``"scan"`` or
             ``"auto"`` (scan on CPU, vmap on accelerators; see `federated_map`).
+        loss_rng: ``loss_fn`` takes ``rng=``, a key per client and local step (adapter dropout;
+            see the module docstring).
     """
     fused_mean = aggregator is None
     aggregator = aggregator or mean_aggregator(mesh)
     options = {"local_steps": local_steps, "batch_size": batch_size, "weighting": weighting,
-               "mesh": mesh, "map_strategy": map_strategy}
+               "mesh": mesh, "map_strategy": map_strategy, "loss_rng": loss_rng}
     client_phase = make_client_phase(loss_fn, client_optimizer, **options)
     mean_phase = make_client_mean_phase(loss_fn, client_optimizer, **options) if fused_mean else None
     server_update = make_server_update(server_optimizer)
@@ -397,22 +423,30 @@ def fedavg(
 
 
 def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: Any = None,
-                   map_strategy: str = "auto"):
-    """``(params, data) -> scalar``: the (example- or client-) weighted mean of the clients'
-    mean losses over all their real examples, as a federated program."""
+                   map_strategy: str = "auto", loss_rng: bool = False):
+    """``(params, data, key=None) -> scalar``: the (example- or client-) weighted mean of the
+    clients' mean losses over all their real examples, as a federated program. With
+    ``loss_rng`` client slot i's loss gets ``rng=fold_in(k_i, DROPOUT_STREAM)``, k_i the i-th
+    key split from ``key``."""
 
-    def loss(params, data: ClientData):
-        @federated_program(clients=data.mask.shape[0], mesh=mesh, placed=(1,),
-                           map_strategy=map_strategy)
-        def program(params, data):
-            losses = federated_map(
-                lambda p, ex, m: _unless_absent(m, lambda: masked_mean_loss(loss_fn, p, ex, m)),
-                federated_broadcast(params), data.examples, data.mask,
-            )
+    def client_loss(p, ex, m, *key):  # key: () or (this client's key,)
+        kw = _loss_kw(key[0], True) if key else {}
+        return _unless_absent(m, lambda: masked_mean_loss(loss_fn, p, ex, m, **kw))
+
+    def loss(params, data: ClientData, key=None):
+        n = data.mask.shape[0]
+        if loss_rng and key is None:
+            raise ValueError("this federated loss takes a key (loss_rng=True): pass key=")
+        keys = (_client_keys(key, n),) if loss_rng else ()
+
+        @federated_program(clients=n, mesh=mesh, placed=(1, 2), map_strategy=map_strategy)
+        def program(params, data, keys):
+            losses = federated_map(client_loss, federated_broadcast(params), data.examples,
+                                   data.mask, *keys)
             num = federated_map(jnp.sum, data.mask)
             return federated_weighted_mean(losses, _weights(num, weighting))
 
-        return program(params, data)
+        return program(params, data, keys)
 
     return loss
 
@@ -424,13 +458,16 @@ def fedsgd(
     weighting: Weighting = "examples",
     mesh: Any = None,
     map_strategy: str = "auto",
+    loss_rng: bool = False,
 ) -> FederatedAlgorithm:
-    """FedSGD: ``jax.grad`` of the federated mean loss, then one server optimizer step."""
-    objective = federated_loss(loss_fn, weighting=weighting, mesh=mesh, map_strategy=map_strategy)
+    """FedSGD: ``jax.grad`` of the federated mean loss, then one server optimizer step.
+    ``loss_rng``: each client's loss gets its own key from the round key (`federated_loss`)."""
+    objective = federated_loss(loss_fn, weighting=weighting, mesh=mesh, map_strategy=map_strategy,
+                               loss_rng=loss_rng)
 
     @jax.jit
-    def step(state: ServerState, data: ClientData):
-        loss, grads = jax.value_and_grad(objective)(state.params, data)
+    def step(state: ServerState, data: ClientData, key):
+        loss, grads = jax.value_and_grad(objective)(state.params, data, key if loss_rng else None)
         updates, opt_state = server_optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
@@ -445,15 +482,13 @@ def fedsgd(
         return ServerState(params, server_optimizer.init(params), None, jnp.zeros((), jnp.int32))
 
     def round_(state: ServerState, data: ClientData, key):
-        del key
         with _mesh_scope(mesh):
-            state, metrics = step(state, data)
+            state, metrics = step(state, data, key if loss_rng else None)
         return state, host_metrics(metrics)
 
     @jax.jit
     def program(state: ServerState, data: ClientData, key):
-        del key
-        state, metrics = step(state, data)
+        state, metrics = step(state, data, key if loss_rng else None)  # no key: as without dropout
         return state, (metrics,)
 
     round_.program = program  # see `fedavg`'s round_.program

@@ -101,10 +101,12 @@ def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
 
 
 def make_loss_fn(model: Any) -> Callable:
-    """`loss_fn(params, batch) -> (per-sequence mean token loss (b,), token counts)` for algorithms."""
-    def loss_fn(params, batch):
+    """`loss_fn(params, batch, rng=None) -> (per-sequence mean token loss (b,), token counts)` for
+    algorithms; ``rng``: the key of a training step's adapter dropout (`LoraModel`), None without."""
+    def loss_fn(params, batch, rng=None):
         ids, am = batch["input_ids"], batch["attention_mask"]
-        logits = model.apply({"params": params}, ids, am)  # (b, L, V)
+        kw = {} if rng is None else {"dropout_rng": rng}
+        logits = model.apply({"params": params}, ids, am, **kw)  # (b, L, V)
         # position t predicts token t+1; the last position predicts nothing (mask 0). Over all L
         # positions, and as logsumexp - logit[target] rather than from log_softmax, the backward
         # pass has no pad of the (b, L, V) gradient and no (b, L, V) log-probabilities: about 15%
@@ -200,7 +202,8 @@ class FederatedTrainer:
             base, self.params0 = initial_lora(self.cfg.model, self.vocab)
             self.frozen = int(sum(v.numel() for v in base.values()))
             lora = self.cfg.model.lora
-            self.model = LoraModel(self.model, self._to_device(hf_to_flax(base)), lora.alpha / lora.rank)
+            self.model = LoraModel(self.model, self._to_device(hf_to_flax(base)), lora.alpha / lora.rank,
+                                   dropout=lora.dropout)
         self.plan = self._privacy_plan() if self.private else None
         self.algorithm = self.build_algorithm()
         self.runtime.attach(self)
@@ -266,12 +269,15 @@ class FederatedTrainer:
         loss_fn = make_loss_fn(self.model)
         server_opt = alg.make_server_optimizer(f.server_optimizer, self._server_lr())
         weighting = "uniform" if self.private else "examples"
+        lora = self.cfg.model.lora
+        loss_rng = lora is not None and lora.dropout > 0  # adapter dropout: a key per client step
         if f.algorithm == "fedsgd":  # without DP or secure aggregation (checks refuse it)
-            return alg.fedsgd(loss_fn, server_optimizer=server_opt, weighting=weighting, mesh=self.mesh)
+            return alg.fedsgd(loss_fn, server_optimizer=server_opt, weighting=weighting, mesh=self.mesh,
+                              loss_rng=loss_rng)
         return alg.fedavg(
             loss_fn, client_optimizer=alg.make_client_optimizer(f.client_optimizer, f.client_lr),
             server_optimizer=server_opt, local_steps=f.local_steps, batch_size=f.local_batch_size,
-            aggregator=self.build_aggregator(), weighting=weighting, mesh=self.mesh,
+            aggregator=self.build_aggregator(), weighting=weighting, mesh=self.mesh, loss_rng=loss_rng,
         )
 
     def _server_lr(self) -> float:

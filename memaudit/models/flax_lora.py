@@ -11,7 +11,15 @@ aggregation all act on the adapters, and a client uploads the adapters' size.
 
 The adapters start from the torch side's seeded initialisation (`memaudit.models.lora.apply_lora`:
 A Kaiming-uniform under `model.init_seed`, B zero), so both backends start from the same point.
-Adapter dropout is not applied here (the federated backend refuses `model.lora.dropout` > 0).
+
+Adapter dropout (`model.lora.dropout` = p > 0) is peft's: dropout on the input of the adapter path
+only, y = x W + (alpha / r) (dropout(x) A) B, with torch's inverted scaling (a kept input is
+divided by 1 - p). Its mask cannot be merged into W, so a forward given a dropout key runs the
+adapters beside the base instead (`lora_dense`, applied to each targeted Dense of the unchanged
+Flax Llama by `flax.linen.intercept_methods`); adapter i (in `adapter_paths` order) draws its
+mask under ``fold_in(key, i)``. Without a key (evaluation) or with p = 0 the forward is the merged
+one, bit for bit. The federated client's local steps pass one key per step
+(`memaudit.federated.algorithms`, ``loss_rng``).
 
 References:
     Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022.
@@ -26,6 +34,7 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,6 +54,51 @@ def merge(base: Any, adapters: Any, scale: float) -> Any:
         a, b = adapters[LORA_A], adapters[LORA_B]
         return {**base, "kernel": base["kernel"] + scale * (a @ b)}  # (in, r) @ (r, out)
     return {k: merge(v, adapters[k], scale) if k in adapters else v for k, v in base.items()}
+
+
+def adapter_paths(adapters: Any) -> list[tuple[str, ...]]:
+    """The paths of the adapted layers (``("model", "layers", "0", "self_attn", "q_proj")``), in
+    the order that numbers their dropout keys (sorted).
+
+    >>> adapter_paths({"b": {"lora_A": 0, "lora_B": 0}, "a": {"x": {"lora_A": 0, "lora_B": 0}}})
+    [('a', 'x'), ('b',)]
+    """
+    out: list[tuple[str, ...]] = []
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if LORA_A in node:
+            out.append(path)
+            return
+        for k, v in node.items():
+            walk(v, (*path, k))
+
+    walk(adapters, ())
+    return sorted(out)
+
+
+def dropout_mask(key: Any, rate: float, shape: tuple[int, ...]) -> Any:
+    """The kept entries (bool, ``shape``) of dropout at ``rate``: each kept with probability
+    1 - rate, independently (`flax.linen.Dropout`'s draw)."""
+    import jax
+
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def lora_dense(x: Any, y: Any, a: Any, b: Any, scale: float, rate: float, key: Any) -> Any:
+    """``y`` (the frozen layer's x W) plus the adapter path on the dropped-out input:
+    y + scale * (dropout(x) A) B, a kept input divided by 1 - rate (peft's, torch's inverted
+    dropout). ``x`` (..., in), ``a`` (in, r), ``b`` (r, out), ``y`` (..., out).
+
+    References:
+        Srivastava et al., "Dropout: A Simple Way to Prevent Neural Networks from Overfitting",
+        JMLR 2014; peft's ``lora.Linear.forward`` (dropout on the adapter input only).
+    """
+    import jax.numpy as jnp
+
+    keep = dropout_mask(key, rate, x.shape)
+    dropped = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+    h = (dropped @ a.astype(x.dtype)) @ b.astype(x.dtype)  # (..., in) @ (in, r) @ (r, out)
+    return y + (scale * h).astype(y.dtype)
 
 
 def adapters_from_peft(state: dict[str, Any]) -> dict:
@@ -90,13 +144,52 @@ def count(tree: Any) -> int:
 
 class LoraModel:
     """A Flax Llama whose ``apply({"params": adapters}, ...)`` runs the frozen `base` with the
-    adapters merged in (what the federated trainer's loss and evaluation call)."""
+    adapters merged in (what the federated trainer's loss and evaluation call); with
+    ``dropout`` > 0 and a ``dropout_rng`` key, with the adapters beside the base and adapter
+    dropout on their input (`lora_dense`)."""
 
-    def __init__(self, model: Any, base: Any, scale: float) -> None:
-        self.model, self.base, self.scale = model, base, float(scale)
+    def __init__(self, model: Any, base: Any, scale: float, dropout: float = 0.0) -> None:
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}; set model.lora.dropout")
+        self.model, self.base, self.scale, self.dropout = model, base, float(scale), float(dropout)
 
-    def apply(self, variables: dict, *args: Any, **kwargs: Any) -> Any:
-        return self.model.apply({"params": merge(self.base, variables["params"], self.scale)}, *args, **kwargs)
+    def apply(self, variables: dict, *args: Any, dropout_rng: Any = None, **kwargs: Any) -> Any:
+        adapters = variables["params"]
+        if self.dropout == 0.0 or dropout_rng is None:
+            return self.model.apply({"params": merge(self.base, adapters, self.scale)}, *args, **kwargs)
+        import flax.linen as nn
+
+        applied: set[tuple[str, ...]] = set()
+        with nn.intercept_methods(self._adapted(adapters, dropout_rng, applied)):
+            out = self.model.apply({"params": self.base}, *args, **kwargs)
+        missed = set(adapter_paths(adapters)) - applied
+        if missed:  # an adapter whose layer the model never called would silently train nothing
+            raise ValueError(f"adapters {sorted(missed)[:2]} match no Dense of the model; a memaudit bug")
+        return out
+
+    def _adapted(self, adapters: Any, rng: Any, applied: set) -> Callable:
+        """A method interceptor adding the adapter path (with dropout) to each adapted Dense;
+        the paths it adapted go into ``applied``."""
+        import flax.linen as nn
+        import jax
+
+        index = {p: i for i, p in enumerate(adapter_paths(adapters))}
+
+        def intercept(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+            module = context.module
+            i = index.get(tuple(module.path)) if isinstance(module, nn.Dense) else None
+            if i is None or context.method_name != "__call__":
+                return next_fun(*args, **kwargs)
+            node = adapters
+            for k in module.path:
+                node = node[k]
+            (x,) = args
+            x = x.astype(module.dtype or x.dtype)  # as Dense promotes its input
+            applied.add(tuple(module.path))
+            return lora_dense(x, next_fun(x), node[LORA_A], node[LORA_B], self.scale, self.dropout,
+                              jax.random.fold_in(rng, i))
+
+        return intercept
 
 
 def initial_lora(model_cfg: Any, vocab_size: int) -> tuple[dict, dict]:

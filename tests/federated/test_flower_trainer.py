@@ -145,3 +145,27 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
     with pytest.raises(PlanError, match="every SuperNode refused"):
         flower_trainer(load_config(None, [*lora, "model.init_seed=7"]), RunDir(root / "other-base"),
                        trusting_nodes()).fit()
+
+
+def test_lora_dropout_on_flower_equals_in_jax(setup):
+    """Adapter dropout on Flower: each client's dropout keys are derived inside its stage from the
+    per-client key the stage already receives, so the Flower run's adapters equal the in-JAX
+    run's, and differ from the in-JAX run without dropout (the nodes applied it)."""
+    from safetensors.numpy import load_file
+
+    from memaudit.config import load_config
+    from memaudit.federated.flower.trainer import flower_trainer
+    from memaudit.federated.trainer import FederatedTrainer
+    from memaudit.rundir import RunDir
+
+    overrides, partitions, root = setup
+    lora = [*overrides, LORA, "model.lora.dropout=0.1"]
+    runs = {name: root / f"dropout-{name}" for name in ("jax", "flower", "none")}
+    FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(runs["jax"])).fit()
+    FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax", "model.lora.dropout=0"]),
+                     RunDir(runs["none"])).fit()
+    flower_trainer(load_config(None, lora), RunDir(runs["flower"]), _Nodes(partitions)).fit()
+    a, b, c = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in runs.values())
+    assert set(a) == set(b) == set(c)
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
+    assert max(float(np.max(np.abs(a[k] - c[k]))) for k in a) > 100 * ATOL

@@ -1,6 +1,8 @@
 """Federated LoRA against the torch side: the Flax LoRA forward against peft's, a FedSGD round
 against the centralized LoRA step on the same data, the upload of a client, and a DP-FedAvg run
-whose exports are the adapters only."""
+whose exports are the adapters only. Adapter dropout: the unmerged layer against a NumPy oracle,
+the model against peft under the same masks, the merged path kept bit for bit without a key, and
+a run with dropout that trains, repeats and resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -160,3 +162,230 @@ def test_dp_fedavg_lora_run_trains_the_adapters_and_exports_both(tmp_path):
                                    rtol=1e-5, atol=1e-5)
     moved = [not torch.equal(v, torch.zeros_like(v)) for k, v in adapter_state(adapter).items() if "lora_B" in k]
     assert len(moved) == 8 and all(moved)
+
+
+# ----------------------------------------------------------------------------- adapter dropout
+P_DROP = 0.3
+
+
+def test_lora_dense_equals_the_numpy_oracle_under_its_mask():
+    """y = x W + s ((x * mask / (1 - p)) A) B in float64, with the mask the layer drew; the mask
+    keeps a fraction 1 - p of the inputs (8,192 draws: 4 sigma is 0.02)."""
+    from memaudit.models.flax_lora import dropout_mask, lora_dense
+
+    r = np.random.default_rng(0)
+    x = r.normal(size=(4, 32, 64)).astype(np.float32)  # (batch, seq, in)
+    w = r.normal(size=(64, 48)).astype(np.float32)
+    a, b = r.normal(size=(64, 4)).astype(np.float32), r.normal(size=(4, 48)).astype(np.float32)
+    key, s = jax.random.key(5), 2.0
+    got = np.asarray(jax.jit(lora_dense, static_argnums=(4, 5))(x, x @ w, a, b, s, P_DROP, key))
+    mask = np.asarray(dropout_mask(key, P_DROP, x.shape))
+    assert mask.dtype == bool and abs(mask.mean() - (1 - P_DROP)) < 0.02
+    x64 = x.astype(np.float64)
+    want = x64 @ w + s * (((x64 * mask / (1 - P_DROP)) @ a) @ b)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    no_drop = x64 @ w + s * ((x64 @ a) @ b)
+    assert np.abs(got - no_drop).max() > 1.0  # the mask matters at this size
+
+
+def test_an_adapter_that_matches_no_layer_is_an_error_not_a_silent_no_op():
+    import jax.numpy as jnp
+
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
+    from memaudit.models.flax_lora import LoraModel
+
+    cfg = FlaxLlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+    model = FlaxLlama(cfg)
+    base = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    ab = {"lora_A": np.ones((16, 2), np.float32), "lora_B": np.ones((2, 16), np.float32)}
+    ids = jnp.zeros((1, 4), jnp.int32)
+    ok = {"model": {"layers": {"0": {"self_attn": {"q_proj": ab}}}}}
+    LoraModel(model, base, 2.0, dropout=P_DROP).apply({"params": ok}, ids, dropout_rng=jax.random.key(1))
+    bad = {"model": {"layers": {"0": {"self_attn": {"q_proj": ab, "qkv_proj": ab}}}}}
+    with pytest.raises(ValueError, match="qkv_proj.*match no Dense"):
+        LoraModel(model, base, 2.0, dropout=P_DROP).apply({"params": bad}, ids, dropout_rng=jax.random.key(1))
+
+
+def _masks(adapters, flax_model, rng, ids):
+    """Each adapted layer's mask, drawn as `LoraModel` documents: adapter i (in `adapter_paths`
+    order) under fold_in(rng, i), of its input's shape (batch, seq, in)."""
+    from memaudit.models.flax_lora import LORA_A, adapter_paths, dropout_mask
+
+    out = {}
+    for i, path in enumerate(adapter_paths(adapters)):
+        node = adapters
+        for k in path:
+            node = node[k]
+        shape = (*ids.shape, node[LORA_A].shape[0])
+        out[".".join(path)] = np.asarray(dropout_mask(jax.random.fold_in(rng, i), flax_model.dropout, shape))
+    return out
+
+
+def test_flax_lora_dropout_forward_equals_peft_under_the_same_masks(pair):
+    """The unmerged Flax forward with a dropout key equals peft's forward in which each layer's
+    lora_dropout applies the same mask (x * mask / (1 - p)): dropout on the adapter input only."""
+    import copy
+
+    from memaudit.models.flax_lora import LoraModel
+
+    peft_model, merged, adapters = pair
+    flax = LoraModel(merged.model, merged.base, merged.scale, dropout=P_DROP)
+    ids = _ids(seed=7)
+    am = np.ones_like(ids)
+    rng = jax.random.key(11)
+    got = np.asarray(jax.jit(lambda a, i, m, k: flax.apply({"params": a}, i, m, dropout_rng=k))(adapters, ids, am, rng))
+
+    class FixedMask(torch.nn.Module):
+        def __init__(self, mask):
+            super().__init__()
+            self.mask = torch.tensor(mask, dtype=torch.float32)
+
+        def forward(self, x):
+            return x * self.mask / (1 - P_DROP)
+
+    masks = _masks(adapters, flax, rng, ids)
+    oracle = copy.deepcopy(peft_model)
+    replaced = 0
+    for name, module in oracle.named_modules():
+        short = name.removeprefix("base_model.model.")
+        if short in masks and hasattr(module, "lora_dropout"):
+            module.lora_dropout["default"] = FixedMask(masks[short])
+            replaced += 1
+    assert replaced == len(masks) == 2 * 7
+    with torch.no_grad():
+        t_ids = torch.as_tensor(ids, dtype=torch.long)
+        want = oracle(input_ids=t_ids, attention_mask=torch.as_tensor(am)).logits.numpy()
+        plain = peft_model(input_ids=t_ids, attention_mask=torch.as_tensor(am)).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert np.abs(got - plain).max() > 1e-3  # and the masks change the function
+
+
+def test_lora_without_a_key_or_without_dropout_is_the_merged_forward_bit_for_bit(pair):
+    """Evaluation (no key) with dropout > 0, and a key with dropout 0, run the merged path: the
+    logits and the loss are bit for bit those of LoRA without dropout."""
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.models.flax_lora import LoraModel
+
+    _, merged, adapters = pair
+    drop = LoraModel(merged.model, merged.base, merged.scale, dropout=P_DROP)
+    ids = _ids(seed=8)
+    am = np.ones_like(ids)
+    am[0, 15:] = 0
+    key = jax.random.key(2)
+
+    def logits(model, k=None):
+        kw = {} if k is None else {"dropout_rng": k}
+        return np.asarray(jax.jit(lambda a: model.apply({"params": a}, ids, am, **kw))(adapters))
+
+    ref = logits(merged)
+    np.testing.assert_array_equal(logits(drop), ref)
+    np.testing.assert_array_equal(logits(merged, key), ref)
+    assert not np.array_equal(logits(drop, key), ref)
+    batch = {"input_ids": ids, "attention_mask": am}
+    loss = jax.jit(lambda a: make_loss_fn(merged)(a, batch)[0])(adapters)
+    loss_eval = jax.jit(lambda a: make_loss_fn(drop)(a, batch)[0])(adapters)
+    np.testing.assert_array_equal(np.asarray(loss_eval), np.asarray(loss))
+
+
+def test_fedsgd_with_dropout_equals_a_loop_over_the_clients_with_their_keys(pair):
+    """FedSGD with loss_rng: the update is the gradient of the example-weighted mean of each
+    client's loss under its own key, fold_in(k_i, DROPOUT_STREAM) with k_i the i-th split of the
+    round key (an oracle looping over the clients). A round that ignored the keys, or drew the
+    masks otherwise, would not match: the masks change the gradient far beyond the tolerance."""
+    import optax
+
+    from memaudit.federated import algorithms as alg
+    from memaudit.federated.cohorts import ClientData
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.models.flax_lora import LoraModel
+
+    _, merged, adapters = pair
+    flax = LoraModel(merged.model, merged.base, merged.scale, dropout=P_DROP)
+    ids = _ids(seed=3, b=6, length=16).reshape(3, 2, 16)  # 3 clients x 2 sequences
+    am = np.ones_like(ids)
+    mask = np.array([[1, 1], [1, 0], [1, 1]], np.float32)
+    jnp = jax.numpy
+    data = ClientData({"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(am)}, jnp.asarray(mask))
+    loss_fn, key, eta = make_loss_fn(flax), jax.random.key(4), 0.5
+    fed = alg.fedsgd(loss_fn, server_optimizer=optax.sgd(eta), loss_rng=True)
+    got, _ = fed.round(fed.init(adapters), data, key)
+
+    keys = jax.random.split(jax.random.key_data(key), 3)
+
+    def objective(a):
+        total = 0.0
+        for i in range(3):
+            batch = {"input_ids": ids[i], "attention_mask": am[i]}
+            rng = jax.random.fold_in(keys[i], alg.DROPOUT_STREAM)
+            total += mask[i].sum() * alg.masked_mean_loss(loss_fn, a, batch, mask[i], rng=rng)
+        return total / mask.sum()
+
+    want = jax.tree.map(lambda p, g: p - eta * g, adapters, jax.jit(jax.grad(objective))(adapters))
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
+    moved = jax.tree.map(lambda g, a: float(np.abs(np.asarray(g) - np.asarray(a)).max()), got.params, adapters)
+    assert min(jax.tree.leaves(moved)) > 1e-5  # a real step (B starts moved, so every A and B has a gradient)
+
+
+@pytest.fixture(scope="module")
+def dropout_overrides(tmp_path_factory):
+    """A small in-JAX LoRA run (12 users, cohort 4, 3 rounds of 2 local steps) with one shared
+    tokenizer, so runs compare bit for bit."""
+    from memaudit.data import prepare_data
+    from memaudit.rundir import RunDir
+
+    over = ["backend=federated", "data.synth.users=12", "data.synth.docs_per_user=3", "data.seq_len=32",
+            "data.canaries.repetitions=[1]", "federated.rounds=3", "federated.cohort=4",
+            "federated.sampling=fixed", "federated.local_steps=2", "federated.local_batch_size=2",
+            "federated.server_optimizer=fedavg", "federated.client_lr=0.5", "federated.eval_every=10",
+            "federated.checkpoint_every=1", "federated.mesh_clients=1", "train.batch_size=8",
+            "train.eval_batches=1", "model.lora={rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}"]
+    scratch = RunDir(tmp_path_factory.mktemp("tok") / "run")
+    prepare_data(load_config(None, over).data, scratch, vocab_size=VOCAB)
+    return [*over, f"data.tokenizer={scratch.data_dir / 'tokenizer'}"]
+
+
+def _adapter(run_path):
+    from safetensors.numpy import load_file
+
+    return load_file(str(run_path / "adapter" / "adapter_model.safetensors"))
+
+
+def test_federated_lora_dropout_run_trains_repeats_resumes_and_differs_from_no_dropout(dropout_overrides,
+                                                                                         tmp_path):
+    """FedAvg LoRA with model.lora.dropout=0.1: every adapter moves and the base stays the
+    initialisation bit for bit; a run interrupted after round 2 and resumed ends with the
+    uninterrupted run's adapters bit for bit (the dropout keys are functions of the seed, the
+    round, the client slot and the local step); the same run without dropout ends elsewhere."""
+    from memaudit.federated.trainer import FederatedTrainer
+    from memaudit.models.flax_lora import adapters_to_peft, initial_lora
+    from memaudit.rundir import RunDir
+
+    cfg = load_config(None, [*dropout_overrides, "model.lora.dropout=0.1"])
+    FederatedTrainer(cfg, RunDir(tmp_path / "a")).fit()
+
+    def stop_after_two(done, total, info):
+        if done == 2 and "round" in info:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        FederatedTrainer(cfg, RunDir(tmp_path / "b"), progress=stop_after_two).fit()
+    assert FederatedTrainer(cfg, RunDir(tmp_path / "b")).fit(resume=True)["resumed_from_round"] == 2
+    FederatedTrainer(load_config(None, [*dropout_overrides, "model.lora.dropout=0"]), RunDir(tmp_path / "c")).fit()
+
+    a, b, c = (_adapter(tmp_path / r) for r in "abc")
+    assert set(a) == set(b) == set(c)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert max(float(np.abs(a[k] - c[k]).max()) for k in a) > 1e-4
+    _, start = initial_lora(cfg.model, VOCAB)
+    for k, v in adapters_to_peft(start).items():
+        assert not np.array_equal(a[k], v), k  # every A and B moved
+    from transformers import AutoModelForCausalLM
+
+    from memaudit.models.init import initial_model
+
+    base = initial_model(cfg.model, VOCAB).state_dict()
+    trained_base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a" / "adapter" / "base")).float()
+    for k, v in trained_base.state_dict().items():
+        assert torch.equal(v, base[k]), k
