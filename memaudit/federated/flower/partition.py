@@ -285,33 +285,19 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
             deltas a host aggregator encodes there): clients-placed values the server never
             gathers; `memaudit.federated.flower.execute.run_plan` returns a `Resident` for each.
     """
-    closed, out_shape = jax.make_jaxpr(program, return_shape=True)(*args)
-    jaxpr = closed.jaxpr
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tuple(args))]
     missing = set(placed) - set(paths)
     if missing:
         raise PlanError(f"no argument leaf named {min(missing)!r}; pass the leaf paths of "
                         "the clients-placed arguments")
-    num = _Numbering()
-    env: dict = {}
-    consts = {}
-    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
-        env[v] = num.new(v.aval)
-        consts[env[v]] = c
-    invars = []
-    for v in jaxpr.invars:
-        env[v] = num.new(v.aval)
-        invars.append(env[v])
+    t = _inline_program(program, args)
+    num, consts, invars, ops, outvars = t.num, t.consts, t.invars, t.ops, t.outvars
     data_leaves = {i: placed[p] for i, p in zip(invars, paths, strict=True) if p in placed}
-    ops: list[Op] = []
-    _inline(jaxpr, env, num, ops)
-
-    outvars = [_value(Lit(v.val) if isinstance(v, jcore.Literal) else env[v], num, ops)
-               for v in jaxpr.outvars]
-    out_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out_shape)]
+    out_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t.out_shape)]
     res_out = frozenset(k for k, p in enumerate(out_paths) if any(p.startswith(r) for r in resident))
 
-    kinds, sums = _placement(ops, num.avals, set(data_leaves), capacity)
+    per_client = _follows_capacity(t, _inline_program(program, _grown(args, placed)), capacity)
+    kinds, sums = _placement(ops, per_client, set(data_leaves))
     for k in sorted(res_out):
         o = outvars[k]
         if not isinstance(o, int) or not any(o in op.outs for op, kd in zip(ops, kinds, strict=True)
@@ -333,17 +319,83 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
             gathered.append(i)  # an example mask: the nodes send its rows (counts, no text)
     if gathered:
         stages = _gather_inputs(stages, gathered)
-    return Plan(capacity, stages, invars, consts, outvars, jax.tree.structure(out_shape),
+    return Plan(capacity, stages, invars, consts, outvars, jax.tree.structure(t.out_shape),
                 data_leaves, num.avals, resident_out=res_out)
 
 
-def _placement(ops: list[Op], avals: dict[int, Any], data: set[int],
-               capacity: int) -> tuple[list[str], set[int]]:
-    """Each op's kind (CLIENT / SERVER) by data flow, and the var ids that are partial sums."""
+@dataclasses.dataclass
+class _Traced:
+    out_shape: Any
+    num: _Numbering
+    consts: dict
+    invars: list
+    ops: list
+    outvars: list
+
+
+def _inline_program(program: Callable, args: Sequence[Any]) -> _Traced:
+    """``program(*args)`` traced and inlined into `Op` s (top-level jits, and scans and remats
+    that communicate, unrolled), with its constants', inputs' and outputs' ids."""
+    closed, out_shape = jax.make_jaxpr(program, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    num = _Numbering()
+    env: dict = {}
+    consts = {}
+    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = num.new(v.aval)
+        consts[env[v]] = c
+    invars = []
+    for v in jaxpr.invars:
+        env[v] = num.new(v.aval)
+        invars.append(env[v])
+    ops: list[Op] = []
+    _inline(jaxpr, env, num, ops)
+    outvars = [_value(Lit(v.val) if isinstance(v, jcore.Literal) else env[v], num, ops)
+               for v in jaxpr.outvars]
+    return _Traced(out_shape, num, consts, invars, ops, outvars)
+
+
+def _grown(args: Sequence[Any], placed: Mapping[str, str]) -> tuple:
+    """``args`` with one more client: each clients-placed leaf's leading dim plus one."""
+    def grow(path, x):
+        if jax.tree_util.keystr(path) not in placed:
+            return x
+        shape = np.shape(x)
+        return jax.ShapeDtypeStruct((shape[0] + 1, *shape[1:]), jax.numpy.result_type(x))
+
+    return jax.tree_util.tree_map_with_path(grow, tuple(args))
+
+
+def _follows_capacity(t: _Traced, grown: _Traced, capacity: int) -> list[bool]:
+    """Which ops keep the clients dim in front of every output: those whose outputs lead with
+    the capacity in the round as traced and with capacity + 1 in the round traced with one more
+    client. A dim of the model that happens to equal the capacity (LoRA's rank 4 in a cohort of
+    4: a sum over the clients of shape (rank, d) read as per-client rows) does not follow it.
+
+    Raises:
+        PlanError: the two traces are not the same program (the clients count changed its
+        equations), so the clients dim cannot be told from the shapes.
+    """
+    same = len(t.ops) == len(grown.ops) and all(
+        a.eqn.primitive is b.eqn.primitive and len(a.outs) == len(b.outs)
+        for a, b in zip(t.ops, grown.ops, strict=True))
+    if not same:
+        raise PlanError("the round's equations change with the number of clients, so its "
+                        "per-client work cannot be told apart; write the clients' work with "
+                        "federated_map over the clients-placed data")
+    return [all(_leading(t.num.avals[o], capacity)
+                and _leading(grown.num.avals[g], capacity + 1)
+                for o, g in zip(a.outs, b.outs, strict=True))
+            for a, b in zip(t.ops, grown.ops, strict=True)]
+
+
+def _placement(ops: list[Op], per_client: list[bool], data: set[int]) -> tuple[list[str], set[int]]:
+    """Each op's kind (CLIENT / SERVER) by data flow, and the var ids that are partial sums;
+    ``per_client``: which ops keep the clients dim (`_follows_capacity`)."""
     clients: set[int] = set(data)
     kinds: list[str] = []
     sums: set[int] = set()
-    for op in ops:
+    for op, rows in zip(ops, per_client, strict=True):
         from_clients = any(isinstance(i, int) and i in clients for i in op.ins)
         if op.eqn.primitive is federated_broadcast_p:
             kind = CLIENT
@@ -351,7 +403,7 @@ def _placement(ops: list[Op], avals: dict[int, Any], data: set[int],
         elif from_clients and _is_fused_sum(op.eqn):
             kind = CLIENT
             sums.update(op.outs)
-        elif from_clients and all(_leading(avals[o], capacity) for o in op.outs):
+        elif from_clients and rows:
             kind = CLIENT  # per-client work: the clients dim kept (rows are independent)
             clients.update(op.outs)
         else:
