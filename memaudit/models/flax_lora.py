@@ -79,6 +79,7 @@ def adapter_paths(adapters: Any) -> list[tuple[str, ...]]:
 def dropout_mask(key: Any, rate: float, shape: tuple[int, ...]) -> Any:
     """The kept entries (bool, ``shape``) of dropout at ``rate``: each kept with probability
     1 - rate, independently (`flax.linen.Dropout`'s draw)."""
+    # lazy: jax and flax (~2 s) only when called; this module imports without them
     import jax
 
     return jax.random.bernoulli(key, 1.0 - rate, shape)
@@ -93,6 +94,7 @@ def lora_dense(x: Any, y: Any, a: Any, b: Any, scale: float, rate: float, key: A
         Srivastava et al., "Dropout: A Simple Way to Prevent Neural Networks from Overfitting",
         JMLR 2014; peft's ``lora.Linear.forward`` (dropout on the adapter input only).
     """
+    # lazy: jax and flax (~2 s) only when called; this module imports without them
     import jax.numpy as jnp
 
     keep = dropout_mask(key, rate, x.shape)
@@ -157,6 +159,7 @@ class LoraModel:
         adapters = variables["params"]
         if self.dropout == 0.0 or dropout_rng is None:
             return self.model.apply({"params": merge(self.base, adapters, self.scale)}, *args, **kwargs)
+        # lazy: jax and flax (~2 s) only when called; this module imports without them
         import flax.linen as nn
 
         applied: set[tuple[str, ...]] = set()
@@ -170,6 +173,7 @@ class LoraModel:
     def _adapted(self, adapters: Any, rng: Any, applied: set) -> Callable:
         """A method interceptor adding the adapter path (with dropout) to each adapted Dense;
         the paths it adapted go into ``applied``."""
+        # lazy: jax and flax (~2 s) only when called; this module imports without them
         import flax.linen as nn
         import jax
 
