@@ -471,7 +471,7 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
         shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair["metrics"].items()
                  if c["verdict"] in ("less", "more")]
         same = {k: c for k, c in pair["metrics"].items() if c["verdict"] == NO_DIFFERENCE}
-        seen = [f"{SHORT[k]} {mde_amount(c['test']['mde'], k) or 'none in range'}"
+        seen = [f"{SHORT[k]} {mde_amount(c['test']['mde'], k) or 'none within its range (too few units)'}"
                 for k, c in same.items() if (c.get("test") or {}).get("mde")]
         what = "; ".join(shown + ([f"no difference shown on {len(same)} metric{'s' if len(same) != 1 else ''}"
                                    + (f" (the smallest differences these tests could have seen, {POWER:.0%} power: "

@@ -343,7 +343,7 @@ def test_the_matched_pair_line_states_the_smallest_differences_it_could_have_see
     (line,) = findings.pair_lines({"comparisons": {"matched_utility": {"pairs": [pair]}}})
     assert "federated leaks less on exact extraction" in line
     assert ("no difference shown on 2 metrics (the smallest differences these tests could have seen, 80% power: "
-            "MIA AUC 0.0612 AUC points, exposure (top reps) none in range)") in line
+            "MIA AUC 0.0612 AUC points, exposure (top reps) none within its range (too few units))") in line
 
 
 def test_centralized_per_user_meets_federated_at_equal_guarantees_and_never_pools_with_per_example():
