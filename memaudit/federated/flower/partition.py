@@ -8,7 +8,10 @@ and every equation is placed by data flow:
   of `federated_broadcast`, or the output of a client equation; every other value is
   server-placed;
 - an equation with a clients-placed input whose outputs keep the clients dim (``n`` leading)
-  is a *client* equation (the computation between a broadcast and the next aggregation);
+  is a *client* equation (the computation between a broadcast and the next aggregation). The
+  clients dim is told by a second trace with one more client: a leading dim is the clients'
+  only when it is ``n`` in the round and ``n + 1`` in the grown one, so a model dim equal to the
+  capacity (LoRA's rank 4 in a cohort of 4) is never read as per-client rows;
 - a fused map-and-sum (`memaudit.federated.federated_map_sum`, a ``jit`` named
   ``federated_map_sum``, possibly inside its ``custom_jvp``) is a client equation whose outputs
   are *partial sums*: each node sums the clients it hosts, the server adds the nodes' sums;
