@@ -131,5 +131,6 @@ def test_the_quickstart_holds_out_enough_documents_for_tpr_at_one_percent_fpr():
     assert len(holdout) >= needed_negatives(0.01) == 1000
     assert len(members) >= 300  # and the member side keeps its size
     # the holdout are the training users' own messages: the test measures the message, not the user
-    users = {d.user for d in docs if d.id in set(split.holdout_docs)}
+    held = set(split.holdout_docs)
+    users = {d.user for d in docs if d.id in held}
     assert users <= set(split.train_users)

@@ -427,7 +427,7 @@ def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: 
     """``(params, data, key=None) -> scalar``: the (example- or client-) weighted mean of the
     clients' mean losses over all their real examples, as a federated program. With
     ``loss_rng`` client slot i's loss gets ``rng=fold_in(k_i, DROPOUT_STREAM)``, k_i the i-th
-    key split from ``key``."""
+    key split from ``key``; without it ``key`` is not read."""
 
     def client_loss(p, ex, m, *key):  # key: () or (this client's key,)
         kw = _loss_kw(key[0], True) if key else {}
@@ -467,7 +467,7 @@ def fedsgd(
 
     @jax.jit
     def step(state: ServerState, data: ClientData, key):
-        loss, grads = jax.value_and_grad(objective)(state.params, data, key if loss_rng else None)
+        loss, grads = jax.value_and_grad(objective)(state.params, data, key)  # key unused without loss_rng
         updates, opt_state = server_optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
@@ -483,12 +483,12 @@ def fedsgd(
 
     def round_(state: ServerState, data: ClientData, key):
         with _mesh_scope(mesh):
-            state, metrics = step(state, data, key if loss_rng else None)
+            state, metrics = step(state, data, key)
         return state, host_metrics(metrics)
 
     @jax.jit
     def program(state: ServerState, data: ClientData, key):
-        state, metrics = step(state, data, key if loss_rng else None)  # no key: as without dropout
+        state, metrics = step(state, data, key)
         return state, (metrics,)
 
     round_.program = program  # see `fedavg`'s round_.program
