@@ -67,15 +67,11 @@ _TRANSPOSED = ("o_proj", "down_proj")  # their in-features split over y, out-fea
 
 
 def check_lora_grid(lora: LoraConfig | None, shape: LlamaPreset, *, x: int, y: int) -> None:
-    """One line for LoRA the tensor-parallel grid cannot run: adapter dropout (its mask would have
-    to be the same on every replicated copy of the input), or a targeted layer whose adapter
+    """One line for LoRA the tensor-parallel grid cannot run: a targeted layer whose adapter
     dimension (A's columns follow the base's in-features, B's rows its out-features) the grid's
     x or y does not divide."""
     if lora is None:
         return
-    if lora.dropout > 0:
-        raise ConfigError(f"model.lora.dropout={lora.dropout} has no tensor-parallel form; set "
-                          "model.lora.dropout=0 on a grid (parallel.x, y, z or data > 1)")
     dims = layer_dims(shape)
     for t in lora.target_modules:
         d_in, d_out = dims[t]
@@ -108,17 +104,22 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int) -> Any:
 
     The adapters' A comes from peft's Kaiming initialisation drawn under `torch.manual_seed(seed)`
     (the global RNG is restored afterwards); B starts at zero, so the wrapped model computes
-    exactly what `model` did.
+    exactly what `model` did. Adapter dropout is `memaudit.models.keyed_dropout.KeyedDropout`:
+    its masks follow the step and each element's place in the global batch, so any grid and any
+    micro-batching draw the same ones.
     """
     # lazy: peft (~10 s) only when called; this module imports without it
     import torch
     from peft import get_peft_model
+
+    from memaudit.models.keyed_dropout import use_keyed_dropout  # lazy: torch, with peft
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         wrapped = get_peft_model(model, peft_config(lora))
     for name, p in wrapped.named_parameters():
         p.requires_grad_("lora_" in name)
+    use_keyed_dropout(wrapped)
     return wrapped
 
 

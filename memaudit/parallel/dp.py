@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from memaudit.models.keyed_dropout import dropout_rows
 from memaudit.parallel.dims import MeshAxis
 from memaudit.parallel.parallelize import ParallelLlama, sync_grads
 from memaudit.train.dpsgd import ClipStats
@@ -119,17 +120,24 @@ class TensorParallelClipping:
         def mask(sl: slice) -> torch.Tensor | None:
             return None if am is None else am[sl]
 
+        first = model.pg.batch_index * b  # the step-batch row of local row 0 (adapter dropout's masks)
+
+        def norms_of(sl: slice) -> torch.Tensor:
+            with dropout_rows(model, first + sl.start):
+                return per_example_grad_norms(model, ids[sl], lm[sl], mask(sl), group_size=g)
+
         # pass 1: every example's (group's) full-gradient norm (gradients are discarded)
-        norms = torch.cat([per_example_grad_norms(model, ids[sl], lm[sl], mask(sl), group_size=g) for sl in parts])
+        norms = torch.cat([norms_of(sl) for sl in parts])
         factor = torch.clamp(clip / (norms + 1e-6), max=1.0).to(torch.float32).repeat_interleave(g)
         real = lm[:, 1:].any(1).to(norms.device)  # padding rows (no targets) are not examples
         real_units = real.reshape(-1, g).any(1)  # a padding group is no user
         loss_sum = torch.zeros((), dtype=torch.float64, device=norms.device)
         # pass 2: the clipped sum, accumulated in .grad over the chunks
-        for sl in parts:
-            losses = model.per_example_losses(ids[sl], lm[sl], mask(sl))
-            loss_sum += losses.detach().double().sum()
-            (losses * factor[sl]).sum().backward()
+        for sl in parts:  # the same masks as pass 1, so each unit's clipped gradient is the one measured
+            with dropout_rows(model, first + sl.start):
+                losses = model.per_example_losses(ids[sl], lm[sl], mask(sl))
+                loss_sum += losses.detach().double().sum()
+                (losses * factor[sl]).sum().backward()
         # (clipped units, examples, loss sum): 3 x fp64, as the planner counts them
         stats = torch.stack([((norms > clip) & real_units).double().sum(), real.double().sum(), loss_sum])
         for axis in (MeshAxis.Z, MeshAxis.DATA):

@@ -78,6 +78,10 @@ class TensorParallelLayout:
         with autocast(self.device, autocast_dtype):
             return model(ids, lm, am)  # this chunk's token mean (local share, global log)
 
+    def first_local_row(self, rows: int, first_row: int) -> int:
+        """Rows padded to a multiple of data*z, then this rank's share (`local`)."""
+        return first_row + self.pg.batch_index * (-(-rows // self.pg.batch_shards))
+
     def finish_gradients(self, model: ParallelLlama) -> None:
         model.finish_grad_sync()
 
@@ -101,12 +105,17 @@ class TensorParallelLayout:
             return math.nan, math.nan
         right = is_right_padded(holdout.attention_mask[:n])
         total = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad(), autocast(self.device, autocast_dtype):
-            for s in range(0, n, batch_size):
-                am = torch.as_tensor(holdout.attention_mask[s:s + batch_size], dtype=torch.long, device=self.device)
-                ids = torch.as_tensor(holdout.input_ids[s:s + batch_size], dtype=torch.long, device=self.device)
-                lids, llm, lam = self.local(Batch(ids, am, target_mask(am), right))
-                total += model.loss_sums(lids, llm, lam).cpu()
+        was_training = model.training
+        model.eval()  # no adapter dropout
+        try:
+            with torch.no_grad(), autocast(self.device, autocast_dtype):
+                for s in range(0, n, batch_size):
+                    am = torch.as_tensor(holdout.attention_mask[s:s + batch_size], dtype=torch.long, device=self.device)
+                    ids = torch.as_tensor(holdout.input_ids[s:s + batch_size], dtype=torch.long, device=self.device)
+                    lids, llm, lam = self.local(Batch(ids, am, target_mask(am), right))
+                    total += model.loss_sums(lids, llm, lam).cpu()
+        finally:
+            model.train(was_training)
         if total[1] == 0:
             return math.nan, math.nan
         loss = float(total[0] / total[1])

@@ -15,8 +15,10 @@ The adapters' gradient is added to the input gradient as a separate autograd bra
 the base path's own all-reduce over the out axis. Under DP-SGD each example's ||grad_A_l||^2
 and ||grad_B_l||^2 enter the model's ghost norms scaled by 1/copies over x and y, so the x, y
 all-reduce of `memaudit.parallel.dp.per_example_grad_norms` gives each example's full
-adapter-gradient norm. Adapter dropout is refused on the grid (`check_lora_grid`): its mask
-would have to be drawn identically on every replicated copy of the input.
+adapter-gradient norm. Adapter dropout (`memaudit.models.keyed_dropout.KeyedDropout`) drops
+the input of A before the projection, keyed by each element's global row and feature: every
+replicated copy of the input (over the out axis) draws the same mask and each shard its slice of
+the one-process mask, and the ghost norms see the dropped input, as the gradient does.
 
 References: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022;
 Singh et al., AxoNN (SC'24); Li et al., ghost clipping, ICLR 2022.
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memaudit.models.keyed_dropout import KeyedDropout
 from memaudit.parallel import ghost
 from memaudit.parallel.comm import Comm, GradSync
 from memaudit.parallel.dims import MeshAxis
@@ -91,10 +94,10 @@ class TPLoraLinear(nn.Module):
         super().__init__()
         if list(layer.lora_A.keys()) != [ADAPTER]:
             raise ValueError(f"the grid trains one LoRA adapter named '{ADAPTER}', not {list(layer.lora_A.keys())}")
-        p_drop = float(getattr(layer.lora_dropout[ADAPTER], "p", 0.0))  # nn.Identity when 0
-        if p_drop > 0:
-            raise ValueError(f"model.lora.dropout={p_drop} has no tensor-parallel form; set model.lora.dropout=0 "
-                             "on a grid")
+        drop = layer.lora_dropout[ADAPTER]  # nn.Identity when the rate is 0
+        if float(getattr(drop, "p", 0.0)) > 0 and not isinstance(drop, KeyedDropout):
+            raise ValueError("adapter dropout on the grid must be keyed (memaudit.models.lora.apply_lora); "
+                             f"got {type(drop).__name__}")
         if getattr(layer, "use_dora", {}).get(ADAPTER, False):
             raise ValueError("DoRA adapters have no tensor-parallel form; use plain LoRA on a grid")
         self.base_layer = TPLinear(layer.base_layer, comm, transpose=transpose, overlap=overlap, prefetch=prefetch,
@@ -109,6 +112,7 @@ class TPLoraLinear(nn.Module):
                                 (MeshAxis.Z, MeshAxis.DATA))
         self.lora_A = nn.ModuleDict({ADAPTER: _Weight(self._param(a_full, self.a_spec))})
         self.lora_B = nn.ModuleDict({ADAPTER: _Weight(self._param(b_full, self.b_spec))})
+        self.lora_dropout = nn.ModuleDict({ADAPTER: drop})
         self.__dict__["ghost"] = norms  # the model's ghost-norm collector (DP-SGD), not a submodule
 
     def _param(self, full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
@@ -122,6 +126,9 @@ class TPLoraLinear(nn.Module):
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(a)
+        drop = self.lora_dropout[ADAPTER]
+        if isinstance(drop, KeyedDropout):  # this shard's features start at index * in_l
+            a = drop(a, first_feature=self.comm.index(self.in_axis) * a.shape[-1], grid=True)
         return y + _LoraFn.apply(a, self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight, self)
 
     def extra_repr(self) -> str:

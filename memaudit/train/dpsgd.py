@@ -43,6 +43,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from memaudit.models.keyed_dropout import dropout_rows
 from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.ghost import ClippedGrads, GhostClipper, vmap_clipped_sum
 
@@ -134,7 +135,8 @@ class SerialClipping:
         chunk = max(group_size, chunk // group_size * group_size)
         for start in range(0, b, chunk):
             sl = slice(start, start + chunk)
-            res = self._clipped(input_ids[sl], attention_mask[sl], loss_mask[sl], clip, group_size)
+            with dropout_rows(self.model, start):  # adapter dropout: these rows' masks
+                res = self._clipped(input_ids[sl], attention_mask[sl], loss_mask[sl], clip, group_size)
             for n, g in res.grads.items():
                 sums[n] += g
             loss_sum += float(res.losses.sum())

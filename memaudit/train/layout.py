@@ -83,6 +83,10 @@ class Layout(Protocol):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to backpropagate, detached loss to log): the token mean of `batch`'s global rows."""
 
+    def first_local_row(self, rows: int, first_row: int) -> int:
+        """The step-batch index of this process's first row of the chunk of `rows` global rows
+        starting at `first_row` (what keyed adapter dropout draws its masks from)."""
+
     def finish_gradients(self, model: Any) -> None:
         """After the last chunk's backward: gradients final on this process."""
 
@@ -153,6 +157,9 @@ class SerialLayout:
             logits = model(input_ids=batch.input_ids, attention_mask=am).logits  # (b, L, V)
         loss = causal_lm_loss(logits, batch.input_ids, batch.loss_mask)
         return loss, loss.detach()
+
+    def first_local_row(self, rows: int, first_row: int) -> int:
+        return first_row
 
     def finish_gradients(self, model: Any) -> None:
         return None

@@ -45,6 +45,7 @@ from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.errors import ConfigError
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.init import initial_model, model_vocab_size
+from memaudit.models.keyed_dropout import dropout_rows, dropout_step
 from memaudit.models.lora import (
     apply_lora,
     merged_copy,
@@ -233,10 +234,12 @@ class Trainer:
             n = int(part.loss_mask[:, 1:].sum())
             if n == 0:
                 continue
-            loss, logged = self.layout.chunk_loss(self.model, part, self.autocast_dtype)
-            if n != total_targets:  # weight by this chunk's share so the sum is the batch mean
-                loss, logged = loss * (n / total_targets), logged * (n / total_targets)
-            loss.backward()
+            first = self.layout.first_local_row(int(part.input_ids.shape[0]), s)
+            with dropout_rows(self.model, first):  # backward too: a recomputed forward drops alike
+                loss, logged = self.layout.chunk_loss(self.model, part, self.autocast_dtype)
+                if n != total_targets:  # weight by this chunk's share so the sum is the batch mean
+                    loss, logged = loss * (n / total_targets), logged * (n / total_targets)
+                loss.backward()
             loss_sum += float(logged)
         self.layout.finish_gradients(self.model)
         return {"loss": loss_sum}
@@ -269,12 +272,13 @@ class Trainer:
         lr = lr_at(step, lr=self.tcfg.lr, warmup_steps=self.tcfg.warmup_steps,
                    total_steps=self.tcfg.steps, min_lr_ratio=self.tcfg.min_lr_ratio)
         rows = self.step_rows(step)
-        if self.private:
-            stats = self.private_gradients(step, rows)
-            gnorm = self.grad_norm()
-        else:
-            stats = self.compute_gradients(self.make_batch(rows))
-            gnorm = self.clip_gradients()
+        with dropout_step(self.model, seed=self.tcfg.seed, step=step):  # adapter dropout's masks
+            if self.private:
+                stats = self.private_gradients(step, rows)
+                gnorm = self.grad_norm()
+            else:
+                stats = self.compute_gradients(self.make_batch(rows))
+                gnorm = self.clip_gradients()
         self.optimizer_step(lr)
         dt = time.perf_counter() - t0
         positions = int((rows >= 0).sum()) * self.train_set.seq_len

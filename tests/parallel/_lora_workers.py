@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 LORA_GRIDS = [(1, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 2)]  # (data, x, y, z)
-LORA_KINDS = ("train", "dp")
+LORA_KINDS = ("train", "dp", "dropout")
 LORA_STEPS, LORA_SEED, LR, EPS = 2, 7, 2e-3, 1e-3
+P_DROP, DROP_SEED = 0.25, 5  # adapter dropout's rate and train.seed (its masks' key)
 # both layer kinds: q/v normal (in over x, out over y), o/down transposed
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 # Wire volume of one LoRA step against `planner.predict_collectives(lora=...)`, exactly:
@@ -31,13 +32,13 @@ LORA_VOLUME_VARIANTS: dict[str, tuple[tuple[str, ...], bool, bool, int, bool]] =
 }
 
 
-def lora_config(targets: tuple[str, ...] = TARGETS) -> Any:
+def lora_config(targets: tuple[str, ...] = TARGETS, dropout: float = 0.0) -> Any:
     from memaudit.config import LoraConfig
 
-    return LoraConfig(rank=4, alpha=8.0, target_modules=targets)
+    return LoraConfig(rank=4, alpha=8.0, target_modules=targets, dropout=dropout)
 
 
-def _peft_tiny(seed: int, targets: tuple[str, ...] = TARGETS, *, recompute: bool = False) -> Any:
+def _peft_tiny(seed: int, targets: tuple[str, ...] = TARGETS, *, recompute: bool = False, dropout: float = 0.0) -> Any:
     """peft on `tiny`; with `recompute`, activation checkpointing switched on first, as
     `Trainer.build_model` does (its input-gradient hook stays on the embedding the grid replaces)."""
     from memaudit.models.lora import apply_lora
@@ -48,7 +49,7 @@ def _peft_tiny(seed: int, targets: tuple[str, ...] = TARGETS, *, recompute: bool
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    return apply_lora(model, lora_config(targets), seed=LORA_SEED)
+    return apply_lora(model, lora_config(targets, dropout), seed=LORA_SEED)
 
 
 def _trained(model: Any) -> list[torch.nn.Parameter]:
@@ -105,15 +106,55 @@ def lora_reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str
             "lora_final": {n: p.detach().clone() for n, p in inner.named_parameters()},
             "lora_merged": {k: v.clone() for k, v in merged_copy(model).state_dict().items()},
             "lora_adapter": {k: v.clone() for k, v in adapter_state(model).items()},
-            "lora_norms": torch.tensor(norms), "lora_clip": clip, "lora_dp": dp}
+            "lora_norms": torch.tensor(norms), "lora_clip": clip, "lora_dp": dp,
+            **_dropout_reference(batches, init)}
+
+
+def _dropout_reference(batches: list[tuple[torch.Tensor, torch.Tensor]], init: dict[str, torch.Tensor]
+                       ) -> dict[str, Any]:
+    """One process, peft with keyed adapter dropout from `init`: each example's adapter-gradient
+    norm and the clipped mean (one backward per example, example b drawing row b's mask), and
+    two AdamW steps (step i drawing step i's masks)."""
+    from memaudit.models.keyed_dropout import dropout_rows, dropout_step
+    from memaudit.train.losses import causal_lm_loss, causal_lm_loss_per_example
+
+    model = _peft_tiny(0, dropout=P_DROP)
+    inner = model.get_base_model()
+    inner.load_state_dict(init, strict=False)
+    ids, mask = batches[0]
+    grads, norms = [], []
+    with dropout_step(model, seed=DROP_SEED, step=0):
+        for b in range(ids.shape[0]):
+            model.zero_grad()
+            with dropout_rows(model, b):
+                loss = causal_lm_loss_per_example(model(input_ids=ids[b:b + 1]).logits, ids[b:b + 1], mask[b:b + 1])
+            loss.sum().backward()
+            g = {n: p.grad.clone() for n, p in inner.named_parameters() if p.requires_grad}
+            grads.append(g)
+            norms.append(float(torch.sqrt(sum(v.double().pow(2).sum() for v in g.values()))))
+    clip = sorted(norms)[1] + 1e-3
+    dp = {n: sum(g[n] * min(1.0, clip / (norms[b] + 1e-6)) for b, g in enumerate(grads)) / ids.shape[0]
+          for n in grads[0]}
+    opt = torch.optim.AdamW(_trained(model), lr=LR, weight_decay=0.01, eps=EPS)
+    losses = []
+    for i, (ids, mask) in enumerate(batches[:LORA_STEPS]):
+        with dropout_step(model, seed=DROP_SEED, step=i):
+            loss = causal_lm_loss(model(input_ids=ids).logits, ids, mask)
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"drop_norms": torch.tensor(norms), "drop_clip": clip, "drop_dp": dp, "drop_losses": losses,
+            "drop_final": {n: p.detach().clone() for n, p in inner.named_parameters()}}
 
 
 def _lora_pmodel(grid: tuple[int, int, int, int], init: dict[str, torch.Tensor] | None,
-                 targets: tuple[str, ...] = TARGETS, *, recompute: bool = False, **opts: Any) -> Any:
+                 targets: tuple[str, ...] = TARGETS, *, recompute: bool = False, dropout: float = 0.0,
+                 **opts: Any) -> Any:
     from memaudit.parallel.dims import ParallelDims
     from memaudit.parallel.parallelize import parallelize_llama
 
-    pm = parallelize_llama(_peft_tiny(99, targets, recompute=recompute),
+    pm = parallelize_llama(_peft_tiny(99, targets, recompute=recompute, dropout=dropout),
                            dims=ParallelDims(data=grid[0], x=grid[1], y=grid[2], z=grid[3]), **opts)
     if init is not None:
         pm.load_full_state_dict(init)  # a different base and A: the load must win
@@ -214,6 +255,46 @@ def _dp(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list) -> Non
     _close(grads, ref["lora_uls_grads"], atol=1e-6)
 
 
+def _dropout(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list) -> None:
+    """Adapter dropout on the grid draws the one-process masks: per-example adapter-gradient
+    norms, one DP-SGD step's clipped sum (sigma = 0) and two AdamW steps with activation
+    recomputation (its recomputed forward drops alike) equal peft in one process with the same
+    keyed dropout; the losses differ from the run without dropout, so it dropped."""
+    from memaudit.models.keyed_dropout import dropout_rows, dropout_step
+    from memaudit.parallel.dp import TensorParallelClipping, per_example_grad_norms
+    from memaudit.train.dpsgd import DPSGD
+
+    init = ref["lora_init"]
+    pm = _lora_pmodel(grid, init, dropout=P_DROP)
+    ids, mask = data[0]
+    lids, lmask = pm.shard_batch(ids), pm.shard_batch(mask)
+    first = pm.pg.batch_index * lids.shape[0]
+    with dropout_step(pm, seed=DROP_SEED, step=0):
+        with dropout_rows(pm, first):
+            norms = per_example_grad_norms(pm, lids, lmask)
+        torch.testing.assert_close(norms.float(), pm.shard_batch(ref["drop_norms"]).float(), rtol=1e-4, atol=1e-6)
+        dp = DPSGD(pm, clip=ref["drop_clip"], noise_multiplier=0.0, expected_batch_size=ids.shape[0],
+                   randomness=None, micro_batch_size=2, clipping=TensorParallelClipping(pm))
+        st = dp.step_gradients(ids, None, mask, step=0, right_padded=True)
+    assert abs(st["clip_fraction"] - 0.5) < 1e-9, st["clip_fraction"]
+    grads = {n: g for n, g in pm.full_state_dict(grads=True).items() if "lora_" in n}
+    _close(grads, ref["drop_dp"], atol=1e-6)
+    pm = _lora_pmodel(grid, init, recompute=True, dropout=P_DROP)
+    opt = torch.optim.AdamW(_trained(pm), lr=LR, weight_decay=0.01, eps=EPS)
+    losses = []
+    for i, (ids, mask) in enumerate(data[:LORA_STEPS]):
+        with dropout_step(pm, seed=DROP_SEED, step=i), dropout_rows(pm, first):
+            loss, logged = pm(pm.shard_batch(ids), pm.shard_batch(mask))
+            opt.zero_grad()
+            loss.backward()
+        pm.finish_grad_sync()
+        opt.step()
+        losses.append(float(logged))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["drop_losses"]), atol=1e-5, rtol=0)
+    assert abs(losses[1] - ref["lora_losses"][1]) > 1e-4, (losses, ref["lora_losses"])
+    _close(pm.full_state_dict(), ref["drop_final"], atol=1e-5)
+
+
 def _volume(grid: tuple[int, int, int, int], data: list, variant: str) -> None:
     """One LoRA step's payload and wire bytes per (axis, kind), counted in `Comm`, equal the
     planner's; the model is built as `Trainer.build_model` builds it (checkpointing switched on
@@ -236,7 +317,8 @@ def lora_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list,
                times: dict[str, float]) -> dict[str, str | None]:
     tag = "".join(map(str, grid))
     res: dict[str, str | None] = {}
-    cases = [("train", lambda: _train(grid, ref, data, outdir)), ("dp", lambda: _dp(grid, ref, data))]
+    cases = [("train", lambda: _train(grid, ref, data, outdir)), ("dp", lambda: _dp(grid, ref, data)),
+             ("dropout", lambda: _dropout(grid, ref, data))]
     cases += [(f"volume-{v}", lambda v=v: _volume(grid, data, v)) for v in LORA_VOLUME_VARIANTS]
     for kind, fn in cases:
         t0 = time.perf_counter()

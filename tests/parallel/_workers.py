@@ -535,7 +535,7 @@ TRAIN_JOBS: dict[str, tuple[int, tuple[str, ...]]] = {
     "accum-d2": (2, ("parallel.data=2", "train.micro_batch_size=3")),
     # LoRA (a normal and a transposed target) under DP-SGD sigma=0 on x=2: clipping over the adapters
     # (0.7 clips 29-67% of each step's examples), a sharded checkpoint at step 2, both LoRA exports from rank 0
-    "lora-dp0-x2": (2, ("parallel.x=2", "model.lora.rank=4", "model.lora.alpha=8",
+    "lora-dp0-x2": (2, ("parallel.x=2", "model.lora.rank=4", "model.lora.alpha=8", "model.lora.dropout=0.1",
                         "model.lora.target_modules=[q_proj,o_proj]", "privacy.noise_multiplier=0",
                         "privacy.clip=0.7", "privacy.reproducible_randomness=true", "train.checkpoint_every=2")),
     # per-user clipping (ULS, user-level DP-SGD sigma=0) on a data=2 grid: 2 sequences per user at most, 4 users

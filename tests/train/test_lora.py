@@ -55,18 +55,17 @@ def test_flower_lora_runs_where_the_base_fits_one_message_and_says_why_not_above
     assert "\n" not in str(e.value)
 
 
-def test_lora_dropout_is_accepted_federated_and_refused_on_the_grid_in_one_line():
-    """Adapter dropout runs on the federated backend, in JAX and on Flower (it used to be refused
-    there); what is still refused, dropout on the tensor-parallel grid, is one line with the fix."""
+def test_lora_dropout_is_accepted_on_both_backends_and_on_the_grid():
+    """Adapter dropout runs on the federated backend (in JAX and on Flower) and centralized, in one
+    process and on the tensor-parallel grid (refused there before: its masks are now keyed by
+    each element's place in the global batch, `memaudit.models.keyed_dropout`)."""
     from memaudit.checks import check_before_disk
 
     for runtime in ("jax", "flower"):
         check_before_disk(load_config(None, ["backend=federated", f"federated.runtime={runtime}",
                                              "model.lora.rank=4", "model.lora.dropout=0.1"]))
-    with pytest.raises(ConfigError, match=r"model\.lora\.dropout=0\.1 has no tensor-parallel form; set "
-                       r"model\.lora\.dropout=0") as e:
-        check_before_disk(load_config(None, ["model.lora.rank=4", "model.lora.dropout=0.1", "parallel.x=2"]))
-    assert "\n" not in str(e.value)
+    for grid in ((), ("parallel.x=2",), ("parallel.y=2", "parallel.z=2")):
+        check_before_disk(load_config(None, ["model.lora.rank=4", "model.lora.dropout=0.1", *grid]))
 
 
 def test_init_from_an_adapter_says_merge_or_name_its_base(tmp_path):
