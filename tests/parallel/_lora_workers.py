@@ -7,8 +7,10 @@ one backward per example for the per-example adapter-gradient norms and the clip
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,24 @@ def _peft_tiny(seed: int, targets: tuple[str, ...] = TARGETS, *, recompute: bool
 
 def _trained(model: Any) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def adamw_steps(pm: Any, opt: Any, batches: list, *, around: Any = None, frozen_have_no_grad: bool = False
+                ) -> list[float]:
+    """One optimizer step per (ids, mask) global batch on the grid model `pm`; the logged losses.
+    `around(i)`: a context for step i's forward and backward."""
+    losses = []
+    for i, (ids, mask) in enumerate(batches):
+        with around(i) if around is not None else contextlib.nullcontext():
+            loss, logged = pm(pm.shard_batch(ids), pm.shard_batch(mask))
+            opt.zero_grad()
+            loss.backward()
+        pm.finish_grad_sync()
+        if frozen_have_no_grad:
+            assert all(p.grad is None for p in pm.hf.parameters() if not p.requires_grad)
+        opt.step()
+        losses.append(float(logged))
+    return losses
 
 
 def user_clipped_mean(grads: list[dict[str, torch.Tensor]], users: list[tuple[int, ...]], tag: str
@@ -179,15 +199,7 @@ def _train(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list, out
     trained = _trained(pm)
     assert {n for n, p in pm.hf.named_parameters() if p.requires_grad} == {n for n in init if "lora_" in n}
     opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01, eps=EPS)
-    losses = []
-    for ids, mask in data[:LORA_STEPS]:
-        loss, logged = pm(pm.shard_batch(ids), pm.shard_batch(mask))
-        opt.zero_grad()
-        loss.backward()
-        pm.finish_grad_sync()
-        assert all(p.grad is None for p in pm.hf.parameters() if not p.requires_grad)
-        opt.step()
-        losses.append(float(logged))
+    losses = adamw_steps(pm, opt, data[:LORA_STEPS], frozen_have_no_grad=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["lora_losses"]), atol=1e-5, rtol=0)
     full = pm.full_state_dict()
     _close(full, ref["lora_final"], atol=1e-5)
@@ -281,15 +293,13 @@ def _dropout(grid: tuple[int, int, int, int], ref: dict[str, Any], data: list) -
     _close(grads, ref["drop_dp"], atol=1e-6)
     pm = _lora_pmodel(grid, init, recompute=True, dropout=P_DROP)
     opt = torch.optim.AdamW(_trained(pm), lr=LR, weight_decay=0.01, eps=EPS)
-    losses = []
-    for i, (ids, mask) in enumerate(data[:LORA_STEPS]):
+
+    @contextlib.contextmanager
+    def keyed(i: int) -> Iterator[None]:
         with dropout_step(pm, seed=DROP_SEED, step=i), dropout_rows(pm, first):
-            loss, logged = pm(pm.shard_batch(ids), pm.shard_batch(mask))
-            opt.zero_grad()
-            loss.backward()
-        pm.finish_grad_sync()
-        opt.step()
-        losses.append(float(logged))
+            yield
+
+    losses = adamw_steps(pm, opt, data[:LORA_STEPS], around=keyed)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["drop_losses"]), atol=1e-5, rtol=0)
     assert abs(losses[1] - ref["lora_losses"][1]) > 1e-4, (losses, ref["lora_losses"])
     _close(pm.full_state_dict(), ref["drop_final"], atol=1e-5)

@@ -21,7 +21,13 @@ from torch import nn
 
 from memaudit.parallel.comm import Comm
 from memaudit.parallel.dims import ParallelDims, build_groups
-from tests.parallel._lora_workers import LORA_GRIDS, lora_cases, lora_reference, user_clipped_mean
+from tests.parallel._lora_workers import (
+    LORA_GRIDS,
+    adamw_steps,
+    lora_cases,
+    lora_reference,
+    user_clipped_mean,
+)
 
 LAYER_GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
 LAYER_SHAPES = [(32, 64), (16, 128), (2, 256)]
@@ -253,14 +259,7 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
     def train() -> None:
         pm = _pmodel(grid, ref["init"])
         opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
-        losses = []
-        for ids, mask in data:
-            loss, logged = pm(pm.shard_batch(ids), pm.shard_batch(mask))
-            opt.zero_grad()
-            loss.backward()
-            pm.finish_grad_sync()
-            opt.step()
-            losses.append(float(logged))
+        losses = adamw_steps(pm, opt, data)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), atol=1e-4, rtol=0)
         full = pm.full_state_dict()
         _close(full, ref["final"], atol=1e-5)
