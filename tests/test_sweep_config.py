@@ -117,6 +117,22 @@ def test_report_bad_input_one_line(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_the_quickstarts_canary_buckets_can_show_dp_lowering_exposure():
+    """The paired sign-flip test of DP against no DP on a bucket's canaries cannot go below
+    p = 2^-n; below Holm's first-step threshold over the report's family (its size read from the
+    quickstart snapshot, rebuilt from this config) it must be, or "DP lowers exposure" could never
+    be shown (10 canaries a bucket: 1/1024 against 0.05 / 78)."""
+    import json
+
+    from memaudit.probes.stats import MIN_N
+
+    cfg = load_sweep_config(CONFIGS / "quickstart.yaml")
+    n = cfg.base["data"]["canaries"]["per_setting"]
+    report = json.loads((CONFIGS.parent / "docs" / "snapshots" / "quickstart.report.json").read_text())
+    family = report["findings"]["tests"]
+    assert n >= MIN_N and 2.0 ** -n < report["findings"]["alpha"] / family, (n, family)
+
+
 def test_the_quickstart_holds_out_enough_documents_for_tpr_at_one_percent_fpr():
     """Membership inference's TPR at 1% FPR needs >= 1,000 non-members; the quickstart's IID
     holdout (same users as the members, distinct texts, as `memaudit probe` counts them) has them."""
