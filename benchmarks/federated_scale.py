@@ -45,8 +45,58 @@ other jobs, load average 14-20, jax 0.10.2, 2026-12-03; 2 repeats, so the second
   ======  =====  ========  ===============  =================  ===================
 
 The scan strategy's memory per device stays flat as the cohort doubles (one client's
-activations at a time); vmap's grows with it (1.6-1.9x). The 125m / 350m presets and cohorts
-32-64 (the full form) were not run on this machine.
+activations at a time); vmap's grows with it (1.6-1.9x).
+
+At full size (2026-12-04, 8 host devices on 2 cores, nothing else running; scan strategy, one
+local step of one 32-token sequence a client, one timed repeat after a warm-up):
+
+    python benchmarks/federated_scale.py --presets 125m --cohorts 8 16 32 64 --meshes 8x1 \
+        --strategies scan --seq 32 --examples 1 --local-steps 1 --batch 1 --repeats 1
+    (350m: --presets 350m --cohorts 8 16 --meshes 2x4; on 8x1 it needs 4.3 GB per device x 8)
+
+  ======  ======  ====  ===============  ==============  ===================  ==========
+  preset  cohort  mesh  round s (/cl.)   MiB per device  centralized s (MiB)  GFLOP/s
+  ======  ======  ====  ===============  ==============  ===================  ==========
+  125m    8       8x1   8.31 (1.04)      1,535           8.17 (1,427)         23.2
+  125m    16      8x1   9.31 (0.58)      1,538           7.93 (1,427)         41.3
+  125m    32      8x1   14.8 (0.46)      1,538           9.39 (1,427)         52.2
+  125m    64      8x1   25.2 (0.39)      1,538           12.3 (1,432)         61.0
+  350m    8       2x4   18.3 (2.29)      1,686           14.6 (1,565)         29.4
+  350m    16      2x4   29.5 (1.85)      1,686           16.7 (1,567)         36.4
+  ======  ======  ====  ===============  ==============  ===================  ==========
+
+Memory per device is flat from cohort 8 to 64 (scan). The round is a fixed cost plus a cost per
+client: 5.9 s + 0.30 s a client for 125m (the line through cohorts 8 and 64 predicts 10.7 s and
+15.6 s at 16 and 32, measured 9.3 and 14.8), 7.1 s + 1.40 s a client for 350m; the fixed part
+(the server's update and the round's copies of the weights) is why the time per client falls
+as the cohort grows, and why the round falls behind the centralized step on the same tokens
+(0.98 of its speed at cohort 8, 0.49 at 64: the centralized step's batch grows without a
+per-client copy). `--plan` models the GPU round as its FLOPs at an assumed MFU: the per-client
+part, which at the seeds' shapes (512 clients x 8 steps x 8 x 512 tokens) dwarfs the fixed one.
+
+`--plan` (the round compiled from shapes; 8 devices, float32 weights, scan, the seeds' seq 512,
+8 local steps of 8 sequences; time at 40% of 8 x 989 TFLOP/s):
+
+  ======  ======  ====  =========================  =========================  ==========
+  preset  cohort  mesh  GiB per device, FedAvg     GiB per device, FedAdam    round s
+  ======  ======  ====  =========================  =========================  ==========
+  1b      512     8x1   40.5                       49.9                       36.5
+  1b      512     4x2   23.7                       29.3                       36.5
+  1b      512     2x4   15.5                       18.8                       36.5
+  1b      512     1x8   11.5                       13.6                       36.5
+  8b      128     8x1   166.0                      225.9                      64.9
+  8b      128     4x2   98.9                       132.8                      64.9
+  8b      128     2x4   65.3                       86.2                       64.9
+  8b      128     1x8   48.6                       62.9                       64.9
+  ======  ======  ====  =========================  =========================  ==========
+
+(`--plan 1b:512 8b:128 --meshes 8x1 4x2 2x4 1x8 --strategies scan --seq 512 --examples 64
+--local-steps 8 --batch 8`, and again with `--server-optimizer adam`; 16-27 s of compiling a
+round here.) An 80 GB GPU (74.5 GiB) runs 1B x 512 on every mesh with either server optimizer;
+8B x 128 from 2x4 on under FedAvg and only on 1x8 under FedAdam (as configs/paper-scale.yaml
+trains). An H200 (about 139 GiB visible to JAX) also runs 8B on 4x2, under FedAdam with 6 GiB to
+spare; no GPU holds 8B with a whole copy of the weights per device (8x1). The figures are the CPU
+compiler's; a GPU run of configs/paper-scale.yaml is what checks them.
 """
 
 from __future__ import annotations
@@ -94,12 +144,18 @@ def _memory_mib(compiled) -> float:
             - mem.alias_size_in_bytes) / 2**20
 
 
+def _server_optimizer(args):
+    """FedAvg's server step (SGD at 1.0) or FedAdam's (its two moments: two more model-sized
+    states on the server, sharded as the weights are)."""
+    return optax.adam(1e-3) if args.server_optimizer == "adam" else optax.sgd(1.0)
+
+
 def _round(model, params, ids, mesh, strategy: str, args) -> dict:
     n = ids.shape[0]
     clients = jax.sharding.NamedSharding(mesh, P("clients"))
     data = ClientData(jax.device_put({"input_ids": ids, "attention_mask": np.ones_like(ids)}, clients),
                       jax.device_put(np.ones(ids.shape[:2], np.float32), clients))
-    algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
+    algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1), server_optimizer=_server_optimizer(args),
                   local_steps=args.local_steps, batch_size=args.batch, mesh=mesh, map_strategy=strategy)
     state = algo.init(params)
     state = jax.device_put(state, server_shardings(state, mesh, kernel_axes))
@@ -108,6 +164,59 @@ def _round(model, params, ids, mesh, strategy: str, args) -> dict:
         compiled = algo.round.jitted.lower(state, data, key).compile()
         round_s = _timed(lambda: jax.block_until_ready(compiled(state, data, key)[0].params), args.repeats)
     return {"round_s": round_s, "round_s_per_client": round_s / n, "memory_per_device_mib": _memory_mib(compiled)}
+
+
+def flops_per_token(cfg: FlaxLlamaConfig, n_params: int, seq: int) -> float:
+    """Training FLOPs per token: 6 N for the matmuls of the forward and backward passes plus
+    12 L h s for attention's scores and values (Chowdhery et al. 2022, PaLM, appendix B)."""
+    return 6.0 * n_params + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
+def round_flops(cfg: FlaxLlamaConfig, n_params: int, cohort: int, args) -> float:
+    """A FedAvg round's training FLOPs: every client's local steps on its batches."""
+    return flops_per_token(cfg, n_params, args.seq) * cohort * args.local_steps * args.batch * args.seq
+
+
+def _abstract_round(model, cfg, cohort: int, mesh, strategy: str, args) -> dict:
+    """The round compiled from shapes alone (nothing allocated, nothing run): XLA's memory per
+    device, for shapes too large to run here (the 1b and 8b presets at the seeds' cohorts)."""
+    params = jax.eval_shape(lambda: init_params(cfg, seed=0))
+    algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1), server_optimizer=_server_optimizer(args),
+                  local_steps=args.local_steps, batch_size=args.batch, mesh=mesh, map_strategy=strategy)
+    state = jax.eval_shape(algo.init, params)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                         server_shardings(state, mesh, kernel_axes))
+    clients = jax.sharding.NamedSharding(mesh, P("clients"))
+    ids = jax.ShapeDtypeStruct((cohort, args.examples, args.seq), jnp.int32, sharding=clients)
+    data = ClientData({"input_ids": ids, "attention_mask": ids},
+                      jax.ShapeDtypeStruct((cohort, args.examples), jnp.float32, sharding=clients))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = algo.round.jitted.lower(state, data, key).compile()
+    return {"memory_per_device_mib": _memory_mib(compiled), "compile_s": time.perf_counter() - t0}
+
+
+def plan(args) -> list[dict]:
+    """`--plan PRESET:COHORT ...`: each round's memory per device (XLA, from shapes) on each mesh,
+    its FLOPs, and its time on `--devices` GPUs of `--peak-tflops` at `--mfu` (an assumption,
+    stated in the output; a CPU point's achieved rate is no guide to a GPU's)."""
+    rows = []
+    for item in args.plan:
+        preset, cohort = item.split(":")
+        cfg = FlaxLlamaConfig.from_preset(preset)
+        params = jax.eval_shape(lambda cfg=cfg: init_params(cfg, seed=0))
+        n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+        flops = round_flops(cfg, n_params, int(cohort), args)
+        seconds = flops / (args.devices * args.peak_tflops * 1e12 * args.mfu)
+        for spec in args.meshes:
+            mesh = _mesh(spec)
+            for strategy in args.strategies:
+                r = _abstract_round(FlaxLlama(cfg), cfg, int(cohort), mesh, strategy, args)
+                rows.append({"preset": preset, "params": n_params, "cohort": int(cohort), "mesh": spec,
+                             "strategy": strategy, **r, "round_tflop": flops / 1e12,
+                             "round_s_at_assumed_mfu": seconds})
+    return rows
 
 
 def _centralized(model, params, ids, mesh, args) -> dict:
@@ -146,7 +255,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--reduced", action="store_true",
                     help="tiny preset, cohorts 8 and 16, sequences of 32, 2 repeats (a CPU rehearsal)")
+    ap.add_argument("--plan", nargs="+", default=None, metavar="PRESET:COHORT",
+                    help="compile these rounds from shapes only (memory per device) and model their time")
+    ap.add_argument("--devices", type=int, default=8, help="--plan: GPUs the round runs on")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="--plan: one GPU's dense bf16 peak (H100/H200 SXM: 989)")
+    ap.add_argument("--mfu", type=float, default=0.4, help="--plan: assumed model FLOPs utilisation")
+    ap.add_argument("--server-optimizer", choices=["sgd", "adam"], default="sgd",
+                    help="sgd: FedAvg; adam: FedAdam, as configs/paper-scale.yaml trains")
     args = ap.parse_args(argv)
+    if args.plan:
+        out = {"benchmark": "federated_scale_plan", "devices_compiled_for": len(jax.devices()),
+               "jax": jax.__version__, "seq": args.seq, "examples": args.examples,
+               "local_steps": args.local_steps, "batch": args.batch, "server_optimizer": args.server_optimizer,
+               "assumed": {"gpus": args.devices, "peak_tflops": args.peak_tflops, "mfu": args.mfu,
+                           "flops_per_token": "6 N + 12 L h s (PaLM, appendix B)"},
+               "statistic": "memory per device from XLA's memory analysis of the round compiled from shapes "
+                            "(float32 weights, CPU backend); time = round FLOPs / (GPUs x peak x MFU)",
+               "results": plan(args)}
+        print(json.dumps(out, indent=2))
+        return out
     if args.reduced:
         args.presets, args.cohorts, args.seq, args.repeats = ["tiny"], [8, 16], 32, 2
     if args.local_steps * args.batch > args.examples:
@@ -164,10 +292,12 @@ def main(argv=None) -> dict:
                 base = _centralized(model, params, ids, mesh, args)
                 for strategy in args.strategies:
                     r = _round(model, params, ids, mesh, strategy, args)
+                    flops = round_flops(cfg, n_params, cohort, args)
                     rows.append({"preset": preset, "params": n_params, "cohort": cohort, "mesh": spec,
                                  "strategy": strategy if strategy == "vmap" or mesh.shape["clients"] == 1
                                  else "scan (shard_map over clients)", **r, **base,
-                                 "vs_centralized": base["centralized_s"] / r["round_s"]})
+                                 "vs_centralized": base["centralized_s"] / r["round_s"],
+                                 "round_tflop": flops / 1e12, "achieved_gflops": flops / r["round_s"] / 1e9})
     out = {"benchmark": "federated_scale", "devices": len(jax.devices()), "backend": jax.default_backend(),
            "jax": jax.__version__, "seq": args.seq, "examples": args.examples, "local_steps": args.local_steps,
            "batch": args.batch, "repeats": args.repeats,
