@@ -74,6 +74,26 @@ as the cohort grows, and why the round falls behind the centralized step on the 
 per-client copy). `--plan` models the GPU round as its FLOPs at an assumed MFU: the per-client
 part, which at the seeds' shapes (512 clients x 8 steps x 8 x 512 tokens) dwarfs the fixed one.
 
+The client strategies at 125m, memory per device from `--plan 125m:8 125m:16 125m:64 --meshes 8x1
+2x4 --strategies scan vmap --seq 32 --examples 1 --local-steps 1 --batch 1` (compiled, not run:
+vmap's rounds do not fit this host's 23 GB for 8 devices, and a run of them was killed):
+
+  ======  ====  ==========  ==========
+  cohort  mesh  scan MiB    vmap MiB
+  ======  ====  ==========  ==========
+  8       8x1   1,535       1,474
+  16      8x1   1,538       1,986
+  64      8x1   1,538       5,466
+  8       2x4   873         1,948
+  16      2x4   873         3,379
+  64      2x4   873         13,635
+  ======  ====  ==========  ==========
+
+Scan (`shard_map` over the clients axis, `lax.map` within a device) keeps one client's working
+set per device at any cohort; vmap holds every client of a device at once, so its memory grows
+with the clients per device: on 8x1 from 1,474 MiB at one client a device (cohort 8, as scan) to
+5,466 at 8, on 2x4 from 1,948 MiB at 4 clients a device to 13,635 at 32.
+
 `--plan` (the round compiled from shapes; 8 devices, float32 weights, scan, the seeds' seq 512,
 8 local steps of 8 sequences; time at 40% of 8 x 989 TFLOP/s):
 
