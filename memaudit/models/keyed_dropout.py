@@ -33,6 +33,7 @@ that (its copies would disagree).
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,7 +56,11 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mix_int(x: int) -> int:
-    return int(_mix(torch.tensor(x & _M32, dtype=torch.int64)))
+    """`_mix` of one Python integer (its low 32 bits)."""
+    x &= _M32
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    return (x >> 16) ^ x
 
 
 def step_key(seed: int, step: int) -> int:
@@ -73,10 +78,7 @@ def keep_mask(step: int, layer: int, p: float, shape: tuple[int, ...], *, first_
     """The bool mask (True: kept) of a (rows, ..., features) input whose local row 0 is global row
     `first_row` and local feature 0 global feature `first_feature`; positions are the middle dims
     flattened. `step` is `step_key(...)`."""
-    rows, feats = shape[0], shape[-1]
-    mid = 1
-    for n in shape[1:-1]:
-        mid *= n
+    rows, feats, mid = shape[0], shape[-1], math.prod(shape[1:-1])
     k = _mix_int(step ^ layer)
     x = _mix(k + torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device).view(rows, 1, 1))
     x = _mix(x + torch.arange(mid, dtype=torch.int64, device=device).view(1, mid, 1))

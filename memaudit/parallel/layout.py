@@ -33,7 +33,7 @@ from memaudit.parallel.dp import TensorParallelClipping, pad_rows
 from memaudit.parallel.lora import gather_peft
 from memaudit.parallel.parallelize import ParallelLlama, overlap_options, parallelize_llama
 from memaudit.train import checkpoint as ckpt
-from memaudit.train.evaluate import is_right_padded, target_mask
+from memaudit.train.evaluate import eval_mode, is_right_padded, target_mask
 from memaudit.train.layout import Batch, autocast, make_optimizer, select_device
 
 
@@ -105,17 +105,12 @@ class TensorParallelLayout:
             return math.nan, math.nan
         right = is_right_padded(holdout.attention_mask[:n])
         total = torch.zeros(2, dtype=torch.float64)
-        was_training = model.training
-        model.eval()  # no adapter dropout
-        try:
-            with torch.no_grad(), autocast(self.device, autocast_dtype):
-                for s in range(0, n, batch_size):
-                    am = torch.as_tensor(holdout.attention_mask[s:s + batch_size], dtype=torch.long, device=self.device)
-                    ids = torch.as_tensor(holdout.input_ids[s:s + batch_size], dtype=torch.long, device=self.device)
-                    lids, llm, lam = self.local(Batch(ids, am, target_mask(am), right))
-                    total += model.loss_sums(lids, llm, lam).cpu()
-        finally:
-            model.train(was_training)
+        with eval_mode(model), torch.no_grad(), autocast(self.device, autocast_dtype):  # no adapter dropout
+            for s in range(0, n, batch_size):
+                am = torch.as_tensor(holdout.attention_mask[s:s + batch_size], dtype=torch.long, device=self.device)
+                ids = torch.as_tensor(holdout.input_ids[s:s + batch_size], dtype=torch.long, device=self.device)
+                lids, llm, lam = self.local(Batch(ids, am, target_mask(am), right))
+                total += model.loss_sums(lids, llm, lam).cpu()
         if total[1] == 0:
             return math.nan, math.nan
         loss = float(total[0] / total[1])

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +47,17 @@ def token_loss_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
     return (per_tok * loss_mask[:, 1:].reshape(-1).to(per_tok.dtype)).sum()
 
 
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[None]:
+    """Within: `model` in eval mode (no dropout); its training flag as it was after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def holdout_loss(
     model: torch.nn.Module,
     input_ids: np.ndarray,
@@ -68,25 +80,20 @@ def holdout_loss(
     if n == 0:
         return float("nan"), float("nan")
     right_padded = is_right_padded(attention_mask[:n])
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
     amp = (
         torch.autocast(device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    try:
-        with torch.no_grad(), amp:
-            for start in range(0, n, batch_size):
-                ids = torch.as_tensor(input_ids[start : start + batch_size], dtype=torch.long, device=device)
-                am = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
-                logits = model(input_ids=ids, attention_mask=None if right_padded else am).logits
-                mask = target_mask(am)
-                total += float(token_loss_sum(logits, ids, mask))
-                count += int(mask[:, 1:].sum())
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), amp:
+        for start in range(0, n, batch_size):
+            ids = torch.as_tensor(input_ids[start : start + batch_size], dtype=torch.long, device=device)
+            am = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
+            logits = model(input_ids=ids, attention_mask=None if right_padded else am).logits
+            mask = target_mask(am)
+            total += float(token_loss_sum(logits, ids, mask))
+            count += int(mask[:, 1:].sum())
     if count == 0:
         return float("nan"), float("nan")
     loss = total / count
