@@ -100,14 +100,16 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
     length = jax.tree.leaves(rows)[0].shape[0]
 
     def body(total, xs):
-        i, row = xs
+        i, row = xs if pad else (None, xs)
         y = call(fixed, row)
         if pad:
             y = jax.tree.map(lambda v: jnp.where(offset + i < n, v, jnp.zeros((), v.dtype)), y)
         return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, y), None
 
     init = jax.tree.map(_zeros_like_struct, out)
-    total, _ = jax.lax.scan(body, init, (jnp.arange(length), rows))
+    # the row index only where padding is masked: without it the loop is the same for any number
+    # of rows (a Flower node's stages, shaped for its own clients, need that)
+    total, _ = jax.lax.scan(body, init, (jnp.arange(length), rows) if pad else rows)
     return total
 
 

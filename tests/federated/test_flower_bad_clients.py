@@ -23,7 +23,7 @@ from memaudit.federated import algorithms as alg
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan, valid_reply
 from memaudit.federated.flower.partition import compile_plan
-from tests.federated.toy_nodes import ASSIGN, CAP, HOSTS, PLACED, S, toy_arrays
+from tests.federated.toy_nodes import ASSIGN, CAP, HOSTS, PLACED, S, keep_rows, toy_arrays
 from tests.federated.toy_nodes import toy_loss as _loss
 
 
@@ -123,7 +123,7 @@ def test_a_reply_that_is_not_memaudit_message_is_rejected(monkeypatch, toy):
                                               message_type="train.memaudit_stage"), content=bodies[self.sent[i]])
                     for i in ids]
 
-    call = StageCall(b"m", "k", 0, 1, [], [], [], [], [])
+    call = StageCall(b"m", "k", 0, 1, [], [], [], [], [], [])
     out = FlowerNodes(Grid(), FlowerConfig()).run_stage({n: call for n in bodies})
     assert out[1] is None and out[2] is None and isinstance(out[3], Refusal)
     st = toy[1].client_stages[0]
@@ -184,14 +184,8 @@ def _round(step, kind):
 
     deltas = _deltas()
     leaves, treedef = jax.tree.flatten(deltas)
-    ex = {}
-    for node, slots in HOSTS_SA.items():
-        e = NodeExecutor([f"u{s}" for s in slots], {})
-        for v, x in enumerate(leaves):
-            full = np.zeros_like(x)
-            full[slots] = x[slots]
-            e.store[(0, v)] = full
-        ex[node] = e
+    ex = {node: keep_rows(NodeExecutor([f"u{s}" for s in slots], {}), leaves, slots)
+          for node, slots in HOSTS_SA.items()}
     guard = SecAggGuard(_BadSecAgg(LocalNodes(ex), step, kind), sum(int(np.prod(x.shape[1:])) for x in leaves))
     rows = ClientRows(NodeChannel(guard, HOSTS_SA, 0), tuple(range(len(leaves))),
                       tuple((x.shape[1:], x.dtype.name) for x in leaves), treedef)

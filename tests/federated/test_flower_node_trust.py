@@ -33,7 +33,7 @@ from memaudit.federated.flower.execute import (
 )
 from memaudit.federated.flower.partition import PlanError, compile_plan
 from memaudit.federated.flower.trust import DPBound, NodeTrust, StageRefused
-from tests.federated.toy_nodes import ASSIGN, CAP, HOSTS, PLACED, S, toy_arrays
+from tests.federated.toy_nodes import ASSIGN, CAP, HOSTS, PLACED, S, keep_rows, toy_arrays
 from tests.federated.toy_nodes import toy_loss as _loss
 
 
@@ -74,7 +74,7 @@ def _identity_call():
 
     exp = export.export(jax.jit(lambda x: (x,)), platforms=("cpu",))(
         jax.ShapeDtypeStruct((CAP, S, 3), np.float32))
-    return StageCall(bytes(exp.serialize()), "any", 0, 1, [("data", "x")], [ROWS], [0], [0, 1], ["u0", "u2"])
+    return StageCall(bytes(exp.serialize()), "any", 0, 1, [("data", "x")], [ROWS], [0], [0, 1], ["u0", "u2"], [0, 1])
 
 
 def test_identity_module_is_refused_and_returns_no_data(toy):
@@ -129,12 +129,7 @@ def _remote(deltas, hosts, trust, identities=None, nodes=LocalNodes):
     ex = {}
     for node, slots in hosts.items():
         ident = None if identities is None else identities[node]
-        e = NodeExecutor([f"u{s}" for s in slots], {}, trust=trust, identity=ident)
-        for v, x in enumerate(leaves):
-            full = np.zeros_like(x)
-            full[slots] = x[slots]
-            e.store[(0, v)] = full
-        ex[node] = e
+        ex[node] = keep_rows(NodeExecutor([f"u{s}" for s in slots], {}, trust=trust, identity=ident), leaves, slots)
     return ClientRows(NodeChannel(nodes(ex), hosts, 0), tuple(range(len(leaves))),
                       tuple((x.shape[1:], x.dtype.name) for x in leaves), treedef)
 

@@ -16,7 +16,8 @@ from jax import export
 from memaudit.federated import algorithms as alg
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
-from memaudit.federated.flower.partition import CLIENT, STAGE_PLATFORMS, PlanError, compile_plan
+from memaudit.federated.flower.partition import (CLIENT, STAGE_PLATFORMS, PlanError, compile_plan, node_stages,
+                                                 retrace)
 
 U, S, CAP = 6, 3, 4
 PLACED = {"[1].examples['x']": "x", "[1].examples['y']": "y", "[1].mask": "example_mask"}
@@ -94,26 +95,42 @@ def _struct(tree):
 _RUNS: dict = {}
 
 
-def _two_rounds(kind, users, dead=(), dead_slots=()):
+def _two_rounds(kind, users, dead=(), dead_slots=(), shaped=False):
     """(in-JAX state, partitioned state, plan, info) after two rounds from the same state and
-    keys (computed once per case in this module)."""
-    if (kind, dead) not in _RUNS:
-        _RUNS[(kind, dead)] = _compute_two_rounds(kind, users, dead, dead_slots)
-    return _RUNS[(kind, dead)]
+    keys (computed once per case in this module); ``shaped``: the nodes run node-shaped stages
+    (info then also has "calls", the stage calls the nodes got)."""
+    if (kind, dead, shaped) not in _RUNS:
+        _RUNS[(kind, dead, shaped)] = _compute_two_rounds(kind, users, dead, dead_slots, shaped)
+    return _RUNS[(kind, dead, shaped)]
 
 
-def _compute_two_rounds(kind, users, dead, dead_slots):
+class _Calls(LocalNodes):
+    """LocalNodes that record the stage calls they get."""
+
+    def __init__(self, local):
+        super().__init__(local.executors, local.dead)
+        self.calls = []
+
+    def run_stage(self, calls):
+        self.calls += list(calls.values())
+        return super().run_stage(calls)
+
+
+def _compute_two_rounds(kind, users, dead, dead_slots, shaped=False):
     a = _algorithm(kind)
     ref = got = a.init(_params())
-    plan = None
+    plan = shape = None
+    nodes = _Calls(_nodes(users, dead))
     for r in range(2):
         key = jax.random.fold_in(jax.random.key(3), r)
         ref, _ = a.round.program(ref, _cohort_data(users, dead_slots), key)
+        args = (got, _struct(_cohort_data(users)), key)
         if plan is None:
-            plan = compile_plan(a.round.program, (got, _struct(_cohort_data(users)), key), PLACED, CAP)
-        (got, _), info = run_plan(plan, (got, _struct(_cohort_data(users)), key), _nodes(users, dead),
-                                   _assignment(), round=r)
-    return ref, got, plan, info
+            plan = compile_plan(a.round.program, args, PLACED, CAP)
+            shape = node_stages(plan, retrace(a.round.program, args, PLACED, 2)) if shaped else None
+        (got, _), info = run_plan(plan, args, nodes, _assignment(), round=r,
+                                   node_stages=(lambda _h: shape) if shaped else None)
+    return ref, got, plan, {**info, "calls": nodes.calls} if shaped else info
 
 
 def _max_diff(a, b):
@@ -132,6 +149,55 @@ def test_partitioned_round_equals_in_jax_program(kind, users):
     assert all(len(m) > 0 for m in plan.modules.values())  # client stages exported (jax.export)
     # lowered for the platforms the server and the manifests agree on (partition.STAGE_PLATFORMS)
     assert {export.deserialize(bytearray(m)).platforms for m in plan.modules.values()} == {STAGE_PLATFORMS}
+
+
+@pytest.mark.parametrize("kind", ["fedavg", "fedadam", "dp-adaptive", "fedsgd"])
+def test_node_shaped_stages_compute_only_the_nodes_clients_and_equal_in_jax(kind, users):
+    """Each node hosts 2 of the cohort's 4 slots: its modules are traced for 2 clients, its
+    users take rows 0 and 1, the per-client server inputs (the clients' keys) come cut to its
+    slots, and the rounds equal the in-JAX program's as the cohort-shaped ones do."""
+    ref, got, plan, info = _two_rounds(kind, users, shaped=True)
+    assert _max_diff(ref.params, got.params) <= (1e-6 if kind in ("fedavg", "fedadam") else 0.0)
+    assert _max_diff(ref.opt_state, got.opt_state) <= 1e-6
+    calls = info["calls"]
+    assert len(calls) == 2 * 2 * len(plan.client_stages) and all(c.rows == [0, 1] for c in calls)
+    for c in calls:
+        exp = export.deserialize(bytearray(c.module))
+        assert c.module != plan.modules[c.stage]
+        assert {a.shape[0] for (kind_, _), a in zip(c.inputs, exp.in_avals, strict=True) if kind_ != "server"} == {2}
+        assert all(np.shape(v)[:1] != (CAP,) for kind_, v in c.inputs if kind_ == "server")
+
+
+def test_a_client_stage_that_reads_the_cohort_size_keeps_the_cohorts_modules(users):
+    """A client equation with the clients count in it (each client's value scaled by 1/n before
+    the sum) would compute other numbers with the node's count: no node-shaped stages, the
+    nodes run the cohort's. A per-client value the server computes from the count (a row index
+    from an iota) reaches each node cut to its slots, so the node-shaped stages give the
+    cohort's numbers."""
+    from memaudit.federated import federated_program
+    from memaudit.federated.primitives import federated_map, federated_sum
+
+    def program(weigh):
+        def round_(state, data, key):
+            n = data.mask.shape[0]
+            fn = federated_program(lambda ex: federated_sum(weigh(federated_map(lambda e: jnp.sum(e["x"]), ex), n)),
+                                   clients=n, placed=(0,))
+            return state, fn(data.examples)
+        return round_
+
+    args = (_params(), _struct(_cohort_data(users)), jax.random.key(0))
+    for weigh, shaped in ((lambda x, n: x * (1.0 / n), False),
+                          (lambda x, n: x * jnp.arange(n, dtype=x.dtype), True),
+                          (lambda x, n: x * 2.0, True)):
+        prog = program(weigh)
+        plan = compile_plan(prog, args, PLACED, CAP)
+        mine = node_stages(plan, retrace(prog, args, PLACED, 2))
+        assert plan.client_stages and (mine is not None) is shaped
+        if shaped:
+            (_, want), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0)
+            (_, got), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0, node_stages=lambda _h: mine)
+            (_, ref) = prog(_params(), _cohort_data(users), jax.random.key(0))
+            assert float(got) == float(want) and abs(float(got) - float(ref)) <= 1e-5 * abs(float(ref))
 
 
 def test_fedsgd_backward_pass_is_a_second_client_stage(users):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from memaudit.federated.secagg.messages import masked_bytes
+from tests.federated.toy_nodes import keep_rows
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
@@ -54,14 +55,8 @@ def _remote(deltas, hosts=HOSTS, rnd=0, kill=None):
     from memaudit.federated.secagg.remote import ClientRows, NodeChannel
 
     leaves, treedef = jax.tree.flatten(deltas)
-    ex = {}
-    for node, slots in hosts.items():
-        e = NodeExecutor([f"u{s}" for s in slots], {})
-        for v, x in enumerate(leaves):  # a node keeps its own users' rows only
-            full = np.zeros_like(x)
-            full[slots] = x[slots]
-            e.store[(rnd, v)] = full
-        ex[node] = e
+    ex = {node: keep_rows(NodeExecutor([f"u{s}" for s in slots], {}), leaves, slots, rnd)
+          for node, slots in hosts.items()}
     nodes = _Recording(LocalNodes(ex), kill)
     rows = ClientRows(NodeChannel(nodes, hosts, rnd), tuple(range(len(leaves))),
                       tuple((x.shape[1:], x.dtype.name) for x in leaves), treedef)

@@ -34,6 +34,7 @@ class _Nodes:
             users, arrays = load_partition(p)
             ex[i] = NodeExecutor(users, arrays)
         self.local = LocalNodes(ex)
+        self.calls = []
 
     def connect(self, digests):
         from memaudit.federated.flower.nodes import user_digest
@@ -47,6 +48,7 @@ class _Nodes:
         return host
 
     def run_stage(self, calls):
+        self.calls += list(calls.values())
         return self.local.run_stage(calls)
 
 
@@ -87,7 +89,18 @@ def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
     with pytest.raises(KeyboardInterrupt):
         flower_trainer(cfg, RunDir(run), _Nodes(partitions), progress=stop_after_two).fit()
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
-    result = flower_trainer(cfg, RunDir(run), _Nodes(partitions)).fit(resume=True)
+    nodes = _Nodes(partitions)
+    result = flower_trainer(cfg, RunDir(run), nodes).fit(resume=True)
+    # each node ran modules shaped for the slots it hosted (rows 0, 1, ...), not the cohort's 4
+    from jax import export
+
+    from memaudit.federated.cohorts import cohort_capacity
+
+    assert nodes.calls and any(len(c.slots) < 4 for c in nodes.calls)
+    for c in nodes.calls:
+        exp = export.deserialize(bytearray(c.module))
+        dims = {a.shape[0] for (kind, _), a in zip(c.inputs, exp.in_avals, strict=True) if kind == "data"}
+        assert c.rows == list(range(len(c.slots))) and dims == {cohort_capacity(len(c.slots))}
     assert result["resumed_from_round"] == 2
     a, b = _weights(jax_run), _weights(run)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL

@@ -20,3 +20,17 @@ def toy_arrays(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"x": rng.normal(size=(U, S, 3)).astype(np.float32),
             "y": rng.normal(size=(U, S, 2)).astype(np.float32), "example_mask": np.ones((U, S), np.float32)}
+
+
+def keep_rows(executor, leaves, slots, rnd: int = 0):
+    """``executor`` keeping each leaf's rows of ``slots`` (zeros elsewhere) under var ids 0, 1, ...
+    and the round's (slots, rows) map, as a cohort-shaped client stage leaves them: secure
+    aggregation on the nodes without running the stage."""
+    from memaudit.federated.flower.execute import ROW_MAP
+
+    for v, x in enumerate(leaves):  # a node keeps its own users' rows only
+        full = np.zeros_like(x)
+        full[slots] = x[slots]
+        executor.store[(rnd, v)] = full
+    executor.store[(rnd, ROW_MAP)] = np.asarray([slots, slots])
+    return executor

@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,7 +39,7 @@ from jax import export
 
 from memaudit.federated.flower import wire
 from memaudit.federated.flower.identity import authenticated_keys, sign_keys
-from memaudit.federated.flower.partition import CLIENT, Lit, Plan, PlanError, Stage
+from memaudit.federated.flower.partition import CLIENT, Lit, NodeStages, Plan, PlanError, Stage
 from memaudit.federated.flower.trust import NodeTrust, StageRefused, stage_signature
 from memaudit.federated.secagg.remote import STEPS, node_step
 
@@ -68,7 +68,9 @@ class StageCall:
 
     ``inputs``: per stage input, ``("server", value)``, ``("data", array name)`` or
     ``("store", var id)``; ``outputs``: per stage output, KEEP / ROWS / SUM; ``slots``: the
-    cohort slot of each user the node serves this round, ``users`` those users' names.
+    cohort slot of each user the node serves this round, ``users`` those users' names, ``rows``
+    the row of the module's clients dim each user takes: its slot in a module shaped for the
+    cohort, 0, 1, ... in one shaped for the node (`memaudit.federated.flower.partition.NodeStages`).
     """
 
     module: bytes
@@ -80,6 +82,12 @@ class StageCall:
     output_ids: list[int]
     slots: list[int]
     users: list[str]
+    rows: list[int]
+
+
+ROW_MAP = -1
+"""The var id under which a node keeps the round's (slots, rows): secure aggregation names a
+client by its cohort slot, and the node finds its kept rows by it."""
 
 
 class Nodes(Protocol):
@@ -101,7 +109,8 @@ def _resident(plan: Plan) -> set[int]:
 
 
 def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any, list[tuple[int, str]]],
-              *, round: int) -> tuple[Any, dict[str, Any]]:
+              *, round: int, node_stages: Callable[[int], NodeStages | None] | None = None
+              ) -> tuple[Any, dict[str, Any]]:
     """Run one round of ``plan``.
 
     Args:
@@ -111,6 +120,9 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
         nodes: runs the client stages.
         assignment: node -> [(cohort slot, user name)] of the sampled users it hosts.
         round: the round number (nodes key their stored values by it).
+        node_stages: the client stages for a node hosting a given number of the cohort's
+            slots (`memaudit.federated.flower.partition.node_stages`), or None for the
+            cohort's; by default every node runs the cohort's.
 
     Returns:
         (outputs, info): the round's outputs (the program's output pytree; a `Resident` for
@@ -136,7 +148,9 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
             outs = plan.server_fns[st.index](*[env[i] for i in st.inputs])
             env.update(zip(st.outputs, outs, strict=True))
             continue
-        calls = {node: _call(plan, st, env, resident, assignment[node], round) for node in alive}
+        calls = {node: _call(plan, st, env, resident, assignment[node], round,
+                             node_stages(len(assignment[node])) if node_stages else None)
+                 for node in alive}
         replies = {n: r for n, r in dict(nodes.run_stage(calls)).items() if n in calls}  # asked nodes only
         refusals = [replies[n].reason for n in sorted(replies, key=str) if isinstance(replies[n], Refusal)]
         bad = sorted((n for n in replies if valid_reply(plan, st, replies[n], len(assignment[n]))
@@ -196,22 +210,39 @@ def _wiring(plan: Plan, st: Stage, resident: set[int]) -> tuple[list[tuple[str, 
 
 
 def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tuple[int, str]],
-          round: int) -> StageCall:
+          round: int, shaped: NodeStages | None = None) -> StageCall:
+    """Client stage ``st`` for a node hosting ``hosted`` (slot, user): the cohort's module, or
+    the node-shaped one of ``shaped`` with the per-client server inputs cut to the node's rows."""
     wired, outputs = _wiring(plan, st, resident)
-    inputs = [(kind, np.asarray(env[ref])) if kind == "server" else (kind, ref) for kind, ref in wired]
-    return StageCall(plan.modules[st.index], plan.module_key(st.index), round, st.index, inputs,
-                     outputs, list(st.outputs), [s for s, _ in hosted], [u for _, u in hosted])
+    slots = [s for s, _ in hosted]
+    module, rows = plan.modules[st.index], slots
+    if shaped is not None:
+        module, rows = shaped.modules[st.index], list(range(len(hosted)))
+    inputs = []
+    for kind, ref in wired:
+        if kind != "server":
+            inputs.append((kind, ref))
+        elif shaped is not None and ref in shaped.rows_in:
+            full = np.asarray(env[ref])
+            mine = np.zeros((shaped.capacity, *full.shape[1:]), full.dtype)
+            mine[rows] = full[slots]
+            inputs.append((kind, mine))
+        else:
+            inputs.append((kind, np.asarray(env[ref])))
+    return StageCall(module, hashlib.sha256(module).hexdigest()[:24], round, st.index, inputs,
+                     outputs, list(st.outputs), slots, [u for _, u in hosted], rows)
 
 
-def plan_signatures(plan: Plan) -> set[str]:
-    """`memaudit.federated.flower.trust.stage_signature` of every client stage of ``plan``: what
-    a node's stage manifest allows."""
+def plan_signatures(plan: Plan, shaped: NodeStages | None = None) -> set[str]:
+    """`memaudit.federated.flower.trust.stage_signature` of every client stage of ``plan`` (or
+    of its node-shaped stages ``shaped``): what a node's stage manifest allows."""
     resident = _resident(plan)
     out = set()
     for st in plan.client_stages:
         inputs, outputs = _wiring(plan, st, resident)
-        out.add(stage_signature(StageCall(plan.modules[st.index], "", 0, st.index, inputs, outputs,
-                                          list(st.outputs), [], [])))
+        module = plan.modules[st.index] if shaped is None else shaped.modules[st.index]
+        out.add(stage_signature(StageCall(module, "", 0, st.index, inputs, outputs,
+                                          list(st.outputs), [], [], [])))
     return out
 
 
@@ -333,12 +364,32 @@ class NodeExecutor:
                                                                    state["round_id"])}
         except StageRefused as e:
             return {"abort": str(e)}
+        if step == "advertise":
+            try:
+                payload = {**payload, "clients": self._rows_of(payload)}
+            except StageRefused as e:
+                return {"abort": str(e)}
         if step == "masked":
             self._check_finite(int(payload["round"]), state)
         reply = node_step(payload, kept=self._kept, load=lambda _round: state, save=self._save_protocol)
         if step == "advertise" and self.identity is not None and "verify" in reply:
             reply["keys_sig"] = sign_keys(self.identity, int(payload["round_id"]), reply["verify"])
         return reply
+
+    def _rows_of(self, payload: dict) -> list:
+        """The advertise payload's clients [cid, slot, seed] with each slot replaced by the row
+        the node keeps that slot's values in (the round's stage calls placed them)."""
+        try:
+            slots, rows = np.asarray(self._kept(int(payload["round"]), ROW_MAP)).tolist()
+        except (KeyError, OSError, ValueError):
+            raise StageRefused("no client stage of this round ran on this node") from None
+        row = dict(zip(slots, rows, strict=True))
+        out = []
+        for c, s, seed in payload.get("clients") or ():
+            if int(s) not in row:
+                raise StageRefused(f"the server named cohort slot {int(s)}, which this node did not serve")
+            out.append([c, row[int(s)], seed])
+        return out
 
     def _check_finite(self, round: int, st: dict) -> None:
         slots = [int(s) for s, _ in st["slots"].values()]
@@ -367,13 +418,15 @@ class NodeExecutor:
                                "assignment does not match the node's partition")
         if len(set(call.users)) != len(call.users) or len(set(call.slots)) != len(call.slots):
             raise StageRefused("the server assigned a user or a cohort slot twice")
+        if len(call.rows) != len(call.slots) or len(set(call.rows)) != len(call.rows):
+            raise StageRefused("the server gave the node's users no distinct rows")
 
     def _data(self, name: str, aval: Any, call: StageCall) -> np.ndarray:
         full = np.zeros(aval.shape, aval.dtype)
         src = self.arrays[name]
-        for slot, user in zip(call.slots, call.users, strict=True):
+        for r, user in zip(call.rows, call.users, strict=True):
             row = np.asarray(src[self.row[user]])
-            full[(slot, *[slice(0, d) for d in row.shape])] = row.astype(aval.dtype)
+            full[(r, *[slice(0, d) for d in row.shape])] = row.astype(aval.dtype)
         return full
 
     def run(self, call: StageCall) -> dict[int, Any]:
@@ -385,6 +438,13 @@ class NodeExecutor:
         self._check(call)
         exp, fn = self._module(call)
         self.store = {k: v for k, v in self.store.items() if k[0] == call.round}
+        # the module's clients dim: its data inputs' and per-client outputs' leading dim
+        width = min([a.shape[0] for (kind, _), a in zip(call.inputs, exp.in_avals, strict=True) if kind == "data"]
+                    + [a.shape[0] for mode, a in zip(call.outputs, exp.out_avals, strict=True) if mode != SUM],
+                    default=None)
+        if width is not None and any(not 0 <= r < width for r in call.rows):
+            raise StageRefused(f"the server gave rows outside the module's {width} clients")
+        self._keep(call.round, ROW_MAP, np.asarray([call.slots, call.rows], np.int64))
         args = []
         for (kind, ref), aval in zip(call.inputs, exp.in_avals, strict=True):
             if kind == "data":
@@ -399,7 +459,7 @@ class NodeExecutor:
             if KEEP in mode:
                 self._keep(call.round, call.output_ids[k], out)
             if ROWS in mode:
-                reply[k] = np.asarray(out)[call.slots]
+                reply[k] = np.asarray(out)[call.rows]
             elif mode == SUM:
                 reply[k] = np.asarray(out)
         return reply

@@ -22,7 +22,7 @@ import numpy as np
 
 from memaudit.federated.cohorts import ClientData, cohort_capacity
 from memaudit.federated.flower.execute import plan_signatures, resident_vars
-from memaudit.federated.flower.partition import Plan, compile_plan
+from memaudit.federated.flower.partition import NodeStages, Plan, compile_plan, node_stages, retrace
 from memaudit.federated.flower.trust import DPBound, NodeTrust
 from memaudit.federated.trainer import FederatedTrainer
 from memaudit.io import atomic_write_json
@@ -38,15 +38,49 @@ def data_struct(clients: Any, cap: int) -> ClientData:
     return ClientData({"input_ids": ids, "attention_mask": ids}, jax.ShapeDtypeStruct((cap, s_max), np.float32))
 
 
-def round_plan(trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> Plan:
-    """The round's partitioned program for a cohort capacity. With a host aggregator (secure
-    aggregation, distributed DP) the program is the client phase, whose deltas stay on the
-    nodes (``state`` is then the server params)."""
+def _program(trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> tuple[Any, tuple, tuple]:
+    """The round's program, its arguments' shapes at capacity ``cap`` and its resident outputs.
+    With a host aggregator (secure aggregation, distributed DP) the program is the client
+    phase, whose deltas stay on the nodes (``state`` is then the server params)."""
     split = getattr(trainer.algorithm.round, "host_split", None)
     program = trainer.algorithm.round.program if split is None else split.client_phase
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.asarray(x).dtype), state)
-    return compile_plan(program, (shapes, data_struct(trainer.clients, cap), key), PLACED, cap,
-                        resident=(".deltas",) if split is not None else ())
+    return program, (shapes, data_struct(trainer.clients, cap), key), (".deltas",) if split is not None else ()
+
+
+def round_plan(trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> Plan:
+    """The round's partitioned program for a cohort capacity."""
+    program, args, resident = _program(trainer, cap, state, key)
+    return compile_plan(program, args, PLACED, cap, resident=resident)
+
+
+def node_plan(trainer: FederatedTrainer, plan: Plan, cap: int, state: Any, key: Any,
+              traced: Plan | None = None) -> NodeStages | None:
+    """``plan``'s client stages shaped for a node hosting at most ``cap`` slots
+    (`memaudit.federated.flower.partition.node_stages`), from ``traced`` (the round at ``cap``,
+    compiled) when given, else from a new trace; None when the cohort's modules must run."""
+    if cap >= plan.capacity:
+        return None
+    if traced is None:
+        program, args, _ = _program(trainer, plan.capacity, state, key)
+        traced = retrace(program, args, PLACED, cap)
+    return node_stages(plan, traced)
+
+
+def node_capacities(cap: int, hosted: int) -> list[int]:
+    """The node capacities (`node_capacity`) a node with ``hosted`` users can take in a cohort
+    of capacity ``cap``: below ``cap`` only (at ``cap`` the cohort's modules run).
+
+    >>> node_capacities(8, 3), node_capacities(8, 100), node_capacities(1, 1)
+    ([1, 2, 4], [1, 2, 4], [])
+    """
+    return sorted({k for h in range(1, min(hosted, cap) + 1) if (k := node_capacity(h)) < cap})
+
+
+def node_capacity(hosted: int) -> int:
+    """The clients dim of a node's modules when it hosts ``hosted`` of a round's slots: the next
+    power of two, so a node compiles few shapes."""
+    return cohort_capacity(hosted)
 
 
 class _Offline:
@@ -84,8 +118,10 @@ def capacities(trainer: FederatedTrainer) -> list[int]:
     return sorted(caps | {cohort_capacity(k) for k in range(1, population + 1)})
 
 
-def build_trust(cfg: Any, prepared: Any, run: Any) -> NodeTrust:
-    """The `NodeTrust` of a config: its client stages, resident deltas, policy and DP bound."""
+def build_trust(cfg: Any, prepared: Any, run: Any, hosted: int | None = None) -> NodeTrust:
+    """The `NodeTrust` of a config: its client stages (the cohort's and the node-shaped ones of a
+    node hosting up to ``hosted`` users, default every user), resident deltas, policy and DP
+    bound."""
     trainer = _Tracer(cfg, run, runtime=_Offline())
     trainer.prepare(_Staged(prepared))
     key = jax.random.key(0)
@@ -93,10 +129,17 @@ def build_trust(cfg: Any, prepared: Any, run: Any) -> NodeTrust:
     state = trainer.state if split is None else trainer.state.params
     stages: set[str] = set()
     resident: set[int] = set()
-    for cap in capacities(trainer):
-        plan = round_plan(trainer, cap, state, key)
+    plans = {cap: round_plan(trainer, cap, state, key) for cap in capacities(trainer)}
+    retraced: dict[int, Plan] = {}
+    for cap, plan in plans.items():
         stages |= plan_signatures(plan)
         resident |= resident_vars(plan)
+        for k in node_capacities(cap, trainer.clients.num_users if hosted is None else hosted):
+            if k not in plans and k not in retraced:
+                retraced[k] = retrace(*_program(trainer, cap, state, key)[:2], PLACED, k)
+            shaped = node_stages(plan, plans.get(k) or retraced[k])
+            if shaped is not None:
+                stages |= plan_signatures(plan, shaped)
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     distributed = p.enabled and p.mechanism == "distributed"
     policy = dp = None
@@ -109,17 +152,19 @@ def build_trust(cfg: Any, prepared: Any, run: Any) -> NodeTrust:
     return NodeTrust(frozenset(stages), frozenset(resident), policy, dp, str(prepared.fingerprint))
 
 
-def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[str, ...] = ()) -> Path:
+def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[str, ...] = (),
+                   hosted: int | None = None) -> Path:
     """`build_trust` of one config, or the merge (`NodeTrust.merge`) of several on the same
     data, with the nodes' public keys (``nodes``, `memaudit.federated.flower.identity`), as
-    JSON at ``path`` (atomic)."""
+    JSON at ``path`` (atomic). ``hosted``: the most users a node hosts."""
     cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
-    trust = build_trust(cfgs[0], prepared, run)
+    trust = build_trust(cfgs[0], prepared, run, hosted)
     for cfg in cfgs[1:]:
-        trust = trust.merge(build_trust(cfg, prepared, run))
+        trust = trust.merge(build_trust(cfg, prepared, run, hosted))
     trust = dataclasses.replace(trust, nodes=tuple(nodes))
     atomic_write_json(Path(path), trust.to_json())
     return Path(path)
 
 
-__all__ = ["PLACED", "build_trust", "capacities", "data_struct", "round_plan", "write_manifest"]
+__all__ = ["PLACED", "build_trust", "capacities", "data_struct", "node_capacities", "node_capacity",
+           "node_plan", "round_plan", "write_manifest"]

@@ -99,7 +99,8 @@ def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
     for i, key in enumerate(keys):
         write_node_key(out / f"node-{i}.secagg.key", key)
     path = (write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json",
-                           nodes=tuple(public_hex(k) for k in keys)) if manifest else None)
+                           nodes=tuple(public_hex(k) for k in keys), hosted=max(len(b) for b in blocks))
+            if manifest else None)
     return {"partitions": files, "users": [len(b) for b in blocks], "manifest": None if path is None else str(path),
             "node_keys": [str(out / f"node-{i}.secagg.key") for i in range(len(keys))],
             "tokenizer": str(scratch.data_dir / "tokenizer")}

@@ -42,7 +42,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -98,10 +97,7 @@ class Plan:
     modules: dict[int, bytes] = dataclasses.field(default_factory=dict)
     server_fns: dict[int, Callable] = dataclasses.field(default_factory=dict)
     resident_out: frozenset[int] = frozenset()  # positions of outputs that stay on the nodes
-
-    def module_key(self, stage: int) -> str:
-        """A stable name of client stage ``stage``'s module (nodes cache modules by it)."""
-        return hashlib.sha256(self.modules[stage]).hexdigest()[:24]
+    ops: tuple = ()  # every equation of the inlined round, in trace order (`node_stages`)
 
     @property
     def client_stages(self) -> list[Stage]:
@@ -323,7 +319,7 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     if gathered:
         stages = _gather_inputs(stages, gathered)
     return Plan(capacity, stages, invars, consts, outvars, jax.tree.structure(t.out_shape),
-                data_leaves, num.avals, resident_out=res_out)
+                data_leaves, num.avals, resident_out=res_out, ops=tuple(ops))
 
 
 @dataclasses.dataclass
@@ -360,13 +356,18 @@ def _inline_program(program: Callable, args: Sequence[Any]) -> _Traced:
 
 def _grown(args: Sequence[Any], placed: Mapping[str, str]) -> tuple:
     """``args`` with one more client: each clients-placed leaf's leading dim plus one."""
-    def grow(path, x):
+    return _resized(args, placed, lambda n: n + 1)
+
+
+def _resized(args: Sequence[Any], placed: Mapping[str, str], size: Callable[[int], int]) -> tuple:
+    """``args`` with each clients-placed leaf's leading dim n replaced by ``size(n)``."""
+    def resize(path, x):
         if jax.tree_util.keystr(path) not in placed:
             return x
         shape = np.shape(x)
-        return jax.ShapeDtypeStruct((shape[0] + 1, *shape[1:]), jax.numpy.result_type(x))
+        return jax.ShapeDtypeStruct((size(shape[0]), *shape[1:]), jax.numpy.result_type(x))
 
-    return jax.tree_util.tree_map_with_path(grow, tuple(args))
+    return jax.tree_util.tree_map_with_path(resize, tuple(args))
 
 
 def _follows_capacity(t: _Traced, grown: _Traced, capacity: int) -> list[bool]:
@@ -508,24 +509,148 @@ def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, st
     """`trace` the round, export its client stages (``jax.export``, serialised StableHLO a node
     runs without the algorithm's code) and jit its server stages."""
     plan = trace(program, args, placed, capacity, resident)
-    # A module's source locations name the innermost frame only, never the caller's: the same
-    # program exports to the same bytes wherever it is traced from (the server, or the stage
-    # manifest the nodes check those bytes against).
+    for st in plan.stages:
+        if st.kind == SERVER:
+            plan.server_fns[st.index] = jax.jit(stage_function(st))
+        else:
+            plan.modules[st.index] = _export(st, plan.avals)
+    return plan
+
+
+def _export(stage: Stage, avals: Mapping[int, Any]) -> bytes:
+    """Client stage ``stage`` exported at ``avals`` (serialised ``jax.export`` bytes). A module's
+    source locations name the innermost frame only, never the caller's: the same program exports
+    to the same bytes wherever it is traced from (the server, or the stage manifest the nodes
+    check those bytes against)."""
     full = jax.config.jax_include_full_tracebacks_in_locations
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
     try:
-        for st in plan.stages:
-            fn = stage_function(st)
-            if st.kind == SERVER:
-                plan.server_fns[st.index] = jax.jit(fn)
-                continue
-            structs = [_struct(plan.avals[i]) for i in st.inputs]
-            exp = export.export(jax.jit(fn), platforms=STAGE_PLATFORMS)(*structs)
-            plan.modules[st.index] = bytes(exp.serialize())
+        structs = [_struct(avals[i]) for i in stage.inputs]
+        return bytes(export.export(jax.jit(stage_function(stage)), platforms=STAGE_PLATFORMS)(*structs).serialize())
     finally:
         jax.config.update("jax_include_full_tracebacks_in_locations", full)
-    return plan
 
 
 def _struct(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+# ------------------------------------------------------------------ node-shaped client stages
+@dataclasses.dataclass(frozen=True)
+class NodeStages:
+    """A plan's client stages for a node that hosts at most ``capacity`` of the cohort's slots:
+    the same equations, wiring and var ids as the plan's, traced with ``capacity`` client rows
+    instead of the cohort's, so a node computes its own clients only (not the whole cohort with
+    zero rows for the clients of other nodes).
+
+    ``modules[i]``: client stage i's module; ``rows_in``: the server inputs of client stages
+    that carry one row per client (the round's per-client keys), of which the server sends the
+    node its slots' rows only.
+    """
+
+    capacity: int
+    modules: dict[int, bytes]
+    rows_in: frozenset[int]
+
+
+def retrace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], capacity: int) -> Plan:
+    """The round of ``args`` (its clients-placed leaves' leading dim resized to ``capacity``)
+    traced once, its equations only (no stages): what `node_stages` takes its equations from
+    when no plan of that capacity was compiled."""
+    t = _inline_program(program, _resized(args, placed, lambda _n: capacity))
+    return Plan(capacity, [], t.invars, t.consts, t.outvars, None, {}, t.num.avals, ops=tuple(t.ops))
+
+
+def node_stages(plan: Plan, at: Plan) -> NodeStages | None:
+    """``plan``'s client stages for a node hosting at most ``at.capacity`` < ``plan.capacity``
+    slots, their equations taken from ``at``: the same round traced with that many clients
+    (`compile_plan`, whose modules are reused where its stage is the same, or `retrace`).
+
+    The node-shaped stages compute each client's rows as the cohort's stages do only when the
+    clients count enters the client stages through their rows alone. So None, and the node runs
+    the cohort's modules, when it enters otherwise:
+    - the two traces differ in structure;
+    - a literal or constant a client stage reads differs (a 1/n inside a client stage);
+    - an ``iota`` in a client stage spans the clients (a client's row index);
+    - a value crossing a client stage's boundary changes shape other than in its leading
+      clients dim (sums none at all).
+    """
+    cap = at.capacity
+    if cap >= plan.capacity or not plan.ops:
+        return None
+    if (len(at.ops) != len(plan.ops) or at.invars != plan.invars or set(at.consts) != set(plan.consts)
+            or any(a.outs != b.outs or a.eqn.primitive is not b.eqn.primitive
+                   for a, b in zip(plan.ops, at.ops, strict=True))):
+        return None
+    index = {id(op): k for k, op in enumerate(plan.ops)}
+    kept = {i for st in plan.client_stages for i in st.outputs if i not in st.sums}
+    compiled = {st.index: st for st in at.client_stages}
+    modules: dict[int, bytes] = {}
+    rows_in: set[int] = set()
+    for st in plan.client_stages:
+        ops = tuple(at.ops[index[id(op)]] for op in st.ops)
+        if not all(_same_op(a, b) for a, b in zip(st.ops, ops, strict=True)):
+            return None
+        for i in (*st.inputs, *st.outputs):
+            full, mine = tuple(plan.avals[i].shape), tuple(at.avals[i].shape)
+            per_client = full[:1] == (plan.capacity,) and mine == (cap, *full[1:])
+            if i in plan.consts and not _same_value(plan.consts[i], at.consts[i]):
+                return None
+            if i in st.sums or (i in st.inputs and i not in kept and i not in plan.data_leaves):
+                if full != mine:  # a server value read by the clients: the same, or one row each
+                    if i in st.sums or not per_client:
+                        return None
+                    rows_in.add(i)
+            elif not per_client:  # data, kept and gathered values: one row per client
+                return None
+        mine_st = dataclasses.replace(st, ops=ops)
+        same = compiled.get(st.index)
+        if same is not None and same == mine_st and st.index in at.modules:
+            modules[st.index] = at.modules[st.index]
+        else:
+            modules[st.index] = _export(mine_st, at.avals)
+    return NodeStages(cap, modules, frozenset(rows_in))
+
+
+def _same_op(a: Op, b: Op) -> bool:
+    """Whether two traces' equation is the same but for the clients count in its shapes."""
+    if a.eqn.primitive is not b.eqn.primitive or a.outs != b.outs or len(a.ins) != len(b.ins):
+        return False
+    for x, y in zip(a.ins, b.ins, strict=True):
+        if isinstance(x, Lit) != isinstance(y, Lit):
+            return False
+        if (x != y) if not isinstance(x, Lit) else not _same_value(x.value, y.value):
+            return False
+    fa, fb = _fingerprint(a.eqn), _fingerprint(b.eqn)
+    return len(fa) == len(fb) and all(_same_value(x, y) for x, y in zip(fa, fb, strict=True))
+
+
+def _fingerprint(eqn: Any) -> list[Any]:
+    """The values in ``eqn`` the clients count could change besides shapes: the literals and
+    constants of its sub-jaxprs and the shape of every ``iota`` (its own or a sub-jaxpr's)."""
+    out: list[Any] = []
+    if eqn.primitive.name == "iota":
+        out.append(np.asarray(eqn.params["shape"]))
+    for v in eqn.params.values():
+        for sub in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(sub, jcore.ClosedJaxpr):
+                out += list(sub.consts)
+                sub = sub.jaxpr
+            if isinstance(sub, jcore.Jaxpr):
+                for e in sub.eqns:
+                    out += [x.val for x in e.invars if isinstance(x, jcore.Literal)]
+                    out += _fingerprint(e)
+    return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal shapes and elements (typed PRNG keys by their key data)."""
+    def data(x: Any) -> Any:
+        dtype = getattr(x, "dtype", None)
+        return jax.random.key_data(x) if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else x
+
+    try:
+        a, b = data(a), data(b)
+        return np.shape(a) == np.shape(b) and bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except (TypeError, ValueError):
+        return False

@@ -43,7 +43,7 @@ from memaudit.federated.algorithms import host_metrics
 from memaudit.federated.flower import deploy, wire
 from memaudit.federated.flower.execute import Refusal, Resident, call_to_wire, run_plan
 from memaudit.federated.flower.guard import SecAggGuard
-from memaudit.federated.flower.manifest import data_struct, round_plan
+from memaudit.federated.flower.manifest import data_struct, node_capacity, node_plan, round_plan
 from memaudit.federated.flower.nodes import client_digests
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 from memaudit.federated.secagg.messages import SecAggError
@@ -183,6 +183,7 @@ class FlowerRuntime:
     def __init__(self, nodes: Any) -> None:
         self.nodes = nodes
         self._plans: dict[int, Any] = {}
+        self._shaped: dict[tuple[int, int], Any] = {}
         self.user_node: dict[str, int] = {}
 
     def mesh(self, cfg: Any, shape: Any) -> None:
@@ -205,6 +206,18 @@ class FlowerRuntime:
             self._plans[cap] = round_plan(trainer, cap, state, key)
         return self._plans[cap]
 
+    def node_stages(self, trainer: FederatedTrainer, plan: Any, state: Any, key: Any) -> Any:
+        """hosted -> the client stages shaped for a node hosting that many of the round's slots
+        (`memaudit.federated.flower.manifest.node_plan`, traced once per node capacity), or None
+        for the cohort's."""
+        def shaped(hosted: int) -> Any:
+            k = node_capacity(hosted)
+            if (plan.capacity, k) not in self._shaped:
+                self._shaped[(plan.capacity, k)] = node_plan(trainer, plan, k, state, key, self._plans.get(k))
+            return self._shaped[(plan.capacity, k)]
+
+        return shaped
+
     def round(self, trainer: FederatedTrainer, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
         cap = trainer.round_capacity(len(cohort))
         assignment: dict[int, list[tuple[int, str]]] = {}
@@ -216,7 +229,8 @@ class FlowerRuntime:
             return self._host_round(trainer, split, cap, state, assignment, r, key)
         plan = self.plan(trainer, cap, state, key)
         (state, metrics), info = run_plan(plan, (state, data_struct(trainer.clients, cap), key), self.nodes,
-                                           assignment, round=r)
+                                           assignment, round=r,
+                                           node_stages=self.node_stages(trainer, plan, state, key))
         state = jax.tree.map(jnp.asarray, state)
         m = host_metrics(*metrics)
         m.update(dropped_users=len(info["dropped_slots"]), dropped_nodes=len(info["dropped_nodes"]),
@@ -231,7 +245,8 @@ class FlowerRuntime:
         client_key, agg_key = jax.random.split(key)
         plan = self.plan(trainer, cap, state.params, client_key)
         out, info = run_plan(plan, (state.params, data_struct(trainer.clients, cap), client_key), self.nodes,
-                              assignment, round=r)
+                              assignment, round=r,
+                              node_stages=self.node_stages(trainer, plan, state.params, client_key))
         leaves, treedef = jax.tree.flatten(out.deltas, is_leaf=lambda x: isinstance(x, Resident))
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
         shapes = tuple((tuple(x.aval.shape[1:]), x.aval.dtype.name) for x in leaves)
