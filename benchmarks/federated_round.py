@@ -392,9 +392,18 @@ def main(argv=None) -> dict:
                     help="also the Flower runs without the nodes' resident processes, side by side")
     ap.add_argument("--flower-hbc", action="store_true",
                     help="add a Flower run with the honest-but-curious secure-aggregation protocol")
+    ap.add_argument("--node-shapes", action="store_true",
+                    help="only the node-shapes table: the partitioned round on nodes in this process, "
+                         "their stages shaped for the cohort and for the slots each node hosts")
+    ap.add_argument("--node-counts", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="nodes in the node-shapes table (the cohort's clients dealt evenly)")
     args = ap.parse_args(argv)
     if args.reduced:
         args.seq, args.repeats = 32, 3
+    if args.node_shapes:
+        out = bench_node_shapes(args)
+        print(json.dumps(out, indent=2))
+        return out
     if args.layouts_only or args.flower_only:
         args.cohorts = []
     params = init_params()
@@ -456,6 +465,65 @@ def main(argv=None) -> dict:
     }
     print(json.dumps(out, indent=2))
     return out
+
+
+def bench_node_shapes(args) -> dict:
+    """The partitioned FedAvg round (`memaudit.federated.flower.execute.run_plan`) on nodes in
+    this process, each hosting an even share of the cohort: every node running the cohort's
+    client stage (zero rows for the other nodes' clients) against each running the stage shaped
+    for its own slots (`memaudit.federated.flower.partition.node_stages`). Times are the whole
+    round: the nodes' stages one after the other (as one host runs them), the server's stages."""
+    from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
+    from memaudit.federated.flower.manifest import MAP_STRATEGY, node_capacity
+    from memaudit.federated.flower.partition import compile_plan, node_stages, retrace
+
+    cohort = args.cohorts[0]
+    placed = {"[1].examples['tokens']": "tokens", "[1].mask": "example_mask"}
+    rng = np.random.default_rng(cohort)
+    tokens = rng.integers(0, VOCAB, size=(cohort, args.examples, args.seq), dtype=np.int32)
+    algo = fedavg(loss_fn, client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
+                  local_steps=args.local_steps, batch_size=args.batch, map_strategy=MAP_STRATEGY)
+    state, key = algo.init(init_params()), jax.random.PRNGKey(0)
+    struct = ClientData({"tokens": jax.ShapeDtypeStruct(tokens.shape, np.int32)},
+                        jax.ShapeDtypeStruct((cohort, args.examples), np.float32))
+    args_ = (state, struct, key)
+    plan = compile_plan(algo.round.program, args_, placed, cohort)
+    want = algo.round.program(state, ClientData({"tokens": tokens}, np.ones((cohort, args.examples), np.float32)), key)[0]
+    compiles = _CompileCounter()
+    rows = []
+    for n_nodes in args.node_counts:
+        blocks = np.array_split(np.arange(cohort), n_nodes)
+        executors = {i: NodeExecutor([f"u{s}" for s in b], {"tokens": tokens[b], "example_mask": np.ones((len(b), args.examples), np.float32)})
+                     for i, b in enumerate(blocks)}
+        assignment = {i: [(int(s), f"u{s}") for s in b] for i, b in enumerate(blocks)}
+        k = node_capacity(max(len(b) for b in blocks))
+        t0 = time.perf_counter()
+        shaped = node_stages(plan, retrace(algo.round.program, args_, placed, k)) if k < cohort else None
+        trace_s = time.perf_counter() - t0
+        results = {}
+
+        def run(use, results=results, executors=executors, assignment=assignment, shaped=shaped, name=""):
+            (got, _), _ = run_plan(plan, args_, LocalNodes(executors), assignment, round=0,
+                                   node_stages=(lambda _h: shaped) if use else None)
+            results[use] = _block(got.params)
+
+        runners = {"cohort_shaped": lambda: run(False), "node_shaped": lambda: run(True)}
+        for fn in runners.values():
+            fn()  # each node compiles its module
+        stats = _interleaved(runners, args.repeats, compiles)
+        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(results[True]),
+                                                                    jax.tree.leaves(results[False]), strict=True))
+        ref = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(results[True]),
+                                                                   jax.tree.leaves(want.params), strict=True))
+        rows.append({"nodes": n_nodes, "node_capacity": k if shaped is not None else cohort,
+                     "cohort_shaped_s": stats["cohort_shaped"]["wall"], "node_shaped_s": stats["node_shaped"]["wall"],
+                     "ratio": stats["node_shaped"]["wall"] / stats["cohort_shaped"]["wall"],
+                     "node_shaped_trace_s": trace_s, "max_weight_diff": diff, "max_diff_vs_in_jax": ref})
+    return {"benchmark": "federated_round --node-shapes", "model": "MLP causal LM (plain JAX)",
+            "cohort": cohort, "local_steps": args.local_steps, "batch": args.batch, "seq": args.seq,
+            "examples": args.examples, "repeats": args.repeats, "map_strategy": MAP_STRATEGY,
+            "statistic": "median wall seconds per round, variants interleaved", "devices": len(jax.devices()),
+            "jax": jax.__version__, "results": rows}
 
 
 def bench_flower(args) -> dict:

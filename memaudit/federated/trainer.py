@@ -123,7 +123,11 @@ def make_loss_fn(model: Any) -> Callable:
 
 
 class Runtime(Protocol):
-    """Where a federated round's client computation runs (composed into `FederatedTrainer`)."""
+    """Where a federated round's client computation runs (composed into `FederatedTrainer`);
+    ``map_strategy``: how the round's program runs the clients' local training
+    (`memaudit.federated.federated_map`)."""
+
+    map_strategy: str
 
     def mesh(self, cfg: Config, shape: Any) -> Any:
         """The device mesh the server's process shards clients over (None: none)."""
@@ -135,6 +139,8 @@ class Runtime(Protocol):
 
 class InProcess:
     """Every client in this JAX program, sharded over the ``clients`` mesh axis."""
+
+    map_strategy = "auto"
 
     def mesh(self, cfg: Config, shape: Any) -> Any:
         return build_mesh(cfg.federated.mesh_clients, cfg.federated.mesh_model, shape)
@@ -273,11 +279,12 @@ class FederatedTrainer:
         loss_rng = lora is not None and lora.dropout > 0  # adapter dropout: a key per client step
         if f.algorithm == "fedsgd":  # without DP or secure aggregation (checks refuse it)
             return alg.fedsgd(loss_fn, server_optimizer=server_opt, weighting=weighting, mesh=self.mesh,
-                              loss_rng=loss_rng)
+                              loss_rng=loss_rng, map_strategy=self.runtime.map_strategy)
         return alg.fedavg(
             loss_fn, client_optimizer=alg.make_client_optimizer(f.client_optimizer, f.client_lr),
             server_optimizer=server_opt, local_steps=f.local_steps, batch_size=f.local_batch_size,
             aggregator=self.build_aggregator(), weighting=weighting, mesh=self.mesh, loss_rng=loss_rng,
+            map_strategy=self.runtime.map_strategy,
         )
 
     def _server_lr(self) -> float:

@@ -16,8 +16,14 @@ from jax import export
 from memaudit.federated import algorithms as alg
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
-from memaudit.federated.flower.partition import (CLIENT, STAGE_PLATFORMS, PlanError, compile_plan, node_stages,
-                                                 retrace)
+from memaudit.federated.flower.partition import (
+    CLIENT,
+    STAGE_PLATFORMS,
+    PlanError,
+    compile_plan,
+    node_stages,
+    retrace,
+)
 
 U, S, CAP = 6, 3, 4
 PLACED = {"[1].examples['x']": "x", "[1].examples['y']": "y", "[1].mask": "example_mask"}
@@ -129,7 +135,7 @@ def _compute_two_rounds(kind, users, dead, dead_slots, shaped=False):
             plan = compile_plan(a.round.program, args, PLACED, CAP)
             shape = node_stages(plan, retrace(a.round.program, args, PLACED, 2)) if shaped else None
         (got, _), info = run_plan(plan, args, nodes, _assignment(), round=r,
-                                   node_stages=(lambda _h: shape) if shaped else None)
+                                   node_stages=(lambda _h, s=shape: s) if shaped else None)
     return ref, got, plan, {**info, "calls": nodes.calls} if shaped else info
 
 
@@ -195,9 +201,33 @@ def test_a_client_stage_that_reads_the_cohort_size_keeps_the_cohorts_modules(use
         assert plan.client_stages and (mine is not None) is shaped
         if shaped:
             (_, want), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0)
-            (_, got), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0, node_stages=lambda _h: mine)
+            (_, got), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0, node_stages=lambda _h, m=mine: m)
             (_, ref) = prog(_params(), _cohort_data(users), jax.random.key(0))
             assert float(got) == float(want) and abs(float(got) - float(ref)) <= 1e-5 * abs(float(ref))
+
+
+def test_vmaps_local_training_is_refused_rather_than_run_on_the_clients_tokens_on_the_server(users, monkeypatch):
+    """FedAvg with vmap's local training (what "auto" picks off the CPU): the batched loop over
+    the local steps stacks its losses with the clients dim second, so it is no client equation,
+    and the server would run it on the rows the nodes send of a copy of their users' examples
+    (before: it did, the token rows gathered). The plan is refused in one line; the Flower
+    runtime traces its rounds with the scan strategy on every backend, which partitions."""
+    from memaudit.federated.flower.manifest import MAP_STRATEGY
+    from memaudit.federated.flower.trainer import FlowerRuntime
+
+    a = alg.fedavg(_loss, client_optimizer=optax.sgd(0.2), server_optimizer=optax.sgd(1.0),
+                   local_steps=2, batch_size=2, map_strategy="vmap")
+    args = (a.init(_params()), _struct(_cohort_data(users)), jax.random.key(0))
+    with pytest.raises(PlanError, match=r"reads the client data [xy] on the server \(a copy"):
+        compile_plan(a.round.program, args, PLACED, CAP)
+    assert FlowerRuntime.map_strategy == MAP_STRATEGY == "scan"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # "auto" would pick vmap here
+    a = alg.fedavg(_loss, client_optimizer=optax.sgd(0.2), server_optimizer=optax.sgd(1.0),
+                   local_steps=2, batch_size=2, map_strategy=MAP_STRATEGY)
+    plan = compile_plan(a.round.program, args, PLACED, CAP)
+    rows = set().union(*(st.rows for st in plan.client_stages))
+    assert not any(isinstance(i, int) and i in rows for st in plan.stages if st.kind != CLIENT for op in st.ops
+                   if op.eqn.primitive.name not in ("federated_sum", "federated_mean") for i in op.ins)
 
 
 def test_fedsgd_backward_pass_is_a_second_client_stage(users):

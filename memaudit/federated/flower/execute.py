@@ -148,7 +148,9 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
             outs = plan.server_fns[st.index](*[env[i] for i in st.inputs])
             env.update(zip(st.outputs, outs, strict=True))
             continue
-        calls = {node: _call(plan, st, env, resident, assignment[node], round,
+        wired = _wiring(plan, st, resident)
+        served = {ref: np.asarray(env[ref]) for kind, ref in wired[0] if kind == "server"}  # once, not per node
+        calls = {node: _call(plan, st, wired, served, assignment[node], round,
                              node_stages(len(assignment[node])) if node_stages else None)
                  for node in alive}
         replies = {n: r for n, r in dict(nodes.run_stage(calls)).items() if n in calls}  # asked nodes only
@@ -209,11 +211,12 @@ def _wiring(plan: Plan, st: Stage, resident: set[int]) -> tuple[list[tuple[str, 
     return inputs, outputs
 
 
-def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tuple[int, str]],
-          round: int, shaped: NodeStages | None = None) -> StageCall:
-    """Client stage ``st`` for a node hosting ``hosted`` (slot, user): the cohort's module, or
-    the node-shaped one of ``shaped`` with the per-client server inputs cut to the node's rows."""
-    wired, outputs = _wiring(plan, st, resident)
+def _call(plan: Plan, st: Stage, wiring: tuple[list, list[str]], served: dict[int, np.ndarray],
+          hosted: list[tuple[int, str]], round: int, shaped: NodeStages | None = None) -> StageCall:
+    """Client stage ``st`` (its `_wiring`, the server values it reads ``served``) for a node
+    hosting ``hosted`` (slot, user): the cohort's module, or the node-shaped one of ``shaped``
+    with the per-client server inputs cut to the node's rows."""
+    wired, outputs = wiring
     slots = [s for s, _ in hosted]
     module, rows = plan.modules[st.index], slots
     if shaped is not None:
@@ -223,12 +226,12 @@ def _call(plan: Plan, st: Stage, env: dict, resident: set[int], hosted: list[tup
         if kind != "server":
             inputs.append((kind, ref))
         elif shaped is not None and ref in shaped.rows_in:
-            full = np.asarray(env[ref])
+            full = served[ref]
             mine = np.zeros((shaped.capacity, *full.shape[1:]), full.dtype)
             mine[rows] = full[slots]
             inputs.append((kind, mine))
         else:
-            inputs.append((kind, np.asarray(env[ref])))
+            inputs.append((kind, served[ref]))
     return StageCall(module, hashlib.sha256(module).hexdigest()[:24], round, st.index, inputs,
                      outputs, list(st.outputs), slots, [u for _, u in hosted], rows)
 

@@ -83,8 +83,16 @@ def node_capacity(hosted: int) -> int:
     return cohort_capacity(hosted)
 
 
+MAP_STRATEGY = "scan"
+"""How a round on Flower runs the clients' local training (`FlowerRuntime`): one client after
+the other, on any backend (vmap's loop would read the clients' data on the server)."""
+
+
 class _Offline:
-    """A runtime that connects to nothing (the manifest only traces the round)."""
+    """A runtime that connects to nothing (the manifest only traces the round, as the server
+    traces it)."""
+
+    map_strategy = MAP_STRATEGY
 
     def mesh(self, cfg: Any, shape: Any) -> None:
         return None
@@ -166,5 +174,5 @@ def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[
     return Path(path)
 
 
-__all__ = ["PLACED", "build_trust", "capacities", "data_struct", "node_capacities", "node_capacity",
+__all__ = ["MAP_STRATEGY", "PLACED", "build_trust", "capacities", "data_struct", "node_capacities", "node_capacity",
            "node_plan", "round_plan", "write_manifest"]

@@ -309,6 +309,13 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     if any(outvars[k] in s.rows or outvars[k] in s.sums for s in stages for k in res_out):
         raise PlanError("an output meant to stay on the nodes is also read by the server; "
                         "aggregate it inside the program instead")
+    copies = _copies(ops, data_leaves)
+    for s in stages:  # nor a copy of it a client stage would send
+        leak = next((i for i in s.inputs if i in copies and i not in data_leaves), None) if s.kind == SERVER else None
+        if leak is not None:
+            raise PlanError(f"the program reads the client data {copies[leak]} on the server (a copy of it "
+                            "that a client stage would send); compute what it needs inside federated_map "
+                            "and aggregate it (a round with vmap's local training: use map_strategy='scan')")
     gathered = []
     for i, name in data_leaves.items():  # raw client data must not be read on the server
         if any(i in s.inputs for s in stages if s.kind == SERVER):
@@ -391,6 +398,27 @@ def _follows_capacity(t: _Traced, grown: _Traced, capacity: int) -> list[bool]:
                 and _leading(grown.num.avals[g], capacity + 1)
                 for o, g in zip(a.outs, b.outs, strict=True))
             for a, b in zip(t.ops, grown.ops, strict=True)]
+
+
+MOVES = frozenset({
+    "select_n", "slice", "dynamic_slice", "gather", "squeeze", "reshape", "transpose", "broadcast_in_dim",
+    "convert_element_type", "copy", "copy_p", "concatenate", "pad", "rev", "expand_dims",
+    "dynamic_update_slice", "bitcast_convert_type", "reduce_precision", "optimization_barrier",
+    "stop_gradient", "device_put", "sharding_constraint"})
+"""Equations that move or relabel their inputs' elements without computing on them: what they
+make from the clients' data is that data."""
+
+
+def _copies(ops: list[Op], data: Mapping[int, str]) -> dict[int, str]:
+    """Var ids holding the clients' data (not their example masks) or a copy of it made by
+    `MOVES` equations (a slot's tokens selected, sliced, looked up, cast), with the leaf's name."""
+    out = {i: name for i, name in data.items() if not name.endswith("mask")}
+    for op in ops:
+        if op.eqn.primitive.name in MOVES:
+            src = next((out[i] for i in op.ins if isinstance(i, int) and i in out), None)
+            if src is not None:
+                out.update(dict.fromkeys(op.outs, src))
+    return out
 
 
 def _placement(ops: list[Op], per_client: list[bool], data: set[int]) -> tuple[list[str], set[int]]:

@@ -43,7 +43,13 @@ from memaudit.federated.algorithms import host_metrics
 from memaudit.federated.flower import deploy, wire
 from memaudit.federated.flower.execute import Refusal, Resident, call_to_wire, run_plan
 from memaudit.federated.flower.guard import SecAggGuard
-from memaudit.federated.flower.manifest import data_struct, node_capacity, node_plan, round_plan
+from memaudit.federated.flower.manifest import (
+    MAP_STRATEGY,
+    data_struct,
+    node_capacity,
+    node_plan,
+    round_plan,
+)
 from memaudit.federated.flower.nodes import client_digests
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 from memaudit.federated.secagg.messages import SecAggError
@@ -178,7 +184,16 @@ def _stage_reply(body: Any) -> Any:
 # ------------------------------------------------------------------ the runtime
 class FlowerRuntime:
     """The Flower runtime of `FederatedTrainer`: each round runs the partitioned program against
-    ``nodes`` (`FlowerNodes`, or any `memaudit.federated.flower.execute.Nodes`)."""
+    ``nodes`` (`FlowerNodes`, or any `memaudit.federated.flower.execute.Nodes`).
+
+    The round is traced with the clients' local training one client after the other (``scan``),
+    whatever the server's backend: vmap's batched local-training loop stacks its per-step losses
+    with the clients dim second, so the partitioner cannot place that loop on the clients, and
+    it would read the clients' token ids on the server (`memaudit.federated.flower.partition`
+    refuses that). Each node loops over its own clients.
+    """
+
+    map_strategy = MAP_STRATEGY
 
     def __init__(self, nodes: Any) -> None:
         self.nodes = nodes
