@@ -95,6 +95,16 @@ of rounds 2-4): in JAX 0.87 s and 1.48 s with secure aggregation; Flower with re
 5.81 s and 32.5 s; a process per message 9.19 s and 45.4 s (resident 1.58x and 1.40x faster).
 The rest is Flower 1.42's polling (docs/flower.md, Cost).
 
+A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
+nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
+stages against each running the stages shaped for its own slots
+(`memaudit.federated.flower.partition.node_stages`), interleaved, plus the bytes a node's
+secure-aggregation client phase takes in and gives out. Measured 2026-12-04 (cohort 16, seq 64,
+2 cores, median of 3): node-shaped/cohort-shaped round time 1.03, 0.98, 1.00, 0.95, 0.92 on 1,
+2, 4, 8, 16 nodes; the client phase per node 85.3 MiB -> 45.1, 25.1, 15.0, 10.0 MiB; weights
+equal (0.0). docs/flower.md ("Stages shaped for the node") has the table.
+
+    python benchmarks/federated_round.py --node-shapes  # the node-shapes table alone
     python benchmarks/federated_round.py --flower-only  # the Flower table alone
     python benchmarks/federated_round.py                # cohorts 8 and 32, seq 64
     python benchmarks/federated_round.py --reduced      # a quick, smaller run
@@ -473,6 +483,8 @@ def bench_node_shapes(args) -> dict:
     client stage (zero rows for the other nodes' clients) against each running the stage shaped
     for its own slots (`memaudit.federated.flower.partition.node_stages`). Times are the whole
     round: the nodes' stages one after the other (as one host runs them), the server's stages."""
+    from jax import export
+
     from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
     from memaudit.federated.flower.manifest import MAP_STRATEGY, node_capacity
     from memaudit.federated.flower.partition import compile_plan, node_stages, retrace
@@ -489,6 +501,13 @@ def bench_node_shapes(args) -> dict:
     args_ = (state, struct, key)
     plan = compile_plan(algo.round.program, args_, placed, cohort)
     want = algo.round.program(state, ClientData({"tokens": tokens}, np.ones((cohort, args.examples), np.float32)), key)[0]
+    # secure aggregation's client phase: each client's delta stays on its node (resident rows)
+    from memaudit.federated.algorithms import make_client_phase
+
+    phase = make_client_phase(loss_fn, optax.sgd(0.1), local_steps=args.local_steps, batch_size=args.batch,
+                              map_strategy=MAP_STRATEGY)
+    phase_args = (state.params, struct, key)
+    phase_plan = compile_plan(phase, phase_args, placed, cohort, resident=(".deltas",))
     compiles = _CompileCounter()
     rows = []
     for n_nodes in args.node_counts:
@@ -515,7 +534,16 @@ def bench_node_shapes(args) -> dict:
                                                                     jax.tree.leaves(results[False]), strict=True))
         ref = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(results[True]),
                                                                    jax.tree.leaves(want.params), strict=True))
+        def mib(module):  # a node's arguments and results of the client stage
+            e = export.deserialize(bytearray(module))
+            return sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in [*e.in_avals, *e.out_avals]) / 2**20
+
+        stage = phase_plan.client_stages[0].index
+        phase_shaped = node_stages(phase_plan, retrace(phase, phase_args, placed, k)) if k < cohort else None
         rows.append({"nodes": n_nodes, "node_capacity": k if shaped is not None else cohort,
+                     "secagg_client_phase_io_mib": {
+                         "cohort_shaped": mib(phase_plan.modules[stage]),
+                         "node_shaped": mib((phase_shaped or phase_plan).modules[stage])},
                      "cohort_shaped_s": stats["cohort_shaped"]["wall"], "node_shaped_s": stats["node_shaped"]["wall"],
                      "ratio": stats["node_shaped"]["wall"] / stats["cohort_shaped"]["wall"],
                      "node_shaped_trace_s": trace_s, "max_weight_diff": diff, "max_diff_vs_in_jax": ref})
