@@ -230,6 +230,36 @@ def test_vmaps_local_training_is_refused_rather_than_run_on_the_clients_tokens_o
                    if op.eqn.primitive.name not in ("federated_sum", "federated_mean") for i in op.ins)
 
 
+def test_each_node_gets_its_stages_lowered_for_its_own_platform(users):
+    """A CUDA SuperNode gets modules lowered for CUDA alone and a CPU one for the CPU alone (one
+    module for both is not the CPU program bit for bit: partition.STAGE_PLATFORMS); a node runs
+    only a module lowered for its platform, and its manifest only the platforms its operator
+    wrote it for."""
+    from memaudit.federated.flower.execute import plan_signatures
+    from memaudit.federated.flower.partition import modules_for
+    from memaudit.federated.flower.trust import NodeTrust, StageRefused
+
+    a = _algorithm("fedavg")
+    args = (a.init(_params()), _struct(_cohort_data(users)), jax.random.key(0))
+    plan = compile_plan(a.round.program, args, PLACED, CAP)
+    shaped = node_stages(plan, retrace(a.round.program, args, PLACED, 2))
+    nodes = _Calls(_nodes(users))
+    _, info = run_plan(plan, args, nodes, _assignment(), round=0, platforms={"A": "cuda"},
+                       node_stages=lambda _h: shaped)
+    lowered = {c.users[0]: export.deserialize(bytearray(c.module)).platforms for c in nodes.calls}
+    assert lowered == {"u0": ("cuda",), "u3": ("cpu",)}
+    assert info["rejected_nodes"] == ["A"]  # this CPU process cannot run A's CUDA module: refused
+    cuda_call = next(c for c in nodes.calls if c.users[0] == "u0")
+    with pytest.raises(StageRefused, match="lowered for cuda; this node runs cpu"):
+        nodes.executors["A"].run(cuda_call)
+    with pytest.raises(StageRefused, match="not one of this node's"):
+        NodeTrust(frozenset(plan_signatures(plan, shaped))).check_call(cuda_call)
+    NodeTrust(frozenset(plan_signatures(plan, shaped, "cuda"))).check_call(cuda_call)
+    assert modules_for(plan, "cpu") is plan.modules and modules_for(plan, "cuda") is modules_for(plan, "cuda")
+    with pytest.raises(PlanError, match="no client stages for platform 'tpu'"):
+        modules_for(plan, "tpu")
+
+
 def test_fedsgd_backward_pass_is_a_second_client_stage(users):
     """jax.grad of the federated loss: forward on the clients, the server's sum, the backward
     on the clients over residuals that stayed on the nodes, the server's sum and update."""
@@ -405,6 +435,23 @@ def test_server_refuses_partitions_of_other_data(monkeypatch):
                      monkeypatch)
     with pytest.raises(MemauditError, match="does not match this run's data"):
         FlowerNodes(grid, FlowerConfig(min_nodes=2)).connect({"a": "d", "b": "d"})
+
+
+def test_server_learns_each_nodes_platform_and_refuses_one_it_lowers_nothing_for(monkeypatch):
+    import flwr  # noqa: F401 - installed by the set-up; missing it fails the test
+
+    from memaudit.config import FlowerConfig
+    from memaudit.errors import MemauditError
+    from memaudit.federated.flower.trainer import FlowerNodes
+
+    grid = _FakeGrid({7: {"users": ["a"], "digests": ["d"], "platform": "cuda"},
+                      9: {"users": ["b"], "digests": ["d"]}}, monkeypatch)  # (a node from before: CPU)
+    nodes = FlowerNodes(grid, FlowerConfig(min_nodes=2))
+    nodes.connect({"a": "d", "b": "d"})
+    assert nodes.platforms == {7: "cuda", 9: "cpu"}
+    grid = _FakeGrid({7: {"users": ["a"], "digests": ["d"], "platform": "tpu"}}, monkeypatch)
+    with pytest.raises(MemauditError, match="SuperNode 7 runs JAX on 'tpu', which memaudit lowers no client stages"):
+        FlowerNodes(grid, FlowerConfig(min_nodes=1)).connect({"a": "d"})
 
 
 def test_a_verification_key_directory_on_flower_is_refused_before_submitting():

@@ -102,7 +102,7 @@ def answer(kind: str, node: Callable[[], NodeExecutor], payload: bytes) -> dict[
         if kind == "hello":
             a = executor.arrays
             digests = [user_digest(a["input_ids"][k], a["example_mask"][k]) for k in range(len(executor.users))]
-            return {"users": executor.users, "digests": digests}
+            return {"users": executor.users, "digests": digests, "platform": executor.platform}
         if kind == "stage":
             outputs = executor.run(call_from_wire(wire.unpack(payload)))
             return {"outputs": {str(k): v for k, v in outputs.items()}}

@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,7 +39,16 @@ from jax import export
 
 from memaudit.federated.flower import wire
 from memaudit.federated.flower.identity import authenticated_keys, sign_keys
-from memaudit.federated.flower.partition import CLIENT, Lit, NodeStages, Plan, PlanError, Stage
+from memaudit.federated.flower.partition import (
+    CLIENT,
+    STAGE_PLATFORMS,
+    Lit,
+    NodeStages,
+    Plan,
+    PlanError,
+    Stage,
+    modules_for,
+)
 from memaudit.federated.flower.trust import NodeTrust, StageRefused, stage_signature
 from memaudit.federated.secagg.remote import STEPS, node_step
 
@@ -109,8 +118,8 @@ def _resident(plan: Plan) -> set[int]:
 
 
 def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any, list[tuple[int, str]]],
-              *, round: int, node_stages: Callable[[int], NodeStages | None] | None = None
-              ) -> tuple[Any, dict[str, Any]]:
+              *, round: int, node_stages: Callable[[int], NodeStages | None] | None = None,
+              platforms: Mapping[Any, str] | None = None) -> tuple[Any, dict[str, Any]]:
     """Run one round of ``plan``.
 
     Args:
@@ -123,6 +132,8 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
         node_stages: the client stages for a node hosting a given number of the cohort's
             slots (`memaudit.federated.flower.partition.node_stages`), or None for the
             cohort's; by default every node runs the cohort's.
+        platforms: node -> its JAX platform ("cpu", "cuda"): the stages it gets are lowered for
+            that platform alone (`memaudit.federated.flower.partition.modules_for`); default CPU.
 
     Returns:
         (outputs, info): the round's outputs (the program's output pytree; a `Resident` for
@@ -151,7 +162,8 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
         wired = _wiring(plan, st, resident)
         served = {ref: np.asarray(env[ref]) for kind, ref in wired[0] if kind == "server"}  # once, not per node
         calls = {node: _call(plan, st, wired, served, assignment[node], round,
-                             node_stages(len(assignment[node])) if node_stages else None)
+                             node_stages(len(assignment[node])) if node_stages else None,
+                             (platforms or {}).get(node, STAGE_PLATFORMS[0]))
                  for node in alive}
         replies = {n: r for n, r in dict(nodes.run_stage(calls)).items() if n in calls}  # asked nodes only
         refusals = [replies[n].reason for n in sorted(replies, key=str) if isinstance(replies[n], Refusal)]
@@ -212,15 +224,16 @@ def _wiring(plan: Plan, st: Stage, resident: set[int]) -> tuple[list[tuple[str, 
 
 
 def _call(plan: Plan, st: Stage, wiring: tuple[list, list[str]], served: dict[int, np.ndarray],
-          hosted: list[tuple[int, str]], round: int, shaped: NodeStages | None = None) -> StageCall:
+          hosted: list[tuple[int, str]], round: int, shaped: NodeStages | None = None,
+          platform: str = STAGE_PLATFORMS[0]) -> StageCall:
     """Client stage ``st`` (its `_wiring`, the server values it reads ``served``) for a node
-    hosting ``hosted`` (slot, user): the cohort's module, or the node-shaped one of ``shaped``
-    with the per-client server inputs cut to the node's rows."""
+    hosting ``hosted`` (slot, user) on ``platform``: the cohort's module, or the node-shaped one
+    of ``shaped`` with the per-client server inputs cut to the node's rows."""
     wired, outputs = wiring
     slots = [s for s, _ in hosted]
-    module, rows = plan.modules[st.index], slots
+    module, rows = modules_for(plan, platform)[st.index], slots
     if shaped is not None:
-        module, rows = shaped.modules[st.index], list(range(len(hosted)))
+        module, rows = modules_for(shaped, platform)[st.index], list(range(len(hosted)))
     inputs = []
     for kind, ref in wired:
         if kind != "server":
@@ -236,14 +249,16 @@ def _call(plan: Plan, st: Stage, wiring: tuple[list, list[str]], served: dict[in
                      outputs, list(st.outputs), slots, [u for _, u in hosted], rows)
 
 
-def plan_signatures(plan: Plan, shaped: NodeStages | None = None) -> set[str]:
+def plan_signatures(plan: Plan, shaped: NodeStages | None = None, platform: str = STAGE_PLATFORMS[0]) -> set[str]:
     """`memaudit.federated.flower.trust.stage_signature` of every client stage of ``plan`` (or
-    of its node-shaped stages ``shaped``): what a node's stage manifest allows."""
+    of its node-shaped stages ``shaped``) lowered for ``platform``: what a node's stage manifest
+    allows."""
     resident = _resident(plan)
+    modules = modules_for(plan if shaped is None else shaped, platform)
     out = set()
     for st in plan.client_stages:
         inputs, outputs = _wiring(plan, st, resident)
-        module = plan.modules[st.index] if shaped is None else shaped.modules[st.index]
+        module = modules[st.index]
         out.add(stage_signature(StageCall(module, "", 0, st.index, inputs, outputs,
                                           list(st.outputs), [], [], [])))
     return out
@@ -306,6 +321,7 @@ class NodeExecutor:
         if trust is not None and trust.nodes and identity is None:
             raise ValueError("a manifest that lists node keys needs this node's identity")
         self.protocol: dict[int, dict] = {}  # secure-aggregation state by round (store_dir None)
+        self.platform = node_platform()
 
     def _keep(self, round: int, var: int, value: Any) -> None:
         if self.store_dir is None:
@@ -440,6 +456,9 @@ class NodeExecutor:
         """
         self._check(call)
         exp, fn = self._module(call)
+        if self.platform not in exp.platforms:
+            raise StageRefused(f"the stage is lowered for {', '.join(exp.platforms)}; this node runs "
+                               f"{self.platform} (the server exports each node's stages for its platform)")
         self.store = {k: v for k, v in self.store.items() if k[0] == call.round}
         # the module's clients dim: its data inputs' and per-client outputs' leading dim
         width = min([a.shape[0] for (kind, _), a in zip(call.inputs, exp.in_avals, strict=True) if kind == "data"]
@@ -466,6 +485,12 @@ class NodeExecutor:
             elif mode == SUM:
                 reply[k] = np.asarray(out)
         return reply
+
+
+def node_platform() -> str:
+    """This process's JAX platform as a stage is lowered for it ("cpu", "cuda", "rocm", ...)."""
+    backend = jax.default_backend()
+    return "cuda" if backend == "gpu" else backend
 
 
 class LocalNodes:

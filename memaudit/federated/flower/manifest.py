@@ -22,7 +22,14 @@ import numpy as np
 
 from memaudit.federated.cohorts import ClientData, cohort_capacity
 from memaudit.federated.flower.execute import plan_signatures, resident_vars
-from memaudit.federated.flower.partition import NodeStages, Plan, compile_plan, node_stages, retrace
+from memaudit.federated.flower.partition import (
+    STAGE_PLATFORMS,
+    NodeStages,
+    Plan,
+    compile_plan,
+    node_stages,
+    retrace,
+)
 from memaudit.federated.flower.trust import DPBound, NodeTrust
 from memaudit.federated.trainer import FederatedTrainer
 from memaudit.io import atomic_write_json
@@ -126,10 +133,11 @@ def capacities(trainer: FederatedTrainer) -> list[int]:
     return sorted(caps | {cohort_capacity(k) for k in range(1, population + 1)})
 
 
-def build_trust(cfg: Any, prepared: Any, run: Any, hosted: int | None = None) -> NodeTrust:
+def build_trust(cfg: Any, prepared: Any, run: Any, hosted: int | None = None,
+                platforms: tuple[str, ...] = STAGE_PLATFORMS) -> NodeTrust:
     """The `NodeTrust` of a config: its client stages (the cohort's and the node-shaped ones of a
-    node hosting up to ``hosted`` users, default every user), resident deltas, policy and DP
-    bound."""
+    node hosting up to ``hosted`` users, default every user; lowered for each of ``platforms``),
+    resident deltas, policy and DP bound."""
     trainer = _Tracer(cfg, run, runtime=_Offline())
     trainer.prepare(_Staged(prepared))
     key = jax.random.key(0)
@@ -140,14 +148,14 @@ def build_trust(cfg: Any, prepared: Any, run: Any, hosted: int | None = None) ->
     plans = {cap: round_plan(trainer, cap, state, key) for cap in capacities(trainer)}
     retraced: dict[int, Plan] = {}
     for cap, plan in plans.items():
-        stages |= plan_signatures(plan)
+        stages.update(*(plan_signatures(plan, platform=p) for p in platforms))
         resident |= resident_vars(plan)
         for k in node_capacities(cap, trainer.clients.num_users if hosted is None else hosted):
             if k not in plans and k not in retraced:
                 retraced[k] = retrace(*_program(trainer, cap, state, key)[:2], PLACED, k)
             shaped = node_stages(plan, plans.get(k) or retraced[k])
             if shaped is not None:
-                stages |= plan_signatures(plan, shaped)
+                stages.update(*(plan_signatures(plan, shaped, p) for p in platforms))
     p, sa = cfg.privacy, cfg.privacy.secure_aggregation
     distributed = p.enabled and p.mechanism == "distributed"
     policy = dp = None
@@ -161,14 +169,15 @@ def build_trust(cfg: Any, prepared: Any, run: Any, hosted: int | None = None) ->
 
 
 def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[str, ...] = (),
-                   hosted: int | None = None) -> Path:
+                   hosted: int | None = None, platforms: tuple[str, ...] = STAGE_PLATFORMS) -> Path:
     """`build_trust` of one config, or the merge (`NodeTrust.merge`) of several on the same
     data, with the nodes' public keys (``nodes``, `memaudit.federated.flower.identity`), as
-    JSON at ``path`` (atomic). ``hosted``: the most users a node hosts."""
+    JSON at ``path`` (atomic). ``hosted``: the most users a node hosts; ``platforms``: the
+    nodes' JAX platforms."""
     cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
-    trust = build_trust(cfgs[0], prepared, run, hosted)
+    trust = build_trust(cfgs[0], prepared, run, hosted, platforms)
     for cfg in cfgs[1:]:
-        trust = trust.merge(build_trust(cfg, prepared, run, hosted))
+        trust = trust.merge(build_trust(cfg, prepared, run, hosted, platforms))
     trust = dataclasses.replace(trust, nodes=tuple(nodes))
     atomic_write_json(Path(path), trust.to_json())
     return Path(path)

@@ -65,11 +65,12 @@ def split_users(users: list[str], nodes: int) -> list[list[str]]:
 
 
 def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
-                     manifest: bool = True) -> dict[str, Any]:
+                     manifest: bool = True, platforms: tuple[str, ...] = ("cpu",)) -> dict[str, Any]:
     """Prepare the data of ``cfg`` under ``out/prepared``; write ``out/node-<i>.npz`` and
     ``out/manifest.json`` (the stages of ``cfg`` and of each config in ``variants``: other
-    training settings on the same ``data`` section, run on the same SuperNodes). Without
-    ``manifest`` (nodes in the server's own process, which check nothing) no manifest is written."""
+    training settings on the same ``data`` section, run on the same SuperNodes) for SuperNodes
+    on ``platforms``. Without ``manifest`` (nodes in the server's own process, which check
+    nothing) no manifest is written."""
     for v in variants:
         if v.data != cfg.data:
             raise DataError("a --variant changes the data section; write its partitions separately")
@@ -99,7 +100,8 @@ def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
     for i, key in enumerate(keys):
         write_node_key(out / f"node-{i}.secagg.key", key)
     path = (write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json",
-                           nodes=tuple(public_hex(k) for k in keys), hosted=max(len(b) for b in blocks))
+                           nodes=tuple(public_hex(k) for k in keys), hosted=max(len(b) for b in blocks),
+                           platforms=platforms)
             if manifest else None)
     return {"partitions": files, "users": [len(b) for b in blocks], "manifest": None if path is None else str(path),
             "node_keys": [str(out / f"node-{i}.secagg.key") for i in range(len(keys))],
@@ -132,11 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="'key=value ...'",
                     help="overrides of another run on the same data these SuperNodes may serve "
                          "(its stages join the manifest); repeatable")
+    ap.add_argument("--platforms", nargs="+", default=["cpu"], choices=["cpu", "cuda"],
+                    help="the SuperNodes' JAX platforms: the manifest allows the stages lowered "
+                         "for each (default: cpu)")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
         variants = [load_config(a.config, [*a.overrides, *v.split()]) for v in a.variant]
-        info = write_partitions(cfg, a.out, a.nodes, variants)
+        info = write_partitions(cfg, a.out, a.nodes, variants, platforms=tuple(a.platforms))
     except (MemauditError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -98,6 +98,7 @@ class Plan:
     server_fns: dict[int, Callable] = dataclasses.field(default_factory=dict)
     resident_out: frozenset[int] = frozenset()  # positions of outputs that stay on the nodes
     ops: tuple = ()  # every equation of the inlined round, in trace order (`node_stages`)
+    platform_modules: dict[str, dict[int, bytes]] = dataclasses.field(default_factory=dict)  # `modules_for`
 
     @property
     def client_stages(self) -> list[Stage]:
@@ -523,13 +524,34 @@ def stage_function(stage: Stage) -> Callable:
 
 
 STAGE_PLATFORMS = ("cpu",)
-"""What a client stage is lowered for. ``("cpu", "cuda")`` exports one module that a CPU and a CUDA
-SuperNode (jax[cuda]) both run, each its own lowering; but the CPU lowering of such a module is not
-the in-JAX program's bit for bit (the platform dispatch changes XLA's fusion: model weights after
-two secure-aggregation rounds differed by up to 1.05e-6, where the CPU-only module matches the
-in-JAX run exactly), so CPU only until a GPU check (`benchmarks/gpu_check.py`) has run the CUDA
-lowering. The platforms are part of the module's signature: the server and the nodes' manifests
-agree on them."""
+"""What a client stage is lowered for by default (``Plan.modules``). A module for CPU and CUDA
+together (``("cpu", "cuda")``) is not the in-JAX program's bit for bit in its CPU lowering (the
+platform dispatch changes XLA's fusion: model weights after two secure-aggregation rounds differed
+by up to 1.05e-6, where the CPU-only module matches exactly), so each SuperNode gets its stages
+lowered for its own platform alone (`modules_for`): the CPU node the CPU-only module, a CUDA node
+(jax[cuda]) a CUDA-only one. The platforms are part of the module's signature: a node's manifest
+lists the platforms its operator writes it for."""
+
+PLATFORMS = ("cpu", "cuda")
+"""The platforms memaudit lowers client stages for (a SuperNode's JAX backend)."""
+
+
+def modules_for(plan: Any, platform: str) -> dict[int, bytes]:
+    """The client-stage modules of ``plan`` (a `Plan` or `NodeStages`) lowered for ``platform``
+    alone: ``plan.modules`` for the CPU, others exported once and kept on the plan.
+
+    Raises:
+        PlanError: a platform memaudit does not lower for.
+    """
+    if platform not in PLATFORMS:
+        raise PlanError(f"no client stages for platform {platform!r}; memaudit lowers them for "
+                        f"{', '.join(PLATFORMS)}")
+    if (platform,) == STAGE_PLATFORMS:
+        return plan.modules
+    if platform not in plan.platform_modules:
+        plan.platform_modules[platform] = {st.index: _export(st, plan.avals, (platform,))
+                                           for st in plan.client_stages}
+    return plan.platform_modules[platform]
 
 
 def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, str],
@@ -545,8 +567,9 @@ def compile_plan(program: Callable, args: Sequence[Any], placed: Mapping[str, st
     return plan
 
 
-def _export(stage: Stage, avals: Mapping[int, Any]) -> bytes:
-    """Client stage ``stage`` exported at ``avals`` (serialised ``jax.export`` bytes). A module's
+def _export(stage: Stage, avals: Mapping[int, Any], platforms: tuple[str, ...] = STAGE_PLATFORMS) -> bytes:
+    """Client stage ``stage`` exported at ``avals`` for ``platforms`` (serialised ``jax.export``
+    bytes). A module's
     source locations name the innermost frame only, never the caller's: the same program exports
     to the same bytes wherever it is traced from (the server, or the stage manifest the nodes
     check those bytes against)."""
@@ -554,7 +577,7 @@ def _export(stage: Stage, avals: Mapping[int, Any]) -> bytes:
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
     try:
         structs = [_struct(avals[i]) for i in stage.inputs]
-        return bytes(export.export(jax.jit(stage_function(stage)), platforms=STAGE_PLATFORMS)(*structs).serialize())
+        return bytes(export.export(jax.jit(stage_function(stage)), platforms=platforms)(*structs).serialize())
     finally:
         jax.config.update("jax_include_full_tracebacks_in_locations", full)
 
@@ -571,14 +594,18 @@ class NodeStages:
     instead of the cohort's, so a node computes its own clients only (not the whole cohort with
     zero rows for the clients of other nodes).
 
-    ``modules[i]``: client stage i's module; ``rows_in``: the server inputs of client stages
-    that carry one row per client (the round's per-client keys), of which the server sends the
-    node its slots' rows only.
+    ``modules[i]``: client stage i's module (`STAGE_PLATFORMS`; `modules_for` others);
+    ``rows_in``: the server inputs of client stages that carry one row per client (the round's
+    per-client keys), of which the server sends the node its slots' rows only; ``client_stages``
+    and ``avals``: the node-shaped stages and their shapes.
     """
 
     capacity: int
     modules: dict[int, bytes]
     rows_in: frozenset[int]
+    client_stages: tuple[Stage, ...] = ()
+    avals: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+    platform_modules: dict[str, dict[int, bytes]] = dataclasses.field(default_factory=dict)
 
 
 def retrace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], capacity: int) -> Plan:
@@ -615,6 +642,7 @@ def node_stages(plan: Plan, at: Plan) -> NodeStages | None:
     compiled = {st.index: st for st in at.client_stages}
     modules: dict[int, bytes] = {}
     rows_in: set[int] = set()
+    mine_stages = []
     for st in plan.client_stages:
         ops = tuple(at.ops[index[id(op)]] for op in st.ops)
         if not all(_same_op(a, b) for a, b in zip(st.ops, ops, strict=True)):
@@ -632,12 +660,13 @@ def node_stages(plan: Plan, at: Plan) -> NodeStages | None:
             elif not per_client:  # data, kept and gathered values: one row per client
                 return None
         mine_st = dataclasses.replace(st, ops=ops)
+        mine_stages.append(mine_st)
         same = compiled.get(st.index)
         if same is not None and same == mine_st and st.index in at.modules:
             modules[st.index] = at.modules[st.index]
         else:
             modules[st.index] = _export(mine_st, at.avals)
-    return NodeStages(cap, modules, frozenset(rows_in))
+    return NodeStages(cap, modules, frozenset(rows_in), tuple(mine_stages), at.avals)
 
 
 def _same_op(a: Op, b: Op) -> bool:

@@ -51,6 +51,7 @@ from memaudit.federated.flower.manifest import (
     round_plan,
 )
 from memaudit.federated.flower.nodes import client_digests
+from memaudit.federated.flower.partition import PLATFORMS, STAGE_PLATFORMS
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 from memaudit.federated.secagg.messages import SecAggError
 from memaudit.federated.secagg.remote import ClientRows, NodeChannel
@@ -68,6 +69,7 @@ class FlowerNodes:
 
     def __init__(self, grid: Any, fcfg: Any) -> None:
         self.grid, self.fcfg = grid, fcfg
+        self.platforms: dict[int, str] = {}  # node -> the platform its stages are lowered for
 
     def exchange(self, messages: list[Any], timeout: float) -> list[Any]:
         """Push `messages` and pull their replies every `POLL_S` seconds until every node has
@@ -98,8 +100,9 @@ class FlowerNodes:
             time.sleep(0.5)
 
     def connect(self, digests: dict[str, str]) -> dict[str, int]:
-        """Ask every node which users it hosts; returns user -> node. One-line errors for a node
-        without a partition, a user hosted twice or by no node, or data that is not the run's."""
+        """Ask every node which users it hosts and its JAX platform (``platforms``); returns
+        user -> node. One-line errors for a node without a partition, a user hosted twice or by
+        no node, data that is not the run's, or a platform memaudit lowers no stages for."""
         from flwr.app import Message  # flwr: the optional flower extra
 
         nodes = self._wait_for_nodes()
@@ -116,6 +119,11 @@ class FlowerNodes:
             body = wire.read(r)
             if "error" in body:
                 raise MemauditError(f"SuperNode {node}: {body['error']}")
+            platform = str(body.get("platform", STAGE_PLATFORMS[0]))
+            if platform not in PLATFORMS:
+                raise MemauditError(f"SuperNode {node} runs JAX on {platform!r}, which memaudit lowers no client "
+                                    f"stages for ({', '.join(PLATFORMS)}); run it with a CPU or CUDA jax")
+            self.platforms[node] = platform
             for u, d in zip(body["users"], body["digests"], strict=True):
                 if u in host:
                     raise MemauditError(f"user {u!r} is in the partitions of SuperNodes {host[u]} "
@@ -200,6 +208,7 @@ class FlowerRuntime:
         self._plans: dict[int, Any] = {}
         self._shaped: dict[tuple[int, int], Any] = {}
         self.user_node: dict[str, int] = {}
+        self.platforms: dict[Any, str] = {}  # node -> its platform (CPU when a node did not say)
 
     def mesh(self, cfg: Any, shape: Any) -> None:
         """Each node runs its own clients: no clients mesh in the server's process."""
@@ -213,6 +222,7 @@ class FlowerRuntime:
             raise ConfigError("this algorithm's round is not one traceable program; use "
                               "federated.runtime=jax")
         self.user_node = self.nodes.connect(client_digests(trainer.clients))
+        self.platforms = dict(getattr(self.nodes, "platforms", {}))
 
     def plan(self, trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> Any:
         """The round's partitioned program for a cohort capacity (traced once per capacity,
@@ -244,7 +254,7 @@ class FlowerRuntime:
             return self._host_round(trainer, split, cap, state, assignment, r, key)
         plan = self.plan(trainer, cap, state, key)
         (state, metrics), info = run_plan(plan, (state, data_struct(trainer.clients, cap), key), self.nodes,
-                                           assignment, round=r,
+                                           assignment, round=r, platforms=self.platforms,
                                            node_stages=self.node_stages(trainer, plan, state, key))
         state = jax.tree.map(jnp.asarray, state)
         m = host_metrics(*metrics)
@@ -260,7 +270,7 @@ class FlowerRuntime:
         client_key, agg_key = jax.random.split(key)
         plan = self.plan(trainer, cap, state.params, client_key)
         out, info = run_plan(plan, (state.params, data_struct(trainer.clients, cap), client_key), self.nodes,
-                              assignment, round=r,
+                              assignment, round=r, platforms=self.platforms,
                               node_stages=self.node_stages(trainer, plan, state.params, client_key))
         leaves, treedef = jax.tree.flatten(out.deltas, is_leaf=lambda x: isinstance(x, Resident))
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
