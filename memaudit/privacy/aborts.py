@@ -12,9 +12,12 @@ m(n) = max(min_survivors, ceil(threshold * n)) on the complete graph), with the 
 
 for both outcomes o, and the round's ε is max_o |ln P_D'(o) / P_D(o)| (pure DP), entered in
 the ledger as the RDP curve min(ε, α ε² / 2) (Bun and Steinke 2016, Prop. 1.4). With no
-dropout the rule is S = n >= min_survivors on any graph. Fixed-size cohorts (replace-one
-adjacency: the cohort size does not depend on who is in it) and a floor no cohort can fall
-under cost nothing. docs/secure-aggregation.md ("Aborted rounds in the ledger") derives it.
+dropout the rule is S = n >= min_survivors on any graph. On SecAgg+'s graph with dropouts
+P(complete | n, S) also depends on which clients dropped; it is only bounded (`_completion`),
+and the ε is the largest those bounds allow (`_bounded_ratio`, a linear program): a rigorous
+upper bound. Fixed-size cohorts (replace-one adjacency: the cohort size does not depend on who
+is in it) and a floor no cohort can fall under cost nothing. docs/secure-aggregation.md
+("Aborted rounds in the ledger") derives it.
 
 >>> round(abort_epsilon(population=51, cohort=8, min_survivors=3), 3)
 0.135
@@ -25,52 +28,145 @@ under cost nothing. docs/secure-aggregation.md ("Aborted rounds in the ledger") 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, sparse, stats
 
 from memaudit.privacy.accounting import RDP_ORDERS, rdp_curve
 from memaudit.privacy.events import RdpCurveEvent
 
 
-def _floor(n: np.ndarray, min_survivors: int, threshold: float | None) -> np.ndarray:
-    m = np.full(n.shape, int(min_survivors))
-    return m if threshold is None else np.maximum(m, np.ceil(threshold * n - 1e-9))
-
-
 def abort_epsilon(*, population: int, cohort: float, min_survivors: int, sampling: str = "poisson",
-                  dropout: float = 0.0, threshold: float | None = None) -> float:
+                  dropout: float = 0.0, threshold: float | None = None,
+                  holders: Callable[[int], int] | None = None, quorum: int | None = None) -> float:
     """Pure ε of one round's abort bit (module docstring); 0 for fixed-size cohorts.
 
-    ``threshold``: the complete graph's holder threshold when dropouts can push the
-    survivors below it (ignored when ``dropout`` is 0: then every holder survives).
+    Args:
+        threshold: the holder threshold fraction (t = ceil(threshold · h)) when dropouts can
+            push a client's live holders below t (ignored when ``dropout`` is 0).
+        holders: the holders h(n) of each client's shares in a cohort of n (itself and its
+            neighbours): n on the complete graph (the default), k + 1 on SecAgg+'s.
+        quorum: the malicious-server mode's colluding clients n_C: a round then also needs
+            (n + n_C) // 2 + 1 survivors' signatures (None: honest-but-curious, no quorum).
+
+    Where h(n) < n and a drop set with more than h − t dropped clients could go either way
+    (`_completion`), the ε is the largest the completion probabilities allowed there can give:
+    a rigorous upper bound (`_bounded_ratio`).
     """
     if sampling == "fixed" or population <= 1:
         return 0.0
     q = min(1.0, cohort / population)
+    a, b = _cell_weights(population, q, dropout)
+    cells = sorted(set(a) | set(b))
     th = threshold if dropout > 0 else None
-    n = np.arange(population)                       # the other users' cohort
-    pn = stats.binom.pmf(n, population - 1, q)
-    keep = pn > 1e-300
-    n, pn = n[keep], pn[keep]
-    s = np.arange(int(n.max()) + 2)
-    ps = stats.binom.pmf(s[None, :], n[:, None], 1 - dropout) * pn[:, None]  # (n, S) joint
-    m0, m1 = _floor(n, min_survivors, th)[:, None], _floor(n + 1, min_survivors, th)[:, None]
-    done_d = (ps * (s[None, :] >= m0)).sum()
-    done_up = (ps * (s[None, :] + 1 >= m1)).sum()  # the user sampled and survives
-    done_dr = (ps * (s[None, :] >= m1)).sum()       # the user sampled and drops
-    done_d2 = (1 - q) * done_d + q * (1 - dropout) * done_up + q * dropout * done_dr
+    lo, hi = _completion(cells, min_survivors, th, holders or (lambda n: n), quorum)
+    wa = np.array([a.get(c, 0.0) for c in cells])
+    wb = np.array([b.get(c, 0.0) for c in cells])
     eps = 0.0
-    for a, b in ((done_d, done_d2), (1 - done_d, 1 - done_d2)):
-        if a <= 0 and b <= 0:
-            continue
-        if a <= 0 or b <= 0:
-            return math.inf
-        eps = max(eps, abs(math.log(b / a)))
+    # P(o) for o = complete and o = abort, each as a sum of positive terms (no 1 - P: the
+    # probabilities can be 1e-12 from 1)
+    for p_lo, p_hi, rising in ((lo, hi, True), (1.0 - hi, 1.0 - lo, False)):
+        for sense in ("max", "min"):
+            r = _bounded_ratio(wb, wa, p_lo, p_hi, cells, sense, rising)
+            if r is None:  # an outcome that never happens in either world
+                continue
+            if r == math.inf or r <= 0 and q >= 1:
+                return math.inf
+            eps = max(eps, abs(math.log((1 - q) + q * r)))
     return float(eps)
+
+
+def _cell_weights(population: int, q: float, dropout: float) -> tuple[dict, dict]:
+    """P_D(n, S) (the other users' cohort n and survivors S) and the distribution of (n, S)
+    when the target user is sampled too: (n + 1, S + 1) if she survives, (n + 1, S) if not."""
+    n = np.arange(population)
+    pn = stats.binom.pmf(n, population - 1, q)
+    a: dict = {}
+    b: dict = {}
+    for k in n[pn > 1e-300]:
+        s = np.arange(int(k) + 1)
+        ps = stats.binom.pmf(s, int(k), 1 - dropout) * pn[k]
+        for j in s[ps > 1e-300]:
+            w = float(ps[j])
+            a[(int(k), int(j))] = a.get((int(k), int(j)), 0.0) + w
+            for cell, x in (((int(k) + 1, int(j) + 1), w * (1 - dropout)), ((int(k) + 1, int(j)), w * dropout)):
+                if x > 0:
+                    b[cell] = b.get(cell, 0.0) + x
+    return a, b
+
+
+def _completion(cells: list, min_survivors: int, threshold: float | None, holders: Callable[[int], int],
+                quorum: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds on P(a round completes | cohort n, survivors S) for each cell (n, S), over the
+    uniformly random set of the D = n − S clients that dropped (each client's holders are a
+    window of h consecutive positions of a cycle: itself and its k neighbours; a dropped client's
+    key needs t live holders as a live client's seed does, so a round completes iff every window
+    keeps at least t live clients, i.e. holds at most z = h − t dropped ones).
+
+    - 0 below the floor: S < min_survivors, or (malicious mode) S below the signed quorum;
+    - 1 when D ≤ z (no window can hold more), and on the complete graph (h = n) 0 when D > z;
+    - on a sparse graph with D > z: between 1 − n·P(a window holds > z) (a union bound over
+      the n windows) and 1 − P(one given window holds > z) (hypergeometric).
+    """
+    lo, hi = np.zeros(len(cells)), np.zeros(len(cells))
+    for i, (n, s) in enumerate(cells):
+        floor = max(int(min_survivors), 1 if quorum is None else (n + int(quorum)) // 2 + 1)
+        if n < 1 or s < floor:
+            continue
+        h = int(holders(n))
+        z = n if threshold is None else h - max(1, math.ceil(threshold * h - 1e-9))
+        dropped = n - s
+        if dropped <= z:
+            lo[i] = hi[i] = 1.0
+        elif h < n:
+            over = float(stats.hypergeom.sf(z, n, dropped, h))
+            lo[i], hi[i] = max(0.0, 1.0 - n * over), 1.0 - over
+    return lo, hi
+
+
+def _bounded_ratio(num: np.ndarray, den: np.ndarray, lo: np.ndarray, hi: np.ndarray, cells: list,
+                   sense: str, rising: bool) -> float | None:
+    """max (or min) of (num·c) / (den·c) over an outcome's probabilities c per cell with
+    lo ≤ c ≤ hi and c(n, S) ≤ c(n, S + 1) (``rising``: completing; a round with more survivors
+    is no less likely to complete) or ≥ (aborting), as a linear program (Charnes and Cooper
+    1962); the exact ratio when lo = hi. Cells whose weight is below 1e-15 take their c at the
+    side that helps the bound, outside the program."""
+    free = np.flatnonzero(hi > lo)
+    fixed = np.flatnonzero(hi <= lo)
+    n0 = float(num[fixed] @ lo[fixed])
+    d0 = float(den[fixed] @ lo[fixed])
+    tiny = free[np.maximum(np.abs(num[free]), np.abs(den[free])) < 1e-15]
+    free = np.setdiff1d(free, tiny)
+    # a negligible cell moves the ratio's numerator or denominator by at most its weight
+    sign = 1.0 if sense == "max" else -1.0
+    n0 += float(np.sum(np.where(sign * num[tiny] > 0, num[tiny] * hi[tiny], num[tiny] * lo[tiny])))
+    d0 += float(np.sum(np.where(sign * den[tiny] < 0, den[tiny] * hi[tiny], den[tiny] * lo[tiny])))
+    if free.size == 0:
+        if d0 <= 0:
+            return None if n0 <= 0 else math.inf
+        return n0 / d0
+    m = free.size
+    index = {cells[j]: k for k, j in enumerate(free)}
+    pairs = [(k, index[(cells[j][0], cells[j][1] + 1)]) if rising else (index[(cells[j][0], cells[j][1] + 1)], k)
+             for k, j in enumerate(free) if (cells[j][0], cells[j][1] + 1) in index]  # (smaller, larger)
+    eye = sparse.identity(m, format="csr")
+    rows = [sparse.hstack([eye, sparse.csr_matrix(-hi[free][:, None])]),
+            sparse.hstack([-eye, sparse.csr_matrix(lo[free][:, None])])]
+    if pairs:
+        p = np.asarray(pairs)
+        r = np.arange(len(p))
+        rows.append(sparse.csr_matrix((np.r_[np.ones(len(p)), -np.ones(len(p))], (np.r_[r, r], np.r_[p[:, 0], p[:, 1]])),
+                                      shape=(len(p), m + 1)))
+    a_ub = sparse.vstack(rows).tocsr()
+    objective = np.r_[num[free], n0] * (-sign)
+    res = optimize.linprog(objective, A_ub=a_ub, b_ub=np.zeros(a_ub.shape[0]), A_eq=np.r_[den[free], d0][None, :],
+                           b_eq=[1.0], bounds=[(0, None)] * (m + 1), method="highs")
+    if res.status != 0:  # the denominator can reach 0: no finite bound
+        return math.inf if sense == "max" else 0.0
+    return float(-res.fun * sign) if sense == "max" else float(res.fun)
 
 
 def abort_event(epsilon: float, orders: tuple[float, ...] = RDP_ORDERS) -> RdpCurveEvent:

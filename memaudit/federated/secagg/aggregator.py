@@ -260,13 +260,16 @@ def check_secagg_config(cfg, *, dim: int | None = None) -> None:
 def abort_bit_epsilon(cfg, population: int) -> float:
     """Pure ε per round of whether a secure-aggregation round aborted, for a
     :class:`memaudit.config.Config` and its population (`memaudit.privacy.aborts`): the floor
-    min_survivors and, with simulated dropouts, the holder threshold of the complete graph."""
+    min_survivors, the malicious-server mode's signed quorum and, with simulated dropouts, the
+    holder threshold on the graph each cohort size runs on (a rigorous bound on SecAgg+'s)."""
     # lazy: dp_accounting (~1.5 s) and scipy.stats (~0.3 s) only when called
     from memaudit.privacy.aborts import abort_epsilon
 
     sa, f = cfg.privacy.secure_aggregation, cfg.federated
     return abort_epsilon(population=int(population), cohort=float(f.cohort), min_survivors=int(sa.min_survivors),
-                         sampling=f.sampling, dropout=float(sa.dropout), threshold=float(sa.threshold))
+                         sampling=f.sampling, dropout=float(sa.dropout), threshold=float(sa.threshold),
+                         holders=lambda n: holders(sa.neighbours, n),
+                         quorum=int(sa.colluding_clients) if sa.mode == "malicious" else None)
 
 
 def secure_aggregation_from_config(base: Aggregator, cfg, *, dim: int | None = None) -> Aggregator:
