@@ -29,6 +29,11 @@ server stage is jitted where the server runs it. ``jax.grad`` of a federated los
 two client stages (the forward pass, then the backward pass over the forward's residuals,
 which stay on the nodes between them).
 
+A server stage never reads the clients' data, nor a copy of it that equations which only move
+elements made (`MOVES`): such a program is refused (`PlanError`). A node runs the client stages
+shaped for the slots it hosts (`node_stages`: the same stages traced with its own clients count)
+and lowered for its platform (`modules_for`).
+
 No per-algorithm code: FedAvg, FedAdam, DP-FedAvg (its clipping is client equations on the
 clients' deltas, its noise a server equation) and FedSGD partition by the same rules. Outputs
 named ``resident`` (a host aggregator's deltas: secure aggregation) stay on the nodes: they are
@@ -312,7 +317,9 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
                         "aggregate it inside the program instead")
     copies = _copies(ops, data_leaves)
     for s in stages:  # nor a copy of it a client stage would send
-        leak = next((i for i in s.inputs if i in copies and i not in data_leaves), None) if s.kind == SERVER else None
+        if s.kind != SERVER:
+            continue
+        leak = next((i for i in s.inputs if i in copies and i not in data_leaves), None)
         if leak is not None:
             raise PlanError(f"the program reads the client data {copies[leak]} on the server (a copy of it "
                             "that a client stage would send); compute what it needs inside federated_map "
