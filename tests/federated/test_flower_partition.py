@@ -260,6 +260,33 @@ def test_each_node_gets_its_stages_lowered_for_its_own_platform(users):
         modules_for(plan, "tpu")
 
 
+def test_a_node_refuses_rows_and_slots_the_server_invents(users):
+    """Adversary: a server that gives a node's users rows outside its module or twice, or names
+    in secure aggregation a cohort slot the node did not serve this round (to make it encode
+    rows it keeps for another slot): each refused in one line, no data."""
+    import dataclasses
+
+    from memaudit.federated.flower.trust import StageRefused
+
+    a = _algorithm("fedavg")
+    args = (a.init(_params()), _struct(_cohort_data(users)), jax.random.key(0))
+    plan = compile_plan(a.round.program, args, PLACED, CAP)
+    shaped = node_stages(plan, retrace(a.round.program, args, PLACED, 2))
+    nodes = _Calls(_nodes(users))
+    run_plan(plan, args, nodes, _assignment(), round=0, node_stages=lambda _h: shaped)
+    call = next(c for c in nodes.calls if c.users[0] == "u0")  # node A: slots 0 and 1, rows 0 and 1
+    node = nodes.executors["A"]
+    with pytest.raises(StageRefused, match="rows outside the module's 2 clients"):
+        node.run(dataclasses.replace(call, rows=[0, 2]))
+    with pytest.raises(StageRefused, match="no distinct rows"):
+        node.run(dataclasses.replace(call, rows=[1, 1]))
+    node.run(call)
+    assert node.secagg({"step": "advertise", "round": 0, "clients": [[0, 2, "s"]]}) == {
+        "abort": "the server named cohort slot 2, which this node did not serve"}
+    assert node.secagg({"step": "advertise", "round": 5, "clients": [[0, 0, "s"]]}) == {
+        "abort": "no client stage of this round ran on this node"}
+
+
 def test_fedsgd_backward_pass_is_a_second_client_stage(users):
     """jax.grad of the federated loss: forward on the clients, the server's sum, the backward
     on the clients over residuals that stayed on the nodes, the server's sum and update."""
