@@ -95,7 +95,9 @@ of rounds 2-4): in JAX 0.87 s and 1.48 s with secure aggregation; Flower with re
 5.81 s and 32.5 s; a process per message 9.19 s and 45.4 s (resident 1.58x and 1.40x faster).
 The rest is Flower 1.42's polling (docs/flower.md, Cost). Measured 2026-12-04 with node-shaped
 stages (same set-up): 2 SuperNodes 8.59 s against 0.89 s in JAX, 32.9 s against 1.44 s with
-secure aggregation; 4 SuperNodes 13.9 s against 0.84 s, 37.7 s against 1.22 s (weights equal).
+secure aggregation; 4 SuperNodes 13.9 s against 0.84 s, 37.7 s against 1.22 s (weights equal);
+2 SuperNodes over 8 rounds (``--flower-rounds 8``, median of rounds 2-8) 7.19 s against 1.30 s
+and 32.9 s against 1.41 s.
 
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
