@@ -4,7 +4,8 @@
 its jitted function on the server's values. A client stage is handed to ``nodes`` (anything
 with `Nodes.run_stage`: the nodes of a Flower federation, `memaudit.federated.flower.server`,
 or `LocalNodes` in this process for tests) with the server values it reads; each node runs the
-stage's exported module for the cohort slots it hosts, keeps the clients-placed values later
+stage's exported module for the cohort slots it hosts (shaped for its own slots and lowered for
+its platform: ``node_stages``, ``platforms``), keeps the clients-placed values later
 client stages read, and returns the rows (and partial sums) the server reads. Rows of a slot no
 node returned (an absent slot, or the users of a node that died) are zeros: the absent-client
 convention of every memaudit federated program (weight 0, no contribution).
