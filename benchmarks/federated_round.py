@@ -127,6 +127,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import export
 
 from memaudit.federated.algorithms import fedavg, masked_mean_loss
 from memaudit.federated.cohorts import ClientData
@@ -481,14 +482,23 @@ def main(argv=None) -> dict:
     return out
 
 
+def _max_abs_diff(a, b) -> float:
+    """The largest absolute difference of two pytrees' leaves."""
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def _io_mib(module: bytes) -> float:
+    """A client stage's arguments and results, MiB (what a node holds to run it)."""
+    e = export.deserialize(bytearray(module))
+    return sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in [*e.in_avals, *e.out_avals]) / 2**20
+
+
 def bench_node_shapes(args) -> dict:
     """The partitioned FedAvg round (`memaudit.federated.flower.execute.run_plan`) on nodes in
     this process, each hosting an even share of the cohort: every node running the cohort's
     client stage (zero rows for the other nodes' clients) against each running the stage shaped
     for its own slots (`memaudit.federated.flower.partition.node_stages`). Times are the whole
     round: the nodes' stages one after the other (as one host runs them), the server's stages."""
-    from jax import export
-
     from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
     from memaudit.federated.flower.manifest import MAP_STRATEGY, node_capacity
     from memaudit.federated.flower.partition import compile_plan, node_stages, retrace
@@ -525,7 +535,7 @@ def bench_node_shapes(args) -> dict:
         trace_s = time.perf_counter() - t0
         results = {}
 
-        def run(use, results=results, executors=executors, assignment=assignment, shaped=shaped, name=""):
+        def run(use, results=results, executors=executors, assignment=assignment, shaped=shaped):
             (got, _), _ = run_plan(plan, args_, LocalNodes(executors), assignment, round=0,
                                    node_stages=(lambda _h: shaped) if use else None)
             results[use] = _block(got.params)
@@ -534,20 +544,14 @@ def bench_node_shapes(args) -> dict:
         for fn in runners.values():
             fn()  # each node compiles its module
         stats = _interleaved(runners, args.repeats, compiles)
-        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(results[True]),
-                                                                    jax.tree.leaves(results[False]), strict=True))
-        ref = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(results[True]),
-                                                                   jax.tree.leaves(want.params), strict=True))
-        def mib(module):  # a node's arguments and results of the client stage
-            e = export.deserialize(bytearray(module))
-            return sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in [*e.in_avals, *e.out_avals]) / 2**20
-
+        diff = _max_abs_diff(results[True], results[False])
+        ref = _max_abs_diff(results[True], want.params)
         stage = phase_plan.client_stages[0].index
         phase_shaped = node_stages(phase_plan, retrace(phase, phase_args, placed, k)) if k < cohort else None
         rows.append({"nodes": n_nodes, "node_capacity": k if shaped is not None else cohort,
                      "secagg_client_phase_io_mib": {
-                         "cohort_shaped": mib(phase_plan.modules[stage]),
-                         "node_shaped": mib((phase_shaped or phase_plan).modules[stage])},
+                         "cohort_shaped": _io_mib(phase_plan.modules[stage]),
+                         "node_shaped": _io_mib((phase_shaped or phase_plan).modules[stage])},
                      "cohort_shaped_s": stats["cohort_shaped"]["wall"], "node_shaped_s": stats["node_shaped"]["wall"],
                      "ratio": stats["node_shaped"]["wall"] / stats["cohort_shaped"]["wall"],
                      "node_shaped_trace_s": trace_s, "max_weight_diff": diff, "max_diff_vs_in_jax": ref})
