@@ -59,18 +59,15 @@ def abort_epsilon(*, population: int, cohort: float, min_survivors: int, samplin
     if sampling == "fixed" or population <= 1:
         return 0.0
     q = min(1.0, cohort / population)
-    a, b = _cell_weights(population, q, dropout)
-    cells = sorted(set(a) | set(b))
+    n, dropped, wa, wb = _cells(population, q, dropout)
     th = threshold if dropout > 0 else None
-    lo, hi = _completion(cells, min_survivors, th, holders or (lambda n: n), quorum)
-    wa = np.array([a.get(c, 0.0) for c in cells])
-    wb = np.array([b.get(c, 0.0) for c in cells])
+    lo, hi = _completion(n, dropped, min_survivors, th, holders or (lambda k: k), quorum)
     eps = 0.0
     # P(o) for o = complete and o = abort, each as a sum of positive terms (no 1 - P: the
     # probabilities can be 1e-12 from 1)
     for p_lo, p_hi, rising in ((lo, hi, True), (1.0 - hi, 1.0 - lo, False)):
         for sense in ("max", "min"):
-            r = _bounded_ratio(wb, wa, p_lo, p_hi, cells, sense, rising)
+            r = _bounded_ratio(wb, wa, p_lo, p_hi, n, dropped, sense, rising)
             if r is None:  # an outcome that never happens in either world
                 continue
             if r == math.inf or r <= 0 and q >= 1:
@@ -79,61 +76,57 @@ def abort_epsilon(*, population: int, cohort: float, min_survivors: int, samplin
     return float(eps)
 
 
-def _cell_weights(population: int, q: float, dropout: float) -> tuple[dict, dict]:
-    """P_D(n, S) (the other users' cohort n and survivors S) and the distribution of (n, S)
-    when the target user is sampled too: (n + 1, S + 1) if she survives, (n + 1, S) if not."""
-    n = np.arange(population)
-    pn = stats.binom.pmf(n, population - 1, q)
-    a: dict = {}
-    b: dict = {}
-    for k in n[pn > 1e-300]:
-        s = np.arange(int(k) + 1)
-        ps = stats.binom.pmf(s, int(k), 1 - dropout) * pn[k]
-        for j in s[ps > 1e-300]:
-            w = float(ps[j])
-            a[(int(k), int(j))] = a.get((int(k), int(j)), 0.0) + w
-            for cell, x in (((int(k) + 1, int(j) + 1), w * (1 - dropout)), ((int(k) + 1, int(j)), w * dropout)):
-                if x > 0:
-                    b[cell] = b.get(cell, 0.0) + x
-    return a, b
+def _cells(population: int, q: float, dropout: float) -> tuple[np.ndarray, ...]:
+    """The cells (n, D) (a cohort of n, D of them dropped) with their probability without the
+    target user, P_D(n, D), and when she is sampled too: (n + 1, D) if she survives,
+    (n + 1, D + 1) if she drops. Returns (n, D, P_D, P_+) over the cells either world reaches."""
+    pn = np.r_[stats.binom.pmf(np.arange(population), population - 1, q), 0.0]
+    seen = np.flatnonzero(pn > 1e-300)
+    ns = np.arange(seen.min(), seen.max() + 2)  # one more: the cohort with her
+    ds = np.arange((ns[-1] if dropout > 0 else 0) + 2)
+    without = stats.binom.pmf(ds[None, :], ns[:, None], dropout) * pn[ns][:, None]
+    without[without <= 1e-300] = 0.0
+    with_her = np.zeros_like(without)
+    with_her[1:, :] += without[:-1, :] * (1 - dropout)
+    with_her[1:, 1:] += without[:-1, :-1] * dropout
+    i, j = np.nonzero((without > 0) | (with_her > 0))
+    return ns[i], ds[j], without[i, j], with_her[i, j]
 
 
-def _completion(cells: list, min_survivors: int, threshold: float | None, holders: Callable[[int], int],
-                quorum: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Bounds on P(a round completes | cohort n, survivors S) for each cell (n, S), over the
-    uniformly random set of the D = n − S clients that dropped (each client's holders are a
-    window of h consecutive positions of a cycle: itself and its k neighbours; a dropped client's
-    key needs t live holders as a live client's seed does, so a round completes iff every window
-    keeps at least t live clients, i.e. holds at most z = h − t dropped ones).
+def _completion(n: np.ndarray, dropped: np.ndarray, min_survivors: int, threshold: float | None,
+                holders: Callable[[int], int], quorum: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds on P(a round completes | cohort n, D dropped) for each cell, over the uniformly
+    random set of the D clients that dropped (each client's holders are a window of h
+    consecutive positions of a cycle: itself and its k neighbours; a dropped client's key needs
+    t live holders as a live client's seed does, so a round completes iff every window keeps at
+    least t live clients, i.e. holds at most z = h − t dropped ones).
 
-    - 0 below the floor: S < min_survivors, or (malicious mode) S below the signed quorum;
+    - 0 below the floor: S = n − D < min_survivors, or (malicious mode) S below the signed quorum;
     - 1 when D ≤ z (no window can hold more), and on the complete graph (h = n) 0 when D > z;
     - on a sparse graph with D > z: between 1 − n·P(a window holds > z) (a union bound over
       the n windows) and 1 − P(one given window holds > z) (hypergeometric).
     """
-    lo, hi = np.zeros(len(cells)), np.zeros(len(cells))
-    for i, (n, s) in enumerate(cells):
-        floor = max(int(min_survivors), 1 if quorum is None else (n + int(quorum)) // 2 + 1)
-        if n < 1 or s < floor:
-            continue
-        h = int(holders(n))
-        z = n if threshold is None else h - max(1, math.ceil(threshold * h - 1e-9))
-        dropped = n - s
-        if dropped <= z:
-            lo[i] = hi[i] = 1.0
-        elif h < n:
-            over = float(stats.hypergeom.sf(z, n, dropped, h))
-            lo[i], hi[i] = max(0.0, 1.0 - n * over), 1.0 - over
+    sizes = np.unique(n)
+    h = np.array([int(holders(int(k))) for k in sizes])[np.searchsorted(sizes, n)]
+    floor = np.maximum(int(min_survivors), 1 if quorum is None else (n + int(quorum)) // 2 + 1)
+    z = n if threshold is None else h - np.maximum(1, np.ceil(threshold * h - 1e-9)).astype(int)
+    valid = (n >= 1) & (n - dropped >= floor)
+    lo = hi = (valid & (dropped <= z)).astype(float)
+    open_ = valid & (dropped > z) & (h < n)
+    if open_.any():
+        over = stats.hypergeom.sf(z[open_], n[open_], dropped[open_], h[open_])
+        lo, hi = lo.copy(), hi.copy()
+        lo[open_], hi[open_] = np.maximum(0.0, 1.0 - n[open_] * over), 1.0 - over
     return lo, hi
 
 
-def _bounded_ratio(num: np.ndarray, den: np.ndarray, lo: np.ndarray, hi: np.ndarray, cells: list,
-                   sense: str, rising: bool) -> float | None:
-    """max (or min) of (num·c) / (den·c) over an outcome's probabilities c per cell with
-    lo ≤ c ≤ hi and c(n, S) ≤ c(n, S + 1) (``rising``: completing; a round with more survivors
-    is no less likely to complete) or ≥ (aborting), as a linear program (Charnes and Cooper
-    1962); the exact ratio when lo = hi. Cells whose weight is below 1e-15 take their c at the
-    side that helps the bound, outside the program."""
+def _bounded_ratio(num: np.ndarray, den: np.ndarray, lo: np.ndarray, hi: np.ndarray, n: np.ndarray,
+                   dropped: np.ndarray, sense: str, rising: bool) -> float | None:
+    """max (or min) of (num·c) / (den·c) over an outcome's probabilities c per cell (n, D) with
+    lo ≤ c ≤ hi and c(n, D + 1) ≤ c(n, D) (``rising``: completing; a round with fewer dropped
+    clients is no less likely to complete) or ≥ (aborting), as a linear program (Charnes and
+    Cooper 1962); the exact ratio when lo = hi. Cells whose weight is below 1e-15 take their c
+    at the side that helps the bound, outside the program."""
     free = np.flatnonzero(hi > lo)
     fixed = np.flatnonzero(hi <= lo)
     n0 = float(num[fixed] @ lo[fixed])
@@ -149,17 +142,19 @@ def _bounded_ratio(num: np.ndarray, den: np.ndarray, lo: np.ndarray, hi: np.ndar
             return None if n0 <= 0 else math.inf
         return n0 / d0
     m = free.size
-    index = {cells[j]: k for k, j in enumerate(free)}
-    pairs = [(k, index[(cells[j][0], cells[j][1] + 1)]) if rising else (index[(cells[j][0], cells[j][1] + 1)], k)
-             for k, j in enumerate(free) if (cells[j][0], cells[j][1] + 1) in index]  # (smaller, larger)
+    width = int(dropped.max()) + 2
+    key = n[free] * width + dropped[free]  # increasing: np.nonzero's row-major order
+    nxt = np.searchsorted(key, key + 1)  # the cell (n, D + 1), where it is free too
+    has = (nxt < m) & (key[np.minimum(nxt, m - 1)] == key + 1)
+    k, k1 = np.flatnonzero(has), nxt[has]
+    small, large = (k1, k) if rising else (k, k1)
     eye = sparse.identity(m, format="csr")
     rows = [sparse.hstack([eye, sparse.csr_matrix(-hi[free][:, None])]),
             sparse.hstack([-eye, sparse.csr_matrix(lo[free][:, None])])]
-    if pairs:
-        p = np.asarray(pairs)
-        r = np.arange(len(p))
-        rows.append(sparse.csr_matrix((np.r_[np.ones(len(p)), -np.ones(len(p))], (np.r_[r, r], np.r_[p[:, 0], p[:, 1]])),
-                                      shape=(len(p), m + 1)))
+    if k.size:
+        r = np.arange(k.size)
+        rows.append(sparse.csr_matrix((np.r_[np.ones(k.size), -np.ones(k.size)], (np.r_[r, r], np.r_[small, large])),
+                                      shape=(k.size, m + 1)))
     a_ub = sparse.vstack(rows).tocsr()
     objective = np.r_[num[free], n0] * (-sign)
     res = optimize.linprog(objective, A_ub=a_ub, b_ub=np.zeros(a_ub.shape[0]), A_eq=np.r_[den[free], d0][None, :],
