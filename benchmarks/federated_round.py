@@ -405,6 +405,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--flower-rounds", type=int, default=4, help="rounds of each Flower-table run")
     ap.add_argument("--flower-per-message", action="store_true",
                     help="also the Flower runs without the nodes' resident processes, side by side")
+    ap.add_argument("--flower-own-supernode", action="store_true",
+                    help="also the Flower runs on Flower's own flower-supernode (a flwr-clientapp process "
+                         "per message, its 3 s poll), side by side with memaudit's SuperNode")
     ap.add_argument("--flower-hbc", action="store_true",
                     help="add a Flower run with the honest-but-curious secure-aggregation protocol")
     ap.add_argument("--node-shapes", action="store_true",
@@ -607,6 +610,12 @@ def bench_flower(args) -> dict:
             dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower_per_message"), resume=False)
             dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg_per_message"),
                      resume=False)
+    if args.flower_own_supernode:  # the same two runs on Flower's own SuperNode and SuperExec
+        with LocalFederation(root / "federation_own", info["partitions"], env=env, flower_supernode=True) as fed:
+            flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
+            dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower_own_supernode"), resume=False)
+            dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg_own_supernode"),
+                     resume=False)
     if args.flower_hbc:  # the honest-but-curious protocol (no consistency round, no signatures)
         hcfg = load_config(None, [*ov, *secagg, *hbc])  # on nodes whose manifest holds its policy
         hinfo = write_partitions(hcfg, root / "parts_hbc", args.flower_nodes)
@@ -615,7 +624,8 @@ def bench_flower(args) -> dict:
             dispatch(load_config(None, [*ov, *secagg, *hbc, *flower]), RunDir(root / "flower_secagg_hbc"),
                      resume=False)
     kinds = ("jax", "flower", "jax_secagg", "flower_secagg", *(("flower_secagg_hbc",) if args.flower_hbc else ()),
-             *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()))
+             *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()),
+             *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()))
     med = {k: statistics.median(rounds(root / k)) for k in kinds}
     wa = _safetensors(root / "jax_secagg")
     wb = _safetensors(root / "flower_secagg")
@@ -634,6 +644,13 @@ def bench_flower(args) -> dict:
                 "resident_speedup": med["flower_per_message"] / med["flower"],
                 "resident_speedup_secagg": med["flower_secagg_per_message"] / med["flower_secagg"]}
                if args.flower_per_message else {}),
+            **({"flower_own_supernode_round_s": med["flower_own_supernode"],
+                "flower_own_supernode_vs_jax": med["flower_own_supernode"] / med["jax"],
+                "flower_secagg_own_supernode_round_s": med["flower_secagg_own_supernode"],
+                "flower_secagg_own_supernode_vs_jax_secagg": med["flower_secagg_own_supernode"] / med["jax_secagg"],
+                "memaudit_supernode_speedup": med["flower_own_supernode"] / med["flower"],
+                "memaudit_supernode_speedup_secagg": med["flower_secagg_own_supernode"] / med["flower_secagg"]}
+               if args.flower_own_supernode else {}),
             **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],
                 "flower_secagg_vs_hbc": med["flower_secagg"] / med["flower_secagg_hbc"]} if args.flower_hbc else {})}
 

@@ -1,6 +1,8 @@
 """memaudit's Flower apps as a SuperNode loads them, without JAX.
 
-Flower 1.42 starts a new ``flwr-clientapp`` process for every message a SuperNode receives. A
+Flower 1.42's SuperExec starts a new ``flwr-clientapp`` process for every message a SuperNode
+receives (memaudit's SuperNode, `memaudit.federated.flower.supernode`, runs this ClientApp in one
+long-lived SuperExec process instead: `memaudit.federated.flower.superexec`). A
 ClientApp that imported JAX, read its partition and deserialised its client stages in that
 process paid seconds of start-up per message, four times a round under secure aggregation. Here
 the ClientApp only forwards the message's payload (memaudit's one bytes field,
@@ -11,13 +13,14 @@ and rounds, and answers with the reply's payload.
 
 The resident is started by the first message and lives as long as the SuperNode: it is a child
 in the SuperNode's process group (killing the SuperNode's group kills it), it exits when the
-process that started ``flwr-clientapp`` (Flower's SuperExec, itself watching the SuperNode) is
-gone, and after ``resident-idle`` seconds without a message (node config, default 900). It
-listens on a Unix socket in a folder only this user can enter (0700, checked), and answers only
-a client that proves it holds a 32-byte key in a 0600 file there (``multiprocessing``'s HMAC
-challenge); bytes travel as bytes, never pickled. One resident serves one node config (partition,
-manifest, node key, cache folder) of one SuperNode. ``resident=false`` in the node config runs
-each message in the ``flwr-clientapp`` process instead (`memaudit.federated.flower.apps`).
+ClientApp's parent is gone (Flower's SuperExec, itself watching the SuperNode; on memaudit's
+SuperNode the SuperNode itself), and after ``resident-idle`` seconds without a message (node
+config, default 900). It listens on a Unix socket in a folder only this user can enter (0700,
+checked), and answers only a client that proves it holds a 32-byte key in a 0600 file there
+(``multiprocessing``'s HMAC challenge); bytes travel as bytes, never pickled. One resident
+serves one node config (partition, manifest, node key, cache folder) of one SuperNode.
+``resident=false`` in the node config runs each message in the ``flwr-clientapp`` process
+instead (`memaudit.federated.flower.apps`).
 
 A resident killed without leaving (SIGKILL, the OOM killer) cannot remove its socket and key:
 whoever starts a resident first removes those of every resident that is gone (`sweep_residents`).
@@ -72,7 +75,8 @@ def resident_dir() -> Path:
 
 
 def resident_name(node_config: dict[str, Any], node_id: int, watch_pid: int) -> str:
-    """One resident per node config and SuperNode (the SuperExec's pid)."""
+    """One resident per node config and SuperNode (the pid of the ClientApp's parent: Flower's
+    SuperExec, or on memaudit's SuperNode the SuperNode)."""
     conf = {str(k): str(v) for k, v in node_config.items()}
     blob = json.dumps([conf, int(node_id), int(watch_pid), sys.executable], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]

@@ -130,6 +130,74 @@ def test_flower_weights_equal_in_jax(case, federation):
         assert a["epsilon"] == b["epsilon"] and a["events"] == b["events"] and a["steps"] == rounds
 
 
+FOREIGN_APP = '''"""An app that is not memaudit's: its ClientApp reads the node's partition."""
+import json
+import time
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
+
+server_app = ServerApp()
+client_app = ClientApp()
+
+
+@client_app.query()
+def read_partition(msg, context):
+    data = Path(str(context.node_config["partition"])).read_bytes()
+    Path(str(context.run_config["marker"])).write_bytes(data[:64])
+    return Message(RecordDict({"c": ConfigRecord({"read": len(data)})}), reply_to=msg)
+
+
+@server_app.main()
+def main(grid, context):
+    deadline, nodes = time.time() + 60, []
+    while len(nodes) < 2 and time.time() < deadline:
+        nodes = sorted(grid.get_node_ids())
+        time.sleep(0.2)
+    msgs = [Message(RecordDict({"c": ConfigRecord({"x": 1})}), dst_node_id=n, message_type="query")
+            for n in nodes]
+    replies = list(grid.send_and_receive(msgs, timeout=120))
+    Path(str(context.run_config["out"])).write_text(json.dumps(
+        [{"error": r.has_error(), "reason": r.error.reason if r.has_error() else ""} for r in replies]))
+'''
+
+
+def test_a_foreign_app_is_refused_by_the_supernode(federation):
+    """Whoever reaches the SuperLink can `flwr run` an app (Flower 1.42's open-source SuperLink
+    authenticates no account). Under Flower's own SuperNode its ClientApp ran on the node and read
+    the partition file. memaudit's SuperNode answers with an error naming the refusal, and the
+    foreign ClientApp never runs: no byte of the partition leaves the node."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from memaudit.federated.flower.deploy import write_flower_home
+    from memaudit.federated.flower.superexec import REFUSED
+
+    fed, _, root = federation
+    app = root / "foreign-app"
+    app.mkdir()
+    (app / "foreign_app.py").write_text(FOREIGN_APP)
+    (app / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        '[project]\nname = "foreign"\nversion = "1.0.0"\ndependencies = []\n\n'
+        '[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n[tool.flwr.app]\npublisher = "someone"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "foreign_app:server_app"\nclientapp = "foreign_app:client_app"\n\n'
+        '[tool.flwr.app.config]\nmarker = ""\nout = ""\n')
+    marker, out = root / "foreign-read-the-partition", root / "foreign-replies.json"
+    home = write_flower_home(root / "foreign-home", SimpleNamespace(
+        superlink=fed.address, insecure=True, root_certificates=None))
+    proc = subprocess.run(
+        [str(Path(os.sys.executable).parent / "flwr"), "run", str(app), "memaudit", "--run-config",
+         f"marker='{marker}' out='{out}'", "--stream"],
+        env={**fed.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=300, check=False)
+    assert out.is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    replies = json.loads(out.read_text())
+    assert len(replies) == 2 and all(r["error"] and r["reason"] == REFUSED for r in replies)
+    assert not marker.exists()
+
+
 def test_killed_supernode_drops_its_users(federation):
     """SuperNode 1 is killed once round 1 is logged: from the round it missed on, its users are
     dropped (absent slots); the weights equal the in-JAX program's with those slots empty."""

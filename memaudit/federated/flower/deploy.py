@@ -217,13 +217,16 @@ class LocalFederation:
         manifest: the SuperNodes' stage manifest (default: ``manifest.json`` beside the first
             partition, where `memaudit.federated.flower.nodes` writes it).
         resident: each SuperNode answers through its resident process (`memaudit.flower_node`);
-            False: a ``flwr-clientapp`` process per message does the work.
+            False: the process that runs the ClientApp does the work.
+        flower_supernode: run Flower's own ``flower-supernode`` (a ``flwr-clientapp`` process per
+            message, a 3 s poll, any app) rather than memaudit's SuperNode
+            (`memaudit.federated.flower.supernode`): the comparison of the benchmark.
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
                  env: dict[str, str] | None = None, manifest: str | Path | None = None,
-                 resident: bool = True) -> None:
-        self.resident = resident
+                 resident: bool = True, flower_supernode: bool = False) -> None:
+        self.resident, self.flower_supernode = resident, flower_supernode
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
         self.manifest = str(manifest or Path(self.partitions[0]).parent / "manifest.json")
         self.env = dict(os.environ if env is None else env)
@@ -257,8 +260,10 @@ class LocalFederation:
 
     def start_node(self, i: int, partition: str) -> subprocess.Popen:
         cache = self.workdir / f"node-{i}-cache"
+        node = ([_tool("flower-supernode")] if self.flower_supernode
+                else [sys.executable, "-m", "memaudit.federated.flower.supernode"])
         return self._start(f"supernode-{i}", [
-            _tool("flower-supernode"), "--host", "127.0.0.1", "--port", str(free_port()),
+            *node, "--host", "127.0.0.1", "--port", str(free_port()),
             *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident)])
 
     def kill_node(self, i: int) -> None:

@@ -12,8 +12,8 @@ bytes; the reply is a JSON header ``{"ok": true}`` (or ``{"ok": false, "error": 
 the reply's payload bytes. Connections come only through the socket in the 0700 folder of
 `memaudit.flower_node.resident_dir` and prove the key of a 0600 file there.
 
-The process exits when the process it watches (the SuperExec that started the ClientApps) is
-gone, or after ``resident-idle`` seconds without a request (node config, default 900).
+The process exits when the process it watches (the ClientApp's parent: Flower's SuperExec, or on
+memaudit's SuperNode the SuperNode) is gone, or after ``resident-idle`` seconds without a request (node config, default 900).
 """
 
 from __future__ import annotations
