@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -164,19 +166,14 @@ def main(grid, context):
 '''
 
 
-def test_a_foreign_app_is_refused_by_the_supernode(federation):
-    """Whoever reaches the SuperLink can `flwr run` an app (Flower 1.42's open-source SuperLink
-    authenticates no account). Under Flower's own SuperNode its ClientApp ran on the node and read
-    the partition file. memaudit's SuperNode answers with an error naming the refusal, and the
-    foreign ClientApp never runs: no byte of the partition leaves the node."""
-    import subprocess
+def _submit_foreign_app(root: Path, address: str, env: dict, name: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`flwr run` FOREIGN_APP against the SuperLink at `address`, as whoever reaches it can; the
+    file its ClientApp would copy the partition to, and the file its ServerApp writes the replies to."""
     from types import SimpleNamespace
 
     from memaudit.federated.flower.deploy import write_flower_home
-    from memaudit.federated.flower.superexec import REFUSED
 
-    fed, _, root = federation
-    app = root / "foreign-app"
+    app = root / f"{name}-app"
     app.mkdir()
     (app / "foreign_app.py").write_text(FOREIGN_APP)
     (app / "pyproject.toml").write_text(
@@ -185,13 +182,42 @@ def test_a_foreign_app_is_refused_by_the_supernode(federation):
         '[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n[tool.flwr.app]\npublisher = "someone"\n\n'
         '[tool.flwr.app.components]\nserverapp = "foreign_app:server_app"\nclientapp = "foreign_app:client_app"\n\n'
         '[tool.flwr.app.config]\nmarker = ""\nout = ""\n')
-    marker, out = root / "foreign-read-the-partition", root / "foreign-replies.json"
-    home = write_flower_home(root / "foreign-home", SimpleNamespace(
-        superlink=fed.address, insecure=True, root_certificates=None))
+    marker, out = root / f"{name}-read-the-partition", root / f"{name}-replies.json"
+    home = write_flower_home(root / f"{name}-home", SimpleNamespace(superlink=address, insecure=True,
+                                                                  root_certificates=None))
     proc = subprocess.run(
-        [str(Path(os.sys.executable).parent / "flwr"), "run", str(app), "memaudit", "--run-config",
+        [str(Path(sys.executable).parent / "flwr"), "run", str(app), "memaudit", "--run-config",
          f"marker='{marker}' out='{out}'", "--stream"],
-        env={**fed.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=300, check=False)
+        env={**env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=300, check=False)
+    return proc, marker, out
+
+
+def test_a_foreign_app_is_refused_by_the_superlink(federation):
+    """Whoever reaches the SuperLink can `flwr run` an app (Flower 1.42's open-source SuperLink
+    authenticates no account), and Flower's SuperExec starts its ServerApp on the SuperLink's host,
+    which holds the run directories. memaudit's SuperLink fails the run before anything of the
+    app is installed: its ServerApp never runs, so no node is asked anything."""
+    from memaudit.federated.flower.superexec import REFUSED_SERVER
+
+    fed, _, root = federation
+    proc, marker, out = _submit_foreign_app(root, fed.address, fed.env, "foreign-link")
+    assert not out.exists() and not marker.exists()
+    logs = proc.stdout + proc.stderr
+    assert REFUSED_SERVER in logs, logs[-2000:]  # the run's log, as `flwr run --stream` shows it
+
+
+def test_a_foreign_app_is_refused_by_the_supernode(federation, tmp_path):
+    """Behind a SuperLink that does run a foreign ServerApp (Flower's own, or a server that
+    deviates), the foreign ClientApp would run on the nodes: under Flower's own SuperNode it read
+    the partition file. memaudit's SuperNode answers with an error naming the refusal, and the
+    foreign ClientApp never runs: no byte of the partition leaves the node."""
+    from memaudit.federated.flower.deploy import LocalFederation
+    from memaudit.federated.flower.superexec import REFUSED
+
+    fed, _, root = federation
+    with LocalFederation(tmp_path / "federation", fed.partitions, env=fed.env, manifest=fed.manifest,
+                         flower_superlink=True) as other:
+        proc, marker, out = _submit_foreign_app(root, other.address, other.env, "foreign-node")
     assert out.is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
     replies = json.loads(out.read_text())
     assert len(replies) == 2 and all(r["error"] and r["reason"] == REFUSED for r in replies)

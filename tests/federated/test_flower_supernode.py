@@ -18,7 +18,8 @@ from memaudit.federated.flower.superexec import (
     is_memaudit_app,
     memaudit_app_files,
 )
-from memaudit.federated.flower.supernode import IdleWait, main, shorten_poll, superexec_command
+from memaudit.federated.flower.polls import PULL_BACKOFF_S, PollWaits, short_waits
+from memaudit.federated.flower.supernode import main, superexec_command
 
 
 @pytest.fixture(scope="module")
@@ -66,32 +67,64 @@ def test_the_supernode_runs_memaudits_app_and_nothing_else(fab):
     assert len(bomb) < MAX_FAB_BYTES and not is_memaudit_app(bomb, expected)
 
 
-def test_the_idle_wait_is_the_poll_and_nothing_else_changes():
+def test_flowers_waits_become_polls_and_nothing_else_changes():
+    from flwr.superlink.grid import http_grid
     from flwr.supernode import start_client_internal as loop
 
-    before = loop.time
+    saved = (loop.time, loop.pull_objects, http_grid.pull_objects)
     try:
-        shorten_poll(0.01)
-        assert isinstance(loop.time, IdleWait) and loop.time.poll == 0.01
+        short_waits()  # the ServerApp: its Grid's pulls only
+        assert loop.time is time and http_grid.pull_objects.keywords["initial_backoff"] == PULL_BACKOFF_S
+        short_waits(supernode_poll=0.01)
+        assert isinstance(loop.time, PollWaits) and loop.time.poll == 0.01
+        assert loop.pull_objects.keywords == {"initial_backoff": PULL_BACKOFF_S, "backoff_cap": 0.25,
+                                              "max_tries_per_object": None}
         t = time.monotonic()
-        loop.time.sleep(3)  # Flower's wait after an ask that found no message
-        assert time.monotonic() - t < 1.0
+        loop.time.sleep(3)  # after an ask that found no message
+        loop.time.sleep(0.5)  # between looks for a ClientApp's reply
+        assert time.monotonic() - t < 0.5
         t = time.monotonic()
-        loop.time.sleep(0.2)  # any other wait is kept
-        assert time.monotonic() - t >= 0.19
+        loop.time.sleep(0.005)  # a shorter wait is kept
+        assert time.monotonic() - t >= 0.004
         assert loop.time.time is time.time
-        shorten_poll(0.05)  # again: replaces the poll, not wraps it
-        assert loop.time.poll == 0.05
+        short_waits(supernode_poll=0.05)  # again: replaces the poll, not wraps it
+        assert loop.time.poll == 0.05 and loop.pull_objects.func is saved[1]
     finally:
-        loop.time = before
+        loop.time, loop.pull_objects, http_grid.pull_objects = saved
 
 
-def test_the_superexec_it_starts():
-    cmd = superexec_command(["--superlink", "l:9091", "--host", "0.0.0.0", "--port", "9200"], 42)
+def test_an_object_not_there_yet_is_asked_for_again_within_a_poll():
+    """The SuperNode hands its SuperExec a task before it holds the message's objects: Flower's
+    first retry came after 1 s (then 2 s: 1.1 or 3.1 s per message, measured); memaudit's after
+    0.02 s."""
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+    from flwr.superlink.grid import http_grid
+
+    saved = http_grid.pull_objects
+    ready_at = time.monotonic() + 0.3
+
+    def pull(object_id):
+        if time.monotonic() < ready_at:
+            raise ObjectUnavailableError(object_id)
+        return b"x"
+
+    try:
+        short_waits()
+        t = time.monotonic()
+        assert http_grid.pull_objects(["a", "b"], pull) == {"a": b"x", "b": b"x"}
+        assert time.monotonic() - t < 0.8  # Flower's own: 1 s, then 2 s
+    finally:
+        http_grid.pull_objects = saved
+
+
+def test_the_superexec_each_starts():
+    cmd = superexec_command(["--superlink", "l:9091", "--host", "0.0.0.0", "--port", "9200"], 42, task="clientapp")
     assert cmd[1:] == ["-m", "memaudit.federated.flower.superexec", "--runtime-api-address",
-                       "127.0.0.1:9200", "--parent-pid", "42"]
-    tls = superexec_command(["--host=10.0.0.7", "--ssl-ca-certfile", "ca.crt"], 1)
+                       "127.0.0.1:9200", "--parent-pid", "42", "--task", "clientapp"]
+    tls = superexec_command(["--host=10.0.0.7", "--ssl-ca-certfile", "ca.crt"], 1, task="clientapp")
     assert "10.0.0.7:9094" in tls and tls[-2:] == ["--root-certificates", "ca.crt"]
+    link = superexec_command(["--host", "::", "--insecure"], 3, task="serverapp")  # flower-superlink's port
+    assert "[::1]:8000" in link and link[-2:] == ["--task", "serverapp"]
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -103,3 +136,25 @@ def test_bad_supernode_arguments_get_one_line(argv, says, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_superlinks_serverapp_installs_memaudits_app_only(fab, monkeypatch):
+    """memaudit's SuperLink starts each ServerApp as Flower's flwr-serverapp with its FAB install
+    guarded: a foreign FAB raises before anything of it is written or imported."""
+    import importlib
+    import sys
+
+    from memaudit.federated.flower import superexec
+
+    task = importlib.import_module("flwr.superlink.runtime.run_serverapp")
+    installed = []
+    monkeypatch.setattr(task, "install_from_fab", lambda content, **kw: installed.append(content))
+    monkeypatch.setattr(importlib.import_module("flwr.superlink.cli.flwr_serverapp"), "flwr_serverapp", lambda: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    superexec.run_serverapp(["--insecure", "--token", "t"])
+    assert sys.argv[0] == "flwr-serverapp"
+    task.install_from_fab(fab, skip_prompt=True)
+    assert installed == [fab]
+    with pytest.raises(RuntimeError, match="this SuperLink runs only memaudit's app"):
+        task.install_from_fab(_rezip(fab, {"evil.py": b"import os\n"}), skip_prompt=True)
+    assert installed == [fab]

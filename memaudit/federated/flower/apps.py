@@ -42,6 +42,7 @@ import jax
 
 from memaudit.errors import DataError, MemauditError
 from memaudit.federated.flower import wire
+from memaudit.federated.flower.polls import short_waits
 from memaudit.federated.flower.execute import NodeExecutor, call_from_wire
 from memaudit.federated.flower.identity import load_node_identity
 from memaudit.federated.flower.nodes import load_partition, user_digest
@@ -55,6 +56,7 @@ def serve(grid: Grid, context: Context) -> None:
     # lazy: flax (~2.5 s) and dp_accounting (~1.5 s) only when called
     from memaudit.federated.flower.trainer import serve_run
 
+    short_waits()  # the Grid asks again for a reply's missing object after 0.02 s, not 1 s
     rc = context.run_config
     serve_run(grid, launch_dir=Path(str(rc["launch-dir"])))
 

@@ -221,12 +221,15 @@ class LocalFederation:
         flower_supernode: run Flower's own ``flower-supernode`` (a ``flwr-clientapp`` process per
             message, a 3 s poll, any app) rather than memaudit's SuperNode
             (`memaudit.federated.flower.supernode`): the comparison of the benchmark.
+        flower_superlink: run Flower's own ``flower-superlink`` (any app's ServerApp) rather than
+            memaudit's (`memaudit.federated.flower.superlink`): what a SuperNode's own refusal is
+            tested against.
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
                  env: dict[str, str] | None = None, manifest: str | Path | None = None,
-                 resident: bool = True, flower_supernode: bool = False) -> None:
-        self.resident, self.flower_supernode = resident, flower_supernode
+                 resident: bool = True, flower_supernode: bool = False, flower_superlink: bool = False) -> None:
+        self.resident, self.flower_supernode, self.flower_superlink = resident, flower_supernode, flower_superlink
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
         self.manifest = str(manifest or Path(self.partitions[0]).parent / "manifest.json")
         self.env = dict(os.environ if env is None else env)
@@ -252,8 +255,10 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        link = ([_tool("flower-superlink")] if self.flower_superlink
+                else [sys.executable, "-m", "memaudit.federated.flower.superlink"])
         self.superlink = self._start("superlink", [  # state in memory (no --database)
-            _tool("flower-superlink"), *superlink_args("127.0.0.1", self.port, supernode_auth=False)])
+            *link, *superlink_args("127.0.0.1", self.port, supernode_auth=False)])
         _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
         for i, part in enumerate(self.partitions):
             self.nodes.append(self.start_node(i, part))

@@ -48,10 +48,15 @@ class Resident:
     def __init__(self, node_config: dict[str, Any], node_id: int) -> None:
         self.node_config, self.node_id = node_config, node_id
         self.runs: OrderedDict[int, NodeExecutor] = OrderedDict()
+        # the deserialised stages and their compiled callables, by the sha256 of the module's
+        # bytes (content, never a name): shared by the runs, so a node that serves run after
+        # run (a sweep's points) compiles each stage once
+        self.modules: dict[str, Any] = {}
 
     def executor(self, run_id: int) -> NodeExecutor:
         if run_id not in self.runs:
             self.runs[run_id] = open_node(self.node_config, self.node_id, run_id, in_memory=True)
+            self.runs[run_id].modules = self.modules
             while len(self.runs) > RUNS_KEPT:
                 self.runs.popitem(last=False)
         self.runs.move_to_end(run_id)

@@ -32,8 +32,10 @@ What a foreign ServerApp can send to memaudit's ClientApp is bounded by the node
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,11 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from memaudit.federated.flower.deploy import write_app
+from memaudit.federated.flower.polls import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S
 
 POLL_S = 0.05  # the runtime API is on this host: asking often costs little
 MAX_FAB_BYTES = 1 << 20  # memaudit's app is two small files; a larger FAB is not it
 REFUSED = ("this SuperNode runs only memaudit's app (memaudit.federated.flower.deploy.write_app); "
            "the run's app is another, and was refused")
+REFUSED_SERVER = ("this SuperLink runs only memaudit's app (memaudit.federated.flower.deploy.write_app); "
+                  "the run's app is another, and was refused")
 CONTENT = ".info/CONTENT"  # the FAB's manifest of its files' hashes, written by flwr's build
 
 
@@ -119,6 +124,40 @@ def _runtime_client(address: str, insecure: bool, certificates: bytes | None, *e
         retry_invoker=make_simple_http_retry_invoker())
 
 
+def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
+    """The task's (message, context, run, FAB), as Flower's ``flwr-clientapp`` pulls them, except
+    that an object of the message the SuperNode has not pulled yet is asked for again after
+    `memaudit.federated.flower.polls.PULL_BACKOFF_S`, not 1 s: the SuperNode hands out the task
+    before it has the message's objects."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.app import Message
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf,
+        make_pull_object_fn_protobuf,
+    )
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
+    TaskIdentity.node_id = res.context.node_id
+    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("the SuperNode's runtime API gave the task no message")
+    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S,
+        max_tries_per_object=None)
+    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower's: the id is the tree's
+    return message, context, run, fab
+
+
 def serve_task(address: str, token: str, insecure: bool, certificates: bytes | None,
                expected: dict[str, bytes], client_app: Any) -> bool:
     """One ClientApp task, as ``flwr-clientapp`` would run it, with memaudit's ClientApp and the
@@ -129,7 +168,7 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
     from flwr.common.constant import ErrorCode, SubStatus
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
     from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor
-    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+    from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
     client = _runtime_client(address, insecure, certificates, RuntimeTokenHttpInterceptor(token))
     heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
@@ -167,7 +206,7 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
 
 
 def _exit_with(parent_pid: int) -> None:
-    """Exit when the process that started this one (the SuperNode) is gone."""
+    """Exit when the process that started this one (the SuperNode or SuperLink) is gone."""
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.2)
@@ -176,43 +215,120 @@ def _exit_with(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _start_serverapp(address: str, token: str, root_certificates: str | None) -> None:
+    """A ServerApp task: Flower's ``flwr-serverapp``, in a process of its own (a run lasts), that
+    installs the run's FAB only when it is memaudit's app (`run_serverapp`)."""
+    tls = ["--insecure"] if root_certificates is None else ["--root-certificates", root_certificates]
+    subprocess.Popen([sys.executable, "-m", "memaudit.federated.flower.superexec", "--run-serverapp",
+                      "--runtime-api-address", address, "--token", token, "--parent-pid", str(os.getpid()),
+                      *tls], stdin=subprocess.DEVNULL)
+
+
+def run_serverapp(argv: list[str]) -> None:
+    """Flower's ``flwr-serverapp`` (`argv`: its arguments), refusing a FAB that is not memaudit's
+    app before anything of it is installed or imported: the run ends failed with `REFUSED_SERVER`
+    as its reason."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.superlink.cli.flwr_serverapp import flwr_serverapp
+
+    # the module (its package exports a function of the same name)
+    task = importlib.import_module("flwr.superlink.runtime.run_serverapp")
+    expected, install = memaudit_app_files(), task.install_from_fab
+
+    def install_memaudits_only(content: bytes, *args: Any, **kwargs: Any) -> Any:
+        if not is_memaudit_app(content, expected):
+            print("memaudit SuperExec: refused a ServerApp that is not memaudit's", file=sys.stderr, flush=True)
+            raise RuntimeError(REFUSED_SERVER)
+        return install(content, *args, **kwargs)
+
+    task.install_from_fab = install_memaudits_only
+    sys.argv = ["flwr-serverapp", *argv]
+    flwr_serverapp()
+
+
 def serve(address: str, *, insecure: bool, root_certificates: str | None, parent_pid: int,
-          poll: float = POLL_S) -> None:
-    """Ask the runtime API at `address` for ClientApp tasks and serve them, one at a time."""
+          poll: float = POLL_S, task: str = "clientapp") -> None:
+    """Ask the runtime API at `address` for tasks and serve them: ClientApp tasks (a SuperNode's)
+    one at a time in this process, ServerApp tasks (a SuperLink's) each in a process of its own."""
     # optional dependency: flwr (the flower extra)
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
 
-    # lazy as flwr: memaudit's ClientApp is built only where the flower extra is installed
-    from memaudit.flower_node import client_app
-
     _exit_with(parent_pid)
     certificates = None if root_certificates is None else Path(root_certificates).read_bytes()
-    expected = memaudit_app_files()
     client = _runtime_client(address, insecure, certificates)
-    request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
+    kind = TaskType.CLIENT_APP if task == "clientapp" else TaskType.SERVER_APP
+    request = AcquireTaskRequest(supported_task_types=[kind.value])
+    if kind == TaskType.CLIENT_APP:
+        # lazy as flwr: memaudit's ClientApp is built only where the flower extra is installed
+        from memaudit.flower_node import client_app
+
+        expected = memaudit_app_files()
     while True:
         try:
             res = client.AcquireTask(request)
-        except Exception:  # noqa: BLE001 - the SuperNode's API is starting, or briefly away
+        except Exception:  # noqa: BLE001 - the runtime API is starting, or briefly away
             time.sleep(max(poll, 0.5))
             continue
-        if res.HasField("task") and res.token:
+        if not (res.HasField("task") and res.token):
+            time.sleep(poll)
+        elif kind == TaskType.CLIENT_APP:
             serve_task(address, res.token, insecure, certificates, expected, client_app)
-            continue  # a round's next message may be waiting already
-        time.sleep(poll)
+        else:
+            _start_serverapp(address, res.token, root_certificates)
+
+
+RUNTIME_PORTS = {"clientapp": 9094, "serverapp": 8000}  # flower-supernode's, flower-superlink's defaults
+
+
+def flag_value(args: list[str], flag: str, default: str | None = None) -> str | None:
+    """The value of ``flag`` in a command line (``--flag V`` or ``--flag=V``).
+
+    >>> flag_value(["--port", "9100"], "--port"), flag_value(["--host=h"], "--host"), flag_value([], "--x", "d")
+    ('9100', 'h', 'd')
+    """
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def superexec_command(flower_args: list[str], parent_pid: int, *, task: str) -> list[str]:
+    """memaudit's SuperExec for the SuperNode (``task="clientapp"``) or SuperLink (``"serverapp"``)
+    these arguments start: on its runtime API (``--host``/``--port``), with the CA certificate of
+    its TLS (``--ssl-ca-certfile``) when it serves TLS.
+
+    >>> superexec_command(["--port", "9100", "--insecure"], 7, task="clientapp")[3:]
+    ['--runtime-api-address', '127.0.0.1:9100', '--parent-pid', '7', '--task', 'clientapp']
+    """
+    host = flag_value(flower_args, "--host", "127.0.0.1") or "127.0.0.1"
+    host = "127.0.0.1" if host == "0.0.0.0" else ("::1" if host == "::" else host)
+    host = f"[{host}]" if ":" in host else host
+    port = flag_value(flower_args, "--port", str(RUNTIME_PORTS[task]))
+    cmd = [sys.executable, "-m", "memaudit.federated.flower.superexec", "--runtime-api-address",
+           f"{host}:{port}", "--parent-pid", str(parent_pid), "--task", task]
+    ca = flag_value(flower_args, "--ssl-ca-certfile")
+    return cmd + (["--root-certificates", ca] if ca else [])
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--run-serverapp"]:  # one ServerApp task (started by `serve`)
+        run_serverapp(argv[1:])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's runtime API, host:port")
+    ap.add_argument("--runtime-api-address", required=True, help="the runtime API, host:port")
     ap.add_argument("--root-certificates", default=None,
                     help="CA certificate of the runtime API's TLS (omit for plain HTTP on this host)")
     ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument("--task", choices=sorted(RUNTIME_PORTS), default="clientapp",
+                    help="clientapp: a SuperNode's; serverapp: a SuperLink's")
     ap.add_argument("--poll", type=float, default=POLL_S, help="seconds between asks for a task")
     a = ap.parse_args(argv)
-    serve(a.runtime_api_address, insecure=a.root_certificates is None,
-          root_certificates=a.root_certificates, parent_pid=a.parent_pid, poll=a.poll)
+    serve(a.runtime_api_address, insecure=a.root_certificates is None, root_certificates=a.root_certificates,
+          parent_pid=a.parent_pid, poll=a.poll, task=a.task)
     return 0
 
 

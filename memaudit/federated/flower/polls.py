@@ -1,0 +1,78 @@
+"""Flower 1.42's waits, made polls of a round's scale.
+
+A Flower exchange is a chain of processes that look for each other's work by polling, and Flower
+1.42 waits seconds between looks:
+
+- a SuperNode that found no message waits 3 s before it asks the SuperLink again, and looks for
+  its ClientApp's reply and its content every 0.5 s (``start_client_internal``);
+- an object of a message that is not there yet (the sender announces a message before it has
+  pushed its objects) is asked for again after 1 s, then 2, 4 ... up to 10 s
+  (``inflatable_utils.pull_objects``): the SuperNode pulling the server's message, the ClientApp
+  pulling it from the SuperNode, and the ServerApp pulling the nodes' replies each hit this once
+  an exchange or more.
+
+A memaudit round of the tiny model computes in under a second, so these waits were most of a
+Flower round. `short_waits` makes each at most a poll: `SUPERNODE_POLL_S` for the SuperNode's
+loop (`memaudit.federated.flower.supernode`), and `PULL_BACKOFF_S` doubling to at most
+`PULL_BACKOFF_CAP_S` between asks for an object, with no limit on the number of asks (Flower's
+limit of 500 would be reached in under two minutes; its 2-hour limit on the time stays). Only
+the waits change, never what is asked or in what order.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from types import ModuleType
+from typing import Any
+
+SUPERNODE_POLL_S = 0.1
+PULL_BACKOFF_S, PULL_BACKOFF_CAP_S = 0.02, 0.25
+
+
+class PollWaits:
+    """``time`` as a Flower module sees it: every wait is at most `poll` seconds; every other
+    call is the ``time`` module's.
+
+    >>> w = PollWaits(0.0)
+    >>> t = time.monotonic(); w.sleep(3); w.sleep(0.5); time.monotonic() - t < 0.5
+    True
+    >>> w.monotonic is time.monotonic
+    True
+    """
+
+    def __init__(self, poll: float) -> None:
+        self.poll = float(poll)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(min(seconds, self.poll))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def _short_pulls(module: ModuleType) -> None:
+    """`module`'s ``pull_objects`` asks again for a missing object after `PULL_BACKOFF_S`."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.supercore.inflatable.inflatable_utils import pull_objects
+
+    module.pull_objects = functools.partial(  # type: ignore[attr-defined]
+        pull_objects, initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S,
+        max_tries_per_object=None)
+
+
+def short_waits(*, supernode_poll: float | None = None) -> None:
+    """Make Flower's waits in this process polls: the ServerApp's pulls of replies (the Grid),
+    and with `supernode_poll` the SuperNode's loop and its pulls of messages. Idempotent."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.superlink.grid import http_grid
+
+    _short_pulls(http_grid)
+    if supernode_poll is None:
+        return
+    from flwr.supernode import start_client_internal as loop  # flwr, as above
+
+    if not (loop.time is time or isinstance(loop.time, PollWaits)):
+        raise RuntimeError("this Flower's SuperNode loop does not wait through the time module")
+    loop.time = PollWaits(supernode_poll)  # type: ignore[attr-defined]
+    _short_pulls(loop)

@@ -1,0 +1,49 @@
+"""memaudit's SuperLink: Flower's ``flower-superlink``, whose ServerApps are memaudit's only.
+
+    python -m memaudit.federated.flower.superlink FLOWER-SUPERLINK-ARGUMENTS...
+
+takes ``flower-superlink``'s arguments (`memaudit.federated.flower.deploy.superlink_args`) and
+runs Flower 1.42's SuperLink in this process with ``--isolation process``, beside memaudit's
+SuperExec (`memaudit.federated.flower.superexec`, ``--task serverapp``) on its runtime API.
+
+**Adversary:** anyone who reaches the SuperLink's address. Flower 1.42's open-source SuperLink
+authenticates no account on its Control API, so they can ``flwr run`` an app of their own, and
+Flower's SuperExec would start its ServerApp on this host: the host that holds the run
+directory and the prepared data of every user. memaudit's SuperExec starts each ServerApp task
+as Flower's ``flwr-serverapp``, except that the run's FAB is installed only when it is
+memaudit's app (`memaudit.federated.flower.superexec.is_memaudit_app`); any other run ends
+failed with `memaudit.federated.flower.superexec.REFUSED_SERVER`, and nothing of its FAB is
+installed, imported or run. The SuperNodes refuse such apps on their side too
+(`memaudit.federated.flower.supernode`). Test:
+``tests/federated/test_flower_deploy.py::test_a_foreign_app_is_refused_by_the_superlink``.
+
+``--isolation`` is refused: this SuperLink's isolation is memaudit's SuperExec.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from memaudit.federated.flower.superexec import flag_value, superexec_command
+
+
+def main(argv: list[str] | None = None) -> int:
+    flower_args = list(sys.argv[1:] if argv is None else argv)
+    if flag_value(flower_args, "--isolation") is not None:
+        print("memaudit: error: --isolation is memaudit's SuperExec on this SuperLink; remove it, "
+              "or run flower-superlink itself", file=sys.stderr)
+        return 2
+    # optional dependency: flwr (the flower extra)
+    from flwr.superlink.cli.flower_superlink import flower_superlink
+
+    # same process group as this SuperLink: stopping the link's group stops its SuperExec too
+    subprocess.Popen(superexec_command(flower_args, os.getpid(), task="serverapp"), stdin=subprocess.DEVNULL)
+    sys.argv = ["flower-superlink", *flower_args, "--isolation", "process"]
+    flower_superlink()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
