@@ -70,7 +70,7 @@ def short_waits(*, supernode_poll: float | None = None) -> None:
     _short_pulls(http_grid)
     if supernode_poll is None:
         return
-    from flwr.supernode import start_client_internal as loop  # flwr, as above
+    from flwr.supernode import start_client_internal as loop  # optional: flwr, as above
 
     if not (loop.time is time or isinstance(loop.time, PollWaits)):
         raise RuntimeError("this Flower's SuperNode loop does not wait through the time module")
