@@ -604,18 +604,17 @@ def bench_flower(args) -> dict:
         dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower"), resume=False)
         total = time.perf_counter() - t0
         dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"), resume=False)
-    if args.flower_per_message:  # the same two runs with a flwr-clientapp process doing each message's work
-        with LocalFederation(root / "federation_pm", info["partitions"], env=env, resident=False) as fed:
+    def pair(suffix: str, **federation) -> None:  # the plain and the secure run on one federation
+        with LocalFederation(root / f"federation{suffix}", info["partitions"], env=env, **federation) as fed:
             flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
-            dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower_per_message"), resume=False)
-            dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg_per_message"),
+            dispatch(load_config(None, [*ov, *flower]), RunDir(root / f"flower{suffix}"), resume=False)
+            dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / f"flower_secagg{suffix}"),
                      resume=False)
-    if args.flower_own_supernode:  # the same two runs on Flower's own SuperNode and SuperExec
-        with LocalFederation(root / "federation_own", info["partitions"], env=env, flower_supernode=True) as fed:
-            flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
-            dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower_own_supernode"), resume=False)
-            dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg_own_supernode"),
-                     resume=False)
+
+    if args.flower_per_message:  # a process, not the node's resident one, does each message's work
+        pair("_per_message", resident=False)
+    if args.flower_own_supernode:  # Flower's own SuperNode and SuperExec
+        pair("_own_supernode", flower_supernode=True)
     if args.flower_hbc:  # the honest-but-curious protocol (no consistency round, no signatures)
         hcfg = load_config(None, [*ov, *secagg, *hbc])  # on nodes whose manifest holds its policy
         hinfo = write_partitions(hcfg, root / "parts_hbc", args.flower_nodes)
@@ -627,6 +626,13 @@ def bench_flower(args) -> dict:
              *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()),
              *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()))
     med = {k: statistics.median(rounds(root / k)) for k in kinds}
+
+    def side(suffix: str, speedup: str) -> dict:  # a pair's rounds against in-JAX and memaudit's default
+        a, b = f"flower{suffix}", f"flower_secagg{suffix}"
+        return {f"{a}_round_s": med[a], f"{a}_vs_jax": med[a] / med["jax"], f"{b}_round_s": med[b],
+                f"{b}_vs_jax_secagg": med[b] / med["jax_secagg"], speedup: med[a] / med["flower"],
+                f"{speedup}_secagg": med[b] / med["flower_secagg"]}
+
     wa = _safetensors(root / "jax_secagg")
     wb = _safetensors(root / "flower_secagg")
     return {"model": "tiny Llama (memaudit preset)", "nodes": args.flower_nodes, "cohort": 8,
@@ -637,20 +643,8 @@ def bench_flower(args) -> dict:
             "flower_secagg_vs_jax_secagg": med["flower_secagg"] / med["jax_secagg"],
             "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
             "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
-            **({"flower_per_message_round_s": med["flower_per_message"],
-                "flower_per_message_vs_jax": med["flower_per_message"] / med["jax"],
-                "flower_secagg_per_message_round_s": med["flower_secagg_per_message"],
-                "flower_secagg_per_message_vs_jax_secagg": med["flower_secagg_per_message"] / med["jax_secagg"],
-                "resident_speedup": med["flower_per_message"] / med["flower"],
-                "resident_speedup_secagg": med["flower_secagg_per_message"] / med["flower_secagg"]}
-               if args.flower_per_message else {}),
-            **({"flower_own_supernode_round_s": med["flower_own_supernode"],
-                "flower_own_supernode_vs_jax": med["flower_own_supernode"] / med["jax"],
-                "flower_secagg_own_supernode_round_s": med["flower_secagg_own_supernode"],
-                "flower_secagg_own_supernode_vs_jax_secagg": med["flower_secagg_own_supernode"] / med["jax_secagg"],
-                "memaudit_supernode_speedup": med["flower_own_supernode"] / med["flower"],
-                "memaudit_supernode_speedup_secagg": med["flower_secagg_own_supernode"] / med["flower_secagg"]}
-               if args.flower_own_supernode else {}),
+            **(side("_per_message", "resident_speedup") if args.flower_per_message else {}),
+            **(side("_own_supernode", "memaudit_supernode_speedup") if args.flower_own_supernode else {}),
             **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],
                 "flower_secagg_vs_hbc": med["flower_secagg"] / med["flower_secagg_hbc"]} if args.flower_hbc else {})}
 

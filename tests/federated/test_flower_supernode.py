@@ -12,14 +12,15 @@ import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a
 import pytest
 
 from memaudit.federated.flower.deploy import write_app
+from memaudit.federated.flower.polls import PULL_BACKOFF_S, PollWaits, short_waits
 from memaudit.federated.flower.superexec import (
     CONTENT,
     MAX_FAB_BYTES,
     is_memaudit_app,
     memaudit_app_files,
+    superexec_command,
 )
-from memaudit.federated.flower.polls import PULL_BACKOFF_S, PollWaits, short_waits
-from memaudit.federated.flower.supernode import main, superexec_command
+from memaudit.federated.flower.supernode import main
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,14 @@ def test_bad_supernode_arguments_get_one_line(argv, says, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_superlink_with_its_own_isolation_gets_one_line(capsys):
+    from memaudit.federated.flower import superlink
+
+    assert superlink.main(["--insecure", "--isolation=subprocess"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--isolation is memaudit's SuperExec on this SuperLink" in err and len(err.splitlines()) == 1
 
 
 def test_the_superlinks_serverapp_installs_memaudits_app_only(fab, monkeypatch):

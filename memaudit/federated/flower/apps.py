@@ -42,10 +42,10 @@ import jax
 
 from memaudit.errors import DataError, MemauditError
 from memaudit.federated.flower import wire
-from memaudit.federated.flower.polls import short_waits
 from memaudit.federated.flower.execute import NodeExecutor, call_from_wire
 from memaudit.federated.flower.identity import load_node_identity
 from memaudit.federated.flower.nodes import load_partition, user_digest
+from memaudit.federated.flower.polls import short_waits
 from memaudit.federated.flower.trust import NodeTrust
 from memaudit.flower_messages import payload_of
 

@@ -313,6 +313,21 @@ def superexec_command(flower_args: list[str], parent_pid: int, *, task: str) -> 
     return cmd + (["--root-certificates", ca] if ca else [])
 
 
+def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
+    """Run Flower's SuperNode or SuperLink (`flower_main`, its command-line entry) in this process
+    with ``--isolation process``, and memaudit's SuperExec for `task` beside it in this process
+    group (stopping the group stops both). ``--isolation`` in `flower_args` is refused (exit 2)."""
+    what = {"clientapp": ("SuperNode", "flower-supernode"), "serverapp": ("SuperLink", "flower-superlink")}[task]
+    if flag_value(flower_args, "--isolation") is not None:
+        print(f"memaudit: error: --isolation is memaudit's SuperExec on this {what[0]}; remove it, "
+              f"or run {what[1]} itself", file=sys.stderr)
+        return 2
+    subprocess.Popen(superexec_command(flower_args, os.getpid(), task=task), stdin=subprocess.DEVNULL)
+    sys.argv = [what[1], *flower_args, "--isolation", "process"]
+    flower_main()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run-serverapp"]:  # one ServerApp task (started by `serve`)

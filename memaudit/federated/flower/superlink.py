@@ -22,27 +22,16 @@ installed, imported or run. The SuperNodes refuse such apps on their side too
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
-from memaudit.federated.flower.superexec import flag_value, superexec_command
+from memaudit.federated.flower.superexec import beside
 
 
 def main(argv: list[str] | None = None) -> int:
-    flower_args = list(sys.argv[1:] if argv is None else argv)
-    if flag_value(flower_args, "--isolation") is not None:
-        print("memaudit: error: --isolation is memaudit's SuperExec on this SuperLink; remove it, "
-              "or run flower-superlink itself", file=sys.stderr)
-        return 2
     # optional dependency: flwr (the flower extra)
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
-    # same process group as this SuperLink: stopping the link's group stops its SuperExec too
-    subprocess.Popen(superexec_command(flower_args, os.getpid(), task="serverapp"), stdin=subprocess.DEVNULL)
-    sys.argv = ["flower-superlink", *flower_args, "--isolation", "process"]
-    flower_superlink()
-    return 0
+    return beside(flower_superlink, list(sys.argv[1:] if argv is None else argv), task="serverapp")
 
 
 if __name__ == "__main__":

@@ -27,22 +27,17 @@ and running whatever app a run brings.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 
 from memaudit.federated.flower.polls import SUPERNODE_POLL_S, short_waits
-from memaudit.federated.flower.superexec import flag_value, superexec_command
+from memaudit.federated.flower.superexec import beside
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False)
     ap.add_argument("--poll", type=float, default=SUPERNODE_POLL_S,
                     help="seconds a SuperNode with no message waits before asking again")
     ours, flower_args = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if flag_value(flower_args, "--isolation") is not None:
-        print("memaudit: error: --isolation is memaudit's SuperExec on this SuperNode; remove it, "
-              "or run flower-supernode itself", file=sys.stderr)
-        return 2
     if not 0.01 <= ours.poll <= 3.0:
         print(f"memaudit: error: --poll {ours.poll:g} is outside 0.01-3 s; give a poll in that range",
               file=sys.stderr)
@@ -56,11 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memaudit: error: {e}; run flower-supernode itself, or the Flower version memaudit pins",
               file=sys.stderr)
         return 2
-    # same process group as this SuperNode: stopping the node's group stops its SuperExec too
-    subprocess.Popen(superexec_command(flower_args, os.getpid(), task="clientapp"), stdin=subprocess.DEVNULL)
-    sys.argv = ["flower-supernode", *flower_args, "--isolation", "process"]
-    flower_supernode()
-    return 0
+    return beside(flower_supernode, flower_args, task="clientapp")
 
 
 if __name__ == "__main__":
