@@ -99,6 +99,14 @@ secure aggregation; 4 SuperNodes 13.9 s against 0.84 s, 37.7 s against 1.22 s (w
 2 SuperNodes over 8 rounds (``--flower-rounds 8``, median of rounds 2-8) 7.19 s against 1.30 s
 and 32.9 s against 1.41 s.
 
+Since 2026-12-04 ``LocalFederation`` starts memaudit's SuperLink and SuperNodes
+(`memaudit.federated.flower.supernode`: one long-lived ClientApp process, Flower's waits made
+polls); ``--flower-own-supernode`` adds the same two runs on Flower's own ``flower-supernode``,
+side by side. Measured 2026-12-04 (2 SuperNodes, ``--flower-rounds 10``, median of rounds 2-10,
+2 cores, nothing else running): in JAX 0.96 s and 1.90 s with secure aggregation; memaudit's
+SuperNodes 1.92 s (2.0x) and 7.11 s (3.7x); Flower's own 5.32 s (5.5x) and 30.9 s (16.3x):
+2.8x and 4.3x faster; the secure runs' weights equal (0.0).
+
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
 stages against each running the stages shaped for its own slots
