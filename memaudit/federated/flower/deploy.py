@@ -3,10 +3,10 @@
 `submit` writes a minimal Flower App (a ``pyproject.toml`` whose components are memaudit's
 ``ServerApp`` and ``ClientApp``) and a Flower config naming the SuperLink, then runs
 ``flwr run APP memaudit --run-config launch-dir=... --stream`` and waits for it to end.
-`superlink_args` and `supernode_args` are the deployment's commands (TLS, SuperNode
+`superlink_args` and `supernode_args` are the deployment's commands' arguments (TLS, SuperNode
 authentication, the host the SuperLink binds, each node's partition and stage manifest; plain
-HTTP only on localhost). `LocalFederation` starts one SuperLink and SuperNodes as separate
-processes on 127.0.0.1 with free ports (plain HTTP: localhost only), and tears them down; the
+HTTP only on localhost). `LocalFederation` starts memaudit's SuperLink and SuperNodes (or
+Flower's own) as separate processes on 127.0.0.1 with free ports (plain HTTP: localhost only), and tears them down; the
 tests and ``benchmarks/federated_round.py`` use it.
 """
 
@@ -147,7 +147,8 @@ def _stop_run(launch: Path, env: dict[str, str]) -> None:
 # ------------------------------------------------------------------ the processes' commands
 def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = None,
                    supernode_auth: bool = True) -> list[str]:
-    """``flower-superlink``'s arguments: bound to ``host`` (the interface the SuperNodes and the
+    """The arguments of memaudit's SuperLink (`memaudit.federated.flower.superlink`; Flower's
+    ``flower-superlink`` takes the same): bound to ``host`` (the interface the SuperNodes and the
     operator reach; flwr serves its Fleet, Control and Runtime APIs on this one address), TLS
     from ``tls`` = (CA certificate, certificate, key), only registered SuperNodes
     (``--enable-supernode-auth``), no dependency installation. Without ``tls`` only on
@@ -168,7 +169,8 @@ def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = N
 def supernode_args(superlink: str, partition: str | Path, manifest: str | Path, *,
                    root_certificates: str | None = None, auth_key: str | None = None,
                    cache_dir: str | Path | None = None, resident: bool = True) -> list[str]:
-    """``flower-supernode``'s arguments: the SuperLink verified with ``root_certificates`` (TLS;
+    """The arguments of memaudit's SuperNode (`memaudit.federated.flower.supernode`; Flower's
+    ``flower-supernode`` takes the same): the SuperLink verified with ``root_certificates`` (TLS;
     plain HTTP only to a SuperLink on localhost), the node's private key (SuperNode
     authentication) and the node config memaudit's ClientApp reads: its partition and its
     stage manifest (`memaudit.federated.flower.trust`); ``resident=False`` runs every message in
