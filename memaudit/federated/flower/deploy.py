@@ -6,8 +6,8 @@
 `superlink_args` and `supernode_args` are the deployment's commands' arguments (TLS, SuperNode
 authentication, the host the SuperLink binds, each node's partition and stage manifest; plain
 HTTP only on localhost). `LocalFederation` starts memaudit's SuperLink and SuperNodes (or
-Flower's own) as separate processes on 127.0.0.1 with free ports (plain HTTP: localhost only), and tears them down; the
-tests and ``benchmarks/federated_round.py`` use it.
+Flower's own) as separate processes on 127.0.0.1 with free ports (plain HTTP: localhost only),
+and tears them down; the tests and ``benchmarks/federated_round.py`` use it.
 """
 
 from __future__ import annotations
