@@ -167,3 +167,20 @@ def test_the_superlinks_serverapp_installs_memaudits_app_only(fab, monkeypatch):
     with pytest.raises(RuntimeError, match="this SuperLink runs only memaudit's app"):
         task.install_from_fab(_rezip(fab, {"evil.py": b"import os\n"}), skip_prompt=True)
     assert installed == [fab]
+
+
+def test_a_launch_folder_is_served_by_one_serverapp(tmp_path):
+    """A run submitted again with another run's launch-dir (anyone who reaches the SuperLink can
+    submit memaudit's own app) would train that run a second time beside the first. The second
+    ServerApp is refused before it reads the launch file, and leaves nothing for the submitter."""
+    from memaudit.errors import MemauditError
+    from memaudit.federated.flower.trainer import CLAIM, serve_run
+
+    (tmp_path / "launch.json").write_text("{}")  # the first ServerApp fails on it, and says so
+    with pytest.raises(KeyError):
+        serve_run(None, launch_dir=tmp_path)
+    assert (tmp_path / CLAIM).is_file() and (tmp_path / "error.json").is_file()
+    (tmp_path / "error.json").unlink()
+    with pytest.raises(MemauditError, match="already served by another ServerApp"):
+        serve_run(None, launch_dir=tmp_path)
+    assert not (tmp_path / "error.json").exists() and not (tmp_path / "result.json").exists()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -313,9 +314,27 @@ def check_supported(cfg: Any) -> None:
                           "federated.runtime=flower (each node makes its clients' keys); remove it")
 
 
+CLAIM = "served"  # in a launch folder: a ServerApp has taken it
+
+
+def claim_launch(launch_dir: Path) -> None:
+    """Take the launch folder for this ServerApp, once: a second ServerApp naming the same folder
+    (a run submitted again with its launch-dir, by anyone who can reach the SuperLink) is refused
+    before it reads anything, and writes nothing there, so it can neither train the run a second
+    time beside the first (the submitting process holds the run's lock for one ServerApp) nor
+    leave an error for the submitter to read."""
+    try:
+        os.close(os.open(launch_dir / CLAIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        raise MemauditError(f"the launch folder {launch_dir} was already served by another ServerApp; "
+                            "submit the run again with memaudit train") from None
+
+
 def serve_run(grid: Any, *, launch_dir: Path) -> None:
     """The ServerApp's work: train the run ``launch_dir/launch.json`` names on this ``grid``;
-    writes ``result.json`` or a one-line ``error.json`` there for the submitting process."""
+    writes ``result.json`` or a one-line ``error.json`` there for the submitting process. One
+    ServerApp a launch folder (`claim_launch`)."""
+    claim_launch(launch_dir)
     launch = read_json(launch_dir / "launch.json", what="Flower launch file")
     try:
         cfg = config_from_dict(launch["config"], source="Flower launch file")
