@@ -184,3 +184,37 @@ def test_a_launch_folder_is_served_by_one_serverapp(tmp_path):
     with pytest.raises(MemauditError, match="already served by another ServerApp"):
         serve_run(None, launch_dir=tmp_path)
     assert not (tmp_path / "error.json").exists() and not (tmp_path / "result.json").exists()
+
+
+def test_a_task_that_fails_costs_that_task_not_the_node(monkeypatch, capsys):
+    """A ClientApp task whose serving raises (the runtime API gone mid-task, a bug) is logged on
+    the node and the SuperExec goes on to the next task: the node is not lost for the run."""
+    import os
+    from types import SimpleNamespace
+
+    from memaudit.federated.flower import superexec
+
+    tasks = iter(["t1", "t2", None])
+
+    class Runtime:
+        def AcquireTask(self, request):  # noqa: N802 - Flower's name
+            token = next(tasks)
+            if token is None:
+                raise KeyboardInterrupt  # ends the loop for the test
+            return SimpleNamespace(HasField=lambda name: True, token=token)
+
+    served = []
+
+    def serve_task(address, token, *rest):
+        served.append(token)
+        if token == "t1":
+            raise ConnectionError("the runtime API went away")
+        return True
+
+    monkeypatch.setattr(superexec, "_runtime_client", lambda *a: Runtime())
+    monkeypatch.setattr(superexec, "serve_task", serve_task)
+    monkeypatch.setattr(superexec, "_exit_with", lambda pid: None)
+    with pytest.raises(KeyboardInterrupt):
+        superexec.serve("127.0.0.1:1", insecure=True, root_certificates=None, parent_pid=os.getppid())
+    assert served == ["t1", "t2"]
+    assert "ConnectionError" in capsys.readouterr().err

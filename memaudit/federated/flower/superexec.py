@@ -272,10 +272,14 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
             continue
         if not (res.HasField("task") and res.token):
             time.sleep(poll)
-        elif kind == TaskType.CLIENT_APP:
-            serve_task(address, res.token, insecure, certificates, expected, client_app)
-        else:
-            _start_serverapp(address, res.token, root_certificates)
+            continue
+        try:
+            if kind == TaskType.CLIENT_APP:
+                serve_task(address, res.token, insecure, certificates, expected, client_app)
+            else:
+                _start_serverapp(address, res.token, root_certificates)
+        except Exception:  # noqa: BLE001 - one task lost (Flower expires it); the next is served
+            traceback.print_exc(file=sys.stderr)
 
 
 RUNTIME_PORTS = {"clientapp": 9094, "serverapp": 8000}  # flower-supernode's, flower-superlink's defaults
