@@ -197,7 +197,7 @@ def test_a_task_that_fails_costs_that_task_not_the_node(monkeypatch, capsys):
     tasks = iter(["t1", "t2", None])
 
     class Runtime:
-        def AcquireTask(self, request):  # noqa: N802 - Flower's name
+        def AcquireTask(self, request):  # Flower's name
             token = next(tasks)
             if token is None:
                 raise KeyboardInterrupt  # ends the loop for the test
