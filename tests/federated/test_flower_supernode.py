@@ -71,11 +71,15 @@ def test_the_supernode_runs_memaudits_app_and_nothing_else(fab):
 def test_flowers_waits_become_polls_and_nothing_else_changes():
     from flwr.superlink.grid import http_grid
     from flwr.supernode import start_client_internal as loop
+    from flwr.supernode.runtime import run_clientapp
 
-    saved = (loop.time, loop.pull_objects, http_grid.pull_objects)
+    saved = (loop.time, loop.pull_objects, http_grid.pull_objects, run_clientapp.pull_and_inflate_object_from_tree)
     try:
         short_waits()  # the ServerApp: its Grid's pulls only
         assert loop.time is time and http_grid.pull_objects.keywords["initial_backoff"] == PULL_BACKOFF_S
+        assert run_clientapp.pull_and_inflate_object_from_tree is saved[3]
+        short_waits(clientapp=True)  # memaudit's SuperExec: its pull of a task's message
+        assert run_clientapp.pull_and_inflate_object_from_tree.keywords["initial_backoff"] == PULL_BACKOFF_S
         short_waits(supernode_poll=0.01)
         assert isinstance(loop.time, PollWaits) and loop.time.poll == 0.01
         assert loop.pull_objects.keywords == {"initial_backoff": PULL_BACKOFF_S, "backoff_cap": 0.25,
@@ -91,7 +95,7 @@ def test_flowers_waits_become_polls_and_nothing_else_changes():
         short_waits(supernode_poll=0.05)  # again: replaces the poll, not wraps it
         assert loop.time.poll == 0.05 and loop.pull_objects.func is saved[1]
     finally:
-        loop.time, loop.pull_objects, http_grid.pull_objects = saved
+        loop.time, loop.pull_objects, http_grid.pull_objects, run_clientapp.pull_and_inflate_object_from_tree = saved
 
 
 def test_an_object_not_there_yet_is_asked_for_again_within_a_poll():
@@ -213,7 +217,8 @@ def test_a_task_that_fails_costs_that_task_not_the_node(monkeypatch, capsys):
 
     monkeypatch.setattr(superexec, "_runtime_client", lambda *a: Runtime())
     monkeypatch.setattr(superexec, "serve_task", serve_task)
-    monkeypatch.setattr(superexec, "_exit_with", lambda pid: None)
+    monkeypatch.setattr("flwr.supercore.app_utils.start_parent_process_monitor", lambda pid: None)
+    monkeypatch.setattr(superexec, "short_waits", lambda **kw: None)
     with pytest.raises(KeyboardInterrupt):
         superexec.serve("127.0.0.1:1", insecure=True, root_certificates=None, parent_pid=os.getppid())
     assert served == ["t1", "t2"]

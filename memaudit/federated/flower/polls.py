@@ -51,23 +51,30 @@ class PollWaits:
         return getattr(time, name)
 
 
-def _short_pulls(module: ModuleType) -> None:
-    """`module`'s ``pull_objects`` asks again for a missing object after `PULL_BACKOFF_S`."""
+def _short_pulls(module: ModuleType, name: str = "pull_objects") -> None:
+    """`module`'s ``name`` (``pull_objects``, or ``pull_and_inflate_object_from_tree``, which takes
+    the same waits) asks again for a missing object after `PULL_BACKOFF_S`."""
     # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.supercore.inflatable.inflatable_utils import pull_objects
+    from flwr.supercore.inflatable import inflatable_utils
 
-    module.pull_objects = functools.partial(  # type: ignore[attr-defined]
-        pull_objects, initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S,
-        max_tries_per_object=None)
+    setattr(module, name, functools.partial(
+        getattr(inflatable_utils, name), initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S,
+        max_tries_per_object=None))
 
 
-def short_waits(*, supernode_poll: float | None = None) -> None:
-    """Make Flower's waits in this process polls: the ServerApp's pulls of replies (the Grid),
-    and with `supernode_poll` the SuperNode's loop and its pulls of messages. Idempotent."""
+def short_waits(*, supernode_poll: float | None = None, clientapp: bool = False) -> None:
+    """Make Flower's waits in this process polls: the ServerApp's pulls of replies (the Grid);
+    with `supernode_poll` the SuperNode's loop and its pulls of messages; with `clientapp` a
+    ClientApp's pull of its message from the SuperNode (which hands out the task before it holds
+    the message's objects). Idempotent."""
     # optional dependency: flwr (the flower extra)
     from flwr.superlink.grid import http_grid
 
     _short_pulls(http_grid)
+    if clientapp:
+        from flwr.supernode.runtime import run_clientapp  # optional: flwr, as above
+
+        _short_pulls(run_clientapp, "pull_and_inflate_object_from_tree")
     if supernode_poll is None:
         return
     from flwr.supernode import start_client_internal as loop  # optional: flwr, as above

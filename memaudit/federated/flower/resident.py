@@ -13,7 +13,8 @@ the reply's payload bytes. Connections come only through the socket in the 0700 
 `memaudit.flower_node.resident_dir` and prove the key of a 0600 file there.
 
 The process exits when the process it watches (the ClientApp's parent: Flower's SuperExec, or on
-memaudit's SuperNode the SuperNode) is gone, or after ``resident-idle`` seconds without a request (node config, default 900).
+memaudit's SuperNode the SuperNode) is gone, or after ``resident-idle`` seconds without a
+request (node config, default 900).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ The adversary this defends against: whoever can submit a run to the SuperLink (a
 ServerApp with a foreign ClientApp). They get refusals, and their code never runs on the node
 (`tests/federated/test_flower_deploy.py::test_a_foreign_app_is_refused_by_the_supernode`).
 What a foreign ServerApp can send to memaudit's ClientApp is bounded by the node's own checks
-(docs/flower.md). The process exits when its parent (the SuperNode) is gone.
+(docs/flower.md). The process exits when its parent (the SuperNode or SuperLink) is gone.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tomllib
 import traceback
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from memaudit.federated.flower.deploy import write_app
-from memaudit.federated.flower.polls import PULL_BACKOFF_CAP_S, PULL_BACKOFF_S
+from memaudit.federated.flower.polls import short_waits
 
 POLL_S = 0.05  # the runtime API is on this host: asking often costs little
 MAX_FAB_BYTES = 1 << 20  # memaudit's app is two small files; a larger FAB is not it
@@ -56,6 +55,7 @@ REFUSED = ("this SuperNode runs only memaudit's app (memaudit.federated.flower.d
 REFUSED_SERVER = ("this SuperLink runs only memaudit's app (memaudit.federated.flower.deploy.write_app); "
                   "the run's app is another, and was refused")
 CONTENT = ".info/CONTENT"  # the FAB's manifest of its files' hashes, written by flwr's build
+RUNTIME_PORTS = {"clientapp": 9094, "serverapp": 8000}  # flower-supernode's, flower-superlink's defaults
 
 
 def memaudit_app_files() -> dict[str, bytes]:
@@ -124,40 +124,6 @@ def _runtime_client(address: str, insecure: bool, certificates: bytes | None, *e
         retry_invoker=make_simple_http_retry_invoker())
 
 
-def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
-    """The task's (message, context, run, FAB), as Flower's ``flwr-clientapp`` pulls them, except
-    that an object of the message the SuperNode has not pulled yet is asked for again after
-    `memaudit.federated.flower.polls.PULL_BACKOFF_S`, not 1 s: the SuperNode hands out the task
-    before it has the message's objects."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.app import Message
-    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
-    from flwr.proto.node_pb2 import Node
-    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
-        make_confirm_message_received_fn_protobuf,
-        make_pull_object_fn_protobuf,
-    )
-    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
-    from flwr.supercore.task_identity import TaskIdentity
-
-    res = client.PullTaskInput(PullTaskInputRequest())
-    TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
-    TaskIdentity.node_id = res.context.node_id
-    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
-    pulled = client.PullMessages(PullAppMessagesRequest())
-    if not pulled.messages_list:
-        raise RuntimeError("the SuperNode's runtime API gave the task no message")
-    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
-    message = pull_and_inflate_object_from_tree(
-        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
-        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
-        return_type=Message, initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S,
-        max_tries_per_object=None)
-    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower's: the id is the tree's
-    return message, context, run, fab
-
-
 def serve_task(address: str, token: str, insecure: bool, certificates: bytes | None,
                expected: dict[str, bytes], client_app: Any) -> bool:
     """One ClientApp task, as ``flwr-clientapp`` would run it, with memaudit's ClientApp and the
@@ -168,7 +134,7 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
     from flwr.common.constant import ErrorCode, SubStatus
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
     from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor
-    from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
     client = _runtime_client(address, insecure, certificates, RuntimeTokenHttpInterceptor(token))
     heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
@@ -203,16 +169,6 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
             heartbeat.stop()
         client.close()
     return status == SubStatus.COMPLETED
-
-
-def _exit_with(parent_pid: int) -> None:
-    """Exit when the process that started this one (the SuperNode or SuperLink) is gone."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.2)
-        os._exit(0)  # nothing to keep: a task in flight is a dropped node
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def _start_serverapp(address: str, token: str, root_certificates: str | None) -> None:
@@ -252,9 +208,10 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
     one at a time in this process, ServerApp tasks (a SuperLink's) each in a process of its own."""
     # optional dependency: flwr (the flower extra)
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.app_utils import start_parent_process_monitor
     from flwr.supercore.constant import TaskType
 
-    _exit_with(parent_pid)
+    start_parent_process_monitor(parent_pid)  # the SuperNode or SuperLink gone: this process goes
     certificates = None if root_certificates is None else Path(root_certificates).read_bytes()
     client = _runtime_client(address, insecure, certificates)
     kind = TaskType.CLIENT_APP if task == "clientapp" else TaskType.SERVER_APP
@@ -263,6 +220,7 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
         # lazy as flwr: memaudit's ClientApp is built only where the flower extra is installed
         from memaudit.flower_node import client_app
 
+        short_waits(clientapp=True)  # a message's objects re-asked after 0.02 s, not 1 s
         expected = memaudit_app_files()
     while True:
         try:
@@ -280,9 +238,6 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
                 _start_serverapp(address, res.token, root_certificates)
         except Exception:  # noqa: BLE001 - one task lost (Flower expires it); the next is served
             traceback.print_exc(file=sys.stderr)
-
-
-RUNTIME_PORTS = {"clientapp": 9094, "serverapp": 8000}  # flower-supernode's, flower-superlink's defaults
 
 
 def flag_value(args: list[str], flag: str, default: str | None = None) -> str | None:
