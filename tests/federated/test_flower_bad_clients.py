@@ -152,28 +152,35 @@ class _BadSecAgg:
         out = self.local.run_secagg(payloads)
         if step != self.step or "b" not in out or self.kind == "dead":
             return out
+        if step == "masked":  # one vector: node b's clients' masked inputs, added up
+            out["b"] = self.bad_sum(dict(out["b"]))
+            return out
         msgs = dict(out["b"]["msgs"])
         cid = min(msgs)
-        if self.kind == "short":  # the masked input (or any message) 4 bytes short
+        if self.kind == "short":  # any message 4 bytes short
             msgs[cid] = msgs[cid][:-4]
         elif self.kind == "padded":
             msgs[cid] = msgs[cid] + b"\0\0\0\0"
-        elif self.kind == "consistent-short":  # header and vector length agree, one coordinate short
-            from memaudit.federated.secagg.messages import Header, MsgType, Writer, parse
-
-            rid = int.from_bytes(msgs[cid][6:14], "big")  # the header's round id (after magic, version, type)
-            h, r = parse(msgs[cid], expect=MsgType.MASKED, round_id=rid)
-            y = r.array()
-            msgs[cid] = Writer().array(y[:-1]).finish(Header(h.type, h.round_id, h.sender, h.recipient))
-        elif self.kind == "sender":
-            other = max(msgs)
-            msgs[cid] = msgs[other]
         elif self.kind == "missing":
             msgs.pop(cid)
-        elif self.kind == "garbage":
-            msgs[cid] = b"MASA" + bytes(40)
         out["b"] = {"msgs": msgs}
         return out
+
+    def bad_sum(self, reply):
+        y, cids = reply["sum"], list(reply["cids"])
+        if self.kind == "short":  # one uint32 word short
+            return {**reply, "sum": y[:-1]}
+        if self.kind == "padded":
+            return {**reply, "sum": np.append(y, np.uint32(0))}
+        if self.kind == "wide-words":  # the same values as 64-bit words
+            return {**reply, "sum": y.astype(np.uint64)}
+        if self.kind == "sender":  # a client of node a named as node b's
+            return {**reply, "cids": [*cids[:-1], min(HOSTS_SA["a"])]}
+        if self.kind == "repeated":
+            return {**reply, "cids": [*cids, cids[0]]}
+        if self.kind == "extra":  # the sum and each client's own masked input
+            return {**reply, "msgs": {}}
+        return {**reply, "sum": b"MASA" + bytes(40)}  # garbage
 
 
 def _round(step, kind):
@@ -194,8 +201,9 @@ def _round(step, kind):
 
 
 @pytest.mark.parametrize("step,kind", [
-    ("masked", "short"), ("masked", "padded"), ("masked", "consistent-short"), ("masked", "sender"),
-    ("masked", "garbage"), ("shares", "missing"), ("advertise", "short"), ("unmask", "short")])
+    ("masked", "short"), ("masked", "padded"), ("masked", "wide-words"), ("masked", "sender"),
+    ("masked", "repeated"), ("masked", "extra"), ("masked", "garbage"), ("shares", "missing"),
+    ("advertise", "short"), ("unmask", "short")])
 def test_a_bad_secagg_reply_drops_its_node_as_if_it_died(step, kind):
     """Oracle: the same round with node b dead at that step (its users out of the sum, or, at
     the unmask step, in it and unmasked by node a)."""
@@ -232,7 +240,7 @@ OVERRIDES = [
 
 class _TrainerNodes:
     """In-process SuperNodes with the partitions' stage manifest; ``bad``: nodes whose every
-    reply is tampered with (NaN rows, or a masked input 4 bytes short)."""
+    reply is tampered with (NaN rows, or a masked sum a word short)."""
 
     def __init__(self, partitions, manifest, bad=()):
         from pathlib import Path
@@ -262,8 +270,8 @@ class _TrainerNodes:
         step = next(iter(payloads.values()))["step"]
         self.aborts += [step for r in out.values() if "abort" in r]
         for n in self.bad & set(out):
-            if step == "masked" and "msgs" in out[n]:
-                out[n] = {"msgs": {c: m[:-4] for c, m in out[n]["msgs"].items()}}
+            if step == "masked" and "sum" in out[n]:
+                out[n] = {**out[n], "sum": out[n]["sum"][:-1]}
         return out
 
 
@@ -309,7 +317,7 @@ def test_a_bad_node_costs_its_users_never_the_run(parts):
 
 
 def test_a_run_in_which_no_round_aggregated_fails_with_one_line(parts):
-    """Every node sends a masked input 4 bytes short: every secure-aggregation round aborts.
+    """Every node sends a masked sum a word short: every secure-aggregation round aborts.
     Before, the run was reported complete with a model that never moved."""
     from memaudit.config import load_config
     from memaudit.errors import MemauditError

@@ -102,25 +102,34 @@ def test_remote_secure_sum_equals_in_jax_and_the_integer_oracle():
     expect, _q = _oracle(deltas, range(N), range(N), key)
     np.testing.assert_allclose(_flat(remote.update), expect, rtol=0, atol=1e-6)  # float32 cast
     assert float(remote.metrics["survivors"]) == N and remote.metrics["secagg_aborted"] == 0
-    assert remote.metrics["secagg_bytes_up"] == local.metrics["secagg_bytes_up"]
     words = _flat(local.update).size  # no clip indicator in this aggregator: the update's words
     assert remote.metrics["secagg_words"] == local.metrics["secagg_words"] == words
-    assert remote.metrics["secagg_bytes_masked"] == local.metrics["secagg_bytes_masked"] == N * masked_bytes(words)
+    # a node sends its clients' masked inputs added up: one vector a node, not one a client
+    assert local.metrics["secagg_bytes_masked"] == N * masked_bytes(words)
+    assert remote.metrics["secagg_bytes_masked"] == len(HOSTS) * masked_bytes(words)
+    assert (local.metrics["secagg_bytes_up"] - remote.metrics["secagg_bytes_up"]
+            == (N - len(HOSTS)) * masked_bytes(words))  # every other message as in JAX
     assert sorted(step for step, _ in nodes.replies) == sorted(
         ["advertise", "shares", "masked", "check", "unmask"] * len(HOSTS))  # default mode: signed
+    sums = [r for step, r in nodes.replies if step == "masked"]
+    assert sorted(r["cids"] for r in sums) == [HOSTS["a"], HOSTS["b"]]
+    assert all(set(r) == {"cids", "sum"} and r["sum"].shape == (words,) for r in sums)
 
 
 def test_no_unmasked_row_reaches_the_server():
-    """Every byte the nodes send the server: no user's quantised row, no delta row (the
-    masked inputs are the rows plus masks)."""
+    """Every byte the nodes send the server: no user's quantised row, no delta row, and no
+    node's sum of its users' rows (a node's masked sum is that sum plus the self masks of its
+    users and their pairwise masks with the other node's users)."""
     deltas, key = _deltas(1), jax.random.key(5)
     rows, nodes = _remote(deltas)
     agg = _secagg()
     agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
     _, q = _oracle(deltas, range(N), range(N), key)
-    blobs = [bytes(m) for _, r in nodes.replies for m in r["msgs"].values()]
-    assert blobs
-    for row in q:
+    blobs = [bytes(m) for _, r in nodes.replies for m in r.get("msgs", {}).values()]
+    blobs += [r["sum"].tobytes() for step, r in nodes.replies if step == "masked"]
+    assert len(blobs) > 2 * len(HOSTS)
+    node_sums = [np.sum([q[c] for c in cids], axis=0, dtype=np.uint32) for cids in HOSTS.values()]
+    for row in [*q, *node_sums]:
         assert not any(row.tobytes() in b for b in blobs)
         assert not any(row[:4].tobytes() in b for b in blobs)  # not even a prefix
     for x in jax.tree.leaves(deltas):

@@ -172,6 +172,40 @@ def test_replayed_messages_are_rejected():
         server.receive_shares(shares[2])
 
 
+def test_a_nodes_masked_sum_unmasks_to_its_clients_sum():
+    """A node holding clients 0-2 adds up their masked inputs (mod 2^32) and sends one vector;
+    client 3's comes alone: the round's total is the plain sum. The server refuses a sum naming
+    a client twice, a client already in it, or one not expected, and a sum of the wrong width."""
+    from memaudit.federated.secagg.client import Client
+    from memaudit.federated.secagg.policy import Policy
+    from memaudit.federated.secagg.server import Server
+
+    n, x = 4, _inputs(4, seed=9)
+    neigh = make_neighbours(n)
+    server = Server(round_id=3, neighbours=neigh, threshold=[3] * n, dim=D, min_survivors=3)
+    clients = [Client(i, round_id=3, policy=Policy(mode="honest_but_curious")) for i in range(n)]
+    for c in clients:
+        server.receive_advertise(c.advertise())
+    for c in clients:
+        server.receive_shares(c.share_keys(server.keys_for(c.cid)))
+    ys = [c.masked_vector(server.forward_for(c.cid), x[c.cid]) for c in clients]
+    node = np.sum(ys[:3], axis=0, dtype=np.uint32)
+    for bad, err in [([0, 0, 1], MessageError), ([0, 1, 7], ReplayError), ([], MessageError)]:
+        with pytest.raises(err):
+            server.receive_masked_sum(bad, node)
+    with pytest.raises(MessageError, match="uint32"):
+        server.receive_masked_sum([0, 1, 2], node[:-1])
+    with pytest.raises(MessageError, match="uint32"):
+        server.receive_masked_sum([0, 1, 2], node.astype(np.int64))
+    server.receive_masked_sum([0, 1, 2], node)
+    with pytest.raises(ReplayError, match="duplicate"):
+        server.receive_masked_sum([2], ys[2])
+    server.receive_masked_sum([3], ys[3])
+    for c in clients:
+        server.receive_unmask(c.unmask(server.unmask_request_for(c.cid)))
+    np.testing.assert_array_equal(server.finalize(), _plain_sum(x, range(n)))
+
+
 def test_wrapper_mean_over_survivors_and_abort():
     rng = np.random.default_rng(0)
     deltas = {"w": jnp.asarray(rng.normal(size=(6, 3, 2)) * 0.3, jnp.float32), "b": jnp.asarray(rng.normal(size=(6, 4)) * 0.3, jnp.float32)}

@@ -6,7 +6,8 @@ Adversary: a client (a SuperNode, or whoever runs one) that sends truncated, pad
 or wrongly sized messages to fail the run or to fake its progress. `SecAggGuard` sits between
 the protocol's `memaudit.federated.secagg.remote.NodeChannel` and the nodes: a reply that is not
 exactly the step's message for each client the node was asked about (header, sender, round id,
-every field's length, a masked vector of the round's width) is dropped, and the node counts as
+every field's length; at the masked-input step one vector of the round's width for all the
+clients asked, their masked inputs added up on the node) is dropped, and the node counts as
 one that stopped answering (the protocol's dropout handling takes it from there). A step at which
 no node sent a valid reply aborts the round (`SecAggAbort`: nothing is released). A client can
 still add any value within the modulus to the masked sum (no proof of a bounded input): that
@@ -21,6 +22,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import numpy as np
+
 from memaudit.federated.secagg.messages import (
     SERVER,
     MessageError,
@@ -32,8 +35,7 @@ from memaudit.federated.secagg.messages import (
 )
 from memaudit.federated.secagg.remote import encoding_from_wire
 
-TYPES = {"advertise": MsgType.ADVERTISE, "shares": MsgType.SHARES, "masked": MsgType.MASKED,
-         "unmask": MsgType.UNMASK}
+TYPES = {"advertise": MsgType.ADVERTISE, "shares": MsgType.SHARES, "unmask": MsgType.UNMASK}
 
 
 class SecAggGuard:
@@ -75,6 +77,17 @@ class SecAggGuard:
             return "not a map"
         if "abort" in reply:  # the node's clients refused the step: the round aborts
             return None if set(reply) == {"abort"} and isinstance(reply["abort"], str) else "bad abort"
+        if step == "masked":  # one vector a node: its clients' masked inputs, added up there
+            asked = {int(c) for c in payload["msgs"]}
+            cids, total = reply.get("cids"), reply.get("sum")
+            if set(reply) != {"cids", "sum"} or not isinstance(cids, list):
+                return "not one masked sum"
+            if not all(isinstance(c, int) for c in cids) or len(set(cids)) != len(cids) or set(cids) != asked:
+                return "not the clients it was asked about"
+            if (not isinstance(total, np.ndarray) or total.dtype != np.dtype("<u4")
+                    or total.shape != (self.width,)):
+                return f"the masked sum is not {self.width} uint32 words"
+            return None
         msgs = reply.get("msgs")
         # at the advertise step of the malicious-server mode a node also sends its clients'
         # Ed25519 verification keys (the server relays them): one 32-byte key per client asked,
@@ -128,9 +141,6 @@ class SecAggGuard:
                 if j in seen:
                     raise MessageError(f"two shares for client {j}")
                 seen.add(j)
-            r.done()
-        elif step == "masked":
-            r.array(self.width)
             r.done()
         else:
             for _ in range(r.u32()):

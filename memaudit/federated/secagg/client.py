@@ -241,6 +241,11 @@ class Client:
 
     def masked_input(self, forward_msg: bytes, x: np.ndarray) -> bytes:
         """Round 2: store the shares addressed to us and send the masked update (uint32, mod 2^32)."""
+        return Writer().array(self.masked_vector(forward_msg, x)).finish(self._header(MsgType.MASKED))
+
+    def masked_vector(self, forward_msg: bytes, x: np.ndarray) -> np.ndarray:
+        """`masked_input`'s vector, unwrapped: for a node that adds up its own clients' masked
+        inputs before sending (`memaudit.federated.secagg.remote.node_step`)."""
         self._advance(2)
         _, r = parse(forward_msg, expect=MsgType.FORWARD, round_id=self.round_id, recipient=self.cid)
         self._u2 = frozenset(r.ids())
@@ -275,7 +280,7 @@ class Client:
         flat = y.reshape(-1)  # a view: masks are added in place, in one pass over y
         prg.add_masks(flat, masks)
         self._stage = 3
-        return Writer().array(y).finish(self._header(MsgType.MASKED))
+        return y
 
     def _check_view(self, r) -> None:
         """Malicious mode: read the announced view (cohort size, graph, U1) and check that the

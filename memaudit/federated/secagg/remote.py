@@ -66,7 +66,7 @@ from memaudit.federated.client_ops import (
 from memaudit.federated.flower.wire import dtype_of
 from memaudit.federated.secagg.client import Client
 from memaudit.federated.secagg.graph import neighbours as make_neighbours
-from memaudit.federated.secagg.messages import AuthenticationError, SecAggAbort
+from memaudit.federated.secagg.messages import AuthenticationError, SecAggAbort, masked_bytes
 from memaudit.federated.secagg.pki import KeyRing
 from memaudit.federated.secagg.policy import DEFAULT_MODE, Policy
 from memaudit.federated.secagg.protocol import Dropouts, RoundResult
@@ -210,19 +210,25 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
     node_of = {cid: ch.host[int(s)] for cid, s in enumerate(present)}
     traffic = {"up": 0, "down": 0, "masked": 0}
 
-    def exchange(step: str, msgs: dict[int, bytes], receive: Callable[[bytes], None],
+    def exchange(step: str, msgs: dict[int, bytes], receive: Callable[..., None],
                  extra: dict | None = None) -> list[int]:
         """Send ``msgs`` (cid -> bytes) to the nodes; feed the replies to ``receive``; return the
-        cids whose node answered."""
+        cids whose node answered. At the masked-input step a node's reply is one vector, its
+        clients' masked inputs added up there (`node_step`): ``receive(cids, vector)``."""
         payloads: dict[Any, dict] = {}
         for cid, m in msgs.items():
             traffic["down"] += len(m)
             payloads.setdefault(node_of[cid], {"step": step, "msgs": {}, **(extra or {})})["msgs"][cid] = m
         replies = ch.call(payloads)
         for node in sorted(replies, key=str):
-            for cid, m in sorted(replies[node]["msgs"].items()):
+            if step == "masked":
+                size = masked_bytes(len(replies[node]["sum"]))
+                traffic["up"] += size
+                traffic["masked"] += size
+                receive(replies[node]["cids"], replies[node]["sum"])
+                continue
+            for _cid, m in sorted(replies[node]["msgs"].items()):
                 traffic["up"] += len(m)
-                traffic["masked"] += len(m) if step == "masked" else 0
                 receive(m)
         return sorted(cid for cid in msgs if node_of[cid] in replies)
 
@@ -248,7 +254,7 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
                      {"verify": verify, "signed": signed} if policy.malicious else None)
     forwards = {i: server.forward_for(i) for i in alive}
     alive = exchange("masked", {i: forwards[i] for i in alive if i not in drop.before_masked},
-                     server.receive_masked)
+                     server.receive_masked_sum)
     if policy.malicious:
         checks = {i: server.check_request_for(i) for i in alive}
         alive = exchange("check", {i: checks[i] for i in alive if i not in drop.before_check},
@@ -310,10 +316,13 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
                     if clients[c].ring is not None:
                         clients[c].ring.add_verifying(payload.get("verify") or {})
                 msgs = {c: clients[c].share_keys(m) for c, m in asked.items()}
-            elif step == "masked":
+            elif step == "masked":  # one vector: the node's clients' masked inputs, added up
                 cids = sorted(asked)
                 q = encoded(cids, st)
-                msgs = {c: clients[c].masked_input(asked[c], q[k]) for k, c in enumerate(cids)}
+                total = np.zeros(q.shape[1], np.uint32)
+                for k, c in enumerate(cids):
+                    np.add(total, clients[c].masked_vector(asked[c], q[k]), out=total)  # mod 2^32
+                msgs, extra = None, {"cids": cids, "sum": total}
             elif step == "check":
                 msgs = {c: clients[c].check(m) for c, m in asked.items()}
             else:
@@ -326,7 +335,7 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
     else:
         st["clients"] = {c: cl.state_dict() for c, cl in clients.items()}
         save(rnd, st)
-    return {"msgs": msgs, **extra}
+    return {**extra} if msgs is None else {"msgs": msgs, **extra}
 
 
 __all__ = ["ENCODINGS", "ClientRows", "NodeChannel", "encoding_from_wire", "node_step", "run_remote_round",

@@ -151,6 +151,25 @@ class Server:
         np.add(self._sum, y, out=self._sum)  # only the running sum is kept
         self.u3.add(h.sender)
 
+    def receive_masked_sum(self, senders: Sequence[int], y: np.ndarray) -> None:
+        """The masked inputs of clients ``senders`` added up (mod 2^32) where they were made, on
+        the node that holds them all: added to the running sum once. Each sender is checked as
+        `receive_masked` checks one message's (expected at this step, not already in U3), and
+        the vector is the round's width of uint32 words."""
+        senders = [int(c) for c in senders]
+        if not senders or len(set(senders)) != len(senders):
+            raise MessageError("a masked sum must name its clients, each once")
+        for c in senders:
+            if c not in self._shares:
+                raise ReplayError(f"MASKED from client {c}, which is not expected at this step")
+            if c in self.u3:
+                raise ReplayError(f"duplicate MASKED from client {c} (replay)")
+        y = np.asarray(y)
+        if y.dtype != np.dtype("<u4") or y.shape != (self.dim,):
+            raise MessageError(f"masked sum is {y.dtype}{list(y.shape)}, expected uint32[{self.dim}]")
+        np.add(self._sum, y, out=self._sum)
+        self.u3.update(senders)
+
     def check_request_for(self, cid: int) -> bytes:
         """Consistency round (signed mode): ask client ``cid`` to sign the survivors U3."""
         self._abort_if_short(set(self.u3), "masked input collection")
