@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a failure, not a skip
 import numpy as np
@@ -204,6 +205,33 @@ def test_a_foreign_app_is_refused_by_the_superlink(federation):
     assert not out.exists() and not marker.exists()
     logs = proc.stdout + proc.stderr
     assert REFUSED_SERVER in logs, logs[-2000:]  # the run's log, as `flwr run --stream` shows it
+
+
+def test_memaudits_own_app_from_a_stranger_is_refused_by_the_serverapp(federation, tmp_path):
+    """A stranger who reaches the SuperLink submits memaudit's own app (which the SuperLink
+    runs) naming a launch folder the real run's ServerApp has not taken yet. The folder records
+    the Flower run id memaudit train was given; the stranger's run has another, so its ServerApp
+    refuses before it reads the launch file or claims the folder: nothing there changes, and
+    the real run can still be served."""
+    from memaudit.federated.flower.deploy import CONNECTION, write_app, write_flower_home
+
+    fed = federation[0]
+    launch = tmp_path / "launch"
+    launch.mkdir(mode=0o700)
+    (launch / "launch.json").write_text(json.dumps({"run_dir": str(tmp_path / "victim")}))
+    (launch / "flower-run.json").write_text(json.dumps({"run_id": 1}))  # the real run's id
+    os.chmod(launch / "flower-run.json", 0o600)
+    before = {p.name: p.read_bytes() for p in launch.iterdir()}
+    home = write_flower_home(tmp_path / "home", SimpleNamespace(superlink=fed.address, insecure=True,
+                                                               root_certificates=None))
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "flwr"), "run", str(write_app(tmp_path / "app")), CONNECTION,
+         "--run-config", f"launch-dir='{launch}'", "--stream"],
+        env={**fed.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=300, check=False)
+    logs = proc.stdout + proc.stderr
+    assert "was submitted as another Flower run than" in logs, logs[-2000:]
+    assert {p.name: p.read_bytes() for p in launch.iterdir()} == before
+    assert not (tmp_path / "victim").exists()
 
 
 def test_a_foreign_app_is_refused_by_the_supernode(federation, tmp_path):

@@ -180,14 +180,69 @@ def test_a_launch_folder_is_served_by_one_serverapp(tmp_path):
     from memaudit.errors import MemauditError
     from memaudit.federated.flower.trainer import CLAIM, serve_run
 
-    (tmp_path / "launch.json").write_text("{}")  # the first ServerApp fails on it, and says so
+    launch = _launch_folder(tmp_path, 7)
+    (launch / "launch.json").write_text("{}")  # the first ServerApp fails on it, and says so
     with pytest.raises(KeyError):
-        serve_run(None, launch_dir=tmp_path)
-    assert (tmp_path / CLAIM).is_file() and (tmp_path / "error.json").is_file()
-    (tmp_path / "error.json").unlink()
+        serve_run(None, launch_dir=launch, run_id=7)
+    assert (launch / CLAIM).is_file() and (launch / "error.json").is_file()
+    (launch / "error.json").unlink()
     with pytest.raises(MemauditError, match="already served by another ServerApp"):
-        serve_run(None, launch_dir=tmp_path)
-    assert not (tmp_path / "error.json").exists() and not (tmp_path / "result.json").exists()
+        serve_run(None, launch_dir=launch, run_id=7)
+    assert not (launch / "error.json").exists() and not (launch / "result.json").exists()
+
+
+def _launch_folder(tmp_path, run_id, name="launch"):
+    """A launch folder as memaudit train leaves it once flwr run said the run's id."""
+    from memaudit.federated.flower import deploy
+
+    launch = tmp_path / name
+    launch.mkdir(mode=0o700)
+    (launch / "launch.json").write_text("{}")
+    (launch / "flwr-run.log").write_text(f"Loading project configuration...\nSuccessfully started run {run_id}\n")
+    assert deploy.record_run_id(launch)
+    return launch
+
+
+def test_a_launch_folder_is_served_only_as_the_run_it_was_submitted_as(tmp_path):
+    """Anyone who reaches the SuperLink can submit memaudit's own app naming a launch folder
+    that no ServerApp has taken yet (its path is in the real run's config). Their ServerApp
+    runs as another Flower run than the one memaudit train recorded in the folder: it is
+    refused before it reads or writes anything there, the claim included, so the real run is
+    still served. A folder another local user could have written, or one whose run id never
+    comes, is refused too."""
+    import os
+
+    from memaudit.errors import MemauditError
+    from memaudit.federated.flower.trainer import CLAIM, bind_launch, serve_run
+
+    launch = _launch_folder(tmp_path, 1234)
+    before = sorted(p.name for p in launch.iterdir())
+    with pytest.raises(MemauditError, match="submitted as another Flower run than 99") as e:
+        serve_run(None, launch_dir=launch, run_id=99)  # the stranger's run
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in launch.iterdir()) == before  # no claim, no error.json
+    assert (launch / "flower-run.json").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(KeyError):  # the real run: bound, claimed, and on to the (empty) launch file
+        serve_run(None, launch_dir=launch, run_id=1234)
+    assert (launch / CLAIM).is_file()
+
+    loose = _launch_folder(tmp_path, 5, "loose")
+    os.chmod(loose, 0o777)  # another local user could have put a launch file there
+    with pytest.raises(MemauditError, match="not this user's alone"):
+        bind_launch(loose, 5)
+    os.chmod(loose, 0o700)
+    os.chmod(loose / "flower-run.json", 0o666)
+    with pytest.raises(MemauditError, match="run id file .* not this user's alone"):
+        bind_launch(loose, 5)
+    link = tmp_path / "link"
+    link.symlink_to(_launch_folder(tmp_path, 6, "target"))
+    with pytest.raises(MemauditError, match="not this user's alone"):
+        bind_launch(link, 6)
+
+    pending = tmp_path / "pending"
+    pending.mkdir(mode=0o700)
+    with pytest.raises(MemauditError, match="no Flower run id was recorded .* within 0.2 s"):
+        bind_launch(pending, 5, wait_s=0.2)
 
 
 def test_a_task_that_fails_costs_that_task_not_the_node(monkeypatch, capsys):

@@ -58,7 +58,7 @@ def serve(grid: Grid, context: Context) -> None:
 
     short_waits()  # the Grid asks again for a reply's missing object after 0.02 s, not 1 s
     rc = context.run_config
-    serve_run(grid, launch_dir=Path(str(rc["launch-dir"])))
+    serve_run(grid, launch_dir=Path(str(rc["launch-dir"])), run_id=int(context.run_id))
 
 
 def cache_dir(node_config: dict[str, Any], node_id: int) -> Path:

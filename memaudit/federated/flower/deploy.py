@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any, Self
 
 from memaudit.errors import ConfigError, MemauditError
+from memaudit.io import atomic_write_json
 
 APP_MODULE = "memaudit_flower_app"
 CONNECTION = "memaudit"
+RUN_ID = "flower-run.json"  # in a launch folder: the id of the Flower run it was submitted as
 
 
 def require_flwr() -> None:
@@ -110,20 +112,27 @@ def write_flower_home(d: Path, fcfg: Any) -> Path:
 
 def submit(launch: Path, fcfg: Any, *, progress: Callable[[], None] | None = None) -> int:
     """``flwr run`` the app for ``launch`` (a folder with launch.json); returns its exit code.
-    Its output goes to ``launch/flwr-run.log``."""
+    Its output goes to ``launch/flwr-run.log``; the run id it prints is recorded in
+    ``launch/RUN_ID`` as soon as it does (the ServerApp serves the folder only as that run:
+    `memaudit.federated.flower.trainer.bind_launch`)."""
     app = write_app(launch / "app")
     home = write_flower_home(launch / "flwr-home", fcfg)
-    env = {**os.environ, "FLWR_HOME": str(home)}
+    env = {**os.environ, "FLWR_HOME": str(home), "PYTHONUNBUFFERED": "1"}  # the run id, as printed
     cmd = [_tool("flwr"), "run", str(app), CONNECTION, "--run-config",
            f"launch-dir='{launch.resolve()}'", "--stream"]
     with open(launch / "flwr-run.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
         try:
+            bound = False
             while proc.poll() is None:
+                if not bound:
+                    bound = record_run_id(launch)
                 if progress is not None:
                     progress()
-                time.sleep(1.0)
+                time.sleep(1.0 if bound else 0.05)
+            if not bound:
+                record_run_id(launch)
         except BaseException:  # interrupted: stop the Flower run too, not only flwr run
             proc.terminate()
             _stop_run(launch, env)
@@ -133,14 +142,39 @@ def submit(launch: Path, fcfg: Any, *, progress: Callable[[], None] | None = Non
     return proc.returncode
 
 
+def started_run(launch: Path) -> int | None:
+    """The id of the run ``flwr run`` started for ``launch``, from its log; None before it says.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "flwr-run.log").write_text("Successfully started run 1234567\\n")
+    >>> started_run(d)
+    1234567
+    """
+    try:
+        text = (launch / "flwr-run.log").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"started run (\d+)", text)
+    return None if found is None else int(found.group(1))
+
+
+def record_run_id(launch: Path) -> bool:
+    """Write the started run's id to ``launch/RUN_ID`` (0600, atomic); False until it is known."""
+    run_id = started_run(launch)
+    if run_id is None:
+        return False
+    atomic_write_json(launch / RUN_ID, {"run_id": run_id})  # 0600, as every memaudit write
+    return True
+
+
 def _stop_run(launch: Path, env: dict[str, str]) -> None:
     """``flwr stop`` the run ``flwr run`` started (its id is in the log), best effort."""
-    text = (launch / "flwr-run.log").read_text(errors="replace")
-    found = re.search(r"started run (\d+)", text)
-    if found is None:
+    run_id = started_run(launch)
+    if run_id is None:
         return
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run([_tool("flwr"), "stop", found.group(1), CONNECTION], env=env, timeout=60,
+        subprocess.run([_tool("flwr"), "stop", str(run_id), CONNECTION], env=env, timeout=60,
                        stdin=subprocess.DEVNULL, capture_output=True, check=False)
 
 

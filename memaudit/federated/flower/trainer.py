@@ -315,6 +315,41 @@ def check_supported(cfg: Any) -> None:
 
 
 CLAIM = "served"  # in a launch folder: a ServerApp has taken it
+BOUND = deploy.RUN_ID  # in a launch folder: the Flower run id its submitter was given
+BOUND_WAIT_S = 60.0  # how long a ServerApp waits for its submitter to record the run id
+
+
+def _private(path: Path, what: str) -> None:
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022 or os.path.islink(path):
+        raise MemauditError(f"the {what} {path} is not this user's alone (owner, group- or world-writable, "
+                            "or a link); submit the run with memaudit train, which makes it 0700")
+
+
+def bind_launch(launch_dir: Path, run_id: int, *, wait_s: float = BOUND_WAIT_S) -> None:
+    """Serve the launch folder only as the Flower run it was submitted as. ``memaudit train``
+    makes the folder (mkdtemp: 0700, its user's) and records there the run id ``flwr run`` gave it
+    (`deploy.submit`), on this host's filesystem. Anyone who only reaches the SuperLink can submit
+    memaudit's own app naming the folder, but their run has another id, and it is refused before
+    it reads or writes anything there (not even the claim, which would shut the real run out). A
+    folder or id file another local user could have written is refused too.
+
+    Raises:
+        MemauditError: one line, when the id does not come within ``wait_s`` seconds, is not
+            ``run_id``, or the folder or its id file is not this user's alone.
+    """
+    _private(launch_dir, "launch folder")
+    path = launch_dir / BOUND
+    deadline = time.monotonic() + wait_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise MemauditError(f"no Flower run id was recorded in the launch folder {launch_dir} within "
+                                f"{wait_s:g} s; submit the run with memaudit train")
+        time.sleep(0.05)
+    _private(path, "launch folder's run id file")
+    if read_json(path, what="Flower run id file").get("run_id") != int(run_id):
+        raise MemauditError(f"the launch folder {launch_dir} was submitted as another Flower run than "
+                            f"{int(run_id)}; submit the run with memaudit train")
 
 
 def claim_launch(launch_dir: Path) -> None:
@@ -330,10 +365,12 @@ def claim_launch(launch_dir: Path) -> None:
                             "submit the run again with memaudit train") from None
 
 
-def serve_run(grid: Any, *, launch_dir: Path) -> None:
-    """The ServerApp's work: train the run ``launch_dir/launch.json`` names on this ``grid``;
-    writes ``result.json`` or a one-line ``error.json`` there for the submitting process. One
+def serve_run(grid: Any, *, launch_dir: Path, run_id: int) -> None:
+    """The ServerApp's work, as Flower run ``run_id``: train the run ``launch_dir/launch.json``
+    names on this ``grid``; writes ``result.json`` or a one-line ``error.json`` there for the
+    submitting process. Only as the run the folder was submitted as (`bind_launch`), and one
     ServerApp a launch folder (`claim_launch`)."""
+    bind_launch(launch_dir, run_id)
     claim_launch(launch_dir)
     launch = read_json(launch_dir / "launch.json", what="Flower launch file")
     try:
