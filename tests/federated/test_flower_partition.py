@@ -507,3 +507,70 @@ def test_interrupted_submit_stops_the_flower_run(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd))
     deploy._stop_run(tmp_path, {})
     assert seen and seen[0][1:] == ["stop", "4242", deploy.CONNECTION]
+
+
+def test_a_stage_message_carries_the_values_all_nodes_share_once(users, monkeypatch):
+    """Every node's stage call holds the same module and the same model weights. They travel in
+    one shared record, the same object in each node's message, which Flower pushes and stores once
+    (objects are content-addressed); each node's own payload keeps only what is its own. Through
+    the wire (FlowerNodes, the node's `apps.answer`), two rounds end where the in-JAX program does."""
+    import flwr  # noqa: F401 - installed by the set-up; missing it fails the test
+    from flwr.app import Message, Metadata
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from memaudit.config import FlowerConfig
+    from memaudit.federated.flower import trainer, wire
+    from memaudit.federated.flower.apps import answer
+    from memaudit.flower_messages import SHARED
+
+    for attr in ("_run_id", "_node_id", "_task_id"):  # as inside a ServerApp
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    monkeypatch.setattr(trainer, "SHARED_MIN_BYTES", 0)  # this toy model's weights are small
+    local = _nodes(users)
+    ids = {name: k + 1 for k, name in enumerate(HOSTS)}
+    executors = {ids[n]: ex for n, ex in local.executors.items()}
+
+    class Grid:  # the SuperLink and the nodes: each message answered by its node's ClientApp code
+        def __init__(self):
+            self.exchanges = []
+
+        def push_messages(self, msgs):
+            self.exchanges.append(list(msgs))
+            self.sent = {f"m{m.metadata.dst_node_id}": m for m in msgs}
+            return list(self.sent)
+
+        def pull_messages(self, want):
+            out = []
+            for i in want:
+                m = self.sent[i]
+                node = m.metadata.dst_node_id
+                body = answer("stage", lambda node=node: executors[node], wire.payload_of(m))
+                meta = Metadata(run_id=0, message_id="", src_node_id=node, dst_node_id=0, reply_to_message_id=i,
+                                group_id="", created_at=0.0, ttl=60.0, message_type=m.metadata.message_type)
+                out.append(Message(metadata=meta, content=wire.content(body)))
+            return out
+
+    grid = Grid()
+    nodes = trainer.FlowerNodes(grid, FlowerConfig())
+    a = _algorithm("fedavg")
+    ref = got = a.init(_params())
+    assignment = {ids[n]: hosted for n, hosted in _assignment().items()}
+    plan = None
+    for r in range(2):
+        key = jax.random.fold_in(jax.random.key(3), r)
+        ref, _ = a.round.program(ref, _cohort_data(users), key)
+        args = (got, _struct(_cohort_data(users)), key)
+        plan = plan or compile_plan(a.round.program, args, PLACED, CAP)
+        (got, _), info = run_plan(plan, args, nodes, assignment, round=r)
+        assert info["dropped_nodes"] == [] and info["rejected_nodes"] == []
+    assert _max_diff(ref.params, got.params) <= 1e-6
+    assert grid.exchanges
+    for msgs in grid.exchanges:
+        shared = [m.content[SHARED] for m in msgs]
+        assert len(msgs) == 2 and shared[0] is shared[1]  # one object: pushed and stored once
+        values = wire.unpack(bytes(shared[0][wire.FIELD]))
+        assert "module" in values and any(k.startswith("input") for k in values)
+        for m in msgs:  # a node's own payload names them, and holds none of their bytes
+            own = bytes(m.content[wire.RECORD][wire.FIELD])
+            assert values["module"] not in own
+            assert all(v.tobytes() not in own for k, v in values.items() if k != "module" and v.nbytes > 16)

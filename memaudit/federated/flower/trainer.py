@@ -160,14 +160,55 @@ class FlowerNodes:
         rejects."""
         from flwr.app import Message  # flwr: the optional flower extra
 
-        msgs = [Message(wire.content(call_to_wire(c)), dst_node_id=n, message_type=f"train.{STAGE}",
-                        group_id=str(c.round)) for n, c in calls.items()]
+        bodies, shared = shared_values([call_to_wire(c) for c in calls.values()])
+        record = wire.shared_record(wire.pack(shared)) if shared else None  # one object in every message
+        msgs = [Message(wire.content(b, record), dst_node_id=n, message_type=f"train.{STAGE}",
+                        group_id=str(c.round)) for (n, c), b in zip(calls.items(), bodies, strict=True)]
         out: dict[Any, Any] = {}
         for r in self.exchange(msgs, self.fcfg.stage_timeout):
             if r.has_error():  # the node died, or its ClientApp failed: dropped for the round
                 continue
             out[r.metadata.src_node_id] = _stage_reply(_read(r))
         return out
+
+
+SHARED_MIN_BYTES = 1 << 16  # smaller values travel in each node's own payload
+
+
+def shared_values(bodies: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The stage calls of an exchange (`call_to_wire`) with the values every node's call holds as
+    one object (the module, when the nodes run the same one, and each server value not cut to a
+    node's rows: the model's weights) replaced by `wire.Shared` references, and those values by
+    key. A message to every node then carries the weights once for all of them (`wire.content`);
+    with one node nothing is shared.
+
+    >>> import numpy as np
+    >>> w, mine = np.zeros(1 << 15, np.float32), [np.ones(2), np.ones(2)]
+    >>> calls = [{"module": b"m", "inputs": [("server", w), ("server", x), ("data", "ids")]} for x in mine]
+    >>> bodies, shared = shared_values(calls)
+    >>> sorted(shared), [type(v).__name__ for _, v in bodies[1]["inputs"]]
+    (['input0'], ['Shared', 'ndarray', 'str'])
+    """
+    shared: dict[str, Any] = {}
+    if len(bodies) < 2:
+        return bodies, shared
+    out = [dict(b, inputs=list(b["inputs"])) for b in bodies]
+
+    def common(values: list[Any]) -> bool:
+        size = values[0].nbytes if isinstance(values[0], np.ndarray) else len(values[0])
+        return size >= SHARED_MIN_BYTES and all(v is values[0] for v in values)
+
+    if isinstance(bodies[0]["module"], bytes) and common([b["module"] for b in bodies]):
+        shared["module"] = bodies[0]["module"]
+        for b in out:
+            b["module"] = wire.Shared("module")
+    for i, (kind, value) in enumerate(bodies[0]["inputs"]):
+        column = [b["inputs"][i][1] if i < len(b["inputs"]) else None for b in bodies]
+        if kind == "server" and isinstance(value, np.ndarray) and common(column):
+            shared[f"input{i}"] = value
+            for b in out:
+                b["inputs"][i] = (kind, wire.Shared(f"input{i}"))
+    return out, shared
 
 
 def _read(reply: Any) -> Any:

@@ -52,7 +52,22 @@ def module_digest(module: bytes) -> str:
     """sha256 of what an exported module computes: its StableHLO without source locations
     (they name the frames it was traced from, not what it does; their count varies with those
     frames) and its calling convention
-    (argument and result shapes, trees, kept arguments, platforms, effects, shardings)."""
+    (argument and result shapes, trees, kept arguments, platforms, effects, shardings).
+
+    Deserialising and printing the module takes tens of milliseconds and a node checks the same
+    module every round: the digest is kept by the sha256 of the module's bytes."""
+    key = hashlib.sha256(module).hexdigest()
+    if key not in _DIGESTS:
+        while len(_DIGESTS) >= 64:
+            _DIGESTS.pop(next(iter(_DIGESTS)))  # the oldest
+        _DIGESTS[key] = _digest(module)
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[str, str] = {}  # sha256 of a module's bytes -> its module_digest
+
+
+def _digest(module: bytes) -> str:
     exp = export.deserialize(bytearray(module))
     text = re.sub(r"^#loc[\w.]*\s*=.*$", "", exp.mlir_module(), flags=re.MULTILINE)
     text = re.sub(r"\s*loc\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)", "", text)

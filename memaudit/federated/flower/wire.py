@@ -8,6 +8,16 @@ read back with ``np.frombuffer`` (never unpickled).
 >>> out = unpack(pack({"a": np.arange(3, dtype=np.int32), "b": [1, "x"]}))
 >>> out["a"].tolist(), out["b"]
 ([0, 1, 2], [1, 'x'])
+
+The messages of one exchange can also hold one ``"memaudit_shared"`` record, the same object in
+each: the values every node's payload names by a `Shared` reference (a client stage's module and
+the model's weights), which Flower then pushes and stores once for all the nodes.
+
+>>> shared = pack({"w": np.ones(2, np.float32)})
+>>> node = pack({"x": Shared("w"), "slots": [3]})
+>>> got = unpack(SPLIT + len(shared).to_bytes(8, "big") + shared + node)
+>>> got["x"].tolist(), got["slots"]
+([1.0, 1.0], [3])
 """
 
 from __future__ import annotations
@@ -19,11 +29,29 @@ import msgpack
 import numpy as np
 
 # named where the SuperNode's ClientApp reads them without JAX (`memaudit.flower_node`)
-from memaudit.flower_messages import FIELD, HELLO, RECORD, SECAGG, STAGE, payload_of, record
+from memaudit.flower_messages import (
+    FIELD,
+    HELLO,
+    RECORD,
+    SECAGG,
+    SPLIT,
+    STAGE,
+    payload_of,
+    record,
+    shared_record,
+)
 
-__all__ = ["FIELD", "HELLO", "RECORD", "SECAGG", "STAGE", "content", "dtype_of", "pack", "read", "unpack"]
+__all__ = ["FIELD", "HELLO", "RECORD", "SECAGG", "STAGE", "Shared", "content", "dtype_of", "pack", "read",
+           "shared_record", "unpack"]
 
-_ARRAY = 7
+_ARRAY, _SHARED = 7, 8
+
+
+class Shared:
+    """In a payload, the value of `key` in the exchange's shared values (`pack_shared`)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
 
 
 def dtype_of(name: str) -> np.dtype:
@@ -45,6 +73,8 @@ def _default(obj: Any) -> Any:
             raise TypeError("object arrays cannot be sent")
         head = msgpack.packb([obj.dtype.name, list(obj.shape)])
         return msgpack.ExtType(_ARRAY, head + np.ascontiguousarray(obj).tobytes())
+    if isinstance(obj, Shared):
+        return msgpack.ExtType(_SHARED, obj.key.encode())
     if hasattr(obj, "__array__"):  # a jax.Array
         return _default(np.asarray(obj))
     raise TypeError(f"cannot send a {type(obj).__name__}")
@@ -65,12 +95,25 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
+    """What `pack` packed; a payload of a message with shared values (`SPLIT` first:
+    `memaudit.flower_messages.payload_of`) with each `Shared` reference replaced by its value
+    (a reference to a key the shared values lack raises KeyError)."""
+    if data[:1] != SPLIT:
+        return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
+    view = memoryview(data)
+    n = int.from_bytes(view[1:9], "big")
+    shared = msgpack.unpackb(view[9:9 + n], ext_hook=_ext, raw=False, strict_map_key=False)
+
+    def ext(code: int, raw: bytes) -> Any:
+        return shared[raw.decode()] if code == _SHARED else _ext(code, raw)
+
+    return msgpack.unpackb(view[9 + n:], ext_hook=ext, raw=False, strict_map_key=False)
 
 
-def content(obj: Any) -> Any:
-    """A Flower ``RecordDict`` carrying ``obj``."""
-    return record(pack(obj))
+def content(obj: Any, shared: Any = None) -> Any:
+    """A Flower ``RecordDict`` carrying ``obj``, and the exchange's ``shared`` record (`shared_record`
+    of `pack` of the values ``obj``'s `Shared` references name)."""
+    return record(pack(obj), shared)
 
 
 def read(message: Any) -> Any:
