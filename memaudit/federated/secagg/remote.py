@@ -30,7 +30,9 @@ there:
   quantises its own users' rows (the round's frozen encoding,
   `memaudit.federated.secagg.quantise.SecAggEncoding` or, for distributed DP with each user's
   discrete-Gaussian noise share, `memaudit.federated.client_ops.DDGEncoding`) with a per-slot
-  generator.
+  generator, and sends its clients' masked inputs added up (mod 2^32): one vector a node, which
+  the server adds to its sum once (`Server.receive_masked_sum`). The masks between two clients
+  of one node cancel in it; the self masks and the masks shared with other nodes' clients stay.
 
 Per-slot randomness: `memaudit.federated.client_ops.slot_seed` derives each slot's rounding seed
 one-way (sha256) from the round key, ``train.seed``, the round and the slot, so the in-JAX run
