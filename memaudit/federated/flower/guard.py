@@ -22,8 +22,6 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-import numpy as np
-
 from memaudit.federated.secagg.messages import (
     SERVER,
     MessageError,
@@ -34,6 +32,7 @@ from memaudit.federated.secagg.messages import (
     parse,
 )
 from memaudit.federated.secagg.remote import encoding_from_wire
+from memaudit.federated.secagg.server import check_masked_sum
 
 TYPES = {"advertise": MsgType.ADVERTISE, "shares": MsgType.SHARES, "unmask": MsgType.UNMASK}
 
@@ -78,15 +77,15 @@ class SecAggGuard:
         if "abort" in reply:  # the node's clients refused the step: the round aborts
             return None if set(reply) == {"abort"} and isinstance(reply["abort"], str) else "bad abort"
         if step == "masked":  # one vector a node: its clients' masked inputs, added up there
-            asked = {int(c) for c in payload["msgs"]}
-            cids, total = reply.get("cids"), reply.get("sum")
+            cids = reply.get("cids")
             if set(reply) != {"cids", "sum"} or not isinstance(cids, list):
                 return "not one masked sum"
-            if not all(isinstance(c, int) for c in cids) or len(set(cids)) != len(cids) or set(cids) != asked:
+            if not all(isinstance(c, int) for c in cids) or set(cids) != {int(c) for c in payload["msgs"]}:
                 return "not the clients it was asked about"
-            if (not isinstance(total, np.ndarray) or total.dtype != np.dtype("<u4")
-                    or total.shape != (self.width,)):
-                return f"the masked sum is not {self.width} uint32 words"
+            try:
+                check_masked_sum(cids, reply["sum"], self.width)
+            except MessageError as e:
+                return str(e)
             return None
         msgs = reply.get("msgs")
         # at the advertise step of the malicious-server mode a node also sends its clients'

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -356,13 +357,12 @@ def check_supported(cfg: Any) -> None:
 
 
 CLAIM = "served"  # in a launch folder: a ServerApp has taken it
-BOUND = deploy.RUN_ID  # in a launch folder: the Flower run id its submitter was given
 BOUND_WAIT_S = 60.0  # how long a ServerApp waits for its submitter to record the run id
 
 
 def _private(path: Path, what: str) -> None:
     st = os.lstat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o022 or os.path.islink(path):
+    if st.st_uid != os.getuid() or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
         raise MemauditError(f"the {what} {path} is not this user's alone (owner, group- or world-writable, "
                             "or a link); submit the run with memaudit train, which makes it 0700")
 
@@ -380,7 +380,7 @@ def bind_launch(launch_dir: Path, run_id: int, *, wait_s: float = BOUND_WAIT_S) 
             ``run_id``, or the folder or its id file is not this user's alone.
     """
     _private(launch_dir, "launch folder")
-    path = launch_dir / BOUND
+    path = launch_dir / deploy.RUN_ID
     deadline = time.monotonic() + wait_s
     while not path.is_file():
         if time.monotonic() > deadline:

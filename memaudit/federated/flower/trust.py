@@ -30,6 +30,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -55,18 +56,11 @@ def module_digest(module: bytes) -> str:
     (argument and result shapes, trees, kept arguments, platforms, effects, shardings).
 
     Deserialising and printing the module takes tens of milliseconds and a node checks the same
-    module every round: the digest is kept by the sha256 of the module's bytes."""
-    key = hashlib.sha256(module).hexdigest()
-    if key not in _DIGESTS:
-        while len(_DIGESTS) >= 64:
-            _DIGESTS.pop(next(iter(_DIGESTS)))  # the oldest
-        _DIGESTS[key] = _digest(module)
-    return _DIGESTS[key]
+    module every round: the digest is kept for the module's bytes (the last 64 modules)."""
+    return _digest(bytes(module))
 
 
-_DIGESTS: dict[str, str] = {}  # sha256 of a module's bytes -> its module_digest
-
-
+@functools.lru_cache(maxsize=64)
 def _digest(module: bytes) -> str:
     exp = export.deserialize(bytearray(module))
     text = re.sub(r"^#loc[\w.]*\s*=.*$", "", exp.mlir_module(), flags=re.MULTILINE)

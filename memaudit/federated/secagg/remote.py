@@ -337,7 +337,7 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
     else:
         st["clients"] = {c: cl.state_dict() for c, cl in clients.items()}
         save(rnd, st)
-    return {**extra} if msgs is None else {"msgs": msgs, **extra}
+    return extra if msgs is None else {"msgs": msgs, **extra}
 
 
 __all__ = ["ENCODINGS", "ClientRows", "NodeChannel", "encoding_from_wire", "node_step", "run_remote_round",

@@ -37,6 +37,16 @@ from memaudit.federated.secagg.messages import (
 from memaudit.federated.secagg.policy import Policy
 
 
+def check_masked_sum(senders: Sequence[int], y: object, dim: int) -> None:
+    """The form of a node's masked sum (`Server.receive_masked_sum`): clients named once each,
+    and a uint32 vector of `dim` words. Raises MessageError naming what is wrong."""
+    if not senders or len(set(senders)) != len(senders):
+        raise MessageError("a masked sum must name its clients, each once")
+    if not isinstance(y, np.ndarray) or y.dtype != np.dtype("<u4") or y.shape != (dim,):
+        got = f"{y.dtype}{list(y.shape)}" if isinstance(y, np.ndarray) else type(y).__name__
+        raise MessageError(f"masked sum is {got}, expected uint32[{dim}]")
+
+
 def thresholds(neigh: Sequence[frozenset[int]], fraction: float) -> list[int]:
     """Per-client Shamir threshold: ceil(fraction * |holders|), holders = neighbours + self."""
     if not 0 < fraction <= 1:
@@ -157,16 +167,12 @@ class Server:
         `receive_masked` checks one message's (expected at this step, not already in U3), and
         the vector is the round's width of uint32 words."""
         senders = [int(c) for c in senders]
-        if not senders or len(set(senders)) != len(senders):
-            raise MessageError("a masked sum must name its clients, each once")
+        check_masked_sum(senders, y, self.dim)
         for c in senders:
             if c not in self._shares:
                 raise ReplayError(f"MASKED from client {c}, which is not expected at this step")
             if c in self.u3:
                 raise ReplayError(f"duplicate MASKED from client {c} (replay)")
-        y = np.asarray(y)
-        if y.dtype != np.dtype("<u4") or y.shape != (self.dim,):
-            raise MessageError(f"masked sum is {y.dtype}{list(y.shape)}, expected uint32[{self.dim}]")
         np.add(self._sum, y, out=self._sum)
         self.u3.update(senders)
 
