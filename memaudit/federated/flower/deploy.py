@@ -131,8 +131,6 @@ def submit(launch: Path, fcfg: Any, *, progress: Callable[[], None] | None = Non
                 if progress is not None:
                     progress()
                 time.sleep(1.0 if bound else 0.05)
-            if not bound:
-                record_run_id(launch)
         except BaseException:  # interrupted: stop the Flower run too, not only flwr run
             proc.terminate()
             _stop_run(launch, env)
