@@ -226,7 +226,8 @@ def _finding(metric: str, cell: dict[str, Any], t: Test, left: str, right: str, 
     else:
         claim = f"{context}, {scope}: no difference shown between {left} and {right} on {label}"
     seen = mde_text(t, metric)
-    short = (f"{context}: {left} vs {right}, {SHORT[metric]}: no difference shown (n = {t.n_a}/{t.n_b} "
+    said = f"leaks {v}" if v in ("less", "more") else v
+    short = (f"{context}: {left} vs {right}, {SHORT[metric]}: {said} (n = {t.n_a}/{t.n_b} "
              f"{t.unit}, {t.correction.capitalize()} p = {t.p_adjusted:.2g}{'; ' + seen if seen else ''})")
     if series:
         series = {**series, "key": (group, series["backend_label"], series["treatment"], metric, v, t.scope, t.name),

@@ -44,6 +44,10 @@ def test_backend_sentence_follows_the_test(fed, par, verdict, phrase):
     assert "in these runs" in s["text"] and "epsilon = 4" in s["text"]
     assert s["test"] == "paired AUC permutation" and s["n"] == [200, 200]
     assert s["correction"] == "holm" and "Holm-adjusted p" in s["text"]
+    # the one-line form in report.json says the same verdict as the sentence
+    short_verdict = {"less": "leaks less", "more": "leaks more"}.get(verdict, verdict)
+    assert f"federated vs centralized, MIA AUC: {short_verdict} (n = 200/200 documents, Holm p = " in s["short"]
+    assert (verdict == "no difference shown") == ("no difference shown" in s["short"])
 
 
 def test_overlapping_intervals_no_longer_decide_and_untested_cells_state_nothing():
