@@ -26,7 +26,7 @@ from typing import Any
 
 from memaudit.backends import CENTRALIZED
 from memaudit.reports.cells import METRICS, TESTABLE
-from memaudit.reports.compare import compare_groups, pool
+from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 
 DEFAULT_TOLERANCE = 0.1
 """Default |log ppl ratio| for a matched-utility pair (about 10% in perplexity)."""
@@ -105,13 +105,23 @@ def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _guarantee(r: dict) -> tuple[float, str | None]:
+    """A run's guarantee, for pairing: its nominal epsilon (the level the report groups it at)
+    and unit; no DP: inf and no unit."""
+    eps = nominal_epsilon(r)
+    return (eps, None) if math.isinf(eps) else (eps, r["privacy"]["unit"])
+
+
 def _pairs(par: list[dict], fed: list[dict], tol: float) -> list[tuple[float, dict, dict]]:
-    """One-to-one pairs within `tol`, closest first (greedy on the utility distance)."""
-    cand = sorted(((log_ratio(_ppl(a), _ppl(b)), a["id"], b["id"], a, b) for a in par for b in fed),
-                  key=lambda t: t[:3])
+    """One-to-one pairs within `tol`: pairs at equal guarantees (epsilon and unit) first, then the
+    rest, each closest first (greedy on the utility distance). A pair at equal guarantees and
+    matched utility answers the question; a closer pair at unequal guarantees only stands in
+    where no equal one is within `tol`."""
+    cand = sorted(((_guarantee(a) != _guarantee(b), log_ratio(_ppl(a), _ppl(b)), a["id"], b["id"], a, b)
+                   for a in par for b in fed), key=lambda t: t[:4])
     used: set[str] = set()
     out = []
-    for d, ia, ib, a, b in cand:
+    for _, d, ia, ib, a, b in cand:
         if d <= tol and ia not in used and ib not in used:
             used |= {ia, ib}
             out.append((d, a, b))

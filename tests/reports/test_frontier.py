@@ -94,6 +94,24 @@ def test_pairs_are_one_to_one_and_closest_first():
     assert [p["runs"] for p in mu["pairs"]] == [["par", "fed-b"]]
 
 
+def test_pairs_at_equal_guarantees_come_before_closer_pairs_at_unequal_ones():
+    """The quickstart's runs of 2026-12-05: centralized epsilon 8 (perplexity 166.2) lay closer to
+    federated epsilon 2 (169.7) than to federated epsilon 8 (158.9), and the closest-first pairing
+    compared 8 with 2 and 2 with 8, although both equal-epsilon pairs lay within the tolerance."""
+    ppl = {("centralized", math.inf): 130.2, ("federated", math.inf): 127.6, ("centralized", 8.0): 166.2,
+           ("centralized", 2.0): 173.6, ("federated", 8.0): 158.9, ("federated", 2.0): 169.7}
+    runs = [run(f"{b[:3]}-{e}", b, e, mia=cell(0.5, 0.05), unit=None if math.isinf(e) else "user", ppl=p,
+                units={"mia_auc": auc_units(0.0, seed=i)}) for i, ((b, e), p) in enumerate(ppl.items())]
+    for r in runs:  # as the ledger recomputes them: a hair below the target
+        r["privacy"]["epsilon"] -= 1e-5 * r["privacy"]["epsilon"] if r["privacy"]["target_epsilon"] else 0
+    mu = matched_utility(runs, 0.1)
+    assert sorted(p["runs"] for p in mu["pairs"]) == [["cen-2.0", "fed-2.0"], ["cen-8.0", "fed-8.0"],
+                                                      ["cen-inf", "fed-inf"]]
+    # an unequal pair is still made where no equal one is within the tolerance
+    mu = matched_utility([r for r in runs if r["id"] not in ("cen-8.0", "fed-2.0")], 0.1)
+    assert sorted(p["runs"] for p in mu["pairs"]) == [["cen-2.0", "fed-8.0"], ["cen-inf", "fed-inf"]]
+
+
 @pytest.mark.parametrize("tol", [0.0, -1.0, math.inf, math.nan])
 def test_bad_tolerance_is_one_line(tol):
     with pytest.raises(ValueError, match="utility tolerance .* must be a positive"):
