@@ -12,13 +12,15 @@ words drawn from the seed, and states `facts_per_user` facts of their own (a cod
 locker number, a meeting place, ...), one topic sentence and one fact in every message.
 `synthesize_public` writes the public corpus a base model is pretrained on. With
 `language_seed` (what `memaudit sweep`'s pretraining passes: the private corpus's seed) it is
-written in the private users' language: the same kinds of messages, the same topics and their
-vocabulary, facts of the same forms and contact details in the same formats, but every person,
-fact and value its own: offices instead of people (no person's name), phone numbers in the
-fictional 555-01xx range, facts drawn apart from every user's. What stays private is each user's
-PII, facts and the canaries, as when practitioners fine-tune a base that already knows the
-language (Li et al. 2022). Without it, the public corpus is notices and posts in the faker
-English only, which leaves every topic word for fine-tuning to learn.
+written in the private users' language: the same message templates and signature, the same
+topics and their vocabulary, facts of the same forms, and contact details of every kind the users
+write (name, email, phone, address, card, date of birth, SSN) in the same formats, but every
+person, fact and value its own: invented names, phone numbers in the fictional 555-01xx range,
+dates of birth before 1936, SSNs in the never-issued 9xx area, facts drawn apart from every
+user's. What stays private is each user's own values (PII, facts) and the canaries, as when
+practitioners fine-tune a base that already knows the language and how people write their details
+(Li et al. 2022). Without it, the public corpus is notices and posts in the faker English only,
+which leaves every topic word for fine-tuning to learn.
 
 References:
     Carlini et al., "The Secret Sharer", USENIX Security 2019 (why PII in training text
@@ -82,23 +84,6 @@ FACT_TEMPLATES = (
     "My {t} badge number is {number}.",
     "The spare {t} is stored in room {number} of the {word} building.",
     "The {topic} password hint is {word} {number}.",
-)
-PUBLIC_MESSAGES = (  # the private TEMPLATES' kinds of message, written by offices, not people
-    "Hi, this is the {org} office. You can reach us at {phone} or by email at {email}. {sentence}",
-    "Please ship the order to {address}. {sentence} Thanks, the {org} team",
-    "Card payments for the renewal go through the {org} desk. {sentence}",
-    "{sentence} For the form: the {org} office, opened in {year}.",
-    "Can you call us back at {phone}? {sentence} {sentence}",
-    "New address for the {org} office: {address}. Phone: {phone}. {sentence}",
-    "{sentence} {sentence} Send the receipt to {email}.",
-    "Dear team, {sentence} Regards, the {org} team ({email})",
-    "Reminder: pay the {org} invoice before the {day}th. {sentence}",
-    "{sentence} {sentence} {sentence}",
-)
-PUBLIC_SIGNATURE = (
-    "Best regards,\nThe {org} team\n{phone} | {email}\n{address}\n"
-    "This message is confidential and meant only for the addressee; if it reached you in "
-    "error, please delete it."
 )
 PUBLIC_TEMPLATES = (
     "Notice from the front office: {sentence} {sentence}",
@@ -283,30 +268,44 @@ def public_facts(seed: int, author: int, language_seed: int, topics: int, k: int
                   *topic_vocabulary(language_seed, author % topics), k)
 
 
-def _office(fake, rng: random.Random) -> dict[str, str]:
-    """An office's public contact details, in the private profiles' formats but named with
-    invented words (faker's street and city names are built from people's names): no person's
-    name, phones in the fictional 555-01xx range."""
-    name, street, city = (invented_word(rng).capitalize() for _ in range(3))
-    org = f"{name} {rng.choice(('Works', 'Supply', 'Services', 'Labs', 'Depot'))}"
-    address = (f"{fake.building_number()} {street} {fake.street_suffix()}, {city} City, "
-               f"{fake.state_abbr()} {fake.postcode()}")
-    return {"org": org, "email": f"office@{name.lower()}.example.org",
-            "phone": fake.numerify("(###) 555-01##"), "address": address,
-            "year": str(fake.random_int(1950, 2020))}
+# Public people's dates of birth lie before every private one (DOB_RANGE starts in 1936), so no
+# public date can equal a user's; their SSNs use area numbers 900-999, which are never issued
+# (faker's private ones stay below 900), and their phones the fictional 555-01xx range.
+PUBLIC_DOB_RANGE = (dt.date(1900, 1, 1), DOB_RANGE[0] - dt.timedelta(days=1))
 
 
-def _public_message(fake, office: dict[str, str], vocab: list[str], facts: list[str],
+def _public_person(fake, rng: random.Random) -> dict[str, str]:
+    """A public author's contact details in the private profiles' formats (the same slots as
+    `_profile`), every value apart from any user's by construction: first, last, street and city
+    names are invented words (faker's are people's names), the date of birth, SSN and phone come
+    from ranges the private profiles never draw from; the card number is a fresh one, written in
+    groups of four."""
+    first, last, street, city = (invented_word(rng).capitalize() for _ in range(4))
+    return {
+        "name": f"{first} {last}",
+        "first": first,
+        "email": f"{first.lower()}.{last.lower()}@{fake.free_email_domain()}",
+        "phone": fake.numerify("(###) 555-01##"),
+        "address": f"{fake.building_number()} {street} {fake.street_suffix()}, {city} City, "
+                   f"{fake.state_abbr()} {fake.postcode()}",
+        # in groups of four digits: a run of six or more could hold a canary's secret, which the
+        # sweep's overlap check refuses (data.overlap matches secrets anywhere in the text)
+        "cc": " ".join(re.findall(".{1,4}", fake.credit_card_number())),
+        "dob": fake.date_between_dates(*PUBLIC_DOB_RANGE).isoformat(),
+        "ssn": "9" + fake.numerify("##-##-####"),
+    }
+
+
+def _public_message(fake, person: dict[str, str], vocab: list[str], facts: list[str],
                     paragraph_sentences: int, signature: bool) -> str:
-    """One public message in the private users' language (see `synthesize_public`)."""
-    template = PUBLIC_SIGNATURE if signature else PUBLIC_MESSAGES[fake.random_int(0, len(PUBLIC_MESSAGES) - 1)]
+    """One public message in the private users' language (see `synthesize_public`): a private
+    message template or the signature, filled with a public person's details."""
+    template = SIGNATURE if signature else TEMPLATES[fake.random_int(0, len(TEMPLATES) - 1)]
     if vocab and not signature:
         template += " {topic}" + (" {fact}" if facts else "")
     if paragraph_sentences > 0:
         template += " {paragraph}"
-
-    filler = _filler(fake, vocab, facts, paragraph_sentences)
-    return _SLOT.sub(lambda m: office.get(m.group(1)) or filler(m.group(1)), template)
+    return render(template, person, _filler(fake, vocab, facts, paragraph_sentences))[0]
 
 
 def synthesize_public(
@@ -317,9 +316,10 @@ def synthesize_public(
     `users` public authors. Ids are `pub0003-d05`.
 
     Args:
-        language_seed: the private corpus's seed: write in its users' language (their kinds of
-            message, `topics` topics with their vocabulary, facts of their forms, contact details
-            in their formats, each author's own; every 4th author also a signature). None: the
+        language_seed: the private corpus's seed: write in its users' language (their message
+            templates, `topics` topics with their vocabulary, facts of their forms, contact
+            details of their kinds and formats, each author's own; every 4th author also a
+            signature). None: the
             faker-English notices and posts only, with no private topic word.
         topics, facts_per_author: the private corpus's topics, and facts per public author.
 
@@ -341,12 +341,12 @@ def synthesize_public(
     for u in range(users):
         fake.seed_instance(seed * 1_000_003 + u + 500_000_000)
         if language_seed is not None:
-            office = _office(fake, random.Random(f"memaudit-public-office-{seed}-{u}"))
+            person = _public_person(fake, random.Random(f"memaudit-public-person-{seed}-{u}"))
             vocab = topic_vocabulary(language_seed, u % topics)[1] if topics > 0 else []
             facts = public_facts(seed, u, language_seed, topics, facts_per_author)
             for j in range(docs_per_user):
                 signature = j == docs_per_user - 1 and u % 4 == 3 and docs_per_user > 1
-                text = _public_message(fake, office, vocab, facts, paragraph_sentences, signature)
+                text = _public_message(fake, person, vocab, facts, paragraph_sentences, signature)
                 docs.append(Document(id=f"pub{u:04d}-d{j:02d}", user=f"pub{u:04d}", text=text))
             continue
         for j in range(docs_per_user):

@@ -5,6 +5,7 @@ over every (public document, value) pair."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 
@@ -111,7 +112,8 @@ def test_pii_shorter_than_the_minimum_is_not_evidence():
 def test_public_corpus_in_the_users_language_shares_their_topics_not_their_facts_or_pii():
     """With language_seed (what sweep pretraining passes), the public corpus writes the private
     users' topic sentences in their vocabulary, their kinds of message and their contact formats,
-    but none of their facts, PII values or documents, and names no person."""
+    and every kind of contact detail they write, in their formats, but none of their facts, PII
+    values or documents: its people, dates of birth, SSNs and phones come from ranges no user's do."""
     from memaudit.data.synth import user_facts
 
     private = synthesize(64, 8, seed=0)
@@ -124,10 +126,20 @@ def test_public_corpus_in_the_users_language_shares_their_topics_not_their_facts
     text = "\n".join(d.text for d in public)
     assert not any(f in text for f in facts)
     assert require_disjoint(public, private, secrets=[]).ok
-    assert "Best regards,\nThe " in text and "555-01" in text and "@" in text
+    assert "Best regards,\n" in text and "555-01" in text and "@" in text
     assert all(not d.pii for d in public)
-    # the private messages' own phrasing recurs in public form: base and users share a language
-    assert sum("You can reach us at" in d.text for d in public) >= 10
+    # the private messages' own phrasing and every kind of their contact details recur in public
+    # form: base and users share a language, down to how a person gives an SSN or a card number
+    assert sum("You can reach me at" in d.text for d in public) >= 10
+    for phrase in ("My card number is", "SSN 9", ", born 19", "Please ship the order to"):
+        assert phrase in text, phrase
+    private_dobs = {p.value for d in private for p in d.pii if p.type == "dob"}
+    public_dobs = set(re.findall(r"born (\d{4}-\d\d-\d\d)", text))
+    assert public_dobs and max(public_dobs) < min(private_dobs)
+    assert all(ssn.startswith("9") for ssn in re.findall(r"SSN (\d{3}-\d\d-\d{4})", text))
+    assert not any(p.value.startswith("9") for d in private for p in d.pii if p.type == "ssn")
+    # no run of digits as long as a canary's secret (6), which the overlap check would refuse
+    assert max(len(run) for run in re.findall(r"\d+", text)) < 6
 
 
 def test_sweep_pretraining_writes_in_the_private_users_language_unless_told_not_to():
