@@ -13,9 +13,12 @@ deterministic in the config's data and model seeds).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
+import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict
@@ -43,14 +46,42 @@ def _point_in_worker(cfg: SweepConfig, p: SweepPoint, run_path: str, threads: in
                      overwrite=overwrite)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the sweep (`kill`, a scheduler's cancel): handled as an interrupt."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises `Terminated` in the main thread while the block runs (elsewhere it is left
+    as it is: Python can set a handler in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: Callable[[int, PointOutcome], None],
                 progress: Progress, debug: bool, overwrite: bool = False) -> None:
-    """Points in `cfg.jobs` spawned processes, each with an equal share of the CPU threads."""
+    """Points in `cfg.jobs` spawned processes, each with an equal share of the CPU threads.
+
+    An interrupt ends the workers with the sweep. Ctrl-C reaches them itself (the terminal signals
+    the whole process group), and the sweep waits for them. SIGTERM reaches the sweep alone, and
+    the workers would go on training and writing into --out after it, even into the run folders
+    of the next sweep started there; the sweep terminates them first (a terminated point resumes
+    from its last checkpoint when the sweep is run again)."""
     ctx = mp.get_context("spawn")  # no fork of a process that may hold torch/XLA threads
     jobs = min(cfg.jobs, len(points))
     threads = max(1, (os.cpu_count() or 1) // jobs)
     index = {p.name: i for i, p in enumerate(points)}
-    with ctx.Manager() as manager, ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+    with _sigterm_interrupts(), ctx.Manager() as manager, ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         q = manager.Queue()
         pending = {pool.submit(_point_in_worker, cfg, p, str(out / "runs" / p.name), threads, q, debug,
                                overwrite): p for p in points}
@@ -77,6 +108,11 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
                         outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0, one_line(e))
                     finished += 1
                     on_done(index[p.name], outcome)
+        except Terminated:
+            for child in mp.active_children():  # the pool's workers and the queue's manager
+                child.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
         except KeyboardInterrupt:
             pool.shutdown(wait=True, cancel_futures=True)  # the workers got the signal too
             raise
