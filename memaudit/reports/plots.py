@@ -88,9 +88,21 @@ def nice_log_ticks(lo: float, hi: float, max_ticks: int = 6) -> list[float]:
         best = t
         if len(t) >= 3:
             break
-    if len(best) < 2:  # narrower than one step of the finest grid: the ends, rounded
-        best = sorted({float(f"{lo:.2g}"), float(f"{hi:.2g}")})
+    if len(best) < 2:  # narrower than one step of the finest grid: evenly spaced, inside
+        best = _even_ticks(lo, hi, max_ticks)
     return best
+
+
+def _even_ticks(lo: float, hi: float, max_ticks: int) -> list[float]:
+    """The widest step of {5, 2.5, 2, 1} x 10^k that puts 3 to `max_ticks` ticks inside [lo, hi]
+    (at worst the two ends, rounded inwards)."""
+    for k in range(math.floor(math.log10(hi - lo)) if hi > lo else 0, -13, -1):
+        for m in (5, 2.5, 2, 1):
+            step = m * 10.0 ** k
+            t = [float(f"{i * step:.12g}") for i in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+            if 3 <= len(t) <= max_ticks:
+                return t
+    return sorted({lo, hi})
 
 
 def log_axis(ax, which: str, lo: float, hi: float, pad: float = 1.15) -> None:

@@ -279,7 +279,14 @@ def test_nice_log_ticks():
     assert nice_log_ticks(60, 800) == [100.0, 200.0, 500.0]
     assert nice_log_ticks(2, 3.9) == [2.0, 3.0]
     assert len(nice_log_ticks(1e-6, 1e6)) <= 6
-    assert nice_log_ticks(95, 105) == [95.0, 100.0]  # narrower than one step: the rounded ends
+    # narrower than one step of the finest grid: evenly spaced ticks inside the range (the
+    # quickstart's frontier, 111-202 once padded, showed one label: its rounded low end, 110, lay
+    # outside the axis)
+    assert nice_log_ticks(95, 105) == [95.0, 100.0, 105.0]
+    assert nice_log_ticks(111, 202) == [125.0, 150.0, 175.0, 200.0]
+    for lo, hi in ((111, 202), (0.31, 0.42), (1001, 1009), (95, 105)):
+        t = nice_log_ticks(lo, hi)
+        assert 3 <= len(t) <= 6 and all(lo <= x <= hi for x in t), (lo, hi, t)
     with pytest.raises(ValueError, match="positive"):
         nice_log_ticks(0, 1)
 
