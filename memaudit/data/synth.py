@@ -319,8 +319,8 @@ def synthesize_public(
         language_seed: the private corpus's seed: write in its users' language (their message
             templates, `topics` topics with their vocabulary, facts of their forms, contact
             details of their kinds and formats, each author's own; every 4th author also a
-            signature). None: the
-            faker-English notices and posts only, with no private topic word.
+            signature). None: the faker-English notices and posts only, with no private topic
+            word.
         topics, facts_per_author: the private corpus's topics, and facts per public author.
 
     >>> docs = synthesize_public(2, 2, seed=0)

@@ -95,7 +95,7 @@ def nice_log_ticks(lo: float, hi: float, max_ticks: int = 6) -> list[float]:
 
 def _even_ticks(lo: float, hi: float, max_ticks: int) -> list[float]:
     """The widest step of {5, 2.5, 2, 1} x 10^k that puts 3 to `max_ticks` ticks inside [lo, hi]
-    (at worst the two ends, rounded inwards)."""
+    (at worst the two ends)."""
     for k in range(math.floor(math.log10(hi - lo)) if hi > lo else 0, -13, -1):
         for m in (5, 2.5, 2, 1):
             step = m * 10.0 ** k
