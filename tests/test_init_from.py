@@ -226,8 +226,26 @@ def test_public_base_is_cached_and_reused(tmp_path):
     assert m["role"] == "public-pretrain" and m["status"] == "complete"
     assert m["public_private_overlap"]["disjoint"] is True
     assert m["config"]["data"]["synth"]["kind"] == "public" and m["config"]["privacy"]["target_epsilon"] is None
-    assert ensure_public_base(cfg, tmp_path) == first
+    heard: list[dict] = []
+    assert ensure_public_base(cfg, tmp_path, lambda d, t, info: heard.append(info)) == first
     assert weights.stat().st_mtime_ns == stamp  # not retrained
+    assert not [i for i in heard if "warning" in i]
+    # a base whose holdout loss ended well above its best memorised its corpus: the sweep says so
+    # (one line, public numbers only), each time it uses that base
+    metrics = first.parent / "metrics.jsonl"
+    kept = metrics.read_text()
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0, "holdout_loss": h}) + "\n"
+                               for s, h in ((100, 5.0), (200, 5.64), (400, 7.22))))
+    assert ensure_public_base(cfg, tmp_path, lambda d, t, info: heard.append(info)) == first
+    (warning,) = [i["warning"] for i in heard if "warning" in i]
+    assert "memorised its corpus" in warning and "from 5.00 (step 100) to 7.22 (step 400)" in warning
+    assert "pretrain.users" in warning and "\n" not in warning
+    metrics.write_text("".join(json.dumps({"step": s, "holdout_loss": h}) + "\n"
+                               for s, h in ((200, 4.75), (400, 4.80))))  # within 0.1 nats: no line
+    heard.clear()
+    ensure_public_base(cfg, tmp_path, lambda d, t, info: heard.append(info))
+    assert not [i for i in heard if "warning" in i]
+    metrics.write_text(kept)
     changed = sweep_config_from_dict(_sweep_raw(steps=3))
     with pytest.raises(RunDirError, match="pretrained under other settings"):  # never silently
         ensure_public_base(changed, tmp_path)
@@ -313,6 +331,9 @@ def test_shipped_sweeps_pretrain_then_fine_tune(name):
     base = public_base_config(cfg)
     assert base.data.synth.kind == "public" and not base.privacy.enabled and base.backend == "centralized"
     assert base.data.canaries.per_setting == 0 and base.model.init_from is None
+    # the base sees its public corpus at most twice: the study's base at 8 epochs memorised it
+    epochs = cfg.pretrain.steps * base.train.batch_size / (cfg.pretrain.users * cfg.pretrain.docs_per_user)
+    assert epochs <= 2, epochs
     pts = plan_points(cfg)
     assert {p.backend for p in pts} == {"centralized", "federated"}
     assert math.inf in {p.nominal_epsilon for p in pts}

@@ -93,6 +93,9 @@ def register(app: typer.Typer) -> None:
                 for old, new in (info.get("adopted") or {}).items():  # swept before a backend's rename
                     console.print(f"runs/{old}: found under its name now, runs/{new}", markup=False,
                                   highlight=False)
+                if "warning" in info:  # e.g. a public base that memorised its corpus
+                    console.print(info["warning"], markup=False, highlight=False)
+                    return
                 bar.update(overall, completed=i, total=total, info=str(info.get("point", "")))
                 if "done" in info:
                     bar.update(current, completed=info["done"], total=info["total"],
