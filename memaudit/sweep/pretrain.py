@@ -37,7 +37,7 @@ from memaudit.config import config_from_dict, dump_config, set_dotted, with_over
 from memaudit.data.overlap import require_disjoint
 from memaudit.data.prepare import private_documents
 from memaudit.errors import RunDirError
-from memaudit.io import atomic_write_json
+from memaudit.io import atomic_write_json, read_jsonl
 from memaudit.lifecycle import RunSession
 from memaudit.models.init import initial_model
 from memaudit.rundir import RunDir, prepare_new_run
@@ -187,11 +187,7 @@ def memorised_line(rd: Any) -> str | None:
 
     The study's base of 2026-12-05 (192 public authors x 8 messages, 400 steps of 32: 8 epochs)
     went from 5.00 at step 100 to 7.22 at step 400."""
-    try:
-        lines = rd.metrics_path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    evals = [(r["step"], r["holdout_loss"]) for r in map(json.loads, filter(None, lines))
+    evals = [(r["step"], r["holdout_loss"]) for r in read_jsonl(rd.metrics_path)
              if r.get("holdout_loss") is not None and "step" in r]
     if len(evals) < 2:
         return None

@@ -108,13 +108,11 @@ def _concurrent(cfg: SweepConfig, points: list[SweepPoint], out: Path, on_done: 
                         outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0, one_line(e))
                     finished += 1
                     on_done(index[p.name], outcome)
-        except Terminated:
-            for child in mp.active_children():  # the pool's workers and the queue's manager
-                child.terminate()
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        except KeyboardInterrupt:
-            pool.shutdown(wait=True, cancel_futures=True)  # the workers got the signal too
+        except KeyboardInterrupt as e:
+            if isinstance(e, Terminated):  # the workers did not get it: end them (and the queue's manager)
+                for child in mp.active_children():
+                    child.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)  # Ctrl-C: the workers got the signal too
             raise
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from memaudit.rundir import _pid_alive as _alive  # a zombie counts as gone
+
 
 def _children(pid: int) -> list[int]:
     """Live (not zombie) processes whose parent is `pid`, from /proc."""
@@ -31,14 +33,6 @@ def _children(pid: int) -> list[int]:
         if int(ppid) == pid and state != "Z":
             out.append(int(entry.name))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_sigterm_to_the_sweep_ends_its_point_workers(tmp_path):
