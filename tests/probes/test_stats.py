@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from memaudit.probes.stats import (
-    _auc_rows,
+    _split_aucs,
     _tpr_rows,
     attack_summary,
     auc_difference_test,
@@ -18,6 +18,7 @@ from memaudit.probes.stats import (
     roc_auc,
     tpr_at_fpr,
 )
+from tests.probes.ranked_auc import ranked_auc_difference_test
 
 
 def direct_tpr(pos, neg, fpr):
@@ -44,7 +45,13 @@ def test_tpr_at_fpr_equals_direct(seed, fpr):
     # the vectorised bootstrap statistic agrees on the un-resampled arrays
     assert _tpr_rows(pos[None], neg[None], fpr)[0] == pytest.approx(direct_tpr(pos, neg, fpr))
     assert roc_auc(pos, neg) == pytest.approx(direct_auc(pos, neg))
-    assert _auc_rows(pos[None], neg[None])[0] == pytest.approx(direct_auc(pos, neg))
+    # the permutation tests' statistic: every member and non-member on side x, then a split
+    pos_x, neg_x = np.ones((1, 80), bool), np.ones((1, 120), bool)
+    neg_x[0, 0] = False  # side y needs one of each for its own AUC
+    pos_x[0, 0] = False
+    ax, ay = _split_aucs(pos, neg, pos_x, neg_x)
+    assert ax[0] == pytest.approx(direct_auc(pos[1:], neg[1:]))
+    assert ay[0] == pytest.approx(direct_auc(pos[:1], neg[:1]))
 
 
 def test_known_arrays():
@@ -151,6 +158,22 @@ def test_holm_and_bh_against_a_loop():
         run = min(run, p[j] * m / (i + 1))
         bh[j] = min(1.0, run)
     assert benjamini_hochberg(p) == pytest.approx(bh)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_auc_difference_test_equals_ranking_every_permutation(paired):
+    """The cumulative-count statistic gives the p-values of ranking each permuted row, exactly:
+    ties within and between runs (rounded scores, and the equal rank grids of two runs of the
+    same size), both alternatives, the advantage statistic, unequal run sizes unpaired."""
+    rng = np.random.default_rng(7)
+    for trial in range(6):
+        n1b, n0b = (40, 25) if trial % 2 and not paired else (30, 50)
+        a = (np.round(rng.normal(0.4, 1, 30), 1), np.round(rng.normal(0, 1, 50), 1))
+        b = (np.round(rng.normal(0.2 * trial - 0.4, 1, n1b), 1), np.round(rng.normal(0, 1, n0b), 1))
+        for alternative, advantage in (("greater", True), ("less", False), ("two-sided", True)):
+            kw = {"paired": paired, "alternative": alternative, "n_perm": 499, "seed": trial,
+                  "advantage": advantage}
+            assert auc_difference_test(a, b, **kw) == ranked_auc_difference_test(a, b, **kw)
 
 
 def test_auc_difference_test_null_and_signal():
