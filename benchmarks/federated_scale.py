@@ -94,6 +94,27 @@ set per device at any cohort; vmap holds every client of a device at once, so it
 with the clients per device: on 8x1 from 1,474 MiB at one client a device (cohort 8, as scan) to
 5,466 at 8, on 2x4 from 1,948 MiB at 4 clients a device to 13,635 at 32.
 
+Both strategies run at 125m where vmap fits this host (2026-12-05, 8 host devices on 2 cores,
+nothing else running, median of 2 rounds, one call per cohort and mesh: `--presets 125m
+--cohorts C --meshes M --strategies scan vmap --seq 32 --examples 1 --local-steps 1 --batch 1
+--repeats 2`; the centralized step is timed once a call, so compare within a call):
+
+  ======  ====  ========  ===============  ==============  ==============  ==============
+  cohort  mesh  strategy  round s (/cl.)   MiB per device  centralized s   vs centralized
+  ======  ====  ========  ===============  ==============  ==============  ==============
+  8       8x1   scan      13.9 (1.74)      1,535           13.3            0.96
+  8       8x1   vmap      10.1 (1.26)      1,474           13.3            1.32
+  16      8x1   scan      14.6 (0.91)      1,538           10.2            0.70
+  16      8x1   vmap      14.3 (0.89)      1,986           10.2            0.71
+  8       2x4   scan      7.12 (0.89)      873             3.81            0.54
+  8       2x4   vmap      12.3 (1.54)      1,948           3.81            0.31
+  ======  ====  ========  ===============  ==============  ==============  ==============
+
+At one client a device (cohort 8 on 8x1) vmap is scan without the loop and is faster; at two
+(cohort 16) they tie and vmap holds 1.3x the memory; on 2x4, four clients a device, vmap takes
+1.7x scan's time and 2.2x its memory. The measured memory equals the compiled plan's above to
+the MiB. vmap at cohort 64 (5,466 MiB a device on 8x1, 13,635 on 2x4) exceeds this host.
+
 `--plan` (the round compiled from shapes; 8 devices, float32 weights, scan, the seeds' seq 512,
 8 local steps of 8 sequences; time at 40% of 8 x 989 TFLOP/s):
 
