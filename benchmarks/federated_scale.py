@@ -112,8 +112,8 @@ nothing else running, median of 2 rounds, one call per cohort and mesh: `--prese
 
 At one client a device (cohort 8 on 8x1) vmap is scan without the loop and is faster; at two
 (cohort 16) they tie and vmap holds 1.3x the memory; on 2x4, four clients a device, vmap takes
-1.7x scan's time and 2.2x its memory. The measured memory equals the compiled plan's above to
-the MiB. vmap at cohort 64 (5,466 MiB a device on 8x1, 13,635 on 2x4) exceeds this host.
+1.7x scan's time and 2.2x its memory (XLA's analysis of the round that ran, the same figures as
+the plan's above). vmap at cohort 64 (5,466 MiB a device on 8x1, 13,635 on 2x4) exceeds this host.
 
 `--plan` (the round compiled from shapes; 8 devices, float32 weights, scan, the seeds' seq 512,
 8 local steps of 8 sequences; time at 40% of 8 x 989 TFLOP/s):
