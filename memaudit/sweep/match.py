@@ -155,10 +155,13 @@ def plan_matches(cfg: SweepConfig, points: list[SweepPoint], out: Path
                 rec["reason"] = ("the target run is not complete" if ppl[t.name] is None
                                  else f"no {other} DP run of the same model and seed")
                 continue
-            near = [(abs(math.log(ppl[p.name]) - math.log(ppl[t.name])), p.name) for p in side
-                    if ppl[p.name] is not None]
-            if near and min(near)[0] <= m.tolerance:
-                rec["reason"] = f"already matched by {min(near)[1]} (|log ratio| {min(near)[0]:.3g})"
+            near = [(abs(math.log(ppl[p.name]) - math.log(ppl[t.name])), p.name, _eps(p) == _eps(t))
+                    for p in side if ppl[p.name] is not None]
+            within = [x for x in near if x[0] <= m.tolerance]
+            if within:  # a run at the target's epsilon first, as the report pairs them
+                gap, name, equal = min(within, key=lambda x: (not x[2], x[0]))
+                rec["reason"] = (f"already matched by {name} (|log ratio| {gap:.3g}"
+                                 f"{', equal epsilon' if equal else ''})")
                 continue
             noise = {p.name: trained_noise(runs / p.name) for p in side}
             dp = [p for p in side if noise.get(p.name) and ppl[p.name] is not None]

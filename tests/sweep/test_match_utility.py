@@ -116,6 +116,23 @@ def test_matched_incomplete_and_missing_targets_get_no_point(tmp_path):
     assert by["federated at epsilon 4"]["reason"].startswith("no such grid point")
 
 
+def test_a_match_at_the_targets_epsilon_is_named_before_a_closer_one_at_another(tmp_path):
+    """As the report pairs runs (equal guarantees first, `memaudit.reports.frontier`): the final
+    quickstart of 2026-12-05 said federated epsilon 8 was "already matched by" centralized
+    epsilon 2 (|log ratio| 0.046) while centralized epsilon 8 lay within the tolerance too."""
+    ppl = {**PPL, "centralized": {**PPL["centralized"], 32.0: 2400.0, 2.0: 2300.0}}
+    cfg = sweep_config_from_dict(_raw(levels=[32]))
+    _write_runs(tmp_path, cfg, ppl)
+    extra, (rec,) = plan_matches(cfg, plan_points(cfg), tmp_path)
+    assert extra == []
+    assert rec["reason"] == "already matched by centralized-eps32-s0 (|log ratio| 0.0426, equal epsilon)"
+    # with none at its epsilon within the tolerance, the closest run
+    ppl["centralized"][32.0] = 1000.0
+    _write_runs(tmp_path / "b", cfg, ppl)
+    _, (rec,) = plan_matches(cfg, plan_points(cfg), tmp_path / "b")
+    assert rec["reason"] == "already matched by centralized-eps2-s0 (|log ratio| 0)"
+
+
 def test_the_other_direction_and_the_default_levels(tmp_path):
     cfg = sweep_config_from_dict(_raw(target_backend="centralized"))
     _write_runs(tmp_path, cfg)
