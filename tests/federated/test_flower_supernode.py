@@ -12,7 +12,7 @@ import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a
 import pytest
 
 from memaudit.federated.flower.deploy import write_app
-from memaudit.federated.flower.polls import PULL_BACKOFF_S, PollWaits, short_waits
+from memaudit.federated.flower.polls import LOCAL_POLL_S, PULL_BACKOFF_S, PollWaits, short_waits
 from memaudit.federated.flower.superexec import (
     CONTENT,
     MAX_FAB_BYTES,
@@ -96,6 +96,22 @@ def test_flowers_waits_become_polls_and_nothing_else_changes():
         assert loop.time.poll == 0.05 and loop.pull_objects.func is saved[1]
     finally:
         loop.time, loop.pull_objects, http_grid.pull_objects, run_clientapp.pull_and_inflate_object_from_tree = saved
+
+
+def test_a_supernode_looks_at_its_own_memory_at_the_local_poll():
+    """The loop's 3 s wait (no message: the next ask goes to the SuperLink) becomes the node's
+    poll; its 0.5 s waits (looks at its own memory for the ClientApp's reply or a reply's
+    content) become `LOCAL_POLL_S`, whatever the poll. Failed before: every wait was the poll."""
+    w = PollWaits(0.3)
+    t = time.monotonic()
+    w.sleep(0.5)  # between looks for the ClientApp's reply
+    assert time.monotonic() - t < 0.15
+    t = time.monotonic()
+    w.sleep(3)  # after an ask that found no message
+    assert time.monotonic() - t >= 0.29
+    t = time.monotonic()
+    w.sleep(0.001)  # a shorter wait is kept
+    assert w.local == LOCAL_POLL_S < 0.05
 
 
 def test_an_object_not_there_yet_is_asked_for_again_within_a_poll():

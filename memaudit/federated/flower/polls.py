@@ -13,7 +13,8 @@ A Flower exchange is a chain of processes that look for each other's work by pol
 
 A memaudit round of the tiny model computes in under a second, so these waits were most of a
 Flower round. `short_waits` makes each at most a poll: `SUPERNODE_POLL_S` for the SuperNode's
-loop (`memaudit.federated.flower.supernode`), and `PULL_BACKOFF_S` doubling to at most
+loop when it found no message (`memaudit.federated.flower.supernode`), `LOCAL_POLL_S` for its
+looks at its own memory (its ClientApp's reply, a reply's content), and `PULL_BACKOFF_S` doubling to at most
 `PULL_BACKOFF_CAP_S` between asks for an object, with no limit on the number of asks (Flower's
 limit of 500 would be reached in under two minutes; its 2-hour limit on the time stays). Only
 the waits change, never what is asked or in what order.
@@ -27,12 +28,22 @@ from types import ModuleType
 from typing import Any
 
 SUPERNODE_POLL_S = 0.1
+LOCAL_POLL_S = 0.01
+IDLE_WAIT_S = 1.0  # Flower's waits from this long up are the loop's before it asks the SuperLink again
 PULL_BACKOFF_S, PULL_BACKOFF_CAP_S = 0.02, 0.25
 
 
 class PollWaits:
-    """``time`` as a Flower module sees it: every wait is at most `poll` seconds; every other
-    call is the ``time`` module's.
+    """``time`` as a Flower module sees it: every wait is at most `poll` seconds, or `local`
+    seconds when Flower asked for less than `IDLE_WAIT_S`; every other call is the ``time``
+    module's.
+
+    Flower 1.42's SuperNode loop waits 3 s when the SuperLink had no message for it (the next
+    ask goes over the network to the SuperLink, which every idle node's asks keep busy), and
+    0.5 s between looks at its own memory: for its ClientApp's reply, and for a reply's content.
+    Those looks cost the node almost nothing, and a round waits on them once an exchange (five
+    times a secure round): on 2 cores a secure round took 2.97 s with them at 0.01 s against
+    3.25 s at 0.1 s, and a FedAvg round the same (median of rounds 5-10).
 
     >>> w = PollWaits(0.0)
     >>> t = time.monotonic(); w.sleep(3); w.sleep(0.5); time.monotonic() - t < 0.5
@@ -41,11 +52,11 @@ class PollWaits:
     True
     """
 
-    def __init__(self, poll: float) -> None:
-        self.poll = float(poll)
+    def __init__(self, poll: float, local: float = LOCAL_POLL_S) -> None:
+        self.poll, self.local = float(poll), float(local)
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(min(seconds, self.poll))
+        time.sleep(min(seconds, self.poll if seconds >= IDLE_WAIT_S else self.local))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)

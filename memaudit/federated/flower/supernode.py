@@ -14,10 +14,11 @@ choose and neither trusting the server:
 - **polls, not waits**: a SuperNode that finds no message waits 3 s before asking the SuperLink
   again, looks for its ClientApp's reply every 0.5 s, and asks again for an object of a message
   that is not there yet after 1 s, 2 s, 4 s (hard-coded in Flower 1.42), so every exchange of a
-  round waits for the slowest node's next ask and its backoffs. Here each of the loop's waits is
-  at most ``--poll`` seconds (default `memaudit.federated.flower.polls.SUPERNODE_POLL_S`: an
-  idle node asks the SuperLink about 1/poll times a second) and an object is asked for again
-  after 0.02 s (`memaudit.federated.flower.polls`).
+  round waits for the slowest node's next ask and its backoffs. Here the loop's wait before it
+  asks the SuperLink again is at most ``--poll`` seconds (default
+  `memaudit.federated.flower.polls.SUPERNODE_POLL_S`: an idle node asks the SuperLink about
+  1/poll times a second), it looks for its ClientApp's reply every 0.01 s (its own memory), and
+  an object is asked for again after 0.02 s (`memaudit.federated.flower.polls`).
 
 ``--isolation`` is refused: this SuperNode's isolation is memaudit's SuperExec. Flower's own
 ``flower-supernode`` still works with memaudit's apps (a ``flwr-clientapp`` per message), slower
