@@ -137,6 +137,9 @@ import json
 import statistics
 import time
 
+import memaudit  # noqa: F401 - before numpy: memaudit's page setting for numpy (memaudit/__init__.py)
+
+# isort: split
 import jax
 import jax.numpy as jnp
 import numpy as np
