@@ -53,6 +53,7 @@ from memaudit.federated.client_ops import (
 )
 from memaudit.federated.secagg.aggregator import graph_kind, server_rng
 from memaudit.federated.secagg.messages import SecAggAbort
+from memaudit.federated.secagg.pages import ordinary_pages
 from memaudit.federated.secagg.protocol import Dropouts
 from memaudit.federated.updates import client_updates
 from memaudit.privacy.ddg import ddg_rdp, ddg_tau
@@ -205,6 +206,7 @@ def distributed_dp(base: Aggregator | None = None, *, clip: float, noise_multipl
     def init(params):
         return DDPState(base.init(params), 0)
 
+    @ordinary_pages()  # fresh arrays of the model's size every round (memaudit.federated.secagg.pages)
     def aggregate(deltas, weights, state, key):
         updates = client_updates(deltas)
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array

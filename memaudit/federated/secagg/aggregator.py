@@ -47,6 +47,7 @@ from memaudit.federated.aggregators import AggregateResult, Aggregator
 from memaudit.federated.client_ops import flatten_clients, slot_seed
 from memaudit.federated.secagg.graph import sparse_degree
 from memaudit.federated.secagg.messages import SecAggAbort
+from memaudit.federated.secagg.pages import ordinary_pages
 from memaudit.federated.secagg.pki import KeyRing
 from memaudit.federated.secagg.policy import DEFAULT_MODE, Policy
 from memaudit.federated.secagg.protocol import Dropouts
@@ -159,6 +160,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
     def init(params):
         return SecAggState(base.init(params), 0)
 
+    @ordinary_pages()  # fresh arrays of the model's size every round (memaudit.federated.secagg.pages)
     def aggregate(deltas, weights, state, key):
         updates = client_updates(deltas)
         rnd = int(state.round)  # may come back from a jitted server step as a 0-d array

@@ -69,6 +69,7 @@ from memaudit.federated.flower.wire import dtype_of
 from memaudit.federated.secagg.client import Client
 from memaudit.federated.secagg.graph import neighbours as make_neighbours
 from memaudit.federated.secagg.messages import AuthenticationError, SecAggAbort, masked_bytes
+from memaudit.federated.secagg.pages import ordinary_pages
 from memaudit.federated.secagg.pki import KeyRing
 from memaudit.federated.secagg.policy import DEFAULT_MODE, Policy
 from memaudit.federated.secagg.protocol import Dropouts, RoundResult
@@ -270,6 +271,7 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
 
 
 # ------------------------------------------------------------------ a node's side
+@ordinary_pages()  # the node's encoded rows and masked sum (memaudit.federated.secagg.pages)
 def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray],
               load: Callable[[int], dict], save: Callable[[int, dict | None], None]) -> dict[str, Any]:
     """A node's answer to one exchange of a remote round.
