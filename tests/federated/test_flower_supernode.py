@@ -294,3 +294,48 @@ def test_a_task_that_fails_costs_that_task_not_the_node(monkeypatch, capsys):
         superexec.serve("127.0.0.1:1", insecure=True, root_certificates=None, parent_pid=os.getppid())
     assert served == ["t1", "t2"]
     assert "ConnectionError" in capsys.readouterr().err
+
+
+def test_a_heartbeat_after_the_task_ended_does_not_stop_the_superexec(monkeypatch):
+    """Found in the 4-SuperNode benchmark: a task's first heartbeat, still in flight when the
+    ClientApp pushed the task's output, came back refused (the task's token is void once its
+    output is in), and Flower's heartbeat answers that with SIGINT to its own process (it ends a
+    flwr-clientapp process that way). Here the process is the node's long-lived SuperExec: it
+    died, and the node answered nothing more for the run. Now the heartbeat stops before the
+    output goes in and a refused heartbeat is a failed one, never a signal. Failed before: the
+    SIGINT came."""
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    import flwr.supernode.runtime.run_clientapp as rc
+
+    from memaudit.federated.flower import superexec
+
+    done = threading.Event()  # the task's output is in: its token is void
+
+    class Runtime:
+        def SendTaskHeartbeat(self, request):  # Flower's name
+            done.wait(1.0)  # in flight until the output is in (or a second has passed)
+            return SimpleNamespace(success=not done.is_set())
+
+        def close(self):
+            return None
+
+    monkeypatch.setattr(superexec, "_runtime_client", lambda *a: Runtime())
+    message = SimpleNamespace()
+    monkeypatch.setattr(rc, "pull_task_input", lambda client: (message, SimpleNamespace(run_id=1), None,
+                                                                 SimpleNamespace(content=b"fab")))
+    monkeypatch.setattr(rc, "push_message", lambda client, reply, context: None)
+    monkeypatch.setattr(rc, "push_task_output", lambda **kw: done.set())
+    monkeypatch.setattr(superexec, "is_memaudit_app", lambda fab, expected: True)
+    signals = []
+    old = signal.signal(signal.SIGINT, lambda *a: signals.append(a))
+    try:
+        ok = superexec.serve_task("127.0.0.1:1", "token", True, None, {}, lambda message, context: "reply")
+        done.wait(2.0)
+        time.sleep(0.3)  # a heartbeat thread left running would answer by now
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert ok and done.is_set()
+    assert signals == []

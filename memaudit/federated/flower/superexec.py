@@ -124,6 +124,27 @@ def _runtime_client(address: str, insecure: bool, certificates: bytes | None, *e
         retry_invoker=make_simple_http_retry_invoker())
 
 
+def task_heartbeat(client: Any) -> Any:
+    """Flower's task heartbeat (``make_task_heartbeat_fn_http``) for a process that outlives its
+    tasks: a heartbeat the SuperNode refuses or cannot take is a failed heartbeat (tried again
+    until the sender stops), never a signal. Flower's answers a refused heartbeat with SIGINT to
+    its own process, which ends a ``flwr-clientapp`` process; here it ended the node's SuperExec
+    when a task's first heartbeat came back after the task's output was in (its token void), and
+    the node answered nothing more for the run."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
+
+    request = SendTaskHeartbeatRequest()
+
+    def beat() -> bool:
+        try:
+            return bool(client.SendTaskHeartbeat(request).success)
+        except Exception:  # noqa: BLE001 - the runtime API gone or refusing: a failed heartbeat
+            return False
+
+    return beat
+
+
 def serve_task(address: str, token: str, insecure: bool, certificates: bytes | None,
                expected: dict[str, bytes], client_app: Any) -> bool:
     """One ClientApp task, as ``flwr-clientapp`` would run it, with memaudit's ClientApp and the
@@ -132,12 +153,12 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
     from flwr.app import Message
     from flwr.app.error import Error
     from flwr.common.constant import ErrorCode, SubStatus
-    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.heartbeat import HeartbeatSender
     from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor
     from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
     client = _runtime_client(address, insecure, certificates, RuntimeTokenHttpInterceptor(token))
-    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+    heartbeat = HeartbeatSender(task_heartbeat(client))
     heartbeat.start()
     message = context = reply = None
     status, details = SubStatus.FAILED, "memaudit's ClientApp failed; the node's log says why"
@@ -164,9 +185,9 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
                 push_message(client, reply, context)
         except Exception:  # noqa: BLE001 - the server sees a missing reply: a dropped node
             traceback.print_exc(file=sys.stderr)
-        push_task_output(client=client, context=context, sub_status=status, details=details)
-        if heartbeat.is_running:
+        if heartbeat.is_running:  # before the output: once it is in, the task's token is void
             heartbeat.stop()
+        push_task_output(client=client, context=context, sub_status=status, details=details)
         client.close()
     return status == SubStatus.COMPLETED
 
