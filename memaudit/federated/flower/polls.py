@@ -14,10 +14,10 @@ A Flower exchange is a chain of processes that look for each other's work by pol
 A memaudit round of the tiny model computes in under a second, so these waits were most of a
 Flower round. `short_waits` makes each at most a poll: `SUPERNODE_POLL_S` for the SuperNode's
 loop when it found no message (`memaudit.federated.flower.supernode`), `LOCAL_POLL_S` for its
-looks at its own memory (its ClientApp's reply, a reply's content), and `PULL_BACKOFF_S` doubling to at most
-`PULL_BACKOFF_CAP_S` between asks for an object, with no limit on the number of asks (Flower's
-limit of 500 would be reached in under two minutes; its 2-hour limit on the time stays). Only
-the waits change, never what is asked or in what order.
+looks at its own memory (its ClientApp's reply, a reply's content), and `PULL_BACKOFF_S`
+doubling to at most `PULL_BACKOFF_CAP_S` between asks for an object, with no limit on the
+number of asks (Flower's limit of 500 would be reached in under two minutes; its 2-hour limit
+on the time stays). Only the waits change, never what is asked or in what order.
 """
 
 from __future__ import annotations
