@@ -610,9 +610,11 @@ def bench_flower(args) -> dict:
                             variants=[load_config(None, [*ov, *secagg])])
     ov.append(f"data.tokenizer={info['tokenizer']}")
 
-    def rounds(run: Path) -> list[float]:
-        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        return [m["round_seconds"] for m in lines][1:]
+    def rounds(run: Path, warm: bool = False) -> list[float]:
+        """Round seconds after the first; ``warm``: only the rounds in which no node ran a stage
+        module new to its process (``nodes_compiling`` 0: no node compiled a stage shape)."""
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
+        return [m["round_seconds"] for m in lines if not (warm and m.get("nodes_compiling", 0))]
 
     dispatch(load_config(None, ov), RunDir(root / "jax"), resume=False)
     dispatch(load_config(None, [*ov, *secagg]), RunDir(root / "jax_secagg"), resume=False)
@@ -645,6 +647,7 @@ def bench_flower(args) -> dict:
              *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()),
              *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()))
     med = {k: statistics.median(rounds(root / k)) for k in kinds}
+    warm = {k: rounds(root / k, warm=True) for k in ("flower", "flower_secagg")}
 
     def side(suffix: str, speedup: str) -> dict:  # a pair's rounds against in-JAX and memaudit's default
         a, b = f"flower{suffix}", f"flower_secagg{suffix}"
@@ -662,6 +665,13 @@ def bench_flower(args) -> dict:
             "flower_secagg_vs_jax_secagg": med["flower_secagg"] / med["jax_secagg"],
             "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
             "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
+            # the rounds in which no node compiled a stage shape (in JAX every round after the first is)
+            **{f"{k}_warm_rounds": len(v) for k, v in warm.items()},
+            **({"flower_warm_round_s": statistics.median(warm["flower"]),
+                "flower_warm_vs_jax": statistics.median(warm["flower"]) / med["jax"]} if warm["flower"] else {}),
+            **({"flower_secagg_warm_round_s": statistics.median(warm["flower_secagg"]),
+                "flower_secagg_warm_vs_jax_secagg": statistics.median(warm["flower_secagg"]) / med["jax_secagg"]}
+               if warm["flower_secagg"] else {}),
             **(side("_per_message", "resident_speedup") if args.flower_per_message else {}),
             **(side("_own_supernode", "memaudit_supernode_speedup") if args.flower_own_supernode else {}),
             **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],

@@ -76,7 +76,7 @@ SENSITIVE_KEYS = frozenset({
     "step_seconds", "count_fraction", "participants",
     # the realized cohort's size, data and norms, and what is a function of them
     "aggregated_clients", "total_weight", "examples", "delta_norm", "within_clip",
-    "dropped_users", "dropped_nodes", "rejected_nodes", "secagg_bits", "secagg_degree", "secagg_bytes_up",
+    "dropped_users", "dropped_nodes", "rejected_nodes", "nodes_compiling", "secagg_bits", "secagg_degree", "secagg_bytes_up",
     "secagg_bytes_down", "secagg_bytes_masked", "secagg_words", "ddp_gamma", "ddp_dim", "ddp_l2", "ddp_l1", "ddp_local_std",
     "ddp_effective_noise", "ddp_noise_std", "ddp_below_plan",
 })

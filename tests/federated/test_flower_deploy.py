@@ -123,6 +123,8 @@ def test_flower_weights_equal_in_jax(case, federation):
     assert manifest["config"]["federated"]["runtime"] == "flower"
     assert [m["round"] for m in _metrics(flower_run)] == list(range(1, rounds + 1))
     assert all(m["dropped_users"] == 0 for m in _metrics(flower_run))
+    # each case's first round runs stage modules new to the nodes: a node says so (nodes_compiling)
+    assert _metrics(flower_run)[0]["nodes_compiling"] >= 1
     assert result["rounds"] == rounds
     if case == "dp-fedavg-secagg":  # the protocol ran: every sampled user survived it
         sens = [json.loads(x) for x in (flower_run / "sensitive_metrics.jsonl").read_text().splitlines()]

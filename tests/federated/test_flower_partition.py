@@ -144,6 +144,21 @@ def _max_diff(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)], default=0.0)
 
 
+def test_a_node_says_when_it_runs_a_stage_module_new_to_it(users):
+    """`NodeExecutor.new_module`, the stage reply's "compiled" (a round's metrics count those
+    nodes as nodes_compiling; benchmarks/federated_round.py times the rounds without one as
+    warm): True on a module's first run in the node's process, False on the next rounds."""
+    a = _algorithm("fedavg")
+    state, plan, seen = a.init(_params()), None, []
+    nodes = _nodes(users)
+    for r in range(2):
+        args = (state, _struct(_cohort_data(users)), jax.random.fold_in(jax.random.key(3), r))
+        plan = plan or compile_plan(a.round.program, args, PLACED, CAP)
+        (state, _), _ = run_plan(plan, args, nodes, _assignment(), round=r)
+        seen.append({name: e.new_module for name, e in nodes.executors.items()})
+    assert seen == [dict.fromkeys(HOSTS, True), dict.fromkeys(HOSTS, False)]
+
+
 @pytest.mark.parametrize("kind", ["fedavg", "fedadam", "dp-adaptive", "fedsgd"])
 def test_partitioned_round_equals_in_jax_program(kind, users):
     ref, got, plan, info = _two_rounds(kind, users)

@@ -107,7 +107,9 @@ def answer(kind: str, node: Callable[[], NodeExecutor], payload: bytes) -> dict[
             return {"users": executor.users, "digests": digests, "platform": executor.platform}
         if kind == "stage":
             outputs = executor.run(call_from_wire(wire.unpack(payload)))
-            return {"outputs": {str(k): v for k, v in outputs.items()}}
+            # "compiled": the node ran this stage's module for the first time in its process
+            # (traced and compiled, or read from its compilation cache): the round waited on that
+            return {"outputs": {str(k): v for k, v in outputs.items()}, "compiled": executor.new_module}
         return executor.secagg(wire.unpack(payload))
     except MemauditError as e:  # refused (no manifest, a stage not in it, a non-finite update)
         line = (str(e).splitlines() or [type(e).__name__])[0]

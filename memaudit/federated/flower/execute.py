@@ -323,6 +323,7 @@ class NodeExecutor:
             raise ValueError("a manifest that lists node keys needs this node's identity")
         self.protocol: dict[int, dict] = {}  # secure-aggregation state by round (store_dir None)
         self.platform = node_platform()
+        self.new_module = False  # whether the last `run` was this executor's first of its module
 
     def _keep(self, round: int, var: int, value: Any) -> None:
         if self.store_dir is None:
@@ -422,7 +423,8 @@ class NodeExecutor:
         """The call's exported module, cached by the sha256 of its bytes (never by a name the
         server gives)."""
         key = hashlib.sha256(bytes(call.module)).hexdigest()
-        if key not in self.modules:
+        self.new_module = key not in self.modules
+        if self.new_module:
             exp = export.deserialize(bytearray(call.module))
             # one jitted callable per module: a node that runs many rounds (a resident process)
             # traces and compiles each stage once

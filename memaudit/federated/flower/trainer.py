@@ -72,6 +72,12 @@ class FlowerNodes:
     def __init__(self, grid: Any, fcfg: Any) -> None:
         self.grid, self.fcfg = grid, fcfg
         self.platforms: dict[int, str] = {}  # node -> the platform its stages are lowered for
+        # nodes that said they ran a stage module for the first time since `new_round` (a
+        # diagnostic the round's metrics count as nodes_compiling; nothing else reads it)
+        self.compiling: set[int] = set()
+
+    def new_round(self) -> None:
+        self.compiling = set()
 
     def exchange(self, messages: list[Any], timeout: float) -> list[Any]:
         """Push `messages` and pull their replies every `POLL_S` seconds until every node has
@@ -169,7 +175,10 @@ class FlowerNodes:
         for r in self.exchange(msgs, self.fcfg.stage_timeout):
             if r.has_error():  # the node died, or its ClientApp failed: dropped for the round
                 continue
-            out[r.metadata.src_node_id] = _stage_reply(_read(r))
+            body = _read(r)
+            if isinstance(body, dict) and body.get("compiled") is True:
+                self.compiling.add(r.metadata.src_node_id)
+            out[r.metadata.src_node_id] = _stage_reply(body)
         return out
 
 
@@ -287,6 +296,15 @@ class FlowerRuntime:
         return shaped
 
     def round(self, trainer: FederatedTrainer, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
+        if hasattr(self.nodes, "new_round"):
+            self.nodes.new_round()
+        state, m = self._round(trainer, state, cohort, r, key)
+        # nodes that ran a stage module new to their process this round: a round that waited on
+        # a compile (benchmarks/federated_round.py times the rounds without one as warm)
+        m["nodes_compiling"] = len(getattr(self.nodes, "compiling", ()))
+        return state, m
+
+    def _round(self, trainer: FederatedTrainer, state: Any, cohort: np.ndarray, r: int, key: Any) -> tuple[Any, dict]:
         cap = trainer.round_capacity(len(cohort))
         assignment: dict[int, list[tuple[int, str]]] = {}
         for slot, k in enumerate(cohort):
