@@ -113,10 +113,11 @@ SuperNodes, ``--flower-rounds 10``): before, in JAX 0.79 s and 1.08 s, on Flower
 and 6.11 s (5.66x); after, in JAX 0.76 s and 1.06 s, on Flower 1.42 s (1.88x) and 3.91 s
 (3.69x); the secure runs' weights equal (0.0). Later that day, with secure aggregation's encoder
 off BLAS, the SuperNode's looks at its own memory every 0.01 s and secure aggregation's arrays in
-ordinary pages (docs/flower.md, Cost; ``--flower-rounds 10``, median of rounds 2-10): 2 SuperNodes, in JAX 0.82 s
-and 1.17 s, on Flower 1.51 s (1.84x) and 3.11 s (2.66x); 4 SuperNodes, in JAX 0.79 s and 1.14 s,
-on Flower 4.57 s and 6.62 s, of which the rounds in which no node compiled a new stage shape
-take 2.15 s (2.71x) and 4.51 s (3.94x).
+ordinary pages (docs/flower.md, Cost; ``--flower-rounds 10``, median of rounds 2-10): 2 SuperNodes, in JAX 0.88 s
+and 1.20 s, on Flower 1.47 s (1.68x) and 3.04 s (2.54x); 4 SuperNodes, in JAX 0.84 s and 1.20 s,
+on Flower 4.67 s and 6.72 s. The ``*_warm_*`` keys are the median of the rounds in which no node
+ran a stage module new to it (the round's ``nodes_compiling`` is 0): 2 SuperNodes 1.43 s (1.63x)
+and 3.01 s (2.51x), 4 SuperNodes 2.14 s (2.55x) and 4.72 s (3.94x).
 
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
