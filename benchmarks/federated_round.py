@@ -649,6 +649,7 @@ def bench_flower(args) -> dict:
              *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()))
     med = {k: statistics.median(rounds(root / k)) for k in kinds}
     warm = {k: rounds(root / k, warm=True) for k in ("flower", "flower_secagg")}
+    warm_med = {k: statistics.median(v) for k, v in warm.items() if v}
 
     def side(suffix: str, speedup: str) -> dict:  # a pair's rounds against in-JAX and memaudit's default
         a, b = f"flower{suffix}", f"flower_secagg{suffix}"
@@ -668,11 +669,9 @@ def bench_flower(args) -> dict:
             "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
             # the rounds in which no node compiled a stage shape (in JAX every round after the first is)
             **{f"{k}_warm_rounds": len(v) for k, v in warm.items()},
-            **({"flower_warm_round_s": statistics.median(warm["flower"]),
-                "flower_warm_vs_jax": statistics.median(warm["flower"]) / med["jax"]} if warm["flower"] else {}),
-            **({"flower_secagg_warm_round_s": statistics.median(warm["flower_secagg"]),
-                "flower_secagg_warm_vs_jax_secagg": statistics.median(warm["flower_secagg"]) / med["jax_secagg"]}
-               if warm["flower_secagg"] else {}),
+            **{f"{k}_warm_round_s": m for k, m in warm_med.items()},
+            **{f"{k}_warm_vs_{k.replace('flower', 'jax')}": m / med[k.replace("flower", "jax")]
+               for k, m in warm_med.items()},
             **(side("_per_message", "resident_speedup") if args.flower_per_message else {}),
             **(side("_own_supernode", "memaudit_supernode_speedup") if args.flower_own_supernode else {}),
             **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],
