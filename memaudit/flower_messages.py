@@ -7,39 +7,58 @@ from typing import Any
 
 RECORD, FIELD = "memaudit", "payload"
 SHARED = "memaudit_shared"  # the record of values sent once for all the nodes of an exchange
+STYPE = "memaudit.payload"  # an Array that carries a payload's bytes, never an array
 SPLIT = b"\xc1"  # a byte msgpack never uses: a payload that starts with it has the shared values first
 HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
 KINDS = {HELLO: "hello", STAGE: "stage", SECAGG: "secagg"}  # message type -> what the node does
 
 
+def _carrier(payload: bytes) -> Any:
+    """An ``ArrayRecord`` holding `payload` as one ``Array`` of raw bytes (dtype uint8, stype
+    `STYPE`), never converted to an array: Flower cuts an ``Array`` into chunks of 5 MB, hashes
+    each chunk once and pushes them side by side, where a ``ConfigRecord`` value is copied whole
+    and hashed on every look (four serialisations of a 7.2 MB payload in a ClientApp's push)."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.app import Array, ArrayRecord
+
+    return ArrayRecord({FIELD: Array(dtype="uint8", shape=(len(payload),), stype=STYPE, data=payload)})
+
+
 def record(payload: bytes, shared: Any = None) -> Any:
-    """A Flower ``RecordDict`` carrying `payload` and, when given, `shared`: a ``ConfigRecord``
+    """A Flower ``RecordDict`` carrying `payload` and, when given, `shared`: a record
     (`shared_record`) that every message of an exchange holds as the same object, so that Flower
     pushes its bytes to the SuperLink once and stores them once (objects are kept by the sha256
     of their content)."""
     # optional dependency: flwr (the flower extra)
-    from flwr.app import ConfigRecord, RecordDict
+    from flwr.app import RecordDict
 
-    records = {RECORD: ConfigRecord({FIELD: payload})}
+    records = {RECORD: _carrier(payload)}
     if shared is not None:
         records[SHARED] = shared
     return RecordDict(records)
 
 
 def shared_record(payload: bytes) -> Any:
-    """The ``ConfigRecord`` of an exchange's shared values (`record`)."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.app import ConfigRecord
+    """The record of an exchange's shared values (`record`)."""
+    return _carrier(payload)
 
-    return ConfigRecord({FIELD: payload})
+
+def _bytes_of(rec: Any) -> bytes:
+    """The payload bytes of a record of a memaudit message; KeyError or TypeError when it is not
+    one (a sender that is not memaudit's)."""
+    value = rec[FIELD]
+    data = getattr(value, "data", None)
+    if getattr(value, "stype", None) != STYPE or not isinstance(data, bytes):
+        raise TypeError("not a memaudit payload")
+    return data
 
 
 def payload_of(message: Any) -> bytes:
     """The payload bytes a memaudit Flower message carries; with a shared record, `SPLIT`, the
     shared payload's length (8 bytes, big-endian), the shared payload, then the message's own
     (`memaudit.federated.flower.wire.unpack` reads them)."""
-    own = message.content[RECORD][FIELD]
+    own = _bytes_of(message.content[RECORD])
     if SHARED not in message.content:
-        return bytes(own)
-    shared = message.content[SHARED][FIELD]
+        return own
+    shared = _bytes_of(message.content[SHARED])
     return b"".join([SPLIT, len(shared).to_bytes(8, "big"), shared, own])

@@ -94,8 +94,9 @@ def test_a_bad_stage_reply_drops_its_node_and_the_round_goes_on(kind, toy):
 
 
 def test_a_reply_that_is_not_memaudit_message_is_rejected(monkeypatch, toy):
-    """On the wire: a payload 4 bytes short (not msgpack any more), a foreign record, and a
-    refusal line: the first two are rejected replies, the third a refusal; nothing raises."""
+    """On the wire: a payload 4 bytes short (not msgpack any more), a foreign record, a whole
+    payload in a ConfigRecord (not memaudit's carrier), and a refusal line: the first three are
+    rejected replies, the fourth a refusal; nothing raises."""
     pytest.importorskip("flwr")
     from flwr.app import ConfigRecord, Message, Metadata, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
@@ -108,8 +109,9 @@ def test_a_reply_that_is_not_memaudit_message_is_rejected(monkeypatch, toy):
     for attr in ("_run_id", "_node_id", "_task_id"):  # as inside a ServerApp
         monkeypatch.setattr(TaskIdentity, attr, 1)
     good = wire.pack({"outputs": {"0": np.zeros(3, np.float32)}})
-    bodies = {1: RecordDict({wire.RECORD: ConfigRecord({wire.FIELD: good[:-4]})}),
+    bodies = {1: wire.record(good[:-4]),
               2: RecordDict({"other": ConfigRecord({"x": b"1"})}),
+              4: RecordDict({wire.RECORD: ConfigRecord({wire.FIELD: good})}),
               3: wire.content({"refused": "stage abc is not one of this node's allowed stages"})}
 
     class Grid:  # the SuperLink: every node's reply is there at the first pull
@@ -125,7 +127,7 @@ def test_a_reply_that_is_not_memaudit_message_is_rejected(monkeypatch, toy):
 
     call = StageCall(b"m", "k", 0, 1, [], [], [], [], [], [])
     out = FlowerNodes(Grid(), FlowerConfig()).run_stage({n: call for n in bodies})
-    assert out[1] is None and out[2] is None and isinstance(out[3], Refusal)
+    assert out[1] is None and out[2] is None and out[4] is None and isinstance(out[3], Refusal)
     st = toy[1].client_stages[0]
     assert all(valid_reply(toy[1], st, out[n], 2) is not None for n in bodies)
 

@@ -212,6 +212,8 @@ def test_supernode_without_a_manifest_runs_nothing(tmp_path, monkeypatch):
     refusal line (no outputs)."""
     import types
 
+    pytest.importorskip("flwr")
+
     from memaudit.federated.flower import apps, wire
     from memaudit.federated.flower.execute import call_to_wire
 
@@ -221,7 +223,7 @@ def test_supernode_without_a_manifest_runs_nothing(tmp_path, monkeypatch):
              attention_mask=np.ones((1, 2, 4), np.int32), example_mask=np.ones((1, 2), np.float32))
     ctx = types.SimpleNamespace(node_config={"partition": str(part), "cache-dir": str(tmp_path)},
                                 node_id=1, run_id=2, run_config={})
-    msg = types.SimpleNamespace(content={wire.RECORD: {wire.FIELD: wire.pack(call_to_wire(_identity_call()))}})
+    msg = types.SimpleNamespace(content=wire.content(call_to_wire(_identity_call())))
     body = apps.stage(msg, ctx)
     assert set(body) == {"refused"} and "no stage manifest" in body["refused"]
     ctx.node_config["manifest"] = str(tmp_path / "manifest.json")

@@ -583,9 +583,9 @@ def test_a_stage_message_carries_the_values_all_nodes_share_once(users, monkeypa
     for msgs in grid.exchanges:
         shared = [m.content[SHARED] for m in msgs]
         assert len(msgs) == 2 and shared[0] is shared[1]  # one object: pushed and stored once
-        values = wire.unpack(bytes(shared[0][wire.FIELD]))
+        values = wire.unpack(shared[0][wire.FIELD].data)
         assert "module" in values and any(k.startswith("input") for k in values)
         for m in msgs:  # a node's own payload names them, and holds none of their bytes
-            own = bytes(m.content[wire.RECORD][wire.FIELD])
+            own = m.content[wire.RECORD][wire.FIELD].data
             assert values["module"] not in own
             assert all(v.tobytes() not in own for k, v in values.items() if k != "module" and v.nbytes > 16)

@@ -98,12 +98,14 @@ def test_a_resident_off_node_config_runs_the_message_in_the_clientapp_process(no
     """``resident='false'``: the ClientApp answers in its own process (no socket, no resident)."""
     import types
 
+    pytest.importorskip("flwr")
+
     from memaudit.federated.flower import apps
 
     monkeypatch.setattr(apps, "_reply", lambda message, obj: obj)
     monkeypatch.setattr(flower_node, "resident", lambda *a: pytest.fail("a resident was asked"))
     msg = types.SimpleNamespace(metadata=types.SimpleNamespace(message_type="query.memaudit_hello"),
-                                content={wire.RECORD: {wire.FIELD: b""}})
+                                content=wire.record(b""))
     ctx = types.SimpleNamespace(node_config={**node_config, "resident": "false"}, node_id=3, run_id=7)
     body = flower_node._forward(msg, ctx)
     assert body == answer("hello", lambda: open_node(node_config, 3, 7), b"") and body["users"] == ["u0", "u1"]

@@ -1,6 +1,7 @@
-"""What travels in memaudit's Flower messages: msgpack with NumPy arrays, in one bytes field.
+"""What travels in memaudit's Flower messages: msgpack with NumPy arrays, in one Array of raw bytes.
 
-A message's content is ``RecordDict({"memaudit": ConfigRecord({"payload": bytes})})``; the
+A message's content is ``RecordDict({"memaudit": ArrayRecord({"payload": Array(...)})})``, the
+payload's bytes as one Array of stype ``memaudit.payload`` (`memaudit.flower_messages.record`); the
 payload is a msgpack map whose arrays are extension objects (dtype name, shape, raw bytes),
 read back with ``np.frombuffer`` (never unpickled).
 
@@ -41,7 +42,7 @@ from memaudit.flower_messages import (
     shared_record,
 )
 
-__all__ = ["FIELD", "HELLO", "RECORD", "SECAGG", "STAGE", "Shared", "content", "dtype_of", "pack", "read",
+__all__ = ["FIELD", "HELLO", "RECORD", "SECAGG", "STAGE", "Shared", "content", "dtype_of", "pack", "read", "record",
            "shared_record", "unpack"]
 
 _ARRAY, _SHARED = 7, 8
