@@ -8,19 +8,24 @@ from typing import Any
 RECORD, FIELD = "memaudit", "payload"
 SHARED = "memaudit_shared"  # the record of values sent once for all the nodes of an exchange
 STYPE = "memaudit.payload"  # an Array that carries a payload's bytes, never an array
+INLINE_MAX = 1 << 20  # a payload up to this many bytes travels as a ConfigRecord value (`record`)
 SPLIT = b"\xc1"  # a byte msgpack never uses: a payload that starts with it has the shared values first
 HELLO, STAGE, SECAGG = "memaudit_hello", "memaudit_stage", "memaudit_secagg"
 KINDS = {HELLO: "hello", STAGE: "stage", SECAGG: "secagg"}  # message type -> what the node does
 
 
 def _carrier(payload: bytes) -> Any:
-    """An ``ArrayRecord`` holding `payload` as one ``Array`` of raw bytes (dtype uint8, stype
-    `STYPE`), never converted to an array: Flower cuts an ``Array`` into chunks of 5 MB, hashes
-    each chunk once and pushes them side by side, where a ``ConfigRecord`` value is copied whole
-    and hashed on every look (four serialisations of a 7.2 MB payload in a ClientApp's push)."""
+    """The record that carries `payload`. Up to `INLINE_MAX` bytes: a ``ConfigRecord`` value, one
+    object (Flower pushes and pulls each object of a message in a request of its own, at every
+    hop). Larger: an ``ArrayRecord`` holding it as one ``Array`` of raw bytes (dtype uint8,
+    stype `STYPE`), never converted to an array, which Flower cuts into chunks of 5 MB, hashes
+    once and pushes side by side; a ``ConfigRecord`` value is serialised whole on every look at
+    the message (four times in a ClientApp's push) and cannot pass protobuf's 2 GB."""
     # optional dependency: flwr (the flower extra)
-    from flwr.app import Array, ArrayRecord
+    from flwr.app import Array, ArrayRecord, ConfigRecord
 
+    if len(payload) <= INLINE_MAX:
+        return ConfigRecord({FIELD: payload})
     return ArrayRecord({FIELD: Array(dtype="uint8", shape=(len(payload),), stype=STYPE, data=payload)})
 
 
@@ -47,6 +52,8 @@ def _bytes_of(rec: Any) -> bytes:
     """The payload bytes of a record of a memaudit message; KeyError or TypeError when it is not
     one (a sender that is not memaudit's)."""
     value = rec[FIELD]
+    if isinstance(value, bytes):  # a ConfigRecord value
+        return value
     data = getattr(value, "data", None)
     if getattr(value, "stype", None) != STYPE or not isinstance(data, bytes):
         raise TypeError("not a memaudit payload")

@@ -94,9 +94,9 @@ def test_a_bad_stage_reply_drops_its_node_and_the_round_goes_on(kind, toy):
 
 
 def test_a_reply_that_is_not_memaudit_message_is_rejected(monkeypatch, toy):
-    """On the wire: a payload 4 bytes short (not msgpack any more), a foreign record, a whole
-    payload in a ConfigRecord (not memaudit's carrier), and a refusal line: the first three are
-    rejected replies, the fourth a refusal; nothing raises."""
+    """On the wire: a payload 4 bytes short (not msgpack any more), a foreign record, a payload
+    field that is not bytes, and a refusal line: the first three are rejected replies, the fourth
+    a refusal; nothing raises."""
     pytest.importorskip("flwr")
     from flwr.app import ConfigRecord, Message, Metadata, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
@@ -111,7 +111,7 @@ def test_a_reply_that_is_not_memaudit_message_is_rejected(monkeypatch, toy):
     good = wire.pack({"outputs": {"0": np.zeros(3, np.float32)}})
     bodies = {1: wire.record(good[:-4]),
               2: RecordDict({"other": ConfigRecord({"x": b"1"})}),
-              4: RecordDict({wire.RECORD: ConfigRecord({wire.FIELD: good})}),
+              4: RecordDict({wire.RECORD: ConfigRecord({wire.FIELD: 7})}),
               3: wire.content({"refused": "stage abc is not one of this node's allowed stages"})}
 
     class Grid:  # the SuperLink: every node's reply is there at the first pull

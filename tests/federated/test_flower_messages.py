@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from memaudit.flower_messages import RECORD, SHARED, payload_of, record, shared_record
+from memaudit.flower_messages import INLINE_MAX, RECORD, SHARED, payload_of, record, shared_record
 
 
 def _pushed_bytes(message, monkeypatch) -> int:
@@ -55,7 +55,9 @@ def test_a_message_push_serialises_its_payload_at_most_twice(monkeypatch):
     assert message.content[RECORD] is not message.content[SHARED]
 
 
-def test_a_payload_outside_memaudits_carrier_is_refused():
+def test_a_small_payload_is_one_object_and_anything_else_is_refused():
+    """A payload up to INLINE_MAX is a ConfigRecord value (one object: a request a hop), a larger
+    one an Array; what memaudit never sends is refused."""
     pytest.importorskip("flwr")
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
@@ -63,12 +65,14 @@ def test_a_payload_outside_memaudits_carrier_is_refused():
         def __init__(self, content):
             self.content = content
 
-    with pytest.raises(TypeError):  # the old carrier: a ConfigRecord value
-        payload_of(Sent(RecordDict({RECORD: ConfigRecord({"payload": b"\x80"})})))
+    small, large = b"\x80" * INLINE_MAX, b"\x80" * (INLINE_MAX + 1)
+    assert isinstance(record(small)[RECORD], ConfigRecord) and payload_of(Sent(record(small))) == small
+    assert isinstance(record(large)[RECORD], ArrayRecord) and payload_of(Sent(record(large))) == large
+    with pytest.raises(TypeError):  # a ConfigRecord value that is not bytes
+        payload_of(Sent(RecordDict({RECORD: ConfigRecord({"payload": 3})})))
     with pytest.raises(TypeError):  # an Array that is an array, not memaudit's bytes
         payload_of(Sent(RecordDict({RECORD: ArrayRecord({"payload": Array(dtype="uint8", shape=(1,),
                                                                           stype="numpy.ndarray", data=b"\x80")})})))
-    assert payload_of(Sent(record(b"\x80"))) == b"\x80"
 
 
 def test_a_payload_over_protobufs_2_gb_limit_is_sent_in_chunks(monkeypatch):

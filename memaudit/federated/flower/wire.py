@@ -1,9 +1,10 @@
-"""What travels in memaudit's Flower messages: msgpack with NumPy arrays, in one Array of raw bytes.
+"""What travels in memaudit's Flower messages: msgpack with NumPy arrays, in one bytes field.
 
-A message's content is ``RecordDict({"memaudit": ArrayRecord({"payload": Array(...)})})``, the
-payload's bytes as one Array of stype ``memaudit.payload`` (`memaudit.flower_messages.record`); the
-payload is a msgpack map whose arrays are extension objects (dtype name, shape, raw bytes),
-read back with ``np.frombuffer`` (never unpickled).
+A message's content is ``RecordDict({"memaudit": record})``, the record holding the payload's
+bytes as a ``ConfigRecord`` value up to 1 MiB and as one ``Array`` of stype ``memaudit.payload``
+above (`memaudit.flower_messages.record`); the payload is a msgpack map whose arrays are
+extension objects (dtype name, shape, raw bytes), read back with ``np.frombuffer`` (never
+unpickled).
 
 >>> import numpy as np
 >>> out = unpack(pack({"a": np.arange(3, dtype=np.int32), "b": [1, "x"]}))
