@@ -48,7 +48,7 @@ def shared_record(payload: bytes) -> Any:
     return _carrier(payload)
 
 
-def _bytes_of(rec: Any) -> bytes:
+def bytes_of(rec: Any) -> bytes:
     """The payload bytes of a record of a memaudit message; KeyError or TypeError when it is not
     one (a sender that is not memaudit's)."""
     value = rec[FIELD]
@@ -64,8 +64,8 @@ def payload_of(message: Any) -> bytes:
     """The payload bytes a memaudit Flower message carries; with a shared record, `SPLIT`, the
     shared payload's length (8 bytes, big-endian), the shared payload, then the message's own
     (`memaudit.federated.flower.wire.unpack` reads them)."""
-    own = _bytes_of(message.content[RECORD])
+    own = bytes_of(message.content[RECORD])
     if SHARED not in message.content:
         return own
-    shared = _bytes_of(message.content[SHARED])
+    shared = bytes_of(message.content[SHARED])
     return b"".join([SPLIT, len(shared).to_bytes(8, "big"), shared, own])

@@ -536,7 +536,7 @@ def test_a_stage_message_carries_the_values_all_nodes_share_once(users, monkeypa
     from memaudit.config import FlowerConfig
     from memaudit.federated.flower import trainer, wire
     from memaudit.federated.flower.apps import answer
-    from memaudit.flower_messages import SHARED
+    from memaudit.flower_messages import SHARED, bytes_of
 
     for attr in ("_run_id", "_node_id", "_task_id"):  # as inside a ServerApp
         monkeypatch.setattr(TaskIdentity, attr, 1)
@@ -583,9 +583,9 @@ def test_a_stage_message_carries_the_values_all_nodes_share_once(users, monkeypa
     for msgs in grid.exchanges:
         shared = [m.content[SHARED] for m in msgs]
         assert len(msgs) == 2 and shared[0] is shared[1]  # one object: pushed and stored once
-        values = wire.unpack(shared[0][wire.FIELD].data)
+        values = wire.unpack(bytes_of(shared[0]))
         assert "module" in values and any(k.startswith("input") for k in values)
         for m in msgs:  # a node's own payload names them, and holds none of their bytes
-            own = m.content[wire.RECORD][wire.FIELD].data
+            own = bytes_of(m.content[wire.RECORD])
             assert values["module"] not in own
             assert all(v.tobytes() not in own for k, v in values.items() if k != "module" and v.nbytes > 16)
