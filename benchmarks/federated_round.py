@@ -121,9 +121,10 @@ and 3.01 s (2.51x), 4 SuperNodes 2.14 s (2.55x) and 4.72 s (3.94x).
 
 Since the afternoon of 2026-12-05 a payload over 1 MiB travels as an Array of raw bytes, not a
 ConfigRecord value (`memaudit.flower_messages`; docs/flower.md, Cost). Warm medians the same
-afternoon, before and after: 2 SuperNodes 1.456 s and 1.540 s (two runs) against 1.352 s
-(1.54x), secure 3.235 s and 3.904 s against 3.011 s (2.40x); 4 SuperNodes 1.972 s against
-1.942 s (2.23x), secure 4.904 s against 4.605 s (3.56x).
+afternoon, before and after: 2 SuperNodes 1.456 s and 1.540 s (two runs) against 1.352 s,
+1.404 s and 1.352 s (three runs, 1.54-1.66x), secure 3.235 s and 3.904 s against 3.011 s,
+3.160 s and 2.930 s (2.40-2.63x); 4 SuperNodes 1.972 s against 1.942 s (2.23x), secure 4.904 s
+against 4.605 s (3.56x).
 
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
