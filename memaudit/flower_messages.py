@@ -1,7 +1,7 @@
 """What memaudit's Flower messages are, importable without JAX: the record and field that carry
 the payload bytes (`memaudit.federated.flower.wire` packs what goes in them), the message types
-of memaudit's ClientApp (`memaudit.flower_node`), and the two functions that put the payload into
-a message's content and take it out."""
+of memaudit's ClientApp (`memaudit.flower_node`), and the functions that put the payload into a
+message's content (`record`, `shared_record`) and take it out (`payload_of`, `bytes_of`)."""
 
 from typing import Any
 

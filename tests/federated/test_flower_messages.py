@@ -1,12 +1,12 @@
-"""What a memaudit Flower message costs to push: its payload travels as one Array of raw bytes
-(`memaudit.flower_messages`), which Flower cuts into chunks and serialises once per step.
+"""What a memaudit Flower message costs to push (`memaudit.flower_messages`): a payload over
+1 MiB travels as one Array of raw bytes, which Flower cuts into chunks and serialises once per
+step; a smaller one stays a ConfigRecord value, one object.
 
-Before: the payload was a ConfigRecord value, which Flower serialises whole on each look at the
+Before: every payload was a ConfigRecord value, which Flower serialises whole on each look at the
 message (its id, its object tree, its push): a ClientApp's push of a 7.2 MB node reply took
-0.15 s of a FedAvg round on 2 cores (median of 10 pushes), and the same push of an Array
-0.09-0.11 s (medians of 14-18 pushes, six runs).
-A ConfigRecord value is also one protobuf message, which cannot pass 2 GB: the weights of a 1B
-model in float32 (4 GB) could not be sent at all.
+0.14-0.16 s of a FedAvg round on 2 cores (3 runs), and the same push of an Array 0.09-0.11 s
+(9 runs). A ConfigRecord value is also one protobuf message, which cannot pass 2 GB: the weights
+of a 1B model in float32 (4 GB) could not be sent at all.
 """
 
 from __future__ import annotations
