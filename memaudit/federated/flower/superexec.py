@@ -244,13 +244,14 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
         short_waits(clientapp=True)  # a message's objects re-asked after 0.02 s, not 1 s
         expected = memaudit_app_files()
     while True:
+        asked = time.monotonic()
         try:
             res = client.AcquireTask(request)
         except Exception:  # noqa: BLE001 - the runtime API is starting, or briefly away
             time.sleep(max(poll, 0.5))
             continue
-        if not (res.HasField("task") and res.token):
-            time.sleep(poll)
+        if not (res.HasField("task") and res.token):  # an ask the node held counts toward the poll
+            time.sleep(max(0.0, poll - (time.monotonic() - asked)))
             continue
         try:
             if kind == TaskType.CLIENT_APP:

@@ -18,12 +18,16 @@ installed, imported or run. The SuperNodes refuse such apps on their side too
 ``tests/federated/test_flower_deploy.py::test_a_foreign_app_is_refused_by_the_superlink``.
 
 ``--isolation`` is refused: this SuperLink's isolation is memaudit's SuperExec.
+
+A SuperNode's ask for a message and the ServerApp's ask for replies are held here until there
+is one to return, its objects all stored (`memaudit.federated.flower.longpoll`).
 """
 
 from __future__ import annotations
 
 import sys
 
+from memaudit.federated.flower.longpoll import install_superlink
 from memaudit.federated.flower.superexec import beside
 
 
@@ -31,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     # optional dependency: flwr (the flower extra)
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
+    install_superlink()
     return beside(flower_superlink, list(sys.argv[1:] if argv is None else argv), task="serverapp")
 
 

@@ -18,7 +18,10 @@ choose and neither trusting the server:
   asks the SuperLink again is at most ``--poll`` seconds (default
   `memaudit.federated.flower.polls.SUPERNODE_POLL_S`: an idle node asks the SuperLink about
   1/poll times a second), it looks for its ClientApp's reply every 0.01 s (its own memory), and
-  an object is asked for again after 0.02 s (`memaudit.federated.flower.polls`).
+  an object is asked for again after 0.02 s (`memaudit.federated.flower.polls`). Its SuperExec's
+  ask for a task is held until the node has pulled a message and all its objects
+  (`memaudit.federated.flower.longpoll`), and the loop asks again at once after an ask that
+  memaudit's SuperLink held.
 
 ``--isolation`` is refused: this SuperNode's isolation is memaudit's SuperExec. Flower's own
 ``flower-supernode`` still works with memaudit's apps (a ``flwr-clientapp`` per message), slower
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memaudit.federated.flower.longpoll import install_supernode
 from memaudit.federated.flower.polls import SUPERNODE_POLL_S, short_waits
 from memaudit.federated.flower.superexec import beside
 
@@ -48,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         short_waits(supernode_poll=ours.poll)
+        install_supernode()
     except RuntimeError as e:
         print(f"memaudit: error: {e}; run flower-supernode itself, or the Flower version memaudit pins",
               file=sys.stderr)

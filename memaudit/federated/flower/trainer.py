@@ -80,18 +80,21 @@ class FlowerNodes:
         self.compiling = set()
 
     def exchange(self, messages: list[Any], timeout: float) -> list[Any]:
-        """Push `messages` and pull their replies every `POLL_S` seconds until every node has
-        answered or `timeout` seconds have passed (a node that has not answered is absent)."""
+        """Push `messages` and pull their replies until every node has answered or `timeout`
+        seconds have passed (a node that has not answered is absent): at most every `POLL_S`
+        seconds, counting the time an ask was held (memaudit's SuperLink holds it until a reply
+        is there, `memaudit.federated.flower.longpoll`)."""
         ids = set(self.grid.push_messages(messages))
         deadline = time.monotonic() + timeout
         out: list[Any] = []
         while ids:
+            asked = time.monotonic()
             got = list(self.grid.pull_messages(ids))
             out += got
             ids -= {m.metadata.reply_to_message_id for m in got}
             if not ids or time.monotonic() >= deadline:
                 break
-            time.sleep(self.POLL_S)
+            time.sleep(max(0.0, self.POLL_S - (time.monotonic() - asked)))
         return out
 
     def _wait_for_nodes(self) -> list[int]:

@@ -1,0 +1,188 @@
+"""Long polls: a SuperLink or SuperNode answers an ask for work when there is work.
+
+Every hop of a Flower 1.42 exchange is a poll: the SuperNode asks the SuperLink for a message,
+memaudit's SuperExec asks its SuperNode for a task, the ServerApp asks the SuperLink for
+replies, each on its own clock (`memaudit.federated.flower.polls`). A message therefore waits
+half a poll on average at each hop it crosses, and more when a sender announces it before its
+objects are there: the receiver then asks for the objects on a doubling backoff. On 2 cores a
+small exchange of a secure round took 0.24-0.28 s, most of it waits.
+
+In memaudit's SuperLink (`memaudit.federated.flower.superlink`) and SuperNode
+(`memaudit.federated.flower.supernode`), `hold` makes an ask that finds nothing wait in the
+answering process, for at most `HOLD_S`, until something it could return was stored there
+(`Wakeups`); an answer that names a message waits, within the same limit, until every object of
+that message is in the store, so the receiver pulls them at once. The answer is the one Flower
+gives, later: what is asked, what is returned and in what order do not change, and a sender
+that dies mid-push costs the receiver `HOLD_S` and then Flower's own backoff. The askers
+(`memaudit.federated.flower.polls.PollWaits`, `memaudit.federated.flower.superexec.serve`,
+`memaudit.federated.flower.trainer.FlowerNodes`) ask again at most every poll, counting the
+time the ask was held: against a held ask they ask again at once, against Flower's own
+SuperLink (which answers at once) they keep their poll.
+
+At most `MAX_HELD` asks are held at a time in one process; a further ask is answered at once,
+as Flower would, so a federation of many nodes cannot take every thread of the SuperLink's API.
+
+**Adversary:** none new. A server that holds asks longer, or never, only delays its own
+federation, as one that answers slowly does now; a node holds only its own SuperExec's asks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+HOLD_S = 1.0  # well under Flower's 30 s request timeout, and its heartbeats' intervals
+MAX_HELD = 16  # of the API server's threads (anyio's default pool: 40)
+
+
+class Wakeups:
+    """A process's "something was stored" signal: `notify` after a store; `wait(gen, until)`
+    returns True once a store happened after `generation` returned `gen`, False at `until`."""
+
+    def __init__(self, max_held: int = MAX_HELD) -> None:
+        self._cond = threading.Condition()
+        self._gen = 0
+        self._slots = threading.BoundedSemaphore(max_held)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._gen += 1
+            self._cond.notify_all()
+
+    def generation(self) -> int:
+        with self._cond:
+            return self._gen
+
+    def wait(self, gen: int, until: float) -> bool:
+        with self._cond:
+            while self._gen == gen:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def slot(self) -> bool:
+        """Take one of the `MAX_HELD` places of a held ask (give it back with `release`)."""
+        return self._slots.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._slots.release()
+
+
+WAKEUPS = Wakeups()
+
+
+def objects_ready(store: Any, trees: Iterable[Any]) -> bool:
+    """Whether every object of these object trees (Flower ``ObjectTree`` protos) has its content
+    in `store` (a Flower ``ObjectStore``: ``get`` is None for an unknown object, empty bytes for
+    one registered but not yet pushed)."""
+    todo = list(trees)
+    while todo:
+        tree = todo.pop()
+        if not store.get(tree.object_id):
+            return False
+        todo.extend(tree.children)
+    return True
+
+
+def hold(handler: Callable[..., Any], *, found: Callable[[Any], bool],
+         ready: Callable[[Any, inspect.BoundArguments], bool] | None = None,
+         wakeups: Wakeups = WAKEUPS, hold_s: float = HOLD_S) -> Callable[..., Any]:
+    """`handler` (a Flower API handler) held: called again after each store while its answer is
+    not `found`, and its `found` answer returned once `ready(answer, arguments)` (the answer's
+    objects are all stored), each for at most `hold_s` seconds from the ask."""
+    sig = inspect.signature(handler)
+
+    @functools.wraps(handler)
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not wakeups.slot():
+            return handler(*args, **kwargs)
+        try:
+            until = time.monotonic() + hold_s
+            while True:
+                gen = wakeups.generation()
+                answer = handler(*args, **kwargs)
+                if found(answer):
+                    break
+                if not wakeups.wait(gen, until):
+                    return answer
+            if ready is not None:
+                bound = sig.bind(*args, **kwargs)
+                while True:
+                    gen = wakeups.generation()
+                    if ready(answer, bound) or not wakeups.wait(gen, until):
+                        break
+            return answer
+        finally:
+            wakeups.release()
+
+    held.__memaudit_held__ = True  # type: ignore[attr-defined]
+    return held
+
+
+def notifying(handler: Callable[..., Any], wakeups: Wakeups = WAKEUPS) -> Callable[..., Any]:
+    """`handler` (one that stores a message, an object or a task), then `wakeups.notify()`."""
+
+    @functools.wraps(handler)
+    def stored(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return handler(*args, **kwargs)
+        finally:
+            wakeups.notify()
+
+    stored.__memaudit_held__ = True  # type: ignore[attr-defined]
+    return stored
+
+
+def has_messages(answer: Any) -> bool:
+    return len(answer.messages_list) > 0
+
+
+def has_task(answer: Any) -> bool:
+    return bool(answer.HasField("task"))
+
+
+def messages_ready(store_of: Callable[[inspect.BoundArguments], Any]) -> Callable[[Any, inspect.BoundArguments], bool]:
+    """`ready` for a pull of messages: every object of every message in the answer is stored."""
+    return lambda answer, bound: objects_ready(store_of(bound), answer.message_object_trees)
+
+
+def _patch(module: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    if not getattr(getattr(module, name), "__memaudit_held__", False):
+        setattr(module, name, wrap(getattr(module, name)))
+
+
+def install_superlink() -> None:
+    """In a SuperLink's process: the SuperNodes' asks for a message and the ServerApp's asks for
+    replies are held; a push of a message or an object from either side wakes them. Idempotent."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.superlink.servicer.fleet import fleet_handlers as fleet
+    from flwr.superlink.servicer.runtime import runtime_handlers as runtime
+
+    for module in (fleet, runtime):
+        _patch(module, "push_messages", notifying)
+        _patch(module, "push_object", notifying)
+    _patch(fleet, "pull_messages", lambda h: hold(
+        h, found=has_messages, ready=messages_ready(lambda b: b.arguments["store"])))
+    _patch(runtime, "pull_messages", lambda h: hold(
+        h, found=has_messages, ready=messages_ready(lambda b: b.arguments["state"].object_store)))
+
+
+def install_supernode() -> None:
+    """In a SuperNode's process: its SuperExec's asks for a task are held until the node has
+    pulled a message and all its objects from the SuperLink. Idempotent."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.supernode import start_client_internal as loop
+    from flwr.supernode.servicer.runtime import runtime_handlers as runtime
+
+    _patch(loop, "_pull_and_store_message", notifying)
+    _patch(runtime, "acquire_task", lambda h: hold(h, found=has_task))
+
+
+__all__ = ["HOLD_S", "MAX_HELD", "WAKEUPS", "Wakeups", "has_messages", "has_task", "hold",
+           "install_superlink", "install_supernode", "messages_ready", "notifying", "objects_ready"]
