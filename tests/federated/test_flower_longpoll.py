@@ -137,9 +137,12 @@ def test_memaudits_superlink_and_supernode_hold_flowers_handlers(monkeypatch):
     names = [(fleet, "pull_messages"), (fleet, "push_messages"), (fleet, "push_object"),
              (runtime, "pull_messages"), (runtime, "push_messages"), (runtime, "push_object"),
              (loop, "_pull_and_store_message"), (node, "acquire_task")]
-    originals = {(m.__name__, n): getattr(m, n) for m, n in names}
+    def flowers(f):  # another test in this process may have run a SuperNode's main already
+        return f.__wrapped__ if getattr(f, "__memaudit_held__", False) else f
+
+    originals = {(m.__name__, n): flowers(getattr(m, n)) for m, n in names}
     for m, n in names:
-        monkeypatch.setattr(m, n, getattr(m, n))  # restored after the test
+        monkeypatch.setattr(m, n, originals[(m.__name__, n)])  # Flower's; restored after the test
     for _ in range(2):
         longpoll.install_superlink()
         longpoll.install_supernode()
