@@ -126,6 +126,15 @@ afternoon, before and after: 2 SuperNodes 1.456 s and 1.540 s (two runs) against
 3.160 s and 2.930 s (2.40-2.63x); 4 SuperNodes 1.972 s against 1.942 s (2.23x), secure 4.904 s
 against 4.605 s (3.56x).
 
+Held asks (`memaudit.federated.flower.longpoll`; docs/flower.md, Cost), interleaved pairs the
+same day, before (8d8106c) and after: 2 SuperNodes 1.428 s, 1.445 s and 1.293 s against
+1.303 s (1.58x), 1.336 s (1.54x) and 1.257 s; secure 3.019 s, 3.042 s and 2.741 s against
+2.474 s (2.13x), 2.735 s (2.30x) and 2.443 s (2.03x); 4 SuperNodes 1.777 s against 1.771 s,
+secure 6.295 s against 4.011 s. A baseline from a worktree runs from that worktree's directory
+(``cd WORKTREE && PYTHONPATH=. python benchmarks/federated_round.py ...``): the SuperLink,
+SuperNodes and ServerApp are ``python -m`` processes, which import memaudit from their working
+directory first.
+
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
 stages against each running the stages shaped for its own slots
