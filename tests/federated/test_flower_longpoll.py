@@ -150,3 +150,47 @@ def test_memaudits_superlink_and_supernode_hold_flowers_handlers(monkeypatch):
         wrapped = getattr(m, n)
         assert getattr(wrapped, "__memaudit_held__", False) and wrapped.__wrapped__ is originals[(m.__name__, n)]
     assert not getattr(node.pull_object, "__memaudit_held__", False)  # only those
+
+
+class _Clock:
+    """`time` for `memaudit.federated.flower.trainer`: a clock that moves only when a pull is
+    held (`hold` seconds) or the trainer sleeps, and a record of the sleeps."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.now += s
+
+
+def test_the_serverapp_asks_again_at_once_after_a_held_ask_and_keeps_its_poll_otherwise(monkeypatch):
+    from memaudit.federated.flower import trainer
+
+    def run(hold_s):
+        clock = _Clock()
+        monkeypatch.setattr(trainer, "time", clock)
+
+        class Grid:  # the replies come on the third ask
+            asks = 0
+
+            def push_messages(self, msgs):
+                return ["m1"]
+
+            def pull_messages(self, ids):
+                Grid.asks += 1
+                clock.now += hold_s
+                done = SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="m1"))
+                return [done] if Grid.asks == 3 else []
+
+        got = trainer.FlowerNodes(Grid(), None).exchange([object()], timeout=60)
+        assert len(got) == 1 and Grid.asks == 3
+        return clock.sleeps
+
+    poll = trainer.FlowerNodes.POLL_S
+    assert run(0.0) == [poll, poll]  # Flower's SuperLink answers at once: a poll between asks
+    assert run(poll) == [0.0, 0.0]  # memaudit's held each ask a poll or more: asked again at once
+    assert run(poll / 2) == pytest.approx([poll / 2, poll / 2])  # the poll's rest
