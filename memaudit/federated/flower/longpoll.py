@@ -22,8 +22,9 @@ SuperLink (which answers at once) they keep their poll.
 At most `MAX_HELD` asks are held at a time in one process; a further ask is answered at once,
 as Flower would, so a federation of many nodes cannot take every thread of the SuperLink's API.
 
-**Adversary:** none new. A server that holds asks longer, or never, only delays its own
-federation, as one that answers slowly does now; a node holds only its own SuperExec's asks.
+Held asks change when an answer comes, never what a node accepts: a node checks what it runs
+and what it sends as before (docs/flower.md, "What a SuperNode trusts"), and holds only its own
+SuperExec's asks.
 """
 
 from __future__ import annotations
