@@ -29,10 +29,12 @@ sealed checkpoints) is opened here too, by `dp_randomness`, for every backend.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -92,6 +94,11 @@ def one_line_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {without_values(text[0]) if text else ''}"[:300]
 
 
+def _resend_sigterm() -> None:
+    time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into `TrainingInterrupted` in the main thread for the block."""
@@ -102,11 +109,25 @@ def sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise TrainingInterrupted("terminated by SIGTERM")
 
+    hook = sys.unraisablehook
+
+    def unraisable(u: Any) -> None:
+        """A SIGTERM that landed where Python cannot raise (a weakref callback, a finaliser)
+        would be printed with its traceback and lost: send it again, quietly, from a thread
+        (started without waiting for it, 1 ms later), so that it lands after this hook has
+        returned, where Python can raise it."""
+        if isinstance(u.exc_value, TrainingInterrupted):
+            _thread.start_new_thread(_resend_sigterm, ())
+            return
+        hook(u)
+
     previous = signal.signal(signal.SIGTERM, handler)
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = hook
 
 
 # ----------------------------------------------------------------------------- session
