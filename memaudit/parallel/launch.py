@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -111,9 +112,23 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.ll
            "memaudit.parallel.layout", "memaudit.train.trainer"]
 
 
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
+def quiet_resource_tracker() -> None:
+    """Python processes started from here on (multiprocessing's resource tracker, the
+    forkserver) run with `QUIET_TRACKER`: a rank killed with SIGKILL leaves its semaphores to
+    the resource tracker, which removes them and, at its exit, warned about them on the
+    launcher's stderr, after the launcher's own one-line error."""
+    if QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_TRACKER)
+
+
 def rank_context(extra_preload: tuple[str, ...] = ()) -> Any:
     """The multiprocessing context the ranks start in (forkserver with PRELOAD; the first caller
-    in a process fixes the server's preload list)."""
+    in a process fixes the server's preload list), its resource tracker quiet
+    (`quiet_resource_tracker`)."""
+    quiet_resource_tracker()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *extra_preload])
     return ctx

@@ -214,6 +214,8 @@ def test_killing_one_rank_stops_the_others_and_resume_recovers(dp_ref, tiny_corp
             proc.kill()
     assert proc.returncode == 2, err
     assert "parallel rank" in err.strip().splitlines()[-1], err
+    # the killed rank's semaphores are the resource tracker's to clean, not a warning after that line
+    assert "resource_tracker" not in err, err
     assert _dead(pid0) and _dead(pid1)
     assert stopped < 60, stopped  # a rank blocked in a collective was not waited on forever
     manifest = RunDir(run).read_manifest()
@@ -310,3 +312,25 @@ def test_grid_that_does_not_divide_the_model_is_one_line(tmp_path, capsys) -> No
     rc = main(["train", TINY, "--out", str(tmp_path / "bad"), "--set", "parallel.y=3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "not divisible by parallel.y=3" in err[0]
+
+
+def test_the_ranks_resource_tracker_does_not_warn_after_the_launchers_error() -> None:
+    """A semaphore left by a process killed with SIGKILL (here: a process that exits without
+    cleaning up) is removed by multiprocessing's resource tracker, which warned about it on
+    stderr at its exit: after the launcher's one-line error. A tracker started after
+    `rank_context` does not; one started without it does (the oracle that the case is real)."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\n"
+            "from memaudit.parallel.launch import rank_context\n"
+            "ctx = rank_context() if sys.argv[1] == 'ranks' else __import__('multiprocessing').get_context('forkserver')\n"
+            "s = ctx.Semaphore()\n"
+            "os._exit(0)\n")
+    err = {}
+    for how in ("plain", "ranks"):
+        # the tracker holds the stderr pipe until it exits: run() returns with its warning in
+        err[how] = subprocess.run([sys.executable, "-c", code, how], check=True, cwd=REPO_ROOT, capture_output=True,
+                                  text=True, timeout=120).stderr
+    assert "leaked semaphore" in err["plain"]
+    assert "resource_tracker" not in err["ranks"], err["ranks"]
