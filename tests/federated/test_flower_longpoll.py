@@ -18,7 +18,7 @@ from memaudit.federated.flower.longpoll import (
     Wakeups,
     has_messages,
     hold,
-    messages_ready,
+    message_objects,
     objects_ready,
 )
 
@@ -55,7 +55,7 @@ class Link:
 
 
 def _held(link, hold_s=30.0):
-    return hold(link.pull_messages, found=has_messages, ready=messages_ready(lambda b: b.arguments["store"]),
+    return hold(link.pull_messages, found=has_messages, objects=message_objects(lambda b: b.arguments["store"]),
                 wakeups=link.wakeups, hold_s=hold_s)
 
 

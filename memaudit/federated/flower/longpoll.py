@@ -68,7 +68,7 @@ class Wakeups:
             return True
 
     def slot(self) -> bool:
-        """Take one of the `MAX_HELD` places of a held ask (give it back with `release`)."""
+        """Take one of the ``max_held`` places of a held ask (give it back with `release`)."""
         return self._slots.acquire(blocking=False)
 
     def release(self) -> None:
@@ -78,25 +78,35 @@ class Wakeups:
 WAKEUPS = Wakeups()
 
 
-def objects_ready(store: Any, trees: Iterable[Any]) -> bool:
-    """Whether every object of these object trees (Flower ``ObjectTree`` protos) has its content
-    in `store` (a Flower ``ObjectStore``: ``get`` is None for an unknown object, empty bytes for
-    one registered but not yet pushed)."""
-    todo = list(trees)
+def object_ids(trees: Iterable[Any]) -> list[str]:
+    """The ids of every object of these object trees (Flower ``ObjectTree`` protos)."""
+    out, todo = [], list(trees)
     while todo:
         tree = todo.pop()
-        if not store.get(tree.object_id):
-            return False
+        out.append(tree.object_id)
         todo.extend(tree.children)
-    return True
+    return out
+
+
+def missing(store: Any, ids: Iterable[str]) -> list[str]:
+    """The objects of `ids` whose content `store` (a Flower ``ObjectStore``: ``get`` is None for
+    an unknown object, empty bytes for one registered but not yet pushed) does not hold yet."""
+    return [i for i in ids if not store.get(i)]
+
+
+def objects_ready(store: Any, trees: Iterable[Any]) -> bool:
+    """Whether every object of these object trees has its content in `store`."""
+    return not missing(store, object_ids(trees))
 
 
 def hold(handler: Callable[..., Any], *, found: Callable[[Any], bool],
-         ready: Callable[[Any, inspect.BoundArguments], bool] | None = None,
+         objects: Callable[[Any, inspect.BoundArguments], tuple[Any, list[str]]] | None = None,
          wakeups: Wakeups = WAKEUPS, hold_s: float = HOLD_S) -> Callable[..., Any]:
     """`handler` (a Flower API handler) held: called again after each store while its answer is
-    not `found`, and its `found` answer returned once `ready(answer, arguments)` (the answer's
-    objects are all stored), each for at most `hold_s` seconds from the ask."""
+    not `found`, and its `found` answer returned once the store holds every object that
+    ``objects(answer, arguments)`` names (a store and object ids; each store takes off the
+    ones that came, so a message of many chunks is not walked whole at every push), each for at
+    most `hold_s` seconds from the ask."""
     sig = inspect.signature(handler)
 
     @functools.wraps(handler)
@@ -112,11 +122,12 @@ def hold(handler: Callable[..., Any], *, found: Callable[[Any], bool],
                     break
                 if not wakeups.wait(gen, until):
                     return answer
-            if ready is not None:
-                bound = sig.bind(*args, **kwargs)
+            if objects is not None:
+                store, pending = objects(answer, sig.bind(*args, **kwargs))
                 while True:
                     gen = wakeups.generation()
-                    if ready(answer, bound) or not wakeups.wait(gen, until):
+                    pending = missing(store, pending)
+                    if not pending or not wakeups.wait(gen, until):
                         break
             return answer
         finally:
@@ -148,9 +159,11 @@ def has_task(answer: Any) -> bool:
     return bool(answer.HasField("task"))
 
 
-def messages_ready(store_of: Callable[[inspect.BoundArguments], Any]) -> Callable[[Any, inspect.BoundArguments], bool]:
-    """`ready` for a pull of messages: every object of every message in the answer is stored."""
-    return lambda answer, bound: objects_ready(store_of(bound), answer.message_object_trees)
+def message_objects(store_of: Callable[[inspect.BoundArguments], Any]
+                    ) -> Callable[[Any, inspect.BoundArguments], tuple[Any, list[str]]]:
+    """`objects` for a pull of messages: the store (`store_of` the handler's arguments) and every
+    object of every message in the answer."""
+    return lambda answer, bound: (store_of(bound), object_ids(answer.message_object_trees))
 
 
 def _patch(module: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -169,9 +182,9 @@ def install_superlink() -> None:
         _patch(module, "push_messages", notifying)
         _patch(module, "push_object", notifying)
     _patch(fleet, "pull_messages", lambda h: hold(
-        h, found=has_messages, ready=messages_ready(lambda b: b.arguments["store"])))
+        h, found=has_messages, objects=message_objects(lambda b: b.arguments["store"])))
     _patch(runtime, "pull_messages", lambda h: hold(
-        h, found=has_messages, ready=messages_ready(lambda b: b.arguments["state"].object_store)))
+        h, found=has_messages, objects=message_objects(lambda b: b.arguments["state"].object_store)))
 
 
 def install_supernode() -> None:
@@ -186,4 +199,5 @@ def install_supernode() -> None:
 
 
 __all__ = ["HOLD_S", "MAX_HELD", "WAKEUPS", "Wakeups", "has_messages", "has_task", "hold",
-           "install_superlink", "install_supernode", "messages_ready", "notifying", "objects_ready"]
+           "install_superlink", "install_supernode", "message_objects", "missing", "notifying", "object_ids",
+           "objects_ready"]
