@@ -237,9 +237,25 @@ def _start(d: Path, name: str, node_config: dict[str, Any], node_id: int, watch_
     _record_pid(d, name, proc.pid)
 
 
+_WATCHED: list[int] = []  # the process a resident watches, where it is not the ClientApp's parent
+
+
+def watch_this_process() -> None:
+    """The ClientApp runs in its SuperNode's own process (memaudit's SuperNode,
+    `memaudit.federated.flower.superexec.beside`): the residents it starts watch this process.
+    A ClientApp in a process of its own (Flower's SuperExec) leaves them watching its parent."""
+    _WATCHED[:] = [os.getpid()]
+
+
+def watched_pid() -> int:
+    """The process whose end ends the residents this process starts (`watch_this_process`)."""
+    return _WATCHED[0] if _WATCHED else os.getppid()
+
+
 def resident(node_config: dict[str, Any], node_id: int, watch_pid: int | None = None) -> Connection:
-    """A connection to this node's resident process, started if none answers."""
-    watch_pid = os.getppid() if watch_pid is None else watch_pid
+    """A connection to this node's resident process, started if none answers; it watches
+    ``watch_pid`` (default `watched_pid`)."""
+    watch_pid = watched_pid() if watch_pid is None else watch_pid
     d = resident_dir()
     name = resident_name(node_config, node_id, watch_pid)
     sock, key = d / f"{name}.sock", d / f"{name}.key"

@@ -280,7 +280,7 @@ def test_a_task_that_fails_costs_that_task_not_the_node(monkeypatch, capsys):
 
     served = []
 
-    def serve_task(address, token, *rest):
+    def serve_task(address, token, *rest, **kw):
         served.append(token)
         if token == "t1":
             raise ConnectionError("the runtime API went away")
@@ -339,3 +339,158 @@ def test_a_heartbeat_after_the_task_ended_does_not_stop_the_superexec(monkeypatc
         signal.signal(signal.SIGINT, old)
     assert ok and done.is_set()
     assert signals == []
+
+
+def _node_with_a_task(fab: bytes, content: dict):
+    """A SuperNode's state holding one ClientApp task, made by Flower's own loop
+    (``_pull_and_store_message``) from a message of the server's: the state, the node's object
+    store, and the message."""
+    import hashlib
+
+    from flwr.app import ConfigRecord, Message, Metadata, RecordDict
+    from flwr.supercore.fab import Fab
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.supernode import start_client_internal as loop
+    from flwr.supernode.nodestate import NodeStateFactory
+
+    factory = NodeStateFactory(objectstore_factory=ObjectStoreFactory())
+    state, store = factory.state(), factory.objectstore_factory.store()
+    state.set_node_id(7)
+    fab_hash = hashlib.sha256(fab).hexdigest()
+    run = Run.create_empty(3)
+    run.fab_hash = fab_hash
+    meta = Metadata(run_id=3, message_id="", src_node_id=0, dst_node_id=7, reply_to_message_id="", group_id="",
+                    created_at=time.time(), ttl=600.0, message_type="query")
+    msg = Message(metadata=meta, content=RecordDict({"c": ConfigRecord(content)}))
+    msg.metadata.__dict__["_message_id"] = msg.object_id
+    objects = get_all_nested_objects(msg)
+    tree = get_object_tree(msg)
+    run_id = loop._pull_and_store_message(
+        state=state, object_store=store, node_config={}, receive=lambda: (msg, tree),
+        get_run=lambda rid: run, get_fab=lambda h, rid: Fab(fab_hash, fab, {}),
+        pull_object=lambda rid, oid: objects[oid].deflate(), confirm_message_received=lambda rid, mid: None,
+        trusted_entities=None)
+    assert run_id == 3
+    return factory, state, store, msg
+
+
+def _sent_replies(state, store) -> list:
+    """What the SuperNode's loop sends the SuperLink next (Flower's ``_push_messages``): the
+    replies, inflated from the objects it pushes."""
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+    from flwr.supernode import start_client_internal as loop
+
+    sent, pushed = [], {}
+
+    def send(message, tree, runtime):
+        sent.append((message, tree))
+        return {o.object_id for o in iterate_object_tree(tree)}, "session"
+
+    loop._push_messages(state=state, object_store=store, send=send,
+                        push_object=lambda rid, session, oid, content: pushed.__setitem__(oid, content))
+    out = []
+    for message, tree in sent:
+        out.append(inflate_object_from_contents(tree.object_id, pushed, keep_object_contents=True))
+        assert isinstance(out[-1], Message)
+    return out
+
+
+def test_the_superexec_in_the_supernodes_process_serves_a_task_through_flowers_handlers(fab):
+    """memaudit's SuperExec, a thread of the SuperNode's process, asks Flower's own runtime
+    handlers on the node's state (`LocalRuntime`) in place of the runtime API over HTTP: it
+    acquires the task the SuperNode's loop made, reads its message, and its ClientApp's reply
+    is what the loop sends the SuperLink; the task ends completed. A foreign FAB is refused on
+    this path as on HTTP, and a token that names no task is refused as the HTTP API refuses it."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.error import FlowerError
+
+    from memaudit.federated.flower.localruntime import LocalRuntime
+    from memaudit.federated.flower.superexec import REFUSED, serve_task
+
+    seen = []
+
+    def client_app(message, context):
+        seen.append((message.metadata.message_type, dict(message.content["c"]), context.node_id))
+        return Message(RecordDict({"c": ConfigRecord({"read": message.content["c"]["x"] + 1})}), reply_to=message)
+
+    ask = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
+    for app, want in ((fab, "answered"), (_rezip(fab, {"evil.py": b"import os\n"}), "refused")):
+        _factory, state, store, msg = _node_with_a_task(app, {"x": 41})
+        local = LocalRuntime(state)
+        res = local.AcquireTask(ask)
+        assert res.HasField("task") and res.token
+        ok = serve_task("", res.token, True, None, memaudit_app_files(), client_app, local=local)
+        (reply,) = _sent_replies(state, store)
+        assert reply.metadata.reply_to_message_id == msg.metadata.message_id
+        if want == "answered":
+            assert ok and seen == [("query", {"x": 41}, 7)]
+            assert reply.content["c"]["read"] == 42
+        else:
+            assert not ok and len(seen) == 1  # the foreign app's message never reached the ClientApp
+            assert reply.has_error() and reply.error.reason == REFUSED
+        with pytest.raises(FlowerError, match="authentication failed"):  # its token is void once its output is in
+            local.with_token(res.token).PullTaskInput(PullTaskInputRequest())
+        assert not local.AcquireTask(ask).HasField("task")  # one task, served once
+    with pytest.raises(FlowerError, match="authentication failed"):
+        LocalRuntime(state, "a token of no task").PullTaskInput(PullTaskInputRequest())
+
+
+def test_memaudits_supernode_runs_its_superexec_as_a_thread_on_the_nodes_own_state(fab, monkeypatch):
+    """`beside` for a SuperNode starts no process: its SuperExec is a thread that finds the
+    state Flower's SuperNode makes (``flwr.supernode.main.create_app``) and serves the tasks on
+    it, and the node's resident process watches the SuperNode's process (the ClientApp's own),
+    not its parent. Failed before: a SuperExec process was started, asking the runtime API
+    over HTTP."""
+    import os
+    import subprocess
+    import threading
+
+    import flwr.supernode.main as api
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.common.constant import Status
+    from flwr.supernode.servicer.runtime import runtime_handlers
+
+    from memaudit import flower_node
+    from memaudit.federated.flower import localruntime, superexec
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a SuperExec process was started"))
+    monkeypatch.setattr(api, "create_app", api.create_app)  # the capture is undone after the test
+    monkeypatch.setattr("memaudit.flower_node.client_app", lambda message, context: Message(
+        RecordDict({"c": ConfigRecord({"read": 1})}), reply_to=message))
+    done = threading.Event()
+    acquire = runtime_handlers.acquire_task
+
+    def acquire_until_done(request, state):
+        if done.is_set():
+            raise SystemExit  # ends the SuperExec's thread when the test is over
+        return acquire(request, state)
+
+    monkeypatch.setattr(runtime_handlers, "acquire_task", acquire_until_done)
+    replies = []
+
+    def flower_supernode():  # Flower's SuperNode: makes its state and its runtime API, then its loop
+        factory, state, store, _msg = _node_with_a_task(fab, {"x": 1})
+        api.create_app(state_factory=factory)
+        deadline = time.monotonic() + 10
+        while not state.get_tasks(statuses=[Status.FINISHED]) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the SuperExec's thread serves the task
+        if state.get_tasks(statuses=[Status.FINISHED]):
+            replies.extend(_sent_replies(state, store))
+
+    monkeypatch.setattr("sys.argv", ["memaudit-supernode"])
+    monkeypatch.setattr(localruntime, "_READY", threading.Event())  # this test's SuperNode, not an earlier one's
+    monkeypatch.setattr(localruntime, "_FACTORY", [])
+    monkeypatch.setattr(flower_node, "_WATCHED", [])
+    assert flower_node.watched_pid() == os.getppid()  # a ClientApp in a process of its own
+    try:
+        assert superexec.beside(flower_supernode, ["--insecure"], task="clientapp") == 0
+    finally:
+        done.set()
+    assert [r.content["c"]["read"] for r in replies] == [1]
+    assert flower_node.watched_pid() == os.getpid()  # the SuperNode's process

@@ -1,5 +1,5 @@
-"""memaudit's SuperExec: a SuperNode's messages answered by memaudit's own ClientApp, in one
-long-lived process, and no other app run.
+"""memaudit's SuperExec: a SuperNode's messages answered by memaudit's own ClientApp, in the
+SuperNode's own process, and no other app run.
 
 Flower 1.42's SuperExec starts a ``flwr-clientapp`` process for every message a SuperNode
 receives, and that process installs and imports whatever app the run's FAB holds. Two costs
@@ -10,8 +10,10 @@ authenticates no account), runs its own code on the node, as the node's user and
 node's config: it can read the partition file.
 
 memaudit's SuperNode (`memaudit.federated.flower.supernode`) runs Flower's SuperNode with
-``--isolation process`` and starts this process in place of Flower's SuperExec. It asks the
-SuperNode's runtime API for a ClientApp task every ``poll`` seconds and, for each task:
+``--isolation process`` and, in place of Flower's SuperExec, this SuperExec as a thread of the
+same process (`beside`): it asks Flower's runtime handlers on the SuperNode's own state
+(`memaudit.federated.flower.localruntime`), not the runtime API over HTTP, for a ClientApp
+task, and, for each task:
 
 - reads the run's FAB (its bytes, never the hash the server states) and **refuses** any FAB
   that is not memaudit's app as `memaudit.federated.flower.deploy.write_app` writes it, file for
@@ -22,11 +24,16 @@ SuperNode's runtime API for a ClientApp task every ``poll`` seconds and, for eac
   started and nothing imported again per message. The ClientApp hands the payload to the node's
   resident process as before (`memaudit.flower_node`); everything the node checks is unchanged.
 
+The same loop also runs as a process of its own on a runtime API over HTTP
+(``python -m memaudit.federated.flower.superexec --runtime-api-address HOST:PORT``), beside
+Flower's own ``flower-supernode --isolation process``.
+
 The adversary this defends against: whoever can submit a run to the SuperLink (a foreign
 ServerApp with a foreign ClientApp). They get refusals, and their code never runs on the node
 (`tests/federated/test_flower_deploy.py::test_a_foreign_app_is_refused_by_the_supernode`).
 What a foreign ServerApp can send to memaudit's ClientApp is bounded by the node's own checks
-(docs/flower.md). The process exits when its parent (the SuperNode or SuperLink) is gone.
+(docs/flower.md). As a process of its own it exits when its parent (the SuperNode or
+SuperLink) is gone.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import traceback
@@ -146,9 +154,10 @@ def task_heartbeat(client: Any) -> Any:
 
 
 def serve_task(address: str, token: str, insecure: bool, certificates: bytes | None,
-               expected: dict[str, bytes], client_app: Any) -> bool:
+               expected: dict[str, bytes], client_app: Any, *, local: Any = None) -> bool:
     """One ClientApp task, as ``flwr-clientapp`` would run it, with memaudit's ClientApp and the
-    FAB check; whether it completed."""
+    FAB check; whether it completed. ``local``: the SuperNode's runtime in this process
+    (`memaudit.federated.flower.localruntime.LocalRuntime`), in place of its API over HTTP."""
     # optional dependency: flwr (the flower extra)
     from flwr.app import Message
     from flwr.app.error import Error
@@ -157,7 +166,8 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
     from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor
     from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
-    client = _runtime_client(address, insecure, certificates, RuntimeTokenHttpInterceptor(token))
+    client = (local.with_token(token) if local is not None
+              else _runtime_client(address, insecure, certificates, RuntimeTokenHttpInterceptor(token)))
     heartbeat = HeartbeatSender(task_heartbeat(client))
     heartbeat.start()
     message = context = reply = None
@@ -223,18 +233,21 @@ def run_serverapp(argv: list[str]) -> None:
     flwr_serverapp()
 
 
-def serve(address: str, *, insecure: bool, root_certificates: str | None, parent_pid: int,
-          poll: float = POLL_S, task: str = "clientapp") -> None:
+def serve(address: str, *, insecure: bool, root_certificates: str | None, parent_pid: int | None,
+          poll: float = POLL_S, task: str = "clientapp", local: Any = None) -> None:
     """Ask the runtime API at `address` for tasks and serve them: ClientApp tasks (a SuperNode's)
-    one at a time in this process, ServerApp tasks (a SuperLink's) each in a process of its own."""
+    one at a time in this process, ServerApp tasks (a SuperLink's) each in a process of its own.
+    ``local``: a SuperNode's runtime in this process (`memaudit.federated.flower.localruntime`),
+    asked in place of `address`; ``parent_pid`` None: no parent to watch (a thread of it)."""
     # optional dependency: flwr (the flower extra)
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.app_utils import start_parent_process_monitor
     from flwr.supercore.constant import TaskType
 
-    start_parent_process_monitor(parent_pid)  # the SuperNode or SuperLink gone: this process goes
+    if parent_pid is not None:
+        start_parent_process_monitor(parent_pid)  # the SuperNode or SuperLink gone: this process goes
     certificates = None if root_certificates is None else Path(root_certificates).read_bytes()
-    client = _runtime_client(address, insecure, certificates)
+    client = local if local is not None else _runtime_client(address, insecure, certificates)
     kind = TaskType.CLIENT_APP if task == "clientapp" else TaskType.SERVER_APP
     request = AcquireTaskRequest(supported_task_types=[kind.value])
     if kind == TaskType.CLIENT_APP:
@@ -255,7 +268,7 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
             continue
         try:
             if kind == TaskType.CLIENT_APP:
-                serve_task(address, res.token, insecure, certificates, expected, client_app)
+                serve_task(address, res.token, insecure, certificates, expected, client_app, local=local)
             else:
                 _start_serverapp(address, res.token, root_certificates)
         except Exception:  # noqa: BLE001 - one task lost (Flower expires it); the next is served
@@ -296,14 +309,31 @@ def superexec_command(flower_args: list[str], parent_pid: int, *, task: str) -> 
 
 def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
     """Run Flower's SuperNode or SuperLink (`flower_main`, its command-line entry) in this process
-    with ``--isolation process``, and memaudit's SuperExec for `task` beside it in this process
-    group (stopping the group stops both). ``--isolation`` in `flower_args` is refused (exit 2)."""
+    with ``--isolation process``, and memaudit's SuperExec for `task` beside it: a SuperNode's
+    as a thread of this process, on the node's own state; a SuperLink's as a process in this
+    process group (stopping the group stops both). ``--isolation`` in `flower_args` is refused
+    (exit 2)."""
     what = {"clientapp": ("SuperNode", "flower-supernode"), "serverapp": ("SuperLink", "flower-superlink")}[task]
     if flag_value(flower_args, "--isolation") is not None:
         print(f"memaudit: error: --isolation is memaudit's SuperExec on this {what[0]}; remove it, "
               f"or run {what[1]} itself", file=sys.stderr)
         return 2
-    subprocess.Popen(superexec_command(flower_args, os.getpid(), task=task), stdin=subprocess.DEVNULL)
+    if task == "clientapp":  # a thread of this process, on the SuperNode's own state
+        # optional dependency: flwr (the flower extra); this runs only on a SuperNode
+        from memaudit.federated.flower.localruntime import LocalRuntime, capture_state, node_state
+
+        capture_state()
+
+        def serve_here() -> None:
+            from memaudit.flower_node import watch_this_process
+
+            watch_this_process()  # the node's resident ends with this process, not with its parent
+            serve("", insecure=True, root_certificates=None, parent_pid=None, task=task,
+                  local=LocalRuntime(node_state()))
+
+        threading.Thread(target=serve_here, name="memaudit-superexec", daemon=True).start()
+    else:
+        subprocess.Popen(superexec_command(flower_args, os.getpid(), task=task), stdin=subprocess.DEVNULL)
     sys.argv = [what[1], *flower_args, "--isolation", "process"]
     flower_main()
     return 0

@@ -7,10 +7,11 @@ runs Flower 1.42's SuperNode in this process with two changes, both for the node
 choose and neither trusting the server:
 
 - **memaudit's SuperExec** (`memaudit.federated.flower.superexec`): the SuperNode runs with
-  ``--isolation process`` and this process starts memaudit's SuperExec beside it, on the
-  SuperNode's runtime API (``--host``/``--port``; TLS when ``--ssl-ca-certfile`` is given). It
-  runs memaudit's ClientApp from this installation in one long-lived process and refuses any
-  other app.
+  ``--isolation process`` and memaudit's SuperExec runs beside it as a thread of this process,
+  asking Flower's runtime handlers on the SuperNode's own state
+  (`memaudit.federated.flower.localruntime`) rather than its runtime API over HTTP. It runs
+  memaudit's ClientApp from this installation and refuses any other app. The runtime API still
+  listens (``--host``/``--port``) with Flower's own checks; memaudit's SuperExec does not use it.
 - **polls, not waits**: a SuperNode that finds no message waits 3 s before asking the SuperLink
   again, looks for its ClientApp's reply every 0.5 s, and asks again for an object of a message
   that is not there yet after 1 s, 2 s, 4 s (hard-coded in Flower 1.42), so every exchange of a
