@@ -484,8 +484,8 @@ def test_memaudits_supernode_runs_its_superexec_as_a_thread_on_the_nodes_own_sta
             replies.extend(_sent_replies(state, store))
 
     monkeypatch.setattr("sys.argv", ["memaudit-supernode"])
-    monkeypatch.setattr(localruntime, "_READY", threading.Event())  # this test's SuperNode, not an earlier one's
-    monkeypatch.setattr(localruntime, "_FACTORY", [])
+    monkeypatch.setattr(localruntime, "_READY", {"supernode": threading.Event()})  # this test's SuperNode's
+    monkeypatch.setattr(localruntime, "_FACTORY", {})
     monkeypatch.setattr(flower_node, "_WATCHED", [])
     assert flower_node.watched_pid() == os.getppid()  # a ClientApp in a process of its own
     try:
@@ -494,3 +494,162 @@ def test_memaudits_supernode_runs_its_superexec_as_a_thread_on_the_nodes_own_sta
         done.set()
     assert [r.content["c"]["read"] for r in replies] == [1]
     assert flower_node.watched_pid() == os.getpid()  # the SuperNode's process
+
+
+def test_serverapps_side_by_side_create_messages_for_their_own_runs(monkeypatch):
+    """memaudit's SuperLink serves each run's ServerApp as a thread of its process. Flower's
+    `TaskIdentity` (the run a process's new messages are for) is one per process; with two runs
+    at once, one run's messages were created for the other's. `identity_per_thread` makes it
+    one per thread. Failed before: both threads' messages named the run set last."""
+    import threading
+
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from memaudit.federated.flower.localruntime import identity_per_thread
+
+    meta = type(TaskIdentity)
+    for name in ("task_id", "run_id", "node_id"):  # Flower's own, back after the test
+        monkeypatch.setattr(meta, name, meta.__dict__[name])
+    monkeypatch.setattr(meta, "__memaudit_per_thread__", False, raising=False)
+    identity_per_thread()
+    identity_per_thread()  # idempotent
+    both_set = threading.Barrier(2)
+    made = {}
+
+    def serverapp(run_id):
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 10 * run_id, run_id, 0
+        both_set.wait()  # each thread sets its identity before either creates a message
+        made[run_id] = Message(RecordDict({"c": ConfigRecord({"x": 1})}), dst_node_id=5,
+                               message_type="query").metadata.run_id
+
+    threads = [threading.Thread(target=serverapp, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert made == {1: 1, 2: 2}
+    with pytest.raises(RuntimeError, match="TaskIdentity.run_id is not set"):  # this thread serves no task
+        TaskIdentity.run_id  # noqa: B018
+
+
+class _LinkRuntime:
+    """A ServerApp task's runtime on a SuperLink (`LocalRuntime`'s calls), recording them."""
+
+    def __init__(self, fab: bytes, token: str = "t") -> None:
+        import hashlib
+
+        from flwr.app import Context, RecordDict
+        from flwr.common.serde import context_to_proto, fab_to_proto, run_to_proto
+        from flwr.proto.runtime_pb2 import PullTaskInputResponse
+        from flwr.supercore.fab import Fab
+        from flwr.supercore.run import Run
+
+        run = Run.create_empty(5)
+        run.fab_hash = hashlib.sha256(fab).hexdigest()
+        run.override_config = {"launch-dir": "/nowhere"}
+        context = Context(run_id=5, node_id=0, node_config={}, state=RecordDict(), run_config={})
+        self.input = PullTaskInputResponse(context=context_to_proto(context), run=run_to_proto(run),
+                                           fab=fab_to_proto(Fab(run.fab_hash, fab, {})), task_id=9)
+        self.token, self.logs, self.output = token, [], None
+
+    def with_token(self, token):
+        assert token == self.token
+        return self
+
+    def SendTaskHeartbeat(self, request):
+        return type("R", (), {"success": True})()
+
+    def PullTaskInput(self, request):
+        return self.input
+
+    def PushLogs(self, request):
+        self.logs.extend(request.logs)
+
+    def PushTaskOutput(self, request):
+        self.output = request
+
+
+@pytest.mark.parametrize("app, raises, status, log", [
+    ("memaudit", None, "completed", []),
+    ("foreign", None, "failed", ["REFUSED"]),
+    ("memaudit", "memaudit", "failed", ["memaudit's ServerApp raised MemauditError: the launch folder is gone"]),
+    ("memaudit", "other", "failed", ["memaudit's ServerApp raised KeyError"]),
+])
+def test_a_serverapp_task_in_the_superlinks_process(fab, monkeypatch, app, raises, status, log):
+    """A ServerApp task served in memaudit's SuperLink's process (`serve_serverapp`): memaudit's
+    app runs this installation's ServerApp with a Grid on the SuperLink's runtime (no HTTP) and
+    the run's config from the FAB; a foreign FAB is refused (its ServerApp never called) and the
+    run's log says so, as the submitter's `flwr run --stream` shows it; a failing ServerApp ends
+    the task failed with one line in the run's log: memaudit's own error text, of anything else
+    its type only (an exception's text could carry a data value)."""
+    from memaudit import flower_node
+    from memaudit.errors import MemauditError
+    from memaudit.federated.flower import superexec
+
+    calls = []
+
+    def server_app(grid, context):
+        calls.append((grid._client, grid.run.run_id, context.run_config["launch-dir"]))
+        if raises == "memaudit":
+            raise MemauditError("the launch folder is gone")
+        if raises == "other":
+            raise KeyError("a value from the data")
+
+    monkeypatch.setattr(flower_node, "server_app", server_app)
+    client = _LinkRuntime(fab if app == "memaudit" else _rezip(fab, {"evil.py": b"import os\n"}))
+    ok = superexec.serve_serverapp(client, "t", memaudit_app_files())
+    assert ok == (status == "completed") and client.output.sub_status == status
+    assert calls == ([] if app == "foreign" else [(client, 5, "/nowhere")])
+    want = [superexec.REFUSED_SERVER if x == "REFUSED" else x for x in log]
+    assert [x.rstrip("\n") for x in client.logs] == want
+    assert "a value from the data" not in "".join(client.logs) + client.output.details
+
+
+def test_memaudits_superlink_serves_serverapps_as_threads_of_its_process(monkeypatch):
+    """`beside` for a SuperLink starts no SuperExec process: its SuperExec is a thread that
+    asks Flower's runtime handlers on the state Flower's SuperLink makes, and starts each
+    ServerApp task as a thread. Failed before: a SuperExec process was started (and it started
+    a ``flwr-serverapp`` process for each run)."""
+    import subprocess
+    import threading
+    from types import SimpleNamespace
+
+    import flwr.superlink.main as api
+    from flwr.superlink.servicer.runtime import runtime_handlers
+
+    from memaudit.federated.flower import localruntime, superexec
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    state = object()
+    monkeypatch.setattr(api, "create_app", lambda *a, **k: SimpleNamespace(
+        state=SimpleNamespace(runtime_state_factory=SimpleNamespace(state=lambda: state))))
+    monkeypatch.setattr(localruntime, "_READY", {"superlink": threading.Event()})
+    monkeypatch.setattr(localruntime, "_FACTORY", {})
+    monkeypatch.setattr(localruntime, "identity_per_thread", lambda: None)
+    tokens = iter(["run-1"])
+
+    def acquire(request, on):
+        assert on is state
+        token = next(tokens, None)
+        if token is None:
+            raise SystemExit  # ends the SuperExec's thread
+        return SimpleNamespace(HasField=lambda name: True, token=token)
+
+    monkeypatch.setattr(runtime_handlers, "acquire_task", acquire)
+    served = []
+    started = threading.Event()
+
+    def serve_serverapp(local, token, expected):
+        served.append((threading.current_thread().name, local.component, local.state is state, token))
+        started.set()
+
+    monkeypatch.setattr(superexec, "serve_serverapp", serve_serverapp)
+    monkeypatch.setattr("sys.argv", ["memaudit-superlink"])
+
+    def flower_superlink():
+        api.create_app()
+        assert started.wait(10)
+
+    assert superexec.beside(flower_superlink, ["--insecure"], task="serverapp") == 0
+    assert served == [("memaudit-serverapp", "superlink", True, "run-1")]

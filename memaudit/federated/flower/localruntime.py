@@ -22,50 +22,57 @@ SuperNode's runtime API over HTTP keeps its own checks for any other caller.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any
 
-_FACTORY: list[Any] = []
-_READY = threading.Event()
+_FACTORY: dict[str, Any] = {}
+_READY = {"supernode": threading.Event(), "superlink": threading.Event()}
+_HANDLERS = {"supernode": "flwr.supernode.servicer.runtime.runtime_handlers",
+             "superlink": "flwr.superlink.servicer.runtime.runtime_handlers"}
 
 
-def capture_state() -> None:
-    """Record the SuperNode's state factory when Flower's SuperNode builds its runtime API
-    (``flwr.supernode.main.create_app``), for `node_state`. Idempotent."""
-    # optional dependency: flwr (the flower extra); called only on a SuperNode
-    import flwr.supernode.main as api
-
+def capture_state(component: str = "supernode") -> None:
+    """Record the state factory of this process's SuperNode or SuperLink (``component``) when
+    Flower builds its runtime API (``create_app`` in ``flwr.supernode.main`` or
+    ``flwr.superlink.main``), for `component_state`. Idempotent."""
+    # optional dependency: flwr (the flower extra); called only on a SuperNode or SuperLink
+    api = importlib.import_module(f"flwr.{component}.main")
     if getattr(api.create_app, "__memaudit_capture__", False):
         return
     create = api.create_app
 
-    def create_app(state_factory: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if state_factory is not None:
-            _FACTORY[:] = [state_factory]
-            _READY.set()
-        return create(state_factory, *args, **kwargs)
+    def create_app(*args: Any, **kwargs: Any) -> Any:
+        app = create(*args, **kwargs)
+        factory = getattr(app.state, "runtime_state_factory", None)
+        if factory is not None:
+            _FACTORY[component] = factory
+            _READY[component].set()
+        return app
 
     create_app.__memaudit_capture__ = True  # type: ignore[attr-defined]
     api.create_app = create_app
 
 
-def node_state(timeout: float | None = None) -> Any:
-    """The SuperNode's `NodeState`, once Flower's SuperNode has made it (`capture_state`)."""
-    if not _READY.wait(timeout):
-        raise RuntimeError("the SuperNode made no state within the wait")
-    return _FACTORY[0].state()
+def component_state(component: str = "supernode", timeout: float | None = None) -> Any:
+    """The state of this process's SuperNode (its `NodeState`) or SuperLink (its `LinkState`),
+    once Flower has made it (`capture_state`)."""
+    if not _READY[component].wait(timeout):
+        raise RuntimeError(f"the {component} made no state within the wait")
+    return _FACTORY[component].state()
 
 
 class LocalRuntime:
     """Flower's runtime API client (``RuntimeHttpClient``), for the calls memaudit's SuperExec
-    makes, answered in this process by Flower's handlers on ``state``. ``token``: the task's,
-    as the HTTP client's token header; empty for `AcquireTask`, which needs none."""
+    and a ServerApp's Grid make, answered in this process by Flower's handlers of ``component``
+    (``"supernode"`` or ``"superlink"``) on ``state``. ``token``: the task's, as the HTTP
+    client's token header; empty for `AcquireTask`, which needs none."""
 
-    def __init__(self, state: Any, token: str = "") -> None:
-        self.state, self.token = state, token
+    def __init__(self, state: Any, token: str = "", component: str = "supernode") -> None:
+        self.state, self.token, self.component = state, token, component
 
     def with_token(self, token: str) -> LocalRuntime:
-        return LocalRuntime(self.state, token)
+        return LocalRuntime(self.state, token, self.component)
 
     def _task(self) -> Any:
         # optional dependency: flwr (the flower extra)
@@ -76,12 +83,9 @@ class LocalRuntime:
             raise FlowerError(ApiErrorCode.RUNTIME_AUTHENTICATION_FAILED, "Runtime task-token authentication failed.")
         return task
 
-    @staticmethod
-    def _handlers() -> Any:
-        # looked up at each call: memaudit's held asks wrap acquire_task in this module
-        from flwr.supernode.servicer.runtime import runtime_handlers
-
-        return runtime_handlers
+    def _handlers(self) -> Any:
+        # looked up at each call: memaudit's held asks wrap handlers in these modules
+        return importlib.import_module(_HANDLERS[self.component])
 
     def AcquireTask(self, request: Any) -> Any:  # Flower's names
         return self._handlers().acquire_task(request, self.state)
@@ -96,6 +100,9 @@ class LocalRuntime:
 
     def PushTaskOutput(self, request: Any) -> Any:
         return self._handlers().push_task_output(request, self.state, self._task())
+
+    def GetNodes(self, request: Any) -> Any:
+        return self._handlers().get_nodes(request, self.state, self._task())
 
     def PullMessages(self, request: Any) -> Any:
         return self._handlers().pull_messages(request, self.state, self._task())
@@ -112,8 +119,56 @@ class LocalRuntime:
     def ConfirmMessageReceived(self, request: Any) -> Any:
         return self._handlers().confirm_message_received(request, self.state, self._task())
 
+    def PushLogs(self, request: Any) -> Any:
+        from flwr.supercore.servicer.runtime import runtime_handlers as core
+
+        return core.push_logs(request, self.state, self._task())
+
     def close(self) -> None:
         return None
 
 
-__all__ = ["LocalRuntime", "capture_state", "node_state"]
+_IDENTITY = threading.local()
+
+
+def identity_per_thread() -> None:
+    """Make Flower's ``TaskIdentity`` (the task, run and node a process's messages are created
+    for, one per process in Flower) one per thread in this process, so that the ServerApps of
+    runs served side by side as threads of one SuperLink each create their messages for their
+    own run. Idempotent."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.supercore.task_identity import TaskIdentity
+
+    meta = type(TaskIdentity)
+    if getattr(meta, "__memaudit_per_thread__", False):
+        return
+
+    def per_thread(name: str) -> property:
+        def get(cls: Any) -> int:
+            value = getattr(_IDENTITY, name, None)
+            if value is None:  # Flower's own error, for a thread that has no task
+                raise RuntimeError(f"TaskIdentity.{name} is not set.")
+            return value
+
+        def put(cls: Any, value: int) -> None:
+            setattr(_IDENTITY, name, value)
+
+        return property(get, put)
+
+    for name in ("task_id", "run_id", "node_id"):
+        setattr(meta, name, per_thread(name))
+    meta.__memaudit_per_thread__ = True  # type: ignore[attr-defined]
+
+
+def local_grid(client: LocalRuntime) -> Any:
+    """Flower's Grid for a ServerApp (``HttpGrid``), asking ``client`` (a ServerApp task's
+    `LocalRuntime` on the SuperLink's state) in place of the runtime API over HTTP."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.superlink.grid import HttpGrid
+
+    grid = HttpGrid(token=client.token)
+    grid._client = client  # what HttpGrid._connect would make, here the handlers themselves
+    return grid
+
+
+__all__ = ["LocalRuntime", "capture_state", "component_state", "identity_per_thread", "local_grid"]

@@ -53,6 +53,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from memaudit.errors import MemauditError
 from memaudit.federated.flower.deploy import write_app
 from memaudit.federated.flower.polls import short_waits
 
@@ -233,12 +234,92 @@ def run_serverapp(argv: list[str]) -> None:
     flwr_serverapp()
 
 
+def _run_log(client: Any, line: str) -> None:
+    """One line in the run's log on the SuperLink (what ``flwr run --stream`` shows the
+    submitter), as a ``flwr-serverapp`` process's log uploader would send it."""
+    # optional dependency: flwr (the flower extra)
+    from flwr.proto.log_pb2 import PushLogsRequest
+
+    try:
+        client.PushLogs(PushLogsRequest(logs=[line + "\n"]))
+    except Exception:  # noqa: BLE001 - the run's log is best effort; the task's status says it too
+        traceback.print_exc(file=sys.stderr)
+
+
+def serve_serverapp(local: Any, token: str, expected: dict[str, bytes]) -> bool:
+    """One ServerApp task in this process, memaudit's SuperLink's (``local``: its runtime,
+    `memaudit.federated.flower.localruntime.LocalRuntime`), as Flower's ``flwr-serverapp``
+    runs one: the task's run, context and FAB pulled, the ServerApp called with a Grid, the
+    task's status pushed, a heartbeat meanwhile. The FAB must be memaudit's app
+    (`is_memaudit_app`); the ServerApp called is this installation's
+    (`memaudit.flower_node.server_app`), never code from the FAB, and nothing of it is installed.
+    Any other FAB ends the task failed with `REFUSED_SERVER`. Whether the ServerApp completed."""
+    # optional dependency: flwr (the flower extra); this runs only on a SuperLink
+    from flwr.app import RecordDict
+    from flwr.common.config import get_fused_config_from_fab
+    from flwr.common.constant import SubStatus
+    from flwr.common.serde import (
+        context_from_proto,
+        context_to_proto,
+        fab_from_proto,
+        run_from_proto,
+    )
+    from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest
+    from flwr.supercore.heartbeat import HeartbeatSender
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from memaudit.federated.flower.localruntime import local_grid
+    from memaudit.flower_node import server_app
+
+    client = local.with_token(token)
+    heartbeat = HeartbeatSender(task_heartbeat(client))
+    heartbeat.start()
+    context = None
+    status, details = SubStatus.FAILED, "memaudit's ServerApp failed; the SuperLink's log says why"
+    try:
+        res = client.PullTaskInput(PullTaskInputRequest())
+        # the task this thread's messages are created for (one per thread: identity_per_thread)
+        TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
+        TaskIdentity.node_id = res.context.node_id
+        context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+        if not is_memaudit_app(fab.content, expected):
+            details = REFUSED_SERVER
+            print("memaudit SuperExec: refused a ServerApp that is not memaudit's", file=sys.stderr, flush=True)
+            _run_log(client, REFUSED_SERVER)
+        else:
+            grid = local_grid(client)
+            grid.set_run(run)
+            context.run_config = get_fused_config_from_fab(fab.content, run)
+            server_app(grid=grid, context=context)
+            status, details = SubStatus.COMPLETED, ""
+    except Exception as e:  # noqa: BLE001 - one run fails, the SuperLink goes on
+        traceback.print_exc(file=sys.stderr)  # the SuperLink's own log
+        details = f"memaudit's ServerApp raised {type(e).__name__}"
+        # the run's log (`flwr run --stream`, `flwr log`) gets memaudit's own one-line errors,
+        # which carry no data value; of any other exception, its type only
+        text = (str(e).strip().splitlines() or [""])[0] if isinstance(e, MemauditError | ValueError) else ""
+        _run_log(client, f"{details}: {text}" if text else details)
+    finally:
+        if heartbeat.is_running:  # before the output: once it is in, the task's token is void
+            heartbeat.stop()
+        if context is not None:
+            context.state = RecordDict()  # as flwr-serverapp: the run's state is not pushed back
+        try:
+            client.PushTaskOutput(PushTaskOutputRequest(context=context_to_proto(context) if context else None,
+                                                        sub_status=status, details=details))
+        except Exception:  # noqa: BLE001 - the task expires on the SuperLink
+            traceback.print_exc(file=sys.stderr)
+    return status == SubStatus.COMPLETED
+
+
 def serve(address: str, *, insecure: bool, root_certificates: str | None, parent_pid: int | None,
           poll: float = POLL_S, task: str = "clientapp", local: Any = None) -> None:
     """Ask the runtime API at `address` for tasks and serve them: ClientApp tasks (a SuperNode's)
     one at a time in this process, ServerApp tasks (a SuperLink's) each in a process of its own.
-    ``local``: a SuperNode's runtime in this process (`memaudit.federated.flower.localruntime`),
-    asked in place of `address`; ``parent_pid`` None: no parent to watch (a thread of it)."""
+    ``local``: the runtime of this process's SuperNode or SuperLink
+    (`memaudit.federated.flower.localruntime`), asked in place of `address`; a SuperLink's
+    ServerApp tasks then run each in a thread of this process (`serve_serverapp`).
+    ``parent_pid`` None: no parent to watch (a thread of it)."""
     # optional dependency: flwr (the flower extra)
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.app_utils import start_parent_process_monitor
@@ -255,7 +336,7 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
         from memaudit.flower_node import client_app
 
         short_waits(clientapp=True)  # a message's objects re-asked after 0.02 s, not 1 s
-        expected = memaudit_app_files()
+    expected = memaudit_app_files()
     while True:
         asked = time.monotonic()
         try:
@@ -269,6 +350,9 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
         try:
             if kind == TaskType.CLIENT_APP:
                 serve_task(address, res.token, insecure, certificates, expected, client_app, local=local)
+            elif local is not None:  # a run lasts: its own thread
+                threading.Thread(target=serve_serverapp, args=(local, res.token, expected),
+                                 name="memaudit-serverapp", daemon=True).start()
             else:
                 _start_serverapp(address, res.token, root_certificates)
         except Exception:  # noqa: BLE001 - one task lost (Flower expires it); the next is served
@@ -318,22 +402,28 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
         print(f"memaudit: error: --isolation is memaudit's SuperExec on this {what[0]}; remove it, "
               f"or run {what[1]} itself", file=sys.stderr)
         return 2
-    if task == "clientapp":  # a thread of this process, on the SuperNode's own state
-        # optional dependency: flwr (the flower extra); this runs only on a SuperNode
-        from memaudit.federated.flower.localruntime import LocalRuntime, capture_state, node_state
+    # a thread of this process, on the SuperNode's or SuperLink's own state
+    from memaudit.federated.flower.localruntime import (
+        LocalRuntime,
+        capture_state,
+        component_state,
+        identity_per_thread,
+    )
 
-        capture_state()
+    component = {"clientapp": "supernode", "serverapp": "superlink"}[task]
+    capture_state(component)
+    if task == "serverapp":
+        identity_per_thread()  # runs side by side, each ServerApp a thread
 
-        def serve_here() -> None:
+    def serve_here() -> None:
+        if task == "clientapp":
             from memaudit.flower_node import watch_this_process
 
             watch_this_process()  # the node's resident ends with this process, not with its parent
-            serve("", insecure=True, root_certificates=None, parent_pid=None, task=task,
-                  local=LocalRuntime(node_state()))
+        serve("", insecure=True, root_certificates=None, parent_pid=None, task=task,
+              local=LocalRuntime(component_state(component), component=component))
 
-        threading.Thread(target=serve_here, name="memaudit-superexec", daemon=True).start()
-    else:
-        subprocess.Popen(superexec_command(flower_args, os.getpid(), task=task), stdin=subprocess.DEVNULL)
+    threading.Thread(target=serve_here, name="memaudit-superexec", daemon=True).start()
     sys.argv = [what[1], *flower_args, "--isolation", "process"]
     flower_main()
     return 0
