@@ -135,6 +135,18 @@ secure 6.295 s against 4.011 s. A baseline from a worktree runs from that worktr
 SuperNodes and ServerApp are ``python -m`` processes, which import memaudit from their working
 directory first.
 
+Since the evening of 2026-12-05 memaudit's SuperNode and SuperLink run their SuperExecs, and the
+SuperLink each run's ServerApp, as threads of their own process, calling Flower's runtime
+handlers on their own state rather than the runtime API over HTTP
+(`memaudit.federated.flower.localruntime`; docs/flower.md, Cost). Warm medians, interleaved pairs
+on 2 SuperNodes: the SuperNode's change alone 1.348, 1.316, 1.269 s against 1.276 s (1.42x),
+1.226 s (1.36x), 1.134 s (1.37x); secure 2.624, 2.702, 2.553 s against 2.353 s (1.86x), 2.355 s
+(1.86x), 2.145 s (1.84x); then the SuperLink's too: 1.160, 1.190 s against 1.007 s (1.23x),
+1.057 s (1.22x); secure 2.321, 2.237 s against 1.671 s (1.48x), 1.721 s (1.39x). The table also
+runs DP-FedAvg with secure aggregation (``privacy.noise_multiplier=1.0``, user level, the
+noise drawn from the run's key so that the two runtimes' weights can be compared:
+``dp_secagg_max_weight_diff``); its warm keys are ``flower_dp_secagg_warm_*``.
+
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
 stages against each running the stages shaped for its own slots
@@ -621,20 +633,28 @@ def bench_flower(args) -> dict:
           "train.eval_batches=1", "federated.flower.insecure=true"]
     root = Path(tempfile.mkdtemp(prefix="memaudit-bench-flower-"))
     secagg = ["privacy.secure_aggregation.enabled=true", "privacy.clip=1.0"]
+    # user-level DP-FedAvg, noise on the server drawn from the run's key (reproducible: the two
+    # runtimes' weights are compared; such a run's epsilon is void against whoever knows the seed)
+    dp = [*secagg, "privacy.noise_multiplier=1.0", "privacy.reproducible_randomness=true"]
     hbc = ["privacy.secure_aggregation.mode=honest_but_curious"]
-    # the SuperNodes' stage manifest allows both runs (the same data)
+    # the SuperNodes' stage manifest allows every run (the same data)
     info = write_partitions(load_config(None, ov), root / "parts", args.flower_nodes,
-                            variants=[load_config(None, [*ov, *secagg])])
+                            variants=[load_config(None, [*ov, *secagg]), load_config(None, [*ov, *dp])])
     ov.append(f"data.tokenizer={info['tokenizer']}")
 
     def rounds(run: Path, warm: bool = False) -> list[float]:
         """Round seconds after the first; ``warm``: only the rounds in which no node ran a stage
         module new to its process (``nodes_compiling`` 0: no node compiled a stage shape)."""
-        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
+        # under DP a round's timing is a statistic of the private data: memaudit writes it to the
+        # run's 0600 sensitive_metrics.jsonl, which the benchmark, the run's owner, reads
+        path = run / "sensitive_metrics.jsonl"
+        path = path if path.is_file() else run / "metrics.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()][1:]
         return [m["round_seconds"] for m in lines if not (warm and m.get("nodes_compiling", 0))]
 
     dispatch(load_config(None, ov), RunDir(root / "jax"), resume=False)
     dispatch(load_config(None, [*ov, *secagg]), RunDir(root / "jax_secagg"), resume=False)
+    dispatch(load_config(None, [*ov, *dp]), RunDir(root / "jax_dp_secagg"), resume=False)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     with LocalFederation(root / "federation", info["partitions"], env=env) as fed:
         flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
@@ -642,6 +662,7 @@ def bench_flower(args) -> dict:
         dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower"), resume=False)
         total = time.perf_counter() - t0
         dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"), resume=False)
+        dispatch(load_config(None, [*ov, *dp, *flower]), RunDir(root / "flower_dp_secagg"), resume=False)
     def pair(suffix: str, **federation) -> None:  # the plain and the secure run on one federation
         with LocalFederation(root / f"federation{suffix}", info["partitions"], env=env, **federation) as fed:
             flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
@@ -660,11 +681,12 @@ def bench_flower(args) -> dict:
             flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
             dispatch(load_config(None, [*ov, *secagg, *hbc, *flower]), RunDir(root / "flower_secagg_hbc"),
                      resume=False)
-    kinds = ("jax", "flower", "jax_secagg", "flower_secagg", *(("flower_secagg_hbc",) if args.flower_hbc else ()),
+    kinds = ("jax", "flower", "jax_secagg", "flower_secagg", "jax_dp_secagg", "flower_dp_secagg",
+             *(("flower_secagg_hbc",) if args.flower_hbc else ()),
              *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()),
              *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()))
     med = {k: statistics.median(rounds(root / k)) for k in kinds}
-    warm = {k: rounds(root / k, warm=True) for k in ("flower", "flower_secagg")}
+    warm = {k: rounds(root / k, warm=True) for k in ("flower", "flower_secagg", "flower_dp_secagg")}
     warm_med = {k: statistics.median(v) for k, v in warm.items() if v}
 
     def side(suffix: str, speedup: str) -> dict:  # a pair's rounds against in-JAX and memaudit's default
@@ -675,6 +697,8 @@ def bench_flower(args) -> dict:
 
     wa = _safetensors(root / "jax_secagg")
     wb = _safetensors(root / "flower_secagg")
+    wc = _safetensors(root / "jax_dp_secagg")
+    wd = _safetensors(root / "flower_dp_secagg")
     return {"model": "tiny Llama (memaudit preset)", "nodes": args.flower_nodes, "cohort": 8,
             "rounds_timed": args.flower_rounds - 1, "jax_round_s": med["jax"],
             "flower_round_s": med["flower"], "flower_vs_jax": med["flower"] / med["jax"],
@@ -682,7 +706,10 @@ def bench_flower(args) -> dict:
             "flower_secagg_round_s": med["flower_secagg"],
             "flower_secagg_vs_jax_secagg": med["flower_secagg"] / med["jax_secagg"],
             "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
+            "jax_dp_secagg_round_s": med["jax_dp_secagg"], "flower_dp_secagg_round_s": med["flower_dp_secagg"],
+            "flower_dp_secagg_vs_jax_dp_secagg": med["flower_dp_secagg"] / med["jax_dp_secagg"],
             "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
+            "dp_secagg_max_weight_diff": max(float(np.max(np.abs(wc[k] - wd[k]))) for k in wc),
             # the rounds in which no node compiled a stage shape (in JAX every round after the first is)
             **{f"{k}_warm_rounds": len(v) for k, v in warm.items()},
             **{f"{k}_warm_round_s": m for k, m in warm_med.items()},

@@ -24,9 +24,14 @@ task, and, for each task:
   started and nothing imported again per message. The ClientApp hands the payload to the node's
   resident process as before (`memaudit.flower_node`); everything the node checks is unchanged.
 
+memaudit's SuperLink (`memaudit.federated.flower.superlink`) runs this SuperExec the same way,
+for ServerApp tasks: each run's ServerApp is a thread of the SuperLink's process
+(`serve_serverapp`), run only for memaudit's FAB.
+
 The same loop also runs as a process of its own on a runtime API over HTTP
 (``python -m memaudit.federated.flower.superexec --runtime-api-address HOST:PORT``), beside
-Flower's own ``flower-supernode --isolation process``.
+Flower's own ``flower-supernode --isolation process`` (or ``flower-superlink``, ``--task
+serverapp``: each ServerApp then a ``flwr-serverapp`` process whose FAB install is guarded).
 
 The adversary this defends against: whoever can submit a run to the SuperLink (a foreign
 ServerApp with a foreign ClientApp). They get refusals, and their code never runs on the node
@@ -393,9 +398,9 @@ def superexec_command(flower_args: list[str], parent_pid: int, *, task: str) -> 
 
 def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
     """Run Flower's SuperNode or SuperLink (`flower_main`, its command-line entry) in this process
-    with ``--isolation process``, and memaudit's SuperExec for `task` beside it: a SuperNode's
-    as a thread of this process, on the node's own state; a SuperLink's as a process in this
-    process group (stopping the group stops both). ``--isolation`` in `flower_args` is refused
+    with ``--isolation process``, and memaudit's SuperExec for `task` beside it, as a thread of
+    this process on the SuperNode's or SuperLink's own state (`serve` with a `LocalRuntime`; a
+    SuperLink's ServerApp tasks each a thread too). ``--isolation`` in `flower_args` is refused
     (exit 2)."""
     what = {"clientapp": ("SuperNode", "flower-supernode"), "serverapp": ("SuperLink", "flower-superlink")}[task]
     if flag_value(flower_args, "--isolation") is not None:
