@@ -626,7 +626,7 @@ def test_memaudits_superlink_serves_serverapps_as_threads_of_its_process(monkeyp
         state=SimpleNamespace(runtime_state_factory=SimpleNamespace(state=lambda: state))))
     monkeypatch.setattr(localruntime, "_READY", {"superlink": threading.Event()})
     monkeypatch.setattr(localruntime, "_FACTORY", {})
-    monkeypatch.setattr(localruntime, "identity_per_thread", lambda: None)
+    monkeypatch.setattr(superexec, "identity_per_thread", lambda: None)
     tokens = iter(["run-1"])
 
     def acquire(request, on):

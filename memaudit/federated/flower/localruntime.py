@@ -91,6 +91,7 @@ class LocalRuntime:
         return self._handlers().acquire_task(request, self.state)
 
     def SendTaskHeartbeat(self, request: Any) -> Any:
+        # optional dependency: flwr (the flower extra)
         from flwr.supercore.servicer.runtime import runtime_handlers as core
 
         return core.send_task_heartbeat(request, self.state, self._task())
@@ -120,6 +121,7 @@ class LocalRuntime:
         return self._handlers().confirm_message_received(request, self.state, self._task())
 
     def PushLogs(self, request: Any) -> Any:
+        # optional dependency: flwr (the flower extra)
         from flwr.supercore.servicer.runtime import runtime_handlers as core
 
         return core.push_logs(request, self.state, self._task())

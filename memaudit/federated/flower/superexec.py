@@ -60,6 +60,12 @@ from typing import Any
 
 from memaudit.errors import MemauditError
 from memaudit.federated.flower.deploy import write_app
+from memaudit.federated.flower.localruntime import (
+    LocalRuntime,
+    capture_state,
+    component_state,
+    identity_per_thread,
+)
 from memaudit.federated.flower.polls import short_waits
 
 POLL_S = 0.05  # the runtime API is on this host: asking often costs little
@@ -408,13 +414,6 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
               f"or run {what[1]} itself", file=sys.stderr)
         return 2
     # a thread of this process, on the SuperNode's or SuperLink's own state
-    from memaudit.federated.flower.localruntime import (
-        LocalRuntime,
-        capture_state,
-        component_state,
-        identity_per_thread,
-    )
-
     component = {"clientapp": "supernode", "serverapp": "superlink"}[task]
     capture_state(component)
     if task == "serverapp":
@@ -422,6 +421,7 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
 
     def serve_here() -> None:
         if task == "clientapp":
+            # lazy, as the ClientApp in serve: memaudit's ClientApp module, loaded on a SuperNode only
             from memaudit.flower_node import watch_this_process
 
             watch_this_process()  # the node's resident ends with this process, not with its parent
