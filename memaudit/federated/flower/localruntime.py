@@ -62,6 +62,19 @@ def component_state(component: str = "supernode", timeout: float | None = None) 
     return _FACTORY[component].state()
 
 
+def _task_call(handler: str, *, core: bool = False) -> Any:
+    """A `LocalRuntime` method: Flower's runtime handler ``handler`` (the component's, or with
+    ``core`` the shared one) called with the request, the state and the token's task."""
+
+    def call(self: LocalRuntime, request: Any) -> Any:
+        module = (importlib.import_module("flwr.supercore.servicer.runtime.runtime_handlers") if core
+                  else self._handlers())
+        return getattr(module, handler)(request, self.state, self._task())
+
+    call.__name__ = handler
+    return call
+
+
 class LocalRuntime:
     """Flower's runtime API client (``RuntimeHttpClient``), for the calls memaudit's SuperExec
     and a ServerApp's Grid make, answered in this process by Flower's handlers of ``component``
@@ -90,41 +103,18 @@ class LocalRuntime:
     def AcquireTask(self, request: Any) -> Any:  # Flower's names
         return self._handlers().acquire_task(request, self.state)
 
-    def SendTaskHeartbeat(self, request: Any) -> Any:
-        # optional dependency: flwr (the flower extra)
-        from flwr.supercore.servicer.runtime import runtime_handlers as core
-
-        return core.send_task_heartbeat(request, self.state, self._task())
-
-    def PullTaskInput(self, request: Any) -> Any:
-        return self._handlers().pull_task_input(request, self.state, self._task())
-
-    def PushTaskOutput(self, request: Any) -> Any:
-        return self._handlers().push_task_output(request, self.state, self._task())
-
-    def GetNodes(self, request: Any) -> Any:
-        return self._handlers().get_nodes(request, self.state, self._task())
-
-    def PullMessages(self, request: Any) -> Any:
-        return self._handlers().pull_messages(request, self.state, self._task())
-
-    def PushMessages(self, request: Any) -> Any:
-        return self._handlers().push_messages(request, self.state, self._task())
-
-    def PullObject(self, request: Any) -> Any:
-        return self._handlers().pull_object(request, self.state, self._task())
-
-    def PushObject(self, request: Any) -> Any:
-        return self._handlers().push_object(request, self.state, self._task())
-
-    def ConfirmMessageReceived(self, request: Any) -> Any:
-        return self._handlers().confirm_message_received(request, self.state, self._task())
-
-    def PushLogs(self, request: Any) -> Any:
-        # optional dependency: flwr (the flower extra)
-        from flwr.supercore.servicer.runtime import runtime_handlers as core
-
-        return core.push_logs(request, self.state, self._task())
+    # the calls of a task, each Flower's handler of the same name on this state, for the task
+    # this token names ("core": the handler is the shared one of flwr.supercore)
+    SendTaskHeartbeat = _task_call("send_task_heartbeat", core=True)
+    PullTaskInput = _task_call("pull_task_input")
+    PushTaskOutput = _task_call("push_task_output")
+    GetNodes = _task_call("get_nodes")
+    PullMessages = _task_call("pull_messages")
+    PushMessages = _task_call("push_messages")
+    PullObject = _task_call("pull_object")
+    PushObject = _task_call("push_object")
+    ConfirmMessageReceived = _task_call("confirm_message_received")
+    PushLogs = _task_call("push_logs", core=True)
 
     def close(self) -> None:
         return None
