@@ -59,8 +59,9 @@ def global_norms(deltas: PyTree) -> jax.Array:
 
 
 def row_norms(leaves: Sequence[Any]) -> np.ndarray:
-    """(k,) float32 L2 norm of each row's leaves together, each row summed on its own (float64),
-    with no copy of the rows: the same value for a row whatever its neighbours.
+    """(k,) float32 L2 norm of each row's leaves together, each row summed on its own in float64
+    (``einsum`` accumulates in float64 without a float64 copy of the row): the same value for a
+    row whatever its neighbours.
 
     >>> a = np.array([[3.0, 0.0], [0.3, 0.0]], np.float32)
     >>> [round(float(v), 3) for v in row_norms([a, np.array([[4.0], [0.4]], np.float32)])]

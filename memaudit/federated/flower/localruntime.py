@@ -1,23 +1,25 @@
-"""A SuperNode's runtime API called in the SuperNode's own process.
+"""A SuperNode's or SuperLink's runtime API, called in its own process.
 
-memaudit's SuperExec answers a SuperNode's ClientApp tasks with memaudit's ClientApp
-(`memaudit.federated.flower.superexec`). As a process beside the SuperNode it reached the
-node's messages through Flower's runtime API over HTTP on 127.0.0.1: a task's message pulled
-object by object from the SuperNode's memory and its reply pushed back, each request framed,
-sent, parsed and answered by the SuperNode's HTTP server. Measured on the tiny preset
-(2026-12-05, 2 cores): 0.07-0.09 s to pull a stage message (7.2 MB) and 0.065-0.075 s to push a
-node's reply, each way of every round; 17-37 ms for each small message of a secure round.
+memaudit's SuperExec answers a SuperNode's ClientApp tasks with memaudit's ClientApp, and a
+SuperLink's ServerApp tasks with memaudit's ServerApp (`memaudit.federated.flower.superexec`).
+As processes beside the SuperNode and the SuperLink they reached the messages through Flower's
+runtime API over HTTP on 127.0.0.1, object by object, each request framed, sent, parsed and
+answered by the component's HTTP server. Measured on the tiny preset (2026-12-05, 2 cores):
+0.07-0.09 s for a node to pull a stage message (7.2 MB) and 0.065-0.075 s to push its reply,
+0.10 s for the ServerApp to push the weights, 17-37 ms for each small message of a secure round.
 
-On memaudit's SuperNode the SuperExec runs as a thread of the SuperNode's process
-(`memaudit.federated.flower.supernode`), and `LocalRuntime` answers its calls with Flower's
-own runtime handlers (`flwr.supernode.servicer.runtime.runtime_handlers`) on the SuperNode's
-own state: the same requests, the same checks (a task's token names its task, as the HTTP
-API's `authenticate_task` checks), the same answers, without HTTP between two parts of one
-process. What stays: the handlers' work, Flower's serialisation of a message into its objects
-and back, and the hash of every object's content against its id.
+On memaudit's SuperNode and SuperLink the SuperExec, and the SuperLink's ServerApps, run as
+threads of the component's process (`memaudit.federated.flower.superexec.beside`), and
+`LocalRuntime` answers their calls with Flower's own runtime handlers
+(``flwr.supernode.servicer.runtime.runtime_handlers``, ``flwr.superlink.servicer.runtime.
+runtime_handlers``) on the component's own state: the same requests, the same checks (a
+task's token names its task, as the HTTP API's `authenticate_task` checks), the same answers,
+without HTTP between two parts of one process. A ServerApp's Grid is Flower's own, asking a
+`LocalRuntime` (`local_grid`). What stays: the handlers' work, Flower's serialisation of a
+message into its objects and back, and the hash of every object's content against its id.
 
 Only the process that holds the state can call it; nothing here listens on a port, so the
-SuperNode's runtime API over HTTP keeps its own checks for any other caller.
+component's runtime API over HTTP keeps its own checks for any other caller.
 """
 
 from __future__ import annotations
