@@ -588,7 +588,7 @@ def bench_node_shapes(args) -> dict:
 
         def run(use, results=results, executors=executors, assignment=assignment, shaped=shaped):
             (got, _), _ = run_plan(plan, args_, LocalNodes(executors), assignment, round=0,
-                                   node_stages=(lambda _h: shaped) if use else None)
+                                   node_stages=(lambda _n, _h: shaped) if use else None)
             results[use] = _block(got.params)
 
         runners = {"cohort_shaped": lambda: run(False), "node_shaped": lambda: run(True)}

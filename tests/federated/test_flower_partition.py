@@ -135,7 +135,7 @@ def _compute_two_rounds(kind, users, dead, dead_slots, shaped=False):
             plan = compile_plan(a.round.program, args, PLACED, CAP)
             shape = node_stages(plan, retrace(a.round.program, args, PLACED, 2)) if shaped else None
         (got, _), info = run_plan(plan, args, nodes, _assignment(), round=r,
-                                   node_stages=(lambda _h, s=shape: s) if shaped else None)
+                                   node_stages=(lambda _n, _h, s=shape: s) if shaped else None)
     return ref, got, plan, {**info, "calls": nodes.calls} if shaped else info
 
 
@@ -216,7 +216,7 @@ def test_a_client_stage_that_reads_the_cohort_size_keeps_the_cohorts_modules(use
         assert plan.client_stages and (mine is not None) is shaped
         if shaped:
             (_, want), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0)
-            (_, got), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0, node_stages=lambda _h, m=mine: m)
+            (_, got), _ = run_plan(plan, args, _nodes(users), _assignment(), round=0, node_stages=lambda _n, _h, m=mine: m)
             (_, ref) = prog(_params(), _cohort_data(users), jax.random.key(0))
             assert float(got) == float(want) and abs(float(got) - float(ref)) <= 1e-5 * abs(float(ref))
 
@@ -260,7 +260,7 @@ def test_each_node_gets_its_stages_lowered_for_its_own_platform(users):
     shaped = node_stages(plan, retrace(a.round.program, args, PLACED, 2))
     nodes = _Calls(_nodes(users))
     _, info = run_plan(plan, args, nodes, _assignment(), round=0, platforms={"A": "cuda"},
-                       node_stages=lambda _h: shaped)
+                       node_stages=lambda _n, _h: shaped)
     lowered = {c.users[0]: export.deserialize(bytearray(c.module)).platforms for c in nodes.calls}
     assert lowered == {"u0": ("cuda",), "u3": ("cpu",)}
     assert info["rejected_nodes"] == ["A"]  # this CPU process cannot run A's CUDA module: refused
@@ -288,7 +288,7 @@ def test_a_node_refuses_rows_and_slots_the_server_invents(users):
     plan = compile_plan(a.round.program, args, PLACED, CAP)
     shaped = node_stages(plan, retrace(a.round.program, args, PLACED, 2))
     nodes = _Calls(_nodes(users))
-    run_plan(plan, args, nodes, _assignment(), round=0, node_stages=lambda _h: shaped)
+    run_plan(plan, args, nodes, _assignment(), round=0, node_stages=lambda _n, _h: shaped)
     call = next(c for c in nodes.calls if c.users[0] == "u0")  # node A: slots 0 and 1, rows 0 and 1
     node = nodes.executors["A"]
     with pytest.raises(StageRefused, match="rows outside the module's 2 clients"):

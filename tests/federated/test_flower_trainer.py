@@ -19,6 +19,7 @@ OVERRIDES = [
     "federated.checkpoint_every=1", "federated.mesh_clients=1", "train.batch_size=8",
     "train.eval_batches=1", "federated.runtime=flower",
 ]
+NODES = 6
 ATOL = 1e-5  # FedAvg's fused mean adds the nodes' partial sums: float32 reassociation
 
 
@@ -58,7 +59,8 @@ def setup(tmp_path_factory):
     from memaudit.federated.flower.nodes import write_partitions
 
     root = tmp_path_factory.mktemp("flower-trainer")
-    info = write_partitions(load_config(None, OVERRIDES), root / "parts", nodes=2,
+    # 6 nodes of 2 users: a node hosts at most 2 of a round's 4, so its modules are 2 wide
+    info = write_partitions(load_config(None, OVERRIDES), root / "parts", nodes=NODES,
                             manifest=False)  # in-process nodes check nothing
     return [*OVERRIDES, f"data.tokenizer={info['tokenizer']}"], info["partitions"], root
 
@@ -91,16 +93,16 @@ def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
     nodes = _Nodes(partitions)
     result = flower_trainer(cfg, RunDir(run), nodes).fit(resume=True)
-    # each node ran modules shaped for the slots it hosted (rows 0, 1, ...), not the cohort's 4
+    # every node ran modules of one width, its steady capacity (2: it hosts 2 of the 12 users),
+    # not the cohort's 4, nor a width for each count the draw gave it (1 or 2: a new compile
+    # whenever a count first came); its slots fill rows 0, 1, ...
     from jax import export
 
-    from memaudit.federated.cohorts import cohort_capacity
-
-    assert nodes.calls and any(len(c.slots) < 4 for c in nodes.calls)
+    assert nodes.calls and any(len(c.slots) < 2 for c in nodes.calls)
     for c in nodes.calls:
         exp = export.deserialize(bytearray(c.module))
         dims = {a.shape[0] for (kind, _), a in zip(c.inputs, exp.in_avals, strict=True) if kind == "data"}
-        assert c.rows == list(range(len(c.slots))) and dims == {cohort_capacity(len(c.slots))}
+        assert c.rows == list(range(len(c.slots))) and dims == {2}
     assert result["resumed_from_round"] == 2
     a, b = _weights(jax_run), _weights(run)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
@@ -204,3 +206,30 @@ def test_lora_fedsgd_on_flower_equals_in_jax_when_the_rank_equals_the_cohort(set
     flower_trainer(load_config(None, fedsgd), RunDir(runs["flower"]), _Nodes(partitions)).fit()
     a, b = (_weights(r) for r in runs.values())
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
+
+
+def test_a_nodes_steady_capacity_holds_its_users_in_all_but_the_tail_of_rounds():
+    """`steady_node_capacity` against the exact law of the draw, counted with binomial
+    coefficients: the capacity is the smallest power of two that a node's share of a fixed
+    cohort (hypergeometric) or of a Poisson one (binomial) exceeds in at most 1e-3 of rounds."""
+    from math import comb
+
+    from memaudit.federated.flower.manifest import NODE_TAIL, steady_node_capacity
+
+    def over_fixed(k, population, m, cohort):  # P(hosted > k), cohort drawn without replacement
+        return sum(comb(m, h) * comb(population - m, cohort - h)
+                   for h in range(k + 1, min(m, cohort) + 1)) / comb(population, cohort)
+
+    def over_poisson(k, m, q):  # P(hosted > k), each of the node's m users joins with q
+        return sum(comb(m, h) * q**h * (1 - q) ** (m - h) for h in range(k + 1, m + 1))
+
+    cases = [(16, 4, 8), (16, 8, 8), (12, 2, 4), (1000, 50, 64), (5000, 400, 256), (100, 100, 10)]
+    for population, m, cohort in cases:
+        for mode, over in (("fixed", lambda k, p=population, m=m, c=cohort: over_fixed(k, p, m, c)),
+                           ("poisson", lambda k, p=population, m=m, c=cohort: over_poisson(k, m, c / p))):
+            k = steady_node_capacity(m, population, cohort, mode)
+            assert k & (k - 1) == 0, (mode, population, m, cohort, k)  # a power of two
+            assert over(k) <= NODE_TAIL, (mode, population, m, cohort, k)
+            assert k == 1 or over(k // 2) > NODE_TAIL, (mode, population, m, cohort, k)
+    with pytest.raises(ValueError, match="sampling mode"):
+        steady_node_capacity(2, 12, 4, "uniform")

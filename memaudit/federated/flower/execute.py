@@ -119,7 +119,7 @@ def _resident(plan: Plan) -> set[int]:
 
 
 def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any, list[tuple[int, str]]],
-              *, round: int, node_stages: Callable[[int], NodeStages | None] | None = None,
+              *, round: int, node_stages: Callable[[Any, int], NodeStages | None] | None = None,
               platforms: Mapping[Any, str] | None = None) -> tuple[Any, dict[str, Any]]:
     """Run one round of ``plan``.
 
@@ -130,9 +130,9 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
         nodes: runs the client stages.
         assignment: node -> [(cohort slot, user name)] of the sampled users it hosts.
         round: the round number (nodes key their stored values by it).
-        node_stages: the client stages for a node hosting a given number of the cohort's
-            slots (`memaudit.federated.flower.partition.node_stages`), or None for the
-            cohort's; by default every node runs the cohort's.
+        node_stages: ``node_stages(node, hosted)``: the client stages for ``node`` when it
+            hosts ``hosted`` of the cohort's slots (`memaudit.federated.flower.partition.node_stages`),
+            or None for the cohort's; by default every node runs the cohort's.
         platforms: node -> its JAX platform ("cpu", "cuda"): the stages it gets are lowered for
             that platform alone (`memaudit.federated.flower.partition.modules_for`); default CPU.
 
@@ -163,7 +163,7 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
         wired = _wiring(plan, st, resident)
         served = {ref: np.asarray(env[ref]) for kind, ref in wired[0] if kind == "server"}  # once, not per node
         calls = {node: _call(plan, st, wired, served, assignment[node], round,
-                             node_stages(len(assignment[node])) if node_stages else None,
+                             node_stages(node, len(assignment[node])) if node_stages else None,
                              (platforms or {}).get(node, STAGE_PLATFORMS[0]))
                  for node in alive}
         replies = {n: r for n, r in dict(nodes.run_stage(calls)).items() if n in calls}  # asked nodes only

@@ -25,6 +25,7 @@ References:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -51,6 +52,7 @@ from memaudit.federated.flower.manifest import (
     node_capacity,
     node_plan,
     round_plan,
+    steady_node_capacity,
 )
 from memaudit.federated.flower.nodes import client_digests
 from memaudit.federated.flower.partition import PLATFORMS, STAGE_PLATFORMS
@@ -264,6 +266,7 @@ class FlowerRuntime:
         self._shaped: dict[tuple[int, int], Any] = {}
         self.user_node: dict[str, int] = {}
         self.platforms: dict[Any, str] = {}  # node -> its platform (CPU when a node did not say)
+        self.steady: dict[Any, int] = {}  # node -> the clients dim of its modules in most rounds
 
     def mesh(self, cfg: Any, shape: Any) -> None:
         """Each node runs its own clients: no clients mesh in the server's process."""
@@ -278,6 +281,9 @@ class FlowerRuntime:
                               "federated.runtime=jax")
         self.user_node = self.nodes.connect(client_digests(trainer.clients))
         self.platforms = dict(getattr(self.nodes, "platforms", {}))
+        f, population = trainer.fcfg, trainer.clients.num_users
+        hosts = collections.Counter(self.user_node.values())
+        self.steady = {n: steady_node_capacity(m, population, f.cohort, f.sampling) for n, m in hosts.items()}
 
     def plan(self, trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> Any:
         """The round's partitioned program for a cohort capacity (traced once per capacity,
@@ -287,11 +293,12 @@ class FlowerRuntime:
         return self._plans[cap]
 
     def node_stages(self, trainer: FederatedTrainer, plan: Any, state: Any, key: Any) -> Any:
-        """hosted -> the client stages shaped for a node hosting that many of the round's slots
-        (`memaudit.federated.flower.manifest.node_plan`, traced once per node capacity), or None
-        for the cohort's."""
-        def shaped(hosted: int) -> Any:
-            k = node_capacity(hosted)
+        """(node, hosted) -> the client stages for that node when it hosts that many of the
+        round's slots, or None for the cohort's: shaped for the node's steady capacity
+        (`steady_node_capacity`), or for the hosted count in a rare round that exceeds it
+        (`memaudit.federated.flower.manifest.node_plan`, traced once per node capacity)."""
+        def shaped(node: Any, hosted: int) -> Any:
+            k = max(node_capacity(hosted), self.steady.get(node, 1))
             if (plan.capacity, k) not in self._shaped:
                 self._shaped[(plan.capacity, k)] = node_plan(trainer, plan, k, state, key, self._plans.get(k))
             return self._shaped[(plan.capacity, k)]
