@@ -78,7 +78,19 @@ def row_norms(leaves: Sequence[Any]) -> np.ndarray:
 
 
 def clip_deltas(deltas: PyTree, clip: jax.Array) -> tuple[PyTree, jax.Array]:
-    """Scale each client's delta to global norm <= clip; returns (clipped, norms)."""
+    """Scale each client's delta to global norm <= clip; returns (clipped, norms).
+
+    Concrete rows (secure aggregation's clips, in this process or on the node that holds the
+    rows) are clipped in numpy: the same float32 operations, and no XLA program for each count
+    of rows. Eager ``jnp`` compiled each of its operations for every new count a node held:
+    0.25-0.35 s for the tiny model's 21 leaves (0.75-0.9 s on 4 SuperNodes sharing 2 cores), in
+    the masked-input step of a DP round whenever the draw first gave a node that many users."""
+    leaves = jax.tree.leaves(deltas)
+    if not any(isinstance(x, jax.core.Tracer) for x in [*leaves, clip]):
+        norms = row_norms(leaves)
+        factor = np.minimum(np.float32(1.0), np.float32(clip) / np.maximum(norms, np.float32(1e-30)))
+        return jax.tree.map(lambda x: np.asarray(x) * factor.reshape((-1,) + (1,) * (np.ndim(x) - 1))
+                            .astype(np.asarray(x).dtype), deltas), norms
     norms = global_norms(deltas)
     factor = jnp.minimum(1.0, clip / jnp.maximum(norms, 1e-30))  # clip = inf -> 1
     clipped = jax.tree.map(
@@ -87,8 +99,9 @@ def clip_deltas(deltas: PyTree, clip: jax.Array) -> tuple[PyTree, jax.Array]:
 
 
 def within(leaves: Sequence[Any], clip: float) -> np.ndarray:
-    """1[global L2 norm <= clip] per client row, as DP-FedAvg computes it (float32)."""
-    return np.asarray(global_norms(list(leaves)) <= jnp.asarray(clip, jnp.float32))
+    """1[global L2 norm <= clip] per client row, as DP-FedAvg computes it (float32), in numpy
+    (`row_norms`: no XLA program for each count of rows)."""
+    return row_norms(list(leaves)) <= np.float32(clip)
 
 
 def with_bits(q: np.ndarray, bits: Any) -> np.ndarray:
