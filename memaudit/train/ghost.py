@@ -46,7 +46,11 @@ from torch.func import functional_call, grad, vmap
 from memaudit.train.losses import causal_lm_loss_per_example
 
 NormMode = Literal["auto", "gram", "materialize"]
-MATERIALIZE_BUDGET = 2**26  # elements of one layer's B·d_out·d_in formed at once (256 MiB fp32)
+# elements of one layer's B·d_out·d_in formed at once (128 MiB fp32). At 2**26 the `small`
+# preset's output layer (16 x 8192 x 384, 200 MB at batch 16) was formed, and writing and twice
+# reading it cost more than its Gram form: a DP-SGD step 1.336x the non-private one against
+# 1.296x here (benchmarks/dp_overhead.py's set-up, 2 CPU cores, medians of 11 interleaved steps)
+MATERIALIZE_BUDGET = 2**25
 KEEP_BUDGET = 2**28  # elements of per-example gradients kept for the clipped sum (1 GiB fp32)
 
 
