@@ -147,6 +147,20 @@ runs DP-FedAvg with secure aggregation (``privacy.noise_multiplier=1.0``, user l
 noise drawn from the run's key so that the two runtimes' weights can be compared:
 ``dp_secagg_max_weight_diff``); its warm keys are ``flower_dp_secagg_warm_*``.
 
+Late on 2026-12-05 a node's stage modules keep one width for the run (its steady capacity,
+`memaudit.federated.flower.manifest.steady_node_capacity`) and secure aggregation clips a node's
+rows in numpy (docs/flower.md, Cost). 4 SuperNodes, before: every round's median 3.19 s and
+3.17 s, warm (4 of 9 rounds) 1.477 s (1.68x) and 1.367 s (1.56x); secure 4.24 s and 4.28 s,
+warm 2.841 s (2.22x) and 2.907 s (2.48x); DP 5.20 s and 5.06 s, warm 2.535 s (1.99x) and
+2.568 s (1.94x). After, every round warm: 1.427 s (1.63x) and 1.397 s (1.52x), secure 2.738 s
+(2.33x) and 2.634 s (2.08x), DP 2.811 s (2.16x) and 2.725 s (1.93x); a run of the three
+variants 59.7 s and 54.5 s before, 40.5 s and 39.5 s after. 2 SuperNodes, before and after:
+1.060 s (1.17x) and 1.118 s (1.11x), secure 1.729 s (1.41x) and 1.859 s (1.45x), DP 1.904 s
+(1.44x) and 1.869 s (1.31x); the runs 35.4 s and 27.6 s. The in-JAX run of this table is in the
+benchmark's process: run it without ``XLA_FLAGS`` device counts, as the SuperNodes run (1
+device); with 8 host devices its secure runs' weights differed from the nodes' (0.00033, DP
+0.0499).
+
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
 stages against each running the stages shaped for its own slots
@@ -710,6 +724,8 @@ def bench_flower(args) -> dict:
             "flower_dp_secagg_vs_jax_dp_secagg": med["flower_dp_secagg"] / med["jax_dp_secagg"],
             "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
             "dp_secagg_max_weight_diff": max(float(np.max(np.abs(wc[k] - wd[k]))) for k in wc),
+            # the in-JAX runs' host devices; the SuperNodes run on 1 (weights equal at 1)
+            "jax_devices": len(jax.devices()),
             # the rounds in which no node compiled a stage shape (in JAX every round after the first is)
             **{f"{k}_warm_rounds": len(v) for k, v in warm.items()},
             **{f"{k}_warm_round_s": m for k, m in warm_med.items()},
