@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from memaudit.federated.cohorts import ClientData, cohort_capacity
+from memaudit.federated.cohorts import ClientData, cohort_capacity, poisson_capacity
 from memaudit.federated.flower.execute import plan_signatures, resident_vars
 from memaudit.federated.flower.partition import (
     STAGE_PLATFORMS,
@@ -113,17 +113,17 @@ def steady_node_capacity(node_users: int, population: int, cohort: int, sampling
     (4, 4)
     """
     # lazy: scipy.stats (~0.3 s) only when called
-    from scipy.stats import binom, hypergeom
+    from scipy.stats import hypergeom
 
     if not 0 <= node_users <= population or population < 1:
         raise ValueError(f"a node's users must be in [0, {population}], got {node_users!r}")
-    if sampling == "fixed":
-        hosted = hypergeom.isf(tail, population, node_users, min(cohort, population))
-    elif sampling == "poisson":
-        hosted = binom.isf(tail, node_users, min(cohort / population, 1.0))
-    else:
+    if sampling not in ("fixed", "poisson"):
         raise ValueError(f"sampling mode must be 'poisson' or 'fixed', got {sampling!r}")
-    return node_capacity(max(1, int(hosted)))
+    if node_users == 0:
+        return 1
+    if sampling == "poisson":  # the node's users alone, each in with q = cohort / population
+        return node_capacity(poisson_capacity(node_users, node_users * min(cohort / population, 1.0), tail=tail))
+    return node_capacity(max(1, int(hypergeom.isf(tail, population, node_users, min(cohort, population)))))
 
 
 MAP_STRATEGY = "scan"
