@@ -159,7 +159,9 @@ variants 59.7 s and 54.5 s before, 40.5 s and 39.5 s after. 2 SuperNodes, before
 (1.44x) and 1.869 s (1.31x); the runs 35.4 s and 27.6 s. The in-JAX run of this table is in the
 benchmark's process: run it without ``XLA_FLAGS`` device counts, as the SuperNodes run (1
 device); with 8 host devices its secure runs' weights differed from the nodes' (0.00033, DP
-0.0499).
+0.0499): XLA's CPU code for the model's gradient differs with the host device count (8.4e-9 in
+one gradient of ``tiny``), and secure aggregation's rounding turns such a difference into whole
+quantisation steps (docs/flower.md, "Secure aggregation and distributed DP").
 
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
