@@ -152,10 +152,27 @@ class ClientStep:
 
     def apply(self, leaves: Sequence[Any]) -> list[Any]:
         """The clips, on a list of (k, ...) leaves."""
-        leaves = list(leaves)
+        return self._clip(leaves)[0]
+
+    def apply_counted(self, leaves: Sequence[Any]) -> tuple[list[Any], np.ndarray | None]:
+        """The clips on concrete (k, ...) leaves and, with ``count``, each row's bit
+        1[‖Δ‖ <= count] of the delta before them (None without): `apply` and `within`, with the
+        rows normed once. The first clip's norms are those of the rows before the clips, the
+        same `row_norms` that `within` took again (1.7-1.9 ms a row of the `tiny` model's 1.79M
+        parameters, 2 cores)."""
+        clipped, first = self._clip(leaves)
+        if self.count is None:
+            return clipped, None
+        norms = row_norms(list(leaves)) if first is None else np.asarray(first)
+        return clipped, norms <= np.float32(self.count)
+
+    def _clip(self, leaves: Sequence[Any]) -> tuple[list[Any], Any]:
+        """The clipped leaves, and the first clip's norms (None without clips)."""
+        leaves, first = list(leaves), None
         for c in self.clips:
-            leaves, _ = clip_deltas(leaves, jnp.asarray(c, jnp.float32))
-        return list(leaves)
+            leaves, norms = clip_deltas(leaves, jnp.asarray(c, jnp.float32))
+            first = norms if first is None else first
+        return list(leaves), first
 
     def to_wire(self) -> dict[str, Any]:
         return {"pre": [["clip", c] for c in self.clips], "count": self.count}

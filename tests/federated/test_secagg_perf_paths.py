@@ -315,3 +315,51 @@ def test_secure_rounds_allocate_in_ordinary_pages(monkeypatch):
         m._set_madvise_hugepage(before)
     assert {name for name, _ in seen} == {"SecAggEncoding", "DDGEncoding", "Client"}
     assert not any(huge for _, huge in seen), seen
+
+
+def test_a_nodes_dp_masked_input_norms_each_row_once(monkeypatch):
+    """DP-FedAvg with secure aggregation on nodes: each node clips its users' rows to DP's C and
+    appends the bit 1[‖Δ‖ <= C] of the delta before the clip, which the secure sum counts. The
+    bit needs the norms the clip took. Failed before: the node normed its rows again for the bit
+    (`within`): 4 norm passes on two nodes, not 2.
+    Oracle: the same round with every client in this process (the dense deltas), bit for bit,
+    and the count of rows whose float64 norm is within C."""
+    import jax
+    import jax.numpy as jnp
+
+    from memaudit.federated import client_ops
+    from memaudit.federated.aggregators import mean_aggregator
+    from memaudit.federated.dp import dp_fedavg
+    from memaudit.federated.flower.execute import LocalNodes, NodeExecutor
+    from memaudit.federated.secagg.aggregator import secure_aggregation
+    from memaudit.federated.secagg.remote import ClientRows, NodeChannel
+    from tests.federated.toy_nodes import keep_rows
+
+    n, hosts, clip = 6, {"a": [0, 1, 2, 3], "b": [4, 5]}, 0.5
+    rng = np.random.default_rng(3)
+    deltas = {"w": rng.normal(0, 0.05, (n, 3, 4)).astype(np.float32),
+              "b": rng.normal(0, 0.05, (n, 5)).astype(np.float32)}
+    deltas["w"][[1, 4]] *= 10  # two users above C
+    leaves, treedef = jax.tree.flatten(deltas)
+    agg = dp_fedavg(secure_aggregation(mean_aggregator(), clip=1.0, bits=16, seed=3), clip=clip,
+                    noise_multiplier=0.0, expected_cohort=float(n))
+
+    def aggregate(updates):
+        return agg.aggregate(updates, jnp.ones(n), agg.init(None), jax.random.key(7))
+
+    want = aggregate(deltas)
+    passes: list[int] = []
+    norms = client_ops.row_norms
+    monkeypatch.setattr(client_ops, "row_norms", lambda rows: passes.append(len(rows[0])) or norms(rows))
+    ex = {node: keep_rows(NodeExecutor([f"u{s}" for s in slots], {}), leaves, slots) for node, slots in hosts.items()}
+    rows = ClientRows(NodeChannel(LocalNodes(ex), hosts, 0), tuple(range(len(leaves))),
+                      tuple((x.shape[1:], x.dtype.name) for x in leaves), treedef)
+    got = aggregate(rows)
+    assert sorted(passes) == [2, 4], passes  # each node: its rows, once
+    for a, b in zip(jax.tree.leaves(want.update), jax.tree.leaves(got.update), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    oracle = [math.sqrt(sum(float(np.sum(x[i].astype(np.float64) ** 2)) for x in leaves)) for i in range(n)]
+    assert sum(v <= clip for v in oracle) == n - 2
+    for key in [k for k in want.metrics if not k.startswith("secagg_bytes")]:  # one sum a node, not a row
+        assert np.array_equal(np.asarray(want.metrics[key]), np.asarray(got.metrics[key])), key
+    assert float(got.metrics["clip_fraction"]) == np.float32(2 / n)

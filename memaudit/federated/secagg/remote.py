@@ -63,7 +63,6 @@ from memaudit.federated.client_ops import (
     slot_rng,
     slot_seed,
     with_bits,
-    within,
 )
 from memaudit.federated.flower.wire import dtype_of
 from memaudit.federated.secagg.client import Client
@@ -292,10 +291,10 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
         """These clients' inputs to the secure sum, from their kept deltas."""
         slots = [st["slots"][c][0] for c in cids]
         leaves = [np.asarray(kept(rnd, int(v)))[slots] for v in st["leaves"]]
-        pre = ClientStep.from_wire(st)
-        rows, _ = flatten_clients(pre.apply(leaves))
+        clipped, bits = ClientStep.from_wire(st).apply_counted(leaves)
+        rows, _ = flatten_clients(clipped)
         q = encode_rows(encoding_from_wire(st["spec"]), rows, [st["slots"][c][1] for c in cids])
-        return q if pre.count is None else with_bits(q, within(leaves, pre.count))
+        return q if bits is None else with_bits(q, bits)
 
     if step not in STEPS:
         raise ValueError(f"unknown secure-aggregation step {step!r}")
