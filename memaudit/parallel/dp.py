@@ -31,7 +31,7 @@ import torch
 from memaudit.models.keyed_dropout import dropout_rows
 from memaudit.parallel.dims import MeshAxis
 from memaudit.parallel.parallelize import ParallelLlama, sync_grads
-from memaudit.train.dpsgd import ClipStats
+from memaudit.train.dpsgd import ClipStats, for_each_draw
 
 
 def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -60,11 +60,16 @@ def add_noise_(model: ParallelLlama, *, std: float, randomness: Any, step: int) 
     Only trained parameters get noise (under LoRA the adapters), keyed by their index among the
     trained ones, as `memaudit.train.dpsgd.SerialClipping` keys them.
     """
-    for i, p in enumerate(p for p in model.hf.parameters() if p.requires_grad):
+    params = [p for p in model.hf.parameters() if p.requires_grad]
+
+    def draw(i: int) -> None:  # the whole logical tensor on the CPU, then this rank's shard
+        p = params[i]
         spec = p.shard_spec
         gen = randomness.torch_generator("dpsgd-noise", step, i)
         noise = torch.randn(spec.full_shape, generator=gen, dtype=torch.float32) * std
         p.grad.add_(spec.local(noise, model.comm).to(device=p.grad.device, dtype=p.grad.dtype))
+
+    for_each_draw(draw, len(params), cpu=all(p.grad.device.type == "cpu" for p in params))
 
 
 def pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, multiple: int

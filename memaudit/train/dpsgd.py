@@ -36,7 +36,10 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -152,14 +155,44 @@ class SerialClipping:
         return ClipStats(all_norms, clipped, loss_sum, real, units=b // group_size)
 
     def add_noise_(self, std: float, randomness: Any, step: int) -> None:
+        grads = [p.grad for _, p in self.params]
+
+        def draw(i: int) -> None:
+            g = grads[i]
+            gen = randomness.torch_generator("dpsgd-noise", step, i, device=g.device)
+            g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
+
         with torch.no_grad():
-            for i, (_, p) in enumerate(self.params):
-                g = p.grad
-                gen = randomness.torch_generator("dpsgd-noise", step, i, device=g.device)
-                g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
+            for_each_draw(draw, len(grads), cpu=all(g.device.type == "cpu" for g in grads))
 
     def share(self, randomness: Any) -> Any:
         return randomness
+
+
+@functools.cache
+def _draw_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's threads for noise draws, made once for each thread count."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="memaudit-noise")
+
+
+def for_each_draw(draw: Callable[[int], None], count: int, *, cpu: bool) -> None:
+    """``draw(i)`` for each parameter i: the noise of one parameter from its own generator.
+
+    On the CPU the draws run on `torch.get_num_threads` threads at once. torch's CPU normal
+    draws one tensor on one thread, whatever its intra-op threads, so the noise of `small`
+    (15.7M parameters, 57 tensors) took 70-75 ms a step drawn one after the other and 48 ms on
+    two threads (2 cores). Each parameter's noise comes from its own generator, keyed by its
+    index, so the bits are those of the draws one after the other. A CUDA draw is one kernel
+    launch: those stay in order on this thread.
+    """
+    threads = min(torch.get_num_threads(), count)
+    if not cpu or threads < 2:
+        for i in range(count):
+            draw(i)
+        return
+    pool = _draw_pool(threads)
+    for done in [pool.submit(draw, i) for i in range(count)]:
+        done.result()  # a draw's error is raised here
 
 
 class DPSGD:

@@ -79,3 +79,41 @@ def test_every_replica_adds_identical_noise(tmp_path) -> None:
     res = torch.load(out, weights_only=True)
     assert not torch.equal(res["before"][0], res["before"][1])  # independent secrets before the broadcast
     assert torch.equal(res["noise"][0], res["noise"][1])
+
+
+def test_each_parameters_noise_is_its_generators_draw_on_torchs_threads(monkeypatch) -> None:
+    """Both layouts draw the parameters' noise on torch's threads at once (`for_each_draw`):
+    torch's CPU normal draws one tensor on one thread, so the noise of `small` took 70-75 ms a
+    step one draw after the other and 48 ms on two threads. Failed before: every draw ran on the
+    calling thread. Oracle: each parameter's own generator drawn alone, bit for bit."""
+    import threading
+
+    from memaudit.train.dpsgd import SerialClipping
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    real = DPRandomness.torch_generator
+    drawn_on: set[int] = set()
+
+    def generator(self, *args, **kwargs):
+        drawn_on.add(threading.get_ident())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DPRandomness, "torch_generator", generator)
+    try:
+        pm = _zero_grad_model()
+        add_noise_(pm, std=0.5, randomness=RAND, step=4)
+        serial = SerialClipping(build_model("tiny", seed=0), "ghost")
+        for _, p in serial.params:
+            p.grad = torch.zeros_like(p)
+        serial.add_noise_(0.5, RAND, 4)
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert drawn_on and threading.get_ident() not in drawn_on
+    trained = [p for p in pm.hf.parameters() if p.requires_grad]
+    assert len(trained) == len(serial.params) > 2
+    for i, (p, (_, q)) in enumerate(zip(trained, serial.params, strict=True)):
+        expect = torch.randn(p.shard_spec.full_shape, generator=real(RAND, "dpsgd-noise", 4, i)) * 0.5
+        assert torch.equal(p.grad, p.shard_spec.local(expect, pm.comm)), i  # one rank: the whole tensor
+        alone = torch.normal(0.0, 0.5, size=q.shape, generator=real(RAND, "dpsgd-noise", 4, i))
+        assert torch.equal(q.grad, alone), i
