@@ -63,6 +63,7 @@ from memaudit.train.batches import EpochBatches
 from memaudit.train.dpsgd import DPSGD
 from memaudit.train.evaluate import is_right_padded, target_mask
 from memaudit.train.goldfish import goldfish_mask
+from memaudit.train.host_memory import kept_freed_memory
 from memaudit.train.layout import Batch, Layout, SerialLayout, autocast, make_optimizer
 from memaudit.train.sampling import PoissonSampler, SubsetSampler, cap_per_user
 from memaudit.train.schedule import lr_at
@@ -402,8 +403,10 @@ class Trainer:
     # ------------------------------------------------------------------ the driver's hooks
     @contextlib.contextmanager
     def running(self, session: RunSession, resume: bool) -> Iterator[None]:
-        """Deterministic CPU kernels, on the checkpoint's thread count when resuming."""
-        with deterministic(self.device), cpu_threads(self._checkpoint_threads() if resume else None):
+        """Deterministic CPU kernels, on the checkpoint's thread count when resuming, and on the
+        CPU the memory each step frees kept for the next (`kept_freed_memory`)."""
+        with (deterministic(self.device), cpu_threads(self._checkpoint_threads() if resume else None),
+              kept_freed_memory(self.device)):
             yield
 
     def prepare(self, session: RunSession) -> None:
