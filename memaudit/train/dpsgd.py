@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -170,8 +171,10 @@ class SerialClipping:
 
 
 @functools.cache
-def _draw_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's threads for noise draws, made once for each thread count."""
+def _draw_pool(threads: int, pid: int) -> ThreadPoolExecutor:
+    """Process ``pid``'s threads for noise draws, made once for each thread count. Keyed by the
+    process: a child forked after the parent drew noise holds the parent's pool, whose threads
+    do not exist in it, and its draws would wait for ever."""
     return ThreadPoolExecutor(threads, thread_name_prefix="memaudit-noise")
 
 
@@ -190,7 +193,7 @@ def for_each_draw(draw: Callable[[int], None], count: int, *, cpu: bool) -> None
         for i in range(count):
             draw(i)
         return
-    pool = _draw_pool(threads)
+    pool = _draw_pool(threads, os.getpid())
     for done in [pool.submit(draw, i) for i in range(count)]:
         done.result()  # a draw's error is raised here
 

@@ -117,3 +117,40 @@ def test_each_parameters_noise_is_its_generators_draw_on_torchs_threads(monkeypa
         assert torch.equal(p.grad, p.shard_spec.local(expect, pm.comm)), i  # one rank: the whole tensor
         alone = torch.normal(0.0, 0.5, size=q.shape, generator=real(RAND, "dpsgd-noise", 4, i))
         assert torch.equal(q.grad, alone), i
+
+
+def _draw_in_child(out) -> None:
+    from memaudit.train.dpsgd import for_each_draw
+
+    got: list[int] = []
+    for_each_draw(got.append, 8, cpu=True)
+    out.put(sorted(got))
+
+
+def test_a_forked_process_draws_its_noise_on_threads_of_its_own() -> None:
+    """A process forked after DP-SGD drew noise (Python's default start method on Linux) gets
+    new draw threads: the parent's do not exist in it. Failed before: the child's draws went to
+    the parent's pool, which no thread served there, and the child hung."""
+    import multiprocessing
+
+    from memaudit.train.dpsgd import for_each_draw
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        drawn: list[int] = []
+        for_each_draw(drawn.append, 8, cpu=True)  # the parent's threads
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_draw_in_child, args=(out,))
+        child.start()
+        child.join(20)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert sorted(drawn) == list(range(8))
+    assert not hung and child.exitcode == 0, "the forked child's draws never ran"
+    assert out.get(timeout=5) == list(range(8))
