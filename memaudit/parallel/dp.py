@@ -77,7 +77,7 @@ def add_noise_(model: ParallelLlama, *, std: float, randomness: Any, step: int) 
         noise = torch.randn(spec.full_shape, generator=gen, dtype=torch.float32) * std
         p.grad.add_(spec.local(noise, model.comm).to(device=p.grad.device, dtype=p.grad.dtype))
 
-    for_each_draw(draw, len(params), cpu=all(p.grad.device.type == "cpu" for p in params))
+    for_each_draw(draw, [p.grad for p in params])
 
 
 def pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, multiple: int

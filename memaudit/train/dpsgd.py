@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -164,7 +164,7 @@ class SerialClipping:
             g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
 
         with torch.no_grad():
-            for_each_draw(draw, len(grads), cpu=all(g.device.type == "cpu" for g in grads))
+            for_each_draw(draw, grads)
 
     def share(self, randomness: Any) -> Any:
         return randomness
@@ -178,23 +178,24 @@ def _draw_pool(threads: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="memaudit-noise")
 
 
-def for_each_draw(draw: Callable[[int], None], count: int, *, cpu: bool) -> None:
-    """``draw(i)`` for each parameter i: the noise of one parameter from its own generator.
+def for_each_draw(draw: Callable[[int], None], grads: Sequence[torch.Tensor]) -> None:
+    """``draw(i)`` for each gradient i: the noise of one parameter from its own generator,
+    added to ``grads[i]``.
 
-    On the CPU the draws run on `torch.get_num_threads` threads at once. torch's CPU normal
-    draws one tensor on one thread, whatever its intra-op threads, so the noise of `small`
-    (15.7M parameters, 57 tensors) took 70-75 ms a step drawn one after the other and 48 ms on
-    two threads (2 cores). Each parameter's noise comes from its own generator, keyed by its
-    index, so the bits are those of the draws one after the other. A CUDA draw is one kernel
-    launch: those stay in order on this thread.
+    When every gradient is on the CPU the draws run on `torch.get_num_threads` threads at once.
+    torch's CPU normal draws one tensor on one thread, whatever its intra-op threads, so the
+    noise of `small` (15.7M parameters, 57 tensors) took 70-75 ms a step drawn one after the
+    other and 48 ms on two threads (2 cores). Each parameter's noise comes from its own
+    generator, keyed by its index, so the bits are those of the draws one after the other.
+    Gradients on a GPU keep every CUDA operation in order on this thread.
     """
-    threads = min(torch.get_num_threads(), count)
-    if not cpu or threads < 2:
-        for i in range(count):
+    threads = min(torch.get_num_threads(), len(grads))
+    if threads < 2 or any(g.device.type != "cpu" for g in grads):
+        for i in range(len(grads)):
             draw(i)
         return
     pool = _draw_pool(threads, os.getpid())
-    for done in [pool.submit(draw, i) for i in range(count)]:
+    for done in [pool.submit(draw, i) for i in range(len(grads))]:
         done.result()  # a draw's error is raised here
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import platform
 from collections.abc import Iterator
 from typing import Any
@@ -32,8 +33,10 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 
+@functools.cache
 def glibc() -> Any:
-    """The process's C library when it is glibc (its ``mallopt`` and ``malloc_trim``), else None."""
+    """The process's C library when it is glibc (its ``mallopt`` and ``malloc_trim``), else None.
+    Looked up once: ``platform.libc_ver`` reads the interpreter's executable."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:

@@ -123,7 +123,7 @@ def _draw_in_child(out) -> None:
     from memaudit.train.dpsgd import for_each_draw
 
     got: list[int] = []
-    for_each_draw(got.append, 8, cpu=True)
+    for_each_draw(got.append, [torch.zeros(1)] * 8)
     out.put(sorted(got))
 
 
@@ -139,7 +139,7 @@ def test_a_forked_process_draws_its_noise_on_threads_of_its_own() -> None:
     torch.set_num_threads(2)
     try:
         drawn: list[int] = []
-        for_each_draw(drawn.append, 8, cpu=True)  # the parent's threads
+        for_each_draw(drawn.append, [torch.zeros(1)] * 8)  # the parent's threads
         ctx = multiprocessing.get_context("fork")
         out = ctx.Queue()
         child = ctx.Process(target=_draw_in_child, args=(out,))
