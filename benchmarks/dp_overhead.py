@@ -25,7 +25,7 @@ gradients formed (the ghost clipper's budget at 2**26) dp_ghost 1.527x the non-p
 
 Later the same day every variant runs with glibc keeping the memory a step frees, as a training
 run does (`memaudit.train.host_memory`; ``--glibc-default`` leaves glibc as it is), and the
-noise is drawn on torch's threads (`memaudit.train.dpsgd.for_each_draw`). The same command
+noise is drawn on torch's threads (`memaudit.train.noise.for_each_draw`). The same command
 with ``--repeats 11 --warmup 2``: dp_ghost 1.286x the non-private step (1.075 s against
 0.836 s), Opacus ghost 2.24x, hooks 1.98x. Interleaved processes, 7 repeats, kept against
 ``--glibc-default``: dp_ghost 1.283x and 1.357x against 1.55x and 1.92x; the non-private step

@@ -144,13 +144,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from timing import median_seconds  # benchmarks/timing.py, beside this script
 
 from memaudit.federated.algorithms import fedavg
 from memaudit.federated.cohorts import ClientData
@@ -167,16 +167,6 @@ def _mesh(spec: str) -> jax.sharding.Mesh:
         raise SystemExit(f"mesh {spec} needs {c * m} devices, there are {len(jax.devices())}; "
                          "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
     return jax.make_mesh((c, m), ("clients", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up (compiled already; first call allocates)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _memory_mib(compiled) -> float:
@@ -203,7 +193,7 @@ def _round(model, params, ids, mesh, strategy: str, args) -> dict:
     key = jax.random.PRNGKey(0)
     with jax.set_mesh(mesh):
         compiled = algo.round.jitted.lower(state, data, key).compile()
-        round_s = _timed(lambda: jax.block_until_ready(compiled(state, data, key)[0].params), args.repeats)
+        round_s = median_seconds(lambda: jax.block_until_ready(compiled(state, data, key)[0].params), args.repeats, warmup=1)
     return {"round_s": round_s, "round_s_per_client": round_s / n, "memory_per_device_mib": _memory_mib(compiled)}
 
 
@@ -279,7 +269,7 @@ def _centralized(model, params, ids, mesh, args) -> dict:
     params = jax.device_put(params, server_shardings(params, mesh, kernel_axes))
     with jax.set_mesh(mesh):
         compiled = jax.jit(train).lower(params, batches).compile()
-        s = _timed(lambda: jax.block_until_ready(compiled(params, batches)), args.repeats)
+        s = median_seconds(lambda: jax.block_until_ready(compiled(params, batches)), args.repeats, warmup=1)
     return {"centralized_s": s, "centralized_memory_per_device_mib": _memory_mib(compiled)}
 
 

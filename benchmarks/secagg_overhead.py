@@ -35,15 +35,7 @@ import statistics
 import time
 
 import numpy as np
-
-
-def _time(fn, repeats: int) -> float:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+from timing import median_seconds  # benchmarks/timing.py, beside this script
 
 
 def prg_throughput(d: int, repeats: int, fused: int = 8) -> dict:
@@ -165,7 +157,7 @@ def encode_throughput(n: int, d: int, repeats: int) -> dict:
     rows = np.random.default_rng(0).normal(size=(n, d)).astype(np.float32)
     scale, _ = quantisation_scale(1.0, 20, n)
     rng = np.random.default_rng(1)
-    t = _time(lambda: encode(rows, 1.0, scale, rng), repeats)
+    t = median_seconds(lambda: encode(rows, 1.0, scale, rng), repeats)
     return {"cohort": n, "params": d, "encode_s": t, "encode_ns_per_value": t / (n * d) * 1e9}
 
 

@@ -22,6 +22,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +64,44 @@ class ShardSpec:
             return t.contiguous()
         return z_piece(t.reshape(-1), comm, pad=pad)
 
+    def local_of(self, block: Callable[[tuple[int, int], tuple[int, int]], torch.Tensor], comm: Comm, *,
+                 pad: float = 0.0) -> torch.Tensor:
+        """What `local` cuts from the whole tensor, from blocks of it alone.
+
+        ``block(rows, cols)`` returns those [start, stop) spans of the tensor read as a matrix
+        (`memaudit.train.noise.matrix_shape`: the first dimension by the rest). It is called
+        once, for the rows and columns of this rank's elements: its row and column share, and
+        under z only the rows its piece of the flattened block meets (at most two of them in part).
+        """
+        shape = self.full_shape
+        if len(shape) > 2 and self.col is not None:
+            raise ValueError(f"a {len(shape)}-d parameter split along dim 1 has no block of its own")
+        spans = [(0, shape[0] if shape else 1), (0, math.prod(shape[1:]))]
+        for dim, axis in ((0, self.row), (1, self.col)):
+            if axis is not None:
+                n, i = comm.size(axis), comm.index(axis)
+                k = (spans[dim][1] - spans[dim][0]) // n
+                spans[dim] = (i * k, i * k + k)
+        (r0, r1), (c0, c1) = spans
+        if not self.z_flat:
+            own = (r1 - r0, c1 - c0)[:len(shape)] if len(shape) <= 2 else (r1 - r0, *shape[1:])
+            return block((r0, r1), (c0, c1)).reshape(own).contiguous()
+        width, numel = c1 - c0, (r1 - r0) * (c1 - c0)
+        per = math.ceil(numel / comm.size(MeshAxis.Z))
+        f0 = min(comm.index(MeshAxis.Z) * per, numel)
+        f1 = min(f0 + per, numel)
+        first, stop = (f0 // width, -(-f1 // width)) if f1 > f0 else (0, 0)  # a piece of padding only: no rows
+        got = block((r0 + first, r0 + stop), (c0, c1)).reshape(-1)
+        out = got.new_full((per,), pad)
+        out[: f1 - f0] = got[f0 - first * width:f1 - first * width]
+        return out
+
     def flat_index(self, dims: ParallelDims, rank: int, *, device: Any = None) -> torch.Tensor:
         """Where each element of rank `rank`'s shard sits in the flattened full tensor (-1 for
         z padding): this layout applied to `arange`, for any grid, without process groups."""
         numel = math.prod(self.full_shape)
         ar = torch.arange(numel, dtype=torch.int64, device=device).view(self.full_shape)
-        return self.local(ar, _At(dims, rank), pad=-1).reshape(-1)
+        return self.local(ar, RankOnGrid(dims, rank), pad=-1).reshape(-1)
 
     def to_json(self) -> dict[str, Any]:
         return {"full_shape": list(self.full_shape), "row": self.row, "col": self.col, "z_flat": self.z_flat}
@@ -79,8 +112,9 @@ class ShardSpec:
         return cls(tuple(int(n) for n in d["full_shape"]), d["row"], d["col"], bool(d["z_flat"]), (), ())
 
 
-class _At:
-    """The sizes of a grid and the coordinates of one of its ranks, as `Comm` reports them."""
+class RankOnGrid:
+    """The sizes of a grid and the coordinates of one of its ranks, as `Comm` reports them: a
+    rank's shard of any grid (`ShardSpec.local`, `ShardSpec.local_of`) without process groups."""
 
     def __init__(self, dims: ParallelDims, rank: int) -> None:
         self.dims, self.coords = dims, dims.coords(rank)

@@ -14,10 +14,11 @@ process (`SerialClipping`) they come from `memaudit.train.ghost` (ghost norms an
 book-keeping: one forward and one backward pass per micro-batch) or from the `vmap`
 reference; on the tensor-parallel grid (`memaudit.parallel.dp.TensorParallelClipping`) each
 rank's layers return partial squared norms that are all-reduced. Step t's noise of parameter
-i comes from a fresh `torch.Generator` keyed by the run's secret randomness at
-("dpsgd-noise", t, i) (`memaudit.privacy.randomness`, HKDF over an OS-entropy secret), so it
-cannot be recomputed from the seed; `state_dict()` holds the secret and the step counter for
-an exact resume. `mechanism` declares what this adds (the ledger records
+i is drawn in fixed tiles from generators keyed by the run's secret randomness at (t, i, tile)
+(`memaudit.train.noise`; `memaudit.privacy.randomness`, HKDF over an OS-entropy secret), the
+same bits in every layout, and cannot be recomputed from the seed; a gradient on a GPU in one
+process gets one device draw keyed at ("dpsgd-noise", t, i) instead. `state_dict()` holds the
+secret and the step counter for an exact resume. `mechanism` declares what this adds (the ledger records
 `mechanism.dp_event()` per step).
 
 References:
@@ -36,11 +37,7 @@ References:
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -50,6 +47,8 @@ from torch import nn
 from memaudit.models.keyed_dropout import dropout_rows
 from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.ghost import ClippedGrads, GhostClipper, vmap_clipped_sum
+from memaudit.train.noise import add_noise_ as add_tiled_noise_
+from memaudit.train.noise import for_each_draw, parameter_key
 
 
 def check_dp_args(clip: float, noise_multiplier: float, expected_batch_size: float) -> None:
@@ -94,7 +93,8 @@ class PerExampleClipping(Protocol):
     `params` are the (name, parameter) pairs that receive gradients, in the order that keys
     their noise; `clipped_sum_` leaves Σ_i min(1, C/||∇_i||) ∇_i of the whole batch in each
     parameter's `.grad` (replacing what was there) and returns the `ClipStats`; `add_noise_`
-    adds N(0, std²) to every logical gradient element, drawn at ("dpsgd-noise", step, i);
+    adds N(0, std²) to every logical gradient element, parameter i's from its tiles at step
+    (`memaudit.train.noise`);
     `share` makes a fresh secret the same on every process of the layout.
     """
 
@@ -160,6 +160,9 @@ class SerialClipping:
 
         def draw(i: int) -> None:
             g = grads[i]
+            if g.device.type == "cpu":  # the tiles every layout draws (`memaudit.train.noise`)
+                add_tiled_noise_(g, parameter_key(randomness, step, i), std)
+                return
             gen = randomness.torch_generator("dpsgd-noise", step, i, device=g.device)
             g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
 
@@ -168,35 +171,6 @@ class SerialClipping:
 
     def share(self, randomness: Any) -> Any:
         return randomness
-
-
-@functools.cache
-def _draw_pool(threads: int, pid: int) -> ThreadPoolExecutor:
-    """Process ``pid``'s threads for noise draws, made once for each thread count. Keyed by the
-    process: a child forked after the parent drew noise holds the parent's pool, whose threads
-    do not exist in it, and its draws would wait for ever."""
-    return ThreadPoolExecutor(threads, thread_name_prefix="memaudit-noise")
-
-
-def for_each_draw(draw: Callable[[int], None], grads: Sequence[torch.Tensor]) -> None:
-    """``draw(i)`` for each gradient i: the noise of one parameter from its own generator,
-    added to ``grads[i]``.
-
-    When every gradient is on the CPU the draws run on `torch.get_num_threads` threads at once.
-    torch's CPU normal draws one tensor on one thread, whatever its intra-op threads, so the
-    noise of `small` (15.7M parameters, 57 tensors) took 70-75 ms a step drawn one after the
-    other and 48 ms on two threads (2 cores). Each parameter's noise comes from its own
-    generator, keyed by its index, so the bits are those of the draws one after the other.
-    Gradients on a GPU keep every CUDA operation in order on this thread.
-    """
-    threads = min(torch.get_num_threads(), len(grads))
-    if threads < 2 or any(g.device.type != "cpu" for g in grads):
-        for i in range(len(grads)):
-            draw(i)
-        return
-    pool = _draw_pool(threads, os.getpid())
-    for done in [pool.submit(draw, i) for i in range(len(grads))]:
-        done.result()  # a draw's error is raised here
 
 
 class DPSGD:

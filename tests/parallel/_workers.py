@@ -349,13 +349,42 @@ def model_cases(grid: tuple[int, int, int, int], ref: dict[str, Any], outdir: st
         assert float(acc.abs().sum()) == 0.0
         torch.testing.assert_close(per_example_grad_norms(pm, ids, mask), norms, rtol=0, atol=0)
 
+    def noise() -> None:
+        """DP-SGD's noise on the grid is the one-process noise element for element, and each rank
+        draws the tiles of its own elements, not every logical tensor. Failed before: every rank
+        drew each parameter's whole tensor (all of the noise)."""
+        from memaudit.models.presets import build_model
+        from memaudit.parallel.dp import add_noise_
+        from memaudit.train.dpsgd import SerialClipping
+        from tests.parallel._draws import counting_normals
+
+        pm = _pmodel(grid, ref["init"])
+        for p in pm.hf.parameters():
+            p.grad = torch.zeros_like(p)
+        with counting_normals() as drawn:
+            add_noise_(pm, std=0.5, randomness=_rand(5), step=3)
+        serial = SerialClipping(build_model("tiny", seed=0), "ghost")
+        for _, p in serial.params:
+            p.grad = torch.zeros_like(p)
+        serial.add_noise_(0.5, _rand(5), 3)
+        got = pm.full_state_dict(grads=True)
+        for n, p in serial.params:
+            assert torch.equal(got[n], p.grad), n
+        full = sum(p.numel() for _, p in serial.params)
+        tp = pm.pg.dims.tp_size
+        # tiny's matrices are a few tiles each (256 x 256; 512 x 128 of its 128-wide ones), so on
+        # its 4-rank grids a rank draws 0.56 (x=y=2) and 0.71 (x=z=2) of the noise, not all of it;
+        # at scale the share tends to 1/4 (tests/parallel/test_dp_noise.py, with small tiles)
+        assert full / tp <= sum(drawn) <= (full if tp == 1 else 0.75 * full), (sum(drawn), full, tp)
+
     def payload() -> None:
         pm = _pmodel(grid, ref["init"])
         check_volume(pm, data[0], recompute=False, dp=False, micro=1, clip=True)
         if grid == (1, 1, 1, 1):
             assert sum(pm.comm.per_axis().values()) == 0
 
-    for name, fn in (("train", train), ("clip", clip), ("dp", dp), ("uls", uls), ("ghost", ghost), ("payload", payload)):
+    for name, fn in (("train", train), ("clip", clip), ("dp", dp), ("uls", uls), ("ghost", ghost), ("noise", noise),
+                     ("payload", payload)):
         case(name, fn)
     return res
 

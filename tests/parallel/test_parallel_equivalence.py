@@ -12,7 +12,7 @@ from tests.parallel import _workers
 
 WORLDS = (2, 4, 8)
 _LAYER = [(w, n) for w in WORLDS for n in _workers.layer_case_names(w)]
-_MODEL = [(g, kind) for g in _workers.MODEL_GRIDS for kind in ("train", "clip", "dp", "uls", "ghost", "payload")]
+_MODEL = [(g, kind) for g in _workers.MODEL_GRIDS for kind in ("train", "clip", "dp", "uls", "ghost", "noise", "payload")]
 _OVERLAP = [f"overlap-{o}-{k}-{''.join(map(str, g))}" for g in _workers.MODEL_GRIDS if g != (1, 1, 1, 1)
             for k in ("plain", "recompute", "dp", "micro") for o in _workers.overlap_variants(g)]
 _OVERLAP += [f"overlap-train-{''.join(map(str, g))}" for g in _workers.MODEL_GRIDS if g != (1, 1, 1, 1)]
