@@ -47,8 +47,7 @@ from torch import nn
 from memaudit.models.keyed_dropout import dropout_rows
 from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.ghost import ClippedGrads, GhostClipper, vmap_clipped_sum
-from memaudit.train.noise import add_noise_ as add_tiled_noise_
-from memaudit.train.noise import for_each_draw, parameter_key
+from memaudit.train.noise import add_tiled_noise_, for_each_draw, parameter_key
 
 
 def check_dp_args(clip: float, noise_multiplier: float, expected_batch_size: float) -> None:

@@ -96,7 +96,7 @@ def noise_block(key: bytes, shape: Sequence[int], rows: Span, cols: Span, std: f
     return out
 
 
-def add_noise_(grad: torch.Tensor, key: bytes, std: float) -> None:
+def add_tiled_noise_(grad: torch.Tensor, key: bytes, std: float) -> None:
     """``grad`` (a whole parameter's gradient on the CPU) += its noise, tile by tile: the same
     bits as ``grad += noise_block(...)`` of the whole matrix, without a tensor of noise."""
     rows, cols = matrix_shape(grad.shape)
