@@ -32,7 +32,7 @@ from memaudit.models.keyed_dropout import dropout_rows
 from memaudit.parallel.dims import MeshAxis
 from memaudit.parallel.parallelize import ParallelLlama, sync_grads
 from memaudit.train.dpsgd import ClipStats
-from memaudit.train.noise import for_each_draw, noise_block, parameter_key
+from memaudit.train.noise import Apply, added, for_each_draw, noise_block, parameter_key
 
 
 def per_example_grad_norms(model: ParallelLlama, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -70,11 +70,11 @@ def add_noise_(model: ParallelLlama, *, std: float, randomness: Any, step: int) 
     """
     params = [p for p in model.hf.parameters() if p.requires_grad]
 
-    def draw(i: int) -> None:  # this rank's block of the logical tensor, from its tiles
+    def draw(i: int) -> Apply | None:  # this rank's block of the logical tensor, from its tiles
         p = params[i]
         spec, key = p.shard_spec, parameter_key(randomness, step, i)
         noise = spec.local_of(lambda rows, cols: noise_block(key, spec.full_shape, rows, cols, std), model.comm)
-        p.grad.add_(noise.to(device=p.grad.device, dtype=p.grad.dtype))
+        return added(p.grad, noise)
 
     for_each_draw(draw, [p.grad for p in params])
 

@@ -47,7 +47,7 @@ from torch import nn
 from memaudit.models.keyed_dropout import dropout_rows
 from memaudit.privacy.randomness import DPRandomness
 from memaudit.train.ghost import ClippedGrads, GhostClipper, vmap_clipped_sum
-from memaudit.train.noise import add_tiled_noise_, for_each_draw, parameter_key
+from memaudit.train.noise import Apply, add_tiled_noise_, for_each_draw, parameter_key
 
 
 def check_dp_args(clip: float, noise_multiplier: float, expected_batch_size: float) -> None:
@@ -157,13 +157,17 @@ class SerialClipping:
     def add_noise_(self, std: float, randomness: Any, step: int) -> None:
         grads = [p.grad for _, p in self.params]
 
-        def draw(i: int) -> None:
+        def draw(i: int) -> Apply | None:
             g = grads[i]
             if g.device.type == "cpu":  # the tiles every layout draws (`memaudit.train.noise`)
                 add_tiled_noise_(g, parameter_key(randomness, step, i), std)
-                return
-            gen = randomness.torch_generator("dpsgd-noise", step, i, device=g.device)
-            g += torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype)
+                return None
+
+            def on_device() -> None:  # one draw of the whole tensor, on the caller's thread
+                gen = randomness.torch_generator("dpsgd-noise", step, i, device=g.device)
+                g.add_(torch.normal(0.0, std, size=g.shape, generator=gen, device=g.device, dtype=g.dtype))
+
+            return on_device
 
         with torch.no_grad():
             for_each_draw(draw, grads)

@@ -26,8 +26,9 @@ import functools
 import hashlib
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ TILE_SIDE = 256  # a tile holds at most TILE_SIDE² normals; part of the noise's
 PURPOSE = "dpsgd-noise-tile"
 
 Span = tuple[int, int]  # [start, stop) along one dimension of the matrix view
+Apply = Callable[[], None]  # what a draw leaves for the calling thread (`for_each_draw`)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -84,7 +86,9 @@ def _tiles(key: bytes, shape: Sequence[int], rows: Span, cols: Span,
             ca, cb = max(tb0, c0), min(tb1, c1)
             gen.manual_seed(tile_seed(key, a, b))
             tile = torch.normal(0.0, std, (ta1 - ta0, tb1 - tb0), generator=gen)  # randn x std, bit for bit
-            yield (slice(ra - r0, rb - r0), slice(ca - c0, cb - c0)), tile[ra - ta0:rb - ta0, ca - tb0:cb - tb0]
+            if (ra, rb, ca, cb) != (ta0, ta1, tb0, tb1):  # the block holds part of this tile
+                tile = tile[ra - ta0:rb - ta0, ca - tb0:cb - tb0]
+            yield (slice(ra - r0, rb - r0), slice(ca - c0, cb - c0)), tile
 
 
 def noise_block(key: bytes, shape: Sequence[int], rows: Span, cols: Span, std: float) -> torch.Tensor:
@@ -102,7 +106,7 @@ def add_tiled_noise_(grad: torch.Tensor, key: bytes, std: float) -> None:
     rows, cols = matrix_shape(grad.shape)
     view = grad.view(rows, cols)
     for where, part in _tiles(key, grad.shape, (0, rows), (0, cols), std):
-        view[where] += part.to(grad.dtype)
+        view[where].add_(part if part.dtype == grad.dtype else part.to(grad.dtype))
 
 
 def full_noise(key: bytes, shape: Sequence[int], std: float) -> torch.Tensor:
@@ -119,21 +123,43 @@ def _draw_pool(threads: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="memaudit-noise")
 
 
-def for_each_draw(draw: Callable[[int], None], grads: Sequence[torch.Tensor]) -> None:
-    """``draw(i)`` for each gradient i: the noise of one parameter, added to ``grads[i]``.
+def added(grad: torch.Tensor, noise: torch.Tensor) -> Apply | None:
+    """``grad += noise`` (noise on the CPU): done here for a gradient on the CPU; for one on a
+    GPU, returned for `for_each_draw` to run on its caller's thread."""
+    if grad.device.type == "cpu":
+        grad.add_(noise.to(grad.dtype))
+        return None
+    return lambda: grad.add_(noise.to(device=grad.device, dtype=grad.dtype))
 
-    When every gradient is on the CPU the draws run on `torch.get_num_threads` threads at once.
+
+def _run(then: Apply | None) -> None:
+    if then is not None:
+        then()
+
+
+def for_each_draw(draw: Callable[[int], Apply | None], grads: Sequence[torch.Tensor]) -> None:
+    """``draw(i)`` for each gradient i, on `torch.get_num_threads` threads at once; what a draw
+    returns (the part that touches a GPU) runs on this thread, in the order of i.
+
     torch's CPU normal draws one tensor on one thread, whatever its intra-op threads, so the
     noise of `small` (15.7M parameters, 57 tensors) took 70-75 ms a step drawn one after the
     other and 48 ms on two threads (2 cores). A parameter's noise depends on its index and
-    tiles only, so the bits are those of the draws one after the other. Gradients on a GPU keep
-    every CUDA operation in order on this thread.
+    tiles only, so the bits are those of the draws one after the other. A draw for a gradient on
+    a GPU makes its noise on the CPU and returns the copy and add (`added`), so every CUDA
+    operation stays in order on one thread; then at most 4 x threads draws are ahead of it.
     """
     threads = min(torch.get_num_threads(), len(grads))
-    if threads < 2 or any(g.device.type != "cpu" for g in grads):
+    if threads < 2:
         for i in range(len(grads)):
-            draw(i)
+            _run(draw(i))
         return
     pool = _draw_pool(threads, os.getpid())
-    for done in [pool.submit(draw, i) for i in range(len(grads))]:
-        done.result()  # a draw's error is raised here
+    on_cpu = all(g.device.type == "cpu" for g in grads)  # nothing waits: no noise is held back
+    window = len(grads) if on_cpu else 4 * threads
+    pending: deque[Future] = deque()
+    for i in range(len(grads)):
+        pending.append(pool.submit(draw, i))
+        if len(pending) > window:
+            _run(pending.popleft().result())  # a draw's error is raised here
+    while pending:
+        _run(pending.popleft().result())

@@ -246,3 +246,30 @@ def test_a_forked_process_draws_its_noise_on_threads_of_its_own() -> None:
     assert sorted(drawn) == list(range(8))
     assert not hung and child.exitcode == 0, "the forked child's draws never ran"
     assert out.get(timeout=5) == list(range(8))
+
+
+def test_noise_for_a_gpu_is_drawn_on_torchs_threads_and_added_in_order_on_the_callers() -> None:
+    """Gradients off the CPU (here on torch's meta device, as a GPU's would be): the draws still
+    run on torch's threads, and the copy and add each returns run on the calling thread in the
+    parameters' order, so CUDA work stays on one thread. Failed before: with any gradient off
+    the CPU every draw ran on the calling thread, one after the other."""
+    import threading
+
+    from memaudit.train.noise import for_each_draw
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    main = threading.get_ident()
+    drawn_on: set[int] = set()
+    applied: list[tuple[int, int]] = []
+
+    def draw(i: int):
+        drawn_on.add(threading.get_ident())
+        return lambda: applied.append((i, threading.get_ident()))
+
+    try:
+        for_each_draw(draw, [torch.zeros(3, device="meta")] * 9)
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert drawn_on and main not in drawn_on
+    assert applied == [(i, main) for i in range(9)]
