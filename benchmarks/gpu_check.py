@@ -6,7 +6,8 @@ preset (6 x parameters x tokens per second over the device's bf16 peak) and time
 more, it times NCCL grids of up to 8 ranks against the serial model (one GPU), blocking
 against overlapped collectives, and checks the counted wire volume per kind against the planner.
 With jax[cuda] installed it also runs a client stage exported for CPU and CUDA on the GPU against
-the CPU (`flower_stage_on_cuda`).
+the CPU (`flower_stage_on_cuda`). DP-SGD's noise for gradients on the GPU (`dp_noise_on`): the
+grid's layout adds the CPU tiles, bit for bit, and one process draws on the device.
 """
 
 from __future__ import annotations
@@ -160,6 +161,53 @@ def flower_stage_on_cuda(platform: str = "cuda") -> dict:
             "max_abs_grad_diff": diff}
 
 
+def dp_noise_on(device: str = "cuda") -> dict:
+    """DP-SGD's noise for gradients on ``device``. The grid's layout (1 rank: its tiles drawn on
+    torch's CPU threads, then copied and added on this thread) must equal one process's CPU draw
+    bit for bit; one process's gradients on the device get one device draw per tensor, whose std
+    is checked. Seconds of each (tiny)."""
+    import torch
+
+    from memaudit.models.presets import build_model
+    from memaudit.parallel.dims import ParallelDims
+    from memaudit.parallel.dp import add_noise_
+    from memaudit.parallel.parallelize import parallelize_llama
+    from memaudit.privacy.randomness import DPRandomness
+    from memaudit.train.dpsgd import SerialClipping
+
+    rand = DPRandomness.from_seed(0)
+
+    def zero_grads(params):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    pm = parallelize_llama(build_model("tiny", seed=0).to(device), dims=ParallelDims())
+    trained = [p for p in pm.hf.parameters() if p.requires_grad]
+    zero_grads(trained)
+    grid_s = timed(lambda: add_noise_(pm, std=0.5, randomness=rand, step=1))
+    cpu = SerialClipping(build_model("tiny", seed=0), "ghost")
+    zero_grads([p for _, p in cpu.params])
+    cpu.add_noise_(0.5, rand, 1)
+    same = all(torch.equal(p.grad.cpu(), p.shard_spec.local(q.grad, pm.comm))
+               for p, (_, q) in zip(trained, cpu.params, strict=True))
+    one = SerialClipping(build_model("tiny", seed=0).to(device), "ghost")
+    zero_grads([p for _, p in one.params])
+    serial_s = timed(lambda: one.add_noise_(0.5, rand, 1))
+    flat = torch.cat([p.grad.reshape(-1).float().cpu() for _, p in one.params])
+    std = float(flat.std())
+    ok = same and abs(std - 0.5) < 0.01
+    return {"status": "ok" if ok else "mismatch", "device": device, "grid_equals_cpu_tiles": same,
+            "grid_s": round(grid_s, 4), "one_process_device_draw_s": round(serial_s, 4),
+            "one_process_std": round(std, 4), "normals": flat.numel()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=540.0)
@@ -179,6 +227,12 @@ def main() -> int:
     out["flower_stage_cuda"] = flower_stage_on_cuda()
     if out["flower_stage_cuda"]["status"] == "mismatch":
         out["status"] = "flower_stage_mismatch"
+    try:  # one GPU run has to report the other checks too
+        out["dp_noise_cuda"] = dp_noise_on("cuda")
+    except Exception as e:  # noqa: BLE001
+        out["dp_noise_cuda"] = {"status": "error", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if out["dp_noise_cuda"]["status"] != "ok":
+        out["status"] = "dp_noise_mismatch"
     out["mfu_1b_bf16"] = with_smaller_batch(mfu_1b, 8, min(120.0, a.budget_s / 4), peak_tflops(name, a.peak_tflops))
     if n == 1:
         out["parallel_1111_nccl"] = with_smaller_batch(nccl_1111, 4, 5)
