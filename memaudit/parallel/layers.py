@@ -34,6 +34,7 @@ from memaudit.parallel import ghost
 from memaudit.parallel.comm import Comm, GradSync, reduce_partial
 from memaudit.parallel.dims import MeshAxis, ParallelDims
 from memaudit.parallel.ghost import GhostNorms
+from memaudit.train.noise import matrix_shape
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -69,14 +70,14 @@ class ShardSpec:
         """What `local` cuts from the whole tensor, from blocks of it alone.
 
         ``block(rows, cols)`` returns those [start, stop) spans of the tensor read as a matrix
-        (`memaudit.train.noise.matrix_shape`: the first dimension by the rest). It is called
+        (`matrix_shape`: the first dimension by the rest). It is called
         once, for the rows and columns of this rank's elements: its row and column share, and
         under z only the rows its piece of the flattened block meets (at most two of them in part).
         """
         shape = self.full_shape
         if len(shape) > 2 and self.col is not None:
             raise ValueError(f"a {len(shape)}-d parameter split along dim 1 has no block of its own")
-        spans = [(0, shape[0] if shape else 1), (0, math.prod(shape[1:]))]
+        spans = [(0, n) for n in matrix_shape(shape)]
         for dim, axis in ((0, self.row), (1, self.col)):
             if axis is not None:
                 n, i = comm.size(axis), comm.index(axis)
