@@ -26,13 +26,15 @@ runs in this process (JAX and the run's server stages included), so one that bri
 interpreter down brings the SuperLink down with it; an exception ends its run only.
 
 A SuperNode's ask for a message and the ServerApp's ask for replies are held here until there
-is one to return, its objects all stored (`memaudit.federated.flower.longpoll`).
+is one to return, its objects all stored (`memaudit.federated.flower.longpoll`), and a
+SuperNode's request skips the Control API's HTTP layers (`memaudit.federated.flower.leanhttp`).
 """
 
 from __future__ import annotations
 
 import sys
 
+from memaudit.federated.flower import leanhttp
 from memaudit.federated.flower.longpoll import install_superlink
 from memaudit.federated.flower.superexec import beside
 
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
     install_superlink()
+    leanhttp.install()
     return beside(flower_superlink, list(sys.argv[1:] if argv is None else argv), task="serverapp")
 
 

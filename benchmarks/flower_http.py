@@ -1,0 +1,216 @@
+"""A SuperNode's request to the SuperLink's HTTP server: Flower 1.42's middleware stack against
+memaudit's (`memaudit.federated.flower.leanhttp`), side by side; prints JSON.
+
+    python benchmarks/flower_http.py [--requests 50] [--repeats 7] [--large-mib 5]
+
+Each variant serves Flower's own Fleet router (its routes, protobuf parsing, SuperNode
+signature check and node-id lookup) behind its middleware stack, with uvicorn on a thread of
+this process; the Fleet handlers are stand-ins that answer at once (`standin_handlers`), so
+what is timed is HTTP, the middleware layers and the signature check. One client signs every
+request as a SuperNode does. Variants:
+
+- ``flower``: the stack Flower's SuperLink builds (``flwr.superlink.main._get_middleware``);
+- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.leanhttp.lean_stack`);
+- ``lean_without_check``: ``lean`` with SuperNode authentication left a ``BaseHTTPMiddleware``.
+
+Requests: ``small`` (a pull-object ask, about 60 bytes) and ``large`` (a push-object of
+``--large-mib`` MiB: a node's masked input on the ``tiny`` model is 5 MiB). The statistic is
+the median over ``--repeats`` of the mean seconds a request took in a batch of ``--requests``,
+the variants interleaved in every repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+NODE_ID = 7
+
+
+class _State:
+    """The stand-in LinkState: the node's id by its public key."""
+
+    def __init__(self, keys: dict[bytes, int]) -> None:
+        self.keys = keys
+
+    def get_node_id_by_public_key(self, public_key: bytes) -> int | None:
+        return self.keys.get(public_key)
+
+
+class _Links:
+    def __init__(self, state: _State) -> None:
+        self._state = state
+
+    def state(self) -> _State:
+        return self._state
+
+
+@contextlib.contextmanager
+def standin_handlers() -> Iterator[None]:
+    """Flower's Fleet push-object and pull-object handlers replaced by ones that answer at once."""
+    from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
+    from flwr.superlink.servicer.fleet import fleet_handlers
+
+    saved = fleet_handlers.push_object, fleet_handlers.pull_object
+    fleet_handlers.push_object = lambda request, state: PushObjectResponse(stored=True)
+    fleet_handlers.pull_object = lambda request, state: PullObjectResponse(
+        object_found=True, object_available=True, object_content=b"x" * 64)
+    try:
+        yield
+    finally:
+        fleet_handlers.push_object, fleet_handlers.pull_object = saved
+
+
+def flower_stack() -> list[Any]:
+    """The middleware stack Flower 1.42's SuperLink builds."""
+    from flwr.superlink import main as app_module
+
+    built = app_module._get_middleware
+    return (getattr(built, "__wrapped_flower__", None) or built)()
+
+
+def fleet_app(middleware: list[Any], public_key: bytes) -> Any:
+    """Flower's Fleet router behind ``middleware``, knowing one node (``NODE_ID``) by
+    ``public_key``."""
+    from fastapi import FastAPI
+    from flwr.superlink.routers.fleet.router import router
+
+    app = FastAPI(middleware=middleware)
+    app.include_router(router)
+    app.state.linkstate_factory = _Links(_State({public_key: NODE_ID}))
+    app.state.enable_supernode_auth = False
+    app.state.fleet_event_log_plugin = None
+    app.state.control_event_log_plugin = None
+    return app
+
+
+class Node:
+    """A SuperNode's signing key and its signed headers (Flower's ``NodeAuthHttpInterceptor``)."""
+
+    def __init__(self) -> None:
+        from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+
+        self.private, public = generate_key_pairs()
+        self.public = public_key_to_bytes(public)
+
+    def headers(self, public: bytes | None = None) -> dict[str, str]:
+        from flwr.common.constant import TIMESTAMP_HEADER
+        from flwr.supercore.constant import (
+            FLEET_HTTP_PUBLIC_KEY_HEADER,
+            FLEET_HTTP_SIGNATURE_HEADER,
+        )
+        from flwr.supercore.date import now
+        from flwr.supercore.primitives.asymmetric import sign_message
+
+        stamp = now().isoformat()
+        return {"content-type": "application/protobuf",
+                FLEET_HTTP_PUBLIC_KEY_HEADER: base64.b64encode(public or self.public).decode("ascii"),
+                TIMESTAMP_HEADER: stamp,
+                FLEET_HTTP_SIGNATURE_HEADER: base64.b64encode(
+                    sign_message(self.private, stamp.encode("ascii"))).decode("ascii")}
+
+
+def pull_object_body(node_id: int = NODE_ID) -> bytes:
+    from flwr.proto.message_pb2 import PullObjectRequest
+    from flwr.proto.node_pb2 import Node as NodeProto
+
+    return PullObjectRequest(node=NodeProto(node_id=node_id), run_id=1, object_id="a" * 64).SerializeToString()
+
+
+def push_object_body(nbytes: int, node_id: int = NODE_ID) -> bytes:
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.proto.node_pb2 import Node as NodeProto
+
+    return PushObjectRequest(node=NodeProto(node_id=node_id), run_id=1, object_id="b" * 64,
+                             object_content=b"\x01" * nbytes).SerializeToString()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a thread; yields its base URL."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def variants() -> dict[str, list[Any]]:
+    from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
+
+    from memaudit.federated.flower import leanhttp
+
+    return {"flower": flower_stack(), "lean": leanhttp.lean_stack(flower_stack()),
+            "lean_without_check": leanhttp.lean(flower_stack(), leanhttp.acts_on_control_only(),
+                                                FleetEventLogMiddleware)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--large-mib", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    import httpx
+
+    node = Node()
+    bodies = {"small": ("/v1/fleet/pull-object", pull_object_body()),
+              "large": ("/v1/fleet/push-object", push_object_body(int(args.large_mib * 2**20)))}
+    times: dict[str, dict[str, list[float]]] = {v: {k: [] for k in bodies} for v in variants()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(standin_handlers())
+        urls = {v: stack.enter_context(served(fleet_app(mw, node.public))) for v, mw in variants().items()}
+        clients = {v: stack.enter_context(httpx.Client(base_url=u, timeout=30)) for v, u in urls.items()}
+        for kind, (path, body) in bodies.items():  # warm every server and check it answers 200
+            for v, c in clients.items():
+                r = c.post(path, content=body, headers=node.headers())
+                if r.status_code != 200:
+                    raise RuntimeError(f"{v} answered {r.status_code} to {kind}: {r.text[:200]}")
+        for _ in range(args.repeats):
+            for kind, (path, body) in bodies.items():
+                n = args.requests if kind == "small" else max(1, args.requests // 5)
+                for v, c in clients.items():
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        c.post(path, content=body, headers=node.headers())
+                    times[v][kind].append((time.perf_counter() - t0) / n)
+    med = {v: {k: statistics.median(ts) for k, ts in d.items()} for v, d in times.items()}
+    out = {"benchmark": "flower_http", "statistic": "median over repeats of mean seconds per request",
+           "requests_small": args.requests, "requests_large": max(1, args.requests // 5),
+           "repeats": args.repeats, "large_bytes": int(args.large_mib * 2**20),
+           "seconds": med,
+           "lean_speedup": {k: med["flower"][k] / med["lean"][k] for k in bodies},
+           "check_then_pass_speedup": {k: med["lean_without_check"][k] / med["lean"][k] for k in bodies}}
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,172 @@
+"""The SuperLink's HTTP stack with fewer layers on a SuperNode's requests, each answered as before.
+
+Flower 1.42's SuperLink serves the Fleet API (the SuperNodes' asks and pushes) and the Control
+API (``flwr run``, ``flwr ls``) from one FastAPI app behind eight Starlette
+``BaseHTTPMiddleware`` layers. Each layer costs every request a task group and a memory
+stream, and every chunk of a request's body a task group more, all on the server's one event
+loop. On 2 cores with 4 SuperNodes that loop was busy about half of every round of a secure
+run, most of it in these layers, and an exchange of a few hundred bytes took 0.3-0.4 s.
+
+`install` (memaudit's SuperLink, `memaudit.federated.flower.superlink`) builds the app with
+`lean_stack`, which keeps every layer in Flower's order and changes how three kinds run:
+
+- `ControlOnly`: the four layers that act on Control API paths only (``/v1/control/``: the
+  sensitive-response headers, account authentication, the license check, the Control event
+  log), each of which passes any other request through untouched, run on Control API requests
+  only (`acts_on_control_only`, checked against Flower's route table when installed);
+- `WhenFleetLogged`: the Fleet event log, which passes every request through when the
+  SuperLink has no Fleet event log plugin, runs only when it has one;
+- `CheckThenPass`: SuperNode authentication, whose ``dispatch`` checks the request's signature,
+  timestamp and node id (raising on failure) and then returns ``call_next`` untouched, runs
+  that same ``dispatch`` as a plain ASGI layer.
+
+The error translation and the protobuf parsing stay Flower's own layers. What a request of
+either API gets back does not change: ``tests/federated/test_flower_leanhttp.py`` sends Flower's
+stack and this one the same requests (signed, unsigned, forged, stale, another node's id, the
+wrong media type, a malformed body, a Control API call) and compares the answers byte for byte.
+A request costs the server about 1.5x less (`benchmarks/flower_http.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONTROL_PREFIX = "/v1/control/"
+
+
+def _path(scope: dict[str, Any]) -> str:
+    # as Starlette's ``Request.url.path``, which the wrapped layers test
+    from starlette.datastructures import URL  # optional dependency: flwr brings starlette
+
+    return URL(scope=scope).path
+
+
+class ControlOnly:
+    """An ASGI layer running ``middleware`` (a Starlette middleware class) on Control API
+    requests only; HTTP requests to any other path go straight to ``app``."""
+
+    def __init__(self, app: Any, middleware: type, **options: Any) -> None:
+        self.app = app
+        self.wrapped = middleware(app, **options)
+
+    def passes(self, scope: dict[str, Any]) -> bool:
+        """Whether the wrapped layer would let this request through untouched."""
+        return scope["type"] == "http" and not _path(scope).startswith(CONTROL_PREFIX)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.passes(scope):
+            await self.app(scope, receive, send)
+        else:
+            await self.wrapped(scope, receive, send)
+
+
+class WhenFleetLogged(ControlOnly):
+    """Flower's Fleet event log layer, run only when the SuperLink has a Fleet event log plugin
+    (``--enable-event-log`` with one installed): without one it lets every request through."""
+
+    def passes(self, scope: dict[str, Any]) -> bool:
+        app = scope.get("app")
+        state = getattr(app, "state", None)
+        return state is not None and getattr(state, "fleet_event_log_plugin", None) is None
+
+
+class CheckThenPass:
+    """A Starlette ``BaseHTTPMiddleware`` whose ``dispatch`` only checks the request (it may
+    raise) and then returns ``call_next(request)`` untouched, run as a plain ASGI layer: its
+    own ``dispatch`` runs first, with a ``call_next`` that marks the request passed, and the
+    app inside it runs after. A ``dispatch`` that answers on its own has its response sent; one
+    that raises raises here, to the same outer layers. Without the task group and streams
+    ``BaseHTTPMiddleware`` spends on every request and every chunk of its body."""
+
+    def __init__(self, app: Any, middleware: type, **options: Any) -> None:
+        self.app = app
+        self.wrapped = middleware(app, **options)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.wrapped(scope, receive, send)
+            return
+        from starlette.requests import Request  # optional dependency: flwr brings starlette
+
+        passed = _Passed()
+
+        async def call_next(request: Any) -> Any:
+            return passed
+
+        answer = await self.wrapped.dispatch(Request(scope, receive), call_next)
+        if answer is passed:
+            await self.app(scope, receive, send)
+        else:
+            await answer(scope, receive, send)
+
+
+class _Passed:
+    """`CheckThenPass`'s stand-in for the inner app's response."""
+
+
+def acts_on_control_only() -> tuple[type, ...]:
+    """Flower's middleware classes that act on Control API requests only: each returns
+    ``call_next(request)`` untouched for a path outside ``/v1/control/``. The sensitive-response
+    layer acts on the routes of a table: it counts only when every route there is a Control
+    API route."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.superlink.routers.control import middlewares as control
+
+    out: list[type] = [control.ControlEventLogMiddleware, control.ControlLicenseMiddleware,
+                       control.ControlAuthenticationMiddleware]
+    if all(path.startswith(CONTROL_PREFIX) for _, path in control.CONTROL_SENSITIVE_ROUTE_KEYS):
+        out.append(control.ControlSensitiveResponseMiddleware)
+    return tuple(out)
+
+
+def lean(stack: list[Any], control_only: tuple[type, ...], fleet_log: type | None = None,
+         checks: tuple[type, ...] = ()) -> list[Any]:
+    """``stack`` (Starlette ``Middleware`` entries) with each layer of a ``control_only`` class
+    wrapped in `ControlOnly`, the ``fleet_log`` layer in `WhenFleetLogged`, and each layer of
+    a ``checks`` class in `CheckThenPass`, in place and order."""
+    from starlette.middleware import Middleware  # optional dependency: flwr brings starlette
+
+    def wrapped(m: Any) -> Any:
+        if m.args:
+            return m
+        if m.cls in control_only:
+            return Middleware(ControlOnly, middleware=m.cls, **m.kwargs)
+        if fleet_log is not None and m.cls is fleet_log:
+            return Middleware(WhenFleetLogged, middleware=m.cls, **m.kwargs)
+        if m.cls in checks:
+            return Middleware(CheckThenPass, middleware=m.cls, **m.kwargs)
+        return m
+
+    return [wrapped(m) for m in stack]
+
+
+def lean_stack(stack: list[Any]) -> list[Any]:
+    """Flower's SuperLink middleware ``stack`` (``flwr.superlink.main._get_middleware()``) as
+    memaudit's SuperLink runs it: the Control API's layers in `ControlOnly`, the Fleet event log
+    in `WhenFleetLogged`, SuperNode authentication in `CheckThenPass`."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
+    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
+
+    return lean(stack, acts_on_control_only(), FleetEventLogMiddleware, (NodeAuthMiddleware,))
+
+
+def install() -> None:
+    """In a SuperLink's process, before it builds its app: `lean_stack` in place of Flower's
+    middleware stack. Idempotent."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.superlink import main as app_module
+
+    built = app_module._get_middleware
+    if getattr(built, "__memaudit_lean__", False):
+        return
+
+    def get_middleware() -> list[Any]:
+        return lean_stack(built())
+
+    get_middleware.__memaudit_lean__ = True  # type: ignore[attr-defined]
+    get_middleware.__wrapped_flower__ = built  # type: ignore[attr-defined]
+    app_module._get_middleware = get_middleware
+
+
+__all__ = ["CONTROL_PREFIX", "CheckThenPass", "ControlOnly", "WhenFleetLogged", "acts_on_control_only", "install", "lean", "lean_stack"]
