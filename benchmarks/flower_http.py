@@ -10,8 +10,11 @@ what is timed is HTTP, the middleware layers and the signature check. One client
 request as a SuperNode does. Variants:
 
 - ``flower``: the stack Flower's SuperLink builds (``flwr.superlink.main._get_middleware``);
-- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.leanhttp.lean_stack`);
-- ``lean_without_check``: ``lean`` with SuperNode authentication left a ``BaseHTTPMiddleware``.
+- ``control_layers_off``: the Control API's layers on Control API requests only, the Fleet
+  event log only with a plugin (`leanhttp.ControlOnly`, `leanhttp.WhenFleetLogged`);
+- ``and_check``: SuperNode authentication as a plain ASGI layer too (`leanhttp.CheckThenPass`);
+- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.leanhttp.lean_stack`): the error
+  translation as a plain ASGI layer too (`leanhttp.ErrorsTranslated`).
 
 Requests: ``small`` (a pull-object ask, about 60 bytes) and ``large`` (a push-object of
 ``--large-mib`` MiB: a node's masked input on the ``tiny`` model is 5 MiB). The statistic is
@@ -34,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 NODE_ID = 7
+FAILING_OBJECT = "f" * 64
 
 
 class _State:
@@ -56,14 +60,19 @@ class _Links:
 
 @contextlib.contextmanager
 def standin_handlers() -> Iterator[None]:
-    """Flower's Fleet push-object and pull-object handlers replaced by ones that answer at once."""
+    """Flower's Fleet push-object and pull-object handlers replaced by ones that answer at once
+    (a pull of `FAILING_OBJECT` raises, as a failing handler would)."""
     from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
     from flwr.superlink.servicer.fleet import fleet_handlers
 
     saved = fleet_handlers.push_object, fleet_handlers.pull_object
     fleet_handlers.push_object = lambda request, state: PushObjectResponse(stored=True)
-    fleet_handlers.pull_object = lambda request, state: PullObjectResponse(
-        object_found=True, object_available=True, object_content=b"x" * 64)
+    def pull_object(request: Any, state: Any) -> Any:
+        if request.object_id == FAILING_OBJECT:  # a handler's unexpected exception
+            raise RuntimeError("a stand-in handler failed")
+        return PullObjectResponse(object_found=True, object_available=True, object_content=b"x" * 64)
+
+    fleet_handlers.pull_object = pull_object
     try:
         yield
     finally:
@@ -119,11 +128,11 @@ class Node:
                     sign_message(self.private, stamp.encode("ascii"))).decode("ascii")}
 
 
-def pull_object_body(node_id: int = NODE_ID) -> bytes:
+def pull_object_body(node_id: int = NODE_ID, object_id: str = "a" * 64) -> bytes:
     from flwr.proto.message_pb2 import PullObjectRequest
     from flwr.proto.node_pb2 import Node as NodeProto
 
-    return PullObjectRequest(node=NodeProto(node_id=node_id), run_id=1, object_id="a" * 64).SerializeToString()
+    return PullObjectRequest(node=NodeProto(node_id=node_id), run_id=1, object_id=object_id).SerializeToString()
 
 
 def push_object_body(nbytes: int, node_id: int = NODE_ID) -> bytes:
@@ -164,12 +173,15 @@ def served(app: Any) -> Iterator[str]:
 
 def variants() -> dict[str, list[Any]]:
     from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
+    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
 
     from memaudit.federated.flower import leanhttp
 
-    return {"flower": flower_stack(), "lean": leanhttp.lean_stack(flower_stack()),
-            "lean_without_check": leanhttp.lean(flower_stack(), leanhttp.acts_on_control_only(),
-                                                FleetEventLogMiddleware)}
+    control = leanhttp.acts_on_control_only()
+    return {"flower": flower_stack(),
+            "control_layers_off": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware),
+            "and_check": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware, (NodeAuthMiddleware,)),
+            "lean": leanhttp.lean_stack(flower_stack())}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -206,8 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
            "requests_small": args.requests, "requests_large": max(1, args.requests // 5),
            "repeats": args.repeats, "large_bytes": int(args.large_mib * 2**20),
            "seconds": med,
-           "lean_speedup": {k: med["flower"][k] / med["lean"][k] for k in bodies},
-           "check_then_pass_speedup": {k: med["lean_without_check"][k] / med["lean"][k] for k in bodies}}
+           "speedup_over_flower": {v: {k: med["flower"][k] / med[v][k] for k in bodies} for v in med}}
     print(json.dumps(out, indent=2))
     return out
 

@@ -100,6 +100,44 @@ class CheckThenPass:
             await answer(scope, receive, send)
 
 
+class ErrorsTranslated:
+    """Flower's error translation (a ``BaseHTTPMiddleware`` whose ``dispatch`` returns
+    ``call_next``'s response untouched and turns an exception into a JSON answer) as a plain
+    ASGI layer: the app inside runs on the request's own ``receive`` and ``send``, and an
+    exception it raises before its response has started goes to that same ``dispatch``, as
+    ``call_next`` raising it, whose answer is sent. One raised after the response started
+    propagates, as it does from ``BaseHTTPMiddleware``."""
+
+    def __init__(self, app: Any, dispatch: Any) -> None:
+        self.app, self.dispatch = app, dispatch
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:  # handed to Flower's translator, as BaseHTTPMiddleware does
+            if started:
+                raise
+            from starlette.requests import Request  # optional dependency: flwr brings starlette
+
+            failure = exc
+
+            async def call_next(request: Any) -> Any:
+                raise failure
+
+            answer = await self.dispatch(Request(scope, receive), call_next)
+            await answer(scope, receive, send)
+
+
 class _Passed:
     """`CheckThenPass`'s stand-in for the inner app's response."""
 
@@ -120,15 +158,19 @@ def acts_on_control_only() -> tuple[type, ...]:
 
 
 def lean(stack: list[Any], control_only: tuple[type, ...], fleet_log: type | None = None,
-         checks: tuple[type, ...] = ()) -> list[Any]:
+         checks: tuple[type, ...] = (), translator: Any = None) -> list[Any]:
     """``stack`` (Starlette ``Middleware`` entries) with each layer of a ``control_only`` class
-    wrapped in `ControlOnly`, the ``fleet_log`` layer in `WhenFleetLogged`, and each layer of
-    a ``checks`` class in `CheckThenPass`, in place and order."""
+    wrapped in `ControlOnly`, the ``fleet_log`` layer in `WhenFleetLogged`, each layer of a
+    ``checks`` class in `CheckThenPass`, and the ``BaseHTTPMiddleware`` whose dispatch is
+    ``translator`` run as `ErrorsTranslated`, in place and order."""
     from starlette.middleware import Middleware  # optional dependency: flwr brings starlette
+    from starlette.middleware.base import BaseHTTPMiddleware
 
     def wrapped(m: Any) -> Any:
         if m.args:
             return m
+        if translator is not None and m.cls is BaseHTTPMiddleware and m.kwargs == {"dispatch": translator}:
+            return Middleware(ErrorsTranslated, dispatch=translator)
         if m.cls in control_only:
             return Middleware(ControlOnly, middleware=m.cls, **m.kwargs)
         if fleet_log is not None and m.cls is fleet_log:
@@ -143,12 +185,15 @@ def lean(stack: list[Any], control_only: tuple[type, ...], fleet_log: type | Non
 def lean_stack(stack: list[Any]) -> list[Any]:
     """Flower's SuperLink middleware ``stack`` (``flwr.superlink.main._get_middleware()``) as
     memaudit's SuperLink runs it: the Control API's layers in `ControlOnly`, the Fleet event log
-    in `WhenFleetLogged`, SuperNode authentication in `CheckThenPass`."""
+    in `WhenFleetLogged`, SuperNode authentication in `CheckThenPass`, the error translation in
+    `ErrorsTranslated`."""
     # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.supercore.error.http import http_error_translator
     from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
     from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
 
-    return lean(stack, acts_on_control_only(), FleetEventLogMiddleware, (NodeAuthMiddleware,))
+    return lean(stack, acts_on_control_only(), FleetEventLogMiddleware, (NodeAuthMiddleware,),
+                http_error_translator)
 
 
 def install() -> None:
@@ -169,4 +214,4 @@ def install() -> None:
     app_module._get_middleware = get_middleware
 
 
-__all__ = ["CONTROL_PREFIX", "CheckThenPass", "ControlOnly", "WhenFleetLogged", "acts_on_control_only", "install", "lean", "lean_stack"]
+__all__ = ["CONTROL_PREFIX", "CheckThenPass", "ControlOnly", "ErrorsTranslated", "WhenFleetLogged", "acts_on_control_only", "install", "lean", "lean_stack"]
