@@ -79,7 +79,9 @@ class CheckThenPass:
     own ``dispatch`` runs first, with a ``call_next`` that marks the request passed, and the
     app inside it runs after. A ``dispatch`` that answers on its own has its response sent; one
     that raises raises here, to the same outer layers. Without the task group and streams
-    ``BaseHTTPMiddleware`` spends on every request and every chunk of its body."""
+    ``BaseHTTPMiddleware`` spends on every request and every chunk of its body. Only for a
+    ``dispatch`` that does not read the body: the app inside reads it from the same ``receive``
+    (SuperNode authentication reads headers and the protobuf request parsed further out)."""
 
     def __init__(self, app: Any, middleware: type, **options: Any) -> None:
         self.app = app
