@@ -168,7 +168,8 @@ def lean(stack: list[Any], control_only: tuple[type, ...], fleet_log: type | Non
     wrapped in `ControlOnly`, the ``fleet_log`` layer in `WhenFleetLogged`, each layer of a
     ``checks`` class in `CheckThenPass`, and the ``BaseHTTPMiddleware`` whose dispatch is
     ``translator`` run as `ErrorsTranslated`, in place and order."""
-    from starlette.middleware import Middleware  # optional dependency: flwr brings starlette
+    # optional dependency: flwr brings starlette
+    from starlette.middleware import Middleware
     from starlette.middleware.base import BaseHTTPMiddleware
 
     def wrapped(m: Any) -> Any:
