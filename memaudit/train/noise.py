@@ -86,9 +86,7 @@ def _tiles(key: bytes, shape: Sequence[int], rows: Span, cols: Span,
             ca, cb = max(tb0, c0), min(tb1, c1)
             gen.manual_seed(tile_seed(key, a, b))
             tile = torch.normal(0.0, std, (ta1 - ta0, tb1 - tb0), generator=gen)  # randn x std, bit for bit
-            if (ra, rb, ca, cb) != (ta0, ta1, tb0, tb1):  # the block holds part of this tile
-                tile = tile[ra - ta0:rb - ta0, ca - tb0:cb - tb0]
-            yield (slice(ra - r0, rb - r0), slice(ca - c0, cb - c0)), tile
+            yield (slice(ra - r0, rb - r0), slice(ca - c0, cb - c0)), tile[ra - ta0:rb - ta0, ca - tb0:cb - tb0]
 
 
 def noise_block(key: bytes, shape: Sequence[int], rows: Span, cols: Span, std: float) -> torch.Tensor:
@@ -106,7 +104,7 @@ def add_tiled_noise_(grad: torch.Tensor, key: bytes, std: float) -> None:
     rows, cols = matrix_shape(grad.shape)
     view = grad.view(rows, cols)
     for where, part in _tiles(key, grad.shape, (0, rows), (0, cols), std):
-        view[where].add_(part if part.dtype == grad.dtype else part.to(grad.dtype))
+        view[where].add_(part.to(grad.dtype))  # in place: `view[where] += part` copies back through __setitem__
 
 
 def full_noise(key: bytes, shape: Sequence[int], std: float) -> torch.Tensor:

@@ -44,13 +44,17 @@ def _path(scope: dict[str, Any]) -> str:
     return URL(scope=scope).path
 
 
-class ControlOnly:
-    """An ASGI layer running ``middleware`` (a Starlette middleware class) on Control API
-    requests only; HTTP requests to any other path go straight to ``app``."""
+class _Wrapping:
+    """An ASGI layer around ``app`` holding Flower's ``middleware`` built on that same app."""
 
     def __init__(self, app: Any, middleware: type, **options: Any) -> None:
         self.app = app
         self.wrapped = middleware(app, **options)
+
+
+class ControlOnly(_Wrapping):
+    """An ASGI layer running ``middleware`` (a Starlette middleware class) on Control API
+    requests only; HTTP requests to any other path go straight to ``app``."""
 
     def passes(self, scope: dict[str, Any]) -> bool:
         """Whether the wrapped layer would let this request through untouched."""
@@ -73,7 +77,7 @@ class WhenFleetLogged(ControlOnly):
         return state is not None and getattr(state, "fleet_event_log_plugin", None) is None
 
 
-class CheckThenPass:
+class CheckThenPass(_Wrapping):
     """A Starlette ``BaseHTTPMiddleware`` whose ``dispatch`` only checks the request (it may
     raise) and then returns ``call_next(request)`` untouched, run as a plain ASGI layer: its
     own ``dispatch`` runs first, with a ``call_next`` that marks the request passed, and the
@@ -82,10 +86,6 @@ class CheckThenPass:
     ``BaseHTTPMiddleware`` spends on every request and every chunk of its body. Only for a
     ``dispatch`` that does not read the body: the app inside reads it from the same ``receive``
     (SuperNode authentication reads headers and the protobuf request parsed further out)."""
-
-    def __init__(self, app: Any, middleware: type, **options: Any) -> None:
-        self.app = app
-        self.wrapped = middleware(app, **options)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
