@@ -202,7 +202,18 @@ def test_node_enforces_its_dp_parameters(attack):
     trust = _trust(policy, dp, resident=(7,) if attack == "leaves" else (0, 1))
     if attack == "no-policy":
         trust = NodeTrust(frozenset(), frozenset((0, 1)), None, dp)
-    assert _released(agg, _remote(deltas, hosts, trust), n, key) is None
+    sent: list[tuple[str, dict]] = []
+
+    class Recorded(LocalNodes):
+        def run_secagg(self, payloads):
+            out = super().run_secagg(payloads)
+            sent.extend((p["step"], out[n]) for n, p in payloads.items() if n in out)
+            return out
+
+    assert _released(agg, _remote(deltas, hosts, trust, nodes=Recorded), n, key) is None
+    # refused before any share of a client's keys left the node: the encoding comes with the shares
+    assert sent and all("abort" in r for step, r in sent if step != "advertise")
+    assert {step for step, _ in sent} <= {"advertise", "shares"}
     if attack in ("clip", "noise"):  # the operator's own parameters pass the same checks
         assert _released(honest, _remote(deltas, hosts, _trust(policy, dp)), n, key) is not None
 

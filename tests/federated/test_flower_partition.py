@@ -296,9 +296,9 @@ def test_a_node_refuses_rows_and_slots_the_server_invents(users):
     with pytest.raises(StageRefused, match="no distinct rows"):
         node.run(dataclasses.replace(call, rows=[1, 1]))
     node.run(call)
-    assert node.secagg({"step": "advertise", "round": 0, "clients": [[0, 2, "s"]]}) == {
+    assert node.secagg({"step": "advertise", "round": 0, "clients": [[0, 2]]}) == {
         "abort": "the server named cohort slot 2, which this node did not serve"}
-    assert node.secagg({"step": "advertise", "round": 5, "clients": [[0, 0, "s"]]}) == {
+    assert node.secagg({"step": "advertise", "round": 5, "clients": [[0, 0]]}) == {
         "abort": "no client stage of this round ran on this node"}
 
 
@@ -328,7 +328,7 @@ def test_dead_node_drops_its_users_as_absent_slots(kind, users):
     ref, got, _, info = _two_rounds(kind, users, dead=("B",), dead_slots=(2, 3))
     assert _max_diff(ref.params, got.params) <= 1e-6
     assert info == {"dropped_nodes": ["B"], "dropped_slots": [2, 3], "alive_nodes": ["A"],
-                    "rejected_nodes": []}
+                    "rejected_nodes": [], "advertised": {}}
 
 
 def test_reading_client_text_on_the_server_is_refused(users):

@@ -13,6 +13,8 @@ weights.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -238,6 +240,74 @@ def test_distributed_dp_over_remote_rows_equals_in_jax(monkeypatch):
     assert float(remote.metrics["survivors"]) == N
 
 
+def _advertised(rows, hosts, policy, round_id=991, rnd=0):
+    """The nodes' answers to the advertisement their last client stage carried (what
+    `NodeExecutor.run` does with ``StageCall.advertise``), for ``rows.channel``."""
+    from memaudit.federated.secagg.remote import Advertised, advertisement
+
+    ads = advertisement(hosts, round_id, policy)
+    executors = rows.channel.nodes.local.executors
+    replies = {n: executors[n].secagg({**p, "step": "advertise", "round": rnd}) for n, p in ads.items()}
+    return ads, Advertised(round_id, tuple(policy), tuple(sorted(s for v in hosts.values() for s in v)), replies)
+
+
+SIGNED = (0.6, 0, 3, "malicious")  # secure_aggregation's default policy
+
+
+def test_keys_advertised_with_the_stage_save_the_advertise_exchange():
+    """The nodes advertise their clients' keys with the round's last client stage: the round
+    runs four exchanges (shares, masked, check, unmask), not five, under the stage's round id,
+    and the update equals the in-JAX aggregator's exactly. Failed before: every remote round
+    sent its own advertise exchange."""
+    deltas, key = _deltas(7), jax.random.key(13)
+    agg = _secagg()
+    local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), jnp.ones(N), agg.init(None), key)
+    rows, nodes = _remote(deltas)
+    _, rows.channel.early = _advertised(rows, HOSTS, SIGNED)
+    remote = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
+    assert np.array_equal(_flat(local.update), _flat(remote.update))
+    assert sorted(step for step, _ in nodes.replies) == sorted(["shares", "masked", "check", "unmask"] * len(HOSTS))
+    assert rows.channel.early is None  # used once
+
+
+@pytest.mark.parametrize("why", ["absent slot", "other policy"])
+def test_advertisements_for_another_cohort_or_policy_are_not_used(why):
+    """An absent slot after the stage (weight 0) renumbers the clients, and another policy is
+    another round: the round then runs its own advertise exchange, with the in-JAX update."""
+    deltas, key = _deltas(8), jax.random.key(14)
+    weights = jnp.asarray([1, 1, 0, 1, 1, 1] if why == "absent slot" else [1] * N, jnp.float32)
+    agg = _secagg()
+    local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), weights, agg.init(None), key)
+    rows, nodes = _remote(deltas)
+    _, rows.channel.early = _advertised(rows, HOSTS, SIGNED if why == "absent slot" else (0.7, 0, 3, "malicious"))
+    remote = agg.aggregate(rows, weights, agg.init(None), key)
+    assert np.array_equal(_flat(local.update), _flat(remote.update))
+    assert [step for step, _ in nodes.replies].count("advertise") == len(HOSTS)
+
+
+def test_a_node_whose_stage_advertisement_is_invalid_is_out_of_the_round():
+    """Node b answers the stage's advertisement with its second client's keys under its
+    first client's id: the guard rejects b's advertisement, b's clients are out of the round
+    as if b had not answered, and node a's four clients are summed (the integer oracle)."""
+    from memaudit.federated.flower.guard import SecAggGuard
+
+    deltas, key = _deltas(9), jax.random.key(15)
+    hosts = {"a": [0, 1, 2, 3], "b": [4, 5]}  # t = 4 of 6 holders: node a alone can unmask
+    rows, nodes = _remote(deltas, hosts)
+    ads, early = _advertised(rows, hosts, SIGNED)
+    early.replies["b"]["msgs"][4] = early.replies["b"]["msgs"][5]
+    guard = SecAggGuard(nodes, sum(int(np.prod(x.shape[1:])) for x in deltas.values()))
+    valid = guard.advertised(ads, early.replies)
+    assert set(valid) == {"a"} and guard.rejected == ["b"]
+    rows.channel.nodes = guard
+    rows.channel.early = dataclasses.replace(early, replies=valid)
+    res = _secagg().aggregate(rows, jnp.ones(N), _secagg().init(None), key)
+    expect, _ = _oracle(deltas, range(N), hosts["a"], key)
+    assert res.metrics["secagg_aborted"] == 0 and float(res.metrics["survivors"]) == 4
+    np.testing.assert_allclose(_flat(res.update), expect, rtol=0, atol=1e-6)
+    assert rows.channel.dropped == ["b"] and "advertise" not in {step for step, _ in nodes.replies}
+
+
 def test_slot_seed_is_one_way_and_per_slot():
     from memaudit.federated.secagg.remote import slot_seed
 
@@ -274,7 +344,7 @@ class _TrainerNodes:
         from memaudit.federated.flower.nodes import load_partition
 
         self.local = LocalNodes({i: NodeExecutor(*load_partition(p)) for i, p in enumerate(partitions)})
-        self.secagg_steps = 0
+        self.secagg_steps: list[str] = []
 
     def connect(self, digests):
         return {u: node for node, ex in self.local.executors.items() for u in ex.users}
@@ -283,7 +353,7 @@ class _TrainerNodes:
         return self.local.run_stage(calls)
 
     def run_secagg(self, payloads):
-        self.secagg_steps += 1
+        self.secagg_steps.append(next(iter(payloads.values()))["step"])
         return self.local.run_secagg(payloads)
 
 
@@ -324,7 +394,8 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts, monke
     b = load_file(str(root / f"{case}-flower" / "model" / "model.safetensors"))
     diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
     assert diff <= ATOL_TRAINER, diff
-    assert nodes.secagg_steps >= 2 * 4  # four protocol exchanges per round, on the nodes
+    # four protocol exchanges a round on the nodes: the keys came with the client stage
+    assert nodes.secagg_steps == ["shares", "masked", "check", "unmask"] * 2
     # under DP the cohort's statistics are in sensitive_metrics.jsonl: read both files
     ma, mb = merged_metrics(root / f"{case}-jax"), merged_metrics(root / f"{case}-flower")
     assert [m["round"] for m in mb] == [1, 2] and all(m["dropped_users"] == 0 for m in mb)

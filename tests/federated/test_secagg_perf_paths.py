@@ -307,8 +307,7 @@ def test_secure_rounds_allocate_in_ordinary_pages(monkeypatch):
                     distributed_dp(clip=1.0, noise_multiplier=0.5, expected_cohort=4)):
             agg.aggregate(d, jnp.ones(4), agg.init(None), jax.random.key(0))
         payload = {"step": "advertise", "round": 0, "policy": [0.6, 0, 2, "honest_but_curious"],
-                   "clients": [[0, 0, "ab"], [1, 1, "cd"]], "round_id": 1, "spec": None, "pre": None,
-                   "leaves": [], "count": None}
+                   "clients": [[0, 0], [1, 1]], "round_id": 1}
         remote.node_step(payload, kept=lambda r, v: None, load=lambda r: {}, save=lambda r, s: None)
         assert m._get_madvise_hugepage()  # the setting before comes back
     finally:

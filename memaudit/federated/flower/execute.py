@@ -81,6 +81,10 @@ class StageCall:
     cohort slot of each user the node serves this round, ``users`` those users' names, ``rows``
     the row of the module's clients dim each user takes: its slot in a module shaped for the
     cohort, 0, 1, ... in one shaped for the node (`memaudit.federated.flower.partition.NodeStages`).
+    ``advertise``: on the round's last client stage under secure aggregation, the node's
+    advertise payload (`memaudit.federated.secagg.remote.advertisement`): the node makes its
+    clients' keys for the round once the stage ran and answers them with the outputs, under
+    `ADVERTISED`.
     """
 
     module: bytes
@@ -93,11 +97,14 @@ class StageCall:
     slots: list[int]
     users: list[str]
     rows: list[int]
+    advertise: dict[str, Any] | None = None
 
 
 ROW_MAP = -1
 """The var id under which a node keeps the round's (slots, rows): secure aggregation names a
 client by its cohort slot, and the node finds its kept rows by it."""
+ADVERTISED = "advertise"
+"""The key of a stage reply that holds the node's advertise reply (`StageCall.advertise`)."""
 
 
 class Nodes(Protocol):
@@ -120,7 +127,8 @@ def _resident(plan: Plan) -> set[int]:
 
 def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any, list[tuple[int, str]]],
               *, round: int, node_stages: Callable[[Any, int], NodeStages | None] | None = None,
-              platforms: Mapping[Any, str] | None = None) -> tuple[Any, dict[str, Any]]:
+              platforms: Mapping[Any, str] | None = None,
+              advertise: Mapping[Any, dict] | None = None) -> tuple[Any, dict[str, Any]]:
     """Run one round of ``plan``.
 
     Args:
@@ -135,12 +143,15 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
             or None for the cohort's; by default every node runs the cohort's.
         platforms: node -> its JAX platform ("cpu", "cuda"): the stages it gets are lowered for
             that platform alone (`memaudit.federated.flower.partition.modules_for`); default CPU.
+        advertise: node -> its advertise payload, sent with the last client stage
+            (`StageCall.advertise`).
 
     Returns:
         (outputs, info): the round's outputs (the program's output pytree; a `Resident` for
         each output that stays on the nodes) and {"dropped_nodes": [...], "dropped_slots":
-        [...], "alive_nodes": [...], "rejected_nodes": [...]}: nodes that did not answer a stage
-        or whose reply failed `valid_reply` (those also in "rejected_nodes"), and those left.
+        [...], "alive_nodes": [...], "rejected_nodes": [...], "advertised": {node: reply}}:
+        nodes that did not answer a stage or whose reply failed `valid_reply` (those also in
+        "rejected_nodes"), those left, and the advertise replies of those left.
 
     Raises:
         PlanError: every node refused a stage (`Refusal`: the nodes' manifests are not this
@@ -155,6 +166,8 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
     alive = {node for node, users in assignment.items() if users}
     dropped: list[Any] = []
     rejected: list[Any] = []
+    advertised: dict[Any, Any] = {}
+    last = max((st.index for st in plan.stages if st.kind == CLIENT), default=None)
     for st in plan.stages:
         if st.kind != CLIENT:
             outs = plan.server_fns[st.index](*[env[i] for i in st.inputs])
@@ -166,7 +179,12 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
                              node_stages(node, len(assignment[node])) if node_stages else None,
                              (platforms or {}).get(node, STAGE_PLATFORMS[0]))
                  for node in alive}
+        if advertise and st.index == last:
+            calls = {n: dataclasses.replace(c, advertise=advertise.get(n)) for n, c in calls.items()}
         replies = {n: r for n, r in dict(nodes.run_stage(calls)).items() if n in calls}  # asked nodes only
+        for n, r in replies.items():
+            if isinstance(r, dict) and ADVERTISED in r:
+                advertised[n] = r.pop(ADVERTISED)
         refusals = [replies[n].reason for n in sorted(replies, key=str) if isinstance(replies[n], Refusal)]
         bad = sorted((n for n in replies if valid_reply(plan, st, replies[n], len(assignment[n]))
                       is not None), key=str)
@@ -182,7 +200,9 @@ def run_plan(plan: Plan, args: Sequence[Any], nodes: Nodes, assignment: dict[Any
     slots = sorted(s for n in dropped for s, _ in assignment[n])
     return jax.tree.unflatten(plan.out_tree, outs), {"dropped_nodes": dropped, "dropped_slots": slots,
                                                      "alive_nodes": sorted(alive, key=str),
-                                                     "rejected_nodes": rejected}
+                                                     "rejected_nodes": rejected,
+                                                     "advertised": {n: advertised[n] for n in alive
+                                                                    if n in advertised}}
 
 
 def valid_reply(plan: Plan, st: Stage, reply: Any, hosted: int) -> str | None:
@@ -380,10 +400,14 @@ class NodeExecutor:
         try:
             if self.trust is not None and step == "advertise":
                 payload = self.trust.secagg_payload(payload)
+            if self.trust is not None and step == "shares":
+                self.trust.secagg_encoding(payload)
             if self.trust is not None and self.trust.nodes and step == "shares":
                 payload = {**payload, "verify": authenticated_keys(payload.get("signed"), self.trust.nodes,
                                                                    state["round_id"])}
         except StageRefused as e:
+            if state is not None:  # the round aborts: its secret keys and shares go
+                self._save_protocol(int(payload["round"]), None)
             return {"abort": str(e)}
         if step == "advertise":
             try:
@@ -398,21 +422,24 @@ class NodeExecutor:
         return reply
 
     def _rows_of(self, payload: dict) -> list:
-        """The advertise payload's clients [cid, slot, seed] with each slot replaced by the row
-        the node keeps that slot's values in (the round's stage calls placed them)."""
+        """The advertise payload's clients [cid, slot] with each slot replaced by the row the
+        node keeps that slot's values in (the round's stage calls placed them)."""
         try:
             slots, rows = np.asarray(self._kept(int(payload["round"]), ROW_MAP)).tolist()
         except (KeyError, OSError, ValueError):
             raise StageRefused("no client stage of this round ran on this node") from None
         row = dict(zip(slots, rows, strict=True))
         out = []
-        for c, s, seed in payload.get("clients") or ():
+        for c, s in payload.get("clients") or ():
             if int(s) not in row:
                 raise StageRefused(f"the server named cohort slot {int(s)}, which this node did not serve")
-            out.append([c, row[int(s)], seed])
+            out.append([c, row[int(s)]])
         return out
 
     def _check_finite(self, round: int, st: dict) -> None:
+        if not st.get("leaves"):
+            self._save_protocol(round, None)
+            raise StageRefused("the round's encoding did not come before its masked input; the node leaves the round")
         slots = [int(s) for s, _ in st["slots"].values()]
         for v in st["leaves"]:
             if not np.all(np.isfinite(np.asarray(self._kept(round, int(v)))[slots])):
@@ -452,7 +479,8 @@ class NodeExecutor:
         return full
 
     def run(self, call: StageCall) -> dict[int, Any]:
-        """Run one client stage for the slots this node serves; returns {output index: value}.
+        """Run one client stage for the slots this node serves; returns {output index: value},
+        and with ``call.advertise`` the node's advertise reply under `ADVERTISED`.
 
         Raises:
             StageRefused: a stage not in the node's manifest, or users it does not host.
@@ -487,6 +515,8 @@ class NodeExecutor:
                 reply[k] = np.asarray(out)[call.rows]
             elif mode == SUM:
                 reply[k] = np.asarray(out)
+        if call.advertise is not None:  # the round's keys, made once its last stage ran here
+            reply[ADVERTISED] = self.secagg({**call.advertise, "step": "advertise", "round": call.round})
         return reply
 
 

@@ -44,7 +44,7 @@ class SecAggGuard:
     Args:
         nodes: the nodes (``run_secagg(payloads) -> replies``).
         dim: the length of a client's flattened delta (the masked vector's width follows from
-            the round's encoding, sent at the advertise step).
+            the round's encoding, sent at the shares step).
     """
 
     def __init__(self, nodes: Any, dim: int) -> None:
@@ -56,12 +56,22 @@ class SecAggGuard:
     def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
         step = next(iter(payloads.values()))["step"]
         if step == "advertise":
-            first = next(iter(payloads.values()))
-            self.round_id = int(first["round_id"])
-            counted = first.get("count") is not None
-            self.width = encoding_from_wire(first["spec"]).width(self.dim) + int(counted)
+            self.round_id = int(next(iter(payloads.values()))["round_id"])
+        if step == "shares":  # the round's encoding: the width of a masked vector
+            code = next(iter(payloads.values()))["encoding"]
+            self.width = encoding_from_wire(code["spec"]).width(self.dim) + int(code.get("count") is not None)
+        return self._checked(step, payloads, dict(self.nodes.run_secagg(payloads)))
+
+    def advertised(self, payloads: dict[Any, dict], replies: dict[Any, Any]) -> dict[Any, dict]:
+        """The advertise replies the nodes sent with the round's client stage (node -> reply to
+        its payload ``payloads[node]``; `memaudit.federated.secagg.remote.advertisement`), each
+        checked as an advertise exchange's."""
+        self.round_id = int(next(iter(payloads.values()))["round_id"])
+        return self._checked("advertise", payloads, replies)
+
+    def _checked(self, step: str, payloads: dict[Any, dict], replies: dict[Any, Any]) -> dict[Any, dict]:
         out: dict[Any, dict] = {}
-        for node, reply in dict(self.nodes.run_secagg(payloads)).items():
+        for node, reply in replies.items():
             if node in payloads and self.why_not(step, payloads[node], reply) is None:
                 out[node] = reply
             else:

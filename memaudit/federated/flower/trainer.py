@@ -44,7 +44,7 @@ from memaudit.config import config_from_dict, dump_config
 from memaudit.errors import ConfigError, MemauditError
 from memaudit.federated.algorithms import host_metrics
 from memaudit.federated.flower import deploy, wire
-from memaudit.federated.flower.execute import Refusal, Resident, call_to_wire, run_plan
+from memaudit.federated.flower.execute import ADVERTISED, Refusal, Resident, call_to_wire, run_plan
 from memaudit.federated.flower.guard import SecAggGuard
 from memaudit.federated.flower.manifest import (
     MAP_STRATEGY,
@@ -57,8 +57,9 @@ from memaudit.federated.flower.manifest import (
 from memaudit.federated.flower.nodes import client_digests
 from memaudit.federated.flower.partition import PLATFORMS, STAGE_PLATFORMS
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
-from memaudit.federated.secagg.messages import SecAggError
-from memaudit.federated.secagg.remote import ClientRows, NodeChannel
+from memaudit.federated.secagg.aggregator import protocol_round_id
+from memaudit.federated.secagg.messages import SecAggAbort, SecAggError
+from memaudit.federated.secagg.remote import Advertised, ClientRows, NodeChannel, advertisement
 from memaudit.federated.trainer import FederatedTrainer
 from memaudit.io import atomic_write_json, read_json
 from memaudit.lifecycle import one_line_error
@@ -241,7 +242,7 @@ def _stage_reply(body: Any) -> Any:
     if not isinstance(outputs, dict):
         return None
     try:
-        return {int(k): v for k, v in outputs.items()}
+        return {k if k == ADVERTISED else int(k): v for k, v in outputs.items()}
     except (TypeError, ValueError):
         return None
 
@@ -340,14 +341,27 @@ class FlowerRuntime:
         with the protocol clients on the nodes), then the server update, here."""
         client_key, agg_key = jax.random.split(key)
         plan = self.plan(trainer, cap, state.params, client_key)
+        policy = secure_sum_policy(trainer)
+        hosted = {n: [s for s, _ in users] for n, users in assignment.items() if users}
+        # the protocol's advertise step rides on the client stage: the keys depend on nothing
+        # the stage computes, so the round needs no exchange for them (used when every slot's
+        # client is present after the stage, `NodeChannel.advertised`)
+        round_id = protocol_round_id(r, key, b"advertised with the client stage")
+        ads = advertisement(hosted, round_id, policy) if policy is not None else None
         out, info = run_plan(plan, (state.params, data_struct(trainer.clients, cap), client_key), self.nodes,
                               assignment, round=r, platforms=self.platforms,
-                              node_stages=self.node_stages(trainer, plan, state.params, client_key))
+                              node_stages=self.node_stages(trainer, plan, state.params, client_key),
+                              advertise=ads)
         leaves, treedef = jax.tree.flatten(out.deltas, is_leaf=lambda x: isinstance(x, Resident))
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
         shapes = tuple((tuple(x.aval.shape[1:]), x.aval.dtype.name) for x in leaves)
         guard = SecAggGuard(self.nodes, sum(int(np.prod(s)) for s, _ in shapes))
-        channel = NodeChannel(guard, hosts, r)
+        early = None
+        if ads and policy is not None and hosts:
+            with contextlib.suppress(SecAggAbort):  # no valid one: the round advertises on its own
+                replies = guard.advertised({n: ads[n] for n in hosts}, info["advertised"])
+                early = Advertised(round_id, policy, tuple(sorted(s for v in hosted.values() for s in v)), replies)
+        channel = NodeChannel(guard, hosts, r, early)
         rows = ClientRows(channel, tuple(x.var for x in leaves), shapes, treedef)
         try:
             state, m = split.finish(state, out._replace(deltas=rows), agg_key)
@@ -358,6 +372,17 @@ class FlowerRuntime:
                  dropped_nodes=len(info["dropped_nodes"]) + len(channel.dropped),
                  rejected_nodes=len(info["rejected_nodes"]) + len(set(guard.rejected)))
         return state, m
+
+
+def secure_sum_policy(trainer: FederatedTrainer) -> tuple | None:
+    """The protocol policy (threshold, colluding clients, min survivors, mode) of the trainer's
+    secure sum (secure aggregation, distributed DP: `FederatedTrainer.build_aggregator`), as its
+    aggregator passes it to `memaudit.federated.secagg.remote.run_remote_round`; None without."""
+    p = trainer.cfg.privacy
+    if not (p.secure_aggregation.enabled or (trainer.plan is not None and p.mechanism == "distributed")):
+        return None
+    sa = p.secure_aggregation
+    return (sa.threshold, sa.colluding_clients, sa.min_survivors, sa.mode)
 
 
 def _aborted(state: Any, out: Any, cohort: int) -> tuple[Any, dict]:

@@ -118,18 +118,25 @@ class NodeTrust:
 
     # ------------------------------------------------------------------ secure aggregation
     def secagg_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """The advertise payload with this node's policy in place of the server's, after the
-        round's encoding and per-client transforms were checked against the node's DP bound
+        """The advertise payload with this node's policy in place of the server's."""
+        if self.policy is None:
+            raise StageRefused("this node's stage manifest has no secure-aggregation policy: it takes "
+                               "part in no secure-aggregation round")
+        return {**payload, "policy": list(self.policy)}
+
+    def secagg_encoding(self, payload: dict[str, Any]) -> None:
+        """Check the round's encoding and per-client transforms (``payload["encoding"]`` of the
+        shares step, before any share of a client's keys is sent) against the node's DP bound,
         and the kept values it encodes against ``resident``."""
         if self.policy is None:
             raise StageRefused("this node's stage manifest has no secure-aggregation policy: it takes "
                                "part in no secure-aggregation round")
+        payload = dict(payload.get("encoding") or {})
         leaves = [int(v) for v in payload.get("leaves") or ()]
         if not leaves or not set(leaves) <= self.resident:
             raise StageRefused("the server asked to encode values that are not the round's deltas")
         if self.dp is not None:
             self._check_dp(payload)
-        return {**payload, "policy": list(self.policy)}
 
     def _check_dp(self, payload: dict[str, Any]) -> None:
         dp, spec = self.dp, dict(payload.get("spec") or {})

@@ -77,11 +77,12 @@ def server_rng(key: jax.Array, seed: int | None, salt: int) -> np.random.Generat
     return np.random.default_rng([salt, 0 if seed is None else seed + 1, *map(int, data)])
 
 
-def _round_id(rnd: int, key: jax.Array | None) -> int:
+def protocol_round_id(rnd: int, key: jax.Array | None, purpose: bytes = b"") -> int:
     """64-bit protocol round id from the round counter and the round's key: fresh even when an
-    aborted round leaves the counter where it was."""
+    aborted round leaves the counter where it was. ``purpose`` tells apart ids made from the
+    same key for different uses."""
     data = np.asarray(jax.random.key_data(key)).tobytes() if key is not None else b""
-    return int.from_bytes(hashlib.sha256(struct.pack(">Q", rnd) + data).digest()[:8], "big")
+    return int.from_bytes(hashlib.sha256(struct.pack(">Q", rnd) + data + purpose).digest()[:8], "big")
 
 
 def graph_kind(neighbours: str, n: int) -> str:
@@ -184,7 +185,7 @@ def secure_aggregation(base: Aggregator, *, clip: float, threshold: float = 0.6,
         graph_seed = int(rng.integers(2**31))
         if keys is not None:
             _check_keys(keys, n)
-        protocol = {"round_id": _round_id(rnd, key), "neighbours": graph_kind(neighbours, n),
+        protocol = {"round_id": protocol_round_id(rnd, key), "neighbours": graph_kind(neighbours, n),
                     "threshold": threshold, "graph_seed": graph_seed, "degree": degree,
                     "dropouts": Dropouts(before_masked=dropped), "colluding": colluding,
                     "min_survivors": min_survivors, "mode": mode, "keys": keys}
@@ -223,6 +224,7 @@ __all__ = [
     "flatten_clients",
     "graph_kind",
     "holders",
+    "protocol_round_id",
     "quantisation_scale",
     "row_norms",
     "secure_aggregation",

@@ -88,6 +88,30 @@ def encoding_from_wire(d: dict[str, Any]) -> Encoding:
 
 
 # ------------------------------------------------------------------ the server's side
+@dataclasses.dataclass(frozen=True)
+class Advertised:
+    """Advertisements the nodes made with the round's last client stage (`advertisement`):
+    the protocol's round id, the policy and the cohort slots (client ``cid`` is ``slots[cid]``)
+    they were made for, and each node's reply (node -> ``{"msgs": ..., "verify": ...}``)."""
+
+    round_id: int
+    policy: tuple
+    slots: tuple[int, ...]
+    replies: dict[Any, dict]
+
+
+def advertisement(hosts: dict[Any, list[int]], round_id: int, policy: Sequence[Any]) -> dict[Any, dict]:
+    """Each node's advertise payload for the clients of the cohort slots ``hosts`` (node ->
+    its slots), numbered in slot order over all nodes: what a node runs right after the
+    round's last client stage and answers with its outputs, so the round needs no advertise
+    exchange of its own when every slot's client is present after the stage (`Advertised`).
+    Nothing in it depends on the clients' data: a client's keys are fresh for the round."""
+    cid = {s: k for k, s in enumerate(sorted(s for slots in hosts.values() for s in slots))}
+    return {node: {"round_id": int(round_id), "policy": list(policy),
+                   "clients": [[cid[s], int(s)] for s in sorted(slots)]}
+            for node, slots in hosts.items() if slots}
+
+
 class NodeChannel:
     """The nodes holding a round's client rows: one payload per node, the replies of those that
     answered; a node that did not answer once is out for the rest of the round.
@@ -98,24 +122,41 @@ class NodeChannel:
         round: the round number (the nodes key their kept rows by it).
     """
 
-    def __init__(self, nodes: Any, hosts: dict[Any, list[int]], round: int) -> None:
+    def __init__(self, nodes: Any, hosts: dict[Any, list[int]], round: int,
+                 early: Advertised | None = None) -> None:
         self.nodes, self.round = nodes, int(round)
         self.host = {s: n for n, slots in hosts.items() for s in slots}
         self.alive = set(hosts)
         self.dropped: list[Any] = []
+        self.early = early
 
     def call(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
         payloads = {n: {**p, "round": self.round} for n, p in payloads.items() if n in self.alive}
         if not payloads:
             return {}
-        replies = dict(self.nodes.run_secagg(payloads))
-        lost = sorted(set(payloads) - set(replies), key=str)
+        return self._answered(payloads, dict(self.nodes.run_secagg(payloads)))
+
+    def _answered(self, asked: Any, replies: dict[Any, dict]) -> dict[Any, dict]:
+        """``replies`` of the nodes ``asked``: those that did not answer are out for the round;
+        a node whose clients refused aborts it."""
+        lost = sorted(set(asked) - set(replies), key=str)
         self.alive -= set(lost)
         self.dropped.extend(lost)
         for n in sorted(replies, key=str):
             if "abort" in replies[n]:
                 raise SecAggAbort(f"node {n}: {replies[n]['abort']}")
         return replies
+
+    def advertised(self, slots: Sequence[int], policy: tuple) -> Advertised | None:
+        """The advertisements the nodes sent with the round's client stage, when they are this
+        round's: made for the clients ``slots`` (client ``cid`` is ``slots[cid]``) under
+        ``policy``. Used once; None otherwise (the round then runs its advertise exchange)."""
+        early, self.early = self.early, None
+        if early is None or early.slots != tuple(int(s) for s in slots) or early.policy != tuple(policy):
+            return None
+        alive = {n for n in self.alive if any(self.host[s] == n for s in early.slots)}
+        replies = {n: r for n, r in early.replies.items() if n in alive}
+        return dataclasses.replace(early, replies=self._answered(alive, replies))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,22 +246,28 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
     neigh = make_neighbours(n, neighbours, seed=graph_seed, degree=degree)
     t = policy_thresholds(neigh, policy)
     policy.check_survivors(n, "the start of the round")
+    ch = rows.channel
+    early = ch.advertised(present, (threshold, colluding, min_survivors, mode))
+    if early is not None:  # the keys came with the client stage, bound to its round id
+        round_id = early.round_id
     server = Server(round_id=round_id, neighbours=neigh, threshold=t, dim=dim,
                     min_survivors=min_survivors, signed=policy.malicious,
                     graph=(neighbours, graph_seed, degree), colluding=colluding)
-    ch = rows.channel
     node_of = {cid: ch.host[int(s)] for cid, s in enumerate(present)}
     traffic = {"up": 0, "down": 0, "masked": 0}
 
     def exchange(step: str, msgs: dict[int, bytes], receive: Callable[..., None],
-                 extra: dict | None = None) -> list[int]:
-        """Send ``msgs`` (cid -> bytes) to the nodes; feed the replies to ``receive``; return the
-        cids whose node answered. At the masked-input step a node's reply is one vector, its
-        clients' masked inputs added up there (`node_step`): ``receive(cids, vector)``."""
+                 extra: dict | None = None, per_node: Callable[[list[int]], dict] | None = None) -> list[int]:
+        """Send ``msgs`` (cid -> bytes) to the nodes, with ``extra`` and ``per_node(its cids)``
+        in each node's payload; feed the replies to ``receive``; return the cids whose node
+        answered. At the masked-input step a node's reply is one vector, its clients' masked
+        inputs added up there (`node_step`): ``receive(cids, vector)``."""
         payloads: dict[Any, dict] = {}
         for cid, m in msgs.items():
             traffic["down"] += len(m)
             payloads.setdefault(node_of[cid], {"step": step, "msgs": {}, **(extra or {})})["msgs"][cid] = m
+        for p in payloads.values():
+            p.update(per_node(sorted(p["msgs"])) if per_node else {})
         replies = ch.call(payloads)
         for node in sorted(replies, key=str):
             if step == "masked":
@@ -234,13 +281,14 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
                 receive(m)
         return sorted(cid for cid in msgs if node_of[cid] in replies)
 
-    start = {}
-    for cid, s in enumerate(present):
-        start.setdefault(node_of[cid], []).append([cid, int(s), seeds[cid]])
-    replies = ch.call({node: {"step": "advertise", "round_id": int(round_id), "clients": cl,
-                              "policy": [threshold, colluding, min_survivors, mode],
-                              "spec": encoding.to_wire(), "leaves": list(rows.leaves), **rows.step.to_wire()}
-                       for node, cl in start.items()})
+    if early is not None:
+        replies = early.replies
+    else:
+        start: dict[Any, list[int]] = {}
+        for cid, s in enumerate(present):
+            start.setdefault(node_of[cid], []).append(int(s))
+        replies = ch.call({node: {"step": "advertise", **p} for node, p in advertisement(
+            start, round_id, [threshold, colluding, min_survivors, mode]).items()})
     verify: dict[int, bytes] = {}
     signed: list[dict] = []  # each node's signature over its clients' keys (node PKI)
     for node in sorted(replies, key=str):
@@ -252,8 +300,12 @@ def run_remote_round(rows: ClientRows, encoding: Encoding, present: Sequence[int
         if replies[node].get("keys_sig"):
             signed.append({**replies[node]["keys_sig"], "keys": keys})
     alive = [cid for cid in range(n) if node_of[cid] in replies and cid not in drop.before_shares]
+    # the round's encoding goes with the shares: a node checks it against its own DP bound
+    # before any share of its clients' keys leaves it, and its rows are encoded only after that
+    code = {"spec": encoding.to_wire(), "leaves": list(rows.leaves), **rows.step.to_wire()}
     alive = exchange("shares", {i: server.keys_for(i) for i in alive}, server.receive_shares,
-                     {"verify": verify, "signed": signed} if policy.malicious else None)
+                     {"verify": verify, "signed": signed} if policy.malicious else None,
+                     lambda cids: {"encoding": {**code, "seeds": [[c, seeds[c]] for c in cids]}})
     forwards = {i: server.forward_for(i) for i in alive}
     alive = exchange("masked", {i: forwards[i] for i in alive if i not in drop.before_masked},
                      server.receive_masked_sum)
@@ -302,8 +354,7 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
         if step == "advertise":
             th, col, ms, mode = payload["policy"]
             policy = Policy(threshold=float(th), colluding=int(col), min_survivors=int(ms), mode=mode)
-            st = {k: payload.get(k) for k in ("round_id", "spec", "pre", "leaves", "count")}
-            st["slots"] = {int(c): [int(s), str(seed)] for c, s, seed in payload["clients"]}
+            st = {"round_id": payload["round_id"], "slots": {int(c): [int(s), None] for c, s in payload["clients"]}}
             ring = KeyRing.generate(st["slots"]) if policy.malicious else None  # this node's clients' keys
             clients = {c: Client(c, round_id=int(payload["round_id"]), policy=policy, keys=ring)
                        for c in st["slots"]}
@@ -315,6 +366,13 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
             asked = {int(c): bytes(m) for c, m in payload["msgs"].items()}
             extra = {}
             if step == "shares":
+                code = payload["encoding"]
+                seeds = {int(c): str(seed) for c, seed in code["seeds"]}
+                if set(seeds) != set(asked) or not set(asked) <= set(st["slots"]):
+                    raise SecAggAbort("the round's encoding does not name the clients asked for shares")
+                st.update({k: code.get(k) for k in ("spec", "pre", "leaves", "count")})
+                for c, seed in seeds.items():
+                    st["slots"][c][1] = seed
                 for c in asked:
                     if clients[c].ring is not None:
                         clients[c].ring.add_verifying(payload.get("verify") or {})
