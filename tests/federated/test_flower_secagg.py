@@ -13,8 +13,6 @@ weights.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -248,7 +246,7 @@ def _advertised(rows, hosts, policy, round_id=991, rnd=0):
     ads = advertisement(hosts, round_id, policy)
     executors = rows.channel.nodes.local.executors
     replies = {n: executors[n].secagg({**p, "step": "advertise", "round": rnd}) for n, p in ads.items()}
-    return ads, Advertised(round_id, tuple(policy), tuple(sorted(s for v in hosts.values() for s in v)), replies)
+    return Advertised(round_id, tuple(policy), tuple(sorted(s for v in hosts.values() for s in v)), replies, ads)
 
 
 SIGNED = (0.6, 0, 3, "malicious")  # secure_aggregation's default policy
@@ -263,7 +261,7 @@ def test_keys_advertised_with_the_stage_save_the_advertise_exchange():
     agg = _secagg()
     local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), jnp.ones(N), agg.init(None), key)
     rows, nodes = _remote(deltas)
-    _, rows.channel.early = _advertised(rows, HOSTS, SIGNED)
+    rows.channel.early = _advertised(rows, HOSTS, SIGNED)
     remote = agg.aggregate(rows, jnp.ones(N), agg.init(None), key)
     assert np.array_equal(_flat(local.update), _flat(remote.update))
     assert sorted(step for step, _ in nodes.replies) == sorted(["shares", "masked", "check", "unmask"] * len(HOSTS))
@@ -279,7 +277,7 @@ def test_advertisements_for_another_cohort_or_policy_are_not_used(why):
     agg = _secagg()
     local = agg.aggregate(jax.tree.map(jnp.asarray, deltas), weights, agg.init(None), key)
     rows, nodes = _remote(deltas)
-    _, rows.channel.early = _advertised(rows, HOSTS, SIGNED if why == "absent slot" else (0.7, 0, 3, "malicious"))
+    rows.channel.early = _advertised(rows, HOSTS, SIGNED if why == "absent slot" else (0.7, 0, 3, "malicious"))
     remote = agg.aggregate(rows, weights, agg.init(None), key)
     assert np.array_equal(_flat(local.update), _flat(remote.update))
     assert [step for step, _ in nodes.replies].count("advertise") == len(HOSTS)
@@ -294,18 +292,16 @@ def test_a_node_whose_stage_advertisement_is_invalid_is_out_of_the_round():
     deltas, key = _deltas(9), jax.random.key(15)
     hosts = {"a": [0, 1, 2, 3], "b": [4, 5]}  # t = 4 of 6 holders: node a alone can unmask
     rows, nodes = _remote(deltas, hosts)
-    ads, early = _advertised(rows, hosts, SIGNED)
+    early = _advertised(rows, hosts, SIGNED)
     early.replies["b"]["msgs"][4] = early.replies["b"]["msgs"][5]
     guard = SecAggGuard(nodes, sum(int(np.prod(x.shape[1:])) for x in deltas.values()))
-    valid = guard.advertised(ads, early.replies)
-    assert set(valid) == {"a"} and guard.rejected == ["b"]
-    rows.channel.nodes = guard
-    rows.channel.early = dataclasses.replace(early, replies=valid)
+    rows.channel.nodes, rows.channel.early = guard, early
     res = _secagg().aggregate(rows, jnp.ones(N), _secagg().init(None), key)
     expect, _ = _oracle(deltas, range(N), hosts["a"], key)
     assert res.metrics["secagg_aborted"] == 0 and float(res.metrics["survivors"]) == 4
     np.testing.assert_allclose(_flat(res.update), expect, rtol=0, atol=1e-6)
-    assert rows.channel.dropped == ["b"] and "advertise" not in {step for step, _ in nodes.replies}
+    assert guard.rejected == ["b"] and rows.channel.dropped == ["b"]
+    assert "advertise" not in {step for step, _ in nodes.replies}
 
 
 def test_slot_seed_is_one_way_and_per_slot():

@@ -58,7 +58,7 @@ from memaudit.federated.flower.nodes import client_digests
 from memaudit.federated.flower.partition import PLATFORMS, STAGE_PLATFORMS
 from memaudit.federated.flower.wire import HELLO, SECAGG, STAGE
 from memaudit.federated.secagg.aggregator import protocol_round_id
-from memaudit.federated.secagg.messages import SecAggAbort, SecAggError
+from memaudit.federated.secagg.messages import SecAggError
 from memaudit.federated.secagg.remote import Advertised, ClientRows, NodeChannel, advertisement
 from memaudit.federated.trainer import FederatedTrainer
 from memaudit.io import atomic_write_json, read_json
@@ -356,11 +356,8 @@ class FlowerRuntime:
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
         shapes = tuple((tuple(x.aval.shape[1:]), x.aval.dtype.name) for x in leaves)
         guard = SecAggGuard(self.nodes, sum(int(np.prod(s)) for s, _ in shapes))
-        early = None
-        if ads and policy is not None and hosts:
-            with contextlib.suppress(SecAggAbort):  # no valid one: the round advertises on its own
-                replies = guard.advertised({n: ads[n] for n in hosts}, info["advertised"])
-                early = Advertised(round_id, policy, tuple(sorted(s for v in hosted.values() for s in v)), replies)
+        early = None if ads is None or policy is None else Advertised(
+            round_id, policy, tuple(sorted(s for v in hosted.values() for s in v)), info["advertised"], ads)
         channel = NodeChannel(guard, hosts, r, early)
         rows = ClientRows(channel, tuple(x.var for x in leaves), shapes, treedef)
         try:

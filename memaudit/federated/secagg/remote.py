@@ -92,12 +92,14 @@ def encoding_from_wire(d: dict[str, Any]) -> Encoding:
 class Advertised:
     """Advertisements the nodes made with the round's last client stage (`advertisement`):
     the protocol's round id, the policy and the cohort slots (client ``cid`` is ``slots[cid]``)
-    they were made for, and each node's reply (node -> ``{"msgs": ..., "verify": ...}``)."""
+    they were made for, each node's reply (node -> ``{"msgs": ..., "verify": ...}``) and the
+    payload it answered."""
 
     round_id: int
     policy: tuple
     slots: tuple[int, ...]
-    replies: dict[Any, dict]
+    replies: dict[Any, Any]
+    payloads: dict[Any, dict]
 
 
 def advertisement(hosts: dict[Any, list[int]], round_id: int, policy: Sequence[Any]) -> dict[Any, dict]:
@@ -150,12 +152,18 @@ class NodeChannel:
     def advertised(self, slots: Sequence[int], policy: tuple) -> Advertised | None:
         """The advertisements the nodes sent with the round's client stage, when they are this
         round's: made for the clients ``slots`` (client ``cid`` is ``slots[cid]``) under
-        ``policy``. Used once; None otherwise (the round then runs its advertise exchange)."""
+        ``policy``. Used once; None otherwise (the round then runs its advertise exchange).
+        Nodes that check the replies of an exchange (``nodes.advertised(payloads, replies)``,
+        `memaudit.federated.flower.guard.SecAggGuard`) check these as an advertise exchange's;
+        a node without a valid one is out of the round, as one that did not answer."""
         early, self.early = self.early, None
         if early is None or early.slots != tuple(int(s) for s in slots) or early.policy != tuple(policy):
             return None
         alive = {n for n in self.alive if any(self.host[s] == n for s in early.slots)}
         replies = {n: r for n, r in early.replies.items() if n in alive}
+        check = getattr(self.nodes, "advertised", None)
+        if check is not None:
+            replies = check({n: early.payloads[n] for n in alive}, replies)
         return dataclasses.replace(early, replies=self._answered(alive, replies))
 
 
