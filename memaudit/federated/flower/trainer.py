@@ -337,8 +337,9 @@ class FlowerRuntime:
     def _host_round(self, trainer: FederatedTrainer, split: Any, cap: int, state: Any, assignment: dict,
                     r: int, key: Any) -> tuple[Any, dict]:
         """A round with a host aggregator: the client phase on the nodes (its deltas kept
-        there), then the aggregator with the nodes' rows as `ClientRows` (secure aggregation
-        with the protocol clients on the nodes), then the server update, here."""
+        there; its last stage carries the secure sum's advertise step), then the aggregator with
+        the nodes' rows as `ClientRows` (secure aggregation with the protocol clients on the
+        nodes), then the server update, here."""
         client_key, agg_key = jax.random.split(key)
         plan = self.plan(trainer, cap, state.params, client_key)
         policy = secure_sum_policy(trainer)

@@ -18,7 +18,10 @@ there:
   `Server` here and the protocol's `Client` s on the nodes, over four message exchanges
   (advertise, share keys, masked input, unmask) and, in the malicious-server mode (the
   default), the consistency check between the last two; a node that stops answering drops its
-  clients at that step, exactly as a simulated dropout there would;
+  clients at that step, exactly as a simulated dropout there would. The advertise step needs
+  nothing the round's clients compute, so on Flower it rides on the round's last client stage
+  (`advertisement`, `Advertised`): the round then runs from the share-keys step, and the
+  round's encoding travels with the shares;
 - in the malicious-server mode each node generates its clients' Ed25519 signing keys for the
   round (kept in its state, never in a reply) and returns their verification keys with the
   advertisements; the server relays every client's verification key to every node. That relay
@@ -407,5 +410,5 @@ def node_step(payload: dict[str, Any], *, kept: Callable[[int, int], np.ndarray]
     return extra if msgs is None else {"msgs": msgs, **extra}
 
 
-__all__ = ["ENCODINGS", "ClientRows", "NodeChannel", "encoding_from_wire", "node_step", "run_remote_round",
-           "slot_rng", "slot_seed"]
+__all__ = ["ENCODINGS", "Advertised", "ClientRows", "NodeChannel", "advertisement", "encoding_from_wire",
+           "node_step", "run_remote_round", "slot_rng", "slot_seed"]
