@@ -13,8 +13,9 @@ request as a SuperNode does. Variants:
 - ``control_layers_off``: the Control API's layers on Control API requests only, the Fleet
   event log only with a plugin (`leanhttp.ControlOnly`, `leanhttp.WhenFleetLogged`);
 - ``and_check``: SuperNode authentication as a plain ASGI layer too (`leanhttp.CheckThenPass`);
-- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.leanhttp.lean_stack`): the error
-  translation as a plain ASGI layer too (`leanhttp.ErrorsTranslated`).
+- ``and_errors``: the error translation as a plain ASGI layer too (`leanhttp.ErrorsTranslated`);
+- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.leanhttp.lean_stack`): the
+  protobuf translation of a Fleet request run by its own dispatch too (`leanhttp.Translated`).
 
 Requests: ``small`` (a pull-object ask, about 60 bytes) and ``large`` (a push-object of
 ``--large-mib`` MiB: a node's masked input on the ``tiny`` model is 5 MiB). The statistic is
@@ -172,6 +173,7 @@ def served(app: Any) -> Iterator[str]:
 
 
 def variants() -> dict[str, list[Any]]:
+    from flwr.supercore.error.http import http_error_translator
     from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
     from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
 
@@ -181,6 +183,8 @@ def variants() -> dict[str, list[Any]]:
     return {"flower": flower_stack(),
             "control_layers_off": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware),
             "and_check": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware, (NodeAuthMiddleware,)),
+            "and_errors": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware, (NodeAuthMiddleware,),
+                                        http_error_translator),
             "lean": leanhttp.lean_stack(flower_stack())}
 
 

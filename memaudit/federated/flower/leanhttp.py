@@ -21,13 +21,17 @@ run, most of it in these layers, and an exchange of a few hundred bytes took 0.3
   that same ``dispatch`` as a plain ASGI layer;
 - `ErrorsTranslated`: the error translation, whose ``dispatch`` returns ``call_next``'s response
   untouched and turns an exception into a JSON answer, runs the app as a plain ASGI layer and
-  hands an exception to that same ``dispatch``.
+  hands an exception to that same ``dispatch``;
+- `Translated`: the protobuf translation of a Fleet request runs by its own ``dispatch``, with a
+  ``call_next`` that hands the app the body the ``dispatch`` read and returns the app's response
+  read whole.
 
-Only the protobuf parsing stays a ``BaseHTTPMiddleware`` on a Fleet request. What a request of
-either API gets back does not change: ``tests/federated/test_flower_leanhttp.py`` sends Flower's
-stack and this one the same requests (signed, unsigned, forged, stale, another node's id, the
-wrong media type, a malformed body, a failing handler, a Control API call) and compares the
-answers byte for byte. A request costs the server about 1.85x less (`benchmarks/flower_http.py`).
+No layer of a Fleet request is a ``BaseHTTPMiddleware`` any more. What a request of either API
+gets back does not change: ``tests/federated/test_flower_leanhttp.py`` sends Flower's stack and
+this one the same requests (signed, unsigned, forged, stale, another node's id, the wrong media
+type, a malformed body, a failing handler, an unknown route, a Control API call) and compares
+the answers byte for byte. A request costs the server 1.86x less, a 5 MiB push 3.17x
+(`benchmarks/flower_http.py`, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 CONTROL_PREFIX = "/v1/control/"
+FLEET_PREFIX = "/v1/fleet/"
 
 
 def _path(scope: dict[str, Any]) -> str:
@@ -143,6 +148,51 @@ class ErrorsTranslated:
             await answer(scope, receive, send)
 
 
+class Translated(_Wrapping):
+    """Flower's protobuf translation (a ``BaseHTTPMiddleware`` whose ``dispatch`` parses the
+    request's body into the route's protobuf request, calls ``call_next`` and replaces its
+    response with the handler's protobuf result) run by its own ``dispatch`` without that
+    class's task group and streams: ``call_next`` runs the app inside on the body the
+    ``dispatch`` read, reads the app's response whole and returns it, and the ``dispatch``'s
+    answer is sent. Only on Fleet API requests, whose results are single messages; every other
+    request goes through Flower's layer as it is (a Control API result may stream)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not _path(scope).startswith(FLEET_PREFIX):
+            await self.wrapped(scope, receive, send)
+            return
+        # optional dependency: flwr brings starlette
+        from starlette.requests import Request
+        from starlette.responses import Response
+
+        async def call_next(request: Any) -> Any:
+            body = await request.body()  # the dispatch read it: cached
+            given = False
+
+            async def again() -> dict[str, Any]:
+                nonlocal given
+                if given:
+                    return await receive()
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            sent: dict[str, Any] = {"start": None, "body": []}
+
+            async def kept(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    sent["start"] = message
+                elif message["type"] == "http.response.body":
+                    sent["body"].append(message.get("body", b""))
+
+            await self.app(scope, again, kept)
+            response = Response(b"".join(sent["body"]), status_code=sent["start"]["status"])
+            response.raw_headers = list(sent["start"].get("headers", []))
+            return response
+
+        answer = await self.wrapped.dispatch(Request(scope, receive), call_next)
+        await answer(scope, receive, send)
+
+
 class _Passed:
     """`CheckThenPass`'s stand-in for the inner app's response."""
 
@@ -163,11 +213,12 @@ def acts_on_control_only() -> tuple[type, ...]:
 
 
 def lean(stack: list[Any], control_only: tuple[type, ...], fleet_log: type | None = None,
-         checks: tuple[type, ...] = (), translator: Any = None) -> list[Any]:
+         checks: tuple[type, ...] = (), translator: Any = None, protobuf: type | None = None) -> list[Any]:
     """``stack`` (Starlette ``Middleware`` entries) with each layer of a ``control_only`` class
     wrapped in `ControlOnly`, the ``fleet_log`` layer in `WhenFleetLogged`, each layer of a
-    ``checks`` class in `CheckThenPass`, and the ``BaseHTTPMiddleware`` whose dispatch is
-    ``translator`` run as `ErrorsTranslated`, in place and order."""
+    ``checks`` class in `CheckThenPass`, the ``BaseHTTPMiddleware`` whose dispatch is
+    ``translator`` run as `ErrorsTranslated`, and the ``protobuf`` layer in `Translated`, in
+    place and order."""
     # optional dependency: flwr brings starlette
     from starlette.middleware import Middleware
     from starlette.middleware.base import BaseHTTPMiddleware
@@ -183,6 +234,8 @@ def lean(stack: list[Any], control_only: tuple[type, ...], fleet_log: type | Non
             return Middleware(WhenFleetLogged, middleware=m.cls, **m.kwargs)
         if m.cls in checks:
             return Middleware(CheckThenPass, middleware=m.cls, **m.kwargs)
+        if protobuf is not None and m.cls is protobuf:
+            return Middleware(Translated, middleware=m.cls, **m.kwargs)
         return m
 
     return [wrapped(m) for m in stack]
@@ -192,14 +245,15 @@ def lean_stack(stack: list[Any]) -> list[Any]:
     """Flower's SuperLink middleware ``stack`` (``flwr.superlink.main._get_middleware()``) as
     memaudit's SuperLink runs it: the Control API's layers in `ControlOnly`, the Fleet event log
     in `WhenFleetLogged`, SuperNode authentication in `CheckThenPass`, the error translation in
-    `ErrorsTranslated`."""
+    `ErrorsTranslated`, the protobuf translation of a Fleet request in `Translated`."""
     # optional dependency: flwr (the flower extra); called only where it runs
     from flwr.supercore.error.http import http_error_translator
+    from flwr.supercore.protobuf.translation import ProtobufTranslationMiddleware
     from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
     from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
 
     return lean(stack, acts_on_control_only(), FleetEventLogMiddleware, (NodeAuthMiddleware,),
-                http_error_translator)
+                http_error_translator, ProtobufTranslationMiddleware)
 
 
 def install() -> None:
@@ -220,4 +274,5 @@ def install() -> None:
     app_module._get_middleware = get_middleware
 
 
-__all__ = ["CONTROL_PREFIX", "CheckThenPass", "ControlOnly", "ErrorsTranslated", "WhenFleetLogged", "acts_on_control_only", "install", "lean", "lean_stack"]
+__all__ = ["CONTROL_PREFIX", "FLEET_PREFIX", "CheckThenPass", "ControlOnly", "ErrorsTranslated", "Translated",
+           "WhenFleetLogged", "acts_on_control_only", "install", "lean", "lean_stack"]
