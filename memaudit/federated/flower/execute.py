@@ -402,9 +402,9 @@ class NodeExecutor:
                 payload = self.trust.secagg_payload(payload)
             if self.trust is not None and step == "shares":
                 self.trust.secagg_encoding(payload)
-            if self.trust is not None and self.trust.nodes and step == "shares":
-                payload = {**payload, "verify": authenticated_keys(payload.get("signed"), self.trust.nodes,
-                                                                   state["round_id"])}
+                if self.trust.nodes:
+                    payload = {**payload, "verify": authenticated_keys(payload.get("signed"), self.trust.nodes,
+                                                                       state["round_id"])}
         except StageRefused as e:
             if state is not None:  # the round aborts: its secret keys and shares go
                 self._save_protocol(int(payload["round"]), None)

@@ -54,11 +54,12 @@ class SecAggGuard:
         self.rejected: list[Any] = []
 
     def run_secagg(self, payloads: dict[Any, dict]) -> dict[Any, dict]:
-        step = next(iter(payloads.values()))["step"]
+        first = next(iter(payloads.values()))
+        step = first["step"]
         if step == "advertise":
-            self.round_id = int(next(iter(payloads.values()))["round_id"])
+            self.round_id = int(first["round_id"])
         if step == "shares":  # the round's encoding: the width of a masked vector
-            code = next(iter(payloads.values()))["encoding"]
+            code = first["encoding"]
             self.width = encoding_from_wire(code["spec"]).width(self.dim) + int(code.get("count") is not None)
         return self._checked(step, payloads, dict(self.nodes.run_secagg(payloads)))
 

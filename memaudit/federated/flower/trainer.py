@@ -357,7 +357,7 @@ class FlowerRuntime:
         hosts = {n: [s for s, _ in assignment[n]] for n in info["alive_nodes"]}
         shapes = tuple((tuple(x.aval.shape[1:]), x.aval.dtype.name) for x in leaves)
         guard = SecAggGuard(self.nodes, sum(int(np.prod(s)) for s, _ in shapes))
-        early = None if ads is None or policy is None else Advertised(
+        early = None if ads is None else Advertised(
             round_id, policy, tuple(sorted(s for v in hosted.values() for s in v)), info["advertised"], ads)
         channel = NodeChannel(guard, hosts, r, early)
         rows = ClientRows(channel, tuple(x.var for x in leaves), shapes, treedef)

@@ -117,20 +117,21 @@ class NodeTrust:
                                "(python -m memaudit.federated.flower.nodes) and restart the SuperNode")
 
     # ------------------------------------------------------------------ secure aggregation
-    def secagg_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """The advertise payload with this node's policy in place of the server's."""
+    def _policy(self) -> tuple:
         if self.policy is None:
             raise StageRefused("this node's stage manifest has no secure-aggregation policy: it takes "
                                "part in no secure-aggregation round")
-        return {**payload, "policy": list(self.policy)}
+        return self.policy
+
+    def secagg_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The advertise payload with this node's policy in place of the server's."""
+        return {**payload, "policy": list(self._policy())}
 
     def secagg_encoding(self, payload: dict[str, Any]) -> None:
         """Check the round's encoding and per-client transforms (``payload["encoding"]`` of the
         shares step, before any share of a client's keys is sent) against the node's DP bound,
         and the kept values it encodes against ``resident``."""
-        if self.policy is None:
-            raise StageRefused("this node's stage manifest has no secure-aggregation policy: it takes "
-                               "part in no secure-aggregation round")
+        self._policy()
         payload = dict(payload.get("encoding") or {})
         leaves = [int(v) for v in payload.get("leaves") or ()]
         if not leaves or not set(leaves) <= self.resident:

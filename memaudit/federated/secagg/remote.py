@@ -162,7 +162,7 @@ class NodeChannel:
         early, self.early = self.early, None
         if early is None or early.slots != tuple(int(s) for s in slots) or early.policy != tuple(policy):
             return None
-        alive = {n for n in self.alive if any(self.host[s] == n for s in early.slots)}
+        alive = {self.host.get(s) for s in early.slots} & self.alive
         replies = {n: r for n, r in early.replies.items() if n in alive}
         check = getattr(self.nodes, "advertised", None)
         if check is not None:
