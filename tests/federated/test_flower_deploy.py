@@ -28,6 +28,8 @@ import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a
 import numpy as np
 import pytest
 
+from memaudit.federated.flower import bundle
+
 pytestmark = pytest.mark.slow
 
 # FedAvg's fused map-and-sum adds the nodes' partial sums in another order than one loop over the
@@ -126,6 +128,9 @@ def test_flower_weights_equal_in_jax(case, federation):
     # each case's first round runs stage modules new to the nodes: a node says so (nodes_compiling)
     assert _metrics(flower_run)[0]["nodes_compiling"] >= 1
     assert result["rounds"] == rounds
+    fed = federation[0]  # every node pulled and pushed its messages bundled (memaudit.federated.flower.bundle)
+    for i in range(len(fed.partitions)):
+        assert bundle.BUNDLED in (fed.workdir / f"supernode-{i}.log").read_text(errors="replace")
     if case == "dp-fedavg-secagg":  # the protocol ran: every sampled user survived it
         sens = [json.loads(x) for x in (flower_run / "sensitive_metrics.jsonl").read_text().splitlines()]
         assert [(m["survivors"], m["secagg_aborted"]) for m in sens] == [(4, 0)] * rounds
@@ -251,6 +256,9 @@ def test_a_foreign_app_is_refused_by_the_supernode(federation, tmp_path):
     assert out.is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
     replies = json.loads(out.read_text())
     assert len(replies) == 2 and all(r["error"] and r["reason"] == REFUSED for r in replies)
+    # Flower's SuperLink has no bundled Fleet requests: the nodes used Flower's own
+    logs = [(other.workdir / f"supernode-{i}.log").read_text(errors="replace") for i in range(2)]
+    assert all(bundle.FLOWERS in t and bundle.BUNDLED not in t for t in logs)
     assert not marker.exists()
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import sys
 
-from memaudit.federated.flower import leanhttp
+from memaudit.federated.flower import bundle, leanhttp
 from memaudit.federated.flower.longpoll import install_superlink
 from memaudit.federated.flower.superexec import beside
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
     install_superlink()
+    bundle.install_superlink()
     leanhttp.install()
     return beside(flower_superlink, list(sys.argv[1:] if argv is None else argv), task="serverapp")
 

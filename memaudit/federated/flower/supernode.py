@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memaudit.federated.flower import bundle
 from memaudit.federated.flower.longpoll import install_supernode
 from memaudit.federated.flower.polls import SUPERNODE_POLL_S, short_waits
 from memaudit.federated.flower.superexec import beside
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         short_waits(supernode_poll=ours.poll)
         install_supernode()
+        bundle.install_supernode()
     except RuntimeError as e:
         print(f"memaudit: error: {e}; run flower-supernode itself, or the Flower version memaudit pins",
               file=sys.stderr)

@@ -1,0 +1,343 @@
+"""One request each way per message between memaudit's SuperNode and memaudit's SuperLink.
+
+A Flower 1.42 SuperNode makes nine Fleet requests for each message of a round: it asks for the
+message, asks for each of its objects (the message, its record dict, its record: three for every
+memaudit message), confirms the receipt, pushes the reply, and pushes each of the reply's
+objects. Each request costs the SuperLink's one process its HTTP and protobuf work, and the node
+an HTTP round trip. On 2 cores with 4 SuperNodes the 36 requests of a small exchange of a secure
+round took most of its 0.1 s, on the cores the round's computation needs too.
+
+memaudit's SuperLink (`memaudit.federated.flower.superlink`) also serves two Fleet routes that do
+the same work with Flower's own handlers, in one request each way:
+
+- ``PULL_PATH`` (`pull_bundle`): Flower's ``pull_messages`` (held until the message and all its
+  objects are stored, `memaudit.federated.flower.longpoll`), then Flower's ``pull_object`` for
+  each of its objects, then Flower's ``confirm_message_received`` when every object came back:
+  the message and its objects in one answer;
+- ``PUSH_PATH`` (`push_bundle`): Flower's ``push_messages``, then Flower's ``push_object`` for
+  each object the SuperLink asks for, from the objects the request brought; the answer is
+  Flower's ``PushMessagesResponse`` naming any object still missing.
+
+Both are Fleet routes: Flower's SuperNode authentication checks a request's signature and that
+its ``node`` is the signer's (`NodeAuthMiddleware`, on every ``/v1/fleet/`` request with a
+protobuf body), and the handlers act as that node only (the pushed message's request is given the
+authenticated node). A node thus reads and writes exactly what Flower's nine requests would.
+
+memaudit's SuperNode (`memaudit.federated.flower.supernode`) uses them through `Bundled`, which
+hands Flower's SuperNode loop the same callbacks with the same results: ``receive`` makes the
+bundled pull and keeps its objects, which ``pull_object`` then returns without a request (the
+node's object store checks each object's content against its id, as for Flower's pulls);
+``send`` and ``push_object`` collect the reply and its objects, pushed in one request once the
+loop has handed over the last. Against a SuperLink without the routes (Flower's own: the first
+bundled pull answers 404) the node uses Flower's requests from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Annotated, Any
+
+from memaudit.federated.flower.longpoll import object_ids
+
+PULL_PATH = "/v1/fleet/memaudit/pull-bundle"
+PUSH_PATH = "/v1/fleet/memaudit/push-bundle"
+BUNDLED = "memaudit: the SuperLink serves bundled Fleet requests: one request each way per message"
+FLOWERS = "memaudit: the SuperLink has no bundled Fleet requests: Flower's requests, nine per message"
+SESSION = "memaudit-bundle"  # `Bundled.send`'s session: its objects go in the bundled push
+
+_PROTO = """memaudit/flower/bundle.proto: package memaudit.flower;
+message BundledObject { string object_id = 1; bytes object_content = 2; }
+message PullBundleResponse { flwr.proto.PullMessagesResponse pulled = 1; repeated BundledObject objects = 2;
+                             bool confirmed = 3; }
+message PushBundleRequest { flwr.proto.Node node = 1; flwr.proto.PushMessagesRequest push = 2;
+                            repeated BundledObject objects = 3; }"""
+
+
+@functools.cache
+def messages() -> SimpleNamespace:
+    """The bundles' protobuf message classes (`_PROTO`), added to protobuf's default pool, where
+    Flower's own are; a pull bundle is asked for with Flower's ``PullMessagesRequest``."""
+    # optional dependency: protobuf comes with flwr (the flower extra)
+    from flwr.proto import fleet_pb2, message_pb2, node_pb2  # noqa: F401  (their files in the pool)
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    F = descriptor_pb2.FieldDescriptorProto
+    pool = descriptor_pool.Default()
+    name = "memaudit/flower/bundle.proto"
+    try:
+        pool.FindFileByName(name)
+    except KeyError:
+        f = descriptor_pb2.FileDescriptorProto(
+            name=name, package="memaudit.flower", syntax="proto3",
+            dependency=["flwr/proto/fleet.proto", "flwr/proto/node.proto"])
+
+        def message(mname: str, *fields: tuple[str, int, int, str | None, bool]) -> None:
+            m = f.message_type.add(name=mname)
+            for fname, number, ftype, type_name, repeated in fields:
+                field = m.field.add(name=fname, number=number, type=ftype,
+                                    label=F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL)
+                if type_name:
+                    field.type_name = type_name
+
+        message("BundledObject", ("object_id", 1, F.TYPE_STRING, None, False),
+                ("object_content", 2, F.TYPE_BYTES, None, False))
+        message("PullBundleResponse", ("pulled", 1, F.TYPE_MESSAGE, ".flwr.proto.PullMessagesResponse", False),
+                ("objects", 2, F.TYPE_MESSAGE, ".memaudit.flower.BundledObject", True),
+                ("confirmed", 3, F.TYPE_BOOL, None, False))
+        message("PushBundleRequest", ("node", 1, F.TYPE_MESSAGE, ".flwr.proto.Node", False),
+                ("push", 2, F.TYPE_MESSAGE, ".flwr.proto.PushMessagesRequest", False),
+                ("objects", 3, F.TYPE_MESSAGE, ".memaudit.flower.BundledObject", True))
+        pool.Add(f)
+    get = lambda n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"memaudit.flower.{n}"))
+    return SimpleNamespace(BundledObject=get("BundledObject"), PullBundleResponse=get("PullBundleResponse"),
+                           PushBundleRequest=get("PushBundleRequest"))
+
+
+# ------------------------------------------------------------------ the SuperLink's side
+def pull_bundle(request: Any, state: Any) -> Any:
+    """A node's message and all its objects (`PULL_PATH`), by Flower's handlers: the (held) pull
+    of one message, a pull of each of its objects, and the receipt confirmed when every object
+    is in the answer (``confirmed``; otherwise the node pulls the rest and confirms itself)."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest, PullObjectRequest
+    from flwr.superlink.servicer.fleet import fleet_handlers as fleet
+
+    pulled = fleet.pull_messages(request=request, state=state, store=state.object_store)
+    out = messages().PullBundleResponse(pulled=pulled)
+    complete = True
+    for msg, tree in zip(pulled.messages_list, pulled.message_object_trees, strict=True):
+        run_id = msg.metadata.run_id
+        for oid in object_ids([tree]):
+            got = fleet.pull_object(PullObjectRequest(node=request.node, run_id=run_id, object_id=oid), state)
+            if got.object_found and got.object_available:
+                out.objects.add(object_id=oid, object_content=got.object_content)
+            else:
+                complete = False
+        if complete:
+            fleet.confirm_message_received(ConfirmMessageReceivedRequest(
+                node=request.node, run_id=run_id, message_object_id=msg.metadata.message_id),
+                state=state, store=state.object_store)
+    out.confirmed = complete and len(pulled.messages_list) > 0
+    return out
+
+
+def push_bundle(request: Any, state: Any) -> Any:
+    """A node's reply and its objects (`PUSH_PATH`), by Flower's handlers: the push of the
+    message as the authenticated node, then a push of each object the SuperLink asks for that
+    the request brought. Returns Flower's answer to the push, naming the objects still missing."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.superlink.servicer.fleet import fleet_handlers as fleet
+
+    push = PushMessagesRequest()
+    push.CopyFrom(request.push)
+    push.node.CopyFrom(request.node)  # the node the request was authenticated as
+    answer = fleet.push_messages(request=push, state=state)
+    run_id = push.messages_list[0].metadata.run_id if push.messages_list else 0
+    given = {o.object_id: o.object_content for o in request.objects}
+    missing = []
+    for oid in answer.objects_to_push:
+        if oid not in given or not fleet.push_object(PushObjectRequest(
+                node=request.node, run_id=run_id, object_id=oid, object_content=given[oid],
+                session_id=answer.session_id), state).stored:
+            missing.append(oid)
+    del answer.objects_to_push[:]
+    answer.objects_to_push.extend(missing)
+    return answer
+
+
+def install_superlink() -> None:
+    """In a SuperLink's process, before it builds its app: `PULL_PATH` and `PUSH_PATH` on Flower's
+    Fleet router, with their protobuf request types where Flower's translation looks them up.
+    Idempotent."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.proto.fleet_pb2 import PullMessagesRequest, PushMessagesResponse
+    from flwr.supercore.protobuf.translation import (
+        PROTOBUF_REQUEST_DEPENDENCY,
+        PROTOBUF_REQUEST_TYPES,
+    )
+    from flwr.superlink.routers.fleet import router as fleet_router
+
+    if ("POST", PULL_PATH) in PROTOBUF_REQUEST_TYPES:
+        return
+    m = messages()
+    state_dep = fleet_router.LinkStateDependency
+
+    def fleet_pull_bundle(request, state):  # annotations set below
+        return pull_bundle(request, state)
+
+    def fleet_push_bundle(request, state):  # annotations set below
+        return push_bundle(request, state)
+
+    fleet_pull_bundle.__annotations__ = {"request": Annotated[PullMessagesRequest, PROTOBUF_REQUEST_DEPENDENCY],
+                                         "state": state_dep, "return": m.PullBundleResponse}
+    fleet_push_bundle.__annotations__ = {"request": Annotated[m.PushBundleRequest, PROTOBUF_REQUEST_DEPENDENCY],
+                                         "state": state_dep, "return": PushMessagesResponse}
+    PROTOBUF_REQUEST_TYPES[("POST", PULL_PATH)] = PullMessagesRequest
+    PROTOBUF_REQUEST_TYPES[("POST", PUSH_PATH)] = m.PushBundleRequest
+    prefix = fleet_router.router.prefix
+    fleet_router.router.post(PULL_PATH.removeprefix(prefix))(fleet_pull_bundle)
+    fleet_router.router.post(PUSH_PATH.removeprefix(prefix))(fleet_push_bundle)
+
+
+# ------------------------------------------------------------------ the SuperNode's side
+class Bundled:
+    """The callbacks of Flower's Fleet connection (``http_request_response``'s tuple), with a
+    message pulled and a reply pushed in one request each (`PULL_PATH`, `PUSH_PATH`) while the
+    SuperLink serves them; Flower's own callbacks otherwise, and for anything a bundle lacked."""
+
+    def __init__(self, connection: tuple, client: Any, invoke: Any) -> None:
+        (self.node_id, self._receive, self._send, self.get_run, self.get_fab, self._pull_object,
+         self._push_object, self._confirm) = connection
+        self.client, self.invoke = client, invoke
+        self.on = True  # False once the SuperLink answered a bundled pull with 404
+        self.pulled: dict[str, bytes] = {}  # objects of the message last received
+        self.confirmed: set[str] = set()  # messages the SuperLink confirmed with their bundle
+        self.outgoing: dict[str, Any] | None = None
+
+    def callbacks(self) -> tuple:
+        return (self.node_id, self.receive, self.send, self.get_run, self.get_fab, self.pull_object,
+                self.push_object, self.confirm_message_received)
+
+    def _node(self) -> Any:
+        from flwr.proto.node_pb2 import Node  # optional dependency: flwr, as in this class
+
+        return Node(node_id=self.node_id)
+
+    def receive(self) -> Any:
+        if not self.on:
+            return self._receive()
+        # optional dependency: flwr (the flower extra); called only where it runs
+        import httpx
+        from flwr.common.serde import message_from_proto
+        from flwr.proto.fleet_pb2 import PullMessagesRequest
+
+        try:
+            answer = self.invoke(self.client.PullBundle, PullMessagesRequest(node=self._node()))
+        except httpx.HTTPStatusError as e:
+            if e.response.status_code != 404:
+                raise
+            self.on = False  # a SuperLink without the bundle routes: Flower's requests from now on
+            _said(FLOWERS)
+            return self._receive()
+        _said(BUNDLED)
+        pulled = answer.pulled
+        if not pulled.messages_list:
+            return None
+        self.pulled = {o.object_id: o.object_content for o in answer.objects}
+        if answer.confirmed:
+            self.confirmed.add(pulled.messages_list[0].metadata.message_id)
+        return message_from_proto(pulled.messages_list[0]), pulled.message_object_trees[0]
+
+    def pull_object(self, run_id: int, object_id: str) -> bytes:
+        got = self.pulled.pop(object_id, None)
+        return self._pull_object(run_id, object_id) if got is None else got
+
+    def confirm_message_received(self, run_id: int, object_id: str) -> None:
+        self.pulled.clear()
+        if object_id in self.confirmed:
+            self.confirmed.discard(object_id)
+            return
+        self._confirm(run_id, object_id)
+
+    def send(self, message: Any, tree: Any, runtime: float) -> tuple[set[str], str]:
+        if not self.on:
+            return self._send(message, tree, runtime)
+        # optional dependency: flwr (the flower extra); called only where it runs
+        from flwr.app.message import remove_content_from_message
+        from flwr.common.serde import message_to_proto
+        from flwr.proto.fleet_pb2 import PushMessagesRequest
+
+        if message.has_content():
+            message = remove_content_from_message(message)
+        ids = set(object_ids([tree]))
+        push = PushMessagesRequest(node=self._node(), messages_list=[message_to_proto(message)],
+                                   message_object_trees=[tree], clientapp_runtime_list=[runtime])
+        self.outgoing = {"push": push, "ids": ids, "objects": {}}
+        return set(ids), SESSION
+
+    def push_object(self, run_id: int, session_id: str, object_id: str, content: bytes) -> None:
+        out = self.outgoing
+        if session_id != SESSION or out is None:
+            return self._push_object(run_id, session_id, object_id, content)
+        out["objects"][object_id] = content
+        if len(out["objects"]) < len(out["ids"]):
+            return None
+        self.outgoing = None
+        m = messages()
+        request = m.PushBundleRequest(node=self._node(), push=out["push"], objects=[
+            m.BundledObject(object_id=k, object_content=v) for k, v in out["objects"].items()])
+        answer = self.invoke(self.client.PushBundle, request)
+        for oid in answer.objects_to_push:  # anything the SuperLink still lacks, Flower's way
+            self._push_object(run_id, answer.session_id, oid, out["objects"][oid])
+        return None
+
+
+_told: set[str] = set()
+
+
+def _said(line: str) -> None:
+    """``line`` in the SuperNode's log (Flower's logger), once per process."""
+    if line not in _told:
+        _told.add(line)
+        from flwr.supercore import log  # optional dependency: flwr, where a SuperNode runs
+
+        log(logging.INFO, line)
+
+
+_clients = threading.local()  # the Fleet client Flower's connection made last in this thread
+
+
+def _bundle_client(base: type) -> type:
+    class BundleClient(base):  # type: ignore[misc, valid-type]
+        """Flower's Fleet HTTP client with the two bundled calls."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            _clients.last = self
+
+        def PullBundle(self, request: Any) -> Any:
+            return self._unary_unary(path=PULL_PATH, rpc_method="/memaudit.flower.Fleet/PullBundle",
+                                     request=request, response_type=messages().PullBundleResponse)
+
+        def PushBundle(self, request: Any) -> Any:
+            from flwr.proto.fleet_pb2 import PushMessagesResponse  # optional dependency: flwr
+
+            return self._unary_unary(path=PUSH_PATH, rpc_method="/memaudit.flower.Fleet/PushBundle",
+                                     request=request, response_type=PushMessagesResponse)
+
+    BundleClient.__memaudit_bundle__ = True  # type: ignore[attr-defined]
+    return BundleClient
+
+
+def install_supernode() -> None:
+    """In a SuperNode's process, before it connects: its Fleet connection pulls a message and
+    pushes a reply in one request each where the SuperLink serves the bundle routes (`Bundled`).
+    Idempotent."""
+    # optional dependency: flwr (the flower extra); called only where it runs
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supernode import fleet_http_connection as conn
+    from flwr.supernode import start_client_internal as loop
+
+    if getattr(conn.FleetHttpClient, "__memaudit_bundle__", False):
+        return
+    conn.FleetHttpClient = _bundle_client(conn.FleetHttpClient)
+    flower = loop.http_request_response
+
+    @contextlib.contextmanager
+    def bundled(*args: Any, **kwargs: Any) -> Iterator[tuple]:
+        with flower(*args, **kwargs) as connection:
+            invoke = make_simple_http_retry_invoker().invoke
+            yield Bundled(connection, _clients.last, invoke).callbacks()
+
+    loop.http_request_response = bundled
+
+
+__all__ = ["BUNDLED", "FLOWERS", "PULL_PATH", "PUSH_PATH", "Bundled", "install_superlink", "install_supernode", "messages",
+           "pull_bundle", "push_bundle"]
