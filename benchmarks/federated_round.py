@@ -472,6 +472,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--flower-own-supernode", action="store_true",
                     help="also the Flower runs on Flower's own flower-supernode (a flwr-clientapp process "
                          "per message, its 3 s poll), side by side with memaudit's SuperNode")
+    ap.add_argument("--flower-unbundled", action="store_true",
+                    help="also the Flower runs with memaudit's SuperNodes making Flower's nine Fleet requests "
+                         "a message (--fleet flower), side by side with the bundled two")
     ap.add_argument("--flower-hbc", action="store_true",
                     help="add a Flower run with the honest-but-curious secure-aggregation protocol")
     ap.add_argument("--node-shapes", action="store_true",
@@ -690,6 +693,8 @@ def bench_flower(args) -> dict:
         pair("_per_message", resident=False)
     if args.flower_own_supernode:  # Flower's own SuperNode and SuperExec
         pair("_own_supernode", flower_supernode=True)
+    if args.flower_unbundled:  # memaudit's SuperNodes with Flower's Fleet requests
+        pair("_unbundled", bundled=False)
     if args.flower_hbc:  # the honest-but-curious protocol (no consistency round, no signatures)
         hcfg = load_config(None, [*ov, *secagg, *hbc])  # on nodes whose manifest holds its policy
         hinfo = write_partitions(hcfg, root / "parts_hbc", args.flower_nodes)
@@ -700,7 +705,8 @@ def bench_flower(args) -> dict:
     kinds = ("jax", "flower", "jax_secagg", "flower_secagg", "jax_dp_secagg", "flower_dp_secagg",
              *(("flower_secagg_hbc",) if args.flower_hbc else ()),
              *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()),
-             *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()))
+             *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()),
+             *(("flower_unbundled", "flower_secagg_unbundled") if args.flower_unbundled else ()))
     med = {k: statistics.median(rounds(root / k)) for k in kinds}
     warm = {k: rounds(root / k, warm=True) for k in ("flower", "flower_secagg", "flower_dp_secagg")}
     warm_med = {k: statistics.median(v) for k, v in warm.items() if v}
@@ -735,6 +741,7 @@ def bench_flower(args) -> dict:
                for k, m in warm_med.items()},
             **(side("_per_message", "resident_speedup") if args.flower_per_message else {}),
             **(side("_own_supernode", "memaudit_supernode_speedup") if args.flower_own_supernode else {}),
+            **(side("_unbundled", "bundled_speedup") if args.flower_unbundled else {}),
             **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],
                 "flower_secagg_vs_hbc": med["flower_secagg"] / med["flower_secagg_hbc"]} if args.flower_hbc else {})}
 

@@ -152,6 +152,7 @@ def test_the_superexec_each_starts():
     (["--isolation", "subprocess", "--insecure"], "--isolation is memaudit's SuperExec"),
     (["--poll", "5", "--insecure"], "outside 0.01-3 s"),
     (["--poll", "0", "--insecure"], "outside 0.01-3 s"),
+    (["--fleet", "grpc", "--insecure"], "give bundled or flower"),
 ])
 def test_bad_supernode_arguments_get_one_line(argv, says, capsys):
     assert main(argv) == 2

@@ -258,12 +258,16 @@ class LocalFederation:
         flower_superlink: run Flower's own ``flower-superlink`` (any app's ServerApp) rather than
             memaudit's (`memaudit.federated.flower.superlink`): what a SuperNode's own refusal is
             tested against.
+        bundled: memaudit's SuperNodes pull a message and push a reply in one request each
+            (`memaudit.federated.flower.bundle`); False: Flower's requests (``--fleet flower``).
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
                  env: dict[str, str] | None = None, manifest: str | Path | None = None,
-                 resident: bool = True, flower_supernode: bool = False, flower_superlink: bool = False) -> None:
+                 resident: bool = True, flower_supernode: bool = False, flower_superlink: bool = False,
+                 bundled: bool = True) -> None:
         self.resident, self.flower_supernode, self.flower_superlink = resident, flower_supernode, flower_superlink
+        self.bundled = bundled
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
         self.manifest = str(manifest or Path(self.partitions[0]).parent / "manifest.json")
         self.env = dict(os.environ if env is None else env)
@@ -300,7 +304,8 @@ class LocalFederation:
     def start_node(self, i: int, partition: str) -> subprocess.Popen:
         cache = self.workdir / f"node-{i}-cache"
         node = ([_tool("flower-supernode")] if self.flower_supernode
-                else [sys.executable, "-m", "memaudit.federated.flower.supernode"])
+                else [sys.executable, "-m", "memaudit.federated.flower.supernode",
+                      *([] if self.bundled else ["--fleet", "flower"])])
         return self._start(f"supernode-{i}", [
             *node, "--host", "127.0.0.1", "--port", str(free_port()),
             *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident)])

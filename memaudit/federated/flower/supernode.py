@@ -1,10 +1,10 @@
 """memaudit's SuperNode: Flower's ``flower-supernode``, with memaudit's SuperExec and a short poll.
 
-    python -m memaudit.federated.flower.supernode [--poll S] FLOWER-SUPERNODE-ARGUMENTS...
+    python -m memaudit.federated.flower.supernode [--poll S] [--fleet bundled|flower] FLOWER-SUPERNODE-ARGUMENTS...
 
 takes ``flower-supernode``'s arguments (`memaudit.federated.flower.deploy.supernode_args`) and
-runs Flower 1.42's SuperNode in this process with two changes, both for the node's operator to
-choose and neither trusting the server:
+runs Flower 1.42's SuperNode in this process with three changes, each for the node's operator to
+choose and none trusting the server:
 
 - **memaudit's SuperExec** (`memaudit.federated.flower.superexec`): the SuperNode runs with
   ``--isolation process`` and memaudit's SuperExec runs beside it as a thread of this process,
@@ -23,6 +23,12 @@ choose and neither trusting the server:
   ask for a task is held until the node has pulled a message and all its objects
   (`memaudit.federated.flower.longpoll`), and the loop asks again at once after an ask that
   memaudit's SuperLink held.
+
+- **a message in one request each way** (`memaudit.federated.flower.bundle`): against memaudit's
+  SuperLink the node pulls a message with its objects, and pushes its reply with its objects, in
+  one Fleet request each, not nine; against a SuperLink without those routes it makes Flower's
+  requests. ``--fleet flower`` makes Flower's requests always (a proxy that passes only
+  Flower's routes).
 
 ``--isolation`` is refused: this SuperNode's isolation is memaudit's SuperExec. Flower's own
 ``flower-supernode`` still works with memaudit's apps (a ``flwr-clientapp`` per message), slower
@@ -44,10 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False)
     ap.add_argument("--poll", type=float, default=SUPERNODE_POLL_S,
                     help="seconds a SuperNode with no message waits before asking again")
+    ap.add_argument("--fleet", default="bundled",
+                    help="bundled: a message and its reply in one request each where the SuperLink "
+                         "serves that (memaudit's); flower: Flower's nine requests a message")
     ours, flower_args = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not 0.01 <= ours.poll <= 3.0:
         print(f"memaudit: error: --poll {ours.poll:g} is outside 0.01-3 s; give a poll in that range",
               file=sys.stderr)
+        return 2
+    if ours.fleet not in ("bundled", "flower"):
+        print(f"memaudit: error: --fleet {ours.fleet!r} is not a way to talk to the SuperLink; give "
+              "bundled or flower", file=sys.stderr)
         return 2
     # optional dependency: flwr (the flower extra)
     from flwr.supernode.cli.flower_supernode import flower_supernode
@@ -55,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         short_waits(supernode_poll=ours.poll)
         install_supernode()
-        bundle.install_supernode()
+        if ours.fleet == "bundled":
+            bundle.install_supernode()
     except RuntimeError as e:
         print(f"memaudit: error: {e}; run flower-supernode itself, or the Flower version memaudit pins",
               file=sys.stderr)
