@@ -29,70 +29,8 @@ try:
 finally:
     sys.path.remove(str(REPO_ROOT / "benchmarks"))
 
-RUN = 3
-IDS = ["1" * 64, "2" * 64, "3" * 64]  # a message, its record dict, its record
-
-
-def _tree() -> Any:
-    from flwr.proto.message_pb2 import ObjectTree
-
-    return ObjectTree(object_id=IDS[0], children=[ObjectTree(object_id=IDS[1], children=[
-        ObjectTree(object_id=IDS[2])])])
-
-
-def _message(node: int = fh.NODE_ID) -> Any:
-    from flwr.proto.message_pb2 import Message, Metadata
-    from flwr.proto.recorddict_pb2 import RecordDict
-
-    return Message(metadata=Metadata(run_id=RUN, message_id=IDS[0], src_node_id=node, message_type="train.x",
-                                     created_at=1.0, ttl=60.0), content=RecordDict())
-
-
-class Handlers:
-    """Flower's Fleet handlers as recording stand-ins: one message with three objects for node
-    `NODE_ID`; `missing` objects registered but not yet pushed; a push asks for every object."""
-
-    def __init__(self, missing: tuple[str, ...] = ()) -> None:
-        self.calls: list[tuple[str, Any]] = []
-        self.missing = set(missing)
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from flwr.proto.fleet_pb2 import PullMessagesResponse, PushMessagesResponse
-        from flwr.proto.message_pb2 import (
-            ConfirmMessageReceivedResponse,
-            PullObjectResponse,
-            PushObjectResponse,
-        )
-        from flwr.superlink.servicer.fleet import fleet_handlers
-
-        def pull_messages(request, state, store):
-            self.calls.append(("pull_messages", request.node.node_id))
-            return PullMessagesResponse(messages_list=[_message()], message_object_trees=[_tree()])
-
-        def pull_object(request, state):
-            self.calls.append(("pull_object", (request.node.node_id, request.run_id, request.object_id)))
-            there = request.object_id not in self.missing
-            return PullObjectResponse(object_found=True, object_available=there,
-                                      object_content=b"content of " + request.object_id[:1].encode() if there else b"")
-
-        def confirm(request, state, store):
-            self.calls.append(("confirm", (request.node.node_id, request.run_id, request.message_object_id)))
-            return ConfirmMessageReceivedResponse()
-
-        def push_messages(request, state):
-            self.calls.append(("push_messages", request.node.node_id))
-            return PushMessagesResponse(objects_to_push=IDS, session_id="s-1")
-
-        def push_object(request, state):
-            self.calls.append(("push_object", (request.node.node_id, request.run_id, request.object_id,
-                                               request.object_content, request.session_id)))
-            return PushObjectResponse(stored=True)
-
-        monkeypatch.setattr(fh._State, "object_store", None, raising=False)  # the stand-ins take no store
-        for name, f in [("pull_messages", pull_messages), ("pull_object", pull_object),
-                        ("confirm_message_received", confirm), ("push_messages", push_messages),
-                        ("push_object", push_object)]:
-            monkeypatch.setattr(fleet_handlers, name, f)
+RUN, IDS = fh.RUN_ID, fh.MESSAGE_IDS  # a message, its record dict, its record
+_tree, _message, _content = fh.message_tree, fh.message_proto, fh.object_content
 
 
 @pytest.fixture(scope="module")
@@ -125,44 +63,40 @@ def _push_body(node_id: int = fh.NODE_ID, inner: int = fh.NODE_ID, give: list[st
         m.BundledObject(object_id=i, object_content=b"reply " + i[:1].encode()) for i in give]).SerializeToString()
 
 
-def test_a_bundled_pull_is_flowers_pull_of_the_message_its_objects_and_the_receipt(client, node, monkeypatch):
-    h = Handlers()
-    h.install(monkeypatch)
-    r = client.post(bundle.PULL_PATH, content=_pull_body(), headers=node.headers())
+def test_a_bundled_pull_is_flowers_pull_of_the_message_its_objects_and_the_receipt(client, node):
+    calls: list = []
+    with fh.standin_handlers(calls):
+        r = client.post(bundle.PULL_PATH, content=_pull_body(), headers=node.headers())
     assert r.status_code == 200, r.text
     got = bundle.messages().PullBundleResponse.FromString(r.content)
     assert [m.metadata.message_id for m in got.pulled.messages_list] == [IDS[0]]
-    assert {o.object_id: o.object_content for o in got.objects} == {
-        i: b"content of " + i[:1].encode() for i in IDS}
+    assert {o.object_id: o.object_content for o in got.objects} == {i: _content(i) for i in IDS}
     assert got.confirmed
-    assert h.calls == [("pull_messages", fh.NODE_ID),
-                       *[("pull_object", (fh.NODE_ID, RUN, i)) for i in IDS],
-                       ("confirm", (fh.NODE_ID, RUN, IDS[0]))]
+    assert calls == [("pull_messages", fh.NODE_ID), *[("pull_object", (fh.NODE_ID, RUN, i)) for i in IDS],
+                     ("confirm", (fh.NODE_ID, RUN, IDS[0]))]
 
-    h = Handlers(missing=(IDS[2],))  # an object not pushed yet: no receipt; the node asks Flower's way
-    h.install(monkeypatch)
-    got = bundle.messages().PullBundleResponse.FromString(
-        client.post(bundle.PULL_PATH, content=_pull_body(), headers=node.headers()).content)
+    calls = []  # an object not pushed yet: no receipt; the node asks for it Flower's way
+    with fh.standin_handlers(calls, missing=(IDS[2],)):
+        got = bundle.messages().PullBundleResponse.FromString(
+            client.post(bundle.PULL_PATH, content=_pull_body(), headers=node.headers()).content)
     assert [o.object_id for o in got.objects] == IDS[:2] and not got.confirmed
-    assert "confirm" not in [c for c, _ in h.calls]
+    assert "confirm" not in [c for c, _ in calls]
 
 
-def test_a_bundled_push_is_flowers_push_made_as_the_signer(client, node, monkeypatch):
-    h = Handlers()
-    h.install(monkeypatch)
-    # the inner request names node 99: the push is made as the node the request was signed by
-    r = client.post(bundle.PUSH_PATH, content=_push_body(inner=99, give=IDS[:2]), headers=node.headers())
+def test_a_bundled_push_is_flowers_push_made_as_the_signer(client, node):
+    calls: list = []
+    with fh.standin_handlers(calls):  # the inner request names node 99: the push is made as the signer
+        r = client.post(bundle.PUSH_PATH, content=_push_body(inner=99, give=IDS[:2]), headers=node.headers())
     assert r.status_code == 200, r.text
     from flwr.proto.fleet_pb2 import PushMessagesResponse
 
     answer = PushMessagesResponse.FromString(r.content)
     assert list(answer.objects_to_push) == [IDS[2]]  # asked for and not brought: still missing
-    assert h.calls == [("push_messages", fh.NODE_ID),
-                       *[("push_object", (fh.NODE_ID, RUN, i, b"reply " + i[:1].encode(), "s-1")) for i in IDS[:2]]]
+    assert calls == [("push_messages", fh.NODE_ID),
+                     *[("push_object", (fh.NODE_ID, RUN, i, b"reply " + i[:1].encode(), "s-1")) for i in IDS[:2]]]
 
 
-def test_bundles_meet_flowers_supernode_authentication(client, node, monkeypatch):
-    Handlers().install(monkeypatch)
+def test_bundles_meet_flowers_supernode_authentication(client, node):
     other = fh.Node()
     stale = node.headers()
     stale["flwr-timestamp"] = "2020-01-01T00:00:00+00:00"
@@ -176,7 +110,8 @@ def test_bundles_meet_flowers_supernode_authentication(client, node, monkeypatch
                 "a key the SuperLink does not know": (body, other.headers()),
                 "another node's id": (other_node, node.headers()),
                 "stale": (body, stale)}
-        codes = {k: client.post(path, content=b, headers=hd).status_code for k, (b, hd) in asks.items()}
+        with fh.standin_handlers():
+            codes = {k: client.post(path, content=b, headers=hd).status_code for k, (b, hd) in asks.items()}
         assert codes == {k: 200 if k == "signed" else 401 for k in asks}, path
 
 
