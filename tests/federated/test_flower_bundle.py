@@ -235,3 +235,23 @@ def test_a_node_stores_no_bundled_object_whose_content_is_not_its_ids():
         store.put(record.object_id, b.pull_object(RUN, record.object_id))
     assert store.get(record.object_id) == b""  # still registered, never filled
     assert m.BundledObject  # the message classes are built once per process
+
+
+def test_installs_are_idempotent(monkeypatch):
+    from flwr.supercore.protobuf.translation import PROTOBUF_REQUEST_TYPES
+    from flwr.superlink.routers.fleet.router import router
+    from flwr.supernode import fleet_http_connection as conn
+    from flwr.supernode import start_client_internal as loop
+
+    monkeypatch.setattr(conn, "FleetHttpClient", conn.FleetHttpClient)  # restored after the test
+    monkeypatch.setattr(loop, "http_request_response", loop.http_request_response)
+    bundle.install_supernode()
+    once = (conn.FleetHttpClient, loop.http_request_response)
+    bundle.install_supernode()
+    assert (conn.FleetHttpClient, loop.http_request_response) == once
+    assert conn.FleetHttpClient.__memaudit_bundle__
+    bundle.install_superlink()
+    bundle.install_superlink()
+    paths = [r.path for r in router.routes]
+    assert paths.count(bundle.PULL_PATH) == paths.count(bundle.PUSH_PATH) == 1
+    assert PROTOBUF_REQUEST_TYPES[("POST", bundle.PUSH_PATH)] is bundle.messages().PushBundleRequest

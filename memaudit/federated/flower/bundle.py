@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Iterator
@@ -329,12 +330,23 @@ def install_supernode() -> None:
         return
     conn.FleetHttpClient = _bundle_client(conn.FleetHttpClient)
     flower = loop.http_request_response
+    signature = inspect.signature(flower)
 
     @contextlib.contextmanager
     def bundled(*args: Any, **kwargs: Any) -> Iterator[tuple]:
+        _clients.last = None
         with flower(*args, **kwargs) as connection:
-            invoke = make_simple_http_retry_invoker().invoke
-            yield Bundled(connection, _clients.last, invoke).callbacks()
+            client = _clients.last
+            if client is None:  # the connection was made without Flower's Fleet client
+                yield connection
+                return
+            retry = make_simple_http_retry_invoker()  # with the limits Flower's own calls get
+            bound = signature.bind(*args, **kwargs).arguments
+            if bound.get("max_retries") is not None:
+                retry.max_tries = bound["max_retries"] + 1
+            if bound.get("max_wait_time") is not None:
+                retry.max_time = bound["max_wait_time"]
+            yield Bundled(connection, client, retry.invoke).callbacks()
 
     loop.http_request_response = bundled
 
