@@ -51,18 +51,18 @@ BUNDLED = "memaudit: the SuperLink serves bundled Fleet requests: one request ea
 FLOWERS = "memaudit: the SuperLink has no bundled Fleet requests: Flower's requests, nine per message"
 SESSION = "memaudit-bundle"  # `Bundled.send`'s session: its objects go in the bundled push
 
-_PROTO = """memaudit/flower/bundle.proto: package memaudit.flower;
-message BundledObject { string object_id = 1; bytes object_content = 2; }
-message PullBundleResponse { flwr.proto.PullMessagesResponse pulled = 1; repeated BundledObject objects = 2;
-                             bool confirmed = 3; }
-message PushBundleRequest { flwr.proto.Node node = 1; flwr.proto.PushMessagesRequest push = 2;
-                            repeated BundledObject objects = 3; }"""
-
-
 @functools.cache
 def messages() -> SimpleNamespace:
-    """The bundles' protobuf message classes (`_PROTO`), added to protobuf's default pool, where
-    Flower's own are; a pull bundle is asked for with Flower's ``PullMessagesRequest``."""
+    """The bundles' protobuf message classes, added to protobuf's default pool, where Flower's
+    own are; a pull bundle is asked for with Flower's ``PullMessagesRequest``. In .proto terms
+    (file ``memaudit/flower/bundle.proto``, package ``memaudit.flower``)::
+
+        message BundledObject { string object_id = 1; bytes object_content = 2; }
+        message PullBundleResponse { flwr.proto.PullMessagesResponse pulled = 1;
+                                     repeated BundledObject objects = 2; bool confirmed = 3; }
+        message PushBundleRequest { flwr.proto.Node node = 1; flwr.proto.PushMessagesRequest push = 2;
+                                    repeated BundledObject objects = 3; }
+    """
     # optional dependency: protobuf comes with flwr (the flower extra)
     from flwr.proto import fleet_pb2, message_pb2, node_pb2  # noqa: F401  (their files in the pool)
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
