@@ -167,9 +167,9 @@ Since 2026-12-06 memaudit's SuperNode pulls a message and pushes its reply in on
 each from memaudit's SuperLink (`memaudit.federated.flower.bundle`; docs/flower.md, Cost);
 ``--flower-unbundled`` adds the FedAvg and secure runs with Flower's nine requests a message
 (``--fleet flower``), on a federation of their own, and ``bundled_speedup*`` their ratio.
-Measured 2026-12-06 (``--flower-rounds 10``, warm, 9 of 9 rounds): 4 SuperNodes, three runs,
-FedAvg 1.22-1.25x the in-JAX round, secure 1.28-1.31x, DP and secure 1.27-1.31x; Flower's
-requests in the same runs 1.31-1.35x and 1.52-1.59x (bundled 1.05-1.11x and 1.19-1.23x faster);
+Measured 2026-12-06 (``--flower-rounds 10``, warm, 9 of 9 rounds): 4 SuperNodes, four runs,
+FedAvg 1.22-1.26x the in-JAX round, secure 1.28-1.32x, DP and secure 1.24-1.31x; Flower's
+requests in the same runs 1.31-1.35x and 1.52-1.59x (bundled 1.05-1.11x and 1.16-1.23x faster);
 2 SuperNodes 1.03x, 1.09x, 1.09x.
 
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
