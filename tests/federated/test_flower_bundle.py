@@ -136,13 +136,15 @@ class Flower:
 class Client:
     """The bundle calls of a SuperNode's Fleet client, answered as memaudit's SuperLink would."""
 
-    def __init__(self, *, routes: bool = True, confirmed: bool = True, lacking: tuple[str, ...] = ()) -> None:
-        self.routes, self.confirmed, self.lacking = routes, confirmed, lacking
+    def __init__(self, *, routes: bool = True, confirmed: bool = True, lacking: tuple[str, ...] = (),
+                 status: int = 404) -> None:
+        self.routes, self.confirmed, self.lacking, self.status = routes, confirmed, lacking, status
         self.calls: list[tuple[str, Any]] = []
 
     def _no_route(self) -> None:
         request = httpx.Request("POST", "http://link" + bundle.PULL_PATH)
-        raise httpx.HTTPStatusError("404", request=request, response=httpx.Response(404, request=request))
+        raise httpx.HTTPStatusError(str(self.status), request=request,
+                                    response=httpx.Response(self.status, request=request))
 
     def PullBundle(self, request: Any) -> Any:
         from flwr.proto.fleet_pb2 import PullMessagesResponse
@@ -199,8 +201,9 @@ def test_what_a_bundle_lacks_goes_flowers_way():
     assert flower.calls[2] == ("push_object", RUN, "s-2", IDS[1], b"reply 2")
 
 
-def test_a_supernode_uses_flowers_requests_against_a_superlink_without_bundles():
-    flower, client = Flower(), Client(routes=False)
+@pytest.mark.parametrize("status", [404, 405, 501])
+def test_a_supernode_uses_flowers_requests_against_a_superlink_without_bundles(status):
+    flower, client = Flower(), Client(routes=False, status=status)
     b = bundle.Bundled(flower.connection(), client, lambda f, req: f(req))
     assert b.receive() is None and b.receive() is None  # Flower's receive found no message
     ids, session = b.send(object(), _tree(), 0.1)
@@ -255,3 +258,12 @@ def test_installs_are_idempotent(monkeypatch):
     paths = [r.path for r in router.routes]
     assert paths.count(bundle.PULL_PATH) == paths.count(bundle.PUSH_PATH) == 1
     assert PROTOBUF_REQUEST_TYPES[("POST", bundle.PUSH_PATH)] is bundle.messages().PushBundleRequest
+
+
+def test_a_refused_bundle_is_not_taken_for_a_missing_route():
+    """A 401 (the SuperLink refused the node's signature) is raised, as for Flower's own pull;
+    the node does not quietly switch to Flower's requests."""
+    b = bundle.Bundled(Flower().connection(), Client(routes=False, status=401), lambda f, req: f(req))
+    with pytest.raises(httpx.HTTPStatusError):
+        b.receive()
+    assert b.on

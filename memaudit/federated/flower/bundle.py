@@ -29,7 +29,8 @@ bundled pull and keeps its objects, which ``pull_object`` then returns without a
 node's object store checks each object's content against its id, as for Flower's pulls);
 ``send`` and ``push_object`` collect the reply and its objects, pushed in one request once the
 loop has handed over the last. Against a SuperLink without the routes (Flower's own: the first
-bundled pull answers 404) the node uses Flower's requests from then on.
+bundled pull answers 404; a proxy may answer 405 or 501) the node uses Flower's requests from
+then on.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ PULL_PATH = "/v1/fleet/memaudit/pull-bundle"
 PUSH_PATH = "/v1/fleet/memaudit/push-bundle"
 BUNDLED = "memaudit: the SuperLink serves bundled Fleet requests: one request each way per message"
 FLOWERS = "memaudit: the SuperLink has no bundled Fleet requests: Flower's requests, nine per message"
+NO_ROUTE = (404, 405, 501)  # answers of a SuperLink (or a proxy before it) that has no bundle routes
 SESSION = "memaudit-bundle"  # `Bundled.send`'s session: its objects go in the bundled push
 
 @functools.cache
@@ -197,7 +199,7 @@ class Bundled:
         (self.node_id, self._receive, self._send, self.get_run, self.get_fab, self._pull_object,
          self._push_object, self._confirm) = connection
         self.client, self.invoke = client, invoke
-        self.on = True  # False once the SuperLink answered a bundled pull with 404
+        self.on = True  # False once the SuperLink answered a bundled pull as one without the routes
         self.pulled: dict[str, bytes] = {}  # objects of the message last received
         self.confirmed: set[str] = set()  # messages the SuperLink confirmed with their bundle
         self.outgoing: dict[str, Any] | None = None
@@ -222,7 +224,7 @@ class Bundled:
         try:
             answer = self.invoke(self.client.PullBundle, PullMessagesRequest(node=self._node()))
         except httpx.HTTPStatusError as e:
-            if e.response.status_code != 404:
+            if e.response.status_code not in NO_ROUTE:
                 raise
             self.on = False  # a SuperLink without the bundle routes: Flower's requests from now on
             _said(FLOWERS)
