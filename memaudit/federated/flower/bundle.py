@@ -112,20 +112,19 @@ def pull_bundle(request: Any, state: Any) -> Any:
 
     pulled = fleet.pull_messages(request=request, state=state, store=state.object_store)
     out = messages().PullBundleResponse(pulled=pulled)
-    complete = True
-    for msg, tree in zip(pulled.messages_list, pulled.message_object_trees, strict=True):
-        run_id = msg.metadata.run_id
-        for oid in object_ids([tree]):
-            got = fleet.pull_object(PullObjectRequest(node=request.node, run_id=run_id, object_id=oid), state)
-            if got.object_found and got.object_available:
-                out.objects.add(object_id=oid, object_content=got.object_content)
-            else:
-                complete = False
-        if complete:
-            fleet.confirm_message_received(ConfirmMessageReceivedRequest(
-                node=request.node, run_id=run_id, message_object_id=msg.metadata.message_id),
-                state=state, store=state.object_store)
-    out.confirmed = complete and len(pulled.messages_list) > 0
+    if not pulled.messages_list:  # Flower answers one message at most, and a node reads the first
+        return out
+    msg, tree = pulled.messages_list[0], pulled.message_object_trees[0]
+    run_id, ids = msg.metadata.run_id, object_ids([tree])
+    for oid in ids:
+        got = fleet.pull_object(PullObjectRequest(node=request.node, run_id=run_id, object_id=oid), state)
+        if got.object_found and got.object_available:
+            out.objects.add(object_id=oid, object_content=got.object_content)
+    out.confirmed = len(out.objects) == len(ids)
+    if out.confirmed:
+        fleet.confirm_message_received(ConfirmMessageReceivedRequest(
+            node=request.node, run_id=run_id, message_object_id=msg.metadata.message_id),
+            state=state, store=state.object_store)
     return out
 
 
