@@ -340,3 +340,18 @@ def test_cli_takes_a_measured_bandwidth_table(tmp_path, capsys) -> None:
     x_grid = next(r for r in out["grids"] if r["grid"]["x"] == 2)
     assert x_grid["bandwidth_gbs"] == {"x": 3.5}
     assert x_grid["comm_time_by_axis_s"]["x"] == pytest.approx(x_grid["wire_bytes"]["x"] / 3.5e9)
+
+
+def test_cli_plans_axonns_shapes_on_axonns_minimum_and_measured_bandwidths(capsys) -> None:
+    import json
+
+    from memaudit.cli import main
+
+    argv = ["parallel", "plan", "--gpus", "64", "--preset", "gpt-20b", "--batch", "64", "--seq", "2048",
+            "--machine", "perlmutter-measured", "--dtype-bytes", "2", "--recompute"]
+    assert main([*argv, "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["below_min_tp"] > 0 and out["machine"]["inter_gbs"] == 80.0
+    assert all(g["grid"]["x"] * g["grid"]["y"] * g["grid"]["z"] >= 16 for g in out["grids"])
+    assert main(argv) == 0
+    assert "below AxoNN's minimum x*y*z (16)" in " ".join(capsys.readouterr().out.split())
