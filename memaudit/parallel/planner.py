@@ -706,9 +706,8 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
 
     Grids below the memory floor (fp32 weights, gradients and AdamW moments of the local
     shard exceed device memory) or below the shape's `min_tp` are counted, not evaluated; the
-    others are evaluated with the
-    largest micro-batch that fits (or `micro_batch` local rows per pass) and kept, those over
-    the memory limit with `fits=false` and a `reason`, ranked last. With `lora`, the volume,
+    others are evaluated with the largest micro-batch that fits (or `micro_batch` local rows per
+    pass) and kept, those over the memory limit with `fits=false` and a `reason`, ranked last. With `lora`, the volume,
     memory and compute are LoRA training's (a frozen base: its weights alone set the floor).
 
     >>> r = plan(SHAPES["gpt-80b"], gpus=1024, batch=2048, seq=2048, machine=MACHINES["perlmutter"],
