@@ -94,7 +94,7 @@ def plan_cmd(
                     "weight_bytes": weight_bytes, "recompute": recompute, "dp": dp,
                     "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)},
                     "considered": res.considered,
-                    "below_memory_floor": res.below_floor, "grids": res.grids})
+                    "below_memory_floor": res.below_floor, "below_min_tp": res.below_min_tp, "grids": res.grids})
         return
 
     trains = "" if lora is None else f", LoRA r={lora.rank} on {','.join(lora.targets)}"
@@ -110,9 +110,11 @@ def plan_cmd(
         cells += [_gib(r["memory_bytes"]["total"]), f"{r['comm_time_s']:.3f}", step, "yes" if r["fits"] else "no: memory"]
         t.add_row(*cells)
     stdout.print(t)
+    small = f", {res.below_min_tp} below AxoNN's minimum x*y*z ({m.min_tp})" if res.below_min_tp else ""
     stdout.print(f"{res.considered} grids admitted by the model and batch, {res.below_floor} below the memory "
-                 "floor; wire: bytes each device sends per step, per axis; comm s: AxoNN-style bandwidth "
-                 "model; step s: computation plus the communication overlap does not hide (the "
-                 "ranking; --format json for per-kind volumes, bandwidths and memory terms)")
+                 f"floor{small}; wire: bytes each device sends per step, per axis; comm s: all collectives, "
+                 "AxoNN-style bandwidth model (the ranking, as AxoNN's; ties: less exposed first); step s: "
+                 "computation plus the communication overlap does not hide (docs/planner.md; --format json "
+                 "for per-kind volumes, bandwidths and memory terms)")
     if not res.grids:
         stdout.print("no grid: choose --batch divisible by the data x z part of --gpus, or fewer GPUs")

@@ -58,6 +58,8 @@ class ModelShape:
     `mlp="swiglu"` is Llama's gate/up/down; `"gelu"` the GPT MLP (h -> intermediate -> h).
     `norm="rms"` all-reduces one statistic per token over x, `"layer"` two (mean and mean
     square) and has a bias. GPT shapes here are untied and leave out the position table.
+    `min_tp` is the smallest x*y*z the shape is planned on: AxoNN's for its GPT shapes (its run
+    scripts' `min_tp`), 1 elsewhere (memory alone decides).
     """
 
     vocab: int
@@ -68,6 +70,7 @@ class ModelShape:
     kv_heads: int
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     norm: Literal["rms", "layer"] = "rms"
+    min_tp: int = 1
 
     @classmethod
     def from_preset(cls, name: str) -> ModelShape:
@@ -115,15 +118,17 @@ class ModelShape:
         return math.gcd(self.heads, self.kv_heads, self.intermediate, self.vocab)
 
 
-def _gpt(layers: int, hidden: int) -> ModelShape:
-    return ModelShape(51200, hidden, 4 * hidden, layers, hidden // 128, hidden // 128, "gelu", "layer")
+def _gpt(layers: int, hidden: int, min_tp: int) -> ModelShape:
+    return ModelShape(51200, hidden, 4 * hidden, layers, hidden // 128, hidden // 128, "gelu", "layer", min_tp)
 
 
 SHAPES: dict[str, ModelShape] = {
-    # AxoNN's GPT shapes (layers x hidden), head dim 128, GPT-2 vocabulary padded to 51200
-    "gpt-5b": _gpt(24, 4096), "gpt-10b": _gpt(32, 5120), "gpt-20b": _gpt(32, 7168),
-    "gpt-40b": _gpt(38, 9216), "gpt-60b": _gpt(56, 9216), "gpt-80b": _gpt(42, 12288),
-    "gpt-160b": _gpt(84, 12288), "gpt-320b": _gpt(96, 16384), "gpt-640b": _gpt(192, 16384),
+    # AxoNN's GPT shapes (layers x hidden), head dim 128, GPT-2 vocabulary padded to 51200, and the
+    # smallest tensor-parallel size AxoNN runs each on (Megatron-AxoNN, branch gordon-bell-perlmutter,
+    # examples/launch_per_comm_model.py, commit 6920ac0: `min_tp`)
+    "gpt-5b": _gpt(24, 4096, 4), "gpt-10b": _gpt(32, 5120, 8), "gpt-20b": _gpt(32, 7168, 16),
+    "gpt-40b": _gpt(38, 9216, 32), "gpt-60b": _gpt(56, 9216, 64), "gpt-80b": _gpt(42, 12288, 64),
+    "gpt-160b": _gpt(84, 12288, 128), "gpt-320b": _gpt(96, 16384, 256), "gpt-640b": _gpt(192, 16384, 512),
     # Llama 3.1 (Meta, 2024)
     "llama-8b": ModelShape(128256, 4096, 14336, 32, 32, 8),
     "llama-70b": ModelShape(128256, 8192, 28672, 80, 64, 8),
@@ -479,11 +484,19 @@ class Machine:
         return min(self.intra_gbs, self.inter_gbs * on_node / g)
 
 
-# Frontier's network as AxoNN measured it: its communication model used an inter-node bandwidth
-# 2.5x below the nominal 4 x 25 GB/s Slingshot-11 per node (the 320B model's communication on
-# 8,192 GCDs: 24.8 s at the nominal rate, 62.1 s at the measured one; memaudit issue 34, checked
-# against AxoNN's own model, Singh et al. SC'24 / arXiv:2502.08145, Section V).
-FRONTIER_MEASURED_INTER_GBS = 100.0 * 24.8 / 62.1
+# The bandwidths AxoNN's planner used (GB/s), measured on Perlmutter and Frontier: Megatron-AxoNN,
+# branch gordon-bell-perlmutter, examples/comm_model.py (`get_bw`, commit 8a4ae24, 2024-03-23). Inside
+# a node a table per (stride, group size); across nodes 80 GB/s per Perlmutter node and 40 per Frontier
+# node ("80 / 2 # 34.031": 34.0 measured, 40 used), shared by the node's GPUs as in
+# `Machine.bandwidth` (every power-of-two group has AxoNN's number, tests/parallel/test_planner_efficiency.py).
+# Frontier's 40 is 2.5x below the nominal 4 x 25 GB/s Slingshot-11 per node (memaudit issue 34: the
+# 320B model's communication on 8,192 GCDs, 24.8 s nominal vs 62.1 s measured).
+AXONN_PERLMUTTER_INTRA: dict[tuple[int, int], float] = {(1, 2): 76.0, (1, 4): 225.0, (2, 2): 76.0}
+AXONN_FRONTIER_INTRA: dict[tuple[int, int], float] = {(1, 2): 129.0, (1, 4): 52.0, (1, 8): 135.0, (2, 2): 50.0,
+                                                      (2, 4): 72.0, (4, 2): 36.0}
+PERLMUTTER_MEASURED_INTER_GBS = 80.0
+FRONTIER_MEASURED_INTER_GBS = 40.0
+_AXONN_SOURCE = "Megatron-AxoNN examples/comm_model.py get_bw (8a4ae24)"
 
 MACHINES: dict[str, Machine] = {
     # nominal per-direction link rates; network = 4 x 25 GB/s Slingshot-11 NICs per node
@@ -492,12 +505,17 @@ MACHINES: dict[str, Machine] = {
     "perlmutter": Machine("perlmutter", 4, 100.0, 100.0, 40.0, 312.0, gemm_efficiency=0.57,
                           source="nominal: A100-40GB, 4 NVLink3 per pair, 4 x 25 GB/s NICs; GEMM "
                                  "at 57% of peak (AxoNN's measured rate, arXiv:2305.13525)"),
+    "perlmutter-measured": Machine(
+        "perlmutter-measured", 4, 100.0, PERLMUTTER_MEASURED_INTER_GBS, 40.0, 312.0, gemm_efficiency=0.57,
+        table=AXONN_PERLMUTTER_INTRA,
+        source=f"AxoNN's measured bandwidths ({_AXONN_SOURCE}); peak nominal, GEMM at 57% of peak "
+               "(arXiv:2305.13525)"),
     "frontier": Machine("frontier", 8, 50.0, 100.0, 64.0, 191.5,
                         source="nominal: MI250X GCDs, Infinity Fabric, 4 x 25 GB/s NICs"),
     "frontier-measured": Machine(
-        "frontier-measured", 8, 50.0, FRONTIER_MEASURED_INTER_GBS, 64.0, 191.5,
-        source="inter-node: AxoNN's measured Frontier bandwidth (SC'24, arXiv:2502.08145; "
-               "2.5x below nominal); intra-node and peak nominal"),
+        "frontier-measured", 8, 50.0, FRONTIER_MEASURED_INTER_GBS, 64.0, 191.5, table=AXONN_FRONTIER_INTRA,
+        source=f"AxoNN's measured bandwidths ({_AXONN_SOURCE}; inter-node 2.5x below nominal); "
+               "peak nominal, GEMM efficiency assumed"),
     "alps": Machine("alps", 4, 150.0, 100.0, 96.0, 989.0,
                     source="nominal: GH200, 6 NVLink4 per pair, 4 x 25 GB/s NICs"),
     "generic": Machine("generic", 8, 300.0, 25.0, 80.0, 0.0, flash=False, source="a placeholder"),
@@ -591,9 +609,10 @@ def candidate_grids(m: ModelShape, gpus: int, batch: int) -> list[ParallelDims]:
 
 
 class PlanResult(NamedTuple):
-    grids: list[dict[str, Any]]  # ranked: fitting grids by predicted communication time, then the rest
+    grids: list[dict[str, Any]]  # ranked by `rank_key`: fitting grids by communication time, then the rest
     considered: int  # grids the model dimensions and the batch admit
     below_floor: int  # of those, grids whose weights and optimizer alone exceed device memory
+    below_min_tp: int = 0  # of the others, grids with x*y*z below the shape's `min_tp`
 
 
 MAX_PLAN_BATCH = 1 << 30  # sequences; bounds the divisor search of data x z (any GPU count is fine)
@@ -659,23 +678,36 @@ def _row(m: ModelShape, d: ParallelDims, machine: Machine, *, batch: int, seq: i
     return row
 
 
-def rank_time(row: dict[str, Any]) -> float:
-    """What `plan` ranks a grid by: its step time with overlap credited where the machine has a
-    peak rate, else its communication time."""
-    return row["comm_time_s"] if row["step_time_s"] is None else row["step_time_s"]
+def rank_key(row: dict[str, Any]) -> tuple[bool, float, float, int]:
+    """What `plan` ranks a grid by, as AxoNN's planner does: grids that fit first, then the time of
+    all of their collectives (overlapped ones included), then the communication left exposed (the
+    overlap credited against computation; the total where the machine has no peak rate), then memory.
+
+    Communication times are compared to 12 significant digits, so that two grids moving the same
+    bytes over the same bandwidths tie whatever order their terms were summed in. docs/planner.md
+    argues the rule from AxoNN's published planner and measurements.
+
+    References: Megatron-AxoNN, branch gordon-bell-perlmutter, examples/comm_model.py (8a4ae24)
+    and examples/launch_per_comm_model.py (6920ac0): the configurations AxoNN times are the
+    first 20 by the sum of every collective's time.
+    """
+    comm = row["comm_time_s"]
+    exposed = comm if row["exposed_comm_s"] is None else row["exposed_comm_s"]
+    return not row["fits"], float(f"{comm:.12g}"), float(f"{exposed:.12g}"), row["memory_bytes"]["total"]
 
 
 def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | None = None,
          dtype_bytes: int = 4, weight_bytes: int = 4, recompute: bool = False, dp: bool = False,
          micro_batch: int | None = None, lora: LoraShape | None = None) -> PlanResult:
-    """Rank every grid of `gpus` devices that the model and batch admit by predicted step time
-    (compute plus the communication the overlap does not hide; comm time where the machine
-    has no peak rate, `rank_time`).
+    """Rank every grid of `gpus` devices that the model and batch admit as AxoNN does (`rank_key`):
+    by the predicted time of all of their collectives, ties broken by the communication the
+    overlap leaves exposed. Each row also predicts the step time (computation plus exposed
+    communication).
 
     Grids below the memory floor (fp32 weights, gradients and AdamW moments of the local
-    shard exceed device memory) are counted, not evaluated; the others are evaluated with the
-    largest micro-batch that fits (or `micro_batch` local rows per pass) and kept, those over
-    the memory limit with `fits=false` and a `reason`, ranked last. With `lora`, the volume,
+    shard exceed device memory) or below the shape's `min_tp` are counted, not evaluated; the
+    others are evaluated with the largest micro-batch that fits (or `micro_batch` local rows per
+    pass) and kept, those over the memory limit with `fits=false` and a `reason`, ranked last. With `lora`, the volume,
     memory and compute are LoRA training's (a frozen base: its weights alone set the floor).
 
     >>> r = plan(SHAPES["gpt-80b"], gpus=1024, batch=2048, seq=2048, machine=MACHINES["perlmutter"],
@@ -689,12 +721,15 @@ def plan(m: ModelShape, *, gpus: int, batch: int, seq: int, machine: Machine | N
     machine = machine or MACHINES["generic"]
     per_param = 16 if lora is None else 4  # fp32 weights (+ gradients and AdamW moments unless frozen)
     floor = per_param * m.params() / (machine.mem_gib * 2**30)  # x*y*z must be at least this
-    rows, below = [], 0
+    rows, below, small = [], 0, 0
     for d in candidate_grids(m, gpus, batch):
         if d.tp_size < floor:
             below += 1
             continue
+        if d.tp_size < m.min_tp:
+            small += 1
+            continue
         rows.append(_row(m, d, machine, batch=batch, seq=seq, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
                          recompute=recompute, dp=dp, micro_batch=micro_batch, lora=lora))
-    rows.sort(key=lambda r: (not r["fits"], rank_time(r), r["memory_bytes"]["total"]))
-    return PlanResult(rows, len(rows) + below, below)
+    rows.sort(key=rank_key)
+    return PlanResult(rows, len(rows) + below + small, below, small)
