@@ -4,9 +4,8 @@ built without a model: per-document attack scores drawn here, summarised by the 
 `memaudit.probes.shift.blind_check` returns them.
 
 `four_models(root)` lays out what a new user audits: a GPT-2 fine-tune on a split that is not IID
-(the shift check fires), a hub model probed on the same documents, the same weights probed again
-under another folder name, and an adapter probed on another, smaller document set (too few
-non-members for TPR at 1% FPR). Every path
+(the shift check fires) with too few non-members for TPR at 1% FPR, the same weights probed again
+under another folder name, and a hub model and an adapter probed on one IID document set. Every path
 names a folder of a user's machine (/home/alice/...), which the report must not show.
 """
 
@@ -77,20 +76,19 @@ def write_probes(folder: Path, doc: dict[str, Any]) -> Path:
 
 def four_models(root: Path) -> list[Path]:
     """The four folders a new user passes to `memaudit report`."""
-    gpt2 = probes_doc(model="gpt2-support-ft", source="folder", base=f"{HOME}/gpt2",
-                      n_members=1000, n_nonmembers=1000, shift_auc=0.88, weights="w-gpt2ft",
+    gpt2 = probes_doc(model="gpt2-support-ft", source="folder", base=f"{HOME}/gpt2", prefix="web",
+                      n_members=400, n_nonmembers=400, shift_auc=0.88, weights="w-gpt2ft",
                       strength={"loss": 0.6, "zlib": 0.5, "min_k": 1.6, "min_k_pp": 1.2, "reference": 1.0})
+    copy = json.loads(json.dumps(gpt2))  # the same weights, probed again into another folder
+    copy["target"]["path"] = f"{HOME}/gpt2-support-ft-again"
     pythia = probes_doc(model="EleutherAI/pythia-160m-ft", source="hub", base="EleutherAI/pythia-160m",
                         n_members=1000, n_nonmembers=1000, seed=1, weights="w-pythia",
                         strength={"loss": 0.5, "min_k": 0.7})
-    copy = json.loads(json.dumps(gpt2))  # the same weights, probed again into another folder
-    copy["target"]["path"] = f"{HOME}/gpt2-support-ft-again"
-    other = probes_doc(model="qwen-notes-ft", source="adapter", base=f"{HOME}/qwen-0.5b",
-                       n_members=200, n_nonmembers=200, seed=2, prefix="note", weights="w-qwen",
-                       strength={"loss": 0.2})
+    qwen = probes_doc(model="qwen-notes-ft", source="adapter", base=f"{HOME}/qwen-0.5b",
+                      n_members=1000, n_nonmembers=1000, seed=1, weights="w-qwen", strength={"loss": 0.05})
     folders = []
     for name, doc in (("gpt2-support-ft", gpt2), ("pythia-ft", pythia), ("gpt2-support-ft-again", copy),
-                      ("qwen-notes-ft", other)):
+                      ("qwen-notes-ft", qwen)):
         write_probes(root / name, doc)
         folders.append(root / name)
     return folders
