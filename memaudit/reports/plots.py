@@ -385,7 +385,7 @@ def target_roc_figure(target: dict[str, Any], fpr: float = 0.01):
     roc_axes(ax, [(label, roc["fpr"], roc["tpr"])], f"{target['id']}: ROC of {roc['attack']}",
              lo=lo, floor=lo / 10, fontsize=8)
     ax.axvline(fpr, color="#999999", lw=0.8, ls="--")
-    ax.annotate(f"{number(fpr * 100)}% FPR", (fpr, lo), xytext=(3, 3), textcoords="offset points",
+    ax.annotate(f"{number(fpr * 100)}% FPR", (fpr, 1.0), xytext=(3, -9), textcoords="offset points",
                 fontsize=7, color="#555555")
     ax.set_xlabel(f"false positive rate (log scale; {roc.get('n_neg')} non-members)", fontsize=8)
     ax.set_ylabel(f"true positive rate (log; {roc.get('n_pos')} members)", fontsize=8)
