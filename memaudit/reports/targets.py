@@ -213,10 +213,21 @@ def comparison_attack(entries: list[dict[str, Any]]) -> str | None:
     return max(sorted(far), key=lambda k: far[k], default=None)
 
 
+def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same weights (by their sha256), or, where a probes.json names none, the same score on
+    every unit of every metric: a model compared with itself, whose test could only say p = 1."""
+    if a.get("weights_sha256") and b.get("weights_sha256"):
+        return a["weights_sha256"] == b["weights_sha256"]
+    ua, ub = a.get("units") or {}, b.get("units") or {}
+    shared = [k for k in ua if k in ub]
+    return bool(shared) and all(ua[k]["ids"] == ub[k]["ids"] and ua[k]["values"] == ub[k]["values"]
+                                for k in shared)
+
+
 def _skip_reason(a: dict[str, Any], b: dict[str, Any], unmatched: list[str]) -> str:
-    """Why a pair has no test: the same weights, or no metric on the same units."""
-    if a.get("weights_sha256") and a.get("weights_sha256") == b.get("weights_sha256"):
-        return "the same weights (a model compared with itself): nothing to compare"
+    """Why a pair has no test: the same model, or no metric on the same units."""
+    if _same_model(a, b):
+        return "the same model (the same weights, or the same score on every unit): nothing to compare"
     if not unmatched:
         return "no metric measured on both"
     ua, ub = (e["units"][unmatched[0]] for e in (a, b))
@@ -241,7 +252,7 @@ def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, a in enumerate(entries):
         for b in entries[i + 1:]:
             pair = [a["id"], b["id"]]
-            if a.get("weights_sha256") and a.get("weights_sha256") == b.get("weights_sha256"):
+            if _same_model(a, b):
                 out.append({"targets": pair, "metrics": {}, "skipped": _skip_reason(a, b, [])})
                 continue
             cells, unmatched = {}, []

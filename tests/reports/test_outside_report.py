@@ -140,12 +140,12 @@ def test_pairs_compare_the_strongest_attack_on_the_same_documents_only(outside):
     assert cell["attack"] == "min_k" and cell["test"]["paired"] and cell["test"]["n_a"] == 2000
     assert "mia_auc" not in tested["metrics"]
     same = pairs[("gpt2-support-ft", "gpt2-support-ft-again")]
-    assert same["metrics"] == {} and "compared with itself" in same["skipped"]
+    assert same["metrics"] == {} and "the same model" in same["skipped"]
     other = pairs[("gpt2-support-ft", "pythia-ft")]
     assert other["metrics"] == {} and "not probed on the same documents" in other["skipped"]
     assert sum(1 for p in pairs.values() if p["metrics"]) == 1
     assert rep["findings"]["tests"] == 1
-    assert "e-0" not in md and "compared with itself" in md and "not probed on the same documents" in html
+    assert "e-0" not in md and "the same model" in md and "not probed on the same documents" in html
     assert "MIA AUC (strongest attack): min" in html
 
 
@@ -209,3 +209,36 @@ def test_first_screen_in_chromium_fits_and_holds_the_verdicts(outside, tmp_path)
         Image.open(shot).convert("RGB").quantize(colors=64).save(small, optimize=True)
         atomic_write_bytes(picture, small.read_bytes())
     assert Image.open(picture).size == (FIRST_SCREEN["width"], FIRST_SCREEN["height"])
+
+
+def test_runs_beside_probed_models_keep_their_sections(tmp_path):
+    """A memaudit run and a probed model in one report: the header counts both, the run's
+    sections stay, and the model's verdict comes first."""
+    from tests.reports._fixtures import write_run_dir
+    from tests.reports._outside import probes_doc, write_probes
+
+    write_run_dir(tmp_path / "in" / "run-a", "centralized", ppl=50, mia_shift=1.0)
+    write_probes(tmp_path / "in" / "outside", probes_doc(model="m", source="folder", base=None, n_members=40,
+                                                         n_nonmembers=40, strength={"loss": 1.0}))
+    paths = write_report(build_report([tmp_path / "in"]), tmp_path / "r")
+    html, md = paths["html"].read_text(), paths["md"].read_text()
+    assert "1 probed model · 1 run" in html and "1 probed model · 1 run" in md
+    assert "<h2>Runs</h2>" in html and "## Runs" in md and "<h3>run-a</h3>" in html
+    assert html.index('id="verdict-1"') < html.index("<h2>Runs</h2>")
+    assert 'id="shift-warning"' not in html
+
+
+def test_the_same_scores_without_weights_are_one_model(tmp_path):
+    """An older probes.json names no weights: the same model probed twice shows as the same
+    score on every document, and is not tested against itself."""
+    from tests.reports._outside import probes_doc, write_probes
+
+    doc = probes_doc(model="m", source="folder", base=None, n_members=30, n_nonmembers=30,
+                     strength={"loss": 1.0})
+    doc["target"].pop("weights_sha256")
+    write_probes(tmp_path / "one", doc)
+    write_probes(tmp_path / "two", doc)
+    rep = build_report([tmp_path / "one", tmp_path / "two"])
+    (pair,) = rep["comparisons"]["targets"]
+    assert pair["metrics"] == {} and "the same model" in pair["skipped"]
+    assert rep["findings"]["no_difference"] == []
