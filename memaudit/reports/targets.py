@@ -34,7 +34,7 @@ from memaudit.probes.loaders import Privacy, ProbesDoc
 from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups
 from memaudit.reports.probes_adapter import roc_points, summarize_probes, units_of
-from memaudit.reports.verdict import Attack, release_verdict, strongest
+from memaudit.reports.verdict import Attack, release_verdict
 
 PROBES = "probes.json"
 UNKNOWN = "unknown"
@@ -184,7 +184,7 @@ def target_entry(t: ProbedTarget) -> dict[str, Any]:
     }
     v = release_verdict(entry)
     entry["verdict"] = v.to_json()
-    best = strongest([a for a in map(Attack.of, entry["attacks"]) if a is not None])
+    best = next((a for a in map(Attack.of, entry["attacks"]) if a is not None and a.name == v.attack), None)
     entry["roc"] = _roc(entry["units"].get(MEMBERSHIP + best.name) if best else None, best)
     return entry
 
@@ -239,9 +239,10 @@ def _skip_reason(a: dict[str, Any], b: dict[str, Any], unmatched: list[str]) -> 
 
 def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each pair of targets, tested two-sided on each metric both measured on the same units:
-    membership on the strongest attack they share (`comparison_attack`, key `STRONGEST`, the
-    attack named in the cell), the other headline metrics as they are. A pair with the same
-    weights, or with no metric on the same units, is listed with `skipped` (why) and no test."""
+    membership on the strongest attack the models share (`comparison_attack`, one for every pair,
+    key `STRONGEST`, the attack named in the cell), the other headline metrics as they are. A pair
+    of the same model, or with no metric on the same units, is listed with `skipped` (why) and no
+    test. Sets `units[STRONGEST]` on the entries (the report's refinements of a test read it)."""
     attack = comparison_attack(entries)
     for e in entries:  # the units the tests (and the report's refinements) read under the key
         if attack and MEMBERSHIP + attack in e.get("units", {}):
