@@ -238,9 +238,12 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "user_mia_auc": ("user-inference AUC", "", True),
     "pii_extraction": ("PII extraction rate", "", True),
     "audit_epsilon": ("empirical epsilon lower bound", "", True),
+    # probed outside models only (memaudit.reports.targets): the attack furthest from chance
+    "mia_strongest": ("membership-inference AUC (strongest attack)", "", True),
 }
 SHORT = {"exposure_top": "exposure (top reps)", "extraction_exact": "exact extraction",
          "canary_completion": "canary completion", "mia_auc": "MIA AUC", "user_mia_auc": "user-inference AUC",
-         "pii_extraction": "PII extraction", "audit_epsilon": "audit epsilon"}
+         "pii_extraction": "PII extraction", "audit_epsilon": "audit epsilon",
+         "mia_strongest": "MIA AUC (strongest attack)"}
 # the audit bound is a one-sided lower bound: never tested as a difference between runs
 TESTABLE = {"audit_epsilon": False}

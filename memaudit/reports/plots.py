@@ -330,6 +330,21 @@ def _repetition_axes(ax, reps: list, title: str, xlabel: str, ylabel: str) -> No
     ax.legend(fontsize=7)
 
 
+def roc_axes(ax, curves: list[tuple[str, list[float], list[float]]], title: str, *, lo: float = 1e-4,
+             floor: float = 1e-5, fontsize: float = 9) -> None:
+    """ROC curves on log-log axes from `lo` to 1 (`floor`: where a rate of 0 is drawn), the chance
+    diagonal, axis labels and legend; `curves` are (label, fpr, tpr)."""
+    for label, fpr, tpr in curves:
+        ax.plot([max(f, floor) for f in fpr], [max(t, floor) for t in tpr], label=label)
+    ax.plot([floor, 1], [floor, 1], "k:", lw=0.8, label="chance")
+    log_axis(ax, "x", lo, 1, pad=1.0)
+    log_axis(ax, "y", lo, 1, pad=1.0)
+    ax.set_xlabel("false positive rate (log scale)")
+    ax.set_ylabel("true positive rate (log scale)")
+    ax.set_title(title, fontsize=fontsize)
+    ax.legend(fontsize=7)
+
+
 def roc_figure(report: dict[str, Any], key: str, title: str):
     panels: dict[str, list] = {}
     for run in report["runs"]:
@@ -342,19 +357,50 @@ def roc_figure(report: dict[str, Any], key: str, title: str):
     flat = [(t, part) for t, series in panels.items() for part in _chunks(series, MAX_SERIES - 1)]
     fig, axes = _panels(len(flat))
     for ax, (name, series) in zip(axes, flat, strict=True):
+        curves = []
         for run, roc in series:
             auc = roc.get("auc")
-            ax.plot([max(f, 1e-5) for f in roc["fpr"]], [max(t, 1e-5) for t in roc["tpr"]],
-                    label=f"{_eps_label(run['privacy']['epsilon'])} (AUC {auc if auc is not None else float('nan'):.2f})")
-        ax.plot([1e-5, 1], [1e-5, 1], "k:", lw=0.8, label="chance")
-        log_axis(ax, "x", 1e-4, 1, pad=1.0)
-        log_axis(ax, "y", 1e-4, 1, pad=1.0)
-        ax.set_xlabel("false positive rate (log scale)")
-        ax.set_ylabel("true positive rate (log scale)")
-        ax.set_title(f"{title}: {name}", fontsize=9)
-        ax.legend(fontsize=7)
+            curves.append((f"{_eps_label(run['privacy']['epsilon'])} (AUC {auc if auc is not None else float('nan'):.2f})",
+                           roc["fpr"], roc["tpr"]))
+        roc_axes(ax, curves, f"{title}: {name}")
     fig.tight_layout()
     return fig
+
+
+TARGET_ROC_SIZE = (2.9, 2.5)  # inches: one model's ROC beside its verdict on the first screen
+
+
+def target_roc_figure(target: dict[str, Any], fpr: float = 0.01):
+    """One probed model's ROC of the attack its verdict names (`targets[].roc`), log-log down to
+    the smallest false-positive rate its non-members can show, the verdict's FPR marked; None
+    without one."""
+    roc = target.get("roc")
+    if not roc or not roc.get("fpr"):
+        return None
+    n0 = max(int(roc.get("n_neg") or 1), 1)
+    lo = 10.0 ** math.floor(math.log10(1 / n0)) if n0 > 1 else 0.01
+    fig, ax = plt.subplots(figsize=TARGET_ROC_SIZE)
+    auc = roc.get("auc")
+    label = f"{roc['attack']} (AUC {auc:.2f})" if auc is not None else str(roc["attack"])
+    roc_axes(ax, [(label, roc["fpr"], roc["tpr"])], f"{target['id']}: ROC of {roc['attack']}",
+             lo=lo, floor=lo / 10, fontsize=8)
+    ax.axvline(fpr, color="#999999", lw=0.8, ls="--")
+    ax.annotate(f"{number(fpr * 100)}% FPR", (fpr, 1.0), xytext=(3, -9), textcoords="offset points",
+                fontsize=7, color="#555555")
+    ax.set_xlabel(f"false positive rate (log scale; {roc.get('n_neg')} non-members)", fontsize=8)
+    ax.set_ylabel(f"true positive rate (log; {roc.get('n_pos')} members)", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def target_plots(report: dict[str, Any]) -> dict[str, str]:
+    """Each probed model's ROC (`target_roc_figure`) as inline SVG, by target id."""
+    out = {}
+    for t in report.get("targets") or []:
+        fig = target_roc_figure(t)
+        if fig is not None:
+            out[t["id"]] = _svg(fig)
+    return out
 
 
 def audit_figure(report: dict[str, Any]):

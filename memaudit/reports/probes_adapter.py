@@ -108,7 +108,7 @@ def units_of(probes: ProbesDoc | dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _roc(pos: list[float], neg: list[float], auc: float | None) -> dict[str, Any] | None:
+def roc_points(pos: list[float], neg: list[float], auc: float | None) -> dict[str, Any] | None:
     # lazy: scikit-learn (~4 s) only when called; this module imports without it
     from sklearn.metrics import roc_curve
 
@@ -237,7 +237,7 @@ def _membership(p: ProbeSection, out: dict) -> None:
     if rows and "loss" in rows[0]:
         pos = [r["loss"] for r in rows if r.get("member")]
         neg = [r["loss"] for r in rows if not r.get("member")]
-        out["plots"]["membership_roc"] = _roc(pos, neg, (s.get("loss") or {}).get("auc", {}).get("value"))
+        out["plots"]["membership_roc"] = roc_points(pos, neg, (s.get("loss") or {}).get("auc", {}).get("value"))
 
 
 def _users(p: ProbeSection, out: dict) -> None:
@@ -246,7 +246,7 @@ def _users(p: ProbeSection, out: dict) -> None:
     rows = p.scores or []
     pos = [r["score"] for r in rows if r.get("training_user")]
     neg = [r["score"] for r in rows if not r.get("training_user")]
-    out["plots"]["user_roc"] = _roc(pos, neg, (s.get("auc") or {}).get("value"))
+    out["plots"]["user_roc"] = roc_points(pos, neg, (s.get("auc") or {}).get("value"))
 
 
 def _pii(p: ProbeSection, out: dict) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 import jinja2
 
 from memaudit.reports.cells import METRICS, PAGE, SHORT, fmt, format_cell
-from memaudit.reports.plots import all_plots, plot_notes
-from memaudit.reports.targets import best_attack, input_text
+from memaudit.reports.plots import all_plots, plot_notes, target_plots
+from memaudit.reports.targets import STRONGEST, input_text
+from memaudit.reports.verdict import Verdict, release_verdict
 
 _TEMPLATES = Path(__file__).parent / "templates"
 
@@ -47,12 +48,29 @@ def _env(autoescape: bool) -> jinja2.Environment:
         lstrip_blocks=False,
     )
     env.globals.update(fmt=fmt, cell=lambda c: format_cell(c, PAGE), test_cell=test_cell, md=md, md_text=md_text,
-                       best_attack=best_attack, input_text=input_text)
+                       input_text=input_text, count=count)
     return env
 
 
+def count(n: int, noun: str) -> str:
+    """ "1 probed model", "4 probed models"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _labels() -> list[tuple[str, str]]:
-    return [(k, SHORT[k] + (" (bits)" if k == "exposure_top" else "")) for k in METRICS]
+    """The runs' headline metrics (the strongest attack is the outside models' own)."""
+    return [(k, SHORT[k] + (" (bits)" if k == "exposure_top" else "")) for k in METRICS if k != STRONGEST]
+
+
+def _target_context(report: dict[str, Any]) -> dict[str, Any]:
+    """Each probed model with its verdict (`memaudit.reports.verdict`), the shift warnings that
+    lead the page, and the labels of the metrics each model measured."""
+    targets = report.get("targets") or []
+    verdicts: list[Verdict] = [release_verdict(t) for t in targets]
+    labels = {k: label for k, label in _labels()}
+    return {"verdicts": list(zip(targets, verdicts, strict=True)),
+            "shifted": [v for v in verdicts if v.shift_auc is not None],
+            "target_metric_labels": labels | {STRONGEST: SHORT[STRONGEST]}}
 
 
 def _group_context(report: dict[str, Any]) -> dict[str, Any]:
@@ -70,10 +88,11 @@ def _group_context(report: dict[str, Any]) -> dict[str, Any]:
 def render_html(report: dict[str, Any]) -> str:
     return _env(True).get_template("report.html.j2").render(
         r=report, plots=all_plots(report), plot_notes=plot_notes(report), metric_labels=_labels(),
-        **_group_context(report),
+        target_plots=target_plots(report), **_group_context(report), **_target_context(report),
     )
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     return _env(False).get_template("report.md.j2").render(
-        r=report, plot_notes=plot_notes(report), metric_labels=_labels(), **_group_context(report))
+        r=report, plot_notes=plot_notes(report), metric_labels=_labels(), **_group_context(report),
+        **_target_context(report))

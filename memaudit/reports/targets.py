@@ -7,10 +7,14 @@ ledger (privacy.json, memaudit's format) lies beside it, "unknown" otherwise. No
 guessed: an outside model has no backend, so it is never called centralized or federated.
 
 The report's first screen for such targets answers "what would an attacker learn from releasing
-this model": per target, every membership attack's AUC and TPR at low FPR (with the negatives it
-needs), exposure, extraction and PII. Targets are compared pairwise on the units they share, by
-the same tests and in the same Holm family as the comparisons between runs
-(`memaudit.reports.findings`).
+this model": per target, the release verdict (`memaudit.reports.verdict`: the strongest attack's
+TPR at 1% FPR with its n, or "n too small"), the shift check's warning above all when it fired,
+and a log-log ROC of that attack; every attack's AUC and TPR, exposure, extraction and PII below.
+Targets are compared pairwise, by the same tests and in the same Holm family as the comparisons
+between runs (`memaudit.reports.findings`), on membership by the strongest attack they share, and
+only on the same units: a pair probed on other documents, or a model compared with its own
+weights, is skipped with the reason. The report names a model by its hub id or its folder's name,
+never by a path of the machine it was probed on.
 
 References:
     Carlini et al. 2022, "Membership Inference Attacks From First Principles" (TPR at low FPR).
@@ -29,7 +33,8 @@ from memaudit.io import read_json
 from memaudit.probes.loaders import Privacy, ProbesDoc
 from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups
-from memaudit.reports.probes_adapter import summarize_probes, units_of
+from memaudit.reports.probes_adapter import roc_points, summarize_probes, units_of
+from memaudit.reports.verdict import Attack, release_verdict
 
 PROBES = "probes.json"
 UNKNOWN = "unknown"
@@ -48,6 +53,7 @@ class ProbedTarget:
     epsilon: float | None
     unit: str | None
     delta: float | None
+    weights: str | None = None  # sha256 of the probed weights (probes.json's target)
 
     @property
     def privacy_text(self) -> str:
@@ -68,7 +74,7 @@ class ProbedTarget:
                    base=t.get("base"), reference=t.get("reference"),
                    epsilon=None if priv is None else priv.epsilon,
                    unit=None if priv is None else priv.unit,
-                   delta=None if priv is None else priv.delta)
+                   delta=None if priv is None else priv.delta, weights=t.get("weights_sha256"))
 
 
 def is_memaudit_run(folder: Path) -> bool:
@@ -105,6 +111,48 @@ def find_targets(paths: list[str | os.PathLike]) -> list[ProbedTarget]:
     return out
 
 
+def display_name(name: str | None) -> str | None:
+    """A model as the report names it: a hub id as it is ("EleutherAI/pythia-160m"), a folder of
+    the machine by its name alone ("/home/alice/models/gpt2" -> "gpt2").
+
+    >>> display_name("/home/alice/models/gpt2/"), display_name("EleutherAI/pythia-160m")
+    ('gpt2', 'EleutherAI/pythia-160m')
+    """
+    if not name:
+        return name
+    s = str(name).rstrip("/\\")
+    windows = len(s) > 2 and s[1] == ":" and s[2] in "/\\"
+    if s.startswith(("/", ".", "~", "\\")) or windows or "\\" in s or Path(s).exists():
+        return s.replace("\\", "/").rsplit("/", 1)[-1] or s
+    return s
+
+
+MEMBERSHIP = "membership:"  # units of one attack's scores: `MEMBERSHIP + attack`
+STRONGEST = "mia_strongest"  # the metric the pairs compare membership on
+
+
+def _attack_units(doc: ProbesDoc) -> dict[str, dict[str, Any]]:
+    """Per-document scores of every membership attack (members first), keyed `MEMBERSHIP + name`."""
+    p = doc.get("membership")
+    rows = p.scores if p is not None else []
+    if not rows:
+        return {}
+    names = [k for k in rows[0] if k not in ("id", "member", "repeats")]
+    return {MEMBERSHIP + k: {"kind": "auc", "unit": "documents", "ids": [r["id"] for r in rows],
+                             "values": [r[k] for r in rows], "member": [bool(r["member"]) for r in rows]}
+            for k in names if all(isinstance(r.get(k), int | float) for r in rows)}
+
+
+def _roc(units: dict[str, Any] | None, attack: Attack | None) -> dict[str, Any] | None:
+    """The ROC of the verdict's attack, from its per-document scores."""
+    if units is None or attack is None:
+        return None
+    pos = [v for v, m in zip(units["values"], units["member"], strict=True) if m]
+    neg = [v for v, m in zip(units["values"], units["member"], strict=True) if not m]
+    roc = roc_points(pos, neg, attack.auc.value)
+    return None if roc is None else {"attack": attack.name, "n_pos": len(pos), "n_neg": len(neg), **roc}
+
+
 def _attacks(doc: ProbesDoc) -> list[dict[str, Any]]:
     """Every membership attack's AUC and TPR cells, as probes.json holds them."""
     p = doc.get("membership")
@@ -122,9 +170,9 @@ def target_entry(t: ProbedTarget) -> dict[str, Any]:
     raw = read_json(t.path)
     doc = ProbesDoc.from_json(raw, str(t.path))
     summary = summarize_probes(doc)
-    return {
-        "id": t.id, "path": str(t.path), "model": t.model, "source": t.source or UNKNOWN,
-        "base": t.base, "reference": t.reference,
+    entry = {
+        "id": t.id, "model": display_name(t.model), "source": t.source or UNKNOWN,
+        "base": display_name(t.base), "reference": display_name(t.reference), "weights_sha256": t.weights,
         "privacy": {"epsilon": UNKNOWN if t.epsilon is None else t.epsilon,
                     "unit": t.unit, "delta": t.delta, "text": t.privacy_text},
         "counts": raw.get("counts") or {},
@@ -132,25 +180,99 @@ def target_entry(t: ProbedTarget) -> dict[str, Any]:
         "attacks": _attacks(doc),
         "leakage": summary["leakage"],
         "probe_rows": summary["rows"],
-        "units": units_of(doc),
+        "units": {**units_of(doc), **_attack_units(doc)},
     }
+    v = release_verdict(entry)
+    entry["verdict"] = v.to_json()
+    best = next((a for a in map(Attack.of, entry["attacks"]) if a is not None and a.name == v.attack), None)
+    entry["roc"] = _roc(entry["units"].get(MEMBERSHIP + best.name) if best else None, best)
+    return entry
+
+
+def same_units(ua: dict[str, Any], ub: dict[str, Any]) -> bool:
+    """Both sides scored the same units (and, for an attack, with the same member labels)."""
+    la = dict(zip(ua["ids"], ua.get("member") or ua["ids"], strict=True))
+    lb = dict(zip(ub["ids"], ub.get("member") or ub["ids"], strict=True))
+    return la == lb
+
+
+def comparison_attack(entries: list[dict[str, Any]]) -> str | None:
+    """The membership attack the pairs are compared on: of those every target with membership
+    scores has, the one furthest from chance (|AUC - 0.5|) in any target. One attack for every
+    pair keeps one test per pair in the family."""
+    scored = [e for e in entries if any(k.startswith(MEMBERSHIP) for k in e.get("units") or {})]
+    if not scored:
+        return None
+    common = set.intersection(*({k[len(MEMBERSHIP):] for k in e["units"] if k.startswith(MEMBERSHIP)}
+                                for e in scored))
+    far = {a["attack"]: 0.0 for e in scored for a in e["attacks"] if a["attack"] in common}
+    for e in scored:
+        for a in e["attacks"]:
+            if a["attack"] in far and (a["auc"] or {}).get("value") is not None:
+                far[a["attack"]] = max(far[a["attack"]], abs(a["auc"]["value"] - 0.5))
+    return max(sorted(far), key=lambda k: far[k], default=None)
+
+
+def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same weights (by their sha256), or, where a probes.json names none, the same score on
+    every unit of every metric: a model compared with itself, whose test could only say p = 1."""
+    if a.get("weights_sha256") and b.get("weights_sha256"):
+        return a["weights_sha256"] == b["weights_sha256"]
+    ua, ub = a.get("units") or {}, b.get("units") or {}
+    shared = [k for k in ua if k in ub]
+    return bool(shared) and all(ua[k]["ids"] == ub[k]["ids"] and ua[k]["values"] == ub[k]["values"]
+                                for k in shared)
+
+
+def _skip_reason(a: dict[str, Any], b: dict[str, Any], unmatched: list[str]) -> str:
+    """Why a pair has no test: the same model, or no metric on the same units."""
+    if _same_model(a, b):
+        return "the same model (the same weights, or the same score on every unit): nothing to compare"
+    if not unmatched:
+        return "no metric measured on both"
+    ua, ub = (e["units"][unmatched[0]] for e in (a, b))
+    shared = len(set(ua["ids"]) & set(ub["ids"]))
+    return (f"not probed on the same {ua['unit']} ({len(ua['ids']):,} and {len(ub['ids']):,}, "
+            f"{shared:,} in common): a comparison needs the same units, so probe both on one "
+            "members/non-members set")
 
 
 def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each pair of targets, each headline metric both have, tested two-sided on their units."""
+    """Each pair of targets, tested two-sided on each metric both measured on the same units:
+    membership on the strongest attack the models share (`comparison_attack`, one for every pair,
+    key `STRONGEST`, the attack named in the cell), the other headline metrics as they are. A pair
+    of the same model, or with no metric on the same units, is listed with `skipped` (why) and no
+    test. Sets `units[STRONGEST]` on the entries (the report's refinements of a test read it)."""
+    attack = comparison_attack(entries)
+    for e in entries:  # the units the tests (and the report's refinements) read under the key
+        if attack and MEMBERSHIP + attack in e.get("units", {}):
+            e["units"][STRONGEST] = e["units"][MEMBERSHIP + attack]
+    by_attack = {e["id"]: {a["attack"]: a["auc"] for a in e["attacks"]} for e in entries}
+    keys = [STRONGEST] + [k for k in METRICS if TESTABLE.get(k, True) and k != "mia_auc"]
     out = []
     for i, a in enumerate(entries):
         for b in entries[i + 1:]:
-            cells = {}
-            for key in METRICS:
-                if not TESTABLE.get(key, True):
+            pair = [a["id"], b["id"]]
+            if _same_model(a, b):
+                out.append({"targets": pair, "metrics": {}, "skipped": _skip_reason(a, b, [])})
+                continue
+            cells, unmatched = {}, []
+            for key in keys:
+                ua, ub = (e.get("units", {}).get(key) for e in (a, b))
+                ca, cb = ((by_attack[e["id"]].get(attack) for e in (a, b)) if key == STRONGEST
+                          else (a["leakage"].get(key), b["leakage"].get(key)))
+                if not (ca and cb and ua and ub):
                     continue
-                ca, cb = a["leakage"].get(key), b["leakage"].get(key)
-                if ca and cb:
-                    cells[key] = {"a": ca, "b": cb, "verdict": "not tested",
-                                  "test": compare_groups([a], [b], key, "two-sided")}
+                if not same_units(ua, ub):
+                    unmatched.append(key)
+                    continue
+                cells[key] = {"a": ca, "b": cb, "verdict": "not tested",
+                              "test": compare_groups([a], [b], key, "two-sided"),
+                              **({"attack": attack} if key == STRONGEST else {})}
             if cells:
-                out.append({"targets": [a["id"], b["id"]], "metrics": cells})
+                out.append({"targets": pair, "metrics": cells})
+            else:
+                out.append({"targets": pair, "metrics": {}, "skipped": _skip_reason(a, b, unmatched)})
     return out
 
 

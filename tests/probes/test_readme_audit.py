@@ -32,5 +32,5 @@ def test_readme_audit_commands_work(tmp_path, outside, monkeypatch):
         assert main(argv) == 0, argv
     md = (tmp_path / "audit" / "report" / "report.md").read_text()
     assert "What an attacker learns from releasing these models" in md
-    assert "| my-model | adapter" in md and "unknown: no privacy ledger" in md
+    assert "- **my-model: " in md and "| source | adapter" in md and "unknown: no privacy ledger" in md
     assert "needs &gt;= 1000 non-member documents" in md
