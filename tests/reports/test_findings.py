@@ -410,3 +410,26 @@ def test_els_and_uls_never_pool_and_each_meets_federated_and_the_other():
     curves = {c["label"] for c in rep["comparisons"]["curves"]}
     assert {"centralized (user-level DP, ELS)", "centralized (user-level DP, ULS)"} <= curves
     validate_report(rep)
+
+
+def test_a_test_in_two_sections_is_one_entry_of_the_family():
+    """Issue 68, item 2: a federated and a centralized run at the same epsilon and within the
+    utility tolerance are compared at matched epsilon and at matched utility, by the same test on
+    the same units. It is one test of the Holm family, counted once, with one sentence."""
+    runs = [
+        run("par-eps4", "centralized", 4.0, mia=cell(0.5, 0.05), unit="user", ppl=100.0,
+            units={"mia_auc": auc_units(1.5, seed=0)}),
+        run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.05), unit="user", ppl=101.0,
+            units={"mia_auc": auc_units(0.0, seed=1)}),
+    ]
+    rep = _report(runs)
+    comp = rep["comparisons"]
+    (m,) = comp["matched"]
+    (pair,) = comp["matched_utility"]["pairs"]
+    ta, tb = m["metrics"]["mia_auc"]["test"], pair["metrics"]["mia_auc"]["test"]
+    assert ta["runs"] == tb["runs"]  # the same pair of runs, metric and units: the same test
+    assert ta["family"] == tb["family"] == rep["findings"]["tests"] == 1
+    assert ta["p_adjusted"] == tb["p_adjusted"] == ta["p_value"]
+    sents = [s for s in rep["findings"]["sentences"] if s["kind"] == "comparison"]
+    assert len(sents) == 1 and sents[0]["group"] == "matched_utility"
+    assert rep["findings"]["passing"] == 1
