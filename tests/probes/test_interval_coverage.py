@@ -2,8 +2,9 @@
 
 Issue 32, item 3: the percentile bootstrap covered a mean over 10-12 canaries 84% of the time
 and a user-inference AUC with 12-13 held-out users 90-92%, for a nominal 95%. Each case below
-draws seeded data sets at n = MIN_N, builds the interval the probe would state, and requires
->= 93% coverage of the true value (Monte-Carlo standard error about 0.5 points at 2,000 draws).
+draws seeded data sets at the smallest n that gets an interval (MIN_N; a mean: MEAN_MIN_N),
+builds the interval the probe would state, and requires >= 93% coverage of the true value
+(Monte-Carlo standard error about 0.5 points at 2,000 draws).
 
 Means are simulated on the shapes exposures take: normal, exponential (a never-inserted canary's
 exposure is about Exp(ln 2)) and a bimodal mix (30% memorised near 18 bits). AUCs on a normal
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from memaudit.probes.stats import MIN_N, attack_summary, mean_summary, rate_summary
+from memaudit.probes.stats import MEAN_MIN_N, MIN_N, attack_summary, mean_summary, rate_summary
 from memaudit.probes.user_inference import user_inference_result
 
 TARGET = 0.93
@@ -35,13 +36,36 @@ MEANS = {
 }
 
 
+# issue 68, item 4: skewed shapes the percentile-free bootstrap-t still missed at 10 canaries
+SKEWED = {
+    # 10% of the canaries memorised near 18 bits: at 10 canaries none is memorised 35% of the time
+    "memorised-10%": (lambda r, s: np.where(r.random(s) < 0.1, 18 + r.normal(0, 1, s),
+                                            r.exponential(1 / np.log(2), s)), 0.1 * 18 + 0.9 / np.log(2)),
+    "lognormal": (lambda r, s: r.lognormal(0.0, 1.0, s), np.exp(0.5)),
+}
+
+
+def _mean_cells(draw, n: int, draws: int, seed: int = 7) -> list[dict]:
+    x = draw(np.random.default_rng(seed), (draws, n))
+    return [mean_summary(row, unit="canaries", n_boot=1000, seed=i) for i, row in enumerate(x)]
+
+
 @pytest.mark.parametrize("shape", sorted(MEANS))
 def test_mean_of_canaries_covers_at_min_n(shape):
     draw, truth = MEANS[shape]
-    rng = np.random.default_rng(7)
-    x = draw(rng, (DRAWS, MIN_N))
-    cells = [mean_summary(row, unit="canaries", n_boot=1000, seed=i) for i, row in enumerate(x)]
+    cells = _mean_cells(draw, MEAN_MIN_N, DRAWS)
     assert _covered(cells, truth) >= TARGET
+
+
+@pytest.mark.parametrize("shape", sorted(SKEWED))
+def test_mean_of_skewed_canaries_covers_at_the_smallest_n_with_an_interval(shape):
+    """At the smallest n that gets an interval (a mean: `MEAN_MIN_N`) the interval covers >= 93%
+    on the skewed shapes too (it covered 79% with 10% memorised and 89% on lognormal scores at
+    10 canaries, the smallest n that had one); below it, no interval is stated."""
+    draw, truth = SKEWED[shape]
+    assert _covered(_mean_cells(draw, MEAN_MIN_N, DRAWS // 2), truth) >= TARGET
+    assert all(c["ci_low"] is None and c["note"] == "n too small"
+               for c in _mean_cells(draw, MEAN_MIN_N - 1, 5))
 
 
 @pytest.mark.parametrize("auc", [0.5, 0.7, 0.85, 0.97])
