@@ -291,6 +291,55 @@ def rate_summary(
     return cell(x.mean(), n=len(x), unit=unit, ci=ci)
 
 
+def clustered_rate_summary(
+    hits: np.ndarray, clusters, *, unit: str = "units", cluster_unit: str = "users",
+    level: float = LEVEL,
+) -> dict:
+    """Rate of 0/1 outcomes that come in clusters (a user's PII items): the items' rate with
+    Korn and Graubard's interval, Clopper-Pearson at the effective sample size.
+
+    The rate's variance is the cluster-robust (linearised) one over the G clusters; the effective
+    n is r(1 - r) / var (at most n), scaled by (t_{n-1} / t_{G-1})^2 for the G - 1 degrees of
+    freedom, and the exact binomial interval is taken at r x n_eff successes of n_eff. With no
+    spread between clusters (a rate of 0 or 1) only the degrees-of-freedom factor applies. With as
+    many clusters as items this is Clopper-Pearson's interval of independent items (to the df
+    factor). Simulated on 13 users of 10-20 items (tests/probes/test_interval_coverage.py), where
+    users leak or not, it covers >= 93% where the items' own interval covered 46-63%.
+
+    References:
+      Korn, Graubard. Confidence intervals for proportions with small expected number of positive
+      counts estimated from survey data. Survey Methodology 1998.
+    """
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
+    from scipy.stats import beta
+    from scipy.stats import t as student
+
+    x = np.asarray(hits, dtype=np.float64)
+    ids = np.asarray([str(c) for c in clusters])
+    n = len(x)
+    if n == 0:
+        return cell(None, n=0, unit=unit, note="no units")
+    _u, inv = np.unique(ids, return_inverse=True)
+    g = int(inv.max()) + 1
+    r = float(x.mean())
+    a = (1 - level) / 2
+    n_eff = float(n)
+    if g > 1:
+        y, m = np.bincount(inv, weights=x), np.bincount(inv)
+        var = g / (g - 1) * float(((y - r * m) ** 2).sum()) / n**2
+        if var > 0 and 0 < r < 1:
+            n_eff = min(n_eff, r * (1 - r) / var)
+        if g < n:
+            n_eff *= (float(student.ppf(1 - a, n - 1)) / float(student.ppf(1 - a, g - 1))) ** 2
+        n_eff = min(n_eff, float(n))
+    k = r * n_eff
+    lo = 0.0 if k <= 0 else float(beta.ppf(a, k, n_eff - k + 1))
+    hi = 1.0 if k >= n_eff else float(beta.ppf(1 - a, k + 1, n_eff - k))
+    return cell(r, n=n, unit=unit, ci=(lo, hi) if g > 1 else None,
+                note=None if g > 1 else f"one {cluster_unit[:-1]}: no interval",
+                **{cluster_unit: g})
+
+
 def mean_summary(
     x: np.ndarray, *, unit: str, n_boot: int = 1000, seed: int = 0, level: float = LEVEL
 ) -> dict:
