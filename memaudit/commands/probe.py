@@ -105,7 +105,9 @@ def register(app: typer.Typer) -> None:
         ] = None,
         reference_models: Annotated[
             str | None, typer.Option(help="k >= 2 reference models trained without the "
-                                     "candidates, comma-separated: adds offline LiRA and RMIA.")
+                                     "candidates, comma-separated: adds offline RMIA, and from "
+                                     "k = 16 offline LiRA (with fewer, LiRA's pooled variance "
+                                     "ranks exactly as the ratio attack, so it is not listed).")
         ] = None,
         base: Annotated[
             str | None, typer.Option(help="An adapter's base model (folder or cached hub id), "
