@@ -180,9 +180,10 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     as it was): the backend comparisons, the scale section's and the literature section's tests
     are one Holm family, as the report and the README say. Each test gets its adjusted p-value and
     the family's size; each comparison cell its verdict (`memaudit.reports.cells.verdict`); the
-    sections their verdicts and sentences (`scale.settle`, `literature.settle`). Tests whose
-    permutation floor alone would decide are refined first (`_refine_floors`). Adjusting an
-    adjusted report again gives the same report."""
+    sections their verdicts and sentences (`scale.settle`, `literature.settle`). A test stated in
+    two blocks is one entry of the family (`same_test_key`); its repeat gets the same numbers and
+    `SAME_TEST`. Tests whose permutation floor alone would decide are refined first
+    (`_refine_floors`). Adjusting an adjusted report again gives the same report."""
     own = {**report, "comparisons": copy.deepcopy(report.get("comparisons", {})),
            "scale": copy.deepcopy(report.get("scale")), "literature": copy.deepcopy(report.get("literature"))}
     pairs = list(_all_tests(own))
