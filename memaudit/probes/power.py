@@ -97,7 +97,9 @@ EXACT_UNITS = 13
 SIM_UNITS = 64  # above: the self-normalized statistic's Normal limit (`_mde_selfnormalized`)
 SIM_DATASETS = 400  # simulated data sets per power evaluation of the sign-flip test
 SIM_PATTERNS = 2**15  # at most this many Monte-Carlo sign patterns per simulated test
-FLOOR_MARGIN = 10  # a refined permutation test's floor is alpha / FLOOR_MARGIN (`findings.adjust`)
+FLOOR_MARGIN = 10
+"""A permutation test whose floor would decide is re-run with FLOOR_MARGIN / alpha permutations
+(`memaudit.reports.findings._refine_floors`; alpha there is the family's alpha / family)."""
 
 
 def signflip_floor(n: int, alternative: str) -> float:

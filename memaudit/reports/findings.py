@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
-from memaudit.probes.power import POWER, minimum_detectable_effect
+from memaudit.probes.power import FLOOR_MARGIN, POWER, minimum_detectable_effect
 from memaudit.probes.stats import CORRECTIONS, compare_units
 from memaudit.reports import literature, scale
 from memaudit.reports.cells import (
@@ -118,7 +118,8 @@ def _all_tests(report: dict[str, Any]):
         yield cell, t
 
 
-FLOOR_MARGIN = 10  # a refined test's smallest p-value is alpha / (FLOOR_MARGIN * family)
+# FLOOR_MARGIN (memaudit.probes.power, whose detectable effects assume it): a refined test's
+# smallest p-value is alpha / (FLOOR_MARGIN * family)
 
 
 def _refine_floors(report: dict[str, Any], family: int) -> None:
