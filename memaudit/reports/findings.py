@@ -172,7 +172,8 @@ def mde_text(t: Test, metric: str) -> str | None:
         return None
     amount = mde_amount(t.mde, metric)
     if amount is None:
-        return f"no difference within the metric's range was likely to be seen ({POWER:.0%} power)"
+        return (f"could have seen none within range (too few units for {POWER:.0%} power at the "
+                "family's level)")
     return f"could have seen {amount} ({POWER:.0%} power)"
 
 

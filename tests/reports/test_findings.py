@@ -433,3 +433,22 @@ def test_a_test_in_two_sections_is_one_entry_of_the_family():
     sents = [s for s in rep["findings"]["sentences"] if s["kind"] == "comparison"]
     assert len(sents) == 1 and sents[0]["group"] == "matched_utility"
     assert rep["findings"]["passing"] == 1
+
+
+def test_an_exposure_test_that_cannot_reach_its_level_says_none_within_range():
+    """Issue 68, item 1: where the sign-flip test's smallest p-value lies above alpha / family
+    (here 5 canaries, two-sided 2^-4 = 0.0625 against 0.05 / 2; in the quickstart's family of 66,
+    10 canaries), the report stated a finite effect it "could have seen", which the test finds 0%
+    of the time. It says none is within range."""
+    rng = np.random.default_rng(4)
+    runs = _backend_pair(0.0, 0.0)
+    ids = [f"c{i}" for i in range(5)]
+    for r, shift in zip(runs, (0.0, 0.1), strict=True):
+        vals = rng.normal(1.0 + shift, 1.0, 5)
+        r["units"]["exposure_top"] = {"kind": "mean", "unit": "canaries", "ids": ids, "values": vals.tolist()}
+        r["leakage"]["exposure_top"] = {"value": float(vals.mean()), "ci_low": None, "ci_high": None,
+                                        "n": 5, "unit": "canaries", "note": "n too small"}
+    rep = _report(runs)
+    (s,) = [s for s in rep["findings"]["sentences"] if s["metric"] == "exposure_top"]
+    assert s["verdict"] == "no difference shown"
+    assert "could have seen none within range" in s["short"] and "bits" not in s["short"].split("Holm p")[1]
