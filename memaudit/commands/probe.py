@@ -211,6 +211,7 @@ def default_probes(kind: str) -> tuple[str, ...]:
     """The probes run when --probes is not given: all on a memaudit run ("run"); on any other
     model ("model") all but goldfish_extraction, which decodes every member document's last
     tokens (217 s of a default probe of GPT-2 on a CPU, issue 68) and runs there only when named."""
+    # lazy: `memaudit --help` does not import memaudit.config (pydantic, ~0.3 s)
     from memaudit.config import PROBE_NAMES
 
     return tuple(n for n in PROBE_NAMES if kind == "run" or n != "goldfish_extraction")

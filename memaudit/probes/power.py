@@ -178,7 +178,8 @@ def _mde_selfnormalized(n: int, sd: float, alpha: float, alternative: str, power
     """Many units: the sign-flip test rejects where sum(d) / sqrt(sum(d^2)) exceeds the Normal
     quantile c, i.e. where the t statistic exceeds c sqrt((n - 1) / (n - c^2)); its power on
     Normal differences is the noncentral t's (Efron 1969: the self-normalized sum and t)."""
-    from scipy.optimize import brentq  # lazy: scipy (~0.3 s) only when a report is built
+    # lazy: scipy (~0.3 s) only when a report is built; this module imports without it
+    from scipy.optimize import brentq
     from scipy.stats import nct, norm
 
     c = float(norm.ppf(1 - (alpha / 2 if alternative == "two-sided" else alpha)))
