@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import sys
+import warnings
 from typing import Annotated
 
 import typer
@@ -114,11 +115,13 @@ def error_line(exc: BaseException) -> str:
 
 
 def quiet_libraries() -> None:
-    """Only memaudit's own line on stderr: the libraries' log lines off (`--debug` keeps them).
+    """Only memaudit's own line on stderr: the libraries' log lines and warnings off (`--debug`
+    keeps them).
     datasets and transformers read their verbosity from the environment when they load."""
     os.environ.setdefault("DATASETS_VERBOSITY", "critical")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "critical")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the worker processes a sweep starts
     for name in QUIET_LOGGERS:  # CRITICAL, a level JAX accepts (jax_logging_level mirrors its logger)
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
@@ -130,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     if not debug:
         quiet_libraries()
     try:
-        rv = app(args=args, prog_name="memaudit", standalone_mode=False)
+        with warnings.catch_warnings():
+            if not debug:  # a library's warnings (transformers, torch, sklearn) are not the user's
+                warnings.simplefilter("ignore")
+            rv = app(args=args, prog_name="memaudit", standalone_mode=False)
         code = rv if isinstance(rv, int) else 0
     except click_exc.NoArgsIsHelpError as e:
         typer.echo(e.ctx.get_help())

@@ -13,9 +13,16 @@ from memaudit.reports.frontier import DEFAULT_TOLERANCE
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("report", help="Write report.html, report.md and report.json comparing runs.")
+    # typer 0.20 drops an argument's own help from --help: what RUNS may be is said here
+    @app.command("report", help="Write report.html, report.md and report.json comparing runs. RUNS: "
+                 "run directories, folders holding runs (a sweep), or probe folders: a folder "
+                 "holding the probes.json of another model, as `memaudit probe MODEL --out "
+                 "FOLDER/probes.json` writes it; each is one probed model, compared with the others.")
     def report(
-        runs: Annotated[list[Path], typer.Argument(help="Run directories, or folders holding runs (a sweep).")],
+        runs: Annotated[list[Path], typer.Argument(
+            help="Run directories, folders holding runs (a sweep), or probe folders: a folder holding "
+            "the probes.json of another model, as `memaudit probe MODEL --out FOLDER/probes.json` "
+            "writes it (each such folder is one probed model, compared with the others).")],
         out: Annotated[Path, typer.Option("--out", help="Report directory to write.")] = Path("report"),
         show_secrets: Annotated[
             bool, typer.Option("--show-secrets", help="Include canary secrets in the report.")

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option("--out", help="Sweep directory (runs/, report/, sweep.json).")] = Path("sweep"),
         epsilons: Annotated[str | None, typer.Option(help="Target epsilons, e.g. 1,4,16,inf.")] = None,
         noise_multipliers: Annotated[str | None, typer.Option(help="Noise multipliers instead, e.g. 0,0.5,1.")] = None,
-        backends: Annotated[str | None, typer.Option(help="parallel,federated")] = None,
+        backends: Annotated[str | None, typer.Option(help="Backends, e.g. centralized,federated.")] = None,
         seeds: Annotated[int | None, typer.Option(help="Number of seeds per grid point.")] = None,
         goldfish: Annotated[str | None, typer.Option(help="Goldfish axis on the centralized side: off, on or off,on.")] = None,
         jobs: Annotated[int | None, typer.Option(help="Points to run at once, each in its own process "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memaudit.data.synth import pii_value
-from memaudit.probes.stats import rate_summary
+from memaudit.probes.stats import clustered_rate_summary
 
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}")
 CARD = re.compile(r"\b(?:\d[ -]?){12,18}\d\b")
@@ -187,16 +187,22 @@ def shared_prefix_len(seqs: list[list[int]]) -> int:
 
 
 def pii_result(groups: dict[str, PiiScores], *, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Pure statistics: extraction and top-1 inference rates per group, with chance = 1/k."""
+    """Pure statistics: extraction and top-1 inference rates per group, with chance = 1/k. A
+    user's items go together (what the model learned of her, it learned of all her details): the
+    rates' intervals are clustered by user (`clustered_rate_summary`; a document without a user is
+    its own cluster). `n_boot` and `seed` are kept for callers; the interval needs neither."""
     summary, rows = {}, []
     for group, g in groups.items():
         for (d, it), e, r, k in zip(g.items, g.extracted, g.ranks, g.n_candidates, strict=True):
             rows.append({"doc": d.id, "user": d.user, "group": group, "type": it["type"],
                          "extracted": e, "rank": r, "candidates": k})
         types = sorted({it["type"] for _d, it in g.items})
+        owner = [f"user:{d.user}" if d.user is not None else f"doc:{d.id}" for d, _it in g.items]
 
-        def rate(x, unit="PII items"):
-            return rate_summary(np.array(x, float), unit=unit, n_boot=n_boot, seed=seed)
+        def rate(x, keep=None, owner=owner):
+            sel = [i for i in range(len(owner)) if keep is None or keep[i]]
+            return clustered_rate_summary(np.array([x[i] for i in sel], float), [owner[i] for i in sel],
+                                          unit="PII items")
 
         summary[group] = {
             "items": len(g.items),
@@ -205,10 +211,8 @@ def pii_result(groups: dict[str, PiiScores], *, n_boot: int = 1000, seed: int = 
             "chance_top1": float(np.mean([1 / k for k in g.n_candidates])) if g.items else None,
             "by_type": {
                 t: {"items": sum(1 for _d, it in g.items if it["type"] == t),
-                    "extraction": rate([e for e, (_d, it) in zip(g.extracted, g.items, strict=True)
-                                        if it["type"] == t]),
-                    "inference_top1": rate([r == 1 for r, (_d, it) in
-                                            zip(g.ranks, g.items, strict=True) if it["type"] == t])}
+                    "extraction": rate(g.extracted, [it["type"] == t for _d, it in g.items]),
+                    "inference_top1": rate([r == 1 for r in g.ranks], [it["type"] == t for _d, it in g.items])}
                 for t in types
             },
         }

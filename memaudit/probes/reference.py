@@ -11,7 +11,10 @@ like any other attack. The per-candidate statistic of a model is its mean token 
 - LiRA offline (Carlini et al. 2022, sec. IV-C): the one-sided Gaussian likelihood ratio of the
   target's score against the OUT distribution of the reference models' scores for the same
   candidate; with few reference models the variance is pooled over candidates (the paper's
-  "fixed variance").
+  "fixed variance"). A pooled variance makes the score a monotone function of target minus the
+  references' mean, so it ranks every candidate exactly as `ratio_mean` does: `reference_attacks`
+  lists LiRA only from `LIRA_MIN_MODELS_PER_EXAMPLE_VARIANCE` (16) references, where each
+  candidate has its own variance.
 - RMIA offline (Zarifzadeh et al. 2024, ICML): Pr(x|θ)/Pr(x) with Pr(x) the reference models'
   mean probability, corrected for having OUT models only by Pr(x) ≈ ((1+a)/2)·mean_out + (1-a)/2.
   Here a probability is a document's per-token geometric mean (e^mean log-likelihood, ~0.05 for
@@ -104,11 +107,14 @@ def rmia_offline(target: np.ndarray, refs: np.ndarray, *, a: float = 1.0, gamma:
 
 
 def reference_attacks(target: np.ndarray, refs: np.ndarray) -> dict[str, np.ndarray]:
-    """The attacks k reference models allow: k = 1 ratio only; k >= 2 also LiRA and RMIA."""
+    """The attacks k reference models allow: k = 1 ratio only; k >= 2 also RMIA; k >= 16 also
+    LiRA (with fewer, its pooled variance ranks candidates exactly as the ratio attack: the same
+    attack under a second name, not a third one)."""
     refs = np.atleast_2d(np.asarray(refs, float))
     out = {"ratio_mean": ratio_scores(target, refs.mean(0))}
-    if refs.shape[0] >= 2:
+    if refs.shape[0] >= LIRA_MIN_MODELS_PER_EXAMPLE_VARIANCE:
         out["lira_offline"] = lira_offline(target, refs)
+    if refs.shape[0] >= 2:
         out["rmia_offline"] = rmia_offline(target, refs)
     return out
 

@@ -125,7 +125,8 @@ def run_probes(
     codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
     settings = fit_windows(target, settings, model, codec)
     checks = {}
-    if target.kind == "model" and target.members and target.nonmembers:  # before any attack
+    # before any attack, on an outside model's split and on a run's own member/holdout split alike
+    if target.members and target.nonmembers:
         checks["distribution_shift"] = blind_check([d.text for d in target.members],
                                                    [d.text for d in target.nonmembers],
                                                    seed=settings.seed)

@@ -2,12 +2,13 @@
 
 Every number a probe or the report states is a *cell* ``{value, n, unit, ci_low, ci_high, note}``:
 ``n`` counts the independent units behind it (canaries, documents, users) and ``unit`` names them.
-An interval is given only when ``n >= MIN_N``; below that the cell says "n too small" and carries
-no interval. Rates of 0/1 outcomes get the exact Clopper-Pearson interval (so 0/49 is [0, 0.073],
-not the collapsed bootstrap [0, 0]); AUCs get DeLong's interval on the logit scale, means and
-fractional rates a seeded studentized bootstrap, TPRs a stratified percentile bootstrap (Efron 1979).
-Each interval type's coverage at n = MIN_N is simulated in tests/probes/test_interval_coverage.py
-(>= 93% of a nominal 95%). TPR at FPR f is stated only with at least ``ceil(10 / f)`` negatives of
+An interval is given only when ``n >= MIN_N`` (a mean of real values: ``n >= MEAN_MIN_N``); below
+that the cell says "n too small" and carries no interval. Rates of 0/1 outcomes get the exact
+Clopper-Pearson interval (so 0/49 is [0, 0.073], not the collapsed bootstrap [0, 0]); AUCs get
+DeLong's interval on the logit scale, fractional rates a seeded studentized bootstrap, means the
+hull of its equal-tailed and symmetric forms (`bootstrap_t`), TPRs a stratified percentile
+bootstrap (Efron 1979). Each interval type's coverage at its smallest n is simulated in
+tests/probes/test_interval_coverage.py (>= 93% of a nominal 95%). TPR at FPR f is stated only with at least ``ceil(10 / f)`` negatives of
 the attack's unit, else the cell says how many are needed.
 
 Differences are claimed only from a test: permutation tests (paired sign-flip where two runs share
@@ -43,6 +44,12 @@ import numpy as np
 DEFAULT_FPRS = (0.01, 0.001)
 MIN_N = 10
 """Units a metric needs before an interval is shown (below: "n too small")."""
+MEAN_MIN_N = 40
+"""Units a mean of real values (exposures in bits) needs before its interval is shown. Canary
+exposures are skewed: where 10% of canaries are memorised, 10 canaries hold none of them 35% of
+the time, and no interval from the sample reaches the mean then. Simulated (issue 68, 2,000
+draws a point), `mean_summary`'s interval covered 10%-memorised exposures 86% at 16, 95% at 30
+and 98% at 40, and lognormal scores 91% at 16, 93% at 30 and 94% at 40."""
 N_TOO_SMALL = "n too small"
 LEVEL = 0.95
 ALTERNATIVES = ("greater", "less", "two-sided")
@@ -60,11 +67,12 @@ def cell(
     unit: str,
     ci: tuple[float, float] | None = None,
     note: str | None = None,
+    min_n: int = MIN_N,
     **extra,
 ) -> dict:
-    """A metric cell; the interval is dropped (note "n too small") when n < MIN_N."""
+    """A metric cell; the interval is dropped (note "n too small") when n < `min_n`."""
     lo, hi = ci if ci is not None else (None, None)
-    if n < MIN_N:
+    if n < min_n:
         lo, hi, note = None, None, note or N_TOO_SMALL
     return {
         "value": None if value is None else float(value),
@@ -283,26 +291,83 @@ def rate_summary(
     return cell(x.mean(), n=len(x), unit=unit, ci=ci)
 
 
+def clustered_rate_summary(
+    hits: np.ndarray, clusters, *, unit: str = "units", cluster_unit: str = "users",
+    level: float = LEVEL,
+) -> dict:
+    """Rate of 0/1 outcomes that come in clusters (a user's PII items): the items' rate with
+    Korn and Graubard's interval, Clopper-Pearson at the effective sample size.
+
+    The rate's variance is the cluster-robust (linearised) one over the G clusters; the effective
+    n is r(1 - r) / var (at most n), scaled by (t_{n-1} / t_{G-1})^2 for the G - 1 degrees of
+    freedom, and the exact binomial interval is taken at r x n_eff successes of n_eff. With no
+    spread between clusters (a rate of 0 or 1) only the degrees-of-freedom factor applies. With as
+    many clusters as items this is Clopper-Pearson's interval of independent items (to the df
+    factor). Simulated on 13 users of 10-20 items (tests/probes/test_interval_coverage.py), where
+    users leak or not, it covers >= 93% where the items' own interval covered 46-63%.
+
+    References:
+      Korn, Graubard. Confidence intervals for proportions with small expected number of positive
+      counts estimated from survey data. Survey Methodology 1998.
+    """
+    # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
+    from scipy.stats import beta
+    from scipy.stats import t as student
+
+    x = np.asarray(hits, dtype=np.float64)
+    ids = np.asarray([str(c) for c in clusters])
+    n = len(x)
+    if n == 0:
+        return cell(None, n=0, unit=unit, note="no units")
+    _u, inv = np.unique(ids, return_inverse=True)
+    g = int(inv.max()) + 1
+    r = float(x.mean())
+    a = (1 - level) / 2
+    n_eff = float(n)
+    if g > 1:
+        y, m = np.bincount(inv, weights=x), np.bincount(inv)
+        var = g / (g - 1) * float(((y - r * m) ** 2).sum()) / n**2
+        if var > 0 and 0 < r < 1:
+            n_eff = min(n_eff, r * (1 - r) / var)
+        if g < n:
+            n_eff *= (float(student.ppf(1 - a, n - 1)) / float(student.ppf(1 - a, g - 1))) ** 2
+        n_eff = min(n_eff, float(n))
+    k = r * n_eff
+    lo = 0.0 if k <= 0 else float(beta.ppf(a, k, n_eff - k + 1))
+    hi = 1.0 if k >= n_eff else float(beta.ppf(1 - a, k + 1, n_eff - k))
+    return cell(r, n=n, unit=unit, ci=(lo, hi) if g > 1 else None,
+                note=None if g > 1 else f"one {cluster_unit[:-1]}: no interval",
+                **{cluster_unit: g})
+
+
 def mean_summary(
     x: np.ndarray, *, unit: str, n_boot: int = 1000, seed: int = 0, level: float = LEVEL
 ) -> dict:
-    """Mean of a real-valued array with its studentized (bootstrap-t) interval."""
+    """Mean of a real-valued array with the hull of its equal-tailed and symmetric bootstrap-t
+    intervals (`bootstrap_t`); no interval below `MEAN_MIN_N` units."""
     x = np.asarray(x, dtype=np.float64)
     if len(x) == 0:
         return cell(None, n=0, unit=unit, note="no units")
-    return cell(x.mean(), n=len(x), unit=unit, ci=bootstrap_t(x, n_boot=n_boot, seed=seed,
-                                                                level=level))
+    ci = bootstrap_t(x, n_boot=n_boot, seed=seed, level=level, hull=True) if len(x) >= MEAN_MIN_N else None
+    return cell(x.mean(), n=len(x), unit=unit, ci=ci, min_n=MEAN_MIN_N)
 
 
 def bootstrap_t(x: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
-                level: float = LEVEL) -> tuple[float, float]:
-    """Studentized bootstrap interval of a mean (Efron & Tibshirani 1993, ch. 12).
+                level: float = LEVEL, hull: bool = False) -> tuple[float, float]:
+    """Studentized bootstrap interval of a mean (Efron & Tibshirani 1993, ch. 12; Hall 1988).
 
     Each resample gives t* = (mean* - mean) / se*; the interval is mean - t*_(1-a/2) se to
-    mean - t*_(a/2) se. Second-order accurate, so it holds its level on skewed samples where the
-    percentile bootstrap does not: simulated at n = 10 (tests/probes/test_interval_coverage.py),
-    a mean of exponential exposures is covered ~94% (percentile bootstrap 86%, t-interval 89%).
+    mean - t*_(a/2) se. Second-order accurate, yet on the skew of canary exposures it falls short
+    at small n: simulated (tests/probes/test_interval_coverage.py), a mean of exponential
+    exposures is covered ~94% at n = 10 (percentile bootstrap 86%, t-interval 89%), but lognormal
+    scores only 90% at 10 and 92% at 40, and exposures of which 10% are memorised 80% at 10. With
+    `hull`, the interval also holds the symmetric bootstrap-t interval, mean -+ |t*|_(1-a) se,
+    whose upper end reaches further into a long right tail: 94% and 98% on those two at n = 40
+    (`MEAN_MIN_N`), 95% on normal and exponential exposures.
     Resamples with no spread carry no t* and are left out; a sample with none is [mean, mean].
+
+    References:
+      Hall. Theoretical comparison of bootstrap confidence intervals. Ann. Statist. 1988.
     """
     n = len(x)
     m, se = float(x.mean()), float(x.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
@@ -317,7 +382,11 @@ def bootstrap_t(x: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
         return m, m
     a = (1 - level) / 2
     hi_t, lo_t = np.quantile(t, [1 - a, a])
-    return float(m - hi_t * se), float(m - lo_t * se)
+    lo, hi = m - hi_t * se, m - lo_t * se
+    if hull:
+        sym = float(np.quantile(np.abs(t), level))
+        lo, hi = min(lo, m - sym * se), max(hi, m + sym * se)
+    return float(lo), float(hi)
 
 
 # ----------------------------------------------------------------------------- tests

@@ -32,7 +32,7 @@ from memaudit.reports.frontier import (
 )
 from memaudit.reports.group import group_privacy
 from memaudit.reports.literature import literature_section
-from memaudit.reports.probes_adapter import summarize_probes, units_of
+from memaudit.reports.probes_adapter import settle_rows, summarize_probes, units_of
 from memaudit.reports.scale import scale_section
 from memaudit.reports.targets import find_targets, is_memaudit_run, target_comparisons, target_entry
 from memaudit.rundir import RunDir
@@ -445,6 +445,8 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
     # one Holm family over every test of the report; report.json keeps the adjusted p-values
     report = findings_mod.adjust_report(report)
     report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
+    for r in report["runs"] + report.get("targets", []):
+        settle_rows(r, report.get("literature"))  # the probe tables' p-values: the one family's, or unadjusted
     for r in runs + targets:
         r.pop("units", None)
     return report

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
-from memaudit.probes.power import POWER, minimum_detectable_effect
+from memaudit.probes.power import FLOOR_MARGIN, POWER, minimum_detectable_effect
 from memaudit.probes.stats import CORRECTIONS, compare_units
 from memaudit.reports import literature, scale
 from memaudit.reports.cells import (
@@ -51,24 +51,75 @@ def _fmt_eps(e: float | None) -> str:
     return "no DP (epsilon = inf)" if e is None or math.isinf(e) else f"epsilon = {e:g}"
 
 
-def _keyed_tests(report: dict[str, Any]):
-    """Every (metric, cell, test) of the report's comparisons, in a fixed order."""
+# the report's comparison blocks in the order their tests enter the family: a test stated in two
+# blocks (a matched-epsilon pair within the utility tolerance is also a matched-utility pair)
+# belongs to the first, and its sentence is said there
+BLOCKS = ("matched_utility", "matched", "samplings", "effects", "targets")
+SAME_TEST = "same_test_as"  # on a repeated test: the block whose entry of the same test is the family's
+
+
+def _blocks(comp: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    if name == "matched_utility":
+        return (comp.get("matched_utility") or {}).get("pairs", [])
+    return comp.get(name, [])
+
+
+def _every_test(report: dict[str, Any]):
+    """Every (block name, metric, cell, test) of the report's comparisons, repeats included."""
     comp = report.get("comparisons", {})
-    pairs = (comp.get("matched_utility") or {}).get("pairs", [])
-    for block in (comp.get("matched", []) + comp.get("samplings", []) + comp.get("effects", []) + pairs
-                  + comp.get("targets", [])):
-        for key, cell in block.get("metrics", {}).items():
-            if cell.get("test"):
-                yield key, cell, cell["test"]
+    for name in BLOCKS:
+        for block in _blocks(comp, name):
+            for key, cell in block.get("metrics", {}).items():
+                if cell.get("test"):
+                    yield name, key, cell, cell["test"]
+
+
+def same_test_key(key: str, t: Mapping[str, Any]) -> tuple | None:
+    """What makes two entries one test: the same two runs (in either order for a two-sided test),
+    metric, units and alternative. None for a test over seeds (no runs named): never merged."""
+    runs = t.get("runs")
+    if not runs or t.get("scope", "runs") != "runs":
+        return None
+    pair = tuple(sorted(runs)) if t["alternative"] == "two-sided" else tuple(runs)
+    return (pair, key, t.get("unit"), t["alternative"], t["test"])
+
+
+def _keyed_tests(report: dict[str, Any]):
+    """Every distinct (metric, cell, test) of the report's comparisons, in a fixed order: a test
+    that two blocks state is yielded once (its first entry; the other is marked `SAME_TEST`)."""
+    seen: dict[tuple, str] = {}
+    for name, key, cell, t in _every_test(report):
+        ident = same_test_key(key, t)
+        if ident is not None and ident in seen:
+            continue
+        if ident is not None:
+            seen[ident] = name
+        yield key, cell, t
+
+
+def _repeats(report: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any], str]]:
+    """(repeated test, the family's entry of it, that entry's block) for each test stated twice."""
+    first: dict[tuple, tuple[dict[str, Any], str]] = {}
+    out = []
+    for name, key, _cell, t in _every_test(report):
+        ident = same_test_key(key, t)
+        if ident is None:
+            continue
+        if ident in first:
+            out.append((t, *first[ident]))
+        else:
+            first[ident] = (t, name)
+    return out
 
 
 def _all_tests(report: dict[str, Any]):
-    """Every (cell, test) of the report's comparisons, in a fixed order."""
+    """Every distinct (cell, test) of the report's comparisons, in a fixed order."""
     for _key, cell, t in _keyed_tests(report):
         yield cell, t
 
 
-FLOOR_MARGIN = 10  # a refined test's smallest p-value is alpha / (FLOOR_MARGIN * family)
+# FLOOR_MARGIN (memaudit.probes.power, whose detectable effects assume it): a refined test's
+# smallest p-value is alpha / (FLOOR_MARGIN * family)
 
 
 def _refine_floors(report: dict[str, Any], family: int) -> None:
@@ -121,7 +172,8 @@ def mde_text(t: Test, metric: str) -> str | None:
         return None
     amount = mde_amount(t.mde, metric)
     if amount is None:
-        return f"no difference within the metric's range was likely to be seen ({POWER:.0%} power)"
+        return (f"could have seen none within range (too few units for {POWER:.0%} power at the "
+                "family's level)")
     return f"could have seen {amount} ({POWER:.0%} power)"
 
 
@@ -130,9 +182,10 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     as it was): the backend comparisons, the scale section's and the literature section's tests
     are one Holm family, as the report and the README say. Each test gets its adjusted p-value and
     the family's size; each comparison cell its verdict (`memaudit.reports.cells.verdict`); the
-    sections their verdicts and sentences (`scale.settle`, `literature.settle`). Tests whose
-    permutation floor alone would decide are refined first (`_refine_floors`). Adjusting an
-    adjusted report again gives the same report."""
+    sections their verdicts and sentences (`scale.settle`, `literature.settle`). A test stated in
+    two blocks is one entry of the family (`same_test_key`); its repeat gets the same numbers and
+    `SAME_TEST`. Tests whose permutation floor alone would decide are refined first
+    (`_refine_floors`). Adjusting an adjusted report again gives the same report."""
     own = {**report, "comparisons": copy.deepcopy(report.get("comparisons", {})),
            "scale": copy.deepcopy(report.get("scale")), "literature": copy.deepcopy(report.get("literature"))}
     pairs = list(_all_tests(own))
@@ -147,6 +200,13 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     for cell, t in pairs:
         cell["verdict"] = verdict(Test.of(t), ALPHA)
     _detectable(own, family)
+    for t, entry, block in _repeats(own):  # one test, one entry: a repeat says the same
+        t.update({k: entry[k] for k in ("p_value", "p_floor", "estimate", "p_adjusted", "correction",
+                                        "family", "alpha", "mde") if k in entry}, **{SAME_TEST: block})
+        if t["runs"] != entry["runs"]:  # a two-sided test stated with its runs the other way round
+            t["estimate"] = -entry["estimate"]
+    for _name, _key, cell, t in _every_test(own):
+        cell["verdict"] = verdict(Test.of(t), ALPHA)
     for mod, sec in sections:
         mod.settle(sec, family)
     return {k: v for k, v in own.items() if v is not None or k in report}
@@ -247,6 +307,8 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
         t = Test.of(cell["test"]) if cell.get("test") else None
         if t is None or t.p_adjusted is None:
             continue  # no per-unit scores: no test, so no finding
+        if cell["test"].get(SAME_TEST):
+            continue  # the same test is said where the family counts it
         v = verdict(t, t.alpha if t.alpha is not None else ALPHA)
         cav = caveat(v) if callable(caveat) else caveat
         out.append(_finding(metric, cell, t, left, right, context, group, cav, series).to_json())

@@ -164,13 +164,45 @@ def _exposure(p: ProbeSection, out: dict) -> None:
                             **_row(at_ceiling(b["all"], k))})
         if b.get("excess") and b.get("test"):
             t = b["test"]
-            out["rows"].append({"probe": "exposure", "metric": f"excess over references, {r} repetitions (bits; "
-                                f"{t['test']}, p = {t['p_value']:.3g}, Holm over buckets p = {t.get('p_holm', t['p_value']):.3g})",
-                                **_row(at_ceiling(b["excess"], k))})
+            # the raw p: a report corrects over its one family (`settle_rows`), never over buckets
+            out["rows"].append({"probe": "exposure", "metric": _excess_label(r, t["test"], t["p_value"], None),
+                                **_row(at_ceiling(b["excess"], k)),
+                                FAMILY_TEST: {"repetitions": int(r), "p_value": t["p_value"], "test": t["test"]}})
     test = s.get("inserted_vs_references") or {}
     if test.get("p_value") is not None:
         out["rows"].append({"probe": "exposure", "metric": f"inserted vs references p-value ({test.get('test')})",
                             "value": test["p_value"], "ci_low": None, "ci_high": None})
+
+
+FAMILY_TEST = "family_test"  # on a row whose test the report's one family may hold (`settle_rows`)
+
+
+def _excess_label(reps: str | int, test: str, p: float, family: dict[str, Any] | None) -> str:
+    """A bucket's excess row: its test and p-value, either Holm-adjusted over the report's one
+    family (`family`: the family's entry of the same test) or said to be unadjusted."""
+    head = f"excess over references, {reps} repetitions (bits; {test}, p = {p:.3g}"
+    if family is None:
+        return head + " unadjusted; the report's tests are corrected in one Holm family)"
+    return (head + f", Holm-adjusted p = {family['p_adjusted']:.3g} over the report's "
+            f"{family['family']} tests)")
+
+
+def settle_rows(run: dict[str, Any], literature: dict[str, Any] | None) -> None:
+    """After the report's one correction: a probe row whose test the family holds -- the
+    literature section's bucket of the same run and repetitions, where that bucket is all of
+    them (one owner kind) and its p-value is the row's -- states the family's adjusted p; every
+    other row keeps its p, labelled unadjusted. Drops the rows' `FAMILY_TEST` marks."""
+    entries = [e for e in (literature or {}).get("exposure", []) if e.get("run") == run.get("id")]
+    buckets = [b for e in entries for b in e.get("buckets", [])]
+    for row in run.get("probe_rows", []):
+        ref = row.pop(FAMILY_TEST, None)
+        if ref is None:
+            continue
+        same = [b for b in buckets if b.get("repetitions") == ref["repetitions"]]
+        t = same[0].get("test") if len(same) == 1 else None
+        held = (t is not None and t.get("p_adjusted") is not None
+                and abs(t["p_value"] - ref["p_value"]) <= 1e-9 * max(1.0, ref["p_value"]))
+        row["metric"] = _excess_label(ref["repetitions"], ref["test"], ref["p_value"], t if held else None)
 
 
 def _extraction(p: ProbeSection, out: dict, docs: dict[str, str] | None, show_secrets: bool = False) -> None:

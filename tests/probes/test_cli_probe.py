@@ -200,3 +200,35 @@ def test_a_model_trained_again_while_it_is_probed_writes_no_probes(tmp_path, tra
     err = capsys.readouterr().err.strip()
     assert "changed while it was probed" in err and len(err.splitlines()) == 1
     assert not (run / "probes.json").exists()
+
+
+def _probes_run(monkeypatch, argv) -> tuple:
+    """The probes `memaudit probe` would run with `argv` (run_probes stopped before any work)."""
+    import memaudit.probes.runner as runner
+
+    seen = {}
+
+    def stop(target, settings, **_kw):
+        seen["probes"] = settings.probes
+        raise ValueError("stopped before probing")
+
+    monkeypatch.setattr(runner, "run_probes", stop)
+    assert main(argv) == 2
+    return seen["probes"]
+
+
+def test_goldfish_extraction_runs_on_an_outside_model_only_when_named(tmp_path, trained, monkeypatch, capsys):
+    """Issue 68, item 7: a default probe of an outside model spent 217 s in goldfish extraction,
+    a measure of memaudit's own Goldfish mitigation. It runs there only when named; a memaudit run
+    still gets every probe by default."""
+    from memaudit.config import PROBE_NAMES
+
+    (tmp_path / "m.jsonl").write_text(json.dumps({"text": "one two"}) + "\n")
+    (tmp_path / "n.jsonl").write_text(json.dumps({"text": "three four"}) + "\n")
+    model = ["probe", str(trained.init_dir), "--out", str(tmp_path / "p.json"),
+             "--members", str(tmp_path / "m.jsonl"), "--nonmembers", str(tmp_path / "n.jsonl")]
+    default = _probes_run(monkeypatch, model)
+    assert "goldfish_extraction" not in default and set(default) == set(PROBE_NAMES) - {"goldfish_extraction"}
+    assert "goldfish_extraction" in _probes_run(monkeypatch, [*model, "--probes", "goldfish_extraction,exposure"])
+    assert set(_probes_run(monkeypatch, ["probe", str(trained.run), "--out", str(tmp_path / "q.json")])) == set(PROBE_NAMES)
+    capsys.readouterr()

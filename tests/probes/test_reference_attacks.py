@@ -73,9 +73,10 @@ def test_probe_with_reference_models(tmp_path, outside):
     assert rc == 0
     m = json.loads((tmp_path / "p.json").read_text())["probes"]["membership"]
     y = np.array([r["member"] for r in m["scores"]])
-    for name in ("ratio_mean", "lira_offline", "rmia_offline"):
+    for name in ("ratio_mean", "rmia_offline"):
         auc = roc_auc_score(y, [r[name] for r in m["scores"]])
         assert m["summary"][name]["auc"]["value"] == pytest.approx(auc, abs=1e-9)
+    assert "lira_offline" not in m["summary"]  # 2 references: LiRA would be the ratio attack again
     assert m["summary"]["ratio_mean"]["auc"]["value"] > m["summary"]["loss"]["auc"]["value"]
 
 
@@ -87,3 +88,19 @@ def test_rmia_offline_correction_swamps_small_probabilities():
     assert roc_auc_score(y, rmia_offline(target, refs, a=0.3)) == pytest.approx(loss, abs=0.02)
     with pytest.raises(ValueError, match="a must lie"):
         rmia_offline(target, refs, a=2.0)
+
+
+@pytest.mark.parametrize("k", [2, 4, 15])
+def test_lira_with_few_references_is_not_a_third_attack(k):
+    """Issue 68, item 5: below 16 reference models LiRA pools one variance over candidates, so its
+    score is a monotone function of target - mean(references): it ranks every candidate exactly as
+    the ratio attack does, and listing it as a third attack says nothing new. It is listed only
+    from 16 references, where each candidate gets its own variance."""
+    from scipy.stats import rankdata
+
+    target, refs, _y, _ = _simulate(delta=0.2, k=k, seed=3)
+    same = rankdata(lira_offline(target, refs)), rankdata(ratio_scores(target, refs.mean(0)))
+    np.testing.assert_array_equal(*same)
+    assert set(reference_attacks(target, refs)) == {"ratio_mean", "rmia_offline"}
+    target, refs, _y, _ = _simulate(delta=0.2, k=16, seed=3)
+    assert set(reference_attacks(target, refs)) == {"ratio_mean", "lira_offline", "rmia_offline"}

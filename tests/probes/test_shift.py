@@ -45,3 +45,16 @@ def test_probe_warns_on_a_shifted_split(tmp_path, outside, capsys):
     shift = json.loads((tmp_path / "shifted.json").read_text())["checks"]["distribution_shift"]
     assert not clean["flagged"] and shift["flagged"]
     assert out.count("WARNING") == 1
+
+
+def test_the_check_runs_on_memaudits_own_runs(probed, trained):
+    """Issue 68, item 5: configs/quickstart.yaml says its split passes the shift check, but the
+    check ran only on outside models. A run's probes.json carries it too, on the run's own members
+    and holdout documents."""
+    from memaudit.probes.targets import resolve_target
+
+    doc, _init = probed
+    shift = doc["checks"]["distribution_shift"]
+    t = resolve_target(trained.run)
+    assert (shift["n_members"], shift["n_nonmembers"]) == (len(t.members), len(t.nonmembers))
+    assert not shift["flagged"]

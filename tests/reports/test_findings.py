@@ -410,3 +410,45 @@ def test_els_and_uls_never_pool_and_each_meets_federated_and_the_other():
     curves = {c["label"] for c in rep["comparisons"]["curves"]}
     assert {"centralized (user-level DP, ELS)", "centralized (user-level DP, ULS)"} <= curves
     validate_report(rep)
+
+
+def test_a_test_in_two_sections_is_one_entry_of_the_family():
+    """Issue 68, item 2: a federated and a centralized run at the same epsilon and within the
+    utility tolerance are compared at matched epsilon and at matched utility, by the same test on
+    the same units. It is one test of the Holm family, counted once, with one sentence."""
+    runs = [
+        run("par-eps4", "centralized", 4.0, mia=cell(0.5, 0.05), unit="user", ppl=100.0,
+            units={"mia_auc": auc_units(1.5, seed=0)}),
+        run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.05), unit="user", ppl=101.0,
+            units={"mia_auc": auc_units(0.0, seed=1)}),
+    ]
+    rep = _report(runs)
+    comp = rep["comparisons"]
+    (m,) = comp["matched"]
+    (pair,) = comp["matched_utility"]["pairs"]
+    ta, tb = m["metrics"]["mia_auc"]["test"], pair["metrics"]["mia_auc"]["test"]
+    assert ta["runs"] == tb["runs"]  # the same pair of runs, metric and units: the same test
+    assert ta["family"] == tb["family"] == rep["findings"]["tests"] == 1
+    assert ta["p_adjusted"] == tb["p_adjusted"] == ta["p_value"]
+    sents = [s for s in rep["findings"]["sentences"] if s["kind"] == "comparison"]
+    assert len(sents) == 1 and sents[0]["group"] == "matched_utility"
+    assert rep["findings"]["passing"] == 1
+
+
+def test_an_exposure_test_that_cannot_reach_its_level_says_none_within_range():
+    """Issue 68, item 1: where the sign-flip test's smallest p-value lies above alpha / family
+    (here 5 canaries, two-sided 2^-4 = 0.0625 against 0.05 / 2; in the quickstart's family of 66,
+    10 canaries), the report stated a finite effect it "could have seen", which the test finds 0%
+    of the time. It says none is within range."""
+    rng = np.random.default_rng(4)
+    runs = _backend_pair(0.0, 0.0)
+    ids = [f"c{i}" for i in range(5)]
+    for r, shift in zip(runs, (0.0, 0.1), strict=True):
+        vals = rng.normal(1.0 + shift, 1.0, 5)
+        r["units"]["exposure_top"] = {"kind": "mean", "unit": "canaries", "ids": ids, "values": vals.tolist()}
+        r["leakage"]["exposure_top"] = {"value": float(vals.mean()), "ci_low": None, "ci_high": None,
+                                        "n": 5, "unit": "canaries", "note": "n too small"}
+    rep = _report(runs)
+    (s,) = [s for s in rep["findings"]["sentences"] if s["metric"] == "exposure_top"]
+    assert s["verdict"] == "no difference shown"
+    assert "could have seen none within range" in s["short"] and "bits" not in s["short"].split("Holm p")[1]

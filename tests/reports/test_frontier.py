@@ -47,8 +47,8 @@ def test_close_utilities_give_a_verdict_with_its_test():
     assert len(s) == 1 and s[0]["verdict"] == "less"
     assert "At matched utility (holdout perplexity 100 vs 105" in s[0]["text"]
     assert s[0]["test"] == "paired AUC permutation" and s[0]["correction"] == "holm"
-    # one family: the matched-utility test is corrected together with the matched-epsilon one
-    assert s[0]["family"] == 2
+    # one family: the matched-epsilon comparison of the same two runs is the same test, one entry
+    assert s[0]["family"] == 1
     # units differ (example vs user): the finding says so in one line
     assert "units differ" in s[0]["caveat"]
     assert rep["findings"]["headline"][0]["group"] == "matched_utility"

@@ -216,3 +216,39 @@ def test_one_holm_family_over_every_test_of_the_report(runs):
     assert section_alone == [b["test"]["p_adjusted"] for b in rep["literature"]["exposure"][0]["buckets"] if b.get("test")]
     assert findings.generate(rep)["tests"] == len(tests)
     assert findings.adjust_report(adjusted) == adjusted  # adjusting again changes nothing
+
+
+def _probe_with_bucket_tests() -> dict:
+    """probes.json whose exposure buckets carry their Mann-Whitney test and the probe's own Holm
+    over its buckets (p_holm), as `memaudit.probes.exposure` writes them."""
+    cellx = {"value": 1.0, "ci_low": None, "ci_high": None, "n": 10, "unit": "canaries", "note": "n too small"}
+    by_rep = {str(r): {"all": cellx, "user": cellx, "excess": cellx,
+                       "test": {"test": "mann-whitney-u one-sided (inserted > references)", "p_value": p,
+                                "p_holm": min(1.0, 3 * p), "n": 10, "n_references": 60}}
+              for r, p in ((1, 0.4), (4, 0.01), (16, 0.00286))}
+    return {"schema": 1, "probes": {"exposure": {"summary": {"method": "enumeration", "max_exposure": 13.3,
+                                                             "by_repetitions": by_rep}, "scores": []}}}
+
+
+def test_probe_tables_show_the_reports_family_never_a_second_one():
+    """Issue 68, item 3: the per-run probe table said "Holm over buckets p = 0.00859", a second
+    family, where the report's one family gave the same test 0.36. The row shows the raw p,
+    labelled unadjusted; in a report, the adjusted p of the report's family where the family holds
+    the same test (the literature section's bucket of the same run, repetitions and canaries)."""
+    from memaudit.reports.probes_adapter import settle_rows, summarize_probes
+
+    rows = [r for r in summarize_probes(_probe_with_bucket_tests())["rows"] if "excess over" in r["metric"]]
+    assert len(rows) == 3
+    assert not any("Holm over" in r["metric"] or "0.00858" in r["metric"] for r in rows)
+    assert all("unadjusted" in r["metric"] for r in rows)
+    run_ = {"id": "par-inf", "probe_rows": rows}
+    lit = {"exposure": [{"run": "par-inf", "buckets": [
+        {"repetitions": 16, "owner_kind": "user", "test": {"p_value": 0.00286, "p_adjusted": 0.36, "family": 66}},
+        {"repetitions": 4, "owner_kind": "user", "test": {"p_value": 0.02, "p_adjusted": 0.9, "family": 66}},
+        {"repetitions": 4, "owner_kind": "spread", "test": {"p_value": 0.03, "p_adjusted": 0.9, "family": 66}}]}]}
+    settle_rows(run_, lit)
+    text = {r["metric"].split(" repetitions")[0].split(", ")[-1]: r["metric"] for r in run_["probe_rows"]}
+    assert "p = 0.00286, Holm-adjusted p = 0.36 over the report's 66 tests" in text["16"]
+    # 4 repetitions: two owner kinds, two tests of the family, neither the probe's: unadjusted
+    assert "unadjusted" in text["4"] and "Holm-adjusted" not in text["4"]
+    assert not any("family_test" in r for r in run_["probe_rows"])

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from memaudit.probes.exposure import exposure_result
+from memaudit.probes.stats import MEAN_MIN_N
 from memaudit.reports.cells import FINDING, PAGE, format_cell
 from memaudit.reports.probes_adapter import summarize_probes, units_of
 from tests.reports._fixtures import write_run_dir
@@ -60,9 +61,10 @@ def test_headline_cell_is_a_bound_without_interval(probes):
     assert "20 of 20 canaries" in top["note"]
     assert format_cell(top, PAGE).startswith(">= ") and "20 of 20 canaries" in format_cell(top, PAGE)
     assert format_cell(top, FINDING, "bits").startswith(">= ")
-    # the same run without a saturated bucket keeps its interval and no bound
+    # the same run without a saturated bucket states no bound (and, with 20 canaries, below
+    # MEAN_MIN_N, no interval: "n too small", not the ceiling's note)
     free = summarize_probes(probes[False])["leakage"]["exposure_top"]
-    assert "lower_bound" not in free and free["ci_low"] is not None
+    assert "lower_bound" not in free and free["note"] == "n too small" and free["n"] < MEAN_MIN_N
     assert not format_cell(free, PAGE).startswith(">=")
 
 
