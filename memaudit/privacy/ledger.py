@@ -180,7 +180,10 @@ class PrivacyLedger:
 
         "release": an adversary who sees only the released updates/model (sampling hidden).
         "server": the aggregator, who picks the cohort and (central DP) sees the clipped sum
-        before noise: no guarantee ("none"), or the same events ("same", distributed DP).
+        before noise: no guarantee ("none"), or the same events ("same", distributed DP). A
+        user-level DP-SGD mechanism (ELS, ULS: "n/a") has no separate server, and the party that
+        runs training sees the unnoised sums: no guarantee against it either. Only a ledger whose
+        every mechanism holds against the server ("same") states an ε against it.
         """
         eps = self.epsilons() if eps is None else eps
         views = {d.get("server_view", "n/a") for d in self.mechanisms}
@@ -190,7 +193,12 @@ class PrivacyLedger:
             release["void_if_seed_known"] = True
         out: dict[str, Any] = {"release": release}
         if self.unit == "user":
-            if "none" in views or not views:
+            if views and views != {"same"} and "none" not in views:  # ELS, ULS: central DP-SGD
+                out["server"] = {"epsilon": {"rdp": math.inf, "pld": math.inf},
+                                 "why": "central DP-SGD: the party that runs training sees every clipped "
+                                        "gradient sum before it adds noise, and which examples or users were sampled; "
+                                        "no DP guarantee against it"}
+            elif views != {"same"}:
                 out["server"] = {"epsilon": {"rdp": math.inf, "pld": math.inf},
                                  "why": "central DP: the server sees the clipped sum before it adds noise, "
                                         "and who took part; no DP guarantee against it"}
