@@ -32,7 +32,13 @@ from memaudit.probes.membership import doc_scores, min_k, run_membership
 from memaudit.probes.pii import run_pii
 from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.shift import blind_check
-from memaudit.probes.sources import load_model, resolve_model, source_context
+from memaudit.probes.sources import (
+    check_tokenizer_fits,
+    config_folder,
+    load_model,
+    resolve_model,
+    source_context,
+)
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 from memaudit.probes.user_inference import run_user_inference
 from memaudit.probes.weights import weights_sha256
@@ -69,6 +75,28 @@ def _stage(progress: Progress, name: str) -> Progress:
 def same_tokenizer(a, b) -> bool:
     """Whether two tokenizers map text to the same ids (same vocabulary)."""
     return a.get_vocab() == b.get_vocab()
+
+
+def check_before_loading(target: Target, settings: ProbeConfig, tokenizer) -> None:
+    """Every check on the models that needs no weights, before the first model loads (each
+    refused in one line): the target's tokenizer fits its embedding (config.json), and every
+    reference (--reference, --reference-models) resolves, has the target's tokenizer and fits its
+    own embedding. Tokenizer files and configs only: seconds, where a refusal after the load came
+    minutes into a probe."""
+    folder = config_folder(target.source) if target.source is not None else target.model_path
+    check_tokenizer_fits(tokenizer, folder, f"'{target.path}'")
+    vocab = tokenizer.get_vocab()
+    for flag, names in (("--reference", (settings.reference,)), ("--reference-models", settings.reference_models)):
+        for name in names:
+            if not name:
+                continue
+            src = resolve_model(name)
+            tok = load_tokenizer(src.tokenizer_path)
+            if tok.get_vocab() != vocab:
+                raise ValueError(
+                    f"{flag} '{name}' uses another tokenizer than the target, so per-token scores "
+                    f"cannot be compared; pass a reference with the target's tokenizer")
+            check_tokenizer_fits(tok, config_folder(src), f"{flag} '{name}'")
 
 
 def load_reference(settings: ProbeConfig, codec: Codec):
@@ -115,6 +143,8 @@ def run_probes(
     from memaudit.probes.scoring import load_causal_lm
 
     window_stride(settings)  # a bad --window-stride is refused before any model is loaded
+    tokenizer = tokenizer or load_tokenizer(target.tokenizer_path)
+    check_before_loading(target, settings, tokenizer)
     # the weights measured, fingerprinted before they are loaded: a probes.json whose run was
     # trained again meanwhile then names other weights than the model's and is not used
     weights = weights_sha256(target.model_path) if model is None else None
@@ -122,7 +152,7 @@ def run_probes(
         model = load_model(target.source, device=settings.device, dtype=settings.dtype)
     elif model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
-    codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
+    codec = Codec(tokenizer, start_id=target.eos_id)
     settings = fit_windows(target, settings, model, codec)
     checks = {}
     if target.kind == "model" and target.members and target.nonmembers:  # before any attack
