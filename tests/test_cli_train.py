@@ -235,3 +235,29 @@ def test_federated_ledger_records_how_sigma_was_calibrated():
     for _ in range(20):
         led.record_mechanism(plan.mechanism)
     assert 4 - 1e-3 <= led.epsilon(cal["accountant"]) <= 4
+
+
+def test_summary_line_of_a_uls_ledger_calibrated_by_pld_states_its_target():
+    """The issue's case from the ledger itself: ULS calibrated by PLD to epsilon 8 per user (as
+    `memaudit.train.user_dp.uls_setup` does under privacy.accountant: both); its RDP figure is
+    larger and was the one printed."""
+    from types import SimpleNamespace
+
+    from memaudit.commands.train import summary_line
+    from memaudit.privacy.ledger import PrivacyLedger
+    from memaudit.privacy.mechanisms import calibrate
+    from memaudit.train.user_dp import uls_mechanism
+
+    steps, delta = 120, 1e-4
+    mech = uls_mechanism(noise_multiplier=0.0, users=51, expected_users=2, k=8)
+    sigma = calibrate(8.0, lambda z: mech.with_noise(z).dp_event(), steps=steps, delta=delta, accountant="pld",
+                      unit="user")
+    led = PrivacyLedger(unit="user", delta=delta, calibration={"target_epsilon": 8.0, "accountant": "pld",
+                                                               "noise_multiplier": sigma})
+    led.record_mechanism(mech.with_noise(sigma), steps=steps)
+    priv = led.to_json()
+    assert priv["epsilon"]["rdp"] > 8.5 and 8 - 1e-3 <= priv["epsilon"]["pld"] <= 8
+    cfg = SimpleNamespace(backend="centralized", model=SimpleNamespace(preset="tiny", init_from=None))
+    line = summary_line(cfg, Path("run"), {"steps": steps, "privacy": priv})
+    assert "epsilon 8.00 per user (PLD, the accountant that set sigma for target 8; delta 1e-04)" in line
+    assert f"{priv['epsilon']['rdp']:.2f}" not in line
