@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,11 +79,12 @@ def same_tokenizer(a, b) -> bool:
 
 
 def check_before_loading(target: Target, settings: ProbeConfig, tokenizer) -> None:
-    """Every check on the models that needs no weights, before the first model loads (each
-    refused in one line): the target's tokenizer fits its embedding (config.json), and every
+    """Every check that needs no weights, before the first model loads (each refused in one
+    line): --user-docs against the users' document counts, the target's tokenizer fits its embedding (config.json), and every
     reference (--reference, --reference-models) resolves, has the target's tokenizer and fits its
     own embedding. Tokenizer files and configs only: seconds, where a refusal after the load came
     minutes into a probe."""
+    check_user_docs(target, settings)
     folder = config_folder(target.source) if target.source is not None else target.model_path
     check_tokenizer_fits(tokenizer, folder, f"'{target.path}'")
     vocab = tokenizer.get_vocab()
@@ -307,25 +309,49 @@ def probe_membership(ctx: _Context) -> dict:
                           seed=ctx.s.seed, fprs=ctx.s.fprs)
 
 
-def probe_user_inference(ctx: _Context) -> dict:
-    """Training users' unseen documents vs held-out users; never a silent fallback."""
-    t = ctx.t
+def user_inference_sides(t: Target) -> tuple[list, list[int], list[int]] | str:
+    """(documents, training users' unseen ones, held-out users' ones) as indices into the
+    documents, or why user inference has nothing to compare (its skip reason)."""
     docs = t.members + t.nonmembers + t.heldout_user_docs
     if any(d.user is None for d in docs):
-        return _skip("documents carry no user ids: give every document a 'user' field"
-                     if t.kind == "model" else "the run's documents carry no user ids")
+        return ("documents carry no user ids: give every document a 'user' field"
+                if t.kind == "model" else "the run's documents carry no user ids")
     train_users = {d.user for d in t.members}
     idx_pos = [i for i, d in enumerate(docs) if d.role == "holdout" and d.user in train_users]
     idx_neg = [i for i, d in enumerate(docs) if d.role != "member" and d.user not in train_users]
     if not idx_pos:
-        return _skip("no unseen documents of training users: pass --nonmembers FILE with "
-                     "documents of the --members users that were not trained on"
-                     if t.kind == "model" else "the run holds none of its training users' "
-                     "documents out (data.holdout_fraction)")
+        return ("no unseen documents of training users: pass --nonmembers FILE with "
+                "documents of the --members users that were not trained on"
+                if t.kind == "model" else "the run holds none of its training users' "
+                "documents out (data.holdout_fraction)")
     if not idx_neg:
-        return _skip("no held-out users: pass --heldout-users FILE (documents of users the "
-                     "model never saw)" if t.kind == "model"
-                     else "the run has no held-out users (data.heldout_users)")
+        return ("no held-out users: pass --heldout-users FILE (documents of users the "
+                "model never saw)" if t.kind == "model"
+                else "the run has no held-out users (data.heldout_users)")
+    return docs, idx_pos, idx_neg
+
+
+def check_user_docs(t: Target, settings: ProbeConfig) -> None:
+    """--user-docs k that no user on one side of user inference has: refused from the counts."""
+    k = settings.user_docs
+    sides = user_inference_sides(t) if "user_inference" in settings.probes and k else None
+    if not isinstance(sides, tuple):
+        return
+    docs, idx_pos, idx_neg = sides
+    for idx in (idx_pos, idx_neg):
+        per_user = Counter(docs[i].user for i in idx)
+        if max(per_user.values()) < k:
+            raise ValueError(f"no user has {k} documents on one side of user inference (at most "
+                             f"{max(per_user.values())}); lower --user-docs")
+
+
+def probe_user_inference(ctx: _Context) -> dict:
+    """Training users' unseen documents vs held-out users; never a silent fallback."""
+    t = ctx.t
+    sides = user_inference_sides(t)
+    if isinstance(sides, str):
+        return _skip(sides)
+    docs, idx_pos, idx_neg = sides
     key = "reference" if ctx.ref is not None else "loss"
     score = ctx.scores()[key]
     return run_user_inference(

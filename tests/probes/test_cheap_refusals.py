@@ -180,3 +180,19 @@ def test_nothing_is_written_on_a_refusal(models, tmp_path, capsys):
              "uses another tokenizer")
     assert out.read_text() == "{}"
     shutil.rmtree(tmp_path / "none", ignore_errors=True)
+
+
+def test_user_docs_more_than_any_user_has(models, tmp_path, capsys):
+    """--user-docs 50 where every user has 3 documents a side: a count, refused from the files."""
+    mem, non, held = (tmp_path / f"{n}.jsonl" for n in ("m", "n", "h"))
+    mem.write_text("".join(json.dumps({"text": f"my pin is {i} alpha", "user": f"u{i % 2}"}) + "\n"
+                           for i in range(6)))
+    non.write_text("".join(json.dumps({"text": f"my key is {i} bravo", "user": f"u{i % 2}"}) + "\n"
+                           for i in range(6)))
+    held.write_text("".join(json.dumps({"text": f"audit key {i} echo", "user": f"h{i % 2}"}) + "\n"
+                            for i in range(6)))
+    argv = ["probe", str(models["base"]), "--out", str(tmp_path / "p.json"), "--members", str(mem),
+            "--nonmembers", str(non), "--heldout-users", str(held), "--probes", "user_inference",
+            "--device", "cpu", "--bootstrap", "50", "--user-docs", "50"]
+    line = _refused(capsys, argv, "no user has 50 documents")
+    assert "at most 3" in line
