@@ -80,15 +80,16 @@ def same_tokenizer(a, b) -> bool:
 
 def check_before_loading(target: Target, settings: ProbeConfig, tokenizer) -> None:
     """Every check that needs no weights, before the first model loads (each refused in one
-    line): --user-docs against the users' document counts, the target's tokenizer fits its embedding (config.json), and every
-    reference (--reference, --reference-models) resolves, has the target's tokenizer and fits its
-    own embedding. Tokenizer files and configs only: seconds, where a refusal after the load came
-    minutes into a probe."""
+    line): --user-docs against the users' document counts, the target's tokenizer fits its
+    embedding (config.json), and every reference (--reference, --reference-models) resolves, has
+    the target's tokenizer and fits its own embedding. Tokenizer files and configs only: seconds,
+    where a refusal after the load came minutes into a probe."""
     check_user_docs(target, settings)
     folder = config_folder(target.source) if target.source is not None else target.model_path
     check_tokenizer_fits(tokenizer, folder, f"'{target.path}'")
     vocab = tokenizer.get_vocab()
-    for flag, names in (("--reference", (settings.reference,)), ("--reference-models", settings.reference_models)):
+    refs = (("--reference", (settings.reference,)), ("--reference-models", settings.reference_models))
+    for flag, names in refs:
         for name in names:
             if not name:
                 continue

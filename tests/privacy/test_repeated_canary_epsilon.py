@@ -66,7 +66,7 @@ def _trim(i0, pmf, tail=1e-16):
 def _conv(a, b):
     (ia, pa), (ib, pb) = a, b
     n = len(pa) + len(pb) - 1
-    size = 1 << int(math.ceil(math.log2(n)))
+    size = 1 << math.ceil(math.log2(n))
     res = np.fft.irfft(np.fft.rfft(pa, size) * np.fft.rfft(pb, size), size)[:n]
     return ia + ib, np.maximum(res, 0.0)
 
@@ -92,7 +92,7 @@ def _delta(i0, pmf, h, eps):
     m = l > eps
     return float(np.sum(pmf[m] * (1 - np.exp(eps - l[m]))))
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def group_epsilon(q, sigma, k, T, delta, h=1e-3):
     """(lower, upper) on ε at δ of T steps of the k-sequence mixture, both adjacencies."""
     bounds = []

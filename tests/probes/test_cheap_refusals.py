@@ -49,7 +49,7 @@ def models(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def no_model_loads(monkeypatch):
     """Any model load fails with a line the tests' needles never match."""
-    import memaudit.probes.scoring as scoring
+    from memaudit.probes import scoring
 
     def refuse(*a, **k):
         raise MemauditError(LOADED)

@@ -170,9 +170,9 @@ def test_effective_epsilon_per_bucket_from_the_ledger(tmp_path):
     checked against an independent PLD in tests/privacy/test_repeated_canary_epsilon.py; r x eps
     only for r = 1); user-level: eps (one owner), k x eps at the lemma's delta' (k owners). By hand
     from each run's ledger, whose epsilon agrees with dp_accounting's RDP accountant."""
-    from memaudit.privacy.ledger import PrivacyLedger
-
     import dp_accounting
+
+    from memaudit.privacy.ledger import PrivacyLedger
 
     write_run_dir(tmp_path / "par", "centralized", ppl=80.0, dp=(1.0, 400, 16, 50))
     write_run_dir(tmp_path / "fed", "federated", ppl=90.0, dp=(1.0, 51, 8, 30))
