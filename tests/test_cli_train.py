@@ -187,8 +187,77 @@ def test_summary_line_names_the_unit_per_sequence_and_per_document():
     priv = {"unit": "example", "delta": 1e-4, "epsilon": {"rdp": 3.0, "pld": 2.5},
             "document": {"max_sequences_per_document": 3, "epsilon": {"rdp": None, "pld": 7.2}}}
     line = summary_line(cfg, Path("run"), {"steps": 6, "final_holdout_loss": 4.0, "privacy": priv})
-    assert "epsilon 3.00 per sequence, 7.20 per document of up to 3 sequences (delta 1e-04)" in line
+    # sigma given (no calibration): the tightest accountant's, named, as the report states it
+    assert "epsilon 2.50 per sequence, 7.20 per document of up to 3 sequences (PLD; delta 1e-04)" in line
     priv["document"] = {"max_sequences_per_document": None, "epsilon": None}  # data before the count
     assert "per document unknown" in summary_line(cfg, Path("run"), {"steps": 6, "privacy": priv})
     priv.update(unit="user", document=None)
-    assert "epsilon 3.00 per user (delta" in summary_line(cfg, Path("run"), {"steps": 6, "privacy": priv})
+    assert "epsilon 2.50 per user (PLD; delta" in summary_line(cfg, Path("run"), {"steps": 6, "privacy": priv})
+
+
+def test_summary_line_states_the_epsilon_of_the_accountant_that_set_sigma():
+    """Issue 61, item 4: a ULS run calibrated by PLD to epsilon 8 printed "epsilon 10.13 per user"
+    (its RDP figure) while its ledger said 8.0000. The input: a ledger whose calibration names PLD."""
+    from types import SimpleNamespace
+
+    from memaudit.commands.train import summary_line
+
+    cfg = SimpleNamespace(backend="centralized", model=SimpleNamespace(preset="tiny", init_from=None))
+    priv = {"unit": "user", "delta": 1e-5, "epsilon": {"rdp": 10.13, "pld": 7.9999},
+            "calibration": {"target_epsilon": 8.0, "accountant": "pld", "noise_multiplier": 1.2}}
+    line = summary_line(cfg, Path("run"), {"steps": 6, "privacy": priv})
+    assert "epsilon 8.00 per user (PLD, the accountant that set sigma for target 8; delta 1e-05)" in line
+    assert "10.13" not in line
+    priv["calibration"] = {"target_epsilon": 8.0, "accountant": "rdp", "noise_multiplier": 1.2}
+    assert "epsilon 10.13 per user (RDP, the accountant" in summary_line(cfg, Path("run"), {"privacy": priv})
+    priv["calibration"] = None  # sigma given: the tightest accountant's, named
+    assert "epsilon 8.00 per user (PLD; delta 1e-05)" in summary_line(cfg, Path("run"), {"privacy": priv})
+
+
+def test_federated_ledger_records_how_sigma_was_calibrated():
+    """Issue 61, item 4: DP-FedAvg's ledger had no calibration block (ELS, ULS and DP-SGD have
+    one): the input is a federated config with privacy.target_epsilon."""
+    from types import SimpleNamespace
+
+    from memaudit.config import load_config
+    from memaudit.federated.trainer import FederatedTrainer
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    cfg = load_config(None, ["backend=federated", "privacy.target_epsilon=4", "federated.rounds=20",
+                             "federated.cohort=5"])
+    stub = SimpleNamespace(cfg=cfg, fcfg=cfg.federated, clients=SimpleNamespace(num_users=100), masked=False,
+                           params0=None)
+    plan = FederatedTrainer._privacy_plan(stub)
+    cal = plan.calibration
+    assert cal is not None and cal["target_epsilon"] == 4 and cal["noise_multiplier"] == plan.noise_multiplier
+    assert cal["accountant"] == "pld" and cal["steps"] == 20 and cal["unit"] == "user"
+    led = PrivacyLedger(unit="user", delta=plan.delta, calibration=plan.calibration)
+    for _ in range(20):
+        led.record_mechanism(plan.mechanism)
+    assert 4 - 1e-3 <= led.epsilon(cal["accountant"]) <= 4
+
+
+def test_summary_line_of_a_uls_ledger_calibrated_by_pld_states_its_target():
+    """The issue's case from the ledger itself: ULS calibrated by PLD to epsilon 8 per user (as
+    `memaudit.train.user_dp.uls_setup` does under privacy.accountant: both); its RDP figure is
+    larger and was the one printed."""
+    from types import SimpleNamespace
+
+    from memaudit.commands.train import summary_line
+    from memaudit.privacy.ledger import PrivacyLedger
+    from memaudit.privacy.mechanisms import calibrate
+    from memaudit.train.user_dp import uls_mechanism
+
+    steps, delta = 120, 1e-4
+    mech = uls_mechanism(noise_multiplier=0.0, users=51, expected_users=2, k=8)
+    sigma = calibrate(8.0, lambda z: mech.with_noise(z).dp_event(), steps=steps, delta=delta, accountant="pld",
+                      unit="user")
+    led = PrivacyLedger(unit="user", delta=delta, calibration={"target_epsilon": 8.0, "accountant": "pld",
+                                                               "noise_multiplier": sigma})
+    led.record_mechanism(mech.with_noise(sigma), steps=steps)
+    priv = led.to_json()
+    assert priv["epsilon"]["rdp"] > 8.5 and 8 - 1e-3 <= priv["epsilon"]["pld"] <= 8
+    cfg = SimpleNamespace(backend="centralized", model=SimpleNamespace(preset="tiny", init_from=None))
+    line = summary_line(cfg, Path("run"), {"steps": steps, "privacy": priv})
+    assert "epsilon 8.00 per user (PLD, the accountant that set sigma for target 8; delta 1e-04)" in line
+    assert f"{priv['epsilon']['rdp']:.2f}" not in line

@@ -60,7 +60,7 @@ def plan_cmd(
     fmt: Annotated[Literal["table", "json"], typer.Option("--format", help="table or json.")] = "table",
 ) -> None:
     # lazy: `memaudit --help` does not import torch (~2 s)
-    from memaudit.parallel.planner import MACHINES, LoraShape, ModelShape, plan
+    from memaudit.parallel.planner import MACHINES, LoraShape, ModelShape, largest_admitted, plan
 
     if gpus < 1:
         raise ValueError(f"--gpus {gpus} must be >= 1")
@@ -88,6 +88,15 @@ def plan_cmd(
         lora = LoraShape(lora_rank, tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
     res = plan(m, gpus=gpus, batch=batch, seq=seq, machine=mach, dtype_bytes=dtype_bytes, weight_bytes=weight_bytes,
                recompute=recompute, dp=dp, micro_batch=micro_batch, lora=lora)
+    if not res.grids and res.below_min_tp:
+        raise ValueError(f"--gpus {gpus:,} admits only grids below AxoNN's minimum x*y*z ({m.min_tp}) for "
+                         f"{preset}; use --gpus of at least {m.min_tp}")
+    if not res.grids:  # an empty table is no plan: say why, and the count that has one
+        most = largest_admitted(m, gpus, batch)
+        raise ValueError(
+            f"--gpus {gpus:,} admits no grid of {preset} at --batch {batch} (x must divide the hidden size "
+            f"{m.hidden}, y the heads, KV heads, MLP width and vocabulary ({m.y_divisors_of()}), data x z "
+            f"the batch); use --gpus {most:,}, the largest count up to {gpus:,} that one does, or change --batch")
     if fmt == "json":
         md = asdict(mach) | {"table": [{"stride": s, "size": n, "gbs": v} for (s, n), v in mach.table.items()]}
         print_json({"preset": preset, "gpus": gpus, "batch": batch, "seq": seq, "machine": md,
@@ -116,5 +125,3 @@ def plan_cmd(
                  "AxoNN-style bandwidth model (the ranking, as AxoNN's; ties: less exposed first); step s: "
                  "computation plus the communication overlap does not hide (docs/planner.md; --format json "
                  "for per-kind volumes, bandwidths and memory terms)")
-    if not res.grids:
-        stdout.print("no grid: choose --batch divisible by the data x z part of --gpus, or fewer GPUs")

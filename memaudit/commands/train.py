@@ -157,16 +157,33 @@ def summary_line(cfg, path: Path, result: dict[str, Any]) -> str:
         loss += f" (perplexity {ppl:.1f})"
     eps = ""
     priv = result.get("privacy") or {}
-    eps_by = priv.get("epsilon") if isinstance(priv.get("epsilon"), dict) else {}
-    rdp = eps_by.get("rdp") if _num(eps_by.get("rdp")) else eps_by.get("pld")  # ELS: PLD only
-    if _num(rdp):
+    stated = _stated_epsilon(priv)
+    if stated is not None:
+        value, how = stated
         per = " per user" if priv.get("unit") == "user" else " per sequence"
-        eps = f", epsilon {rdp:.2f}{per}{_document_text(priv.get('document'))} (delta {priv.get('delta'):.0e})"
+        eps = f", epsilon {value:.2f}{per}{_document_text(priv.get('document'))} ({how}; delta {priv.get('delta'):.0e})"
     secs = result.get("train_seconds")
     took = f" in {secs:.0f}s" if _num(secs) else ""
     model = cfg.model.preset or f"from {cfg.model.init_from}"
     return (f"trained {model} ({cfg.backend}) for {steps} {units}{took}: {loss}{eps}; "
             f"run: {path}")
+
+
+def _stated_epsilon(priv: dict[str, Any]) -> tuple[float, str] | None:
+    """(ε, which accountant and why) from the ledger: the accountant that set σ when it was
+    calibrated to a target (its ε is the one the run was calibrated to), else the tightest."""
+    eps_by = priv.get("epsilon") if isinstance(priv.get("epsilon"), dict) else {}
+    known = {acc: v for acc, v in eps_by.items() if _num(v)}
+    if not known:
+        return None
+    cal = priv.get("calibration") if isinstance(priv.get("calibration"), dict) else {}
+    acc = cal.get("accountant")
+    if acc in known:
+        target = cal.get("target_epsilon")
+        return known[acc], f"{acc.upper()}, the accountant that set sigma" + (
+            f" for target {target:g}" if _num(target) else "")
+    acc = min(known, key=known.__getitem__)
+    return known[acc], acc.upper()
 
 
 def _document_text(doc: Any) -> str:

@@ -247,7 +247,7 @@ class FederatedTrainer:
         delta = p.delta if p.delta is not None else default_delta(population)
         central = dp_fedavg_mechanism(noise_multiplier=0.0, expected_cohort=float(f.cohort), population=population,
                                       sampling=f.sampling, adaptive=p.adaptive_clipping)
-        sigma = p.noise_multiplier
+        sigma, calibration = p.noise_multiplier, None
         # whether a secure-aggregation round aborted is public and depends on the cohort: its
         # bit goes into every round's event (memaudit.privacy.aborts)
         secure = self.masked
@@ -260,12 +260,15 @@ class FederatedTrainer:
             if secure:
                 make, acc = (lambda z, m=make: with_abort_bit(m(z), bit)), "rdp"
             sigma = calibrate(p.target_epsilon, make, steps=f.rounds, delta=delta, accountant=acc, unit="user")
+            calibration = {"target_epsilon": p.target_epsilon, "accountant": acc, "steps": f.rounds,
+                           "sampling_rate": sampling_rate, "noise_multiplier": float(sigma), "unit": "user"}
         mechanism = (DistributedDiscreteGaussian() if p.mechanism == "distributed"
                      else central.with_noise(float(sigma)))
         if secure:
             mechanism = WithAbortBit(mechanism, bit)
         return PrivacyPlan(unit="user", delta=delta, noise_multiplier=float(sigma), sampling_rate=sampling_rate,
-                           mechanism=mechanism, reproducible_randomness=p.reproducible_randomness)
+                           mechanism=mechanism, calibration=calibration,
+                           reproducible_randomness=p.reproducible_randomness)
 
     def privacy_plan(self) -> PrivacyPlan | None:
         return self.plan

@@ -608,6 +608,19 @@ def candidate_grids(m: ModelShape, gpus: int, batch: int) -> list[ParallelDims]:
     return out
 
 
+def largest_admitted(m: ModelShape, gpus: int, batch: int) -> int:
+    """The most devices, at most `gpus`, that some grid of `candidate_grids` admits: the largest
+    x * y * (data * z) <= gpus with x | hidden, y | `y_divisors_of`, data * z | batch (1 always
+    qualifies). What `memaudit parallel plan` names when --gpus admits no grid."""
+    best = 1
+    for x in divisors(m.hidden):
+        for y in divisors(m.y_divisors_of()):
+            for r in divisors(batch):
+                if best < x * y * r <= gpus:
+                    best = x * y * r
+    return best
+
+
 class PlanResult(NamedTuple):
     grids: list[dict[str, Any]]  # ranked by `rank_key`: fitting grids by communication time, then the rest
     considered: int  # grids the model dimensions and the batch admit

@@ -180,7 +180,10 @@ class PrivacyLedger:
 
         "release": an adversary who sees only the released updates/model (sampling hidden).
         "server": the aggregator, who picks the cohort and (central DP) sees the clipped sum
-        before noise: no guarantee ("none"), or the same events ("same", distributed DP).
+        before noise: no guarantee ("none"), or the same events ("same", distributed DP). A
+        user-level DP-SGD mechanism (ELS, ULS: "n/a") has no separate server, and the party that
+        runs training sees the unnoised sums: no guarantee against it either. Only a ledger whose
+        every mechanism holds against the server ("same") states an ε against it.
         """
         eps = self.epsilons() if eps is None else eps
         views = {d.get("server_view", "n/a") for d in self.mechanisms}
@@ -190,7 +193,12 @@ class PrivacyLedger:
             release["void_if_seed_known"] = True
         out: dict[str, Any] = {"release": release}
         if self.unit == "user":
-            if "none" in views or not views:
+            if views and views != {"same"} and "none" not in views:  # ELS, ULS: central DP-SGD
+                out["server"] = {"epsilon": {"rdp": math.inf, "pld": math.inf},
+                                 "why": "central DP-SGD: the party that runs training sees every clipped "
+                                        "gradient sum before it adds noise, and which examples or users were sampled; "
+                                        "no DP guarantee against it"}
+            elif views != {"same"}:
                 out["server"] = {"epsilon": {"rdp": math.inf, "pld": math.inf},
                                  "why": "central DP: the server sees the clipped sum before it adds noise, "
                                         "and who took part; no DP guarantee against it"}
@@ -229,8 +237,22 @@ class PrivacyLedger:
         m = self.max_sequences_per_document
         if self.unit != "example" or m is None:
             return None
-        if m == 1:
+        return self.group_events(m)
+
+    def group_events(self, k: int) -> list[Event] | None:
+        """The events against add/remove of k training sequences at once (example-level ledgers;
+        None otherwise, or where an event is not a Poisson-sampled Gaussian step).
+
+        Every sequence is sampled into a step's batch on its own at rate q and clipped alone, so
+        j ~ Binomial(k, q) of the k are in the batch and move the clipped sum by at most jC: one
+        mixture of Gaussians per step (`accounting.mixture_step_event`), the k sequences as one
+        event. Tight where the group-privacy lemma's (kε, k e^{(k-1)ε} δ) is loose or vacuous.
+        """
+        if self.unit != "example" or int(k) != k or k < 1:
+            return None
+        if k == 1:
             return list(self.events)
+        m = int(k)
         out: list[Event] = []
         for e in self.events:
             if isinstance(e, dp_event.NoOpDpEvent):
@@ -243,6 +265,19 @@ class PrivacyLedger:
             step = mixture_step_event(inner.sampling_probability, inner.event.noise_multiplier, m)
             out.append(dp_event.SelfComposedDpEvent(step, e.count))
         return out
+
+    def group_epsilon(self, k: int) -> float | None:
+        """ε at the ledger's δ against add/remove of k sequences together (`group_events`, PLD);
+        None where the events are not Poisson-sampled Gaussian steps or the unit is not example."""
+        events = self.group_events(k)
+        if events is None:
+            return None
+        if not events:
+            return 0.0
+        if k == 1:
+            known = [v for v in self.epsilons().values() if v is not None]
+            return min(known) if known else None
+        return _document_pld(json.dumps([event_to_dict(e) for e in events]), self.delta)
 
     def document(self, eps: dict[str, float | None] | None = None) -> dict[str, Any] | None:
         """ε per document (example-level ledgers; None otherwise), recomputed from the events.

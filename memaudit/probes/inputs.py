@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,36 @@ class Doc:
     repeats: int = 1
     pii: list[dict] | None = None
     role: str = "member"
+
+
+# A document's copies in the training data. More than a million copies of one text is no
+# training set memaudit can probe (and groups by repeats would hold one document): a count past
+# it is a wrong column or a typo, refused rather than carried into every per-repeats summary.
+MAX_REPEATS = 1_000_000
+
+
+def parse_repeats(value: Any, where: str) -> int:
+    """The `repeats` of one row: absent or empty is 1; a whole number from 1 to MAX_REPEATS, else
+    refused in one line naming the row (a number is shown; any other value is not, it may be text).
+
+    >>> parse_repeats("3", "row 1"), parse_repeats(None, "row 2"), parse_repeats(2.0, "row 3")
+    (3, 1, 2)
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return 1
+    n: float | None = None
+    shown = ""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        n, shown = float(value), f" {value}"
+    elif isinstance(value, str):
+        try:
+            n, shown = float(value.strip()), f" {value.strip()}"
+        except ValueError:
+            n = None
+    if n is None or not math.isfinite(n) or n != int(n) or not 1 <= n <= MAX_REPEATS:
+        raise DataError(f"{where}: repeats{shown} is not a whole number from 1 to {MAX_REPEATS:,} (the "
+                        "document's copies in the training data); fix the column or drop it (1 copy)")
+    return int(n)
 
 
 def read_docs(path: str | Path, role: str) -> list[Doc]:
@@ -60,7 +92,7 @@ def read_docs(path: str | Path, role: str) -> list[Doc]:
                     id=str(rec.get("id", f"{p.stem}:{n}")),
                     text=rec["text"],
                     user=None if rec.get("user") is None else str(rec["user"]),
-                    repeats=int(rec.get("repeats", 1) or 1),
+                    repeats=parse_repeats(rec.get("repeats"), f"'{p}' line {n + 1}"),
                     pii=rec.get("pii"),
                     role=role,
                 )
@@ -231,7 +263,8 @@ def read_documents(path: str | Path, role: str, cols: Columns = DEFAULT_COLUMNS)
         user = r.get(cols.user)
         docs.append(Doc(id=str(r.get(cols.id) if r.get(cols.id) is not None else f"{p.stem}:{i}"),
                         text=text, user=None if user in (None, "") else str(user),
-                        repeats=int(r.get("repeats") or 1), pii=_pii(r.get(cols.pii), p, i),
+                        repeats=parse_repeats(r.get("repeats"), f"'{p}' row {i + 1}"),
+                        pii=_pii(r.get(cols.pii), p, i),
                         role=role))
     if not docs:
         raise DataError(f"documents '{p}' hold no text; it needs at least one document")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,7 +33,13 @@ from memaudit.probes.membership import doc_scores, min_k, run_membership
 from memaudit.probes.pii import run_pii
 from memaudit.probes.reference import models_mean_logp, reference_attacks
 from memaudit.probes.shift import blind_check
-from memaudit.probes.sources import load_model, resolve_model, source_context
+from memaudit.probes.sources import (
+    check_tokenizer_fits,
+    config_folder,
+    load_model,
+    resolve_model,
+    source_context,
+)
 from memaudit.probes.targets import Codec, Target, load_tokenizer
 from memaudit.probes.user_inference import run_user_inference
 from memaudit.probes.weights import weights_sha256
@@ -69,6 +76,30 @@ def _stage(progress: Progress, name: str) -> Progress:
 def same_tokenizer(a, b) -> bool:
     """Whether two tokenizers map text to the same ids (same vocabulary)."""
     return a.get_vocab() == b.get_vocab()
+
+
+def check_before_loading(target: Target, settings: ProbeConfig, tokenizer) -> None:
+    """Every check that needs no weights, before the first model loads (each refused in one
+    line): --user-docs against the users' document counts, the target's tokenizer fits its
+    embedding (config.json), and every reference (--reference, --reference-models) resolves, has
+    the target's tokenizer and fits its own embedding. Tokenizer files and configs only: seconds,
+    where a refusal after the load came minutes into a probe."""
+    check_user_docs(target, settings)
+    folder = config_folder(target.source) if target.source is not None else target.model_path
+    check_tokenizer_fits(tokenizer, folder, f"'{target.path}'")
+    vocab = tokenizer.get_vocab()
+    refs = (("--reference", (settings.reference,)), ("--reference-models", settings.reference_models))
+    for flag, names in refs:
+        for name in names:
+            if not name:
+                continue
+            src = resolve_model(name)
+            tok = load_tokenizer(src.tokenizer_path)
+            if tok.get_vocab() != vocab:
+                raise ValueError(
+                    f"{flag} '{name}' uses another tokenizer than the target, so per-token scores "
+                    f"cannot be compared; pass a reference with the target's tokenizer")
+            check_tokenizer_fits(tok, config_folder(src), f"{flag} '{name}'")
 
 
 def load_reference(settings: ProbeConfig, codec: Codec):
@@ -115,6 +146,8 @@ def run_probes(
     from memaudit.probes.scoring import load_causal_lm
 
     window_stride(settings)  # a bad --window-stride is refused before any model is loaded
+    tokenizer = tokenizer or load_tokenizer(target.tokenizer_path)
+    check_before_loading(target, settings, tokenizer)
     # the weights measured, fingerprinted before they are loaded: a probes.json whose run was
     # trained again meanwhile then names other weights than the model's and is not used
     weights = weights_sha256(target.model_path) if model is None else None
@@ -122,7 +155,7 @@ def run_probes(
         model = load_model(target.source, device=settings.device, dtype=settings.dtype)
     elif model is None:
         model = load_causal_lm(str(target.model_path), device=settings.device, dtype=settings.dtype)
-    codec = Codec(tokenizer or load_tokenizer(target.tokenizer_path), start_id=target.eos_id)
+    codec = Codec(tokenizer, start_id=target.eos_id)
     settings = fit_windows(target, settings, model, codec)
     checks = {}
     # before any attack, on an outside model's split and on a run's own member/holdout split alike
@@ -278,25 +311,49 @@ def probe_membership(ctx: _Context) -> dict:
                           seed=ctx.s.seed, fprs=ctx.s.fprs)
 
 
-def probe_user_inference(ctx: _Context) -> dict:
-    """Training users' unseen documents vs held-out users; never a silent fallback."""
-    t = ctx.t
+def user_inference_sides(t: Target) -> tuple[list, list[int], list[int]] | str:
+    """(documents, training users' unseen ones, held-out users' ones) as indices into the
+    documents, or why user inference has nothing to compare (its skip reason)."""
     docs = t.members + t.nonmembers + t.heldout_user_docs
     if any(d.user is None for d in docs):
-        return _skip("documents carry no user ids: give every document a 'user' field"
-                     if t.kind == "model" else "the run's documents carry no user ids")
+        return ("documents carry no user ids: give every document a 'user' field"
+                if t.kind == "model" else "the run's documents carry no user ids")
     train_users = {d.user for d in t.members}
     idx_pos = [i for i, d in enumerate(docs) if d.role == "holdout" and d.user in train_users]
     idx_neg = [i for i, d in enumerate(docs) if d.role != "member" and d.user not in train_users]
     if not idx_pos:
-        return _skip("no unseen documents of training users: pass --nonmembers FILE with "
-                     "documents of the --members users that were not trained on"
-                     if t.kind == "model" else "the run holds none of its training users' "
-                     "documents out (data.holdout_fraction)")
+        return ("no unseen documents of training users: pass --nonmembers FILE with "
+                "documents of the --members users that were not trained on"
+                if t.kind == "model" else "the run holds none of its training users' "
+                "documents out (data.holdout_fraction)")
     if not idx_neg:
-        return _skip("no held-out users: pass --heldout-users FILE (documents of users the "
-                     "model never saw)" if t.kind == "model"
-                     else "the run has no held-out users (data.heldout_users)")
+        return ("no held-out users: pass --heldout-users FILE (documents of users the "
+                "model never saw)" if t.kind == "model"
+                else "the run has no held-out users (data.heldout_users)")
+    return docs, idx_pos, idx_neg
+
+
+def check_user_docs(t: Target, settings: ProbeConfig) -> None:
+    """--user-docs k that no user on one side of user inference has: refused from the counts."""
+    k = settings.user_docs
+    sides = user_inference_sides(t) if "user_inference" in settings.probes and k else None
+    if not isinstance(sides, tuple):
+        return
+    docs, idx_pos, idx_neg = sides
+    for idx in (idx_pos, idx_neg):
+        per_user = Counter(docs[i].user for i in idx)
+        if max(per_user.values()) < k:
+            raise ValueError(f"no user has {k} documents on one side of user inference (at most "
+                             f"{max(per_user.values())}); lower --user-docs")
+
+
+def probe_user_inference(ctx: _Context) -> dict:
+    """Training users' unseen documents vs held-out users; never a silent fallback."""
+    t = ctx.t
+    sides = user_inference_sides(t)
+    if isinstance(sides, str):
+        return _skip(sides)
+    docs, idx_pos, idx_neg = sides
     key = "reference" if ctx.ref is not None else "loss"
     score = ctx.scores()[key]
     return run_user_inference(

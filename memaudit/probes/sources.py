@@ -24,6 +24,8 @@ from memaudit.errors import MemauditError
 from memaudit.probes.context import config_context
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_PICKLE = "adapter_model.bin"  # PEFT's older format: a pickle, never loaded here
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -109,19 +111,24 @@ def check_no_remote_code(path: Path) -> None:
     )
 
 
-def resolve_model(spec: str | os.PathLike, *, base: str | None = None) -> ModelSource:
+def resolve_model(spec: str | os.PathLike, *, base: str | None = None,
+                  adapter_of: Path | None = None) -> ModelSource:
     """A `ModelSource` from a folder, an adapter folder or a cached hub id.
 
     Args:
         spec: a model folder (config.json), a PEFT adapter folder (adapter_config.json) or a hub
             id ("org/name") present in the local cache.
         base: an adapter's base, overriding its adapter_config.json's base_model_name_or_path.
+        adapter_of: set when `spec` is the base named by this adapter folder: an adapter is then
+            refused at once (never resolved in turn, so two adapters naming each other end).
 
     Returns:
         The resolved source; bad input raises a one-line `MemauditError`.
     """
     p = Path(spec)
     if p.is_dir() and (p / ADAPTER_CONFIG).is_file():
+        if adapter_of is not None:
+            raise _base_is_adapter(adapter_of, p)
         return _adapter(p, base)
     if p.is_dir() and (p / "config.json").is_file():
         check_no_remote_code(p)
@@ -135,11 +142,39 @@ def resolve_model(spec: str | os.PathLike, *, base: str | None = None) -> ModelS
         raise MemauditError(f"model '{spec}' does not exist; pass a model folder or a hub id")
     path = from_hub_cache(str(spec))
     if (path / ADAPTER_CONFIG).is_file():
+        if adapter_of is not None:
+            raise _base_is_adapter(adapter_of, path)
         return _adapter(path, base, name=str(spec))
     if not (path / "config.json").is_file():
         raise MemauditError(f"cached model '{spec}' has no config.json; re-fetch it")
     check_no_remote_code(path)
     return ModelSource(name=str(spec), kind="hub", path=path)
+
+
+class AdapterBaseError(MemauditError):
+    """An adapter's base is an adapter (itself, or another): refused, never resolved in turn."""
+
+
+def _base_is_adapter(adapter: Path, base: Path) -> MemauditError:
+    if base.resolve() == adapter.resolve():
+        return AdapterBaseError(f"adapter '{adapter}' names itself as its base (base_model_name_or_path); "
+                             "pass the model it was trained on with --base MODEL")
+    return AdapterBaseError(f"the base of adapter '{adapter}' is itself an adapter ('{base}'); merge it "
+                         "first, or pass the full model it was trained on with --base MODEL")
+
+
+def check_adapter_weights(path: Path) -> None:
+    """An adapter's weights as safetensors; a pickle-only or weightless folder refused in one line
+    (before peft would warn, unpickle, or ask the hub for the missing file)."""
+    if (path / ADAPTER_WEIGHTS).is_file():
+        return
+    if (path / ADAPTER_PICKLE).is_file():
+        raise MemauditError(
+            f"adapter '{path}' holds its weights only as a pickle ({ADAPTER_PICKLE}), which memaudit "
+            f"never loads (unpickling can run code); re-save it as {ADAPTER_WEIGHTS} "
+            "(PeftModel.save_pretrained(..., safe_serialization=True))")
+    raise MemauditError(f"adapter '{path}' has no weights file ({ADAPTER_WEIGHTS}); save the adapter "
+                        "with PeftModel.save_pretrained, or pass the adapter folder that holds it")
 
 
 def _adapter(path: Path, base: str | None, name: str | None = None) -> ModelSource:
@@ -154,13 +189,44 @@ def _adapter(path: Path, base: str | None, name: str | None = None) -> ModelSour
             f"adapter '{path}' is for task '{cfg.get('task_type')}', not a causal LM; pass a "
             "CAUSAL_LM adapter"
         )
+    check_adapter_weights(path)
     try:
-        b = resolve_model(named)
+        b = resolve_model(named, adapter_of=path)  # an adapter as its base (itself too): refused
+    except AdapterBaseError:
+        raise
     except MemauditError as e:
         raise MemauditError(f"the base of adapter '{path}' cannot be found: {e}") from None
-    if b.kind == "adapter":
-        raise MemauditError(f"the base of adapter '{path}' is itself an adapter; merge it first")
     return ModelSource(name=name or str(path), kind="adapter", path=path, base=b)
+
+
+def config_folder(src: ModelSource) -> Path:
+    """The folder whose config.json describes the weights `src` loads (an adapter's: its base's)."""
+    return src.base.path if src.base is not None else src.path
+
+
+def tokenizer_size(tokenizer) -> int:
+    """The ids a tokenizer can emit: its largest id + 1 (added tokens included)."""
+    return max(tokenizer.get_vocab().values(), default=-1) + 1
+
+
+def check_tokenizer_fits(tokenizer, folder: Path, what: str) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding (config.json's vocab_size),
+    read without loading the weights: scoring would fail on the first such id, after the load."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+    cfg = _read_json(path, "model config")
+    vocab = cfg.get("vocab_size")
+    if not isinstance(vocab, int) and isinstance(cfg.get("text_config"), dict):
+        vocab = cfg["text_config"].get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
+        return
+    n = tokenizer_size(tokenizer)
+    if n > vocab:
+        raise MemauditError(
+            f"the tokenizer of {what} has {n} tokens but the model's embedding has {vocab} rows "
+            f"(vocab_size in '{path}'): ids {vocab} and up have no embedding; pass the tokenizer "
+            "the model was trained with")
 
 
 def source_context(src: ModelSource) -> int | None:

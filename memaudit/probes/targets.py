@@ -247,9 +247,12 @@ def resolve_target(
         if not cp.is_file():
             raise DataError(f"canaries file '{cp}' not found; pass a canaries.json")
         try:
-            raw = read_json(cp)
-        except ValueError:
-            raise DataError(f"canaries file '{cp}' is not JSON; pass a canaries.json") from None
+            raw = json.loads(cp.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            where = f" (line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ""
+            raise DataError(f"canaries file '{cp}' is not JSON{where}; write it as the JSON object "
+                            "docs/canaries.schema.json describes (template, alphabet, inserted and "
+                            "references; example: docs/canaries.example.json)") from None
         t.canaries = Canaries.from_json(raw, str(cp))
         c = t.canaries
         if not (c.inserted or c.references or c.audit):

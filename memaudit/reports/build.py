@@ -111,6 +111,16 @@ def _document(doc: dict[str, Any] | None) -> dict[str, Any] | None:
             "epsilon": min(known) if known else None, "composed_as": doc.get("composed_as")}
 
 
+def _sequences_epsilon(rd: RunDir):
+    """ε at the ledger's δ for k training sequences as one event (a canary's k copies), from the
+    ledger's events (`PrivacyLedger.group_epsilon`)."""
+    # lazy: dp_accounting (~1.5 s) only when called; this module imports without it
+    from memaudit.privacy.ledger import PrivacyLedger
+
+    led = PrivacyLedger.from_json(read_json(rd.privacy_path, what="privacy ledger"))
+    return led.group_epsilon
+
+
 def _unit_text(priv: dict[str, Any]) -> str:
     """What the ε is per, in the run's description: the unit and its contribution bound."""
     protects = priv.get("protects") or {}
@@ -263,7 +273,8 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         },
         "group_privacy": group_privacy(
             _canaries(rd), epsilon=priv["epsilon"], unit=priv["unit"], delta=priv["delta"],
-            exposure_by_repetition=summary["plots"].get("exposure_by_repetition")),
+            exposure_by_repetition=summary["plots"].get("exposure_by_repetition"),
+            sequences_epsilon=_sequences_epsilon(rd) if priv["unit"] == "example" else None),
         "mitigation": {"goldfish": info.goldfish},
         "utility": {
             "holdout_loss": info.final_holdout_loss,

@@ -3,8 +3,13 @@
 A DP guarantee protects one unit (one training sequence under example-level DP-SGD, one user's
 whole contribution under user-level DP-FedAvg). A canary repeated r times is a group of units:
 
-- example-level DP: the r copies sit in (at most) r training sequences, so the guarantee that
-  covers the canary is the group-privacy bound r * epsilon;
+- example-level DP: each copy is a document of its own, shorter than a sequence, so the r copies
+  sit in at most r training sequences, each sampled into a step's batch on its own. The guarantee
+  that covers the canary is that of the r sequences as one event, at the run's delta: each step a
+  mixture of Gaussians over the j ~ Binomial(r, q) copies in the batch, accounted by PLD
+  (`memaudit.privacy.ledger.PrivacyLedger.group_epsilon`). The group-privacy lemma's r * epsilon
+  holds only at delta' = r e^((r-1) epsilon) delta, vacuous (>= 1) from a few copies on, and read
+  at the run's delta it is below the truth;
 - user-level DP, canary owned by one user: all r copies are that user's, one unit, so epsilon;
 - user-level DP, canary spread over k distinct users: a group of k users, k * epsilon.
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,17 +49,28 @@ def group_size(unit: str | None, *, repetitions: int, owner_kind: str, owners: i
 
 
 def effective_epsilon(epsilon: float, unit: str | None, *, repetitions: int, owner_kind: str,
-                      owners: int, delta: float | None = None) -> tuple[float, float | None, str]:
-    """(epsilon, delta, rule) of the group-privacy bound that covers one canary.
+                      owners: int, delta: float | None = None,
+                      sequences_epsilon: Callable[[int], float | None] | None = None
+                      ) -> tuple[float, float | None, str]:
+    """(epsilon, delta, rule) of the guarantee that covers one canary.
 
-    No DP (epsilon = inf or no unit) gives (inf, None, "no DP"); a model never trained on the
-    private data (the public base, epsilon = 0) gives (0, 0, ...).
+    `sequences_epsilon(k)`: the ledger's ε at its δ for k sequences as one event (example-level
+    runs); where it gives a number, that is the canary's ε at the run's δ. Otherwise the group-
+    privacy lemma's (k epsilon, delta'), delta' stated in the rule. No DP (epsilon = inf or no
+    unit) gives (inf, None, "no DP"); a model never trained on the private data (the public base,
+    epsilon = 0) gives (0, 0, ...).
     """
     if epsilon == 0:
         return 0.0, 0.0, "0 (never trained on the private data)"
     if unit is None or epsilon is None or math.isinf(epsilon):
         return math.inf, None, "no DP"
     k = group_size(unit, repetitions=repetitions, owner_kind=owner_kind, owners=owners)
+    exact = sequences_epsilon(k) if unit == "example" and k > 1 and sequences_epsilon is not None else None
+    if exact is not None:
+        at = "the run's delta" if delta is None else f"delta = {delta:.0e}"
+        return float(exact), delta, (f"the {k} copies as one event at {at} (example-level DP: "
+                                     f"each copy one sequence, sampled on its own; each step a mixture of "
+                                     f"Gaussians over the copies in the batch, PLD)")
     if unit == "example":
         rule = f"{k} x epsilon (example-level DP; the {repetitions} copies lie in at most {k} sequences)"
     elif k == 1:
@@ -64,6 +81,9 @@ def effective_epsilon(epsilon: float, unit: str | None, *, repetitions: int, own
     if delta is not None:
         log_d = math.log(k) + (k - 1) * epsilon + math.log(delta) if delta > 0 else -math.inf
         eff_delta = 1.0 if log_d >= 0 else math.exp(log_d)
+        if k > 1:  # the lemma's epsilon holds only at its own delta
+            rule += (f", at delta' = {eff_delta:.2g}" if eff_delta < 1 else
+                     ", vacuous: its delta' = k e^((k-1) epsilon) delta is >= 1")
     return k * float(epsilon), eff_delta, rule
 
 
@@ -82,18 +102,21 @@ def canary_buckets(canaries: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def group_privacy(canaries: dict[str, Any] | None, *, epsilon: float, unit: str | None,
-                  delta: float | None, exposure_by_repetition: dict[str, list] | None = None
+                  delta: float | None, exposure_by_repetition: dict[str, list] | None = None,
+                  sequences_epsilon: Callable[[int], float | None] | None = None
                   ) -> list[dict[str, Any]]:
     """One row per canary bucket: its effective epsilon (and delta) beside its measured exposure.
 
-    `exposure_by_repetition` is the report's plot data ({owner: [{repetitions, value, ...}]}).
+    `exposure_by_repetition` is the report's plot data ({owner: [{repetitions, value, ...}]});
+    `sequences_epsilon` as in `effective_epsilon`.
     """
     exposure = {(int(row["repetitions"]), owner): row
                 for owner, rows in (exposure_by_repetition or {}).items() for row in rows}
     out = []
     for b in canary_buckets(canaries):
         eps, dlt, rule = effective_epsilon(epsilon, unit, repetitions=b["repetitions"],
-                                           owner_kind=b["owner_kind"], owners=b["owners"], delta=delta)
+                                           owner_kind=b["owner_kind"], owners=b["owners"], delta=delta,
+                                           sequences_epsilon=sequences_epsilon)
         e = exposure.get((b["repetitions"], b["owner_kind"]))
         cell = None if e is None else ({k: e.get(k) for k in CELL_KEYS}
                                        | {k: e[k] for k in BOUND_KEYS if k in e})

@@ -44,6 +44,12 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str
     safe = json_safe(report)
     validate_report(safe)
     paths = {"json": out / "report.json", "html": out / "report.html", "md": out / "report.md"}
+    # the report can hold per-canary scores and (--show-secrets) member text: its owner's only,
+    # a folder it makes and one it wrote before (an existing folder of the user's keeps its mode)
+    if not out.exists():
+        out.mkdir(parents=True, mode=0o700)
+    if paths["json"].is_file() or not any(out.iterdir()):
+        os.chmod(out, 0o700)
     atomic_write_text(paths["json"], json.dumps(safe, indent=2) + "\n")
     restored = _json_restore(safe)  # render from exactly what report.json holds
     atomic_write_text(paths["html"], render_html(restored))

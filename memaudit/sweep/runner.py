@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memaudit.backends import ALIASES
-from memaudit.errors import RunDirError
+from memaudit.errors import MemauditError, RunDirError
 from memaudit.io import atomic_write_json
 from memaudit.reports import build as report_build
 from memaudit.rundir import RunDir, SweepDir, check_output_folder
@@ -154,11 +154,15 @@ def adopt_renamed_points(out: Path) -> dict[str, str]:
     """Point folders named by a backend's old name (runs/parallel-...: swept before the centralized
     backend was renamed) moved to their names now (runs/centralized-...), so the sweep finds them
     and decides on them by `point_action` instead of training them a second time. A folder already
-    under the new name is never replaced (both stay). Returns {old name: new name} of those moved.
+    under the new name is never replaced (both stay), and a folder that is not a memaudit run (no
+    run.json, or one that is not memaudit's manifest) is not touched: only runs are adopted.
+    Returns {old name: new name} of those moved.
 
     >>> import tempfile; out = Path(tempfile.mkdtemp()); (out / "runs" / "parallel-eps8-s0").mkdir(parents=True)
+    >>> atomic_write_json(out / "runs" / "parallel-eps8-s0" / "run.json", {"status": "complete"})
+    >>> (out / "runs" / "parallel-notes").mkdir()
     >>> adopt_renamed_points(out), sorted(p.name for p in (out / "runs").iterdir())
-    ({'parallel-eps8-s0': 'centralized-eps8-s0'}, ['centralized-eps8-s0'])
+    ({'parallel-eps8-s0': 'centralized-eps8-s0'}, ['centralized-eps8-s0', 'parallel-notes'])
     """
     runs = out / "runs"
     moved: dict[str, str] = {}
@@ -166,7 +170,7 @@ def adopt_renamed_points(out: Path) -> dict[str, str]:
         return moved
     for old in sorted(runs.iterdir()):
         prefix, sep, rest = old.name.partition("-")
-        if not sep or prefix not in ALIASES or not old.is_dir():
+        if not sep or prefix not in ALIASES or not old.is_dir() or not _is_memaudit_run(old):
             continue
         new = runs / f"{ALIASES[prefix]}-{rest}"
         if new.exists():
@@ -174,6 +178,15 @@ def adopt_renamed_points(out: Path) -> dict[str, str]:
         os.replace(old, new)  # one rename on the same file system: the folder is whole under one name
         moved[old.name] = new.name
     return moved
+
+
+def _is_memaudit_run(path: Path) -> bool:
+    """Whether `path` holds a memaudit run manifest (run.json with a known status)."""
+    try:
+        RunDir(path).read_manifest()
+    except (MemauditError, OSError, ValueError):  # RunDirError, unreadable JSON
+        return False
+    return True
 
 
 def check_sweep_dir(out: Path) -> None:

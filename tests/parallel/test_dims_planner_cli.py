@@ -176,3 +176,28 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: lis
     assert main(["parallel", "plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("argv", "largest"), [
+    # 8b: x | hidden 4096, y | gcd(32 heads, 8 KV heads, 14336, 128256) = 8, data x z | batch 16
+    (["--gpus", "100000000"], 4096 * 8 * 16),
+    (["--gpus", "100000000", "--format", "json"], 4096 * 8 * 16),
+    (["--gpus", "7", "--preset", "tiny", "--batch", "4"], 4),  # a prime no grid admits: the next below
+])
+def test_cli_plan_with_no_admitted_grid_is_refused_with_the_largest_count(
+        capsys: pytest.CaptureFixture[str], argv: list[str], largest: int) -> None:
+    """Issue 61, item 6: `parallel plan --gpus 100000000` exited 0 with an empty table. No grid of
+    the model and batch uses that many devices: exit 2, one line, the largest count below it that
+    one does (checked against the planner's own grid search)."""
+    from memaudit.parallel.planner import ModelShape, candidate_grids
+
+    assert main(["parallel", "plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--gpus {largest:,}" in err and "no grid" in err
+    args = dict(zip(argv[::2], argv[1::2], strict=False))
+    m, batch = ModelShape.from_preset(args.get("--preset", "8b")), int(args.get("--batch", 16))
+    gpus = int(args["--gpus"])
+    assert candidate_grids(m, largest, batch)
+    # none just above it (below --gpus) has a grid either
+    top = min(gpus, largest + 256)
+    assert all(not candidate_grids(m, n, batch) for n in range(largest + 1, top + 1))

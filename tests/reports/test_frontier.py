@@ -166,9 +166,13 @@ def test_all_zero_metric_is_flagged_and_not_drawn():
 
 # ----------------------------------------------------------------------------- group privacy
 def test_effective_epsilon_per_bucket_from_the_ledger(tmp_path):
-    """r x eps (example-level), eps (user-level, one owner), k x eps (user-level, k owners): by
-    hand from each run's ledger epsilon, which itself agrees with dp_accounting's RDP accountant."""
+    """Example-level: the r copies as one event at the run's delta (the ledger's mixture PLD,
+    checked against an independent PLD in tests/privacy/test_repeated_canary_epsilon.py; r x eps
+    only for r = 1); user-level: eps (one owner), k x eps at the lemma's delta' (k owners). By hand
+    from each run's ledger, whose epsilon agrees with dp_accounting's RDP accountant."""
     import dp_accounting
+
+    from memaudit.privacy.ledger import PrivacyLedger
 
     write_run_dir(tmp_path / "par", "centralized", ppl=80.0, dp=(1.0, 400, 16, 50))
     write_run_dir(tmp_path / "fed", "federated", ppl=90.0, dp=(1.0, 51, 8, 30))
@@ -186,9 +190,14 @@ def test_effective_epsilon_per_bucket_from_the_ledger(tmp_path):
         eps = by[rid]["privacy"]["epsilon"]
         rows = {(g["repetitions"], g["owner_kind"]): g for g in by[rid]["group_privacy"]}
         assert set(rows) == set(hand)
+        led = PrivacyLedger.load(tmp_path / rid / "privacy.json")
         for key, sizes in hand.items():
-            assert rows[key]["effective_epsilon"] == pytest.approx(sizes[col] * eps, rel=1e-12)
             k = sizes[col]
+            if rid == "par" and k > 1:
+                assert rows[key]["effective_epsilon"] == pytest.approx(led.group_epsilon(k), rel=1e-12)
+                assert rows[key]["effective_epsilon"] > k * eps and rows[key]["effective_delta"] == 1e-5
+                continue
+            assert rows[key]["effective_epsilon"] == pytest.approx(sizes[col] * eps, rel=1e-12)
             assert rows[key]["effective_delta"] == pytest.approx(min(1.0, k * math.exp((k - 1) * eps) * 1e-5))
     assert all(g["effective_epsilon"] == 0.0 for g in by["base"]["group_privacy"])
     assert by["base"]["privacy"]["epsilon"] == 0.0 and by["base"]["role"] == "public-base"
@@ -197,7 +206,7 @@ def test_effective_epsilon_per_bucket_from_the_ledger(tmp_path):
 
     paths = write_report(rep, tmp_path / "report")
     md, html = paths["md"].read_text(), paths["html"].read_text()
-    par16 = 16 * by["par"]["privacy"]["epsilon"]
+    par16 = PrivacyLedger.load(tmp_path / "par" / "privacy.json").group_epsilon(16)
     assert f"effective epsilon {par16:.4g}" in md and f"effective epsilon {par16:.4g}" in html
     assert "Group privacy" in md and "0000" not in md.replace("0.000", "")
 

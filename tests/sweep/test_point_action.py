@@ -288,6 +288,7 @@ def test_adopting_old_point_names_never_replaces_a_folder_under_the_new_name(tmp
     for name in ("parallel-eps8-s0", "centralized-eps8-s0", "parallel-epsinf-s0", "federated-eps8-s0"):
         (runs / name).mkdir(parents=True)
         (runs / name / "mark").write_text(name, encoding="utf-8")
+        atomic_write_json(runs / name / "run.json", {"status": "complete", "backend": name.split("-")[0]})
     moved = runner.adopt_renamed_points(tmp_path)
     assert moved == {"parallel-epsinf-s0": "centralized-epsinf-s0"}
     assert (runs / "centralized-eps8-s0" / "mark").read_text(encoding="utf-8") == "centralized-eps8-s0"
@@ -296,3 +297,20 @@ def test_adopting_old_point_names_never_replaces_a_folder_under_the_new_name(tmp
     assert sorted(p.name for p in runs.iterdir()) == ["centralized-eps8-s0", "centralized-epsinf-s0",
                                                       "federated-eps8-s0", "parallel-eps8-s0"]
     assert runner.adopt_renamed_points(tmp_path / "none") == {}
+
+
+def test_adopting_old_point_names_moves_only_memaudit_runs(tmp_path):
+    """Issue 61, item 6: the sweep renamed any runs/parallel-* folder, a user's `parallel-notes`
+    (no run.json) to `centralized-notes`. The inputs: a folder without run.json, one whose run.json
+    is not a memaudit manifest, and one whose run.json is not JSON; only the real run moves."""
+    runs = tmp_path / "runs"
+    for name in ("parallel-notes", "parallel-other", "parallel-broken", "parallel-eps2-s0"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "mark").write_text(name, encoding="utf-8")
+    atomic_write_json(runs / "parallel-other" / "run.json", {"name": "not memaudit's"})
+    (runs / "parallel-broken" / "run.json").write_text("{", encoding="utf-8")
+    atomic_write_json(runs / "parallel-eps2-s0" / "run.json", {"status": "complete", "backend": "parallel"})
+    assert runner.adopt_renamed_points(tmp_path) == {"parallel-eps2-s0": "centralized-eps2-s0"}
+    assert sorted(p.name for p in runs.iterdir()) == ["centralized-eps2-s0", "parallel-broken",
+                                                      "parallel-notes", "parallel-other"]
+    assert (runs / "parallel-notes" / "mark").read_text(encoding="utf-8") == "parallel-notes"
