@@ -76,28 +76,32 @@ def _over_clients(mix):
     return round_
 
 
-MIXING = {  # mixing the clients by hand: on the nodes each would mix only the clients it hosts
-    "matmul": lambda v: jnp.ones((v.shape[0], v.shape[0])) / v.shape[0] @ v,
-    "cumsum": lambda v: jnp.cumsum(v, axis=0),
-    "outer": lambda v: v @ v.T,  # client i's row holds every client's values
-    "reverse": lambda v: v[::-1],
-    "roll": lambda v: jnp.roll(v, 1, axis=0),
+MIXING = {  # mixing the clients by hand: (jnp, NumPy)
+    "matmul": (lambda v: jnp.ones((v.shape[0], v.shape[0])) / v.shape[0] @ v,
+               lambda v: np.ones((len(v), len(v))) / len(v) @ v),
+    "cumsum": (lambda v: jnp.cumsum(v, axis=0), lambda v: np.cumsum(v, axis=0)),
+    "outer": (lambda v: v @ v.T, lambda v: v @ v.T),  # client i's row holds every client's values
+    "reverse": (lambda v: v[::-1], lambda v: v[::-1]),
+    "roll": (lambda v: jnp.roll(v, 1, axis=0), lambda v: np.roll(v, 1, axis=0)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MIXING))
-def test_mixing_the_clients_by_hand_is_refused_by_the_checker_and_the_partitioner(case):
-    """Before, ``ones((n, n)) / n @ v`` and a ``cumsum`` over the clients passed the check and the
-    partitioner put them on the nodes, which mixed their own clients only: Flower's answer moved
-    4.9e-2 and 0.20 from the in-JAX one (4 clients on 2 nodes). Now both are refused with the
-    message the checker gives for a hand-written sum."""
+def test_mixing_the_clients_by_hand_is_refused_by_the_checker_and_runs_on_the_server(case):
+    """Before, ``ones((n, n)) / n @ v`` and a ``cumsum`` over the clients passed the check, and the
+    partitioner put them on the nodes, each mixing only the clients it hosts: Flower's answer
+    moved 4.9e-2 and 0.20 from the in-JAX one (4 clients on 2 nodes). Now the check refuses them
+    as it refuses a hand-written sum, and the partitioner runs them where a hand-written sum
+    runs, on the server (which has every client's rows): Flower's answer is NumPy's."""
     n, p = 4, jnp.asarray([0.5, -1.0, 0.25], jnp.float32)
-    program = _over_clients(MIXING[case])
+    mix, np_mix = MIXING[case]
+    program, data = _over_clients(mix), _data(n)
     with pytest.raises(ClosureError, match="non-federated communication"):
-        communication_of(jax.make_jaxpr(program)(p, _data(n), jax.random.key(0)), n)
-    with pytest.raises(PlanError, match="non-federated communication") as err:
-        _run_on_nodes(program, p, _data(n))
-    assert "\n" not in str(err.value)
+        communication_of(jax.make_jaxpr(program)(p, data, jax.random.key(0)), n)
+    _, got = _run_on_nodes(program, p, data)
+    want = (np_mix(_np_per_client(np.asarray(p, np.float64), data.examples["x"])) ** 2).mean(0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, program(p, data, None), rtol=1e-6, atol=1e-7)
 
 
 def test_mixing_through_the_primitives_runs_on_the_nodes_as_in_numpy():
@@ -119,29 +123,44 @@ def test_mixing_through_the_primitives_runs_on_the_nodes_as_in_numpy():
     np.testing.assert_allclose(got, program(p, data, None), rtol=1e-6, atol=1e-7)
 
 
-def test_an_aggregate_with_a_dim_of_size_n_runs_on_the_server():
-    """``federated_mean`` of each client's value on its own one-hot row, an (n,) aggregate:
-    before, its output grew with the clients in the partitioner's second trace, so it was put
-    in a client stage and `run_plan` failed with a KeyError. It is server-placed by dataflow."""
+AGGREGATES = {  # per-client values (n, S) -> what is averaged over the clients, with a dim of size n
+    # each client's sum on its own one-hot row: a federated program
+    "one_hot": (lambda h: jnp.sum(h, 1)[:, None] * jnp.eye(h.shape[0]),
+                lambda h: h.sum(1)[:, None] * np.eye(len(h))),
+    # the issue's h @ h.T: mixes the clients (refused by the check, run on the server)
+    "gram": (lambda h: h @ h.T, lambda h: h @ h.T),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AGGREGATES))
+def test_an_aggregate_with_a_dim_of_size_n_runs_on_the_server(case):
+    """``federated_mean`` of an (n, n) value, an (n,) aggregate: before, its output grew with the
+    clients in the partitioner's second trace, so it was put in a client stage and `run_plan`
+    failed with a KeyError. It is server-placed by dataflow, and the round equals NumPy's."""
     n, p = 4, jnp.asarray([0.5, -1.0, 0.25], jnp.float32)
+    mix, np_mix = AGGREGATES[case]
 
     def round_(p, data, key):
         del key
 
         @federated_program(clients=data.mask.shape[0], placed=(1,))
         def program(p, x):
-            s = federated_map(lambda p, xi: jnp.sum(_per_client(p, xi)), federated_broadcast(p), x)  # (n,)
-            return federated_mean(s[:, None] * jnp.eye(s.shape[0]))  # (n,): s_i / n at i
+            h = federated_map(_per_client, federated_broadcast(p), x)  # (n, S)
+            return federated_mean(mix(h))  # (n,)
 
         return program(p, data.examples["x"])
 
     data = _data(n)
-    assert communication_of(jax.make_jaxpr(round_)(p, data, None), n) == {"federated_broadcast",
-                                                                          "federated_mean"}
+    jaxpr = jax.make_jaxpr(round_)(p, data, None)
+    if case == "one_hot":
+        assert communication_of(jaxpr, n) == {"federated_broadcast", "federated_mean"}
+    else:
+        with pytest.raises(ClosureError, match="pairs every client's value with every other"):
+            communication_of(jaxpr, n)
     plan, got = _run_on_nodes(round_, p, data)
-    means = [op for st in plan.stages for op in st.ops if op.eqn.primitive.name == "federated_mean"]
-    assert means and all(st.kind == SERVER for st in plan.stages for op in st.ops if op in means)
-    want = _np_per_client(np.asarray(p), data.examples["x"]).sum(1) / n
+    kinds = [st.kind for st in plan.stages for op in st.ops if op.eqn.primitive.name == "federated_mean"]
+    assert kinds == [SERVER]
+    want = np_mix(_np_per_client(np.asarray(p, np.float64), data.examples["x"])).mean(0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -190,8 +209,8 @@ def test_a_model_dim_equal_to_the_clients_count_is_not_theirs(n):
     """``w`` is (3, 2): with 3 clients its leading dim, with 2 its last, equals the clients
     count. Before, the check read placement from shapes and refused the scan strategy (inside
     the loop over the clients, ``x_i @ w`` reduced a dim of size n: "reduce_sum[axes=(0,)]"),
-    while it passed vmap's. Both pass now, and the gradient runs on the nodes as the plain-jnp
-    gradient."""
+    while it passed vmap's. Both pass now, and the scan strategy's gradient runs on the nodes as
+    the plain-jnp gradient."""
     params = {"w": jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(3, 2),
               "b": jnp.array([0.1, -0.2], jnp.float32)}
     data = _data(n)
@@ -201,6 +220,8 @@ def test_a_model_dim_equal_to_the_clients_count_is_not_theirs(n):
         for fn in (objective, jax.grad(objective), jax.jit(jax.grad(objective))):
             comms = communication_of(jax.make_jaxpr(fn)(params, data), n)
             assert {"federated_broadcast", "federated_sum"} <= comms, (strategy, comms)
-        _, got = _run_on_nodes(lambda p, d, k, g=jax.grad(objective): g(p, d), params, data)
-        for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=strategy)
+    # the gradient under scan, the strategy the check refused, runs on the nodes
+    grad = jax.grad(alg.federated_loss(_loss, map_strategy="scan"))
+    _, got = _run_on_nodes(lambda p, d, k: grad(p, d), params, data)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)

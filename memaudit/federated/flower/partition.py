@@ -11,9 +11,10 @@ and every equation is placed by data flow:
   in a cohort of 4), or an aggregate with a dim of size n (``federated_sum`` of per-client
   one-hots), is never read as per-client rows, and a program declared with
   ``federated_program(clients=N)`` is traced once. An equation that moves data across the
-  clients dim outside the federated primitives (``ones((n, n)) / n @ v``, a ``cumsum`` over
-  the clients, ``h @ h.T``) is refused with the closure check's message (`PlanError`): on the
-  nodes each would mix only the clients a node hosts;
+  clients dim outside the federated primitives (a hand-written ``jnp.sum(v, 0)``,
+  ``ones((n, n)) / n @ v``, a ``cumsum`` over the clients, ``h @ h.T``: what the closure check
+  refuses) is a server equation, its outputs server-placed: on the nodes each would mix only
+  the clients a node hosts; the server, which gathers the rows, mixes them all, as in JAX;
 - an equation with a clients-placed input whose outputs all keep the clients dim leading is a
   *client* equation (the computation between a broadcast and the next aggregation);
 - a fused map-and-sum (`memaudit.federated.federated_map_sum`, a ``jit`` named
@@ -416,25 +417,23 @@ def _copies(ops: list[Op], data: Mapping[int, str]) -> dict[int, str]:
 
 
 def _placement(ops: list[Op], data: set[int]) -> tuple[list[str], set[int]]:
-    """Each op's kind (CLIENT / SERVER) by data flow, and the var ids that are partial sums.
-
-    Raises:
-        PlanError: an op moves data across the clients dim outside the federated primitives
-        (`memaudit.federated.closure`), with the closure check's message.
-    """
+    """Each op's kind (CLIENT / SERVER) by data flow (`memaudit.federated.closure.placements`),
+    and the var ids that are partial sums. An op that moves data across the clients dim outside
+    the federated primitives runs on the server, its outputs server-placed."""
     where: dict[int, Any] = {i: Clients(0) for i in data}
     kinds: list[str] = []
     sums: set[int] = set()
     for op in ops:
         ins = [None if isinstance(i, Lit) else where.get(i) for i in op.ins]
+        from_clients = any(isinstance(p, Clients) for p in ins)
         try:
             outs, _ = placements(op.eqn, ins)
-        except ClosureError as e:
-            raise PlanError(f"{_first_line(e)}; each node would compute it over its own clients only: "
-                            "aggregate with federated_sum / federated_mean, or compute it per client "
-                            "inside federated_map") from None
+        except ClosureError:
+            outs = [None] * len(op.outs)  # mixing the clients: only the server has them all
+            kinds.append(SERVER)
+            where.update(zip(op.outs, outs, strict=True))
+            continue
         where.update(zip(op.outs, outs, strict=True))
-        from_clients = any(isinstance(p, Clients) for p in ins)
         if op.eqn.primitive is federated_broadcast_p:
             kind = CLIENT
         elif from_clients and _is_fused_sum(op.eqn):
@@ -446,10 +445,6 @@ def _placement(ops: list[Op], data: set[int]) -> tuple[list[str], set[int]]:
             kind = SERVER  # an aggregation, server work, or clients-placed work the server runs
         kinds.append(kind)
     return kinds, sums
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _schedule(ops: list[Op], kinds: list[str], start: dict[int, int], sums: set[int],
