@@ -172,6 +172,18 @@ FedAvg 1.22-1.26x the in-JAX round, secure 1.28-1.32x, DP and secure 1.24-1.31x;
 requests in the same runs 1.31-1.35x and 1.52-1.59x (bundled 1.05-1.11x and 1.16-1.23x faster);
 2 SuperNodes 1.03x, 1.09x, 1.09x.
 
+Since 2026-12-06 the table's in-JAX and Flower runs take turns on one federation, over
+``--flower-waves`` waves (default 2; in even waves the in-JAX run of a variant first, in odd ones
+the Flower run), so a shared machine's load falls on both sides alike; the round medians pool the
+waves' rounds. ``cpu_s`` is each run's CPU seconds (user + system, first round included) per
+process, the median over the waves: ``benchmark`` (this process and the children it waited for:
+the in-JAX run, or the Flower run's submission), ``superlink`` (with the Flower run's ServerApp,
+a thread of it) and each ``supernode_i`` (each process with its descendants, from ``/proc``;
+during an in-JAX run the federation only idles); ``flower*_cpu_vs_jax*`` is the ratio of their totals, the measure a
+shared host can give. ``max_weight_diff`` is plain FedAvg's largest weight difference between
+wave 0's in-JAX and Flower runs (the secure runs': ``secagg_max_weight_diff``,
+``dp_secagg_max_weight_diff``). ``--reduced`` runs 3 rounds a run.
+
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
 stages against each running the stages shaped for its own slots
@@ -747,8 +759,8 @@ def bench_flower(args) -> dict:
                 f"{b}_vs_jax_secagg": med[b] / med["jax_secagg"], speedup: med[a] / med["flower"],
                 f"{speedup}_secagg": med[b] / med["flower_secagg"]}
 
-    def weight_diff(suffix: str) -> float:  # wave 0's in-JAX run against its Flower run
-        a, b = (_safetensors(runs[f"{side}{suffix}"][0]) for side in ("jax", "flower"))
+    def weight_diff(suffix: str, wave: int = 0) -> float:  # a wave's in-JAX run against its Flower run
+        a, b = (_safetensors(runs[f"{side}{suffix}"][wave]) for side in ("jax", "flower"))
         return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
     def cpu_table(kind: str) -> dict:  # median over the waves of each process's CPU seconds a run
@@ -768,13 +780,15 @@ def bench_flower(args) -> dict:
             "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
             "jax_dp_secagg_round_s": med["jax_dp_secagg"], "flower_dp_secagg_round_s": med["flower_dp_secagg"],
             "flower_dp_secagg_vs_jax_dp_secagg": med["flower_dp_secagg"] / med["jax_dp_secagg"],
-            # CPU seconds of a whole run (its first round's compiles included), per process: the
-            # server (this process and the processes it waited for) and the federation's (each
-            # process with its descendants; during an in-JAX run the federation only idles)
+            # CPU seconds of a whole run (its first round's compiles included), per process: this
+            # one (and the processes it waited for) and the federation's (each process with its
+            # descendants; the ServerApp is a thread of the SuperLink; during an in-JAX run the
+            # federation only idles)
             "cpu_s": cpu_med,
             **{f"{k}_cpu_vs_{k.replace('flower', 'jax')}": cpu_med[k]["total"] / cpu_med[k.replace("flower", "jax")]["total"]
                for k in ("flower", "flower_secagg", "flower_dp_secagg")},
             "max_weight_diff": weight_diff(""),
+            "max_weight_diff_by_wave": [weight_diff("", w) for w in range(args.flower_waves)],
             "secagg_max_weight_diff": weight_diff("_secagg"),
             "dp_secagg_max_weight_diff": weight_diff("_dp_secagg"),
             # the in-JAX runs' host devices; the SuperNodes run on 1 (weights equal at 1)
@@ -792,11 +806,11 @@ def bench_flower(args) -> dict:
 
 
 def _cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of this process (``server``: its threads and the
+    """CPU seconds (user + system) so far of this process (``benchmark``: its threads and the
     children it waited for) and of each process in ``roots`` with its live descendants and the
     children they waited for (Linux ``/proc``; a process gone is 0)."""
     self_, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = {"server": self_.ru_utime + self_.ru_stime + children.ru_utime + children.ru_stime}
+    out = {"benchmark": self_.ru_utime + self_.ru_stime + children.ru_utime + children.ru_stime}
     tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, CPU seconds)
     for entry in os.listdir("/proc"):
