@@ -100,7 +100,7 @@ class _Refused(Exception):
     """A rule's refusal: why, without the equation (the walker adds it)."""
 
 
-class _Demote(Exception):  # noqa: N818 - not an error: the inference retries without these inputs
+class _Demote(Exception):  # not an error: the inference retries without these inputs
     """An inferred clients-placed input read as a server value: ``src`` are those inputs."""
 
     def __init__(self, src: frozenset) -> None:
@@ -317,7 +317,7 @@ def _scatter(eqn, dims):
     """A scatter keeps the clients dim only as a batching dim of operand, indices and updates
     alike, or as a window dim written whole; updates of different clients never meet."""
     dn = eqn.params["dimension_numbers"]
-    operand, indices, updates = (_shape(v) for v in eqn.invars[:3])
+    operand, updates = _shape(eqn.invars[0]), _shape(eqn.invars[2])
     uwd, obd, ibd = _axes(dn.update_window_dims), _axes(dn.operand_batching_dims), _axes(
         dn.scatter_indices_batching_dims)
     windows = [d for d in range(len(operand)) if d not in _axes(dn.inserted_window_dims) and d not in obd]
@@ -327,9 +327,7 @@ def _scatter(eqn, dims):
         raise _Refused("scatters with clients-placed operands it cannot place")
     out = set()
     if co is not None:
-        if co in obd:
-            out.add(co)
-        elif co in windows and uwd and updates[uwd[windows.index(co)]] == operand[co]:
+        if co in obd or (co in windows and uwd and updates[uwd[windows.index(co)]] == operand[co]):
             out.add(co)
         else:
             raise _Refused("writes across the clients dim")

@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from memaudit.federated import algorithms as alg
 from memaudit.federated import (
     federated_broadcast,
     federated_map,
     federated_mean,
     federated_program,
-    federated_sum,
 )
-from memaudit.federated import algorithms as alg
 from memaudit.federated.closure import ClosureError, communication_of
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan
