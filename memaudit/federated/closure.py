@@ -432,11 +432,9 @@ class _Walker:
 
     def jaxpr(self, jaxpr: Any, ins: Sequence[Placement]) -> list[Placement]:
         """The placements of ``jaxpr``'s outputs from its inputs'."""
-        consts = getattr(jaxpr, "consts", None)
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-        env: dict = dict.fromkeys(jaxpr.constvars)
+        env: dict = dict.fromkeys(jaxpr.constvars)  # constants: server values
         env.update(zip(jaxpr.invars, ins, strict=True))
-        del consts
         for eqn in jaxpr.eqns:
             outs = self.eqn(eqn, [_read(env, v) for v in eqn.invars])
             env.update(zip(eqn.outvars, outs, strict=True))
