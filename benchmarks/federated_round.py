@@ -172,6 +172,18 @@ FedAvg 1.22-1.26x the in-JAX round, secure 1.28-1.32x, DP and secure 1.24-1.31x;
 requests in the same runs 1.31-1.35x and 1.52-1.59x (bundled 1.05-1.11x and 1.16-1.23x faster);
 2 SuperNodes 1.03x, 1.09x, 1.09x.
 
+Since 2026-12-06 the table's in-JAX and Flower runs take turns on one federation, over
+``--flower-waves`` waves (default 2; in even waves the in-JAX run of a variant first, in odd ones
+the Flower run), so a shared machine's load falls on both sides alike; the round medians pool the
+waves' rounds. ``cpu_s`` is each run's CPU seconds (user + system, first round included) per
+process, the median over the waves: ``benchmark`` (this process and the children it waited for:
+the in-JAX run, or the Flower run's submission), ``superlink`` (with the Flower run's ServerApp,
+a thread of it) and each ``supernode_i`` (each process with its descendants, from ``/proc``;
+during an in-JAX run the federation only idles); ``flower*_cpu_vs_jax*`` is the ratio of their totals, the measure a
+shared host can give. ``max_weight_diff`` is plain FedAvg's largest weight difference between
+wave 0's in-JAX and Flower runs (the secure runs': ``secagg_max_weight_diff``,
+``dp_secagg_max_weight_diff``). ``--reduced`` runs 3 rounds a run.
+
 A fourth table, ``node-shapes`` (``--node-shapes``, alone), is the partitioned FedAvg round on
 nodes in this process, the cohort's clients dealt evenly: every node running the cohort's client
 stages against each running the stages shaped for its own slots
@@ -193,6 +205,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import time
 
@@ -476,6 +490,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--flower-only", action="store_true", help="only the Flower runtime table")
     ap.add_argument("--flower-nodes", type=int, default=2, help="SuperNodes in the Flower table")
     ap.add_argument("--flower-rounds", type=int, default=4, help="rounds of each Flower-table run")
+    ap.add_argument("--flower-waves", type=int, default=2,
+                    help="waves of the Flower table: in each, an in-JAX and a Flower run of each variant in turn")
     ap.add_argument("--flower-per-message", action="store_true",
                     help="also the Flower runs without the nodes' resident processes, side by side")
     ap.add_argument("--flower-own-supernode", action="store_true",
@@ -494,6 +510,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.reduced:
         args.seq, args.repeats = 32, 3
+        args.flower_rounds = min(args.flower_rounds, 3)
     if args.node_shapes:
         out = bench_node_shapes(args)
         print(json.dumps(out, indent=2))
@@ -642,8 +659,9 @@ def bench_node_shapes(args) -> dict:
 
 
 def bench_flower(args) -> dict:
-    """One training run per runtime on the same data; median round seconds after the first."""
-    import os
+    """In-JAX and Flower training runs on the same data, interleaved over ``--flower-waves``
+    waves; median round seconds after the first, CPU seconds of each process a run, and the
+    weights of wave 0's in-JAX and Flower runs compared."""
     import tempfile
     from pathlib import Path
 
@@ -680,17 +698,30 @@ def bench_flower(args) -> dict:
         lines = [json.loads(x) for x in path.read_text().splitlines()][1:]
         return [m["round_seconds"] for m in lines if not (warm and m.get("nodes_compiling", 0))]
 
-    dispatch(load_config(None, ov), RunDir(root / "jax"), resume=False)
-    dispatch(load_config(None, [*ov, *secagg]), RunDir(root / "jax_secagg"), resume=False)
-    dispatch(load_config(None, [*ov, *dp]), RunDir(root / "jax_dp_secagg"), resume=False)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    variants = {"": [], "_secagg": secagg, "_dp_secagg": dp}
+    runs: dict[str, list[Path]] = {}  # kind ("jax_secagg", "flower", ...) -> its runs, wave by wave
+    cpu: dict[str, list[dict[str, float]]] = {}  # kind -> per run: process -> CPU seconds
+    walls: dict[str, list[float]] = {}
     with LocalFederation(root / "federation", info["partitions"], env=env) as fed:
         flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
-        t0 = time.perf_counter()
-        dispatch(load_config(None, [*ov, *flower]), RunDir(root / "flower"), resume=False)
-        total = time.perf_counter() - t0
-        dispatch(load_config(None, [*ov, *secagg, *flower]), RunDir(root / "flower_secagg"), resume=False)
-        dispatch(load_config(None, [*ov, *dp, *flower]), RunDir(root / "flower_dp_secagg"), resume=False)
+        procs = {"superlink": fed.superlink.pid, **{f"supernode_{i}": p.pid for i, p in enumerate(fed.nodes)}}
+        # in-JAX and Flower runs take turns (jax, flower in even waves, flower, jax in odd ones), so
+        # that a shared machine's load falls on both sides alike
+        for wave in range(args.flower_waves):
+            for suffix, extra in variants.items():
+                for side in (("jax", "flower") if wave % 2 == 0 else ("flower", "jax")):
+                    kind = f"{side}{suffix}"
+                    run = root / f"{kind}-w{wave}"
+                    before = _cpu_seconds(procs)
+                    t0 = time.perf_counter()
+                    dispatch(load_config(None, [*ov, *extra, *(flower if side == "flower" else [])]), RunDir(run),
+                             resume=False)
+                    walls.setdefault(kind, []).append(time.perf_counter() - t0)
+                    after = _cpu_seconds(procs)
+                    cpu.setdefault(kind, []).append({k: after[k] - before[k] for k in after})
+                    runs.setdefault(kind, []).append(run)
+
     def pair(suffix: str, **federation) -> None:  # the plain and the secure run on one federation
         with LocalFederation(root / f"federation{suffix}", info["partitions"], env=env, **federation) as fed:
             flower = ["federated.runtime=flower", f"federated.flower.superlink={fed.address}"]
@@ -716,31 +747,50 @@ def bench_flower(args) -> dict:
              *(("flower_per_message", "flower_secagg_per_message") if args.flower_per_message else ()),
              *(("flower_own_supernode", "flower_secagg_own_supernode") if args.flower_own_supernode else ()),
              *(("flower_unbundled", "flower_secagg_unbundled") if args.flower_unbundled else ()))
-    med = {k: statistics.median(rounds(root / k)) for k in kinds}
-    warm = {k: rounds(root / k, warm=True) for k in ("flower", "flower_secagg", "flower_dp_secagg")}
-    warm_med = {k: statistics.median(v) for k, v in warm.items() if v}
+    def rounds_of(kind: str, warm: bool = False) -> list[float]:
+        return [r for run in runs.get(kind, [root / kind]) for r in rounds(run, warm)]
 
+    med = {k: statistics.median(rounds_of(k)) for k in kinds}
+    warm = {k: rounds_of(k, warm=True) for k in ("flower", "flower_secagg", "flower_dp_secagg")}
+    warm_med = {k: statistics.median(v) for k, v in warm.items() if v}
     def side(suffix: str, speedup: str) -> dict:  # a pair's rounds against in-JAX and memaudit's default
         a, b = f"flower{suffix}", f"flower_secagg{suffix}"
         return {f"{a}_round_s": med[a], f"{a}_vs_jax": med[a] / med["jax"], f"{b}_round_s": med[b],
                 f"{b}_vs_jax_secagg": med[b] / med["jax_secagg"], speedup: med[a] / med["flower"],
                 f"{speedup}_secagg": med[b] / med["flower_secagg"]}
 
-    wa = _safetensors(root / "jax_secagg")
-    wb = _safetensors(root / "flower_secagg")
-    wc = _safetensors(root / "jax_dp_secagg")
-    wd = _safetensors(root / "flower_dp_secagg")
+    def weight_diff(suffix: str, wave: int = 0) -> float:  # a wave's in-JAX run against its Flower run
+        a, b = (_safetensors(runs[f"{side}{suffix}"][wave]) for side in ("jax", "flower"))
+        return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+    def cpu_table(kind: str) -> dict:  # median over the waves of each process's CPU seconds a run
+        per = {p: statistics.median(c[p] for c in cpu[kind]) for p in cpu[kind][0]}
+        return {**per, "total": statistics.median(sum(c.values()) for c in cpu[kind])}
+
+    cpu_med = {k: cpu_table(k) for k in cpu}
     return {"model": "tiny Llama (memaudit preset)", "nodes": args.flower_nodes, "cohort": 8,
-            "rounds_timed": args.flower_rounds - 1, "jax_round_s": med["jax"],
+            "rounds_timed": args.flower_rounds - 1, "waves": args.flower_waves,
+            "order": "in-JAX and Flower runs interleaved: jax, flower in even waves, flower, jax in odd ones",
+            "jax_round_s": med["jax"],
             "flower_round_s": med["flower"], "flower_vs_jax": med["flower"] / med["jax"],
-            "flower_run_s": total, "jax_secagg_round_s": med["jax_secagg"],
+            "flower_run_s": statistics.median(walls["flower"]), "jax_run_s": statistics.median(walls["jax"]),
+            "jax_secagg_round_s": med["jax_secagg"],
             "flower_secagg_round_s": med["flower_secagg"],
             "flower_secagg_vs_jax_secagg": med["flower_secagg"] / med["jax_secagg"],
             "flower_secagg_vs_flower": med["flower_secagg"] / med["flower"],
             "jax_dp_secagg_round_s": med["jax_dp_secagg"], "flower_dp_secagg_round_s": med["flower_dp_secagg"],
             "flower_dp_secagg_vs_jax_dp_secagg": med["flower_dp_secagg"] / med["jax_dp_secagg"],
-            "secagg_max_weight_diff": max(float(np.max(np.abs(wa[k] - wb[k]))) for k in wa),
-            "dp_secagg_max_weight_diff": max(float(np.max(np.abs(wc[k] - wd[k]))) for k in wc),
+            # CPU seconds of a whole run (its first round's compiles included), per process: this
+            # one (and the processes it waited for) and the federation's (each process with its
+            # descendants; the ServerApp is a thread of the SuperLink; during an in-JAX run the
+            # federation only idles)
+            "cpu_s": cpu_med,
+            **{f"{k}_cpu_vs_{k.replace('flower', 'jax')}": cpu_med[k]["total"] / cpu_med[k.replace("flower", "jax")]["total"]
+               for k in ("flower", "flower_secagg", "flower_dp_secagg")},
+            "max_weight_diff": weight_diff(""),
+            "max_weight_diff_by_wave": [weight_diff("", w) for w in range(args.flower_waves)],
+            "secagg_max_weight_diff": weight_diff("_secagg"),
+            "dp_secagg_max_weight_diff": weight_diff("_dp_secagg"),
             # the in-JAX runs' host devices; the SuperNodes run on 1 (weights equal at 1)
             "jax_devices": len(jax.devices()),
             # the rounds in which no node compiled a stage shape (in JAX every round after the first is)
@@ -753,6 +803,37 @@ def bench_flower(args) -> dict:
             **(side("_unbundled", "bundled_speedup") if args.flower_unbundled else {}),
             **({"flower_secagg_hbc_round_s": med["flower_secagg_hbc"],
                 "flower_secagg_vs_hbc": med["flower_secagg"] / med["flower_secagg_hbc"]} if args.flower_hbc else {})}
+
+
+def _cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process (``benchmark``: its threads and the
+    children it waited for) and of each process in ``roots`` with its live descendants and the
+    children they waited for (Linux ``/proc``; a process gone is 0)."""
+    self_, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = {"benchmark": self_.ru_utime + self_.ru_stime + children.ru_utime + children.ru_stime}
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, CPU seconds)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields from the state on: ppid is 2nd, utime stime cutime cstime 12th-15th
+        stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tick)
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        kids.setdefault(ppid, []).append(pid)
+    for name, root in roots.items():
+        total, todo = 0.0, [root] if root in stats else []
+        while todo:
+            pid = todo.pop()
+            total += stats[pid][1]
+            todo.extend(kids.get(pid, ()))
+        out[name] = total
+    return out
 
 
 def _safetensors(run) -> dict:

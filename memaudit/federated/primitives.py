@@ -46,7 +46,7 @@ from memaudit.federated.primitives_impl import (
     federated_sum_p,
     primitive_params,
 )
-from memaudit.federated.program import ProgramContext, current_context
+from memaudit.federated.program import ClientsCountError, ProgramContext, current_context
 
 # ---------------------------------------------------------------- public functions
 
@@ -54,7 +54,7 @@ from memaudit.federated.program import ProgramContext, current_context
 def _check_placed(x, ctx: ProgramContext, what: str) -> None:
     shape = jnp.shape(x)
     if not shape or shape[0] != ctx.n_pad:
-        raise ValueError(
+        raise ClientsCountError(
             f"{what} got shape {tuple(shape)}; a clients-placed value needs leading size "
             f"{ctx.n_pad} (clients={ctx.n}); pass one row per client"
         )

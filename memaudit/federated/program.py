@@ -36,6 +36,11 @@ import jax.numpy as jnp
 from memaudit.federated import sharding as shd
 
 
+class ClientsCountError(ValueError):
+    """A clients-placed value whose leading size is not the program's number of clients (a
+    program declared with ``clients=N`` called, or traced, with another count)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramContext:
     """The static facts a federated primitive needs: real and padded client counts, mesh."""
@@ -104,7 +109,7 @@ def check_leading(tree: Any, n: int, what: str) -> None:
         shape = jnp.shape(leaf)
         if len(shape) == 0 or shape[0] != n:
             where = jax.tree_util.keystr(path) or "value"
-            raise ValueError(
+            raise ClientsCountError(
                 f"{what}{where} has shape {tuple(shape)} but a clients-placed value needs leading "
                 f"size {n} (one row per client); pass an array of shape ({n}, ...)"
             )

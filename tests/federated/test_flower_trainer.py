@@ -190,8 +190,8 @@ def test_lora_fedsgd_on_flower_equals_in_jax_when_the_rank_equals_the_cohort(set
     """FedSGD's gradient of LoRA adapters of rank 4 in a cohort of 4: the partitioner told the
     clients dim from the shapes alone, so the sum over the clients of lora_B's gradient, of
     shape (rank, d), read as per-client rows, and the Flower run's adapters moved 0.0031 away
-    from the in-JAX run's (0.0 with rank 8). It now tells the clients dim by tracing the round
-    with one more client: only a dim that follows the clients count is theirs."""
+    from the in-JAX run's (0.0 with rank 8). It now follows the clients dim through the round's
+    dataflow (memaudit.federated.closure): an aggregate is server-placed whatever its shape."""
     from memaudit.config import load_config
     from memaudit.federated.flower.trainer import flower_trainer
     from memaudit.federated.trainer import FederatedTrainer

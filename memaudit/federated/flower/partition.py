@@ -4,14 +4,19 @@ A round of a federated algorithm (`memaudit.federated.algorithms`, its ``round.p
 traced once per cohort capacity with ``jax.make_jaxpr``; top-level ``jit`` calls are inlined,
 and every equation is placed by data flow:
 
-- a value is *clients-placed* when it is a clients-placed input (the cohort's data), the output
-  of `federated_broadcast`, or the output of a client equation; every other value is
-  server-placed;
-- an equation with a clients-placed input whose outputs keep the clients dim (``n`` leading)
-  is a *client* equation (the computation between a broadcast and the next aggregation). The
-  clients dim is told by a second trace with one more client: a leading dim is the clients'
-  only when it is ``n`` in the round and ``n + 1`` in the grown one, so a model dim equal to the
-  capacity (LoRA's rank 4 in a cohort of 4) is never read as per-client rows;
+- a value is *clients-placed* when its clients dim is known: the dataflow of the federated
+  closure check (`memaudit.federated.closure.placements`) follows it from the clients-placed
+  inputs (the cohort's data, leading) and the outputs of `federated_broadcast` (leading)
+  through every equation, whatever the shapes: a model dim equal to the capacity (LoRA's rank 4
+  in a cohort of 4), or an aggregate with a dim of size n (``federated_sum`` of per-client
+  one-hots), is never read as per-client rows, and a program declared with
+  ``federated_program(clients=N)`` is traced once. An equation that moves data across the
+  clients dim outside the federated primitives (a hand-written ``jnp.sum(v, 0)``,
+  ``ones((n, n)) / n @ v``, a ``cumsum`` over the clients, ``h @ h.T``: what the closure check
+  refuses) is a server equation, its outputs server-placed: on the nodes each would mix only
+  the clients a node hosts; the server, which gathers the rows, mixes them all, as in JAX;
+- an equation with a clients-placed input whose outputs all keep the clients dim leading is a
+  *client* equation (the computation between a broadcast and the next aggregation);
 - a fused map-and-sum (`memaudit.federated.federated_map_sum`, a ``jit`` named
   ``federated_map_sum``, possibly inside its ``custom_jvp``) is a client equation whose outputs
   are *partial sums*: each node sums the clients it hosts, the server adds the nodes' sums;
@@ -57,7 +62,9 @@ import numpy as np
 from jax import export
 
 from memaudit.errors import MemauditError
+from memaudit.federated.closure import Clients, ClosureError, placements
 from memaudit.federated.primitives_impl import PRIMITIVE_NAMES, federated_broadcast_p
+from memaudit.federated.program import ClientsCountError
 
 SERVER, CLIENT = "server", "client"
 FUSED_NAMES = frozenset({"federated_map_sum"})
@@ -295,14 +302,13 @@ def trace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], cap
     if missing:
         raise PlanError(f"no argument leaf named {min(missing)!r}; pass the leaf paths of "
                         "the clients-placed arguments")
-    t = _inline_program(program, args)
+    t = _inline_program(program, args, capacity)
     num, consts, invars, ops, outvars = t.num, t.consts, t.invars, t.ops, t.outvars
     data_leaves = {i: placed[p] for i, p in zip(invars, paths, strict=True) if p in placed}
     out_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t.out_shape)]
     res_out = frozenset(k for k, p in enumerate(out_paths) if any(p.startswith(r) for r in resident))
 
-    per_client = _follows_capacity(t, _inline_program(program, _grown(args, placed)), capacity)
-    kinds, sums = _placement(ops, per_client, set(data_leaves))
+    kinds, sums = _placement(ops, set(data_leaves))
     for k in sorted(res_out):
         o = outvars[k]
         if not isinstance(o, int) or not any(o in op.outs for op, kd in zip(ops, kinds, strict=True)
@@ -347,10 +353,19 @@ class _Traced:
     outvars: list
 
 
-def _inline_program(program: Callable, args: Sequence[Any]) -> _Traced:
+def _inline_program(program: Callable, args: Sequence[Any], capacity: int) -> _Traced:
     """``program(*args)`` traced and inlined into `Op` s (top-level jits, and scans and remats
-    that communicate, unrolled), with its constants', inputs' and outputs' ids."""
-    closed, out_shape = jax.make_jaxpr(program, return_shape=True)(*args)
+    that communicate, unrolled), with its constants', inputs' and outputs' ids.
+
+    Raises:
+        PlanError: the program declares another number of clients than ``capacity``.
+    """
+    try:
+        closed, out_shape = jax.make_jaxpr(program, return_shape=True)(*args)
+    except ClientsCountError as e:
+        raise PlanError(f"the round cannot be traced for {capacity} clients ({e}); a program declared "
+                        "with a fixed federated_program(clients=N) runs only N: read n from the data "
+                        "instead (clients=data.mask.shape[0])") from None
     jaxpr = closed.jaxpr
     num = _Numbering()
     env: dict = {}
@@ -369,11 +384,6 @@ def _inline_program(program: Callable, args: Sequence[Any]) -> _Traced:
     return _Traced(out_shape, num, consts, invars, ops, outvars)
 
 
-def _grown(args: Sequence[Any], placed: Mapping[str, str]) -> tuple:
-    """``args`` with one more client: each clients-placed leaf's leading dim plus one."""
-    return _resized(args, placed, lambda n: n + 1)
-
-
 def _resized(args: Sequence[Any], placed: Mapping[str, str], size: Callable[[int], int]) -> tuple:
     """``args`` with each clients-placed leaf's leading dim n replaced by ``size(n)``."""
     def resize(path, x):
@@ -383,29 +393,6 @@ def _resized(args: Sequence[Any], placed: Mapping[str, str], size: Callable[[int
         return jax.ShapeDtypeStruct((size(shape[0]), *shape[1:]), jax.numpy.result_type(x))
 
     return jax.tree_util.tree_map_with_path(resize, tuple(args))
-
-
-def _follows_capacity(t: _Traced, grown: _Traced, capacity: int) -> list[bool]:
-    """Which ops keep the clients dim in front of every output: those whose outputs lead with
-    the capacity in the round as traced and with capacity + 1 in the round traced with one more
-    client. A dim of the model that happens to equal the capacity (LoRA's rank 4 in a cohort of
-    4: a sum over the clients of shape (rank, d) read as per-client rows) does not follow it.
-
-    Raises:
-        PlanError: the two traces are not the same program (the clients count changed its
-        equations), so the clients dim cannot be told from the shapes.
-    """
-    same = len(t.ops) == len(grown.ops) and all(
-        a.eqn.primitive is b.eqn.primitive and len(a.outs) == len(b.outs)
-        for a, b in zip(t.ops, grown.ops, strict=True))
-    if not same:
-        raise PlanError("the round's equations change with the number of clients, so its "
-                        "per-client work cannot be told apart; write the clients' work with "
-                        "federated_map over the clients-placed data")
-    return [all(_leading(t.num.avals[o], capacity)
-                and _leading(grown.num.avals[g], capacity + 1)
-                for o, g in zip(a.outs, b.outs, strict=True))
-            for a, b in zip(t.ops, grown.ops, strict=True)]
 
 
 MOVES = frozenset({
@@ -429,25 +416,33 @@ def _copies(ops: list[Op], data: Mapping[int, str]) -> dict[int, str]:
     return out
 
 
-def _placement(ops: list[Op], per_client: list[bool], data: set[int]) -> tuple[list[str], set[int]]:
-    """Each op's kind (CLIENT / SERVER) by data flow, and the var ids that are partial sums;
-    ``per_client``: which ops keep the clients dim (`_follows_capacity`)."""
-    clients: set[int] = set(data)
+def _placement(ops: list[Op], data: set[int]) -> tuple[list[str], set[int]]:
+    """Each op's kind (CLIENT / SERVER) by data flow (`memaudit.federated.closure.placements`),
+    and the var ids that are partial sums. An op that moves data across the clients dim outside
+    the federated primitives runs on the server, its outputs server-placed."""
+    where: dict[int, Any] = {i: Clients(0) for i in data}
     kinds: list[str] = []
     sums: set[int] = set()
-    for op, rows in zip(ops, per_client, strict=True):
-        from_clients = any(isinstance(i, int) and i in clients for i in op.ins)
+    for op in ops:
+        ins = [None if isinstance(i, Lit) else where.get(i) for i in op.ins]
+        from_clients = any(isinstance(p, Clients) for p in ins)
+        try:
+            outs, _ = placements(op.eqn, ins)
+        except ClosureError:
+            outs = [None] * len(op.outs)  # mixing the clients: only the server has them all
+            kinds.append(SERVER)
+            where.update(zip(op.outs, outs, strict=True))
+            continue
+        where.update(zip(op.outs, outs, strict=True))
         if op.eqn.primitive is federated_broadcast_p:
             kind = CLIENT
-            clients.update(op.outs)
         elif from_clients and _is_fused_sum(op.eqn):
             kind = CLIENT
             sums.update(op.outs)
-        elif from_clients and rows:
-            kind = CLIENT  # per-client work: the clients dim kept (rows are independent)
-            clients.update(op.outs)
+        elif from_clients and all(isinstance(p, Clients) and p.dim == 0 for p in outs):
+            kind = CLIENT  # per-client work: the clients dim kept leading (rows are independent)
         else:
-            kind = SERVER
+            kind = SERVER  # an aggregation, server work, or clients-placed work the server runs
         kinds.append(kind)
     return kinds, sums
 
@@ -619,7 +614,7 @@ def retrace(program: Callable, args: Sequence[Any], placed: Mapping[str, str], c
     """The round of ``args`` (its clients-placed leaves' leading dim resized to ``capacity``)
     traced once, its equations only (no stages): what `node_stages` takes its equations from
     when no plan of that capacity was compiled."""
-    t = _inline_program(program, _resized(args, placed, lambda _n: capacity))
+    t = _inline_program(program, _resized(args, placed, lambda _n: capacity), capacity)
     return Plan(capacity, [], t.invars, t.consts, t.outvars, None, {}, t.num.avals, ops=tuple(t.ops))
 
 
