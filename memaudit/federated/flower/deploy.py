@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Self
 
 from memaudit.errors import ConfigError, MemauditError
@@ -153,6 +154,15 @@ def started_run(launch: Path) -> int | None:
         text = (launch / "flwr-run.log").read_text(errors="replace")
     except OSError:
         return None
+    return started_run_id(text)
+
+
+def started_run_id(text: str) -> int | None:
+    """The run id in ``flwr run``'s output; None where it names none.
+
+    >>> started_run_id("Successfully started run 42\\n"), started_run_id("")
+    (42, None)
+    """
     found = re.search(r"started run (\d+)", text)
     return None if found is None else int(found.group(1))
 
@@ -260,14 +270,24 @@ class LocalFederation:
             tested against.
         bundled: memaudit's SuperNodes pull a message and push a reply in one request each
             (`memaudit.federated.flower.bundle`); False: Flower's requests (``--fleet flower``).
+        tls: (CA certificate, certificate, key) of the SuperLink: it serves TLS on 127.0.0.1
+            (the certificate must name that address) and the SuperNodes verify it with the CA, as
+            in the multi-host deployment (docs/flower.md); None: plain HTTP.
+        node_keys: one private key file per SuperNode (its public half beside it, ``.pub``,
+            OpenSSH format): the SuperLink admits only these nodes (``--enable-supernode-auth``,
+            which needs ``tls``), each registered with ``flwr supernode register`` before it starts.
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
                  env: dict[str, str] | None = None, manifest: str | Path | None = None,
                  resident: bool = True, flower_supernode: bool = False, flower_superlink: bool = False,
-                 bundled: bool = True) -> None:
+                 bundled: bool = True, tls: tuple[str, str, str] | None = None,
+                 node_keys: Sequence[str | Path] | None = None) -> None:
         self.resident, self.flower_supernode, self.flower_superlink = resident, flower_supernode, flower_superlink
-        self.bundled = bundled
+        self.bundled, self.tls = bundled, tls
+        self.node_keys = None if node_keys is None else [str(k) for k in node_keys]
+        if self.node_keys is not None and (tls is None or len(self.node_keys) != len(partitions)):
+            raise ValueError("node_keys needs tls and one key per partition")
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
         self.manifest = str(manifest or Path(self.partitions[0]).parent / "manifest.json")
         self.env = dict(os.environ if env is None else env)
@@ -296,10 +316,27 @@ class LocalFederation:
         link = ([_tool("flower-superlink")] if self.flower_superlink
                 else [sys.executable, "-m", "memaudit.federated.flower.superlink"])
         self.superlink = self._start("superlink", [  # state in memory (no --database)
-            *link, *superlink_args("127.0.0.1", self.port, supernode_auth=False)])
+            *link, *superlink_args("127.0.0.1", self.port, tls=self.tls, supernode_auth=self.node_keys is not None)])
         _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
+        for key in self.node_keys or ():
+            self.register(f"{key}.pub")
         for i, part in enumerate(self.partitions):
             self.nodes.append(self.start_node(i, part))
+
+    def flower_home(self, d: Path) -> Path:
+        """A Flower config in ``d`` whose one connection is this federation's SuperLink."""
+        return write_flower_home(d, SimpleNamespace(superlink=self.address, insecure=self.tls is None,
+                                                    root_certificates=None if self.tls is None else self.tls[0]))
+
+    def register(self, public_key: str | Path) -> None:
+        """``flwr supernode register``: the SuperLink admits the node of this public key."""
+        home = self.flower_home(self.workdir / "flwr-home")
+        proc = subprocess.run([_tool("flwr"), "supernode", "register", str(public_key), CONNECTION],
+                              env={**self.env, "FLWR_HOME": str(home)}, capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL, check=False)
+        if proc.returncode != 0:
+            raise MemauditError(f"flwr supernode register {public_key} failed: "
+                                f"{(proc.stdout + proc.stderr).strip()[-300:]}")
 
     def start_node(self, i: int, partition: str) -> subprocess.Popen:
         cache = self.workdir / f"node-{i}-cache"
@@ -308,7 +345,9 @@ class LocalFederation:
                       *([] if self.bundled else ["--fleet", "flower"])])
         return self._start(f"supernode-{i}", [
             *node, "--host", "127.0.0.1", "--port", str(free_port()),
-            *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident)])
+            *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident,
+                            root_certificates=None if self.tls is None else self.tls[0],
+                            auth_key=None if self.node_keys is None else self.node_keys[i])])
 
     def kill_node(self, i: int) -> None:
         """SIGKILL SuperNode ``i`` and the processes it started (its process group)."""
