@@ -314,6 +314,11 @@ def _node_keys(d: Path, n: int) -> list[str]:
     return out
 
 
+def _unauthenticated(e: Exception) -> bool:
+    """Whether a runtime API call was refused as unauthenticated (HTTP 401)."""
+    return getattr(getattr(e, "response", None), "status_code", None) == 401
+
+
 def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
     """A stranger who reaches the SuperLink's address (no credential; the CA certificate only,
     which every SuperNode holds) asks its Runtime API for ServerApp tasks, with Flower's own
@@ -370,7 +375,7 @@ def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
             try:
                 res = ask.AcquireTask(request)
             except Exception as e:  # noqa: BLE001 - the stranger notes what it was told
-                got["refused" if "authentication failed" in str(e).lower() else "other_errors"] += 1
+                got["refused" if _unauthenticated(e) else "other_errors"] += 1
                 time.sleep(0.01)
                 continue
             if res.HasField("task") and res.token:
@@ -403,6 +408,17 @@ def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
         done.set()
         t.join(timeout=120)
     got["runs"] = [status.get(i) for i in ids]
+    # each SuperNode's runtime API (on 127.0.0.1: a stranger on the node's host) asked for a task too
+    got["node_runtime_refused"] = 0
+    for port in fed.runtime_ports:
+        node = RuntimeHttpClient.from_server_address(
+            server_address=f"127.0.0.1:{port}", insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")])
+        try:
+            res = node.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+            got["tasks"] += int(res.HasField("task"))
+        except Exception as e:  # noqa: BLE001 - refused, or another failure (which fails the test)
+            got["node_runtime_refused"] += _unauthenticated(e)
     return got
 
 
@@ -426,8 +442,14 @@ def test_nobody_takes_the_server_seat(federation, tmp_path, transport):
         with LocalFederation(tmp_path / "federation", fed.partitions, env=fed.env, manifest=fed.manifest,
                              tls=tls, node_keys=keys) as recipe:
             got = _take_the_server_seat(recipe, tmp_path)
+            ls = subprocess.run([str(Path(sys.executable).parent / "flwr"), "supernode", "ls", "memaudit",
+                                 "--format", "json"], env={**recipe.env, "FLWR_HOME": str(tmp_path / "home")},
+                                capture_output=True, text=True, timeout=300, check=True)
+        # the registered SuperNodes came online over TLS: the federation the stranger faced works
+        assert [n["status"] for n in json.loads(ls.stdout)["nodes"]] == ["online"] * len(fed.partitions), ls.stdout
     print(f"stranger over {transport}: {got}")  # the issue's before/after figures
     assert got["refused"] > 0, got  # it asked, and the SuperLink said no
+    assert got["node_runtime_refused"] == len(fed.partitions), got  # so did each SuperNode
     assert (got["tasks"], got["run_config_bytes"], got["node_ids"], got["node_bytes"]) == (0, 0, 0, 0), got
     # memaudit's own SuperExec took every run's task: its ServerApp ran and refused the run,
     # whose launch folder does not exist (the run binding, trainer.bind_launch)

@@ -300,6 +300,7 @@ class LocalFederation:
         self.port = 0
         self.superlink: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
+        self.runtime_ports: list[int] = []  # each SuperNode's runtime API port
 
     @property
     def address(self) -> str:
@@ -343,8 +344,10 @@ class LocalFederation:
         node = ([_tool("flower-supernode")] if self.flower_supernode
                 else [sys.executable, "-m", "memaudit.federated.flower.supernode",
                       *([] if self.bundled else ["--fleet", "flower"])])
+        port = free_port()
+        self.runtime_ports[i:i + 1] = [port]  # the node's runtime API (127.0.0.1, plain HTTP)
         return self._start(f"supernode-{i}", [
-            *node, "--host", "127.0.0.1", "--port", str(free_port()),
+            *node, "--host", "127.0.0.1", "--port", str(port),
             *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident,
                             root_certificates=None if self.tls is None else self.tls[0],
                             auth_key=None if self.node_keys is None else self.node_keys[i])])

@@ -47,6 +47,7 @@ import argparse
 import importlib
 import io
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -409,10 +410,12 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
     SuperLink's ServerApp tasks each a thread too). ``--isolation`` in `flower_args` is refused
     (exit 2)."""
     what = {"clientapp": ("SuperNode", "flower-supernode"), "serverapp": ("SuperLink", "flower-superlink")}[task]
-    if flag_value(flower_args, "--isolation") is not None:
-        print(f"memaudit: error: --isolation is memaudit's SuperExec on this {what[0]}; remove it, "
-              f"or run {what[1]} itself", file=sys.stderr)
-        return 2
+    for flag, why in (("--isolation", "is memaudit's SuperExec"),
+                      (SECRET_FLAG, "is made by memaudit (runtime_secret)")):
+        if flag_value(flower_args, flag) is not None:
+            print(f"memaudit: error: {flag} {why} on this {what[0]}; remove it, or run {what[1]} itself",
+                  file=sys.stderr)
+            return 2
     # a thread of this process, on the SuperNode's or SuperLink's own state
     component = {"clientapp": "supernode", "serverapp": "superlink"}[task]
     capture_state(component)
@@ -429,9 +432,31 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
               local=LocalRuntime(component_state(component), component=component))
 
     threading.Thread(target=serve_here, name="memaudit-superexec", daemon=True).start()
-    sys.argv = [what[1], *flower_args, "--isolation", "process"]
+    sys.argv = [what[1], *flower_args, "--isolation", "process", *runtime_secret()]
     flower_main()
     return 0
+
+
+SECRET_FLAG = "--superexec-auth-secret-file"
+
+
+def runtime_secret() -> list[str]:
+    """Flower's SuperExec authentication, with a secret no one holds: the arguments that give
+    Flower's SuperLink or SuperNode a fresh random 32-byte secret through a pipe of this process
+    (never a file).
+
+    Flower 1.42 serves the runtime API on the component's own address (a SuperLink's: the one its
+    SuperNodes and ``flwr`` reach), and without a SuperExec secret it hands a pending task, and
+    the token that reads its run and speaks for it, to whoever asks
+    (``/v1/runtime/acquire-task``). With one, it answers that ask only when it is signed with
+    the secret (``flwr.supercore.dependencies.superexec``). memaudit's SuperExec asks Flower's
+    handlers in this process (`memaudit.federated.flower.localruntime`), not over HTTP, so it
+    needs no secret, and no one outside this process can sign: every task is acquired here.
+    Test: ``tests/federated/test_flower_deploy.py::test_nobody_takes_the_server_seat``."""
+    read, write = os.pipe()
+    os.write(write, secrets.token_bytes(32))
+    os.close(write)
+    return [SECRET_FLAG, f"/dev/fd/{read}"]  # read once, in this process, by Flower's argument parsing
 
 
 def main(argv: list[str] | None = None) -> int:
