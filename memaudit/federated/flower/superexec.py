@@ -44,6 +44,7 @@ SuperLink) is gone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import os
@@ -56,6 +57,7 @@ import time
 import tomllib
 import traceback
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -432,15 +434,17 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
               local=LocalRuntime(component_state(component), component=component))
 
     threading.Thread(target=serve_here, name="memaudit-superexec", daemon=True).start()
-    sys.argv = [what[1], *flower_args, "--isolation", "process", *runtime_secret()]
-    flower_main()
+    with runtime_secret() as secret:
+        sys.argv = [what[1], *flower_args, "--isolation", "process", *secret]
+        flower_main()
     return 0
 
 
 SECRET_FLAG = "--superexec-auth-secret-file"
 
 
-def runtime_secret() -> list[str]:
+@contextlib.contextmanager
+def runtime_secret() -> Iterator[list[str]]:
     """Flower's SuperExec authentication, with a secret no one holds: the arguments that give
     Flower's SuperLink or SuperNode a fresh random 32-byte secret through a pipe of this process
     (never a file).
@@ -454,9 +458,14 @@ def runtime_secret() -> list[str]:
     needs no secret, and no one outside this process can sign: every task is acquired here.
     Test: ``tests/federated/test_flower_deploy.py::test_nobody_takes_the_server_seat``."""
     read, write = os.pipe()
-    os.write(write, secrets.token_bytes(32))
-    os.close(write)
-    return [SECRET_FLAG, f"/dev/fd/{read}"]  # read once, in this process, by Flower's argument parsing
+    try:
+        os.write(write, secrets.token_bytes(32))
+    finally:
+        os.close(write)
+    try:
+        yield [SECRET_FLAG, f"/dev/fd/{read}"]  # read once, in this process, by Flower's argument parsing
+    finally:
+        os.close(read)
 
 
 def main(argv: list[str] | None = None) -> int:
