@@ -188,13 +188,14 @@ def _stop_run(launch: Path, env: dict[str, str]) -> None:
 
 # ------------------------------------------------------------------ the processes' commands
 def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = None,
-                   supernode_auth: bool = True) -> list[str]:
+                   supernode_auth: bool = True, server_key: str | Path | None = None) -> list[str]:
     """The arguments of memaudit's SuperLink (`memaudit.federated.flower.superlink`; Flower's
-    ``flower-superlink`` takes the same): bound to ``host`` (the interface the SuperNodes and the
-    operator reach; flwr serves its Fleet, Control and Runtime APIs on this one address), TLS
-    from ``tls`` = (CA certificate, certificate, key), only registered SuperNodes
-    (``--enable-supernode-auth``), no dependency installation. Without ``tls`` only on
-    localhost (the tests' federation).
+    ``flower-superlink`` takes the same but ``--server-key``): bound to ``host`` (the interface
+    the SuperNodes and the operator reach; flwr serves its Fleet, Control and Runtime APIs on
+    this one address), TLS from ``tls`` = (CA certificate, certificate, key), only registered
+    SuperNodes (``--enable-supernode-auth``), no dependency installation, and the key its
+    ServerApp signs its messages with (``server_key``, the ``server.key`` written with the
+    partitions). Without ``tls`` only on localhost (the tests' federation).
 
     >>> superlink_args("127.0.0.1", 9091, supernode_auth=False)[:3]
     ['--insecure', '--host', '127.0.0.1']
@@ -205,6 +206,7 @@ def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = N
     out = ["--insecure"] if tls is None else ["--ssl-ca-certfile", tls[0], "--ssl-certfile", tls[1],
                                               "--ssl-keyfile", tls[2]]
     out += ["--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
+    out += ["--server-key", str(server_key)] if server_key is not None else []
     return out + (["--enable-supernode-auth"] if supernode_auth else [])
 
 
@@ -276,15 +278,17 @@ class LocalFederation:
         node_keys: one private key file per SuperNode (its public half beside it, ``.pub``,
             OpenSSH format): the SuperLink admits only these nodes (``--enable-supernode-auth``,
             which needs ``tls``), each registered with ``flwr supernode register`` before it starts.
+        superlink_extra: more arguments of the SuperLink. memaudit's SuperLink is given the
+            ``server.key`` beside the manifest, where there is one (``--server-key``).
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
                  env: dict[str, str] | None = None, manifest: str | Path | None = None,
                  resident: bool = True, flower_supernode: bool = False, flower_superlink: bool = False,
                  bundled: bool = True, tls: tuple[str, str, str] | None = None,
-                 node_keys: Sequence[str | Path] | None = None) -> None:
+                 node_keys: Sequence[str | Path] | None = None, superlink_extra: Sequence[str] = ()) -> None:
         self.resident, self.flower_supernode, self.flower_superlink = resident, flower_supernode, flower_superlink
-        self.bundled, self.tls = bundled, tls
+        self.bundled, self.tls, self.superlink_extra = bundled, tls, list(superlink_extra)
         self.node_keys = None if node_keys is None else [str(k) for k in node_keys]
         if self.node_keys is not None and (tls is None or len(self.node_keys) != len(partitions)):
             raise ValueError("node_keys needs tls and one key per partition")
@@ -316,8 +320,11 @@ class LocalFederation:
         self.port = free_port()
         link = ([_tool("flower-superlink")] if self.flower_superlink
                 else [sys.executable, "-m", "memaudit.federated.flower.superlink"])
+        key = Path(self.manifest).with_name("server.key")  # written with the manifest
+        key = key if key.is_file() and not self.flower_superlink else None
         self.superlink = self._start("superlink", [  # state in memory (no --database)
-            *link, *superlink_args("127.0.0.1", self.port, tls=self.tls, supernode_auth=self.node_keys is not None)])
+            *link, *superlink_args("127.0.0.1", self.port, tls=self.tls, supernode_auth=self.node_keys is not None,
+                                   server_key=key), *self.superlink_extra])
         _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
         for key in self.node_keys or ():
             self.register(f"{key}.pub")
