@@ -409,8 +409,9 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
     """Run Flower's SuperNode or SuperLink (`flower_main`, its command-line entry) in this process
     with ``--isolation process``, and memaudit's SuperExec for `task` beside it, as a thread of
     this process on the SuperNode's or SuperLink's own state (`serve` with a `LocalRuntime`; a
-    SuperLink's ServerApp tasks each a thread too). ``--isolation`` in `flower_args` is refused
-    (exit 2)."""
+    SuperLink's ServerApp tasks each a thread too), and Flower's runtime API closed to every
+    other caller (`runtime_secret`). ``--isolation`` or ``--superexec-auth-secret-file`` in
+    `flower_args` is refused (exit 2)."""
     what = {"clientapp": ("SuperNode", "flower-supernode"), "serverapp": ("SuperLink", "flower-superlink")}[task]
     for flag, why in (("--isolation", "is memaudit's SuperExec"),
                       (SECRET_FLAG, "is made by memaudit (runtime_secret)")):
