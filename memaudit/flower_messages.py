@@ -6,7 +6,7 @@ server's signature on a message (`sign_messages`, `server_refusal`).
 
 **The server's signature.** Whoever holds a run's ServerApp task speaks for the run: Flower's
 SuperLink relays what it pushes to the nodes as the run's server. ``python -m
-memaudit.federated.flower.nodes`` makes a server key (``server.key``, 0600, it stays on the
+memaudit.federated.flower.nodes`` makes a server key (``serverapp.key``, 0600, it stays on the
 SuperLink's host) beside the partitions and lists its public half in the stage manifest
 (``server``); memaudit's SuperLink is started with it (``--server-key``) and memaudit's ServerApp,
 once it is bound to its run (`memaudit.federated.flower.trainer.bind_launch`), signs every
@@ -94,13 +94,14 @@ def payload_of(message: Any) -> bytes:
 
 
 SIGNED = "memaudit_server"  # the record of the server's signature over a message
+SERVER_KEY = "serverapp.key"  # its file, beside the manifest (python -m memaudit.federated.flower.nodes)
 _DOMAIN = b"memaudit/flower/server-message/v1"
 _KEY: list[Ed25519PrivateKey] = []  # this process's server key (`use_server_key`)
 
 
 def use_server_key(path: str | Path) -> None:
     """Sign this process's ServerApps' messages with the key at `path` (hex of its 32 raw
-    bytes, as ``python -m memaudit.federated.flower.nodes`` writes ``server.key``).
+    bytes, as ``python -m memaudit.federated.flower.nodes`` writes ``serverapp.key``).
 
     Raises:
         ValueError: one line, when the file cannot be read as such a key.
@@ -109,7 +110,7 @@ def use_server_key(path: str | Path) -> None:
     try:
         key = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(p.read_text().strip()))
     except (OSError, ValueError) as e:
-        raise ValueError(f"the server key '{p}' cannot be read ({type(e).__name__}); give the server.key "
+        raise ValueError(f"the server key '{p}' cannot be read ({type(e).__name__}); give the serverapp.key "
                          "written with the partitions (python -m memaudit.federated.flower.nodes)") from None
     _KEY[:] = [key]
 

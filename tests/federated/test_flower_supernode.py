@@ -164,7 +164,7 @@ def test_bad_supernode_arguments_get_one_line(argv, says, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["--insecure", "--isolation=subprocess"], "--isolation is memaudit's SuperExec on this SuperLink"),
     (["--insecure", "--superexec-auth-secret-file=s"], "--superexec-auth-secret-file is made by memaudit"),
-    (["--insecure", "--server-key", "/no/such/server.key"], "the server key '/no/such/server.key' cannot be read"),
+    (["--insecure", "--server-key", "/no/such/serverapp.key"], "the server key '/no/such/serverapp.key' cannot be read"),
 ])
 def test_a_superlink_with_its_own_isolation_gets_one_line(argv, says, capsys):
     from memaudit.federated.flower import superlink

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any, Self
 
 from memaudit.errors import ConfigError, MemauditError
+from memaudit.flower_messages import SERVER_KEY
 from memaudit.io import atomic_write_json
 
 APP_MODULE = "memaudit_flower_app"
@@ -194,7 +195,7 @@ def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = N
     the SuperNodes and the operator reach; flwr serves its Fleet, Control and Runtime APIs on
     this one address), TLS from ``tls`` = (CA certificate, certificate, key), only registered
     SuperNodes (``--enable-supernode-auth``), no dependency installation, and the key its
-    ServerApp signs its messages with (``server_key``, the ``server.key`` written with the
+    ServerApp signs its messages with (``server_key``, the ``serverapp.key`` written with the
     partitions). Without ``tls`` only on localhost (the tests' federation).
 
     >>> superlink_args("127.0.0.1", 9091, supernode_auth=False)[:3]
@@ -279,7 +280,7 @@ class LocalFederation:
             OpenSSH format): the SuperLink admits only these nodes (``--enable-supernode-auth``,
             which needs ``tls``), each registered with ``flwr supernode register`` before it starts.
         superlink_extra: more arguments of the SuperLink. memaudit's SuperLink is given the
-            ``server.key`` beside the manifest, where there is one (``--server-key``).
+            ``serverapp.key`` beside the manifest, where there is one (``--server-key``).
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
@@ -320,7 +321,7 @@ class LocalFederation:
         self.port = free_port()
         link = ([_tool("flower-superlink")] if self.flower_superlink
                 else [sys.executable, "-m", "memaudit.federated.flower.superlink"])
-        key = Path(self.manifest).with_name("server.key")  # written with the manifest
+        key = Path(self.manifest).with_name(SERVER_KEY)  # written with the manifest
         key = key if key.is_file() and not self.flower_superlink else None
         self.superlink = self._start("superlink", [  # state in memory (no --database)
             *link, *superlink_args("127.0.0.1", self.port, tls=self.tls, supernode_auth=self.node_keys is not None,

@@ -7,7 +7,7 @@ users' names, their packed sequences, attention masks and example masks, and one
 user, and ``manifest.json``: the stage manifest of the config
 (`memaudit.federated.flower.manifest.build_trust`: the client stages a node may run, the
 secure-aggregation policy and DP parameters it enforces, and the server's public key), and
-``server.key``: the key memaudit's SuperLink signs its messages with (``--server-key``), which
+``serverapp.key``: the key memaudit's SuperLink signs its messages with (``--server-key``), which
 stays on the SuperLink's host. A SuperNode is started with
 ``--node-config "partition='.../node-<i>.npz' manifest='.../manifest.json'"``; the server
 checks every node's digests against its own prepared data, so a partition made from another
@@ -36,12 +36,12 @@ from memaudit.data import prepare_data
 from memaudit.errors import DataError, MemauditError
 from memaudit.federated.data import build_client_data
 from memaudit.federated.flower.identity import new_node_key, public_hex, write_node_key
+from memaudit.flower_messages import SERVER_KEY
 from memaudit.io import atomic_write_bytes
 from memaudit.models.presets import get_preset
 from memaudit.rundir import RunDir
 
 ARRAYS = ("input_ids", "attention_mask", "example_mask")
-SERVER_KEY = "server.key"  # beside the manifest: the key memaudit's SuperLink signs with (--server-key)
 
 
 def user_digest(ids: np.ndarray, mask: np.ndarray) -> str:

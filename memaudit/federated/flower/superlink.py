@@ -1,6 +1,6 @@
 """memaudit's SuperLink: Flower's ``flower-superlink``, whose ServerApps are memaudit's only.
 
-    python -m memaudit.federated.flower.superlink [--server-key server.key] FLOWER-SUPERLINK-ARGUMENTS...
+    python -m memaudit.federated.flower.superlink [--server-key serverapp.key] FLOWER-SUPERLINK-ARGUMENTS...
 
 takes ``flower-superlink``'s arguments (`memaudit.federated.flower.deploy.superlink_args`) and
 runs Flower 1.42's SuperLink in this process with ``--isolation process``, beside memaudit's
@@ -25,7 +25,7 @@ its FAB is installed, imported or run. The SuperNodes refuse such apps on their 
 ServerApp task, to speak for the run to its nodes. Flower answers that ask only when it is
 signed with a SuperExec secret, here one this process makes and no one holds
 (`memaudit.federated.flower.superexec.runtime_secret`): every task goes to memaudit's SuperExec.
-With ``--server-key`` (the ``server.key`` written with the partitions) memaudit's ServerApp signs
+With ``--server-key`` (the ``serverapp.key`` written with the partitions) memaudit's ServerApp signs
 every message it sends, once bound to its run, and nodes whose manifest names that key answer
 nothing else (`memaudit.flower_messages`). Tests:
 ``tests/federated/test_flower_deploy.py::test_nobody_takes_the_server_seat`` and
@@ -55,7 +55,7 @@ from memaudit.flower_messages import use_server_key
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False)
     ap.add_argument("--server-key", default=None,
-                    help="the server.key written with the partitions: memaudit's ServerApp signs its "
+                    help="the serverapp.key written with the partitions: memaudit's ServerApp signs its "
                          "messages with it, and nodes whose manifest names it answer only those")
     ours, flower_args = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.server_key is not None:
