@@ -27,7 +27,9 @@ whoever starts a resident first removes those of every resident that is gone (`s
 
 Everything the node checks (the stage manifest, the policy, the DP bound, the partition's users)
 is checked by the resident exactly as by the in-process ClientApp: the same code
-(`memaudit.federated.flower.apps.answer`).
+(`memaudit.federated.flower.apps.answer`). Before that, the ClientApp answers a message only when
+the server key of the node's manifest signed it for its run and this node
+(`memaudit.flower_messages.server_refusal`); any other gets an error and reaches no resident.
 """
 
 from __future__ import annotations
@@ -50,7 +52,16 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from memaudit.flower_messages import HELLO, KINDS, SECAGG, STAGE, payload_of, record
+from memaudit.flower_messages import (
+    HELLO,
+    KINDS,
+    SECAGG,
+    STAGE,
+    manifest_server,
+    payload_of,
+    record,
+    server_refusal,
+)
 
 START_TIMEOUT_S = 120.0
 # a resident's files in `resident_dir`: <name>.sock, .key, .lock, .pid (and .pid.tmp while written), .log
@@ -293,7 +304,14 @@ def ask(conn: Connection, kind: str, run_id: int, payload: bytes) -> bytes:
 def _forward(message: Any, context: Any) -> Any:
     # optional dependency: flwr (the flower extra); the apps below are only built with it
     from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.common.constant import ErrorCode
 
+    manifest = context.node_config.get("manifest")
+    refusal = server_refusal(message, int(context.node_id), manifest_server(str(manifest)) if manifest else "")
+    if refusal is not None:  # not from this run's server: an error, nothing read or run
+        print(f"memaudit ClientApp: {refusal}", file=sys.stderr, flush=True)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=refusal), reply_to=message)
     kind = KINDS[message.metadata.message_type.split(".", 1)[1]]
     if not _flag(context.node_config.get("resident"), True):
         # lazy: JAX, the partition and the stages in this flwr-clientapp process

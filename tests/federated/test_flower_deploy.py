@@ -28,7 +28,7 @@ import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a
 import numpy as np
 import pytest
 
-from memaudit.federated.flower import bundle
+from memaudit.federated.flower import bundle, deploy
 
 pytestmark = pytest.mark.slow
 
@@ -260,6 +260,225 @@ def test_a_foreign_app_is_refused_by_the_supernode(federation, tmp_path):
     logs = [(other.workdir / f"supernode-{i}.log").read_text(errors="replace") for i in range(2)]
     assert all(bundle.FLOWERS in t and bundle.BUNDLED not in t for t in logs)
     assert not marker.exists()
+
+
+def _certificates(d: Path) -> tuple[str, str, str]:
+    """A CA and a certificate it signs for 127.0.0.1 (the multi-host recipe's step 1, for this
+    host): (ca.crt, server.pem, server.key)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def cert(subject, issuer, key, signer, *, ca):
+        now = datetime.datetime.now(datetime.UTC)
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+             .not_valid_after(now + datetime.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    pem = serialization.Encoding.PEM
+    ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "memaudit-test-ca")])
+    ca = cert(ca_name, ca_name, ca_key, ca_key, ca=True)
+    server = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]), ca_name, key, ca_key, ca=False)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (d / "server.pem").write_bytes(server.public_bytes(pem))
+    (d / "server.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    return str(d / "ca.crt"), str(d / "server.pem"), str(d / "server.key")
+
+
+def _node_keys(d: Path, n: int) -> list[str]:
+    """One SuperNode key pair each (``ssh-keygen -t ecdsa -b 384`` of the recipe): node-<i>, node-<i>.pub."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    out = []
+    for i in range(n):
+        key = ec.generate_private_key(ec.SECP384R1())
+        path = d / f"node-{i}"
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                           serialization.NoEncryption()))
+        path.with_name(f"node-{i}.pub").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+        out.append(str(path))
+    return out
+
+
+def _unauthenticated(e: Exception) -> bool:
+    """Whether a runtime API call was refused as unauthenticated (HTTP 401)."""
+    return getattr(getattr(e, "response", None), "status_code", None) == 401
+
+
+def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
+    """A stranger who reaches the SuperLink's address (no credential; the CA certificate only,
+    which every SuperNode holds) asks its Runtime API for ServerApp tasks, with Flower's own
+    client, while ``runs`` runs of memaudit's app are submitted. With a task it reads the run's
+    config, asks for the node ids and sends every node memaudit's hello. What it got: tasks
+    acquired, asks refused as unauthenticated, bytes of run config, bytes of node replies."""
+    from flwr.app import Message
+    from flwr.common.constant import SubStatus
+    from flwr.common.serde import run_from_proto
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest, PushTaskOutputRequest
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.grid import HttpGrid
+
+    from memaudit.federated.flower import wire
+    from memaudit.federated.flower.deploy import CONNECTION, write_app
+    from memaudit.flower_messages import payload_of
+
+    ca = None if fed.tls is None else Path(fed.tls[0]).read_bytes()
+    tls = {"insecure": ca is None, "root_certificates": ca}
+
+    def client(*interceptors):
+        return RuntimeHttpClient.from_server_address(
+            server_address=fed.address, **tls,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"), *interceptors])
+
+    got = {"tasks": 0, "refused": 0, "other_errors": 0, "run_config_bytes": 0, "node_ids": 0,
+           "node_bytes": 0, "users": 0}
+    done = threading.Event()
+
+    def seize(token: str) -> None:
+        task = client(RuntimeTokenHttpInterceptor(token=token))
+        res = task.PullTaskInput(PullTaskInputRequest())
+        got["run_config_bytes"] += res.run.ByteSize()
+        TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
+        TaskIdentity.node_id = res.context.node_id
+        grid = HttpGrid(fed.address, token=token, **tls)
+        grid.set_run(run_from_proto(res.run))
+        nodes = sorted(grid.get_node_ids())
+        got["node_ids"] += len(nodes)
+        hello = [Message(wire.content({}), dst_node_id=n, message_type=f"query.{wire.HELLO}") for n in nodes]
+        for reply in grid.send_and_receive(hello, timeout=60):
+            if not reply.has_error():
+                got["node_bytes"] += len(payload_of(reply))
+                got["users"] += len(wire.read(reply).get("users", ()))
+        task.PushTaskOutput(PushTaskOutputRequest(context=res.context, sub_status=SubStatus.COMPLETED))
+
+    def stranger() -> None:
+        ask = client()
+        request = AcquireTaskRequest(supported_task_types=[TaskType.SERVER_APP.value])
+        while not done.is_set():
+            try:
+                res = ask.AcquireTask(request)
+            except Exception as e:  # noqa: BLE001 - the stranger notes what it was told
+                got["refused" if _unauthenticated(e) else "other_errors"] += 1
+                time.sleep(0.01)
+                continue
+            if res.HasField("task") and res.token:
+                got["tasks"] += 1
+                try:
+                    seize(res.token)
+                except Exception as e:  # noqa: BLE001 - noted; the stranger goes on asking
+                    got.setdefault("seize_errors", []).append(repr(e)[:300])
+
+    t = threading.Thread(target=stranger, daemon=True)
+    t.start()
+    app, home = write_app(tmp_path / "app"), fed.flower_home(tmp_path / "home")
+    flwr = [str(Path(sys.executable).parent / "flwr")]
+    env = {**fed.env, "FLWR_HOME": str(home)}
+    ids = []
+    try:
+        for i in range(runs):  # memaudit's app, as memaudit train submits it (the folder: none)
+            out = subprocess.run([*flwr, "run", str(app), CONNECTION, "--run-config",
+                                  f"launch-dir='{tmp_path / f'launch-{i}'}'"],
+                                 env=env, capture_output=True, text=True, timeout=300, check=True)
+            ids.append(deploy.started_run_id(out.stdout + out.stderr))
+        # every run's ServerApp task taken, by whichever asked first, and the run over
+        deadline, status = time.monotonic() + 120, {}
+        while time.monotonic() < deadline:
+            ls = subprocess.run([*flwr, "ls", CONNECTION, "--format", "json"], env=env, capture_output=True,
+                                text=True, timeout=300, check=True)
+            status = {int(r["run-id"]): (r["status"], r["status-details"])
+                      for r in json.loads(ls.stdout)["runs"] if int(r["run-id"]) in ids}
+            if len(status) == runs and all(s.startswith("finished") for s, _ in status.values()):
+                break
+            time.sleep(1.0)
+    finally:
+        done.set()
+        t.join(timeout=120)
+    got["runs"] = [status.get(i) for i in ids]
+    # each SuperNode's runtime API (on 127.0.0.1: a stranger on the node's host) asked for a task too
+    got["node_runtime_refused"] = 0
+    for port in fed.runtime_ports:
+        node = RuntimeHttpClient.from_server_address(
+            server_address=f"127.0.0.1:{port}", insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")])
+        try:
+            res = node.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
+            got["tasks"] += int(res.HasField("task"))
+        except Exception as e:  # noqa: BLE001 - refused, or another failure (which fails the test)
+            got["node_runtime_refused"] += _unauthenticated(e)
+    return got
+
+
+@pytest.mark.parametrize("transport", ["http", "tls"])
+def test_nobody_takes_the_server_seat(federation, tmp_path, transport):
+    """A stranger who reaches the SuperLink's address asks its Runtime API (served on the same
+    address as the Fleet API) for ServerApp tasks. Without a check on that ask it acquired them,
+    read the run's config, got the node ids and sent the nodes memaudit's hello, which both
+    answered with their users and data digests. memaudit's SuperLink serves that ask only to
+    its own SuperExec: the stranger's asks are refused, 0 tasks, 0 bytes of node data. Loopback
+    plain HTTP (the tests' federation) and the multi-host recipe (TLS, SuperNode
+    authentication: nodes registered by their keys) alike; the recipe's real run is served
+    (`test_flower_weights_equal_in_jax` on the first federation, a hello exchange here)."""
+    from memaudit.federated.flower.deploy import LocalFederation
+
+    fed = federation[0]
+    if transport == "http":
+        got = _take_the_server_seat(fed, tmp_path)
+    else:
+        tls, keys = _certificates(tmp_path / "tls"), _node_keys(tmp_path, len(fed.partitions))
+        with LocalFederation(tmp_path / "federation", fed.partitions, env=fed.env, manifest=fed.manifest,
+                             tls=tls, node_keys=keys) as recipe:
+            got = _take_the_server_seat(recipe, tmp_path)
+            ls = subprocess.run([str(Path(sys.executable).parent / "flwr"), "supernode", "ls", "memaudit",
+                                 "--format", "json"], env={**recipe.env, "FLWR_HOME": str(tmp_path / "home")},
+                                capture_output=True, text=True, timeout=300, check=True)
+        # the registered SuperNodes came online over TLS: the federation the stranger faced works
+        assert [n["status"] for n in json.loads(ls.stdout)["nodes"]] == ["online"] * len(fed.partitions), ls.stdout
+    print(f"stranger over {transport}: {got}")  # the issue's before/after figures
+    assert got["refused"] > 0, got  # it asked, and the SuperLink said no
+    assert got["node_runtime_refused"] == len(fed.partitions), got  # so did each SuperNode
+    assert (got["tasks"], got["run_config_bytes"], got["node_ids"], got["node_bytes"]) == (0, 0, 0, 0), got
+    # memaudit's own SuperExec took every run's task: its ServerApp ran and refused the run,
+    # whose launch folder does not exist (the run binding, trainer.bind_launch)
+    assert all(r is not None and r[0] == "finished:failed" and "memaudit's ServerApp raised" in r[1]
+               for r in got["runs"]), got["runs"]
+
+
+def test_a_node_answers_only_its_runs_server(federation, tmp_path):
+    """Whoever holds a run's ServerApp task speaks for the run: behind a SuperLink that hands the
+    task out (here Flower's own, its ServerApps left to a SuperExec elsewhere, so the stranger
+    takes every one) the stranger sends memaudit's hello. A node answers only messages the
+    server key of its manifest signed for the run and the node (memaudit's ServerApp signs once
+    bound to its run): the stranger gets errors, 0 bytes of node data. Their own run's ServerApp
+    on memaudit's SuperLink is answered (`test_flower_weights_equal_in_jax`, same manifest)."""
+    from memaudit.federated.flower.deploy import LocalFederation
+
+    fed = federation[0]
+    assert json.loads(Path(fed.manifest).read_text())["server"]  # the nodes' manifest names the key
+    with LocalFederation(tmp_path / "federation", fed.partitions, env=fed.env, manifest=fed.manifest,
+                         flower_superlink=True, superlink_extra=["--isolation", "process"]) as other:
+        got = _take_the_server_seat(other, tmp_path, runs=2)
+        logs = [(other.workdir / f"supernode-{i}.log").read_text(errors="replace") for i in range(2)]
+    print(f"stranger in the server seat: {got}")  # the issue's before/after figures
+    assert got["tasks"] == 2 and got["node_ids"] >= len(fed.partitions), got  # it held the seat, saw the nodes
+    assert (got["node_bytes"], got["users"]) == (0, 0), got
+    assert all("not signed by this node's server" in t for t in logs)
 
 
 def test_killed_supernode_drops_its_users(federation):

@@ -88,3 +88,51 @@ def test_a_payload_over_protobufs_2_gb_limit_is_sent_in_chunks(monkeypatch):
     message = Message(record(bytes(size)), dst_node_id=1, message_type="train.x")
     objects = io.get_all_nested_objects(message)
     assert max(len(o.deflate()) for o in objects.values()) < 6 << 20  # each object a chunk or a head
+
+
+def test_a_node_answers_only_messages_its_server_signed_for_its_run(monkeypatch):
+    """Adversary: whoever holds a run's ServerApp task without the server key (a stranger, or a
+    ServerApp of another run replaying a signed message). Each forgery is refused in one line;
+    the server's own message, as sent, is answered; a manifest naming no key checks nothing."""
+    import copy
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+    from flwr.app import Message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_run_id", "_node_id", "_task_id"):  # as inside a ServerApp
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+
+    from memaudit.flower_messages import server_refusal, sign_messages
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    server = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+    shared = shared_record(os.urandom(1 << 21))  # an Array, the same object in both messages
+
+    def messages():
+        return [Message(record(b"payload %d" % n, shared), dst_node_id=n, message_type="train.memaudit_stage",
+                        group_id="3") for n in (7, 8)]
+
+    def sent(msgs, run_id=5):
+        for m in msgs:
+            m.metadata.__dict__["_run_id"] = run_id  # what the Grid sets when it pushes
+        return msgs
+
+    honest = messages()
+    sign_messages(honest, key, run_id=5)
+    sent(honest)
+    assert [server_refusal(m, n, server) for m, n in zip(honest, (7, 8), strict=True)] == [None, None]
+    unsigned, foreign = sent(messages()), messages()
+    sign_messages(foreign, other, run_id=5)
+    sent(foreign)
+    replayed = sent(copy.deepcopy(honest), run_id=6)  # another run's ServerApp sends run 5's message
+    swapped = copy.deepcopy(honest[0])
+    swapped.content[RECORD] = record(b"payload 9")[RECORD]
+    redirected = copy.deepcopy(honest[0])
+    redirected.metadata.__dict__["_dst_node_id"] = 8
+    for m, n in [(unsigned[0], 7), (foreign[0], 7), (replayed[0], 7), (swapped, 7), (redirected, 8),
+                 (honest[0], 8)]:
+        why = server_refusal(m, n, server)
+        assert why is not None and why.startswith("refused:") and len(why.splitlines()) == 1
+    assert server_refusal(unsigned[0], 7, "") is None

@@ -150,6 +150,7 @@ def test_the_superexec_each_starts():
 
 @pytest.mark.parametrize("argv, says", [
     (["--isolation", "subprocess", "--insecure"], "--isolation is memaudit's SuperExec"),
+    (["--superexec-auth-secret-file", "s", "--insecure"], "--superexec-auth-secret-file is made by memaudit"),
     (["--poll", "5", "--insecure"], "outside 0.01-3 s"),
     (["--poll", "0", "--insecure"], "outside 0.01-3 s"),
     (["--fleet", "grpc", "--insecure"], "give bundled or flower"),
@@ -160,12 +161,37 @@ def test_bad_supernode_arguments_get_one_line(argv, says, capsys):
     assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-def test_a_superlink_with_its_own_isolation_gets_one_line(capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["--insecure", "--isolation=subprocess"], "--isolation is memaudit's SuperExec on this SuperLink"),
+    (["--insecure", "--superexec-auth-secret-file=s"], "--superexec-auth-secret-file is made by memaudit"),
+    (["--insecure", "--server-key", "/no/such/serverapp.key"], "the server key '/no/such/serverapp.key' cannot be read"),
+])
+def test_a_superlink_with_its_own_isolation_gets_one_line(argv, says, capsys):
     from memaudit.federated.flower import superlink
 
-    assert superlink.main(["--insecure", "--isolation=subprocess"]) == 2
+    assert superlink.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert "--isolation is memaudit's SuperExec on this SuperLink" in err and len(err.splitlines()) == 1
+    assert says in err and len(err.splitlines()) == 1
+
+
+def test_flower_takes_the_runtime_secret_from_the_pipe():
+    """The secret reaches Flower's own loader through the pipe, 32 random bytes, a new one each
+    time; the pipe is closed afterwards."""
+    import os
+
+    from flwr.supercore.auth import load_superexec_auth_secret
+
+    from memaudit.federated.flower.superexec import SECRET_FLAG, runtime_secret
+
+    secrets = []
+    for _ in range(2):
+        with runtime_secret() as args:
+            assert args[0] == SECRET_FLAG
+            secrets.append(load_superexec_auth_secret(args[1]))
+            fd = int(args[1].rsplit("/", 1)[1])
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert [len(s) for s in secrets] == [32, 32] and secrets[0] != secrets[1]
 
 
 def test_the_superlinks_serverapp_installs_memaudits_app_only(fab, monkeypatch):

@@ -23,9 +23,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Self
 
 from memaudit.errors import ConfigError, MemauditError
+from memaudit.flower_messages import SERVER_KEY
 from memaudit.io import atomic_write_json
 
 APP_MODULE = "memaudit_flower_app"
@@ -153,6 +155,15 @@ def started_run(launch: Path) -> int | None:
         text = (launch / "flwr-run.log").read_text(errors="replace")
     except OSError:
         return None
+    return started_run_id(text)
+
+
+def started_run_id(text: str) -> int | None:
+    """The run id in ``flwr run``'s output; None where it names none.
+
+    >>> started_run_id("Successfully started run 42\\n"), started_run_id("")
+    (42, None)
+    """
     found = re.search(r"started run (\d+)", text)
     return None if found is None else int(found.group(1))
 
@@ -178,13 +189,14 @@ def _stop_run(launch: Path, env: dict[str, str]) -> None:
 
 # ------------------------------------------------------------------ the processes' commands
 def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = None,
-                   supernode_auth: bool = True) -> list[str]:
+                   supernode_auth: bool = True, server_key: str | Path | None = None) -> list[str]:
     """The arguments of memaudit's SuperLink (`memaudit.federated.flower.superlink`; Flower's
-    ``flower-superlink`` takes the same): bound to ``host`` (the interface the SuperNodes and the
-    operator reach; flwr serves its Fleet, Control and Runtime APIs on this one address), TLS
-    from ``tls`` = (CA certificate, certificate, key), only registered SuperNodes
-    (``--enable-supernode-auth``), no dependency installation. Without ``tls`` only on
-    localhost (the tests' federation).
+    ``flower-superlink`` takes the same but ``--server-key``): bound to ``host`` (the interface
+    the SuperNodes and the operator reach; flwr serves its Fleet, Control and Runtime APIs on
+    this one address), TLS from ``tls`` = (CA certificate, certificate, key), only registered
+    SuperNodes (``--enable-supernode-auth``), no dependency installation, and the key its
+    ServerApp signs its messages with (``server_key``, the ``serverapp.key`` written with the
+    partitions). Without ``tls`` only on localhost (the tests' federation).
 
     >>> superlink_args("127.0.0.1", 9091, supernode_auth=False)[:3]
     ['--insecure', '--host', '127.0.0.1']
@@ -195,6 +207,7 @@ def superlink_args(host: str, port: int, *, tls: tuple[str, str, str] | None = N
     out = ["--insecure"] if tls is None else ["--ssl-ca-certfile", tls[0], "--ssl-certfile", tls[1],
                                               "--ssl-keyfile", tls[2]]
     out += ["--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
+    out += ["--server-key", str(server_key)] if server_key is not None else []
     return out + (["--enable-supernode-auth"] if supernode_auth else [])
 
 
@@ -260,14 +273,26 @@ class LocalFederation:
             tested against.
         bundled: memaudit's SuperNodes pull a message and push a reply in one request each
             (`memaudit.federated.flower.bundle`); False: Flower's requests (``--fleet flower``).
+        tls: (CA certificate, certificate, key) of the SuperLink: it serves TLS on 127.0.0.1
+            (the certificate must name that address) and the SuperNodes verify it with the CA, as
+            in the multi-host deployment (docs/flower.md); None: plain HTTP.
+        node_keys: one private key file per SuperNode (its public half beside it, ``.pub``,
+            OpenSSH format): the SuperLink admits only these nodes (``--enable-supernode-auth``,
+            which needs ``tls``), each registered with ``flwr supernode register`` before it starts.
+        superlink_extra: more arguments of the SuperLink. memaudit's SuperLink is given the
+            ``serverapp.key`` beside the manifest, where there is one (``--server-key``).
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
                  env: dict[str, str] | None = None, manifest: str | Path | None = None,
                  resident: bool = True, flower_supernode: bool = False, flower_superlink: bool = False,
-                 bundled: bool = True) -> None:
+                 bundled: bool = True, tls: tuple[str, str, str] | None = None,
+                 node_keys: Sequence[str | Path] | None = None, superlink_extra: Sequence[str] = ()) -> None:
         self.resident, self.flower_supernode, self.flower_superlink = resident, flower_supernode, flower_superlink
-        self.bundled = bundled
+        self.bundled, self.tls, self.superlink_extra = bundled, tls, list(superlink_extra)
+        self.node_keys = None if node_keys is None else [str(k) for k in node_keys]
+        if self.node_keys is not None and (tls is None or len(self.node_keys) != len(partitions)):
+            raise ValueError("node_keys needs tls and one key per partition")
         self.workdir, self.partitions = Path(workdir), [str(p) for p in partitions]
         self.manifest = str(manifest or Path(self.partitions[0]).parent / "manifest.json")
         self.env = dict(os.environ if env is None else env)
@@ -280,6 +305,7 @@ class LocalFederation:
         self.port = 0
         self.superlink: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
+        self.runtime_ports: list[int] = []  # each SuperNode's runtime API port
 
     @property
     def address(self) -> str:
@@ -295,20 +321,44 @@ class LocalFederation:
         self.port = free_port()
         link = ([_tool("flower-superlink")] if self.flower_superlink
                 else [sys.executable, "-m", "memaudit.federated.flower.superlink"])
+        key = Path(self.manifest).with_name(SERVER_KEY)  # written with the manifest
+        key = key if key.is_file() and not self.flower_superlink else None
         self.superlink = self._start("superlink", [  # state in memory (no --database)
-            *link, *superlink_args("127.0.0.1", self.port, supernode_auth=False)])
+            *link, *superlink_args("127.0.0.1", self.port, tls=self.tls, supernode_auth=self.node_keys is not None,
+                                   server_key=key), *self.superlink_extra])
         _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
+        for key in self.node_keys or ():
+            self.register(f"{key}.pub")
         for i, part in enumerate(self.partitions):
             self.nodes.append(self.start_node(i, part))
+
+    def flower_home(self, d: Path) -> Path:
+        """A Flower config in ``d`` whose one connection is this federation's SuperLink."""
+        return write_flower_home(d, SimpleNamespace(superlink=self.address, insecure=self.tls is None,
+                                                    root_certificates=None if self.tls is None else self.tls[0]))
+
+    def register(self, public_key: str | Path) -> None:
+        """``flwr supernode register``: the SuperLink admits the node of this public key."""
+        home = self.flower_home(self.workdir / "flwr-home")
+        proc = subprocess.run([_tool("flwr"), "supernode", "register", str(public_key), CONNECTION],
+                              env={**self.env, "FLWR_HOME": str(home)}, capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL, check=False)
+        if proc.returncode != 0:
+            raise MemauditError(f"flwr supernode register {public_key} failed: "
+                                f"{(proc.stdout + proc.stderr).strip()[-300:]}")
 
     def start_node(self, i: int, partition: str) -> subprocess.Popen:
         cache = self.workdir / f"node-{i}-cache"
         node = ([_tool("flower-supernode")] if self.flower_supernode
                 else [sys.executable, "-m", "memaudit.federated.flower.supernode",
                       *([] if self.bundled else ["--fleet", "flower"])])
+        port = free_port()
+        self.runtime_ports[i:i + 1] = [port]  # the node's runtime API (127.0.0.1, plain HTTP)
         return self._start(f"supernode-{i}", [
-            *node, "--host", "127.0.0.1", "--port", str(free_port()),
-            *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident)])
+            *node, "--host", "127.0.0.1", "--port", str(port),
+            *supernode_args(self.address, partition, self.manifest, cache_dir=cache, resident=self.resident,
+                            root_certificates=None if self.tls is None else self.tls[0],
+                            auth_key=None if self.node_keys is None else self.node_keys[i])])
 
     def kill_node(self, i: int) -> None:
         """SIGKILL SuperNode ``i`` and the processes it started (its process group)."""

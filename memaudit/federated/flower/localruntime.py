@@ -18,8 +18,10 @@ without HTTP between two parts of one process. A ServerApp's Grid is Flower's ow
 `LocalRuntime` (`local_grid`). What stays: the handlers' work, Flower's serialisation of a
 message into its objects and back, and the hash of every object's content against its id.
 
-Only the process that holds the state can call it; nothing here listens on a port, so the
-component's runtime API over HTTP keeps its own checks for any other caller.
+Only the process that holds the state can call it; nothing here listens on a port. The
+component's runtime API over HTTP keeps its own checks for any other caller, with a SuperExec
+secret no one holds (`memaudit.federated.flower.superexec.runtime_secret`): it hands no task
+outside this process.
 """
 
 from __future__ import annotations

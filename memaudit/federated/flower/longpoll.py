@@ -23,7 +23,7 @@ At most `MAX_HELD` asks are held at a time in one process; a further ask is answ
 as Flower would, so a federation of many nodes cannot take every thread of the SuperLink's API.
 
 Held asks change when an answer comes, never what a node accepts: a node checks what it runs
-and what it sends as before (docs/flower.md, "What a SuperNode trusts"), and holds only its own
+and what it sends as before (docs/flower.md, "What each party trusts"), and holds only its own
 SuperExec's asks.
 """
 

@@ -205,16 +205,17 @@ def build_trust(cfg: Any, prepared: Any, run: Any, hosted: int | None = None,
 
 
 def write_manifest(cfgs: Any, prepared: Any, run: Any, path: Path, nodes: tuple[str, ...] = (),
-                   hosted: int | None = None, platforms: tuple[str, ...] = STAGE_PLATFORMS) -> Path:
+                   hosted: int | None = None, platforms: tuple[str, ...] = STAGE_PLATFORMS,
+                   server: str = "") -> Path:
     """`build_trust` of one config, or the merge (`NodeTrust.merge`) of several on the same
-    data, with the nodes' public keys (``nodes``, `memaudit.federated.flower.identity`), as
-    JSON at ``path`` (atomic). ``hosted``: the most users a node hosts; ``platforms``: the
-    nodes' JAX platforms."""
+    data, with the nodes' public keys (``nodes``, `memaudit.federated.flower.identity`) and the
+    server's (``server``: the nodes answer only what it signed), as JSON at ``path`` (atomic).
+    ``hosted``: the most users a node hosts; ``platforms``: the nodes' JAX platforms."""
     cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
     trust = build_trust(cfgs[0], prepared, run, hosted, platforms)
     for cfg in cfgs[1:]:
         trust = trust.merge(build_trust(cfg, prepared, run, hosted, platforms))
-    trust = dataclasses.replace(trust, nodes=tuple(nodes))
+    trust = dataclasses.replace(trust, nodes=tuple(nodes), server=server)
     atomic_write_json(Path(path), trust.to_json())
     return Path(path)
 

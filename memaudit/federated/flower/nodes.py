@@ -6,7 +6,9 @@ deals the users into ``nodes`` contiguous blocks and writes ``node-<i>.npz`` per
 users' names, their packed sequences, attention masks and example masks, and one digest per
 user, and ``manifest.json``: the stage manifest of the config
 (`memaudit.federated.flower.manifest.build_trust`: the client stages a node may run, the
-secure-aggregation policy and DP parameters it enforces). A SuperNode is started with
+secure-aggregation policy and DP parameters it enforces, and the server's public key), and
+``serverapp.key``: the key memaudit's SuperLink signs its messages with (``--server-key``), which
+stays on the SuperLink's host. A SuperNode is started with
 ``--node-config "partition='.../node-<i>.npz' manifest='.../manifest.json'"``; the server
 checks every node's digests against its own prepared data, so a partition made from another
 config is refused before the first round, and a node refuses every stage that is not its
@@ -34,6 +36,7 @@ from memaudit.data import prepare_data
 from memaudit.errors import DataError, MemauditError
 from memaudit.federated.data import build_client_data
 from memaudit.federated.flower.identity import new_node_key, public_hex, write_node_key
+from memaudit.flower_messages import SERVER_KEY
 from memaudit.io import atomic_write_bytes
 from memaudit.models.presets import get_preset
 from memaudit.rundir import RunDir
@@ -99,12 +102,16 @@ def write_partitions(cfg: Any, out: Path, nodes: int, variants: Any = (), *,
     keys = [new_node_key() for _ in blocks] if manifest else []  # the nodes' PKI: node i's key to node i only
     for i, key in enumerate(keys):
         write_node_key(out / f"node-{i}.secagg.key", key)
+    server = new_node_key() if manifest else None  # the ServerApp's: stays on the SuperLink's host
+    if server is not None:
+        write_node_key(out / SERVER_KEY, server)
     path = (write_manifest([cfg, *variants], prepared, scratch, out / "manifest.json",
                            nodes=tuple(public_hex(k) for k in keys), hosted=max(len(b) for b in blocks),
-                           platforms=platforms)
-            if manifest else None)
+                           platforms=platforms, server=public_hex(server))
+            if server is not None else None)
     return {"partitions": files, "users": [len(b) for b in blocks], "manifest": None if path is None else str(path),
             "node_keys": [str(out / f"node-{i}.secagg.key") for i in range(len(keys))],
+            "server_key": None if server is None else str(out / SERVER_KEY),
             "tokenizer": str(scratch.data_dir / "tokenizer")}
 
 

@@ -44,9 +44,11 @@ SuperLink) is gone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -55,6 +57,7 @@ import time
 import tomllib
 import traceback
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -406,13 +409,16 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
     """Run Flower's SuperNode or SuperLink (`flower_main`, its command-line entry) in this process
     with ``--isolation process``, and memaudit's SuperExec for `task` beside it, as a thread of
     this process on the SuperNode's or SuperLink's own state (`serve` with a `LocalRuntime`; a
-    SuperLink's ServerApp tasks each a thread too). ``--isolation`` in `flower_args` is refused
-    (exit 2)."""
+    SuperLink's ServerApp tasks each a thread too), and Flower's runtime API closed to every
+    other caller (`runtime_secret`). ``--isolation`` or ``--superexec-auth-secret-file`` in
+    `flower_args` is refused (exit 2)."""
     what = {"clientapp": ("SuperNode", "flower-supernode"), "serverapp": ("SuperLink", "flower-superlink")}[task]
-    if flag_value(flower_args, "--isolation") is not None:
-        print(f"memaudit: error: --isolation is memaudit's SuperExec on this {what[0]}; remove it, "
-              f"or run {what[1]} itself", file=sys.stderr)
-        return 2
+    for flag, why in (("--isolation", "is memaudit's SuperExec"),
+                      (SECRET_FLAG, "is made by memaudit (runtime_secret)")):
+        if flag_value(flower_args, flag) is not None:
+            print(f"memaudit: error: {flag} {why} on this {what[0]}; remove it, or run {what[1]} itself",
+                  file=sys.stderr)
+            return 2
     # a thread of this process, on the SuperNode's or SuperLink's own state
     component = {"clientapp": "supernode", "serverapp": "superlink"}[task]
     capture_state(component)
@@ -429,9 +435,38 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
               local=LocalRuntime(component_state(component), component=component))
 
     threading.Thread(target=serve_here, name="memaudit-superexec", daemon=True).start()
-    sys.argv = [what[1], *flower_args, "--isolation", "process"]
-    flower_main()
+    with runtime_secret() as secret:
+        sys.argv = [what[1], *flower_args, "--isolation", "process", *secret]
+        flower_main()
     return 0
+
+
+SECRET_FLAG = "--superexec-auth-secret-file"
+
+
+@contextlib.contextmanager
+def runtime_secret() -> Iterator[list[str]]:
+    """Flower's SuperExec authentication, with a secret no one holds: the arguments that give
+    Flower's SuperLink or SuperNode a fresh random 32-byte secret through a pipe of this process
+    (never a file).
+
+    Flower 1.42 serves the runtime API on the component's own address (a SuperLink's: the one its
+    SuperNodes and ``flwr`` reach), and without a SuperExec secret it hands a pending task, and
+    the token that reads its run and speaks for it, to whoever asks
+    (``/v1/runtime/acquire-task``). With one, it answers that ask only when it is signed with
+    the secret (``flwr.supercore.dependencies.superexec``). memaudit's SuperExec asks Flower's
+    handlers in this process (`memaudit.federated.flower.localruntime`), not over HTTP, so it
+    needs no secret, and no one outside this process can sign: every task is acquired here.
+    Test: ``tests/federated/test_flower_deploy.py::test_nobody_takes_the_server_seat``."""
+    read, write = os.pipe()
+    try:
+        os.write(write, secrets.token_bytes(32))
+    finally:
+        os.close(write)
+    try:
+        yield [SECRET_FLAG, f"/dev/fd/{read}"]  # read once, in this process, by Flower's argument parsing
+    finally:
+        os.close(read)
 
 
 def main(argv: list[str] | None = None) -> int:

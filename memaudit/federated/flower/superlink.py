@@ -1,6 +1,6 @@
 """memaudit's SuperLink: Flower's ``flower-superlink``, whose ServerApps are memaudit's only.
 
-    python -m memaudit.federated.flower.superlink FLOWER-SUPERLINK-ARGUMENTS...
+    python -m memaudit.federated.flower.superlink [--server-key serverapp.key] FLOWER-SUPERLINK-ARGUMENTS...
 
 takes ``flower-superlink``'s arguments (`memaudit.federated.flower.deploy.superlink_args`) and
 runs Flower 1.42's SuperLink in this process with ``--isolation process``, beside memaudit's
@@ -21,7 +21,18 @@ its FAB is installed, imported or run. The SuperNodes refuse such apps on their 
 (`memaudit.federated.flower.supernode`). Test:
 ``tests/federated/test_flower_deploy.py::test_a_foreign_app_is_refused_by_the_superlink``.
 
-``--isolation`` is refused: this SuperLink's isolation is memaudit's SuperExec. A ServerApp
+**Adversary:** anyone who reaches the SuperLink's address and asks its runtime API for a run's
+ServerApp task, to speak for the run to its nodes. Flower answers that ask only when it is
+signed with a SuperExec secret, here one this process makes and no one holds
+(`memaudit.federated.flower.superexec.runtime_secret`): every task goes to memaudit's SuperExec.
+With ``--server-key`` (the ``serverapp.key`` written with the partitions) memaudit's ServerApp signs
+every message it sends, once bound to its run, and nodes whose manifest names that key answer
+nothing else (`memaudit.flower_messages`). Tests:
+``tests/federated/test_flower_deploy.py::test_nobody_takes_the_server_seat`` and
+``::test_a_node_answers_only_its_runs_server``.
+
+``--isolation`` and ``--superexec-auth-secret-file`` are refused: this SuperLink's isolation is
+memaudit's SuperExec, and it makes its own secret. A ServerApp
 runs in this process (JAX and the run's server stages included), so one that brings the
 interpreter down brings the SuperLink down with it; an exception ends its run only.
 
@@ -32,21 +43,34 @@ SuperNode's request skips the Control API's HTTP layers (`memaudit.federated.flo
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from memaudit.federated.flower import bundle, leanhttp
 from memaudit.federated.flower.longpoll import install_superlink
 from memaudit.federated.flower.superexec import beside
+from memaudit.flower_messages import use_server_key
 
 
 def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False)
+    ap.add_argument("--server-key", default=None,
+                    help="the serverapp.key written with the partitions: memaudit's ServerApp signs its "
+                         "messages with it, and nodes whose manifest names it answer only those")
+    ours, flower_args = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if ours.server_key is not None:
+        try:
+            use_server_key(ours.server_key)
+        except ValueError as e:
+            print(f"memaudit: error: {e}", file=sys.stderr)
+            return 2
     # optional dependency: flwr (the flower extra)
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
     install_superlink()
     bundle.install_superlink()
     leanhttp.install()
-    return beside(flower_superlink, list(sys.argv[1:] if argv is None else argv), task="serverapp")
+    return beside(flower_superlink, flower_args, task="serverapp")
 
 
 if __name__ == "__main__":

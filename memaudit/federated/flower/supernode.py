@@ -11,7 +11,9 @@ choose and none trusting the server:
   asking Flower's runtime handlers on the SuperNode's own state
   (`memaudit.federated.flower.localruntime`) rather than its runtime API over HTTP. It runs
   memaudit's ClientApp from this installation and refuses any other app. The runtime API still
-  listens (``--host``/``--port``) with Flower's own checks; memaudit's SuperExec does not use it.
+  listens (``--host``/``--port``), with a SuperExec secret no one holds
+  (`memaudit.federated.flower.superexec.runtime_secret`): it hands no task to anyone outside
+  this process; memaudit's SuperExec does not use it.
 - **polls, not waits**: a SuperNode that finds no message waits 3 s before asking the SuperLink
   again, looks for its ClientApp's reply every 0.5 s, and asks again for an object of a message
   that is not there yet after 1 s, 2 s, 4 s (hard-coded in Flower 1.42), so every exchange of a
@@ -30,7 +32,8 @@ choose and none trusting the server:
   requests. ``--fleet flower`` makes Flower's requests always (a proxy that passes only
   Flower's routes).
 
-``--isolation`` is refused: this SuperNode's isolation is memaudit's SuperExec. Flower's own
+``--isolation`` and ``--superexec-auth-secret-file`` are refused: this SuperNode's isolation is
+memaudit's SuperExec, and it makes its own secret. Flower's own
 ``flower-supernode`` still works with memaudit's apps (a ``flwr-clientapp`` per message), slower
 and running whatever app a run brings.
 """

@@ -61,6 +61,7 @@ from memaudit.federated.secagg.aggregator import protocol_round_id
 from memaudit.federated.secagg.messages import SecAggError
 from memaudit.federated.secagg.remote import Advertised, ClientRows, NodeChannel, advertisement
 from memaudit.federated.trainer import FederatedTrainer
+from memaudit.flower_messages import server_key, sign_messages
 from memaudit.io import atomic_write_json, read_json
 from memaudit.lifecycle import one_line_error
 from memaudit.rundir import RunDir
@@ -87,6 +88,9 @@ class FlowerNodes:
         seconds have passed (a node that has not answered is absent): at most every `POLL_S`
         seconds, counting the time an ask was held (memaudit's SuperLink holds it until a reply
         is there, `memaudit.federated.flower.longpoll`)."""
+        key = server_key()  # memaudit's SuperLink's (--server-key): the nodes answer only what it signed
+        if key is not None:
+            sign_messages(messages, key, int(self.grid.run.run_id))
         ids = set(self.grid.push_messages(messages))
         deadline = time.monotonic() + timeout
         out: list[Any] = []

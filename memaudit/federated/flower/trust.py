@@ -18,6 +18,9 @@ from the run's config with ``python -m memaudit.federated.flower.nodes``) holds 
 - ``nodes``: every node's long-term Ed25519 public key, the PKI of the malicious-server mode
   (`memaudit.federated.flower.identity`): a client's round key counts only when a listed node
   signed it;
+- ``server``: the server's Ed25519 public key: the node answers only messages it signed for
+  their run and this node (`memaudit.flower_messages.server_refusal`), so whoever else holds a
+  run's ServerApp task gets no answer;
 - ``dp``: the DP parameters the node enforces on the round's public encoding: the clip bound of a
   quantised contribution (unless adaptive clipping moves it), and under distributed DP each
   client's noise share, at least ``noise_multiplier * clip / sqrt(expected_cohort)``.
@@ -107,6 +110,7 @@ class NodeTrust:
     dp: DPBound | None = None
     fingerprint: str = ""
     nodes: tuple[str, ...] = ()  # the nodes' Ed25519 public keys (hex), by node index
+    server: str = ""  # the server's Ed25519 public key (hex): a node answers only what it signed
 
     # ------------------------------------------------------------------ stages
     def check_call(self, call: Any) -> None:
@@ -169,20 +173,23 @@ class NodeTrust:
         if self.nodes and other.nodes and self.nodes != other.nodes:
             raise DataError("the configs of one stage manifest name different node keys; write their "
                             "partitions and manifest together")
+        if self.server and other.server and self.server != other.server:
+            raise DataError("the configs of one stage manifest name different server keys; write their "
+                            "partitions and manifest together")
         if self.fingerprint and other.fingerprint and self.fingerprint != other.fingerprint:
             raise DataError("the configs of one stage manifest prepare different data; give each data "
                             "config its own partitions and manifest")
         return NodeTrust(self.stages | other.stages, self.resident | other.resident,
                          self.policy if self.policy is not None else other.policy,
                          self.dp if self.dp is not None else other.dp, self.fingerprint or other.fingerprint,
-                         self.nodes or other.nodes)
+                         self.nodes or other.nodes, self.server or other.server)
 
     # ------------------------------------------------------------------ the file
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "stages": sorted(self.stages), "resident": sorted(self.resident),
                 "policy": None if self.policy is None else list(self.policy),
                 "dp": None if self.dp is None else dataclasses.asdict(self.dp),
-                "fingerprint": self.fingerprint, "nodes": list(self.nodes)}
+                "fingerprint": self.fingerprint, "nodes": list(self.nodes), "server": self.server}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> NodeTrust:
@@ -192,7 +199,7 @@ class NodeTrust:
         return cls(frozenset(str(s) for s in d["stages"]), frozenset(int(v) for v in d.get("resident") or ()),
                    None if d.get("policy") is None else tuple(d["policy"]),
                    None if dp is None else DPBound(**dp), str(d.get("fingerprint", "")),
-                   tuple(str(k) for k in d.get("nodes") or ()))
+                   tuple(str(k) for k in d.get("nodes") or ()), str(d.get("server") or ""))
 
     @classmethod
     def load(cls, path: str | Path) -> NodeTrust:
