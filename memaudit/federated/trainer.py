@@ -288,7 +288,7 @@ class FederatedTrainer:
             loss_fn, client_optimizer=alg.make_client_optimizer(f.client_optimizer, f.client_lr),
             server_optimizer=server_opt, local_steps=f.local_steps, batch_size=f.local_batch_size,
             aggregator=self.build_aggregator(), weighting=weighting, mesh=self.mesh, loss_rng=loss_rng,
-            map_strategy=self.runtime.map_strategy,
+            map_strategy=self.runtime.map_strategy, donate=True,  # the trainer keeps only the new state
         )
 
     def _server_lr(self) -> float:
@@ -329,12 +329,12 @@ class FederatedTrainer:
         f, k = self.fcfg, clients_axis_size(self.mesh)
         if f.sampling == "fixed":
             return -(-f.cohort // k) * k
-        # On CPU clients train one after the other on each device (the scan strategy, a
-        # shard_map over a clients mesh axis), and a slot without data skips local training.
-        # Batched (vmap, on accelerators) every slot computes, so the padding is kept small.
-        if jax.default_backend() == "cpu":
-            return -(-poisson_capacity(self.clients.num_users, f.cohort) // k) * k
-        return None
+        # Clients train one after the other on each device (the scan strategy, a shard_map over a
+        # clients mesh axis, on every backend), and a slot without data skips local training.
+        # A runtime that batches its clients (vmap) computes every slot: its padding is kept small.
+        if self.runtime.map_strategy == "vmap":
+            return None
+        return -(-poisson_capacity(self.clients.num_users, f.cohort) // k) * k
 
     def round_capacity(self, size: int) -> int:
         """Clients dim for a cohort of ``size``: the run's fixed capacity, so rounds reuse one

@@ -271,8 +271,13 @@ def test_each_node_gets_its_stages_lowered_for_its_own_platform(users):
         NodeTrust(frozenset(plan_signatures(plan, shaped))).check_call(cuda_call)
     NodeTrust(frozenset(plan_signatures(plan, shaped, "cuda"))).check_call(cuda_call)
     assert modules_for(plan, "cpu") is plan.modules and modules_for(plan, "cuda") is modules_for(plan, "cuda")
-    with pytest.raises(PlanError, match="no client stages for platform 'tpu'"):
-        modules_for(plan, "tpu")
+    # a TPU node (lowered here, on a CPU host): TPU-only modules; the CPU node's stay the CPU-only ones
+    tpu = modules_for(plan, "tpu")
+    assert set(tpu) == set(plan.modules)
+    assert all(export.deserialize(bytearray(m)).platforms == ("tpu",) for m in tpu.values())
+    assert all(export.deserialize(bytearray(m)).platforms == ("cpu",) for m in plan.modules.values())
+    with pytest.raises(PlanError, match="no client stages for platform 'rocm'"):
+        modules_for(plan, "rocm")
 
 
 def test_a_node_refuses_rows_and_slots_the_server_invents(users):
@@ -492,7 +497,11 @@ def test_server_learns_each_nodes_platform_and_refuses_one_it_lowers_nothing_for
     nodes.connect({"a": "d", "b": "d"})
     assert nodes.platforms == {7: "cuda", 9: "cpu"}
     grid = _FakeGrid({7: {"users": ["a"], "digests": ["d"], "platform": "tpu"}}, monkeypatch)
-    with pytest.raises(MemauditError, match="SuperNode 7 runs JAX on 'tpu', which memaudit lowers no client stages"):
+    tpu_nodes = FlowerNodes(grid, FlowerConfig(min_nodes=1))
+    tpu_nodes.connect({"a": "d"})
+    assert tpu_nodes.platforms == {7: "tpu"}
+    grid = _FakeGrid({7: {"users": ["a"], "digests": ["d"], "platform": "rocm"}}, monkeypatch)
+    with pytest.raises(MemauditError, match="SuperNode 7 runs JAX on 'rocm', which memaudit lowers no client stages"):
         FlowerNodes(grid, FlowerConfig(min_nodes=1)).connect({"a": "d"})
 
 
