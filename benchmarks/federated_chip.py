@@ -26,6 +26,7 @@ line is printed as soon as it is measured (``--out FILE`` appends them there too
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -136,12 +137,12 @@ class Bench:
                 **memory_stats()}
 
     def centralized(self, model, params, ids) -> dict:
-        """SGD on the round's tokens: ``local_steps`` steps, each on all clients' sequences of that
-        step as one batch (the same model and policy)."""
+        """SGD on the round's tokens in the same shapes: ``cohort x local_steps`` steps of ``batch``
+        sequences each (every client's local batches one after the other), the same model and policy
+        (one batch of the whole cohort holds every client's activations at once: 32 GiB at 125m x 32)."""
         a = self.args
         loss_fn, opt = make_loss_fn(model), optax.sgd(0.1)
-        n = ids.shape[0]
-        batches = ids.reshape(n, a.local_steps, a.batch, -1).swapaxes(0, 1).reshape(a.local_steps, n * a.batch, -1)
+        batches = ids.reshape(-1, a.batch, ids.shape[-1])[: ids.shape[0] * a.local_steps]
 
         def train(p, batches):
             def step(p, t):
@@ -167,6 +168,19 @@ class Bench:
         return {"centralized_s": round(s, 4), "centralized_compile_s": round(compile_s, 2),
                 "centralized_gib": compiled_gib(compiled)}
 
+    def compile_only(self, model, params, ids) -> dict:
+        """The round compiled, not run: its compile seconds and XLA's memory."""
+        a = self.args
+        algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
+                      local_steps=a.local_steps, batch_size=a.batch, donate=True)
+        data = ClientData({"input_ids": jax.ShapeDtypeStruct(ids.shape, jnp.int32),
+                           "attention_mask": jax.ShapeDtypeStruct(ids.shape, jnp.int32)},
+                          jax.ShapeDtypeStruct(ids.shape[:2], jnp.float32))
+        state = jax.eval_shape(algo.init, params)
+        t0 = time.perf_counter()
+        compiled = algo.round.jitted.lower(state, data, jax.eval_shape(lambda: jax.random.key(0))).compile()
+        return {"compile_s": round(time.perf_counter() - t0, 2), "compiled_gib": compiled_gib(compiled)}
+
 
 def guarded(bench: Bench, what: dict, fn) -> dict | None:
     try:
@@ -189,16 +203,19 @@ def run_rounds(bench: Bench, policy: ComputePolicy) -> None:
             what = {"item": "round", "preset": preset, "params": n, "cohort": cohort,
                     "dtype": policy.compute_dtype, "scan_layers": policy.scan_layers, "round_tflop": round(flops / 1e12, 3)}
 
-            def measure(ids=ids, flops=flops, cohort=cohort, last=i == len(cohorts) - 1):
+            def measure(ids=ids, flops=flops, cohort=cohort):
                 r = bench.fed_round(model, params, ids)
-                r.update(round_s_per_client=round(r["round_s"] / cohort, 5), mfu=bench.mfu(flops, r["round_s"]))
-                if last:  # the centralized step beside the largest cohort of the preset
-                    c = bench.centralized(model, params, ids)
-                    r.update(c, vs_centralized=round(r["round_s"] / c["centralized_s"], 3),
-                             centralized_mfu=bench.mfu(flops, c["centralized_s"]))
-                return r
+                return {**r, "round_s_per_client": round(r["round_s"] / cohort, 5), "mfu": bench.mfu(flops, r["round_s"])}
 
-            guarded(bench, what, measure)
+            row = guarded(bench, what, measure)
+            if i == len(cohorts) - 1 and "round_s" in row:  # the centralized step beside the largest cohort
+
+                def central(ids=ids, flops=flops, round_s=row["round_s"]):
+                    c = bench.centralized(model, params, ids)
+                    return {**c, "round_s": round_s, "vs_centralized": round(round_s / c["centralized_s"], 3),
+                            "centralized_mfu": bench.mfu(flops, c["centralized_s"])}
+
+                guarded(bench, {**what, "item": "centralized"}, central)
         del params
 
 
@@ -219,18 +236,25 @@ def run_dp(bench: Bench, policy: ComputePolicy) -> None:
 
 
 def run_fax(bench: Bench, policy: ComputePolicy) -> None:
-    """FAX's shapes: one compiled, one timed round each (clients in sequence)."""
-    for preset, cohort in bench.args.fax:
+    """FAX's shapes: one compiled, one timed round each (clients in sequence); ``--fax-compile``
+    shapes are compiled only (memory, compile seconds). ``--fax-remat``: rematerialised layers."""
+    a = bench.args
+    if a.fax_remat:
+        policy = dataclasses.replace(policy, scan_layers=True, remat=True)
+    for (preset, cohort), run in [*((x, True) for x in a.fax), *((x, False) for x in a.fax_compile)]:
         cfg, model, params, n = bench.model(preset, policy)
         ids = bench.tokens(cfg, cohort)
         flops = bench.round_flops(cfg, n, cohort)
 
-        def measure(ids=ids, flops=flops, cohort=cohort):
+        def measure(ids=ids, flops=flops, cohort=cohort, run=run):
+            if not run:
+                return bench.compile_only(model, params, ids)
             r = bench.fed_round(model, params, ids, repeats=0)
             return {**r, "round_s_per_client": round(r["round_s"] / cohort, 5), "mfu": bench.mfu(flops, r["round_s"])}
 
-        guarded(bench, {"item": "fax", "preset": preset, "params": n, "cohort": cohort,
-                        "dtype": policy.compute_dtype, "round_tflop": round(flops / 1e12, 2)}, measure)
+        guarded(bench, {"item": "fax" if run else "fax_compile", "preset": preset, "params": n, "cohort": cohort,
+                        "dtype": policy.compute_dtype, "remat": policy.remat, "round_tflop": round(flops / 1e12, 2)},
+                measure)
         del params
 
 
@@ -246,6 +270,9 @@ def main(argv=None) -> None:
                     help="FedAvg rounds (the last cohort of each also runs the centralized step)")
     ap.add_argument("--dp", default="125m:16", metavar="PRESET:COHORT")
     ap.add_argument("--fax", nargs="*", default=["350m:2048", "1b:512"], metavar="PRESET:COHORT")
+    ap.add_argument("--fax-compile", nargs="*", default=[], metavar="PRESET:COHORT",
+                    help="FAX shapes compiled only (memory, compile seconds)")
+    ap.add_argument("--fax-remat", action="store_true", help="FAX shapes with rematerialised layers")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--unrolled", action="store_true", help="decoder layers unrolled (not scanned)")
     ap.add_argument("--remat", action="store_true", help="rematerialise the scanned layers")
@@ -257,11 +284,12 @@ def main(argv=None) -> None:
     ap.add_argument("--reduced", action="store_true", help="the CPU rehearsal: tiny presets, short sequences")
     args = ap.parse_args(argv)
     if args.reduced:
-        args.rounds, args.dp, args.fax = ["tiny:2,4", "tiny2x:4"], "tiny:4", ["tiny:16", "tiny2x:8"]
+        args.rounds, args.dp, args.fax = ["tiny:2,4", "tiny2x:4"], "tiny:4", ["tiny:16"]
+        args.fax_compile = ["tiny2x:8"]
         args.seq, args.repeats = 32, 2
     args.rounds = [(p, [int(c) for c in cs.split(",")]) for p, cs in (s.split(":") for s in args.rounds)]
     args.dp = _pairs([args.dp])[0]
-    args.fax = _pairs(args.fax)
+    args.fax, args.fax_compile = _pairs(args.fax), _pairs(args.fax_compile)
     scan = False if args.unrolled else (True if args.remat else None)
     policy = resolve_policy(args.dtype, scan_layers=True if scan is None and jax.default_backend() != "cpu" else scan,
                             remat=args.remat)
