@@ -2,6 +2,9 @@
 
 An `Aggregator` is optax-shaped: ``init(params) -> state`` and
 ``aggregate(deltas, weights, state, key) -> AggregateResult(update, state, metrics)``.
+An aggregator that is a sum over the clients also says so (``fused``, a `FusedAggregation`):
+each client's term, and the server's finish on the sums, so FedAvg accumulates the terms in
+its loop over the clients and never stacks a delta per client.
 ``deltas`` is a clients-placed pytree (leading clients dim n), ``weights`` a (n,) float array
 that is 0 for padded or absent clients. Wrappers (DP-FedAvg, secure aggregation) take a base
 aggregator and return the same type; ``jittable=False`` marks one that must run on the host
@@ -32,6 +35,19 @@ class AggregateResult(NamedTuple):
     metrics: dict[str, jax.Array | float]
 
 
+class FusedAggregation(NamedTuple):
+    """An aggregation as a sum over the clients, for a loop that accumulates it.
+
+    ``client(delta, weight, state) -> terms``: one client's terms (a pytree of float32 or int
+    arrays), given its delta, its aggregation weight (0 for an absent slot) and the server's
+    aggregator state; ``finish(sums, state, key) -> AggregateResult``: the update from the
+    terms summed over the cohort. ``aggregate`` on the stacked deltas gives the same values up
+    to float rounding (a sequential sum instead of a pairwise one)."""
+
+    client: Callable[[PyTree, jax.Array, Any], PyTree]
+    finish: Callable[[PyTree, Any, jax.Array], AggregateResult]
+
+
 class Aggregator(NamedTuple):
     init: Callable[[PyTree], Any]
     aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], AggregateResult]
@@ -40,6 +56,8 @@ class Aggregator(NamedTuple):
     # rows under the masks (metric ``within_clip``: secure aggregation, so that no single
     # indicator is revealed); a base without it gets a plain clients-placed pytree
     counts: bool = False
+    # the aggregation as a sum over the clients (None: it needs the stacked deltas)
+    fused: FusedAggregation | None = None
 
 
 class EmptyState(NamedTuple):
@@ -79,7 +97,29 @@ def mean_aggregator(mesh: Any = None) -> Aggregator:
         )
         return AggregateResult(program(deltas, weights), state, _base_metrics(weights))
 
-    return Aggregator(init=lambda params: EmptyState(), aggregate=aggregate)
+    return Aggregator(init=lambda params: EmptyState(), aggregate=aggregate, fused=_fused_mean())
+
+
+def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
+    """``num / den``, 0 where ``den`` is 0 (federated_weighted_mean's convention)."""
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, jnp.ones((), den.dtype)), jnp.zeros((), num.dtype))
+
+
+def _fused_mean() -> FusedAggregation:
+    """The weighted mean as sums: Σ w_i d_i (float32), Σ w_i and the count of w_i > 0."""
+
+    def client(delta, weight, state):
+        del state
+        scaled = jax.tree.map(lambda d: d.astype(jnp.promote_types(d.dtype, jnp.float32)) * weight, delta)
+        return {"delta": scaled, "weight": weight, "aggregated": (weight > 0).astype(jnp.int32)}
+
+    def finish(sums, state, key):
+        del key
+        update = jax.tree.map(lambda s: _ratio(s, sums["weight"]), sums["delta"])
+        return AggregateResult(update, state, {"total_weight": sums["weight"],
+                                               "aggregated_clients": sums["aggregated"]})
+
+    return FusedAggregation(client, finish)
 
 
 def sum_aggregator(mesh: Any = None) -> Aggregator:

@@ -25,8 +25,9 @@ A FedAvg round has three phases, so a host-side aggregator (secure aggregation) 
 
 With a jittable aggregator `fedavg` compiles the three phases as one program; with
 ``jittable=False`` (secure aggregation) phases 1 and 3 are jitted and phase 2 runs on the host.
-With the default aggregator (the weighted mean) phases 1 and 2 are one federated program,
-`make_client_mean_phase`, which sums the weighted deltas inside the loop over the clients.
+With an aggregator that is a sum over the clients (the weighted mean, DP-FedAvg over it) phases 1
+and 2 are one federated program, `make_client_sum_phase`, which sums the (clipped, weighted)
+deltas inside the loop over the clients.
 
 FedSGD is ``jax.grad`` of the federated (weighted) mean loss, followed by a server step; its
 gradient's jaxpr communicates only through the federated primitives (federated AD).
@@ -51,6 +52,7 @@ from memaudit.federated.aggregators import (
     AggregateResult,
     Aggregator,
     EmptyState,
+    FusedAggregation,
     mean_aggregator,
 )
 from memaudit.federated.cohorts import ClientData
@@ -243,59 +245,69 @@ def make_client_phase(
     return client_phase
 
 
-def make_client_mean_phase(
+def make_client_sum_phase(
     loss_fn: LossFn,
     client_optimizer: optax.GradientTransformation,
     *,
+    aggregation: FusedAggregation,
     local_steps: int,
     batch_size: int,
     weighting: Weighting = "examples",
     mesh: Any = None,
     map_strategy: str = "auto",
     loss_rng: bool = False,
-) -> Callable[[PyTree, ClientData, jax.Array], tuple[AggregateResult, dict[str, jax.Array]]]:
-    """FedAvg phases 1 and 2 with the weighted-mean aggregator, as one federated program:
-    ``(params, data, key) -> (AggregateResult, client metrics)``.
+) -> Callable[..., tuple[AggregateResult, dict[str, jax.Array]]]:
+    """FedAvg phases 1 and 2 with an aggregator that is a sum over the clients (its
+    `FusedAggregation`: the weighted mean, DP-FedAvg's clip-and-sum), as one federated program:
+    ``(params, agg_state, data, client_key, agg_key) -> (AggregateResult, client metrics)``.
 
-    Every quantity of the round is a sum over the clients (weighted deltas, weights, the
-    metrics' numerators and counts), taken with `federated_map_sum`: run one client after the
-    other, the sums accumulate in the loop and the round never holds a delta per client. The
-    values are those of `make_client_phase` followed by `mean_aggregator`, up to float
-    rounding; the update's ``state`` is the aggregator's empty state.
+    Every quantity of the round is a sum over the clients (each client's aggregation terms,
+    the metrics' numerators and counts), taken with `federated_map_sum`: run one client after
+    the other, the sums accumulate in the loop's carry and the round never holds a delta per
+    client (nor, under DP, a clipped one). The aggregator's state (DP-FedAvg's clip) reaches the
+    clients by `federated_broadcast`. The values are those of `make_client_phase` followed by
+    the aggregator's ``aggregate``, up to float rounding.
     """
     client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng)
 
-    def sums(params, examples, mask, key):  # one client's term of every sum
+    def sums(params, agg_state, examples, mask, key):  # one client's term of every sum
         delta, loss, norm = client_update(params, examples, mask, key)
         num = jnp.sum(mask)
-        w = _weights(num, weighting)
         present = (num > 0).astype(jnp.float32)
-        scaled = jax.tree.map(
-            lambda d: d.astype(jnp.promote_types(d.dtype, jnp.float32)) * w, delta)
-        return {"delta": scaled, "weight": w, "loss": loss * present, "norm": norm * present,
-                "cohort": present, "examples": num, "aggregated": (w > 0).astype(jnp.int32)}
+        return {"agg": aggregation.client(delta, _weights(num, weighting), agg_state),
+                "loss": loss * present, "norm": norm * present, "cohort": present, "examples": num}
 
-    def ratio(num, den):  # federated_weighted_mean's convention: 0 when the weights sum to 0
-        return jnp.where(den > 0, num / jnp.where(den > 0, den, jnp.ones((), den.dtype)),
-                         jnp.zeros((), num.dtype))
-
-    def phase(params, data: ClientData, key):
+    def phase(params, agg_state, data: ClientData, client_key, agg_key):
         n = data.mask.shape[0]
 
-        @federated_program(clients=n, mesh=mesh, placed=(1, 2), placed_out=False,
+        @federated_program(clients=n, mesh=mesh, placed=(2, 3), placed_out=False,
                            map_strategy=map_strategy)
-        def program(params, data, keys):
-            return federated_map_sum(sums, federated_broadcast(params), data.examples, data.mask,
-                                     keys)
+        def program(params, agg_state, data, keys):
+            return federated_map_sum(sums, federated_broadcast(params), federated_broadcast(agg_state),
+                                     data.examples, data.mask, keys)
 
-        t = program(params, data, _client_keys(key, n))
-        update = jax.tree.map(lambda s, p: ratio(s, t["weight"]).astype(p.dtype), t["delta"], params)
-        metrics = {"loss": ratio(t["loss"], t["cohort"]), "delta_norm": ratio(t["norm"], t["cohort"]),
+        t = program(params, agg_state, data, _client_keys(client_key, n))
+        agg = aggregation.finish(t["agg"], agg_state, agg_key)
+        agg = agg._replace(update=jax.tree.map(lambda u, p: u.astype(p.dtype), agg.update, params))
+        metrics = {"loss": _ratio(t["loss"], t["cohort"]), "delta_norm": _ratio(t["norm"], t["cohort"]),
                    "cohort": t["cohort"], "examples": t["examples"]}
-        agg_metrics = {"total_weight": t["weight"], "aggregated_clients": t["aggregated"]}
-        return AggregateResult(update, EmptyState(), agg_metrics), metrics
+        return agg, metrics
 
     return phase
+
+
+def make_client_mean_phase(loss_fn: LossFn, client_optimizer: optax.GradientTransformation, *,
+                           mesh: Any = None, **options: Any):
+    """`make_client_sum_phase` with the weighted mean (``mean_aggregator``'s fused form):
+    ``(params, data, key) -> (AggregateResult, client metrics)``; the update's ``state`` is the
+    aggregator's empty state."""
+    phase = make_client_sum_phase(loss_fn, client_optimizer, aggregation=mean_aggregator(mesh).fused,
+                                  mesh=mesh, **options)
+    return lambda params, data, key: phase(params, EmptyState(), data, key, key)
+
+
+def _ratio(num, den):  # federated_weighted_mean's convention: 0 when the weights sum to 0
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, jnp.ones((), den.dtype)), jnp.zeros((), num.dtype))
 
 
 def make_server_update(server_optimizer: optax.GradientTransformation):
@@ -341,6 +353,8 @@ def fedavg(
     mesh: Any = None,
     map_strategy: str = "auto",
     loss_rng: bool = False,
+    fuse: bool = True,
+    donate: bool = False,
 ) -> FederatedAlgorithm:
     """Federated averaging with a client and a server optimizer (FedAvg, FedAdam, ...).
 
@@ -350,29 +364,34 @@ def fedavg(
         server_optimizer: applied to ``-mean_delta`` (``optax.sgd(1.0)``: FedAvg).
         local_steps: client steps per round (>= 1).
         batch_size: local batch size; clients with fewer examples use all they have.
-        aggregator: turns deltas into the update. Default (None): the weighted mean, fused with
-            the clients' loop (`make_client_mean_phase`); ``mean_aggregator(mesh)`` gives the
-            same values from the stacked per-client deltas.
+        aggregator: turns deltas into the update. Default (None): the weighted mean
+            (``mean_aggregator(mesh)``). An aggregator that is a sum over the clients (its
+            ``fused``: the mean, DP-FedAvg over it) is fused with the clients' loop
+            (`make_client_sum_phase`); others (secure aggregation) get the stacked deltas.
         weighting: aggregation weights, ``"examples"`` (FedAvg) or ``"uniform"`` (user-level).
         mesh: optional mesh with a ``clients`` axis.
         map_strategy: how the clients' local training runs, ``"vmap"``, ``"scan"`` or
-            ``"auto"`` (scan on CPU, vmap on accelerators; see `federated_map`).
+            ``"auto"`` (scan when a client computes a matmul; see `federated_map`).
         loss_rng: ``loss_fn`` takes ``rng=``, a key per client and local step (adapter dropout;
             see the module docstring).
+        fuse: fuse a summable aggregator with the loop (False: the stacked deltas, the same
+            values up to float rounding; for tests and comparisons).
+        donate: the jitted round donates the state passed in (its buffers are reused for the
+            new state; the caller must not read it afterwards).
     """
-    fused_mean = aggregator is None
     aggregator = aggregator or mean_aggregator(mesh)
     options = {"local_steps": local_steps, "batch_size": batch_size, "weighting": weighting,
                "mesh": mesh, "map_strategy": map_strategy, "loss_rng": loss_rng}
     client_phase = make_client_phase(loss_fn, client_optimizer, **options)
-    mean_phase = make_client_mean_phase(loss_fn, client_optimizer, **options) if fused_mean else None
+    fusable = fuse and aggregator.jittable and aggregator.fused is not None
+    sum_phase = make_client_sum_phase(loss_fn, client_optimizer, aggregation=aggregator.fused,
+                                      **options) if fusable else None
     server_update = make_server_update(server_optimizer)
 
     def phases(state: ServerState, data: ClientData, key):
         client_key, agg_key = jax.random.split(key)
-        if fused_mean:
-            agg, client_metrics = mean_phase(state.params, data, client_key)
-            agg = agg._replace(state=state.agg_state)
+        if sum_phase is not None:
+            agg, client_metrics = sum_phase(state.params, state.agg_state, data, client_key, agg_key)
         else:
             out = client_phase(state.params, data, client_key)
             agg = aggregator.aggregate(out.deltas, out.weights, state.agg_state, agg_key)
@@ -382,7 +401,11 @@ def fedavg(
 
     # A jittable aggregator: one program for the round (the deltas never leave the device
     # program). Otherwise three steps, the aggregator running on the host in between.
-    fused = jax.jit(phases) if aggregator.jittable else None
+    program = jax.jit(phases) if aggregator.jittable else None
+    # the round donates the server state: XLA updates the weights and moments in place instead
+    # of holding the old and the new (a caller keeps no reference to a state it passed in)
+    fused = jax.jit(phases, donate_argnums=0) if aggregator.jittable and donate else None
+    fused = fused if fused is not None else program
     client_jit, server_jit = jax.jit(client_phase), jax.jit(server_update)
 
     def init(params) -> ServerState:
@@ -415,7 +438,7 @@ def fedavg(
     round_.jitted = fused  # the whole round as one jitted function (None: host aggregator)
     # The round as one traceable program, (state, data, key) -> (state, metric dicts): what a
     # runtime across processes partitions (`memaudit.federated.flower.partition`).
-    round_.program = fused
+    round_.program = program
     # With a host aggregator: the traceable client phase (a runtime across processes
     # partitions it, the deltas staying with the clients) and the host steps after it.
     round_.host_split = None if fused is not None else HostSplit(client_phase, host_steps)

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from memaudit.config import AdaptiveClipConfig
-from memaudit.federated.aggregators import AggregateResult, Aggregator, mean_aggregator
+from memaudit.federated.aggregators import AggregateResult, Aggregator, FusedAggregation, mean_aggregator
 from memaudit.federated.client_ops import clip_deltas, global_norms
 from memaudit.federated.updates import client_updates
 from memaudit.privacy.federated import dpfedavg_mechanism
@@ -126,26 +126,24 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
     def init(params):
         return DPFedAvgState(base.init(params), jnp.asarray(clip0, jnp.float32))
 
-    def aggregate(deltas, weights, state, key):
-        k_base, k_noise, k_count = jax.random.split(key, 3)
-        presence = (weights > 0).astype(jnp.float32)
+    def release(res: AggregateResult, state: DPFedAvgState, cohort: jax.Array, unclipped: jax.Array | None,
+                k_noise: jax.Array, k_count: jax.Array) -> AggregateResult:
+        """The base's mean of the clipped deltas back to a sum (x contributors), noised and divided
+        by the expected cohort; metrics and the next clip. ``cohort``: the present clients;
+        ``unclipped``: how many were within the clip (None: a secure base's masked count)."""
+        m = contributors(res.metrics, cohort[None])
         c = state.clip
-        # each client clips its own delta; a secure base sums the indicators under the masks
-        clipped = client_updates(deltas).clipped(c, count=base.counts)
-        res = base.aggregate(clipped if base.counts else clipped.tree(), presence, state.base, k_base)
-        m = contributors(res.metrics, presence)
         leaves, tdef = jax.tree.flatten(res.update)
         keys = jax.random.split(k_noise, len(leaves))
         std = z_delta * c if z_delta > 0 else jnp.float32(0.0)  # avoids 0 * inf with clip = inf
         noisy = [(x * m + std * jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)) / expected_cohort
                  for x, k in zip(leaves, keys, strict=True)]
         update = jax.tree.unflatten(tdef, noisy)
-        cohort = jnp.sum(presence)
-        if base.counts:  # a secure sum: the survivors' indicators, summed under the masks
+        if unclipped is None:  # a secure sum: the survivors' indicators, summed under the masks
             counted = m
             unclipped = jnp.asarray(res.metrics.get("within_clip", 0.0), jnp.float32)
         else:
-            counted, unclipped = cohort, clipped.within_count(presence)
+            counted = cohort
         metrics = dict(res.metrics)
         metrics.pop("within_clip", None)  # the un-noised count: only as clip_fraction (sensitive)
         metrics.update(clip=c, clip_fraction=(counted - unclipped) / jnp.maximum(counted, 1.0),
@@ -159,7 +157,36 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
             metrics.update(next_clip=new_clip, unclipped_fraction=b)
         return AggregateResult(update, DPFedAvgState(res.state, new_clip), metrics)
 
-    return Aggregator(init=init, aggregate=aggregate, jittable=base.jittable)
+    def aggregate(deltas, weights, state, key):
+        k_base, k_noise, k_count = jax.random.split(key, 3)
+        presence = (weights > 0).astype(jnp.float32)
+        # each client clips its own delta; a secure base sums the indicators under the masks
+        clipped = client_updates(deltas).clipped(state.clip, count=base.counts)
+        res = base.aggregate(clipped if base.counts else clipped.tree(), presence, state.base, k_base)
+        unclipped = None if base.counts else clipped.within_count(presence)
+        return release(res, state, jnp.sum(presence), unclipped, k_noise, k_count)
+
+    def fused_client(delta, weight, state):
+        """One client's terms: its delta clipped to the clip, as the base's terms with weight 1
+        (0 when absent), and its presence and within-clip indicator."""
+        presence = (weight > 0).astype(jnp.float32)
+        leaves = jax.tree.leaves(delta)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+        factor = jnp.minimum(1.0, state.clip / jnp.maximum(norm, 1e-30))  # clip = inf -> 1
+        clipped = jax.tree.map(lambda x: x * factor.astype(x.dtype), delta)
+        within = (norm <= state.clip).astype(jnp.float32) * presence
+        return {"base": base.fused.client(clipped, presence, state.base), "cohort": presence,
+                "within": within}
+
+    def fused_finish(sums, state, key):
+        k_base, k_noise, k_count = jax.random.split(key, 3)
+        res = base.fused.finish(sums["base"], state.base, k_base)
+        return release(res, state, sums["cohort"], sums["within"], k_noise, k_count)
+
+    # over a plain base that is a sum, DP-FedAvg is one too: FedAvg clips and sums in its loop
+    fused = FusedAggregation(fused_client, fused_finish) if base.fused is not None and not base.counts else None
+
+    return Aggregator(init=init, aggregate=aggregate, jittable=base.jittable, fused=fused)
 
 
 __all__ = ["DPFedAvgState", "adaptive_count_noise", "adaptive_noise_split", "clip_deltas", "dp_fedavg",

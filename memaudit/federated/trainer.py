@@ -62,10 +62,11 @@ from memaudit.federated.sharding import (
 )
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
-from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes
+from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes, policy_fields
 from memaudit.models.flax_lora import LoraModel, count, initial_lora, torch_lora_model
 from memaudit.models.init import flax_config, hf_config, initial_state_dict, model_shape
 from memaudit.models.lora import merged_copy, save_adapter, trained_label
+from memaudit.models.precision import policy_of_config
 from memaudit.privacy.aborts import WithAbortBit, with_abort_bit
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibration_accountant
@@ -200,10 +201,13 @@ class FederatedTrainer:
         self.clients = build_client_data(self.prepared.train)
         self.mesh = self.runtime.mesh(self.cfg, shape)
         self.capacity = self._base_capacity()
-        self.model = FlaxLlama(flax_config(self.cfg.model, self.vocab))
+        # train.dtype on this backend: bf16 compute with f32 weights on an accelerator, f32 on CPU
+        self.policy = policy_of_config(self.cfg)
+        self.model = FlaxLlama(flax_config(self.cfg.model, self.vocab, **policy_fields(self.policy)))
         # the same starting weights as the torch trainers (memaudit.models.init)
         if self.cfg.model.lora is None:
-            self.params0 = hf_to_flax(initial_state_dict(self.cfg.model, self.vocab))
+            self.params0 = hf_to_flax(initial_state_dict(self.cfg.model, self.vocab),
+                                      scan_layers=self.policy.scan_layers)
         else:  # the algorithm's parameters are the adapters; the frozen base is the model's
             base, self.params0 = initial_lora(self.cfg.model, self.vocab)
             self.frozen = int(sum(v.numel() for v in base.values()))
@@ -287,7 +291,7 @@ class FederatedTrainer:
             loss_fn, client_optimizer=alg.make_client_optimizer(f.client_optimizer, f.client_lr),
             server_optimizer=server_opt, local_steps=f.local_steps, batch_size=f.local_batch_size,
             aggregator=self.build_aggregator(), weighting=weighting, mesh=self.mesh, loss_rng=loss_rng,
-            map_strategy=self.runtime.map_strategy,
+            map_strategy=self.runtime.map_strategy, donate=True,  # the trainer keeps only the new state
         )
 
     def _server_lr(self) -> float:
@@ -328,12 +332,12 @@ class FederatedTrainer:
         f, k = self.fcfg, clients_axis_size(self.mesh)
         if f.sampling == "fixed":
             return -(-f.cohort // k) * k
-        # On CPU clients train one after the other on each device (the scan strategy, a
-        # shard_map over a clients mesh axis), and a slot without data skips local training.
-        # Batched (vmap, on accelerators) every slot computes, so the padding is kept small.
-        if jax.default_backend() == "cpu":
-            return -(-poisson_capacity(self.clients.num_users, f.cohort) // k) * k
-        return None
+        # Clients train one after the other on each device (the scan strategy, a shard_map over a
+        # clients mesh axis, on every backend), and a slot without data skips local training.
+        # A runtime that batches its clients (vmap) computes every slot: its padding is kept small.
+        if self.runtime.map_strategy == "vmap":
+            return None
+        return -(-poisson_capacity(self.clients.num_users, f.cohort) // k) * k
 
     def round_capacity(self, size: int) -> int:
         """Clients dim for a cohort of ``size``: the run's fixed capacity, so rounds reuse one
@@ -544,7 +548,8 @@ class FederatedTrainer:
                 "processes": jax.process_count(), "mesh_clients": clients_axis_size(self.mesh),
                 "mesh_model": model_axis_size(self.mesh), "trained": trained_label(self.cfg.model.lora),
                 "trained_parameters": trained, "frozen_parameters": self.parameters() - trained,
-                "upload_bytes_per_client_per_round": self.upload_bytes(trained)}
+                "upload_bytes_per_client_per_round": self.upload_bytes(trained),
+                "compute_dtype": self.policy.compute_dtype, "scan_layers": self.policy.scan_layers}
 
     @property
     def masked(self) -> bool:

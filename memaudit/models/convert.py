@@ -5,6 +5,11 @@ component renamed (`weight` -> `kernel` for Linear layers, transposed from torch
 Flax's (in, out); `weight` -> `embedding` for `embed_tokens`; norm scales keep `weight`).
 Arrays are copied, never cast, so HF -> Flax -> HF returns bit-identical arrays.
 
+A model with scanned decoder layers (`FlaxLlamaConfig.scan_layers`) keeps them stacked:
+`params["model"]["layers"]["stacked"][...]` holds every layer's array on a leading layer dim,
+row i being `model.layers.<i>`; `stack_layers` / `unstack_layers` move between the two trees
+(one-to-one, bit-identical) and `flax_to_hf` takes either.
+
 >>> import numpy as np
 >>> sd = {"model.layers.0.mlp.up_proj.weight": np.ones((3, 2), np.float32),
 ...       "model.norm.weight": np.ones(2, np.float32)}
@@ -29,6 +34,7 @@ from safetensors.numpy import load_file
 
 from memaudit.models.presets import llama_config
 
+STACKED = "stacked"  # the scanned decoder layer under `model/layers`
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers older checkpoints carry; recomputed from rope_theta
 
 
@@ -38,8 +44,55 @@ def _to_numpy(v: Any) -> np.ndarray:
     return np.asarray(v)
 
 
-def hf_to_flax(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """HF state dict (torch tensors or numpy arrays) -> nested Flax params of numpy arrays."""
+def _layers_node(params: dict[str, Any]) -> dict[str, Any] | None:
+    model = params.get("model") if hasattr(params, "get") else None
+    return model.get("layers") if model is not None and hasattr(model, "get") else None
+
+
+def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer params (`model/layers/<i>/...`) -> one stacked layer (`model/layers/stacked/...`,
+    each array with a leading layer dim, row i = layer i), as `nn.scan` over the layers reads them.
+
+    >>> p = {"model": {"layers": {str(i): {"mlp": {"up_proj": {"kernel": np.full((2, 3), i)}}}
+    ...                           for i in range(2)}}}
+    >>> stack_layers(p)["model"]["layers"]["stacked"]["mlp"]["up_proj"]["kernel"].shape
+    (2, 2, 3)
+    """
+    layers = _layers_node(params)
+    if layers is None or STACKED in layers:
+        return params
+    order = sorted(layers, key=int)
+    if order != [str(i) for i in range(len(order))]:
+        raise ValueError(f"decoder layers {order} are not numbered 0..{len(order) - 1}; cannot stack them")
+
+    def stack(*xs):
+        return np.stack([np.asarray(x) for x in xs])
+
+    first = layers[order[0]]
+    stacked = _map_leaves(stack, first, *(layers[k] for k in order[1:]))
+    return {**params, "model": {**params["model"], "layers": {STACKED: stacked}}}
+
+
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `stack_layers`: row i of every stacked array back at `model/layers/<i>`."""
+    layers = _layers_node(params)
+    if layers is None or STACKED not in layers:
+        return params
+    stacked = layers[STACKED]
+    depth = int(np.shape(_flatten(dict(stacked))[0][1])[0])
+    out = {str(i): _map_leaves(lambda x, i=i: np.asarray(x)[i].copy(), stacked) for i in range(depth)}
+    return {**params, "model": {**params["model"], "layers": out}}
+
+
+def _map_leaves(fn: Any, tree: Any, *rest: Any) -> Any:
+    if hasattr(tree, "items") and not hasattr(tree, "shape"):
+        return {k: _map_leaves(fn, v, *(r[k] for r in rest)) for k, v in tree.items()}
+    return fn(tree, *rest)
+
+
+def hf_to_flax(state_dict: dict[str, Any], *, scan_layers: bool = False) -> dict[str, Any]:
+    """HF state dict (torch tensors or numpy arrays) -> nested Flax params of numpy arrays;
+    ``scan_layers``: the decoder layers stacked (`stack_layers`)."""
     params: dict[str, Any] = {}
     for name, value in state_dict.items():
         if name.endswith(_IGNORED):
@@ -58,7 +111,7 @@ def hf_to_flax(state_dict: dict[str, Any]) -> dict[str, Any]:
         for p in parts[:-1]:
             node = node.setdefault(p, {})
         node[leaf] = arr
-    return params
+    return stack_layers(params) if scan_layers else params
 
 
 def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -72,9 +125,9 @@ def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[t
 
 
 def flax_to_hf(params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Nested Flax params -> {HF name: numpy array with the HF shape}."""
+    """Nested Flax params (per-layer or stacked) -> {HF name: numpy array with the HF shape}."""
     out: dict[str, np.ndarray] = {}
-    for path, value in _flatten(params):
+    for path, value in _flatten(unstack_layers(params)):
         arr = np.asarray(value)
         leaf = path[-1]
         if leaf == "kernel":

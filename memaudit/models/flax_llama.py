@@ -32,7 +32,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from memaudit.models.convert import hf_to_flax
+from memaudit.models.convert import STACKED, hf_to_flax
+from memaudit.models.precision import ComputePolicy
 from memaudit.models.presets import LlamaPreset, get_preset, init_state_dict
 
 
@@ -41,17 +42,29 @@ class FlaxLlamaConfig(LlamaPreset):
     """A preset's shape (the same fields as `LlamaPreset`) plus the compute dtype."""
 
     dtype: Any = jnp.float32  # compute dtype; parameters stay float32
+    # the decoder layers as one nn.scan over weights stacked on a leading layer dim (their
+    # parameters under `layers/stacked`, `convert.stack_layers`); remat: recomputed in backward
+    scan_layers: bool = False
+    remat: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_preset(cls, name: str, *, vocab_size: int | None = None, dtype: Any = jnp.float32) -> FlaxLlamaConfig:
+    def from_preset(cls, name: str, *, vocab_size: int | None = None, dtype: Any = jnp.float32,
+                    policy: ComputePolicy | None = None) -> FlaxLlamaConfig:
+        """The preset's shape; ``policy`` (`memaudit.models.precision`) sets the compute dtype and
+        the layer scan, else ``dtype`` the compute dtype."""
         p = dataclasses.asdict(get_preset(name))
         if vocab_size is not None:
             p["vocab_size"] = vocab_size
-        return cls(**p, dtype=dtype)
+        return cls(**p, **(policy_fields(policy) if policy is not None else {"dtype": dtype}))
+
+
+def policy_fields(policy: ComputePolicy) -> dict[str, Any]:
+    """The `FlaxLlamaConfig` fields a `ComputePolicy` sets."""
+    return {"dtype": policy.compute, "scan_layers": policy.scan_layers, "remat": policy.remat}
 
 
 class RMSNorm(nn.Module):
@@ -126,25 +139,37 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     cfg: FlaxLlamaConfig
+    scan_step: bool = False  # return (x, None), the step of an nn.scan over the layers
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> Any:
         c = self.cfg
         h = RMSNorm(c.rms_norm_eps, c.dtype, name="input_layernorm")(x)
         x = x + Attention(c, name="self_attn")(h, cos, sin, bias)
         h = RMSNorm(c.rms_norm_eps, c.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(c, name="mlp")(h)
+        x = x + MLP(c, name="mlp")(h)
+        return (x, None) if self.scan_step else x
 
 
 class Layers(nn.Module):
-    """Container so that layer i lives at `layers/<i>`, as in HF's `model.layers.<i>`."""
+    """Container so that layer i lives at `layers/<i>`, as in HF's `model.layers.<i>`; with
+    ``scan_layers`` one scanned layer at `layers/stacked` whose weights carry a leading layer
+    dim (row i is HF's `model.layers.<i>`), so the program holds one layer whatever the depth."""
 
     cfg: FlaxLlamaConfig
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
-        for i in range(self.cfg.num_hidden_layers):
-            x = DecoderLayer(self.cfg, name=str(i))(x, cos, sin, bias)
+        c = self.cfg
+        if c.scan_layers:
+            step = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
+            stack = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                            length=c.num_hidden_layers)
+            x, _ = stack(c, scan_step=True, name=STACKED)(x, cos, sin, bias)
+            return x
+        for i in range(c.num_hidden_layers):
+            x = DecoderLayer(c, name=str(i))(x, cos, sin, bias)
         return x
 
 
@@ -206,9 +231,14 @@ def kernel_axes(path: tuple[str, ...]) -> tuple[str | None, ...] | None:
     ('model', None)
     >>> kernel_axes(("model", "norm", "weight")) is None
     True
+    >>> kernel_axes(("model", "layers", "stacked", "mlp", "down_proj", "kernel"))  # (layer, in, out)
+    (None, 'model', None)
     """
     if len(path) >= 2 and path[-1] == "kernel":
-        return PARTITION_RULES.get(path[-2])
+        rule = PARTITION_RULES.get(path[-2])
+        if rule is not None and STACKED in path:
+            return (None, *rule)
+        return rule
     return None
 
 
@@ -249,6 +279,7 @@ def causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mask: jax.
 def init_params(cfg: FlaxLlamaConfig, *, preset: str | None = None, seed: int = 0) -> dict:
     """Initial parameters: the shared seeded HF initialisation when `preset` is given."""
     if preset is not None:
-        return hf_to_flax(init_state_dict(preset, vocab_size=cfg.vocab_size, seed=seed))
+        return hf_to_flax(init_state_dict(preset, vocab_size=cfg.vocab_size, seed=seed),
+                          scan_layers=cfg.scan_layers)
     model = FlaxLlama(cfg)
     return model.init(jax.random.key(seed), jnp.zeros((1, 2), jnp.int32))["params"]

@@ -56,7 +56,7 @@ def _local(arrays, dead=()):
 TAMPER = {
     "short": lambda x: x.reshape(-1)[:-1],  # one float (4 bytes) short
     "shape": lambda x: x[None],
-    "oversized": lambda x: np.concatenate([x] * 64),
+    "oversized": lambda x: np.concatenate([np.atleast_1d(x)] * 64),  # a partial sum is 0-d
     "nan": lambda x: np.full_like(x, np.nan) if np.issubdtype(x.dtype, np.floating) else x,
     "dtype": lambda x: x.astype(np.float64),
 }

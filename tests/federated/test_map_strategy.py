@@ -294,9 +294,9 @@ def test_fused_mean_round_equals_the_mean_aggregator_on_stacked_deltas(weighting
         return jnp.sum((pred - batch["y"]) ** 2, axis=-1), None
 
     results = {}
-    for name, agg in (("fused", None), ("stacked", mean_aggregator())):
+    for name, agg, fuse in (("fused", None, True), ("stacked", mean_aggregator(), False)):
         for strategy in ("scan", "vmap"):
-            alg = fedavg(loss, aggregator=agg, map_strategy=strategy, **kw)
+            alg = fedavg(loss, aggregator=agg, map_strategy=strategy, fuse=fuse, **kw)
             state = alg.init(params)
             for r in range(2):
                 state, metrics = alg.round(state, data, jax.random.key(r))
@@ -315,3 +315,56 @@ def test_fused_mean_round_equals_the_mean_aggregator_on_stacked_deltas(weighting
 def test_fused_mean_round_holds_no_delta_per_client():
     hlo = _compiled_scan_phase(make_client_mean_phase, seed=1)
     assert "f32[40,24]" in hlo and "f32[6,40,24]" not in hlo
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("mesh_clients", [None, 2])
+def test_fused_dp_fedavg_equals_dp_fedavg_on_stacked_deltas(adaptive, mesh_clients):
+    """DP-FedAvg over the mean clips each delta and sums it inside the clients' loop; with the
+    same keys the rounds (clipped and unclipped clients, an absent one, noise, the adaptive
+    clip's noisy count) equal the aggregator's on the stacked deltas, metrics included."""
+    from memaudit.config import AdaptiveClipConfig
+    from memaudit.federated.aggregators import mean_aggregator
+    from memaudit.federated.dp import dp_fedavg
+
+    data, params = _lin_cohort(np.random.default_rng(5), n=6, m=4, keep=0.8, d_in=5, d_out=3)
+    data.mask[2] = 0.0  # an absent client
+    data = _padded(data, 8)
+    mesh = None if mesh_clients is None else jax.make_mesh((mesh_clients,), ("clients",))
+    ada = AdaptiveClipConfig(enabled=True, initial_clip=2.0, lr=0.3, count_noise=1.0) if adaptive else None
+    results = {}
+    for fuse in (True, False):
+        agg = dp_fedavg(mean_aggregator(mesh), clip=2.0, noise_multiplier=0.7, expected_cohort=5.0,
+                        adaptive=ada)
+        alg = fedavg(_lin_loss, client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
+                     local_steps=2, batch_size=2, aggregator=agg, weighting="uniform", mesh=mesh,
+                     map_strategy="scan", fuse=fuse, donate=fuse)
+        state = alg.init(jax.tree.map(jnp.array, params))  # a copy: the fused round donates it
+        rounds = []
+        for r in range(3):
+            state, metrics = alg.round(state, data, jax.random.key(r))
+            rounds.append(metrics)
+        results[fuse] = (jax.tree.map(np.asarray, state), rounds)
+    (got, got_rounds), (ref, ref_rounds) = results[True], results[False]
+    np.testing.assert_allclose(got.params["w"], ref.params["w"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got.agg_state.clip, ref.agg_state.clip, rtol=1e-6)
+    for gm, rm in zip(got_rounds, ref_rounds, strict=True):
+        assert set(gm) == set(rm)
+        for k, v in rm.items():
+            np.testing.assert_allclose(gm[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    # round 1 has clipped and unclipped clients (delta norms 1.6 to 3.9 around the clip 2)
+    assert 0 < ref_rounds[0]["clip_fraction"] < 1
+
+
+def test_fused_dp_round_holds_no_delta_per_client():
+    from memaudit.federated.dp import dp_fedavg
+
+    data, params = _lin_cohort(np.random.default_rng(1), n=6, m=3, keep=1.0, d_in=40, d_out=24)
+    hlo = {}
+    for fuse in (True, False):
+        alg = fedavg(_lin_loss, client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
+                     local_steps=2, batch_size=2, map_strategy="scan", fuse=fuse,
+                     aggregator=dp_fedavg(clip=1.0, noise_multiplier=1.0, expected_cohort=6.0))
+        hlo[fuse] = alg.round.program.lower(alg.init(params), data, jax.random.key(0)).compile().as_text()
+    assert "f32[6,40,24]" in hlo[False]  # the stacked version holds a clipped delta per client
+    assert "f32[40,24]" in hlo[True] and "f32[6,40,24]" not in hlo[True]

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="'key=value ...'",
                     help="overrides of another run on the same data these SuperNodes may serve "
                          "(its stages join the manifest); repeatable")
-    ap.add_argument("--platforms", nargs="+", default=["cpu"], choices=["cpu", "cuda"],
+    ap.add_argument("--platforms", nargs="+", default=["cpu"], choices=["cpu", "cuda", "tpu"],
                     help="the SuperNodes' JAX platforms: the manifest allows the stages lowered "
                          "for each (default: cpu)")
     a = ap.parse_args(argv)

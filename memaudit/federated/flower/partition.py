@@ -531,11 +531,12 @@ together (``("cpu", "cuda")``) is not the in-JAX program's bit for bit in its CP
 platform dispatch changes XLA's fusion: model weights after two secure-aggregation rounds differed
 by up to 1.05e-6, where the CPU-only module matches exactly), so each SuperNode gets its stages
 lowered for its own platform alone (`modules_for`): the CPU node the CPU-only module, a CUDA node
-(jax[cuda]) a CUDA-only one. The platforms are part of the module's signature: a node's manifest
+(jax[cuda]) a CUDA-only one, a TPU node (jax[tpu]) a TPU-only one. The platforms are part of the module's signature: a node's manifest
 lists the platforms its operator writes it for."""
 
-PLATFORMS = ("cpu", "cuda")
-"""The platforms memaudit lowers client stages for (a SuperNode's JAX backend)."""
+PLATFORMS = ("cpu", "cuda", "tpu")
+"""The platforms memaudit lowers client stages for (a SuperNode's JAX backend, which it declares
+when it connects and its manifest lists)."""
 
 
 def modules_for(plan: Any, platform: str) -> dict[int, bytes]:

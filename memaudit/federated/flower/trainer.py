@@ -140,7 +140,7 @@ class FlowerNodes:
             platform = str(body.get("platform", STAGE_PLATFORMS[0]))
             if platform not in PLATFORMS:
                 raise MemauditError(f"SuperNode {node} runs JAX on {platform!r}, which memaudit lowers no client "
-                                    f"stages for ({', '.join(PLATFORMS)}); run it with a CPU or CUDA jax")
+                                    f"stages for ({', '.join(PLATFORMS)}); run it with a CPU, CUDA or TPU jax")
             self.platforms[node] = platform
             for u, d in zip(body["users"], body["digests"], strict=True):
                 if u in host:

@@ -1,0 +1,98 @@
+"""The compute policy (`memaudit.models.precision`): train.dtype resolved per backend, bf16
+compute with f32 weights against the f32 model, and CPU defaults that change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+from memaudit.models.precision import ComputePolicy, policy_of_config, resolve_policy  # noqa: E402
+
+VOCAB = 256
+
+
+def test_auto_is_bf16_on_accelerators_and_f32_on_the_cpu():
+    assert resolve_policy("auto", backend="cpu") == ComputePolicy()
+    for backend in ("tpu", "gpu", "cuda"):
+        p = resolve_policy("auto", backend=backend)
+        assert (p.compute_dtype, p.param_dtype, p.reduce_dtype, p.scan_layers) == (
+            "bfloat16", "float32", "float32", True)
+        assert p.mixed
+    assert resolve_policy("bfloat16", backend="cpu").compute == jnp.bfloat16
+    assert not resolve_policy("float32", backend="tpu").mixed
+    assert resolve_policy("float32", backend="tpu", remat=True).remat
+    assert not resolve_policy("auto", backend="cpu", remat=True).remat  # remat needs scanned layers
+
+
+def test_bad_dtypes_say_what_to_set():
+    with pytest.raises(ValueError, match="train.dtype='float16'"):
+        resolve_policy("float16", backend="cpu")
+    with pytest.raises(ValueError, match="scan_layers=True"):
+        ComputePolicy(remat=True)
+
+
+def test_lora_keeps_unrolled_layers_on_an_accelerator():
+    from memaudit.config import load_config
+
+    cfg = load_config(None, ["backend=federated", "model.lora.rank=4"])
+    assert not policy_of_config(cfg, backend="tpu").scan_layers
+    assert policy_of_config(load_config(None, ["backend=federated"]), backend="tpu").scan_layers
+
+
+def _tiny(policy: ComputePolicy):
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
+
+    return FlaxLlama(FlaxLlamaConfig.from_preset("tiny", vocab_size=VOCAB, policy=policy))
+
+
+def test_the_cpu_default_is_the_unchanged_f32_model():
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params
+
+    old = FlaxLlamaConfig.from_preset("tiny", vocab_size=VOCAB)  # what the trainer built before
+    new = _tiny(resolve_policy("auto", backend="cpu"))
+    assert new.cfg == old
+    params = init_params(old, preset="tiny", seed=1)
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).astype(np.int32)
+    assert np.array_equal(np.asarray(new.apply({"params": params}, ids)),
+                          np.asarray(FlaxLlama(old).apply({"params": params}, ids)))
+
+
+@pytest.fixture(scope="module")
+def round_inputs():
+    from memaudit.federated.cohorts import pack_clients
+    from memaudit.models.flax_llama import FlaxLlamaConfig, init_params
+
+    rng = np.random.default_rng(3)
+    clients = [{"input_ids": rng.integers(0, VOCAB, (k, 16)).astype(np.int32),
+                "attention_mask": np.ones((k, 16), np.int32)} for k in (3, 2, 4)]
+    params = init_params(FlaxLlamaConfig.from_preset("tiny", vocab_size=VOCAB), preset="tiny", seed=2)
+    return pack_clients(clients), params
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_bf16_round_is_within_tolerance_of_f32_and_keeps_f32_weights(round_inputs, scan):
+    from memaudit.federated.algorithms import fedavg
+    from memaudit.federated.trainer import make_loss_fn
+    from memaudit.models.convert import stack_layers, unstack_layers
+
+    data, params = round_inputs
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        policy = resolve_policy(dtype, backend="cpu", scan_layers=scan)
+        algo = fedavg(make_loss_fn(_tiny(policy)), client_optimizer=optax.sgd(0.5),
+                      server_optimizer=optax.sgd(1.0), local_steps=2, batch_size=2)
+        p0 = stack_layers(params) if scan else params
+        state, metrics = algo.round(algo.init(jax.tree.map(jnp.asarray, p0)), data, jax.random.key(0))
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))  # master weights
+        out[dtype] = (metrics, unstack_layers(jax.tree.map(np.asarray, state.params)))
+    (m32, p32), (m16, p16) = out["float32"], out["bfloat16"]
+    # bf16 has an 8-bit mantissa: the loss (log-softmax in f32) within 1%, the update within 5%
+    assert m16["loss"] == pytest.approx(m32["loss"], rel=1e-2)
+    assert m16["update_norm"] == pytest.approx(m32["update_norm"], rel=5e-2)
+    d32 = np.concatenate([(a - b).ravel() for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(params))])
+    d16 = np.concatenate([(a - b).ravel() for a, b in zip(jax.tree.leaves(p16), jax.tree.leaves(params))])
+    assert np.dot(d16, d32) / (np.linalg.norm(d16) * np.linalg.norm(d32)) > 0.99  # the same direction
