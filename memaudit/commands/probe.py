@@ -106,6 +106,9 @@ def register(app: typer.Typer) -> None:
         ] = None,
         device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
         dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+        engine: Annotated[str, typer.Option(help="Who scores and generates: jax, torch or auto "
+                                            "(jax on a TPU for a Llama model, torch otherwise).")
+                          ] = "auto",
         batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 32,
         seed: Annotated[int, typer.Option(help="Seed for bootstrap, sampling and candidates.")] = 0,
         bootstrap: Annotated[
@@ -133,6 +136,8 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in ("table", "json"):
             raise ValueError(f"--format '{fmt}' is not one of table, json")
+        if engine not in ("auto", "jax", "torch"):
+            raise ValueError(f"--engine '{engine}' is not one of auto, jax, torch")
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)
@@ -187,7 +192,7 @@ def register(app: typer.Typer) -> None:
                     tasks[stage] = bar.add_task(stage, total=total, info="")
                 bar.update(tasks[stage], completed=done, total=total)
 
-            result = run_probes(t, settings, progress=report)
+            result = run_probes(t, settings, progress=report, engine=engine)
         atomic_write_json(t.out, result.document)
         if fmt == "json":
             print_json(result.document)

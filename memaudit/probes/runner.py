@@ -102,6 +102,50 @@ def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> P
     return settings
 
 
+ENGINES = ("auto", "jax", "torch")
+
+
+def choose_engine(engine: str, model) -> str:
+    """The engine that scores and generates: `jax` (memaudit.probes.jax_scoring) or `torch`.
+
+    auto is jax when a TPU is present and the model is a Llama the JAX engine runs, torch
+    otherwise; jax on a model it cannot run is refused in one line.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
+    if engine == "torch":
+        return engine
+    why = _jax_reason(model)
+    if engine == "jax":
+        if why:
+            raise ValueError(f"--engine jax cannot run this model ({why}); use --engine torch")
+        return engine
+    if why:
+        return "torch"
+    import jax  # lazy: only to ask for the accelerator
+
+    return "jax" if jax.default_backend() == "tpu" else "torch"
+
+
+def _jax_reason(model) -> str | None:
+    """Why the JAX engine cannot run `model` (None when it can)."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg)) if cfg is not None else {}
+    # lazy: jax (~1 s) only where the JAX engine may run
+    from memaudit.probes.jax_scoring import unsupported_reason
+
+    return unsupported_reason(cfg)
+
+
+def to_engine(engine: str, model, dtype: str):
+    """`model` as the chosen engine runs it: the torch model itself, or a JaxLM of its weights."""
+    if engine != "jax" or model is None or getattr(model, "is_jax", False):
+        return model
+    from memaudit.probes.jax_scoring import JaxLM  # lazy: jax only for the JAX engine
+
+    return JaxLM.from_torch(model, dtype=dtype)
+
+
 def run_probes(
     target: Target,
     settings: ProbeConfig,
@@ -109,8 +153,13 @@ def run_probes(
     progress: Progress = None,
     model=None,
     tokenizer=None,
+    engine: str = "auto",
 ) -> ProbeResult:
-    """Load the model (unless given), run each selected probe, return probes.json + secrets."""
+    """Load the model (unless given), run each selected probe, return probes.json + secrets.
+
+    `engine` (auto, jax, torch; `choose_engine`) picks who scores and generates; the model is
+    loaded by torch either way and handed to JAX as arrays.
+    """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import load_causal_lm
 
@@ -130,6 +179,10 @@ def run_probes(
                                                    [d.text for d in target.nonmembers],
                                                    seed=settings.seed)
     reference = load_reference(settings, codec) if settings.reference else None
+    engine = choose_engine(engine, model)
+    model = to_engine(engine, model, settings.dtype)
+    if engine == "jax" and reference is not None and _jax_reason(reference[0]) is None:
+        reference = (to_engine("jax", reference[0], settings.dtype), reference[1])
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
     for name in settings.probes:
@@ -162,6 +215,7 @@ def run_probes(
             "exposure_candidates": settings.seed,
         },
         "probes": probes,
+        "engine": engine,
         "timings": timings,
     }
     return ProbeResult(document=doc, secrets=secrets)
