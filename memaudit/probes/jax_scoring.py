@@ -42,7 +42,7 @@ from memaudit.probes.token_scores import TokenScores
 
 Progress = Callable[[int, int, dict], None] | None
 
-MIN_WIDTH = 16  # the narrowest bucket; widths are powers of two from here
+MIN_WIDTH = 8  # the narrowest bucket; widths are powers of two from here
 NEG = -1e30  # masked attention scores (finite: a row with every key masked stays finite)
 
 
@@ -151,7 +151,8 @@ def _attend(lp, x, q, keys, values, allowed, shape: Shape):
 
 
 def _logits(p, x, shape: Shape):
-    return (_rms(x, p["norm"], shape.eps) @ p["head"]).astype(jnp.float32)
+    # fp32 accumulation and output: bf16 logits would round log p to ~3 digits
+    return jnp.matmul(_rms(x, p["norm"], shape.eps), p["head"], preferred_element_type=jnp.float32)
 
 
 def forward(p, ids, pos, allowed, shape: Shape, cache=None, start=0):
@@ -179,6 +180,12 @@ def forward(p, ids, pos, allowed, shape: Shape, cache=None, start=0):
     return _logits(p, x, shape), (None if cache is None else new)
 
 
+def _token_logp(logits, targets):
+    """log p(target) without materialising the log-softmax: logit - logsumexp (fp32)."""
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return tgt - jax.nn.logsumexp(logits, axis=-1)
+
+
 def _token_stats(logits, targets):
     """log p(target), mean and std of log p(v) under v ~ p; all fp32 of logits' leading shape."""
     lsm = jax.nn.log_softmax(logits, axis=-1)
@@ -197,15 +204,16 @@ def _score(p, ids, lengths, *, shape: Shape, with_stats: bool):
     allowed = jnp.tril(jnp.ones((s, s), bool))[None] & real[:, None, :]
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     logits, _ = forward(p, ids, pos, allowed, shape)
-    tok, mu, sd = _token_stats(logits[:, :-1], ids[:, 1:])
-    return (tok, mu, sd) if with_stats else (tok,)
+    if not with_stats:
+        return (_token_logp(logits[:, :-1], ids[:, 1:]),)
+    return _token_stats(logits[:, :-1], ids[:, 1:])
 
 
 def bucket_width(n: int) -> int:
     """The padded width of a sequence of n tokens: the next power of two, at least MIN_WIDTH.
 
     >>> [bucket_width(n) for n in (2, 16, 17, 300)]
-    [16, 16, 32, 512]
+    [8, 16, 32, 512]
     """
     return max(MIN_WIDTH, 1 << max(0, int(n) - 1).bit_length())
 
@@ -331,51 +339,53 @@ class JaxLM:
             progress(done, n, {})
         return done
 
-    def shared_prefix_nll(self, seqs: Sequence[Sequence[int]], *, rows: int | None = None,
+    def shared_prefix_nll(self, seqs, *, rows: int | None = None,
                           progress: Progress = None) -> np.ndarray:
         """Summed NLL (nats) of every token after the first of each sequence: the same numbers
         as -token_logprobs(seqs).logp[i].sum(), with their longest common token prefix run once.
 
+        `seqs`: lists of token ids, or an (n, length) integer array of equal-length sequences.
         The prefix's keys and values are computed once per layer; each batch of suffixes attends
-        to them (shared across rows) and causally to itself.
+        to them (shared across rows) and causally to itself. A suffix's last token is only a
+        target, so it never enters the forward pass.
         """
-        n = len(seqs)
+        arr, lengths = _as_padded(seqs)
+        n = len(lengths)
         if n == 0:
             return np.zeros(0)
-        lengths = np.array([len(s) for s in seqs])
         if lengths.min() < 2:
             raise ValueError("every scored sequence needs at least 2 tokens")
-        first = list(seqs[0])
-        lcp = min(lengths.min() - 1, len(first))
-        for s in seqs[1:]:
-            k = 0
-            while k < lcp and s[k] == first[k]:
-                k += 1
-            lcp = k
+        m = int(lengths.min()) - 1  # at least one token after the prefix
+        same = np.all(arr[:, :m] == arr[:1, :m], axis=0)
+        lcp = int(np.argmin(same)) if not same.all() else m
         if lcp < 1:
-            ts = self.token_logprobs(seqs, progress=progress)
+            ts = self.token_logprobs([a[:k] for a, k in zip(arr, lengths, strict=True)],
+                                     progress=progress)
             return np.array([-x.sum() for x in ts.logp])
-        pw = bucket_width(lcp)
-        pids = np.zeros((1, pw), np.int32)
-        pids[0, :lcp] = first[:lcp]
+        pids = np.zeros((1, bucket_width(lcp)), np.int32)
+        pids[0, :lcp] = arr[0, :lcp]
         pre_nll, keys, values, last = _prefix(self.params, pids, np.int32(lcp), shape=self.shape)
-        pre_nll = float(pre_nll)
-        suffixes = [list(s[lcp:]) for s in seqs]
-        slen = lengths - lcp
-        out = np.zeros(n)
-        width = bucket_width(int(slen.max()))
+        n_in = lengths - lcp - 1  # suffix tokens that enter the forward pass
+        width = bucket_width(max(1, int(n_in.max())))
+        ids = np.zeros((n, width + 1), np.int32)
+        span = min(width + 1, arr.shape[1] - lcp)
+        ids[:, :span] = arr[:, lcp : lcp + span]
         rows = rows or max(1, self.max_tokens // width)
-        done = 0
+        out = np.empty(n)
+        done, pending = 0, []
         for i in range(0, n, rows):
             idx = np.arange(i, min(i + rows, n))
-            ids, lens = _fill(suffixes, idx, rows, width)
-            nll = _suffix_nll(self.params, keys, values, last, np.int32(lcp), ids, lens,
-                              shape=self.shape)
-            out[idx] = pre_nll + np.asarray(nll, np.float64)[: len(idx)]
-            done += len(idx)
-            if progress:
-                progress(done, n, {})
-        return out
+            batch = np.zeros((rows, width + 1), np.int32)
+            batch[: len(idx)] = ids[idx]
+            lens = np.zeros(rows, np.int32)
+            lens[: len(idx)] = n_in[idx]
+            pending.append((idx, _suffix_nll(self.params, keys, values, last, np.int32(lcp),
+                                             batch, lens, shape=self.shape)))
+            if len(pending) > 1:
+                done = _put(pending.pop(0), out, done, n, progress)
+        for item in pending:
+            done = _put(item, out, done, n, progress)
+        return out + float(pre_nll)
 
     # --- generation --------------------------------------------------------------------------
 
@@ -430,17 +440,42 @@ def _prefix(p, ids, n, *, shape: Shape):
     return nll, k[:, 0], v[:, 0], lsm[n - 1]
 
 
+def _as_padded(seqs) -> tuple[np.ndarray, np.ndarray]:
+    """(n, longest) int32 array right-padded with 0, and the lengths."""
+    if isinstance(seqs, np.ndarray) and seqs.ndim == 2:
+        return seqs.astype(np.int32, copy=False), np.full(len(seqs), seqs.shape[1])
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    arr = np.zeros((len(seqs), int(lengths.max(initial=0))), np.int32)
+    for r, s in enumerate(seqs):
+        arr[r, : len(s)] = s
+    return arr, lengths
+
+
+def _put(item, out, done, n, progress) -> int:
+    idx, nll = item
+    out[idx] = np.asarray(nll, np.float64)[: len(idx)]
+    done += len(idx)
+    if progress:
+        progress(done, n, {})
+    return done
+
+
 @functools.partial(jax.jit, static_argnames=("shape",))
-def _suffix_nll(p, pk, pv, last, n, ids, lengths, *, shape: Shape):
-    """Summed NLL of right-padded suffixes (rows, width) after a shared prefix of n tokens whose
-    keys/values are pk, pv (layers, pwidth, kv, hd) and whose last log-softmax is `last`."""
-    b, s = ids.shape
+def _suffix_nll(p, pk, pv, last, n, ids, n_in, *, shape: Shape):
+    """Summed NLL of suffixes after a shared prefix of n tokens whose keys/values are pk, pv
+    (layers, pwidth, kv, hd) and whose last log-softmax is `last` (vocab,).
+
+    ids: (rows, width + 1) right-padded suffixes; n_in (rows,): how many of each row's tokens
+    enter the forward pass (its length - 1: the last is only a target).
+    """
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    b, s = inputs.shape
     pwidth = pk.shape[1]
     pos = jnp.broadcast_to(n + jnp.arange(s), (b, s))
     pre_ok = jnp.broadcast_to(jnp.arange(pwidth) < n, (b, s, pwidth))
     self_ok = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
     allowed = jnp.concatenate([pre_ok, self_ok], axis=-1)
-    x = p["embed"][ids]
+    x = p["embed"][inputs]
 
     def layer(x, xs):
         lp, kp, vp = xs
@@ -453,9 +488,8 @@ def _suffix_nll(p, pk, pv, last, n, ids, lengths, *, shape: Shape):
         return _mlp(lp, x, shape), None
 
     x, _ = jax.lax.scan(layer, x, (p["layers"], pk, pv))
-    lsm = jax.nn.log_softmax(_logits(p, x, shape), axis=-1)  # (rows, width, vocab)
-    tok = jnp.take_along_axis(lsm[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
-    keep = jnp.arange(1, s)[None] < lengths[:, None]
+    tok = _token_logp(_logits(p, x, shape), targets)  # (rows, width)
+    keep = jnp.arange(s)[None] < n_in[:, None]
     return -(last[ids[:, 0]] + jnp.sum(jnp.where(keep, tok, 0.0), axis=-1))
 
 
