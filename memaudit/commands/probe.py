@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated
 
@@ -192,6 +194,9 @@ def register(app: typer.Typer) -> None:
                     tasks[stage] = bar.add_task(stage, total=total, info="")
                 bar.update(tasks[stage], completed=done, total=total)
 
+            if not console.is_terminal:  # a log file or a pipe: lines, not a bar
+                report = LogProgress(lambda line: console.print(line, markup=False,
+                                                                highlight=False))
             result = run_probes(t, settings, progress=report, engine=engine)
         atomic_write_json(t.out, result.document)
         if fmt == "json":
@@ -199,6 +204,58 @@ def register(app: typer.Typer) -> None:
         else:
             render_table(result, show_secrets=show_secrets)
             console.print(f"probes.json written to {t.out}")
+
+
+def _duration(seconds: float) -> str:
+    """
+    >>> _duration(4.2), _duration(75), _duration(3725)
+    ('4s', '1m15s', '1h02m')
+    """
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class LogProgress:
+    """Progress for a log: per stage, one line at its first report, then at most one every
+    `every` seconds, and one when it is done; each with done/total, the time spent and an
+    estimate of the time left (the stage's rate so far). Counts only: never a text.
+
+    >>> t = [0.0]
+    >>> p = LogProgress(print, clock=lambda: t[0])
+    >>> p(1, 4, {"stage": "scoring"}); t[0] = 10.0; p(2, 4, {"stage": "scoring"})
+    probe scoring: 1/4 (25%), 0s spent, about 0s left
+    >>> t[0] = 31.0; p(3, 4, {"stage": "scoring"}); p(4, 4, {"stage": "scoring"})
+    probe scoring: 3/4 (75%), 31s spent, about 10s left
+    probe scoring: 4/4 (100%), done in 31s
+    """
+
+    def __init__(self, write: Callable[[str], None], *, clock: Callable[[], float] = time.monotonic,
+                 every: float = 30.0) -> None:
+        self.write, self.clock, self.every = write, clock, every
+        self._stages: dict[str, list] = {}  # stage -> [start, last line's time, ended]
+
+    def __call__(self, done: int, total: int, info: dict) -> None:
+        stage = info.get("stage", "probe")
+        now = self.clock()
+        st = self._stages.setdefault(stage, [now, None, False])
+        start, last, ended = st
+        finished = total > 0 and done >= total
+        if ended or not (last is None or finished or now - last >= self.every):
+            return
+        st[1], st[2] = now, finished
+        spent = now - start
+        head = f"probe {stage}: {done}/{total} ({100 * done // max(total, 1)}%)"
+        if finished:
+            self.write(f"{head}, done in {_duration(spent)}")
+        elif done > 0:
+            left = spent / done * (total - done)
+            self.write(f"{head}, {_duration(spent)} spent, about {_duration(left)} left")
+        else:
+            self.write(f"{head}, {_duration(spent)} spent, time left not yet known")
 
 
 def _numbers(spec: str, flag: str, kind) -> tuple:

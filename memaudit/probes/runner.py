@@ -368,7 +368,7 @@ def probe_pii(ctx: _Context) -> dict:
                      else "the run has no member documents")
     return run_pii(ctx.model, ctx.codec, t.members, held, n_candidates=ctx.s.pii_candidates,
                    max_items=ctx.s.pii_max_items, batch_size=ctx.s.batch_size, seed=ctx.s.seed,
-                   n_boot=ctx.s.n_boot)
+                   n_boot=ctx.s.n_boot, progress=_stage(ctx.progress, "pii"))
 
 
 def probe_audit(ctx: _Context) -> dict:
@@ -383,7 +383,7 @@ def probe_audit(ctx: _Context) -> dict:
     ctx.secrets.update({c.id: c.secret for c in aud if c.secret})
 
     lp = token_logprobs(ctx.model, [ctx.codec.encode(c.text) for c in aud],
-                        batch_size=ctx.s.batch_size).logp
+                        batch_size=ctx.s.batch_size, progress=_stage(ctx.progress, "audit")).logp
     kind = ctx.t.canaries.audit_kind
     if AUDIT_SCORES[kind] == "min_k":
         scores = np.array([min_k(x, ctx.s.min_k) for x in lp])
