@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -281,9 +283,6 @@ class JaxLM:
     def from_pretrained(cls, path: str | Path, *, dtype: str = "auto",
                         max_tokens: int | None = None) -> JaxLM:
         """From a Hugging Face directory (config.json + *.safetensors); no torch needed."""
-        import json
-        import types
-
         # lazy: safetensors' numpy loader only when reading a checkpoint
         from safetensors.numpy import load_file
 

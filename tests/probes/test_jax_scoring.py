@@ -70,3 +70,21 @@ def test_shared_prefix_equals_full_scores(models):
     seqs2 = [[i % VOCAB, *s[1:]] for i, s in enumerate(seqs)]
     full2 = np.array([-x.sum() for x in token_logprobs(model, seqs2).logp])
     np.testing.assert_allclose(lm.shared_prefix_nll(seqs2), full2, atol=1e-4, rtol=0)
+
+
+def test_from_pretrained_reads_the_checkpoint_without_torch(models, tmp_path):
+    model, lm = models
+    model.save_pretrained(tmp_path)
+    loaded = JaxLM.from_pretrained(tmp_path, dtype="float32", max_tokens=64)
+    seqs = _seqs((5, 12), seed=5)
+    for a, b in zip(lm.token_logprobs(seqs).logp, loaded.token_logprobs(seqs).logp, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_shared_prefix_takes_an_array_of_candidates(models):
+    _model, lm = models
+    rng = np.random.default_rng(6)
+    arr = np.concatenate([np.tile(rng.integers(0, VOCAB, 9), (30, 1)),
+                          rng.integers(0, VOCAB, (30, 4))], axis=1)
+    full = np.array([-x.sum() for x in lm.token_logprobs(arr.tolist()).logp])
+    np.testing.assert_allclose(lm.shared_prefix_nll(arr, rows=16), full, atol=1e-4, rtol=0)

@@ -107,3 +107,14 @@ def test_cli_writes_progress_lines_to_a_log(run, capsys):
     secrets = [c["secret"] for c in canaries["inserted"] + canaries["references"]]
     progress_lines = [line for line in lines if line.startswith("probe ")]
     assert not any(s in line for s in secrets for line in progress_lines)
+
+
+def test_batch_encoding_equals_one_call_per_text(run):
+    from memaudit.probes.exposure import encode_many, sample_secrets
+    from memaudit.probes.targets import Codec
+
+    _p, _m, tok, canaries = run
+    codec = Codec(tok, start_id=0)
+    texts = [canaries["template"].replace("{secret}", s)
+             for s in sample_secrets(canaries["alphabet"], canaries["secret_length"], 50, 0)]
+    assert encode_many(codec, texts) == [codec.encode(t) for t in texts]
