@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--canaries", type=int, default=100)
     ap.add_argument("--measure-canaries", type=int, default=None)
     ap.add_argument("--candidates", type=int, default=100_000)
+    ap.add_argument("--exposure-max-tokens", default="", help="comma-separated batch budgets "
+                    "to time exposure under as well (--measure-canaries canaries each)")
     ap.add_argument("--prefix-tokens", type=int, default=12)
     ap.add_argument("--secret-tokens", type=int, default=8)
     ap.add_argument("--decode-prompts", type=int, default=64)
@@ -140,6 +142,16 @@ def main() -> None:
         "extrapolated": measured < args.canaries,
         "mfu_forward_tokens": round(2 * params * fwd_tokens / per / peak, 4),
     }
+    for budget in [int(b) for b in args.exposure_max_tokens.split(",") if b]:
+        other = dataclasses.replace(lm, max_tokens=budget)
+        other.shared_prefix_nll(cands)  # compiles this budget's batch shape
+        t0 = time.perf_counter()
+        for _ in range(measured):
+            other.shared_prefix_nll(cands)
+        per_b = (time.perf_counter() - t0) / measured
+        out["exposure"][f"max_tokens_{budget}"] = {
+            "seconds_per_canary": round(per_b, 3), "total_s": round(per_b * args.canaries, 1),
+            "mfu_forward_tokens": round(2 * params * fwd_tokens / per_b / peak, 4)}
     print(json.dumps(out), flush=True)
 
     # greedy decoding
