@@ -138,8 +138,10 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in ("table", "json"):
             raise ValueError(f"--format '{fmt}' is not one of table, json")
-        if engine not in ("auto", "jax", "torch"):
-            raise ValueError(f"--engine '{engine}' is not one of auto, jax, torch")
+        from memaudit.probes.engines import ENGINES
+
+        if engine not in ENGINES:
+            raise ValueError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes)

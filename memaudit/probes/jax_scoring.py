@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memaudit.models.flax_llama import apply_rope, rope_cos_sin
+from memaudit.probes.engines import unsupported_reason
 from memaudit.probes.token_scores import TokenScores
 
 Progress = Callable[[int, int, dict], None] | None
@@ -74,20 +75,6 @@ class Shape:
                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                    eps=float(cfg.get("rms_norm_eps", 1e-6)),
                    theta=float(cfg.get("rope_theta", 10000.0)))
-
-
-def unsupported_reason(cfg: dict) -> str | None:
-    """Why the JAX engine cannot run a model with this config.json, or None when it can."""
-    archs = cfg.get("architectures") or []
-    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
-        return f"model_type '{cfg.get('model_type')}' is not llama"
-    if cfg.get("rope_scaling"):
-        return "rope_scaling is not supported"
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        return "attention or MLP biases are not supported"
-    if cfg.get("hidden_act", "silu") != "silu":
-        return f"hidden_act '{cfg.get('hidden_act')}' is not silu"
-    return None
 
 
 _LAYER = {  # stacked name -> HF name inside model.layers.<i>

@@ -25,6 +25,7 @@ from memaudit.probes.context import (
     window_stride,
     windowed_counts,
 )
+from memaudit.probes.engines import choose_engine, model_reason
 from memaudit.probes.exposure import run_exposure
 from memaudit.probes.goldfish import goldfish_extraction
 from memaudit.probes.loaders import AUDIT_SCORES
@@ -102,41 +103,6 @@ def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> P
     return settings
 
 
-ENGINES = ("auto", "jax", "torch")
-
-
-def choose_engine(engine: str, model) -> str:
-    """The engine that scores and generates: `jax` (memaudit.probes.jax_scoring) or `torch`.
-
-    auto is jax when a TPU is present and the model is a Llama the JAX engine runs, torch
-    otherwise; jax on a model it cannot run is refused in one line.
-    """
-    if engine not in ENGINES:
-        raise ValueError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
-    if engine == "torch":
-        return engine
-    why = _jax_reason(model)
-    if engine == "jax":
-        if why:
-            raise ValueError(f"--engine jax cannot run this model ({why}); use --engine torch")
-        return engine
-    if why:
-        return "torch"
-    import jax  # lazy: only to ask for the accelerator
-
-    return "jax" if jax.default_backend() == "tpu" else "torch"
-
-
-def _jax_reason(model) -> str | None:
-    """Why the JAX engine cannot run `model` (None when it can)."""
-    cfg = getattr(model, "config", None)
-    cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg)) if cfg is not None else {}
-    # lazy: jax (~1 s) only where the JAX engine may run
-    from memaudit.probes.jax_scoring import unsupported_reason
-
-    return unsupported_reason(cfg)
-
-
 def to_engine(engine: str, model, dtype: str):
     """`model` as the chosen engine runs it: the torch model itself, or a JaxLM of its weights."""
     if engine != "jax" or model is None or getattr(model, "is_jax", False):
@@ -181,7 +147,7 @@ def run_probes(
     reference = load_reference(settings, codec) if settings.reference else None
     engine = choose_engine(engine, model)
     model = to_engine(engine, model, settings.dtype)
-    if engine == "jax" and reference is not None and _jax_reason(reference[0]) is None:
+    if engine == "jax" and reference is not None and model_reason(reference[0]) is None:
         reference = (to_engine("jax", reference[0], settings.dtype), reference[1])
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)

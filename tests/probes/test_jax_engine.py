@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from memaudit.config import ProbeConfig
-from memaudit.probes.runner import choose_engine, run_probes
+from memaudit.probes.engines import choose_engine, tpu_present
+from memaudit.probes.runner import run_probes
 from memaudit.probes.targets import resolve_target
 from tests.probes.conftest import make_corpus, make_tokenizer, tiny_llama, write_run
 
@@ -60,7 +61,7 @@ def test_choose_engine():
     model = tiny_llama(20)
     assert choose_engine("torch", model) == "torch"
     assert choose_engine("jax", model) == "jax"
-    assert choose_engine("auto", model) == "torch"  # the CPU: no TPU here
+    assert choose_engine("auto", model) == ("jax" if tpu_present() else "torch")
     with pytest.raises(ValueError, match="--engine"):
         choose_engine("tpu", model)
 
