@@ -81,9 +81,14 @@ def main() -> None:
         import torch
 
         out["torch_threads"] = torch.get_num_threads()
-        total, timings, prof = _run(args.run, args.probes, None, True)
-        out.update(total_s=round(total, 2), per_probe_s={k: round(v, 2) for k, v in timings.items()},
-                   parts_s=_parts(prof))
+        # one probe at a time, a JSON line each as it finishes (a loaded machine may not see the
+        # end); membership and user inference each score the documents again here
+        names = (args.probes or ",".join(QUICKSTART["probes"])).split(",")
+        for name in names:
+            total, timings, prof = _run(args.run, name, None, True)
+            print(json.dumps({"probe": name, "total_s": round(total, 2),
+                              "probe_s": round(timings[name], 2), "parts_s": _parts(prof),
+                              "load_avg": os.getloadavg()[0]}), flush=True)
     else:
         variants = args.compare.split(",")
         threads = {"base": None, "threads1": 1, "threads2": 2}
