@@ -37,7 +37,8 @@ PARTS = {  # label -> (file suffix, function name) whose cumulative time is repo
 }
 
 
-def _run(run_dir: str, probes: str | None, threads: int | None, profile: bool):
+def _run(run_dir: str, probes: str | None, threads: int | None, profile: bool,
+         engine: str = "torch"):
     import torch
 
     from memaudit.config import ProbeConfig
@@ -53,7 +54,7 @@ def _run(run_dir: str, probes: str | None, threads: int | None, profile: bool):
     t0 = time.perf_counter()
     if prof:
         prof.enable()
-    res = run_probes(t, settings, engine="torch")
+    res = run_probes(t, settings, engine=engine)
     if prof:
         prof.disable()
     return time.perf_counter() - t0, res.document["timings"], prof
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--probes", default=None)
     ap.add_argument("--compare", default=None, help="variants, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine", default="torch", help="torch or jax (the breakdown's engine)")
     args = ap.parse_args()
     out = {"benchmark": "probe_breakdown", "run": args.run, "cpus": os.cpu_count(),
            "load_avg_before": os.getloadavg()[0]}
@@ -85,8 +87,8 @@ def main() -> None:
         # end); membership and user inference each score the documents again here
         names = (args.probes or ",".join(QUICKSTART["probes"])).split(",")
         for name in names:
-            total, timings, prof = _run(args.run, name, None, True)
-            print(json.dumps({"probe": name, "total_s": round(total, 2),
+            total, timings, prof = _run(args.run, name, None, True, args.engine)
+            print(json.dumps({"probe": name, "engine": args.engine, "total_s": round(total, 2),
                               "probe_s": round(timings[name], 2), "parts_s": _parts(prof),
                               "load_avg": os.getloadavg()[0]}), flush=True)
     else:
