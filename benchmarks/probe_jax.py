@@ -156,7 +156,7 @@ def main() -> None:
 
     # greedy decoding
     prompts = rng.integers(0, p.vocab_size, (args.decode_prompts, args.decode_prompt_len)).tolist()
-    sec, gen = _timed(lambda: lm.decode(prompts, args.decode_new,
+    sec, _gen = _timed(lambda: lm.decode(prompts, args.decode_new,
                                         batch_size=args.decode_prompts), args.repeats)
     out["decode"] = {"prompts": args.decode_prompts, "prompt_len": args.decode_prompt_len,
                      "new_tokens": args.decode_new, "seconds": round(sec, 4),

@@ -132,14 +132,13 @@ def register(app: typer.Typer) -> None:
         # lazy: `memaudit --help` does not import scikit-learn (~4 s) and numpy (~0.4 s)
         from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
+        from memaudit.probes.engines import ENGINES
         from memaudit.probes.inputs import check_fpr_negatives, resolve_columns
         from memaudit.probes.runner import parse_probes
         from memaudit.probes.targets import resolve_target
 
         if fmt not in ("table", "json"):
             raise ValueError(f"--format '{fmt}' is not one of table, json")
-        from memaudit.probes.engines import ENGINES
-
         if engine not in ENGINES:
             raise ValueError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
         if batch_size < 1 or bootstrap < 10:
@@ -213,7 +212,7 @@ def _duration(seconds: float) -> str:
     >>> _duration(4.2), _duration(75), _duration(3725)
     ('4s', '1m15s', '1h02m')
     """
-    s = int(round(seconds))
+    s = round(seconds)
     if s < 60:
         return f"{s}s"
     if s < 3600:
