@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated
 
@@ -115,6 +117,9 @@ def register(app: typer.Typer) -> None:
         ] = None,
         device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
         dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+        engine: Annotated[str, typer.Option(help="Who scores and generates: jax, torch or auto "
+                                            "(jax on a TPU for a Llama model, torch otherwise).")
+                          ] = "auto",
         batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 32,
         seed: Annotated[int, typer.Option(help="Seed for bootstrap, sampling and candidates.")] = 0,
         bootstrap: Annotated[
@@ -136,12 +141,15 @@ def register(app: typer.Typer) -> None:
         # lazy: `memaudit --help` does not import scikit-learn (~4 s) and numpy (~0.4 s)
         from memaudit.config import ProbeConfig
         from memaudit.io import atomic_write_json
+        from memaudit.probes.engines import ENGINES
         from memaudit.probes.inputs import check_fpr_negatives, resolve_columns
         from memaudit.probes.runner import parse_probes
         from memaudit.probes.targets import resolve_target
 
         if fmt not in ("table", "json"):
             raise ValueError(f"--format '{fmt}' is not one of table, json")
+        if engine not in ENGINES:
+            raise ValueError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
         if batch_size < 1 or bootstrap < 10:
             raise ValueError("--batch-size must be >= 1 and --bootstrap >= 10")
         names = parse_probes(probes) if probes is not None else None
@@ -198,7 +206,10 @@ def register(app: typer.Typer) -> None:
                     tasks[stage] = bar.add_task(stage, total=total, info="")
                 bar.update(tasks[stage], completed=done, total=total)
 
-            result = run_probes(t, settings, progress=report)
+            if not console.is_terminal:  # a log file or a pipe: lines, not a bar
+                report = LogProgress(lambda line: console.print(line, markup=False,
+                                                                highlight=False))
+            result = run_probes(t, settings, progress=report, engine=engine)
         atomic_write_json(t.out, result.document)
         if fmt == "json":
             print_json(result.document)
@@ -215,6 +226,58 @@ def default_probes(kind: str) -> tuple[str, ...]:
     from memaudit.config import PROBE_NAMES
 
     return tuple(n for n in PROBE_NAMES if kind == "run" or n != "goldfish_extraction")
+
+
+def _duration(seconds: float) -> str:
+    """
+    >>> _duration(4.2), _duration(75), _duration(3725)
+    ('4s', '1m15s', '1h02m')
+    """
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class LogProgress:
+    """Progress for a log: per stage, one line at its first report, then at most one every
+    `every` seconds, and one when it is done; each with done/total, the time spent and an
+    estimate of the time left (the stage's rate so far). Counts only: never a text.
+
+    >>> t = [0.0]
+    >>> p = LogProgress(print, clock=lambda: t[0])
+    >>> p(1, 4, {"stage": "scoring"}); t[0] = 10.0; p(2, 4, {"stage": "scoring"})
+    probe scoring: 1/4 (25%), 0s spent, about 0s left
+    >>> t[0] = 31.0; p(3, 4, {"stage": "scoring"}); p(4, 4, {"stage": "scoring"})
+    probe scoring: 3/4 (75%), 31s spent, about 10s left
+    probe scoring: 4/4 (100%), done in 31s
+    """
+
+    def __init__(self, write: Callable[[str], None], *, clock: Callable[[], float] = time.monotonic,
+                 every: float = 30.0) -> None:
+        self.write, self.clock, self.every = write, clock, every
+        self._stages: dict[str, list] = {}  # stage -> [start, last line's time, ended]
+
+    def __call__(self, done: int, total: int, info: dict) -> None:
+        stage = info.get("stage", "probe")
+        now = self.clock()
+        st = self._stages.setdefault(stage, [now, None, False])
+        start, last, ended = st
+        finished = total > 0 and done >= total
+        if ended or not (last is None or finished or now - last >= self.every):
+            return
+        st[1], st[2] = now, finished
+        spent = now - start
+        head = f"probe {stage}: {done}/{total} ({100 * done // max(total, 1)}%)"
+        if finished:
+            self.write(f"{head}, done in {_duration(spent)}")
+        elif done > 0:
+            left = spent / done * (total - done)
+            self.write(f"{head}, {_duration(spent)} spent, about {_duration(left)} left")
+        else:
+            self.write(f"{head}, {_duration(spent)} spent, time left not yet known")
 
 
 def _numbers(spec: str, flag: str, kind) -> tuple:

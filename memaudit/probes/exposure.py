@@ -159,15 +159,29 @@ def score_secrets(
     quantity whichever set of candidates is scored beside it (canaries and candidates are scored
     in separate calls). Without a start token the first token of the template is not scored: a
     constant for every candidate unless the template starts with the secret.
+
+    The JAX engine (`memaudit.probes.jax_scoring.JaxLM`) runs the candidates' longest common
+    token prefix once and scores only what follows it: the same sums.
     """
+    prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
+    seqs = encode_many(codec, [prefix + s + suffix for s in secrets])
+    if getattr(model, "is_jax", False):
+        return model.shared_prefix_nll(seqs, progress=progress)
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import token_logprobs
 
-    prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
-    texts = [prefix + s + suffix for s in secrets]
-    seqs = [codec.encode(t) for t in texts]
     lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
     return np.array([-lp[i].sum() for i in range(len(seqs))])
+
+
+def encode_many(codec, texts: list[str]) -> list[list[int]]:
+    """`codec.encode` of each text, the tokenizer called once on the whole list (a fast
+    tokenizer encodes a batch in Rust: about 2x fewer seconds than one call per text on 10^4
+    candidates, measured)."""
+    if not texts:
+        return []
+    ids = codec.tok(texts, add_special_tokens=False)["input_ids"]
+    return [codec.start + list(x) for x in ids]
 
 
 def canary_items(canaries) -> list[tuple[dict, str]]:

@@ -130,9 +130,13 @@ class PiiScores:
 
 
 def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suffix_chars,
-                batch_size, rng, fake, exclude=frozenset()) -> PiiScores:
+                batch_size, rng, fake, exclude=frozenset(), progress=None) -> PiiScores:
     """Model-facing: greedy extraction of each item from its preceding text, and the rank of the
-    true value among its decoys by the NLL of the value and the text right after it."""
+    true value among its decoys by the NLL of the value and the text right after it.
+
+    `progress(done, total, info)` counts the items twice (extracted, then ranked): total
+    2 * len(items).
+    """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import decode, token_logprobs
 
@@ -141,8 +145,14 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
         prompts.append(codec.encode(d.text[: it["start"]].rstrip())[-context_tokens:]
                        or codec.start_or_zero())
         n_new.append(len(codec.plain(" " + it["value"])) + 1)
+    n = len(items)
+
+    def extracting(done, _total, info):
+        progress(done, 2 * n, info)
+
     gen = (decode(model, prompts, max(n_new, default=1), batch_size=batch_size,
-                  pad_id=codec.pad_id) if prompts else [])
+                  pad_id=codec.pad_id, progress=extracting if progress else None)
+           if prompts else [])
     extracted = [codec.decode(g).strip().startswith(it["value"].strip())
                  for g, (_d, it) in zip(gen, items, strict=True)]
     seqs, starts, owner = [], [], []
@@ -162,7 +172,12 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
             seqs.append(ids[cut:])
             starts.append(start - cut)
             owner.append(j)
-    lp = token_logprobs(model, seqs, batch_size=batch_size).logp if seqs else []
+
+    def ranking(done, total, info):  # sequences scored -> items ranked
+        progress(n + done * n // max(total, 1), 2 * n, info)
+
+    lp = token_logprobs(model, seqs, batch_size=batch_size,
+                        progress=ranking if progress else None).logp if seqs else []
     nll = np.array([-lp[i][starts[i] - 1 :].sum() for i in range(len(seqs))])
     owner = np.array(owner, dtype=int)
     ranks = [int(1 + (nll[owner == j][1:] < nll[owner == j][0]).sum()) for j in range(len(items))]
@@ -232,8 +247,12 @@ def run_pii(
     batch_size: int = 32,
     seed: int = 0,
     n_boot: int = 1000,
+    progress=None,
 ) -> dict:
-    """Extraction and inference rates for training users' vs held-out users' PII."""
+    """Extraction and inference rates for training users' vs held-out users' PII.
+
+    `progress(done, total, info)`: each group's items, extracted then ranked, one count.
+    """
     # lazy: faker (~0.2 s) only when called; this module imports without it
     from faker import Faker
 
@@ -249,12 +268,20 @@ def run_pii(
         if it["value"] not in held:
             pools.setdefault(it["type"], []).append(it["value"])
     scored = {}
+    total = 2 * sum(min(len(items), max_items) for items in groups.values())
+    offset = 0
     for group, items in groups.items():
         if len(items) > max_items:
             items = [items[i] for i in np.sort(rng.choice(len(items), max_items, replace=False))]
+
+        def step(done, _total, info, offset=offset):
+            progress(offset + done, total, info)
+
         scored[group] = score_group(model, codec, items, pools, n_candidates=n_candidates,
                                     context_tokens=context_tokens, suffix_chars=suffix_chars,
-                                    batch_size=batch_size, rng=rng, fake=fake, exclude=held)
+                                    batch_size=batch_size, rng=rng, fake=fake, exclude=held,
+                                    progress=step if progress else None)
+        offset += 2 * len(items)
     out = pii_result(scored, n_boot=n_boot, seed=seed)
     for g in out["summary"].values():
         g["decoys"] = DECOYS

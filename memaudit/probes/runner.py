@@ -26,6 +26,7 @@ from memaudit.probes.context import (
     window_stride,
     windowed_counts,
 )
+from memaudit.probes.engines import choose_engine, model_reason
 from memaudit.probes.exposure import run_exposure
 from memaudit.probes.goldfish import goldfish_extraction
 from memaudit.probes.loaders import AUDIT_SCORES
@@ -133,6 +134,15 @@ def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> P
     return settings
 
 
+def to_engine(engine: str, model, dtype: str):
+    """`model` as the chosen engine runs it: the torch model itself, or a JaxLM of its weights."""
+    if engine != "jax" or model is None or getattr(model, "is_jax", False):
+        return model
+    from memaudit.probes.jax_scoring import JaxLM  # lazy: jax only for the JAX engine
+
+    return JaxLM.from_torch(model, dtype=dtype)
+
+
 def run_probes(
     target: Target,
     settings: ProbeConfig,
@@ -140,8 +150,13 @@ def run_probes(
     progress: Progress = None,
     model=None,
     tokenizer=None,
+    engine: str = "auto",
 ) -> ProbeResult:
-    """Load the model (unless given), run each selected probe, return probes.json + secrets."""
+    """Load the model (unless given), run each selected probe, return probes.json + secrets.
+
+    `engine` (auto, jax, torch; `choose_engine`) picks who scores and generates; the model is
+    loaded by torch either way and handed to JAX as arrays.
+    """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import load_causal_lm
 
@@ -164,6 +179,10 @@ def run_probes(
                                                    [d.text for d in target.nonmembers],
                                                    seed=settings.seed)
     reference = load_reference(settings, codec) if settings.reference else None
+    engine = choose_engine(engine, model)
+    model = to_engine(engine, model, settings.dtype)
+    if engine == "jax" and reference is not None and model_reason(reference[0]) is None:
+        reference = (to_engine("jax", reference[0], settings.dtype), reference[1])
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
     for name in settings.probes:
@@ -196,6 +215,7 @@ def run_probes(
             "exposure_candidates": settings.seed,
         },
         "probes": probes,
+        "engine": engine,
         "timings": timings,
     }
     return ProbeResult(document=doc, secrets=secrets)
@@ -372,7 +392,7 @@ def probe_pii(ctx: _Context) -> dict:
                      else "the run has no member documents")
     return run_pii(ctx.model, ctx.codec, t.members, held, n_candidates=ctx.s.pii_candidates,
                    max_items=ctx.s.pii_max_items, batch_size=ctx.s.batch_size, seed=ctx.s.seed,
-                   n_boot=ctx.s.n_boot)
+                   n_boot=ctx.s.n_boot, progress=_stage(ctx.progress, "pii"))
 
 
 def probe_audit(ctx: _Context) -> dict:
@@ -387,7 +407,7 @@ def probe_audit(ctx: _Context) -> dict:
     ctx.secrets.update({c.id: c.secret for c in aud if c.secret})
 
     lp = token_logprobs(ctx.model, [ctx.codec.encode(c.text) for c in aud],
-                        batch_size=ctx.s.batch_size).logp
+                        batch_size=ctx.s.batch_size, progress=_stage(ctx.progress, "audit")).logp
     kind = ctx.t.canaries.audit_kind
     if AUDIT_SCORES[kind] == "min_k":
         scores = np.array([min_k(x, ctx.s.min_k) for x in lp])

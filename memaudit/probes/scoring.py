@@ -9,27 +9,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from memaudit.errors import MemauditError
+from memaudit.probes.token_scores import TokenScores
 
 Progress = Callable[[int, int, dict], None] | None
-
-
-@dataclass(frozen=True)
-class TokenScores:
-    """Per sequence of n tokens, arrays of n-1 entries for positions 1..n-1.
-
-    logp: log p(x_t | x_<t). mu, sigma: mean and std of log p(v | x_<t) under v ~ p(. | x_<t)
-    (present when requested; Min-K%++ needs them).
-    """
-
-    logp: list[np.ndarray]
-    mu: list[np.ndarray] | None = None
-    sigma: list[np.ndarray] | None = None
 
 
 # `batch_size` counts sequences of this many tokens: a scoring batch holds at most
@@ -131,7 +118,11 @@ def token_logprobs(
 
     Results come back in the input order. Batches hold at most batch_size * BUDGET_SEQ_LEN
     tokens (CPU_MAX_BATCH_TOKENS on CPU); mu and sigma are only computed when with_stats.
+    A `memaudit.probes.jax_scoring.JaxLM` scores with its own (JAX) engine.
     """
+    if getattr(model, "is_jax", False):
+        return model.token_logprobs(seqs, batch_size=batch_size, with_stats=with_stats,
+                                    progress=progress)
     device = next(model.parameters()).device
     n = len(seqs)
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
@@ -310,7 +301,12 @@ def decode(
     """Greedy (top_k=None) or top-k sampled continuations, (n, max_new_tokens) int64.
 
     Prompts of similar length share a batch (length-sorted), left-padded, with the KV cache.
+    A `memaudit.probes.jax_scoring.JaxLM` decodes with its own (JAX) engine (its sampled tokens
+    come from JAX's generator: the same distribution, other draws).
     """
+    if getattr(model, "is_jax", False):
+        return model.decode(prompts, max_new_tokens, batch_size=batch_size, pad_id=pad_id,
+                            top_k=top_k, temperature=temperature, seed=seed, progress=progress)
     if not prompts:
         return np.zeros((0, max_new_tokens), dtype=np.int64)
     if any(len(p) == 0 for p in prompts):
