@@ -106,7 +106,7 @@ def private_step(forward: Forward, tx: optax.GradientTransformation, *, clip: fl
         real = jnp.any(lm[..., 1:], axis=-1)  # rows with a target (a padding row has none)
         over = norms > clip if not math.isinf(clip) else jnp.zeros_like(norms, bool)
         return params, opt_state, {"loss_sum": jnp.sum(values), "clipped": jnp.sum(over),
-                                   "examples": jnp.sum(real), "grad_norm": optax.global_norm(grads)}
+                                   "examples": jnp.sum(real), "grad_norm": optax.tree.norm(grads)}
 
     return step
 

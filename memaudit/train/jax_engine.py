@@ -217,7 +217,7 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
 
 def clip_by_global_norm(grads: Any, max_norm: float) -> tuple[Any, jax.Array]:
     """torch's `clip_grad_norm_`: scale by min(1, max_norm / (norm + 1e-6)); returns the norm before."""
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     if math.isinf(max_norm):
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
