@@ -109,6 +109,7 @@ def bench_preset(preset: str, *, batch: int, seq: int, micro: int, k: int, repea
             continue
         out[kind] = {"step_s": secs, "tokens_per_s": batch * seq / secs,
                      "mfu": flops / secs / peak if peak else None}
+        print(json.dumps({"preset": preset, kind: out[kind]}), file=sys.stderr, flush=True)
     for kind in ("dp", "uls"):
         if "step_s" in out.get(kind, {}) and "step_s" in out.get("plain", {}):
             out[f"{kind}_over_plain"] = out[kind]["step_s"] / out["plain"]["step_s"]
