@@ -177,11 +177,16 @@ class JaxTrainer:
         out = (self.param_sh, self.opt_sh, rep)
         donate = (0, 1) if self.mesh.devices.flat[0].platform != "cpu" else ()
         micro = self.tcfg.micro_batch_size
+        data = eng.data_axis_size(self.mesh)
+        self._multiple = data  # a step's rows (or users): a multiple of the data axis ...
         if self.private:
             p = self.cfg.privacy
+            units = None if micro is None else max(1, micro // self.group_size)
+            if units is not None:  # ... and of jax-privacy's micro-batch
+                self._multiple = math.lcm(data, units)
             step = jax_dp.private_step(forward, self.tx, clip=p.clip, noise_multiplier=self.noise_multiplier,
                                        expected=self.expected, group=self.group_size > 1, dropout=self.dropout,
-                                       microbatch=None if micro is None else max(1, micro // self.group_size))
+                                       microbatch=units)
         else:
             chunks = 1 if micro is None else -(-self.tcfg.batch_size // micro)
             clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else math.inf
@@ -192,8 +197,8 @@ class JaxTrainer:
 
     # ------------------------------------------------------------------ steps
     def _batch(self, rows: np.ndarray) -> tuple[Any, Any, Any, int, int]:
-        """Step rows -> (ids, am, lmask) on the mesh, padded to a fixed capacity with rows that
-        have no target; under ULS shaped (users, k, L). Returns also (rows, clipped units)."""
+        """Step rows -> (ids, am, lmask) on the mesh, padded with rows that have no target; under
+        ULS shaped (users, k, L). Returns also (real rows, clipped units)."""
         pad = rows < 0
         real = int((~pad).sum())
         take = np.where(pad, 0, rows)
@@ -201,9 +206,10 @@ class JaxTrainer:
         am = self.train_set.attention_mask[take].astype(np.int32)
         lm = eng.loss_mask(ids, am, self.tcfg.goldfish)
         lm[pad] = False
-        g, data = self.group_size, eng.data_axis_size(self.mesh)
+        g, m = self.group_size, self._multiple
         units = len(rows) // g
-        cap = eng.capacity(units, data)
+        # a Poisson step: a power of two (few compiled programs); a fixed-size one: as it is
+        cap = eng.capacity(units, m) if self.private else -(-units // m) * m
         length = ids.shape[1]
         shape = (cap, g, length) if g > 1 else (cap, length)
 

@@ -41,6 +41,14 @@ def _weights(run: RunDir) -> dict[str, np.ndarray]:
     return load_file(str(run.model_dir / "model.safetensors"))
 
 
+def _initial(*overrides) -> dict[str, np.ndarray]:
+    """The run's seeded starting weights under their Hugging Face names."""
+    from memaudit.models.init import initial_state_dict
+
+    cfg = load_config(None, [*TINY, *overrides])
+    return {k: v.numpy() for k, v in initial_state_dict(cfg.model, 4096).items()}
+
+
 def _losses(run: RunDir, name: str = "metrics.jsonl") -> list[float]:
     return [m["loss"] for m in read_jsonl(run.path / name)]
 
@@ -48,8 +56,11 @@ def _losses(run: RunDir, name: str = "metrics.jsonl") -> list[float]:
 # ----------------------------------------------------------------------------- mesh
 @pytest.mark.parametrize("dp", [False, True], ids=["plain", "uls"])
 def test_a_4x2_mesh_of_8_devices_trains_as_one_device(tmp_path, dp):
-    """3 steps on a (data 4, model 2) mesh against one device: losses to 1e-5 relative, every
-    exported weight to 1e-5 of its tensor's largest entry (the reductions' order differs).
+    """3 steps on a (data 4, model 2) mesh against one device: losses to 1e-5 relative; each
+    exported weight's difference to 1e-3 of how far that tensor moved from its start (L2 norms).
+    The reductions' order differs, so gradients differ in the last bits; AdamW divides by the
+    root of the second moment, so an entry whose gradient is almost 0 (a rare token's lm_head
+    row) can step by up to lr either way: measured, 6e-5 at most in one entry of lm_head.
     Under DP (ULS, σ = 1) the noise is the same too: it is keyed per step, not per device."""
     import jax
 
@@ -64,10 +75,10 @@ def test_a_4x2_mesh_of_8_devices_trains_as_one_device(tmp_path, dp):
     name = SENSITIVE_METRICS if dp else "metrics.jsonl"
     for a, b in zip(_losses(mesh, name), _losses(one, name), strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
-    want, got = _weights(one), _weights(mesh)
-    assert want.keys() == got.keys()
+    want, got, start = _weights(one), _weights(mesh), _initial(*extra)
+    assert want.keys() == got.keys() == start.keys()
     for k, w in want.items():
-        assert np.max(np.abs(got[k] - w)) <= 1e-5 * np.max(np.abs(w)), k
+        assert np.linalg.norm(got[k] - w) <= 1e-3 * np.linalg.norm(w - start[k]), k
     moved = _weights(_fit(tmp_path / "other-seed", *extra, "train.seed=1", devices=jax.devices()[:1]))
     assert any(np.max(np.abs(moved[k] - w)) > 1e-4 * np.max(np.abs(w)) for k, w in want.items())
 

@@ -4,7 +4,8 @@
   per step agree to 1e-4 relative (measured: at most 3e-7), and so do the holdout losses.
 - With the noise off, DP-SGD's clipped sums (jax-privacy's per-example and per-user clipping
   against the torch engine's ghost clipping) agree to 1e-5 of each tensor's largest entry and
-  the clip fractions are equal; a noise-free DP run gives the same losses and clip fractions.
+  the clip fractions are equal; a noise-free DP run (with Goldfish loss) gives the same losses
+  and clip fractions, and so does one of LoRA adapters.
 - The same config records the same ledger (events) and ε with either engine.
 """
 
@@ -133,8 +134,9 @@ def test_noise_free_clipped_sums_and_clip_fractions_match_the_torch_engine(tiny_
 # ----------------------------------------------------------------------------- DP runs
 @pytest.fixture(scope="module")
 def noise_free_pair(tmp_path_factory):
-    """Example-level DP-SGD with σ = 0 (reproducible sampling): 6 steps of each engine."""
+    """Example-level DP-SGD with σ = 0 (reproducible sampling) and Goldfish loss: 6 steps of each engine."""
     extra = ("train.steps=6", "train.eval_every=6", "train.checkpoint_every=6", "privacy.noise_multiplier=0",
+             "train.goldfish.enabled=true",
              "privacy.clip=4.5", "privacy.reproducible_randomness=true")
     return {e: _train(tmp_path_factory, f"dp0-{e}", e, *extra) for e in ("torch", "jax")}
 
@@ -163,3 +165,21 @@ def test_the_same_config_records_the_same_ledger_and_epsilon(tmp_path_factory, u
     assert ledgers["jax"]["events"] == ledgers["torch"]["events"]
     assert ledgers["jax"]["epsilon"] == ledgers["torch"]["epsilon"]
     assert ledgers["jax"]["unit"] == ledgers["torch"]["unit"] == ("example" if unit == "example" else "user")
+
+
+def test_lora_dp_sgd_matches_the_torch_engine(tmp_path_factory):
+    """LoRA adapters (the trained parameters) under noise-free DP-SGD: 4 steps of each engine give
+    the same losses (1e-4) and clip fractions, and the jax engine exports the adapter folder."""
+    from memaudit.lifecycle import SENSITIVE_METRICS
+
+    extra = ("train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "model.lora.rank=4",
+             "model.lora.alpha=8", "privacy.noise_multiplier=0", "privacy.clip=0.05",
+             "privacy.reproducible_randomness=true", "train.lr=1e-2")
+    runs = {e: _train(tmp_path_factory, f"lora-{e}", e, *extra) for e in ("torch", "jax")}
+    got, want = (read_jsonl(runs[e].path / SENSITIVE_METRICS) for e in ("jax", "torch"))
+    for a, b in zip(got, want, strict=True):
+        assert a["clip_fraction"] == b["clip_fraction"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])
+    assert len(got) == 4 and (runs["jax"].path / "adapter").is_dir()
+    result = read_json(runs["jax"].path / "run.json")["result"]
+    assert result["trained"].startswith("lora") and 0 < result["trained_parameters"] < result["frozen_parameters"]
