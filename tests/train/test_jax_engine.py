@@ -164,3 +164,18 @@ def test_train_engine_is_validated():
     assert load_config(None, ["train.engine=jax"]).train.engine == "jax"
     with pytest.raises(ConfigError, match="train.engine"):
         load_config(None, ["train.engine=tpu"])
+
+
+def test_the_report_names_the_engine_of_a_run():
+    """run.json's result.engine reaches the report's run details (a run from before it: nothing)."""
+    import copy
+
+    from memaudit.reports.render import render_html, render_markdown
+    from memaudit.reports.snapshots import load_snapshot
+
+    report, _ = load_snapshot("quickstart")
+    assert "engine)" not in render_markdown(report)
+    named = copy.deepcopy(report)
+    named["runs"][0]["model"]["engine"] = "jax"
+    assert "(jax engine)" in render_markdown(named)
+    assert "(jax engine)" in render_html(named)
