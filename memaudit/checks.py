@@ -8,6 +8,7 @@ on the data it stages, the backend switch (`memaudit.dispatch`) runs `check_befo
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,58 @@ def check_before_disk(cfg: Any) -> None:
         check_flower_lora(shape or model_shape(cfg.model))
     if cfg.backend == "federated":
         _check_federated(cfg, shape)
+    elif centralized_engine(cfg) == "jax":
+        check_jax_engine(cfg, shape or model_shape(cfg.model))
+    elif cfg.train.mesh_model != 1:
+        raise ConfigError(f"train.mesh_model={cfg.train.mesh_model} is the jax engine's model axis; set "
+                          "train.engine=jax, or use parallel.x/y/z for the torch grid")
     elif cfg.parallel.world_size > 1:
         ParallelDims.from_config(cfg.parallel).check_model(shape or model_shape(cfg.model))
+
+
+def centralized_engine(cfg: Any) -> str:
+    """`train.engine` resolved: torch or jax; auto is jax where a TPU runtime (libtpu) is
+    installed and the config asks for no torch grid, else torch (found without importing jax)."""
+    engine = cfg.train.engine
+    if engine != "auto":
+        return engine
+    tpu = importlib.util.find_spec("libtpu") is not None
+    return "jax" if tpu and cfg.parallel.world_size == 1 else "torch"
+
+
+# the torch grid's settings, which the jax engine refuses when a config sets them
+_GRID_ONLY = ("dist_backend", "overlap", "overlap_reduce_scatter", "overlap_all_gather",
+              "bucket_data_sync", "bucket_mb")
+
+
+def check_jax_engine(cfg: Any, shape: Any) -> None:
+    """One line for an option the jax engine does not support (the torch grid's degrees and
+    overlap flags, a torch device, activation checkpointing), and for a model axis that does not
+    divide the model's heads."""
+    par, t = cfg.parallel, cfg.train
+    for axis in ("data", "x", "y", "z"):
+        if getattr(par, axis) > 1:
+            raise ConfigError(f"parallel.{axis}={getattr(par, axis)} is the torch grid's; the jax engine shards "
+                              "over its own mesh (train.mesh_model; the data axis is the other devices): "
+                              f"set parallel.{axis}=1 or train.engine=torch")
+    for name in _GRID_ONLY:
+        if name in par.model_fields_set:
+            raise ConfigError(f"parallel.{name} is an option of the torch grid, not of the jax engine; drop "
+                              "it or set train.engine=torch")
+    if t.device != "auto":
+        raise ConfigError(f"train.device={t.device} picks a torch device; the jax engine runs on JAX's "
+                          "default backend: drop train.device or set train.engine=torch")
+    if t.activation_checkpointing:
+        raise ConfigError("train.activation_checkpointing is not supported by the jax engine; drop it or "
+                          "set train.engine=torch")
+    if t.mesh_model > 1:
+        # lazy: jax and flax (~2.5 s), only for a jax-engine config with a model axis
+        from memaudit.models.flax_llama import check_model_axis
+
+        try:
+            check_model_axis(shape, t.mesh_model)
+        except ValueError as e:
+            raise ConfigError(str(e).replace("federated.mesh_model", "train.mesh_model")) from None
 
 
 def check_data(cfg: Any, prepared: Any, vocab_size: int) -> None:

@@ -257,6 +257,12 @@ class TrainConfig(_Section):
     activation_checkpointing: bool | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     goldfish: GoldfishConfig = GoldfishConfig()
+    engine: Literal["auto", "torch", "jax"] = Field(
+        "auto", description="the centralized backend's engine: torch (CPU and GPU; the 4D grid) or jax "
+        "(the federated side's Flax Llama on a device mesh, DP-SGD by jax-privacy); auto: jax where a "
+        "TPU runtime (libtpu) is installed, else torch")
+    mesh_model: int = Field(1, ge=1, description="engine=jax: devices on the model (tensor-parallel) mesh "
+                            "axis; the other devices form the data axis")
 
 
 # ----------------------------------------------------------------------------- privacy

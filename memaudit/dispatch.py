@@ -1,5 +1,6 @@
 """The backend switch, above the backends: federated (JAX in this process, or submitted to a
-Flower federation), a multi-process centralized grid, or one torch process. `memaudit.checks.check_before_disk` validates what can be validated
+Flower federation), the centralized backend's JAX engine (`train.engine`), a multi-process
+centralized grid, or one torch process. `memaudit.checks.check_before_disk` validates what can be validated
 without the data first, so a bad config is refused before the run lifecycle writes or replaces
 anything. Each backend trains through the one driver, `memaudit.driver.fit`.
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memaudit.checks import check_before_disk
+from memaudit.checks import centralized_engine, check_before_disk
 
 
 def dispatch(cfg: Any, run: Any, *, resume: bool, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:
@@ -22,6 +23,9 @@ def dispatch(cfg: Any, run: Any, *, resume: bool, progress: Any = None, overwrit
         from memaudit.federated.flower.trainer import train_on_flower as fn
     elif cfg.backend == "federated":
         from memaudit.federated.trainer import train_federated as fn  # lazy: jax and flax (~2.5 s)
+    elif centralized_engine(cfg) == "jax":
+        # lazy: jax, flax and jax-privacy (~3 s): the centralized backend's JAX engine
+        from memaudit.train.jax_trainer import train_centralized_jax as fn
     elif cfg.parallel.world_size > 1:
         # The data x tensor-parallel grid starts its own processes (torch.distributed). lazy: as
         # the other backends, it loads only when a run picks it (a missing one fails in one line)

@@ -251,7 +251,9 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         "status": rd.status(),
         "seed": info.seed,
         "audit": bool(info.audit_canaries),
+        # the centralized backend's engine (torch or jax) as run.json's result names it; None before it did
         "model": {"preset": info.preset, "params": info.parameters, "trained": info.trained,
+                  "engine": (manifest.get("result") or {}).get("engine"),
                   "upload_bytes_per_client_per_round": info.upload_bytes},
         "data": {
             "fingerprint": info.data_fingerprint[:12],

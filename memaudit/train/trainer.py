@@ -42,7 +42,6 @@ import torch
 from memaudit.backends import CENTRALIZED
 from memaudit.config import Config
 from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
-from memaudit.errors import ConfigError
 from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.init import initial_model, model_vocab_size
 from memaudit.models.keyed_dropout import dropout_rows, dropout_step
@@ -54,8 +53,6 @@ from memaudit.models.lora import (
     trained_label,
 )
 from memaudit.models.presets import LARGE_PRESETS
-from memaudit.privacy.accounting import default_delta
-from memaudit.privacy.calibrate import calibrate_noise, calibration_accountant
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import user_dp
@@ -65,7 +62,7 @@ from memaudit.train.evaluate import is_right_padded, target_mask
 from memaudit.train.goldfish import goldfish_mask
 from memaudit.train.host_memory import kept_freed_memory
 from memaudit.train.layout import Batch, Layout, SerialLayout, autocast, make_optimizer
-from memaudit.train.sampling import PoissonSampler, SubsetSampler, cap_per_user
+from memaudit.train.sampling import cap_per_user
 from memaudit.train.schedule import lr_at
 
 if TYPE_CHECKING:
@@ -320,34 +317,15 @@ class Trainer:
                             population=self.plan.mechanism.population, micro_batch_size=self.tcfg.micro_batch_size,
                             clipping=self.layout.dp_clipping(self.model, "ghost"))
             return
-        n = len(self.train_set)
-        m = len(self.kept_rows)
-        if self.tcfg.batch_size > m:  # (checks.check_data refused a batch above every sequence)
-            raise ConfigError(f"train.batch_size={self.tcfg.batch_size} exceeds the {m} sequences left at "
-                              f"privacy.max_examples_per_user; lower train.batch_size or raise k")
-        q = self.tcfg.batch_size / m
-        delta = p.delta if p.delta is not None else default_delta(n)
-        sigma, calibration = p.noise_multiplier, None
-        if sigma is None:
-            acc = calibration_accountant(p.accountant)
-            sigma = calibrate_noise(p.target_epsilon, q=q, steps=self.tcfg.steps, delta=delta, accountant=acc)
-            calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
-                           "steps": self.tcfg.steps, "sampling_rate": q, "noise_multiplier": sigma}
-        self.noise_multiplier = float(sigma)
-        self.sampler = (PoissonSampler(n, q, self.randomness) if m == n
-                        else SubsetSampler(self.kept_rows, q, self.randomness))
+        sigma, self.sampler, self.plan, _ = user_dp.example_setup(
+            self.cfg, self.train_set, self.kept_rows, self.randomness,
+            max_sequences_per_document=getattr(self.prepared, "max_sequences_per_document", None))
+        self.noise_multiplier = sigma
         # one DP-SGD for every layout; the per-example norms, clipped sum and noise are the layout's
-        self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=float(sigma),
+        self.dp = DPSGD(self.model, clip=p.clip, noise_multiplier=sigma,
                         expected_batch_size=self.sampler.expected_batch_size, randomness=self.randomness,
-                        population=m, micro_batch_size=self.tcfg.micro_batch_size,
+                        population=len(self.kept_rows), micro_batch_size=self.tcfg.micro_batch_size,
                         clipping=self.layout.dp_clipping(self.model, "ghost"))
-        counts = np.bincount(self.train_set.user_index[self.kept_rows]) if m else np.zeros(1, int)
-        self.plan = PrivacyPlan(unit="example", delta=delta, noise_multiplier=float(sigma), sampling_rate=q,
-                                mechanism=self.dp.mechanism, calibration=calibration,
-                                max_sequences_per_user=int(counts.max()),
-                                # of all trained sequences: an upper bound where k caps some
-                                max_sequences_per_document=getattr(self.prepared, "max_sequences_per_document", None),
-                                reproducible_randomness=self.randomness.reproducible)
 
     def _contribution_rows(self) -> np.ndarray:
         """The rows DP samples from: every row, or at most k per user (warned when k caps nothing)."""
@@ -443,7 +421,7 @@ class Trainer:
         # full: the logical model; LoRA: the logical adapters and base (a grid's shards count whole)
         counts = (parameter_counts(self.model) if self.cfg.model.lora is not None
                   else {"trained_parameters": self.parameters(), "frozen_parameters": 0})
-        out = {"device": self.device.type, "torch_threads": torch.get_num_threads(),
+        out = {"engine": "torch", "device": self.device.type, "torch_threads": torch.get_num_threads(),
                "trained": trained_label(self.cfg.model.lora), **counts}
         p = self.cfg.privacy
         if self.private and (p.unit == "user" or p.max_examples_per_user is not None):

@@ -1,4 +1,5 @@
-"""User-level DP for centralized training: the sampler, σ and the privacy plan of ELS and ULS.
+"""DP for centralized training: the sampler, σ and the privacy plan of example-level DP-SGD and
+of user-level ELS and ULS, shared by both engines (torch and jax).
 
 Both bound a user's contribution to k sequences (`privacy.max_examples_per_user`; which k is
 drawn from train.seed, `memaudit.train.sampling.cap_per_user`) and give a guarantee per *user*,
@@ -28,9 +29,9 @@ import numpy as np
 from memaudit.driver import PrivacyPlan
 from memaudit.errors import ConfigError
 from memaudit.privacy.accounting import default_delta
-from memaudit.privacy.calibrate import calibration_accountant
+from memaudit.privacy.calibrate import calibrate_noise, calibration_accountant
 from memaudit.privacy.mechanisms import ExampleSampledUsers, SampledGaussian, calibrate
-from memaudit.train.sampling import SubsetSampler, UserPoissonSampler
+from memaudit.train.sampling import PoissonSampler, SubsetSampler, UserPoissonSampler
 
 ELS_NAME = "ELS (user-level DP-SGD, example sampling)"
 ULS_NAME = "ULS (user-level DP-SGD, user sampling)"
@@ -99,3 +100,35 @@ def uls_setup(cfg: Any, train_set: Any, rows: np.ndarray, randomness: Any
     mech = mech.with_noise(sigma)
     sampler = UserPoissonSampler(train_set.user_index, rows, mech.sampling_rate, randomness)
     return sigma, sampler, _plan(cfg, mech, delta, calibration, randomness), sampler.group_size
+
+
+def example_setup(cfg: Any, train_set: Any, rows: np.ndarray, randomness: Any, *,
+                  max_sequences_per_document: int | None = None) -> tuple[float, Any, PrivacyPlan, int]:
+    """Example-level DP-SGD over `rows` (every row, or k per user): (σ, sampler, plan, 1).
+
+    Poisson sampling at q = batch_size / len(rows), σ given or calibrated to the target ε, and a
+    Poisson-sampled Gaussian per step against add/remove-one example (the DP-SGD event of
+    `memaudit.train.dpsgd.dpsgd_mechanism`).
+    """
+    p, n, m = cfg.privacy, len(train_set), len(rows)
+    if cfg.train.batch_size > m:  # (checks.check_data refused a batch above every sequence)
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} exceeds the {m} sequences left at "
+                          f"privacy.max_examples_per_user; lower train.batch_size or raise k")
+    q = cfg.train.batch_size / m
+    delta = p.delta if p.delta is not None else default_delta(n)
+    sigma, calibration = p.noise_multiplier, None
+    if sigma is None:
+        acc = calibration_accountant(p.accountant)
+        sigma = calibrate_noise(p.target_epsilon, q=q, steps=cfg.train.steps, delta=delta, accountant=acc)
+        calibration = {"target_epsilon": p.target_epsilon, "accountant": acc,
+                       "steps": cfg.train.steps, "sampling_rate": q, "noise_multiplier": sigma}
+    sampler = PoissonSampler(n, q, randomness) if m == n else SubsetSampler(rows, q, randomness)
+    mech = SampledGaussian(name="DP-SGD", unit="example", noise_multiplier=float(sigma), population=m,
+                           expected=sampler.expected_batch_size)
+    counts = np.bincount(train_set.user_index[rows]) if m else np.zeros(1, int)
+    plan = PrivacyPlan(unit="example", delta=delta, noise_multiplier=float(sigma), sampling_rate=q,
+                       mechanism=mech, calibration=calibration, max_sequences_per_user=int(counts.max()),
+                       # of all trained sequences: an upper bound where k caps some
+                       max_sequences_per_document=max_sequences_per_document,
+                       reproducible_randomness=randomness.reproducible)
+    return float(sigma), sampler, plan, 1
