@@ -75,7 +75,7 @@ SENSITIVE_METRICS = "sensitive_metrics.jsonl"
 SENSITIVE_KEYS = frozenset({
     "loss", "batch_size", "cohort", "survivors", "dropped", "secagg_aborted", "clip_fraction",
     "clipped", "grad_norm", "update_norm", "raw_norm", "tokens_per_s", "round_seconds",
-    "step_seconds", "count_fraction", "participants",
+    "step_seconds", "count_fraction", "participants", "sequences",
     # the realized cohort's size, data and norms, and what is a function of them
     "aggregated_clients", "total_weight", "examples", "delta_norm", "within_clip",
     "dropped_users", "dropped_nodes", "rejected_nodes", "nodes_compiling", "secagg_bits", "secagg_degree", "secagg_bytes_up",

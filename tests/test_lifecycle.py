@@ -220,3 +220,16 @@ def test_sigterm_that_lands_in_a_callback_still_interrupts_and_prints_no_traceba
         ran_on = True
     assert ref() is None and not ran_on
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_user_level_step_publishes_no_statistic_of_the_private_data():
+    """ULS/ELS steps report how many sequences the sampled users held: a count of the private
+    data that DP does not privatise, so it goes to sensitive_metrics.jsonl like the batch size."""
+    from memaudit.lifecycle import SENSITIVE_KEYS
+    from memaudit.train.jax_dp import step_metrics
+
+    out = step_metrics({"examples": 7, "loss_sum": 3.5, "clipped": 1}, rows=7, units=2,
+                       noise_std=0.1, group=True)
+    assert "sequences" in out
+    public = set(out) - SENSITIVE_KEYS
+    assert public <= PUBLIC_METRICS, sorted(public - PUBLIC_METRICS)

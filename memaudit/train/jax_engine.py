@@ -23,7 +23,7 @@ References:
     Shoeybi et al., "Megatron-LM", 2019 (the column / row split of the kernels).
     Hans et al., "Be like a Goldfish, Don't Memorize!", NeurIPS 2024 (`goldfish_mask`).
 
->>> compute_dtype("auto", "cpu").__name__, compute_dtype("auto", "tpu").__name__
+>>> str(compute_dtype("auto", "cpu")), str(compute_dtype("auto", "tpu"))
 ('float32', 'bfloat16')
 """
 
@@ -41,6 +41,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from memaudit.models.flax_llama import kernel_axes
+from memaudit.models.precision import resolve_policy
 
 P = PartitionSpec
 Forward = Callable[..., jax.Array]  # forward(params, ids, attention_mask, rng) -> logits (b, L, V)
@@ -54,20 +55,16 @@ class MeshAxis(enum.StrEnum):
 
 
 def compute_dtype(train_dtype: str, platform: str) -> Any:
-    """`train.dtype` resolved for the jax engine: auto is float32 on the CPU and bfloat16 on an
-    accelerator (TPU, GPU). Parameters stay float32; this is the matmuls' dtype.
-
-    (One resolver until the shared compute policy, `memaudit.models.precision`, lands.)
-    """
-    if train_dtype == "float32" or (train_dtype == "auto" and platform == "cpu"):
-        return jnp.float32
-    return jnp.bfloat16
+    """`train.dtype` resolved for the jax engine by the one compute policy both JAX backends follow
+    (`memaudit.models.precision.resolve_policy`): auto is float32 on the CPU and bfloat16 on an
+    accelerator (TPU, GPU). Parameters stay float32; this is the matmuls' dtype."""
+    return resolve_policy(train_dtype, platform).compute
 
 
 def build_mesh(mesh_model: int = 1, devices: Any = None) -> Mesh:
     """A (data, model) mesh over `devices` (default: all), `mesh_model` of them on the model axis.
 
-    >>> build_mesh(1, jax.devices()[:1]).axis_names
+    >>> tuple(map(str, build_mesh(1, jax.devices()[:1]).axis_names))
     ('data', 'model')
     """
     devs = list(jax.devices() if devices is None else devices)
