@@ -93,7 +93,7 @@ Since 2026-12-03 each SuperNode answers through a resident process (`memaudit.fl
 each message's work, side by side. Measured 2026-12-03 (2 cores, nothing else running, median
 of rounds 2-4): in JAX 0.87 s and 1.48 s with secure aggregation; Flower with resident nodes
 5.81 s and 32.5 s; a process per message 9.19 s and 45.4 s (resident 1.58x and 1.40x faster).
-The rest is Flower 1.42's polling (docs/flower.md, Cost). Measured 2026-12-04 with node-shaped
+The rest is Flower 1.42's polling (docs/flower.md, "What a round costs"; dated figures in docs/results.md). Measured 2026-12-04 with node-shaped
 stages (same set-up): 2 SuperNodes 8.59 s against 0.89 s in JAX, 32.9 s against 1.44 s with
 secure aggregation; 4 SuperNodes 13.9 s against 0.84 s, 37.7 s against 1.22 s (weights equal);
 2 SuperNodes over 8 rounds (``--flower-rounds 8``, median of rounds 2-8) 7.19 s against 1.30 s
@@ -113,20 +113,20 @@ SuperNodes, ``--flower-rounds 10``): before, in JAX 0.79 s and 1.08 s, on Flower
 and 6.11 s (5.66x); after, in JAX 0.76 s and 1.06 s, on Flower 1.42 s (1.88x) and 3.91 s
 (3.69x); the secure runs' weights equal (0.0). Later that day, with secure aggregation's encoder
 off BLAS, the SuperNode's looks at its own memory every 0.01 s and secure aggregation's arrays in
-ordinary pages (docs/flower.md, Cost; ``--flower-rounds 10``, median of rounds 2-10): 2 SuperNodes, in JAX 0.88 s
+ordinary pages (docs/flower.md, "What a round costs"; dated figures in docs/results.md; ``--flower-rounds 10``, median of rounds 2-10): 2 SuperNodes, in JAX 0.88 s
 and 1.20 s, on Flower 1.47 s (1.68x) and 3.04 s (2.54x); 4 SuperNodes, in JAX 0.84 s and 1.20 s,
 on Flower 4.67 s and 6.72 s. The ``*_warm_*`` keys are the median of the rounds in which no node
 ran a stage module new to it (the round's ``nodes_compiling`` is 0): 2 SuperNodes 1.43 s (1.63x)
 and 3.01 s (2.51x), 4 SuperNodes 2.14 s (2.55x) and 4.72 s (3.94x).
 
 Since the afternoon of 2026-12-05 a payload over 1 MiB travels as an Array of raw bytes, not a
-ConfigRecord value (`memaudit.flower_messages`; docs/flower.md, Cost). Warm medians the same
+ConfigRecord value (`memaudit.flower_messages`; docs/flower.md, "What a round costs"; dated figures in docs/results.md). Warm medians the same
 afternoon, before and after: 2 SuperNodes 1.456 s and 1.540 s (two runs) against 1.352 s,
 1.404 s and 1.352 s (three runs, 1.54-1.66x), secure 3.235 s and 3.904 s against 3.011 s,
 3.160 s and 2.930 s (2.40-2.63x); 4 SuperNodes 1.972 s against 1.942 s (2.23x), secure 4.904 s
 against 4.605 s (3.56x).
 
-Held asks (`memaudit.federated.flower.longpoll`; docs/flower.md, Cost), interleaved pairs the
+Held asks (`memaudit.federated.flower.longpoll`; docs/flower.md, "What a round costs"; dated figures in docs/results.md), interleaved pairs the
 same day, before (8d8106c) and after: 2 SuperNodes 1.428 s, 1.445 s and 1.293 s against
 1.303 s (1.58x), 1.336 s (1.54x) and 1.257 s; secure 3.019 s, 3.042 s and 2.741 s against
 2.474 s (2.13x), 2.735 s (2.30x) and 2.443 s (2.03x); 4 SuperNodes 1.777 s against 1.771 s,
@@ -138,7 +138,7 @@ directory first.
 Since the evening of 2026-12-05 memaudit's SuperNode and SuperLink run their SuperExecs, and the
 SuperLink each run's ServerApp, as threads of their own process, calling Flower's runtime
 handlers on their own state rather than the runtime API over HTTP
-(`memaudit.federated.flower.localruntime`; docs/flower.md, Cost). Warm medians, interleaved pairs
+(`memaudit.federated.flower.localruntime`; docs/flower.md, "What a round costs"; dated figures in docs/results.md). Warm medians, interleaved pairs
 on 2 SuperNodes: the SuperNode's change alone 1.348, 1.316, 1.269 s against 1.276 s (1.42x),
 1.226 s (1.36x), 1.134 s (1.37x); secure 2.624, 2.702, 2.553 s against 2.353 s (1.86x), 2.355 s
 (1.86x), 2.145 s (1.84x); then the SuperLink's too: 1.160, 1.190 s against 1.007 s (1.23x),
@@ -149,7 +149,7 @@ noise drawn from the run's key so that the two runtimes' weights can be compared
 
 Late on 2026-12-05 a node's stage modules keep one width for the run (its steady capacity,
 `memaudit.federated.flower.manifest.steady_node_capacity`) and secure aggregation clips a node's
-rows in numpy (docs/flower.md, Cost). 4 SuperNodes, before: every round's median 3.19 s and
+rows in numpy (docs/flower.md, "What a round costs"; dated figures in docs/results.md). 4 SuperNodes, before: every round's median 3.19 s and
 3.17 s, warm (4 of 9 rounds) 1.477 s (1.68x) and 1.367 s (1.56x); secure 4.24 s and 4.28 s,
 warm 2.841 s (2.22x) and 2.907 s (2.48x); DP 5.20 s and 5.06 s, warm 2.535 s (1.99x) and
 2.568 s (1.94x). After, every round warm: 1.427 s (1.63x) and 1.397 s (1.52x), secure 2.738 s
@@ -164,7 +164,7 @@ one gradient of ``tiny``), and secure aggregation's rounding turns such a differ
 quantisation steps (docs/flower.md, "Secure aggregation and distributed DP").
 
 Since 2026-12-06 memaudit's SuperNode pulls a message and pushes its reply in one Fleet request
-each from memaudit's SuperLink (`memaudit.federated.flower.bundle`; docs/flower.md, Cost);
+each from memaudit's SuperLink (`memaudit.federated.flower.bundle`; docs/flower.md, "What a round costs"; dated figures in docs/results.md);
 ``--flower-unbundled`` adds the FedAvg and secure runs with Flower's nine requests a message
 (``--fleet flower``), on a federation of their own, and ``bundled_speedup*`` their ratio.
 Measured 2026-12-06 (``--flower-rounds 10``, warm, 9 of 9 rounds): 4 SuperNodes, four runs,
@@ -191,7 +191,7 @@ stages against each running the stages shaped for its own slots
 secure-aggregation client phase takes in and gives out. Measured 2026-12-04 (cohort 16, seq 64,
 2 cores, median of 3): node-shaped/cohort-shaped round time 1.03, 0.98, 1.00, 0.95, 0.92 on 1,
 2, 4, 8, 16 nodes; the client phase per node 85.3 MiB -> 45.1, 25.1, 15.0, 10.0 MiB; weights
-equal (0.0). docs/flower.md ("Stages shaped for the node") has the table.
+equal (0.0). docs/results.md ("Stages shaped for the node") has the table.
 
     python benchmarks/federated_round.py --node-shapes  # the node-shapes table alone
     python benchmarks/federated_round.py --flower-only  # the Flower table alone
