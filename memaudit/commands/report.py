@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from memaudit.commands._common import console, print_json
-from memaudit.reports.cells import TERMINAL, format_cell
 from memaudit.reports.frontier import DEFAULT_TOLERANCE
 
 
@@ -38,7 +37,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         # lazy: `memaudit --help` does not import matplotlib (~0.4 s) and numpy (~0.4 s)
         from memaudit.reports.build import build_report
-        from memaudit.reports.targets import best_attack
         from memaudit.reports.write import rerender as do_rerender
         from memaudit.reports.write import write_report
 
@@ -54,10 +52,9 @@ def register(app: typer.Typer) -> None:
             print_json({"report": {k: str(v) for k, v in paths.items()}, "findings": rep["findings"]})
             return
         for t in rep.get("targets", []):
-            best = best_attack(t)
-            what = (f"strongest attack {best['attack']}, AUC {format_cell(best['auc'], TERMINAL)}"
-                    if best else "no membership attack run")
-            console.print(f"target {t['id']} ({t['source']}): {what}; privacy {t['privacy']['text']}",
+            # the page's verdict, word for word: its attack is chosen by the rate at 1% FPR
+            what = (t.get("verdict") or {}).get("sentence") or "no membership attack run"
+            console.print(f"target {t['id']} ({t['source']}): {what} Privacy: {t['privacy']['text']}.",
                           markup=False, highlight=False)
             if (t.get("shift") or {}).get("flagged"):
                 console.print(f"  WARNING: {t['shift']['note']}", markup=False, highlight=False)

@@ -276,12 +276,6 @@ def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def best_attack(entry: dict[str, Any]) -> dict[str, Any] | None:
-    """The attack with the highest AUC (what the first screen leads with)."""
-    scored = [a for a in entry["attacks"] if (a["auc"] or {}).get("value") is not None]
-    return max(scored, key=lambda a: a["auc"]["value"], default=None)
-
-
 def epsilon_of(entry: dict[str, Any]) -> float:
     e = entry["privacy"]["epsilon"]
     return math.inf if e == UNKNOWN else float(e)

@@ -242,3 +242,20 @@ def test_the_same_scores_without_weights_are_one_model(tmp_path):
     (pair,) = rep["comparisons"]["targets"]
     assert pair["metrics"] == {} and "the same model" in pair["skipped"]
     assert rep["findings"]["no_difference"] == []
+
+
+def test_the_terminal_says_the_pages_verdict(tmp_path):
+    """`memaudit report` prints each model's verdict as the page states it (the attack chosen by
+    its rate at 1% FPR), not a second choice of attack by AUC."""
+    from typer.testing import CliRunner
+
+    from memaudit.cli import app
+
+    folders = four_models(tmp_path / "in")
+    res = CliRunner().invoke(app, ["report", *map(str, folders), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    said = " ".join(res.output.split())
+    for t in rep["targets"]:
+        assert " ".join(t["verdict"]["sentence"].split()) in said, t["id"]
+    assert str(HOME) not in res.output
