@@ -30,17 +30,7 @@ import statistics
 import time
 
 import numpy as np
-
-
-def _timed(fn, repeats: int) -> tuple[float, object]:
-    """Median seconds of `repeats` calls after one untimed call (compilation)."""
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+from timing import median_seconds  # benchmarks/, beside this script
 
 
 def main() -> None:
@@ -94,20 +84,20 @@ def main() -> None:
     docs = rng.integers(0, p.vocab_size, (args.docs, args.seq_len)).tolist()
     tokens = args.docs * args.seq_len
     t_c0 = time.perf_counter()
-    sec, _ = _timed(lambda: lm.token_logprobs(docs), args.repeats)
+    sec = median_seconds(lambda: lm.token_logprobs(docs), args.repeats, warmup=1)
     rate = tokens / sec
     out["scoring"] = {"docs": args.docs, "seq_len": args.seq_len, "tokens": tokens,
                       "seconds": round(sec, 4), "tokens_per_s": round(rate),
                       "mfu": round(2 * params * rate / peak, 4)}
     if args.stats:
-        sec, _ = _timed(lambda: lm.token_logprobs(docs, with_stats=True), args.repeats)
+        sec = median_seconds(lambda: lm.token_logprobs(docs, with_stats=True), args.repeats, warmup=1)
         out["scoring"]["with_stats"] = {"seconds": round(sec, 4),
                                         "tokens_per_s": round(tokens / sec),
                                         "mfu": round(2 * params * tokens / sec / peak, 4)}
     out["scoring"]["incl_compile_s"] = round(time.perf_counter() - t_c0, 2)
     for budget in [int(b) for b in args.other_max_tokens.split(",") if b]:
         other = dataclasses.replace(lm, max_tokens=budget)
-        sec, _ = _timed(lambda other=other: other.token_logprobs(docs), args.repeats)
+        sec = median_seconds(lambda other=other: other.token_logprobs(docs), args.repeats, warmup=1)
         out["scoring"][f"max_tokens_{budget}"] = {"tokens_per_s": round(tokens / sec),
                                                   "mfu": round(2 * params * tokens / sec / peak, 4)}
     print(json.dumps(out), flush=True)
@@ -156,8 +146,8 @@ def main() -> None:
 
     # greedy decoding
     prompts = rng.integers(0, p.vocab_size, (args.decode_prompts, args.decode_prompt_len)).tolist()
-    sec, _gen = _timed(lambda: lm.decode(prompts, args.decode_new,
-                                        batch_size=args.decode_prompts), args.repeats)
+    sec = median_seconds(lambda: lm.decode(prompts, args.decode_new,
+                                        batch_size=args.decode_prompts), args.repeats, warmup=1)
     out["decode"] = {"prompts": args.decode_prompts, "prompt_len": args.decode_prompt_len,
                      "new_tokens": args.decode_new, "seconds": round(sec, 4),
                      "new_tokens_per_s": round(args.decode_prompts * args.decode_new / sec)}
