@@ -359,7 +359,10 @@ def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
         TaskIdentity.node_id = res.context.node_id
         grid = HttpGrid(fed.address, token=token, **tls)
         grid.set_run(run_from_proto(res.run))
-        nodes = sorted(grid.get_node_ids())
+        nodes, patience = sorted(grid.get_node_ids()), time.monotonic() + 90
+        while len(nodes) < len(fed.partitions) and time.monotonic() < patience:
+            time.sleep(0.5)  # a patient stranger: the SuperNodes may still be connecting under load
+            nodes = sorted(grid.get_node_ids())
         got["node_ids"] += len(nodes)
         hello = [Message(wire.content({}), dst_node_id=n, message_type=f"query.{wire.HELLO}") for n in nodes]
         for reply in grid.send_and_receive(hello, timeout=60):
