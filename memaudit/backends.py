@@ -1,4 +1,5 @@
-"""The training backends' names, and the old name that existing configs and run directories hold.
+"""The training backends' names, the old name that existing configs and run directories hold, and
+what one step of a backend returns to the training driver (`StepOutcome`).
 
 `centralized` is the torch backend (one process, or the data x tensor-parallel grid that
 `memaudit.parallel` runs); `federated` is the JAX one. Configs, sweep files and run.json written
@@ -11,6 +12,7 @@ such a config still loads and such a run still resumes and reports.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 CENTRALIZED = "centralized"
@@ -36,3 +38,14 @@ def config_with_backend_name(config: Any) -> Any:
     if isinstance(config, dict) and config.get("backend") in ALIASES:
         return {**config, "backend": backend_name(config["backend"])}
     return config
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One step's or round's metrics line, and whether its DP mechanism released anything
+    (an aborted secure-aggregation round released and applied nothing: no ledger event).
+    `privacy_metrics` is what the mechanism's event depends on (e.g. the adaptive clip)."""
+
+    record: dict[str, Any]
+    released: bool = True
+    privacy_metrics: dict[str, Any] | None = None

@@ -12,7 +12,7 @@ axis when there is more than one device. It writes metrics.jsonl (one line per r
 resumable state/ (msgpack), the privacy ledger for DP runs, and a Hugging Face checkpoint
 with the tokenizer in model/.
 
-`FederatedTrainer` is the JAX backend of the one training driver (`memaudit.driver.fit`: the
+`FederatedTrainer` is the JAX backend of the one training driver (`memaudit.run.driver.fit`: the
 loop, evaluation schedule, checkpoints, ledger and result are the driver's). Where the clients'
 computation runs is its runtime, by composition: `InProcess` (one JAX program, clients sharded
 over the mesh) or `memaudit.federated.flower.trainer.FlowerRuntime` (client stages on Flower
@@ -32,7 +32,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +40,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from memaudit.backends import StepOutcome
 from memaudit.config import Config
-from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
-from memaudit.errors import ConfigError, MemauditError
+from memaudit.errors import MemauditError
 from memaudit.federated import algorithms as alg
 from memaudit.federated import checkpoint as fckpt
 from memaudit.federated.aggregators import mean_aggregator
 from memaudit.federated.cohorts import ClientData, cohort_capacity, poisson_capacity, sample_cohort
 from memaudit.federated.data import build_client_data
 from memaudit.federated.ddp import distributed_dp_from_config, planned_event_of_config
-from memaudit.federated.distributed import barrier, maybe_initialize
+from memaudit.federated.distributed import barrier
 from memaudit.federated.dp import dp_fedavg, dp_fedavg_mechanism
 from memaudit.federated.mesh import build_mesh
 from memaudit.federated.secagg.aggregator import abort_bit_epsilon, secure_aggregation_from_config
@@ -60,7 +60,6 @@ from memaudit.federated.sharding import (
     model_axis_size,
     server_shardings,
 )
-from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes, policy_fields
 from memaudit.models.flax_lora import LoraModel, count, initial_lora, torch_lora_model
@@ -71,34 +70,15 @@ from memaudit.privacy.aborts import WithAbortBit, with_abort_bit
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibration_accountant
 from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
-from memaudit.privacy.randomness import DPRandomness
+from memaudit.privacy.plan import PrivacyPlan
+from memaudit.privacy.randomness import DPRandomness, dp_randomness
 from memaudit.rundir import RunDir
+
+if TYPE_CHECKING:
+    from memaudit.run.lifecycle import RunSession
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = "federated"
-
-
-def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
-                    progress: ProgressFn | None = None, **session_kw: Any) -> dict[str, Any]:
-    """Train `cfg` federated into `run`; returns the result summary written to run.json.
-
-    Args:
-        cfg: the resolved config (`cfg.federated` holds rounds, cohort, sampling, local steps,
-            client/server optimizers, mesh_clients).
-        run: the run directory, already checked by `prepare_new_run` / `open_for_resume`.
-        resume: continue from the last checkpoint in state/.
-        progress: called as progress(done_rounds, total_rounds, info) after every round.
-        session_kw: passed to the run lifecycle (`overwrite`, `lock_held`).
-
-    Returns:
-        {"steps" (= rounds), "rounds", "final_holdout_loss", "final_holdout_perplexity",
-         "initial_holdout_loss", "initial_holdout_perplexity", "final_train_loss", ...}
-    """
-    if cfg.federated.runtime == "flower":
-        raise ConfigError("federated.runtime=flower submits the run to a Flower federation: train it with "
-                          "`memaudit train` (memaudit.dispatch.dispatch), not train_federated")
-    maybe_initialize()
-    return FederatedTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
 
 
 def make_loss_fn(model: Any) -> Callable:
@@ -154,7 +134,7 @@ class InProcess:
 
 
 class FederatedTrainer:
-    """The federated backend of the training driver (`memaudit.driver.Backend`); `is_writer` is
+    """The federated backend of the training driver (`memaudit.run.driver.Backend`); `is_writer` is
     JAX process 0 (the only one that writes files)."""
 
     name = BACKEND
@@ -305,7 +285,7 @@ class FederatedTrainer:
         return sample_cohort(src, self.clients.num_users, f.cohort, f.sampling, round=r)
 
     def _dp_randomness(self) -> DPRandomness:
-        """The DP run's secret randomness (`memaudit.lifecycle.dp_randomness`); every JAX process
+        """The DP run's secret randomness (`memaudit.privacy.randomness.dp_randomness`); every JAX process
         gets process 0's. Cohorts and each round's key are derived from it, never from
         train.seed."""
         if self._dp_rand is None:
@@ -566,8 +546,3 @@ class FederatedTrainer:
         if not self.masked:
             return 4 * trained
         return masked_bytes(self.secagg_words if self.secagg_words is not None else trained)
-
-    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) through the driver inside the run lifecycle (lock, manifest, signals)."""
-        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
-                           progress=self.progress)

@@ -11,7 +11,7 @@ parameters), Goldfish loss. The parameters, the optimizer state and each batch l
 (data, model) device mesh (`train.mesh_model`).
 
 The loop, evaluation schedule, checkpoints, ledger, export and result are the driver's
-(`memaudit.driver.fit`): the run directory, metrics (DP statistics in sensitive_metrics.jsonl),
+(`memaudit.run.driver.fit`): the run directory, metrics (DP statistics in sensitive_metrics.jsonl),
 ledger and Hugging Face export are the torch engine's; run.json's result says `engine: jax`.
 A checkpoint is `state/state.msgpack` (parameters and optimizer state, flax serialisation,
 read back into a template, never unpickled) and trainer.json; the batch, learning rate and DP
@@ -30,7 +30,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,18 +38,18 @@ import numpy as np
 from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 
-from memaudit.backends import CENTRALIZED
+from memaudit.backends import CENTRALIZED, StepOutcome
 from memaudit.checkpoints import checkpoint_present
 from memaudit.config import Config
-from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_bytes, atomic_write_json
-from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama
 from memaudit.models.flax_lora import LoraModel, count, initial_lora, torch_lora_model
 from memaudit.models.init import flax_config, hf_config, initial_state_dict, model_vocab_size
 from memaudit.models.lora import merged_copy, save_adapter, trained_label
+from memaudit.privacy.plan import PrivacyPlan
+from memaudit.privacy.randomness import dp_randomness
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import jax_dp, user_dp
@@ -58,20 +58,16 @@ from memaudit.train.batches import EpochBatches
 from memaudit.train.sampling import cap_per_user
 from memaudit.train.schedule import lr_at
 
+if TYPE_CHECKING:
+    from memaudit.run.lifecycle import RunSession
+
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 ENGINE = "jax"
 STATE_FILE = "state.msgpack"
 
 
-def train_centralized_jax(cfg: Config, run: RunDir, *, resume: bool = False, progress: ProgressFn | None = None,
-                          **session_kw: Any) -> dict[str, Any]:
-    """Train `cfg` into `run` with the jax engine; returns run.json's result (as
-    `memaudit.train.trainer.train_centralized`)."""
-    return JaxTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
-
-
 class JaxTrainer:
-    """The jax engine of the centralized backend (`memaudit.driver.Backend`)."""
+    """The jax engine of the centralized backend (`memaudit.run.driver.Backend`)."""
 
     name = CENTRALIZED
     counter = "step"
@@ -145,7 +141,7 @@ class JaxTrainer:
 
     def _setup_privacy(self) -> None:
         """σ, sampler and plan of the config's DP (the torch engine's, `memaudit.train.user_dp`),
-        from the run's one secret (`memaudit.lifecycle.dp_randomness`)."""
+        from the run's one secret (`memaudit.privacy.randomness.dp_randomness`)."""
         p = self.cfg.privacy
         self.randomness = dp_randomness(self.run, self.cfg, is_writer=self.is_writer)
         self.kept_rows = self._contribution_rows()
@@ -349,8 +345,3 @@ class JaxTrainer:
                                          "user_sampling": p.user_sampling if p.unit == "user" else None,
                                          "sequences_sampled_from": len(self.kept_rows)}
         return out
-
-    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) training through the driver inside the run lifecycle."""
-        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
-                           progress=self.progress)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from memaudit.config import Config
     from memaudit.data.packing import PackedSequences
-    from memaudit.lifecycle import RunSession
+    from memaudit.run.lifecycle import RunSession
     from memaudit.rundir import RunDir
     from memaudit.train.dpsgd import PerExampleClipping
 

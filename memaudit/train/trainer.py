@@ -13,11 +13,11 @@ the CPU kernels split their float reductions; a resume runs on the checkpoint's 
 the CPU an interrupted-and-resumed run ends with weights bit-identical to an uninterrupted one.
 
 The loop, evaluation schedule, checkpoints, ledger and result are the one training driver's
-(`memaudit.driver.fit`); `Trainer` is the torch backend it drives. One `Trainer` runs every
+(`memaudit.run.driver.fit`); `Trainer` is the torch backend it drives. One `Trainer` runs every
 layout by composition: it takes a `Layout`
 (`memaudit.train.layout`) that says where the model lives, `SerialLayout` for one process or
 `memaudit.parallel.layout.TensorParallelLayout` for the data x (x, y, z) grid (one per rank,
-started by `memaudit.parallel.launch`). The layout builds or parallelises the seeded model,
+started by `memaudit.run.launch`). The layout builds or parallelises the seeded model,
 shards each chunk of the global batch, syncs gradients, computes the global gradient norm,
 evaluates, writes and reads its checkpoint format and exports the merged model; DP-SGD is the
 one `memaudit.train.dpsgd.DPSGD` with the layout's per-example clipping.
@@ -39,10 +39,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from memaudit.backends import CENTRALIZED
+from memaudit.backends import CENTRALIZED, StepOutcome
 from memaudit.config import Config
-from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
-from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.init import initial_model, model_vocab_size
 from memaudit.models.keyed_dropout import dropout_rows, dropout_step
 from memaudit.models.lora import (
@@ -53,6 +51,8 @@ from memaudit.models.lora import (
     trained_label,
 )
 from memaudit.models.presets import LARGE_PRESETS
+from memaudit.privacy.plan import PrivacyPlan
+from memaudit.privacy.randomness import dp_randomness
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import user_dp
@@ -67,30 +67,10 @@ from memaudit.train.schedule import lr_at
 
 if TYPE_CHECKING:
     from memaudit.data.packing import PackedSequences
+    from memaudit.run.lifecycle import RunSession
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = CENTRALIZED  # the backend's name in run.json
-
-
-def train_centralized(
-    cfg: Config, run: RunDir, *, resume: bool = False, progress: ProgressFn | None = None,
-    **session_kw: Any,
-) -> dict[str, Any]:
-    """Train `cfg` into `run` (single process) and return the result summary.
-
-    Args:
-        cfg: the resolved config.
-        run: the run directory; the caller has checked it with `prepare_new_run` or
-            `open_for_resume`. A fresh run removes memaudit's artifacts of a previous run.
-        resume: continue from `run`'s last checkpoint (or from the start if it has none).
-        progress: called as progress(done_steps, total_steps, info) after every step.
-        session_kw: passed to the run lifecycle (`overwrite`, `lock_held`).
-
-    Returns:
-        {"steps", "final_holdout_loss", "final_holdout_perplexity", "initial_holdout_loss",
-         "final_train_loss", "train_seconds", "parameters", "epsilon" (DP only), ...}
-    """
-    return Trainer(cfg, run, SerialLayout(cfg), progress=progress).fit(resume=resume, **session_kw)
 
 
 @contextlib.contextmanager
@@ -121,7 +101,7 @@ def cpu_threads(n: int | None) -> Iterator[None]:
 
 
 class Trainer:
-    """The centralized backend of the training driver (`memaudit.driver.Backend`): one step,
+    """The centralized backend of the training driver (`memaudit.run.driver.Backend`): one step,
     evaluation, checkpoint format and DP-SGD over a `Layout`.
 
     Everything that depends on where the model lives (one process, or the data x (x, y, z)
@@ -429,11 +409,6 @@ class Trainer:
                                          "user_sampling": p.user_sampling if p.unit == "user" else None,
                                          "sequences_sampled_from": len(self.kept_rows)}
         return out
-
-    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) training through the driver inside the run lifecycle."""
-        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
-                           progress=self.progress)
 
     def _checkpoint_threads(self) -> int | None:
         """The torch CPU thread count the checkpoint was written on (None: no checkpoint, or one
