@@ -32,7 +32,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from memaudit.backends import StepOutcome
+from memaudit.backends import Session, StepOutcome
 from memaudit.config import Config
 from memaudit.errors import MemauditError
 from memaudit.federated import algorithms as alg
@@ -73,9 +73,6 @@ from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
 from memaudit.privacy.plan import PrivacyPlan
 from memaudit.privacy.randomness import DPRandomness, dp_randomness
 from memaudit.rundir import RunDir
-
-if TYPE_CHECKING:
-    from memaudit.run.lifecycle import RunSession
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = "federated"
@@ -164,10 +161,10 @@ class FederatedTrainer:
         return self.fcfg.checkpoint_every
 
     # ------------------------------------------------------------------ set-up
-    def running(self, session: RunSession, resume: bool) -> contextlib.AbstractContextManager[None]:
+    def running(self, session: Session, resume: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def prepare(self, session: RunSession) -> None:
+    def prepare(self, session: Session) -> None:
         """Data, clients, mesh, model, the DP plan, the algorithm and its initial state."""
         self.session = session
         shape = model_shape(self.cfg.model)  # the checkpoint's with model.init_from, else the preset's
@@ -456,7 +453,7 @@ class FederatedTrainer:
     def has_checkpoint(self) -> bool:
         return fckpt.has_state(self.run)
 
-    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+    def save(self, session: Session, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
         """The server state after `done` rounds and the run's base key (msgpack + JSON)."""
         host = self.host(self.state)  # a collective across processes: every process takes part
         if not self.is_writer:
@@ -465,7 +462,7 @@ class FederatedTrainer:
             fckpt.write_state(d, host, {**scalars, "key": self.key_data.tolist(),
                                         "aggregated_rounds": self.aggregated_rounds}, files or None)
 
-    def load(self, session: RunSession) -> dict[str, Any]:
+    def load(self, session: Session) -> dict[str, Any]:
         """state/ into the server state (its template: the freshly initialised one)."""
         host_state, scalars = fckpt.load_state(self.run, self.host(self.state))
         self.state = self._to_device(host_state)
@@ -492,7 +489,7 @@ class FederatedTrainer:
         self.key = jax.random.wrap_key_data(self.key_data)
         self._barrier("start")
 
-    def export(self, session: RunSession) -> None:
+    def export(self, session: Session) -> None:
         """The Hugging Face model into model/; under LoRA the merged model and adapter/, written
         by the torch side's code (`memaudit.models.lora`). A run in which no round aggregated a
         client's update (every secure-aggregation round aborted, or every client was dropped)

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ import numpy as np
 from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 
-from memaudit.backends import CENTRALIZED, StepOutcome
+from memaudit.backends import CENTRALIZED, Session, StepOutcome
 from memaudit.checkpoints import checkpoint_present
 from memaudit.config import Config
 from memaudit.errors import RunDirError
@@ -57,9 +57,6 @@ from memaudit.train import jax_engine as eng
 from memaudit.train.batches import EpochBatches
 from memaudit.train.sampling import cap_per_user
 from memaudit.train.schedule import lr_at
-
-if TYPE_CHECKING:
-    from memaudit.run.lifecycle import RunSession
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 ENGINE = "jax"
@@ -97,10 +94,10 @@ class JaxTrainer:
         return self.tcfg.checkpoint_every
 
     # ------------------------------------------------------------------ set-up
-    def running(self, session: RunSession, resume: bool) -> contextlib.AbstractContextManager[None]:
+    def running(self, session: Session, resume: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def prepare(self, session: RunSession) -> None:
+    def prepare(self, session: Session) -> None:
         """Data, mesh, model, optimizer, sampler, the DP plan and the compiled steps."""
         self.session = session
         self.prepared = session.data()  # staged and checked by the lifecycle (checks.check_data)
@@ -280,7 +277,7 @@ class JaxTrainer:
     def has_checkpoint(self) -> bool:
         return checkpoint_present(self.run.state_dir)
 
-    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+    def save(self, session: Session, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
         """Parameters and optimizer state (msgpack) and the scalars, after `done` steps."""
         host = jax.device_get({"params": self.params, "opt_state": self.opt_state})
         if not self.is_writer:
@@ -292,7 +289,7 @@ class JaxTrainer:
             atomic_write_json(d / "trainer.json", {"schema": ckpt.STATE_SCHEMA, **scalars, "engine": ENGINE,
                                                    "noise_multiplier": getattr(self, "noise_multiplier", None)})
 
-    def load(self, session: RunSession) -> dict[str, Any]:
+    def load(self, session: Session) -> dict[str, Any]:
         """state/ into the parameters and optimizer state; a torch engine's checkpoint is refused."""
         scalars = ckpt.read_scalars(self.run)
         path = self.run.state_dir / STATE_FILE
@@ -310,7 +307,7 @@ class JaxTrainer:
     def begin(self) -> None:
         """Nothing to synchronise: every batch is a function of (seed or secret, step)."""
 
-    def export(self, session: RunSession) -> None:
+    def export(self, session: Session) -> None:
         """The Hugging Face model into model/ (and under LoRA the merged model and adapter/),
         written by the torch side's code as the federated backend's export."""
         params = jax.device_get(self.params)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from memaudit.backends import CENTRALIZED, StepOutcome
+from memaudit.backends import CENTRALIZED, Session, StepOutcome
 from memaudit.config import Config
 from memaudit.models.init import initial_model, model_vocab_size
 from memaudit.models.keyed_dropout import dropout_rows, dropout_step
@@ -67,7 +67,6 @@ from memaudit.train.schedule import lr_at
 
 if TYPE_CHECKING:
     from memaudit.data.packing import PackedSequences
-    from memaudit.run.lifecycle import RunSession
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = CENTRALIZED  # the backend's name in run.json
@@ -326,7 +325,7 @@ class Trainer:
     def has_checkpoint(self) -> bool:
         return ckpt.has_state(self.run)
 
-    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+    def save(self, session: Session, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
         """The layout's checkpoint of `done` steps: weights, optimizer, RNG, the DP-SGD state,
         and the thread count the CPU kernels split their reductions by (exact resume)."""
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
@@ -338,14 +337,14 @@ class Trainer:
         """Load state/ (in whatever layout it was written) into the model, optimizer and RNG."""
         return self.layout.read_state(self.run, self.model, self.optimizer)
 
-    def load(self, session: RunSession) -> dict[str, Any]:
+    def load(self, session: Session) -> dict[str, Any]:
         """state/ into the model, optimizer, RNG and DP-SGD state; returns its scalars."""
         scalars, extra = self.read_state()
         if self.dp is not None and "dp" in extra:
             self.dp.load_state_dict(extra["dp"])
         return scalars
 
-    def export(self, session: RunSession) -> None:
+    def export(self, session: Session) -> None:
         """The merged Hugging Face model into model/ (the writer writes; a collective on a grid);
         under LoRA also the PEFT adapter folder into adapter/ (`memaudit.models.lora`)."""
         if self.cfg.model.lora is None:
@@ -360,14 +359,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the driver's hooks
     @contextlib.contextmanager
-    def running(self, session: RunSession, resume: bool) -> Iterator[None]:
+    def running(self, session: Session, resume: bool) -> Iterator[None]:
         """Deterministic CPU kernels, on the checkpoint's thread count when resuming, and on the
         CPU the memory each step frees kept for the next (`kept_freed_memory`)."""
         with (deterministic(self.device), cpu_threads(self._checkpoint_threads() if resume else None),
               kept_freed_memory(self.device)):
             yield
 
-    def prepare(self, session: RunSession) -> None:
+    def prepare(self, session: Session) -> None:
         """Data, model, optimizer, sampler (and DP) for this run; the writer's first."""
         self.session = session
         with self.layout.writer_first():
