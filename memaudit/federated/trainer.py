@@ -1,6 +1,7 @@
 """The federated backend behind `memaudit train CONFIG --backend federated`.
 
-`train_federated(cfg, run)` prepares the data, makes every training user a client (its packed
+`FederatedTrainer` (run by `memaudit.run.federated.train_federated(cfg, run)`) prepares the data,
+makes every training user a client (its packed
 training sequences are its local data), starts from the same seeded weights as the centralized
 backend (`memaudit.models.init.initial_state_dict`: a preset's seeded initialisation or the
 `model.init_from` checkpoint, converted to the Flax Llama of that shape), and runs

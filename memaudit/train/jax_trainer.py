@@ -1,6 +1,7 @@
 """The centralized backend's JAX engine (`train.engine: jax`), a backend of the one driver.
 
-`train_centralized_jax(cfg, run)` trains the federated side's Flax Llama where the torch engine
+`JaxTrainer` (run by `memaudit.run.centralized_jax.train_centralized_jax(cfg, run)`) trains the
+federated side's Flax Llama where the torch engine
 trains the Hugging Face one, from the same seeded weights (`memaudit.models.init`, converted by
 `memaudit.models.convert.hf_to_flax`), on the same batches (`EpochBatches`; under DP the same
 samplers and privacy plans, `memaudit.train.user_dp`), with the same loss, learning-rate

@@ -1,6 +1,7 @@
 """The centralized trainer: PyTorch, Hugging Face Llama, in one process or on the 4D grid.
 
-`train_centralized(cfg, run)` prepares the data, builds the preset model, trains it with
+`Trainer` (run by `memaudit.run.centralized.train_centralized(cfg, run)`) prepares the data,
+builds the preset model, trains it with
 AdamW (linear warm-up, cosine decay, global-norm clipping, gradient accumulation; bf16
 autocast and activation checkpointing for the large presets on GPU) or with DP-SGD when
 `cfg.privacy.enabled`, writes `metrics.jsonl`, resumable checkpoints in `state/`, the
