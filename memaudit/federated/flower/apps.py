@@ -1,7 +1,7 @@
 """What memaudit's Flower ``ServerApp`` and ``ClientApp`` run (Flower's Message API); the apps
 themselves are built in `memaudit.federated.flower.node`, which imports no JAX.
 
-The ServerApp (`serve`) runs the federated trainer of a run directory (`memaudit.federated.flower.trainer`)
+The ServerApp (`serve`) runs the federated trainer of a run directory (`memaudit.run.flower.serve_run`)
 with the run's ``Grid``: every client stage of a round becomes one message per SuperNode that
 hosts a sampled user. A node answers three message types (`answer`):
 
