@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from memaudit.federated.flower import bundle, deploy
+from memaudit.run.driver import run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ def federation(tmp_path_factory):
 
 def _train(overrides, out: Path, trainer_cls=None, cli=False):
     from memaudit.config import load_config
-    from memaudit.dispatch import dispatch
+    from memaudit.run.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     if cli:  # through `memaudit train`, in this process
@@ -88,7 +89,7 @@ def _train(overrides, out: Path, trainer_cls=None, cli=False):
         return json.loads((out / "run.json").read_text())["result"]
     cfg = load_config(BASE, overrides)
     if trainer_cls is not None:
-        return trainer_cls(cfg, RunDir(out)).fit()
+        return run_trainer(trainer_cls(cfg, RunDir(out)))
     return dispatch(cfg, RunDir(out), resume=False)
 
 
@@ -328,16 +329,23 @@ def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
     from flwr.app import Message
     from flwr.common.constant import SubStatus
     from flwr.common.serde import run_from_proto
-    from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest, PushTaskOutputRequest
+    from flwr.proto.runtime_pb2 import (
+        AcquireTaskRequest,
+        PullTaskInputRequest,
+        PushTaskOutputRequest,
+    )
     from flwr.supercore.constant import TaskType
-    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+    )
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.task_identity import TaskIdentity
     from flwr.superlink.grid import HttpGrid
 
     from memaudit.federated.flower import wire
     from memaudit.federated.flower.deploy import CONNECTION, write_app
-    from memaudit.flower_messages import payload_of
+    from memaudit.federated.flower.messages import payload_of
 
     ca = None if fed.tls is None else Path(fed.tls[0]).read_bytes()
     tls = {"insecure": ca is None, "root_certificates": ca}
@@ -458,7 +466,7 @@ def test_nobody_takes_the_server_seat(federation, tmp_path, transport):
     assert got["node_runtime_refused"] == len(fed.partitions), got  # so did each SuperNode
     assert (got["tasks"], got["run_config_bytes"], got["node_ids"], got["node_bytes"]) == (0, 0, 0, 0), got
     # memaudit's own SuperExec took every run's task: its ServerApp ran and refused the run,
-    # whose launch folder does not exist (the run binding, trainer.bind_launch)
+    # whose launch folder does not exist (the run binding, run.flower.bind_launch)
     assert all(r is not None and r[0] == "finished:failed" and "memaudit's ServerApp raised" in r[1]
                for r in got["runs"]), got["runs"]
 
