@@ -287,13 +287,13 @@ def _summarise(scores, size, method, n_boot, seed) -> dict:
 
     def bucket(group: list[dict]) -> dict:
         e = np.array([s["exposure"] for s in group])
-        out = {"all": mean_summary(e, unit="canaries", n_boot=n_boot, seed=seed),
+        out = {"all": mean_summary(e, unit="canaries", n_boot=n_boot, seed=seed).to_json(),
                "lower_bound": any(s["lower_bound"] for s in group)}
         for kind in sorted({str(s["owner_kind"]) for s in group}):
             sub = np.array([s["exposure"] for s in group if str(s["owner_kind"]) == kind])
-            out[kind] = mean_summary(sub, unit="canaries", n_boot=n_boot, seed=seed)
+            out[kind] = mean_summary(sub, unit="canaries", n_boot=n_boot, seed=seed).to_json()
         if ref_mean is not None and len(e):
-            out["excess"] = mean_summary(e - ref_mean, unit="canaries", n_boot=n_boot, seed=seed)
+            out["excess"] = mean_summary(e - ref_mean, unit="canaries", n_boot=n_boot, seed=seed).to_json()
             out["test"] = {"test": "mann-whitney-u one-sided (inserted > references)",
                            "p_value": mann_whitney(e, ref, alternative="greater"),
                            "n": len(e), "n_references": len(ref)}
@@ -312,8 +312,8 @@ def _summarise(scores, size, method, n_boot, seed) -> dict:
     return {
         "max_exposure": math.log2(size),
         "method": method,
-        "inserted": mean_summary(ins_e, unit="canaries", n_boot=n_boot, seed=seed),
-        "references": mean_summary(ref, unit="canaries", n_boot=n_boot, seed=seed),
+        "inserted": mean_summary(ins_e, unit="canaries", n_boot=n_boot, seed=seed).to_json(),
+        "references": mean_summary(ref, unit="canaries", n_boot=n_boot, seed=seed).to_json(),
         "null_mean": 1 / math.log(2),
         "by_repetitions": by_rep,
         "inserted_vs_references": overall,

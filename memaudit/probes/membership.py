@@ -113,7 +113,7 @@ def run_membership(
     summary = {}
     for name, s in scores.items():
         summary[name] = attack_summary(s[:n1], s[n1:], unit="documents", fprs=fprs,
-                                       n_boot=n_boot, seed=seed)
+                                       n_boot=n_boot, seed=seed).to_json()
     rows = []
     for i, d in enumerate(list(members) + list(nonmembers)):
         rows.append(

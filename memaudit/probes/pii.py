@@ -217,7 +217,7 @@ def pii_result(groups: dict[str, PiiScores], *, n_boot: int = 1000, seed: int = 
         def rate(x, keep=None, owner=owner):
             sel = [i for i in range(len(owner)) if keep is None or keep[i]]
             return clustered_rate_summary(np.array([x[i] for i in sel], float), [owner[i] for i in sel],
-                                          unit="PII items")
+                                          unit="PII items").to_json()
 
         summary[group] = {
             "items": len(g.items),

@@ -61,9 +61,9 @@ def compare_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], k
         vb = [r["leakage"][key]["value"] for r in b_runs if (r["leakage"].get(key) or {}).get("value") is not None]
         if len(va) > 1 and len(vb) > 1:
             kind = ((a_runs[0].get("units") or {}).get(key) or {}).get("kind", "mean")
-            return {**compare_seeds(va, vb, alternative=alternative, kind=kind), "scope": "configurations"}
+            return {**compare_seeds(va, vb, alternative=alternative, kind=kind).to_json(), "scope": "configurations"}
     ua, ub = (a_runs[0].get("units") or {}).get(key), (b_runs[0].get("units") or {}).get(key)
     if not ua or not ub:
         return None
-    return {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
+    return {**compare_units(ua, ub, alternative=alternative).to_json(), "scope": "runs",
             "runs": [a_runs[0]["id"], b_runs[0]["id"]]}

@@ -38,6 +38,7 @@ from memaudit.reports.cells import (
     NO_DIFFERENCE,
     SHORT,
     Test,
+    as_test,
     format_cell,
     number,
     verdict,
@@ -132,14 +133,14 @@ def _refine_floors(report: dict[str, Any], family: int) -> None:
     units = {r["id"]: r.get("units") or {} for r in report.get("runs", []) + report.get("targets", [])}
     need = math.ceil(FLOOR_MARGIN * family / ALPHA)
     for key, _cell, t in _keyed_tests(report):
-        test = Test.of(t)
-        if (test.p_floor is None or test.scope != "runs" or test.p_floor * family < ALPHA
+        test = as_test(t)
+        if (test.p_floor is None or not test.over_runs or test.p_floor * family < ALPHA
                 or test.p_value > test.p_floor * (1 + 1e-9)):
             continue
         ua, ub = (units.get(rid, {}).get(key) for rid in (test.runs or ("", "")))
         if ua and ub:
             again = compare_units(ua, ub, alternative=test.alternative, n_perm=need)
-            t.update(p_value=again["p_value"], p_floor=again["p_floor"], estimate=again["estimate"])
+            t.update(p_value=again.p_value, p_floor=again.p_floor, estimate=again.estimate)
 
 
 def _detectable(report: dict[str, Any], family: int) -> None:
@@ -198,7 +199,7 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     for t, pa in zip(tests, adj, strict=True):
         t.update({"p_adjusted": pa, "correction": correction, "family": family, "alpha": ALPHA})
     for cell, t in pairs:
-        cell["verdict"] = verdict(Test.of(t), ALPHA)
+        cell["verdict"] = verdict(as_test(t), ALPHA)
     _detectable(own, family)
     for t, entry, block in _repeats(own):  # one test, one entry: a repeat says the same
         t.update({k: entry[k] for k in ("p_value", "p_floor", "estimate", "p_adjusted", "correction",
@@ -206,7 +207,7 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
         if t["runs"] != entry["runs"]:  # a two-sided test stated with its runs the other way round
             t["estimate"] = -entry["estimate"]
     for _name, _key, cell, t in _every_test(own):
-        cell["verdict"] = verdict(Test.of(t), ALPHA)
+        cell["verdict"] = verdict(as_test(t), ALPHA)
     for mod, sec in sections:
         mod.settle(sec, family)
     return {k: v for k, v in own.items() if v is not None or k in report}
@@ -267,7 +268,7 @@ class Finding:
         t = self.test
         return {"kind": "comparison", "group": self.group, "metric": self.metric, "metrics": [self.metric],
                 "claim": self.claim, "evidence": self.evidence, "short": self.short, "caveat": self.caveat,
-                "verdict": self.verdict, "context": self.context, "scope": t.scope,
+                "verdict": self.verdict, "context": self.context, "scope": t.scope or "runs",
                 "test": t.name, "n": [t.n_a, t.n_b], "unit": t.unit,
                 "p_value": t.p_value, "p_adjusted": t.p_adjusted,
                 "correction": t.correction, "family": t.family, "text": self.text,
@@ -290,7 +291,7 @@ def _finding(metric: str, cell: dict[str, Any], t: Test, left: str, right: str, 
     short = (f"{context}: {left} vs {right}, {SHORT[metric]}: {said} (n = {t.n_a}/{t.n_b} "
              f"{t.unit}, {t.correction.capitalize()} p = {t.p_adjusted:.2g}{'; ' + seen if seen else ''})")
     if series:
-        series = {**series, "key": (group, series["backend_label"], series["treatment"], metric, v, t.scope, t.name),
+        series = {**series, "key": (group, series["backend_label"], series["treatment"], metric, v, t.scope or "runs", t.name),
                   "treated": a, "baseline": b, "test_text": _test_core(t)}
     return Finding(group=group, metric=metric, claim=claim, evidence=nums, short=short, caveat=cav, verdict=v,
                    context=context, test=t, text=f"{claim} ({nums}).", series=series)
@@ -304,7 +305,7 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
     treatment at several levels share, so the first screen can say them once."""
     out = []
     for metric, cell in cells.items():
-        t = Test.of(cell["test"]) if cell.get("test") else None
+        t = as_test(cell["test"]) if cell.get("test") else None
         if t is None or t.p_adjusted is None:
             continue  # no per-unit scores: no test, so no finding
         if cell["test"].get(SAME_TEST):

@@ -70,7 +70,7 @@ def run_label(run: dict[str, Any]) -> str:
 def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> dict[str, Any]:
     """A probe-style cell with the percentile interval of `boot` (the probes' own level)."""
     ci = percentile_interval(boot, LEVEL) if boot is not None and n > 0 and len(boot) else None
-    return cell(value, n=n, unit=unit, ci=ci)
+    return cell(value, n=n, unit=unit, ci=ci).to_json()
 
 
 # ----------------------------------------------------------------------------- exposure

@@ -117,8 +117,8 @@ def _suffix_tokens(probes: dict[str, Any]) -> int | None:
 def _cell(units: dict[str, Any]) -> dict[str, Any]:
     x = np.asarray(units["values"], float)
     if units["kind"] == "binary":
-        return rate_summary(x, unit=units["unit"])
-    return mean_summary(x, unit=units["unit"])
+        return rate_summary(x, unit=units["unit"]).to_json()
+    return mean_summary(x, unit=units["unit"]).to_json()
 
 
 def _preset_order() -> tuple[str, ...]:
@@ -163,9 +163,9 @@ def _test(a: list[dict], b: list[dict], metric: str, bucket: str, alternative: s
 
     va, vb = seeds(a), seeds(b)
     if len(va) > 1 and len(vb) > 1:
-        t = {**compare_seeds(va, vb, alternative=alternative), "scope": "configurations"}
+        t = {**compare_seeds(va, vb, alternative=alternative).to_json(), "scope": "configurations"}
     else:
-        t = {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
+        t = {**compare_units(ua, ub, alternative=alternative).to_json(), "scope": "runs",
              "runs": [a[0]["id"], b[0]["id"]]}
     return {"verdict": "not tested", "test": t, "note": None}
 
