@@ -31,18 +31,22 @@ def _is_str(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
 
+def _is_lookup(node: ast.AST) -> bool:
+    if isinstance(node, ast.Subscript):
+        return _is_str(node.slice)
+    if isinstance(node, ast.Call):
+        f = node.func
+        return isinstance(f, ast.Attribute) and f.attr in METHODS and bool(node.args) and _is_str(node.args[0])
+    if isinstance(node, ast.Compare):
+        return _is_str(node.left) and any(isinstance(op, ast.In | ast.NotIn) for op in node.ops)
+    return False
+
+
 def lookups(source: str) -> int:
     """The string-key lookups of one module's source (see the module docstring)."""
     n = 0
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Subscript) and _is_str(node.slice):
-            n += 1
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr in METHODS and node.args and _is_str(node.args[0])):
-            n += 1
-        elif isinstance(node, ast.Compare) and _is_str(node.left) and any(
-                isinstance(op, ast.In | ast.NotIn) for op in node.ops):
-            n += 1
+        n += _is_lookup(node)
     return n
 
 

@@ -3,7 +3,7 @@
 Every number the report shows is a `Cell` of `memaudit.probes.stats` (value, interval or the note
 saying why there is none, n and what the unit is) or a pool of such cells over seeds; the records
 live in `memaudit.probes.records`, with their one JSON pair (`to_json` / `from_json`). Code that
-reads a cell object of a file goes through `as_cell` and `as_test`, and every surface (the
+reads a cell object of a file goes through `as_cell`, and every surface (the
 terminal, Markdown, HTML, the README blocks, the findings' sentences) writes a cell with the one
 function `format_cell`, in the `CellStyle` of that surface. This module is the bottom of
 `memaudit.reports`: it imports none of the others.
@@ -75,11 +75,6 @@ def as_cell(c: Cell | Mapping[str, Any] | None) -> Cell | None:
     if c is None or isinstance(c, Cell):
         return c
     return Cell.from_json(c) if c else None
-
-
-def as_test(t: Test | Mapping[str, Any]) -> Test:
-    """`t` as a `Test` (a report.json test object read by `Test.from_json`)."""
-    return t if isinstance(t, Test) else Test.from_json(t)
 
 
 @dataclass(frozen=True, kw_only=True)
