@@ -66,3 +66,30 @@ def test_a_half_interval_or_a_lower_bound_that_is_not_a_bool_is_refused():
         Cell.from_json({"value": 1.0, "ci_low": 0.5, "ci_high": None})
     with pytest.raises(TypeError, match="true or false"):
         Cell.from_json({"value": 1.0, "lower_bound": "yes"})
+
+
+def test_the_statistics_write_probes_json_cells_and_tests_in_their_order():
+    """probes.json's layout, as the statistics wrote their dicts before the records: a cell is
+    value, n, unit, interval, level, note, then its extra keys; a test between runs names the
+    test, its sides and its floor, a test over seeds its statistic first."""
+    import numpy as np
+
+    from memaudit.probes.stats import attack_summary, compare_seeds, compare_units, rate_summary
+
+    c = rate_summary(np.r_[np.ones(7), np.zeros(13)], unit="documents").to_json()
+    assert list(c) == ["value", "n", "unit", "ci_low", "ci_high", "level", "note"]
+    assert (c["value"], c["n"], c["level"], c["note"]) == (0.35, 20, 0.95, None)
+    small = rate_summary(np.ones(3), unit="canaries").to_json()
+    assert (small["ci_low"], small["level"], small["note"]) == (None, None, "n too small")
+    rng = np.random.default_rng(0)
+    a = attack_summary(rng.normal(1, 1, 20), rng.normal(0, 1, 50), n_boot=20).to_json()
+    assert list(a) == ["auc", "tpr_at_fpr", "n_pos", "n_neg", "unit"]
+    assert list(a["auc"])[-2:] == ["n_pos", "n_neg"] and (a["auc"]["n_pos"], a["auc"]["n_neg"]) == (20, 50)
+    assert a["tpr_at_fpr"]["0.01"]["needed"] == 1000 and a["tpr_at_fpr"]["0.01"]["value"] is None
+    ids = [f"d{i}" for i in range(12)]
+    u = {"kind": "binary", "unit": "documents", "ids": ids, "values": [1.0] * 6 + [0.0] * 6}
+    t = compare_units(u, {**u, "values": [0.0] * 12}, alternative="greater").to_json()
+    assert list(t) == ["test", "alternative", "paired", "p_value", "estimate", "n_a", "n_b", "unit", "p_floor"]
+    assert (t["test"], t["paired"], t["estimate"], t["p_floor"]) == ("exact McNemar", True, 0.5, None)
+    s = compare_seeds([0.5, 0.6, 0.55], [0.7, 0.65, 0.72], alternative="less", kind="auc").to_json()
+    assert list(s)[:2] == ["statistic", "test"] and s["unit"] == "seeds" and "p_floor" not in s
