@@ -20,10 +20,13 @@ from memaudit.reports.verdict import Verdict, release_verdict
 _TEMPLATES = Path(__file__).parent / "templates"
 
 
-def test_cell(t: Test | None) -> str:
-    """A comparison's test in one line: name, sidedness, p and adjusted p."""
+def test_cell(t: Test | dict[str, Any] | None) -> str:
+    """A comparison's test in one line: name, sidedness, p and adjusted p (the scale section's
+    tests are still the JSON objects of its section: read as a `Test`)."""
     if not t:
         return "not tested (no per-unit scores)"
+    if isinstance(t, dict):
+        t = Test.from_json(t)
     adj = f", {t.correction or ''} p = {fmt(t.p_adjusted)}" if t.p_adjusted is not None else ""
     return f"{t.name} ({t.alternative}), n = {t.n_a}/{t.n_b} {t.unit}, p = {fmt(t.p_value)}{adj}"
 
