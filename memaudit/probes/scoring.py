@@ -7,8 +7,13 @@ position ids so every row continues from its own last token.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
+import math
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +36,9 @@ CPU_MAX_BATCH_TOKENS = 1024
 # CPU), so no (batch, width, vocab) copy is made beyond the model's own logits.
 CPU_CHUNK_LOGITS = 1 << 18
 ACCEL_CHUNK_LOGITS = 1 << 26
+# Rows that go through the output layer together when it is applied apart from the model
+# (`_head_stats`): fewer would read its weight matrix again for every few rows.
+HEAD_MIN_ROWS = 64
 
 
 def _batches(order: np.ndarray, batch_size: int):
@@ -59,6 +67,9 @@ def _next_token_stats(
 
     logits: (rows, vocab) in any float dtype; targets: (rows,). Returns fp32 (rows,) tensors.
     Rows are processed about `chunk` logits at a time in reused (step, vocab) buffers.
+    Without stats only log p(target) = logit - logsumexp is needed, but torch's CPU logsumexp
+    writes two temporaries of the row's size where its fused log_softmax writes one (measured
+    1.6x slower at vocabulary 4,096), so both go through log_softmax.
     """
     n, vocab = logits.shape
     step = max(1, chunk // vocab)
@@ -81,28 +92,83 @@ def _next_token_stats(
     return tok, mu, sd
 
 
+# Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state): no logit
+# scaling or soft-capping after the head (checked against the full forward in the tests).
+_PLAIN_HEAD_TYPES = frozenset({"llama", "gpt2", "mistral", "qwen2", "gpt_neox"})
+
+
+def _body_and_head(model):
+    """(body, head) where model's logits are head(body(...).last_hidden_state), or None.
+
+    Scoring through them applies the output layer only to the positions that have a target (no
+    padding, no last token) and `chunk` logits at a time, so no (batch, width, vocab) tensor is
+    made: 206 MB per 1,024-token batch at GPT-2's vocabulary.
+    """
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) not in _PLAIN_HEAD_TYPES:
+        return None
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if body is None or body is model or not isinstance(head, torch.nn.Linear):
+        return None
+    return body, head
+
+
+def _head_stats(head, hidden: torch.Tensor, targets: torch.Tensor, *, with_stats: bool,
+                chunk: int):
+    """`_next_token_stats` of head(hidden), the head applied to about `chunk` logits at a time.
+
+    hidden: (rows, hidden_size); targets: (rows,). At least HEAD_MIN_ROWS rows go through the head
+    together so its weight (GPT-2's: 154 MB) is read once per that many rows.
+    """
+    n, vocab = hidden.shape[0], head.out_features
+    step = max(HEAD_MIN_ROWS, chunk // vocab)
+    parts = []
+    for j in range(0, n, step):
+        logits = head(hidden[j : j + step])  # (step, vocab)
+        parts.append(_next_token_stats(logits, targets[j : j + step], with_stats=with_stats,
+                                       chunk=chunk))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
+                 for i in range(3))
+
+
 def _score_batch(
-    model, seqs: list, lengths: np.ndarray, *, device: torch.device, with_stats: bool, chunk: int
+    model, seqs: list, lengths: np.ndarray, *, device: torch.device, with_stats: bool, chunk: int,
+    split=None,
 ):
-    """Per-token log p (and mu, sigma) of one right-padded batch, as lists of float64 arrays."""
+    """Per-token log p (and mu, sigma) of one right-padded batch, as lists of float64 arrays.
+
+    split: `_body_and_head(model)`, or None to score through the model's own logits.
+    """
     rows, width = len(seqs), int(lengths.max())
     real = np.arange(width) < lengths[:, None]  # (rows, width)
     ids = np.zeros((rows, width), dtype=np.int64)
     ids[real] = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
     ids_t = torch.from_numpy(ids).to(device)
     mask = torch.from_numpy(real.astype(np.int64)).to(device)
-    logits = model(input_ids=ids_t, attention_mask=mask, use_cache=False).logits
     # position t predicts token t+1; the last column's target (wrapped round) is never kept
     targets = torch.roll(ids_t, -1, dims=1).reshape(-1)
-    stats = _next_token_stats(
-        logits.reshape(rows * width, -1), targets, with_stats=with_stats, chunk=chunk
-    )
-    scored = (np.arange(width) < (lengths - 1)[:, None]).reshape(-1)
+    scored = (np.arange(width) < (lengths - 1)[:, None]).reshape(-1)  # (rows * width,)
+    if split is not None:
+        body, head = split
+        hidden = body(input_ids=ids_t, attention_mask=mask, use_cache=False).last_hidden_state
+        keep = torch.from_numpy(np.flatnonzero(scored)).to(device)
+        hidden = hidden.reshape(rows * width, -1).index_select(0, keep)  # (scored, hidden)
+        stats = _head_stats(head, hidden, targets.index_select(0, keep), with_stats=with_stats,
+                            chunk=chunk)
+        flat = [None if x is None else x.cpu().numpy().astype(np.float64) for x in stats]
+    else:
+        logits = model(input_ids=ids_t, attention_mask=mask, use_cache=False).logits
+        stats = _next_token_stats(
+            logits.reshape(rows * width, -1), targets, with_stats=with_stats, chunk=chunk
+        )
+        flat = [None if x is None else x.cpu().numpy()[scored].astype(np.float64) for x in stats]
     cuts = np.cumsum(lengths - 1)[:-1]
-    return [
-        None if x is None else np.split(x.cpu().numpy()[scored].astype(np.float64), cuts)
-        for x in stats
-    ]
+    return [None if x is None else np.split(x, cuts) for x in flat]
 
 
 @torch.inference_mode()
@@ -134,11 +200,11 @@ def token_logprobs(
         max_tokens, chunk = min(max_tokens, CPU_MAX_BATCH_TOKENS), CPU_CHUNK_LOGITS
     order = np.argsort(-lengths, kind="stable")
     out: list[list] = [[None] * n for _ in range(3)]  # logp, mu, sigma
-    done = 0
+    done, split = 0, _body_and_head(model)
     for idx in _token_batches(order, lengths, max_tokens):
         parts = _score_batch(
             model, [seqs[i] for i in idx], lengths[idx], device=device, with_stats=with_stats,
-            chunk=chunk,
+            chunk=chunk, split=split,
         )
         for dest, part in zip(out, parts, strict=True):
             if part is not None:
@@ -219,6 +285,116 @@ def windowed_logprobs(
                                 for j, k in enumerate(kept)]) for i0, kept in plan]
 
     return TokenScores(logp=stitch(ts.logp), mu=stitch(ts.mu), sigma=stitch(ts.sigma))
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]], cap: int) -> int:
+    """How many leading ids every sequence shares, at most `cap`.
+
+    >>> _common_prefix([[1, 2, 3], [1, 2, 4, 5]], 9), _common_prefix([[1, 2, 3], [1, 2, 3]], 2)
+    (2, 2)
+    """
+    first = np.asarray(seqs[0][:cap])
+    n = len(first)
+    for s in seqs[1:]:
+        head = np.asarray(s[:n])
+        diff = np.flatnonzero(head != first[: len(head)])
+        n = min(n, len(head), int(diff[0]) if len(diff) else n)
+        if n == 0:
+            break
+    return n
+
+
+def _expandable_cache(model, out) -> bool:
+    """Whether the model returned a KV cache that can be copied across the rows of a batch."""
+    cache = _cache_of(out)
+    return cache is not None and hasattr(cache, "batch_repeat_interleave")
+
+
+@torch.inference_mode()
+def shared_prefix_nll(
+    model,
+    seqs: Sequence[Sequence[int]],
+    *,
+    start: int = 1,
+    batch_size: int = 32,
+    progress: Progress = None,
+) -> np.ndarray:
+    """Summed NLL (nats) of each sequence's tokens at positions >= `start`, their longest common
+    token prefix run once: -token_logprobs(seqs).logp[i][start - 1:].sum(), to float rounding.
+
+    Exposure's candidates (one template, other secrets) and PII's decoys (one context, other
+    values) differ only after a shared prefix; its keys and values are computed once and copied to
+    every row of a batch of suffixes, so only the suffixes go through the model (a suffix's last
+    token is only a target). A model whose cache cannot be copied across rows, or sequences with
+    fewer than 2 shared tokens, are scored whole by `token_logprobs`.
+    A `memaudit.probes.jax_scoring.JaxLM` (start 1) runs its own shared-prefix kernel.
+    """
+    if getattr(model, "is_jax", False) and start == 1:
+        return model.shared_prefix_nll(seqs, progress=progress)
+    n = len(seqs)
+    if n == 0:
+        return np.zeros(0)
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    if lengths.min() < 2:
+        raise ValueError("every scored sequence needs at least 2 tokens")
+    if not 1 <= start < lengths.min():
+        raise ValueError(f"start must lie in 1..{lengths.min() - 1}, got {start}")
+    lcp = _common_prefix(seqs, int(lengths.min()) - 1)  # at least one token after the prefix
+    if lcp < 2 or getattr(model, "is_jax", False):
+        lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
+        return np.array([-x[start - 1 :].sum() for x in lp])
+    device = next(model.parameters()).device
+    cache_kw, _keep = _cache_api(model)
+    pre = torch.tensor([list(seqs[0][:lcp])], dtype=torch.long, device=device)
+    out = model(input_ids=pre, use_cache=True)
+    if not _expandable_cache(model, out):
+        lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
+        return np.array([-x[start - 1 :].sum() for x in lp])
+    cache = _cache_of(out)
+    pre_lsm = torch.log_softmax(out.logits[0].float(), -1)  # (lcp, vocab)
+    pre_tok = pre_lsm[:-1].gather(-1, pre[0, 1:, None]).squeeze(-1).double().cpu().numpy()
+    pre_nll = -pre_tok[start - 1 :].sum()  # positions start..lcp-1 (position p at index p-1)
+    last = pre_lsm[-1].double().cpu().numpy()  # log p of the first token after the prefix
+    n_in = lengths - lcp - 1  # suffix tokens that enter the forward pass
+    first = np.array([s[lcp] for s in seqs], dtype=np.int64)
+    nll = pre_nll - np.where(lcp >= start, last[first], 0.0)
+    max_tokens = batch_size * BUDGET_SEQ_LEN
+    chunk = ACCEL_CHUNK_LOGITS
+    if device.type == "cpu":
+        max_tokens, chunk = min(max_tokens, CPU_MAX_BATCH_TOKENS), CPU_CHUNK_LOGITS
+    todo = np.flatnonzero(n_in > 0)
+    order = todo[np.argsort(-n_in[todo], kind="stable")]
+    done = n - len(todo)
+    i = 0
+    while i < len(order):
+        width = int(n_in[order[i]])
+        idx = order[i : i + max(1, max_tokens // (lcp + width))]
+        i += len(idx)
+        rows = len(idx)
+        real = np.arange(width) < n_in[idx][:, None]  # (rows, width)
+        ids = np.zeros((rows, width + 1), dtype=np.int64)  # inputs, then one more column of targets
+        for r, k in enumerate(idx):
+            ids[r, : n_in[k] + 1] = seqs[k][lcp:]
+        ids_t = torch.from_numpy(ids).to(device)
+        mask = torch.cat([torch.ones((rows, lcp), dtype=torch.long),
+                          torch.from_numpy(real.astype(np.int64))], dim=1).to(device)
+        pos = torch.arange(lcp, lcp + width, device=device).expand(rows, width)
+        rows_cache = copy.deepcopy(cache)
+        rows_cache.batch_repeat_interleave(rows)
+        logits = model(input_ids=ids_t[:, :width], attention_mask=mask, position_ids=pos,
+                       use_cache=True, **{cache_kw: rows_cache}).logits  # (rows, width, vocab)
+        tok, _mu, _sd = _next_token_stats(logits.reshape(rows * width, -1),
+                                          ids_t[:, 1:].reshape(-1), with_stats=False, chunk=chunk)
+        # the input at column j sits at position lcp + j and predicts the token at lcp + j + 1
+        keep = real & (lcp + 1 + np.arange(width) >= start)
+        lp = np.where(keep, tok.double().cpu().numpy().reshape(rows, width), 0.0)
+        nll[idx] -= lp.sum(1)
+        done += rows
+        if progress:
+            progress(done, n, {})
+    if progress and not len(order):
+        progress(n, n, {})
+    return nll
 
 
 def _left_pad(
@@ -324,6 +500,40 @@ def decode(
         if progress:
             progress(done, len(prompts), {})
     return out
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def machine_threads() -> int:
+    """The CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (a container limited to 2 CPUs on a 64-core host gets 2, where torch's default would be 64)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity mask
+        n = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+@contextlib.contextmanager
+def probe_threads():
+    """torch's intra-op CPU threads set to `machine_threads()` for the block, unless the user set
+    a count (OMP_NUM_THREADS or MKL_NUM_THREADS, as a sweep's workers do); restored after."""
+    before = torch.get_num_threads()
+    want = None if any(os.environ.get(k) for k in THREAD_ENV) else machine_threads()
+    if want is not None and want != before:
+        torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "auto"):
