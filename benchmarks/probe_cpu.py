@@ -41,15 +41,28 @@ def _worker_quickstart(run: str, probes: str | None) -> dict:
     from probe_breakdown import QUICKSTART
 
     from memaudit.config import ProbeConfig
+    from memaudit.probes import runner
     from memaudit.probes.runner import parse_probes, run_probes
     from memaudit.probes.targets import resolve_target
 
     kw = {"probes": parse_probes(probes)} if probes else {}
     settings = ProbeConfig(device="cpu", **{**QUICKSTART, **kw})
-    t0 = time.perf_counter()
+    settings = settings.model_copy(update=_overrides())
+    probe_cpu: dict[str, float] = {}
+    registry = runner.REGISTRY
+    for name, fn in list(registry.items()):  # each probe's CPU seconds beside its wall time
+        def timed(ctx, fn=fn, name=name):
+            c0 = time.process_time()
+            try:
+                return fn(ctx)
+            finally:
+                probe_cpu[name] = round(time.process_time() - c0, 2)
+        registry[name] = timed
+    t0, c0 = time.perf_counter(), time.process_time()
     res = run_probes(resolve_target(run), settings, engine="torch")
-    return {"total_s": time.perf_counter() - t0,
-            "probe_s": {k: round(v, 2) for k, v in res.document["timings"].items()}}
+    return {"total_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "probe_s": {k: round(v, 2) for k, v in res.document["timings"].items()},
+            "probe_cpu_s": probe_cpu}
 
 
 def _worker_outside(workdir: str) -> dict:
@@ -57,14 +70,14 @@ def _worker_outside(workdir: str) -> dict:
 
     w = Path(workdir)
     out = w / f"probes-{os.getpid()}.json"
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rc = main(["probe", str(w / "adapter"), "--out", str(out), "--members",
                str(w / "members.jsonl"), "--nonmembers", str(w / "nonmembers.txt"), "--probes",
                "membership", "--device", "cpu", "--bootstrap", "100"])
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     doc = json.loads(out.read_text())
     out.unlink()
-    return {"rc": rc, "total_s": total, "probe_s": {k: round(v, 2) for k, v in
+    return {"rc": rc, "total_s": total, "cpu_s": cpu, "probe_s": {k: round(v, 2) for k, v in
                                                     doc["timings"].items()}}
 
 
@@ -99,9 +112,15 @@ def build_outside(workdir: Path, docs: int, words: int) -> dict:
             "mean_tokens_per_document": round(n_tokens / (2 * docs), 1)}
 
 
-def _time(tree: Path, args: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def _overrides() -> dict:
+    return json.loads(os.environ.get("PROBE_CPU_SETTINGS", "{}"))
+
+
+def _time(tree: Path, args: list[str], threads: int | None, settings: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "PROBE_CPU_SETTINGS": json.dumps(settings)}
     env.pop("OMP_NUM_THREADS", None)
+    if threads:  # both trees on this many threads (the new one reads it; torch's default too)
+        env["OMP_NUM_THREADS"] = str(threads)
     p = subprocess.run([sys.executable, __file__, "--worker", *args], env=env, cwd=tree,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
@@ -126,6 +145,11 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=100, help="outside: members (and non-members)")
     ap.add_argument("--words", type=int, default=14, help="outside: words per document")
     ap.add_argument("--workdir", default="/tmp/memaudit-probe-cpu", help="outside: model folder")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP_NUM_THREADS for both trees (default: each tree's own choice); with "
+                         "1, CPU seconds measure the work whatever the machine's load")
+    ap.add_argument("--set", default="{}", help="quickstart: JSON of probe settings to override, "
+                    "e.g. a smaller workload on a loaded machine")
     a = ap.parse_args()
     trees = {"old": Path(a.old).resolve(), "new": Path(a.new).resolve()}
     out: dict = {"benchmark": "probe_cpu", "workload": a.workload, "cpus": os.cpu_count(),
@@ -144,22 +168,33 @@ def main() -> None:
         args = ["outside", str(w.resolve())]
     out["load_avg_before"] = os.getloadavg()
     runs: dict[str, list[dict]] = {k: [] for k in trees}
-    for r in range(a.repeats):  # old, new, new, old, ...: drift in the load falls on both
-        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-            res = _time(trees[name], args)
+    for r in range(a.repeats):  # new, old, old, new, ...: drift in the load falls on both
+        for name in (["new", "old"] if r % 2 == 0 else ["old", "new"]):
+            res = _time(trees[name], args, a.threads, json.loads(a.set))
             res["load_avg"] = os.getloadavg()[0]
             runs[name].append(res)
             print(json.dumps({"variant": name, "repeat": r, **res}), file=sys.stderr, flush=True)
     med = {k: statistics.median(x["total_s"] for x in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(x["cpu_s"] for x in v) for k, v in runs.items()}
     per_probe = {k: {p: round(statistics.median(x["probe_s"][p] for x in v), 2)
                      for p in v[0]["probe_s"]} for k, v in runs.items()}
+    per_probe_cpu = ({k: {p: round(statistics.median(x["probe_cpu_s"][p] for x in v), 2)
+                          for p in v[0]["probe_cpu_s"]} for k, v in runs.items()}
+                     if runs["new"][0].get("probe_cpu_s") else {})
     out.update(
         median_total_s={k: round(m, 2) for k, m in med.items()},
         median_probe_s=per_probe,
+        median_cpu_s={k: round(m, 2) for k, m in cpu.items()},
+        median_probe_cpu_s=per_probe_cpu,
+        probe_cpu_ratio_old_over_new={p: round(per_probe_cpu["old"][p] / max(v, 1e-9), 3)
+                                      for p, v in per_probe_cpu.get("new", {}).items()},
+        cpu_ratio_old_over_new=round(cpu["old"] / cpu["new"], 3),
+        threads=a.threads, settings=json.loads(a.set),
         ratio_old_over_new={"total": round(med["old"] / med["new"], 3),
                             **{p: round(per_probe["old"][p] / max(per_probe["new"][p], 1e-9), 3)
                                for p in per_probe["new"]}},
-        runs={k: [{"total_s": round(x["total_s"], 2), "probe_s": x["probe_s"],
+        runs={k: [{"total_s": round(x["total_s"], 2), "cpu_s": round(x["cpu_s"], 2),
+                   "probe_s": x["probe_s"], "probe_cpu_s": x.get("probe_cpu_s"),
                    "load_avg": round(x["load_avg"], 2)} for x in v] for k, v in runs.items()},
         load_avg_after=os.getloadavg(),
     )

@@ -66,16 +66,18 @@ def test_a_head_with_scaled_logits_is_not_split():
     assert scoring._body_and_head(m) is None
 
 
-@pytest.mark.parametrize("start", [1, 4, 8, 9])
+@pytest.mark.parametrize("start", [1, 4, 8, 10])
 def test_shared_prefix_nll_equals_whole_sequences(model, monkeypatch, start):
-    """Sums from `start` over candidates that share an 8-token prefix, suffixes of 1-9 tokens (a
-    1-token suffix never enters the forward pass), several batches: equal to the whole sequences'
-    scores and the oracle's, in input order."""
+    """Sums from `start` (within the 8-token shared prefix, or past it) over candidates whose
+    suffixes have 1-9 tokens (a 1-token suffix never enters the forward pass), several batches:
+    equal to the whole sequences' scores and the oracle's, in input order."""
     monkeypatch.setattr(scoring, "CPU_MAX_BATCH_TOKENS", 30)
     rng = np.random.default_rng(start)
     pre = rng.integers(0, 60, 8).tolist()
-    seqs = [pre + rng.integers(0, 60, int(k)).tolist() for k in rng.integers(1, 10, 23)]
-    seqs[3] = pre + [int(seqs[4][8])]  # two candidates of one token
+    shortest = 1 if start <= 8 else 3
+    seqs = [pre + rng.integers(0, 60, int(k)).tolist() for k in rng.integers(shortest, 10, 23)]
+    if start <= 8:
+        seqs[3] = pre + [int(seqs[4][8])]  # two candidates of one token
     seen = []
     got = shared_prefix_nll(model, seqs, start=start, batch_size=1,
                             progress=lambda d, n, _: seen.append((d, n)))
