@@ -36,9 +36,6 @@ CPU_MAX_BATCH_TOKENS = 1024
 # CPU), so no (batch, width, vocab) copy is made beyond the model's own logits.
 CPU_CHUNK_LOGITS = 1 << 18
 ACCEL_CHUNK_LOGITS = 1 << 26
-# Rows that go through the output layer together when it is applied apart from the model
-# (`_head_stats`): fewer would read its weight matrix again for every few rows.
-HEAD_MIN_ROWS = 64
 
 
 def _batches(order: np.ndarray, batch_size: int):
@@ -92,83 +89,28 @@ def _next_token_stats(
     return tok, mu, sd
 
 
-# Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state): no logit
-# scaling or soft-capping after the head (checked against the full forward in the tests).
-_PLAIN_HEAD_TYPES = frozenset({"llama", "gpt2", "mistral", "qwen2", "gpt_neox"})
-
-
-def _body_and_head(model):
-    """(body, head) where model's logits are head(body(...).last_hidden_state), or None.
-
-    Scoring through them applies the output layer only to the positions that have a target (no
-    padding, no last token) and `chunk` logits at a time, so no (batch, width, vocab) tensor is
-    made: 206 MB per 1,024-token batch at GPT-2's vocabulary.
-    """
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "model_type", None) not in _PLAIN_HEAD_TYPES:
-        return None
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-        return None
-    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if body is None or body is model or not isinstance(head, torch.nn.Linear):
-        return None
-    return body, head
-
-
-def _head_stats(head, hidden: torch.Tensor, targets: torch.Tensor, *, with_stats: bool,
-                chunk: int):
-    """`_next_token_stats` of head(hidden), the head applied to about `chunk` logits at a time.
-
-    hidden: (rows, hidden_size); targets: (rows,). At least HEAD_MIN_ROWS rows go through the head
-    together so its weight (GPT-2's: 154 MB) is read once per that many rows.
-    """
-    n, vocab = hidden.shape[0], head.out_features
-    step = max(HEAD_MIN_ROWS, chunk // vocab)
-    parts = []
-    for j in range(0, n, step):
-        logits = head(hidden[j : j + step])  # (step, vocab)
-        parts.append(_next_token_stats(logits, targets[j : j + step], with_stats=with_stats,
-                                       chunk=chunk))
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
-                 for i in range(3))
-
-
 def _score_batch(
-    model, seqs: list, lengths: np.ndarray, *, device: torch.device, with_stats: bool, chunk: int,
-    split=None,
+    model, seqs: list, lengths: np.ndarray, *, device: torch.device, with_stats: bool, chunk: int
 ):
-    """Per-token log p (and mu, sigma) of one right-padded batch, as lists of float64 arrays.
-
-    split: `_body_and_head(model)`, or None to score through the model's own logits.
-    """
+    """Per-token log p (and mu, sigma) of one right-padded batch, as lists of float64 arrays."""
     rows, width = len(seqs), int(lengths.max())
     real = np.arange(width) < lengths[:, None]  # (rows, width)
     ids = np.zeros((rows, width), dtype=np.int64)
     ids[real] = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
     ids_t = torch.from_numpy(ids).to(device)
     mask = torch.from_numpy(real.astype(np.int64)).to(device)
+    logits = model(input_ids=ids_t, attention_mask=mask, use_cache=False).logits
     # position t predicts token t+1; the last column's target (wrapped round) is never kept
     targets = torch.roll(ids_t, -1, dims=1).reshape(-1)
-    scored = (np.arange(width) < (lengths - 1)[:, None]).reshape(-1)  # (rows * width,)
-    if split is not None:
-        body, head = split
-        hidden = body(input_ids=ids_t, attention_mask=mask, use_cache=False).last_hidden_state
-        keep = torch.from_numpy(np.flatnonzero(scored)).to(device)
-        hidden = hidden.reshape(rows * width, -1).index_select(0, keep)  # (scored, hidden)
-        stats = _head_stats(head, hidden, targets.index_select(0, keep), with_stats=with_stats,
-                            chunk=chunk)
-        flat = [None if x is None else x.cpu().numpy().astype(np.float64) for x in stats]
-    else:
-        logits = model(input_ids=ids_t, attention_mask=mask, use_cache=False).logits
-        stats = _next_token_stats(
-            logits.reshape(rows * width, -1), targets, with_stats=with_stats, chunk=chunk
-        )
-        flat = [None if x is None else x.cpu().numpy()[scored].astype(np.float64) for x in stats]
+    stats = _next_token_stats(
+        logits.reshape(rows * width, -1), targets, with_stats=with_stats, chunk=chunk
+    )
+    scored = (np.arange(width) < (lengths - 1)[:, None]).reshape(-1)
     cuts = np.cumsum(lengths - 1)[:-1]
-    return [None if x is None else np.split(x, cuts) for x in flat]
+    return [
+        None if x is None else np.split(x.cpu().numpy()[scored].astype(np.float64), cuts)
+        for x in stats
+    ]
 
 
 @torch.inference_mode()
@@ -200,11 +142,11 @@ def token_logprobs(
         max_tokens, chunk = min(max_tokens, CPU_MAX_BATCH_TOKENS), CPU_CHUNK_LOGITS
     order = np.argsort(-lengths, kind="stable")
     out: list[list] = [[None] * n for _ in range(3)]  # logp, mu, sigma
-    done, split = 0, _body_and_head(model)
+    done = 0
     for idx in _token_batches(order, lengths, max_tokens):
         parts = _score_batch(
             model, [seqs[i] for i in idx], lengths[idx], device=device, with_stats=with_stats,
-            chunk=chunk, split=split,
+            chunk=chunk,
         )
         for dest, part in zip(out, parts, strict=True):
             if part is not None:

@@ -1,6 +1,6 @@
-"""The CPU scoring path's shortcuts against plain forward passes: the output layer applied apart
-from the model (only where a token has a target), the shared prefix run once for exposure's and
-PII's candidates, each document tokenized once, and the thread count taken from the machine."""
+"""The CPU scoring path's shortcuts against plain forward passes: the shared prefix run once for
+exposure's and PII's candidates, each document tokenized once, and the thread count taken from
+the machine."""
 
 import numpy as np
 import pytest
@@ -32,38 +32,6 @@ def oracle_logp(model, s: list[int]) -> np.ndarray:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([s])).logits[0, :-1].double()
     return torch.log_softmax(logits, -1)[torch.arange(len(s) - 1), torch.tensor(s[1:])].numpy()
-
-
-def test_output_layer_apart_equals_the_models_logits(model, monkeypatch):
-    """Scores through body + head (chunks of 4 rows: ragged) equal the full forward's, in input
-    order, with mu and sigma; and equal the unpadded oracle."""
-    assert scoring._body_and_head(model) is not None
-    monkeypatch.setattr(scoring, "HEAD_MIN_ROWS", 4)
-    monkeypatch.setattr(scoring, "CPU_CHUNK_LOGITS", 4 * 60)
-    monkeypatch.setattr(scoring, "CPU_MAX_BATCH_TOKENS", 40)
-    rng = np.random.default_rng(1)
-    seqs = [rng.integers(0, 60, n).tolist() for n in (6, 30, 2, 11, 11, 4, 19, 3, 25)]
-    split = token_logprobs(model, seqs, batch_size=1, with_stats=True)
-    monkeypatch.setattr(scoring, "_body_and_head", lambda m: None)
-    whole = token_logprobs(model, seqs, batch_size=1, with_stats=True)
-    for i, s in enumerate(seqs):
-        assert len(split.logp[i]) == len(s) - 1
-        for a, b in zip((split.logp, split.mu, split.sigma), (whole.logp, whole.mu, whole.sigma),
-                        strict=True):
-            np.testing.assert_allclose(a[i], b[i], rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(split.logp[i], oracle_logp(model, s), atol=1e-5)
-
-
-def test_a_head_with_scaled_logits_is_not_split():
-    from transformers import GPT2Config
-
-    m = tiny_gpt2(30)
-    assert scoring._body_and_head(m) is not None
-    m.config.logit_scale = 0.5
-    assert scoring._body_and_head(m) is None
-    m.config = GPT2Config(model_type="gpt2")
-    m.config.model_type = "gemma2"
-    assert scoring._body_and_head(m) is None
 
 
 @pytest.mark.parametrize("start", [1, 4, 8, 10])
