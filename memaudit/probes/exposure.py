@@ -160,18 +160,18 @@ def score_secrets(
     in separate calls). Without a start token the first token of the template is not scored: a
     constant for every candidate unless the template starts with the secret.
 
-    The JAX engine (`memaudit.probes.jax_scoring.JaxLM`) runs the candidates' longest common
-    token prefix once and scores only what follows it: the same sums.
+    Both engines run the candidates' longest common token prefix once and score only what
+    follows it (`memaudit.probes.scoring.shared_prefix_nll`, `JaxLM.shared_prefix_nll`): the same
+    sums.
     """
     prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
     seqs = encode_many(codec, [prefix + s + suffix for s in secrets])
     if getattr(model, "is_jax", False):
         return model.shared_prefix_nll(seqs, progress=progress)
     # lazy: torch (~2 s) only when called; this module imports without it
-    from memaudit.probes.scoring import token_logprobs
+    from memaudit.probes.scoring import shared_prefix_nll
 
-    lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
-    return np.array([-lp[i].sum() for i in range(len(seqs))])
+    return shared_prefix_nll(model, seqs, batch_size=batch_size, progress=progress)
 
 
 def encode_many(codec, texts: list[str]) -> list[list[int]]:
