@@ -94,10 +94,27 @@ class HostSplit(NamedTuple):
 
 
 class FederatedAlgorithm(NamedTuple):
-    """``init(params) -> ServerState``; ``round(state, data, key) -> (state, metrics)``."""
+    """A federated algorithm as pure functions, in the style of ``optax.GradientTransformation``.
+
+    - ``init(params) -> ServerState``;
+    - ``round(state, data, key) -> (state, metrics)``: one round, metrics as host floats;
+    - ``program``: the round as one traceable, jitted program, ``(state, data, key) -> (state,
+      tuple of metric dicts)``, what a runtime across processes partitions
+      (`memaudit.federated.flower.partition`); None with a host aggregator;
+    - ``jitted``: the jitted round that ``round`` calls, ``program``'s signature; ``program``
+      itself, or its twin that donates the state passed in (``fedavg(donate=True)``); None with
+      a host aggregator;
+    - ``host_split``: with a host aggregator (secure aggregation, distributed DP), the round's
+      traceable client phase and the host steps after it (`HostSplit`); else None.
+
+    Exactly one of ``program`` and ``host_split`` is set.
+    """
 
     init: Callable[[PyTree], ServerState]
     round: Callable[[ServerState, ClientData, jax.Array], tuple[ServerState, dict[str, float]]]
+    program: Callable | None = None
+    jitted: Callable | None = None
+    host_split: HostSplit | None = None
 
 
 def make_client_optimizer(name: str, lr: float) -> optax.GradientTransformation:
@@ -435,14 +452,10 @@ def fedavg(
             out = client_jit(state.params, data, client_key)
             return host_steps(state, out, agg_key)
 
-    round_.jitted = fused  # the whole round as one jitted function (None: host aggregator)
-    # The round as one traceable program, (state, data, key) -> (state, metric dicts): what a
-    # runtime across processes partitions (`memaudit.federated.flower.partition`).
-    round_.program = program
     # With a host aggregator: the traceable client phase (a runtime across processes
     # partitions it, the deltas staying with the clients) and the host steps after it.
-    round_.host_split = None if fused is not None else HostSplit(client_phase, host_steps)
-    return FederatedAlgorithm(init, round_)
+    split = None if fused is not None else HostSplit(client_phase, host_steps)
+    return FederatedAlgorithm(init, round_, program=program, jitted=fused, host_split=split)
 
 
 def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: Any = None,
@@ -488,7 +501,6 @@ def fedsgd(
     objective = federated_loss(loss_fn, weighting=weighting, mesh=mesh, map_strategy=map_strategy,
                                loss_rng=loss_rng)
 
-    @jax.jit
     def step(state: ServerState, data: ClientData, key):
         loss, grads = jax.value_and_grad(objective)(state.params, data, key)  # key unused without loss_rng
         updates, opt_state = server_optimizer.update(grads, state.opt_state, state.params)
@@ -504,15 +516,14 @@ def fedsgd(
     def init(params) -> ServerState:
         return ServerState(params, server_optimizer.init(params), None, jnp.zeros((), jnp.int32))
 
-    def round_(state: ServerState, data: ClientData, key):
-        with _mesh_scope(mesh):
-            state, metrics = step(state, data, key)
-        return state, host_metrics(metrics)
-
     @jax.jit
     def program(state: ServerState, data: ClientData, key):
         state, metrics = step(state, data, key)
         return state, (metrics,)
 
-    round_.program = program  # see `fedavg`'s round_.program
-    return FederatedAlgorithm(init, round_)
+    def round_(state: ServerState, data: ClientData, key):
+        with _mesh_scope(mesh):
+            state, metrics = program(state, data, key)
+        return state, host_metrics(*metrics)
+
+    return FederatedAlgorithm(init, round_, program=program, jitted=program)
