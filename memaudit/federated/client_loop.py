@@ -111,7 +111,8 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
     length = jax.tree.leaves(rows)[0].shape[0]
     size = max(1, min(batch_size or 1, length))
     groups = -(-length // size)
-    pad = pad or groups * size != length
+    filled = groups * size != length  # zero rows fill the last step
+    pad = pad or filled
 
     def body(total, xs):
         i, row = xs if pad else (None, xs)
@@ -120,7 +121,7 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
         else:  # (size, *out): this step's clients, summed into the carry below
             y = jax.vmap(call, in_axes=(None, 0))(fixed, row)
         if pad:
-            keep = (offset + i < n) & (i < length)
+            keep = (offset + i < n) & (i < length) if filled else offset + i < n
 
             def mask(v):
                 k = keep.reshape(keep.shape + (1,) * (v.ndim - keep.ndim))
@@ -136,8 +137,10 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
     # of rows (a Flower node's stages, shaped for its own clients, need that)
     if size > 1:
         rows = jax.tree.map(lambda x: _grouped(x, groups, size), rows)
-    index = jnp.arange(groups * size).reshape((groups, size) if size > 1 else (groups,))
-    total, _ = jax.lax.scan(body, init, (index, rows) if pad else rows)
+    if pad:
+        index = jnp.arange(length) if size == 1 else jnp.arange(groups * size).reshape(groups, size)
+        rows = (index, rows)
+    total, _ = jax.lax.scan(body, init, rows)
     return total
 
 

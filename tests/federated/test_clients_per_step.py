@@ -81,11 +81,11 @@ def _rows(theta, x):
     return {"s": jnp.sum(y) + 1.0, "v": y.sum(axis=0) + 1.0}
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("k", [2, 4])
-def test_rows_that_fill_the_last_step_count_for_nothing(k, devices):
+@pytest.mark.parametrize(("k", "devices", "axis_type"), [
+    (2, 1, None), (4, 1, None), (2, 2, AxisType.Auto), (4, 2, AxisType.Auto), (2, 2, AxisType.Explicit)])
+def test_rows_that_fill_the_last_step_count_for_nothing(k, devices, axis_type):
     n = 5  # 5 clients: the last step of 2 or 4 is filled; on 2 devices each fills its own
-    mesh = None if devices == 1 else jax.make_mesh((devices,), ("clients",), axis_types=(AxisType.Auto,))
+    mesh = None if devices == 1 else jax.make_mesh((devices,), ("clients",), axis_types=(axis_type,))
     rng = np.random.default_rng(1)
     theta = rng.normal(size=(3, 2)).astype(np.float32)
     x = rng.normal(size=(n, 4, 3)).astype(np.float32)
