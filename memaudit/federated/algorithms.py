@@ -511,6 +511,7 @@ def fedsgd(
     objective = federated_loss(loss_fn, weighting=weighting, mesh=mesh, map_strategy=map_strategy,
                                loss_rng=loss_rng)
 
+    @jax.jit
     def step(state: ServerState, data: ClientData, key):
         loss, grads = jax.value_and_grad(objective)(state.params, data, key)  # key unused without loss_rng
         updates, opt_state = server_optimizer.update(grads, state.opt_state, state.params)
