@@ -11,6 +11,14 @@ variants at the chip's presets.
 
     python benchmarks/clients_per_step.py                       # tiny preset, cohort 8, CPU
     python benchmarks/clients_per_step.py --ks 1 2 4 8 --repeats 9
+
+Measured 2026-12-06 on the CPU (2 cores shared with other jobs, load about 20; tiny preset,
+1.79M params, cohort 8, sequence 32, 2 local steps of 2, 7 interleaved repeats, ``--seq 32``):
+FedAvg k = 1 / 2 / 4: 0.63 / 5.65 / 7.23 s a round (8.95x and 11.45x k = 1), XLA's memory
+0.029 / 0.046 / 0.079 GiB; DP-FedAvg 0.95 / 6.08 / 6.51 s (6.39x, 6.83x), 0.040 / 0.048 /
+0.080 GiB; the weights within 4e-9 of k = 1. On XLA CPU a batched matmul with per-client
+weights runs as a loop of small GEMMs, so k = 1 stays the CPU's choice; k > 1 is for a chip
+whose matmul units one client leaves idle, measured there with `federated_chip.py --only steps`.
 """
 
 from __future__ import annotations
