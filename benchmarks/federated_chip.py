@@ -11,6 +11,9 @@ after the other inside the round, the server state donated):
 - ``centralized``: SGD on the same tokens (``local_steps`` steps of the cohort's sequences as one
   batch) with the same model and policy; ``vs_centralized`` = round / centralized seconds;
 - ``dp``: DP-FedAvg (clip and sum fused in the clients' loop) beside FedAvg on the same cohort;
+- ``steps``: FedAvg and DP-FedAvg with k clients a step of the clients' loop
+  (``federated.clients_per_step``, vmapped within the step) for each k of ``--steps-k``, beside
+  k = 1 on the same cohort: round seconds, memory, MFU and the ratio to k = 1;
 - ``fax``: FAX's shapes for real (350m x 2,048 and 1b x 512 clients), one timed round each;
 - ``checks``: `accelerator_check`'s checks (a client stage's gradient against the CPU's at
   highest precision, a bf16 matmul rate), first.
@@ -21,6 +24,7 @@ line is printed as soon as it is measured (``--out FILE`` appends them there too
     python benchmarks/federated_chip.py --reduced        # CPU rehearsal (tiny preset, seconds)
     python benchmarks/federated_chip.py                  # on the chip (about 5 minutes on a v5e)
     python benchmarks/federated_chip.py --only round dp  # a subset
+    python benchmarks/federated_chip.py --only steps --steps 125m:32 --steps-k 1 2 4
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ import optax
 from federated_scale import flops_per_token  # benchmarks/, beside this script
 from timing import median_seconds
 
-from memaudit.federated.algorithms import fedavg
 from memaudit.federated.aggregators import mean_aggregator
+from memaudit.federated.algorithms import fedavg
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.dp import dp_fedavg
 from memaudit.federated.trainer import make_loss_fn
@@ -103,8 +107,10 @@ class Bench:
         a = self.args
         return flops_per_token(cfg, n_params, a.seq) * cohort * a.local_steps * a.batch * a.seq
 
-    def fed_round(self, model, params, ids, *, dp: bool = False, repeats: int | None = None) -> dict:
-        """Compile, memory and the median of warm rounds of FedAvg (or DP-FedAvg) on ``ids``."""
+    def fed_round(self, model, params, ids, *, dp: bool = False, repeats: int | None = None,
+                  clients_per_step: int = 1) -> dict:
+        """Compile, memory and the median of warm rounds of FedAvg (or DP-FedAvg) on ``ids``,
+        ``clients_per_step`` clients a step of the clients' loop."""
         a = self.args
         repeats = a.repeats if repeats is None else repeats
         agg = None
@@ -112,13 +118,14 @@ class Bench:
             agg = dp_fedavg(mean_aggregator(), clip=0.1, noise_multiplier=1.0, expected_cohort=float(ids.shape[0]))
         algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
                       local_steps=a.local_steps, batch_size=a.batch, aggregator=agg,
-                      weighting="uniform" if dp else "examples", donate=True)
+                      weighting="uniform" if dp else "examples", donate=True,
+                      clients_per_step=clients_per_step)
         data = ClientData({"input_ids": jnp.asarray(ids), "attention_mask": jnp.ones(ids.shape, jnp.int32)},
                           jnp.ones(ids.shape[:2], jnp.float32))
         state = algo.init(jax.tree.map(jnp.array, params))  # a copy: the round donates its state
         key = jax.random.key(0)
         t0 = time.perf_counter()
-        compiled = algo.round.jitted.lower(state, data, key).compile()
+        compiled = algo.jitted.lower(state, data, key).compile()
         compile_s = time.perf_counter() - t0
         box = [state]
 
@@ -178,7 +185,7 @@ class Bench:
                           jax.ShapeDtypeStruct(ids.shape[:2], jnp.float32))
         state = jax.eval_shape(algo.init, params)
         t0 = time.perf_counter()
-        compiled = algo.round.jitted.lower(state, data, jax.eval_shape(lambda: jax.random.key(0))).compile()
+        compiled = algo.jitted.lower(state, data, jax.eval_shape(lambda: jax.random.key(0))).compile()
         return {"compile_s": round(time.perf_counter() - t0, 2), "compiled_gib": compiled_gib(compiled)}
 
 
@@ -203,14 +210,14 @@ def run_rounds(bench: Bench, policy: ComputePolicy) -> None:
             what = {"item": "round", "preset": preset, "params": n, "cohort": cohort,
                     "dtype": policy.compute_dtype, "scan_layers": policy.scan_layers, "round_tflop": round(flops / 1e12, 3)}
 
-            def measure(ids=ids, flops=flops, cohort=cohort):
+            def measure(ids=ids, flops=flops, cohort=cohort, model=model, params=params):
                 r = bench.fed_round(model, params, ids)
                 return {**r, "round_s_per_client": round(r["round_s"] / cohort, 5), "mfu": bench.mfu(flops, r["round_s"])}
 
             row = guarded(bench, what, measure)
             if i == len(cohorts) - 1 and "round_s" in row:  # the centralized step beside the largest cohort
 
-                def central(ids=ids, flops=flops, round_s=row["round_s"]):
+                def central(ids=ids, flops=flops, round_s=row["round_s"], model=model, params=params):
                     c = bench.centralized(model, params, ids)
                     return {**c, "round_s": round_s, "vs_centralized": round(round_s / c["centralized_s"], 3),
                             "centralized_mfu": bench.mfu(flops, c["centralized_s"])}
@@ -222,7 +229,7 @@ def run_rounds(bench: Bench, policy: ComputePolicy) -> None:
 def run_dp(bench: Bench, policy: ComputePolicy) -> None:
     """DP-FedAvg beside FedAvg on one cohort: time and memory."""
     preset, cohort = bench.args.dp
-    cfg, model, params, n = bench.model(preset, policy)
+    cfg, model, params, _ = bench.model(preset, policy)
     ids = bench.tokens(cfg, cohort)
 
     def measure():
@@ -233,6 +240,27 @@ def run_dp(bench: Bench, policy: ComputePolicy) -> None:
                 "memory_ratio": round(private["compiled_gib"] / plain["compiled_gib"], 4)}
 
     guarded(bench, {"item": "dp", "preset": preset, "cohort": cohort, "dtype": policy.compute_dtype}, measure)
+
+
+def run_steps(bench: Bench, policy: ComputePolicy) -> None:
+    """k clients a step of the clients' loop beside one, FedAvg and DP-FedAvg on one cohort; the
+    variants alternate (k = 1, 2, ... for FedAvg, then for DP-FedAvg), each its median of warm rounds."""
+    preset, cohort = bench.args.steps
+    cfg, model, params, n = bench.model(preset, policy)
+    ids = bench.tokens(cfg, cohort)
+    flops = bench.round_flops(cfg, n, cohort)
+    for dp in (False, True):
+        base = None
+        for k in bench.args.steps_k:
+            def measure(k=k, dp=dp, base=base):
+                r = bench.fed_round(model, params, ids, dp=dp, clients_per_step=k)
+                vs = None if base is None else round(r["round_s"] / base, 4)
+                return {**r, "mfu": bench.mfu(flops, r["round_s"]), "vs_k1": vs}
+
+            row = guarded(bench, {"item": "steps", "preset": preset, "cohort": cohort, "dp": dp,
+                                  "clients_per_step": k, "dtype": policy.compute_dtype}, measure)
+            if k == 1 and "round_s" in row:
+                base = row["round_s"]
 
 
 def run_fax(bench: Bench, policy: ComputePolicy) -> None:
@@ -246,7 +274,7 @@ def run_fax(bench: Bench, policy: ComputePolicy) -> None:
         ids = bench.tokens(cfg, cohort)
         flops = bench.round_flops(cfg, n, cohort)
 
-        def measure(ids=ids, flops=flops, cohort=cohort, run=run):
+        def measure(ids=ids, flops=flops, cohort=cohort, run=run, model=model, params=params):
             if not run:
                 return bench.compile_only(model, params, ids)
             r = bench.fed_round(model, params, ids, repeats=0)
@@ -264,11 +292,14 @@ def _pairs(items: list[str]) -> list[tuple[str, int]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", default=["checks", "round", "dp", "fax"],
-                    choices=["checks", "round", "dp", "fax"])
+    ap.add_argument("--only", nargs="+", default=["checks", "round", "dp", "steps", "fax"],
+                    choices=["checks", "round", "dp", "steps", "fax"])
     ap.add_argument("--rounds", nargs="+", default=["125m:8,32", "350m:8,32"], metavar="PRESET:C1,C2",
                     help="FedAvg rounds (the last cohort of each also runs the centralized step)")
     ap.add_argument("--dp", default="125m:16", metavar="PRESET:COHORT")
+    ap.add_argument("--steps", default="125m:32", metavar="PRESET:COHORT",
+                    help="clients per step of the loop: k of --steps-k beside 1")
+    ap.add_argument("--steps-k", nargs="+", type=int, default=[1, 2, 4], metavar="K")
     ap.add_argument("--fax", nargs="*", default=["350m:2048", "1b:512"], metavar="PRESET:COHORT")
     ap.add_argument("--fax-compile", nargs="*", default=[], metavar="PRESET:COHORT",
                     help="FAX shapes compiled only (memory, compile seconds)")
@@ -285,10 +316,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.reduced:
         args.rounds, args.dp, args.fax = ["tiny:2,4", "tiny2x:4"], "tiny:4", ["tiny:16"]
+        args.steps = "tiny:8"
         args.fax_compile = ["tiny2x:8"]
         args.seq, args.repeats = 32, 2
     args.rounds = [(p, [int(c) for c in cs.split(",")]) for p, cs in (s.split(":") for s in args.rounds)]
-    args.dp = _pairs([args.dp])[0]
+    args.dp, args.steps = _pairs([args.dp])[0], _pairs([args.steps])[0]
+    if 1 not in args.steps_k:
+        args.steps_k = [1, *args.steps_k]  # the baseline every ratio is to
+    args.steps_k = sorted(set(args.steps_k))
     args.fax, args.fax_compile = _pairs(args.fax), _pairs(args.fax_compile)
     scan = False if args.unrolled else (True if args.remat else None)
     policy = resolve_policy(args.dtype, scan_layers=True if scan is None and jax.default_backend() != "cpu" else scan,
@@ -307,6 +342,8 @@ def main(argv=None) -> None:
         run_rounds(bench, policy)
     if "dp" in args.only:
         run_dp(bench, policy)
+    if "steps" in args.only:
+        run_steps(bench, policy)
     if "fax" in args.only:
         run_fax(bench, policy)
 

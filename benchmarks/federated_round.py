@@ -414,7 +414,7 @@ def _llama_round(width: int, mesh, args) -> dict:
     state = jax.device_put(state, server_shardings(state, mesh, kernel_axes))
     key = jax.random.PRNGKey(0)
     with jax.set_mesh(mesh):
-        compiled = algo.round.jitted.lower(state, data, key).compile()
+        compiled = algo.jitted.lower(state, data, key).compile()
         times = []
         for _ in range(args.repeats + 1):  # the first call warms up
             t0 = time.perf_counter()
@@ -609,8 +609,8 @@ def bench_node_shapes(args) -> dict:
     struct = ClientData({"tokens": jax.ShapeDtypeStruct(tokens.shape, np.int32)},
                         jax.ShapeDtypeStruct((cohort, args.examples), np.float32))
     args_ = (state, struct, key)
-    plan = compile_plan(algo.round.program, args_, placed, cohort)
-    want = algo.round.program(state, ClientData({"tokens": tokens}, np.ones((cohort, args.examples), np.float32)), key)[0]
+    plan = compile_plan(algo.program, args_, placed, cohort)
+    want = algo.program(state, ClientData({"tokens": tokens}, np.ones((cohort, args.examples), np.float32)), key)[0]
     # secure aggregation's client phase: each client's delta stays on its node (resident rows)
     from memaudit.federated.algorithms import make_client_phase
 
@@ -627,7 +627,7 @@ def bench_node_shapes(args) -> dict:
         assignment = {i: [(int(s), f"u{s}") for s in b] for i, b in enumerate(blocks)}
         k = node_capacity(max(len(b) for b in blocks))
         t0 = time.perf_counter()
-        shaped = node_stages(plan, retrace(algo.round.program, args_, placed, k)) if k < cohort else None
+        shaped = node_stages(plan, retrace(algo.program, args_, placed, k)) if k < cohort else None
         trace_s = time.perf_counter() - t0
         results = {}
 

@@ -445,6 +445,9 @@ class FederatedConfig(_Section):
     algorithm: Literal["fedavg", "fedsgd"] = "fedavg"
     local_steps: int = Field(4, description="client optimizer steps per round")
     local_batch_size: int = Field(4, ge=1)
+    clients_per_step: int = Field(1, ge=1, description="clients each step of the loop over the cohort "
+                                  "runs, vmapped within the step (FedAvg on federated.runtime=jax): "
+                                  "memory for that many clients' training at once, in fewer steps")
     client_optimizer: Literal["sgd", "adam"] = "sgd"
     client_lr: float = Field(0.1, gt=0)
     server_optimizer: Literal["fedavg", "fedadam", "sgd"] = "fedadam"
@@ -463,6 +466,20 @@ class FederatedConfig(_Section):
         if v < 1:
             raise ValueError(f"local_steps must be >= 1, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _clients_per_step(self) -> FederatedConfig:
+        # Flower's client stages are traced one client per step (the nodes' manifests list
+        # those modules); FedSGD's gradient loop runs one client per step (a batched JVP of an
+        # absent slot's lax.cond cannot be transposed)
+        k = self.clients_per_step
+        if k > 1 and self.runtime == "flower":
+            raise ValueError(f"clients_per_step={k} runs on federated.runtime=jax only; set "
+                             "federated.clients_per_step=1 on Flower")
+        if k > 1 and self.algorithm == "fedsgd":
+            raise ValueError(f"clients_per_step={k} applies to FedAvg's local training; set "
+                             "federated.clients_per_step=1 with federated.algorithm=fedsgd")
+        return self
 
 
 # ----------------------------------------------------------------------------- probe

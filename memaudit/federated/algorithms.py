@@ -94,10 +94,27 @@ class HostSplit(NamedTuple):
 
 
 class FederatedAlgorithm(NamedTuple):
-    """``init(params) -> ServerState``; ``round(state, data, key) -> (state, metrics)``."""
+    """A federated algorithm as pure functions, in the style of ``optax.GradientTransformation``.
+
+    - ``init(params) -> ServerState``;
+    - ``round(state, data, key) -> (state, metrics)``: one round, metrics as host floats;
+    - ``program``: the round as one traceable, jitted program, ``(state, data, key) -> (state,
+      tuple of metric dicts)``, what a runtime across processes partitions
+      (`memaudit.federated.flower.partition`); None with a host aggregator;
+    - ``jitted``: the jitted round that ``round`` calls, ``program``'s signature; ``program``
+      itself, or its twin that donates the state passed in (``fedavg(donate=True)``); None with
+      a host aggregator;
+    - ``host_split``: with a host aggregator (secure aggregation, distributed DP), the round's
+      traceable client phase and the host steps after it (`HostSplit`); else None.
+
+    Exactly one of ``program`` and ``host_split`` is set.
+    """
 
     init: Callable[[PyTree], ServerState]
     round: Callable[[ServerState, ClientData, jax.Array], tuple[ServerState, dict[str, float]]]
+    program: Callable | None = None
+    jitted: Callable | None = None
+    host_split: HostSplit | None = None
 
 
 def make_client_optimizer(name: str, lr: float) -> optax.GradientTransformation:
@@ -211,6 +228,7 @@ def make_client_phase(
     mesh: Any = None,
     map_strategy: str = "auto",
     loss_rng: bool = False,
+    clients_per_step: int = 1,
 ) -> Callable[[PyTree, ClientData, jax.Array], ClientOutput]:
     """FedAvg phase 1 (not jitted; `fedavg` jits it): ``(params, data, key) -> ClientOutput``.
 
@@ -218,14 +236,15 @@ def make_client_phase(
     the other inside the program (``"scan"``), or picks by backend (``"auto"``); see
     `memaudit.federated.federated_map`. A cohort slot without real examples (capacity padding)
     returns a zero delta, loss and norm; under ``"scan"`` it skips local training entirely.
-    ``loss_rng``: each local step's loss gets its own key (see the module docstring)."""
+    ``loss_rng``: each local step's loss gets its own key (see the module docstring);
+    ``clients_per_step``: clients per step of the scan strategy's loop (`federated_program`)."""
     client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng)
 
     def client_phase(params, data: ClientData, key) -> ClientOutput:
         n = data.mask.shape[0]
 
         @federated_program(clients=n, mesh=mesh, placed=(1, 2), placed_out=(0, 1),
-                           map_strategy=map_strategy)
+                           map_strategy=map_strategy, clients_per_step=clients_per_step)
         def program(params, data, keys):
             deltas, losses, norms = federated_map(
                 client_update, federated_broadcast(params), data.examples, data.mask, keys
@@ -256,6 +275,7 @@ def make_client_sum_phase(
     mesh: Any = None,
     map_strategy: str = "auto",
     loss_rng: bool = False,
+    clients_per_step: int = 1,
 ) -> Callable[..., tuple[AggregateResult, dict[str, jax.Array]]]:
     """FedAvg phases 1 and 2 with an aggregator that is a sum over the clients (its
     `FusedAggregation`: the weighted mean, DP-FedAvg's clip-and-sum), as one federated program:
@@ -266,7 +286,9 @@ def make_client_sum_phase(
     the other, the sums accumulate in the loop's carry and the round never holds a delta per
     client (nor, under DP, a clipped one). The aggregator's state (DP-FedAvg's clip) reaches the
     clients by `federated_broadcast`. The values are those of `make_client_phase` followed by
-    the aggregator's ``aggregate``, up to float rounding.
+    the aggregator's ``aggregate``, up to float rounding. With ``clients_per_step`` k > 1 each
+    step of the loop runs k clients vmapped (their k deltas, clipped under DP, added to the
+    carry): a (k, *model) buffer per step.
     """
     client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng)
 
@@ -281,7 +303,7 @@ def make_client_sum_phase(
         n = data.mask.shape[0]
 
         @federated_program(clients=n, mesh=mesh, placed=(2, 3), placed_out=False,
-                           map_strategy=map_strategy)
+                           map_strategy=map_strategy, clients_per_step=clients_per_step)
         def program(params, agg_state, data, keys):
             return federated_map_sum(sums, federated_broadcast(params), federated_broadcast(agg_state),
                                      data.examples, data.mask, keys)
@@ -355,6 +377,7 @@ def fedavg(
     loss_rng: bool = False,
     fuse: bool = True,
     donate: bool = False,
+    clients_per_step: int = 1,
 ) -> FederatedAlgorithm:
     """Federated averaging with a client and a server optimizer (FedAvg, FedAdam, ...).
 
@@ -378,10 +401,14 @@ def fedavg(
             values up to float rounding; for tests and comparisons).
         donate: the jitted round donates the state passed in (its buffers are reused for the
             new state; the caller must not read it afterwards).
+        clients_per_step: under the scan strategy, clients per step of the loop over the
+            cohort, vmapped within the step (memory for that many clients' training at once;
+            the sum and DP clipping stay in the loop). 1: one client after the other.
     """
     aggregator = aggregator or mean_aggregator(mesh)
     options = {"local_steps": local_steps, "batch_size": batch_size, "weighting": weighting,
-               "mesh": mesh, "map_strategy": map_strategy, "loss_rng": loss_rng}
+               "mesh": mesh, "map_strategy": map_strategy, "loss_rng": loss_rng,
+               "clients_per_step": clients_per_step}
     client_phase = make_client_phase(loss_fn, client_optimizer, **options)
     fusable = fuse and aggregator.jittable and aggregator.fused is not None
     sum_phase = make_client_sum_phase(loss_fn, client_optimizer, aggregation=aggregator.fused,
@@ -435,14 +462,10 @@ def fedavg(
             out = client_jit(state.params, data, client_key)
             return host_steps(state, out, agg_key)
 
-    round_.jitted = fused  # the whole round as one jitted function (None: host aggregator)
-    # The round as one traceable program, (state, data, key) -> (state, metric dicts): what a
-    # runtime across processes partitions (`memaudit.federated.flower.partition`).
-    round_.program = program
     # With a host aggregator: the traceable client phase (a runtime across processes
     # partitions it, the deltas staying with the clients) and the host steps after it.
-    round_.host_split = None if fused is not None else HostSplit(client_phase, host_steps)
-    return FederatedAlgorithm(init, round_)
+    split = None if fused is not None else HostSplit(client_phase, host_steps)
+    return FederatedAlgorithm(init, round_, program=program, jitted=fused, host_split=split)
 
 
 def federated_loss(loss_fn: LossFn, *, weighting: Weighting = "examples", mesh: Any = None,
@@ -504,15 +527,14 @@ def fedsgd(
     def init(params) -> ServerState:
         return ServerState(params, server_optimizer.init(params), None, jnp.zeros((), jnp.int32))
 
-    def round_(state: ServerState, data: ClientData, key):
-        with _mesh_scope(mesh):
-            state, metrics = step(state, data, key)
-        return state, host_metrics(metrics)
-
     @jax.jit
     def program(state: ServerState, data: ClientData, key):
         state, metrics = step(state, data, key)
         return state, (metrics,)
 
-    round_.program = program  # see `fedavg`'s round_.program
-    return FederatedAlgorithm(init, round_)
+    def round_(state: ServerState, data: ClientData, key):
+        with _mesh_scope(mesh):
+            state, metrics = program(state, data, key)
+        return state, host_metrics(*metrics)
+
+    return FederatedAlgorithm(init, round_, program=program, jitted=program)

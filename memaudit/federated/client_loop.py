@@ -87,29 +87,60 @@ def _zeros_like_struct(s: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros(s.shape, acc_dtype(s.dtype), out_sharding=spec)
 
 
+def _grouped(x: jax.Array, groups: int, size: int) -> jax.Array:
+    """``x``'s leading dim as (groups, size), zero rows appended to fill the last group."""
+    extra = groups * size - x.shape[0]
+    if extra:
+        x = jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)], axis=0)
+    return x.reshape((groups, size) + x.shape[1:])
+
+
 def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, pad: bool,
                 batch_size: int | None, reduce: bool, out: Any) -> Any:
-    """``call(fixed, row)`` for the rows of one device, one client after the other.
+    """``call(fixed, row)`` for the rows of one device, ``batch_size`` clients per loop step
+    (vmapped within the step; default one client after the other).
 
     ``reduce``: the sum over the clients (row ``offset + i`` at or beyond ``n`` is padding and
     excluded) accumulated in the loop, low precision in float32, instead of stacked outputs;
-    ``out`` is one client's output structure.
+    ``out`` is one client's output structure. A step then holds the outputs of its own
+    ``batch_size`` clients only; rows that do not fill the last step are zero rows, run and
+    excluded from the sum like padding.
     """
     if not reduce:
         return jax.lax.map(lambda row: call(fixed, row), rows, batch_size=batch_size)
     length = jax.tree.leaves(rows)[0].shape[0]
+    size = max(1, min(batch_size or 1, length))
+    groups = -(-length // size)
+    filled = groups * size != length  # zero rows fill the last step
+    pad = pad or filled
 
     def body(total, xs):
         i, row = xs if pad else (None, xs)
-        y = call(fixed, row)
+        if size == 1:
+            y = call(fixed, row)
+        else:  # (size, *out): this step's clients, summed into the carry below
+            y = jax.vmap(call, in_axes=(None, 0))(fixed, row)
         if pad:
-            y = jax.tree.map(lambda v: jnp.where(offset + i < n, v, jnp.zeros((), v.dtype)), y)
-        return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, y), None
+            keep = (offset + i < n) & (i < length) if filled else offset + i < n
+
+            def mask(v):
+                k = keep.reshape(keep.shape + (1,) * (v.ndim - keep.ndim))
+                return jnp.where(k, v, jnp.zeros((), v.dtype))
+
+            y = jax.tree.map(mask, y)
+        if size == 1:
+            return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, y), None
+        return jax.tree.map(lambda t, v: t + jnp.sum(v.astype(t.dtype), axis=0), total, y), None
 
     init = jax.tree.map(_zeros_like_struct, out)
     # the row index only where padding is masked: without it the loop is the same for any number
     # of rows (a Flower node's stages, shaped for its own clients, need that)
-    total, _ = jax.lax.scan(body, init, (jnp.arange(length), rows) if pad else rows)
+    if size > 1:
+        rows = jax.tree.map(lambda x: _grouped(x, groups, size), rows)
+    if pad:
+        index = jnp.arange(length) if size == 1 else jnp.arange(groups * size).reshape(groups, size)
+        rows = (index, rows)
+    total, _ = jax.lax.scan(body, init, rows)
     return total
 
 
@@ -164,26 +195,30 @@ def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: i
     """
     call, fixed, rows = _per_client_call(fn, args, ctx)
     closes, out = _trace_client(call, fixed, rows)
+    # the values' loop runs the program's clients_per_step clients a step unless batch_size is
+    # given; the derivative's loop (below) only batch_size's: a JVP of a `lax.cond` with a
+    # per-client predicate (an absent slot skipping its training), batched, cannot be transposed
+    step = batch_size if batch_size is not None else (ctx.clients_per_step if ctx.clients_per_step > 1 else None)
     if closes:
         leaves, treedef = jax.tree.flatten(args)
         rows = [shd.constrain_leading(x, ctx.mesh, ctx.axis) for x in leaves]
         out = jax.eval_shape(lambda *r: fn(*jax.tree.unflatten(treedef, list(r))),
                              *[_row_struct(r) for r in rows])
         total = _loop(lambda _, row: fn(*jax.tree.unflatten(treedef, row)), [], rows, ctx,
-                      batch_size, reduce)
+                      step, reduce)
         return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
 
     def finish(total):  # the accumulation dtype back to each output's own
         return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
 
     def federated_map_sum(fixed, rows):  # the name marks the fused loop for the closure check
-        return finish(_loop(call, fixed, rows, ctx, batch_size, reduce=True, out=out))
+        return finish(_loop(call, fixed, rows, ctx, step, reduce=True, out=out))
 
     @jax.custom_jvp
     def loop(fixed, rows):
         if reduce:
             return jax.jit(federated_map_sum)(fixed, rows)
-        return finish(_loop(call, fixed, rows, ctx, batch_size, reduce=False))
+        return finish(_loop(call, fixed, rows, ctx, step, reduce=False))
 
     @loop.defjvp
     def loop_jvp(primals, tangents):

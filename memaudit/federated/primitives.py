@@ -176,10 +176,12 @@ def federated_map(
       CPU, and on a TPU where it also holds every client's activations at once), so local
       training runs faster this way, and a ``lax.cond`` in ``fn`` (an absent
       client skipping its work) stays a branch; ``batch_size`` > 1 runs that many clients
-      vmapped per loop iteration. An argument straight from `federated_broadcast` is read as
-      the one server value inside the loop, not as n copies; the derivative keeps the
-      broadcast (a ``custom_jvp``), so reverse mode sums the server cotangent with
-      `federated_sum`, jitted or not, and to any order (a gradient of FedSGD rounds);
+      vmapped per loop iteration (default: the program's ``clients_per_step`` for the values;
+      a derivative's loop runs one client per step unless ``batch_size`` is given). An
+      argument straight from `federated_broadcast` is read as the one server value inside
+      the loop, not as n copies; the derivative keeps the broadcast (a ``custom_jvp``), so
+      reverse mode sums the server cotangent with `federated_sum`, jitted or not, and to any
+      order (a gradient of FedSGD rounds);
     - ``"auto"``: ``"scan"`` when one client's computation contains a matmul or convolution,
       on any backend, else ``"vmap"``.
 
@@ -204,9 +206,11 @@ def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> 
     Under the ``"scan"`` strategy the sum accumulates inside the loop over the clients (with a
     ``clients`` mesh axis: inside each device's loop, then a ``psum``): the per-client outputs
     (in FedAvg, one model delta per client) are never stacked, which spares zero-filling,
-    writing and reading back an (n, *model) array every round. Low precision leaves accumulate
-    in float32. Its derivative is the map followed by `federated_sum` (a ``custom_jvp``), so
-    federated AD holds; under ``"vmap"`` it is exactly the map followed by `federated_sum`.
+    writing and reading back an (n, *model) array every round. With the program's
+    ``clients_per_step`` k > 1 each loop step runs k clients vmapped and adds their k outputs
+    to the sum: a (k, *model) buffer per step, never (n, *model). Low precision leaves
+    accumulate in float32. Its derivative is the map followed by `federated_sum` (a
+    ``custom_jvp``), so federated AD holds; under ``"vmap"`` it is exactly the map followed by `federated_sum`.
 
     The values equal the map-then-sum up to float rounding (a sequential sum over the clients
     instead of a pairwise one).

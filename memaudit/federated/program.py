@@ -50,6 +50,7 @@ class ProgramContext:
     mesh: Any  # jax.sharding.Mesh | AbstractMesh | None
     axis: str | None  # clients mesh axis or None
     map_strategy: str = "auto"  # default execution strategy of federated_map
+    clients_per_step: int = 1  # clients per step of the scan strategy's loop (vmapped within it)
     # id(clients-placed value) -> (that value, the server value it was broadcast from): lets
     # the scan strategy of federated_map read the server value instead of a per-client copy
     broadcasts: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -82,14 +83,23 @@ def _check_strategy(map_strategy: str) -> None:
         )
 
 
+def check_clients_per_step(clients_per_step: Any) -> None:
+    """One-line ValueError unless ``clients_per_step`` is a positive int."""
+    if not isinstance(clients_per_step, int) or isinstance(clients_per_step, bool) or clients_per_step < 1:
+        raise ValueError(f"clients_per_step must be a positive int, got {clients_per_step!r}; "
+                         "set federated.clients_per_step to 1 or more")
+
+
 @contextlib.contextmanager
-def program_context(clients: int, mesh: Any = None, map_strategy: str = "auto"):
+def program_context(clients: int, mesh: Any = None, map_strategy: str = "auto",
+                    clients_per_step: int = 1):
     """Enter a federated program context directly (the decorator does this for you)."""
     if not isinstance(clients, int) or isinstance(clients, bool) or clients < 1:
         raise ValueError(f"clients must be a positive int, got {clients!r}")
     _check_strategy(map_strategy)
+    check_clients_per_step(clients_per_step)
     ctx = ProgramContext(clients, shd.padded_clients(clients, mesh), mesh, shd.clients_axis(mesh),
-                         map_strategy)
+                         map_strategy, clients_per_step)
     _stack().append(ctx)
     try:
         with contextlib.ExitStack() as stack:
@@ -151,6 +161,7 @@ def federated_program(
     placed: Sequence[int | str] = (),
     placed_out: bool | Sequence[int] | None = None,
     map_strategy: str = "auto",
+    clients_per_step: int = 1,
 ) -> Callable:
     """Declare a federated program over ``clients`` clients.
 
@@ -165,6 +176,9 @@ def federated_program(
             or a sequence of output indices. Only matters when n does not divide the axis.
         map_strategy: default execution strategy of ``federated_map`` inside the program:
             ``"vmap"``, ``"scan"`` or ``"auto"`` (see `memaudit.federated.federated_map`).
+        clients_per_step: under the scan strategy, the clients each step of the loop runs
+            (vmapped within the step; the last step is filled with zero rows that count for
+            nothing): memory for that many clients' work at once, in fewer, wider steps.
 
     Returns:
         The wrapped program; it composes with ``jax.jit``, ``jax.grad``, ``jax.vmap``. Called
@@ -175,16 +189,17 @@ def federated_program(
     if fn is None:
         return functools.partial(
             federated_program, clients=clients, mesh=mesh, placed=placed, placed_out=placed_out,
-            map_strategy=map_strategy,
+            map_strategy=map_strategy, clients_per_step=clients_per_step,
         )
     _check_strategy(map_strategy)
+    check_clients_per_step(clients_per_step)
     sig = inspect.signature(fn)
     param_names = list(sig.parameters)
 
     @functools.wraps(fn)
     def program(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
-        with program_context(clients, mesh, map_strategy) as ctx:
+        with program_context(clients, mesh, map_strategy, clients_per_step) as ctx:
             for key in placed:
                 name = param_names[key] if isinstance(key, int) else key
                 if name not in bound.arguments:

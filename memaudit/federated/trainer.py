@@ -270,6 +270,7 @@ class FederatedTrainer:
             server_optimizer=server_opt, local_steps=f.local_steps, batch_size=f.local_batch_size,
             aggregator=self.build_aggregator(), weighting=weighting, mesh=self.mesh, loss_rng=loss_rng,
             map_strategy=self.runtime.map_strategy, donate=True,  # the trainer keeps only the new state
+            clients_per_step=f.clients_per_step,
         )
 
     def _server_lr(self) -> float:

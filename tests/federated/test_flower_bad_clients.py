@@ -43,7 +43,7 @@ def toy():
                        "y": jax.ShapeDtypeStruct((CAP, S, 2), np.float32)},
                       jax.ShapeDtypeStruct((CAP, S), np.float32))
     args = (state, data, jax.random.key(2))
-    return arrays, compile_plan(a.round.program, args, PLACED, CAP), args
+    return arrays, compile_plan(a.program, args, PLACED, CAP), args
 
 
 def _local(arrays, dead=()):

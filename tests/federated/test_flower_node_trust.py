@@ -47,7 +47,7 @@ def toy():
                        "y": jax.ShapeDtypeStruct((CAP, S, 2), np.float32)},
                       jax.ShapeDtypeStruct((CAP, S), np.float32))
     key = jax.random.key(1)
-    plan = compile_plan(a.round.program, (state, data, key), PLACED, CAP)
+    plan = compile_plan(a.program, (state, data, key), PLACED, CAP)
     return arrays, plan, (state, data, key)
 
 

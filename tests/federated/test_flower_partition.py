@@ -129,11 +129,11 @@ def _compute_two_rounds(kind, users, dead, dead_slots, shaped=False):
     nodes = _Calls(_nodes(users, dead))
     for r in range(2):
         key = jax.random.fold_in(jax.random.key(3), r)
-        ref, _ = a.round.program(ref, _cohort_data(users, dead_slots), key)
+        ref, _ = a.program(ref, _cohort_data(users, dead_slots), key)
         args = (got, _struct(_cohort_data(users)), key)
         if plan is None:
-            plan = compile_plan(a.round.program, args, PLACED, CAP)
-            shape = node_stages(plan, retrace(a.round.program, args, PLACED, 2)) if shaped else None
+            plan = compile_plan(a.program, args, PLACED, CAP)
+            shape = node_stages(plan, retrace(a.program, args, PLACED, 2)) if shaped else None
         (got, _), info = run_plan(plan, args, nodes, _assignment(), round=r,
                                    node_stages=(lambda _n, _h, s=shape: s) if shaped else None)
     return ref, got, plan, {**info, "calls": nodes.calls} if shaped else info
@@ -153,7 +153,7 @@ def test_a_node_says_when_it_runs_a_stage_module_new_to_it(users):
     nodes = _nodes(users)
     for r in range(2):
         args = (state, _struct(_cohort_data(users)), jax.random.fold_in(jax.random.key(3), r))
-        plan = plan or compile_plan(a.round.program, args, PLACED, CAP)
+        plan = plan or compile_plan(a.program, args, PLACED, CAP)
         (state, _), _ = run_plan(plan, args, nodes, _assignment(), round=r)
         seen.append({name: e.new_module for name, e in nodes.executors.items()})
     assert seen == [dict.fromkeys(HOSTS, True), dict.fromkeys(HOSTS, False)]
@@ -235,12 +235,12 @@ def test_vmaps_local_training_is_refused_rather_than_run_on_the_clients_tokens_o
                    local_steps=2, batch_size=2, map_strategy="vmap")
     args = (a.init(_params()), _struct(_cohort_data(users)), jax.random.key(0))
     with pytest.raises(PlanError, match=r"reads the client data [xy] on the server \(a copy"):
-        compile_plan(a.round.program, args, PLACED, CAP)
+        compile_plan(a.program, args, PLACED, CAP)
     assert FlowerRuntime.map_strategy == MAP_STRATEGY == "scan"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # "auto" would pick vmap here
     a = alg.fedavg(_loss, client_optimizer=optax.sgd(0.2), server_optimizer=optax.sgd(1.0),
                    local_steps=2, batch_size=2, map_strategy=MAP_STRATEGY)
-    plan = compile_plan(a.round.program, args, PLACED, CAP)
+    plan = compile_plan(a.program, args, PLACED, CAP)
     rows = set().union(*(st.rows for st in plan.client_stages))
     assert not any(isinstance(i, int) and i in rows for st in plan.stages if st.kind != CLIENT for op in st.ops
                    if op.eqn.primitive.name not in ("federated_sum", "federated_mean") for i in op.ins)
@@ -257,8 +257,8 @@ def test_each_node_gets_its_stages_lowered_for_its_own_platform(users):
 
     a = _algorithm("fedavg")
     args = (a.init(_params()), _struct(_cohort_data(users)), jax.random.key(0))
-    plan = compile_plan(a.round.program, args, PLACED, CAP)
-    shaped = node_stages(plan, retrace(a.round.program, args, PLACED, 2))
+    plan = compile_plan(a.program, args, PLACED, CAP)
+    shaped = node_stages(plan, retrace(a.program, args, PLACED, 2))
     nodes = _Calls(_nodes(users))
     _, info = run_plan(plan, args, nodes, _assignment(), round=0, platforms={"A": "cuda"},
                        node_stages=lambda _n, _h: shaped)
@@ -291,8 +291,8 @@ def test_a_node_refuses_rows_and_slots_the_server_invents(users):
 
     a = _algorithm("fedavg")
     args = (a.init(_params()), _struct(_cohort_data(users)), jax.random.key(0))
-    plan = compile_plan(a.round.program, args, PLACED, CAP)
-    shaped = node_stages(plan, retrace(a.round.program, args, PLACED, 2))
+    plan = compile_plan(a.program, args, PLACED, CAP)
+    shaped = node_stages(plan, retrace(a.program, args, PLACED, 2))
     nodes = _Calls(_nodes(users))
     run_plan(plan, args, nodes, _assignment(), round=0, node_stages=lambda _n, _h: shaped)
     call = next(c for c in nodes.calls if c.users[0] == "u0")  # node A: slots 0 and 1, rows 0 and 1
@@ -364,7 +364,7 @@ def test_node_refuses_users_it_does_not_host(users):
     a = _algorithm("fedavg")
     st = a.init(_params())
     key = jax.random.key(0)
-    plan = compile_plan(a.round.program, (st, _struct(_cohort_data(users)), key), PLACED, CAP)
+    plan = compile_plan(a.program, (st, _struct(_cohort_data(users)), key), PLACED, CAP)
     bad = {"A": [(0, "u0"), (1, "u5")]}  # u5 lives on B
     with pytest.raises(PlanError, match="does not host user 'u5'"):
         run_plan(plan, (st, _struct(_cohort_data(users)), key), _nodes(users), bad, round=0)
@@ -598,9 +598,9 @@ def test_a_stage_message_carries_the_values_all_nodes_share_once(users, monkeypa
     plan = None
     for r in range(2):
         key = jax.random.fold_in(jax.random.key(3), r)
-        ref, _ = a.round.program(ref, _cohort_data(users), key)
+        ref, _ = a.program(ref, _cohort_data(users), key)
         args = (got, _struct(_cohort_data(users)), key)
-        plan = plan or compile_plan(a.round.program, args, PLACED, CAP)
+        plan = plan or compile_plan(a.program, args, PLACED, CAP)
         (got, _), info = run_plan(plan, args, nodes, assignment, round=r)
         assert info["dropped_nodes"] == [] and info["rejected_nodes"] == []
     assert _max_diff(ref.params, got.params) <= 1e-6

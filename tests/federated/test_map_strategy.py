@@ -365,6 +365,6 @@ def test_fused_dp_round_holds_no_delta_per_client():
         alg = fedavg(_lin_loss, client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
                      local_steps=2, batch_size=2, map_strategy="scan", fuse=fuse,
                      aggregator=dp_fedavg(clip=1.0, noise_multiplier=1.0, expected_cohort=6.0))
-        hlo[fuse] = alg.round.program.lower(alg.init(params), data, jax.random.key(0)).compile().as_text()
+        hlo[fuse] = alg.program.lower(alg.init(params), data, jax.random.key(0)).compile().as_text()
     assert "f32[6,40,24]" in hlo[False]  # the stacked version holds a clipped delta per client
     assert "f32[40,24]" in hlo[True] and "f32[6,40,24]" not in hlo[True]

@@ -65,7 +65,7 @@ def _round(llama, data, mesh, strategy="auto", aggregator=None):
     data = ClientData(jax.device_put(data.examples, clients), jax.device_put(data.mask, clients))
     key = jax.random.key(3)
     with jax.set_mesh(mesh):
-        compiled = algo.round.jitted.lower(state, data, key).compile()
+        compiled = algo.jitted.lower(state, data, key).compile()
         new, _ = compiled(state, data, key)
     return new, compiled
 

@@ -247,12 +247,12 @@ def test_scanned_fedavg_rounds_with_per_round_keys_partition():
                    local_steps=2, batch_size=2)
 
     def rounds(state, data, key):
-        return jax.lax.scan(lambda st, k: (a.round.program(st, data, k)[0], None), state,
+        return jax.lax.scan(lambda st, k: (a.program(st, data, k)[0], None), state,
                             jax.random.split(key, 2))[0]
 
     def unrolled(state, data, key):
         for k in jax.random.split(key, 2):
-            state = a.round.program(state, data, k)[0]
+            state = a.program(state, data, k)[0]
         return state
 
     data, key = _data(), jax.random.key(3)

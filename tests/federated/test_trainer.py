@@ -340,3 +340,18 @@ def test_an_aborted_secure_aggregation_round_costs_its_abort_bit_and_training_go
     from tests.test_lifecycle import scan_public_files
 
     scan_public_files(out)  # nothing that depends on the realized cohort (bits, degree, bytes)
+
+
+def test_two_clients_per_step_give_the_one_client_run(fed_run, overrides, tmp_path):
+    """federated.clients_per_step=2 on a 2-device clients mesh (one loop step of 2 clients per
+    device) trains the weights of the one-client-per-step run on 4 devices, to float rounding."""
+    from memaudit.config import load_config
+    from memaudit.federated.trainer import train_federated
+    from memaudit.rundir import RunDir
+
+    cfg = load_config(None, [*overrides, "federated.mesh_clients=2", "federated.clients_per_step=2"])
+    train_federated(cfg, RunDir(tmp_path / "k2"))
+    ref, got = _weights(fed_run["path"]), _weights(tmp_path / "k2")
+    assert ref.keys() == got.keys()
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-4, atol=1e-5, err_msg=name)

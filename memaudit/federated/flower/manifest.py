@@ -49,8 +49,8 @@ def _program(trainer: FederatedTrainer, cap: int, state: Any, key: Any) -> tuple
     """The round's program, its arguments' shapes at capacity ``cap`` and its resident outputs.
     With a host aggregator (secure aggregation, distributed DP) the program is the client
     phase, whose deltas stay on the nodes (``state`` is then the server params)."""
-    split = getattr(trainer.algorithm.round, "host_split", None)
-    program = trainer.algorithm.round.program if split is None else split.client_phase
+    split = trainer.algorithm.host_split
+    program = trainer.algorithm.program if split is None else split.client_phase
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.asarray(x).dtype), state)
     return program, (shapes, data_struct(trainer.clients, cap), key), (".deltas",) if split is not None else ()
 
@@ -177,7 +177,7 @@ def build_trust(cfg: Any, prepared: Any, run: Any, hosted: int | None = None,
     trainer = _Tracer(cfg, run, runtime=_Offline())
     trainer.prepare(_Staged(prepared))
     key = jax.random.key(0)
-    split = getattr(trainer.algorithm.round, "host_split", None)
+    split = trainer.algorithm.host_split
     state = trainer.state if split is None else trainer.state.params
     stages: set[str] = set()
     resident: set[int] = set()

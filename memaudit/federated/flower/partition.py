@@ -1,6 +1,6 @@
 """Partition a traced federated program at its federated primitives into client and server stages.
 
-A round of a federated algorithm (`memaudit.federated.algorithms`, its ``round.program``) is
+A round of a federated algorithm (`memaudit.federated.algorithms`, its ``program``) is
 traced once per cohort capacity with ``jax.make_jaxpr``; top-level ``jit`` calls are inlined,
 and every equation is placed by data flow:
 

@@ -12,7 +12,7 @@ SuperNodes that host the sampled users. A SuperNode that does not answer a stage
 count as absent: weight 0), which the round's metrics record (``dropped_users``,
 ``dropped_nodes``).
 
-With a host aggregator (secure aggregation, distributed DP: ``round.host_split``) the client
+With a host aggregator (secure aggregation, distributed DP: the algorithm's ``host_split``) the client
 phase runs on the SuperNodes with its deltas kept there, and the aggregator runs here on a
 `memaudit.federated.secagg.remote.ClientRows`: the protocol's server object here, its clients
 on the nodes (`FlowerNodes.run_secagg`); a node that stops answering drops its users at that
@@ -269,8 +269,7 @@ class FlowerRuntime:
     def attach(self, trainer: FederatedTrainer) -> None:
         """Refuse what does not run on Flower, then map each training user to its node."""
         check_supported(trainer.cfg)
-        rnd = trainer.algorithm.round
-        if getattr(rnd, "program", None) is None and getattr(rnd, "host_split", None) is None:
+        if trainer.algorithm.program is None and trainer.algorithm.host_split is None:
             raise ConfigError("this algorithm's round is not one traceable program; use "
                               "federated.runtime=jax")
         self.user_node = self.nodes.connect(client_digests(trainer.clients))
@@ -314,7 +313,7 @@ class FlowerRuntime:
         for slot, k in enumerate(cohort):
             user = trainer.clients.users[int(k)]
             assignment.setdefault(self.user_node[user], []).append((slot, user))
-        split = getattr(trainer.algorithm.round, "host_split", None)
+        split = trainer.algorithm.host_split
         if split is not None:
             return self._host_round(trainer, split, cap, state, assignment, r, key)
         plan = self.plan(trainer, cap, state, key)
