@@ -346,7 +346,7 @@ def test_two_clients_per_step_give_the_one_client_run(fed_run, overrides, tmp_pa
     """federated.clients_per_step=2 on a 2-device clients mesh (one loop step of 2 clients per
     device) trains the weights of the one-client-per-step run on 4 devices, to float rounding."""
     from memaudit.config import load_config
-    from memaudit.federated.trainer import train_federated
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     cfg = load_config(None, [*overrides, "federated.mesh_clients=2", "federated.clients_per_step=2"])
