@@ -158,7 +158,7 @@ class PrivacyLedger:
         custom = [e for e in self.events if isinstance(e, RdpCurveEvent)]
         standard = [e for e in self.events if not isinstance(e, RdpCurveEvent)]
         if not custom:
-            return event_epsilon(dp_event.ComposedDpEvent(standard), self.delta, accountant)
+            return _events_epsilon(standard, self.delta, accountant)
         if accountant != "rdp":
             raise ValueError("the ledger holds RDP-curve events; only accountant='rdp' applies")
         orders = np.unique(np.concatenate([np.asarray(e.orders, float) for e in custom]))
@@ -376,6 +376,21 @@ class PrivacyLedger:
 def no_privacy_json() -> dict[str, Any]:
     """privacy.json content for a run trained without DP (ε = inf)."""
     return {"schema": SCHEMA, "unit": None, "epsilon": {"rdp": math.inf, "pld": math.inf}}
+
+
+_EPSILONS: dict[tuple[str, float, str], float] = {}
+
+
+def _events_epsilon(events: list[Event], delta: float, accountant: Accountant) -> float:
+    """ε of the events by one accountant, remembered by their JSON (the key only: a value this
+    JSON cannot write is keyed by its repr). The run's writes of privacy.json, each report and
+    the sweep's planning ask for the same ledger's ε again; a PLD costs ~0.1-1 s each time."""
+    key = (json.dumps([event_to_dict(e) for e in events], default=repr), delta, accountant)
+    if key not in _EPSILONS:
+        if len(_EPSILONS) >= 256:
+            _EPSILONS.clear()
+        _EPSILONS[key] = event_epsilon(dp_event.ComposedDpEvent(events), delta, accountant)
+    return _EPSILONS[key]
 
 
 @functools.lru_cache(maxsize=64)

@@ -131,3 +131,22 @@ def test_summary_is_recomputed_from_events_never_the_stored_number():
     with pytest.raises(ValueError, match="unknown privacy event"):
         ledger_summary(bad)  # no fallback to the stored epsilon
     assert math.isinf(ledger_summary(None)["epsilon"])
+
+
+def test_a_remembered_epsilon_answers_only_for_the_same_events_delta_and_accountant():
+    """ε is remembered per (events, δ, accountant): each ask, in any order and again, equals the
+    accountant's own figure for those events (the oracle: `accounting.epsilon`, no memo)."""
+    import numpy as np
+
+    asks = [(0.04, 1.5, 50, 1e-5, "rdp"), (0.04, 1.5, 51, 1e-5, "rdp"), (0.04, 1.6, 50, 1e-5, "rdp"),
+            (0.04, 1.5, 50, 1e-6, "rdp"), (0.04, 1.5, 50, 1e-5, "pld"), (0.05, 1.5, 50, 1e-5, "pld")]
+    want = {a: epsilon(dpsgd_event(a[0], a[1], a[2]), a[3], a[4]) for a in asks}
+    assert len(set(want.values())) == len(asks)  # every ask has its own figure
+    for a in [*asks, *reversed(asks)]:
+        led = PrivacyLedger(unit="example", delta=a[3])
+        led.record_steps(a[0], a[1], a[2])
+        assert led.epsilon(a[4]) == want[a], a
+    # a numpy count (a key JSON cannot write) is still keyed by its value
+    step = dp_event.PoissonSampledDpEvent(0.04, dp_event.GaussianDpEvent(1.5))
+    led = PrivacyLedger(unit="example", delta=1e-5, events=[dp_event.SelfComposedDpEvent(step, np.int64(51))])
+    assert led.epsilon("rdp") == want[asks[1]]

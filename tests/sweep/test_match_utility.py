@@ -167,15 +167,21 @@ def test_the_sweep_trains_the_matched_point_and_the_report_compares_it(tmp_path,
     from memaudit.sweep.runner import PointOutcome, run_sweep
     from tests.reports._fixtures import write_run_dir
 
+    # one canary, seen once: a repeated canary's group epsilon costs a mixture-of-Gaussians PLD
+    # per DP run and report (most of this test's time), and matching does not read it
+    # (tests/reports test the group epsilon)
+    once = [("c0", 1, "user", 1)]
+
     def fake_point(cfg, p, rd, sub, debug, on_action=None, overwrite=False):
         if rd.is_run() and rd.status() == "complete":  # what point_action does with a complete, current run
             return PointOutcome(p.name, p.backend, "complete", "skipped", False, 0.0)
         scale = 1000.0 if p.backend == "centralized" else 2000.0
         if p.level is None:
-            write_run_dir(rd.path, p.backend, ppl=scale / 5, seed=p.seed)
+            write_run_dir(rd.path, p.backend, ppl=scale / 5, seed=p.seed, canaries=once)
         else:
             sigma = p.level if p.level_kind == "noise_multiplier" else 2 / math.sqrt(p.level)
-            write_run_dir(rd.path, p.backend, ppl=scale * sigma**0.6, seed=p.seed, dp=(sigma, 1000, 32, 10))
+            write_run_dir(rd.path, p.backend, ppl=scale * sigma**0.6, seed=p.seed, dp=(sigma, 1000, 32, 10),
+                          canaries=once)
         return PointOutcome(p.name, p.backend, "complete", "trained", True, 0.0)
 
     monkeypatch.setattr(runner, "run_point", fake_point)
