@@ -1,0 +1,132 @@
+"""A sweep run in time-boxed pieces (`memaudit sweep --stop-after`) ends where one uninterrupted
+sweep ends: the same weights for every run and the same probe results, however short the box.
+
+The box here is a millisecond, so every invocation stops at its first boundary after doing one
+piece of work (a stretch between checkpoints, a run's end, a point's probes): the pieces are as
+many as they can be, and the test does not depend on how fast the machine is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memaudit.cli import main
+from memaudit.io import read_json
+from memaudit.probes.weights import weights_sha256
+
+PROBE = {"batch_size": 32, "n_boot": 50, "nd_samples": 4, "nd_length": 16, "extraction_ks": [8],
+         "extraction_m": 8, "pii_max_items": 10}
+
+
+def _sweep_file(tmp: Path) -> Path:
+    cfg = {
+        # seed 16: its 3-digit secrets occur in no number of the public corpus (configs/scale-reduced.yaml)
+        "pretrain": {"steps": 4, "users": 16, "docs_per_user": 3, "seed": 16,
+                     "overrides": {"train.checkpoint_every": 2, "train.eval_every": 2}},
+        "base": {
+            "data": {"synth": {"users": 16, "docs_per_user": 3, "seed": 0, "paragraph_sentences": 2},
+                     "canaries": {"repetitions": [1, 4], "owners": ["user"], "secret_length": 3},
+                     "seq_len": 64},
+            "model": {"preset": "tiny"},
+            "train": {"engine": "jax", "steps": 6, "batch_size": 4, "lr": 3e-3, "warmup_steps": 1,
+                      "eval_every": 2, "checkpoint_every": 2, "eval_batches": 1},
+            "federated": {"rounds": 4, "cohort": 4, "local_steps": 1, "local_batch_size": 2,
+                          "eval_every": 2, "checkpoint_every": 2},
+        },
+        "per_backend": {"federated": {"privacy.clip": 0.5}},
+        "grid": {"backends": ["centralized", "federated"], "epsilons": ["inf", 8], "seeds": 1},
+        "probe": PROBE,
+    }
+    path = tmp / "sweep.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def _results(out: Path) -> dict[str, tuple[str, dict]]:
+    """Each run's weights and its probes' results (what a probe measured, not when or how long)."""
+    runs = {}
+    for rd in sorted((out / "runs").iterdir()):
+        probes = read_json(rd / "probes.json")
+        runs[rd.name] = (weights_sha256(rd / "model"), probes["results"])
+    return runs
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pieces")
+    cfg = _sweep_file(tmp)
+    whole = tmp / "whole"
+    assert main(["sweep", str(cfg), "--out", str(whole)]) == 0
+    pieces, codes = tmp / "pieces", []
+    while not codes or codes[-1] == 3:
+        assert len(codes) < 80, f"the pieces do not end: exit codes {codes}"
+        codes.append(main(["sweep", str(cfg), "--out", str(pieces), "--stop-after", "0.001"]))
+    return whole, pieces, codes
+
+
+def test_pieces_end_where_one_sweep_ends(swept):
+    whole, pieces, codes = swept
+    assert codes[-1] == 0 and set(codes[:-1]) == {3}
+    assert read_json(pieces / "sweep.json")["status"] == "complete"
+    assert (pieces / "report" / "report.json").is_file()
+    a, b = _results(whole), _results(pieces)
+    assert set(a) == set(b) == {"public-base", "centralized-epsinf-s0", "centralized-eps8-s0",
+                                "federated-epsinf-s0", "federated-eps8-s0"}
+    for name in a:
+        assert b[name][0] == a[name][0], f"{name}: other weights"
+        assert b[name][1] == a[name][1], f"{name}: other probe results"
+
+
+def test_training_stopped_at_checkpoints_and_resumed(swept):
+    _, pieces, codes = swept
+    # 6 steps / 4 rounds with a checkpoint every 2: every point was stopped inside its training
+    # and resumed (the base too), so the weights compared above went through a resume
+    for name in ("centralized-epsinf-s0", "centralized-eps8-s0", "federated-epsinf-s0", "federated-eps8-s0"):
+        m = read_json(pieces / "runs" / name / "run.json")
+        assert m["status"] == "complete"
+        assert len(m["timings"].get("resumed", [])) >= 1, name
+    assert len(read_json(pieces / "base" / "run.json")["timings"].get("resumed", [])) == 1
+    # one piece of work an invocation: pretraining (2 stretches), the reference's probes, then per
+    # point its stretches and its probes
+    assert len(codes) >= 2 + 1 + 4 * 3
+
+
+def test_stopped_sweep_says_so(swept, capsys, tmp_path):
+    _, _, _ = swept
+    cfg = _sweep_file(tmp_path)
+    out = tmp_path / "out"
+    assert main(["sweep", str(cfg), "--out", str(out), "--stop-after", "0.001", "--format", "json"]) == 3
+    summary = read_json(out / "sweep.json")
+    assert summary["status"] == "stopped" and summary["report"] is None
+    assert not (out / "report").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_bad_stop_after_one_line(value, tmp_path, capsys):
+    cfg = _sweep_file(tmp_path)
+    assert main(["sweep", str(cfg), "--out", str(tmp_path / "o"), "--stop-after", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stop-after" in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_stop_after_refuses_scheduler_executors(tmp_path, capsys):
+    cfg = _sweep_file(tmp_path)
+    code = main(["sweep", str(cfg), "--out", str(tmp_path / "o"), "--stop-after", "60", "--executor", "local"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--stop-after needs the processes or debug executor" in err[0]
+
+
+def test_dry_run_lists_points_and_writes_nothing(tmp_path, capsys):
+    cfg = _sweep_file(tmp_path)
+    assert main(["sweep", str(cfg), "--out", str(tmp_path / "o"), "--dry-run", "--format", "json"]) == 0
+    import json
+
+    listed = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in listed["points"]] == ["centralized-epsinf-s0", "centralized-eps8-s0",
+                                                     "federated-epsinf-s0", "federated-eps8-s0"]
+    # 6 steps x 4 sequences x 64 tokens; 4 rounds x 4 clients x 1 local step x 2 x 64
+    assert [p["tokens_seen"] for p in listed["points"]] == [1536, 1536, 2048, 2048]
+    assert not (tmp_path / "o").exists()
