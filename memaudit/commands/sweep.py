@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -38,12 +39,19 @@ def _list_points(cfg, fmt: str) -> None:
     rows = [{"name": p.name, "backend": p.backend, "model": p.model, "level": p.level,
              "level_kind": p.level_kind, "goldfish": p.goldfish, "audit": p.audit,
              "tokens_seen": p.tokens_seen} for p in points]
-    bases = sorted({p.model for p in points}, key=str) if cfg.pretrain is not None else []
+    bases = []
+    if cfg.pretrain is not None:
+        from memaudit.sweep.pretrain import base_dir_name, public_base_config, pretrained_sizes
+
+        for size in pretrained_sizes(cfg, points):
+            t = public_base_config(cfg, size=size)
+            bases.append({"base": base_dir_name(size), "model": size, "steps": t.train.steps,
+                          "tokens": t.train.steps * t.train.batch_size * t.data.seq_len})
     if fmt == "json":
-        print_json({"pretrain": [b or "base" for b in bases], "points": rows, "regime": cfg.regime})
+        print_json({"pretrain": bases, "points": rows, "regime": cfg.regime})
         return
     for b in bases:
-        console.print(f"pretrain public base {b or ''}".rstrip() + f": {cfg.pretrain.steps} steps",
+        console.print(f"pretrain {b['base']}: {b['steps']} steps, {b['tokens']:,} tokens",
                       markup=False, highlight=False)
     for r in rows:
         console.print(f"{r['name']}: {r['tokens_seen']:,} tokens", markup=False, highlight=False)
@@ -77,6 +85,10 @@ def register(app: typer.Typer) -> None:
             "after which another stretch would not fit, and no point or probe starts after them; exit "
             "code 3 then, and the same command again goes on where it stopped. Leave a margin below a "
             "hard limit (one checkpoint interval and one point's probes).")] = None,
+        only: Annotated[str | None, typer.Option(
+            "--only", help="Run only the points whose names match these comma-separated shell patterns, "
+            "e.g. 'centralized-125m-*,federated-125m-eps8-*' (one machine's part of a study); the "
+            "grid's first size still pretrains, for the shared tokenizer.")] = None,
         dry_run: Annotated[bool, typer.Option(
             "--dry-run", help="Validate the sweep file and list its points (backend, size, privacy "
             "level, tokens seen); train nothing, write nothing.")] = False,
@@ -99,6 +111,11 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"grid.seeds={seeds}")
         if jobs is not None:
             overrides.append(f"jobs={jobs}")
+        if only is not None:
+            patterns = [p.strip() for p in only.split(",") if p.strip()]
+            if not patterns:
+                raise ValueError("--only is empty; give comma-separated patterns such as 'centralized-125m-*'")
+            overrides.append("select=" + json.dumps(patterns))
         if executor is not None:
             from memaudit.sweep.config import EXECUTORS  # lazy: as load_sweep_config above
 
