@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
+from memaudit import timebox
 from memaudit.backends import backend_name
 from memaudit.checkpoints import (
     checkpoint_candidates,
@@ -67,7 +68,6 @@ from memaudit.io import (
 from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
 from memaudit.models.init import base_model_record, model_vocab_size
 from memaudit.privacy.randomness import DPRandomness
-from memaudit import timebox
 from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest, require_memaudit_manifest
 
 SENSITIVE_METRICS = "sensitive_metrics.jsonl"

@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
         to: Annotated[Path, typer.Option("--to", help="The folder written.")],
         fmt: Annotated[str, typer.Option("--format", help="table | json")] = "table",
     ) -> None:
-        from memaudit.sweep.collect import collect as pack  # lazy: as every command's work
+        # lazy: `memaudit --help` does not import the sweep package (pydantic, ~0.3 s)
+        from memaudit.sweep.collect import collect as pack
         from memaudit.sweep.collect import unpack
 
         if fmt not in ("table", "json"):

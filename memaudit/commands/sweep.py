@@ -41,7 +41,8 @@ def _list_points(cfg, fmt: str) -> None:
              "tokens_seen": p.tokens_seen} for p in points]
     bases = []
     if cfg.pretrain is not None:
-        from memaudit.sweep.pretrain import base_dir_name, public_base_config, pretrained_sizes
+        # lazy: the pretraining module loads the run lifecycle; only a listing with bases pays it
+        from memaudit.sweep.pretrain import base_dir_name, pretrained_sizes, public_base_config
 
         for size in pretrained_sizes(cfg, points):
             t = public_base_config(cfg, size=size)

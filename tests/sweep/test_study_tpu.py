@@ -13,7 +13,12 @@ import pytest
 from memaudit.errors import ConfigError
 from memaudit.models.presets import param_count
 from memaudit.probes.power import minimum_detectable_effect, signflip_floor
-from memaudit.sweep.config import load_sweep_config, plan_points, point_config, sweep_config_from_dict
+from memaudit.sweep.config import (
+    load_sweep_config,
+    plan_points,
+    point_config,
+    sweep_config_from_dict,
+)
 from memaudit.sweep.pretrain import pretrained_sizes, public_base_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
