@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from memaudit import __version__
+from memaudit import __version__, timebox
 from memaudit import dispatch as switch
 from memaudit.backends import CENTRALIZED
 from memaudit.checks import check_before_disk
@@ -310,6 +310,8 @@ def pretrain_bases(cfg: Any, out_dir: str | Path, points: list[Any], progress: P
     bases = _pretrained_sizes(cfg, out_dir, points)
     sizes = list(bases)
     for size in sizes:
+        if timebox.should_stop():  # --stop-after: the next base waits for the next invocation
+            raise timebox.TimeUp("time box ended before a public base")
         shared = str(bases[sizes[0]]) if size != sizes[0] else None
         ensure_public_base(cfg, out_dir, progress, size=size, tokenizer=shared, overwrite=overwrite)
     return with_bases(out_dir, points)
