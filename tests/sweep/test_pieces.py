@@ -162,3 +162,17 @@ def test_dry_run_lists_points_and_writes_nothing(tmp_path, capsys):
     assert [p["tokens_seen"] for p in listed["points"]] == [1536, 2048]
     assert listed["pretrain"] == [{"base": "base", "model": None, "steps": 4, "tokens": 4 * 4 * 64}]
     assert not (tmp_path / "o").exists()
+
+
+def test_time_box_stops_after_work_and_before_a_stretch_that_would_not_fit():
+    from memaudit import timebox
+
+    with timebox.time_box(3600.0):
+        timebox.after_checkpoint(1.0)  # another second fits in the hour
+        with pytest.raises(timebox.TimeUp):
+            timebox.after_checkpoint(7200.0)  # two hours do not
+    with timebox.time_box(1e-6):
+        assert timebox.expired() and not timebox.should_stop()  # no work yet: the first piece runs
+        timebox.note_work()
+        assert timebox.should_stop()
+    assert timebox.stop_at() is None and not timebox.should_stop()  # no box: never
