@@ -106,15 +106,15 @@ def test_the_rehearsal_is_the_same_study():
     skip = {"models"}
     assert {k: v for k, v in rehearsal.grid.model_dump().items() if k not in skip} == \
         {k: v for k, v in study.grid.model_dump().items() if k not in skip}
-    shapes = {re.sub(r"-(tiny2x|tiny|125m|350m)-", "-SIZE-", p.name) for p in plan_points(rehearsal)}
+    shapes = {re.sub(r"-(tiny|125m|350m)-", "-SIZE-", p.name) for p in plan_points(rehearsal)}
     assert shapes == {re.sub(r"-(tiny|125m|350m)-", "-SIZE-", p.name) for p in plan_points(study)}
     assert rehearsal.grid.models[0] == "tiny"  # the tokenizer's size first, as the study's
     for key in ("heldout_users", "holdout_fraction"):
         assert rehearsal.base["data"][key] == study.base["data"][key]
     assert rehearsal.base["train"]["engine"] == study.base["train"]["engine"] == "jax"
     # about the same public pretraining per parameter
-    t = public_base_config(rehearsal, size="tiny2x")
-    assert t.train.steps * t.train.batch_size * t.data.seq_len / param_count("tiny2x") == pytest.approx(0.05, rel=0.2)
+    t = public_base_config(rehearsal, size="tiny")
+    assert t.train.steps * t.train.batch_size * t.data.seq_len / param_count("tiny") == pytest.approx(0.05, rel=0.2)
 
 
 def _sizes(models: list[str]) -> dict:
