@@ -7,7 +7,8 @@ Every one-process training run asks `after_checkpoint` once a checkpoint is seal
 stretch as long as the one that just ended would not finish inside the box, it raises `TimeUp`
 there. The run closes "interrupted" with that checkpoint, and the next invocation resumes from
 it: the same steps from the same state and random streams, so the pieces end where one
-uninterrupted run ends. A sweep does not start a point, or a point's probes, once the box has
+uninterrupted run ends (for DP runs with `privacy.reproducible_randomness`; noise drawn from OS
+entropy, the default, makes no two runs agree, pieces or not). A sweep does not start a point, or a point's probes, once the box has
 ended (`should_stop`), unless this process has done no work in the box yet (`note_work`): every
 invocation moves the sweep on by at least one stretch, however short its box, so that repeating
 the same command always ends it.
