@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover
 import pickle
 
 from memaudit import __version__
+from memaudit.commands import collect as collect_cmd
 from memaudit.commands import data as data_cmd
 from memaudit.commands import epsilon as epsilon_cmd
 from memaudit.commands import parallel as parallel_cmd
@@ -66,6 +67,7 @@ probe_cmd.register(app)
 report_cmd.register(app)
 sweep_cmd.register(app)
 epsilon_cmd.register(app)
+collect_cmd.register(app)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -49,7 +49,7 @@ def test_probe_help_says_goldfish_extraction_runs_on_outside_models_only_when_as
 def test_a_library_warning_never_reaches_the_terminal(monkeypatch, capsys):
     """A library's warning (a FutureWarning of transformers, a UserWarning of torch) raised while
     a command runs is not printed; memaudit's own error line still is."""
-    import memaudit.reports.build as build
+    from memaudit.reports import build
 
     def noisy(*_a, **_k):
         warnings.warn("some library changes a default", FutureWarning, stacklevel=1)
@@ -66,11 +66,10 @@ def test_a_library_warning_never_reaches_the_terminal(monkeypatch, capsys):
 
 @pytest.mark.parametrize("flag", [["--debug"]])
 def test_debug_keeps_the_libraries_warnings(monkeypatch, flag):
-    import memaudit.reports.build as build
+    from memaudit.reports import build
 
     def noisy(*_a, **_k):
         warnings.warn("some library changes a default", FutureWarning, stacklevel=1)
-        return None
 
     monkeypatch.setattr(build, "build_report", noisy)
     with warnings.catch_warnings(record=True) as seen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +27,38 @@ def _floats(spec: str, what: str) -> list[float]:
     return out
 
 
+STOPPED_EXIT = 3
+"""`sweep --stop-after`'s exit code when the time ran out before the sweep ended."""
+
+
+def _list_points(cfg, fmt: str) -> None:
+    """`--dry-run`: the grid's points as the sweep would run them (public bases first)."""
+    from memaudit.sweep.config import plan_points  # lazy: as load_sweep_config
+
+    points = plan_points(cfg)
+    rows = [{"name": p.name, "backend": p.backend, "model": p.model, "level": p.level,
+             "level_kind": p.level_kind, "goldfish": p.goldfish, "audit": p.audit,
+             "tokens_seen": p.tokens_seen} for p in points]
+    bases = []
+    if cfg.pretrain is not None:
+        # lazy: the pretraining module loads the run lifecycle; only a listing with bases pays it
+        from memaudit.sweep.pretrain import base_dir_name, pretrained_sizes, public_base_config
+
+        for size in pretrained_sizes(cfg, points):
+            t = public_base_config(cfg, size=size)
+            bases.append({"base": base_dir_name(size), "model": size, "steps": t.train.steps,
+                          "tokens": t.train.steps * t.train.batch_size * t.data.seq_len})
+    if fmt == "json":
+        print_json({"pretrain": bases, "points": rows, "regime": cfg.regime})
+        return
+    for b in bases:
+        console.print(f"pretrain {b['base']}: {b['steps']} steps, {b['tokens']:,} tokens",
+                      markup=False, highlight=False)
+    for r in rows:
+        console.print(f"{r['name']}: {r['tokens_seen']:,} tokens", markup=False, highlight=False)
+    console.print(f"{len(rows)} points (regime {cfg.regime})", markup=False, highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("sweep", help="Train, probe and report over backends x model sizes x privacy levels x seeds.")
     def sweep(
@@ -48,6 +81,18 @@ def register(app: typer.Typer) -> None:
             "--overwrite", help="Retrain complete points whose config changed (after an edit of the "
             "sweep file, or another sweep file on this --out); without it such a sweep stops and "
             "names them.")] = False,
+        stop_after: Annotated[float | None, typer.Option(
+            "--stop-after", help="Seconds this invocation may take: training stops at the first checkpoint "
+            "after which another stretch would not fit, and no point or probe starts after them; exit "
+            "code 3 then, and the same command again goes on where it stopped. Leave a margin below a "
+            "hard limit (one checkpoint interval and one point's probes).")] = None,
+        only: Annotated[str | None, typer.Option(
+            "--only", help="Run only the points whose names match these comma-separated shell patterns, "
+            "e.g. 'centralized-125m-*,federated-125m-eps8-*' (one machine's part of a study); the "
+            "grid's first size still pretrains, for the shared tokenizer.")] = None,
+        dry_run: Annotated[bool, typer.Option(
+            "--dry-run", help="Validate the sweep file and list its points (backend, size, privacy "
+            "level, tokens seen); train nothing, write nothing.")] = False,
     ) -> None:
         # lazy: `memaudit --help` does not import the sweep config (pydantic, ~0.3 s)
         from memaudit.sweep.config import load_sweep_config
@@ -67,6 +112,11 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"grid.seeds={seeds}")
         if jobs is not None:
             overrides.append(f"jobs={jobs}")
+        if only is not None:
+            patterns = [p.strip() for p in only.split(",") if p.strip()]
+            if not patterns:
+                raise ValueError("--only is empty; give comma-separated patterns such as 'centralized-125m-*'")
+            overrides.append("select=" + json.dumps(patterns))
         if executor is not None:
             from memaudit.sweep.config import EXECUTORS  # lazy: as load_sweep_config above
 
@@ -80,6 +130,13 @@ def register(app: typer.Typer) -> None:
                 raise ValueError(f"--goldfish '{goldfish}' must be off, on or off,on")
             overrides.append(f"grid.goldfish=[{','.join('true' if g == 'on' else 'false' for g in vals)}]")
         cfg = load_sweep_config(config, overrides)
+        if stop_after is not None:
+            from memaudit.run.timebox import check_seconds  # lazy: as load_sweep_config above
+
+            check_seconds(stop_after)
+        if dry_run:
+            _list_points(cfg, fmt)
+            return
 
         # lazy: `memaudit --help` does not import numpy (~0.4 s)
         from memaudit.sweep.runner import run_sweep
@@ -102,11 +159,11 @@ def register(app: typer.Typer) -> None:
                                description=str(info.get("stage", info.get("phase", "train"))),
                                info=str(info.get("point", "")))
 
-            summary = run_sweep(cfg, out, progress=on_progress, overwrite=overwrite)
+            summary = run_sweep(cfg, out, progress=on_progress, overwrite=overwrite, stop_after=stop_after)
         if fmt == "json":
             print_json(summary)
             if summary["status"] != "complete":
-                raise typer.Exit(1)
+                raise typer.Exit(STOPPED_EXIT if summary["status"] == "stopped" else 1)
             return
         for o in summary["outcomes"]:
             line = f"{o['name']}: {o['status']} ({o['action']}, {o['seconds']:.0f}s)"
@@ -119,5 +176,11 @@ def register(app: typer.Typer) -> None:
             console.print(match_line(rec), markup=False, highlight=False)
         if summary["report"]:
             console.print(f"report: {summary['report']['html']}", markup=False)
+        if summary["status"] == "stopped":
+            done = sum(o["status"] == "complete" for o in summary["outcomes"])
+            total = len((summary["plan"] or {}).get("points") or [])
+            console.print(f"stopped at --stop-after: {done} of {total or 'the'} points complete; run the "
+                          "same command again to go on", markup=False, highlight=False)
+            raise typer.Exit(STOPPED_EXIT)
         if summary["status"] != "complete":
             raise typer.Exit(1)

@@ -49,7 +49,12 @@ import jax
 import jax.numpy as jnp
 
 from memaudit.config import AdaptiveClipConfig
-from memaudit.federated.aggregators import AggregateResult, Aggregator, FusedAggregation, mean_aggregator
+from memaudit.federated.aggregators import (
+    AggregateResult,
+    Aggregator,
+    FusedAggregation,
+    mean_aggregator,
+)
 from memaudit.federated.client_ops import clip_deltas, global_norms
 from memaudit.federated.updates import client_updates
 from memaudit.privacy.federated import dpfedavg_mechanism

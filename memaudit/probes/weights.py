@@ -38,6 +38,9 @@ def recorded_weights(doc: Any) -> str | None:
 
 
 def weights_mismatch(doc: Any, model_dir: str | os.PathLike) -> bool:
-    """Whether a probes.json that records a fingerprint measured other weights than `model_dir`'s."""
+    """Whether a probes.json that records a fingerprint measured other weights than `model_dir`'s.
+    False where `model_dir` holds no weights (a run brought back without them, `memaudit collect`):
+    there is nothing to compare with."""
     recorded = recorded_weights(doc)
-    return recorded is not None and recorded != weights_sha256(model_dir)
+    current = weights_sha256(model_dir)
+    return recorded is not None and current is not None and recorded != current

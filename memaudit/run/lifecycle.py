@@ -65,6 +65,7 @@ from memaudit.io import (
 )
 from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
 from memaudit.models.init import base_model_record, model_vocab_size
+from memaudit.run import timebox
 from memaudit.run.checks import check_data
 from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest, require_memaudit_manifest
 
@@ -154,6 +155,7 @@ class RunSession:
         self.data_progress = data_progress
         self._stack = contextlib.ExitStack()
         self._lock: Any = None
+        self._stretch_from = time.monotonic()  # since the last checkpoint (or the start): a time box's unit
 
     # ---- enter / exit
     def __enter__(self) -> Self:
@@ -276,6 +278,7 @@ class RunSession:
     def complete(self, result: dict[str, Any]) -> None:
         if self.is_writer:
             self._close("complete", result=result, error=None)
+        timebox.note_work()  # a run finished: a time box may stop this process at its next boundary
 
     # ---- data
     def data(self) -> Any:
@@ -310,6 +313,7 @@ class RunSession:
     # ---- metrics
     def start(self, step: int) -> None:
         """Training starts (again) at `step`: drop metrics lines past it."""
+        self._stretch_from = time.monotonic()
         if self.is_writer:
             truncate_jsonl(self.run.metrics_path, step)
             sens = self.run.path / SENSITIVE_METRICS
@@ -365,6 +369,11 @@ class RunSession:
         except BaseException:
             remove(tmp)
             raise
+        # sealed: a good place to stop when an open time box (memaudit.run.timebox) would end before
+        # the next one (a multi-process grid seals through commit_checkpoint and is not stopped here)
+        now = time.monotonic()
+        stretch, self._stretch_from = now - self._stretch_from, now
+        timebox.after_checkpoint(stretch)
 
     def state_file(self, name: str) -> Any | None:
         p = self.run.state_dir / name

@@ -25,6 +25,7 @@ References:
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import re
@@ -68,6 +69,9 @@ class PretrainConfig(BaseModel):
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="dotted overrides of the base's run config, e.g. "
         "train.lr: 3e-3 (applied after the sweep's base config)")
+    per_model: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="dotted overrides of one size's base, after `overrides`, "
+        "e.g. {125m: {train.steps: 380}}: public pretraining scaled to the size (tokens per parameter)")
 
 
 class _Section(BaseModel):
@@ -93,6 +97,9 @@ class GridConfig(_Section):
         "settings (its defaults when the base has none); absent: the base config's choice")
     models: list[str] | None = Field(None, description="model-size axis: presets compared at equal "
                                      "tokens seen; absent: the base config's model")
+    only: list[str] | None = Field(
+        None, description="keep only the points whose names match one of these shell patterns, e.g. "
+        "['*-epsinf-gf-*', '*-eps8-*'] (a mitigation at one setting); absent: every point")
 
     @field_validator("models")
     @classmethod
@@ -308,6 +315,9 @@ class SweepConfig(_Section):
     match_utility: MatchUtilityConfig = MatchUtilityConfig()
     probe: SweepProbeConfig = SweepProbeConfig()
     executor: ExecutorConfig = ExecutorConfig()
+    select: list[str] | None = Field(
+        None, description="this invocation's part of the grid: shell patterns over point names "
+        "(CLI --only), applied after grid.only; the grid's first size still trains the tokenizer")
     # ---- public pretraining (memaudit.sweep.pretrain, owned there): absent = from scratch
     pretrain: PretrainConfig | None = Field(
         None, description="train one public base model first; every point fine-tunes it")
@@ -380,9 +390,11 @@ def _same_tokens(section: str, v: dict[str, dict[str, Any]], model_owner: str, w
 def _check_sizes(cfg: SweepConfig) -> None:
     """The size axis: per_model names only listed sizes, the sizes share one tokenizer."""
     models = cfg.grid.models
-    unused = sorted(set(cfg.per_model) - set(models or []))
+    unused = [f"per_model.{m}" for m in sorted(set(cfg.per_model) - set(models or []))]
+    if cfg.pretrain is not None:
+        unused += [f"pretrain.per_model.{m}" for m in sorted(set(cfg.pretrain.per_model) - set(models or []))]
     if unused:
-        raise ValueError(f"per_model.{unused[0]} names a size that is not in grid.models "
+        raise ValueError(f"{unused[0]} names a size that is not in grid.models "
                          f"({models}); add it to grid.models or remove it")
     if models is None:
         return
@@ -394,12 +406,16 @@ def _check_sizes(cfg: SweepConfig) -> None:
     vocab = {m: get_preset(m).vocab_size for m in models}
     data = cfg.base.get("data") or {}
     shared_tokenizer = isinstance(data, dict) and data.get("tokenizer") is not None
-    if len(set(vocab.values())) > 1 and not shared_tokenizer:
+    # with public pretraining the first size's base trains the tokenizer every size reads
+    # (memaudit.sweep.pretrain.pretrain_bases): its ids fit a larger vocabulary's embeddings
+    first_smallest = cfg.pretrain is not None and vocab[models[0]] == min(vocab.values())
+    if len(set(vocab.values())) > 1 and not (shared_tokenizer or first_smallest):
         listed = ", ".join(f"{m}: {n}" for m, n in vocab.items())
         raise ValueError(f"grid.models have different vocabularies ({listed}), so each size "
                          "would train its own tokenizer and their numbers would not compare; "
-                         "choose sizes with one vocabulary (e.g. tiny, tiny2x) or set "
-                         "base.data.tokenizer to one shared tokenizer")
+                         "choose sizes with one vocabulary (e.g. tiny, tiny2x), set "
+                         "base.data.tokenizer to one shared tokenizer, or pretrain public bases "
+                         "with the smallest vocabulary's size first in grid.models")
 
 
 @dataclass(frozen=True)
@@ -510,7 +526,17 @@ def plan_points(cfg: SweepConfig) -> list[SweepPoint]:
                     if not _audited(cfg.audit.levels, level, kind):
                         continue
                     add(backend, model, level, grid.seed_list[0], False, True)
+    points = [p for p in points if _selected(grid.only, p.name) and _selected(cfg.select, p.name)]
     return [replace(p, tokens_seen=tokens_seen(point_config(cfg, p))) for p in points]
+
+
+def _selected(patterns: list[str] | None, name: str) -> bool:
+    """Whether point `name` matches one of `patterns` (None: every point does).
+
+    >>> _selected(["*-epsinf-gf-*"], "centralized-125m-epsinf-gf-s0"), _selected(["*-eps8-*"], "federated-epsinf-s0")
+    (True, False)
+    """
+    return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def tokens_seen(run_cfg: Config) -> int:
@@ -560,6 +586,9 @@ def sweep_config_from_dict(raw: dict[str, Any], *, source: str = "sweep config")
     # Validate the base and every point's config up front: a bad grid fails before any training.
     points = plan_points(cfg)
     if not points:
+        if cfg.grid.only is not None or cfg.select is not None:
+            raise ConfigError(f"{source}: no point of the grid matches grid.only {cfg.grid.only} and "
+                              f"--only {cfg.select}; list the points with --dry-run and match their names")
         raise ConfigError(f"{source}: the sweep grid is empty (no backend x privacy level x seed); "
                           "give grid.backends and grid.epsilons or grid.noise_multipliers")
     if cfg.executor.kind != "processes":

@@ -38,6 +38,7 @@ from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json, read_jsonl
 from memaudit.models.init import initial_model
 from memaudit.run import dispatch as switch
+from memaudit.run import timebox
 from memaudit.run.checks import check_before_disk
 from memaudit.run.lifecycle import RunSession
 from memaudit.rundir import RunDir, prepare_new_run
@@ -82,7 +83,7 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
         **({"model.preset": size} if size is not None else {}),
     }.items():
         set_dotted(raw, key, value)
-    for key, value in p.overrides.items():
+    for key, value in {**p.overrides, **p.per_model.get(size or "", {})}.items():
         set_dotted(raw, key, value)
     return config_from_dict(raw, source="sweep pretrain")
 
@@ -270,10 +271,24 @@ def with_bases(out_dir: str | Path, points: list[Any]) -> list[Any]:
     return [replace(p, overrides={**p.overrides, "model.init_from": str(bases[p.model])}) for p in points]
 
 
+def pretrained_sizes(cfg: Any, points: list[Any]) -> list[str | None]:
+    """The sizes whose bases are pretrained, the tokenizer's first: the grid's first size trains
+    the tokenizer every size reads, also when `grid.only` or `select` leave none of its points
+    (its base is then pretrained for the tokenizer alone)."""
+    first = cfg.grid.models[0] if cfg.grid.models else None
+    return [first, *[s for s in dict.fromkeys(p.model for p in points) if s != first]]
+
+
+def _pretrained_sizes(cfg: Any, out_dir: str | Path, points: list[Any]) -> dict[str | None, Path]:
+    """`pretrained_sizes` with each one's model directory."""
+    return {size: (Path(out_dir) / base_dir_name(size) / "model").resolve()
+            for size in pretrained_sizes(cfg, points)}
+
+
 def stale_bases(cfg: Any, out_dir: str | Path, points: list[Any]) -> list[str]:
     """The complete bases under `out_dir` that `ensure_public_base` would pretrain again (their
     `pretrain_key` is not the sweep's now): what a sweep without --overwrite refuses."""
-    bases, stale = base_models(out_dir, points), []
+    bases, stale = _pretrained_sizes(cfg, out_dir, points), []
     sizes = list(bases)
     for size in sizes:
         rd = RunDir(Path(out_dir) / base_dir_name(size))
@@ -293,9 +308,11 @@ def pretrain_bases(cfg: Any, out_dir: str | Path, points: list[Any], progress: P
     With a model-size axis each size gets its own base, pretrained on the same public corpus;
     the first size's trained tokenizer is given to the others, so every size (and so every
     fine-tune, which adopts its base's tokenizer) reads the same tokens."""
-    bases = base_models(out_dir, points)
+    bases = _pretrained_sizes(cfg, out_dir, points)
     sizes = list(bases)
     for size in sizes:
+        if timebox.should_stop():  # --stop-after: the next base waits for the next invocation
+            raise timebox.TimeUp("time box ended before a public base")
         shared = str(bases[sizes[0]]) if size != sizes[0] else None
         ensure_public_base(cfg, out_dir, progress, size=size, tokenizer=shared, overwrite=overwrite)
     return with_bases(out_dir, points)

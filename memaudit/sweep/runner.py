@@ -29,6 +29,7 @@ from memaudit.backends import ALIASES
 from memaudit.errors import MemauditError, RunDirError
 from memaudit.io import atomic_write_json
 from memaudit.reports import build as report_build
+from memaudit.run import timebox
 from memaudit.rundir import RunDir, SweepDir, check_output_folder
 from memaudit.sweep.config import SweepConfig, SweepPoint, plan_points
 from memaudit.sweep.executors import check_executor, run_jobs
@@ -36,7 +37,7 @@ from memaudit.sweep.match import match_inputs, plan_matches
 from memaudit.sweep.pretrain import base_references, pretrain_bases, stale_bases
 from memaudit.sweep.regime import resolve_regime
 from memaudit.sweep.replace import refuse_replacing, replaced_points, replaced_references
-from memaudit.sweep.work import PointOutcome, Progress, limit_threads, one_line, run_point
+from memaudit.sweep.work import STOPPED, PointOutcome, Progress, limit_threads, one_line, run_point
 
 
 def _point_in_worker(cfg: SweepConfig, p: SweepPoint, run_path: str, threads: int, queue: Any,
@@ -200,17 +201,24 @@ def check_sweep_dir(out: Path) -> None:
 
 
 def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = None,
-              debug: bool = False, overwrite: bool = False) -> dict[str, Any]:
+              debug: bool = False, overwrite: bool = False, stop_after: float | None = None) -> dict[str, Any]:
     """Train and probe every point of the grid under `out/runs/`, then write `out/report/`.
 
     With `cfg.jobs` > 1 the points run in that many processes at once (small models do not
     use a machine's cores well one at a time); each point's work is the same either way.
     The sweep holds `out/sweep.lock` throughout (a second sweep on `out` is refused), and
     trains a complete point anew only with `overwrite` (`memaudit.sweep.replace`).
+
+    `stop_after`: seconds of this invocation (`memaudit.run.timebox`): training stops at the first
+    checkpoint after which another stretch would not fit, no point or probe starts once they are
+    spent, and the summary's status is "stopped" (no report yet); the same call again goes on.
     """
     out = Path(out)
     check_output_folder(out, what="sweep --out")
-    with SweepDir(out).locked():
+    if stop_after is not None and cfg.executor.kind not in ("processes", "debug"):
+        raise ValueError(f"--stop-after needs the processes or debug executor (points on this machine), "
+                         f"not {cfg.executor.kind}; drop --stop-after or run with --executor processes")
+    with timebox.time_box(stop_after), SweepDir(out).locked():
         return _run_sweep_locked(cfg, out, progress=progress, debug=debug, overwrite=overwrite)
 
 
@@ -236,6 +244,8 @@ def _prepare_points(cfg: SweepConfig, out: Path, progress: Progress, overwrite: 
     if cfg.pretrain is not None:
         found += replaced_references(cfg, base_points, out)
     refuse_replacing(out, found, overwrite=overwrite)
+    if timebox.should_stop():
+        raise timebox.TimeUp("time box ended before the reference runs")
     references = base_references(cfg, out, base_points, progress) if cfg.pretrain is not None else []
     return points, references
 
@@ -247,7 +257,12 @@ def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug:
 
     check_sweep_dir(out)
     check_executor(cfg.executor)  # submitit missing, or no srun: one line, nothing written
-    points, references = _prepare_points(cfg, out, progress, overwrite)
+    try:
+        points, references = _prepare_points(cfg, out, progress, overwrite)
+    except timebox.TimeUp:  # the box ended in the public pretraining or its reference's probes
+        summary = {"plan": None, "outcomes": [], "status": STOPPED, "report": None}
+        atomic_write_json(out / "sweep.json", summary)
+        return summary
     plan = {"regime": cfg.regime, "executor": cfg.executor.kind,
             "points": [asdict(p) | {"config": None} for p in points]}
     atomic_write_json(out / "sweep.json", {"plan": plan, "outcomes": [], "status": "running"})
@@ -278,13 +293,20 @@ def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug:
         first, rest = split_first(points, match_inputs(cfg, points),
                                   cfg.jobs if cfg.executor.kind == "processes" else 1)
         run_batch(first)
-        extra, plan["matches"] = plan_matches(cfg, points, out)
-        plan["points"] += [asdict(p) | {"config": None} for p in extra]
-        if progress is not None:
-            for rec in plan["matches"]:
-                progress(len(slots), len(points) + len(extra), {"match": rec})
-        run_batch(rest + extra)
+        if any(o is not None and o.status == STOPPED for o in slots):  # matches wait for their inputs
+            run_batch(rest)
+        else:
+            extra, plan["matches"] = plan_matches(cfg, points, out)
+            plan["points"] += [asdict(p) | {"config": None} for p in extra]
+            if progress is not None:
+                for rec in plan["matches"]:
+                    progress(len(slots), len(points) + len(extra), {"match": rec})
+            run_batch(rest + extra)
     outcomes = [o for o in slots if o is not None]
+    if any(o.status == STOPPED for o in outcomes):  # a time box ended: the report waits for the rest
+        summary = {"plan": plan, "outcomes": [asdict(o) for o in outcomes], "status": STOPPED, "report": None}
+        atomic_write_json(out / "sweep.json", summary)
+        return summary
     done = references + [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]
     report_paths = None

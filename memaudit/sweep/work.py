@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from memaudit.errors import without_values  # the backend switch; its backends load when chosen
 from memaudit.run import dispatch as switch
+from memaudit.run import timebox
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_config
 from memaudit.sweep.point import PointAction, Verb, point_action
@@ -22,13 +23,16 @@ from memaudit.sweep.probing import probe_run
 from memaudit.sweep.replace import refuse_replacing_point
 
 Progress = Callable[[int, int, dict], None] | None
+STOPPED = "stopped"
+"""A point's status when a time box (`sweep --stop-after`) ended before it finished: resumed, or
+started, by the next invocation."""
 
 
 @dataclass
 class PointOutcome:
     name: str
     backend: str
-    status: str  # complete | failed
+    status: str  # complete | failed | stopped (a time box ended first)
     action: str  # trained | resumed | skipped
     probed: bool
     seconds: float
@@ -65,12 +69,21 @@ def run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, i
     t0 = time.time()
     outcome = PointOutcome(p.name, p.backend, "failed", "trained", False, 0.0)
     try:
+        if timebox.should_stop():  # --stop-after: the box ended before this point began
+            raise timebox.TimeUp("time box ended before the point")
         action = point_action(cfg, p, rd.path)
         outcome.action = train_point(point_config(cfg, p), rd, action, sub, on_action, overwrite=overwrite)
+        if action.verb is not Verb.SKIP and action.verb is not Verb.PROBE:
+            timebox.note_work()  # trained or resumed to its end
         if action.probes:
+            if timebox.should_stop():  # its probes wait for the next invocation (point_action: probe)
+                raise timebox.TimeUp("time box ended before the probes")
             probe_run(cfg, rd, lambda d, t, info: sub(d, t, {"stage": "probe", **info}))
+            timebox.note_work()
             outcome.probed = True
         outcome.status = "complete"
+    except timebox.TimeUp:  # stopped at a checkpoint or a boundary: the next invocation goes on
+        outcome.status = STOPPED
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - a failed point is recorded, the sweep goes on

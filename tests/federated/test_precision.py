@@ -8,9 +8,9 @@ import pytest
 
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-from memaudit.models.precision import ComputePolicy, policy_of_config, resolve_policy  # noqa: E402
+from memaudit.models.precision import ComputePolicy, policy_of_config, resolve_policy
 
 VOCAB = 256
 

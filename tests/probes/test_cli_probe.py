@@ -205,7 +205,7 @@ def test_a_model_trained_again_while_it_is_probed_writes_no_probes(tmp_path, tra
 
 def _probes_run(monkeypatch, argv) -> tuple:
     """The probes `memaudit probe` would run with `argv` (run_probes stopped before any work)."""
-    import memaudit.probes.runner as runner
+    from memaudit.probes import runner
 
     seen = {}
 

@@ -8,16 +8,13 @@ import math
 
 import numpy as np
 import pytest
-from scipy.stats import norm
 
 from memaudit.probes.power import POWER, minimum_detectable_effect
 from memaudit.probes.stats import (
-    auc_difference_test,
     fisher_exact,
     mcnemar_exact,
     paired_permutation_test,
     permutation_test,
-    roc_auc,
 )
 
 
