@@ -1,5 +1,5 @@
 """A SuperNode's request to the SuperLink's HTTP server: Flower 1.42's middleware stack against
-memaudit's (`memaudit.federated.flower.leanhttp`), side by side; prints JSON.
+memaudit's (`memaudit.federated.flower.transport.leanhttp`), side by side; prints JSON.
 
     python benchmarks/flower_http.py [--requests 50] [--repeats 7] [--large-mib 5]
 
@@ -14,7 +14,7 @@ request as a SuperNode does. Variants:
   event log only with a plugin (`leanhttp.ControlOnly`, `leanhttp.WhenFleetLogged`);
 - ``and_check``: SuperNode authentication as a plain ASGI layer too (`leanhttp.CheckThenPass`);
 - ``and_errors``: the error translation as a plain ASGI layer too (`leanhttp.ErrorsTranslated`);
-- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.leanhttp.lean_stack`): the
+- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.transport.leanhttp.lean_stack`): the
   protobuf translation of a Fleet request run by its own dispatch too (`leanhttp.Translated`).
 
 Requests: ``small`` (a pull-object ask, about 60 bytes) and ``large`` (a push-object of
@@ -25,7 +25,7 @@ the variants interleaved in every repeat.
 ``message_seconds``: one small message's exchange, every request a SuperNode makes for it
 (`message_requests`, ``--requests`` / 5 of them a repeat): Flower's nine requests on Flower's
 stack (``flower_nine``) and on memaudit's (``lean_nine``), and memaudit's two bundled requests on
-memaudit's stack (``lean_bundled``, `memaudit.federated.flower.bundle`).
+memaudit's stack (``lean_bundled``, `memaudit.federated.flower.transport.bundle`).
 """
 
 from __future__ import annotations
@@ -210,18 +210,18 @@ def push_object_body(nbytes: int, node_id: int = NODE_ID) -> bytes:
 
 def message_requests(node_id: int = NODE_ID) -> dict[str, list[tuple[str, bytes]]]:
     """One small message's exchange as a SuperNode makes it (`message_tree`, a reply of the same
-    shape): Flower's nine requests, and memaudit's two (`memaudit.federated.flower.bundle`)."""
+    shape): Flower's nine requests, and memaudit's two (`memaudit.federated.flower.transport.bundle`)."""
     from flwr.proto.fleet_pb2 import PullMessagesRequest, PushMessagesRequest
     from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest, PushObjectRequest
     from flwr.proto.node_pb2 import Node as NodeProto
 
-    from memaudit.federated.flower import bundle
+    from memaudit.federated.flower.transport import bundle, bundle_pb2
 
     node = NodeProto(node_id=node_id)
     pull = PullMessagesRequest(node=node).SerializeToString()
     push = PushMessagesRequest(node=node, messages_list=[message_proto(node_id)],
                                message_object_trees=[message_tree()], clientapp_runtime_list=[0.5])
-    m = bundle.messages()
+    m = bundle_pb2
     return {
         "nine": [("/v1/fleet/pull-messages", pull),
                  *[("/v1/fleet/pull-object", pull_object_body(node_id, i)) for i in MESSAGE_IDS],
@@ -270,7 +270,7 @@ def variants() -> dict[str, list[Any]]:
     from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
     from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
 
-    from memaudit.federated.flower import leanhttp
+    from memaudit.federated.flower.transport import leanhttp
 
     control = leanhttp.acts_on_control_only()
     return {"flower": flower_stack(),
@@ -289,9 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     import httpx
 
-    from memaudit.federated.flower import bundle
+    from memaudit.federated.flower.transport import bundle
 
-    bundle.install_superlink()  # the bundle routes on Flower's Fleet router, as memaudit's SuperLink has them
+    bundle.install("superlink")  # the bundle routes on Flower's Fleet router, as memaudit's SuperLink has them
     node = Node()
     exchange = message_requests()
     ways = {"flower_nine": ("flower", "nine"), "lean_nine": ("lean", "nine"), "lean_bundled": ("lean", "bundled")}

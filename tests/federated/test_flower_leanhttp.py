@@ -1,4 +1,4 @@
-"""memaudit's SuperLink HTTP stack (`memaudit.federated.flower.leanhttp`) answers every request
+"""memaudit's SuperLink HTTP stack (`memaudit.federated.flower.transport.leanhttp`) answers every request
 as Flower 1.42's own stack does, with fewer layers on a SuperNode's requests.
 
 Adversary: anyone who reaches the SuperLink's address and sends Fleet API requests of their
@@ -19,7 +19,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
-from memaudit.federated.flower import leanhttp
+from memaudit.federated.flower.transport import leanhttp
 from tests.conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -167,8 +167,8 @@ def test_install_is_idempotent_and_keeps_flowers_stack(monkeypatch):
     current = app_module._get_middleware  # lean already where a test ran a SuperLink in this process
     original = getattr(current, "__wrapped_flower__", current)
     monkeypatch.setattr(app_module, "_get_middleware", original)
-    leanhttp.install()
+    leanhttp.install("superlink")
     once = app_module._get_middleware
-    leanhttp.install()
+    leanhttp.install("superlink")
     assert app_module._get_middleware is once and once.__wrapped_flower__ is original
     assert [m.cls for m in once()] == [m.cls for m in leanhttp.lean_stack(original())]

@@ -7,7 +7,7 @@ stream, and every chunk of a request's body a task group more, all on the server
 loop. On 2 cores with 4 SuperNodes that loop was busy about half of every round of a secure
 run, most of it in these layers, and an exchange of a few hundred bytes took 0.3-0.4 s.
 
-`install` (memaudit's SuperLink, `memaudit.federated.flower.superlink`) builds the app with
+`install` (memaudit's SuperLink, through `memaudit.federated.flower.transport.install`) builds the app with
 `lean_stack`, which keeps every layer in Flower's order and changes how four kinds run:
 
 - `ControlOnly`: the four layers that act on Control API paths only (``/v1/control/``: the
@@ -38,20 +38,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from flwr.supercore.error.http import http_error_translator
+from flwr.supercore.protobuf.translation import ProtobufTranslationMiddleware
+from flwr.superlink import main as app_module
+from flwr.superlink.routers.control import middlewares as control
+from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
+from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
+from starlette.datastructures import URL  # Flower's HTTP stack: flwr brings starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+
 CONTROL_PREFIX = "/v1/control/"
 FLEET_PREFIX = "/v1/fleet/"
 
 
 def _path(scope: dict[str, Any]) -> str:
     # as Starlette's ``Request.url.path``, which the wrapped layers test
-    from starlette.datastructures import URL  # optional dependency: flwr brings starlette
-
     return URL(scope=scope).path
 
 
 class _Wrapping:
     """An ASGI layer around ``app`` holding Flower's ``middleware`` built on that same app."""
-
     def __init__(self, app: Any, middleware: type, **options: Any) -> None:
         self.app = app
         self.wrapped = middleware(app, **options)
@@ -60,7 +69,6 @@ class _Wrapping:
 class ControlOnly(_Wrapping):
     """An ASGI layer running ``middleware`` (a Starlette middleware class) on Control API
     requests only; HTTP requests to any other path go straight to ``app``."""
-
     def passes(self, scope: dict[str, Any]) -> bool:
         """Whether the wrapped layer would let this request through untouched."""
         return scope["type"] == "http" and not _path(scope).startswith(CONTROL_PREFIX)
@@ -75,7 +83,6 @@ class ControlOnly(_Wrapping):
 class WhenFleetLogged(ControlOnly):
     """Flower's Fleet event log layer, run only when the SuperLink has a Fleet event log plugin
     (``--enable-event-log`` with one installed): without one it lets every request through."""
-
     def passes(self, scope: dict[str, Any]) -> bool:
         app = scope.get("app")
         state = getattr(app, "state", None)
@@ -91,12 +98,10 @@ class CheckThenPass(_Wrapping):
     ``BaseHTTPMiddleware`` spends on every request and every chunk of its body. Only for a
     ``dispatch`` that does not read the body: the app inside reads it from the same ``receive``
     (SuperNode authentication reads headers and the protobuf request parsed further out)."""
-
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.wrapped(scope, receive, send)
             return
-        from starlette.requests import Request  # optional dependency: flwr brings starlette
 
         passed = _Passed()
 
@@ -117,7 +122,6 @@ class ErrorsTranslated:
     exception it raises before its response has started goes to that same ``dispatch``, as
     ``call_next`` raising it, whose answer is sent. One raised after the response started
     propagates, as it does from ``BaseHTTPMiddleware``."""
-
     def __init__(self, app: Any, dispatch: Any) -> None:
         self.app, self.dispatch = app, dispatch
 
@@ -137,7 +141,6 @@ class ErrorsTranslated:
         except Exception as exc:  # handed to Flower's translator, as BaseHTTPMiddleware does
             if started:
                 raise
-            from starlette.requests import Request  # optional dependency: flwr brings starlette
 
             failure = exc
 
@@ -156,14 +159,10 @@ class Translated(_Wrapping):
     ``dispatch`` read, reads the app's response whole and returns it, and the ``dispatch``'s
     answer is sent. Only on Fleet API requests, whose results are single messages; every other
     request goes through Flower's layer as it is (a Control API result may stream)."""
-
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not _path(scope).startswith(FLEET_PREFIX):
             await self.wrapped(scope, receive, send)
             return
-        # optional dependency: flwr brings starlette
-        from starlette.requests import Request
-        from starlette.responses import Response
 
         async def call_next(request: Any) -> Any:
             body = await request.body()  # the dispatch read it: cached
@@ -202,9 +201,6 @@ def acts_on_control_only() -> tuple[type, ...]:
     ``call_next(request)`` untouched for a path outside ``/v1/control/``. The sensitive-response
     layer acts on the routes of a table: it counts only when every route there is a Control
     API route."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.superlink.routers.control import middlewares as control
-
     out: list[type] = [control.ControlEventLogMiddleware, control.ControlLicenseMiddleware,
                        control.ControlAuthenticationMiddleware]
     if all(path.startswith(CONTROL_PREFIX) for _, path in control.CONTROL_SENSITIVE_ROUTE_KEYS):
@@ -219,10 +215,6 @@ def lean(stack: list[Any], control_only: tuple[type, ...], fleet_log: type | Non
     ``checks`` class in `CheckThenPass`, the ``BaseHTTPMiddleware`` whose dispatch is
     ``translator`` run as `ErrorsTranslated`, and the ``protobuf`` layer in `Translated`, in
     place and order."""
-    # optional dependency: flwr brings starlette
-    from starlette.middleware import Middleware
-    from starlette.middleware.base import BaseHTTPMiddleware
-
     def wrapped(m: Any) -> Any:
         if m.args:
             return m
@@ -246,22 +238,15 @@ def lean_stack(stack: list[Any]) -> list[Any]:
     memaudit's SuperLink runs it: the Control API's layers in `ControlOnly`, the Fleet event log
     in `WhenFleetLogged`, SuperNode authentication in `CheckThenPass`, the error translation in
     `ErrorsTranslated`, the protobuf translation of a Fleet request in `Translated`."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.supercore.error.http import http_error_translator
-    from flwr.supercore.protobuf.translation import ProtobufTranslationMiddleware
-    from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
-    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
-
     return lean(stack, acts_on_control_only(), FleetEventLogMiddleware, (NodeAuthMiddleware,),
                 http_error_translator, ProtobufTranslationMiddleware)
 
 
-def install() -> None:
-    """In a SuperLink's process, before it builds its app: `lean_stack` in place of Flower's
-    middleware stack. Idempotent."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.superlink import main as app_module
-
+def install(component: str) -> None:
+    """In a SuperLink's process (``component``), before it builds its app: `lean_stack` in place of
+    Flower's middleware stack. Idempotent; nothing for another component."""
+    if component != "superlink":
+        return
     built = app_module._get_middleware
     if getattr(built, "__memaudit_lean__", False):
         return
