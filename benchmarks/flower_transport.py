@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         for v in args.variants[k:] + args.variants[:k]:
             order.append(v)
             runs[v].append(one_run(v, root, info, ov, env, args.rounds, f"w{wave}"))
-            print(json.dumps({"wave": wave, "variant": v, **{x: runs[v][-1][x] for x in ("round_s", "run_s")}}),
-                  flush=True)
+            print(json.dumps({"wave": wave, "variant": v, **runs[v][-1]}), flush=True)  # a run, as it ends
     table = {v: summary(r) for v, r in runs.items()}
     base = table.get("all_on")
     for v, row in table.items():

@@ -336,8 +336,6 @@ def test_a_heartbeat_after_the_task_ended_does_not_stop_the_superexec(monkeypatc
     import threading
     from types import SimpleNamespace
 
-    import flwr.supernode.runtime.run_clientapp as rc
-
     from memaudit.federated.flower import superexec
 
     done = threading.Event()  # the task's output is in: its token is void
@@ -352,10 +350,11 @@ def test_a_heartbeat_after_the_task_ended_does_not_stop_the_superexec(monkeypatc
 
     monkeypatch.setattr(superexec, "_runtime_client", lambda *a: Runtime())
     message = SimpleNamespace()
-    monkeypatch.setattr(rc, "pull_task_input", lambda client: (message, SimpleNamespace(run_id=1), None,
-                                                                 SimpleNamespace(content=b"fab")))
-    monkeypatch.setattr(rc, "push_message", lambda client, reply, context: None)
-    monkeypatch.setattr(rc, "push_task_output", lambda **kw: done.set())
+    # Flower's runtime calls, as the SuperExec holds them
+    monkeypatch.setattr(superexec, "pull_task_input", lambda client: (message, SimpleNamespace(run_id=1), None,
+                                                                        SimpleNamespace(content=b"fab")))
+    monkeypatch.setattr(superexec, "push_message", lambda client, reply, context: None)
+    monkeypatch.setattr(superexec, "push_task_output", lambda **kw: done.set())
     monkeypatch.setattr(superexec, "is_memaudit_app", lambda fab, expected: True)
     signals = []
     old = signal.signal(signal.SIGINT, lambda *a: signals.append(a))
