@@ -535,11 +535,14 @@ def test_serverapps_side_by_side_create_messages_for_their_own_runs(monkeypatch)
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
+    from memaudit.federated.flower.transport import localruntime
     from memaudit.federated.flower.transport.localruntime import identity_per_thread
 
     meta = type(TaskIdentity)
     for name in ("task_id", "run_id", "node_id"):  # Flower's own, back after the test
         monkeypatch.setattr(meta, name, meta.__dict__[name])
+    # no thread has an identity yet (another test in this process may have set this thread's)
+    monkeypatch.setattr(localruntime, "_IDENTITY", threading.local())
     identity_per_thread()
     identity_per_thread()  # idempotent
     both_set = threading.Barrier(2)
