@@ -20,7 +20,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from memaudit.federated.flower.transport import bundle, bundle_pb2, leanhttp
+from memaudit.federated.flower.transport import bundle, bundle_pb2
 from tests.conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -41,7 +41,7 @@ def node() -> fh.Node:
 @pytest.fixture(scope="module")
 def client(node: fh.Node) -> TestClient:
     bundle.install("superlink")  # Flower's Fleet router gets the two routes
-    return TestClient(fh.fleet_app(leanhttp.lean_stack(fh.flower_stack()), node.public),
+    return TestClient(fh.fleet_app(fh.flower_stack(), node.public),
                       raise_server_exceptions=False)
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a failure, not a skip
+import flwr
 import pytest
 
 from memaudit.errors import ConfigError
@@ -23,20 +23,20 @@ from tests.conftest import REPO_ROOT
 def test_the_pin_is_the_flower_extras():
     """`PINNED_FLWR` is the version pyproject's flower extra installs."""
     text = (REPO_ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^flower = \["flwr==([^"]+)"', text, re.M).group(1) == PINNED_FLWR == flwr.__version__
+    assert re.search(r'^flower = \["flwr==([^"]+)"', text, re.MULTILINE).group(1) == PINNED_FLWR == flwr.__version__
 
 
 def test_another_flower_is_refused_in_one_line_before_anything_is_patched(monkeypatch, capsys):
-    from flwr.superlink import main as app_module
+    from flwr.superlink.servicer.fleet import fleet_handlers
 
     monkeypatch.setattr(flwr, "__version__", "1.43.0")
-    monkeypatch.setattr(app_module, "_get_middleware", app_module._get_middleware)  # restored after
-    before = app_module._get_middleware
+    monkeypatch.setattr(fleet_handlers, "pull_messages", fleet_handlers.pull_messages)  # restored after
+    before = fleet_handlers.pull_messages
     with pytest.raises(FlowerVersionError) as e:
         transport.install("superlink")
     line = str(e.value)
     assert len(line.splitlines()) == 1 and "1.43.0" in line and "install flwr==1.42.0" in line
-    assert app_module._get_middleware is before  # nothing patched
+    assert fleet_handlers.pull_messages is before  # nothing patched
     from memaudit.federated.flower import superlink, supernode
 
     for main in (superlink.main, supernode.main):
@@ -47,7 +47,7 @@ def test_another_flower_is_refused_in_one_line_before_anything_is_patched(monkey
 
 def test_a_layer_that_cannot_be_left_out_is_named(monkeypatch):
     monkeypatch.setattr(transport, "_off", set())  # this process's record, restored after
-    with pytest.raises(ValueError, match=r"cannot leave out \['fab_guard'\]; the layers that may be off: lean_http"):
+    with pytest.raises(ValueError, match=r"cannot leave out \['fab_guard'\]; the layers that may be off: short_waits"):
         transport.install("superlink", off=["fab_guard"])
     with pytest.raises(ValueError, match="no transport for 'worker'"):
         transport.install("worker")
@@ -126,8 +126,8 @@ def _proto_fields(text: str) -> tuple[str, list[str], dict[str, list[tuple]]]:
     """The package, imports and messages of a .proto file of plain messages: message name ->
     (field name, number, repeated, scalar type number or message type name)."""
     text = re.sub(r"//[^\n]*", "", text)
-    package = re.search(r"^\s*package\s+([\w.]+)\s*;", text, re.M).group(1)
-    imports = re.findall(r'^\s*import\s+"([^"]+)"\s*;', text, re.M)
+    package = re.search(r"^\s*package\s+([\w.]+)\s*;", text, re.MULTILINE).group(1)
+    imports = re.findall(r'^\s*import\s+"([^"]+)"\s*;', text, re.MULTILINE)
     messages = {}
     for name, body in re.findall(r"message\s+(\w+)\s*\{([^}]*)\}", text):
         fields = []

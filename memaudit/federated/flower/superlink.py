@@ -37,8 +37,7 @@ runs in this process (JAX and the run's server stages included), so one that bri
 interpreter down brings the SuperLink down with it; an exception ends its run only.
 
 A SuperNode's ask for a message and the ServerApp's ask for replies are held here until there
-is one to return, its objects all stored (`memaudit.federated.flower.transport.longpoll`), and a
-SuperNode's request skips the Control API's HTTP layers (`memaudit.federated.flower.transport.leanhttp`).
+is one to return, its objects all stored (`memaudit.federated.flower.transport.longpoll`).
 """
 
 from __future__ import annotations

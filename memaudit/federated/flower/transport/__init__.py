@@ -11,7 +11,6 @@ release may move or change without notice.
 The layers (`LAYERS`), each kept because a measurement showed it moves a round
 (``benchmarks/flower_transport.py``; docs/results.md):
 
-- ``lean_http`` (`leanhttp`): the SuperLink's HTTP stack with fewer layers on a Fleet request;
 - ``short_waits`` (`polls`): Flower's seconds-long waits between polls made a round's scale;
 - ``held_asks`` (`longpoll`): an ask for work is answered when there is work;
 - ``bundled`` (`bundle`): a message and its reply in one Fleet request each way, not nine;
@@ -77,23 +76,19 @@ class Patch(NamedTuple):
 
 
 LAYERS = {
-    "lean_http": "leanhttp",
     "short_waits": "polls",
     "held_asks": "longpoll",
     "bundled": "bundle",
     "local_runtime": "localruntime",
     "fab_guard": "fabguard",
 }
-OPTIONAL = ("lean_http", "short_waits", "held_asks", "bundled")  # layers that `install(off=...)` may leave out
+OPTIONAL = ("short_waits", "held_asks", "bundled")  # layers that `install(off=...)` may leave out
 COMPONENTS = ("superlink", "supernode", "clientapp", "serverapp")
 
 _LINK_RT, _NODE_RT = "flwr.superlink.servicer.runtime.runtime_handlers", "flwr.supernode.servicer.runtime.runtime_handlers"
 _FLEET, _LOOP = "flwr.superlink.servicer.fleet.fleet_handlers", "flwr.supernode.start_client_internal"
 
 PATCHES: tuple[Patch, ...] = (
-    # lean_http (leanhttp.py)
-    Patch("flwr.superlink.main", "_get_middleware", "lean_http", "superlink", "replaced",
-          "the SuperLink's middleware stack with fewer layers on a Fleet request, each answered as before"),
     # short_waits (polls.py)
     Patch("flwr.superlink.grid.http_grid", "pull_objects", "short_waits", "serverapp", "replaced",
           "the ServerApp asks again for a reply's missing object after 0.02 s, not 1 s doubling to 10 s"),
