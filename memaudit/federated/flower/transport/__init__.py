@@ -8,16 +8,25 @@ them. It first checks the installed Flower against `PINNED_FLWR` and refuses any
 in one line (`FlowerVersionError`): the names patched here are Flower's internals, which a
 release may move or change without notice.
 
-The layers (`LAYERS`), each kept because a measurement showed it moves a round
-(``benchmarks/flower_transport.py``; docs/results.md):
+The layers (`LAYERS`) and what a 4-SuperNode secure round measured with each off
+(``benchmarks/flower_transport.py``, 3 interleaved runs a variant on a saturated 2-core host;
+docs/results.md, "Flower's transport, layer by layer"):
 
-- ``short_waits`` (`polls`): Flower's seconds-long waits between polls made a round's scale;
-- ``held_asks`` (`longpoll`): an ask for work is answered when there is work;
-- ``bundled`` (`bundle`): a message and its reply in one Fleet request each way, not nine;
+- ``short_waits`` (`polls`): Flower's seconds-long waits between polls made a round's scale; off,
+  a round took 2.0x as long (15.0 s against 7.4 s), beyond the spread of either;
+- ``held_asks`` (`longpoll`): an ask for work is answered when there is work; off, within the
+  spread on that host (earlier interleaved pairs on a quieter one: secure rounds 1.11-1.22x
+  faster on 2 SuperNodes, 3 pairs; 1.57x on 4, 1 pair);
+- ``bundled`` (`bundle`): a message and its reply in one Fleet request each way, not nine; off,
+  within the spread on that host (earlier, 4 runs each: secure rounds 1.16-1.23x);
 - ``local_runtime`` (`localruntime`): memaudit's SuperExec and the ServerApps ask Flower's runtime
-  handlers in the component's own process, not its runtime API over HTTP;
+  handlers in the component's own process, not its runtime API over HTTP (what runs the
+  SuperExec there; not a layer that can be left out);
 - ``fab_guard`` (`fabguard`): Flower's ``flwr-serverapp`` installs a run's app only when it is
   memaudit's (a refusal, not a speed-up: never off).
+
+A lean HTTP stack on the SuperLink, 1.86x faster per request, moved no round (7.27 s off against
+7.40 s on, the same CPU a round) and was removed.
 
 This package imports Flower at module level: it is imported only where Flower runs (the
 ``flower`` extra); without Flower, importing it fails with one line naming the extra.
