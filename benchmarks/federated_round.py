@@ -88,7 +88,7 @@ node. Measured 2026-12-01 (same set-up, load average about 4, median of rounds 2
 43.4 s (19.4x in-JAX secure aggregation, 4.6x plain Flower: the process start-ups of the four
 exchanges dominate); the secure-aggregation runs' weights equal (max difference 0.0).
 
-Since 2026-12-03 each SuperNode answers through a resident process (`memaudit.flower_node`);
+Since 2026-12-03 each SuperNode answers through a resident process (`memaudit.federated.flower.node`);
 ``--flower-per-message`` adds the same two Flower runs with a ``flwr-clientapp`` process doing
 each message's work, side by side. Measured 2026-12-03 (2 cores, nothing else running, median
 of rounds 2-4): in JAX 0.87 s and 1.48 s with secure aggregation; Flower with resident nodes
@@ -120,7 +120,7 @@ ran a stage module new to it (the round's ``nodes_compiling`` is 0): 2 SuperNode
 and 3.01 s (2.51x), 4 SuperNodes 2.14 s (2.55x) and 4.72 s (3.94x).
 
 Since the afternoon of 2026-12-05 a payload over 1 MiB travels as an Array of raw bytes, not a
-ConfigRecord value (`memaudit.flower_messages`; docs/flower.md, "What a round costs"; dated figures in docs/results.md). Warm medians the same
+ConfigRecord value (`memaudit.federated.flower.messages`; docs/flower.md, "What a round costs"; dated figures in docs/results.md). Warm medians the same
 afternoon, before and after: 2 SuperNodes 1.456 s and 1.540 s (two runs) against 1.352 s,
 1.404 s and 1.352 s (three runs, 1.54-1.66x), secure 3.235 s and 3.904 s against 3.011 s,
 3.160 s and 2.930 s (2.40-2.63x); 4 SuperNodes 1.972 s against 1.942 s (2.23x), secure 4.904 s
@@ -666,9 +666,9 @@ def bench_flower(args) -> dict:
     from pathlib import Path
 
     from memaudit.config import load_config
-    from memaudit.dispatch import dispatch
     from memaudit.federated.flower.deploy import LocalFederation
     from memaudit.federated.flower.nodes import write_partitions
+    from memaudit.run.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     ov = ["backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=64",

@@ -63,7 +63,7 @@ def overrides(preset: str, rounds: int, *, lora: bool, private: bool) -> list[st
 
 def one_run(root: Path, name: str, ov: list[str]) -> dict:
     from memaudit.config import load_config
-    from memaudit.dispatch import dispatch
+    from memaudit.run.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     run = RunDir(root / name)

@@ -106,7 +106,7 @@ def bench_preset(preset: str, *, batch: int, seq: int, warmup: int, repeats: int
 
 
 def config_run(path: Path) -> dict:
-    from memaudit.train.trainer import train_centralized
+    from memaudit.run.centralized import train_centralized
 
     cfg = load_config(path)
     with tempfile.TemporaryDirectory() as d:

@@ -8,7 +8,7 @@ takes the newest complete one among `state/`, `.state.old-*` and `.state.*.tmp`,
 `state/` and removes the rest; `clean_temporaries` removes every other leftover temporary
 (`.model.*.tmp`, `.data.*.tmp`).
 
-This module sits below the run lifecycle (`memaudit.lifecycle`) and the backends' checkpoint
+This module sits below the run lifecycle (`memaudit.run.lifecycle`) and the backends' checkpoint
 formats (`memaudit.train.checkpoint`, `memaudit.federated.checkpoint`): it knows directories,
 never what a backend writes into them.
 """

@@ -167,10 +167,10 @@ def test_resume_on_a_live_run(tmp_path, capsys):
 def test_missing_federated_or_parallel_backend_is_one_line(tmp_path, capsys, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "memaudit.parallel.launch", None)  # import fails like a missing module
+    monkeypatch.setitem(sys.modules, "memaudit.run.launch", None)  # import fails like a missing module
     err = _refused(capsys, ["train", TINY, "--out", str(tmp_path / "p"), "--set", "parallel.x=2"],
                    needle="missing")
-    assert "memaudit.parallel.launch" in err
+    assert "memaudit.run.launch" in err
 
 
 @pytest.mark.parametrize("args", [["train"], ["train", TINY, "--backend", "mpi"]])

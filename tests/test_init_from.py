@@ -32,9 +32,9 @@ FED = ("backend=federated", "federated.rounds=2", "federated.cohort=4", "federat
 def tiny_base(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint + tokenizer trained on public text only (seed 123 weights)."""
     from memaudit.data.synth import synthesize_public
-    from memaudit.data.tokenizer import train_tokenizer
     from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
     from memaudit.models.presets import build_model
+    from memaudit.models.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("base") / "model"
     tok = train_tokenizer([x.text for x in synthesize_public(16, 4, seed=3)], vocab_size=4096)

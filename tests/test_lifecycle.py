@@ -153,7 +153,7 @@ def scan_public_files(run: Path) -> None:
     """No file of a DP run outside the sensitive ones holds a per-step statistic of the private
     data: metrics.jsonl has no such key, run.json's result no training loss, privacy.json no
     realized batch, cohort, survivor or clip count (central DP: no such field at all)."""
-    from memaudit.lifecycle import SENSITIVE_KEYS
+    from memaudit.run.lifecycle import SENSITIVE_KEYS
 
     for line in (run / "metrics.jsonl").read_text().splitlines():
         assert not set(json.loads(line)) & SENSITIVE_KEYS, line
@@ -200,7 +200,7 @@ def test_sigterm_that_lands_in_a_callback_still_interrupts_and_prints_no_traceba
     import signal
     import weakref
 
-    from memaudit.lifecycle import TrainingInterrupted, sigterm_as_interrupt
+    from memaudit.run.lifecycle import TrainingInterrupted, sigterm_as_interrupt
 
     class Thing:
         pass
@@ -225,7 +225,7 @@ def test_sigterm_that_lands_in_a_callback_still_interrupts_and_prints_no_traceba
 def test_a_user_level_step_publishes_no_statistic_of_the_private_data():
     """ULS/ELS steps report how many sequences the sampled users held: a count of the private
     data that DP does not privatise, so it goes to sensitive_metrics.jsonl like the batch size."""
-    from memaudit.lifecycle import SENSITIVE_KEYS
+    from memaudit.run.lifecycle import SENSITIVE_KEYS
     from memaudit.train.jax_dp import step_metrics
 
     out = step_metrics({"examples": 7, "loss_sum": 3.5, "clipped": 1}, rows=7, units=2,

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 
 from memaudit.cli import error_line, main
-from memaudit.lifecycle import SENSITIVE_KEYS, SENSITIVE_METRICS
+from memaudit.run.lifecycle import SENSITIVE_KEYS, SENSITIVE_METRICS
 from tests.conftest import REPO_ROOT, TINY_TRAIN_OVERRIDES
 
 TINY = str(REPO_ROOT / "configs" / "tiny.yaml")
@@ -38,7 +38,7 @@ SSN = "123-45-6789"
 def dp_run(tmp_path_factory) -> dict:
     """A 4-step DP-SGD run through `dispatch`, with every progress call recorded."""
     from memaudit.config import load_config
-    from memaudit.dispatch import dispatch
+    from memaudit.run.dispatch import dispatch
     from memaudit.rundir import prepare_new_run
 
     overrides = [*TINY_TRAIN_OVERRIDES, "train.steps=4", "train.eval_every=2", "train.checkpoint_every=2",
@@ -175,7 +175,7 @@ def test_a_refused_pickle_and_out_of_memory_say_what_to_do(exc, words):
 
 def test_a_failed_sweep_point_and_run_json_never_quote_a_value():
     """A point's error is printed by the sweep and recorded in run.json: no value there either."""
-    from memaudit.lifecycle import one_line_error
+    from memaudit.run.lifecycle import one_line_error
     from memaudit.sweep.work import one_line
 
     e = ValueError(f"invalid literal for int() with base 10: 'my ssn is {SSN}'")

@@ -13,7 +13,7 @@ from rich.table import Table
 from memaudit.commands._common import console, print_json, progress, stdout
 from memaudit.probes.context import context_count, context_measure
 from memaudit.probes.inputs import FORMATS
-from memaudit.reports.cells import TERMINAL, Cell, format_cell
+from memaudit.reports.cells import TERMINAL, as_cell, format_cell
 
 
 def register(app: typer.Typer) -> None:
@@ -307,7 +307,7 @@ def tuning_options(*, fpr: str | None, prefix_lengths: str | None) -> dict:
 def _fmt(stat: dict | None, bound: bool = False) -> str:
     """A probes.json cell in the table's style (`memaudit.reports.cells.TERMINAL`); `bound`: the
     bucket says its value is a lower bound (canaries at the exposure estimator's ceiling)."""
-    cell = Cell.of(stat)
+    cell = as_cell(stat)
     if cell is not None and bound:
         cell = replace(cell, lower_bound=True)
     return format_cell(cell, TERMINAL)

@@ -124,7 +124,7 @@ def _run_with_progress(cfg, run, *, resume: bool, overwrite: bool = False) -> di
     try:
         with bar:
             # lazy: `memaudit --help` does not import numpy (~0.4 s)
-            from memaudit.dispatch import dispatch
+            from memaudit.run.dispatch import dispatch
 
             return dispatch(cfg, run, resume=resume, progress=on_progress, overwrite=overwrite)
     except KeyboardInterrupt:

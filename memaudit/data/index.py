@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memaudit.data.documents import Document
-from memaudit.data.tokenizer import encode
+from memaudit.models.tokenizer import encode
 
 if TYPE_CHECKING:
     from memaudit.data.prepare import PreparedData

@@ -23,17 +23,17 @@ from typing import Any
 from safetensors.numpy import load, save
 
 from memaudit.config import DataConfig
-from memaudit.data import tokenizer as T
 from memaudit.data.canaries import CanarySet, canary_documents, make_canaries
 from memaudit.data.corpus import load_corpus
 from memaudit.data.documents import Document, count_repeats, dumps_jsonl, loads_jsonl
 from memaudit.data.packing import PackedSequences, pack, span_summary
 from memaudit.data.splits import Split, assign_roles, make_split
 from memaudit.data.synth import synthesize, synthesize_public
-from memaudit.data.tokenizer import digits_split, encode, pad_id
 from memaudit.errors import DataError, RunDirError
 from memaudit.io import atomic_dir, atomic_write_bytes, private_tree, read_json
+from memaudit.models import tokenizer as T
 from memaudit.models.init import base_model_record
+from memaudit.models.tokenizer import digits_split, encode, pad_id
 from memaudit.rundir import RunDir
 
 Progress = Callable[[int, int, dict], None]

@@ -1,6 +1,6 @@
 """The federated backend's checkpoint format.
 
-The run lifecycle (`memaudit.lifecycle.RunSession`) owns the run directory (lock, manifest,
+The run lifecycle (`memaudit.run.lifecycle.RunSession`) owns the run directory (lock, manifest,
 metrics, the sealed checkpoint swap, the ledger, the export); this module only says what a
 federated checkpoint holds:
 

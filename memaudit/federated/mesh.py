@@ -1,6 +1,6 @@
 """The federated device mesh: ``clients`` x ``model`` axes over the visible JAX devices.
 
-A bottom module: the checks made before anything is written (`memaudit.checks`) and the
+A bottom module: the checks made before anything is written (`memaudit.run.checks`) and the
 federated trainer both build the mesh from here. jax is imported inside `build_mesh` (an
 import-time cost of seconds that `memaudit --help` and the config checks must not pay).
 """

@@ -1,6 +1,7 @@
 """The federated backend behind `memaudit train CONFIG --backend federated`.
 
-`train_federated(cfg, run)` prepares the data, makes every training user a client (its packed
+`FederatedTrainer` (run by `memaudit.run.federated.train_federated(cfg, run)`) prepares the data,
+makes every training user a client (its packed
 training sequences are its local data), starts from the same seeded weights as the centralized
 backend (`memaudit.models.init.initial_state_dict`: a preset's seeded initialisation or the
 `model.init_from` checkpoint, converted to the Flax Llama of that shape), and runs
@@ -12,7 +13,7 @@ axis when there is more than one device. It writes metrics.jsonl (one line per r
 resumable state/ (msgpack), the privacy ledger for DP runs, and a Hugging Face checkpoint
 with the tokenizer in model/.
 
-`FederatedTrainer` is the JAX backend of the one training driver (`memaudit.driver.fit`: the
+`FederatedTrainer` is the JAX backend of the one training driver (`memaudit.run.driver.fit`: the
 loop, evaluation schedule, checkpoints, ledger and result are the driver's). Where the clients'
 computation runs is its runtime, by composition: `InProcess` (one JAX program, clients sharded
 over the mesh) or `memaudit.federated.flower.trainer.FlowerRuntime` (client stages on Flower
@@ -40,16 +41,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from memaudit.backends import Session, StepOutcome
 from memaudit.config import Config
-from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
-from memaudit.errors import ConfigError, MemauditError
+from memaudit.errors import MemauditError
 from memaudit.federated import algorithms as alg
 from memaudit.federated import checkpoint as fckpt
 from memaudit.federated.aggregators import mean_aggregator
 from memaudit.federated.cohorts import ClientData, cohort_capacity, poisson_capacity, sample_cohort
 from memaudit.federated.data import build_client_data
 from memaudit.federated.ddp import distributed_dp_from_config, planned_event_of_config
-from memaudit.federated.distributed import barrier, maybe_initialize
+from memaudit.federated.distributed import barrier
 from memaudit.federated.dp import dp_fedavg, dp_fedavg_mechanism
 from memaudit.federated.mesh import build_mesh
 from memaudit.federated.secagg.aggregator import abort_bit_epsilon, secure_aggregation_from_config
@@ -60,7 +61,6 @@ from memaudit.federated.sharding import (
     model_axis_size,
     server_shardings,
 )
-from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama, causal_lm_loss, kernel_axes, policy_fields
 from memaudit.models.flax_lora import LoraModel, count, initial_lora, torch_lora_model
@@ -71,34 +71,12 @@ from memaudit.privacy.aborts import WithAbortBit, with_abort_bit
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibration_accountant
 from memaudit.privacy.mechanisms import DistributedDiscreteGaussian, calibrate
-from memaudit.privacy.randomness import DPRandomness
+from memaudit.privacy.plan import PrivacyPlan
+from memaudit.privacy.randomness import DPRandomness, dp_randomness
 from memaudit.rundir import RunDir
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = "federated"
-
-
-def train_federated(cfg: Config, run: RunDir, *, resume: bool = False,
-                    progress: ProgressFn | None = None, **session_kw: Any) -> dict[str, Any]:
-    """Train `cfg` federated into `run`; returns the result summary written to run.json.
-
-    Args:
-        cfg: the resolved config (`cfg.federated` holds rounds, cohort, sampling, local steps,
-            client/server optimizers, mesh_clients).
-        run: the run directory, already checked by `prepare_new_run` / `open_for_resume`.
-        resume: continue from the last checkpoint in state/.
-        progress: called as progress(done_rounds, total_rounds, info) after every round.
-        session_kw: passed to the run lifecycle (`overwrite`, `lock_held`).
-
-    Returns:
-        {"steps" (= rounds), "rounds", "final_holdout_loss", "final_holdout_perplexity",
-         "initial_holdout_loss", "initial_holdout_perplexity", "final_train_loss", ...}
-    """
-    if cfg.federated.runtime == "flower":
-        raise ConfigError("federated.runtime=flower submits the run to a Flower federation: train it with "
-                          "`memaudit train` (memaudit.dispatch.dispatch), not train_federated")
-    maybe_initialize()
-    return FederatedTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
 
 
 def make_loss_fn(model: Any) -> Callable:
@@ -154,7 +132,7 @@ class InProcess:
 
 
 class FederatedTrainer:
-    """The federated backend of the training driver (`memaudit.driver.Backend`); `is_writer` is
+    """The federated backend of the training driver (`memaudit.run.driver.Backend`); `is_writer` is
     JAX process 0 (the only one that writes files)."""
 
     name = BACKEND
@@ -184,10 +162,10 @@ class FederatedTrainer:
         return self.fcfg.checkpoint_every
 
     # ------------------------------------------------------------------ set-up
-    def running(self, session: RunSession, resume: bool) -> contextlib.AbstractContextManager[None]:
+    def running(self, session: Session, resume: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def prepare(self, session: RunSession) -> None:
+    def prepare(self, session: Session) -> None:
         """Data, clients, mesh, model, the DP plan, the algorithm and its initial state."""
         self.session = session
         shape = model_shape(self.cfg.model)  # the checkpoint's with model.init_from, else the preset's
@@ -305,7 +283,7 @@ class FederatedTrainer:
         return sample_cohort(src, self.clients.num_users, f.cohort, f.sampling, round=r)
 
     def _dp_randomness(self) -> DPRandomness:
-        """The DP run's secret randomness (`memaudit.lifecycle.dp_randomness`); every JAX process
+        """The DP run's secret randomness (`memaudit.privacy.randomness.dp_randomness`); every JAX process
         gets process 0's. Cohorts and each round's key are derived from it, never from
         train.seed."""
         if self._dp_rand is None:
@@ -476,7 +454,7 @@ class FederatedTrainer:
     def has_checkpoint(self) -> bool:
         return fckpt.has_state(self.run)
 
-    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+    def save(self, session: Session, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
         """The server state after `done` rounds and the run's base key (msgpack + JSON)."""
         host = self.host(self.state)  # a collective across processes: every process takes part
         if not self.is_writer:
@@ -485,7 +463,7 @@ class FederatedTrainer:
             fckpt.write_state(d, host, {**scalars, "key": self.key_data.tolist(),
                                         "aggregated_rounds": self.aggregated_rounds}, files or None)
 
-    def load(self, session: RunSession) -> dict[str, Any]:
+    def load(self, session: Session) -> dict[str, Any]:
         """state/ into the server state (its template: the freshly initialised one)."""
         host_state, scalars = fckpt.load_state(self.run, self.host(self.state))
         self.state = self._to_device(host_state)
@@ -512,7 +490,7 @@ class FederatedTrainer:
         self.key = jax.random.wrap_key_data(self.key_data)
         self._barrier("start")
 
-    def export(self, session: RunSession) -> None:
+    def export(self, session: Session) -> None:
         """The Hugging Face model into model/; under LoRA the merged model and adapter/, written
         by the torch side's code (`memaudit.models.lora`). A run in which no round aggregated a
         client's update (every secure-aggregation round aborted, or every client was dropped)
@@ -566,8 +544,3 @@ class FederatedTrainer:
         if not self.masked:
             return 4 * trained
         return masked_bytes(self.secagg_words if self.secagg_words is not None else trained)
-
-    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) through the driver inside the run lifecycle (lock, manifest, signals)."""
-        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
-                           progress=self.progress)

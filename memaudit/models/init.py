@@ -7,7 +7,7 @@ starting model any other way: the torch trainers call `initial_model`, the feder
 converts `initial_state_dict` to Flax and takes its shape from `model_shape`, so both backends
 start from the same weights.
 
-`check_init_from` is what `memaudit.checks.check_before_disk` runs on a checkpoint before
+`check_init_from` is what `memaudit.run.checks.check_before_disk` runs on a checkpoint before
 anything is written: a directory that is not a model, another architecture, a shape the
 backends cannot take, a tokenizer that does not fit, or a `model.preset` that disagrees with the
 checkpoint is one line naming the value and the fix.
@@ -158,7 +158,7 @@ def check_init_from(cfg: Any) -> LlamaPreset | None:
 
 def _check_tokenizer(path: str, vocab_size: int) -> None:
     # lazy: the data package (above the models) loads numpy (~0.4 s), which this module does not
-    from memaudit.data.tokenizer import load_tokenizer
+    from memaudit.models.tokenizer import load_tokenizer
 
     p = Path(path).expanduser()
     where = f"model.init_from='{path}'"

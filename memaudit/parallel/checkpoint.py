@@ -14,7 +14,7 @@
 Every rank writes only its own piece, so no rank ever holds the whole model or optimizer.
 Rank 0 makes a temporary directory beside state/, all ranks write into it, and after a
 barrier rank 0 writes trainer.json and hands it to the run lifecycle, which seals it with its
-commit marker and swaps it in (`memaudit.lifecycle`): a kill at any moment leaves a complete
+commit marker and swaps it in (`memaudit.run.lifecycle`): a kill at any moment leaves a complete
 checkpoint that the next start recovers.
 The run directory must be on a file system every rank sees (as the prepared data already is).
 

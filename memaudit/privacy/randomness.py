@@ -212,3 +212,12 @@ class DPRandomness:
 
 
 __all__ = ["SECRET_FILE", "DPRandomness"]
+
+
+def dp_randomness(run: Any, cfg: Any, *, is_writer: bool) -> DPRandomness:
+    """The DP run's one secret, for every backend: `RUN_DIR/dp_secret.json` written by the writer
+    before the first step (outside `state/`, which only sealed checkpoints replace, so a run
+    killed before its first checkpoint resumes with it), read back on resume and by the other
+    ranks (after the data barrier). With `privacy.reproducible_randomness` derived from
+    `train.seed` instead (recorded in the ledger). `run` is the `RunDir`, `cfg` the run's config."""
+    return DPRandomness.for_run(run.path, cfg.privacy, cfg.train.seed, write=is_writer)

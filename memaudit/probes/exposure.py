@@ -160,18 +160,18 @@ def score_secrets(
     in separate calls). Without a start token the first token of the template is not scored: a
     constant for every candidate unless the template starts with the secret.
 
-    The JAX engine (`memaudit.probes.jax_scoring.JaxLM`) runs the candidates' longest common
-    token prefix once and scores only what follows it: the same sums.
+    Both engines run the candidates' longest common token prefix once and score only what
+    follows it (`memaudit.probes.scoring.shared_prefix_nll`, `JaxLM.shared_prefix_nll`): the same
+    sums.
     """
     prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
     seqs = encode_many(codec, [prefix + s + suffix for s in secrets])
     if getattr(model, "is_jax", False):
         return model.shared_prefix_nll(seqs, progress=progress)
     # lazy: torch (~2 s) only when called; this module imports without it
-    from memaudit.probes.scoring import token_logprobs
+    from memaudit.probes.scoring import shared_prefix_nll
 
-    lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
-    return np.array([-lp[i].sum() for i in range(len(seqs))])
+    return shared_prefix_nll(model, seqs, batch_size=batch_size, progress=progress)
 
 
 def encode_many(codec, texts: list[str]) -> list[list[int]]:
@@ -287,13 +287,13 @@ def _summarise(scores, size, method, n_boot, seed) -> dict:
 
     def bucket(group: list[dict]) -> dict:
         e = np.array([s["exposure"] for s in group])
-        out = {"all": mean_summary(e, unit="canaries", n_boot=n_boot, seed=seed),
+        out = {"all": mean_summary(e, unit="canaries", n_boot=n_boot, seed=seed).to_json(),
                "lower_bound": any(s["lower_bound"] for s in group)}
         for kind in sorted({str(s["owner_kind"]) for s in group}):
             sub = np.array([s["exposure"] for s in group if str(s["owner_kind"]) == kind])
-            out[kind] = mean_summary(sub, unit="canaries", n_boot=n_boot, seed=seed)
+            out[kind] = mean_summary(sub, unit="canaries", n_boot=n_boot, seed=seed).to_json()
         if ref_mean is not None and len(e):
-            out["excess"] = mean_summary(e - ref_mean, unit="canaries", n_boot=n_boot, seed=seed)
+            out["excess"] = mean_summary(e - ref_mean, unit="canaries", n_boot=n_boot, seed=seed).to_json()
             out["test"] = {"test": "mann-whitney-u one-sided (inserted > references)",
                            "p_value": mann_whitney(e, ref, alternative="greater"),
                            "n": len(e), "n_references": len(ref)}
@@ -312,8 +312,8 @@ def _summarise(scores, size, method, n_boot, seed) -> dict:
     return {
         "max_exposure": math.log2(size),
         "method": method,
-        "inserted": mean_summary(ins_e, unit="canaries", n_boot=n_boot, seed=seed),
-        "references": mean_summary(ref, unit="canaries", n_boot=n_boot, seed=seed),
+        "inserted": mean_summary(ins_e, unit="canaries", n_boot=n_boot, seed=seed).to_json(),
+        "references": mean_summary(ref, unit="canaries", n_boot=n_boot, seed=seed).to_json(),
         "null_mean": 1 / math.log(2),
         "by_repetitions": by_rep,
         "inserted_vs_references": overall,

@@ -141,7 +141,7 @@ def discoverable_result(
 def _rates(per, n_boot, seed) -> dict:
     return {
         name: rate_summary(np.array([r[name] for r in per], dtype=float), unit="documents",
-                           n_boot=n_boot, seed=seed)
+                           n_boot=n_boot, seed=seed).to_json()
         for name in ("exact", "approx_levenshtein", "approx_bleu")
     }
 
@@ -197,9 +197,9 @@ def completion_result(rows: list[dict], *, prompts: int, n_boot: int = 1000, see
     def cells(group):
         return {
             "greedy": rate_summary(np.array([x["greedy"] for x in group], float),
-                                   unit="canaries", n_boot=n_boot, seed=seed),
+                                   unit="canaries", n_boot=n_boot, seed=seed).to_json(),
             "p_secret": rate_summary(np.array([x["p_secret"] for x in group]),
-                                     unit="canaries", n_boot=n_boot, seed=seed),
+                                     unit="canaries", n_boot=n_boot, seed=seed).to_json(),
         }
 
     by_rep = {str(r): cells([x for x in rows if x["repetitions"] == r])
@@ -293,7 +293,7 @@ def non_discoverable_result(
         summary[name] = {
             "memorised_in_top": int(memorised[top].sum()),
             "rate": rate_summary(memorised[top].astype(float), unit="samples", n_boot=n_boot,
-                                 seed=seed),
+                                 seed=seed).to_json(),
         }
     rows = [{"sample": i, "memorised": bool(memorised[i]),
              **{k: float(v[i]) for k, v in metrics.items()}} for i in range(n_samples)]

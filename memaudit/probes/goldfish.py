@@ -157,9 +157,9 @@ def goldfish_extraction(
 def _cells(rows: list[dict], unit: str, n_boot: int, seed: int) -> dict:
     return {
         "exact": rate_summary(np.array([r["exact"] for r in rows], float), unit=unit,
-                              n_boot=n_boot, seed=seed),
+                              n_boot=n_boot, seed=seed).to_json(),
         "rouge_l": mean_summary(np.array([r["rouge_l"] for r in rows], float), unit=unit,
-                                n_boot=n_boot, seed=seed),
+                                n_boot=n_boot, seed=seed).to_json(),
     }
 
 

@@ -57,6 +57,12 @@ def zlib_total_score(logp: np.ndarray, text: str) -> float:
     return float(np.sum(logp) / _zlib_bytes(text))
 
 
+def encode_texts(codec, texts: list[str]) -> list[list[int]]:
+    """`codec.encode` of each text, in one tokenizer call where the codec has `encode_all`."""
+    batch = getattr(codec, "encode_all", None)
+    return batch(texts) if batch is not None else [codec.encode(t) for t in texts]
+
+
 def doc_scores(
     model,
     codec,
@@ -77,7 +83,7 @@ def doc_scores(
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import windowed_logprobs
 
-    seqs = [codec.encode(d.text) for d in docs]
+    seqs = encode_texts(codec, [d.text for d in docs])
     ts = windowed_logprobs(model, seqs, window=max_tokens, stride=stride, batch_size=batch_size,
                            with_stats=True, progress=progress)
     out = {
@@ -93,8 +99,11 @@ def doc_scores(
     }
     if reference is not None:
         ref_model, ref_codec = reference
-        rs = windowed_logprobs(ref_model, [ref_codec.encode(d.text) for d in docs],
-                               window=max_tokens, stride=stride, batch_size=batch_size)
+        # the reference shares the target's tokenizer (checked when it was loaded): with the
+        # same start token its ids are the target's, not tokenized again
+        ref_seqs = seqs if ref_codec.start == codec.start else encode_texts(ref_codec, [d.text for d in docs])
+        rs = windowed_logprobs(ref_model, ref_seqs, window=max_tokens, stride=stride,
+                               batch_size=batch_size)
         out["reference"] = out["loss"] - np.array([lp.mean() for lp in rs.logp])
     return out
 
@@ -113,7 +122,7 @@ def run_membership(
     summary = {}
     for name, s in scores.items():
         summary[name] = attack_summary(s[:n1], s[n1:], unit="documents", fprs=fprs,
-                                       n_boot=n_boot, seed=seed)
+                                       n_boot=n_boot, seed=seed).to_json()
     rows = []
     for i, d in enumerate(list(members) + list(nonmembers)):
         rows.append(

@@ -138,7 +138,7 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
     2 * len(items).
     """
     # lazy: torch (~2 s) only when called; this module imports without it
-    from memaudit.probes.scoring import decode, token_logprobs
+    from memaudit.probes.scoring import decode, shared_prefix_nll
 
     prompts, n_new = [], []
     for d, it in items:
@@ -173,13 +173,15 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
             starts.append(start - cut)
             owner.append(j)
 
-    def ranking(done, total, info):  # sequences scored -> items ranked
-        progress(n + done * n // max(total, 1), 2 * n, info)
-
-    lp = token_logprobs(model, seqs, batch_size=batch_size,
-                        progress=ranking if progress else None).logp if seqs else []
-    nll = np.array([-lp[i][starts[i] - 1 :].sum() for i in range(len(seqs))])
+    # each item's candidates share their context: it goes through the model once per item
     owner = np.array(owner, dtype=int)
+    nll = np.zeros(len(seqs))
+    for j in range(len(items)):
+        rows = np.flatnonzero(owner == j)
+        nll[rows] = shared_prefix_nll(model, [seqs[i] for i in rows], start=starts[rows[0]],
+                                      batch_size=batch_size)
+        if progress:
+            progress(n + j + 1, 2 * n, {})
     ranks = [int(1 + (nll[owner == j][1:] < nll[owner == j][0]).sum()) for j in range(len(items))]
     counts = [int((owner == j).sum()) for j in range(len(items))]
     return PiiScores(items, extracted, ranks, counts)
@@ -217,7 +219,7 @@ def pii_result(groups: dict[str, PiiScores], *, n_boot: int = 1000, seed: int = 
         def rate(x, keep=None, owner=owner):
             sel = [i for i in range(len(owner)) if keep is None or keep[i]]
             return clustered_rate_summary(np.array([x[i] for i in sel], float), [owner[i] for i in sel],
-                                          unit="PII items")
+                                          unit="PII items").to_json()
 
         summary[group] = {
             "items": len(g.items),

@@ -129,9 +129,10 @@ def models_mean_logp(sources: tuple[str, ...], codec, texts: list[str], *, max_t
     `max_tokens` is scored in strided windows, as for the target.
     """
     # lazy: torch (~2 s) only when references are scored
+    from memaudit.probes.membership import encode_texts
     from memaudit.probes.scoring import windowed_logprobs
 
-    seqs = [codec.encode(t) for t in texts]
+    seqs = encode_texts(codec, texts)
     out = []
     for name in sources:
         src = resolve_model(name)

@@ -122,7 +122,8 @@ def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> P
     with what that did: an outside model's documents fit its context (`fit_to_context`), a
     reference with a shorter context shortens the window (`fit_to_references`), and a run's
     documents longer than the window are counted (`windowed_counts`)."""
-    lengths = [len(codec.encode(d.text)) for d in target.members + target.nonmembers + target.heldout_user_docs]
+    docs = target.members + target.nonmembers + target.heldout_user_docs
+    lengths = [len(ids) for ids in codec.encode_all([d.text for d in docs])]
     if target.kind == "model":  # an outside model: every sequence within its context
         settings, counts = fit_to_context(settings, model_context(model), lengths)
         target.counts.update(counts)
@@ -158,7 +159,7 @@ def run_probes(
     loaded by torch either way and handed to JAX as arrays.
     """
     # lazy: torch (~2 s) only when called; this module imports without it
-    from memaudit.probes.scoring import load_causal_lm
+    from memaudit.probes.scoring import load_causal_lm, probe_threads
 
     window_stride(settings)  # a bad --window-stride is refused before any model is loaded
     tokenizer = tokenizer or load_tokenizer(target.tokenizer_path)
@@ -185,10 +186,11 @@ def run_probes(
         reference = (to_engine("jax", reference[0], settings.dtype), reference[1])
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
-    for name in settings.probes:
-        t0 = time.perf_counter()
-        probes[name] = REGISTRY[name](ctx)
-        timings[name] = time.perf_counter() - t0
+    with probe_threads():
+        for name in settings.probes:
+            t0 = time.perf_counter()
+            probes[name] = REGISTRY[name](ctx)
+            timings[name] = time.perf_counter() - t0
     secrets.update(ctx.secrets)
     if weights is not None and weights_sha256(target.model_path) != weights:
         raise RunDirError(f"the model in '{target.model_path}' changed while it was probed (trained "
@@ -282,7 +284,7 @@ def probe_extraction(ctx: _Context) -> dict:
         out["summary"]["canaries"], out["scores"]["canaries"] = r["summary"], r["scores"]
         ctx.secrets.update({f"{k}:completion": v for k, v in completions.items()})
     if s.nd_samples > 0:
-        train = [ctx.codec.encode(d.text) for d in ctx.t.members]
+        train = ctx.codec.encode_all([d.text for d in ctx.t.members])
         if ctx.t.canaries is not None:
             train += [ctx.codec.encode(c.text) for c in ctx.t.canaries.inserted]
         r = ex.non_discoverable(ctx.model, ctx.codec, train, n_samples=s.nd_samples,

@@ -7,8 +7,13 @@ position ids so every row continues from its own last token.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
+import math
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,6 +64,9 @@ def _next_token_stats(
 
     logits: (rows, vocab) in any float dtype; targets: (rows,). Returns fp32 (rows,) tensors.
     Rows are processed about `chunk` logits at a time in reused (step, vocab) buffers.
+    Without stats only log p(target) = logit - logsumexp is needed, but torch's CPU logsumexp
+    writes two temporaries of the row's size where its fused log_softmax writes one (measured
+    1.6x slower at vocabulary 4,096), so both go through log_softmax.
     """
     n, vocab = logits.shape
     step = max(1, chunk // vocab)
@@ -221,6 +229,116 @@ def windowed_logprobs(
     return TokenScores(logp=stitch(ts.logp), mu=stitch(ts.mu), sigma=stitch(ts.sigma))
 
 
+def _common_prefix(seqs: Sequence[Sequence[int]], cap: int) -> int:
+    """How many leading ids every sequence shares, at most `cap`.
+
+    >>> _common_prefix([[1, 2, 3], [1, 2, 4, 5]], 9), _common_prefix([[1, 2, 3], [1, 2, 3]], 2)
+    (2, 2)
+    """
+    first = np.asarray(seqs[0][:cap])
+    n = len(first)
+    for s in seqs[1:]:
+        head = np.asarray(s[:n])
+        diff = np.flatnonzero(head != first[: len(head)])
+        n = min(n, len(head), int(diff[0]) if len(diff) else n)
+        if n == 0:
+            break
+    return n
+
+
+def _expandable_cache(model, out) -> bool:
+    """Whether the model returned a KV cache that can be copied across the rows of a batch."""
+    cache = _cache_of(out)
+    return cache is not None and hasattr(cache, "batch_repeat_interleave")
+
+
+@torch.inference_mode()
+def shared_prefix_nll(
+    model,
+    seqs: Sequence[Sequence[int]],
+    *,
+    start: int = 1,
+    batch_size: int = 32,
+    progress: Progress = None,
+) -> np.ndarray:
+    """Summed NLL (nats) of each sequence's tokens at positions >= `start`, their longest common
+    token prefix run once: -token_logprobs(seqs).logp[i][start - 1:].sum(), to float rounding.
+
+    Exposure's candidates (one template, other secrets) and PII's decoys (one context, other
+    values) differ only after a shared prefix; its keys and values are computed once and copied to
+    every row of a batch of suffixes, so only the suffixes go through the model (a suffix's last
+    token is only a target). A model whose cache cannot be copied across rows, or sequences with
+    fewer than 2 shared tokens, are scored whole by `token_logprobs`.
+    A `memaudit.probes.jax_scoring.JaxLM` (start 1) runs its own shared-prefix kernel.
+    """
+    if getattr(model, "is_jax", False) and start == 1:
+        return model.shared_prefix_nll(seqs, progress=progress)
+    n = len(seqs)
+    if n == 0:
+        return np.zeros(0)
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    if lengths.min() < 2:
+        raise ValueError("every scored sequence needs at least 2 tokens")
+    if not 1 <= start < lengths.min():
+        raise ValueError(f"start must lie in 1..{lengths.min() - 1}, got {start}")
+    lcp = _common_prefix(seqs, int(lengths.min()) - 1)  # at least one token after the prefix
+    if lcp < 2 or getattr(model, "is_jax", False):
+        lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
+        return np.array([-x[start - 1 :].sum() for x in lp])
+    device = next(model.parameters()).device
+    cache_kw, _keep = _cache_api(model)
+    pre = torch.tensor([list(seqs[0][:lcp])], dtype=torch.long, device=device)
+    out = model(input_ids=pre, use_cache=True)
+    if not _expandable_cache(model, out):
+        lp = token_logprobs(model, seqs, batch_size=batch_size, progress=progress).logp
+        return np.array([-x[start - 1 :].sum() for x in lp])
+    cache = _cache_of(out)
+    pre_lsm = torch.log_softmax(out.logits[0].float(), -1)  # (lcp, vocab)
+    pre_tok = pre_lsm[:-1].gather(-1, pre[0, 1:, None]).squeeze(-1).double().cpu().numpy()
+    pre_nll = -pre_tok[start - 1 :].sum()  # positions start..lcp-1 (position p at index p-1)
+    last = pre_lsm[-1].double().cpu().numpy()  # log p of the first token after the prefix
+    n_in = lengths - lcp - 1  # suffix tokens that enter the forward pass
+    first = np.array([s[lcp] for s in seqs], dtype=np.int64)
+    nll = pre_nll - np.where(lcp >= start, last[first], 0.0)
+    max_tokens = batch_size * BUDGET_SEQ_LEN
+    chunk = ACCEL_CHUNK_LOGITS
+    if device.type == "cpu":
+        max_tokens, chunk = min(max_tokens, CPU_MAX_BATCH_TOKENS), CPU_CHUNK_LOGITS
+    todo = np.flatnonzero(n_in > 0)
+    order = todo[np.argsort(-n_in[todo], kind="stable")]
+    done = n - len(todo)
+    i = 0
+    while i < len(order):
+        width = int(n_in[order[i]])
+        idx = order[i : i + max(1, max_tokens // (lcp + width))]
+        i += len(idx)
+        rows = len(idx)
+        real = np.arange(width) < n_in[idx][:, None]  # (rows, width)
+        ids = np.zeros((rows, width + 1), dtype=np.int64)  # inputs, then one more column of targets
+        for r, k in enumerate(idx):
+            ids[r, : n_in[k] + 1] = seqs[k][lcp:]
+        ids_t = torch.from_numpy(ids).to(device)
+        mask = torch.cat([torch.ones((rows, lcp), dtype=torch.long),
+                          torch.from_numpy(real.astype(np.int64))], dim=1).to(device)
+        pos = torch.arange(lcp, lcp + width, device=device).expand(rows, width)
+        rows_cache = copy.deepcopy(cache)
+        rows_cache.batch_repeat_interleave(rows)
+        logits = model(input_ids=ids_t[:, :width], attention_mask=mask, position_ids=pos,
+                       use_cache=True, **{cache_kw: rows_cache}).logits  # (rows, width, vocab)
+        tok, _mu, _sd = _next_token_stats(logits.reshape(rows * width, -1),
+                                          ids_t[:, 1:].reshape(-1), with_stats=False, chunk=chunk)
+        # the input at column j sits at position lcp + j and predicts the token at lcp + j + 1
+        keep = real & (lcp + 1 + np.arange(width) >= start)
+        lp = np.where(keep, tok.double().cpu().numpy().reshape(rows, width), 0.0)
+        nll[idx] -= lp.sum(1)
+        done += rows
+        if progress:
+            progress(done, n, {})
+    if progress and not len(order):
+        progress(n, n, {})
+    return nll
+
+
 def _left_pad(
     prompts: Sequence[Sequence[int]], pad_id: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,6 +442,40 @@ def decode(
         if progress:
             progress(done, len(prompts), {})
     return out
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def machine_threads() -> int:
+    """The CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (a container limited to 2 CPUs on a 64-core host gets 2, where torch's default would be 64)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity mask
+        n = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+@contextlib.contextmanager
+def probe_threads():
+    """torch's intra-op CPU threads set to `machine_threads()` for the block, unless the user set
+    a count (OMP_NUM_THREADS or MKL_NUM_THREADS, as a sweep's workers do); restored after."""
+    before = torch.get_num_threads()
+    want = None if any(os.environ.get(k) for k in THREAD_ENV) else machine_threads()
+    if want is not None and want != before:
+        torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def load_causal_lm(path: str, *, device: str = "cpu", dtype: str = "auto"):

@@ -31,7 +31,7 @@ References:
 0.3333333333333333
 >>> holm([0.01, 0.04, 0.03])
 [0.03, 0.06, 0.06]
->>> rate_summary(np.zeros(49), unit="documents")["ci_high"] > 0.07
+>>> rate_summary(np.zeros(49), unit="documents").ci_high > 0.07
 True
 """
 
@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from memaudit.probes.records import AttackSummary, Cell, Test
 
 DEFAULT_FPRS = (0.01, 0.001)
 MIN_N = 10
@@ -60,6 +62,10 @@ def needed_negatives(fpr: float) -> int:
     return math.ceil(10 / fpr - 1e-9) if fpr > 0 else math.inf
 
 
+PROBE_KEYS = ("value", "n", "unit", "ci_low", "ci_high", "level", "note")
+"""The keys of a probe's cell in probes.json, in their order (its extra keys follow)."""
+
+
 def cell(
     value: float | None,
     *,
@@ -69,21 +75,15 @@ def cell(
     note: str | None = None,
     min_n: int = MIN_N,
     **extra,
-) -> dict:
-    """A metric cell; the interval is dropped (note "n too small") when n < `min_n`."""
-    lo, hi = ci if ci is not None else (None, None)
+) -> Cell:
+    """A metric cell; the interval is dropped (note "n too small") when n < `min_n`. `extra`:
+    both classes of an AUC (`n_pos`, `n_neg`) or what else the cell's JSON carries."""
     if n < min_n:
-        lo, hi, note = None, None, note or N_TOO_SMALL
-    return {
-        "value": None if value is None else float(value),
-        "n": int(n),
-        "unit": unit,
-        "ci_low": lo,
-        "ci_high": hi,
-        "level": LEVEL if lo is not None else None,
-        "note": note,
-        **extra,
-    }
+        ci, note = None, note or N_TOO_SMALL
+    known = {k: extra.pop(k) for k in ("n_pos", "n_neg") if k in extra}
+    return Cell(value=None if value is None else float(value), interval=ci, n=int(n), unit=unit, note=note,
+                level=LEVEL if ci is not None else None, extra=extra, keys=PROBE_KEYS + tuple(known) + tuple(extra),
+                **known)
 
 
 def roc_auc(pos: np.ndarray, neg: np.ndarray) -> float:
@@ -208,7 +208,7 @@ def attack_summary(
     seed: int = 0,
     level: float = LEVEL,
     placements: tuple[np.ndarray, np.ndarray] | None = None,
-) -> dict:
+) -> AttackSummary:
     """AUC (DeLong, logit scale) and TPR at each FPR (stratified bootstrap, widened to hold the
     Clopper-Pearson interval of the members above the threshold) as cells with n.
 
@@ -219,8 +219,8 @@ def attack_summary(
       placements: the AUC's placements when they are not those of `pos` and `neg` (averaged
         over draws, `auc_interval`); default `auc_placements(pos, neg)`.
     Returns:
-      {"auc": cell, "tpr_at_fpr": {"0.01": cell, ...}, "n_pos", "n_neg", "unit"}; a TPR cell has
-      value None and a note "needs >= N non-member <unit>" when len(neg) < ceil(10 / f).
+      an `AttackSummary`: the AUC's cell and a TPR cell per FPR (`repr(f)`: "0.01"); a TPR cell
+      has value None and a note "needs >= N non-member <unit>" when len(neg) < ceil(10 / f).
     """
     pos = np.asarray(pos, dtype=np.float64)
     neg = np.asarray(neg, dtype=np.float64)
@@ -229,19 +229,14 @@ def attack_summary(
     rng = np.random.default_rng(seed)
     n = min(len(pos), len(neg))
     v10, v01 = auc_placements(pos, neg) if placements is None else placements
-    out = {
-        "auc": cell(float(np.mean(v10)), n=n, unit=unit, ci=auc_interval(v10, v01, level),
-                    n_pos=len(pos), n_neg=len(neg)),
-        "tpr_at_fpr": {},
-        "n_pos": len(pos),
-        "n_neg": len(neg),
-        "unit": unit,
-    }
+    auc = cell(float(np.mean(v10)), n=n, unit=unit, ci=auc_interval(v10, v01, level),
+               n_pos=len(pos), n_neg=len(neg))
+    rates: dict[str, Cell] = {}
     bp = bn = None  # bootstrap resamples, drawn once when a TPR cell needs them
     for f in fprs:
         need = needed_negatives(f)
         if len(neg) < need:
-            out["tpr_at_fpr"][repr(f)] = cell(
+            rates[repr(f)] = cell(
                 None, n=len(neg), unit=unit, note=f"needs >= {need} non-member {unit}",
                 needed=need,
             )
@@ -256,8 +251,8 @@ def attack_summary(
         boot = percentile_interval(_tpr_rows(bp, bn, f), level)
         exact = clopper_pearson(round(tpr * len(pos)), len(pos), level)
         ci = (min(boot[0], exact[0]), max(boot[1], exact[1]))
-        out["tpr_at_fpr"][repr(f)] = cell(tpr, n=len(pos), unit=unit, ci=ci, n_neg=len(neg))
-    return out
+        rates[repr(f)] = cell(tpr, n=len(pos), unit=unit, ci=ci, n_neg=len(neg))
+    return AttackSummary(auc=auc, tpr_at_fpr=rates, n_pos=len(pos), n_neg=len(neg), unit=unit)
 
 
 def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
@@ -278,7 +273,7 @@ def rate_summary(
     n_boot: int = 1000,
     seed: int = 0,
     level: float = LEVEL,
-) -> dict:
+) -> Cell:
     """Mean of a 0/1 array (exact Clopper-Pearson CI) or of values in [0, 1] (bootstrap-t CI)."""
     x = np.asarray(hits, dtype=np.float64)
     if len(x) == 0:
@@ -294,7 +289,7 @@ def rate_summary(
 def clustered_rate_summary(
     hits: np.ndarray, clusters, *, unit: str = "units", cluster_unit: str = "users",
     level: float = LEVEL,
-) -> dict:
+) -> Cell:
     """Rate of 0/1 outcomes that come in clusters (a user's PII items): the items' rate with
     Korn and Graubard's interval, Clopper-Pearson at the effective sample size.
 
@@ -342,7 +337,7 @@ def clustered_rate_summary(
 
 def mean_summary(
     x: np.ndarray, *, unit: str, n_boot: int = 1000, seed: int = 0, level: float = LEVEL
-) -> dict:
+) -> Cell:
     """Mean of a real-valued array with the hull of its equal-tailed and symmetric bootstrap-t
     intervals (`bootstrap_t`); no interval below `MEAN_MIN_N` units."""
     x = np.asarray(x, dtype=np.float64)
@@ -618,7 +613,7 @@ def aligned(a: dict, b: dict) -> tuple[list[int], list[int]] | None:
 PERMUTATIONS = {"mean": 9999, "auc": 1999}  # compare_units' defaults per kind of unit scores
 
 
-def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0, n_perm: int | None = None) -> dict:
+def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0, n_perm: int | None = None) -> Test:
     """The test of "run a leaks more (greater) / less / differently than run b" on their units.
 
     `a` and `b` are per-unit scores of one metric: {"kind": mean | binary | auc, "unit", "ids",
@@ -661,21 +656,23 @@ def compare_units(a: dict, b: dict, *, alternative: str, seed: int = 0, n_perm: 
         name = "paired AUC permutation" if al else "AUC permutation"
         p = auc_difference_test((va[ma], va[~ma]), (vb[mb], vb[~mb]), paired=al is not None,
                                 alternative=alternative, seed=seed, advantage=True, n_perm=k)
-    out = {"test": name, "alternative": alternative, "paired": al is not None,
-           "p_value": float(p), "estimate": float(est), "n_a": len(va), "n_b": len(vb),
-           "unit": a["unit"], "p_floor": floor}
-    return out | ({"statistic": ADVANTAGE} if kind == "auc" else {})
+    keys = ("test", "alternative", "paired", "p_value", "estimate", "n_a", "n_b", "unit", "p_floor")
+    return Test(name=name, alternative=alternative, paired=al is not None, p_value=float(p),
+                estimate=float(est), n_a=len(va), n_b=len(vb), unit=a["unit"], p_floor=floor,
+                statistic=ADVANTAGE if kind == "auc" else None,
+                keys=keys + (("statistic",) if kind == "auc" else ()))
 
 
 def compare_seeds(a: list[float], b: list[float], *, alternative: str, seed: int = 0,
-                  kind: str = "mean") -> dict:
+                  kind: str = "mean") -> Test:
     """Configurations with several seeds each: a permutation test over the per-seed values
     (per-seed AUCs, `kind` "auc", as their distance from chance)."""
-    extra = {}
+    statistic = None
     if kind == "auc":
         a, b = [chance_advantage(x) for x in a], [chance_advantage(x) for x in b]
-        extra = {"statistic": ADVANTAGE}
-    return extra | {"test": "permutation over seeds", "alternative": alternative, "paired": False,
-            "p_value": permutation_test(a, b, alternative=alternative, seed=seed),
-            "estimate": float(np.mean(a) - np.mean(b)),
-            "n_a": len(a), "n_b": len(b), "unit": "seeds"}
+        statistic = ADVANTAGE
+    keys = ("test", "alternative", "paired", "p_value", "estimate", "n_a", "n_b", "unit")
+    return Test(name="permutation over seeds", alternative=alternative, paired=False,
+                p_value=permutation_test(a, b, alternative=alternative, seed=seed),
+                estimate=float(np.mean(a) - np.mean(b)), n_a=len(a), n_b=len(b), unit="seeds",
+                statistic=statistic, keys=(("statistic",) if statistic else ()) + keys)

@@ -53,12 +53,28 @@ class Codec:
         self.start = [] if start_id is None else [int(start_id)]
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (start_id if start_id is not None else 0))
+        self._memo: dict[str, list[int]] = {}
 
     def plain(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, text: str) -> list[int]:
-        return self.start + self.plain(text)
+        """The start token and the text's ids; each text is tokenized once per Codec (the window
+        fit, membership, extraction and the reference pass all encode the same documents)."""
+        ids = self._memo.get(text)
+        if ids is None:
+            ids = self._memo[text] = self.start + self.plain(text)
+        return list(ids)
+
+    def encode_all(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, those not seen before tokenized in one call (a fast tokenizer
+        encodes a list in Rust, in parallel)."""
+        new = [t for t in dict.fromkeys(texts) if t not in self._memo]
+        if new:
+            for t, ids in zip(new, self.tok(new, add_special_tokens=False)["input_ids"],
+                              strict=True):
+                self._memo[t] = self.start + list(ids)
+        return [list(self._memo[t]) for t in texts]
 
     def start_or_zero(self) -> list[int]:
         return self.start or [0]

@@ -116,7 +116,7 @@ def user_inference_result(
     per_draw = [auc_placements(p[d], n[d]) for d in range(draws)]
     placements = (np.mean([v for v, _ in per_draw], axis=0), np.mean([v for _, v in per_draw], axis=0))
     summary = attack_summary(p[0], n[0], unit="users", fprs=fprs, n_boot=n_boot, seed=seed,
-                             placements=placements)
+                             placements=placements).to_json()
     summary.update({
         "statistic": statistic,
         "docs_per_user": k,

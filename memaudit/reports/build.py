@@ -341,7 +341,7 @@ def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]
                + (" + Goldfish" if gf else "")
                + (" + LoRA" if ft != "full" else ""))
         ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
-        leak = [r["leakage"][lead]["value"] for r in rs if lead and r["leakage"].get(lead)]
+        leak = [r["leakage"][lead].value for r in rs if lead and r["leakage"].get(lead)]
         if not ppl:
             continue
         by_label[lbl].append({

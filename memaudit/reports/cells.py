@@ -1,12 +1,12 @@
 """The report's typed values: a measured `Cell`, a `Test` between two runs, and one formatter.
 
-Every number the report shows is a cell of `memaudit.probes.stats` (value, interval or the note
-saying why there is none, n and what the unit is) or a pool of such cells over seeds. The
-report.json keeps them as dicts (its schema is `memaudit.reports.schema`); code that reads them
-goes through `Cell.of` and `Test.of`, and every surface (the terminal, Markdown, HTML, the README
-blocks, the findings' sentences) writes a cell with the one function `format_cell`, in the
-`CellStyle` of that surface. This module is the bottom of `memaudit.reports`: it imports none of
-the others.
+Every number the report shows is a `Cell` of `memaudit.probes.stats` (value, interval or the note
+saying why there is none, n and what the unit is) or a pool of such cells over seeds; the records
+live in `memaudit.probes.records`, with their one JSON pair (`to_json` / `from_json`). Code that
+reads a cell object of a file goes through `as_cell`, and every surface (the
+terminal, Markdown, HTML, the README blocks, the findings' sentences) writes a cell with the one
+function `format_cell`, in the `CellStyle` of that surface. This module is the bottom of
+`memaudit.reports`: it imports none of the others.
 
 References:
   Holm. A simple sequentially rejective multiple test procedure. Scand. J. Statist. 1979.
@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from memaudit.probes.records import Cell, Test
+
+__all__ = ["Cell", "Test"]  # the typed records, made by memaudit.probes.stats
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -65,46 +69,12 @@ def fixed3(v: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- cells
-@dataclass(frozen=True, kw_only=True)
-class Cell:
-    """One measured number: value, two-sided interval (None when there is none, with `note`
-    saying why: "n too small", a lower bound, ...), n and the unit n counts. `lower_bound`: the
-    value is a one-sided bound (canaries at the exposure estimator's ceiling, `ceiling_units` of
-    them). An attack's AUC also names both classes (`n_pos` members, `n_neg` non-members); a cell
-    pooled over seeds says how many (`n_seeds`)."""
-
-    value: float | None
-    interval: tuple[float, float] | None = None
-    n: int | None = None
-    unit: str | None = None
-    note: str | None = None
-    lower_bound: bool = False
-    ceiling_units: int | None = None
-    n_pos: int | None = None
-    n_neg: int | None = None
-    n_seeds: int | None = None
-
-    @classmethod
-    def of(cls, d: Mapping[str, Any] | Cell | None) -> Cell | None:
-        """The cell of a report.json / probes.json cell dict (None for none or an empty one)."""
-        if d is None or isinstance(d, Cell):
-            return d
-        if not d:
-            return None
-        lo, hi = d.get("ci_low"), d.get("ci_high")
-        return cls(value=d.get("value"), interval=None if lo is None or hi is None else (lo, hi),
-                   n=d.get("n"), unit=d.get("unit"), note=d.get("note"),
-                   lower_bound=bool(d.get("lower_bound")), ceiling_units=d.get("ceiling_units"),
-                   n_pos=d.get("n_pos"), n_neg=d.get("n_neg"), n_seeds=d.get("n_seeds"))
-
-    @property
-    def has_value(self) -> bool:
-        return self.value is not None
-
-    @property
-    def n_too_small(self) -> bool:
-        """No interval because too few units stand behind the value (`memaudit.probes.stats.MIN_N`)."""
-        return self.interval is None and bool(self.note) and self.note.startswith("n too small")
+def as_cell(c: Cell | Mapping[str, Any] | None) -> Cell | None:
+    """`c` as a `Cell`: a report.json / probes.json cell object read (`Cell.from_json`); None for
+    none or an empty object."""
+    if c is None or isinstance(c, Cell):
+        return c
+    return Cell.from_json(c) if c else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +116,7 @@ def format_cell(cell: Cell | Mapping[str, Any] | None, style: CellStyle, value_u
     """A cell as text: value (">= value" for a lower bound, which shows no interval: its upper end
     would be the estimator's ceiling, not the data's), `value_unit` ("bits"), interval or the note
     saying why there is none, and n with its unit, each as `style` writes it."""
-    c = Cell.of(cell)
+    c = as_cell(cell)
     if c is None:
         return style.missing
     n = n_text(c, style)
@@ -167,44 +137,6 @@ def format_cell(cell: Cell | Mapping[str, Any] | None, style: CellStyle, value_u
 
 
 # ----------------------------------------------------------------------------- tests
-@dataclass(frozen=True, kw_only=True)
-class Test:
-    """A test between two runs or two groups of seeds (`memaudit.probes.stats.compare_units`,
-    `compare_seeds`), with its correction once the report's family is adjusted."""
-
-    __test__ = False  # not a pytest class
-
-    name: str
-    alternative: str                # "less" (one-sided), "greater" or "two-sided"
-    n_a: int
-    n_b: int
-    unit: str
-    p_value: float
-    estimate: float
-    scope: str = "runs"             # "runs" (their units) or "configurations" (over seeds)
-    statistic: str | None = None
-    runs: tuple[str, str] | None = None
-    p_floor: float | None = None
-    p_adjusted: float | None = None
-    correction: str | None = None
-    family: int | None = None
-    alpha: float | None = None
-    mde: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # when no difference is shown
-
-    @classmethod
-    def of(cls, d: Mapping[str, Any]) -> Test:
-        runs = d.get("runs")
-        return cls(name=d["test"], alternative=d["alternative"], n_a=d["n_a"], n_b=d["n_b"], unit=d["unit"],
-                   p_value=d["p_value"], estimate=d.get("estimate", 0.0), scope=d.get("scope", "runs"),
-                   statistic=d.get("statistic"), runs=tuple(runs) if runs else None, p_floor=d.get("p_floor"),
-                   p_adjusted=d.get("p_adjusted"), correction=d.get("correction"), family=d.get("family"),
-                   alpha=d.get("alpha"), mde=d.get("mde"))
-
-    @property
-    def sides(self) -> str:
-        return "two-sided" if self.alternative == "two-sided" else "one-sided"
-
-
 NOT_TESTED = "not tested"
 NO_DIFFERENCE = "no difference shown"
 

@@ -13,6 +13,8 @@ import math
 import statistics
 from typing import Any
 
+from memaudit.probes.records import Cell, Test
+
 
 def nominal_epsilon(run: dict[str, Any]) -> float:
     """A run's nominal epsilon: its target, else its ledger's (2 decimals); inf without DP."""
@@ -22,30 +24,33 @@ def nominal_epsilon(run: dict[str, Any]) -> float:
     return float(t) if t is not None else round(run["privacy"]["epsilon"], 2)
 
 
-def pool(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+def pool(cells: list[Cell | None]) -> Cell | None:
     """One metric over seeds: one run's cell as it is; several seeds' mean with a half-width that
     adds within-run and between-seed spread (no interval when any run has none)."""
-    cells = [c for c in cells if c and c.get("value") is not None]
+    cells = [c for c in cells if c is not None and c.value is not None]
     if not cells:
         return None
     if len(cells) == 1:
-        return {**cells[0], "n_seeds": 1}
-    vals = [c["value"] for c in cells]
+        return cells[0].replace(n_seeds=1)
+    vals = [c.value for c in cells]
     mean = statistics.fmean(vals)
-    base = {"value": mean, "n": cells[0].get("n"), "unit": cells[0].get("unit"), "n_seeds": len(vals)}
-    if any(c.get("lower_bound") for c in cells):  # a mean with a lower bound in it is one too
-        return {**base, "ci_low": None, "ci_high": None, "lower_bound": True,
-                "note": "a lower bound in some seeds (canaries at the estimator's ceiling)"}
-    if any(c.get("ci_low") is None or c.get("ci_high") is None for c in cells):
-        return {**base, "ci_low": None, "ci_high": None, "note": "n too small in some seeds"}
-    within = statistics.fmean((c["ci_high"] - c["ci_low"]) / 2 for c in cells)
+    base = {"value": mean, "n": cells[0].n, "unit": cells[0].unit, "n_seeds": len(vals)}
+    if any(c.lower_bound for c in cells):  # a mean with a lower bound in it is one too
+        return Cell(**base, lower_bound=True, note="a lower bound in some seeds (canaries at the estimator's ceiling)",
+                    keys=(*POOLED, "lower_bound", "note"))
+    if any(c.interval is None for c in cells):
+        return Cell(**base, note="n too small in some seeds", keys=(*POOLED, "note"))
+    within = statistics.fmean((c.ci_high - c.ci_low) / 2 for c in cells)
     between = 1.96 * statistics.stdev(vals) / math.sqrt(len(vals))
     half = math.sqrt(within**2 + between**2)
-    return {**base, "ci_low": mean - half, "ci_high": mean + half, "note": None}
+    return Cell(**base, interval=(mean - half, mean + half), note=None, keys=(*POOLED, "note"))
+
+
+POOLED = ("value", "n", "unit", "n_seeds", "ci_low", "ci_high")  # a pooled cell's keys, its note after
 
 
 def compare_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
-                alternative: str) -> dict[str, Any] | None:
+                alternative: str) -> Test | None:
     """The test of metric `key` between two groups of runs (None when it cannot be tested).
 
     Both groups with several seeds: a permutation test over the seeds' values (a statement about
@@ -57,13 +62,17 @@ def compare_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], k
     from memaudit.probes.stats import compare_seeds, compare_units
 
     if len(a_runs) > 1 and len(b_runs) > 1:
-        va = [r["leakage"][key]["value"] for r in a_runs if (r["leakage"].get(key) or {}).get("value") is not None]
-        vb = [r["leakage"][key]["value"] for r in b_runs if (r["leakage"].get(key) or {}).get("value") is not None]
+        va, vb = _values(a_runs, key), _values(b_runs, key)
         if len(va) > 1 and len(vb) > 1:
             kind = ((a_runs[0].get("units") or {}).get(key) or {}).get("kind", "mean")
-            return {**compare_seeds(va, vb, alternative=alternative, kind=kind), "scope": "configurations"}
+            return compare_seeds(va, vb, alternative=alternative, kind=kind).replace(scope="configurations")
     ua, ub = (a_runs[0].get("units") or {}).get(key), (b_runs[0].get("units") or {}).get(key)
     if not ua or not ub:
         return None
-    return {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
-            "runs": [a_runs[0]["id"], b_runs[0]["id"]]}
+    return compare_units(ua, ub, alternative=alternative).replace(scope="runs", runs=(a_runs[0]["id"], b_runs[0]["id"]))
+
+
+def _values(runs: list[dict[str, Any]], key: str) -> list[float]:
+    """The runs' values of metric `key`, where they measured it."""
+    cells = (r["leakage"].get(key) for r in runs)
+    return [c.value for c in cells if c is not None and c.value is not None]

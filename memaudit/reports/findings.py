@@ -74,14 +74,13 @@ def _every_test(report: dict[str, Any]):
                     yield name, key, cell, cell["test"]
 
 
-def same_test_key(key: str, t: Mapping[str, Any]) -> tuple | None:
+def same_test_key(key: str, t: Test) -> tuple | None:
     """What makes two entries one test: the same two runs (in either order for a two-sided test),
     metric, units and alternative. None for a test over seeds (no runs named): never merged."""
-    runs = t.get("runs")
-    if not runs or t.get("scope", "runs") != "runs":
+    if not t.runs or not t.over_runs:
         return None
-    pair = tuple(sorted(runs)) if t["alternative"] == "two-sided" else tuple(runs)
-    return (pair, key, t.get("unit"), t["alternative"], t["test"])
+    pair = tuple(sorted(t.runs)) if t.alternative == "two-sided" else t.runs
+    return (pair, key, t.unit, t.alternative, t.name)
 
 
 def _keyed_tests(report: dict[str, Any]):
@@ -97,16 +96,17 @@ def _keyed_tests(report: dict[str, Any]):
         yield key, cell, t
 
 
-def _repeats(report: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any], str]]:
-    """(repeated test, the family's entry of it, that entry's block) for each test stated twice."""
-    first: dict[tuple, tuple[dict[str, Any], str]] = {}
+def _repeats(report: dict[str, Any]) -> list[tuple[dict[str, Any], Test, Test, str]]:
+    """(cell, its repeated test, the family's entry of it, that entry's block) for each test
+    stated twice."""
+    first: dict[tuple, tuple[Test, str]] = {}
     out = []
-    for name, key, _cell, t in _every_test(report):
+    for name, key, cell, t in _every_test(report):
         ident = same_test_key(key, t)
         if ident is None:
             continue
         if ident in first:
-            out.append((t, *first[ident]))
+            out.append((cell, t, *first[ident]))
         else:
             first[ident] = (t, name)
     return out
@@ -127,34 +127,34 @@ def _refine_floors(report: dict[str, Any], family: int) -> None:
     data, would keep a test from passing the correction over `family` tests (floor * family >=
     alpha), the test is re-run on the same units with enough permutations that its floor is
     alpha / (FLOOR_MARGIN * family). Only tests at their floor are re-run, so the cost stays small.
-    Updates the test dicts of `report` (`adjust` hands it its own copy).
+    Updates the comparison cells of `report` (`adjust` hands it its own copy).
     """
     units = {r["id"]: r.get("units") or {} for r in report.get("runs", []) + report.get("targets", [])}
     need = math.ceil(FLOOR_MARGIN * family / ALPHA)
-    for key, _cell, t in _keyed_tests(report):
-        test = Test.of(t)
-        if (test.p_floor is None or test.scope != "runs" or test.p_floor * family < ALPHA
+    for key, cell, test in _keyed_tests(report):
+        if (test.p_floor is None or not test.over_runs or test.p_floor * family < ALPHA
                 or test.p_value > test.p_floor * (1 + 1e-9)):
             continue
         ua, ub = (units.get(rid, {}).get(key) for rid in (test.runs or ("", "")))
         if ua and ub:
             again = compare_units(ua, ub, alternative=test.alternative, n_perm=need)
-            t.update(p_value=again["p_value"], p_floor=again["p_floor"], estimate=again["estimate"])
+            cell["test"] = test.replace(p_value=again.p_value, p_floor=again.p_floor, estimate=again.estimate)
 
 
 def _detectable(report: dict[str, Any], family: int) -> None:
     """Beside each comparison of two runs that shows no difference, the smallest difference its
     test could have seen with 80% power at the strictest Holm step, alpha / family (an effect that
-    size passes the correction whatever the other tests say): `test["mde"]`, from
+    size passes the correction whatever the other tests say): the test's `mde`, from
     `memaudit.probes.power.minimum_detectable_effect` on the same units. Tests over seeds get none
     (their n is the seeds)."""
     units = {r["id"]: r.get("units") or {} for r in report.get("runs", []) + report.get("targets", [])}
     for key, cell, t in _keyed_tests(report):
-        if cell.get("verdict") != NO_DIFFERENCE or t.get("scope", "runs") != "runs" or not t.get("runs"):
+        if cell.get("verdict") != NO_DIFFERENCE or not t.over_runs or not t.runs:
             continue
-        ua, ub = (units.get(rid, {}).get(key) for rid in t["runs"])
+        ua, ub = (units.get(rid, {}).get(key) for rid in t.runs)
         if ua and ub:
-            t["mde"] = minimum_detectable_effect(ua, ub, alternative=t["alternative"], alpha=ALPHA / family)
+            cell["test"] = t.replace(mde=minimum_detectable_effect(ua, ub, alternative=t.alternative,
+                                                                   alpha=ALPHA / family))
 
 
 def mde_amount(mde: Mapping[str, Any], metric: str) -> str | None:
@@ -188,25 +188,26 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     (`_refine_floors`). Adjusting an adjusted report again gives the same report."""
     own = {**report, "comparisons": copy.deepcopy(report.get("comparisons", {})),
            "scale": copy.deepcopy(report.get("scale")), "literature": copy.deepcopy(report.get("literature"))}
-    pairs = list(_all_tests(own))
     sections = _sections(own)
-    others = [t for mod, sec in sections for t in mod.tests_of(sec)]
-    family = len(pairs) + len(others)
-    _refine_floors(own, family)  # on the copy: `pairs` holds the same test dicts
-    tests = [t for _c, t in pairs] + others
-    adj = CORRECTIONS[correction]([t["p_value"] for t in tests])
-    for t, pa in zip(tests, adj, strict=True):
+    others = [t for mod, sec in sections for t in mod.tests_of(sec)]  # the sections' test objects
+    family = sum(1 for _ in _all_tests(own)) + len(others)
+    _refine_floors(own, family)
+    cells = [cell for cell, _t in _all_tests(own)]
+    adj = CORRECTIONS[correction]([c["test"].p_value for c in cells] + [t["p_value"] for t in others])
+    for cell, pa in zip(cells, adj, strict=False):
+        cell["test"] = cell["test"].replace(p_adjusted=pa, correction=correction, family=family, alpha=ALPHA)
+        cell["verdict"] = verdict(cell["test"], ALPHA)
+    for t, pa in zip(others, adj[len(cells):], strict=True):
         t.update({"p_adjusted": pa, "correction": correction, "family": family, "alpha": ALPHA})
-    for cell, t in pairs:
-        cell["verdict"] = verdict(Test.of(t), ALPHA)
     _detectable(own, family)
-    for t, entry, block in _repeats(own):  # one test, one entry: a repeat says the same
-        t.update({k: entry[k] for k in ("p_value", "p_floor", "estimate", "p_adjusted", "correction",
-                                        "family", "alpha", "mde") if k in entry}, **{SAME_TEST: block})
-        if t["runs"] != entry["runs"]:  # a two-sided test stated with its runs the other way round
-            t["estimate"] = -entry["estimate"]
+    for cell, t, entry, block in _repeats(own):  # one test, one entry: a repeat says the same
+        same = {k: getattr(entry, k) for k in ("p_value", "p_floor", "estimate", "p_adjusted", "correction",
+                                               "family", "alpha", "mde") if k in entry.to_json()}
+        if t.runs != entry.runs:  # a two-sided test stated with its runs the other way round
+            same["estimate"] = -entry.estimate
+        cell["test"] = t.replace(**same, **{SAME_TEST: block})
     for _name, _key, cell, t in _every_test(own):
-        cell["verdict"] = verdict(Test.of(t), ALPHA)
+        cell["verdict"] = verdict(t, ALPHA)
     for mod, sec in sections:
         mod.settle(sec, family)
     return {k: v for k, v in own.items() if v is not None or k in report}
@@ -267,7 +268,7 @@ class Finding:
         t = self.test
         return {"kind": "comparison", "group": self.group, "metric": self.metric, "metrics": [self.metric],
                 "claim": self.claim, "evidence": self.evidence, "short": self.short, "caveat": self.caveat,
-                "verdict": self.verdict, "context": self.context, "scope": t.scope,
+                "verdict": self.verdict, "context": self.context, "scope": t.scope or "runs",
                 "test": t.name, "n": [t.n_a, t.n_b], "unit": t.unit,
                 "p_value": t.p_value, "p_adjusted": t.p_adjusted,
                 "correction": t.correction, "family": t.family, "text": self.text,
@@ -290,7 +291,7 @@ def _finding(metric: str, cell: dict[str, Any], t: Test, left: str, right: str, 
     short = (f"{context}: {left} vs {right}, {SHORT[metric]}: {said} (n = {t.n_a}/{t.n_b} "
              f"{t.unit}, {t.correction.capitalize()} p = {t.p_adjusted:.2g}{'; ' + seen if seen else ''})")
     if series:
-        series = {**series, "key": (group, series["backend_label"], series["treatment"], metric, v, t.scope, t.name),
+        series = {**series, "key": (group, series["backend_label"], series["treatment"], metric, v, t.scope or "runs", t.name),
                   "treated": a, "baseline": b, "test_text": _test_core(t)}
     return Finding(group=group, metric=metric, claim=claim, evidence=nums, short=short, caveat=cav, verdict=v,
                    context=context, test=t, text=f"{claim} ({nums}).", series=series)
@@ -304,10 +305,10 @@ def _sentences(cells: dict[str, dict], left: str, right: str, context: str, grou
     treatment at several levels share, so the first screen can say them once."""
     out = []
     for metric, cell in cells.items():
-        t = Test.of(cell["test"]) if cell.get("test") else None
+        t = cell.get("test")
         if t is None or t.p_adjusted is None:
             continue  # no per-unit scores: no test, so no finding
-        if cell["test"].get(SAME_TEST):
+        if t.extra.get(SAME_TEST):
             continue  # the same test is said where the family counts it
         v = verdict(t, t.alpha if t.alpha is not None else ALPHA)
         cav = caveat(v) if callable(caveat) else caveat
@@ -450,12 +451,12 @@ def audit_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for r in report.get("runs", []):
         a = r.get("leakage", {}).get("audit_epsilon")
-        if not a or a.get("value") is None:
+        if not a or a.value is None:
             continue
-        conf = a.get("confidence") or 0.95
+        conf = a.extra.get("confidence") or 0.95
         led = r.get("privacy", {}).get("epsilon")
-        bound = f"epsilon >= {number(a['value'])} at {conf:.0%} confidence (one-sided)"
-        if led is not None and not math.isinf(led) and a["value"] > led:
+        bound = f"epsilon >= {number(a.value)} at {conf:.0%} confidence (one-sided)"
+        if led is not None and not math.isinf(led) and a.value > led:
             verdict, text = "more", (f"Run {r['id']}: the one-run audit shows {bound}, above the "
                                      f"ledger's epsilon = {number(led)}: the accounting or the "
                                      "implementation does not hold in this run.")
@@ -466,7 +467,7 @@ def audit_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
                                            + "; a lower bound, not an estimate.")
         out.append({"kind": "audit", "group": "audit", "metric": "audit_epsilon",
                     "metrics": ["audit_epsilon"], "verdict": verdict, "context": r["id"],
-                    "test": "one-run audit (Steinke et al. 2023)", "n": [a.get("n")],
+                    "test": "one-run audit (Steinke et al. 2023)", "n": [a.n],
                     "unit": "audit canaries", "confidence": conf, "text": text})
     return out
 
@@ -476,11 +477,11 @@ def caveats(report: dict[str, Any]) -> list[str]:
     runs = report.get("runs", [])
     for r in runs:
         audit = r.get("leakage", {}).get("audit_epsilon")
-        if audit and audit.get("ceiling") is not None:
+        if audit and audit.extra.get("ceiling") is not None:
             out.append(
-                f"Run {r['id']}: the one-run audit's {audit.get('n')} canaries can certify at most "
-                f"epsilon = {number(audit['ceiling'])} at the run's delta (the best over every r); its lower "
-                f"bound {number(audit['value'])} is a floor, not an estimate of the true epsilon."
+                f"Run {r['id']}: the one-run audit's {audit.n} canaries can certify at most "
+                f"epsilon = {number(audit.extra['ceiling'])} at the run's delta (the best over every r); its lower "
+                f"bound {number(audit.value)} is a floor, not an estimate of the true epsilon."
             )
         if r.get("privacy", {}).get("unit") == "example" and not math.isinf(r["privacy"].get("epsilon", math.inf)):
             out.append(document_caveat(r["id"], r["privacy"].get("document")))
@@ -534,8 +535,8 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
         shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair["metrics"].items()
                  if c["verdict"] in ("less", "more")]
         same = {k: c for k, c in pair["metrics"].items() if c["verdict"] == NO_DIFFERENCE}
-        seen = [f"{SHORT[k]} {mde_amount(c['test']['mde'], k) or 'none within its range (too few units)'}"
-                for k, c in same.items() if (c.get("test") or {}).get("mde")]
+        seen = [f"{SHORT[k]} {mde_amount(c['test'].mde, k) or 'none within its range (too few units)'}"
+                for k, c in same.items() if c.get("test") and c["test"].mde]
         what = "; ".join(shown + ([f"no difference shown on {len(same)} metric{'s' if len(same) != 1 else ''}"
                                    + (f" (the smallest differences these tests could have seen, {POWER:.0%} power: "
                                       f"{', '.join(seen)})" if seen else "")] if same else []))

@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
-from memaudit.reports.cells import METRICS, TESTABLE
+from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 
 DEFAULT_TOLERANCE = 0.1
@@ -68,11 +68,15 @@ def series_label(run: dict[str, Any]) -> str:
 
 
 def _point(run: dict[str, Any], key: str) -> dict[str, Any]:
-    c = run["leakage"].get(key) or {}
+    c = run["leakage"].get(key) or Cell(value=None)
     return {"run": run["id"], "epsilon": run["privacy"]["epsilon"], "unit": run["privacy"]["unit"],
-            "perplexity": _ppl(run), "value": c.get("value"), "ci_low": c.get("ci_low"),
-            "ci_high": c.get("ci_high"), "n": c.get("n"), "n_unit": c.get("unit"), "note": c.get("note"),
-            "lower_bound": bool(c.get("lower_bound"))}
+            "perplexity": _ppl(run), "value": c.value, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n,
+            "n_unit": c.unit, "note": c.note, "lower_bound": c.lower_bound}
+
+
+def _measured(run: dict[str, Any], key: str) -> bool:
+    c = run["leakage"].get(key)
+    return c is not None and c.value is not None
 
 
 def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -88,7 +92,7 @@ def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["origin"] = {"run": base["id"], "perplexity": _ppl(base),
                          "leakage": {k: _point(base, k) for k in FRONTIER_METRICS if base["leakage"].get(k)}}
     for key in FRONTIER_METRICS:
-        with_value = [r for r in real if (r["leakage"].get(key) or {}).get("value") is not None]
+        with_value = [r for r in real if _measured(r, key)]
         if not with_value:
             continue
         labels = sorted({series_label(r) for r in with_value})
@@ -100,7 +104,7 @@ def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["metrics"][key] = {
             "label": METRICS[key][0], "unit": METRICS[key][1], "series": series,
             "n_points": len(with_value),
-            "all_zero": all(r["leakage"][key]["value"] == 0 for r in with_value),
+            "all_zero": all(r["leakage"][key].value == 0 for r in with_value),
         }
     return out
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from memaudit.backends import BACKENDS
+from memaudit.probes.records import Cell
 from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
@@ -67,7 +68,7 @@ def run_label(run: dict[str, Any]) -> str:
     return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
 
 
-def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> dict[str, Any]:
+def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> Cell:
     """A probe-style cell with the percentile interval of `boot` (the probes' own level)."""
     ci = percentile_interval(boot, LEVEL) if boot is not None and n > 0 and len(boot) else None
     return cell(value, n=n, unit=unit, ci=ci)
@@ -99,12 +100,12 @@ def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, An
         row = {"repetitions": int(rep), "owner_kind": owner, "effective_epsilon": g.get("effective_epsilon"),
                "rule": g.get("rule"), "test": None}
         if len(x) < MIN_N:
-            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", None), k)
+            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", None), k).to_json()
             row["note"] = N_TOO_SMALL
         else:
             boot = (x[rng.integers(0, len(x), (N_BOOT, len(x)))].mean(1)
                     - refs[rng.integers(0, len(refs), (N_BOOT, len(refs)))].mean(1))
-            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", boot), k)
+            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", boot), k).to_json()
             p = float(mannwhitneyu(x, refs, alternative="greater").pvalue)
             row["test"] = {"test": "Mann-Whitney U, one-sided (inserted > references)", "p_value": p,
                            "n_a": len(x), "n_b": len(refs), "unit": "canaries"}
@@ -134,9 +135,9 @@ def _extraction(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cells = {}
         for key, what in EXTRACTION:
             c = run["leakage"].get(key)
-            if c and c.get("value") is not None and c.get("n"):
-                k = round(c["value"] * c["n"])
-                cells[key] = {**c, "k": k, "what": what, "nonzero": k > 0}
+            if c and c.value is not None and c.n:
+                k = round(c.value * c.n)
+                cells[key] = {**c.to_json(), "k": k, "what": what, "nonzero": k > 0}
         out.append({"run": run["id"], "label": run_label(run), "metrics": cells})
     return out
 
@@ -145,17 +146,17 @@ def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for run in runs:
         a = run["leakage"].get("audit_epsilon")
-        if not run.get("audit") or not a or a.get("value") is None:
+        if not run.get("audit") or not a or a.value is None:
             continue
-        eps, bound = _eps(run), float(a["value"])
+        eps, bound, more = _eps(run), float(a.value), a.extra
         verdict = (("positive lower bound" if bound > 0 else "no leakage shown") if math.isinf(eps) else
                    ("below the ledger's epsilon" if bound <= eps else "ABOVE the ledger's epsilon"))
         out.append({"run": run["id"], "label": run_label(run), "bound": bound, "ledger_epsilon": eps,
-                    "ceiling": a.get("ceiling"), "n": a.get("n"), "unit": a.get("unit"),
-                    "confidence": a.get("confidence"), "verdict": verdict,
-                    "guesses": a.get("guesses"), "correct": a.get("correct"),
-                    "canaries": a.get("canaries", "secret"), "score": a.get("score", "mean_log_likelihood"),
-                    "all_thresholds": a.get("all_thresholds"), "gdp_estimate": a.get("gdp_estimate")})
+                    "ceiling": more.get("ceiling"), "n": a.n, "unit": a.unit,
+                    "confidence": more.get("confidence"), "verdict": verdict,
+                    "guesses": more.get("guesses"), "correct": more.get("correct"),
+                    "canaries": more.get("canaries", "secret"), "score": more.get("score", "mean_log_likelihood"),
+                    "all_thresholds": more.get("all_thresholds"), "gdp_estimate": more.get("gdp_estimate")})
     return out
 
 
@@ -197,11 +198,11 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
                 boot = (b[idx].mean(1) - d[idx].mean(1)) / (b[idx].mean(1) - n0[idx].mean(1))
             closed = float((b.mean() - d.mean()) / (b.mean() - n0.mean()))
             c = _cell(closed, len(ids), "holdout documents", boot[np.isfinite(boot)])
-            verdict = ("at least half closed" if c.get("ci_low") is not None and c["ci_low"] >= HALF else
-                       "less than half closed" if c.get("ci_high") is not None and c["ci_high"] < HALF else
+            verdict = ("at least half closed" if c.ci_low is not None and c.ci_low >= HALF else
+                       "less than half closed" if c.ci_high is not None and c.ci_high < HALF else
                        "half not separated")
             out.append({"backend": backend, "run": run["id"], "label": run_label(run), "epsilon": _eps(run),
-                        "closed": c, "loss": {"base": float(b.mean()), "no_dp": float(n0.mean()),
+                        "closed": c.to_json(), "loss": {"base": float(b.mean()), "no_dp": float(n0.mean()),
                                               "dp": float(d.mean()), "unit": "nats per token"},
                         "verdict": verdict})
     return out

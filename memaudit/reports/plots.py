@@ -407,8 +407,8 @@ def audit_figure(report: dict[str, Any]):
     pts = []
     for run in report["runs"]:
         a = (run.get("leakage") or {}).get("audit_epsilon")
-        if a and a.get("value") is not None:
-            pts.append((run["privacy"].get("epsilon"), a["value"], a.get("ceiling"), run["id"]))
+        if a and a.value is not None:
+            pts.append((run["privacy"].get("epsilon"), a.value, a.extra.get("ceiling"), run["id"]))
     if not pts:
         return None
     finite = [p[0] for p in pts if p[0] is not None and math.isfinite(p[0])]

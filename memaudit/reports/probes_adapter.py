@@ -15,44 +15,52 @@ import numpy as np
 
 from memaudit.probes.context import context_count, context_measure
 from memaudit.probes.loaders import ProbesDoc, ProbeSection
+from memaudit.probes.records import Cell
 
 MAX_ROC_POINTS = 200
 MAX_SAMPLES = 5
 SAMPLE_CHARS = 400
 
 
-def _stat(s: dict[str, Any] | None, **extra: Any) -> dict[str, Any] | None:
-    """A probe cell for the report: value, interval, n, unit and note (why no interval)."""
+def _stat(s: dict[str, Any] | None, **extra: Any) -> Cell | None:
+    """A probes.json cell as the report's: value, interval, n, unit and note (why no interval),
+    `extra` (the metric's context), both classes of an attack's AUC and a lower bound's count;
+    None without a value."""
     if not s or s.get("value") is None:
         return None
-    out = {"value": s["value"], "ci_low": s.get("ci_low"), "ci_high": s.get("ci_high"),
-           "n": s.get("n"), "unit": s.get("unit"), "note": s.get("note"), **extra}
-    if s.get("n_pos") is not None and s.get("n_neg") is not None:  # an attack's AUC: both classes
-        out.update(n_pos=s["n_pos"], n_neg=s["n_neg"])
-    if s.get("lower_bound"):  # a mean of exposures at the estimator's ceiling (`at_ceiling`)
-        out.update(lower_bound=True, ceiling_units=s.get("ceiling_units"))
-    return out
+    c = Cell.from_json(s)
+    both = c.n_pos is not None and c.n_neg is not None  # an attack's AUC: both classes
+    return Cell(value=c.value, interval=c.interval, n=c.n, unit=c.unit, note=c.note, extra=extra,
+                n_pos=c.n_pos if both else None, n_neg=c.n_neg if both else None,
+                # a mean of exposures at the estimator's ceiling (`at_ceiling`)
+                lower_bound=c.lower_bound, ceiling_units=c.ceiling_units if c.lower_bound else None)
 
 
 def _row(s: dict[str, Any] | None) -> dict[str, Any]:
     """A table row's cells; a cell without a value keeps its note ("needs >= 1000 ...")."""
     got = _stat(s)
     if got is not None:
-        return got
+        return got.to_json()
     s = s or {}
     return {"value": None, "ci_low": None, "ci_high": None, "n": s.get("n"), "unit": s.get("unit"),
             "note": s.get("note") or "not measured"}
 
 
-def at_ceiling(cell: dict[str, Any] | None, k: int) -> dict[str, Any] | None:
+def at_ceiling(cell: Cell | None, k: int) -> Cell | None:
     """`cell` (a mean over canaries) when `k` of its canaries sit at the sampling estimator's
     ceiling: every one of them ranks above all sampled candidates, so its exposure, and the
     mean, are lower bounds. The cell keeps its value as a bound and drops its interval (whose
     upper end would be the estimator's ceiling, not the data's); the note says how many."""
     if cell is None or not k:
         return cell
-    return {**cell, "ci_low": None, "ci_high": None, "lower_bound": True, "ceiling_units": int(k),
-            "note": f"a lower bound: {k} of {cell.get('n')} canaries rank above every sampled candidate"}
+    return cell.replace(interval=None, lower_bound=True, ceiling_units=int(k),
+                        note=f"a lower bound: {k} of {cell.n} canaries rank above every sampled candidate")
+
+
+def _ceiling_row(s: dict[str, Any] | None, k: int) -> dict[str, Any]:
+    """A table row's cells of a probes.json mean over canaries, `k` of them at the ceiling."""
+    c = at_ceiling(_stat(s), k)
+    return _row(s) if c is None else c.to_json()
 
 
 def _units(kind: str, unit: str, ids, values, **extra) -> dict[str, Any] | None:
@@ -151,7 +159,7 @@ def _exposure(p: ProbeSection, out: dict) -> None:
             st = s["by_repetitions"][r].get(owner)
             if st and st.get("value") is not None:
                 by_owner.setdefault(owner, []).append(
-                    {"repetitions": int(r), **at_ceiling(_stat(st), ceiling.get((int(r), owner), 0))})
+                    {"repetitions": int(r), **at_ceiling(_stat(st), ceiling.get((int(r), owner), 0)).to_json()})
     out["plots"]["exposure_by_repetition"] = by_owner
     out["rows"].append({"probe": "exposure", "metric": f"max possible (log2|R|, {s.get('method')})",
                         "value": s.get("max_exposure"), "ci_low": None, "ci_high": None})
@@ -161,12 +169,12 @@ def _exposure(p: ProbeSection, out: dict) -> None:
     for r in reps:
         b, k = s["by_repetitions"][r], ceiling.get((int(r), None), 0)
         out["rows"].append({"probe": "exposure", "metric": f"exposure, {r} repetitions (bits)",
-                            **_row(at_ceiling(b["all"], k))})
+                            **_ceiling_row(b["all"], k)})
         if b.get("excess") and b.get("test"):
             t = b["test"]
             # the raw p: a report corrects over its one family (`settle_rows`), never over buckets
             out["rows"].append({"probe": "exposure", "metric": _excess_label(r, t["test"], t["p_value"], None),
-                                **_row(at_ceiling(b["excess"], k)),
+                                **_ceiling_row(b["excess"], k),
                                 FAMILY_TEST: {"repetitions": int(r), "p_value": t["p_value"], "test": t["test"]}})
     test = s.get("inserted_vs_references") or {}
     if test.get("p_value") is not None:
@@ -296,14 +304,14 @@ def _pii(p: ProbeSection, out: dict) -> None:
 
 def _audit(p: ProbeSection, out: dict) -> None:
     s = p.summary
-    out["leakage"]["audit_epsilon"] = {
-        "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None,
-        "kind": "one-sided lower bound", "confidence": s.get("confidence", 1 - (s.get("p") or 0.05)),
-        "n": s.get("m"), "unit": "audit canaries",
-        "ceiling": s.get("ceiling"), "guesses": s.get("r"), "correct": s.get("v"), "ledger_epsilon": s.get("ledger_eps"),
-        "canaries": s.get("canaries", "secret"), "score": s.get("score", "mean_log_likelihood"),
-        "all_thresholds": s.get("all_thresholds"), "gdp_estimate": s.get("gdp_estimate"),
-    }
+    extra = {"kind": "one-sided lower bound", "confidence": s.get("confidence", 1 - (s.get("p") or 0.05)),
+             "ceiling": s.get("ceiling"), "guesses": s.get("r"), "correct": s.get("v"),
+             "ledger_epsilon": s.get("ledger_eps"), "canaries": s.get("canaries", "secret"),
+             "score": s.get("score", "mean_log_likelihood"), "all_thresholds": s.get("all_thresholds"),
+             "gdp_estimate": s.get("gdp_estimate")}
+    out["leakage"]["audit_epsilon"] = Cell(
+        value=s.get("eps_lower_bound"), n=s.get("m"), unit="audit canaries", extra=extra,
+        keys=("value", "ci_low", "ci_high", "kind", "confidence", "n", "unit", *list(extra)[2:]))
     out["rows"].append({"probe": "audit", "metric": f"epsilon lower bound (r={s.get('r')}, v={s.get('v')}, p={s.get('p')})",
                         "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None})
     out["rows"].append({"probe": "audit", "metric": f"ceiling: the most m = {s.get('m')} canaries can show at delta = {s.get('delta')}",

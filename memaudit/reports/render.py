@@ -12,7 +12,7 @@ from typing import Any
 
 import jinja2
 
-from memaudit.reports.cells import METRICS, PAGE, SHORT, fmt, format_cell
+from memaudit.reports.cells import METRICS, PAGE, SHORT, Test, fmt, format_cell
 from memaudit.reports.plots import all_plots, plot_notes, target_plots
 from memaudit.reports.targets import STRONGEST, input_text
 from memaudit.reports.verdict import Verdict, release_verdict
@@ -20,12 +20,15 @@ from memaudit.reports.verdict import Verdict, release_verdict
 _TEMPLATES = Path(__file__).parent / "templates"
 
 
-def test_cell(t: dict[str, Any] | None) -> str:
-    """A comparison's test in one line: name, sidedness, p and adjusted p."""
+def test_cell(t: Test | dict[str, Any] | None) -> str:
+    """A comparison's test in one line: name, sidedness, p and adjusted p (the scale section's
+    tests are still the JSON objects of its section: read as a `Test`)."""
     if not t:
         return "not tested (no per-unit scores)"
-    adj = f", {t.get('correction', '')} p = {fmt(t['p_adjusted'])}" if "p_adjusted" in t else ""
-    return f"{t['test']} ({t['alternative']}), n = {t['n_a']}/{t['n_b']} {t['unit']}, p = {fmt(t['p_value'])}{adj}"
+    if isinstance(t, dict):
+        t = Test.from_json(t)
+    adj = f", {t.correction or ''} p = {fmt(t.p_adjusted)}" if t.p_adjusted is not None else ""
+    return f"{t.name} ({t.alternative}), n = {t.n_a}/{t.n_b} {t.unit}, p = {fmt(t.p_value)}{adj}"
 
 
 def md_text(text: Any) -> str:

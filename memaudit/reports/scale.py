@@ -40,6 +40,7 @@ from memaudit.config import ModelConfig
 from memaudit.io import read_json
 from memaudit.probes.extraction import repeat_bucket
 from memaudit.probes.loaders import ProbesDoc
+from memaudit.probes.records import Cell
 from memaudit.probes.stats import (
     MIN_N,
     N_TOO_SMALL,
@@ -114,7 +115,7 @@ def _suffix_tokens(probes: dict[str, Any]) -> int | None:
     return (g.get("summary") or {}).get("suffix_tokens")
 
 
-def _cell(units: dict[str, Any]) -> dict[str, Any]:
+def _cell(units: dict[str, Any]) -> Cell:
     x = np.asarray(units["values"], float)
     if units["kind"] == "binary":
         return rate_summary(x, unit=units["unit"])
@@ -163,9 +164,9 @@ def _test(a: list[dict], b: list[dict], metric: str, bucket: str, alternative: s
 
     va, vb = seeds(a), seeds(b)
     if len(va) > 1 and len(vb) > 1:
-        t = {**compare_seeds(va, vb, alternative=alternative), "scope": "configurations"}
+        t = {**compare_seeds(va, vb, alternative=alternative).to_json(), "scope": "configurations"}
     else:
-        t = {**compare_units(ua, ub, alternative=alternative), "scope": "runs",
+        t = {**compare_units(ua, ub, alternative=alternative).to_json(), "scope": "runs",
              "runs": [a[0]["id"], b[0]["id"]]}
     return {"verdict": "not tested", "test": t, "note": None}
 
@@ -201,10 +202,10 @@ def _sentence(t: dict, family: int) -> str:
 
 
 def _pooled(rs: list[dict], metric: str, bucket: str) -> dict[str, Any] | None:
-    """One cell over a group's seeds (`compare.pool`: one run's cell as it is)."""
-
-    return pool([_cell(r["_units"][metric][bucket]) for r in rs
-                  if bucket in r["_units"].get(metric, {})])
+    """One cell over a group's seeds (`compare.pool`: one run's cell as it is), as the section's
+    JSON holds it."""
+    c = pool([_cell(r["_units"][metric][bucket]) for r in rs if bucket in r["_units"].get(metric, {})])
+    return None if c is None else c.to_json()
 
 
 def _bucket_order(b: str) -> tuple:

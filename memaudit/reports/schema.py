@@ -7,6 +7,7 @@ from typing import Any
 import jsonschema
 
 from memaudit.backends import BACKENDS
+from memaudit.probes.records import Cell, Test
 
 _NUM = {"type": ["number", "null"]}
 _CELL = {
@@ -125,10 +126,22 @@ REPORT_SCHEMA: dict[str, Any] = {
 }
 
 
+def as_json(o: Any) -> Any:
+    """`o` with its typed records (`memaudit.probes.records`) as the JSON objects they write."""
+    if isinstance(o, Cell | Test):
+        return o.to_json()
+    if isinstance(o, dict):
+        return {k: as_json(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [as_json(v) for v in o]
+    return o
+
+
 def validate_report(report: dict[str, Any]) -> None:
-    """Raise ValueError naming the first schema violation."""
+    """Raise ValueError naming the first schema violation (of a report in memory: of the JSON its
+    records write)."""
     try:
-        jsonschema.validate(report, REPORT_SCHEMA)
+        jsonschema.validate(as_json(report), REPORT_SCHEMA)
     except jsonschema.ValidationError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "<root>"
         raise ValueError(f"report.json does not match its schema at '{where}': {e.message}") from None

@@ -31,7 +31,7 @@ from typing import Any
 from memaudit.errors import MemauditError
 from memaudit.io import read_json
 from memaudit.probes.loaders import Privacy, ProbesDoc
-from memaudit.reports.cells import METRICS, TESTABLE
+from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups
 from memaudit.reports.probes_adapter import roc_points, summarize_probes, units_of
 from memaudit.reports.verdict import Attack, release_verdict
@@ -247,7 +247,7 @@ def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in entries:  # the units the tests (and the report's refinements) read under the key
         if attack and MEMBERSHIP + attack in e.get("units", {}):
             e["units"][STRONGEST] = e["units"][MEMBERSHIP + attack]
-    by_attack = {e["id"]: {a["attack"]: a["auc"] for a in e["attacks"]} for e in entries}
+    by_attack = {e["id"]: {a["attack"]: Cell.from_json(a["auc"]) for a in e["attacks"]} for e in entries}
     keys = [STRONGEST] + [k for k in METRICS if TESTABLE.get(k, True) and k != "mia_auc"]
     out = []
     for i, a in enumerate(entries):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from memaudit.reports.cells import Cell
+from memaudit.reports.cells import Cell, as_cell
 
 FPR = 0.01
 """The false-positive rate the verdict is stated at."""
@@ -101,11 +101,11 @@ class Attack:
 
     @classmethod
     def of(cls, d: Mapping[str, Any]) -> Attack | None:
-        auc = Cell.of(d.get("auc"))
+        auc = as_cell(d.get("auc"))
         if auc is None or auc.value is None:
             return None
         rates = d.get("tpr_at_fpr") or {}
-        tpr = next((Cell.of(c) for f, c in rates.items() if math.isclose(float(f), FPR)), None)
+        tpr = next((as_cell(c) for f, c in rates.items() if math.isclose(float(f), FPR)), None)
         return cls(name=str(d["attack"]), auc=auc, tpr=tpr)
 
     @property

@@ -1,4 +1,10 @@
-"""Write report.json, report.html and report.md into a report directory, atomically."""
+"""Write report.json, report.html and report.md into a report directory, atomically; read
+report.json back.
+
+This module is report.json's one reader and writer: in memory the report's measured cells and
+tests are the typed records of `memaudit.probes.records` (`Cell`, `Test`), and only here do they
+become JSON objects (`json_safe`, through their `to_json`) and records again (`load_report`,
+through `from_json`)."""
 
 from __future__ import annotations
 
@@ -10,12 +16,16 @@ from typing import Any
 
 from memaudit.backends import backend_name
 from memaudit.io import atomic_write_text
+from memaudit.probes.records import Cell, Test
 from memaudit.reports.render import render_html, render_markdown
 from memaudit.reports.schema import validate_report
 
 
 def json_safe(o: Any) -> Any:
-    """`o` with its infinities as "inf"/"-inf" and NaN as null: what report.json stores."""
+    """`o` with its records as JSON objects, infinities as "inf"/"-inf" and NaN as null: what
+    report.json stores."""
+    if isinstance(o, Cell | Test):
+        o = o.to_json()
     if isinstance(o, float) and (math.isinf(o) or math.isnan(o)):
         return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
     if isinstance(o, dict):
@@ -51,7 +61,7 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str
     if paths["json"].is_file() or not any(out.iterdir()):
         os.chmod(out, 0o700)
     atomic_write_text(paths["json"], json.dumps(safe, indent=2) + "\n")
-    restored = _json_restore(safe)  # render from exactly what report.json holds
+    restored = typed(_json_restore(safe))  # render from exactly what report.json holds
     atomic_write_text(paths["html"], render_html(restored))
     atomic_write_text(paths["md"], render_markdown(restored))
     return paths
@@ -75,7 +85,29 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
     if isinstance(raw, dict):
         raw = {k: backend_renamed(v, keys=k == "comparisons") for k, v in raw.items()}
     validate_report(raw)
-    return _json_restore(raw)
+    return typed(_json_restore(raw))
+
+
+# the comparison blocks whose metrics hold {side: cell, ..., "verdict", "test"}
+_BLOCKS = ("matched", "samplings", "effects", "targets")
+
+
+def typed(report: dict[str, Any]) -> dict[str, Any]:
+    """A report.json's content with its records typed: each run's and target's leakage cells,
+    and each comparison's sides (cells) and test (`Cell.from_json`, `Test.from_json`)."""
+    for r in report.get("runs", []) + report.get("targets", []):
+        r["leakage"] = {k: Cell.from_json(c) for k, c in r["leakage"].items()}
+    comp = report.get("comparisons") or {}
+    blocks = [b for name in _BLOCKS for b in comp.get(name) or []]
+    blocks += (comp.get("matched_utility") or {}).get("pairs") or []
+    for block in blocks:
+        for cell in block.get("metrics", {}).values():
+            for side, v in cell.items():
+                if side == "test":
+                    cell[side] = None if v is None else Test.from_json(v)
+                elif isinstance(v, dict):
+                    cell[side] = Cell.from_json(v)
+    return report
 
 
 def rerender(report_json: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> dict[str, Path]:

@@ -29,9 +29,9 @@ from pathlib import Path
 from shutil import which
 from typing import TYPE_CHECKING, Any
 
-from memaudit import dispatch as switch
 from memaudit.errors import ConfigError, MemauditError
 from memaudit.io import atomic_write_json
+from memaudit.run import dispatch as switch
 from memaudit.rundir import RunDir
 from memaudit.sweep import slurm_env, work
 from memaudit.sweep.config import JobResources, job_resources, point_config

@@ -30,16 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from memaudit import __version__
-from memaudit import dispatch as switch
 from memaudit.backends import CENTRALIZED
-from memaudit.checks import check_before_disk
 from memaudit.config import config_from_dict, dump_config, set_dotted, with_overrides
 from memaudit.data.overlap import require_disjoint
 from memaudit.data.prepare import private_documents
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_json, read_jsonl
-from memaudit.lifecycle import RunSession
 from memaudit.models.init import initial_model
+from memaudit.run import dispatch as switch
+from memaudit.run.checks import check_before_disk
+from memaudit.run.lifecycle import RunSession
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import PretrainConfig, deep_copy, plan_points, point_config
 from memaudit.sweep.point import config_as_written, stale_reason, stored_config

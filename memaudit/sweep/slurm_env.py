@@ -5,7 +5,7 @@ SLURM (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the tasks per node), tak
 host of `SLURM_JOB_NODELIST` as `MASTER_ADDR` and a port derived from `SLURM_JOB_ID` (every
 task computes the same one, and two jobs on one node rarely collide), and exports the
 `RANK`/`WORLD_SIZE`/`LOCAL_RANK`/`LOCAL_WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT` variables that
-`memaudit.parallel.launch` reads; the existing per-rank entry point (`launch_training` under a
+`memaudit.run.launch` reads; the existing per-rank entry point (`launch_training` under a
 launcher) then runs unchanged. submitit's LocalExecutor sets `SUBMITIT_LOCAL_*` variables
 instead; `slurm_view` maps them onto the SLURM names, so the local test exercises this module.
 

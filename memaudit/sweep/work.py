@@ -13,8 +13,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memaudit import dispatch as switch
 from memaudit.errors import without_values  # the backend switch; its backends load when chosen
+from memaudit.run import dispatch as switch
 from memaudit.rundir import RunDir, prepare_new_run
 from memaudit.sweep.config import SweepConfig, SweepPoint, point_config
 from memaudit.sweep.point import PointAction, Verb, point_action

@@ -8,7 +8,7 @@
       trainer.json          step, metrics count and other scalars
 
 A checkpoint is written into a temporary directory that the run lifecycle seals with its
-commit marker and swaps in for state/ (`memaudit.lifecycle`), so a kill at any moment leaves
+commit marker and swaps in for state/ (`memaudit.run.lifecycle`), so a kill at any moment leaves
 a complete checkpoint that the next start recovers, never a mixture. Nothing is unpickled: tensors come back from safetensors or
 `torch.load(..., weights_only=True)`, scalars from JSON.
 """

@@ -1,6 +1,7 @@
 """The centralized backend's JAX engine (`train.engine: jax`), a backend of the one driver.
 
-`train_centralized_jax(cfg, run)` trains the federated side's Flax Llama where the torch engine
+`JaxTrainer` (run by `memaudit.run.centralized_jax.train_centralized_jax(cfg, run)`) trains the
+federated side's Flax Llama where the torch engine
 trains the Hugging Face one, from the same seeded weights (`memaudit.models.init`, converted by
 `memaudit.models.convert.hf_to_flax`), on the same batches (`EpochBatches`; under DP the same
 samplers and privacy plans, `memaudit.train.user_dp`), with the same loss, learning-rate
@@ -11,7 +12,7 @@ parameters), Goldfish loss. The parameters, the optimizer state and each batch l
 (data, model) device mesh (`train.mesh_model`).
 
 The loop, evaluation schedule, checkpoints, ledger, export and result are the driver's
-(`memaudit.driver.fit`): the run directory, metrics (DP statistics in sensitive_metrics.jsonl),
+(`memaudit.run.driver.fit`): the run directory, metrics (DP statistics in sensitive_metrics.jsonl),
 ledger and Hugging Face export are the torch engine's; run.json's result says `engine: jax`.
 A checkpoint is `state/state.msgpack` (parameters and optimizer state, flax serialisation,
 read back into a template, never unpickled) and trainer.json; the batch, learning rate and DP
@@ -38,18 +39,18 @@ import numpy as np
 from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 
-from memaudit.backends import CENTRALIZED
+from memaudit.backends import CENTRALIZED, Session, StepOutcome
 from memaudit.checkpoints import checkpoint_present
 from memaudit.config import Config
-from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
 from memaudit.errors import RunDirError
 from memaudit.io import atomic_write_bytes, atomic_write_json
-from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.convert import hf_to_flax, to_hf_model
 from memaudit.models.flax_llama import FlaxLlama
 from memaudit.models.flax_lora import LoraModel, count, initial_lora, torch_lora_model
 from memaudit.models.init import flax_config, hf_config, initial_state_dict, model_vocab_size
 from memaudit.models.lora import merged_copy, save_adapter, trained_label
+from memaudit.privacy.plan import PrivacyPlan
+from memaudit.privacy.randomness import dp_randomness
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import jax_dp, user_dp
@@ -63,15 +64,8 @@ ENGINE = "jax"
 STATE_FILE = "state.msgpack"
 
 
-def train_centralized_jax(cfg: Config, run: RunDir, *, resume: bool = False, progress: ProgressFn | None = None,
-                          **session_kw: Any) -> dict[str, Any]:
-    """Train `cfg` into `run` with the jax engine; returns run.json's result (as
-    `memaudit.train.trainer.train_centralized`)."""
-    return JaxTrainer(cfg, run, progress=progress).fit(resume=resume, **session_kw)
-
-
 class JaxTrainer:
-    """The jax engine of the centralized backend (`memaudit.driver.Backend`)."""
+    """The jax engine of the centralized backend (`memaudit.run.driver.Backend`)."""
 
     name = CENTRALIZED
     counter = "step"
@@ -101,10 +95,10 @@ class JaxTrainer:
         return self.tcfg.checkpoint_every
 
     # ------------------------------------------------------------------ set-up
-    def running(self, session: RunSession, resume: bool) -> contextlib.AbstractContextManager[None]:
+    def running(self, session: Session, resume: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def prepare(self, session: RunSession) -> None:
+    def prepare(self, session: Session) -> None:
         """Data, mesh, model, optimizer, sampler, the DP plan and the compiled steps."""
         self.session = session
         self.prepared = session.data()  # staged and checked by the lifecycle (checks.check_data)
@@ -145,7 +139,7 @@ class JaxTrainer:
 
     def _setup_privacy(self) -> None:
         """σ, sampler and plan of the config's DP (the torch engine's, `memaudit.train.user_dp`),
-        from the run's one secret (`memaudit.lifecycle.dp_randomness`)."""
+        from the run's one secret (`memaudit.privacy.randomness.dp_randomness`)."""
         p = self.cfg.privacy
         self.randomness = dp_randomness(self.run, self.cfg, is_writer=self.is_writer)
         self.kept_rows = self._contribution_rows()
@@ -284,7 +278,7 @@ class JaxTrainer:
     def has_checkpoint(self) -> bool:
         return checkpoint_present(self.run.state_dir)
 
-    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+    def save(self, session: Session, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
         """Parameters and optimizer state (msgpack) and the scalars, after `done` steps."""
         host = jax.device_get({"params": self.params, "opt_state": self.opt_state})
         if not self.is_writer:
@@ -296,7 +290,7 @@ class JaxTrainer:
             atomic_write_json(d / "trainer.json", {"schema": ckpt.STATE_SCHEMA, **scalars, "engine": ENGINE,
                                                    "noise_multiplier": getattr(self, "noise_multiplier", None)})
 
-    def load(self, session: RunSession) -> dict[str, Any]:
+    def load(self, session: Session) -> dict[str, Any]:
         """state/ into the parameters and optimizer state; a torch engine's checkpoint is refused."""
         scalars = ckpt.read_scalars(self.run)
         path = self.run.state_dir / STATE_FILE
@@ -314,7 +308,7 @@ class JaxTrainer:
     def begin(self) -> None:
         """Nothing to synchronise: every batch is a function of (seed or secret, step)."""
 
-    def export(self, session: RunSession) -> None:
+    def export(self, session: Session) -> None:
         """The Hugging Face model into model/ (and under LoRA the merged model and adapter/),
         written by the torch side's code as the federated backend's export."""
         params = jax.device_get(self.params)
@@ -349,8 +343,3 @@ class JaxTrainer:
                                          "user_sampling": p.user_sampling if p.unit == "user" else None,
                                          "sequences_sampled_from": len(self.kept_rows)}
         return out
-
-    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) training through the driver inside the run lifecycle."""
-        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
-                           progress=self.progress)

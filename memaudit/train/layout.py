@@ -25,9 +25,9 @@ from memaudit.train import checkpoint as ckpt
 if TYPE_CHECKING:
     import torch
 
+    from memaudit.backends import Session
     from memaudit.config import Config
     from memaudit.data.packing import PackedSequences
-    from memaudit.lifecycle import RunSession
     from memaudit.rundir import RunDir
     from memaudit.train.dpsgd import PerExampleClipping
 
@@ -103,14 +103,14 @@ class Layout(Protocol):
                  autocast_dtype: torch.dtype | None) -> tuple[float, float]:
         """(token-mean holdout loss, perplexity) of the first `max_batches` batches."""
 
-    def write_state(self, session: RunSession, step: int, model: Any, optimizer: Any, *,
+    def write_state(self, session: Session, step: int, model: Any, optimizer: Any, *,
                     scalars: dict[str, Any], extra: dict[str, Any], files: dict[str, Any] | None) -> None:
         """A checkpoint of step `step` in this layout's format (a collective on a grid)."""
 
     def read_state(self, run: RunDir, model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load state/ (any format) into the model, optimizer and RNG; return (scalars, extra)."""
 
-    def export_model(self, session: RunSession, model: Any, prepared: Any) -> None:
+    def export_model(self, session: Session, model: Any, prepared: Any) -> None:
         """The merged Hugging Face model (and tokenizer) into model/, written by the writer."""
 
     def lora_model(self, model: Any) -> Any:
@@ -194,7 +194,7 @@ class SerialLayout:
         return holdout_loss(model, holdout.input_ids, holdout.attention_mask, batch_size=batch_size,
                             max_batches=max_batches, device=self.device, autocast_dtype=autocast_dtype)
 
-    def write_state(self, session: RunSession, step: int, model: Any, optimizer: Any, *,
+    def write_state(self, session: Session, step: int, model: Any, optimizer: Any, *,
                     scalars: dict[str, Any], extra: dict[str, Any], files: dict[str, Any] | None) -> None:
         with session.checkpoint(step) as d:
             ckpt.write_state(d, model=model, optimizer=optimizer, scalars=scalars, extra=extra, files=files)
@@ -208,7 +208,7 @@ class SerialLayout:
 
         return load_any(run, model=model, optimizer=optimizer, device=self.device)
 
-    def export_model(self, session: RunSession, model: Any, prepared: Any) -> None:
+    def export_model(self, session: Session, model: Any, prepared: Any) -> None:
         session.export_hf(model, tokenizer=prepared.tokenizer(), tokenizer_dir=prepared.tokenizer_dir)
 
     def lora_model(self, model: Any) -> Any:

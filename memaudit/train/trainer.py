@@ -1,6 +1,7 @@
 """The centralized trainer: PyTorch, Hugging Face Llama, in one process or on the 4D grid.
 
-`train_centralized(cfg, run)` prepares the data, builds the preset model, trains it with
+`Trainer` (run by `memaudit.run.centralized.train_centralized(cfg, run)`) prepares the data,
+builds the preset model, trains it with
 AdamW (linear warm-up, cosine decay, global-norm clipping, gradient accumulation; bf16
 autocast and activation checkpointing for the large presets on GPU) or with DP-SGD when
 `cfg.privacy.enabled`, writes `metrics.jsonl`, resumable checkpoints in `state/`, the
@@ -13,11 +14,11 @@ the CPU kernels split their float reductions; a resume runs on the checkpoint's 
 the CPU an interrupted-and-resumed run ends with weights bit-identical to an uninterrupted one.
 
 The loop, evaluation schedule, checkpoints, ledger and result are the one training driver's
-(`memaudit.driver.fit`); `Trainer` is the torch backend it drives. One `Trainer` runs every
+(`memaudit.run.driver.fit`); `Trainer` is the torch backend it drives. One `Trainer` runs every
 layout by composition: it takes a `Layout`
 (`memaudit.train.layout`) that says where the model lives, `SerialLayout` for one process or
 `memaudit.parallel.layout.TensorParallelLayout` for the data x (x, y, z) grid (one per rank,
-started by `memaudit.parallel.launch`). The layout builds or parallelises the seeded model,
+started by `memaudit.run.launch`). The layout builds or parallelises the seeded model,
 shards each chunk of the global batch, syncs gradients, computes the global gradient norm,
 evaluates, writes and reads its checkpoint format and exports the merged model; DP-SGD is the
 one `memaudit.train.dpsgd.DPSGD` with the layout's per-example clipping.
@@ -39,10 +40,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from memaudit.backends import CENTRALIZED
+from memaudit.backends import CENTRALIZED, Session, StepOutcome
 from memaudit.config import Config
-from memaudit.driver import PrivacyPlan, StepOutcome, run_backend
-from memaudit.lifecycle import RunSession, dp_randomness
 from memaudit.models.init import initial_model, model_vocab_size
 from memaudit.models.keyed_dropout import dropout_rows, dropout_step
 from memaudit.models.lora import (
@@ -53,6 +52,8 @@ from memaudit.models.lora import (
     trained_label,
 )
 from memaudit.models.presets import LARGE_PRESETS
+from memaudit.privacy.plan import PrivacyPlan
+from memaudit.privacy.randomness import dp_randomness
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import user_dp
@@ -70,27 +71,6 @@ if TYPE_CHECKING:
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 BACKEND = CENTRALIZED  # the backend's name in run.json
-
-
-def train_centralized(
-    cfg: Config, run: RunDir, *, resume: bool = False, progress: ProgressFn | None = None,
-    **session_kw: Any,
-) -> dict[str, Any]:
-    """Train `cfg` into `run` (single process) and return the result summary.
-
-    Args:
-        cfg: the resolved config.
-        run: the run directory; the caller has checked it with `prepare_new_run` or
-            `open_for_resume`. A fresh run removes memaudit's artifacts of a previous run.
-        resume: continue from `run`'s last checkpoint (or from the start if it has none).
-        progress: called as progress(done_steps, total_steps, info) after every step.
-        session_kw: passed to the run lifecycle (`overwrite`, `lock_held`).
-
-    Returns:
-        {"steps", "final_holdout_loss", "final_holdout_perplexity", "initial_holdout_loss",
-         "final_train_loss", "train_seconds", "parameters", "epsilon" (DP only), ...}
-    """
-    return Trainer(cfg, run, SerialLayout(cfg), progress=progress).fit(resume=resume, **session_kw)
 
 
 @contextlib.contextmanager
@@ -121,7 +101,7 @@ def cpu_threads(n: int | None) -> Iterator[None]:
 
 
 class Trainer:
-    """The centralized backend of the training driver (`memaudit.driver.Backend`): one step,
+    """The centralized backend of the training driver (`memaudit.run.driver.Backend`): one step,
     evaluation, checkpoint format and DP-SGD over a `Layout`.
 
     Everything that depends on where the model lives (one process, or the data x (x, y, z)
@@ -346,7 +326,7 @@ class Trainer:
     def has_checkpoint(self) -> bool:
         return ckpt.has_state(self.run)
 
-    def save(self, session: RunSession, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
+    def save(self, session: Session, done: int, scalars: dict[str, Any], files: dict[str, Any]) -> None:
         """The layout's checkpoint of `done` steps: weights, optimizer, RNG, the DP-SGD state,
         and the thread count the CPU kernels split their reductions by (exact resume)."""
         extra = {"dp": self.dp.state_dict()} if self.dp is not None else {}
@@ -358,14 +338,14 @@ class Trainer:
         """Load state/ (in whatever layout it was written) into the model, optimizer and RNG."""
         return self.layout.read_state(self.run, self.model, self.optimizer)
 
-    def load(self, session: RunSession) -> dict[str, Any]:
+    def load(self, session: Session) -> dict[str, Any]:
         """state/ into the model, optimizer, RNG and DP-SGD state; returns its scalars."""
         scalars, extra = self.read_state()
         if self.dp is not None and "dp" in extra:
             self.dp.load_state_dict(extra["dp"])
         return scalars
 
-    def export(self, session: RunSession) -> None:
+    def export(self, session: Session) -> None:
         """The merged Hugging Face model into model/ (the writer writes; a collective on a grid);
         under LoRA also the PEFT adapter folder into adapter/ (`memaudit.models.lora`)."""
         if self.cfg.model.lora is None:
@@ -380,14 +360,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the driver's hooks
     @contextlib.contextmanager
-    def running(self, session: RunSession, resume: bool) -> Iterator[None]:
+    def running(self, session: Session, resume: bool) -> Iterator[None]:
         """Deterministic CPU kernels, on the checkpoint's thread count when resuming, and on the
         CPU the memory each step frees kept for the next (`kept_freed_memory`)."""
         with (deterministic(self.device), cpu_threads(self._checkpoint_threads() if resume else None),
               kept_freed_memory(self.device)):
             yield
 
-    def prepare(self, session: RunSession) -> None:
+    def prepare(self, session: Session) -> None:
         """Data, model, optimizer, sampler (and DP) for this run; the writer's first."""
         self.session = session
         with self.layout.writer_first():
@@ -429,11 +409,6 @@ class Trainer:
                                          "user_sampling": p.user_sampling if p.unit == "user" else None,
                                          "sequences_sampled_from": len(self.kept_rows)}
         return out
-
-    def fit(self, *, resume: bool = False, overwrite: bool = False, lock_held: bool = False) -> dict[str, Any]:
-        """Run (or resume) training through the driver inside the run lifecycle."""
-        return run_backend(self, self.cfg, self.run, resume=resume, overwrite=overwrite, lock_held=lock_held,
-                           progress=self.progress)
 
     def _checkpoint_threads(self) -> int | None:
         """The torch CPU thread count the checkpoint was written on (None: no checkpoint, or one

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from memaudit.driver import PrivacyPlan
 from memaudit.errors import ConfigError
 from memaudit.privacy.accounting import default_delta
 from memaudit.privacy.calibrate import calibrate_noise, calibration_accountant
 from memaudit.privacy.mechanisms import ExampleSampledUsers, SampledGaussian, calibrate
+from memaudit.privacy.plan import PrivacyPlan
 from memaudit.train.sampling import PoissonSampler, SubsetSampler, UserPoissonSampler
 
 ELS_NAME = "ELS (user-level DP-SGD, example sampling)"

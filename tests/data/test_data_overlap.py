@@ -91,7 +91,7 @@ def test_topics_zero_is_the_corpus_without_private_content():
 def test_public_kind_prepares_without_pii_and_trains_its_own_tokenizer(tmp_path):
     from memaudit.config import DataConfig
     from memaudit.data import prepare_data
-    from memaudit.data.tokenizer import train_tokenizer
+    from memaudit.models.tokenizer import train_tokenizer
     from memaudit.rundir import RunDir
 
     cfg = DataConfig(synth={"kind": "public", "users": 8, "docs_per_user": 2, "seed": 1,

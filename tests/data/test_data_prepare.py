@@ -129,7 +129,7 @@ def test_cli_prepare_prints_no_secret(tmp_path, capsys):
 
 def test_config_fields_reach_the_data(tmp_path):
     from memaudit.config import load_config
-    from memaudit.data.tokenizer import train_tokenizer
+    from memaudit.models.tokenizer import train_tokenizer
 
     public = tmp_path / "public.txt"
     public.write_text("the quick brown fox jumps over the lazy dog\n" * 20 + "pack my box 42\n", encoding="utf-8")

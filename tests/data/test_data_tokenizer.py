@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from memaudit.data.tokenizer import EOS, load_tokenizer, train_tokenizer
 from memaudit.errors import DataError
+from memaudit.models.tokenizer import EOS, load_tokenizer, train_tokenizer
 
 TEXTS = [
     "Hi, this is Dana Smith. You can reach me at (555) 010-2030 or dana@example.com.",

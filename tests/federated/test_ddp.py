@@ -204,7 +204,7 @@ def test_metrics_that_depend_on_the_realized_cohort_are_sensitive(client_deltas)
     Distributed DP's noise is the survivors' shares: its effective noise and noise std are such
     metrics (they used to be public names that the trainer renamed for this one aggregator)."""
     from memaudit.federated.dp import dp_fedavg
-    from memaudit.lifecycle import SENSITIVE_KEYS
+    from memaudit.run.lifecycle import SENSITIVE_KEYS
 
     n = 12
     aggs = {

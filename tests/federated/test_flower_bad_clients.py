@@ -23,6 +23,7 @@ from memaudit.federated import algorithms as alg
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.flower.execute import LocalNodes, NodeExecutor, run_plan, valid_reply
 from memaudit.federated.flower.partition import compile_plan
+from memaudit.run.driver import run_trainer
 from tests.federated.toy_nodes import ASSIGN, CAP, HOSTS, PLACED, S, keep_rows, toy_arrays
 from tests.federated.toy_nodes import toy_loss as _loss
 
@@ -219,9 +220,9 @@ def test_a_bad_secagg_reply_drops_its_node_as_if_it_died(step, kind):
 
 # ------------------------------------------------------------------ config and the whole run
 def test_expected_survivors_below_min_survivors_is_refused_before_training():
-    from memaudit.checks import check_before_disk
     from memaudit.config import load_config
     from memaudit.errors import ConfigError
+    from memaudit.run.checks import check_before_disk
 
     over = ["backend=federated", "federated.cohort=4", "privacy.secure_aggregation.enabled=true"]
     with pytest.raises(ConfigError, match="expects 0.2 survivors per round") as e:
@@ -308,7 +309,7 @@ def test_a_bad_node_costs_its_users_never_the_run(parts):
     root, info = parts
     over, partitions, manifest = info["central"]
     run = root / "one-bad"
-    flower_trainer(load_config(None, over), RunDir(run), _TrainerNodes(partitions, manifest, bad=[1])).fit()
+    run_trainer(flower_trainer(load_config(None, over), RunDir(run), _TrainerNodes(partitions, manifest, bad=[1])))
     assert json.loads((run / "run.json").read_text())["status"] == "complete"
     sensitive = [json.loads(x) for x in (run / "sensitive_metrics.jsonl").read_text().splitlines()]
     assert [m["rejected_nodes"] for m in sensitive] == [1] and sensitive[0]["dropped_users"] > 0
@@ -331,7 +332,7 @@ def test_a_run_in_which_no_round_aggregated_fails_with_one_line(parts):
     run = root / "all-bad"
     nodes = _TrainerNodes(partitions, manifest, bad=[0, 1])
     with pytest.raises(MemauditError, match="no round of 1 aggregated a client's update") as e:
-        flower_trainer(load_config(None, over), RunDir(run), nodes).fit()
+        run_trainer(flower_trainer(load_config(None, over), RunDir(run), nodes))
     assert nodes.aborts == []  # the manifest's policy and DP bound let the honest steps through
     assert "\n" not in str(e.value)
     manifest_json = json.loads((run / "run.json").read_text())

@@ -30,6 +30,7 @@ import pytest
 
 from memaudit.federated.flower import deploy
 from memaudit.federated.flower.transport import bundle
+from memaudit.run.driver import run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def federation(tmp_path_factory):
 
 def _train(overrides, out: Path, trainer_cls=None, cli=False):
     from memaudit.config import load_config
-    from memaudit.dispatch import dispatch
+    from memaudit.run.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     if cli:  # through `memaudit train`, in this process
@@ -89,7 +90,7 @@ def _train(overrides, out: Path, trainer_cls=None, cli=False):
         return json.loads((out / "run.json").read_text())["result"]
     cfg = load_config(BASE, overrides)
     if trainer_cls is not None:
-        return trainer_cls(cfg, RunDir(out)).fit()
+        return run_trainer(trainer_cls(cfg, RunDir(out)))
     return dispatch(cfg, RunDir(out), resume=False)
 
 
@@ -345,7 +346,7 @@ def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
 
     from memaudit.federated.flower import wire
     from memaudit.federated.flower.deploy import CONNECTION, write_app
-    from memaudit.flower_messages import payload_of
+    from memaudit.federated.flower.messages import payload_of
 
     ca = None if fed.tls is None else Path(fed.tls[0]).read_bytes()
     tls = {"insecure": ca is None, "root_certificates": ca}
@@ -466,7 +467,7 @@ def test_nobody_takes_the_server_seat(federation, tmp_path, transport):
     assert got["node_runtime_refused"] == len(fed.partitions), got  # so did each SuperNode
     assert (got["tasks"], got["run_config_bytes"], got["node_ids"], got["node_bytes"]) == (0, 0, 0, 0), got
     # memaudit's own SuperExec took every run's task: its ServerApp ran and refused the run,
-    # whose launch folder does not exist (the run binding, trainer.bind_launch)
+    # whose launch folder does not exist (the run binding, run.flower.bind_launch)
     assert all(r is not None and r[0] == "finished:failed" and "memaudit's ServerApp raised" in r[1]
                for r in got["runs"]), got["runs"]
 

@@ -1,4 +1,4 @@
-"""What a memaudit Flower message costs to push (`memaudit.flower_messages`): a payload over
+"""What a memaudit Flower message costs to push (`memaudit.federated.flower.messages`): a payload over
 1 MiB travels as one Array of raw bytes, which Flower cuts into chunks and serialises once per
 step; a smaller one stays a ConfigRecord value, one object.
 
@@ -15,7 +15,14 @@ import os
 
 import pytest
 
-from memaudit.flower_messages import INLINE_MAX, RECORD, SHARED, payload_of, record, shared_record
+from memaudit.federated.flower.messages import (
+    INLINE_MAX,
+    RECORD,
+    SHARED,
+    payload_of,
+    record,
+    shared_record,
+)
 
 
 def _pushed_bytes(message, monkeypatch) -> int:
@@ -104,7 +111,7 @@ def test_a_node_answers_only_messages_its_server_signed_for_its_run(monkeypatch)
     for attr in ("_run_id", "_node_id", "_task_id"):  # as inside a ServerApp
         monkeypatch.setattr(TaskIdentity, attr, 1)
 
-    from memaudit.flower_messages import server_refusal, sign_messages
+    from memaudit.federated.flower.messages import server_refusal, sign_messages
 
     key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     server = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()

@@ -561,7 +561,7 @@ def test_a_stage_message_carries_the_values_all_nodes_share_once(users, monkeypa
     from memaudit.config import FlowerConfig
     from memaudit.federated.flower import trainer, wire
     from memaudit.federated.flower.apps import answer
-    from memaudit.flower_messages import SHARED, bytes_of
+    from memaudit.federated.flower.messages import SHARED, bytes_of
 
     for attr in ("_run_id", "_node_id", "_task_id"):  # as inside a ServerApp
         monkeypatch.setattr(TaskIdentity, attr, 1)

@@ -1,4 +1,4 @@
-"""A SuperNode's resident process (`memaudit.flower_node`, `memaudit.federated.flower.resident`):
+"""A SuperNode's resident process (`memaudit.federated.flower.node`, `memaudit.federated.flower.resident`):
 the ClientApp Flower starts per message imports no JAX and forwards to it; it answers as the
 in-process ClientApp does (the same checks), only to a client holding its key, and goes away
 with the process it watches. The weights of whole Flower runs through residents equal the
@@ -23,7 +23,7 @@ from multiprocessing.connection import Client
 import numpy as np
 import pytest
 
-from memaudit import flower_node
+from memaudit.federated.flower import node as flower_node
 from memaudit.federated.flower import wire
 from memaudit.federated.flower.apps import answer, open_node
 from memaudit.federated.flower.execute import call_to_wire
@@ -31,7 +31,7 @@ from tests.federated.test_flower_node_trust import _identity_call
 
 
 def test_the_clientapp_flower_starts_per_message_imports_no_jax():
-    code = ("import sys, memaudit.flower_node as f; "
+    code = ("import sys, memaudit.federated.flower.node as f; "
             "assert f.client_app is not None and f.server_app is not None; "
             "print(sorted(m for m in ('jax', 'flax', 'optax', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from memaudit.federated.secagg.messages import masked_bytes
+from memaudit.run.driver import run_trainer
 from tests.federated.toy_nodes import keep_rows
 
 jax = pytest.importorskip("jax")
@@ -382,10 +383,10 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts, monke
         from tests.federated.test_ddp import noise_by_slot
 
         noise_by_slot(monkeypatch)
-    FederatedTrainer(load_config(None, over), RunDir(root / f"{case}-jax")).fit()
+    run_trainer(FederatedTrainer(load_config(None, over), RunDir(root / f"{case}-jax")))
     nodes = _TrainerNodes(partitions)
-    flower_trainer(load_config(None, [*over, "federated.runtime=flower"]), RunDir(root / f"{case}-flower"),
-                  nodes).fit()
+    run_trainer(flower_trainer(load_config(None, [*over, "federated.runtime=flower"]), RunDir(root / f"{case}-flower"),
+                  nodes))
     a = load_file(str(root / f"{case}-jax" / "model" / "model.safetensors"))
     b = load_file(str(root / f"{case}-flower" / "model" / "model.safetensors"))
     diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)

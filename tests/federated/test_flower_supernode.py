@@ -222,7 +222,7 @@ def test_a_launch_folder_is_served_by_one_serverapp(tmp_path):
     submit memaudit's own app) would train that run a second time beside the first. The second
     ServerApp is refused before it reads the launch file, and leaves nothing for the submitter."""
     from memaudit.errors import MemauditError
-    from memaudit.federated.flower.trainer import CLAIM, serve_run
+    from memaudit.run.flower import CLAIM, serve_run
 
     launch = _launch_folder(tmp_path, 7)
     (launch / "launch.json").write_text("{}")  # the first ServerApp fails on it, and says so
@@ -257,7 +257,7 @@ def test_a_launch_folder_is_served_only_as_the_run_it_was_submitted_as(tmp_path)
     import os
 
     from memaudit.errors import MemauditError
-    from memaudit.federated.flower.trainer import CLAIM, bind_launch, serve_run
+    from memaudit.run.flower import CLAIM, bind_launch, serve_run
 
     launch = _launch_folder(tmp_path, 1234)
     before = sorted(p.name for p in launch.iterdir())
@@ -483,13 +483,13 @@ def test_memaudits_supernode_runs_its_superexec_as_a_thread_on_the_nodes_own_sta
     from flwr.common.constant import Status
     from flwr.supernode.servicer.runtime import runtime_handlers
 
-    from memaudit import flower_node
+    from memaudit.federated.flower import node as flower_node
     from memaudit.federated.flower import superexec
     from memaudit.federated.flower.transport import localruntime
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a SuperExec process was started"))
     monkeypatch.setattr(api, "create_app", api.create_app)  # the capture is undone after the test
-    monkeypatch.setattr("memaudit.flower_node.client_app", lambda message, context: Message(
+    monkeypatch.setattr("memaudit.federated.flower.node.client_app", lambda message, context: Message(
         RecordDict({"c": ConfigRecord({"read": 1})}), reply_to=message))
     done = threading.Event()
     acquire = runtime_handlers.acquire_task
@@ -614,8 +614,8 @@ def test_a_serverapp_task_in_the_superlinks_process(fab, monkeypatch, app, raise
     run's log says so, as the submitter's `flwr run --stream` shows it; a failing ServerApp ends
     the task failed with one line in the run's log: memaudit's own error text, of anything else
     its type only (an exception's text could carry a data value)."""
-    from memaudit import flower_node
     from memaudit.errors import MemauditError
+    from memaudit.federated.flower import node as flower_node
     from memaudit.federated.flower import superexec
 
     calls = []

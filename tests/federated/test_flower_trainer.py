@@ -9,6 +9,8 @@ import json
 import numpy as np
 import pytest
 
+from memaudit.run.driver import run_trainer
+
 jax = pytest.importorskip("jax")
 
 OVERRIDES = [
@@ -79,7 +81,7 @@ def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
 
     overrides, partitions, root = setup
     jax_run = root / "jax"
-    FederatedTrainer(load_config(None, [*overrides, "federated.runtime=jax"]), RunDir(jax_run)).fit()
+    run_trainer(FederatedTrainer(load_config(None, [*overrides, "federated.runtime=jax"]), RunDir(jax_run)))
 
     cfg = load_config(None, overrides)
     run = root / "flower"
@@ -89,10 +91,10 @@ def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        flower_trainer(cfg, RunDir(run), _Nodes(partitions), progress=stop_after_two).fit()
+        run_trainer(flower_trainer(cfg, RunDir(run), _Nodes(partitions), progress=stop_after_two))
     assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
     nodes = _Nodes(partitions)
-    result = flower_trainer(cfg, RunDir(run), nodes).fit(resume=True)
+    result = run_trainer(flower_trainer(cfg, RunDir(run), nodes), resume=True)
     # every node ran modules of one width, its steady capacity (2: it hosts 2 of the 12 users),
     # not the cohort's 4, nor a width for each count the draw gave it (1 or 2: a new compile
     # whenever a count first came); its slots fill rows 0, 1, ...
@@ -145,8 +147,8 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
         return nodes
 
     jax_run, run = root / "jax-lora", root / "flower-lora"
-    FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(jax_run)).fit()
-    result = flower_trainer(load_config(None, lora), RunDir(run), trusting_nodes()).fit()
+    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(jax_run)))
+    result = run_trainer(flower_trainer(load_config(None, lora), RunDir(run), trusting_nodes()))
     a, b = _weights(jax_run), _weights(run)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
     from safetensors.numpy import load_file
@@ -158,8 +160,8 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
     assert result["upload_bytes_per_client_per_round"] == 4 * adapter_floats
 
     with pytest.raises(PlanError, match="every SuperNode refused"):
-        flower_trainer(load_config(None, [*lora, "model.init_seed=7"]), RunDir(root / "other-base"),
-                       trusting_nodes()).fit()
+        run_trainer(flower_trainer(load_config(None, [*lora, "model.init_seed=7"]), RunDir(root / "other-base"),
+                       trusting_nodes()))
 
 
 def test_lora_dropout_on_flower_equals_in_jax(setup):
@@ -176,10 +178,10 @@ def test_lora_dropout_on_flower_equals_in_jax(setup):
     overrides, partitions, root = setup
     lora = [*overrides, LORA, "model.lora.dropout=0.1"]
     runs = {name: root / f"dropout-{name}" for name in ("jax", "flower", "none")}
-    FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(runs["jax"])).fit()
-    FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax", "model.lora.dropout=0"]),
-                     RunDir(runs["none"])).fit()
-    flower_trainer(load_config(None, lora), RunDir(runs["flower"]), _Nodes(partitions)).fit()
+    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(runs["jax"])))
+    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax", "model.lora.dropout=0"]),
+                     RunDir(runs["none"])))
+    run_trainer(flower_trainer(load_config(None, lora), RunDir(runs["flower"]), _Nodes(partitions)))
     a, b, c = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in runs.values())
     assert set(a) == set(b) == set(c)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
@@ -202,8 +204,8 @@ def test_lora_fedsgd_on_flower_equals_in_jax_when_the_rank_equals_the_cohort(set
               "federated.server_lr=0.5", "federated.rounds=1"]
     assert load_config(None, fedsgd).model.lora.rank == load_config(None, fedsgd).federated.cohort
     runs = {name: root / f"fedsgd-{name}" for name in ("jax", "flower")}
-    FederatedTrainer(load_config(None, [*fedsgd, "federated.runtime=jax"]), RunDir(runs["jax"])).fit()
-    flower_trainer(load_config(None, fedsgd), RunDir(runs["flower"]), _Nodes(partitions)).fit()
+    run_trainer(FederatedTrainer(load_config(None, [*fedsgd, "federated.runtime=jax"]), RunDir(runs["jax"])))
+    run_trainer(flower_trainer(load_config(None, fedsgd), RunDir(runs["flower"]), _Nodes(partitions)))
     a, b = (_weights(r) for r in runs.values())
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from memaudit.config import LoraConfig, load_config
-from memaudit.lifecycle import SENSITIVE_METRICS
 from memaudit.models.flax_lora import LoraModel, adapters_from_peft, adapters_to_peft, count
 from memaudit.models.lora import adapter_state, apply_lora
+from memaudit.run.driver import run_trainer
+from memaudit.run.lifecycle import SENSITIVE_METRICS
 from tests.federated.test_trainer import OVERRIDES
 
 VOCAB = 4096  # the tiny preset's, of the end-to-end run
@@ -127,9 +128,9 @@ def test_dp_fedavg_lora_run_trains_the_adapters_and_exports_both(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from memaudit.federated.trainer import train_federated
     from memaudit.io import read_json
     from memaudit.models.init import initial_model
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     cfg = load_config(None, [*OVERRIDES, "federated.rounds=2", "federated.eval_every=2",
@@ -363,16 +364,16 @@ def test_federated_lora_dropout_run_trains_repeats_resumes_and_differs_from_no_d
     from memaudit.rundir import RunDir
 
     cfg = load_config(None, [*dropout_overrides, "model.lora.dropout=0.1"])
-    FederatedTrainer(cfg, RunDir(tmp_path / "a")).fit()
+    run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "a")))
 
     def stop_after_two(done, total, info):
         if done == 2 and "round" in info:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        FederatedTrainer(cfg, RunDir(tmp_path / "b"), progress=stop_after_two).fit()
-    assert FederatedTrainer(cfg, RunDir(tmp_path / "b")).fit(resume=True)["resumed_from_round"] == 2
-    FederatedTrainer(load_config(None, [*dropout_overrides, "model.lora.dropout=0"]), RunDir(tmp_path / "c")).fit()
+        run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "b"), progress=stop_after_two))
+    assert run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "b")), resume=True)["resumed_from_round"] == 2
+    run_trainer(FederatedTrainer(load_config(None, [*dropout_overrides, "model.lora.dropout=0"]), RunDir(tmp_path / "c")))
 
     a, b, c = (_adapter(tmp_path / r) for r in "abc")
     assert set(a) == set(b) == set(c)

@@ -185,7 +185,7 @@ def test_trainer_on_a_model_axis_matches_the_1d_mesh(tmp_path):
 
     from memaudit.config import load_config
     from memaudit.data import prepare_data
-    from memaudit.federated.trainer import train_federated
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     base = ["backend=federated", "data.synth.users=8", "data.synth.docs_per_user=2",

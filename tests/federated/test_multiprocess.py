@@ -29,7 +29,7 @@ WORKER = """
 import json, sys
 from memaudit.config import load_config
 from memaudit.rundir import RunDir
-from memaudit.federated.trainer import train_federated
+from memaudit.run.federated import train_federated
 import jax
 res = train_federated(load_config(None, json.loads(sys.argv[2])), RunDir(sys.argv[1]))
 print("RESULT", jax.process_index(), jax.process_count(), len(jax.devices()), res["mesh_clients"], flush=True)
@@ -51,7 +51,7 @@ def _weights(path):
 def test_two_processes_run_one_round(tmp_path):
     from memaudit.config import load_config
     from memaudit.data import prepare_data
-    from memaudit.federated.trainer import train_federated
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     scratch = RunDir(tmp_path / "tok")

@@ -36,7 +36,7 @@ import json, sys, time
 from pathlib import Path
 from memaudit.config import load_config
 from memaudit.rundir import RunDir
-from memaudit.federated.trainer import train_federated
+from memaudit.run.federated import train_federated
 out, marker, overrides = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
 def progress(done, total, info):
     if done == 2 and "round" in info:
@@ -115,10 +115,10 @@ def test_loss_fn_is_per_sequence_token_mean():
 
 # ---------------------------------------------------------------------------- bad input
 def test_bad_input_one_line_each(tmp_path, capsys):
-    from memaudit.checks import check_population
     from memaudit.cli import main
     from memaudit.config import load_config
     from memaudit.errors import ConfigError, MemauditError
+    from memaudit.run.checks import check_population
 
     with pytest.raises(ConfigError, match="local_steps"):
         load_config(None, ["federated.local_steps=0"])
@@ -152,7 +152,7 @@ def test_federated_tiny_config_loads():
 def fed_run(tmp_path_factory, overrides):
     """An uninterrupted tiny run (4 rounds, cohort 4 on a 4-device clients mesh)."""
     from memaudit.config import load_config
-    from memaudit.federated.trainer import train_federated
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     path = tmp_path_factory.mktemp("fed") / "run"
@@ -204,8 +204,8 @@ def test_checkpoint_loads_in_transformers_and_generates(fed_run):
 
 def test_sigkill_after_checkpoint_then_resume_gives_the_same_weights(fed_run, overrides, tmp_path):
     from memaudit.config import load_config
-    from memaudit.federated.trainer import train_federated
     from memaudit.io import read_json, read_jsonl
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     out, marker = tmp_path / "killed", tmp_path / "ready"
@@ -238,10 +238,10 @@ def test_sigkill_after_checkpoint_then_resume_gives_the_same_weights(fed_run, ov
 def test_dp_fedavg_run_records_a_user_level_ledger(overrides, tmp_path):
     """privacy.enabled wires DP-FedAvg (clip + noise on the sum, uniform weights) and the ledger."""
     from memaudit.config import load_config
-    from memaudit.federated.trainer import train_federated
     from memaudit.io import read_json, read_jsonl
     from memaudit.privacy.accounting import epsilon
     from memaudit.privacy.federated import dpfedavg_event
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     cfg = load_config(None, [*overrides, "federated.rounds=2", "federated.sampling=poisson",
@@ -270,7 +270,7 @@ import json, os, signal, sys
 import memaudit.checkpoints as lc
 from memaudit.config import load_config
 from memaudit.rundir import RunDir
-from memaudit.federated.trainer import train_federated
+from memaudit.run.federated import train_federated
 out, overrides = sys.argv[1], json.loads(sys.argv[2])
 lc._between_renames = lambda: os.kill(os.getpid(), signal.SIGKILL)
 train_federated(load_config(None, overrides), RunDir(out))
@@ -279,8 +279,8 @@ train_federated(load_config(None, overrides), RunDir(out))
 
 def test_sigkill_inside_the_checkpoint_swap_then_resume_gives_the_same_weights(fed_run, overrides, tmp_path):
     from memaudit.config import load_config
-    from memaudit.federated.trainer import train_federated
     from memaudit.io import read_json
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     out = tmp_path / "swap"
@@ -307,8 +307,8 @@ def test_an_aborted_secure_aggregation_round_costs_its_abort_bit_and_training_go
     records its abort bit (issue 29, Found-5; before, an aborted round recorded nothing and the
     ledger held 4 - aborted steps), and the ledger's ε, recomputed from its events, counts it."""
     from memaudit.config import load_config
-    from memaudit.federated.trainer import train_federated
     from memaudit.io import read_json, read_jsonl
+    from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
     cfg = load_config(None, [*overrides, "federated.rounds=4", "federated.checkpoint_every=4",

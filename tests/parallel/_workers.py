@@ -21,6 +21,7 @@ from torch import nn
 
 from memaudit.parallel.comm import Comm
 from memaudit.parallel.dims import ParallelDims, build_groups
+from memaudit.run.driver import run_trainer
 from tests.parallel._lora_workers import (
     LORA_GRIDS,
     adamw_steps,
@@ -612,7 +613,7 @@ def run_train_jobs(world: int, jobs_path: str) -> dict[str, str | None]:
             else:
                 trainer = Trainer(cfg, RunDir(path), TensorParallelLayout(cfg))
                 assert type(trainer) is Trainer  # composition: the grid is the layout, not a subclass
-                trainer.fit()
+                run_trainer(trainer)
             res[f"train-{job}"] = None
         except Exception:  # noqa: BLE001
             res[f"train-{job}"] = traceback.format_exc(limit=6)
@@ -634,11 +635,11 @@ def _crash_then_resume(cfg: Any, path: Path) -> None:
             return super().step(i)
 
     try:
-        Crashing(cfg, RunDir(path), TensorParallelLayout(cfg)).fit()
+        run_trainer(Crashing(cfg, RunDir(path), TensorParallelLayout(cfg)))
         raise AssertionError("the crashing run did not stop")
     except _Crash:
         pass
-    Trainer(cfg, RunDir(path), TensorParallelLayout(cfg)).fit(resume=True)
+    run_trainer(Trainer(cfg, RunDir(path), TensorParallelLayout(cfg)), resume=True)
 
 
 # ----------------------------------------------------------------------------- entry

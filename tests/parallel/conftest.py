@@ -36,7 +36,7 @@ def _spawn_world(world: int, ref_path: Path, out: Path, jobs_path: Path) -> dict
     """Spawn `world` gloo processes once; every case's error (None = passed), merged over ranks."""
     import torch.multiprocessing as mp
 
-    from memaudit.parallel.launch import rank_context
+    from memaudit.run.launch import rank_context
 
     out.mkdir(parents=True, exist_ok=True)
     # fork from a server that imported torch (and peft, for the LoRA cases) once

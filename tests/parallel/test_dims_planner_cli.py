@@ -9,7 +9,6 @@ import pytest
 from memaudit.cli import main
 from memaudit.models.presets import llama_config
 from memaudit.parallel.dims import MeshAxis, ParallelDims, build_groups
-from memaudit.parallel.launch import resolve_backend
 from memaudit.parallel.planner import (
     LoraShape,
     ModelShape,
@@ -18,6 +17,7 @@ from memaudit.parallel.planner import (
     predict_memory,
     predict_payload,
 )
+from memaudit.run.launch import resolve_backend
 
 
 def test_rank_layout_x_fastest_then_y_z_data() -> None:

@@ -246,7 +246,7 @@ def _hang_worker(rank: int, port: int, out: str) -> None:
     import torch
 
     from memaudit.parallel.dims import ParallelDims
-    from memaudit.parallel.launch import init_distributed
+    from memaudit.run.launch import init_distributed
 
     os.setsid()  # as `_rank_main`: the stop helper kills process groups
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -273,7 +273,7 @@ def test_a_collective_with_a_hung_peer_times_out_and_the_stop_helper_kills_it(tm
 
     import torch.multiprocessing as mp
 
-    from memaudit.parallel.launch import _stop_ranks, rank_context
+    from memaudit.run.launch import _stop_ranks, rank_context
 
     rank_context()
     with socket.socket() as sk:
@@ -297,7 +297,7 @@ def test_a_collective_with_a_hung_peer_times_out_and_the_stop_helper_kills_it(tm
 
 
 def test_dist_timeout_must_be_a_positive_number(monkeypatch) -> None:
-    from memaudit.parallel.launch import dist_timeout
+    from memaudit.run.launch import dist_timeout
 
     monkeypatch.setenv("MEMAUDIT_DIST_TIMEOUT_S", "45")
     assert dist_timeout().total_seconds() == 45
@@ -323,7 +323,7 @@ def test_the_ranks_resource_tracker_does_not_warn_after_the_launchers_error() ->
     import sys
 
     code = ("import os, sys\n"
-            "from memaudit.parallel.launch import rank_context\n"
+            "from memaudit.run.launch import rank_context\n"
             "ctx = rank_context() if sys.argv[1] == 'ranks' else __import__('multiprocessing').get_context('forkserver')\n"
             "s = ctx.Semaphore()\n"
             "os._exit(0)\n")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from memaudit.checks import check_before_disk
 from memaudit.config import load_config
 from memaudit.errors import ConfigError
+from memaudit.run.checks import check_before_disk
 from tests.conftest import REPO_ROOT
 from tests.parallel._lora_workers import LORA_GRIDS, LORA_KINDS, LORA_VOLUME_VARIANTS
 
@@ -92,9 +92,9 @@ def test_lora_trainer_on_a_grid_writes_what_one_process_writes(results, train_ru
     from memaudit.models.lora import adapter_state
     from memaudit.parallel.layout import TensorParallelLayout
     from memaudit.parallel.lora import gather_peft
+    from memaudit.run.centralized import train_centralized
     from memaudit.rundir import RunDir
     from memaudit.train.layout import SerialLayout
-    from memaudit.train.trainer import train_centralized
     from tests._metrics import merged_metrics
     from tests.parallel import _workers
 

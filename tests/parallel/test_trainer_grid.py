@@ -9,8 +9,8 @@ import json
 import pytest
 
 from memaudit.config import load_config
+from memaudit.run.centralized import train_centralized
 from memaudit.rundir import RunDir
-from memaudit.train.trainer import train_centralized
 from tests.conftest import REPO_ROOT
 from tests.parallel import _workers
 

@@ -8,7 +8,7 @@ import torch
 
 from memaudit.config import load_config
 from memaudit.data.packing import PackedSequences
-from memaudit.driver import new_ledger
+from memaudit.privacy.plan import new_ledger
 from memaudit.privacy.randomness import SECRET_FILE, DPRandomness
 from memaudit.rundir import RunDir
 

@@ -110,7 +110,7 @@ def test_untrained_membership_auc_is_chance(trained):
     docs = [Doc(id=str(i), text=" ".join(rng.choice(words, SEQ_WORDS))) for i in range(2000)]
     s = doc_scores(trained.init_model, Codec(trained.tokenizer), docs, batch_size=500)
     for name in ("loss", "zlib", "min_k", "min_k_pp"):
-        auc = attack_summary(s[name][:1000], s[name][1000:], n_boot=100)["auc"]["value"]
+        auc = attack_summary(s[name][:1000], s[name][1000:], n_boot=100).auc.value
         assert abs(auc - 0.5) < 0.05, name
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
+from memaudit.probes.records import Cell
 from memaudit.probes.stats import MEAN_MIN_N, MIN_N, attack_summary, mean_summary, rate_summary
 from memaudit.probes.user_inference import user_inference_result
 
@@ -25,7 +26,7 @@ DRAWS = 2000
 
 
 def _covered(cells, truth) -> float:
-    return float(np.mean([c["ci_low"] <= truth <= c["ci_high"] for c in cells]))
+    return float(np.mean([c.ci_low <= truth <= c.ci_high for c in cells]))
 
 
 MEANS = {
@@ -64,7 +65,7 @@ def test_mean_of_skewed_canaries_covers_at_the_smallest_n_with_an_interval(shape
     10 canaries, the smallest n that had one); below it, no interval is stated."""
     draw, truth = SKEWED[shape]
     assert _covered(_mean_cells(draw, MEAN_MIN_N, DRAWS // 2), truth) >= TARGET
-    assert all(c["ci_low"] is None and c["note"] == "n too small"
+    assert all(c.ci_low is None and c.note == "n too small"
                for c in _mean_cells(draw, MEAN_MIN_N - 1, 5))
 
 
@@ -75,7 +76,7 @@ def test_auc_covers_at_min_n(auc, sizes):
     shift = np.sqrt(2) * norm.ppf(auc)  # AUC of N(shift, 1) vs N(0, 1)
     rng = np.random.default_rng(11)
     cells = [attack_summary(rng.normal(shift, 1, n1), rng.normal(0, 1, n0), fprs=(),
-                            n_boot=200, seed=i)["auc"] for i in range(DRAWS // 2)]
+                            n_boot=200, seed=i).auc for i in range(DRAWS // 2)]
     assert _covered(cells, auc) >= TARGET
 
 
@@ -92,7 +93,7 @@ def test_fractional_rate_covers_at_min_n():
     x = rng.beta(1.0, 3.0, (DRAWS, MIN_N))
     cells = [rate_summary(row, n_boot=1000, seed=i) for i, row in enumerate(x)]
     assert _covered(cells, 0.25) >= TARGET
-    assert all(0.0 <= c["ci_low"] and c["ci_high"] <= 1.0 for c in cells)
+    assert all(0.0 <= c.ci_low and c.ci_high <= 1.0 for c in cells)
 
 
 def test_user_inference_covers_chance_with_min_n_users():
@@ -106,7 +107,7 @@ def test_user_inference_covers_chance_with_min_n_users():
 
         r = user_inference_result(users("t", MIN_N + 2), users("h", MIN_N), statistic="x",
                                   n_boot=50, seed=i, fprs=(), draws=50)
-        cells.append(r["summary"]["auc"])
+        cells.append(Cell.from_json(r["summary"]["auc"]))
     assert _covered(cells, 0.5) >= TARGET
 
 
@@ -121,7 +122,7 @@ def test_tpr_at_fpr_covers_with_the_fewest_negatives_it_allows(fpr, n_pos, auc):
     truth = 1 - norm.cdf(norm.ppf(1 - fpr) - shift)  # TPR of N(shift, 1) vs N(0, 1) at this FPR
     rng = np.random.default_rng(5)
     cells = [attack_summary(rng.normal(shift, 1, n_pos), rng.normal(0, 1, needed_negatives(fpr)), fprs=(fpr,),
-                            n_boot=200, seed=i)["tpr_at_fpr"][repr(fpr)] for i in range(300)]
+                            n_boot=200, seed=i).tpr_at_fpr[repr(fpr)] for i in range(300)]
     assert _covered(cells, truth) >= TARGET
 
 
@@ -148,7 +149,7 @@ def test_pii_rates_cover_when_a_users_items_go_together(leak):
                  for i, u in enumerate(users)]
         g = PiiScores(items, list(hits), [1 if h else 2 for h in hits], [10] * len(items))
         out = pii_result({"training_users": g}, n_boot=50)["summary"]["training_users"]
-        cells.append(out["extraction"])
+        cells.append(Cell.from_json(out["extraction"]))
         assert out["inference_top1"]["ci_low"] == out["extraction"]["ci_low"]
     assert _covered(cells, truth) >= TARGET
-    assert cells[0]["users"] == 13 and cells[0]["unit"] == "PII items"
+    assert cells[0].extra["users"] == 13 and cells[0].unit == "PII items"

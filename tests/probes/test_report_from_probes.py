@@ -38,7 +38,7 @@ def test_report_on_trained_and_untrained_runs(tmp_path, trained, probed):
     # the two runs share their canaries: the exposure comparison is paired, and with 2 canaries
     # in the top bucket no difference can be shown however far apart the means are
     cell = rep["comparisons"]["matched"][0]["metrics"]["exposure_top"]
-    assert cell["test"]["paired"] and cell["test"]["n_a"] == 2
+    assert cell["test"].paired and cell["test"].n_a == 2
     assert cell["verdict"] == "no difference shown"
     for s in rep["findings"]["sentences"]:
         if s["kind"] == "comparison":
@@ -52,7 +52,7 @@ def test_report_reads_an_older_probes_json(tmp_path, trained, probed):
     (rd / "probes.json").write_text(json.dumps(_strip_new_fields(done)))
     rep = build_report([rd])
     validate_report(rep)
-    assert rep["runs"][0]["leakage"]["mia_auc"]["value"] > 0.5
+    assert rep["runs"][0]["leakage"]["mia_auc"].value > 0.5
 
 
 def test_report_names_the_unit_per_document_and_reads_an_older_ledger(tmp_path, trained, probed):

@@ -68,13 +68,13 @@ def test_summary_cis_bracket_and_seeded():
     a = attack_summary(pos, neg, n_boot=300, seed=1)
     b = attack_summary(pos, neg, n_boot=300, seed=1)
     assert a == b
-    assert a["auc"]["ci_low"] < a["auc"]["value"] < a["auc"]["ci_high"]
-    assert set(a["tpr_at_fpr"]) == {"0.01", "0.001"}
+    assert a.auc.ci_low < a.auc.value < a.auc.ci_high
+    assert set(a.tpr_at_fpr) == {"0.01", "0.001"}
     # bootstrap sd of AUC near the Hanley-McNeil normal approximation
-    width = a["auc"]["ci_high"] - a["auc"]["ci_low"]
+    width = a.auc.ci_high - a.auc.ci_low
     assert 0.04 < width < 0.12
     r = rate_summary(np.r_[np.ones(30), np.zeros(70)], n_boot=500, seed=0)
-    assert r["value"] == 0.3 and r["ci_low"] < 0.3 < r["ci_high"] and r["n"] == 100
+    assert r.value == 0.3 and r.ci_low < 0.3 < r.ci_high and r.n == 100
     with pytest.raises(ValueError):
         attack_summary(pos, np.array([]))
 
@@ -85,12 +85,12 @@ def test_tpr_at_low_fpr_needs_ten_over_f_negatives():
     rng = np.random.default_rng(0)
     a = attack_summary(rng.normal(1, 1, 96), rng.normal(0, 1, 96), n_boot=50, unit="users")
     for f, need in (("0.01", 1000), ("0.001", 10000)):
-        c = a["tpr_at_fpr"][f]
-        assert c["value"] is None and c["ci_low"] is None
-        assert c["note"] == f"needs >= {need} non-member users"
+        c = a.tpr_at_fpr[f]
+        assert c.value is None and c.ci_low is None
+        assert c.note == f"needs >= {need} non-member users"
     b = attack_summary(rng.normal(1, 1, 50), rng.normal(0, 1, 1000), n_boot=50)
-    assert b["tpr_at_fpr"]["0.01"]["value"] is not None and b["tpr_at_fpr"]["0.001"]["value"] is None
-    assert a["auc"]["n"] == 96 and a["auc"]["unit"] == "users"
+    assert b.tpr_at_fpr["0.01"].value is not None and b.tpr_at_fpr["0.001"].value is None
+    assert a.auc.n == 96 and a.auc.unit == "users"
 
 
 def test_small_n_has_no_interval_and_rates_are_exact():
@@ -99,14 +99,14 @@ def test_small_n_has_no_interval_and_rates_are_exact():
 
     for x in (np.array([3.0]), np.array([1.0, 0.0])):
         c = rate_summary(x, unit="canaries")
-        assert c["ci_low"] is None and c["note"] == "n too small" and c["n"] == len(x)
+        assert c.ci_low is None and c.note == "n too small" and c.n == len(x)
     c = rate_summary(np.zeros(49), unit="documents")
     ref = binomtest(0, 49).proportion_ci(0.95, method="exact")
-    assert c["ci_low"] == pytest.approx(ref.low) and c["ci_high"] == pytest.approx(ref.high)
-    assert c["ci_high"] > 0.07 and c["unit"] == "documents"
+    assert c.ci_low == pytest.approx(ref.low) and c.ci_high == pytest.approx(ref.high)
+    assert c.ci_high > 0.07 and c.unit == "documents"
     k = rate_summary(np.r_[np.ones(7), np.zeros(13)])
     ref = binomtest(7, 20).proportion_ci(0.95, method="exact")
-    assert (k["ci_low"], k["ci_high"]) == pytest.approx((ref.low, ref.high))
+    assert (k.ci_low, k.ci_high) == pytest.approx((ref.low, ref.high))
 
 
 def _brute_perm_p(a, b):
@@ -208,10 +208,10 @@ def test_an_auc_below_chance_is_not_less_leakage():
     auc_below = roc_auc(np.asarray(below["values"])[member], np.asarray(below["values"])[~member])
     assert auc_above > 0.57 and auc_below < 0.43
     t = compare_units(below, above, alternative="less", seed=0)
-    assert t["p_value"] > 0.2 and abs(t["estimate"]) < 0.1, t
+    assert t.p_value > 0.2 and abs(t.estimate) < 0.1, t
     # a real drop towards chance is still found: AUC about 0.5 against about 0.6
     chance = units(rng.normal(0, 1, 2 * n))
-    assert compare_units(chance, above, alternative="less", seed=0)["p_value"] < 0.01
+    assert compare_units(chance, above, alternative="less", seed=0).p_value < 0.01
     # over seeds (configurations), the same rule
-    assert compare_seeds([0.42, 0.43, 0.44], [0.56, 0.57, 0.58], alternative="less", kind="auc")["p_value"] > 0.2
-    assert compare_seeds([0.49, 0.50, 0.51], [0.56, 0.57, 0.58], alternative="less", kind="auc")["p_value"] < 0.2
+    assert compare_seeds([0.42, 0.43, 0.44], [0.56, 0.57, 0.58], alternative="less", kind="auc").p_value > 0.2
+    assert compare_seeds([0.49, 0.50, 0.51], [0.56, 0.57, 0.58], alternative="less", kind="auc").p_value < 0.2

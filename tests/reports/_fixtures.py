@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from memaudit.backends import backend_name
+from memaudit.probes.records import Cell
 
 
 def cell(v: float, half: float, n: int = 200, unit: str = "documents") -> dict[str, Any]:
@@ -44,7 +45,7 @@ def run(rid: str, backend: str, eps: float, *, mia: dict, goldfish: bool = False
         "mitigation": {"goldfish": goldfish},
         "utility": {"holdout_loss": math.log(ppl), "holdout_perplexity": ppl},
         "noise_per_round": [],
-        "leakage": {"mia_auc": mia},
+        "leakage": {"mia_auc": Cell.from_json(mia)},
         "probes_summary": {"membership_roc": {"fpr": [0.0, 0.01, 0.1, 1.0], "tpr": [0.0, 0.05, 0.3, 1.0], "auc": mia["value"]}},
         "probe_rows": [{"probe": "membership", "metric": "loss AUC", **mia}],
         "samples": samples or [],

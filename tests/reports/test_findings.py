@@ -3,6 +3,7 @@ import math
 import numpy as np
 import pytest
 
+from memaudit.probes.records import Cell, Test
 from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, comparisons
 from memaudit.reports.cells import FINDING, format_cell
@@ -36,7 +37,8 @@ def _backend_pair(fed_shift, par_shift, seed=0):
 )
 def test_backend_sentence_follows_the_test(fed, par, verdict, phrase):
     rep = _report(_backend_pair(fed, par))
-    rep["runs"][0]["leakage"]["mia_auc"]["value"] = 0.5 + par / 3  # shown values only
+    leak = rep["runs"][0]["leakage"]
+    leak["mia_auc"] = leak["mia_auc"].replace(value=0.5 + par / 3)  # shown values only
     sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     assert len(sents) == 1
     s = sents[0]
@@ -74,7 +76,7 @@ def test_dp_and_goldfish_effects_are_one_sided_and_corrected():
     texts = " | ".join(s["text"] for s in rep["findings"]["sentences"])
     assert "with Goldfish loss leaks less than without" in texts
     assert "with DP at epsilon = 1 leaks less than without" in texts
-    tests = [c["test"] for e in rep["comparisons"]["effects"] for c in e["metrics"].values()]
+    tests = [c["test"].to_json() for e in rep["comparisons"]["effects"] for c in e["metrics"].values()]
     assert all(t["alternative"] == "less" and t["family"] == 2 for t in tests)
 
 
@@ -117,7 +119,7 @@ def test_report_from_few_units_states_no_finding_without_test_n_and_correction()
                     unit=None if math.isinf(eps) else ("example" if backend == "centralized" else "user"),
                     units={"exposure_top": exp_units(rng.uniform(0, 3, 2).tolist()),
                            "mia_auc": mia(int(eps if not math.isinf(eps) else 0) + len(backend))})
-            r["leakage"]["exposure_top"] = few
+            r["leakage"]["exposure_top"] = Cell.from_json(few)
             runs.append(r)
     rep = _report(runs)
     validate_report({k: v for k, v in rep.items()})
@@ -139,10 +141,10 @@ def test_report_from_few_units_states_no_finding_without_test_n_and_correction()
 def test_audit_is_a_lower_bound_against_the_ledger():
     runs = [run("par-eps4", "centralized", 4.0, mia=cell(0.5, 0.02), unit="example"),
             run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.02), unit="user")]
-    runs[0]["leakage"]["audit_epsilon"] = {"value": 0.4, "ci_low": None, "ci_high": None, "ceiling": 3.49,
-                                           "n": 200, "confidence": 0.95}
-    runs[1]["leakage"]["audit_epsilon"] = {"value": 5.0, "ci_low": None, "ci_high": None, "ceiling": 6.0,
-                                           "n": 200, "confidence": 0.95}
+    runs[0]["leakage"]["audit_epsilon"] = Cell.from_json({"value": 0.4, "ci_low": None, "ci_high": None,
+                                                          "ceiling": 3.49, "n": 200, "confidence": 0.95})
+    runs[1]["leakage"]["audit_epsilon"] = Cell.from_json({"value": 5.0, "ci_low": None, "ci_high": None,
+                                                          "ceiling": 6.0, "n": 200, "confidence": 0.95})
     rep = _report(runs)
     audit = [s for s in rep["findings"]["sentences"] if s["kind"] == "audit"]
     assert "epsilon >= 0.4 at 95% confidence (one-sided)" in audit[0]["text"]
@@ -156,8 +158,8 @@ def test_caveats_mention_units_and_audit_ceiling():
         run("fed-eps4", "federated", 4.0, mia=cell(0.5, 0.02), unit="user"),
     ]
     runs[0]["privacy"]["per_user"] = {"max_sequences_per_user": 12, "vacuous": True}
-    runs[1]["leakage"]["audit_epsilon"] = {"value": 0.4, "ci_low": None, "ci_high": None, "ceiling": 3.49,
-                                           "n": 200}
+    runs[1]["leakage"]["audit_epsilon"] = Cell.from_json({"value": 0.4, "ci_low": None, "ci_high": None,
+                                                          "ceiling": 3.49, "n": 200})
     rep = {"runs": runs}
     cav = " ".join(findings.caveats(rep))
     assert "vacuous" in cav and "12 sequences" in cav
@@ -187,7 +189,7 @@ def test_several_seeds_are_tested_over_seeds_as_configurations():
                         units={"mia_auc": auc_units(0.2, seed=10 + s)}))
         runs[-1]["seed"] = runs[-2]["seed"] = s
     rep = _report(runs)
-    t = rep["comparisons"]["matched"][0]["metrics"]["mia_auc"]["test"]
+    t = rep["comparisons"]["matched"][0]["metrics"]["mia_auc"]["test"].to_json()
     assert t["scope"] == "configurations" and t["unit"] == "seeds" and t["n_a"] == 4
     s = next(x for x in rep["findings"]["sentences"] if x["kind"] == "comparison")
     assert "for these configurations" in s["text"]
@@ -236,7 +238,7 @@ def test_one_treatment_at_several_levels_is_one_first_screen_entry():
     for e in range(1, 9):  # every level's own cell, from the comparison it came from
         c = effects[float(e)]["treated"]
         assert f"epsilon = {e}: {format_cell(c, FINDING, '')}" in dp["evidence"]
-    p_max = max(c["test"]["p_adjusted"] for c in effects.values())
+    p_max = max(c["test"].p_adjusted for c in effects.values())
     assert dp["evidence"].endswith(f"Holm-adjusted p <= {p_max:.3g} over {f['tests']} tests")
     assert "paired AUC permutation test" in dp["evidence"] and "at each level" in dp["evidence"]
     text = render_block("t", rep)
@@ -259,8 +261,8 @@ def test_a_strong_auc_difference_passes_in_a_large_family():
     f = rep["findings"]
     assert f["tests"] == 103
     comp = rep["comparisons"]
-    strong = [c["test"] for block in comp["matched"] + comp["effects"] for c in block["metrics"].values()
-              if c.get("test") and "par-inf" in c["test"]["runs"]]
+    strong = [c["test"].to_json() for block in comp["matched"] + comp["effects"] for c in block["metrics"].values()
+              if c.get("test") and "par-inf" in c["test"].runs]
     assert len(strong) == 2 and all(t["p_value"] < 0.05 / 103 and t["p_adjusted"] < 0.05 for t in strong)
     assert f["passing"] == 2  # the 101 null comparisons stay unclaimed
 
@@ -325,7 +327,7 @@ def test_no_difference_says_what_difference_its_test_could_have_seen():
     rep = _report(_backend_pair(0.0, 0.0))
     (s,) = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     assert s["verdict"] == "no difference shown"
-    (t,) = [c["test"] for m in rep["comparisons"]["matched"] for c in m["metrics"].values() if c.get("test")]
+    (t,) = [c["test"].to_json() for m in rep["comparisons"]["matched"] for c in m["metrics"].values() if c.get("test")]
     runs = {r["id"]: r for r in rep["runs"]}
     ua, ub = (runs[rid]["units"]["mia_auc"] for rid in t["runs"])
     expect = minimum_detectable_effect(ua, ub, alternative=t["alternative"], alpha=0.05 / t["family"])
@@ -334,16 +336,21 @@ def test_no_difference_says_what_difference_its_test_could_have_seen():
     assert rep["findings"]["no_difference"] == [s["short"]]
     # a comparison that shows a difference carries none
     shown = _report(_backend_pair(0.0, 1.5))
-    assert all("mde" not in c["test"] for m in shown["comparisons"]["matched"] for c in m["metrics"].values())
+    assert all(c["test"].mde is None for m in shown["comparisons"]["matched"] for c in m["metrics"].values())
+
+
+def _tested(**more) -> Test:
+    return Test(name="paired AUC permutation", alternative="two-sided", n_a=50, n_b=50, unit="documents",
+                p_value=0.5, **more)
 
 
 def test_the_matched_pair_line_states_the_smallest_differences_it_could_have_seen():
     pair = {"runs": ["par", "fed"], "epsilon": [2.0, 8.0], "units": ["example", "user"], "perplexity": [100.0, 104.0],
             "metrics": {"mia_auc": {"verdict": "no difference shown",
-                                    "test": {"mde": {"value": 0.0612, "unit": "AUC points"}}},
+                                    "test": _tested(mde={"value": 0.0612, "unit": "AUC points"})},
                         "exposure_top": {"verdict": "no difference shown",
-                                         "test": {"mde": {"value": float("inf"), "unit": None}}},
-                        "extraction_exact": {"verdict": "less", "test": {}}}}
+                                         "test": _tested(mde={"value": float("inf"), "unit": None})},
+                        "extraction_exact": {"verdict": "less", "test": _tested()}}}
     (line,) = findings.pair_lines({"comparisons": {"matched_utility": {"pairs": [pair]}}})
     assert "federated leaks less on exact extraction" in line
     assert ("no difference shown on 2 metrics (the smallest differences these tests could have seen, 80% power: "
@@ -363,7 +370,7 @@ def test_centralized_per_user_meets_federated_at_equal_guarantees_and_never_pool
     rep = _report(runs)
     matched = rep["comparisons"]["matched"]
     assert [(m["units"]["centralized"], m["equal_guarantee"]) for m in matched] == [("user", True), ("example", False)]
-    assert [m["metrics"]["mia_auc"]["test"]["runs"] for m in matched] == [["fed-user", "par-user"], ["fed-user", "par-ex"]]
+    assert [m["metrics"]["mia_auc"]["test"].runs for m in matched] == [("fed-user", "par-user"), ("fed-user", "par-ex")]
     sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     equal, differ = (next(s for s in sents if n in s["text"]) for n in ("per user on both", "example vs user units"))
     assert equal["caveat"] is None or "units differ" not in equal["caveat"]
@@ -388,9 +395,9 @@ def test_els_and_uls_never_pool_and_each_meets_federated_and_the_other():
     rep = _report(runs)
     matched = rep["comparisons"]["matched"]
     assert [(m["algorithm"]["centralized"], m["equal_guarantee"]) for m in matched] == [("ULS", True), ("ELS", True)]
-    assert [m["metrics"]["mia_auc"]["test"]["runs"] for m in matched] == [["fed-user", "par-uls"], ["fed-user", "par-els"]]
+    assert [m["metrics"]["mia_auc"]["test"].runs for m in matched] == [("fed-user", "par-uls"), ("fed-user", "par-els")]
     (smp,) = rep["comparisons"]["samplings"]
-    t = smp["metrics"]["mia_auc"]["test"]
+    t = smp["metrics"]["mia_auc"]["test"].to_json()
     assert t["runs"] == ["par-uls", "par-els"] and t["alternative"] == "two-sided" and smp["epsilon"] == 8.0
     # ELS was given the stronger member signal: ULS leaks less, and the sentence says which is which
     (s,) = [s for s in rep["findings"]["sentences"] if s["group"] == "sampling"]
@@ -426,7 +433,7 @@ def test_a_test_in_two_sections_is_one_entry_of_the_family():
     comp = rep["comparisons"]
     (m,) = comp["matched"]
     (pair,) = comp["matched_utility"]["pairs"]
-    ta, tb = m["metrics"]["mia_auc"]["test"], pair["metrics"]["mia_auc"]["test"]
+    ta, tb = m["metrics"]["mia_auc"]["test"].to_json(), pair["metrics"]["mia_auc"]["test"].to_json()
     assert ta["runs"] == tb["runs"]  # the same pair of runs, metric and units: the same test
     assert ta["family"] == tb["family"] == rep["findings"]["tests"] == 1
     assert ta["p_adjusted"] == tb["p_adjusted"] == ta["p_value"]
@@ -446,8 +453,7 @@ def test_an_exposure_test_that_cannot_reach_its_level_says_none_within_range():
     for r, shift in zip(runs, (0.0, 0.1), strict=True):
         vals = rng.normal(1.0 + shift, 1.0, 5)
         r["units"]["exposure_top"] = {"kind": "mean", "unit": "canaries", "ids": ids, "values": vals.tolist()}
-        r["leakage"]["exposure_top"] = {"value": float(vals.mean()), "ci_low": None, "ci_high": None,
-                                        "n": 5, "unit": "canaries", "note": "n too small"}
+        r["leakage"]["exposure_top"] = Cell(value=float(vals.mean()), n=5, unit="canaries", note="n too small")
     rep = _report(runs)
     (s,) = [s for s in rep["findings"]["sentences"] if s["metric"] == "exposure_top"]
     assert s["verdict"] == "no difference shown"

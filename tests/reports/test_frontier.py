@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from memaudit.probes.records import Cell
 from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, build_report, comparisons
 from memaudit.reports.frontier import matched_utility
@@ -151,7 +152,7 @@ def test_all_zero_metric_is_flagged_and_not_drawn():
 
     runs = _pair(100.0, 300.0)
     for r in runs:
-        r["leakage"]["extraction_exact"] = cell(0.0, 0.0, n=50)
+        r["leakage"]["extraction_exact"] = Cell.from_json(cell(0.0, 0.0, n=50))
         r["probes_summary"]["extraction_by_repeats"] = [
             {"prefix_len": 32, "repeats": k, "bucket": str(k), "value": 0.0} for k in (1, 2, 4)]
     rep = _report(runs)

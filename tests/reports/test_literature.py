@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from memaudit.probes.records import Cell
 from memaudit.reports import findings
 from memaudit.reports.build import SCHEMA, comparisons
 from memaudit.reports.group import group_privacy
@@ -70,10 +71,10 @@ def _run(rid, backend, eps, *, slope, loss, seed, unit=None, role=None, audit=No
                                        unit=r["privacy"]["unit"], delta=r["privacy"]["delta"])
     if audit is not None:
         r["audit"] = True
-        r["leakage"]["audit_epsilon"] = {"value": audit, "ci_low": None, "ci_high": None, "n": 256,
-                                         "unit": "audit canaries", "ceiling": 2.5, "confidence": 0.95,
-                                         **(audit_info or {})}
-    r["leakage"].update(leakage or {})
+        r["leakage"]["audit_epsilon"] = Cell.from_json(
+            {"value": audit, "ci_low": None, "ci_high": None, "n": 256, "unit": "audit canaries", "ceiling": 2.5,
+             "confidence": 0.95, **(audit_info or {})})
+    r["leakage"].update({k: Cell.from_json(c) for k, c in (leakage or {}).items()})
     return r
 
 
@@ -194,7 +195,7 @@ def _every_test(rep: dict) -> list[dict]:
     """Every test dict of a report: comparison cells, then the literature section's."""
     comp = rep["comparisons"]
     blocks = comp.get("matched", []) + comp.get("effects", []) + (comp.get("matched_utility") or {}).get("pairs", [])
-    cells = [c["test"] for b in blocks for c in b.get("metrics", {}).values() if c.get("test")]
+    cells = [c["test"].to_json() for b in blocks for c in b.get("metrics", {}).values() if c.get("test")]
     lit = [e["trend"] for e in rep["literature"]["exposure"] if e["trend"]] + [
         b["test"] for e in rep["literature"]["exposure"] for b in e["buckets"] if b.get("test")]
     return cells + lit

@@ -50,7 +50,7 @@ def probes():
 
 
 def test_headline_cell_is_a_bound_without_interval(probes):
-    top = summarize_probes(probes[True])["leakage"]["exposure_top"]
+    top = summarize_probes(probes[True])["leakage"]["exposure_top"].to_json()
     exp = probes[True]["probes"]["exposure"]
     ins = [s for s in exp["scores"] if s["role"] == "inserted" and s["repetitions"] == 64]
     refs = [s["exposure"] for s in exp["scores"] if s["role"] == "reference"]
@@ -63,7 +63,7 @@ def test_headline_cell_is_a_bound_without_interval(probes):
     assert format_cell(top, FINDING, "bits").startswith(">= ")
     # the same run without a saturated bucket states no bound (and, with 20 canaries, below
     # MEAN_MIN_N, no interval: "n too small", not the ceiling's note)
-    free = summarize_probes(probes[False])["leakage"]["exposure_top"]
+    free = summarize_probes(probes[False])["leakage"]["exposure_top"].to_json()
     assert "lower_bound" not in free and free["note"] == "n too small" and free["n"] < MEAN_MIN_N
     assert not format_cell(free, PAGE).startswith(">=")
 
@@ -102,7 +102,7 @@ def test_report_and_readme_say_at_least(tmp_path, probes):
     report = build_report([_run_dir(tmp_path, "nodp", probes[True]["probes"]["exposure"], ppl=50.0),
                            _run_dir(tmp_path, "other", probes[False]["probes"]["exposure"], ppl=60.0)])
     run = next(r for r in report["runs"] if r["id"] == "nodp")
-    assert run["leakage"]["exposure_top"]["lower_bound"] is True
+    assert run["leakage"]["exposure_top"].lower_bound is True
     # frontier point, group-privacy cell and the literature section's bucket
     pts = [p for s in report["comparisons"]["frontier"]["metrics"]["exposure_top"]["series"] for p in s["points"]]
     assert {p["run"]: p["lower_bound"] for p in pts} == {"nodp": True, "other": False}
@@ -115,8 +115,8 @@ def test_report_and_readme_say_at_least(tmp_path, probes):
     assert not b[(4, "user")]["excess"].get("lower_bound") and b[(4, "user")]["excess"]["ci_low"] is not None
     block = render_block("x", report)
     row = next(line for line in block.splitlines() if line.startswith("| nodp |"))
-    assert f">= {run['leakage']['exposure_top']['value']:.3g}" in row and "[" not in row.split("|")[4]
+    assert f">= {run['leakage']['exposure_top'].value:.3g}" in row and "[" not in row.split("|")[4]
     other = next(line for line in block.splitlines() if line.startswith("| other |"))
     assert ">=" not in other
     assert ">= " in render_markdown(report) and "&gt;= " in render_html(report)
-    assert math.isfinite(run["leakage"]["exposure_top"]["value"])
+    assert math.isfinite(run["leakage"]["exposure_top"].value)

@@ -137,7 +137,7 @@ def test_pairs_compare_the_strongest_attack_on_the_same_documents_only(outside):
     tested = pairs[("pythia-ft", "qwen-notes-ft")]
     assert list(tested["metrics"]) == ["mia_strongest"]
     cell = tested["metrics"]["mia_strongest"]
-    assert cell["attack"] == "min_k" and cell["test"]["paired"] and cell["test"]["n_a"] == 2000
+    assert cell["attack"] == "min_k" and cell["test"].paired and cell["test"].n_a == 2000
     assert "mia_auc" not in tested["metrics"]
     same = pairs[("gpt2-support-ft", "gpt2-support-ft-again")]
     assert same["metrics"] == {} and "the same model" in same["skipped"]

@@ -108,8 +108,8 @@ def test_auc_cell_names_both_classes():
 
     rng = __import__("numpy").random.default_rng(0)
     summ = attack_summary(rng.normal(1, 1, 40), rng.normal(0, 1, 12), unit="documents")
-    probes = {"schema": 1, "probes": {"membership": {"status": "ok", "summary": {"loss": summ}, "scores": []}}}
+    probes = {"schema": 1, "probes": {"membership": {"status": "ok", "summary": {"loss": summ.to_json()}, "scores": []}}}
     c = summarize_probes(probes)["leakage"]["mia_auc"]
-    assert (c["n"], c["n_pos"], c["n_neg"]) == (12, 40, 12)
+    assert (c.n, c.n_pos, c.n_neg) == (12, 40, 12)
     for text in (format_cell(c, PAGE), format_cell(c, README)):
         assert "n = 40 members + 12 non-members documents" in text

@@ -120,7 +120,7 @@ def recorded(monkeypatch):
         calls["probe"].append(settings)
         return SimpleNamespace(document={"schema": 1, "settings": settings.model_dump(mode="json"), "probes": {}})
 
-    monkeypatch.setattr("memaudit.dispatch.dispatch", fake_dispatch)
+    monkeypatch.setattr("memaudit.run.dispatch.dispatch", fake_dispatch)
     monkeypatch.setattr("memaudit.probes.runner.run_probes", fake_run_probes)
     monkeypatch.setattr("memaudit.probes.targets.resolve_target", lambda path: SimpleNamespace(path=path))
     monkeypatch.setattr("memaudit.probes.scoring.resolve_device", lambda d: "cpu" if d == "auto" else d)

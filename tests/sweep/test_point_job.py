@@ -43,7 +43,7 @@ def test_rank0_decides_and_rank1_follows(tmp_path, job_env, monkeypatch):
         return work.PointOutcome(p.name, p.backend, "complete", "resumed", True, 1.0)
 
     monkeypatch.setattr(work, "run_point", fake_run_point)
-    monkeypatch.setattr("memaudit.dispatch.dispatch",
+    monkeypatch.setattr("memaudit.run.dispatch.dispatch",
                         lambda c, rd, *, resume, overwrite: calls.append(("rank1", os.environ["RANK"], resume)))
     job_env(0)
     out0 = executors.point_job(cfg, p, str(tmp_path / "run"), str(tmp_path), 1, nonce="a")
@@ -64,7 +64,7 @@ def test_rank0_failing_before_deciding_releases_the_others(tmp_path, job_env, mo
 
     monkeypatch.setattr(work, "run_point", broken)
     trained = []
-    monkeypatch.setattr("memaudit.dispatch.dispatch", lambda *a, **kw: trained.append(1))
+    monkeypatch.setattr("memaudit.run.dispatch.dispatch", lambda *a, **kw: trained.append(1))
     job_env(0)
     with pytest.raises(RuntimeError):
         executors.point_job(cfg, p, str(tmp_path / "run"), str(tmp_path), None, nonce="c")

@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memaudit.checks import centralized_engine
 from memaudit.cli import main
 from memaudit.config import load_config
 from memaudit.io import read_json, read_jsonl
-from memaudit.lifecycle import SENSITIVE_METRICS
+from memaudit.run.checks import centralized_engine
+from memaudit.run.driver import run_trainer
+from memaudit.run.lifecycle import SENSITIVE_METRICS
 from memaudit.rundir import RunDir, prepare_new_run
 
 REPO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "centralized-jax.yaml")
@@ -31,7 +32,7 @@ def _fit(path, *overrides, devices=None, progress=None, resume=False) -> RunDir:
     cfg = load_config(None, [*TINY, *overrides])
     run = RunDir(path) if resume else prepare_new_run(path, overwrite=False)
     devs = jax.devices() if devices is None else devices
-    JaxTrainer(cfg, run, devices=devs, progress=progress).fit(resume=resume)
+    run_trainer(JaxTrainer(cfg, run, devices=devs, progress=progress), resume=resume)
     return run
 
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from memaudit.config import load_config
-from memaudit.dispatch import dispatch
 from memaudit.io import read_json, read_jsonl
+from memaudit.run.dispatch import dispatch
 from memaudit.rundir import RunDir, prepare_new_run
 
 TINY = (
@@ -142,7 +142,7 @@ def noise_free_pair(tmp_path_factory):
 
 
 def test_noise_free_dp_runs_agree_in_loss_and_clip_fraction(noise_free_pair):
-    from memaudit.lifecycle import SENSITIVE_METRICS
+    from memaudit.run.lifecycle import SENSITIVE_METRICS
 
     got = [json.loads(x) for x in (noise_free_pair["jax"].path / SENSITIVE_METRICS).read_text().splitlines()]
     want = [json.loads(x) for x in (noise_free_pair["torch"].path / SENSITIVE_METRICS).read_text().splitlines()]
@@ -170,7 +170,7 @@ def test_the_same_config_records_the_same_ledger_and_epsilon(tmp_path_factory, u
 def test_lora_dp_sgd_matches_the_torch_engine(tmp_path_factory):
     """LoRA adapters (the trained parameters) under noise-free DP-SGD: 4 steps of each engine give
     the same losses (1e-4) and clip fractions, and the jax engine exports the adapter folder."""
-    from memaudit.lifecycle import SENSITIVE_METRICS
+    from memaudit.run.lifecycle import SENSITIVE_METRICS
 
     extra = ("train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "model.lora.rank=4",
              "model.lora.alpha=8", "privacy.noise_multiplier=0", "privacy.clip=0.05",

@@ -43,7 +43,7 @@ def test_one_trainer_class_and_no_subclass_overrides_its_seams() -> None:
     _import_all("memaudit.parallel")
     assert trainer.Trainer.__subclasses__() == []
     assert trainer.CentralizedTrainer is trainer.Trainer  # the old name, one class
-    from memaudit.parallel import launch
+    from memaudit.run import launch
 
     assert not hasattr(importlib.import_module("memaudit.parallel"), "trainer_hooks")
     with pytest.raises(ModuleNotFoundError):

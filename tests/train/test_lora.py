@@ -35,7 +35,7 @@ def test_bad_lora_config_is_one_line(override, needle):
 
 
 def test_rank_above_the_smaller_dimension_is_refused():
-    from memaudit.checks import check_before_disk
+    from memaudit.run.checks import check_before_disk
 
     # tiny: k_proj is 128 -> 64 (2 kv heads of 64), so r = 65 fits q_proj but not k_proj
     check_before_disk(load_config(None, ["model.lora.rank=65", "model.lora.target_modules=[q_proj]"]))
@@ -45,7 +45,7 @@ def test_rank_above_the_smaller_dimension_is_refused():
 
 
 def test_flower_lora_runs_where_the_base_fits_one_message_and_says_why_not_above():
-    from memaudit.checks import check_before_disk
+    from memaudit.run.checks import check_before_disk
 
     fed = ["backend=federated", "federated.runtime=flower", "model.lora.rank=4", "model.lora.dropout=0"]
     check_before_disk(load_config(None, fed))  # tiny: the 7 MB base rides in the stage module
@@ -59,7 +59,7 @@ def test_lora_dropout_is_accepted_on_both_backends_and_on_the_grid():
     """Adapter dropout runs on the federated backend (in JAX and on Flower) and centralized, in one
     process and on the tensor-parallel grid (refused there before: its masks are now keyed by
     each element's place in the global batch, `memaudit.models.keyed_dropout`)."""
-    from memaudit.checks import check_before_disk
+    from memaudit.run.checks import check_before_disk
 
     for runtime in ("jax", "flower"):
         check_before_disk(load_config(None, ["backend=federated", f"federated.runtime={runtime}",
@@ -69,7 +69,7 @@ def test_lora_dropout_is_accepted_on_both_backends_and_on_the_grid():
 
 
 def test_init_from_an_adapter_says_merge_or_name_its_base(tmp_path):
-    from memaudit.checks import check_before_disk
+    from memaudit.run.checks import check_before_disk
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x"}))
     with pytest.raises(ConfigError, match="is a PEFT adapter.*merge it.*its base model"):
@@ -86,7 +86,7 @@ def _lora_cfg(tiny_run, *extra):
 
 
 def _run(tiny_run, tmp_path, name, *extra):
-    from memaudit.train.trainer import train_centralized
+    from memaudit.run.centralized import train_centralized
 
     run = RunDir(tmp_path / name)
     _copy_prepared(tiny_run["path"], run.path)

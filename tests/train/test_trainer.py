@@ -135,7 +135,7 @@ def test_dp_sgd_run_records_a_ledger(tiny_run, tmp_path):
     pytest.importorskip("memaudit.train.dpsgd")  # the DP-SGD module ships with the privacy issue
     import dp_accounting
 
-    from memaudit.train.trainer import train_centralized
+    from memaudit.run.centralized import train_centralized
 
     manifest = read_json(tiny_run["path"] / "run.json")
     run = RunDir(tmp_path / "dp")

@@ -122,9 +122,9 @@ def _packed(users):
 def test_user_unit_without_user_ids_is_one_line_refused():
     from types import SimpleNamespace
 
-    from memaudit.checks import check_data
     from memaudit.config import load_config
     from memaudit.errors import DataError
+    from memaudit.run.checks import check_data
 
     cfg = load_config(None, ["privacy.unit=user", "privacy.noise_multiplier=1", "privacy.max_examples_per_user=2",
                              "train.batch_size=2"])

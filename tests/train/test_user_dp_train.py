@@ -14,6 +14,7 @@ from dp_accounting.rdp import RdpAccountant
 from memaudit.config import load_config
 from memaudit.io import read_json
 from memaudit.privacy.accounting import MIXTURE_PLD_DISCRETIZATION, RDP_ORDERS
+from memaudit.run.driver import run_trainer
 from memaudit.rundir import RunDir
 from tests.conftest import REPO_ROOT, TINY_TRAIN_OVERRIDES
 
@@ -40,7 +41,7 @@ def _train(cfg, run: RunDir, *, resume: bool = False, stop_at: int | None = None
     seen: list[np.ndarray] = []
     make = tr.make_batch
     tr.make_batch = lambda rows: (seen.append(np.asarray(rows)), make(rows))[1]
-    return tr, tr.fit(resume=resume), seen
+    return tr, run_trainer(tr, resume=resume), seen
 
 
 def _weights(run: RunDir):

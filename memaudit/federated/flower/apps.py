@@ -1,7 +1,7 @@
 """What memaudit's Flower ``ServerApp`` and ``ClientApp`` run (Flower's Message API); the apps
-themselves are built in `memaudit.flower_node`, which imports no JAX.
+themselves are built in `memaudit.federated.flower.node`, which imports no JAX.
 
-The ServerApp (`serve`) runs the federated trainer of a run directory (`memaudit.federated.flower.trainer`)
+The ServerApp (`serve`) runs the federated trainer of a run directory (`memaudit.run.flower.serve_run`)
 with the run's ``Grid``: every client stage of a round becomes one message per SuperNode that
 hosts a sampled user. A node answers three message types (`answer`):
 
@@ -14,7 +14,7 @@ hosts a sampled user. A node answers three message types (`answer`):
   users (`memaudit.federated.secagg.remote.node_step`): their protocol clients quantise the
   users' kept deltas and send masked inputs only.
 
-The SuperNode's ClientApp is `memaudit.flower_node`'s: it forwards each message to the node's
+The SuperNode's ClientApp is `memaudit.federated.flower.node`'s: it forwards each message to the node's
 resident process (`memaudit.federated.flower.resident`), which answers with `answer` and keeps
 the protocol clients' secret keys, the shares they received and a round's kept values in its
 memory. With ``resident='false'`` in the node config the ClientApp answers in its own process
@@ -44,9 +44,9 @@ from memaudit.errors import DataError, MemauditError
 from memaudit.federated.flower import wire
 from memaudit.federated.flower.execute import NodeExecutor, call_from_wire
 from memaudit.federated.flower.identity import load_node_identity
+from memaudit.federated.flower.messages import payload_of
 from memaudit.federated.flower.nodes import load_partition, user_digest
 from memaudit.federated.flower.trust import NodeTrust
-from memaudit.flower_messages import payload_of
 
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
@@ -55,7 +55,7 @@ def serve(grid: Grid, context: Context) -> None:
     # lazy: flax (~2.5 s) and dp_accounting (~1.5 s) only when called; the transport needs flwr
     # (optional dependency), there wherever a ServerApp runs
     from memaudit.federated.flower import transport
-    from memaudit.federated.flower.trainer import serve_run
+    from memaudit.run.flower import serve_run
 
     transport.install("serverapp")  # the Grid asks again for a missing object after 0.02 s, not 1 s
     rc = context.run_config

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any, Self
 
 from memaudit.errors import ConfigError, MemauditError
-from memaudit.flower_messages import SERVER_KEY
+from memaudit.federated.flower.messages import SERVER_KEY
 from memaudit.io import atomic_write_json
 
 APP_MODULE = "memaudit_flower_app"
@@ -69,8 +69,8 @@ def write_app(d: Path) -> Path:
     """The Flower App memaudit submits: its components are memaudit's apps."""
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{APP_MODULE}.py").write_text(
-        '"""memaudit on Flower: its ServerApp and ClientApp (memaudit.flower_node)."""\n'
-        "from memaudit.flower_node import client_app, server_app\n\n"
+        '"""memaudit on Flower: its ServerApp and ClientApp (memaudit.federated.flower.node)."""\n'
+        "from memaudit.federated.flower.node import client_app, server_app\n\n"
         '__all__ = ["client_app", "server_app"]\n')
     (d / "pyproject.toml").write_text(f'''[build-system]
 requires = ["hatchling"]
@@ -116,7 +116,7 @@ def submit(launch: Path, fcfg: Any, *, progress: Callable[[], None] | None = Non
     """``flwr run`` the app for ``launch`` (a folder with launch.json); returns its exit code.
     Its output goes to ``launch/flwr-run.log``; the run id it prints is recorded in
     ``launch/RUN_ID`` as soon as it does (the ServerApp serves the folder only as that run:
-    `memaudit.federated.flower.trainer.bind_launch`)."""
+    `memaudit.run.flower.bind_launch`)."""
     app = write_app(launch / "app")
     home = write_flower_home(launch / "flwr-home", fcfg)
     env = {**os.environ, "FLWR_HOME": str(home), "PYTHONUNBUFFERED": "1"}  # the run id, as printed
@@ -219,7 +219,7 @@ def supernode_args(superlink: str, partition: str | Path, manifest: str | Path, 
     plain HTTP only to a SuperLink on localhost), the node's private key (SuperNode
     authentication) and the node config memaudit's ClientApp reads: its partition and its
     stage manifest (`memaudit.federated.flower.trust`); ``resident=False`` runs every message in
-    its own ``flwr-clientapp`` process rather than the node's resident one (`memaudit.flower_node`)."""
+    its own ``flwr-clientapp`` process rather than the node's resident one (`memaudit.federated.flower.node`)."""
     host, _ = _split(superlink)
     if root_certificates is None and host not in ("127.0.0.1", "localhost", "::1"):
         raise ConfigError(f"a SuperNode talking to {superlink} without TLS sends its replies in plain "
@@ -263,7 +263,7 @@ class LocalFederation:
         env: environment of the processes (default: this one's).
         manifest: the SuperNodes' stage manifest (default: ``manifest.json`` beside the first
             partition, where `memaudit.federated.flower.nodes` writes it).
-        resident: each SuperNode answers through its resident process (`memaudit.flower_node`);
+        resident: each SuperNode answers through its resident process (`memaudit.federated.flower.node`);
             False: the process that runs the ClientApp does the work.
         flower_supernode: run Flower's own ``flower-supernode`` (a ``flwr-clientapp`` process per
             message, a 3 s poll, any app) rather than memaudit's SuperNode

@@ -36,7 +36,7 @@ from memaudit.data import prepare_data
 from memaudit.errors import DataError, MemauditError
 from memaudit.federated.data import build_client_data
 from memaudit.federated.flower.identity import new_node_key, public_hex, write_node_key
-from memaudit.flower_messages import SERVER_KEY
+from memaudit.federated.flower.messages import SERVER_KEY
 from memaudit.io import atomic_write_bytes
 from memaudit.models.presets import get_preset
 from memaudit.rundir import RunDir

@@ -1,6 +1,6 @@
 """A SuperNode's resident process: memaudit's client side, kept warm across messages.
 
-Started by the node's first message (`memaudit.flower_node.resident`), it holds what a
+Started by the node's first message (`memaudit.federated.flower.node.resident`), it holds what a
 ``flwr-clientapp`` process would otherwise rebuild for every message: JAX, the node's partition
 and manifest, the client stages deserialised and compiled (`NodeExecutor` caches them by the
 sha256 of their bytes), and the values a round's later stages read, in memory. Every message
@@ -10,7 +10,7 @@ so the manifest, the policy, the DP bound and the partition's users are checked 
 One request on a connection: a JSON header ``{"kind", "run_id"}`` and the message's payload
 bytes; the reply is a JSON header ``{"ok": true}`` (or ``{"ok": false, "error": one line}``) and
 the reply's payload bytes. Connections come only through the socket in the 0700 folder of
-`memaudit.flower_node.resident_dir` and prove the key of a 0600 file there.
+`memaudit.federated.flower.node.resident_dir` and prove the key of a 0600 file there.
 
 The process exits when the process it watches (the ClientApp's parent: Flower's SuperExec, or on
 memaudit's SuperNode the SuperNode) is gone, or after ``resident-idle`` seconds without a
@@ -36,8 +36,8 @@ from typing import Any
 
 from memaudit.federated.flower.apps import answer, open_node, use_compilation_cache
 from memaudit.federated.flower.execute import NodeExecutor
+from memaudit.federated.flower.messages import KINDS
 from memaudit.federated.flower.wire import pack
-from memaudit.flower_messages import KINDS
 
 IDLE_S = 900.0
 RUNS_KEPT = 2  # executors of the latest runs (a run's kept values live in its executor)
@@ -82,7 +82,7 @@ def _alive(pid: int) -> bool:
 def _leave(socket_path: str) -> None:
     """Remove this resident's socket, key and pid file (its log stays, when it says something), and
     exit. A resident killed without leaving has its files removed by the next resident's starter
-    (`memaudit.flower_node.sweep_residents`)."""
+    (`memaudit.federated.flower.node.sweep_residents`)."""
     base = Path(socket_path)
     for p in (base, base.with_suffix(".key"), base.with_suffix(".lock")):
         p.unlink(missing_ok=True)

@@ -20,9 +20,9 @@ task, and, for each task:
   file and byte for byte: the reply is an error (`REFUSED`) and the task ends ``failed``; nothing
   of the FAB is installed, imported or run;
 - answers memaudit's app with the ClientApp of **this node's installation**
-  (`memaudit.flower_node.client_app`), never code from the FAB, in this process: no process is
+  (`memaudit.federated.flower.node.client_app`), never code from the FAB, in this process: no process is
   started and nothing imported again per message. The ClientApp hands the payload to the node's
-  resident process as before (`memaudit.flower_node`); everything the node checks is unchanged.
+  resident process as before (`memaudit.federated.flower.node`); everything the node checks is unchanged.
 
 memaudit's SuperLink (`memaudit.federated.flower.superlink`) runs this SuperExec the same way,
 for ServerApp tasks: each run's ServerApp is a thread of the SuperLink's process
@@ -262,10 +262,10 @@ def serve_serverapp(local: Any, token: str, expected: dict[str, bytes]) -> bool:
     runs one: the task's run, context and FAB pulled, the ServerApp called with a Grid, the
     task's status pushed, a heartbeat meanwhile. The FAB must be memaudit's app
     (`is_memaudit_app`); the ServerApp called is this installation's
-    (`memaudit.flower_node.server_app`), never code from the FAB, and nothing of it is installed.
+    (`memaudit.federated.flower.node.server_app`), never code from the FAB, and nothing of it is installed.
     Any other FAB ends the task failed with `REFUSED_SERVER`. Whether the ServerApp completed."""
     # lazy: memaudit's ServerApp module, loaded on a SuperLink only (its JAX with it)
-    from memaudit.flower_node import server_app
+    from memaudit.federated.flower.node import server_app
 
     client = local.with_token(token)
     heartbeat = HeartbeatSender(task_heartbeat(client))
@@ -324,7 +324,7 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
     request = AcquireTaskRequest(supported_task_types=[kind.value])
     if kind == TaskType.CLIENT_APP:
         # lazy as flwr: memaudit's ClientApp is built only where the flower extra is installed
-        from memaudit.flower_node import client_app
+        from memaudit.federated.flower.node import client_app
 
         transport.install("clientapp")  # a message's objects re-asked after 0.02 s, not 1 s
     expected = memaudit_app_files()
@@ -403,7 +403,7 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
     def serve_here() -> None:
         if task == "clientapp":
             # lazy, as the ClientApp in serve: memaudit's ClientApp module, loaded on a SuperNode only
-            from memaudit.flower_node import watch_this_process
+            from memaudit.federated.flower.node import watch_this_process
 
             watch_this_process()  # the node's resident ends with this process, not with its parent
         serve("", insecure=True, root_certificates=None, parent_pid=None, task=task,

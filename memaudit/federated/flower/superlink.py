@@ -14,7 +14,7 @@ authenticates no account on its Control API, so they can ``flwr run`` an app of 
 Flower's SuperExec would start its ServerApp on this host: the host that holds the run
 directory and the prepared data of every user. memaudit's SuperExec runs a ServerApp task only
 when the run's FAB is memaudit's app (`memaudit.federated.flower.superexec.is_memaudit_app`),
-and then runs this installation's ServerApp (`memaudit.flower_node.server_app`), never code
+and then runs this installation's ServerApp (`memaudit.federated.flower.node.server_app`), never code
 from the FAB; any other run ends failed with
 `memaudit.federated.flower.superexec.REFUSED_SERVER` (also in the run's log), and nothing of
 its FAB is installed, imported or run. The SuperNodes refuse such apps on their side too
@@ -27,7 +27,7 @@ signed with a SuperExec secret, here one this process makes and no one holds
 (`memaudit.federated.flower.superexec.runtime_secret`): every task goes to memaudit's SuperExec.
 With ``--server-key`` (the ``serverapp.key`` written with the partitions) memaudit's ServerApp signs
 every message it sends, once bound to its run, and nodes whose manifest names that key answer
-nothing else (`memaudit.flower_messages`). Tests:
+nothing else (`memaudit.federated.flower.messages`). Tests:
 ``tests/federated/test_flower_deploy.py::test_nobody_takes_the_server_seat`` and
 ``::test_a_node_answers_only_its_runs_server``.
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memaudit.flower_messages import use_server_key
+from memaudit.federated.flower.messages import use_server_key
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from the run's config with ``python -m memaudit.federated.flower.nodes``) holds 
   (`memaudit.federated.flower.identity`): a client's round key counts only when a listed node
   signed it;
 - ``server``: the server's Ed25519 public key: the node answers only messages it signed for
-  their run and this node (`memaudit.flower_messages.server_refusal`), so whoever else holds a
+  their run and this node (`memaudit.federated.flower.messages.server_refusal`), so whoever else holds a
   run's ServerApp task gets no answer;
 - ``dp``: the DP parameters the node enforces on the round's public encoding: the clip bound of a
   quantised contribution (unless adaptive clipping moves it), and under distributed DP each

@@ -2,7 +2,7 @@
 
 A message's content is ``RecordDict({"memaudit": record})``, the record holding the payload's
 bytes as a ``ConfigRecord`` value up to 1 MiB and as one ``Array`` of stype ``memaudit.payload``
-above (`memaudit.flower_messages.record`); the payload is a msgpack map whose arrays are
+above (`memaudit.federated.flower.messages.record`); the payload is a msgpack map whose arrays are
 extension objects (dtype name, shape, raw bytes), read back with ``np.frombuffer`` (never
 unpickled).
 
@@ -30,8 +30,8 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-# named where the SuperNode's ClientApp reads them without JAX (`memaudit.flower_node`)
-from memaudit.flower_messages import (
+# named where the SuperNode's ClientApp reads them without JAX (`memaudit.federated.flower.node`)
+from memaudit.federated.flower.messages import (
     FIELD,
     HELLO,
     RECORD,
@@ -98,7 +98,7 @@ def pack(obj: Any) -> bytes:
 
 def unpack(data: bytes) -> Any:
     """What `pack` packed; a payload of a message with shared values (`SPLIT` first:
-    `memaudit.flower_messages.payload_of`) with each `Shared` reference replaced by its value
+    `memaudit.federated.flower.messages.payload_of`) with each `Shared` reference replaced by its value
     (a reference to a key the shared values lack raises KeyError)."""
     if data[:1] != SPLIT:
         return msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)

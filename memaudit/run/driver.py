@@ -10,7 +10,7 @@ The ledger is set up and restored here alone: the backend states its `PrivacyPla
 noise multiplier, the mechanism that declares its own `DpEvent`), every step or round that
 released something records that mechanism's event, each checkpoint carries the ledger as of
 its step, and a resume reads that copy back. The DP secret is the run lifecycle's
-(`memaudit.lifecycle.dp_randomness`).
+(`memaudit.privacy.randomness.dp_randomness`).
 
     with RunSession(run, cfg, backend=backend.name, resume=resume, ...) as session:
         result = fit(session, backend, resume=resume)   # a TrainResult
@@ -29,57 +29,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from memaudit.backends import StepOutcome
 from memaudit.io import writing
-from memaudit.lifecycle import RunSession
 from memaudit.privacy.ledger import PrivacyLedger
+from memaudit.privacy.plan import PrivacyPlan, new_ledger
+from memaudit.run.lifecycle import RunSession
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrivacyPlan:
-    """What a DP backend adds noise with, stated before the first step.
-
-    Args:
-        unit: "example" (one training sequence) or "user".
-        delta: the δ of every ε the ledger reports.
-        noise_multiplier: σ (calibrated to `privacy.target_epsilon` when that was given).
-        sampling_rate: expected share of the units in one step or round.
-        mechanism: a `memaudit.privacy.mechanisms` object; it declares its own `DpEvent`.
-        calibration: how σ was calibrated (None when it was given).
-        max_sequences_per_user: for the ledger's group-privacy note (example-level DP).
-        max_sequences_per_document: the most training sequences one document spans, for the
-            ledger's per-document ε (example-level DP; None: unknown).
-        reproducible_randomness: the DP randomness came from train.seed.
-    """
-
-    unit: str
-    delta: float
-    noise_multiplier: float
-    sampling_rate: float
-    mechanism: Any
-    calibration: dict[str, Any] | None = None
-    max_sequences_per_user: int | None = None
-    max_sequences_per_document: int | None = None
-    reproducible_randomness: bool = False
-
-
-def new_ledger(plan: PrivacyPlan) -> PrivacyLedger:
-    """The run's empty ledger for `plan` (the one place a training ledger is made)."""
-    return PrivacyLedger(unit=plan.unit, delta=plan.delta, max_sequences_per_user=plan.max_sequences_per_user,
-                         max_sequences_per_document=plan.max_sequences_per_document,
-                         calibration=plan.calibration, reproducible_randomness=plan.reproducible_randomness)
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """One step's or round's metrics line, and whether its DP mechanism released anything
-    (an aborted secure-aggregation round released and applied nothing: no ledger event).
-    `privacy_metrics` is what the mechanism's event depends on (e.g. the adaptive clip)."""
-
-    record: dict[str, Any]
-    released: bool = True
-    privacy_metrics: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,3 +268,19 @@ def run_backend(backend: Backend, cfg: Any, run_dir: Any, *, resume: bool = Fals
         result = fit(session, backend, resume=resume, progress=progress).to_json()
         session.complete(result)
     return result
+
+
+def run_trainer(backend: Any, *, resume: bool = False, overwrite: bool = False,
+                lock_held: bool = False) -> dict[str, Any]:
+    """`run_backend` for a trainer that holds its config, run directory and progress callback
+    (`cfg`, `run`, `progress`: every memaudit backend does); returns run.json's result.
+
+    Args:
+        backend: the trainer (`train.trainer.Trainer`, `train.jax_trainer.JaxTrainer`,
+            `federated.trainer.FederatedTrainer`), not yet prepared.
+        resume: continue from state/ when it holds a checkpoint.
+        overwrite: replace a previous memaudit run in the directory.
+        lock_held: the caller holds the run's lock (a grid's launcher, a Flower submitter).
+    """
+    return run_backend(backend, backend.cfg, backend.run, resume=resume, overwrite=overwrite,
+                       lock_held=lock_held, progress=backend.progress)

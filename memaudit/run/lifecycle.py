@@ -1,7 +1,7 @@
 """One run lifecycle for every backend: lock, signals, manifest, data, metrics, ledger,
 checkpoints, export.
 
-The training driver (`memaudit.driver.fit`) goes through a `RunSession` for everything it does
+The training driver (`memaudit.run.driver.fit`) goes through a `RunSession` for everything it does
 to the run directory; the backends keep only their step or round logic:
 
     with RunSession(run, cfg, backend="federated", resume=False, is_writer=True) as s:
@@ -24,7 +24,7 @@ the old run's artifacts are moved aside into one hidden folder, the new manifest
 written, and only then is the old one deleted; a failure before that puts it back.
 
 The DP run's secret (`RUN_DIR/dp_secret.json`, outside `state/`, which is replaced only by
-sealed checkpoints) is opened here too, by `dp_randomness`, for every backend.
+sealed checkpoints) is opened by `memaudit.privacy.randomness.dp_randomness`, for every backend.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from memaudit.checkpoints import (
     seal,
     swap_in,
 )
-from memaudit.checks import check_data
 from memaudit.config import Config, dump_config
 from memaudit.data import load_prepared, prepare_data
 from memaudit.data.prepare import config_hash
@@ -66,7 +65,7 @@ from memaudit.io import (
 )
 from memaudit.models.hf_export import save_pretrained_quietly, set_special_tokens
 from memaudit.models.init import base_model_record, model_vocab_size
-from memaudit.privacy.randomness import DPRandomness
+from memaudit.run.checks import check_data
 from memaudit.rundir import RUN_ARTIFACTS, RunDir, new_manifest, require_memaudit_manifest
 
 SENSITIVE_METRICS = "sensitive_metrics.jsonl"
@@ -402,12 +401,3 @@ def _restore_aside(run: RunDir, aside: Path) -> None:
         if not target.exists():
             os.replace(p, target)
     remove(aside)
-
-
-def dp_randomness(run: RunDir, cfg: Config, *, is_writer: bool) -> DPRandomness:
-    """The DP run's one secret, for every backend: `RUN_DIR/dp_secret.json` written by the writer
-    before the first step (outside `state/`, which only sealed checkpoints replace, so a run
-    killed before its first checkpoint resumes with it), read back on resume and by the other
-    ranks (after the data barrier). With `privacy.reproducible_randomness` derived from
-    `train.seed` instead (recorded in the ledger)."""
-    return DPRandomness.for_run(run.path, cfg.privacy, cfg.train.seed, write=is_writer)

@@ -1,4 +1,4 @@
-"""Distributed start-up for the centralized backend's grid: backend choice and process-group init.
+"""The centralized grid's entry: backend choice, process-group init and the ranks' processes.
 
 Works under `torchrun` or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
 and MASTER_PORT (SLURM users: `srun torchrun --nnodes $SLURM_NNODES --nproc-per-node G
@@ -206,13 +206,14 @@ def _run_here(cfg: Any, run: Any, *, resume: bool, progress: Any, overwrite: boo
 
     # lazy: torch (~2 s) and dp_accounting (~1.5 s) only when called; this module imports without it
     from memaudit.parallel.layout import TensorParallelLayout
+    from memaudit.run.driver import run_trainer
     from memaudit.train.trainer import Trainer
 
     dims = ParallelDims.from_config(cfg.parallel)
     init_distributed(dims, requested_backend=cfg.parallel.dist_backend)
     try:
         trainer = Trainer(cfg, run, TensorParallelLayout(cfg), progress=progress)
-        return trainer.fit(resume=resume, overwrite=overwrite, lock_held=lock_held)
+        return run_trainer(trainer, resume=resume, overwrite=overwrite, lock_held=lock_held)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -266,7 +267,7 @@ def _spawn(cfg: Any, run: Any, dims: ParallelDims, *, resume: bool, progress: An
                 result = msg[1]
 
     # lazy: numpy (~0.4 s) only when called; this module imports without it
-    from memaudit.lifecycle import sigterm_as_interrupt
+    from memaudit.run.lifecycle import sigterm_as_interrupt
 
     try:
         with sigterm_as_interrupt():  # SIGTERM of the launcher stops the ranks too

@@ -1,9 +1,9 @@
 """The checks made before anything is written: a config that cannot train, and prepared data
 the configured training cannot use, are refused with one line before the run lifecycle
-(`memaudit.lifecycle`) writes or replaces anything.
+(`memaudit.run.lifecycle`) writes or replaces anything.
 
 This module sits below the lifecycle and imports no trainer: the lifecycle runs `check_data`
-on the data it stages, the backend switch (`memaudit.dispatch`) runs `check_before_disk`.
+on the data it stages, the backend switch (`memaudit.run.dispatch`) runs `check_before_disk`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Everything the node checks (the stage manifest, the policy, the DP bound, the pa
 is checked by the resident exactly as by the in-process ClientApp: the same code
 (`memaudit.federated.flower.apps.answer`). Before that, the ClientApp answers a message only when
 the server key of the node's manifest signed it for its run and this node
-(`memaudit.flower_messages.server_refusal`); any other gets an error and reaches no resident.
+(`memaudit.federated.flower.messages.server_refusal`); any other gets an error and reaches no resident.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from memaudit.flower_messages import (
+from memaudit.federated.flower.messages import (
     HELLO,
     KINDS,
     SECAGG,

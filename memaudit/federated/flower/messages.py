@@ -1,6 +1,6 @@
 """What memaudit's Flower messages are, importable without JAX: the record and field that carry
 the payload bytes (`memaudit.federated.flower.wire` packs what goes in them), the message types
-of memaudit's ClientApp (`memaudit.flower_node`), the functions that put the payload into a
+of memaudit's ClientApp (`memaudit.federated.flower.node`), the functions that put the payload into a
 message's content (`record`, `shared_record`) and take it out (`payload_of`, `bytes_of`), and the
 server's signature on a message (`sign_messages`, `server_refusal`).
 
@@ -9,7 +9,7 @@ SuperLink relays what it pushes to the nodes as the run's server. ``python -m
 memaudit.federated.flower.nodes`` makes a server key (``serverapp.key``, 0600, it stays on the
 SuperLink's host) beside the partitions and lists its public half in the stage manifest
 (``server``); memaudit's SuperLink is started with it (``--server-key``) and memaudit's ServerApp,
-once it is bound to its run (`memaudit.federated.flower.trainer.bind_launch`), signs every
+once it is bound to its run (`memaudit.run.flower.bind_launch`), signs every
 message it sends: the run id, the node it is for, its type and group, and the sha256 of its
 payloads. A node whose manifest names a server key answers a message only when that key signed
 it for this run and this node (`server_refusal`); any other message gets an error that carries
