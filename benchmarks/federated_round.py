@@ -126,7 +126,7 @@ afternoon, before and after: 2 SuperNodes 1.456 s and 1.540 s (two runs) against
 3.160 s and 2.930 s (2.40-2.63x); 4 SuperNodes 1.972 s against 1.942 s (2.23x), secure 4.904 s
 against 4.605 s (3.56x).
 
-Held asks (`memaudit.federated.flower.longpoll`; docs/flower.md, "What a round costs"; dated figures in docs/results.md), interleaved pairs the
+Held asks (`memaudit.federated.flower.transport.longpoll`; docs/flower.md, "What a round costs"; dated figures in docs/results.md), interleaved pairs the
 same day, before (8d8106c) and after: 2 SuperNodes 1.428 s, 1.445 s and 1.293 s against
 1.303 s (1.58x), 1.336 s (1.54x) and 1.257 s; secure 3.019 s, 3.042 s and 2.741 s against
 2.474 s (2.13x), 2.735 s (2.30x) and 2.443 s (2.03x); 4 SuperNodes 1.777 s against 1.771 s,
@@ -138,7 +138,7 @@ directory first.
 Since the evening of 2026-12-05 memaudit's SuperNode and SuperLink run their SuperExecs, and the
 SuperLink each run's ServerApp, as threads of their own process, calling Flower's runtime
 handlers on their own state rather than the runtime API over HTTP
-(`memaudit.federated.flower.localruntime`; docs/flower.md, "What a round costs"; dated figures in docs/results.md). Warm medians, interleaved pairs
+(`memaudit.federated.flower.transport.localruntime`; docs/flower.md, "What a round costs"; dated figures in docs/results.md). Warm medians, interleaved pairs
 on 2 SuperNodes: the SuperNode's change alone 1.348, 1.316, 1.269 s against 1.276 s (1.42x),
 1.226 s (1.36x), 1.134 s (1.37x); secure 2.624, 2.702, 2.553 s against 2.353 s (1.86x), 2.355 s
 (1.86x), 2.145 s (1.84x); then the SuperLink's too: 1.160, 1.190 s against 1.007 s (1.23x),
@@ -164,7 +164,7 @@ one gradient of ``tiny``), and secure aggregation's rounding turns such a differ
 quantisation steps (docs/flower.md, "Secure aggregation and distributed DP").
 
 Since 2026-12-06 memaudit's SuperNode pulls a message and pushes its reply in one Fleet request
-each from memaudit's SuperLink (`memaudit.federated.flower.bundle`; docs/flower.md, "What a round costs"; dated figures in docs/results.md);
+each from memaudit's SuperLink (`memaudit.federated.flower.transport.bundle`; docs/flower.md, "What a round costs"; dated figures in docs/results.md);
 ``--flower-unbundled`` adds the FedAvg and secure runs with Flower's nine requests a message
 (``--fleet flower``), on a federation of their own, and ``bundled_speedup*`` their ratio.
 Measured 2026-12-06 (``--flower-rounds 10``, warm, 9 of 9 rounds): 4 SuperNodes, four runs,

@@ -1,5 +1,5 @@
-"""A SuperNode's request to the SuperLink's HTTP server: Flower 1.42's middleware stack against
-memaudit's (`memaudit.federated.flower.leanhttp`), side by side; prints JSON.
+"""A SuperNode's requests to the SuperLink's HTTP server: Flower's nine requests a message against
+memaudit's two bundled ones (`memaudit.federated.flower.transport.bundle`); prints JSON.
 
     python benchmarks/flower_http.py [--requests 50] [--repeats 7] [--large-mib 5]
 
@@ -7,25 +7,18 @@ Each variant serves Flower's own Fleet router (its routes, protobuf parsing, Sup
 signature check and node-id lookup) behind its middleware stack, with uvicorn on a thread of
 this process; the Fleet handlers are stand-ins that answer at once (`standin_handlers`), so
 what is timed is HTTP, the middleware layers and the signature check. One client signs every
-request as a SuperNode does. Variants:
-
-- ``flower``: the stack Flower's SuperLink builds (``flwr.superlink.main._get_middleware``);
-- ``control_layers_off``: the Control API's layers on Control API requests only, the Fleet
-  event log only with a plugin (`leanhttp.ControlOnly`, `leanhttp.WhenFleetLogged`);
-- ``and_check``: SuperNode authentication as a plain ASGI layer too (`leanhttp.CheckThenPass`);
-- ``and_errors``: the error translation as a plain ASGI layer too (`leanhttp.ErrorsTranslated`);
-- ``lean``: memaudit's SuperLink's (`memaudit.federated.flower.leanhttp.lean_stack`): the
-  protobuf translation of a Fleet request run by its own dispatch too (`leanhttp.Translated`).
+request as a SuperNode does. The stack is the one Flower's SuperLink builds
+(``flwr.superlink.main._get_middleware``; a leaner stack was measured per request 1.86x
+faster and removed: it moved no round, ``benchmarks/flower_transport.py``).
 
 Requests: ``small`` (a pull-object ask, about 60 bytes) and ``large`` (a push-object of
 ``--large-mib`` MiB: a node's masked input on the ``tiny`` model is 5 MiB). The statistic is
 the median over ``--repeats`` of the mean seconds a request took in a batch of ``--requests``,
-the variants interleaved in every repeat.
+the kinds interleaved in every repeat.
 
 ``message_seconds``: one small message's exchange, every request a SuperNode makes for it
-(`message_requests`, ``--requests`` / 5 of them a repeat): Flower's nine requests on Flower's
-stack (``flower_nine``) and on memaudit's (``lean_nine``), and memaudit's two bundled requests on
-memaudit's stack (``lean_bundled``, `memaudit.federated.flower.bundle`).
+(`message_requests`, ``--requests`` / 5 of them a repeat): Flower's nine requests
+(``flower_nine``) and memaudit's two bundled ones (``flower_bundled``).
 """
 
 from __future__ import annotations
@@ -210,18 +203,18 @@ def push_object_body(nbytes: int, node_id: int = NODE_ID) -> bytes:
 
 def message_requests(node_id: int = NODE_ID) -> dict[str, list[tuple[str, bytes]]]:
     """One small message's exchange as a SuperNode makes it (`message_tree`, a reply of the same
-    shape): Flower's nine requests, and memaudit's two (`memaudit.federated.flower.bundle`)."""
+    shape): Flower's nine requests, and memaudit's two (`memaudit.federated.flower.transport.bundle`)."""
     from flwr.proto.fleet_pb2 import PullMessagesRequest, PushMessagesRequest
     from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest, PushObjectRequest
     from flwr.proto.node_pb2 import Node as NodeProto
 
-    from memaudit.federated.flower import bundle
+    from memaudit.federated.flower.transport import bundle, bundle_pb2
 
     node = NodeProto(node_id=node_id)
     pull = PullMessagesRequest(node=node).SerializeToString()
     push = PushMessagesRequest(node=node, messages_list=[message_proto(node_id)],
                                message_object_trees=[message_tree()], clientapp_runtime_list=[0.5])
-    m = bundle.messages()
+    m = bundle_pb2
     return {
         "nine": [("/v1/fleet/pull-messages", pull),
                  *[("/v1/fleet/pull-object", pull_object_body(node_id, i)) for i in MESSAGE_IDS],
@@ -266,19 +259,7 @@ def served(app: Any) -> Iterator[str]:
 
 
 def variants() -> dict[str, list[Any]]:
-    from flwr.supercore.error.http import http_error_translator
-    from flwr.superlink.routers.fleet.middlewares import FleetEventLogMiddleware
-    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
-
-    from memaudit.federated.flower import leanhttp
-
-    control = leanhttp.acts_on_control_only()
-    return {"flower": flower_stack(),
-            "control_layers_off": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware),
-            "and_check": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware, (NodeAuthMiddleware,)),
-            "and_errors": leanhttp.lean(flower_stack(), control, FleetEventLogMiddleware, (NodeAuthMiddleware,),
-                                        http_error_translator),
-            "lean": leanhttp.lean_stack(flower_stack())}
+    return {"flower": flower_stack()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -289,12 +270,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     import httpx
 
-    from memaudit.federated.flower import bundle
+    from memaudit.federated.flower.transport import bundle
 
-    bundle.install_superlink()  # the bundle routes on Flower's Fleet router, as memaudit's SuperLink has them
+    bundle.install("superlink")  # the bundle routes on Flower's Fleet router, as memaudit's SuperLink has them
     node = Node()
     exchange = message_requests()
-    ways = {"flower_nine": ("flower", "nine"), "lean_nine": ("lean", "nine"), "lean_bundled": ("lean", "bundled")}
+    ways = {"flower_nine": ("flower", "nine"), "flower_bundled": ("flower", "bundled")}
     per_message: dict[str, list[float]] = {w: [] for w in ways}
     bodies = {"small": ("/v1/fleet/pull-object", pull_object_body()),
               "large": ("/v1/fleet/push-object", push_object_body(int(args.large_mib * 2**20)))}

@@ -1,4 +1,4 @@
-"""A message pulled and a reply pushed in one request each (`memaudit.federated.flower.bundle`).
+"""A message pulled and a reply pushed in one request each (`memaudit.federated.flower.transport.bundle`).
 
 The SuperLink's side runs behind memaudit's HTTP stack with Flower's SuperNode authentication
 (`benchmarks/flower_http.fleet_app`), with Flower's Fleet handlers replaced by recording
@@ -20,7 +20,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from memaudit.federated.flower import bundle, leanhttp
+from memaudit.federated.flower.transport import bundle, bundle_pb2
 from tests.conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -40,8 +40,8 @@ def node() -> fh.Node:
 
 @pytest.fixture(scope="module")
 def client(node: fh.Node) -> TestClient:
-    bundle.install_superlink()  # Flower's Fleet router gets the two routes
-    return TestClient(fh.fleet_app(leanhttp.lean_stack(fh.flower_stack()), node.public),
+    bundle.install("superlink")  # Flower's Fleet router gets the two routes
+    return TestClient(fh.fleet_app(fh.flower_stack(), node.public),
                       raise_server_exceptions=False)
 
 
@@ -56,7 +56,7 @@ def _push_body(node_id: int = fh.NODE_ID, inner: int = fh.NODE_ID, give: list[st
     from flwr.proto.fleet_pb2 import PushMessagesRequest
     from flwr.proto.node_pb2 import Node
 
-    m = bundle.messages()
+    m = bundle_pb2
     push = PushMessagesRequest(node=Node(node_id=inner), messages_list=[_message(inner)],
                                message_object_trees=[_tree()], clientapp_runtime_list=[0.5])
     return m.PushBundleRequest(node=Node(node_id=node_id), push=push, objects=[
@@ -68,7 +68,7 @@ def test_a_bundled_pull_is_flowers_pull_of_the_message_its_objects_and_the_recei
     with fh.standin_handlers(calls):
         r = client.post(bundle.PULL_PATH, content=_pull_body(), headers=node.headers())
     assert r.status_code == 200, r.text
-    got = bundle.messages().PullBundleResponse.FromString(r.content)
+    got = bundle_pb2.PullBundleResponse.FromString(r.content)
     assert [m.metadata.message_id for m in got.pulled.messages_list] == [IDS[0]]
     assert {o.object_id: o.object_content for o in got.objects} == {i: _content(i) for i in IDS}
     assert got.confirmed
@@ -77,7 +77,7 @@ def test_a_bundled_pull_is_flowers_pull_of_the_message_its_objects_and_the_recei
 
     calls = []  # an object not pushed yet: no receipt; the node asks for it Flower's way
     with fh.standin_handlers(calls, missing=(IDS[2],)):
-        got = bundle.messages().PullBundleResponse.FromString(
+        got = bundle_pb2.PullBundleResponse.FromString(
             client.post(bundle.PULL_PATH, content=_pull_body(), headers=node.headers()).content)
     assert [o.object_id for o in got.objects] == IDS[:2] and not got.confirmed
     assert "confirm" not in [c for c, _ in calls]
@@ -152,7 +152,7 @@ class Client:
         self.calls.append(("PullBundle", request))
         if not self.routes:
             self._no_route()
-        m = bundle.messages()
+        m = bundle_pb2
         return m.PullBundleResponse(
             pulled=PullMessagesResponse(messages_list=[_message()], message_object_trees=[_tree()]),
             objects=[m.BundledObject(object_id=i, object_content=b"bundled " + i[:1].encode()) for i in IDS[:2]],
@@ -246,16 +246,16 @@ def test_installs_are_idempotent(monkeypatch):
 
     monkeypatch.setattr(conn, "FleetHttpClient", conn.FleetHttpClient)  # restored after the test
     monkeypatch.setattr(loop, "http_request_response", loop.http_request_response)
-    bundle.install_supernode()
+    bundle.install("supernode")
     once = (conn.FleetHttpClient, loop.http_request_response)
-    bundle.install_supernode()
+    bundle.install("supernode")
     assert (conn.FleetHttpClient, loop.http_request_response) == once
     assert conn.FleetHttpClient.__memaudit_bundle__
-    bundle.install_superlink()
-    bundle.install_superlink()
+    bundle.install("superlink")
+    bundle.install("superlink")
     paths = [r.path for r in router.routes]
     assert paths.count(bundle.PULL_PATH) == paths.count(bundle.PUSH_PATH) == 1
-    assert PROTOBUF_REQUEST_TYPES[("POST", bundle.PUSH_PATH)] is bundle.messages().PushBundleRequest
+    assert PROTOBUF_REQUEST_TYPES[("POST", bundle.PUSH_PATH)] is bundle_pb2.PushBundleRequest
 
 
 def test_a_refused_bundle_is_not_taken_for_a_missing_route():

@@ -28,7 +28,8 @@ import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a
 import numpy as np
 import pytest
 
-from memaudit.federated.flower import bundle, deploy
+from memaudit.federated.flower import deploy
+from memaudit.federated.flower.transport import bundle
 from memaudit.run.driver import run_trainer
 
 pytestmark = pytest.mark.slow
@@ -129,7 +130,7 @@ def test_flower_weights_equal_in_jax(case, federation):
     # each case's first round runs stage modules new to the nodes: a node says so (nodes_compiling)
     assert _metrics(flower_run)[0]["nodes_compiling"] >= 1
     assert result["rounds"] == rounds
-    fed = federation[0]  # every node pulled and pushed its messages bundled (memaudit.federated.flower.bundle)
+    fed = federation[0]  # every node pulled and pushed its messages bundled (memaudit.federated.flower.transport.bundle)
     for i in range(len(fed.partitions)):
         assert bundle.BUNDLED in (fed.workdir / f"supernode-{i}.log").read_text(errors="replace")
     if case == "dp-fedavg-secagg":  # the protocol ran: every sampled user survived it

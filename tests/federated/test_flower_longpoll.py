@@ -1,4 +1,4 @@
-"""Held asks (`memaudit.federated.flower.longpoll`): an ask that finds nothing waits in the
+"""Held asks (`memaudit.federated.flower.transport.longpoll`): an ask that finds nothing waits in the
 answering process until something it could return is stored; an answer naming a message waits
 until the message's objects are all stored. Against fakes shaped as Flower's handlers and store,
 and against Flower's own handler modules for what memaudit's SuperLink and SuperNode install.
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from memaudit.federated.flower import longpoll
-from memaudit.federated.flower.longpoll import (
+from memaudit.federated.flower.transport import longpoll
+from memaudit.federated.flower.transport.longpoll import (
     Wakeups,
     has_messages,
     hold,
@@ -144,8 +144,8 @@ def test_memaudits_superlink_and_supernode_hold_flowers_handlers(monkeypatch):
     for m, n in names:
         monkeypatch.setattr(m, n, originals[(m.__name__, n)])  # Flower's; restored after the test
     for _ in range(2):
-        longpoll.install_superlink()
-        longpoll.install_supernode()
+        longpoll.install("superlink")
+        longpoll.install("supernode")
     for m, n in names:
         wrapped = getattr(m, n)
         assert getattr(wrapped, "__memaudit_held__", False) and wrapped.__wrapped__ is originals[(m.__name__, n)]

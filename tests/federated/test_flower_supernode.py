@@ -12,7 +12,6 @@ import flwr  # noqa: F401 - installed by the set-up (.[flower]); missing it is a
 import pytest
 
 from memaudit.federated.flower.deploy import write_app
-from memaudit.federated.flower.polls import LOCAL_POLL_S, PULL_BACKOFF_S, PollWaits, short_waits
 from memaudit.federated.flower.superexec import (
     CONTENT,
     MAX_FAB_BYTES,
@@ -21,6 +20,8 @@ from memaudit.federated.flower.superexec import (
     superexec_command,
 )
 from memaudit.federated.flower.supernode import main
+from memaudit.federated.flower.transport import polls
+from memaudit.federated.flower.transport.polls import LOCAL_POLL_S, PULL_BACKOFF_S, PollWaits
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +76,12 @@ def test_flowers_waits_become_polls_and_nothing_else_changes():
 
     saved = (loop.time, loop.pull_objects, http_grid.pull_objects, run_clientapp.pull_and_inflate_object_from_tree)
     try:
-        short_waits()  # the ServerApp: its Grid's pulls only
+        polls.install("serverapp")  # the ServerApp: its Grid's pulls only
         assert loop.time is time and http_grid.pull_objects.keywords["initial_backoff"] == PULL_BACKOFF_S
         assert run_clientapp.pull_and_inflate_object_from_tree is saved[3]
-        short_waits(clientapp=True)  # memaudit's SuperExec: its pull of a task's message
+        polls.install("clientapp")  # memaudit's SuperExec: its pull of a task's message
         assert run_clientapp.pull_and_inflate_object_from_tree.keywords["initial_backoff"] == PULL_BACKOFF_S
-        short_waits(supernode_poll=0.01)
+        polls.install("supernode", poll=0.01)
         assert isinstance(loop.time, PollWaits) and loop.time.poll == 0.01
         assert loop.pull_objects.keywords == {"initial_backoff": PULL_BACKOFF_S, "backoff_cap": 0.25,
                                               "max_tries_per_object": None}
@@ -92,7 +93,7 @@ def test_flowers_waits_become_polls_and_nothing_else_changes():
         loop.time.sleep(0.005)  # a shorter wait is kept
         assert time.monotonic() - t >= 0.004
         assert loop.time.time is time.time
-        short_waits(supernode_poll=0.05)  # again: replaces the poll, not wraps it
+        polls.install("supernode", poll=0.05)  # again: replaces the poll, not wraps it
         assert loop.time.poll == 0.05 and loop.pull_objects.func is saved[1]
     finally:
         loop.time, loop.pull_objects, http_grid.pull_objects, run_clientapp.pull_and_inflate_object_from_tree = saved
@@ -130,7 +131,7 @@ def test_an_object_not_there_yet_is_asked_for_again_within_a_poll():
         return b"x"
 
     try:
-        short_waits()
+        polls.install("serverapp")
         t = time.monotonic()
         assert http_grid.pull_objects(["a", "b"], pull) == {"a": b"x", "b": b"x"}
         assert time.monotonic() - t < 0.8  # Flower's own: 1 s, then 2 s
@@ -205,7 +206,7 @@ def test_the_superlinks_serverapp_installs_memaudits_app_only(fab, monkeypatch):
     task = importlib.import_module("flwr.superlink.runtime.run_serverapp")
     installed = []
     monkeypatch.setattr(task, "install_from_fab", lambda content, **kw: installed.append(content))
-    monkeypatch.setattr(importlib.import_module("flwr.superlink.cli.flwr_serverapp"), "flwr_serverapp", lambda: None)
+    monkeypatch.setattr(superexec, "flwr_serverapp", lambda: None)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     superexec.run_serverapp(["--insecure", "--token", "t"])
     assert sys.argv[0] == "flwr-serverapp"
@@ -315,8 +316,8 @@ def test_a_task_that_fails_costs_that_task_not_the_node(monkeypatch, capsys):
 
     monkeypatch.setattr(superexec, "_runtime_client", lambda *a: Runtime())
     monkeypatch.setattr(superexec, "serve_task", serve_task)
-    monkeypatch.setattr("flwr.supercore.app_utils.start_parent_process_monitor", lambda pid: None)
-    monkeypatch.setattr(superexec, "short_waits", lambda **kw: None)
+    monkeypatch.setattr(superexec, "start_parent_process_monitor", lambda pid: None)
+    monkeypatch.setattr(superexec.transport, "install", lambda *a, **kw: None)
     with pytest.raises(KeyboardInterrupt):
         superexec.serve("127.0.0.1:1", insecure=True, root_certificates=None, parent_pid=os.getppid())
     assert served == ["t1", "t2"]
@@ -335,8 +336,6 @@ def test_a_heartbeat_after_the_task_ended_does_not_stop_the_superexec(monkeypatc
     import threading
     from types import SimpleNamespace
 
-    import flwr.supernode.runtime.run_clientapp as rc
-
     from memaudit.federated.flower import superexec
 
     done = threading.Event()  # the task's output is in: its token is void
@@ -351,10 +350,11 @@ def test_a_heartbeat_after_the_task_ended_does_not_stop_the_superexec(monkeypatc
 
     monkeypatch.setattr(superexec, "_runtime_client", lambda *a: Runtime())
     message = SimpleNamespace()
-    monkeypatch.setattr(rc, "pull_task_input", lambda client: (message, SimpleNamespace(run_id=1), None,
-                                                                 SimpleNamespace(content=b"fab")))
-    monkeypatch.setattr(rc, "push_message", lambda client, reply, context: None)
-    monkeypatch.setattr(rc, "push_task_output", lambda **kw: done.set())
+    # Flower's runtime calls, as the SuperExec holds them
+    monkeypatch.setattr(superexec, "pull_task_input", lambda client: (message, SimpleNamespace(run_id=1), None,
+                                                                        SimpleNamespace(content=b"fab")))
+    monkeypatch.setattr(superexec, "push_message", lambda client, reply, context: None)
+    monkeypatch.setattr(superexec, "push_task_output", lambda **kw: done.set())
     monkeypatch.setattr(superexec, "is_memaudit_app", lambda fab, expected: True)
     signals = []
     old = signal.signal(signal.SIGINT, lambda *a: signals.append(a))
@@ -437,8 +437,8 @@ def test_the_superexec_in_the_supernodes_process_serves_a_task_through_flowers_h
     from flwr.supercore.constant import TaskType
     from flwr.supercore.error import FlowerError
 
-    from memaudit.federated.flower.localruntime import LocalRuntime
     from memaudit.federated.flower.superexec import REFUSED, serve_task
+    from memaudit.federated.flower.transport.localruntime import LocalRuntime
 
     seen = []
 
@@ -483,8 +483,9 @@ def test_memaudits_supernode_runs_its_superexec_as_a_thread_on_the_nodes_own_sta
     from flwr.common.constant import Status
     from flwr.supernode.servicer.runtime import runtime_handlers
 
-    from memaudit.federated.flower import localruntime, superexec
     from memaudit.federated.flower import node as flower_node
+    from memaudit.federated.flower import superexec
+    from memaudit.federated.flower.transport import localruntime
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a SuperExec process was started"))
     monkeypatch.setattr(api, "create_app", api.create_app)  # the capture is undone after the test
@@ -513,6 +514,7 @@ def test_memaudits_supernode_runs_its_superexec_as_a_thread_on_the_nodes_own_sta
     monkeypatch.setattr("sys.argv", ["memaudit-supernode"])
     monkeypatch.setattr(localruntime, "_READY", {"supernode": threading.Event()})  # this test's SuperNode's
     monkeypatch.setattr(localruntime, "_FACTORY", {})
+    localruntime.capture_state("supernode")  # as memaudit's SuperNode's transport.install does
     monkeypatch.setattr(flower_node, "_WATCHED", [])
     assert flower_node.watched_pid() == os.getppid()  # a ClientApp in a process of its own
     try:
@@ -533,12 +535,14 @@ def test_serverapps_side_by_side_create_messages_for_their_own_runs(monkeypatch)
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
-    from memaudit.federated.flower.localruntime import identity_per_thread
+    from memaudit.federated.flower.transport import localruntime
+    from memaudit.federated.flower.transport.localruntime import identity_per_thread
 
     meta = type(TaskIdentity)
     for name in ("task_id", "run_id", "node_id"):  # Flower's own, back after the test
         monkeypatch.setattr(meta, name, meta.__dict__[name])
-    monkeypatch.setattr(meta, "__memaudit_per_thread__", False, raising=False)
+    # no thread has an identity yet (another test in this process may have set this thread's)
+    monkeypatch.setattr(localruntime, "_IDENTITY", threading.local())
     identity_per_thread()
     identity_per_thread()  # idempotent
     both_set = threading.Barrier(2)
@@ -645,7 +649,8 @@ def test_memaudits_superlink_serves_serverapps_as_threads_of_its_process(monkeyp
     import flwr.superlink.main as api
     from flwr.superlink.servicer.runtime import runtime_handlers
 
-    from memaudit.federated.flower import localruntime, superexec
+    from memaudit.federated.flower import superexec
+    from memaudit.federated.flower.transport import localruntime
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     state = object()
@@ -653,7 +658,7 @@ def test_memaudits_superlink_serves_serverapps_as_threads_of_its_process(monkeyp
         state=SimpleNamespace(runtime_state_factory=SimpleNamespace(state=lambda: state))))
     monkeypatch.setattr(localruntime, "_READY", {"superlink": threading.Event()})
     monkeypatch.setattr(localruntime, "_FACTORY", {})
-    monkeypatch.setattr(superexec, "identity_per_thread", lambda: None)
+    localruntime.capture_state("superlink")  # as memaudit's SuperLink's transport.install does
     tokens = iter(["run-1"])
 
     def acquire(request, on):

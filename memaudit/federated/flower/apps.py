@@ -46,17 +46,18 @@ from memaudit.federated.flower.execute import NodeExecutor, call_from_wire
 from memaudit.federated.flower.identity import load_node_identity
 from memaudit.federated.flower.messages import payload_of
 from memaudit.federated.flower.nodes import load_partition, user_digest
-from memaudit.federated.flower.polls import short_waits
 from memaudit.federated.flower.trust import NodeTrust
 
 Context = Grid = Message = Any  # flwr's types, imported where used (flwr is an optional extra)
 
 
 def serve(grid: Grid, context: Context) -> None:
-    # lazy: flax (~2.5 s) and dp_accounting (~1.5 s) only when called
+    # lazy: flax (~2.5 s) and dp_accounting (~1.5 s) only when called; the transport needs flwr
+    # (optional dependency), there wherever a ServerApp runs
+    from memaudit.federated.flower import transport
     from memaudit.run.flower import serve_run
 
-    short_waits()  # the Grid asks again for a reply's missing object after 0.02 s, not 1 s
+    transport.install("serverapp")  # the Grid asks again for a missing object after 0.02 s, not 1 s
     rc = context.run_config
     serve_run(grid, launch_dir=Path(str(rc["launch-dir"])), run_id=int(context.run_id))
 

@@ -272,7 +272,7 @@ class LocalFederation:
             memaudit's (`memaudit.federated.flower.superlink`): what a SuperNode's own refusal is
             tested against.
         bundled: memaudit's SuperNodes pull a message and push a reply in one request each
-            (`memaudit.federated.flower.bundle`); False: Flower's requests (``--fleet flower``).
+            (`memaudit.federated.flower.transport.bundle`); False: Flower's requests (``--fleet flower``).
         tls: (CA certificate, certificate, key) of the SuperLink: it serves TLS on 127.0.0.1
             (the certificate must name that address) and the SuperNodes verify it with the CA, as
             in the multi-host deployment (docs/flower.md); None: plain HTTP.
@@ -281,15 +281,20 @@ class LocalFederation:
             which needs ``tls``), each registered with ``flwr supernode register`` before it starts.
         superlink_extra: more arguments of the SuperLink. memaudit's SuperLink is given the
             ``serverapp.key`` beside the manifest, where there is one (``--server-key``).
+        transport_off: layers of memaudit's Flower transport its SuperLink and SuperNodes leave
+            out (``--transport-off``; `memaudit.federated.flower.transport.OPTIONAL`): the
+            benchmark's comparison (``benchmarks/flower_transport.py``).
     """
 
     def __init__(self, workdir: Path, partitions: Sequence[str | Path],
                  env: dict[str, str] | None = None, manifest: str | Path | None = None,
                  resident: bool = True, flower_supernode: bool = False, flower_superlink: bool = False,
                  bundled: bool = True, tls: tuple[str, str, str] | None = None,
-                 node_keys: Sequence[str | Path] | None = None, superlink_extra: Sequence[str] = ()) -> None:
+                 node_keys: Sequence[str | Path] | None = None, superlink_extra: Sequence[str] = (),
+                 transport_off: Sequence[str] = ()) -> None:
         self.resident, self.flower_supernode, self.flower_superlink = resident, flower_supernode, flower_superlink
         self.bundled, self.tls, self.superlink_extra = bundled, tls, list(superlink_extra)
+        self.transport_off = [a for layer in transport_off for a in ("--transport-off", layer)]
         self.node_keys = None if node_keys is None else [str(k) for k in node_keys]
         if self.node_keys is not None and (tls is None or len(self.node_keys) != len(partitions)):
             raise ValueError("node_keys needs tls and one key per partition")
@@ -324,8 +329,9 @@ class LocalFederation:
         key = Path(self.manifest).with_name(SERVER_KEY)  # written with the manifest
         key = key if key.is_file() and not self.flower_superlink else None
         self.superlink = self._start("superlink", [  # state in memory (no --database)
-            *link, *superlink_args("127.0.0.1", self.port, tls=self.tls, supernode_auth=self.node_keys is not None,
-                                   server_key=key), *self.superlink_extra])
+            *link, *([] if self.flower_superlink else self.transport_off),
+            *superlink_args("127.0.0.1", self.port, tls=self.tls, supernode_auth=self.node_keys is not None,
+                            server_key=key), *self.superlink_extra])
         _wait_port(self.port, self.superlink, timeout, self.workdir / "superlink.log")
         for key in self.node_keys or ():
             self.register(f"{key}.pub")
@@ -351,7 +357,7 @@ class LocalFederation:
         cache = self.workdir / f"node-{i}-cache"
         node = ([_tool("flower-supernode")] if self.flower_supernode
                 else [sys.executable, "-m", "memaudit.federated.flower.supernode",
-                      *([] if self.bundled else ["--fleet", "flower"])])
+                      *([] if self.bundled else ["--fleet", "flower"]), *self.transport_off])
         port = free_port()
         self.runtime_ports[i:i + 1] = [port]  # the node's runtime API (127.0.0.1, plain HTTP)
         return self._start(f"supernode-{i}", [

@@ -12,7 +12,7 @@ node's config: it can read the partition file.
 memaudit's SuperNode (`memaudit.federated.flower.supernode`) runs Flower's SuperNode with
 ``--isolation process`` and, in place of Flower's SuperExec, this SuperExec as a thread of the
 same process (`beside`): it asks Flower's runtime handlers on the SuperNode's own state
-(`memaudit.federated.flower.localruntime`), not the runtime API over HTTP, for a ClientApp
+(`memaudit.federated.flower.transport.localruntime`), not the runtime API over HTTP, for a ClientApp
 task, and, for each task:
 
 - reads the run's FAB (its bytes, never the hash the server states) and **refuses** any FAB
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import io
 import os
 import secrets
@@ -61,15 +60,36 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memaudit.errors import MemauditError
-from memaudit.federated.flower.deploy import write_app
-from memaudit.federated.flower.localruntime import (
-    LocalRuntime,
-    capture_state,
-    component_state,
-    identity_per_thread,
+from flwr.app import Message, RecordDict
+from flwr.app.error import Error
+from flwr.common.config import get_fused_config_from_fab
+from flwr.common.constant import ErrorCode, SubStatus
+from flwr.common.serde import context_from_proto, context_to_proto, fab_from_proto, run_from_proto
+from flwr.proto.log_pb2 import PushLogsRequest
+from flwr.proto.runtime_pb2 import (
+    AcquireTaskRequest,
+    PullTaskInputRequest,
+    PushTaskOutputRequest,
+    SendTaskHeartbeatRequest,
 )
-from memaudit.federated.flower.polls import short_waits
+from flwr.supercore.app_utils import start_parent_process_monitor
+from flwr.supercore.constant import TaskType
+from flwr.supercore.heartbeat import HeartbeatSender
+from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+from flwr.supercore.retry import make_simple_http_retry_invoker
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.cli.flwr_serverapp import flwr_serverapp
+from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+
+from memaudit.errors import MemauditError
+from memaudit.federated.flower import transport
+from memaudit.federated.flower.deploy import write_app
+from memaudit.federated.flower.transport.localruntime import (
+    LocalRuntime,
+    component_state,
+    local_grid,
+)
 
 POLL_S = 0.05  # the runtime API is on this host: asking often costs little
 MAX_FAB_BYTES = 1 << 20  # memaudit's app is two small files; a larger FAB is not it
@@ -136,10 +156,6 @@ def is_memaudit_app(fab: bytes, expected: dict[str, bytes]) -> bool:
 
 
 def _runtime_client(address: str, insecure: bool, certificates: bytes | None, *extra: Any) -> Any:
-    # optional dependency: flwr (the flower extra); this process exists only on a SuperNode
-    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
-    from flwr.supercore.retry import make_simple_http_retry_invoker
-    from flwr.supercore.runtime import RuntimeHttpClient
 
     return RuntimeHttpClient.from_server_address(
         server_address=address, insecure=insecure, root_certificates=certificates,
@@ -154,9 +170,6 @@ def task_heartbeat(client: Any) -> Any:
     its own process, which ends a ``flwr-clientapp`` process; here it ended the node's SuperExec
     when a task's first heartbeat came back after the task's output was in (its token void), and
     the node answered nothing more for the run."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
-
     request = SendTaskHeartbeatRequest()
 
     def beat() -> bool:
@@ -172,15 +185,7 @@ def serve_task(address: str, token: str, insecure: bool, certificates: bytes | N
                expected: dict[str, bytes], client_app: Any, *, local: Any = None) -> bool:
     """One ClientApp task, as ``flwr-clientapp`` would run it, with memaudit's ClientApp and the
     FAB check; whether it completed. ``local``: the SuperNode's runtime in this process
-    (`memaudit.federated.flower.localruntime.LocalRuntime`), in place of its API over HTTP."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.app import Message
-    from flwr.app.error import Error
-    from flwr.common.constant import ErrorCode, SubStatus
-    from flwr.supercore.heartbeat import HeartbeatSender
-    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor
-    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
-
+    (`memaudit.federated.flower.transport.localruntime.LocalRuntime`), in place of its API over HTTP."""
     client = (local.with_token(token) if local is not None
               else _runtime_client(address, insecure, certificates, RuntimeTokenHttpInterceptor(token)))
     heartbeat = HeartbeatSender(task_heartbeat(client))
@@ -230,20 +235,14 @@ def run_serverapp(argv: list[str]) -> None:
     """Flower's ``flwr-serverapp`` (`argv`: its arguments), refusing a FAB that is not memaudit's
     app before anything of it is installed or imported: the run ends failed with `REFUSED_SERVER`
     as its reason."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.superlink.cli.flwr_serverapp import flwr_serverapp
+    expected = memaudit_app_files()
 
-    # the module (its package exports a function of the same name)
-    task = importlib.import_module("flwr.superlink.runtime.run_serverapp")
-    expected, install = memaudit_app_files(), task.install_from_fab
-
-    def install_memaudits_only(content: bytes, *args: Any, **kwargs: Any) -> Any:
+    def memaudits_only(content: bytes) -> None:
         if not is_memaudit_app(content, expected):
             print("memaudit SuperExec: refused a ServerApp that is not memaudit's", file=sys.stderr, flush=True)
             raise RuntimeError(REFUSED_SERVER)
-        return install(content, *args, **kwargs)
 
-    task.install_from_fab = install_memaudits_only
+    transport.install("serverapp", fab_check=memaudits_only)
     sys.argv = ["flwr-serverapp", *argv]
     flwr_serverapp()
 
@@ -251,9 +250,6 @@ def run_serverapp(argv: list[str]) -> None:
 def _run_log(client: Any, line: str) -> None:
     """One line in the run's log on the SuperLink (what ``flwr run --stream`` shows the
     submitter), as a ``flwr-serverapp`` process's log uploader would send it."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.proto.log_pb2 import PushLogsRequest
-
     try:
         client.PushLogs(PushLogsRequest(logs=[line + "\n"]))
     except Exception:  # noqa: BLE001 - the run's log is best effort; the task's status says it too
@@ -262,27 +258,13 @@ def _run_log(client: Any, line: str) -> None:
 
 def serve_serverapp(local: Any, token: str, expected: dict[str, bytes]) -> bool:
     """One ServerApp task in this process, memaudit's SuperLink's (``local``: its runtime,
-    `memaudit.federated.flower.localruntime.LocalRuntime`), as Flower's ``flwr-serverapp``
+    `memaudit.federated.flower.transport.localruntime.LocalRuntime`), as Flower's ``flwr-serverapp``
     runs one: the task's run, context and FAB pulled, the ServerApp called with a Grid, the
     task's status pushed, a heartbeat meanwhile. The FAB must be memaudit's app
     (`is_memaudit_app`); the ServerApp called is this installation's
     (`memaudit.federated.flower.node.server_app`), never code from the FAB, and nothing of it is installed.
     Any other FAB ends the task failed with `REFUSED_SERVER`. Whether the ServerApp completed."""
-    # optional dependency: flwr (the flower extra); this runs only on a SuperLink
-    from flwr.app import RecordDict
-    from flwr.common.config import get_fused_config_from_fab
-    from flwr.common.constant import SubStatus
-    from flwr.common.serde import (
-        context_from_proto,
-        context_to_proto,
-        fab_from_proto,
-        run_from_proto,
-    )
-    from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest
-    from flwr.supercore.heartbeat import HeartbeatSender
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from memaudit.federated.flower.localruntime import local_grid
+    # lazy: memaudit's ServerApp module, loaded on a SuperLink only (its JAX with it)
     from memaudit.federated.flower.node import server_app
 
     client = local.with_token(token)
@@ -331,14 +313,9 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
     """Ask the runtime API at `address` for tasks and serve them: ClientApp tasks (a SuperNode's)
     one at a time in this process, ServerApp tasks (a SuperLink's) each in a process of its own.
     ``local``: the runtime of this process's SuperNode or SuperLink
-    (`memaudit.federated.flower.localruntime`), asked in place of `address`; a SuperLink's
+    (`memaudit.federated.flower.transport.localruntime`), asked in place of `address`; a SuperLink's
     ServerApp tasks then run each in a thread of this process (`serve_serverapp`).
     ``parent_pid`` None: no parent to watch (a thread of it)."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.proto.runtime_pb2 import AcquireTaskRequest
-    from flwr.supercore.app_utils import start_parent_process_monitor
-    from flwr.supercore.constant import TaskType
-
     if parent_pid is not None:
         start_parent_process_monitor(parent_pid)  # the SuperNode or SuperLink gone: this process goes
     certificates = None if root_certificates is None else Path(root_certificates).read_bytes()
@@ -349,7 +326,7 @@ def serve(address: str, *, insecure: bool, root_certificates: str | None, parent
         # lazy as flwr: memaudit's ClientApp is built only where the flower extra is installed
         from memaudit.federated.flower.node import client_app
 
-        short_waits(clientapp=True)  # a message's objects re-asked after 0.02 s, not 1 s
+        transport.install("clientapp")  # a message's objects re-asked after 0.02 s, not 1 s
     expected = memaudit_app_files()
     while True:
         asked = time.monotonic()
@@ -419,11 +396,9 @@ def beside(flower_main: Any, flower_args: list[str], *, task: str) -> int:
             print(f"memaudit: error: {flag} {why} on this {what[0]}; remove it, or run {what[1]} itself",
                   file=sys.stderr)
             return 2
-    # a thread of this process, on the SuperNode's or SuperLink's own state
+    # a thread of this process, on the SuperNode's or SuperLink's own state (recorded by the
+    # transport's local_runtime layer, which the SuperNode's or SuperLink's main installed)
     component = {"clientapp": "supernode", "serverapp": "superlink"}[task]
-    capture_state(component)
-    if task == "serverapp":
-        identity_per_thread()  # runs side by side, each ServerApp a thread
 
     def serve_here() -> None:
         if task == "clientapp":
@@ -455,7 +430,7 @@ def runtime_secret() -> Iterator[list[str]]:
     the token that reads its run and speaks for it, to whoever asks
     (``/v1/runtime/acquire-task``). With one, it answers that ask only when it is signed with
     the secret (``flwr.supercore.dependencies.superexec``). memaudit's SuperExec asks Flower's
-    handlers in this process (`memaudit.federated.flower.localruntime`), not over HTTP, so it
+    handlers in this process (`memaudit.federated.flower.transport.localruntime`), not over HTTP, so it
     needs no secret, and no one outside this process can sign: every task is acquired here.
     Test: ``tests/federated/test_flower_deploy.py::test_nobody_takes_the_server_seat``."""
     read, write = os.pipe()

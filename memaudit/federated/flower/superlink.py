@@ -5,7 +5,7 @@
 takes ``flower-superlink``'s arguments (`memaudit.federated.flower.deploy.superlink_args`) and
 runs Flower 1.42's SuperLink in this process with ``--isolation process``, beside memaudit's
 SuperExec (`memaudit.federated.flower.superexec`), a thread of this process that asks Flower's
-runtime handlers on the SuperLink's own state (`memaudit.federated.flower.localruntime`) for
+runtime handlers on the SuperLink's own state (`memaudit.federated.flower.transport.localruntime`) for
 ServerApp tasks and runs each as a thread here too: a ServerApp's Grid calls those handlers, not
 the runtime API over HTTP.
 
@@ -37,8 +37,7 @@ runs in this process (JAX and the run's server stages included), so one that bri
 interpreter down brings the SuperLink down with it; an exception ends its run only.
 
 A SuperNode's ask for a message and the ServerApp's ask for replies are held here until there
-is one to return, its objects all stored (`memaudit.federated.flower.longpoll`), and a
-SuperNode's request skips the Control API's HTTP layers (`memaudit.federated.flower.leanhttp`).
+is one to return, its objects all stored (`memaudit.federated.flower.transport.longpoll`).
 """
 
 from __future__ import annotations
@@ -46,10 +45,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memaudit.federated.flower import bundle, leanhttp
-from memaudit.federated.flower.longpoll import install_superlink
 from memaudit.federated.flower.messages import use_server_key
-from memaudit.federated.flower.superexec import beside
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-key", default=None,
                     help="the serverapp.key written with the partitions: memaudit's ServerApp signs its "
                          "messages with it, and nodes whose manifest names it answer only those")
+    ap.add_argument("--transport-off", action="append", default=[], metavar="LAYER",
+                    help="leave out a layer of memaudit's Flower transport (memaudit.federated.flower."
+                         "transport.OPTIONAL; the benchmark's comparison)")
     ours, flower_args = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.server_key is not None:
         try:
@@ -64,12 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"memaudit: error: {e}", file=sys.stderr)
             return 2
-    # optional dependency: flwr (the flower extra)
+    try:
+        # lazy: the transport checks the installed Flower before anything of Flower's is imported
+        from memaudit.federated.flower import transport
+
+        transport.install("superlink", off=ours.transport_off)
+    except ValueError as e:  # no Flower, not the version memaudit pins, or an unknown layer
+        print(f"memaudit: error: {e}", file=sys.stderr)
+        return 2
+    # lazy, as the transport: after its version check
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
-    install_superlink()
-    bundle.install_superlink()
-    leanhttp.install()
+    from memaudit.federated.flower.superexec import beside
+
     return beside(flower_superlink, flower_args, task="serverapp")
 
 

@@ -76,7 +76,7 @@ class FlowerNodes:
         """Push `messages` and pull their replies until every node has answered or `timeout`
         seconds have passed (a node that has not answered is absent): at most every `POLL_S`
         seconds, counting the time an ask was held (memaudit's SuperLink holds it until a reply
-        is there, `memaudit.federated.flower.longpoll`)."""
+        is there, `memaudit.federated.flower.transport.longpoll`)."""
         key = server_key()  # memaudit's SuperLink's (--server-key): the nodes answer only what it signed
         if key is not None:
             sign_messages(messages, key, int(self.grid.run.run_id))

@@ -2,19 +2,19 @@
 
 Every hop of a Flower 1.42 exchange is a poll: the SuperNode asks the SuperLink for a message,
 memaudit's SuperExec asks its SuperNode for a task, the ServerApp asks the SuperLink for
-replies, each on its own clock (`memaudit.federated.flower.polls`). A message therefore waits
+replies, each on its own clock (`memaudit.federated.flower.transport.polls`). A message therefore waits
 half a poll on average at each hop it crosses, and more when a sender announces it before its
 objects are there: the receiver then asks for the objects on a doubling backoff. On 2 cores a
 small exchange of a secure round took 0.24-0.28 s, most of it waits.
 
 In memaudit's SuperLink (`memaudit.federated.flower.superlink`) and SuperNode
-(`memaudit.federated.flower.supernode`), `hold` makes an ask that finds nothing wait in the
+(`memaudit.federated.flower.supernode`), through `install`, `hold` makes an ask that finds nothing wait in the
 answering process, for at most `HOLD_S`, until something it could return was stored there
 (`Wakeups`); an answer that names a message waits, within the same limit, until every object of
 that message is in the store, so the receiver pulls them at once. The answer is the one Flower
 gives, later: what is asked, what is returned and in what order do not change, and a sender
 that dies mid-push costs the receiver `HOLD_S` and then Flower's own backoff. The askers
-(`memaudit.federated.flower.polls.PollWaits`, `memaudit.federated.flower.superexec.serve`,
+(`memaudit.federated.flower.transport.polls.PollWaits`, `memaudit.federated.flower.superexec.serve`,
 `memaudit.federated.flower.trainer.FlowerNodes`) ask again at most every poll, counting the
 time the ask was held: against a held ask they ask again at once, against Flower's own
 SuperLink (which answers at once) they keep their poll.
@@ -36,6 +36,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from flwr.superlink.servicer.fleet import fleet_handlers as fleet
+from flwr.superlink.servicer.runtime import runtime_handlers as link_runtime
+from flwr.supernode import start_client_internal as loop
+from flwr.supernode.servicer.runtime import runtime_handlers as node_runtime
+
 HOLD_S = 1.0  # well under Flower's 30 s request timeout, and its heartbeats' intervals
 MAX_HELD = 16  # of the API server's threads (anyio's default pool: 40)
 
@@ -43,7 +48,6 @@ MAX_HELD = 16  # of the API server's threads (anyio's default pool: 40)
 class Wakeups:
     """A process's "something was stored" signal: `notify` after a store; `wait(gen, until)`
     returns True once a store happened after `generation` returned `gen`, False at `until`."""
-
     def __init__(self, max_held: int = MAX_HELD) -> None:
         self._cond = threading.Condition()
         self._gen = 0
@@ -139,7 +143,6 @@ def hold(handler: Callable[..., Any], *, found: Callable[[Any], bool],
 
 def notifying(handler: Callable[..., Any], wakeups: Wakeups = WAKEUPS) -> Callable[..., Any]:
     """`handler` (one that stores a message, an object or a task), then `wakeups.notify()`."""
-
     @functools.wraps(handler)
     def stored(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -171,33 +174,25 @@ def _patch(module: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable
         setattr(module, name, wrap(getattr(module, name)))
 
 
-def install_superlink() -> None:
-    """In a SuperLink's process: the SuperNodes' asks for a message and the ServerApp's asks for
-    replies are held; a push of a message or an object from either side wakes them. Idempotent."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.superlink.servicer.fleet import fleet_handlers as fleet
-    from flwr.superlink.servicer.runtime import runtime_handlers as runtime
-
-    for module in (fleet, runtime):
-        _patch(module, "push_messages", notifying)
-        _patch(module, "push_object", notifying)
-    _patch(fleet, "pull_messages", lambda h: hold(
-        h, found=has_messages, objects=message_objects(lambda b: b.arguments["store"])))
-    _patch(runtime, "pull_messages", lambda h: hold(
-        h, found=has_messages, objects=message_objects(lambda b: b.arguments["state"].object_store)))
-
-
-def install_supernode() -> None:
-    """In a SuperNode's process: its SuperExec's asks for a task are held until the node has
-    pulled a message and all its objects from the SuperLink. Idempotent."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.supernode import start_client_internal as loop
-    from flwr.supernode.servicer.runtime import runtime_handlers as runtime
-
-    _patch(loop, "_pull_and_store_message", notifying)
-    _patch(runtime, "acquire_task", lambda h: hold(h, found=has_task))
+def install(component: str) -> None:
+    """In a SuperLink's process (``component``): the SuperNodes' asks for a message and the
+    ServerApp's asks for replies are held; a push of a message or an object from either side
+    wakes them. In a SuperNode's: its SuperExec's asks for a task are held until the node has
+    pulled a message and all its objects from the SuperLink. Idempotent; nothing for another
+    component."""
+    if component == "superlink":
+        for module in (fleet, link_runtime):
+            _patch(module, "push_messages", notifying)
+            _patch(module, "push_object", notifying)
+        _patch(fleet, "pull_messages", lambda h: hold(
+            h, found=has_messages, objects=message_objects(lambda b: b.arguments["store"])))
+        _patch(link_runtime, "pull_messages", lambda h: hold(
+            h, found=has_messages, objects=message_objects(lambda b: b.arguments["state"].object_store)))
+    elif component == "supernode":
+        _patch(loop, "_pull_and_store_message", notifying)
+        _patch(node_runtime, "acquire_task", lambda h: hold(h, found=has_task))
 
 
 __all__ = ["HOLD_S", "MAX_HELD", "WAKEUPS", "Wakeups", "has_messages", "has_task", "hold",
-           "install_superlink", "install_supernode", "message_objects", "missing", "notifying", "object_ids",
+           "install", "message_objects", "missing", "notifying", "object_ids",
            "objects_ready"]

@@ -11,7 +11,7 @@ memaudit's SuperLink (`memaudit.federated.flower.superlink`) also serves two Fle
 the same work with Flower's own handlers, in one request each way:
 
 - ``PULL_PATH`` (`pull_bundle`): Flower's ``pull_messages`` (held until the message and all its
-  objects are stored, `memaudit.federated.flower.longpoll`), then Flower's ``pull_object`` for
+  objects are stored, `memaudit.federated.flower.transport.longpoll`), then Flower's ``pull_object`` for
   each of its objects, then Flower's ``confirm_message_received`` when every object came back:
   the message and its objects in one answer;
 - ``PUSH_PATH`` (`push_bundle`): Flower's ``push_messages``, then Flower's ``push_object`` for
@@ -36,15 +36,36 @@ then on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import threading
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Annotated, Any
 
-from memaudit.federated.flower.longpoll import object_ids
+import httpx  # Flower's HTTP client: flwr brings httpx
+from flwr.app.message import remove_content_from_message
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.fleet_pb2 import PullMessagesRequest, PushMessagesRequest, PushMessagesResponse
+from flwr.proto.message_pb2 import (
+    ConfirmMessageReceivedRequest,
+    PullObjectRequest,
+    PushObjectRequest,
+)
+from flwr.proto.node_pb2 import Node
+from flwr.supercore import log
+from flwr.supercore.protobuf.translation import PROTOBUF_REQUEST_DEPENDENCY, PROTOBUF_REQUEST_TYPES
+from flwr.supercore.retry import make_simple_http_retry_invoker
+from flwr.superlink.routers.fleet import router as fleet_router
+from flwr.superlink.servicer.fleet import fleet_handlers as fleet
+from flwr.supernode import fleet_http_connection as conn
+from flwr.supernode import start_client_internal as loop
+
+from memaudit.federated.flower.transport.bundle_pb2 import (
+    BundledObject,
+    PullBundleResponse,
+    PushBundleRequest,
+)
+from memaudit.federated.flower.transport.longpoll import object_ids
 
 PULL_PATH = "/v1/fleet/memaudit/pull-bundle"
 PUSH_PATH = "/v1/fleet/memaudit/push-bundle"
@@ -53,65 +74,14 @@ FLOWERS = "memaudit: the SuperLink has no bundled Fleet requests: Flower's reque
 NO_ROUTE = (404, 405, 501)  # answers of a SuperLink (or a proxy before it) that has no bundle routes
 SESSION = "memaudit-bundle"  # `Bundled.send`'s session: its objects go in the bundled push
 
-@functools.cache
-def messages() -> SimpleNamespace:
-    """The bundles' protobuf message classes, added to protobuf's default pool, where Flower's
-    own are; a pull bundle is asked for with Flower's ``PullMessagesRequest``. In .proto terms
-    (file ``memaudit/flower/bundle.proto``, package ``memaudit.flower``)::
-
-        message BundledObject { string object_id = 1; bytes object_content = 2; }
-        message PullBundleResponse { flwr.proto.PullMessagesResponse pulled = 1;
-                                     repeated BundledObject objects = 2; bool confirmed = 3; }
-        message PushBundleRequest { flwr.proto.Node node = 1; flwr.proto.PushMessagesRequest push = 2;
-                                    repeated BundledObject objects = 3; }
-    """
-    # optional dependency: protobuf comes with flwr (the flower extra)
-    from flwr.proto import fleet_pb2, message_pb2, node_pb2  # noqa: F401  (their files in the pool)
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    F = descriptor_pb2.FieldDescriptorProto
-    pool = descriptor_pool.Default()
-    name = "memaudit/flower/bundle.proto"
-    try:
-        pool.FindFileByName(name)
-    except KeyError:
-        f = descriptor_pb2.FileDescriptorProto(
-            name=name, package="memaudit.flower", syntax="proto3",
-            dependency=["flwr/proto/fleet.proto", "flwr/proto/node.proto"])
-
-        def message(mname: str, *fields: tuple[str, int, int, str | None, bool]) -> None:
-            m = f.message_type.add(name=mname)
-            for fname, number, ftype, type_name, repeated in fields:
-                field = m.field.add(name=fname, number=number, type=ftype,
-                                    label=F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL)
-                if type_name:
-                    field.type_name = type_name
-
-        message("BundledObject", ("object_id", 1, F.TYPE_STRING, None, False),
-                ("object_content", 2, F.TYPE_BYTES, None, False))
-        message("PullBundleResponse", ("pulled", 1, F.TYPE_MESSAGE, ".flwr.proto.PullMessagesResponse", False),
-                ("objects", 2, F.TYPE_MESSAGE, ".memaudit.flower.BundledObject", True),
-                ("confirmed", 3, F.TYPE_BOOL, None, False))
-        message("PushBundleRequest", ("node", 1, F.TYPE_MESSAGE, ".flwr.proto.Node", False),
-                ("push", 2, F.TYPE_MESSAGE, ".flwr.proto.PushMessagesRequest", False),
-                ("objects", 3, F.TYPE_MESSAGE, ".memaudit.flower.BundledObject", True))
-        pool.Add(f)
-    get = lambda n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"memaudit.flower.{n}"))
-    return SimpleNamespace(BundledObject=get("BundledObject"), PullBundleResponse=get("PullBundleResponse"),
-                           PushBundleRequest=get("PushBundleRequest"))
-
 
 # ------------------------------------------------------------------ the SuperLink's side
 def pull_bundle(request: Any, state: Any) -> Any:
     """A node's message and all its objects (`PULL_PATH`), by Flower's handlers: the (held) pull
     of one message, a pull of each of its objects, and the receipt confirmed when every object
     is in the answer (``confirmed``; otherwise the node pulls the rest and confirms itself)."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest, PullObjectRequest
-    from flwr.superlink.servicer.fleet import fleet_handlers as fleet
-
     pulled = fleet.pull_messages(request=request, state=state, store=state.object_store)
-    out = messages().PullBundleResponse(pulled=pulled)
+    out = PullBundleResponse(pulled=pulled)
     if not pulled.messages_list:  # Flower answers one message at most, and a node reads the first
         return out
     msg, tree = pulled.messages_list[0], pulled.message_object_trees[0]
@@ -132,11 +102,6 @@ def push_bundle(request: Any, state: Any) -> Any:
     """A node's reply and its objects (`PUSH_PATH`), by Flower's handlers: the push of the
     message as the authenticated node, then a push of each object the SuperLink asks for that
     the request brought. Returns Flower's answer to the push, naming the objects still missing."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.proto.fleet_pb2 import PushMessagesRequest
-    from flwr.proto.message_pb2 import PushObjectRequest
-    from flwr.superlink.servicer.fleet import fleet_handlers as fleet
-
     push = PushMessagesRequest()
     push.CopyFrom(request.push)
     push.node.CopyFrom(request.node)  # the node the request was authenticated as
@@ -154,21 +119,12 @@ def push_bundle(request: Any, state: Any) -> Any:
     return answer
 
 
-def install_superlink() -> None:
+def _install_superlink() -> None:
     """In a SuperLink's process, before it builds its app: `PULL_PATH` and `PUSH_PATH` on Flower's
     Fleet router, with their protobuf request types where Flower's translation looks them up.
     Idempotent."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.proto.fleet_pb2 import PullMessagesRequest, PushMessagesResponse
-    from flwr.supercore.protobuf.translation import (
-        PROTOBUF_REQUEST_DEPENDENCY,
-        PROTOBUF_REQUEST_TYPES,
-    )
-    from flwr.superlink.routers.fleet import router as fleet_router
-
     if ("POST", PULL_PATH) in PROTOBUF_REQUEST_TYPES:
         return
-    m = messages()
     state_dep = fleet_router.LinkStateDependency
 
     def fleet_pull_bundle(request, state):  # annotations set below
@@ -178,11 +134,11 @@ def install_superlink() -> None:
         return push_bundle(request, state)
 
     fleet_pull_bundle.__annotations__ = {"request": Annotated[PullMessagesRequest, PROTOBUF_REQUEST_DEPENDENCY],
-                                         "state": state_dep, "return": m.PullBundleResponse}
-    fleet_push_bundle.__annotations__ = {"request": Annotated[m.PushBundleRequest, PROTOBUF_REQUEST_DEPENDENCY],
+                                         "state": state_dep, "return": PullBundleResponse}
+    fleet_push_bundle.__annotations__ = {"request": Annotated[PushBundleRequest, PROTOBUF_REQUEST_DEPENDENCY],
                                          "state": state_dep, "return": PushMessagesResponse}
     PROTOBUF_REQUEST_TYPES[("POST", PULL_PATH)] = PullMessagesRequest
-    PROTOBUF_REQUEST_TYPES[("POST", PUSH_PATH)] = m.PushBundleRequest
+    PROTOBUF_REQUEST_TYPES[("POST", PUSH_PATH)] = PushBundleRequest
     prefix = fleet_router.router.prefix
     fleet_router.router.post(PULL_PATH.removeprefix(prefix))(fleet_pull_bundle)
     fleet_router.router.post(PUSH_PATH.removeprefix(prefix))(fleet_push_bundle)
@@ -193,7 +149,6 @@ class Bundled:
     """The callbacks of Flower's Fleet connection (``http_request_response``'s tuple), with a
     message pulled and a reply pushed in one request each (`PULL_PATH`, `PUSH_PATH`) while the
     SuperLink serves them; Flower's own callbacks otherwise, and for anything a bundle lacked."""
-
     def __init__(self, connection: tuple, client: Any, invoke: Any) -> None:
         (self.node_id, self._receive, self._send, self.get_run, self.get_fab, self._pull_object,
          self._push_object, self._confirm) = connection
@@ -208,17 +163,12 @@ class Bundled:
                 self.push_object, self.confirm_message_received)
 
     def _node(self) -> Any:
-        from flwr.proto.node_pb2 import Node  # optional dependency: flwr, as in this class
 
         return Node(node_id=self.node_id)
 
     def receive(self) -> Any:
         if not self.on:
             return self._receive()
-        # optional dependency: flwr (the flower extra); called only where it runs
-        import httpx
-        from flwr.common.serde import message_from_proto
-        from flwr.proto.fleet_pb2 import PullMessagesRequest
 
         try:
             answer = self.invoke(self.client.PullBundle, PullMessagesRequest(node=self._node()))
@@ -251,10 +201,6 @@ class Bundled:
     def send(self, message: Any, tree: Any, runtime: float) -> tuple[set[str], str]:
         if not self.on:
             return self._send(message, tree, runtime)
-        # optional dependency: flwr (the flower extra); called only where it runs
-        from flwr.app.message import remove_content_from_message
-        from flwr.common.serde import message_to_proto
-        from flwr.proto.fleet_pb2 import PushMessagesRequest
 
         if message.has_content():
             message = remove_content_from_message(message)
@@ -272,9 +218,8 @@ class Bundled:
         if len(out["objects"]) < len(out["ids"]):
             return None
         self.outgoing = None
-        m = messages()
-        request = m.PushBundleRequest(node=self._node(), push=out["push"], objects=[
-            m.BundledObject(object_id=k, object_content=v) for k, v in out["objects"].items()])
+        request = PushBundleRequest(node=self._node(), push=out["push"], objects=[
+            BundledObject(object_id=k, object_content=v) for k, v in out["objects"].items()])
         answer = self.invoke(self.client.PushBundle, request)
         for oid in answer.objects_to_push:  # anything the SuperLink still lacks, Flower's way
             self._push_object(run_id, answer.session_id, oid, out["objects"][oid])
@@ -288,8 +233,6 @@ def _said(line: str) -> None:
     """``line`` in the SuperNode's log (Flower's logger), once per process."""
     if line not in _told:
         _told.add(line)
-        from flwr.supercore import log  # optional dependency: flwr, where a SuperNode runs
-
         log(logging.INFO, line)
 
 
@@ -299,17 +242,15 @@ _clients = threading.local()  # the Fleet client Flower's connection made last i
 def _bundle_client(base: type) -> type:
     class BundleClient(base):  # type: ignore[misc, valid-type]
         """Flower's Fleet HTTP client with the two bundled calls."""
-
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             _clients.last = self
 
         def PullBundle(self, request: Any) -> Any:
             return self._unary_unary(path=PULL_PATH, rpc_method="/memaudit.flower.Fleet/PullBundle",
-                                     request=request, response_type=messages().PullBundleResponse)
+                                     request=request, response_type=PullBundleResponse)
 
         def PushBundle(self, request: Any) -> Any:
-            from flwr.proto.fleet_pb2 import PushMessagesResponse  # optional dependency: flwr
 
             return self._unary_unary(path=PUSH_PATH, rpc_method="/memaudit.flower.Fleet/PushBundle",
                                      request=request, response_type=PushMessagesResponse)
@@ -318,15 +259,10 @@ def _bundle_client(base: type) -> type:
     return BundleClient
 
 
-def install_supernode() -> None:
+def _install_supernode() -> None:
     """In a SuperNode's process, before it connects: its Fleet connection pulls a message and
     pushes a reply in one request each where the SuperLink serves the bundle routes (`Bundled`).
     Idempotent."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.supercore.retry import make_simple_http_retry_invoker
-    from flwr.supernode import fleet_http_connection as conn
-    from flwr.supernode import start_client_internal as loop
-
     if getattr(conn.FleetHttpClient, "__memaudit_bundle__", False):
         return
     conn.FleetHttpClient = _bundle_client(conn.FleetHttpClient)
@@ -352,5 +288,14 @@ def install_supernode() -> None:
     loop.http_request_response = bundled
 
 
-__all__ = ["BUNDLED", "FLOWERS", "PULL_PATH", "PUSH_PATH", "Bundled", "install_superlink", "install_supernode", "messages",
-           "pull_bundle", "push_bundle"]
+def install(component: str) -> None:
+    """In a SuperLink's process (``component``), before it builds its app: the bundle routes
+    (`_install_superlink`). In a SuperNode's, before it connects: its bundled Fleet connection
+    (`_install_supernode`). Idempotent; nothing for another component."""
+    if component == "superlink":
+        _install_superlink()
+    elif component == "supernode":
+        _install_supernode()
+
+
+__all__ = ["BUNDLED", "FLOWERS", "PULL_PATH", "PUSH_PATH", "Bundled", "install", "pull_bundle", "push_bundle"]

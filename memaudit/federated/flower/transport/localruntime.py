@@ -26,22 +26,31 @@ outside this process.
 
 from __future__ import annotations
 
-import importlib
 import threading
+from types import ModuleType
 from typing import Any
+
+from flwr.supercore.error import ApiErrorCode, FlowerError
+from flwr.supercore.servicer.runtime import runtime_handlers as core_handlers
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink import main as superlink_main
+from flwr.superlink.grid import HttpGrid
+from flwr.superlink.servicer.runtime import runtime_handlers as superlink_handlers
+from flwr.supernode import main as supernode_main
+from flwr.supernode.servicer.runtime import runtime_handlers as supernode_handlers
 
 _FACTORY: dict[str, Any] = {}
 _READY = {"supernode": threading.Event(), "superlink": threading.Event()}
-_HANDLERS = {"supernode": "flwr.supernode.servicer.runtime.runtime_handlers",
-             "superlink": "flwr.superlink.servicer.runtime.runtime_handlers"}
+# a handler is looked up in its module at each call: memaudit's held asks replace some there
+_HANDLERS: dict[str, ModuleType] = {"supernode": supernode_handlers, "superlink": superlink_handlers}
+_MAINS: dict[str, ModuleType] = {"supernode": supernode_main, "superlink": superlink_main}
 
 
 def capture_state(component: str = "supernode") -> None:
     """Record the state factory of this process's SuperNode or SuperLink (``component``) when
     Flower builds its runtime API (``create_app`` in ``flwr.supernode.main`` or
     ``flwr.superlink.main``), for `component_state`. Idempotent."""
-    # optional dependency: flwr (the flower extra); called only on a SuperNode or SuperLink
-    api = importlib.import_module(f"flwr.{component}.main")
+    api = _MAINS[component]
     if getattr(api.create_app, "__memaudit_capture__", False):
         return
     create = api.create_app
@@ -71,8 +80,7 @@ def _task_call(handler: str, *, core: bool = False) -> Any:
     ``core`` the shared one) called with the request, the state and the token's task."""
 
     def call(self: LocalRuntime, request: Any) -> Any:
-        module = (importlib.import_module("flwr.supercore.servicer.runtime.runtime_handlers") if core
-                  else self._handlers())
+        module = core_handlers if core else self._handlers()
         return getattr(module, handler)(request, self.state, self._task())
 
     call.__name__ = handler
@@ -92,17 +100,13 @@ class LocalRuntime:
         return LocalRuntime(self.state, token, self.component)
 
     def _task(self) -> Any:
-        # optional dependency: flwr (the flower extra)
-        from flwr.supercore.error import ApiErrorCode, FlowerError
-
         task = self.state.get_task_by_token(self.token) if self.token else None
         if task is None:  # as the HTTP API's authenticate_task
             raise FlowerError(ApiErrorCode.RUNTIME_AUTHENTICATION_FAILED, "Runtime task-token authentication failed.")
         return task
 
-    def _handlers(self) -> Any:
-        # looked up at each call: memaudit's held asks wrap handlers in these modules
-        return importlib.import_module(_HANDLERS[self.component])
+    def _handlers(self) -> ModuleType:
+        return _HANDLERS[self.component]
 
     def AcquireTask(self, request: Any) -> Any:  # Flower's names
         return self._handlers().acquire_task(request, self.state)
@@ -132,11 +136,8 @@ def identity_per_thread() -> None:
     for, one per process in Flower) one per thread in this process, so that the ServerApps of
     runs served side by side as threads of one SuperLink each create their messages for their
     own run. Idempotent."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.supercore.task_identity import TaskIdentity
-
     meta = type(TaskIdentity)
-    if getattr(meta, "__memaudit_per_thread__", False):
+    if getattr(getattr(vars(meta).get("task_id"), "fget", None), "__memaudit_per_thread__", False):
         return
 
     def per_thread(name: str) -> property:
@@ -149,22 +150,30 @@ def identity_per_thread() -> None:
         def put(cls: Any, value: int) -> None:
             setattr(_IDENTITY, name, value)
 
+        get.__memaudit_per_thread__ = True  # type: ignore[attr-defined]
         return property(get, put)
 
     for name in ("task_id", "run_id", "node_id"):
         setattr(meta, name, per_thread(name))
-    meta.__memaudit_per_thread__ = True  # type: ignore[attr-defined]
 
 
 def local_grid(client: LocalRuntime) -> Any:
     """Flower's Grid for a ServerApp (``HttpGrid``), asking ``client`` (a ServerApp task's
     `LocalRuntime` on the SuperLink's state) in place of the runtime API over HTTP."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.superlink.grid import HttpGrid
-
     grid = HttpGrid(token=client.token)
     grid._client = client  # what HttpGrid._connect would make, here the handlers themselves
     return grid
 
 
-__all__ = ["LocalRuntime", "capture_state", "component_state", "identity_per_thread", "local_grid"]
+def install(component: str) -> None:
+    """In a SuperNode's or SuperLink's process (``component``), before Flower builds its runtime
+    API: its state recorded for memaudit's SuperExec (`capture_state`); in a SuperLink's,
+    ``TaskIdentity`` one per thread too (`identity_per_thread`), for its ServerApps side by side.
+    Idempotent; nothing for another component."""
+    if component in _MAINS:
+        capture_state(component)
+    if component == "superlink":
+        identity_per_thread()
+
+
+__all__ = ["LocalRuntime", "capture_state", "component_state", "identity_per_thread", "install", "local_grid"]

@@ -12,7 +12,7 @@ A Flower exchange is a chain of processes that look for each other's work by pol
   an exchange or more.
 
 A memaudit round of the tiny model computes in under a second, so these waits were most of a
-Flower round. `short_waits` makes each at most a poll: `SUPERNODE_POLL_S` for the SuperNode's
+Flower round. `install` makes each at most a poll: `SUPERNODE_POLL_S` for the SuperNode's
 loop when it found no message (`memaudit.federated.flower.supernode`), `LOCAL_POLL_S` for its
 looks at its own memory (its ClientApp's reply, a reply's content), and `PULL_BACKOFF_S`
 doubling to at most `PULL_BACKOFF_CAP_S` between asks for an object, with no limit on the
@@ -26,6 +26,11 @@ import functools
 import time
 from types import ModuleType
 from typing import Any
+
+from flwr.supercore.inflatable import inflatable_utils
+from flwr.superlink.grid import http_grid
+from flwr.supernode import start_client_internal as loop
+from flwr.supernode.runtime import run_clientapp
 
 SUPERNODE_POLL_S = 0.1
 LOCAL_POLL_S = 0.01
@@ -46,7 +51,7 @@ class PollWaits:
     3.25 s at 0.1 s, and a FedAvg round the same (median of rounds 5-10).
 
     The poll counts from the end of the last wait, so an ask that the SuperLink held
-    (`memaudit.federated.flower.longpoll`) for a poll or longer is followed by the next at once,
+    (`memaudit.federated.flower.transport.longpoll`) for a poll or longer is followed by the next at once,
     and one answered at once (Flower's own SuperLink) by a wait of the poll's rest.
 
     >>> w = PollWaits(0.0)
@@ -58,7 +63,6 @@ class PollWaits:
     >>> w.monotonic is time.monotonic
     True
     """
-
     def __init__(self, poll: float, local: float = LOCAL_POLL_S) -> None:
         self.poll, self.local = float(poll), float(local)
         self.woke = 0.0  # when the last wait ended: the loop's ask since then counts toward a poll
@@ -77,32 +81,23 @@ class PollWaits:
 def _short_pulls(module: ModuleType, name: str = "pull_objects") -> None:
     """`module`'s ``name`` (``pull_objects``, or ``pull_and_inflate_object_from_tree``, which takes
     the same waits) asks again for a missing object after `PULL_BACKOFF_S`."""
-    # optional dependency: flwr (the flower extra); called only where it runs
-    from flwr.supercore.inflatable import inflatable_utils
-
     setattr(module, name, functools.partial(
         getattr(inflatable_utils, name), initial_backoff=PULL_BACKOFF_S, backoff_cap=PULL_BACKOFF_CAP_S,
         max_tries_per_object=None))
 
 
-def short_waits(*, supernode_poll: float | None = None, clientapp: bool = False) -> None:
-    """Make Flower's waits in this process polls: the ServerApp's pulls of replies (the Grid);
-    with `supernode_poll` the SuperNode's loop and its pulls of messages; with `clientapp` a
-    ClientApp's pull of its message from the SuperNode (which hands out the task before it holds
-    the message's objects). Idempotent."""
-    # optional dependency: flwr (the flower extra)
-    from flwr.superlink.grid import http_grid
-
-    _short_pulls(http_grid)
-    if clientapp:
-        from flwr.supernode.runtime import run_clientapp  # optional: flwr, as above
-
+def install(component: str, poll: float | None = None) -> None:
+    """Make Flower's waits in this process polls, for ``component``: a ServerApp's pulls of replies
+    (its Grid's), a ClientApp's pull of its message from the SuperNode (which hands out the task
+    before it holds the message's objects), or the SuperNode's loop (its wait before it asks
+    the SuperLink again at most ``poll`` seconds, default `SUPERNODE_POLL_S`) and its pulls of
+    messages. Idempotent; nothing for a SuperLink (its ServerApps install ``"serverapp"``)."""
+    if component == "serverapp":
+        _short_pulls(http_grid)
+    elif component == "clientapp":
         _short_pulls(run_clientapp, "pull_and_inflate_object_from_tree")
-    if supernode_poll is None:
-        return
-    from flwr.supernode import start_client_internal as loop  # optional: flwr, as above
-
-    if not (loop.time is time or isinstance(loop.time, PollWaits)):
-        raise RuntimeError("this Flower's SuperNode loop does not wait through the time module")
-    loop.time = PollWaits(supernode_poll)  # type: ignore[attr-defined]
-    _short_pulls(loop)
+    elif component == "supernode":
+        if not (loop.time is time or isinstance(loop.time, PollWaits)):
+            raise RuntimeError("this Flower's SuperNode loop does not wait through the time module")
+        loop.time = PollWaits(SUPERNODE_POLL_S if poll is None else poll)  # type: ignore[attr-defined]
+        _short_pulls(loop)
