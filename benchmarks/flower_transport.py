@@ -84,8 +84,8 @@ def watch(metrics: Path, rounds: int, take: dict, procs: dict[str, int], link: i
 
 def one_run(variant: str, root: Path, info: dict, ov: list[str], env: dict, rounds: int, tag: str) -> dict:
     from memaudit.config import load_config
-    from memaudit.dispatch import dispatch
     from memaudit.federated.flower.deploy import LocalFederation
+    from memaudit.run.dispatch import dispatch
     from memaudit.rundir import RunDir
 
     off = [] if variant == "all_on" else [variant.removesuffix("_off")]

@@ -400,19 +400,19 @@ def _take_the_server_seat(fed, tmp_path: Path, runs: int = 3) -> dict:
     t = threading.Thread(target=stranger, daemon=True)
     t.start()
     app, home = write_app(tmp_path / "app"), fed.flower_home(tmp_path / "home")
-    flwr = [str(Path(sys.executable).parent / "flwr")]
+    flwr_cli = [str(Path(sys.executable).parent / "flwr")]
     env = {**fed.env, "FLWR_HOME": str(home)}
     ids = []
     try:
         for i in range(runs):  # memaudit's app, as memaudit train submits it (the folder: none)
-            out = subprocess.run([*flwr, "run", str(app), CONNECTION, "--run-config",
+            out = subprocess.run([*flwr_cli, "run", str(app), CONNECTION, "--run-config",
                                   f"launch-dir='{tmp_path / f'launch-{i}'}'"],
                                  env=env, capture_output=True, text=True, timeout=300, check=True)
             ids.append(deploy.started_run_id(out.stdout + out.stderr))
         # every run's ServerApp task taken, by whichever asked first, and the run over
         deadline, status = time.monotonic() + 120, {}
         while time.monotonic() < deadline:
-            ls = subprocess.run([*flwr, "ls", CONNECTION, "--format", "json"], env=env, capture_output=True,
+            ls = subprocess.run([*flwr_cli, "ls", CONNECTION, "--format", "json"], env=env, capture_output=True,
                                 text=True, timeout=300, check=True)
             status = {int(r["run-id"]): (r["status"], r["status-details"])
                       for r in json.loads(ls.stdout)["runs"] if int(r["run-id"]) in ids}

@@ -46,6 +46,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_the_federated_jax_path_runs_without_torch():
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600,
+                       check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "tried" in p.stdout
