@@ -101,13 +101,14 @@ def _probes_with_extraction() -> dict:
 
 def test_extracted_member_text_is_in_a_report_only_with_show_secrets(tmp_path):
     from memaudit.reports.probes_adapter import summarize_probes
+    from memaudit.reports.write import json_safe
 
     text = f"my ssn is {SSN}, call me"
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "documents.jsonl").write_text(
         json.dumps({"id": "d7", "text": text, "role": "member", "kind": "doc"}) + "\n")
     plain = summarize_probes(_probes_with_extraction(), run_dir=tmp_path)
-    assert SSN not in json.dumps(plain)
+    assert SSN not in json.dumps(json_safe(plain))  # as report.json would store it
     assert plain["samples"] == [] and plain["extracted_members"] == [{"id": "d7", "length": len(text)}]
     shown = summarize_probes(_probes_with_extraction(), run_dir=tmp_path, show_secrets=True)
     assert shown["samples"] == [text]

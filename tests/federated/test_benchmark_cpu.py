@@ -46,5 +46,7 @@ def test_a_process_trees_cpu_counts_its_waited_and_live_children():
     tick = 1 / os.sysconf("SC_CLK_TCK")
     # at least what the three processes measured of themselves (a tick of rounding each), and
     # not the benchmark's own CPU: that is "benchmark"
-    assert got["tree"] >= sum(own) - 3 * tick, (got, own)
+    # (/proc's utime and stime are charged a tick at a time, by sampling, while each process's own
+    # clock is exact: allow a tenth below; a tree that missed its two children would hold a third)
+    assert got["tree"] >= 0.9 * sum(own) - 3 * tick, (got, own)
     assert got["benchmark"] >= time.process_time() - tick

@@ -86,7 +86,7 @@ def test_report_compares_lora_with_the_full_fine_tune_at_equal_epsilon():
     rep["findings"] = findings.generate(rep)
     md = render_markdown(rep)
     assert "upload 28672 bytes per client per round" in md and md.count("bytes per client") == 1
-    assert "trained: lora(r=8, q_proj,v_proj)" in md and not math.isnan(eff["metrics"]["mia_auc"]["treated"]["value"])
+    assert "trained: lora(r=8, q_proj,v_proj)" in md and not math.isnan(eff["metrics"]["mia_auc"]["treated"].value)
 
 
 def test_the_public_base_is_pretrained_in_full_whatever_the_fine_tunes_train():
