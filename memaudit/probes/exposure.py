@@ -177,11 +177,8 @@ def score_secrets(
 def encode_many(codec, texts: list[str]) -> list[list[int]]:
     """`codec.encode` of each text, the tokenizer called once on the whole list (a fast
     tokenizer encodes a batch in Rust: about 2x fewer seconds than one call per text on 10^4
-    candidates, measured)."""
-    if not texts:
-        return []
-    ids = codec.tok(texts, add_special_tokens=False)["input_ids"]
-    return [codec.start + list(x) for x in ids]
+    candidates, measured); not remembered by the codec, as each candidate is scored once."""
+    return codec.batch(texts)
 
 
 def canary_items(canaries) -> list[tuple[dict, str]]:

@@ -66,14 +66,17 @@ class Codec:
             ids = self._memo[text] = self.start + self.plain(text)
         return list(ids)
 
+    def batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text in one tokenizer call (a fast tokenizer encodes a list in Rust,
+        in parallel), not remembered: for texts seen once, as exposure's candidates."""
+        if not texts:
+            return []
+        return [self.start + list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
+
     def encode_all(self, texts: list[str]) -> list[list[int]]:
-        """`encode` of each text, those not seen before tokenized in one call (a fast tokenizer
-        encodes a list in Rust, in parallel)."""
+        """`encode` of each text, those not seen before tokenized in one call (`batch`)."""
         new = [t for t in dict.fromkeys(texts) if t not in self._memo]
-        if new:
-            for t, ids in zip(new, self.tok(new, add_special_tokens=False)["input_ids"],
-                              strict=True):
-                self._memo[t] = self.start + list(ids)
+        self._memo.update(zip(new, self.batch(new), strict=True))
         return [list(self._memo[t]) for t in texts]
 
     def start_or_zero(self) -> list[int]:
