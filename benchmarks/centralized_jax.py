@@ -23,6 +23,7 @@ Measured figures: docs/results.md ("Centralized training in JAX").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -63,8 +64,8 @@ def _median_time(run: Any, state: tuple, repeats: int) -> tuple[float, tuple]:
     return statistics.median(times), state
 
 
-def _setup(preset: str, dtype: Any, batch: int, seq: int) -> dict[str, Any]:
-    cfg = FlaxLlamaConfig.from_preset(preset, dtype=dtype)
+def _setup(preset: str, dtype: Any, batch: int, seq: int, scan: bool = False, remat: bool = False) -> dict[str, Any]:
+    cfg = dataclasses.replace(FlaxLlamaConfig.from_preset(preset, dtype=dtype), scan_layers=scan, remat=remat)
     model = FlaxLlama(cfg)
     params = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"])(jax.random.key(0))
     tx = eng.adamw((0.9, 0.95), 0.0)
@@ -92,22 +93,26 @@ def _step_runner(kind: str, s: dict[str, Any], *, micro: int, k: int) -> Any:
     return lambda st: fn(st[0], st[1], ids, am, lm, lr, key)[:2]
 
 
-def bench_preset(preset: str, *, batch: int, seq: int, micro: int, k: int, repeats: int, dtype: Any) -> dict:
+def bench_preset(preset: str, *, batch: int, seq: int, micro: int, k: int, repeats: int, dtype: Any,
+                 scan: bool = False, remat: bool = False, kinds: tuple[str, ...] = ("plain", "dp", "uls")) -> dict:
     """Non-private, example-level DP-SGD and ULS steps of `preset` on the same tokens."""
-    s = _setup(preset, dtype, batch, seq)
+    s = _setup(preset, dtype, batch, seq, scan, remat)
     peak = PEAK.get(jax.devices()[0].device_kind)
     flops = step_flops(s["cfg"], batch * seq, seq)
     out: dict[str, Any] = {"preset": preset, "parameters": int(sum(x.size for x in jax.tree.leaves(s["params"]))),
                            "batch": batch, "seq": seq, "dp_micro_batch": micro, "uls_k": k,
-                           "step_tflop": flops / 1e12}
+                           "scan_layers": scan, "remat": remat, "step_tflop": flops / 1e12}
     state = (s["params"], s["opt"])
-    for kind in ("plain", "dp", "uls"):
+    for kind in kinds:
         try:
-            secs, state = _median_time(_step_runner(kind, s, micro=micro, k=k), state, repeats)
+            t0 = time.perf_counter()
+            runner = _step_runner(kind, s, micro=micro, k=k)
+            secs, state = _median_time(runner, state, repeats)
         except Exception as e:  # noqa: BLE001 - an out-of-memory point is a result, not a crash
             out[kind] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             continue
         out[kind] = {"step_s": secs, "tokens_per_s": batch * seq / secs,
+                     "first_call_s": time.perf_counter() - t0 - secs * repeats,
                      "mfu": flops / secs / peak if peak else None}
         print(json.dumps({"preset": preset, kind: out[kind]}), file=sys.stderr, flush=True)
     for kind in ("dp", "uls"):
@@ -116,10 +121,10 @@ def bench_preset(preset: str, *, batch: int, seq: int, micro: int, k: int, repea
     return out
 
 
-def dp_memory(preset: str, *, seq: int, dtype: Any) -> dict[str, Any]:
+def dp_memory(preset: str, *, seq: int, dtype: Any, scan: bool = False, remat: bool = False) -> dict[str, Any]:
     """XLA's memory analysis of the compiled DP-SGD step (one example, AdamW) of `preset`,
     without allocating it: abstract arguments only."""
-    cfg = FlaxLlamaConfig.from_preset(preset, dtype=dtype)
+    cfg = dataclasses.replace(FlaxLlamaConfig.from_preset(preset, dtype=dtype), scan_layers=scan, remat=remat)
     model = FlaxLlama(cfg)
     params = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0))
     tx = eng.adamw((0.9, 0.95), 0.0)
@@ -147,19 +152,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fit-presets", nargs="*", default=["350m", "1b"], help="DP full fine-tune memory check")
     ap.add_argument("--fit-seq", type=int, default=1024)
+    ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
+                    help="decoder layers as one scanned layer (default: on an accelerator)")
+    ap.add_argument("--remat", action="store_true", help="rematerialise the scanned layers")
+    ap.add_argument("--kinds", nargs="+", default=["plain", "dp", "uls"], choices=["plain", "dp", "uls"])
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     dtype = eng.compute_dtype("auto", dev.platform)
+    scan = dev.platform != "cpu" if args.scan is None else args.scan
     report: dict[str, Any] = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
                               "compute_dtype": jnp.dtype(dtype).name, "peak_flops": PEAK.get(dev.device_kind),
                               "presets": [], "dp_fit": []}
     for preset in args.presets:
         report["presets"].append(bench_preset(preset, batch=args.batch, seq=args.seq, micro=args.micro,
-                                              k=args.k, repeats=args.repeats, dtype=dtype))
+                                              k=args.k, repeats=args.repeats, dtype=dtype, scan=scan,
+                                              remat=args.remat, kinds=tuple(args.kinds)))
         print(json.dumps(report["presets"][-1]), file=sys.stderr, flush=True)
     for preset in args.fit_presets:
         try:
-            report["dp_fit"].append(dp_memory(preset, seq=args.fit_seq, dtype=dtype))
+            report["dp_fit"].append(dp_memory(preset, seq=args.fit_seq, dtype=dtype, scan=scan, remat=args.remat))
         except Exception as e:  # noqa: BLE001 - a compile that runs out of memory says it does not fit
             report["dp_fit"].append({"preset": preset, "fits": False, "error": str(e).splitlines()[0][:200]})
     fitting = [f["preset"] for f in report["dp_fit"] if f.get("fits")]
