@@ -124,20 +124,18 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
     _, s, nh, hd = q.shape
-    if s % 128:
-        raise ValueError(f"flash attention tiles sequences in blocks of 128 tokens; got {s}: pad sequences to a "
-                         "multiple of 128 or use attention 'xla'")
+    pad = -s % 128  # the kernel tiles keys in 128-lane blocks: pad, as padding, and cut back
     group = nh // k.shape[2]
     k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
-    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (batch, heads, seq, head_dim)
-    seg = mask.astype(jnp.int32)
-    blk = min(512, s)
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (q, k, v))
+    seg = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, pad)))  # (batch, heads, seq, head_dim) above
+    blk = min(512, s + pad)
     sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1,
                           block_q_major_dkv=blk, block_k_major_dkv=blk, block_k_dkv=blk, block_q_dkv=blk,
                           block_k_major_dq=blk, block_k_dq=blk, block_q_dq=blk)
     out = fa.flash_attention(q, k, v, segment_ids=fa.SegmentIds(q=seg, kv=seg), causal=True,
                              sm_scale=float(hd) ** -0.5, block_sizes=sizes)
-    return out.transpose(0, 2, 1, 3)
+    return out.transpose(0, 2, 1, 3)[:, :s]
 
 
 class Attention(nn.Module):

@@ -229,8 +229,8 @@ def test_flash_attention_kernel_equals_the_einsum_path_forward_and_backward():
     base = dataclasses.replace(FlaxLlamaConfig.from_preset("tiny"), num_hidden_layers=1, num_attention_heads=2,
                                num_key_value_heads=1)  # the interpreter runs the kernel's grid one cell at a time
     assert base.num_attention_heads > base.num_key_value_heads  # grouped-query heads exercised
-    ids = jax.random.randint(jax.random.key(1), (1, 128), 0, base.vocab_size)  # the kernel's 128-lane blocks
-    mask = jnp.ones((1, 128), jnp.int32).at[0, 90:].set(0)
+    ids = jax.random.randint(jax.random.key(1), (1, 100), 0, base.vocab_size)  # padded to the kernel's 128
+    mask = jnp.ones((1, 100), jnp.int32).at[0, 90:].set(0)
     real = np.asarray(mask, bool)
     for scan in (True,):  # the mask reaches the kernel through the scan's broadcast
         cfg = dataclasses.replace(base, scan_layers=scan)
@@ -248,13 +248,8 @@ def test_flash_attention_kernel_equals_the_einsum_path_forward_and_backward():
             assert float(jnp.abs(w - g).max()) <= 1e-5 * float(jnp.abs(w).max()) + 1e-8
 
 
-def test_an_unknown_attention_kernel_and_a_sequence_the_kernel_cannot_tile_are_refused():
-    import jax.numpy as jnp
-
-    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
+def test_an_unknown_attention_kernel_is_refused():
+    from memaudit.models.flax_llama import FlaxLlamaConfig
 
     with pytest.raises(ValueError, match="xla or flash"):
         dataclasses.replace(FlaxLlamaConfig.from_preset("tiny"), attention="fast")
-    flash = FlaxLlama(dataclasses.replace(FlaxLlamaConfig.from_preset("tiny"), attention="flash"))
-    with pytest.raises(ValueError, match="multiple of 128"):
-        flash.init(jax.random.key(0), jnp.zeros((1, 100), jnp.int32))
