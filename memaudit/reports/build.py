@@ -18,7 +18,8 @@ from memaudit.backends import CENTRALIZED, report_rank
 from memaudit.data.prepare import verify_run_data
 from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
-from memaudit.probes.loaders import ProbesDoc, RunInfo
+from memaudit.probes.document import read_probes
+from memaudit.probes.loaders import RunInfo
 from memaudit.probes.weights import weights_mismatch
 from memaudit.reports import findings as findings_mod
 from memaudit.reports.cells import METRICS, TESTABLE
@@ -32,7 +33,7 @@ from memaudit.reports.frontier import (
 )
 from memaudit.reports.group import group_privacy
 from memaudit.reports.literature import literature_section
-from memaudit.reports.probes_adapter import settle_rows, summarize_probes, units_of
+from memaudit.reports.probes_adapter import read_summary, settle_rows, units_of
 from memaudit.reports.scale import scale_section
 from memaudit.reports.targets import find_targets, is_memaudit_run, target_comparisons, target_entry
 from memaudit.rundir import RunDir
@@ -210,12 +211,11 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
         )
-    raw = read_json(rd.probes_path)
-    if weights_mismatch(raw, rd.model_dir):  # probed, then trained again: other weights measured
+    probes = read_probes(rd.probes_path)  # one line if malformed
+    if weights_mismatch(probes, rd.model_dir):  # probed, then trained again: other weights measured
         raise MemauditError(f"'{rd.probes_path}' measured other weights than the model in "
                             f"'{rd.model_dir}' (the run was trained again after it was probed); run "
                             f"`memaudit probe {rd.path}` again")
-    probes = ProbesDoc.from_json(raw, str(rd.probes_path))  # one line if malformed
     priv = _ledger_epsilon(rd)
     backend = info.backend
     mech = mechanism_label(info)
@@ -228,7 +228,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         for r in metrics
         if r.get("survivors") is not None and r.get("cohort") is not None and r.get("survivors") < r.get("cohort")
     ]
-    summary = summarize_probes(probes, run_dir=rd.path, show_secrets=show_secrets)
+    summary = read_summary(probes, run_dir=rd.path, show_secrets=show_secrets)
     units = units_of(probes)
     if role == PUBLIC_BASE:
         desc = ("public base: trained on the public corpus only, no private user's text; epsilon = 0 "
@@ -275,7 +275,7 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         },
         "group_privacy": group_privacy(
             _canaries(rd), epsilon=priv["epsilon"], unit=priv["unit"], delta=priv["delta"],
-            exposure_by_repetition=summary["plots"].get("exposure_by_repetition"),
+            exposure_by_repetition=summary.plots.get("exposure_by_repetition"),
             sequences_epsilon=_sequences_epsilon(rd) if priv["unit"] == "example" else None),
         "mitigation": {"goldfish": info.goldfish},
         "utility": {
@@ -283,11 +283,11 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
             "holdout_perplexity": _holdout_perplexity(info, metrics),
         },
         "noise_per_round": noise_rows,
-        "leakage": summary["leakage"],
-        "probes_summary": summary["plots"],
-        "probe_rows": summary["rows"],
-        "samples": summary["samples"],  # extracted member text: only with show_secrets
-        "extracted_members": summary["extracted_members"],  # their ids and lengths
+        "leakage": summary.leakage,
+        "probes_summary": summary.plots,
+        "probe_rows": summary.rows,
+        "samples": summary.samples,  # extracted member text: only with show_secrets
+        "extracted_members": summary.extracted_members,  # their ids and lengths
         "units": units,  # per-unit scores for the tests between runs; dropped from report.json
     }
 

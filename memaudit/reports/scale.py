@@ -37,9 +37,8 @@ import numpy as np
 
 from memaudit.backends import report_rank
 from memaudit.config import ModelConfig
-from memaudit.io import read_json
+from memaudit.probes.document import ProbesDoc, read_probes
 from memaudit.probes.extraction import repeat_bucket
-from memaudit.probes.loaders import ProbesDoc
 from memaudit.probes.records import Cell
 from memaudit.probes.stats import (
     MIN_N,
@@ -73,46 +72,45 @@ def _units(kind: str, unit: str, rows: list[tuple[str, float]]) -> dict[str, Any
 def _by_bucket(rows: list[dict], key, value, *, with_all: bool) -> dict[str, list]:
     out: dict[str, list] = defaultdict(list)
     for r in rows:
-        pair = (str(r["id"]), float(value(r)))
+        pair = (str(r.id), float(value(r)))
         out[key(r)].append(pair)
         if with_all:
             out["all"].append(pair)
     return dict(out)
 
 
-def run_units(probes: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+def run_units(doc: ProbesDoc) -> dict[str, dict[str, dict[str, Any]]]:
     """Per metric and repetition bucket, the run's per-unit scores (ids and values, no text).
 
     Buckets: the canaries' repetitions for exposure; "all" and `repeat_bucket` of the documents'
     repeats for the document metrics.
     """
-    doc = ProbesDoc.from_json(probes)
     out: dict[str, dict[str, list]] = {}
     if (p := doc.get("exposure")) is not None:
-        ins = [r for r in p.scores if r.get("role") == "inserted"]
-        out["exposure"] = _by_bucket(ins, lambda r: str(r["repetitions"]), lambda r: r["exposure"],
-                                     with_all=False)
+        ins = [r for r in p.exposure_scores() if r.role == "inserted"]
+        out["exposure"] = _by_bucket(ins, lambda r: str(r.repetitions), lambda r: r.exposure, with_all=False)
     if (p := doc.get("extraction")) is not None:
-        disc = (p.scores or {}).get("discoverable") or []
+        disc = p.discoverable_scores()
         if disc:
-            k = min(r["k"] for r in disc)
-            sel = [r for r in disc if r["k"] == k]
-            out["extraction_exact"] = _by_bucket(sel, lambda r: repeat_bucket(r["repeats"]),
-                                                 lambda r: r["exact"], with_all=True)
+            k = min(r.k for r in disc)
+            sel = [r for r in disc if r.k == k]
+            out["extraction_exact"] = _by_bucket(sel, lambda r: repeat_bucket(r.repeats),
+                                                 lambda r: r.exact, with_all=True)
     if (p := doc.get("goldfish_extraction")) is not None:
-        sel = [r for r in p.scores if r.get("kind") == "doc"]
-        for key, field in (("goldfish_exact", "exact"), ("goldfish_rouge_l", "rouge_l")):
-            out[key] = _by_bucket(sel, lambda r: repeat_bucket(r["repeats"]),
-                                  lambda r, f=field: r[f], with_all=True)
+        sel = [r for r in p.goldfish_scores() if r.kind == "doc"]
+        out["goldfish_exact"] = _by_bucket(sel, lambda r: repeat_bucket(r.repeats), lambda r: r.exact,
+                                           with_all=True)
+        out["goldfish_rouge_l"] = _by_bucket(sel, lambda r: repeat_bucket(r.repeats), lambda r: r.rouge_l,
+                                             with_all=True)
     unit = {"exposure": "canaries"}
     return {m: {b: _units(METRICS[m][2], unit.get(m, "documents"), rows) for b, rows in bs.items()}
             for m, bs in out.items() if bs}
 
 
-def _suffix_tokens(probes: dict[str, Any]) -> int | None:
+def _suffix_tokens(doc: ProbesDoc) -> int | None:
     """The m of a probes.json's goldfish_extraction (summary.suffix_tokens), if it has one."""
-    g = (probes.get("probes") or {}).get("goldfish_extraction") or {}
-    return (g.get("summary") or {}).get("suffix_tokens")
+    g = doc.probes.get("goldfish_extraction")
+    return None if g is None else g.suffix_tokens
 
 
 def _cell(units: dict[str, Any]) -> Cell:
@@ -291,8 +289,8 @@ def scale_section(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in runs:
         path = RunDir(r["path"]).probes_path
-        probes = read_json(path) if path.is_file() else {}
-        r = {**r, "_units": run_units(probes) if probes else {}, "_m": _suffix_tokens(probes)}
+        doc = read_probes(path) if path.is_file() else None
+        r = {**r, "_units": {} if doc is None else run_units(doc), "_m": None if doc is None else _suffix_tokens(doc)}
         cells[(_condition(r), _size_key(r), bool(r["mitigation"]["goldfish"]))].append(r)
     labels = {k: _size_label(rs[0]) + (" + Goldfish" if k[2] else "") for k, rs in cells.items()}
     suffix = sorted({r["_m"] for rs in cells.values() for r in rs if r["_m"] is not None})

@@ -30,10 +30,11 @@ from typing import Any
 
 from memaudit.errors import MemauditError
 from memaudit.io import read_json
-from memaudit.probes.loaders import Privacy, ProbesDoc
+from memaudit.probes.document import ProbesDoc, read_probes
+from memaudit.probes.loaders import Privacy
 from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups
-from memaudit.reports.probes_adapter import roc_points, summarize_probes, units_of
+from memaudit.reports.probes_adapter import read_summary, roc_points, units_of
 from memaudit.reports.verdict import Attack, release_verdict
 
 PROBES = "probes.json"
@@ -64,7 +65,7 @@ class ProbedTarget:
     @classmethod
     def load(cls, path: Path) -> ProbedTarget:
         folder = path.parent
-        doc = ProbesDoc.from_json(read_json(path), str(path))
+        doc = read_probes(path)
         priv = None
         if (folder / "privacy.json").is_file():
             priv = Privacy.from_json(read_json(folder / "privacy.json"), str(folder / "privacy.json"))
@@ -134,13 +135,12 @@ STRONGEST = "mia_strongest"  # the metric the pairs compare membership on
 def _attack_units(doc: ProbesDoc) -> dict[str, dict[str, Any]]:
     """Per-document scores of every membership attack (members first), keyed `MEMBERSHIP + name`."""
     p = doc.get("membership")
-    rows = p.scores if p is not None else []
+    rows = p.membership_scores() if p is not None else []
     if not rows:
         return {}
-    names = [k for k in rows[0] if k not in ("id", "member", "repeats")]
-    return {MEMBERSHIP + k: {"kind": "auc", "unit": "documents", "ids": [r["id"] for r in rows],
-                             "values": [r[k] for r in rows], "member": [bool(r["member"]) for r in rows]}
-            for k in names if all(isinstance(r.get(k), int | float) for r in rows)}
+    return {MEMBERSHIP + k: {"kind": "auc", "unit": "documents", "ids": [r.id for r in rows],
+                             "values": [r.scores.get(k) for r in rows], "member": [bool(r.member) for r in rows]}
+            for k in rows[0].scores if all(isinstance(r.scores.get(k), int | float) for r in rows)}
 
 
 def _roc(units: dict[str, Any] | None, attack: Attack | None) -> dict[str, Any] | None:
@@ -156,30 +156,23 @@ def _roc(units: dict[str, Any] | None, attack: Attack | None) -> dict[str, Any] 
 def _attacks(doc: ProbesDoc) -> list[dict[str, Any]]:
     """Every membership attack's AUC and TPR cells, as probes.json holds them."""
     p = doc.get("membership")
-    if p is None:
-        return []
-    out = []
-    for name, s in p.summary.items():
-        if isinstance(s, dict) and "auc" in s:
-            out.append({"attack": name, "auc": s["auc"], "tpr_at_fpr": s.get("tpr_at_fpr") or {}})
-    return out
+    return [] if p is None else p.attack_json()
 
 
 def target_entry(t: ProbedTarget) -> dict[str, Any]:
     """The report's entry for one probed target (report.json's `targets[]`)."""
-    raw = read_json(t.path)
-    doc = ProbesDoc.from_json(raw, str(t.path))
-    summary = summarize_probes(doc)
+    doc = read_probes(t.path)
+    summary = read_summary(doc)
     entry = {
         "id": t.id, "model": display_name(t.model), "source": t.source or UNKNOWN,
         "base": display_name(t.base), "reference": display_name(t.reference), "weights_sha256": t.weights,
         "privacy": {"epsilon": UNKNOWN if t.epsilon is None else t.epsilon,
                     "unit": t.unit, "delta": t.delta, "text": t.privacy_text},
-        "counts": raw.get("counts") or {},
-        "shift": (raw.get("checks") or {}).get("distribution_shift"),
+        "counts": doc.counts,
+        "shift": doc.distribution_shift,
         "attacks": _attacks(doc),
-        "leakage": summary["leakage"],
-        "probe_rows": summary["rows"],
+        "leakage": summary.leakage,
+        "probe_rows": summary.rows,
         "units": {**units_of(doc), **_attack_units(doc)},
     }
     v = release_verdict(entry)
