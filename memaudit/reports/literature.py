@@ -43,6 +43,7 @@ import numpy as np
 from memaudit.backends import BACKENDS
 from memaudit.probes.records import Cell
 from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
+from memaudit.reports.entries import RunEntry, entries
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
 
@@ -51,20 +52,20 @@ N_BOOT = 2000
 HALF = 0.5  # the share of the loss gap a DP fine-tune at the largest epsilon should close
 
 
-def _eps(run: dict[str, Any]) -> float:
-    e = run["privacy"].get("epsilon")
+def _eps(run: RunEntry) -> float:
+    e = run.privacy.epsilon
     return math.inf if e is None or e == "inf" else float(e)
 
 
-def _comparison_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in runs if not r.get("audit") and r.get("role") != PUBLIC_BASE
-            and not (r.get("mitigation") or {}).get("goldfish")]
+def _comparison_runs(runs: list[RunEntry]) -> list[RunEntry]:
+    return [r for r in runs if not r.audit and r.role != PUBLIC_BASE and not r.mitigation.goldfish]
 
 
-def run_label(run: dict[str, Any]) -> str:
-    sampling = run["privacy"].get("user_sampling")  # centralized per user: ELS or ULS
-    side = run["backend"] + (f" ({sampling.upper()})" if sampling else "")
-    e, unit = _eps(run), run["privacy"].get("unit")
+def run_label(run: dict[str, Any] | RunEntry) -> str:
+    run = RunEntry.of(run)
+    sampling = run.privacy.user_sampling  # centralized per user: ELS or ULS
+    side = run.backend + (f" ({sampling.upper()})" if sampling else "")
+    e, unit = _eps(run), run.privacy.unit
     return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
 
 
@@ -75,13 +76,13 @@ def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> Cell:
 
 
 # ----------------------------------------------------------------------------- exposure
-def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, Any] | None:
+def _exposure_run(run: RunEntry, rng: np.random.Generator) -> dict[str, Any] | None:
     """Per bucket: excess exposure over the references with its test; the rising-trend test."""
     # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import mannwhitneyu, spearmanr
 
 
-    u = (run.get("units") or {}).get("exposure_canaries")
+    u = run.units_of("exposure_canaries")
     if not u:
         return None
     refs = np.asarray([v for v, role in zip(u["values"], u["role"], strict=True) if role == "reference"])
@@ -91,7 +92,7 @@ def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, An
     bounded = [b for b, role in zip(at_top, u["role"], strict=True) if role == "inserted"]
     if not len(refs) or not ins:
         return None
-    groups = {(g["repetitions"], g["owner_kind"]): g for g in run.get("group_privacy") or []}
+    groups = {(g["repetitions"], g["owner_kind"]): g for g in run.group_privacy or []}
     buckets = []
     for rep, owner in sorted({(r, o) for _v, r, o in ins}):
         x = np.asarray([v for v, r, o in ins if (r, o) == (rep, owner)])
@@ -117,8 +118,8 @@ def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, An
         res = spearmanr(reps, vals, alternative="greater")
         trend = {"test": "Spearman rank correlation, one-sided (rising)", "rho": float(res.statistic),
                  "p_value": float(res.pvalue), "n_a": len(vals), "n_b": len(vals), "unit": "canaries"}
-    return {"run": run["id"], "label": run_label(run), "backend": run["backend"], "epsilon": _eps(run),
-            "unit": run["privacy"].get("unit"), "trend": trend, "buckets": buckets}
+    return {"run": run.id, "label": run_label(run), "backend": run.backend, "epsilon": _eps(run),
+            "unit": run.privacy.unit, "trend": trend, "buckets": buckets}
 
 
 # ----------------------------------------------------------------------------- extraction, audit
@@ -127,31 +128,31 @@ EXTRACTION = (("extraction_exact", "member documents extracted exactly"),
               ("pii_extraction", "PII values extracted"))
 
 
-def _extraction(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _extraction(runs: list[RunEntry]) -> list[dict[str, Any]]:
     out = []
     for run in runs:
         if not math.isinf(_eps(run)):
             continue
         cells = {}
         for key, what in EXTRACTION:
-            c = run["leakage"].get(key)
+            c = run.cell(key)
             if c and c.value is not None and c.n:
                 k = round(c.value * c.n)
                 cells[key] = {**c.to_json(), "k": k, "what": what, "nonzero": k > 0}
-        out.append({"run": run["id"], "label": run_label(run), "metrics": cells})
+        out.append({"run": run.id, "label": run_label(run), "metrics": cells})
     return out
 
 
-def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _audit(runs: list[RunEntry]) -> list[dict[str, Any]]:
     out = []
     for run in runs:
-        a = run["leakage"].get("audit_epsilon")
-        if not run.get("audit") or not a or a.value is None:
+        a = run.cell("audit_epsilon")
+        if not run.audit or not a or a.value is None:
             continue
         eps, bound, more = _eps(run), float(a.value), a.extra
         verdict = (("positive lower bound" if bound > 0 else "no leakage shown") if math.isinf(eps) else
                    ("below the ledger's epsilon" if bound <= eps else "ABOVE the ledger's epsilon"))
-        out.append({"run": run["id"], "label": run_label(run), "bound": bound, "ledger_epsilon": eps,
+        out.append({"run": run.id, "label": run_label(run), "bound": bound, "ledger_epsilon": eps,
                     "ceiling": more.get("ceiling"), "n": a.n, "unit": a.unit,
                     "confidence": more.get("confidence"), "verdict": verdict,
                     "guesses": more.get("guesses"), "correct": more.get("correct"),
@@ -161,23 +162,23 @@ def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- DP learns
-def _holdout_losses(run: dict[str, Any]) -> dict[str, float]:
+def _holdout_losses(run: RunEntry) -> dict[str, float]:
     """Per-document mean token loss of the membership probe's non-members (holdout documents)."""
-    u = (run.get("units") or {}).get("mia_auc")
+    u = run.units_of("mia_auc")
     if not u:
         return {}
     return {i: -float(v) for i, v, m in zip(u["ids"], u["values"], u["member"], strict=True) if not m}
 
 
-def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
+def _dp_learns(runs: list[RunEntry], all_runs: list[RunEntry],
                rng: np.random.Generator) -> list[dict[str, Any]]:
-    base = next((r for r in all_runs if r.get("role") == PUBLIC_BASE), None)
+    base = next((r for r in all_runs if r.role == PUBLIC_BASE), None)
     if base is None:
         return []
     lb = _holdout_losses(base)
     out = []
     for backend in BACKENDS:
-        side = [r for r in runs if r["backend"] == backend]
+        side = [r for r in runs if r.backend == backend]
         nodp = next((r for r in side if math.isinf(_eps(r))), None)
         if nodp is None:
             continue
@@ -189,7 +190,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
                 continue
             b, n0, d = (np.asarray([m[i] for i in ids]) for m in (lb, ln, ld))
             if not b.mean() - n0.mean() > 0:  # nothing to close: the non-DP fine-tune is no better
-                out.append({"backend": backend, "run": run["id"], "label": run_label(run), "epsilon": _eps(run),
+                out.append({"backend": backend, "run": run.id, "label": run_label(run), "epsilon": _eps(run),
                             "closed": None, "verdict": "no gap: the non-DP fine-tune does not beat the "
                             f"public base on these {len(ids)} holdout documents"})
                 continue
@@ -201,7 +202,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
             verdict = ("at least half closed" if c.ci_low is not None and c.ci_low >= HALF else
                        "less than half closed" if c.ci_high is not None and c.ci_high < HALF else
                        "half not separated")
-            out.append({"backend": backend, "run": run["id"], "label": run_label(run), "epsilon": _eps(run),
+            out.append({"backend": backend, "run": run.id, "label": run_label(run), "epsilon": _eps(run),
                         "closed": c.to_json(), "loss": {"base": float(b.mean()), "no_dp": float(n0.mean()),
                                               "dp": float(d.mean()), "unit": "nats per token"},
                         "verdict": verdict})
@@ -314,8 +315,9 @@ def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def literature_section(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
+def literature_section(runs: list[dict[str, Any] | RunEntry], seed: int = 0) -> dict[str, Any] | None:
     """The section over `runs` (entries with their per-unit scores), or None with nothing to show."""
+    runs = entries(runs)
     rng = np.random.default_rng(seed)
     comp = _comparison_runs(runs)
     exposure = [e for r in comp if (e := _exposure_run(r, rng)) is not None]

@@ -1,0 +1,164 @@
+"""A run's entry as the report reads it: typed, made once from the run's files.
+
+`memaudit.reports.build.run_entry` makes a `RunEntry` from run.json, privacy.json, metrics.jsonl
+and probes.json: the run's configuration (`ModelSummary`, `DataSummary`, `Mitigation`), its
+ledger's figures (`PrivacySummary`), its utility (`Utility`) and what its probes measured (the
+leakage cells, the probe table, the per-unit scores). The report's comparisons, frontier and
+sections read its attributes. `to_json` gives report.json's run object, each record's fields in
+their order; `RunEntry.of` reads one back (report.json, or a run object made by hand), a missing
+key taking its field's default, so a report written by an older memaudit still reads.
+
+>>> r = RunEntry.of({"id": "a", "backend": "federated", "privacy": {"epsilon": 8.0, "unit": "user"}})
+>>> r.privacy.epsilon, r.privacy.unit, r.mitigation.goldfish, r.utility.holdout_perplexity
+(8.0, 'user', False, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from memaudit.probes.records import Cell
+
+
+class Record:
+    """A frozen dataclass whose fields are its JSON object's keys, in their order; a field typed
+    as another `Record` (or that or None) holds the nested object."""
+
+    @classmethod
+    @functools.cache
+    def _nested(cls) -> dict[str, type[Record]]:
+        out = {}
+        for name, hint in typing.get_type_hints(cls).items():
+            kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            sub = [k for k in kinds if isinstance(k, type) and issubclass(k, Record)]
+            if sub:
+                out[name] = sub[0]
+        return out
+
+    @classmethod
+    def of(cls, d: Mapping[str, Any] | Record | None):
+        """The record of JSON object `d` (itself when already one; a missing key: its default)."""
+        if isinstance(d, cls):
+            return d
+        d = d if isinstance(d, Mapping) else {}
+        nested = cls._nested()
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                v = d[f.name]
+            elif f.default is not dataclasses.MISSING:
+                v = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                v = f.default_factory()
+            else:
+                v = None
+            kw[f.name] = nested[f.name].of(v) if f.name in nested else v
+        return cls(**kw)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object: every field, nested records as their objects."""
+        return {f.name: (v.to_json() if isinstance(v := getattr(self, f.name), Record) else v)
+                for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSummary(Record):
+    preset: str | None = None
+    params: int | None = None
+    trained: str | None = None  # "full", or the LoRA label ("lora(r=8, q_proj,v_proj)")
+    engine: str | None = None  # the centralized backend's engine (torch or jax); None before it was named
+    upload_bytes_per_client_per_round: int | None = None
+
+    @property
+    def finetune(self) -> str:
+        """What the run trained: "full", or its LoRA label."""
+        return str(self.trained or "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSummary(Record):
+    fingerprint: str | None = None
+    users: int | None = None
+    sequences: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacySummary(Record):
+    """The guarantee, recomputed from the run's ledger: ε (inf without DP) at δ per `unit`."""
+
+    mechanism: str | None = None
+    description: str | None = None
+    epsilon: float = math.inf
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    delta: float | None = None
+    unit: str | None = None
+    user_sampling: str | None = None  # centralized per-user DP: "els" or "uls"
+    per_user: dict | None = None  # example-level: the group-privacy bound for a user's sequences
+    document: dict | None = None  # example-level: the ε per document
+    per_user_text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mitigation(Record):
+    goldfish: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Utility(Record):
+    holdout_loss: float | None = None
+    holdout_perplexity: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEntry(Record):
+    """One run of the report (report.json's `runs[]`)."""
+
+    id: str
+    path: str | None = None
+    role: str | None = None  # "public-base" for the frontier's origin
+    backend: str | None = None
+    status: str | None = None
+    seed: int | None = None
+    audit: bool = False
+    model: ModelSummary = field(default_factory=ModelSummary)
+    data: DataSummary = field(default_factory=DataSummary)
+    privacy: PrivacySummary = field(default_factory=PrivacySummary)
+    group_privacy: Any = None
+    mitigation: Mitigation = field(default_factory=Mitigation)
+    utility: Utility = field(default_factory=Utility)
+    noise_per_round: list = field(default_factory=list)
+    leakage: Mapping[str, Cell] = field(default_factory=dict)  # the headline cells, by metric
+    probes_summary: dict = field(default_factory=dict)  # plot data, by plot
+    probe_rows: list = field(default_factory=list)  # the probe table
+    samples: list = field(default_factory=list)  # extracted member text: only with --show-secrets
+    extracted_members: list = field(default_factory=list)  # their ids and lengths
+    units: Mapping[str, Any] = field(default_factory=dict)  # per-unit scores; never in report.json
+
+    @property
+    def goldfish(self) -> bool:
+        return bool(self.mitigation.goldfish)
+
+    def cell(self, metric: str) -> Cell | None:
+        """The run's headline cell of `metric` (None: not measured)."""
+        return self.leakage.get(metric)
+
+    def units_of(self, metric: str) -> Any:
+        """The per-unit scores behind `metric` (None: none kept)."""
+        return (self.units or {}).get(metric)
+
+    def measured(self, metric: str) -> bool:
+        c = self.leakage.get(metric)
+        return c is not None and c.value is not None
+
+
+def entries(runs: Iterable[Mapping[str, Any] | RunEntry]) -> list[RunEntry]:
+    """The runs as entries (a JSON run object read with `RunEntry.of`)."""
+    return [RunEntry.of(r) for r in runs]
