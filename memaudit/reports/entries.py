@@ -150,6 +150,10 @@ class RunEntry(Record):
         """The run's headline cell of `metric` (None: not measured)."""
         return self.leakage.get(metric)
 
+    def plot_rows(self, plot: str, default: Any = None) -> Any:
+        """The data of one of the run's plots (`default` where it has none)."""
+        return (self.probes_summary or {}).get(plot) or default
+
     def units_of(self, metric: str) -> Any:
         """The per-unit scores behind `metric` (None: none kept)."""
         return (self.units or {}).get(metric)
@@ -162,3 +166,168 @@ class RunEntry(Record):
 def entries(runs: Iterable[Mapping[str, Any] | RunEntry]) -> list[RunEntry]:
     """The runs as entries (a JSON run object read with `RunEntry.of`)."""
     return [RunEntry.of(r) for r in runs]
+
+
+# ----------------------------------------------------------------------------- plot data
+@dataclass(frozen=True, kw_only=True)
+class FrontierPoint(Record):
+    """A run on a metric's frontier (`memaudit.reports.frontier`): its utility and the cell."""
+
+    run: str | None = None
+    epsilon: float = math.inf
+    unit: str | None = None
+    perplexity: float | None = None
+    value: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    n: int | None = None
+    n_unit: str | None = None
+    note: str | None = None
+    lower_bound: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepetitionPoint(Record):
+    """A cell at one repetition count (exposure by repetitions) or repeat bucket (extraction)."""
+
+    repetitions: int | None = None
+    prefix_len: int | None = None
+    repeats: int | None = None
+    value: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    lower_bound: bool = False
+
+    @property
+    def errors(self) -> tuple[float, float]:
+        """The error bar's lengths below and above the value (0 without an interval)."""
+        lo = self.value if self.ci_low is None else self.ci_low
+        hi = self.value if self.ci_high is None else self.ci_high
+        return self.value - lo, hi - self.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roc(Record):
+    """An ROC curve as the report keeps it (`memaudit.reports.probes_adapter.roc_points`)."""
+
+    fpr: list = field(default_factory=list)
+    tpr: list = field(default_factory=list)
+    auc: float | None = None
+    attack: str | None = None
+    n_pos: int | None = None
+    n_neg: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spread(Record):
+    mean: float | None = None
+    std: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurvePoint(Record):
+    """A configuration on the utility curve: its epsilon, perplexity and lead leakage over seeds."""
+
+    epsilon: float = math.inf
+    perplexity: Spread = field(default_factory=Spread)
+    leakage: Spread = field(default_factory=Spread)
+    n_seeds: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontierSeries(Record):
+    label: str | None = None
+    points: list = field(default_factory=list)
+
+    @property
+    def frontier_points(self) -> list[FrontierPoint]:
+        return [FrontierPoint.of(p) for p in self.points]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontierMetric(Record):
+    """One headline metric's frontier: a series per backend (and what changes its curve)."""
+
+    label: str | None = None
+    unit: str | None = None
+    series: list = field(default_factory=list)
+    n_points: int = 0
+    all_zero: bool = False
+
+    def each_series(self) -> list[FrontierSeries]:
+        return [FrontierSeries.of(s) for s in self.series]
+
+
+# ----------------------------------------------------------------------------- comparisons
+@dataclass(frozen=True, kw_only=True)
+class CurveSeries(Record):
+    label: str | None = None
+    points: list = field(default_factory=list)
+    leakage_label: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchedPair(Record):
+    """A centralized and a federated run within the utility tolerance (`frontier.matched_utility`):
+    each list holds the centralized side first."""
+
+    runs: list = field(default_factory=list)
+    log_ratio: float | None = None
+    perplexity: list = field(default_factory=list)
+    epsilon: list = field(default_factory=list)
+    units: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchedUtility(Record):
+    tolerance: float | None = None
+    pairs: list = field(default_factory=list)
+    closest: dict | None = None
+    status: str | None = None
+    message: str | None = None
+
+    def each_pair(self) -> list[MatchedPair]:
+        return [MatchedPair.of(p) for p in self.pairs or []]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontierOrigin(Record):
+    run: str | None = None
+    perplexity: float | None = None
+    leakage: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Frontier(Record):
+    utility: str | None = None
+    origin: FrontierOrigin = field(default_factory=FrontierOrigin)
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparisons(Record):
+    """report.json's `comparisons`: the blocks of tests (matched epsilon, samplings, effects,
+    matched utility, targets), the utility curves and the frontier."""
+
+    matched: list = field(default_factory=list)
+    samplings: list = field(default_factory=list)
+    effects: list = field(default_factory=list)
+    curves: list = field(default_factory=list)
+    matched_utility: MatchedUtility = field(default_factory=MatchedUtility)
+    frontier: Frontier = field(default_factory=Frontier)
+    targets: list = field(default_factory=list)
+
+    def frontier_metrics(self) -> dict[str, FrontierMetric]:
+        return {k: FrontierMetric.of(m) for k, m in (self.frontier.metrics or {}).items()}
+
+    def origin(self) -> dict[str, FrontierPoint]:
+        """The public base's point per metric ({} without a base)."""
+        return {k: FrontierPoint.of(p) for k, p in (self.frontier.origin.leakage or {}).items()}
+
+    def pair_runs(self) -> list[list[str]]:
+        """The two runs of each matched-utility pair."""
+        return [p.runs for p in self.matched_utility.each_pair()]
+
+    def each_curve(self) -> list[CurveSeries]:
+        return [CurveSeries.of(c) for c in self.curves or []]
