@@ -331,3 +331,31 @@ class Comparisons(Record):
 
     def each_curve(self) -> list[CurveSeries]:
         return [CurveSeries.of(c) for c in self.curves or []]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block(Record):
+    """One comparison of two sides, as report.json's `comparisons` lists them: a matched-epsilon
+    backend pair (`units` and `algorithm` by backend), a ULS-vs-ELS sampling pair, a treatment
+    effect (`treatment` against its baseline on `backend_label`) or a pair of probed `targets`.
+    `metrics`: per metric, both sides' cells, the verdict and the test; `perplexity` by side."""
+
+    epsilon: float = math.inf
+    units: Any = None
+    algorithm: dict | None = None
+    equal_guarantee: bool | None = None
+    unit: str | None = None
+    goldfish: bool = False
+    finetune: str = "full"
+    backend: str | None = None
+    backend_label: str | None = None
+    treatment: str | None = None
+    targets: list = field(default_factory=list)
+    skipped: str | None = None
+    metrics: dict = field(default_factory=dict)
+    perplexity: dict = field(default_factory=dict)
+
+
+def blocks(comparisons: Mapping[str, Any] | None, name: str) -> list[Block]:
+    """The comparisons' blocks of one kind ("matched", "samplings", "effects", "targets")."""
+    return [Block.of(b) for b in (comparisons or {}).get(name) or []]
