@@ -303,7 +303,7 @@ def read_run(rd: RunDir, *, show_secrets: bool = False) -> RunEntry:
 def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
     """The run's object of report.json (`read_run`), its per-unit scores included until the
     report drops them."""
-    return read_run(rd, show_secrets=show_secrets).to_json()
+    return read_run(rd, show_secrets=show_secrets).with_units()
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -455,7 +455,7 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
             f"{', ...' if len(missing) > 3 else ''}); run `memaudit probe RUN_DIR` on each first"
         )
     typed = [read_run(rd, show_secrets=show_secrets) for rd in rds]
-    runs = [r.to_json() for r in typed]
+    runs = [r.with_units() for r in typed]
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "memaudit_version": __version__,

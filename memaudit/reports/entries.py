@@ -142,6 +142,17 @@ class RunEntry(Record):
     extracted_members: list = field(default_factory=list)  # their ids and lengths
     units: Mapping[str, Any] = field(default_factory=dict)  # per-unit scores; never in report.json
 
+    def to_json(self) -> dict[str, Any]:
+        """report.json's run object: every field but the per-unit scores."""
+        out = super().to_json()
+        del out["units"]
+        return out
+
+    def with_units(self) -> dict[str, Any]:
+        """The run object with its per-unit scores, as the report holds it until it is written
+        (the tests between runs and their refinements read them)."""
+        return {**self.to_json(), "units": self.units}
+
     @property
     def goldfish(self) -> bool:
         return bool(self.mitigation.goldfish)
