@@ -29,17 +29,19 @@ from memaudit.probes.records import Cell
 
 class Record:
     """A frozen dataclass whose fields are its JSON object's keys, in their order; a field typed
-    as another `Record` (or that or None) holds the nested object."""
+    as another `Record` holds the nested object (typed `Record | None`: None where the JSON has
+    null or nothing; typed `Record`: its defaults there)."""
 
     @classmethod
     @functools.cache
-    def _nested(cls) -> dict[str, type[Record]]:
+    def _nested(cls) -> dict[str, tuple[type[Record], bool]]:
+        """The fields holding a record: its type, and whether the field may be None."""
         out = {}
         for name, hint in typing.get_type_hints(cls).items():
             kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
             sub = [k for k in kinds if isinstance(k, type) and issubclass(k, Record)]
             if sub:
-                out[name] = sub[0]
+                out[name] = (sub[0], type(None) in kinds)
         return out
 
     @classmethod
@@ -59,7 +61,9 @@ class Record:
                 v = f.default_factory()
             else:
                 v = None
-            kw[f.name] = nested[f.name].of(v) if f.name in nested else v
+            if f.name in nested and not (v is None and nested[f.name][1]):
+                v = nested[f.name][0].of(v)
+            kw[f.name] = v
         return cls(**kw)
 
     def to_json(self) -> dict[str, Any]:

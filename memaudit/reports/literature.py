@@ -36,6 +36,7 @@ References:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ import numpy as np
 from memaudit.backends import BACKENDS
 from memaudit.probes.records import Cell
 from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
-from memaudit.reports.entries import RunEntry, entries
+from memaudit.reports.entries import Record, RunEntry, entries
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
 
@@ -209,6 +210,117 @@ def _dp_learns(runs: list[RunEntry], all_runs: list[RunEntry],
     return out
 
 
+# ----------------------------------------------------------------------------- the section, read
+@dataclass(frozen=True, kw_only=True)
+class SectionTest(Record):
+    """One test of the section: the bucket's Mann-Whitney test or a run's trend (Spearman `rho`),
+    with its adjustment once the report's family is corrected."""
+
+    test: str | None = None
+    rho: float | None = None
+    p_value: float | None = None
+    n_a: int | None = None
+    n_b: int | None = None
+    unit: str | None = None
+    p_adjusted: float | None = None
+    correction: str | None = None
+    family: int | None = None
+    alpha: float | None = None
+    verdict: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bucket(Record):
+    """A run's canaries of one repetition count and owner kind: the excess over the references."""
+
+    repetitions: int | None = None
+    owner_kind: str | None = None
+    effective_epsilon: float | None = None
+    rule: str | None = None
+    test: SectionTest | None = None
+    excess: dict | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExposureEntry(Record):
+    run: str | None = None
+    label: str | None = None
+    backend: str | None = None
+    epsilon: float = math.inf
+    unit: str | None = None
+    trend: SectionTest | None = None
+    buckets: list = field(default_factory=list)
+
+    def each_bucket(self) -> list[Bucket]:
+        return [Bucket.of(b) for b in self.buckets or []]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllThresholds(Record):
+    eps: float | None = None
+    confidence: float | None = None
+    thresholds: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GdpEstimate(Record):
+    eps: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    assumes: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditEntry(Record):
+    run: str | None = None
+    label: str | None = None
+    bound: float | None = None
+    ledger_epsilon: float = math.inf
+    ceiling: float | None = None
+    n: int | None = None
+    unit: str | None = None
+    confidence: float | None = None
+    verdict: str | None = None
+    guesses: int | None = None
+    correct: int | None = None
+    canaries: str | None = None
+    score: str | None = None
+    all_thresholds: AllThresholds | None = None
+    gdp_estimate: GdpEstimate | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpLearns(Record):
+    backend: str | None = None
+    run: str | None = None
+    label: str | None = None
+    epsilon: float | None = None
+    closed: dict | None = None
+    loss: dict | None = None
+    verdict: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractionEntry(Record):
+    run: str | None = None
+    label: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section(Record):
+    """The section as report.json holds it, read for its sentences."""
+
+    exposure: list = field(default_factory=list)
+    extraction: list = field(default_factory=list)
+    audit: list = field(default_factory=list)
+    dp_learns: list = field(default_factory=list)
+
+    def exposure_entries(self) -> list[ExposureEntry]:
+        return [ExposureEntry.of(e) for e in self.exposure or []]
+
+
 # ----------------------------------------------------------------------------- the section
 def _holm(tests: list[dict[str, Any]]) -> None:
     adj = holm([t["p_value"] for t in tests]) if tests else []
@@ -217,87 +329,95 @@ def _holm(tests: list[dict[str, Any]]) -> None:
                  verdict="shown" if p <= ALPHA else "not shown")
 
 
-def _trend_sentences(sec: dict[str, Any]) -> list[str]:
+def _trend_sentences(sec: Section) -> list[str]:
     out = []
-    for e in sec["exposure"]:
-        t = e["trend"]
+    for e in sec.exposure_entries():
+        t = e.trend
         if t:
-            out.append(f"{e['label']}: exposure rises with repetitions {'(shown)' if t['verdict'] == 'shown' else '(not shown)'}"
-                       f": Spearman rho = {t['rho']:.2f}, n = {t['n_a']} canaries, Holm p = {t['p_adjusted']:.3g}")
+            out.append(f"{e.label}: exposure rises with repetitions {'(shown)' if t.verdict == 'shown' else '(not shown)'}"
+                       f": Spearman rho = {t.rho:.2f}, n = {t.n_a} canaries, Holm p = {t.p_adjusted:.3g}")
     return out
 
 
-def extraction_sentences(sec: dict[str, Any]) -> list[str]:
+@dataclass(frozen=True, kw_only=True)
+class Extracted(Record):
+    """k of n units extracted (`what`), as the section's extraction cells say."""
+
+    k: int | None = None
+    n: int | None = None
+    what: str | None = None
+
+
+def extraction_sentences(sec: dict[str, Any] | Section) -> list[str]:
     """One sentence per non-DP run: k/n per extraction metric."""
     out = []
-    for x in sec["extraction"]:
-        ms = x["metrics"]  # in EXTRACTION's order, whatever order a stored report kept
-        parts = [f"{ms[k]['k']}/{ms[k]['n']} {ms[k]['what']}" for k, _ in EXTRACTION if k in ms]
+    for x in map(ExtractionEntry.of, Section.of(sec).extraction):
+        ms = {k: Extracted.of(c) for k, c in x.metrics.items()}  # in EXTRACTION's order, whatever a stored report kept
+        parts = [f"{ms[k].k}/{ms[k].n} {ms[k].what}" for k, _ in EXTRACTION if k in ms]
         if parts:
-            out.append(f"{x['label']}: " + ", ".join(parts))
+            out.append(f"{x.label}: " + ", ".join(parts))
     return out
 
 
 AUDIT_CANARY_TEXT = {"secret": "random secrets by log-likelihood", "document": "new users' messages by Min-K%"}
 
 
-def audit_sentences(sec: dict[str, Any]) -> list[str]:
+def audit_sentences(sec: dict[str, Any] | Section) -> list[str]:
     """One sentence per audit run: its lower bound against the ledger's epsilon."""
     out = []
-    for a in sec["audit"]:
-        led = "no DP" if math.isinf(a["ledger_epsilon"]) else f"ledger epsilon = {a['ledger_epsilon']:.3g}"
-        kind = a.get("canaries") or "secret"  # a report from before the kinds: secrets
+    for a in map(AuditEntry.of, Section.of(sec).audit):
+        led = "no DP" if math.isinf(a.ledger_epsilon) else f"ledger epsilon = {a.ledger_epsilon:.3g}"
+        kind = a.canaries or "secret"  # a report from before the kinds: secrets
         what = AUDIT_CANARY_TEXT.get(kind, kind)
-        guessed = (f", {a['correct']} of {a['guesses']} guesses right" if a.get("guesses") else "")
-        conf = f", {a['confidence']:.0%} one-sided" if a.get("confidence") else ""
-        out.append(f"{a['label']}: one-run audit lower bound epsilon >= {a['bound']:.3g} ({led}; "
-                   f"n = {a['n']} {a['unit']}, {what}{guessed}{conf}; ceiling {a['ceiling']:.3g}): "
-                   f"{a['verdict']}{_other_estimators(a)}")
+        guessed = (f", {a.correct} of {a.guesses} guesses right" if a.guesses else "")
+        conf = f", {a.confidence:.0%} one-sided" if a.confidence else ""
+        out.append(f"{a.label}: one-run audit lower bound epsilon >= {a.bound:.3g} ({led}; "
+                   f"n = {a.n} {a.unit}, {what}{guessed}{conf}; ceiling {a.ceiling:.3g}): "
+                   f"{a.verdict}{_other_estimators(a)}")
     return out
 
 
-def _other_estimators(a: dict[str, Any]) -> str:
+def _other_estimators(a: AuditEntry) -> str:
     """The all-thresholds bound and the Gaussian-DP estimate beside the one-run bound, each named
     for what it is."""
     parts = []
-    if a.get("all_thresholds"):
-        t = a["all_thresholds"]
-        parts.append(f"all-thresholds lower bound epsilon >= {t['eps']:.3g} ({t['confidence']:.0%} one-sided, "
-                     f"Bonferroni over {t['thresholds']} thresholds)")
-    if a.get("gdp_estimate"):
-        g = a["gdp_estimate"]
-        parts.append(f"Gaussian-DP estimate epsilon = {g['eps']:.3g} [{g['ci_low']:.3g}, {g['ci_high']:.3g}] "
-                     f"(an estimate, not a bound: assumes {g['assumes']})")
+    if (t := a.all_thresholds) is not None:
+        parts.append(f"all-thresholds lower bound epsilon >= {t.eps:.3g} ({t.confidence:.0%} one-sided, "
+                     f"Bonferroni over {t.thresholds} thresholds)")
+    if (g := a.gdp_estimate) is not None:
+        parts.append(f"Gaussian-DP estimate epsilon = {g.eps:.3g} [{g.ci_low:.3g}, {g.ci_high:.3g}] "
+                     f"(an estimate, not a bound: assumes {g.assumes})")
     return ("; " + "; ".join(parts)) if parts else ""
 
 
-def dp_learns_sentences(sec: dict[str, Any]) -> list[str]:
+def dp_learns_sentences(sec: dict[str, Any] | Section) -> list[str]:
     """One sentence per DP run: the share of the public-base-to-non-DP loss gap it closes."""
     out = []
-    for g in sec["dp_learns"]:
-        c = g["closed"]
-        if c is None:
-            out.append(f"{g['label']}: {g['verdict']}")
+    for g in map(DpLearns.of, Section.of(sec).dp_learns):
+        if g.closed is None:
+            out.append(f"{g.label}: {g.verdict}")
             continue
-        ci = f" [{c['ci_low']:.0%}, {c['ci_high']:.0%}]" if c.get("ci_low") is not None else ""
-        out.append(f"{g['label']}: closes {c['value']:.0%}{ci} of the holdout-loss gap between the public "
-                   f"base and the non-DP fine-tune (n = {c['n']} holdout documents): {g['verdict']}")
+        c = Cell.from_json(g.closed)
+        ci = f" [{c.ci_low:.0%}, {c.ci_high:.0%}]" if c.ci_low is not None else ""
+        out.append(f"{g.label}: closes {c.value:.0%}{ci} of the holdout-loss gap between the public "
+                   f"base and the non-DP fine-tune (n = {c.n} holdout documents): {g.verdict}")
     return out
 
 
 def _sentences(sec: dict[str, Any]) -> list[str]:
-    return [*_trend_sentences(sec), *_contrast(sec["exposure"]), *extraction_sentences(sec),
-            *audit_sentences(sec), *dp_learns_sentences(sec)]
+    read = Section.of(sec)
+    return [*_trend_sentences(read), *_contrast(read.exposure), *extraction_sentences(read),
+            *audit_sentences(read), *dp_learns_sentences(read)]
 
 
-def contrast_buckets(exposure: list[dict[str, Any]], *, dp_only: bool = False):
+def contrast_buckets(exposure: list[dict[str, Any]], *, dp_only: bool = False) -> list[tuple[ExposureEntry, Bucket]]:
     """(run entry, bucket) per run: its tested user-owned canaries at the most repetitions, the
     bucket where example-level and user-level DP differ most (without DP too unless `dp_only`)."""
     out = []
-    for e in exposure:
-        rows = [b for b in e["buckets"] if b["owner_kind"] == "user" and b.get("test")]
-        if rows and not (dp_only and math.isinf(e["epsilon"])):
-            out.append((e, max(rows, key=lambda b: b["repetitions"])))
+    for e in map(ExposureEntry.of, exposure):
+        rows = [b for b in e.each_bucket() if b.owner_kind == "user" and b.test]
+        if rows and not (dp_only and math.isinf(e.epsilon)):
+            out.append((e, max(rows, key=lambda b: b.repetitions)))
     return out
 
 
@@ -305,13 +425,13 @@ def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
     """Example-level vs user-level DP on the same user-owned canaries at the most repetitions."""
     out = []
     for e, b in contrast_buckets(exposure, dp_only=True):
-        x = b["excess"]
-        ci = f" [{x['ci_low']:.2f}, {x['ci_high']:.2f}]" if x.get("ci_low") is not None else ""
-        ge = ">= " if x.get("lower_bound") else ""
-        out.append(f"{e['label']}, canaries one user repeats {b['repetitions']} times (effective epsilon = "
-                   f"{b['effective_epsilon']:.3g}, {b['rule']}): excess exposure {ge}{x['value']:.2f}{ci} bits over "
-                   f"the references (n = {x['n']} canaries), {b['test']['verdict']} "
-                   f"(Holm p = {b['test']['p_adjusted']:.3g})")
+        x = Cell.from_json(b.excess)
+        ci = f" [{x.ci_low:.2f}, {x.ci_high:.2f}]" if x.ci_low is not None else ""
+        ge = ">= " if x.lower_bound else ""
+        out.append(f"{e.label}, canaries one user repeats {b.repetitions} times (effective epsilon = "
+                   f"{b.effective_epsilon:.3g}, {b.rule}): excess exposure {ge}{x.value:.2f}{ci} bits over "
+                   f"the references (n = {x.n} canaries), {b.test.verdict} "
+                   f"(Holm p = {b.test.p_adjusted:.3g})")
     return out
 
 

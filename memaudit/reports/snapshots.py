@@ -135,8 +135,8 @@ def _literature_lines(lit: dict[str, Any]) -> list[str]:
         out.append(f"- Exposure rises with repetitions (one-sided Spearman, n = {t['n_a']} canaries a run): "
                    f"shown in {len(shown)} of {len(trends)} runs{' (' + '; '.join(shown) + ')' if shown else ''}; "
                    f"strongest: {lbl}, rho = {t['rho']:.2f}, Holm p = {readme_number(t['p_adjusted'])}.")
-    rows = [f"| {e['label']} | {b['repetitions']} | {readme_number(b['effective_epsilon'])} | {format_cell(b['excess'], README_CELL)} | "
-            f"{b['test']['verdict']} (Holm p = {readme_number(b['test']['p_adjusted'])}) |"
+    rows = [f"| {e.label} | {b.repetitions} | {readme_number(b.effective_epsilon)} | {format_cell(b.excess, README_CELL)} | "
+            f"{b.test.verdict} (Holm p = {readme_number(b.test.p_adjusted)}) |"
             for e, b in contrast_buckets(lit.get("exposure", []))]
     if rows:
         out += [("- Group privacy on the same canaries (one user owns every copy; Mann-Whitney, inserted > "
