@@ -258,6 +258,12 @@ class GoldfishScore:
 
 
 # ----------------------------------------------------------------------------- the document
+def _weights(target: Any) -> str | None:
+    """The weights' fingerprint a probes.json's target records (None: written before it existed)."""
+    value = target.get("weights_sha256") if isinstance(target, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
 @dataclass(frozen=True)
 class ProbeSection:
     """One probe's section: its summary and its per-unit scores, as probes.json holds them, and
@@ -350,8 +356,7 @@ class ProbesDoc:
     @property
     def weights_sha256(self) -> str | None:
         """The fingerprint of the weights it measured (None: written before it existed)."""
-        value = self.target.get("weights_sha256")
-        return value if isinstance(value, str) else None
+        return _weights(self.target)
 
     @property
     def distribution_shift(self) -> dict | None:
@@ -374,6 +379,24 @@ class ProbesDoc:
         return cls(schema=SCHEMA, target=target if isinstance(target, dict) else {},
                    settings=obj.get("settings") or {}, probes=probes, counts=obj.get("counts") or {},
                    checks=checks if isinstance(checks, dict) else {})
+
+
+@dataclass(frozen=True)
+class ProbesStamp:
+    """What a probes.json says of how it was made: the probe settings and the weights' fingerprint
+    (None where it does not say, or is not a JSON object)."""
+
+    settings: Any
+    weights_sha256: str | None
+
+
+def read_stamp(path: str | os.PathLike) -> ProbesStamp:
+    """The stamp of the probes.json at `path`, read without checking the rest of the document:
+    whether it is current is all a sweep asks (`memaudit.sweep.point.probe_reason`)."""
+    obj = read_json(path)
+    if not isinstance(obj, dict):
+        return ProbesStamp(settings=None, weights_sha256=None)
+    return ProbesStamp(settings=obj.get("settings"), weights_sha256=_weights(obj.get("target")))
 
 
 def read_probes(path: str | os.PathLike) -> ProbesDoc:

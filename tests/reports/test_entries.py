@@ -9,7 +9,7 @@ import math
 import pytest
 
 from memaudit.errors import DataError
-from memaudit.probes.document import ProbesDoc, read_probes, write_probes
+from memaudit.probes.document import ProbesDoc, read_probes, read_stamp, write_probes
 from memaudit.probes.records import Cell
 from memaudit.reports.build import build_report, comparisons
 from memaudit.reports.entries import Comparisons, RunEntry, blocks, entries
@@ -83,6 +83,20 @@ def test_probes_json_is_written_and_read_back_by_one_module(tmp_path):
     assert attack.tpr_at_fpr["0.1"].value == pytest.approx(0.2)
     assert [(u.user, u.score, u.training_user) for u in users.user_scores()] == [
         (r["user"], r["score"], r["training_user"]) for r in doc["probes"]["user_inference"]["scores"]]
+
+
+@pytest.mark.parametrize("content, settings, weights", [
+    ('{"settings": {"batch_size": 4}, "target": {"weights_sha256": "ab"}}', {"batch_size": 4}, "ab"),
+    ('{"settings": {"batch_size": 4}}', {"batch_size": 4}, None),  # written before the fingerprint
+    ('{"target": {"weights_sha256": 3}}', None, None),
+    ("[1, 2]", None, None)])
+def test_a_sweep_reads_the_stamp_of_any_json_file(tmp_path, content, settings, weights):
+    """What a sweep asks of a stored probes.json (its settings and weights), read from whatever
+    JSON it holds: a file that says neither is re-probed, not refused."""
+    path = tmp_path / "probes.json"
+    path.write_text(content, encoding="utf-8")
+    stamp = read_stamp(path)
+    assert (stamp.settings, stamp.weights_sha256) == (settings, weights)
 
 
 @pytest.mark.parametrize("content, what", [('{"schema": 2, "probes": {}}', "schema 2"),
