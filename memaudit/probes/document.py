@@ -338,6 +338,18 @@ class ProbeSection:
 
 
 @dataclass(frozen=True)
+class TargetInfo:
+    """The probed model: its name or path, where it came from (folder, hub, adapter), an
+    adapter's base, the membership reference, and the weights' fingerprint."""
+
+    model: str | None
+    source: str | None
+    base: str | None
+    reference: str | None
+    weights_sha256: str | None
+
+
+@dataclass(frozen=True)
 class ProbesDoc:
     """probes.json: schema, target and one section per probe."""
 
@@ -357,6 +369,13 @@ class ProbesDoc:
     def weights_sha256(self) -> str | None:
         """The fingerprint of the weights it measured (None: written before it existed)."""
         return _weights(self.target)
+
+    @property
+    def about(self) -> TargetInfo:
+        """What the probed model is, as `memaudit probe` recorded it."""
+        t = self.target
+        return TargetInfo(model=t.get("model"), source=t.get("source"), base=t.get("base"),
+                          reference=t.get("reference"), weights_sha256=self.weights_sha256)
 
     @property
     def distribution_shift(self) -> dict | None:

@@ -14,7 +14,6 @@ from typing import Any
 
 from memaudit.backends import BACKENDS, CENTRALIZED, backend_name
 from memaudit.errors import DataError
-from memaudit.probes.document import ProbesDoc, ProbeSection  # noqa: F401 - probes.json lives there
 
 
 def _need(obj: dict, key: str, kind, source: str, where: str = ""):

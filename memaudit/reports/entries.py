@@ -46,9 +46,12 @@ class Record:
 
     @classmethod
     def of(cls, d: Mapping[str, Any] | Record | None):
-        """The record of JSON object `d` (itself when already one; a missing key: its default)."""
+        """The record of JSON object `d` (itself when already one; a record of another kind by its
+        fields of the same names; a missing key: its default)."""
         if isinstance(d, cls):
             return d
+        if isinstance(d, Record):
+            d = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
         d = d if isinstance(d, Mapping) else {}
         nested = cls._nested()
         kw = {}
@@ -374,3 +377,81 @@ class Block(Record):
 def blocks(comparisons: Mapping[str, Any] | None, name: str) -> list[Block]:
     """The comparisons' blocks of one kind ("matched", "samplings", "effects", "targets")."""
     return [Block.of(b) for b in (comparisons or {}).get(name) or []]
+
+
+# ----------------------------------------------------------------------------- per-unit scores
+@dataclass(frozen=True, kw_only=True)
+class UnitScores(Record):
+    """One metric's per-unit scores (`memaudit.reports.probes_adapter.units_of`): the units' ids
+    and values, the kind of statistic the tests between runs compute on them (mean, binary, auc,
+    exposure) and what a unit is; an attack's member flags, a canary's role, repetitions, owner
+    kind and whether it sits at the exposure estimator's ceiling. Never written to report.json."""
+
+    kind: str | None = None
+    unit: str | None = None
+    ids: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    member: list | None = None
+    lower_bound: list | None = None
+    role: list | None = None
+    repetitions: list | None = None
+    owner_kind: list | None = None
+
+
+# ----------------------------------------------------------------------------- probed targets
+@dataclass(frozen=True, kw_only=True)
+class TargetPrivacy(Record):
+    epsilon: Any = None  # a number, or "unknown" without a ledger beside the probes.json
+    unit: str | None = None
+    delta: float | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shift(Record):
+    """The blind classifier's check: members vs non-members told apart on the texts alone."""
+
+    auc: float | None = None
+    flagged: bool = False
+    note: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetEntry(Record):
+    """A probed outside model (report.json's `targets[]`, `memaudit.reports.targets`)."""
+
+    id: str
+    model: str | None = None
+    source: str | None = None
+    base: str | None = None
+    reference: str | None = None
+    weights_sha256: str | None = None
+    privacy: TargetPrivacy = field(default_factory=TargetPrivacy)
+    counts: dict = field(default_factory=dict)
+    shift: Shift | None = None
+    attacks: list = field(default_factory=list)  # every membership attack: its name, AUC and TPR cells
+    leakage: Mapping[str, Cell] = field(default_factory=dict)
+    probe_rows: list = field(default_factory=list)
+    units: Mapping[str, Any] = field(default_factory=dict)
+    verdict: dict | None = None
+    roc: dict | None = None
+
+    def cell(self, metric: str) -> Cell | None:
+        return self.leakage.get(metric)
+
+    def units_of(self, metric: str) -> Any:
+        return (self.units or {}).get(metric)
+
+    def each_attack(self) -> list[AttackCells]:
+        return [AttackCells.of(a) for a in self.attacks or []]
+
+    def attack_aucs(self) -> dict[str, Cell]:
+        """Each membership attack's AUC cell, by attack."""
+        return {a.attack: Cell.from_json(a.auc) for a in self.each_attack()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttackCells(Record):
+    attack: str | None = None
+    auc: dict | None = None
+    tpr_at_fpr: dict = field(default_factory=dict)

@@ -44,7 +44,7 @@ import numpy as np
 from memaudit.backends import BACKENDS
 from memaudit.probes.records import Cell
 from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
-from memaudit.reports.entries import Record, RunEntry, entries
+from memaudit.reports.entries import Record, RunEntry, UnitScores, entries
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
 
@@ -83,14 +83,14 @@ def _exposure_run(run: RunEntry, rng: np.random.Generator) -> dict[str, Any] | N
     from scipy.stats import mannwhitneyu, spearmanr
 
 
-    u = run.units_of("exposure_canaries")
-    if not u:
+    if not (raw := run.units_of("exposure_canaries")):
         return None
-    refs = np.asarray([v for v, role in zip(u["values"], u["role"], strict=True) if role == "reference"])
-    at_top = u.get("lower_bound") or [False] * len(u["values"])  # reports from before the flag
-    ins = [(v, r, o) for v, role, r, o in zip(u["values"], u["role"], u["repetitions"], u["owner_kind"],
-                                               strict=True) if role == "inserted"]
-    bounded = [b for b, role in zip(at_top, u["role"], strict=True) if role == "inserted"]
+    u = UnitScores.of(raw)
+    refs = np.asarray([v for v, role in zip(u.values, u.role, strict=True) if role == "reference"])
+    at_top = u.lower_bound or [False] * len(u.values)  # reports from before the flag
+    ins = [(v, r, o) for v, role, r, o in zip(u.values, u.role, u.repetitions, u.owner_kind, strict=True)
+           if role == "inserted"]
+    bounded = [b for b, role in zip(at_top, u.role, strict=True) if role == "inserted"]
     if not len(refs) or not ins:
         return None
     groups = {(g["repetitions"], g["owner_kind"]): g for g in run.group_privacy or []}
@@ -165,10 +165,10 @@ def _audit(runs: list[RunEntry]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- DP learns
 def _holdout_losses(run: RunEntry) -> dict[str, float]:
     """Per-document mean token loss of the membership probe's non-members (holdout documents)."""
-    u = run.units_of("mia_auc")
-    if not u:
+    if not (raw := run.units_of("mia_auc")):
         return {}
-    return {i: -float(v) for i, v, m in zip(u["ids"], u["values"], u["member"], strict=True) if not m}
+    u = UnitScores.of(raw)
+    return {i: -float(v) for i, v, m in zip(u.ids, u.values, u.member, strict=True) if not m}
 
 
 def _dp_learns(runs: list[RunEntry], all_runs: list[RunEntry],

@@ -51,7 +51,7 @@ from memaudit.probes.stats import (
     rate_summary,
 )
 from memaudit.reports.compare import nominal_epsilon, pool
-from memaudit.reports.entries import RunEntry, entries
+from memaudit.reports.entries import RunEntry, UnitScores, entries
 from memaudit.rundir import RunDir
 
 ALPHA = 0.05
@@ -116,10 +116,11 @@ def _suffix_tokens(doc: ProbesDoc) -> int | None:
 
 
 def _cell(units: dict[str, Any]) -> Cell:
-    x = np.asarray(units["values"], float)
-    if units["kind"] == "binary":
-        return rate_summary(x, unit=units["unit"])
-    return mean_summary(x, unit=units["unit"])
+    u = UnitScores.of(units)
+    x = np.asarray(u.values, float)
+    if u.kind == "binary":
+        return rate_summary(x, unit=u.unit)
+    return mean_summary(x, unit=u.unit)
 
 
 def _preset_order() -> tuple[str, ...]:
@@ -171,12 +172,13 @@ def _condition_label(backend: str, eps: float) -> str:
 def _test(a: list[ScaleRun], b: list[ScaleRun], metric: str, bucket: str, alternative: str) -> dict:
     """The test of one cell pair: over seeds when both sides have several, else on units."""
     ua, ub = a[0].scores(metric)[bucket], b[0].scores(metric)[bucket]
-    if min(len(ua["ids"]), len(ub["ids"])) < MIN_N:
+    sa, sb = UnitScores.of(ua), UnitScores.of(ub)
+    if min(len(sa.ids), len(sb.ids)) < MIN_N:
         return {"verdict": N_TOO_SMALL, "test": None,
-                "note": f"{len(ua['ids'])}/{len(ub['ids'])} {ua['unit']}, needs >= {MIN_N} a side"}
+                "note": f"{len(sa.ids)}/{len(sb.ids)} {sa.unit}, needs >= {MIN_N} a side"}
 
     def seeds(rs):
-        return [float(np.mean(u["values"])) for r in rs
+        return [float(np.mean(UnitScores.of(u).values)) for r in rs
                 if (u := r.scores(metric).get(bucket)) is not None]
 
     va, vb = seeds(a), seeds(b)
