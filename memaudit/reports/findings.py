@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
@@ -42,7 +42,7 @@ from memaudit.reports.cells import (
     number,
     verdict,
 )
-from memaudit.reports.entries import Comparisons, blocks, entries
+from memaudit.reports.entries import Comparisons, Record, blocks, entries
 
 ALPHA = 0.05
 CORRECTION = "holm"
@@ -548,6 +548,47 @@ MAX_HEADLINE = 6
 GROUP_ORDER = {"targets": -1, "matched_utility": 0, "effect": 1, "audit": 2, "backend": 3, "sampling": 4}
 
 
+@dataclass(frozen=True, kw_only=True)
+class Series(Record):
+    """What the findings of one treatment at several levels share (`effect_findings`)."""
+
+    backend_label: str | None = None
+    treatment: str | None = None
+    level: str | None = None
+    epsilon: float | None = None
+    perplexity: list = field(default_factory=list)  # treated, baseline
+    tolerance: float | None = None
+    key: list | None = None
+    treated: str | None = None
+    baseline: str | None = None
+    test_text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sentence(Record):
+    """A finding as the findings section holds it (`Finding.to_json`, or an audit's)."""
+
+    kind: str | None = None
+    group: str | None = None
+    metric: str | None = None
+    claim: str | None = None
+    evidence: str | None = None
+    short: str | None = None
+    caveat: str | None = None
+    verdict: str | None = None
+    scope: str | None = None
+    test: str | None = None
+    p_adjusted: float | None = 0.0  # an audit has none: it sorts first within its group
+    correction: str | None = None
+    family: int | None = None
+    text: str | None = None
+    series: Series | None = None
+
+    @property
+    def passes(self) -> bool:
+        return self.verdict in ("less", "more")
+
+
 def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list[dict[str, Any]]:
     """The first screen's findings: the differences that pass the statistical rules (Holm-adjusted
     p < alpha on a test of the runs' units or seeds) and audits above the ledger, at most `limit`:
@@ -555,13 +596,12 @@ def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list
     adjusted p first within each. One treatment's findings on one metric at several privacy levels
     (DP at each epsilon against the same non-DP run, the same verdict) are one entry that names
     every level and gives each level's cell: five near-identical sentences would bury the rest."""
-    passing = [s for s in sentences if s["verdict"] in ("less", "more")]
-    passing.sort(key=lambda s: (GROUP_ORDER.get(s["group"], 9), s.get("p_adjusted", 0.0)))
-    entries: list[list[dict[str, Any]]] = []
-    by_key: dict[Any, list[dict[str, Any]]] = {}
+    passing = [s for s in map(Sentence.of, sentences) if s.passes]
+    passing.sort(key=lambda s: (GROUP_ORDER.get(s.group, 9), s.p_adjusted))
+    entries: list[list[Sentence]] = []
+    by_key: dict[Any, list[Sentence]] = {}
     for s in passing:
-        ser = s.get("series") or {}
-        key = tuple(ser["key"]) if ser.get("level") is not None else None  # only DP levels merge
+        key = tuple(s.series.key) if s.series is not None and s.series.level is not None else None  # only DP levels merge
         if key in by_key:
             by_key[key].append(s)
             continue
@@ -572,55 +612,55 @@ def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list
     for group in entries[:limit]:
         s = group[0]
         if len(group) == 1:
-            out.append({"text": s.get("claim", s["text"]), "evidence": s.get("evidence") or s.get("test"),
-                        "caveat": s.get("caveat"), "verdict": s["verdict"], "group": s["group"],
-                        "metric": s["metric"], "covers": 1})
+            out.append({"text": s.text if s.claim is None else s.claim, "evidence": s.evidence or s.test,
+                        "caveat": s.caveat, "verdict": s.verdict, "group": s.group,
+                        "metric": s.metric, "covers": 1})
         else:
             out.append(_series_entry(group))
     return out
 
 
-def _series_entry(group: list[dict[str, Any]]) -> dict[str, Any]:
+def _series_entry(group: list[Sentence]) -> dict[str, Any]:
     """One first-screen entry for a treatment's passing findings at several levels."""
-    group = sorted(group, key=lambda s: -(s["series"]["epsilon"] or 0.0))
-    s0, ser = group[0], group[0]["series"]
-    label = METRICS[s0["metric"]][0]
-    levels = ", ".join(s["series"]["level"].removeprefix("epsilon = ") for s in group)
-    scope = "for these configurations" if s0["scope"] == "configurations" else "in these runs"
-    text = (f"{ser['backend_label']}, {scope}: with DP at each of epsilon = {levels} ({len(group)} levels) "
-            f"leaks {s0['verdict']} than without on {label}")
-    rel = {id(s): _utility_relation(*s["series"]["perplexity"], s["series"].get("tolerance")) for s in group}
+    group = sorted(group, key=lambda s: -(s.series.epsilon or 0.0))
+    s0, ser = group[0], group[0].series
+    label = METRICS[s0.metric][0]
+    levels = ", ".join(s.series.level.removeprefix("epsilon = ") for s in group)
+    scope = "for these configurations" if s0.scope == "configurations" else "in these runs"
+    text = (f"{ser.backend_label}, {scope}: with DP at each of epsilon = {levels} ({len(group)} levels) "
+            f"leaks {s0.verdict} than without on {label}")
+    rel = {id(s): _utility_relation(*s.series.perplexity, s.series.tolerance) for s in group}
 
-    def level_cell(s: dict[str, Any]) -> str:
-        t, b = s["series"]["perplexity"]
+    def level_cell(s: Sentence) -> str:
+        t, b = s.series.perplexity
         tag = f" (matched utility: perplexity {t:.4g} vs {b:.4g})" if rel[id(s)] == "matched" else ""
-        return f"{s['series']['level']}: {s['series']['treated']}{tag}"
+        return f"{s.series.level}: {s.series.treated}{tag}"
 
     cells = "; ".join(level_cell(s) for s in group)
-    p_max = max(s["p_adjusted"] for s in group)
-    evidence = (f"{cells}; without DP {ser['baseline']}; {ser['test_text']} at each level, "
-                f"{s0['correction'].capitalize()}-adjusted p <= {p_max:.3g} over {s0['family']} tests")
-    return {"text": text, "evidence": evidence, "caveat": _series_caveat(group, rel), "verdict": s0["verdict"],
-            "group": s0["group"], "metric": s0["metric"], "covers": len(group)}
+    p_max = max(s.p_adjusted for s in group)
+    evidence = (f"{cells}; without DP {ser.baseline}; {ser.test_text} at each level, "
+                f"{s0.correction.capitalize()}-adjusted p <= {p_max:.3g} over {s0.family} tests")
+    return {"text": text, "evidence": evidence, "caveat": _series_caveat(group, rel), "verdict": s0.verdict,
+            "group": s0.group, "metric": s0.metric, "covers": len(group)}
 
 
-def _series_caveat(group: list[dict[str, Any]], rel: dict[int, str | None]) -> str | None:
+def _series_caveat(group: list[Sentence], rel: dict[int, str | None]) -> str | None:
     """The levels not at matched utility, by which side learned less (`_utility_caveat`), in one
     line; the baseline's perplexity is the same for every level."""
     parts = []
-    less = group[0]["verdict"] == "less"  # the treatment is the side that leaks less
+    less = group[0].verdict == "less"  # the treatment is the side that leaks less
     for side in ("worse", "better"):
         sel = [s for s in group if rel[id(s)] == side]
         if not sel:
             continue
-        ts = sorted(s["series"]["perplexity"][0] for s in sel)
-        levels = ", ".join(s["series"]["level"].removeprefix("epsilon = ") for s in sel)
+        ts = sorted(s.series.perplexity[0] for s in sel)
+        levels = ", ".join(s.series.level.removeprefix("epsilon = ") for s in sel)
         span = f"{ts[0]:.4g}" if len(ts) == 1 else f"{ts[0]:.4g} to {ts[-1]:.4g}"
         reason = LEARNED_LESS if (side == "worse") == less else LEARNED_MORE
         parts.append(f"not at matched utility at epsilon = {levels} (holdout perplexity {span} with DP vs "
-                     f"{sel[0]['series']['perplexity'][1]:.4g} without): {reason}")
+                     f"{sel[0].series.perplexity[1]:.4g} without): {reason}")
     if any(rel[id(s)] is None for s in group):  # utilities unknown: keep what each finding said
-        parts += [s["caveat"] for s in group if rel[id(s)] is None and s.get("caveat")]
+        parts += [s.caveat for s in group if rel[id(s)] is None and s.caveat]
     return "; ".join(dict.fromkeys(parts)) or None
 
 
@@ -636,10 +676,11 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     sentences = (target_findings(rep) + utility_findings(rep) + backend_findings(rep)
                  + sampling_findings(rep) + effect_findings(rep) + audit_findings(rep))
     # the sections' passing tests too: "N of M tests pass" counts over the one family
-    passing = sum(s["verdict"] in ("less", "more") for s in sentences) + _section_passing(rep)
+    read = [Sentence.of(s) for s in sentences]
+    passing = sum(s.passes for s in read) + _section_passing(rep)
     head = headline(sentences)
     return {"sentences": sentences, "headline": head, "passing": passing,
             "covered": sum(h["covers"] for h in head),
             "matched_pairs": pair_lines(rep),
-            "no_difference": [s["short"] for s in sentences if s["verdict"] == NO_DIFFERENCE],
+            "no_difference": [s.short for s in read if s.verdict == NO_DIFFERENCE],
             "caveats": caveats(rep), "correction": CORRECTION, "tests": family, "alpha": ALPHA}
