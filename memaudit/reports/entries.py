@@ -1,12 +1,17 @@
-"""A run's entry as the report reads it: typed, made once from the run's files.
+"""The report's records, typed: a run's entry, a probed model's entry, per-unit scores.
 
-`memaudit.reports.build.run_entry` makes a `RunEntry` from run.json, privacy.json, metrics.jsonl
+`memaudit.reports.build.read_run` makes a `RunEntry` from run.json, privacy.json, metrics.jsonl
 and probes.json: the run's configuration (`ModelSummary`, `DataSummary`, `Mitigation`), its
 ledger's figures (`PrivacySummary`), its utility (`Utility`) and what its probes measured (the
-leakage cells, the probe table, the per-unit scores). The report's comparisons, frontier and
-sections read its attributes. `to_json` gives report.json's run object, each record's fields in
-their order; `RunEntry.of` reads one back (report.json, or a run object made by hand), a missing
-key taking its field's default, so a report written by an older memaudit still reads.
+leakage cells, the probe table, the per-unit scores, `UnitScores`). `TargetEntry` is a probed
+outside model's (`memaudit.reports.targets`). The report's comparisons, frontier, sections and
+plots read their attributes; the report's other parts are read with the records of
+`memaudit.reports.blocks`.
+
+Each record is a `Record`: a frozen dataclass whose fields are its JSON object's keys in their
+order. `to_json` gives report.json's object; `Record.of` reads one back (report.json, or an
+object made by hand), a missing key taking its field's default, so a report written by an older
+memaudit still reads.
 
 >>> r = RunEntry.of({"id": "a", "backend": "federated", "privacy": {"epsilon": 8.0, "unit": "user"}})
 >>> r.privacy.epsilon, r.privacy.unit, r.mitigation.goldfish, r.utility.holdout_perplexity
@@ -184,199 +189,6 @@ class RunEntry(Record):
 def entries(runs: Iterable[Mapping[str, Any] | RunEntry]) -> list[RunEntry]:
     """The runs as entries (a JSON run object read with `RunEntry.of`)."""
     return [RunEntry.of(r) for r in runs]
-
-
-# ----------------------------------------------------------------------------- plot data
-@dataclass(frozen=True, kw_only=True)
-class FrontierPoint(Record):
-    """A run on a metric's frontier (`memaudit.reports.frontier`): its utility and the cell."""
-
-    run: str | None = None
-    epsilon: float = math.inf
-    unit: str | None = None
-    perplexity: float | None = None
-    value: float | None = None
-    ci_low: float | None = None
-    ci_high: float | None = None
-    n: int | None = None
-    n_unit: str | None = None
-    note: str | None = None
-    lower_bound: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class RepetitionPoint(Record):
-    """A cell at one repetition count (exposure by repetitions) or repeat bucket (extraction)."""
-
-    repetitions: int | None = None
-    prefix_len: int | None = None
-    repeats: int | None = None
-    value: float | None = None
-    ci_low: float | None = None
-    ci_high: float | None = None
-    lower_bound: bool = False
-
-    @property
-    def errors(self) -> tuple[float, float]:
-        """The error bar's lengths below and above the value (0 without an interval)."""
-        lo = self.value if self.ci_low is None else self.ci_low
-        hi = self.value if self.ci_high is None else self.ci_high
-        return self.value - lo, hi - self.value
-
-
-@dataclass(frozen=True, kw_only=True)
-class Roc(Record):
-    """An ROC curve as the report keeps it (`memaudit.reports.probes_adapter.roc_points`)."""
-
-    fpr: list = field(default_factory=list)
-    tpr: list = field(default_factory=list)
-    auc: float | None = None
-    attack: str | None = None
-    n_pos: int | None = None
-    n_neg: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Spread(Record):
-    mean: float | None = None
-    std: float | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class CurvePoint(Record):
-    """A configuration on the utility curve: its epsilon, perplexity and lead leakage over seeds."""
-
-    epsilon: float = math.inf
-    perplexity: Spread = field(default_factory=Spread)
-    leakage: Spread = field(default_factory=Spread)
-    n_seeds: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class FrontierSeries(Record):
-    label: str | None = None
-    points: list = field(default_factory=list)
-
-    @property
-    def frontier_points(self) -> list[FrontierPoint]:
-        return [FrontierPoint.of(p) for p in self.points]
-
-
-@dataclass(frozen=True, kw_only=True)
-class FrontierMetric(Record):
-    """One headline metric's frontier: a series per backend (and what changes its curve)."""
-
-    label: str | None = None
-    unit: str | None = None
-    series: list = field(default_factory=list)
-    n_points: int = 0
-    all_zero: bool = False
-
-    def each_series(self) -> list[FrontierSeries]:
-        return [FrontierSeries.of(s) for s in self.series]
-
-
-# ----------------------------------------------------------------------------- comparisons
-@dataclass(frozen=True, kw_only=True)
-class CurveSeries(Record):
-    label: str | None = None
-    points: list = field(default_factory=list)
-    leakage_label: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class MatchedPair(Record):
-    """A centralized and a federated run within the utility tolerance (`frontier.matched_utility`):
-    each list holds the centralized side first."""
-
-    runs: list = field(default_factory=list)
-    log_ratio: float | None = None
-    perplexity: list = field(default_factory=list)
-    epsilon: list = field(default_factory=list)
-    units: list = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MatchedUtility(Record):
-    tolerance: float | None = None
-    pairs: list = field(default_factory=list)
-    closest: dict | None = None
-    status: str | None = None
-    message: str | None = None
-
-    def each_pair(self) -> list[MatchedPair]:
-        return [MatchedPair.of(p) for p in self.pairs or []]
-
-
-@dataclass(frozen=True, kw_only=True)
-class FrontierOrigin(Record):
-    run: str | None = None
-    perplexity: float | None = None
-    leakage: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Frontier(Record):
-    utility: str | None = None
-    origin: FrontierOrigin = field(default_factory=FrontierOrigin)
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Comparisons(Record):
-    """report.json's `comparisons`: the blocks of tests (matched epsilon, samplings, effects,
-    matched utility, targets), the utility curves and the frontier."""
-
-    matched: list = field(default_factory=list)
-    samplings: list = field(default_factory=list)
-    effects: list = field(default_factory=list)
-    curves: list = field(default_factory=list)
-    matched_utility: MatchedUtility = field(default_factory=MatchedUtility)
-    frontier: Frontier = field(default_factory=Frontier)
-    targets: list = field(default_factory=list)
-
-    def frontier_metrics(self) -> dict[str, FrontierMetric]:
-        return {k: FrontierMetric.of(m) for k, m in (self.frontier.metrics or {}).items()}
-
-    def origin(self) -> dict[str, FrontierPoint]:
-        """The public base's point per metric ({} without a base)."""
-        return {k: FrontierPoint.of(p) for k, p in (self.frontier.origin.leakage or {}).items()}
-
-    def pair_runs(self) -> list[list[str]]:
-        """The two runs of each matched-utility pair."""
-        return [p.runs for p in self.matched_utility.each_pair()]
-
-    def each_curve(self) -> list[CurveSeries]:
-        return [CurveSeries.of(c) for c in self.curves or []]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Block(Record):
-    """One comparison of two sides, as report.json's `comparisons` lists them: a matched-epsilon
-    backend pair (`units` and `algorithm` by backend), a ULS-vs-ELS sampling pair, a treatment
-    effect (`treatment` against its baseline on `backend_label`) or a pair of probed `targets`.
-    `metrics`: per metric, both sides' cells, the verdict and the test; `perplexity` by side."""
-
-    epsilon: float = math.inf
-    units: Any = None
-    algorithm: dict | None = None
-    equal_guarantee: bool | None = None
-    unit: str | None = None
-    goldfish: bool = False
-    finetune: str = "full"
-    backend: str | None = None
-    backend_label: str | None = None
-    treatment: str | None = None
-    targets: list = field(default_factory=list)
-    skipped: str | None = None
-    metrics: dict = field(default_factory=dict)
-    perplexity: dict = field(default_factory=dict)
-
-
-def blocks(comparisons: Mapping[str, Any] | None, name: str) -> list[Block]:
-    """The comparisons' blocks of one kind ("matched", "samplings", "effects", "targets")."""
-    return [Block.of(b) for b in (comparisons or {}).get(name) or []]
 
 
 # ----------------------------------------------------------------------------- per-unit scores

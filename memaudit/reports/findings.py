@@ -25,13 +25,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
 from memaudit.probes.power import FLOOR_MARGIN, POWER, minimum_detectable_effect
 from memaudit.probes.stats import CORRECTIONS, compare_units
 from memaudit.reports import literature, scale
+from memaudit.reports.blocks import Comparisons, Sentence, blocks
 from memaudit.reports.cells import (
     FINDING,
     METRICS,
@@ -42,7 +43,7 @@ from memaudit.reports.cells import (
     number,
     verdict,
 )
-from memaudit.reports.entries import Comparisons, Record, blocks, entries
+from memaudit.reports.entries import entries
 
 ALPHA = 0.05
 CORRECTION = "holm"
@@ -546,47 +547,6 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
 
 MAX_HEADLINE = 6
 GROUP_ORDER = {"targets": -1, "matched_utility": 0, "effect": 1, "audit": 2, "backend": 3, "sampling": 4}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Series(Record):
-    """What the findings of one treatment at several levels share (`effect_findings`)."""
-
-    backend_label: str | None = None
-    treatment: str | None = None
-    level: str | None = None
-    epsilon: float | None = None
-    perplexity: list = field(default_factory=list)  # treated, baseline
-    tolerance: float | None = None
-    key: list | None = None
-    treated: str | None = None
-    baseline: str | None = None
-    test_text: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sentence(Record):
-    """A finding as the findings section holds it (`Finding.to_json`, or an audit's)."""
-
-    kind: str | None = None
-    group: str | None = None
-    metric: str | None = None
-    claim: str | None = None
-    evidence: str | None = None
-    short: str | None = None
-    caveat: str | None = None
-    verdict: str | None = None
-    scope: str | None = None
-    test: str | None = None
-    p_adjusted: float | None = 0.0  # an audit has none: it sorts first within its group
-    correction: str | None = None
-    family: int | None = None
-    text: str | None = None
-    series: Series | None = None
-
-    @property
-    def passes(self) -> bool:
-        return self.verdict in ("less", "more")
 
 
 def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list[dict[str, Any]]:

@@ -23,17 +23,16 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 from matplotlib.markers import CARETUP
 
-from memaudit.reports.cells import SHORT, number
-from memaudit.reports.entries import (
+from memaudit.reports.blocks import (
     Comparisons,
     CurvePoint,
     FrontierMetric,
     FrontierPoint,
     RepetitionPoint,
     Roc,
-    RunEntry,
-    entries,
 )
+from memaudit.reports.cells import SHORT, number
+from memaudit.reports.entries import RunEntry, entries
 
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 SERIES_COLOURS = {"centralized": "#0072B2", "federated": "#D55E00", "centralized + Goldfish": "#009E73",

@@ -11,8 +11,9 @@ import pytest
 from memaudit.errors import DataError
 from memaudit.probes.document import ProbesDoc, read_probes, read_stamp, write_probes
 from memaudit.probes.records import Cell
+from memaudit.reports.blocks import Comparisons, blocks
 from memaudit.reports.build import build_report, comparisons
-from memaudit.reports.entries import Comparisons, RunEntry, blocks, entries
+from memaudit.reports.entries import RunEntry, entries
 from memaudit.reports.write import write_report
 from tests.reports._fixtures import auc_units, cell, run, write_run_dir
 
