@@ -256,3 +256,35 @@ class Sentence(Record):
     @property
     def passes(self) -> bool:
         return self.verdict in ("less", "more")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadlineEntry(Record):
+    """One finding of the first screen (`memaudit.reports.findings.headline`)."""
+
+    text: str | None = None
+    evidence: str | None = None
+    caveat: str | None = None
+    verdict: str | None = None
+    group: str | None = None
+    metric: str | None = None
+    covers: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Findings(Record):
+    """report.json's `findings` (`memaudit.reports.findings.generate`)."""
+
+    sentences: list = field(default_factory=list)
+    headline: list = field(default_factory=list)
+    passing: int | None = None  # None (a report from before the count): the headline's
+    covered: int | None = None
+    matched_pairs: list = field(default_factory=list)
+    no_difference: list = field(default_factory=list)
+    caveats: list = field(default_factory=list)
+    correction: str = "holm"
+    tests: int = 0
+    alpha: float | None = None
+
+    def first_screen(self) -> list[HeadlineEntry]:
+        return [HeadlineEntry.of(h) for h in self.headline or []]
