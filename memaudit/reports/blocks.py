@@ -288,3 +288,124 @@ class Findings(Record):
 
     def first_screen(self) -> list[HeadlineEntry]:
         return [HeadlineEntry.of(h) for h in self.headline or []]
+
+
+# ----------------------------------------------------------------------------- the literature section
+@dataclass(frozen=True, kw_only=True)
+class SectionTest(Record):
+    """One test of the section: the bucket's Mann-Whitney test or a run's trend (Spearman `rho`),
+    with its adjustment once the report's family is corrected."""
+
+    test: str | None = None
+    rho: float | None = None
+    p_value: float | None = None
+    n_a: int | None = None
+    n_b: int | None = None
+    unit: str | None = None
+    p_adjusted: float | None = None
+    correction: str | None = None
+    family: int | None = None
+    alpha: float | None = None
+    verdict: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bucket(Record):
+    """A run's canaries of one repetition count and owner kind: the excess over the references."""
+
+    repetitions: int | None = None
+    owner_kind: str | None = None
+    effective_epsilon: float | None = None
+    rule: str | None = None
+    test: SectionTest | None = None
+    excess: dict | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExposureEntry(Record):
+    run: str | None = None
+    label: str | None = None
+    backend: str | None = None
+    epsilon: float = math.inf
+    unit: str | None = None
+    trend: SectionTest | None = None
+    buckets: list = field(default_factory=list)
+
+    def each_bucket(self) -> list[Bucket]:
+        return [Bucket.of(b) for b in self.buckets or []]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllThresholds(Record):
+    eps: float | None = None
+    confidence: float | None = None
+    thresholds: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GdpEstimate(Record):
+    eps: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    assumes: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditEntry(Record):
+    run: str | None = None
+    label: str | None = None
+    bound: float | None = None
+    ledger_epsilon: float = math.inf
+    ceiling: float | None = None
+    n: int | None = None
+    unit: str | None = None
+    confidence: float | None = None
+    verdict: str | None = None
+    guesses: int | None = None
+    correct: int | None = None
+    canaries: str | None = None
+    score: str | None = None
+    all_thresholds: AllThresholds | None = None
+    gdp_estimate: GdpEstimate | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpLearns(Record):
+    backend: str | None = None
+    run: str | None = None
+    label: str | None = None
+    epsilon: float | None = None
+    closed: dict | None = None
+    loss: dict | None = None
+    verdict: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractionEntry(Record):
+    run: str | None = None
+    label: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section(Record):
+    """The literature section (`memaudit.reports.literature`) as report.json holds it, read for its
+    sentences."""
+
+    exposure: list = field(default_factory=list)
+    extraction: list = field(default_factory=list)
+    audit: list = field(default_factory=list)
+    dp_learns: list = field(default_factory=list)
+
+    def exposure_entries(self) -> list[ExposureEntry]:
+        return [ExposureEntry.of(e) for e in self.exposure or []]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Extracted(Record):
+    """k of n units extracted (`what`), as the section's extraction cells say."""
+
+    k: int | None = None
+    n: int | None = None
+    what: str | None = None

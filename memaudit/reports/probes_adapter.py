@@ -17,6 +17,8 @@ import numpy as np
 from memaudit.probes.context import context_count, context_measure
 from memaudit.probes.document import AttackSummary, ExposureScore, ProbesDoc, ProbeSection
 from memaudit.probes.records import Cell
+from memaudit.reports.blocks import Section, SectionTest
+from memaudit.reports.entries import Record, RunEntry
 
 MAX_ROC_POINTS = 200
 MAX_SAMPLES = 5
@@ -200,14 +202,23 @@ def _exposure(p: ProbeSection, out: Summary) -> None:
 FAMILY_TEST = "family_test"  # on a row whose test the report's one family may hold (`settle_rows`)
 
 
-def _excess_label(reps: str | int, test: str, p: float, family: dict[str, Any] | None) -> str:
+@dataclass(frozen=True, kw_only=True)
+class FamilyMark(Record):
+    """A probe row's bucket test, until the report's one correction settles its label."""
+
+    repetitions: int | None = None
+    p_value: float | None = None
+    test: str | None = None
+
+
+def _excess_label(reps: str | int, test: str, p: float, family: SectionTest | None) -> str:
     """A bucket's excess row: its test and p-value, either Holm-adjusted over the report's one
     family (`family`: the family's entry of the same test) or said to be unadjusted."""
     head = f"excess over references, {reps} repetitions (bits; {test}, p = {p:.3g}"
     if family is None:
         return head + " unadjusted; the report's tests are corrected in one Holm family)"
-    return (head + f", Holm-adjusted p = {family['p_adjusted']:.3g} over the report's "
-            f"{family['family']} tests)")
+    return (head + f", Holm-adjusted p = {family.p_adjusted:.3g} over the report's "
+            f"{family.family} tests)")
 
 
 def settle_rows(run: dict[str, Any], literature: dict[str, Any] | None) -> None:
@@ -215,17 +226,19 @@ def settle_rows(run: dict[str, Any], literature: dict[str, Any] | None) -> None:
     literature section's bucket of the same run and repetitions, where that bucket is all of
     them (one owner kind) and its p-value is the row's -- states the family's adjusted p; every
     other row keeps its p, labelled unadjusted. Drops the rows' `FAMILY_TEST` marks."""
-    entries = [e for e in (literature or {}).get("exposure", []) if e.get("run") == run.get("id")]
-    buckets = [b for e in entries for b in e.get("buckets", [])]
-    for row in run.get("probe_rows", []):
-        ref = row.pop(FAMILY_TEST, None)
-        if ref is None:
+    entry = RunEntry.of(run)
+    exposure = [e for e in Section.of(literature).exposure_entries() if e.run == entry.id]
+    buckets = [b for e in exposure for b in e.each_bucket()]
+    for row in entry.probe_rows or []:
+        mark = row.pop(FAMILY_TEST, None)
+        if mark is None:
             continue
-        same = [b for b in buckets if b.get("repetitions") == ref["repetitions"]]
-        t = same[0].get("test") if len(same) == 1 else None
-        held = (t is not None and t.get("p_adjusted") is not None
-                and abs(t["p_value"] - ref["p_value"]) <= 1e-9 * max(1.0, ref["p_value"]))
-        row["metric"] = _excess_label(ref["repetitions"], ref["test"], ref["p_value"], t if held else None)
+        ref = FamilyMark.of(mark)
+        same = [b for b in buckets if b.repetitions == ref.repetitions]
+        t = same[0].test if len(same) == 1 else None
+        held = (t is not None and t.p_adjusted is not None
+                and abs(t.p_value - ref.p_value) <= 1e-9 * max(1.0, ref.p_value))
+        row.update(metric=_excess_label(ref.repetitions, ref.test, ref.p_value, t if held else None))
 
 
 def _extraction(p: ProbeSection, out: Summary, docs: dict[str, str] | None, show_secrets: bool = False) -> None:
