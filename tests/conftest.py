@@ -8,6 +8,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # scripts/test.sh runs two workers on the 2 cores CI has: one core each. torch's default is a
+    # thread per core in each worker, 4 threads on 2 cores, and OpenMP's waiting threads spin on
+    # cores the other worker needs (a 20-step tiny run, two started together on a loaded 2-core
+    # machine: 54.7 s of CPU and 374 s wall with 2 threads, 12.3 s and 164 s with 1). Before, a
+    # worker dropped to 1 thread only once it had run a parallel test (tests/parallel/conftest.py
+    # sets 1 thread and keeps it), so a file ran on 1 or 2 threads by where the scheduler put it.
+    # A test that needs another count sets it itself; subprocesses inherit the 1.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # submitit configures logging when it is first imported (logging.config.dictConfig), which closes
 # every handler there is. absl's handler (installed when jax loads) closes its stream on close
