@@ -12,7 +12,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs two workers on the 2 cores CI has: one core each. torch's default is a
     # thread per core in each worker, 4 threads on 2 cores, and OpenMP's waiting threads spin on
     # cores the other worker needs (a 20-step tiny run, two started together on a loaded 2-core
-    # machine: 54.7 s of CPU and 374 s wall with 2 threads, 12.3 s and 164 s with 1). Before, a
+    # machine: 54.7 s of CPU and 374 s wall with 2 threads, 12.3 s and 164 s with 1; whole files,
+    # CPU seconds: test_sweep_e2e.py 371 -> 206, sweep/test_pieces.py 303 -> 224). Before, a
     # worker dropped to 1 thread only once it had run a parallel test (tests/parallel/conftest.py
     # sets 1 thread and keeps it), so a file ran on 1 or 2 threads by where the scheduler put it.
     # A test that needs another count sets it itself; subprocesses inherit the 1.
