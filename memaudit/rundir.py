@@ -43,7 +43,7 @@ STALE_AFTER_S = 120.0
 UNREADABLE_STALE_S = 30.0  # an unreadable run.lock older than this is stale
 # Everything a training run writes (the run-directory contract), and nothing else.
 RUN_ARTIFACTS = ("model", "adapter", "data", "state", "split.json", "canaries.json", "privacy.json",
-                 "metrics.jsonl", "sensitive_metrics.jsonl", "dp_secret.json", "probes.json", "run.json")
+                 "metrics.jsonl", "sensitive_metrics.jsonl", "dp_secret.json", "probes.json", "probes.partial.json", "run.json")
 STATUSES = ("running", "complete", "failed", "interrupted")
 
 
@@ -122,6 +122,11 @@ class RunDir:
     @property
     def probes_path(self) -> Path:
         return self.path / "probes.json"
+
+    @property
+    def probes_partial_path(self) -> Path:
+        """The probes an interrupted probe stage finished (sensitive: 0600; `run_probes(partial=)`)."""
+        return self.path / "probes.partial.json"
 
     # ---- manifest
     def is_run(self) -> bool:

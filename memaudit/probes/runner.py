@@ -6,16 +6,19 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from memaudit import __version__
 from memaudit.config import ProbeConfig
 from memaudit.errors import RunDirError
+from memaudit.io import atomic_write_json, dumps
 from memaudit.probes import PROBES, SCHEMA
 from memaudit.probes import extraction as ex
 from memaudit.probes.audit import run_audit
@@ -152,11 +155,16 @@ def run_probes(
     model=None,
     tokenizer=None,
     engine: str = "auto",
+    partial: Path | None = None,
 ) -> ProbeResult:
     """Load the model (unless given), run each selected probe, return probes.json + secrets.
 
     `engine` (auto, jax, torch; `choose_engine`) picks who scores and generates; the model is
-    loaded by torch either way and handed to JAX as arrays.
+    loaded by torch either way and handed to JAX as arrays. `partial`: a file where each
+    finished probe is kept (atomically, 0600: it holds what probes.json and the secrets hold), so
+    that a probe stage stopped part-way (a time-boxed sweep piece ended by its hard limit) runs
+    only the probes it had not finished when it is run again on the same weights with the same
+    settings and engine; anything else in that file is ignored.
     """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import load_causal_lm, probe_threads
@@ -186,11 +194,21 @@ def run_probes(
         reference = (to_engine("jax", reference[0], settings.dtype), reference[1])
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
+    key = {"schema": SCHEMA, "weights_sha256": weights, "engine": engine, "checks": checks,
+           "settings": settings.model_dump(mode="json")}
+    saved = _finished_probes(partial, key) if partial is not None and weights is not None else {}
+    ctx.secrets.update(saved.get("secrets", {}))
     with probe_threads():
         for name in settings.probes:
+            if name in saved.get("probes", {}):
+                probes[name], timings[name] = saved["probes"][name], saved["timings"][name]
+                continue
             t0 = time.perf_counter()
             probes[name] = REGISTRY[name](ctx)
             timings[name] = time.perf_counter() - t0
+            if partial is not None and weights is not None:
+                atomic_write_json(partial, {"key": key, "probes": probes, "timings": timings,
+                                            "secrets": ctx.secrets})
     secrets.update(ctx.secrets)
     if weights is not None and weights_sha256(target.model_path) != weights:
         raise RunDirError(f"the model in '{target.model_path}' changed while it was probed (trained "
@@ -221,6 +239,18 @@ def run_probes(
         "timings": timings,
     }
     return ProbeResult(document=doc, secrets=secrets)
+
+
+def _finished_probes(partial: Path, key: dict) -> dict:
+    """The probes an earlier, interrupted run kept in `partial` under the same `key` (weights,
+    settings, engine, checks), as JSON reads them back; {} when none or another key."""
+    try:
+        saved = json.loads(Path(partial).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict) or saved.get("key") != json.loads(dumps(key)):
+        return {}
+    return saved
 
 
 class _Context:

@@ -1,6 +1,7 @@
 """Probing a sweep point: the sweep's probe settings on a run (its public base as the membership
 reference unless `probe.reference` names one: `point.point_probe_config`), its probes.json written
-atomically; re-probed only where the one rule (`memaudit.sweep.point.probe_reason`) finds the
+atomically (each probe kept as it finishes, so that a probe stage stopped part-way resumes
+at the next probe); re-probed only where the one rule (`memaudit.sweep.point.probe_reason`) finds the
 stored probes.json stale. Shared by the sweep's points and its public-base reference.
 
 torch is imported with the probes inside `probe_run`: `memaudit --help` and the sweep's
@@ -28,8 +29,10 @@ def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
 
     settings = point_probe_config(cfg, rd)
     settings = settings.model_copy(update={"device": resolve_device(settings.device)})
-    result = run_probes(resolve_target(rd.path), settings, progress=progress)
+    # each finished probe is kept: a piece stopped part-way resumes at the next probe
+    result = run_probes(resolve_target(rd.path), settings, progress=progress, partial=rd.probes_partial_path)
     write_probes(rd.probes_path, result.document)
+    rd.probes_partial_path.unlink(missing_ok=True)
 
 
 def probe_if_stale(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
