@@ -74,9 +74,15 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (w * x32.astype(self.dtype)).astype(self.dtype)
+        return (w * rms_normalize(x, self.eps, self.dtype)).astype(self.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """x / RMS(x) over the last dim, computed in float32, cast to `dtype`: what `RMSNorm` scales
+    (its weight's gradient is the output gradient times this, `memaudit.train.jax_ghost`)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32.astype(dtype)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,251 @@
+"""DP-SGD's clipped sum by book-keeping ghost clipping: one forward, one backward, no per-example
+gradient tree.
+
+The clipped sum of `memaudit.train.jax_dp` (Σ_i min(1, C/||∇ℓ_i||) ∇ℓ_i over the step's units:
+examples, or under ULS users of k rows) computed from what one backward pass of the Flax Llama
+already holds. Every trained parameter of the model is the weight of a layer whose per-unit
+gradient is a product of the layer's input and its output gradient:
+
+- a Dense kernel (in, out): ∇_i = a_iᵀ g_i, a_i (kT, in) the unit's inputs, g_i (kT, out) the
+  loss's gradient w.r.t. the layer's output over the unit's k rows of T tokens;
+- the embedding (V, H): the output gradients g_t scattered to the rows of the token ids x_t;
+  and, tied, the LM head's h_sᵀ-weighted logits gradients (`Embed.attend`, a Dense with the
+  kernel transposed), the two crossed in the norm;
+- an RMSNorm scale (H,): Σ_t g_t ⊙ x̂_t, x̂ the normalised input (`flax_llama.rms_normalize`).
+
+The layers' inputs are captured by ``sow`` and their output gradients as the gradients of zero
+``perturb``-ations (`flax.linen.intercept_methods` around the unchanged model, so the federated
+backend's forward is untouched), all in one `jax.vjp` w.r.t. the perturbations only (autodiff
+computes no weight gradient). Then per layer:
+
+1. the units' squared gradient norms: by the ghost identity ||a_iᵀ g_i||²_F = <a_i a_iᵀ, g_i g_iᵀ>
+   (two (kT, kT) Gram matrices; for the embedding Σ_{t,s} [x_t = x_s] g_t·g_s) when (kT)² < in·out,
+   else by materialising a_iᵀ g_i (Bu et al.'s mixed rule, `use_ghost`); summed over layers;
+2. the clip factors w_i = min(1, C/||∇ℓ_i||) (jax-privacy's `clip_pytree`: 0 for a zero norm);
+3. the clipped sum per parameter Σ_i w_i a_iᵀ g_i, one einsum with g scaled by w (the embedding's
+   a scatter-add), the cost of the non-private backward's weight gradient.
+
+A unit of k rows (ULS, `group`) is one example of length kT: its gradient is the sum over its
+rows, so its norm has the rows' cross terms, which the (kT, kT) Gram matrices contain. Products
+accumulate in float32 (``preferred_element_type``) whatever the compute dtype.
+
+Supported: the Flax Llama, its decoder layers unrolled or scanned (`FlaxLlamaConfig.scan_layers`:
+the captures carry the layer axis, each layer's terms by `jax.vmap`), tied or untied head, full
+fine-tuning. Not supported (`train.clipping: vmap`, refused at config time for ghost): LoRA's
+adapters, whose trained parameters are not the captured layers' weights.
+
+References:
+    Li et al., "Large Language Models Can Be Strong Differentially Private Learners", ICLR 2022
+    (ghost norm).
+    Bu et al., "Differentially Private Optimization on Large Model at Small Cost", ICML 2023
+    (book-keeping: the clipped sum from the same backward; the mixed ghost / materialised rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from memaudit.models.flax_llama import RMSNorm, rms_normalize
+from memaudit.train.jax_engine import token_losses
+
+INPUTS = "intermediates"  # sown layer inputs (the collection `flax_llama.Layers` scans over)
+PERTURB = "perturbations"  # zero perturbations of the layer outputs
+F32 = jnp.float32
+STACKED_MARK = "stacked"
+
+
+def use_ghost(length: int, fan_in: int, fan_out: int) -> bool:
+    """Ghost norm (two (length, length) Gram matrices) rather than the materialised (in, out)
+    per-unit gradient: the smaller of the two (Bu et al. 2023's mixed rule).
+
+    >>> use_ghost(512, 768, 768), use_ghost(2048, 768, 768), use_ghost(2048, 768, 32000)
+    (True, False, True)
+    """
+    return length * length < fan_in * fan_out
+
+
+def _capture(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+    """Interceptor: sow each trained layer's input, perturb its output."""
+    m, name = context.module, context.method_name
+    if isinstance(m, nn.Dense) and name == "__call__":
+        m.sow(INPUTS, "dense_in", args[0])
+        return m.perturb("dense_out", next_fun(*args, **kwargs))
+    if isinstance(m, nn.Embed) and name == "__call__":
+        m.sow(INPUTS, "embed_ids", args[0])
+        return m.perturb("embed_out", next_fun(*args, **kwargs))
+    if isinstance(m, nn.Embed) and name == "attend":
+        m.sow(INPUTS, "attend_in", args[0])
+        return m.perturb("attend_out", next_fun(*args, **kwargs))
+    if isinstance(m, RMSNorm) and name == "__call__":
+        m.sow(INPUTS, "norm_in", rms_normalize(args[0], m.eps, m.dtype))
+        return m.perturb("norm_out", next_fun(*args, **kwargs))
+    return next_fun(*args, **kwargs)
+
+
+def _units(x: jax.Array, k: int) -> jax.Array:
+    """(rows, T, ...) -> (rows / k, k T, ...): a unit's k rows as one sequence."""
+    return x.reshape(x.shape[0] // k, k * x.shape[1], *x.shape[2:])
+
+
+def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, y, preferred_element_type=F32)
+
+
+# --------------------------------------------------------------------------- per layer, one layer
+def _linear_sq(a: jax.Array, g: jax.Array, k: int) -> jax.Array:
+    """Per-unit ||a_iᵀ g_i||²_F (units,) of a linear map with inputs a (rows, T, in) and output
+    gradients g (rows, T, out)."""
+    a, g = _units(a, k), _units(g, k)
+    if use_ghost(a.shape[1], a.shape[-1], g.shape[-1]):
+        return jnp.sum(_dot("uti,usi->uts", a, a) * _dot("uto,uso->uts", g, g), axis=(1, 2))
+    return jnp.sum(jnp.square(_dot("uti,uto->uio", a, g)), axis=(1, 2))
+
+
+def _linear_sum(a: jax.Array, g: jax.Array, w_rows: jax.Array) -> jax.Array:
+    """Σ_rows w_r a_rᵀ g_r (in, out)."""
+    return _dot("bti,bto->io", a, g * w_rows.astype(g.dtype)[:, None, None])
+
+
+def _embed_sq(ids: jax.Array, g: jax.Array, k: int) -> jax.Array:
+    """Per-unit squared norm of the lookup's gradient (rows of `g` scattered to the ids):
+    Σ_{t,s} [x_t = x_s] g_t·g_s."""
+    ids, g = _units(ids, k), _units(g, k)
+    same = ids[:, :, None] == ids[:, None, :]
+    return jnp.sum(jnp.where(same, _dot("utd,usd->uts", g, g), 0.0), axis=(1, 2))
+
+
+def _embed_cross(ids: jax.Array, g_embed: jax.Array, h: jax.Array, g_logits: jax.Array, k: int) -> jax.Array:
+    """Per-unit <lookup gradient, attend gradient> of a tied embedding: the lookup's is
+    Σ_t e_{x_t} ⊗ g_t, the attend's Σ_s gl_s ⊗ h_s (V, H), so the product is
+    Σ_{t,s} gl_s[x_t] (g_t·h_s)."""
+    ids, g_embed, h, g_logits = (_units(x, k) for x in (ids, g_embed, h, g_logits))
+    n = ids.shape[1]
+    picked = jnp.take_along_axis(g_logits, jnp.broadcast_to(ids[:, None, :], (ids.shape[0], n, n)), axis=2)
+    return jnp.sum(picked.astype(F32) * _dot("utd,usd->ust", g_embed, h), axis=(1, 2))  # [u, s, t]
+
+
+def _embed_sum(ids: jax.Array, g: jax.Array, w_rows: jax.Array, vocab: int) -> jax.Array:
+    rows = (g.astype(F32) * w_rows[:, None, None]).reshape(-1, g.shape[-1])
+    return jnp.zeros((vocab, g.shape[-1]), F32).at[ids.reshape(-1)].add(rows)
+
+
+def _norm_per_row(xhat: jax.Array, g: jax.Array) -> jax.Array:
+    """(rows, H): each row's RMSNorm-scale gradient Σ_t g_t ⊙ x̂_t."""
+    return jnp.sum(g.astype(F32) * xhat.astype(F32), axis=1)
+
+
+def _layer_sq(kind: str, act: dict[str, Any], grad: dict[str, Any], k: int) -> jax.Array:
+    """Per-unit squared gradient norm of one module's parameter (kind: dense, embed, norm)."""
+    if kind == "dense":
+        return _linear_sq(act["dense_in"], grad["dense_out"], k)
+    if kind == "norm":
+        per = _norm_per_row(act["norm_in"], grad["norm_out"])
+        per = per.reshape(per.shape[0] // k, k, -1).sum(1)
+        return jnp.sum(per * per, axis=-1)
+    sq = _embed_sq(act["embed_ids"], grad["embed_out"], k)
+    if "attend_in" in act:  # tied head: ||G_e + G_h||² = ||G_e||² + ||G_h||² + 2 <G_e, G_h>
+        sq = sq + _linear_sq(act["attend_in"], grad["attend_out"], k)
+        sq = sq + 2.0 * _embed_cross(act["embed_ids"], grad["embed_out"], act["attend_in"], grad["attend_out"], k)
+    return sq
+
+
+def _layer_sum(kind: str, act: dict[str, Any], grad: dict[str, Any], w_rows: jax.Array,
+               shape: tuple[int, ...]) -> jax.Array:
+    """Σ_i w_i ∇_i of one module's parameter (of `shape`)."""
+    if kind == "dense":
+        return _linear_sum(act["dense_in"], grad["dense_out"], w_rows)
+    if kind == "norm":
+        return jnp.sum(_norm_per_row(act["norm_in"], grad["norm_out"]) * w_rows[:, None], axis=0)
+    out = _embed_sum(act["embed_ids"], grad["embed_out"], w_rows, shape[0])
+    if "attend_in" in act:  # logits = h Eᵀ: E's gradient is gᵀ h
+        out = out + _dot("btv,bth->vh", grad["attend_out"] * w_rows.astype(grad["attend_out"].dtype)[:, None, None],
+                         act["attend_in"])
+    return out
+
+
+_PARAM = {"dense": "kernel", "embed": "embedding", "norm": "weight"}
+
+
+def _kind(act: dict[str, Any]) -> str:
+    if "dense_in" in act:
+        return "dense"
+    if "norm_in" in act:
+        return "norm"
+    return "embed"
+
+
+def _modules(acts: Any, grads: Any) -> list[tuple[tuple[str, ...], str, dict, dict]]:
+    """(module path, kind, its captured inputs, its output gradients) for every trained layer."""
+    flat_a = traverse_util.flatten_dict(acts)
+    flat_g = traverse_util.flatten_dict(grads)
+    by: dict[tuple[str, ...], tuple[dict, dict]] = {}
+    for path, v in flat_a.items():
+        by.setdefault(path[:-1], ({}, {}))[0][path[-1]] = v[0]  # sow keeps a tuple of one
+    for path, v in flat_g.items():
+        by[path[:-1]][1][path[-1]] = v
+    return [(p, _kind(a), a, g) for p, (a, g) in sorted(by.items())]
+
+
+def _stacked(path: tuple[str, ...]) -> bool:
+    return STACKED_MARK in path
+
+
+# --------------------------------------------------------------------------- the clipped sum
+def clipped_sum_fn(model: nn.Module, *, clip: float, group: bool) -> Callable:
+    """fn(params, ids, am, lmask[, rng]) -> (Σ clipped unit gradients, (unit losses, unit gradient
+    norms)) by book-keeping ghost clipping, the values of `jax_dp.clipped_sum_fn`'s jax-privacy
+    path: rows (B, L), or under `group` (users, k, L)."""
+
+    def apply(params: Any, perts: Any, ids: jax.Array, am: jax.Array) -> tuple[jax.Array, Any]:
+        variables = {"params": params} if perts is None else {"params": params, PERTURB: perts}
+        mutable = [INPUTS] if perts is not None else [INPUTS, PERTURB]
+        with nn.intercept_methods(_capture):
+            return model.apply(variables, ids, am, mutable=mutable)
+
+    def fn(params, ids, am, lm, rng=None):
+        k = ids.shape[1] if group else 1
+        length = ids.shape[-1]
+        ids, am, lm = (x.reshape(-1, length) for x in (ids, am, lm))
+        shapes = jax.eval_shape(lambda p: apply(p, None, ids, am)[1][PERTURB], params)
+        perts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        def loss(perts):
+            logits, state = apply(params, perts, ids, am)
+            tok, m = token_losses(logits, ids, lm)
+            per_row = tok.sum(1) / jnp.maximum(m.sum(1), 1.0)
+            return jnp.sum(per_row), (per_row, state[INPUTS])
+
+        (_, (per_row, acts)), grads = jax.value_and_grad(loss, has_aux=True)(perts)
+        modules = _modules(acts, grads)
+        sq = jnp.zeros((ids.shape[0] // k,), F32)
+        for path, kind, a, g in modules:
+            if _stacked(path):  # a scanned layer: its captures carry the layer axis first
+                sq = sq + jnp.sum(jax.vmap(lambda a, g, kind=kind: _layer_sq(kind, a, g, k))(a, g), axis=0)
+            else:
+                sq = sq + _layer_sq(kind, a, g, k)
+        norms = jnp.sqrt(sq)
+        scale = jnp.nan_to_num(jnp.minimum(1.0, clip / norms), nan=0.0, posinf=0.0)  # as clip_pytree
+        w_rows = jnp.repeat(scale, k)
+        flat_p = traverse_util.flatten_dict(params)
+        out = {}
+        for path, kind, a, g in modules:
+            name = (*path, _PARAM[kind])
+            shape = flat_p[name].shape
+            if _stacked(path):
+                s = jax.vmap(lambda a, g, kind=kind, shape=shape: _layer_sum(kind, a, g, w_rows, shape[1:]))(a, g)
+            else:
+                s = _layer_sum(kind, a, g, w_rows, shape)
+            out[name] = s.astype(flat_p[name].dtype)
+        missing = set(flat_p) - set(out)
+        if missing:
+            raise ValueError(f"ghost clipping has no gradient for {sorted(missing)[0]}; use train.clipping=vmap")
+        values = per_row.reshape(-1, k).sum(1)
+        return traverse_util.unflatten_dict(out), (values, norms)
+
+    return fn
