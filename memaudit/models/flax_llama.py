@@ -169,7 +169,10 @@ class Layers(nn.Module):
         c = self.cfg
         if c.scan_layers:
             step = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
-            stack = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True},
+            # per-layer intermediates and perturbations (ghost clipping's captures, when asked
+            # for) stack on the layer dim as the weights do
+            stack = nn.scan(step, variable_axes={"params": 0, "intermediates": 0, "perturbations": 0},
+                            split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                             length=c.num_hidden_layers)
             x, _ = stack(c, scan_step=True, name=STACKED)(x, cos, sin, bias)
