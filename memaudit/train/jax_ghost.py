@@ -197,10 +197,32 @@ def _stacked(path: tuple[str, ...]) -> bool:
 
 
 # --------------------------------------------------------------------------- the clipped sum
-def clipped_sum_fn(model: nn.Module, *, clip: float, group: bool) -> Callable:
+def clipped_sum_fn(model: nn.Module, *, clip: float, group: bool, microbatch: int | None = None) -> Callable:
     """fn(params, ids, am, lmask[, rng]) -> (Σ clipped unit gradients, (unit losses, unit gradient
     norms)) by book-keeping ghost clipping, the values of `jax_dp.clipped_sum_fn`'s jax-privacy
-    path: rows (B, L), or under `group` (users, k, L)."""
+    path: rows (B, L), or under `group` (users, k, L). `microbatch` units at a time (their sums
+    added; units are clipped independently), default all at once."""
+    one = _clipped_sum_once(model, clip=clip)
+
+    def fn(params, ids, am, lm, rng=None):
+        k = ids.shape[1] if group else 1
+        units = ids.shape[0]
+        size = units if microbatch is None else min(microbatch, units)
+        length = ids.shape[-1]
+        grads, values, norms = None, [], []
+        for s in range(0, units, size):  # unrolled, as `jax_engine.plain_step`'s chunks
+            rows = (x[s:s + size].reshape(-1, length) for x in (ids, am, lm))
+            g, (v, n) = one(params, *rows, k)
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            values.append(v)
+            norms.append(n)
+        return grads, (jnp.concatenate(values), jnp.concatenate(norms))
+
+    return fn
+
+
+def _clipped_sum_once(model: nn.Module, *, clip: float) -> Callable:
+    """fn(params, ids, am, lm, k) over rows (B, L) in units of k consecutive rows."""
 
     def apply(params: Any, perts: Any, ids: jax.Array, am: jax.Array) -> tuple[jax.Array, Any]:
         variables = {"params": params} if perts is None else {"params": params, PERTURB: perts}
@@ -208,10 +230,7 @@ def clipped_sum_fn(model: nn.Module, *, clip: float, group: bool) -> Callable:
         with nn.intercept_methods(_capture):
             return model.apply(variables, ids, am, mutable=mutable)
 
-    def fn(params, ids, am, lm, rng=None):
-        k = ids.shape[1] if group else 1
-        length = ids.shape[-1]
-        ids, am, lm = (x.reshape(-1, length) for x in (ids, am, lm))
+    def fn(params, ids, am, lm, k):
         shapes = jax.eval_shape(lambda p: apply(p, None, ids, am)[1][PERTURB], params)
         perts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -244,7 +263,7 @@ def clipped_sum_fn(model: nn.Module, *, clip: float, group: bool) -> Callable:
             out[name] = s.astype(flat_p[name].dtype)
         missing = set(flat_p) - set(out)
         if missing:
-            raise ValueError(f"ghost clipping has no gradient for {sorted(missing)[0]}; use train.clipping=vmap")
+            raise ValueError(f"ghost clipping has no gradient for {min(missing)}; use train.clipping=vmap")
         values = per_row.reshape(-1, k).sum(1)
         return traverse_util.unflatten_dict(out), (values, norms)
 
