@@ -266,7 +266,7 @@ class TrainConfig(_Section):
     clipping: Literal["auto", "ghost", "vmap"] = Field(
         "auto", description="engine=jax, DP-SGD: how the clipped sum is computed; ghost: book-keeping "
         "ghost clipping (one forward and one backward, no per-example gradients); vmap: jax-privacy's "
-        "per-example gradients; auto: ghost for full fine-tuning, vmap under LoRA")
+        "per-example gradients; auto: ghost, vmap under LoRA with adapter dropout")
 
 
 # ----------------------------------------------------------------------------- privacy

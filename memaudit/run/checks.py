@@ -76,21 +76,22 @@ _GRID_ONLY = ("dist_backend", "overlap", "overlap_reduce_scatter", "overlap_all_
 
 
 def jax_clipping(cfg: Any) -> str:
-    """`train.clipping` resolved for the jax engine: ghost or vmap; auto is ghost for full
-    fine-tuning and vmap under LoRA (ghost clipping does not cover adapters)."""
+    """`train.clipping` resolved for the jax engine: ghost or vmap; auto is ghost, and vmap under
+    LoRA with adapter dropout (which ghost clipping does not cover)."""
     if cfg.train.clipping != "auto":
         return cfg.train.clipping
-    return "vmap" if cfg.model.lora is not None else "ghost"
+    lora = cfg.model.lora
+    return "vmap" if lora is not None and lora.dropout > 0 else "ghost"
 
 
 def check_jax_engine(cfg: Any, shape: Any) -> None:
     """One line for an option the jax engine does not support (the torch grid's degrees and
-    overlap flags, a torch device, activation checkpointing, ghost clipping under LoRA), and for
+    overlap flags, a torch device, activation checkpointing, ghost clipping with LoRA's dropout), and for
     a model axis that does not divide the model's heads."""
     par, t = cfg.parallel, cfg.train
-    if t.clipping == "ghost" and cfg.model.lora is not None:
-        raise ConfigError("train.clipping=ghost does not cover LoRA's adapters (their gradients are not the "
-                          "clipped layers' weights); set train.clipping=vmap or auto")
+    if t.clipping == "ghost" and cfg.model.lora is not None and cfg.model.lora.dropout > 0:
+        raise ConfigError("train.clipping=ghost does not cover LoRA's adapter dropout (model.lora.dropout="
+                          f"{cfg.model.lora.dropout}); set train.clipping=vmap or auto, or model.lora.dropout=0")
     for axis in ("data", "x", "y", "z"):
         if getattr(par, axis) > 1:
             raise ConfigError(f"parallel.{axis}={getattr(par, axis)} is the torch grid's; the jax engine shards "

@@ -29,10 +29,13 @@ A unit of k rows (ULS, `group`) is one example of length kT: its gradient is the
 rows, so its norm has the rows' cross terms, which the (kT, kT) Gram matrices contain. Products
 accumulate in float32 (``preferred_element_type``) whatever the compute dtype.
 
+LoRA (`flax_lora.LoraModel`, the adapters trained): the merged kernel W + s A B has ∇W = aᵀ g,
+so ∇A = s aᵀ (g Bᵀ) and ∇B = s (a A)ᵀ g, two more linear maps' gradients from the same captures.
+
 Supported: the Flax Llama, its decoder layers unrolled or scanned (`FlaxLlamaConfig.scan_layers`:
 the captures carry the layer axis, each layer's terms by `jax.vmap`), tied or untied head, full
-fine-tuning. Not supported (`train.clipping: vmap`, refused at config time for ghost): LoRA's
-adapters, whose trained parameters are not the captured layers' weights.
+fine-tuning and LoRA. Not supported (`train.clipping: vmap`; ghost refused at config time):
+LoRA's adapter dropout, whose masks the captured inputs do not carry.
 
 References:
     Li et al., "Large Language Models Can Be Strong Differentially Private Learners", ICLR 2022
@@ -43,6 +46,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -221,26 +225,38 @@ def clipped_sum_fn(model: nn.Module, *, clip: float, group: bool, microbatch: in
     return fn
 
 
-def _clipped_sum_once(model: nn.Module, *, clip: float) -> Callable:
-    """fn(params, ids, am, lm, k) over rows (B, L) in units of k consecutive rows."""
+def _lora_sq(a: jax.Array, g: jax.Array, la: jax.Array, lb: jax.Array, scale: float, k: int) -> jax.Array:
+    """Per-unit ||∇A||² + ||∇B||² of an adapter on a Dense with inputs a and output gradients g:
+    the merged kernel W + s A B has ∇W = aᵀ g, so ∇A = s aᵀ (g Bᵀ) and ∇B = s (a A)ᵀ g, each a
+    linear map's gradient."""
+    gb, aa = _lora_sides(a, g, la, lb, scale)
+    return _linear_sq(a, gb, k) + _linear_sq(aa, g, k)
 
-    def apply(params: Any, perts: Any, ids: jax.Array, am: jax.Array) -> tuple[jax.Array, Any]:
-        variables = {"params": params} if perts is None else {"params": params, PERTURB: perts}
-        mutable = [INPUTS] if perts is not None else [INPUTS, PERTURB]
-        with nn.intercept_methods(_capture):
-            return model.apply(variables, ids, am, mutable=mutable)
+
+def _lora_sides(a: jax.Array, g: jax.Array, la: jax.Array, lb: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    gb = (scale * _dot("bto,ro->btr", g, lb.astype(g.dtype))).astype(g.dtype)  # s g Bᵀ (b, T, r)
+    aa = (scale * _dot("bti,ir->btr", a, la.astype(a.dtype))).astype(a.dtype)  # s a A (b, T, r)
+    return gb, aa
+
+
+def _lora_sums(a: jax.Array, g: jax.Array, la: jax.Array, lb: jax.Array, scale: float,
+               w_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    gb, aa = _lora_sides(a, g, la, lb, scale)
+    return _linear_sum(a, gb, w_rows), _linear_sum(aa, g, w_rows)
+
+
+def _clipped_sum_once(model: Any, *, clip: float) -> Callable:
+    """fn(params, ids, am, lm, k) over rows (B, L) in units of k consecutive rows. `model`: the
+    Flax Llama (its parameters trained), or a `flax_lora.LoraModel` without adapter dropout (the
+    adapters trained, the base frozen)."""
+    lora = hasattr(model, "base") and hasattr(model, "scale")
+    if lora and model.dropout > 0:
+        raise ValueError("ghost clipping does not cover LoRA's adapter dropout; use train.clipping=vmap")
+    if lora:
+        return _lora_clipped_sum_once(model, clip=clip)
 
     def fn(params, ids, am, lm, k):
-        shapes = jax.eval_shape(lambda p: apply(p, None, ids, am)[1][PERTURB], params)
-        perts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-        def loss(perts):
-            logits, state = apply(params, perts, ids, am)
-            tok, m = token_losses(logits, ids, lm)
-            per_row = tok.sum(1) / jnp.maximum(m.sum(1), 1.0)
-            return jnp.sum(per_row), (per_row, state[INPUTS])
-
-        (_, (per_row, acts)), grads = jax.value_and_grad(loss, has_aux=True)(perts)
+        per_row, acts, grads = _captured(model, params, ids, am, lm)
         modules = _modules(acts, grads)
         sq = jnp.zeros((ids.shape[0] // k,), F32)
         for path, kind, a, g in modules:
@@ -248,8 +264,7 @@ def _clipped_sum_once(model: nn.Module, *, clip: float) -> Callable:
                 sq = sq + jnp.sum(jax.vmap(lambda a, g, kind=kind: _layer_sq(kind, a, g, k))(a, g), axis=0)
             else:
                 sq = sq + _layer_sq(kind, a, g, k)
-        norms = jnp.sqrt(sq)
-        scale = jnp.nan_to_num(jnp.minimum(1.0, clip / norms), nan=0.0, posinf=0.0)  # as clip_pytree
+        norms, scale = _norms_and_scale(sq, clip)
         w_rows = jnp.repeat(scale, k)
         flat_p = traverse_util.flatten_dict(params)
         out = {}
@@ -268,3 +283,70 @@ def _clipped_sum_once(model: nn.Module, *, clip: float) -> Callable:
         return traverse_util.unflatten_dict(out), (values, norms)
 
     return fn
+
+
+def _norms_and_scale(sq: jax.Array, clip: float) -> tuple[jax.Array, jax.Array]:
+    norms = jnp.sqrt(sq)
+    return norms, jnp.nan_to_num(jnp.minimum(1.0, clip / norms), nan=0.0, posinf=0.0)  # as clip_pytree
+
+
+def _lora_clipped_sum_once(lora: Any, *, clip: float) -> Callable:
+    """`_clipped_sum_once` of LoRA's adapters: the base model run with the adapters merged
+    (`flax_lora.merge`), the adapted Dense layers' inputs and output gradients captured."""
+    from memaudit.models.flax_lora import LORA_A, LORA_B, adapter_paths, merge
+
+    model, scale = lora.model, lora.scale
+
+    def fn(adapters, ids, am, lm, k):
+        merged = merge(lora.base, adapters, scale)
+        per_row, acts, grads = _captured(model, merged, ids, am, lm)
+        by = {p: (kind, a, g) for p, kind, a, g in _modules(acts, grads)}
+        sq = jnp.zeros((ids.shape[0] // k,), F32)
+        nodes = {}
+        for path in adapter_paths(adapters):
+            _, a, g = by[path]
+            node = adapters
+            for key in path:
+                node = node[key]
+            nodes[path] = node
+            la, lb = node[LORA_A], node[LORA_B]
+            if _stacked(path):
+                sq = sq + jnp.sum(jax.vmap(lambda a, g, la, lb: _lora_sq(
+                    a["dense_in"], g["dense_out"], la, lb, scale, k))(a, g, la, lb), axis=0)
+            else:
+                sq = sq + _lora_sq(a["dense_in"], g["dense_out"], la, lb, scale, k)
+        norms, w = _norms_and_scale(sq, clip)
+        w_rows = jnp.repeat(w, k)
+        out = {}
+        for path, node in nodes.items():
+            _, a, g = by[path]
+            la, lb = node[LORA_A], node[LORA_B]
+            f = functools.partial(_lora_sums, scale=scale, w_rows=w_rows)
+            ga, gb = (jax.vmap(f) if _stacked(path) else f)(a["dense_in"], g["dense_out"], la, lb)
+            out[(*path, LORA_A)], out[(*path, LORA_B)] = ga.astype(la.dtype), gb.astype(lb.dtype)
+        return traverse_util.unflatten_dict(out), (per_row.reshape(-1, k).sum(1), norms)
+
+    return fn
+
+
+def _captured(model: nn.Module, params: Any, ids: jax.Array, am: jax.Array, lm: jax.Array) -> tuple:
+    """One forward and one backward of the summed per-row mean token losses w.r.t. zero
+    perturbations of the layer outputs: (per-row losses, sown inputs, output gradients)."""
+
+    def apply(perts: Any) -> tuple[jax.Array, Any]:
+        variables = {"params": params} if perts is None else {"params": params, PERTURB: perts}
+        mutable = [INPUTS] if perts is not None else [INPUTS, PERTURB]
+        with nn.intercept_methods(_capture):
+            return model.apply(variables, ids, am, mutable=mutable)
+
+    shapes = jax.eval_shape(lambda: apply(None)[1][PERTURB])
+    perts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def loss(perts):
+        logits, state = apply(perts)
+        tok, m = token_losses(logits, ids, lm)
+        per_row = tok.sum(1) / jnp.maximum(m.sum(1), 1.0)
+        return jnp.sum(per_row), (per_row, state[INPUTS])
+
+    (_, (per_row, acts)), grads = jax.value_and_grad(loss, has_aux=True)(perts)
+    return per_row, acts, grads

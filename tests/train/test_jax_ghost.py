@@ -4,11 +4,12 @@ oracle: `jax_dp.clipped_sum_fn`, vmap), on the CPU in float32 at tiny shapes.
 - The clipped sum, the per-unit gradient norms and the unit losses agree to 1e-5 of each
   tensor's largest entry, per example and per user (units of 2 rows, with cross-row terms),
   with some units clipped and some not, a padding row among them; for unrolled and scanned
-  decoder layers, a tied head, both norm paths (ghost Gram matrices and materialised), and in
-  micro-batches.
+  decoder layers, a tied head, both norm paths (ghost Gram matrices and materialised), LoRA's
+  adapters, and in micro-batches.
 - The whole DP step with the noise off gives the same parameters and statistics.
 - A trained run records the same ledger and ε with either clipping, and similar losses;
-  train.clipping is resolved (auto: ghost, vmap under LoRA) and refused where it cannot apply.
+  train.clipping is resolved (auto: ghost, vmap under LoRA's adapter dropout) and refused where
+  it cannot apply.
 """
 
 from __future__ import annotations
@@ -102,6 +103,39 @@ def test_the_clipped_sum_and_norms_equal_jax_privacys_per_example_gradients(leng
     _assert_close(want, got)
 
 
+def _lora(scan: bool):
+    """LoRA adapters (rank 3, random, B non-zero) on q_proj and v_proj of every layer."""
+    import jax
+
+    from memaudit.models.flax_lora import LoraModel
+
+    model, base = _model(scan=scan)
+    layers = base["model"]["layers"]
+
+    def adapter(kernel, key):
+        lead, (fan_in, fan_out) = kernel.shape[:-2], kernel.shape[-2:]
+        return {"lora_A": 0.3 * jax.random.normal(key, (*lead, fan_in, 3)),
+                "lora_B": 0.3 * jax.random.normal(jax.random.fold_in(key, 1), (*lead, 3, fan_out))}
+
+    adapters = {"model": {"layers": {
+        name: {"self_attn": {p: adapter(layers[name]["self_attn"][p]["kernel"], jax.random.key(10 * i + j))
+                             for j, p in enumerate(("q_proj", "v_proj"))}}
+        for i, name in enumerate(layers)}}}
+    return LoraModel(model, base, 2.0), adapters
+
+
+@pytest.mark.parametrize(("k", "scan"), [(1, False), (2, False), (2, True)])
+def test_lora_adapters_clipped_sum_equals_jax_privacys(k, scan):
+    """The adapters' clipped sum (∇A = s aᵀ g Bᵀ, ∇B = s (a A)ᵀ g from the base's captures)."""
+    lora, adapters = _lora(scan)
+    batch = _batch(8, 8)
+    norms = _both(lora, adapters, batch, math.inf, k)[0][1][1]
+    clip = float(np.median(norms[norms > 0]))
+    want, got = _both(lora, adapters, batch, clip, k)
+    assert 0 < int((want[1][1] > clip).sum()) < int((want[1][1] > 0).sum())
+    _assert_close(want, got)
+
+
 def test_micro_batches_of_units_give_the_same_sum():
     """3 units at a time over 4 (the last micro-batch short): the same as one pass."""
     model, params = _model()
@@ -185,16 +219,18 @@ def test_a_uls_run_records_the_same_ledger_and_losses_with_either_clipping(tmp_p
     assert read_json(runs["ghost"].path / "run.json")["result"]["clipping"] == "ghost"
 
 
-def test_auto_clipping_is_ghost_and_vmap_under_lora():
+def test_auto_clipping_is_ghost_and_vmap_under_adapter_dropout():
     from memaudit.run.checks import jax_clipping
 
     assert jax_clipping(load_config(None, ["train.engine=jax"])) == "ghost"
-    assert jax_clipping(load_config(None, ["train.engine=jax", "model.lora.rank=4"])) == "vmap"
+    assert jax_clipping(load_config(None, ["train.engine=jax", "model.lora.rank=4"])) == "ghost"
+    assert jax_clipping(load_config(None, ["train.engine=jax", "model.lora.rank=4",
+                                           "model.lora.dropout=0.1"])) == "vmap"
     assert jax_clipping(load_config(None, ["train.engine=jax", "train.clipping=vmap"])) == "vmap"
 
 
 @pytest.mark.parametrize(("overrides", "names"), [
-    (["model.lora.rank=4", "train.clipping=ghost"], "train.clipping=ghost"),
+    (["model.lora.rank=4", "model.lora.dropout=0.1", "train.clipping=ghost"], "train.clipping=ghost"),
     (["train.engine=torch", "train.clipping=vmap"], "train.clipping=vmap"),
 ])
 def test_clipping_it_cannot_apply_is_refused_in_one_line(tmp_path, capsys, overrides, names):
