@@ -69,8 +69,10 @@ def _median_time(run: Any, state: tuple, repeats: int, warm: bool = True) -> tup
     return statistics.median(times), state
 
 
-def _setup(preset: str, dtype: Any, batch: int, seq: int, scan: bool = False, remat: bool = False) -> dict[str, Any]:
-    cfg = dataclasses.replace(FlaxLlamaConfig.from_preset(preset, dtype=dtype), scan_layers=scan, remat=remat)
+def _setup(preset: str, dtype: Any, batch: int, seq: int, scan: bool = False, remat: bool = False,
+           attention: str = "xla") -> dict[str, Any]:
+    cfg = dataclasses.replace(FlaxLlamaConfig.from_preset(preset, dtype=dtype), scan_layers=scan, remat=remat,
+                              attention=attention)
     model = FlaxLlama(cfg)
     params = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"])(jax.random.key(0))
     tx = eng.adamw((0.9, 0.95), 0.0)
@@ -105,15 +107,16 @@ def _step_runner(kind: str, s: dict[str, Any], *, micro: int, k: int) -> Any:
 
 
 def bench_preset(preset: str, *, batch: int, seq: int, micro: int, k: int, repeats: int, dtype: Any,
-                 scan: bool = False, remat: bool = False, kinds: tuple[str, ...] = KINDS) -> dict:
+                 scan: bool = False, remat: bool = False, kinds: tuple[str, ...] = KINDS,
+                 attention: str = "xla") -> dict:
     """The `kinds` of step of `preset` on the same tokens: each compiled and warmed up once, then
     `repeats` rounds of one step of every kind in turn (interleaved), each kind's median."""
-    s = _setup(preset, dtype, batch, seq, scan, remat)
+    s = _setup(preset, dtype, batch, seq, scan, remat, attention)
     peak = PEAK.get(jax.devices()[0].device_kind)
     flops = step_flops(s["cfg"], batch * seq, seq)
     out: dict[str, Any] = {"preset": preset, "parameters": int(sum(x.size for x in jax.tree.leaves(s["params"]))),
                            "batch": batch, "seq": seq, "dp_micro_batch": micro, "uls_k": k,
-                           "scan_layers": scan, "remat": remat, "step_tflop": flops / 1e12}
+                           "scan_layers": scan, "remat": remat, "attention": attention, "step_tflop": flops / 1e12}
     state = (s["params"], s["opt"])
     runners, first = {}, {}
     for kind in kinds:
@@ -181,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                     help="decoder layers as one scanned layer (default: on an accelerator)")
     ap.add_argument("--remat", action="store_true", help="rematerialise the scanned layers")
+    ap.add_argument("--attention", nargs="+", default=["xla"], choices=["xla", "flash"],
+                    help="attention kernels, each run beside the others (flash: Pallas, TPU)")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
                     help="steps to time: plain, DP-SGD and ULS by vmap (dp, uls) and by ghost clipping")
     args = ap.parse_args(argv)
@@ -191,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                               "compute_dtype": jnp.dtype(dtype).name, "peak_flops": PEAK.get(dev.device_kind),
                               "presets": [], "dp_fit": []}
     for preset in args.presets:
-        report["presets"].append(bench_preset(preset, batch=args.batch, seq=args.seq, micro=args.micro,
-                                              k=args.k, repeats=args.repeats, dtype=dtype, scan=scan,
-                                              remat=args.remat, kinds=tuple(args.kinds)))
-        print(json.dumps(report["presets"][-1]), file=sys.stderr, flush=True)
+        for attention in args.attention:
+            report["presets"].append(bench_preset(preset, batch=args.batch, seq=args.seq, micro=args.micro,
+                                                  k=args.k, repeats=args.repeats, dtype=dtype, scan=scan,
+                                                  remat=args.remat, kinds=tuple(args.kinds), attention=attention))
+            print(json.dumps(report["presets"][-1]), file=sys.stderr, flush=True)
     for preset in args.fit_presets:
         try:
             report["dp_fit"].append(dp_memory(preset, seq=args.fit_seq, dtype=dtype, scan=scan, remat=args.remat,

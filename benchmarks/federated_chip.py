@@ -93,7 +93,7 @@ class Bench:
         return None if self.peak is None else round(flops / seconds / (self.peak * 1e12), 4)
 
     def model(self, preset: str, policy: ComputePolicy):
-        cfg = FlaxLlamaConfig.from_preset(preset, policy=policy)
+        cfg = dataclasses.replace(FlaxLlamaConfig.from_preset(preset, policy=policy), attention=self.args.attention)
         params = jax.jit(lambda: init_params(cfg, seed=0))()
         n = int(sum(x.size for x in jax.tree.leaves(params)))
         return cfg, FlaxLlama(cfg), params, n
@@ -304,6 +304,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fax-compile", nargs="*", default=[], metavar="PRESET:COHORT",
                     help="FAX shapes compiled only (memory, compile seconds)")
     ap.add_argument("--fax-remat", action="store_true", help="FAX shapes with rematerialised layers")
+    ap.add_argument("--attention", choices=["xla", "flash"], default="xla",
+                    help="attention kernel: einsums (xla) or the Pallas TPU flash kernel")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--unrolled", action="store_true", help="decoder layers unrolled (not scanned)")
     ap.add_argument("--remat", action="store_true", help="rematerialise the scanned layers")

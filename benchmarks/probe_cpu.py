@@ -19,6 +19,7 @@ compare ratios; absolute seconds hold only for the load printed beside them).
     git worktree add --detach /tmp/memaudit-old cbdbc7c
     python benchmarks/probe_cpu.py quickstart RUN --old /tmp/memaudit-old --repeats 3
     python benchmarks/probe_cpu.py outside --old /tmp/memaudit-old --docs 100 --repeats 3
+    python benchmarks/probe_cpu.py quickstart RUN --old OLD --variants new,old,new:jax --threads 1
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _worker_quickstart(run: str, probes: str | None) -> dict:
     settings = settings.model_copy(update=_overrides())
     probe_cpu = _cpu_per_probe()
     t0, c0 = time.perf_counter(), time.process_time()
-    res = run_probes(resolve_target(run), settings, engine="torch")
+    res = run_probes(resolve_target(run), settings,
+                     engine=os.environ.get("PROBE_CPU_ENGINE", "torch"))
     return {"total_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
             "probe_s": {k: round(v, 2) for k, v in res.document["timings"].items()},
             "probe_cpu_s": probe_cpu}
@@ -123,11 +125,15 @@ def _overrides() -> dict:
     return json.loads(os.environ.get("PROBE_CPU_SETTINGS", "{}"))
 
 
-def _time(tree: Path, args: list[str], threads: int | None, settings: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "PROBE_CPU_SETTINGS": json.dumps(settings)}
+def _time(tree: Path, args: list[str], threads: int | None, settings: dict,
+          engine: str = "torch") -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "PROBE_CPU_SETTINGS": json.dumps(settings),
+           "PROBE_CPU_ENGINE": engine}
     env.pop("OMP_NUM_THREADS", None)
     if threads:  # both trees on this many threads (the new one reads it; torch's default too)
         env["OMP_NUM_THREADS"] = str(threads)
+        if threads == 1:  # XLA's CPU client too (the jax engine): one thread, no Eigen pool
+            env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     p = subprocess.run([sys.executable, __file__, "--worker", *args], env=env, cwd=tree,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
@@ -155,6 +161,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="OMP_NUM_THREADS for both trees (default: each tree's own choice); with "
                          "1, CPU seconds measure the work whatever the machine's load")
+    ap.add_argument("--variants", default="new,old",
+                    help="comma-separated TREE or TREE:ENGINE (trees old, new; engines torch, jax, "
+                         "auto), e.g. new,old,new:jax; ratios are against old")
     ap.add_argument("--set", default="{}", help="quickstart: JSON of probe settings to override, "
                     "e.g. a smaller workload on a loaded machine")
     a = ap.parse_args()
@@ -174,10 +183,12 @@ def main() -> None:
         out["outside"] = build_outside(w, a.docs, a.words)
         args = ["outside", str(w.resolve())]
     out["load_avg_before"] = os.getloadavg()
-    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    variants = a.variants.split(",")
+    runs: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(a.repeats):  # new, old, old, new, ...: drift in the load falls on both
-        for name in (["new", "old"] if r % 2 == 0 else ["old", "new"]):
-            res = _time(trees[name], args, a.threads, json.loads(a.set))
+        for name in (variants if r % 2 == 0 else variants[::-1]):
+            tree, _, engine = name.partition(":")
+            res = _time(trees[tree], args, a.threads, json.loads(a.set), engine or "torch")
             res["load_avg"] = os.getloadavg()[0]
             runs[name].append(res)
             print(json.dumps({"variant": name, "repeat": r, **res}), file=sys.stderr, flush=True)
@@ -185,21 +196,20 @@ def main() -> None:
     cpu = {k: statistics.median(x["cpu_s"] for x in v) for k, v in runs.items()}
     per_probe = {k: {p: round(statistics.median(x["probe_s"][p] for x in v), 2)
                      for p in v[0]["probe_s"]} for k, v in runs.items()}
-    per_probe_cpu = ({k: {p: round(statistics.median(x["probe_cpu_s"][p] for x in v), 2)
-                          for p in v[0]["probe_cpu_s"]} for k, v in runs.items()}
-                     if runs["new"][0].get("probe_cpu_s") else {})
+    per_probe_cpu = {k: {p: round(statistics.median(x["probe_cpu_s"][p] for x in v), 2)
+                         for p in v[0]["probe_cpu_s"]} for k, v in runs.items()}
     out.update(
         median_total_s={k: round(m, 2) for k, m in med.items()},
         median_probe_s=per_probe,
         median_cpu_s={k: round(m, 2) for k, m in cpu.items()},
         median_probe_cpu_s=per_probe_cpu,
-        probe_cpu_ratio_old_over_new={p: round(per_probe_cpu["old"][p] / max(v, 1e-9), 3)
-                                      for p, v in per_probe_cpu.get("new", {}).items()},
-        cpu_ratio_old_over_new=round(cpu["old"] / cpu["new"], 3),
+        probe_cpu_ratio_old_over={k: {p: round(per_probe_cpu["old"][p] / max(v, 1e-9), 3)
+                                      for p, v in c.items()} for k, c in per_probe_cpu.items()},
+        cpu_ratio_old_over={k: round(cpu["old"] / c, 3) for k, c in cpu.items()},
         threads=a.threads, settings=json.loads(a.set),
-        ratio_old_over_new={"total": round(med["old"] / med["new"], 3),
-                            **{p: round(per_probe["old"][p] / max(per_probe["new"][p], 1e-9), 3)
-                               for p in per_probe["new"]}},
+        ratio_old_over={k: {"total": round(med["old"] / med[k], 3),
+                            **{p: round(per_probe["old"][p] / max(per_probe[k][p], 1e-9), 3)
+                               for p in per_probe[k]}} for k in runs},
         runs={k: [{"total_s": round(x["total_s"], 2), "cpu_s": round(x["cpu_s"], 2),
                    "probe_s": x["probe_s"], "probe_cpu_s": x.get("probe_cpu_s"),
                    "load_avg": round(x["load_avg"], 2)} for x in v] for k, v in runs.items()},
@@ -207,7 +217,7 @@ def main() -> None:
     )
     if a.workload == "outside":
         toks = 2 * out["outside"]["tokens_per_model"]  # the target and its base
-        for k in trees:  # wall time under this load, and CPU seconds (one thread: a quiet
+        for k in runs:  # wall time under this load, and CPU seconds (one thread: a quiet
             # core's wall time, at most: other processes only slow a core's caches)
             for label, sec in (("wall", per_probe[k]["membership"]),
                                ("cpu", per_probe_cpu.get(k, {}).get("membership"))):

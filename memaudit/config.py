@@ -254,6 +254,11 @@ class TrainConfig(_Section):
     eval_batches: int = Field(4, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    layers: Literal["auto", "scan", "unroll"] = Field(
+        "auto", description="the federated backend's decoder layers in JAX: scan (one scanned layer, "
+        "compile time flat in depth) or unroll (faster steps; on a TPU v5e a 125m round of 32 clients ran "
+        "1.6x faster unrolled and compiled in 52 s instead of 16 s); auto: scan on an accelerator, unroll "
+        "on the CPU")
     activation_checkpointing: bool | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     goldfish: GoldfishConfig = GoldfishConfig()
@@ -578,6 +583,10 @@ class Config(_Section):
                 "train.goldfish is a centralized-only mitigation; set train.goldfish.enabled=false "
                 "or backend=centralized"
             )
+        if self.train.layers == "scan" and (self.backend != "federated" or self.model.lora is not None):
+            raise ValueError("train.layers=scan applies to the federated backend's full fine-tuning (the "
+                             "centralized engines and LoRA's per-layer adapters keep unrolled layers); set "
+                             "train.layers to auto or unroll")
         if self.backend == "federated":
             _check_federated_unit(self.privacy)
         elif self.privacy.unit == "user" and self.privacy.enabled and self.privacy.max_examples_per_user is None:

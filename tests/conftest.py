@@ -8,6 +8,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # scripts/test.sh runs two workers on the 2 cores CI has: one core each. torch's default is a
+    # thread per core in each worker, 4 threads on 2 cores, and OpenMP's waiting threads spin on
+    # cores the other worker needs (a 20-step tiny run, two started together on a loaded 2-core
+    # machine: 54.7 s of CPU and 374 s wall with 2 threads, 12.3 s and 164 s with 1; whole files,
+    # CPU seconds: test_sweep_e2e.py 371 -> 206, sweep/test_pieces.py 303 -> 224). Before, a
+    # worker dropped to 1 thread only once it had run a parallel test (tests/parallel/conftest.py
+    # sets 1 thread and keeps it), so a file ran on 1 or 2 threads by where the scheduler put it.
+    # A test that needs another count sets it itself; subprocesses inherit the 1.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # submitit configures logging when it is first imported (logging.config.dictConfig), which closes
 # every handler there is. absl's handler (installed when jax loads) closes its stream on close
@@ -78,3 +88,52 @@ def tiny_run(tmp_path_factory, tiny_corpus) -> dict:
         rc = main(args)
     return {"path": out, "rc": rc, "stdout": so.getvalue(), "stderr": se.getvalue(), "args": args,
             "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------- scheduling
+# scripts/test.sh runs the suite on two pytest-xdist workers, one test file at a time each
+# (`--dist loadfile`); its wall time is that of the worker that finishes last. xdist hands the
+# files out by their number of tests, most first, so the files with one to five long tests (the
+# e2e sweep, the golden sweep, the SLURM-path study) came last: one worker ran them while the
+# other had nothing left. These files go first, longest first, and the rest follow in xdist's
+# order (most tests first), so the last files handed out are short ones. Seconds: the files'
+# longest setups and calls in CI (`--durations`, 2 workers on 2 cores). The LoRA and Trainer grid
+# files are not listed: they read the process groups test_parallel_equivalence.py spawns, and
+# they wait for that spawn when they run beside it.
+LONG_FILES = (
+    "tests/test_sweep_e2e.py",  # 322 s setup, 41 s browser
+    "tests/parallel/test_parallel_equivalence.py",  # 3 process groups, 50-76 s each
+    "tests/federated/test_flower_trainer.py",  # 4 tests of 33-39 s
+    "tests/federated/test_flower_deploy.py",  # 70, 38, 34 s
+    "tests/sweep/test_pieces.py",  # 107 s setup
+    "tests/train/test_jax_engine.py",  # 55, 50 s
+    "tests/sweep/test_scale_study.py",  # 87 s setup
+    "tests/test_behaviour_golden.py",  # 83 s
+    "tests/federated/test_trainer.py",  # 38, 31 s
+    "tests/federated/test_multiprocess.py",  # 56 s
+    "tests/train/test_resume.py",  # 45 s
+    "tests/sweep/test_match_utility.py",  # 44 s
+    "tests/train/test_jax_engine_equality.py",  # 40 s
+    "tests/federated/test_flower_secagg.py",  # 32 s
+    "tests/parallel/test_launch.py",  # 26 s
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The long files first (LONG_FILES' order), then the others by their number of tests, most
+    first; a stable sort, so each file's tests stay together and in their order."""
+    from collections import Counter
+
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    counts = Counter(item.nodeid.split("::", 1)[0] for item in items)
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(rank)), -counts[path]
+
+    items.sort(key=key)

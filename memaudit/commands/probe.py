@@ -140,7 +140,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         # lazy: `memaudit --help` does not import scikit-learn (~4 s) and numpy (~0.4 s)
         from memaudit.config import ProbeConfig
-        from memaudit.io import atomic_write_json
+        from memaudit.probes.document import write_probes
         from memaudit.probes.engines import ENGINES
         from memaudit.probes.inputs import check_fpr_negatives, resolve_columns
         from memaudit.probes.runner import parse_probes
@@ -210,7 +210,7 @@ def register(app: typer.Typer) -> None:
                 report = LogProgress(lambda line: console.print(line, markup=False,
                                                                 highlight=False))
             result = run_probes(t, settings, progress=report, engine=engine)
-        atomic_write_json(t.out, result.document)
+        write_probes(t.out, result.document)
         if fmt == "json":
             print_json(result.document)
         else:

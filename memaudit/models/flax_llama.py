@@ -36,6 +36,8 @@ from memaudit.models.convert import STACKED, hf_to_flax
 from memaudit.models.precision import ComputePolicy
 from memaudit.models.presets import LlamaPreset, get_preset, init_state_dict
 
+ATTENTION = ("xla", "flash")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlaxLlamaConfig(LlamaPreset):
@@ -46,6 +48,13 @@ class FlaxLlamaConfig(LlamaPreset):
     # parameters under `layers/stacked`, `convert.stack_layers`); remat: recomputed in backward
     scan_layers: bool = False
     remat: bool = False
+    # "xla": scores as einsums and a softmax (any backend); "flash": the Pallas TPU flash-attention
+    # kernel (causal, padding as segment ids; no (q, k) score matrix in memory)
+    attention: str = "xla"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION}; use xla or flash (TPU)")
 
     @property
     def head_dim(self) -> int:
@@ -111,6 +120,30 @@ def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
     )
 
 
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Causal attention by the Pallas TPU flash-attention kernel: q (batch, seq, heads, head_dim),
+    k and v (batch, seq, kv_heads, head_dim), mask (batch, seq) with 1 for a real token; a real
+    query reads the real keys at or before it, as the einsum path does. Returns (batch, seq, heads,
+    head_dim). Key/value heads are repeated for grouped-query attention (the kernel wants equal
+    head counts). On the CPU it runs under `jax.experimental.pallas.tpu.force_tpu_interpret_mode`."""
+    # lazy: Pallas only where the flash path is chosen
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    _, s, nh, hd = q.shape
+    pad = -s % 128  # the kernel tiles keys in 128-lane blocks: pad, as padding, and cut back
+    group = nh // k.shape[2]
+    k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (q, k, v))
+    seg = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, pad)))  # (batch, heads, seq, head_dim) above
+    blk = min(512, s + pad)
+    sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1,
+                          block_q_major_dkv=blk, block_k_major_dkv=blk, block_k_dkv=blk, block_q_dkv=blk,
+                          block_k_major_dq=blk, block_k_dq=blk, block_q_dq=blk)
+    out = fa.flash_attention(q, k, v, segment_ids=fa.SegmentIds(q=seg, kv=seg), causal=True,
+                             sm_scale=float(hd) ** -0.5, block_sizes=sizes)
+    return out.transpose(0, 2, 1, 3)[:, :s]
+
+
 class Attention(nn.Module):
     cfg: FlaxLlamaConfig
 
@@ -123,6 +156,9 @@ class Attention(nn.Module):
         k = _dense(nkv * hd, "k_proj", c.dtype)(x).reshape(b, s, nkv, hd)
         v = _dense(nkv * hd, "v_proj", c.dtype)(x).reshape(b, s, nkv, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if c.attention == "flash":  # bias: the (batch, seq) padding mask as segment ids
+            out = flash_attention(q, k, v, bias).reshape(b, s, nh * hd)
+            return _dense(c.hidden_size, "o_proj", c.dtype)(out)
         # grouped-query attention: query head h reads key/value head h // (nh // nkv)
         q = q.reshape(b, s, nkv, nh // nkv, hd)  # (batch, seq, kv_heads, group, head_dim)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
@@ -196,6 +232,10 @@ class LlamaModel(nn.Module):
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(s), (b, s))
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta)
+        if c.attention == "flash":  # the kernel masks by segment ids: the padding mask is the bias
+            mask = jnp.ones((b, s), jnp.int32) if attention_mask is None else attention_mask
+            x = Layers(c, name="layers")(x, cos, sin, mask.astype(jnp.int32))
+            return RMSNorm(c.rms_norm_eps, c.dtype, name="norm")(x), embed
         allowed = jnp.tril(jnp.ones((s, s), dtype=bool))[None]  # (1, q, k)
         if attention_mask is not None:
             allowed = allowed & (attention_mask[:, None, :] > 0)  # padded keys are never read

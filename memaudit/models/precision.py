@@ -118,10 +118,12 @@ def resolve_policy(dtype: str = "auto", backend: str | None = None, *, scan_laye
 
 
 def policy_of_config(cfg: Any, backend: str | None = None) -> ComputePolicy:
-    """The policy of a run's config (``cfg.train.dtype``); LoRA keeps the unrolled layers (its
-    adapters are addressed per layer)."""
+    """The policy of a run's config (``cfg.train.dtype`` and ``cfg.train.layers``: scan, unroll, or
+    auto: scanned on an accelerator); LoRA keeps the unrolled layers (its adapters are addressed per
+    layer)."""
     lora = getattr(getattr(cfg, "model", None), "lora", None)
-    return resolve_policy(cfg.train.dtype, backend, scan_layers=False if lora is not None else None)
+    scan = {"scan": True, "unroll": False}.get(getattr(cfg.train, "layers", "auto"))
+    return resolve_policy(cfg.train.dtype, backend, scan_layers=False if lora is not None else scan)
 
 
 __all__ = ["COMPUTE_DTYPES", "ComputePolicy", "policy_of_config", "resolve_policy"]

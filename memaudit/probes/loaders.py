@@ -1,4 +1,5 @@
-"""Typed loaders for what earlier stages wrote: canaries.json, privacy.json and probes.json.
+"""Typed loaders for what earlier stages wrote: canaries.json, privacy.json and run.json
+(probes.json: `memaudit.probes.document`, its one reader and writer).
 
 Each loader checks the fields it needs once and refuses a malformed file in one line naming the
 file, the field and the fix; probe code then reads attributes, never `dict.get`. Secrets are held
@@ -155,47 +156,6 @@ class Privacy:
             delta=summary["delta"],
             epsilon=None if summary["unit"] is None or math.isnan(e) else e,
         )
-
-
-@dataclass(frozen=True)
-class ProbeSection:
-    summary: dict
-    scores: Any
-
-    @property
-    def skipped(self) -> str | None:
-        return self.summary.get("skipped")
-
-
-@dataclass(frozen=True)
-class ProbesDoc:
-    """probes.json: schema, target and one section per probe."""
-
-    schema: int
-    target: dict
-    settings: dict
-    probes: dict[str, ProbeSection]
-    counts: dict = field(default_factory=dict)  # what fitting the context did (documents windowed, ...)
-
-    def get(self, name: str) -> ProbeSection | None:
-        """The probe's section, or None when it was not run or was skipped."""
-        p = self.probes.get(name)
-        return None if p is None or p.skipped else p
-
-    @classmethod
-    def from_json(cls, obj: Any, source: str = "probes.json") -> ProbesDoc:
-        if not isinstance(obj, dict) or not isinstance(obj.get("probes"), dict):
-            raise DataError(f"{source} has no 'probes' object; re-run `memaudit probe`")
-        schema = obj.get("schema")
-        if schema != 1:
-            raise DataError(f"{source} has schema {schema!r}, this memaudit reads 1; re-run probe")
-        probes = {}
-        for name, p in obj["probes"].items():
-            if not isinstance(p, dict) or not isinstance(p.get("summary"), dict):
-                raise DataError(f"{source}: probe '{name}' has no 'summary'; re-run `memaudit probe`")
-            probes[name] = ProbeSection(summary=p["summary"], scores=p.get("scores") or [])
-        return cls(schema=1, target=obj.get("target") or {}, settings=obj.get("settings") or {},
-                   probes=probes, counts=obj.get("counts") or {})
 
 
 def _path(obj: Any, *keys: str, default: Any = None) -> Any:

@@ -138,7 +138,7 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
     2 * len(items).
     """
     # lazy: torch (~2 s) only when called; this module imports without it
-    from memaudit.probes.scoring import decode, shared_prefix_nll
+    from memaudit.probes.scoring import decode, grouped_prefix_nll
 
     prompts, n_new = [], []
     for d, it in items:
@@ -173,15 +173,20 @@ def score_group(model, codec, items, pools, *, n_candidates, context_tokens, suf
             starts.append(start - cut)
             owner.append(j)
 
-    # each item's candidates share their context: it goes through the model once per item
+    # each item's candidates share their context: it goes through the model once, beside other
+    # items' contexts in one batch
     owner = np.array(owner, dtype=int)
+    groups = [np.flatnonzero(owner == j) for j in range(len(items))]
+
+    def ranking(done, total, _info):
+        progress(n + (n * done) // max(total, 1), 2 * n, {})
+
     nll = np.zeros(len(seqs))
-    for j in range(len(items)):
-        rows = np.flatnonzero(owner == j)
-        nll[rows] = shared_prefix_nll(model, [seqs[i] for i in rows], start=starts[rows[0]],
-                                      batch_size=batch_size)
-        if progress:
-            progress(n + j + 1, 2 * n, {})
+    for rows, got in zip(groups, grouped_prefix_nll(
+            model, [[seqs[i] for i in rows] for rows in groups],
+            [starts[rows[0]] for rows in groups], batch_size=batch_size,
+            progress=ranking if progress else None), strict=True):
+        nll[rows] = got
     ranks = [int(1 + (nll[owner == j][1:] < nll[owner == j][0]).sum()) for j in range(len(items))]
     counts = [int((owner == j).sum()) for j in range(len(items))]
     return PiiScores(items, extracted, ranks, counts)

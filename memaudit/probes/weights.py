@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memaudit.models.init import base_model_record
+
+if TYPE_CHECKING:
+    from memaudit.probes.document import ProbesDoc
 
 
 def weights_sha256(model_dir: str | os.PathLike | None) -> str | None:
@@ -30,17 +33,10 @@ def weights_sha256(model_dir: str | os.PathLike | None) -> str | None:
     return base_model_record(str(d))["weights_sha256"]
 
 
-def recorded_weights(doc: Any) -> str | None:
-    """The fingerprint a probes.json document recorded (None: written before it existed)."""
-    target = doc.get("target") if isinstance(doc, dict) else None
-    value = target.get("weights_sha256") if isinstance(target, dict) else None
-    return value if isinstance(value, str) else None
-
-
-def weights_mismatch(doc: Any, model_dir: str | os.PathLike) -> bool:
+def weights_mismatch(doc: ProbesDoc, model_dir: str | os.PathLike) -> bool:
     """Whether a probes.json that records a fingerprint measured other weights than `model_dir`'s.
     False where `model_dir` holds no weights (a run brought back without them, `memaudit collect`):
     there is nothing to compare with."""
-    recorded = recorded_weights(doc)
+    recorded = doc.weights_sha256
     current = weights_sha256(model_dir)
     return recorded is not None and current is not None and recorded != current

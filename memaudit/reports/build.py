@@ -10,6 +10,7 @@ import math
 import os
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,21 @@ from memaudit.backends import CENTRALIZED, report_rank
 from memaudit.data.prepare import verify_run_data
 from memaudit.errors import MemauditError
 from memaudit.io import read_json, read_jsonl
-from memaudit.probes.loaders import ProbesDoc, RunInfo
+from memaudit.probes.document import read_probes
+from memaudit.probes.loaders import RunInfo
 from memaudit.probes.weights import weights_mismatch
 from memaudit.reports import findings as findings_mod
 from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
+from memaudit.reports.entries import (
+    DataSummary,
+    Mitigation,
+    ModelSummary,
+    PrivacySummary,
+    RunEntry,
+    Utility,
+    entries,
+)
 from memaudit.reports.frontier import (
     DEFAULT_TOLERANCE,
     PUBLIC_BASE,
@@ -32,7 +43,7 @@ from memaudit.reports.frontier import (
 )
 from memaudit.reports.group import group_privacy
 from memaudit.reports.literature import literature_section
-from memaudit.reports.probes_adapter import settle_rows, summarize_probes, units_of
+from memaudit.reports.probes_adapter import read_summary, settle_rows, units_of
 from memaudit.reports.scale import scale_section
 from memaudit.reports.targets import find_targets, is_memaudit_run, target_comparisons, target_entry
 from memaudit.rundir import RunDir
@@ -65,10 +76,46 @@ def find_runs(paths: list[str | os.PathLike], *, allow_none: bool = False) -> li
     return runs
 
 
-def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class LedgerFigures:
+    """What the report states of a run's ledger, recomputed from its events
+    (`memaudit.privacy.ledger.ledger_summary`): ε at δ per `unit` (inf and no unit without a
+    ledger), the group bound per user, the ε per document, and against whom it holds."""
+
+    epsilon: float = math.inf
+    unit: str | None = None
+    delta: float | None = None
+    per_user: dict[str, Any] | None = None
+    noise_multiplier: float | None = None
+    accounting: str | None = None
+    adjacency: list[str] = field(default_factory=list)
+    assumes_hidden: list[str] = field(default_factory=list)
+    server_epsilon: float | None = None
+    server_note: str | None = None
+    void_if_seed_known: bool = False
+    protects: dict[str, Any] | None = None
+    document: dict[str, Any] | None = None
+
+    @classmethod
+    def of_ledger(cls, raw: Any, summary: dict[str, Any]) -> LedgerFigures:
+        """From privacy.json (`raw`) and its `ledger_summary`."""
+        raw = raw if isinstance(raw, dict) else {}
+        pu = raw.get("per_user") or None
+        if pu is not None:
+            pu = {"max_sequences_per_user": raw.get("max_sequences_per_user") or pu.get("k"),
+                  "epsilon": pu.get("epsilon"), "delta": pu.get("delta"), "vacuous": bool(pu.get("vacuous"))}
+        return cls(epsilon=float(summary["epsilon"]), unit=raw.get("unit"), delta=raw.get("delta"), per_user=pu,
+                   noise_multiplier=raw.get("noise_multiplier"),
+                   accounting=raw.get("accountant_note") or raw.get("adjacency"),
+                   adjacency=summary["adjacency"], assumes_hidden=summary["assumes_hidden"],
+                   server_epsilon=summary["server_epsilon"], server_note=summary["server_note"],
+                   void_if_seed_known=summary["void_if_seed_known"], protects=summary["protects"],
+                   document=_document(summary["document"]))
+
+
+def _ledger_epsilon(rd: RunDir) -> LedgerFigures:
     if not rd.privacy_path.is_file():
-        return {"epsilon": math.inf, "unit": None, "delta": None, "per_user": None, "noise_multiplier": None,
-                "document": None, "protects": None}
+        return LedgerFigures()
     raw = read_json(rd.privacy_path, what="privacy ledger")
     # lazy: dp_accounting (~1.5 s) only when called; this module imports without it
     from memaudit.privacy.ledger import ledger_summary
@@ -78,28 +125,7 @@ def _ledger_epsilon(rd: RunDir) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError) as e:
         raise MemauditError(f"'{rd.privacy_path}' holds a privacy ledger this version cannot "
                             f"interpret ({type(e).__name__}); re-run training to rewrite it") from None
-    eps = summary["epsilon"]
-    if not isinstance(raw, dict):
-        raw = {}
-    pu = raw.get("per_user") or None
-    if pu is not None:
-        pu = {"max_sequences_per_user": raw.get("max_sequences_per_user") or pu.get("k"),
-              "epsilon": pu.get("epsilon"), "delta": pu.get("delta"), "vacuous": bool(pu.get("vacuous"))}
-    return {
-        "epsilon": float(eps),
-        "unit": raw.get("unit"),
-        "delta": raw.get("delta"),
-        "per_user": pu,
-        "noise_multiplier": raw.get("noise_multiplier"),
-        "accounting": raw.get("accountant_note") or raw.get("adjacency"),
-        "adjacency": summary["adjacency"],
-        "assumes_hidden": summary["assumes_hidden"],
-        "server_epsilon": summary["server_epsilon"],
-        "server_note": summary["server_note"],
-        "void_if_seed_known": summary["void_if_seed_known"],
-        "protects": summary["protects"],
-        "document": _document(summary["document"]),
-    }
+    return LedgerFigures.of_ledger(raw, summary)
 
 
 def _document(doc: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -121,16 +147,16 @@ def _sequences_epsilon(rd: RunDir):
     return led.group_epsilon
 
 
-def _unit_text(priv: dict[str, Any]) -> str:
+def _unit_text(priv: LedgerFigures) -> str:
     """What the ε is per, in the run's description: the unit and its contribution bound."""
-    protects = priv.get("protects") or {}
-    name = protects.get("unit") or priv["unit"]
+    protects = priv.protects or {}
+    name = protects.get("unit") or priv.unit
     return f"per {name}" + (f" ({protects['contribution_bound']})" if protects.get("contribution_bound") else "")
 
 
-def _document_text(priv: dict[str, Any]) -> str:
+def _document_text(priv: LedgerFigures) -> str:
     """An example-level run's ε per document (up to m sequences), or that m is unknown."""
-    doc = priv.get("document")
+    doc = priv.document
     if doc is None:
         return ""
     if doc.get("epsilon") is None:
@@ -139,10 +165,9 @@ def _document_text(priv: dict[str, Any]) -> str:
     return f"; epsilon = {doc['epsilon']:.4g} per document (up to {m} sequence{'s' if m > 1 else ''})"
 
 
-def _server_view(priv: dict[str, Any]) -> str:
+def _server_view(priv: LedgerFigures) -> str:
     """The ledger's second view: what the guarantee is against the aggregation server."""
-    eps = priv.get("server_epsilon")
-    note = priv.get("server_note")
+    eps, note = priv.server_epsilon, priv.server_note
     if eps is None or (isinstance(eps, float) and math.isinf(eps)):
         return "no DP guarantee" + (f" ({note})" if note else "")
     return f"epsilon = {eps:.4g}" + (f" ({note})" if note else "")
@@ -162,12 +187,12 @@ def mechanism_label(info: RunInfo) -> str:
     return name
 
 
-def _per_user_text(priv: dict[str, Any]) -> str:
-    if priv["unit"] is None or math.isinf(priv["epsilon"]):
+def _per_user_text(priv: LedgerFigures) -> str:
+    if priv.unit is None or math.isinf(priv.epsilon):
         return "no guarantee"
-    if priv["unit"] == "user":
-        return f"epsilon = {priv['epsilon']:.3g} per user"
-    pu = priv.get("per_user") or {}
+    if priv.unit == "user":
+        return f"epsilon = {priv.epsilon:.3g} per user"
+    pu = priv.per_user or {}
     k = pu.get("max_sequences_per_user")
     if pu.get("vacuous"):
         return f"vacuous for a user with {k} sequences"
@@ -188,7 +213,7 @@ def _holdout_perplexity(info: RunInfo, metrics: list[dict[str, Any]]) -> float |
     """run.json's final holdout perplexity, else the last one metrics.jsonl evaluated."""
     if info.final_holdout_perplexity is not None:
         return info.final_holdout_perplexity
-    vals = [r["holdout_perplexity"] for r in metrics if isinstance(r.get("holdout_perplexity"), int | float)]
+    vals = [v for r in metrics if isinstance(v := r.get("holdout_perplexity"), int | float)]
     return float(vals[-1]) if vals else None
 
 
@@ -200,7 +225,32 @@ def _canaries(rd: RunDir) -> dict[str, Any] | None:
     return raw if isinstance(raw, dict) else None
 
 
-def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
+def _noise_rows(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The federated rounds where fewer clients survived than were sampled: their noise."""
+    rows = []
+    for r in metrics:
+        survivors, cohort = r.get("survivors"), r.get("cohort")
+        if survivors is not None and cohort is not None and survivors < cohort:
+            rows.append({"round": r.get("round"), "survivors": survivors, "effective_noise": r.get("effective_noise")})
+    return rows
+
+
+def _description(mech: str, info: RunInfo, priv: LedgerFigures) -> str:
+    """The run's guarantee in one line: against the released model, against the server."""
+    if not info.dp:
+        return mech
+    return (f"{mech}, sigma = {priv.noise_multiplier}, delta = {priv.delta}; against the "
+            f"released model: epsilon = {priv.epsilon:.4g} {_unit_text(priv)}"
+            + (f" ({', '.join(priv.adjacency)} adjacency)" if priv.adjacency else "")
+            + _document_text(priv)
+            + (f", assuming hidden: {', '.join(priv.assumes_hidden)}" if priv.assumes_hidden else "")
+            + "; against the server: " + _server_view(priv)
+            + ("; VOID against anyone who knows train.seed (privacy.reproducible_randomness)"
+               if priv.void_if_seed_known else ""))
+
+
+def read_run(rd: RunDir, *, show_secrets: bool = False) -> RunEntry:
+    """The run's entry, from its files: run.json, privacy.json, metrics.jsonl, probes.json."""
     manifest = rd.read_manifest()
     info = RunInfo.from_manifest(manifest, str(rd.path / "run.json"))
     role = manifest.get("role") if isinstance(manifest, dict) else None
@@ -210,138 +260,102 @@ def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
         raise MemauditError(
             f"run '{rd.path}' has no probes.json; run `memaudit probe {rd.path}` first"
         )
-    raw = read_json(rd.probes_path)
-    if weights_mismatch(raw, rd.model_dir):  # probed, then trained again: other weights measured
+    probes = read_probes(rd.probes_path)  # one line if malformed
+    if weights_mismatch(probes, rd.model_dir):  # probed, then trained again: other weights measured
         raise MemauditError(f"'{rd.probes_path}' measured other weights than the model in "
                             f"'{rd.model_dir}' (the run was trained again after it was probed); run "
                             f"`memaudit probe {rd.path}` again")
-    probes = ProbesDoc.from_json(raw, str(rd.probes_path))  # one line if malformed
     priv = _ledger_epsilon(rd)
-    backend = info.backend
     mech = mechanism_label(info)
     if role == PUBLIC_BASE:  # trained on public text only: no private record reaches it
         mech = "none (public base)"
-        priv = {**priv, "epsilon": 0.0, "unit": None, "document": None, "protects": None}
+        priv = replace(priv, epsilon=0.0, unit=None, document=None, protects=None)
     metrics = read_jsonl(rd.metrics_path)
-    noise_rows = [
-        {"round": r.get("round"), "survivors": r.get("survivors"), "effective_noise": r.get("effective_noise")}
-        for r in metrics
-        if r.get("survivors") is not None and r.get("cohort") is not None and r.get("survivors") < r.get("cohort")
-    ]
-    summary = summarize_probes(probes, run_dir=rd.path, show_secrets=show_secrets)
-    units = units_of(probes)
-    if role == PUBLIC_BASE:
-        desc = ("public base: trained on the public corpus only, no private user's text; epsilon = 0 "
-                "with respect to the private users")
-    desc = mech if not info.dp else (
-        f"{mech}, sigma = {priv['noise_multiplier']}, delta = {priv['delta']}; against the "
-        f"released model: epsilon = {priv['epsilon']:.4g} {_unit_text(priv)}"
-        + (f" ({', '.join(priv['adjacency'])} adjacency)" if priv.get("adjacency") else "")
-        + _document_text(priv)
-        + (f", assuming hidden: {', '.join(priv['assumes_hidden'])}" if priv.get("assumes_hidden") else "")
-        + "; against the server: " + _server_view(priv)
-        + ("; VOID against anyone who knows train.seed (privacy.reproducible_randomness)"
-           if priv.get("void_if_seed_known") else "")
-    )
-    return {
-        "id": rd.path.name,
-        "path": str(rd.path),
-        "role": role,
-        "backend": backend,
-        "status": rd.status(),
-        "seed": info.seed,
-        "audit": bool(info.audit_canaries),
+    summary = read_summary(probes, run_dir=rd.path, show_secrets=show_secrets)
+    result = manifest.get("result") if isinstance(manifest, dict) else None
+    return RunEntry(
+        id=rd.path.name, path=str(rd.path), role=role, backend=info.backend, status=rd.status(), seed=info.seed,
+        audit=bool(info.audit_canaries),
         # the centralized backend's engine (torch or jax) as run.json's result names it; None before it did
-        "model": {"preset": info.preset, "params": info.parameters, "trained": info.trained,
-                  "engine": (manifest.get("result") or {}).get("engine"),
-                  "upload_bytes_per_client_per_round": info.upload_bytes},
-        "data": {
-            "fingerprint": info.data_fingerprint[:12],
-            "users": _train_users(rd),
-            "sequences": info.train_sequences,
-        },
-        "privacy": {
-            "mechanism": mech,
-            "description": desc,
-            "epsilon": priv["epsilon"],
-            "target_epsilon": info.target_epsilon,
-            "noise_multiplier": priv["noise_multiplier"],
-            "delta": priv["delta"],
-            "unit": priv["unit"],
-            "user_sampling": info.user_sampling,
-            "per_user": priv["per_user"],
-            "document": priv.get("document"),
-            "per_user_text": "not trained on private data" if role == PUBLIC_BASE else _per_user_text(priv),
-        },
-        "group_privacy": group_privacy(
-            _canaries(rd), epsilon=priv["epsilon"], unit=priv["unit"], delta=priv["delta"],
-            exposure_by_repetition=summary["plots"].get("exposure_by_repetition"),
-            sequences_epsilon=_sequences_epsilon(rd) if priv["unit"] == "example" else None),
-        "mitigation": {"goldfish": info.goldfish},
-        "utility": {
-            "holdout_loss": info.final_holdout_loss,
-            "holdout_perplexity": _holdout_perplexity(info, metrics),
-        },
-        "noise_per_round": noise_rows,
-        "leakage": summary["leakage"],
-        "probes_summary": summary["plots"],
-        "probe_rows": summary["rows"],
-        "samples": summary["samples"],  # extracted member text: only with show_secrets
-        "extracted_members": summary["extracted_members"],  # their ids and lengths
-        "units": units,  # per-unit scores for the tests between runs; dropped from report.json
-    }
+        model=ModelSummary(preset=info.preset, params=info.parameters, trained=info.trained,
+                           engine=(result or {}).get("engine"), upload_bytes_per_client_per_round=info.upload_bytes),
+        data=DataSummary(fingerprint=info.data_fingerprint[:12], users=_train_users(rd),
+                         sequences=info.train_sequences),
+        privacy=PrivacySummary(
+            mechanism=mech, description=_description(mech, info, priv), epsilon=priv.epsilon,
+            target_epsilon=info.target_epsilon, noise_multiplier=priv.noise_multiplier, delta=priv.delta,
+            unit=priv.unit, user_sampling=info.user_sampling, per_user=priv.per_user, document=priv.document,
+            per_user_text="not trained on private data" if role == PUBLIC_BASE else _per_user_text(priv)),
+        group_privacy=group_privacy(
+            _canaries(rd), epsilon=priv.epsilon, unit=priv.unit, delta=priv.delta,
+            exposure_by_repetition=summary.plots.get("exposure_by_repetition"),
+            sequences_epsilon=_sequences_epsilon(rd) if priv.unit == "example" else None),
+        mitigation=Mitigation(goldfish=info.goldfish),
+        utility=Utility(holdout_loss=info.final_holdout_loss,
+                        holdout_perplexity=_holdout_perplexity(info, metrics)),
+        noise_per_round=_noise_rows(metrics),
+        leakage=summary.leakage, probes_summary=summary.plots, probe_rows=summary.rows,
+        samples=summary.samples, extracted_members=summary.extracted_members,
+        units=units_of(probes),  # per-unit scores for the tests between runs; dropped from report.json
+    )
+
+
+def run_entry(rd: RunDir, *, show_secrets: bool = False) -> dict[str, Any]:
+    """The run's object of report.json (`read_run`), its per-unit scores included until the
+    report drops them."""
+    return read_run(rd, show_secrets=show_secrets).with_units()
 
 
 # ----------------------------------------------------------------------------- comparisons
-def _unit(r: dict[str, Any], eps: float) -> str | None:
+def _unit(r: RunEntry, eps: float) -> str | None:
     """The privacy unit a DP run protects (None without DP)."""
-    return None if math.isinf(eps) else (r.get("privacy") or {}).get("unit")
+    return None if math.isinf(eps) else r.privacy.unit
 
 
-def finetune(run: dict[str, Any]) -> str:
+def finetune(run: dict[str, Any] | RunEntry) -> str:
     """What a report run trained: "full", or its LoRA label ("lora(r=8, q_proj,v_proj)")."""
-    return str((run.get("model") or {}).get("trained") or "full")
+    return RunEntry.of(run).model.finetune
 
 
-def _sampling(r: dict[str, Any], eps: float) -> str | None:
+def _sampling(r: RunEntry, eps: float) -> str | None:
     """A centralized per-user DP run's sampling ("els" or "uls"); None otherwise."""
-    return None if math.isinf(eps) else (r.get("privacy") or {}).get("user_sampling")
+    return None if math.isinf(eps) else r.privacy.user_sampling
 
 
 def _algorithm(sampling: str | None) -> str:
     return f", {sampling.upper()}" if sampling else ""
 
 
-def _groups(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+def _groups(runs: list[RunEntry]) -> dict[tuple, list[RunEntry]]:
     """Runs by (backend, nominal epsilon, Goldfish, privacy unit, fine-tuning, user sampling):
     runs of one configuration (seeds) pool; runs protecting different units, or the same unit by
     different algorithms (ELS, ULS), never do."""
-    g: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    g: dict[tuple, list[RunEntry]] = defaultdict(list)
     for r in runs:
-        if r["audit"] or r.get("role") == PUBLIC_BASE:  # the base is the frontier's origin, not a point
+        if r.audit or r.role == PUBLIC_BASE:  # the base is the frontier's origin, not a point
             continue
         eps = nominal_epsilon(r)
-        g[(r["backend"], eps, r["mitigation"]["goldfish"], _unit(r, eps), finetune(r), _sampling(r, eps))].append(r)
+        g[(r.backend, eps, r.mitigation.goldfish, _unit(r, eps), r.model.finetune, _sampling(r, eps))].append(r)
     return g
 
 
-def _mean_ppl(rs: list[dict[str, Any]]) -> float | None:
-    ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"].get("holdout_perplexity") is not None]
+def _mean_ppl(rs: list[RunEntry]) -> float | None:
+    ppl = [r.utility.holdout_perplexity for r in rs if r.utility.holdout_perplexity is not None]
     return statistics.fmean(ppl) if ppl else None
 
 
-def _curves(groups: dict[tuple, list[dict[str, Any]]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _curves(groups: dict[tuple, list[RunEntry]], runs: list[RunEntry]) -> list[dict[str, Any]]:
     """Utility (and the lead leakage metric) against epsilon per backend, pooled over seeds."""
     curves = []
-    lead = next((k for k in ("exposure_top", "mia_auc") if any(r["leakage"].get(k) for r in runs)), None)
+    lead = next((k for k in ("exposure_top", "mia_auc") if any(r.cell(k) for r in runs)), None)
     by_label: dict[str, list] = defaultdict(list)
     for (backend, eps, gf, unit, ft, smp), rs in groups.items():
         lbl = (backend
                + (f" (user-level DP{_algorithm(smp)})" if backend == CENTRALIZED and unit == "user" else "")
                + (" + Goldfish" if gf else "")
                + (" + LoRA" if ft != "full" else ""))
-        ppl = [r["utility"]["holdout_perplexity"] for r in rs if r["utility"]["holdout_perplexity"] is not None]
-        leak = [r["leakage"][lead].value for r in rs if lead and r["leakage"].get(lead)]
+        ppl = [r.utility.holdout_perplexity for r in rs if r.utility.holdout_perplexity is not None]
+        leak = [r.cell(lead).value for r in rs if lead and r.cell(lead)]
         if not ppl:
             continue
         by_label[lbl].append({
@@ -360,6 +374,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
     """Matched-epsilon backend pairs (two-sided tests), backend pairs at matched utility (two-sided,
     only between real runs within `utility_tolerance`), treatment effects against their baseline
     (one-sided: does the treatment leak less?), each metric with its test; and the frontier."""
+    runs = entries(runs)
     groups = _groups(runs)
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
 
@@ -368,7 +383,7 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         where both sides measured it."""
         out = {}
         for key in metrics:
-            pa, pb = pool([r["leakage"].get(key) for r in a]), pool([r["leakage"].get(key) for r in b])
+            pa, pb = pool([r.cell(key) for r in a]), pool([r.cell(key) for r in b])
             if pa and pb:
                 out[key] = {names[0]: pa, names[1]: pb, "verdict": "not tested",
                             "test": compare_groups(a, b, key, alternative)}
@@ -439,21 +454,22 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
             f"{len(missing)} run(s) have no probes.json ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}); run `memaudit probe RUN_DIR` on each first"
         )
-    runs = [run_entry(rd, show_secrets=show_secrets) for rd in rds]
+    typed = [read_run(rd, show_secrets=show_secrets) for rd in rds]
+    runs = [r.with_units() for r in typed]
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "memaudit_version": __version__,
         "runs": runs,
-        "comparisons": comparisons(runs, utility_tolerance=utility_tolerance),
+        "comparisons": comparisons(typed, utility_tolerance=utility_tolerance),
     }
     if targets:  # outside models: their own section, compared with each other (one Holm family)
         report["targets"] = targets
         report["comparisons"]["targets"] = target_comparisons(targets)
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
-    if (scale := scale_section(runs)) is not None:
+    if (scale := scale_section(typed)) is not None:
         report["scale"] = scale
     # the effects the literature reports, by the section's own tests (reports/literature.py)
-    if (lit := literature_section(runs)) is not None:
+    if (lit := literature_section(typed)) is not None:
         report["literature"] = lit
     # one Holm family over every test of the report; report.json keeps the adjusted p-values
     report = findings_mod.adjust_report(report)

@@ -14,14 +14,15 @@ import statistics
 from typing import Any
 
 from memaudit.probes.records import Cell, Test
+from memaudit.reports.entries import RunEntry, entries
 
 
-def nominal_epsilon(run: dict[str, Any]) -> float:
+def nominal_epsilon(run: dict[str, Any] | RunEntry) -> float:
     """A run's nominal epsilon: its target, else its ledger's (2 decimals); inf without DP."""
-    t = run["privacy"].get("target_epsilon")
-    if run["privacy"]["mechanism"] == "none":
+    p = RunEntry.of(run).privacy
+    if p.mechanism == "none":
         return math.inf
-    return float(t) if t is not None else round(run["privacy"]["epsilon"], 2)
+    return float(p.target_epsilon) if p.target_epsilon is not None else round(p.epsilon, 2)
 
 
 def pool(cells: list[Cell | None]) -> Cell | None:
@@ -49,8 +50,8 @@ def pool(cells: list[Cell | None]) -> Cell | None:
 POOLED = ("value", "n", "unit", "n_seeds", "ci_low", "ci_high")  # a pooled cell's keys, its note after
 
 
-def compare_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], key: str,
-                alternative: str) -> Test | None:
+def compare_groups(a_runs: list[dict[str, Any] | RunEntry], b_runs: list[dict[str, Any] | RunEntry], key: str,
+                   alternative: str) -> Test | None:
     """The test of metric `key` between two groups of runs (None when it cannot be tested).
 
     Both groups with several seeds: a permutation test over the seeds' values (a statement about
@@ -61,18 +62,19 @@ def compare_groups(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], k
     # imports for DEFAULT_TOLERANCE) imports this module
     from memaudit.probes.stats import compare_seeds, compare_units
 
+    a_runs, b_runs = entries(a_runs), entries(b_runs)
     if len(a_runs) > 1 and len(b_runs) > 1:
         va, vb = _values(a_runs, key), _values(b_runs, key)
         if len(va) > 1 and len(vb) > 1:
-            kind = ((a_runs[0].get("units") or {}).get(key) or {}).get("kind", "mean")
+            kind = (a_runs[0].units_of(key) or {}).get("kind", "mean")
             return compare_seeds(va, vb, alternative=alternative, kind=kind).replace(scope="configurations")
-    ua, ub = (a_runs[0].get("units") or {}).get(key), (b_runs[0].get("units") or {}).get(key)
+    ua, ub = a_runs[0].units_of(key), b_runs[0].units_of(key)
     if not ua or not ub:
         return None
-    return compare_units(ua, ub, alternative=alternative).replace(scope="runs", runs=(a_runs[0]["id"], b_runs[0]["id"]))
+    return compare_units(ua, ub, alternative=alternative).replace(scope="runs", runs=(a_runs[0].id, b_runs[0].id))
 
 
-def _values(runs: list[dict[str, Any]], key: str) -> list[float]:
+def _values(runs: list[RunEntry], key: str) -> list[float]:
     """The runs' values of metric `key`, where they measured it."""
-    cells = (r["leakage"].get(key) for r in runs)
+    cells = (r.cell(key) for r in runs)
     return [c.value for c in cells if c is not None and c.value is not None]

@@ -32,6 +32,7 @@ from memaudit.backends import CENTRALIZED
 from memaudit.probes.power import FLOOR_MARGIN, POWER, minimum_detectable_effect
 from memaudit.probes.stats import CORRECTIONS, compare_units
 from memaudit.reports import literature, scale
+from memaudit.reports.blocks import Comparisons, Sentence, blocks
 from memaudit.reports.cells import (
     FINDING,
     METRICS,
@@ -42,6 +43,7 @@ from memaudit.reports.cells import (
     number,
     verdict,
 )
+from memaudit.reports.entries import entries
 
 ALPHA = 0.05
 CORRECTION = "holm"
@@ -58,18 +60,19 @@ BLOCKS = ("matched_utility", "matched", "samplings", "effects", "targets")
 SAME_TEST = "same_test_as"  # on a repeated test: the block whose entry of the same test is the family's
 
 
-def _blocks(comp: dict[str, Any], name: str) -> list[dict[str, Any]]:
+def _block_metrics(comp: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """Each block's metrics (per metric: both sides' cells, the verdict, the test), to adjust in place."""
     if name == "matched_utility":
-        return (comp.get("matched_utility") or {}).get("pairs", [])
-    return comp.get(name, [])
+        return [p.metrics for p in Comparisons.of(comp).matched_utility.each_pair()]
+    return [b.metrics for b in blocks(comp, name)]
 
 
 def _every_test(report: dict[str, Any]):
     """Every (block name, metric, cell, test) of the report's comparisons, repeats included."""
     comp = report.get("comparisons", {})
     for name in BLOCKS:
-        for block in _blocks(comp, name):
-            for key, cell in block.get("metrics", {}).items():
+        for metrics in _block_metrics(comp, name):
+            for key, cell in metrics.items():
                 if cell.get("test"):
                     yield name, key, cell, cell["test"]
 
@@ -129,7 +132,7 @@ def _refine_floors(report: dict[str, Any], family: int) -> None:
     alpha / (FLOOR_MARGIN * family). Only tests at their floor are re-run, so the cost stays small.
     Updates the comparison cells of `report` (`adjust` hands it its own copy).
     """
-    units = {r["id"]: r.get("units") or {} for r in report.get("runs", []) + report.get("targets", [])}
+    units = {r.id: r.units or {} for r in entries(report.get("runs", []) + report.get("targets", []))}
     need = math.ceil(FLOOR_MARGIN * family / ALPHA)
     for key, cell, test in _keyed_tests(report):
         if (test.p_floor is None or not test.over_runs or test.p_floor * family < ALPHA
@@ -147,7 +150,7 @@ def _detectable(report: dict[str, Any], family: int) -> None:
     size passes the correction whatever the other tests say): the test's `mde`, from
     `memaudit.probes.power.minimum_detectable_effect` on the same units. Tests over seeds get none
     (their n is the seeds)."""
-    units = {r["id"]: r.get("units") or {} for r in report.get("runs", []) + report.get("targets", [])}
+    units = {r.id: r.units or {} for r in entries(report.get("runs", []) + report.get("targets", []))}
     for key, cell, t in _keyed_tests(report):
         if cell.get("verdict") != NO_DIFFERENCE or not t.over_runs or not t.runs:
             continue
@@ -323,7 +326,7 @@ def _test_core(t: Test) -> str:
 
 
 def _tolerance(report: dict[str, Any]) -> float | None:
-    return (report.get("comparisons", {}).get("matched_utility") or {}).get("tolerance")
+    return Comparisons.of(report.get("comparisons")).matched_utility.tolerance
 
 
 def _utility_relation(a: float | None, b: float | None, tol: float | None) -> str | None:
@@ -363,10 +366,10 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Federated vs centralized at each matched epsilon (two-sided): at equal guarantees where the
     centralized runs protect users too, with the units caveat where they protect sequences."""
     out = []
-    for m in report.get("comparisons", {}).get("matched", []):
-        ppl = m.get("perplexity") or {}
-        eps = m.get("epsilon", math.inf)
-        units = m.get("units") or {CENTRALIZED: "example", "federated": "user"}  # reports before units
+    for m in blocks(report.get("comparisons"), "matched"):
+        ppl = m.perplexity or {}
+        eps = m.epsilon
+        units = m.units or {CENTRALIZED: "example", "federated": "user"}  # reports before units
         same = math.isinf(eps) or units.get(CENTRALIZED) == units.get("federated")
 
         def cav(verdict: str, ppl: dict = ppl, same: bool = same) -> str | None:
@@ -377,8 +380,8 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
         where = _fmt_eps(eps) + ("" if math.isinf(eps) else
                                  f" per {units['federated']} on both sides" if same else
                                  f" ({units.get(CENTRALIZED)} vs {units.get('federated')} units)")
-        alg = (m.get("algorithm") or {}).get(CENTRALIZED)
-        out += _sentences(m.get("metrics", {}), "federated", "centralized" + (f" ({alg})" if alg else ""),
+        alg = (m.algorithm or {}).get(CENTRALIZED)
+        out += _sentences(m.metrics, "federated", "centralized" + (f" ({alg})" if alg else ""),
                           f"At {where}", "backend", cav)
     return out
 
@@ -387,86 +390,86 @@ def sampling_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Centralized DP per user, ULS (users sampled, each user's gradient clipped) against ELS
     (examples sampled, each clipped) at the same epsilon per user and compute (two-sided)."""
     out = []
-    for m in report.get("comparisons", {}).get("samplings", []):
-        ppl = m.get("perplexity") or {}
+    for m in blocks(report.get("comparisons"), "samplings"):
+        ppl = m.perplexity or {}
 
         def cav(verdict: str, ppl: dict = ppl) -> str | None:
             return _utility_caveat((ppl.get("uls"), ppl.get("els")), ("ULS", "ELS"), _tolerance(report), verdict)
 
-        where = f"At {_fmt_eps(m.get('epsilon'))} per user, centralized" + (" + Goldfish" if m.get("goldfish") else "")
-        if m.get("finetune", "full") != "full":
-            where += f" with LoRA ({m['finetune']})"
-        out += _sentences(m.get("metrics", {}), "ULS", "ELS", where, "sampling", cav)
+        where = f"At {_fmt_eps(m.epsilon)} per user, centralized" + (" + Goldfish" if m.goldfish else "")
+        if m.finetune != "full":
+            where += f" with LoRA ({m.finetune})"
+        out += _sentences(m.metrics, "ULS", "ELS", where, "sampling", cav)
     return out
 
 
 def utility_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Federated vs centralized between real runs at matched utility (two-sided)."""
     out = []
-    mu = report.get("comparisons", {}).get("matched_utility") or {}
-    for pair in mu.get("pairs", []):
-        (ep, ef), (up, uf) = pair["epsilon"], pair["units"]
+    mu = Comparisons.of(report.get("comparisons")).matched_utility
+    for pair in mu.each_pair():
+        (ep, ef), (up, uf) = pair.epsilon, pair.units
         side = {None: "no DP"}
         left = f"federated ({side.get(uf) or f'epsilon = {ef:.3g} per {uf}'})"
         right = f"centralized ({side.get(up) or f'epsilon = {ep:.3g} per {up}'})"
-        context = (f"At matched utility (holdout perplexity {pair['perplexity'][0]:.4g} vs "
-                   f"{pair['perplexity'][1]:.4g}, |log ratio| = {pair['log_ratio']:.2g} <= {mu['tolerance']:g})")
+        context = (f"At matched utility (holdout perplexity {pair.perplexity[0]:.4g} vs "
+                   f"{pair.perplexity[1]:.4g}, |log ratio| = {pair.log_ratio:.2g} <= {mu.tolerance:g})")
         cav = UNIT_CAVEAT if (up, uf) == ("example", "user") else (
             "one side has no DP guarantee" if (up is None) != (uf is None) else None)
-        out += _sentences(pair.get("metrics", {}), left, right, context, "matched_utility", cav)
+        out += _sentences(pair.metrics, left, right, context, "matched_utility", cav)
     return out
 
 
 def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Whether DP or Goldfish loss leaks less than the matching baseline (one-sided)."""
     out = []
-    for eff in report.get("comparisons", {}).get("effects", []):
-        name = eff["treatment"]
-        ppl = eff.get("perplexity") or {}
+    for eff in blocks(report.get("comparisons"), "effects"):
+        name = eff.treatment
+        ppl = eff.perplexity or {}
 
         def cav(verdict: str, ppl: dict = ppl, name: str = name) -> str | None:
             return _utility_caveat((ppl.get("treated"), ppl.get("baseline")), (f"with {name}", "without"),
                                    _tolerance(report), verdict)
 
         dp = name.startswith("DP at")
-        series = {"backend_label": eff["backend_label"], "treatment": "DP" if dp else name,
-                  "level": _fmt_eps(eff.get("epsilon")) if dp else None, "epsilon": eff.get("epsilon"),
+        series = {"backend_label": eff.backend_label, "treatment": "DP" if dp else name,
+                  "level": _fmt_eps(eff.epsilon) if dp else None, "epsilon": eff.epsilon,
                   "perplexity": [ppl.get("treated"), ppl.get("baseline")], "tolerance": _tolerance(report)}
-        out += _sentences(eff.get("metrics", {}), f"with {name}", "without",
-                          f"{eff['backend_label']}, {name}", "effect", cav, series)
+        out += _sentences(eff.metrics, f"with {name}", "without",
+                          f"{eff.backend_label}, {name}", "effect", cav, series)
     return out
 
 
 def target_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Probed outside models against each other (two-sided), on the units they share."""
     out = []
-    for block in report.get("comparisons", {}).get("targets", []):
-        a, b = block["targets"]
-        out += _sentences(block.get("metrics", {}), a, b, f"Models {a} vs {b}", "targets")
+    for block in blocks(report.get("comparisons"), "targets"):
+        a, b = block.targets
+        out += _sentences(block.metrics, a, b, f"Models {a} vs {b}", "targets")
     return out
 
 
 def audit_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The audit bound as what it is: epsilon >= X at a stated confidence, against the ledger."""
     out = []
-    for r in report.get("runs", []):
-        a = r.get("leakage", {}).get("audit_epsilon")
+    for r in entries(report.get("runs", [])):
+        a = r.cell("audit_epsilon")
         if not a or a.value is None:
             continue
         conf = a.extra.get("confidence") or 0.95
-        led = r.get("privacy", {}).get("epsilon")
+        led = r.privacy.epsilon
         bound = f"epsilon >= {number(a.value)} at {conf:.0%} confidence (one-sided)"
         if led is not None and not math.isinf(led) and a.value > led:
-            verdict, text = "more", (f"Run {r['id']}: the one-run audit shows {bound}, above the "
+            verdict, text = "more", (f"Run {r.id}: the one-run audit shows {bound}, above the "
                                      f"ledger's epsilon = {number(led)}: the accounting or the "
                                      "implementation does not hold in this run.")
         else:
-            verdict, text = "consistent", (f"Run {r['id']}: the one-run audit shows {bound}"
+            verdict, text = "consistent", (f"Run {r.id}: the one-run audit shows {bound}"
                                            + (f", consistent with the ledger's epsilon = {number(led)}"
                                               if led is not None and not math.isinf(led) else "")
                                            + "; a lower bound, not an estimate.")
         out.append({"kind": "audit", "group": "audit", "metric": "audit_epsilon",
-                    "metrics": ["audit_epsilon"], "verdict": verdict, "context": r["id"],
+                    "metrics": ["audit_epsilon"], "verdict": verdict, "context": r.id,
                     "test": "one-run audit (Steinke et al. 2023)", "n": [a.n],
                     "unit": "audit canaries", "confidence": conf, "text": text})
     return out
@@ -474,34 +477,32 @@ def audit_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def caveats(report: dict[str, Any]) -> list[str]:
     out = []
-    runs = report.get("runs", [])
+    runs = entries(report.get("runs", []))
     for r in runs:
-        audit = r.get("leakage", {}).get("audit_epsilon")
+        audit = r.cell("audit_epsilon")
         if audit and audit.extra.get("ceiling") is not None:
             out.append(
-                f"Run {r['id']}: the one-run audit's {audit.n} canaries can certify at most "
+                f"Run {r.id}: the one-run audit's {audit.n} canaries can certify at most "
                 f"epsilon = {number(audit.extra['ceiling'])} at the run's delta (the best over every r); its lower "
                 f"bound {number(audit.value)} is a floor, not an estimate of the true epsilon."
             )
-        if r.get("privacy", {}).get("unit") == "example" and not math.isinf(r["privacy"].get("epsilon", math.inf)):
-            out.append(document_caveat(r["id"], r["privacy"].get("document")))
-        per_user = r.get("privacy", {}).get("per_user") or {}
-        if r.get("privacy", {}).get("unit") == "example" and per_user.get("max_sequences_per_user", 1) > 1:
+        if r.privacy.unit == "example" and not math.isinf(r.privacy.epsilon):
+            out.append(document_caveat(r.id, r.privacy.document))
+        per_user = r.privacy.per_user or {}
+        if r.privacy.unit == "example" and per_user.get("max_sequences_per_user", 1) > 1:
             k = per_user["max_sequences_per_user"]
             if per_user.get("vacuous"):
                 out.append(
-                    f"Run {r['id']}: epsilon is per training sequence; a user with {k} sequences is only "
+                    f"Run {r.id}: epsilon is per training sequence; a user with {k} sequences is only "
                     "covered by a group-privacy bound that is vacuous here, so the guarantee says little "
                     "about users."
                 )
             else:
                 out.append(
-                    f"Run {r['id']}: epsilon is per training sequence; for a user with {k} sequences the "
+                    f"Run {r.id}: epsilon is per training sequence; for a user with {k} sequences the "
                     f"group-privacy bound is epsilon = {number(per_user.get('epsilon'))}."
                 )
-    if any(r.get("privacy", {}).get("unit") == "user" for r in runs) and any(
-        r.get("privacy", {}).get("unit") == "example" for r in runs
-    ):
+    if any(r.privacy.unit == "user" for r in runs) and any(r.privacy.unit == "example" for r in runs):
         out.append(
             "Centralized epsilon protects one training sequence, federated epsilon one user's whole "
             "contribution: equal nominal epsilons are not equal guarantees."
@@ -527,14 +528,14 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
     """One line per matched-utility pair: the two runs, their guarantees and utilities, and what
     the tests (already adjusted) showed."""
     out = []
-    for pair in (report.get("comparisons", {}).get("matched_utility") or {}).get("pairs", []):
+    for pair in Comparisons.of(report.get("comparisons")).matched_utility.each_pair():
         sides = []
-        for rid, eps, unit, ppl in zip(pair["runs"], pair["epsilon"], pair["units"], pair["perplexity"], strict=True):
+        for rid, eps, unit, ppl in zip(pair.runs, pair.epsilon, pair.units, pair.perplexity, strict=True):
             g = "no DP" if unit is None else f"epsilon = {eps:.3g} per {unit}"
             sides.append(f"{rid} ({g}, perplexity {ppl:.4g})")
-        shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair["metrics"].items()
+        shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair.metrics.items()
                  if c["verdict"] in ("less", "more")]
-        same = {k: c for k, c in pair["metrics"].items() if c["verdict"] == NO_DIFFERENCE}
+        same = {k: c for k, c in pair.metrics.items() if c["verdict"] == NO_DIFFERENCE}
         seen = [f"{SHORT[k]} {mde_amount(c['test'].mde, k) or 'none within its range (too few units)'}"
                 for k, c in same.items() if c.get("test") and c["test"].mde]
         what = "; ".join(shown + ([f"no difference shown on {len(same)} metric{'s' if len(same) != 1 else ''}"
@@ -555,13 +556,12 @@ def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list
     adjusted p first within each. One treatment's findings on one metric at several privacy levels
     (DP at each epsilon against the same non-DP run, the same verdict) are one entry that names
     every level and gives each level's cell: five near-identical sentences would bury the rest."""
-    passing = [s for s in sentences if s["verdict"] in ("less", "more")]
-    passing.sort(key=lambda s: (GROUP_ORDER.get(s["group"], 9), s.get("p_adjusted", 0.0)))
-    entries: list[list[dict[str, Any]]] = []
-    by_key: dict[Any, list[dict[str, Any]]] = {}
+    passing = [s for s in map(Sentence.of, sentences) if s.passes]
+    passing.sort(key=lambda s: (GROUP_ORDER.get(s.group, 9), s.p_adjusted))
+    entries: list[list[Sentence]] = []
+    by_key: dict[Any, list[Sentence]] = {}
     for s in passing:
-        ser = s.get("series") or {}
-        key = tuple(ser["key"]) if ser.get("level") is not None else None  # only DP levels merge
+        key = tuple(s.series.key) if s.series is not None and s.series.level is not None else None  # only DP levels merge
         if key in by_key:
             by_key[key].append(s)
             continue
@@ -572,55 +572,55 @@ def headline(sentences: list[dict[str, Any]], limit: int = MAX_HEADLINE) -> list
     for group in entries[:limit]:
         s = group[0]
         if len(group) == 1:
-            out.append({"text": s.get("claim", s["text"]), "evidence": s.get("evidence") or s.get("test"),
-                        "caveat": s.get("caveat"), "verdict": s["verdict"], "group": s["group"],
-                        "metric": s["metric"], "covers": 1})
+            out.append({"text": s.text if s.claim is None else s.claim, "evidence": s.evidence or s.test,
+                        "caveat": s.caveat, "verdict": s.verdict, "group": s.group,
+                        "metric": s.metric, "covers": 1})
         else:
             out.append(_series_entry(group))
     return out
 
 
-def _series_entry(group: list[dict[str, Any]]) -> dict[str, Any]:
+def _series_entry(group: list[Sentence]) -> dict[str, Any]:
     """One first-screen entry for a treatment's passing findings at several levels."""
-    group = sorted(group, key=lambda s: -(s["series"]["epsilon"] or 0.0))
-    s0, ser = group[0], group[0]["series"]
-    label = METRICS[s0["metric"]][0]
-    levels = ", ".join(s["series"]["level"].removeprefix("epsilon = ") for s in group)
-    scope = "for these configurations" if s0["scope"] == "configurations" else "in these runs"
-    text = (f"{ser['backend_label']}, {scope}: with DP at each of epsilon = {levels} ({len(group)} levels) "
-            f"leaks {s0['verdict']} than without on {label}")
-    rel = {id(s): _utility_relation(*s["series"]["perplexity"], s["series"].get("tolerance")) for s in group}
+    group = sorted(group, key=lambda s: -(s.series.epsilon or 0.0))
+    s0, ser = group[0], group[0].series
+    label = METRICS[s0.metric][0]
+    levels = ", ".join(s.series.level.removeprefix("epsilon = ") for s in group)
+    scope = "for these configurations" if s0.scope == "configurations" else "in these runs"
+    text = (f"{ser.backend_label}, {scope}: with DP at each of epsilon = {levels} ({len(group)} levels) "
+            f"leaks {s0.verdict} than without on {label}")
+    rel = {id(s): _utility_relation(*s.series.perplexity, s.series.tolerance) for s in group}
 
-    def level_cell(s: dict[str, Any]) -> str:
-        t, b = s["series"]["perplexity"]
+    def level_cell(s: Sentence) -> str:
+        t, b = s.series.perplexity
         tag = f" (matched utility: perplexity {t:.4g} vs {b:.4g})" if rel[id(s)] == "matched" else ""
-        return f"{s['series']['level']}: {s['series']['treated']}{tag}"
+        return f"{s.series.level}: {s.series.treated}{tag}"
 
     cells = "; ".join(level_cell(s) for s in group)
-    p_max = max(s["p_adjusted"] for s in group)
-    evidence = (f"{cells}; without DP {ser['baseline']}; {ser['test_text']} at each level, "
-                f"{s0['correction'].capitalize()}-adjusted p <= {p_max:.3g} over {s0['family']} tests")
-    return {"text": text, "evidence": evidence, "caveat": _series_caveat(group, rel), "verdict": s0["verdict"],
-            "group": s0["group"], "metric": s0["metric"], "covers": len(group)}
+    p_max = max(s.p_adjusted for s in group)
+    evidence = (f"{cells}; without DP {ser.baseline}; {ser.test_text} at each level, "
+                f"{s0.correction.capitalize()}-adjusted p <= {p_max:.3g} over {s0.family} tests")
+    return {"text": text, "evidence": evidence, "caveat": _series_caveat(group, rel), "verdict": s0.verdict,
+            "group": s0.group, "metric": s0.metric, "covers": len(group)}
 
 
-def _series_caveat(group: list[dict[str, Any]], rel: dict[int, str | None]) -> str | None:
+def _series_caveat(group: list[Sentence], rel: dict[int, str | None]) -> str | None:
     """The levels not at matched utility, by which side learned less (`_utility_caveat`), in one
     line; the baseline's perplexity is the same for every level."""
     parts = []
-    less = group[0]["verdict"] == "less"  # the treatment is the side that leaks less
+    less = group[0].verdict == "less"  # the treatment is the side that leaks less
     for side in ("worse", "better"):
         sel = [s for s in group if rel[id(s)] == side]
         if not sel:
             continue
-        ts = sorted(s["series"]["perplexity"][0] for s in sel)
-        levels = ", ".join(s["series"]["level"].removeprefix("epsilon = ") for s in sel)
+        ts = sorted(s.series.perplexity[0] for s in sel)
+        levels = ", ".join(s.series.level.removeprefix("epsilon = ") for s in sel)
         span = f"{ts[0]:.4g}" if len(ts) == 1 else f"{ts[0]:.4g} to {ts[-1]:.4g}"
         reason = LEARNED_LESS if (side == "worse") == less else LEARNED_MORE
         parts.append(f"not at matched utility at epsilon = {levels} (holdout perplexity {span} with DP vs "
-                     f"{sel[0]['series']['perplexity'][1]:.4g} without): {reason}")
+                     f"{sel[0].series.perplexity[1]:.4g} without): {reason}")
     if any(rel[id(s)] is None for s in group):  # utilities unknown: keep what each finding said
-        parts += [s["caveat"] for s in group if rel[id(s)] is None and s.get("caveat")]
+        parts += [s.caveat for s in group if rel[id(s)] is None and s.caveat]
     return "; ".join(dict.fromkeys(parts)) or None
 
 
@@ -636,10 +636,11 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     sentences = (target_findings(rep) + utility_findings(rep) + backend_findings(rep)
                  + sampling_findings(rep) + effect_findings(rep) + audit_findings(rep))
     # the sections' passing tests too: "N of M tests pass" counts over the one family
-    passing = sum(s["verdict"] in ("less", "more") for s in sentences) + _section_passing(rep)
+    read = [Sentence.of(s) for s in sentences]
+    passing = sum(s.passes for s in read) + _section_passing(rep)
     head = headline(sentences)
     return {"sentences": sentences, "headline": head, "passing": passing,
             "covered": sum(h["covers"] for h in head),
             "matched_pairs": pair_lines(rep),
-            "no_difference": [s["short"] for s in sentences if s["verdict"] == NO_DIFFERENCE],
+            "no_difference": [s.short for s in read if s.verdict == NO_DIFFERENCE],
             "caveats": caveats(rep), "correction": CORRECTION, "tests": family, "alpha": ALPHA}

@@ -27,6 +27,7 @@ from typing import Any
 from memaudit.backends import CENTRALIZED
 from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
+from memaudit.reports.entries import RunEntry, entries
 
 DEFAULT_TOLERANCE = 0.1
 """Default |log ppl ratio| for a matched-utility pair (about 10% in perplexity)."""
@@ -50,78 +51,76 @@ def check_tolerance(tolerance: float) -> float:
     return tolerance
 
 
-def _ppl(run: dict[str, Any]) -> float | None:
-    p = (run.get("utility") or {}).get("holdout_perplexity")
+def _ppl(run: RunEntry) -> float | None:
+    p = run.utility.holdout_perplexity
     return float(p) if p is not None and math.isfinite(p) and p > 0 else None
 
 
-def is_base(run: dict[str, Any]) -> bool:
-    return run.get("role") == PUBLIC_BASE
+def is_base(run: dict[str, Any] | RunEntry) -> bool:
+    return RunEntry.of(run).role == PUBLIC_BASE
 
 
-def series_label(run: dict[str, Any]) -> str:
+def series_label(run: dict[str, Any] | RunEntry) -> str:
     """A frontier series: the backend and what changes the curve. ELS runs are their own series
     (ULS, the default per-user algorithm, continues the non-DP run's)."""
-    lbl = run["backend"] + (" (ELS)" if (run.get("privacy") or {}).get("user_sampling") == "els" else "")
-    return lbl + (" + Goldfish" if run["mitigation"]["goldfish"] else "") + (
-        " + LoRA" if (run.get("model") or {}).get("trained", "full") != "full" else "")
+    run = RunEntry.of(run)
+    lbl = run.backend + (" (ELS)" if run.privacy.user_sampling == "els" else "")
+    return lbl + (" + Goldfish" if run.mitigation.goldfish else "") + (
+        " + LoRA" if (run.model.trained or "full") != "full" else "")
 
 
-def _point(run: dict[str, Any], key: str) -> dict[str, Any]:
-    c = run["leakage"].get(key) or Cell(value=None)
-    return {"run": run["id"], "epsilon": run["privacy"]["epsilon"], "unit": run["privacy"]["unit"],
+def _point(run: RunEntry, key: str) -> dict[str, Any]:
+    c = run.cell(key) or Cell(value=None)
+    return {"run": run.id, "epsilon": run.privacy.epsilon, "unit": run.privacy.unit,
             "perplexity": _ppl(run), "value": c.value, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n,
             "n_unit": c.unit, "note": c.note, "lower_bound": c.lower_bound}
 
 
-def _measured(run: dict[str, Any], key: str) -> bool:
-    c = run["leakage"].get(key)
-    return c is not None and c.value is not None
-
-
-def frontier(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def frontier(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any]:
     """{'origin': base point or None, 'metrics': {key: {'series': [...], 'all_zero', 'n_points'}}}.
 
     A metric appears when at least one real run measured it; `all_zero` marks a metric that is 0
     in every run (plots say "none extracted" instead of a flat panel).
     """
-    real = [r for r in runs if not r["audit"] and not is_base(r) and _ppl(r) is not None]
+    runs = entries(runs)
+    real = [r for r in runs if not r.audit and not is_base(r) and _ppl(r) is not None]
     base = next((r for r in runs if is_base(r) and _ppl(r) is not None), None)
-    out: dict[str, Any] = {"utility": "holdout perplexity", "origin": None, "metrics": {}}
+    origin = None
     if base is not None:
-        out["origin"] = {"run": base["id"], "perplexity": _ppl(base),
-                         "leakage": {k: _point(base, k) for k in FRONTIER_METRICS if base["leakage"].get(k)}}
+        origin = {"run": base.id, "perplexity": _ppl(base),
+                  "leakage": {k: _point(base, k) for k in FRONTIER_METRICS if base.cell(k)}}
+    out: dict[str, Any] = {"utility": "holdout perplexity", "origin": origin, "metrics": {}}
     for key in FRONTIER_METRICS:
-        with_value = [r for r in real if _measured(r, key)]
+        with_value = [r for r in real if r.measured(key)]
         if not with_value:
             continue
         labels = sorted({series_label(r) for r in with_value})
         series = []
         for lbl in labels:
-            pts = [_point(r, key) for r in with_value if series_label(r) == lbl]
-            pts.sort(key=lambda p: (p["epsilon"], p["run"]))  # from the strongest guarantee to no DP
-            series.append({"label": lbl, "points": pts})
+            rs = sorted((r for r in with_value if series_label(r) == lbl),
+                        key=lambda r: (r.privacy.epsilon, r.id))  # from the strongest guarantee to no DP
+            series.append({"label": lbl, "points": [_point(r, key) for r in rs]})
         out["metrics"][key] = {
             "label": METRICS[key][0], "unit": METRICS[key][1], "series": series,
             "n_points": len(with_value),
-            "all_zero": all(r["leakage"][key].value == 0 for r in with_value),
+            "all_zero": all(r.cell(key).value == 0 for r in with_value),
         }
     return out
 
 
-def _guarantee(r: dict) -> tuple[float, str | None]:
+def _guarantee(r: RunEntry) -> tuple[float, str | None]:
     """A run's guarantee, for pairing: its nominal epsilon (the level the report groups it at)
     and unit; no DP: inf and no unit."""
     eps = nominal_epsilon(r)
-    return (eps, None) if math.isinf(eps) else (eps, r["privacy"]["unit"])
+    return (eps, None) if math.isinf(eps) else (eps, r.privacy.unit)
 
 
-def _pairs(par: list[dict], fed: list[dict], tol: float) -> list[tuple[float, dict, dict]]:
+def _pairs(par: list[RunEntry], fed: list[RunEntry], tol: float) -> list[tuple[float, RunEntry, RunEntry]]:
     """One-to-one pairs within `tol`: pairs at equal guarantees (epsilon and unit) first, then the
     rest, each closest first (greedy on the utility distance). A pair at equal guarantees and
     matched utility answers the question; a closer pair at unequal guarantees only stands in
     where no equal one is within `tol`."""
-    cand = sorted(((_guarantee(a) != _guarantee(b), log_ratio(_ppl(a), _ppl(b)), a["id"], b["id"], a, b)
+    cand = sorted(((_guarantee(a) != _guarantee(b), log_ratio(_ppl(a), _ppl(b)), a.id, b.id, a, b)
                    for a in par for b in fed), key=lambda t: t[:4])
     used: set[str] = set()
     out = []
@@ -132,12 +131,12 @@ def _pairs(par: list[dict], fed: list[dict], tol: float) -> list[tuple[float, di
     return out
 
 
-def _range_text(rs: list[dict]) -> str:
+def _range_text(rs: list[RunEntry]) -> str:
     ps = sorted(_ppl(r) for r in rs)
     return f"{ps[0]:.4g}" if len(ps) == 1 else f"{ps[0]:.4g}-{ps[-1]:.4g}"
 
 
-def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """Centralized vs federated between real runs whose perplexities lie within `tolerance`.
 
     Returns {'tolerance', 'status', 'message', 'pairs', 'closest'}: status 'pairs' (each pair with
@@ -146,37 +145,38 @@ def matched_utility(runs: list[dict[str, Any]], tolerance: float = DEFAULT_TOLER
     further apart than the tolerance) or 'no runs' (a backend has no run with a utility).
     """
     check_tolerance(tolerance)
-    real = [r for r in runs if not r["audit"] and not is_base(r) and not r["mitigation"]["goldfish"]
+    real = [r for r in entries(runs) if not r.audit and not is_base(r) and not r.mitigation.goldfish
             and _ppl(r) is not None]
-    par = [r for r in real if r["backend"] == CENTRALIZED]
-    fed = [r for r in real if r["backend"] == "federated"]
-    out: dict[str, Any] = {"tolerance": tolerance, "pairs": [], "closest": None}
+    par = [r for r in real if r.backend == CENTRALIZED]
+    fed = [r for r in real if r.backend == "federated"]
     if not par or not fed:
         missing = "centralized" if not par else "federated"
-        return {**out, "status": "no runs",
+        return {"tolerance": tolerance, "pairs": [], "closest": None, "status": "no runs",
                 "message": f"no {missing} run with a holdout perplexity; no matched-utility comparison"}
     d, a, b = min(((log_ratio(_ppl(a), _ppl(b)), a, b) for a in par for b in fed), key=lambda t: t[0])
-    out["closest"] = {"runs": [a["id"], b["id"]], "log_ratio": d, "perplexity": [_ppl(a), _ppl(b)]}
+    pairs = []
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
-    for dist, a, b in _pairs(par, fed, tolerance):
+    for dist, pa_run, pf_run in _pairs(par, fed, tolerance):
         cells = {}
         for key in metrics:
-            pa, pf = pool([a["leakage"].get(key)]), pool([b["leakage"].get(key)])
+            pa, pf = pool([pa_run.cell(key)]), pool([pf_run.cell(key)])
             if pa and pf:
                 cells[key] = {CENTRALIZED: pa, "federated": pf, "verdict": "not tested",
-                              "test": compare_groups([b], [a], key, "two-sided")}
-        out["pairs"].append({"runs": [a["id"], b["id"]], "log_ratio": dist,
-                             "perplexity": [_ppl(a), _ppl(b)],
-                             "epsilon": [a["privacy"]["epsilon"], b["privacy"]["epsilon"]],
-                             "units": [a["privacy"]["unit"], b["privacy"]["unit"]], "metrics": cells})
-    if out["pairs"]:
-        n = len(out["pairs"])
+                              "test": compare_groups([pf_run], [pa_run], key, "two-sided")}
+        pairs.append({"runs": [pa_run.id, pf_run.id], "log_ratio": dist,
+                      "perplexity": [_ppl(pa_run), _ppl(pf_run)],
+                      "epsilon": [pa_run.privacy.epsilon, pf_run.privacy.epsilon],
+                      "units": [pa_run.privacy.unit, pf_run.privacy.unit], "metrics": cells})
+    out: dict[str, Any] = {"tolerance": tolerance, "pairs": pairs,
+                           "closest": {"runs": [a.id, b.id], "log_ratio": d, "perplexity": [_ppl(a), _ppl(b)]}}
+    if pairs:
+        n = len(pairs)
         return {**out, "status": "pairs",
                 "message": f"{n} run pair{'s' if n > 1 else ''} within |log perplexity ratio| <= {tolerance:g}"}
     lo_p, hi_p = min(map(_ppl, par)), max(map(_ppl, par))
     lo_f, hi_f = min(map(_ppl, fed)), max(map(_ppl, fed))
     gap = max(math.log(lo_f) - math.log(hi_p), math.log(lo_p) - math.log(hi_f))
-    closest = (f"closest: {a['id']} vs {b['id']}, perplexity {_ppl(a):.4g} vs {_ppl(b):.4g}, "
+    closest = (f"closest: {a.id} vs {b.id}, perplexity {_ppl(a):.4g} vs {_ppl(b):.4g}, "
                f"|log ratio| = {d:.3g}")
     if gap > tolerance:
         return {**out, "status": "disjoint",

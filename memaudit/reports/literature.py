@@ -43,6 +43,16 @@ import numpy as np
 from memaudit.backends import BACKENDS
 from memaudit.probes.records import Cell
 from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
+from memaudit.reports.blocks import (
+    AuditEntry,
+    Bucket,
+    DpLearns,
+    ExposureEntry,
+    Extracted,
+    ExtractionEntry,
+    Section,
+)
+from memaudit.reports.entries import RunEntry, UnitScores, entries
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
 
@@ -51,20 +61,20 @@ N_BOOT = 2000
 HALF = 0.5  # the share of the loss gap a DP fine-tune at the largest epsilon should close
 
 
-def _eps(run: dict[str, Any]) -> float:
-    e = run["privacy"].get("epsilon")
+def _eps(run: RunEntry) -> float:
+    e = run.privacy.epsilon
     return math.inf if e is None or e == "inf" else float(e)
 
 
-def _comparison_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in runs if not r.get("audit") and r.get("role") != PUBLIC_BASE
-            and not (r.get("mitigation") or {}).get("goldfish")]
+def _comparison_runs(runs: list[RunEntry]) -> list[RunEntry]:
+    return [r for r in runs if not r.audit and r.role != PUBLIC_BASE and not r.mitigation.goldfish]
 
 
-def run_label(run: dict[str, Any]) -> str:
-    sampling = run["privacy"].get("user_sampling")  # centralized per user: ELS or ULS
-    side = run["backend"] + (f" ({sampling.upper()})" if sampling else "")
-    e, unit = _eps(run), run["privacy"].get("unit")
+def run_label(run: dict[str, Any] | RunEntry) -> str:
+    run = RunEntry.of(run)
+    sampling = run.privacy.user_sampling  # centralized per user: ELS or ULS
+    side = run.backend + (f" ({sampling.upper()})" if sampling else "")
+    e, unit = _eps(run), run.privacy.unit
     return f"{side}, no DP" if math.isinf(e) else f"{side}, epsilon = {e:.3g} per {unit}"
 
 
@@ -75,23 +85,23 @@ def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> Cell:
 
 
 # ----------------------------------------------------------------------------- exposure
-def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, Any] | None:
+def _exposure_run(run: RunEntry, rng: np.random.Generator) -> dict[str, Any] | None:
     """Per bucket: excess exposure over the references with its test; the rising-trend test."""
     # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import mannwhitneyu, spearmanr
 
 
-    u = (run.get("units") or {}).get("exposure_canaries")
-    if not u:
+    if not (raw := run.units_of("exposure_canaries")):
         return None
-    refs = np.asarray([v for v, role in zip(u["values"], u["role"], strict=True) if role == "reference"])
-    at_top = u.get("lower_bound") or [False] * len(u["values"])  # reports from before the flag
-    ins = [(v, r, o) for v, role, r, o in zip(u["values"], u["role"], u["repetitions"], u["owner_kind"],
-                                               strict=True) if role == "inserted"]
-    bounded = [b for b, role in zip(at_top, u["role"], strict=True) if role == "inserted"]
+    u = UnitScores.of(raw)
+    refs = np.asarray([v for v, role in zip(u.values, u.role, strict=True) if role == "reference"])
+    at_top = u.lower_bound or [False] * len(u.values)  # reports from before the flag
+    ins = [(v, r, o) for v, role, r, o in zip(u.values, u.role, u.repetitions, u.owner_kind, strict=True)
+           if role == "inserted"]
+    bounded = [b for b, role in zip(at_top, u.role, strict=True) if role == "inserted"]
     if not len(refs) or not ins:
         return None
-    groups = {(g["repetitions"], g["owner_kind"]): g for g in run.get("group_privacy") or []}
+    groups = {(g["repetitions"], g["owner_kind"]): g for g in run.group_privacy or []}
     buckets = []
     for rep, owner in sorted({(r, o) for _v, r, o in ins}):
         x = np.asarray([v for v, r, o in ins if (r, o) == (rep, owner)])
@@ -117,8 +127,8 @@ def _exposure_run(run: dict[str, Any], rng: np.random.Generator) -> dict[str, An
         res = spearmanr(reps, vals, alternative="greater")
         trend = {"test": "Spearman rank correlation, one-sided (rising)", "rho": float(res.statistic),
                  "p_value": float(res.pvalue), "n_a": len(vals), "n_b": len(vals), "unit": "canaries"}
-    return {"run": run["id"], "label": run_label(run), "backend": run["backend"], "epsilon": _eps(run),
-            "unit": run["privacy"].get("unit"), "trend": trend, "buckets": buckets}
+    return {"run": run.id, "label": run_label(run), "backend": run.backend, "epsilon": _eps(run),
+            "unit": run.privacy.unit, "trend": trend, "buckets": buckets}
 
 
 # ----------------------------------------------------------------------------- extraction, audit
@@ -127,31 +137,31 @@ EXTRACTION = (("extraction_exact", "member documents extracted exactly"),
               ("pii_extraction", "PII values extracted"))
 
 
-def _extraction(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _extraction(runs: list[RunEntry]) -> list[dict[str, Any]]:
     out = []
     for run in runs:
         if not math.isinf(_eps(run)):
             continue
         cells = {}
         for key, what in EXTRACTION:
-            c = run["leakage"].get(key)
+            c = run.cell(key)
             if c and c.value is not None and c.n:
                 k = round(c.value * c.n)
                 cells[key] = {**c.to_json(), "k": k, "what": what, "nonzero": k > 0}
-        out.append({"run": run["id"], "label": run_label(run), "metrics": cells})
+        out.append({"run": run.id, "label": run_label(run), "metrics": cells})
     return out
 
 
-def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _audit(runs: list[RunEntry]) -> list[dict[str, Any]]:
     out = []
     for run in runs:
-        a = run["leakage"].get("audit_epsilon")
-        if not run.get("audit") or not a or a.value is None:
+        a = run.cell("audit_epsilon")
+        if not run.audit or not a or a.value is None:
             continue
         eps, bound, more = _eps(run), float(a.value), a.extra
         verdict = (("positive lower bound" if bound > 0 else "no leakage shown") if math.isinf(eps) else
                    ("below the ledger's epsilon" if bound <= eps else "ABOVE the ledger's epsilon"))
-        out.append({"run": run["id"], "label": run_label(run), "bound": bound, "ledger_epsilon": eps,
+        out.append({"run": run.id, "label": run_label(run), "bound": bound, "ledger_epsilon": eps,
                     "ceiling": more.get("ceiling"), "n": a.n, "unit": a.unit,
                     "confidence": more.get("confidence"), "verdict": verdict,
                     "guesses": more.get("guesses"), "correct": more.get("correct"),
@@ -161,23 +171,23 @@ def _audit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- DP learns
-def _holdout_losses(run: dict[str, Any]) -> dict[str, float]:
+def _holdout_losses(run: RunEntry) -> dict[str, float]:
     """Per-document mean token loss of the membership probe's non-members (holdout documents)."""
-    u = (run.get("units") or {}).get("mia_auc")
-    if not u:
+    if not (raw := run.units_of("mia_auc")):
         return {}
-    return {i: -float(v) for i, v, m in zip(u["ids"], u["values"], u["member"], strict=True) if not m}
+    u = UnitScores.of(raw)
+    return {i: -float(v) for i, v, m in zip(u.ids, u.values, u.member, strict=True) if not m}
 
 
-def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
+def _dp_learns(runs: list[RunEntry], all_runs: list[RunEntry],
                rng: np.random.Generator) -> list[dict[str, Any]]:
-    base = next((r for r in all_runs if r.get("role") == PUBLIC_BASE), None)
+    base = next((r for r in all_runs if r.role == PUBLIC_BASE), None)
     if base is None:
         return []
     lb = _holdout_losses(base)
     out = []
     for backend in BACKENDS:
-        side = [r for r in runs if r["backend"] == backend]
+        side = [r for r in runs if r.backend == backend]
         nodp = next((r for r in side if math.isinf(_eps(r))), None)
         if nodp is None:
             continue
@@ -189,7 +199,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
                 continue
             b, n0, d = (np.asarray([m[i] for i in ids]) for m in (lb, ln, ld))
             if not b.mean() - n0.mean() > 0:  # nothing to close: the non-DP fine-tune is no better
-                out.append({"backend": backend, "run": run["id"], "label": run_label(run), "epsilon": _eps(run),
+                out.append({"backend": backend, "run": run.id, "label": run_label(run), "epsilon": _eps(run),
                             "closed": None, "verdict": "no gap: the non-DP fine-tune does not beat the "
                             f"public base on these {len(ids)} holdout documents"})
                 continue
@@ -201,7 +211,7 @@ def _dp_learns(runs: list[dict[str, Any]], all_runs: list[dict[str, Any]],
             verdict = ("at least half closed" if c.ci_low is not None and c.ci_low >= HALF else
                        "less than half closed" if c.ci_high is not None and c.ci_high < HALF else
                        "half not separated")
-            out.append({"backend": backend, "run": run["id"], "label": run_label(run), "epsilon": _eps(run),
+            out.append({"backend": backend, "run": run.id, "label": run_label(run), "epsilon": _eps(run),
                         "closed": c.to_json(), "loss": {"base": float(b.mean()), "no_dp": float(n0.mean()),
                                               "dp": float(d.mean()), "unit": "nats per token"},
                         "verdict": verdict})
@@ -216,87 +226,86 @@ def _holm(tests: list[dict[str, Any]]) -> None:
                  verdict="shown" if p <= ALPHA else "not shown")
 
 
-def _trend_sentences(sec: dict[str, Any]) -> list[str]:
+def _trend_sentences(sec: Section) -> list[str]:
     out = []
-    for e in sec["exposure"]:
-        t = e["trend"]
+    for e in sec.exposure_entries():
+        t = e.trend
         if t:
-            out.append(f"{e['label']}: exposure rises with repetitions {'(shown)' if t['verdict'] == 'shown' else '(not shown)'}"
-                       f": Spearman rho = {t['rho']:.2f}, n = {t['n_a']} canaries, Holm p = {t['p_adjusted']:.3g}")
+            out.append(f"{e.label}: exposure rises with repetitions {'(shown)' if t.verdict == 'shown' else '(not shown)'}"
+                       f": Spearman rho = {t.rho:.2f}, n = {t.n_a} canaries, Holm p = {t.p_adjusted:.3g}")
     return out
 
 
-def extraction_sentences(sec: dict[str, Any]) -> list[str]:
+def extraction_sentences(sec: dict[str, Any] | Section) -> list[str]:
     """One sentence per non-DP run: k/n per extraction metric."""
     out = []
-    for x in sec["extraction"]:
-        ms = x["metrics"]  # in EXTRACTION's order, whatever order a stored report kept
-        parts = [f"{ms[k]['k']}/{ms[k]['n']} {ms[k]['what']}" for k, _ in EXTRACTION if k in ms]
+    for x in map(ExtractionEntry.of, Section.of(sec).extraction):
+        ms = {k: Extracted.of(c) for k, c in x.metrics.items()}  # in EXTRACTION's order, whatever a stored report kept
+        parts = [f"{ms[k].k}/{ms[k].n} {ms[k].what}" for k, _ in EXTRACTION if k in ms]
         if parts:
-            out.append(f"{x['label']}: " + ", ".join(parts))
+            out.append(f"{x.label}: " + ", ".join(parts))
     return out
 
 
 AUDIT_CANARY_TEXT = {"secret": "random secrets by log-likelihood", "document": "new users' messages by Min-K%"}
 
 
-def audit_sentences(sec: dict[str, Any]) -> list[str]:
+def audit_sentences(sec: dict[str, Any] | Section) -> list[str]:
     """One sentence per audit run: its lower bound against the ledger's epsilon."""
     out = []
-    for a in sec["audit"]:
-        led = "no DP" if math.isinf(a["ledger_epsilon"]) else f"ledger epsilon = {a['ledger_epsilon']:.3g}"
-        kind = a.get("canaries") or "secret"  # a report from before the kinds: secrets
+    for a in map(AuditEntry.of, Section.of(sec).audit):
+        led = "no DP" if math.isinf(a.ledger_epsilon) else f"ledger epsilon = {a.ledger_epsilon:.3g}"
+        kind = a.canaries or "secret"  # a report from before the kinds: secrets
         what = AUDIT_CANARY_TEXT.get(kind, kind)
-        guessed = (f", {a['correct']} of {a['guesses']} guesses right" if a.get("guesses") else "")
-        conf = f", {a['confidence']:.0%} one-sided" if a.get("confidence") else ""
-        out.append(f"{a['label']}: one-run audit lower bound epsilon >= {a['bound']:.3g} ({led}; "
-                   f"n = {a['n']} {a['unit']}, {what}{guessed}{conf}; ceiling {a['ceiling']:.3g}): "
-                   f"{a['verdict']}{_other_estimators(a)}")
+        guessed = (f", {a.correct} of {a.guesses} guesses right" if a.guesses else "")
+        conf = f", {a.confidence:.0%} one-sided" if a.confidence else ""
+        out.append(f"{a.label}: one-run audit lower bound epsilon >= {a.bound:.3g} ({led}; "
+                   f"n = {a.n} {a.unit}, {what}{guessed}{conf}; ceiling {a.ceiling:.3g}): "
+                   f"{a.verdict}{_other_estimators(a)}")
     return out
 
 
-def _other_estimators(a: dict[str, Any]) -> str:
+def _other_estimators(a: AuditEntry) -> str:
     """The all-thresholds bound and the Gaussian-DP estimate beside the one-run bound, each named
     for what it is."""
     parts = []
-    if a.get("all_thresholds"):
-        t = a["all_thresholds"]
-        parts.append(f"all-thresholds lower bound epsilon >= {t['eps']:.3g} ({t['confidence']:.0%} one-sided, "
-                     f"Bonferroni over {t['thresholds']} thresholds)")
-    if a.get("gdp_estimate"):
-        g = a["gdp_estimate"]
-        parts.append(f"Gaussian-DP estimate epsilon = {g['eps']:.3g} [{g['ci_low']:.3g}, {g['ci_high']:.3g}] "
-                     f"(an estimate, not a bound: assumes {g['assumes']})")
+    if (t := a.all_thresholds) is not None:
+        parts.append(f"all-thresholds lower bound epsilon >= {t.eps:.3g} ({t.confidence:.0%} one-sided, "
+                     f"Bonferroni over {t.thresholds} thresholds)")
+    if (g := a.gdp_estimate) is not None:
+        parts.append(f"Gaussian-DP estimate epsilon = {g.eps:.3g} [{g.ci_low:.3g}, {g.ci_high:.3g}] "
+                     f"(an estimate, not a bound: assumes {g.assumes})")
     return ("; " + "; ".join(parts)) if parts else ""
 
 
-def dp_learns_sentences(sec: dict[str, Any]) -> list[str]:
+def dp_learns_sentences(sec: dict[str, Any] | Section) -> list[str]:
     """One sentence per DP run: the share of the public-base-to-non-DP loss gap it closes."""
     out = []
-    for g in sec["dp_learns"]:
-        c = g["closed"]
-        if c is None:
-            out.append(f"{g['label']}: {g['verdict']}")
+    for g in map(DpLearns.of, Section.of(sec).dp_learns):
+        if g.closed is None:
+            out.append(f"{g.label}: {g.verdict}")
             continue
-        ci = f" [{c['ci_low']:.0%}, {c['ci_high']:.0%}]" if c.get("ci_low") is not None else ""
-        out.append(f"{g['label']}: closes {c['value']:.0%}{ci} of the holdout-loss gap between the public "
-                   f"base and the non-DP fine-tune (n = {c['n']} holdout documents): {g['verdict']}")
+        c = Cell.from_json(g.closed)
+        ci = f" [{c.ci_low:.0%}, {c.ci_high:.0%}]" if c.ci_low is not None else ""
+        out.append(f"{g.label}: closes {c.value:.0%}{ci} of the holdout-loss gap between the public "
+                   f"base and the non-DP fine-tune (n = {c.n} holdout documents): {g.verdict}")
     return out
 
 
 def _sentences(sec: dict[str, Any]) -> list[str]:
-    return [*_trend_sentences(sec), *_contrast(sec["exposure"]), *extraction_sentences(sec),
-            *audit_sentences(sec), *dp_learns_sentences(sec)]
+    read = Section.of(sec)
+    return [*_trend_sentences(read), *_contrast(read.exposure), *extraction_sentences(read),
+            *audit_sentences(read), *dp_learns_sentences(read)]
 
 
-def contrast_buckets(exposure: list[dict[str, Any]], *, dp_only: bool = False):
+def contrast_buckets(exposure: list[dict[str, Any]], *, dp_only: bool = False) -> list[tuple[ExposureEntry, Bucket]]:
     """(run entry, bucket) per run: its tested user-owned canaries at the most repetitions, the
     bucket where example-level and user-level DP differ most (without DP too unless `dp_only`)."""
     out = []
-    for e in exposure:
-        rows = [b for b in e["buckets"] if b["owner_kind"] == "user" and b.get("test")]
-        if rows and not (dp_only and math.isinf(e["epsilon"])):
-            out.append((e, max(rows, key=lambda b: b["repetitions"])))
+    for e in map(ExposureEntry.of, exposure):
+        rows = [b for b in e.each_bucket() if b.owner_kind == "user" and b.test]
+        if rows and not (dp_only and math.isinf(e.epsilon)):
+            out.append((e, max(rows, key=lambda b: b.repetitions)))
     return out
 
 
@@ -304,18 +313,19 @@ def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
     """Example-level vs user-level DP on the same user-owned canaries at the most repetitions."""
     out = []
     for e, b in contrast_buckets(exposure, dp_only=True):
-        x = b["excess"]
-        ci = f" [{x['ci_low']:.2f}, {x['ci_high']:.2f}]" if x.get("ci_low") is not None else ""
-        ge = ">= " if x.get("lower_bound") else ""
-        out.append(f"{e['label']}, canaries one user repeats {b['repetitions']} times (effective epsilon = "
-                   f"{b['effective_epsilon']:.3g}, {b['rule']}): excess exposure {ge}{x['value']:.2f}{ci} bits over "
-                   f"the references (n = {x['n']} canaries), {b['test']['verdict']} "
-                   f"(Holm p = {b['test']['p_adjusted']:.3g})")
+        x = Cell.from_json(b.excess)
+        ci = f" [{x.ci_low:.2f}, {x.ci_high:.2f}]" if x.ci_low is not None else ""
+        ge = ">= " if x.lower_bound else ""
+        out.append(f"{e.label}, canaries one user repeats {b.repetitions} times (effective epsilon = "
+                   f"{b.effective_epsilon:.3g}, {b.rule}): excess exposure {ge}{x.value:.2f}{ci} bits over "
+                   f"the references (n = {x.n} canaries), {b.test.verdict} "
+                   f"(Holm p = {b.test.p_adjusted:.3g})")
     return out
 
 
-def literature_section(runs: list[dict[str, Any]], seed: int = 0) -> dict[str, Any] | None:
+def literature_section(runs: list[dict[str, Any] | RunEntry], seed: int = 0) -> dict[str, Any] | None:
     """The section over `runs` (entries with their per-unit scores), or None with nothing to show."""
+    runs = entries(runs)
     rng = np.random.default_rng(seed)
     comp = _comparison_runs(runs)
     exposure = [e for r in comp if (e := _exposure_run(r, rng)) is not None]

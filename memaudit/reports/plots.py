@@ -23,7 +23,16 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 from matplotlib.markers import CARETUP
 
+from memaudit.reports.blocks import (
+    Comparisons,
+    CurvePoint,
+    FrontierMetric,
+    FrontierPoint,
+    RepetitionPoint,
+    Roc,
+)
 from memaudit.reports.cells import SHORT, number
+from memaudit.reports.entries import RunEntry, entries
 
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 SERIES_COLOURS = {"centralized": "#0072B2", "federated": "#D55E00", "centralized + Goldfish": "#009E73",
@@ -144,49 +153,57 @@ def _eps_label(eps: float | None) -> str:
     return "base" if eps == 0 else f"ε={number(eps)}"
 
 
-def _backend_label(run: dict[str, Any]) -> str:
-    return run["backend"] + (
-        " + Goldfish" if run["mitigation"]["goldfish"] else "") + (
-        " + LoRA" if (run.get("model") or {}).get("trained", "full") != "full" else "")
+def _backend_label(run: RunEntry) -> str:
+    return run.backend + (" + Goldfish" if run.mitigation.goldfish else "") + (
+        " + LoRA" if (run.model.trained or "full") != "full" else "")
 
 
-def _real_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in report["runs"] if r.get("role") != "public-base"]
+def _runs(report: dict[str, Any]) -> list[RunEntry]:
+    return entries(report.get("runs") or [])
+
+
+def _real_runs(report: dict[str, Any]) -> list[RunEntry]:
+    return [r for r in _runs(report) if r.role != "public-base"]
+
+
+def _name(run: RunEntry) -> str:
+    """A panel's name: the public base, or the run's backend and what it changes."""
+    return "public base" if run.role == "public-base" else _backend_label(run)
 
 
 # ----------------------------------------------------------------------------- figures
-def _frontier_panel(ax, key: str, m: dict[str, Any], base: dict[str, Any] | None, pairs: list[dict]) -> None:
+def _frontier_panel(ax, key: str, m: FrontierMetric, base: FrontierPoint | None, pairs: list[list[str]]) -> None:
     """One metric's frontier: a series per backend, epsilon on each point, the base as the origin,
-    and each matched-utility pair joined by a grey bar (the only pairs that are compared)."""
+    and each matched-utility pair (its two runs) joined by a grey bar (the only pairs that are compared)."""
     xs_all = []
     labels: list[tuple[float, float, str, str | None]] = []
     where: dict[str, tuple[float, float]] = {}
-    for i, s in enumerate(m["series"][:MAX_SERIES]):
-        pts = [p for p in s["points"] if p["perplexity"] is not None and p["value"] is not None]
-        colour = SERIES_COLOURS.get(s["label"])
-        line = ([base] if base and base.get("value") is not None else []) + pts
-        ax.plot([p["perplexity"] for p in line], [p["value"] for p in line], ls=":", lw=0.9,
+    for s in m.each_series()[:MAX_SERIES]:
+        pts = [p for p in s.frontier_points if p.perplexity is not None and p.value is not None]
+        colour, label = SERIES_COLOURS.get(s.label), s.label
+        line = ([base] if base and base.value is not None else []) + pts
+        ax.plot([p.perplexity for p in line], [p.value for p in line], ls=":", lw=0.9,
                 color=colour, alpha=0.7)  # a visual guide only, never read as data
-        lo = [p["value"] - (p["ci_low"] if p["ci_low"] is not None else p["value"]) for p in pts]
-        hi = [(p["ci_high"] if p["ci_high"] is not None else p["value"]) - p["value"] for p in pts]
-        ax.errorbar([p["perplexity"] for p in pts], [p["value"] for p in pts], yerr=[lo, hi],
-                    fmt="o", capsize=2, color=colour, label=s["label"])
-        _mark_lower_bounds(ax, [(p["perplexity"], p["value"]) for p in pts if p.get("lower_bound")], colour)
+        lo = [p.value - (p.ci_low if p.ci_low is not None else p.value) for p in pts]
+        hi = [(p.ci_high if p.ci_high is not None else p.value) - p.value for p in pts]
+        ax.errorbar([p.perplexity for p in pts], [p.value for p in pts], yerr=[lo, hi],
+                    fmt="o", capsize=2, color=colour, label=label)
+        _mark_lower_bounds(ax, [(p.perplexity, p.value) for p in pts if p.lower_bound], colour)
         for p in pts:
-            labels.append((p["perplexity"], p["value"], _eps_label(p["epsilon"]), colour))
-            where[p["run"]] = (p["perplexity"], p["value"])
-        xs_all += [p["perplexity"] for p in pts]
-    for k, pair in enumerate(pairs):
-        a, b = (where.get(r) for r in pair["runs"])
+            labels.append((p.perplexity, p.value, _eps_label(p.epsilon), colour))
+            where[p.run] = (p.perplexity, p.value)
+        xs_all += [p.perplexity for p in pts]
+    for k, runs in enumerate(pairs):
+        a, b = (where.get(r) for r in runs)
         if a and b:
             ax.plot([a[0], b[0]], [a[1], b[1]], "-", color="#999999", lw=3, alpha=0.5, zorder=0,
                     label="matched-utility pair" if k == 0 else None)
-    if base and base.get("value") is not None:
-        ax.plot([base["perplexity"]], [base["value"]], "*", ms=10, color="#000000", label="public base")
-        xs_all.append(base["perplexity"])
+    if base and base.value is not None:
+        ax.plot([base.perplexity], [base.value], "*", ms=10, color="#000000", label="public base")
+        xs_all.append(base.perplexity)
     log_axis(ax, "x", min(xs_all), max(xs_all))
     ax.set_xlabel("holdout perplexity (per token, log scale)")
-    ax.set_ylabel(Y_UNITS.get(key, m["label"]))
+    ax.set_ylabel(Y_UNITS.get(key, m.label))
     ax.set_title(TITLES.get(key, key), fontsize=9)
     return _place_labels(ax, labels)
 
@@ -235,17 +252,16 @@ def _place_labels(ax, labels: list[tuple[float, float, str, str | None]], fontsi
 def frontier_figure(report: dict[str, Any]):
     """Small multiples, one per headline metric with a non-zero value: leakage against holdout
     perplexity, one series per backend, epsilon on each point, the public base as the origin."""
-    fr = report.get("comparisons", {}).get("frontier") or {}
-    metrics = {k: m for k, m in (fr.get("metrics") or {}).items() if not m["all_zero"]}
+    comp = Comparisons.of(report.get("comparisons"))
+    metrics = {k: m for k, m in comp.frontier_metrics().items() if not m.all_zero}
     if not metrics:
         return None
-    origin = fr.get("origin") or {}
-    pairs = (report.get("comparisons", {}).get("matched_utility") or {}).get("pairs") or []
+    origin = comp.origin()
     keys = list(metrics)[:6]
     fig, axes = _panels(len(keys))
     skipped = 0
     for ax, key in zip(axes, keys, strict=True):
-        skipped += _frontier_panel(ax, key, metrics[key], origin.get("leakage", {}).get(key), pairs)
+        skipped += _frontier_panel(ax, key, metrics[key], origin.get(key), comp.pair_runs())
     handles, names = axes[0].get_legend_handles_labels()
     for ax in axes[1:]:  # one legend for the figure: every series and marker once
         for hd, nm in zip(*ax.get_legend_handles_labels(), strict=True):
@@ -263,13 +279,11 @@ def exposure_figure(report: dict[str, Any]):
     """Exposure per repetition bucket: one panel per (backend, canary owner kind), one series per
     run (its epsilon), at most MAX_SERIES per panel."""
     panels: dict[str, list] = {}
-    for run in report["runs"]:
-        by = (run.get("probes_summary") or {}).get("exposure_by_repetition") or {}
-        for owner, rows in by.items():
+    for run in _runs(report):
+        for owner, rows in run.plot_rows("exposure_by_repetition", {}).items():
             if rows:
-                name = "public base" if run.get("role") == "public-base" else _backend_label(run)
-                panels.setdefault(f"{name}, canary {'of one user' if owner == 'user' else 'spread over users'}",
-                                  []).append((run, rows))
+                panels.setdefault(f"{_name(run)}, canary {'of one user' if owner == 'user' else 'spread over users'}",
+                                  []).append((run, [RepetitionPoint.of(r) for r in rows]))
     if not panels:
         return None
     flat = []
@@ -281,12 +295,11 @@ def exposure_figure(report: dict[str, Any]):
     for ax, (title, series) in zip(axes, flat, strict=True):
         reps = []
         for run, rows in series:
-            xs, ys = [r["repetitions"] for r in rows], [r["value"] for r in rows]
-            lo = [r["value"] - (r["value"] if r.get("ci_low") is None else r["ci_low"]) for r in rows]
-            hi = [(r["value"] if r.get("ci_high") is None else r["ci_high"]) - r["value"] for r in rows]
-            bar = ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=_eps_label(run["privacy"]["epsilon"])
-                              if run.get("role") != "public-base" else "public base")
-            _mark_lower_bounds(ax, [(r["repetitions"], r["value"]) for r in rows if r.get("lower_bound")],
+            xs, ys = [r.repetitions for r in rows], [r.value for r in rows]
+            lo, hi = zip(*(r.errors for r in rows), strict=True)
+            bar = ax.errorbar(xs, ys, yerr=[list(lo), list(hi)], marker="o", capsize=2,
+                              label=_eps_label(run.privacy.epsilon) if run.role != "public-base" else "public base")
+            _mark_lower_bounds(ax, [(r.repetitions, r.value) for r in rows if r.lower_bound],
                                bar.lines[0].get_color())
             reps += xs
         _repetition_axes(ax, reps, title, "repetitions in training (log scale)", "exposure (bits)")
@@ -298,21 +311,21 @@ def extraction_figure(report: dict[str, Any]):
     """Exact extraction against repetitions, one panel per backend; None when nothing was extracted."""
     panels: dict[str, list] = {}
     for run in _real_runs(report):
-        rows = (run.get("probes_summary") or {}).get("extraction_by_repeats") or []
+        rows = [RepetitionPoint.of(r) for r in run.plot_rows("extraction_by_repeats", [])]
         if rows:
             panels.setdefault(_backend_label(run), []).append((run, rows))
-    if not any(r["value"] for s in panels.values() for _run, rows in s for r in rows):
+    if not any(r.value for s in panels.values() for _run, rows in s for r in rows):
         return None  # flat at zero: plot_notes says "none extracted"
     flat = [(t, part) for t, series in panels.items() for part in _chunks(series, MAX_SERIES // 2)]
     fig, axes = _panels(len(flat))
     for ax, (title, series) in zip(axes, flat, strict=True):
         reps = []
         for run, rows in series:
-            k = min(r["prefix_len"] for r in rows)
-            rs = sorted((r for r in rows if r["prefix_len"] == k), key=lambda r: r["repeats"])
-            ax.plot([r["repeats"] for r in rs], [r["value"] for r in rs], marker="o",
-                    label=f"{_eps_label(run['privacy']['epsilon'])}, prefix {k} tokens")
-            reps += [r["repeats"] for r in rs]
+            k = min(r.prefix_len for r in rows)
+            rs = sorted((r for r in rows if r.prefix_len == k), key=lambda r: r.repeats)
+            ax.plot([r.repeats for r in rs], [r.value for r in rs], marker="o",
+                    label=f"{_eps_label(run.privacy.epsilon)}, prefix {k} tokens")
+            reps += [r.repeats for r in rs]
         ax.set_ylim(-0.02, 1.02)
         _repetition_axes(ax, reps, title, "times the text was repeated (log scale)",
                          "exact extraction (fraction of documents)")
@@ -347,11 +360,10 @@ def roc_axes(ax, curves: list[tuple[str, list[float], list[float]]], title: str,
 
 def roc_figure(report: dict[str, Any], key: str, title: str):
     panels: dict[str, list] = {}
-    for run in report["runs"]:
-        roc = (run.get("probes_summary") or {}).get(key)
-        if roc and roc.get("fpr"):
-            name = "public base" if run.get("role") == "public-base" else _backend_label(run)
-            panels.setdefault(name, []).append((run, roc))
+    for run in _runs(report):
+        roc = run.plot_rows(key, None)
+        if roc and Roc.of(roc).fpr:
+            panels.setdefault(_name(run), []).append((run, Roc.of(roc)))
     if not panels:
         return None
     flat = [(t, part) for t, series in panels.items() for part in _chunks(series, MAX_SERIES - 1)]
@@ -359,9 +371,9 @@ def roc_figure(report: dict[str, Any], key: str, title: str):
     for ax, (name, series) in zip(axes, flat, strict=True):
         curves = []
         for run, roc in series:
-            auc = roc.get("auc")
-            curves.append((f"{_eps_label(run['privacy']['epsilon'])} (AUC {auc if auc is not None else float('nan'):.2f})",
-                           roc["fpr"], roc["tpr"]))
+            auc = roc.auc
+            curves.append((f"{_eps_label(run.privacy.epsilon)} (AUC {auc if auc is not None else float('nan'):.2f})",
+                           roc.fpr, roc.tpr))
         roc_axes(ax, curves, f"{title}: {name}")
     fig.tight_layout()
     return fig
@@ -374,21 +386,22 @@ def target_roc_figure(target: dict[str, Any], fpr: float = 0.01):
     """One probed model's ROC of the attack its verdict names (`targets[].roc`), log-log down to
     the smallest false-positive rate its non-members can show, the verdict's FPR marked; None
     without one."""
-    roc = target.get("roc")
-    if not roc or not roc.get("fpr"):
+    raw = target.get("roc")
+    roc = Roc.of(raw)
+    if not raw or not roc.fpr:
         return None
-    n0 = max(int(roc.get("n_neg") or 1), 1)
+    n0 = max(int(roc.n_neg or 1), 1)
     lo = 10.0 ** math.floor(math.log10(1 / n0)) if n0 > 1 else 0.01
     fig, ax = plt.subplots(figsize=TARGET_ROC_SIZE)
-    auc = roc.get("auc")
-    label = f"{roc['attack']} (AUC {auc:.2f})" if auc is not None else str(roc["attack"])
-    roc_axes(ax, [(label, roc["fpr"], roc["tpr"])], f"{target['id']}: ROC of {roc['attack']}",
+    auc = roc.auc
+    label = f"{roc.attack} (AUC {auc:.2f})" if auc is not None else str(roc.attack)
+    roc_axes(ax, [(label, roc.fpr, roc.tpr)], f"{target['id']}: ROC of {roc.attack}",
              lo=lo, floor=lo / 10, fontsize=8)
     ax.axvline(fpr, color="#999999", lw=0.8, ls="--")
     ax.annotate(f"{number(fpr * 100)}% FPR", (fpr, 1.0), xytext=(3, -9), textcoords="offset points",
                 fontsize=7, color="#555555")
-    ax.set_xlabel(f"false positive rate (log scale; {roc.get('n_neg')} non-members)", fontsize=8)
-    ax.set_ylabel(f"true positive rate (log; {roc.get('n_pos')} members)", fontsize=8)
+    ax.set_xlabel(f"false positive rate (log scale; {roc.n_neg} non-members)", fontsize=8)
+    ax.set_ylabel(f"true positive rate (log; {roc.n_pos} members)", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -405,10 +418,10 @@ def target_plots(report: dict[str, Any]) -> dict[str, str]:
 
 def audit_figure(report: dict[str, Any]):
     pts = []
-    for run in report["runs"]:
-        a = (run.get("leakage") or {}).get("audit_epsilon")
+    for run in _runs(report):
+        a = run.cell("audit_epsilon")
         if a and a.value is not None:
-            pts.append((run["privacy"].get("epsilon"), a.value, a.extra.get("ceiling"), run["id"]))
+            pts.append((run.privacy.epsilon, a.value, a.extra.get("ceiling"), run.id))
     if not pts:
         return None
     finite = [p[0] for p in pts if p[0] is not None and math.isfinite(p[0])]
@@ -430,19 +443,20 @@ def audit_figure(report: dict[str, Any]):
 
 def utility_figure(report: dict[str, Any]):
     """Holdout perplexity against epsilon per backend (no DP drawn at the right)."""
-    curves = report.get("comparisons", {}).get("curves") or []
+    curves = [(c.label, [CurvePoint.of(p) for p in c.points])
+              for c in Comparisons.of(report.get("comparisons")).each_curve()]
     if not curves:
         return None
-    finite = [p["epsilon"] for c in curves for p in c["points"] if math.isfinite(p["epsilon"])]
+    finite = [p.epsilon for _label, pts in curves for p in pts if math.isfinite(p.epsilon)]
     right = max(finite) * 4 if finite else 1.0
     fig, ax = plt.subplots(figsize=(4.6, 3.4))
     ys = []
-    for c in curves[:MAX_SERIES]:
-        pts = sorted(c["points"], key=lambda p: p["epsilon"])
-        xs = [p["epsilon"] if math.isfinite(p["epsilon"]) else right for p in pts]
-        y = [p["perplexity"]["mean"] for p in pts]
-        ax.errorbar(xs, y, yerr=[p["perplexity"]["std"] for p in pts], marker="o", capsize=2,
-                    label=c["label"], color=SERIES_COLOURS.get(c["label"]))
+    for label, points in curves[:MAX_SERIES]:
+        pts = sorted(points, key=lambda p: p.epsilon)
+        xs = [p.epsilon if math.isfinite(p.epsilon) else right for p in pts]
+        y = [p.perplexity.mean for p in pts]
+        ax.errorbar(xs, y, yerr=[p.perplexity.std for p in pts], marker="o", capsize=2,
+                    label=label, color=SERIES_COLOURS.get(label))
         ys += [v for v in y if v and v > 0]
     if finite:
         ax.set_xscale("log")
@@ -476,14 +490,14 @@ def all_plots(report: dict[str, Any]) -> dict[str, str]:
 
 def plot_notes(report: dict[str, Any]) -> list[str]:
     """What the plots leave out and why: metrics that are 0 in every run ("none extracted")."""
-    fr = report.get("comparisons", {}).get("frontier") or {}
-    zero = [(SHORT.get(k, k), m["n_points"]) for k, m in (fr.get("metrics") or {}).items() if m["all_zero"]]
+    metrics = Comparisons.of(report.get("comparisons")).frontier_metrics()
+    zero = [(SHORT.get(k, k), m.n_points) for k, m in metrics.items() if m.all_zero]
     notes = []
     if zero:
         notes.append(f"None extracted, so not drawn: {', '.join(z[0] for z in zero)} "
                      f"(0 in every run measured, {max(z[1] for z in zero)} runs).")
     runs = _real_runs(report)
-    rows = [r for run in runs for r in (run.get("probes_summary") or {}).get("extraction_by_repeats") or []]
-    if rows and not any(r["value"] for r in rows) and "extraction_exact" not in (fr.get("metrics") or {}):
+    rows = [RepetitionPoint.of(r) for run in runs for r in run.plot_rows("extraction_by_repeats", [])]
+    if rows and not any(r.value for r in rows) and "extraction_exact" not in metrics:
         notes.append("exact extraction: none extracted in any repetition bucket")
     return notes

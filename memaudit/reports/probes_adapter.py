@@ -8,27 +8,52 @@ unless asked.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from memaudit.probes.context import context_count, context_measure
-from memaudit.probes.loaders import ProbesDoc, ProbeSection
+from memaudit.probes.document import AttackSummary, ExposureScore, ProbesDoc, ProbeSection
 from memaudit.probes.records import Cell
+from memaudit.reports.blocks import Section, SectionTest
+from memaudit.reports.entries import Record, RunEntry
 
 MAX_ROC_POINTS = 200
 MAX_SAMPLES = 5
 SAMPLE_CHARS = 400
+LOSS = "loss"  # the membership attack whose AUC is the headline (`mia_auc`)
 
 
-def _stat(s: dict[str, Any] | None, **extra: Any) -> Cell | None:
+@dataclass
+class Summary:
+    """What a probes.json gives the report: headline cells by metric (`leakage`), plot data by
+    plot, the probe table's rows, and the extracted member documents (their ids and lengths;
+    their text, `samples`, only with --show-secrets). Filled by one handler per probe."""
+
+    leakage: dict[str, Cell | None] = field(default_factory=dict)
+    plots: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)
+    extracted_members: list[dict[str, Any]] = field(default_factory=list)
+
+    def row(self, probe: str, metric: str, **cells: Any) -> None:
+        """A row of the probe table: the probe, the metric, its cells."""
+        self.rows.append({"probe": probe, "metric": metric, **cells})
+
+    @property
+    def measured(self) -> dict[str, Cell]:
+        """The headline cells that have a value."""
+        return {k: v for k, v in self.leakage.items() if v is not None}
+
+
+def _stat(c: Cell | None, **extra: Any) -> Cell | None:
     """A probes.json cell as the report's: value, interval, n, unit and note (why no interval),
     `extra` (the metric's context), both classes of an attack's AUC and a lower bound's count;
     None without a value."""
-    if not s or s.get("value") is None:
+    if c is None or c.value is None:
         return None
-    c = Cell.from_json(s)
     both = c.n_pos is not None and c.n_neg is not None  # an attack's AUC: both classes
     return Cell(value=c.value, interval=c.interval, n=c.n, unit=c.unit, note=c.note, extra=extra,
                 n_pos=c.n_pos if both else None, n_neg=c.n_neg if both else None,
@@ -36,14 +61,14 @@ def _stat(s: dict[str, Any] | None, **extra: Any) -> Cell | None:
                 lower_bound=c.lower_bound, ceiling_units=c.ceiling_units if c.lower_bound else None)
 
 
-def _row(s: dict[str, Any] | None) -> dict[str, Any]:
+def _row(c: Cell | None) -> dict[str, Any]:
     """A table row's cells; a cell without a value keeps its note ("needs >= 1000 ...")."""
-    got = _stat(s)
+    got = _stat(c)
     if got is not None:
         return got.to_json()
-    s = s or {}
-    return {"value": None, "ci_low": None, "ci_high": None, "n": s.get("n"), "unit": s.get("unit"),
-            "note": s.get("note") or "not measured"}
+    if c is None:
+        return {"value": None, "ci_low": None, "ci_high": None, "n": None, "unit": None, "note": "not measured"}
+    return {"value": None, "ci_low": None, "ci_high": None, "n": c.n, "unit": c.unit, "note": c.note or "not measured"}
 
 
 def at_ceiling(cell: Cell | None, k: int) -> Cell | None:
@@ -57,7 +82,7 @@ def at_ceiling(cell: Cell | None, k: int) -> Cell | None:
                         note=f"a lower bound: {k} of {cell.n} canaries rank above every sampled candidate")
 
 
-def _ceiling_row(s: dict[str, Any] | None, k: int) -> dict[str, Any]:
+def _ceiling_row(s: Cell | None, k: int) -> dict[str, Any]:
     """A table row's cells of a probes.json mean over canaries, `k` of them at the ceiling."""
     c = at_ceiling(_stat(s), k)
     return _row(s) if c is None else c.to_json()
@@ -76,43 +101,40 @@ def units_of(probes: ProbesDoc | dict[str, Any]) -> dict[str, dict[str, Any]]:
     doc = probes if isinstance(probes, ProbesDoc) else ProbesDoc.from_json(probes)
     out: dict[str, dict[str, Any] | None] = {}
     if (p := doc.get("exposure")) is not None:
-        rows = [r for r in p.scores if r.get("role") == "inserted"]
-        refs = [r["exposure"] for r in p.scores if r.get("role") == "reference"]
-        top = max((r["repetitions"] for r in rows), default=None)
+        scores = p.exposure_scores()
+        rows = [r for r in scores if r.role == "inserted"]
+        refs = [r.exposure for r in scores if r.role == "reference"]
+        top = max((r.repetitions for r in rows), default=None)
         if top is not None and refs:
             base = float(np.mean(refs))
-            sel = [r for r in rows if r["repetitions"] == top]
-            out["exposure_top"] = _units("mean", "canaries", [r["id"] for r in sel],
-                                         [r["exposure"] - base for r in sel],
-                                         lower_bound=[bool(r.get("lower_bound")) for r in sel])
-        every = [r for r in p.scores if r.get("role") in ("inserted", "reference")]
+            sel = [r for r in rows if r.repetitions == top]
+            out["exposure_top"] = _units("mean", "canaries", [r.id for r in sel], [r.exposure - base for r in sel],
+                                         lower_bound=[r.lower_bound for r in sel])
+        every = [r for r in scores if r.role in ("inserted", "reference")]
         out["exposure_canaries"] = _units(
-            "exposure", "canaries", [r["id"] for r in every], [r["exposure"] for r in every],
-            role=[r["role"] for r in every], repetitions=[int(r.get("repetitions") or 0) for r in every],
-            owner_kind=[str(r.get("owner_kind") or "user") for r in every],
-            lower_bound=[bool(r.get("lower_bound")) for r in every])
+            "exposure", "canaries", [r.id for r in every], [r.exposure for r in every],
+            role=[r.role for r in every], repetitions=[int(r.repetitions or 0) for r in every],
+            owner_kind=[str(r.owner_kind or "user") for r in every],
+            lower_bound=[r.lower_bound for r in every])
     if (p := doc.get("extraction")) is not None:
-        disc = (p.scores or {}).get("discoverable") or []
+        disc = p.discoverable_scores()
         if disc:
-            k = min(r["k"] for r in disc)
-            sel = [r for r in disc if r["k"] == k]
-            out["extraction_exact"] = _units("binary", "documents", [r["id"] for r in sel],
-                                             [float(r["exact"]) for r in sel])
-        can = (p.scores or {}).get("canaries") or []
-        out["canary_completion"] = _units("binary", "canaries", [r["id"] for r in can],
-                                          [float(r["greedy"]) for r in can])
-    if (p := doc.get("membership")) is not None and p.scores and "loss" in p.scores[0]:
-        out["mia_auc"] = _units("auc", "documents", [r["id"] for r in p.scores],
-                                [r["loss"] for r in p.scores],
-                                member=[bool(r["member"]) for r in p.scores])
-    if (p := doc.get("user_inference")) is not None and p.scores:
-        out["user_mia_auc"] = _units("auc", "users", [r["user"] for r in p.scores],
-                                     [r["score"] for r in p.scores],
-                                     member=[bool(r["training_user"]) for r in p.scores])
+            k = min(r.k for r in disc)
+            sel = [r for r in disc if r.k == k]
+            out["extraction_exact"] = _units("binary", "documents", [r.id for r in sel],
+                                             [float(r.exact) for r in sel])
+        can = p.canary_scores()
+        out["canary_completion"] = _units("binary", "canaries", [r.id for r in can], [float(r.greedy) for r in can])
+    if (p := doc.get("membership")) is not None and (rows := p.membership_scores()) and rows[0].loss is not None:
+        out["mia_auc"] = _units("auc", "documents", [r.id for r in rows], [r.loss for r in rows],
+                                member=[bool(r.member) for r in rows])
+    if (p := doc.get("user_inference")) is not None and (users := p.user_scores()):
+        out["user_mia_auc"] = _units("auc", "users", [r.user for r in users], [r.score for r in users],
+                                     member=[bool(r.training_user) for r in users])
     if (p := doc.get("pii")) is not None:
-        sel = [r for r in p.scores if r.get("group") == "training_users"]
-        ids = [f"{r['doc']}:{r['type']}:{i}" for i, r in enumerate(sel)]
-        out["pii_extraction"] = _units("binary", "PII items", ids, [float(r["extracted"]) for r in sel])
+        sel = [r for r in p.pii_scores() if r.group == "training_users"]
+        ids = [f"{r.doc}:{r.type}:{i}" for i, r in enumerate(sel)]
+        out["pii_extraction"] = _units("binary", "PII items", ids, [float(r.extracted) for r in sel])
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -130,69 +152,73 @@ def roc_points(pos: list[float], neg: list[float], auc: float | None) -> dict[st
     return {"fpr": fpr.round(6).tolist(), "tpr": tpr.round(6).tolist(), "auc": auc}
 
 
-def _ceiling_counts(scores: list[dict[str, Any]]) -> dict[tuple[int, str | None], int]:
+def _ceiling_counts(scores: list[ExposureScore]) -> dict[tuple[int, str | None], int]:
     """Inserted canaries at the estimator's ceiling per (repetitions, owner kind), and per
     repetitions alone under owner None."""
     out: dict[tuple[int, str | None], int] = {}
-    for r in scores or []:
-        if r.get("role") == "inserted" and r.get("lower_bound"):
-            rep = int(r.get("repetitions") or 0)
-            for key in ((rep, None), (rep, str(r.get("owner_kind") or "user"))):
+    for r in scores:
+        if r.role == "inserted" and r.lower_bound:
+            rep = int(r.repetitions or 0)
+            for key in ((rep, None), (rep, str(r.owner_kind or "user"))):
                 out[key] = out.get(key, 0) + 1
     return out
 
 
-def _exposure(p: ProbeSection, out: dict) -> None:
-    s = p.summary
-    reps = sorted(s.get("by_repetitions", {}), key=int)
-    ceiling = _ceiling_counts(p.scores or [])
+def _exposure(p: ProbeSection, out: Summary) -> None:
+    s = p.exposure()
+    reps = sorted(s.by_repetitions, key=int)
+    ceiling = _ceiling_counts(p.exposure_scores())
     if reps:
-        b = s["by_repetitions"][reps[-1]]
+        b = s.by_repetitions[reps[-1]]
         # the excess over the run's references: the quantity the tests between runs compare
-        top = b.get("excess") or b.get("all")
-        out["leakage"]["exposure_top"] = at_ceiling(
-            _stat(top, repetitions=int(reps[-1]), max_exposure=s.get("max_exposure"),
-                  excess=b.get("excess") is not None), ceiling.get((int(reps[-1]), None), 0))
+        top = b.excess or b.all
+        out.leakage.update(exposure_top=at_ceiling(
+            _stat(top, repetitions=int(reps[-1]), max_exposure=s.max_exposure, excess=b.excess is not None),
+            ceiling.get((int(reps[-1]), None), 0)))
     by_owner: dict[str, list] = {}
     for r in reps:
-        for owner in ("user", "spread"):
-            st = s["by_repetitions"][r].get(owner)
-            if st and st.get("value") is not None:
+        for owner, st in s.by_repetitions[r].by_owner.items():
+            if st is not None and st.value is not None:
                 by_owner.setdefault(owner, []).append(
                     {"repetitions": int(r), **at_ceiling(_stat(st), ceiling.get((int(r), owner), 0)).to_json()})
-    out["plots"]["exposure_by_repetition"] = by_owner
-    out["rows"].append({"probe": "exposure", "metric": f"max possible (log2|R|, {s.get('method')})",
-                        "value": s.get("max_exposure"), "ci_low": None, "ci_high": None})
-    for name in ("inserted", "references"):
-        if s.get(name):
-            out["rows"].append({"probe": "exposure", "metric": f"mean exposure, {name} canaries", **_row(s[name])})
+    out.plots.update(exposure_by_repetition=by_owner)
+    out.row("exposure", f"max possible (log2|R|, {s.method})", value=s.max_exposure, ci_low=None, ci_high=None)
+    for name, cell in (("inserted", s.inserted), ("references", s.references)):
+        if cell is not None:
+            out.row("exposure", f"mean exposure, {name} canaries", **_row(cell))
     for r in reps:
-        b, k = s["by_repetitions"][r], ceiling.get((int(r), None), 0)
-        out["rows"].append({"probe": "exposure", "metric": f"exposure, {r} repetitions (bits)",
-                            **_ceiling_row(b["all"], k)})
-        if b.get("excess") and b.get("test"):
-            t = b["test"]
+        b, k = s.by_repetitions[r], ceiling.get((int(r), None), 0)
+        out.row("exposure", f"exposure, {r} repetitions (bits)", **_ceiling_row(b.all, k))
+        if b.excess is not None and (t := b.test) is not None:
             # the raw p: a report corrects over its one family (`settle_rows`), never over buckets
-            out["rows"].append({"probe": "exposure", "metric": _excess_label(r, t["test"], t["p_value"], None),
-                                **_ceiling_row(b["excess"], k),
-                                FAMILY_TEST: {"repetitions": int(r), "p_value": t["p_value"], "test": t["test"]}})
-    test = s.get("inserted_vs_references") or {}
-    if test.get("p_value") is not None:
-        out["rows"].append({"probe": "exposure", "metric": f"inserted vs references p-value ({test.get('test')})",
-                            "value": test["p_value"], "ci_low": None, "ci_high": None})
+            out.row("exposure", _excess_label(r, t.name, t.p_value, None), **_ceiling_row(b.excess, k),
+                    **{FAMILY_TEST: {"repetitions": int(r), "p_value": t.p_value, "test": t.name}})
+    test = s.inserted_vs_references
+    if test is not None and test.p_value is not None:
+        out.row("exposure", f"inserted vs references p-value ({test.name})", value=test.p_value,
+                ci_low=None, ci_high=None)
 
 
 FAMILY_TEST = "family_test"  # on a row whose test the report's one family may hold (`settle_rows`)
 
 
-def _excess_label(reps: str | int, test: str, p: float, family: dict[str, Any] | None) -> str:
+@dataclass(frozen=True, kw_only=True)
+class FamilyMark(Record):
+    """A probe row's bucket test, until the report's one correction settles its label."""
+
+    repetitions: int | None = None
+    p_value: float | None = None
+    test: str | None = None
+
+
+def _excess_label(reps: str | int, test: str, p: float, family: SectionTest | None) -> str:
     """A bucket's excess row: its test and p-value, either Holm-adjusted over the report's one
     family (`family`: the family's entry of the same test) or said to be unadjusted."""
     head = f"excess over references, {reps} repetitions (bits; {test}, p = {p:.3g}"
     if family is None:
         return head + " unadjusted; the report's tests are corrected in one Holm family)"
-    return (head + f", Holm-adjusted p = {family['p_adjusted']:.3g} over the report's "
-            f"{family['family']} tests)")
+    return (head + f", Holm-adjusted p = {family.p_adjusted:.3g} over the report's "
+            f"{family.family} tests)")
 
 
 def settle_rows(run: dict[str, Any], literature: dict[str, Any] | None) -> None:
@@ -200,122 +226,115 @@ def settle_rows(run: dict[str, Any], literature: dict[str, Any] | None) -> None:
     literature section's bucket of the same run and repetitions, where that bucket is all of
     them (one owner kind) and its p-value is the row's -- states the family's adjusted p; every
     other row keeps its p, labelled unadjusted. Drops the rows' `FAMILY_TEST` marks."""
-    entries = [e for e in (literature or {}).get("exposure", []) if e.get("run") == run.get("id")]
-    buckets = [b for e in entries for b in e.get("buckets", [])]
-    for row in run.get("probe_rows", []):
-        ref = row.pop(FAMILY_TEST, None)
-        if ref is None:
+    entry = RunEntry.of(run)
+    exposure = [e for e in Section.of(literature).exposure_entries() if e.run == entry.id]
+    buckets = [b for e in exposure for b in e.each_bucket()]
+    for row in entry.probe_rows or []:
+        mark = row.pop(FAMILY_TEST, None)
+        if mark is None:
             continue
-        same = [b for b in buckets if b.get("repetitions") == ref["repetitions"]]
-        t = same[0].get("test") if len(same) == 1 else None
-        held = (t is not None and t.get("p_adjusted") is not None
-                and abs(t["p_value"] - ref["p_value"]) <= 1e-9 * max(1.0, ref["p_value"]))
-        row["metric"] = _excess_label(ref["repetitions"], ref["test"], ref["p_value"], t if held else None)
+        ref = FamilyMark.of(mark)
+        same = [b for b in buckets if b.repetitions == ref.repetitions]
+        t = same[0].test if len(same) == 1 else None
+        held = (t is not None and t.p_adjusted is not None
+                and abs(t.p_value - ref.p_value) <= 1e-9 * max(1.0, ref.p_value))
+        row.update(metric=_excess_label(ref.repetitions, ref.test, ref.p_value, t if held else None))
 
 
-def _extraction(p: ProbeSection, out: dict, docs: dict[str, str] | None, show_secrets: bool = False) -> None:
-    s = p.summary
-    disc = s.get("discoverable") or {}
-    ks = sorted(disc, key=int)
+def _extraction(p: ProbeSection, out: Summary, docs: dict[str, str] | None, show_secrets: bool = False) -> None:
+    s = p.extraction()
+    ks = sorted(s.discoverable, key=int)
     if ks:
-        out["leakage"]["extraction_exact"] = _stat(disc[ks[0]].get("exact"), prefix_len=int(ks[0]))
+        out.leakage.update(extraction_exact=_stat(s.discoverable[ks[0]].exact, prefix_len=int(ks[0])))
     rows = []
     for k in ks:
-        d = disc[k]
-        for name in ("exact", "approx_levenshtein", "approx_bleu"):
-            if d.get(name):
-                out["rows"].append({"probe": "extraction", "metric": f"{name} rate, k={k}", **_row(d[name])})
-        for bucket, b in (d.get("by_repeats") or {}).items():
-            if b.get("exact") and b["exact"].get("value") is not None:
+        d = s.discoverable[k]
+        for name, cell in d.rates.items():
+            if cell is not None:
+                out.row("extraction", f"{name} rate, k={k}", **_row(cell))
+        for bucket, exact in d.exact_by_repeats.items():
+            if exact is not None and exact.value is not None:
                 rows.append({"prefix_len": int(k), "repeats": int(bucket.split("-")[0]), "bucket": bucket,
-                             **_row(b["exact"])})
-    out["plots"]["extraction_by_repeats"] = rows
-    can = s.get("canaries") or {}
-    if can.get("greedy"):
-        out["leakage"]["canary_completion"] = _stat(can["greedy"])
-        out["rows"].append({"probe": "extraction", "metric": "canary secret completed (greedy)", **_row(can["greedy"])})
-    nd = s.get("non_discoverable") or {}
-    for name in ("perplexity", "zlib", "reference"):
-        block = nd.get(name)
-        if isinstance(block, dict) and block.get("rate"):
-            out["rows"].append({"probe": "extraction", "metric": f"non-discoverable memorised in top by {name}",
-                                **_row(block["rate"])})
+                             **_row(exact)})
+    out.plots.update(extraction_by_repeats=rows)
+    if s.canary_greedy is not None:
+        out.leakage.update(canary_completion=_stat(s.canary_greedy))
+        out.row("extraction", "canary secret completed (greedy)", **_row(s.canary_greedy))
+    for name, rate in s.non_discoverable.items():
+        if rate is not None:
+            out.row("extraction", f"non-discoverable memorised in top by {name}", **_row(rate))
     if docs:
-        scores = (p.scores or {}).get("discoverable") or []
         seen = []
-        for r in sorted(scores, key=lambda r: -r.get("repeats", 1)):
-            if r.get("exact") and r["id"] in docs and r["id"] not in seen:
-                seen.append(r["id"])
+        for r in sorted(p.discoverable_scores(), key=lambda r: -r.repeats):
+            if r.exact and r.id in docs and r.id not in seen:
+                seen.append(r.id)
             if len(seen) >= MAX_SAMPLES:
                 break
         # a member document is private text (PII included): its id and length only, unless
         # the report is asked for secrets (`memaudit report --show-secrets`)
-        out["extracted_members"] = [{"id": i, "length": len(docs[i])} for i in seen]
+        out.extracted_members = [{"id": i, "length": len(docs[i])} for i in seen]
         if show_secrets:
-            out["samples"] = [docs[i][:SAMPLE_CHARS] for i in seen]
+            out.samples = [docs[i][:SAMPLE_CHARS] for i in seen]
 
 
-def _attack(name: str, label: str, summ: dict, out: dict, key: str) -> None:
-    if not summ or not summ.get("auc"):
+def _attack(name: str, label: str, summ: AttackSummary | None, out: Summary, key: str) -> None:
+    if summ is None or summ.auc is None:
         return
-    out["leakage"][key] = _stat(summ["auc"])
-    out["rows"].append({"probe": name, "metric": f"{label} AUC", **_row(summ["auc"])})
-    for fpr, st in (summ.get("tpr_at_fpr") or {}).items():
-        out["rows"].append({"probe": name, "metric": f"{label} TPR at {float(fpr):g} FPR", **_row(st)})
+    out.leakage[key] = _stat(summ.auc)
+    out.row(name, f"{label} AUC", **_row(summ.auc))
+    for fpr, st in summ.tpr_at_fpr.items():
+        out.row(name, f"{label} TPR at {float(fpr):g} FPR", **_row(st))
 
 
-def _membership(p: ProbeSection, out: dict) -> None:
-    s = p.summary
-    for attack, summ in s.items():
-        if not isinstance(summ, dict) or "auc" not in summ:
-            continue
-        if attack == "loss":
+def _membership(p: ProbeSection, out: Summary) -> None:
+    attacks = p.attacks()
+    for attack, summ in attacks.items():
+        if attack == LOSS:
             _attack("membership", "loss attack", summ, out, "mia_auc")
         else:
-            out["rows"].append({"probe": "membership", "metric": f"{attack} attack AUC", **_row(summ["auc"])})
-    rows = p.scores or []
-    if rows and "loss" in rows[0]:
-        pos = [r["loss"] for r in rows if r.get("member")]
-        neg = [r["loss"] for r in rows if not r.get("member")]
-        out["plots"]["membership_roc"] = roc_points(pos, neg, (s.get("loss") or {}).get("auc", {}).get("value"))
+            out.row("membership", f"{attack} attack AUC", **_row(summ.auc))
+    rows = p.membership_scores()
+    if rows and rows[0].loss is not None:
+        pos = [r.loss for r in rows if r.member]
+        neg = [r.loss for r in rows if not r.member]
+        loss = attacks.get(LOSS)
+        out.plots.update(membership_roc=roc_points(pos, neg, None if loss is None or loss.auc is None
+                                                   else loss.auc.value))
 
 
-def _users(p: ProbeSection, out: dict) -> None:
-    s = p.summary
+def _users(p: ProbeSection, out: Summary) -> None:
+    s = p.attack()
     _attack("user_inference", "user inference", s, out, "user_mia_auc")
-    rows = p.scores or []
-    pos = [r["score"] for r in rows if r.get("training_user")]
-    neg = [r["score"] for r in rows if not r.get("training_user")]
-    out["plots"]["user_roc"] = roc_points(pos, neg, (s.get("auc") or {}).get("value"))
+    rows = p.user_scores()
+    pos = [r.score for r in rows if r.training_user]
+    neg = [r.score for r in rows if not r.training_user]
+    out.plots.update(user_roc=roc_points(pos, neg, None if s is None or s.auc is None else s.auc.value))
 
 
-def _pii(p: ProbeSection, out: dict) -> None:
-    s = p.summary
-    for group in ("training_users", "heldout_users"):
-        g = s.get(group) or {}
-        for name in ("extraction", "inference_top1"):
-            if g.get(name):
-                out["rows"].append({"probe": "pii", "metric": f"{name.replace('_', ' ')}, {group.replace('_', ' ')}",
-                                    **_row(g[name])})
-    tr = (s.get("training_users") or {}).get("extraction")
-    if tr:
-        out["leakage"]["pii_extraction"] = _stat(tr)
+def _pii(p: ProbeSection, out: Summary) -> None:
+    s = p.pii()
+    for group, cells in s.groups.items():
+        for name, cell in cells.items():
+            if cell is not None:
+                out.row("pii", f"{name.replace('_', ' ')}, {group.replace('_', ' ')}", **_row(cell))
+    if s.training_extraction is not None:
+        out.leakage.update(pii_extraction=_stat(s.training_extraction))
 
 
-def _audit(p: ProbeSection, out: dict) -> None:
-    s = p.summary
-    extra = {"kind": "one-sided lower bound", "confidence": s.get("confidence", 1 - (s.get("p") or 0.05)),
-             "ceiling": s.get("ceiling"), "guesses": s.get("r"), "correct": s.get("v"),
-             "ledger_epsilon": s.get("ledger_eps"), "canaries": s.get("canaries", "secret"),
-             "score": s.get("score", "mean_log_likelihood"), "all_thresholds": s.get("all_thresholds"),
-             "gdp_estimate": s.get("gdp_estimate")}
-    out["leakage"]["audit_epsilon"] = Cell(
-        value=s.get("eps_lower_bound"), n=s.get("m"), unit="audit canaries", extra=extra,
-        keys=("value", "ci_low", "ci_high", "kind", "confidence", "n", "unit", *list(extra)[2:]))
-    out["rows"].append({"probe": "audit", "metric": f"epsilon lower bound (r={s.get('r')}, v={s.get('v')}, p={s.get('p')})",
-                        "value": s.get("eps_lower_bound"), "ci_low": None, "ci_high": None})
-    out["rows"].append({"probe": "audit", "metric": f"ceiling: the most m = {s.get('m')} canaries can show at delta = {s.get('delta')}",
-                        "value": s.get("ceiling"), "ci_low": None, "ci_high": None})
+def _audit(p: ProbeSection, out: Summary) -> None:
+    s = p.audit()
+    extra = {"kind": "one-sided lower bound", "confidence": s.confidence,
+             "ceiling": s.ceiling, "guesses": s.r, "correct": s.v,
+             "ledger_epsilon": s.ledger_eps, "canaries": s.canaries,
+             "score": s.score, "all_thresholds": s.all_thresholds,
+             "gdp_estimate": s.gdp_estimate}
+    out.leakage.update(audit_epsilon=Cell(
+        value=s.eps_lower_bound, n=s.m, unit="audit canaries", extra=extra,
+        keys=("value", "ci_low", "ci_high", "kind", "confidence", "n", "unit", *list(extra)[2:])))
+    out.row("audit", f"epsilon lower bound (r={s.r}, v={s.v}, p={s.p})", value=s.eps_lower_bound,
+            ci_low=None, ci_high=None)
+    out.row("audit", f"ceiling: the most m = {s.m} canaries can show at delta = {s.delta}", value=s.ceiling,
+            ci_low=None, ci_high=None)
 
 
 def _member_texts(run_dir: str | Path | None) -> dict[str, str] | None:
@@ -334,12 +353,11 @@ def _member_texts(run_dir: str | Path | None) -> dict[str, str] | None:
     return texts
 
 
-def summarize_probes(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path | None = None,
-                     show_secrets: bool = False) -> dict[str, Any]:
-    """{'leakage': {metric: cell}, 'plots': {...}, 'rows': [...], 'samples': [text, ...],
-    'extracted_members': [{id, length}, ...]}: the extracted member documents' text (`samples`)
-    only with `show_secrets`, their ids and lengths always."""
-    out: dict[str, Any] = {"leakage": {}, "plots": {}, "rows": [], "samples": [], "extracted_members": []}
+def read_summary(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path | None = None,
+                 show_secrets: bool = False) -> Summary:
+    """The report's reading of a probes.json (`Summary`): the extracted member documents' text
+    (`samples`) only with `show_secrets`, their ids and lengths always."""
+    out = Summary()
     doc = probes if isinstance(probes, ProbesDoc) else ProbesDoc.from_json(probes)
     handlers = {
         "exposure": _exposure,
@@ -355,10 +373,19 @@ def summarize_probes(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path 
         _extraction(p, out, _member_texts(run_dir), show_secrets)
     c = doc.counts
     if c.get("context") and context_count(c):  # documents longer than the context: windowed, counted
-        out["rows"].append({"probe": "input", "metric": f"{context_measure(c)} (of {c['documents']} documents)",
-                            "value": context_count(c), "ci_low": None, "ci_high": None})
+        out.row("input", f"{context_measure(c)} (of {c['documents']} documents)", value=context_count(c),
+                ci_low=None, ci_high=None)
     for name, probe in doc.probes.items():
         if probe.skipped:
-            out["rows"].append({"probe": name, "metric": f"skipped: {probe.skipped}", "value": None, "ci_low": None, "ci_high": None})
-    out["leakage"] = {k: v for k, v in out["leakage"].items() if v is not None}
+            out.row(name, f"skipped: {probe.skipped}", value=None, ci_low=None, ci_high=None)
+    out.leakage = out.measured
     return out
+
+
+def summarize_probes(probes: ProbesDoc | dict[str, Any], *, run_dir: str | Path | None = None,
+                     show_secrets: bool = False) -> dict[str, Any]:
+    """`read_summary` as {'leakage': {metric: cell}, 'plots': {...}, 'rows': [...], 'samples':
+    [text, ...], 'extracted_members': [{id, length}, ...]}."""
+    s = read_summary(probes, run_dir=run_dir, show_secrets=show_secrets)
+    return {"leakage": s.leakage, "plots": s.plots, "rows": s.rows, "samples": s.samples,
+            "extracted_members": s.extracted_members}

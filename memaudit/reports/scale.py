@@ -31,15 +31,15 @@ import itertools
 import math
 import typing
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from memaudit.backends import report_rank
 from memaudit.config import ModelConfig
-from memaudit.io import read_json
+from memaudit.probes.document import ProbesDoc, read_probes
 from memaudit.probes.extraction import repeat_bucket
-from memaudit.probes.loaders import ProbesDoc
 from memaudit.probes.records import Cell
 from memaudit.probes.stats import (
     MIN_N,
@@ -51,6 +51,7 @@ from memaudit.probes.stats import (
     rate_summary,
 )
 from memaudit.reports.compare import nominal_epsilon, pool
+from memaudit.reports.entries import RunEntry, UnitScores, entries
 from memaudit.rundir import RunDir
 
 ALPHA = 0.05
@@ -73,77 +74,94 @@ def _units(kind: str, unit: str, rows: list[tuple[str, float]]) -> dict[str, Any
 def _by_bucket(rows: list[dict], key, value, *, with_all: bool) -> dict[str, list]:
     out: dict[str, list] = defaultdict(list)
     for r in rows:
-        pair = (str(r["id"]), float(value(r)))
+        pair = (str(r.id), float(value(r)))
         out[key(r)].append(pair)
         if with_all:
             out["all"].append(pair)
     return dict(out)
 
 
-def run_units(probes: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+def run_units(doc: ProbesDoc) -> dict[str, dict[str, dict[str, Any]]]:
     """Per metric and repetition bucket, the run's per-unit scores (ids and values, no text).
 
     Buckets: the canaries' repetitions for exposure; "all" and `repeat_bucket` of the documents'
     repeats for the document metrics.
     """
-    doc = ProbesDoc.from_json(probes)
     out: dict[str, dict[str, list]] = {}
     if (p := doc.get("exposure")) is not None:
-        ins = [r for r in p.scores if r.get("role") == "inserted"]
-        out["exposure"] = _by_bucket(ins, lambda r: str(r["repetitions"]), lambda r: r["exposure"],
-                                     with_all=False)
+        ins = [r for r in p.exposure_scores() if r.role == "inserted"]
+        out["exposure"] = _by_bucket(ins, lambda r: str(r.repetitions), lambda r: r.exposure, with_all=False)
     if (p := doc.get("extraction")) is not None:
-        disc = (p.scores or {}).get("discoverable") or []
+        disc = p.discoverable_scores()
         if disc:
-            k = min(r["k"] for r in disc)
-            sel = [r for r in disc if r["k"] == k]
-            out["extraction_exact"] = _by_bucket(sel, lambda r: repeat_bucket(r["repeats"]),
-                                                 lambda r: r["exact"], with_all=True)
+            k = min(r.k for r in disc)
+            sel = [r for r in disc if r.k == k]
+            out["extraction_exact"] = _by_bucket(sel, lambda r: repeat_bucket(r.repeats),
+                                                 lambda r: r.exact, with_all=True)
     if (p := doc.get("goldfish_extraction")) is not None:
-        sel = [r for r in p.scores if r.get("kind") == "doc"]
-        for key, field in (("goldfish_exact", "exact"), ("goldfish_rouge_l", "rouge_l")):
-            out[key] = _by_bucket(sel, lambda r: repeat_bucket(r["repeats"]),
-                                  lambda r, f=field: r[f], with_all=True)
+        sel = [r for r in p.goldfish_scores() if r.kind == "doc"]
+        out["goldfish_exact"] = _by_bucket(sel, lambda r: repeat_bucket(r.repeats), lambda r: r.exact,
+                                           with_all=True)
+        out["goldfish_rouge_l"] = _by_bucket(sel, lambda r: repeat_bucket(r.repeats), lambda r: r.rouge_l,
+                                             with_all=True)
     unit = {"exposure": "canaries"}
     return {m: {b: _units(METRICS[m][2], unit.get(m, "documents"), rows) for b, rows in bs.items()}
             for m, bs in out.items() if bs}
 
 
-def _suffix_tokens(probes: dict[str, Any]) -> int | None:
+def _suffix_tokens(doc: ProbesDoc) -> int | None:
     """The m of a probes.json's goldfish_extraction (summary.suffix_tokens), if it has one."""
-    g = (probes.get("probes") or {}).get("goldfish_extraction") or {}
-    return (g.get("summary") or {}).get("suffix_tokens")
+    g = doc.probes.get("goldfish_extraction")
+    return None if g is None else g.suffix_tokens
 
 
 def _cell(units: dict[str, Any]) -> Cell:
-    x = np.asarray(units["values"], float)
-    if units["kind"] == "binary":
-        return rate_summary(x, unit=units["unit"])
-    return mean_summary(x, unit=units["unit"])
+    u = UnitScores.of(units)
+    x = np.asarray(u.values, float)
+    if u.kind == "binary":
+        return rate_summary(x, unit=u.unit)
+    return mean_summary(x, unit=u.unit)
 
 
 def _preset_order() -> tuple[str, ...]:
     return typing.get_args(ModelConfig.model_fields["preset"].annotation)
 
 
-def _size_key(run: dict[str, Any]) -> tuple:
-    preset, params = run["model"].get("preset"), run["model"].get("params")
+@dataclass(frozen=True)
+class ScaleRun:
+    """A run of the section: its entry, its per-unit scores by metric and bucket (`run_units`)
+    and the m of its goldfish_extraction."""
+
+    entry: RunEntry
+    units: dict[str, dict[str, dict[str, Any]]]
+    m: int | None
+
+    @property
+    def id(self) -> str:
+        return self.entry.id
+
+    def scores(self, metric: str) -> dict[str, dict[str, Any]]:
+        """The run's per-unit scores of `metric` by bucket ({} where it has none)."""
+        return self.units.get(metric, {})
+
+
+def _size_key(run: RunEntry) -> tuple:
+    preset, params = run.model.preset, run.model.params
     order = _preset_order()
     return (order.index(preset) if preset in order else len(order),
             params if params is not None else -1, str(preset))
 
 
-def _size_label(run: dict[str, Any]) -> str:
-    preset, params = run["model"].get("preset"), run["model"].get("params")
+def _size_label(run: RunEntry) -> str:
+    preset, params = run.model.preset, run.model.params
     if params is None:
         return str(preset)
     p = f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
     return p if preset is None else f"{preset} ({p})"
 
 
-def _condition(run: dict[str, Any]) -> tuple[str, float]:
-
-    return run["backend"], nominal_epsilon(run)
+def _condition(run: RunEntry) -> tuple[str, float]:
+    return run.backend, nominal_epsilon(run)
 
 
 def _condition_label(backend: str, eps: float) -> str:
@@ -151,23 +169,24 @@ def _condition_label(backend: str, eps: float) -> str:
     return f"{side}, {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
 
 
-def _test(a: list[dict], b: list[dict], metric: str, bucket: str, alternative: str) -> dict:
+def _test(a: list[ScaleRun], b: list[ScaleRun], metric: str, bucket: str, alternative: str) -> dict:
     """The test of one cell pair: over seeds when both sides have several, else on units."""
-    ua, ub = a[0]["_units"][metric][bucket], b[0]["_units"][metric][bucket]
-    if min(len(ua["ids"]), len(ub["ids"])) < MIN_N:
+    ua, ub = a[0].scores(metric)[bucket], b[0].scores(metric)[bucket]
+    sa, sb = UnitScores.of(ua), UnitScores.of(ub)
+    if min(len(sa.ids), len(sb.ids)) < MIN_N:
         return {"verdict": N_TOO_SMALL, "test": None,
-                "note": f"{len(ua['ids'])}/{len(ub['ids'])} {ua['unit']}, needs >= {MIN_N} a side"}
+                "note": f"{len(sa.ids)}/{len(sb.ids)} {sa.unit}, needs >= {MIN_N} a side"}
 
     def seeds(rs):
-        return [float(np.mean(u["values"])) for r in rs
-                if (u := r["_units"].get(metric, {}).get(bucket)) is not None]
+        return [float(np.mean(UnitScores.of(u).values)) for r in rs
+                if (u := r.scores(metric).get(bucket)) is not None]
 
     va, vb = seeds(a), seeds(b)
     if len(va) > 1 and len(vb) > 1:
         t = {**compare_seeds(va, vb, alternative=alternative).to_json(), "scope": "configurations"}
     else:
         t = {**compare_units(ua, ub, alternative=alternative).to_json(), "scope": "runs",
-             "runs": [a[0]["id"], b[0]["id"]]}
+             "runs": [a[0].id, b[0].id]}
     return {"verdict": "not tested", "test": t, "note": None}
 
 
@@ -201,10 +220,10 @@ def _sentence(t: dict, family: int) -> str:
             f"p = {x['p_adjusted']:.3g} over {family} tests)")
 
 
-def _pooled(rs: list[dict], metric: str, bucket: str) -> dict[str, Any] | None:
+def _pooled(rs: list[ScaleRun], metric: str, bucket: str) -> dict[str, Any] | None:
     """One cell over a group's seeds (`compare.pool`: one run's cell as it is), as the section's
     JSON holds it."""
-    c = pool([_cell(r["_units"][metric][bucket]) for r in rs if bucket in r["_units"].get(metric, {})])
+    c = pool([_cell(r.scores(metric)[bucket]) for r in rs if bucket in r.scores(metric)])
     return None if c is None else c.to_json()
 
 
@@ -212,19 +231,18 @@ def _bucket_order(b: str) -> tuple:
     return (b != "all", int(b.split("-")[0]) if b != "all" else 0)
 
 
-def _tables(cells: dict[tuple, list[dict]]) -> list[dict[str, Any]]:
+def _tables(cells: dict[tuple, list[ScaleRun]]) -> list[dict[str, Any]]:
     """Per condition and metric: one row per (size, Goldfish), one cell per repetition bucket."""
     tables = []
     for cond in sorted({c for c, _, _ in cells}, key=lambda c: (report_rank(c[0]), c[1])):
         keys = sorted(k for k in cells if k[0] == cond)
         for metric, (label, unit, _kind) in METRICS.items():
-            buckets = sorted({b for k in keys for r in cells[k] for b in r["_units"].get(metric, {})},
-                             key=_bucket_order)
+            buckets = sorted({b for k in keys for r in cells[k] for b in r.scores(metric)}, key=_bucket_order)
             if not buckets:
                 continue
-            rows = [{"size": _size_label(cells[k][0]), "preset": cells[k][0]["model"].get("preset"),
-                     "params": cells[k][0]["model"].get("params"), "goldfish": k[2],
-                     "n_seeds": len(cells[k]), "runs": [r["id"] for r in cells[k]],
+            rows = [{"size": _size_label(cells[k][0].entry), "preset": cells[k][0].entry.model.preset,
+                     "params": cells[k][0].entry.model.params, "goldfish": k[2],
+                     "n_seeds": len(cells[k]), "runs": [r.id for r in cells[k]],
                      "cells": {b: _pooled(cells[k], metric, b) for b in buckets}} for k in keys]
             tables.append({"condition": _condition_label(*cond), "backend": cond[0],
                            "epsilon": cond[1], "metric": metric, "label": label, "unit": unit,
@@ -232,13 +250,13 @@ def _tables(cells: dict[tuple, list[dict]]) -> list[dict[str, Any]]:
     return tables
 
 
-def _tests(cells: dict[tuple, list[dict]], labels: dict[tuple, str]) -> list[dict[str, Any]]:
+def _tests(cells: dict[tuple, list[ScaleRun]], labels: dict[tuple, str]) -> list[dict[str, Any]]:
     """Every planned comparison with its test (or why none), Holm-adjusted over the section."""
     tests = []
     for comparison, ka, kb, alt in _pairs(cells):
         a, b = cells[ka], cells[kb]
         for metric in METRICS:
-            shared = set(a[0]["_units"].get(metric, {})) & set(b[0]["_units"].get(metric, {}))
+            shared = set(a[0].scores(metric)) & set(b[0].scores(metric))
             for bucket in sorted(shared, key=_bucket_order):
                 va, vb = _pooled(a, metric, bucket), _pooled(b, metric, bucket)
                 tests.append({"comparison": comparison, "condition": _condition_label(*ka[0]),
@@ -280,26 +298,29 @@ def settle(sec: dict[str, Any], family: int) -> None:
     sec["sentences"] = [_sentence(t, family) for t in sec["tests"] if t["verdict"] in ("more", "less")]
 
 
-def scale_section(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _scale_run(r: RunEntry) -> ScaleRun:
+    path = RunDir(r.path).probes_path
+    doc = read_probes(path) if path.is_file() else None
+    return ScaleRun(entry=r, units={} if doc is None else run_units(doc),
+                    m=None if doc is None else _suffix_tokens(doc))
+
+
+def scale_section(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any] | None:
     """The section from the report's run entries (their probes.json read again for per-unit
     scores), or None when the runs all have one size and one Goldfish setting."""
     # audit runs train on other data; a public base was not fine-tuned on the private data
-    runs = [r for r in runs if not r.get("audit") and r.get("role") != "public-base"]
-    if (len({_size_key(r) for r in runs}) < 2
-            and len({bool(r["mitigation"]["goldfish"]) for r in runs}) < 2):
+    runs = [r for r in entries(runs) if not r.audit and r.role != "public-base"]
+    if len({_size_key(r) for r in runs}) < 2 and len({bool(r.goldfish) for r in runs}) < 2:
         return None
-    cells: dict[tuple, list[dict]] = defaultdict(list)
+    cells: dict[tuple, list[ScaleRun]] = defaultdict(list)
     for r in runs:
-        path = RunDir(r["path"]).probes_path
-        probes = read_json(path) if path.is_file() else {}
-        r = {**r, "_units": run_units(probes) if probes else {}, "_m": _suffix_tokens(probes)}
-        cells[(_condition(r), _size_key(r), bool(r["mitigation"]["goldfish"]))].append(r)
-    labels = {k: _size_label(rs[0]) + (" + Goldfish" if k[2] else "") for k, rs in cells.items()}
-    suffix = sorted({r["_m"] for rs in cells.values() for r in rs if r["_m"] is not None})
+        cells[(_condition(r), _size_key(r), r.goldfish)].append(_scale_run(r))
+    labels = {k: _size_label(rs[0].entry) + (" + Goldfish" if k[2] else "") for k, rs in cells.items()}
+    suffix = sorted({r.m for rs in cells.values() for r in rs if r.m is not None})
     tests = _tests(cells, labels)
     family = sum(t["test"] is not None for t in tests)
     return {
-        "sizes": list(dict.fromkeys(_size_label(cells[k][0]) for k in sorted(cells, key=lambda k: k[1]))),
+        "sizes": list(dict.fromkeys(_size_label(cells[k][0].entry) for k in sorted(cells, key=lambda k: k[1]))),
         "metrics": {k: {"label": v[0], "unit": v[1]} for k, v in METRICS.items()},
         "tables": _tables(cells),
         "tests": tests,

@@ -28,12 +28,15 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memaudit.io import atomic_write_text
+from memaudit.reports.blocks import Comparisons, Findings
 from memaudit.reports.cells import README as README_CELL
 from memaudit.reports.cells import format_cell, readme_number
+from memaudit.reports.entries import Record, RunEntry, entries
 from memaudit.reports.literature import (
     audit_sentences,
     contrast_buckets,
@@ -56,37 +59,52 @@ COLUMNS = (("exposure_top", "excess exposure, top reps (bits)"), ("mia_auc", "MI
            ("user_mia_auc", "user-inference AUC"))
 
 
-def _privacy(run: dict[str, Any]) -> str:
-    p = run["privacy"]
-    if run.get("role") == "public-base":
+@dataclass(frozen=True, kw_only=True)
+class Meta(Record):
+    """How a snapshot was measured (its .meta.json)."""
+
+    command: str | None = None
+    date: str = "an unrecorded date"
+    wall_s: float | None = None
+    cpus: Any = "?"
+    note: str | None = None
+
+
+def _privacy(run: RunEntry) -> str:
+    p = run.privacy
+    if run.role == "public-base":
         return "public base"
-    eps = p.get("epsilon")
-    if p.get("unit") is None or eps is None or (isinstance(eps, float) and math.isinf(eps)):
+    eps = p.epsilon
+    if p.unit is None or eps is None or (isinstance(eps, float) and math.isinf(eps)):
         return "no DP"
-    return f"{p['mechanism']}, epsilon = {readme_number(eps)} per {p['unit']}"
+    return f"{p.mechanism}, epsilon = {readme_number(eps)} per {p.unit}"
 
 
 def _measured(meta: dict[str, Any]) -> list[str]:
     if not meta:
         return []
-    how = f"`{meta['command']}`" if meta.get("command") else "a sweep"
-    return [f"Measured with {how} on {meta.get('date', 'an unrecorded date')}: "
-            f"{readme_number(meta.get('wall_s'))} s of sweep on {meta.get('cpus', '?')} CPU cores"
-            + (f" ({meta['note']})" if meta.get("note") else "") + "."]
+    m = Meta.of(meta)
+    how = f"`{m.command}`" if m.command else "a sweep"
+    return [f"Measured with {how} on {m.date}: {readme_number(m.wall_s)} s of sweep on {m.cpus} CPU cores"
+            + (f" ({m.note})" if m.note else "") + "."]
 
 
-def _passing_line(f: dict[str, Any]) -> str:
-    shown, passing = len(f["headline"]), f.get("passing", len(f["headline"]))
-    covered = sum(h.get("covers", 1) for h in f["headline"])
-    return (f"{passing} of {f.get('tests', 0)} tests pass the statistical rules "
-            f"({str(f.get('correction', 'holm')).capitalize()}-corrected over all of them)"
+def _passing_line(findings: dict[str, Any]) -> str:
+    f = Findings.of(findings)
+    head = f.first_screen()
+    shown = len(head)
+    passing = shown if f.passing is None else f.passing
+    covered = sum(h.covers for h in head)
+    return (f"{passing} of {f.tests} tests pass the statistical rules "
+            f"({str(f.correction).capitalize()}-corrected over all of them)"
             + ((f"; the report's first screen says {covered} of them in {shown} finding"
                 f"{'s' if shown != 1 else ''}:" if passing > shown else ":") if shown else "."))
 
 
 def _matched_line(report: dict[str, Any]) -> str:
-    mu, pairs = report["comparisons"]["matched_utility"], report["findings"].get("matched_pairs") or []
-    return f"At matched utility: {mu['message']}" + (": " + "; ".join(pairs) if pairs else "") + "."
+    mu = Comparisons.of(report.get("comparisons")).matched_utility
+    pairs = Findings.of(report.get("findings")).matched_pairs or []
+    return f"At matched utility: {mu.message}" + (": " + "; ".join(pairs) if pairs else "") + "."
 
 
 def render_summary(name: str, report: dict[str, Any], meta: dict[str, Any] | None = None) -> str:
@@ -94,9 +112,9 @@ def render_summary(name: str, report: dict[str, Any], meta: dict[str, Any] | Non
     and the membership attack's AUC), the matched-utility line and how many tests pass."""
     lines = [*_measured(meta or {}), "",
              "| run | privacy | holdout perplexity | membership-inference AUC |", "|---|---|---|---|"]
-    for r in report["runs"]:
-        lines.append(f"| {r['id']} | {_privacy(r)} | {readme_number(r['utility'].get('holdout_perplexity'))} | "
-                     f"{format_cell(r['leakage'].get('mia_auc'), README_CELL)} |")
+    for r in entries(report.get("runs") or []):
+        lines.append(f"| {r.id} | {_privacy(r)} | {readme_number(r.utility.holdout_perplexity)} | "
+                     f"{format_cell(r.cell('mia_auc'), README_CELL)} |")
     lines += ["", _matched_line(report), "", _passing_line(report["findings"]).rstrip(":") + "; each finding, "
               "with its test and caveat, is in [docs/results.md](docs/results.md)."]
     return "\n".join(lines) + "\n"
@@ -110,13 +128,13 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
     lines.append("")
     lines.append("| run | privacy | holdout perplexity | " + " | ".join(lbl for _k, lbl in COLUMNS) + " |")
     lines.append("|---|---|---|" + "---|" * len(COLUMNS))
-    for r in report["runs"]:
-        cells = " | ".join(format_cell(r["leakage"].get(k), README_CELL) for k, _lbl in COLUMNS)
-        lines.append(f"| {r['id']} | {_privacy(r)} | {readme_number(r['utility'].get('holdout_perplexity'))} | {cells} |")
-    f = report["findings"]
+    for r in entries(report.get("runs") or []):
+        cells = " | ".join(format_cell(r.cell(k), README_CELL) for k, _lbl in COLUMNS)
+        lines.append(f"| {r.id} | {_privacy(r)} | {readme_number(r.utility.holdout_perplexity)} | {cells} |")
+    f = report.get("findings")
     lines += ["", _matched_line(report), "", _passing_line(f)]
-    for h in f["headline"]:
-        lines.append(f"- {h['text']} ({h['evidence']})" + (f"; caveat: {h['caveat']}" if h.get("caveat") else "") + ".")
+    for h in Findings.of(f).first_screen():
+        lines.append(f"- {h.text} ({h.evidence})" + (f"; caveat: {h.caveat}" if h.caveat else "") + ".")
     lit = report.get("literature")
     if lit and lit.get("sentences"):
         lines += ["", *_literature_lines(lit)]
@@ -135,8 +153,8 @@ def _literature_lines(lit: dict[str, Any]) -> list[str]:
         out.append(f"- Exposure rises with repetitions (one-sided Spearman, n = {t['n_a']} canaries a run): "
                    f"shown in {len(shown)} of {len(trends)} runs{' (' + '; '.join(shown) + ')' if shown else ''}; "
                    f"strongest: {lbl}, rho = {t['rho']:.2f}, Holm p = {readme_number(t['p_adjusted'])}.")
-    rows = [f"| {e['label']} | {b['repetitions']} | {readme_number(b['effective_epsilon'])} | {format_cell(b['excess'], README_CELL)} | "
-            f"{b['test']['verdict']} (Holm p = {readme_number(b['test']['p_adjusted'])}) |"
+    rows = [f"| {e.label} | {b.repetitions} | {readme_number(b.effective_epsilon)} | {format_cell(b.excess, README_CELL)} | "
+            f"{b.test.verdict} (Holm p = {readme_number(b.test.p_adjusted)}) |"
             for e, b in contrast_buckets(lit.get("exposure", []))]
     if rows:
         out += [("- Group privacy on the same canaries (one user owns every copy; Mann-Whitney, inserted > "

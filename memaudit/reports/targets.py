@@ -30,10 +30,12 @@ from typing import Any
 
 from memaudit.errors import MemauditError
 from memaudit.io import read_json
-from memaudit.probes.loaders import Privacy, ProbesDoc
+from memaudit.probes.document import ProbesDoc, read_probes
+from memaudit.probes.loaders import Privacy
 from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups
-from memaudit.reports.probes_adapter import roc_points, summarize_probes, units_of
+from memaudit.reports.entries import Shift, TargetEntry, UnitScores
+from memaudit.reports.probes_adapter import read_summary, roc_points, units_of
 from memaudit.reports.verdict import Attack, release_verdict
 
 PROBES = "probes.json"
@@ -64,17 +66,16 @@ class ProbedTarget:
     @classmethod
     def load(cls, path: Path) -> ProbedTarget:
         folder = path.parent
-        doc = ProbesDoc.from_json(read_json(path), str(path))
+        doc = read_probes(path)
         priv = None
         if (folder / "privacy.json").is_file():
             priv = Privacy.from_json(read_json(folder / "privacy.json"), str(folder / "privacy.json"))
-        t = doc.target
+        t = doc.about
         name = folder.name if path.name == PROBES else path.stem
-        return cls(id=name, path=path, model=t.get("model"), source=t.get("source"),
-                   base=t.get("base"), reference=t.get("reference"),
+        return cls(id=name, path=path, model=t.model, source=t.source, base=t.base, reference=t.reference,
                    epsilon=None if priv is None else priv.epsilon,
                    unit=None if priv is None else priv.unit,
-                   delta=None if priv is None else priv.delta, weights=t.get("weights_sha256"))
+                   delta=None if priv is None else priv.delta, weights=t.weights_sha256)
 
 
 def is_memaudit_run(folder: Path) -> bool:
@@ -134,21 +135,21 @@ STRONGEST = "mia_strongest"  # the metric the pairs compare membership on
 def _attack_units(doc: ProbesDoc) -> dict[str, dict[str, Any]]:
     """Per-document scores of every membership attack (members first), keyed `MEMBERSHIP + name`."""
     p = doc.get("membership")
-    rows = p.scores if p is not None else []
+    rows = p.membership_scores() if p is not None else []
     if not rows:
         return {}
-    names = [k for k in rows[0] if k not in ("id", "member", "repeats")]
-    return {MEMBERSHIP + k: {"kind": "auc", "unit": "documents", "ids": [r["id"] for r in rows],
-                             "values": [r[k] for r in rows], "member": [bool(r["member"]) for r in rows]}
-            for k in names if all(isinstance(r.get(k), int | float) for r in rows)}
+    return {MEMBERSHIP + k: {"kind": "auc", "unit": "documents", "ids": [r.id for r in rows],
+                             "values": [r.scores.get(k) for r in rows], "member": [bool(r.member) for r in rows]}
+            for k in rows[0].scores if all(isinstance(r.scores.get(k), int | float) for r in rows)}
 
 
 def _roc(units: dict[str, Any] | None, attack: Attack | None) -> dict[str, Any] | None:
     """The ROC of the verdict's attack, from its per-document scores."""
     if units is None or attack is None:
         return None
-    pos = [v for v, m in zip(units["values"], units["member"], strict=True) if m]
-    neg = [v for v, m in zip(units["values"], units["member"], strict=True) if not m]
+    u = UnitScores.of(units)
+    pos = [v for v, m in zip(u.values, u.member, strict=True) if m]
+    neg = [v for v, m in zip(u.values, u.member, strict=True) if not m]
     roc = roc_points(pos, neg, attack.auc.value)
     return None if roc is None else {"attack": attack.name, "n_pos": len(pos), "n_neg": len(neg), **roc}
 
@@ -156,83 +157,76 @@ def _roc(units: dict[str, Any] | None, attack: Attack | None) -> dict[str, Any] 
 def _attacks(doc: ProbesDoc) -> list[dict[str, Any]]:
     """Every membership attack's AUC and TPR cells, as probes.json holds them."""
     p = doc.get("membership")
-    if p is None:
-        return []
-    out = []
-    for name, s in p.summary.items():
-        if isinstance(s, dict) and "auc" in s:
-            out.append({"attack": name, "auc": s["auc"], "tpr_at_fpr": s.get("tpr_at_fpr") or {}})
-    return out
+    return [] if p is None else p.attack_json()
 
 
 def target_entry(t: ProbedTarget) -> dict[str, Any]:
     """The report's entry for one probed target (report.json's `targets[]`)."""
-    raw = read_json(t.path)
-    doc = ProbesDoc.from_json(raw, str(t.path))
-    summary = summarize_probes(doc)
+    doc = read_probes(t.path)
+    summary = read_summary(doc)
+    attacks, units = _attacks(doc), {**units_of(doc), **_attack_units(doc)}
     entry = {
         "id": t.id, "model": display_name(t.model), "source": t.source or UNKNOWN,
         "base": display_name(t.base), "reference": display_name(t.reference), "weights_sha256": t.weights,
         "privacy": {"epsilon": UNKNOWN if t.epsilon is None else t.epsilon,
                     "unit": t.unit, "delta": t.delta, "text": t.privacy_text},
-        "counts": raw.get("counts") or {},
-        "shift": (raw.get("checks") or {}).get("distribution_shift"),
-        "attacks": _attacks(doc),
-        "leakage": summary["leakage"],
-        "probe_rows": summary["rows"],
-        "units": {**units_of(doc), **_attack_units(doc)},
+        "counts": doc.counts,
+        "shift": doc.distribution_shift,
+        "attacks": attacks,
+        "leakage": summary.leakage,
+        "probe_rows": summary.rows,
+        "units": units,
     }
     v = release_verdict(entry)
-    entry["verdict"] = v.to_json()
-    best = next((a for a in map(Attack.of, entry["attacks"]) if a is not None and a.name == v.attack), None)
-    entry["roc"] = _roc(entry["units"].get(MEMBERSHIP + best.name) if best else None, best)
-    return entry
+    best = next((a for a in map(Attack.of, attacks) if a is not None and a.name == v.attack), None)
+    return {**entry, "verdict": v.to_json(),
+            "roc": _roc(units.get(MEMBERSHIP + best.name) if best else None, best)}
 
 
 def same_units(ua: dict[str, Any], ub: dict[str, Any]) -> bool:
     """Both sides scored the same units (and, for an attack, with the same member labels)."""
-    la = dict(zip(ua["ids"], ua.get("member") or ua["ids"], strict=True))
-    lb = dict(zip(ub["ids"], ub.get("member") or ub["ids"], strict=True))
-    return la == lb
+    a, b = UnitScores.of(ua), UnitScores.of(ub)
+    return dict(zip(a.ids, a.member or a.ids, strict=True)) == dict(zip(b.ids, b.member or b.ids, strict=True))
 
 
 def comparison_attack(entries: list[dict[str, Any]]) -> str | None:
     """The membership attack the pairs are compared on: of those every target with membership
     scores has, the one furthest from chance (|AUC - 0.5|) in any target. One attack for every
     pair keeps one test per pair in the family."""
-    scored = [e for e in entries if any(k.startswith(MEMBERSHIP) for k in e.get("units") or {})]
+    targets = [TargetEntry.of(e) for e in entries]
+    scored = [e for e in targets if any(k.startswith(MEMBERSHIP) for k in e.units or {})]
     if not scored:
         return None
-    common = set.intersection(*({k[len(MEMBERSHIP):] for k in e["units"] if k.startswith(MEMBERSHIP)}
+    common = set.intersection(*({k[len(MEMBERSHIP):] for k in e.units if k.startswith(MEMBERSHIP)}
                                 for e in scored))
-    far = {a["attack"]: 0.0 for e in scored for a in e["attacks"] if a["attack"] in common}
+    far = {a.attack: 0.0 for e in scored for a in e.each_attack() if a.attack in common}
     for e in scored:
-        for a in e["attacks"]:
-            if a["attack"] in far and (a["auc"] or {}).get("value") is not None:
-                far[a["attack"]] = max(far[a["attack"]], abs(a["auc"]["value"] - 0.5))
+        for a in e.each_attack():
+            if a.attack in far and (a.auc or {}).get("value") is not None:
+                far[a.attack] = max(far[a.attack], abs(Cell.from_json(a.auc).value - 0.5))
     return max(sorted(far), key=lambda k: far[k], default=None)
 
 
-def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _same_model(a: TargetEntry, b: TargetEntry) -> bool:
     """The same weights (by their sha256), or, where a probes.json names none, the same score on
     every unit of every metric: a model compared with itself, whose test could only say p = 1."""
-    if a.get("weights_sha256") and b.get("weights_sha256"):
-        return a["weights_sha256"] == b["weights_sha256"]
-    ua, ub = a.get("units") or {}, b.get("units") or {}
+    if a.weights_sha256 and b.weights_sha256:
+        return a.weights_sha256 == b.weights_sha256
+    ua, ub = a.units or {}, b.units or {}
     shared = [k for k in ua if k in ub]
-    return bool(shared) and all(ua[k]["ids"] == ub[k]["ids"] and ua[k]["values"] == ub[k]["values"]
-                                for k in shared)
+    return bool(shared) and all((sa := UnitScores.of(ua[k])).ids == (sb := UnitScores.of(ub[k])).ids
+                                and sa.values == sb.values for k in shared)
 
 
-def _skip_reason(a: dict[str, Any], b: dict[str, Any], unmatched: list[str]) -> str:
+def _skip_reason(a: TargetEntry, b: TargetEntry, unmatched: list[str]) -> str:
     """Why a pair has no test: the same model, or no metric on the same units."""
     if _same_model(a, b):
         return "the same model (the same weights, or the same score on every unit): nothing to compare"
     if not unmatched:
         return "no metric measured on both"
-    ua, ub = (e["units"][unmatched[0]] for e in (a, b))
-    shared = len(set(ua["ids"]) & set(ub["ids"]))
-    return (f"not probed on the same {ua['unit']} ({len(ua['ids']):,} and {len(ub['ids']):,}, "
+    ua, ub = (UnitScores.of(e.units_of(unmatched[0])) for e in (a, b))
+    shared = len(set(ua.ids) & set(ub.ids))
+    return (f"not probed on the same {ua.unit} ({len(ua.ids):,} and {len(ub.ids):,}, "
             f"{shared:,} in common): a comparison needs the same units, so probe both on one "
             "members/non-members set")
 
@@ -244,23 +238,24 @@ def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     of the same model, or with no metric on the same units, is listed with `skipped` (why) and no
     test. Sets `units[STRONGEST]` on the entries (the report's refinements of a test read it)."""
     attack = comparison_attack(entries)
-    for e in entries:  # the units the tests (and the report's refinements) read under the key
-        if attack and MEMBERSHIP + attack in e.get("units", {}):
-            e["units"][STRONGEST] = e["units"][MEMBERSHIP + attack]
-    by_attack = {e["id"]: {a["attack"]: Cell.from_json(a["auc"]) for a in e["attacks"]} for e in entries}
+    targets = [TargetEntry.of(e) for e in entries]  # each holds its entry's units, to add to
+    for e in targets:  # the units the tests (and the report's refinements) read under the key
+        if attack and MEMBERSHIP + attack in e.units:
+            e.units[STRONGEST] = e.units[MEMBERSHIP + attack]
+    by_attack = {e.id: e.attack_aucs() for e in targets}
     keys = [STRONGEST] + [k for k in METRICS if TESTABLE.get(k, True) and k != "mia_auc"]
     out = []
-    for i, a in enumerate(entries):
-        for b in entries[i + 1:]:
-            pair = [a["id"], b["id"]]
+    for i, a in enumerate(targets):
+        for b in targets[i + 1:]:
+            pair = [a.id, b.id]
             if _same_model(a, b):
                 out.append({"targets": pair, "metrics": {}, "skipped": _skip_reason(a, b, [])})
                 continue
             cells, unmatched = {}, []
             for key in keys:
-                ua, ub = (e.get("units", {}).get(key) for e in (a, b))
-                ca, cb = ((by_attack[e["id"]].get(attack) for e in (a, b)) if key == STRONGEST
-                          else (a["leakage"].get(key), b["leakage"].get(key)))
+                ua, ub = (e.units_of(key) for e in (a, b))
+                ca, cb = ((by_attack[e.id].get(attack) for e in (a, b)) if key == STRONGEST
+                          else (a.cell(key), b.cell(key)))
                 if not (ca and cb and ua and ub):
                     continue
                 if not same_units(ua, ub):
@@ -276,15 +271,15 @@ def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def epsilon_of(entry: dict[str, Any]) -> float:
-    e = entry["privacy"]["epsilon"]
+def epsilon_of(entry: dict[str, Any] | TargetEntry) -> float:
+    e = TargetEntry.of(entry).privacy.epsilon
     return math.inf if e == UNKNOWN else float(e)
 
 
 def input_text(entry: dict[str, Any]) -> str:
     """What fitting the context did: documents windowed (cut, in an older probes.json), prefix
     lengths dropped."""
-    c = entry.get("counts") or {}
+    c = TargetEntry.of(entry).counts or {}
     parts = []
     if "documents_windowed" in c:  # every token scored, in strided windows of the context
         parts.append(f"{c['documents_windowed']} of {c['documents']} documents scored in "
@@ -296,9 +291,9 @@ def input_text(entry: dict[str, Any]) -> str:
     if c.get("extraction_ks_dropped"):
         parts.append(f"prefix lengths {', '.join(map(str, c['extraction_ks_dropped']))} beyond the "
                      "target's context")
-    shift = entry.get("shift") or {}
-    if shift.get("flagged"):
-        parts.append(f"WARNING: {shift['note']}")
-    elif shift.get("auc") is not None:
-        parts.append(f"no distribution shift found (blind AUC {shift['auc']:.2f})")
+    shift = TargetEntry.of(entry).shift or Shift()
+    if shift.flagged:
+        parts.append(f"WARNING: {shift.note}")
+    elif shift.auc is not None:
+        parts.append(f"no distribution shift found (blind AUC {shift.auc:.2f})")
     return "; ".join(parts) or "all scored"

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from memaudit.backends import config_with_backend_name
 from memaudit.config import ProbeConfig, dump_config
-from memaudit.io import dumps, read_json
+from memaudit.io import dumps
 from memaudit.models.init import base_model_record
-from memaudit.probes.weights import recorded_weights, weights_sha256
+from memaudit.probes.document import read_stamp
+from memaudit.probes.weights import weights_sha256
 from memaudit.rundir import RunDir
 from memaudit.sweep.config import point_config
 
@@ -154,10 +155,10 @@ def probe_reason(cfg: SweepConfig, rd: RunDir) -> str | None:
         return "its model is missing"
     if rd.probes_path.stat().st_mtime < model.stat().st_mtime:
         return "probes.json is older than the model"
-    doc = read_json(rd.probes_path)
-    if not isinstance(doc, dict) or doc.get("settings") != probe_settings(cfg, rd):
+    stamp = read_stamp(rd.probes_path)
+    if stamp.settings != probe_settings(cfg, rd):
         return "probes.json was written under other probe settings"
-    if recorded_weights(doc) != weights_sha256(rd.model_dir):
+    if stamp.weights_sha256 != weights_sha256(rd.model_dir):
         return "probes.json measured other weights than the model's (or does not say which)"
     return None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memaudit.io import atomic_write_json
+from memaudit.probes.document import write_probes
 from memaudit.rundir import RunDir
 from memaudit.sweep.config import SweepConfig
 from memaudit.sweep.point import point_probe_config, probe_reason
@@ -29,7 +29,7 @@ def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
     settings = point_probe_config(cfg, rd)
     settings = settings.model_copy(update={"device": resolve_device(settings.device)})
     result = run_probes(resolve_target(rd.path), settings, progress=progress)
-    atomic_write_json(rd.probes_path, result.document)
+    write_probes(rd.probes_path, result.document)
 
 
 def probe_if_stale(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:

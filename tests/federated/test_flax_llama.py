@@ -215,3 +215,41 @@ def test_scanned_gradient_and_remat_equal_the_unrolled_models(flax_tiny, scanned
     for m in (model, remat):
         got = jax.tree.map(np.asarray, grad(m, params))
         assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=2e-5, rtol=1e-4), got, ref))
+
+
+def test_flash_attention_kernel_equals_the_einsum_path_forward_and_backward():
+    """The Pallas flash-attention path (`attention="flash"`, run by Pallas's TPU interpreter on
+    the CPU) gives the einsum path's logits and gradients at every real token, with right padding
+    and grouped-query heads, layers unrolled and scanned."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
+
+    base = dataclasses.replace(FlaxLlamaConfig.from_preset("tiny"), num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1)  # the interpreter runs the kernel's grid one cell at a time
+    assert base.num_attention_heads > base.num_key_value_heads  # grouped-query heads exercised
+    ids = jax.random.randint(jax.random.key(1), (1, 100), 0, base.vocab_size)  # padded to the kernel's 128
+    mask = jnp.ones((1, 100), jnp.int32).at[0, 90:].set(0)
+    real = np.asarray(mask, bool)
+    for scan in (True,):  # the mask reaches the kernel through the scan's broadcast
+        cfg = dataclasses.replace(base, scan_layers=scan)
+        ref, fl = FlaxLlama(cfg), FlaxLlama(dataclasses.replace(cfg, attention="flash"))
+        p = ref.init(jax.random.key(0), ids)["params"]
+
+        def loss(p, model):
+            return (model.apply({"params": p}, ids, mask)[:, :, :7] * mask[..., None]).sum()
+
+        want, gwant = ref.apply({"params": p}, ids, mask), jax.grad(loss)(p, ref)
+        with pltpu.force_tpu_interpret_mode():
+            got, ggot = fl.apply({"params": p}, ids, mask), jax.grad(loss)(p, fl)
+        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
+        for w, g in zip(jax.tree.leaves(gwant), jax.tree.leaves(ggot), strict=True):
+            assert float(jnp.abs(w - g).max()) <= 1e-5 * float(jnp.abs(w).max()) + 1e-8
+
+
+def test_an_unknown_attention_kernel_is_refused():
+    from memaudit.models.flax_llama import FlaxLlamaConfig
+
+    with pytest.raises(ValueError, match="xla or flash"):
+        dataclasses.replace(FlaxLlamaConfig.from_preset("tiny"), attention="fast")

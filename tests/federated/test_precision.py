@@ -43,6 +43,18 @@ def test_lora_keeps_unrolled_layers_on_an_accelerator():
     assert policy_of_config(load_config(None, ["backend=federated"]), backend="tpu").scan_layers
 
 
+def test_train_layers_chooses_scanned_or_unrolled_layers_and_is_refused_where_it_cannot_apply():
+    from memaudit.config import ConfigError, load_config
+
+    fed = ["backend=federated"]
+    assert not policy_of_config(load_config(None, [*fed, "train.layers=unroll"]), backend="tpu").scan_layers
+    assert policy_of_config(load_config(None, [*fed, "train.layers=scan"]), backend="cpu").scan_layers
+    assert not policy_of_config(load_config(None, fed), backend="cpu").scan_layers
+    for bad in (["backend=centralized", "train.layers=scan"], [*fed, "model.lora.rank=4", "train.layers=scan"]):
+        with pytest.raises(ConfigError, match="train.layers=scan applies to the federated backend"):
+            load_config(None, bad)
+
+
 def _tiny(policy: ComputePolicy):
     from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
 

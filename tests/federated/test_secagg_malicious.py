@@ -28,7 +28,8 @@ def _inputs(n, d=D, seed=0):
 ])
 def test_malicious_round_gives_the_exact_survivors_sum_with_dropouts(monkeypatch, native, drop):
     monkeypatch.setattr(prg, "NATIVE", native)
-    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 1)
+    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 1)  # every native call split over threads:
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # two of them (the test workers set 1)
     n, d = 10, prg.CHUNK_WORDS + 5
     x = _inputs(n, d, seed=1)
     r = run_round(x, threshold=0.7, mode="malicious", dropouts=Dropouts(**drop))

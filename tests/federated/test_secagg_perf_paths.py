@@ -242,7 +242,8 @@ def test_a_whole_round_is_the_same_on_either_masking_path(monkeypatch):
     survivors = sorted(set(range(n)) - {8, 2})
     want = (x[survivors].astype(np.int64).sum(axis=0) % 2**32).astype(np.uint32)
     paths = [False] + ([True] if prg.NATIVE else [])
-    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 1)  # every native call split over threads
+    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 1)  # every native call split over threads:
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # two of them (the test workers set 1)
     for native in paths:
         monkeypatch.setattr(prg, "NATIVE", native)
         r = run_round(x, neighbours="full", threshold=0.5,

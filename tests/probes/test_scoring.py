@@ -112,6 +112,26 @@ def test_batched_greedy_equals_generate_per_prompt(model):
         assert g.tolist() == ref[0, len(p) :].tolist()
 
 
+@pytest.mark.parametrize(("rows", "tokens"), [(1, 1 << 14), (3, 1 << 14), (128, 40), (128, 1 << 14)])
+def test_greedy_batches_of_any_size_give_the_same_tokens(model, monkeypatch, rows, tokens):
+    """Greedy decoding's CPU floor of rows a batch (capped by the batch's tokens) changes how the
+    prompts are batched, not the tokens: each row equals `generate` on its prompt alone; sampled
+    decoding keeps `batch_size` rows, so a seed draws the same samples whatever the floor."""
+    monkeypatch.setattr(scoring, "CPU_DECODE_ROWS", rows)
+    monkeypatch.setattr(scoring, "CPU_DECODE_TOKENS", tokens)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(2, 50, int(n)).tolist() for n in rng.integers(1, 12, 9)]
+    got = decode(model, prompts, 6, batch_size=2, pad_id=1)
+    for p, g in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)
+        assert g.tolist() == ref[0, len(p) :].tolist()
+    sampled = decode(model, prompts, 6, batch_size=2, pad_id=1, top_k=5, seed=3)
+    monkeypatch.setattr(scoring, "CPU_DECODE_ROWS", 1)
+    assert (decode(model, prompts, 6, batch_size=2, pad_id=1, top_k=5, seed=3) == sampled).all()
+
+
 def test_sampling_is_seeded_and_top_k(model):
     a = decode(model, [[3]] * 6, 10, top_k=5, seed=7)
     b = decode(model, [[3]] * 6, 10, top_k=5, seed=7)

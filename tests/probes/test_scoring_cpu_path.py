@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memaudit.probes import scoring
-from memaudit.probes.scoring import shared_prefix_nll, token_logprobs
+from memaudit.probes.scoring import grouped_prefix_nll, shared_prefix_nll, token_logprobs
 from memaudit.probes.targets import Codec
 from tests.probes.conftest import make_tokenizer, tiny_llama
 
@@ -55,6 +55,40 @@ def test_shared_prefix_nll_equals_whole_sequences(model, monkeypatch, start):
     np.testing.assert_allclose(got, want, rtol=1e-6)
     oracle = np.array([-oracle_logp(model, s)[start - 1 :].sum() for s in seqs])
     np.testing.assert_allclose(got, oracle, atol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [30, 1024])
+def test_grouped_prefix_nll_equals_each_group_alone(model, monkeypatch, budget):
+    """PII's items batched together: groups with prefixes of 2-11 tokens (padded beside longer
+    ones), starts inside and past the prefix, suffixes of 1-6 tokens, a group without a shared
+    prefix and an empty group; under a 30-token budget (many batches) and the CPU's 1,024 (one):
+    each group's sums equal `token_logprobs` of its sequences (1e-6 relative) and the float64
+    oracle's, in input order."""
+    monkeypatch.setattr(scoring, "CPU_MAX_BATCH_TOKENS", budget)
+    rng = np.random.default_rng(budget)
+    groups, starts = [], []
+    for _ in range(9):
+        pre = rng.integers(0, 60, int(rng.integers(2, 12))).tolist()
+        groups.append([pre + rng.integers(0, 60, int(k)).tolist() for k in rng.integers(1, 7, 6)])
+        groups[-1][1] = pre + [int(groups[-1][2][len(pre)])]  # a one-token suffix beside another
+        starts.append(int(rng.integers(1, len(pre) + 1)))
+    groups.append([[1, 2, 3, 4], [5, 6, 7]])  # no shared prefix: scored whole
+    starts.append(2)
+    groups.append([])
+    starts.append(1)
+    seen = []
+    got = grouped_prefix_nll(model, groups, starts, batch_size=1,
+                             progress=lambda d, n, _: seen.append((d, n)))
+    n = sum(len(g) for g in groups)
+    assert seen[-1] == (n, n) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert [len(x) for x in got] == [len(g) for g in groups]
+    for g, st, x in zip(groups[:-1], starts, got, strict=False):
+        whole = token_logprobs(model, g).logp
+        np.testing.assert_allclose(x, [-lp[st - 1 :].sum() for lp in whole], rtol=1e-6)
+        np.testing.assert_allclose(x, [-oracle_logp(model, s)[st - 1 :].sum() for s in g],
+                                   atol=1e-4)
+    with pytest.raises(ValueError, match="start must lie"):
+        grouped_prefix_nll(model, [[[1, 2, 3], [1, 2, 4]], [[1, 2]]], [1, 2])
 
 
 def test_shared_prefix_nll_without_a_shared_prefix(model):

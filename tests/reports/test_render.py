@@ -75,10 +75,10 @@ def test_privacy_description_states_both_views_from_the_ledger(tmp_path, reprodu
         led.record_mechanism(mech)
     (tmp_path / "privacy.json").write_text(json.dumps(led.to_json()))
     priv = _ledger_epsilon(RunDir(tmp_path))
-    assert 0 < priv["epsilon"] < float("inf") and priv["adjacency"] == ["add/remove"]
-    assert priv["assumes_hidden"]  # amplification assumes the sample is hidden
+    assert 0 < priv.epsilon < float("inf") and priv.adjacency == ["add/remove"]
+    assert priv.assumes_hidden  # amplification assumes the sample is hidden
     assert _server_view(priv).startswith("no DP guarantee")
-    assert priv["void_if_seed_known"] is reproducible
+    assert priv.void_if_seed_known is reproducible
 
 
 def test_report_without_utilities_renders_without_a_frontier(tmp_path):
