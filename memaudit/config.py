@@ -268,6 +268,10 @@ class TrainConfig(_Section):
         "TPU runtime (libtpu) is installed, else torch")
     mesh_model: int = Field(1, ge=1, description="engine=jax: devices on the model (tensor-parallel) mesh "
                             "axis; the other devices form the data axis")
+    clipping: Literal["auto", "ghost", "vmap"] = Field(
+        "auto", description="engine=jax, DP-SGD: how the clipped sum is computed; ghost: book-keeping "
+        "ghost clipping (one forward and one backward, no per-example gradients); vmap: jax-privacy's "
+        "per-example gradients; auto: ghost, vmap under LoRA with adapter dropout")
 
 
 # ----------------------------------------------------------------------------- privacy

@@ -83,9 +83,15 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (w * x32.astype(self.dtype)).astype(self.dtype)
+        return (w * rms_normalize(x, self.eps, self.dtype)).astype(self.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """x / RMS(x) over the last dim, computed in float32, cast to `dtype`: what `RMSNorm` scales
+    (its weight's gradient is the output gradient times this, `memaudit.train.jax_ghost`)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32.astype(dtype)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -199,7 +205,10 @@ class Layers(nn.Module):
         c = self.cfg
         if c.scan_layers:
             step = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
-            stack = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True},
+            # per-layer intermediates and perturbations (ghost clipping's captures, when asked
+            # for) stack on the layer dim as the weights do
+            stack = nn.scan(step, variable_axes={"params": 0, "intermediates": 0, "perturbations": 0},
+                            split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                             length=c.num_hidden_layers)
             x, _ = stack(c, scan_step=True, name=STACKED)(x, cos, sin, bias)

@@ -50,6 +50,9 @@ def check_before_disk(cfg: Any) -> None:
         _check_federated(cfg, shape)
     elif centralized_engine(cfg) == "jax":
         check_jax_engine(cfg, shape or model_shape(cfg.model))
+    elif cfg.train.clipping != "auto":
+        raise ConfigError(f"train.clipping={cfg.train.clipping} chooses the jax engine's DP-SGD clipping; set "
+                          "train.engine=jax or drop train.clipping")
     elif cfg.train.mesh_model != 1:
         raise ConfigError(f"train.mesh_model={cfg.train.mesh_model} is the jax engine's model axis; set "
                           "train.engine=jax, or use parallel.x/y/z for the torch grid")
@@ -72,11 +75,23 @@ _GRID_ONLY = ("dist_backend", "overlap", "overlap_reduce_scatter", "overlap_all_
               "bucket_data_sync", "bucket_mb")
 
 
+def jax_clipping(cfg: Any) -> str:
+    """`train.clipping` resolved for the jax engine: ghost or vmap; auto is ghost, and vmap under
+    LoRA with adapter dropout (which ghost clipping does not cover)."""
+    if cfg.train.clipping != "auto":
+        return cfg.train.clipping
+    lora = cfg.model.lora
+    return "vmap" if lora is not None and lora.dropout > 0 else "ghost"
+
+
 def check_jax_engine(cfg: Any, shape: Any) -> None:
     """One line for an option the jax engine does not support (the torch grid's degrees and
-    overlap flags, a torch device, activation checkpointing), and for a model axis that does not
-    divide the model's heads."""
+    overlap flags, a torch device, activation checkpointing, ghost clipping with LoRA's dropout), and for
+    a model axis that does not divide the model's heads."""
     par, t = cfg.parallel, cfg.train
+    if t.clipping == "ghost" and cfg.model.lora is not None and cfg.model.lora.dropout > 0:
+        raise ConfigError("train.clipping=ghost does not cover LoRA's adapter dropout (model.lora.dropout="
+                          f"{cfg.model.lora.dropout}); set train.clipping=vmap or auto, or model.lora.dropout=0")
     for axis in ("data", "x", "y", "z"):
         if getattr(par, axis) > 1:
             raise ConfigError(f"parallel.{axis}={getattr(par, axis)} is the torch grid's; the jax engine shards "

@@ -23,6 +23,9 @@ token losses, clipped as one unit; the denominator is the expected batch size, a
   (`memaudit.privacy.randomness`): jax-privacy's draw, keyed per step as the torch engine's
   noise is, so a resume draws the same noise without carrying the privatizer's state, and the
   draw does not depend on the mesh (JAX's partitionable threefry).
+- ``clipping="ghost"`` (`train.clipping`) computes the same clipped sum, per-unit norms and
+  values by book-keeping ghost clipping (`memaudit.train.jax_ghost`): one forward and one
+  backward of the whole batch, no per-example gradient tree; the noise and the rest as above.
 - The ledger's event is the mechanism's (`memaudit.privacy.mechanisms`, set up by
   `memaudit.train.user_dp`): the same `DpEvent` the torch engine records for the same config.
 
@@ -45,6 +48,7 @@ import optax
 from jax_privacy import clipped_grad
 from jax_privacy.noise_addition import gaussian_privatizer
 
+from memaudit.train import jax_ghost
 from memaudit.train.jax_engine import Forward, apply_update, example_losses
 
 NOISE_PURPOSE = "jax-dpsgd-noise"
@@ -91,11 +95,21 @@ def add_noise(grads: Any, stddev: float, key_data: jax.Array) -> Any:
 
 def private_step(forward: Forward, tx: optax.GradientTransformation, *, clip: float,
                  noise_multiplier: float, expected: float, group: bool, microbatch: int | None,
-                 dropout: bool = False) -> Callable:
+                 dropout: bool = False, clipping: str = "vmap", model: Any = None) -> Callable:
     """step(params, opt_state, ids, am, lmask, lr, key_data, rng) -> (params, opt_state, stats):
     the clipped sum, jax-privacy's noise σC, / E[|S|], AdamW. `stats` are sums the trainer
-    turns into the torch engine's metrics (`step_metrics`)."""
-    clipped = clipped_sum_fn(forward, clip=clip, group=group, microbatch=microbatch, dropout=dropout)
+    turns into the torch engine's metrics (`step_metrics`). The clipped sum: ``clipping="vmap"``
+    jax-privacy's per-unit gradients; ``"ghost"`` `memaudit.train.jax_ghost`'s book-keeping
+    ghost clipping of the Flax Llama ``model`` (`forward`'s module), the same values."""
+    if clipping == "ghost":
+        if dropout or model is None:
+            raise ValueError("ghost clipping needs the Flax Llama itself and no adapter dropout; "
+                             "use train.clipping=vmap")
+        clipped = jax_ghost.clipped_sum_fn(model, clip=clip, group=group, microbatch=microbatch)
+    elif clipping == "vmap":
+        clipped = clipped_sum_fn(forward, clip=clip, group=group, microbatch=microbatch, dropout=dropout)
+    else:
+        raise ValueError(f"clipping={clipping!r} is not one of vmap, ghost")
     stddev = float(noise_multiplier) * float(clip) if noise_multiplier > 0 else 0.0
 
     def step(params, opt_state, ids, am, lm, lr, key_data, rng=None):

@@ -51,6 +51,7 @@ from memaudit.models.init import flax_config, hf_config, initial_state_dict, mod
 from memaudit.models.lora import merged_copy, save_adapter, trained_label
 from memaudit.privacy.plan import PrivacyPlan
 from memaudit.privacy.randomness import dp_randomness
+from memaudit.run.checks import jax_clipping
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import jax_dp, user_dp
@@ -81,6 +82,7 @@ class JaxTrainer:
         self.group_size = 1  # rows per clipped unit: a ULS user's capped sequences
         self.kept_rows: np.ndarray | None = None
         self.frozen = 0
+        self.clipping = jax_clipping(cfg)  # DP-SGD's clipped sum: ghost or vmap
 
     @property
     def total(self) -> int:
@@ -180,7 +182,7 @@ class JaxTrainer:
                 self._multiple = math.lcm(data, units)
             step = jax_dp.private_step(forward, self.tx, clip=p.clip, noise_multiplier=self.noise_multiplier,
                                        expected=self.expected, group=self.group_size > 1, dropout=self.dropout,
-                                       microbatch=units)
+                                       microbatch=units, clipping=self.clipping, model=self.model)
         else:
             chunks = 1 if micro is None else -(-self.tcfg.batch_size // micro)
             clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else math.inf
@@ -337,6 +339,8 @@ class JaxTrainer:
                "mesh_data": eng.data_axis_size(self.mesh), "mesh_model": int(self.mesh.shape[eng.MeshAxis.MODEL]),
                "compute_dtype": jnp.dtype(self.dtype).name, "trained": trained_label(self.cfg.model.lora),
                "trained_parameters": trained, "frozen_parameters": self.frozen}
+        if self.private:
+            out["clipping"] = self.clipping
         p = self.cfg.privacy
         if self.private and (p.unit == "user" or p.max_examples_per_user is not None):
             out["contribution_bound"] = {"unit": p.unit, "max_examples_per_user": p.max_examples_per_user,

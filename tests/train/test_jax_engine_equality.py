@@ -2,8 +2,8 @@
 
 - From the same seeded weights and the same batches, 20 steps of the tiny preset: the losses
   per step agree to 1e-4 relative (measured: at most 3e-7), and so do the holdout losses.
-- With the noise off, DP-SGD's clipped sums (jax-privacy's per-example and per-user clipping
-  against the torch engine's ghost clipping) agree to 1e-5 of each tensor's largest entry and
+- With the noise off, DP-SGD's clipped sums (jax-privacy's per-example and per-user clipping,
+  and the jax engine's ghost clipping, against the torch engine's ghost clipping) agree to 1e-5 of each tensor's largest entry and
   the clip fractions are equal; a noise-free DP run (with Goldfish loss) gives the same losses
   and clip fractions, and so does one of LoRA adapters.
 - The same config records the same ledger (events) and ε with either engine.
@@ -94,33 +94,38 @@ def _torch_clipped(model, ids, am, lm, clip, group):
     return grads, stats
 
 
-def _jax_clipped(model, ids, am, lm, clip, group):
+def _jax_clipped(model, ids, am, lm, clip, group, clipping="vmap"):
     import jax.numpy as jnp
 
     from memaudit.models.convert import flax_to_hf, hf_to_flax
     from memaudit.models.flax_llama import FlaxLlama
     from memaudit.models.init import flax_config
-    from memaudit.train import jax_dp
+    from memaudit.train import jax_dp, jax_ghost
     from memaudit.train.jax_engine import make_forward
 
     cfg = load_config(None, ["model.preset=tiny"])
     params = hf_to_flax({k: v for k, v in model.state_dict().items()})
-    forward = make_forward(FlaxLlama(flax_config(cfg.model, 256)))
-    fn = jax_dp.clipped_sum_fn(forward, clip=clip, group=group > 1, microbatch=None)
+    flax_model = FlaxLlama(flax_config(cfg.model, 256))
+    if clipping == "ghost":
+        fn = jax_ghost.clipped_sum_fn(flax_model, clip=clip, group=group > 1)
+    else:
+        fn = jax_dp.clipped_sum_fn(make_forward(flax_model), clip=clip, group=group > 1, microbatch=None)
     shape = (-1, group, ids.shape[1]) if group > 1 else ids.shape
     grads, (values, norms) = fn(params, *(jnp.asarray(x.reshape(shape)) for x in (ids, am, lm)))
     return flax_to_hf(grads), np.asarray(norms), np.asarray(values)
 
 
+@pytest.mark.parametrize("clipping", ["vmap", "ghost"])
 @pytest.mark.parametrize("group", [1, 3])
-def test_noise_free_clipped_sums_and_clip_fractions_match_the_torch_engine(tiny_model, group):
-    """Per example (group 1) and per user (ULS: groups of 3 rows, one a padding row)."""
+def test_noise_free_clipped_sums_and_clip_fractions_match_the_torch_engine(tiny_model, group, clipping):
+    """Per example (group 1) and per user (ULS: groups of 3 rows, one a padding row); the jax
+    engine's clipped sum by jax-privacy's per-example gradients (vmap) and by ghost clipping."""
     ids, am, lm = _batch(12)
     if group > 1:
         lm[5] = False  # a user's padding row: no target
     _, norms, _ = _jax_clipped(tiny_model, ids, am, lm, math.inf, group)
     clip = float(np.median(norms))  # about half the units clipped
-    got, norms, values = _jax_clipped(tiny_model, ids, am, lm, clip, group)
+    got, norms, values = _jax_clipped(tiny_model, ids, am, lm, clip, group, clipping)
     want, stats = _torch_clipped(tiny_model, ids, am, lm, clip, group)
     assert got.keys() == want.keys()
     for name, w in want.items():
