@@ -75,15 +75,6 @@ _GRID_ONLY = ("dist_backend", "overlap", "overlap_reduce_scatter", "overlap_all_
               "bucket_data_sync", "bucket_mb")
 
 
-def jax_clipping(cfg: Any) -> str:
-    """`train.clipping` resolved for the jax engine: ghost or vmap; auto is ghost, and vmap under
-    LoRA with adapter dropout (which ghost clipping does not cover)."""
-    if cfg.train.clipping != "auto":
-        return cfg.train.clipping
-    lora = cfg.model.lora
-    return "vmap" if lora is not None and lora.dropout > 0 else "ghost"
-
-
 def check_jax_engine(cfg: Any, shape: Any) -> None:
     """One line for an option the jax engine does not support (the torch grid's degrees and
     overlap flags, a torch device, activation checkpointing, ghost clipping with LoRA's dropout), and for

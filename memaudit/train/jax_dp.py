@@ -137,3 +137,12 @@ def step_metrics(stats: dict[str, Any], *, rows: int, units: int, noise_std: flo
     if group:
         out["sequences"] = examples
     return out
+
+
+def jax_clipping(cfg: Any) -> str:
+    """`train.clipping` resolved for the jax engine: ghost or vmap; auto is ghost, and vmap under
+    LoRA with adapter dropout (which ghost clipping does not cover)."""
+    if cfg.train.clipping != "auto":
+        return cfg.train.clipping
+    lora = cfg.model.lora
+    return "vmap" if lora is not None and lora.dropout > 0 else "ghost"

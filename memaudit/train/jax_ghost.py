@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from memaudit.models.flax_llama import RMSNorm, rms_normalize
+from memaudit.models.flax_lora import LORA_A, LORA_B, adapter_paths, merge
 from memaudit.train.jax_engine import token_losses
 
 INPUTS = "intermediates"  # sown layer inputs (the collection `flax_llama.Layers` scans over)
@@ -293,7 +294,6 @@ def _norms_and_scale(sq: jax.Array, clip: float) -> tuple[jax.Array, jax.Array]:
 def _lora_clipped_sum_once(lora: Any, *, clip: float) -> Callable:
     """`_clipped_sum_once` of LoRA's adapters: the base model run with the adapters merged
     (`flax_lora.merge`), the adapted Dense layers' inputs and output gradients captured."""
-    from memaudit.models.flax_lora import LORA_A, LORA_B, adapter_paths, merge
 
     model, scale = lora.model, lora.scale
 

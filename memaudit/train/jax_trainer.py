@@ -51,7 +51,6 @@ from memaudit.models.init import flax_config, hf_config, initial_state_dict, mod
 from memaudit.models.lora import merged_copy, save_adapter, trained_label
 from memaudit.privacy.plan import PrivacyPlan
 from memaudit.privacy.randomness import dp_randomness
-from memaudit.run.checks import jax_clipping
 from memaudit.rundir import RunDir
 from memaudit.train import checkpoint as ckpt
 from memaudit.train import jax_dp, user_dp
@@ -82,7 +81,7 @@ class JaxTrainer:
         self.group_size = 1  # rows per clipped unit: a ULS user's capped sequences
         self.kept_rows: np.ndarray | None = None
         self.frozen = 0
-        self.clipping = jax_clipping(cfg)  # DP-SGD's clipped sum: ghost or vmap
+        self.clipping = jax_dp.jax_clipping(cfg)  # DP-SGD's clipped sum: ghost or vmap
 
     @property
     def total(self) -> int:

@@ -220,7 +220,7 @@ def test_a_uls_run_records_the_same_ledger_and_losses_with_either_clipping(tmp_p
 
 
 def test_auto_clipping_is_ghost_and_vmap_under_adapter_dropout():
-    from memaudit.run.checks import jax_clipping
+    from memaudit.train.jax_dp import jax_clipping
 
     assert jax_clipping(load_config(None, ["train.engine=jax"])) == "ghost"
     assert jax_clipping(load_config(None, ["train.engine=jax", "model.lora.rank=4"])) == "ghost"
