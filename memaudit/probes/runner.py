@@ -196,7 +196,8 @@ def run_probes(
     ctx = _Context(target, settings, model, codec, reference, progress)
     key = {"schema": SCHEMA, "weights_sha256": weights, "engine": engine, "checks": checks,
            "settings": settings.model_dump(mode="json")}
-    saved = _finished_probes(partial, key) if partial is not None and weights is not None else {}
+    partial = partial if weights is not None else None  # a model handed in has no weights to key on
+    saved = _finished_probes(partial, key) if partial is not None else {}
     ctx.secrets.update(saved.get("secrets", {}))
     with probe_threads():
         for name in settings.probes:
@@ -206,7 +207,7 @@ def run_probes(
             t0 = time.perf_counter()
             probes[name] = REGISTRY[name](ctx)
             timings[name] = time.perf_counter() - t0
-            if partial is not None and weights is not None:
+            if partial is not None:
                 atomic_write_json(partial, {"key": key, "probes": probes, "timings": timings,
                                             "secrets": ctx.secrets})
     secrets.update(ctx.secrets)
