@@ -19,9 +19,15 @@ with its JAX threads and heartbeat), each SuperNode with its descendants (its re
 process), and this benchmark (the submission). Per variant: the median over its runs of the
 run medians (``round_s``), the spread of the run medians (min and max), the median CPU per round
 of each process, and the ratio of each ``LAYER_off`` to ``all_on``. A layer moves a round when
-its ``off`` runs are all slower than every ``all_on`` run, beyond the ``all_on`` runs' own
-spread (``moves_round``), or all cost more CPU seconds a round, every process together
-(``moves_round_cpu``); a shift of CPU between processes within the same total does not count.
+a test says so (its spread alone is not read: a shared machine's load drifts between waves): the off run and the ``all_on`` run of each wave are a pair (the
+same machine at the same time), and Wilcoxon's signed-rank test, one-sided (off slower), on the
+waves' differences of run medians, Holm-adjusted over the layers measured in the run, gives
+``p_round``; ``moves_round`` is adjusted p < 0.05. The same on every process's CPU seconds a round
+together (``p_cpu``, ``moves_round_cpu``); a shift of CPU between processes within the same total
+does not count. Where even the waves' most extreme outcome (``2**-waves``, times the layers for
+Holm) could not reach 0.05, the answer is ``n too small`` (one layer needs 5 waves, three 7).
+
+    python benchmarks/flower_transport.py --decide saved.json   # the decision again from saved runs
 """
 
 from __future__ import annotations
@@ -118,6 +124,38 @@ def summary(runs: list[dict]) -> dict:
             "run_cpu_totals_s": [sum(c.values()) for c in cpus]}
 
 
+ALPHA = 0.05
+
+
+def decide(table: dict, runs: dict[str, list[dict]]) -> None:
+    """Each ``LAYER_off`` row of ``table`` gets its ratios to ``all_on`` and whether it moves a round
+    (see the module's docstring): paired by wave, Wilcoxon one-sided, Holm over the layers."""
+    from scipy.stats import wilcoxon
+
+    from memaudit.probes.stats import holm
+
+    base, offs = runs.get("all_on"), [v for v in table if v != "all_on"]
+    if base is None or not offs:
+        return
+    total = lambda r: sum(r["cpu_s_per_round"].values())
+    raw: dict[str, list[float]] = {"round": [], "cpu": []}
+    for v in offs:
+        row, on = table[v], table["all_on"]
+        row["off_vs_on"] = row["round_s"] / on["round_s"]
+        row["cpu_total_off_vs_on"] = row["cpu_s_per_round"]["total"] / on["cpu_s_per_round"]["total"]
+        pairs = list(zip(runs[v], base))
+        row["waves"] = len(pairs)
+        for key, value in (("round", lambda r: r["round_s"]), ("cpu", total)):
+            d = [value(a) - value(b) for a, b in pairs if key == "round" or (a["cpu_s_per_round"] and b["cpu_s_per_round"])]
+            row[f"{key}_differences_s"] = d
+            raw[key].append(float(wilcoxon(d, alternative="greater").pvalue) if len(d) >= 2 else 1.0)
+    for key, name in (("round", "moves_round"), ("cpu", "moves_round_cpu")):
+        for v, p, adj in zip(offs, raw[key], holm(raw[key])):
+            table[v][f"p_{key}"], table[v][f"p_{key}_holm"] = p, adj
+            floor = len(offs) * 2.0 ** -table[v]["waves"]  # the smallest adjusted p these waves allow
+            table[v][name] = "n too small" if floor >= ALPHA else bool(adj < ALPHA)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=4)
@@ -125,7 +163,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--waves", type=int, default=3, help="runs of each variant, interleaved")
     ap.add_argument("--variants", nargs="+", default=["all_on", *(f"{x}_off" for x in LAYERS)])
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--decide", default=None, help="no runs: the decision again from this saved JSON")
     args = ap.parse_args(argv)
+    if args.decide:
+        saved = json.loads(Path(args.decide).read_text())
+        decide(saved["variants"], saved["runs"])
+        print(json.dumps({v: {k: x for k, x in row.items() if not isinstance(x, (list, dict))}
+                          for v, row in saved["variants"].items()}, indent=1))
+        return saved
     from memaudit.config import load_config
     from memaudit.federated.flower.nodes import write_partitions
 
@@ -148,19 +193,14 @@ def main(argv: list[str] | None = None) -> dict:
             runs[v].append(one_run(v, root, info, ov, env, args.rounds, f"w{wave}"))
             print(json.dumps({"wave": wave, "variant": v, **runs[v][-1]}), flush=True)  # a run, as it ends
     table = {v: summary(r) for v, r in runs.items()}
-    base = table.get("all_on")
-    for v, row in table.items():
-        if base is None or v == "all_on":
-            continue
-        row["off_vs_on"] = row["round_s"] / base["round_s"]
-        row["cpu_total_off_vs_on"] = row["cpu_s_per_round"]["total"] / base["cpu_s_per_round"]["total"]
-        row["moves_round"] = min(row["run_medians_s"]) > max(base["run_medians_s"])
-        row["moves_round_cpu"] = min(row["run_cpu_totals_s"]) > max(base["run_cpu_totals_s"])
+    decide(table, runs)
     out = {"benchmark": "flower_transport", "model": "tiny Llama (memaudit preset)", "nodes": args.nodes,
            "cohort": 8, "secure_aggregation": True, "rounds_per_run": args.rounds,
            "rounds_timed_per_run": args.rounds - 1, "runs_per_variant": args.waves, "order": order,
            "statistic": "per variant: median over runs of each run's median round seconds (min, max of "
-                        "those), median over runs of CPU seconds per round of each process",
+                        "those), median over runs of CPU seconds per round of each process; a layer "
+                        "moves a round by Wilcoxon's signed-rank test paired by wave, one-sided, "
+                        "Holm over the layers, adjusted p < 0.05",
            "variants": table, "runs": runs}
     text = json.dumps(out, indent=1)
     print(text)
