@@ -271,7 +271,8 @@ class TrainConfig(_Section):
     clipping: Literal["auto", "ghost", "vmap"] = Field(
         "auto", description="engine=jax, DP-SGD: how the clipped sum is computed; ghost: book-keeping "
         "ghost clipping (one forward and one backward, no per-example gradients); vmap: jax-privacy's "
-        "per-example gradients; auto: ghost, vmap under LoRA with adapter dropout")
+        "per-example gradients; auto: ghost, vmap under LoRA with adapter dropout and for ULS on an "
+        "accelerator (measured faster there)")
 
 
 # ----------------------------------------------------------------------------- privacy

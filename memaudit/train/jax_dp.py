@@ -139,10 +139,15 @@ def step_metrics(stats: dict[str, Any], *, rows: int, units: int, noise_std: flo
     return out
 
 
-def jax_clipping(cfg: Any) -> str:
-    """`train.clipping` resolved for the jax engine: ghost or vmap; auto is ghost, and vmap under
-    LoRA with adapter dropout (which ghost clipping does not cover)."""
+def jax_clipping(cfg: Any, *, group: bool = False, platform: str = "cpu") -> str:
+    """`train.clipping` resolved for the jax engine: ghost or vmap. auto is ghost, except vmap under
+    LoRA with adapter dropout (which ghost clipping does not cover) and for a user's rows clipped
+    as one (``group``, ULS) on an accelerator, where vmap was measured faster (one TPU v5e,
+    docs/results.md: ULS by vmap 1.075x the non-private step at 125m and 1.21x at 350m, by ghost
+    1.37x and 1.35x; on the CPU ghost 1.19x against vmap 1.83x)."""
     if cfg.train.clipping != "auto":
         return cfg.train.clipping
     lora = cfg.model.lora
-    return "vmap" if lora is not None and lora.dropout > 0 else "ghost"
+    if lora is not None and lora.dropout > 0:
+        return "vmap"
+    return "vmap" if group and platform != "cpu" else "ghost"

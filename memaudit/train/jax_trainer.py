@@ -154,6 +154,7 @@ class JaxTrainer:
                 max_sequences_per_document=getattr(self.prepared, "max_sequences_per_document", None))
         self.noise_multiplier = float(sigma)
         self.expected = float(self.sampler.expected_batch_size)
+        self.clipping = jax_dp.jax_clipping(self.cfg, group=self.group_size > 1, platform=jax.default_backend())
 
     def _contribution_rows(self) -> np.ndarray:
         """The rows DP samples from: every row, or at most k per user (as the torch engine)."""

@@ -227,6 +227,13 @@ def test_auto_clipping_is_ghost_and_vmap_under_adapter_dropout():
     assert jax_clipping(load_config(None, ["train.engine=jax", "model.lora.rank=4",
                                            "model.lora.dropout=0.1"])) == "vmap"
     assert jax_clipping(load_config(None, ["train.engine=jax", "train.clipping=vmap"])) == "vmap"
+    # ULS (a user's rows clipped as one): ghost on the CPU, vmap on an accelerator (measured faster)
+    cfg = load_config(None, ["train.engine=jax"])
+    assert jax_clipping(cfg, group=True, platform="cpu") == "ghost"
+    assert jax_clipping(cfg, group=True, platform="tpu") == "vmap"
+    assert jax_clipping(cfg, group=False, platform="tpu") == "ghost"
+    assert jax_clipping(load_config(None, ["train.engine=jax", "train.clipping=ghost"]), group=True,
+                        platform="tpu") == "ghost"
 
 
 @pytest.mark.parametrize(("overrides", "names"), [
