@@ -74,33 +74,32 @@ def study(tmp_path_factory):
 
 
 def _test(sec, comparison, a, b, metric, bucket):
-    [t] = [t for t in sec["tests"] if (t["comparison"], t["a"], t["b"], t["metric"], t["bucket"])
-           == (comparison, a, b, metric, bucket)]
+    [t] = [t for t in sec.tests if (t.comparison, t.a, t.b, t.metric, t.bucket) == (comparison, a, b, metric, bucket)]
     return t
 
 
 def test_section_tables_cells_and_n_too_small(study):
     report, _ = study
     sec = report["scale"]
-    assert sec["sizes"] == ["tiny (1.79M)", "small (9M)"]
-    tables = {t["metric"]: t for t in sec["tables"]}
+    assert sec.sizes == ["tiny (1.79M)", "small (9M)"]
+    tables = {t.metric: t for t in sec.tables}
     assert set(tables) == {"exposure", "extraction_exact", "goldfish_exact", "goldfish_rouge_l"}
     ge = tables["goldfish_exact"]
-    assert ge["buckets"] == ["all", "1", "2-3", "8-15"]
-    assert [(r["size"], r["goldfish"]) for r in ge["rows"]] == [
+    assert ge.buckets == ["all", "1", "2-3", "8-15"]
+    assert [(r.size, r.goldfish) for r in ge.rows] == [
         ("tiny (1.79M)", False), ("tiny (1.79M)", True), ("small (9M)", False), ("small (9M)", True)]
-    small = ge["rows"][2]["cells"]
-    assert small["8-15"]["value"] == pytest.approx(18 / 20) and small["8-15"]["n"] == 20
-    assert small["all"]["value"] == pytest.approx(18 / 44)
-    assert small["2-3"]["n"] == 4 and small["2-3"]["note"] == "n too small"
-    assert small["2-3"]["ci_low"] is None
-    assert tables["exposure"]["buckets"] == ["1", "4"]
-    assert tables["exposure"]["rows"][0]["cells"]["4"]["note"] == "n too small"
+    small = ge.rows[2].cells
+    assert small["8-15"].value == pytest.approx(18 / 20) and small["8-15"].n == 20
+    assert small["all"].value == pytest.approx(18 / 44)
+    assert small["2-3"].n == 4 and small["2-3"].note == "n too small"
+    assert small["2-3"].ci_low is None
+    assert tables["exposure"].buckets == ["1", "4"]
+    assert tables["exposure"].rows[0].cells["4"].note == "n too small"
     # comparisons with 2 canaries or 4 documents a side are not tested, and say why
     t = _test(sec, "size", "small (9M)", "tiny (1.79M)", "exposure", "4")
-    assert t["verdict"] == "n too small" and t["test"] is None
+    assert t.verdict == "n too small" and t.test is None
     t = _test(sec, "size", "small (9M)", "tiny (1.79M)", "goldfish_exact", "2-3")
-    assert t["verdict"] == "n too small" and t["test"] is None
+    assert t.verdict == "n too small" and t.test is None
 
 
 def test_differences_are_holm_adjusted_tests(study):
@@ -108,30 +107,30 @@ def test_differences_are_holm_adjusted_tests(study):
 
     report, paths = study
     sec = report["scale"]
-    tested = [t for t in sec["tests"] if t["test"] is not None]
+    tested = [t for t in sec.tests if t.test is not None]
     # 4 comparisons (2 size pairs, 2 Goldfish pairs) x 3 document metrics x 3 testable buckets,
     # corrected in one family with the report's other tests (the literature section's trends)
-    assert len(tested) == 36 and sec["family"] == report["findings"]["tests"] == 38
-    size = _test(sec, "size", "small (9M)", "tiny (1.79M)", "goldfish_exact", "8-15")["test"]
-    assert size["test"] == "exact McNemar" and size["paired"] and size["n_a"] == 20
-    assert size["p_value"] == pytest.approx(binomtest(16, 16, 0.5, alternative="greater").pvalue)
+    assert len(tested) == 36 and sec.family == report["findings"]["tests"] == 38
+    size = _test(sec, "size", "small (9M)", "tiny (1.79M)", "goldfish_exact", "8-15").test
+    assert size.name == "exact McNemar" and size.paired and size.n_a == 20
+    assert size.p_value == pytest.approx(binomtest(16, 16, 0.5, alternative="greater").pvalue)
     # Holm: the smallest p-value of m tests is multiplied by m; adjusted p-values never decrease
-    ps = sorted(t["test"]["p_value"] for t in tested)
-    adj = sorted(t["test"]["p_adjusted"] for t in tested)
-    assert adj[0] >= min(1.0, 36 * ps[0]) and all(t["test"]["family"] == 38 for t in tested)
+    ps = sorted(t.test.p_value for t in tested)
+    adj = sorted(t.test.p_adjusted for t in tested)
+    assert adj[0] >= min(1.0, 36 * ps[0]) and all(t.test.family == 38 for t in tested)
     assert all(a >= p for a, p in zip(adj, ps, strict=True))
-    assert size["p_adjusted"] < 0.05
-    assert _test(sec, "size", "small (9M)", "tiny (1.79M)", "goldfish_exact", "8-15")["verdict"] == "more"
+    assert size.p_adjusted < 0.05
+    assert _test(sec, "size", "small (9M)", "tiny (1.79M)", "goldfish_exact", "8-15").verdict == "more"
     gf = _test(sec, "goldfish", "small (9M) + Goldfish", "small (9M)", "goldfish_exact", "8-15")
-    assert gf["verdict"] == "less" and gf["test"]["alternative"] == "less"
+    assert gf.verdict == "less" and gf.test.alternative == "less"
     # the same outcomes with and without Goldfish on the tiny model: no difference claimed
     null = _test(sec, "goldfish", "tiny (1.79M) + Goldfish", "tiny (1.79M)", "goldfish_exact", "8-15")
-    assert null["verdict"] == "no difference shown" and null["test"]["p_value"] == 1.0
-    assert null["test"]["p_adjusted"] >= 0.05
+    assert null.verdict == "no difference shown" and null.test.p_value == 1.0
+    assert null.test.p_adjusted >= 0.05
     # documents seen once are never extracted by any run: nothing to claim there
-    assert _test(sec, "size", "small (9M)", "tiny (1.79M)", "extraction_exact", "1")["verdict"] == (
+    assert _test(sec, "size", "small (9M)", "tiny (1.79M)", "extraction_exact", "1").verdict == (
         "no difference shown")
-    assert all("holm p" in s and "over 38 tests" in s for s in sec["sentences"])
+    assert all("holm p" in s and "over 38 tests" in s for s in sec.sentences)
     md = paths["md"].read_text()
     assert "## Memorization against model size and Goldfish loss" in md and "n too small" in md
     assert "holm p" in md and "Goldfish protocol: m = 50 tokens" in md
@@ -146,5 +145,5 @@ def test_section_absent_for_one_size_without_goldfish(tmp_path):
     assert "model size and Goldfish" not in paths["md"].read_text()
     # Goldfish alone (one size) is enough for the section
     runs.append(make_run(tmp_path, "c", "tiny", True, 2, 2))
-    assert build_report(runs)["scale"]["sizes"] == ["tiny (1.79M)"]
+    assert build_report(runs)["scale"].sizes == ["tiny (1.79M)"]
 

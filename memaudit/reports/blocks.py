@@ -4,7 +4,8 @@ the utility curves, the frontier), the plot data of a run, and the findings' sen
 report.json holds them as JSON objects; the functions that read them (`memaudit.reports.findings`,
 `memaudit.reports.plots`) read them through these records (`memaudit.reports.entries.Record`), a
 missing key taking its field's default. The comparison cells and tests they hold stay the
-objects the report adjusts in place (`memaudit.reports.findings.adjust_report`).
+objects the report adjusts in place (`memaudit.reports.findings.adjust_report`); the literature
+section's records (`Section`) are made typed and corrected into new records.
 
 >>> c = Comparisons.of({"matched_utility": {"tolerance": 0.1, "pairs": [{"runs": ["a", "b"]}]}})
 >>> c.matched_utility.tolerance, c.pair_runs(), c.frontier_metrics()
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from memaudit.probes.records import Cell
 from memaudit.reports.entries import Record
 
 
@@ -293,8 +295,11 @@ class Findings(Record):
 # ----------------------------------------------------------------------------- the literature section
 @dataclass(frozen=True, kw_only=True)
 class SectionTest(Record):
-    """One test of the section: the bucket's Mann-Whitney test or a run's trend (Spearman `rho`),
-    with its adjustment once the report's family is corrected."""
+    """One test of the section: the bucket's Mann-Whitney test or a run's trend (Spearman `rho`;
+    a bucket's test has none), with its adjustment once the report's family is corrected
+    (`memaudit.reports.family.correct`) and its verdict ("shown", "not shown")."""
+
+    OPTIONAL = frozenset({"rho"})
 
     test: str | None = None
     rho: float | None = None
@@ -318,8 +323,10 @@ class Bucket(Record):
     effective_epsilon: float | None = None
     rule: str | None = None
     test: SectionTest | None = None
-    excess: dict | None = None
-    note: str | None = None
+    excess: Cell | None = None
+    note: str | None = None  # why it has no test ("n too small"); absent from a tested bucket
+
+    OPTIONAL = frozenset({"note"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,31 +379,43 @@ class AuditEntry(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class DpLearns(Record):
+    """A DP fine-tune's share of the holdout-loss gap closed (`closed`, None without a gap to close,
+    and then no `loss`), its mean losses and the verdict against half."""
+
+    OPTIONAL = frozenset({"loss"})
+
     backend: str | None = None
     run: str | None = None
     label: str | None = None
     epsilon: float | None = None
-    closed: dict | None = None
-    loss: dict | None = None
+    closed: Cell | None = None
+    loss: dict | None = None  # base, no_dp, dp (nats per token) and their unit
     verdict: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractionEntry(Record):
+    """A non-DP run's extraction: per metric its cell, with k of n units extracted (`Extracted`)."""
+
     run: str | None = None
     label: str | None = None
-    metrics: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # metric -> Cell with k, what, nonzero
 
 
 @dataclass(frozen=True, kw_only=True)
 class Section(Record):
-    """The literature section (`memaudit.reports.literature`) as report.json holds it, read for its
-    sentences."""
+    """The literature section (`memaudit.reports.literature`): per run its exposure entries (their
+    buckets' and trend's tests), extraction, audit and DP-learns entries; the correction, its
+    family's size and alpha; the sentences that follow from the corrected tests."""
 
-    exposure: list = field(default_factory=list)
+    exposure: list = field(default_factory=list)  # ExposureEntry
     extraction: list = field(default_factory=list)
     audit: list = field(default_factory=list)
     dp_learns: list = field(default_factory=list)
+    alpha: float | None = None
+    correction: str | None = None
+    family: int | None = None
+    sentences: list = field(default_factory=list)
 
     def exposure_entries(self) -> list[ExposureEntry]:
         return [ExposureEntry.of(e) for e in self.exposure or []]

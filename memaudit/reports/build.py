@@ -31,6 +31,7 @@ from memaudit.reports.entries import (
     ModelSummary,
     PrivacySummary,
     RunEntry,
+    TargetEntry,
     Utility,
     entries,
 )
@@ -474,8 +475,11 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
     # one Holm family over every test of the report; report.json keeps the adjusted p-values
     report = findings_mod.adjust_report(report)
     report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
-    for r in report["runs"] + report.get("targets", []):
-        settle_rows(r, report.get("literature"))  # the probe tables' p-values: the one family's, or unadjusted
-    for r in runs + targets:
-        r.pop("units", None)
+    # the probe tables' p-values: the one family's, or unadjusted; the per-unit scores dropped
+    lit = report.get("literature")
+    report["runs"] = [replace(r, probe_rows=settle_rows(r.probe_rows, r.id, lit)).to_json() for r in typed]
+    if targets:
+        report["targets"] = [{**{k: v for k, v in t.items() if k != "units"},
+                              "probe_rows": settle_rows(te.probe_rows, te.id, lit)}
+                             for t, te in zip(targets, map(TargetEntry.of, targets), strict=True)]
     return report

@@ -27,24 +27,28 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from memaudit.probes.records import Cell
+from memaudit.probes.records import Cell, Test
 
 
 class Record:
     """A frozen dataclass whose fields are its JSON object's keys, in their order; a field typed
     as another `Record` holds the nested object (typed `Record | None`: None where the JSON has
-    null or nothing; typed `Record`: its defaults there)."""
+    null or nothing; typed `Record`: its defaults there). The fields named in `OPTIONAL` are left
+    out of the JSON object while they are None (a key the object has only when it is set)."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     @functools.cache
-    def _nested(cls) -> dict[str, tuple[type[Record], bool]]:
-        """The fields holding a record: its type, and whether the field may be None."""
+    def _nested(cls) -> dict[str, tuple[type, bool]]:
+        """The fields holding a record (a `Record`, or a `Cell` or `Test` of
+        `memaudit.probes.records`): its type, and whether the field may be None."""
         out = {}
         for name, hint in typing.get_type_hints(cls).items():
             kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-            sub = [k for k in kinds if isinstance(k, type) and issubclass(k, Record)]
+            sub = [k for k in kinds if isinstance(k, type) and issubclass(k, Record | Cell | Test)]
             if sub:
                 out[name] = (sub[0], type(None) in kinds)
         return out
@@ -52,11 +56,14 @@ class Record:
     @classmethod
     def of(cls, d: Mapping[str, Any] | Record | None):
         """The record of JSON object `d` (itself when already one; a record of another kind by its
-        fields of the same names; a missing key: its default)."""
+        fields of the same names, a `Cell` or `Test` by its JSON object's keys; a missing key: its
+        default)."""
         if isinstance(d, cls):
             return d
         if isinstance(d, Record):
             d = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
+        if isinstance(d, Cell | Test):  # by its JSON object's keys
+            d = d.to_json()
         d = d if isinstance(d, Mapping) else {}
         nested = cls._nested()
         kw = {}
@@ -70,14 +77,21 @@ class Record:
             else:
                 v = None
             if f.name in nested and not (v is None and nested[f.name][1]):
-                v = nested[f.name][0].of(v)
+                kind = nested[f.name][0]
+                v = kind.of(v) if issubclass(kind, Record) else v if isinstance(v, kind) else kind.from_json(v)
             kw[f.name] = v
         return cls(**kw)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object: every field, nested records as their objects."""
-        return {f.name: (v.to_json() if isinstance(v := getattr(self, f.name), Record) else v)
-                for f in dataclasses.fields(self)}
+        """The JSON object: every field (an `OPTIONAL` one only when set), nested records as their
+        objects; other typed values (`Cell`, `Test`, records in a list) as they are, for the
+        report's one writer (`memaudit.reports.write.json_safe`)."""
+        return {f.name: (v.to_json() if isinstance(v, Record) else v) for f in dataclasses.fields(self)
+                if (v := getattr(self, f.name)) is not None or f.name not in self.OPTIONAL}
+
+    def replace(self, **changes: Any):
+        """A copy with `changes` (fields by name)."""
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True, kw_only=True)

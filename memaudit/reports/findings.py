@@ -30,9 +30,9 @@ from typing import Any
 
 from memaudit.backends import CENTRALIZED
 from memaudit.probes.power import FLOOR_MARGIN, POWER, minimum_detectable_effect
-from memaudit.probes.stats import CORRECTIONS, compare_units
+from memaudit.probes.stats import compare_units
 from memaudit.reports import literature, scale
-from memaudit.reports.blocks import Comparisons, Sentence, blocks
+from memaudit.reports.blocks import Comparisons, Section, Sentence, blocks
 from memaudit.reports.cells import (
     FINDING,
     METRICS,
@@ -44,6 +44,7 @@ from memaudit.reports.cells import (
     verdict,
 )
 from memaudit.reports.entries import entries
+from memaudit.reports.family import correct
 
 ALPHA = 0.05
 CORRECTION = "holm"
@@ -188,20 +189,24 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     sections their verdicts and sentences (`scale.settle`, `literature.settle`). A test stated in
     two blocks is one entry of the family (`same_test_key`); its repeat gets the same numbers and
     `SAME_TEST`. Tests whose permutation floor alone would decide are refined first
-    (`_refine_floors`). Adjusting an adjusted report again gives the same report."""
-    own = {**report, "comparisons": copy.deepcopy(report.get("comparisons", {})),
-           "scale": copy.deepcopy(report.get("scale")), "literature": copy.deepcopy(report.get("literature"))}
+    (`_refine_floors`). Adjusting an adjusted report again gives the same report.
+
+    The correction itself is `memaudit.reports.family.correct`, over the typed tests: the
+    comparison cells' `Test`s, then the sections' (`scale.tests_of`, `literature.tests_of`); the
+    sections are records, and `settle` returns each one new with its corrected tests."""
+    own = {**report, "comparisons": copy.deepcopy(report.get("comparisons", {}))}
     sections = _sections(own)
-    others = [t for mod, sec in sections for t in mod.tests_of(sec)]  # the sections' test objects
+    others = [t for _key, mod, sec in sections for t in mod.tests_of(sec)]
     family = sum(1 for _ in _all_tests(own)) + len(others)
     _refine_floors(own, family)
     cells = [cell for cell, _t in _all_tests(own)]
-    adj = CORRECTIONS[correction]([c["test"].p_value for c in cells] + [t["p_value"] for t in others])
-    for cell, pa in zip(cells, adj, strict=False):
-        cell["test"] = cell["test"].replace(p_adjusted=pa, correction=correction, family=family, alpha=ALPHA)
-        cell["verdict"] = verdict(cell["test"], ALPHA)
-    for t, pa in zip(others, adj[len(cells):], strict=True):
-        t.update({"p_adjusted": pa, "correction": correction, "family": family, "alpha": ALPHA})
+    fixed = correct([c["test"] for c in cells] + others, correction, ALPHA)
+    for cell, t in zip(cells, fixed, strict=False):
+        cell["test"] = t
+        cell["verdict"] = verdict(t, ALPHA)
+    rest = iter(fixed[len(cells):])
+    for key, mod, sec in sections:
+        own[key] = mod.settle(sec, [next(rest) for _ in mod.tests_of(sec)], family)
     _detectable(own, family)
     for cell, t, entry, block in _repeats(own):  # one test, one entry: a repeat says the same
         same = {k: getattr(entry, k) for k in ("p_value", "p_floor", "estimate", "p_adjusted", "correction",
@@ -211,19 +216,20 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
         cell["test"] = t.replace(**same, **{SAME_TEST: block})
     for _name, _key, cell, t in _every_test(own):
         cell["verdict"] = verdict(t, ALPHA)
-    for mod, sec in sections:
-        mod.settle(sec, family)
-    return {k: v for k, v in own.items() if v is not None or k in report}
+    return own
 
 
-def _sections(report: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
-    """(module, section) for the report's sections that hold tests of their own."""
-    return [(mod, report[key]) for key, mod in (("scale", scale), ("literature", literature)) if report.get(key)]
+def _sections(report: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, module, section record) for the report's sections that hold tests of their own: the
+    scale section (`memaudit.reports.scale.ScaleSection`) and the literature section
+    (`memaudit.reports.blocks.Section`), read as such where a report holds their JSON objects."""
+    return [(key, mod, kind.of(report[key])) for key, mod, kind in
+            (("scale", scale, scale.ScaleSection), ("literature", literature, Section)) if report.get(key)]
 
 
 def _section_passing(report: dict[str, Any]) -> int:
     """Tests of the sections that pass the report's correction."""
-    return sum(mod.passing(sec) for mod, sec in _sections(report))
+    return sum(mod.passing(sec) for _key, mod, sec in _sections(report))
 
 
 def adjust(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
@@ -632,7 +638,7 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     shows at most MAX_HEADLINE of them. `no_difference` holds one short line per comparison that
     showed no difference."""
     rep = adjust_report(report)
-    family = sum(1 for _ in _all_tests(rep)) + sum(len(mod.tests_of(sec)) for mod, sec in _sections(rep))
+    family = sum(1 for _ in _all_tests(rep)) + sum(len(mod.tests_of(sec)) for _key, mod, sec in _sections(rep))
     sentences = (target_findings(rep) + utility_findings(rep) + backend_findings(rep)
                  + sampling_findings(rep) + effect_findings(rep) + audit_findings(rep))
     # the sections' passing tests too: "N of M tests pass" counts over the one family

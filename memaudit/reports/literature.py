@@ -42,7 +42,7 @@ import numpy as np
 
 from memaudit.backends import BACKENDS
 from memaudit.probes.records import Cell
-from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, holm, percentile_interval
+from memaudit.probes.stats import LEVEL, MIN_N, N_TOO_SMALL, cell, percentile_interval
 from memaudit.reports.blocks import (
     AuditEntry,
     Bucket,
@@ -51,12 +51,15 @@ from memaudit.reports.blocks import (
     Extracted,
     ExtractionEntry,
     Section,
+    SectionTest,
 )
 from memaudit.reports.entries import RunEntry, UnitScores, entries
+from memaudit.reports.family import correct
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
 
 ALPHA = 0.05
+CORRECTION = "holm"
 N_BOOT = 2000
 HALF = 0.5  # the share of the loss gap a DP fine-tune at the largest epsilon should close
 
@@ -85,8 +88,9 @@ def _cell(value: float, n: int, unit: str, boot: np.ndarray | None) -> Cell:
 
 
 # ----------------------------------------------------------------------------- exposure
-def _exposure_run(run: RunEntry, rng: np.random.Generator) -> dict[str, Any] | None:
-    """Per bucket: excess exposure over the references with its test; the rising-trend test."""
+def _exposure_run(run: RunEntry, rng: np.random.Generator) -> ExposureEntry | None:
+    """Per bucket: excess exposure over the references with its test; the rising-trend test
+    (each test not yet corrected: `literature_section` does, then the report's family)."""
     # lazy: scipy.stats (~0.3 s) only when called; this module imports without it
     from scipy.stats import mannwhitneyu, spearmanr
 
@@ -107,28 +111,29 @@ def _exposure_run(run: RunEntry, rng: np.random.Generator) -> dict[str, Any] | N
         x = np.asarray([v for v, r, o in ins if (r, o) == (rep, owner)])
         k = sum(b for b, (_v, r, o) in zip(bounded, ins, strict=True) if (r, o) == (rep, owner))
         g = groups.get((rep, owner)) or {}
-        row = {"repetitions": int(rep), "owner_kind": owner, "effective_epsilon": g.get("effective_epsilon"),
-               "rule": g.get("rule"), "test": None}
+        bucket = Bucket(repetitions=int(rep), owner_kind=owner, effective_epsilon=g.get("effective_epsilon"),
+                        rule=g.get("rule"))
         if len(x) < MIN_N:
-            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", None), k).to_json()
-            row["note"] = N_TOO_SMALL
+            excess = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", None), k)
+            bucket = bucket.replace(excess=excess, note=N_TOO_SMALL)
         else:
             boot = (x[rng.integers(0, len(x), (N_BOOT, len(x)))].mean(1)
                     - refs[rng.integers(0, len(refs), (N_BOOT, len(refs)))].mean(1))
-            row["excess"] = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", boot), k).to_json()
+            excess = at_ceiling(_cell(float(x.mean() - refs.mean()), len(x), "canaries", boot), k)
             p = float(mannwhitneyu(x, refs, alternative="greater").pvalue)
-            row["test"] = {"test": "Mann-Whitney U, one-sided (inserted > references)", "p_value": p,
-                           "n_a": len(x), "n_b": len(refs), "unit": "canaries"}
-        buckets.append(row)
+            bucket = bucket.replace(excess=excess, test=SectionTest(
+                test="Mann-Whitney U, one-sided (inserted > references)", p_value=p, n_a=len(x),
+                n_b=len(refs), unit="canaries"))
+        buckets.append(bucket)
     reps = np.asarray([r for _v, r, _o in ins], dtype=float)
     vals = np.asarray([v for v, _r, _o in ins])
     trend = None
     if len(vals) >= MIN_N and len(set(reps)) > 1:
         res = spearmanr(reps, vals, alternative="greater")
-        trend = {"test": "Spearman rank correlation, one-sided (rising)", "rho": float(res.statistic),
-                 "p_value": float(res.pvalue), "n_a": len(vals), "n_b": len(vals), "unit": "canaries"}
-    return {"run": run.id, "label": run_label(run), "backend": run.backend, "epsilon": _eps(run),
-            "unit": run.privacy.unit, "trend": trend, "buckets": buckets}
+        trend = SectionTest(test="Spearman rank correlation, one-sided (rising)", rho=float(res.statistic),
+                            p_value=float(res.pvalue), n_a=len(vals), n_b=len(vals), unit="canaries")
+    return ExposureEntry(run=run.id, label=run_label(run), backend=run.backend, epsilon=_eps(run),
+                         unit=run.privacy.unit, trend=trend, buckets=buckets)
 
 
 # ----------------------------------------------------------------------------- extraction, audit
@@ -137,7 +142,9 @@ EXTRACTION = (("extraction_exact", "member documents extracted exactly"),
               ("pii_extraction", "PII values extracted"))
 
 
-def _extraction(runs: list[RunEntry]) -> list[dict[str, Any]]:
+def _extraction(runs: list[RunEntry]) -> list[ExtractionEntry]:
+    """Per non-DP run, each extraction metric's cell with k of its n units extracted, what they
+    are, and whether any was."""
     out = []
     for run in runs:
         if not math.isinf(_eps(run)):
@@ -147,8 +154,8 @@ def _extraction(runs: list[RunEntry]) -> list[dict[str, Any]]:
             c = run.cell(key)
             if c and c.value is not None and c.n:
                 k = round(c.value * c.n)
-                cells[key] = {**c.to_json(), "k": k, "what": what, "nonzero": k > 0}
-        out.append({"run": run.id, "label": run_label(run), "metrics": cells})
+                cells[key] = c.replace(k=k, what=what, nonzero=k > 0)
+        out.append(ExtractionEntry(run=run.id, label=run_label(run), metrics=cells))
     return out
 
 
@@ -180,7 +187,7 @@ def _holdout_losses(run: RunEntry) -> dict[str, float]:
 
 
 def _dp_learns(runs: list[RunEntry], all_runs: list[RunEntry],
-               rng: np.random.Generator) -> list[dict[str, Any]]:
+               rng: np.random.Generator) -> list[DpLearns]:
     base = next((r for r in all_runs if r.role == PUBLIC_BASE), None)
     if base is None:
         return []
@@ -199,9 +206,9 @@ def _dp_learns(runs: list[RunEntry], all_runs: list[RunEntry],
                 continue
             b, n0, d = (np.asarray([m[i] for i in ids]) for m in (lb, ln, ld))
             if not b.mean() - n0.mean() > 0:  # nothing to close: the non-DP fine-tune is no better
-                out.append({"backend": backend, "run": run.id, "label": run_label(run), "epsilon": _eps(run),
-                            "closed": None, "verdict": "no gap: the non-DP fine-tune does not beat the "
-                            f"public base on these {len(ids)} holdout documents"})
+                out.append(DpLearns(backend=backend, run=run.id, label=run_label(run), epsilon=_eps(run),
+                                    verdict="no gap: the non-DP fine-tune does not beat the public base "
+                                            f"on these {len(ids)} holdout documents"))
                 continue
             idx = rng.integers(0, len(ids), (N_BOOT, len(ids)))
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -211,21 +218,13 @@ def _dp_learns(runs: list[RunEntry], all_runs: list[RunEntry],
             verdict = ("at least half closed" if c.ci_low is not None and c.ci_low >= HALF else
                        "less than half closed" if c.ci_high is not None and c.ci_high < HALF else
                        "half not separated")
-            out.append({"backend": backend, "run": run.id, "label": run_label(run), "epsilon": _eps(run),
-                        "closed": c.to_json(), "loss": {"base": float(b.mean()), "no_dp": float(n0.mean()),
-                                              "dp": float(d.mean()), "unit": "nats per token"},
-                        "verdict": verdict})
+            out.append(DpLearns(backend=backend, run=run.id, label=run_label(run), epsilon=_eps(run), closed=c,
+                                loss={"base": float(b.mean()), "no_dp": float(n0.mean()), "dp": float(d.mean()),
+                                      "unit": "nats per token"}, verdict=verdict))
     return out
 
 
 # ----------------------------------------------------------------------------- the section
-def _holm(tests: list[dict[str, Any]]) -> None:
-    adj = holm([t["p_value"] for t in tests]) if tests else []
-    for t, p in zip(tests, adj, strict=True):
-        t.update(p_adjusted=float(p), correction="holm", family=len(tests), alpha=ALPHA,
-                 verdict="shown" if p <= ALPHA else "not shown")
-
-
 def _trend_sentences(sec: Section) -> list[str]:
     out = []
     for e in sec.exposure_entries():
@@ -285,20 +284,19 @@ def dp_learns_sentences(sec: dict[str, Any] | Section) -> list[str]:
         if g.closed is None:
             out.append(f"{g.label}: {g.verdict}")
             continue
-        c = Cell.from_json(g.closed)
+        c = g.closed
         ci = f" [{c.ci_low:.0%}, {c.ci_high:.0%}]" if c.ci_low is not None else ""
         out.append(f"{g.label}: closes {c.value:.0%}{ci} of the holdout-loss gap between the public "
                    f"base and the non-DP fine-tune (n = {c.n} holdout documents): {g.verdict}")
     return out
 
 
-def _sentences(sec: dict[str, Any]) -> list[str]:
-    read = Section.of(sec)
+def _sentences(read: Section) -> list[str]:
     return [*_trend_sentences(read), *_contrast(read.exposure), *extraction_sentences(read),
             *audit_sentences(read), *dp_learns_sentences(read)]
 
 
-def contrast_buckets(exposure: list[dict[str, Any]], *, dp_only: bool = False) -> list[tuple[ExposureEntry, Bucket]]:
+def contrast_buckets(exposure: list[dict[str, Any] | ExposureEntry], *, dp_only: bool = False) -> list[tuple[ExposureEntry, Bucket]]:
     """(run entry, bucket) per run: its tested user-owned canaries at the most repetitions, the
     bucket where example-level and user-level DP differ most (without DP too unless `dp_only`)."""
     out = []
@@ -309,11 +307,11 @@ def contrast_buckets(exposure: list[dict[str, Any]], *, dp_only: bool = False) -
     return out
 
 
-def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
+def _contrast(exposure: list[dict[str, Any] | ExposureEntry]) -> list[str]:
     """Example-level vs user-level DP on the same user-owned canaries at the most repetitions."""
     out = []
     for e, b in contrast_buckets(exposure, dp_only=True):
-        x = Cell.from_json(b.excess)
+        x = b.excess
         ci = f" [{x.ci_low:.2f}, {x.ci_high:.2f}]" if x.ci_low is not None else ""
         ge = ">= " if x.lower_bound else ""
         out.append(f"{e.label}, canaries one user repeats {b.repetitions} times (effective epsilon = "
@@ -323,38 +321,48 @@ def _contrast(exposure: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def literature_section(runs: list[dict[str, Any] | RunEntry], seed: int = 0) -> dict[str, Any] | None:
-    """The section over `runs` (entries with their per-unit scores), or None with nothing to show."""
+def literature_section(runs: list[dict[str, Any] | RunEntry], seed: int = 0) -> Section | None:
+    """The section over `runs` (entries with their per-unit scores), its tests Holm-corrected over
+    the section alone (a report corrects them again with all its tests, `settle`), or None with
+    nothing to show."""
     runs = entries(runs)
     rng = np.random.default_rng(seed)
     comp = _comparison_runs(runs)
     exposure = [e for r in comp if (e := _exposure_run(r, rng)) is not None]
-    sec = {"exposure": exposure, "extraction": _extraction(comp), "audit": _audit(runs),
-           "dp_learns": _dp_learns(comp, runs, rng), "alpha": ALPHA, "correction": "holm"}
-    _holm(tests_of(sec))  # the section alone; a report corrects over all its tests (`settle`)
-    if not any(sec[k] for k in ("exposure", "extraction", "audit", "dp_learns")):
+    sec = Section(exposure=exposure, extraction=_extraction(comp), audit=_audit(runs),
+                  dp_learns=_dp_learns(comp, runs, rng), alpha=ALPHA, correction=CORRECTION)
+    if not (sec.exposure or sec.extraction or sec.audit or sec.dp_learns):
         return None
-    sec["family"] = len(tests_of(sec))
-    sec["sentences"] = _sentences(sec)
-    return sec
+    tests = tests_of(sec)
+    return settle(sec, correct(tests, CORRECTION, ALPHA), len(tests))
 
 
-def tests_of(sec: dict[str, Any]) -> list[dict[str, Any]]:
-    """The section's tests in a fixed order (the dicts themselves, to adjust in place)."""
-    exposure = sec["exposure"]
-    return [e["trend"] for e in exposure if e["trend"]] + [b["test"] for e in exposure for b in e["buckets"]
-                                                          if b.get("test")]
+def tests_of(sec: Section) -> list[SectionTest]:
+    """The section's tests in a fixed order: every run's trend, then every run's tested buckets."""
+    exposure = sec.exposure_entries()
+    return [e.trend for e in exposure if e.trend] + [b.test for e in exposure for b in e.each_bucket() if b.test]
 
 
-def passing(sec: dict[str, Any]) -> int:
+def passing(sec: Section) -> int:
     """The section's tests whose effect is shown."""
-    return sum(t["verdict"] == "shown" for t in tests_of(sec))
+    return sum(t.verdict == "shown" for t in tests_of(sec))
 
 
-def settle(sec: dict[str, Any], family: int) -> None:
-    """After the report's one correction wrote each test's `p_adjusted` (over `family` tests):
-    the verdicts and sentences that follow from it."""
-    for t in tests_of(sec):
-        t.update(family=family, verdict="shown" if t["p_adjusted"] <= ALPHA else "not shown")
-    sec["family"] = family
-    sec["sentences"] = _sentences(sec)
+def _decided(t: SectionTest) -> SectionTest:
+    return t.replace(verdict="shown" if t.p_adjusted <= ALPHA else "not shown")
+
+
+def settle(sec: Section, tests: list[SectionTest], family: int) -> Section:
+    """The section with `tests` in place of `tests_of(sec)` (the same tests, corrected: by the
+    report's one family of `family` tests, `memaudit.reports.family.correct`), each test's verdict,
+    the family's size and the sentences that follow from them; `sec` is left as it was."""
+    if len(tests) != len(tests_of(sec)):
+        raise ValueError(f"the literature section holds {len(tests_of(sec))} tests, {len(tests)} given")
+    given = iter(map(_decided, tests))
+    exposure = sec.exposure_entries()
+    trends = [next(given) if e.trend else None for e in exposure]  # tests_of's order: trends first
+    exposure = [e.replace(trend=trend, buckets=[b.replace(test=next(given)) if b.test else b
+                                                for b in e.each_bucket()])
+                for e, trend in zip(exposure, trends, strict=True)]
+    sec = sec.replace(exposure=exposure, family=family)
+    return sec.replace(sentences=_sentences(sec))

@@ -8,6 +8,7 @@ unless asked.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from memaudit.probes.context import context_count, context_measure
 from memaudit.probes.document import AttackSummary, ExposureScore, ProbesDoc, ProbeSection
 from memaudit.probes.records import Cell
 from memaudit.reports.blocks import Section, SectionTest
-from memaudit.reports.entries import Record, RunEntry
+from memaudit.reports.entries import Record
 
 MAX_ROC_POINTS = 200
 MAX_SAMPLES = 5
@@ -221,24 +222,28 @@ def _excess_label(reps: str | int, test: str, p: float, family: SectionTest | No
             f"{family.family} tests)")
 
 
-def settle_rows(run: dict[str, Any], literature: dict[str, Any] | None) -> None:
-    """After the report's one correction: a probe row whose test the family holds -- the
-    literature section's bucket of the same run and repetitions, where that bucket is all of
-    them (one owner kind) and its p-value is the row's -- states the family's adjusted p; every
-    other row keeps its p, labelled unadjusted. Drops the rows' `FAMILY_TEST` marks."""
-    entry = RunEntry.of(run)
-    exposure = [e for e in Section.of(literature).exposure_entries() if e.run == entry.id]
+def settle_rows(rows: list[dict[str, Any]], run: str, literature: Section | Mapping[str, Any] | None
+                ) -> list[dict[str, Any]]:
+    """Run `run`'s probe table `rows` after the report's one correction, as new rows without their
+    `FAMILY_TEST` marks: a row whose test the family holds -- the literature section's bucket of
+    the same run and repetitions, where that bucket is all of them (one owner kind) and its p-value
+    is the row's -- states the family's adjusted p; every other row keeps its p, labelled
+    unadjusted. `rows` are left as they were."""
+    exposure = [e for e in Section.of(literature).exposure_entries() if e.run == run]
     buckets = [b for e in exposure for b in e.each_bucket()]
-    for row in entry.probe_rows or []:
-        mark = row.pop(FAMILY_TEST, None)
-        if mark is None:
+    out = []
+    for row in rows or []:
+        if FAMILY_TEST not in row:
+            out.append(row)
             continue
-        ref = FamilyMark.of(mark)
+        ref = FamilyMark.of(row[FAMILY_TEST])
         same = [b for b in buckets if b.repetitions == ref.repetitions]
         t = same[0].test if len(same) == 1 else None
         held = (t is not None and t.p_adjusted is not None
                 and abs(t.p_value - ref.p_value) <= 1e-9 * max(1.0, ref.p_value))
-        row.update(metric=_excess_label(ref.repetitions, ref.test, ref.p_value, t if held else None))
+        out.append({**{k: v for k, v in row.items() if k != FAMILY_TEST},
+                    "metric": _excess_label(ref.repetitions, ref.test, ref.p_value, t if held else None)})
+    return out
 
 
 def _extraction(p: ProbeSection, out: Summary, docs: dict[str, str] | None, show_secrets: bool = False) -> None:

@@ -31,7 +31,7 @@ import itertools
 import math
 import typing
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,18 +40,18 @@ from memaudit.backends import report_rank
 from memaudit.config import ModelConfig
 from memaudit.probes.document import ProbesDoc, read_probes
 from memaudit.probes.extraction import repeat_bucket
-from memaudit.probes.records import Cell
+from memaudit.probes.records import Cell, Test
 from memaudit.probes.stats import (
     MIN_N,
     N_TOO_SMALL,
     compare_seeds,
     compare_units,
-    holm,
     mean_summary,
     rate_summary,
 )
 from memaudit.reports.compare import nominal_epsilon, pool
-from memaudit.reports.entries import RunEntry, UnitScores, entries
+from memaudit.reports.entries import Record, RunEntry, UnitScores, entries
+from memaudit.reports.family import correct
 from memaudit.rundir import RunDir
 
 ALPHA = 0.05
@@ -169,8 +169,78 @@ def _condition_label(backend: str, eps: float) -> str:
     return f"{side}, {'no DP' if math.isinf(eps) else f'epsilon = {eps:g}'}"
 
 
-def _test(a: list[ScaleRun], b: list[ScaleRun], metric: str, bucket: str, alternative: str) -> dict:
-    """The test of one cell pair: over seeds when both sides have several, else on units."""
+@dataclass(frozen=True, kw_only=True)
+class ScaleTest(Record):
+    """One planned comparison of the section: side `a` against side `b` (size labels) on `metric`
+    at repetition `bucket`, one-sided (`alternative`), with its test (None, and the `note` saying
+    why, below `MIN_N` units a side) and its verdict once the test is corrected ("more", "less",
+    "no difference shown", "n too small"; "not tested" before)."""
+
+    comparison: str | None = None  # "size" or "goldfish"
+    condition: str | None = None
+    metric: str | None = None
+    bucket: str | None = None
+    alternative: str | None = None
+    a: str | None = None
+    b: str | None = None
+    value_a: float | None = None
+    value_b: float | None = None
+    verdict: str | None = None
+    test: Test | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleRow(Record):
+    """One (size, Goldfish) configuration of a table: its cell per repetition bucket, pooled over
+    its seeds' runs."""
+
+    size: str | None = None
+    preset: str | None = None
+    params: int | None = None
+    goldfish: bool = False
+    n_seeds: int | None = None
+    runs: list = field(default_factory=list)
+    cells: dict = field(default_factory=dict)  # bucket -> Cell (None: not measured)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleTable(Record):
+    """One condition's metric: a row per (size, Goldfish), a column per repetition bucket."""
+
+    condition: str | None = None
+    backend: str | None = None
+    epsilon: float | None = None
+    metric: str | None = None
+    label: str | None = None
+    unit: str | None = None
+    buckets: list = field(default_factory=list)
+    rows: list = field(default_factory=list)  # ScaleRow
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleSection(Record):
+    """The section (report.json's `scale`): the sizes, the tables, every planned comparison with its
+    test, the correction and its family's size, and the sentences of the differences shown."""
+
+    sizes: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)  # key -> {"label", "unit"}, from METRICS
+    tables: list = field(default_factory=list)  # ScaleTable
+    tests: list = field(default_factory=list)  # ScaleTest
+    family: int | None = None
+    correction: str = CORRECTION
+    alpha: float = ALPHA
+    min_n: int = MIN_N
+    goldfish_m: list = field(default_factory=list)  # the m of goldfish_extraction in these runs
+    sentences: list = field(default_factory=list)
+
+    def each_test(self) -> list[ScaleTest]:
+        return [ScaleTest.of(t) for t in self.tests]
+
+
+def _test(a: list[ScaleRun], b: list[ScaleRun], metric: str, bucket: str, alternative: str) -> dict[str, Any]:
+    """The test of one cell pair: over seeds when both sides have several, else on units (the
+    `ScaleTest` fields `verdict`, `test` and `note`)."""
     ua, ub = a[0].scores(metric)[bucket], b[0].scores(metric)[bucket]
     sa, sb = UnitScores.of(ua), UnitScores.of(ub)
     if min(len(sa.ids), len(sb.ids)) < MIN_N:
@@ -183,10 +253,9 @@ def _test(a: list[ScaleRun], b: list[ScaleRun], metric: str, bucket: str, altern
 
     va, vb = seeds(a), seeds(b)
     if len(va) > 1 and len(vb) > 1:
-        t = {**compare_seeds(va, vb, alternative=alternative).to_json(), "scope": "configurations"}
+        t = compare_seeds(va, vb, alternative=alternative).replace(scope="configurations")
     else:
-        t = {**compare_units(ua, ub, alternative=alternative).to_json(), "scope": "runs",
-             "runs": [a[0].id, b[0].id]}
+        t = compare_units(ua, ub, alternative=alternative).replace(scope="runs", runs=(a[0].id, b[0].id))
     return {"verdict": "not tested", "test": t, "note": None}
 
 
@@ -207,31 +276,29 @@ def _pairs(cells: dict[tuple, list[dict]]):
                 yield "goldfish", (cond, s, True), (cond, s, False), "less"
 
 
-def _sentence(t: dict, family: int) -> str:
-    x = t["test"]
-    scope = "these configurations" if x["scope"] == "configurations" else "these runs"
-    label, unit, _ = METRICS[t["metric"]]
+def _sentence(t: ScaleTest, family: int) -> str:
+    x = t.test
+    scope = "these configurations" if x.scope == "configurations" else "these runs"
+    label, unit, _ = METRICS[t.metric]
     u = f" {unit}" if unit else ""
-    where = "over all documents" if t["bucket"] == "all" else f"at {t['bucket']} repetitions"
-    verb = ("shows a higher" if t["comparison"] == "size" else "shows a lower")
-    return (f"In {scope} ({t['condition']}), {t['a']} {verb} {label} than {t['b']} {where}: "
-            f"{t['value_a']:.3g}{u} vs {t['value_b']:.3g}{u} ({x['test']}, one-sided, "
-            f"n = {x['n_a']}/{x['n_b']} {x['unit']}, p = {x['p_value']:.3g}, {CORRECTION} "
-            f"p = {x['p_adjusted']:.3g} over {family} tests)")
+    where = "over all documents" if t.bucket == "all" else f"at {t.bucket} repetitions"
+    verb = ("shows a higher" if t.comparison == "size" else "shows a lower")
+    return (f"In {scope} ({t.condition}), {t.a} {verb} {label} than {t.b} {where}: "
+            f"{t.value_a:.3g}{u} vs {t.value_b:.3g}{u} ({x.name}, one-sided, "
+            f"n = {x.n_a}/{x.n_b} {x.unit}, p = {x.p_value:.3g}, {CORRECTION} "
+            f"p = {x.p_adjusted:.3g} over {family} tests)")
 
 
-def _pooled(rs: list[ScaleRun], metric: str, bucket: str) -> dict[str, Any] | None:
-    """One cell over a group's seeds (`compare.pool`: one run's cell as it is), as the section's
-    JSON holds it."""
-    c = pool([_cell(r.scores(metric)[bucket]) for r in rs if bucket in r.scores(metric)])
-    return None if c is None else c.to_json()
+def _pooled(rs: list[ScaleRun], metric: str, bucket: str) -> Cell | None:
+    """One cell over a group's seeds (`compare.pool`: one run's cell as it is)."""
+    return pool([_cell(r.scores(metric)[bucket]) for r in rs if bucket in r.scores(metric)])
 
 
 def _bucket_order(b: str) -> tuple:
     return (b != "all", int(b.split("-")[0]) if b != "all" else 0)
 
 
-def _tables(cells: dict[tuple, list[ScaleRun]]) -> list[dict[str, Any]]:
+def _tables(cells: dict[tuple, list[ScaleRun]]) -> list[ScaleTable]:
     """Per condition and metric: one row per (size, Goldfish), one cell per repetition bucket."""
     tables = []
     for cond in sorted({c for c, _, _ in cells}, key=lambda c: (report_rank(c[0]), c[1])):
@@ -240,18 +307,17 @@ def _tables(cells: dict[tuple, list[ScaleRun]]) -> list[dict[str, Any]]:
             buckets = sorted({b for k in keys for r in cells[k] for b in r.scores(metric)}, key=_bucket_order)
             if not buckets:
                 continue
-            rows = [{"size": _size_label(cells[k][0].entry), "preset": cells[k][0].entry.model.preset,
-                     "params": cells[k][0].entry.model.params, "goldfish": k[2],
-                     "n_seeds": len(cells[k]), "runs": [r.id for r in cells[k]],
-                     "cells": {b: _pooled(cells[k], metric, b) for b in buckets}} for k in keys]
-            tables.append({"condition": _condition_label(*cond), "backend": cond[0],
-                           "epsilon": cond[1], "metric": metric, "label": label, "unit": unit,
-                           "buckets": buckets, "rows": rows})
+            rows = [ScaleRow(size=_size_label(cells[k][0].entry), preset=cells[k][0].entry.model.preset,
+                             params=cells[k][0].entry.model.params, goldfish=k[2], n_seeds=len(cells[k]),
+                             runs=[r.id for r in cells[k]],
+                             cells={b: _pooled(cells[k], metric, b) for b in buckets}) for k in keys]
+            tables.append(ScaleTable(condition=_condition_label(*cond), backend=cond[0], epsilon=cond[1],
+                                     metric=metric, label=label, unit=unit, buckets=buckets, rows=rows))
     return tables
 
 
-def _tests(cells: dict[tuple, list[ScaleRun]], labels: dict[tuple, str]) -> list[dict[str, Any]]:
-    """Every planned comparison with its test (or why none), Holm-adjusted over the section."""
+def _tests(cells: dict[tuple, list[ScaleRun]], labels: dict[tuple, str]) -> list[ScaleTest]:
+    """Every planned comparison with its test (or why none), not yet corrected."""
     tests = []
     for comparison, ka, kb, alt in _pairs(cells):
         a, b = cells[ka], cells[kb]
@@ -259,43 +325,44 @@ def _tests(cells: dict[tuple, list[ScaleRun]], labels: dict[tuple, str]) -> list
             shared = set(a[0].scores(metric)) & set(b[0].scores(metric))
             for bucket in sorted(shared, key=_bucket_order):
                 va, vb = _pooled(a, metric, bucket), _pooled(b, metric, bucket)
-                tests.append({"comparison": comparison, "condition": _condition_label(*ka[0]),
-                              "metric": metric, "bucket": bucket, "alternative": alt,
-                              "a": labels[ka], "b": labels[kb],
-                              "value_a": va and va["value"], "value_b": vb and vb["value"],
-                              **_test(a, b, metric, bucket, alt)})
-    tested = [t for t in tests if t["test"] is not None]
-    for t, pa in zip(tested, holm([t["test"]["p_value"] for t in tested]), strict=True):
-        t["test"].update({"p_adjusted": pa, "correction": CORRECTION, "family": len(tested),
-                          "alpha": ALPHA})
-        t["verdict"] = _verdict(t)
+                tests.append(ScaleTest(comparison=comparison, condition=_condition_label(*ka[0]), metric=metric,
+                                       bucket=bucket, alternative=alt, a=labels[ka], b=labels[kb],
+                                       value_a=None if va is None else va.value,
+                                       value_b=None if vb is None else vb.value,
+                                       **_test(a, b, metric, bucket, alt)))
     return tests
 
 
-def _verdict(t: dict[str, Any]) -> str:
-    return ("no difference shown" if t["test"]["p_adjusted"] >= ALPHA
-            else "more" if t["comparison"] == "size" else "less")
+def _verdict(t: ScaleTest) -> str:
+    return ("no difference shown" if t.test.p_adjusted >= ALPHA
+            else "more" if t.comparison == "size" else "less")
 
 
-def tests_of(sec: dict[str, Any]) -> list[dict[str, Any]]:
-    """The section's test dicts (those with a test) in a fixed order, to adjust in place."""
-    return [t["test"] for t in sec["tests"] if t["test"] is not None]
+def tests_of(sec: ScaleSection) -> list[Test]:
+    """The section's tests (of the comparisons that have one) in a fixed order."""
+    return [t.test for t in sec.each_test() if t.test is not None]
 
 
-def passing(sec: dict[str, Any]) -> int:
+def passing(sec: ScaleSection) -> int:
     """The section's tests that show a difference."""
-    return sum(t["verdict"] in ("more", "less") for t in sec["tests"])
+    return sum(t.verdict in ("more", "less") for t in sec.each_test())
 
 
-def settle(sec: dict[str, Any], family: int) -> None:
-    """After the report's one correction wrote each test's `p_adjusted` (over `family` tests):
-    the verdicts and sentences that follow from it."""
-    for t in sec["tests"]:
-        if t["test"] is not None:
-            t["test"]["family"] = family
-            t["verdict"] = _verdict(t)
-    sec["family"] = family
-    sec["sentences"] = [_sentence(t, family) for t in sec["tests"] if t["verdict"] in ("more", "less")]
+def settle(sec: ScaleSection, tests: list[Test], family: int) -> ScaleSection:
+    """The section with `tests` in place of `tests_of(sec)` (the same tests, corrected: by the
+    report's one family of `family` tests, `memaudit.reports.family.correct`), each comparison's
+    verdict, the family's size and the sentences of the differences shown; `sec` is left as it was."""
+    if len(tests) != len(tests_of(sec)):
+        raise ValueError(f"the scale section holds {len(tests_of(sec))} tests, {len(tests)} given")
+    given = iter(tests)
+    out = []
+    for t in sec.each_test():
+        if t.test is not None:
+            t = t.replace(test=next(given))
+            t = t.replace(verdict=_verdict(t))
+        out.append(t)
+    return sec.replace(tests=out, family=family,
+                       sentences=[_sentence(t, family) for t in out if t.verdict in ("more", "less")])
 
 
 def _scale_run(r: RunEntry) -> ScaleRun:
@@ -305,9 +372,10 @@ def _scale_run(r: RunEntry) -> ScaleRun:
                     m=None if doc is None else _suffix_tokens(doc))
 
 
-def scale_section(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any] | None:
+def scale_section(runs: list[dict[str, Any] | RunEntry]) -> ScaleSection | None:
     """The section from the report's run entries (their probes.json read again for per-unit
-    scores), or None when the runs all have one size and one Goldfish setting."""
+    scores), its tests Holm-corrected over the section alone (a report corrects them again with
+    all its tests, `settle`), or None when the runs all have one size and one Goldfish setting."""
     # audit runs train on other data; a public base was not fine-tuned on the private data
     runs = [r for r in entries(runs) if not r.audit and r.role != "public-base"]
     if len({_size_key(r) for r in runs}) < 2 and len({bool(r.goldfish) for r in runs}) < 2:
@@ -317,17 +385,10 @@ def scale_section(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any] | Non
         cells[(_condition(r), _size_key(r), r.goldfish)].append(_scale_run(r))
     labels = {k: _size_label(rs[0].entry) + (" + Goldfish" if k[2] else "") for k, rs in cells.items()}
     suffix = sorted({r.m for rs in cells.values() for r in rs if r.m is not None})
-    tests = _tests(cells, labels)
-    family = sum(t["test"] is not None for t in tests)
-    return {
-        "sizes": list(dict.fromkeys(_size_label(cells[k][0].entry) for k in sorted(cells, key=lambda k: k[1]))),
-        "metrics": {k: {"label": v[0], "unit": v[1]} for k, v in METRICS.items()},
-        "tables": _tables(cells),
-        "tests": tests,
-        "family": family,
-        "correction": CORRECTION,
-        "alpha": ALPHA,
-        "min_n": MIN_N,
-        "goldfish_m": suffix,  # the m of goldfish_extraction in these runs (50 in the paper)
-        "sentences": [_sentence(t, family) for t in tests if t["verdict"] in ("more", "less")],
-    }
+    sec = ScaleSection(
+        sizes=list(dict.fromkeys(_size_label(cells[k][0].entry) for k in sorted(cells, key=lambda k: k[1]))),
+        metrics={k: {"label": v[0], "unit": v[1]} for k, v in METRICS.items()},
+        tables=_tables(cells), tests=_tests(cells, labels),
+        goldfish_m=suffix)  # the m of goldfish_extraction in these runs (50 in the paper)
+    tests = tests_of(sec)
+    return settle(sec, correct(tests, CORRECTION, ALPHA), len(tests))

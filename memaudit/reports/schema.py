@@ -8,6 +8,7 @@ import jsonschema
 
 from memaudit.backends import BACKENDS
 from memaudit.probes.records import Cell, Test
+from memaudit.reports.entries import Record
 
 _NUM = {"type": ["number", "null"]}
 _CELL = {
@@ -127,9 +128,12 @@ REPORT_SCHEMA: dict[str, Any] = {
 
 
 def as_json(o: Any) -> Any:
-    """`o` with its typed records (`memaudit.probes.records`) as the JSON objects they write."""
+    """`o` with its typed records (`memaudit.probes.records`, `memaudit.reports.entries.Record`) as
+    the JSON objects they write."""
     if isinstance(o, Cell | Test):
         return o.to_json()
+    if isinstance(o, Record):
+        return as_json(o.to_json())
     if isinstance(o, dict):
         return {k: as_json(v) for k, v in o.items()}
     if isinstance(o, list | tuple):

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from memaudit.io import atomic_write_text
-from memaudit.reports.blocks import Comparisons, Findings
+from memaudit.reports.blocks import Comparisons, Findings, Section
 from memaudit.reports.cells import README as README_CELL
 from memaudit.reports.cells import format_cell, readme_number
 from memaudit.reports.entries import Record, RunEntry, entries
@@ -135,27 +135,27 @@ def render_block(name: str, report: dict[str, Any], meta: dict[str, Any] | None 
     lines += ["", _matched_line(report), "", _passing_line(f)]
     for h in Findings.of(f).first_screen():
         lines.append(f"- {h.text} ({h.evidence})" + (f"; caveat: {h.caveat}" if h.caveat else "") + ".")
-    lit = report.get("literature")
-    if lit and lit.get("sentences"):
+    lit = Section.of(report.get("literature"))
+    if lit.sentences:
         lines += ["", *_literature_lines(lit)]
     return "\n".join(lines) + "\n"
 
 
-def _literature_lines(lit: dict[str, Any]) -> list[str]:
+def _literature_lines(lit: Section) -> list[str]:
     """The literature section, compact: the trend tests in one line, the group-privacy contrast as a
     table (user-owned canaries at the most repetitions), then extraction, audit and learning."""
-    out = [(f"The effects the literature reports ({str(lit.get('correction', 'holm')).capitalize()}-"
-           f"corrected over the {lit.get('family', 0)} tests of that section):")]
-    trends = [(e["label"], e["trend"]) for e in lit.get("exposure", []) if e.get("trend")]
+    out = [(f"The effects the literature reports ({(lit.correction or 'holm').capitalize()}-"
+           f"corrected over the {lit.family or 0} tests of that section):")]
+    trends = [(e.label, e.trend) for e in lit.exposure_entries() if e.trend]
     if trends:
-        shown = [lbl for lbl, t in trends if t.get("verdict") == "shown"]
-        lbl, t = min(trends, key=lambda x: x[1].get("p_adjusted", 1.0))
-        out.append(f"- Exposure rises with repetitions (one-sided Spearman, n = {t['n_a']} canaries a run): "
+        shown = [lbl for lbl, t in trends if t.verdict == "shown"]
+        lbl, t = min(trends, key=lambda x: 1.0 if x[1].p_adjusted is None else x[1].p_adjusted)
+        out.append(f"- Exposure rises with repetitions (one-sided Spearman, n = {t.n_a} canaries a run): "
                    f"shown in {len(shown)} of {len(trends)} runs{' (' + '; '.join(shown) + ')' if shown else ''}; "
-                   f"strongest: {lbl}, rho = {t['rho']:.2f}, Holm p = {readme_number(t['p_adjusted'])}.")
+                   f"strongest: {lbl}, rho = {t.rho:.2f}, Holm p = {readme_number(t.p_adjusted)}.")
     rows = [f"| {e.label} | {b.repetitions} | {readme_number(b.effective_epsilon)} | {format_cell(b.excess, README_CELL)} | "
             f"{b.test.verdict} (Holm p = {readme_number(b.test.p_adjusted)}) |"
-            for e, b in contrast_buckets(lit.get("exposure", []))]
+            for e, b in contrast_buckets(lit.exposure)]
     if rows:
         out += [("- Group privacy on the same canaries (one user owns every copy; Mann-Whitney, inserted > "
                 "references):"), "", ("  | run | repetitions | effective epsilon | excess exposure (bits) | "

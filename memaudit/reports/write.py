@@ -2,9 +2,10 @@
 report.json back.
 
 This module is report.json's one reader and writer: in memory the report's measured cells and
-tests are the typed records of `memaudit.probes.records` (`Cell`, `Test`), and only here do they
-become JSON objects (`json_safe`, through their `to_json`) and records again (`load_report`,
-through `from_json`)."""
+tests are the typed records of `memaudit.probes.records` (`Cell`, `Test`), and its sections the
+records of `memaudit.reports` (`memaudit.reports.entries.Record`: the scale and literature
+sections); only here do they become JSON objects (`json_safe`, through their `to_json`) and
+records again (`load_report`, through `from_json`)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ from typing import Any
 from memaudit.backends import backend_name
 from memaudit.io import atomic_write_text
 from memaudit.probes.records import Cell, Test
+from memaudit.reports.entries import Record
 from memaudit.reports.render import render_html, render_markdown
 from memaudit.reports.schema import validate_report
 
 
 def json_safe(o: Any) -> Any:
-    """`o` with its records as JSON objects, infinities as "inf"/"-inf" and NaN as null: what
+    """`o` with its records (cells, tests, the sections' records) as JSON objects, infinities as "inf"/"-inf" and NaN as null: what
     report.json stores."""
-    if isinstance(o, Cell | Test):
+    if isinstance(o, Cell | Test | Record):
         o = o.to_json()
     if isinstance(o, float) and (math.isinf(o) or math.isnan(o)):
         return None if math.isnan(o) else ("inf" if o > 0 else "-inf")

@@ -170,11 +170,11 @@ def test_scale_section_null_check_on_a_real_probes_json(tmp_path, trained, probe
         (rd / "probes.json").write_text(json.dumps(done))
         dirs.append(rd)
     sec = build_report(dirs)["scale"]
-    gold = [t for t in sec["tests"] if t["metric"] == "goldfish_exact"]
-    assert {t["bucket"] for t in gold} == {"all", "1", "4-7", "16-31"}
-    assert sec["family"] > 0 and not sec["sentences"]
-    assert all(t["verdict"] in ("no difference shown", "n too small") for t in sec["tests"])
-    assert all(t["test"]["p_adjusted"] == 1.0 for t in sec["tests"] if t["test"])
+    gold = [t for t in sec.tests if t.metric == "goldfish_exact"]
+    assert {t.bucket for t in gold} == {"all", "1", "4-7", "16-31"}
+    assert sec.family > 0 and not sec.sentences
+    assert all(t.verdict in ("no difference shown", "n too small") for t in sec.tests)
+    assert all(t.test.p_adjusted == 1.0 for t in sec.tests if t.test)
 
 
 def test_prompts_are_cut_to_the_training_context(memorizer):

@@ -108,62 +108,62 @@ def test_buckets_trend_and_holm_family(runs):
     from scipy.stats import mannwhitneyu
 
     sec = literature_section(runs)
-    ex = {e["run"]: e for e in sec["exposure"]}
+    ex = {e.run: e for e in sec.exposure}
     assert set(ex) == {"par-inf", "par-eps8", "fed-inf", "fed-eps8"}  # no base, no audit runs
-    tests = [e["trend"] for e in sec["exposure"]] + [b["test"] for e in sec["exposure"] for b in e["buckets"]]
-    assert sec["family"] == len(tests) == 4 + 4 * 6
-    assert [t["p_adjusted"] for t in tests] == pytest.approx(_holm_oracle([t["p_value"] for t in tests]))
+    tests = [e.trend for e in sec.exposure] + [b.test for e in sec.exposure for b in e.buckets]
+    assert sec.family == len(tests) == 4 + 4 * 6
+    assert [t.p_adjusted for t in tests] == pytest.approx(_holm_oracle([t.p_value for t in tests]))
     # each bucket's U test and excess against a direct computation on the units
     u = runs[1]["units"]["exposure_canaries"]
     refs = [v for v, r in zip(u["values"], u["role"], strict=True) if r == "reference"]
     top = [v for v, r, k, o in zip(u["values"], u["role"], u["repetitions"], u["owner_kind"], strict=True)
            if r == "inserted" and k == 16 and o == "user"]
-    b = next(b for b in ex["par-inf"]["buckets"] if (b["repetitions"], b["owner_kind"]) == (16, "user"))
-    assert b["test"]["p_value"] == pytest.approx(mannwhitneyu(top, refs, alternative="greater").pvalue)
-    assert b["excess"]["value"] == pytest.approx(np.mean(top) - np.mean(refs))
-    assert b["excess"]["ci_low"] < b["excess"]["value"] < b["excess"]["ci_high"] and b["excess"]["n"] == 10
-    assert ex["par-inf"]["trend"]["verdict"] == "shown" and ex["fed-eps8"]["trend"]["verdict"] == "not shown"
+    b = next(b for b in ex["par-inf"].buckets if (b.repetitions, b.owner_kind) == (16, "user"))
+    assert b.test.p_value == pytest.approx(mannwhitneyu(top, refs, alternative="greater").pvalue)
+    assert b.excess.value == pytest.approx(np.mean(top) - np.mean(refs))
+    assert b.excess.ci_low < b.excess.value < b.excess.ci_high and b.excess.n == 10
+    assert ex["par-inf"].trend.verdict == "shown" and ex["fed-eps8"].trend.verdict == "not shown"
     # group privacy on the same user-owned canaries: 16 x 8 under example-level DP, 8 under user-level
-    eff = {e["run"]: next(b for b in e["buckets"] if (b["repetitions"], b["owner_kind"]) == (16, "user"))
-           for e in sec["exposure"]}
-    assert eff["par-eps8"]["effective_epsilon"] == 128 and eff["fed-eps8"]["effective_epsilon"] == 8
-    assert eff["par-eps8"]["test"]["verdict"] == "shown" and eff["fed-eps8"]["test"]["verdict"] == "not shown"
-    assert any("one user repeats 16 times (effective epsilon = 128" in s for s in sec["sentences"])
+    eff = {e.run: next(b for b in e.buckets if (b.repetitions, b.owner_kind) == (16, "user"))
+           for e in sec.exposure}
+    assert eff["par-eps8"].effective_epsilon == 128 and eff["fed-eps8"].effective_epsilon == 8
+    assert eff["par-eps8"].test.verdict == "shown" and eff["fed-eps8"].test.verdict == "not shown"
+    assert any("one user repeats 16 times (effective epsilon = 128" in s for s in sec.sentences)
 
 
 def test_too_few_canaries_are_not_tested(runs):
     r = _run("few", "centralized", math.inf, slope=1.5, loss=5.0, seed=9)
     r["units"]["exposure_canaries"] = _exposure_units(1.5, 9, per=4)
     sec = literature_section([r])
-    (e,) = sec["exposure"]
-    assert all(b["test"] is None and b["note"] == "n too small" and b["excess"]["ci_low"] is None
-               for b in e["buckets"])
-    assert sec["family"] == 1  # the trend over all 24 canaries is still a test
+    (e,) = sec.exposure
+    assert all(b.test is None and b.note == "n too small" and b.excess.ci_low is None for b in e.buckets)
+    assert sec.family == 1  # the trend over all 24 canaries is still a test
 
 
 def test_extraction_audit_and_dp_learns(runs):
     sec = literature_section(runs)
-    (x,) = [x for x in sec["extraction"] if x["run"] == "par-inf"]
-    assert x["metrics"]["extraction_exact"]["k"] == 3 and x["metrics"]["extraction_exact"]["nonzero"]
-    assert not x["metrics"]["pii_extraction"]["nonzero"]
-    audit = {a["run"]: a for a in sec["audit"]}
+    (x,) = [x for x in sec.extraction if x.run == "par-inf"]
+    exact, pii = (x.metrics[k].to_json() for k in ("extraction_exact", "pii_extraction"))
+    assert exact["k"] == 3 and exact["nonzero"] and exact["value"] == 3 / 300 and exact["n"] == 300
+    assert pii["k"] == 0 and not pii["nonzero"]
+    audit = {a["run"]: a for a in sec.audit}
     assert audit["par-inf-audit"]["verdict"] == "positive lower bound"
     assert audit["par-eps2-audit"]["verdict"] == "below the ledger's epsilon"
     said = audit_sentences(sec)
     assert ("n = 256 audit canaries, new users' messages by Min-K%, 61 of 64 guesses right, 95% one-sided; "
             "ceiling 2.5): positive lower bound") in said[0]
     assert "random secrets by log-likelihood, 95% one-sided" in said[1]  # a report without the kind
-    learns = {g["run"]: g for g in sec["dp_learns"]}
+    learns = {g.run: g for g in sec.dp_learns}
     # the oracle: the same ratio of mean holdout losses, from the units directly
     def hold(r):
         u = r["units"]["mia_auc"]
         return np.mean([-v for v, m in zip(u["values"], u["member"], strict=True) if not m])
     base, pinf, p8, finf, f8 = (hold(runs[i]) for i in range(5))
-    assert learns["par-eps8"]["closed"]["value"] == pytest.approx((base - p8) / (base - pinf))
-    assert learns["fed-eps8"]["closed"]["value"] == pytest.approx((base - f8) / (base - finf))
-    assert learns["par-eps8"]["verdict"] == "at least half closed"  # about 0.6, tight interval
-    assert learns["fed-eps8"]["verdict"] == "less than half closed"  # about 0.25
-    assert learns["par-eps8"]["closed"]["n"] == 50
+    assert learns["par-eps8"].closed.value == pytest.approx((base - p8) / (base - pinf))
+    assert learns["fed-eps8"].closed.value == pytest.approx((base - f8) / (base - finf))
+    assert learns["par-eps8"].verdict == "at least half closed"  # about 0.6, tight interval
+    assert learns["fed-eps8"].verdict == "less than half closed"  # about 0.25
+    assert learns["par-eps8"].closed.n == 50
 
 
 def test_section_renders_and_validates(runs, tmp_path):
@@ -186,18 +186,18 @@ def test_no_gap_to_close_is_said_not_divided(runs):
     base = _run("base", "centralized", 0.0, slope=0.0, loss=5.0, seed=0, role="public-base")
     sec = literature_section([base, _run("par-inf", "centralized", math.inf, slope=1.5, loss=5.5, seed=1),
                               _run("par-eps8", "centralized", 8.0, slope=0.0, loss=7.0, seed=2, unit="example")])
-    (g,) = sec["dp_learns"]
-    assert g["closed"] is None and g["verdict"].startswith("no gap")
-    assert any("no gap" in s for s in sec["sentences"])
+    (g,) = sec.dp_learns
+    assert g.closed is None and g.verdict.startswith("no gap")
+    assert any("no gap" in s for s in sec.sentences)
 
 
-def _every_test(rep: dict) -> list[dict]:
-    """Every test dict of a report: comparison cells, then the literature section's."""
+def _every_test(rep: dict) -> list:
+    """Every test of a report: comparison cells' `Test`s, then the literature section's."""
     comp = rep["comparisons"]
     blocks = comp.get("matched", []) + comp.get("effects", []) + (comp.get("matched_utility") or {}).get("pairs", [])
-    cells = [c["test"].to_json() for b in blocks for c in b.get("metrics", {}).values() if c.get("test")]
-    lit = [e["trend"] for e in rep["literature"]["exposure"] if e["trend"]] + [
-        b["test"] for e in rep["literature"]["exposure"] for b in e["buckets"] if b.get("test")]
+    cells = [c["test"] for b in blocks for c in b.get("metrics", {}).values() if c.get("test")]
+    lit = [e.trend for e in rep["literature"].exposure if e.trend] + [
+        b.test for e in rep["literature"].exposure for b in e.buckets if b.test]
     return cells + lit
 
 
@@ -205,16 +205,17 @@ def test_one_holm_family_over_every_test_of_the_report(runs):
     """The comparisons and the literature section are corrected together, as the report and the
     README say ("over every test of the report"); they used to be two families at 0.05 each."""
     rep = {"schema": SCHEMA, "runs": runs, "comparisons": comparisons(runs), "literature": literature_section(runs)}
-    section_alone = [b["test"]["p_adjusted"] for b in rep["literature"]["exposure"][0]["buckets"] if b.get("test")]
+    section_alone = [b.test.p_adjusted for b in rep["literature"].exposure[0].buckets if b.test]
     adjusted = findings.adjust_report(rep)
     tests = _every_test(adjusted)
-    n_comp = len(tests) - rep["literature"]["family"]
-    assert n_comp > 0 and rep["literature"]["family"] > 0
-    assert {t["family"] for t in tests} == {len(tests)} and adjusted["literature"]["family"] == len(tests)
-    assert [t["p_adjusted"] for t in tests] == pytest.approx(_holm_oracle([t["p_value"] for t in tests]))
-    assert [t["verdict"] for t in tests[n_comp:]] == ["shown" if t["p_adjusted"] <= 0.05 else "not shown"
-                                                      for t in tests[n_comp:]]
-    assert section_alone == [b["test"]["p_adjusted"] for b in rep["literature"]["exposure"][0]["buckets"] if b.get("test")]
+    n_comp = len(tests) - rep["literature"].family
+    assert n_comp > 0 and rep["literature"].family > 0
+    assert {t.family for t in tests} == {len(tests)} and adjusted["literature"].family == len(tests)
+    assert [t.p_adjusted for t in tests] == pytest.approx(_holm_oracle([t.p_value for t in tests]))
+    assert [t.verdict for t in tests[n_comp:]] == ["shown" if t.p_adjusted <= 0.05 else "not shown"
+                                                   for t in tests[n_comp:]]
+    # the report's correction returns new records: the section it was given is left as it was
+    assert section_alone == [b.test.p_adjusted for b in rep["literature"].exposure[0].buckets if b.test]
     assert findings.generate(rep)["tests"] == len(tests)
     assert findings.adjust_report(adjusted) == adjusted  # adjusting again changes nothing
 
@@ -242,14 +243,17 @@ def test_probe_tables_show_the_reports_family_never_a_second_one():
     assert len(rows) == 3
     assert not any("Holm over" in r["metric"] or "0.00858" in r["metric"] for r in rows)
     assert all("unadjusted" in r["metric"] for r in rows)
-    run_ = {"id": "par-inf", "probe_rows": rows}
     lit = {"exposure": [{"run": "par-inf", "buckets": [
         {"repetitions": 16, "owner_kind": "user", "test": {"p_value": 0.00286, "p_adjusted": 0.36, "family": 66}},
         {"repetitions": 4, "owner_kind": "user", "test": {"p_value": 0.02, "p_adjusted": 0.9, "family": 66}},
         {"repetitions": 4, "owner_kind": "spread", "test": {"p_value": 0.03, "p_adjusted": 0.9, "family": 66}}]}]}
-    settle_rows(run_, lit)
-    text = {r["metric"].split(" repetitions")[0].split(", ")[-1]: r["metric"] for r in run_["probe_rows"]}
+    before = [dict(r) for r in rows]
+    settled = settle_rows(rows, "par-inf", lit)
+    text = {r["metric"].split(" repetitions")[0].split(", ")[-1]: r["metric"] for r in settled}
     assert "p = 0.00286, Holm-adjusted p = 0.36 over the report's 66 tests" in text["16"]
     # 4 repetitions: two owner kinds, two tests of the family, neither the probe's: unadjusted
     assert "unadjusted" in text["4"] and "Holm-adjusted" not in text["4"]
-    assert not any("family_test" in r for r in run_["probe_rows"])
+    assert not any("family_test" in r for r in settled)
+    assert rows == before  # new rows; the ones given are left as they were
+    # another run's rows: the family holds none of their tests
+    assert all("unadjusted" in r["metric"] for r in settle_rows(rows, "fed-inf", lit))

@@ -108,11 +108,11 @@ def test_report_and_readme_say_at_least(tmp_path, probes):
     assert {p["run"]: p["lower_bound"] for p in pts} == {"nodp": True, "other": False}
     g = {(x["repetitions"], x["owner_kind"]): x for x in run["group_privacy"]}
     assert g[(64, "user")]["exposure"]["lower_bound"] is True and "lower_bound" not in g[(1, "user")]["exposure"]
-    lit = {e["run"]: e for e in report["literature"]["exposure"]}
-    b = {(x["repetitions"], x["owner_kind"]): x for x in lit["nodp"]["buckets"]}
-    assert b[(64, "user")]["excess"]["lower_bound"] is True and b[(64, "user")]["excess"]["ci_low"] is None
-    assert b[(64, "user")]["test"]["p_value"] < 1e-3  # the test still runs on the per-canary values
-    assert not b[(4, "user")]["excess"].get("lower_bound") and b[(4, "user")]["excess"]["ci_low"] is not None
+    lit = {e.run: e for e in report["literature"].exposure}
+    b = {(x.repetitions, x.owner_kind): x for x in lit["nodp"].buckets}
+    assert b[(64, "user")].excess.lower_bound is True and b[(64, "user")].excess.ci_low is None
+    assert b[(64, "user")].test.p_value < 1e-3  # the test still runs on the per-canary values
+    assert not b[(4, "user")].excess.lower_bound and b[(4, "user")].excess.ci_low is not None
     block = render_block("x", report)
     row = next(line for line in block.splitlines() if line.startswith("| nodp |"))
     assert f">= {run['leakage']['exposure_top'].value:.3g}" in row and "[" not in row.split("|")[4]
