@@ -337,7 +337,7 @@ class ExposureEntry(Record):
     epsilon: float = math.inf
     unit: str | None = None
     trend: SectionTest | None = None
-    buckets: list = field(default_factory=list)
+    buckets: list[Bucket] = field(default_factory=list)
 
     def each_bucket(self) -> list[Bucket]:
         return [Bucket.of(b) for b in self.buckets or []]
@@ -399,7 +399,7 @@ class ExtractionEntry(Record):
 
     run: str | None = None
     label: str | None = None
-    metrics: dict = field(default_factory=dict)  # metric -> Cell with k, what, nonzero
+    metrics: dict[str, Cell] = field(default_factory=dict)  # with k, what and nonzero beside the cell
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -408,10 +408,10 @@ class Section(Record):
     buckets' and trend's tests), extraction, audit and DP-learns entries; the correction, its
     family's size and alpha; the sentences that follow from the corrected tests."""
 
-    exposure: list = field(default_factory=list)  # ExposureEntry
-    extraction: list = field(default_factory=list)
-    audit: list = field(default_factory=list)
-    dp_learns: list = field(default_factory=list)
+    exposure: list[ExposureEntry] = field(default_factory=list)
+    extraction: list[ExtractionEntry] = field(default_factory=list)
+    audit: list = field(default_factory=list)  # objects read with AuditEntry: they keep every key of the bounds
+    dp_learns: list[DpLearns] = field(default_factory=list)
     alpha: float | None = None
     correction: str | None = None
     family: int | None = None

@@ -42,15 +42,22 @@ class Record:
 
     @classmethod
     @functools.cache
-    def _nested(cls) -> dict[str, tuple[type, bool]]:
-        """The fields holding a record (a `Record`, or a `Cell` or `Test` of
-        `memaudit.probes.records`): its type, and whether the field may be None."""
+    def _nested(cls) -> dict[str, tuple[type, bool, type | None]]:
+        """The fields holding records (a `Record`, or a `Cell` or `Test` of
+        `memaudit.probes.records`): the record's type, whether the field may be None, and the
+        container (`list[X]`: each element; `dict[str, X]`: each value, None kept) or None (the
+        field is one record)."""
         out = {}
         for name, hint in typing.get_type_hints(cls).items():
+            container = typing.get_origin(hint)
+            if container in (list, dict):
+                hint = typing.get_args(hint)[-1]
+            else:
+                container = None
             kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
             sub = [k for k in kinds if isinstance(k, type) and issubclass(k, Record | Cell | Test)]
             if sub:
-                out[name] = (sub[0], type(None) in kinds)
+                out[name] = (sub[0], type(None) in kinds, container)
         return out
 
     @classmethod
@@ -76,9 +83,14 @@ class Record:
                 v = f.default_factory()
             else:
                 v = None
-            if f.name in nested and not (v is None and nested[f.name][1]):
-                kind = nested[f.name][0]
-                v = kind.of(v) if issubclass(kind, Record) else v if isinstance(v, kind) else kind.from_json(v)
+            if f.name in nested:
+                kind, optional, container = nested[f.name]
+                if container is list:
+                    v = [_read(kind, x) for x in v or []]
+                elif container is dict:
+                    v = {k: None if x is None else _read(kind, x) for k, x in (v or {}).items()}
+                elif not (v is None and optional):
+                    v = _read(kind, v)
             kw[f.name] = v
         return cls(**kw)
 
@@ -92,6 +104,13 @@ class Record:
     def replace(self, **changes: Any):
         """A copy with `changes` (fields by name)."""
         return dataclasses.replace(self, **changes)
+
+
+def _read(kind: type, v: Any) -> Any:
+    """`v` as a `kind` record: a `Record` by `Record.of`, a `Cell` or `Test` by its `from_json`."""
+    if issubclass(kind, Record):
+        return kind.of(v)
+    return v if isinstance(v, kind) else kind.from_json(v)
 
 
 @dataclass(frozen=True, kw_only=True)

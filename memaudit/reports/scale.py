@@ -201,7 +201,7 @@ class ScaleRow(Record):
     goldfish: bool = False
     n_seeds: int | None = None
     runs: list = field(default_factory=list)
-    cells: dict = field(default_factory=dict)  # bucket -> Cell (None: not measured)
+    cells: dict[str, Cell | None] = field(default_factory=dict)  # by bucket (None: not measured)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,7 +215,7 @@ class ScaleTable(Record):
     label: str | None = None
     unit: str | None = None
     buckets: list = field(default_factory=list)
-    rows: list = field(default_factory=list)  # ScaleRow
+    rows: list[ScaleRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,8 +225,8 @@ class ScaleSection(Record):
 
     sizes: list = field(default_factory=list)
     metrics: dict = field(default_factory=dict)  # key -> {"label", "unit"}, from METRICS
-    tables: list = field(default_factory=list)  # ScaleTable
-    tests: list = field(default_factory=list)  # ScaleTest
+    tables: list[ScaleTable] = field(default_factory=list)
+    tests: list[ScaleTest] = field(default_factory=list)
     family: int | None = None
     correction: str = CORRECTION
     alpha: float = ALPHA
@@ -234,8 +234,6 @@ class ScaleSection(Record):
     goldfish_m: list = field(default_factory=list)  # the m of goldfish_extraction in these runs
     sentences: list = field(default_factory=list)
 
-    def each_test(self) -> list[ScaleTest]:
-        return [ScaleTest.of(t) for t in self.tests]
 
 
 def _test(a: list[ScaleRun], b: list[ScaleRun], metric: str, bucket: str, alternative: str) -> dict[str, Any]:
@@ -340,12 +338,12 @@ def _verdict(t: ScaleTest) -> str:
 
 def tests_of(sec: ScaleSection) -> list[Test]:
     """The section's tests (of the comparisons that have one) in a fixed order."""
-    return [t.test for t in sec.each_test() if t.test is not None]
+    return [t.test for t in sec.tests if t.test is not None]
 
 
 def passing(sec: ScaleSection) -> int:
     """The section's tests that show a difference."""
-    return sum(t.verdict in ("more", "less") for t in sec.each_test())
+    return sum(t.verdict in ("more", "less") for t in sec.tests)
 
 
 def settle(sec: ScaleSection, tests: list[Test], family: int) -> ScaleSection:
@@ -356,7 +354,7 @@ def settle(sec: ScaleSection, tests: list[Test], family: int) -> ScaleSection:
         raise ValueError(f"the scale section holds {len(tests_of(sec))} tests, {len(tests)} given")
     given = iter(tests)
     out = []
-    for t in sec.each_test():
+    for t in sec.tests:
         if t.test is not None:
             t = t.replace(test=next(given))
             t = t.replace(verdict=_verdict(t))

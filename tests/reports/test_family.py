@@ -112,6 +112,6 @@ def test_a_section_read_from_report_json_settles_as_the_one_in_memory():
                            (scale, ScaleSection, ScaleSection(tests=[_scale_test("size", 0.01),
                                                                      _scale_test("goldfish", None)]))):
         read = kind.of(json.loads(json.dumps(json_safe(sec))))
-        assert mod.tests_of(read) == mod.tests_of(sec)
+        assert read == sec and mod.tests_of(read) == mod.tests_of(sec)  # records all the way down
         fixed = correct(mod.tests_of(sec))
         assert json_safe(mod.settle(read, fixed, 4)) == json_safe(mod.settle(sec, fixed, 4))
