@@ -53,7 +53,9 @@ def _batch(rows: int, length: int):
     return ids, am, lm
 
 
-def _both(model, params, batch, clip, k, microbatch=None):
+def _both(model, params, batch, k, microbatch=None):
+    """at(clip) -> (jax-privacy's vmap result, ghost clipping's) at that clip norm. The clip is an
+    argument of the two compiled functions, so each compiles once for every clip a test asks."""
     import jax
     import jax.numpy as jnp
 
@@ -62,9 +64,16 @@ def _both(model, params, batch, clip, k, microbatch=None):
 
     shape = (-1, k, batch[0].shape[1]) if k > 1 else batch[0].shape
     args = [jnp.asarray(x.reshape(shape)) for x in batch]
-    want = jax.jit(jax_dp.clipped_sum_fn(make_forward(model), clip=clip, group=k > 1, microbatch=None))(params, *args)
-    got = jax.jit(jax_ghost.clipped_sum_fn(model, clip=clip, group=k > 1, microbatch=microbatch))(params, *args)
-    return jax.device_get(want), jax.device_get(got)
+    oracle = jax.jit(lambda p, c, *a: jax_dp.clipped_sum_fn(make_forward(model), clip=c, group=k > 1,
+                                                            microbatch=None)(p, *a))
+    ghost = jax.jit(lambda p, c, *a: jax_ghost.clipped_sum_fn(model, clip=c, group=k > 1,
+                                                              microbatch=microbatch)(p, *a))
+
+    def at(clip):
+        c = jnp.float32(clip)
+        return jax.device_get(oracle(params, c, *args)), jax.device_get(ghost(params, c, *args))
+
+    return at
 
 
 def _assert_close(want, got):
@@ -92,11 +101,12 @@ def _assert_close(want, got):
 def test_the_clipped_sum_and_norms_equal_jax_privacys_per_example_gradients(length, k, tied, scan):
     model, params = _model(tied, scan)
     batch = _batch(8, length)
-    _, (_, norms) = _both(model, params, batch, math.inf, k)[0]
+    at = _both(model, params, batch, k)
+    _, (_, norms) = at(math.inf)[0]
     real = norms[norms > 0]
     assert len(real) >= 3
     clip = float(np.median(real))  # about half of the units with a gradient clipped
-    want, got = _both(model, params, batch, clip, k)
+    want, got = at(clip)
     n = want[1][1]
     assert 0 < int((n > clip).sum()) < int((n > 0).sum())
     assert (n == 0).sum() == (1 if k == 1 else 0) and np.all(got[1][1][n == 0] == 0)  # the padding row
@@ -129,9 +139,10 @@ def test_lora_adapters_clipped_sum_equals_jax_privacys(k, scan):
     """The adapters' clipped sum (∇A = s aᵀ g Bᵀ, ∇B = s (a A)ᵀ g from the base's captures)."""
     lora, adapters = _lora(scan)
     batch = _batch(8, 8)
-    norms = _both(lora, adapters, batch, math.inf, k)[0][1][1]
+    at = _both(lora, adapters, batch, k)
+    norms = at(math.inf)[0][1][1]
     clip = float(np.median(norms[norms > 0]))
-    want, got = _both(lora, adapters, batch, clip, k)
+    want, got = at(clip)
     assert 0 < int((want[1][1] > clip).sum()) < int((want[1][1] > 0).sum())
     _assert_close(want, got)
 
@@ -140,7 +151,7 @@ def test_micro_batches_of_units_give_the_same_sum():
     """3 units at a time over 4 (the last micro-batch short): the same as one pass."""
     model, params = _model()
     batch = _batch(8, 8)
-    want, got = _both(model, params, batch, 1.0, 2, microbatch=3)
+    want, got = _both(model, params, batch, 2, microbatch=3)(1.0)
     _assert_close(want, got)
 
 
@@ -155,7 +166,7 @@ def test_a_noise_free_dp_step_is_the_same_with_either_clipping():
     model, params = _model()
     tx = eng.adamw((0.9, 0.95), 0.0)
     batch = _batch(8, 8)
-    norms = _both(model, params, batch, math.inf, 1)[0][1][1]
+    norms = _both(model, params, batch, 1)(math.inf)[0][1][1]
     clip = float(np.median(norms[norms > 0]))
     ids, am, lm = (jnp.asarray(x) for x in batch)
     out = {}
