@@ -13,15 +13,7 @@ from memaudit.reports import literature, scale
 from memaudit.reports.blocks import Bucket, ExposureEntry, Section, SectionTest
 from memaudit.reports.family import correct
 from memaudit.reports.scale import ScaleSection, ScaleTest
-
-
-def _holm(p: list[float]) -> list[float]:
-    m, order = len(p), sorted(range(len(p)), key=lambda i: p[i])
-    adj, run_max = [0.0] * m, 0.0
-    for rank, i in enumerate(order):
-        run_max = max(run_max, min(1.0, (m - rank) * p[i]))
-        adj[i] = run_max
-    return adj
+from tests.reports.test_literature import _holm_oracle as _holm
 
 
 def _bh(p: list[float]) -> list[float]:
