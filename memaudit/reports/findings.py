@@ -44,10 +44,8 @@ from memaudit.reports.cells import (
     verdict,
 )
 from memaudit.reports.entries import entries
-from memaudit.reports.family import correct
+from memaudit.reports.family import ALPHA, CORRECTION, correct
 
-ALPHA = 0.05
-CORRECTION = "holm"
 
 # Headline leakage metrics: key -> (label, unit, higher_is_leakier)
 def _fmt_eps(e: float | None) -> str:

@@ -54,12 +54,10 @@ from memaudit.reports.blocks import (
     SectionTest,
 )
 from memaudit.reports.entries import RunEntry, UnitScores, entries
-from memaudit.reports.family import correct
+from memaudit.reports.family import ALPHA, CORRECTION, correct
 from memaudit.reports.frontier import PUBLIC_BASE
 from memaudit.reports.probes_adapter import at_ceiling
 
-ALPHA = 0.05
-CORRECTION = "holm"
 N_BOOT = 2000
 HALF = 0.5  # the share of the loss gap a DP fine-tune at the largest epsilon should close
 

@@ -51,11 +51,8 @@ from memaudit.probes.stats import (
 )
 from memaudit.reports.compare import nominal_epsilon, pool
 from memaudit.reports.entries import Record, RunEntry, UnitScores, entries
-from memaudit.reports.family import correct
+from memaudit.reports.family import ALPHA, CORRECTION, correct
 from memaudit.rundir import RunDir
-
-ALPHA = 0.05
-CORRECTION = "holm"
 
 # key -> (label, unit of the value, kind of unit scores for stats.compare_units)
 METRICS: dict[str, tuple[str, str, str]] = {

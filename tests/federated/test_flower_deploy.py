@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ pytestmark = pytest.mark.slow
 # FedAvg's fused map-and-sum adds the nodes' partial sums in another order than one loop over the
 # cohort: float32 reassociation (1.2e-7 measured with nodes in-process); the rest is bit for bit.
 ATOL = 1e-5
-CACHE_DIR = os.environ.setdefault("MEMAUDIT_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="memaudit-jax-cache-"))
+CACHE_DIR = os.environ["MEMAUDIT_TEST_JAX_CACHE"]  # the run's compilation cache (tests/conftest.py)
 
 OVERRIDES = [
     "backend=federated", "data.synth.users=12", "data.synth.docs_per_user=3", "data.seq_len=32",

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -16,10 +15,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-# Share compiled XLA programs between this process and the training subprocesses it starts.
-CACHE_DIR = os.environ.setdefault("MEMAUDIT_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="memaudit-jax-cache-"))
-jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# The run's compilation cache (tests/conftest.py), shared with the training subprocesses started here.
+CACHE_DIR = os.environ["MEMAUDIT_TEST_JAX_CACHE"]
 
 OVERRIDES = [
     "backend=federated", "data.synth.users=16", "data.synth.docs_per_user=4", "data.seq_len=32",
