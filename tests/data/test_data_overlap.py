@@ -24,7 +24,9 @@ def _brute(public, private, secrets, min_chars=4):
     hashes = {hashlib.sha256(" ".join(d.text.split()).encode()).hexdigest() for d in private}
     docs = sum(hashlib.sha256(" ".join(d.text.split()).encode()).hexdigest() in hashes for d in public)
     sec = {s for s in secrets for d in public if s in d.text}
-    values = {p.value for d in private for p in d.pii if len(p.value) >= min_chars}
+    # a name counts only in full (two or more words): a first name alone is an ordinary word
+    values = {p.value for d in private for p in d.pii
+              if len(p.value) >= min_chars and not (p.type == "name" and " " not in p.value)}
     pii = {v for v in values for d in public if re.search(rf"(?<!\w){re.escape(v)}(?!\w)", d.text)}
     return docs, len(sec), len(pii)
 
@@ -54,6 +56,43 @@ def test_constructed_overlap_is_counted_like_brute_force_and_refused():
     msg = str(e.value)
     assert "\n" not in msg and "1 shared document(s)" in msg and "1 canary secret(s)" in msg
     assert name not in msg and "123456" not in msg and victim.text[:20] not in msg
+
+
+def _doc(i, text, *pii):
+    return Document(id=f"d{i}", user=f"u{i}", text=text, pii=tuple(
+        Pii(kind, value, max(text.find(value), 0)) for kind, value in pii))
+
+
+def test_every_occurrence_is_found_nested_overlapping_and_not_starting_with_a_letter():
+    """The index finds what a search for each value on its own finds: nested values (a full
+    name inside a longer one), values that start with a bracket or a plus, values next to an
+    underscore (a word character: not a whole word), accented names, text edges."""
+    private = [_doc(0, "x", ("name", "Ann Lee"), ("name", "Ann Lee Smith"), ("phone", "(555) 123-4567"),
+                    ("phone", "+1 555 0100"), ("email", "ann.lee@example.com"), ("name", "José Núñez"),
+                    ("address", "12 Glen Road"), ("name", "Lee Smith"))]
+    texts = ["Ann Lee Smith wrote", "call (555) 123-4567 now", "x(555) 123-4567", "a+1 555 0100",
+             "mail ann.lee@example.com.", "_Ann Lee", "Ann Lee_", "señor José Núñez", "12 Glen Road",
+             "Ann Lees", "(555) 123-45678", "Ann\nLee", "José Núñezá"]
+    for i, t in enumerate(texts):
+        public = [_doc(100 + i, t)]
+        o = check_disjoint(public, private)
+        assert o.pii_values == _brute(public, private, [])[2], t
+    # all at once: the nested full names both count
+    public = [_doc(200, " ".join(texts))]
+    assert check_disjoint(public, private).pii_values == _brute(public, private, [])[2] >= 6
+
+
+def test_a_first_name_alone_is_not_evidence_a_full_name_is():
+    private = [_doc(0, "Bill Carter here, Bill for short", ("name", "Bill Carter"), ("name", "Bill"))]
+    assert check_disjoint([_doc(1, "Bill the client for the hours")], private).ok
+    o = check_disjoint([_doc(2, "a note from Bill Carter")], private)
+    assert o.pii_values == 1 and not o.ok
+
+
+def test_secrets_count_anywhere_also_overlapping():
+    public = [_doc(1, "order 1212123 and 99123456")]
+    secrets = ["12121", "21212", "2123", "123456", "777"]
+    assert check_disjoint(public, PRIVATE, secrets=secrets).secrets == _brute(public, PRIVATE, secrets)[1] == 4
 
 
 def test_text_hash_ignores_whitespace_only():
