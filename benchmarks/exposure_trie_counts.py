@@ -41,8 +41,8 @@ def counts(tok, template: str, length: int, n: int, seed: int) -> dict:
     texts = [prefix + s + suffix for s in sample_secrets("0123456789", length, n, seed)]
     arr, lengths = _as_padded(tok(texts)["input_ids"])
     lcp = common_prefix_len(arr, lengths)
-    plan = plan_trie(arr[:, lcp:], lengths - lcp, vocab=int(arr.max()) + 1, share=1.0)
-    auto = plan_trie(arr[:, lcp:], lengths - lcp, vocab=int(arr.max()) + 1)
+    plan = plan_trie(arr[:, lcp:], lengths - lcp, share=1.0)
+    auto = plan_trie(arr[:, lcp:], lengths - lcp)
     own = lengths - lcp
     return {"secret_digits": length, "candidates": n, "common_prefix_tokens": lcp,
             "own_tokens": {"min": int(own.min()), "max": int(own.max()),

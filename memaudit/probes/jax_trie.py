@@ -21,7 +21,7 @@ References:
 
 >>> import numpy as np
 >>> s = np.array([[1, 2, 3], [1, 2, 4], [1, 5, 6]])
->>> plan = plan_trie(s, np.array([3, 3, 3]), vocab=8)
+>>> plan = plan_trie(s, np.array([3, 3, 3]))
 >>> [len(lv.tokens) for lv in plan.levels], plan.forward_tokens, plan.plain_forward_tokens
 ([1, 2], 3, 6)
 """
@@ -79,93 +79,103 @@ class TriePlan:
     plain_forward_tokens: int  # the same for the plain path (every candidate, every input token)
 
 
-def plan_trie(suffix: np.ndarray, n_tok: np.ndarray, *, vocab: int, share: float = SHARE,
+def plan_trie(suffix: np.ndarray, n_tok: np.ndarray, *, share: float = SHARE,
               max_nodes: int | None = None) -> TriePlan:
     """The trie of candidates' tokens after their common prefix.
 
     suffix: (n, w) right-padded tokens s_0..s_{m-1} after the common prefix; n_tok (n,): m >= 1.
     A candidate's inputs are s_0..s_{m-2} (its last token is only a target); a node at depth d is
     a distinct (s_0..s_{d-1}) among candidates with at least d inputs. `max_nodes` caps the
-    nodes whose keys and values are cached.
+    nodes whose keys and values are cached. One lexicographic sort: rows sharing a d-token prefix
+    are then contiguous, so every level's nodes and children are running counts.
     """
-    n = len(n_tok)
-    n_in = n_tok.astype(np.int64) - 1
-    # distinct candidates (sampling with replacement draws some twice)
-    key = np.concatenate([n_tok[:, None], np.where(np.arange(suffix.shape[1]) < n_tok[:, None],
-                                                   suffix, 0)], axis=1)
-    uniq, inv = np.unique(key, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    s, m_in = uniq[:, 1:].astype(np.int64), uniq[:, 0].astype(np.int64) - 1
+    n, w = suffix.shape
+    n_tok = np.asarray(n_tok, np.int64)
+    key = np.where(np.arange(w) < n_tok[:, None], suffix, -1).astype(np.int64)  # -1: no token
+    order = np.argsort(_packed(key), kind="stable")  # lexicographic (np.lexsort: 4x slower)
+    srt = key[order]
+    step = np.zeros((n, w), bool)  # the row's first d + 1 tokens differ from the previous row's
+    step[1:] = np.logical_or.accumulate(srt[1:] != srt[:-1], axis=1)
+    group = np.cumsum(step, axis=0)  # (n, w): rows equal in their first d + 1 tokens share one
+    first_rows = np.flatnonzero(np.r_[True, step[1:, -1]])  # one row of each distinct candidate
+    inv = np.empty(n, np.int64)
+    inv[order] = group[:, -1]
+    s, g = srt[first_rows], group[first_rows]  # the distinct candidates, sorted
+    m_in = n_tok[order][first_rows] - 1
     node = np.zeros(len(s), np.int64)  # each distinct candidate's node at the current depth
     levels: list[Level] = []
-    cand_edges: list[np.ndarray] = []  # per depth: flat index for each distinct candidate, or -1
-    offset, cached = 0, 0
-    d = 1
-    while True:
-        active = m_in >= d
-        if not active.any():
+    edge_cols: list[np.ndarray] = []  # per depth: flat output index per distinct candidate, or -1
+    offset, d = 0, 1
+    while (m_in >= d).any():
+        act = np.flatnonzero(m_in >= d)
+        new = np.r_[True, g[act[1:], d - 1] != g[act[:-1], d - 1]]
+        node_a = np.cumsum(new) - 1
+        first = np.flatnonzero(new)
+        if len(first) > share * len(act) or (max_nodes is not None
+                                             and offset_nodes(levels) + len(first) > max_nodes):
             break
-        keyd = node[active] * vocab + s[active, d - 1]
-        nodes, first, inv_d = np.unique(keyd, return_index=True, return_inverse=True)
-        if len(nodes) > share * active.sum() or (max_nodes is not None
-                                                 and cached + len(nodes) > max_nodes):
-            break
-        parent = node[active][first]
-        new_node = np.full(len(s), -1, np.int64)
-        new_node[active] = inv_d.reshape(-1)
-        # children: distinct (node, s_d) pairs, sorted by node
-        pair = new_node[active] * vocab + s[active, d]
-        pairs, pinv = np.unique(pair, return_inverse=True)
-        pnode = pairs // vocab
-        start = np.searchsorted(pnode, np.arange(len(nodes)))
-        slot = np.arange(len(pairs)) - start[pnode]
+        pnew = np.r_[True, g[act[1:], d] != g[act[:-1], d]]  # children: distinct (node, s_d)
+        pair = np.cumsum(pnew) - 1
+        slot = pair - pair[first][node_a]
         width = _pow2(int(slot.max()) + 1)
-        targets = np.zeros((len(nodes), width), np.int32)
-        targets[pnode, slot] = pairs % vocab
+        targets = np.zeros((len(first), width), np.int32)
+        targets[node_a, slot] = s[act, d]
         e = np.full(len(s), -1, np.int64)
-        e[active] = offset + pnode[pinv.reshape(-1)] * width + slot[pinv.reshape(-1)]
-        cand_edges.append(e)
-        offset += len(nodes) * width
-        levels.append(Level(tokens=s[first_of(active, first), d - 1].astype(np.int32),
-                            anc=_anc_after(levels, parent, d), targets=targets, keep=True))
-        node = new_node
-        cached += len(nodes)
+        e[act] = offset + node_a * width + slot
+        edge_cols.append(e)
+        offset += len(first) * width
+        levels.append(Level(tokens=s[act[first], d - 1].astype(np.int32),
+                            anc=_anc_after(levels, node[act[first]], d), targets=targets,
+                            keep=True))
+        node = np.full(len(s), -1, np.int64)
+        node[act] = node_a
         d += 1
     k = len(levels)
-    deep = m_in > k
+    deep = np.flatnonzero(m_in > k)
     if levels:
-        last = levels[-1]
-        levels[-1] = dataclasses.replace(last, keep=bool(deep.any()))
-    r_idx = np.flatnonzero(deep)
-    t = int((m_in[deep] - k).max()) if len(r_idx) else 0
+        levels[-1] = dataclasses.replace(levels[-1], keep=bool(len(deep)))
+    t = int((m_in[deep] - k).max()) if len(deep) else 0
     tw = _pow2(t) if t else 0
-    row_anc = (np.concatenate([levels[-1].anc[node[r_idx]], node[r_idx, None]], axis=1)
-               if k else np.zeros((len(r_idx), 0), np.int64))
-    row_ids = np.zeros((len(r_idx), tw), np.int32)
-    row_targets = np.zeros((len(r_idx), tw, 1), np.int32)
-    for j in range(t):
-        ok = m_in[r_idx] - k > j
-        row_ids[ok, j] = s[r_idx[ok], k + j]
-        row_targets[ok, j, 0] = s[r_idx[ok], k + j + 1]
-    row_of = np.full(len(s), -1, np.int64)
-    row_of[r_idx] = np.arange(len(r_idx))
-    width = int(m_in.max(initial=0))
-    edges = np.full((len(s), width), -1, np.int64)
-    for j, e in enumerate(cand_edges):
+    row_anc = (np.concatenate([levels[-1].anc[node[deep]], node[deep, None]], axis=1)
+               if k else np.zeros((len(deep), 0), np.int64))
+    row_ids = np.zeros((len(deep), tw), np.int32)
+    row_targets = np.zeros((len(deep), tw, 1), np.int32)
+    edges = np.full((len(s), int(m_in.max(initial=0))), -1, np.int64)
+    for j, e in enumerate(edge_cols):
         edges[:, j] = e
     for j in range(t):
-        ok = deep & (m_in - k > j)
-        edges[ok, k + j] = offset + row_of[ok] * tw + j
+        ok = m_in[deep] - k > j
+        row_ids[ok, j] = s[deep[ok], k + j]
+        row_targets[ok, j, 0] = s[deep[ok], k + j + 1]
+        edges[deep[ok], k + j] = offset + np.flatnonzero(ok) * tw + j
     fwd = sum(len(lv.tokens) for lv in levels) + int(np.maximum(m_in - k, 0).sum())
     return TriePlan(levels=levels, row_anc=row_anc.astype(np.int32), row_ids=row_ids,
                     row_targets=row_targets, first=suffix[:, 0].astype(np.int32),
                     edges=edges[inv], forward_tokens=fwd,
-                    plain_forward_tokens=int(np.maximum(n_in, 0).sum()) if n else 0)
+                    plain_forward_tokens=int(np.maximum(n_tok - 1, 0).sum()))
 
 
-def first_of(active: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """Indices (into all distinct candidates) of the active ones at positions `first`."""
-    return np.flatnonzero(active)[first]
+def _packed(key: np.ndarray) -> np.ndarray:
+    """One int64 per row ordered as the rows are lexicographically: each column's offset from
+    its minimum in a mixed radix, the running key re-ranked whenever the next radix would
+    overflow (digit tokens pack 17 columns without one)."""
+    out = np.zeros(len(key), np.int64)
+    span = 1
+    for col in key.T:
+        lo = int(col.min())
+        base = int(col.max()) - lo + 1
+        if span * base >= 1 << 62:
+            _, out = np.unique(out, return_inverse=True)
+            out = out.reshape(-1).astype(np.int64)
+            span = int(out.max()) + 1
+        out = out * base + (col - lo)
+        span *= base
+    return out
+
+
+def offset_nodes(levels: list[Level]) -> int:
+    """The nodes of the levels so far (their keys and values are cached)."""
+    return sum(len(lv.tokens) for lv in levels)
 
 
 def _anc_after(levels: list[Level], parent: np.ndarray, d: int) -> np.ndarray:
@@ -193,8 +203,7 @@ def trie_nll(lm: js.JaxLM, seqs, *, share: float = SHARE,
         return lm.shared_prefix_nll(seqs, progress=progress)
     sh = lm.shape
     node_bytes = 2 * sh.layers * sh.kv_heads * sh.head_dim * lm.params["embed"].dtype.itemsize
-    plan = plan_trie(arr[:, lcp:], lengths - lcp, vocab=max(sh.vocab, int(arr.max()) + 1),
-                     share=share, max_nodes=max_cache_bytes // node_bytes)
+    plan = plan_trie(arr[:, lcp:], lengths - lcp, share=share, max_nodes=max_cache_bytes // node_bytes)
     pids = np.zeros((1, js.bucket_width(lcp)), np.int32)
     pids[0, :lcp] = arr[0, :lcp]
     pre_nll, pk, pv, last = js._prefix(lm.params, pids, np.int32(lcp), shape=sh)

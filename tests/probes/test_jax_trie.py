@@ -49,7 +49,7 @@ def _suffix(seqs, lcp):
 def test_plan_counts_equal_a_set_of_prefixes():
     seqs = _candidates(0)
     suffix, n_tok = _suffix(seqs, 9)
-    plan = plan_trie(suffix, n_tok, vocab=VOCAB, share=1.0)
+    plan = plan_trie(suffix, n_tok, share=1.0)
     inputs = {tuple(s[9 : len(s) - 1]) for s in seqs}  # each candidate's own input tokens
     for d, lv in enumerate(plan.levels, start=1):
         assert len(lv.tokens) == len({p[:d] for p in inputs if len(p) >= d})
@@ -66,7 +66,7 @@ def test_trie_equals_full_candidates(models, share, cache, runs):
     seqs = _candidates(1)
     suffix, n_tok = _suffix(seqs, 9)
     node_bytes = 2 * 2 * 2 * 8 * 4  # K and V x layers x kv heads x head dim x f32
-    plan = plan_trie(suffix, n_tok, vocab=VOCAB, share=share,
+    plan = plan_trie(suffix, n_tok, share=share,
                      max_nodes=None if cache is None else cache)
     assert ("+".join(["levels"] * bool(plan.levels) + ["rows"] * bool(len(plan.row_ids)))
             == runs)
@@ -80,7 +80,7 @@ def test_only_levels_and_no_common_prefix(models):
     model, lm = models
     # every candidate 3 own tokens over 2 values: all 8, so the levels cover every input token
     seqs = [[5, 6, *c] for c in itertools.product((10, 11), repeat=3)]
-    plan = plan_trie(*_suffix(seqs, 2), vocab=VOCAB, share=1.0)
+    plan = plan_trie(*_suffix(seqs, 2), share=1.0)
     assert len(plan.levels) == 2 and not len(plan.row_ids)
     np.testing.assert_allclose(trie_nll(lm, seqs, share=1.0), _full_nll(model, seqs), atol=1e-4,
                                rtol=0)
