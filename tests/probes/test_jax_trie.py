@@ -59,8 +59,7 @@ def test_plan_counts_equal_a_set_of_prefixes():
 
 
 @pytest.mark.parametrize("share,cache,runs", [
-    (0.9, None, "levels+rows"), (1.0, None, "levels"), (0.0, None, "rows"),
-    (1.0, 6, "levels+rows")])  # cache: at most 6 nodes' keys and values (level 1's 4)
+    (0.9, None, "levels+rows"), (0.0, None, "rows"), (1.0, 6, "levels+rows")])  # cache: at most 6 nodes' keys and values (level 1's 4)
 def test_trie_equals_full_candidates(models, share, cache, runs):
     model, lm = models
     seqs = _candidates(1)
@@ -70,8 +69,11 @@ def test_trie_equals_full_candidates(models, share, cache, runs):
                      max_nodes=None if cache is None else cache)
     assert ("+".join(["levels"] * bool(plan.levels) + ["rows"] * bool(len(plan.row_ids)))
             == runs)
+    seen = []
     got = trie_nll(lm, seqs, share=share,
-                   max_cache_bytes=1 << 40 if cache is None else cache * node_bytes)
+                   max_cache_bytes=1 << 40 if cache is None else cache * node_bytes,
+                   progress=lambda done, total, _: seen.append((done, total)))
+    assert seen[-1] == (len(seqs), len(seqs)) and seen == sorted(seen)  # reaches n, never back
     np.testing.assert_allclose(got, _full_nll(model, seqs), atol=1e-4, rtol=0)
     np.testing.assert_allclose(got, lm.shared_prefix_nll(seqs), atol=1e-4, rtol=0)
 
@@ -131,9 +133,8 @@ def test_flax_llama_weights(models):
     lm = JaxLM.from_state_dict(flax_to_hf(params), hf_cfg, dtype="float32", max_tokens=64)
     seqs = _candidates(5, 120)
     got = lm.trie_nll(seqs)
-    want = []
-    for s in seqs:
-        logits = FlaxLlama(cfg).apply({"params": params}, np.array([s]))[0]
-        lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
-        want.append(-lsm[np.arange(len(s) - 1), s[1:]].sum())
+    suffix, n_tok = _suffix(seqs, 0)  # right-padded: causal, so no real token reads a pad
+    logits = FlaxLlama(cfg).apply({"params": params}, suffix.astype(np.int32))
+    lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+    want = [-lsm[r, np.arange(n - 1), suffix[r, 1:n]].sum() for r, n in enumerate(n_tok)]
     np.testing.assert_allclose(got, np.array(want), atol=1e-4, rtol=0)
