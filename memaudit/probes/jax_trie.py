@@ -112,7 +112,7 @@ def plan_trie(suffix: np.ndarray, n_tok: np.ndarray, *, share: float = SHARE,
         node_a = np.cumsum(new) - 1
         first = np.flatnonzero(new)
         if len(first) > share * len(act) or (max_nodes is not None
-                                             and offset_nodes(levels) + len(first) > max_nodes):
+                                             and _cached_nodes(levels) + len(first) > max_nodes):
             break
         pnew = np.r_[True, g[act[1:], d] != g[act[:-1], d]]  # children: distinct (node, s_d)
         pair = np.cumsum(pnew) - 1
@@ -173,7 +173,7 @@ def _packed(key: np.ndarray) -> np.ndarray:
     return out
 
 
-def offset_nodes(levels: list[Level]) -> int:
+def _cached_nodes(levels: list[Level]) -> int:
     """The nodes of the levels so far (their keys and values are cached)."""
     return sum(len(lv.tokens) for lv in levels)
 
