@@ -135,7 +135,7 @@ def plan_trie(suffix: np.ndarray, n_tok: np.ndarray, *, share: float = SHARE,
     if levels:
         levels[-1] = dataclasses.replace(levels[-1], keep=bool(len(deep)))
     t = int((m_in[deep] - k).max()) if len(deep) else 0
-    tw = _pow2(t) if t else 0
+    tw = t  # exact: a power of two would pad 3 own tokens to 4
     row_anc = (np.concatenate([levels[-1].anc[node[deep]], node[deep, None]], axis=1)
                if k else np.zeros((len(deep), 0), np.int64))
     row_ids = np.zeros((len(deep), tw), np.int32)
