@@ -9,14 +9,18 @@ torch nor transformers, so it runs on a TPU host with only memaudit's JAX depend
   params counts every weight a token multiplies (the input embedding, a lookup, is left out;
   `params_all` states the total).
 - exposure: --canaries canaries, each with --candidates candidates of --prefix-tokens shared
-  tokens and --secret-tokens differing ones, through `JaxLM.shared_prefix_nll`. When
-  --measure-canaries is smaller than --canaries, that many are timed and the total extrapolated
-  (per-canary time x canaries), said so in the output.
+  tokens and --secret-tokens own ones drawn from --secret-alphabet token ids (10: digit secrets,
+  one token a digit as memaudit's tokenizer splits them), side by side: the plain path
+  (`JaxLM.shared_prefix_nll`: every candidate's every token) and the trie
+  (`JaxLM.trie_nll`: each distinct token prefix once), interleaved on the same candidates, the
+  plain one on every --plain-every-th canary; medians, their ratio, the input tokens each runs
+  and the largest difference of their sums. When --measure-canaries is smaller than --canaries,
+  that many are timed and the total extrapolated (per-canary time x canaries), said so.
 - decode: greedy continuations of --decode-new tokens for --decode-prompts prompts.
 
-    python benchmarks/probe_jax.py --preset tiny --docs 16 --seq-len 64 --candidates 2000 \\
-        --canaries 2 --decode-prompts 8                                       # CPU check
+    python benchmarks/probe_jax.py --reduced                                  # CPU check
     python benchmarks/probe_jax.py --preset 125m                              # TPU
+    python benchmarks/probe_jax.py --preset 125m --parts exposure --plain-every 10  # issue 65
 """
 
 from __future__ import annotations
@@ -55,7 +59,18 @@ def main() -> None:
     ap.add_argument("--decode-new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=197.0, help="TPU v5e bf16 peak")
+    ap.add_argument("--secret-alphabet", type=int, default=10, help="token ids a secret token is "
+                    "drawn from (10: digits, one token each); 0: the whole vocabulary")
+    ap.add_argument("--plain-every", type=int, default=1, help="time the plain exposure path on "
+                    "every k-th canary beside the trie (which runs on every one)")
+    ap.add_argument("--parts", default="scoring,exposure,decode")
+    ap.add_argument("--reduced", action="store_true", help="a CPU check in under a minute: the "
+                    "tiny preset, 16 x 64 scoring, 4 canaries x 2,000 candidates, 8 prompts")
     args = ap.parse_args()
+    if args.reduced:
+        args.preset, args.docs, args.seq_len, args.canaries = "tiny", 16, 64, 4
+        args.candidates, args.decode_prompts, args.repeats = 2000, 8, 2
+    parts = set(args.parts.split(","))
 
     import jax
 
@@ -80,79 +95,130 @@ def main() -> None:
     rng = np.random.default_rng(0)
     peak = args.peak_tflops * 1e12
 
-    # scoring
-    docs = rng.integers(0, p.vocab_size, (args.docs, args.seq_len)).tolist()
+    if "scoring" in parts:
+        out["scoring"] = scoring(lm, args, rng, params, peak)
+        print(json.dumps(out), flush=True)
+
+    if "exposure" in parts:
+        out["exposure"] = exposure(lm, args, rng, params, peak)
+        print(json.dumps(out), flush=True)
+
+    if "decode" in parts:
+        out["decode"] = decode(lm, args, rng)
+    out["shape"] = dataclasses.asdict(lm.shape)
+    print(json.dumps(out), flush=True)
+
+
+def scoring(lm, args, rng, params: int, peak: float) -> dict:
+    """--docs documents of --seq-len tokens through `JaxLM.token_logprobs`: tokens/s and MFU."""
+    docs = rng.integers(0, lm.shape.vocab, (args.docs, args.seq_len)).tolist()
     tokens = args.docs * args.seq_len
     t_c0 = time.perf_counter()
     sec = median_seconds(lambda: lm.token_logprobs(docs), args.repeats, warmup=1)
     rate = tokens / sec
-    out["scoring"] = {"docs": args.docs, "seq_len": args.seq_len, "tokens": tokens,
-                      "seconds": round(sec, 4), "tokens_per_s": round(rate),
-                      "mfu": round(2 * params * rate / peak, 4)}
+    res = {"docs": args.docs, "seq_len": args.seq_len, "tokens": tokens,
+           "seconds": round(sec, 4), "tokens_per_s": round(rate),
+           "mfu": round(2 * params * rate / peak, 4)}
     if args.stats:
         sec = median_seconds(lambda: lm.token_logprobs(docs, with_stats=True), args.repeats, warmup=1)
-        out["scoring"]["with_stats"] = {"seconds": round(sec, 4),
-                                        "tokens_per_s": round(tokens / sec),
-                                        "mfu": round(2 * params * tokens / sec / peak, 4)}
-    out["scoring"]["incl_compile_s"] = round(time.perf_counter() - t_c0, 2)
+        res["with_stats"] = {"seconds": round(sec, 4), "tokens_per_s": round(tokens / sec),
+                             "mfu": round(2 * params * tokens / sec / peak, 4)}
+    res["incl_compile_s"] = round(time.perf_counter() - t_c0, 2)
     for budget in [int(b) for b in args.other_max_tokens.split(",") if b]:
         other = dataclasses.replace(lm, max_tokens=budget)
         sec = median_seconds(lambda other=other: other.token_logprobs(docs), args.repeats, warmup=1)
-        out["scoring"][f"max_tokens_{budget}"] = {"tokens_per_s": round(tokens / sec),
-                                                  "mfu": round(2 * params * tokens / sec / peak, 4)}
-    print(json.dumps(out), flush=True)
+        res[f"max_tokens_{budget}"] = {"tokens_per_s": round(tokens / sec),
+                                       "mfu": round(2 * params * tokens / sec / peak, 4)}
+    return res
 
-    # exposure: candidates share the canary's prefix
-    measured = min(args.measure_canaries or args.canaries, args.canaries)
-    times = []
-    first = None
-    for c in range(measured + 1):  # canary 0 compiles; it is not counted
-        prefix = rng.integers(0, p.vocab_size, args.prefix_tokens)
-        cands = np.empty((args.candidates, args.prefix_tokens + args.secret_tokens), np.int32)
-        cands[:, : args.prefix_tokens] = prefix
-        cands[:, args.prefix_tokens :] = rng.integers(0, p.vocab_size,
-                                                      (args.candidates, args.secret_tokens))
-        t0 = time.perf_counter()
-        nll = lm.shared_prefix_nll(cands)
-        dt = time.perf_counter() - t0
-        if c == 0:
-            first = dt
-        else:
-            times.append(dt)
-        assert np.isfinite(nll).all()
-    per = statistics.median(times)
-    fwd_tokens = args.candidates * (args.secret_tokens - 1)  # the last token is only a target
-    out["exposure"] = {
-        "canaries": args.canaries, "candidates_per_canary": args.candidates,
-        "prefix_tokens": args.prefix_tokens, "secret_tokens": args.secret_tokens,
-        "measured_canaries": measured, "first_canary_s_incl_compile": round(first, 2),
-        "seconds_per_canary": round(per, 3),
-        "candidates_per_s": round(args.candidates / per),
-        "total_s": round(per * args.canaries + (first - per), 1),
-        "extrapolated": measured < args.canaries,
-        "mfu_forward_tokens": round(2 * params * fwd_tokens / per / peak, 4),
-    }
-    for budget in [int(b) for b in args.exposure_max_tokens.split(",") if b]:
-        other = dataclasses.replace(lm, max_tokens=budget)
-        other.shared_prefix_nll(cands)  # compiles this budget's batch shape
-        t0 = time.perf_counter()
-        for _ in range(measured):
-            other.shared_prefix_nll(cands)
-        per_b = (time.perf_counter() - t0) / measured
-        out["exposure"][f"max_tokens_{budget}"] = {
-            "seconds_per_canary": round(per_b, 3), "total_s": round(per_b * args.canaries, 1),
-            "mfu_forward_tokens": round(2 * params * fwd_tokens / per_b / peak, 4)}
-    print(json.dumps(out), flush=True)
 
-    # greedy decoding
-    prompts = rng.integers(0, p.vocab_size, (args.decode_prompts, args.decode_prompt_len)).tolist()
+def decode(lm, args, rng) -> dict:
+    """Greedy continuations: new tokens/s."""
+    prompts = rng.integers(0, lm.shape.vocab, (args.decode_prompts, args.decode_prompt_len)).tolist()
     sec = median_seconds(lambda: lm.decode(prompts, args.decode_new,
                                         batch_size=args.decode_prompts), args.repeats, warmup=1)
-    out["decode"] = {"prompts": args.decode_prompts, "prompt_len": args.decode_prompt_len,
-                     "new_tokens": args.decode_new, "seconds": round(sec, 4),
-                     "new_tokens_per_s": round(args.decode_prompts * args.decode_new / sec)}
-    out["shape"] = dataclasses.asdict(lm.shape)
-    print(json.dumps(out), flush=True)
+    return {"prompts": args.decode_prompts, "prompt_len": args.decode_prompt_len,
+            "new_tokens": args.decode_new, "seconds": round(sec, 4),
+            "new_tokens_per_s": round(args.decode_prompts * args.decode_new / sec)}
+
+
+def _candidates(rng, args, vocab: int) -> np.ndarray:
+    """One canary's candidates: a shared prefix, then --secret-tokens tokens each, drawn from
+    --secret-alphabet token ids (digits: one token each under memaudit's tokenizer) or, with 0,
+    from the whole vocabulary."""
+    prefix = rng.integers(0, vocab, args.prefix_tokens)
+    alphabet = (rng.choice(vocab, args.secret_alphabet, replace=False) if args.secret_alphabet
+                else np.arange(vocab))
+    cands = np.empty((args.candidates, args.prefix_tokens + args.secret_tokens), np.int32)
+    cands[:, : args.prefix_tokens] = prefix
+    cands[:, args.prefix_tokens :] = alphabet[rng.integers(0, len(alphabet),
+                                                           (args.candidates, args.secret_tokens))]
+    return cands
+
+
+def exposure(lm, args, rng, params: int, peak: float) -> dict:
+    """Both exposure paths on the same candidates, interleaved: the trie (`JaxLM.trie_nll`) on
+    every canary, the plain path (`JaxLM.shared_prefix_nll`) on every --plain-every-th, the two in
+    alternating order. Canary 0 compiles both and is not counted."""
+    from memaudit.probes.jax_trie import plan_trie
+
+    measured = min(args.measure_canaries or args.canaries, args.canaries)
+    times: dict[str, list[float]] = {"plain": [], "trie": []}
+    paired: list[tuple[float, float]] = []
+    first: dict[str, float] = {}
+    diff = 0.0
+    for c in range(measured + 1):
+        cands = _candidates(rng, args, lm.shape.vocab)
+        names = ["trie", "plain"] if c % args.plain_every == 0 else ["trie"]
+        if (c // args.plain_every) % 2:  # which path runs first alternates between pairs
+            names.reverse()
+        got = {}
+        for name in names:
+            fn = lm.trie_nll if name == "trie" else lm.shared_prefix_nll
+            t0 = time.perf_counter()
+            got[name] = fn(cands)
+            dt = time.perf_counter() - t0
+            if c == 0:
+                first[name] = dt
+            else:
+                times[name].append(dt)
+            assert np.isfinite(got[name]).all()
+        if len(got) == 2:
+            diff = max(diff, float(np.abs(got["trie"] - got["plain"]).max()))
+            if c:
+                paired.append((times["plain"][-1], times["trie"][-1]))
+    plan = plan_trie(cands[:, args.prefix_tokens:], np.full(len(cands), args.secret_tokens))
+    out = {"canaries": args.canaries, "candidates_per_canary": args.candidates,
+           "prefix_tokens": args.prefix_tokens, "secret_tokens": args.secret_tokens,
+           "secret_alphabet": args.secret_alphabet or "vocabulary",
+           "input_tokens_per_canary": {"plain": plan.plain_forward_tokens,
+                                       "trie": plan.forward_tokens},
+           "trie_levels": [len(lv.tokens) for lv in plan.levels],
+           "max_abs_diff_nats": diff}
+    for name, ts in times.items():
+        if not ts:
+            continue
+        per = statistics.median(ts)
+        fwd = plan.plain_forward_tokens if name == "plain" else plan.forward_tokens
+        out[name] = {"measured_canaries": len(ts), "first_canary_s_incl_compile": round(first[name], 2),
+                     "seconds_per_canary": round(per, 3),
+                     "candidates_per_s": round(args.candidates / per),
+                     "total_s": round(per * args.canaries + (first[name] - per), 1),
+                     "extrapolated": len(ts) < args.canaries,
+                     "mfu_forward_tokens": round(2 * params * fwd / per / peak, 4)}
+    if paired:
+        out["ratio_plain_over_trie"] = {
+            "paired_canaries": len(paired),
+            "median_of_ratios": round(statistics.median(p / q for p, q in paired), 3),
+            "ratio_of_medians": round(statistics.median(p for p, _ in paired)
+                                      / statistics.median(q for _, q in paired), 3)}
+    for budget in [int(b) for b in args.exposure_max_tokens.split(",") if b]:
+        other = dataclasses.replace(lm, max_tokens=budget)
+        other.trie_nll(cands)  # compiles this budget's batch shapes
+        per_b = median_seconds(lambda other=other: other.trie_nll(cands), max(1, args.repeats))
+        out[f"trie_max_tokens_{budget}"] = {"seconds_per_canary": round(per_b, 3),
+                                            "total_s": round(per_b * args.canaries, 1)}
+    return out
 
 
 if __name__ == "__main__":

@@ -162,12 +162,13 @@ def score_secrets(
 
     Both engines run the candidates' longest common token prefix once and score only what
     follows it (`memaudit.probes.scoring.shared_prefix_nll`, `JaxLM.shared_prefix_nll`): the same
-    sums.
+    sums. The JAX engine also runs each distinct prefix of the candidates' own tokens once
+    (`JaxLM.trie_nll`): digit secrets share their leading digits.
     """
     prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
     seqs = encode_many(codec, [prefix + s + suffix for s in secrets])
     if getattr(model, "is_jax", False):
-        return model.shared_prefix_nll(seqs, progress=progress)
+        return model.trie_nll(seqs, progress=progress)
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import shared_prefix_nll
 

@@ -341,9 +341,7 @@ class JaxLM:
             return np.zeros(0)
         if lengths.min() < 2:
             raise ValueError("every scored sequence needs at least 2 tokens")
-        m = int(lengths.min()) - 1  # at least one token after the prefix
-        same = np.all(arr[:, :m] == arr[:1, :m], axis=0)
-        lcp = int(np.argmin(same)) if not same.all() else m
+        lcp = common_prefix_len(arr, lengths)
         if lcp < 1:
             ts = self.token_logprobs([a[:k] for a, k in zip(arr, lengths, strict=True)],
                                      progress=progress)
@@ -372,6 +370,15 @@ class JaxLM:
         for item in pending:
             done = _put(item, out, done, n, progress)
         return out + float(pre_nll)
+
+    def trie_nll(self, seqs, *, progress: Progress = None) -> np.ndarray:
+        """`shared_prefix_nll` with each distinct token prefix of the candidates run once
+        (`memaudit.probes.jax_trie`): the same sums, fewer tokens through the model when the
+        candidates share leading tokens after their common prefix."""
+        # lazy: jax_trie imports this module
+        from memaudit.probes.jax_trie import trie_nll
+
+        return trie_nll(self, seqs, progress=progress)
 
     # --- generation --------------------------------------------------------------------------
 
@@ -424,6 +431,13 @@ def _prefix(p, ids, n, *, shape: Shape):
     tok = jnp.take_along_axis(lsm[:-1], ids[0, 1:, None], axis=-1)[:, 0]
     nll = -jnp.sum(jnp.where(jnp.arange(1, s) < n, tok, 0.0))
     return nll, k[:, 0], v[:, 0], lsm[n - 1]
+
+
+def common_prefix_len(arr: np.ndarray, lengths: np.ndarray) -> int:
+    """The longest common token prefix of the rows, leaving every row at least one token."""
+    m = int(lengths.min()) - 1
+    same = np.all(arr[:, :m] == arr[:1, :m], axis=0)
+    return int(np.argmin(same)) if not same.all() else m
 
 
 def _as_padded(seqs) -> tuple[np.ndarray, np.ndarray]:
