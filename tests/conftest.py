@@ -84,25 +84,64 @@ def tiny_corpus(tmp_path_factory) -> _Path:
     return path
 
 
+def xdist_shared_dir(tmp_path_factory) -> _Path | None:
+    """Under pytest-xdist, the workers' common temporary folder (pytest-xdist's documented way to
+    share a session fixture between workers); None in one process."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    return tmp_path_factory.getbasetemp().parent
+
+
+def built_once(shared: _Path | None, name: str, build):
+    """`build()`'s JSON result, computed by one process of the run: the first pytest worker to ask
+    runs it under a file lock in `shared` and writes the result there; the others wait for the
+    lock and read it. In one process (`shared` None) it just builds."""
+    import fcntl
+    import json
+
+    if shared is None:
+        return build()
+    shared.mkdir(parents=True, exist_ok=True)
+    done = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.is_file():
+            result = build()
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result))
+            os.replace(tmp, done)
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, tiny_corpus) -> dict:
     """synth -> train: a completed reduced tiny run on `tiny_corpus`, through the CLI in-process.
 
     Returns {"path", "rc", "stdout", "stderr", "args", "threads"}; `args` minus "--out DIR"
-    retrains it, on `threads` torch CPU threads for the same bits.
+    retrains it, on `threads` torch CPU threads for the same bits. Under pytest-xdist one worker
+    trains it and the others read it (the tests only read and copy it): two workers trained the
+    same run before, one each.
     """
     import torch
 
     from memaudit.cli import main
 
-    out = tmp_path_factory.mktemp("runs") / "tiny"
-    args = ["train", str(REPO_ROOT / "configs" / "tiny.yaml"), "--out", str(out),
-            *tiny_train_args(f"data.path={tiny_corpus}")]
-    so, se = _io.StringIO(), _io.StringIO()
-    with _contextlib.redirect_stdout(so), _contextlib.redirect_stderr(se):
-        rc = main(args)
-    return {"path": out, "rc": rc, "stdout": so.getvalue(), "stderr": se.getvalue(), "args": args,
-            "threads": torch.get_num_threads()}
+    shared = xdist_shared_dir(tmp_path_factory)
+
+    def build() -> dict:
+        base = (shared / "tiny-run") if shared is not None else tmp_path_factory.mktemp("runs")
+        base.mkdir(parents=True, exist_ok=True)
+        out = base / "tiny"
+        args = ["train", str(REPO_ROOT / "configs" / "tiny.yaml"), "--out", str(out),
+                *tiny_train_args(f"data.path={tiny_corpus}")]
+        so, se = _io.StringIO(), _io.StringIO()
+        with _contextlib.redirect_stdout(so), _contextlib.redirect_stderr(se):
+            rc = main(args)
+        return {"path": str(out), "rc": rc, "stdout": so.getvalue(), "stderr": se.getvalue(), "args": args,
+                "threads": torch.get_num_threads()}
+
+    res = built_once(shared, "tiny-run", build)
+    return {**res, "path": _Path(res["path"])}
 
 
 # ----------------------------------------------------------------------------- scheduling
