@@ -7,7 +7,10 @@ non-fused computation that writes or reads an array of at least 2^18 elements co
 times the trip counts of the loops around it (XLA's ``known_trip_count``; a conditional's branch
 counts as taken). The sum, in units of one float32 copy of the params (P), is the round's memory
 traffic in model-sized arrays; its difference between the variants over the cohort is what a
-client saves. With it: XLA's memory analysis (temporaries) and the compile seconds.
+client saves. With it: XLA's memory analysis (temporaries) and the compile seconds. An
+instruction counts its whole operands, so a layer's slice of the stacked weights of scanned
+layers (a dynamic slice, in-place updates) counts the whole stack: with scanned layers the totals
+overstate, alike in both variants, and only their difference is the traffic.
 
     python benchmarks/federated_round_bytes.py --preset 125m --cohort 4 --unrolled   # CPU, ~3 min
     python benchmarks/federated_round_bytes.py --preset 125m --cohort 4 --dtype bfloat16
