@@ -8,6 +8,8 @@ after the other inside the round, the server state donated):
 - ``round``: a FedAvg round per (preset, cohort): compile seconds, XLA's memory of the compiled
   round, the median of warm rounds, per-client seconds and the model FLOPs utilisation (MFU:
   6 N + 12 L h s FLOPs a token, PaLM appendix B, over the chip's bf16 peak);
+  ``--client-steps both`` runs each round with a client's local steps peeled (the first and last
+  outside the steps' loop, `fedavg`'s default) and in one scan, in turns, with their ratio;
 - ``centralized``: SGD on the same tokens (``local_steps`` steps of the cohort's sequences as one
   batch) with the same model and policy; ``vs_centralized`` = round / centralized seconds;
 - ``dp``: DP-FedAvg (clip and sum fused in the clients' loop) beside FedAvg on the same cohort;
@@ -24,6 +26,7 @@ line is printed as soon as it is measured (``--out FILE`` appends them there too
     python benchmarks/federated_chip.py --reduced        # CPU rehearsal (tiny preset, seconds)
     python benchmarks/federated_chip.py                  # on the chip (about 5 minutes on a v5e)
     python benchmarks/federated_chip.py --only round dp  # a subset
+    python benchmarks/federated_chip.py --only round --rounds 125m:32 --unrolled --client-steps both
     python benchmarks/federated_chip.py --only steps --steps 125m:32 --steps-k 1 2 4
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -107,19 +111,19 @@ class Bench:
         a = self.args
         return flops_per_token(cfg, n_params, a.seq) * cohort * a.local_steps * a.batch * a.seq
 
-    def fed_round(self, model, params, ids, *, dp: bool = False, repeats: int | None = None,
-                  clients_per_step: int = 1) -> dict:
-        """Compile, memory and the median of warm rounds of FedAvg (or DP-FedAvg) on ``ids``,
-        ``clients_per_step`` clients a step of the clients' loop."""
+    def prepare_round(self, model, params, ids, *, dp: bool = False, clients_per_step: int = 1,
+                      peel: bool = True) -> tuple:
+        """FedAvg (or DP-FedAvg) on ``ids`` compiled: ``(one, facts)``, ``one()`` running a round
+        (its metrics) and ``facts`` the compile seconds and XLA's memory. ``peel``: a client's first
+        and last local steps outside its steps' loop (`fedavg`'s ``peel_local_steps``)."""
         a = self.args
-        repeats = a.repeats if repeats is None else repeats
         agg = None
         if dp:  # user-level: uniform weights, a clip most deltas reach, noise z = 1
             agg = dp_fedavg(mean_aggregator(), clip=0.1, noise_multiplier=1.0, expected_cohort=float(ids.shape[0]))
         algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
                       local_steps=a.local_steps, batch_size=a.batch, aggregator=agg,
                       weighting="uniform" if dp else "examples", donate=True,
-                      clients_per_step=clients_per_step)
+                      clients_per_step=clients_per_step, peel_local_steps=peel)
         data = ClientData({"input_ids": jnp.asarray(ids), "attention_mask": jnp.ones(ids.shape, jnp.int32)},
                           jnp.ones(ids.shape[:2], jnp.float32))
         state = algo.init(jax.tree.map(jnp.array, params))  # a copy: the round donates its state
@@ -134,14 +138,41 @@ class Bench:
             jax.block_until_ready(box[0].params)
             return m
 
+        return one, {"compile_s": round(compile_s, 2), "compiled_gib": compiled_gib(compiled)}
+
+    def fed_round(self, model, params, ids, *, dp: bool = False, repeats: int | None = None,
+                  clients_per_step: int = 1, peel: bool = True) -> dict:
+        """Compile, memory and the median of warm rounds of FedAvg (or DP-FedAvg) on ``ids``,
+        ``clients_per_step`` clients a step of the clients' loop."""
+        repeats = self.args.repeats if repeats is None else repeats
+        one, facts = self.prepare_round(model, params, ids, dp=dp, clients_per_step=clients_per_step, peel=peel)
         t1 = time.perf_counter()
         m = one()  # the first run, timed on its own (the only one for FAX's shapes)
         first_s = time.perf_counter() - t1
         round_s = median_seconds(one, repeats) if repeats > 0 else first_s
         loss = float(jax.device_get(m[0]["loss"]))
-        return {"compile_s": round(compile_s, 2), "compiled_gib": compiled_gib(compiled),
-                "first_round_s": round(first_s, 4), "round_s": round(round_s, 4), "loss": round(loss, 4),
+        return {**facts, "first_round_s": round(first_s, 4), "round_s": round(round_s, 4), "loss": round(loss, 4),
                 **memory_stats()}
+
+    def rounds_side_by_side(self, model, params, ids, variants: dict[str, dict]) -> dict[str, dict]:
+        """Each variant (``prepare_round`` options) compiled, run once, then timed in turns (one
+        round of each per repeat, so that a drift of the machine falls on all alike): per variant
+        its compile facts, first round and median round."""
+        runs = {name: self.prepare_round(model, params, ids, **opts) for name, opts in variants.items()}
+        rows, times = {}, {name: [] for name in runs}
+        for name, (one, facts) in runs.items():
+            t0 = time.perf_counter()
+            m = one()
+            rows[name] = {**facts, "first_round_s": round(time.perf_counter() - t0, 4),
+                          "loss": round(float(jax.device_get(m[0]["loss"])), 4)}
+        for _ in range(self.args.repeats):
+            for name, (one, _) in runs.items():
+                t0 = time.perf_counter()
+                one()
+                times[name].append(time.perf_counter() - t0)
+        for name in runs:
+            rows[name]["round_s"] = round(statistics.median(times[name]), 4)
+        return rows
 
     def centralized(self, model, params, ids) -> dict:
         """SGD on the round's tokens in the same shapes: ``cohort x local_steps`` steps of ``batch``
@@ -200,8 +231,13 @@ def guarded(bench: Bench, what: dict, fn) -> dict | None:
 
 
 def run_rounds(bench: Bench, policy: ComputePolicy) -> None:
-    """FedAvg rounds per preset and cohort, beside the centralized step on the same tokens."""
+    """FedAvg rounds per preset and cohort, beside the centralized step on the same tokens. With
+    ``--client-steps both`` each round runs a client's local steps peeled (the first and last
+    outside the steps' loop, the default) and in one scan, in turns, on the same tokens."""
     a = bench.args
+    variants = {"peeled": {"peel": True}, "scanned": {"peel": False}}
+    if a.client_steps != "both":
+        variants = {a.client_steps: variants[a.client_steps]}
     for preset, cohorts in a.rounds:
         cfg, model, params, n = bench.model(preset, policy)
         for i, cohort in enumerate(cohorts):
@@ -209,21 +245,43 @@ def run_rounds(bench: Bench, policy: ComputePolicy) -> None:
             flops = bench.round_flops(cfg, n, cohort)
             what = {"item": "round", "preset": preset, "params": n, "cohort": cohort,
                     "dtype": policy.compute_dtype, "scan_layers": policy.scan_layers, "round_tflop": round(flops / 1e12, 3)}
+            rows = {}
+            for name, r in _round_rows(bench, model, params, ids, variants).items():
+                if "round_s" in r:
+                    r = {**r, "round_s_per_client": round(r["round_s"] / cohort, 5), "mfu": bench.mfu(flops, r["round_s"])}
+                rows[name] = {**what, "client_steps": name, **r}
+                bench.emit(rows[name])
+            if len(rows) == 2 and all("round_s" in r for r in rows.values()):
+                bench.emit({**what, "item": "client_steps", "peeled_s": rows["peeled"]["round_s"],
+                            "scanned_s": rows["scanned"]["round_s"],
+                            "peeled_vs_scanned": round(rows["peeled"]["round_s"] / rows["scanned"]["round_s"], 4)})
+            done = {name: r["round_s"] for name, r in rows.items() if "round_s" in r}
+            if i == len(cohorts) - 1 and done:  # the centralized step beside the largest cohort
 
-            def measure(ids=ids, flops=flops, cohort=cohort, model=model, params=params):
-                r = bench.fed_round(model, params, ids)
-                return {**r, "round_s_per_client": round(r["round_s"] / cohort, 5), "mfu": bench.mfu(flops, r["round_s"])}
-
-            row = guarded(bench, what, measure)
-            if i == len(cohorts) - 1 and "round_s" in row:  # the centralized step beside the largest cohort
-
-                def central(ids=ids, flops=flops, round_s=row["round_s"], model=model, params=params):
+                def central(ids=ids, flops=flops, done=done, model=model, params=params):
                     c = bench.centralized(model, params, ids)
-                    return {**c, "round_s": round_s, "vs_centralized": round(round_s / c["centralized_s"], 3),
-                            "centralized_mfu": bench.mfu(flops, c["centralized_s"])}
+                    ratios = {f"vs_centralized_{name}": round(s / c["centralized_s"], 3) for name, s in done.items()}
+                    first = next(iter(done))
+                    return {**c, "round_s": done[first], "vs_centralized": ratios[f"vs_centralized_{first}"],
+                            **(ratios if len(done) > 1 else {}), "centralized_mfu": bench.mfu(flops, c["centralized_s"])}
 
-                guarded(bench, {**what, "item": "centralized"}, central)
+                guarded(bench, {**what, "item": "centralized", "client_steps": next(iter(done))}, central)
         del params
+
+
+def _round_rows(bench: Bench, model, params, ids, variants: dict[str, dict]) -> dict[str, dict]:
+    """The variants' rows (`Bench.rounds_side_by_side`; one variant: `Bench.fed_round`), or each an
+    error row when they failed (out of memory)."""
+    try:
+        if len(variants) == 1:
+            (name, opts), = variants.items()
+            return {name: bench.fed_round(model, params, ids, **opts)}
+        rows = bench.rounds_side_by_side(model, params, ids, variants)
+        return {name: {**row, **memory_stats()} for name, row in rows.items()}
+    except Exception as e:  # noqa: BLE001 - one item's failure (out of memory) must not stop the rest
+        traceback.print_exc(file=sys.stderr)
+        return {name: {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+                for name in variants}
 
 
 def run_dp(bench: Bench, policy: ComputePolicy) -> None:
@@ -308,6 +366,9 @@ def main(argv=None) -> None:
                     help="attention kernel: einsums (xla) or the Pallas TPU flash kernel")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--unrolled", action="store_true", help="decoder layers unrolled (not scanned)")
+    ap.add_argument("--client-steps", choices=["peeled", "scanned", "both"], default="peeled",
+                    help="a client's local steps in rounds: first and last outside the steps' loop (peeled), "
+                         "all in one scan (scanned), or both side by side")
     ap.add_argument("--remat", action="store_true", help="rematerialise the scanned layers")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--local-steps", type=int, default=2)

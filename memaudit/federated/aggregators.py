@@ -42,7 +42,8 @@ class FusedAggregation(NamedTuple):
     arrays), given its delta, its aggregation weight (0 for an absent slot) and the server's
     aggregator state; ``finish(sums, state, key) -> AggregateResult``: the update from the
     terms summed over the cohort. ``aggregate`` on the stacked deltas gives the same values up
-    to float rounding (a sequential sum instead of a pairwise one)."""
+    to float rounding (a sequential sum instead of a pairwise one). A client of weight 0 (an
+    absent slot) has zero terms: FedAvg's loop skips such a slot without computing them."""
 
     client: Callable[[PyTree, jax.Array, Any], PyTree]
     finish: Callable[[PyTree, Any, jax.Array], AggregateResult]

@@ -178,6 +178,13 @@ def _unless_absent(mask: jax.Array, fn: Callable[[], Any]) -> Any:
     return jax.lax.cond(jnp.sum(mask) > 0, fn, absent)
 
 
+def _present(params, agg_state, examples, mask, key) -> jax.Array:
+    """Whether a cohort slot has real examples (an absent slot adds nothing to a round's sums:
+    its weight, and so every aggregation term, is 0; see `FusedAggregation`)."""
+    del params, agg_state, examples, key
+    return jnp.sum(mask) > 0
+
+
 def _loss_kw(key, loss_rng: bool) -> dict[str, Any]:
     """``loss_fn``'s keyword arguments at a step keyed ``key``: its own ``rng`` when it takes one."""
     return {"rng": jax.random.fold_in(key, DROPOUT_STREAM)} if loss_rng else {}
@@ -188,11 +195,20 @@ def _client_keys(key, n: int) -> jax.Array:
     return jax.random.split(key, n)  # (n, 2) uint32: padding-friendly raw keys
 
 
-def _make_client_update(loss_fn: LossFn, client_optimizer: optax.GradientTransformation,
-                        local_steps: int, batch_size: int, loss_rng: bool = False) -> Callable:
-    """One client's FedAvg work: ``(params, examples, mask, key) -> (delta, mean loss, delta
-    norm)``; an absent cohort slot gets zeros without local training (`_unless_absent`).
-    ``loss_rng``: each step's loss gets its own key (see the module docstring)."""
+def _make_local_training(loss_fn: LossFn, client_optimizer: optax.GradientTransformation,
+                         local_steps: int, batch_size: int, loss_rng: bool = False,
+                         peel: bool = True) -> Callable:
+    """One present client's FedAvg work: ``(params, examples, mask, key) -> (delta, mean loss,
+    delta norm)``. ``loss_rng``: each step's loss gets its own key (see the module docstring).
+
+    The first and the last local step stand outside any loop (the steps between them, if any,
+    are a ``lax.scan``): the first reads the server's params themselves, where a loop's carry
+    would start from a copy of them, and the last one's update is an expression that XLA fuses
+    with the delta, its norm and whatever the caller computes from it (its weighted addition
+    to the round's sum, `federated_map_sum`), so that no client writes out its final params
+    and its delta and reads them back. The arithmetic is the loop's, step for step: ``peel=False``
+    runs every step in the one scan (the step's code compiled once rather than twice), with
+    the same values."""
     if not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(f"local_steps must be >= 1, got {local_steps!r}; set federated.local_steps")
     if batch_size < 1:
@@ -207,10 +223,33 @@ def _make_client_update(loss_fn: LossFn, client_optimizer: optax.GradientTransfo
             updates, opt_state = client_optimizer.update(grads, opt_state, p)
             return (optax.apply_updates(p, updates), opt_state), loss
 
-        init = (params, client_optimizer.init(params))
-        (local, _), losses = jax.lax.scan(step, init, jax.random.split(key, local_steps))
+        keys = jax.random.split(key, local_steps)
+        if not peel:
+            (local, _), losses = jax.lax.scan(step, (params, client_optimizer.init(params)), keys)
+            delta = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), local, params)
+            return delta, jnp.mean(losses), optax.tree.norm(delta)
+        carry, first = step((params, client_optimizer.init(params)), keys[0])
+        losses = [first[None]]
+        if local_steps > 2:
+            carry, middle = jax.lax.scan(step, carry, keys[1:-1])
+            losses.append(middle)
+        if local_steps > 1:
+            carry, last = step(carry, keys[-1])
+            losses.append(last[None])
+        local = carry[0]
         delta = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), local, params)
-        return delta, jnp.mean(losses), optax.tree.norm(delta)
+        return delta, jnp.mean(jnp.concatenate(losses)), optax.tree.norm(delta)
+
+    return train
+
+
+def _make_client_update(loss_fn: LossFn, client_optimizer: optax.GradientTransformation,
+                        local_steps: int, batch_size: int, loss_rng: bool = False,
+                        peel: bool = True) -> Callable:
+    """One client's FedAvg work: ``(params, examples, mask, key) -> (delta, mean loss, delta
+    norm)``; an absent cohort slot gets zeros without local training (`_unless_absent`).
+    ``loss_rng``: each step's loss gets its own key (see the module docstring)."""
+    train = _make_local_training(loss_fn, client_optimizer, local_steps, batch_size, loss_rng, peel)
 
     def client_update(params, examples, mask, key):
         return _unless_absent(mask, lambda: train(params, examples, mask, key))
@@ -229,6 +268,7 @@ def make_client_phase(
     map_strategy: str = "auto",
     loss_rng: bool = False,
     clients_per_step: int = 1,
+    peel_local_steps: bool = True,
 ) -> Callable[[PyTree, ClientData, jax.Array], ClientOutput]:
     """FedAvg phase 1 (not jitted; `fedavg` jits it): ``(params, data, key) -> ClientOutput``.
 
@@ -237,8 +277,11 @@ def make_client_phase(
     `memaudit.federated.federated_map`. A cohort slot without real examples (capacity padding)
     returns a zero delta, loss and norm; under ``"scan"`` it skips local training entirely.
     ``loss_rng``: each local step's loss gets its own key (see the module docstring);
-    ``clients_per_step``: clients per step of the scan strategy's loop (`federated_program`)."""
-    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng)
+    ``clients_per_step``: clients per step of the scan strategy's loop (`federated_program`);
+    ``peel_local_steps``: the first and last local steps outside the steps' scan
+    (`_make_local_training`)."""
+    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng,
+                                        peel_local_steps)
 
     def client_phase(params, data: ClientData, key) -> ClientOutput:
         n = data.mask.shape[0]
@@ -276,6 +319,7 @@ def make_client_sum_phase(
     map_strategy: str = "auto",
     loss_rng: bool = False,
     clients_per_step: int = 1,
+    peel_local_steps: bool = True,
 ) -> Callable[..., tuple[AggregateResult, dict[str, jax.Array]]]:
     """FedAvg phases 1 and 2 with an aggregator that is a sum over the clients (its
     `FusedAggregation`: the weighted mean, DP-FedAvg's clip-and-sum), as one federated program:
@@ -289,11 +333,18 @@ def make_client_sum_phase(
     the aggregator's ``aggregate``, up to float rounding. With ``clients_per_step`` k > 1 each
     step of the loop runs k clients vmapped (their k deltas, clipped under DP, added to the
     carry): a (k, *model) buffer per step.
-    """
-    client_update = _make_client_update(loss_fn, client_optimizer, local_steps, batch_size, loss_rng)
 
-    def sums(params, agg_state, examples, mask, key):  # one client's term of every sum
-        delta, loss, norm = client_update(params, examples, mask, key)
+    One client a step, a client's training and its addition to the sums are one branch taken
+    only for a present slot (`federated_map_sum`'s ``when``), and its first and last local steps
+    stand outside the steps' loop (``peel_local_steps``, `_make_local_training`): XLA then fuses
+    the last update, the delta and its weighted addition to the sum, and no f32 copy of the
+    server params seeds the steps' loop.
+    """
+    train = _make_local_training(loss_fn, client_optimizer, local_steps, batch_size, loss_rng,
+                                 peel_local_steps)
+
+    def sums(params, agg_state, examples, mask, key):  # one present client's term of every sum
+        delta, loss, norm = train(params, examples, mask, key)
         num = jnp.sum(mask)
         present = (num > 0).astype(jnp.float32)
         return {"agg": aggregation.client(delta, _weights(num, weighting), agg_state),
@@ -306,7 +357,7 @@ def make_client_sum_phase(
                            map_strategy=map_strategy, clients_per_step=clients_per_step)
         def program(params, agg_state, data, keys):
             return federated_map_sum(sums, federated_broadcast(params), federated_broadcast(agg_state),
-                                     data.examples, data.mask, keys)
+                                     data.examples, data.mask, keys, when=_present)
 
         t = program(params, agg_state, data, _client_keys(client_key, n))
         agg = aggregation.finish(t["agg"], agg_state, agg_key)
@@ -378,6 +429,7 @@ def fedavg(
     fuse: bool = True,
     donate: bool = False,
     clients_per_step: int = 1,
+    peel_local_steps: bool = True,
 ) -> FederatedAlgorithm:
     """Federated averaging with a client and a server optimizer (FedAvg, FedAdam, ...).
 
@@ -404,11 +456,15 @@ def fedavg(
         clients_per_step: under the scan strategy, clients per step of the loop over the
             cohort, vmapped within the step (memory for that many clients' training at once;
             the sum and DP clipping stay in the loop). 1: one client after the other.
+        peel_local_steps: a client's first and last local steps outside the loop over its
+            steps (the same values; at 125m on the CPU a client's model-sized passes beside its
+            steps' own fall from 9 to 5-6, for a second copy of the step's code to compile, about
+            1.5x the compile time). False: one scan over the steps.
     """
     aggregator = aggregator or mean_aggregator(mesh)
     options = {"local_steps": local_steps, "batch_size": batch_size, "weighting": weighting,
                "mesh": mesh, "map_strategy": map_strategy, "loss_rng": loss_rng,
-               "clients_per_step": clients_per_step}
+               "clients_per_step": clients_per_step, "peel_local_steps": peel_local_steps}
     client_phase = make_client_phase(loss_fn, client_optimizer, **options)
     fusable = fuse and aggregator.jittable and aggregator.fused is not None
     sum_phase = make_client_sum_phase(loss_fn, client_optimizer, aggregation=aggregator.fused,

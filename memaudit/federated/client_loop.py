@@ -39,10 +39,11 @@ from memaudit.federated.primitives_impl import (
 from memaudit.federated.program import ProgramContext
 
 
-def _per_client_call(fn: Callable, args: tuple, ctx: ProgramContext):
-    """Split ``args`` for a loop over the clients: ``(call, fixed, rows)``, where ``fixed`` are
-    the server values of arguments straight from `federated_broadcast`, ``rows`` the other
-    (clients-placed) leaves, and ``call(fixed, row)`` runs ``fn`` for one client.
+def _per_client_call(fn: Callable, args: tuple, ctx: ProgramContext, when: Callable | None = None):
+    """Split ``args`` for a loop over the clients: ``(call, present, fixed, rows)``, where
+    ``fixed`` are the server values of arguments straight from `federated_broadcast`, ``rows``
+    the other (clients-placed) leaves, ``call(fixed, row)`` runs ``fn`` for one client and
+    ``present(fixed, row)`` runs ``when`` (None without it).
 
     Reading the server value inside the loop, rather than slicing it from its (n, ...)
     broadcast, spares XLA materialising n copies of the model every round. The derivative
@@ -56,12 +57,28 @@ def _per_client_call(fn: Callable, args: tuple, ctx: ProgramContext):
             for x, s in zip(leaves, servers, strict=True) if s is None]
     fixed = [s for s in servers if s is not None]
 
-    def call(fixed, row):  # one client: fixed = the server values, row = its own values
-        fixed_it, row_it = iter(fixed), iter(row)
-        merged = [next(row_it) if s is None else next(fixed_it) for s in servers]
-        return fn(*jax.tree.unflatten(treedef, merged))
+    def bind(f):
+        def call(fixed, row):  # one client: fixed = the server values, row = its own values
+            fixed_it, row_it = iter(fixed), iter(row)
+            merged = [next(row_it) if s is None else next(fixed_it) for s in servers]
+            return f(*jax.tree.unflatten(treedef, merged))
 
-    return call, fixed, rows
+        return call
+
+    return bind(fn), None if when is None else bind(when), fixed, rows
+
+
+def _guarded(call: Callable, present: Callable | None, out: Any) -> Callable:
+    """``call`` where ``present`` holds, zeros of ``out`` (without running ``call``) elsewhere;
+    ``call`` itself without ``present``."""
+    if present is None:
+        return call
+
+    def guarded(fixed, row):
+        return jax.lax.cond(present(fixed, row), lambda: call(fixed, row),
+                            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out))
+
+    return guarded
 
 
 def _row_struct(x) -> jax.ShapeDtypeStruct:
@@ -96,7 +113,7 @@ def _grouped(x: jax.Array, groups: int, size: int) -> jax.Array:
 
 
 def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, pad: bool,
-                batch_size: int | None, reduce: bool, out: Any) -> Any:
+                batch_size: int | None, reduce: bool, out: Any, present: Callable | None = None) -> Any:
     """``call(fixed, row)`` for the rows of one device, ``batch_size`` clients per loop step
     (vmapped within the step; default one client after the other).
 
@@ -105,17 +122,36 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
     ``out`` is one client's output structure. A step then holds the outputs of its own
     ``batch_size`` clients only; rows that do not fill the last step are zero rows, run and
     excluded from the sum like padding.
+
+    ``present(fixed, row)``: whether a client adds to the sum. One client a step, the client's
+    work and its addition to the sum are one branch of a ``lax.cond`` taken only where it holds
+    (padding rows included): no client output crosses a branch boundary, so XLA fuses the
+    client's last computation (FedAvg: its last update, its delta, the weighting) with the
+    addition into the carry instead of writing each term out and reading it back.
     """
     if not reduce:
+        call = _guarded(call, present, out)
         return jax.lax.map(lambda row: call(fixed, row), rows, batch_size=batch_size)
     length = jax.tree.leaves(rows)[0].shape[0]
     size = max(1, min(batch_size or 1, length))
     groups = -(-length // size)
     filled = groups * size != length  # zero rows fill the last step
     pad = pad or filled
+    branch = present is not None and size == 1  # the addition inside the client's branch
+    if not branch:
+        call = _guarded(call, present, out)
 
     def body(total, xs):
         i, row = xs if pad else (None, xs)
+        if branch:
+            keep = present(fixed, row)
+            if pad:
+                keep = keep & (offset + i < n)
+
+            def add(total):
+                return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, call(fixed, row))
+
+            return jax.lax.cond(keep, add, lambda total: total, total), None
         if size == 1:
             y = call(fixed, row)
         else:  # (size, *out): this step's clients, summed into the carry below
@@ -145,7 +181,7 @@ def _local_loop(call: Callable, fixed: list, rows: Any, *, n: int, offset: Any, 
 
 
 def _loop(call: Callable, fixed: list, rows: Any, ctx: ProgramContext, batch_size: int | None,
-          reduce: bool, out: Any = None) -> Any:
+          reduce: bool, out: Any = None, present: Callable | None = None) -> Any:
     """The clients' loop inside the program (the scan strategy), in the accumulation dtype.
 
     With a ``clients`` mesh axis of k devices it is a ``shard_map`` manual over that axis (and
@@ -155,9 +191,9 @@ def _loop(call: Callable, fixed: list, rows: Any, ctx: ProgramContext, batch_siz
     followed by a ``psum`` over the axis.
     """
     k = shd.clients_axis_size(ctx.mesh)
-    if reduce and out is None:  # one client's output structure (traced outside any shard_map)
-        out = jax.eval_shape(call, fixed, jax.tree.map(_row_struct, rows))
-    opts = {"n": ctx.n, "pad": ctx.n_pad > ctx.n, "reduce": reduce, "out": out}
+    if out is None and (reduce or present is not None):  # one client's output structure
+        out = jax.eval_shape(call, fixed, jax.tree.map(_row_struct, rows))  # (outside any shard_map)
+    opts = {"n": ctx.n, "pad": ctx.n_pad > ctx.n, "reduce": reduce, "out": out, "present": present}
     if k == 1:
         return _local_loop(call, fixed, rows, offset=0, batch_size=batch_size, **opts)
     m = ctx.n_pad // k
@@ -183,18 +219,23 @@ def _trace_client(call: Callable, fixed: list, rows: list) -> tuple[bool, Any]:
 
 
 def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: int | None,
-                    reduce: bool) -> Any:
+                    reduce: bool, when: Callable | None = None) -> Any:
     """``fn`` over the clients by `_loop`, with a JVP that is federated: the tangents of the
     server values enter through `federated_broadcast` and a reduction leaves through
     `federated_sum`, so reverse mode (also of a jitted program, ``jax.grad(jax.jit(p))``)
     carries the server cotangent through a federated_sum rather than a loop's carry.
 
+    ``when(*args)`` (a reduction only): a client's scalar predicate; where it is False the
+    client adds nothing and ``fn`` does not run (`_local_loop`'s ``present``).
+
     A ``fn`` that closes over traced server values (rather than taking them from
     `federated_broadcast`) runs as a plain loop over the broadcast rows: the values and
     derivatives are right, but the derivative of the captured value is not federated.
     """
-    call, fixed, rows = _per_client_call(fn, args, ctx)
+    call, present, fixed, rows = _per_client_call(fn, args, ctx, when)
     closes, out = _trace_client(call, fixed, rows)
+    if present is not None:
+        closes = closes or _trace_client(present, fixed, rows)[0]
     # the values' loop runs the program's clients_per_step clients a step unless batch_size is
     # given; the derivative's loop (below) only batch_size's: a JVP of a `lax.cond` with a
     # per-client predicate (an absent slot skipping its training), batched, cannot be transposed
@@ -202,27 +243,30 @@ def federated_loop(fn: Callable, args: tuple, ctx: ProgramContext, batch_size: i
     if closes:
         leaves, treedef = jax.tree.flatten(args)
         rows = [shd.constrain_leading(x, ctx.mesh, ctx.axis) for x in leaves]
+
+        def plain(f):
+            return None if f is None else (lambda _, row: f(*jax.tree.unflatten(treedef, row)))
+
         out = jax.eval_shape(lambda *r: fn(*jax.tree.unflatten(treedef, list(r))),
                              *[_row_struct(r) for r in rows])
-        total = _loop(lambda _, row: fn(*jax.tree.unflatten(treedef, row)), [], rows, ctx,
-                      step, reduce)
+        total = _loop(plain(fn), [], rows, ctx, step, reduce, out, plain(when))
         return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
 
     def finish(total):  # the accumulation dtype back to each output's own
         return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out)
 
     def federated_map_sum(fixed, rows):  # the name marks the fused loop for the closure check
-        return finish(_loop(call, fixed, rows, ctx, step, reduce=True, out=out))
+        return finish(_loop(call, fixed, rows, ctx, step, reduce=True, out=out, present=present))
 
     @jax.custom_jvp
     def loop(fixed, rows):
         if reduce:
             return jax.jit(federated_map_sum)(fixed, rows)
-        return finish(_loop(call, fixed, rows, ctx, step, reduce=False))
+        return finish(_loop(call, fixed, rows, ctx, step, reduce=False, out=out, present=present))
 
     @loop.defjvp
     def loop_jvp(primals, tangents):
-        return _loop_jvp(call, ctx, batch_size, reduce, primals, tangents)
+        return _loop_jvp(_guarded(call, present, out), ctx, batch_size, reduce, primals, tangents)
 
     return loop(fixed, rows)
 

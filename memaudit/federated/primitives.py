@@ -200,7 +200,8 @@ def federated_map(
     return shd.shard_clients_tree(out, ctx.mesh)
 
 
-def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> Any:
+def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None,
+                      when: Callable | None = None) -> Any:
     """``federated_sum(federated_map(fn, *args))``, without the clients-placed intermediate.
 
     Under the ``"scan"`` strategy the sum accumulates inside the loop over the clients (with a
@@ -212,6 +213,13 @@ def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> 
     accumulate in float32. Its derivative is the map followed by `federated_sum` (a
     ``custom_jvp``), so federated AD holds; under ``"vmap"`` it is exactly the map followed by `federated_sum`.
 
+    ``when(*args) -> bool scalar`` (optional): the clients that count. A client where it is
+    False adds zeros, and under ``"scan"`` runs no part of ``fn``; one client a loop step, the
+    client's work and its addition to the sum are one branch (`lax.cond`), so that XLA fuses
+    the end of the client's work (FedAvg: the last local update, the delta, its weighting) with
+    the addition into the running sum rather than writing each client's output and reading it
+    back. The same values as ``fn`` returning zeros where ``when`` fails.
+
     The values equal the map-then-sum up to float rounding (a sequential sum over the clients
     instead of a pairwise one).
     """
@@ -219,8 +227,20 @@ def federated_map_sum(fn: Callable, *args: Any, strategy: str | None = None) -> 
     _check_args(args, ctx, "federated_map_sum")
     how = resolve_map_strategy(fn, args, strategy or ctx.map_strategy)
     if how != "scan":
+        if when is not None:
+            fn = _where(fn, when)
         return federated_sum(federated_map(fn, *args, strategy=how))
-    return federated_loop(fn, args, ctx, None, reduce=True)
+    return federated_loop(fn, args, ctx, None, reduce=True, when=when)
+
+
+def _where(fn: Callable, when: Callable) -> Callable:
+    """``fn`` where ``when`` holds, zeros of its output elsewhere (a select once vmapped)."""
+
+    def guarded(*args):
+        return jax.lax.cond(when(*args), lambda: fn(*args),
+                            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args)))
+
+    return guarded
 
 
 def federated_weighted_mean(values: Any, weights: jax.Array) -> Any:

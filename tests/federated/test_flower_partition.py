@@ -231,8 +231,10 @@ def test_vmaps_local_training_is_refused_rather_than_run_on_the_clients_tokens_o
     from memaudit.federated.flower.manifest import MAP_STRATEGY
     from memaudit.federated.flower.trainer import FlowerRuntime
 
+    # three local steps: the middle one is the steps' loop (the first and last stand outside it,
+    # algorithms._make_local_training), whose batched form stacks the losses clients-second
     a = alg.fedavg(_loss, client_optimizer=optax.sgd(0.2), server_optimizer=optax.sgd(1.0),
-                   local_steps=2, batch_size=2, map_strategy="vmap")
+                   local_steps=3, batch_size=2, map_strategy="vmap")
     args = (a.init(_params()), _struct(_cohort_data(users)), jax.random.key(0))
     with pytest.raises(PlanError, match=r"reads the client data [xy] on the server \(a copy"):
         compile_plan(a.program, args, PLACED, CAP)
