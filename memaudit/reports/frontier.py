@@ -25,6 +25,7 @@ import math
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
+from memaudit.reports.blocks import MatchedPair, MatchedUtility, compared
 from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 from memaudit.reports.entries import RunEntry, entries
@@ -136,10 +137,10 @@ def _range_text(rs: list[RunEntry]) -> str:
     return f"{ps[0]:.4g}" if len(ps) == 1 else f"{ps[0]:.4g}-{ps[-1]:.4g}"
 
 
-def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DEFAULT_TOLERANCE) -> MatchedUtility:
     """Centralized vs federated between real runs whose perplexities lie within `tolerance`.
 
-    Returns {'tolerance', 'status', 'message', 'pairs', 'closest'}: status 'pairs' (each pair with
+    Returns its `MatchedUtility` (tolerance, pairs, closest, status, message): status 'pairs' (each pair with
     a two-sided test per metric, adjusted with every other test of the report), 'no pair' (the
     utility ranges overlap but no two runs are within the tolerance), 'disjoint' (the ranges lie
     further apart than the tolerance) or 'no runs' (a backend has no run with a utility).
@@ -151,8 +152,8 @@ def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DE
     fed = [r for r in real if r.backend == "federated"]
     if not par or not fed:
         missing = "centralized" if not par else "federated"
-        return {"tolerance": tolerance, "pairs": [], "closest": None, "status": "no runs",
-                "message": f"no {missing} run with a holdout perplexity; no matched-utility comparison"}
+        return MatchedUtility(tolerance=tolerance, pairs=[], closest=None, status="no runs",
+                              message=f"no {missing} run with a holdout perplexity; no matched-utility comparison")
     d, a, b = min(((log_ratio(_ppl(a), _ppl(b)), a, b) for a in par for b in fed), key=lambda t: t[0])
     pairs = []
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
@@ -161,28 +162,28 @@ def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DE
         for key in metrics:
             pa, pf = pool([pa_run.cell(key)]), pool([pf_run.cell(key)])
             if pa and pf:
-                cells[key] = {CENTRALIZED: pa, "federated": pf, "verdict": "not tested",
-                              "test": compare_groups([pf_run], [pa_run], key, "two-sided")}
-        pairs.append({"runs": [pa_run.id, pf_run.id], "log_ratio": dist,
-                      "perplexity": [_ppl(pa_run), _ppl(pf_run)],
-                      "epsilon": [pa_run.privacy.epsilon, pf_run.privacy.epsilon],
-                      "units": [pa_run.privacy.unit, pf_run.privacy.unit], "metrics": cells})
-    out: dict[str, Any] = {"tolerance": tolerance, "pairs": pairs,
-                           "closest": {"runs": [a.id, b.id], "log_ratio": d, "perplexity": [_ppl(a), _ppl(b)]}}
+                cells[key] = compared((CENTRALIZED, pa), ("federated", pf),
+                                      compare_groups([pf_run], [pa_run], key, "two-sided"))
+        pairs.append(MatchedPair(runs=[pa_run.id, pf_run.id], log_ratio=dist,
+                                 perplexity=[_ppl(pa_run), _ppl(pf_run)],
+                                 epsilon=[pa_run.privacy.epsilon, pf_run.privacy.epsilon],
+                                 units=[pa_run.privacy.unit, pf_run.privacy.unit], metrics=cells))
+    out = MatchedUtility(tolerance=tolerance, pairs=pairs,
+                         closest={"runs": [a.id, b.id], "log_ratio": d, "perplexity": [_ppl(a), _ppl(b)]})
     if pairs:
         n = len(pairs)
-        return {**out, "status": "pairs",
-                "message": f"{n} run pair{'s' if n > 1 else ''} within |log perplexity ratio| <= {tolerance:g}"}
+        return out.replace(status="pairs",
+                           message=f"{n} run pair{'s' if n > 1 else ''} within |log perplexity ratio| <= {tolerance:g}")
     lo_p, hi_p = min(map(_ppl, par)), max(map(_ppl, par))
     lo_f, hi_f = min(map(_ppl, fed)), max(map(_ppl, fed))
     gap = max(math.log(lo_f) - math.log(hi_p), math.log(lo_p) - math.log(hi_f))
     closest = (f"closest: {a.id} vs {b.id}, perplexity {_ppl(a):.4g} vs {_ppl(b):.4g}, "
                f"|log ratio| = {d:.3g}")
     if gap > tolerance:
-        return {**out, "status": "disjoint",
-                "message": (f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict: the "
+        return out.replace(status="disjoint",
+                           message=(f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict: the "
                             f"utilities lie too far apart (centralized perplexity {_range_text(par)}, "
-                            f"federated {_range_text(fed)}; {closest})")}
-    return {**out, "status": "no pair",
-            "message": (f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict "
-                        f"({closest}; the frontier lines are a visual guide only)")}
+                                    f"federated {_range_text(fed)}; {closest})"))
+    return out.replace(status="no pair",
+                       message=(f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict "
+                                f"({closest}; the frontier lines are a visual guide only)"))

@@ -18,8 +18,10 @@ from typing import Any
 from memaudit.backends import backend_name
 from memaudit.io import atomic_write_text
 from memaudit.probes.records import Cell, Test
+from memaudit.reports.blocks import Comparisons, Section
 from memaudit.reports.entries import Record
 from memaudit.reports.render import render_html, render_markdown
+from memaudit.reports.scale import ScaleSection
 from memaudit.reports.schema import validate_report
 
 
@@ -90,26 +92,23 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
     return typed(_json_restore(raw))
 
 
-# the comparison blocks whose metrics hold {side: cell, ..., "verdict", "test"}
-_BLOCKS = ("matched", "samplings", "effects", "targets")
-
-
 def typed(report: dict[str, Any]) -> dict[str, Any]:
-    """A report.json's content with its records typed: each run's and target's leakage cells,
-    and each comparison's sides (cells) and test (`Cell.from_json`, `Test.from_json`)."""
+    """A report.json's content with its records typed: each run's and target's leakage cells
+    (`Cell.from_json`), the comparisons (`memaudit.reports.blocks.Comparisons`: each block's
+    sides, verdicts and tests), the scale section (`memaudit.reports.scale.ScaleSection`) and the
+    literature section (`memaudit.reports.blocks.Section`). A key an older report lacks reads as
+    its record's default; the keys a record leaves out while unset are written back only when set."""
     for r in report.get("runs", []) + report.get("targets", []):
         r["leakage"] = {k: Cell.from_json(c) for k, c in r["leakage"].items()}
-    comp = report.get("comparisons") or {}
-    blocks = [b for name in _BLOCKS for b in comp.get(name) or []]
-    blocks += (comp.get("matched_utility") or {}).get("pairs") or []
-    for block in blocks:
-        for cell in block.get("metrics", {}).values():
-            for side, v in cell.items():
-                if side == "test":
-                    cell[side] = None if v is None else Test.from_json(v)
-                elif isinstance(v, dict):
-                    cell[side] = Cell.from_json(v)
+    report["comparisons"] = Comparisons.of(report.get("comparisons"))
+    for key, kind in SECTIONS:
+        if report.get(key):
+            report[key] = kind.of(report[key])
     return report
+
+
+SECTIONS = (("scale", ScaleSection), ("literature", Section))
+"""report.json's sections that are records, by their key."""
 
 
 def rerender(report_json: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> dict[str, Path]:
