@@ -202,6 +202,11 @@ class _Tested(_AsRead):
         """Side a's and side b's cell of one metric."""
         return c.side(self.SIDES[0]), c.side(self.SIDES[1])
 
+    def perplexities(self) -> tuple[float | None, float | None]:
+        """Side a's and side b's mean holdout perplexity (None where unknown)."""
+        ppl = getattr(self, "perplexity", None) or {}
+        return ppl.get(self.SIDES[0]), ppl.get(self.SIDES[1])
+
 
 @dataclass(frozen=True, kw_only=True)
 class MatchedBlock(_Tested, Record):
@@ -218,6 +223,16 @@ class MatchedBlock(_Tested, Record):
     equal_guarantee: bool | None = None
     metrics: dict[str, Compared] = field(default_factory=dict)
     perplexity: dict = field(default_factory=dict)
+
+    def side_units(self) -> tuple[str | None, str | None]:
+        """The federated and the centralized side's privacy unit (a report from before the units:
+        user and example)."""
+        units = self.units or {CENTRALIZED: "example", "federated": "user"}
+        return units.get(self.SIDES[0]), units.get(self.SIDES[1])
+
+    def algorithm_of(self, backend: str) -> str | None:
+        """The algorithm of one side ("ULS", "ELS"; None where the backend has one only)."""
+        return (self.algorithm or {}).get(backend)
 
 
 @dataclass(frozen=True, kw_only=True)

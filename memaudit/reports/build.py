@@ -464,29 +464,26 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
         )
     typed = [read_run(rd, show_secrets=show_secrets) for rd in rds]
     runs = [r.with_units() for r in typed]
-    report: dict[str, Any] = {
-        "schema": SCHEMA,
-        "memaudit_version": __version__,
-        "runs": runs,
-        "comparisons": comparisons(typed, utility_tolerance=utility_tolerance),
-    }
+    comp = comparisons(typed, utility_tolerance=utility_tolerance)
     if targets:  # outside models: their own section, compared with each other (one Holm family)
-        report["targets"] = targets
-        report["comparisons"] = report["comparisons"].replace(targets=target_comparisons(targets))
+        comp = comp.replace(targets=target_comparisons(targets))
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
-    if (scale := scale_section(typed)) is not None:
-        report["scale"] = scale
+    scale = scale_section(typed)
     # the effects the literature reports, by the section's own tests (reports/literature.py)
-    if (lit := literature_section(typed)) is not None:
-        report["literature"] = lit
+    lit = literature_section(typed)
+    report: dict[str, Any] = {
+        "schema": SCHEMA, "memaudit_version": __version__, "runs": runs, "comparisons": comp,
+        **({"targets": targets} if targets else {}), **({"scale": scale} if scale is not None else {}),
+        **({"literature": lit} if lit is not None else {}),
+    }
     # one Holm family over every test of the report; report.json keeps the adjusted p-values
-    report = findings_mod.adjust_report(report)
-    report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
-    # the probe tables' p-values: the one family's, or unadjusted; the per-unit scores dropped
-    lit = report.get("literature")
-    report["runs"] = [replace(r, probe_rows=settle_rows(r.probe_rows, r.id, lit)).to_json() for r in typed]
-    if targets:
-        report["targets"] = [{**{k: v for k, v in t.items() if k != "units"},
-                              "probe_rows": settle_rows(te.probe_rows, te.id, lit)}
-                             for t, te in zip(targets, map(TargetEntry.of, targets), strict=True)]
-    return report
+    adjusted = findings_mod.adjust_report(report)
+    lit = adjusted.get("literature")
+    # the findings from the adjusted tests (adjusting again changes nothing); the probe tables'
+    # p-values: the one family's, or unadjusted; the per-unit scores dropped
+    return {**adjusted, "findings": findings_mod.generate(adjusted),
+            "runs": [replace(r, probe_rows=settle_rows(r.probe_rows, r.id, lit)).to_json() for r in typed],
+            **({"targets": [{**{k: v for k, v in t.items() if k != "units"},
+                             "probe_rows": settle_rows(te.probe_rows, te.id, lit)}
+                            for t, te in zip(targets, map(TargetEntry.of, targets), strict=True)]}
+               if targets else {})}

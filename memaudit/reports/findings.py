@@ -373,20 +373,19 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     centralized runs protect users too, with the units caveat where they protect sequences."""
     out = []
     for m in blocks(report.get("comparisons"), "matched"):
-        ppl = m.perplexity or {}
+        ppl = m.perplexities()
         eps = m.epsilon
-        units = m.units or {CENTRALIZED: "example", "federated": "user"}  # reports before units
-        same = math.isinf(eps) or units.get(CENTRALIZED) == units.get("federated")
+        fed_unit, cen_unit = m.side_units()
+        same = math.isinf(eps) or cen_unit == fed_unit
 
-        def cav(verdict: str, ppl: dict = ppl, same: bool = same) -> str | None:
-            u = _utility_caveat((ppl.get("federated"), ppl.get(CENTRALIZED)), ("federated", "centralized"),
-                                _tolerance(report), verdict)
+        def cav(verdict: str, ppl: tuple = ppl, same: bool = same) -> str | None:
+            u = _utility_caveat(ppl, ("federated", "centralized"), _tolerance(report), verdict)
             return u if same else UNIT_CAVEAT + ("; " + u if u else "")
 
         where = _fmt_eps(eps) + ("" if math.isinf(eps) else
-                                 f" per {units['federated']} on both sides" if same else
-                                 f" ({units.get(CENTRALIZED)} vs {units.get('federated')} units)")
-        alg = (m.algorithm or {}).get(CENTRALIZED)
+                                 f" per {fed_unit} on both sides" if same else
+                                 f" ({cen_unit} vs {fed_unit} units)")
+        alg = m.algorithm_of(CENTRALIZED)
         out += _sentences(m, "federated", "centralized" + (f" ({alg})" if alg else ""),
                           f"At {where}", "backend", cav)
     return out
@@ -397,10 +396,10 @@ def sampling_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     (examples sampled, each clipped) at the same epsilon per user and compute (two-sided)."""
     out = []
     for m in blocks(report.get("comparisons"), "samplings"):
-        ppl = m.perplexity or {}
+        ppl = m.perplexities()
 
-        def cav(verdict: str, ppl: dict = ppl) -> str | None:
-            return _utility_caveat((ppl.get("uls"), ppl.get("els")), ("ULS", "ELS"), _tolerance(report), verdict)
+        def cav(verdict: str, ppl: tuple = ppl) -> str | None:
+            return _utility_caveat(ppl, ("ULS", "ELS"), _tolerance(report), verdict)
 
         where = f"At {_fmt_eps(m.epsilon)} per user, centralized" + (" + Goldfish" if m.goldfish else "")
         if m.finetune != "full":
@@ -431,16 +430,16 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for eff in blocks(report.get("comparisons"), "effects"):
         name = eff.treatment
-        ppl = eff.perplexity or {}
+        ppl = eff.perplexities()
 
-        def cav(verdict: str, ppl: dict = ppl, name: str = name) -> str | None:
-            return _utility_caveat((ppl.get("treated"), ppl.get("baseline")), (f"with {name}", "without"),
+        def cav(verdict: str, ppl: tuple = ppl, name: str = name) -> str | None:
+            return _utility_caveat(ppl, (f"with {name}", "without"),
                                    _tolerance(report), verdict)
 
         dp = name.startswith("DP at")
         series = {"backend_label": eff.backend_label, "treatment": "DP" if dp else name,
                   "level": _fmt_eps(eff.epsilon) if dp else None, "epsilon": eff.epsilon,
-                  "perplexity": [ppl.get("treated"), ppl.get("baseline")], "tolerance": _tolerance(report)}
+                  "perplexity": list(ppl), "tolerance": _tolerance(report)}
         out += _sentences(eff, f"with {name}", "without",
                           f"{eff.backend_label}, {name}", "effect", cav, series)
     return out
