@@ -1,11 +1,14 @@
 """The report's blocks, typed: the comparisons (their blocks of tests, the matched-utility pairs,
 the utility curves, the frontier), the plot data of a run, and the findings' sentences.
 
-report.json holds them as JSON objects; the functions that read them (`memaudit.reports.findings`,
-`memaudit.reports.plots`) read them through these records (`memaudit.reports.entries.Record`), a
-missing key taking its field's default. The comparison cells and tests they hold stay the
-objects the report adjusts in place (`memaudit.reports.findings.adjust_report`); the literature
-section's records (`Section`) are made typed and corrected into new records.
+The comparisons are frozen records from where they are made (`memaudit.reports.build.comparisons`,
+`memaudit.reports.frontier.matched_utility`, `memaudit.reports.targets.target_comparisons`): each
+block (`MatchedBlock`, `SamplingBlock`, `EffectBlock`, `TargetPair`, `MatchedPair`) holds per
+metric a `Compared` (both sides' cells, the verdict, the `Test`), and the report's one correction
+(`memaudit.reports.findings.adjust_report`) returns them new; so does the literature section
+(`Section`). report.json holds them as JSON objects, written and read back only by
+`memaudit.reports.write`; a record read from an older report (`Record.of`) takes a missing key's
+default and writes back only the keys that report had.
 
 >>> c = Comparisons.of({"matched_utility": {"tolerance": 0.1, "pairs": [{"runs": ["a", "b"]}]}})
 >>> c.matched_utility.tolerance, c.pair_runs(), c.frontier_metrics()

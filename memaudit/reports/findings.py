@@ -118,7 +118,7 @@ def _units(report: dict[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {r.id: r.units or {} for r in entries(report.get("runs", []) + report.get("targets", []))}
 
 
-def _refined(report: dict[str, Any], tests: Mapping[Slot, Test], slots: list[Slot], family: int) -> dict[Slot, Test]:
+def _refine_floors(report: dict[str, Any], tests: Mapping[Slot, Test], slots: list[Slot], family: int) -> dict[Slot, Test]:
     """A Monte-Carlo permutation p-value cannot fall below 1 / (B + 1). Where that floor, not the
     data, would keep a test from passing the correction over `family` tests (floor * family >=
     alpha), the test is re-run on the same units with enough permutations that its floor is
@@ -197,7 +197,7 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     (`memaudit.reports.cells.verdict`); the sections their verdicts and sentences (`scale.settle`,
     `literature.settle`). A test stated in two blocks is one entry of the family (`same_test_key`);
     its repeat gets the same numbers and `SAME_TEST`. Tests whose permutation floor alone would
-    decide are refined first (`_refined`). Adjusting an adjusted report again gives the same report.
+    decide are refined first (`_refine_floors`). Adjusting an adjusted report again gives the same report.
 
     The correction itself is `memaudit.reports.family.correct`, over the typed tests: the
     comparisons' `Test`s, then the sections' (`scale.tests_of`, `literature.tests_of`). The
@@ -209,7 +209,7 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     tests = dict(_every_test(comp))
     slots = _family_slots(comp)
     family = len(slots) + len(others)
-    tests.update(_refined(report, tests, slots, family))
+    tests.update(_refine_floors(report, tests, slots, family))
     fixed = correct([tests[s] for s in slots] + others, correction, ALPHA)
     tests.update(zip(slots, fixed, strict=False))
     own = dict(report)

@@ -2,10 +2,10 @@
 report.json back.
 
 This module is report.json's one reader and writer: in memory the report's measured cells and
-tests are the typed records of `memaudit.probes.records` (`Cell`, `Test`), and its sections the
-records of `memaudit.reports` (`memaudit.reports.entries.Record`: the scale and literature
-sections); only here do they become JSON objects (`json_safe`, through their `to_json`) and
-records again (`load_report`, through `from_json`)."""
+tests are the typed records of `memaudit.probes.records` (`Cell`, `Test`), and its comparisons and
+sections the records of `memaudit.reports` (`memaudit.reports.entries.Record`: the comparisons'
+blocks, the scale and literature sections); only here do they become JSON objects (`json_safe`,
+through their `to_json`) and records again (`load_report`, through `Record.of` and `from_json`)."""
 
 from __future__ import annotations
 
