@@ -373,6 +373,11 @@ class Comparisons(Record):
         return [CurveSeries.of(c) for c in self.curves or []]
 
 
+def comparisons_of(report: Mapping[str, Any]) -> Comparisons:
+    """A report's comparisons as their record (a report without them: no blocks)."""
+    return Comparisons.of(report.get("comparisons"))
+
+
 def blocks(comparisons: Mapping[str, Any] | Comparisons | None, name: str) -> list:
     """The comparisons' blocks of one kind ("matched", "samplings", "effects", "targets")."""
     return Comparisons.of(comparisons).blocks(name)

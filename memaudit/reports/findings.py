@@ -31,7 +31,7 @@ from memaudit.backends import CENTRALIZED
 from memaudit.probes.power import FLOOR_MARGIN, POWER, minimum_detectable_effect
 from memaudit.probes.stats import compare_units
 from memaudit.reports import literature, scale
-from memaudit.reports.blocks import BLOCKS, Comparisons, Section, Sentence, blocks
+from memaudit.reports.blocks import BLOCKS, Comparisons, Section, Sentence, comparisons_of
 from memaudit.reports.cells import (
     FINDING,
     METRICS,
@@ -203,7 +203,7 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     comparisons' `Test`s, then the sections' (`scale.tests_of`, `literature.tests_of`). The
     comparisons (`memaudit.reports.blocks.Comparisons`) and the sections are records: each comes
     back new with its corrected tests."""
-    comp = Comparisons.of(report.get("comparisons"))
+    comp = comparisons_of(report)
     sections = _sections(report)
     others = [t for _key, mod, sec in sections for t in mod.tests_of(sec)]
     tests = dict(_every_test(comp))
@@ -212,10 +212,8 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
     tests.update(_refine_floors(report, tests, slots, family))
     fixed = correct([tests[s] for s in slots] + others, correction, ALPHA)
     tests.update(zip(slots, fixed, strict=False))
-    own = dict(report)
     rest = iter(fixed[len(slots):])
-    for key, mod, sec in sections:
-        own[key] = mod.settle(sec, [next(rest) for _ in mod.tests_of(sec)], family)
+    settled = {key: mod.settle(sec, [next(rest) for _ in mod.tests_of(sec)], family) for key, mod, sec in sections}
     tests.update(_detectable(report, tests, slots, family))
     for slot, first in _repeats(comp):  # one test, one entry: a repeat says the same
         t, entry = tests[slot], tests[first]
@@ -224,8 +222,7 @@ def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[
         if t.runs != entry.runs:  # a two-sided test stated with its runs the other way round
             same["estimate"] = -entry.estimate
         tests[slot] = t.replace(**same, **{SAME_TEST: first[0]})
-    own["comparisons"] = _with_tests(comp, tests)
-    return own
+    return {**report, **settled, "comparisons": _with_tests(comp, tests)}
 
 
 def _sections(report: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -243,7 +240,7 @@ def _section_passing(report: dict[str, Any]) -> int:
 
 def adjust(report: dict[str, Any], correction: str = CORRECTION) -> Comparisons:
     """The report's comparisons as `adjust_report` corrects them (with every test of the report)."""
-    return adjust_report(report, correction)["comparisons"]
+    return comparisons_of(adjust_report(report, correction))
 
 
 def _test_text(t: Test) -> str:
@@ -332,7 +329,7 @@ def _test_core(t: Test) -> str:
 
 
 def _tolerance(report: dict[str, Any]) -> float | None:
-    return Comparisons.of(report.get("comparisons")).matched_utility.tolerance
+    return comparisons_of(report).matched_utility.tolerance
 
 
 def _utility_relation(a: float | None, b: float | None, tol: float | None) -> str | None:
@@ -372,7 +369,7 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Federated vs centralized at each matched epsilon (two-sided): at equal guarantees where the
     centralized runs protect users too, with the units caveat where they protect sequences."""
     out = []
-    for m in blocks(report.get("comparisons"), "matched"):
+    for m in comparisons_of(report).matched:
         ppl = m.perplexities()
         eps = m.epsilon
         fed_unit, cen_unit = m.side_units()
@@ -395,7 +392,7 @@ def sampling_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Centralized DP per user, ULS (users sampled, each user's gradient clipped) against ELS
     (examples sampled, each clipped) at the same epsilon per user and compute (two-sided)."""
     out = []
-    for m in blocks(report.get("comparisons"), "samplings"):
+    for m in comparisons_of(report).samplings or []:
         ppl = m.perplexities()
 
         def cav(verdict: str, ppl: tuple = ppl) -> str | None:
@@ -411,7 +408,7 @@ def sampling_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
 def utility_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Federated vs centralized between real runs at matched utility (two-sided)."""
     out = []
-    mu = Comparisons.of(report.get("comparisons")).matched_utility
+    mu = comparisons_of(report).matched_utility
     for pair in mu.each_pair():
         (ep, ef), (up, uf) = pair.epsilon, pair.units
         side = {None: "no DP"}
@@ -428,7 +425,7 @@ def utility_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
 def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Whether DP or Goldfish loss leaks less than the matching baseline (one-sided)."""
     out = []
-    for eff in blocks(report.get("comparisons"), "effects"):
+    for eff in comparisons_of(report).effects:
         name = eff.treatment
         ppl = eff.perplexities()
 
@@ -448,7 +445,7 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
 def target_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Probed outside models against each other (two-sided), on the units they share."""
     out = []
-    for block in blocks(report.get("comparisons"), "targets"):
+    for block in comparisons_of(report).targets or []:
         a, b = block.targets
         out += _sentences(block, a, b, f"Models {a} vs {b}", "targets")
     return out
@@ -533,7 +530,7 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
     """One line per matched-utility pair: the two runs, their guarantees and utilities, and what
     the tests (already adjusted) showed."""
     out = []
-    for pair in Comparisons.of(report.get("comparisons")).matched_utility.each_pair():
+    for pair in comparisons_of(report).matched_utility.each_pair():
         sides = []
         for rid, eps, unit, ppl in zip(pair.runs, pair.epsilon, pair.units, pair.perplexity, strict=True):
             g = "no DP" if unit is None else f"epsilon = {eps:.3g} per {unit}"
@@ -637,7 +634,7 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     shows at most MAX_HEADLINE of them. `no_difference` holds one short line per comparison that
     showed no difference."""
     rep = adjust_report(report)
-    family = len(_family_slots(Comparisons.of(rep["comparisons"]))) + sum(len(mod.tests_of(sec)) for _key, mod, sec in _sections(rep))
+    family = len(_family_slots(comparisons_of(rep))) + sum(len(mod.tests_of(sec)) for _key, mod, sec in _sections(rep))
     sentences = (target_findings(rep) + utility_findings(rep) + backend_findings(rep)
                  + sampling_findings(rep) + effect_findings(rep) + audit_findings(rep))
     # the sections' passing tests too: "N of M tests pass" counts over the one family

@@ -57,18 +57,18 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str
         raise ValueError(f"--out '{out}' exists and is not a directory; choose another path")
     safe = json_safe(report)
     validate_report(safe)
-    paths = {"json": out / "report.json", "html": out / "report.html", "md": out / "report.md"}
+    js, page, md = out / "report.json", out / "report.html", out / "report.md"
     # the report can hold per-canary scores and (--show-secrets) member text: its owner's only,
     # a folder it makes and one it wrote before (an existing folder of the user's keeps its mode)
     if not out.exists():
         out.mkdir(parents=True, mode=0o700)
-    if paths["json"].is_file() or not any(out.iterdir()):
+    if js.is_file() or not any(out.iterdir()):
         os.chmod(out, 0o700)
-    atomic_write_text(paths["json"], json.dumps(safe, indent=2) + "\n")
+    atomic_write_text(js, json.dumps(safe, indent=2) + "\n")
     restored = typed(_json_restore(safe))  # render from exactly what report.json holds
-    atomic_write_text(paths["html"], render_html(restored))
-    atomic_write_text(paths["md"], render_markdown(restored))
-    return paths
+    atomic_write_text(page, render_html(restored))
+    atomic_write_text(md, render_markdown(restored))
+    return {"json": js, "html": page, "md": md}
 
 
 def backend_renamed(o: Any, *, keys: bool = False) -> Any:
