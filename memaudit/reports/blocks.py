@@ -28,9 +28,34 @@ from memaudit.probes.records import Cell, Test
 from memaudit.reports.entries import Record
 
 
+class _AsRead:
+    """A record read from an older report writes back the keys that report had: a key it lacked
+    reads as the field's default (`Record.of`) and stays out of `to_json`, also in a `replace`d copy."""
+
+    _absent: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, d: Any):
+        rec = super().of(d)
+        if isinstance(d, Mapping) and rec is not d:
+            object.__setattr__(rec, "_absent", frozenset(f.name for f in dataclasses.fields(cls)) - set(d))
+        return rec
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        for k in self._absent:
+            out.pop(k, None)
+        return out
+
+    def replace(self, **changes: Any):
+        rec = super().replace(**changes)
+        object.__setattr__(rec, "_absent", self._absent - set(changes))
+        return rec
+
+
 # ----------------------------------------------------------------------------- plot data
 @dataclass(frozen=True, kw_only=True)
-class FrontierPoint(Record):
+class FrontierPoint(_AsRead, Record):
     """A run on a metric's frontier (`memaudit.reports.frontier`): its utility and the cell."""
 
     run: str | None = None
@@ -79,13 +104,13 @@ class Roc(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Spread(Record):
+class Spread(_AsRead, Record):
     mean: float | None = None
     std: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
-class CurvePoint(Record):
+class CurvePoint(_AsRead, Record):
     """A configuration on the utility curve: its epsilon, perplexity and lead leakage over seeds."""
 
     epsilon: float = math.inf
@@ -95,34 +120,34 @@ class CurvePoint(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontierSeries(Record):
+class FrontierSeries(_AsRead, Record):
     label: str | None = None
-    points: list = field(default_factory=list)
+    points: list[FrontierPoint] = field(default_factory=list)
 
     @property
     def frontier_points(self) -> list[FrontierPoint]:
-        return [FrontierPoint.of(p) for p in self.points]
+        return list(self.points)
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontierMetric(Record):
+class FrontierMetric(_AsRead, Record):
     """One headline metric's frontier: a series per backend (and what changes its curve)."""
 
     label: str | None = None
     unit: str | None = None
-    series: list = field(default_factory=list)
+    series: list[FrontierSeries] = field(default_factory=list)
     n_points: int = 0
     all_zero: bool = False
 
     def each_series(self) -> list[FrontierSeries]:
-        return [FrontierSeries.of(s) for s in self.series]
+        return list(self.series)
 
 
 # ----------------------------------------------------------------------------- comparisons
 @dataclass(frozen=True, kw_only=True)
-class CurveSeries(Record):
+class CurveSeries(_AsRead, Record):
     label: str | None = None
-    points: list = field(default_factory=list)
+    points: list[CurvePoint] = field(default_factory=list)
     leakage_label: str | None = None
 
 
@@ -168,31 +193,6 @@ _COMPARED_KEYS = frozenset({"verdict", "test", "attack"})
 def compared(a: tuple[str, Cell], b: tuple[str, Cell], test: Test | None, **attack: str) -> Compared:
     """A metric's comparison before the report's correction: side `a` and side `b` (name, cell)."""
     return Compared(names=(a[0], b[0]), cells=(a[1], b[1]), test=test, **attack)
-
-
-class _AsRead:
-    """A record read from an older report writes back the keys that report had: a key it lacked
-    reads as the field's default (`Record.of`) and stays out of `to_json`, also in a `replace`d copy."""
-
-    _absent: frozenset[str] = frozenset()
-
-    @classmethod
-    def of(cls, d: Any):
-        rec = super().of(d)
-        if isinstance(d, Mapping) and rec is not d:
-            object.__setattr__(rec, "_absent", frozenset(f.name for f in dataclasses.fields(cls)) - set(d))
-        return rec
-
-    def to_json(self) -> dict[str, Any]:
-        out = super().to_json()
-        for k in self._absent:
-            out.pop(k, None)
-        return out
-
-    def replace(self, **changes: Any):
-        rec = super().replace(**changes)
-        object.__setattr__(rec, "_absent", self._absent - set(changes))
-        return rec
 
 
 class _Tested(_AsRead):
@@ -307,17 +307,22 @@ class MatchedUtility(_AsRead, Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontierOrigin(Record):
+class FrontierOrigin(_AsRead, Record):
+    """The public base model: its utility and its point per metric."""
+
     run: str | None = None
     perplexity: float | None = None
-    leakage: dict = field(default_factory=dict)
+    leakage: dict[str, FrontierPoint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Frontier(Record):
+class Frontier(_AsRead, Record):
+    """The frontier (`memaudit.reports.frontier.frontier`): the utility it is drawn against, the
+    public base as its origin (None without one), a `FrontierMetric` per headline metric."""
+
     utility: str | None = None
     origin: FrontierOrigin | None = None
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, FrontierMetric] = field(default_factory=dict)
 
 
 # the blocks of tests, in the order their tests enter the report's one family
@@ -327,8 +332,7 @@ BLOCKS = ("matched_utility", "matched", "samplings", "effects", "targets")
 @dataclass(frozen=True, kw_only=True)
 class Comparisons(Record):
     """report.json's `comparisons`: the blocks of tests (matched epsilon, samplings, effects,
-    matched utility, targets), the utility curves and the frontier (as `frontier.frontier` makes
-    it; read with `Frontier`). `samplings` is None in a report from before them, `targets` where
+    matched utility, targets), the utility curves and the frontier. `samplings` is None in a report from before them, `targets` where
     no outside model was probed: their keys are then absent."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"samplings", "targets"})
@@ -336,9 +340,9 @@ class Comparisons(Record):
     matched: list[MatchedBlock] = field(default_factory=list)
     samplings: list[SamplingBlock] | None = None
     effects: list[EffectBlock] = field(default_factory=list)
-    curves: list = field(default_factory=list)
+    curves: list[CurveSeries] = field(default_factory=list)
     matched_utility: MatchedUtility = field(default_factory=MatchedUtility)
-    frontier: dict = field(default_factory=dict)
+    frontier: Frontier = field(default_factory=Frontier)
     targets: list[TargetPair] | None = None
 
     def blocks(self, name: str) -> list:
@@ -354,23 +358,19 @@ class Comparisons(Record):
             changes["matched_utility"] = self.matched_utility.replace(pairs=list(new["matched_utility"]))
         return self.replace(**changes)
 
-    def frontier_record(self) -> Frontier:
-        return Frontier.of(self.frontier)
-
     def frontier_metrics(self) -> dict[str, FrontierMetric]:
-        return {k: FrontierMetric.of(m) for k, m in (self.frontier_record().metrics or {}).items()}
+        return dict(self.frontier.metrics)
 
     def origin(self) -> dict[str, FrontierPoint]:
         """The public base's point per metric ({} without a base)."""
-        origin = self.frontier_record().origin
-        return {k: FrontierPoint.of(p) for k, p in (origin.leakage if origin else {}).items()}
+        return dict(self.frontier.origin.leakage) if self.frontier.origin else {}
 
     def pair_runs(self) -> list[list[str]]:
         """The two runs of each matched-utility pair."""
         return [p.runs for p in self.matched_utility.each_pair()]
 
     def each_curve(self) -> list[CurveSeries]:
-        return [CurveSeries.of(c) for c in self.curves or []]
+        return list(self.curves)
 
 
 def comparisons_of(report: Mapping[str, Any]) -> Comparisons:

@@ -26,9 +26,12 @@ from memaudit.reports import findings as findings_mod
 from memaudit.reports.blocks import (
     Compared,
     Comparisons,
+    CurvePoint,
+    CurveSeries,
     EffectBlock,
     MatchedBlock,
     SamplingBlock,
+    Spread,
     compared,
 )
 from memaudit.reports.cells import METRICS, TESTABLE
@@ -353,7 +356,7 @@ def _mean_ppl(rs: list[RunEntry]) -> float | None:
     return statistics.fmean(ppl) if ppl else None
 
 
-def _curves(groups: dict[tuple, list[RunEntry]], runs: list[RunEntry]) -> list[dict[str, Any]]:
+def _curves(groups: dict[tuple, list[RunEntry]], runs: list[RunEntry]) -> list[CurveSeries]:
     """Utility (and the lead leakage metric) against epsilon per backend, pooled over seeds."""
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r.cell(k) for r in runs)), None)
@@ -367,15 +370,14 @@ def _curves(groups: dict[tuple, list[RunEntry]], runs: list[RunEntry]) -> list[d
         leak = [r.cell(lead).value for r in rs if lead and r.cell(lead)]
         if not ppl:
             continue
-        by_label[lbl].append({
-            "epsilon": eps,
-            "perplexity": {"mean": statistics.fmean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0},
-            "leakage": {"mean": statistics.fmean(leak) if leak else float("nan"),
-                        "std": statistics.stdev(leak) if len(leak) > 1 else 0.0},
-            "n_seeds": len(rs),
-        })
+        by_label[lbl].append(CurvePoint(
+            epsilon=eps,
+            perplexity=Spread(mean=statistics.fmean(ppl), std=statistics.stdev(ppl) if len(ppl) > 1 else 0.0),
+            leakage=Spread(mean=statistics.fmean(leak) if leak else float("nan"),
+                           std=statistics.stdev(leak) if len(leak) > 1 else 0.0),
+            n_seeds=len(rs)))
     for lbl, pts in sorted(by_label.items()):
-        curves.append({"label": lbl, "points": pts, "leakage_label": METRICS[lead][0] if lead else "leakage"})
+        curves.append(CurveSeries(label=lbl, points=pts, leakage_label=METRICS[lead][0] if lead else "leakage"))
     return curves
 
 

@@ -25,7 +25,16 @@ import math
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
-from memaudit.reports.blocks import MatchedPair, MatchedUtility, compared
+from memaudit.reports.blocks import (
+    Frontier,
+    FrontierMetric,
+    FrontierOrigin,
+    FrontierPoint,
+    FrontierSeries,
+    MatchedPair,
+    MatchedUtility,
+    compared,
+)
 from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 from memaudit.reports.entries import RunEntry, entries
@@ -70,15 +79,16 @@ def series_label(run: dict[str, Any] | RunEntry) -> str:
         " + LoRA" if (run.model.trained or "full") != "full" else "")
 
 
-def _point(run: RunEntry, key: str) -> dict[str, Any]:
+def _point(run: RunEntry, key: str) -> FrontierPoint:
     c = run.cell(key) or Cell(value=None)
-    return {"run": run.id, "epsilon": run.privacy.epsilon, "unit": run.privacy.unit,
-            "perplexity": _ppl(run), "value": c.value, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n,
-            "n_unit": c.unit, "note": c.note, "lower_bound": c.lower_bound}
+    return FrontierPoint(run=run.id, epsilon=run.privacy.epsilon, unit=run.privacy.unit, perplexity=_ppl(run),
+                         value=c.value, ci_low=c.ci_low, ci_high=c.ci_high, n=c.n, n_unit=c.unit, note=c.note,
+                         lower_bound=c.lower_bound)
 
 
-def frontier(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any]:
-    """{'origin': base point or None, 'metrics': {key: {'series': [...], 'all_zero', 'n_points'}}}.
+def frontier(runs: list[dict[str, Any] | RunEntry]) -> Frontier:
+    """The `Frontier`: the public base's points as its origin (None without a base) and per metric
+    its series (`FrontierMetric`: the series, whether every value is 0, how many points).
 
     A metric appears when at least one real run measured it; `all_zero` marks a metric that is 0
     in every run (plots say "none extracted" instead of a flat panel).
@@ -88,9 +98,9 @@ def frontier(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any]:
     base = next((r for r in runs if is_base(r) and _ppl(r) is not None), None)
     origin = None
     if base is not None:
-        origin = {"run": base.id, "perplexity": _ppl(base),
-                  "leakage": {k: _point(base, k) for k in FRONTIER_METRICS if base.cell(k)}}
-    out: dict[str, Any] = {"utility": "holdout perplexity", "origin": origin, "metrics": {}}
+        origin = FrontierOrigin(run=base.id, perplexity=_ppl(base),
+                                leakage={k: _point(base, k) for k in FRONTIER_METRICS if base.cell(k)})
+    metrics = {}
     for key in FRONTIER_METRICS:
         with_value = [r for r in real if r.measured(key)]
         if not with_value:
@@ -100,13 +110,11 @@ def frontier(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any]:
         for lbl in labels:
             rs = sorted((r for r in with_value if series_label(r) == lbl),
                         key=lambda r: (r.privacy.epsilon, r.id))  # from the strongest guarantee to no DP
-            series.append({"label": lbl, "points": [_point(r, key) for r in rs]})
-        out["metrics"][key] = {
-            "label": METRICS[key][0], "unit": METRICS[key][1], "series": series,
-            "n_points": len(with_value),
-            "all_zero": all(r.cell(key).value == 0 for r in with_value),
-        }
-    return out
+            series.append(FrontierSeries(label=lbl, points=[_point(r, key) for r in rs]))
+        metrics[key] = FrontierMetric(label=METRICS[key][0], unit=METRICS[key][1], series=series,
+                                      n_points=len(with_value),
+                                      all_zero=all(r.cell(key).value == 0 for r in with_value))
+    return Frontier(utility="holdout perplexity", origin=origin, metrics=metrics)
 
 
 def _guarantee(r: RunEntry) -> tuple[float, str | None]:

@@ -412,9 +412,9 @@ def test_els_and_uls_never_pool_and_each_meets_federated_and_the_other():
 
     assert {run_label(r) for r in runs[1:3]} == {"centralized (ELS), epsilon = 8 per user",
                                                         "centralized (ULS), epsilon = 8 per user"}
-    series = {s["label"] for s in rep["comparisons"].frontier["metrics"]["mia_auc"]["series"]}
+    series = {s.label for s in rep["comparisons"].frontier.metrics["mia_auc"].series}
     assert series == {"centralized", "centralized (ELS)", "federated"}  # no line drawn from ELS to ULS
-    curves = {c["label"] for c in rep["comparisons"].curves}
+    curves = {c.label for c in rep["comparisons"].curves}
     assert {"centralized (user-level DP, ELS)", "centralized (user-level DP, ULS)"} <= curves
     validate_report(rep)
 

@@ -134,13 +134,13 @@ def test_frontier_points_per_backend_with_the_base_as_origin():
              for e, v, p in ((math.inf, 0.6, 90.0), (2.0, 0.5, 200.0))]
     runs.append(run("base", "centralized", math.inf, mia=cell(0.5, 0.02), ppl=400.0, role="public-base"))
     fr = comparisons(runs).frontier
-    assert fr["origin"]["run"] == "base" and fr["origin"]["perplexity"] == 400.0
-    m = fr["metrics"]["mia_auc"]
-    assert [s["label"] for s in m["series"]] == ["centralized", "federated"]
-    par = m["series"][0]["points"]
-    assert [p["epsilon"] for p in par] == [2.0, 8.0, math.inf]  # strongest guarantee first
-    assert [(p["perplexity"], p["value"]) for p in par] == [(150.0, 0.55), (80.0, 0.7), (50.0, 0.9)]
-    assert m["n_points"] == 5 and not m["all_zero"]
+    assert fr.origin.run == "base" and fr.origin.perplexity == 400.0
+    m = fr.metrics["mia_auc"]
+    assert [s.label for s in m.series] == ["centralized", "federated"]
+    par = m.series[0].points
+    assert [p.epsilon for p in par] == [2.0, 8.0, math.inf]  # strongest guarantee first
+    assert [(p.perplexity, p.value) for p in par] == [(150.0, 0.55), (80.0, 0.7), (50.0, 0.9)]
+    assert m.n_points == 5 and not m.all_zero
     # the base is the origin, not a grid point: no matched-epsilon or DP-effect group holds it
     comp = comparisons(runs)
     assert all("base" not in c.test.get("runs", []) for b in comp.effects + comp.matched
@@ -156,7 +156,7 @@ def test_all_zero_metric_is_flagged_and_not_drawn():
         r["probes_summary"]["extraction_by_repeats"] = [
             {"prefix_len": 32, "repeats": k, "bucket": str(k), "value": 0.0} for k in (1, 2, 4)]
     rep = _report(runs)
-    assert rep["comparisons"].frontier["metrics"]["extraction_exact"]["all_zero"]
+    assert rep["comparisons"].frontier.metrics["extraction_exact"].all_zero
     figs = all_figures(rep)
     assert "extraction" not in figs
     titles = [ax.get_title() for ax in figs["frontier"].axes]

@@ -80,7 +80,7 @@ def test_report_compares_lora_with_the_full_fine_tune_at_equal_epsilon():
     (eff,) = comp.effects
     assert eff.treatment == "LoRA fine-tuning (lora(r=8, q_proj,v_proj))" and eff.epsilon == 8.0
     assert set(eff.metrics) == {"mia_auc"}
-    assert {c["label"] for c in comp.curves} == {"centralized", "centralized + LoRA"}
+    assert {c.label for c in comp.curves} == {"centralized", "centralized + LoRA"}
     rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comp}
     rep["comparisons"] = findings.adjust(rep)
     rep["findings"] = findings.generate(rep)
