@@ -14,7 +14,10 @@ from memaudit.probes.records import Cell, Test
 from memaudit.reports.blocks import (
     Compared,
     Comparisons,
+    CurveSeries,
     EffectBlock,
+    Frontier,
+    FrontierPoint,
     MatchedBlock,
     Section,
     TargetPair,
@@ -57,6 +60,8 @@ def test_a_committed_snapshot_loads_typed_and_writes_back_what_it_holds(path: Pa
         for c in block.metrics.values():
             assert isinstance(c, Compared) and all(isinstance(x, Cell) for x in c.cells)
             assert c.test is None or isinstance(c.test, Test)
+    assert isinstance(comp.frontier, Frontier) and all(isinstance(c, CurveSeries) for c in comp.curves)
+    assert all(isinstance(p, FrontierPoint) for m in comp.frontier.metrics.values() for s in m.series for p in s.points)
     assert isinstance(rep["literature"], Section)
     if "scale" in raw:
         assert isinstance(rep["scale"], ScaleSection)
