@@ -57,7 +57,7 @@ def test_an_old_run_dir_with_backend_parallel_reports_as_centralized(tmp_path):
     assert by["old"]["backend"] == by["new"]["backend"] == "centralized"
     assert by["old"]["privacy"]["mechanism"] == by["new"]["privacy"]["mechanism"] == "DP-SGD"
     assert by["old"]["privacy"]["epsilon"] == by["new"]["privacy"]["epsilon"]
-    assert [c["label"] for c in rep["comparisons"]["curves"]] == ["centralized"]
+    assert [c.label for c in rep["comparisons"].curves] == ["centralized"]
 
 
 def test_an_old_report_json_rerenders_with_the_centralized_side(tmp_path):

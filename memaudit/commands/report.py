@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
             if (t.get("shift") or {}).get("flagged"):
                 console.print(f"  WARNING: {t['shift']['note']}", markup=False, highlight=False)
         if rep["runs"]:
-            console.print(f"at matched utility: {rep['comparisons']['matched_utility']['message']}",
+            console.print(f"at matched utility: {rep['comparisons'].matched_utility.message}",
                           markup=False, highlight=False)
         for f in rep["findings"]["headline"]:
             console.print(f"- {f['text']} ({f['evidence']})", markup=False, highlight=False)

@@ -23,6 +23,17 @@ from memaudit.probes.document import read_probes
 from memaudit.probes.loaders import RunInfo
 from memaudit.probes.weights import weights_mismatch
 from memaudit.reports import findings as findings_mod
+from memaudit.reports.blocks import (
+    Compared,
+    Comparisons,
+    CurvePoint,
+    CurveSeries,
+    EffectBlock,
+    MatchedBlock,
+    SamplingBlock,
+    Spread,
+    compared,
+)
 from memaudit.reports.cells import METRICS, TESTABLE
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 from memaudit.reports.entries import (
@@ -345,7 +356,7 @@ def _mean_ppl(rs: list[RunEntry]) -> float | None:
     return statistics.fmean(ppl) if ppl else None
 
 
-def _curves(groups: dict[tuple, list[RunEntry]], runs: list[RunEntry]) -> list[dict[str, Any]]:
+def _curves(groups: dict[tuple, list[RunEntry]], runs: list[RunEntry]) -> list[CurveSeries]:
     """Utility (and the lead leakage metric) against epsilon per backend, pooled over seeds."""
     curves = []
     lead = next((k for k in ("exposure_top", "mia_auc") if any(r.cell(k) for r in runs)), None)
@@ -359,19 +370,18 @@ def _curves(groups: dict[tuple, list[RunEntry]], runs: list[RunEntry]) -> list[d
         leak = [r.cell(lead).value for r in rs if lead and r.cell(lead)]
         if not ppl:
             continue
-        by_label[lbl].append({
-            "epsilon": eps,
-            "perplexity": {"mean": statistics.fmean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0},
-            "leakage": {"mean": statistics.fmean(leak) if leak else float("nan"),
-                        "std": statistics.stdev(leak) if len(leak) > 1 else 0.0},
-            "n_seeds": len(rs),
-        })
+        by_label[lbl].append(CurvePoint(
+            epsilon=eps,
+            perplexity=Spread(mean=statistics.fmean(ppl), std=statistics.stdev(ppl) if len(ppl) > 1 else 0.0),
+            leakage=Spread(mean=statistics.fmean(leak) if leak else float("nan"),
+                           std=statistics.stdev(leak) if len(leak) > 1 else 0.0),
+            n_seeds=len(rs)))
     for lbl, pts in sorted(by_label.items()):
-        curves.append({"label": lbl, "points": pts, "leakage_label": METRICS[lead][0] if lead else "leakage"})
+        curves.append(CurveSeries(label=lbl, points=pts, leakage_label=METRICS[lead][0] if lead else "leakage"))
     return curves
 
 
-def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAULT_TOLERANCE) -> Comparisons:
     """Matched-epsilon backend pairs (two-sided tests), backend pairs at matched utility (two-sided,
     only between real runs within `utility_tolerance`), treatment effects against their baseline
     (one-sided: does the treatment leak less?), each metric with its test; and the frontier."""
@@ -379,15 +389,14 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
     groups = _groups(runs)
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
 
-    def cells(a: list, b: list, names: tuple[str, str], alternative: str) -> dict[str, dict]:
-        """Per metric both sides pooled (`names`: their keys) and the test of side a against b,
+    def cells(a: list, b: list, names: tuple[str, str], alternative: str) -> dict[str, Compared]:
+        """Per metric both sides pooled (`names`: their sides) and the test of side a against b,
         where both sides measured it."""
         out = {}
         for key in metrics:
             pa, pb = pool([r.cell(key) for r in a]), pool([r.cell(key) for r in b])
             if pa and pb:
-                out[key] = {names[0]: pa, names[1]: pb, "verdict": "not tested",
-                            "test": compare_groups(a, b, key, alternative)}
+                out[key] = compared((names[0], pa), (names[1], pb), compare_groups(a, b, key, alternative))
         return out
 
     matched = []
@@ -400,11 +409,11 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         cands = [(u, s, rs) for (bk, e, g, u, f, s), rs in groups.items()
                  if bk == CENTRALIZED and e == eps and not g and f == "full"]
         for par_unit, smp, par in sorted(cands, key=lambda c: (c[0] != unit, str(c[0]), str(c[1]) != "uls")):
-            matched.append({"epsilon": eps, "units": {CENTRALIZED: par_unit, "federated": unit},
-                            "algorithm": {CENTRALIZED: smp.upper() if smp else None, "federated": None},
-                            "equal_guarantee": par_unit == unit,
-                            "metrics": cells(fed, par, ("federated", CENTRALIZED), "two-sided"),
-                            "perplexity": {CENTRALIZED: _mean_ppl(par), "federated": _mean_ppl(fed)}})
+            matched.append(MatchedBlock(
+                epsilon=eps, units={CENTRALIZED: par_unit, "federated": unit},
+                algorithm={CENTRALIZED: smp.upper() if smp else None, "federated": None},
+                equal_guarantee=par_unit == unit, metrics=cells(fed, par, MatchedBlock.SIDES, "two-sided"),
+                perplexity={CENTRALIZED: _mean_ppl(par), "federated": _mean_ppl(fed)}))
     # the two centralized user-level algorithms against each other at each epsilon (two-sided):
     # ULS vs ELS, at the same guarantee and compute (Charles et al. 2024's comparison)
     samplings = []
@@ -412,9 +421,9 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
         els = groups.get((backend, eps, gf, unit, ft, "els"))
         if backend != CENTRALIZED or smp != "uls" or not els:
             continue
-        samplings.append({"epsilon": eps, "unit": unit, "goldfish": gf, "finetune": ft,
-                          "metrics": cells(uls, els, ("uls", "els"), "two-sided"),
-                          "perplexity": {"uls": _mean_ppl(uls), "els": _mean_ppl(els)}})
+        samplings.append(SamplingBlock(epsilon=eps, unit=unit, goldfish=gf, finetune=ft,
+                                       metrics=cells(uls, els, SamplingBlock.SIDES, "two-sided"),
+                                       perplexity={"uls": _mean_ppl(uls), "els": _mean_ppl(els)}))
     effects = []
     for (backend, eps, gf, unit, ft, smp), rs in sorted(
             groups.items(), key=lambda kv: (report_rank(kv[0][0]), kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4],
@@ -433,11 +442,11 @@ def comparisons(runs: list[dict[str, Any]], *, utility_tolerance: float = DEFAUL
             base, name = groups.get((backend, math.inf, False, None, ft, None)), f"DP at epsilon = {eps:g}"
         if not base:
             continue
-        effects.append({"backend": backend, "backend_label": label, "treatment": name, "epsilon": eps,
-                        "unit": unit, "metrics": cells(rs, base, ("treated", "baseline"), "less"),
-                        "perplexity": {"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}})
-    return {"matched": matched, "samplings": samplings, "effects": effects, "curves": _curves(groups, runs),
-            "matched_utility": matched_utility(runs, utility_tolerance), "frontier": frontier(runs)}
+        effects.append(EffectBlock(backend=backend, backend_label=label, treatment=name, epsilon=eps, unit=unit,
+                                   metrics=cells(rs, base, EffectBlock.SIDES, "less"),
+                                   perplexity={"treated": _mean_ppl(rs), "baseline": _mean_ppl(base)}))
+    return Comparisons(matched=matched, samplings=samplings, effects=effects, curves=_curves(groups, runs),
+                       matched_utility=matched_utility(runs, utility_tolerance), frontier=frontier(runs))
 
 
 def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
@@ -457,29 +466,26 @@ def build_report(paths: list[str | os.PathLike], *, show_secrets: bool = False,
         )
     typed = [read_run(rd, show_secrets=show_secrets) for rd in rds]
     runs = [r.with_units() for r in typed]
-    report: dict[str, Any] = {
-        "schema": SCHEMA,
-        "memaudit_version": __version__,
-        "runs": runs,
-        "comparisons": comparisons(typed, utility_tolerance=utility_tolerance),
-    }
+    comp = comparisons(typed, utility_tolerance=utility_tolerance)
     if targets:  # outside models: their own section, compared with each other (one Holm family)
-        report["targets"] = targets
-        report["comparisons"]["targets"] = target_comparisons(targets)
+        comp = comp.replace(targets=target_comparisons(targets))
     # memorization vs model size x Goldfish (reports/scale.py, issue 20): only when runs differ
-    if (scale := scale_section(typed)) is not None:
-        report["scale"] = scale
+    scale = scale_section(typed)
     # the effects the literature reports, by the section's own tests (reports/literature.py)
-    if (lit := literature_section(typed)) is not None:
-        report["literature"] = lit
+    lit = literature_section(typed)
+    report: dict[str, Any] = {
+        "schema": SCHEMA, "memaudit_version": __version__, "runs": runs, "comparisons": comp,
+        **({"targets": targets} if targets else {}), **({"scale": scale} if scale is not None else {}),
+        **({"literature": lit} if lit is not None else {}),
+    }
     # one Holm family over every test of the report; report.json keeps the adjusted p-values
-    report = findings_mod.adjust_report(report)
-    report["findings"] = findings_mod.generate(report)  # from the adjusted tests: adjusting again changes nothing
-    # the probe tables' p-values: the one family's, or unadjusted; the per-unit scores dropped
-    lit = report.get("literature")
-    report["runs"] = [replace(r, probe_rows=settle_rows(r.probe_rows, r.id, lit)).to_json() for r in typed]
-    if targets:
-        report["targets"] = [{**{k: v for k, v in t.items() if k != "units"},
-                              "probe_rows": settle_rows(te.probe_rows, te.id, lit)}
-                             for t, te in zip(targets, map(TargetEntry.of, targets), strict=True)]
-    return report
+    adjusted = findings_mod.adjust_report(report)
+    lit = adjusted.get("literature")
+    # the findings from the adjusted tests (adjusting again changes nothing); the probe tables'
+    # p-values: the one family's, or unadjusted; the per-unit scores dropped
+    return {**adjusted, "findings": findings_mod.generate(adjusted),
+            "runs": [replace(r, probe_rows=settle_rows(r.probe_rows, r.id, lit)).to_json() for r in typed],
+            **({"targets": [{**{k: v for k, v in t.items() if k != "units"},
+                             "probe_rows": settle_rows(te.probe_rows, te.id, lit)}
+                            for t, te in zip(targets, map(TargetEntry.of, targets), strict=True)]}
+               if targets else {})}

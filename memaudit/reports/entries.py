@@ -44,11 +44,16 @@ class Record:
     @functools.cache
     def _nested(cls) -> dict[str, tuple[type, bool, type | None]]:
         """The fields holding records (a `Record`, or a `Cell` or `Test` of
-        `memaudit.probes.records`): the record's type, whether the field may be None, and the
-        container (`list[X]`: each element; `dict[str, X]`: each value, None kept) or None (the
-        field is one record)."""
+        `memaudit.probes.records`): the record's type, whether the field may be None (`X | None`,
+        `list[X] | None`: None where the JSON has null or nothing), and the container (`list[X]`:
+        each element; `dict[str, X]`: each value, None kept) or None (the field is one record)."""
         out = {}
         for name, hint in typing.get_type_hints(cls).items():
+            optional = False
+            if isinstance(hint, types.UnionType):  # `list[X] | None`: the list, or None where absent
+                inner = [k for k in typing.get_args(hint) if k is not type(None)]
+                if len(inner) == 1 and typing.get_origin(inner[0]) in (list, dict):
+                    hint, optional = inner[0], True
             container = typing.get_origin(hint)
             if container in (list, dict):
                 hint = typing.get_args(hint)[-1]
@@ -57,7 +62,7 @@ class Record:
             kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
             sub = [k for k in kinds if isinstance(k, type) and issubclass(k, Record | Cell | Test)]
             if sub:
-                out[name] = (sub[0], type(None) in kinds, container)
+                out[name] = (sub[0], optional if container else type(None) in kinds, container)
         return out
 
     @classmethod
@@ -85,11 +90,13 @@ class Record:
                 v = None
             if f.name in nested:
                 kind, optional, container = nested[f.name]
-                if container is list:
+                if v is None and optional:
+                    pass
+                elif container is list:
                     v = [_read(kind, x) for x in v or []]
                 elif container is dict:
                     v = {k: None if x is None else _read(kind, x) for k, x in (v or {}).items()}
-                elif not (v is None and optional):
+                else:
                     v = _read(kind, v)
             kw[f.name] = v
         return cls(**kw)

@@ -22,7 +22,6 @@ References:
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,12 +31,13 @@ from memaudit.backends import CENTRALIZED
 from memaudit.probes.power import FLOOR_MARGIN, POWER, minimum_detectable_effect
 from memaudit.probes.stats import compare_units
 from memaudit.reports import literature, scale
-from memaudit.reports.blocks import Comparisons, Section, Sentence, blocks
+from memaudit.reports.blocks import BLOCKS, Comparisons, Section, Sentence, comparisons_of
 from memaudit.reports.cells import (
     FINDING,
     METRICS,
     NO_DIFFERENCE,
     SHORT,
+    Cell,
     Test,
     format_cell,
     number,
@@ -52,28 +52,22 @@ def _fmt_eps(e: float | None) -> str:
     return "no DP (epsilon = inf)" if e is None or math.isinf(e) else f"epsilon = {e:g}"
 
 
-# the report's comparison blocks in the order their tests enter the family: a test stated in two
-# blocks (a matched-epsilon pair within the utility tolerance is also a matched-utility pair)
-# belongs to the first, and its sentence is said there
-BLOCKS = ("matched_utility", "matched", "samplings", "effects", "targets")
+# the report's comparison blocks in the order their tests enter the family (`blocks.BLOCKS`): a
+# test stated in two blocks (a matched-epsilon pair within the utility tolerance is also a
+# matched-utility pair) belongs to the first, and its sentence is said there
 SAME_TEST = "same_test_as"  # on a repeated test: the block whose entry of the same test is the family's
 
-
-def _block_metrics(comp: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    """Each block's metrics (per metric: both sides' cells, the verdict, the test), to adjust in place."""
-    if name == "matched_utility":
-        return [p.metrics for p in Comparisons.of(comp).matched_utility.each_pair()]
-    return [b.metrics for b in blocks(comp, name)]
+Slot = tuple[str, int, str]
+"""Where a test stands in the comparisons: the block's kind, its index there and the metric."""
 
 
-def _every_test(report: dict[str, Any]):
-    """Every (block name, metric, cell, test) of the report's comparisons, repeats included."""
-    comp = report.get("comparisons", {})
+def _every_test(comp: Comparisons):
+    """Every (slot, test) of the comparisons, repeats included, in the family's order."""
     for name in BLOCKS:
-        for metrics in _block_metrics(comp, name):
-            for key, cell in metrics.items():
-                if cell.get("test"):
-                    yield name, key, cell, cell["test"]
+        for i, block in enumerate(comp.blocks(name)):
+            for key, c in block.metrics.items():
+                if c.test is not None:
+                    yield (name, i, key), c.test
 
 
 def same_test_key(key: str, t: Test) -> tuple | None:
@@ -85,78 +79,94 @@ def same_test_key(key: str, t: Test) -> tuple | None:
     return (pair, key, t.unit, t.alternative, t.name)
 
 
-def _keyed_tests(report: dict[str, Any]):
-    """Every distinct (metric, cell, test) of the report's comparisons, in a fixed order: a test
-    that two blocks state is yielded once (its first entry; the other is marked `SAME_TEST`)."""
-    seen: dict[tuple, str] = {}
-    for name, key, cell, t in _every_test(report):
-        ident = same_test_key(key, t)
+def _family_slots(comp: Comparisons) -> list[Slot]:
+    """The slot of every distinct test of the comparisons, in a fixed order: a test that two blocks
+    state counts once (its first entry; the other repeats it, `_repeats`)."""
+    seen: set[tuple] = set()
+    out = []
+    for slot, t in _every_test(comp):
+        ident = same_test_key(slot[2], t)
         if ident is not None and ident in seen:
             continue
         if ident is not None:
-            seen[ident] = name
-        yield key, cell, t
-
-
-def _repeats(report: dict[str, Any]) -> list[tuple[dict[str, Any], Test, Test, str]]:
-    """(cell, its repeated test, the family's entry of it, that entry's block) for each test
-    stated twice."""
-    first: dict[tuple, tuple[Test, str]] = {}
-    out = []
-    for name, key, cell, t in _every_test(report):
-        ident = same_test_key(key, t)
-        if ident is None:
-            continue
-        if ident in first:
-            out.append((cell, t, *first[ident]))
-        else:
-            first[ident] = (t, name)
+            seen.add(ident)
+        out.append(slot)
     return out
 
 
-def _all_tests(report: dict[str, Any]):
-    """Every distinct (cell, test) of the report's comparisons, in a fixed order."""
-    for _key, cell, t in _keyed_tests(report):
-        yield cell, t
+def _repeats(comp: Comparisons) -> list[tuple[Slot, Slot]]:
+    """(the repeat's slot, the family's entry's slot) for each test stated twice."""
+    first: dict[tuple, Slot] = {}
+    out = []
+    for slot, t in _every_test(comp):
+        ident = same_test_key(slot[2], t)
+        if ident is None:
+            continue
+        if ident in first:
+            out.append((slot, first[ident]))
+        else:
+            first[ident] = slot
+    return out
 
 
 # FLOOR_MARGIN (memaudit.probes.power, whose detectable effects assume it): a refined test's
 # smallest p-value is alpha / (FLOOR_MARGIN * family)
 
 
-def _refine_floors(report: dict[str, Any], family: int) -> None:
+def _units(report: dict[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Each run's and probed model's per-unit scores, by its id."""
+    return {r.id: r.units or {} for r in entries(report.get("runs", []) + report.get("targets", []))}
+
+
+def _refine_floors(report: dict[str, Any], tests: Mapping[Slot, Test], slots: list[Slot], family: int) -> dict[Slot, Test]:
     """A Monte-Carlo permutation p-value cannot fall below 1 / (B + 1). Where that floor, not the
     data, would keep a test from passing the correction over `family` tests (floor * family >=
     alpha), the test is re-run on the same units with enough permutations that its floor is
     alpha / (FLOOR_MARGIN * family). Only tests at their floor are re-run, so the cost stays small.
-    Updates the comparison cells of `report` (`adjust` hands it its own copy).
+    Returns the re-run tests by slot.
     """
-    units = {r.id: r.units or {} for r in entries(report.get("runs", []) + report.get("targets", []))}
+    units = _units(report)
     need = math.ceil(FLOOR_MARGIN * family / ALPHA)
-    for key, cell, test in _keyed_tests(report):
+    out = {}
+    for slot in slots:
+        test, key = tests[slot], slot[2]
         if (test.p_floor is None or not test.over_runs or test.p_floor * family < ALPHA
                 or test.p_value > test.p_floor * (1 + 1e-9)):
             continue
         ua, ub = (units.get(rid, {}).get(key) for rid in (test.runs or ("", "")))
         if ua and ub:
             again = compare_units(ua, ub, alternative=test.alternative, n_perm=need)
-            cell["test"] = test.replace(p_value=again.p_value, p_floor=again.p_floor, estimate=again.estimate)
+            out[slot] = test.replace(p_value=again.p_value, p_floor=again.p_floor, estimate=again.estimate)
+    return out
 
 
-def _detectable(report: dict[str, Any], family: int) -> None:
+def _detectable(report: dict[str, Any], tests: Mapping[Slot, Test], slots: list[Slot],
+                family: int) -> dict[Slot, Test]:
     """Beside each comparison of two runs that shows no difference, the smallest difference its
     test could have seen with 80% power at the strictest Holm step, alpha / family (an effect that
     size passes the correction whatever the other tests say): the test's `mde`, from
     `memaudit.probes.power.minimum_detectable_effect` on the same units. Tests over seeds get none
-    (their n is the seeds)."""
-    units = {r.id: r.units or {} for r in entries(report.get("runs", []) + report.get("targets", []))}
-    for key, cell, t in _keyed_tests(report):
-        if cell.get("verdict") != NO_DIFFERENCE or not t.over_runs or not t.runs:
+    (their n is the seeds). Returns those tests by slot."""
+    units = _units(report)
+    out = {}
+    for slot in slots:
+        t, key = tests[slot], slot[2]
+        if verdict(t, ALPHA) != NO_DIFFERENCE or not t.over_runs or not t.runs:
             continue
         ua, ub = (units.get(rid, {}).get(key) for rid in t.runs)
         if ua and ub:
-            cell["test"] = t.replace(mde=minimum_detectable_effect(ua, ub, alternative=t.alternative,
-                                                                   alpha=ALPHA / family))
+            out[slot] = t.replace(mde=minimum_detectable_effect(ua, ub, alternative=t.alternative,
+                                                                alpha=ALPHA / family))
+    return out
+
+
+def _with_tests(comp: Comparisons, tests: Mapping[Slot, Test]) -> Comparisons:
+    """The comparisons with `tests` in their slots, each such metric's verdict from its test."""
+    def block(name: str, i: int, b):
+        return b.replace(metrics={k: c.replace(test=t, verdict=verdict(t, ALPHA))
+                                  if (t := tests.get((name, i, k))) is not None else c
+                                  for k, c in b.metrics.items()})
+    return comp.with_blocks({name: [block(name, i, b) for i, b in enumerate(comp.blocks(name))] for name in BLOCKS})
 
 
 def mde_amount(mde: Mapping[str, Any], metric: str) -> str | None:
@@ -180,41 +190,39 @@ def mde_text(t: Test, metric: str) -> str | None:
 
 
 def adjust_report(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
-    """The report with one correction over every test it states, as a new dict (`report` is left
-    as it was): the backend comparisons, the scale section's and the literature section's tests
-    are one Holm family, as the report and the README say. Each test gets its adjusted p-value and
-    the family's size; each comparison cell its verdict (`memaudit.reports.cells.verdict`); the
-    sections their verdicts and sentences (`scale.settle`, `literature.settle`). A test stated in
-    two blocks is one entry of the family (`same_test_key`); its repeat gets the same numbers and
-    `SAME_TEST`. Tests whose permutation floor alone would decide are refined first
-    (`_refine_floors`). Adjusting an adjusted report again gives the same report.
+    """The report with one correction over every test it states, as a new dict (`report` and its
+    records are left as they were): the backend comparisons, the scale section's and the literature
+    section's tests are one Holm family, as the report and the README say. Each test gets its
+    adjusted p-value and the family's size; each comparison its verdict
+    (`memaudit.reports.cells.verdict`); the sections their verdicts and sentences (`scale.settle`,
+    `literature.settle`). A test stated in two blocks is one entry of the family (`same_test_key`);
+    its repeat gets the same numbers and `SAME_TEST`. Tests whose permutation floor alone would
+    decide are refined first (`_refine_floors`). Adjusting an adjusted report again gives the same report.
 
     The correction itself is `memaudit.reports.family.correct`, over the typed tests: the
-    comparison cells' `Test`s, then the sections' (`scale.tests_of`, `literature.tests_of`); the
-    sections are records, and `settle` returns each one new with its corrected tests."""
-    own = {**report, "comparisons": copy.deepcopy(report.get("comparisons", {}))}
-    sections = _sections(own)
+    comparisons' `Test`s, then the sections' (`scale.tests_of`, `literature.tests_of`). The
+    comparisons (`memaudit.reports.blocks.Comparisons`) and the sections are records: each comes
+    back new with its corrected tests."""
+    comp = comparisons_of(report)
+    sections = _sections(report)
     others = [t for _key, mod, sec in sections for t in mod.tests_of(sec)]
-    family = sum(1 for _ in _all_tests(own)) + len(others)
-    _refine_floors(own, family)
-    cells = [cell for cell, _t in _all_tests(own)]
-    fixed = correct([c["test"] for c in cells] + others, correction, ALPHA)
-    for cell, t in zip(cells, fixed, strict=False):
-        cell["test"] = t
-        cell["verdict"] = verdict(t, ALPHA)
-    rest = iter(fixed[len(cells):])
-    for key, mod, sec in sections:
-        own[key] = mod.settle(sec, [next(rest) for _ in mod.tests_of(sec)], family)
-    _detectable(own, family)
-    for cell, t, entry, block in _repeats(own):  # one test, one entry: a repeat says the same
+    tests = dict(_every_test(comp))
+    slots = _family_slots(comp)
+    family = len(slots) + len(others)
+    tests.update(_refine_floors(report, tests, slots, family))
+    fixed = correct([tests[s] for s in slots] + others, correction, ALPHA)
+    tests.update(zip(slots, fixed, strict=False))
+    rest = iter(fixed[len(slots):])
+    settled = {key: mod.settle(sec, [next(rest) for _ in mod.tests_of(sec)], family) for key, mod, sec in sections}
+    tests.update(_detectable(report, tests, slots, family))
+    for slot, first in _repeats(comp):  # one test, one entry: a repeat says the same
+        t, entry = tests[slot], tests[first]
         same = {k: getattr(entry, k) for k in ("p_value", "p_floor", "estimate", "p_adjusted", "correction",
                                                "family", "alpha", "mde") if k in entry.to_json()}
         if t.runs != entry.runs:  # a two-sided test stated with its runs the other way round
             same["estimate"] = -entry.estimate
-        cell["test"] = t.replace(**same, **{SAME_TEST: block})
-    for _name, _key, cell, t in _every_test(own):
-        cell["verdict"] = verdict(t, ALPHA)
-    return own
+        tests[slot] = t.replace(**same, **{SAME_TEST: first[0]})
+    return {**report, **settled, "comparisons": _with_tests(comp, tests)}
 
 
 def _sections(report: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -230,19 +238,9 @@ def _section_passing(report: dict[str, Any]) -> int:
     return sum(mod.passing(sec) for _key, mod, sec in _sections(report))
 
 
-def adjust(report: dict[str, Any], correction: str = CORRECTION) -> dict[str, Any]:
+def adjust(report: dict[str, Any], correction: str = CORRECTION) -> Comparisons:
     """The report's comparisons as `adjust_report` corrects them (with every test of the report)."""
-    return adjust_report(report, correction)["comparisons"]
-
-
-def _sides(cell: dict[str, Any]) -> tuple[dict, dict]:
-    if "a" in cell:  # two probed targets (memaudit.reports.targets)
-        return cell["a"], cell["b"]
-    if "treated" in cell:
-        return cell["treated"], cell["baseline"]
-    if "uls" in cell:  # centralized per-user DP: ULS against ELS (memaudit.reports.build.comparisons)
-        return cell["uls"], cell["els"]
-    return cell["federated"], cell[CENTRALIZED]
+    return comparisons_of(adjust_report(report, correction))
 
 
 def _test_text(t: Test) -> str:
@@ -282,10 +280,10 @@ class Finding:
                 **({"series": self.series} if self.series else {})}
 
 
-def _finding(metric: str, cell: dict[str, Any], t: Test, left: str, right: str, context: str, group: str,
-             cav: str | None, series: dict[str, Any] | None) -> Finding:
+def _finding(metric: str, sides: tuple[Cell | None, Cell | None], t: Test, left: str, right: str, context: str,
+             group: str, cav: str | None, series: dict[str, Any] | None) -> Finding:
     label, unit, _ = METRICS[metric]
-    a, b = (format_cell(side, FINDING, unit) for side in _sides(cell))
+    a, b = (format_cell(side, FINDING, unit) for side in sides)
     v = verdict(t, t.alpha if t.alpha is not None else ALPHA)
     scope = "for these configurations" if t.scope == "configurations" else "in these runs"
     nums = f"{a} vs {b}; {_test_text(t)}"
@@ -304,22 +302,23 @@ def _finding(metric: str, cell: dict[str, Any], t: Test, left: str, right: str, 
                    context=context, test=t, text=f"{claim} ({nums}).", series=series)
 
 
-def _sentences(cells: dict[str, dict], left: str, right: str, context: str, group: str,
+def _sentences(block, left: str, right: str, context: str, group: str,
                caveat: str | Callable[[str], str | None] | None = None,
                series: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """One finding per tested metric. `caveat` may depend on the verdict (`left`'s: less, more or
-    no difference shown). `series` (treatment effects): what the findings of one backend and
+    """One finding per tested metric of `block` (a block of `memaudit.reports.blocks`: side a is
+    `left`, side b `right`). `caveat` may depend on the verdict (`left`'s: less, more or no
+    difference shown). `series` (treatment effects): what the findings of one backend and
     treatment at several levels share, so the first screen can say them once."""
     out = []
-    for metric, cell in cells.items():
-        t = cell.get("test")
+    for metric, cell in block.metrics.items():
+        t = cell.test
         if t is None or t.p_adjusted is None:
             continue  # no per-unit scores: no test, so no finding
         if t.extra.get(SAME_TEST):
             continue  # the same test is said where the family counts it
         v = verdict(t, t.alpha if t.alpha is not None else ALPHA)
         cav = caveat(v) if callable(caveat) else caveat
-        out.append(_finding(metric, cell, t, left, right, context, group, cav, series).to_json())
+        out.append(_finding(metric, block.sides(cell), t, left, right, context, group, cav, series).to_json())
     return out
 
 
@@ -330,7 +329,7 @@ def _test_core(t: Test) -> str:
 
 
 def _tolerance(report: dict[str, Any]) -> float | None:
-    return Comparisons.of(report.get("comparisons")).matched_utility.tolerance
+    return comparisons_of(report).matched_utility.tolerance
 
 
 def _utility_relation(a: float | None, b: float | None, tol: float | None) -> str | None:
@@ -370,22 +369,21 @@ def backend_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Federated vs centralized at each matched epsilon (two-sided): at equal guarantees where the
     centralized runs protect users too, with the units caveat where they protect sequences."""
     out = []
-    for m in blocks(report.get("comparisons"), "matched"):
-        ppl = m.perplexity or {}
+    for m in comparisons_of(report).matched:
+        ppl = m.perplexities()
         eps = m.epsilon
-        units = m.units or {CENTRALIZED: "example", "federated": "user"}  # reports before units
-        same = math.isinf(eps) or units.get(CENTRALIZED) == units.get("federated")
+        fed_unit, cen_unit = m.side_units()
+        same = math.isinf(eps) or cen_unit == fed_unit
 
-        def cav(verdict: str, ppl: dict = ppl, same: bool = same) -> str | None:
-            u = _utility_caveat((ppl.get("federated"), ppl.get(CENTRALIZED)), ("federated", "centralized"),
-                                _tolerance(report), verdict)
+        def cav(verdict: str, ppl: tuple = ppl, same: bool = same) -> str | None:
+            u = _utility_caveat(ppl, ("federated", "centralized"), _tolerance(report), verdict)
             return u if same else UNIT_CAVEAT + ("; " + u if u else "")
 
         where = _fmt_eps(eps) + ("" if math.isinf(eps) else
-                                 f" per {units['federated']} on both sides" if same else
-                                 f" ({units.get(CENTRALIZED)} vs {units.get('federated')} units)")
-        alg = (m.algorithm or {}).get(CENTRALIZED)
-        out += _sentences(m.metrics, "federated", "centralized" + (f" ({alg})" if alg else ""),
+                                 f" per {fed_unit} on both sides" if same else
+                                 f" ({cen_unit} vs {fed_unit} units)")
+        alg = m.algorithm_of(CENTRALIZED)
+        out += _sentences(m, "federated", "centralized" + (f" ({alg})" if alg else ""),
                           f"At {where}", "backend", cav)
     return out
 
@@ -394,23 +392,23 @@ def sampling_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Centralized DP per user, ULS (users sampled, each user's gradient clipped) against ELS
     (examples sampled, each clipped) at the same epsilon per user and compute (two-sided)."""
     out = []
-    for m in blocks(report.get("comparisons"), "samplings"):
-        ppl = m.perplexity or {}
+    for m in comparisons_of(report).samplings or []:
+        ppl = m.perplexities()
 
-        def cav(verdict: str, ppl: dict = ppl) -> str | None:
-            return _utility_caveat((ppl.get("uls"), ppl.get("els")), ("ULS", "ELS"), _tolerance(report), verdict)
+        def cav(verdict: str, ppl: tuple = ppl) -> str | None:
+            return _utility_caveat(ppl, ("ULS", "ELS"), _tolerance(report), verdict)
 
         where = f"At {_fmt_eps(m.epsilon)} per user, centralized" + (" + Goldfish" if m.goldfish else "")
         if m.finetune != "full":
             where += f" with LoRA ({m.finetune})"
-        out += _sentences(m.metrics, "ULS", "ELS", where, "sampling", cav)
+        out += _sentences(m, "ULS", "ELS", where, "sampling", cav)
     return out
 
 
 def utility_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Federated vs centralized between real runs at matched utility (two-sided)."""
     out = []
-    mu = Comparisons.of(report.get("comparisons")).matched_utility
+    mu = comparisons_of(report).matched_utility
     for pair in mu.each_pair():
         (ep, ef), (up, uf) = pair.epsilon, pair.units
         side = {None: "no DP"}
@@ -420,26 +418,26 @@ def utility_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
                    f"{pair.perplexity[1]:.4g}, |log ratio| = {pair.log_ratio:.2g} <= {mu.tolerance:g})")
         cav = UNIT_CAVEAT if (up, uf) == ("example", "user") else (
             "one side has no DP guarantee" if (up is None) != (uf is None) else None)
-        out += _sentences(pair.metrics, left, right, context, "matched_utility", cav)
+        out += _sentences(pair, left, right, context, "matched_utility", cav)
     return out
 
 
 def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Whether DP or Goldfish loss leaks less than the matching baseline (one-sided)."""
     out = []
-    for eff in blocks(report.get("comparisons"), "effects"):
+    for eff in comparisons_of(report).effects:
         name = eff.treatment
-        ppl = eff.perplexity or {}
+        ppl = eff.perplexities()
 
-        def cav(verdict: str, ppl: dict = ppl, name: str = name) -> str | None:
-            return _utility_caveat((ppl.get("treated"), ppl.get("baseline")), (f"with {name}", "without"),
+        def cav(verdict: str, ppl: tuple = ppl, name: str = name) -> str | None:
+            return _utility_caveat(ppl, (f"with {name}", "without"),
                                    _tolerance(report), verdict)
 
         dp = name.startswith("DP at")
         series = {"backend_label": eff.backend_label, "treatment": "DP" if dp else name,
                   "level": _fmt_eps(eff.epsilon) if dp else None, "epsilon": eff.epsilon,
-                  "perplexity": [ppl.get("treated"), ppl.get("baseline")], "tolerance": _tolerance(report)}
-        out += _sentences(eff.metrics, f"with {name}", "without",
+                  "perplexity": list(ppl), "tolerance": _tolerance(report)}
+        out += _sentences(eff, f"with {name}", "without",
                           f"{eff.backend_label}, {name}", "effect", cav, series)
     return out
 
@@ -447,9 +445,9 @@ def effect_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
 def target_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Probed outside models against each other (two-sided), on the units they share."""
     out = []
-    for block in blocks(report.get("comparisons"), "targets"):
+    for block in comparisons_of(report).targets or []:
         a, b = block.targets
-        out += _sentences(block.metrics, a, b, f"Models {a} vs {b}", "targets")
+        out += _sentences(block, a, b, f"Models {a} vs {b}", "targets")
     return out
 
 
@@ -532,16 +530,16 @@ def pair_lines(report: dict[str, Any]) -> list[str]:
     """One line per matched-utility pair: the two runs, their guarantees and utilities, and what
     the tests (already adjusted) showed."""
     out = []
-    for pair in Comparisons.of(report.get("comparisons")).matched_utility.each_pair():
+    for pair in comparisons_of(report).matched_utility.each_pair():
         sides = []
         for rid, eps, unit, ppl in zip(pair.runs, pair.epsilon, pair.units, pair.perplexity, strict=True):
             g = "no DP" if unit is None else f"epsilon = {eps:.3g} per {unit}"
             sides.append(f"{rid} ({g}, perplexity {ppl:.4g})")
-        shown = [f"federated leaks {c['verdict']} on {SHORT[k]}" for k, c in pair.metrics.items()
-                 if c["verdict"] in ("less", "more")]
-        same = {k: c for k, c in pair.metrics.items() if c["verdict"] == NO_DIFFERENCE}
-        seen = [f"{SHORT[k]} {mde_amount(c['test'].mde, k) or 'none within its range (too few units)'}"
-                for k, c in same.items() if c.get("test") and c["test"].mde]
+        shown = [f"federated leaks {c.verdict} on {SHORT[k]}" for k, c in pair.metrics.items()
+                 if c.verdict in ("less", "more")]
+        same = {k: c for k, c in pair.metrics.items() if c.verdict == NO_DIFFERENCE}
+        seen = [f"{SHORT[k]} {mde_amount(c.test.mde, k) or 'none within its range (too few units)'}"
+                for k, c in same.items() if c.test and c.test.mde]
         what = "; ".join(shown + ([f"no difference shown on {len(same)} metric{'s' if len(same) != 1 else ''}"
                                    + (f" (the smallest differences these tests could have seen, {POWER:.0%} power: "
                                       f"{', '.join(seen)})" if seen else "")] if same else []))
@@ -636,7 +634,7 @@ def generate(report: dict[str, Any]) -> dict[str, Any]:
     shows at most MAX_HEADLINE of them. `no_difference` holds one short line per comparison that
     showed no difference."""
     rep = adjust_report(report)
-    family = sum(1 for _ in _all_tests(rep)) + sum(len(mod.tests_of(sec)) for _key, mod, sec in _sections(rep))
+    family = len(_family_slots(comparisons_of(rep))) + sum(len(mod.tests_of(sec)) for _key, mod, sec in _sections(rep))
     sentences = (target_findings(rep) + utility_findings(rep) + backend_findings(rep)
                  + sampling_findings(rep) + effect_findings(rep) + audit_findings(rep))
     # the sections' passing tests too: "N of M tests pass" counts over the one family

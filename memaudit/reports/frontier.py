@@ -25,6 +25,16 @@ import math
 from typing import Any
 
 from memaudit.backends import CENTRALIZED
+from memaudit.reports.blocks import (
+    Frontier,
+    FrontierMetric,
+    FrontierOrigin,
+    FrontierPoint,
+    FrontierSeries,
+    MatchedPair,
+    MatchedUtility,
+    compared,
+)
 from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups, nominal_epsilon, pool
 from memaudit.reports.entries import RunEntry, entries
@@ -69,15 +79,16 @@ def series_label(run: dict[str, Any] | RunEntry) -> str:
         " + LoRA" if (run.model.trained or "full") != "full" else "")
 
 
-def _point(run: RunEntry, key: str) -> dict[str, Any]:
+def _point(run: RunEntry, key: str) -> FrontierPoint:
     c = run.cell(key) or Cell(value=None)
-    return {"run": run.id, "epsilon": run.privacy.epsilon, "unit": run.privacy.unit,
-            "perplexity": _ppl(run), "value": c.value, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n,
-            "n_unit": c.unit, "note": c.note, "lower_bound": c.lower_bound}
+    return FrontierPoint(run=run.id, epsilon=run.privacy.epsilon, unit=run.privacy.unit, perplexity=_ppl(run),
+                         value=c.value, ci_low=c.ci_low, ci_high=c.ci_high, n=c.n, n_unit=c.unit, note=c.note,
+                         lower_bound=c.lower_bound)
 
 
-def frontier(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any]:
-    """{'origin': base point or None, 'metrics': {key: {'series': [...], 'all_zero', 'n_points'}}}.
+def frontier(runs: list[dict[str, Any] | RunEntry]) -> Frontier:
+    """The `Frontier`: the public base's points as its origin (None without a base) and per metric
+    its series (`FrontierMetric`: the series, whether every value is 0, how many points).
 
     A metric appears when at least one real run measured it; `all_zero` marks a metric that is 0
     in every run (plots say "none extracted" instead of a flat panel).
@@ -87,9 +98,9 @@ def frontier(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any]:
     base = next((r for r in runs if is_base(r) and _ppl(r) is not None), None)
     origin = None
     if base is not None:
-        origin = {"run": base.id, "perplexity": _ppl(base),
-                  "leakage": {k: _point(base, k) for k in FRONTIER_METRICS if base.cell(k)}}
-    out: dict[str, Any] = {"utility": "holdout perplexity", "origin": origin, "metrics": {}}
+        origin = FrontierOrigin(run=base.id, perplexity=_ppl(base),
+                                leakage={k: _point(base, k) for k in FRONTIER_METRICS if base.cell(k)})
+    metrics = {}
     for key in FRONTIER_METRICS:
         with_value = [r for r in real if r.measured(key)]
         if not with_value:
@@ -99,13 +110,11 @@ def frontier(runs: list[dict[str, Any] | RunEntry]) -> dict[str, Any]:
         for lbl in labels:
             rs = sorted((r for r in with_value if series_label(r) == lbl),
                         key=lambda r: (r.privacy.epsilon, r.id))  # from the strongest guarantee to no DP
-            series.append({"label": lbl, "points": [_point(r, key) for r in rs]})
-        out["metrics"][key] = {
-            "label": METRICS[key][0], "unit": METRICS[key][1], "series": series,
-            "n_points": len(with_value),
-            "all_zero": all(r.cell(key).value == 0 for r in with_value),
-        }
-    return out
+            series.append(FrontierSeries(label=lbl, points=[_point(r, key) for r in rs]))
+        metrics[key] = FrontierMetric(label=METRICS[key][0], unit=METRICS[key][1], series=series,
+                                      n_points=len(with_value),
+                                      all_zero=all(r.cell(key).value == 0 for r in with_value))
+    return Frontier(utility="holdout perplexity", origin=origin, metrics=metrics)
 
 
 def _guarantee(r: RunEntry) -> tuple[float, str | None]:
@@ -136,10 +145,10 @@ def _range_text(rs: list[RunEntry]) -> str:
     return f"{ps[0]:.4g}" if len(ps) == 1 else f"{ps[0]:.4g}-{ps[-1]:.4g}"
 
 
-def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DEFAULT_TOLERANCE) -> MatchedUtility:
     """Centralized vs federated between real runs whose perplexities lie within `tolerance`.
 
-    Returns {'tolerance', 'status', 'message', 'pairs', 'closest'}: status 'pairs' (each pair with
+    Returns its `MatchedUtility` (tolerance, pairs, closest, status, message): status 'pairs' (each pair with
     a two-sided test per metric, adjusted with every other test of the report), 'no pair' (the
     utility ranges overlap but no two runs are within the tolerance), 'disjoint' (the ranges lie
     further apart than the tolerance) or 'no runs' (a backend has no run with a utility).
@@ -151,8 +160,8 @@ def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DE
     fed = [r for r in real if r.backend == "federated"]
     if not par or not fed:
         missing = "centralized" if not par else "federated"
-        return {"tolerance": tolerance, "pairs": [], "closest": None, "status": "no runs",
-                "message": f"no {missing} run with a holdout perplexity; no matched-utility comparison"}
+        return MatchedUtility(tolerance=tolerance, pairs=[], closest=None, status="no runs",
+                              message=f"no {missing} run with a holdout perplexity; no matched-utility comparison")
     d, a, b = min(((log_ratio(_ppl(a), _ppl(b)), a, b) for a in par for b in fed), key=lambda t: t[0])
     pairs = []
     metrics = [k for k in METRICS if TESTABLE.get(k, True)]
@@ -161,28 +170,28 @@ def matched_utility(runs: list[dict[str, Any] | RunEntry], tolerance: float = DE
         for key in metrics:
             pa, pf = pool([pa_run.cell(key)]), pool([pf_run.cell(key)])
             if pa and pf:
-                cells[key] = {CENTRALIZED: pa, "federated": pf, "verdict": "not tested",
-                              "test": compare_groups([pf_run], [pa_run], key, "two-sided")}
-        pairs.append({"runs": [pa_run.id, pf_run.id], "log_ratio": dist,
-                      "perplexity": [_ppl(pa_run), _ppl(pf_run)],
-                      "epsilon": [pa_run.privacy.epsilon, pf_run.privacy.epsilon],
-                      "units": [pa_run.privacy.unit, pf_run.privacy.unit], "metrics": cells})
-    out: dict[str, Any] = {"tolerance": tolerance, "pairs": pairs,
-                           "closest": {"runs": [a.id, b.id], "log_ratio": d, "perplexity": [_ppl(a), _ppl(b)]}}
+                cells[key] = compared((CENTRALIZED, pa), ("federated", pf),
+                                      compare_groups([pf_run], [pa_run], key, "two-sided"))
+        pairs.append(MatchedPair(runs=[pa_run.id, pf_run.id], log_ratio=dist,
+                                 perplexity=[_ppl(pa_run), _ppl(pf_run)],
+                                 epsilon=[pa_run.privacy.epsilon, pf_run.privacy.epsilon],
+                                 units=[pa_run.privacy.unit, pf_run.privacy.unit], metrics=cells))
+    out = MatchedUtility(tolerance=tolerance, pairs=pairs,
+                         closest={"runs": [a.id, b.id], "log_ratio": d, "perplexity": [_ppl(a), _ppl(b)]})
     if pairs:
         n = len(pairs)
-        return {**out, "status": "pairs",
-                "message": f"{n} run pair{'s' if n > 1 else ''} within |log perplexity ratio| <= {tolerance:g}"}
+        return out.replace(status="pairs",
+                           message=f"{n} run pair{'s' if n > 1 else ''} within |log perplexity ratio| <= {tolerance:g}")
     lo_p, hi_p = min(map(_ppl, par)), max(map(_ppl, par))
     lo_f, hi_f = min(map(_ppl, fed)), max(map(_ppl, fed))
     gap = max(math.log(lo_f) - math.log(hi_p), math.log(lo_p) - math.log(hi_f))
     closest = (f"closest: {a.id} vs {b.id}, perplexity {_ppl(a):.4g} vs {_ppl(b):.4g}, "
                f"|log ratio| = {d:.3g}")
     if gap > tolerance:
-        return {**out, "status": "disjoint",
-                "message": (f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict: the "
+        return out.replace(status="disjoint",
+                           message=(f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict: the "
                             f"utilities lie too far apart (centralized perplexity {_range_text(par)}, "
-                            f"federated {_range_text(fed)}; {closest})")}
-    return {**out, "status": "no pair",
-            "message": (f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict "
-                        f"({closest}; the frontier lines are a visual guide only)")}
+                                    f"federated {_range_text(fed)}; {closest})"))
+    return out.replace(status="no pair",
+                       message=(f"no run pair within |log perplexity ratio| <= {tolerance:g}; no verdict "
+                                f"({closest}; the frontier lines are a visual guide only)"))

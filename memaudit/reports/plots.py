@@ -24,12 +24,12 @@ from matplotlib import ticker
 from matplotlib.markers import CARETUP
 
 from memaudit.reports.blocks import (
-    Comparisons,
     CurvePoint,
     FrontierMetric,
     FrontierPoint,
     RepetitionPoint,
     Roc,
+    comparisons_of,
 )
 from memaudit.reports.cells import SHORT, number
 from memaudit.reports.entries import RunEntry, entries
@@ -252,7 +252,7 @@ def _place_labels(ax, labels: list[tuple[float, float, str, str | None]], fontsi
 def frontier_figure(report: dict[str, Any]):
     """Small multiples, one per headline metric with a non-zero value: leakage against holdout
     perplexity, one series per backend, epsilon on each point, the public base as the origin."""
-    comp = Comparisons.of(report.get("comparisons"))
+    comp = comparisons_of(report)
     metrics = {k: m for k, m in comp.frontier_metrics().items() if not m.all_zero}
     if not metrics:
         return None
@@ -444,7 +444,7 @@ def audit_figure(report: dict[str, Any]):
 def utility_figure(report: dict[str, Any]):
     """Holdout perplexity against epsilon per backend (no DP drawn at the right)."""
     curves = [(c.label, [CurvePoint.of(p) for p in c.points])
-              for c in Comparisons.of(report.get("comparisons")).each_curve()]
+              for c in comparisons_of(report).each_curve()]
     if not curves:
         return None
     finite = [p.epsilon for _label, pts in curves for p in pts if math.isfinite(p.epsilon)]
@@ -490,7 +490,7 @@ def all_plots(report: dict[str, Any]) -> dict[str, str]:
 
 def plot_notes(report: dict[str, Any]) -> list[str]:
     """What the plots leave out and why: metrics that are 0 in every run ("none extracted")."""
-    metrics = Comparisons.of(report.get("comparisons")).frontier_metrics()
+    metrics = comparisons_of(report).frontier_metrics()
     zero = [(SHORT.get(k, k), m.n_points) for k, m in metrics.items() if m.all_zero]
     notes = []
     if zero:

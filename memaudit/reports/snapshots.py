@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from memaudit.io import atomic_write_text
-from memaudit.reports.blocks import Comparisons, Findings, Section
+from memaudit.reports.blocks import Findings, Section, comparisons_of
 from memaudit.reports.cells import README as README_CELL
 from memaudit.reports.cells import format_cell, readme_number
 from memaudit.reports.entries import Record, RunEntry, entries
@@ -102,7 +102,7 @@ def _passing_line(findings: dict[str, Any]) -> str:
 
 
 def _matched_line(report: dict[str, Any]) -> str:
-    mu = Comparisons.of(report.get("comparisons")).matched_utility
+    mu = comparisons_of(report).matched_utility
     pairs = Findings.of(report.get("findings")).matched_pairs or []
     return f"At matched utility: {mu.message}" + (": " + "; ".join(pairs) if pairs else "") + "."
 

@@ -32,6 +32,7 @@ from memaudit.errors import MemauditError
 from memaudit.io import read_json
 from memaudit.probes.document import ProbesDoc, read_probes
 from memaudit.probes.loaders import Privacy
+from memaudit.reports.blocks import TargetPair, compared
 from memaudit.reports.cells import METRICS, TESTABLE, Cell
 from memaudit.reports.compare import compare_groups
 from memaudit.reports.entries import Shift, TargetEntry, UnitScores
@@ -231,7 +232,7 @@ def _skip_reason(a: TargetEntry, b: TargetEntry, unmatched: list[str]) -> str:
             "members/non-members set")
 
 
-def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def target_comparisons(entries: list[dict[str, Any]]) -> list[TargetPair]:
     """Each pair of targets, tested two-sided on each metric both measured on the same units:
     membership on the strongest attack the models share (`comparison_attack`, one for every pair,
     key `STRONGEST`, the attack named in the cell), the other headline metrics as they are. A pair
@@ -249,7 +250,7 @@ def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for b in targets[i + 1:]:
             pair = [a.id, b.id]
             if _same_model(a, b):
-                out.append({"targets": pair, "metrics": {}, "skipped": _skip_reason(a, b, [])})
+                out.append(TargetPair(targets=pair, skipped=_skip_reason(a, b, [])))
                 continue
             cells, unmatched = {}, []
             for key in keys:
@@ -261,13 +262,12 @@ def target_comparisons(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if not same_units(ua, ub):
                     unmatched.append(key)
                     continue
-                cells[key] = {"a": ca, "b": cb, "verdict": "not tested",
-                              "test": compare_groups([a], [b], key, "two-sided"),
-                              **({"attack": attack} if key == STRONGEST else {})}
+                cells[key] = compared(("a", ca), ("b", cb), compare_groups([a], [b], key, "two-sided"),
+                                      **({"attack": attack} if key == STRONGEST else {}))
             if cells:
-                out.append({"targets": pair, "metrics": cells})
+                out.append(TargetPair(targets=pair, metrics=cells))
             else:
-                out.append({"targets": pair, "metrics": {}, "skipped": _skip_reason(a, b, unmatched)})
+                out.append(TargetPair(targets=pair, skipped=_skip_reason(a, b, unmatched)))
     return out
 
 

@@ -2,10 +2,10 @@
 report.json back.
 
 This module is report.json's one reader and writer: in memory the report's measured cells and
-tests are the typed records of `memaudit.probes.records` (`Cell`, `Test`), and its sections the
-records of `memaudit.reports` (`memaudit.reports.entries.Record`: the scale and literature
-sections); only here do they become JSON objects (`json_safe`, through their `to_json`) and
-records again (`load_report`, through `from_json`)."""
+tests are the typed records of `memaudit.probes.records` (`Cell`, `Test`), and its comparisons and
+sections the records of `memaudit.reports` (`memaudit.reports.entries.Record`: the comparisons'
+blocks, the scale and literature sections); only here do they become JSON objects (`json_safe`,
+through their `to_json`) and records again (`load_report`, through `Record.of` and `from_json`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from typing import Any
 from memaudit.backends import backend_name
 from memaudit.io import atomic_write_text
 from memaudit.probes.records import Cell, Test
+from memaudit.reports.blocks import Comparisons, Section
 from memaudit.reports.entries import Record
 from memaudit.reports.render import render_html, render_markdown
+from memaudit.reports.scale import ScaleSection
 from memaudit.reports.schema import validate_report
 
 
@@ -55,18 +57,18 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str
         raise ValueError(f"--out '{out}' exists and is not a directory; choose another path")
     safe = json_safe(report)
     validate_report(safe)
-    paths = {"json": out / "report.json", "html": out / "report.html", "md": out / "report.md"}
+    js, page, md = out / "report.json", out / "report.html", out / "report.md"
     # the report can hold per-canary scores and (--show-secrets) member text: its owner's only,
     # a folder it makes and one it wrote before (an existing folder of the user's keeps its mode)
     if not out.exists():
         out.mkdir(parents=True, mode=0o700)
-    if paths["json"].is_file() or not any(out.iterdir()):
+    if js.is_file() or not any(out.iterdir()):
         os.chmod(out, 0o700)
-    atomic_write_text(paths["json"], json.dumps(safe, indent=2) + "\n")
+    atomic_write_text(js, json.dumps(safe, indent=2) + "\n")
     restored = typed(_json_restore(safe))  # render from exactly what report.json holds
-    atomic_write_text(paths["html"], render_html(restored))
-    atomic_write_text(paths["md"], render_markdown(restored))
-    return paths
+    atomic_write_text(page, render_html(restored))
+    atomic_write_text(md, render_markdown(restored))
+    return {"json": js, "html": page, "md": md}
 
 
 def backend_renamed(o: Any, *, keys: bool = False) -> Any:
@@ -90,26 +92,23 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
     return typed(_json_restore(raw))
 
 
-# the comparison blocks whose metrics hold {side: cell, ..., "verdict", "test"}
-_BLOCKS = ("matched", "samplings", "effects", "targets")
-
-
 def typed(report: dict[str, Any]) -> dict[str, Any]:
-    """A report.json's content with its records typed: each run's and target's leakage cells,
-    and each comparison's sides (cells) and test (`Cell.from_json`, `Test.from_json`)."""
+    """A report.json's content with its records typed: each run's and target's leakage cells
+    (`Cell.from_json`), the comparisons (`memaudit.reports.blocks.Comparisons`: each block's
+    sides, verdicts and tests), the scale section (`memaudit.reports.scale.ScaleSection`) and the
+    literature section (`memaudit.reports.blocks.Section`). A key an older report lacks reads as
+    its record's default; the keys a record leaves out while unset are written back only when set."""
     for r in report.get("runs", []) + report.get("targets", []):
         r["leakage"] = {k: Cell.from_json(c) for k, c in r["leakage"].items()}
-    comp = report.get("comparisons") or {}
-    blocks = [b for name in _BLOCKS for b in comp.get(name) or []]
-    blocks += (comp.get("matched_utility") or {}).get("pairs") or []
-    for block in blocks:
-        for cell in block.get("metrics", {}).values():
-            for side, v in cell.items():
-                if side == "test":
-                    cell[side] = None if v is None else Test.from_json(v)
-                elif isinstance(v, dict):
-                    cell[side] = Cell.from_json(v)
+    report["comparisons"] = Comparisons.of(report.get("comparisons"))
+    for key, kind in SECTIONS:
+        if report.get(key):
+            report[key] = kind.of(report[key])
     return report
+
+
+SECTIONS = (("scale", ScaleSection), ("literature", Section))
+"""report.json's sections that are records, by their key."""
 
 
 def rerender(report_json: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> dict[str, Path]:

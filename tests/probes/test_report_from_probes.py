@@ -37,9 +37,9 @@ def test_report_on_trained_and_untrained_runs(tmp_path, trained, probed):
     assert all("units" not in r for r in rep["runs"])
     # the two runs share their canaries: the exposure comparison is paired, and with 2 canaries
     # in the top bucket no difference can be shown however far apart the means are
-    cell = rep["comparisons"]["matched"][0]["metrics"]["exposure_top"]
-    assert cell["test"].paired and cell["test"].n_a == 2
-    assert cell["verdict"] == "no difference shown"
+    cell = rep["comparisons"].matched[0].metrics["exposure_top"]
+    assert cell.test.paired and cell.test.n_a == 2
+    assert cell.verdict == "no difference shown"
     for s in rep["findings"]["sentences"]:
         if s["kind"] == "comparison":
             assert "in these runs" in s["text"] and s["correction"] == "holm"

@@ -38,11 +38,11 @@ def test_report_on_outside_models_only(tmp_path, probed_targets, capsys):
     assert t["released"]["source"] == "adapter" and t["base"]["source"] == "folder"
     assert t["released"]["privacy"]["epsilon"] == "unknown"
     assert "reference" in {a["attack"] for a in t["released"]["attacks"]}
-    block = rep["comparisons"]["targets"][0]
-    assert block["targets"] == ["released", "base"]
-    mia = block["metrics"]["mia_strongest"]  # the strongest attack both share, on the same documents
-    assert mia["attack"] in {a["attack"] for a in t["base"]["attacks"]}
-    assert mia["test"].n_a == 80 and mia["test"].p_adjusted is not None
+    block = rep["comparisons"].targets[0]
+    assert block.targets == ["released", "base"]
+    mia = block.metrics["mia_strongest"]  # the strongest attack both share, on the same documents
+    assert mia.attack in {a["attack"] for a in t["base"]["attacks"]}
+    assert mia.test.n_a == 80 and mia.test.p_adjusted is not None
     assert any(s["group"] == "targets" for s in rep["findings"]["sentences"])
     paths = write_report(rep, tmp_path / "report")
     md = paths["md"].read_text()

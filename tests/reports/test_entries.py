@@ -56,11 +56,11 @@ def test_comparisons_read_run_objects_and_entries_alike():
     runs = [run("par", "centralized", 8.0, mia=mia, unit="user", units={"mia_auc": auc_units(0.5)}),
             run("fed", "federated", 8.0, mia=mia, unit="user", units={"mia_auc": auc_units(0.0)})]
     a, b = comparisons(runs), comparisons(entries(runs))
-    assert [m["epsilon"] for m in a["matched"]] == [m["epsilon"] for m in b["matched"]] == [8.0]
+    assert [m.epsilon for m in a.matched] == [m.epsilon for m in b.matched] == [8.0]
     (block,) = blocks(a, "matched")
     assert block.units == {"centralized": "user", "federated": "user"} and block.equal_guarantee
-    assert block.metrics["mia_auc"]["test"].p_value == b["matched"][0]["metrics"]["mia_auc"]["test"].p_value
-    assert Comparisons.of(a).matched_utility.status == a["matched_utility"]["status"]
+    assert block.metrics["mia_auc"].test.p_value == b.matched[0].metrics["mia_auc"].test.p_value
+    assert Comparisons.of(a).matched_utility.status == a.matched_utility.status
 
 
 def test_probes_json_is_written_and_read_back_by_one_module(tmp_path):

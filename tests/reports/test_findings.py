@@ -61,7 +61,7 @@ def test_overlapping_intervals_no_longer_decide_and_untested_cells_state_nothing
     ]
     rep = _report(runs)
     assert [s for s in rep["findings"]["sentences"] if s["kind"] == "comparison"] == []
-    assert rep["comparisons"]["matched"][0]["metrics"]["mia_auc"]["test"] is None
+    assert rep["comparisons"].matched[0].metrics["mia_auc"].test is None
 
 
 def test_dp_and_goldfish_effects_are_one_sided_and_corrected():
@@ -76,7 +76,7 @@ def test_dp_and_goldfish_effects_are_one_sided_and_corrected():
     texts = " | ".join(s["text"] for s in rep["findings"]["sentences"])
     assert "with Goldfish loss leaks less than without" in texts
     assert "with DP at epsilon = 1 leaks less than without" in texts
-    tests = [c["test"].to_json() for e in rep["comparisons"]["effects"] for c in e["metrics"].values()]
+    tests = [c.test.to_json() for e in rep["comparisons"].effects for c in e.metrics.values()]
     assert all(t["alternative"] == "less" and t["family"] == 2 for t in tests)
 
 
@@ -149,7 +149,7 @@ def test_audit_is_a_lower_bound_against_the_ledger():
     audit = [s for s in rep["findings"]["sentences"] if s["kind"] == "audit"]
     assert "epsilon >= 0.4 at 95% confidence (one-sided)" in audit[0]["text"]
     assert audit[0]["verdict"] == "consistent" and audit[1]["verdict"] == "more"
-    assert "audit_epsilon" not in rep["comparisons"]["matched"][0]["metrics"]
+    assert "audit_epsilon" not in rep["comparisons"].matched[0].metrics
 
 
 def test_caveats_mention_units_and_audit_ceiling():
@@ -189,7 +189,7 @@ def test_several_seeds_are_tested_over_seeds_as_configurations():
                         units={"mia_auc": auc_units(0.2, seed=10 + s)}))
         runs[-1]["seed"] = runs[-2]["seed"] = s
     rep = _report(runs)
-    t = rep["comparisons"]["matched"][0]["metrics"]["mia_auc"]["test"].to_json()
+    t = rep["comparisons"].matched[0].metrics["mia_auc"].test.to_json()
     assert t["scope"] == "configurations" and t["unit"] == "seeds" and t["n_a"] == 4
     s = next(x for x in rep["findings"]["sentences"] if x["kind"] == "comparison")
     assert "for these configurations" in s["text"]
@@ -234,11 +234,11 @@ def test_one_treatment_at_several_levels_is_one_first_screen_entry():
     assert dp["covers"] == 8 and backend["covers"] == 1 and backend["group"] == "backend"
     assert dp["text"] == ("centralized, in these runs: with DP at each of epsilon = 8, 7, 6, 5, 4, 3, 2, 1 "
                           "(8 levels) leaks less than without on membership-inference AUC (loss attack)")
-    effects = {e["epsilon"]: e["metrics"]["mia_auc"] for e in rep["comparisons"]["effects"]}
+    effects = {e.epsilon: e.metrics["mia_auc"] for e in rep["comparisons"].effects}
     for e in range(1, 9):  # every level's own cell, from the comparison it came from
-        c = effects[float(e)]["treated"]
+        c = effects[float(e)].side("treated")
         assert f"epsilon = {e}: {format_cell(c, FINDING, '')}" in dp["evidence"]
-    p_max = max(c["test"].p_adjusted for c in effects.values())
+    p_max = max(c.test.p_adjusted for c in effects.values())
     assert dp["evidence"].endswith(f"Holm-adjusted p <= {p_max:.3g} over {f['tests']} tests")
     assert "paired AUC permutation test" in dp["evidence"] and "at each level" in dp["evidence"]
     text = render_block("t", rep)
@@ -261,8 +261,8 @@ def test_a_strong_auc_difference_passes_in_a_large_family():
     f = rep["findings"]
     assert f["tests"] == 103
     comp = rep["comparisons"]
-    strong = [c["test"].to_json() for block in comp["matched"] + comp["effects"] for c in block["metrics"].values()
-              if c.get("test") and "par-inf" in c["test"].runs]
+    strong = [c.test.to_json() for block in comp.matched + comp.effects for c in block.metrics.values()
+              if c.test and "par-inf" in c.test.runs]
     assert len(strong) == 2 and all(t["p_value"] < 0.05 / 103 and t["p_adjusted"] < 0.05 for t in strong)
     assert f["passing"] == 2  # the 101 null comparisons stay unclaimed
 
@@ -304,7 +304,7 @@ def test_generate_leaves_its_input_unchanged():
     assert rep == before
     assert f["tests"] == 1 and f["sentences"][0]["verdict"] == "less"
     adjusted = findings.adjust(rep)
-    assert rep == before and adjusted["matched"][0]["metrics"]["mia_auc"]["verdict"] == "less"
+    assert rep == before and adjusted.matched[0].metrics["mia_auc"].verdict == "less"
     assert findings.adjust({**rep, "comparisons": adjusted}) == adjusted  # adjusting again changes nothing
 
 
@@ -327,7 +327,7 @@ def test_no_difference_says_what_difference_its_test_could_have_seen():
     rep = _report(_backend_pair(0.0, 0.0))
     (s,) = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     assert s["verdict"] == "no difference shown"
-    (t,) = [c["test"].to_json() for m in rep["comparisons"]["matched"] for c in m["metrics"].values() if c.get("test")]
+    (t,) = [c.test.to_json() for m in rep["comparisons"].matched for c in m.metrics.values() if c.test]
     runs = {r["id"]: r for r in rep["runs"]}
     ua, ub = (runs[rid]["units"]["mia_auc"] for rid in t["runs"])
     expect = minimum_detectable_effect(ua, ub, alternative=t["alternative"], alpha=0.05 / t["family"])
@@ -336,7 +336,7 @@ def test_no_difference_says_what_difference_its_test_could_have_seen():
     assert rep["findings"]["no_difference"] == [s["short"]]
     # a comparison that shows a difference carries none
     shown = _report(_backend_pair(0.0, 1.5))
-    assert all(c["test"].mde is None for m in shown["comparisons"]["matched"] for c in m["metrics"].values())
+    assert all(c.test.mde is None for m in shown["comparisons"].matched for c in m.metrics.values())
 
 
 def _tested(**more) -> Test:
@@ -368,14 +368,14 @@ def test_centralized_per_user_meets_federated_at_equal_guarantees_and_never_pool
         run("fed-user", "federated", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=4)}),
     ]
     rep = _report(runs)
-    matched = rep["comparisons"]["matched"]
-    assert [(m["units"]["centralized"], m["equal_guarantee"]) for m in matched] == [("user", True), ("example", False)]
-    assert [m["metrics"]["mia_auc"]["test"].runs for m in matched] == [("fed-user", "par-user"), ("fed-user", "par-ex")]
+    matched = rep["comparisons"].matched
+    assert [(m.units["centralized"], m.equal_guarantee) for m in matched] == [("user", True), ("example", False)]
+    assert [m.metrics["mia_auc"].test.runs for m in matched] == [("fed-user", "par-user"), ("fed-user", "par-ex")]
     sents = [s for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     equal, differ = (next(s for s in sents if n in s["text"]) for n in ("per user on both", "example vs user units"))
     assert equal["caveat"] is None or "units differ" not in equal["caveat"]
     assert "units differ" in differ["caveat"]
-    effects = {(e["backend_label"], e["unit"]) for e in rep["comparisons"]["effects"]}
+    effects = {(e.backend_label, e.unit) for e in rep["comparisons"].effects}
     assert effects == {("centralized", "example"), ("centralized (user-level DP)", "user")}
 
 
@@ -393,12 +393,12 @@ def test_els_and_uls_never_pool_and_each_meets_federated_and_the_other():
         run("fed-user", "federated", 8.0, mia=cell(0.5, 0.05), unit="user", units={"mia_auc": auc_units(0.0, seed=4)}),
     ]
     rep = _report(runs)
-    matched = rep["comparisons"]["matched"]
-    assert [(m["algorithm"]["centralized"], m["equal_guarantee"]) for m in matched] == [("ULS", True), ("ELS", True)]
-    assert [m["metrics"]["mia_auc"]["test"].runs for m in matched] == [("fed-user", "par-uls"), ("fed-user", "par-els")]
-    (smp,) = rep["comparisons"]["samplings"]
-    t = smp["metrics"]["mia_auc"]["test"].to_json()
-    assert t["runs"] == ["par-uls", "par-els"] and t["alternative"] == "two-sided" and smp["epsilon"] == 8.0
+    matched = rep["comparisons"].matched
+    assert [(m.algorithm["centralized"], m.equal_guarantee) for m in matched] == [("ULS", True), ("ELS", True)]
+    assert [m.metrics["mia_auc"].test.runs for m in matched] == [("fed-user", "par-uls"), ("fed-user", "par-els")]
+    (smp,) = rep["comparisons"].samplings
+    t = smp.metrics["mia_auc"].test.to_json()
+    assert t["runs"] == ["par-uls", "par-els"] and t["alternative"] == "two-sided" and smp.epsilon == 8.0
     # ELS was given the stronger member signal: ULS leaks less, and the sentence says which is which
     (s,) = [s for s in rep["findings"]["sentences"] if s["group"] == "sampling"]
     assert s["verdict"] == "less" and "ULS leaks less than ELS" in s["text"] and "epsilon = 8 per user" in s["text"]
@@ -406,15 +406,15 @@ def test_els_and_uls_never_pool_and_each_meets_federated_and_the_other():
     assert fams == {rep["findings"]["tests"]}  # one family over every test, the ULS-ELS test included
     backend = [s["text"] for s in rep["findings"]["sentences"] if s["group"] == "backend"]
     assert any("centralized (ULS)" in t for t in backend) and any("centralized (ELS)" in t for t in backend)
-    effects = {e["backend_label"] for e in rep["comparisons"]["effects"]}
+    effects = {e.backend_label for e in rep["comparisons"].effects}
     assert effects == {"centralized (user-level DP, ELS)", "centralized (user-level DP, ULS)"}
     from memaudit.reports.literature import run_label
 
     assert {run_label(r) for r in runs[1:3]} == {"centralized (ELS), epsilon = 8 per user",
                                                         "centralized (ULS), epsilon = 8 per user"}
-    series = {s["label"] for s in rep["comparisons"]["frontier"]["metrics"]["mia_auc"]["series"]}
+    series = {s.label for s in rep["comparisons"].frontier.metrics["mia_auc"].series}
     assert series == {"centralized", "centralized (ELS)", "federated"}  # no line drawn from ELS to ULS
-    curves = {c["label"] for c in rep["comparisons"]["curves"]}
+    curves = {c.label for c in rep["comparisons"].curves}
     assert {"centralized (user-level DP, ELS)", "centralized (user-level DP, ULS)"} <= curves
     validate_report(rep)
 
@@ -431,9 +431,9 @@ def test_a_test_in_two_sections_is_one_entry_of_the_family():
     ]
     rep = _report(runs)
     comp = rep["comparisons"]
-    (m,) = comp["matched"]
-    (pair,) = comp["matched_utility"]["pairs"]
-    ta, tb = m["metrics"]["mia_auc"]["test"].to_json(), pair["metrics"]["mia_auc"]["test"].to_json()
+    (m,) = comp.matched
+    (pair,) = comp.matched_utility.pairs
+    ta, tb = m.metrics["mia_auc"].test.to_json(), pair.metrics["mia_auc"].test.to_json()
     assert ta["runs"] == tb["runs"]  # the same pair of runs, metric and units: the same test
     assert ta["family"] == tb["family"] == rep["findings"]["tests"] == 1
     assert ta["p_adjusted"] == tb["p_adjusted"] == ta["p_value"]

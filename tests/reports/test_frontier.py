@@ -41,9 +41,9 @@ def _pair(par_ppl, fed_ppl, *, par_shift=1.5, fed_shift=0.0, eps=(8.0, 8.0)):
 # ----------------------------------------------------------------------------- matched utility
 def test_close_utilities_give_a_verdict_with_its_test():
     rep = _report(_pair(100.0, 105.0))  # |log ratio| = 0.049 <= 0.1
-    mu = rep["comparisons"]["matched_utility"]
-    assert mu["status"] == "pairs" and len(mu["pairs"]) == 1
-    assert mu["pairs"][0]["log_ratio"] == pytest.approx(math.log(105 / 100))
+    mu = rep["comparisons"].matched_utility
+    assert mu.status == "pairs" and len(mu.pairs) == 1
+    assert mu.pairs[0].log_ratio == pytest.approx(math.log(105 / 100))
     s = [x for x in rep["findings"]["sentences"] if x["group"] == "matched_utility"]
     assert len(s) == 1 and s[0]["verdict"] == "less"
     assert "At matched utility (holdout perplexity 100 vs 105" in s[0]["text"]
@@ -67,24 +67,24 @@ def test_utilities_apart_give_no_pair_and_no_verdict():
              run("fed2", "federated", 2.0, mia=cell(0.5, 0.05), unit="user", ppl=140.0,
                  units={"mia_auc": auc_units(0.0, seed=3)})]
     rep = _report(runs)
-    mu = rep["comparisons"]["matched_utility"]
-    assert mu["status"] == "no pair" and mu["pairs"] == []
-    assert mu["message"].startswith("no run pair within |log perplexity ratio| <= 0.1; no verdict")
+    mu = rep["comparisons"].matched_utility
+    assert mu.status == "no pair" and mu.pairs == []
+    assert mu.message.startswith("no run pair within |log perplexity ratio| <= 0.1; no verdict")
     # oracle: the closest pair by brute force over every centralized x federated pair
     best = min(itertools.product([50, 100], [70, 140]), key=lambda p: abs(math.log(p[0] / p[1])))
-    assert mu["closest"]["log_ratio"] == pytest.approx(abs(math.log(best[0] / best[1])))
+    assert mu.closest["log_ratio"] == pytest.approx(abs(math.log(best[0] / best[1])))
     assert not [s for s in rep["findings"]["sentences"] if s["group"] == "matched_utility"]
     # a wider stated tolerance pairs them
-    wide = _report(runs, tolerance=0.4)["comparisons"]["matched_utility"]
-    assert wide["status"] == "pairs" and len(wide["pairs"]) == 2
+    wide = _report(runs, tolerance=0.4)["comparisons"].matched_utility
+    assert wide.status == "pairs" and len(wide.pairs) == 2
 
 
 def test_utilities_too_far_apart_say_so():
     """The issue's case: perplexity 68 centralized, 772 federated."""
-    mu = _report(_pair(68.0, 772.0))["comparisons"]["matched_utility"]
-    assert mu["status"] == "disjoint" and mu["pairs"] == []
-    assert "no verdict" in mu["message"] and "too far apart" in mu["message"]
-    assert "centralized perplexity 68" in mu["message"] and "federated 772" in mu["message"]
+    mu = _report(_pair(68.0, 772.0))["comparisons"].matched_utility
+    assert mu.status == "disjoint" and mu.pairs == []
+    assert "no verdict" in mu.message and "too far apart" in mu.message
+    assert "centralized perplexity 68" in mu.message and "federated 772" in mu.message
 
 
 def test_pairs_are_one_to_one_and_closest_first():
@@ -92,7 +92,7 @@ def test_pairs_are_one_to_one_and_closest_first():
     runs.append(run("fed-b", "federated", 2.0, mia=cell(0.5, 0.05), unit="user", ppl=101.0,
                     units={"mia_auc": auc_units(0.0, seed=5)}))
     mu = matched_utility(runs, 0.1)
-    assert [p["runs"] for p in mu["pairs"]] == [["par", "fed-b"]]
+    assert [p.runs for p in mu.pairs] == [["par", "fed-b"]]
 
 
 def test_pairs_at_equal_guarantees_come_before_closer_pairs_at_unequal_ones():
@@ -106,11 +106,11 @@ def test_pairs_at_equal_guarantees_come_before_closer_pairs_at_unequal_ones():
     for r in runs:  # as the ledger recomputes them: a hair below the target
         r["privacy"]["epsilon"] -= 1e-5 * r["privacy"]["epsilon"] if r["privacy"]["target_epsilon"] else 0
     mu = matched_utility(runs, 0.1)
-    assert sorted(p["runs"] for p in mu["pairs"]) == [["cen-2.0", "fed-2.0"], ["cen-8.0", "fed-8.0"],
+    assert sorted(p.runs for p in mu.pairs) == [["cen-2.0", "fed-2.0"], ["cen-8.0", "fed-8.0"],
                                                       ["cen-inf", "fed-inf"]]
     # an unequal pair is still made where no equal one is within the tolerance
     mu = matched_utility([r for r in runs if r["id"] not in ("cen-8.0", "fed-2.0")], 0.1)
-    assert sorted(p["runs"] for p in mu["pairs"]) == [["cen-2.0", "fed-8.0"], ["cen-inf", "fed-inf"]]
+    assert sorted(p.runs for p in mu.pairs) == [["cen-2.0", "fed-8.0"], ["cen-inf", "fed-inf"]]
 
 
 @pytest.mark.parametrize("tol", [0.0, -1.0, math.inf, math.nan])
@@ -123,7 +123,7 @@ def test_base_and_goldfish_runs_are_never_paired():
     runs = _pair(100.0, 300.0)
     runs.append(run("base", "centralized", math.inf, mia=cell(0.5, 0.05), ppl=302.0, role="public-base"))
     runs.append(run("par-gf", "centralized", math.inf, mia=cell(0.5, 0.05), ppl=299.0, goldfish=True))
-    assert matched_utility(runs, 0.1)["status"] == "disjoint"
+    assert matched_utility(runs, 0.1).status == "disjoint"
 
 
 # ----------------------------------------------------------------------------- frontier
@@ -133,18 +133,18 @@ def test_frontier_points_per_backend_with_the_base_as_origin():
     runs += [run(f"fed-{e}", "federated", e, mia=cell(v, 0.02), unit="user", ppl=p)
              for e, v, p in ((math.inf, 0.6, 90.0), (2.0, 0.5, 200.0))]
     runs.append(run("base", "centralized", math.inf, mia=cell(0.5, 0.02), ppl=400.0, role="public-base"))
-    fr = comparisons(runs)["frontier"]
-    assert fr["origin"]["run"] == "base" and fr["origin"]["perplexity"] == 400.0
-    m = fr["metrics"]["mia_auc"]
-    assert [s["label"] for s in m["series"]] == ["centralized", "federated"]
-    par = m["series"][0]["points"]
-    assert [p["epsilon"] for p in par] == [2.0, 8.0, math.inf]  # strongest guarantee first
-    assert [(p["perplexity"], p["value"]) for p in par] == [(150.0, 0.55), (80.0, 0.7), (50.0, 0.9)]
-    assert m["n_points"] == 5 and not m["all_zero"]
+    fr = comparisons(runs).frontier
+    assert fr.origin.run == "base" and fr.origin.perplexity == 400.0
+    m = fr.metrics["mia_auc"]
+    assert [s.label for s in m.series] == ["centralized", "federated"]
+    par = m.series[0].points
+    assert [p.epsilon for p in par] == [2.0, 8.0, math.inf]  # strongest guarantee first
+    assert [(p.perplexity, p.value) for p in par] == [(150.0, 0.55), (80.0, 0.7), (50.0, 0.9)]
+    assert m.n_points == 5 and not m.all_zero
     # the base is the origin, not a grid point: no matched-epsilon or DP-effect group holds it
     comp = comparisons(runs)
-    assert all("base" not in c["test"].get("runs", []) for b in comp["effects"] + comp["matched"]
-               for c in b["metrics"].values() if c.get("test"))
+    assert all("base" not in c.test.get("runs", []) for b in comp.effects + comp.matched
+               for c in b.metrics.values() if c.test)
 
 
 def test_all_zero_metric_is_flagged_and_not_drawn():
@@ -156,7 +156,7 @@ def test_all_zero_metric_is_flagged_and_not_drawn():
         r["probes_summary"]["extraction_by_repeats"] = [
             {"prefix_len": 32, "repeats": k, "bucket": str(k), "value": 0.0} for k in (1, 2, 4)]
     rep = _report(runs)
-    assert rep["comparisons"]["frontier"]["metrics"]["extraction_exact"]["all_zero"]
+    assert rep["comparisons"].frontier.metrics["extraction_exact"].all_zero
     figs = all_figures(rep)
     assert "extraction" not in figs
     titles = [ax.get_title() for ax in figs["frontier"].axes]

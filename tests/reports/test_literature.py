@@ -194,8 +194,8 @@ def test_no_gap_to_close_is_said_not_divided(runs):
 def _every_test(rep: dict) -> list:
     """Every test of a report: comparison cells' `Test`s, then the literature section's."""
     comp = rep["comparisons"]
-    blocks = comp.get("matched", []) + comp.get("effects", []) + (comp.get("matched_utility") or {}).get("pairs", [])
-    cells = [c["test"] for b in blocks for c in b.get("metrics", {}).values() if c.get("test")]
+    blocks = comp.matched + comp.effects + comp.matched_utility.pairs
+    cells = [c.test for b in blocks for c in b.metrics.values() if c.test]
     lit = [e.trend for e in rep["literature"].exposure if e.trend] + [
         b.test for e in rep["literature"].exposure for b in e.buckets if b.test]
     return cells + lit

@@ -104,8 +104,8 @@ def test_report_and_readme_say_at_least(tmp_path, probes):
     run = next(r for r in report["runs"] if r["id"] == "nodp")
     assert run["leakage"]["exposure_top"].lower_bound is True
     # frontier point, group-privacy cell and the literature section's bucket
-    pts = [p for s in report["comparisons"]["frontier"]["metrics"]["exposure_top"]["series"] for p in s["points"]]
-    assert {p["run"]: p["lower_bound"] for p in pts} == {"nodp": True, "other": False}
+    pts = [p for s in report["comparisons"].frontier.metrics["exposure_top"].series for p in s.points]
+    assert {p.run: p.lower_bound for p in pts} == {"nodp": True, "other": False}
     g = {(x["repetitions"], x["owner_kind"]): x for x in run["group_privacy"]}
     assert g[(64, "user")]["exposure"]["lower_bound"] is True and "lower_bound" not in g[(1, "user")]["exposure"]
     lit = {e.run: e for e in report["literature"].exposure}

@@ -133,17 +133,17 @@ def test_pairs_compare_the_strongest_attack_on_the_same_documents_only(outside):
     model against its own weights ("could have seen 1.38e-07 AUC points"). Now: membership on the
     strongest attack, pairs on different documents or the same weights skipped, saying why."""
     rep, html, md, _js, _p = outside
-    pairs = {tuple(p["targets"]): p for p in rep["comparisons"]["targets"]}
+    pairs = {tuple(p.targets): p for p in rep["comparisons"].targets}
     tested = pairs[("pythia-ft", "qwen-notes-ft")]
-    assert list(tested["metrics"]) == ["mia_strongest"]
-    cell = tested["metrics"]["mia_strongest"]
-    assert cell["attack"] == "min_k" and cell["test"].paired and cell["test"].n_a == 2000
-    assert "mia_auc" not in tested["metrics"]
+    assert list(tested.metrics) == ["mia_strongest"]
+    cell = tested.metrics["mia_strongest"]
+    assert cell.attack == "min_k" and cell.test.paired and cell.test.n_a == 2000
+    assert "mia_auc" not in tested.metrics
     same = pairs[("gpt2-support-ft", "gpt2-support-ft-again")]
-    assert same["metrics"] == {} and "the same model" in same["skipped"]
+    assert same.metrics == {} and "the same model" in same.skipped
     other = pairs[("gpt2-support-ft", "pythia-ft")]
-    assert other["metrics"] == {} and "not probed on the same documents" in other["skipped"]
-    assert sum(1 for p in pairs.values() if p["metrics"]) == 1
+    assert other.metrics == {} and "not probed on the same documents" in other.skipped
+    assert sum(1 for p in pairs.values() if p.metrics) == 1
     assert rep["findings"]["tests"] == 1
     assert "e-0" not in md and "the same model" in md and "not probed on the same documents" in html
     assert "MIA AUC (strongest attack): min" in html
@@ -239,8 +239,8 @@ def test_the_same_scores_without_weights_are_one_model(tmp_path):
     write_probes(tmp_path / "one", doc)
     write_probes(tmp_path / "two", doc)
     rep = build_report([tmp_path / "one", tmp_path / "two"])
-    (pair,) = rep["comparisons"]["targets"]
-    assert pair["metrics"] == {} and "the same model" in pair["skipped"]
+    (pair,) = rep["comparisons"].targets
+    assert pair.metrics == {} and "the same model" in pair.skipped
     assert rep["findings"]["no_difference"] == []
 
 

@@ -95,7 +95,7 @@ def test_report_without_utilities_renders_without_a_frontier(tmp_path):
     paths = write_report(rep, tmp_path)
     html = paths["html"].read_text()
     assert "No frontier" in html and 'data-plot="frontier"' not in html
-    assert rep["comparisons"]["matched_utility"]["status"] == "no runs"
+    assert rep["comparisons"].matched_utility.status == "no runs"
     assert "no matched-utility comparison" in paths["md"].read_text()
 
 

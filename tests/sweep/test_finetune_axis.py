@@ -77,16 +77,16 @@ def test_report_compares_lora_with_the_full_fine_tune_at_equal_epsilon():
     runs = [mk("full", "full", 1.0), mk("lora", "lora(r=8, q_proj,v_proj)", 0.0)]
     runs[1]["model"]["upload_bytes_per_client_per_round"] = 28672
     comp = comparisons(runs)
-    (eff,) = comp["effects"]
-    assert eff["treatment"] == "LoRA fine-tuning (lora(r=8, q_proj,v_proj))" and eff["epsilon"] == 8.0
-    assert set(eff["metrics"]) == {"mia_auc"}
-    assert {c["label"] for c in comp["curves"]} == {"centralized", "centralized + LoRA"}
+    (eff,) = comp.effects
+    assert eff.treatment == "LoRA fine-tuning (lora(r=8, q_proj,v_proj))" and eff.epsilon == 8.0
+    assert set(eff.metrics) == {"mia_auc"}
+    assert {c.label for c in comp.curves} == {"centralized", "centralized + LoRA"}
     rep = {"schema": SCHEMA, "memaudit_version": "t", "runs": runs, "comparisons": comp}
     rep["comparisons"] = findings.adjust(rep)
     rep["findings"] = findings.generate(rep)
     md = render_markdown(rep)
     assert "upload 28672 bytes per client per round" in md and md.count("bytes per client") == 1
-    assert "trained: lora(r=8, q_proj,v_proj)" in md and not math.isnan(eff["metrics"]["mia_auc"]["treated"].value)
+    assert "trained: lora(r=8, q_proj,v_proj)" in md and not math.isnan(eff.metrics["mia_auc"].side("treated").value)
 
 
 def test_the_public_base_is_pretrained_in_full_whatever_the_fine_tunes_train():
