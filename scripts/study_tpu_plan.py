@@ -30,12 +30,16 @@ SCORE_125M = 340_000  # tokens/s, scoring with Min-K%++'s statistics
 EXPOSURE_125M = 1.64 / 1e5  # seconds a candidate (1.64 s a canary at 10^5 candidates)
 COMPILE = {"tiny": 10.0, "125m": 15.0, "350m": 15.0}  # s a program (scanned layers: 9.7-14.5 s measured)
 ULS_COMPILE_125M = 150.0  # s: the one ULS compile tried at 125m had not ended after ~150 s
+# ---- measured on the chip, 2026-12-07 (the tiny study's first machine, docs/results.md)
+TINY_PROBES = 162.0  # s: a tiny point's probes (extraction 108, exposure 19, PII 16, membership 14, Goldfish 5)
+GENERATION_FLOOR = 108.0  # s: extraction's greedy decoding of 1,000 documents at tiny, dispatch-bound:
+# taken as the least any size spends on it
 # ---- assumed (not measured on the chip)
 MACHINE = 30 * 60  # s a machine is held
 COMMAND = 600  # s a command may run
 COMMAND_MARGIN = 30  # s a command spends starting Python and opening the chip
 START = 130  # s until the first command runs (84-126 s measured) ...
-INSTALL = 90  # ... and the wheels: torch's CPU build (43 s measured), flax, jax-privacy, ...
+INSTALL = 31  # ... and the wheels: carried, torch's CPU build and matplotlib from the machine (31 s measured)
 DATA_PREP = 150  # s: the public and private corpora synthesized and tokenized once per machine
 POINT_PREP = 30  # s a point: its data staged, the model loaded and exported
 MODEL_LOAD = {"tiny": 5.0, "125m": 20.0, "350m": 40.0}  # s a probe stage loads and converts a model
@@ -61,8 +65,11 @@ def rate(size: str, what: str) -> float:
 
 
 def probe_seconds(cfg, p) -> float:
-    """The point's probes: its documents scored by the model and the base (the reference), the
-    canaries' exposure candidates, and the model load; generation (extraction, samples) is small."""
+    """The point's probes: measured at tiny; at the other sizes its documents scored by the model
+    and the base (the reference), the canaries' exposure candidates, the model load and at least
+    tiny's generation (extraction's decoding, which the chip runs dispatch-bound)."""
+    if p.model == "tiny":
+        return TINY_PROBES + MODEL_LOAD["tiny"]
     run = point_config(cfg, p)
     d = run.data
     docs = d.synth.users * d.synth.docs_per_user
@@ -70,7 +77,7 @@ def probe_seconds(cfg, p) -> float:
     scale = TINY_FLOOR if p.model == "tiny" else flops_ratio(p.model)
     scoring = 2 * docs * DOC_TOKENS / rate(p.model, "score")
     exposure = canaries * cfg.probe.exposure_samples * EXPOSURE_125M * scale
-    return scoring + exposure + MODEL_LOAD[p.model] + 5 * scale
+    return scoring + exposure + MODEL_LOAD[p.model] + GENERATION_FLOOR
 
 
 def train_seconds(cfg, p) -> float:
