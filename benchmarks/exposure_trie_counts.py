@@ -34,12 +34,12 @@ def plain_bpe(texts: list[str], vocab_size: int):
 
 def counts(tok, template: str, length: int, n: int, seed: int) -> dict:
     from memaudit.probes.exposure import sample_secrets
-    from memaudit.probes.jax_scoring import _as_padded, common_prefix_len
+    from memaudit.probes.jax_scoring import as_padded, common_prefix_len
     from memaudit.probes.jax_trie import plan_trie
 
     prefix, suffix = template.split("{secret}")
     texts = [prefix + s + suffix for s in sample_secrets("0123456789", length, n, seed)]
-    arr, lengths = _as_padded(tok(texts)["input_ids"])
+    arr, lengths = as_padded(tok(texts)["input_ids"])
     lcp = common_prefix_len(arr, lengths)
     plan = plan_trie(arr[:, lcp:], lengths - lcp, share=1.0)
     auto = plan_trie(arr[:, lcp:], lengths - lcp)

@@ -12,7 +12,7 @@ torch nor transformers, so it runs on a TPU host with only memaudit's JAX depend
   tokens and --secret-tokens own ones drawn from --secret-alphabet token ids (10: digit secrets,
   one token a digit as memaudit's tokenizer splits them), side by side: the plain path
   (`JaxLM.shared_prefix_nll`: every candidate's every token) and the trie
-  (`JaxLM.trie_nll`: each distinct token prefix once), interleaved on the same candidates, the
+  (`memaudit.probes.jax_trie.trie_nll`: each distinct token prefix once), interleaved on the same candidates, the
   plain one on every --plain-every-th canary; medians, their ratio, the input tokens each runs
   and the largest difference of their sums. When --measure-canaries is smaller than --canaries,
   that many are timed and the total extrapolated (per-canary time x canaries), said so.
@@ -32,6 +32,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 from timing import median_seconds  # benchmarks/, beside this script
@@ -157,10 +158,10 @@ def _candidates(rng, args, vocab: int) -> np.ndarray:
 
 
 def exposure(lm, args, rng, params: int, peak: float) -> dict:
-    """Both exposure paths on the same candidates, interleaved: the trie (`JaxLM.trie_nll`) on
+    """Both exposure paths on the same candidates, interleaved: the trie (`jax_trie.trie_nll`) on
     every canary, the plain path (`JaxLM.shared_prefix_nll`) on every --plain-every-th, the two in
     alternating order. Canary 0 compiles both and is not counted."""
-    from memaudit.probes.jax_trie import plan_trie
+    from memaudit.probes.jax_trie import plan_trie, trie_nll
 
     measured = min(args.measure_canaries or args.canaries, args.canaries)
     times: dict[str, list[float]] = {"plain": [], "trie": []}
@@ -174,7 +175,7 @@ def exposure(lm, args, rng, params: int, peak: float) -> dict:
             names.reverse()
         got = {}
         for name in names:
-            fn = lm.trie_nll if name == "trie" else lm.shared_prefix_nll
+            fn = partial(trie_nll, lm) if name == "trie" else lm.shared_prefix_nll
             t0 = time.perf_counter()
             got[name] = fn(cands)
             dt = time.perf_counter() - t0
@@ -214,8 +215,8 @@ def exposure(lm, args, rng, params: int, peak: float) -> dict:
                                       / statistics.median(q for _, q in paired), 3)}
     for budget in [int(b) for b in args.exposure_max_tokens.split(",") if b]:
         other = dataclasses.replace(lm, max_tokens=budget)
-        other.trie_nll(cands)  # compiles this budget's batch shapes
-        per_b = median_seconds(lambda other=other: other.trie_nll(cands), max(1, args.repeats))
+        trie_nll(other, cands)  # compiles this budget's batch shapes
+        per_b = median_seconds(lambda other=other: trie_nll(other, cands), max(1, args.repeats))
         out[f"trie_max_tokens_{budget}"] = {"seconds_per_canary": round(per_b, 3),
                                             "total_s": round(per_b * args.canaries, 1)}
     return out

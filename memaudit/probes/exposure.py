@@ -163,7 +163,7 @@ def score_secrets(
     Both engines run the candidates' longest common token prefix once and score only what
     follows it (`memaudit.probes.scoring.shared_prefix_nll`, `JaxLM.shared_prefix_nll`): the same
     sums. On the CPU the JAX engine also runs each distinct prefix of the candidates' own tokens
-    once (`JaxLM.trie_nll`: digit secrets share their leading digits, 2.55x fewer tokens at 8
+    once (`memaudit.probes.jax_trie.trie_nll`: digit secrets share their leading digits, 2.55x fewer tokens at 8
     digits, 1.3-1.6x faster); on a TPU v5e the trie's gathers cost what its tokens save (1.634
     against 1.644 s a canary of 10^5 candidates at 125m, compiled in 25 s against 5 s;
     docs/results.md), so accelerators keep the flat path.
@@ -171,10 +171,13 @@ def score_secrets(
     prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
     seqs = encode_many(codec, [prefix + s + suffix for s in secrets])
     if getattr(model, "is_jax", False):
+        # lazy: jax and the trie only with a JAX model, which has imported them already
         import jax
 
+        from memaudit.probes.jax_trie import trie_nll
+
         if jax.default_backend() == "cpu":
-            return model.trie_nll(seqs, progress=progress)
+            return trie_nll(model, seqs, progress=progress)
         return model.shared_prefix_nll(seqs, progress=progress)
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import shared_prefix_nll

@@ -103,13 +103,13 @@ def stack_params(sd: dict[str, np.ndarray], shape: Shape, *, tie: bool, dtype) -
             "head": jnp.asarray(head.T, dtype), "layers": layers}
 
 
-def _rms(x, w, eps):
+def rms_norm(x, w, eps):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (w * x32).astype(x.dtype)
 
 
-def _qkv(lp, h, pos, shape: Shape):
+def qkv(lp, h, pos, shape: Shape):
     b, s, _ = h.shape
     nh, nkv, hd = shape.heads, shape.kv_heads, shape.head_dim
     q = (h @ lp["q"]).reshape(b, s, nh, hd)
@@ -119,12 +119,12 @@ def _qkv(lp, h, pos, shape: Shape):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _mlp(lp, x, shape: Shape):
-    h = _rms(x, lp["post_norm"], shape.eps)
+def mlp_block(lp, x, shape: Shape):
+    h = rms_norm(x, lp["post_norm"], shape.eps)
     return x + (jax.nn.silu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
 
 
-def _attend(lp, x, q, keys, values, allowed, shape: Shape):
+def attend(lp, x, q, keys, values, allowed, shape: Shape):
     """x + o_proj(attention). q (b, s, heads, hd); keys/values (b, t, kv, hd) (or (t, kv, hd),
     shared by every row); allowed (b, s, t) bool."""
     b, s = q.shape[:2]
@@ -139,9 +139,9 @@ def _attend(lp, x, q, keys, values, allowed, shape: Shape):
     return x + out @ lp["o"]
 
 
-def _logits(p, x, shape: Shape):
+def lm_logits(p, x, shape: Shape):
     # fp32 accumulation and output: bf16 logits would round log p to ~3 digits
-    return jnp.matmul(_rms(x, p["norm"], shape.eps), p["head"], preferred_element_type=jnp.float32)
+    return jnp.matmul(rms_norm(x, p["norm"], shape.eps), p["head"], preferred_element_type=jnp.float32)
 
 
 def forward(p, ids, pos, allowed, shape: Shape, cache=None, start=0):
@@ -155,18 +155,18 @@ def forward(p, ids, pos, allowed, shape: Shape, cache=None, start=0):
 
     def layer(x, xs):
         lp, ck, cv = xs
-        h = _rms(x, lp["in_norm"], shape.eps)
-        q, k, v = _qkv(lp, h, pos, shape)
+        h = rms_norm(x, lp["in_norm"], shape.eps)
+        q, k, v = qkv(lp, h, pos, shape)
         if ck is not None:
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, start, 0, 0))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, start, 0, 0))
             k, v = ck, cv
-        x = _attend(lp, x, q, k, v, allowed, shape)
-        return _mlp(lp, x, shape), (ck, cv)
+        x = attend(lp, x, q, k, v, allowed, shape)
+        return mlp_block(lp, x, shape), (ck, cv)
 
     ck, cv = (None, None) if cache is None else cache
     x, new = jax.lax.scan(layer, x, (p["layers"], ck, cv))
-    return _logits(p, x, shape), (None if cache is None else new)
+    return lm_logits(p, x, shape), (None if cache is None else new)
 
 
 def _token_logp(logits, targets):
@@ -335,7 +335,7 @@ class JaxLM:
         to them (shared across rows) and causally to itself. A suffix's last token is only a
         target, so it never enters the forward pass.
         """
-        arr, lengths = _as_padded(seqs)
+        arr, lengths = as_padded(seqs)
         n = len(lengths)
         if n == 0:
             return np.zeros(0)
@@ -348,7 +348,7 @@ class JaxLM:
             return np.array([-x.sum() for x in ts.logp])
         pids = np.zeros((1, bucket_width(lcp)), np.int32)
         pids[0, :lcp] = arr[0, :lcp]
-        pre_nll, keys, values, last = _prefix(self.params, pids, np.int32(lcp), shape=self.shape)
+        pre_nll, keys, values, last = prefix_forward(self.params, pids, np.int32(lcp), shape=self.shape)
         n_in = lengths - lcp - 1  # suffix tokens that enter the forward pass
         width = bucket_width(max(1, int(n_in.max())))
         ids = np.zeros((n, width + 1), np.int32)
@@ -370,15 +370,6 @@ class JaxLM:
         for item in pending:
             done = _put(item, out, done, n, progress)
         return out + float(pre_nll)
-
-    def trie_nll(self, seqs, *, progress: Progress = None) -> np.ndarray:
-        """`shared_prefix_nll` with each distinct token prefix of the candidates run once
-        (`memaudit.probes.jax_trie`): the same sums, fewer tokens through the model when the
-        candidates share leading tokens after their common prefix."""
-        # lazy: jax_trie imports this module
-        from memaudit.probes.jax_trie import trie_nll
-
-        return trie_nll(self, seqs, progress=progress)
 
     # --- generation --------------------------------------------------------------------------
 
@@ -418,7 +409,7 @@ class JaxLM:
 
 
 @functools.partial(jax.jit, static_argnames=("shape",))
-def _prefix(p, ids, n, *, shape: Shape):
+def prefix_forward(p, ids, n, *, shape: Shape):
     """One prefix (1, width) with n real tokens -> (NLL of tokens 1..n-1, keys and values per
     layer (layers, width, kv, hd), log-softmax at token n-1 (vocab,))."""
     s = ids.shape[1]
@@ -440,7 +431,7 @@ def common_prefix_len(arr: np.ndarray, lengths: np.ndarray) -> int:
     return int(np.argmin(same)) if not same.all() else m
 
 
-def _as_padded(seqs) -> tuple[np.ndarray, np.ndarray]:
+def as_padded(seqs) -> tuple[np.ndarray, np.ndarray]:
     """(n, longest) int32 array right-padded with 0, and the lengths."""
     if isinstance(seqs, np.ndarray) and seqs.ndim == 2:
         return seqs.astype(np.int32, copy=False), np.full(len(seqs), seqs.shape[1])
@@ -479,16 +470,16 @@ def _suffix_nll(p, pk, pv, last, n, ids, n_in, *, shape: Shape):
 
     def layer(x, xs):
         lp, kp, vp = xs
-        h = _rms(x, lp["in_norm"], shape.eps)
-        q, k, v = _qkv(lp, h, pos, shape)
+        h = rms_norm(x, lp["in_norm"], shape.eps)
+        q, k, v = qkv(lp, h, pos, shape)
         # keys: the shared prefix's (pwidth, kv, hd) for every row, then the row's own
         keys = jnp.concatenate([jnp.broadcast_to(kp, (b, *kp.shape)), k], axis=1)
         vals = jnp.concatenate([jnp.broadcast_to(vp, (b, *vp.shape)), v], axis=1)
-        x = _attend(lp, x, q, keys, vals, allowed, shape)
-        return _mlp(lp, x, shape), None
+        x = attend(lp, x, q, keys, vals, allowed, shape)
+        return mlp_block(lp, x, shape), None
 
     x, _ = jax.lax.scan(layer, x, (p["layers"], pk, pv))
-    tok = _token_logp(_logits(p, x, shape), targets)  # (rows, width)
+    tok = _token_logp(lm_logits(p, x, shape), targets)  # (rows, width)
     keep = jnp.arange(s)[None] < n_in[:, None]
     return -(last[ids[:, 0]] + jnp.sum(jnp.where(keep, tok, 0.0), axis=-1))
 

@@ -192,7 +192,7 @@ def trie_nll(lm: js.JaxLM, seqs, *, share: float = SHARE,
     seqs: lists of token ids or an (n, length) integer array. Returns the summed NLL (nats) of
     every token after the first of each sequence.
     """
-    arr, lengths = js._as_padded(seqs)
+    arr, lengths = js.as_padded(seqs)
     n = len(lengths)
     if n == 0:
         return np.zeros(0)
@@ -206,7 +206,7 @@ def trie_nll(lm: js.JaxLM, seqs, *, share: float = SHARE,
     plan = plan_trie(arr[:, lcp:], lengths - lcp, share=share, max_nodes=max_cache_bytes // node_bytes)
     pids = np.zeros((1, js.bucket_width(lcp)), np.int32)
     pids[0, :lcp] = arr[0, :lcp]
-    pre_nll, pk, pv, last = js._prefix(lm.params, pids, np.int32(lcp), shape=sh)
+    pre_nll, pk, pv, last = js.prefix_forward(lm.params, pids, np.int32(lcp), shape=sh)
     outs, cache_k, cache_v = [], [], []
     total, done = max(1, plan.forward_tokens), 0
     for lv in plan.levels:  # depth d = len(cache_k) + 1
@@ -280,8 +280,8 @@ def _step(p, pk, pv, ck, cv, anc, ids, targets, n, *, shape: js.Shape, keep: boo
 
     def layer(x, xs):
         lp, kp, vp, lk, lv = xs
-        h = js._rms(x, lp["in_norm"], shape.eps)
-        q, k, v = js._qkv(lp, h, pos, shape)
+        h = js.rms_norm(x, lp["in_norm"], shape.eps)
+        q, k, v = js.qkv(lp, h, pos, shape)
         # keys: the common prefix's for every row, each row's ancestors' (gathered), its own
         keys = [jnp.broadcast_to(kp, (b, *kp.shape))]
         vals = [jnp.broadcast_to(vp, (b, *vp.shape))]
@@ -290,13 +290,13 @@ def _step(p, pk, pv, ck, cv, anc, ids, targets, n, *, shape: js.Shape, keep: boo
             vals.append(jnp.stack([c[anc[:, j]] for j, c in enumerate(lv)], axis=1))
         keys.append(k)
         vals.append(v)
-        x = js._attend(lp, x, q, jnp.concatenate(keys, axis=1), jnp.concatenate(vals, axis=1),
+        x = js.attend(lp, x, q, jnp.concatenate(keys, axis=1), jnp.concatenate(vals, axis=1),
                        allowed, shape)
         own = (k[:, 0], v[:, 0]) if keep else None  # (rows, kv, hd)
-        return js._mlp(lp, x, shape), own
+        return js.mlp_block(lp, x, shape), own
 
     x, own = jax.lax.scan(layer, x, (p["layers"], pk, pv, ck, cv))
-    logits = js._logits(p, x, shape)  # (rows, t, vocab) fp32
+    logits = js.lm_logits(p, x, shape)  # (rows, t, vocab) fp32
     tok = jnp.take_along_axis(logits, targets, axis=-1)
     logp = tok - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return logp, *(own if keep else (None, None))

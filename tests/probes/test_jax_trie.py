@@ -87,14 +87,14 @@ def test_only_levels_and_no_common_prefix(models):
     np.testing.assert_allclose(trie_nll(lm, seqs, share=1.0), _full_nll(model, seqs), atol=1e-4,
                                rtol=0)
     no_prefix = [[i % VOCAB, *s[1:]] for i, s in enumerate(seqs)]
-    np.testing.assert_allclose(lm.trie_nll(no_prefix), _full_nll(model, no_prefix), atol=1e-4,
+    np.testing.assert_allclose(trie_nll(lm, no_prefix), _full_nll(model, no_prefix), atol=1e-4,
                                rtol=0)
 
 
 def test_too_short_is_refused(models):
     _, lm = models
     with pytest.raises(ValueError, match="at least 2 tokens"):
-        lm.trie_nll([[1, 2, 3], [4]])
+        trie_nll(lm, [[1, 2, 3], [4]])
 
 
 def test_exposure_ranks_and_likelihoods_equal_the_full_scoring():
@@ -132,7 +132,7 @@ def test_flax_llama_weights(models):
               "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings}
     lm = JaxLM.from_state_dict(flax_to_hf(params), hf_cfg, dtype="float32", max_tokens=64)
     seqs = _candidates(5, 120)
-    got = lm.trie_nll(seqs)
+    got = trie_nll(lm, seqs)
     suffix, n_tok = _suffix(seqs, 0)  # right-padded: causal, so no real token reads a pad
     logits = FlaxLlama(cfg).apply({"params": params}, suffix.astype(np.int32))
     lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
