@@ -1,0 +1,45 @@
+#!/bin/bash
+# One piece of configs/study-tpu.yaml on a lent TPU machine, one 10-minute command at a time:
+#   bash scripts/study_tpu_piece.sh ONLY STOP_AFTER HARD_LIMIT [collect]
+# e.g. bash scripts/study_tpu_piece.sh '*-tiny-*' 470 550   (carry: [".whl-tpu"])
+# The first call on a machine installs the wheels carried in .whl-tpu (docs/accelerators.md),
+# torch's CPU build from the host's /opt/wheels and matplotlib from its index. The sweep folder
+# and the compilation cache live in the machine's /tmp, which stays between its commands. Exit 3
+# of the sweep: stopped in time, call again; 0: this part is complete. With `collect` (or when
+# the part is complete) what comes back is written under $OUT: `memaudit collect`'s archive.
+set -u
+only=$1 stop_after=$2 hard=$3
+t0=$(date +%s)
+if [ ! -f /tmp/site/.done ]; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl || exit 9
+  touch /tmp/site/.done
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
+    --only-binary=:all: --index-url file:///opt/pypi/simple --find-links /opt/wheels --target /tmp/site3 \
+    torch==2.13.0 || echo "torch: not installed"
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
+    --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/site2 \
+    matplotlib pillow fonttools kiwisolver contourpy || echo "matplotlib: not installed"
+  echo "install $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site:/tmp/site3:/tmp/site2
+export JAX_COMPILATION_CACHE_DIR=/tmp/study-tpu/jax-cache
+cat > /tmp/memaudit <<'EOS'
+#!/bin/sh
+exec python3 -c 'import sys; sys.argv[0] = "memaudit"; from memaudit.cli import main; main()' "$@"
+EOS
+chmod +x /tmp/memaudit
+export PATH=/tmp:$PATH
+out=/tmp/study-tpu/sweep
+mkdir -p /tmp/study-tpu "${OUT:-/tmp/study-tpu/out}"
+log=/tmp/study-tpu/piece.$(date +%s).log
+t1=$(date +%s)
+timeout -s TERM "$hard" memaudit sweep configs/study-tpu.yaml --only "$only" --out "$out" \
+  --stop-after "$stop_after" > "$log" 2>&1
+rc=$?
+echo "sweep piece: exit $rc, $(( $(date +%s) - t1 )) s"
+tail -c 3000 "$log"
+if [ "${4:-}" = collect ] || [ $rc = 0 ]; then
+  memaudit collect "$out" --to "${OUT:-/tmp/study-tpu/out}/study"
+fi
+echo "total $(( $(date +%s) - t0 )) s"
