@@ -203,18 +203,20 @@ def main() -> None:
         median_probe_s=per_probe,
         median_cpu_s={k: round(m, 2) for k, m in cpu.items()},
         median_probe_cpu_s=per_probe_cpu,
-        probe_cpu_ratio_old_over={k: {p: round(per_probe_cpu["old"][p] / max(v, 1e-9), 3)
-                                      for p, v in c.items()} for k, c in per_probe_cpu.items()},
-        cpu_ratio_old_over={k: round(cpu["old"] / c, 3) for k, c in cpu.items()},
         threads=a.threads, settings=json.loads(a.set),
-        ratio_old_over={k: {"total": round(med["old"] / med[k], 3),
-                            **{p: round(per_probe["old"][p] / max(per_probe[k][p], 1e-9), 3)
-                               for p in per_probe[k]}} for k in runs},
         runs={k: [{"total_s": round(x["total_s"], 2), "cpu_s": round(x["cpu_s"], 2),
                    "probe_s": x["probe_s"], "probe_cpu_s": x.get("probe_cpu_s"),
                    "load_avg": round(x["load_avg"], 2)} for x in v] for k, v in runs.items()},
         load_avg_after=os.getloadavg(),
     )
+    if "old" in runs:  # ratios against the old tree, when it ran (--variants new alone times one tree)
+        out.update(
+            probe_cpu_ratio_old_over={k: {p: round(per_probe_cpu["old"][p] / max(v, 1e-9), 3)
+                                          for p, v in c.items()} for k, c in per_probe_cpu.items()},
+            cpu_ratio_old_over={k: round(cpu["old"] / c, 3) for k, c in cpu.items()},
+            ratio_old_over={k: {"total": round(med["old"] / med[k], 3),
+                                **{p: round(per_probe["old"][p] / max(per_probe[k][p], 1e-9), 3)
+                                   for p in per_probe[k]}} for k in runs})
     if a.workload == "outside":
         toks = 2 * out["outside"]["tokens_per_model"]  # the target and its base
         for k in runs:  # wall time under this load, and CPU seconds (one thread: a quiet
