@@ -32,6 +32,7 @@ from memaudit.federated.primitives_impl import (
     acc_dtype,
     broadcast_row_p,
     broadcast_source,
+    cond_or_zeros,
     federated_broadcast_p,
     federated_sum_p,
     primitive_params,
@@ -75,8 +76,7 @@ def _guarded(call: Callable, present: Callable | None, out: Any) -> Callable:
         return call
 
     def guarded(fixed, row):
-        return jax.lax.cond(present(fixed, row), lambda: call(fixed, row),
-                            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out))
+        return cond_or_zeros(present(fixed, row), lambda: call(fixed, row), out)
 
     return guarded
 

@@ -41,6 +41,7 @@ from memaudit.federated.client_loop import federated_loop
 from memaudit.federated.primitives_impl import (
     PRIMITIVE_NAMES,
     PRIMITIVES,
+    cond_or_zeros,
     federated_broadcast_p,
     federated_mean_p,
     federated_sum_p,
@@ -237,8 +238,7 @@ def _where(fn: Callable, when: Callable) -> Callable:
     """``fn`` where ``when`` holds, zeros of its output elsewhere (a select once vmapped)."""
 
     def guarded(*args):
-        return jax.lax.cond(when(*args), lambda: fn(*args),
-                            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args)))
+        return cond_or_zeros(when(*args), lambda: fn(*args), jax.eval_shape(fn, *args))
 
     return guarded
 

@@ -237,6 +237,12 @@ batching.primitive_batchers[broadcast_row_p] = _broadcast_row_batch
 # ---------------------------------------------------------------- binding helpers
 
 
+def cond_or_zeros(pred, fn, out: Any) -> Any:
+    """``fn()`` where ``pred`` holds, zeros of ``out`` (a tree of shapes and dtypes) elsewhere,
+    without running ``fn`` there (a select once vmapped): a client that does not count."""
+    return jax.lax.cond(pred, fn, lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out))
+
+
 def primitive_params(ctx: ProgramContext) -> dict[str, Any]:
     """The static params every primitive binds with, from the program's context."""
     return {"n": ctx.n, "n_pad": ctx.n_pad, "axis": ctx.axis, "mesh": ctx.mesh}

@@ -45,8 +45,9 @@ def np_grad(w, b, x, y):
 
 
 def np_fedavg_round(params, clients, lr, steps, weighting="examples"):
+    """FedAvg's weighted mean delta in float64, full-batch SGD on each present client."""
     w0, b0 = params["w"].astype(np.float64), float(params["b"])
-    dw, db, total = np.zeros(D), 0.0, 0.0
+    dw, db, total = np.zeros_like(w0), 0.0, 0.0
     for c in clients:
         k = len(c["y"])
         if k == 0:

@@ -21,6 +21,7 @@ from memaudit.federated import (
     federated_program,
     federated_sum,
 )
+from tests.federated.test_algorithms import np_fedavg_round
 
 
 def _loss(params, batch):  # a matmul per client: "auto" picks the scan strategy on CPU
@@ -97,22 +98,6 @@ def _linreg_cohort():
     return clients, pack_clients(clients), params
 
 
-def _np_round(params, clients, lr, steps):
-    """FedAvg's example-weighted mean delta in float64, full-batch SGD on each present client."""
-    w0, b0 = params["w"].astype(np.float64), float(params["b"])
-    num_w, num_b, total = np.zeros(3), 0.0, 0.0
-    for c in clients:
-        k = len(c["y"])
-        if k == 0:
-            continue
-        w, b = w0.copy(), b0
-        for _ in range(steps):
-            r = c["x"] @ w + b - c["y"]
-            w, b = w - lr * c["x"].T @ r / k, b - lr * r.mean()
-        num_w, num_b, total = num_w + k * (w - w0), num_b + k * (b - b0), total + k
-    return w0 + num_w / total, b0 + num_b / total
-
-
 @pytest.mark.parametrize("dp", [False, True])
 @pytest.mark.parametrize("steps", [1, 2, 3])
 def test_peeled_local_steps_give_the_scanned_steps_round_bit_for_bit(steps, dp):
@@ -135,9 +120,9 @@ def test_peeled_local_steps_give_the_scanned_steps_round_bit_for_bit(steps, dp):
     assert m_peeled == m_scanned
     assert m_peeled["cohort"] == 3.0
     if not dp:  # oracle: the same round in NumPy (float64)
-        w, b = _np_round(params, clients, lr=0.1, steps=steps)
-        np.testing.assert_allclose(peeled.params["w"], w, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(peeled.params["b"], b, rtol=1e-5, atol=1e-6)
+        dw, db = np_fedavg_round(params, clients, lr=0.1, steps=steps)
+        np.testing.assert_allclose(peeled.params["w"], params["w"] + dw, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(peeled.params["b"], params["b"] + db, rtol=1e-5, atol=1e-6)
 
 
 def _counted_sum(strategy, clients_per_step=1, mesh=None):
