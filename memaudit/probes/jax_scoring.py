@@ -207,6 +207,13 @@ def bucket_width(n: int) -> int:
     return max(MIN_WIDTH, 1 << max(0, int(n) - 1).bit_length())
 
 
+# Decoding on an accelerator: a step costs about the same for 64 rows as for 1,024 (one chip
+# runs it latency-bound), so a batch takes up to this many prompts while its KV cache stays
+# under the byte budget (125m, 114 positions: 4 MiB of bf16 cache a row, so 512 rows).
+ACCEL_DECODE_ROWS = 1024
+ACCEL_DECODE_CACHE_BYTES = 2 << 30
+
+
 def _pad_rows(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
@@ -378,7 +385,12 @@ class JaxLM:
                temperature: float = 1.0, seed: int = 0, progress: Progress = None) -> np.ndarray:
         """`memaudit.probes.scoring.decode` in JAX: greedy (top_k None) or top-k sampled
         continuations, (n, max_new_tokens) int64, with a KV cache; prompts left-padded to a
-        bucket width, the whole generation one jitted call per batch."""
+        bucket width, the whole generation one jitted call per batch.
+
+        Prompt j's draws come from `fold_in(key(seed), j)`, so they do not depend on how the
+        prompts are batched. On an accelerator a batch holds at least `batch_size` prompts and
+        up to ACCEL_DECODE_ROWS, as long as its KV cache stays within ACCEL_DECODE_CACHE_BYTES:
+        a decoding step is latency-bound there, so more rows cost almost nothing."""
         del pad_id  # padded keys are masked: the pad value never matters
         if not prompts:
             return np.zeros((0, max_new_tokens), dtype=np.int64)
@@ -388,7 +400,11 @@ class JaxLM:
         order = np.argsort(-lengths, kind="stable")
         out = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
         key = jax.random.key(seed)
-        rows = _pad_rows(min(batch_size, len(prompts)))
+        rows = batch_size
+        if jax.default_backend() != "cpu":
+            rows = max(rows, min(ACCEL_DECODE_ROWS, self._cache_rows(
+                bucket_width(int(lengths.max())) + max_new_tokens)))
+        rows = _pad_rows(min(rows, len(prompts)))
         done = 0
         for i in range(0, len(order), rows):
             idx = order[i : i + rows]
@@ -398,14 +414,21 @@ class JaxLM:
             for r, j in enumerate(idx):
                 ids[r, width - len(prompts[j]):] = prompts[j]
                 mask[r, width - len(prompts[j]):] = True
-            key, sub = jax.random.split(key)
-            new = _generate(self.params, ids, mask, sub, np.float32(temperature),
+            which = np.zeros(rows, np.int32)
+            which[: len(idx)] = idx
+            new = _generate(self.params, ids, mask, key, which, np.float32(temperature),
                             shape=self.shape, steps=max_new_tokens, top_k=top_k)
             out[idx] = np.asarray(new)[: len(idx)]
             done += len(idx)
             if progress:
                 progress(done, len(prompts), {})
         return out
+
+    def _cache_rows(self, t: int) -> int:
+        """Rows whose KV cache of t positions fits ACCEL_DECODE_CACHE_BYTES."""
+        s = self.shape
+        per_row = 2 * s.layers * t * s.kv_heads * s.head_dim * self.params["embed"].dtype.itemsize
+        return max(1, ACCEL_DECODE_CACHE_BYTES // per_row)
 
 
 @functools.partial(jax.jit, static_argnames=("shape",))
@@ -485,8 +508,12 @@ def _suffix_nll(p, pk, pv, last, n, ids, n_in, *, shape: Shape):
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "steps", "top_k"))
-def _generate(p, ids, mask, key, temperature, *, shape: Shape, steps: int, top_k: int | None):
-    """Left-padded prompts (rows, width) -> (rows, steps) new tokens, KV cache of width+steps."""
+def _generate(p, ids, mask, key, which, temperature, *, shape: Shape, steps: int,
+              top_k: int | None):
+    """Left-padded prompts (rows, width) -> (rows, steps) new tokens, KV cache of width+steps.
+
+    Row r draws its step-i token with `fold_in(fold_in(key, which[r]), i)`: `which` holds each
+    row's prompt index, so a prompt's draws do not depend on its batch."""
     b, w = ids.shape
     t = w + steps
     kmask = jnp.concatenate([mask, jnp.zeros((b, steps), bool)], axis=1)  # (rows, t)
@@ -496,29 +523,30 @@ def _generate(p, ids, mask, key, temperature, *, shape: Shape, steps: int, top_k
                             p["embed"].dtype) for _ in range(2))
     logits, cache = forward(p, ids, pos, allowed, shape, cache=cache)
 
-    def pick(logits, key):
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, which)
+
+    def pick(logits, i):
         if top_k is None:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         vals, cand = jax.lax.top_k(logits / temperature, min(top_k, logits.shape[-1]))
-        choice = jax.random.categorical(key, vals, axis=-1)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, i)
+        choice = jax.vmap(jax.random.categorical)(step_keys, vals)
         return jnp.take_along_axis(cand, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-    keys = jax.random.split(key, steps)
-    tok = pick(logits[:, -1], keys[0])
+    tok = pick(logits[:, -1], 0)
     state = (tok, pos[:, -1] + 1, cache, kmask)
 
-    def step(state, xs):
-        i, k = xs
+    def step(state, i):
         tok, nxt, cache, kmask = state
         slot = w + i
         kmask = kmask.at[:, slot].set(True)
         allowed = (kmask & (jnp.arange(t)[None] <= slot))[:, None, :]
         logits, cache = forward(p, tok[:, None], nxt[:, None], allowed, shape, cache=cache,
                                 start=slot)
-        new = pick(logits[:, -1], k)
+        new = pick(logits[:, -1], i + 1)
         return (new, nxt + 1, cache, kmask), tok
 
-    state, toks = jax.lax.scan(step, state, (jnp.arange(steps - 1), keys[1:]))
+    state, toks = jax.lax.scan(step, state, jnp.arange(steps - 1))
     return jnp.concatenate([toks.T, state[0][:, None]], axis=1) if steps > 1 else tok[:, None]
 
 

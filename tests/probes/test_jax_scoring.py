@@ -88,3 +88,36 @@ def test_shared_prefix_takes_an_array_of_candidates(models):
                           rng.integers(0, VOCAB, (30, 4))], axis=1)
     full = np.array([-x.sum() for x in lm.token_logprobs(arr.tolist()).logp])
     np.testing.assert_allclose(lm.shared_prefix_nll(arr, rows=16), full, atol=1e-4, rtol=0)
+
+
+def test_sampled_draws_do_not_depend_on_the_batch(models):
+    _, lm = models
+    prompts = _seqs((3, 5, 8, 2, 7, 4), seed=3)
+    a = decode(lm, prompts, 6, top_k=5, seed=7, batch_size=4)
+    b = decode(lm, prompts, 6, top_k=5, seed=7, batch_size=1)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, decode(lm, prompts, 6, top_k=5, seed=8, batch_size=4))
+
+
+def test_an_accelerator_decodes_in_long_batches_with_the_same_tokens(models, monkeypatch):
+    from memaudit.probes import jax_scoring
+
+    _, lm = models
+    prompts = _seqs(tuple(range(1, 41)), seed=4)
+    want = decode(lm, prompts, 5, batch_size=4)
+    calls = []
+    real = jax_scoring._generate
+
+    def counted(*args, **kw):
+        calls.append(args[1].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(jax_scoring, "_generate", counted)
+    monkeypatch.setattr(jax_scoring.jax, "default_backend", lambda: "tpu")
+    got = decode(lm, prompts, 5, batch_size=4)
+    np.testing.assert_array_equal(got, want)
+    assert calls == [64]  # one batch of all 40 prompts, padded to a power of two
+    monkeypatch.setattr(jax_scoring, "ACCEL_DECODE_CACHE_BYTES", 1)
+    calls.clear()
+    decode(lm, prompts, 5, batch_size=4)
+    assert calls == [4] * 10  # a cache too big for more keeps the asked batch size
