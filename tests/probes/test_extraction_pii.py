@@ -37,6 +37,7 @@ def test_ngram_index_equals_python_set():
     n = 6
     grams = {tuple(s[i : i + n]) for s in train for i in range(len(s) - n + 1)}
     idx = NgramIndex(train, n)
+    queries, wants = [], []
     for _ in range(200):
         if rng.random() < 0.5:  # a window copied from training, inside random context
             s = train[rng.integers(5)]
@@ -46,7 +47,12 @@ def test_ngram_index_equals_python_set():
             q = rng.integers(0, 20, 12).tolist()
         want = any(tuple(q[i : i + n]) in grams for i in range(len(q) - n + 1))
         assert idx.contains_any(q) == want
+        queries.append(q)
+        wants.append(want)
+    assert idx.contains(queries).tolist() == wants  # the batched form, in order
     assert not idx.contains_any([1, 2])
+    assert idx.contains([[1, 2], [], train[0][:n]]).tolist() == [False, False, True]
+    assert not NgramIndex([[1, 2]], n).contains([train[0]]).any()  # an empty index
 
 
 def test_pii_detectors():
