@@ -23,8 +23,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # XLA's CPU backend likewise: its Eigen pool has a thread per core in each worker, and its
     # waiting threads spin on the core the other worker needs (tests/train/test_jax_engine_equality.py
-    # beside a full 2-worker run on 2 cores: 214 CPU s and 375 s wall with the pool, 196 s and
-    # 304 s without). scripts/test.sh exports XLA_FLAGS, so the flag is appended, not defaulted.
+    # and tests/federated/test_flower_trainer.py on 2 workers, 2 cores: 376 CPU s and 373 s wall
+    # with the pool, 331 s and 331 s without; 2026-12-07). scripts/test.sh exports XLA_FLAGS, so
+    # the flag is appended, not defaulted.
     if XLA_ONE_THREAD not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += f" {XLA_ONE_THREAD}"
 
