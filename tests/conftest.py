@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# One XLA CPU thread per process (what `memaudit sweep --jobs` gives its workers, sweep/work.py);
+# tests that start processes with their own XLA_FLAGS add it to them.
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +21,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # sets 1 thread and keeps it), so a file ran on 1 or 2 threads by where the scheduler put it.
     # A test that needs another count sets it itself; subprocesses inherit the 1.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # XLA's CPU backend likewise: its Eigen pool has a thread per core in each worker, and its
+    # waiting threads spin on the core the other worker needs (tests/train/test_jax_engine_equality.py
+    # and tests/federated/test_flower_trainer.py on 2 workers, 2 cores: 376 CPU s and 373 s wall
+    # with the pool, 331 s and 331 s without; 2026-12-07). scripts/test.sh exports XLA_FLAGS, so
+    # the flag is appended, not defaulted.
+    if XLA_ONE_THREAD not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += f" {XLA_ONE_THREAD}"
 
 # One JAX persistent compilation cache for the whole run: every worker, and every process a test
 # starts (sweep points, killed-and-resumed runs, Flower's nodes keep their own), reuses a program

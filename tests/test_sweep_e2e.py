@@ -17,6 +17,7 @@ import yaml
 
 from memaudit.cli import main
 from memaudit.io import read_json
+from tests.conftest import XLA_ONE_THREAD
 from tests.reports.browser import check_report, chromium_path
 
 XSS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
@@ -66,7 +67,7 @@ def swept(tmp_path_factory):
     cfg = _sweep_config(tmp, _corpus(tmp))
     out = tmp / "out"
     first = out / "runs" / "centralized-epsinf-s0"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {XLA_ONE_THREAD}"}
     proc = subprocess.Popen([sys.executable, "-m", "memaudit.cli", "sweep", str(cfg), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     deadline = time.time() + 600

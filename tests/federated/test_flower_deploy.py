@@ -30,6 +30,7 @@ import pytest
 from memaudit.federated.flower import deploy
 from memaudit.federated.flower.transport import bundle
 from memaudit.run.driver import run_trainer
+from tests.conftest import XLA_ONE_THREAD
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,7 @@ def federation(tmp_path_factory):
     info = write_partitions(load_config(BASE, OVERRIDES), root / "parts", nodes=2, variants=[variant])
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_COMPILATION_CACHE_DIR": CACHE_DIR,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {XLA_ONE_THREAD}"}
     fed = LocalFederation(root / "federation", info["partitions"], env=env)
     fed.start()
     try:

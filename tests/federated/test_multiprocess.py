@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import XLA_ONE_THREAD
+
 jax = pytest.importorskip("jax")
 
 OVERRIDES = [
@@ -64,7 +66,7 @@ def test_two_processes_run_one_round(tmp_path):
     procs = []
     for pid in range(2):
         env = {**base_env, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {XLA_ONE_THREAD}",
                "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
                "JAX_PROCESS_ID": str(pid)}
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(out), json.dumps(overrides)],

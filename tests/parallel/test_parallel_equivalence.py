@@ -16,7 +16,7 @@ _MODEL = [(g, kind) for g in _workers.MODEL_GRIDS for kind in ("train", "clip", 
 _OVERLAP = [f"overlap-{o}-{k}-{''.join(map(str, g))}" for g in _workers.MODEL_GRIDS if g != (1, 1, 1, 1)
             for k in ("plain", "recompute", "dp", "micro") for o in _workers.overlap_variants(g)]
 _OVERLAP += [f"overlap-train-{''.join(map(str, g))}" for g in _workers.MODEL_GRIDS if g != (1, 1, 1, 1)]
-_VOLUME = [f"volume-{v}-{''.join(map(str, g))}" for g in _workers.VOLUME_GRIDS for v in _workers.VOLUME_VARIANTS]
+_VOLUME = [f"volume-{v}-{''.join(map(str, g))}" for g in _workers.VOLUME_GRIDS for v in _workers.volume_variants(g)]
 
 
 def test_layer_cases_cover_the_issue_grid() -> None:
