@@ -30,6 +30,7 @@ import optax
 
 from memaudit.federated.algorithms import fedavg
 from memaudit.federated.cohorts import ClientData
+from memaudit.federated.dp import dp_fedavg
 from memaudit.federated.trainer import make_loss_fn
 from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params
 from memaudit.models.precision import resolve_policy
@@ -96,7 +97,9 @@ def compile_round(args, peel: bool) -> dict:
     params = jax.eval_shape(lambda: init_params(cfg, seed=0))
     p_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
     algo = fedavg(make_loss_fn(FlaxLlama(cfg)), client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0),
-                  local_steps=args.local_steps, batch_size=args.batch, donate=True, peel_local_steps=peel)
+                  local_steps=args.local_steps, batch_size=args.batch, donate=True, peel_local_steps=peel,
+                  aggregator=(dp_fedavg(clip=1.0, noise_multiplier=1.0, expected_cohort=args.cohort)
+                              if args.dp else None))
     shape = (args.cohort, args.local_steps * args.batch, args.seq)
     data = ClientData({"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32),
                        "attention_mask": jax.ShapeDtypeStruct(shape, jnp.int32)},
@@ -122,14 +125,18 @@ def main(argv=None) -> None:
     ap.add_argument("--local-steps", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--unrolled", action="store_true", help="decoder layers unrolled (default: scanned)")
+    ap.add_argument("--dp", action="store_true", help="DP-FedAvg (clip and noise) rather than FedAvg")
+    ap.add_argument("--peeled-only", action="store_true", help="only the default (peeled) client steps")
     args = ap.parse_args(argv)
     what = {"backend": jax.default_backend(), "preset": args.preset, "cohort": args.cohort, "seq": args.seq,
             "batch": args.batch, "local_steps": args.local_steps, "dtype": args.dtype,
-            "layers": "unrolled" if args.unrolled else "scanned"}
+            "layers": "unrolled" if args.unrolled else "scanned", "aggregator": "dp-fedavg" if args.dp else "mean"}
     rows = {}
     for name, peel in (("peeled", True), ("scanned", False)):
         rows[name] = compile_round(args, peel)
         print(json.dumps({**what, "client_steps": name, **rows[name]}), flush=True)
+        if args.peeled_only:
+            return
     saved = (rows["scanned"]["written_P"] + rows["scanned"]["read_P"] - rows["peeled"]["written_P"]
              - rows["peeled"]["read_P"]) / args.cohort
     print(json.dumps({**what, "item": "side_by_side", "saved_P_per_client": round(saved, 2),

@@ -38,14 +38,16 @@ class AggregateResult(NamedTuple):
 class FusedAggregation(NamedTuple):
     """An aggregation as a sum over the clients, for a loop that accumulates it.
 
-    ``client(delta, weight, state) -> terms``: one client's terms (a pytree of float32 or int
-    arrays), given its delta, its aggregation weight (0 for an absent slot) and the server's
-    aggregator state; ``finish(sums, state, key) -> AggregateResult``: the update from the
+    ``client(delta, weight, state, norm) -> terms``: one client's terms (a pytree of float32
+    or int arrays), given its delta, its aggregation weight (0 for an absent slot), the server's
+    aggregator state and the delta's L2 norm (`client_ops.tree_norm`, which the loop computes
+    once a client for its metrics, so a clipping aggregation does not read the delta again for
+    it); ``finish(sums, state, key) -> AggregateResult``: the update from the
     terms summed over the cohort. ``aggregate`` on the stacked deltas gives the same values up
     to float rounding (a sequential sum instead of a pairwise one). A client of weight 0 (an
     absent slot) has zero terms: FedAvg's loop skips such a slot without computing them."""
 
-    client: Callable[[PyTree, jax.Array, Any], PyTree]
+    client: Callable[[PyTree, jax.Array, Any, jax.Array], PyTree]
     finish: Callable[[PyTree, Any, jax.Array], AggregateResult]
 
 
@@ -109,8 +111,8 @@ def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
 def _fused_mean() -> FusedAggregation:
     """The weighted mean as sums: Σ w_i d_i (float32), Σ w_i and the count of w_i > 0."""
 
-    def client(delta, weight, state):
-        del state
+    def client(delta, weight, state, norm):
+        del state, norm
         scaled = jax.tree.map(lambda d: d.astype(jnp.promote_types(d.dtype, jnp.float32)) * weight, delta)
         return {"delta": scaled, "weight": weight, "aggregated": (weight > 0).astype(jnp.int32)}
 

@@ -55,6 +55,7 @@ from memaudit.federated.aggregators import (
     FusedAggregation,
     mean_aggregator,
 )
+from memaudit.federated.client_ops import tree_norm
 from memaudit.federated.cohorts import ClientData
 from memaudit.federated.primitives import (
     federated_broadcast,
@@ -227,7 +228,7 @@ def _make_local_training(loss_fn: LossFn, client_optimizer: optax.GradientTransf
         if not peel:
             (local, _), losses = jax.lax.scan(step, (params, client_optimizer.init(params)), keys)
             delta = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), local, params)
-            return delta, jnp.mean(losses), optax.tree.norm(delta)
+            return delta, jnp.mean(losses), tree_norm(delta)
         carry, first = step((params, client_optimizer.init(params)), keys[0])
         losses = [first[None]]
         if local_steps > 2:
@@ -238,7 +239,7 @@ def _make_local_training(loss_fn: LossFn, client_optimizer: optax.GradientTransf
             losses.append(last[None])
         local = carry[0]
         delta = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), local, params)
-        return delta, jnp.mean(jnp.concatenate(losses)), optax.tree.norm(delta)
+        return delta, jnp.mean(jnp.concatenate(losses)), tree_norm(delta)
 
     return train
 
@@ -347,7 +348,7 @@ def make_client_sum_phase(
         delta, loss, norm = train(params, examples, mask, key)
         num = jnp.sum(mask)
         present = (num > 0).astype(jnp.float32)
-        return {"agg": aggregation.client(delta, _weights(num, weighting), agg_state),
+        return {"agg": aggregation.client(delta, _weights(num, weighting), agg_state, norm),
                 "loss": loss * present, "norm": norm * present, "cohort": present, "examples": num}
 
     def phase(params, agg_state, data: ClientData, client_key, agg_key):

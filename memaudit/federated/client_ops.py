@@ -42,6 +42,12 @@ SLOT_SALT = b"memaudit-secagg-slot-v1"
 
 
 # ------------------------------------------------------------------ norms and clipping
+def tree_norm(delta: PyTree) -> jax.Array:
+    """() float32 L2 norm of one client's whole delta pytree, its squares summed in float32: the
+    loop computes it once a client, for the round's delta-norm metric and DP-FedAvg's clip."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(delta)))
+
+
 def global_norms(deltas: PyTree) -> jax.Array:
     """(n,) L2 norm of each client's whole delta pytree.
 

@@ -171,16 +171,16 @@ def dp_fedavg(base: Aggregator | None = None, *, clip: float, noise_multiplier: 
         unclipped = None if base.counts else clipped.within_count(presence)
         return release(res, state, jnp.sum(presence), unclipped, k_noise, k_count)
 
-    def fused_client(delta, weight, state):
+    def fused_client(delta, weight, state, norm):
         """One client's terms: its delta clipped to the clip, as the base's terms with weight 1
-        (0 when absent), and its presence and within-clip indicator."""
+        (0 when absent), and its presence and within-clip indicator; `norm` is the delta's
+        (`client_ops.tree_norm`, computed once by the loop)."""
         presence = (weight > 0).astype(jnp.float32)
-        leaves = jax.tree.leaves(delta)
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
         factor = jnp.minimum(1.0, state.clip / jnp.maximum(norm, 1e-30))  # clip = inf -> 1
         clipped = jax.tree.map(lambda x: x * factor.astype(x.dtype), delta)
         within = (norm <= state.clip).astype(jnp.float32) * presence
-        return {"base": base.fused.client(clipped, presence, state.base), "cohort": presence,
+        return {"base": base.fused.client(clipped, presence, state.base, norm * factor),
+                "cohort": presence,
                 "within": within}
 
     def fused_finish(sums, state, key):
