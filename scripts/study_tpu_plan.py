@@ -32,8 +32,9 @@ COMPILE = {"tiny": 10.0, "125m": 15.0, "350m": 15.0}  # s a program (scanned lay
 ULS_COMPILE_125M = 150.0  # s: the one ULS compile tried at 125m had not ended after ~150 s
 # ---- measured on the chip, 2026-12-07 (the tiny study's first machine, docs/results.md)
 TINY_PROBES = 162.0  # s: a tiny point's probes (extraction 108, exposure 19, PII 16, membership 14, Goldfish 5)
-GENERATION_FLOOR = 108.0  # s: extraction's greedy decoding of 1,000 documents at tiny, dispatch-bound:
-# taken as the least any size spends on it
+GENERATION_FLOOR = 108.0  # s: extraction's probe at tiny, taken as the least any size spends on it;
+# the second machine showed it was the host's n-gram test (np.isin), not the decoding: fixed since,
+# and kept here until a machine measures the probe again (docs/results.md)
 # ---- assumed (not measured on the chip)
 MACHINE = 30 * 60  # s a machine is held
 COMMAND = 600  # s a command may run

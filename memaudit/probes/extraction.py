@@ -231,7 +231,7 @@ class NgramIndex:
 
         A binary search of each query hash in the sorted index: O(q log N) for q query windows
         against N indexed ones (`np.isin` sorted the whole index again for every sample:
-        100 s of the study's extraction probe on a TPU host, 256 samples against 2.3M windows).
+        303.5 s against 0.021 s for 256 samples against the TPU study's 1.29M windows, one CPU core).
         """
         out = np.zeros(len(seqs), dtype=bool)
         if not len(self.hashes):
