@@ -207,9 +207,11 @@ def bucket_width(n: int) -> int:
     return max(MIN_WIDTH, 1 << max(0, int(n) - 1).bit_length())
 
 
-# Decoding on an accelerator: a step costs about the same for 64 rows as for 1,024 (one chip
-# runs it latency-bound), so a batch takes up to this many prompts while its KV cache stays
-# under the byte budget (125m, 114 positions: 4 MiB of bf16 cache a row, so 512 rows).
+# Decoding on an accelerator: a batch takes up to this many prompts while its KV cache stays
+# under the byte budget (125m, 114 positions: 4 MiB of bf16 cache a row, so 512 rows), on the
+# premise that a small model's decoding step is latency-bound on a chip, so that more rows cost
+# little. Not yet measured apart: the one chip run since (docs/results.md, the tiny study's
+# second machine) spent its extraction time in the host's n-gram test, not in decoding.
 ACCEL_DECODE_ROWS = 1024
 ACCEL_DECODE_CACHE_BYTES = 2 << 30
 
@@ -389,8 +391,8 @@ class JaxLM:
 
         Prompt j's draws come from `fold_in(key(seed), j)`, so they do not depend on how the
         prompts are batched. On an accelerator a batch holds at least `batch_size` prompts and
-        up to ACCEL_DECODE_ROWS, as long as its KV cache stays within ACCEL_DECODE_CACHE_BYTES:
-        a decoding step is latency-bound there, so more rows cost almost nothing."""
+        up to ACCEL_DECODE_ROWS, as long as its KV cache stays within ACCEL_DECODE_CACHE_BYTES
+        (see there)."""
         del pad_id  # padded keys are masked: the pad value never matters
         if not prompts:
             return np.zeros((0, max_new_tokens), dtype=np.int64)

@@ -34,8 +34,8 @@ MIN_EXCESS = 0.1  # ... and at least 0.6: a shift large enough to matter
 # Documents per side the classifier sees at most (a seeded random subset beyond): from about 270
 # a side the flag's bar is MIN_EXCESS, not Z_FLAG null sds, and 2,000 a side estimate the AUC to a
 # null sd of 0.009: more documents change the verdict only for an AUC within a few hundredths of
-# 0.6, and they cost the fit's time (the
-# TPU study's 11,613 + 11,891 documents: 95.5 s against 11.4 s capped, one CPU core, every point).
+# 0.6, and they cost the fit's time (the TPU study's 11,613 + 11,891 documents: 95.5 s against
+# 11.4 s capped, one CPU core, every point).
 MAX_PER_SIDE = 2000
 
 
