@@ -1,7 +1,8 @@
 #!/bin/bash
 # One piece of configs/study-tpu.yaml on a lent TPU machine, one 10-minute command at a time:
 #   bash scripts/study_tpu_piece.sh ONLY STOP_AFTER HARD_LIMIT [collect]
-# e.g. bash scripts/study_tpu_piece.sh '*-tiny-*' 470 550   (carry: [".whl-tpu"])
+# e.g. bash scripts/study_tpu_piece.sh '*-tiny-*' 470 550   (carry: [".whl-tpu"]); HARD_LIMIT
+# counts from the command's start (the first call's install comes off it)
 # The first call on a machine installs the wheels carried in .whl-tpu (docs/accelerators.md),
 # torch's CPU build from the host's /opt/wheels and matplotlib from its index. The sweep folder
 # and the compilation cache live in the machine's /tmp, which stays between its commands. Exit 3
@@ -34,6 +35,10 @@ out=/tmp/study-tpu/sweep
 mkdir -p /tmp/study-tpu "${OUT:-/tmp/study-tpu/out}"
 log=/tmp/study-tpu/piece.$(date +%s).log
 t1=$(date +%s)
+# the hard limit counts from the command's start: an install's seconds come off it (a first call
+# of 34 s install + 585 s once ran past the call's 600 s and was killed from outside)
+hard=$(( hard - (t1 - t0) ))
+stop_after=$(( stop_after < hard - 30 ? stop_after : hard - 30 ))
 timeout -s TERM "$hard" memaudit sweep configs/study-tpu.yaml --only "$only" --out "$out" \
   --stop-after "$stop_after" > "$log" 2>&1
 rc=$?
