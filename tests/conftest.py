@@ -3,14 +3,16 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# One XLA CPU thread per process (what `memaudit sweep --jobs` gives its workers, sweep/work.py);
-# tests that start processes with their own XLA_FLAGS add it to them.
-XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# One XLA CPU thread per process (what `memaudit sweep --jobs` gives its workers); tests that
+# start processes with their own XLA_FLAGS add it to them. (memaudit.sweep.work loads
+# neither jax, torch nor transformers, after the settings above.)
+from memaudit.sweep.work import XLA_ONE_THREAD
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs two workers on the 2 cores CI has: one core each. torch's default is a
     # thread per core in each worker, 4 threads on 2 cores, and OpenMP's waiting threads spin on

@@ -94,12 +94,17 @@ def run_point(cfg: SweepConfig, p: SweepPoint, rd: RunDir, sub: Callable[[int, i
     return outcome
 
 
+# XLA's CPU backend on one thread: without it its Eigen pool keeps a thread per core in every
+# process, and the waiting threads spin on the cores other processes need
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
+
+
 def limit_threads(threads: int) -> None:
     """Run this worker process's torch and XLA on `threads` CPU threads (before jax loads)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if threads == 1:
         flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        os.environ["XLA_FLAGS"] = f"{flags} {XLA_ONE_THREAD} intra_op_parallelism_threads=1"
     import torch  # lazy: torch (~2 s) in the worker only, after the thread settings above
 
     torch.set_num_threads(threads)
