@@ -30,11 +30,14 @@ SCORE_125M = 340_000  # tokens/s, scoring with Min-K%++'s statistics
 EXPOSURE_125M = 1.64 / 1e5  # seconds a candidate (1.64 s a canary at 10^5 candidates)
 COMPILE = {"tiny": 10.0, "125m": 15.0, "350m": 15.0}  # s a program (scanned layers: 9.7-14.5 s measured)
 ULS_COMPILE_125M = 150.0  # s: the one ULS compile tried at 125m had not ended after ~150 s
-# ---- measured on the chip, 2026-12-07 (the tiny study's first machine, docs/results.md)
-TINY_PROBES = 162.0  # s: a tiny point's probes (extraction 108, exposure 19, PII 16, membership 14, Goldfish 5)
-GENERATION_FLOOR = 108.0  # s: extraction's probe at tiny, taken as the least any size spends on it;
-# the second machine showed it was the host's n-gram test (np.isin), not the decoding: fixed since,
-# and kept here until a machine measures the probe again (docs/results.md)
+# ---- measured on the chip, 2026-12-07 (the tiny study's third machine, commit 0c22875, docs/results.md)
+TINY_PROBES = 28.3  # s: the most a tiny point's probe stages took over the 9 points (22.7-28.3 s;
+# membership 14-16, extraction 3.1-8.2, PII 0.8-2.4, exposure 0.2-1.3); the first machine's 162 s
+# was the host's n-gram test (np.isin) and blind shift check, both fixed
+GENERATION_FLOOR = 8.2  # s: the most extraction's probe took at tiny (3.1-8.2 s), taken as the least
+# any size spends on it
+TINY_TRAIN = {"fed": 93.0 - 28.3, "dp": 149.0 - 28.3}  # s: a tiny point's whole time less its probes
+# (federated points 86-93 s, centralized DP points 109-149 s); non-DP centralized: not measured
 # ---- assumed (not measured on the chip)
 MACHINE = 30 * 60  # s a machine is held
 COMMAND = 600  # s a command may run
@@ -84,6 +87,8 @@ def probe_seconds(cfg, p) -> float:
 def train_seconds(cfg, p) -> float:
     run = point_config(cfg, p)
     kind = "fed" if p.backend == "federated" else ("dp" if run.privacy.enabled else "central")
+    if p.model == "tiny" and kind in TINY_TRAIN:
+        return TINY_TRAIN[kind]
     compile_s = COMPILE[p.model]
     if kind == "dp" and run.privacy.user_sampling == "uls" and p.model != "tiny":
         compile_s = ULS_COMPILE_125M * (1 if p.model == "125m" else 1.5)
