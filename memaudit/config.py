@@ -631,6 +631,20 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def set_leaves(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """`dotted` = `value` where `value` is a mapping and a section is already there: merged key by
+    key (an override changes the keys it names and keeps the rest of the section); any other
+    value is set as it is (`set_dotted`)."""
+    node: Any = tree
+    for p in dotted.split("."):
+        node = node.get(p) if isinstance(node, dict) else None
+    if isinstance(value, dict) and isinstance(node, dict):
+        for k, v in value.items():
+            set_leaves(tree, f"{dotted}.{k}", v)
+        return
+    set_dotted(tree, dotted, value)
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """`a.b=value` -> ("a.b", value), the value parsed as a YAML scalar or list."""
     if "=" not in item:

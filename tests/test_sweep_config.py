@@ -68,6 +68,42 @@ def test_cli_overrides_shape_the_grid(tmp_path):
     assert len(names) == 12 and names[0] == "centralized-eps1-user-s0" and "centralized-epsinf-user-s2" in names
 
 
+def test_a_set_inside_a_per_backend_map_changes_one_key_and_keeps_the_rest():
+    """`--set per_backend.federated.federated.server_optimizer=sgd` sets that one key of the
+    federated points; it once replaced their whole `federated` section (rounds, cohort, local
+    steps back at their defaults: 1.6M tokens a point instead of the study's 4.9M)."""
+    study = CONFIGS / "study-tpu.yaml"
+    plain = load_sweep_config(study)
+    cfg = load_sweep_config(study, ["per_backend.federated.federated.server_optimizer=sgd",
+                                    "per_model.tiny.train.lr=0.001", "pretrain.per_model.125m.train.lr=0.0001",
+                                    "pretrain.overrides.train.lr=0.002"])
+    fed = next(p for p in plan_points(cfg) if p.name == "federated-tiny-eps8-s0")
+    before = point_config(plain, next(p for p in plan_points(plain) if p.name == fed.name))
+    after = point_config(cfg, fed)
+    assert before.federated.server_optimizer == "fedadam" and after.federated.server_optimizer == "sgd"
+    assert after.federated.model_dump(exclude={"server_optimizer"}) == before.federated.model_dump(
+        exclude={"server_optimizer"})
+    assert (after.federated.rounds, after.federated.cohort, after.privacy.clip) == (150, 32, 0.5)
+    assert after.train.lr == 0.001 and cfg.per_model["tiny"]["train.lr"] == 0.001
+    assert cfg.pretrain.overrides["train.lr"] == 0.002 and cfg.pretrain.overrides["train.eval_every"] == 100
+    assert cfg.pretrain.per_model["125m"]["train.lr"] == 0.0001 and cfg.pretrain.per_model["125m"]["train.steps"] == 190
+
+
+def test_a_nested_section_in_a_per_backend_map_merges_into_the_base(tmp_path):
+    """A YAML author may write per_backend's overrides nested rather than dotted: they merge
+    key by key into the base's sections, as the dotted keys do."""
+    raw = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    raw["base_config"] = str(CONFIGS / raw["base_config"])
+    raw.setdefault("per_backend", {}).setdefault("federated", {})["federated"] = {"server_lr": 0.01}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_sweep_config(tmp_path / "s.yaml")
+    plain = load_sweep_config(CONFIGS / "quickstart.yaml")
+    fed = next(p for p in plan_points(cfg) if p.backend == "federated")
+    after, before = point_config(cfg, fed), point_config(plain, fed)
+    assert after.federated.server_lr == 0.01
+    assert after.federated.model_dump(exclude={"server_lr"}) == before.federated.model_dump(exclude={"server_lr"})
+
+
 def test_audit_levels_pick_grid_levels(tmp_path, capsys):
     """audit.levels: all, dp_only, or a list of the grid's own levels; another level is one line."""
     base = ["grid.epsilons=[inf, 8, 2]", "grid.backends=[centralized, federated]", "audit.enabled=true",

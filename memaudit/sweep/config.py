@@ -43,6 +43,7 @@ from memaudit.config import (
     load_raw,
     parse_override,
     set_dotted,
+    set_leaves,
 )
 from memaudit.errors import ConfigError
 from memaudit.models.presets import get_preset
@@ -554,13 +555,13 @@ def point_config(cfg: SweepConfig, point: SweepPoint) -> Config:
     """The full run config of one grid point: base, per-backend, per-model, per-finetune, then the point."""
     raw = deep_copy(cfg.base)
     for key, value in cfg.per_backend.get(point.backend, {}).items():
-        set_dotted(raw, key, value)
+        set_leaves(raw, key, value)
     if point.model is not None:
         for key, value in cfg.per_model.get(point.model, {}).items():
-            set_dotted(raw, key, value)
+            set_leaves(raw, key, value)
     if point.finetune is not None:
         for key, value in cfg.per_finetune.get(point.finetune, {}).items():
-            set_dotted(raw, key, value)
+            set_leaves(raw, key, value)
     for key, value in point.overrides.items():
         set_dotted(raw, key, value)
     return config_from_dict(raw, source=f"sweep point {point.name}")
@@ -619,9 +620,32 @@ def load_sweep_config(path: str | os.PathLike, overrides: list[str] | tuple[str,
         base_path = os.path.join(os.path.dirname(os.fspath(path)), base_file)
         raw["base"] = _merge(load_raw(base_path), raw.get("base") or {})
     for item in overrides:
-        key, value = parse_override(item)
-        set_dotted(raw, key, value)
+        _set_override(raw, *parse_override(item))
     return sweep_config_from_dict(raw, source=str(path))
+
+
+# The sweep's maps of dotted run-config keys, and how many names (a backend, a size) lead to them
+_DOTTED_MAPS = (("per_backend",), 1), (("per_model",), 1), (("per_finetune",), 1), \
+    (("pretrain", "overrides"), 0), (("pretrain", "per_model"), 1)
+
+
+def _set_override(raw: dict[str, Any], key: str, value: Any) -> None:
+    """One `--set key=value` on the sweep file: inside a map of dotted run-config keys
+    (`per_backend.federated.federated.server_optimizer`) it sets that map's key
+    (`federated.server_optimizer`), which the point then applies as the file's own keys are;
+    elsewhere it sets the sweep file's key."""
+    parts = key.split(".")
+    for head, names in _DOTTED_MAPS:
+        n = len(head) + names
+        if tuple(parts[:len(head)]) == head and len(parts) > n:
+            node = raw
+            for p in parts[:n]:
+                node = node.setdefault(p, {}) if isinstance(node.get(p), dict | None) else None
+                if node is None:
+                    raise ConfigError(f"override '{key}': '{p}' is not a section")
+            node[".".join(parts[n:])] = value
+            return
+    set_dotted(raw, key, value)
 
 
 # ----------------------------------------------------------------------------- job resources

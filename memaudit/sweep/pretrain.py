@@ -31,7 +31,7 @@ from typing import Any
 
 from memaudit import __version__
 from memaudit.backends import CENTRALIZED
-from memaudit.config import config_from_dict, dump_config, set_dotted, with_overrides
+from memaudit.config import config_from_dict, dump_config, set_dotted, set_leaves, with_overrides
 from memaudit.data.overlap import require_disjoint
 from memaudit.data.prepare import private_documents
 from memaudit.errors import RunDirError
@@ -84,7 +84,7 @@ def public_base_config(cfg: Any, *, size: str | None = None, tokenizer: str | No
     }.items():
         set_dotted(raw, key, value)
     for key, value in {**p.overrides, **p.per_model.get(size or "", {})}.items():
-        set_dotted(raw, key, value)
+        set_leaves(raw, key, value)
     return config_from_dict(raw, source="sweep pretrain")
 
 
