@@ -71,7 +71,10 @@ def swept(tmp_path_factory):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         pieces, codes = tmp / "pieces", []
-        while not codes or codes[-1] == 3:
+        # the first piece as JSON, and what it left: test_stopped_sweep_says_so reads them
+        codes.append(main(["sweep", str(cfg), "--out", str(pieces), "--stop-after", "0.001", "--format", "json"]))
+        first = (read_json(pieces / "sweep.json"), (pieces / "report").exists())
+        while codes[-1] == 3:
             assert len(codes) < 80, f"the pieces do not end: exit codes {codes}"
             codes.append(main(["sweep", str(cfg), "--out", str(pieces), "--stop-after", "0.001"]))
         _, err = proc.communicate()
@@ -79,11 +82,11 @@ def swept(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err.decode()[-2000:]
-    return whole, pieces, codes
+    return whole, pieces, codes, first
 
 
 def test_pieces_end_where_one_sweep_ends(swept):
-    whole, pieces, codes = swept
+    whole, pieces, codes, _ = swept
     assert codes[-1] == 0 and set(codes[:-1]) == {3}
     assert read_json(pieces / "sweep.json")["status"] == "complete"
     assert (pieces / "report" / "report.json").is_file()
@@ -95,7 +98,7 @@ def test_pieces_end_where_one_sweep_ends(swept):
 
 
 def test_training_stopped_at_checkpoints_and_resumed(swept):
-    _, pieces, codes = swept
+    _, pieces, codes, _ = swept
     # 6 steps / 4 rounds with a checkpoint every 2: every point was stopped inside its training
     # and resumed (the base too), so the weights compared above went through a resume
     for name in ("centralized-epsinf-s0", "federated-eps8-s0"):
@@ -115,7 +118,7 @@ def _leakage(report: Path) -> dict[str, tuple]:
 
 
 def test_collect_brings_back_results_for_the_same_report(swept, tmp_path):
-    _, pieces, _ = swept
+    _, pieces, *_ = swept
     back = tmp_path / "back"
     assert main(["collect", str(pieces), "--to", str(back)]) == 0
     files = sorted(p for p in back.iterdir())
@@ -133,19 +136,18 @@ def test_collect_refuses_a_file_over_the_limit(swept, tmp_path):
     from memaudit.errors import MemauditError
     from memaudit.sweep.collect import collect
 
-    _, pieces, _ = swept
+    _, pieces, *_ = swept
     with pytest.raises(MemauditError, match="over the"):
         collect(pieces, tmp_path / "back", limit=1000)
     assert not (tmp_path / "back").exists()
 
 
-def test_stopped_sweep_says_so(tmp_path):
-    cfg = _sweep_file(tmp_path)
-    out = tmp_path / "out"
-    assert main(["sweep", str(cfg), "--out", str(out), "--stop-after", "0.001", "--format", "json"]) == 3
-    summary = read_json(out / "sweep.json")
+def test_stopped_sweep_says_so(swept):
+    """The first piece of `swept` (its own sweep before): exit code 3, a stopped summary, no report."""
+    *_, codes, (summary, had_report) = swept
+    assert codes[0] == 3
     assert summary["status"] == "stopped" and summary["report"] is None
-    assert not (out / "report").exists()
+    assert not had_report
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
