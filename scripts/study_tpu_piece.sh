@@ -8,6 +8,8 @@
 # and the compilation cache live in the machine's /tmp, which stays between its commands. Exit 3
 # of the sweep: stopped in time, call again; 0: this part is complete. With `collect` (or when
 # the part is complete) what comes back is written under $OUT: `memaudit collect`'s archive.
+# SWEEP_OUT (default /tmp/study-tpu/sweep) and SWEEP_ARGS (e.g. "--set KEY=VALUE ...") run a
+# variant of the study beside it on the same machine, e.g. a federated setting tried at tiny.
 set -u
 only=$1 stop_after=$2 hard=$3
 t0=$(date +%s)
@@ -31,7 +33,7 @@ exec python3 -c 'import sys; sys.argv[0] = "memaudit"; from memaudit.cli import 
 EOS
 chmod +x /tmp/memaudit
 export PATH=/tmp:$PATH
-out=/tmp/study-tpu/sweep
+out=${SWEEP_OUT:-/tmp/study-tpu/sweep}
 mkdir -p /tmp/study-tpu "${OUT:-/tmp/study-tpu/out}"
 log=/tmp/study-tpu/piece.$(date +%s).log
 t1=$(date +%s)
@@ -39,12 +41,14 @@ t1=$(date +%s)
 # of 34 s install + 585 s once ran past the call's 600 s and was killed from outside)
 hard=$(( hard - (t1 - t0) ))
 stop_after=$(( stop_after < hard - 30 ? stop_after : hard - 30 ))
+# shellcheck disable=SC2086  # SWEEP_ARGS: several words
 timeout -s TERM "$hard" memaudit sweep configs/study-tpu.yaml --only "$only" --out "$out" \
-  --stop-after "$stop_after" > "$log" 2>&1
+  --stop-after "$stop_after" ${SWEEP_ARGS:-} > "$log" 2>&1
 rc=$?
 echo "sweep piece: exit $rc, $(( $(date +%s) - t1 )) s"
 tail -c 3000 "$log"
 if [ "${4:-}" = collect ] || [ $rc = 0 ]; then
-  memaudit collect "$out" --to "${OUT:-/tmp/study-tpu/out}/study"
+  name=study; [ -n "${SWEEP_OUT:-}" ] && name=$(basename "$out")
+  memaudit collect "$out" --to "${OUT:-/tmp/study-tpu/out}/$name"
 fi
 echo "total $(( $(date +%s) - t0 )) s"
