@@ -513,10 +513,10 @@ def test_a_node_answers_only_its_runs_server(federation, tmp_path):
     assert json.loads(Path(fed.manifest).read_text())["server"]  # the nodes' manifest names the key
     with LocalFederation(tmp_path / "federation", fed.partitions, env=fed.env, manifest=fed.manifest,
                          flower_superlink=True, superlink_extra=["--isolation", "process"]) as other:
-        got = _take_the_server_seat(other, tmp_path, runs=2)
+        got = _take_the_server_seat(other, tmp_path, runs=1)
         logs = [(other.workdir / f"supernode-{i}.log").read_text(errors="replace") for i in range(2)]
     print(f"stranger in the server seat: {got}")  # the issue's before/after figures
-    assert got["tasks"] == 2 and got["node_ids"] >= len(fed.partitions), got  # it held the seat, saw the nodes
+    assert got["tasks"] == 1 and got["node_ids"] >= len(fed.partitions), got  # it held the seat, saw the nodes
     assert (got["node_bytes"], got["users"]) == (0, 0), got
     assert all("not signed by this node's server" in t for t in logs)
 
