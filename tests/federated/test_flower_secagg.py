@@ -6,9 +6,11 @@ same arrays exactly, and the decoded sum equals the integer sum of the survivors
 rows computed here (the oracle: `quantise.encode` row by row with each slot's generator). What
 the server receives holds no quantised row. A node that dies before sending its masked input
 drops its users from the sum; one that dies after it stays in the sum; below min_survivors the
-round aborts. Trainer level: FedAvg, DP-FedAvg with adaptive clipping and distributed DP, all
-with secure aggregation, on `flower_trainer` with in-process nodes end with the in-JAX run's
-weights.
+round aborts. Trainer level: DP-FedAvg with adaptive clipping and distributed DP, both with
+secure aggregation and FedAdam on the server, on `flower_trainer` with in-process nodes end with
+the in-JAX run's weights. (Secure aggregation without DP is the same trainer path with the plain
+mean inside: its sum over the nodes' rows equals the in-JAX one exactly in
+`test_remote_secure_sum_equals_in_jax_and_the_integer_oracle`.)
 """
 
 from __future__ import annotations
@@ -325,8 +327,7 @@ OVERRIDES = [
     "privacy.secure_aggregation.enabled=true", "privacy.clip=0.5",
 ]
 DP = ["privacy.noise_multiplier=0.8", "privacy.reproducible_randomness=true"]
-CASES = {
-    "fedadam": ["federated.server_optimizer=fedadam"],
+CASES = {  # federated.server_optimizer: fedadam, the default
     "dp-adaptive": [*DP, "privacy.adaptive_clipping.enabled=true",
                     "privacy.adaptive_clipping.initial_clip=0.3", "privacy.adaptive_clipping.count_noise=1.0"],
     "distributed": [*DP, "privacy.mechanism=distributed"],
@@ -400,14 +401,14 @@ def test_flower_trainer_with_secure_aggregation_equals_in_jax(case, parts, monke
     for key in ("clip_fraction", "next_clip", "secagg_aborted"):
         if key in ma[0]:
             assert [m[key] for m in ma] == [m[key] for m in mb], key
-    if case != "fedadam":  # the same ledger: accounting by the same survivors
-        pa = json.loads((root / f"{case}-jax" / "privacy.json").read_text())
-        pb = json.loads((root / f"{case}-flower" / "privacy.json").read_text())
-        assert pa["epsilon"] == pb["epsilon"] and pa["events"] == pb["events"]
-        from tests.test_lifecycle import scan_public_files
+    # the same ledger: accounting by the same survivors
+    pa = json.loads((root / f"{case}-jax" / "privacy.json").read_text())
+    pb = json.loads((root / f"{case}-flower" / "privacy.json").read_text())
+    assert pa["epsilon"] == pb["epsilon"] and pa["events"] == pb["events"]
+    from tests.test_lifecycle import scan_public_files
 
-        for side in ("jax", "flower"):  # nothing of the realized cohort in the public files
-            scan_public_files(root / f"{case}-{side}")
+    for side in ("jax", "flower"):  # nothing of the realized cohort in the public files
+        scan_public_files(root / f"{case}-{side}")
 
 
 ATOL_TRAINER = 0.0  # exact: the same deltas, the same quantised rows, integer sums

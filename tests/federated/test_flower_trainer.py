@@ -117,14 +117,19 @@ def test_interrupted_and_resumed_flower_run_equals_in_jax(setup):
 LORA = "model.lora={rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}"
 
 
-def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_the_operators(setup):
-    """Federated LoRA on Flower, nodes that trust only their operator's manifest: the merged model
-    and the adapter folder equal the in-JAX LoRA run's; a client's upload is the adapters (rank 4
-    on q, v: 7,168 floats), not the model (1.8M). The frozen base travels inside the stage module the
-    manifest pins, so a server that trains on another base (here: model.init_seed changed, as a
-    server would to make the adapters' gradients say more about the data) is refused by every
-    node before any of its data is touched."""
+def test_lora_with_dropout_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_the_operators(setup):
+    """Federated LoRA with adapter dropout on Flower, nodes that trust only their operator's
+    manifest: the merged model and the adapter folder equal the in-JAX LoRA run's; a client's
+    upload is the adapters (rank 4 on q, v: 7,168 floats), not the model (1.8M). Each client's
+    dropout keys are derived inside its stage from the per-client key the stage already receives,
+    so the adapters equal the in-JAX run's, and differ from the in-JAX run without dropout (the
+    nodes applied it). The frozen base travels inside the stage module the manifest pins, so a
+    server that trains on another base (here: model.init_seed changed, as a server would to make
+    the adapters' gradients say more about the data) is refused by every node before any of its
+    data is touched. (LoRA without dropout on Flower: the FedSGD case below.)"""
     import dataclasses
+
+    from safetensors.numpy import load_file
 
     from memaudit.config import load_config
     from memaudit.federated.flower.nodes import write_partitions
@@ -135,7 +140,7 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
     from memaudit.rundir import RunDir
 
     _overrides, _partitions, root = setup
-    lora = [*OVERRIDES, LORA]
+    lora = [*OVERRIDES, LORA, "model.lora.dropout=0.1"]
     info = write_partitions(load_config(None, lora), root / "parts-lora", nodes=2)  # with its manifest
     lora.append(f"data.tokenizer={info['tokenizer']}")
     trust = dataclasses.replace(NodeTrust.load(info["manifest"]), nodes=())  # in-process: no PKI
@@ -146,15 +151,17 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
             ex.trust = trust
         return nodes
 
-    jax_run, run = root / "jax-lora", root / "flower-lora"
-    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(jax_run)))
-    result = run_trainer(flower_trainer(load_config(None, lora), RunDir(run), trusting_nodes()))
-    a, b = _weights(jax_run), _weights(run)
+    runs = {name: root / f"lora-{name}" for name in ("jax", "flower", "none")}
+    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(runs["jax"])))
+    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax", "model.lora.dropout=0"]),
+                                 RunDir(runs["none"])))
+    result = run_trainer(flower_trainer(load_config(None, lora), RunDir(runs["flower"]), trusting_nodes()))
+    a, b = _weights(runs["jax"]), _weights(runs["flower"])
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
-    from safetensors.numpy import load_file
-
-    ad_a, ad_b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (jax_run, run))
-    assert set(ad_a) == set(ad_b) and max(float(np.max(np.abs(ad_a[k] - ad_b[k]))) for k in ad_a) <= ATOL
+    ad_a, ad_b, ad_c = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in runs.values())
+    assert set(ad_a) == set(ad_b) == set(ad_c)
+    assert max(float(np.max(np.abs(ad_a[k] - ad_b[k]))) for k in ad_a) <= ATOL
+    assert max(float(np.max(np.abs(ad_a[k] - ad_c[k]))) for k in ad_a) > 100 * ATOL  # dropout applied
     adapter_floats = sum(v.size for v in ad_b.values())
     assert adapter_floats == 4 * 4 * ((128 + 128) + (128 + 64))  # tiny: 4 layers, rank 4, q 128->128, v 128->64
     assert result["upload_bytes_per_client_per_round"] == 4 * adapter_floats
@@ -162,30 +169,6 @@ def test_lora_on_flower_equals_in_jax_uploads_only_the_adapters_and_the_base_is_
     with pytest.raises(PlanError, match="every SuperNode refused"):
         run_trainer(flower_trainer(load_config(None, [*lora, "model.init_seed=7"]), RunDir(root / "other-base"),
                        trusting_nodes()))
-
-
-def test_lora_dropout_on_flower_equals_in_jax(setup):
-    """Adapter dropout on Flower: each client's dropout keys are derived inside its stage from the
-    per-client key the stage already receives, so the Flower run's adapters equal the in-JAX
-    run's, and differ from the in-JAX run without dropout (the nodes applied it)."""
-    from safetensors.numpy import load_file
-
-    from memaudit.config import load_config
-    from memaudit.federated.flower.trainer import flower_trainer
-    from memaudit.federated.trainer import FederatedTrainer
-    from memaudit.rundir import RunDir
-
-    overrides, partitions, root = setup
-    lora = [*overrides, LORA, "model.lora.dropout=0.1"]
-    runs = {name: root / f"dropout-{name}" for name in ("jax", "flower", "none")}
-    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax"]), RunDir(runs["jax"])))
-    run_trainer(FederatedTrainer(load_config(None, [*lora, "federated.runtime=jax", "model.lora.dropout=0"]),
-                     RunDir(runs["none"])))
-    run_trainer(flower_trainer(load_config(None, lora), RunDir(runs["flower"]), _Nodes(partitions)))
-    a, b, c = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in runs.values())
-    assert set(a) == set(b) == set(c)
-    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= ATOL
-    assert max(float(np.max(np.abs(a[k] - c[k]))) for k in a) > 100 * ATOL
 
 
 def test_lora_fedsgd_on_flower_equals_in_jax_when_the_rank_equals_the_cohort(setup):
