@@ -88,20 +88,24 @@ def test_a_4x2_mesh_of_8_devices_trains_as_one_device(tmp_path, jax_uls_run):
 
 # ----------------------------------------------------------------------------- resume
 def test_an_interrupted_dp_run_resumes_bit_identical(tmp_path):
-    """Example-level DP-SGD with noise: stopped after step 3 (checkpoint at 2), resumed past the
-    next checkpoint (4); the exported weights equal an uninterrupted run's bit for bit."""
+    """Example-level DP-SGD with noise on a data mesh of 2 devices (the state restored onto the
+    mesh's shardings as on 8): stopped after step 3 (checkpoint at 2), resumed past the next
+    checkpoint (4); the exported weights equal an uninterrupted run's bit for bit."""
+    import jax
+
     extra = ("train.steps=5", "train.eval_every=5", "train.checkpoint_every=2", "privacy.noise_multiplier=1.0",
              "privacy.reproducible_randomness=true")
-    whole = _fit(tmp_path / "whole", *extra)
+    two = jax.devices()[:2]
+    whole = _fit(tmp_path / "whole", *extra, devices=two)
 
     def stop(done, total, info):
         if done == 3:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _fit(tmp_path / "cut", *extra, progress=stop)
+        _fit(tmp_path / "cut", *extra, devices=two, progress=stop)
     assert read_json(tmp_path / "cut" / "state" / "trainer.json")["step"] == 2
-    cut = _fit(tmp_path / "cut", *extra, resume=True)
+    cut = _fit(tmp_path / "cut", *extra, devices=two, resume=True)
     assert read_json(cut.path / "run.json")["result"]["resumed_from_step"] == 2
     assert _losses(cut, SENSITIVE_METRICS) == _losses(whole, SENSITIVE_METRICS)
     want, got = _weights(whole), _weights(cut)

@@ -28,18 +28,29 @@ TINY = (
 )
 
 
-def _train(tmp_path_factory, name: str, engine: str, *extra: str) -> RunDir:
+def _train(tmp_path_factory, name: str, engine: str, *extra: str, one_device: bool = True) -> RunDir:
+    """A run of either engine; the jax engine's on one device unless `one_device` is false (then
+    through `dispatch`, on all 8: test_jax_engine.py's mesh test shows a mesh trains as one device)."""
     cfg = load_config(None, [*TINY, f"train.engine={engine}", *extra])
     run = prepare_new_run(tmp_path_factory.mktemp(name) / "run", overwrite=False)
-    dispatch(cfg, run, resume=False)
+    if engine == "jax" and one_device:
+        import jax
+
+        from memaudit.run.driver import run_trainer
+        from memaudit.train.jax_trainer import JaxTrainer
+
+        run_trainer(JaxTrainer(cfg, run, devices=jax.devices()[:1]), resume=False)
+    else:
+        dispatch(cfg, run, resume=False)
     return run
 
 
 @pytest.fixture(scope="module")
 def plain_pair(tmp_path_factory):
-    """Both engines, no DP: 20 steps, evaluated at 10 and 20."""
+    """Both engines, no DP: 20 steps, evaluated at 10 and 20; the jax run through `dispatch`
+    (the CLI's path), on all 8 devices."""
     extra = ("train.steps=20", "train.eval_every=10", "train.checkpoint_every=10")
-    return {e: _train(tmp_path_factory, f"plain-{e}", e, *extra) for e in ("torch", "jax")}
+    return {e: _train(tmp_path_factory, f"plain-{e}", e, *extra, one_device=False) for e in ("torch", "jax")}
 
 
 def test_losses_per_step_agree_over_20_steps(plain_pair):
@@ -162,7 +173,8 @@ def test_noise_free_dp_runs_agree_in_loss_and_clip_fraction(noise_free_pair):
 
 @pytest.mark.parametrize("unit", ["example", "uls", "els"])
 def test_the_same_config_records_the_same_ledger_and_epsilon(tmp_path_factory, unit):
-    extra = ["train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "privacy.noise_multiplier=1.1"]
+    """One noisy step of each engine (one Poisson batch: one compiled step) records its ledger."""
+    extra = ["train.steps=1", "train.eval_every=1", "train.checkpoint_every=1", "privacy.noise_multiplier=1.1"]
     if unit != "example":
         extra += ["privacy.unit=user", "privacy.max_examples_per_user=4", f"privacy.user_sampling={unit}",
                   "train.batch_size=8"]
