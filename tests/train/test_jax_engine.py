@@ -15,13 +15,10 @@ from memaudit.run.checks import centralized_engine
 from memaudit.run.driver import run_trainer
 from memaudit.run.lifecycle import SENSITIVE_METRICS
 from memaudit.rundir import RunDir, prepare_new_run
+from tests.train.conftest import JAX_TINY, JAX_ULS
 
 REPO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "centralized-jax.yaml")
-TINY = (
-    "data.synth.users=16", "data.synth.docs_per_user=6", "data.canaries.repetitions=[1,2,4]",
-    "data.seq_len=64", "train.batch_size=8", "train.warmup_steps=2", "train.eval_batches=1",
-    "train.engine=jax",
-)
+TINY = JAX_TINY
 
 
 def _fit(path, *overrides, devices=None, progress=None, resume=False) -> RunDir:
@@ -55,51 +52,60 @@ def _losses(run: RunDir, name: str = "metrics.jsonl") -> list[float]:
 
 
 # ----------------------------------------------------------------------------- mesh
-@pytest.mark.parametrize("dp", [False, True], ids=["plain", "uls"])
-def test_a_4x2_mesh_of_8_devices_trains_as_one_device(tmp_path, dp):
-    """3 steps on a (data 4, model 2) mesh against one device: losses to 1e-5 relative; each
-    exported weight's difference to 1e-3 of how far that tensor moved from its start (L2 norms).
-    The reductions' order differs, so gradients differ in the last bits; AdamW divides by the
-    root of the second moment, so an entry whose gradient is almost 0 (a rare token's lm_head
-    row) can step by up to lr either way: measured, 6e-5 at most in one entry of lm_head.
-    Under DP (ULS, σ = 1) the noise is the same too: it is keyed per step, not per device."""
+def test_a_4x2_mesh_of_8_devices_trains_as_one_device(tmp_path, jax_uls_run):
+    """3 steps on a (data 4, model 2) mesh against one device, without DP and under DP (ULS,
+    σ = 1): losses to 1e-5 relative; each exported weight's difference to 1e-3 of how far that
+    tensor moved from its start (L2 norms). The reductions' order differs, so gradients differ in
+    the last bits; AdamW divides by the root of the second moment, so an entry whose gradient is
+    almost 0 (a rare token's lm_head row) can step by up to lr either way: measured, 6e-5 at most
+    in one entry of lm_head. Under DP the noise is the same too: it is keyed per step, not per
+    device. The bound separates runs: the plain and the DP run's weights (same seed, same start)
+    are far outside it of each other."""
     import jax
 
     assert len(jax.devices()) == 8
-    extra = ["train.steps=3", "train.eval_every=3", "train.checkpoint_every=3"]
-    if dp:
-        extra += ["privacy.noise_multiplier=1.0", "privacy.unit=user", "privacy.max_examples_per_user=4",
-                  "privacy.reproducible_randomness=true", "privacy.clip=0.5"]
-    one = _fit(tmp_path / "one", *extra, devices=jax.devices()[:1])
-    mesh = _fit(tmp_path / "mesh", *extra, "train.mesh_model=2")
-    assert read_json(mesh.path / "run.json")["result"]["mesh_data"] == 4
-    name = SENSITIVE_METRICS if dp else "metrics.jsonl"
-    for a, b in zip(_losses(mesh, name), _losses(one, name), strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b)
-    want, got, start = _weights(one), _weights(mesh), _initial(*extra)
-    assert want.keys() == got.keys() == start.keys()
-    for k, w in want.items():
-        assert np.linalg.norm(got[k] - w) <= 1e-3 * np.linalg.norm(w - start[k]), k
-    moved = _weights(_fit(tmp_path / "other-seed", *extra, "train.seed=1", devices=jax.devices()[:1]))
-    assert any(np.max(np.abs(moved[k] - w)) > 1e-4 * np.max(np.abs(w)) for k, w in want.items())
+    plain = ("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3")
+    start = _initial(*plain)
+    ones = {}
+    for kind, extra in (("plain", plain), ("uls", (*JAX_ULS, "train.clipping=ghost"))):
+        if kind == "uls":  # tests/train/conftest.py: this config on one device
+            one = RunDir(jax_uls_run)
+        else:
+            one = _fit(tmp_path / f"{kind}-one", *extra, devices=jax.devices()[:1])
+        mesh = _fit(tmp_path / f"{kind}-mesh", *extra, "train.mesh_model=2")
+        assert read_json(mesh.path / "run.json")["result"]["mesh_data"] == 4
+        name = "metrics.jsonl" if kind == "plain" else SENSITIVE_METRICS
+        for a, b in zip(_losses(mesh, name), _losses(one, name), strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), kind
+        want, got = _weights(one), _weights(mesh)
+        assert want.keys() == got.keys() == start.keys()
+        for k, w in want.items():
+            assert np.linalg.norm(got[k] - w) <= 1e-3 * np.linalg.norm(w - start[k]), (kind, k)
+        ones[kind] = want
+    assert any(np.linalg.norm(ones["uls"][k] - w) > 1e-3 * np.linalg.norm(w - start[k])
+               for k, w in ones["plain"].items())
 
 
 # ----------------------------------------------------------------------------- resume
 def test_an_interrupted_dp_run_resumes_bit_identical(tmp_path):
-    """Example-level DP-SGD with noise: stopped after step 3 (checkpoint at 2), resumed past the
-    next checkpoint (4); the exported weights equal an uninterrupted run's bit for bit."""
+    """Example-level DP-SGD with noise on a data mesh of 2 devices (the state restored onto the
+    mesh's shardings as on 8): stopped after step 3 (checkpoint at 2), resumed past the next
+    checkpoint (4); the exported weights equal an uninterrupted run's bit for bit."""
+    import jax
+
     extra = ("train.steps=5", "train.eval_every=5", "train.checkpoint_every=2", "privacy.noise_multiplier=1.0",
              "privacy.reproducible_randomness=true")
-    whole = _fit(tmp_path / "whole", *extra)
+    two = jax.devices()[:2]
+    whole = _fit(tmp_path / "whole", *extra, devices=two)
 
     def stop(done, total, info):
         if done == 3:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _fit(tmp_path / "cut", *extra, progress=stop)
+        _fit(tmp_path / "cut", *extra, devices=two, progress=stop)
     assert read_json(tmp_path / "cut" / "state" / "trainer.json")["step"] == 2
-    cut = _fit(tmp_path / "cut", *extra, resume=True)
+    cut = _fit(tmp_path / "cut", *extra, devices=two, resume=True)
     assert read_json(cut.path / "run.json")["result"]["resumed_from_step"] == 2
     assert _losses(cut, SENSITIVE_METRICS) == _losses(whole, SENSITIVE_METRICS)
     want, got = _weights(whole), _weights(cut)

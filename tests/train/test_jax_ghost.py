@@ -23,6 +23,7 @@ import pytest
 from memaudit.cli import main
 from memaudit.config import load_config
 from memaudit.io import read_json, read_jsonl
+from tests.train.conftest import JAX_TINY, JAX_ULS
 
 REPO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "centralized-jax.yaml")
 
@@ -95,8 +96,7 @@ def _assert_close(want, got):
     (8, 1, False, False),   # (kT)² < in·out: Gram matrices for the square projections
     (32, 1, False, False),  # (kT)² >= in·out: materialised per-unit gradients
     (8, 2, False, False),   # per user: 2 rows a unit
-    (8, 2, True, False),    # tied embedding and head, crossed in the norm
-    (8, 2, False, True),    # scanned decoder layers
+    (8, 2, True, True),     # tied embedding and head, crossed in the norm; scanned decoder layers
 ])
 def test_the_clipped_sum_and_norms_equal_jax_privacys_per_example_gradients(length, k, tied, scan):
     model, params = _model(tied, scan)
@@ -134,9 +134,11 @@ def _lora(scan: bool):
     return LoraModel(model, base, 2.0), adapters
 
 
-@pytest.mark.parametrize(("k", "scan"), [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize(("k", "scan"), [(1, False), (2, True)])
 def test_lora_adapters_clipped_sum_equals_jax_privacys(k, scan):
-    """The adapters' clipped sum (∇A = s aᵀ g Bᵀ, ∇B = s (a A)ᵀ g from the base's captures)."""
+    """The adapters' clipped sum (∇A = s aᵀ g Bᵀ, ∇B = s (a A)ᵀ g from the base's captures):
+    per example on unrolled layers, per user on scanned ones (a layer's terms are the same
+    function of k either way, vmapped over the scanned layers' axis)."""
     lora, adapters = _lora(scan)
     batch = _batch(8, 8)
     at = _both(lora, adapters, batch, k)
@@ -196,29 +198,20 @@ def test_an_unknown_clipping_is_refused():
 
 
 # ----------------------------------------------------------------------------- runs and config
-TINY = (
-    "data.synth.users=16", "data.synth.docs_per_user=6", "data.canaries.repetitions=[1,2,4]",
-    "data.seq_len=64", "train.batch_size=8", "train.warmup_steps=2", "train.eval_batches=1",
-    "train.engine=jax", "train.steps=3", "train.eval_every=3", "train.checkpoint_every=3",
-    "privacy.noise_multiplier=1.0", "privacy.reproducible_randomness=true", "privacy.unit=user",
-    "privacy.max_examples_per_user=4", "privacy.user_sampling=uls", "privacy.clip=0.5",
-)
-
-
-def test_a_uls_run_records_the_same_ledger_and_losses_with_either_clipping(tmp_path):
+def test_a_uls_run_records_the_same_ledger_and_losses_with_either_clipping(tmp_path, jax_uls_run):
+    """3 steps of ULS DP-SGD (tests/train/conftest.py's run: ghost clipping, one device) and the
+    same config with vmap."""
     import jax
 
     from memaudit.run.driver import run_trainer
     from memaudit.run.lifecycle import SENSITIVE_METRICS
-    from memaudit.rundir import prepare_new_run
+    from memaudit.rundir import RunDir, prepare_new_run
     from memaudit.train.jax_trainer import JaxTrainer
 
-    runs = {}
-    for clipping in ("vmap", "ghost"):
-        cfg = load_config(None, [*TINY, f"train.clipping={clipping}"])
-        run = prepare_new_run(tmp_path / clipping, overwrite=False)
-        run_trainer(JaxTrainer(cfg, run, devices=jax.devices()[:1]), resume=False)
-        runs[clipping] = run
+    cfg = load_config(None, [*JAX_TINY, *JAX_ULS, "train.clipping=vmap"])
+    vmap = prepare_new_run(tmp_path / "vmap", overwrite=False)
+    run_trainer(JaxTrainer(cfg, vmap, devices=jax.devices()[:1]), resume=False)
+    runs = {"vmap": vmap, "ghost": RunDir(jax_uls_run)}
     ledgers = {c: read_json(r.privacy_path) for c, r in runs.items()}
     assert ledgers["ghost"]["events"] == ledgers["vmap"]["events"]
     assert ledgers["ghost"]["epsilon"] == ledgers["vmap"]["epsilon"]
@@ -228,6 +221,7 @@ def test_a_uls_run_records_the_same_ledger_and_losses_with_either_clipping(tmp_p
         assert a["batch_size"] == b["batch_size"] and a["clip_fraction"] == b["clip_fraction"]
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])
     assert read_json(runs["ghost"].path / "run.json")["result"]["clipping"] == "ghost"
+    assert read_json(vmap.path / "run.json")["result"]["clipping"] == "vmap"
 
 
 def test_auto_clipping_is_ghost_and_vmap_under_adapter_dropout():
