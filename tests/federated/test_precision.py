@@ -3,6 +3,8 @@ compute with f32 weights against the f32 model, and CPU defaults that change not
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 from memaudit.models.precision import ComputePolicy, policy_of_config, resolve_policy
 
 VOCAB = 256
+ROUND_LAYERS = 2  # the bf16 rounds' model: the tiny preset with 2 of its 4 layers
 
 
 def test_auto_is_bf16_on_accelerators_and_f32_on_the_cpu():
@@ -83,7 +86,11 @@ def round_inputs():
     clients = [{"input_ids": rng.integers(0, VOCAB, (k, 16)).astype(np.int32),
                 "attention_mask": np.ones((k, 16), np.int32)} for k in (3, 2, 4)]
     params = init_params(FlaxLlamaConfig.from_preset("tiny", vocab_size=VOCAB), preset="tiny", seed=2)
-    return pack_clients(clients), params
+    # the tiny preset's first ROUND_LAYERS layers: the policy acts on every layer alike, and each
+    # unrolled layer is compiled on its own
+    model = params["model"]
+    layers = {str(i): model["layers"][str(i)] for i in range(ROUND_LAYERS)}
+    return pack_clients(clients), {**params, "model": {**model, "layers": layers}}
 
 
 def _round(data, params, dtype, scan):
@@ -91,9 +98,11 @@ def _round(data, params, dtype, scan):
     from memaudit.federated.algorithms import fedavg
     from memaudit.federated.trainer import make_loss_fn
     from memaudit.models.convert import stack_layers, unstack_layers
+    from memaudit.models.flax_llama import FlaxLlama
 
     policy = resolve_policy(dtype, backend="cpu", scan_layers=scan)
-    algo = fedavg(make_loss_fn(_tiny(policy)), client_optimizer=optax.sgd(0.5),
+    model = FlaxLlama(dataclasses.replace(_tiny(policy).cfg, num_hidden_layers=ROUND_LAYERS))
+    algo = fedavg(make_loss_fn(model), client_optimizer=optax.sgd(0.5),
                   server_optimizer=optax.sgd(1.0), local_steps=2, batch_size=2)
     p0 = stack_layers(params) if scan else params
     state, metrics = algo.round(algo.init(jax.tree.map(jnp.asarray, p0)), data, jax.random.key(0))
