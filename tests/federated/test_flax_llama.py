@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -46,6 +47,12 @@ def test_logits_match_hf_without_padding(hf_tiny, flax_tiny):
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
+@functools.cache
+def _forward_at(model):
+    """The jitted forward with explicit positions (one program for the padding cases)."""
+    return jax.jit(lambda p, ids, am, pos: model.apply({"params": p}, ids, am, pos))
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logits_match_hf_with_padding(hf_tiny, flax_tiny, side):
     _, params, fwd = flax_tiny
@@ -60,7 +67,8 @@ def test_logits_match_hf_with_padding(hf_tiny, flax_tiny, side):
     # HF numbers positions 0..L-1 whatever the mask; with left padding pass the same ids to both
     pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int32)
     model = flax_tiny[0]
-    got = np.asarray(model.apply({"params": params}, ids, am, pos))
+    # jitted: one program serves both sides (op by op, each operation compiles on its own)
+    got = np.asarray(_forward_at(model)(params, ids, am, pos))
     with torch.no_grad():
         ref = hf_tiny(input_ids=torch.tensor(ids, dtype=torch.long),
                       attention_mask=torch.tensor(am, dtype=torch.long)).logits.numpy()
@@ -74,7 +82,8 @@ def test_logits_match_hf_with_padding(hf_tiny, flax_tiny, side):
 
 def test_parameter_tree_maps_one_to_one_onto_hf_names(hf_tiny, flax_tiny):
     model, params, _ = flax_tiny
-    init = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    # the module's own tree, as shapes (jax.eval_shape: nothing is initialised or compiled)
+    init = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
     flat_init = {"/".join(str(k.key) for k in p): v.shape for p, v in jax.tree_util.tree_leaves_with_path(init)}
     flat_conv = {"/".join(str(k.key) for k in p): v.shape for p, v in jax.tree_util.tree_leaves_with_path(params)}
     assert flat_init == flat_conv  # the converter builds exactly the module's own tree
@@ -183,7 +192,7 @@ def test_scanned_tree_is_the_modules_own_and_maps_one_to_one_onto_hf(hf_tiny, sc
     from memaudit.models.convert import flax_to_hf, hf_to_flax, unstack_layers
 
     model, params = scanned_tiny
-    init = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    init = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
     shapes = lambda t: {jax.tree_util.keystr(p): v.shape for p, v in jax.tree_util.tree_leaves_with_path(t)}
     assert shapes(init) == shapes(params)
     sd = hf_tiny.state_dict()
@@ -235,14 +244,19 @@ def test_flash_attention_kernel_equals_the_einsum_path_forward_and_backward():
     for scan in (True,):  # the mask reaches the kernel through the scan's broadcast
         cfg = dataclasses.replace(base, scan_layers=scan)
         ref, fl = FlaxLlama(cfg), FlaxLlama(dataclasses.replace(cfg, attention="flash"))
-        p = ref.init(jax.random.key(0), ids)["params"]
+        p = jax.jit(ref.init)(jax.random.key(0), ids)["params"]
 
         def loss(p, model):
             return (model.apply({"params": p}, ids, mask)[:, :, :7] * mask[..., None]).sum()
 
-        want, gwant = ref.apply({"params": p}, ids, mask), jax.grad(loss)(p, ref)
+        # one jitted program a path (logits and gradient): op by op, the interpreter dispatches
+        # every cell of the kernel's grid on its own
+        def both(model):
+            return jax.jit(lambda q: (model.apply({"params": q}, ids, mask), jax.grad(loss)(q, model)))
+
+        want, gwant = both(ref)(p)
         with pltpu.force_tpu_interpret_mode():
-            got, ggot = fl.apply({"params": p}, ids, mask), jax.grad(loss)(p, fl)
+            got, ggot = both(fl)(p)
         np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
         for w, g in zip(jax.tree.leaves(gwant), jax.tree.leaves(ggot), strict=True):
             assert float(jnp.abs(w - g).max()) <= 1e-5 * float(jnp.abs(w).max()) + 1e-8

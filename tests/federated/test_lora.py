@@ -115,8 +115,9 @@ def test_fedsgd_lora_round_equals_the_centralized_lora_step_and_uploads_the_adap
 
     # one client's upload in a FedAvg round: its adapter delta, nothing of the base
     phase = alg.make_client_phase(loss_fn, optax.sgd(0.1), local_steps=1, batch_size=2)
-    out = phase(adapters, data, jax.random.key(1))
-    per_client = sum(np.asarray(x)[0].nbytes for x in jax.tree.leaves(out.deltas))
+    # the upload's shapes and dtypes (jax.eval_shape: traced, not compiled nor run)
+    out = jax.eval_shape(phase, adapters, data, jax.random.key(1))
+    per_client = sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in jax.tree.leaves(out.deltas))
     assert per_client == 4 * count(adapters) == 4 * sum(p.numel() for p in trainable.values())
 
 
@@ -133,7 +134,7 @@ def test_dp_fedavg_lora_run_trains_the_adapters_and_exports_both(tmp_path):
     from memaudit.run.federated import train_federated
     from memaudit.rundir import RunDir
 
-    cfg = load_config(None, [*OVERRIDES, "federated.rounds=2", "federated.eval_every=2",
+    cfg = load_config(None, [*OVERRIDES, "federated.rounds=1", "federated.eval_every=1",
                              "privacy.noise_multiplier=0.5", "privacy.clip=0.5",
                              "privacy.reproducible_randomness=true", "model.lora.rank=4",
                              "model.lora.target_modules=[q_proj,v_proj]",
@@ -198,14 +199,17 @@ def test_an_adapter_that_matches_no_layer_is_an_error_not_a_silent_no_op():
     cfg = FlaxLlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1)
     model = FlaxLlama(cfg)
-    base = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    base = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     ab = {"lora_A": np.ones((16, 2), np.float32), "lora_B": np.ones((2, 16), np.float32)}
     ids = jnp.zeros((1, 4), jnp.int32)
+    lora = LoraModel(model, base, 2.0, dropout=P_DROP)
+    # jitted (op by op, each operation compiles on its own); the check runs as the forward traces
+    forward = jax.jit(lambda a: lora.apply({"params": a}, ids, dropout_rng=jax.random.key(1)))
     ok = {"model": {"layers": {"0": {"self_attn": {"q_proj": ab}}}}}
-    LoraModel(model, base, 2.0, dropout=P_DROP).apply({"params": ok}, ids, dropout_rng=jax.random.key(1))
+    assert forward(ok).shape == (1, 4, 32)
     bad = {"model": {"layers": {"0": {"self_attn": {"q_proj": ab, "qkv_proj": ab}}}}}
     with pytest.raises(ValueError, match="qkv_proj.*match no Dense"):
-        LoraModel(model, base, 2.0, dropout=P_DROP).apply({"params": bad}, ids, dropout_rng=jax.random.key(1))
+        forward(bad)
 
 
 def _masks(adapters, flax_model, rng, ids):
@@ -313,16 +317,15 @@ def test_fedsgd_with_dropout_equals_a_loop_over_the_clients_with_their_keys(pair
     got, _ = fed.round(fed.init(adapters), data, key)
 
     keys = jax.random.split(jax.random.key_data(key), 3)
+    # the gradient of one client's loss under its own key; one program serves the three clients
+    client_grad = jax.jit(jax.grad(lambda a, batch, m, rng: alg.masked_mean_loss(loss_fn, a, batch, m, rng=rng)))
+    grads = [client_grad(adapters, {"input_ids": ids[i], "attention_mask": am[i]}, mask[i],
+                         jax.random.fold_in(keys[i], alg.DROPOUT_STREAM)) for i in range(3)]
 
-    def objective(a):
-        total = 0.0
-        for i in range(3):
-            batch = {"input_ids": ids[i], "attention_mask": am[i]}
-            rng = jax.random.fold_in(keys[i], alg.DROPOUT_STREAM)
-            total += mask[i].sum() * alg.masked_mean_loss(loss_fn, a, batch, mask[i], rng=rng)
-        return total / mask.sum()
+    def step(p, *g):  # the example-weighted mean of the clients' gradients
+        return np.asarray(p) - eta * sum(mask[i].sum() * np.asarray(g[i]) for i in range(3)) / mask.sum()
 
-    want = jax.tree.map(lambda p, g: p - eta * g, adapters, jax.jit(jax.grad(objective))(adapters))
+    want = jax.tree.map(step, adapters, *grads)
     for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
     moved = jax.tree.map(lambda g, a: float(np.abs(np.asarray(g) - np.asarray(a)).max()), got.params, adapters)
@@ -331,13 +334,13 @@ def test_fedsgd_with_dropout_equals_a_loop_over_the_clients_with_their_keys(pair
 
 @pytest.fixture(scope="module")
 def dropout_overrides(tmp_path_factory):
-    """A small in-JAX LoRA run (12 users, cohort 4, 3 rounds of 2 local steps) with one shared
+    """A small in-JAX LoRA run (12 users, cohort 4, 2 rounds of 2 local steps) with one shared
     tokenizer, so runs compare bit for bit."""
     from memaudit.data import prepare_data
     from memaudit.rundir import RunDir
 
     over = ["backend=federated", "data.synth.users=12", "data.synth.docs_per_user=3", "data.seq_len=32",
-            "data.canaries.repetitions=[1]", "federated.rounds=3", "federated.cohort=4",
+            "data.canaries.repetitions=[1]", "federated.rounds=2", "federated.cohort=4",
             "federated.sampling=fixed", "federated.local_steps=2", "federated.local_batch_size=2",
             "federated.server_optimizer=fedavg", "federated.client_lr=0.5", "federated.eval_every=10",
             "federated.checkpoint_every=1", "federated.mesh_clients=1", "train.batch_size=8",
@@ -356,7 +359,7 @@ def _adapter(run_path):
 def test_federated_lora_dropout_run_trains_repeats_resumes_and_differs_from_no_dropout(dropout_overrides,
                                                                                          tmp_path):
     """FedAvg LoRA with model.lora.dropout=0.1: every adapter moves and the base stays the
-    initialisation bit for bit; a run interrupted after round 2 and resumed ends with the
+    initialisation bit for bit; a run interrupted after round 1 and resumed ends with the
     uninterrupted run's adapters bit for bit (the dropout keys are functions of the seed, the
     round, the client slot and the local step); the same run without dropout ends elsewhere."""
     from memaudit.federated.trainer import FederatedTrainer
@@ -366,13 +369,13 @@ def test_federated_lora_dropout_run_trains_repeats_resumes_and_differs_from_no_d
     cfg = load_config(None, [*dropout_overrides, "model.lora.dropout=0.1"])
     run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "a")))
 
-    def stop_after_two(done, total, info):
-        if done == 2 and "round" in info:
+    def stop_after_one(done, total, info):
+        if done == 1 and "round" in info:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "b"), progress=stop_after_two))
-    assert run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "b")), resume=True)["resumed_from_round"] == 2
+        run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "b"), progress=stop_after_one))
+    assert run_trainer(FederatedTrainer(cfg, RunDir(tmp_path / "b")), resume=True)["resumed_from_round"] == 1
     run_trainer(FederatedTrainer(load_config(None, [*dropout_overrides, "model.lora.dropout=0"]), RunDir(tmp_path / "c")))
 
     a, b, c = (_adapter(tmp_path / r) for r in "abc")

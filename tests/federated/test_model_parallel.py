@@ -21,11 +21,13 @@ N_CLIENTS = 8
 
 @pytest.fixture(scope="module")
 def llama():
-    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig, init_params
+    from memaudit.models.flax_llama import FlaxLlama, FlaxLlamaConfig
 
     cfg = FlaxLlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                           num_attention_heads=4, num_key_value_heads=2)
-    return FlaxLlama(cfg), init_params(cfg, seed=0)
+    model = FlaxLlama(cfg)
+    # init_params' random initialisation, jitted: op by op, each operation compiles on its own
+    return model, jax.jit(model.init)(jax.random.key(0), np.zeros((1, 2), np.int32))["params"]
 
 
 @pytest.fixture(scope="module")

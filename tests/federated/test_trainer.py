@@ -100,13 +100,15 @@ def test_loss_fn_is_per_sequence_token_mean():
     cfg = FlaxLlamaConfig(vocab_size=20, hidden_size=8, intermediate_size=12, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1)
     model = FlaxLlama(cfg)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     ids = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], jnp.int32)
     am = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], jnp.int32)
-    per, count = make_loss_fn(model)(params, {"input_ids": ids, "attention_mask": am})
+    # jitted, each side one program (op by op, every operation of the model compiles on its own)
+    per, count = jax.jit(make_loss_fn(model))(params, {"input_ids": ids, "attention_mask": am})
     assert count.tolist() == [4.0, 2.0]
+    alone = jax.jit(lambda p, i, m: causal_lm_loss(model.apply({"params": p}, i, m), i, m))
     for i in range(2):  # oracle: the summed loss of each sequence alone, divided by its targets
-        s, c = causal_lm_loss(model.apply({"params": params}, ids[i:i + 1], am[i:i + 1]), ids[i:i + 1], am[i:i + 1])
+        s, c = alone(params, ids[i:i + 1], am[i:i + 1])
         assert float(per[i]) == pytest.approx(float(s) / float(c), rel=1e-5)
 
 
