@@ -8,6 +8,7 @@
 # and the compilation cache live in the machine's /tmp, which stays between its commands. Exit 3
 # of the sweep: stopped in time, call again; 0: this part is complete. With `collect` (or when
 # the part is complete) what comes back is written under $OUT: `memaudit collect`'s archive.
+# The sweep writes no report on the machine (--no-report): it is built at home from all parts.
 # SWEEP_OUT (default /tmp/study-tpu/sweep) and SWEEP_ARGS (e.g. "--set KEY=VALUE ...") run a
 # variant of the study beside it on the same machine, e.g. a federated setting tried at tiny.
 set -u
@@ -43,7 +44,7 @@ hard=$(( hard - (t1 - t0) ))
 stop_after=$(( stop_after < hard - 30 ? stop_after : hard - 30 ))
 # shellcheck disable=SC2086  # SWEEP_ARGS: several words
 timeout -s TERM "$hard" memaudit sweep configs/study-tpu.yaml --only "$only" --out "$out" \
-  --stop-after "$stop_after" ${SWEEP_ARGS:-} > "$log" 2>&1
+  --stop-after "$stop_after" --no-report ${SWEEP_ARGS:-} > "$log" 2>&1
 rc=$?
 echo "sweep piece: exit $rc, $(( $(date +%s) - t1 )) s"
 tail -c 3000 "$log"

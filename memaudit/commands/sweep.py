@@ -90,6 +90,10 @@ def register(app: typer.Typer) -> None:
             "--only", help="Run only the points whose names match these comma-separated shell patterns, "
             "e.g. 'centralized-125m-*,federated-125m-eps8-*' (one machine's part of a study); the "
             "grid's first size still pretrains, for the shared tokenizer.")] = None,
+        no_report: Annotated[bool, typer.Option(
+            "--no-report", help="Train and probe the points, write no report (a leased machine's part of "
+            "a study: `memaudit collect` takes its results home, where `memaudit report` builds one "
+            "report of all parts).")] = False,
         dry_run: Annotated[bool, typer.Option(
             "--dry-run", help="Validate the sweep file and list its points (backend, size, privacy "
             "level, tokens seen); train nothing, write nothing.")] = False,
@@ -159,7 +163,8 @@ def register(app: typer.Typer) -> None:
                                description=str(info.get("stage", info.get("phase", "train"))),
                                info=str(info.get("point", "")))
 
-            summary = run_sweep(cfg, out, progress=on_progress, overwrite=overwrite, stop_after=stop_after)
+            summary = run_sweep(cfg, out, progress=on_progress, overwrite=overwrite, stop_after=stop_after,
+                                report=not no_report)
         if fmt == "json":
             print_json(summary)
             if summary["status"] != "complete":

@@ -10,7 +10,8 @@ beside loose copies of `sweep.json` and `report.json`, each file checked against
   the unpacked folder, and folders unpacked from several machines merge into one study;
 - each public base's metrics.jsonl, under `pretrain/<base>/` (no run.json there: the report's
   runs are the fine-tunes and their references);
-- sweep.json, report/report.json and report/report.md.
+- sweep.json, report/report.json and report/report.md (the report only when sweep.json names
+  it: a sweep run with `--no-report` after an earlier report has none that covers its points).
 
 Left behind: model/ (the weights), state/ (checkpoints), the prepared data's texts and tensors,
 split.json and sensitive_metrics.jsonl.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import tarfile
 from dataclasses import dataclass
@@ -47,9 +49,20 @@ class Collected:
     members: list[str]
 
 
+def _current(sweep: Path, name: str) -> bool:
+    """False for a report the sweep's last summary does not name: one written before a later
+    `--no-report` call added points, which would speak for fewer runs than the archive holds."""
+    if not name.startswith("report/"):
+        return True
+    try:
+        return bool(json.loads((sweep / "sweep.json").read_text(encoding="utf-8")).get("report"))
+    except (OSError, ValueError):
+        return False
+
+
 def _members(sweep: Path) -> list[tuple[str, Path]]:
     """(name in the archive, path) of every result file in `sweep`, in a fixed order."""
-    out = [(name, sweep / name) for name in SWEEP_FILES if (sweep / name).is_file()]
+    out = [(name, sweep / name) for name in SWEEP_FILES if (sweep / name).is_file() and _current(sweep, name)]
     runs = sweep / "runs"
     for rd in sorted(runs.iterdir()) if runs.is_dir() else []:
         out += [(f"runs/{rd.name}/{f}", rd / f) for f in RUN_FILES if (rd / f).is_file()]
@@ -83,7 +96,7 @@ def collect(sweep: str | os.PathLike, dest: str | os.PathLike, *, limit: int = L
     members = _members(sweep)
     blobs = {ARCHIVE: _archive(members)}
     for name in LOOSE:
-        if (sweep / name).is_file():
+        if (sweep / name).is_file() and _current(sweep, name):
             blobs[Path(name).name] = (sweep / name).read_bytes()
     for name, data in blobs.items():
         if len(data) > limit:

@@ -201,7 +201,8 @@ def check_sweep_dir(out: Path) -> None:
 
 
 def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = None,
-              debug: bool = False, overwrite: bool = False, stop_after: float | None = None) -> dict[str, Any]:
+              debug: bool = False, overwrite: bool = False, stop_after: float | None = None,
+              report: bool = True) -> dict[str, Any]:
     """Train and probe every point of the grid under `out/runs/`, then write `out/report/`.
 
     With `cfg.jobs` > 1 the points run in that many processes at once (small models do not
@@ -212,6 +213,10 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
     `stop_after`: seconds of this invocation (`memaudit.run.timebox`): training stops at the first
     checkpoint after which another stretch would not fit, no point or probe starts once they are
     spent, and the summary's status is "stopped" (no report yet); the same call again goes on.
+
+    `report=False`: the points only, no `out/report/` (a leased machine's sweep whose results
+    `memaudit collect` takes home, where `memaudit report` builds the one report of all machines);
+    an earlier report in `out` is left as it was, and the summary names none.
     """
     out = Path(out)
     check_output_folder(out, what="sweep --out")
@@ -219,7 +224,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, *, progress: Progress = 
         raise ValueError(f"--stop-after needs the processes or debug executor (points on this machine), "
                          f"not {cfg.executor.kind}; drop --stop-after or run with --executor processes")
     with timebox.time_box(stop_after), SweepDir(out).locked():
-        return _run_sweep_locked(cfg, out, progress=progress, debug=debug, overwrite=overwrite)
+        return _run_sweep_locked(cfg, out, progress=progress, debug=debug, overwrite=overwrite, report=report)
 
 
 def _prepare_points(cfg: SweepConfig, out: Path, progress: Progress, overwrite: bool
@@ -251,7 +256,7 @@ def _prepare_points(cfg: SweepConfig, out: Path, progress: Progress, overwrite: 
 
 
 def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug: bool,
-                      overwrite: bool) -> dict[str, Any]:
+                      overwrite: bool, report: bool = True) -> dict[str, Any]:
     # lazy: matplotlib (~0.4 s) and jsonschema (~0.2 s) only when called
     from memaudit.reports.write import write_report
 
@@ -310,7 +315,7 @@ def _run_sweep_locked(cfg: SweepConfig, out: Path, *, progress: Progress, debug:
     done = references + [out / "runs" / o.name for o in outcomes if o.status == "complete"]
     failed = [o for o in outcomes if o.status != "complete"]
     report_paths = None
-    if done:
+    if done and report:
         rep = report_build.build_report(done)
         if failed:
             rep["findings"]["caveats"].append(

@@ -132,6 +132,36 @@ def test_collect_brings_back_results_for_the_same_report(swept, tmp_path):
     assert _leakage(tmp_path / "rep" / "report.json") == _leakage(pieces / "report" / "report.json")
 
 
+def test_no_report_trains_nothing_again_and_collect_takes_no_stale_report(swept, tmp_path):
+    """`--no-report` on the complete sweep: every point is already complete, so nothing is trained
+    or probed again; no report is written (the earlier one stays on disk, untouched) and the
+    summary names none, so `collect` takes only the runs, as on a leased machine whose report is
+    built at home. (On the fixture's own folder, its runs' paths being absolute; its summary is
+    put back after.)"""
+    _, pieces, *_ = swept
+    summary_before = (pieces / "sweep.json").read_bytes()
+    before = {p: p.read_bytes() for p in (pieces / "report").iterdir()}
+    results = _results(pieces)
+    try:
+        assert main(["sweep", str(pieces.parent / "sweep.yaml"), "--out", str(pieces), "--no-report"]) == 0
+        summary = read_json(pieces / "sweep.json")
+        assert summary["status"] == "complete" and summary["report"] is None
+        assert [o["action"] for o in summary["outcomes"]] == ["skipped", "skipped"]
+        assert {p: p.read_bytes() for p in (pieces / "report").iterdir()} == before
+        members = collect_members(pieces, tmp_path / "back")
+        assert "runs/federated-eps8-s0/probes.json" in members
+        assert not [m for m in members if m.startswith("report/")]
+        assert not (tmp_path / "back" / "report.json").exists()
+        assert _results(pieces) == results
+    finally:
+        (pieces / "sweep.json").write_bytes(summary_before)
+
+
+def collect_members(sweep: Path, dest: Path) -> list[str]:
+    assert main(["collect", str(sweep), "--to", str(dest)]) == 0
+    return read_json(dest / "collected.json")["members"]
+
+
 def test_collect_refuses_a_file_over_the_limit(swept, tmp_path):
     from memaudit.errors import MemauditError
     from memaudit.sweep.collect import collect
