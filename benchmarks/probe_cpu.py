@@ -1,10 +1,15 @@
 """The CPU probe path, before and after, side by side: two source trees of memaudit (the old one a
 git worktree of an earlier commit), each timed in its own process, in alternating order.
 
-Two workloads:
+Three workloads:
 
 - `quickstart RUN`: the probe stage of a tiny run with the quickstart's probe settings
   (`memaudit.probes.runner.run_probes`, benchmarks/probe_breakdown.py's QUICKSTART), per probe.
+- `sweep SWEEP_DIR --config CONFIG`: a whole sweep's probe stage (the quickstart's: every point
+  with its public base as the membership reference), each run of `SWEEP_DIR/runs` probed in turn
+  under the sweep's own settings (`memaudit.sweep.point.point_probe_config`) with a fresh cache
+  of the reference's scores where the tree has one (`memaudit.probes.score_cache`); nothing is
+  written into SWEEP_DIR.
 - `outside`: the README's outside audit at GPT-2-124M's shape (768 wide, 12 layers, 50,257-token
   vocabulary; random weights: throughput does not depend on them) as a LoRA adapter with its
   base as the reference: `memaudit probe ADAPTER --members --nonmembers --probes membership`.
@@ -19,6 +24,7 @@ compare ratios; absolute seconds hold only for the load printed beside them).
     git worktree add --detach /tmp/memaudit-old cbdbc7c
     python benchmarks/probe_cpu.py quickstart RUN --old /tmp/memaudit-old --repeats 3
     python benchmarks/probe_cpu.py outside --old /tmp/memaudit-old --docs 100 --repeats 3
+    python benchmarks/probe_cpu.py sweep SWEEP_DIR --config configs/quickstart.yaml --old OLD --threads 1
     python benchmarks/probe_cpu.py quickstart RUN --old OLD --variants new,old,new:jax --threads 1
 """
 
@@ -48,7 +54,7 @@ def _cpu_per_probe() -> dict[str, float]:
             try:
                 return fn(ctx)
             finally:
-                probe_cpu[name] = round(time.process_time() - c0, 2)
+                probe_cpu[name] = round(probe_cpu.get(name, 0.0) + time.process_time() - c0, 2)
         runner.REGISTRY[name] = timed
     return probe_cpu
 
@@ -71,6 +77,37 @@ def _worker_quickstart(run: str, probes: str | None) -> dict:
     return {"total_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
             "probe_s": {k: round(v, 2) for k, v in res.document["timings"].items()},
             "probe_cpu_s": probe_cpu}
+
+
+def _worker_sweep(sweep: str, config: str) -> dict:
+    """Every run of a sweep folder probed in turn (the public base first, as the sweep does), a
+    fresh reference-score cache shared by the runs where this tree has one."""
+    import inspect
+    import tempfile
+
+    from memaudit.probes.runner import run_probes
+    from memaudit.probes.targets import resolve_target
+    from memaudit.rundir import RunDir
+    from memaudit.sweep.config import load_sweep_config
+    from memaudit.sweep.point import point_probe_config
+
+    cfg = load_sweep_config(config, [])
+    runs = sorted((Path(sweep) / "runs").iterdir(), key=lambda p: (p.name != "public-base", p.name))
+    cached = "cache" in inspect.signature(run_probes).parameters
+    probe_cpu = _cpu_per_probe()
+    per_run, probe_s = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for rd in runs:
+            settings = point_probe_config(cfg, RunDir(rd)).model_copy(update=_overrides())
+            r0 = time.process_time()
+            res = run_probes(resolve_target(rd), settings, **({"cache": Path(tmp)} if cached else {}))
+            per_run[rd.name] = round(time.process_time() - r0, 2)
+            for k, v in res.document["timings"].items():
+                probe_s[k] = round(probe_s.get(k, 0.0) + v, 2)
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"total_s": total, "cpu_s": cpu, "probe_s": probe_s, "probe_cpu_s": probe_cpu,
+            "run_cpu_s": per_run, "runs": len(runs), "reference_cache": cached}
 
 
 def _worker_outside(workdir: str) -> dict:
@@ -144,13 +181,14 @@ def _time(tree: Path, args: list[str], threads: int | None, settings: dict,
 def main() -> None:
     if "--worker" in sys.argv:
         kind, *rest = sys.argv[sys.argv.index("--worker") + 1 :]
-        res = (_worker_quickstart(rest[0], rest[1] if len(rest) > 1 else None)
-               if kind == "quickstart" else _worker_outside(rest[0]))
+        res = (_worker_quickstart(rest[0], rest[1] if len(rest) > 1 else None) if kind == "quickstart"
+               else _worker_sweep(rest[0], rest[1]) if kind == "sweep" else _worker_outside(rest[0]))
         print(json.dumps(res))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("workload", choices=["quickstart", "outside"])
-    ap.add_argument("run", nargs="?", help="quickstart: the tiny run directory")
+    ap.add_argument("workload", choices=["quickstart", "sweep", "outside"])
+    ap.add_argument("run", nargs="?", help="quickstart: the tiny run directory; sweep: the sweep folder")
+    ap.add_argument("--config", default="configs/quickstart.yaml", help="sweep: the sweep's config")
     ap.add_argument("--old", required=True, help="the old source tree (a git worktree)")
     ap.add_argument("--new", default=str(HERE), help="the new source tree (default: this one)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -177,6 +215,10 @@ def main() -> None:
         if not a.run:
             ap.error("quickstart needs the run directory")
         args = ["quickstart", str(Path(a.run).resolve())] + ([a.probes] if a.probes else [])
+    elif a.workload == "sweep":
+        if not a.run:
+            ap.error("sweep needs the sweep folder")
+        args = ["sweep", str(Path(a.run).resolve()), str(Path(a.config).resolve())]
     else:
         w = Path(a.workdir)
         w.mkdir(parents=True, exist_ok=True)

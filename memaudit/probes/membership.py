@@ -74,11 +74,15 @@ def doc_scores(
     stride: int | None = None,
     reference=None,
     progress=None,
+    reference_cache=None,
 ) -> dict[str, np.ndarray]:
     """Every attack's score per document (reference only when a (model, codec) pair is given).
 
     Every token of a document is scored: one longer than `max_tokens` in windows of that many
-    tokens, `stride` apart (`memaudit.probes.scoring.windowed_logprobs`).
+    tokens, `stride` apart (`memaudit.probes.scoring.windowed_logprobs`). `reference_cache`:
+    (a `memaudit.probes.score_cache.ScoreCache`, what identifies the reference: its weights,
+    engine, precision) where the reference's mean log-likelihoods are kept for the next point
+    that scores the same documents against it; None scores them every time.
     """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import windowed_logprobs
@@ -102,9 +106,18 @@ def doc_scores(
         # the reference shares the target's tokenizer (checked when it was loaded): with the
         # same start token its ids are the target's, not tokenized again
         ref_seqs = seqs if ref_codec.start == codec.start else encode_texts(ref_codec, [d.text for d in docs])
-        rs = windowed_logprobs(ref_model, ref_seqs, window=max_tokens, stride=stride,
-                               batch_size=batch_size)
-        out["reference"] = out["loss"] - np.array([lp.mean() for lp in rs.logp])
+        cache, key = None, None
+        if reference_cache is not None:
+            cache, ident = reference_cache
+            key = cache.key(**ident, window=max_tokens, stride=stride, batch_size=batch_size, seqs=ref_seqs)
+        ref_mean = cache.get(key) if cache is not None else None
+        if ref_mean is None or ref_mean.shape != (len(docs),):
+            rs = windowed_logprobs(ref_model, ref_seqs, window=max_tokens, stride=stride,
+                                   batch_size=batch_size)
+            ref_mean = np.array([lp.mean() for lp in rs.logp])
+            if cache is not None:
+                cache.put(key, ref_mean)
+        out["reference"] = out["loss"] - ref_mean
     return out
 
 

@@ -120,6 +120,21 @@ def load_reference(settings: ProbeConfig, codec: Codec):
     return model, Codec(tok, start_id=codec.start[0] if codec.start else None)
 
 
+def reference_cache(folder: Path, settings: ProbeConfig, model) -> tuple | None:
+    """(ScoreCache in `folder`, the membership reference's identity) for `doc_scores`, or None
+    where the reference is not a model folder with safetensors (an adapter, a hub id resolved
+    elsewhere: nothing fingerprints its weights here) and is scored every time."""
+    from memaudit.probes.score_cache import ScoreCache
+
+    src = resolve_model(settings.reference)
+    weights = weights_sha256(src.path) if src.kind == "folder" else None
+    if weights is None:
+        return None
+    engine = "jax" if getattr(model, "is_jax", False) else "torch"
+    return ScoreCache(folder), {"weights": weights, "engine": engine,
+                                "dtype": f"{settings.dtype}@{settings.device}"}
+
+
 def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> ProbeConfig:
     """`settings` with the scoring window every model of the run shares, and `target.counts`
     with what that did: an outside model's documents fit its context (`fit_to_context`), a
@@ -156,6 +171,7 @@ def run_probes(
     tokenizer=None,
     engine: str = "auto",
     partial: Path | None = None,
+    cache: Path | None = None,
 ) -> ProbeResult:
     """Load the model (unless given), run each selected probe, return probes.json + secrets.
 
@@ -164,7 +180,10 @@ def run_probes(
     finished probe is kept (atomically, 0600: it holds what probes.json and the secrets hold), so
     that a probe stage stopped part-way (a time-boxed sweep piece ended by its hard limit) runs
     only the probes it had not finished when it is run again on the same weights with the same
-    settings and engine; anything else in that file is ignored.
+    settings and engine; anything else in that file is ignored. `cache`: a folder where the
+    membership reference's per-document scores are kept (`memaudit.probes.score_cache`), so that
+    the next probe run against the same reference on the same documents reads them (a sweep's
+    points); only for a reference that is a model folder (its weights fingerprint the entry).
     """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import load_causal_lm, probe_threads
@@ -194,6 +213,8 @@ def run_probes(
         reference = (to_engine("jax", reference[0], settings.dtype), reference[1])
     probes, timings, secrets = {}, {}, {}
     ctx = _Context(target, settings, model, codec, reference, progress)
+    if cache is not None and reference is not None:
+        ctx.reference_cache = reference_cache(cache, settings, reference[0])
     key = {"schema": SCHEMA, "weights_sha256": weights, "engine": engine, "checks": checks,
            "settings": settings.model_dump(mode="json")}
     partial = partial if weights is not None else None  # a model handed in has no weights to key on
@@ -268,6 +289,7 @@ class _Context:
         )
         self.secrets: dict[str, str] = {}
         self._doc_scores = None
+        self.reference_cache = None  # (ScoreCache, the reference's identity): `reference_cache`
 
     def scores(self):
         if self._doc_scores is None:
@@ -282,6 +304,7 @@ class _Context:
                 stride=window_stride(self.s),
                 reference=self.ref,
                 progress=_stage(self.progress, "scoring"),
+                reference_cache=self.reference_cache,
             )
         return self._doc_scores
 

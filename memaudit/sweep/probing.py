@@ -11,6 +11,7 @@ planning import this module and must not pay it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from memaudit.probes.document import write_probes
 from memaudit.rundir import RunDir
@@ -18,6 +19,15 @@ from memaudit.sweep.config import SweepConfig
 from memaudit.sweep.point import point_probe_config, probe_reason
 
 Progress = Callable[[int, int, dict], None] | None
+# under the sweep's --out: sensitive (scores of the private documents), never collected
+SCORE_CACHE = "cache/reference-scores"
+
+
+def score_cache(rd: RunDir) -> Path | None:
+    """The sweep's folder of the membership reference's per-document scores
+    (`memaudit.probes.score_cache`: every point scores the same documents against the same public
+    base, once), for a run in a sweep's `runs/`; None for a run elsewhere."""
+    return rd.path.parent.parent / SCORE_CACHE if rd.path.parent.name == "runs" else None
 
 
 def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
@@ -30,7 +40,8 @@ def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
     settings = point_probe_config(cfg, rd)
     settings = settings.model_copy(update={"device": resolve_device(settings.device)})
     # each finished probe is kept: a piece stopped part-way resumes at the next probe
-    result = run_probes(resolve_target(rd.path), settings, progress=progress, partial=rd.probes_partial_path)
+    result = run_probes(resolve_target(rd.path), settings, progress=progress, partial=rd.probes_partial_path,
+                        cache=score_cache(rd))
     write_probes(rd.probes_path, result.document)
     rd.probes_partial_path.unlink(missing_ok=True)
 

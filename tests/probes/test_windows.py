@@ -95,3 +95,48 @@ def test_a_runs_documents_longer_than_the_window_are_counted_in_probes_json_and_
     fits = run_probes(resolve_target(trained.run), settings.model_copy(update={"max_tokens": max(lengths)}),
                       model=trained.model, tokenizer=trained.tokenizer).document
     assert not fits.get("counts") and not [r for r in summarize_probes(fits)["rows"] if r["probe"] == "input"]
+
+
+def test_the_reference_scores_kept_for_the_next_point_are_the_reference_scores(short_context, tmp_path):
+    """`doc_scores` with a reference cache: the first call scores the reference and keeps its
+    per-document means (a 0600 file); a second target against the same reference on the same
+    documents reads them, the reference model never called, and gets the scores a call without
+    the cache gets; another window, another document list or other weights are other entries."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memaudit.probes.score_cache import ScoreCache
+
+    model, tok = short_context
+    torch.manual_seed(1)
+    ref = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=CTX, n_embd=32, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)).eval()
+    codec = Codec(tok, start_id=0)
+    rng = np.random.default_rng(1)
+    docs = [Doc(id=str(i), text=" ".join(rng.choice(WORDS, n))) for i, n in enumerate((30, 9, 14, 5))]
+    cache = ScoreCache(tmp_path / "cache")
+    ident = {"weights": "ref-sha", "engine": "torch", "dtype": "float32@cpu"}
+    plain = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(ref, codec))
+    first = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(ref, codec),
+                       reference_cache=(cache, ident))
+    entries = list((tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o600
+
+    class Unused(torch.nn.Module):  # the reference, had it been run again
+        def forward(self, *a, **k):
+            raise AssertionError("the reference was scored again")
+
+    again = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(Unused(), codec),
+                       reference_cache=(cache, ident))
+    for got in (first, again):
+        assert got.keys() == plain.keys()
+        for name in plain:
+            np.testing.assert_array_equal(got[name], plain[name])
+    # another window, other documents, other weights: computed (and kept) anew
+    doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX // 2, reference=(ref, codec),
+               reference_cache=(cache, ident))
+    doc_scores(model, codec, docs[:3], batch_size=2, max_tokens=CTX, reference=(ref, codec),
+               reference_cache=(cache, ident))
+    other = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(model, codec),
+                       reference_cache=(cache, {**ident, "weights": "other-sha"}))
+    assert np.all(other["reference"] == 0.0)  # the target as its own reference
+    assert len(list((tmp_path / "cache").iterdir())) == 4

@@ -125,7 +125,7 @@ def test_collect_brings_back_results_for_the_same_report(swept, tmp_path):
     assert len(files) <= 8 and all(p.stat().st_size <= 16 * 2**20 for p in files)
     members = read_json(back / "collected.json")["members"]
     assert "runs/federated-eps8-s0/probes.json" in members and "report/report.json" in members
-    assert not [m for m in members if re.search(r"/(model|state)/|split\.json|sensitive|\.safetensors", m)]
+    assert not [m for m in members if re.search(r"/(model|state)/|split\.json|sensitive|\.safetensors|^cache/", m)]
     merged = tmp_path / "merged"
     assert main(["collect", str(back / "results.tar.gz"), "--to", str(merged)]) == 0
     assert main(["report", str(merged / "runs"), "--out", str(tmp_path / "rep")]) == 0
@@ -160,6 +160,19 @@ def test_no_report_trains_nothing_again_and_collect_takes_no_stale_report(swept,
 def collect_members(sweep: Path, dest: Path) -> list[str]:
     assert main(["collect", str(sweep), "--to", str(dest)]) == 0
     return read_json(dest / "collected.json")["members"]
+
+
+def test_the_points_score_the_public_base_once(swept):
+    """Both points are scored against their public base on the same documents: its scores are
+    computed by the first point's probes and read by the second's (memaudit.probes.score_cache),
+    one entry, readable by its owner only, which `collect` does not bring back."""
+    whole, pieces, *_ = swept
+    for out in (whole, pieces):
+        entries = list((out / "cache" / "reference-scores").iterdir())
+        assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o600
+        for name in ("centralized-epsinf-s0", "federated-eps8-s0"):
+            probes = read_json(out / "runs" / name / "probes.json")
+            assert probes["target"]["reference"] and "reference" in probes["probes"]["membership"]["summary"]
 
 
 def test_collect_refuses_a_file_over_the_limit(swept, tmp_path):

@@ -1,0 +1,74 @@
+"""A reference model's per-document scores, computed once for a sweep's points.
+
+Every point of a sweep is scored against the same membership reference (its public base,
+`memaudit.sweep.point.point_probe_config`) on the same documents (the points share their data):
+the reference's forward passes over every member, non-member and held-out document are the same
+work at each point. `ScoreCache` keeps what the reference attack reads from them, each document's
+mean token log-likelihood, keyed by everything that decides it: the reference's weights
+(`memaudit.probes.weights.weights_sha256`), the engine and precision that scored it, the scoring
+window, stride and batch size, and the token ids of every document. A key that differs in any of
+them is another entry; a point whose data differ from the others' computes its own.
+
+The values are computed from the private documents and are not privatised: every entry is
+written atomically and readable by its owner only (0600), in the sweep's folder, never in the
+reference's (a public base may be shared) and never in what `memaudit collect` brings back.
+
+>>> import tempfile
+>>> c = ScoreCache(tempfile.mkdtemp())
+>>> k = c.key(weights="w", engine="torch", dtype="float32", window=8, stride=4, batch_size=2, seqs=[[1, 2]])
+>>> c.get(k) is None
+True
+>>> c.put(k, np.array([-1.5]))
+>>> c.get(k).tolist()
+[-1.5]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from memaudit.io import atomic_write_bytes
+
+SCHEMA = 1
+
+
+class ScoreCache:
+    """Mean log-likelihood per document (float64, one entry per document list) under `root`."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    @staticmethod
+    def key(*, weights: str, engine: str, dtype: str, window: int, stride: int | None, batch_size: int,
+            seqs: Sequence[Sequence[int]]) -> str:
+        h = hashlib.sha256(json.dumps({"schema": SCHEMA, "weights": weights, "engine": engine, "dtype": dtype,
+                                       "window": window, "stride": stride, "batch_size": batch_size,
+                                       "docs": len(seqs)}, sort_keys=True).encode())
+        for s in seqs:  # each document's ids, length-prefixed: no two lists share a byte string
+            ids = np.asarray(s, dtype=np.int64)
+            h.update(np.int64(ids.size).tobytes())
+            h.update(ids.tobytes())
+        return h.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"{key}.npy"
+
+    def get(self, key: str) -> np.ndarray | None:
+        """The entry, or None when there is none (or it cannot be read: it is computed again)."""
+        try:
+            return np.load(self._path(key), allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+
+    def put(self, key: str, values: np.ndarray) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(values, dtype=np.float64), allow_pickle=False)
+        atomic_write_bytes(self._path(key), buf.getvalue())  # mkstemp's file: 0600
