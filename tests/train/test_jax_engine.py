@@ -52,20 +52,27 @@ def _losses(run: RunDir, name: str = "metrics.jsonl") -> list[float]:
 
 
 # ----------------------------------------------------------------------------- mesh
+LR = 3e-3  # train.lr of these runs (the tiny preset's)
+
+
 def test_a_4x2_mesh_of_8_devices_trains_as_one_device(tmp_path, jax_uls_run):
     """3 steps on a (data 4, model 2) mesh against one device, without DP and under DP (ULS,
     σ = 1): losses to 1e-5 relative; each exported weight's difference to 1e-3 of how far that
-    tensor moved from its start (L2 norms). The reductions' order differs, so gradients differ in
-    the last bits; AdamW divides by the root of the second moment, so an entry whose gradient is
-    almost 0 (a rare token's lm_head row) can step by up to lr either way: measured, 6e-5 at most
-    in one entry of lm_head. Under DP the noise is the same too: it is keyed per step, not per
-    device. The bound separates runs: the plain and the DP run's weights (same seed, same start)
-    are far outside it of each other."""
+    tensor moved from its start (L2 norms), but for a few entries. The reductions' order differs,
+    so gradients differ in the last bits; AdamW divides by the root of the second moment, so an
+    entry whose gradient is almost 0 (a rare token's row) can step by up to lr either way: such
+    entries (over 1e-4 apart) are at most 4 a tensor and within Adam's bound of lr a step, and
+    the norm is taken over the rest. Measured: on one CPU 6e-5 at most in one entry of lm_head; on
+    another (2026-12-07) two entries of embed_tokens 1.4e-3 and 3e-4 apart (rows 73 and 2148), the
+    whole tensor 1.4e-3 of its movement, the rest 2e-4 of it. Under DP the noise is the same too:
+    it is keyed per step, not per device. The bound separates runs: the plain and the DP run's
+    weights (same seed, same start) are far outside it of each other."""
     import jax
 
     assert len(jax.devices()) == 8
     plain = ("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3")
     start = _initial(*plain)
+    assert load_config(None, [*TINY, *plain]).train.lr == LR
     ones = {}
     for kind, extra in (("plain", plain), ("uls", (*JAX_ULS, "train.clipping=ghost"))):
         if kind == "uls":  # tests/train/conftest.py: this config on one device
@@ -80,7 +87,10 @@ def test_a_4x2_mesh_of_8_devices_trains_as_one_device(tmp_path, jax_uls_run):
         want, got = _weights(one), _weights(mesh)
         assert want.keys() == got.keys() == start.keys()
         for k, w in want.items():
-            assert np.linalg.norm(got[k] - w) <= 1e-3 * np.linalg.norm(w - start[k]), (kind, k)
+            diff = got[k] - w
+            flipped = np.abs(diff) > 1e-4  # a near-zero gradient's sign, flipped by the order
+            assert flipped.sum() <= 4 and np.abs(diff).max() <= 3 * LR, (kind, k, int(flipped.sum()))
+            assert np.linalg.norm(np.where(flipped, 0.0, diff)) <= 1e-3 * np.linalg.norm(w - start[k]), (kind, k)
         ones[kind] = want
     assert any(np.linalg.norm(ones["uls"][k] - w) > 1e-3 * np.linalg.norm(w - start[k])
                for k, w in ones["plain"].items())
