@@ -8,8 +8,9 @@ Three workloads:
 - `sweep SWEEP_DIR --config CONFIG`: a whole sweep's probe stage (the quickstart's: every point
   with its public base as the membership reference), each run of `SWEEP_DIR/runs` probed in turn
   under the sweep's own settings (`memaudit.sweep.point.point_probe_config`) with a fresh cache
-  of the reference's scores where the tree has one (`memaudit.probes.score_cache`); nothing is
-  written into SWEEP_DIR.
+  of what the points share where the tree has one (`memaudit.probes.score_cache`: the public
+  base's scores, kept by its own run, and the split's shift check); nothing is written into
+  SWEEP_DIR.
 - `outside`: the README's outside audit at GPT-2-124M's shape (768 wide, 12 layers, 50,257-token
   vocabulary; random weights: throughput does not depend on them) as a LoRA adapter with its
   base as the reference: `memaudit probe ADAPTER --members --nonmembers --probes membership`.
@@ -101,7 +102,8 @@ def _worker_sweep(sweep: str, config: str) -> dict:
         for rd in runs:
             settings = point_probe_config(cfg, RunDir(rd)).model_copy(update=_overrides())
             r0 = time.process_time()
-            res = run_probes(resolve_target(rd), settings, **({"cache": Path(tmp)} if cached else {}))
+            kw = {"cache": Path(tmp), "keep_target_scores": rd.name == "public-base"} if cached else {}
+            res = run_probes(resolve_target(rd), settings, **kw)
             per_run[rd.name] = round(time.process_time() - r0, 2)
             for k, v in res.document["timings"].items():
                 probe_s[k] = round(probe_s.get(k, 0.0) + v, 2)

@@ -75,6 +75,7 @@ def doc_scores(
     reference=None,
     progress=None,
     reference_cache=None,
+    target_cache=None,
 ) -> dict[str, np.ndarray]:
     """Every attack's score per document (reference only when a (model, codec) pair is given).
 
@@ -82,7 +83,9 @@ def doc_scores(
     tokens, `stride` apart (`memaudit.probes.scoring.windowed_logprobs`). `reference_cache`:
     (a `memaudit.probes.score_cache.ScoreCache`, what identifies the reference: its weights,
     engine, precision) where the reference's mean log-likelihoods are kept for the next point
-    that scores the same documents against it; None scores them every time.
+    that scores the same documents against it; None scores them every time. `target_cache`: the
+    same for the target, whose mean log-likelihoods are kept for the runs that take it as their
+    reference (the public base's own run, before its fine-tunes).
     """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import windowed_logprobs
@@ -101,6 +104,10 @@ def doc_scores(
             [min_k_pp(lp, m, s, k) for lp, m, s in zip(ts.logp, ts.mu, ts.sigma, strict=True)]
         ),
     }
+    if target_cache is not None:
+        cache, ident = target_cache
+        cache.put(cache.key(**ident, window=max_tokens, stride=stride, batch_size=batch_size, seqs=seqs),
+                  out["loss"])
     if reference is not None:
         ref_model, ref_codec = reference
         # the reference shares the target's tokenizer (checked when it was loaded): with the

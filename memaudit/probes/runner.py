@@ -36,6 +36,7 @@ from memaudit.probes.loaders import AUDIT_SCORES
 from memaudit.probes.membership import doc_scores, min_k, run_membership
 from memaudit.probes.pii import run_pii
 from memaudit.probes.reference import models_mean_logp, reference_attacks
+from memaudit.probes.score_cache import ScoreCache
 from memaudit.probes.shift import blind_check
 from memaudit.probes.sources import (
     check_tokenizer_fits,
@@ -124,15 +125,32 @@ def reference_cache(folder: Path, settings: ProbeConfig, model) -> tuple | None:
     """(ScoreCache in `folder`, the membership reference's identity) for `doc_scores`, or None
     where the reference is not a model folder with safetensors (an adapter, a hub id resolved
     elsewhere: nothing fingerprints its weights here) and is scored every time."""
-    from memaudit.probes.score_cache import ScoreCache
-
     src = resolve_model(settings.reference)
     weights = weights_sha256(src.path) if src.kind == "folder" else None
     if weights is None:
         return None
+    return ScoreCache(folder), score_identity(weights, settings, model)
+
+
+def score_identity(weights: str, settings: ProbeConfig, model) -> dict:
+    """What, beside the documents and the window, decides a model's scores in a `ScoreCache`."""
     engine = "jax" if getattr(model, "is_jax", False) else "torch"
-    return ScoreCache(folder), {"weights": weights, "engine": engine,
-                                "dtype": f"{settings.dtype}@{settings.device}"}
+    return {"weights": weights, "engine": engine, "dtype": f"{settings.dtype}@{settings.device}"}
+
+
+def shift_check(target: Target, seed: int, cache: Path | None) -> dict:
+    """`blind_check` of the target's members against its non-members, read from `cache` when a
+    run on the same split computed it (a sweep's points share their data)."""
+    members, nonmembers = [d.text for d in target.members], [d.text for d in target.nonmembers]
+    store = ScoreCache(cache) if cache is not None else None
+    key = store.check_key("distribution_shift", seed, members, nonmembers) if store is not None else None
+    found = store.get_check(key) if store is not None else None
+    if found is not None:
+        return found
+    result = blind_check(members, nonmembers, seed=seed)
+    if store is not None:
+        store.put_check(key, result)
+    return result
 
 
 def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> ProbeConfig:
@@ -172,6 +190,7 @@ def run_probes(
     engine: str = "auto",
     partial: Path | None = None,
     cache: Path | None = None,
+    keep_target_scores: bool = False,
 ) -> ProbeResult:
     """Load the model (unless given), run each selected probe, return probes.json + secrets.
 
@@ -181,9 +200,11 @@ def run_probes(
     that a probe stage stopped part-way (a time-boxed sweep piece ended by its hard limit) runs
     only the probes it had not finished when it is run again on the same weights with the same
     settings and engine; anything else in that file is ignored. `cache`: a folder where the
-    membership reference's per-document scores are kept (`memaudit.probes.score_cache`), so that
-    the next probe run against the same reference on the same documents reads them (a sweep's
-    points); only for a reference that is a model folder (its weights fingerprint the entry).
+    membership reference's per-document scores and the shift check are kept
+    (`memaudit.probes.score_cache`), so that the next probe run on the same documents reads them
+    (a sweep's points); scores only for a model folder (its weights fingerprint the entry). With
+    `keep_target_scores` (a sweep's public base, its fine-tunes' reference) the target's own
+    scores are kept too, on torch.
     """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import load_causal_lm, probe_threads
@@ -203,9 +224,7 @@ def run_probes(
     checks = {}
     # before any attack, on an outside model's split and on a run's own member/holdout split alike
     if target.members and target.nonmembers:
-        checks["distribution_shift"] = blind_check([d.text for d in target.members],
-                                                   [d.text for d in target.nonmembers],
-                                                   seed=settings.seed)
+        checks["distribution_shift"] = shift_check(target, settings.seed, cache)
     reference = load_reference(settings, codec) if settings.reference else None
     engine = choose_engine(engine, model)
     model = to_engine(engine, model, settings.dtype)
@@ -215,6 +234,10 @@ def run_probes(
     ctx = _Context(target, settings, model, codec, reference, progress)
     if cache is not None and reference is not None:
         ctx.reference_cache = reference_cache(cache, settings, reference[0])
+    if keep_target_scores and cache is not None and weights is not None and engine == "torch":
+        # torch scores log p(target) alike with and without the stats: the target's means are,
+        # bit for bit, what a run that takes these weights as its reference would compute
+        ctx.target_cache = (ScoreCache(cache), score_identity(weights, settings, model))
     key = {"schema": SCHEMA, "weights_sha256": weights, "engine": engine, "checks": checks,
            "settings": settings.model_dump(mode="json")}
     partial = partial if weights is not None else None  # a model handed in has no weights to key on
@@ -290,6 +313,7 @@ class _Context:
         self.secrets: dict[str, str] = {}
         self._doc_scores = None
         self.reference_cache = None  # (ScoreCache, the reference's identity): `reference_cache`
+        self.target_cache = None  # (ScoreCache, the target's identity): see `run_probes`
 
     def scores(self):
         if self._doc_scores is None:
@@ -305,6 +329,7 @@ class _Context:
                 reference=self.ref,
                 progress=_stage(self.progress, "scoring"),
                 reference_cache=self.reference_cache,
+                target_cache=self.target_cache,
             )
         return self._doc_scores
 

@@ -1,13 +1,17 @@
-"""A reference model's per-document scores, computed once for a sweep's points.
+"""What a sweep's points would each compute alike, computed once: the reference's scores and the
+split's shift check.
 
 Every point of a sweep is scored against the same membership reference (its public base,
 `memaudit.sweep.point.point_probe_config`) on the same documents (the points share their data):
 the reference's forward passes over every member, non-member and held-out document are the same
-work at each point. `ScoreCache` keeps what the reference attack reads from them, each document's
-mean token log-likelihood, keyed by everything that decides it: the reference's weights
+work at each point, and the public base's own zero-fine-tuning run does that work once more as
+its target. `ScoreCache` keeps what the reference attack reads from them, each document's mean
+token log-likelihood, keyed by everything that decides it: the model's weights
 (`memaudit.probes.weights.weights_sha256`), the engine and precision that scored it, the scoring
 window, stride and batch size, and the token ids of every document. A key that differs in any of
-them is another entry; a point whose data differ from the others' computes its own.
+them is another entry; a point whose data differ from the others' computes its own. It keeps the
+blind shift check of a member/non-member split too (`memaudit.probes.shift.blind_check`, a
+function of the texts and the seed alone), keyed by both.
 
 The values are computed from the private documents and are not privatised: every entry is
 written atomically and readable by its owner only (0600), in the sweep's folder, never in the
@@ -68,7 +72,38 @@ class ScoreCache:
             return None
 
     def put(self, key: str, values: np.ndarray) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._private_root()
         buf = io.BytesIO()
         np.save(buf, np.asarray(values, dtype=np.float64), allow_pickle=False)
         atomic_write_bytes(self._path(key), buf.getvalue())  # mkstemp's file: 0600
+
+    @staticmethod
+    def check_key(name: str, seed: int, *sides: Sequence[str]) -> str:
+        """The key of a check computed from texts alone (`name`, e.g. the shift check)."""
+        h = hashlib.sha256(json.dumps({"schema": SCHEMA, "check": name, "seed": seed}).encode())
+        for side in sides:
+            h.update(np.int64(len(side)).tobytes())
+            for t in side:
+                b = t.encode("utf-8")
+                h.update(np.int64(len(b)).tobytes())
+                h.update(b)
+        return h.hexdigest()
+
+    def get_check(self, key: str) -> dict | None:
+        try:
+            return json.loads((self.root / f"{key}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def put_check(self, key: str, value: dict) -> None:
+        self._private_root()
+        atomic_write_bytes(self.root / f"{key}.json", json.dumps(value).encode("utf-8"))
+
+    def _private_root(self) -> None:
+        """`root` and every folder made for it: 0700."""
+        missing, p = [], self.root
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            d.mkdir(mode=0o700, exist_ok=True)

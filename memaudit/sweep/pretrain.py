@@ -228,8 +228,10 @@ def ensure_base_reference(cfg: Any, out_dir: str | Path, base_model: Path, point
     rd = RunDir(Path(out_dir) / "runs" / name)
     if not _complete_with(rd, role=ROLE_REFERENCE) or stale_reason(rd, run_cfg) is not None:  # base retrained too
         _write_reference(run_cfg, prepare_new_run(rd.path, overwrite=True))
+    # its scores of the documents are its fine-tunes' reference scores: kept for them
     probe_if_stale(cfg, rd, None if progress is None else
-                 (lambda d, t, info: progress(d, t, {"point": name, "stage": "probe", **info})))
+                   (lambda d, t, info: progress(d, t, {"point": name, "stage": "probe", **info})),
+                   keep_target_scores=True)
     return rd.path
 
 

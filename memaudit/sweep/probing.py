@@ -20,18 +20,19 @@ from memaudit.sweep.point import point_probe_config, probe_reason
 
 Progress = Callable[[int, int, dict], None] | None
 # under the sweep's --out: sensitive (scores of the private documents), never collected
-SCORE_CACHE = "cache/reference-scores"
+SCORE_CACHE = "cache/probes"
 
 
 def score_cache(rd: RunDir) -> Path | None:
-    """The sweep's folder of the membership reference's per-document scores
-    (`memaudit.probes.score_cache`: every point scores the same documents against the same public
-    base, once), for a run in a sweep's `runs/`; None for a run elsewhere."""
+    """The sweep's folder of what its points' probes share (`memaudit.probes.score_cache`: every
+    point scores the same documents against the same public base, and checks the same split):
+    for a run in a sweep's `runs/`; None for a run elsewhere."""
     return rd.path.parent.parent / SCORE_CACHE if rd.path.parent.name == "runs" else None
 
 
-def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
-    """Probe the run in `rd` under the sweep's probe settings and write its probes.json."""
+def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress, *, keep_target_scores: bool = False) -> None:
+    """Probe the run in `rd` under the sweep's probe settings and write its probes.json;
+    `keep_target_scores` for the public base's own run, whose scores its fine-tunes reference."""
     # lazy: torch (~2 s), not for `memaudit --help`
     from memaudit.probes.runner import run_probes
     from memaudit.probes.scoring import resolve_device
@@ -41,15 +42,15 @@ def probe_run(cfg: SweepConfig, rd: RunDir, progress: Progress) -> None:
     settings = settings.model_copy(update={"device": resolve_device(settings.device)})
     # each finished probe is kept: a piece stopped part-way resumes at the next probe
     result = run_probes(resolve_target(rd.path), settings, progress=progress, partial=rd.probes_partial_path,
-                        cache=score_cache(rd))
+                        cache=score_cache(rd), keep_target_scores=keep_target_scores)
     write_probes(rd.probes_path, result.document)
     rd.probes_partial_path.unlink(missing_ok=True)
 
 
-def probe_if_stale(cfg: SweepConfig, rd: RunDir, progress: Progress) -> bool:
+def probe_if_stale(cfg: SweepConfig, rd: RunDir, progress: Progress, *, keep_target_scores: bool = False) -> bool:
     """Probe a complete run unless the one rule finds its probes.json current
     (`point.probe_reason`); returns whether it probed."""
     if probe_reason(cfg, rd) is None:
         return False
-    probe_run(cfg, rd, progress)
+    probe_run(cfg, rd, progress, keep_target_scores=keep_target_scores)
     return True

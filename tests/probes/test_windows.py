@@ -140,3 +140,35 @@ def test_the_reference_scores_kept_for_the_next_point_are_the_reference_scores(s
                        reference_cache=(cache, {**ident, "weights": "other-sha"}))
     assert np.all(other["reference"] == 0.0)  # the target as its own reference
     assert len(list((tmp_path / "cache").iterdir())) == 4
+    # the reference's own run (its weights the target, with the stats) keeps what the reference
+    # pass computes, bit for bit: a fine-tune against it then reads them
+    fresh = ScoreCache(tmp_path / "fresh")
+    doc_scores(ref, codec, docs, batch_size=2, max_tokens=CTX, target_cache=(fresh, ident))
+    read = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(Unused(), codec),
+                      reference_cache=(fresh, ident))
+    np.testing.assert_array_equal(read["reference"], plain["reference"])
+
+
+def test_the_shift_check_of_a_split_is_computed_once(tmp_path, monkeypatch):
+    """`shift_check` with a cache: a second run on the same split (texts and seed) reads the
+    first's result; another split or seed is checked anew."""
+    from memaudit.probes import runner
+
+    members = [Doc(id=f"m{i}", text=f"alpha beta {i} gamma") for i in range(30)]
+    nonmembers = [Doc(id=f"n{i}", text=f"delta {i} epsilon zeta") for i in range(30)]
+
+    class T:  # the two sides a Target holds
+        pass
+
+    t = T()
+    t.members, t.nonmembers = members, nonmembers
+    first = runner.shift_check(t, 0, tmp_path)
+    assert first == runner.shift_check(t, 0, None)  # the same as without a cache
+    calls = []
+    real = runner.blind_check
+    monkeypatch.setattr(runner, "blind_check", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert runner.shift_check(t, 0, tmp_path) == first and calls == []
+    runner.shift_check(t, 1, tmp_path)
+    t.nonmembers = nonmembers[1:]
+    runner.shift_check(t, 0, tmp_path)
+    assert calls == [1, 1]

@@ -163,16 +163,25 @@ def collect_members(sweep: Path, dest: Path) -> list[str]:
 
 
 def test_the_points_score_the_public_base_once(swept):
-    """Both points are scored against their public base on the same documents: its scores are
-    computed by the first point's probes and read by the second's (memaudit.probes.score_cache),
-    one entry, readable by its owner only, which `collect` does not bring back."""
+    """Both points are scored against their public base on the same documents, which the base's
+    own zero-fine-tuning run scored as its target (torch, on the CPU): one entry of scores, kept
+    by that run and read by both points, and one shift check of the split they share
+    (memaudit.probes.score_cache); readable by their owner only, never brought back by `collect`."""
     whole, pieces, *_ = swept
     for out in (whole, pieces):
-        entries = list((out / "cache" / "reference-scores").iterdir())
-        assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o600
+        folder = out / "cache" / "probes"
+        assert sorted(p.suffix for p in folder.iterdir()) == [".json", ".npy"]
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in folder.iterdir())
+        # written once, by the base's run: a point that computed its reference again would have
+        # replaced it after the base's probes.json
+        (scores,) = folder.glob("*.npy")
+        assert scores.stat().st_mtime <= (out / "runs" / "public-base" / "probes.json").stat().st_mtime
+        assert all(d.stat().st_mode & 0o777 == 0o700 for d in (folder, folder.parent))
         for name in ("centralized-epsinf-s0", "federated-eps8-s0"):
             probes = read_json(out / "runs" / name / "probes.json")
             assert probes["target"]["reference"] and "reference" in probes["probes"]["membership"]["summary"]
+            assert probes["checks"]["distribution_shift"] == read_json(
+                out / "runs" / "public-base" / "probes.json")["checks"]["distribution_shift"]
 
 
 def test_collect_refuses_a_file_over_the_limit(swept, tmp_path):
