@@ -116,7 +116,7 @@ def recorded(monkeypatch):
         atomic_write_json(rd.manifest_path, {**m, "status": "complete", "config": config_as_written(cfg),
                                              "base_model": base_model_record(cfg.model.init_from)})
 
-    def fake_run_probes(target, settings, progress=None, partial=None):
+    def fake_run_probes(target, settings, progress=None, partial=None, cache=None, keep_target_scores=False):
         calls["probe"].append(settings)
         return SimpleNamespace(document={"schema": 1, "settings": settings.model_dump(mode="json"), "probes": {}})
 

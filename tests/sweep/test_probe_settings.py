@@ -18,7 +18,7 @@ def test_a_changed_probe_setting_probes_the_run_again(tmp_path, monkeypatch):
     (rd.model_dir / "config.json").write_text("{}")  # trained after the old probes.json
     calls = []
 
-    def fake_run_probes(target, settings, progress=None, partial=None):
+    def fake_run_probes(target, settings, progress=None, partial=None, cache=None, keep_target_scores=False):
         calls.append(settings)
         return SimpleNamespace(document={"schema": 1, "settings": settings.model_dump(mode="json"), "probes": {}})
 
