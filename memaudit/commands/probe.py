@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -105,6 +106,13 @@ def register(app: typer.Typer) -> None:
                                      "the loss-ratio attack; default: the target's base (an "
                                      "adapter's, run.json's model.init_from); 'none' for none.")
         ] = None,
+        cache: Annotated[
+            str | None, typer.Option("--cache", help="A folder that keeps the reference's scores of "
+                                      "the documents and the split's shift check, so that probing "
+                                      "another model on the same documents against the same "
+                                      "reference (checkpoints of one fine-tune) reads them; "
+                                      "sensitive, as probes.json: owner-only files.")
+        ] = None,
         reference_models: Annotated[
             str | None, typer.Option(help="k >= 2 reference models trained without the "
                                      "candidates, comma-separated: adds offline RMIA, and from "
@@ -181,6 +189,12 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--user-docs must be >= 1, got {user_docs}")
         if window_stride is not None and window_stride < 1:
             raise ValueError(f"--window-stride must be >= 1 token, got {window_stride}")
+        cache_dir = None
+        if cache is not None:
+            from memaudit.rundir import check_output_folder  # lazy: as run_probes above
+
+            cache_dir = Path(cache)
+            check_output_folder(cache_dir, what="--cache")
         settings = ProbeConfig(
             probes=names,
             user_docs=user_docs,
@@ -209,7 +223,7 @@ def register(app: typer.Typer) -> None:
             if not console.is_terminal:  # a log file or a pipe: lines, not a bar
                 report = LogProgress(lambda line: console.print(line, markup=False,
                                                                 highlight=False))
-            result = run_probes(t, settings, progress=report, engine=engine)
+            result = run_probes(t, settings, progress=report, engine=engine, cache=cache_dir)
         write_probes(t.out, result.document)
         if fmt == "json":
             print_json(result.document)

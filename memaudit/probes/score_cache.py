@@ -14,8 +14,9 @@ blind shift check of a member/non-member split too (`memaudit.probes.shift.blind
 function of the texts and the seed alone), keyed by both.
 
 The values are computed from the private documents and are not privatised: every entry is
-written atomically and readable by its owner only (0600), in the sweep's folder, never in the
-reference's (a public base may be shared) and never in what `memaudit collect` brings back.
+written atomically and readable by its owner only (0600), in the sweep's folder (or the one
+`memaudit probe --cache` names), never in the reference's (a public base may be shared) and never
+in what `memaudit collect` brings back.
 
 >>> import tempfile
 >>> c = ScoreCache(tempfile.mkdtemp())

@@ -233,3 +233,39 @@ def test_goldfish_extraction_runs_on_an_outside_model_only_when_named(tmp_path, 
     assert "goldfish_extraction" in _probes_run(monkeypatch, [*model, "--probes", "goldfish_extraction,exposure"])
     assert set(_probes_run(monkeypatch, ["probe", str(trained.run), "--out", str(tmp_path / "q.json")])) == set(PROBE_NAMES)
     capsys.readouterr()
+
+
+def test_a_cache_scores_the_reference_once_across_probe_calls(tmp_path, trained, capsys, monkeypatch):
+    """`memaudit probe --cache DIR` on two models against one reference (a run and its initial
+    weights as the reference): the second call reads the reference's scores and the shift check
+    (the reference never scored again), and its membership results equal a call without the
+    cache; a --cache that is a file is one line, exit 2."""
+    from memaudit.probes import scoring
+
+    common = ["--probes", "membership", "--device", "cpu", "--bootstrap", "50",
+              "--reference", str(trained.init_dir)]
+    assert main(["probe", str(trained.run), *common, "--out", str(tmp_path / "plain.json")]) == 0
+    assert main(["probe", str(trained.run), *common, "--cache", str(tmp_path / "cache"),
+                 "--out", str(tmp_path / "first.json")]) == 0
+    kept = sorted(p.suffix for p in (tmp_path / "cache").iterdir())
+    assert kept == [".json", ".npy"]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in (tmp_path / "cache").iterdir())
+    real, calls = scoring.windowed_logprobs, []
+
+    def counted(model, *a, **k):
+        calls.append(k.get("with_stats", False))
+        return real(model, *a, **k)
+
+    monkeypatch.setattr("memaudit.probes.scoring.windowed_logprobs", counted)
+    assert main(["probe", str(trained.run), *common, "--cache", str(tmp_path / "cache"),
+                 "--out", str(tmp_path / "second.json")]) == 0
+    assert calls == [True]  # the target alone (with its Min-K%++ statistics)
+    docs = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "first", "second")}
+    for n in ("first", "second"):
+        assert docs[n]["probes"]["membership"] == docs["plain"]["probes"]["membership"]
+        assert docs[n]["checks"] == docs["plain"]["checks"]
+    (tmp_path / "afile").write_text("x")
+    capsys.readouterr()
+    assert main(["probe", str(trained.run), *common, "--cache", str(tmp_path / "afile"),
+                 "--out", str(tmp_path / "p.json")]) == 2
+    assert "--cache" in _err_line(capsys)
