@@ -80,12 +80,11 @@ def doc_scores(
     """Every attack's score per document (reference only when a (model, codec) pair is given).
 
     Every token of a document is scored: one longer than `max_tokens` in windows of that many
-    tokens, `stride` apart (`memaudit.probes.scoring.windowed_logprobs`). `reference_cache`:
-    (a `memaudit.probes.score_cache.ScoreCache`, what identifies the reference: its weights,
-    engine, precision) where the reference's mean log-likelihoods are kept for the next point
-    that scores the same documents against it; None scores them every time. `target_cache`: the
-    same for the target, whose mean log-likelihoods are kept for the runs that take it as their
-    reference (the public base's own run, before its fine-tunes).
+    tokens, `stride` apart (`memaudit.probes.scoring.windowed_logprobs`). `reference_cache`: the
+    reference's `memaudit.probes.score_cache.ModelScores`, where its mean log-likelihoods are
+    kept for the next point that scores the same documents against it; None scores them every
+    time. `target_cache`: the same for the target, whose means are kept for the runs that take
+    it as their reference (the public base's own run, before its fine-tunes).
     """
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import windowed_logprobs
@@ -104,26 +103,21 @@ def doc_scores(
             [min_k_pp(lp, m, s, k) for lp, m, s in zip(ts.logp, ts.mu, ts.sigma, strict=True)]
         ),
     }
+    window = {"window": max_tokens, "stride": stride, "batch_size": batch_size}
     if target_cache is not None:
-        cache, ident = target_cache
-        cache.put(cache.key(**ident, window=max_tokens, stride=stride, batch_size=batch_size, seqs=seqs),
-                  out["loss"])
+        target_cache.put(seqs, out["loss"], **window)
     if reference is not None:
         ref_model, ref_codec = reference
         # the reference shares the target's tokenizer (checked when it was loaded): with the
         # same start token its ids are the target's, not tokenized again
         ref_seqs = seqs if ref_codec.start == codec.start else encode_texts(ref_codec, [d.text for d in docs])
-        cache, key = None, None
-        if reference_cache is not None:
-            cache, ident = reference_cache
-            key = cache.key(**ident, window=max_tokens, stride=stride, batch_size=batch_size, seqs=ref_seqs)
-        ref_mean = cache.get(key) if cache is not None else None
-        if ref_mean is None or ref_mean.shape != (len(docs),):
+        ref_mean = reference_cache.get(ref_seqs, **window) if reference_cache is not None else None
+        if ref_mean is None:
             rs = windowed_logprobs(ref_model, ref_seqs, window=max_tokens, stride=stride,
                                    batch_size=batch_size)
             ref_mean = np.array([lp.mean() for lp in rs.logp])
-            if cache is not None:
-                cache.put(key, ref_mean)
+            if reference_cache is not None:
+                reference_cache.put(ref_seqs, ref_mean, **window)
         out["reference"] = out["loss"] - ref_mean
     return out
 

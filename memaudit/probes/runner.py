@@ -36,7 +36,7 @@ from memaudit.probes.loaders import AUDIT_SCORES
 from memaudit.probes.membership import doc_scores, min_k, run_membership
 from memaudit.probes.pii import run_pii
 from memaudit.probes.reference import models_mean_logp, reference_attacks
-from memaudit.probes.score_cache import ScoreCache
+from memaudit.probes.score_cache import ModelScores, ScoreCache
 from memaudit.probes.shift import blind_check
 from memaudit.probes.sources import (
     check_tokenizer_fits,
@@ -121,36 +121,36 @@ def load_reference(settings: ProbeConfig, codec: Codec):
     return model, Codec(tok, start_id=codec.start[0] if codec.start else None)
 
 
-def reference_cache(folder: Path, settings: ProbeConfig, model) -> tuple | None:
-    """(ScoreCache in `folder`, the membership reference's identity) for `doc_scores`, or None
+def reference_cache(folder: Path, settings: ProbeConfig, model) -> ModelScores | None:
+    """The membership reference's scores in the `ScoreCache` in `folder`, for `doc_scores`; None
     where the reference is not a model folder with safetensors (an adapter, a hub id resolved
     elsewhere: nothing fingerprints its weights here) and is scored every time."""
     src = resolve_model(settings.reference)
     weights = weights_sha256(src.path) if src.kind == "folder" else None
-    if weights is None:
-        return None
-    return ScoreCache(folder), score_identity(weights, settings, model)
+    return None if weights is None else model_scores(folder, weights, settings, model)
 
 
-def score_identity(weights: str, settings: ProbeConfig, model) -> dict:
-    """What, beside the documents and the window, decides a model's scores in a `ScoreCache`."""
+def model_scores(folder: Path, weights: str, settings: ProbeConfig, model) -> ModelScores:
+    """A model's scores in the `ScoreCache` in `folder`: identified by its weights, and by the
+    engine and precision that score it."""
     engine = "jax" if getattr(model, "is_jax", False) else "torch"
-    return {"weights": weights, "engine": engine, "dtype": f"{settings.dtype}@{settings.device}"}
+    return ScoreCache(folder).model({"weights": weights, "engine": engine,
+                                     "dtype": f"{settings.dtype}@{settings.device}"})
 
 
 def shift_check(target: Target, seed: int, cache: Path | None) -> dict:
     """`blind_check` of the target's members against its non-members, read from `cache` when a
     run on the same split computed it (a sweep's points share their data)."""
     members, nonmembers = [d.text for d in target.members], [d.text for d in target.nonmembers]
-    store = ScoreCache(cache) if cache is not None else None
-    key = store.check_key("distribution_shift", seed, members, nonmembers) if store is not None else None
-    found = store.get_check(key) if store is not None else None
-    if found is not None:
-        return found
-    result = blind_check(members, nonmembers, seed=seed)
-    if store is not None:
-        store.put_check(key, result)
-    return result
+    if cache is None:
+        return blind_check(members, nonmembers, seed=seed)
+    store = ScoreCache(cache)
+    key = store.check_key("distribution_shift", seed, members, nonmembers)
+    found = store.get_check(key)
+    if found is None:
+        found = blind_check(members, nonmembers, seed=seed)
+        store.put_check(key, found)
+    return found
 
 
 def fit_windows(target: Target, settings: ProbeConfig, model, codec: Codec) -> ProbeConfig:
@@ -237,7 +237,7 @@ def run_probes(
     if keep_target_scores and cache is not None and weights is not None and engine == "torch":
         # torch scores log p(target) alike with and without the stats: the target's means are,
         # bit for bit, what a run that takes these weights as its reference would compute
-        ctx.target_cache = (ScoreCache(cache), score_identity(weights, settings, model))
+        ctx.target_cache = model_scores(cache, weights, settings, model)
     key = {"schema": SCHEMA, "weights_sha256": weights, "engine": engine, "checks": checks,
            "settings": settings.model_dump(mode="json")}
     partial = partial if weights is not None else None  # a model handed in has no weights to key on
@@ -312,8 +312,8 @@ class _Context:
         )
         self.secrets: dict[str, str] = {}
         self._doc_scores = None
-        self.reference_cache = None  # (ScoreCache, the reference's identity): `reference_cache`
-        self.target_cache = None  # (ScoreCache, the target's identity): see `run_probes`
+        self.reference_cache: ModelScores | None = None  # `reference_cache`
+        self.target_cache: ModelScores | None = None  # see `run_probes`
 
     def scores(self):
         if self._doc_scores is None:

@@ -19,12 +19,11 @@ written atomically and readable by its owner only (0600), in the sweep's folder 
 in what `memaudit collect` brings back.
 
 >>> import tempfile
->>> c = ScoreCache(tempfile.mkdtemp())
->>> k = c.key(weights="w", engine="torch", dtype="float32", window=8, stride=4, batch_size=2, seqs=[[1, 2]])
->>> c.get(k) is None
+>>> m = ScoreCache(tempfile.mkdtemp()).model({"weights": "w", "engine": "torch", "dtype": "float32"})
+>>> m.get([[1, 2]], window=8, stride=4, batch_size=2) is None
 True
->>> c.put(k, np.array([-1.5]))
->>> c.get(k).tolist()
+>>> m.put([[1, 2]], np.array([-1.5]), window=8, stride=4, batch_size=2)
+>>> m.get([[1, 2]], window=8, stride=4, batch_size=2).tolist()
 [-1.5]
 """
 
@@ -35,6 +34,7 @@ import io
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,10 @@ class ScoreCache:
             h.update(np.int64(ids.size).tobytes())
             h.update(ids.tobytes())
         return h.hexdigest()
+
+    def model(self, ident: dict) -> ModelScores:
+        """The entries of one model (`ident`: its weights, engine and precision)."""
+        return ModelScores(self, ident)
 
     def _path(self, key: str) -> Path:
         return self.root / f"{key}.npy"
@@ -108,3 +112,24 @@ class ScoreCache:
             p = p.parent
         for d in reversed(missing):
             d.mkdir(mode=0o700, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class ModelScores:
+    """One model's mean log-likelihoods in a `ScoreCache`, by document list and scoring window."""
+
+    cache: ScoreCache
+    ident: dict
+
+    def _key(self, seqs: Sequence[Sequence[int]], window: int, stride: int | None, batch_size: int) -> str:
+        return self.cache.key(**self.ident, window=window, stride=stride, batch_size=batch_size, seqs=seqs)
+
+    def get(self, seqs: Sequence[Sequence[int]], *, window: int, stride: int | None,
+            batch_size: int) -> np.ndarray | None:
+        """One mean per document of `seqs`, or None where nothing (whole) is kept."""
+        found = self.cache.get(self._key(seqs, window, stride, batch_size))
+        return found if found is not None and found.shape == (len(seqs),) else None
+
+    def put(self, seqs: Sequence[Sequence[int]], values: np.ndarray, *, window: int, stride: int | None,
+            batch_size: int) -> None:
+        self.cache.put(self._key(seqs, window, stride, batch_size), values)

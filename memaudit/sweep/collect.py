@@ -49,20 +49,20 @@ class Collected:
     members: list[str]
 
 
-def _current(sweep: Path, name: str) -> bool:
-    """False for a report the sweep's last summary does not name: one written before a later
-    `--no-report` call added points, which would speak for fewer runs than the archive holds."""
-    if not name.startswith("report/"):
-        return True
+def _sweep_files(sweep: Path, names: tuple[str, ...]) -> list[str]:
+    """Those of `names` that `sweep` holds, less a report its last summary does not name (one
+    written before a later `--no-report` call added points: it would speak for fewer runs than
+    the archive holds)."""
     try:
-        return bool(json.loads((sweep / "sweep.json").read_text(encoding="utf-8")).get("report"))
+        with_report = bool(json.loads((sweep / "sweep.json").read_text(encoding="utf-8")).get("report"))
     except (OSError, ValueError):
-        return False
+        with_report = False
+    return [n for n in names if (sweep / n).is_file() and (with_report or not n.startswith("report/"))]
 
 
 def _members(sweep: Path) -> list[tuple[str, Path]]:
     """(name in the archive, path) of every result file in `sweep`, in a fixed order."""
-    out = [(name, sweep / name) for name in SWEEP_FILES if (sweep / name).is_file() and _current(sweep, name)]
+    out = [(name, sweep / name) for name in _sweep_files(sweep, SWEEP_FILES)]
     runs = sweep / "runs"
     for rd in sorted(runs.iterdir()) if runs.is_dir() else []:
         out += [(f"runs/{rd.name}/{f}", rd / f) for f in RUN_FILES if (rd / f).is_file()]
@@ -95,9 +95,8 @@ def collect(sweep: str | os.PathLike, dest: str | os.PathLike, *, limit: int = L
         raise MemauditError(f"--to '{dest}' lies inside the sweep folder; choose a folder outside it")
     members = _members(sweep)
     blobs = {ARCHIVE: _archive(members)}
-    for name in LOOSE:
-        if (sweep / name).is_file() and _current(sweep, name):
-            blobs[Path(name).name] = (sweep / name).read_bytes()
+    for name in _sweep_files(sweep, LOOSE):
+        blobs[Path(name).name] = (sweep / name).read_bytes()
     for name, data in blobs.items():
         if len(data) > limit:
             raise MemauditError(f"{name} would be {len(data) / 2**20:.1f} MiB, over the {limit / 2**20:g} MiB "

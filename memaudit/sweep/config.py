@@ -640,9 +640,11 @@ def _set_override(raw: dict[str, Any], key: str, value: Any) -> None:
         if tuple(parts[:len(head)]) == head and len(parts) > n:
             node = raw
             for p in parts[:n]:
-                node = node.setdefault(p, {}) if isinstance(node.get(p), dict | None) else None
-                if node is None:
+                if node.get(p) is None:  # absent, or empty in the file
+                    node[p] = {}
+                if not isinstance(node[p], dict):
                     raise ConfigError(f"override '{key}': '{p}' is not a section")
+                node = node[p]
             node[".".join(parts[n:])] = value
             return
     set_dotted(raw, key, value)

@@ -117,7 +117,7 @@ def test_the_reference_scores_kept_for_the_next_point_are_the_reference_scores(s
     ident = {"weights": "ref-sha", "engine": "torch", "dtype": "float32@cpu"}
     plain = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(ref, codec))
     first = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(ref, codec),
-                       reference_cache=(cache, ident))
+                       reference_cache=cache.model(ident))
     entries = list((tmp_path / "cache").iterdir())
     assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o600
 
@@ -126,26 +126,26 @@ def test_the_reference_scores_kept_for_the_next_point_are_the_reference_scores(s
             raise AssertionError("the reference was scored again")
 
     again = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(Unused(), codec),
-                       reference_cache=(cache, ident))
+                       reference_cache=cache.model(ident))
     for got in (first, again):
         assert got.keys() == plain.keys()
         for name in plain:
             np.testing.assert_array_equal(got[name], plain[name])
     # another window, other documents, other weights: computed (and kept) anew
     doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX // 2, reference=(ref, codec),
-               reference_cache=(cache, ident))
+               reference_cache=cache.model(ident))
     doc_scores(model, codec, docs[:3], batch_size=2, max_tokens=CTX, reference=(ref, codec),
-               reference_cache=(cache, ident))
+               reference_cache=cache.model(ident))
     other = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(model, codec),
-                       reference_cache=(cache, {**ident, "weights": "other-sha"}))
+                       reference_cache=cache.model({**ident, "weights": "other-sha"}))
     assert np.all(other["reference"] == 0.0)  # the target as its own reference
     assert len(list((tmp_path / "cache").iterdir())) == 4
     # the reference's own run (its weights the target, with the stats) keeps what the reference
     # pass computes, bit for bit: a fine-tune against it then reads them
     fresh = ScoreCache(tmp_path / "fresh")
-    doc_scores(ref, codec, docs, batch_size=2, max_tokens=CTX, target_cache=(fresh, ident))
+    doc_scores(ref, codec, docs, batch_size=2, max_tokens=CTX, target_cache=fresh.model(ident))
     read = doc_scores(model, codec, docs, batch_size=2, max_tokens=CTX, reference=(Unused(), codec),
-                      reference_cache=(fresh, ident))
+                      reference_cache=fresh.model(ident))
     np.testing.assert_array_equal(read["reference"], plain["reference"])
 
 
