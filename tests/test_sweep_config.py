@@ -104,6 +104,22 @@ def test_a_nested_section_in_a_per_backend_map_merges_into_the_base(tmp_path):
     assert after.federated.model_dump(exclude={"server_lr"}) == before.federated.model_dump(exclude={"server_lr"})
 
 
+def test_a_set_inside_a_map_the_file_leaves_empty_makes_it(tmp_path):
+    """`per_backend.federated:` written empty in the file (None): `--set per_backend.federated.
+    federated.server_lr=...` makes the section and sets the key, as on an absent one; a map key
+    that is not a section is refused."""
+    from memaudit.errors import ConfigError
+
+    raw = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    raw["base_config"] = str(CONFIGS / raw["base_config"])
+    raw["per_backend"]["federated"] = None
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_sweep_config(tmp_path / "s.yaml", ["per_backend.federated.federated.server_lr=0.01"])
+    assert cfg.per_backend["federated"] == {"federated.server_lr": 0.01}
+    with pytest.raises(ConfigError, match="'federated' is not a section"):
+        load_sweep_config(tmp_path / "s.yaml", ["per_backend.federated=1", "per_backend.federated.x.y=2"])
+
+
 def test_audit_levels_pick_grid_levels(tmp_path, capsys):
     """audit.levels: all, dp_only, or a list of the grid's own levels; another level is one line."""
     base = ["grid.epsilons=[inf, 8, 2]", "grid.backends=[centralized, federated]", "audit.enabled=true",
