@@ -10,23 +10,13 @@
 # the part is complete) what comes back is written under $OUT: `memaudit collect`'s archive.
 # The sweep writes no report on the machine (--no-report): it is built at home from all parts.
 # SWEEP_OUT (default /tmp/study-tpu/sweep) and SWEEP_ARGS (e.g. "--set KEY=VALUE ...") run a
-# variant of the study beside it on the same machine, e.g. a federated setting tried at tiny.
+# variant of the study beside it on the same machine, e.g. a federated setting tried at tiny;
+# COLLECT_AS names the archive (default: the sweep folder's name; scripts/study_tpu_variants.sh
+# runs several variants of one point in one folder, each collected under its own name).
 set -u
 only=$1 stop_after=$2 hard=$3
 t0=$(date +%s)
-if [ ! -f /tmp/site/.done ]; then
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl || exit 9
-  touch /tmp/site/.done
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
-    --only-binary=:all: --index-url file:///opt/pypi/simple --find-links /opt/wheels --target /tmp/site3 \
-    torch==2.13.0 || echo "torch: not installed"
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
-    --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/site2 \
-    matplotlib pillow fonttools kiwisolver contourpy || echo "matplotlib: not installed"
-  echo "install $(( $(date +%s) - t0 )) s"
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site:/tmp/site3:/tmp/site2
+. scripts/tpu_env.sh || exit 9
 export JAX_COMPILATION_CACHE_DIR=/tmp/study-tpu/jax-cache
 cat > /tmp/memaudit <<'EOS'
 #!/bin/sh
@@ -50,6 +40,7 @@ echo "sweep piece: exit $rc, $(( $(date +%s) - t1 )) s"
 tail -c 3000 "$log"
 if [ "${4:-}" = collect ] || [ $rc = 0 ]; then
   name=study; [ -n "${SWEEP_OUT:-}" ] && name=$(basename "$out")
+  name=${COLLECT_AS:-$name}
   memaudit collect "$out" --to "${OUT:-/tmp/study-tpu/out}/$name"
 fi
 echo "total $(( $(date +%s) - t0 )) s"
