@@ -11,10 +11,12 @@ torch nor transformers, so it runs on a TPU host with only memaudit's JAX depend
 - exposure: --canaries canaries, each with --candidates candidates of --prefix-tokens shared
   tokens and --secret-tokens own ones drawn from --secret-alphabet token ids (10: digit secrets,
   one token a digit as memaudit's tokenizer splits them), side by side: the plain path
-  (`JaxLM.shared_prefix_nll`: every candidate's every token) and the trie
-  (`memaudit.probes.jax_trie.trie_nll`: each distinct token prefix once), interleaved on the same candidates, the
-  plain one on every --plain-every-th canary; medians, their ratio, the input tokens each runs
-  and the largest difference of their sums. When --measure-canaries is smaller than --canaries,
+  (`JaxLM.shared_prefix_nll`: every candidate's every token), the trie
+  (`memaudit.probes.jax_trie.trie_nll`: each distinct token prefix once) and the grouped path
+  (`memaudit.probes.jax_groups.grouped_nll`: heads of the first m own tokens once, the rest in
+  chunks of one head), interleaved on the same candidates, the plain one on every
+  --plain-every-th canary; medians, each one's ratio against plain, the input tokens each runs
+  and the largest difference of each one's sums from plain's. When --measure-canaries is smaller than --canaries,
   that many are timed and the total extrapolated (per-canary time x canaries), said so.
 - decode: greedy continuations of --decode-new tokens for --decode-prompts prompts.
 
@@ -63,7 +65,9 @@ def main() -> None:
     ap.add_argument("--secret-alphabet", type=int, default=10, help="token ids a secret token is "
                     "drawn from (10: digits, one token each); 0: the whole vocabulary")
     ap.add_argument("--plain-every", type=int, default=1, help="time the plain exposure path on "
-                    "every k-th canary beside the trie (which runs on every one)")
+                    "every k-th canary beside the others (which run on every one)")
+    ap.add_argument("--exposure-paths", default="plain,trie,grouped", help="comma-separated "
+                    "exposure paths to time: plain (the reference), trie, grouped")
     ap.add_argument("--parts", default="scoring,exposure,decode")
     ap.add_argument("--reduced", action="store_true", help="a CPU check in under a minute: the "
                     "tiny preset, 16 x 64 scoring, 4 canaries x 2,000 candidates, 8 prompts")
@@ -157,62 +161,84 @@ def _candidates(rng, args, vocab: int) -> np.ndarray:
     return cands
 
 
+def _exposure_paths(lm, names: list[str]) -> dict:
+    from memaudit.probes.jax_groups import grouped_nll
+    from memaudit.probes.jax_trie import trie_nll
+
+    table = {"plain": lm.shared_prefix_nll, "trie": partial(trie_nll, lm),
+             "grouped": partial(grouped_nll, lm)}
+    unknown = set(names) - set(table)
+    if unknown or "plain" not in names:
+        raise SystemExit(f"--exposure-paths: {sorted(unknown) or names} (choose from "
+                         "plain,trie,grouped; plain is the reference and must be one)")
+    return {name: table[name] for name in names}
+
+
 def exposure(lm, args, rng, params: int, peak: float) -> dict:
-    """Both exposure paths on the same candidates, interleaved: the trie (`jax_trie.trie_nll`) on
-    every canary, the plain path (`JaxLM.shared_prefix_nll`) on every --plain-every-th, the two in
-    alternating order. Canary 0 compiles both and is not counted."""
+    """The exposure paths (--exposure-paths: plain `JaxLM.shared_prefix_nll`, trie
+    `jax_trie.trie_nll`, grouped `jax_groups.grouped_nll`) on the same candidates, interleaved:
+    plain on every --plain-every-th canary, the others on every one, the order rotating from
+    canary to canary. Canary 0 compiles every path and is not counted. Each path's ratio is
+    plain's seconds over its own on the canaries both ran (median of the per-canary ratios)."""
+    from memaudit.probes.jax_groups import plan_groups
     from memaudit.probes.jax_trie import plan_trie, trie_nll
 
+    paths = _exposure_paths(lm, args.exposure_paths.split(","))
     measured = min(args.measure_canaries or args.canaries, args.canaries)
-    times: dict[str, list[float]] = {"plain": [], "trie": []}
-    paired: list[tuple[float, float]] = []
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    paired: dict[str, list[tuple[float, float]]] = {name: [] for name in paths if name != "plain"}
     first: dict[str, float] = {}
-    diff = 0.0
+    diff = dict.fromkeys(paired, 0.0)
     for c in range(measured + 1):
         cands = _candidates(rng, args, lm.shape.vocab)
-        names = ["trie", "plain"] if c % args.plain_every == 0 else ["trie"]
-        if (c // args.plain_every) % 2:  # which path runs first alternates between pairs
-            names.reverse()
-        got = {}
+        names = [nm for nm in paths if nm != "plain" or c % args.plain_every == 0]
+        names = names[c % len(names):] + names[: c % len(names)]  # rotate who runs first
+        got, took = {}, {}
         for name in names:
-            fn = partial(trie_nll, lm) if name == "trie" else lm.shared_prefix_nll
             t0 = time.perf_counter()
-            got[name] = fn(cands)
-            dt = time.perf_counter() - t0
+            got[name] = paths[name](cands)
+            took[name] = time.perf_counter() - t0
             if c == 0:
-                first[name] = dt
+                first[name] = took[name]
             else:
-                times[name].append(dt)
+                times[name].append(took[name])
             assert np.isfinite(got[name]).all()
-        if len(got) == 2:
-            diff = max(diff, float(np.abs(got["trie"] - got["plain"]).max()))
-            if c:
-                paired.append((times["plain"][-1], times["trie"][-1]))
-    plan = plan_trie(cands[:, args.prefix_tokens:], np.full(len(cands), args.secret_tokens))
+        if "plain" in got:
+            for name, pairs in paired.items():
+                diff[name] = max(diff[name], float(np.abs(got[name] - got["plain"]).max()))
+                if c:
+                    pairs.append((took["plain"], took[name]))
+    own = cands[:, args.prefix_tokens:]
+    n_own = np.full(len(cands), args.secret_tokens)
+    trie, grouped = plan_trie(own, n_own), plan_groups(own, n_own)
+    fwd = {"plain": trie.plain_forward_tokens, "trie": trie.forward_tokens,
+           "grouped": grouped.forward_tokens}
     out = {"canaries": args.canaries, "candidates_per_canary": args.candidates,
            "prefix_tokens": args.prefix_tokens, "secret_tokens": args.secret_tokens,
            "secret_alphabet": args.secret_alphabet or "vocabulary",
-           "input_tokens_per_canary": {"plain": plan.plain_forward_tokens,
-                                       "trie": plan.forward_tokens},
-           "trie_levels": [len(lv.tokens) for lv in plan.levels],
-           "max_abs_diff_nats": diff}
+           "input_tokens_per_canary": {name: fwd[name] for name in paths},
+           "plain_padded_tokens_per_canary": grouped.flat_forward_tokens,
+           "trie_levels": [len(lv.tokens) for lv in trie.levels],
+           "grouped_plan": {"m": grouped.m, "c": grouped.c, "heads": len(grouped.heads),
+                            "chunks": len(grouped.chunk_head)},
+           "max_abs_diff_nats_vs_plain": diff}
     for name, ts in times.items():
         if not ts:
             continue
         per = statistics.median(ts)
-        fwd = plan.plain_forward_tokens if name == "plain" else plan.forward_tokens
         out[name] = {"measured_canaries": len(ts), "first_canary_s_incl_compile": round(first[name], 2),
                      "seconds_per_canary": round(per, 3),
                      "candidates_per_s": round(args.candidates / per),
                      "total_s": round(per * args.canaries + (first[name] - per), 1),
                      "extrapolated": len(ts) < args.canaries,
-                     "mfu_forward_tokens": round(2 * params * fwd / per / peak, 4)}
-    if paired:
-        out["ratio_plain_over_trie"] = {
-            "paired_canaries": len(paired),
-            "median_of_ratios": round(statistics.median(p / q for p, q in paired), 3),
-            "ratio_of_medians": round(statistics.median(p for p, _ in paired)
-                                      / statistics.median(q for _, q in paired), 3)}
+                     "mfu_forward_tokens": round(2 * params * fwd[name] / per / peak, 4)}
+        if paired.get(name):
+            pairs = paired[name]
+            out[name]["ratio_plain_over_this"] = {
+                "paired_canaries": len(pairs),
+                "median_of_ratios": round(statistics.median(p / q for p, q in pairs), 3),
+                "ratio_of_medians": round(statistics.median(p for p, _ in pairs)
+                                          / statistics.median(q for _, q in pairs), 3)}
     for budget in [int(b) for b in args.exposure_max_tokens.split(",") if b]:
         other = dataclasses.replace(lm, max_tokens=budget)
         trie_nll(other, cands)  # compiles this budget's batch shapes

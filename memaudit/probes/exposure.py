@@ -166,23 +166,43 @@ def score_secrets(
     once (`memaudit.probes.jax_trie.trie_nll`: digit secrets share their leading digits, 2.55x fewer tokens at 8
     digits, 1.3-1.6x faster); on a TPU v5e the trie's gathers cost what its tokens save (1.634
     against 1.644 s a canary of 10^5 candidates at 125m, compiled in 25 s against 5 s;
-    docs/results.md), so accelerators keep the flat path.
+    docs/results.md), so accelerators keep the flat path (`JAX_ACCEL_PATH`).
     """
     prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
     seqs = encode_many(codec, [prefix + s + suffix for s in secrets])
     if getattr(model, "is_jax", False):
-        # lazy: jax and the trie only with a JAX model, which has imported them already
+        # lazy: jax only with a JAX model, which has imported it already
         import jax
 
-        from memaudit.probes.jax_trie import trie_nll
-
-        if jax.default_backend() == "cpu":
-            return trie_nll(model, seqs, progress=progress)
-        return model.shared_prefix_nll(seqs, progress=progress)
+        path = "trie" if jax.default_backend() == "cpu" else JAX_ACCEL_PATH
+        return jax_exposure_path(path)(model, seqs, progress=progress)
     # lazy: torch (~2 s) only when called; this module imports without it
     from memaudit.probes.scoring import shared_prefix_nll
 
     return shared_prefix_nll(model, seqs, batch_size=batch_size, progress=progress)
+
+
+# Which JAX path scores exposure's candidates on an accelerator: "flat" (`JaxLM.shared_prefix_nll`),
+# "trie" (`jax_trie.trie_nll`) or "grouped" (`jax_groups.grouped_nll`); all give the same sums.
+# Flat until the grouped path is measured on the chip (benchmarks/probe_jax.py --parts exposure).
+JAX_ACCEL_PATH = "flat"
+
+
+def jax_exposure_path(name: str):
+    """The function `(lm, seqs, *, progress)` -> summed NLLs of a JAX exposure path by name."""
+    if name == "flat":
+        return lambda lm, seqs, *, progress=None: lm.shared_prefix_nll(seqs, progress=progress)
+    if name == "trie":
+        # lazy: the JAX paths only with a JAX model, which has imported jax already
+        from memaudit.probes.jax_trie import trie_nll
+
+        return trie_nll
+    if name == "grouped":
+        # lazy: as above
+        from memaudit.probes.jax_groups import grouped_nll
+
+        return grouped_nll
+    raise ValueError(f"unknown JAX exposure path '{name}'; use 'flat', 'trie' or 'grouped'")
 
 
 def encode_many(codec, texts: list[str]) -> list[list[int]]:
