@@ -165,8 +165,10 @@ def score_secrets(
     sums. On the CPU the JAX engine also runs each distinct prefix of the candidates' own tokens
     once (`memaudit.probes.jax_trie.trie_nll`: digit secrets share their leading digits, 2.55x fewer tokens at 8
     digits, 1.3-1.6x faster); on a TPU v5e the trie's gathers cost what its tokens save (1.634
-    against 1.644 s a canary of 10^5 candidates at 125m, compiled in 25 s against 5 s;
-    docs/results.md), so accelerators keep the flat path (`JAX_ACCEL_PATH`).
+    against 1.644 s a canary of 10^5 candidates at 125m), and accelerators take the grouped path
+    (`memaudit.probes.jax_groups.grouped_nll`, `JAX_ACCEL_PATH`): the distinct first digits run
+    once as heads and the rest in chunks of one head, with no per-row gathers (1.125 against
+    1.645 s a canary there, 1.46x; docs/results.md).
     """
     prefix, suffix = template.split("{secret}")  # not str.format: the template may hold other braces
     seqs = encode_many(codec, [prefix + s + suffix for s in secrets])
@@ -184,8 +186,9 @@ def score_secrets(
 
 # Which JAX path scores exposure's candidates on an accelerator: "flat" (`JaxLM.shared_prefix_nll`),
 # "trie" (`jax_trie.trie_nll`) or "grouped" (`jax_groups.grouped_nll`); all give the same sums.
-# Flat until the grouped path is measured on the chip (benchmarks/probe_jax.py --parts exposure).
-JAX_ACCEL_PATH = "flat"
+# Grouped: 1.46x the flat path's candidates a second on a TPU v5e at 125m (10 canaries of 10^5
+# 8-digit candidates, `benchmarks/probe_jax.py --parts exposure`, docs/results.md).
+JAX_ACCEL_PATH = "grouped"
 
 
 def jax_exposure_path(name: str):

@@ -129,3 +129,33 @@ def test_exposure_paths_by_name(lm):
         np.testing.assert_allclose(jax_exposure_path(name)(lm, seqs), want, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="unknown JAX exposure path 'tree'"):
         jax_exposure_path("tree")
+
+
+class _DigitCodec:
+    """Letters and digits to this module's tokens: digit d -> DIGITS[d], another character -> 1..19."""
+
+    def batch(self, texts):
+        return [[int(DIGITS[int(c)]) if c.isdigit() else 1 + ord(c) % 19 for c in t] for t in texts]
+
+
+def test_an_accelerator_scores_exposure_on_the_grouped_path(lm, monkeypatch):
+    """`score_secrets` on a non-CPU backend takes JAX_ACCEL_PATH (grouped, the faster on the
+    chip) and gives the flat path's sums; the CPU keeps the trie."""
+    import jax
+
+    from memaudit.probes import exposure, jax_groups, jax_trie
+
+    calls = []
+    for mod, name in ((jax_groups, "grouped_nll"), (jax_trie, "trie_nll")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    secrets = exposure.sample_secrets("0123456789", 6, 400, seed=3)
+    template = "my pin is {secret}."
+    want = lm.shared_prefix_nll(_DigitCodec().batch([template.replace("{secret}", s) for s in secrets]))
+    got = exposure.score_secrets(lm, _DigitCodec(), template, secrets, batch_size=8)
+    assert calls == ["trie_nll"]
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    got_tpu = exposure.score_secrets(lm, _DigitCodec(), template, secrets, batch_size=8)
+    assert calls == ["trie_nll", "grouped_nll"] and exposure.JAX_ACCEL_PATH == "grouped"
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got_tpu, want, atol=1e-4, rtol=0)
