@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memaudit.probes import jax_scoring as js
-from memaudit.probes.jax_trie import MAX_CACHE_BYTES, _packed, _pow2
+from memaudit.probes.jax_trie import MAX_CACHE_BYTES, packed_rows, pow2
 
 CHUNKS = (64, 32, 16, 8)  # rows per chunk the planner tries (ties go to the larger)
 MIN_SAVING = 0.1  # the grouped plan runs when it saves at least this share of the plain tokens
@@ -90,7 +90,7 @@ def _sorted_distinct(suffix: np.ndarray, n_tok: np.ndarray):
     counts, group (d, w): rows equal in their first j + 1 tokens share group[:, j], inv)."""
     w = suffix.shape[1]
     key = np.where(np.arange(w) < n_tok[:, None], suffix, -1).astype(np.int64)
-    _, first, inv = np.unique(_packed(key), return_index=True, return_inverse=True)
+    _, first, inv = np.unique(packed_rows(key), return_index=True, return_inverse=True)
     s = key[first]
     step = np.zeros(s.shape, bool)
     step[1:] = np.logical_or.accumulate(s[1:] != s[:-1], axis=1)
@@ -154,7 +154,7 @@ def _build(s, n_d, group, inv, m: int, c: int, *, n_tok, flat: int) -> GroupPlan
     pnew = np.r_[True, group[act[1:], m] != group[act[:-1], m]]  # children: distinct token m
     pair = np.cumsum(pnew) - 1
     slot = pair - pair[first][head]
-    children = np.zeros((len(first), _pow2(int(slot.max()) + 1)), np.int32)
+    children = np.zeros((len(first), pow2(int(slot.max()) + 1)), np.int32)
     children[head, slot] = s[act, m]
     head_of, child_of, row_of = none.copy(), none.copy(), none.copy()
     head_of[act], child_of[act] = head, slot
@@ -237,7 +237,7 @@ def _run_heads(lm, pk, pv, last, lcp: int, plan: GroupPlan, *, keep: bool):
     """The heads in batches: NLL (h,) and children's log p (h, C) on the host (float64), keys
     and values (layers, h_padded, m, kv, hd) on the device (None without keep)."""
     h, m = plan.heads.shape
-    rows = max(1, min(_pow2(h), lm.max_tokens // m))
+    rows = max(1, min(pow2(h), lm.max_tokens // m))
     parts = []
     for i in range(0, h, rows):
         ids = np.zeros((rows, m), np.int32)
@@ -261,7 +261,7 @@ def _run_chunks(lm, pk, pv, hk, hv, lcp, plan: GroupPlan, progress, done, total,
     if not k:
         return np.zeros(0)
     r = plan.row_ids.shape[1] - 1
-    per = max(1, min(_pow2(k), lm.max_tokens // (c * r)))  # chunks a batch
+    per = max(1, min(pow2(k), lm.max_tokens // (c * r)))  # chunks a batch
     out = np.empty(k * c)
     pending = []
 

@@ -41,7 +41,7 @@ SHARE = 0.9  # run a level while its distinct prefixes are at most this share of
 MAX_CACHE_BYTES = 4 << 30  # the levels' cached keys and values, all layers
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -92,7 +92,7 @@ def plan_trie(suffix: np.ndarray, n_tok: np.ndarray, *, share: float = SHARE,
     n, w = suffix.shape
     n_tok = np.asarray(n_tok, np.int64)
     key = np.where(np.arange(w) < n_tok[:, None], suffix, -1).astype(np.int64)  # -1: no token
-    order = np.argsort(_packed(key), kind="stable")  # lexicographic (np.lexsort: 4x slower)
+    order = np.argsort(packed_rows(key), kind="stable")  # lexicographic (np.lexsort: 4x slower)
     srt = key[order]
     step = np.zeros((n, w), bool)  # the row's first d + 1 tokens differ from the previous row's
     step[1:] = np.logical_or.accumulate(srt[1:] != srt[:-1], axis=1)
@@ -117,7 +117,7 @@ def plan_trie(suffix: np.ndarray, n_tok: np.ndarray, *, share: float = SHARE,
         pnew = np.r_[True, g[act[1:], d] != g[act[:-1], d]]  # children: distinct (node, s_d)
         pair = np.cumsum(pnew) - 1
         slot = pair - pair[first][node_a]
-        width = _pow2(int(slot.max()) + 1)
+        width = pow2(int(slot.max()) + 1)
         targets = np.zeros((len(first), width), np.int32)
         targets[node_a, slot] = s[act, d]
         e = np.full(len(s), -1, np.int64)
@@ -155,7 +155,7 @@ def plan_trie(suffix: np.ndarray, n_tok: np.ndarray, *, share: float = SHARE,
                     plain_forward_tokens=int(np.maximum(n_tok - 1, 0).sum()))
 
 
-def _packed(key: np.ndarray) -> np.ndarray:
+def packed_rows(key: np.ndarray) -> np.ndarray:
     """One int64 per row ordered as the rows are lexicographically: each column's offset from
     its minimum in a mixed radix, the running key re-ranked whenever the next radix would
     overflow (digit tokens pack 17 columns without one)."""
@@ -230,7 +230,7 @@ def trie_nll(lm: js.JaxLM, seqs, *, share: float = SHARE,
 
 
 def _batches(n: int, t: int, max_tokens: int):
-    rows = max(1, min(_pow2(n), max_tokens // max(1, t)))
+    rows = max(1, min(pow2(n), max_tokens // max(1, t)))
     for i in range(0, n, rows):
         yield rows, np.arange(i, min(i + rows, n))
 
