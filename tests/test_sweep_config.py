@@ -83,7 +83,7 @@ def test_a_set_inside_a_per_backend_map_changes_one_key_and_keeps_the_rest():
     assert before.federated.server_optimizer == "fedadam" and after.federated.server_optimizer == "sgd"
     assert after.federated.model_dump(exclude={"server_optimizer"}) == before.federated.model_dump(
         exclude={"server_optimizer"})
-    assert (after.federated.rounds, after.federated.cohort, after.privacy.clip) == (150, 32, 0.5)
+    assert (after.federated.rounds, after.federated.cohort, after.privacy.clip) == (150, 32, 0.1)
     assert after.train.lr == 0.001 and cfg.per_model["tiny"]["train.lr"] == 0.001
     assert cfg.pretrain.overrides["train.lr"] == 0.002 and cfg.pretrain.overrides["train.eval_every"] == 100
     assert cfg.pretrain.per_model["125m"]["train.lr"] == 0.0001 and cfg.pretrain.per_model["125m"]["train.steps"] == 190
@@ -118,6 +118,37 @@ def test_a_set_inside_a_map_the_file_leaves_empty_makes_it(tmp_path):
     assert cfg.per_backend["federated"] == {"federated.server_lr": 0.01}
     with pytest.raises(ConfigError, match="'federated' is not a section"):
         load_sweep_config(tmp_path / "s.yaml", ["per_backend.federated=1", "per_backend.federated.x.y=2"])
+
+
+def test_per_backend_dp_sets_the_dp_points_of_its_backend_only(tmp_path, capsys):
+    """per_backend_dp.federated applies after per_backend to the federated points with DP and to
+    no other point; a key that changes what a step trains on, the model or the level is one line,
+    exit 2, and `--set per_backend_dp.B.KEY=V` sets that one key."""
+    sets = ["grid.epsilons=[inf, 8]", "grid.backends=[centralized, federated]",
+            "per_backend_dp.federated.privacy.clip=0.1", "per_backend_dp.federated.federated.server_lr=0.001"]
+    cfg = load_sweep_config(CONFIGS / "quickstart.yaml", sets)
+    plain = load_sweep_config(CONFIGS / "quickstart.yaml", sets[:2])
+    assert cfg.per_backend_dp == {"federated": {"privacy.clip": 0.1, "federated.server_lr": 0.001}}
+    seen = set()
+    for p in plan_points(cfg):
+        got, before = point_config(cfg, p), point_config(plain, p)
+        if p.backend == "federated" and p.level is not None:
+            assert (got.privacy.clip, got.federated.server_lr) == (0.1, 0.001)
+            assert got.model_dump(exclude={"privacy", "federated"}) == before.model_dump(exclude={"privacy", "federated"})
+            seen.add("dp")
+        else:
+            assert got == before
+            seen.add(p.backend)
+    assert seen == {"dp", "federated", "centralized"}
+    for bad, says in (("per_backend_dp.federated.federated.rounds=10", "changes what a step trains on"),
+                      ("per_backend_dp.federated.privacy.target_epsilon=1", "the grid's levels set it"),
+                      ("per_backend_dp.central.privacy.clip=1", "unknown backend 'central'"),
+                      ("per_backend_dp.centralized.model.preset=125m", "fine-tunes the model")):
+        sweep = tmp_path / "s.yaml"
+        sweep.write_text((CONFIGS / "quickstart.yaml").read_text().replace("base_config: ", f"base_config: {CONFIGS}/"))
+        rc = main(["sweep", str(sweep), "--dry-run", "--set", bad])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (bad, err)
 
 
 def test_audit_levels_pick_grid_levels(tmp_path, capsys):

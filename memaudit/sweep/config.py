@@ -2,7 +2,8 @@
 
 A sweep file holds a `base` run config (the same mapping as configs/tiny.yaml), optional
 `per_backend` and `per_model` dotted overrides (clip norms and optimizers differ between
-DP-SGD and DP-FedAvg; each model size has its own parallel grid), the `grid`, the `regime`
+DP-SGD and DP-FedAvg; each model size has its own parallel grid), `per_backend_dp` for a
+backend's DP points only (their clip and step sizes), the `grid`, the `regime`
 (`multi-epoch`: the configured steps; `single-pass`: one epoch over the training documents,
 steps derived from the data by `memaudit.sweep.regime`), the `audit` runs, the `probe`
 settings and the `executor` the points run on (`memaudit.sweep.executors`).
@@ -302,6 +303,11 @@ class SweepConfig(_Section):
                       "process with cpu_count // jobs threads")
     base: dict[str, Any] = Field(default_factory=dict)
     per_backend: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    per_backend_dp: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="dotted overrides per backend for its DP points only "
+        "(a finite epsilon or a noise multiplier > 0), after per_backend: DP's own step sizes and "
+        "clip norms (a noisy average wants a clip near the updates' norm and a smaller server "
+        "step); never what a step trains on, so DP and non-DP points compare at equal tokens")
     per_model: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="dotted overrides per model size (its parallel grid, "
         "micro batch, lr); never what a step trains on")
@@ -354,6 +360,25 @@ class SweepConfig(_Section):
                 raise ValueError(f"audit.levels has {missing[0]:g}, which is not a grid level; use "
                                  f"levels from {[float(g) for g in grid]}, all or dp_only")
         return self
+
+    @field_validator("per_backend_dp", mode="before")
+    @classmethod
+    def _per_backend_dp_alias(cls, v: Any) -> Any:
+        return {backend_name(b): o for b, o in v.items()} if isinstance(v, dict) else v
+
+    @field_validator("per_backend_dp")
+    @classmethod
+    def _per_backend_dp(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        unknown = sorted(set(v) - set(BACKENDS))
+        if unknown:
+            raise ValueError(f"unknown backend '{unknown[0]}' in per_backend_dp; use centralized or federated")
+        _same_tokens("per_backend_dp", v, "a DP point fine-tunes the model its non-DP points do",
+                     "DP and non-DP points")
+        for b, overrides in v.items():
+            for key in overrides:
+                if key == "privacy.target_epsilon" or key == "privacy.noise_multiplier":
+                    raise ValueError(f"per_backend_dp.{b}.{key}: the grid's levels set it; remove the key")
+        return v
 
     @field_validator("per_model")
     @classmethod
@@ -552,10 +577,14 @@ def tokens_seen(run_cfg: Config) -> int:
 
 
 def point_config(cfg: SweepConfig, point: SweepPoint) -> Config:
-    """The full run config of one grid point: base, per-backend, per-model, per-finetune, then the point."""
+    """The full run config of one grid point: base, per-backend (and per_backend_dp for a DP
+    point), per-model, per-finetune, then the point."""
     raw = deep_copy(cfg.base)
     for key, value in cfg.per_backend.get(point.backend, {}).items():
         set_leaves(raw, key, value)
+    if point.level is not None:  # a DP point (the grid's no-DP level is None)
+        for key, value in cfg.per_backend_dp.get(point.backend, {}).items():
+            set_leaves(raw, key, value)
     if point.model is not None:
         for key, value in cfg.per_model.get(point.model, {}).items():
             set_leaves(raw, key, value)
@@ -625,7 +654,7 @@ def load_sweep_config(path: str | os.PathLike, overrides: list[str] | tuple[str,
 
 
 # The sweep's maps of dotted run-config keys, and how many names (a backend, a size) lead to them
-_DOTTED_MAPS = (("per_backend",), 1), (("per_model",), 1), (("per_finetune",), 1), \
+_DOTTED_MAPS = (("per_backend",), 1), (("per_backend_dp",), 1), (("per_model",), 1), (("per_finetune",), 1), \
     (("pretrain", "overrides"), 0), (("pretrain", "per_model"), 1)
 
 
