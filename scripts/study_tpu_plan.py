@@ -27,7 +27,8 @@ DP_SLOWDOWN = 62.1 / 29.8  # DP-SGD per example at 125m: 2.08x; ELS and ULS assu
 FED_125M = 8 * 2 * 2 * 512 / 0.238  # tokens/s, FedAvg round, cohort 8 (DP-FedAvg: 0.99x)
 FED_350M = 8 * 2 * 2 * 512 / 0.683
 SCORE_125M = 340_000  # tokens/s, scoring with Min-K%++'s statistics
-EXPOSURE_125M = 1.64 / 1e5  # seconds a candidate (1.64 s a canary at 10^5 candidates)
+EXPOSURE_125M = 1.125 / 1e5  # seconds a candidate (the grouped path, 1.125 s a canary at 10^5
+# candidates, 2026-12-07; the flat path's 1.64 s before)
 COMPILE = {"tiny": 10.0, "125m": 15.0, "350m": 15.0}  # s a program (scanned layers: 9.7-14.5 s measured)
 ULS_COMPILE_125M = 150.0  # s: the one ULS compile tried at 125m had not ended after ~150 s
 # ---- measured on the chip, 2026-12-07 (the tiny study's third machine, commit 0c22875, docs/results.md)
