@@ -187,17 +187,14 @@ def grouped_nll(lm: js.JaxLM, seqs, *, plan: GroupPlan | None = None,
     every token after the first of each sequence. plan: `plan_groups` of the candidates' own
     tokens after their common prefix (default: planned here).
     """
-    arr, lengths = js.as_padded(seqs)
+    arr, lengths, lcp = js.scored_candidates(seqs)
     n = len(lengths)
     if n == 0:
         return np.zeros(0)
-    if lengths.min() < 2:
-        raise ValueError("every scored sequence needs at least 2 tokens")
-    lcp = js.common_prefix_len(arr, lengths)
     sh = lm.shape
-    tok_bytes = 2 * sh.layers * sh.kv_heads * sh.head_dim * lm.params["embed"].dtype.itemsize
     if lcp >= 1 and plan is None:
-        plan = plan_groups(arr[:, lcp:], lengths - lcp, max_head_tokens=max_cache_bytes // tok_bytes)
+        plan = plan_groups(arr[:, lcp:], lengths - lcp,
+                           max_head_tokens=max_cache_bytes // lm.kv_bytes_per_token)
     if lcp < 1 or plan.m == 0:
         return lm.shared_prefix_nll(seqs, progress=progress)
     out = np.empty(n)

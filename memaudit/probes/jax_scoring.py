@@ -255,6 +255,12 @@ class JaxLM:
     max_tokens: int = 8192
     is_jax: bool = True
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's keys and values over every layer, as a cache holds them."""
+        s = self.shape
+        return 2 * s.layers * s.kv_heads * s.head_dim * self.params["embed"].dtype.itemsize
+
     @classmethod
     def from_state_dict(cls, sd: dict, cfg: dict, *, dtype: str = "auto", config: Any = None,
                         max_tokens: int | None = None) -> JaxLM:
@@ -344,13 +350,10 @@ class JaxLM:
         to them (shared across rows) and causally to itself. A suffix's last token is only a
         target, so it never enters the forward pass.
         """
-        arr, lengths = as_padded(seqs)
+        arr, lengths, lcp = scored_candidates(seqs)
         n = len(lengths)
         if n == 0:
             return np.zeros(0)
-        if lengths.min() < 2:
-            raise ValueError("every scored sequence needs at least 2 tokens")
-        lcp = common_prefix_len(arr, lengths)
         if lcp < 1:
             ts = self.token_logprobs([a[:k] for a, k in zip(arr, lengths, strict=True)],
                                      progress=progress)
@@ -428,9 +431,7 @@ class JaxLM:
 
     def _cache_rows(self, t: int) -> int:
         """Rows whose KV cache of t positions fits ACCEL_DECODE_CACHE_BYTES."""
-        s = self.shape
-        per_row = 2 * s.layers * t * s.kv_heads * s.head_dim * self.params["embed"].dtype.itemsize
-        return max(1, ACCEL_DECODE_CACHE_BYTES // per_row)
+        return max(1, ACCEL_DECODE_CACHE_BYTES // (t * self.kv_bytes_per_token))
 
 
 @functools.partial(jax.jit, static_argnames=("shape",))
@@ -447,6 +448,18 @@ def prefix_forward(p, ids, n, *, shape: Shape):
     tok = jnp.take_along_axis(lsm[:-1], ids[0, 1:, None], axis=-1)[:, 0]
     nll = -jnp.sum(jnp.where(jnp.arange(1, s) < n, tok, 0.0))
     return nll, k[:, 0], v[:, 0], lsm[n - 1]
+
+
+def scored_candidates(seqs) -> tuple[np.ndarray, np.ndarray, int]:
+    """Sequences whose summed NLLs the prefix-sharing paths score: (n, longest) right-padded
+    tokens, their lengths and their longest common prefix (0 when there are none); ValueError
+    when one has fewer than 2 tokens."""
+    arr, lengths = as_padded(seqs)
+    if not len(lengths):
+        return arr, lengths, 0
+    if lengths.min() < 2:
+        raise ValueError("every scored sequence needs at least 2 tokens")
+    return arr, lengths, common_prefix_len(arr, lengths)
 
 
 def common_prefix_len(arr: np.ndarray, lengths: np.ndarray) -> int:

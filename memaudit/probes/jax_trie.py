@@ -192,18 +192,15 @@ def trie_nll(lm: js.JaxLM, seqs, *, share: float = SHARE,
     seqs: lists of token ids or an (n, length) integer array. Returns the summed NLL (nats) of
     every token after the first of each sequence.
     """
-    arr, lengths = js.as_padded(seqs)
+    arr, lengths, lcp = js.scored_candidates(seqs)
     n = len(lengths)
     if n == 0:
         return np.zeros(0)
-    if lengths.min() < 2:
-        raise ValueError("every scored sequence needs at least 2 tokens")
-    lcp = js.common_prefix_len(arr, lengths)
     if lcp < 1:
         return lm.shared_prefix_nll(seqs, progress=progress)
     sh = lm.shape
-    node_bytes = 2 * sh.layers * sh.kv_heads * sh.head_dim * lm.params["embed"].dtype.itemsize
-    plan = plan_trie(arr[:, lcp:], lengths - lcp, share=share, max_nodes=max_cache_bytes // node_bytes)
+    plan = plan_trie(arr[:, lcp:], lengths - lcp, share=share,
+                     max_nodes=max_cache_bytes // lm.kv_bytes_per_token)
     pids = np.zeros((1, js.bucket_width(lcp)), np.int32)
     pids[0, :lcp] = arr[0, :lcp]
     pre_nll, pk, pv, last = js.prefix_forward(lm.params, pids, np.int32(lcp), shape=sh)
