@@ -104,18 +104,22 @@ def _heads(group: np.ndarray, n_d: np.ndarray, m: int):
     return act, np.cumsum(new) - 1
 
 
-def _cost(group, n_d, n_tok, m: int, c: int, max_head_tokens: int | None) -> int | None:
-    """Forward tokens of plan (m, c) (None: its heads' keys and values do not fit)."""
+def _costs(group, n_d, n_tok, m: int, chunks, max_head_tokens: int | None) -> dict[int, int]:
+    """Forward tokens of plan (m, c) for each c of `chunks` (none: no candidate is deeper than
+    m, or its heads' keys and values do not fit)."""
     act, head = _heads(group, n_d, m)
     if not len(act):
-        return None
+        return {}
     rem = n_d[act] - 1 - m  # inputs after the head
     r = int(rem.max())
     h = int(head[-1]) + 1
     if r and max_head_tokens is not None and h * m > max_head_tokens:
-        return None
-    chunks = int(np.sum(-(-np.bincount(head[rem > 0], minlength=h) // c))) if r else 0
-    return h * m + chunks * c * r + _flat_tokens(n_tok[n_tok <= m])
+        return {}
+    fixed = h * m + _flat_tokens(n_tok[n_tok <= m])
+    if not r:
+        return dict.fromkeys(chunks, fixed)
+    rows = np.bincount(head[rem > 0], minlength=h)  # each head's rows below it
+    return {c: fixed + int(np.sum(-(-rows // c))) * c * r for c in chunks}
 
 
 def plan_groups(suffix: np.ndarray, n_tok: np.ndarray, *, depths=None, chunks=CHUNKS,
@@ -133,9 +137,8 @@ def plan_groups(suffix: np.ndarray, n_tok: np.ndarray, *, depths=None, chunks=CH
     depths = range(1, int(n_d.max(initial=1))) if depths is None else depths
     best, pick = (1 - min_saving) * flat, (0, 0)
     for m in depths:
-        for c in chunks:
-            cost = _cost(group, n_d, n_tok, m, c, max_head_tokens)
-            if cost is not None and cost < best - 1e-9:
+        for c, cost in _costs(group, n_d, n_tok, m, chunks, max_head_tokens).items():
+            if cost < best - 1e-9:
                 best, pick = cost, (m, c)
     return _build(s, n_d, group, inv, *pick, n_tok=n_tok, flat=flat)
 
