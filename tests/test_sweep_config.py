@@ -143,7 +143,8 @@ def test_per_backend_dp_sets_the_dp_points_of_its_backend_only(tmp_path, capsys)
     for bad, says in (("per_backend_dp.federated.federated.rounds=10", "changes what a step trains on"),
                       ("per_backend_dp.federated.privacy.target_epsilon=1", "the grid's levels set it"),
                       ("per_backend_dp.central.privacy.clip=1", "unknown backend 'central'"),
-                      ("per_backend_dp.centralized.model.preset=125m", "fine-tunes the model")):
+                      ("per_backend_dp.centralized.model.preset=125m", "fine-tunes the model"),
+                      ("per_backend_dp.federated.train.goldfish.enabled=true", "centralized-only")):
         sweep = tmp_path / "s.yaml"
         sweep.write_text((CONFIGS / "quickstart.yaml").read_text().replace("base_config: ", f"base_config: {CONFIGS}/"))
         rc = main(["sweep", str(sweep), "--dry-run", "--set", bad])

@@ -337,17 +337,7 @@ class SweepConfig(_Section):
     @field_validator("per_backend")
     @classmethod
     def _per_backend(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        for b, overrides in v.items():
-            if b not in BACKENDS:
-                raise ValueError(f"unknown backend '{b}' in per_backend; use centralized or federated")
-            if b == "federated":
-                for key, val in overrides.items():
-                    if key.startswith("train.goldfish") and val not in (False, None, {"enabled": False}):
-                        raise ValueError(
-                            "Goldfish loss is a centralized-only mitigation; remove "
-                            f"per_backend.federated.{key} (use grid.goldfish for the centralized side)"
-                        )
-        return v
+        return _backend_overrides("per_backend", v)
 
     @model_validator(mode="after")
     def _audit_levels(self) -> SweepConfig:
@@ -369,9 +359,7 @@ class SweepConfig(_Section):
     @field_validator("per_backend_dp")
     @classmethod
     def _per_backend_dp(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        unknown = sorted(set(v) - set(BACKENDS))
-        if unknown:
-            raise ValueError(f"unknown backend '{unknown[0]}' in per_backend_dp; use centralized or federated")
+        _backend_overrides("per_backend_dp", v)
         _same_tokens("per_backend_dp", v, "a DP point fine-tunes the model its non-DP points do",
                      "DP and non-DP points")
         for b, overrides in v.items():
@@ -399,6 +387,21 @@ class SweepConfig(_Section):
             raise ValueError(f"per_finetune.{unused[0]} names a mode that is not in grid.finetune "
                              f"({self.grid.finetune}); add it to grid.finetune or remove it")
         return self
+
+
+def _backend_overrides(section: str, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Overrides per backend name a backend, and give the federated side no Goldfish loss."""
+    for b, overrides in v.items():
+        if b not in BACKENDS:
+            raise ValueError(f"unknown backend '{b}' in {section}; use centralized or federated")
+        if b == "federated":
+            for key, val in overrides.items():
+                if key.startswith("train.goldfish") and val not in (False, None, {"enabled": False}):
+                    raise ValueError(
+                        "Goldfish loss is a centralized-only mitigation; remove "
+                        f"{section}.federated.{key} (use grid.goldfish for the centralized side)"
+                    )
+    return v
 
 
 def _same_tokens(section: str, v: dict[str, dict[str, Any]], model_owner: str, what: str) -> None:
