@@ -287,12 +287,6 @@ def _run_chunks(lm, pk, pv, hk, hv, lcp, plan: GroupPlan, progress, done, total,
     return out
 
 
-def _self_and_prefix(pwidth: int, n, s: int):
-    """(s, pwidth + s) keys a row's s tokens read: the n real prefix ones, then its own causally."""
-    return jnp.concatenate([jnp.broadcast_to(jnp.arange(pwidth) < n, (s, pwidth)),
-                            jnp.tril(jnp.ones((s, s), bool))], axis=-1)
-
-
 @functools.partial(jax.jit, static_argnames=("shape", "keep"))
 def _head_step(p, pk, pv, last, n, ids, children, *, shape: js.Shape, keep: bool):
     """Heads (rows, m) after a common prefix of n tokens (keys and values pk, pv (layers,
@@ -301,21 +295,7 @@ def _head_step(p, pk, pv, last, n, ids, children, *, shape: js.Shape, keep: bool
     Returns each head's NLL of its m tokens (rows,), log p of each of children (rows, C) after
     it, and with keep its keys and values (layers, rows, m, kv, hd).
     """
-    b, m = ids.shape
-    pos = jnp.broadcast_to(n + jnp.arange(m), (b, m))
-    allowed = jnp.broadcast_to(_self_and_prefix(pk.shape[1], n, m), (b, m, pk.shape[1] + m))
-    x = p["embed"][ids]
-
-    def layer(x, xs):
-        lp, kp, vp = xs
-        h = js.rms_norm(x, lp["in_norm"], shape.eps)
-        q, k, v = js.qkv(lp, h, pos, shape)
-        keys = jnp.concatenate([jnp.broadcast_to(kp, (b, *kp.shape)), k], axis=1)
-        vals = jnp.concatenate([jnp.broadcast_to(vp, (b, *vp.shape)), v], axis=1)
-        x = js.attend(lp, x, q, keys, vals, allowed, shape)
-        return js.mlp_block(lp, x, shape), ((k, v) if keep else None)
-
-    x, kv = jax.lax.scan(layer, x, (p["layers"], pk, pv))
+    x, kv = js.after_prefix(p, pk, pv, n, ids, shape=shape, keep=keep)
     logits = js.lm_logits(p, x, shape)  # (rows, m, vocab) fp32
     lse = jax.nn.logsumexp(logits, axis=-1)
     own = jnp.take_along_axis(logits[:, :-1], ids[:, 1:, None], axis=-1)[..., 0] - lse[:, :-1]
@@ -336,7 +316,7 @@ def _chunk_step(p, pk, pv, hk, hv, n, chunk_head, ids, n_in, *, shape: js.Shape,
     rows, s = inputs.shape
     m = hk.shape[2]
     pos = jnp.broadcast_to(n + m + jnp.arange(s), (rows, s))
-    allowed = _self_and_prefix(pk.shape[1], n, s)  # the head's m keys: always allowed
+    allowed = js.prefix_then_causal(pk.shape[1], n, s)  # the head's m keys: always allowed
     allowed = jnp.concatenate([allowed[:, : pk.shape[1]], jnp.ones((s, m), bool),
                                allowed[:, pk.shape[1] :]], axis=-1)
     x = p["embed"][inputs]
@@ -350,7 +330,7 @@ def _chunk_step(p, pk, pv, hk, hv, n, chunk_head, ids, n_in, *, shape: js.Shape,
         return js.mlp_block(lp, x, shape), None
 
     x, _ = jax.lax.scan(layer, x, (p["layers"], pk, pv, hk, hv))
-    tok = js._token_logp(js.lm_logits(p, x, shape), targets)  # (rows, s)
+    tok = js.token_logp(js.lm_logits(p, x, shape), targets)  # (rows, s)
     return -jnp.sum(jnp.where(jnp.arange(s)[None] < n_in[:, None], tok, 0.0), axis=-1)
 
 

@@ -169,7 +169,7 @@ def forward(p, ids, pos, allowed, shape: Shape, cache=None, start=0):
     return lm_logits(p, x, shape), (None if cache is None else new)
 
 
-def _token_logp(logits, targets):
+def token_logp(logits, targets):
     """log p(target) without materialising the log-softmax: logit - logsumexp (fp32)."""
     tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return tgt - jax.nn.logsumexp(logits, axis=-1)
@@ -194,7 +194,7 @@ def _score(p, ids, lengths, *, shape: Shape, with_stats: bool):
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     logits, _ = forward(p, ids, pos, allowed, shape)
     if not with_stats:
-        return (_token_logp(logits[:, :-1], ids[:, 1:]),)
+        return (token_logp(logits[:, :-1], ids[:, 1:]),)
     return _token_stats(logits[:, :-1], ids[:, 1:])
 
 
@@ -489,21 +489,21 @@ def _put(item, out, done, n, progress) -> int:
     return done
 
 
-@functools.partial(jax.jit, static_argnames=("shape",))
-def _suffix_nll(p, pk, pv, last, n, ids, n_in, *, shape: Shape):
-    """Summed NLL of suffixes after a shared prefix of n tokens whose keys/values are pk, pv
-    (layers, pwidth, kv, hd) and whose last log-softmax is `last` (vocab,).
+def prefix_then_causal(pwidth: int, n, s: int):
+    """(s, pwidth + s): the keys each of a row's s tokens reads after a shared prefix of n real
+    tokens (of pwidth slots): the prefix's, then its own row's causally."""
+    return jnp.concatenate([jnp.broadcast_to(jnp.arange(pwidth) < n, (s, pwidth)),
+                            jnp.tril(jnp.ones((s, s), bool))], axis=-1)
 
-    ids: (rows, width + 1) right-padded suffixes; n_in (rows,): how many of each row's tokens
-    enter the forward pass (its length - 1: the last is only a target).
-    """
-    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+def after_prefix(p, pk, pv, n, inputs, *, shape: Shape, keep: bool = False):
+    """Rows (b, s) of tokens that follow a shared prefix of n tokens, whose keys and values are
+    pk, pv (layers, pwidth, kv, hd): each reads the prefix (broadcast, not copied per row) and its
+    own row causally. Returns the final hidden states (b, s, hidden) and, with `keep`, the rows'
+    own keys and values (layers, b, s, kv, hd), else None."""
     b, s = inputs.shape
-    pwidth = pk.shape[1]
     pos = jnp.broadcast_to(n + jnp.arange(s), (b, s))
-    pre_ok = jnp.broadcast_to(jnp.arange(pwidth) < n, (b, s, pwidth))
-    self_ok = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
-    allowed = jnp.concatenate([pre_ok, self_ok], axis=-1)
+    allowed = jnp.broadcast_to(prefix_then_causal(pk.shape[1], n, s), (b, s, pk.shape[1] + s))
     x = p["embed"][inputs]
 
     def layer(x, xs):
@@ -514,11 +514,23 @@ def _suffix_nll(p, pk, pv, last, n, ids, n_in, *, shape: Shape):
         keys = jnp.concatenate([jnp.broadcast_to(kp, (b, *kp.shape)), k], axis=1)
         vals = jnp.concatenate([jnp.broadcast_to(vp, (b, *vp.shape)), v], axis=1)
         x = attend(lp, x, q, keys, vals, allowed, shape)
-        return mlp_block(lp, x, shape), None
+        return mlp_block(lp, x, shape), ((k, v) if keep else None)
 
-    x, _ = jax.lax.scan(layer, x, (p["layers"], pk, pv))
-    tok = _token_logp(lm_logits(p, x, shape), targets)  # (rows, width)
-    keep = jnp.arange(s)[None] < n_in[:, None]
+    return jax.lax.scan(layer, x, (p["layers"], pk, pv))
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def _suffix_nll(p, pk, pv, last, n, ids, n_in, *, shape: Shape):
+    """Summed NLL of suffixes after a shared prefix of n tokens whose keys/values are pk, pv
+    (layers, pwidth, kv, hd) and whose last log-softmax is `last` (vocab,).
+
+    ids: (rows, width + 1) right-padded suffixes; n_in (rows,): how many of each row's tokens
+    enter the forward pass (its length - 1: the last is only a target).
+    """
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    x, _ = after_prefix(p, pk, pv, n, inputs, shape=shape)
+    tok = token_logp(lm_logits(p, x, shape), targets)  # (rows, width)
+    keep = jnp.arange(inputs.shape[1])[None] < n_in[:, None]
     return -(last[ids[:, 0]] + jnp.sum(jnp.where(keep, tok, 0.0), axis=-1))
 
 
